@@ -1,0 +1,94 @@
+"""The GPU catalog shipped as ``data/gpus.json`` (memory, native bf16/fp8, peak TFLOPS, bandwidth).
+
+Each entry records its sources and notes in the data file itself; this module only validates and
+serves it. Memory is in bytes as the vendor's binary capacity (80 GB HBM = 80 GiB), which is what
+``torch.cuda.get_device_properties().total_memory`` approximately reports (slightly less in practice).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from trainfit._suggest import did_you_mean
+from trainfit.errors import UnknownGPUError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPUSpec:
+    """One accelerator model. ``compute_capability`` is None for non-NVIDIA parts."""
+
+    id: str
+    name: str
+    vendor: str
+    memory_bytes: int
+    memory_bandwidth_gbps: float | None
+    compute_capability: str | None
+    bf16: bool
+    fp8: bool
+    tf32: bool
+    peak_tflops: dict[str, float | None] = field(default_factory=dict)
+    interconnect: str | None = None
+    source: str = ""
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise ValueError(f"GPU {self.id}: memory_bytes must be positive")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "vendor": self.vendor,
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+            "compute_capability": self.compute_capability,
+            "bf16": self.bf16,
+            "fp8": self.fp8,
+            "tf32": self.tf32,
+            "peak_tflops": dict(self.peak_tflops),
+        }
+
+
+@cache
+def _catalog() -> dict[str, GPUSpec]:
+    text = resources.files("trainfit.hardware").joinpath("data/gpus.json").read_text(encoding="utf-8")
+    out: dict[str, GPUSpec] = {}
+    for row in json.loads(text):
+        spec = GPUSpec(
+            id=row["id"],
+            name=row["name"],
+            vendor=row["vendor"],
+            memory_bytes=int(row["memory_bytes"]),
+            memory_bandwidth_gbps=row.get("memory_bandwidth_gbps"),
+            compute_capability=row.get("compute_capability"),
+            bf16=bool(row["bf16"]),
+            fp8=bool(row["fp8"]),
+            tf32=bool(row.get("tf32", False)),
+            peak_tflops=dict(row.get("peak_tflops") or {}),
+            interconnect=row.get("interconnect"),
+            source=row.get("source", ""),
+            notes=row.get("notes", ""),
+        )
+        out[spec.id] = spec
+    return out
+
+
+def list_gpus() -> list[GPUSpec]:
+    """All catalog GPUs in file order."""
+    return list(_catalog().values())
+
+
+def get_gpu(gpu_id: str) -> GPUSpec:
+    """Look up a GPU by catalog id (case-insensitive); unknown ids raise with close suggestions."""
+    cat = _catalog()
+    key = gpu_id.strip().lower()
+    if key in cat:
+        return cat[key]
+    raise UnknownGPUError(
+        f"unknown GPU '{gpu_id}'.{did_you_mean(key, cat)} Run 'trainfit gpus' for the catalog."
+    )
