@@ -1,0 +1,168 @@
+"""ModelSpec: a family-neutral description of a transformer, enough to count every parameter and
+every saved activation without torch.
+
+Field names follow Hugging Face (``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+``intermediate_size``, ``vocab_size``, ``tie_word_embeddings``, ``num_experts``...). The per-family
+translation from a ``config.json`` lives in :mod:`trainfit.arch.config`; everything downstream reads
+only this object. ``hf_config`` keeps the original config so the trace engine can rebuild the real
+module with transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class ModelKind(StrEnum):
+    CAUSAL_LM = "causal-lm"
+    MASKED_LM = "masked-lm"
+
+
+class NormKind(StrEnum):
+    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"
+
+
+class MlpKind(StrEnum):
+    GATED = "gated"  # down(act(gate(x)) * up(x)): SwiGLU / GeGLU (Llama, Mistral, Qwen, Gemma)
+    DENSE = "dense"  # fc2(act(fc1(x))): GPT-2, OPT, NeoX, Falcon, Phi-2, BERT
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoESpec:
+    """Mixture-of-experts MLP (Mixtral, Qwen-MoE, DeepSeek). Experts are gated MLPs."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0  # per shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
+    num_dense_layers: int = 0  # leading dense layers (DeepSeek first_k_dense_replace)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError("experts_per_token must be in 1..num_experts")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv projections."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamTensor:
+    """One parameter tensor of the model (or of every layer of one kind)."""
+
+    name: str
+    shape: tuple[int, ...]
+    matmul: bool  # used as a matmul weight (autocast casts/caches a low-precision copy of it)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    name: str
+    source: str  # "catalog:llama-3.1-8b", a path, "hub:org/name" or "explicit"
+    model_type: str  # HF model_type ("llama", "gpt2", ...) or "explicit"
+    architecture: str  # HF class name, e.g. "LlamaForCausalLM"
+    kind: ModelKind = ModelKind.CAUSAL_LM
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    word_embed_dim: int | None = None  # token-embedding width when it differs from hidden_size (OPT)
+
+    norm: NormKind = NormKind.RMSNORM
+    norm_bias: bool = False
+    norms_per_layer: int = 2
+    mlp: MlpKind = MlpKind.GATED
+    activation: str = "silu"
+    qkv_bias: bool = False
+    fused_qkv: bool = False  # one matmul for q, k and v (GPT-2 c_attn, NeoX, Falcon)
+    out_bias: bool = False
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    parallel_attn: bool = False  # attention and MLP both read one normed input (Falcon, Phi-2, NeoX)
+
+    learned_positions: int = 0  # rows of a learned position table (0: rotary or none)
+    token_types: int = 0  # BERT token-type embeddings
+    embedding_norm: bool = False  # LayerNorm after the embeddings (BERT)
+    final_norm: bool = True
+    rotary_dim: int = 0  # rotated dims per head (0: no RoPE)
+
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0  # residual / hidden dropout inside blocks
+    embedding_dropout: float = 0.0
+    sliding_window: int | None = None
+
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    extra_tensors: tuple[ParamTensor, ...] = ()  # parameters outside the standard pieces (MLM head...)
+    params_override: int | None = None  # explicit --params: a what-if total, not counted
+    hf_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for fname in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            if getattr(self, fname) <= 0:
+                raise ValueError(f"{fname} must be positive")
+        if self.intermediate_size < 0:
+            raise ValueError("intermediate_size must be non-negative")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def embed_dim(self) -> int:
+        return self.word_embed_dim or self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the concatenated query heads."""
+        if self.mla is not None:
+            return self.num_heads * self.mla.qk_head_dim
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the concatenated key (= value) heads as the attention kernel sees them."""
+        if self.mla is not None:
+            return self.num_heads * self.mla.qk_head_dim
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return 0 if self.moe is None else self.num_layers - self.moe.num_dense_layers
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
