@@ -18,6 +18,8 @@ from trainfit.errors import TrainfitError
 COMMAND_MODULES: tuple[str, ...] = (
     "trainfit.cli.estimate",
     "trainfit.cli.catalog",
+    "trainfit.cli.formats",
+    "trainfit.cli.precision",
 )
 
 app = typer.Typer(
