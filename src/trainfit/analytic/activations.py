@@ -1,0 +1,257 @@
+"""Activations saved for backward, tensor by tensor, for the Hugging Face implementations of modern
+and classic blocks, as a CUDA run keeps them.
+
+The reference point is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Table 2): per GPT-2-era layer with 16-bit activations and no recompute,
+``s·b·h·(34 + 5·a·s/h)`` bytes. We depart from it wherever a real modern training run does:
+
+* **Flash / memory-efficient SDPA** keeps q, k, v, the output and an fp32 logsumexp (b·heads·s),
+  not the b·heads·s² scores and probabilities; the ``5·a·s/h`` term exists only for eager attention.
+* **GQA**: k and v are kv_heads wide (transformers passes ``enable_gqa`` to SDPA when there is no
+  padding mask — ``integrations/sdpa_attention.py``, ``use_gqa_in_sdpa``).
+* **Autocast over fp32 weights** (``amp-*``): the residual stream stays fp32 (embedding and norms
+  return fp32), and every ``Linear`` casts its fp32 input *separately* — autocast caches casts of leaf
+  weights only (aten/src/ATen/autocast_mode.cpp, ``cached_cast``) — so q, k and v each save their own
+  16-bit copy of the normed input, and gate/up do too.
+* **RMSNorm** (HF ``LlamaRMSNorm``) upcasts to fp32 and saves the fp32 input and the normed tensor;
+  **LayerNorm** saves its input plus fp32 mean and rstd (``native_layer_norm``); under autocast
+  ``layer_norm`` runs in fp32 (CUDA autocast fp32 list).
+* **SwiGLU** saves gate, act(gate), up and the product (4 tensors of b·s·intermediate);
+  a fused GeLU MLP saves fc1's output and the activation output (2 tensors); HF's Python
+  ``gelu_new``/``gelu_fast`` (GPT-2, Phi-2, NeoX) save five, and under autocast ``pow`` runs in fp32.
+* **Dropout** saves a 1-byte mask only when its probability is > 0 (``native_dropout``); SDPA's
+  attention dropout keeps only an RNG seed.
+* RoPE's cos/sin are computed once per forward and shared by every layer (counted once).
+* MoE layers route ``b·s·top_k`` token copies through experts (transformers 5 ``*Experts.forward``).
+
+Everything is in bytes for one micro-batch; ``t = batch·seq`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
+from trainfit.strategy import Attention, Strategy
+
+#: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
+PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedTerm:
+    name: str
+    bytes: int
+    formula: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Widths:
+    """Byte widths under a recipe: residual stream, matmul compute, and whether autocast casts inputs."""
+
+    residual: int
+    compute: int
+    amp: bool
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> Widths:
+        r = strategy.recipe
+        return cls(residual=r.weight_bits // 8, compute=r.compute_bits // 8, amp=r.autocast)
+
+
+def _norm_terms(name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True) -> list[SavedTerm]:
+    """Saved tensors of one norm over the residual stream (input width = residual)."""
+    r = w.residual
+    if spec.norm is NormKind.RMSNORM:
+        # HF LlamaRMSNorm: x.to(fp32) saved by pow/mul; rsqrt (t fp32); weight * normed.to(input_dtype).
+        out = [SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t")]
+        if input_saved:
+            out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h"))
+        out.append(SavedTerm(name=f"{name}.normed", bytes=r * t * h, formula=f"{r}·t·h"))
+        return out
+    # native_layer_norm saves input (+ weight/bias) and fp32 mean/rstd.
+    out = [SavedTerm(name=f"{name}.mean_rstd", bytes=8 * t, formula="8·t")]
+    if input_saved:
+        out.append(SavedTerm(name=f"{name}.input", bytes=r * t * h, formula=f"{r}·t·h"))
+    return out
+
+
+def _norm_out_width(spec: ModelSpec, w: Widths) -> int:
+    """dtype width of a norm's output: LayerNorm runs in fp32 under autocast; RMSNorm returns the input dtype."""
+    if spec.norm is NormKind.LAYERNORM and w.amp:
+        return 4
+    return w.residual
+
+
+def _matmul_inputs(name: str, t: int, width: int, n_consumers: int, in_bytes: int, w: Widths) -> SavedTerm:
+    """Inputs saved by the matmuls that read one tensor. Under autocast an fp32 input is cast once per
+    matmul (activation casts are not cached); otherwise all matmuls save the same tensor."""
+    if w.amp and in_bytes == 4:
+        return SavedTerm(
+            name=f"{name}.casts", bytes=n_consumers * w.compute * t * width, formula=f"{n_consumers}·{w.compute}·t·w"
+        )
+    return SavedTerm(name=f"{name}.input", bytes=in_bytes * t * width, formula=f"{in_bytes}·t·w")
+
+
+def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> list[SavedTerm]:
+    a = w.compute
+    b, s = strategy.micro_batch, strategy.seq_len
+    nh = spec.num_heads
+    out: list[SavedTerm] = []
+    if spec.mla is not None:
+        m = spec.mla
+        qd, kd, vd = nh * m.qk_head_dim, nh * m.qk_head_dim, nh * m.v_head_dim
+        # q_a/kv_a latents: normed (RMSNorm) low-rank tensors feeding q_b / kv_b.
+        lat = (m.q_lora_rank or 0) + m.kv_lora_rank
+        out.append(SavedTerm(name="attn.latents", bytes=(4 + a + a) * t * lat, formula="(4+2a)·t·(q_lora+kv_lora)"))
+        out.append(SavedTerm(name="attn.kv_b_out", bytes=a * t * nh * (m.qk_nope_head_dim + m.v_head_dim),
+                             formula="a·t·heads·(nope+v)"))
+    else:
+        qd, kd = spec.q_dim, spec.kv_dim
+        vd = kd
+    out_width = nh * spec.mla.v_head_dim if spec.mla is not None else qd
+    if spec.qk_norm:
+        qk_norm_bytes = (4 + a) * t * (qd + kd)
+        out.append(SavedTerm(name="attn.qk_norm", bytes=qk_norm_bytes, formula="(4+a)·t·(q_dim+kv_dim)"))
+    if strategy.attention is Attention.SDPA:
+        out.append(SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)"))
+        out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
+        out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
+        return out
+    # Eager (modeling_*.eager_attention_forward): repeat_kv copies, fp32 softmax output, probs in compute dtype.
+    kv_rep = nh * (kd // spec.num_kv_heads) if spec.num_kv_heads else kd
+    scores = b * nh * s * s
+    out.append(SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)"))
+    out.append(SavedTerm(name="attn.eager.softmax_fp32", bytes=4 * scores, formula="4·b·heads·s²"))
+    if spec.attention_dropout > 0:
+        out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
+    elif a != 4:
+        out.append(SavedTerm(name="attn.eager.probs", bytes=a * scores, formula="a·b·heads·s²"))
+    out.append(SavedTerm(name="attn.eager.out", bytes=a * t * qd, formula="a·t·q_dim"))
+    return out
+
+
+def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[SavedTerm]:
+    a = w.compute
+    if spec.mlp is MlpKind.GATED:
+        return [SavedTerm(name=f"{name}.swiglu", bytes=4 * a * t * i, formula="4·a·t·i (gate, act, up, product)")]
+    if spec.activation in PYTHON_GELUS:
+        if w.amp:
+            # pow runs in fp32 under CUDA autocast: x32, tanh out, 1+tanh (fp32), 0.5·x (16-bit), fc2 cast.
+            return [SavedTerm(name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i")]
+        return [SavedTerm(name=f"{name}.gelu_python", bytes=5 * a * t * i, formula="5·a·t·i")]
+    return [SavedTerm(name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)")]
+
+
+def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[SavedTerm]:
+    assert spec.moe is not None
+    m, h, a = spec.moe, spec.hidden_size, w.compute
+    routed = t * m.experts_per_token
+    out = [
+        _matmul_inputs("mlp.router_in", t, h, 1, norm_bytes, w),
+        SavedTerm(name="mlp.router", bytes=(a + 4) * t * m.num_experts, formula="(a+4)·t·experts"),
+        SavedTerm(
+            name="mlp.experts",
+            bytes=a * routed * (2 * h + 4 * m.expert_intermediate_size),
+            formula="a·t·top_k·(2h + 4·moe_i)",
+        ),
+    ]
+    if m.num_shared_experts:
+        si = m.num_shared_experts * m.shared_expert_intermediate_size
+        out.append(_matmul_inputs("mlp.shared_in", t, h, 2, norm_bytes, w))
+        out.append(SavedTerm(name="mlp.shared.swiglu", bytes=4 * a * t * si, formula="4·a·t·shared_i"))
+    return out
+
+
+def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
+    """Saved activation tensors of one transformer layer (no checkpointing)."""
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    h, a = spec.hidden_size, w.compute
+    nb = _norm_out_width(spec, w)
+    terms = _norm_terms("norm1", t, h, spec, w)
+    n_attn_in = 1 if spec.fused_qkv else 3
+    if spec.mla is not None:
+        n_attn_in = 2
+    mlp_reads_norm1 = spec.parallel_attn and spec.norms_per_layer == 1
+    if mlp_reads_norm1:
+        n_attn_in += 1 if spec.mlp is MlpKind.DENSE else 2
+    terms.append(_matmul_inputs("attn_in", t, h, n_attn_in, nb, w))
+    terms += _attention_terms(spec, strategy, t, w)
+    if spec.hidden_dropout > 0:
+        terms.append(SavedTerm(name="dropout_masks", bytes=2 * t * h, formula="2 × 1·t·h (attention, MLP)"))
+    if not mlp_reads_norm1:
+        # NeoX parallel residual: the second norm reads the same x as the first (saved once).
+        terms += _norm_terms("norm2", t, h, spec, w, input_saved=not spec.parallel_attn)
+        if spec.norms_per_layer > 2:  # Gemma-2 post-attention / post-feed-forward norms
+            for k in range(3, spec.norms_per_layer + 1):
+                terms += _norm_terms(f"norm{k}", t, h, spec, w)
+    if moe:
+        terms += _moe_terms(spec, t, w, nb)
+    else:
+        i = spec.intermediate_size
+        if not mlp_reads_norm1:
+            n_mlp_in = 2 if spec.mlp is MlpKind.GATED else 1
+            terms.append(_matmul_inputs("mlp_in", t, h, n_mlp_in, nb, w))
+        terms += _act_terms("mlp", spec, t, i, w)
+    del a
+    return terms
+
+
+def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
+    """Saved tensors outside the layers: embedding bookkeeping, shared RoPE tables, final norm and
+    the LM head's input (the logits themselves are in :mod:`trainfit.analytic.logits`)."""
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    h = spec.hidden_size
+    out = [SavedTerm(name="embed.input_ids", bytes=8 * t, formula="8·t (int64 ids)")]
+    if spec.rotary_dim:
+        hd = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
+        # position_ids broadcast over the batch: (1, s, head_dim) tables.
+        s = strategy.seq_len
+        out.append(SavedTerm(name="rope.cos_sin", bytes=2 * w.residual * s * hd, formula="2·r·s·head_dim (shared)"))
+    if spec.embedding_norm:
+        out += _norm_terms("embed_norm", t, h, spec, w)
+    if spec.embedding_dropout > 0:
+        out.append(SavedTerm(name="embed.dropout_mask", bytes=t * h, formula="1·t·h"))
+    nb = _norm_out_width(spec, w)
+    if spec.final_norm:
+        out += _norm_terms("final_norm", t, h, spec, w)
+    if spec.kind is ModelKind.MASKED_LM:
+        # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP).
+        out.append(_matmul_inputs("mlm.dense_in", t, h, 1, nb, w))
+        out.append(SavedTerm(name="mlm.gelu_in", bytes=w.compute * t * h, formula="a·t·h"))
+        ln_in = 4 if w.amp else w.compute
+        out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))
+    out.append(_matmul_inputs("lm_head_in", t, h, 1, nb, w))
+    return out
+
+
+def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(bytes kept for all checkpoints, layers recomputed at once during backward).
+
+    Full: each layer keeps its input (r·t·h). Sqrt (Chen et al. 2016): ceil(sqrt(L)) segments keep
+    their input, and backward recomputes one segment of ceil(L/segments) layers at a time.
+    """
+    segments = strategy.checkpoint_segments(spec.num_layers)
+    if segments == 0:
+        return 0, 0
+    w = Widths.of(strategy)
+    kept = segments * w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
+    return kept, math.ceil(spec.num_layers / segments)
+
+
+def backward_temp_bytes(spec: ModelSpec, strategy: Strategy, largest_matmul_numel: int) -> int:
+    """Transient gradient tensors while one layer back-propagates (an estimate; the trace is exact):
+    two residual-stream gradients, three intermediate-width gradients, and — under autocast — the
+    16-bit weight gradient of the largest matmul before it is cast to fp32 and accumulated."""
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    i = spec.intermediate_size
+    if spec.moe is not None and spec.num_moe_layers:
+        i = max(i if spec.num_dense_layers else 0, spec.moe.expert_intermediate_size * spec.moe.experts_per_token)
+    temp = 2 * w.residual * t * spec.hidden_size + 3 * w.compute * t * i
+    if w.amp:
+        temp += w.compute * largest_matmul_numel
+    return temp

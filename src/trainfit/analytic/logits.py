@@ -1,0 +1,36 @@
+"""Logits and the loss: the largest single term for 128k–256k vocabularies.
+
+HF causal- and masked-LM losses (transformers ``loss/loss_utils.py``) upcast the logits with
+``logits.float()`` and call ``cross_entropy`` = ``log_softmax`` + ``nll_loss``. With ``V = b·s·vocab``:
+
+* forward, inside the loss: 16-bit logits (a·V) + their fp32 copy (4·V, none in fp32) + the saved
+  log-softmax output (4·V);
+* backward, at ``log_softmax_backward``: the saved output, the gradient from ``nll_loss`` (dense,
+  4·V) and the gradient it produces (4·V): 12·V.
+
+The HF Trainer drops the model outputs before ``backward()``, so the 16-bit logits are not alive in
+backward; a loop that keeps ``outputs`` alive adds a·V there (``keep_logits``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.strategy import Strategy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogitsMemory:
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    logits_bytes: int
+
+
+def logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> LogitsMemory:
+    n = strategy.tokens_per_micro_batch * spec.vocab_size
+    a = strategy.recipe.compute_bits // 8
+    upcast = 4 * n if a != 4 else 0
+    forward = a * n + upcast + 4 * n
+    backward = 12 * n + (a * n if keep_logits else 0)
+    return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
