@@ -112,8 +112,10 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         vd = kd
     out_width = nh * spec.mla.v_head_dim if spec.mla is not None else qd
     if spec.qk_norm:
-        qk_norm_bytes = (4 + a) * t * (qd + kd)
-        out.append(SavedTerm(name="attn.qk_norm", bytes=qk_norm_bytes, formula="(4+a)·t·(q_dim+kv_dim)"))
+        # Per-head RMSNorm: fp32 input + normed + one fp32 rsqrt per head and token.
+        qk_norm_bytes = (4 + a) * t * (qd + kd) + 4 * t * (nh + spec.num_kv_heads)
+        out.append(SavedTerm(name="attn.qk_norm", bytes=qk_norm_bytes,
+                             formula="(4+a)·t·(q_dim+kv_dim) + 4·t·(heads+kv_heads)"))
     if strategy.attention is Attention.SDPA:
         out.append(SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)"))
         out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))

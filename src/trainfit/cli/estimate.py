@@ -1,0 +1,120 @@
+"""``trainfit estimate``: parse, call :func:`trainfit.estimate.estimate`, render. No arithmetic here."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from trainfit.errors import ConfigError, StrategyError
+
+
+def _parse_count(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise ConfigError(f"{flag} expects a number such as 1.3e9 or 7000000000, got '{text}'") from None
+    if value <= 0 or value != value or value == float("inf"):
+        raise ConfigError(f"{flag} must be a positive number, got '{text}'")
+    return int(value)
+
+
+def estimate_cmd(
+    model: Annotated[str | None, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Catalog GPU id for a fit verdict (see 'trainfit gpus').")] = None,
+    batch: Annotated[int, typer.Option("--batch", "-b", help="Micro-batch size per GPU.")] = 1,
+    seq: Annotated[int, typer.Option("--seq", "-s", help="Sequence length in tokens.")] = 2048,
+    precision: Annotated[str, typer.Option(help="fp32 | amp-bf16 | amp-fp16 | master-bf16 | master-fp16 | pure-bf16")] = "amp-bf16",
+    optimizer: Annotated[str, typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion")] = "adamw",
+    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none | full | sqrt")] = "none",
+    attention: Annotated[str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")] = "sdpa",
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
+    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
+    method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
+    modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
+    hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
+    num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
+    num_heads: Annotated[int | None, typer.Option("--num-heads", help="What-if: attention heads.")] = None,
+    num_kv_heads: Annotated[int | None, typer.Option("--num-kv-heads", help="What-if: KV heads (GQA).")] = None,
+    vocab_size: Annotated[int | None, typer.Option("--vocab-size", help="What-if: vocabulary size.")] = None,
+    intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", help="What-if: MLP width.")] = None,
+) -> None:
+    """Estimate GPU memory for training MODEL: each component in GiB, the phase of the peak,
+    bytes per parameter, and with --gpu whether it fits and the largest micro-batch that does.
+
+    Examples:
+
+      trainfit estimate llama-3.1-8b --gpu a100-sxm-80gb --batch 4 --seq 2048 --precision amp-bf16
+
+      trainfit estimate ./my-model/config.json --gpu rtx-4090 --checkpointing full --optimizer adamw-8bit
+
+      trainfit estimate --params 1.3e9 --hidden-size 2048 --num-layers 24 --batch 4 --seq 1024 --method rule-of-thumb
+    """
+    from trainfit.analytic.explain import compare_with_rule_of_thumb
+    from trainfit.arch import explicit_model, load_model
+    from trainfit.cli.common import print_json, stdout_console, warn
+    from trainfit.estimate import estimate
+    from trainfit.report.json import report_json
+    from trainfit.report.table import render
+    from trainfit.result import Method
+    from trainfit.strategy import Strategy
+
+    explicit = [params, hidden_size, num_layers]
+    if model is not None and any(v is not None for v in explicit):
+        raise ConfigError("give either MODEL or --params/--hidden-size/--num-layers, not both")
+    if model is None:
+        if any(v is None for v in explicit):
+            raise ConfigError(
+                "give a MODEL (catalog slug, config.json or Hub id; see 'trainfit models') or all of "
+                "--params, --hidden-size and --num-layers"
+            )
+        assert hidden_size is not None and num_layers is not None
+        spec = explicit_model(
+            params=_parse_count(params, "--params") or 0, hidden_size=hidden_size, num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
+            intermediate_size=intermediate_size,
+        )
+    else:
+        spec = load_model(model)
+    strategy = Strategy(
+        precision=precision, optimizer=optimizer, checkpointing=checkpointing, attention=attention,  # type: ignore[arg-type]
+        micro_batch=batch, seq_len=seq, grad_accum=grad_accum,
+    )
+    try:
+        m = Method(method)
+    except ValueError:
+        raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(x.value for x in Method)}") from None
+    options: dict[str, object] | None = None
+    if m is Method.TRACE:
+        options = {"modules": modules}
+        if not json_out:
+            options["progress"] = _progress_printer()
+    elif modules:
+        raise StrategyError("--modules needs --method trace")
+    report = estimate(spec, strategy, method=m, gpu=gpu, headroom=headroom, method_options=options)
+    for w in report.warnings:
+        warn(w)
+    if json_out:
+        print_json(report_json(report, spec, strategy))
+        return
+    diffs = compare_with_rule_of_thumb(spec, strategy, report) if m is not Method.RULE_OF_THUMB else None
+    render(stdout_console(), report, spec, strategy, diffs)
+
+
+def _progress_printer():  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    console = Console(stderr=True)
+
+    def progress(message: str, fraction: float) -> None:
+        console.print(f"[dim]{fraction:4.0%} {message}[/dim]", highlight=False)
+
+    return progress
+
+
+def register(app: typer.Typer) -> None:
+    app.command("estimate", no_args_is_help=False)(estimate_cmd)

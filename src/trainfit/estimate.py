@@ -1,0 +1,126 @@
+"""The library entry point: ``estimate(model, strategy, method=..., gpu=...) -> MemoryReport``.
+
+It resolves the model and GPU, runs the chosen method, and — with a GPU — adds the fit verdict:
+usable memory = GPU memory × (1 − headroom) (30% by default: the seed article's closing advice),
+compared with the ``nvidia-smi`` estimate (peak allocated + allocator reserve + CUDA context), and
+the largest micro-batch that still fits (binary search; memory is monotonic in the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
+from trainfit.arch import ModelSpec, load_model
+from trainfit.errors import StrategyError
+from trainfit.hardware import GPUSpec, get_gpu
+from trainfit.result import FitVerdict, MemoryReport, Method
+from trainfit.strategy import Strategy
+
+DEFAULT_HEADROOM = 0.30
+MAX_SEARCH_BATCH = 1 << 16
+
+
+def _method_fn(method: Method) -> Callable[..., MemoryReport]:
+    if method is Method.ANALYTIC:
+        return estimate_analytic
+    if method is Method.RULE_OF_THUMB:
+        return estimate_rule_of_thumb
+    if method is Method.TRACE:
+        from trainfit.trace import trace_spec  # lazy: needs torch + transformers
+
+        return trace_spec
+    from trainfit.measure import measure_spec  # lazy: needs torch + CUDA
+
+    return measure_spec
+
+
+def required_bytes(report: MemoryReport) -> int:
+    """What must fit on the GPU: the nvidia-smi estimate (allocated peak + reserve + context)."""
+    return report.nvidia_smi_estimate_bytes
+
+
+def precision_warnings(strategy: Strategy, gpu: GPUSpec) -> list[str]:
+    r = strategy.recipe
+    if r.needs_bf16 and not gpu.bf16:
+        alt = strategy.precision.value.replace("bf16", "fp16") if "pure" not in strategy.precision.value else "amp-fp16"
+        return [
+            f"{gpu.id} has no native bf16 (compute capability {gpu.compute_capability}); "
+            f"bf16 would be emulated and slow — use --precision {alt} (fp16 with dynamic loss scaling)"
+        ]
+    return []
+
+
+def fit_verdict(
+    spec: ModelSpec,
+    strategy: Strategy,
+    report: MemoryReport,
+    gpu: GPUSpec,
+    headroom: float,
+    fn: Callable[[ModelSpec, Strategy], MemoryReport],
+) -> FitVerdict:
+    usable = int(gpu.memory_bytes * (1 - headroom))
+    need = required_bytes(report)
+
+    def fits(b: int) -> bool:
+        return required_bytes(fn(spec, dataclasses.replace(strategy, micro_batch=b))) <= usable
+
+    best = 0
+    if fits(1):
+        lo, hi = 1, 2
+        while hi <= MAX_SEARCH_BATCH and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, MAX_SEARCH_BATCH + 1)
+        while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        best = lo
+    return FitVerdict(
+        gpu_id=gpu.id,
+        gpu_memory_bytes=gpu.memory_bytes,
+        headroom_fraction=headroom,
+        usable_bytes=usable,
+        required_bytes=need,
+        fits=need <= usable,
+        free_bytes=usable - need,
+        max_micro_batch=best,
+    )
+
+
+def estimate(
+    model: ModelSpec | str,
+    strategy: Strategy | None = None,
+    *,
+    method: Method | str = Method.ANALYTIC,
+    gpu: GPUSpec | str | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    method_options: dict[str, object] | None = None,
+) -> MemoryReport:
+    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes."""
+    spec = load_model(model) if isinstance(model, str) else model
+    strategy = strategy or Strategy()
+    try:
+        method = Method(method)
+    except ValueError:
+        raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(m.value for m in Method)}") from None
+    if not 0 <= headroom < 1:
+        raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
+    gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
+        raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
+    fn = _method_fn(method)
+    report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
+    warnings = list(report.warnings)
+    if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
+        warnings.append(
+            f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "
+            f"({spec.max_position_embeddings}); the estimate assumes the model can run at that length"
+        )
+    fit = None
+    if gpu_spec is not None:
+        warnings += precision_warnings(strategy, gpu_spec)
+        # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
+        search_fn = fn if method in (Method.ANALYTIC, Method.RULE_OF_THUMB) else estimate_analytic
+        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, search_fn)
+    return dataclasses.replace(report, warnings=tuple(warnings), fit=fit)

@@ -1,0 +1,69 @@
+"""Versioned JSON for scripts. ``schema_version`` changes only when a key changes meaning or goes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.result import SCHEMA_VERSION, MemoryReport
+from trainfit.strategy import Strategy
+
+
+def strategy_json(strategy: Strategy) -> dict[str, Any]:
+    return {
+        "precision": strategy.precision.value,
+        "optimizer": strategy.optimizer.value,
+        "checkpointing": strategy.checkpointing.value,
+        "attention": strategy.attention.value,
+        "micro_batch": strategy.micro_batch,
+        "seq_len": strategy.seq_len,
+        "grad_accum": strategy.grad_accum,
+        "effective_batch": strategy.effective_batch,
+    }
+
+
+def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
+    peak = report.peak
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "method": report.method.value,
+        "model": {"name": spec.name, "source": spec.source, "model_type": spec.model_type,
+                  "architecture": spec.architecture},
+        "params": report.params,
+        "trainable_params": report.trainable_params,
+        "strategy": strategy_json(strategy),
+        "peak_bytes": report.peak_bytes,
+        "phase": report.peak_phase.value,
+        "components": {c.value: n for c, n in peak.components.items()},
+        "phases": {
+            p.phase.value: {"total_bytes": p.total_bytes, "components": {c.value: n for c, n in p.components.items()}}
+            for p in report.phases
+        },
+        "overhead": {
+            "cuda_context_bytes": report.overhead.cuda_context_bytes,
+            "allocator_reserve_bytes": report.overhead.allocator_reserve_bytes,
+        },
+        "reserved_estimate_bytes": report.reserved_estimate_bytes,
+        "nvidia_smi_estimate_bytes": report.nvidia_smi_estimate_bytes,
+        "bytes_per_param": dict(report.bytes_per_param),
+        "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms],
+        "notes": list(report.notes),
+        "warnings": list(report.warnings),
+        "extra": dict(report.extra),
+    }
+    if report.low_bytes is not None:
+        out["low_bytes"] = report.low_bytes
+        out["high_bytes"] = report.high_bytes
+    if report.fit is not None:
+        f = report.fit
+        out |= {
+            "gpu": f.gpu_id,
+            "fits": f.fits,
+            "headroom_fraction": f.headroom_fraction,
+            "headroom_bytes": f.gpu_memory_bytes - f.usable_bytes,
+            "usable_bytes": f.usable_bytes,
+            "required_bytes": f.required_bytes,
+            "free_bytes": f.free_bytes,
+            "max_micro_batch": f.max_micro_batch,
+        }
+    return out

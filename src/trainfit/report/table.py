@@ -1,0 +1,125 @@
+"""Rich tables for ``trainfit estimate``. Binary units, always labelled GiB; the rule of thumb is
+shown in the article's decimal GB, labelled GB."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from trainfit.analytic.explain import Difference
+from trainfit.arch.spec import ModelSpec
+from trainfit.result import Component, MemoryReport, Method
+from trainfit.strategy import Strategy
+from trainfit.units import fmt_count, fmt_gb, fmt_gib, gib
+
+
+def _header(report: MemoryReport, spec: ModelSpec, s: Strategy) -> Text:
+    t = Text()
+    t.append(f"{spec.name}", style="bold")
+    t.append(f"  {fmt_count(report.params)} params  {spec.architecture or spec.model_type}\n")
+    t.append(
+        f"{s.precision.value} · {s.optimizer.value} · checkpointing {s.checkpointing.value} · {s.attention.value}"
+        f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
+        f" (effective batch {s.effective_batch})"
+    )
+    return t
+
+
+def _rule_of_thumb(report: MemoryReport) -> Group:
+    table = Table(title="The article's rule of thumb (decimal GB)", title_justify="left")
+    table.add_column("term")
+    table.add_column("formula")
+    table.add_column("GB", justify="right")
+    for term in report.terms:
+        table.add_row(term.name, term.formula, f"{term.bytes / 1e9:.2f}")
+    total = report.peak_bytes + report.overhead.total_bytes
+    table.add_row("total", "point value (c = 15, 1.5 GB)", f"{total / 1e9:.2f}", style="bold")
+    lo, hi = report.low_bytes or 0, report.high_bytes or 0
+    act = report.extra
+    line = Text(
+        f"range {fmt_gb(lo)} – {fmt_gb(hi)} (activations {fmt_gb(int(str(act['activations_low_bytes'])))} – "
+        f"{fmt_gb(int(str(act['activations_high_bytes'])))}, overhead 1–2 GB)"
+    )
+    return Group(table, line)
+
+
+def _phases(report: MemoryReport) -> Table:
+    peak_phase = report.peak_phase
+    table = Table(title=f"Allocated memory by phase (GiB) — method: {report.method.value}", title_justify="left")
+    table.add_column("component")
+    for p in report.phases:
+        label = p.phase.value + (" (peak)" if p.phase == peak_phase else "")
+        table.add_column(label, justify="right", style="bold" if p.phase == peak_phase else None)
+    used = [c for c in Component if any(p.components.get(c, 0) for p in report.phases)]
+    for c in used:
+        table.add_row(c.value, *(f"{gib(p.components.get(c, 0)):.2f}" for p in report.phases))
+    table.add_row("total", *(f"{gib(p.total_bytes):.2f}" for p in report.phases), style="bold")
+    return table
+
+
+def _bytes_per_param(report: MemoryReport, s: Strategy) -> Text:
+    b = report.bytes_per_param
+    steady = b.get("weights", 0) + b.get("gradients", 0) + b.get("master_weights", 0) + b.get("optimizer_states", 0)
+    txt = (
+        f"Bytes per parameter ({s.precision.value}, {s.optimizer.value}): weights {b.get('weights', 0):.2f}"
+        f" + grads {b.get('gradients', 0):.2f} + fp32 master {b.get('master_weights', 0):.2f}"
+        f" + optimizer {b.get('optimizer_states', 0):.2f} = {steady:.2f}"
+    )
+    if b.get("autocast_copies"):
+        txt += f" (+{b['autocast_copies']:.2f} autocast weight copies during forward/backward)"
+    return Text(txt + f" — {s.recipe.description}")
+
+
+def _differences(rows: list[Difference]) -> Table:
+    table = Table(title="Where this differs from the article's rule of thumb", title_justify="left")
+    table.add_column("term")
+    table.add_column("rule of thumb", justify="right")
+    table.add_column("this estimate", justify="right")
+    table.add_column("why")
+    for r in rows:
+        table.add_row(r.term, fmt_gib(r.rule_of_thumb_bytes), fmt_gib(r.analytic_bytes), r.why)
+    return table
+
+
+def _fit(report: MemoryReport) -> Text:
+    f = report.fit
+    assert f is not None
+    t = Text()
+    t.append(
+        f"GPU {f.gpu_id}: {fmt_gib(f.gpu_memory_bytes)}, {f.headroom_fraction:.0%} headroom → "
+        f"{fmt_gib(f.usable_bytes)} usable; needs {fmt_gib(f.required_bytes)} (nvidia-smi estimate). "
+    )
+    if f.fits:
+        t.append(f"FITS, {fmt_gib(f.free_bytes)} free after headroom. ", style="bold green")
+    else:
+        t.append(f"DOES NOT FIT, short by {fmt_gib(-f.free_bytes)}. ", style="bold red")
+    t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
+    return t
+
+
+def render(
+    console: Console,
+    report: MemoryReport,
+    spec: ModelSpec,
+    strategy: Strategy,
+    differences: list[Difference] | None = None,
+) -> None:
+    console.print(_header(report, spec, strategy))
+    if report.method is Method.RULE_OF_THUMB:
+        console.print(_rule_of_thumb(report))
+    else:
+        console.print(_phases(report))
+        console.print(
+            f"Peak allocated: [bold]{fmt_gib(report.peak_bytes)}[/bold] during {report.peak_phase.value} "
+            f"(torch.cuda.max_memory_allocated); reserved ≈ {fmt_gib(report.reserved_estimate_bytes)}; "
+            f"nvidia-smi ≈ {fmt_gib(report.nvidia_smi_estimate_bytes)} "
+            f"(+{fmt_gib(report.overhead.cuda_context_bytes)} CUDA context)"
+        )
+        console.print(_bytes_per_param(report, strategy))
+        if differences:
+            console.print(_differences(differences))
+    for note in report.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    if report.fit is not None:
+        console.print(_fit(report))
