@@ -9,11 +9,12 @@ the largest micro-batch that still fits (binary search; memory is monotonic in t
 from __future__ import annotations
 
 import dataclasses
+from importlib import import_module
 from collections.abc import Callable
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.arch import ModelSpec, load_model
-from trainfit.errors import StrategyError
+from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.result import FitVerdict, MemoryReport, Method
 from trainfit.strategy import Strategy
@@ -28,12 +29,16 @@ def _method_fn(method: Method) -> Callable[..., MemoryReport]:
     if method is Method.RULE_OF_THUMB:
         return estimate_rule_of_thumb
     if method is Method.TRACE:
-        from trainfit.trace import trace_spec  # lazy: needs torch + transformers
-
-        return trace_spec
-    from trainfit.measure import measure_spec  # lazy: needs torch + CUDA
-
-    return measure_spec
+        # Lazy: needs torch + transformers.
+        fn: Callable[..., MemoryReport] = import_module("trainfit.trace").trace_spec
+        return fn
+    try:  # lazy: needs torch + CUDA
+        mfn: Callable[..., MemoryReport] = import_module("trainfit.measure").measure_spec
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("trainfit"):
+            raise StrategyError("--method measure is not available in this build yet") from None
+        raise DependencyError(f"--method measure needs {exc.name}: pip install torch (a CUDA build)") from None
+    return mfn
 
 
 def required_bytes(report: MemoryReport) -> int:

@@ -22,25 +22,98 @@ B, S = 2, 32
 _SMALL = dict(vocab_size=320, max_position_embeddings=128)
 
 CONFIGS: dict[str, dict] = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, **_SMALL),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, **_SMALL),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=176, num_hidden_layers=2, head_dim=16,
-                  num_attention_heads=4, num_key_value_heads=2, **_SMALL),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, sliding_window=None, **_SMALL),
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=320, n_positions=128,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, **_SMALL),
-    "starcoder2": dict(model_type="starcoder2", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, residual_dropout=0.0,
-                       embedding_dropout=0.0, attention_dropout=0.0, sliding_window=None, **_SMALL),
-    "phi": dict(model_type="phi", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, resid_pdrop=0.0, embd_pdrop=0.0, **_SMALL),
-    "bert": dict(model_type="bert", hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **_SMALL),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **_SMALL,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **_SMALL,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **_SMALL,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+        **_SMALL,
+    ),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=320,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **_SMALL,
+    ),
+    "starcoder2": dict(
+        model_type="starcoder2",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        residual_dropout=0.0,
+        embedding_dropout=0.0,
+        attention_dropout=0.0,
+        sliding_window=None,
+        **_SMALL,
+    ),
+    "phi": dict(
+        model_type="phi",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        **_SMALL,
+    ),
+    "bert": dict(
+        model_type="bert",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **_SMALL,
+    ),
 }
 
 
@@ -61,9 +134,11 @@ def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool) -> int:
         return t
 
     ids = torch.randint(0, hf.vocab_size, (B, S))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            model(input_ids=ids)  # no labels: the loss/logits part is modelled separately
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp),
+    ):
+        model(input_ids=ids)  # no labels: the loss/logits part is modelled separately
     return sum(seen.values())
 
 

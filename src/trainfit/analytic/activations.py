@@ -60,7 +60,9 @@ class Widths:
         return cls(residual=r.weight_bits // 8, compute=r.compute_bits // 8, amp=r.autocast)
 
 
-def _norm_terms(name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True) -> list[SavedTerm]:
+def _norm_terms(
+    name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True
+) -> list[SavedTerm]:
     """Saved tensors of one norm over the residual stream (input width = residual)."""
     r = w.residual
     if spec.norm is NormKind.RMSNORM:
@@ -89,7 +91,9 @@ def _matmul_inputs(name: str, t: int, width: int, n_consumers: int, in_bytes: in
     matmul (activation casts are not cached); otherwise all matmuls save the same tensor."""
     if w.amp and in_bytes == 4:
         return SavedTerm(
-            name=f"{name}.casts", bytes=n_consumers * w.compute * t * width, formula=f"{n_consumers}·{w.compute}·t·w"
+            name=f"{name}.casts",
+            bytes=n_consumers * w.compute * t * width,
+            formula=f"{n_consumers}·{w.compute}·t·w",
         )
     return SavedTerm(name=f"{name}.input", bytes=in_bytes * t * width, formula=f"{in_bytes}·t·w")
 
@@ -104,9 +108,16 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         qd, kd, vd = nh * m.qk_head_dim, nh * m.qk_head_dim, nh * m.v_head_dim
         # q_a/kv_a latents: normed (RMSNorm) low-rank tensors feeding q_b / kv_b.
         lat = (m.q_lora_rank or 0) + m.kv_lora_rank
-        out.append(SavedTerm(name="attn.latents", bytes=(4 + a + a) * t * lat, formula="(4+2a)·t·(q_lora+kv_lora)"))
-        out.append(SavedTerm(name="attn.kv_b_out", bytes=a * t * nh * (m.qk_nope_head_dim + m.v_head_dim),
-                             formula="a·t·heads·(nope+v)"))
+        out.append(
+            SavedTerm(name="attn.latents", bytes=(4 + a + a) * t * lat, formula="(4+2a)·t·(q_lora+kv_lora)")
+        )
+        out.append(
+            SavedTerm(
+                name="attn.kv_b_out",
+                bytes=a * t * nh * (m.qk_nope_head_dim + m.v_head_dim),
+                formula="a·t·heads·(nope+v)",
+            )
+        )
     else:
         qd, kd = spec.q_dim, spec.kv_dim
         vd = kd
@@ -114,17 +125,28 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     if spec.qk_norm:
         # Per-head RMSNorm: fp32 input + normed + one fp32 rsqrt per head and token.
         qk_norm_bytes = (4 + a) * t * (qd + kd) + 4 * t * (nh + spec.num_kv_heads)
-        out.append(SavedTerm(name="attn.qk_norm", bytes=qk_norm_bytes,
-                             formula="(4+a)·t·(q_dim+kv_dim) + 4·t·(heads+kv_heads)"))
+        out.append(
+            SavedTerm(
+                name="attn.qk_norm",
+                bytes=qk_norm_bytes,
+                formula="(4+a)·t·(q_dim+kv_dim) + 4·t·(heads+kv_heads)",
+            )
+        )
     if strategy.attention is Attention.SDPA:
-        out.append(SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)"))
+        out.append(
+            SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)")
+        )
         out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
         out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
         return out
     # Eager (modeling_*.eager_attention_forward): repeat_kv copies, fp32 softmax output, probs in compute dtype.
     kv_rep = nh * (kd // spec.num_kv_heads) if spec.num_kv_heads else kd
     scores = b * nh * s * s
-    out.append(SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)"))
+    out.append(
+        SavedTerm(
+            name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)"
+        )
+    )
     out.append(SavedTerm(name="attn.eager.softmax_fp32", bytes=4 * scores, formula="4·b·heads·s²"))
     if spec.attention_dropout > 0:
         out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
@@ -137,11 +159,17 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
 def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[SavedTerm]:
     a = w.compute
     if spec.mlp is MlpKind.GATED:
-        return [SavedTerm(name=f"{name}.swiglu", bytes=4 * a * t * i, formula="4·a·t·i (gate, act, up, product)")]
+        return [
+            SavedTerm(name=f"{name}.swiglu", bytes=4 * a * t * i, formula="4·a·t·i (gate, act, up, product)")
+        ]
     if spec.activation in PYTHON_GELUS:
         if w.amp:
             # pow runs in fp32 under CUDA autocast: x32, tanh out, 1+tanh (fp32), 0.5·x (16-bit), fc2 cast.
-            return [SavedTerm(name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i")]
+            return [
+                SavedTerm(
+                    name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i"
+                )
+            ]
         return [SavedTerm(name=f"{name}.gelu_python", bytes=5 * a * t * i, formula="5·a·t·i")]
     return [SavedTerm(name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)")]
 
@@ -212,7 +240,9 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         hd = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
         # position_ids broadcast over the batch: (1, s, head_dim) tables.
         s = strategy.seq_len
-        out.append(SavedTerm(name="rope.cos_sin", bytes=2 * w.residual * s * hd, formula="2·r·s·head_dim (shared)"))
+        out.append(
+            SavedTerm(name="rope.cos_sin", bytes=2 * w.residual * s * hd, formula="2·r·s·head_dim (shared)")
+        )
     if spec.embedding_norm:
         out += _norm_terms("embed_norm", t, h, spec, w)
     if spec.embedding_dropout > 0:
@@ -252,7 +282,9 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy, largest_matmul_nume
     t = strategy.tokens_per_micro_batch
     i = spec.intermediate_size
     if spec.moe is not None and spec.num_moe_layers:
-        i = max(i if spec.num_dense_layers else 0, spec.moe.expert_intermediate_size * spec.moe.experts_per_token)
+        i = max(
+            i if spec.num_dense_layers else 0, spec.moe.expert_intermediate_size * spec.moe.experts_per_token
+        )
     temp = 2 * w.residual * t * spec.hidden_size + 3 * w.compute * t * i
     if w.amp:
         temp += w.compute * largest_matmul_numel

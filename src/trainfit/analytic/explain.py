@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trainfit.analytic.rule_of_thumb import estimate_rule_of_thumb
@@ -25,12 +26,21 @@ def compare_with_rule_of_thumb(spec: ModelSpec, strategy: Strategy, report: Memo
     pc = report.peak.components
     r = strategy.recipe
 
-    def get(c: dict | object, k: Component) -> int:
-        return int(c.get(k, 0))  # type: ignore[attr-defined]
+    def get(c: Mapping[Component, int], k: Component) -> int:
+        return int(c.get(k, 0))
 
-    states_rot = get(rc, Component.WEIGHTS) + get(rc, Component.GRADIENTS) + get(rc, Component.OPTIMIZER_STATES)
-    states = sum(get(pc, k) for k in (Component.WEIGHTS, Component.GRADIENTS, Component.MASTER_WEIGHTS,
-                                       Component.OPTIMIZER_STATES))
+    states_rot = (
+        get(rc, Component.WEIGHTS) + get(rc, Component.GRADIENTS) + get(rc, Component.OPTIMIZER_STATES)
+    )
+    states = sum(
+        get(pc, k)
+        for k in (
+            Component.WEIGHTS,
+            Component.GRADIENTS,
+            Component.MASTER_WEIGHTS,
+            Component.OPTIMIZER_STATES,
+        )
+    )
     bpp = report.bytes_per_param
     why_states = (
         f"{strategy.precision.value}: weights {bpp.get('weights', 0):.0f} B + grads "
@@ -43,24 +53,45 @@ def compare_with_rule_of_thumb(spec: ModelSpec, strategy: Strategy, report: Memo
         why_states += f"; grads are not all alive at the {report.peak_phase.value} peak"
     coeff = report.extra.get("activation_coefficient")
     rows = [
-        Difference(term="weights + grads + optimizer", rule_of_thumb_bytes=states_rot, analytic_bytes=states,
-                   why=why_states),
         Difference(
-            term="activations", rule_of_thumb_bytes=get(rc, Component.ACTIVATIONS),
+            term="weights + grads + optimizer",
+            rule_of_thumb_bytes=states_rot,
+            analytic_bytes=states,
+            why=why_states,
+        ),
+        Difference(
+            term="activations",
+            rule_of_thumb_bytes=get(rc, Component.ACTIVATIONS),
             analytic_bytes=get(pc, Component.ACTIVATIONS),
-            why=f"c = {coeff} from the block's saved tensors (article: c = 15)" if coeff is not None
+            why=f"c = {coeff} from the block's saved tensors (article: c = 15)"
+            if coeff is not None
             else "saved tensors counted by the trace",
         ),
-        Difference(term="logits + loss", rule_of_thumb_bytes=0, analytic_bytes=get(pc, Component.LOGITS_LOSS),
-                   why="b·s·vocab logits, their fp32 upcast and cross-entropy gradients; not in the rule"),
-        Difference(term="autocast weight copies", rule_of_thumb_bytes=0,
-                   analytic_bytes=get(pc, Component.AUTOCAST_COPIES),
-                   why="torch.autocast caches a 16-bit copy of each fp32 matmul weight" if r.autocast
-                   else "none for this recipe"),
-        Difference(term="temporaries", rule_of_thumb_bytes=0, analytic_bytes=get(pc, Component.TEMPORARIES),
-                   why="gradient buffers in backward / the optimizer step's scratch"),
-        Difference(term="framework overhead", rule_of_thumb_bytes=rot.overhead.total_bytes,
-                   analytic_bytes=report.overhead.total_bytes,
-                   why="CUDA context + allocator reserve (not in max_memory_allocated)"),
+        Difference(
+            term="logits + loss",
+            rule_of_thumb_bytes=0,
+            analytic_bytes=get(pc, Component.LOGITS_LOSS),
+            why="b·s·vocab logits, their fp32 upcast and cross-entropy gradients; not in the rule",
+        ),
+        Difference(
+            term="autocast weight copies",
+            rule_of_thumb_bytes=0,
+            analytic_bytes=get(pc, Component.AUTOCAST_COPIES),
+            why="torch.autocast caches a 16-bit copy of each fp32 matmul weight"
+            if r.autocast
+            else "none for this recipe",
+        ),
+        Difference(
+            term="temporaries",
+            rule_of_thumb_bytes=0,
+            analytic_bytes=get(pc, Component.TEMPORARIES),
+            why="gradient buffers in backward / the optimizer step's scratch",
+        ),
+        Difference(
+            term="framework overhead",
+            rule_of_thumb_bytes=rot.overhead.total_bytes,
+            analytic_bytes=report.overhead.total_bytes,
+            why="CUDA context + allocator reserve (not in max_memory_allocated)",
+        ),
     ]
     return rows

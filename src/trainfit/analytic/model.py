@@ -29,7 +29,7 @@ from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES, overhead_for
 from trainfit.analytic.states import model_states
 from trainfit.arch.params import inventory
-from trainfit.arch.spec import ModelSpec
+from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown, Term
 from trainfit.result import Phase as P
 from trainfit.strategy import Strategy
@@ -82,29 +82,87 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     }
     g_all = st.grads_bytes
     g_resident = g_all if strategy.grad_accum > 1 else 0
-    head_grads = int(g_all * (inv.embedding_params if spec.tie_word_embeddings else _head_params(spec)) / max(1, inv.total))
+    head_grads = int(
+        g_all * (inv.embedding_params if spec.tie_word_embeddings else _head_params(spec)) / max(1, inv.total)
+    )
 
     kept, seg_layers = checkpoint_terms(spec, strategy)
     if seg_layers == 0:
         saved = a_layers + a_model
-        forward = _phase(P.FORWARD, **base, gradients=g_resident, activations=saved,
-                         autocast_copies=c_all, logits_loss=lg.forward_peak_bytes)
-        b_start = _phase(P.BACKWARD, **base, gradients=g_resident, activations=saved,
-                         autocast_copies=c_all, logits_loss=lg.backward_peak_bytes)
-        b_end = _phase(P.BACKWARD, **base, gradients=g_all, activations=a_max_layer + a_model,
-                       autocast_copies=c_max_layer, temporaries=bwd_temp)
-        backward = max((b_start, b_end), key=lambda p: p.total_bytes)
+        forward = _phase(
+            P.FORWARD,
+            **base,
+            gradients=g_resident,
+            activations=saved,
+            autocast_copies=c_all,
+            logits_loss=lg.forward_peak_bytes,
+        )
+        b_start = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=g_resident,
+            activations=saved,
+            autocast_copies=c_all,
+            logits_loss=lg.backward_peak_bytes,
+        )
+        b_top = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(g_resident, head_grads),
+            activations=saved,
+            autocast_copies=c_all,
+            temporaries=bwd_temp,
+        )
+        b_end = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=g_all,
+            activations=a_max_layer + a_model,
+            autocast_copies=c_max_layer,
+            temporaries=bwd_temp,
+        )
+        backward = max((b_start, b_top, b_end), key=lambda p: p.total_bytes)
     else:
-        recompute = seg_layers * a_max_layer
-        forward = _phase(P.FORWARD, **base, gradients=g_resident, activations=kept + a_model,
-                         autocast_copies=c_all, logits_loss=lg.forward_peak_bytes)
-        b_start = _phase(P.BACKWARD, **base, gradients=g_resident, activations=kept + a_model,
-                         autocast_copies=c_head, logits_loss=lg.backward_peak_bytes)
-        b_top = _phase(P.BACKWARD, **base, gradients=max(g_resident, head_grads),
-                       activations=kept + a_model + recompute,
-                       autocast_copies=c_head + seg_layers * c_max_layer, temporaries=bwd_temp)
-        b_end = _phase(P.BACKWARD, **base, gradients=g_all, activations=recompute + a_model,
-                       autocast_copies=seg_layers * c_max_layer, temporaries=bwd_temp)
+        # The recomputed segment saves its own input again; when the first norm saves the residual
+        # tensor itself (fp32 residual, or LayerNorm), that is the kept checkpoint — count it once.
+        shared_input = w.residual == 4 or spec.norm is NormKind.LAYERNORM
+        recompute = seg_layers * a_max_layer - (
+            w.residual * strategy.tokens_per_micro_batch * spec.hidden_size if shared_input else 0
+        )
+        forward = _phase(
+            P.FORWARD,
+            **base,
+            gradients=g_resident,
+            activations=kept + a_model,
+            autocast_copies=c_all,
+            logits_loss=lg.forward_peak_bytes,
+        )
+        b_start = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=g_resident,
+            activations=kept + a_model,
+            autocast_copies=c_head,
+            logits_loss=lg.backward_peak_bytes,
+        )
+        b_top = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(g_resident, head_grads),
+            activations=kept + a_model + recompute,
+            autocast_copies=c_head + seg_layers * c_max_layer,
+            temporaries=bwd_temp,
+        )
+        # Entering the first segment's backward: its layers' grads are not allocated yet.
+        g_layer = max(g.params_per_layer for g in inv.layers) * strategy.recipe.grad_bits // 8
+        b_end = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(0, g_all - (seg_layers - 1) * g_layer),
+            activations=recompute + a_model,
+            autocast_copies=seg_layers * c_max_layer,
+            temporaries=bwd_temp,
+        )
         backward = max((b_start, b_top, b_end), key=lambda p: p.total_bytes)
     step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
     phases = (forward, backward, step)
@@ -121,32 +179,65 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * L
     coeff = (a_layers if seg_layers == 0 else kept) / tokens_layers
     terms = (
-        Term(name="weights", bytes=st.weights_bytes, formula=f"Σ numel·{strategy.recipe.weight_bits // 8} B",
-             source="parameter inventory (trainfit.arch.params)"),
-        Term(name="gradients", bytes=g_all, formula=f"Σ numel·{strategy.recipe.grad_bits // 8} B",
-             source="one grad per trainable parameter, parameter dtype"),
-        Term(name="master_weights", bytes=st.master_bytes, formula="Σ numel·4 B (master-* only)",
-             source="Micikevicius et al. 2018"),
-        Term(name="optimizer_states", bytes=st.optimizer_bytes, formula=f"{strategy.optimizer.value} states",
-             source="trainfit.analytic.states docstring"),
-        Term(name="activations/layer", bytes=a_max_layer, formula="Σ saved tensors of one block",
-             source="trainfit.analytic.activations (Korthikanti et al. 2022, Table 2, modernised)"),
-        Term(name="logits_loss (backward)", bytes=lg.backward_peak_bytes, formula="12·b·s·vocab",
-             source="HF ForCausalLMLoss: logits.float() + cross_entropy"),
-        Term(name="autocast_copies", bytes=c_all, formula=f"Σ matmul numel·{w.compute} B (amp-* only)",
-             source="aten autocast_mode.cpp cached_cast"),
-        Term(name="optimizer_step_temporaries", bytes=st.step_temp_bytes, formula="foreach sqrt buffer (+fp32 grads)",
-             source="torch/optim/adam.py _multi_tensor_adam"),
+        Term(
+            name="weights",
+            bytes=st.weights_bytes,
+            formula=f"Σ numel·{strategy.recipe.weight_bits // 8} B",
+            source="parameter inventory (trainfit.arch.params)",
+        ),
+        Term(
+            name="gradients",
+            bytes=g_all,
+            formula=f"Σ numel·{strategy.recipe.grad_bits // 8} B",
+            source="one grad per trainable parameter, parameter dtype",
+        ),
+        Term(
+            name="master_weights",
+            bytes=st.master_bytes,
+            formula="Σ numel·4 B (master-* only)",
+            source="Micikevicius et al. 2018",
+        ),
+        Term(
+            name="optimizer_states",
+            bytes=st.optimizer_bytes,
+            formula=f"{strategy.optimizer.value} states",
+            source="trainfit.analytic.states docstring",
+        ),
+        Term(
+            name="activations/layer",
+            bytes=a_max_layer,
+            formula="Σ saved tensors of one block",
+            source="trainfit.analytic.activations (Korthikanti et al. 2022, Table 2, modernised)",
+        ),
+        Term(
+            name="logits_loss (backward)",
+            bytes=lg.backward_peak_bytes,
+            formula="12·b·s·vocab",
+            source="HF ForCausalLMLoss: logits.float() + cross_entropy",
+        ),
+        Term(
+            name="autocast_copies",
+            bytes=c_all,
+            formula=f"Σ matmul numel·{w.compute} B (amp-* only)",
+            source="aten autocast_mode.cpp cached_cast",
+        ),
+        Term(
+            name="optimizer_step_temporaries",
+            bytes=st.step_temp_bytes,
+            formula="foreach sqrt buffer (+fp32 grads)",
+            source="torch/optim/adam.py _multi_tensor_adam",
+        ),
     )
     notes = [
-        f"activation coefficient c = {coeff:.1f} bytes per (token·hidden·layer) "
-        f"(the article assumes 10–20)",
+        f"activation coefficient c = {coeff:.1f} bytes per (token·hidden·layer) (the article assumes 10–20)",
         "steady state (step ≥ 2): optimizer states resident; grads freed by zero_grad(set_to_none=True)",
         "HF Trainer-style loop: model outputs (logits) dropped before backward",
     ]
     if strategy.grad_accum > 1:
-        notes.append(f"grad accumulation ×{strategy.grad_accum}: grads stay resident across micro-steps; "
-                     f"effective batch {strategy.effective_batch}")
+        notes.append(
+            f"grad accumulation ×{strategy.grad_accum}: grads stay resident across micro-steps; "
+            f"effective batch {strategy.effective_batch}"
+        )
     return MemoryReport(
         method=Method.ANALYTIC,
         model_name=spec.name,

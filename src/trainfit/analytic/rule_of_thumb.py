@@ -29,8 +29,12 @@ def estimate_rule_of_thumb(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
     act = bshl * C_POINT
     phase = PhaseBreakdown(
         phase=P.BACKWARD,
-        components={Component.WEIGHTS: w, Component.GRADIENTS: g, Component.OPTIMIZER_STATES: o,
-                    Component.ACTIVATIONS: act},
+        components={
+            Component.WEIGHTS: w,
+            Component.GRADIENTS: g,
+            Component.OPTIMIZER_STATES: o,
+            Component.ACTIVATIONS: act,
+        },
     )
     states = w + g + o
     return MemoryReport(
@@ -43,14 +47,28 @@ def estimate_rule_of_thumb(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
         overhead=Overhead(cuda_context_bytes=OVERHEAD_POINT, allocator_reserve_bytes=0),
         bytes_per_param={"weights": 2.0, "gradients": 2.0, "optimizer_states": 8.0},
         terms=(
-            Term(name="weights+grads+optimizer", bytes=states, formula="P × (2+2+8)", source="seed article §1.2, §5.2"),
-            Term(name="activations", bytes=act, formula=f"b·s·h·L·{C_POINT} (c = {C_LOW}–{C_HIGH})",
-                 source="seed article §1.2"),
-            Term(name="framework overhead", bytes=OVERHEAD_POINT, formula="1–2 GB", source="seed article §5.2"),
+            Term(
+                name="weights+grads+optimizer",
+                bytes=states,
+                formula="P × (2+2+8)",
+                source="seed article §1.2, §5.2",
+            ),
+            Term(
+                name="activations",
+                bytes=act,
+                formula=f"b·s·h·L·{C_POINT} (c = {C_LOW}–{C_HIGH})",
+                source="seed article §1.2",
+            ),
+            Term(
+                name="framework overhead", bytes=OVERHEAD_POINT, formula="1–2 GB", source="seed article §5.2"
+            ),
         ),
         notes=("decimal GB as in the article; c = 15 is the point value of its 10–20 range",),
         low_bytes=states + bshl * C_LOW + OVERHEAD_LOW,
         high_bytes=states + bshl * C_HIGH + OVERHEAD_HIGH,
-        extra={"states_bytes": states, "activations_low_bytes": bshl * C_LOW,
-               "activations_high_bytes": bshl * C_HIGH},
+        extra={
+            "states_bytes": states,
+            "activations_low_bytes": bshl * C_LOW,
+            "activations_high_bytes": bshl * C_HIGH,
+        },
     )

@@ -73,7 +73,7 @@ def load_model(name: str) -> ModelSpec:
     if path.is_file():
         label = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
         return spec_from_config(_read_json(path), name=label, source=str(path))
-    if key.endswith(".json") or os.sep in key and not _looks_like_repo_id(key):
+    if key.endswith(".json") or (os.sep in key and not _looks_like_repo_id(key)):
         raise ConfigError(f"no such file: {key}")
     if _looks_like_repo_id(key):
         return spec_from_config(_from_hub(key), name=key, source=f"hub:{key}")

@@ -125,7 +125,9 @@ def _moe(spec: ModelSpec) -> list[ParamTensor]:
         ParamTensor(name="mlp.router.weight", shape=(m.num_experts, h), matmul=True),
         # Stored fused as in transformers 5 (experts.gate_up_proj / experts.down_proj).
         ParamTensor(
-            name="mlp.experts.gate_up_proj", shape=(m.num_experts, 2 * m.expert_intermediate_size, h), matmul=True
+            name="mlp.experts.gate_up_proj",
+            shape=(m.num_experts, 2 * m.expert_intermediate_size, h),
+            matmul=True,
         ),
         ParamTensor(
             name="mlp.experts.down_proj", shape=(m.num_experts, h, m.expert_intermediate_size), matmul=True
@@ -155,7 +157,9 @@ def inventory(spec: ModelSpec) -> ParamInventory:
         ParamTensor(name="embed_tokens.weight", shape=(v, spec.embed_dim), matmul=spec.tie_word_embeddings)
     ]
     if spec.learned_positions:
-        model.append(ParamTensor(name="embed_positions.weight", shape=(spec.learned_positions, h), matmul=False))
+        model.append(
+            ParamTensor(name="embed_positions.weight", shape=(spec.learned_positions, h), matmul=False)
+        )
     if spec.token_types:
         model.append(ParamTensor(name="embed_token_types.weight", shape=(spec.token_types, h), matmul=False))
     if spec.embedding_norm:

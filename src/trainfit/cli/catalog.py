@@ -20,20 +20,43 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
 
     specs = [load_model(s) for s in catalog_slugs()]
     if json_out:
-        print_json({"schema_version": 1, "models": [
-            {"id": s.name, "model_type": s.model_type, "architecture": s.architecture, "params": count_params(s),
-             "hidden_size": s.hidden_size, "num_layers": s.num_layers, "num_heads": s.num_heads,
-             "num_kv_heads": s.num_kv_heads, "vocab_size": s.vocab_size,
-             "max_position_embeddings": s.max_position_embeddings,
-             "num_experts": s.moe.num_experts if s.moe else None} for s in specs]})
+        print_json(
+            {
+                "schema_version": 1,
+                "models": [
+                    {
+                        "id": s.name,
+                        "model_type": s.model_type,
+                        "architecture": s.architecture,
+                        "params": count_params(s),
+                        "hidden_size": s.hidden_size,
+                        "num_layers": s.num_layers,
+                        "num_heads": s.num_heads,
+                        "num_kv_heads": s.num_kv_heads,
+                        "vocab_size": s.vocab_size,
+                        "max_position_embeddings": s.max_position_embeddings,
+                        "num_experts": s.moe.num_experts if s.moe else None,
+                    }
+                    for s in specs
+                ],
+            }
+        )
         return
     t = Table(title="Built-in models")
     for col in ("id", "type", "params", "hidden", "layers", "heads/kv", "vocab", "max pos", "experts"):
         t.add_column(col, justify="left" if col in ("id", "type") else "right")
     for s in specs:
-        t.add_row(s.name, s.model_type, fmt_count(count_params(s)), str(s.hidden_size), str(s.num_layers),
-                  f"{s.num_heads}/{s.num_kv_heads}", str(s.vocab_size), str(s.max_position_embeddings or "-"),
-                  f"{s.moe.experts_per_token}/{s.moe.num_experts}" if s.moe else "-")
+        t.add_row(
+            s.name,
+            s.model_type,
+            fmt_count(count_params(s)),
+            str(s.hidden_size),
+            str(s.num_layers),
+            f"{s.num_heads}/{s.num_kv_heads}",
+            str(s.vocab_size),
+            str(s.max_position_embeddings or "-"),
+            f"{s.moe.experts_per_token}/{s.moe.num_experts}" if s.moe else "-",
+        )
     stdout_console().print(t)
 
 
@@ -57,9 +80,16 @@ def gpus_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON."
         t.add_column(col, justify="left" if col in ("id", "name") else "right")
     for g in gpus:
         bf = g.peak_tflops.get("bf16")
-        t.add_row(g.id, g.name, f"{gib(g.memory_bytes):.0f}", g.compute_capability or "-",
-                  "yes" if g.bf16 else "no", "yes" if g.fp8 else "no", f"{bf:g}" if bf else "-",
-                  f"{g.memory_bandwidth_gbps:g}" if g.memory_bandwidth_gbps else "-")
+        t.add_row(
+            g.id,
+            g.name,
+            f"{gib(g.memory_bytes):.0f}",
+            g.compute_capability or "-",
+            "yes" if g.bf16 else "no",
+            "yes" if g.fp8 else "no",
+            f"{bf:g}" if bf else "-",
+            f"{g.memory_bandwidth_gbps:g}" if g.memory_bandwidth_gbps else "-",
+        )
     stdout_console().print(t)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -22,26 +23,46 @@ def _parse_count(text: str | None, flag: str) -> int | None:
 
 
 def estimate_cmd(
-    model: Annotated[str | None, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")] = None,
-    gpu: Annotated[str | None, typer.Option("--gpu", help="Catalog GPU id for a fit verdict (see 'trainfit gpus').")] = None,
+    model: Annotated[
+        str | None, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")
+    ] = None,
+    gpu: Annotated[
+        str | None, typer.Option("--gpu", help="Catalog GPU id for a fit verdict (see 'trainfit gpus').")
+    ] = None,
     batch: Annotated[int, typer.Option("--batch", "-b", help="Micro-batch size per GPU.")] = 1,
     seq: Annotated[int, typer.Option("--seq", "-s", help="Sequence length in tokens.")] = 2048,
-    precision: Annotated[str, typer.Option(help="fp32 | amp-bf16 | amp-fp16 | master-bf16 | master-fp16 | pure-bf16")] = "amp-bf16",
-    optimizer: Annotated[str, typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion")] = "adamw",
+    precision: Annotated[
+        str, typer.Option(help="fp32 | amp-bf16 | amp-fp16 | master-bf16 | master-fp16 | pure-bf16")
+    ] = "amp-bf16",
+    optimizer: Annotated[
+        str, typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion")
+    ] = "adamw",
     checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none | full | sqrt")] = "none",
-    attention: Annotated[str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")] = "sdpa",
+    attention: Annotated[
+        str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")
+    ] = "sdpa",
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
-    modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
-    params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
+    modules: Annotated[
+        bool, typer.Option("--modules", help="trace: per-module saved-activation table.")
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of tables.")
+    ] = False,
+    params: Annotated[
+        str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")
+    ] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
     num_heads: Annotated[int | None, typer.Option("--num-heads", help="What-if: attention heads.")] = None,
-    num_kv_heads: Annotated[int | None, typer.Option("--num-kv-heads", help="What-if: KV heads (GQA).")] = None,
+    num_kv_heads: Annotated[
+        int | None, typer.Option("--num-kv-heads", help="What-if: KV heads (GQA).")
+    ] = None,
     vocab_size: Annotated[int | None, typer.Option("--vocab-size", help="What-if: vocabulary size.")] = None,
-    intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", help="What-if: MLP width.")] = None,
+    intermediate_size: Annotated[
+        int | None, typer.Option("--intermediate-size", help="What-if: MLP width.")
+    ] = None,
 ) -> None:
     """Estimate GPU memory for training MODEL: each component in GiB, the phase of the peak,
     bytes per parameter, and with --gpu whether it fits and the largest micro-batch that does.
@@ -74,20 +95,32 @@ def estimate_cmd(
             )
         assert hidden_size is not None and num_layers is not None
         spec = explicit_model(
-            params=_parse_count(params, "--params") or 0, hidden_size=hidden_size, num_layers=num_layers,
-            num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
+            params=_parse_count(params, "--params") or 0,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            vocab_size=vocab_size,
             intermediate_size=intermediate_size,
         )
     else:
         spec = load_model(model)
-    strategy = Strategy(
-        precision=precision, optimizer=optimizer, checkpointing=checkpointing, attention=attention,  # type: ignore[arg-type]
-        micro_batch=batch, seq_len=seq, grad_accum=grad_accum,
-    )
+    fields: dict[str, Any] = {  # strings are validated and coerced to enums by Strategy
+        "precision": precision,
+        "optimizer": optimizer,
+        "checkpointing": checkpointing,
+        "attention": attention,
+        "micro_batch": batch,
+        "seq_len": seq,
+        "grad_accum": grad_accum,
+    }
+    strategy = Strategy(**fields)
     try:
         m = Method(method)
     except ValueError:
-        raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(x.value for x in Method)}") from None
+        raise StrategyError(
+            f"unknown method '{method}'; choose one of: {', '.join(x.value for x in Method)}"
+        ) from None
     options: dict[str, object] | None = None
     if m is Method.TRACE:
         options = {"modules": modules}
@@ -105,7 +138,7 @@ def estimate_cmd(
     render(stdout_console(), report, spec, strategy, diffs)
 
 
-def _progress_printer():  # type: ignore[no-untyped-def]
+def _progress_printer() -> Callable[[str, float], None]:
     from rich.console import Console
 
     console = Console(stderr=True)

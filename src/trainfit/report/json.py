@@ -27,8 +27,12 @@ def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> di
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "method": report.method.value,
-        "model": {"name": spec.name, "source": spec.source, "model_type": spec.model_type,
-                  "architecture": spec.architecture},
+        "model": {
+            "name": spec.name,
+            "source": spec.source,
+            "model_type": spec.model_type,
+            "architecture": spec.architecture,
+        },
         "params": report.params,
         "trainable_params": report.trainable_params,
         "strategy": strategy_json(strategy),
@@ -36,7 +40,10 @@ def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> di
         "phase": report.peak_phase.value,
         "components": {c.value: n for c, n in peak.components.items()},
         "phases": {
-            p.phase.value: {"total_bytes": p.total_bytes, "components": {c.value: n for c, n in p.components.items()}}
+            p.phase.value: {
+                "total_bytes": p.total_bytes,
+                "components": {c.value: n for c, n in p.components.items()},
+            }
             for p in report.phases
         },
         "overhead": {
@@ -46,7 +53,9 @@ def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> di
         "reserved_estimate_bytes": report.reserved_estimate_bytes,
         "nvidia_smi_estimate_bytes": report.nvidia_smi_estimate_bytes,
         "bytes_per_param": dict(report.bytes_per_param),
-        "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms],
+        "terms": [
+            {"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms
+        ],
         "notes": list(report.notes),
         "warnings": list(report.warnings),
         "extra": dict(report.extra),

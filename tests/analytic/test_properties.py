@@ -1,0 +1,61 @@
+"""Invariants of the analytic model (hypothesis)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfit.analytic import estimate_analytic
+from trainfit.arch import catalog_slugs, load_model
+from trainfit.strategy import Attention, Checkpointing, Optimizer, Precision, Strategy
+
+SLUGS = [s for s in catalog_slugs() if s not in ("deepseek-v3", "llama-3.1-405b")]
+
+strategies = st.builds(
+    Strategy,
+    precision=st.sampled_from(list(Precision)),
+    optimizer=st.sampled_from(list(Optimizer)),
+    checkpointing=st.sampled_from(list(Checkpointing)),
+    attention=st.sampled_from(list(Attention)),
+    micro_batch=st.integers(1, 16),
+    seq_len=st.integers(1, 8192),
+    grad_accum=st.integers(1, 4),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(slug=st.sampled_from(SLUGS), s=strategies)
+def test_components_nonnegative_and_peak_is_sum(slug: str, s: Strategy) -> None:
+    r = estimate_analytic(load_model(slug), s)
+    for p in r.phases:
+        assert all(v >= 0 for v in p.components.values())
+    assert r.peak_bytes == sum(r.peak.components.values())
+    assert r.peak_bytes == max(p.total_bytes for p in r.phases)
+
+
+@settings(max_examples=150, deadline=None)
+@given(slug=st.sampled_from(SLUGS), s=strategies, db=st.integers(1, 8), ds=st.integers(1, 2048))
+def test_monotonic_in_batch_and_seq(slug: str, s: Strategy, db: int, ds: int) -> None:
+    spec = load_model(slug)
+    base = estimate_analytic(spec, s).peak_bytes
+    assert estimate_analytic(spec, dataclasses.replace(s, micro_batch=s.micro_batch + db)).peak_bytes >= base
+    assert estimate_analytic(spec, dataclasses.replace(s, seq_len=s.seq_len + ds)).peak_bytes >= base
+
+
+@settings(max_examples=150, deadline=None)
+@given(slug=st.sampled_from(SLUGS), s=strategies)
+def test_checkpointing_never_increases_memory(slug: str, s: Strategy) -> None:
+    spec = load_model(slug)
+    none = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.NONE)).peak_bytes
+    for c in (Checkpointing.FULL, Checkpointing.SQRT):
+        assert estimate_analytic(spec, dataclasses.replace(s, checkpointing=c)).peak_bytes <= none
+
+
+@settings(max_examples=100, deadline=None)
+@given(slug=st.sampled_from(SLUGS), s=strategies, extra=st.integers(1, 8))
+def test_monotonic_in_layers(slug: str, s: Strategy, extra: int) -> None:
+    spec = load_model(slug)
+    deeper = dataclasses.replace(spec, num_layers=spec.num_layers + extra)
+    assert estimate_analytic(deeper, s).peak_bytes >= estimate_analytic(spec, s).peak_bytes

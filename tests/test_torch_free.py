@@ -1,0 +1,29 @@
+"""`import trainfit` and the analytic / rule-of-thumb estimate never import torch, transformers or
+huggingface_hub (they must be usable, and fast, on a laptop without them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+import trainfit, trainfit.cli.app
+from trainfit.cli.app import main
+for argv in (["estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--json"],
+             ["estimate", "--params", "7e9", "--hidden-size", "4096", "--num-layers", "32",
+              "--method", "rule-of-thumb"],
+             ["models"], ["gpus"]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+heavy = [m for m in ("torch", "transformers", "huggingface_hub") if m in sys.modules]
+print("HEAVY:" + ",".join(heavy))
+"""
+
+
+def test_core_does_not_import_heavy_modules() -> None:
+    res = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "HEAVY:"
