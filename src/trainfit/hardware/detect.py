@@ -58,46 +58,44 @@ def match_catalog(name: str, memory_bytes: int | None = None) -> GPUSpec | None:
     return best[1] if best else None
 
 
+def accelerator_for_device(index: int) -> Accelerator:
+    """Describe CUDA/ROCm device ``index``. Imports torch; the device must exist."""
+    torch = _import_torch()
+    props = torch.cuda.get_device_properties(index)
+    name = str(props.name)
+    memory = int(props.total_memory)
+    cc: str | None
+    if getattr(torch.version, "hip", None):
+        arch = str(getattr(props, "gcnArchName", ""))
+        native_bf16, fp8, tf32 = bool(_ROCM_BF16.search(arch)), bool(_ROCM_FP8.search(arch)), False
+        cc, kind = None, AcceleratorKind.ROCM
+    else:
+        cc = f"{props.major}.{props.minor}"
+        native_bf16, fp8, tf32 = native_bf16_from_cc(cc), fp8_from_cc(cc), tf32_from_cc(cc)
+        kind = AcceleratorKind.CUDA
+    with torch.cuda.device(index):
+        emulated = bool(torch.cuda.is_bf16_supported())
+    spec = match_catalog(name, memory)
+    return Accelerator(
+        kind=kind,
+        name=name,
+        source=AcceleratorSource.DETECTED,
+        memory_bytes=memory,
+        compute_capability=cc,
+        native_bf16=native_bf16,
+        fp8=fp8,
+        tf32=tf32,
+        catalog_id=spec.id if spec else None,
+        bf16_supported_with_emulation=emulated,
+    )
+
+
 def detect_accelerators() -> tuple[Accelerator, ...]:
     """All local CUDA/ROCm devices, or one CPU entry when there is none. Imports torch."""
     torch = _import_torch()
     if not torch.cuda.is_available():
         return (cpu_accelerator(),)
-    hip = bool(getattr(torch.version, "hip", None))
-    out: list[Accelerator] = []
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        name = str(props.name)
-        memory = int(props.total_memory)
-        if hip:
-            arch = str(getattr(props, "gcnArchName", ""))
-            native_bf16 = bool(_ROCM_BF16.search(arch))
-            fp8 = bool(_ROCM_FP8.search(arch))
-            cc = None
-            tf32 = False
-            kind = AcceleratorKind.ROCM
-        else:
-            cc = f"{props.major}.{props.minor}"
-            native_bf16, fp8, tf32 = native_bf16_from_cc(cc), fp8_from_cc(cc), tf32_from_cc(cc)
-            kind = AcceleratorKind.CUDA
-        with torch.cuda.device(index):
-            emulated = bool(torch.cuda.is_bf16_supported())
-        spec = match_catalog(name, memory)
-        out.append(
-            Accelerator(
-                kind=kind,
-                name=name,
-                source=AcceleratorSource.DETECTED,
-                memory_bytes=memory,
-                compute_capability=cc,
-                native_bf16=native_bf16,
-                fp8=fp8,
-                tf32=tf32,
-                catalog_id=spec.id if spec else None,
-                bf16_supported_with_emulation=emulated,
-            )
-        )
-    return _group(out)
+    return _group([accelerator_for_device(i) for i in range(torch.cuda.device_count())])
 
 
 def _group(devices: list[Accelerator]) -> tuple[Accelerator, ...]:
