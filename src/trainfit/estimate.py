@@ -9,8 +9,8 @@ the largest micro-batch that still fits (binary search; memory is monotonic in t
 from __future__ import annotations
 
 import dataclasses
-from importlib import import_module
 from collections.abc import Callable
+from importlib import import_module
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.arch import ModelSpec, load_model

@@ -13,6 +13,7 @@ import pytest
 
 from trainfit.analytic.activations import layer_terms, model_terms
 from trainfit.arch.config import spec_from_config
+from trainfit.arch.spec import ModelKind, NormKind
 from trainfit.strategy import Strategy
 
 torch = pytest.importorskip("torch")
@@ -149,11 +150,28 @@ def analytic_saved_bytes(cfg: dict, precision: str) -> int:
     return spec.num_layers * per_layer + sum(t.bytes for t in model_terms(spec, st))
 
 
-#: Families whose every saved tensor the analytic model accounts for, byte for byte.
-EXACT = ("llama", "mistral", "qwen2", "qwen3")
-#: Families still approximated (LayerNorm/GeLU blocks, BERT's MLM head): held to 10% until refined.
-#: The gap per family is listed in docs/accuracy.md.
-APPROX_TOLERANCE = 0.10
+def cpu_artefacts(cfg: dict, precision: str) -> int:
+    """Bytes by which a CPU run differs from the CUDA run the analytic model describes (documented
+    in docs/accuracy.md):
+
+    1. The CPU flash-attention kernel lays its output out like q. Where q is built by ``torch.cat``
+       (partial RoPE: NeoX, Phi), q is contiguous as (b, heads, s, hd), so the ``transpose(1, 2)
+       .contiguous()`` before the output projection copies it: +a·t·q_dim per layer. CUDA's flash and
+       memory-efficient kernels always allocate the output as (b, s, heads, hd): no copy.
+    2. CPU ``layer_norm`` keeps mean and rstd in the input dtype; CUDA keeps them in fp32 (opmath):
+       −4·t bytes per LayerNorm in bf16.
+    """
+    spec = spec_from_config(cfg, name="t", source="test")
+    t = B * S
+    a = 4 if precision == "fp32" else 2
+    delta = 0
+    if 0 < spec.rotary_dim < spec.head_dim:
+        delta += spec.num_layers * a * t * spec.q_dim
+    if spec.norm is NormKind.LAYERNORM and precision == "pure-bf16":
+        n_norms = spec.num_layers * spec.norms_per_layer + int(spec.final_norm) + int(spec.embedding_norm)
+        n_norms += int(spec.kind is ModelKind.MASKED_LM)  # MLM head transform LayerNorm
+        delta -= 4 * t * n_norms
+    return delta
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -161,15 +179,14 @@ APPROX_TOLERANCE = 0.10
 def test_saved_activations_match_autograd(family: str, precision: str, dtype: str) -> None:
     cfg = CONFIGS[family]
     measured = measured_saved_bytes(cfg, getattr(torch, dtype), amp=False)
-    analytic = analytic_saved_bytes(cfg, precision)
-    if family in EXACT:
-        assert analytic == measured
-    else:
-        assert abs(analytic - measured) <= APPROX_TOLERANCE * measured, (analytic, measured)
+    assert analytic_saved_bytes(cfg, precision) + cpu_artefacts(cfg, precision) == measured
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "starcoder2"])
 def test_saved_activations_match_autograd_under_autocast(family: str) -> None:
-    """RMSNorm blocks: every op they run has the same autocast policy on CPU and CUDA."""
+    """Blocks whose every op has the same autocast policy on CPU and CUDA. Left out: HF's Python
+    gelu_new (GPT-2, Phi: CUDA autocast runs ``pow`` in fp32, CPU autocast in bf16) and BERT's MLM
+    head LayerNorm on a bf16 input (CUDA autocast upcasts ``layer_norm``, CPU autocast does not);
+    the trace engine emulates CUDA's policy for those."""
     cfg = CONFIGS[family]
     assert analytic_saved_bytes(cfg, "amp-bf16") == measured_saved_bytes(cfg, torch.float32, True)

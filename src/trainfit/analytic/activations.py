@@ -60,9 +60,7 @@ class Widths:
         return cls(residual=r.weight_bits // 8, compute=r.compute_bits // 8, amp=r.autocast)
 
 
-def _norm_terms(
-    name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True
-) -> list[SavedTerm]:
+def _norm_terms(name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True) -> list[SavedTerm]:
     """Saved tensors of one norm over the residual stream (input width = residual)."""
     r = w.residual
     if spec.norm is NormKind.RMSNORM:
@@ -108,9 +106,7 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         qd, kd, vd = nh * m.qk_head_dim, nh * m.qk_head_dim, nh * m.v_head_dim
         # q_a/kv_a latents: normed (RMSNorm) low-rank tensors feeding q_b / kv_b.
         lat = (m.q_lora_rank or 0) + m.kv_lora_rank
-        out.append(
-            SavedTerm(name="attn.latents", bytes=(4 + a + a) * t * lat, formula="(4+2a)·t·(q_lora+kv_lora)")
-        )
+        out.append(SavedTerm(name="attn.latents", bytes=(4 + a + a) * t * lat, formula="(4+2a)·t·(q_lora+kv_lora)"))
         out.append(
             SavedTerm(
                 name="attn.kv_b_out",
@@ -133,9 +129,7 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
             )
         )
     if strategy.attention is Attention.SDPA:
-        out.append(
-            SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)")
-        )
+        out.append(_sdpa_inputs(spec, strategy, t, a, qd, kd, vd))
         out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
         out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
         return out
@@ -143,9 +137,7 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     kv_rep = nh * (kd // spec.num_kv_heads) if spec.num_kv_heads else kd
     scores = b * nh * s * s
     out.append(
-        SavedTerm(
-            name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)"
-        )
+        SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)")
     )
     out.append(SavedTerm(name="attn.eager.softmax_fp32", bytes=4 * scores, formula="4·b·heads·s²"))
     if spec.attention_dropout > 0:
@@ -156,20 +148,43 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     return out
 
 
+def _kv_cache_active(spec: ModelSpec, strategy: Strategy) -> bool:
+    """HF builds a DynamicCache in training when ``config.use_cache`` is true, and its ``update``
+    concatenates k and v into new tensors; gradient checkpointing turns the cache off."""
+    return spec.use_cache and spec.kind is ModelKind.CAUSAL_LM and strategy.checkpoint_segments(spec.num_layers) == 0
+
+
+def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, kd: int, vd: int) -> SavedTerm:
+    """q, k, v as SDPA saves them. Separate projections (or RoPE'd q and k) are new tensors of their
+    own size. With a fused qkv matmul, any of q/k/v that reaches SDPA as a *view* keeps the whole fused
+    output alive; the KV cache's ``torch.cat`` replaces k and v by copies (GPT-2: q stays a view, so the
+    fused output and the two copies are all saved)."""
+    cache = _kv_cache_active(spec, strategy)
+    plain = SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)")
+    if not spec.fused_qkv or spec.mla is not None:
+        return plain
+    fused = a * t * (qd + kd + vd)
+    if spec.rotary_dim:  # q, k rotated into new tensors; v is a view unless the cache copied it
+        if cache:
+            return plain
+        return SavedTerm(
+            name="attn.sdpa.qkv", bytes=a * t * (qd + kd) + fused, formula="a·t·(q_dim+kv_dim) + fused qkv (v view)"
+        )
+    if cache:
+        return SavedTerm(
+            name="attn.sdpa.qkv", bytes=fused + a * t * (kd + vd), formula="fused qkv (q view) + k, v cache copies"
+        )
+    return SavedTerm(name="attn.sdpa.qkv", bytes=fused, formula="fused qkv output (q, k, v views)")
+
+
 def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[SavedTerm]:
     a = w.compute
     if spec.mlp is MlpKind.GATED:
-        return [
-            SavedTerm(name=f"{name}.swiglu", bytes=4 * a * t * i, formula="4·a·t·i (gate, act, up, product)")
-        ]
+        return [SavedTerm(name=f"{name}.swiglu", bytes=4 * a * t * i, formula="4·a·t·i (gate, act, up, product)")]
     if spec.activation in PYTHON_GELUS:
         if w.amp:
             # pow runs in fp32 under CUDA autocast: x32, tanh out, 1+tanh (fp32), 0.5·x (16-bit), fc2 cast.
-            return [
-                SavedTerm(
-                    name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i"
-                )
-            ]
+            return [SavedTerm(name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i")]
         return [SavedTerm(name=f"{name}.gelu_python", bytes=5 * a * t * i, formula="5·a·t·i")]
     return [SavedTerm(name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)")]
 
@@ -237,12 +252,21 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     h = spec.hidden_size
     out = [SavedTerm(name="embed.input_ids", bytes=8 * t, formula="8·t (int64 ids)")]
     if spec.rotary_dim:
-        hd = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
-        # position_ids broadcast over the batch: (1, s, head_dim) tables.
+        # position_ids broadcast over the batch: (1, s, rotary_dim) tables.
         s = strategy.seq_len
         out.append(
-            SavedTerm(name="rope.cos_sin", bytes=2 * w.residual * s * hd, formula="2·r·s·head_dim (shared)")
+            SavedTerm(
+                name="rope.cos_sin", bytes=2 * w.residual * s * spec.rotary_dim, formula="2·r·s·rotary_dim (shared)"
+            )
         )
+    if spec.learned_positions and spec.kind is ModelKind.CAUSAL_LM:
+        out.append(SavedTerm(name="embed.position_ids", bytes=8 * strategy.seq_len, formula="8·s (int64)"))
+    elif spec.learned_positions:
+        # BERT slices its registered position_ids / token_type_ids buffers; the slice keeps the
+        # position buffer's whole storage (max_position_embeddings int64s).
+        out.append(SavedTerm(name="embed.position_ids", bytes=8 * spec.learned_positions, formula="8·max_positions"))
+        if spec.token_types:
+            out.append(SavedTerm(name="embed.token_type_ids", bytes=8 * strategy.seq_len, formula="8·s"))
     if spec.embedding_norm:
         out += _norm_terms("embed_norm", t, h, spec, w)
     if spec.embedding_dropout > 0:
@@ -282,9 +306,7 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy, largest_matmul_nume
     t = strategy.tokens_per_micro_batch
     i = spec.intermediate_size
     if spec.moe is not None and spec.num_moe_layers:
-        i = max(
-            i if spec.num_dense_layers else 0, spec.moe.expert_intermediate_size * spec.moe.experts_per_token
-        )
+        i = max(i if spec.num_dense_layers else 0, spec.moe.expert_intermediate_size * spec.moe.experts_per_token)
     temp = 2 * w.residual * t * spec.hidden_size + 3 * w.compute * t * i
     if w.amp:
         temp += w.compute * largest_matmul_numel

@@ -19,7 +19,8 @@ from trainfit.units import MiB
 
 CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_RESERVE_FRACTION = 0.10
-#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes (CUDACachingAllocator.cpp, kMinBlockSize).
+#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes
+#: (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize).
 ALLOCATOR_BLOCK_BYTES = 512
 
 

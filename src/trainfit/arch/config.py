@@ -64,6 +64,7 @@ def _common(cfg: Config, *, name: str, source: str) -> dict[str, Any]:
         "head_dim": int(head_dim),
         "vocab_size": int(_get(cfg, "vocab_size", required=True)),
         "max_position_embeddings": _get(cfg, "max_position_embeddings"),
+        "use_cache": bool(cfg.get("use_cache", True)),
         "hf_config": dict(cfg),
     }
 
@@ -377,6 +378,7 @@ def _bert(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     )
     return base | {
         "kind": ModelKind.MASKED_LM,
+        "use_cache": False,  # encoders build no KV cache
         "intermediate_size": _intermediate(cfg),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
         "norm": NormKind.LAYERNORM,

@@ -121,6 +121,7 @@ class ModelSpec:
     hidden_dropout: float = 0.0  # residual / hidden dropout inside blocks
     embedding_dropout: float = 0.0
     sliding_window: int | None = None
+    use_cache: bool = True  # config.use_cache: HF builds a DynamicCache even in training unless disabled
 
     moe: MoESpec | None = None
     mla: MLASpec | None = None
