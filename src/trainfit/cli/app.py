@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "trainfit.cli.catalog",
     "trainfit.cli.formats",
     "trainfit.cli.precision",
+    "trainfit.cli.doctor",
 )
 
 app = typer.Typer(

@@ -1,0 +1,206 @@
+"""Run the same N optimizer steps from the same initial weights under one configuration.
+
+Each run deep-copies the pristine model, builds a fresh optimizer with the user's factory, optionally
+scales its learning rate (the article's "halve it") and clipping, and drives ``TrainStep`` with a
+``StabilityMonitor``. A run is *unstable* when its loss goes NaN/Inf, explodes (exceeds ``explode_factor``
+× its starting loss), rises (ends above ``rise_factor`` × its start), or when most optimizer steps are
+skipped by the loss scaler.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainfit.doctor.findings import DoctorError
+from trainfit.doctor.locate import NonfiniteTracker, Origin
+from trainfit.doctor.setup import DoctorSetup
+from trainfit.precision.formats import json_float
+from trainfit.strategy import Precision
+from trainfit.train.monitor import StabilityEvent, StabilityMonitor
+from trainfit.train.step import TrainStep
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    label: str
+    precision: Precision
+    lr_factor: float = 1.0
+    max_grad_norm: float | None = None
+    loss_scaling: bool = True
+    track_nonfinite: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunHealth:
+    first_nonfinite_step: int | None
+    exploded: bool
+    rising: bool
+    skip_fraction: float
+    start_loss: float
+    end_loss: float
+
+    @property
+    def progress(self) -> float:
+        """start − end loss (positive when it trains); −inf when the loss ended non-finite."""
+        return self.start_loss - self.end_loss if math.isfinite(self.end_loss) else -math.inf
+
+    @property
+    def stable(self) -> bool:
+        return self.first_nonfinite_step is None and not self.exploded and not self.rising and self.skip_fraction < 0.5
+
+    def problem(self) -> str:
+        if self.first_nonfinite_step is not None:
+            return f"its loss is NaN/Inf from step {self.first_nonfinite_step}"
+        if self.exploded:
+            return f"its loss explodes (from {self.start_loss:.4g} to above {self.end_loss:.4g})"
+        if self.rising:
+            return f"its loss rises ({self.start_loss:.4g} → {self.end_loss:.4g})"
+        if self.skip_fraction >= 0.5:
+            return f"the loss scaler skips {self.skip_fraction:.0%} of the optimizer steps"
+        return "it trains"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    spec: RunSpec
+    lr: float | None
+    init_scale: float | None
+    losses: tuple[float, ...]
+    grad_norms: tuple[float | None, ...]
+    scales: tuple[float | None, ...]
+    skipped: tuple[bool | None, ...]
+    events: tuple[StabilityEvent, ...]
+    forward_origins: tuple[Origin, ...]
+    backward_origins: tuple[Origin, ...]
+    health: RunHealth
+
+    @property
+    def settled_scale(self) -> float:
+        """The loss scale the run trained at: median scale of non-skipped steps; the initial scale when every
+        step was skipped (the collapsed end value says nothing about the gradients); 1.0 without scaling."""
+        good = sorted(s for s, k in zip(self.scales, self.skipped, strict=True) if s is not None and not k)
+        if good:
+            return good[len(good) // 2]
+        return self.init_scale if self.init_scale is not None else 1.0
+
+    @property
+    def corrupted_from(self) -> int | None:
+        """First step whose weights were already damaged: the step after a non-finite gradient or loss was
+        applied (not skipped by a scaler). Hooks after that point see consequences, not causes."""
+        for i, (loss, norm, skipped) in enumerate(zip(self.losses, self.grad_norms, self.skipped, strict=True)):
+            bad = not math.isfinite(loss) or (norm is not None and not math.isfinite(norm))
+            if bad and not skipped:
+                return i + 1
+        return None
+
+    def to_json(self) -> dict[str, object]:
+        h = self.health
+        return {
+            "label": self.spec.label,
+            "precision": self.spec.precision.value,
+            "lr": self.lr,
+            "lr_factor": self.spec.lr_factor,
+            "max_grad_norm": self.spec.max_grad_norm,
+            "loss_scaling": self.spec.loss_scaling,
+            "stable": h.stable,
+            "problem": None if h.stable else h.problem(),
+            "first_nonfinite_step": h.first_nonfinite_step,
+            "skip_fraction": h.skip_fraction,
+            "losses": [json_float(x) for x in self.losses],
+            "grad_norms": [None if g is None else json_float(g) for g in self.grad_norms],
+            "loss_scales": list(self.scales),
+            "skipped": list(self.skipped),
+            "events": [e.to_json() for e in self.events],
+        }
+
+
+def assess(
+    losses: Sequence[float], skipped: Sequence[bool | None], *, explode_factor: float = 10.0, rise_factor: float = 1.5
+) -> RunHealth:
+    first_bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+    finite = [x for x in losses if math.isfinite(x)]
+    k = max(1, min(3, len(losses) // 5 or 1))
+    start = sum(finite[:k]) / len(finite[:k]) if finite else math.nan
+    tail = list(losses[-k:])
+    end = sum(tail) / len(tail) if all(math.isfinite(x) for x in tail) else math.inf
+    exploded = bool(finite) and start > 0 and max(finite) > explode_factor * start
+    rising = len(losses) >= 10 and math.isfinite(end) and start > 0 and end > rise_factor * start
+    n_skip = sum(1 for s in skipped if s)
+    return RunHealth(
+        first_nonfinite_step=first_bad,
+        exploded=exploded,
+        rising=rising,
+        skip_fraction=n_skip / len(skipped) if skipped else 0.0,
+        start_loss=start,
+        end_loss=end,
+    )
+
+
+def prepare_model(pristine: torch.nn.Module, precision: Precision) -> torch.nn.Module:
+    model = copy.deepcopy(pristine)
+    return model.to(torch.bfloat16) if precision is Precision.PURE_BF16 else model.float()
+
+
+def run(
+    setup: DoctorSetup, pristine: torch.nn.Module, batches: Sequence[Any], spec: RunSpec, *, seed: int = 0
+) -> RunResult:
+    """Train ``len(batches)`` optimizer steps (one micro-batch each) under ``spec``."""
+    torch.manual_seed(seed)
+    model = prepare_model(pristine, spec.precision)
+    model.train()
+    try:
+        optimizer = setup.make_optimizer(model.parameters())
+    except Exception as exc:
+        raise DoctorError(f"make_optimizer raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise DoctorError(f"make_optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        if isinstance(group.get("lr"), float | int):
+            group["lr"] = group["lr"] * spec.lr_factor
+    lr = optimizer.param_groups[0].get("lr")
+    monitor = StabilityMonitor(log_events=False, history_limit=None)
+    scaler = None
+    if spec.precision is Precision.AMP_FP16:
+        device = next(model.parameters()).device.type
+        scaler = torch.amp.GradScaler(device, enabled=spec.loss_scaling)
+    init_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+    step = TrainStep(
+        model, optimizer, precision=spec.precision, max_grad_norm=spec.max_grad_norm, monitor=monitor, scaler=scaler
+    )
+    tracker = NonfiniteTracker(model) if spec.track_nonfinite else None
+    try:
+        for i, batch in enumerate(batches):
+            if tracker is not None:
+                tracker.step = i
+            try:
+                step(setup.loss_fn, model, batch)
+            except DoctorError:
+                raise
+            except Exception as exc:
+                raise DoctorError(f"training step {i} ({spec.label}) raised {type(exc).__name__}: {exc}") from exc
+        step.flush()
+    finally:
+        if tracker is not None:
+            tracker.close()
+    hist = list(monitor.history)
+    losses = tuple(s.loss if s.loss is not None else math.nan for s in hist)
+    skipped = tuple(s.skipped for s in hist)
+    return RunResult(
+        spec=spec,
+        lr=float(lr) if isinstance(lr, float | int) else None,
+        init_scale=init_scale,
+        losses=losses,
+        grad_norms=tuple(s.grad_norm for s in hist),
+        scales=tuple(s.loss_scale for s in hist),
+        skipped=skipped,
+        events=tuple(monitor.events),
+        forward_origins=tuple(tracker.forward[k] for k in sorted(tracker.forward)) if tracker else (),
+        backward_origins=tuple(tracker.backward[k] for k in sorted(tracker.backward)) if tracker else (),
+        health=assess(losses, skipped),
+    )
