@@ -48,6 +48,19 @@ class Optimizer(StrEnum):
     LION = "lion"
 
 
+class OptimizerImpl(StrEnum):
+    """How torch.optim runs the update (torch/optim/optimizer.py ``_default_to_fused_or_foreach``).
+
+    ``foreach`` is torch's default on CUDA (what a hand-written loop gets): its intermediates are
+    whole tensor lists, e.g. AdamW's ``sqrt(exp_avg_sq)`` for every parameter at once. ``fused`` runs
+    one kernel per tensor with no list-sized temporaries; the HF Trainer defaults to it
+    (``adamw_torch_fused``) with torch ≥ 2.8.
+    """
+
+    FOREACH = "foreach"
+    FUSED = "fused"
+
+
 class Checkpointing(StrEnum):
     NONE = "none"
     FULL = "full"
@@ -177,6 +190,7 @@ class Strategy:
     optimizer: Optimizer = Optimizer.ADAMW
     checkpointing: Checkpointing = Checkpointing.NONE
     attention: Attention = Attention.SDPA
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     micro_batch: int = 1
     seq_len: int = 2048
     grad_accum: int = 1
@@ -191,6 +205,7 @@ class Strategy:
             ("optimizer", Optimizer),
             ("checkpointing", Checkpointing),
             ("attention", Attention),
+            ("optimizer_impl", OptimizerImpl),
         ):
             value = getattr(self, name)
             try:

@@ -29,9 +29,7 @@ def compare_with_rule_of_thumb(spec: ModelSpec, strategy: Strategy, report: Memo
     def get(c: Mapping[Component, int], k: Component) -> int:
         return int(c.get(k, 0))
 
-    states_rot = (
-        get(rc, Component.WEIGHTS) + get(rc, Component.GRADIENTS) + get(rc, Component.OPTIMIZER_STATES)
-    )
+    states_rot = get(rc, Component.WEIGHTS) + get(rc, Component.GRADIENTS) + get(rc, Component.OPTIMIZER_STATES)
     states = sum(
         get(pc, k)
         for k in (

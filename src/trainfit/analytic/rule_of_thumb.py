@@ -59,9 +59,7 @@ def estimate_rule_of_thumb(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
                 formula=f"b·s·h·L·{C_POINT} (c = {C_LOW}–{C_HIGH})",
                 source="seed article §1.2",
             ),
-            Term(
-                name="framework overhead", bytes=OVERHEAD_POINT, formula="1–2 GB", source="seed article §5.2"
-            ),
+            Term(name="framework overhead", bytes=OVERHEAD_POINT, formula="1–2 GB", source="seed article §5.2"),
         ),
         notes=("decimal GB as in the article; c = 15 is the point value of its 10–20 range",),
         low_bytes=states + bshl * C_LOW + OVERHEAD_LOW,

@@ -18,6 +18,7 @@ Step temporaries (what ``optimizer.step()`` allocates on top):
 
 * AdamW with torch's default ``foreach`` implementation on CUDA allocates ``sqrt(exp_avg_sq)`` for every
   tensor of a dtype group at once: one more state-sized buffer (torch/optim/adam.py ``_multi_tensor_adam``).
+  The ``fused`` implementation (HF Trainer's default with torch ≥ 2.8) has no such buffer.
 * ``master-*`` recipes cast the 16-bit grads to fp32 for the fp32 master parameters: 4 bytes/param.
 * Per-tensor optimizers (bnb 8-bit, Adafactor, Lion) need ~2 copies of the largest tensor in fp32.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES
 from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
-from trainfit.strategy import Optimizer, Strategy
+from trainfit.strategy import Optimizer, OptimizerImpl, Strategy
 from trainfit.units import round_up
 
 BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (optim/optimizer.py, Optimizer8bit)
@@ -116,7 +117,7 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         copies = sum(m * _alloc(t.numel, r.compute_bits) for t, m in tensors if t.matmul) if r.autocast else 0
 
     temp = 0
-    if opt is Optimizer.ADAMW:
+    if opt is Optimizer.ADAMW and strategy.optimizer_impl is OptimizerImpl.FOREACH:
         temp += p * state_bits // 8  # foreach sqrt(exp_avg_sq) over the whole dtype group
     elif opt in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR, Optimizer.LION):
         temp += 2 * _alloc(largest_any, 32)

@@ -85,9 +85,7 @@ def _attention(spec: ModelSpec) -> list[ParamTensor]:
             out += _linear("attn.q_proj", h, qk, False)
         out += _linear("attn.kv_a_proj_with_mqa", h, m.kv_lora_rank + m.qk_rope_head_dim, False)
         out.append(ParamTensor(name="attn.kv_a_layernorm.weight", shape=(m.kv_lora_rank,), matmul=False))
-        out += _linear(
-            "attn.kv_b_proj", m.kv_lora_rank, spec.num_heads * (m.qk_nope_head_dim + m.v_head_dim), False
-        )
+        out += _linear("attn.kv_b_proj", m.kv_lora_rank, spec.num_heads * (m.qk_nope_head_dim + m.v_head_dim), False)
         out += _linear("attn.o_proj", spec.num_heads * m.v_head_dim, h, False)
         return out
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -129,9 +127,7 @@ def _moe(spec: ModelSpec) -> list[ParamTensor]:
             shape=(m.num_experts, 2 * m.expert_intermediate_size, h),
             matmul=True,
         ),
-        ParamTensor(
-            name="mlp.experts.down_proj", shape=(m.num_experts, h, m.expert_intermediate_size), matmul=True
-        ),
+        ParamTensor(name="mlp.experts.down_proj", shape=(m.num_experts, h, m.expert_intermediate_size), matmul=True),
     ]
     if m.num_shared_experts:
         shared_i = m.num_shared_experts * m.shared_expert_intermediate_size
@@ -157,9 +153,7 @@ def inventory(spec: ModelSpec) -> ParamInventory:
         ParamTensor(name="embed_tokens.weight", shape=(v, spec.embed_dim), matmul=spec.tie_word_embeddings)
     ]
     if spec.learned_positions:
-        model.append(
-            ParamTensor(name="embed_positions.weight", shape=(spec.learned_positions, h), matmul=False)
-        )
+        model.append(ParamTensor(name="embed_positions.weight", shape=(spec.learned_positions, h), matmul=False))
     if spec.token_types:
         model.append(ParamTensor(name="embed_token_types.weight", shape=(spec.token_types, h), matmul=False))
     if spec.embedding_norm:

@@ -38,31 +38,22 @@ def estimate_cmd(
         str, typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion")
     ] = "adamw",
     checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none | full | sqrt")] = "none",
-    attention: Annotated[
-        str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")
-    ] = "sdpa",
+    attention: Annotated[str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")] = "sdpa",
+    optimizer_impl: Annotated[
+        str, typer.Option("--optimizer-impl", help="foreach (torch default) | fused (HF Trainer default).")
+    ] = "foreach",
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
-    modules: Annotated[
-        bool, typer.Option("--modules", help="trace: per-module saved-activation table.")
-    ] = False,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object instead of tables.")
-    ] = False,
-    params: Annotated[
-        str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")
-    ] = None,
+    modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
     num_heads: Annotated[int | None, typer.Option("--num-heads", help="What-if: attention heads.")] = None,
-    num_kv_heads: Annotated[
-        int | None, typer.Option("--num-kv-heads", help="What-if: KV heads (GQA).")
-    ] = None,
+    num_kv_heads: Annotated[int | None, typer.Option("--num-kv-heads", help="What-if: KV heads (GQA).")] = None,
     vocab_size: Annotated[int | None, typer.Option("--vocab-size", help="What-if: vocabulary size.")] = None,
-    intermediate_size: Annotated[
-        int | None, typer.Option("--intermediate-size", help="What-if: MLP width.")
-    ] = None,
+    intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", help="What-if: MLP width.")] = None,
 ) -> None:
     """Estimate GPU memory for training MODEL: each component in GiB, the phase of the peak,
     bytes per parameter, and with --gpu whether it fits and the largest micro-batch that does.
@@ -110,6 +101,7 @@ def estimate_cmd(
         "optimizer": optimizer,
         "checkpointing": checkpointing,
         "attention": attention,
+        "optimizer_impl": optimizer_impl,
         "micro_batch": batch,
         "seq_len": seq,
         "grad_accum": grad_accum,
@@ -118,9 +110,7 @@ def estimate_cmd(
     try:
         m = Method(method)
     except ValueError:
-        raise StrategyError(
-            f"unknown method '{method}'; choose one of: {', '.join(x.value for x in Method)}"
-        ) from None
+        raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(x.value for x in Method)}") from None
     options: dict[str, object] | None = None
     if m is Method.TRACE:
         options = {"modules": modules}

@@ -89,6 +89,4 @@ def get_gpu(gpu_id: str) -> GPUSpec:
     key = gpu_id.strip().lower()
     if key in cat:
         return cat[key]
-    raise UnknownGPUError(
-        f"unknown GPU '{gpu_id}'.{did_you_mean(key, cat)} Run 'trainfit gpus' for the catalog."
-    )
+    raise UnknownGPUError(f"unknown GPU '{gpu_id}'.{did_you_mean(key, cat)} Run 'trainfit gpus' for the catalog.")

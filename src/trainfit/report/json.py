@@ -15,6 +15,7 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
         "optimizer": strategy.optimizer.value,
         "checkpointing": strategy.checkpointing.value,
         "attention": strategy.attention.value,
+        "optimizer_impl": strategy.optimizer_impl.value,
         "micro_batch": strategy.micro_batch,
         "seq_len": strategy.seq_len,
         "grad_accum": strategy.grad_accum,
@@ -53,9 +54,7 @@ def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> di
         "reserved_estimate_bytes": report.reserved_estimate_bytes,
         "nvidia_smi_estimate_bytes": report.nvidia_smi_estimate_bytes,
         "bytes_per_param": dict(report.bytes_per_param),
-        "terms": [
-            {"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms
-        ],
+        "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms],
         "notes": list(report.notes),
         "warnings": list(report.warnings),
         "extra": dict(report.extra),

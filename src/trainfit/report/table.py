@@ -19,7 +19,7 @@ def _header(report: MemoryReport, spec: ModelSpec, s: Strategy) -> Text:
     t.append(f"{spec.name}", style="bold")
     t.append(f"  {fmt_count(report.params)} params  {spec.architecture or spec.model_type}\n")
     t.append(
-        f"{s.precision.value} · {s.optimizer.value} · checkpointing {s.checkpointing.value} · {s.attention.value}"
+        f"{s.precision.value} · {s.optimizer.value} ({s.optimizer_impl.value}) · checkpointing {s.checkpointing.value} · {s.attention.value}"
         f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
         f" (effective batch {s.effective_batch})"
     )
@@ -46,9 +46,7 @@ def _rule_of_thumb(report: MemoryReport) -> Group:
 
 def _phases(report: MemoryReport) -> Table:
     peak_phase = report.peak_phase
-    table = Table(
-        title=f"Allocated memory by phase (GiB) — method: {report.method.value}", title_justify="left"
-    )
+    table = Table(title=f"Allocated memory by phase (GiB) — method: {report.method.value}", title_justify="left")
     table.add_column("component")
     for p in report.phases:
         label = p.phase.value + (" (peak)" if p.phase == peak_phase else "")
@@ -62,12 +60,7 @@ def _phases(report: MemoryReport) -> Table:
 
 def _bytes_per_param(report: MemoryReport, s: Strategy) -> Text:
     b = report.bytes_per_param
-    steady = (
-        b.get("weights", 0)
-        + b.get("gradients", 0)
-        + b.get("master_weights", 0)
-        + b.get("optimizer_states", 0)
-    )
+    steady = b.get("weights", 0) + b.get("gradients", 0) + b.get("master_weights", 0) + b.get("optimizer_states", 0)
     txt = (
         f"Bytes per parameter ({s.precision.value}, {s.optimizer.value}): weights {b.get('weights', 0):.2f}"
         f" + grads {b.get('gradients', 0):.2f} + fp32 master {b.get('master_weights', 0):.2f}"
