@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfit.analytic import estimate_analytic
-from trainfit.arch import catalog_slugs, load_model
+from trainfit.arch import ModelSpec, catalog_slugs, load_model
 from trainfit.strategy import Attention, Checkpointing, Optimizer, Precision, Strategy
 
 SLUGS = [s for s in catalog_slugs() if s not in ("deepseek-v3", "llama-3.1-405b")]
@@ -44,13 +44,27 @@ def test_monotonic_in_batch_and_seq(slug: str, s: Strategy, db: int, ds: int) ->
     assert estimate_analytic(spec, dataclasses.replace(s, seq_len=s.seq_len + ds)).peak_bytes >= base
 
 
+def _no_cache_slack(spec: ModelSpec, s: Strategy, c: Checkpointing) -> int:
+    """HF turns the KV cache off under gradient checkpointing. For a fused-qkv model with RoPE the
+    cache had replaced v (a view of the fused output) by a copy, so a layer recomputed without the
+    cache keeps the whole fused output: a·t·(q_dim + kv_dim) more per recomputed layer. That is the
+    only way checkpointing can add bytes, and only when the end of backward is the peak."""
+    if not (spec.fused_qkv and spec.rotary_dim and spec.use_cache):
+        return 0
+    layers = dataclasses.replace(s, checkpointing=c).checkpoint_segments(spec.num_layers)
+    per_segment = -(-spec.num_layers // layers)
+    a = s.recipe.compute_bits // 8
+    return per_segment * a * s.tokens_per_micro_batch * (spec.q_dim + spec.kv_dim)
+
+
 @settings(max_examples=150, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies)
 def test_checkpointing_never_increases_memory(slug: str, s: Strategy) -> None:
     spec = load_model(slug)
     none = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.NONE)).peak_bytes
     for c in (Checkpointing.FULL, Checkpointing.SQRT):
-        assert estimate_analytic(spec, dataclasses.replace(s, checkpointing=c)).peak_bytes <= none
+        ckpt = estimate_analytic(spec, dataclasses.replace(s, checkpointing=c)).peak_bytes
+        assert ckpt <= none + _no_cache_slack(spec, s, c)
 
 
 @settings(max_examples=100, deadline=None)
