@@ -35,9 +35,7 @@ CASES = {
     ),
     "mixtral_master-bf16_sqrt_8bit": (
         "mixtral-8x7b-v0.1",
-        dict(
-            precision="master-bf16", checkpointing="sqrt", optimizer="adamw-8bit", micro_batch=1, seq_len=4096
-        ),
+        dict(precision="master-bf16", checkpointing="sqrt", optimizer="adamw-8bit", micro_batch=1, seq_len=4096),
         None,
     ),
     "gemma-2b_amp-bf16_eager_adafactor": (

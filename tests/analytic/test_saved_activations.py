@@ -72,6 +72,19 @@ CONFIGS: dict[str, dict] = {
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     ),
+    # Residual and embedding dropout save 1-byte masks (attention dropout is left at 0: the CPU flash
+    # kernel has no dropout and falls back to the math kernel, unlike CUDA's flash kernel).
+    "gpt2-dropout": dict(
+        model_type="gpt2",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=320,
+        n_positions=128,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.0,
+    ),
     "gpt_neox": dict(
         model_type="gpt_neox",
         hidden_size=64,
@@ -160,6 +173,8 @@ def cpu_artefacts(cfg: dict, precision: str) -> int:
        memory-efficient kernels always allocate the output as (b, s, heads, hd): no copy.
     2. CPU ``layer_norm`` keeps mean and rstd in the input dtype; CUDA keeps them in fp32 (opmath):
        −4·t bytes per LayerNorm in bf16.
+    3. CPU dropout multiplies by a noise tensor of the input dtype; CUDA's fused ``native_dropout``
+       saves a bool mask (1 byte per element): +(a − 1)·t·h per dropout.
     """
     spec = spec_from_config(cfg, name="t", source="test")
     t = B * S
@@ -171,6 +186,8 @@ def cpu_artefacts(cfg: dict, precision: str) -> int:
         n_norms = spec.num_layers * spec.norms_per_layer + int(spec.final_norm) + int(spec.embedding_norm)
         n_norms += int(spec.kind is ModelKind.MASKED_LM)  # MLM head transform LayerNorm
         delta -= 4 * t * n_norms
+    masks = 2 * spec.num_layers * (spec.hidden_dropout > 0) + (spec.embedding_dropout > 0)
+    delta += masks * (a - 1) * t * spec.hidden_size
     return delta
 
 
