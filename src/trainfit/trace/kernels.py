@@ -1,0 +1,179 @@
+"""CUDA kernels whose memory differs from what their CPU twins would do, emulated for the trace.
+
+Fake tensors carry a CPU device, so PyTorch would pick CPU code paths. Where the CPU path allocates or saves
+different tensors than the CUDA path a GPU run takes, a ``TorchFunctionMode`` swaps in an emulation that
+allocates exactly what the CUDA kernel allocates (values are irrelevant under fake tensors):
+
+* ``scaled_dot_product_attention``: CUDA picks FlashAttention-2 (fp16/bf16, no mask, head dim ≤ 256) or the
+  memory-efficient kernel (any float dtype, additive mask), else the math fallback — the priority of
+  ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp for sm80+. Both fused
+  kernels save q, k, v, the output and a float32 logsumexp (flash: [B, H, Lq]; efficient: Lq rounded up to
+  32) — not the [B, H, Lq, Lk] probabilities. Flash backward allocates dq/dk/dv plus ``softmax_d`` fp32
+  [B, H, round128(Lq)], ``dq_accum`` fp32 [B, round128(Lq), H, round32(d)] and, for GQA, dk/dv expanded to
+  the query heads (``mha_bwd`` in aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp). The
+  efficient kernel's bool mask is first turned into an additive mask of the query dtype
+  (``convert_boolean_attn_mask``) and padded to a multiple of 16 columns (``preprocess_mask``), and it is
+  that tensor the kernel saves. cuDNN attention (preferred on sm90 by recent builds) saves the same bytes
+  as flash.
+* ``dropout``: on CUDA ``aten::dropout`` takes the fused ``native_dropout`` path, which saves a bool mask
+  (1 byte/element); the CPU path multiplies by a noise tensor of the input dtype and saves that
+  (``is_fused_kernel_acceptable`` in aten/src/ATen/native/Dropout.cpp).
+* ``grouped_mm`` (Hugging Face's MoE experts): the meta kernel accepts only bf16 (it mirrors the sm90 fast
+  path); other dtypes take CUDA's loop-of-mm fallback, whose memory is its output plus, for backward, the
+  two saved operands. We emulate that fallback.
+
+Anything else runs unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_HALF = (torch.float16, torch.bfloat16)
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+
+
+def _round(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def sdpa_backend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+) -> str:
+    """The CUDA SDPA backend an sm80+ GPU picks for these inputs (``select_sdp_backend``)."""
+    d, dv = q.size(-1), v.size(-1)
+    lq, lk = q.size(-2), k.size(-2)
+    if q.dtype in _HALF and attn_mask is None and d == dv and d <= 256 and d % 8 == 0 and not (is_causal and lq != lk):
+        return FLASH
+    align = 8 if q.dtype in _HALF else 4  # minimum_gemm_alignment on sm80+
+    if q.dtype in (*_HALF, torch.float32) and d % align == 0 and dv % align == 0:
+        return EFFICIENT
+    return MATH
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Allocates and saves what CUDA's flash / memory-efficient attention allocates and saves."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, backend: str
+    ) -> torch.Tensor:
+        b, hq, lq, _ = q.shape
+        dv = v.size(-1)
+        out = q.new_empty((b, lq, hq, dv)).transpose(1, 2)
+        lse_len = lq if backend == FLASH else _round(lq, 32)
+        lse = q.new_empty((b, hq, lse_len), dtype=torch.float32)
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, lse, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, _out, _lse, _bias = ctx.saved_tensors
+        b, hq, lq, d = q.shape
+        lk = k.size(-2)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if ctx.backend == FLASH:
+            softmax_d = q.new_empty((b, hq, _round(lq, 128)), dtype=torch.float32)
+            dq_accum = q.new_empty((b, _round(lq, 128), hq, _round(d, 32)), dtype=torch.float32)
+            if k.size(1) != hq:
+                dk_exp = q.new_empty((b, lk, hq, d))
+                dv_exp = q.new_empty((b, lk, hq, v.size(-1)))
+                del dk_exp, dv_exp
+            del dq_accum, softmax_d
+        else:
+            delta = q.new_empty((b, hq, lq), dtype=torch.float32)
+            del delta
+        return dq, dk, dv, None, None
+
+
+def _efficient_bias(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``convert_boolean_attn_mask`` then ``preprocess_mask`` (pad the last dim to 16) as on CUDA."""
+    mask = attn_mask
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask.logical_not(), float("-inf"), 0.0).to(q.dtype)
+    elif mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    lk = k.size(-2)
+    if lk % 16:
+        mask = F.pad(mask, (0, _round(lk, 16) - lk))[..., :lk]
+    return mask.expand(q.size(0), q.size(1), q.size(-2), lk)
+
+
+def emulated_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    calls: dict[str, int] | None = None,
+) -> torch.Tensor:
+    if torch.is_autocast_enabled("cpu"):  # SDPA is on CUDA autocast's lower-precision list
+        low = torch.get_autocast_dtype("cpu")
+        with torch.autocast("cpu", enabled=False):
+            query, key, value = (t.to(low) if t.dtype in (torch.float32, *_HALF) else t for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(low)
+    backend = sdpa_backend(query, key, value, attn_mask, is_causal)
+    if calls is not None:
+        calls[backend] = calls.get(backend, 0) + 1
+    with torch.autocast("cpu", enabled=False):
+        if backend == MATH:
+            math: Any = torch.ops.aten._scaled_dot_product_attention_math
+            out: torch.Tensor = math(
+                query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+            )[0]
+            return out
+        bias = _efficient_bias(attn_mask, query, key) if (backend == EFFICIENT and attn_mask is not None) else None
+        apply: Any = _FusedAttention.apply
+        fused: torch.Tensor = apply(query, key, value, bias, backend)
+        return fused
+
+
+class _GroupedMMFallback(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a.new_empty((a.size(0), b.size(-1)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b)
+
+
+class CudaKernels(TorchFunctionMode):
+    """Route the ops above to their CUDA emulation while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sdpa_calls: dict[str, int] = {}
+        self._grouped = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return emulated_sdpa(*args, **kwargs, calls=self.sdpa_calls)
+        if func is F.dropout:
+            x = args[0]
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
+            if training and 0.0 < p < 1.0 and x.numel() > 0 and not inplace:
+                return torch.ops.aten.native_dropout(x, p, True)[0]
+            return func(*args, **kwargs)
+        if func in self._grouped:
+            a, b = args[0], args[1]
+            if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+                apply: Any = _GroupedMMFallback.apply
+                return apply(a, b)
+        return func(*args, **kwargs)

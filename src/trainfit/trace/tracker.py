@@ -1,0 +1,312 @@
+"""Live-storage accounting for a traced training step, as the CUDA caching allocator would see it.
+
+A ``TorchDispatchMode`` sits below autograd and autocast, so every tensor an operator creates passes
+through it, including the ones autograd creates in backward and the casts autocast inserts. For each new
+*storage* (views share one) we keep a record: size rounded up to 512 bytes (``kMinBlockSize`` in
+``c10/cuda/CUDACachingAllocator.cpp``, the granularity ``torch.cuda.max_memory_allocated`` counts in),
+the event number at which it appeared and the one at which its last reference died (a weakref callback on
+the storage), and the context it was born in: phase, step, module, whether inside the loss/head region or
+an activation-checkpoint recomputation. Every allocation and every free is one event, so "live bytes after
+event e" is an exact timeline; phase and region peaks are maxima over slices of it.
+
+Categories are assigned after the run, once each storage's fate is known. Explicit marks win (parameters →
+weights or master weights, ``.grad`` → gradients, optimizer state → optimizer states, a ``_to_copy`` of a
+parameter → autocast copies, model outputs → logits/loss). Otherwise a storage born in the head/loss region
+is logits/loss; one born in the forward pass (or in a recomputation) that is still alive when that pass
+ends is an activation, i.e. held for backward; everything else is a temporary. This is the
+``torch.distributed._tools.mem_tracker.MemTracker`` idea (categories by reference type, 512-byte rounding)
+with fate-based activation accounting and an event log instead of running snapshots, which makes the
+breakdown at the peak exact rather than attributed on the fly.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from trainfit.result import Component
+
+#: Allocation granularity of the CUDA caching allocator (``kMinBlockSize = 512`` in
+#: c10/cuda/CUDACachingAllocator.cpp); ``max_memory_allocated`` counts rounded block sizes.
+ALLOC_GRANULARITY_BYTES = 512
+
+# Explicit kinds (set by marks); NONE means "decide by fate".
+NONE, WEIGHTS, MASTER, GRAD, OPT, AUTOCAST, LOGITS, HOST, MERGED = range(9)
+_KIND_COMPONENT = {
+    WEIGHTS: Component.WEIGHTS,
+    MASTER: Component.MASTER_WEIGHTS,
+    GRAD: Component.GRADIENTS,
+    OPT: Component.OPTIMIZER_STATES,
+    AUTOCAST: Component.AUTOCAST_COPIES,
+    LOGITS: Component.LOGITS_LOSS,
+}
+
+# Phases in which a storage can be born.
+SETUP, FORWARD, BACKWARD, OPTIMIZER = "setup", "forward", "backward", "optimizer-step"
+
+COMPONENTS: tuple[Component, ...] = tuple(Component)
+_COMP_INDEX = {c: i for i, c in enumerate(COMPONENTS)}
+
+
+def rounded(nbytes: int) -> int:
+    """Bytes the caching allocator hands out for a request of ``nbytes`` (0 stays 0)."""
+    if nbytes <= 0:
+        return 0
+    g = ALLOC_GRANULARITY_BYTES
+    return -(-nbytes // g) * g
+
+
+@dataclass(slots=True)
+class Record:
+    """One storage's life."""
+
+    nbytes: int
+    alloc_t: int
+    phase: str
+    step: int
+    head: bool
+    recompute: int  # index into Tracker.recompute_ends, -1 if not born in a recomputation
+    owner: str
+    op: str
+    kind: int = NONE
+    free_t: int | None = None
+
+
+@dataclass(slots=True)
+class Interval:
+    """A slice of the event timeline: events ``start..end`` inclusive (state after each event)."""
+
+    label: str
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class Peak:
+    label: str
+    event: int
+    total_bytes: int
+    components: dict[Component, int] = field(default_factory=dict)
+
+
+class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records every storage created while active (see module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.t = 0
+        self.records: list[Record] = []
+        self._info: Any = WeakIdKeyDictionary()
+        self.phase = SETUP
+        self.step = 0
+        self.head_depth = 0
+        self.bwd_head = False
+        self.recompute = -1
+        self.recompute_ends: list[int | None] = []
+        self.module_stack: list[str] = []
+        self.forward_end: dict[int, int] = {}
+        self.accumulations: list[tuple[Record, Record, Record]] = []
+        self._merged = False
+        self._to_copy = torch.ops.aten._to_copy.default
+        self._add = torch.ops.aten.add.Tensor
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self.t += 1
+        return self.t
+
+    def _freed(self, rec: Record, _ref: object) -> None:
+        rec.free_t = self._tick()
+
+    def _record(self, st: torch.UntypedStorage, op: str) -> Record | None:
+        entry = self._info.get(st)
+        if entry is not None:
+            rec: Record = entry[0]
+            return rec
+        nbytes = rounded(st.nbytes())
+        if nbytes == 0:
+            return None
+        rec = Record(
+            nbytes=nbytes,
+            alloc_t=self._tick(),
+            phase=self.phase,
+            step=self.step,
+            head=self.head_depth > 0 or (self.phase == BACKWARD and self.bwd_head),
+            recompute=self.recompute,
+            owner=self.module_stack[-1] if self.module_stack else "",
+            op=op,
+        )
+        self.records.append(rec)
+        ref = weakref.ref(st, functools.partial(self._freed, rec))
+        self._info[st] = (rec, ref)
+        return rec
+
+    def record_of(self, t: torch.Tensor) -> Record | None:
+        entry = self._info.get(t.untyped_storage())
+        return None if entry is None else entry[0]
+
+    def mark(self, tensors: Iterable[torch.Tensor | None], kind: int, *, only_unmarked: bool = False) -> None:
+        """Give storages an explicit kind (tracking them now if they were created outside the mode)."""
+        for t in tensors:
+            if t is None:
+                continue
+            rec = self._record(t.untyped_storage(), "external")
+            if rec is not None and not (only_unmarked and rec.kind != NONE):
+                rec.kind = kind
+
+    # -- the dispatch hook -------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                rec = self._record(t.untyped_storage(), name)
+                if rec is None or rec.alloc_t != self.t:
+                    continue
+                if func is self._to_copy and rec.kind == NONE:
+                    src = self.record_of(args[0])
+                    if src is not None and src.kind in (WEIGHTS, MASTER) and args[0].dtype != t.dtype:
+                        rec.kind = AUTOCAST
+                elif func is self._add and self.phase == BACKWARD and len(args) == 2 and not kwargs:
+                    self._maybe_accumulation(rec, t, args)
+        return out
+
+    def _maybe_accumulation(self, rec: Record, out: torch.Tensor, args: Sequence[Any]) -> None:
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return
+        if a.shape != out.shape or b.shape != out.shape or a.dtype != out.dtype or b.dtype != out.dtype:
+            return
+        ra, rb = self.record_of(a), self.record_of(b)
+        if ra is not None and rb is not None:
+            self.accumulations.append((rec, ra, rb))
+
+    def merge_inplace_accumulations(self) -> int:
+        """Replay autograd's in-place gradient accumulation, which fake tensors do not get.
+
+        When two gradients meet in autograd's ``InputBuffer`` (a residual join, a tensor read twice, a tied
+        weight), ``accumulate`` in torch/csrc/autograd/input_buffer.cpp adds one into the other in place if
+        the buffer holds its last reference — unless the tensor is a subclass (``can_accumulate_inplace``
+        refuses ``isTensorSubclassLike``), which FakeTensor is. So under fake tensors every such join
+        allocates ``old + new`` while both are alive. We find those adds (backward, same shape and dtype,
+        an input whose last reference dies right after) and let the result take over that input's storage,
+        as the in-place path does on CUDA. Returns how many were merged.
+        """
+        if self._merged:
+            return 0
+        self._merged = True
+        n = 0
+        alias: dict[int, Record] = {}
+        for out, ra, rb in self.accumulations:
+            for inp in (alias.get(id(ra), ra), alias.get(id(rb), rb)):
+                if inp.free_t is not None and out.alloc_t < inp.free_t <= out.alloc_t + 2 and inp.nbytes == out.nbytes:
+                    inp.free_t = out.free_t
+                    if out.kind != NONE:
+                        inp.kind = out.kind
+                    out.kind = MERGED
+                    alias[id(out)] = inp
+                    n += 1
+                    break
+        return n
+
+    # -- recompute regions -------------------------------------------------------------------------
+    def begin_recompute(self) -> int:
+        self.recompute_ends.append(None)
+        self.recompute = len(self.recompute_ends) - 1
+        return self.recompute
+
+    def end_recompute(self, idx: int) -> None:
+        self.recompute_ends[idx] = self.t
+        self.recompute = -1
+
+    # -- analysis ----------------------------------------------------------------------------------
+    def component(self, rec: Record) -> Component | None:
+        """Final category of a storage (``None``: not device memory, e.g. host-side optimizer steps)."""
+        if rec.kind in (HOST, MERGED):
+            return None
+        if rec.kind != NONE:
+            return _KIND_COMPONENT[rec.kind]
+        if rec.head:
+            return Component.LOGITS_LOSS
+        if rec.phase == FORWARD:
+            end = self.forward_end.get(rec.step)
+            if end is None or rec.free_t is None or rec.free_t > end:
+                return Component.ACTIVATIONS
+            return Component.TEMPORARIES
+        if rec.recompute >= 0:
+            end = self.recompute_ends[rec.recompute]
+            if end is None or rec.free_t is None or rec.free_t > end:
+                return Component.ACTIVATIONS
+        return Component.TEMPORARIES
+
+    def _events(self) -> tuple[list[int], list[int]]:
+        """Signed byte delta and component index of each event 1..t (index 0 is the empty start)."""
+        self.merge_inplace_accumulations()
+        n = self.t + 1
+        delta = [0] * n
+        comp = [0] * n
+        for rec in self.records:
+            c = self.component(rec)
+            if c is None:
+                continue
+            ci = _COMP_INDEX[c]
+            delta[rec.alloc_t] += rec.nbytes
+            comp[rec.alloc_t] = ci
+            if rec.free_t is not None:
+                delta[rec.free_t] -= rec.nbytes
+                comp[rec.free_t] = ci
+        return delta, comp
+
+    def peaks(self, intervals: Sequence[Interval]) -> list[Peak]:
+        """The state of maximum live bytes inside each interval, with its breakdown by component."""
+        delta, comp = self._events()
+        totals = [0] * len(delta)
+        run = 0
+        for e, d in enumerate(delta):
+            run += d
+            totals[e] = run
+        chosen: list[tuple[Interval, int]] = []
+        for iv in intervals:
+            lo, hi = max(0, iv.start), min(iv.end, len(totals) - 1)
+            if hi < lo:
+                continue
+            best = max(range(lo, hi + 1), key=totals.__getitem__)
+            chosen.append((iv, best))
+        wanted = sorted({e for _, e in chosen})
+        sums = [0] * len(COMPONENTS)
+        snap: dict[int, list[int]] = {}
+        w = 0
+        for e, d in enumerate(delta):
+            if w >= len(wanted):
+                break
+            sums[comp[e]] += d
+            while w < len(wanted) and wanted[w] == e:
+                snap[e] = list(sums)
+                w += 1
+        out = []
+        for iv, e in chosen:
+            parts = {c: snap[e][i] for i, c in enumerate(COMPONENTS)}
+            out.append(Peak(label=iv.label, event=e, total_bytes=totals[e], components=parts))
+        return out
+
+    def live_at(self, event: int, predicate: Callable[[Record], bool] | None = None) -> list[Record]:
+        """Records alive after ``event`` (optionally filtered)."""
+        out = []
+        for rec in self.records:
+            alive = rec.alloc_t <= event and (rec.free_t is None or rec.free_t > event)
+            if alive and (predicate is None or predicate(rec)):
+                out.append(rec)
+        return out
+
+
+def storages_of(objs: Iterable[Any]) -> list[torch.Tensor]:
+    """Tensors found in (possibly nested) containers."""
+    return [t for t in tree_leaves(list(objs)) if isinstance(t, torch.Tensor)]
