@@ -118,6 +118,44 @@ CONFIGS: dict[str, dict] = {
         embd_pdrop=0.0,
         **_SMALL,
     ),
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **_SMALL,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=2,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        **_SMALL,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        **_SMALL,
+    ),
     "bert": dict(
         model_type="bert",
         hidden_size=64,
@@ -131,6 +169,20 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+def _is_weight_cast(t: torch.Tensor) -> bool:
+    """A 16-bit copy of a parameter made by autocast (a separate component, ``autocast_copies``):
+    a cast / transpose / view chain of at most three nodes that ends at a parameter's AccumulateGrad."""
+    fn = t.grad_fn
+    for _ in range(3):
+        if fn is None or type(fn).__name__ not in ("TBackward0", "ToCopyBackward0", "SelectBackward0", "ViewBackward0"):
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if any(type(f).__name__ == "AccumulateGrad" for f in nxt):
+            return True
+        fn = nxt[0] if len(nxt) == 1 else None
+    return False
+
+
 def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool) -> int:
     hf = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     hf._attn_implementation = "sdpa"
@@ -142,8 +194,7 @@ def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool) -> int:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        weight_cast = type(t.grad_fn).__name__ == "TBackward0" or (t.grad_fn is None and t.is_leaf and t.requires_grad)
-        if st.data_ptr() not in params and not weight_cast:
+        if st.data_ptr() not in params and not _is_weight_cast(t):
             seen[st.data_ptr()] = st.nbytes()
         return t
 
@@ -159,8 +210,11 @@ def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool) -> int:
 def analytic_saved_bytes(cfg: dict, precision: str) -> int:
     spec = spec_from_config(cfg, name="t", source="test")
     st = Strategy(precision=precision, micro_batch=B, seq_len=S)
-    per_layer = sum(t.bytes for t in layer_terms(spec, st))
-    return spec.num_layers * per_layer + sum(t.bytes for t in model_terms(spec, st))
+    layers = 0
+    for count, moe in ((spec.num_dense_layers, False), (spec.num_moe_layers, True)):
+        if count:
+            layers += count * sum(t.bytes for t in layer_terms(spec, st, moe=moe))
+    return layers + sum(t.bytes for t in model_terms(spec, st))
 
 
 def cpu_artefacts(cfg: dict, precision: str) -> int:
@@ -199,7 +253,9 @@ def test_saved_activations_match_autograd(family: str, precision: str, dtype: st
     assert analytic_saved_bytes(cfg, precision) + cpu_artefacts(cfg, precision) == measured
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "starcoder2"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "mistral", "starcoder2", "mixtral", "qwen2_moe", "qwen3_moe"]
+)
 def test_saved_activations_match_autograd_under_autocast(family: str) -> None:
     """Blocks whose every op has the same autocast policy on CPU and CUDA. Left out: HF's Python
     gelu_new (GPT-2, Phi: CUDA autocast runs ``pow`` in fp32, CPU autocast in bf16) and BERT's MLM

@@ -22,7 +22,8 @@ Transformer Models", Table 2): per GPT-2-era layer with 16-bit activations and n
 * **Dropout** saves a 1-byte mask only when its probability is > 0 (``native_dropout``); SDPA's
   attention dropout keeps only an RNG seed.
 * RoPE's cos/sin are computed once per forward and shared by every layer (counted once).
-* MoE layers route ``b·s·top_k`` token copies through experts (transformers 5 ``*Experts.forward``).
+* MoE layers route ``b·s·top_k`` token copies through experts (transformers 5 ``grouped_mm`` experts,
+  which have no autocast policy and run in the *weight* dtype — fp32 under ``amp-*``).
 
 Everything is in bytes for one micro-batch; ``t = batch·seq`` tokens.
 """
@@ -189,23 +190,45 @@ def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[Sa
     return [SavedTerm(name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)")]
 
 
+def _router_bytes(spec: ModelSpec, t: int, a: int) -> int:
+    """Router bookkeeping saved for backward (transformers 5 MoE blocks): fp32 softmax over experts,
+    int64 top-k indices and three int64 routing index arrays, the routing weights (fp32; Qwen-MoE
+    casts them to the compute dtype), per-expert int32 counts; renormalising the top-k weights adds
+    their fp32 sum and a clone."""
+    assert spec.moe is not None
+    m = spec.moe
+    k, e = m.experts_per_token, m.num_experts
+    weight_bytes = a if m.weights_in_compute_dtype else 4
+    out = 4 * t * e + 4 * e + 32 * t * k + weight_bytes * t * k
+    if m.norm_topk_prob:
+        out += 4 * t + 4 * t * k
+    return out
+
+
 def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[SavedTerm]:
+    """MoE block (transformers 5 ``*SparseMoeBlock``): the router, shared experts and shared-expert gate
+    all read the normed input (one saved tensor, or one autocast cast each); routed experts process
+    ``t·top_k`` gathered rows."""
     assert spec.moe is not None
     m, h, a = spec.moe, spec.hidden_size, w.compute
     routed = t * m.experts_per_token
+    readers = 1 + (2 if m.num_shared_experts else 0) + (1 if m.shared_expert_gate else 0)
     out = [
-        _matmul_inputs("mlp.router_in", t, h, 1, norm_bytes, w),
-        SavedTerm(name="mlp.router", bytes=(a + 4) * t * m.num_experts, formula="(a+4)·t·experts"),
+        _matmul_inputs("mlp.moe_in", t, h, readers, norm_bytes, w),
+        SavedTerm(name="mlp.router", bytes=_router_bytes(spec, t, a), formula="4·t·E + 4·E + 36·t·k (+renorm)"),
+        # grouped_mm runs in the weight dtype (no autocast policy): fp32 experts under amp-*.
         SavedTerm(
             name="mlp.experts",
-            bytes=a * routed * (2 * h + 4 * m.expert_intermediate_size),
-            formula="a·t·top_k·(2h + 4·moe_i)",
+            bytes=w.residual * routed * (2 * h + 4 * m.expert_intermediate_size),
+            formula="w·t·top_k·(2h + 4·moe_i), w = weight bytes",
         ),
     ]
     if m.num_shared_experts:
         si = m.num_shared_experts * m.shared_expert_intermediate_size
-        out.append(_matmul_inputs("mlp.shared_in", t, h, 2, norm_bytes, w))
         out.append(SavedTerm(name="mlp.shared.swiglu", bytes=4 * a * t * si, formula="4·a·t·shared_i"))
+    if m.shared_expert_gate:
+        # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
+        out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
     return out
 
 

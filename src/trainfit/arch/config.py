@@ -159,6 +159,8 @@ def _qwen_moe(cfg: Config, base: dict[str, Any], *, shared: bool, qkv_bias: bool
         num_shared_experts=1 if shared else 0,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)) if shared else 0,
         shared_expert_gate=shared,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        weights_in_compute_dtype=True,
     )
     return out | {"moe": moe}
 
@@ -195,6 +197,7 @@ def _deepseek(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         num_shared_experts=n_shared,
         shared_expert_intermediate_size=moe_i,
         num_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
     )
     return out | {
         "mla": mla,

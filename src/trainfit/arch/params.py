@@ -121,13 +121,15 @@ def _moe(spec: ModelSpec) -> list[ParamTensor]:
     m, h = spec.moe, spec.hidden_size
     out = [
         ParamTensor(name="mlp.router.weight", shape=(m.num_experts, h), matmul=True),
-        # Stored fused as in transformers 5 (experts.gate_up_proj / experts.down_proj).
+        # Stored fused as in transformers 5 (experts.gate_up_proj / experts.down_proj) and multiplied by
+        # grouped_mm, which has no autocast policy: transformers casts the *input* to the weight dtype
+        # (integrations/moe.py ``_grouped_mm``), so autocast makes no 16-bit copy of expert weights.
         ParamTensor(
             name="mlp.experts.gate_up_proj",
             shape=(m.num_experts, 2 * m.expert_intermediate_size, h),
-            matmul=True,
+            matmul=False,
         ),
-        ParamTensor(name="mlp.experts.down_proj", shape=(m.num_experts, h, m.expert_intermediate_size), matmul=True),
+        ParamTensor(name="mlp.experts.down_proj", shape=(m.num_experts, h, m.expert_intermediate_size), matmul=False),
     ]
     if m.num_shared_experts:
         shared_i = m.num_shared_experts * m.shared_expert_intermediate_size

@@ -42,6 +42,8 @@ class MoESpec:
     shared_expert_intermediate_size: int = 0  # per shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
     num_dense_layers: int = 0  # leading dense layers (DeepSeek first_k_dense_replace)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights (Mixtral always does)
+    weights_in_compute_dtype: bool = False  # Qwen-MoE casts the routing weights to the logits' dtype
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
