@@ -17,7 +17,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.result import FitVerdict, MemoryReport, Method
-from trainfit.strategy import Strategy
+from trainfit.strategy import Attention, Strategy
 
 DEFAULT_HEADROOM = 0.30
 MAX_SEARCH_BATCH = 1 << 16
@@ -114,9 +114,15 @@ def estimate(
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
+    pre_warnings: list[str] = []
+    if strategy.attention is Attention.SDPA and not spec.supports_sdpa:
+        strategy = dataclasses.replace(strategy, attention=Attention.EAGER)
+        pre_warnings.append(
+            f"{spec.name} ({spec.model_type}) has no SDPA attention in transformers; estimating eager attention"
+        )
     fn = _method_fn(method)
     report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
-    warnings = list(report.warnings)
+    warnings = pre_warnings + list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(
             f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "

@@ -156,6 +156,49 @@ CONFIGS: dict[str, dict] = {
         num_experts_per_tok=2,
         **_SMALL,
     ),
+    "gemma": dict(
+        model_type="gemma",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        **_SMALL,
+    ),
+    # Gemma-2 has no SDPA path in transformers: eager attention with tanh soft-capping.
+    "gemma2": dict(
+        model_type="gemma2",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=64,
+        **_SMALL,
+    ),
+    "opt": dict(
+        model_type="opt",
+        hidden_size=64,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        dropout=0.0,
+        attention_dropout=0.0,
+        word_embed_proj_dim=64,
+        **_SMALL,
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        **_SMALL,
+    ),
     "bert": dict(
         model_type="bert",
         hidden_size=64,
@@ -183,9 +226,14 @@ def _is_weight_cast(t: torch.Tensor) -> bool:
     return False
 
 
-def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool) -> int:
+def _attention(cfg: dict) -> str:
+    spec = spec_from_config(cfg, name="t", source="test")
+    return "sdpa" if spec.supports_sdpa else "eager"
+
+
+def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool, attention: str | None = None) -> int:
     hf = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-    hf._attn_implementation = "sdpa"
+    hf._attn_implementation = attention or _attention(cfg)
     auto = transformers.AutoModelForMaskedLM if cfg["model_type"] == "bert" else transformers.AutoModelForCausalLM
     torch.manual_seed(0)
     model = auto.from_config(hf).to(dtype).train()
@@ -207,14 +255,20 @@ def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool) -> int:
     return sum(seen.values())
 
 
-def analytic_saved_bytes(cfg: dict, precision: str) -> int:
+def analytic_saved_bytes(cfg: dict, precision: str, attention: str | None = None) -> int:
     spec = spec_from_config(cfg, name="t", source="test")
-    st = Strategy(precision=precision, micro_batch=B, seq_len=S)
+    st = Strategy(precision=precision, micro_batch=B, seq_len=S, attention=attention or _attention(cfg))  # type: ignore[arg-type]
+    # Gemma-2's final soft-cap saves tanh(logits) during the forward itself (the loss is modelled apart).
+    softcap = st.recipe.compute_bits // 8 * B * S * spec.vocab_size if spec.final_logit_softcapping else 0
     layers = 0
     for count, moe in ((spec.num_dense_layers, False), (spec.num_moe_layers, True)):
         if count:
             layers += count * sum(t.bytes for t in layer_terms(spec, st, moe=moe))
-    return layers + sum(t.bytes for t in model_terms(spec, st))
+    return layers + sum(t.bytes for t in model_terms(spec, st)) + softcap
+
+
+#: Families whose RoPE builds q with ``torch.cat`` (partial rotary: NeoX, Phi; Phi-3 always).
+Q_BUILT_BY_CAT = frozenset({"gpt_neox", "phi", "phi3"})
 
 
 def cpu_artefacts(cfg: dict, precision: str) -> int:
@@ -222,7 +276,7 @@ def cpu_artefacts(cfg: dict, precision: str) -> int:
     in docs/accuracy.md):
 
     1. The CPU flash-attention kernel lays its output out like q. Where q is built by ``torch.cat``
-       (partial RoPE: NeoX, Phi), q is contiguous as (b, heads, s, hd), so the ``transpose(1, 2)
+       (NeoX, Phi, Phi-3), q is contiguous as (b, heads, s, hd), so the ``transpose(1, 2)
        .contiguous()`` before the output projection copies it: +a·t·q_dim per layer. CUDA's flash and
        memory-efficient kernels always allocate the output as (b, s, heads, hd): no copy.
     2. CPU ``layer_norm`` keeps mean and rstd in the input dtype; CUDA keeps them in fp32 (opmath):
@@ -234,7 +288,7 @@ def cpu_artefacts(cfg: dict, precision: str) -> int:
     t = B * S
     a = 4 if precision == "fp32" else 2
     delta = 0
-    if 0 < spec.rotary_dim < spec.head_dim:
+    if spec.model_type in Q_BUILT_BY_CAT:
         delta += spec.num_layers * a * t * spec.q_dim
     if spec.norm is NormKind.LAYERNORM and precision == "pure-bf16":
         n_norms = spec.num_layers * spec.norms_per_layer + int(spec.final_norm) + int(spec.embedding_norm)
@@ -263,3 +317,12 @@ def test_saved_activations_match_autograd_under_autocast(family: str) -> None:
     the trace engine emulates CUDA's policy for those."""
     cfg = CONFIGS[family]
     assert analytic_saved_bytes(cfg, "amp-bf16") == measured_saved_bytes(cfg, torch.float32, True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("pure-bf16", "bfloat16")])
+def test_eager_attention_matches_autograd(family: str, precision: str, dtype: str) -> None:
+    """Eager attention: repeat_kv copies, the fp32 softmax output and the probabilities."""
+    cfg = CONFIGS[family]
+    measured = measured_saved_bytes(cfg, getattr(torch, dtype), amp=False, attention="eager")
+    assert analytic_saved_bytes(cfg, precision, attention="eager") + cpu_artefacts(cfg, precision) == measured

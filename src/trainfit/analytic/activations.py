@@ -64,6 +64,16 @@ class Widths:
 def _norm_terms(name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True) -> list[SavedTerm]:
     """Saved tensors of one norm over the residual stream (input width = residual)."""
     r = w.residual
+    if spec.norm is NormKind.RMSNORM and spec.norm_unit_offset:
+        # Gemma: fp32 x·rsqrt, times (1 + w.float()) — both fp32 factors saved — then cast back.
+        out = [
+            SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t"),
+            SavedTerm(name=f"{name}.normed_fp32", bytes=4 * t * h, formula="4·t·h"),
+            SavedTerm(name=f"{name}.one_plus_w", bytes=4 * h, formula="4·h"),
+        ]
+        if input_saved:
+            out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h"))
+        return out
     if spec.norm is NormKind.RMSNORM:
         # HF LlamaRMSNorm: x.to(fp32) saved by pow/mul; rsqrt (t fp32); weight * normed.to(input_dtype).
         out = [SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t")]
@@ -140,6 +150,8 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     out.append(
         SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)")
     )
+    if spec.attn_logit_softcapping:
+        out.append(SavedTerm(name="attn.eager.softcap_tanh", bytes=a * scores, formula="a·b·heads·s² (tanh out)"))
     out.append(SavedTerm(name="attn.eager.softmax_fp32", bytes=4 * scores, formula="4·b·heads·s²"))
     if spec.attention_dropout > 0:
         out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
@@ -187,6 +199,9 @@ def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[Sa
             # pow runs in fp32 under CUDA autocast: x32, tanh out, 1+tanh (fp32), 0.5·x (16-bit), fc2 cast.
             return [SavedTerm(name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i")]
         return [SavedTerm(name=f"{name}.gelu_python", bytes=5 * a * t * i, formula="5·a·t·i")]
+    if spec.activation == "relu":
+        # ReLU's backward uses its output, which is also fc2's saved input: one tensor.
+        return [SavedTerm(name=f"{name}.relu", bytes=a * t * i, formula="a·t·i (relu out)")]
     return [SavedTerm(name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)")]
 
 
@@ -274,6 +289,8 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     t = strategy.tokens_per_micro_batch
     h = spec.hidden_size
     out = [SavedTerm(name="embed.input_ids", bytes=8 * t, formula="8·t (int64 ids)")]
+    if spec.embedding_scale:
+        out.append(SavedTerm(name="embed.scale", bytes=w.residual, formula="0-dim normalizer"))
     if spec.rotary_dim:
         # position_ids broadcast over the batch: (1, s, rotary_dim) tables.
         s = strategy.seq_len
@@ -283,7 +300,9 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
             )
         )
     if spec.learned_positions and spec.kind is ModelKind.CAUSAL_LM:
-        out.append(SavedTerm(name="embed.position_ids", bytes=8 * strategy.seq_len, formula="8·s (int64)"))
+        # GPT-2 broadcasts one arange over the batch; OPT derives positions per row from the mask.
+        rows = t if spec.model_type == "opt" else strategy.seq_len
+        out.append(SavedTerm(name="embed.position_ids", bytes=8 * rows, formula="8·s (int64; OPT: 8·b·s)"))
     elif spec.learned_positions:
         # BERT slices its registered position_ids / token_type_ids buffers; the slice keeps the
         # position buffer's whole storage (max_position_embeddings int64s).

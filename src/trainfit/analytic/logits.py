@@ -8,6 +8,7 @@ HF causal- and masked-LM losses (transformers ``loss/loss_utils.py``) upcast the
 * backward, at ``log_softmax_backward``: the saved output, the gradient from ``nll_loss`` (dense,
   4·V) and the gradient it produces (4·V): 12·V.
 
+Gemma-2's final soft-cap (``tanh(logits / cap) * cap``) keeps tanh's output (a·V) in both phases.
 The HF Trainer drops the model outputs before ``backward()``, so the 16-bit logits are not alive in
 backward; a loop that keeps ``outputs`` alive adds a·V there (``keep_logits``).
 """
@@ -33,4 +34,8 @@ def logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = Fa
     upcast = 4 * n if a != 4 else 0
     forward = a * n + upcast + 4 * n
     backward = 12 * n + (a * n if keep_logits else 0)
+    if spec.final_logit_softcapping:
+        # logits = tanh(logits / cap) * cap: tanh saves its output for backward (Gemma-2).
+        forward += a * n
+        backward += a * n
     return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)

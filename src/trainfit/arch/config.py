@@ -121,12 +121,24 @@ def _qwen3(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gemma(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    return _llama_like(cfg, base, tie_default=True, qkv_bias=False)
+    """Gemma (modeling_gemma.py): tied head, (1 + w) RMSNorm in fp32, embeddings scaled by sqrt(h)."""
+    return _llama_like(cfg, base, tie_default=True, qkv_bias=False) | {
+        "norm_unit_offset": True,
+        "embedding_scale": True,
+    }
 
 
 def _gemma2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    # Gemma-2 adds pre/post feed-forward norms and a post-attention norm: 4 RMSNorms per layer.
-    return _gemma(cfg, base) | {"norms_per_layer": 4}
+    """Gemma-2 (modeling_gemma2.py): pre/post feed-forward norms and a post-attention norm (4 RMSNorms
+    per layer); tanh soft-capping of attention scores (50) and logits (30); no SDPA attention."""
+    attn_cap = cfg.get("attn_logit_softcapping", 50.0)
+    final_cap = cfg.get("final_logit_softcapping", 30.0)
+    return _gemma(cfg, base) | {
+        "norms_per_layer": 4,
+        "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
+        "final_logit_softcapping": float(final_cap) if final_cap else None,
+        "supports_sdpa": False,
+    }
 
 
 def _phi3(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:

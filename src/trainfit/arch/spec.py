@@ -102,6 +102,8 @@ class ModelSpec:
 
     norm: NormKind = NormKind.RMSNORM
     norm_bias: bool = False
+    norm_unit_offset: bool = False  # Gemma RMSNorm: x·rsqrt(·)·(1 + w), computed in fp32
+    embedding_scale: bool = False  # Gemma multiplies embeddings by sqrt(hidden) (a 0-dim tensor)
     norms_per_layer: int = 2
     mlp: MlpKind = MlpKind.GATED
     activation: str = "silu"
@@ -123,6 +125,9 @@ class ModelSpec:
     hidden_dropout: float = 0.0  # residual / hidden dropout inside blocks
     embedding_dropout: float = 0.0
     sliding_window: int | None = None
+    attn_logit_softcapping: float | None = None  # Gemma-2: tanh soft-cap on attention scores (eager only)
+    final_logit_softcapping: float | None = None  # Gemma-2: tanh soft-cap on the logits
+    supports_sdpa: bool = True  # transformers offers SDPA attention for this model
     use_cache: bool = True  # config.use_cache: HF builds a DynamicCache even in training unless disabled
 
     moe: MoESpec | None = None
