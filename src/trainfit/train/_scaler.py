@@ -28,7 +28,9 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
     if not tensors:
         raise RuntimeError("GradScaler recorded no inf checks; call unscale_ before reading found_inf")
     if len(tensors) == 1:
-        return tensors[0].detach().clone()  # update() may add other devices' flags into it in place
+        # safe to keep: update() only adds into found_infs[0] in place when there are several devices, and the
+        # next unscale_ allocates fresh tensors
+        return tensors[0]
     device = tensors[0].device
     return torch.stack([t.to(device, non_blocking=True) for t in tensors]).sum()
 

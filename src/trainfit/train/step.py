@@ -144,6 +144,7 @@ class TrainStep:
         self._loss_sum: torch.Tensor | None = None
         self._last_found_inf: torch.Tensor | None = None
         self._skipped_total: torch.Tensor | None = None
+        self._zero: torch.Tensor | None = None
         self.boundary = False  # whether the latest call ended with an optimizer step
 
     def _check_param_dtypes(self) -> None:
@@ -181,7 +182,11 @@ class TrainStep:
             self.scaler.scale(to_backward).backward()  # type: ignore[no-untyped-call]
         else:
             to_backward.backward()  # type: ignore[no-untyped-call]
-        detached = loss.detach().reshape(()).float()
+        detached = loss.detach()
+        if detached.dtype != torch.float32:
+            detached = detached.float()
+        if detached.dim():
+            detached = detached.reshape(())
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self.micro_step += 1
         self.boundary = False
@@ -232,17 +237,20 @@ class TrainStep:
 
     def _push_to_monitor(self, grad_norm: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
         assert self.monitor is not None and self._loss_sum is not None
-        loss_mean = self._loss_sum / self.micro_step
-        zero = torch.zeros((), device=loss_mean.device)
+        loss_mean = self._loss_sum / self.micro_step if self.micro_step > 1 else self._loss_sum
+        device = loss_mean.device
+        if self._zero is None or self._zero.device != device:
+            self._zero = torch.zeros((), device=device)
+        zero = self._zero
         scaling = self.scaler is not None and self.scaler.is_enabled()
-        scale = _scaler.scale_tensor(self.scaler) if scaling and self.scaler is not None else zero
+        parts = [
+            loss_mean,
+            grad_norm.detach() if grad_norm is not None else zero,
+            found_inf if found_inf is not None else zero,
+            _scaler.scale_tensor(self.scaler) if scaling and self.scaler is not None else zero,
+        ]
         values = torch.stack(
-            [
-                loss_mean,
-                grad_norm.detach().float().to(loss_mean.device) if grad_norm is not None else zero,
-                found_inf.to(loss_mean.device) if found_inf is not None else zero,
-                scale.float().to(loss_mean.device),
-            ]
+            [p if p.device == device and p.dtype == torch.float32 else p.to(device, torch.float32) for p in parts]
         )
         lr = self.optimizer.param_groups[0].get("lr")
         self.monitor.push(
