@@ -80,10 +80,24 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         "master_weights": st.master_bytes,
         "optimizer_states": st.optimizer_bytes,
     }
+    gb = strategy.recipe.grad_bits // 8
     g_all = st.grads_bytes
     g_resident = g_all if strategy.grad_accum > 1 else 0
-    head_grads = int(
-        g_all * (inv.embedding_params if spec.tie_word_embeddings else _head_params(spec)) / max(1, inv.total)
+    g_layer = max(g.params_per_layer for g in inv.layers) * gb
+    table = spec.vocab_size * spec.embed_dim
+    # The LM head's gradient appears first (the token table's, when tied); the untied token table's last.
+    g_head = (table if spec.tie_word_embeddings else _head_params(spec)) * gb
+    g_late = 0 if spec.tie_word_embeddings else table * gb
+    # Model-level saved tensors: the head's (final norm, LM-head input) die after the head's backward;
+    # the embedding's (ids, RoPE tables, masks) live to the end.
+    a_model_end = _sum([t for t in a_model_terms if t.name.startswith(("embed", "rope"))])
+    # A tied table receives a second dense gradient from the embedding, added into the first.
+    b_embed = _phase(
+        P.BACKWARD,
+        **base,
+        gradients=g_all,
+        activations=a_model_end,
+        temporaries=table * gb if spec.tie_word_embeddings else 0,
     )
 
     kept, seg_layers = checkpoint_terms(spec, strategy)
@@ -108,20 +122,19 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         b_top = _phase(
             P.BACKWARD,
             **base,
-            gradients=max(g_resident, head_grads),
-            activations=saved,
-            autocast_copies=c_all,
+            gradients=max(g_resident, g_head),
+            activations=a_layers + a_model_end,
+            autocast_copies=c_all - c_head,
             temporaries=bwd_temp,
         )
-        b_end = _phase(
+        b_bottom = _phase(
             P.BACKWARD,
             **base,
-            gradients=g_all,
-            activations=a_max_layer + a_model,
+            gradients=max(g_resident, g_all - g_layer - g_late),
+            activations=a_max_layer + a_model_end,
             autocast_copies=c_max_layer,
             temporaries=bwd_temp,
         )
-        backward = max((b_start, b_top, b_end), key=lambda p: p.total_bytes)
     else:
         # The recomputed segment saves its own input again; when the first norm saves the residual
         # tensor itself (fp32 residual, or LayerNorm), that is the kept checkpoint — count it once.
@@ -148,22 +161,22 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         b_top = _phase(
             P.BACKWARD,
             **base,
-            gradients=max(g_resident, head_grads),
-            activations=kept + a_model + recompute,
-            autocast_copies=c_head + seg_layers * c_max_layer,
-            temporaries=bwd_temp,
-        )
-        # Entering the first segment's backward: its layers' grads are not allocated yet.
-        g_layer = max(g.params_per_layer for g in inv.layers) * strategy.recipe.grad_bits // 8
-        b_end = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(0, g_all - (seg_layers - 1) * g_layer),
-            activations=recompute + a_model,
+            gradients=max(g_resident, g_head),
+            activations=kept + recompute + a_model_end,
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
         )
-        backward = max((b_start, b_top, b_end), key=lambda p: p.total_bytes)
+        # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
+        segment_input = kept // strategy.checkpoint_segments(L)
+        b_bottom = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(g_resident, g_all - seg_layers * g_layer - g_late),
+            activations=segment_input + recompute + a_model_end,
+            autocast_copies=seg_layers * c_max_layer,
+            temporaries=bwd_temp,
+        )
+    backward = max((b_start, b_top, b_bottom, b_embed), key=lambda p: p.total_bytes)
     step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
     phases = (forward, backward, step)
     peak = max(p.total_bytes for p in phases)
