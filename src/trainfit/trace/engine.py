@@ -92,28 +92,29 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
-def materialize(model: torch.nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> torch.nn.Module:
+def materialize(model: torch.nn.Module, mode: FakeTensorMode | None, dtype: torch.dtype | None) -> torch.nn.Module:
     """Replace every parameter and buffer (meta or real) with a fake CPU tensor of the same shape, keeping
     shared (tied) tensors shared; floating parameters and buffers take ``dtype`` when given (what
-    ``model.to(dtype)`` would do, which fake parameters refuse)."""
+    ``model.to(dtype)`` would do, which fake parameters refuse). ``mode=None`` makes real (zeroed) CPU
+    tensors instead, for cross-checking the fake trace against real execution in tests."""
     memo: dict[int, torch.Tensor] = {}
 
     def conv(t: torch.Tensor) -> torch.dtype:
         return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
 
-    with mode:
+    with mode if mode is not None else contextlib.nullcontext():
         for mod in model.modules():
             for name, p in list(mod._parameters.items()):
                 if p is None:
                     continue
                 if id(p) not in memo:
-                    memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=conv(p)), requires_grad=p.requires_grad)
+                    memo[id(p)] = torch.nn.Parameter(torch.zeros(p.shape, dtype=conv(p)), requires_grad=p.requires_grad)
                 mod._parameters[name] = memo[id(p)]  # type: ignore[assignment]
             for name, b in list(mod._buffers.items()):
                 if b is None:
                     continue
                 if id(b) not in memo:
-                    memo[id(b)] = torch.empty(b.shape, dtype=conv(b))
+                    memo[id(b)] = torch.zeros(b.shape, dtype=conv(b))
                 mod._buffers[name] = memo[id(b)]
     return model
 
@@ -171,7 +172,7 @@ def _translate(exc: Exception) -> TraceUnsupportedError:
 
 def run_steps(
     model: torch.nn.Module,
-    mode: FakeTensorMode,
+    mode: FakeTensorMode | None,
     *,
     make_batch: Callable[[], Any],
     forward: Callable[[torch.nn.Module, Any], Any],
@@ -184,8 +185,16 @@ def run_steps(
     max_grad_norm: float | None = DEFAULT_MAX_GRAD_NORM,
     progress: Callable[[str, float], None] | None = None,
     prepare: Callable[[tk.Tracker], None] | None = None,
+    emulate_cuda: bool = True,
+    track: bool = True,
+    annotate: bool = False,
 ) -> TraceRun:
-    """Run ``steps`` training steps of ``model`` (already materialised on fake tensors) and record them."""
+    """Run ``steps`` training steps of ``model`` (already materialised on fake tensors) and record them.
+
+    ``emulate_cuda=False`` keeps PyTorch's CPU behaviour (CPU autocast lists, CPU SDPA and dropout);
+    ``track=False`` runs without the tracker and ``annotate=True`` wraps each phase in a profiler
+    ``record_function("trainfit:<step>:<phase>")`` — together they let tests measure a real CPU run with
+    ``torch.profiler(profile_memory=True)`` as ground truth for the tracker."""
     if steps < 2:
         raise TrainfitError("trace needs at least 2 steps (step 1 creates the optimizer states)")
     tr = tk.Tracker()
@@ -271,11 +280,14 @@ def run_steps(
     notes: list[str] = []
     try:
         with contextlib.ExitStack() as stack_ctx:
-            stack_ctx.enter_context(mode)
-            if recipe.autocast:
+            if mode is not None:
+                stack_ctx.enter_context(mode)
+            if recipe.autocast and emulate_cuda:
                 stack_ctx.enter_context(cuda_autocast_policy())
-            stack_ctx.enter_context(kernels)
-            stack_ctx.enter_context(tr)
+            if emulate_cuda:
+                stack_ctx.enter_context(kernels)
+            if track:
+                stack_ctx.enter_context(tr)
             stack_ctx.enter_context(_module_stack(tr, model))
 
             master: MasterWeights | None = None
@@ -289,6 +301,12 @@ def run_steps(
             opt_params = master.master if master is not None else trainable
             host_keys = host_state_keys(optimizer)
 
+            def phase(name: str, step: int) -> contextlib.AbstractContextManager[Any]:
+                tr.phase = name
+                if annotate:
+                    return torch.profiler.record_function(f"trainfit:{step}:{name}")
+                return contextlib.nullcontext()
+
             for step in range(steps):
                 m = marks[step]
                 cur["marks"] = m
@@ -297,55 +315,59 @@ def run_steps(
                 batch = make_batch()
                 if progress:
                     progress(f"step {step + 1}/{steps}: forward", step / steps)
-                tr.phase = tk.FORWARD
-                m.fwd_start = tr.t
-                with autocast_ctx():
-                    out = forward(model, batch)
-                    tr.head_depth = 1
-                    loss = loss_of(out, batch)
-                tr.head_depth = 0
-                tr.mark([t for t in tk.storages_of([out]) if t is not loss], tk.LOGITS, only_unmarked=True)
-                del out
-                m.fwd_end = tr.t
-                tr.forward_end[step] = tr.t
+                with phase(tk.FORWARD, step):
+                    m.fwd_start = tr.t
+                    with autocast_ctx():
+                        out = forward(model, batch)
+                        if head_module is None:  # logits/loss backward ends when the output's grad is ready
+                            for y in tk.storages_of([out]):
+                                if y.requires_grad:
+                                    y.register_hook(_head_bwd_done)  # type: ignore[no-untyped-call]
+                        tr.head_depth = 1
+                        loss = loss_of(out, batch)
+                    tr.head_depth = 0
+                    tr.mark([t for t in tk.storages_of([out]) if t is not loss], tk.LOGITS, only_unmarked=True)
+                    del out
+                    m.fwd_end = tr.t
+                    tr.forward_end[step] = tr.t
 
                 if progress:
                     progress(f"step {step + 1}/{steps}: backward", (step + 0.4) / steps)
-                tr.phase = tk.BACKWARD
-                tr.bwd_head = True
-                m.bwd_start = tr.t
-                run_backward(scaler.scale(loss) if scaler is not None else loss)
-                del loss
-                tr.bwd_head = False
-                m.bwd_end = tr.t
+                with phase(tk.BACKWARD, step):
+                    tr.bwd_head = True
+                    m.bwd_start = tr.t
+                    run_backward(scaler.scale(loss) if scaler is not None else loss)
+                    del loss
+                    tr.bwd_head = False
+                    m.bwd_end = tr.t
 
                 if progress:
                     progress(f"step {step + 1}/{steps}: optimizer", (step + 0.8) / steps)
-                tr.phase = tk.OPTIMIZER
-                m.opt_start = tr.t
-                tr.mark([p.grad for p in trainable], tk.GRAD)
-                if master is not None:
-                    tr.mark(master.grads_to_master(), tk.GRAD)
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                if max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(
-                        [p for p in opt_params if p.grad is not None], max_grad_norm, foreach=True
-                    )
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                if master is not None:
-                    master.master_to_model()
-                for key, t in state_tensors(optimizer):
-                    tr.mark([t], tk.HOST if key in host_keys else tk.OPT)
-                if master is not None:
-                    master.zero_grad(set_to_none=True)
-                else:
-                    optimizer.zero_grad(set_to_none=True)
-                m.opt_end = tr.t
+                with phase(tk.OPTIMIZER, step):
+                    m.opt_start = tr.t
+                    tr.mark([p.grad for p in trainable], tk.GRAD)
+                    if master is not None:
+                        tr.mark(master.grads_to_master(), tk.GRAD)
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)
+                    if max_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(
+                            [p for p in opt_params if p.grad is not None], max_grad_norm, foreach=True
+                        )
+                    if scaler is not None:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    if master is not None:
+                        master.master_to_model()
+                    for key, t in state_tensors(optimizer):
+                        tr.mark([t], tk.HOST if key in host_keys else tk.OPT)
+                    if master is not None:
+                        master.zero_grad(set_to_none=True)
+                    else:
+                        optimizer.zero_grad(set_to_none=True)
+                    m.opt_end = tr.t
                 tr.phase = tk.SETUP
             del batch
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as exc:
