@@ -104,3 +104,15 @@ def test_forward_origin_is_the_module_not_its_consumers():
     # b's output is finite (1e30·…), the multiplication by 1e30 inside the root's forward overflows fp32;
     # c receives inf and is not the origin: the root module is.
     assert tracker.forward[0].module == "(model)"
+
+
+def test_hooks_tolerate_inplace_relu():
+    """Full backward hooks raise on ReLU(inplace=True) after a hooked module; the doctor's hooks do not."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 1))
+    tracker = NonfiniteTracker(model)
+    model(torch.randn(2, 4)).sum().backward()
+    tracker.close()
+    assert tracker.forward == {} and tracker.backward == {}
+    rows = range_scan(model, [torch.randn(2, 4)], lambda m, b: m(b).sum(), FP16)
+    # the in-place ReLU returns the very tensor Linear 0 produced, which is counted once, under "0"
+    assert {r.module for r in rows if r.role is TensorRole.ACTIVATION} == {"0", "2"}

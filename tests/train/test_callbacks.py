@@ -92,6 +92,7 @@ def _lightning_module(nan_at: int | None):
     return pl, Module()
 
 
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*")
 def test_lightning_callback_nan_event_and_stop():
     pl, module = _lightning_module(nan_at=4)
     from trainfit.train.callbacks.lightning import StabilityCallback

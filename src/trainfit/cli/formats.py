@@ -45,7 +45,7 @@ def formats(
         return
     console = Console()
     table = Table(title="Floating-point formats (computed from the bit layout)", box=box.SIMPLE_HEAD)
-    for col in ("format", "s/e/m", "max finite", "min normal", "min subnorm", "eps", "digits"):
+    for col in ("format", "s/e/m", "max finite", "min normal", "min sub", "eps", "digits"):
         table.add_column(col, justify="left" if col == "format" else "right", no_wrap=True)
     for f in FLOAT_FORMATS:
         table.add_row(
