@@ -30,11 +30,11 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-def reference_loop(model, optimizer, batches, precision, accum, max_norm, scaler):
+def reference_loop(model, optimizer, batches, precision, accum, max_norm, scaler, device="cpu"):
     """Written from the PyTorch AMP examples ("Gradient accumulation", "Working with Unscaled Gradients")."""
     dtype = DTYPES[precision]
     for i, batch in enumerate(batches):
-        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = loss_fn(model, batch)
         loss = loss / accum
         if scaler is not None:
@@ -54,16 +54,17 @@ def reference_loop(model, optimizer, batches, precision, accum, max_norm, scaler
             optimizer.zero_grad(set_to_none=True)
 
 
-def run_both(precision, accum, max_norm, opt_cls=torch.optim.AdamW, steps=12, init_scale=2.0**10, **opt_kw):
-    batches = make_batches(steps)
-    ref_model = make_model()
+def run_both(precision, accum, max_norm, opt_cls=torch.optim.AdamW, steps=12, init_scale=2.0**10, device="cpu",
+             **opt_kw):  # fmt: skip
+    batches = [(x.to(device), y.to(device)) for x, y in make_batches(steps)]
+    ref_model = make_model().to(device)
     ours_model = copy.deepcopy(ref_model)
     ref_opt = opt_cls(ref_model.parameters(), lr=1e-2, **opt_kw)
     ours_opt = opt_cls(ours_model.parameters(), lr=1e-2, **opt_kw)
     fp16 = precision == "amp-fp16"
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if fp16 else None
-    our_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if fp16 else None
-    reference_loop(ref_model, ref_opt, batches, precision, accum, max_norm, ref_scaler)
+    ref_scaler = torch.amp.GradScaler(device, init_scale=init_scale) if fp16 else None
+    our_scaler = torch.amp.GradScaler(device, init_scale=init_scale) if fp16 else None
+    reference_loop(ref_model, ref_opt, batches, precision, accum, max_norm, ref_scaler, device)
     step = TrainStep(ours_model, ours_opt, precision=precision, grad_accum=accum, max_grad_norm=max_norm,
                      scaler=our_scaler, monitor=StabilityMonitor())  # fmt: skip
     for batch in batches:
@@ -81,6 +82,19 @@ def test_matches_reference_loop(precision, accum, max_norm):
     assert step.optimizer_steps == 12 // accum
     if ref_scaler is not None:
         assert step.loss_scale == ref_scaler.get_scale()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "amp-fp16"])
+def test_matches_reference_loop_on_cuda(precision):
+    if precision == "amp-bf16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("no native bf16")
+    ref, ours, ref_scaler, step = run_both(precision, 2, 1.0, init_scale=2.0**24, device="cuda", fused=True)
+    for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+        assert torch.equal(a, b)
+    if ref_scaler is not None:
+        assert step.loss_scale == ref_scaler.get_scale() and step.skipped_steps > 0
 
 
 def test_matches_reference_with_overflowing_scale_and_fused_adamw():
