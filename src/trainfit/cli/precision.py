@@ -52,9 +52,7 @@ def _render(console: Console, advice: PrecisionAdvice) -> None:
         console.print("[bold]Notes[/bold]")
         for note in advice.notes:
             console.print(f"  • {note}")
-    console.print(
-        Syntax(advice.snippet, "python", theme="ansi_dark", background_color="default", word_wrap=True)
-    )
+    console.print(Syntax(advice.snippet, "python", theme="ansi_dark", background_color="default", word_wrap=True))
 
 
 def precision(

@@ -151,14 +151,10 @@ def recommend(acc: Accelerator) -> PrecisionAdvice:
     dynamic loss scaling; no GPU → fp32."""
     reasons: list[str] = []
     notes: list[str] = []
-    where = f"{acc.name}" + (
-        f" (compute capability {acc.compute_capability})" if acc.compute_capability else ""
-    )
+    where = f"{acc.name}" + (f" (compute capability {acc.compute_capability})" if acc.compute_capability else "")
     if acc.kind is AcceleratorKind.CPU:
         precision, fmt, scaling = Precision.FP32, "fp32", False
-        reasons.append(
-            "No CUDA/ROCm accelerator: mixed precision exists to use GPU tensor cores, so train in fp32."
-        )
+        reasons.append("No CUDA/ROCm accelerator: mixed precision exists to use GPU tensor cores, so train in fp32.")
         reasons.append(
             "CPU autocast (bf16) only pays off on CPUs with AMX/AVX512-BF16 and follows a different op "
             "policy from CUDA; it is not the article's path."
@@ -173,9 +169,7 @@ def recommend(acc: Accelerator) -> PrecisionAdvice:
         reasons.append("Weights stay fp32 under autocast, so the optimizer updates full-precision masters.")
     else:
         precision, fmt, scaling = Precision.AMP_FP16, "fp16", True
-        reasons.append(
-            f"{where} has no native bf16 (needs compute capability >= 8.0); fp16 tensor cores exist."
-        )
+        reasons.append(f"{where} has no native bf16 (needs compute capability >= 8.0); fp16 tensor cores exist.")
         reasons.append(
             "fp16 has 5 exponent bits (max 65504, min normal 6.1e-5): small gradients flush to zero, so use "
             "dynamic loss scaling with torch.amp.GradScaler (article §2.2, §3.3)."
