@@ -12,7 +12,7 @@ from trainfit.doctor.demo import setup as demo_setup
 from trainfit.doctor.setup import coerce_setup
 from trainfit.train.monitor import Check
 
-STEPS = 30
+STEPS = 20
 
 
 def run(factory, **kw):

@@ -330,7 +330,12 @@ def diagnose(setup: DoctorSetup, config: DoctorConfig | None = None) -> DoctorRe
     remedies: list[RunResult] = []
     lr_fix: RunResult | None = None
     clip_fix: RunResult | None = None
-    if not res.health.stable:  # a lower lr or clipping can calm a blow-up, not make a stalled run train
+    # A lower lr or clipping can calm a blow-up, not make a stalled run train; and a loss that is already
+    # NaN/Inf at step 0 comes from the initial weights, before either has acted.
+    at_start = res.health.first_nonfinite_step == 0
+    if at_start:
+        notes = (*notes, "the loss is NaN/Inf at step 0, before any update: lr and clipping runs skipped")
+    if not res.health.stable and not at_start:
         for k in range(1, cfg.lr_halvings + 1):
             r = run(
                 setup,
