@@ -19,7 +19,8 @@ def _header(report: MemoryReport, spec: ModelSpec, s: Strategy) -> Text:
     t.append(f"{spec.name}", style="bold")
     t.append(f"  {fmt_count(report.params)} params  {spec.architecture or spec.model_type}\n")
     t.append(
-        f"{s.precision.value} · {s.optimizer.value} ({s.optimizer_impl.value}) · checkpointing {s.checkpointing.value} · {s.attention.value}"
+        f"{s.precision.value} · {s.optimizer.value} ({s.optimizer_impl.value})"
+        f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
         f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
         f" (effective batch {s.effective_batch})"
     )
