@@ -151,6 +151,12 @@ def _first_tensor(x: Any) -> torch.Tensor | None:
     return None
 
 
+def _hook_outputs(out: Any, fn: Callable[[torch.Tensor], None]) -> None:
+    for y in tk.storages_of([out]):
+        if y.requires_grad:
+            y.register_hook(fn)  # type: ignore[no-untyped-call]
+
+
 def run_backward(loss: torch.Tensor) -> None:
     """``loss.backward()`` without passing through ``__torch_function__``: a TorchFunctionMode is popped
     while it handles a call, so a backward entered through it would run (and recompute checkpoints)
@@ -320,9 +326,7 @@ def run_steps(
                     with autocast_ctx():
                         out = forward(model, batch)
                         if head_module is None:  # logits/loss backward ends when the output's grad is ready
-                            for y in tk.storages_of([out]):
-                                if y.requires_grad:
-                                    y.register_hook(_head_bwd_done)  # type: ignore[no-untyped-call]
+                            _hook_outputs(out, _head_bwd_done)
                         tr.head_depth = 1
                         loss = loss_of(out, batch)
                     tr.head_depth = 0

@@ -1,0 +1,57 @@
+"""Tiny model configs (built from dicts, never downloaded) shared by the trace tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainfit.arch.config import spec_from_config
+from trainfit.arch.spec import ModelSpec
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+TINY: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "tie_word_embeddings": True,
+    },
+    "gemma2": {
+        "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "max_position_embeddings": 512, "sliding_window": 16,
+    },
+    "gpt2": {
+        "model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 256,
+        "n_positions": 512,
+    },
+    "bert": {
+        "model_type": "bert", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
+    },
+    "mixtral": {
+        "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 512,
+    },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 32,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "vocab_size": 256, "max_position_embeddings": 512, "tie_word_embeddings": False, "n_group": 1,
+        "topk_group": 1, "topk_method": "greedy", "moe_layer_freq": 1,
+    },
+}  # fmt: skip
+
+
+def tiny_spec(family: str, **overrides: Any) -> ModelSpec:
+    cfg = {**TINY[family], **overrides}
+    return spec_from_config(cfg, name=f"tiny-{family}", source="test")

@@ -1,0 +1,75 @@
+"""Depth extrapolation: runs of repeated units, and extrapolated == full-depth trace on small models."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit.result import Phase
+from trainfit.strategy import Checkpointing, Strategy
+
+from .conftest import tiny_spec
+
+hf = pytest.importorskip("trainfit.trace.hf")
+from trainfit.trace import trace_spec  # noqa: E402
+
+#: Allowed difference per phase: a few tensors whose size is not linear in depth after 512-byte
+#: rounding (the stacked per-parameter norms of grad clipping).
+TOL_BYTES = 4096
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        ("aaaaaa", [(0, 1, 6)]),
+        ("abababab", [(0, 2, 4)]),
+        ("xxxaaaaaa", [(0, 1, 3), (3, 1, 6)]),
+        ("abcd", [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1)]),
+        ("SSSnnnn", [(0, 1, 3), (3, 1, 4)]),
+    ],
+)
+def test_find_runs(tokens: str, expected: list[tuple[int, int, int]]) -> None:
+    assert [(r.start, r.period, r.count) for r in hf.find_runs(list(tokens))] == expected
+
+
+@pytest.mark.parametrize(("layers", "segments"), [(1, []), (4, [2]), (16, [4, 4, 4]), (126, [10] * 11)])
+def test_sqrt_layout_is_checkpoint_sequential(layers: int, segments: list[int]) -> None:
+    assert hf.sqrt_layout(layers) == segments
+
+
+@pytest.mark.parametrize(
+    ("family", "layers", "kw"),
+    [
+        ("llama", 8, {}),
+        ("llama", 8, {"checkpointing": "full", "precision": "fp32"}),
+        ("llama", 17, {"checkpointing": "sqrt"}),  # 4 checkpointed segments of 3, then 5 plain layers
+        pytest.param("llama", 25, {"checkpointing": "sqrt", "precision": "fp32"}, marks=pytest.mark.slow),
+        ("qwen2", 7, {"precision": "master-bf16", "optimizer": "lion"}),
+        ("gemma2", 10, {"attention": "eager"}),  # alternating sliding/global layers: a 2-layer unit
+        ("deepseek_v2", 7, {}),  # one dense layer, then MoE layers
+        ("gpt2", 6, {"precision": "amp-fp16"}),
+        ("bert", 6, {}),
+    ],
+)
+def test_extrapolation_equals_full_depth(family: str, layers: int, kw: dict[str, str]) -> None:
+    key = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    spec = tiny_spec(family, **{key: layers})
+    s = Strategy(micro_batch=2, seq_len=64, **kw)  # type: ignore[arg-type]
+    ext = trace_spec(spec, s)
+    full = trace_spec(spec, s, extrapolate=False)
+    assert ext.extra["extrapolated"] and max(ext.extra["layers_traced"]) < layers
+    assert full.extra["layers_traced"] == [layers]
+    for pe, pf in zip(ext.phases, full.phases, strict=True):
+        assert abs(pe.total_bytes - pf.total_bytes) <= TOL_BYTES, (pe.phase, pe.total_bytes, pf.total_bytes)
+        for c, v in pf.components.items():
+            assert abs(pe.components[c] - v) <= TOL_BYTES, (pe.phase, c)
+
+
+def test_sqrt_checkpointing_sits_between_none_and_full() -> None:
+    spec = tiny_spec("llama", num_hidden_layers=4)  # sqrt: one checkpointed segment of 2, then 2 plain
+    peaks = {
+        c: trace_spec(spec, Strategy(micro_batch=4, seq_len=256, checkpointing=c), extrapolate=False)
+        .phase(Phase.FORWARD)
+        .total_bytes
+        for c in Checkpointing
+    }
+    assert peaks[Checkpointing.FULL] < peaks[Checkpointing.SQRT] < peaks[Checkpointing.NONE]
