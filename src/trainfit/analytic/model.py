@@ -32,7 +32,7 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown, Term
 from trainfit.result import Phase as P
-from trainfit.strategy import Strategy
+from trainfit.strategy import Optimizer, Strategy
 from trainfit.units import round_up
 
 C = Component
@@ -244,7 +244,13 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     notes = [
         f"activation coefficient c = {coeff:.1f} bytes per (token·hidden·layer) (the article assumes 10–20)",
         "steady state (step ≥ 2): optimizer states resident; grads freed by zero_grad(set_to_none=True)",
-        "HF Trainer-style loop: model outputs (logits) dropped before backward",
+        "model outputs (logits) dropped before backward, as the HF Trainer does",
+        f"optimizer.step() uses torch's {strategy.optimizer_impl.value} implementation"
+        + (
+            " (list-sized temporaries; --optimizer-impl fused avoids them)"
+            if strategy.optimizer_impl.value == "foreach" and strategy.optimizer is Optimizer.ADAMW
+            else ""
+        ),
     ]
     if strategy.grad_accum > 1:
         notes.append(
