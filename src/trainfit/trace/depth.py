@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,14 +97,20 @@ _steps = eng.run_steps
 
 
 def _keyed(run: eng.TraceRun, layout: hf.Layout, counts: list[int]) -> dict[Key, dict[Component, int]]:
-    """Region peaks keyed by position relative to the runs: pre/post, (run, first|last|mid|j)."""
+    return keyed_regions({k: pk.components for k, pk in eng.region_peaks(run).items()}, layout, counts)
+
+
+def keyed_regions(
+    regions: dict[tuple[Phase, str], dict[Component, int]], layout: hf.Layout, counts: list[int]
+) -> dict[Key, dict[Component, int]]:
+    """Region peaks keyed by position relative to the runs: pre/post, (run, first|last|mid)."""
     within: list[int] = []
     seen: dict[int, int] = {}
     for r in layout.unit_run:
         within.append(seen.get(r, 0))
         seen[r] = seen.get(r, 0) + 1
     out: dict[Key, dict[Component, int]] = {}
-    for (phase, region), pk in eng.region_peaks(run).items():
+    for (phase, region), comps in regions.items():
         key: Any = region
         if region.startswith("unit"):
             u = int(region[4:])
@@ -111,14 +118,58 @@ def _keyed(run: eng.TraceRun, layout: hf.Layout, counts: list[int]) -> dict[Key,
             c = counts[r]
             key = (r, "first" if j == 0 else "last" if j == c - 1 else "mid")
             if c == 1:  # the only unit is both the first and the last
-                _keep_max(out, (phase, (r, "last")), pk.components)
-        _keep_max(out, (phase, key), pk.components)
+                _keep_max(out, (phase, (r, "last")), comps)
+        _keep_max(out, (phase, key), comps)
     return out
 
 
 def _keep_max(out: dict[Key, dict[Component, int]], k: Key, comps: dict[Component, int]) -> None:
     if k not in out or sum(comps.values()) > sum(out[k].values()):
         out[k] = dict(comps)
+
+
+@dataclass
+class DepthPlan:
+    """The full model on meta and the reduced layouts to run (one, at full depth, when not extrapolating)."""
+
+    meta: torch.nn.Module
+    notes: list[str]
+    stack_path: str
+    stack: torch.nn.ModuleList
+    full_layers: int
+    params: int
+    runs: list[hf.Run]
+    ext: list[int]
+    layouts: list[tuple[list[int], hf.Layout]]
+
+
+def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool) -> DepthPlan:
+    meta, notes = hf.build_meta(spec, strategy, eng.weight_dtype(strategy.recipe))
+    meta_config: Any = meta.config
+    conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
+    full_layers = int(conf.num_hidden_layers)
+    stack_path, stack = hf.find_stack(meta, full_layers)
+    params = sum(p.numel() for p in meta.parameters())
+    sig_ids: dict[Any, int] = {}
+    sigs = [sig_ids.setdefault(hf.layer_signature(layer), len(sig_ids)) for layer in stack]
+    blocks = hf.blocks_for(full_layers, strategy.checkpointing)
+    tokens = [(b.checkpointed, tuple(sigs[i] for i in b.layers)) for b in blocks]
+    runs = hf.find_runs(tokens)
+    ext = [r for r, run in enumerate(runs) if run.count >= hf.MIN_EXTRAPOLATED_COUNT] if extrapolate else []
+    configs: list[list[int]] = []
+    if ext:
+        base = [BASE_UNITS if r in ext else run.count for r, run in enumerate(runs)]
+        configs.append(base)
+        for r in ext:
+            c = list(base)
+            c[r] = BASE_UNITS + 1
+            configs.append(c)
+        if len(hf.layout_for(blocks, runs, configs[-1]).layers) >= full_layers:
+            ext, configs = [], []
+    if not ext:
+        configs = [[run.count for run in runs]]
+    layouts = [(counts, hf.layout_for(blocks, runs, counts)) for counts in configs]
+    return DepthPlan(meta, notes, stack_path, stack, full_layers, params, runs, ext, layouts)
 
 
 def trace_hf(
@@ -132,39 +183,15 @@ def trace_hf(
     extrapolate: bool,
 ) -> MemoryReport:
     t0 = time.perf_counter()
-    rec = strategy.recipe
     say = progress or (lambda _msg, _frac: None)
     say("building the model on the meta device", 0.0)
-    meta, notes = hf.build_meta(spec, strategy, eng.weight_dtype(rec))
-    meta_config: Any = meta.config
-    conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
-    full_layers = int(conf.num_hidden_layers)
-    stack_path, stack = hf.find_stack(meta, full_layers)
-    params = sum(p.numel() for p in meta.parameters())
-    sig_ids: dict[Any, int] = {}
-    sigs = [sig_ids.setdefault(hf.layer_signature(layer), len(sig_ids)) for layer in stack]
-    blocks = hf.blocks_for(full_layers, strategy.checkpointing)
-    tokens = [(b.checkpointed, tuple(sigs[i] for i in b.layers)) for b in blocks]
-    runs = hf.find_runs(tokens)
-    ext = [r for r, run in enumerate(runs) if run.count >= hf.MIN_EXTRAPOLATED_COUNT] if extrapolate else []
-    full_counts = [run.count for run in runs]
-
-    configs: list[list[int]] = []
-    if ext:
-        base = [BASE_UNITS if r in ext else run.count for r, run in enumerate(runs)]
-        configs.append(base)
-        for r in ext:
-            c = list(base)
-            c[r] = BASE_UNITS + 1
-            configs.append(c)
-        if len(hf.layout_for(blocks, runs, configs[-1]).layers) >= full_layers:
-            ext, configs = [], []
-    if not ext:
-        configs = [full_counts]
+    plan = plan_depth(spec, strategy, extrapolate=extrapolate)
+    meta, notes, stack_path, stack = plan.meta, plan.notes, plan.stack_path, plan.stack
+    full_layers, params, runs, ext = plan.full_layers, plan.params, plan.runs, plan.ext
+    configs = [counts for counts, _ in plan.layouts]
 
     results: list[tuple[list[int], hf.Layout, eng.TraceRun]] = []
-    for i, counts in enumerate(configs):
-        layout = hf.layout_for(blocks, runs, counts)
+    for i, (counts, layout) in enumerate(plan.layouts):
 
         def sub(msg: str, frac: float, i: int = i, n: int = len(layout.layers)) -> None:
             say(f"trace {i + 1}/{len(configs)} ({n} layers): {msg}", (i + frac) / len(configs))
@@ -188,7 +215,7 @@ def trace_hf(
     _, base_layout, base_run = results[0]
     if ext:
         keyed = [_keyed(run, layout, counts) for counts, layout, run in results]
-        phases = _extrapolate(keyed, ext, runs, warnings)
+        phases = extrapolate_phases(keyed, ext, runs, warnings)
     else:
         pk = eng.phase_peaks(base_run)
         phases = {ph: _breakdown(ph, pk[ph].components) for ph in Phase}
@@ -252,7 +279,7 @@ def _describe(runs: list[hf.Run], ext: list[int]) -> str:
     return "; ".join(parts)
 
 
-def _extrapolate(
+def extrapolate_phases(
     keyed: list[dict[Key, dict[Component, int]]],
     ext: list[int],
     runs: list[hf.Run],

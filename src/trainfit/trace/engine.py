@@ -92,7 +92,9 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
-def materialize(model: torch.nn.Module, mode: FakeTensorMode | None, dtype: torch.dtype | None) -> torch.nn.Module:
+def materialize(
+    model: torch.nn.Module, mode: FakeTensorMode | None, dtype: torch.dtype | None, device: str = "cpu"
+) -> torch.nn.Module:
     """Replace every parameter and buffer (meta or real) with a fake CPU tensor of the same shape, keeping
     shared (tied) tensors shared; floating parameters and buffers take ``dtype`` when given (what
     ``model.to(dtype)`` would do, which fake parameters refuse). ``mode=None`` makes real (zeroed) CPU
@@ -108,13 +110,15 @@ def materialize(model: torch.nn.Module, mode: FakeTensorMode | None, dtype: torc
                 if p is None:
                     continue
                 if id(p) not in memo:
-                    memo[id(p)] = torch.nn.Parameter(torch.zeros(p.shape, dtype=conv(p)), requires_grad=p.requires_grad)
+                    memo[id(p)] = torch.nn.Parameter(
+                        torch.zeros(p.shape, dtype=conv(p), device=device), requires_grad=p.requires_grad
+                    )
                 mod._parameters[name] = memo[id(p)]  # type: ignore[assignment]
             for name, b in list(mod._buffers.items()):
                 if b is None:
                     continue
                 if id(b) not in memo:
-                    memo[id(b)] = torch.zeros(b.shape, dtype=conv(b))
+                    memo[id(b)] = torch.zeros(b.shape, dtype=conv(b), device=device)
                 mod._buffers[name] = memo[id(b)]
     return model
 
@@ -194,18 +198,26 @@ def run_steps(
     emulate_cuda: bool = True,
     track: bool = True,
     annotate: bool = False,
+    device: str = "cpu",
+    probe: Callable[[str], int] | None = None,
 ) -> TraceRun:
     """Run ``steps`` training steps of ``model`` (already materialised on fake tensors) and record them.
 
     ``emulate_cuda=False`` keeps PyTorch's CPU behaviour (CPU autocast lists, CPU SDPA and dropout);
     ``track=False`` runs without the tracker and ``annotate=True`` wraps each phase in a profiler
     ``record_function("trainfit:<step>:<phase>")`` — together they let tests measure a real CPU run with
-    ``torch.profiler(profile_memory=True)`` as ground truth for the tracker."""
+    ``torch.profiler(profile_memory=True)`` as ground truth for the tracker. ``device="cuda"`` with
+    ``probe`` runs the same steps on a GPU (``trainfit.measure``): every mark calls ``probe(label)``, whose
+    return value stands in for the tracker's event number."""
     if steps < 2:
         raise TrainfitError("trace needs at least 2 steps (step 1 creates the optimizer states)")
     tr = tk.Tracker()
     if prepare is not None:
         prepare(tr)
+
+    def now(label: str) -> int:
+        return probe(label) if probe is not None else tr.t
+
     marks = [StepMarks() for _ in range(steps)]
     stack = stack or StackHooks()
     params = [p for p in model.parameters()]
@@ -249,11 +261,11 @@ def run_steps(
                     return
                 m: StepMarks = cur["marks"]
                 if idx in first_of:
-                    m.unit_fwd.append(tr.t)
+                    m.unit_fwd.append(now("unit_fwd"))
                 if idx == 0:
                     x = _first_tensor(args) if args else _first_tensor(list(kwargs.values()))
                     if x is not None and x.requires_grad:
-                        x.register_hook(lambda g, m=m: setattr(m, "stack_bwd_end", tr.t))  # type: ignore[no-untyped-call]
+                        x.register_hook(lambda g, m=m: setattr(m, "stack_bwd_end", now("stack_bwd_end")))  # type: ignore[no-untyped-call]
 
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         if idx in last_of:
@@ -266,11 +278,11 @@ def run_steps(
                 if y is not None and y.requires_grad:
 
                     def ready(_g: torch.Tensor, m: StepMarks = m) -> None:
-                        m.unit_bwd.append(tr.t)
+                        m.unit_bwd.append(now("unit_bwd"))
 
                     y.register_hook(ready)  # type: ignore[no-untyped-call]
                 if idx == len(stack.layers) - 1:
-                    m.stack_fwd_end = tr.t
+                    m.stack_fwd_end = now("stack_fwd_end")
 
             handles.append(layer.register_forward_hook(post))
 
@@ -279,7 +291,7 @@ def run_steps(
         dt = compute_dtype(recipe)
 
         def autocast_ctx() -> contextlib.AbstractContextManager[Any]:
-            return torch.autocast("cpu", dtype=dt)
+            return torch.autocast(device, dtype=dt)
     else:
         autocast_ctx = contextlib.nullcontext
 
@@ -303,7 +315,7 @@ def run_steps(
                 optimizer: Any = master.inner
             else:
                 optimizer = make_optimizer(trainable)
-            scaler = FakeSafeGradScaler("cpu") if recipe.loss_scaling else None
+            scaler = FakeSafeGradScaler(device) if recipe.loss_scaling else None
             opt_params = master.master if master is not None else trainable
             host_keys = host_state_keys(optimizer)
 
@@ -322,7 +334,7 @@ def run_steps(
                 if progress:
                     progress(f"step {step + 1}/{steps}: forward", step / steps)
                 with phase(tk.FORWARD, step):
-                    m.fwd_start = tr.t
+                    m.fwd_start = now("fwd_start")
                     with autocast_ctx():
                         out = forward(model, batch)
                         if head_module is None:  # logits/loss backward ends when the output's grad is ready
@@ -332,23 +344,23 @@ def run_steps(
                     tr.head_depth = 0
                     tr.mark([t for t in tk.storages_of([out]) if t is not loss], tk.LOGITS, only_unmarked=True)
                     del out
-                    m.fwd_end = tr.t
-                    tr.forward_end[step] = tr.t
+                    m.fwd_end = now("fwd_end")
+                    tr.forward_end[step] = tr.t if probe is None else m.fwd_end
 
                 if progress:
                     progress(f"step {step + 1}/{steps}: backward", (step + 0.4) / steps)
                 with phase(tk.BACKWARD, step):
                     tr.bwd_head = True
-                    m.bwd_start = tr.t
+                    m.bwd_start = now("bwd_start")
                     run_backward(scaler.scale(loss) if scaler is not None else loss)
                     del loss
                     tr.bwd_head = False
-                    m.bwd_end = tr.t
+                    m.bwd_end = now("bwd_end")
 
                 if progress:
                     progress(f"step {step + 1}/{steps}: optimizer", (step + 0.8) / steps)
                 with phase(tk.OPTIMIZER, step):
-                    m.opt_start = tr.t
+                    m.opt_start = now("opt_start")
                     tr.mark([p.grad for p in trainable], tk.GRAD)
                     if master is not None:
                         tr.mark(master.grads_to_master(), tk.GRAD)
@@ -371,7 +383,7 @@ def run_steps(
                         master.zero_grad(set_to_none=True)
                     else:
                         optimizer.zero_grad(set_to_none=True)
-                    m.opt_end = tr.t
+                    m.opt_end = now("opt_end")
                 tr.phase = tk.SETUP
             del batch
     except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as exc:

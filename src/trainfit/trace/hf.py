@@ -380,12 +380,14 @@ def runtime_patches() -> Iterator[None]:
 # -- batches --------------------------------------------------------------------------------------------
 
 
-def batch_fn(spec: ModelSpec, micro_batch: int, seq_len: int) -> Callable[[], dict[str, torch.Tensor]]:
+def batch_fn(
+    spec: ModelSpec, micro_batch: int, seq_len: int, device: str = "cpu"
+) -> Callable[[], dict[str, torch.Tensor]]:
     """Token ids and labels (values are irrelevant under fake tensors); no padding mask."""
 
     def make() -> dict[str, torch.Tensor]:
-        ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
-        labels = torch.zeros((micro_batch, seq_len), dtype=torch.long)
+        ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
+        labels = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
         return {"input_ids": ids, "labels": labels}
 
     return make
