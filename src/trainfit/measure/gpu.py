@@ -72,7 +72,7 @@ def measure_spec(
     *,
     progress: Callable[[str, float], None] | None = None,
     steps: int = 2,
-    adamw_impl: str = "fused",
+    adamw_impl: str = "foreach",
     extrapolate: bool = True,
     with_trace: bool = True,
     modules: bool = False,

@@ -55,13 +55,13 @@ def trace_spec(
     modules: bool = False,
     progress: Progress | None = None,
     steps: int = 2,
-    adamw_impl: str = "fused",
+    adamw_impl: str = "foreach",
     extrapolate: bool = True,
 ) -> MemoryReport:
     """Trace ``spec`` trained under ``strategy`` (real HF modules, fake tensors, CUDA policies).
 
-    ``extrapolate=False`` traces the full depth. ``adamw_impl`` picks ``fused`` (HF Trainer default) or
-    ``foreach`` (plain ``torch.optim.AdamW`` on CUDA).
+    ``extrapolate=False`` traces the full depth. ``adamw_impl`` picks ``foreach`` (``torch.optim.AdamW``'s
+    default on CUDA; the default here) or ``fused`` (the HF Trainer's default on torch >= 2.8).
     """
     require_torch()
     require_transformers()
@@ -97,8 +97,8 @@ def trace(
     replaced by fake tensors of the recipe's dtype), ``inputs_fn()`` builds one batch (called under fake
     tensors), ``forward_fn(model, batch)`` runs it (default: ``model(**batch)`` for a mapping,
     ``model(*batch)`` for a sequence, else ``model(batch)``), ``loss_fn(output, batch)`` returns the
-    scalar loss (default: ``output.loss``), ``optimizer_fn(params)`` builds the optimizer (default: fused
-    AdamW; for master-* recipes it receives the fp32 master parameters). ``head_module`` names a
+    scalar loss (default: ``output.loss``), ``optimizer_fn(params)`` builds the optimizer (default:
+    AdamW, foreach as on CUDA; for master-* recipes it receives the fp32 master parameters). ``head_module`` names a
     submodule whose forward and backward count as logits/loss.
     """
     torch = require_torch()
@@ -129,7 +129,7 @@ def trace(
         return loss
 
     def default_optimizer(params: list[Any]) -> Any:
-        return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
+        return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, foreach=True)
 
     head = model.get_submodule(head_module) if head_module else None
     run = eng.run_steps(

@@ -1,10 +1,12 @@
 """Optimizers as a GPU training run would use them, in forms that run under fake tensors.
 
-Which implementation an optimizer name means matters for memory: PyTorch's ``foreach`` AdamW (its default
-on CUDA when nothing is requested) materialises ``sqrt(exp_avg_sq)`` for every parameter at once — a
-transient 4 bytes/param at fp32 states — while the fused kernel (``fused=True``; the Hugging Face Trainer's
-default ``adamw_torch_fused`` on torch ≥ 2.8) allocates nothing. We default to the Trainer's choice and
-let callers ask for ``foreach``. The other names follow the Trainer's ``optim=`` choices:
+Which implementation an optimizer name means matters for memory: PyTorch's ``foreach`` AdamW — what
+``torch.optim.AdamW(params)`` picks on CUDA when nothing is requested, and what the analytic model assumes —
+materialises ``sqrt(exp_avg_sq)`` for every parameter at once (``torch._foreach_sqrt`` in
+``_multi_tensor_adam``): a transient 4 bytes/param at fp32 states. The fused kernel (``fused=True``; the
+Hugging Face Trainer's default ``adamw_torch_fused`` on torch ≥ 2.8) allocates nothing. ``adamw`` means
+``foreach`` unless ``adamw_impl="fused"`` is asked for. The other names follow the Trainer's ``optim=``
+choices:
 
 * ``sgd`` / ``sgd-momentum``: ``torch.optim.SGD`` (foreach, momentum 0.9 → one buffer per parameter);
 * ``adafactor``: ``transformers.optimization.Adafactor`` with ``scale_parameter=False,
@@ -96,9 +98,9 @@ class AdamW8bitModel(torch.optim.Optimizer):
                 p.mul_(1.0)  # the fused blockwise kernel updates in place
 
 
-def make_optimizer(name: OptName, params: list[torch.nn.Parameter], *, adamw_impl: str = "fused") -> Any:
+def make_optimizer(name: OptName, params: list[torch.nn.Parameter], *, adamw_impl: str = "foreach") -> Any:
     """The optimizer a GPU run would construct for ``name`` (see module docstring)."""
-    if name is OptName.ADAMW:
+    if name is OptName.ADAMW:  # weight_decay 0.0: the Trainer default, so no decay temporaries
         if adamw_impl == "fused":
             return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
         if adamw_impl == "foreach":
