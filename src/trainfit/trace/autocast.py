@@ -189,8 +189,13 @@ def _make_kernel(
     dtype_idx = arg_names.index("dtype") if "dtype" in arg_names else -1
     dtype_kwonly = dtype_idx >= 0 and schema.arguments[dtype_idx].kwarg_only
     no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")  # type: ignore[no-untyped-call]
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        if policy == PASSTHROUGH and composite:
+            # CUDA has no autocast kernel here: the op falls through and decomposes, and its parts meet
+            # autocast again (cross_entropy_loss -> log_softmax in fp32 + nll_loss).
+            return op.decompose(*args, **kwargs)
         with torch._C._ExcludeDispatchKeyGuard(no_autocast):
             if policy == PASSTHROUGH:
                 return op(*args, **kwargs)
