@@ -79,7 +79,9 @@ def test_families_trace(family: str) -> None:
 
 IMPORT_CHECK = """
 import sys
+from trainfit import trace
 import trainfit.trace
+assert callable(trace), "from trainfit import trace must be callable"
 assert "torch" not in sys.modules, "importing trainfit.trace must not import torch"
 sys.modules["torch"] = None  # simulate an install without torch
 from trainfit.errors import DependencyError

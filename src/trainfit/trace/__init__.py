@@ -8,10 +8,16 @@ install hint when torch (or transformers, for Hugging Face configs) is missing.
 * :func:`trace` — any ``nn.Module`` from factories for the model, inputs, loss and optimizer.
 
 How it works and what it emulates: ``docs/trace.md``.
+
+``from trainfit import trace`` binds this package (``trainfit.trace`` is a subpackage, and Python binds
+the submodule once it is imported), so the package is made callable: ``trace(model_fn, inputs_fn, ...)``
+works either way, and ``trainfit.trace.trace`` is the same function.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,3 +44,13 @@ def trace(*args: Any, **kwargs: Any) -> MemoryReport:
     from trainfit.trace.api import trace as impl
 
     return impl(*args, **kwargs)
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``from trainfit import trace`` be called like the function it is named after."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> MemoryReport:
+        return trace(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
