@@ -182,6 +182,18 @@ def _positive(name: str, value: int) -> None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointLayout:
+    """Checkpointed segments (their sizes in blocks) and the blocks that run without checkpointing."""
+
+    segment_sizes: tuple[int, ...]
+    unchecked_layers: int
+
+    @property
+    def largest_segment(self) -> int:
+        return max(self.segment_sizes, default=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Strategy:
     """One training configuration on one GPU. Memory is per micro-step; ``grad_accum`` only scales the
     effective batch (accumulated gradients live in the same gradient buffers)."""
@@ -226,14 +238,25 @@ class Strategy:
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch * self.seq_len
 
-    def checkpoint_segments(self, num_layers: int) -> int:
-        """Number of checkpointed segments: L for ``full``, ceil(sqrt(L)) for ``sqrt``, 0 for ``none``.
+    def checkpoint_layout(self, num_layers: int) -> CheckpointLayout:
+        """Which layers are checkpointed, and in which segments (shared by every estimation method).
 
-        ``sqrt`` is Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost", §4.1): split the
-        L blocks into ~sqrt(L) segments, keep only each segment's input, recompute one segment at a time.
+        ``full``: every block is its own segment (HF ``gradient_checkpointing_enable``). ``sqrt``: Chen et
+        al. 2016 ("Training Deep Nets with Sublinear Memory Cost", §4.1) — segments of ⌈L/⌈√L⌉⌉ blocks
+        covering all L blocks (the last one shorter when it does not divide); only each segment's input is kept
+        and backward recomputes one segment at a time, so activations scale with ~2√L layers. (Unlike
+        ``torch.utils.checkpoint.checkpoint_sequential``, no trailing segment runs unchecked, which keeps
+        memory monotonic in the depth.)
         """
         if self.checkpointing is Checkpointing.NONE:
-            return 0
+            return CheckpointLayout(segment_sizes=(), unchecked_layers=num_layers)
         if self.checkpointing is Checkpointing.FULL:
-            return num_layers
-        return max(1, math.ceil(math.sqrt(num_layers)))
+            return CheckpointLayout(segment_sizes=(1,) * num_layers, unchecked_layers=0)
+        size = math.ceil(num_layers / max(1, math.ceil(math.sqrt(num_layers))))
+        full_segments, rest = divmod(num_layers, size)
+        sizes = (size,) * full_segments + ((rest,) if rest else ())
+        return CheckpointLayout(segment_sizes=sizes, unchecked_layers=0)
+
+    def checkpoint_segments(self, num_layers: int) -> int:
+        """Number of checkpointed segments (0 without checkpointing)."""
+        return len(self.checkpoint_layout(num_layers).segment_sizes)

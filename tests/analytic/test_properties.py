@@ -51,8 +51,7 @@ def _no_cache_slack(spec: ModelSpec, s: Strategy, c: Checkpointing) -> int:
     only way checkpointing can add bytes, and only when the end of backward is the peak."""
     if not (spec.fused_qkv and spec.rotary_dim and spec.use_cache):
         return 0
-    layers = dataclasses.replace(s, checkpointing=c).checkpoint_segments(spec.num_layers)
-    per_segment = -(-spec.num_layers // layers)
+    per_segment = dataclasses.replace(s, checkpointing=c).checkpoint_layout(spec.num_layers).largest_segment
     a = s.recipe.compute_bits // 8
     return per_segment * a * s.tokens_per_micro_batch * (spec.q_dim + spec.kv_dim)
 

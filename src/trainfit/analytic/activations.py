@@ -30,7 +30,6 @@ Everything is in bytes for one micro-batch; ``t = batch·seq`` tokens.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
@@ -326,30 +325,44 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     return out
 
 
-def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
-    """(bytes kept for all checkpoints, layers recomputed at once during backward).
-
-    Full: each layer keeps its input (r·t·h). Sqrt (Chen et al. 2016): ceil(sqrt(L)) segments keep
-    their input, and backward recomputes one segment of ceil(L/segments) layers at a time.
-    """
-    segments = strategy.checkpoint_segments(spec.num_layers)
-    if segments == 0:
-        return 0, 0
+def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:
+    """(bytes kept by the checkpointed segments' inputs, number of segments, layers in the largest
+    segment) under ``Strategy.checkpoint_layout`` — full: one layer per segment; sqrt: the layout of
+    ``torch.utils.checkpoint.checkpoint_sequential`` (its last, unchecked layers are counted by the
+    caller as ordinary layers). Backward recomputes one segment at a time."""
+    layout = strategy.checkpoint_layout(spec.num_layers)
+    segments = len(layout.segment_sizes)
     w = Widths.of(strategy)
     kept = segments * w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
-    return kept, math.ceil(spec.num_layers / segments)
+    return kept, segments, layout.largest_segment
 
 
-def backward_temp_bytes(spec: ModelSpec, strategy: Strategy, largest_matmul_numel: int) -> int:
-    """Transient gradient tensors while one layer back-propagates (an estimate; the trace is exact):
-    two residual-stream gradients, three intermediate-width gradients, and — under autocast — the
-    16-bit weight gradient of the largest matmul before it is cast to fp32 and accumulated."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackwardTemps:
+    norm_bytes: int  # inside a norm's backward (the final norm's is the worst: most still saved)
+    block_bytes: int  # inside a block's backward (max of its norm and MLP moments)
+
+
+def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
+    """Transient gradients at the worst moment of one block's backward, net of the saved tensors
+    already released by then (calibrated against the fake-tensor trace, which is itself checked
+    against real CPU runs — docs/accuracy.md):
+
+    * MLP: the incoming residual gradient (r·t·h) and three intermediate-width gradients while the
+      gate·up product back-propagates (grad of the product, of act(gate), of up), minus the product
+      itself, already released by the down projection's backward: r·t·h + 2·a·t·i. HF's Python GeLU
+      holds more (fp32 ``pow`` under autocast).
+    * HF RMSNorm's backward runs in fp32 on five t·h tensors (cast, rsqrt product, mean, pow): 20·t·h.
+    """
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
+    h, a = spec.hidden_size, w.compute
     i = spec.intermediate_size
     if spec.moe is not None and spec.num_moe_layers:
-        i = max(i if spec.num_dense_layers else 0, spec.moe.expert_intermediate_size * spec.moe.experts_per_token)
-    temp = 2 * w.residual * t * spec.hidden_size + 3 * w.compute * t * i
-    if w.amp:
-        temp += w.compute * largest_matmul_numel
-    return temp
+        moe_i = spec.moe.expert_intermediate_size * spec.moe.experts_per_token
+        i = max(i if spec.num_dense_layers else 0, moe_i)
+    python_gelu = spec.mlp is MlpKind.DENSE and spec.activation in PYTHON_GELUS
+    per_i = (14 if w.amp else 3 * a) if python_gelu else 3 * a  # fp32 pow/tanh gradients under autocast
+    mlp = w.residual * t * h + (per_i - a) * t * i
+    norm = 20 * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
+    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, norm))

@@ -73,7 +73,8 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     c_all = st.autocast_copies_bytes
     c_head = max(0, c_all - sum(counts[k] * layer_copies[k] for k in counts))
     lg = logits_memory(spec, strategy, keep_logits=keep_logits)
-    bwd_temp = backward_temp_bytes(spec, strategy, st.largest_matmul_numel)
+    temps = backward_temp_bytes(spec, strategy)
+    bwd_temp = temps.block_bytes
 
     base = {
         "weights": st.weights_bytes,
@@ -100,8 +101,14 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         temporaries=table * gb if spec.tie_word_embeddings else 0,
     )
 
-    kept, seg_layers = checkpoint_terms(spec, strategy)
-    if seg_layers == 0:
+    # After the LM head's backward, inside the final norm's: the head's input is released, the norm's
+    # own saved tensors are not yet.
+    lm_head_in = _sum([t for t in a_model_terms if t.name.startswith("lm_head_in")])
+    a_model_norm = a_model - lm_head_in
+
+    kept_inputs, n_segments, seg_layers = checkpoint_terms(spec, strategy)
+    unchecked = strategy.checkpoint_layout(L).unchecked_layers
+    if n_segments == 0:
         saved = a_layers + a_model
         forward = _phase(
             P.FORWARD,
@@ -118,6 +125,14 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             activations=saved,
             autocast_copies=c_all,
             logits_loss=lg.backward_peak_bytes,
+        )
+        b_norm = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(g_resident, g_head),
+            activations=a_layers + a_model_norm,
+            autocast_copies=c_all - c_head,
+            temporaries=temps.norm_bytes,
         )
         b_top = _phase(
             P.BACKWARD,
@@ -139,9 +154,13 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         # The recomputed segment saves its own input again; when the first norm saves the residual
         # tensor itself (fp32 residual, or LayerNorm), that is the kept checkpoint — count it once.
         shared_input = w.residual == 4 or spec.norm is NormKind.LAYERNORM
-        recompute = seg_layers * a_max_layer - (
-            w.residual * strategy.tokens_per_micro_batch * spec.hidden_size if shared_input else 0
-        )
+        input_bytes = w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
+        recompute = seg_layers * a_max_layer - (input_bytes if shared_input else 0)
+        # checkpoint_sequential's last layers run unchecked: all their activations and 16-bit weight
+        # copies stay saved until their own backward, which comes first.
+        tail = unchecked * a_max_layer
+        c_tail = unchecked * c_max_layer
+        kept = kept_inputs + tail
         forward = _phase(
             P.FORWARD,
             **base,
@@ -155,19 +174,37 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             **base,
             gradients=g_resident,
             activations=kept + a_model,
-            autocast_copies=c_head,
+            autocast_copies=c_head + c_tail,
             logits_loss=lg.backward_peak_bytes,
         )
-        b_top = _phase(
+        b_norm = _phase(
             P.BACKWARD,
             **base,
             gradients=max(g_resident, g_head),
-            activations=kept + recompute + a_model_end,
+            activations=kept + a_model_norm,
+            autocast_copies=c_tail,
+            temporaries=temps.norm_bytes,
+        )
+        # The top checkpointed segment recomputes once the unchecked tail is done (its activations freed,
+        # its grads allocated).
+        b_top = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(g_resident, g_head + unchecked * g_layer),
+            activations=kept_inputs + recompute + a_model_end,
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
         )
+        b_tail = _phase(
+            P.BACKWARD,
+            **base,
+            gradients=max(g_resident, g_head),
+            activations=kept + a_model_end,
+            autocast_copies=c_tail,
+            temporaries=bwd_temp if unchecked else 0,
+        )
         # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
-        segment_input = kept // strategy.checkpoint_segments(L)
+        segment_input = input_bytes
         b_bottom = _phase(
             P.BACKWARD,
             **base,
@@ -176,7 +213,10 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
         )
-    backward = max((b_start, b_top, b_bottom, b_embed), key=lambda p: p.total_bytes)
+    moments: tuple[PhaseBreakdown, ...] = (b_start, b_norm, b_top, b_bottom, b_embed)
+    if n_segments:
+        moments += (b_tail,)
+    backward = max(moments, key=lambda p: p.total_bytes)
     step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
     phases = (forward, backward, step)
     peak = max(p.total_bytes for p in phases)
@@ -190,7 +230,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         "autocast_copies": st.per_param(st.autocast_copies_bytes),
     }
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * L
-    coeff = (a_layers if seg_layers == 0 else kept) / tokens_layers
+    coeff = (a_layers if n_segments == 0 else kept_inputs + unchecked * a_max_layer) / tokens_layers
     terms = (
         Term(
             name="weights",

@@ -38,12 +38,13 @@ def _get(cfg: Config, field: str, default: Any = None, *, required: bool = False
     return default
 
 
-def _dropout(cfg: Config, *keys: str) -> float:
+def _dropout(cfg: Config, *keys: str, default: float = 0.0) -> float:
+    """A dropout probability; ``default`` is the transformers config class's default for the key."""
     for k in keys:
         v = cfg.get(k)
         if isinstance(v, int | float):
             return float(v)
-    return 0.0
+    return default
 
 
 def _common(cfg: Config, *, name: str, source: str) -> dict[str, Any]:
@@ -241,9 +242,9 @@ def _gpt2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "out_bias": True,
         "mlp_bias": True,
         "learned_positions": int(_get(cfg, "max_position_embeddings", 1024)),
-        "attention_dropout": _dropout(cfg, "attn_pdrop"),
-        "hidden_dropout": _dropout(cfg, "resid_pdrop"),
-        "embedding_dropout": _dropout(cfg, "embd_pdrop"),
+        "attention_dropout": _dropout(cfg, "attn_pdrop", default=0.1),
+        "hidden_dropout": _dropout(cfg, "resid_pdrop", default=0.1),
+        "embedding_dropout": _dropout(cfg, "embd_pdrop", default=0.1),
         "max_position_embeddings": int(_get(cfg, "max_position_embeddings", 1024)),
     }
 
@@ -274,7 +275,7 @@ def _opt(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "learned_positions": max_pos + 2,
         "final_norm": final,
         "attention_dropout": _dropout(cfg, "attention_dropout"),
-        "hidden_dropout": _dropout(cfg, "dropout"),
+        "hidden_dropout": _dropout(cfg, "dropout", default=0.1),
         "extra_tensors": extra,
         "word_embed_dim": proj if proj != h else None,
     }
@@ -407,9 +408,9 @@ def _bert(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "token_types": int(cfg.get("type_vocab_size", 2)),
         "embedding_norm": True,
         "final_norm": False,
-        "attention_dropout": _dropout(cfg, "attention_probs_dropout_prob"),
-        "hidden_dropout": _dropout(cfg, "hidden_dropout_prob"),
-        "embedding_dropout": _dropout(cfg, "hidden_dropout_prob"),
+        "attention_dropout": _dropout(cfg, "attention_probs_dropout_prob", default=0.1),
+        "hidden_dropout": _dropout(cfg, "hidden_dropout_prob", default=0.1),
+        "embedding_dropout": _dropout(cfg, "hidden_dropout_prob", default=0.1),
         "extra_tensors": head,
     }
 

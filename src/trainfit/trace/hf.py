@@ -12,10 +12,9 @@ linear in the number of repetitions. Reduced models are deep copies of the full 
 chosen layers; per-layer config lists (``layer_types``) are sliced to match.
 
 Checkpointing goes through the model's own ``gradient_checkpointing_enable()`` (non-reentrant, the
-transformers default) for ``full``. ``sqrt`` follows ``torch.utils.checkpoint.checkpoint_sequential``:
-⌈√L⌉ segments of ⌊L/⌈√L⌉⌋ layers, the first ones checkpointed and the remaining layers run normally
-(Chen et al. 2016, §4.1); a segment is one non-reentrant checkpoint region spanning several decoder
-layers, opened at its first layer and closed after its last.
+transformers default) for ``full``. ``sqrt`` uses ``Strategy.checkpoint_layout`` (Chen et al. 2016,
+§4.1): segments of ⌈L/⌈√L⌉⌉ layers covering every layer; a segment is one non-reentrant checkpoint region spanning
+several decoder layers, opened at its first layer and closed after its last.
 """
 
 from __future__ import annotations
@@ -66,7 +65,9 @@ def hf_config(spec: ModelSpec) -> Any:
         conf = tf.AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"transformers cannot build a '{model_type}' config: {exc}") from None
-    conf.use_cache = False
+    # As the user's run would: transformers builds a DynamicCache in training when config.use_cache is
+    # true (gradient checkpointing turns it off), and its torch.cat copies k and v.
+    conf.use_cache = spec.use_cache
     return conf
 
 
@@ -145,14 +146,9 @@ def layer_signature(layer: torch.nn.Module) -> tuple[Any, ...]:
 
 
 def sqrt_layout(num_layers: int) -> list[int]:
-    """Segment sizes under ``--checkpointing sqrt``; a trailing entry of 0-marked layers is not returned.
-
-    Returns the checkpointed segment sizes (each ⌊L/n⌋ for n = ⌈√L⌉ segments, ``checkpoint_sequential``'s
-    first n−1 segments); the remaining ``L − sum`` layers run without checkpointing.
-    """
-    n = max(1, math.ceil(math.sqrt(num_layers)))
-    size = num_layers // n
-    return [size] * (n - 1) if size > 0 else []
+    """Segment sizes under ``--checkpointing sqrt`` (``Strategy.checkpoint_layout``, shared with the
+    analytic model: segments of ⌈L/⌈√L⌉⌉ layers covering every layer, the last one shorter)."""
+    return list(Strategy(checkpointing=Checkpointing.SQRT).checkpoint_layout(num_layers).segment_sizes)
 
 
 @dataclass(frozen=True)
