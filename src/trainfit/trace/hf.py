@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
