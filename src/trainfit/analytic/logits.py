@@ -1,6 +1,6 @@
 """Logits and the loss: the largest single term for 128k–256k vocabularies.
 
-HF causal- and masked-LM losses (transformers ``loss/loss_utils.py``) upcast the logits with
+HF causal-LM losses (transformers ``loss/loss_utils.py``, ``ForCausalLMLoss``) upcast the logits with
 ``logits.float()`` and call ``cross_entropy`` = ``log_softmax`` + ``nll_loss``. With ``V = b·s·vocab``:
 
 * forward, inside the loss: 16-bit logits (a·V) + their fp32 copy (4·V, none in fp32) + the saved
@@ -8,6 +8,7 @@ HF causal- and masked-LM losses (transformers ``loss/loss_utils.py``) upcast the
 * backward, at ``log_softmax_backward``: the saved output, the gradient from ``nll_loss`` (dense,
   4·V) and the gradient it produces (4·V): 12·V.
 
+BERT's masked-LM loss applies ``CrossEntropyLoss`` to the logits directly (see the code for the dtypes).
 Gemma-2's final soft-cap (``tanh(logits / cap) * cap``) keeps tanh's output (a·V) in both phases.
 The HF Trainer drops the model outputs before ``backward()``, so the 16-bit logits are not alive in
 backward; a loop that keeps ``outputs`` alive adds a·V there (``keep_logits``).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.arch.spec import ModelSpec
+from trainfit.arch.spec import ModelKind, ModelSpec
 from trainfit.strategy import Strategy
 
 
@@ -31,9 +32,17 @@ class LogitsMemory:
 def logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> LogitsMemory:
     n = strategy.tokens_per_micro_batch * spec.vocab_size
     a = strategy.recipe.compute_bits // 8
-    upcast = 4 * n if a != 4 else 0
-    forward = a * n + upcast + 4 * n
-    backward = 12 * n + (a * n if keep_logits else 0)
+    if spec.kind is ModelKind.MASKED_LM:
+        # BERT: CrossEntropyLoss on the logits as they are (no .float()). Under autocast, log_softmax
+        # takes CUDA's fp32_set_opt_dtype policy — log_softmax(x, dtype=float) reads 16-bit and writes
+        # fp32, no copy — and its backward returns the input dtype. Without autocast all of it is 16-bit.
+        lsm = 4 if strategy.recipe.autocast else a
+        forward = a * n + lsm * n
+        backward = 2 * lsm * n + a * n + (a * n if keep_logits else 0)
+    else:
+        upcast = 4 * n if a != 4 else 0
+        forward = a * n + upcast + 4 * n
+        backward = 12 * n + (a * n if keep_logits else 0)
     if spec.final_logit_softcapping:
         # logits = tanh(logits / cap) * cap: tanh saves its output for backward (Gemma-2).
         forward += a * n
