@@ -26,13 +26,12 @@ SHAPES = ((1, 128), (4, 512))
 
 
 def _known(family: str, precision: str, ckpt: str, shape: tuple[int, int]) -> str | None:
-    """Disagreements reported to the analytic model's owner (component that differs, trace minus analytic)."""
-    if family == "gemma2":
-        return "Gemma-2 runs eager attention (soft-capping): trace saves [b,h,s,s] scores/probabilities per layer"
+    """Disagreements still open in the analytic model, reported in docs/accuracy.md. xfail(strict=False):
+    a fix shows up as XPASS."""
+    if family == "gemma2" and (ckpt == "full" or precision in ("master-bf16", "pure-bf16")):
+        return "Gemma-2 eager attention: score-sized backward transients approximated (16-bit chains, recompute)"
     if ckpt == "full" and shape == (4, 512):
-        return "full checkpointing: the backward peak moment differs (logits/recompute vs analytic's choice)"
-    if family == "bert" and shape == (4, 512) and precision != "fp32":
-        return "BERT MLM head/loss under autocast: logits_loss differs (plain CrossEntropyLoss on 16-bit logits)"
+        return "full checkpointing on a tiny model: recompute-moment temporaries (t·h-sized) over-estimated"
     return None
 
 

@@ -365,4 +365,21 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
     per_i = (14 if w.amp else 3 * a) if python_gelu else 3 * a  # fp32 pow/tanh gradients under autocast
     mlp = w.residual * t * h + (per_i - a) * t * i
     norm = 20 * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
-    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, norm))
+    attn = 0
+    if strategy.attention is Attention.EAGER:
+        # softmax backward holds two fp32 score-sized gradients; under autocast the 16-bit copy of the
+        # probabilities has been released by the PV matmul's backward by then.
+        scores = strategy.micro_batch * spec.num_heads * strategy.seq_len**2
+        attn = 8 * scores - (a * scores if w.amp else 0)
+    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, norm, attn))
+
+
+def eager_forward_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Bytes beyond the saved set while eager attention's score chain runs in the last layer: two
+    score-sized tensors (an op's input and output, e.g. at the mask add) exist before the softmax
+    output and probabilities that the saved set already counts. In fp32 that nets +4 bytes per score
+    element; in 16-bit chains and under autocast (16-bit scores, fp32 only from the mask add on) it
+    nets ≤ 0. 0 for SDPA."""
+    if strategy.attention is not Attention.EAGER or strategy.recipe.compute_bits != 32:
+        return 0
+    return 4 * strategy.micro_batch * spec.num_heads * strategy.seq_len**2

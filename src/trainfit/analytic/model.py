@@ -17,11 +17,14 @@ loss), checkpointing or not; without checkpointing the copies stay saved for bac
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainfit.analytic.activations import (
     SavedTerm,
     Widths,
     backward_temp_bytes,
     checkpoint_terms,
+    eager_forward_transient_bytes,
     layer_terms,
     model_terms,
 )
@@ -32,7 +35,7 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown, Term
 from trainfit.result import Phase as P
-from trainfit.strategy import Optimizer, Strategy
+from trainfit.strategy import Attention, Optimizer, Strategy
 from trainfit.units import round_up
 
 C = Component
@@ -48,6 +51,9 @@ def _phase(phase: P, **parts: int) -> PhaseBreakdown:
 
 def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``."""
+    if strategy.attention is Attention.SDPA and not spec.supports_sdpa:
+        # transformers refuses SDPA for this model (Gemma-2): the run would use eager attention.
+        strategy = dataclasses.replace(strategy, attention=Attention.EAGER)
     st = model_states(spec, strategy)
     inv = inventory(spec)
     w = Widths.of(strategy)
@@ -217,6 +223,18 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     if n_segments:
         moments += (b_tail,)
     backward = max(moments, key=lambda p: p.total_bytes)
+    eager_fwd = eager_forward_transient_bytes(spec, strategy)
+    if eager_fwd:
+        # Eager attention's score chain in the last layer can outweigh the loss computation.
+        in_attention = _phase(
+            P.FORWARD,
+            **base,
+            gradients=g_resident,
+            activations=(a_layers if n_segments == 0 else kept) + a_model_end,
+            autocast_copies=c_all,
+            temporaries=eager_fwd,
+        )
+        forward = max((forward, in_attention), key=lambda p: p.total_bytes)
     step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
     phases = (forward, backward, step)
     peak = max(p.total_bytes for p in phases)
