@@ -33,3 +33,11 @@ class StrategyError(TrainfitError):
 
 class DependencyError(TrainfitError):
     """An optional dependency (torch, transformers, huggingface_hub) is needed but missing."""
+
+
+class TraceError(TrainfitError):
+    """The trace engine cannot run this model or step (``--method trace``)."""
+
+
+class TraceUnsupportedError(TraceError):
+    """The model runs an operation fake tensors cannot evaluate (its output depends on tensor values)."""

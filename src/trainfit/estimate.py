@@ -129,9 +129,15 @@ def estimate(
             f"({spec.max_position_embeddings}); the estimate assumes the model can run at that length"
         )
     fit = None
+    notes = list(report.notes)
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
         search_fn = fn if method in (Method.ANALYTIC, Method.RULE_OF_THUMB) else estimate_analytic
         fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, search_fn)
-    return dataclasses.replace(report, warnings=tuple(warnings), fit=fit)
+        if search_fn is not fn:
+            notes.append(
+                f"fit verdict from the {method.value} peak; the largest micro-batch was searched with the "
+                "analytic model (one trace per probe would take minutes)"
+            )
+    return dataclasses.replace(report, warnings=tuple(warnings), notes=tuple(notes), fit=fit)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -112,13 +113,14 @@ def estimate_cmd(
     except ValueError:
         raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(x.value for x in Method)}") from None
     options: dict[str, object] | None = None
-    if m is Method.TRACE:
-        options = {"modules": modules}
-        if not json_out:
-            options["progress"] = _progress_printer()
+    if m in (Method.TRACE, Method.MEASURE):
+        options = {"modules": modules} if m is Method.TRACE else {}
     elif modules:
         raise StrategyError("--modules needs --method trace")
-    report = estimate(spec, strategy, method=m, gpu=gpu, headroom=headroom, method_options=options)
+    with _progress(enabled=options is not None and not json_out) as progress:
+        if options is not None and progress is not None:
+            options["progress"] = progress
+        report = estimate(spec, strategy, method=m, gpu=gpu, headroom=headroom, method_options=options or None)
     for w in report.warnings:
         warn(w)
     if json_out:
@@ -128,15 +130,28 @@ def estimate_cmd(
     render(stdout_console(), report, spec, strategy, diffs)
 
 
-def _progress_printer() -> Callable[[str, float], None]:
+@contextmanager
+def _progress(*, enabled: bool) -> Iterator[Callable[[str, float], None] | None]:
+    """A rich progress bar on stderr for trace/measure runs (transient: gone once the report prints)."""
+    if not enabled:
+        yield None
+        return
     from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("starting", total=1.0)
 
-    def progress(message: str, fraction: float) -> None:
-        console.print(f"[dim]{fraction:4.0%} {message}[/dim]", highlight=False)
+        def update(message: str, fraction: float) -> None:
+            bar.update(task, description=message, completed=max(0.0, min(1.0, fraction)))
 
-    return progress
+        yield update
 
 
 def register(app: typer.Typer) -> None:

@@ -72,7 +72,7 @@ def measure_spec(
     *,
     progress: Callable[[str, float], None] | None = None,
     steps: int = 2,
-    adamw_impl: str = "foreach",
+    adamw_impl: str | None = None,
     extrapolate: bool = True,
     with_trace: bool = True,
     modules: bool = False,
@@ -83,6 +83,7 @@ def measure_spec(
             "--method measure needs a CUDA GPU and a CUDA build of PyTorch (torch.cuda.is_available() is "
             "False); use --method trace to get the same numbers without a GPU"
         )
+    adamw_impl = adamw_impl or strategy.optimizer_impl.value
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     plan = plan_depth(spec, strategy, extrapolate=extrapolate)

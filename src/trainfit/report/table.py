@@ -99,6 +99,38 @@ def _fit(report: MemoryReport) -> Text:
     return t
 
 
+def _modules(report: MemoryReport) -> Table | None:
+    rows = report.extra.get("modules")
+    if not isinstance(rows, list) or not rows:
+        return None
+    table = Table(title="Largest saved-activation owners at the end of forward", title_justify="left")
+    table.add_column("module")
+    table.add_column("instances", justify="right")
+    table.add_column("per instance", justify="right")
+    table.add_column("total", justify="right")
+    for row in rows[:15]:
+        table.add_row(
+            str(row["module"]),
+            str(row["instances"]),
+            fmt_gib(int(row["per_instance_bytes"]), 3),
+            fmt_gib(int(row["activation_bytes"]), 3),
+        )
+    return table
+
+
+def _measured_vs_trace(report: MemoryReport) -> Table | None:
+    traced = report.extra.get("trace")
+    if report.method is not Method.MEASURE or not isinstance(traced, dict):
+        return None
+    table = Table(title="Measured on the GPU vs traced (GiB)", title_justify="left")
+    for col in ("phase", "measured", "trace", "measured − trace"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for p in report.phases:
+        t = int(traced.get(p.phase.value, 0))
+        table.add_row(p.phase.value, f"{gib(p.total_bytes):.3f}", f"{gib(t):.3f}", f"{gib(p.total_bytes - t):+.3f}")
+    return table
+
+
 def render(
     console: Console,
     report: MemoryReport,
@@ -118,6 +150,9 @@ def render(
             f"(+{fmt_gib(report.overhead.cuda_context_bytes)} CUDA context)"
         )
         console.print(_bytes_per_param(report, strategy))
+        for extra_table in (_measured_vs_trace(report), _modules(report)):
+            if extra_table is not None:
+                console.print(extra_table)
         if differences:
             console.print(_differences(differences))
     for note in report.notes:

@@ -55,14 +55,16 @@ def trace_spec(
     modules: bool = False,
     progress: Progress | None = None,
     steps: int = 2,
-    adamw_impl: str = "foreach",
+    adamw_impl: str | None = None,
     extrapolate: bool = True,
 ) -> MemoryReport:
     """Trace ``spec`` trained under ``strategy`` (real HF modules, fake tensors, CUDA policies).
 
-    ``extrapolate=False`` traces the full depth. ``adamw_impl`` picks ``foreach`` (``torch.optim.AdamW``'s
-    default on CUDA; the default here) or ``fused`` (the HF Trainer's default on torch >= 2.8).
+    ``extrapolate=False`` traces the full depth. ``adamw_impl`` overrides ``strategy.optimizer_impl``:
+    ``foreach`` (``torch.optim.AdamW``'s default on CUDA) or ``fused`` (the HF Trainer's default on
+    torch >= 2.8).
     """
+    adamw_impl = adamw_impl or strategy.optimizer_impl.value
     require_torch()
     require_transformers()
     from trainfit.trace import depth

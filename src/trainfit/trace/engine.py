@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from trainfit.errors import TrainfitError
+from trainfit.errors import TraceUnsupportedError, TrainfitError
 from trainfit.result import Component, Phase
 from trainfit.strategy import Recipe
 from trainfit.trace import tracker as tk
@@ -43,8 +43,6 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class TraceUnsupportedError(TrainfitError):
-    """The model runs an operation fake tensors cannot evaluate (its output depends on tensor values)."""
 
 
 def compute_dtype(recipe: Recipe) -> torch.dtype:
