@@ -29,9 +29,7 @@ def _known(family: str, precision: str, ckpt: str, shape: tuple[int, int]) -> st
     """Disagreements still open in the analytic model, reported in docs/accuracy.md. xfail(strict=False):
     a fix shows up as XPASS."""
     if family == "gemma2" and (ckpt == "full" or precision in ("master-bf16", "pure-bf16")):
-        return "Gemma-2 eager attention: score-sized backward transients approximated (16-bit chains, recompute)"
-    if ckpt == "full" and shape == (4, 512):
-        return "full checkpointing on a tiny model: recompute-moment temporaries (t·h-sized) over-estimated"
+        return "Gemma-2 eager attention, 16-bit score chain or recompute: score-sized transients approximated"
     return None
 
 

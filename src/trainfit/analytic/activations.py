@@ -351,27 +351,44 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
     * MLP: the incoming residual gradient (r·t·h) and three intermediate-width gradients while the
       gate·up product back-propagates (grad of the product, of act(gate), of up), minus the product
       itself, already released by the down projection's backward: r·t·h + 2·a·t·i. HF's Python GeLU
-      holds more (fp32 ``pow`` under autocast).
+      holds more (fp32 ``pow`` under autocast) and has released two saved tensors by then; MoE experts
+      add the concatenated gate_up gradient.
     * HF RMSNorm's backward runs in fp32 on five t·h tensors (cast, rsqrt product, mean, pow): 20·t·h.
     """
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     h, a = spec.hidden_size, w.compute
     i = spec.intermediate_size
-    if spec.moe is not None and spec.num_moe_layers:
-        moe_i = spec.moe.expert_intermediate_size * spec.moe.experts_per_token
-        i = max(i if spec.num_dense_layers else 0, moe_i)
     python_gelu = spec.mlp is MlpKind.DENSE and spec.activation in PYTHON_GELUS
-    per_i = (14 if w.amp else 3 * a) if python_gelu else 3 * a  # fp32 pow/tanh gradients under autocast
-    mlp = w.residual * t * h + (per_i - a) * t * i
+    # In flight per intermediate element, net of the saved tensors already released: the product (or,
+    # for HF's Python GeLU, the fc2 input and 0.5·x) — and the MLP's residual dropout mask.
+    in_flight = 14 - 2 * a if python_gelu and w.amp else 3 * a - a
+    mask = t * h if spec.hidden_dropout > 0 else 0
+    mlp = w.residual * t * h + in_flight * t * i - mask
+    if spec.moe is not None and spec.num_moe_layers:
+        # Experts run in the weight dtype. With 16-bit weights transformers uses grouped_mm over all
+        # routed rows at once, and the fused gate_up output's gradient is concatenated back from its two
+        # halves: two more routed·moe_i-wide tensors than a dense SwiGLU. fp32 weights take the
+        # per-expert loop fallback, whose gradients in flight are those of a dense SwiGLU.
+        e = w.residual
+        routed_i = t * spec.moe.experts_per_token * spec.moe.expert_intermediate_size
+        per_routed = 5 * e - e if e == 2 else 3 * e - e
+        moe = w.residual * t * h + per_routed * routed_i
+        mlp = max(mlp if spec.num_dense_layers else 0, moe)
     norm = 20 * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
+    # Inside a block, its norms back-propagate after its MLP has released its saved tensors, so a
+    # block's norm moment nets out those.
+    mlp_saved = sum(
+        x.bytes for x in layer_terms(spec, strategy, moe=spec.num_moe_layers > 0) if x.name.startswith("mlp")
+    )
+    in_block_norm = max(0, norm - mlp_saved)
     attn = 0
     if strategy.attention is Attention.EAGER:
         # softmax backward holds two fp32 score-sized gradients; under autocast the 16-bit copy of the
         # probabilities has been released by the PV matmul's backward by then.
         scores = strategy.micro_batch * spec.num_heads * strategy.seq_len**2
         attn = 8 * scores - (a * scores if w.amp else 0)
-    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, norm, attn))
+    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, in_block_norm, attn))
 
 
 def eager_forward_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
