@@ -45,7 +45,6 @@ class ModelStates:
     optimizer_bytes: int
     step_temp_bytes: int  # transient, inside optimizer.step()
     autocast_copies_bytes: int  # all low-precision copies of matmul weights (AMP only)
-    largest_matmul_numel: int
     params: int
 
     def per_param(self, n: int) -> float:
@@ -97,7 +96,6 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
     state_bits = 32 if r.master_bits else r.state_bits
     inv: ParamInventory = inventory(spec)
     tensors = inv.all_tensors()
-    largest = max((t.numel for t, _ in tensors if t.matmul), default=0)
     largest_any = max((t.numel for t, _ in tensors), default=0)
 
     if spec.params_override is not None:
@@ -130,6 +128,5 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         optimizer_bytes=optim,
         step_temp_bytes=temp,
         autocast_copies_bytes=copies,
-        largest_matmul_numel=largest,
         params=p,
     )
