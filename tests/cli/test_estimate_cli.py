@@ -163,9 +163,7 @@ def test_missing_key_and_unsupported_arch(tmp_path: Path) -> None:
 
 
 def test_warnings_for_long_seq_and_non_native_bf16() -> None:
-    res = run_main(
-        "estimate", "gpt2", "--seq", "4096", "--gpu", "v100-sxm2-32gb", "--precision", "amp-bf16", "--json"
-    )
+    res = run_main("estimate", "gpt2", "--seq", "4096", "--gpu", "v100-sxm2-32gb", "--precision", "amp-bf16", "--json")
     assert res.returncode == 0
     assert "max_position_embeddings" in res.stderr and "amp-fp16" in res.stderr
     data = json.loads(res.stdout)
