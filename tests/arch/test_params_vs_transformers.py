@@ -19,9 +19,7 @@ FIXTURES = sorted((Path(__file__).parent.parent / "fixtures" / "configs").glob("
 def _meta_count(cfg: dict) -> int:
     cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "quantization_config")}
     model_type = cfg.get("model_type") or "gpt2"
-    hf_cfg = transformers.AutoConfig.for_model(
-        model_type, **{k: v for k, v in cfg.items() if k != "model_type"}
-    )
+    hf_cfg = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
     auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(hf_cfg)

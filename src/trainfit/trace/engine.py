@@ -43,8 +43,6 @@ DEFAULT_MAX_GRAD_NORM = 1.0
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-
-
 def compute_dtype(recipe: Recipe) -> torch.dtype:
     return _DTYPES[recipe.compute_dtype]
 
