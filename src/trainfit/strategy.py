@@ -183,10 +183,9 @@ def _positive(name: str, value: int) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointLayout:
-    """Checkpointed segments (their sizes in blocks) and the blocks that run without checkpointing."""
+    """Checkpointed segments, their sizes in blocks (empty without checkpointing)."""
 
     segment_sizes: tuple[int, ...]
-    unchecked_layers: int
 
     @property
     def largest_segment(self) -> int:
@@ -249,13 +248,13 @@ class Strategy:
         memory monotonic in the depth.)
         """
         if self.checkpointing is Checkpointing.NONE:
-            return CheckpointLayout(segment_sizes=(), unchecked_layers=num_layers)
+            return CheckpointLayout(segment_sizes=())
         if self.checkpointing is Checkpointing.FULL:
-            return CheckpointLayout(segment_sizes=(1,) * num_layers, unchecked_layers=0)
+            return CheckpointLayout(segment_sizes=(1,) * num_layers)
         size = math.ceil(num_layers / max(1, math.ceil(math.sqrt(num_layers))))
         full_segments, rest = divmod(num_layers, size)
         sizes = (size,) * full_segments + ((rest,) if rest else ())
-        return CheckpointLayout(segment_sizes=sizes, unchecked_layers=0)
+        return CheckpointLayout(segment_sizes=sizes)
 
     def checkpoint_segments(self, num_layers: int) -> int:
         """Number of checkpointed segments (0 without checkpointing)."""

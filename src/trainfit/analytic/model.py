@@ -113,7 +113,6 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     a_model_norm = a_model - lm_head_in
 
     kept_inputs, n_segments, seg_layers = checkpoint_terms(spec, strategy)
-    unchecked = strategy.checkpoint_layout(L).unchecked_layers
     if n_segments == 0:
         saved = a_layers + a_model
         forward = _phase(
@@ -162,11 +161,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         shared_input = w.residual == 4 or spec.norm is NormKind.LAYERNORM
         input_bytes = w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
         recompute = seg_layers * a_max_layer - (input_bytes if shared_input else 0)
-        # checkpoint_sequential's last layers run unchecked: all their activations and 16-bit weight
-        # copies stay saved until their own backward, which comes first.
-        tail = unchecked * a_max_layer
-        c_tail = unchecked * c_max_layer
-        kept = kept_inputs + tail
+        kept = kept_inputs
         forward = _phase(
             P.FORWARD,
             **base,
@@ -180,7 +175,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             **base,
             gradients=g_resident,
             activations=kept + a_model,
-            autocast_copies=c_head + c_tail,
+            autocast_copies=c_head,
             logits_loss=lg.backward_peak_bytes,
         )
         b_norm = _phase(
@@ -188,26 +183,16 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             **base,
             gradients=max(g_resident, g_head),
             activations=kept + a_model_norm,
-            autocast_copies=c_tail,
+            autocast_copies=0,
             temporaries=temps.norm_bytes,
         )
-        # The top checkpointed segment recomputes once the unchecked tail is done (its activations freed,
-        # its grads allocated).
         b_top = _phase(
             P.BACKWARD,
             **base,
-            gradients=max(g_resident, g_head + unchecked * g_layer),
+            gradients=max(g_resident, g_head),
             activations=kept_inputs + recompute + a_model_end,
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
-        )
-        b_tail = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_head),
-            activations=kept + a_model_end,
-            autocast_copies=c_tail,
-            temporaries=bwd_temp if unchecked else 0,
         )
         # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
         segment_input = input_bytes
@@ -219,10 +204,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
         )
-    moments: tuple[PhaseBreakdown, ...] = (b_start, b_norm, b_top, b_bottom, b_embed)
-    if n_segments:
-        moments += (b_tail,)
-    backward = max(moments, key=lambda p: p.total_bytes)
+    backward = max((b_start, b_norm, b_top, b_bottom, b_embed), key=lambda p: p.total_bytes)
     eager_fwd = eager_forward_transient_bytes(spec, strategy)
     if eager_fwd:
         # Eager attention's score chain in the last layer can outweigh the loss computation.
@@ -248,7 +230,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         "autocast_copies": st.per_param(st.autocast_copies_bytes),
     }
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * L
-    coeff = (a_layers if n_segments == 0 else kept_inputs + unchecked * a_max_layer) / tokens_layers
+    coeff = (a_layers if n_segments == 0 else kept_inputs) / tokens_layers
     terms = (
         Term(
             name="weights",
