@@ -319,10 +319,11 @@ def test_saved_activations_match_autograd_under_autocast(family: str) -> None:
     assert analytic_saved_bytes(cfg, "amp-bf16") == measured_saved_bytes(cfg, torch.float32, True)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gpt2", "bert", "opt"])
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("pure-bf16", "bfloat16")])
 def test_eager_attention_matches_autograd(family: str, precision: str, dtype: str) -> None:
-    """Eager attention: repeat_kv copies, the fp32 softmax output and the probabilities."""
+    """Eager attention: repeat_kv copies, the softmax output (fp32 where the model upcasts it; GPT-2 and
+    BERT keep the scores' dtype) and the probabilities."""
     cfg = CONFIGS[family]
     measured = measured_saved_bytes(cfg, getattr(torch, dtype), amp=False, attention="eager")
     assert analytic_saved_bytes(cfg, precision, attention="eager") + cpu_artefacts(cfg, precision) == measured

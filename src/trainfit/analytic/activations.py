@@ -106,6 +106,66 @@ def _matmul_inputs(name: str, t: int, width: int, n_consumers: int, in_bytes: in
     return SavedTerm(name=f"{name}.input", bytes=in_bytes * t * width, formula=f"{in_bytes}·t·w")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EagerChain:
+    """Byte widths along eager attention's score chain (HF ``eager_attention_forward``), per score element,
+    as a CUDA run allocates them; ``scores`` = b·heads·s² elements.
+
+    ``scores = q·kᵀ·scale`` (compute dtype a) [→ Gemma-2 soft-cap: /c, tanh (saved), ·c] → ``+ mask``
+    (type promotion to the mask's dtype, which is the embeddings' — fp32 under autocast) → softmax →
+    probabilities in the compute dtype → ``probs·v``. Most HF models call ``softmax(x, dtype=float32)``;
+    CUDA autocast gives GPT-2's and BERT's plain ``softmax`` an fp32 output too (``fp32_set_opt_dtype``).
+    ATen's ``softmax`` (aten/src/ATen/native/SoftMax.cpp) converts a 16-bit input to fp32 *first* — a
+    full-size copy — except for an fp16 input on CUDA, which takes the fused ``half_to_float`` kernel.
+    """
+
+    scores: int
+    softmax_in: int  # p: the softmax input (scores promoted by the additive mask)
+    input_copy: int  # c: the fp32 copy of a 16-bit softmax input (0 when not needed or fused)
+    softmax_out: int  # o: the softmax output (saved by its backward)
+    probs: int  # a when the probabilities are a separate, lower-precision tensor (saved by probs·v), else 0
+    grad_in: int  # the softmax backward's output (the input's dtype when fused, else o)
+    input_held: bool  # the softmax input is still referenced while the probabilities are cast
+    dropout: int  # 0 without attention dropout, else the width of the tensor it drops (probs or output)
+
+
+def eager_chain(spec: ModelSpec, strategy: Strategy) -> EagerChain:
+    w = Widths.of(strategy)
+    a = w.compute
+    p = max(a, w.residual) if spec.attention_masks else a
+    upcast = spec.softmax_upcast or w.amp
+    o = 4 if upcast else p
+    fused = o == 4 and p == 2 and strategy.recipe.compute_dtype == "fp16"
+    # ``softmax(x, dtype=float32).to(query.dtype)`` is one expression: x stays referenced during the cast
+    # unless the query is fp32 (RoPE'd under autocast: cos/sin are fp32), when ``.to`` is a no-op and the
+    # cast happens inside the probs·v matmul, after x is released. GPT-2/BERT reassign before casting.
+    q_width = w.residual if spec.rotary_dim else a
+    # The code's own cast (to q's dtype, or GPT-2's to v's) is a no-op when that dtype is already o's;
+    # the probs·v matmul's autocast then makes the 16-bit copy, after dropout.
+    casts = spec.eager_casts_probs and q_width != o
+    return EagerChain(
+        scores=strategy.micro_batch * spec.num_heads * strategy.seq_len**2,
+        softmax_in=p,
+        input_copy=4 if o == 4 and p != 4 and not fused else 0,
+        softmax_out=o,
+        probs=a if o != a else 0,
+        grad_in=p if fused else o,
+        input_held=spec.softmax_upcast and q_width != 4,
+        dropout=(a if casts else o) if spec.attention_dropout > 0 else 0,
+    )
+
+
+def attention_mask_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
+    """The additive [b, 1, s, s] masks transformers materialises for eager attention, in the embeddings'
+    dtype (``masking_utils``: ``torch.where`` over a bool mask); SDPA without padding gets ``is_causal`` and
+    no mask. They live as long as the decoder's forward, and — as inputs of every checkpointed layer — until
+    the first layer's recomputation when checkpointing."""
+    if strategy.attention is not Attention.EAGER:
+        return []
+    one = strategy.micro_batch * strategy.seq_len**2 * Widths.of(strategy).residual
+    return [one] * spec.attention_masks
+
+
 def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> list[SavedTerm]:
     a = w.compute
     b, s = strategy.micro_batch, strategy.seq_len
@@ -143,19 +203,24 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
         out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
         return out
-    # Eager (modeling_*.eager_attention_forward): repeat_kv copies, fp32 softmax output, probs in compute dtype.
+    # Eager (modeling_*.eager_attention_forward): repeat_kv copies, the softmax output, the probabilities.
     kv_rep = nh * (kd // spec.num_kv_heads) if spec.num_kv_heads else kd
-    scores = b * nh * s * s
+    ch = eager_chain(spec, strategy)
+    scores = ch.scores
     out.append(
         SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)")
     )
     if spec.attn_logit_softcapping:
         out.append(SavedTerm(name="attn.eager.softcap_tanh", bytes=a * scores, formula="a·b·heads·s² (tanh out)"))
-    out.append(SavedTerm(name="attn.eager.softmax_fp32", bytes=4 * scores, formula="4·b·heads·s²"))
+    out.append(
+        SavedTerm(
+            name="attn.eager.softmax", bytes=ch.softmax_out * scores, formula=f"{ch.softmax_out}·b·heads·s² (output)"
+        )
+    )
     if spec.attention_dropout > 0:
         out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
-    elif a != 4:
-        out.append(SavedTerm(name="attn.eager.probs", bytes=a * scores, formula="a·b·heads·s²"))
+    elif ch.probs:
+        out.append(SavedTerm(name="attn.eager.probs", bytes=ch.probs * scores, formula="a·b·heads·s²"))
     out.append(SavedTerm(name="attn.eager.out", bytes=a * t * qd, formula="a·t·q_dim"))
     return out
 
@@ -382,21 +447,57 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
         x.bytes for x in layer_terms(spec, strategy, moe=spec.num_moe_layers > 0) if x.name.startswith("mlp")
     )
     in_block_norm = max(0, norm - mlp_saved)
-    attn = 0
-    if strategy.attention is Attention.EAGER:
-        # softmax backward holds two fp32 score-sized gradients; under autocast the 16-bit copy of the
-        # probabilities has been released by the PV matmul's backward by then.
-        scores = strategy.micro_batch * spec.num_heads * strategy.seq_len**2
-        attn = 8 * scores - (a * scores if w.amp else 0)
-    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, in_block_norm, attn))
+    return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, in_block_norm))
 
 
-def eager_forward_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
-    """Bytes beyond the saved set while eager attention's score chain runs in the last layer: two
-    score-sized tensors (an op's input and output, e.g. at the mask add) exist before the softmax
-    output and probabilities that the saved set already counts. In fp32 that nets +4 bytes per score
-    element; in 16-bit chains and under autocast (16-bit scores, fp32 only from the mask add on) it
-    nets ≤ 0. 0 for SDPA."""
-    if strategy.attention is not Attention.EAGER or strategy.recipe.compute_bits != 32:
-        return 0
-    return 4 * strategy.micro_batch * spec.num_heads * strategy.seq_len**2
+def eager_forward_moment(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(saved, transient) bytes of eager attention's score chain at its worst forward moment, beyond the
+    tensors the layer saved before it: either while the softmax runs (its input, the input's fp32 copy,
+    its output) or while the probabilities are cast (the output is saved; see ``EagerChain.input_held``).
+    The saved part (softmax output and probabilities) is what the layer keeps; the rest is freed. (0, 0)
+    for SDPA."""
+    if strategy.attention is not Attention.EAGER:
+        return 0, 0
+    ch = eager_chain(spec, strategy)
+    at_softmax = (ch.softmax_out, ch.softmax_in + ch.input_copy)
+    at_probs = (ch.softmax_out + ch.probs, ch.softmax_in if ch.input_held else 0)
+    moments = [at_softmax, at_probs]
+    if ch.dropout:
+        # Saved: output, bool mask, the matmul's 16-bit input; a wider dropout output is transient.
+        a = Widths.of(strategy).compute
+        moments.append((ch.softmax_out + 1 + a, ch.dropout if ch.dropout != a else 0))
+    saved, transient = max(moments, key=sum)
+    return saved * ch.scores, transient * ch.scores
+
+
+def eager_backward_moment(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(saved, transient) bytes at the softmax's backward in a layer, beyond what the layer saved before
+    its softmax (everything it saved after — probabilities, attention output, MLP — is released by then).
+    Saved: the softmax output. Transient: the incoming gradient converted to the output's dtype, the
+    softmax backward's output, the residual-stream gradient and the gradient of the repeated v (its
+    backward runs after the score chain's: repeat_kv precedes the scores in the graph). (0, 0) for SDPA."""
+    if strategy.attention is not Attention.EAGER:
+        return 0, 0
+    ch = eager_chain(spec, strategy)
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    in_flight = w.residual * t * spec.hidden_size + w.compute * t * spec.num_heads * spec.head_dim
+    saved, transient = ch.softmax_out, ch.softmax_out + ch.grad_in
+    if ch.dropout and 1 + 2 * ch.dropout > transient:
+        # Inside dropout's backward: its mask, the incoming gradient and its output, all in its dtype.
+        saved, transient = ch.softmax_out + 1, 2 * ch.dropout
+    return saved * ch.scores, transient * ch.scores + in_flight
+
+
+def eager_nograd_inputs_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Tensors a checkpointed (no-grad) forward still holds while eager attention's score chain runs: the
+    normed input, q, k and v (RoPE'd q and k in the embeddings' dtype — cos/sin follow the residual
+    stream, so fp32 under autocast), and repeat_kv's copies of k and v for grouped-query attention."""
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    qk = w.residual if spec.rotary_dim else w.compute
+    qd, kd = spec.q_dim, spec.kv_dim
+    out = w.residual * t * spec.hidden_size + qk * t * (qd + kd) + w.compute * t * kd
+    if spec.num_kv_heads < spec.num_heads:
+        out += (qk + w.compute) * t * spec.num_heads * spec.head_dim
+    return out

@@ -22,9 +22,12 @@ import dataclasses
 from trainfit.analytic.activations import (
     SavedTerm,
     Widths,
+    attention_mask_bytes,
     backward_temp_bytes,
     checkpoint_terms,
-    eager_forward_transient_bytes,
+    eager_backward_moment,
+    eager_forward_moment,
+    eager_nograd_inputs_bytes,
     layer_terms,
     model_terms,
 )
@@ -61,10 +64,14 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
 
     # Activations per layer kind and the model-level tensors.
     per_layer: dict[str, int] = {}
+    before_softmax: dict[str, int] = {}  # what a layer has saved when its attention softmax runs
     counts: dict[str, int] = {}
     layer_copies: dict[str, int] = {}
     for g in inv.layers:
-        per_layer[g.kind] = _sum(layer_terms(spec, strategy, moe=g.kind == "moe"))
+        lt = layer_terms(spec, strategy, moe=g.kind == "moe")
+        per_layer[g.kind] = _sum(lt)
+        cut = next((i for i, x in enumerate(lt) if x.name.startswith("attn.eager.softmax")), len(lt))
+        before_softmax[g.kind] = _sum(lt[:cut])
         counts[g.kind] = g.count
         mm = sum(t.numel for t in g.tensors if t.matmul)
         layer_copies[g.kind] = mm * w.compute if w.amp else 0
@@ -113,6 +120,9 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     a_model_norm = a_model - lm_head_in
 
     kept_inputs, n_segments, seg_layers = checkpoint_terms(spec, strategy)
+    # Eager attention's [b, 1, s, s] masks: inputs of every checkpointed layer, so with checkpointing they
+    # stay until the first layer's backward; without, they die with the decoder's forward.
+    masks = sum(round_up(m, ALLOCATOR_BLOCK_BYTES) for m in attention_mask_bytes(spec, strategy))
     if n_segments == 0:
         saved = a_layers + a_model
         forward = _phase(
@@ -166,7 +176,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             P.FORWARD,
             **base,
             gradients=g_resident,
-            activations=kept + a_model,
+            activations=kept + a_model + masks,
             autocast_copies=c_all,
             logits_loss=lg.forward_peak_bytes,
         )
@@ -174,7 +184,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             P.BACKWARD,
             **base,
             gradients=g_resident,
-            activations=kept + a_model,
+            activations=kept + a_model + masks,
             autocast_copies=c_head,
             logits_loss=lg.backward_peak_bytes,
         )
@@ -182,7 +192,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             P.BACKWARD,
             **base,
             gradients=max(g_resident, g_head),
-            activations=kept + a_model_norm,
+            activations=kept + a_model_norm + masks,
             autocast_copies=0,
             temporaries=temps.norm_bytes,
         )
@@ -190,7 +200,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             P.BACKWARD,
             **base,
             gradients=max(g_resident, g_head),
-            activations=kept_inputs + recompute + a_model_end,
+            activations=kept_inputs + recompute + a_model_end + masks,
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
         )
@@ -200,22 +210,43 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             P.BACKWARD,
             **base,
             gradients=max(g_resident, g_all - seg_layers * g_layer - g_late),
-            activations=segment_input + recompute + a_model_end,
+            activations=segment_input + recompute + a_model_end + masks,
             autocast_copies=seg_layers * c_max_layer,
             temporaries=bwd_temp,
         )
-    backward = max((b_start, b_norm, b_top, b_bottom, b_embed), key=lambda p: p.total_bytes)
-    eager_fwd = eager_forward_transient_bytes(spec, strategy)
-    if eager_fwd:
+    candidates = [b_start, b_norm, b_top, b_bottom, b_embed]
+    attn_saved, attn_temp = eager_backward_moment(spec, strategy)
+    if attn_saved:
+        # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
+        # holds what it saved before its softmax plus the softmax output, the rest of it is released.
+        kind = inv.layers[-1].kind
+        swap = before_softmax[kind] + attn_saved - per_layer[kind]
+        candidates += [_attention_moment(b, swap, attn_temp) for b in (b_top, b_bottom)]
+    backward = max(candidates, key=lambda p: p.total_bytes)
+    chain_saved, chain_transient = eager_forward_moment(spec, strategy)
+    if chain_saved:
         # Eager attention's score chain in the last layer can outweigh the loss computation.
-        in_attention = _phase(
-            P.FORWARD,
-            **base,
-            gradients=g_resident,
-            activations=(a_layers if n_segments == 0 else kept) + a_model_end,
-            autocast_copies=c_all,
-            temporaries=eager_fwd,
-        )
+        top = inv.layers[-1].kind
+        if n_segments == 0:
+            # Every layer below has saved everything; the last one what it saves before the softmax.
+            in_attention = _phase(
+                P.FORWARD,
+                **base,
+                gradients=g_resident,
+                activations=a_layers - per_layer[top] + before_softmax[top] + chain_saved + a_model_end,
+                autocast_copies=c_all,
+                temporaries=chain_transient + masks,
+            )
+        else:
+            # A checkpointed forward saves nothing: the chain and the attention's inputs are transient.
+            in_attention = _phase(
+                P.FORWARD,
+                **base,
+                gradients=g_resident,
+                activations=kept + a_model_end + masks,
+                autocast_copies=c_all,
+                temporaries=eager_nograd_inputs_bytes(spec, strategy) + chain_saved + chain_transient,
+            )
         forward = max((forward, in_attention), key=lambda p: p.total_bytes)
     step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
     phases = (forward, backward, step)
@@ -309,6 +340,13 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         notes=tuple(notes),
         extra={"activation_coefficient": round(coeff, 2), "activations_per_layer_bytes": a_max_layer},
     )
+
+
+def _attention_moment(block: PhaseBreakdown, swap: int, temporaries: int) -> PhaseBreakdown:
+    parts = dict(block.components)
+    parts[C.ACTIVATIONS] = max(0, parts.get(C.ACTIVATIONS, 0) + swap)
+    parts[C.TEMPORARIES] = temporaries
+    return PhaseBreakdown(phase=block.phase, components=parts)
 
 
 def _head_params(spec: ModelSpec) -> int:

@@ -111,14 +111,28 @@ def _llama(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     return _llama_like(cfg, base, tie_default=False, qkv_bias=False)
 
 
+def _qwen_masks(cfg: Config, num_layers: int) -> dict[str, Any]:
+    """Qwen2/Qwen3 build a full causal mask and, when any layer slides, a sliding one too
+    (``has_sliding_layers`` in modeling_qwen2.py; layer i slides when ``use_sliding_window`` — default
+    false in Qwen2Config — and i >= ``max_window_layers``)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        sliding = "sliding_attention" in types
+    else:
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        sliding = window is not None and int(cfg.get("max_window_layers", 28)) < num_layers
+    return {"attention_masks": 2 if sliding else 1}
+
+
 def _qwen2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     # Qwen2 has q/k/v biases but no o_proj bias (modeling_qwen2.py).
     out = _llama_like(cfg, base, tie_default=False, qkv_bias=True)
-    return out | {"qkv_bias": True, "out_bias": False}
+    return out | {"qkv_bias": True, "out_bias": False} | _qwen_masks(cfg, base["num_layers"])
 
 
 def _qwen3(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    return _llama_like(cfg, base, tie_default=False, qkv_bias=False) | {"qk_norm": True}
+    out = _llama_like(cfg, base, tie_default=False, qkv_bias=False) | {"qk_norm": True}
+    return out | _qwen_masks(cfg, base["num_layers"])
 
 
 def _gemma(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +153,8 @@ def _gemma2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
         "final_logit_softcapping": float(final_cap) if final_cap else None,
         "supports_sdpa": False,
+        # Gemma2Model.forward always builds both the full and the sliding-window mask.
+        "attention_masks": 2,
     }
 
 
@@ -246,6 +262,7 @@ def _gpt2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "hidden_dropout": _dropout(cfg, "resid_pdrop", default=0.1),
         "embedding_dropout": _dropout(cfg, "embd_pdrop", default=0.1),
         "max_position_embeddings": int(_get(cfg, "max_position_embeddings", 1024)),
+        "softmax_upcast": False,  # eager: softmax in the scores' dtype, then .type(value.dtype)
     }
 
 
@@ -395,6 +412,10 @@ def _bert(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     return base | {
         "kind": ModelKind.MASKED_LM,
         "use_cache": False,  # encoders build no KV cache
+        # An unpadded batch needs no bidirectional mask; the eager softmax keeps the scores' dtype.
+        "attention_masks": 0,
+        "softmax_upcast": False,
+        "eager_casts_probs": False,
         "intermediate_size": _intermediate(cfg),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
         "norm": NormKind.LAYERNORM,

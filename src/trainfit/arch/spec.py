@@ -128,6 +128,13 @@ class ModelSpec:
     attn_logit_softcapping: float | None = None  # Gemma-2: tanh soft-cap on attention scores (eager only)
     final_logit_softcapping: float | None = None  # Gemma-2: tanh soft-cap on the logits
     supports_sdpa: bool = True  # transformers offers SDPA attention for this model
+    # Eager attention: how many distinct [b, 1, s, s] additive masks the model materialises (Gemma-2 and
+    # Qwen2 with sliding layers build a full and a sliding one; an unpadded encoder batch needs none), and
+    # whether its eager softmax upcasts (``softmax(..., dtype=torch.float32)``; GPT-2 and BERT do not),
+    # and whether it casts the probabilities itself (``.to(query.dtype)`` / ``.type(value.dtype)``).
+    attention_masks: int = 1
+    softmax_upcast: bool = True
+    eager_casts_probs: bool = True  # eager casts the probabilities to q's/v's dtype before dropout (not BERT)
     use_cache: bool = True  # config.use_cache: HF builds a DynamicCache even in training unless disabled
 
     moe: MoESpec | None = None

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from trainfit.trace.kernels import cuda_softmax
+
 LOWER, FP32, FP32_SET_OPT_DTYPE, FP32_APPEND_DTYPE, PROMOTE, BANNED, PASSTHROUGH = (
     "lower_precision_fp",
     "fp32",
@@ -190,6 +192,7 @@ def _make_kernel(
     dtype_kwonly = dtype_idx >= 0 and schema.arguments[dtype_idx].kwarg_only
     no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")  # type: ignore[no-untyped-call]
+    is_softmax = op.name() == "aten::softmax"
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if policy == PASSTHROUGH and composite:
@@ -214,6 +217,10 @@ def _make_kernel(
                 if not _eligible(first):
                     return op(*args, **kwargs)
                 given = args[dtype_idx] if len(args) > dtype_idx else kwargs.get("dtype")
+                if is_softmax and given in (None, torch.float32):
+                    fused = cuda_softmax(first, args[1] if len(args) > 1 else kwargs.get("dim"), torch.float32)
+                    if fused is not None:
+                        return fused
                 if given is None:
                     if dtype_kwonly or len(args) <= dtype_idx:
                         kwargs = {**kwargs, "dtype": torch.float32}

@@ -18,6 +18,10 @@ allocates exactly what the CUDA kernel allocates (values are irrelevant under fa
 * ``dropout``: on CUDA ``aten::dropout`` takes the fused ``native_dropout`` path, which saves a bool mask
   (1 byte/element); the CPU path multiplies by a noise tensor of the input dtype and saves that
   (``is_fused_kernel_acceptable`` in aten/src/ATen/native/Dropout.cpp).
+* ``softmax(x, dim, dtype=float32)`` on an fp16 ``x``: CUDA runs the fused ``_softmax(x, dim,
+  half_to_float=True)``, while every other device and dtype (bf16 included) first converts ``x`` to fp32 — a
+  full-size copy (``softmax`` in aten/src/ATen/native/SoftMax.cpp). :func:`cuda_softmax` emulates the fused
+  path; autocast's ``fp32_set_opt_dtype`` policy for ``softmax`` reaches it too.
 * ``grouped_mm`` (Hugging Face's MoE experts): the meta kernel accepts only bf16 (it mirrors the sm90 fast
   path); other dtypes take CUDA's loop-of-mm fallback, whose memory is its output plus, for backward, the
   two saved operands. We emulate that fallback.
@@ -36,6 +40,19 @@ from torch.overrides import TorchFunctionMode
 _HALF = (torch.float16, torch.bfloat16)
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+
+
+def cuda_softmax(x: Any, dim: Any, dtype: Any) -> torch.Tensor | None:
+    """The fused fp16 → fp32 softmax CUDA takes for ``softmax(x, dim, dtype=float32)``, or ``None`` where
+    the composite path (convert, then softmax) is what CUDA runs too. Fake tensors only: the CPU kernel
+    refuses ``half_to_float``."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if dtype != torch.float32 or not isinstance(x, torch.Tensor) or x.dtype != torch.float16 or dim is None:
+        return None
+    if not is_fake(x):
+        return None
+    return torch.ops.aten._softmax(x, dim, True)
 
 
 def _round(x: int, m: int) -> int:
@@ -163,6 +180,13 @@ class CudaKernels(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return emulated_sdpa(*args, **kwargs, calls=self.sdpa_calls)
+        if func is F.softmax:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+            fused = cuda_softmax(args[0], dim, dtype)
+            if fused is not None:
+                return fused
+            return func(*args, **kwargs)
         if func is F.dropout:
             x = args[0]
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
