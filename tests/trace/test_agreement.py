@@ -53,7 +53,9 @@ def test_analytic_within_5_percent_of_trace(family: str, precision: str, ckpt: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "precision", "ckpt", "shape"), _cells(("fp32", "amp-fp16", "master-bf16", "pure-bf16")))
+@pytest.mark.parametrize(
+    ("family", "precision", "ckpt", "shape"), _cells(("fp32", "amp-fp16", "master-bf16", "pure-bf16"))
+)
 def test_analytic_within_5_percent_of_trace_other_recipes(
     family: str, precision: str, ckpt: str, shape: tuple[int, int]
 ) -> None:

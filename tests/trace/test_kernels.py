@@ -80,3 +80,43 @@ def test_fused_dropout_saves_a_bool_mask() -> None:
         assert y.grad_fn is not None and "NativeDropout" in type(y.grad_fn).__name__
         y0 = F.dropout(x, p=0.0, training=True)
         assert y0 is x or y0.grad_fn is None or "NativeDropout" not in type(y0.grad_fn).__name__
+
+
+def _softmax_ops(x: torch.Tensor, call: object) -> list[str]:
+    """The ops that allocated while ``call(x)`` ran (its output must be fp32)."""
+    tr = tk.Tracker()
+    with tr:
+        y = call(x)  # type: ignore[operator]
+    assert y.dtype == torch.float32
+    return [r.op for r in tr.records]
+
+
+@pytest.mark.parametrize(("dtype", "copies"), [(torch.float16, 0), (bf16, 1)])
+def test_softmax_upcast_fuses_only_fp16(dtype: torch.dtype, copies: int) -> None:
+    """SoftMax.cpp: ``softmax(x, dtype=float32)`` on CUDA takes ``_softmax(x, half_to_float=True)`` for an
+    fp16 input; bf16 is converted to fp32 first (one fp32 copy of the input)."""
+    with FakeTensorMode():
+        x = torch.empty(4, 8, 128, 128, dtype=dtype, requires_grad=True)
+        with K.CudaKernels():
+            ops = _softmax_ops(x, lambda t: F.softmax(t, dim=-1, dtype=torch.float32))
+    assert ops.count("_to_copy.default") == copies
+    assert ops.count("_softmax.default") == 1
+
+
+def test_autocast_softmax_fuses_fp16() -> None:
+    """CUDA autocast's fp32_set_opt_dtype policy gives GPT-2/BERT's plain ``softmax`` an fp32 output; for
+    an fp16 input that is the fused kernel too."""
+    from trainfit.trace import autocast as ac
+
+    with FakeTensorMode():
+        x = torch.empty(4, 8, 128, 128, dtype=torch.float16, requires_grad=True)
+        with ac.cuda_autocast_policy(), torch.autocast("cpu", dtype=torch.float16):
+            ops = _softmax_ops(x, lambda t: F.softmax(t, dim=-1))
+    assert "_to_copy.default" not in ops
+
+
+def test_softmax_on_real_tensors_is_untouched() -> None:
+    x = torch.zeros(2, 3, dtype=torch.float16)
+    with K.CudaKernels():
+        y = F.softmax(x, dim=-1, dtype=torch.float32)
+    assert y.dtype == torch.float32 and torch.allclose(y, torch.full((2, 3), 1 / 3))

@@ -192,7 +192,7 @@ def _make_kernel(
     dtype_kwonly = dtype_idx >= 0 and schema.arguments[dtype_idx].kwarg_only
     no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")  # type: ignore[no-untyped-call]
-    is_softmax = op.name() == "aten::softmax"
+    is_softmax = schema.name == "aten::softmax"
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if policy == PASSTHROUGH and composite:

@@ -52,7 +52,8 @@ def cuda_softmax(x: Any, dim: Any, dtype: Any) -> torch.Tensor | None:
         return None
     if not is_fake(x):
         return None
-    return torch.ops.aten._softmax(x, dim, True)
+    out: torch.Tensor = torch.ops.aten._softmax(x, dim, True)
+    return out
 
 
 def _round(x: int, m: int) -> int:
