@@ -231,7 +231,7 @@ def _attention(cfg: dict) -> str:
     return "sdpa" if spec.supports_sdpa else "eager"
 
 
-def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool, attention: str | None = None) -> int:
+def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool, attention: str | None = None, batch: int = B) -> int:
     hf = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     hf._attn_implementation = attention or _attention(cfg)
     auto = transformers.AutoModelForMaskedLM if cfg["model_type"] == "bert" else transformers.AutoModelForCausalLM
@@ -246,7 +246,7 @@ def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool, attention: st
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    ids = torch.randint(0, hf.vocab_size, (B, S))
+    ids = torch.randint(0, hf.vocab_size, (batch, S))
     with (
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp),
@@ -255,11 +255,11 @@ def measured_saved_bytes(cfg: dict, dtype: torch.dtype, amp: bool, attention: st
     return sum(seen.values())
 
 
-def analytic_saved_bytes(cfg: dict, precision: str, attention: str | None = None) -> int:
+def analytic_saved_bytes(cfg: dict, precision: str, attention: str | None = None, batch: int = B) -> int:
     spec = spec_from_config(cfg, name="t", source="test")
-    st = Strategy(precision=precision, micro_batch=B, seq_len=S, attention=attention or _attention(cfg))  # type: ignore[arg-type]
+    st = Strategy(precision=precision, micro_batch=batch, seq_len=S, attention=attention or _attention(cfg))  # type: ignore[arg-type]
     # Gemma-2's final soft-cap saves tanh(logits) during the forward itself (the loss is modelled apart).
-    softcap = st.recipe.compute_bits // 8 * B * S * spec.vocab_size if spec.final_logit_softcapping else 0
+    softcap = st.recipe.compute_bits // 8 * batch * S * spec.vocab_size if spec.final_logit_softcapping else 0
     layers = 0
     for count, moe in ((spec.num_dense_layers, False), (spec.num_moe_layers, True)):
         if count:
@@ -271,7 +271,7 @@ def analytic_saved_bytes(cfg: dict, precision: str, attention: str | None = None
 Q_BUILT_BY_CAT = frozenset({"gpt_neox", "phi", "phi3"})
 
 
-def cpu_artefacts(cfg: dict, precision: str) -> int:
+def cpu_artefacts(cfg: dict, precision: str, batch: int = B) -> int:
     """Bytes by which a CPU run differs from the CUDA run the analytic model describes (documented
     in docs/accuracy.md):
 
@@ -285,7 +285,7 @@ def cpu_artefacts(cfg: dict, precision: str) -> int:
        saves a bool mask (1 byte per element): +(a − 1)·t·h per dropout.
     """
     spec = spec_from_config(cfg, name="t", source="test")
-    t = B * S
+    t = batch * S
     a = 4 if precision == "fp32" else 2
     delta = 0
     if spec.model_type in Q_BUILT_BY_CAT:
@@ -327,3 +327,12 @@ def test_eager_attention_matches_autograd(family: str, precision: str, dtype: st
     cfg = CONFIGS[family]
     measured = measured_saved_bytes(cfg, getattr(torch, dtype), amp=False, attention="eager")
     assert analytic_saved_bytes(cfg, precision, attention="eager") + cpu_artefacts(cfg, precision) == measured
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_eager_attention_batch_of_one(family: str) -> None:
+    """With one sequence, matmul folds (batch, heads) of a head-interleaved view without copying, so GPT-2's
+    q stays a view that keeps the whole fused qkv output (next to the KV cache's k, v copies)."""
+    cfg = CONFIGS[family]
+    measured = measured_saved_bytes(cfg, torch.float32, amp=False, attention="eager", batch=1)
+    assert analytic_saved_bytes(cfg, "fp32", attention="eager", batch=1) + cpu_artefacts(cfg, "fp32", 1) == measured

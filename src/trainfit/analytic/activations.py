@@ -207,9 +207,17 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     kv_rep = nh * (kd // spec.num_kv_heads) if spec.num_kv_heads else kd
     ch = eager_chain(spec, strategy)
     scores = ch.scores
-    out.append(
-        SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)")
-    )
+    if spec.num_kv_heads == nh and strategy.micro_batch == 1:
+        # No repeat_kv copies and a batch of one: matmul's reshape to 3-D keeps views of a fused qkv output
+        # as views, so the matmuls save q, k and v as SDPA does (views keep the whole fused output; the KV
+        # cache's copies replace k and v). With a larger batch the head-interleaved views cannot fold
+        # (b, heads) into one dim and are copied — a·t per head dim either way, the fused output freed.
+        qkv = _sdpa_inputs(spec, strategy, t, a, qd, kd, vd)
+        out.append(SavedTerm(name="attn.eager.q_k_v", bytes=qkv.bytes, formula=qkv.formula))
+    else:
+        out.append(
+            SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)")
+        )
     if spec.attn_logit_softcapping:
         out.append(SavedTerm(name="attn.eager.softcap_tanh", bytes=a * scores, formula="a·b·heads·s² (tanh out)"))
     out.append(
