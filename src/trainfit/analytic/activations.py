@@ -155,11 +155,35 @@ def eager_chain(spec: ModelSpec, strategy: Strategy) -> EagerChain:
     )
 
 
+def sdpa_window_mask(spec: ModelSpec, strategy: Strategy) -> bool:
+    """SDPA with a sliding window gets a real mask once the sequence reaches the window: transformers skips
+    the mask (``is_causal``) only while ``kv_length < sliding_window`` (``_ignore_causal_mask_sdpa`` in
+    masking_utils.py). The mask rules out FlashAttention, so the memory-efficient kernel runs."""
+    return (
+        strategy.attention is Attention.SDPA
+        and spec.sliding_window is not None
+        and spec.sliding_layers > 0
+        and strategy.seq_len >= spec.sliding_window
+    )
+
+
+def window_bias_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Per sliding layer: SDPA converts the bool mask to an additive one in the query dtype
+    (``convert_boolean_attn_mask``), padded to a multiple of 16 columns, and the memory-efficient kernel
+    saves it for backward — a new [b, 1, s, s] tensor in every layer."""
+    if not sdpa_window_mask(spec, strategy):
+        return 0
+    s = strategy.seq_len
+    return Widths.of(strategy).compute * strategy.micro_batch * s * (-(-s // 16) * 16)
+
+
 def attention_mask_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
     """The additive [b, 1, s, s] masks transformers materialises for eager attention, in the embeddings'
     dtype (``masking_utils``: ``torch.where`` over a bool mask); SDPA without padding gets ``is_causal`` and
     no mask. They live as long as the decoder's forward, and — as inputs of every checkpointed layer — until
     the first layer's recomputation when checkpointing."""
+    if sdpa_window_mask(spec, strategy):
+        return [strategy.micro_batch * strategy.seq_len**2]  # SDPA gets the bool mask
     if strategy.attention is not Attention.EAGER:
         return []
     one = strategy.micro_batch * strategy.seq_len**2 * Widths.of(strategy).residual
@@ -186,6 +210,9 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         )
     else:
         qd, kd = spec.q_dim, spec.kv_dim
+        if sdpa_window_mask(spec, strategy):
+            # With a mask transformers does not pass enable_gqa (``use_gqa_in_sdpa``): repeat_kv copies k, v.
+            kd = spec.num_heads * spec.head_dim
         vd = kd
     out_width = nh * spec.mla.v_head_dim if spec.mla is not None else qd
     if spec.qk_norm:
@@ -200,6 +227,8 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         )
     if strategy.attention is Attention.SDPA:
         out.append(_sdpa_inputs(spec, strategy, t, a, qd, kd, vd))
+        if bias := window_bias_bytes(spec, strategy):
+            out.append(SavedTerm(name="attn.sdpa.window_bias", bytes=bias, formula="a·b·s·⌈s/16⌉·16 (sliding layers)"))
         out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
         out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
         return out
@@ -237,6 +266,25 @@ def _kv_cache_active(spec: ModelSpec, strategy: Strategy) -> bool:
     """HF builds a DynamicCache in training when ``config.use_cache`` is true, and its ``update``
     concatenates k and v into new tensors; gradient checkpointing turns the cache off."""
     return spec.use_cache and spec.kind is ModelKind.CAUSAL_LM and strategy.checkpoint_segments(spec.num_layers) == 0
+
+
+def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Per layer, the KV cache's copies of k and v that no backward saves, held until the model's outputs
+    are dropped (the end of the forward). The cache ``torch.cat``s k after RoPE — whose dtype is promoted to
+    the residual stream's by cos/sin, fp32 under autocast — and v. The attention kernel saves a copy itself
+    when it needs a cast (autocast) or repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
+    loses ``enable_gqa``); then the cache's copy is extra. 0 without the cache, for fused qkv and for MLA."""
+    if not _kv_cache_active(spec, strategy) or spec.fused_qkv or spec.mla is not None:
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    kd = spec.kv_dim
+    k_width = max(w.compute, w.residual) if spec.rotary_dim else w.compute
+    mask = strategy.attention is Attention.EAGER or sdpa_window_mask(spec, strategy)
+    repeated = spec.num_kv_heads < spec.num_heads and mask
+    k_extra = k_width * t * kd if (repeated or k_width != w.compute) else 0
+    v_extra = w.compute * t * kd if repeated else 0
+    return k_extra + v_extra
 
 
 def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, kd: int, vd: int) -> SavedTerm:

@@ -28,8 +28,10 @@ from trainfit.analytic.activations import (
     eager_backward_moment,
     eager_forward_moment,
     eager_nograd_inputs_bytes,
+    kv_cache_held_bytes,
     layer_terms,
     model_terms,
+    window_bias_bytes,
 )
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES, overhead_for
@@ -79,6 +81,9 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         scale = st.autocast_copies_bytes / max(1, sum(counts[k] * layer_copies[k] for k in counts))
         layer_copies = {k: int(v * scale) for k, v in layer_copies.items()}
     a_layers = sum(counts[k] * per_layer[k] for k in counts)
+    # layer_terms gives every layer the sliding-window SDPA bias; only the sliding ones (the last layers of
+    # a Qwen2 stack) save it.
+    a_layers -= (L - spec.sliding_layers) * round_up(window_bias_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
     a_model_terms = model_terms(spec, strategy)
     a_model = _sum(a_model_terms)
     a_max_layer = max(per_layer.values())
@@ -123,6 +128,8 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     # Eager attention's [b, 1, s, s] masks: inputs of every checkpointed layer, so with checkpointing they
     # stay until the first layer's backward; without, they die with the decoder's forward.
     masks = sum(round_up(m, ALLOCATOR_BLOCK_BYTES) for m in attention_mask_bytes(spec, strategy))
+    # The KV cache's own copies of k and v (built in training when use_cache is on) live to the forward's end.
+    cache_held = L * round_up(kv_cache_held_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
     if n_segments == 0:
         saved = a_layers + a_model
         forward = _phase(
@@ -132,6 +139,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             activations=saved,
             autocast_copies=c_all,
             logits_loss=lg.forward_peak_bytes,
+            temporaries=cache_held,
         )
         b_start = _phase(
             P.BACKWARD,
@@ -235,7 +243,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
                 gradients=g_resident,
                 activations=a_layers - per_layer[top] + before_softmax[top] + chain_saved + a_model_end,
                 autocast_copies=c_all,
-                temporaries=chain_transient + masks,
+                temporaries=chain_transient + masks + cache_held,
             )
         else:
             # A checkpointed forward saves nothing: the chain and the attention's inputs are transient.

@@ -90,6 +90,7 @@ def _rope_dim(cfg: Config, head_dim: int, fraction_key: str, default: float = 1.
 def _llama_like(cfg: Config, base: dict[str, Any], *, tie_default: bool, qkv_bias: bool) -> dict[str, Any]:
     """Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen-MoE: RMSNorm, RoPE, SwiGLU, GQA
     (transformers ``modeling_llama.py`` and its copies)."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     bias = bool(cfg.get("attention_bias", qkv_bias))
     act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
     return base | {
@@ -103,7 +104,9 @@ def _llama_like(cfg: Config, base: dict[str, Any], *, tie_default: bool, qkv_bia
         "mlp_bias": bool(cfg.get("mlp_bias", False)),
         "rotary_dim": _rope_dim(cfg, base["head_dim"], "partial_rotary_factor"),
         "attention_dropout": _dropout(cfg, "attention_dropout"),
-        "sliding_window": cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        "sliding_window": window,
+        # Mistral, Mixtral, Phi-3, StarCoder2: every layer uses the sliding mask when the config sets a window.
+        "sliding_layers": base["num_layers"] if window else 0,
     }
 
 
@@ -111,17 +114,25 @@ def _llama(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     return _llama_like(cfg, base, tie_default=False, qkv_bias=False)
 
 
-def _qwen_masks(cfg: Config, num_layers: int) -> dict[str, Any]:
-    """Qwen2/Qwen3 build a full causal mask and, when any layer slides, a sliding one too
-    (``has_sliding_layers`` in modeling_qwen2.py; layer i slides when ``use_sliding_window`` — default
-    false in Qwen2Config — and i >= ``max_window_layers``)."""
+def _qwen_masks(cfg: Config, num_layers: int, *, both_masks: bool = False) -> dict[str, Any]:
+    """Qwen2/Qwen3 layers slide when ``use_sliding_window`` (default false in their configs) and their index
+    is >= ``max_window_layers``, or as ``layer_types`` says. Qwen2/Qwen3 build a full causal mask and, when any
+    layer slides, a sliding one too (``has_sliding_layers`` in modeling_qwen2.py); Qwen2-MoE always builds
+    both (``both_masks``)."""
     types = cfg.get("layer_types")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
     if isinstance(types, list):
-        sliding = "sliding_attention" in types
+        sliding = sum(1 for t in types if t == "sliding_attention")
+        window = cfg.get("sliding_window") if sliding else None
+    elif window is not None:
+        sliding = max(0, num_layers - int(cfg.get("max_window_layers", 28)))
     else:
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-        sliding = window is not None and int(cfg.get("max_window_layers", 28)) < num_layers
-    return {"attention_masks": 2 if sliding else 1}
+        sliding = 0
+    return {
+        "attention_masks": 2 if (sliding or both_masks) else 1,
+        "sliding_window": window if sliding else None,
+        "sliding_layers": sliding,
+    }
 
 
 def _qwen2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +164,9 @@ def _gemma2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
         "final_logit_softcapping": float(final_cap) if final_cap else None,
         "supports_sdpa": False,
-        # Gemma2Model.forward always builds both the full and the sliding-window mask.
+        # Gemma2Model.forward always builds both the full and the sliding-window mask; even layers slide.
         "attention_masks": 2,
+        "sliding_layers": (base["num_layers"] + 1) // 2 if cfg.get("sliding_window") else 0,
     }
 
 
@@ -195,11 +207,18 @@ def _qwen_moe(cfg: Config, base: dict[str, Any], *, shared: bool, qkv_bias: bool
 
 
 def _qwen2_moe(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    return _qwen_moe(cfg, base, shared=True, qkv_bias=True)
+    return _qwen_moe(cfg, base, shared=True, qkv_bias=True) | _qwen_masks(cfg, base["num_layers"], both_masks=True)
 
 
 def _qwen3_moe(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    return _qwen_moe(cfg, base, shared=False, qkv_bias=False) | {"qk_norm": True}
+    # One mask function for every layer (modeling_qwen3_moe.py), sliding when the config enables it.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    return _qwen_moe(cfg, base, shared=False, qkv_bias=False) | {
+        "qk_norm": True,
+        "attention_masks": 1,
+        "sliding_window": window,
+        "sliding_layers": base["num_layers"] if window else 0,
+    }
 
 
 def _deepseek(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
@@ -394,6 +413,7 @@ def _starcoder2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "hidden_dropout": _dropout(cfg, "residual_dropout"),
         "embedding_dropout": _dropout(cfg, "embedding_dropout"),
         "sliding_window": cfg.get("sliding_window"),
+        "sliding_layers": base["num_layers"] if cfg.get("sliding_window") else 0,
     }
 
 

@@ -125,6 +125,7 @@ class ModelSpec:
     hidden_dropout: float = 0.0  # residual / hidden dropout inside blocks
     embedding_dropout: float = 0.0
     sliding_window: int | None = None
+    sliding_layers: int = 0  # layers attending within sliding_window (Mistral: all; Qwen2: from max_window_layers)
     attn_logit_softcapping: float | None = None  # Gemma-2: tanh soft-cap on attention scores (eager only)
     final_logit_softcapping: float | None = None  # Gemma-2: tanh soft-cap on the logits
     supports_sdpa: bool = True  # transformers offers SDPA attention for this model
