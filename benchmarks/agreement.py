@@ -59,6 +59,11 @@ def rows() -> list[str]:
         (model, rec, ck, (4, 4096), "sdpa")
         for model, rec, ck in itertools.product(HEAVY_MODELS, ("amp-bf16", "pure-bf16"), CHECKPOINTING)
     ]
+    # Sliding window past the window: SDPA gets a real mask (memory-efficient kernel, a bias per layer).
+    cells += [
+        ("mistral-7b-v0.1", rec, ck, (1, 8192), "sdpa")
+        for rec, ck in itertools.product(("amp-bf16", "pure-bf16"), CHECKPOINTING)
+    ]
     # Eager attention: the b·heads·s² score chain and the [b, 1, s, s] masks.
     cells += [
         (model, rec, ck, shape(model), "eager")

@@ -1,6 +1,6 @@
-"""Eager attention's score chain: dtype widths per recipe and model, derived from the Hugging Face
-``eager_attention_forward`` functions and ATen's ``softmax`` (SoftMax.cpp); the byte totals they lead to
-are checked against the trace in tests/trace/test_agreement.py."""
+"""Attention masks and eager attention's score chain: dtype widths per recipe and model, derived from the
+Hugging Face ``eager_attention_forward`` functions, ``masking_utils`` and ATen's ``softmax`` (SoftMax.cpp);
+the byte totals they lead to are checked against the trace in tests/trace/test_agreement.py."""
 
 from __future__ import annotations
 
@@ -70,18 +70,45 @@ def test_masks_follow_the_embedding_dtype_and_sdpa_has_none() -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "masks"),
+    ("extra", "masks", "sliding"),
     [
-        ({}, 1),
-        ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 2}, 2),
-        ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}, 1),  # no layer slides
-        ({"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2}, 1),
-        ({"layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]}, 2),
+        ({}, 1, 0),
+        ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 2}, 2, 2),
+        ({"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}, 1, 0),  # no layer slides
+        ({"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2}, 1, 0),
+        (
+            {
+                "sliding_window": 4096,
+                "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"],
+            },
+            2,
+            1,
+        ),
     ],
 )
-def test_qwen2_builds_a_sliding_mask_only_when_a_layer_slides(extra: dict[str, object], masks: int) -> None:
+def test_qwen2_builds_a_sliding_mask_only_when_a_layer_slides(
+    extra: dict[str, object], masks: int, sliding: int
+) -> None:
     cfg = {
         "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, **extra,
     }  # fmt: skip
-    assert spec_from_config(cfg, name="t", source="test").attention_masks == masks
+    spec = spec_from_config(cfg, name="t", source="test")
+    assert (spec.attention_masks, spec.sliding_layers) == (masks, sliding)
+
+
+def test_sdpa_gets_a_window_mask_from_the_window_on() -> None:
+    """``_ignore_causal_mask_sdpa`` skips the mask only while kv_length < sliding_window."""
+    from trainfit.analytic.activations import sdpa_window_mask, window_bias_bytes
+
+    spec = load_model("mistral-7b-v0.1")  # sliding_window 4096, every layer
+    assert spec.sliding_layers == spec.num_layers
+    below = Strategy(precision="amp-bf16", micro_batch=1, seq_len=4095)
+    at = Strategy(precision="amp-bf16", micro_batch=1, seq_len=4096)
+    assert not sdpa_window_mask(spec, below) and window_bias_bytes(spec, below) == 0
+    assert sdpa_window_mask(spec, at)
+    assert window_bias_bytes(spec, at) == 2 * 4096 * 4096  # bf16 bias, 4096 already a multiple of 16
+    odd = Strategy(precision="amp-bf16", micro_batch=2, seq_len=4100)
+    assert window_bias_bytes(spec, odd) == 2 * 2 * 4100 * 4112  # columns padded to 16
+    assert attention_mask_bytes(spec, at) == [4096 * 4096]  # the bool mask itself
+    assert not sdpa_window_mask(load_model("llama-3.1-8b"), at)

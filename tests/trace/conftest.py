@@ -36,6 +36,12 @@ TINY: dict[str, dict[str, Any]] = {
         "model_type": "bert", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
     },
+    # Every layer slides; with seq >= sliding_window transformers builds a real mask for SDPA.
+    "mistral-window": {
+        "model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "max_position_embeddings": 512, "sliding_window": 160,
+    },
     "mixtral": {
         "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4,

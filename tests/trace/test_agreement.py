@@ -74,3 +74,17 @@ def test_eager_attention_within_5_percent_of_trace(family: str, precision: str, 
     """Eager attention on models that default to SDPA: Llama (fp32 softmax, one mask), GPT-2 (softmax in
     the scores' dtype, attention dropout) and BERT (no mask, dropout on the softmax output)."""
     _check(family, precision, ckpt, (4, 512), attention="eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "ckpt", "seq"),
+    [
+        pytest.param(p, c, s, id=f"{p}-{c}-s{s}")
+        for p, c, s in itertools.product(("amp-bf16", "pure-bf16"), ("none", "full"), (128, 200))
+    ],
+)
+def test_sliding_window_sdpa_within_5_percent_of_trace(precision: str, ckpt: str, seq: int) -> None:
+    """Mistral-style sliding window with SDPA: below the window no mask (flash); from the window on a real
+    mask, the memory-efficient kernel, a saved additive bias per layer and repeat_kv'd k/v."""
+    _check("mistral-window", precision, ckpt, (4, seq))

@@ -9,8 +9,11 @@ Phases of a steady-state step (step ≥ 2: optimizer states resident; grads set 
   its gradients appear, so the total is linear in the layer index and its maximum is at an end;
 * optimizer-step = base + all gradients + the step's temporaries,
 
-with base = weights + fp32 master weights + optimizer states. With checkpointing, only each
-checkpoint's input is kept and backward recomputes one layer (``full``) or one segment (``sqrt``).
+with base = weights + fp32 master weights + optimizer states. Eager attention adds two moments of its
+own: in the forward, the last layer's score chain at the softmax (``EagerChain``); in the backward, the top
+layer inside its softmax backward, when its post-softmax saved tensors are already released.
+With checkpointing, only each checkpoint's input is kept and backward recomputes one layer (``full``) or
+one segment (``sqrt``).
 Autocast's weight cache holds every 16-bit weight copy until the autocast region exits (after the
 loss), checkpointing or not; without checkpointing the copies stay saved for backward.
 """
@@ -125,8 +128,9 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     a_model_norm = a_model - lm_head_in
 
     kept_inputs, n_segments, seg_layers = checkpoint_terms(spec, strategy)
-    # Eager attention's [b, 1, s, s] masks: inputs of every checkpointed layer, so with checkpointing they
-    # stay until the first layer's backward; without, they die with the decoder's forward.
+    # The [b, 1, s, s] attention masks (eager attention; SDPA past a sliding window): inputs of every
+    # checkpointed layer, so with checkpointing they stay until the first layer's backward; without, they die
+    # with the decoder's forward.
     masks = sum(round_up(m, ALLOCATOR_BLOCK_BYTES) for m in attention_mask_bytes(spec, strategy))
     # The KV cache's own copies of k and v (built in training when use_cache is on) live to the forward's end.
     cache_held = L * round_up(kv_cache_held_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
