@@ -13,6 +13,7 @@ from collections.abc import Callable
 from importlib import import_module
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
+from trainfit.analytic.activations import MATH, sdpa_kernel
 from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
@@ -93,6 +94,19 @@ def fit_verdict(
     )
 
 
+def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
+    """Say when SDPA cannot use a fused kernel and falls back to the math kernel, which keeps fp32
+    b·heads·s² scores per layer, and what would avoid it."""
+    if strategy.attention is not Attention.SDPA or sdpa_kernel(spec, strategy) != MATH:
+        return []
+    if not spec.sdpa_gqa:
+        why = f"{spec.model_type} passes {spec.num_kv_heads} k/v head(s) to SDPA without enable_gqa"
+    else:
+        why = "fp32 inputs rule out FlashAttention and the memory-efficient kernel takes no grouped k/v heads"
+    fix = "a 16-bit recipe such as amp-bf16" if spec.sdpa_gqa else "--checkpointing full to bound it to one layer"
+    return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer; consider {fix}"]
+
+
 def estimate(
     model: ModelSpec | str,
     strategy: Strategy | None = None,
@@ -128,6 +142,7 @@ def estimate(
             f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "
             f"({spec.max_position_embeddings}); the estimate assumes the model can run at that length"
         )
+    warnings += attention_warnings(spec, strategy)
     fit = None
     notes = list(report.notes)
     if gpu_spec is not None:

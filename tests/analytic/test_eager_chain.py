@@ -17,8 +17,8 @@ GEMMA2 = {
 }  # fmt: skip
 
 
-def _s(precision: str, **kw: object) -> Strategy:
-    return Strategy(precision=precision, micro_batch=2, seq_len=64, attention="eager", **kw)  # type: ignore[arg-type]
+def _s(precision: str, attention: str = "eager") -> Strategy:
+    return Strategy(precision=precision, micro_batch=2, seq_len=64, attention=attention)  # type: ignore[arg-type]
 
 
 def _widths(slug: str, precision: str) -> tuple[int, int, int, int, int, bool]:
@@ -99,16 +99,31 @@ def test_qwen2_builds_a_sliding_mask_only_when_a_layer_slides(
 
 def test_sdpa_gets_a_window_mask_from_the_window_on() -> None:
     """``_ignore_causal_mask_sdpa`` skips the mask only while kv_length < sliding_window."""
-    from trainfit.analytic.activations import sdpa_window_mask, window_bias_bytes
+    from trainfit.analytic.activations import EFFICIENT, FLASH, sdpa_bias_bytes, sdpa_kernel, sdpa_window_mask
 
     spec = load_model("mistral-7b-v0.1")  # sliding_window 4096, every layer
     assert spec.sliding_layers == spec.num_layers
     below = Strategy(precision="amp-bf16", micro_batch=1, seq_len=4095)
     at = Strategy(precision="amp-bf16", micro_batch=1, seq_len=4096)
-    assert not sdpa_window_mask(spec, below) and window_bias_bytes(spec, below) == 0
+    assert not sdpa_window_mask(spec, below) and sdpa_bias_bytes(spec, below) == 0
     assert sdpa_window_mask(spec, at)
-    assert window_bias_bytes(spec, at) == 2 * 4096 * 4096  # bf16 bias, 4096 already a multiple of 16
+    assert sdpa_bias_bytes(spec, at) == 2 * 4096 * 4096  # bf16 bias, 4096 already a multiple of 16
     odd = Strategy(precision="amp-bf16", micro_batch=2, seq_len=4100)
-    assert window_bias_bytes(spec, odd) == 2 * 2 * 4100 * 4112  # columns padded to 16
-    assert attention_mask_bytes(spec, at) == [4096 * 4096]  # the bool mask itself
+    assert sdpa_bias_bytes(spec, odd) == 2 * 2 * 4100 * 4112  # columns padded to 16
+    assert attention_mask_bytes(spec, at) == [4096 * 4096]  # the bool mask, broadcast over the batch
+    assert (sdpa_kernel(spec, below), sdpa_kernel(spec, at)) == (FLASH, EFFICIENT)
     assert not sdpa_window_mask(load_model("llama-3.1-8b"), at)
+
+
+def test_sdpa_kernel_choice() -> None:
+    """select_sdp_backend's rules as trainfit applies them (mirrored by the trace's emulation)."""
+    from trainfit.analytic.activations import EFFICIENT, FLASH, MATH, sdpa_kernel
+
+    llama = load_model("llama-3.1-8b")  # GQA 32/8, head dim 128
+    assert sdpa_kernel(llama, _s("amp-bf16", attention="sdpa")) == FLASH  # enable_gqa, no mask
+    # fp32 rules out flash; the memory-efficient kernel takes no GQA: math.
+    assert sdpa_kernel(llama, _s("fp32", attention="sdpa")) == MATH
+    assert sdpa_kernel(load_model("gpt2"), _s("fp32", attention="sdpa")) == EFFICIENT  # same heads
+    falcon = load_model("falcon-7b")  # multi-query, called without enable_gqa, mask always built
+    assert (falcon.num_kv_heads, falcon.sdpa_gqa, falcon.sdpa_mask_always) == (1, False, True)
+    assert sdpa_kernel(falcon, _s("amp-bf16", attention="sdpa")) == MATH

@@ -186,3 +186,14 @@ def test_models_and_gpus_json() -> None:
     assert code == 0 and any(m["id"] == "llama-3.1-8b" for m in json.loads(out)["models"])
     code, out, _ = run("gpus", "--json")
     assert code == 0 and any(g["id"] == "h100-sxm-80gb" for g in json.loads(out)["gpus"])
+
+
+@pytest.mark.parametrize(
+    ("model", "precision", "warned"),
+    [("llama-3.2-1b", "fp32", True), ("llama-3.2-1b", "amp-bf16", False), ("falcon-7b", "amp-bf16", True)],
+)
+def test_warns_when_sdpa_falls_back_to_the_math_kernel(model: str, precision: str, warned: bool) -> None:
+    code, out, _ = run("estimate", model, "--precision", precision, "--json")
+    assert code == 0
+    warnings = json.loads(out)["warnings"]
+    assert any("math kernel" in w for w in warnings) is warned

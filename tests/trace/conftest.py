@@ -42,6 +42,18 @@ TINY: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
         "max_position_embeddings": 512, "sliding_window": 160,
     },
+    # Multi-query: one k/v head handed to SDPA without enable_gqa, a mask always built (math kernel).
+    "falcon": {
+        "model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "vocab_size": 256, "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
+        "bias": False, "max_position_embeddings": 512,
+    },
+    # New architecture: k/v expanded to every head before SDPA (memory-efficient kernel with a bias).
+    "falcon-new": {
+        "model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_kv_heads": 2, "vocab_size": 256, "new_decoder_architecture": True, "bias": False,
+        "max_position_embeddings": 512,
+    },
     "mixtral": {
         "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4,

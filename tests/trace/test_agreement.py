@@ -88,3 +88,18 @@ def test_sliding_window_sdpa_within_5_percent_of_trace(precision: str, ckpt: str
     """Mistral-style sliding window with SDPA: below the window no mask (flash); from the window on a real
     mask, the memory-efficient kernel, a saved additive bias per layer and repeat_kv'd k/v."""
     _check("mistral-window", precision, ckpt, (4, seq))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "precision", "ckpt"),
+    [
+        pytest.param(f, p, c, id=f"{f}-{p}-{c}")
+        for f, p, c in itertools.product(("falcon", "falcon-new"), ("amp-bf16", "pure-bf16", "fp32"), ("none", "full"))
+    ],
+)
+def test_falcon_sdpa_kernels_within_5_percent_of_trace(family: str, precision: str, ckpt: str) -> None:
+    """HF Falcon calls SDPA itself: multi-query without enable_gqa takes the math kernel (fp32 scores), the
+    new architecture the memory-efficient kernel with a saved bias. (GQA in fp32, also math: the llama and
+    qwen2 fp32 cells above.)"""
+    _check(family, precision, ckpt, (4, 512))

@@ -25,14 +25,29 @@ def _qkv(dtype: torch.dtype, hq: int = 8, hkv: int = 2, d: int = 64, s: int = 25
 
 def test_backend_choice_follows_sdp_utils() -> None:
     with FakeTensorMode():
-        q, k, v = _qkv(bf16)
-        assert K.sdpa_backend(q, k, v, None, True) == K.FLASH
+        q, k, v = _qkv(bf16)  # 8 query heads, 2 k/v heads
+        assert K.sdpa_backend(q, k, v, None, True, enable_gqa=True) == K.FLASH
+        qm, km, vm = _qkv(bf16, hkv=8)
+        assert K.sdpa_backend(qm, km, vm, None, True) == K.FLASH
         mask = torch.empty(2, 1, 256, 256, dtype=torch.bool)
-        assert K.sdpa_backend(q, k, v, mask, False) == K.EFFICIENT  # flash takes no mask
-        q32, k32, v32 = _qkv(torch.float32)
+        assert K.sdpa_backend(qm, km, vm, mask, False) == K.EFFICIENT  # flash takes no mask
+        q32, k32, v32 = _qkv(torch.float32, hkv=8)
         assert K.sdpa_backend(q32, k32, v32, None, True) == K.EFFICIENT  # flash is 16-bit only
-        q5, k5, v5 = _qkv(bf16, d=320)
+        q5, k5, v5 = _qkv(bf16, d=320, hkv=8)
         assert K.sdpa_backend(q5, k5, v5, None, True) == K.EFFICIENT  # flash head dim <= 256
+
+
+def test_fewer_kv_heads_need_enable_gqa_and_flash() -> None:
+    """check_batch_size_and_num_heads_dense: flash accepts fewer k/v heads only with enable_gqa; the
+    memory-efficient kernel never does (supports_grouped_query_attention=false), so multi-query inputs
+    without enable_gqa (HF Falcon) or with a mask take the math kernel."""
+    with FakeTensorMode():
+        q, k, v = _qkv(bf16, hkv=1)
+        assert K.sdpa_backend(q, k, v, None, True) == K.MATH
+        mask = torch.empty(2, 1, 256, 256, dtype=torch.bool)
+        assert K.sdpa_backend(q, k, v, mask, False) == K.MATH
+        assert K.sdpa_backend(q, k, v, mask, False, enable_gqa=True) == K.MATH
+        assert K.sdpa_backend(q, k, v, None, True, enable_gqa=True) == K.FLASH
 
 
 def test_flash_saves_output_and_logsumexp_not_probabilities() -> None:

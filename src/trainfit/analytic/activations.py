@@ -155,10 +155,33 @@ def eager_chain(spec: ModelSpec, strategy: Strategy) -> EagerChain:
     )
 
 
+def score_chain(spec: ModelSpec, strategy: Strategy) -> EagerChain | None:
+    """The materialised b·heads·s² score chain, if the attention has one: eager attention's, or SDPA's math
+    kernel, which runs the whole chain in fp32 (16-bit inputs are upcast first) and keeps no separate
+    probabilities. ``None`` for the flash and memory-efficient kernels."""
+    if strategy.attention is Attention.EAGER:
+        return eager_chain(spec, strategy)
+    if sdpa_kernel(spec, strategy) != MATH:
+        return None
+    return EagerChain(
+        scores=strategy.micro_batch * spec.num_heads * strategy.seq_len**2,
+        softmax_in=4,
+        input_copy=0,
+        softmax_out=4,
+        probs=0,
+        grad_in=4,
+        input_held=False,
+        dropout=4 if spec.attention_dropout > 0 else 0,
+    )
+
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+
+
 def sdpa_window_mask(spec: ModelSpec, strategy: Strategy) -> bool:
     """SDPA with a sliding window gets a real mask once the sequence reaches the window: transformers skips
     the mask (``is_causal``) only while ``kv_length < sliding_window`` (``_ignore_causal_mask_sdpa`` in
-    masking_utils.py). The mask rules out FlashAttention, so the memory-efficient kernel runs."""
+    masking_utils.py)."""
     return (
         strategy.attention is Attention.SDPA
         and spec.sliding_window is not None
@@ -167,11 +190,45 @@ def sdpa_window_mask(spec: ModelSpec, strategy: Strategy) -> bool:
     )
 
 
-def window_bias_bytes(spec: ModelSpec, strategy: Strategy) -> int:
-    """Per sliding layer: SDPA converts the bool mask to an additive one in the query dtype
-    (``convert_boolean_attn_mask``), padded to a multiple of 16 columns, and the memory-efficient kernel
-    saves it for backward — a new [b, 1, s, s] tensor in every layer."""
-    if not sdpa_window_mask(spec, strategy):
+def _sdpa_masked(spec: ModelSpec, strategy: Strategy) -> bool:
+    return spec.sdpa_mask_always or sdpa_window_mask(spec, strategy)
+
+
+def sdpa_kv_heads(spec: ModelSpec, strategy: Strategy) -> int:
+    """k/v heads as SDPA receives them: transformers' integration passes ``enable_gqa`` without a mask and
+    repeats k/v to every head with one (``use_gqa_in_sdpa``); Falcon's new architecture expands them itself."""
+    if spec.sdpa_kv_expanded or (spec.sdpa_gqa and _sdpa_masked(spec, strategy)):
+        return spec.num_heads
+    return spec.num_kv_heads
+
+
+def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> str:
+    """The CUDA kernel SDPA picks (``select_sdp_backend`` on sm80+, default priority flash > memory-efficient
+    > math; mirrored by ``trainfit.trace.kernels.sdpa_backend``). Flash needs 16-bit inputs, no mask, equal
+    q/v head dims ≤ 256, and equal head counts unless ``enable_gqa``; the memory-efficient kernel takes masks
+    and fp32 but never fewer k/v heads. So GQA models trained in fp32, and multi-query Falcon, get the math
+    kernel, which materialises the b·heads·s² scores."""
+    masked = _sdpa_masked(spec, strategy)
+    same_heads = sdpa_kv_heads(spec, strategy) == spec.num_heads
+    gqa = spec.sdpa_gqa and not masked
+    d = spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim
+    dv = spec.mla.v_head_dim if spec.mla is not None else spec.head_dim
+    half = strategy.recipe.compute_bits == 16
+    if half and not masked and d == dv and d <= 256 and d % 8 == 0 and (same_heads or gqa):
+        return FLASH
+    align = 8 if half else 4  # minimum_gemm_alignment on sm80+
+    if same_heads and d % align == 0 and dv % align == 0:
+        return EFFICIENT
+    return MATH
+
+
+def sdpa_bias_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Per masked layer, for the memory-efficient kernel: SDPA converts the bool mask to an additive one in
+    the query dtype (``convert_boolean_attn_mask``), padded to a multiple of 16 columns, and the kernel saves
+    it for backward — a new [b, 1, s, s] tensor in every layer."""
+    if strategy.attention is not Attention.SDPA or not _sdpa_masked(spec, strategy):
+        return 0
+    if sdpa_kernel(spec, strategy) != EFFICIENT:
         return 0
     s = strategy.seq_len
     return Widths.of(strategy).compute * strategy.micro_batch * s * (-(-s // 16) * 16)
@@ -182,8 +239,9 @@ def attention_mask_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
     dtype (``masking_utils``: ``torch.where`` over a bool mask); SDPA without padding gets ``is_causal`` and
     no mask. They live as long as the decoder's forward, and — as inputs of every checkpointed layer — until
     the first layer's recomputation when checkpointing."""
-    if sdpa_window_mask(spec, strategy):
-        return [strategy.micro_batch * strategy.seq_len**2]  # SDPA gets the bool mask
+    if strategy.attention is Attention.SDPA and _sdpa_masked(spec, strategy):
+        # SDPA gets a bool mask, built once and broadcast over the batch (masking_utils' sdpa_mask).
+        return [strategy.seq_len**2]
     if strategy.attention is not Attention.EAGER:
         return []
     one = strategy.micro_batch * strategy.seq_len**2 * Widths.of(strategy).residual
@@ -210,9 +268,6 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         )
     else:
         qd, kd = spec.q_dim, spec.kv_dim
-        if sdpa_window_mask(spec, strategy):
-            # With a mask transformers does not pass enable_gqa (``use_gqa_in_sdpa``): repeat_kv copies k, v.
-            kd = spec.num_heads * spec.head_dim
         vd = kd
     out_width = nh * spec.mla.v_head_dim if spec.mla is not None else qd
     if spec.qk_norm:
@@ -226,9 +281,26 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
             )
         )
     if strategy.attention is Attention.SDPA:
+        kernel = sdpa_kernel(spec, strategy)
+        if spec.mla is None and sdpa_kv_heads(spec, strategy) != spec.num_kv_heads:
+            # k and v reach SDPA expanded to every head (repeat_kv when a mask rules out enable_gqa).
+            kd = vd = nh * spec.head_dim
+        if kernel == MATH:
+            # aten's _scaled_dot_product_attention_math: fp32 copies of 16-bit inputs, q and k scaled, k and v
+            # broadcast to every head by the matmuls, the fp32 softmax output saved; output cast back.
+            full = nh * (spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim)
+            full_v = nh * (spec.mla.v_head_dim if spec.mla is not None else spec.head_dim)
+            out.append(
+                SavedTerm(
+                    name="attn.sdpa_math.qkv", bytes=4 * t * (qd + full + full_v), formula="4·t·(q_dim+2·heads·hd)"
+                )
+            )
+            out.append(SavedTerm(name="attn.softmax", bytes=4 * b * nh * s * s, formula="4·b·heads·s² (fp32 output)"))
+            out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
+            return out
         out.append(_sdpa_inputs(spec, strategy, t, a, qd, kd, vd))
-        if bias := window_bias_bytes(spec, strategy):
-            out.append(SavedTerm(name="attn.sdpa.window_bias", bytes=bias, formula="a·b·s·⌈s/16⌉·16 (sliding layers)"))
+        if bias := sdpa_bias_bytes(spec, strategy):
+            out.append(SavedTerm(name="attn.sdpa.bias", bytes=bias, formula="a·b·s·⌈s/16⌉·16 (masked layers)"))
         out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
         out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
         return out
@@ -250,9 +322,7 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     if spec.attn_logit_softcapping:
         out.append(SavedTerm(name="attn.eager.softcap_tanh", bytes=a * scores, formula="a·b·heads·s² (tanh out)"))
     out.append(
-        SavedTerm(
-            name="attn.eager.softmax", bytes=ch.softmax_out * scores, formula=f"{ch.softmax_out}·b·heads·s² (output)"
-        )
+        SavedTerm(name="attn.softmax", bytes=ch.softmax_out * scores, formula=f"{ch.softmax_out}·b·heads·s² (output)")
     )
     if spec.attention_dropout > 0:
         out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
@@ -272,18 +342,23 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """Per layer, the KV cache's copies of k and v that no backward saves, held until the model's outputs
     are dropped (the end of the forward). The cache ``torch.cat``s k after RoPE — whose dtype is promoted to
     the residual stream's by cos/sin, fp32 under autocast — and v. The attention kernel saves a copy itself
-    when it needs a cast (autocast) or repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
-    loses ``enable_gqa``); then the cache's copy is extra. 0 without the cache, for fused qkv and for MLA."""
+    when it needs a cast (autocast), repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
+    loses ``enable_gqa``) or the math kernel's scaled/upcast copies; then the cache's copy is extra. 0 without
+    the cache, for fused qkv and for MLA."""
     if not _kv_cache_active(spec, strategy) or spec.fused_qkv or spec.mla is not None:
         return 0
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     kd = spec.kv_dim
     k_width = max(w.compute, w.residual) if spec.rotary_dim else w.compute
-    mask = strategy.attention is Attention.EAGER or sdpa_window_mask(spec, strategy)
-    repeated = spec.num_kv_heads < spec.num_heads and mask
-    k_extra = k_width * t * kd if (repeated or k_width != w.compute) else 0
-    v_extra = w.compute * t * kd if repeated else 0
+    gqa = spec.num_kv_heads < spec.num_heads
+    if strategy.attention is Attention.EAGER:
+        repeated, math = gqa, False
+    else:
+        repeated, math = sdpa_kv_heads(spec, strategy) != spec.num_kv_heads, sdpa_kernel(spec, strategy) == MATH
+    # The math kernel saves scaled (new) k and fp32 or broadcast v; the others save what they are given.
+    k_extra = k_width * t * kd if (repeated or math or k_width != w.compute) else 0
+    v_extra = w.compute * t * kd if (repeated or (math and (gqa or w.compute != 4))) else 0
     return k_extra + v_extra
 
 
@@ -294,7 +369,8 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
     fused output and the two copies are all saved)."""
     cache = _kv_cache_active(spec, strategy)
     plain = SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)")
-    if not spec.fused_qkv or spec.mla is not None:
+    if not spec.fused_qkv or spec.mla is not None or spec.sdpa_kv_expanded:
+        # (Falcon's new architecture copies k and v out of the fused output while expanding them.)
         return plain
     fused = a * t * (qd + kd + vd)
     if spec.rotary_dim:  # q, k rotated into new tensors; v is a view unless the cache copied it
@@ -482,8 +558,15 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
     i = spec.intermediate_size
     python_gelu = spec.mlp is MlpKind.DENSE and spec.activation in PYTHON_GELUS
     # In flight per intermediate element, net of the saved tensors already released: the product (or,
-    # for HF's Python GeLU, the fc2 input and 0.5·x) — and the MLP's residual dropout mask.
-    in_flight = 14 - 2 * a if python_gelu and w.amp else 3 * a - a
+    # for HF's Python GeLU, the fc2 input and 0.5·x) — and the MLP's residual dropout mask. A fused
+    # activation (GeLU, SiLU MLP without a gate) holds the gradient of its output and its own gradient, net
+    # of its output, released by fc2's backward: one tensor. ReLU's output is its own saved tensor: two.
+    if python_gelu:
+        in_flight = 14 - 2 * a if w.amp else 2 * a
+    elif spec.mlp is MlpKind.GATED or spec.activation == "relu":
+        in_flight = 2 * a
+    else:
+        in_flight = a
     mask = t * h if spec.hidden_dropout > 0 else 0
     mlp = w.residual * t * h + in_flight * t * i - mask
     if spec.moe is not None and spec.num_moe_layers:
@@ -511,10 +594,10 @@ def eager_forward_moment(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]
     tensors the layer saved before it: either while the softmax runs (its input, the input's fp32 copy,
     its output) or while the probabilities are cast (the output is saved; see ``EagerChain.input_held``).
     The saved part (softmax output and probabilities) is what the layer keeps; the rest is freed. (0, 0)
-    for SDPA."""
-    if strategy.attention is not Attention.EAGER:
+    for the fused SDPA kernels."""
+    ch = score_chain(spec, strategy)
+    if ch is None:
         return 0, 0
-    ch = eager_chain(spec, strategy)
     at_softmax = (ch.softmax_out, ch.softmax_in + ch.input_copy)
     at_probs = (ch.softmax_out + ch.probs, ch.softmax_in if ch.input_held else 0)
     moments = [at_softmax, at_probs]
@@ -531,10 +614,11 @@ def eager_backward_moment(spec: ModelSpec, strategy: Strategy) -> tuple[int, int
     its softmax (everything it saved after — probabilities, attention output, MLP — is released by then).
     Saved: the softmax output. Transient: the incoming gradient converted to the output's dtype, the
     softmax backward's output, the residual-stream gradient and the gradient of the repeated v (its
-    backward runs after the score chain's: repeat_kv precedes the scores in the graph). (0, 0) for SDPA."""
-    if strategy.attention is not Attention.EAGER:
+    backward runs after the score chain's: repeat_kv precedes the scores in the graph). (0, 0) for the fused
+    SDPA kernels."""
+    ch = score_chain(spec, strategy)
+    if ch is None:
         return 0, 0
-    ch = eager_chain(spec, strategy)
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     in_flight = w.residual * t * spec.hidden_size + w.compute * t * spec.num_heads * spec.head_dim

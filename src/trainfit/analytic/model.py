@@ -34,7 +34,7 @@ from trainfit.analytic.activations import (
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
-    window_bias_bytes,
+    sdpa_bias_bytes,
 )
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES, overhead_for
@@ -75,7 +75,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     for g in inv.layers:
         lt = layer_terms(spec, strategy, moe=g.kind == "moe")
         per_layer[g.kind] = _sum(lt)
-        cut = next((i for i, x in enumerate(lt) if x.name.startswith("attn.eager.softmax")), len(lt))
+        cut = next((i for i, x in enumerate(lt) if x.name == "attn.softmax"), len(lt))
         before_softmax[g.kind] = _sum(lt[:cut])
         counts[g.kind] = g.count
         mm = sum(t.numel for t in g.tensors if t.matmul)
@@ -84,9 +84,10 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         scale = st.autocast_copies_bytes / max(1, sum(counts[k] * layer_copies[k] for k in counts))
         layer_copies = {k: int(v * scale) for k, v in layer_copies.items()}
     a_layers = sum(counts[k] * per_layer[k] for k in counts)
-    # layer_terms gives every layer the sliding-window SDPA bias; only the sliding ones (the last layers of
-    # a Qwen2 stack) save it.
-    a_layers -= (L - spec.sliding_layers) * round_up(window_bias_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
+    # layer_terms gives every layer the SDPA mask bias; with a sliding window only the sliding layers (the
+    # last ones of a Qwen2 stack) get a mask and save it.
+    masked_layers = L if spec.sdpa_mask_always else spec.sliding_layers
+    a_layers -= (L - masked_layers) * round_up(sdpa_bias_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
     a_model_terms = model_terms(spec, strategy)
     a_model = _sum(a_model_terms)
     a_max_layer = max(per_layer.values())

@@ -369,6 +369,10 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "rotary_dim": base["head_dim"],
         "attention_dropout": _dropout(cfg, "attention_dropout"),
         "hidden_dropout": _dropout(cfg, "hidden_dropout"),
+        # FalconModel builds its mask with allow_is_causal_skip=False and FalconAttention calls SDPA itself.
+        "sdpa_gqa": False,
+        "sdpa_kv_expanded": new_arch,
+        "sdpa_mask_always": True,
     }
 
 

@@ -136,6 +136,12 @@ class ModelSpec:
     attention_masks: int = 1
     softmax_upcast: bool = True
     eager_casts_probs: bool = True  # eager casts the probabilities to q's/v's dtype before dropout (not BERT)
+    # How the model calls SDPA. transformers' integration (``sdpa_attention_forward``) passes ``enable_gqa``
+    # without a mask and repeats k/v with one; HF Falcon calls SDPA itself, always with a materialised mask,
+    # with one k/v head (multi-query, no enable_gqa) or k/v already expanded to every head (new arch).
+    sdpa_gqa: bool = True
+    sdpa_kv_expanded: bool = False
+    sdpa_mask_always: bool = False
     use_cache: bool = True  # config.use_cache: HF builds a DynamicCache even in training unless disabled
 
     moe: MoESpec | None = None

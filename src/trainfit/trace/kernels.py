@@ -4,9 +4,11 @@ Fake tensors carry a CPU device, so PyTorch would pick CPU code paths. Where the
 different tensors than the CUDA path a GPU run takes, a ``TorchFunctionMode`` swaps in an emulation that
 allocates exactly what the CUDA kernel allocates (values are irrelevant under fake tensors):
 
-* ``scaled_dot_product_attention``: CUDA picks FlashAttention-2 (fp16/bf16, no mask, head dim ≤ 256) or the
-  memory-efficient kernel (any float dtype, additive mask), else the math fallback — the priority of
-  ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp for sm80+. Both fused
+* ``scaled_dot_product_attention``: CUDA picks FlashAttention-2 (fp16/bf16, no mask, head dim ≤ 256, fewer
+  k/v heads only with ``enable_gqa``) or the memory-efficient kernel (any float dtype, additive mask, equal
+  head counts), else the math fallback — the priority of ``select_sdp_backend`` in
+  aten/src/ATen/native/transformers/cuda/sdp_utils.cpp for sm80+ (``check_batch_size_and_num_heads_dense``
+  is instantiated with GQA support for flash only). The math kernel runs as aten's own composite. Both fused
   kernels save q, k, v, the output and a float32 logsumexp (flash: [B, H, Lq]; efficient: Lq rounded up to
   32) — not the [B, H, Lq, Lk] probabilities. Flash backward allocates dq/dk/dv plus ``softmax_d`` fp32
   [B, H, round128(Lq)], ``dq_accum`` fp32 [B, round128(Lq), H, round32(d)] and, for GQA, dk/dv expanded to
@@ -61,15 +63,28 @@ def _round(x: int, m: int) -> int:
 
 
 def sdpa_backend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    enable_gqa: bool = False,
 ) -> str:
-    """The CUDA SDPA backend an sm80+ GPU picks for these inputs (``select_sdp_backend``)."""
+    """The CUDA SDPA backend an sm80+ GPU picks for these inputs (``select_sdp_backend``, default priority
+    flash > memory-efficient > math). Both fused kernels need q, k and v with the same batch and head counts
+    (``check_batch_size_and_num_heads_dense``); only flash accepts fewer k/v heads, and only with
+    ``enable_gqa`` — the memory-efficient kernel is instantiated without GQA support. So multi-query
+    attention called without ``enable_gqa`` (HF Falcon) falls back to the math kernel."""
     d, dv = q.size(-1), v.size(-1)
     lq, lk = q.size(-2), k.size(-2)
-    if q.dtype in _HALF and attn_mask is None and d == dv and d <= 256 and d % 8 == 0 and not (is_causal and lq != lk):
+    hq, hk, hv = q.size(-3), k.size(-3), v.size(-3)
+    same_heads = hq == hk == hv
+    gqa_ok = same_heads or (enable_gqa and hk == hv and hq % hk == 0)
+    flash_shapes = d == dv and d <= 256 and d % 8 == 0 and not (is_causal and lq != lk)
+    if q.dtype in _HALF and attn_mask is None and flash_shapes and gqa_ok:
         return FLASH
     align = 8 if q.dtype in _HALF else 4  # minimum_gemm_alignment on sm80+
-    if q.dtype in (*_HALF, torch.float32) and d % align == 0 and dv % align == 0:
+    if q.dtype in (*_HALF, torch.float32) and d % align == 0 and dv % align == 0 and same_heads:
         return EFFICIENT
     return MATH
 
@@ -114,7 +129,8 @@ def _efficient_bias(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -
     """``convert_boolean_attn_mask`` then ``preprocess_mask`` (pad the last dim to 16) as on CUDA."""
     mask = attn_mask
     if mask.dtype == torch.bool:
-        mask = torch.where(mask.logical_not(), float("-inf"), 0.0).to(q.dtype)
+        # at::where(mask.logical_not(), -inf, scalar_tensor(0.0, q.dtype)): built in q's dtype directly.
+        mask = torch.where(mask.logical_not(), float("-inf"), torch.zeros((), dtype=q.dtype))
     elif mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     lk = k.size(-2)
@@ -141,7 +157,7 @@ def emulated_sdpa(
             query, key, value = (t.to(low) if t.dtype in (torch.float32, *_HALF) else t for t in (query, key, value))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.to(low)
-    backend = sdpa_backend(query, key, value, attn_mask, is_causal)
+    backend = sdpa_backend(query, key, value, attn_mask, is_causal, enable_gqa)
     if calls is not None:
         calls[backend] = calls.get(backend, 0) + 1
     with torch.autocast("cpu", enabled=False):
