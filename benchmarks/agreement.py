@@ -29,6 +29,7 @@ MODELS = (
     "qwen2.5-7b",
     "llama-3.1-8b",
     "mixtral-8x7b-v0.1",
+    "falcon-7b",
 )
 HEAVY_MODELS = ("qwen2.5-0.5b", "llama-3.2-1b", "gemma-2b", "gpt2-large")
 EAGER_MODELS = ("gpt2", "bert-base-uncased", "llama-3.2-1b")

@@ -92,14 +92,15 @@ def test_sliding_window_sdpa_within_5_percent_of_trace(precision: str, ckpt: str
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "precision", "ckpt"),
+    ("family", "precision", "ckpt", "batch"),
     [
-        pytest.param(f, p, c, id=f"{f}-{p}-{c}")
+        pytest.param(f, p, c, 4, id=f"{f}-{p}-{c}")
         for f, p, c in itertools.product(("falcon", "falcon-new"), ("amp-bf16", "pure-bf16", "fp32"), ("none", "full"))
-    ],
+    ]
+    + [pytest.param("falcon", "amp-bf16", "none", 1, id="falcon-amp-bf16-none-b1")],
 )
-def test_falcon_sdpa_kernels_within_5_percent_of_trace(family: str, precision: str, ckpt: str) -> None:
-    """HF Falcon calls SDPA itself: multi-query without enable_gqa takes the math kernel (fp32 scores), the
-    new architecture the memory-efficient kernel with a saved bias. (GQA in fp32, also math: the llama and
-    qwen2 fp32 cells above.)"""
-    _check(family, precision, ckpt, (4, 512))
+def test_falcon_sdpa_kernels_within_5_percent_of_trace(family: str, precision: str, ckpt: str, batch: int) -> None:
+    """HF Falcon calls SDPA itself: multi-query without enable_gqa takes the math kernel (fp32 scores; its
+    broadcast k/v are copied per head unless the batch is 1), the new architecture the memory-efficient
+    kernel with a saved bias. (GQA in fp32, also math: the llama and qwen2 fp32 cells above.)"""
+    _check(family, precision, ckpt, (batch, 512))

@@ -286,10 +286,15 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
             # k and v reach SDPA expanded to every head (repeat_kv when a mask rules out enable_gqa).
             kd = vd = nh * spec.head_dim
         if kernel == MATH:
-            # aten's _scaled_dot_product_attention_math: fp32 copies of 16-bit inputs, q and k scaled, k and v
-            # broadcast to every head by the matmuls, the fp32 softmax output saved; output cast back.
-            full = nh * (spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim)
-            full_v = nh * (spec.mla.v_head_dim if spec.mla is not None else spec.head_dim)
+            # aten's _scaled_dot_product_attention_math: fp32 copies of 16-bit inputs, q and k scaled, the
+            # fp32 softmax output saved; output cast back.
+            # k and v reach every head: repeat_interleave under enable_gqa; otherwise the matmuls broadcast
+            # them, which copies unless the batch is 1 (a size-1 batch folds into a stride-0 view).
+            heads = sdpa_kv_heads(spec, strategy)
+            if spec.sdpa_gqa or b > 1:
+                heads = nh
+            full = heads * (spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim)
+            full_v = heads * (spec.mla.v_head_dim if spec.mla is not None else spec.head_dim)
             out.append(
                 SavedTerm(
                     name="attn.sdpa_math.qkv", bytes=4 * t * (qd + full + full_v), formula="4·t·(q_dim+2·heads·hd)"

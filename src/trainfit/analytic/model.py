@@ -94,6 +94,8 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     c_max_layer = max(layer_copies.values())
     c_all = st.autocast_copies_bytes
     c_head = max(0, c_all - sum(counts[k] * layer_copies[k] for k in counts))
+    # A checkpointed forward keeps autocast's cached weight copies; uncached (per-call) ones die with it.
+    c_fwd_ckpt = c_all if spec.autocast_weight_cache else c_head
     lg = logits_memory(spec, strategy, keep_logits=keep_logits)
     temps = backward_temp_bytes(spec, strategy)
     bwd_temp = temps.block_bytes
@@ -190,7 +192,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             **base,
             gradients=g_resident,
             activations=kept + a_model + masks,
-            autocast_copies=c_all,
+            autocast_copies=c_fwd_ckpt,
             logits_loss=lg.forward_peak_bytes,
         )
         b_start = _phase(
@@ -257,7 +259,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
                 **base,
                 gradients=g_resident,
                 activations=kept + a_model_end + masks,
-                autocast_copies=c_all,
+                autocast_copies=c_fwd_ckpt + (0 if spec.autocast_weight_cache else c_max_layer),
                 temporaries=eager_nograd_inputs_bytes(spec, strategy) + chain_saved + chain_transient,
             )
         forward = max((forward, in_attention), key=lambda p: p.total_bytes)

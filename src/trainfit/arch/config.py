@@ -373,6 +373,7 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "sdpa_gqa": False,
         "sdpa_kv_expanded": new_arch,
         "sdpa_mask_always": True,
+        "autocast_weight_cache": False,  # FalconLinear: input @ self.weight.T
     }
 
 

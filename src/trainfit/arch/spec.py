@@ -140,6 +140,9 @@ class ModelSpec:
     # without a mask and repeats k/v with one; HF Falcon calls SDPA itself, always with a materialised mask,
     # with one k/v head (multi-query, no enable_gqa) or k/v already expanded to every head (new arch).
     sdpa_gqa: bool = True
+    # Autocast caches a cast only of a leaf weight; HF Falcon's Linear multiplies by ``weight.T`` (a view),
+    # so its casts are per call: saved for backward without checkpointing, transient with it.
+    autocast_weight_cache: bool = True
     sdpa_kv_expanded: bool = False
     sdpa_mask_always: bool = False
     use_cache: bool = True  # config.use_cache: HF builds a DynamicCache even in training unless disabled
