@@ -48,7 +48,7 @@ def by_phase(r: MemoryReport) -> dict[str, int]:
     return {p.phase.value: p.total_bytes for p in r.phases}
 
 
-def cuda_context_bytes() -> dict[str, int] | None:
+def cuda_context_bytes() -> dict[str, Any] | None:
     """Device memory in use that PyTorch's allocator does not hold: the CUDA context, cuBLAS handles..."""
     try:
         import torch
@@ -61,7 +61,14 @@ def cuda_context_bytes() -> dict[str, int] | None:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     reserved = torch.cuda.memory_reserved()
-    return {"total": total, "used": total - free, "reserved": reserved, "outside_allocator": total - free - reserved}
+    return {
+        "total": total,
+        "used": total - free,
+        "reserved": reserved,
+        "outside_allocator": total - free - reserved,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version() or 0,  # type: ignore[no-untyped-call]
+    }
 
 
 def run_cell(model: str, rec: str, ck: str, *, dry_run: bool) -> dict[str, Any]:
@@ -91,7 +98,7 @@ def pct(a: int, b: int) -> str:
     return f"{(a - b) / b * 100:+.1f}%" if b else "—"
 
 
-def table(rows: list[dict[str, Any]], context: dict[str, int] | None) -> str:
+def table(rows: list[dict[str, Any]], context: dict[str, Any] | None) -> str:
     gib = 2**30
     out = [
         "| model | recipe | ckpt | b×s | measured GiB | trace GiB | analytic GiB | trace vs measured "
