@@ -39,9 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_HALF = (torch.float16, torch.bfloat16)
+# The same kernel names as the analytic model's choice (trainfit.analytic.activations.sdpa_kernel).
+from trainfit.analytic.activations import EFFICIENT, FLASH, MATH
 
-FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def cuda_softmax(x: Any, dim: Any, dtype: Any) -> torch.Tensor | None:
