@@ -17,6 +17,7 @@ from .conftest import tiny_spec
 
 pytest.importorskip("torch")
 from trainfit.analytic import estimate_analytic
+from trainfit.analytic.activations import sdpa_kernel
 from trainfit.trace import trace_spec
 from trainfit.trace.agreement import PEAK_TOLERANCE, compare
 
@@ -40,7 +41,11 @@ def _check(family: str, precision: str, ckpt: str, shape: tuple[int, int], atten
         seq_len=shape[1],
         attention=attention,  # type: ignore[arg-type]
     )
-    ag = compare(estimate_analytic(spec, s), trace_spec(spec, s))
+    traced = trace_spec(spec, s)
+    ag = compare(estimate_analytic(spec, s), traced)
+    if s.attention.value == "sdpa" and spec.supports_sdpa:
+        # The analytic model's kernel choice is the one the trace's CUDA emulation made.
+        assert set(traced.extra["sdpa_backends"]) == {sdpa_kernel(spec, s)}
     detail = "; ".join(
         f"{g.phase.value} {g.rel * 100:+.1f}% ({g.largest_component_gap()})" for g in ag.phases if g.components
     )
