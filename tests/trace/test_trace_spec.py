@@ -71,6 +71,17 @@ def test_checkpointing_full_keeps_only_layer_inputs() -> None:
     assert full >= 4 * hidden  # each layer's checkpoint keeps its input
 
 
+@pytest.mark.parametrize("checkpointing", ["none", "full", "sqrt"])
+def test_nothing_from_the_forward_survives_into_the_optimizer_step(checkpointing: str) -> None:
+    """Gemma-2's eager masks are inputs of every checkpointed layer; once backward is done, neither they
+    nor anything else the forward made may still be alive (the sqrt segments once kept the last step's
+    layer arguments)."""
+    spec = tiny_spec("gemma2", num_hidden_layers=9)
+    st = Strategy(micro_batch=2, seq_len=128, checkpointing=checkpointing)  # type: ignore[arg-type]
+    step = trace_spec(spec, st, extrapolate=False).phase(Phase.OPTIMIZER_STEP)
+    assert step.components.get(C.ACTIVATIONS, 0) == 0
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert", "mixtral", "deepseek_v2", "gemma2", "qwen2"])
 def test_families_trace(family: str) -> None:
     r = trace_spec(tiny_spec(family), Strategy(micro_batch=1, seq_len=32))

@@ -350,7 +350,10 @@ class _Segment:
         if j == self.size - 1:
             with contextlib.suppress(StopIteration):
                 next(self.gen)
-            self.gen, self.last_out = None, None
+            # The recomputation's closure keeps its own reference to the calls (their inputs live until
+            # this segment's backward, as a checkpoint's do); holding them here too would keep the masks
+            # and other arguments alive into the next step.
+            self.gen, self.last_out, self.calls = None, None, []
         return out
 
 
