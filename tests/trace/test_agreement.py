@@ -8,6 +8,7 @@ that default to SDPA. ``python benchmarks/agreement.py`` prints the same compari
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -32,8 +33,10 @@ def _cells(precisions: tuple[str, ...]) -> list[object]:
     ]
 
 
-def _check(family: str, precision: str, ckpt: str, shape: tuple[int, int], attention: str = "sdpa") -> None:
-    spec = tiny_spec(family)
+def _check(
+    family: str, precision: str, ckpt: str, shape: tuple[int, int], attention: str = "sdpa", **overrides: Any
+) -> None:
+    spec = tiny_spec(family, **overrides)
     s = Strategy(
         precision=precision,  # type: ignore[arg-type]
         checkpointing=ckpt,  # type: ignore[arg-type]
@@ -109,3 +112,21 @@ def test_falcon_sdpa_kernels_within_5_percent_of_trace(family: str, precision: s
     broadcast k/v are copied per head unless the batch is 1), the new architecture the memory-efficient
     kernel with a saved bias. (GQA in fp32, also math: the llama and qwen2 fp32 cells above.)"""
     _check(family, precision, ckpt, (batch, 512))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "precision", "attention", "layers"),
+    [
+        ("llama", "amp-bf16", "sdpa", {"num_hidden_layers": 9}),
+        ("gemma2", "pure-bf16", "sdpa", {"num_hidden_layers": 9}),
+        ("gpt2", "amp-bf16", "eager", {"n_layer": 9}),
+        ("falcon", "amp-bf16", "sdpa", {"num_hidden_layers": 9}),
+    ],
+    ids=["llama", "gemma2", "gpt2-eager", "falcon"],
+)
+def test_sqrt_checkpointing_within_5_percent_of_trace(
+    family: str, precision: str, attention: str, layers: dict[str, int]
+) -> None:
+    """sqrt checkpointing: 9 layers in 3 segments of 3, each recomputed whole in backward."""
+    _check(family, precision, "sqrt", (4, 512), attention, **layers)
