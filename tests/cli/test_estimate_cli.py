@@ -197,3 +197,12 @@ def test_warns_when_sdpa_falls_back_to_the_math_kernel(model: str, precision: st
     assert code == 0
     warnings = json.loads(out)["warnings"]
     assert any("math kernel" in w for w in warnings) is warned
+
+
+def test_says_when_model_states_alone_do_not_fit() -> None:
+    code, out, _ = run("estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--precision", "amp-bf16")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "Largest micro-batch that fits: 0." in text and "model states alone" in text
+    code, out, _ = run("estimate", "gpt2", "--gpu", "a100-sxm-80gb")
+    assert code == 0 and "model states alone" not in " ".join(out.split())

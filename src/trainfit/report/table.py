@@ -9,7 +9,7 @@ from rich.text import Text
 
 from trainfit.analytic.explain import Difference
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import Component, MemoryReport, Method
+from trainfit.result import Component, MemoryReport, Method, Phase
 from trainfit.strategy import Strategy
 from trainfit.units import fmt_count, fmt_gb, fmt_gib, gib
 
@@ -83,6 +83,15 @@ def _differences(rows: list[Difference]) -> Table:
     return table
 
 
+#: What the model itself holds through the optimizer step, whatever the batch.
+STATE_COMPONENTS = (
+    Component.WEIGHTS,
+    Component.GRADIENTS,
+    Component.MASTER_WEIGHTS,
+    Component.OPTIMIZER_STATES,
+)
+
+
 def _fit(report: MemoryReport) -> Text:
     f = report.fit
     assert f is not None
@@ -96,6 +105,15 @@ def _fit(report: MemoryReport) -> Text:
     else:
         t.append(f"DOES NOT FIT, short by {fmt_gib(-f.free_bytes)}. ", style="bold red")
     t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
+    if f.max_micro_batch == 0:
+        step = report.phase(Phase.OPTIMIZER_STEP).components
+        states = sum(step.get(c, 0) for c in STATE_COMPONENTS)
+        if states > f.usable_bytes:
+            t.append(
+                f" The model states alone (weights, gradients, master weights, optimizer states) take "
+                f"{fmt_gib(states)}, more than the usable memory: smaller batches or checkpointing cannot help; "
+                "a smaller optimizer (--optimizer adamw-8bit) or precision recipe (--precision pure-bf16) can."
+            )
     return t
 
 
