@@ -13,12 +13,12 @@ from collections.abc import Callable
 from importlib import import_module
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
-from trainfit.analytic.activations import MATH, sdpa_kernel
+from trainfit.analytic.activations import MATH, sdpa_kernel, sdpa_kv_heads
 from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.result import FitVerdict, MemoryReport, Method
-from trainfit.strategy import Attention, Strategy
+from trainfit.strategy import Attention, Checkpointing, Strategy
 
 DEFAULT_HEADROOM = 0.30
 MAX_SEARCH_BATCH = 1 << 16
@@ -99,12 +99,18 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     b·heads·s² scores per layer, and what would avoid it."""
     if strategy.attention is not Attention.SDPA or sdpa_kernel(spec, strategy) != MATH:
         return []
-    if not spec.sdpa_gqa:
+    grouped = sdpa_kv_heads(spec, strategy) < spec.num_heads
+    fix = ""
+    if grouped and not spec.sdpa_gqa:
         why = f"{spec.model_type} passes {spec.num_kv_heads} k/v head(s) to SDPA without enable_gqa"
-    else:
+        if strategy.checkpointing is Checkpointing.NONE:
+            fix = "; --checkpointing full keeps them for one layer at a time"
+    elif grouped and strategy.recipe.compute_bits == 32:
         why = "fp32 inputs rule out FlashAttention and the memory-efficient kernel takes no grouped k/v heads"
-    fix = "a 16-bit recipe such as amp-bf16" if spec.sdpa_gqa else "--checkpointing full to bound it to one layer"
-    return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer; consider {fix}"]
+        fix = "; a 16-bit recipe such as amp-bf16 gets a fused kernel"
+    else:
+        why = f"head dim {spec.head_dim} suits neither fused kernel"
+    return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer{fix}"]
 
 
 def estimate(

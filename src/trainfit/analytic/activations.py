@@ -214,7 +214,7 @@ def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> str:
     d = spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim
     dv = spec.mla.v_head_dim if spec.mla is not None else spec.head_dim
     half = strategy.recipe.compute_bits == 16
-    if half and not masked and d == dv and d <= 256 and d % 8 == 0 and (same_heads or gqa):
+    if half and not masked and d == dv and d <= 256 and (same_heads or gqa):
         return FLASH
     align = 8 if half else 4  # minimum_gemm_alignment on sm80+
     if same_heads and d % align == 0 and dv % align == 0:
@@ -301,6 +301,11 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
                 )
             )
             out.append(SavedTerm(name="attn.softmax", bytes=4 * b * nh * s * s, formula="4·b·heads·s² (fp32 output)"))
+            if spec.attention_dropout > 0:
+                # at::dropout on CUDA: fused native_dropout, a bool mask and the fp32 dropped probabilities.
+                out.append(
+                    SavedTerm(name="attn.sdpa_math.dropout", bytes=5 * b * nh * s * s, formula="(1+4)·b·heads·s²")
+                )
             out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
             return out
         out.append(_sdpa_inputs(spec, strategy, t, a, qd, kd, vd))
@@ -607,8 +612,9 @@ def eager_forward_moment(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]
     at_probs = (ch.softmax_out + ch.probs, ch.softmax_in if ch.input_held else 0)
     moments = [at_softmax, at_probs]
     if ch.dropout:
-        # Saved: output, bool mask, the matmul's 16-bit input; a wider dropout output is transient.
-        a = Widths.of(strategy).compute
+        # Saved: output, bool mask, the probs·v matmul's input (16-bit in eager attention, fp32 in SDPA's math
+        # kernel); a wider dropout output is transient.
+        a = Widths.of(strategy).compute if strategy.attention is Attention.EAGER else 4
         moments.append((ch.softmax_out + 1 + a, ch.dropout if ch.dropout != a else 0))
     saved, transient = max(moments, key=sum)
     return saved * ch.scores, transient * ch.scores

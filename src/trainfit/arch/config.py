@@ -114,23 +114,22 @@ def _llama(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     return _llama_like(cfg, base, tie_default=False, qkv_bias=False)
 
 
-def _qwen_masks(cfg: Config, num_layers: int, *, both_masks: bool = False) -> dict[str, Any]:
-    """Qwen2/Qwen3 layers slide when ``use_sliding_window`` (default false in their configs) and their index
-    is >= ``max_window_layers``, or as ``layer_types`` says. Qwen2/Qwen3 build a full causal mask and, when any
-    layer slides, a sliding one too (``has_sliding_layers`` in modeling_qwen2.py); Qwen2-MoE always builds
-    both (``both_masks``)."""
+def _qwen_masks(cfg: Config, num_layers: int, *, moe: bool = False) -> dict[str, Any]:
+    """Which Qwen layers slide, as their configs build ``layer_types`` when none is given: with
+    ``use_sliding_window`` (default false), Qwen2/Qwen3 slide from ``max_window_layers`` on
+    (configuration_qwen2.py); Qwen2-MoE slides on even layer indices below it (configuration_qwen2_moe.py).
+    Qwen2/Qwen3 build a full causal mask and, when any layer slides, a sliding one too
+    (``has_sliding_layers`` in modeling_qwen2.py); Qwen2-MoE always builds both."""
     types = cfg.get("layer_types")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-    if isinstance(types, list):
-        sliding = sum(1 for t in types if t == "sliding_attention")
-        window = cfg.get("sliding_window") if sliding else None
-    elif window is not None:
-        sliding = max(0, num_layers - int(cfg.get("max_window_layers", 28)))
-    else:
-        sliding = 0
+    if not isinstance(types, list):
+        mwl = int(cfg.get("max_window_layers", 28))
+        on = bool(cfg.get("use_sliding_window", False)) and cfg.get("sliding_window") is not None
+        slides = [on and ((i + 1) % 2 == 1 and i < mwl if moe else i >= mwl) for i in range(num_layers)]
+        types = ["sliding_attention" if x else "full_attention" for x in slides]
+    sliding = sum(1 for t in types if t == "sliding_attention")
     return {
-        "attention_masks": 2 if (sliding or both_masks) else 1,
-        "sliding_window": window if sliding else None,
+        "attention_masks": 2 if (sliding or moe) else 1,
+        "sliding_window": cfg.get("sliding_window") if sliding else None,
         "sliding_layers": sliding,
     }
 
@@ -207,7 +206,7 @@ def _qwen_moe(cfg: Config, base: dict[str, Any], *, shared: bool, qkv_bias: bool
 
 
 def _qwen2_moe(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    return _qwen_moe(cfg, base, shared=True, qkv_bias=True) | _qwen_masks(cfg, base["num_layers"], both_masks=True)
+    return _qwen_moe(cfg, base, shared=True, qkv_bias=True) | _qwen_masks(cfg, base["num_layers"], moe=True)
 
 
 def _qwen3_moe(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
@@ -369,6 +368,10 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "rotary_dim": base["head_dim"],
         "attention_dropout": _dropout(cfg, "attention_dropout"),
         "hidden_dropout": _dropout(cfg, "hidden_dropout"),
+        # Eager: softmax(scores + mask, dtype=hidden_states.dtype) — no upcast beyond the residual dtype, no
+        # cast of the probabilities (probs·v casts under autocast), no dropout without ALiBi.
+        "softmax_upcast": False,
+        "eager_casts_probs": False,
         # FalconModel builds its mask with allow_is_causal_skip=False and FalconAttention calls SDPA itself.
         "sdpa_gqa": False,
         "sdpa_kv_expanded": new_arch,

@@ -106,15 +106,36 @@ def _fit(report: MemoryReport) -> Text:
         t.append(f"DOES NOT FIT, short by {fmt_gib(-f.free_bytes)}. ", style="bold red")
     t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
     if f.max_micro_batch == 0:
-        step = report.phase(Phase.OPTIMIZER_STEP).components
-        states = sum(step.get(c, 0) for c in STATE_COMPONENTS)
-        if states > f.usable_bytes:
-            t.append(
-                f" The model states alone (weights, gradients, master weights, optimizer states) take "
-                f"{fmt_gib(states)}, more than the usable memory: smaller batches or checkpointing cannot help; "
-                "a smaller optimizer (--optimizer adamw-8bit) or precision recipe (--precision pure-bf16) can."
-            )
+        t.append(_states_hint(report, f.usable_bytes))
     return t
+
+
+#: Bytes per parameter of the leanest single-GPU recipe trainfit models: bf16 weights and gradients and
+#: bitsandbytes 8-bit AdamW states (pure-bf16 + adamw-8bit).
+LEANEST_STATE_BYTES_PER_PARAM = 2 + 2 + 2
+
+
+def _states_hint(report: MemoryReport, usable_bytes: int) -> str:
+    """Why not even one sequence fits, when the model states alone are the reason."""
+    step = next((p.components for p in report.phases if p.phase is Phase.OPTIMIZER_STEP), None)
+    if step is None:  # the rule of thumb has no per-phase states
+        return ""
+    states = sum(step.get(c, 0) for c in STATE_COMPONENTS)
+    if states <= usable_bytes:
+        return ""
+    out = (
+        f" The model states alone (weights, gradients, master weights, optimizer states) take {fmt_gib(states)}, "
+        "more than the usable memory: no batch size or checkpointing can help."
+    )
+    leanest = report.params * LEANEST_STATE_BYTES_PER_PARAM
+    if leanest > usable_bytes:
+        out += (
+            f" Even pure-bf16 with 8-bit AdamW needs {fmt_gib(leanest)} for them: this model needs sharding "
+            "across GPUs (not modelled by trainfit yet)."
+        )
+    else:
+        out += " A leaner precision recipe or optimizer can (e.g. --precision pure-bf16, --optimizer adamw-8bit)."
+    return out
 
 
 def _modules(report: MemoryReport) -> Table | None:

@@ -81,7 +81,7 @@ def sdpa_backend(
     hq, hk, hv = q.size(-3), k.size(-3), v.size(-3)
     same_heads = hq == hk == hv
     gqa_ok = same_heads or (enable_gqa and hk == hv and hq % hk == 0)
-    flash_shapes = d == dv and d <= 256 and d % 8 == 0 and not (is_causal and lq != lk)
+    flash_shapes = d == dv and d <= 256 and not (is_causal and lq != lk)  # other head dims are padded to 8
     if q.dtype in _HALF and attn_mask is None and flash_shapes and gqa_ok:
         return FLASH
     align = 8 if q.dtype in _HALF else 4  # minimum_gemm_alignment on sm80+
