@@ -18,7 +18,7 @@ from .conftest import tiny_spec
 
 pytest.importorskip("torch")
 from trainfit.analytic import estimate_analytic
-from trainfit.analytic.activations import sdpa_kernel
+from trainfit.analytic.activations import attention_variants, sdpa_kernel
 from trainfit.trace import trace_spec
 from trainfit.trace.agreement import PEAK_TOLERANCE, compare
 
@@ -48,7 +48,7 @@ def _check(
     ag = compare(estimate_analytic(spec, s), traced)
     if s.attention.value == "sdpa" and spec.supports_sdpa:
         # The analytic model's kernel choice is the one the trace's CUDA emulation made.
-        assert set(traced.extra["sdpa_backends"]) == {sdpa_kernel(spec, s)}
+        assert set(traced.extra["sdpa_backends"]) == {sdpa_kernel(v, s) for v, _ in attention_variants(spec, s)}
     detail = "; ".join(
         f"{g.phase.value} {g.rel * 100:+.1f}% ({g.largest_component_gap()})" for g in ag.phases if g.components
     )
@@ -130,3 +130,11 @@ def test_sqrt_checkpointing_within_5_percent_of_trace(
 ) -> None:
     """sqrt checkpointing: 9 layers in 3 segments of 3, each recomputed whole in backward."""
     _check(family, precision, "sqrt", (4, 512), attention, **layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "ckpt"), list(itertools.product(("amp-bf16", "fp32"), ("none", "full"))))
+def test_partly_sliding_stack_within_5_percent_of_trace(precision: str, ckpt: str) -> None:
+    """Qwen2 with its last layers sliding: past the window those layers get a mask (memory-efficient
+    kernel), the others none (flash in 16-bit, the math kernel in fp32 with GQA)."""
+    _check("qwen2", precision, ckpt, (4, 200), use_sliding_window=True, sliding_window=160, max_window_layers=2)

@@ -6,9 +6,10 @@ Transformer Models", Table 2): per GPT-2-era layer with 16-bit activations and n
 ``s·b·h·(34 + 5·a·s/h)`` bytes. We depart from it wherever a real modern training run does:
 
 * **Flash / memory-efficient SDPA** keeps q, k, v, the output and an fp32 logsumexp (b·heads·s),
-  not the b·heads·s² scores and probabilities; the ``5·a·s/h`` term exists only for eager attention.
-* **GQA**: k and v are kv_heads wide (transformers passes ``enable_gqa`` to SDPA when there is no
-  padding mask — ``integrations/sdpa_attention.py``, ``use_gqa_in_sdpa``).
+  not the b·heads·s² scores and probabilities; the ``5·a·s/h`` term exists only where the scores are
+  materialised: eager attention and SDPA's math kernel (``sdpa_kernel`` says which kernel a call gets).
+* **GQA**: k and v are kv_heads wide (transformers passes ``enable_gqa`` to SDPA when it passes no
+  mask — ``integrations/sdpa_attention.py``, ``use_gqa_in_sdpa`` — and repeats k/v when it does).
 * **Autocast over fp32 weights** (``amp-*``): the residual stream stays fp32 (embedding and norms
   return fp32), and every ``Linear`` casts its fp32 input *separately* — autocast caches casts of leaf
   weights only (aten/src/ATen/autocast_mode.cpp, ``cached_cast``) — so q, k and v each save their own
@@ -30,6 +31,7 @@ Everything is in bytes for one micro-batch; ``t = batch·seq`` tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
@@ -188,6 +190,16 @@ def sdpa_window_mask(spec: ModelSpec, strategy: Strategy) -> bool:
         and spec.sliding_layers > 0
         and strategy.seq_len >= spec.sliding_window
     )
+
+
+def attention_variants(spec: ModelSpec, strategy: Strategy) -> list[tuple[ModelSpec, int]]:
+    """(the spec as one kind of layer sees its attention, number of such layers). A stack in which some but
+    not all layers slide (Qwen2 with ``use_sliding_window``), at a sequence that reaches the window, makes
+    two SDPA calls — the sliding layers with a mask, the others with none — that may get different kernels."""
+    if not sdpa_window_mask(spec, strategy) or spec.sliding_layers >= spec.num_layers:
+        return [(spec, spec.num_layers)]
+    full = dataclasses.replace(spec, sliding_layers=0)
+    return [(spec, spec.sliding_layers), (full, spec.num_layers - spec.sliding_layers)]
 
 
 def _sdpa_masked(spec: ModelSpec, strategy: Strategy) -> bool:
@@ -534,9 +546,8 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:
     """(bytes kept by the checkpointed segments' inputs, number of segments, layers in the largest
-    segment) under ``Strategy.checkpoint_layout`` — full: one layer per segment; sqrt: the layout of
-    ``torch.utils.checkpoint.checkpoint_sequential`` (its last, unchecked layers are counted by the
-    caller as ordinary layers). Backward recomputes one segment at a time."""
+    segment) under ``Strategy.checkpoint_layout`` — full: one layer per segment; sqrt: segments of
+    ⌈L/⌈√L⌉⌉ layers covering every layer. Backward recomputes one segment at a time."""
     layout = strategy.checkpoint_layout(spec.num_layers)
     segments = len(layout.segment_sizes)
     w = Widths.of(strategy)

@@ -9,9 +9,10 @@ Phases of a steady-state step (step ≥ 2: optimizer states resident; grads set 
   its gradients appear, so the total is linear in the layer index and its maximum is at an end;
 * optimizer-step = base + all gradients + the step's temporaries,
 
-with base = weights + fp32 master weights + optimizer states. Eager attention adds two moments of its
-own: in the forward, the last layer's score chain at the softmax (``EagerChain``); in the backward, the top
-layer inside its softmax backward, when its post-softmax saved tensors are already released.
+with base = weights + fp32 master weights + optimizer states. Materialised attention scores (eager
+attention, SDPA's math kernel) add moments of their own: in the forward, the last layer's score chain at
+the softmax (``EagerChain``); in the backward, the top and bottom blocks inside their softmax backward,
+when their post-softmax saved tensors are already released.
 With checkpointing, only each checkpoint's input is kept and backward recomputes one layer (``full``) or
 one segment (``sqrt``).
 Autocast's weight cache holds every 16-bit weight copy until the autocast region exits (after the
@@ -26,6 +27,7 @@ from trainfit.analytic.activations import (
     SavedTerm,
     Widths,
     attention_mask_bytes,
+    attention_variants,
     backward_temp_bytes,
     checkpoint_terms,
     eager_backward_moment,
@@ -34,7 +36,6 @@ from trainfit.analytic.activations import (
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
-    sdpa_bias_bytes,
 )
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES, overhead_for
@@ -67,27 +68,33 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     w = Widths.of(strategy)
     L = spec.num_layers
 
-    # Activations per layer kind and the model-level tensors.
+    # Activations per layer kind and the model-level tensors. A stack where only some layers slide (Qwen2
+    # with use_sliding_window) makes two SDPA calls: the sliding layers get the mask, the others none, and
+    # each may get a different kernel — two attention variants, each with its own layer count.
+    variants = attention_variants(spec, strategy)
     per_layer: dict[str, int] = {}
-    before_softmax: dict[str, int] = {}  # what a layer has saved when its attention softmax runs
     counts: dict[str, int] = {}
     layer_copies: dict[str, int] = {}
+    # Per variant and kind: (layers, all it saves, what it has saved when its attention softmax runs).
+    saved_by: list[tuple[ModelSpec, str, int, int, int]] = []
     for g in inv.layers:
-        lt = layer_terms(spec, strategy, moe=g.kind == "moe")
-        per_layer[g.kind] = _sum(lt)
-        cut = next((i for i, x in enumerate(lt) if x.name == "attn.softmax"), len(lt))
-        before_softmax[g.kind] = _sum(lt[:cut])
         counts[g.kind] = g.count
+        for vspec, n in variants:
+            lt = layer_terms(vspec, strategy, moe=g.kind == "moe")
+            cut = next((i for i, x in enumerate(lt) if x.name == "attn.softmax"), len(lt))
+            # With one kind (every stack with mixed sliding layers is one), the variant counts are exact.
+            layers = g.count if len(variants) == 1 else n
+            saved_by.append((vspec, g.kind, layers, _sum(lt), _sum(lt[:cut])))
+            per_layer[g.kind] = max(per_layer.get(g.kind, 0), _sum(lt))
         mm = sum(t.numel for t in g.tensors if t.matmul)
         layer_copies[g.kind] = mm * w.compute if w.amp else 0
     if spec.params_override is not None and w.amp:
         scale = st.autocast_copies_bytes / max(1, sum(counts[k] * layer_copies[k] for k in counts))
         layer_copies = {k: int(v * scale) for k, v in layer_copies.items()}
-    a_layers = sum(counts[k] * per_layer[k] for k in counts)
-    # layer_terms gives every layer the SDPA mask bias; with a sliding window only the sliding layers (the
-    # last ones of a Qwen2 stack) get a mask and save it.
-    masked_layers = L if spec.sdpa_mask_always else spec.sliding_layers
-    a_layers -= (L - masked_layers) * round_up(sdpa_bias_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
+    if len(variants) == 1 or len(inv.layers) == 1:
+        a_layers = sum(layers * total for _, _, layers, total, _ in saved_by)
+    else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
+        a_layers = sum(counts[k] * per_layer[k] for k in counts)
     a_model_terms = model_terms(spec, strategy)
     a_model = _sum(a_model_terms)
     a_max_layer = max(per_layer.values())
@@ -136,7 +143,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     # with the decoder's forward.
     masks = sum(round_up(m, ALLOCATOR_BLOCK_BYTES) for m in attention_mask_bytes(spec, strategy))
     # The KV cache's own copies of k and v (built in training when use_cache is on) live to the forward's end.
-    cache_held = L * round_up(kv_cache_held_bytes(spec, strategy), ALLOCATOR_BLOCK_BYTES)
+    cache_held = sum(n * round_up(kv_cache_held_bytes(v, strategy), ALLOCATOR_BLOCK_BYTES) for v, n in variants)
     if n_segments == 0:
         saved = a_layers + a_model
         forward = _phase(
@@ -230,39 +237,47 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             temporaries=bwd_temp,
         )
     candidates = [b_start, b_norm, b_top, b_bottom, b_embed]
-    attn_saved, attn_temp = eager_backward_moment(spec, strategy)
-    if attn_saved:
-        # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
-        # holds what it saved before its softmax plus the softmax output, the rest of it is released.
-        kind = inv.layers[-1].kind
-        swap = before_softmax[kind] + attn_saved - per_layer[kind]
-        candidates += [_attention_moment(b, swap, attn_temp) for b in (b_top, b_bottom)]
-    backward = max(candidates, key=lambda p: p.total_bytes)
-    chain_saved, chain_transient = eager_forward_moment(spec, strategy)
-    if chain_saved:
-        # Eager attention's score chain in the last layer can outweigh the loss computation.
-        top = inv.layers[-1].kind
+    top = inv.layers[-1].kind
+    in_attention: list[PhaseBreakdown] = []
+    for vspec, kind, _layers, total, before in saved_by:
+        if kind != top:
+            continue
+        attn_saved, attn_temp = eager_backward_moment(vspec, strategy)
+        if attn_saved:
+            # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
+            # holds what it saved before its softmax plus the softmax output, the rest of it is released.
+            swap = before + attn_saved - per_layer[kind]
+            candidates += [_attention_moment(b, swap, attn_temp) for b in (b_top, b_bottom)]
+        chain_saved, chain_transient = eager_forward_moment(vspec, strategy)
+        if not chain_saved:
+            continue
+        # A materialised score chain in the last layer can outweigh the loss computation.
         if n_segments == 0:
             # Every layer below has saved everything; the last one what it saves before the softmax.
-            in_attention = _phase(
-                P.FORWARD,
-                **base,
-                gradients=g_resident,
-                activations=a_layers - per_layer[top] + before_softmax[top] + chain_saved + a_model_end,
-                autocast_copies=c_all,
-                temporaries=chain_transient + masks + cache_held,
+            in_attention.append(
+                _phase(
+                    P.FORWARD,
+                    **base,
+                    gradients=g_resident,
+                    activations=a_layers - total + before + chain_saved + a_model_end,
+                    autocast_copies=c_all,
+                    temporaries=chain_transient + masks + cache_held,
+                )
             )
         else:
             # A checkpointed forward saves nothing: the chain and the attention's inputs are transient.
-            in_attention = _phase(
-                P.FORWARD,
-                **base,
-                gradients=g_resident,
-                activations=kept + a_model_end + masks,
-                autocast_copies=c_fwd_ckpt + (0 if spec.autocast_weight_cache else c_max_layer),
-                temporaries=eager_nograd_inputs_bytes(spec, strategy) + chain_saved + chain_transient,
+            in_attention.append(
+                _phase(
+                    P.FORWARD,
+                    **base,
+                    gradients=g_resident,
+                    activations=kept + a_model_end + masks,
+                    autocast_copies=c_fwd_ckpt + (0 if spec.autocast_weight_cache else c_max_layer),
+                    temporaries=eager_nograd_inputs_bytes(vspec, strategy) + chain_saved + chain_transient,
+                )
             )
-        forward = max((forward, in_attention), key=lambda p: p.total_bytes)
+    backward = max(candidates, key=lambda p: p.total_bytes)
+    forward = max([forward, *in_attention], key=lambda p: p.total_bytes)
     step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
     phases = (forward, backward, step)
     peak = max(p.total_bytes for p in phases)
