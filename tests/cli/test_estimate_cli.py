@@ -218,3 +218,10 @@ def test_says_when_only_sharding_would_help() -> None:
         "estimate", "llama-3.1-70b", "--gpu", "a100-sxm-80gb", "--precision", "pure-bf16", "--optimizer", "adamw-8bit"
     )
     assert code == 0 and "needs sharding" in " ".join(out.split())
+
+
+def test_math_kernel_warning_gives_no_advice_already_taken() -> None:
+    code, out, _ = run("estimate", "falcon-7b", "--checkpointing", "full", "--json")
+    assert code == 0
+    (warning,) = [w for w in json.loads(out)["warnings"] if "math kernel" in w]
+    assert "without enable_gqa" in warning and "--checkpointing full" not in warning

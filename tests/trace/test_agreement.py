@@ -76,11 +76,14 @@ def test_analytic_within_5_percent_of_trace_other_recipes(
     [
         pytest.param(f, p, c, id=f"{f}-{p}-{c}")
         for f, p, c in itertools.product(("llama", "gpt2", "bert"), ("amp-bf16", "pure-bf16"), ("none", "full"))
-    ],
+    ]
+    # Falcon's eager path without checkpointing (with it, see docs/accuracy.md: a known gap).
+    + [pytest.param("falcon", p, "none", id=f"falcon-{p}-none") for p in ("amp-bf16", "pure-bf16")],
 )
 def test_eager_attention_within_5_percent_of_trace(family: str, precision: str, ckpt: str) -> None:
     """Eager attention on models that default to SDPA: Llama (fp32 softmax, one mask), GPT-2 (softmax in
-    the scores' dtype, attention dropout) and BERT (no mask, dropout on the softmax output)."""
+    the scores' dtype, attention dropout), BERT (no mask, dropout on the softmax output) and Falcon
+    (softmax in the residual dtype, no cast of the probabilities)."""
     _check(family, precision, ckpt, (4, 512), attention="eager")
 
 

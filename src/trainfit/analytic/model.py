@@ -36,6 +36,7 @@ from trainfit.analytic.activations import (
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
+    score_chain,
 )
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES, overhead_for
@@ -273,7 +274,10 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
                     gradients=g_resident,
                     activations=kept + a_model_end + masks,
                     autocast_copies=c_fwd_ckpt + (0 if spec.autocast_weight_cache else c_max_layer),
-                    temporaries=eager_nograd_inputs_bytes(vspec, strategy) + chain_saved + chain_transient,
+                    temporaries=eager_nograd_inputs_bytes(vspec, strategy)
+                    + chain_saved
+                    + chain_transient
+                    + _previous_probs(vspec, strategy),
                 )
             )
     backward = max(candidates, key=lambda p: p.total_bytes)
@@ -370,6 +374,15 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         notes=tuple(notes),
         extra={"activation_coefficient": round(coeff, 2), "activations_per_layer_bytes": a_max_layer},
     )
+
+
+def _previous_probs(spec: ModelSpec, strategy: Strategy) -> int:
+    """The previous block's returned attention probabilities, when the stack loop keeps them (HF Falcon)
+    while the next block runs; without checkpointing they are saved anyway."""
+    ch = score_chain(spec, strategy)
+    if ch is None or not spec.eager_probs_outlive_layer or strategy.attention is not Attention.EAGER:
+        return 0
+    return ch.softmax_out * ch.scores
 
 
 def _attention_moment(block: PhaseBreakdown, swap: int, temporaries: int) -> PhaseBreakdown:

@@ -372,6 +372,9 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         # cast of the probabilities (probs·v casts under autocast), no dropout without ALiBi.
         "softmax_upcast": False,
         "eager_casts_probs": False,
+        # FalconModel's loop holds the previous block's outputs, its attention probabilities included, until
+        # the next block returns.
+        "eager_probs_outlive_layer": True,
         # FalconModel builds its mask with allow_is_causal_skip=False and FalconAttention calls SDPA itself.
         "sdpa_gqa": False,
         "sdpa_kv_expanded": new_arch,

@@ -136,6 +136,7 @@ class ModelSpec:
     attention_masks: int = 1
     softmax_upcast: bool = True
     eager_casts_probs: bool = True  # eager casts the probabilities to q's/v's dtype before dropout (not BERT)
+    eager_probs_outlive_layer: bool = False  # HF Falcon's stack loop keeps the last layer's probabilities
     # How the model calls SDPA. transformers' integration (``sdpa_attention_forward``) passes ``enable_gqa``
     # without a mask and repeats k/v with one; HF Falcon calls SDPA itself, always with a materialised mask,
     # with one k/v head (multi-query, no enable_gqa) or k/v already expanded to every head (new arch).
