@@ -214,6 +214,13 @@ def sdpa_kv_heads(spec: ModelSpec, strategy: Strategy) -> int:
     return spec.num_kv_heads
 
 
+def _attention_head_dims(spec: ModelSpec) -> tuple[int, int]:
+    """(q/k head dim, v head dim) as the attention kernel sees them (MLA's differ)."""
+    if spec.mla is not None:
+        return spec.mla.qk_head_dim, spec.mla.v_head_dim
+    return spec.head_dim, spec.head_dim
+
+
 def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> str:
     """The CUDA kernel SDPA picks (``select_sdp_backend`` on sm80+, default priority flash > memory-efficient
     > math; mirrored by ``trainfit.trace.kernels.sdpa_backend``). Flash needs 16-bit inputs, no mask, equal
@@ -223,8 +230,7 @@ def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> str:
     masked = _sdpa_masked(spec, strategy)
     same_heads = sdpa_kv_heads(spec, strategy) == spec.num_heads
     gqa = spec.sdpa_gqa and not masked
-    d = spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim
-    dv = spec.mla.v_head_dim if spec.mla is not None else spec.head_dim
+    d, dv = _attention_head_dims(spec)
     half = strategy.recipe.compute_bits == 16
     if half and not masked and d == dv and d <= 256 and (same_heads or gqa):
         return FLASH
@@ -305,8 +311,8 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
             heads = sdpa_kv_heads(spec, strategy)
             if spec.sdpa_gqa or b > 1:
                 heads = nh
-            full = heads * (spec.mla.qk_head_dim if spec.mla is not None else spec.head_dim)
-            full_v = heads * (spec.mla.v_head_dim if spec.mla is not None else spec.head_dim)
+            d, dv = _attention_head_dims(spec)
+            full, full_v = heads * d, heads * dv
             out.append(
                 SavedTerm(
                     name="attn.sdpa_math.qkv", bytes=4 * t * (qd + full + full_v), formula="4·t·(q_dim+2·heads·hd)"
