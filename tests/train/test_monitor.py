@@ -106,7 +106,8 @@ def test_scale_collapse_from_consecutive_overflows():
 
 
 def test_sustained_decline_after_calibration():
-    m = StabilityMonitor(log_events=False)
+    """A scaler restored from a checkpoint at 2048 (already calibrated) backs off every 15 steps."""
+    m = StabilityMonitor(log_events=False, calibrated=True)
     scale, events = 2048.0, []
     for i in range(100):
         skipped = i % 15 == 14  # a backoff every 15 steps, never regrown
@@ -120,7 +121,7 @@ def test_sustained_decline_after_calibration():
 
 
 def test_skip_rate():
-    m = StabilityMonitor(log_events=False)
+    m = StabilityMonitor(log_events=False, calibrated=True)
     events = []
     for i in range(40):
         events += m.observe(StepStats(step=i, skipped=i % 3 == 0 and i > 0))
@@ -166,3 +167,70 @@ def test_monitor_module_is_torch_free():
     code = "import sys, trainfit.train.monitor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def gradscaler_stream(skips, steps: int, growth_interval: int = 2000):
+    """StepStats from a real GradScaler driven by a chosen overflow pattern (the scale is read after update,
+    as TrainStep reports it)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
+    for i in range(steps):
+        skipped = i in skips
+        scaler.scale((p * (math.inf if skipped else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        yield StepStats(step=i, loss=1.0, grad_norm=math.inf if skipped else 1.0,
+                        loss_scale=scaler.get_scale(), skipped=skipped)  # fmt: skip
+
+
+def test_calibration_skips_interleaved_with_clean_steps_are_not_instability():
+    """A healthy fp16 MLP: the scaler skips steps 0, 1, 3, 4 and settles at 4096. The old rule ended
+    calibration at the first clean step and raised skip-rate at step 21."""
+    m = StabilityMonitor(log_events=False)
+    stream = list(gradscaler_stream({0, 1, 3, 4}, 300))
+    assert [s.loss_scale for s in stream[:6]] == [32768.0, 16384.0, 16384.0, 8192.0, 4096.0, 4096.0]
+    assert feed(m, stream) == []
+    summary = m.summary()
+    assert summary.calibration_steps == 4 and summary.calibrated_at is None
+
+
+def test_calibration_ends_when_the_scale_grows():
+    """After the first growth (a real GradScaler with growth_interval=10), frequent skips are instability."""
+    skips = {0, 1, 3, 4} | {i for i in range(20, 60) if i % 3 == 0}
+    m = StabilityMonitor(log_events=False)  # growth_interval left at 2000: the growth itself is seen
+    events = feed(m, gradscaler_stream(skips, 60, growth_interval=10))
+    assert m.summary().calibrated_at == 14  # steps 5..14 clean: the scale doubles at step 14
+    assert m.summary().calibration_steps == 4
+    assert EventKind.SKIP_RATE in {e.kind for e in events}
+    assert min(e.step for e in events) > 14
+
+
+def test_calibration_ends_after_a_growth_interval_of_clean_steps_without_scale():
+    """Without the scale (skip flags only), growth_interval clean steps in a row end calibration."""
+    m = StabilityMonitor(log_events=False, growth_interval=20)
+    skipped = [i in {0, 1, 3, 4} or (i >= 25 and i % 3 == 0) for i in range(80)]
+    events = feed(m, (StepStats(step=i, skipped=k) for i, k in enumerate(skipped)))
+    assert m.summary().calibrated_at == 24
+    assert [e.kind for e in events] == [EventKind.SKIP_RATE]
+    # the same pattern before any growth interval is calibration (the scale would only be going down)
+    m2 = StabilityMonitor(log_events=False, growth_interval=2000)
+    assert feed(m2, (StepStats(step=i, skipped=k) for i, k in enumerate(skipped))) == []
+
+
+def test_scaler_that_never_calibrates_is_reported_by_the_collapse_rule():
+    """Skips during calibration are not counted, but before any growth the scale is 65536 / 2**skips: a
+    run that keeps overflowing (every other step) falls below 1 after 17 skips and is reported."""
+    m = StabilityMonitor(log_events=False)
+    events = feed(m, gradscaler_stream(set(range(0, 100, 2)), 100))
+    collapse = [e for e in events if e.kind is EventKind.SCALE_COLLAPSE]
+    assert collapse and collapse[0].step == 32  # the 17th skip
+
+
+def test_nonfinite_loss_mentions_loss_scaling_only_for_fp16():
+    for precision, mentioned in (("fp32", False), ("amp-bf16", False), ("amp-fp16", True)):
+        m = StabilityMonitor(log_events=False)
+        m.attach(precision=precision)
+        (ev,) = m.observe(StepStats(step=0, loss=math.nan))
+        assert ("loss scaling" in ev.message) is mentioned, (precision, ev.message)

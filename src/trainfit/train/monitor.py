@@ -21,11 +21,21 @@ Detection rules (defaults in parentheses) and where they come from:
 * **loss-scale collapse** — scale < 1 (``scale_collapse_below``). torch's ``GradScaler.update`` docs:
   "If the scale falls below 1 ... something is likely wrong"; the scaler has no floor, so after ~180
   consecutive overflows the scale is 0.0 and never recovers (DESIGN.md §4).
+* **calibration** — ``GradScaler`` starts at 65536 (``init_scale``), halves the scale on every step with
+  inf/NaN gradients and doubles it only after ``growth_interval`` (2000) consecutive clean steps. Until
+  that first growth the scale has only ever gone down from its starting value: every skip is the scaler
+  searching downwards for a scale at which the scaled gradients fit, interleaved with clean steps while
+  the gradients fluctuate (a healthy MLP skips steps 0, 1, 3 and 4 and settles at 4096). So the monitor
+  counts the run as *calibrating* until it has seen the scale grow, or ``growth_interval`` clean steps
+  in a row (when GradScaler would grow it) — not merely until the first clean step. Skips while
+  calibrating are not instability. The search is bounded: before any growth the scale is exactly
+  ``init_scale / 2**skips``, so a run that keeps overflowing reaches scale < 1 after 17 skips from 65536
+  and the collapse rule reports it; nothing is hidden for long. A monitor attached to a scaler restored
+  from a checkpoint (already calibrated) should be built with ``calibrated=True``.
 * **sustained loss-scale decline** — the article's warning sign (§3.3, "如果scale持续下降，说明训练不稳定").
-  GradScaler halves the scale on every overflow and doubles it only after 2000 clean steps, so a healthy
-  run backs off at most about once per 2000 steps once calibrated. The opening run of skipped steps
-  (65536 → the first scale that fits) is calibration and ignored; after it, ``decline_backoffs`` (4)
-  backoffs within ``window`` steps with a net decline is a sustained decline.
+  Once calibrated, a healthy run backs off at most about once per growth interval (the probe after
+  each doubling); ``decline_backoffs`` (4) backoffs within ``window`` steps with a net decline is a
+  sustained decline.
 * **skip rate** — after calibration, ≥ ``skip_rate_threshold`` (10%) of the last ``window`` steps
   skipped (with at least ``min_history`` steps seen): the optimizer is silently not training.
 """
@@ -138,11 +148,14 @@ class MonitorSummary:
     steps: int
     skipped_steps: int
     skip_rate: float
-    calibration_steps: int
+    calibration_steps: int  # steps skipped while the scaler was calibrating
     first_scale: float | None
     last_scale: float | None
     min_scale: float | None
     events: tuple[StabilityEvent, ...]
+    #: the step at which calibration ended (the scale grew, or ``growth_interval`` clean steps in a row);
+    #: None while still calibrating
+    calibrated_at: int | None = None
 
 
 def troubleshooting_advice(
@@ -245,6 +258,9 @@ class StabilityMonitor:
         on_event: called with each event (in addition to logging at WARNING/ERROR).
         raise_on: event kinds that raise :class:`InstabilityError` (e.g. ``{EventKind.NONFINITE_LOSS}``).
         history_limit: how many :class:`StepStats` to keep (None keeps all).
+        growth_interval: the scaler's ``growth_interval`` (GradScaler's default 2000): calibration ends when
+            the scale grows or after this many clean steps in a row.
+        calibrated: the scaler has already calibrated (restored from a checkpoint): count every skip.
     """
 
     def __init__(
@@ -263,9 +279,11 @@ class StabilityMonitor:
         raise_on: Iterable[EventKind | str] = (),
         log_events: bool = True,
         history_limit: int | None = 100_000,
+        growth_interval: int = 2000,
+        calibrated: bool = False,
     ) -> None:
-        if window < 2 or min_history < 2 or check_every < 1:
-            raise ValueError("window and min_history must be >= 2 and check_every >= 1")
+        if window < 2 or min_history < 2 or check_every < 1 or growth_interval < 1:
+            raise ValueError("window and min_history must be >= 2, check_every and growth_interval >= 1")
         self.window = window
         self.min_history = min_history
         self.check_every = check_every
@@ -275,6 +293,7 @@ class StabilityMonitor:
         self.scale_collapse_below = scale_collapse_below
         self.decline_backoffs = decline_backoffs
         self.skip_rate_threshold = skip_rate_threshold
+        self.growth_interval = growth_interval
         self.on_event = on_event
         self.raise_on = frozenset(EventKind(k) for k in raise_on)
         self.log_events = log_events
@@ -292,8 +311,10 @@ class StabilityMonitor:
         self._pending: list[_Pending] = []
         self._steps = 0
         self._skipped = 0
-        self._calibrating = True
+        self._calibrating = not calibrated
+        self._calibrated_at: int | None = None
         self._calibration_steps = 0
+        self._clean_streak = 0
         self._first_scale: float | None = None
         self._min_scale: float | None = None
         self._last_scale: float | None = None
@@ -305,6 +326,10 @@ class StabilityMonitor:
         """Tell the monitor how the run is configured, so its advice can be specific."""
         self.precision = precision
         self.max_grad_norm = max_grad_norm
+
+    @property
+    def _fp16(self) -> bool:
+        return self.precision is not None and "fp16" in self.precision
 
     # ---------------------------------------------------------------- device-side input
     def push(self, step: int, values: Any, *, has_grad_norm: bool, has_scaler: bool, lr: float | None) -> None:
@@ -342,6 +367,7 @@ class StabilityMonitor:
         self._steps += 1
         events: list[StabilityEvent] = []
         s = stats.step
+        self._update_calibration(stats)
         if stats.loss is not None:
             events += self._check_loss(s, stats.loss, stats.lr)
         if stats.grad_norm is not None:
@@ -374,10 +400,10 @@ class StabilityMonitor:
             if self._loss_was_finite:
                 self._last_emitted.pop(EventKind.NONFINITE_LOSS, None)  # a new streak always reports
             self._loss_was_finite = False
+            why = " (loss scaling cannot fix a forward overflow)" if self._fp16 else ""
             ev = self._event(
                 EventKind.NONFINITE_LOSS, Severity.ERROR, step, loss, None,
-                f"loss is {loss} — the forward pass produced NaN/Inf (loss scaling cannot fix a forward overflow)",
-                lr,
+                f"loss is {loss} — the forward pass produced NaN/Inf{why}", lr,
             )  # fmt: skip
             return [ev] if ev else []
         self._loss_was_finite = True
@@ -418,14 +444,30 @@ class StabilityMonitor:
         self._grads.append(norm)
         return out
 
+    def _update_calibration(self, stats: StepStats) -> None:
+        """End calibration when the scaler has held a scale for a full growth interval: the scale grew
+        (seen directly), or ``growth_interval`` clean steps in a row (when GradScaler grows it)."""
+        if not self._calibrating:
+            return
+        grew = (
+            stats.loss_scale is not None
+            and self._last_scale is not None
+            and stats.loss_scale > self._last_scale
+            and not stats.skipped
+        )
+        if stats.skipped is not None:
+            self._clean_streak = 0 if stats.skipped else self._clean_streak + 1
+        if grew or self._clean_streak >= self.growth_interval:
+            self._calibrating = False
+            self._calibrated_at = stats.step
+
     def _check_skips(self, step: int, skipped: bool, lr: float | None) -> list[StabilityEvent]:
         if skipped:
             self._skipped += 1
         if self._calibrating:
             if skipped:
                 self._calibration_steps += 1
-                return []
-            self._calibrating = False
+            return []
         self._skips.append(skipped)
         if len(self._skips) < self.min_history:
             return []
@@ -492,6 +534,7 @@ class StabilityMonitor:
             skipped_steps=self._skipped,
             skip_rate=self._skipped / self._steps if self._steps else 0.0,
             calibration_steps=self._calibration_steps,
+            calibrated_at=self._calibrated_at,
             first_scale=self._first_scale,
             last_scale=self._last_scale,
             min_scale=self._min_scale,
