@@ -7,9 +7,19 @@ breakdown per *phase* of a steady-state step (step 2 onwards, optimizer states r
 * ``backward``       — the worst moment of the backward pass;
 * ``optimizer-step`` — inside ``optimizer.step()`` (weights + grads + states + the step's temporaries).
 
+Inference has its own phases (:class:`InferencePhase`): ``prefill`` (the prompt's forward, KV cache
+written) and ``decode`` (one token at a time against the full cache). They are a separate enum so that
+iterating :class:`Phase` stays "the phases of a training step".
+
 The peak is the largest phase total; its components sum to it exactly. Bytes are *allocated* bytes
-(what ``torch.cuda.max_memory_allocated`` reports). Non-tensor overhead (CUDA context, allocator
-reserve/fragmentation) is kept apart in :class:`Overhead` because ``max_memory_allocated`` never sees it.
+(what ``torch.cuda.max_memory_allocated`` reports), on the device; what a setup keeps in host memory
+(offloaded optimizer states, pinned buffers) is counted apart per phase, in ``host_components``.
+Non-tensor overhead (CUDA context, allocator reserve/fragmentation) is kept apart in :class:`Overhead`
+because ``max_memory_allocated`` never sees it.
+
+With many ranks the report's ``phases`` are the *worst rank's* (the headline: the rank that must fit);
+``ranks`` lists each distinct rank when they differ. Per-method details are typed (:class:`AnalyticDetails`,
+...), and the report echoes its inputs (model, strategy, GPU) so a renderer needs nothing beside it.
 """
 
 from __future__ import annotations
@@ -17,14 +27,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from trainfit.arch.spec import ModelSpec
+    from trainfit.hardware.gpus import GPUSpec
+    from trainfit.planner.search import Suggestion
+    from trainfit.strategy import Strategy
+
+#: Version of the JSON of every command (``estimate``, ``formats``, ``precision``, ``doctor``). It changes
+#: only when a key changes meaning or goes away; new keys do not bump it.
 SCHEMA_VERSION = 1
 
 
 class Phase(StrEnum):
+    """Phases of a training step."""
+
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER_STEP = "optimizer-step"
+
+
+class InferencePhase(StrEnum):
+    """Phases of an inference request."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+AnyPhase = Phase | InferencePhase
 
 
 class Component(StrEnum):
@@ -36,6 +67,21 @@ class Component(StrEnum):
     AUTOCAST_COPIES = "autocast_copies"
     LOGITS_LOSS = "logits_loss"
     TEMPORARIES = "temporaries"
+    # Setups beyond one GPU, full fine-tuning, training (filled by the methods that model them).
+    KV_CACHE = "kv_cache"
+    ADAPTER_WEIGHTS = "adapter_weights"
+    UNSHARDED_PARAMS = "unsharded_params"  # ZeRO-3/FSDP: parameters all-gathered for the current layer(s)
+    COMM_BUFFERS = "comm_buffers"  # DDP buckets, reduce-scatter/all-gather staging buffers
+
+
+#: Components that make up the model states (weights and what training keeps per weight).
+STATE_COMPONENTS: tuple[Component, ...] = (
+    Component.WEIGHTS,
+    Component.GRADIENTS,
+    Component.MASTER_WEIGHTS,
+    Component.OPTIMIZER_STATES,
+    Component.ADAPTER_WEIGHTS,
+)
 
 
 class Method(StrEnum):
@@ -47,19 +93,41 @@ class Method(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseBreakdown:
-    """Live bytes per component at the worst moment of one phase."""
+    """Live bytes per component at the worst moment of one phase (device), and on the host then."""
 
-    phase: Phase
+    phase: AnyPhase
     components: Mapping[Component, int]
+    host_components: Mapping[Component, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for comp, n in self.components.items():
-            if n < 0:
-                raise ValueError(f"{self.phase}: component {comp} is negative ({n})")
+        for where in (self.components, self.host_components):
+            for comp, n in where.items():
+                if n < 0:
+                    raise ValueError(f"{self.phase}: component {comp} is negative ({n})")
 
     @property
     def total_bytes(self) -> int:
         return sum(self.components.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_components.values())
+
+    def get(self, component: Component) -> int:
+        return self.components.get(component, 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMemory:
+    """One rank's phases, when ranks differ (pipeline stages, uneven shards). ``ranks`` are the rank
+    indices that share this breakdown."""
+
+    ranks: tuple[int, ...]
+    phases: tuple[PhaseBreakdown, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(p.total_bytes for p in self.phases)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +153,151 @@ class Term:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BytesPerParam:
+    """Steady-state bytes per parameter of each model state (autocast copies: during forward/backward)."""
+
+    weights: float = 0.0
+    gradients: float = 0.0
+    master_weights: float = 0.0
+    optimizer_states: float = 0.0
+    autocast_copies: float = 0.0
+
+    @property
+    def steady_state(self) -> float:
+        return self.weights + self.gradients + self.master_weights + self.optimizer_states
+
+    def as_dict(self) -> dict[str, float]:
+        """The JSON view (keys as in ``schema_version`` 1; zero entries kept)."""
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "master_weights": self.master_weights,
+            "optimizer_states": self.optimizer_states,
+            "autocast_copies": self.autocast_copies,
+        }
+
+
+# --- per-method details -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnalyticDetails:
+    activation_coefficient: float  # saved activation bytes / (b·s·h·L): the article's c, computed
+    activations_per_layer_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "activation_coefficient": self.activation_coefficient,
+            "activations_per_layer_bytes": self.activations_per_layer_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuleOfThumbDetails:
+    states_bytes: int
+    activations_low_bytes: int
+    activations_high_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "states_bytes": self.states_bytes,
+            "activations_low_bytes": self.activations_low_bytes,
+            "activations_high_bytes": self.activations_high_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModuleRow:
+    """A saved-activation owner at the end of forward (``--modules``)."""
+
+    module: str
+    instances: int
+    per_instance_bytes: int
+    activation_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "instances": self.instances,
+            "per_instance_bytes": self.per_instance_bytes,
+            "activation_bytes": self.activation_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RepeatedRun:
+    """A run of identical layer units that depth extrapolation varied."""
+
+    start_block: int
+    unit_blocks: int
+    units: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceDetails:
+    layers_traced: tuple[int, ...]
+    modules: tuple[ModuleRow, ...] = ()
+    sdpa_backends: Mapping[str, int] = field(default_factory=dict)
+    extrapolated: bool | None = None  # None: an nn.Module traced whole (``trace()``)
+    runs: tuple[RepeatedRun, ...] = ()
+    optimizer_impl: str | None = None
+    trace_seconds: float | None = None
+    peak_events: Mapping[Phase, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "layers_traced": list(self.layers_traced),
+            "modules": [m.as_dict() for m in self.modules],
+        }
+        if self.extrapolated is not None:
+            out["extrapolated"] = self.extrapolated
+            out["runs"] = [
+                {"start_block": r.start_block, "unit_blocks": r.unit_blocks, "units": r.units} for r in self.runs
+            ]
+        out["sdpa_backends"] = dict(self.sdpa_backends)
+        if self.optimizer_impl is not None:
+            out["optimizer_impl"] = self.optimizer_impl
+        if self.trace_seconds is not None:
+            out["trace_seconds"] = self.trace_seconds
+        if self.peak_events:
+            out["peak_events"] = {ph.value: ev for ph, ev in self.peak_events.items()}
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasureDetails:
+    layers_traced: tuple[int, ...]
+    extrapolated: bool
+    device: str
+    max_memory_reserved: Mapping[Phase, int]
+    measure_seconds: float
+    modules: tuple[ModuleRow, ...] = ()
+    trace: Mapping[Phase, int] | None = None  # the trace's phase totals, for comparison
+    measured_minus_trace: Mapping[Phase, int] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "layers_traced": list(self.layers_traced),
+            "extrapolated": self.extrapolated,
+            "device": self.device,
+            "max_memory_reserved": {ph.value: n for ph, n in self.max_memory_reserved.items()},
+            "measure_seconds": self.measure_seconds,
+            "modules": [m.as_dict() for m in self.modules],
+        }
+        if self.trace is not None:
+            out["trace"] = {ph.value: n for ph, n in self.trace.items()}
+        if self.measured_minus_trace is not None:
+            out["measured_minus_trace"] = {ph.value: n for ph, n in self.measured_minus_trace.items()}
+        return out
+
+
+Details = AnalyticDetails | RuleOfThumbDetails | TraceDetails | MeasureDetails
+
+
+# --- fit ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FitVerdict:
     gpu_id: str
     gpu_memory_bytes: int
@@ -94,6 +307,8 @@ class FitVerdict:
     fits: bool
     free_bytes: int  # usable - required (negative when it does not fit)
     max_micro_batch: int  # 0 when even batch 1 does not fit
+    max_micro_batch_capped: bool = False  # the search stopped at its cap: "at least max_micro_batch"
+    suggestions: tuple[Suggestion, ...] = ()  # what would make it fit (trainfit.planner.search)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,18 +319,29 @@ class MemoryReport:
     trainable_params: int
     phases: tuple[PhaseBreakdown, ...]
     overhead: Overhead
-    bytes_per_param: Mapping[str, float] = field(default_factory=dict)
+    bytes_per_param: BytesPerParam = field(default_factory=BytesPerParam)
     terms: tuple[Term, ...] = ()
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     low_bytes: int | None = None  # rule-of-thumb range
     high_bytes: int | None = None
     fit: FitVerdict | None = None
-    extra: Mapping[str, object] = field(default_factory=dict)
+    details: Details | None = None
+    ranks: tuple[RankMemory, ...] = ()  # empty: every rank holds ``phases``
+    # The inputs this report answers (set by ``trainfit.estimate``; None when a method is called directly
+    # on something that has none, e.g. ``trace()`` of an arbitrary module has no ModelSpec).
+    model: ModelSpec | None = None
+    strategy: Strategy | None = None
+    gpu: GPUSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.phases:
             raise ValueError("a MemoryReport needs at least one phase")
+
+    @property
+    def extra(self) -> Mapping[str, Any]:
+        """The per-method details as the JSON ``extra`` object (read-only view of :attr:`details`)."""
+        return self.details.as_dict() if self.details is not None else {}
 
     @property
     def peak(self) -> PhaseBreakdown:
@@ -126,8 +352,17 @@ class MemoryReport:
         return self.peak.total_bytes
 
     @property
-    def peak_phase(self) -> Phase:
+    def peak_phase(self) -> AnyPhase:
         return self.peak.phase
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Largest host-memory total over the phases (offloaded states, pinned buffers)."""
+        return max(p.host_bytes for p in self.phases)
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size if self.strategy is not None else 1
 
     @property
     def reserved_estimate_bytes(self) -> int:
@@ -139,8 +374,16 @@ class MemoryReport:
         """Estimate of what ``nvidia-smi`` shows for the process: reserved + CUDA context."""
         return self.reserved_estimate_bytes + self.overhead.cuda_context_bytes
 
-    def phase(self, phase: Phase) -> PhaseBreakdown:
+    def phase(self, phase: AnyPhase) -> PhaseBreakdown:
         for p in self.phases:
             if p.phase == phase:
                 return p
         raise KeyError(phase)
+
+    def states_bytes(self) -> int | None:
+        """The model states held through the optimizer step (None for a method with no such phase)."""
+        try:
+            step = self.phase(Phase.OPTIMIZER_STEP)
+        except KeyError:
+            return None
+        return sum(step.get(c) for c in STATE_COMPONENTS)

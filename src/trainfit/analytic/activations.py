@@ -33,12 +33,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
+from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 from trainfit.strategy import Attention, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
+
+
+class TermRole(StrEnum):
+    """When a saved tensor is released, which is what the step's moments need to know about it."""
+
+    BLOCK = "block"  # saved by a block; released by that block's backward
+    SOFTMAX_OUTPUT = "softmax-output"  # a block's attention softmax output: what it has saved when the softmax runs
+    EMBEDDING = "embedding"  # saved by the embedding (ids, RoPE tables, embedding norm): lives to the end
+    HEAD = "head"  # final norm / MLM head: released by the head's backward
+    HEAD_INPUT = "head-input"  # the LM head's input: released first, before the final norm's backward
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +58,7 @@ class SavedTerm:
     name: str
     bytes: int
     formula: str
+    role: TermRole = TermRole.BLOCK
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,7 +190,8 @@ def score_chain(spec: ModelSpec, strategy: Strategy) -> EagerChain | None:
     )
 
 
-FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+#: Kernel names as the analytic model uses them (the one enum lives in trainfit.cuda_facts).
+FLASH, EFFICIENT, MATH = SdpaKernel.FLASH, SdpaKernel.EFFICIENT, SdpaKernel.MATH
 
 
 def sdpa_window_mask(spec: ModelSpec, strategy: Strategy) -> bool:
@@ -221,23 +235,22 @@ def _attention_head_dims(spec: ModelSpec) -> tuple[int, int]:
     return spec.head_dim, spec.head_dim
 
 
-def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> str:
+def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> SdpaKernel:
     """The CUDA kernel SDPA picks (``select_sdp_backend`` on sm80+, default priority flash > memory-efficient
     > math; mirrored by ``trainfit.trace.kernels.sdpa_backend``). Flash needs 16-bit inputs, no mask, equal
     q/v head dims ≤ 256, and equal head counts unless ``enable_gqa``; the memory-efficient kernel takes masks
     and fp32 but never fewer k/v heads. So GQA models trained in fp32, and multi-query Falcon, get the math
     kernel, which materialises the b·heads·s² scores."""
     masked = _sdpa_masked(spec, strategy)
-    same_heads = sdpa_kv_heads(spec, strategy) == spec.num_heads
-    gqa = spec.sdpa_gqa and not masked
     d, dv = _attention_head_dims(spec)
-    half = strategy.recipe.compute_bits == 16
-    if half and not masked and d == dv and d <= 256 and (same_heads or gqa):
-        return FLASH
-    align = 8 if half else 4  # minimum_gemm_alignment on sm80+
-    if same_heads and d % align == 0 and dv % align == 0:
-        return EFFICIENT
-    return MATH
+    return sdpa_kernel_for(
+        half=strategy.recipe.compute_bits == 16,
+        masked=masked,
+        same_heads=sdpa_kv_heads(spec, strategy) == spec.num_heads,
+        gqa_ok=spec.sdpa_gqa and not masked,
+        head_dim=d,
+        v_head_dim=dv,
+    )
 
 
 def sdpa_bias_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -318,7 +331,14 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
                     name="attn.sdpa_math.qkv", bytes=4 * t * (qd + full + full_v), formula="4·t·(q_dim+2·heads·hd)"
                 )
             )
-            out.append(SavedTerm(name="attn.softmax", bytes=4 * b * nh * s * s, formula="4·b·heads·s² (fp32 output)"))
+            out.append(
+                SavedTerm(
+                    name="attn.softmax",
+                    bytes=4 * b * nh * s * s,
+                    formula="4·b·heads·s² (fp32 output)",
+                    role=TermRole.SOFTMAX_OUTPUT,
+                )
+            )
             if spec.attention_dropout > 0:
                 # at::dropout on CUDA: fused native_dropout, a bool mask and the fp32 dropped probabilities.
                 out.append(
@@ -350,7 +370,12 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
     if spec.attn_logit_softcapping:
         out.append(SavedTerm(name="attn.eager.softcap_tanh", bytes=a * scores, formula="a·b·heads·s² (tanh out)"))
     out.append(
-        SavedTerm(name="attn.softmax", bytes=ch.softmax_out * scores, formula=f"{ch.softmax_out}·b·heads·s² (output)")
+        SavedTerm(
+            name="attn.softmax",
+            bytes=ch.softmax_out * scores,
+            formula=f"{ch.softmax_out}·b·heads·s² (output)",
+            role=TermRole.SOFTMAX_OUTPUT,
+        )
     )
     if spec.attention_dropout > 0:
         out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
@@ -537,6 +562,8 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out += _norm_terms("embed_norm", t, h, spec, w)
     if spec.embedding_dropout > 0:
         out.append(SavedTerm(name="embed.dropout_mask", bytes=t * h, formula="1·t·h"))
+    embedding = [dataclasses.replace(x, role=TermRole.EMBEDDING) for x in out]
+    out = []
     nb = _norm_out_width(spec, w)
     if spec.final_norm:
         out += _norm_terms("final_norm", t, h, spec, w)
@@ -546,8 +573,9 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(SavedTerm(name="mlm.gelu_in", bytes=w.compute * t * h, formula="a·t·h"))
         ln_in = 4 if w.amp else w.compute
         out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))
-    out.append(_matmul_inputs("lm_head_in", t, h, 1, nb, w))
-    return out
+    head = [dataclasses.replace(x, role=TermRole.HEAD) for x in out]
+    head_input = dataclasses.replace(_matmul_inputs("lm_head_in", t, h, 1, nb, w), role=TermRole.HEAD_INPUT)
+    return [*embedding, *head, head_input]
 
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from trainfit.analytic.rule_of_thumb import estimate_rule_of_thumb
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import Component, MemoryReport
+from trainfit.result import AnalyticDetails, Component, MemoryReport
 from trainfit.strategy import Strategy
 
 
@@ -41,15 +41,15 @@ def compare_with_rule_of_thumb(spec: ModelSpec, strategy: Strategy, report: Memo
     )
     bpp = report.bytes_per_param
     why_states = (
-        f"{strategy.precision.value}: weights {bpp.get('weights', 0):.0f} B + grads "
-        f"{bpp.get('gradients', 0):.0f} B + master {bpp.get('master_weights', 0):.0f} B + "
-        f"{strategy.optimizer.value} {bpp.get('optimizer_states', 0):.2f} B per param, vs the article's 2+2+8"
+        f"{strategy.precision.value}: weights {bpp.weights:.0f} B + grads "
+        f"{bpp.gradients:.0f} B + master {bpp.master_weights:.0f} B + "
+        f"{strategy.optimizer.value} {bpp.optimizer_states:.2f} B per param, vs the article's 2+2+8"
     )
     if r.master_bits:
         why_states += "; the article's 12 B omits the fp32 master copy it describes in §6.2"
     if report.peak_phase.value != "optimizer-step":
         why_states += f"; grads are not all alive at the {report.peak_phase.value} peak"
-    coeff = report.extra.get("activation_coefficient")
+    coeff = report.details.activation_coefficient if isinstance(report.details, AnalyticDetails) else None
     rows = [
         Difference(
             term="weights + grads + optimizer",

@@ -17,14 +17,23 @@ With checkpointing, only each checkpoint's input is kept and backward recomputes
 one segment (``sqrt``).
 Autocast's weight cache holds every 16-bit weight copy until the autocast region exits (after the
 loss), checkpointing or not; without checkpointing the copies stay saved for backward.
+
+Each of these is a named :class:`Moment` (:class:`MomentName`) with typed fields per component, built by
+one function per phase; a phase's breakdown is its largest moment. Saved tensors carry a
+:class:`~trainfit.analytic.activations.TermRole` that says when they are released, so no moment looks a
+term up by its name. A later capability (sharding, adapters) changes a field of the inputs, not the
+moments' arithmetic.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
 
 from trainfit.analytic.activations import (
     SavedTerm,
+    TermRole,
     Widths,
     attention_mask_bytes,
     attention_variants,
@@ -39,24 +48,440 @@ from trainfit.analytic.activations import (
     score_chain,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES, overhead_for
-from trainfit.analytic.states import model_states
+from trainfit.analytic.overhead import overhead_for
+from trainfit.analytic.states import ModelStates, model_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
-from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown, Term
-from trainfit.result import Phase as P
+from trainfit.cuda_facts import allocator_bytes
+from trainfit.result import (
+    AnalyticDetails,
+    BytesPerParam,
+    Component,
+    MemoryReport,
+    Method,
+    Phase,
+    PhaseBreakdown,
+    Term,
+)
 from trainfit.strategy import Attention, Optimizer, Strategy
-from trainfit.units import round_up
-
-C = Component
 
 
 def _sum(terms: list[SavedTerm]) -> int:
-    return sum(round_up(t.bytes, ALLOCATOR_BLOCK_BYTES) for t in terms)
+    return sum(allocator_bytes(t.bytes) for t in terms)
 
 
-def _phase(phase: P, **parts: int) -> PhaseBreakdown:
-    return PhaseBreakdown(phase=phase, components={C(k): int(v) for k, v in parts.items()})
+class MomentName(StrEnum):
+    """The moments of a training step whose live bytes can be a phase's worst."""
+
+    FORWARD_END = "forward-end"  # after the loss, everything saved
+    FORWARD_LAST_SOFTMAX = "forward-last-softmax"  # the last block's materialised score chain
+    BACKWARD_START = "backward-start"  # logits gradients, everything still saved
+    BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
+    BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
+    BACKWARD_BOTTOM_BLOCK = "backward-bottom-block"  # inside the bottom block's (segment's) backward
+    BACKWARD_TOP_SOFTMAX = "backward-top-softmax"  # inside the top block's softmax backward
+    BACKWARD_BOTTOM_SOFTMAX = "backward-bottom-softmax"
+    BACKWARD_EMBEDDING = "backward-embedding"  # every gradient present, embedding backward
+    OPTIMIZER_STEP = "optimizer-step"
+
+
+_SOFTMAX_OF = {
+    MomentName.BACKWARD_TOP_BLOCK: MomentName.BACKWARD_TOP_SOFTMAX,
+    MomentName.BACKWARD_BOTTOM_BLOCK: MomentName.BACKWARD_BOTTOM_SOFTMAX,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resident:
+    """What every moment of a steady-state step holds: weights, fp32 master weights, optimizer states."""
+
+    weights: int
+    master_weights: int
+    optimizer_states: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Moment:
+    """Live bytes at one named moment of a step, by component."""
+
+    name: MomentName
+    phase: Phase
+    resident: Resident
+    gradients: int = 0
+    activations: int = 0
+    autocast_copies: int = 0
+    logits_loss: int = 0
+    temporaries: int = 0
+
+    def components(self) -> dict[Component, int]:
+        parts = dict.fromkeys(Component, 0)
+        parts |= {
+            Component.WEIGHTS: self.resident.weights,
+            Component.MASTER_WEIGHTS: self.resident.master_weights,
+            Component.OPTIMIZER_STATES: self.resident.optimizer_states,
+            Component.GRADIENTS: self.gradients,
+            Component.ACTIVATIONS: self.activations,
+            Component.AUTOCAST_COPIES: self.autocast_copies,
+            Component.LOGITS_LOSS: self.logits_loss,
+            Component.TEMPORARIES: self.temporaries,
+        }
+        return parts
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.components().values())
+
+    def breakdown(self) -> PhaseBreakdown:
+        return PhaseBreakdown(phase=self.phase, components=self.components())
+
+    def inside_softmax_backward(self, swap: int, temporaries: int) -> Moment:
+        """This block moment, inside its attention softmax backward: the block's post-softmax saved tensors
+        are released (``swap`` is the change in activations) and the softmax gradients are in flight."""
+        return dataclasses.replace(
+            self, name=_SOFTMAX_OF[self.name], activations=max(0, self.activations + swap), temporaries=temporaries
+        )
+
+
+def worst(moments: list[Moment]) -> Moment:
+    """The moment with the most live bytes (the first of equals)."""
+    return max(moments, key=lambda m: m.total_bytes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionVariantLayers:
+    """One kind of layer under one attention variant: how many, what it saves, what it has saved by the
+    time its attention softmax runs."""
+
+    spec: ModelSpec  # the spec as this variant's attention sees it
+    kind: str
+    layers: int
+    saved_bytes: int
+    before_softmax_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackActivations:
+    """Saved activations of the layer stack and the model-level tensors around it."""
+
+    variants: tuple[AttentionVariantLayers, ...]
+    all_layers_bytes: int  # every layer's saved tensors
+    max_layer_bytes: int  # the largest layer's
+    per_kind_bytes: dict[str, int]
+    top_kind: str
+    model_bytes: int  # embedding + head saved tensors
+    embedding_bytes: int  # saved by the embedding: lives to the end of backward
+    head_input_bytes: int  # the LM head's input: released first
+    autocast_layer_copies: dict[str, int]  # 16-bit weight copies per layer kind (amp only)
+    layer_counts: dict[str, int]
+
+
+def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> StackActivations:
+    """Per layer kind and attention variant. A stack where only some layers slide (Qwen2 with
+    use_sliding_window) makes two SDPA calls: the sliding layers get the mask, the others none, and each
+    may get a different kernel — two attention variants, each with its own layer count."""
+    inv = inventory(spec)
+    w = Widths.of(strategy)
+    variants = attention_variants(spec, strategy)
+    per_kind: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    copies: dict[str, int] = {}
+    rows: list[AttentionVariantLayers] = []
+    for g in inv.layers:
+        counts[g.kind] = g.count
+        for vspec, n in variants:
+            lt = layer_terms(vspec, strategy, moe=g.kind == "moe")
+            cut = next((i for i, x in enumerate(lt) if x.role is TermRole.SOFTMAX_OUTPUT), len(lt))
+            # With one kind (every stack with mixed sliding layers is one), the variant counts are exact.
+            layers = g.count if len(variants) == 1 else n
+            rows.append(
+                AttentionVariantLayers(
+                    spec=vspec, kind=g.kind, layers=layers, saved_bytes=_sum(lt), before_softmax_bytes=_sum(lt[:cut])
+                )
+            )
+            per_kind[g.kind] = max(per_kind.get(g.kind, 0), _sum(lt))
+        mm = sum(t.numel for t in g.tensors if t.matmul)
+        copies[g.kind] = mm * w.compute if w.amp else 0
+    if spec.params_override is not None and w.amp:
+        scale = st.autocast_copies_bytes / max(1, sum(counts[k] * copies[k] for k in counts))
+        copies = {k: int(v * scale) for k, v in copies.items()}
+    if len(variants) == 1 or len(inv.layers) == 1:
+        all_layers = sum(r.layers * r.saved_bytes for r in rows)
+    else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
+        all_layers = sum(counts[k] * per_kind[k] for k in counts)
+    mt = model_terms(spec, strategy)
+    return StackActivations(
+        variants=tuple(rows),
+        all_layers_bytes=all_layers,
+        max_layer_bytes=max(per_kind.values()),
+        per_kind_bytes=per_kind,
+        top_kind=inv.layers[-1].kind,
+        model_bytes=_sum(mt),
+        embedding_bytes=_sum([t for t in mt if t.role is TermRole.EMBEDDING]),
+        head_input_bytes=_sum([t for t in mt if t.role is TermRole.HEAD_INPUT]),
+        autocast_layer_copies=copies,
+        layer_counts=counts,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInputs:
+    """Every quantity the moments of a training step are built from."""
+
+    spec: ModelSpec
+    strategy: Strategy
+    states: ModelStates
+    stack: StackActivations
+    resident: Resident
+    grads_resident: int  # gradients held from the previous micro-step (accumulation)
+    grad_layer: int  # one layer's gradients
+    grad_head: int  # the LM head's (or tied table's) gradient: the first to appear
+    grad_late: int  # the untied token table's gradient: the last to appear
+    copies_all: int  # every autocast weight copy
+    copies_head: int  # the copies outside the layer stack
+    copies_max_layer: int
+    copies_fwd_ckpt: int  # what a checkpointed forward keeps of them
+    logits_forward: int
+    logits_backward: int
+    block_temp: int  # inside a block's backward
+    norm_temp: int  # inside the final norm's backward
+    kept_inputs: int  # checkpointed segments' inputs
+    segments: int  # 0 without checkpointing
+    segment_layers: int  # layers in the largest segment
+    masks: int  # [b, 1, s, s] attention masks
+    cache_held: int  # the KV cache's own k/v copies (training with use_cache)
+
+
+def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
+    st = model_states(spec, strategy)
+    inv = inventory(spec)
+    stack = stack_activations(spec, strategy, st)
+    gb = strategy.recipe.grad_bits // 8
+    table = spec.vocab_size * spec.embed_dim
+    counts, copies = stack.layer_counts, stack.autocast_layer_copies
+    c_all = st.autocast_copies_bytes
+    c_head = max(0, c_all - sum(counts[k] * copies[k] for k in counts))
+    lg = logits_memory(spec, strategy, keep_logits=keep_logits)
+    temps = backward_temp_bytes(spec, strategy)
+    kept_inputs, n_segments, seg_layers = checkpoint_terms(spec, strategy)
+    variants = attention_variants(spec, strategy)
+    return StepInputs(
+        spec=spec,
+        strategy=strategy,
+        states=st,
+        stack=stack,
+        resident=Resident(
+            weights=st.weights_bytes, master_weights=st.master_bytes, optimizer_states=st.optimizer_bytes
+        ),
+        grads_resident=st.grads_bytes if strategy.grad_accum > 1 else 0,
+        grad_layer=max(g.params_per_layer for g in inv.layers) * gb,
+        # The LM head's gradient appears first (the token table's, when tied); the untied token table's last.
+        grad_head=(table if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * gb,
+        grad_late=0 if spec.tie_word_embeddings else table * gb,
+        copies_all=c_all,
+        copies_head=c_head,
+        copies_max_layer=max(copies.values()),
+        # A checkpointed forward keeps autocast's cached weight copies; uncached (per-call) ones die with it.
+        copies_fwd_ckpt=c_all if spec.autocast_weight_cache else c_head,
+        logits_forward=lg.forward_peak_bytes,
+        logits_backward=lg.backward_peak_bytes,
+        block_temp=temps.block_bytes,
+        norm_temp=temps.norm_bytes,
+        kept_inputs=kept_inputs,
+        segments=n_segments,
+        segment_layers=seg_layers,
+        # The [b, 1, s, s] attention masks (eager attention; SDPA past a sliding window): inputs of every
+        # checkpointed layer, so with checkpointing they stay until the first layer's backward; without, they
+        # die with the decoder's forward.
+        masks=sum(allocator_bytes(m) for m in attention_mask_bytes(spec, strategy)),
+        cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants),
+    )
+
+
+def _recompute_bytes(q: StepInputs) -> tuple[int, int]:
+    """(what the recomputed segment saves, the segment's input). The recomputed segment saves its own input
+    again; when the first norm saves the residual tensor itself (fp32 residual, or LayerNorm), that is the
+    kept checkpoint — count it once."""
+    w = Widths.of(q.strategy)
+    shared_input = w.residual == 4 or q.spec.norm is NormKind.LAYERNORM
+    input_bytes = w.residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size
+    return q.segment_layers * q.stack.max_layer_bytes - (input_bytes if shared_input else 0), input_bytes
+
+
+def forward_moments(q: StepInputs) -> list[Moment]:
+    a = q.stack
+    base = {"phase": Phase.FORWARD, "resident": q.resident, "gradients": q.grads_resident}
+    if q.segments == 0:
+        end = Moment(
+            name=MomentName.FORWARD_END,
+            **base,  # type: ignore[arg-type]
+            activations=a.all_layers_bytes + a.model_bytes,
+            autocast_copies=q.copies_all,
+            logits_loss=q.logits_forward,
+            temporaries=q.cache_held,
+        )
+    else:
+        end = Moment(
+            name=MomentName.FORWARD_END,
+            **base,  # type: ignore[arg-type]
+            activations=q.kept_inputs + a.model_bytes + q.masks,
+            autocast_copies=q.copies_fwd_ckpt,
+            logits_loss=q.logits_forward,
+        )
+    moments = [end]
+    for v in a.variants:
+        if v.kind != a.top_kind:
+            continue
+        chain_saved, chain_transient = eager_forward_moment(v.spec, q.strategy)
+        if not chain_saved:
+            continue
+        # A materialised score chain in the last layer can outweigh the loss computation.
+        if q.segments == 0:
+            # Every layer below has saved everything; the last one what it saves before the softmax.
+            moments.append(
+                Moment(
+                    name=MomentName.FORWARD_LAST_SOFTMAX,
+                    **base,  # type: ignore[arg-type]
+                    activations=a.all_layers_bytes
+                    - v.saved_bytes
+                    + v.before_softmax_bytes
+                    + chain_saved
+                    + a.embedding_bytes,
+                    autocast_copies=q.copies_all,
+                    temporaries=chain_transient + q.masks + q.cache_held,
+                )
+            )
+        else:
+            # A checkpointed forward saves nothing: the chain and the attention's inputs are transient.
+            moments.append(
+                Moment(
+                    name=MomentName.FORWARD_LAST_SOFTMAX,
+                    **base,  # type: ignore[arg-type]
+                    activations=q.kept_inputs + a.embedding_bytes + q.masks,
+                    autocast_copies=q.copies_fwd_ckpt + (0 if q.spec.autocast_weight_cache else q.copies_max_layer),
+                    temporaries=eager_nograd_inputs_bytes(v.spec, q.strategy)
+                    + chain_saved
+                    + chain_transient
+                    + _previous_probs(v.spec, q.strategy),
+                )
+            )
+    return moments
+
+
+def backward_moments(q: StepInputs) -> list[Moment]:
+    a = q.stack
+    g_all = q.states.grads_bytes
+    gr = q.grads_resident
+    g_head = max(gr, q.grad_head)
+    model_norm = a.model_bytes - a.head_input_bytes  # after the LM head's backward, inside the final norm's
+    base = {"phase": Phase.BACKWARD, "resident": q.resident}
+    if q.segments == 0:
+        saved = a.all_layers_bytes + a.model_bytes
+        start = Moment(
+            name=MomentName.BACKWARD_START,
+            **base,  # type: ignore[arg-type]
+            gradients=gr,
+            activations=saved,
+            autocast_copies=q.copies_all,
+            logits_loss=q.logits_backward,
+        )
+        norm = Moment(
+            name=MomentName.BACKWARD_FINAL_NORM,
+            **base,  # type: ignore[arg-type]
+            gradients=g_head,
+            activations=a.all_layers_bytes + model_norm,
+            autocast_copies=q.copies_all - q.copies_head,
+            temporaries=q.norm_temp,
+        )
+        top = Moment(
+            name=MomentName.BACKWARD_TOP_BLOCK,
+            **base,  # type: ignore[arg-type]
+            gradients=g_head,
+            activations=a.all_layers_bytes + a.embedding_bytes,
+            autocast_copies=q.copies_all - q.copies_head,
+            temporaries=q.block_temp,
+        )
+        bottom = Moment(
+            name=MomentName.BACKWARD_BOTTOM_BLOCK,
+            **base,  # type: ignore[arg-type]
+            gradients=max(gr, g_all - q.grad_layer - q.grad_late),
+            activations=a.max_layer_bytes + a.embedding_bytes,
+            autocast_copies=q.copies_max_layer,
+            temporaries=q.block_temp,
+        )
+    else:
+        recompute, segment_input = _recompute_bytes(q)
+        start = Moment(
+            name=MomentName.BACKWARD_START,
+            **base,  # type: ignore[arg-type]
+            gradients=gr,
+            activations=q.kept_inputs + a.model_bytes + q.masks,
+            autocast_copies=q.copies_head,
+            logits_loss=q.logits_backward,
+        )
+        norm = Moment(
+            name=MomentName.BACKWARD_FINAL_NORM,
+            **base,  # type: ignore[arg-type]
+            gradients=g_head,
+            activations=q.kept_inputs + model_norm + q.masks,
+            temporaries=q.norm_temp,
+        )
+        top = Moment(
+            name=MomentName.BACKWARD_TOP_BLOCK,
+            **base,  # type: ignore[arg-type]
+            gradients=g_head,
+            activations=q.kept_inputs + recompute + a.embedding_bytes + q.masks,
+            autocast_copies=q.segment_layers * q.copies_max_layer,
+            temporaries=q.block_temp,
+        )
+        # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
+        bottom = Moment(
+            name=MomentName.BACKWARD_BOTTOM_BLOCK,
+            **base,  # type: ignore[arg-type]
+            gradients=max(gr, g_all - q.segment_layers * q.grad_layer - q.grad_late),
+            activations=segment_input + recompute + a.embedding_bytes + q.masks,
+            autocast_copies=q.segment_layers * q.copies_max_layer,
+            temporaries=q.block_temp,
+        )
+    # A tied table receives a second dense gradient from the embedding, added into the first.
+    embedding = Moment(
+        name=MomentName.BACKWARD_EMBEDDING,
+        **base,  # type: ignore[arg-type]
+        gradients=g_all,
+        activations=a.embedding_bytes,
+        temporaries=q.spec.vocab_size * q.spec.embed_dim * (q.strategy.recipe.grad_bits // 8)
+        if q.spec.tie_word_embeddings
+        else 0,
+    )
+    moments = [start, norm, top, bottom, embedding]
+    for v in a.variants:
+        if v.kind != a.top_kind:
+            continue
+        attn_saved, attn_temp = eager_backward_moment(v.spec, q.strategy)
+        if attn_saved:
+            # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
+            # holds what it saved before its softmax plus the softmax output, the rest of it is released.
+            swap = v.before_softmax_bytes + attn_saved - a.per_kind_bytes[v.kind]
+            moments += [m.inside_softmax_backward(swap, attn_temp) for m in (top, bottom)]
+    return moments
+
+
+def optimizer_step_moment(q: StepInputs) -> Moment:
+    return Moment(
+        name=MomentName.OPTIMIZER_STEP,
+        phase=Phase.OPTIMIZER_STEP,
+        resident=q.resident,
+        gradients=q.states.grads_bytes,
+        temporaries=q.states.step_temp_bytes,
+    )
+
+
+def training_moments(q: StepInputs) -> dict[Phase, Moment]:
+    """The worst moment of each phase of a training step."""
+    return {
+        Phase.FORWARD: worst(forward_moments(q)),
+        Phase.BACKWARD: worst(backward_moments(q)),
+        Phase.OPTIMIZER_STEP: optimizer_step_moment(q),
+    }
 
 
 def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> MemoryReport:
@@ -64,239 +489,60 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     if strategy.attention is Attention.SDPA and not spec.supports_sdpa:
         # transformers refuses SDPA for this model (Gemma-2): the run would use eager attention.
         strategy = dataclasses.replace(strategy, attention=Attention.EAGER)
-    st = model_states(spec, strategy)
-    inv = inventory(spec)
-    w = Widths.of(strategy)
-    L = spec.num_layers
-
-    # Activations per layer kind and the model-level tensors. A stack where only some layers slide (Qwen2
-    # with use_sliding_window) makes two SDPA calls: the sliding layers get the mask, the others none, and
-    # each may get a different kernel — two attention variants, each with its own layer count.
-    variants = attention_variants(spec, strategy)
-    per_layer: dict[str, int] = {}
-    counts: dict[str, int] = {}
-    layer_copies: dict[str, int] = {}
-    # Per variant and kind: (layers, all it saves, what it has saved when its attention softmax runs).
-    saved_by: list[tuple[ModelSpec, str, int, int, int]] = []
-    for g in inv.layers:
-        counts[g.kind] = g.count
-        for vspec, n in variants:
-            lt = layer_terms(vspec, strategy, moe=g.kind == "moe")
-            cut = next((i for i, x in enumerate(lt) if x.name == "attn.softmax"), len(lt))
-            # With one kind (every stack with mixed sliding layers is one), the variant counts are exact.
-            layers = g.count if len(variants) == 1 else n
-            saved_by.append((vspec, g.kind, layers, _sum(lt), _sum(lt[:cut])))
-            per_layer[g.kind] = max(per_layer.get(g.kind, 0), _sum(lt))
-        mm = sum(t.numel for t in g.tensors if t.matmul)
-        layer_copies[g.kind] = mm * w.compute if w.amp else 0
-    if spec.params_override is not None and w.amp:
-        scale = st.autocast_copies_bytes / max(1, sum(counts[k] * layer_copies[k] for k in counts))
-        layer_copies = {k: int(v * scale) for k, v in layer_copies.items()}
-    if len(variants) == 1 or len(inv.layers) == 1:
-        a_layers = sum(layers * total for _, _, layers, total, _ in saved_by)
-    else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
-        a_layers = sum(counts[k] * per_layer[k] for k in counts)
-    a_model_terms = model_terms(spec, strategy)
-    a_model = _sum(a_model_terms)
-    a_max_layer = max(per_layer.values())
-    c_max_layer = max(layer_copies.values())
-    c_all = st.autocast_copies_bytes
-    c_head = max(0, c_all - sum(counts[k] * layer_copies[k] for k in counts))
-    # A checkpointed forward keeps autocast's cached weight copies; uncached (per-call) ones die with it.
-    c_fwd_ckpt = c_all if spec.autocast_weight_cache else c_head
-    lg = logits_memory(spec, strategy, keep_logits=keep_logits)
-    temps = backward_temp_bytes(spec, strategy)
-    bwd_temp = temps.block_bytes
-
-    base = {
-        "weights": st.weights_bytes,
-        "master_weights": st.master_bytes,
-        "optimizer_states": st.optimizer_bytes,
-    }
-    gb = strategy.recipe.grad_bits // 8
-    g_all = st.grads_bytes
-    g_resident = g_all if strategy.grad_accum > 1 else 0
-    g_layer = max(g.params_per_layer for g in inv.layers) * gb
-    table = spec.vocab_size * spec.embed_dim
-    # The LM head's gradient appears first (the token table's, when tied); the untied token table's last.
-    g_head = (table if spec.tie_word_embeddings else _head_params(spec)) * gb
-    g_late = 0 if spec.tie_word_embeddings else table * gb
-    # Model-level saved tensors: the head's (final norm, LM-head input) die after the head's backward;
-    # the embedding's (ids, RoPE tables, masks) live to the end.
-    a_model_end = _sum([t for t in a_model_terms if t.name.startswith(("embed", "rope"))])
-    # A tied table receives a second dense gradient from the embedding, added into the first.
-    b_embed = _phase(
-        P.BACKWARD,
-        **base,
-        gradients=g_all,
-        activations=a_model_end,
-        temporaries=table * gb if spec.tie_word_embeddings else 0,
+    q = step_inputs(spec, strategy, keep_logits=keep_logits)
+    worst_moments = training_moments(q)
+    phases = tuple(worst_moments[ph].breakdown() for ph in Phase)
+    peak = max(p.total_bytes for p in phases)
+    st, stack = q.states, q.stack
+    tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
+    coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
+    return MemoryReport(
+        method=Method.ANALYTIC,
+        model_name=spec.name,
+        params=st.params,
+        trainable_params=st.trainable_params,
+        phases=phases,
+        overhead=overhead_for(peak),
+        bytes_per_param=BytesPerParam(
+            weights=st.per_param(st.weights_bytes),
+            gradients=st.per_param(st.grads_bytes),
+            master_weights=st.per_param(st.master_bytes),
+            optimizer_states=st.per_param(st.optimizer_bytes),
+            autocast_copies=st.per_param(st.autocast_copies_bytes),
+        ),
+        terms=_terms(spec, strategy, st, stack, q.logits_backward),
+        notes=_notes(strategy, coeff),
+        details=AnalyticDetails(
+            activation_coefficient=round(coeff, 2), activations_per_layer_bytes=stack.max_layer_bytes
+        ),
     )
 
-    # After the LM head's backward, inside the final norm's: the head's input is released, the norm's
-    # own saved tensors are not yet.
-    lm_head_in = _sum([t for t in a_model_terms if t.name.startswith("lm_head_in")])
-    a_model_norm = a_model - lm_head_in
 
-    kept_inputs, n_segments, seg_layers = checkpoint_terms(spec, strategy)
-    # The [b, 1, s, s] attention masks (eager attention; SDPA past a sliding window): inputs of every
-    # checkpointed layer, so with checkpointing they stay until the first layer's backward; without, they die
-    # with the decoder's forward.
-    masks = sum(round_up(m, ALLOCATOR_BLOCK_BYTES) for m in attention_mask_bytes(spec, strategy))
-    # The KV cache's own copies of k and v (built in training when use_cache is on) live to the forward's end.
-    cache_held = sum(n * round_up(kv_cache_held_bytes(v, strategy), ALLOCATOR_BLOCK_BYTES) for v, n in variants)
-    if n_segments == 0:
-        saved = a_layers + a_model
-        forward = _phase(
-            P.FORWARD,
-            **base,
-            gradients=g_resident,
-            activations=saved,
-            autocast_copies=c_all,
-            logits_loss=lg.forward_peak_bytes,
-            temporaries=cache_held,
+def _notes(strategy: Strategy, coeff: float) -> tuple[str, ...]:
+    notes = [
+        f"activation coefficient c = {coeff:.1f} bytes per (token·hidden·layer) (the article assumes 10–20)",
+        "steady state (step ≥ 2): optimizer states resident; grads freed by zero_grad(set_to_none=True)",
+        "model outputs (logits) dropped before backward, as the HF Trainer does",
+        f"optimizer.step() uses torch's {strategy.optimizer_impl.value} implementation"
+        + (
+            " (list-sized temporaries; --optimizer-impl fused avoids them)"
+            if strategy.optimizer_impl.value == "foreach" and strategy.optimizer is Optimizer.ADAMW
+            else ""
+        ),
+    ]
+    if strategy.grad_accum > 1:
+        notes.append(
+            f"grad accumulation ×{strategy.grad_accum}: grads stay resident across micro-steps; "
+            f"effective batch {strategy.effective_batch}"
         )
-        b_start = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=g_resident,
-            activations=saved,
-            autocast_copies=c_all,
-            logits_loss=lg.backward_peak_bytes,
-        )
-        b_norm = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_head),
-            activations=a_layers + a_model_norm,
-            autocast_copies=c_all - c_head,
-            temporaries=temps.norm_bytes,
-        )
-        b_top = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_head),
-            activations=a_layers + a_model_end,
-            autocast_copies=c_all - c_head,
-            temporaries=bwd_temp,
-        )
-        b_bottom = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_all - g_layer - g_late),
-            activations=a_max_layer + a_model_end,
-            autocast_copies=c_max_layer,
-            temporaries=bwd_temp,
-        )
-    else:
-        # The recomputed segment saves its own input again; when the first norm saves the residual
-        # tensor itself (fp32 residual, or LayerNorm), that is the kept checkpoint — count it once.
-        shared_input = w.residual == 4 or spec.norm is NormKind.LAYERNORM
-        input_bytes = w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
-        recompute = seg_layers * a_max_layer - (input_bytes if shared_input else 0)
-        kept = kept_inputs
-        forward = _phase(
-            P.FORWARD,
-            **base,
-            gradients=g_resident,
-            activations=kept + a_model + masks,
-            autocast_copies=c_fwd_ckpt,
-            logits_loss=lg.forward_peak_bytes,
-        )
-        b_start = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=g_resident,
-            activations=kept + a_model + masks,
-            autocast_copies=c_head,
-            logits_loss=lg.backward_peak_bytes,
-        )
-        b_norm = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_head),
-            activations=kept + a_model_norm + masks,
-            autocast_copies=0,
-            temporaries=temps.norm_bytes,
-        )
-        b_top = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_head),
-            activations=kept_inputs + recompute + a_model_end + masks,
-            autocast_copies=seg_layers * c_max_layer,
-            temporaries=bwd_temp,
-        )
-        # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
-        segment_input = input_bytes
-        b_bottom = _phase(
-            P.BACKWARD,
-            **base,
-            gradients=max(g_resident, g_all - seg_layers * g_layer - g_late),
-            activations=segment_input + recompute + a_model_end + masks,
-            autocast_copies=seg_layers * c_max_layer,
-            temporaries=bwd_temp,
-        )
-    candidates = [b_start, b_norm, b_top, b_bottom, b_embed]
-    top = inv.layers[-1].kind
-    in_attention: list[PhaseBreakdown] = []
-    for vspec, kind, _layers, total, before in saved_by:
-        if kind != top:
-            continue
-        attn_saved, attn_temp = eager_backward_moment(vspec, strategy)
-        if attn_saved:
-            # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
-            # holds what it saved before its softmax plus the softmax output, the rest of it is released.
-            swap = before + attn_saved - per_layer[kind]
-            candidates += [_attention_moment(b, swap, attn_temp) for b in (b_top, b_bottom)]
-        chain_saved, chain_transient = eager_forward_moment(vspec, strategy)
-        if not chain_saved:
-            continue
-        # A materialised score chain in the last layer can outweigh the loss computation.
-        if n_segments == 0:
-            # Every layer below has saved everything; the last one what it saves before the softmax.
-            in_attention.append(
-                _phase(
-                    P.FORWARD,
-                    **base,
-                    gradients=g_resident,
-                    activations=a_layers - total + before + chain_saved + a_model_end,
-                    autocast_copies=c_all,
-                    temporaries=chain_transient + masks + cache_held,
-                )
-            )
-        else:
-            # A checkpointed forward saves nothing: the chain and the attention's inputs are transient.
-            in_attention.append(
-                _phase(
-                    P.FORWARD,
-                    **base,
-                    gradients=g_resident,
-                    activations=kept + a_model_end + masks,
-                    autocast_copies=c_fwd_ckpt + (0 if spec.autocast_weight_cache else c_max_layer),
-                    temporaries=eager_nograd_inputs_bytes(vspec, strategy)
-                    + chain_saved
-                    + chain_transient
-                    + _previous_probs(vspec, strategy),
-                )
-            )
-    backward = max(candidates, key=lambda p: p.total_bytes)
-    forward = max([forward, *in_attention], key=lambda p: p.total_bytes)
-    step = _phase(P.OPTIMIZER_STEP, **base, gradients=g_all, temporaries=st.step_temp_bytes)
-    phases = (forward, backward, step)
-    peak = max(p.total_bytes for p in phases)
+    return tuple(notes)
 
-    p = st.params
-    bpp = {
-        "weights": st.per_param(st.weights_bytes),
-        "gradients": st.per_param(st.grads_bytes),
-        "master_weights": st.per_param(st.master_bytes),
-        "optimizer_states": st.per_param(st.optimizer_bytes),
-        "autocast_copies": st.per_param(st.autocast_copies_bytes),
-    }
-    tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * L
-    coeff = (a_layers if n_segments == 0 else kept_inputs) / tokens_layers
-    terms = (
+
+def _terms(
+    spec: ModelSpec, strategy: Strategy, st: ModelStates, stack: StackActivations, logits_backward_bytes: int
+) -> tuple[Term, ...]:
+    w = Widths.of(strategy)
+    return (
         Term(
             name="weights",
             bytes=st.weights_bytes,
@@ -305,7 +551,7 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         ),
         Term(
             name="gradients",
-            bytes=g_all,
+            bytes=st.grads_bytes,
             formula=f"Σ numel·{strategy.recipe.grad_bits // 8} B",
             source="one grad per trainable parameter, parameter dtype",
         ),
@@ -323,19 +569,19 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         ),
         Term(
             name="activations/layer",
-            bytes=a_max_layer,
+            bytes=stack.max_layer_bytes,
             formula="Σ saved tensors of one block",
             source="trainfit.analytic.activations (Korthikanti et al. 2022, Table 2, modernised)",
         ),
         Term(
             name="logits_loss (backward)",
-            bytes=lg.backward_peak_bytes,
+            bytes=logits_backward_bytes,
             formula="12·b·s·vocab",
             source="HF ForCausalLMLoss: logits.float() + cross_entropy",
         ),
         Term(
             name="autocast_copies",
-            bytes=c_all,
+            bytes=st.autocast_copies_bytes,
             formula=f"Σ matmul numel·{w.compute} B (amp-* only)",
             source="aten autocast_mode.cpp cached_cast",
         ),
@@ -346,34 +592,6 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             source="torch/optim/adam.py _multi_tensor_adam",
         ),
     )
-    notes = [
-        f"activation coefficient c = {coeff:.1f} bytes per (token·hidden·layer) (the article assumes 10–20)",
-        "steady state (step ≥ 2): optimizer states resident; grads freed by zero_grad(set_to_none=True)",
-        "model outputs (logits) dropped before backward, as the HF Trainer does",
-        f"optimizer.step() uses torch's {strategy.optimizer_impl.value} implementation"
-        + (
-            " (list-sized temporaries; --optimizer-impl fused avoids them)"
-            if strategy.optimizer_impl.value == "foreach" and strategy.optimizer is Optimizer.ADAMW
-            else ""
-        ),
-    ]
-    if strategy.grad_accum > 1:
-        notes.append(
-            f"grad accumulation ×{strategy.grad_accum}: grads stay resident across micro-steps; "
-            f"effective batch {strategy.effective_batch}"
-        )
-    return MemoryReport(
-        method=Method.ANALYTIC,
-        model_name=spec.name,
-        params=p,
-        trainable_params=p,
-        phases=phases,
-        overhead=overhead_for(peak),
-        bytes_per_param=bpp,
-        terms=terms,
-        notes=tuple(notes),
-        extra={"activation_coefficient": round(coeff, 2), "activations_per_layer_bytes": a_max_layer},
-    )
 
 
 def _previous_probs(spec: ModelSpec, strategy: Strategy) -> int:
@@ -383,14 +601,3 @@ def _previous_probs(spec: ModelSpec, strategy: Strategy) -> int:
     if ch is None or not spec.eager_probs_outlive_layer or strategy.attention is not Attention.EAGER:
         return 0
     return ch.softmax_out * ch.scores
-
-
-def _attention_moment(block: PhaseBreakdown, swap: int, temporaries: int) -> PhaseBreakdown:
-    parts = dict(block.components)
-    parts[C.ACTIVATIONS] = max(0, parts.get(C.ACTIVATIONS, 0) + swap)
-    parts[C.TEMPORARIES] = temporaries
-    return PhaseBreakdown(phase=block.phase, components=parts)
-
-
-def _head_params(spec: ModelSpec) -> int:
-    return spec.vocab_size * spec.hidden_size

@@ -14,14 +14,15 @@ Two named constants, both estimates to be calibrated by ``--method measure`` on 
 
 from __future__ import annotations
 
+from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES
 from trainfit.result import Overhead
 from trainfit.units import MiB
 
 CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_RESERVE_FRACTION = 0.10
-#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes
-#: (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize).
-ALLOCATOR_BLOCK_BYTES = 512
+
+
+__all__ = ["ALLOCATOR_BLOCK_BYTES", "ALLOCATOR_RESERVE_FRACTION", "CUDA_CONTEXT_BYTES", "overhead_for"]
 
 
 def overhead_for(peak_allocated_bytes: int) -> Overhead:

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from trainfit.arch.params import count_params
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import Component, MemoryReport, Method, Overhead, PhaseBreakdown, Term
+from trainfit.result import (
+    BytesPerParam,
+    Component,
+    MemoryReport,
+    Method,
+    Overhead,
+    PhaseBreakdown,
+    RuleOfThumbDetails,
+    Term,
+)
 from trainfit.result import Phase as P
 from trainfit.strategy import Strategy
 from trainfit.units import GB
@@ -45,7 +54,7 @@ def estimate_rule_of_thumb(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
         phases=(phase,),
         # The article's framework overhead is reported apart, like our CUDA context.
         overhead=Overhead(cuda_context_bytes=OVERHEAD_POINT, allocator_reserve_bytes=0),
-        bytes_per_param={"weights": 2.0, "gradients": 2.0, "optimizer_states": 8.0},
+        bytes_per_param=BytesPerParam(weights=2.0, gradients=2.0, optimizer_states=8.0),
         terms=(
             Term(
                 name="weights+grads+optimizer",
@@ -64,9 +73,9 @@ def estimate_rule_of_thumb(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
         notes=("decimal GB as in the article; c = 15 is the point value of its 10–20 range",),
         low_bytes=states + bshl * C_LOW + OVERHEAD_LOW,
         high_bytes=states + bshl * C_HIGH + OVERHEAD_HIGH,
-        extra={
-            "states_bytes": states,
-            "activations_low_bytes": bshl * C_LOW,
-            "activations_high_bytes": bshl * C_HIGH,
-        },
+        details=RuleOfThumbDetails(
+            states_bytes=states,
+            activations_low_bytes=bshl * C_LOW,
+            activations_high_bytes=bshl * C_HIGH,
+        ),
     )

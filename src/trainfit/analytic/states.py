@@ -21,20 +21,24 @@ Step temporaries (what ``optimizer.step()`` allocates on top):
   The ``fused`` implementation (HF Trainer's default with torch ≥ 2.8) has no such buffer.
 * ``master-*`` recipes cast the 16-bit grads to fp32 for the fp32 master parameters: 4 bytes/param.
 * Per-tensor optimizers (bnb 8-bit, Adafactor, Lion) need ~2 copies of the largest tensor in fp32.
+
+One rule, per parameter tensor (:func:`param_states`): a tensor is stored in its own format (the recipe's
+weight width; a frozen base may be stored in ``BaseWeights.dtype``; a quantised base keeps each layer linear
+packed, see :mod:`trainfit.cuda_facts`) and, *only if it is trainable*, has a gradient, an fp32 master copy
+(master-* recipes) and optimizer states. Full fine-tuning makes every tensor trainable; an adapter freezes
+the base. Autocast keeps a 16-bit copy of each floating matmul weight stored wider than it computes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.analytic.overhead import ALLOCATOR_BLOCK_BYTES
 from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
+from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, BNB_MIN_8BIT_SIZE, allocator_bytes, quantized_weight_tensors
+from trainfit.cuda_facts import BNB_OPTIM_BLOCK as BNB_BLOCK
 from trainfit.strategy import Optimizer, OptimizerImpl, Strategy
 from trainfit.units import round_up
-
-BNB_BLOCK = 256  # bitsandbytes blockwise quantisation block (optim/optimizer.py, Optimizer8bit)
-BNB_MIN_8BIT_SIZE = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +50,7 @@ class ModelStates:
     step_temp_bytes: int  # transient, inside optimizer.step()
     autocast_copies_bytes: int  # all low-precision copies of matmul weights (AMP only)
     params: int
+    trainable_params: int
 
     def per_param(self, n: int) -> float:
         return n / self.params if self.params else 0.0
@@ -89,17 +94,59 @@ def _per_param_bits(opt: Optimizer, state_bits: int) -> float:
     }[opt]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamState:
+    """How one parameter tensor (times ``count`` identical ones) is held: its stored bytes, and whether it
+    trains (then it has a gradient, a master copy under master-* recipes, and optimizer states)."""
+
+    tensor: ParamTensor
+    count: int
+    weight_bytes: int  # per tensor, allocator-rounded (every piece of a quantised tensor rounded)
+    trainable: bool
+    autocast_copy: bool  # autocast caches a 16-bit copy of it
+
+
+def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
+    """Every parameter tensor of ``spec`` under ``strategy``'s trainable mask and per-tensor formats."""
+    r = strategy.recipe
+    base = strategy.base_weights
+    full = strategy.trains_every_weight
+    quant = base.quantization.dtype
+    inv = inventory(spec)
+    out: list[ParamState] = []
+    layer_tensors = {id(t) for g in inv.layers for t in g.tensors}
+    for t, m in inv.all_tensors():
+        trainable = full
+        packed = quant is not None and not trainable and t.matmul and id(t) in layer_tensors
+        if packed:
+            assert quant is not None
+            pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
+            weight = sum(allocator_bytes(n) for n in pieces)
+        else:
+            bits = r.weight_bits if trainable or base.dtype is None else base.dtype.bits
+            weight = _alloc(t.numel, bits)
+        out.append(
+            ParamState(
+                tensor=t,
+                count=m,
+                weight_bytes=weight,
+                trainable=trainable,
+                autocast_copy=r.autocast and t.matmul and not packed,
+            )
+        )
+    return tuple(out)
+
+
 def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
     r = strategy.recipe
     opt = strategy.optimizer
     # Optimizer states are created like the tensor the optimizer updates: the fp32 master copy if any.
     state_bits = 32 if r.master_bits else r.state_bits
     inv: ParamInventory = inventory(spec)
-    tensors = inv.all_tensors()
-    largest_any = max((t.numel for t, _ in tensors), default=0)
+    largest_any = max((t.numel for t, _ in inv.all_tensors()), default=0)
 
     if spec.params_override is not None:
-        p = spec.params_override
+        p = trainable_p = spec.params_override
         matmul_p = int(p * inv.matmul_params / inv.total) if inv.total else p
         weights = p * r.weight_bits // 8
         grads = p * r.grad_bits // 8
@@ -107,20 +154,23 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         optim = int(p * _per_param_bits(opt, state_bits) / 8)
         copies = matmul_p * r.compute_bits // 8 if r.autocast else 0
     else:
+        states = param_states(spec, strategy)
+        trained = [(x.tensor, x.count) for x in states if x.trainable]
         p = inv.total
-        weights = sum(m * _alloc(t.numel, r.weight_bits) for t, m in tensors)
-        grads = sum(m * _alloc(t.numel, r.grad_bits) for t, m in tensors)
-        master = sum(m * _alloc(t.numel, r.master_bits) for t, m in tensors) if r.master_bits else 0
-        optim = sum(m * _opt_state_bytes(t, opt, state_bits) for t, m in tensors)
-        copies = sum(m * _alloc(t.numel, r.compute_bits) for t, m in tensors if t.matmul) if r.autocast else 0
+        trainable_p = sum(t.numel * m for t, m in trained)
+        weights = sum(x.count * x.weight_bytes for x in states)
+        grads = sum(m * _alloc(t.numel, r.grad_bits) for t, m in trained)
+        master = sum(m * _alloc(t.numel, r.master_bits) for t, m in trained) if r.master_bits else 0
+        optim = sum(m * _opt_state_bytes(t, opt, state_bits) for t, m in trained)
+        copies = sum(x.count * _alloc(x.tensor.numel, r.compute_bits) for x in states if x.autocast_copy)
 
     temp = 0
     if opt is Optimizer.ADAMW and strategy.optimizer_impl is OptimizerImpl.FOREACH:
-        temp += p * state_bits // 8  # foreach sqrt(exp_avg_sq) over the whole dtype group
+        temp += trainable_p * state_bits // 8  # foreach sqrt(exp_avg_sq) over the whole dtype group
     elif opt in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR, Optimizer.LION):
         temp += 2 * _alloc(largest_any, 32)
     if r.master_bits:
-        temp += p * 4  # fp32 copies of the 16-bit grads for the fp32 master parameters
+        temp += trainable_p * 4  # fp32 copies of the 16-bit grads for the fp32 master parameters
     return ModelStates(
         weights_bytes=weights,
         grads_bytes=grads,
@@ -129,4 +179,5 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         step_temp_bytes=temp,
         autocast_copies_bytes=copies,
         params=p,
+        trainable_params=trainable_p,
     )

@@ -23,7 +23,7 @@ import torch
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError
-from trainfit.result import Component, MemoryReport, Method, Phase
+from trainfit.result import Component, MeasureDetails, MemoryReport, Method, ModuleRow, Phase, TraceDetails
 from trainfit.strategy import Strategy
 from trainfit.trace import engine as eng
 from trainfit.trace import hf
@@ -156,21 +156,26 @@ def measure_spec(
         phases = extrapolate_phases(keyed, plan.ext, plan.runs, warnings)
     else:
         phases = {ph: _breakdown(ph, full_phases[ph]) for ph in Phase}
-    extra: dict[str, Any] = {
-        "layers_traced": [len(layout.layers) for _, layout in plan.layouts],
-        "extrapolated": bool(plan.ext),
-        "device": torch.cuda.get_device_name(),
-        "max_memory_reserved": reserved_by_phase,
-        "measure_seconds": round(time.perf_counter() - t0, 2),
-        "modules": [],
-    }
+    trace_totals: dict[Phase, int] | None = None
+    gap: dict[Phase, int] | None = None
+    rows: tuple[ModuleRow, ...] = ()
     if with_trace:
         from trainfit.trace import trace_spec
 
         tr = trace_spec(spec, strategy, steps=steps, adamw_impl=adamw_impl, extrapolate=extrapolate, modules=modules)
-        extra["trace"] = {p.phase.value: p.total_bytes for p in tr.phases}
-        extra["measured_minus_trace"] = {ph.value: phases[ph].total_bytes - tr.phase(ph).total_bytes for ph in Phase}
-        extra["modules"] = tr.extra.get("modules", [])
+        trace_totals = {ph: tr.phase(ph).total_bytes for ph in Phase}
+        gap = {ph: phases[ph].total_bytes - trace_totals[ph] for ph in Phase}
+        rows = tr.details.modules if isinstance(tr.details, TraceDetails) else ()
+    details = MeasureDetails(
+        layers_traced=tuple(len(layout.layers) for _, layout in plan.layouts),
+        extrapolated=bool(plan.ext),
+        device=torch.cuda.get_device_name(),
+        max_memory_reserved={Phase(k): v for k, v in reserved_by_phase.items()},
+        measure_seconds=round(time.perf_counter() - t0, 2),
+        modules=rows,
+        trace=trace_totals,
+        measured_minus_trace=gap,
+    )
     peak = max(p.total_bytes for p in phases.values())
     return MemoryReport(
         method=Method.MEASURE,
@@ -187,7 +192,7 @@ def measure_spec(
             "temporaries",
         ),
         warnings=tuple(warnings),
-        extra=extra,
+        details=details,
     )
 
 

@@ -53,7 +53,7 @@ def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> di
         },
         "reserved_estimate_bytes": report.reserved_estimate_bytes,
         "nvidia_smi_estimate_bytes": report.nvidia_smi_estimate_bytes,
-        "bytes_per_param": dict(report.bytes_per_param),
+        "bytes_per_param": report.bytes_per_param.as_dict(),
         "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms],
         "notes": list(report.notes),
         "warnings": list(report.warnings),

@@ -61,14 +61,13 @@ def _phases(report: MemoryReport) -> Table:
 
 def _bytes_per_param(report: MemoryReport, s: Strategy) -> Text:
     b = report.bytes_per_param
-    steady = b.get("weights", 0) + b.get("gradients", 0) + b.get("master_weights", 0) + b.get("optimizer_states", 0)
     txt = (
-        f"Bytes per parameter ({s.precision.value}, {s.optimizer.value}): weights {b.get('weights', 0):.2f}"
-        f" + grads {b.get('gradients', 0):.2f} + fp32 master {b.get('master_weights', 0):.2f}"
-        f" + optimizer {b.get('optimizer_states', 0):.2f} = {steady:.2f}"
+        f"Bytes per parameter ({s.precision.value}, {s.optimizer.value}): weights {b.weights:.2f}"
+        f" + grads {b.gradients:.2f} + fp32 master {b.master_weights:.2f}"
+        f" + optimizer {b.optimizer_states:.2f} = {b.steady_state:.2f}"
     )
-    if b.get("autocast_copies"):
-        txt += f" (+{b['autocast_copies']:.2f} autocast weight copies during forward/backward)"
+    if b.autocast_copies:
+        txt += f" (+{b.autocast_copies:.2f} autocast weight copies during forward/backward)"
     return Text(txt + f" — {s.recipe.description}")
 
 

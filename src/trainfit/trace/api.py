@@ -15,7 +15,16 @@ from typing import Any
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import TrainfitError
-from trainfit.result import Component, MemoryReport, Method, Phase, PhaseBreakdown
+from trainfit.result import (
+    BytesPerParam,
+    Component,
+    MemoryReport,
+    Method,
+    ModuleRow,
+    Phase,
+    PhaseBreakdown,
+    TraceDetails,
+)
 from trainfit.strategy import Precision, Strategy, recipe
 from trainfit.trace._deps import require_torch, require_transformers
 
@@ -31,17 +40,22 @@ def _overhead(peak: int) -> Any:
     return overhead_for(peak)
 
 
-def _bytes_per_param(phases: Mapping[Phase, PhaseBreakdown], params: int) -> dict[str, float]:
+def _bytes_per_param(phases: Mapping[Phase, PhaseBreakdown], params: int) -> BytesPerParam:
     if params <= 0:
-        return {}
-    opt = phases[Phase.OPTIMIZER_STEP].components
-    fwd = phases[Phase.FORWARD].components
-    out = {
-        c.value: opt.get(c, 0) / params
-        for c in (Component.WEIGHTS, Component.GRADIENTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES)
-    }
-    out[Component.AUTOCAST_COPIES.value] = fwd.get(Component.AUTOCAST_COPIES, 0) / params
-    return {k: round(v, 4) for k, v in out.items()}
+        return BytesPerParam()
+    opt = phases[Phase.OPTIMIZER_STEP]
+    fwd = phases[Phase.FORWARD]
+
+    def per(n: int) -> float:
+        return round(n / params, 4)
+
+    return BytesPerParam(
+        weights=per(opt.get(Component.WEIGHTS)),
+        gradients=per(opt.get(Component.GRADIENTS)),
+        master_weights=per(opt.get(Component.MASTER_WEIGHTS)),
+        optimizer_states=per(opt.get(Component.OPTIMIZER_STATES)),
+        autocast_copies=per(fwd.get(Component.AUTOCAST_COPIES)),
+    )
 
 
 def _breakdown(phase: Phase, comps: Mapping[Component, int]) -> PhaseBreakdown:
@@ -149,7 +163,7 @@ def trace(
     )
     peaks = eng.phase_peaks(run)
     phases = {ph: _breakdown(ph, peaks[ph].components) for ph in Phase}
-    rows = module_rows(eng.module_activations(run, peaks[Phase.FORWARD].event), {}, None, 0) if modules else []
+    rows = module_rows(eng.module_activations(run, peaks[Phase.FORWARD].event), {}, None, 0) if modules else ()
     depth_count = _count_layers(model)
     return MemoryReport(
         method=Method.TRACE,
@@ -163,12 +177,12 @@ def trace(
             "fake-tensor trace of the full model for 2+ steps; phases read from step 2 (steady state)",
             f"precision {rec.precision.value}; CUDA autocast policy and kernels emulated",
         ),
-        extra={
-            "layers_traced": [depth_count] if depth_count else [],
-            "modules": rows,
-            "sdpa_backends": run.sdpa_backends,
-            "peak_events": {ph.value: peaks[ph].event for ph in Phase},
-        },
+        details=TraceDetails(
+            layers_traced=(depth_count,) if depth_count else (),
+            modules=rows,
+            sdpa_backends=dict(run.sdpa_backends),
+            peak_events={ph: peaks[ph].event for ph in Phase},
+        ),
     )
 
 
@@ -180,7 +194,7 @@ def _count_layers(model: Any) -> int:
 
 def module_rows(
     by_owner: Mapping[str, int], full_counts: Mapping[str, int], stack_path: str | None, traced_units: int
-) -> list[dict[str, Any]]:
+) -> tuple[ModuleRow, ...]:
     """Largest saved-activation owners. Owners inside the layer stack are folded over the layer index
     (``model.layers.*.mlp``) and scaled to the full depth with ``full_counts[pattern]`` instances."""
     folded: dict[str, list[int]] = {}
@@ -197,12 +211,12 @@ def module_rows(
         per = sum(vals) // len(vals)
         n = full_counts.get(key, len(vals))
         rows.append(
-            {
-                "module": key or "(root)",
-                "instances": n,
-                "per_instance_bytes": per,
-                "activation_bytes": per * n if key in full_counts else sum(vals),
-            }
+            ModuleRow(
+                module=key or "(root)",
+                instances=n,
+                per_instance_bytes=per,
+                activation_bytes=per * n if key in full_counts else sum(vals),
+            )
         )
-    rows.sort(key=lambda r: -int(str(r["activation_bytes"])))
-    return rows[:MODULE_ROWS]
+    rows.sort(key=lambda r: -r.activation_bytes)
+    return tuple(rows[:MODULE_ROWS])

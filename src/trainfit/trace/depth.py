@@ -27,7 +27,16 @@ from typing import Any
 import torch
 
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import Component, MemoryReport, Method, Phase, PhaseBreakdown
+from trainfit.result import (
+    Component,
+    MemoryReport,
+    Method,
+    ModuleRow,
+    Phase,
+    PhaseBreakdown,
+    RepeatedRun,
+    TraceDetails,
+)
 from trainfit.strategy import Strategy
 from trainfit.trace import engine as eng
 from trainfit.trace import hf
@@ -220,7 +229,7 @@ def trace_hf(
         pk = eng.phase_peaks(base_run)
         phases = {ph: _breakdown(ph, pk[ph].components) for ph in Phase}
 
-    rows: list[dict[str, Any]] = []
+    rows: tuple[ModuleRow, ...] = ()
     if modules:
         fwd_event = eng.phase_peaks(base_run)[Phase.FORWARD].event
         counts_full = _instance_counts(stack, stack_path, base_layout)
@@ -255,15 +264,15 @@ def trace_hf(
         bytes_per_param=_bytes_per_param(phases, params),
         notes=tuple(notes),
         warnings=tuple(warnings),
-        extra={
-            "layers_traced": traced,
-            "modules": rows,
-            "extrapolated": bool(ext),
-            "runs": [{"start_block": r.start, "unit_blocks": r.period, "units": r.count} for r in runs],
-            "sdpa_backends": base_run.sdpa_backends,
-            "optimizer_impl": adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
-            "trace_seconds": round(time.perf_counter() - t0, 2),
-        },
+        details=TraceDetails(
+            layers_traced=tuple(traced),
+            modules=rows,
+            extrapolated=bool(ext),
+            runs=tuple(RepeatedRun(start_block=r.start, unit_blocks=r.period, units=r.count) for r in runs),
+            sdpa_backends=dict(base_run.sdpa_backends),
+            optimizer_impl=adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
+            trace_seconds=round(time.perf_counter() - t0, 2),
+        ),
     )
 
 

@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# The same kernel names as the analytic model's choice (trainfit.analytic.activations.sdpa_kernel).
-from trainfit.analytic.activations import EFFICIENT, FLASH, MATH
+from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
+
+FLASH, EFFICIENT, MATH = SdpaKernel.FLASH, SdpaKernel.EFFICIENT, SdpaKernel.MATH
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -70,24 +71,25 @@ def sdpa_backend(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     enable_gqa: bool = False,
-) -> str:
+) -> SdpaKernel:
     """The CUDA SDPA backend an sm80+ GPU picks for these inputs (``select_sdp_backend``, default priority
     flash > memory-efficient > math). Both fused kernels need q, k and v with the same batch and head counts
     (``check_batch_size_and_num_heads_dense``); only flash accepts fewer k/v heads, and only with
     ``enable_gqa`` — the memory-efficient kernel is instantiated without GQA support. So multi-query
     attention called without ``enable_gqa`` (HF Falcon) falls back to the math kernel."""
-    d, dv = q.size(-1), v.size(-1)
     lq, lk = q.size(-2), k.size(-2)
     hq, hk, hv = q.size(-3), k.size(-3), v.size(-3)
-    same_heads = hq == hk == hv
-    gqa_ok = same_heads or (enable_gqa and hk == hv and hq % hk == 0)
-    flash_shapes = d == dv and d <= 256 and not (is_causal and lq != lk)  # other head dims are padded to 8
-    if q.dtype in _HALF and attn_mask is None and flash_shapes and gqa_ok:
-        return FLASH
-    align = 8 if q.dtype in _HALF else 4  # minimum_gemm_alignment on sm80+
-    if q.dtype in (*_HALF, torch.float32) and d % align == 0 and dv % align == 0 and same_heads:
-        return EFFICIENT
-    return MATH
+    if q.dtype not in (*_HALF, torch.float32):
+        return MATH
+    return sdpa_kernel_for(
+        half=q.dtype in _HALF,
+        masked=attn_mask is not None,
+        same_heads=hq == hk == hv,
+        gqa_ok=enable_gqa and hk == hv and hq % hk == 0,
+        head_dim=q.size(-1),
+        v_head_dim=v.size(-1),
+        causal_cross=is_causal and lq != lk,
+    )
 
 
 class _FusedAttention(torch.autograd.Function):

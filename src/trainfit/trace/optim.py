@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
+from trainfit.cuda_facts import BNB_MIN_8BIT_SIZE
+from trainfit.cuda_facts import BNB_OPTIM_BLOCK as BNB_BLOCKSIZE
 from trainfit.errors import StrategyError
 from trainfit.strategy import Optimizer as OptName
 
 #: bitsandbytes ``Optimizer2State``: block size of the blockwise-quantised states and the smallest tensor
 #: given 8-bit states (``min_8bit_size``).
-BNB_BLOCKSIZE = 256
-BNB_MIN_8BIT_SIZE = 4096
 
 
 class Lion(torch.optim.Optimizer):

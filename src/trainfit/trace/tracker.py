@@ -32,11 +32,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, allocator_bytes
 from trainfit.result import Component
 
-#: Allocation granularity of the CUDA caching allocator (``kMinBlockSize = 512`` in
-#: c10/cuda/CUDACachingAllocator.cpp); ``max_memory_allocated`` counts rounded block sizes.
-ALLOC_GRANULARITY_BYTES = 512
+#: Allocation granularity of the CUDA caching allocator (one fact in trainfit.cuda_facts).
+ALLOC_GRANULARITY_BYTES = ALLOCATOR_BLOCK_BYTES
 
 # Explicit kinds (set by marks); NONE means "decide by fate".
 NONE, WEIGHTS, MASTER, GRAD, OPT, AUTOCAST, LOGITS, HOST, MERGED = range(9)
@@ -56,12 +56,7 @@ COMPONENTS: tuple[Component, ...] = tuple(Component)
 _COMP_INDEX = {c: i for i, c in enumerate(COMPONENTS)}
 
 
-def rounded(nbytes: int) -> int:
-    """Bytes the caching allocator hands out for a request of ``nbytes`` (0 stays 0)."""
-    if nbytes <= 0:
-        return 0
-    g = ALLOC_GRANULARITY_BYTES
-    return -(-nbytes // g) * g
+rounded = allocator_bytes
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""HOW a model is trained: precision recipe, optimizer, shape, activation checkpointing, attention kernel.
+"""Precision recipes: which dtype each kind of training state is kept in.
 
 Recipes are named as users know them. Bytes per parameter for each (weights + grads + master + Adam
 states; autocast's transient low-precision weight copies are extra and listed separately):
@@ -23,11 +23,10 @@ grads plus fp32 Adam states but omits the fp32 master copy it describes in its o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from trainfit.errors import StrategyError
+from trainfit.strategy.dtypes import DType
 
 
 class Precision(StrEnum):
@@ -37,39 +36,6 @@ class Precision(StrEnum):
     MASTER_BF16 = "master-bf16"
     MASTER_FP16 = "master-fp16"
     PURE_BF16 = "pure-bf16"
-
-
-class Optimizer(StrEnum):
-    ADAMW = "adamw"
-    ADAMW_8BIT = "adamw-8bit"
-    SGD = "sgd"
-    SGD_MOMENTUM = "sgd-momentum"
-    ADAFACTOR = "adafactor"
-    LION = "lion"
-
-
-class OptimizerImpl(StrEnum):
-    """How torch.optim runs the update (torch/optim/optimizer.py ``_default_to_fused_or_foreach``).
-
-    ``foreach`` is torch's default on CUDA (what a hand-written loop gets): its intermediates are
-    whole tensor lists, e.g. AdamW's ``sqrt(exp_avg_sq)`` for every parameter at once. ``fused`` runs
-    one kernel per tensor with no list-sized temporaries; the HF Trainer defaults to it
-    (``adamw_torch_fused``) with torch ≥ 2.8.
-    """
-
-    FOREACH = "foreach"
-    FUSED = "fused"
-
-
-class Checkpointing(StrEnum):
-    NONE = "none"
-    FULL = "full"
-    SQRT = "sqrt"
-
-
-class Attention(StrEnum):
-    SDPA = "sdpa"
-    EAGER = "eager"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +52,16 @@ class Recipe:
     state_bits: int  # optimizer-state dtype (torch creates states like the parameter they update)
     compute_dtype: str  # "bf16" | "fp16" | "fp32"
     description: str
+
+    @property
+    def compute(self) -> DType:
+        """The format matmuls run in."""
+        return DType(self.compute_dtype)
+
+    @property
+    def weight_dtype(self) -> DType:
+        """The format the model's (trainable) weights are stored in."""
+        return DType.FP32 if self.weight_bits == 32 else self.compute
 
     @property
     def needs_bf16(self) -> bool:
@@ -174,88 +150,3 @@ RECIPES: dict[Precision, Recipe] = {
 
 def recipe(precision: Precision | str) -> Recipe:
     return RECIPES[Precision(precision)]
-
-
-def _positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise StrategyError(f"{name} must be a positive integer, got {value}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointLayout:
-    """Checkpointed segments, their sizes in blocks (empty without checkpointing)."""
-
-    segment_sizes: tuple[int, ...]
-
-    @property
-    def largest_segment(self) -> int:
-        return max(self.segment_sizes, default=0)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Strategy:
-    """One training configuration on one GPU. Memory is per micro-step; ``grad_accum`` only scales the
-    effective batch (accumulated gradients live in the same gradient buffers)."""
-
-    precision: Precision = Precision.AMP_BF16
-    optimizer: Optimizer = Optimizer.ADAMW
-    checkpointing: Checkpointing = Checkpointing.NONE
-    attention: Attention = Attention.SDPA
-    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
-    micro_batch: int = 1
-    seq_len: int = 2048
-    grad_accum: int = 1
-
-    def __post_init__(self) -> None:
-        _positive("batch", self.micro_batch)
-        _positive("seq", self.seq_len)
-        _positive("grad-accum", self.grad_accum)
-        # Accept plain strings from kwargs and coerce to enums (frozen: use object.__setattr__).
-        for name, enum in (
-            ("precision", Precision),
-            ("optimizer", Optimizer),
-            ("checkpointing", Checkpointing),
-            ("attention", Attention),
-            ("optimizer_impl", OptimizerImpl),
-        ):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, enum(value))
-            except ValueError:
-                choices = ", ".join(e.value for e in enum)
-                raise StrategyError(f"unknown {name} '{value}'; choose one of: {choices}") from None
-
-    @property
-    def recipe(self) -> Recipe:
-        return RECIPES[self.precision]
-
-    @property
-    def effective_batch(self) -> int:
-        return self.micro_batch * self.grad_accum
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch * self.seq_len
-
-    def checkpoint_layout(self, num_layers: int) -> CheckpointLayout:
-        """Which layers are checkpointed, and in which segments (shared by every estimation method).
-
-        ``full``: every block is its own segment (HF ``gradient_checkpointing_enable``). ``sqrt``: Chen et
-        al. 2016 ("Training Deep Nets with Sublinear Memory Cost", §4.1) — segments of ⌈L/⌈√L⌉⌉ blocks
-        covering all L blocks (the last one shorter when it does not divide); only each segment's input is kept
-        and backward recomputes one segment at a time, so activations scale with ~2√L layers. (Unlike
-        ``torch.utils.checkpoint.checkpoint_sequential``, no trailing segment runs unchecked, which keeps
-        memory monotonic in the depth.)
-        """
-        if self.checkpointing is Checkpointing.NONE:
-            return CheckpointLayout(segment_sizes=())
-        if self.checkpointing is Checkpointing.FULL:
-            return CheckpointLayout(segment_sizes=(1,) * num_layers)
-        size = math.ceil(num_layers / max(1, math.ceil(math.sqrt(num_layers))))
-        full_segments, rest = divmod(num_layers, size)
-        sizes = (size,) * full_segments + ((rest,) if rest else ())
-        return CheckpointLayout(segment_sizes=sizes)
-
-    def checkpoint_segments(self, num_layers: int) -> int:
-        """Number of checkpointed segments (0 without checkpointing)."""
-        return len(self.checkpoint_layout(num_layers).segment_sizes)

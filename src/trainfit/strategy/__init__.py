@@ -1,0 +1,49 @@
+"""HOW a model runs: :class:`Strategy` and its value types (see :mod:`trainfit.strategy.core`).
+
+Modules: ``dtypes`` (number formats and widths), ``recipe`` (precision recipes), ``training``
+(optimizer, checkpointing, attention), ``parallel`` (degrees, sharding, offload), ``adapters``
+(LoRA and base-weight storage), ``workload`` (training or inference, memory savers), ``core``
+(the Strategy itself).
+"""
+
+from trainfit.strategy.adapters import ALL_LINEAR, Adapter, AdapterKind, BaseWeights, Quantization
+from trainfit.strategy.core import Strategy
+from trainfit.strategy.dtypes import DType
+from trainfit.strategy.parallel import Offload, OffloadTarget, Parallelism, Sharding
+from trainfit.strategy.recipe import RECIPES, Precision, Recipe, recipe
+from trainfit.strategy.training import (
+    Attention,
+    Checkpointing,
+    CheckpointLayout,
+    Optimizer,
+    OptimizerImpl,
+    checkpoint_layout,
+)
+from trainfit.strategy.workload import Generation, MemorySavers, Workload
+
+__all__ = [
+    "ALL_LINEAR",
+    "RECIPES",
+    "Adapter",
+    "AdapterKind",
+    "Attention",
+    "BaseWeights",
+    "CheckpointLayout",
+    "Checkpointing",
+    "DType",
+    "Generation",
+    "MemorySavers",
+    "Offload",
+    "OffloadTarget",
+    "Optimizer",
+    "OptimizerImpl",
+    "Parallelism",
+    "Precision",
+    "Quantization",
+    "Recipe",
+    "Sharding",
+    "Strategy",
+    "Workload",
+    "checkpoint_layout",
+    "recipe",
+]

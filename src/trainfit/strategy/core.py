@@ -1,0 +1,118 @@
+"""The Strategy: one value that says HOW a model runs — precision recipe, optimizer, batch shape and
+checkpointing, and (as defaulted sub-configs) parallelism, sharding, offload, adapters, base-weight
+storage, memory savers and the workload. Every default reproduces the single-GPU, full fine-tuning,
+training-only model, so a capability arrives by reading one more sub-config, not by a new argument
+threaded through every function.
+
+Memory is per micro-step; ``grad_accum`` only scales the effective batch (accumulated gradients live in
+the same gradient buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainfit.strategy._validate import coerce_enum, positive_int
+from trainfit.strategy.adapters import Adapter, BaseWeights
+from trainfit.strategy.parallel import Offload, Parallelism, Sharding
+from trainfit.strategy.recipe import RECIPES, Precision, Recipe
+from trainfit.strategy.training import (
+    Attention,
+    Checkpointing,
+    CheckpointLayout,
+    Optimizer,
+    OptimizerImpl,
+    checkpoint_layout,
+)
+from trainfit.strategy.workload import Generation, MemorySavers, Workload
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Strategy:
+    precision: Precision = Precision.AMP_BF16
+    optimizer: Optimizer = Optimizer.ADAMW
+    checkpointing: Checkpointing = Checkpointing.NONE
+    attention: Attention = Attention.SDPA
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    # Sub-configs; the defaults are one GPU, full fine-tuning, a training step.
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    sharding: Sharding = Sharding.NONE
+    offload: Offload = field(default_factory=Offload)
+    adapter: Adapter | None = None
+    base_weights: BaseWeights = field(default_factory=BaseWeights)
+    savers: MemorySavers = field(default_factory=MemorySavers)
+    workload: Workload = Workload.TRAINING
+    generation: Generation = field(default_factory=Generation)
+
+    def __post_init__(self) -> None:
+        positive_int("batch", self.micro_batch)
+        positive_int("seq", self.seq_len)
+        positive_int("grad-accum", self.grad_accum)
+        # Accept plain strings from kwargs and coerce to enums (frozen: coerce_enum uses object.__setattr__).
+        coerce_enum(self, "precision", Precision)
+        coerce_enum(self, "optimizer", Optimizer)
+        coerce_enum(self, "checkpointing", Checkpointing)
+        coerce_enum(self, "attention", Attention)
+        coerce_enum(self, "optimizer_impl", OptimizerImpl)
+        coerce_enum(self, "sharding", Sharding)
+        coerce_enum(self, "workload", Workload)
+
+    @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.precision]
+
+    @property
+    def effective_batch(self) -> int:
+        """Sequences per optimizer step on one data-parallel replica (× data degree for the global batch)."""
+        return self.micro_batch * self.grad_accum
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    @property
+    def trains_every_weight(self) -> bool:
+        """Full fine-tuning: no adapter, so every parameter is trainable."""
+        return self.adapter is None
+
+    def checkpoint_layout(self, num_layers: int) -> CheckpointLayout:
+        """Which layers are checkpointed, and in which segments (see :func:`checkpoint_layout`)."""
+        return checkpoint_layout(self.checkpointing, num_layers)
+
+    def checkpoint_segments(self, num_layers: int) -> int:
+        """Number of checkpointed segments (0 without checkpointing)."""
+        return len(self.checkpoint_layout(num_layers).segment_sizes)
+
+    def beyond_single_gpu_training(self) -> tuple[str, ...]:
+        """The sub-configs that differ from one GPU, full fine-tuning, a training step (what a method
+        that models only that setup must refuse rather than silently ignore)."""
+        out: list[str] = []
+        if not self.parallelism.is_single_gpu:
+            out.append(f"{self.world_size} GPUs")
+        if self.sharding is not Sharding.NONE:
+            out.append(f"sharding {self.sharding.value}")
+        if self.offload.any:
+            out.append("offload")
+        if self.adapter is not None:
+            out.append(f"{self.adapter.kind.value} adapters")
+        if not self.base_weights.is_default:
+            out.append(
+                "base weights "
+                + (
+                    self.base_weights.quantization.value
+                    if self.base_weights.quantization.value != "none"
+                    else str(self.base_weights.dtype)
+                )
+            )
+        if self.savers.any:
+            out.append("memory savers")
+        if self.workload is not Workload.TRAINING:
+            out.append(self.workload.value)
+        return tuple(out)
