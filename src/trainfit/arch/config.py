@@ -8,10 +8,11 @@ absent. Nothing here executes remote code: configs with ``auto_map`` are read as
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainfit.arch.spec import MLASpec, MlpKind, ModelKind, ModelSpec, MoESpec, NormKind, ParamTensor
+from trainfit.arch.spec import MAX_DIM, MLASpec, MlpKind, ModelKind, ModelSpec, MoESpec, NormKind, ParamTensor
 from trainfit.errors import ConfigError, UnsupportedArchitectureError
 
 #: HF spellings of each ModelSpec dimension, first match wins.
@@ -27,51 +28,165 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 Config = Mapping[str, Any]
 
+#: Largest value any integer key may take (``spec.MAX_DIM``, 2**31 − 1): no real transformer comes near it
+#: (the widest vocabulary is ~2.6·10^5, the deepest stack ~10^2 layers); beyond it a value is a typo.
+MAX_INT = MAX_DIM
 
-def _get(cfg: Config, field: str, default: Any = None, *, required: bool = False) -> Any:
+#: Model types whose transformers module refuses ``hidden_size % num_attention_heads != 0`` even when the
+#: config gives ``head_dim`` (transformers 5: ``validate_architecture`` of LlamaConfig, Gemma2Config,
+#: DeepseekV2Config and GPTNeoXConfig; the attention modules of GPT-2, OPT, Falcon and BERT raise). The
+#: other families build ``head_dim`` (given, or ``hidden_size // num_attention_heads``) wide heads.
+HEADS_MUST_DIVIDE: frozenset[str] = frozenset(
+    {"llama", "gemma2", "deepseek_v2", "gpt2", "opt", "gpt_neox", "falcon", "bert"}
+)
+
+#: ``head_dim`` when the config omits it: the config class's own default where it has one (Qwen3Config
+#: 128, GemmaConfig/Gemma2Config 256), else ``hidden_size // num_attention_heads``.
+HEAD_DIM_DEFAULTS: dict[str, int] = {"qwen3": 128, "gemma": 256, "gemma2": 256}
+
+#: Families whose modeling code ignores a ``head_dim`` key (heads are always ``hidden_size / heads`` wide).
+HEAD_DIM_IGNORED: frozenset[str] = frozenset({"gpt2", "opt", "gpt_neox", "bert"})
+
+
+def _show(value: Any) -> str:
+    """A short JSON rendering of a bad value for an error message."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _key(cfg: Config, field: str) -> str | None:
+    """The first HF spelling of ``field`` present (not null) in ``cfg``."""
     for key in ALIASES.get(field, (field,)):
         if cfg.get(key) is not None:
-            return cfg[key]
+            return key
+    return None
+
+
+def _check_int(key: str, value: Any, *, minimum: int = 1, maximum: int = MAX_INT) -> int:
+    """``value`` as an int in [minimum, maximum]; JSON bools and floats are not integers (transformers'
+    strict config dataclasses refuse them too, so the trace could not build such a model)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json: '{key}' must be a whole number, got {_show(value)}; fix it in the config")
+    if not minimum <= value <= maximum:
+        bound = f"at least {minimum}" if value < minimum else f"at most {maximum}"
+        raise ConfigError(f"config.json: '{key}' must be {bound}, got {value}; fix it in the config")
+    return value
+
+
+def _get(cfg: Config, field: str, default: Any = None, *, required: bool = False) -> Any:
+    key = _key(cfg, field)
+    if key is not None:
+        return cfg[key]
     if required:
         spellings = " / ".join(ALIASES.get(field, (field,)))
         raise ConfigError(f"config.json has no '{spellings}' key; it is needed to compute memory")
     return default
 
 
-def _dropout(cfg: Config, *keys: str, default: float = 0.0) -> float:
-    """A dropout probability; ``default`` is the transformers config class's default for the key."""
-    for k in keys:
-        v = cfg.get(k)
-        if isinstance(v, int | float):
-            return float(v)
+def _get_int(cfg: Config, field: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
+    """An integer dimension under any of its HF spellings (``default`` when absent or null)."""
+    key = _key(cfg, field)
+    if key is None:
+        return _get(cfg, field, default, required=required)
+    return _check_int(key, cfg[key], minimum=minimum)
+
+
+def _int(cfg: Config, key: str, default: Any = None, *, minimum: int = 1) -> Any:
+    """An integer key (``default`` when absent or null)."""
+    v = cfg.get(key)
+    return default if v is None else _check_int(key, v, minimum=minimum)
+
+
+def _float(cfg: Config, key: str, default: Any, *, low: float = 0.0, high: float = 1.0) -> Any:
+    """A real number in [low, high] (``default`` when absent or null); bools are not numbers."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not low <= v <= high:
+        raise ConfigError(
+            f"config.json: '{key}' must be a number from {low:g} to {high:g}, got {_show(v)}; fix it in the config"
+        )
+    return float(v)
+
+
+def _bool(cfg: Config, key: str, default: bool) -> bool:
+    """A JSON true/false (``default`` when absent or null); 0/1 and strings are refused, as transformers does."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"config.json: '{key}' must be true or false, got {_show(v)}; fix it in the config")
+    return v
+
+
+def _str(cfg: Config, *keys: str, default: str) -> str:
+    """The first of ``keys`` present as a string (``default`` when none is)."""
+    for key in keys:
+        v = cfg.get(key)
+        if v is None or v == "":
+            continue
+        if not isinstance(v, str):
+            raise ConfigError(f"config.json: '{key}' must be a string, got {_show(v)}; fix it in the config")
+        return v
     return default
 
 
-def _common(cfg: Config, *, name: str, source: str) -> dict[str, Any]:
-    h = int(_get(cfg, "hidden_size", required=True))
-    heads = int(_get(cfg, "num_heads", required=True))
-    kv = int(_get(cfg, "num_kv_heads", heads))
-    head_dim = cfg.get("head_dim") or h // heads
+def _dropout(cfg: Config, *keys: str, default: float = 0.0) -> float:
+    """A dropout probability; ``default`` is the transformers config class's default for the key."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return float(_float(cfg, k, default))
+    return default
+
+
+def _common(cfg: Config, *, name: str, source: str, model_type: str) -> dict[str, Any]:
+    h = _get_int(cfg, "hidden_size", required=True)
+    heads = _get_int(cfg, "num_heads", required=True)
+    kv = _get_int(cfg, "num_kv_heads", heads)
+    if heads % kv:
+        raise ConfigError(
+            f"config.json: {heads} attention heads are not a multiple of {kv} key/value heads; fix the config"
+        )
+    if model_type in HEADS_MUST_DIVIDE and h % heads:
+        raise ConfigError(
+            f"config.json: hidden size {h} is not divisible by {heads} attention heads, which transformers "
+            f"requires for '{model_type}' models; fix the config"
+        )
+    head_dim = None if model_type in HEAD_DIM_IGNORED else _int(cfg, "head_dim")
+    if head_dim is None:
+        head_dim = HEAD_DIM_DEFAULTS.get(model_type) or h // heads
+    if head_dim < 1:
+        raise ConfigError(
+            f"config.json: {heads} attention heads are more than the hidden size {h}; give 'head_dim' or fix the config"
+        )
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list):
+        raise ConfigError(f"config.json: 'architectures' must be a list of class names, got {_show(archs)}")
+    max_pos = _get_int(cfg, "max_position_embeddings")
     return {
         "name": name,
         "source": source,
-        "model_type": str(cfg.get("model_type", "")),
+        "model_type": model_type,
         "architecture": str(archs[0]) if archs else "",
         "hidden_size": h,
-        "num_layers": int(_get(cfg, "num_layers", required=True)),
+        "num_layers": _get_int(cfg, "num_layers", required=True),
         "num_heads": heads,
         "num_kv_heads": kv,
-        "head_dim": int(head_dim),
-        "vocab_size": int(_get(cfg, "vocab_size", required=True)),
-        "max_position_embeddings": _get(cfg, "max_position_embeddings"),
-        "use_cache": bool(cfg.get("use_cache", True)),
+        "head_dim": head_dim,
+        "vocab_size": _get_int(cfg, "vocab_size", required=True),
+        "max_position_embeddings": max_pos,
+        "use_cache": _bool(cfg, "use_cache", True),
         "hf_config": dict(cfg),
     }
 
 
 def _intermediate(cfg: Config, default: int | None = None) -> int:
-    v = _get(cfg, "intermediate_size")
+    v = _get_int(cfg, "intermediate_size", minimum=0)
     if v is None:
         if default is None:
             raise ConfigError("config.json has no 'intermediate_size' key; it is needed to compute memory")
@@ -80,8 +195,8 @@ def _intermediate(cfg: Config, default: int | None = None) -> int:
 
 
 def _rope_dim(cfg: Config, head_dim: int, fraction_key: str, default: float = 1.0) -> int:
-    frac = cfg.get(fraction_key, default)
-    return int(head_dim * float(frac))
+    frac = _float(cfg, fraction_key, default)
+    return int(head_dim * frac)
 
 
 # --- families -------------------------------------------------------------------------------------
@@ -90,18 +205,18 @@ def _rope_dim(cfg: Config, head_dim: int, fraction_key: str, default: float = 1.
 def _llama_like(cfg: Config, base: dict[str, Any], *, tie_default: bool, qkv_bias: bool) -> dict[str, Any]:
     """Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen-MoE: RMSNorm, RoPE, SwiGLU, GQA
     (transformers ``modeling_llama.py`` and its copies)."""
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    bias = bool(cfg.get("attention_bias", qkv_bias))
-    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    window = _window(cfg) if _bool(cfg, "use_sliding_window", True) else None
+    bias = _bool(cfg, "attention_bias", qkv_bias)
+    act = _str(cfg, "hidden_activation", "hidden_act", default="silu")
     return base | {
         "intermediate_size": _intermediate(cfg),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", tie_default)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", tie_default),
         "norm": NormKind.RMSNORM,
         "mlp": MlpKind.GATED,
         "activation": act,
         "qkv_bias": bias,
-        "out_bias": bool(cfg.get("attention_bias", False)),
-        "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "out_bias": _bool(cfg, "attention_bias", False),
+        "mlp_bias": _bool(cfg, "mlp_bias", False),
         "rotary_dim": _rope_dim(cfg, base["head_dim"], "partial_rotary_factor"),
         "attention_dropout": _dropout(cfg, "attention_dropout"),
         "sliding_window": window,
@@ -121,15 +236,16 @@ def _qwen_masks(cfg: Config, num_layers: int, *, moe: bool = False) -> dict[str,
     Qwen2/Qwen3 build a full causal mask and, when any layer slides, a sliding one too
     (``has_sliding_layers`` in modeling_qwen2.py); Qwen2-MoE always builds both."""
     types = cfg.get("layer_types")
-    if not isinstance(types, list):
-        mwl = int(cfg.get("max_window_layers", 28))
-        on = bool(cfg.get("use_sliding_window", False)) and cfg.get("sliding_window") is not None
-        slides = [on and ((i + 1) % 2 == 1 and i < mwl if moe else i >= mwl) for i in range(num_layers)]
-        types = ["sliding_attention" if x else "full_attention" for x in slides]
-    sliding = sum(1 for t in types if t == "sliding_attention")
+    if isinstance(types, list):
+        sliding = sum(1 for t in types if t == "sliding_attention")
+    elif not (_bool(cfg, "use_sliding_window", False) and _window(cfg) is not None):
+        sliding = 0
+    else:  # counted, not listed: a list per layer would be as long as num_layers
+        mwl = _int(cfg, "max_window_layers", 28, minimum=0)
+        sliding = (min(mwl, num_layers) + 1) // 2 if moe else max(0, num_layers - mwl)
     return {
         "attention_masks": 2 if (sliding or moe) else 1,
-        "sliding_window": cfg.get("sliding_window") if sliding else None,
+        "sliding_window": _window(cfg) if sliding else None,
         "sliding_layers": sliding,
     }
 
@@ -156,8 +272,9 @@ def _gemma(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 def _gemma2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     """Gemma-2 (modeling_gemma2.py): pre/post feed-forward norms and a post-attention norm (4 RMSNorms
     per layer); tanh soft-capping of attention scores (50) and logits (30); no SDPA attention."""
-    attn_cap = cfg.get("attn_logit_softcapping", 50.0)
-    final_cap = cfg.get("final_logit_softcapping", 30.0)
+    # A null cap turns soft-capping off; an absent one takes Gemma2Config's default.
+    attn_cap = _float(cfg, "attn_logit_softcapping", None, high=1e9) if "attn_logit_softcapping" in cfg else 50.0
+    final_cap = _float(cfg, "final_logit_softcapping", None, high=1e9) if "final_logit_softcapping" in cfg else 30.0
     return _gemma(cfg, base) | {
         "norms_per_layer": 4,
         "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
@@ -165,7 +282,7 @@ def _gemma2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "supports_sdpa": False,
         # Gemma2Model.forward always builds both the full and the sliding-window mask; even layers slide.
         "attention_masks": 2,
-        "sliding_layers": (base["num_layers"] + 1) // 2 if cfg.get("sliding_window") else 0,
+        "sliding_layers": (base["num_layers"] + 1) // 2 if _window(cfg) else 0,
     }
 
 
@@ -176,9 +293,10 @@ def _phi3(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 
 def _mixtral(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     out = _llama_like(cfg, base, tie_default=False, qkv_bias=False)
+    n_experts, top_k = _routing(cfg, "num_local_experts", 8, 2)
     moe = MoESpec(
-        num_experts=int(cfg.get("num_local_experts", 8)),
-        experts_per_token=int(cfg.get("num_experts_per_tok", 2)),
+        num_experts=n_experts,
+        experts_per_token=top_k,
         expert_intermediate_size=out["intermediate_size"],
     )
     return out | {"moe": moe}
@@ -188,18 +306,19 @@ def _qwen_moe(cfg: Config, base: dict[str, Any], *, shared: bool, qkv_bias: bool
     out = _llama_like(cfg, base, tie_default=False, qkv_bias=qkv_bias)
     if qkv_bias:
         out |= {"qkv_bias": True, "out_bias": False}
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+    if cfg.get("mlp_only_layers") or _int(cfg, "decoder_sparse_step", 1) != 1:
         raise UnsupportedArchitectureError(
             "MoE configs with mlp_only_layers or decoder_sparse_step != 1 are not supported yet"
         )
+    n_experts, top_k = _routing(cfg, "num_experts", 60, 4)
     moe = MoESpec(
-        num_experts=int(cfg.get("num_experts", 60)),
-        experts_per_token=int(cfg.get("num_experts_per_tok", 4)),
-        expert_intermediate_size=int(cfg.get("moe_intermediate_size", out["intermediate_size"])),
+        num_experts=n_experts,
+        experts_per_token=top_k,
+        expert_intermediate_size=_int(cfg, "moe_intermediate_size", out["intermediate_size"]),
         num_shared_experts=1 if shared else 0,
-        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)) if shared else 0,
+        shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", 0, minimum=0) if shared else 0,
         shared_expert_gate=shared,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", False),
         weights_in_compute_dtype=True,
     )
     return out | {"moe": moe}
@@ -211,7 +330,7 @@ def _qwen2_moe(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 
 def _qwen3_moe(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     # One mask function for every layer (modeling_qwen3_moe.py), sliding when the config enables it.
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    window = _window(cfg) if _bool(cfg, "use_sliding_window", False) else None
     return _qwen_moe(cfg, base, shared=False, qkv_bias=False) | {
         "qk_norm": True,
         "attention_masks": 1,
@@ -225,26 +344,27 @@ def _deepseek(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     The multi-token-prediction layers (num_nextn_predict_layers) are not built by transformers and
     are not counted."""
     out = _llama_like(cfg, base, tie_default=False, qkv_bias=False)
-    q_lora = cfg.get("q_lora_rank")
+    q_lora = _int(cfg, "q_lora_rank", minimum=0)
     mla = MLASpec(
-        q_lora_rank=int(q_lora) if q_lora else None,
-        kv_lora_rank=int(_need(cfg, "kv_lora_rank")),
-        qk_nope_head_dim=int(_need(cfg, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_need(cfg, "qk_rope_head_dim")),
-        v_head_dim=int(_need(cfg, "v_head_dim")),
+        q_lora_rank=q_lora or None,
+        kv_lora_rank=_need(cfg, "kv_lora_rank"),
+        qk_nope_head_dim=_need(cfg, "qk_nope_head_dim"),
+        qk_rope_head_dim=_need(cfg, "qk_rope_head_dim"),
+        v_head_dim=_need(cfg, "v_head_dim"),
     )
-    if int(cfg.get("moe_layer_freq", 1)) != 1:
+    if _int(cfg, "moe_layer_freq", 1) != 1:
         raise UnsupportedArchitectureError("DeepSeek configs with moe_layer_freq != 1 are not supported yet")
-    n_shared = int(cfg.get("n_shared_experts") or 0)
-    moe_i = int(_need(cfg, "moe_intermediate_size"))
+    n_shared = _int(cfg, "n_shared_experts", 0, minimum=0)
+    moe_i = _need(cfg, "moe_intermediate_size")
+    n_experts, top_k = _routing(cfg, "n_routed_experts", None, None)
     moe = MoESpec(
-        num_experts=int(_need(cfg, "n_routed_experts")),
-        experts_per_token=int(_need(cfg, "num_experts_per_tok")),
+        num_experts=n_experts,
+        experts_per_token=top_k,
         expert_intermediate_size=moe_i,
         num_shared_experts=n_shared,
         shared_expert_intermediate_size=moe_i,
-        num_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        num_dense_layers=_int(cfg, "first_k_dense_replace", 0, minimum=0),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", False),
     )
     return out | {
         "mla": mla,
@@ -255,10 +375,29 @@ def _deepseek(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _need(cfg: Config, key: str) -> Any:
+def _need(cfg: Config, key: str) -> int:
+    """A required positive integer key."""
     if cfg.get(key) is None:
         raise ConfigError(f"config.json has no '{key}' key; it is needed for this architecture")
-    return cfg[key]
+    return _check_int(key, cfg[key])
+
+
+def _routing(cfg: Config, experts_key: str, experts: int | None, top_k: int | None) -> tuple[int, int]:
+    """``num_experts`` and ``experts_per_token`` (defaults: the config class's; None: required): a token is
+    routed to 1..num_experts experts."""
+    n = _need(cfg, experts_key) if experts is None else _int(cfg, experts_key, experts)
+    k = _need(cfg, "num_experts_per_tok") if top_k is None else _int(cfg, "num_experts_per_tok", top_k)
+    if k > n:
+        raise ConfigError(
+            f"config.json: 'num_experts_per_tok' is {k} but there are only {n} experts ('{experts_key}'); "
+            f"a token is routed to 1..{n} experts"
+        )
+    return n, k
+
+
+def _window(cfg: Config) -> int | None:
+    """``sliding_window`` in tokens; null (and 0, which some configs write for "none") means no window."""
+    return _int(cfg, "sliding_window", minimum=0) or None
 
 
 def _gpt2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
@@ -266,20 +405,20 @@ def _gpt2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     h = base["hidden_size"]
     return base | {
         "intermediate_size": _intermediate(cfg, 4 * h),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("activation_function", "gelu_new")),
+        "activation": _str(cfg, "activation_function", default="gelu_new"),
         "qkv_bias": True,
         "fused_qkv": True,
         "out_bias": True,
         "mlp_bias": True,
-        "learned_positions": int(_get(cfg, "max_position_embeddings", 1024)),
+        "learned_positions": _get_int(cfg, "max_position_embeddings", 1024),
         "attention_dropout": _dropout(cfg, "attn_pdrop", default=0.1),
         "hidden_dropout": _dropout(cfg, "resid_pdrop", default=0.1),
         "embedding_dropout": _dropout(cfg, "embd_pdrop", default=0.1),
-        "max_position_embeddings": int(_get(cfg, "max_position_embeddings", 1024)),
+        "max_position_embeddings": _get_int(cfg, "max_position_embeddings", 1024),
         "softmax_upcast": False,  # eager: softmax in the scores' dtype, then .type(value.dtype)
     }
 
@@ -287,23 +426,23 @@ def _gpt2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 def _opt(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     """OPT (modeling_opt.py): positions table has 2 extra rows (offset), optional project_in/out."""
     h = base["hidden_size"]
-    proj = int(cfg.get("word_embed_proj_dim", h))
+    proj = _int(cfg, "word_embed_proj_dim", h)
     extra: tuple[ParamTensor, ...] = ()
     if proj != h:
         extra = (
             ParamTensor(name="project_in.weight", shape=(h, proj), matmul=True),
             ParamTensor(name="project_out.weight", shape=(proj, h), matmul=True),
         )
-    bias = bool(cfg.get("enable_bias", True))
-    final = bool(cfg.get("do_layer_norm_before", True)) and not cfg.get("_remove_final_layer_norm", False)
-    max_pos = int(_get(cfg, "max_position_embeddings", 2048))
+    bias = _bool(cfg, "enable_bias", True)
+    final = _bool(cfg, "do_layer_norm_before", True) and not _bool(cfg, "_remove_final_layer_norm", False)
+    max_pos = _get_int(cfg, "max_position_embeddings", 2048)
     return base | {
         "intermediate_size": _intermediate(cfg),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True),
         "norm": NormKind.LAYERNORM,
-        "norm_bias": bool(cfg.get("layer_norm_elementwise_affine", True)),
+        "norm_bias": _bool(cfg, "layer_norm_elementwise_affine", True),
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("activation_function", "relu")),
+        "activation": _str(cfg, "activation_function", default="relu"),
         "qkv_bias": bias,
         "out_bias": bias,
         "mlp_bias": bias,
@@ -317,19 +456,19 @@ def _opt(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpt_neox(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", True))
+    bias = _bool(cfg, "attention_bias", True)
     return base | {
         "intermediate_size": _intermediate(cfg),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", False),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("hidden_act", "gelu")),
+        "activation": _str(cfg, "hidden_act", default="gelu"),
         "qkv_bias": bias,
         "fused_qkv": True,
         "out_bias": bias,
         "mlp_bias": True,
-        "parallel_attn": bool(cfg.get("use_parallel_residual", True)),
+        "parallel_attn": _bool(cfg, "use_parallel_residual", True),
         "rotary_dim": _rope_dim(cfg, base["head_dim"], "rotary_pct", 0.25),
         "attention_dropout": _dropout(cfg, "attention_dropout"),
         "hidden_dropout": _dropout(cfg, "hidden_dropout"),
@@ -340,26 +479,36 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     """Falcon (modeling_falcon.py): fused qkv; multi-query unless new_decoder_architecture; one
     LayerNorm per layer with parallel attention (two, ln_attn/ln_mlp, in the new architecture)."""
     h = base["hidden_size"]
-    new_arch = bool(cfg.get("new_decoder_architecture", False))
+    new_arch = _bool(cfg, "new_decoder_architecture", False)
+    if cfg.get("head_dim") is not None:
+        raise ConfigError(
+            "config.json: falcon configs cannot set 'head_dim' (transformers derives it from hidden_size and "
+            "num_attention_heads and refuses the key); remove it"
+        )
     if new_arch:
-        kv = int(cfg.get("num_kv_heads") or base["num_heads"])
-    elif cfg.get("multi_query", True):
+        kv = _int(cfg, "num_kv_heads", base["num_heads"])
+        if base["num_heads"] % kv:
+            raise ConfigError(
+                f"config.json: {base['num_heads']} attention heads are not a multiple of {kv} key/value heads; "
+                "fix the config"
+            )
+    elif _bool(cfg, "multi_query", True):
         kv = 1
     else:
         kv = base["num_heads"]
-    if cfg.get("alibi"):
+    if _bool(cfg, "alibi", False):
         raise UnsupportedArchitectureError("Falcon with ALiBi attention is not supported yet")
-    parallel = bool(cfg.get("parallel_attn", True))
-    bias = bool(cfg.get("bias", False))
+    parallel = _bool(cfg, "parallel_attn", True)
+    bias = _bool(cfg, "bias", False)
     return base | {
         "num_kv_heads": kv,
-        "intermediate_size": int(cfg.get("ffn_hidden_size") or 4 * h),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "intermediate_size": _int(cfg, "ffn_hidden_size", 4 * h),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,
         "norms_per_layer": 2 if (new_arch or not parallel) else 1,
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("activation", "gelu")),
+        "activation": _str(cfg, "activation", default="gelu"),
         "qkv_bias": bias,
         "fused_qkv": True,
         "out_bias": bias,
@@ -385,16 +534,16 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 
 def _phi(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     """Phi-1/2 (modeling_phi.py): one LayerNorm, parallel attention+MLP, partial RoPE, lm_head bias."""
-    if cfg.get("qk_layernorm"):
+    if _bool(cfg, "qk_layernorm", False):
         raise UnsupportedArchitectureError("Phi with qk_layernorm=true is not supported yet")
     return base | {
         "intermediate_size": _intermediate(cfg),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", False),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,
         "norms_per_layer": 1,
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("hidden_act", "gelu_new")),
+        "activation": _str(cfg, "hidden_act", default="gelu_new"),
         "qkv_bias": True,
         "out_bias": True,
         "mlp_bias": True,
@@ -408,14 +557,14 @@ def _phi(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _starcoder2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
-    bias = bool(cfg.get("use_bias", True))
+    bias = _bool(cfg, "use_bias", True)
     return base | {
         "intermediate_size": _intermediate(cfg),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("hidden_act", "gelu_pytorch_tanh")),
+        "activation": _str(cfg, "hidden_act", default="gelu_pytorch_tanh"),
         "qkv_bias": bias,
         "out_bias": bias,
         "mlp_bias": bias,
@@ -423,8 +572,8 @@ def _starcoder2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "attention_dropout": _dropout(cfg, "attention_dropout"),
         "hidden_dropout": _dropout(cfg, "residual_dropout"),
         "embedding_dropout": _dropout(cfg, "embedding_dropout"),
-        "sliding_window": cfg.get("sliding_window"),
-        "sliding_layers": base["num_layers"] if cfg.get("sliding_window") else 0,
+        "sliding_window": _window(cfg),
+        "sliding_layers": base["num_layers"] if _window(cfg) else 0,
     }
 
 
@@ -448,16 +597,16 @@ def _bert(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "softmax_upcast": False,
         "eager_casts_probs": False,
         "intermediate_size": _intermediate(cfg),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,
         "mlp": MlpKind.DENSE,
-        "activation": str(cfg.get("hidden_act", "gelu")),
+        "activation": _str(cfg, "hidden_act", default="gelu"),
         "qkv_bias": True,
         "out_bias": True,
         "mlp_bias": True,
-        "learned_positions": int(_get(cfg, "max_position_embeddings", 512)),
-        "token_types": int(cfg.get("type_vocab_size", 2)),
+        "learned_positions": _get_int(cfg, "max_position_embeddings", 512),
+        "token_types": _int(cfg, "type_vocab_size", 2, minimum=0),
         "embedding_norm": True,
         "final_norm": False,
         "attention_dropout": _dropout(cfg, "attention_probs_dropout_prob", default=0.1),
@@ -499,21 +648,26 @@ def spec_from_config(cfg: Config, *, name: str, source: str) -> ModelSpec:
         raise ConfigError("config.json must hold a JSON object")
     model_type = cfg.get("model_type")
     if not model_type:
-        for arch in cfg.get("architectures") or []:
-            if arch in _ARCH_TO_TYPE:
+        archs = cfg.get("architectures")
+        for arch in archs if isinstance(archs, list) else []:
+            if isinstance(arch, str) and arch in _ARCH_TO_TYPE:
                 model_type = _ARCH_TO_TYPE[arch]
                 break
     if not model_type:
         raise ConfigError("config.json has no 'model_type' key; add it (e.g. \"llama\") or use --params")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"config.json: 'model_type' must be a string such as \"llama\", got {_show(model_type)}")
     if model_type not in FAMILIES:
         raise UnsupportedArchitectureError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}. "
             "For a what-if estimate give --params, --hidden-size and --num-layers instead."
         )
-    base = _common(cfg, name=name, source=source)
-    base["model_type"] = model_type
+    base = _common(cfg, name=name, source=source, model_type=model_type)
     fields = FAMILIES[model_type](cfg, base)
-    try:
-        return ModelSpec(**fields)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config.json is inconsistent: {exc}") from None
+    moe = fields.get("moe")
+    if moe is not None and moe.num_dense_layers > base["num_layers"]:
+        raise ConfigError(
+            f"config.json: 'first_k_dense_replace' is {moe.num_dense_layers} but the model has "
+            f"{base['num_layers']} layers; fix the config"
+        )
+    return ModelSpec(**fields)  # validates the rest (ConfigError)

@@ -15,6 +15,20 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from trainfit.errors import ConfigError
+
+#: Largest value of any integer dimension: 2**31 − 1. No real transformer comes near it, and tensor
+#: dimensions beyond it overflow the 32-bit indexing of many CUDA kernels: such a value is a typo.
+MAX_DIM = 2**31 - 1
+
+
+def check_dim(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
+    """Raise ConfigError unless ``value`` is an int (not a bool) in [minimum, MAX_DIM]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}: {name} must be a whole number, got {value!r}")
+    if not minimum <= value <= MAX_DIM:
+        raise ConfigError(f"{owner}: {name} must be from {minimum} to {MAX_DIM}, got {value}")
+
 
 class ModelKind(StrEnum):
     CAUSAL_LM = "causal-lm"
@@ -46,8 +60,16 @@ class MoESpec:
     weights_in_compute_dtype: bool = False  # Qwen-MoE casts the routing weights to the logits' dtype
 
     def __post_init__(self) -> None:
-        if not 0 < self.experts_per_token <= self.num_experts:
-            raise ValueError("experts_per_token must be in 1..num_experts")
+        check_dim("MoESpec", "num_experts", self.num_experts)
+        check_dim("MoESpec", "experts_per_token", self.experts_per_token)
+        check_dim("MoESpec", "expert_intermediate_size", self.expert_intermediate_size)
+        check_dim("MoESpec", "num_shared_experts", self.num_shared_experts, minimum=0)
+        check_dim("MoESpec", "shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0)
+        check_dim("MoESpec", "num_dense_layers", self.num_dense_layers, minimum=0)
+        if self.experts_per_token > self.num_experts:
+            raise ConfigError(
+                f"MoESpec: experts_per_token ({self.experts_per_token}) cannot exceed num_experts ({self.num_experts})"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,13 +177,21 @@ class ModelSpec:
     hf_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Dimensions are ints in [1, MAX_DIM] (intermediate_size may be 0); raises ConfigError."""
         for fname in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
-            if getattr(self, fname) <= 0:
-                raise ValueError(f"{fname} must be positive")
-        if self.intermediate_size < 0:
-            raise ValueError("intermediate_size must be non-negative")
+            check_dim("ModelSpec", fname, getattr(self, fname))
+        check_dim("ModelSpec", "intermediate_size", self.intermediate_size, minimum=0)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
+            raise ConfigError(
+                f"ModelSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        p = self.params_override
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise ConfigError(f"ModelSpec: params_override must be a positive whole number, got {p!r}")
+        if self.moe is not None and self.moe.num_dense_layers > self.num_layers:
+            raise ConfigError(
+                f"ModelSpec: {self.moe.num_dense_layers} leading dense layers but only {self.num_layers} layers"
+            )
 
     @property
     def embed_dim(self) -> int:

@@ -56,14 +56,51 @@ def config_dict(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
+def _refusal_types() -> tuple[type[BaseException], ...]:
+    """What transformers raises when it refuses a config or cannot build a module from it: its strict config
+    dataclasses (huggingface_hub ``StrictDataclassError``: wrong types, failed ``validate_architecture``),
+    ValueError/TypeError/KeyError/AttributeError from config classes and modules, AssertionError from torch
+    layer constructors (an embedding's padding index outside the vocabulary)."""
+    out: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, AttributeError, AssertionError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict dataclasses
+        return out
+    return (*out, StrictDataclassError)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception message on one line, cut to ``limit`` characters (transformers' can span many)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, KeyError):  # str(KeyError) is only the missing key
+        text = f"unknown name {text} (KeyError)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings (unused config keys, missing defaults) would leak into the trace's output:
+    errors only while configs and modules are built."""
+    tf_logging = require_transformers().utils.logging
+    level = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(level)
+
+
 def hf_config(spec: ModelSpec) -> Any:
     tf = require_transformers()
     cfg = config_dict(spec)
     model_type = cfg.pop("model_type")
     try:
-        conf = tf.AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"transformers cannot build a '{model_type}' config: {exc}") from None
+        with quiet_transformers():
+            conf = tf.AutoConfig.for_model(model_type, **cfg)
+    except _refusal_types() as exc:
+        raise ConfigError(
+            f"transformers refuses this '{model_type}' config: {_one_line(exc)}; fix the config"
+        ) from None
     # As the user's run would: transformers builds a DynamicCache in training when config.use_cache is
     # true (gradient checkpointing turns it off), and its torch.cat copies k and v.
     conf.use_cache = spec.use_cache
@@ -77,14 +114,24 @@ def build_meta(spec: ModelSpec, strategy: Strategy, weight_dtype: torch.dtype) -
     auto = tf.AutoModelForMaskedLM if spec.kind is ModelKind.MASKED_LM else tf.AutoModelForCausalLM
     attn = "eager" if strategy.attention is Attention.EAGER else "sdpa"
     notes: list[str] = []
+    refusals = _refusal_types()
+
+    def construct(implementation: str) -> torch.nn.Module:
+        with quiet_transformers(), torch.device("meta"):
+            built: torch.nn.Module = auto.from_config(conf, attn_implementation=implementation, dtype=weight_dtype)
+        return built
+
     try:
-        with torch.device("meta"):
-            model = auto.from_config(conf, attn_implementation=attn, dtype=weight_dtype)
-    except ValueError as exc:
-        if attn != "sdpa":
-            raise ConfigError(f"transformers cannot build {spec.name}: {exc}") from None
-        with torch.device("meta"):
-            model = auto.from_config(conf, attn_implementation="eager", dtype=weight_dtype)
+        model = construct(attn)
+    except refusals as exc:
+        # A model without SDPA refuses attn_implementation="sdpa" with a ValueError: retry with eager, and
+        # report the first refusal when eager fails too (the config itself is what transformers refuses).
+        if attn != "sdpa" or not isinstance(exc, ValueError):
+            raise ConfigError(f"transformers cannot build {spec.name}: {_one_line(exc)}; fix the config") from None
+        try:
+            model = construct("eager")
+        except refusals:
+            raise ConfigError(f"transformers cannot build {spec.name}: {_one_line(exc)}; fix the config") from None
         notes.append(f"{type(model).__name__} has no SDPA attention in transformers; traced with eager")
     model.train()
     return model, notes
