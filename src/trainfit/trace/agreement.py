@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.result import Component, MemoryReport, Phase
+from trainfit.result import AnyPhase, Component, MemoryReport, Phase
 
 #: The agreement target on the peak (issue 3: "peak within 5%").
 PEAK_TOLERANCE = 0.05
@@ -39,8 +39,8 @@ class PhaseGap:
 class Agreement:
     analytic_peak_bytes: int
     trace_peak_bytes: int
-    analytic_peak_phase: Phase
-    trace_peak_phase: Phase
+    analytic_peak_phase: AnyPhase
+    trace_peak_phase: AnyPhase
     phases: tuple[PhaseGap, ...]
 
     @property
