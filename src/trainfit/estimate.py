@@ -1,9 +1,10 @@
 """The library entry point: ``estimate(model, strategy, method=..., gpu=...) -> MemoryReport``.
 
-It resolves the model and GPU, runs the chosen method, and — with a GPU — adds the fit verdict:
-usable memory = GPU memory × (1 − headroom) (30% by default: the seed article's closing advice),
-compared with the ``nvidia-smi`` estimate (peak allocated + allocator reserve + CUDA context), and
-the largest micro-batch that still fits (binary search; memory is monotonic in the batch).
+It resolves the model and GPU, refuses setups the chosen method does not model (rather than silently
+answering a different question), runs the method, adds the warnings every method shares (SDPA fallbacks,
+sequence beyond the model's context, bf16 without native support) and — with a GPU — the fit verdict from
+:mod:`trainfit.planner.search`. The report it returns echoes its inputs (model, strategy, GPU), so a
+renderer needs nothing else.
 """
 
 from __future__ import annotations
@@ -13,15 +14,23 @@ from collections.abc import Callable
 from importlib import import_module
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
-from trainfit.analytic.activations import MATH, sdpa_kernel, sdpa_kv_heads
+from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
 from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
-from trainfit.result import FitVerdict, MemoryReport, Method
+from trainfit.planner.search import DEFAULT_HEADROOM, MAX_SEARCH_BATCH, fit_verdict, required_bytes
+from trainfit.result import MemoryReport, Method
 from trainfit.strategy import Attention, Checkpointing, Strategy
 
-DEFAULT_HEADROOM = 0.30
-MAX_SEARCH_BATCH = 1 << 16
+__all__ = [
+    "DEFAULT_HEADROOM",
+    "MAX_SEARCH_BATCH",
+    "attention_warnings",
+    "effective_strategy",
+    "estimate",
+    "precision_warnings",
+    "required_bytes",
+]
 
 
 def _method_fn(method: Method) -> Callable[..., MemoryReport]:
@@ -42,11 +51,6 @@ def _method_fn(method: Method) -> Callable[..., MemoryReport]:
     return mfn
 
 
-def required_bytes(report: MemoryReport) -> int:
-    """What must fit on the GPU: the nvidia-smi estimate (allocated peak + reserve + context)."""
-    return report.nvidia_smi_estimate_bytes
-
-
 def precision_warnings(strategy: Strategy, gpu: GPUSpec) -> list[str]:
     r = strategy.recipe
     if r.needs_bf16 and not gpu.bf16:
@@ -56,42 +60,6 @@ def precision_warnings(strategy: Strategy, gpu: GPUSpec) -> list[str]:
             f"bf16 would be emulated and slow — use --precision {alt} (fp16 with dynamic loss scaling)"
         ]
     return []
-
-
-def fit_verdict(
-    spec: ModelSpec,
-    strategy: Strategy,
-    report: MemoryReport,
-    gpu: GPUSpec,
-    headroom: float,
-    fn: Callable[[ModelSpec, Strategy], MemoryReport],
-) -> FitVerdict:
-    usable = int(gpu.memory_bytes * (1 - headroom))
-    need = required_bytes(report)
-
-    def fits(b: int) -> bool:
-        return required_bytes(fn(spec, dataclasses.replace(strategy, micro_batch=b))) <= usable
-
-    best = 0
-    if fits(1):
-        lo, hi = 1, 2
-        while hi <= MAX_SEARCH_BATCH and fits(hi):
-            lo, hi = hi, hi * 2
-        hi = min(hi, MAX_SEARCH_BATCH + 1)
-        while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        best = lo
-    return FitVerdict(
-        gpu_id=gpu.id,
-        gpu_memory_bytes=gpu.memory_bytes,
-        headroom_fraction=headroom,
-        usable_bytes=usable,
-        required_bytes=need,
-        fits=need <= usable,
-        free_bytes=usable - need,
-        max_micro_batch=best,
-    )
 
 
 def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
@@ -113,6 +81,15 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer{fix}"]
 
 
+def _require_modelled(strategy: Strategy, method: Method) -> None:
+    beyond = strategy.beyond_single_gpu_training()
+    if beyond:
+        raise StrategyError(
+            f"--method {method.value} models one GPU, full fine-tuning, a training step; "
+            f"this strategy asks for {', '.join(beyond)}, which trainfit does not model yet"
+        )
+
+
 def estimate(
     model: ModelSpec | str,
     strategy: Strategy | None = None,
@@ -124,25 +101,22 @@ def estimate(
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes."""
     spec = load_model(model) if isinstance(model, str) else model
-    strategy = strategy or Strategy()
+    asked = strategy or Strategy()
     try:
         method = Method(method)
     except ValueError:
         raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(m.value for m in Method)}") from None
     if not 0 <= headroom < 1:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
+    _require_modelled(asked, method)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
-    pre_warnings: list[str] = []
-    if strategy.attention is Attention.SDPA and not spec.supports_sdpa:
-        strategy = dataclasses.replace(strategy, attention=Attention.EAGER)
-        pre_warnings.append(
-            f"{spec.name} ({spec.model_type}) has no SDPA attention in transformers; estimating eager attention"
-        )
+    strategy, fallback = effective_strategy(spec, asked)
+    warnings = [fallback] if fallback else []
     fn = _method_fn(method)
     report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
-    warnings = pre_warnings + list(report.warnings)
+    warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(
             f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "
@@ -154,11 +128,13 @@ def estimate(
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
-        search_fn = fn if method in (Method.ANALYTIC, Method.RULE_OF_THUMB) else estimate_analytic
-        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, search_fn)
-        if search_fn is not fn:
+        searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB)
+        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, fn if searchable else None)
+        if not searchable:
             notes.append(
-                f"fit verdict from the {method.value} peak; the largest micro-batch was searched with the "
-                "analytic model (one trace per probe would take minutes)"
+                f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
+                "micro-batch is not searched (one probe per batch would take minutes): --method analytic searches it"
             )
-    return dataclasses.replace(report, warnings=tuple(warnings), notes=tuple(notes), fit=fit)
+    return dataclasses.replace(
+        report, warnings=tuple(warnings), notes=tuple(notes), fit=fit, model=spec, strategy=asked, gpu=gpu_spec
+    )

@@ -306,7 +306,7 @@ class FitVerdict:
     required_bytes: int  # what we compare: the nvidia-smi estimate (allocated + overhead)
     fits: bool
     free_bytes: int  # usable - required (negative when it does not fit)
-    max_micro_batch: int  # 0 when even batch 1 does not fit
+    max_micro_batch: int | None  # 0 when even batch 1 does not fit; None when not searched (trace, measure)
     max_micro_batch_capped: bool = False  # the search stopped at its cap: "at least max_micro_batch"
     suggestions: tuple[Suggestion, ...] = ()  # what would make it fit (trainfit.planner.search)
 

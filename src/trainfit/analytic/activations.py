@@ -194,6 +194,15 @@ def score_chain(spec: ModelSpec, strategy: Strategy) -> EagerChain | None:
 FLASH, EFFICIENT, MATH = SdpaKernel.FLASH, SdpaKernel.EFFICIENT, SdpaKernel.MATH
 
 
+def effective_strategy(spec: ModelSpec, strategy: Strategy) -> tuple[Strategy, str | None]:
+    """The strategy a real run would use, and why it differs: transformers refuses SDPA for some models
+    (Gemma-2), which then run eager attention. The one place this fallback is decided."""
+    if strategy.attention is Attention.SDPA and not spec.supports_sdpa:
+        why = f"{spec.name} ({spec.model_type}) has no SDPA attention in transformers; estimating eager attention"
+        return dataclasses.replace(strategy, attention=Attention.EAGER), why
+    return strategy, None
+
+
 def sdpa_window_mask(spec: ModelSpec, strategy: Strategy) -> bool:
     """SDPA with a sliding window gets a real mask once the sequence reaches the window: transformers skips
     the mask (``is_causal``) only while ``kv_length < sliding_window`` (``_ignore_causal_mask_sdpa`` in

@@ -42,6 +42,7 @@ from trainfit.analytic.activations import (
     eager_backward_moment,
     eager_forward_moment,
     eager_nograd_inputs_bytes,
+    effective_strategy,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
@@ -486,9 +487,7 @@ def training_moments(q: StepInputs) -> dict[Phase, Moment]:
 
 def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``."""
-    if strategy.attention is Attention.SDPA and not spec.supports_sdpa:
-        # transformers refuses SDPA for this model (Gemma-2): the run would use eager attention.
-        strategy = dataclasses.replace(strategy, attention=Attention.EAGER)
+    strategy, _ = effective_strategy(spec, strategy)  # Gemma-2: eager attention
     q = step_inputs(spec, strategy, keep_logits=keep_logits)
     worst_moments = training_moments(q)
     phases = tuple(worst_moments[ph].breakdown() for ph in Phase)

@@ -48,6 +48,10 @@ def estimate_cmd(
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
     modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    explain: Annotated[
+        bool,
+        typer.Option("--explain", "-v", help="Also show bytes per parameter, the rule-of-thumb comparison and notes."),
+    ] = False,
     params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
@@ -124,10 +128,10 @@ def estimate_cmd(
     for w in report.warnings:
         warn(w)
     if json_out:
-        print_json(report_json(report, spec, strategy))
+        print_json(report_json(report))
         return
     diffs = compare_with_rule_of_thumb(spec, strategy, report) if m is not Method.RULE_OF_THUMB else None
-    render(stdout_console(), report, spec, strategy, diffs)
+    render(stdout_console(), report, diffs, verbose=explain)
 
 
 @contextmanager

@@ -1,4 +1,7 @@
-"""Versioned JSON for scripts. ``schema_version`` changes only when a key changes meaning or goes."""
+"""Versioned JSON for scripts. ``schema_version`` changes only when a key changes meaning or goes.
+
+Every phase carries every component (zeros included); ``max_micro_batch`` is null when the method does not
+search it (trace, measure) and ``max_micro_batch_capped`` says when the search stopped at its cap."""
 
 from __future__ import annotations
 
@@ -23,7 +26,14 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
     }
 
 
-def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
+def report_json(
+    report: MemoryReport, spec: ModelSpec | None = None, strategy: Strategy | None = None
+) -> dict[str, Any]:
+    """The report as one JSON object. ``spec``/``strategy`` default to the inputs the report echoes."""
+    spec = spec or report.model
+    strategy = strategy or report.strategy
+    if spec is None or strategy is None:
+        raise ValueError("report_json needs a report from trainfit.estimate (or the model and strategy)")
     peak = report.peak
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -73,5 +83,10 @@ def report_json(report: MemoryReport, spec: ModelSpec, strategy: Strategy) -> di
             "required_bytes": f.required_bytes,
             "free_bytes": f.free_bytes,
             "max_micro_batch": f.max_micro_batch,
+            "max_micro_batch_capped": f.max_micro_batch_capped,
+            "suggestions": [
+                {"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags), "states_bytes": x.states_bytes}
+                for x in f.suggestions
+            ],
         }
     return out

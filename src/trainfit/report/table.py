@@ -1,5 +1,10 @@
-"""Rich tables for ``trainfit estimate``. Binary units, always labelled GiB; the rule of thumb is
-shown in the article's decimal GB, labelled GB."""
+"""Rich tables for ``trainfit estimate``: the answer first (verdict and peak), then where the bytes go.
+Binary units, always labelled GiB; only the rule of thumb's own table shows the article's decimal GB.
+
+Everything comes from the :class:`~trainfit.result.MemoryReport`, which echoes its inputs; the renderer
+computes nothing but formatting. ``verbose`` adds the bytes per parameter, the comparison with the rule
+of thumb, per-module tables and the notes.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +13,94 @@ from rich.table import Table
 from rich.text import Text
 
 from trainfit.analytic.explain import Difference
-from trainfit.arch.spec import ModelSpec
-from trainfit.result import Component, MemoryReport, Method, Phase
+from trainfit.planner.search import Suggestion, SuggestionKind
+from trainfit.result import (
+    Component,
+    FitVerdict,
+    MeasureDetails,
+    MemoryReport,
+    Method,
+    RuleOfThumbDetails,
+    TraceDetails,
+)
 from trainfit.strategy import Strategy
 from trainfit.units import fmt_count, fmt_gb, fmt_gib, gib
 
 
-def _header(report: MemoryReport, spec: ModelSpec, s: Strategy) -> Text:
+def _header(report: MemoryReport) -> Text:
     t = Text()
-    t.append(f"{spec.name}", style="bold")
-    t.append(f"  {fmt_count(report.params)} params  {spec.architecture or spec.model_type}\n")
+    t.append(report.model_name, style="bold")
+    kind = report.model.architecture or report.model.model_type if report.model is not None else ""
+    t.append(f"  {fmt_count(report.params)} params  {kind}\n")
+    s = report.strategy
+    if s is not None:
+        t.append(
+            f"{s.precision.value} · {s.optimizer.value} ({s.optimizer_impl.value})"
+            f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
+            f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
+            f" (effective batch {s.effective_batch})"
+        )
+    return t
+
+
+def _answer(report: MemoryReport) -> Text:
+    """The verdict (with a GPU) and the peak, in one or two lines."""
+    t = Text()
+    if report.fit is not None:
+        t.append_text(_verdict(report.fit))
+        t.append("\n")
+    if report.method is Method.RULE_OF_THUMB:
+        total = report.peak_bytes + report.overhead.total_bytes
+        t.append(f"Rule of thumb: {fmt_gib(total)} ({fmt_gb(total)} as the article counts it)", style="bold")
+        return t
+    t.append(f"Peak allocated {fmt_gib(report.peak_bytes)}", style="bold")
     t.append(
-        f"{s.precision.value} · {s.optimizer.value} ({s.optimizer_impl.value})"
-        f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
-        f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
-        f" (effective batch {s.effective_batch})"
+        f" during {report.peak_phase.value} (torch.cuda.max_memory_allocated); "
+        f"reserved ≈ {fmt_gib(report.reserved_estimate_bytes)}; "
+        f"nvidia-smi ≈ {fmt_gib(report.nvidia_smi_estimate_bytes)} "
+        f"(+{fmt_gib(report.overhead.cuda_context_bytes)} CUDA context)"
     )
     return t
+
+
+def _verdict(f: FitVerdict) -> Text:
+    t = Text()
+    if f.fits:
+        t.append("FITS", style="bold green")
+        t.append(f" on {f.gpu_id}: needs {fmt_gib(f.required_bytes)} of {fmt_gib(f.usable_bytes)} usable, ")
+        t.append(f"{fmt_gib(f.free_bytes)} free after {f.headroom_fraction:.0%} headroom. ")
+    else:
+        t.append("DOES NOT FIT", style="bold red")
+        t.append(f" on {f.gpu_id}: needs {fmt_gib(f.required_bytes)} of {fmt_gib(f.usable_bytes)} usable ")
+        t.append(
+            f"({fmt_gib(f.gpu_memory_bytes)} − {f.headroom_fraction:.0%} headroom), short by {fmt_gib(-f.free_bytes)}. "
+        )
+    if f.max_micro_batch is None:
+        t.append("Largest micro-batch: not searched with this method (--method analytic searches it).")
+    elif f.max_micro_batch_capped:
+        t.append(f"Largest micro-batch that fits: at least {f.max_micro_batch} (the search stops there).")
+    else:
+        t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
+    for s in f.suggestions:
+        t.append(_suggestion(s))
+    return t
+
+
+def _suggestion(s: Suggestion) -> str:
+    if s.kind is SuggestionKind.SMALLER_MICRO_BATCH:
+        return f" Try {' '.join(s.flags)}: {s.reason}."
+    assert s.states_bytes is not None
+    if s.kind is SuggestionKind.NEEDS_SHARDING:
+        return (
+            " The model states alone (weights, gradients, master weights, optimizer states) take more than the "
+            f"usable memory: no batch size or checkpointing can help. Even pure-bf16 with 8-bit AdamW needs "
+            f"{fmt_gib(s.states_bytes)} for them: this model needs sharding across GPUs (not modelled by trainfit yet)."
+        )
+    return (
+        f" The model states alone (weights, gradients, master weights, optimizer states) take "
+        f"{fmt_gib(s.states_bytes)}, more than the usable memory: no batch size or checkpointing can help. "
+        f"A leaner precision recipe or optimizer can (e.g. {', '.join(s.flags)})."
+    )
 
 
 def _rule_of_thumb(report: MemoryReport) -> Group:
@@ -36,13 +112,16 @@ def _rule_of_thumb(report: MemoryReport) -> Group:
         table.add_row(term.name, term.formula, f"{term.bytes / 1e9:.2f}")
     total = report.peak_bytes + report.overhead.total_bytes
     table.add_row("total", "point value (c = 15, 1.5 GB)", f"{total / 1e9:.2f}", style="bold")
-    lo, hi = report.low_bytes or 0, report.high_bytes or 0
-    act = report.extra
-    line = Text(
-        f"range {fmt_gb(lo)} – {fmt_gb(hi)} (activations {fmt_gb(int(str(act['activations_low_bytes'])))} – "
-        f"{fmt_gb(int(str(act['activations_high_bytes'])))}, overhead 1–2 GB)"
-    )
-    return Group(table, line)
+    parts: list[Table | Text] = [table]
+    d = report.details
+    if isinstance(d, RuleOfThumbDetails) and report.low_bytes is not None and report.high_bytes is not None:
+        parts.append(
+            Text(
+                f"range {fmt_gb(report.low_bytes)} – {fmt_gb(report.high_bytes)} (activations "
+                f"{fmt_gb(d.activations_low_bytes)} – {fmt_gb(d.activations_high_bytes)}, overhead 1–2 GB)"
+            )
+        )
+    return Group(*parts)
 
 
 def _phases(report: MemoryReport) -> Table:
@@ -52,9 +131,9 @@ def _phases(report: MemoryReport) -> Table:
     for p in report.phases:
         label = p.phase.value + (" (peak)" if p.phase == peak_phase else "")
         table.add_column(label, justify="right", style="bold" if p.phase == peak_phase else None)
-    used = [c for c in Component if any(p.components.get(c, 0) for p in report.phases)]
+    used = [c for c in Component if any(p.get(c) for p in report.phases)]
     for c in used:
-        table.add_row(c.value, *(f"{gib(p.components.get(c, 0)):.2f}" for p in report.phases))
+        table.add_row(c.value, *(f"{gib(p.get(c)):.2f}" for p in report.phases))
     table.add_row("total", *(f"{gib(p.total_bytes):.2f}" for p in report.phases), style="bold")
     return table
 
@@ -71,8 +150,10 @@ def _bytes_per_param(report: MemoryReport, s: Strategy) -> Text:
     return Text(txt + f" — {s.recipe.description}")
 
 
-def _differences(rows: list[Difference]) -> Table:
-    table = Table(title="Where this differs from the article's rule of thumb", title_justify="left")
+def _differences(rows: list[Difference], phase: str) -> Table:
+    table = Table(
+        title=f"Where this differs from the article's rule of thumb (at the {phase} peak)", title_justify="left"
+    )
     table.add_column("term")
     table.add_column("rule of thumb", justify="right")
     table.add_column("this estimate", justify="right")
@@ -82,64 +163,10 @@ def _differences(rows: list[Difference]) -> Table:
     return table
 
 
-#: What the model itself holds through the optimizer step, whatever the batch.
-STATE_COMPONENTS = (
-    Component.WEIGHTS,
-    Component.GRADIENTS,
-    Component.MASTER_WEIGHTS,
-    Component.OPTIMIZER_STATES,
-)
-
-
-def _fit(report: MemoryReport) -> Text:
-    f = report.fit
-    assert f is not None
-    t = Text()
-    t.append(
-        f"GPU {f.gpu_id}: {fmt_gib(f.gpu_memory_bytes)}, {f.headroom_fraction:.0%} headroom → "
-        f"{fmt_gib(f.usable_bytes)} usable; needs {fmt_gib(f.required_bytes)} (nvidia-smi estimate). "
-    )
-    if f.fits:
-        t.append(f"FITS, {fmt_gib(f.free_bytes)} free after headroom. ", style="bold green")
-    else:
-        t.append(f"DOES NOT FIT, short by {fmt_gib(-f.free_bytes)}. ", style="bold red")
-    t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
-    if f.max_micro_batch == 0:
-        t.append(_states_hint(report, f.usable_bytes))
-    return t
-
-
-#: Bytes per parameter of the leanest single-GPU recipe trainfit models: bf16 weights and gradients and
-#: bitsandbytes 8-bit AdamW states (pure-bf16 + adamw-8bit).
-LEANEST_STATE_BYTES_PER_PARAM = 2 + 2 + 2
-
-
-def _states_hint(report: MemoryReport, usable_bytes: int) -> str:
-    """Why not even one sequence fits, when the model states alone are the reason."""
-    step = next((p.components for p in report.phases if p.phase is Phase.OPTIMIZER_STEP), None)
-    if step is None:  # the rule of thumb has no per-phase states
-        return ""
-    states = sum(step.get(c, 0) for c in STATE_COMPONENTS)
-    if states <= usable_bytes:
-        return ""
-    out = (
-        f" The model states alone (weights, gradients, master weights, optimizer states) take {fmt_gib(states)}, "
-        "more than the usable memory: no batch size or checkpointing can help."
-    )
-    leanest = report.params * LEANEST_STATE_BYTES_PER_PARAM
-    if leanest > usable_bytes:
-        out += (
-            f" Even pure-bf16 with 8-bit AdamW needs {fmt_gib(leanest)} for them: this model needs sharding "
-            "across GPUs (not modelled by trainfit yet)."
-        )
-    else:
-        out += " A leaner precision recipe or optimizer can (e.g. --precision pure-bf16, --optimizer adamw-8bit)."
-    return out
-
-
 def _modules(report: MemoryReport) -> Table | None:
-    rows = report.extra.get("modules")
-    if not isinstance(rows, list) or not rows:
+    d = report.details
+    rows = d.modules if isinstance(d, TraceDetails | MeasureDetails) else ()
+    if not rows:
         return None
     table = Table(title="Largest saved-activation owners at the end of forward", title_justify="left")
     table.add_column("module")
@@ -148,52 +175,54 @@ def _modules(report: MemoryReport) -> Table | None:
     table.add_column("total", justify="right")
     for row in rows[:15]:
         table.add_row(
-            str(row["module"]),
-            str(row["instances"]),
-            fmt_gib(int(row["per_instance_bytes"]), 3),
-            fmt_gib(int(row["activation_bytes"]), 3),
+            row.module, str(row.instances), fmt_gib(row.per_instance_bytes, 3), fmt_gib(row.activation_bytes, 3)
         )
     return table
 
 
 def _measured_vs_trace(report: MemoryReport) -> Table | None:
-    traced = report.extra.get("trace")
-    if report.method is not Method.MEASURE or not isinstance(traced, dict):
+    d = report.details
+    if not isinstance(d, MeasureDetails) or d.trace is None:
         return None
     table = Table(title="Measured on the GPU vs traced (GiB)", title_justify="left")
     for col in ("phase", "measured", "trace", "measured − trace"):
         table.add_column(col, justify="left" if col == "phase" else "right")
-    for p in report.phases:
-        t = int(traced.get(p.phase.value, 0))
-        table.add_row(p.phase.value, f"{gib(p.total_bytes):.3f}", f"{gib(t):.3f}", f"{gib(p.total_bytes - t):+.3f}")
+    for ph, t in d.trace.items():
+        m = report.phase(ph).total_bytes
+        table.add_row(ph.value, f"{gib(m):.3f}", f"{gib(t):.3f}", f"{gib(m - t):+.3f}")
     return table
 
 
 def render(
     console: Console,
     report: MemoryReport,
-    spec: ModelSpec,
-    strategy: Strategy,
     differences: list[Difference] | None = None,
+    *,
+    verbose: bool = False,
 ) -> None:
-    console.print(_header(report, spec, strategy))
+    """The answer first, then the breakdown; with ``verbose`` the explanation (bytes per parameter, the
+    comparison with the rule of thumb, module tables, notes)."""
+    console.print(_header(report))
+    console.print(_answer(report))
     if report.method is Method.RULE_OF_THUMB:
         console.print(_rule_of_thumb(report))
     else:
         console.print(_phases(report))
-        console.print(
-            f"Peak allocated: [bold]{fmt_gib(report.peak_bytes)}[/bold] during {report.peak_phase.value} "
-            f"(torch.cuda.max_memory_allocated); reserved ≈ {fmt_gib(report.reserved_estimate_bytes)}; "
-            f"nvidia-smi ≈ {fmt_gib(report.nvidia_smi_estimate_bytes)} "
-            f"(+{fmt_gib(report.overhead.cuda_context_bytes)} CUDA context)"
-        )
-        console.print(_bytes_per_param(report, strategy))
         for extra_table in (_measured_vs_trace(report), _modules(report)):
             if extra_table is not None:
                 console.print(extra_table)
+    if not verbose:
         if differences:
-            console.print(_differences(differences))
+            rot = sum(d.rule_of_thumb_bytes for d in differences)
+            ours = sum(d.analytic_bytes for d in differences)
+            console.print(
+                f"The article's rule of thumb says {fmt_gib(rot)}; this estimate {fmt_gib(ours)} with overhead. "
+                "[dim]--explain: term by term, bytes per parameter and notes[/dim]"
+            )
+        return
+    if report.method is not Method.RULE_OF_THUMB and report.strategy is not None:
+        console.print(_bytes_per_param(report, report.strategy))
+    if differences:
+        console.print(_differences(differences, report.peak_phase.value))
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    if report.fit is not None:
-        console.print(_fit(report))

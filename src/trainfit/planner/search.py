@@ -1,0 +1,141 @@
+"""The fit search and the first "what would make it fit" suggestions.
+
+Usable memory = GPU memory × (1 − headroom) (30% by default: the seed article's closing advice), compared
+with the ``nvidia-smi`` estimate (peak allocated + allocator reserve + CUDA context). The largest micro-batch
+that fits is found by doubling then bisecting, which is exact because memory is monotonic in the batch
+(a property test holds the analytic model to it). Only cheap methods are searched: one probe of the trace
+is seconds, of ``measure`` a GPU run, so for those the verdict is for the given batch only.
+
+Suggestions are typed (:class:`Suggestion`), and only cover micro-batch, precision recipe and optimizer
+for now: when the model states alone (weights, gradients, master weights, optimizer states) exceed the
+usable memory, no batch or checkpointing helps; the leanest recipe trainfit models (pure-bf16 with 8-bit
+AdamW: 2 + 2 + 2 bytes/param) either fits the states or only sharding can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.hardware import GPUSpec
+from trainfit.result import FitVerdict, MemoryReport
+from trainfit.strategy import Strategy
+
+DEFAULT_HEADROOM = 0.30
+MAX_SEARCH_BATCH = 1 << 16
+
+#: Bytes per parameter of the leanest single-GPU recipe trainfit models: bf16 weights and gradients and
+#: bitsandbytes 8-bit AdamW states (pure-bf16 + adamw-8bit).
+LEANEST_STATE_BYTES_PER_PARAM = 2 + 2 + 2
+
+Estimator = Callable[[ModelSpec, Strategy], MemoryReport]
+
+
+class SuggestionKind(StrEnum):
+    SMALLER_MICRO_BATCH = "smaller-micro-batch"  # the largest micro-batch that fits, accumulate the rest
+    LEANER_STATES = "leaner-states"  # the states alone exceed the GPU; a leaner recipe/optimizer fits them
+    NEEDS_SHARDING = "needs-sharding"  # even the leanest recipe's states exceed one GPU
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Suggestion:
+    kind: SuggestionKind
+    reason: str  # one sentence: why, with the numbers
+    flags: tuple[str, ...] = ()  # CLI flags that apply it (empty: nothing trainfit can express yet)
+    states_bytes: int | None = None  # the model states it is about, when it is about them
+
+
+def required_bytes(report: MemoryReport) -> int:
+    """What must fit on the GPU: the nvidia-smi estimate (allocated peak + reserve + context)."""
+    return report.nvidia_smi_estimate_bytes
+
+
+def usable_bytes(gpu: GPUSpec, headroom: float) -> int:
+    return int(gpu.memory_bytes * (1 - headroom))
+
+
+def max_micro_batch(spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator) -> tuple[int, bool]:
+    """(largest micro-batch whose estimate fits ``usable``, whether the search hit its cap)."""
+
+    def fits(b: int) -> bool:
+        return required_bytes(fn(spec, dataclasses.replace(strategy, micro_batch=b))) <= usable
+
+    if not fits(1):
+        return 0, False
+    lo, hi = 1, 2
+    while hi <= MAX_SEARCH_BATCH and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_SEARCH_BATCH:
+        return lo, True
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, False
+
+
+def suggestions(report: MemoryReport, strategy: Strategy, usable: int, best_batch: int) -> tuple[Suggestion, ...]:
+    """What would make ``report``'s setup fit ``usable`` bytes (empty when it fits)."""
+    if required_bytes(report) <= usable:
+        return ()
+    if best_batch > 0:
+        accum = -(-strategy.effective_batch // best_batch)
+        return (
+            Suggestion(
+                kind=SuggestionKind.SMALLER_MICRO_BATCH,
+                reason=f"micro-batch {best_batch} fits; accumulate {accum} micro-steps to keep the effective batch",
+                flags=(f"--batch {best_batch}", f"--grad-accum {accum}"),
+            ),
+        )
+    states = report.states_bytes()
+    if states is None or states <= usable:
+        return ()
+    leanest = report.params * LEANEST_STATE_BYTES_PER_PARAM
+    if leanest > usable:
+        return (
+            Suggestion(
+                kind=SuggestionKind.NEEDS_SHARDING,
+                reason="even pure-bf16 with 8-bit AdamW needs more than the usable memory for the model states",
+                states_bytes=leanest,
+            ),
+        )
+    return (
+        Suggestion(
+            kind=SuggestionKind.LEANER_STATES,
+            reason="a leaner precision recipe or optimizer shrinks the model states",
+            flags=("--precision pure-bf16", "--optimizer adamw-8bit"),
+            states_bytes=states,
+        ),
+    )
+
+
+def fit_verdict(
+    spec: ModelSpec,
+    strategy: Strategy,
+    report: MemoryReport,
+    gpu: GPUSpec,
+    headroom: float,
+    search_fn: Estimator | None,
+) -> FitVerdict:
+    """Does ``report`` fit ``gpu`` with ``headroom`` kept free; the largest micro-batch by ``search_fn``
+    (None: not searched, the method is too slow to probe)."""
+    usable = usable_bytes(gpu, headroom)
+    need = required_bytes(report)
+    if search_fn is None:
+        best, capped = None, False
+    else:
+        best, capped = max_micro_batch(spec, strategy, usable, search_fn)
+    return FitVerdict(
+        gpu_id=gpu.id,
+        gpu_memory_bytes=gpu.memory_bytes,
+        headroom_fraction=headroom,
+        usable_bytes=usable,
+        required_bytes=need,
+        fits=need <= usable,
+        free_bytes=usable - need,
+        max_micro_batch=best,
+        max_micro_batch_capped=capped,
+        suggestions=suggestions(report, strategy, usable, best or 0),
+    )

@@ -1,0 +1,55 @@
+"""The micro-batch search equals a brute-force scan; suggestions follow the states."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainfit import Strategy, estimate, get_gpu, load_model
+from trainfit.analytic import estimate_analytic
+from trainfit.planner.search import (
+    MAX_SEARCH_BATCH,
+    SuggestionKind,
+    max_micro_batch,
+    required_bytes,
+)
+
+
+@pytest.mark.parametrize(
+    ("slug", "gpu"), [("gpt2", "t4"), ("qwen2.5-0.5b", "rtx-4090"), ("llama-3.2-1b", "a100-sxm-80gb")]
+)
+def test_search_equals_brute_force(slug: str, gpu: str) -> None:
+    spec, s = load_model(slug), Strategy(seq_len=1024, checkpointing="full")
+    usable = int(get_gpu(gpu).memory_bytes * 0.7)
+    best, capped = max_micro_batch(spec, s, usable, estimate_analytic)
+    assert not capped
+    fits = [
+        b
+        for b in range(1, best + 2)
+        if required_bytes(estimate_analytic(spec, dataclasses.replace(s, micro_batch=b))) <= usable
+    ]
+    assert fits == list(range(1, best + 1))
+
+
+def test_capped_search_says_at_least() -> None:
+    spec, s = load_model("gpt2"), Strategy(seq_len=1)
+    best, capped = max_micro_batch(spec, s, 1 << 50, estimate_analytic)
+    assert capped and best == MAX_SEARCH_BATCH
+
+
+def test_suggestions() -> None:
+    r = estimate("gpt2", Strategy(micro_batch=64, seq_len=1024, grad_accum=2), gpu="t4")
+    assert r.fit is not None and not r.fit.fits and r.fit.max_micro_batch
+    (sug,) = r.fit.suggestions
+    accum = -(-128 // r.fit.max_micro_batch)
+    assert sug.kind is SuggestionKind.SMALLER_MICRO_BATCH and sug.flags == (
+        f"--batch {r.fit.max_micro_batch}",
+        f"--grad-accum {accum}",
+    )
+    r = estimate("llama-3.1-8b", Strategy(), gpu="a100-sxm-80gb")
+    assert r.fit is not None and r.fit.suggestions[0].kind is SuggestionKind.LEANER_STATES
+    r = estimate("llama-3.1-70b", Strategy(precision="pure-bf16", optimizer="adamw-8bit"), gpu="a100-sxm-80gb")
+    assert r.fit is not None and r.fit.suggestions[0].kind is SuggestionKind.NEEDS_SHARDING
+    r = estimate("gpt2", Strategy(), gpu="a100-sxm-80gb")
+    assert r.fit is not None and r.fit.fits and r.fit.suggestions == ()

@@ -1,0 +1,31 @@
+"""trainfit.estimate: echoes its inputs, refuses what it does not model, shared warnings."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit import Strategy, estimate, load_model
+from trainfit.errors import StrategyError
+from trainfit.report.json import report_json
+from trainfit.strategy import Adapter, Parallelism
+
+
+def test_report_echoes_its_inputs_and_renders_alone() -> None:
+    spec = load_model("gpt2")
+    s = Strategy(micro_batch=2, seq_len=512)
+    r = estimate(spec, s, gpu="rtx-4090")
+    assert r.model is spec and r.strategy == s and r.gpu is not None and r.gpu.id == "rtx-4090"
+    assert report_json(r) == report_json(r, spec, s)
+
+
+@pytest.mark.parametrize(
+    "strategy", [Strategy(parallelism=Parallelism(data=2)), Strategy(adapter=Adapter()), Strategy(workload="inference")]
+)
+def test_unmodelled_setups_are_refused_not_ignored(strategy: Strategy) -> None:
+    with pytest.raises(StrategyError, match="does not model yet"):
+        estimate("gpt2", strategy)
+
+
+def test_gemma2_falls_back_to_eager_once() -> None:
+    r = estimate("gemma-2b", Strategy())  # gemma (1) supports SDPA: no fallback warning
+    assert not any("no SDPA" in w for w in r.warnings)
