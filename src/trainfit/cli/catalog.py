@@ -15,7 +15,7 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
     from rich.table import Table
 
     from trainfit.arch import catalog_slugs, count_params, load_model
-    from trainfit.cli.common import print_json, stdout_console
+    from trainfit.cli.common import print_json, print_table
     from trainfit.units import fmt_count
 
     specs = [load_model(s) for s in catalog_slugs()]
@@ -57,17 +57,18 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
             str(s.max_position_embeddings or "-"),
             f"{s.moe.experts_per_token}/{s.moe.num_experts}" if s.moe else "-",
         )
-    stdout_console().print(t)
+    print_table(t)
 
 
 def gpus_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """List the GPU catalog: memory, native bf16/fp8, peak TFLOPS, bandwidth.
+    """List the GPU catalog: memory per device (basis: driver-reported with ECC on, or nominal), native
+    bf16/fp8, peak TFLOPS, bandwidth.
 
     Example: trainfit gpus --json
     """
     from rich.table import Table
 
-    from trainfit.cli.common import print_json, stdout_console
+    from trainfit.cli.common import print_json, print_table
     from trainfit.hardware import list_gpus
     from trainfit.units import gib
 
@@ -76,21 +77,22 @@ def gpus_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON."
         print_json({"schema_version": 1, "gpus": [g.to_json() for g in gpus]})
         return
     t = Table(title="GPU catalog")
-    for col in ("id", "name", "memory GiB", "cc", "bf16", "fp8", "bf16 TFLOPS", "GB/s"):
-        t.add_column(col, justify="left" if col in ("id", "name") else "right")
+    for col in ("id", "name", "memory GiB", "basis", "cc", "bf16", "fp8", "bf16 TFLOPS", "GB/s"):
+        t.add_column(col, justify="left" if col in ("id", "name", "basis") else "right")
     for g in gpus:
         bf = g.peak_tflops.get("bf16")
         t.add_row(
             g.id,
             g.name,
-            f"{gib(g.memory_bytes):.0f}",
+            f"{gib(g.memory_bytes):.2f}",
+            g.memory_basis,
             g.compute_capability or "-",
             "yes" if g.bf16 else "no",
             "yes" if g.fp8 else "no",
             f"{bf:g}" if bf else "-",
             f"{g.memory_bandwidth_gbps:g}" if g.memory_bandwidth_gbps else "-",
         )
-    stdout_console().print(t)
+    print_table(t)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,8 +1,18 @@
 """The GPU catalog shipped as ``data/gpus.json`` (memory, native bf16/fp8, peak TFLOPS, bandwidth).
 
 Each entry records its sources and notes in the data file itself; this module only validates and
-serves it. Memory is in bytes as the vendor's binary capacity (80 GB HBM = 80 GiB), which is what
-``torch.cuda.get_device_properties().total_memory`` approximately reports (slightly less in practice).
+serves it. One entry is one device as PyTorch enumerates it: an AMD MI250X package is two GCDs, two
+devices of 64 GiB each, so its entry describes one GCD (memory, TFLOPS and bandwidth per GCD).
+
+``memory_bytes`` is the memory one process can use, as precisely as the sources allow, and
+``memory_basis`` says which figure it is:
+
+- ``"driver"``: the total the driver reports to CUDA/HIP (``torch.cuda.get_device_properties(i).total_memory``,
+  = ``torch.cuda.mem_get_info()[1]``) with ECC on, the datacenter default. GDDR6 parts lose 6.25% to ECC
+  and the driver keeps some more: a T4 (16 GB nominal) gives CUDA 14.57 GiB, an L40S (48 GB) 44.31 GiB.
+  Each such figure cites the deviceQuery/nvidia-smi/PyTorch report it comes from.
+- ``"nominal"``: the vendor's capacity as binary units (80 GB HBM = 80 GiB) where no driver report was
+  found; the real total is somewhat lower (an A100 80GB gives CUDA about 79.2 GiB).
 """
 
 from __future__ import annotations
@@ -15,6 +25,9 @@ from typing import Any
 
 from trainfit._suggest import did_you_mean
 from trainfit.errors import UnknownGPUError
+
+#: What ``GPUSpec.memory_bytes`` measures (see the module docstring).
+MEMORY_BASES: tuple[str, ...] = ("driver", "nominal")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,10 +47,13 @@ class GPUSpec:
     interconnect: str | None = None
     source: str = ""
     notes: str = ""
+    memory_basis: str = "nominal"  # "driver": reported total with ECC on; "nominal": vendor capacity
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
             raise ValueError(f"GPU {self.id}: memory_bytes must be positive")
+        if self.memory_basis not in MEMORY_BASES:
+            raise ValueError(f"GPU {self.id}: memory_basis must be one of {', '.join(MEMORY_BASES)}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -45,6 +61,7 @@ class GPUSpec:
             "name": self.name,
             "vendor": self.vendor,
             "memory_bytes": self.memory_bytes,
+            "memory_basis": self.memory_basis,
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
             "compute_capability": self.compute_capability,
             "bf16": self.bf16,
@@ -73,6 +90,7 @@ def _catalog() -> dict[str, GPUSpec]:
             interconnect=row.get("interconnect"),
             source=row.get("source", ""),
             notes=row.get("notes", ""),
+            memory_basis=row.get("memory_basis", "nominal"),
         )
         out[spec.id] = spec
     return out
