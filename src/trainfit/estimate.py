@@ -78,6 +78,12 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
         fix = "; a 16-bit recipe such as amp-bf16 gets a fused kernel"
     else:
         why = f"head dim {spec.head_dim} suits neither fused kernel"
+    window = spec.sliding_window
+    if window is not None and spec.sliding_layers and strategy.seq_len < window:
+        fix += (
+            f"; from --seq {window} on, transformers passes the sliding-window mask and repeats k/v, and SDPA runs "
+            "the memory-efficient kernel: memory drops there"
+        )
     return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer{fix}"]
 
 
