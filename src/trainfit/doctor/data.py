@@ -9,7 +9,7 @@ finds the one corrupted or unnormalised batch among normal ones.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +19,11 @@ from trainfit.precision.formats import FloatFormat, json_float
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside ``obj`` (tensors, tuples, lists, dicts and dict-like model outputs)."""
+    """Every tensor inside ``obj`` (tensors, tuples, lists, mappings — dicts, model outputs, a tokenizer's
+    ``BatchEncoding``, which is a ``UserDict``)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for v in obj.values():
             yield from iter_tensors(v)
     elif isinstance(obj, list | tuple):

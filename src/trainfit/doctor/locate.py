@@ -9,6 +9,11 @@ gradients in the order autograd produces them, so the first non-finite one is th
 whose gradient went bad. Tensor hooks (not ``register_full_backward_hook``) are used because they tolerate
 in-place ops such as ``ReLU(inplace=True)`` after a hooked module.
 
+Where a gradient is *seen* is not always where it was *made*: the gradient of M's output is computed by
+the backward of whatever consumed that output (``graph.py``). Each origin therefore also names the module
+that produced it (``produced_by``): M itself for its output and its parameter gradients, M's consumer for
+the gradient of M's output.
+
 Every check synchronises; the doctor is a diagnostic run, not training.
 """
 
@@ -23,7 +28,7 @@ import torch
 
 from trainfit.doctor.data import iter_tensors
 from trainfit.doctor.findings import Direction
-from trainfit.doctor.scan import module_name
+from trainfit.doctor.graph import CallGraph, module_name
 
 
 class Where(StrEnum):
@@ -39,10 +44,24 @@ class Origin:
     direction: Direction
     where: Where
     nan: bool  # NaN present (else only Inf)
+    #: the module whose computation produced the value (for OUTPUT_GRAD: the consumer of ``module``'s output)
+    produced_by: str = ""
 
     @property
     def what(self) -> str:
         return "NaN" if self.nan else "Inf"
+
+    @property
+    def producer(self) -> str:
+        return self.produced_by or self.module
+
+    def describe(self) -> str:
+        """'hot's output', 'the gradient of embed's output (made by hot's backward)', …"""
+        if self.where is Where.OUTPUT:
+            return f"{self.module}'s output"
+        if self.where is Where.PARAM_GRAD:
+            return f"{self.module}'s parameter gradients"
+        return f"the gradient of {self.module}'s output (made by {self.producer}'s backward)"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -50,6 +69,7 @@ class Origin:
             "module": self.module,
             "direction": self.direction.value,
             "where": self.where.value,
+            "produced_by": self.producer,
             "value": self.what,
         }
 
@@ -66,6 +86,7 @@ class NonfiniteTracker:
         self.forward: dict[int, Origin] = {}
         self.backward: dict[int, Origin] = {}
         self._handles: list[Any] = []
+        self.graph = CallGraph(model)
         for name, module in model.named_modules():
             label = module_name(name)
             self._handles.append(module.register_forward_hook(self._forward_hook(label), with_kwargs=True))
@@ -77,7 +98,12 @@ class NonfiniteTracker:
         if self.step in self.backward or not _nonfinite(g):
             return
         self.backward[self.step] = Origin(
-            step=self.step, module=label, direction=Direction.BACKWARD, where=where, nan=bool(torch.isnan(g).any())
+            step=self.step,
+            module=label,
+            direction=Direction.BACKWARD,
+            where=where,
+            nan=bool(torch.isnan(g).any()),
+            produced_by=self.graph.grad_producer(label) if where is Where.OUTPUT_GRAD else label,
         )
 
     def _forward_hook(self, label: str) -> Callable[..., None]:
@@ -95,7 +121,12 @@ class NonfiniteTracker:
                 return  # it received a non-finite input: not the origin
             nan = any(bool(torch.isnan(t).any()) for t in bad)
             self.forward[self.step] = Origin(
-                step=self.step, module=label, direction=Direction.FORWARD, where=Where.OUTPUT, nan=nan
+                step=self.step,
+                module=label,
+                direction=Direction.FORWARD,
+                where=Where.OUTPUT,
+                nan=nan,
+                produced_by=label,
             )
 
         return hook
@@ -108,6 +139,7 @@ class NonfiniteTracker:
         return hook
 
     def close(self) -> None:
+        self.graph.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -16,6 +16,13 @@ does at the inputs of every matmul. (Ops that autocast keeps in fp32 never see t
 
 Outputs are de-duplicated by tensor identity, so a container that returns its last child's output
 (``nn.Sequential``) is not counted twice.
+
+Each module's own weights are scanned too: under fp16 autocast the weights of matmul-type layers (Linear,
+Conv, …) are cast to fp16 for every forward, so a weight whose magnitude is ≥ 65520 is inf there (pure-bf16
+casts every parameter). Every row says which module *produced* its values (``produced_by``, see
+``graph.py``: the gradient of M's output is made by M's consumer's backward) and, for gradients, when it
+appeared in the backward pass (``backward_rank``), so that the first out-of-range gradient is found in
+backward execution order and blamed on the module whose computation made it.
 """
 
 from __future__ import annotations
@@ -29,13 +36,21 @@ from typing import Any
 import torch
 
 from trainfit.doctor.data import iter_tensors
+from trainfit.doctor.graph import CallGraph, module_name
 from trainfit.precision.formats import FloatFormat, headroom_binades, json_float
+
+__all__ = ["ModuleRange", "TensorRole", "module_name", "range_scan"]
 
 
 class TensorRole(StrEnum):
     ACTIVATION = "activation"
     ACTIVATION_GRAD = "activation-grad"
     PARAM_GRAD = "param-grad"
+    WEIGHT = "weight"
+
+    @property
+    def is_gradient(self) -> bool:
+        return self in (TensorRole.ACTIVATION_GRAD, TensorRole.PARAM_GRAD)
 
 
 @dataclass(slots=True)
@@ -89,6 +104,18 @@ class ModuleRange:
     flushed: int
     flushed_unscaled: int
     headroom_binades: float  # at the scale
+    #: the module whose computation produced these values (for an activation-grad row: the consumer of
+    #: ``module``'s output, whose backward computed that gradient)
+    produced_by: str = ""
+    #: gradients: the position at which this row's gradient first appeared in the backward pass
+    backward_rank: int | None = None
+    #: activations: the largest magnitude among the module's floating-point inputs (inf included)
+    input_absmax: float = 0.0
+
+    @property
+    def headroom_unscaled_binades(self) -> float:
+        """log2(max_finite / absmax) of the values themselves (gradients: without loss scaling)."""
+        return self.headroom_binades + math.log2(self.scale) if self.scale > 0 else self.headroom_binades
 
     @property
     def overflow_fraction(self) -> float:
@@ -121,11 +148,10 @@ class ModuleRange:
             "flush_fraction": self.flush_fraction,
             "flush_fraction_unscaled": self.flush_fraction_unscaled,
             "headroom_binades": json_float(self.headroom_binades),
+            "produced_by": self.produced_by or self.module,
+            "backward_rank": self.backward_rank,
+            "input_absmax": json_float(self.input_absmax),
         }
-
-
-def module_name(name: str) -> str:
-    return name or "(model)"
 
 
 def range_scan(
@@ -139,6 +165,7 @@ def range_scan(
     """Scan ``model`` (fp32, in train mode) on ``batches``; returns rows in forward execution order."""
     accs: dict[tuple[str, TensorRole], _Acc] = {}
     order: list[tuple[str, TensorRole]] = []
+    ranks: dict[tuple[str, TensorRole], int] = {}
 
     def acc(name: str, role: TensorRole) -> _Acc:
         key = (name, role)
@@ -147,24 +174,52 @@ def range_scan(
             order.append(key)
         return accs[key]
 
+    def add_grad(name: str, role: TensorRole, g: torch.Tensor) -> None:
+        ranks.setdefault((name, role), len(ranks))
+        acc(name, role).add(g, fmt, grad_scale)
+
     seen: dict[int, torch.Tensor] = {}  # keeps the tensors alive so that their ids are not reused
+    weighed: set[str] = set()
+    inputs_max: dict[str, float] = {}
     handles = []
 
     def make_hook(name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if name not in weighed:  # the weights, once: they do not change during the scan
+                weighed.add(name)
+                for p in module.parameters(recurse=False):
+                    if p.is_floating_point():
+                        acc(name, TensorRole.WEIGHT).add(p, fmt, 1.0)
+            for t in iter_tensors((args, kwargs)):
+                if t.is_floating_point() and t.numel():
+                    a = t.detach().abs()
+                    a = a[~torch.isnan(a)]
+                    if a.numel():
+                        inputs_max[name] = max(inputs_max.get(name, 0.0), float(a.max()))
             for t in iter_tensors(output):
                 if not t.is_floating_point() or seen.get(id(t)) is t:
                     continue
                 seen[id(t)] = t
                 acc(name, TensorRole.ACTIVATION).add(t, fmt, 1.0)
                 if t.requires_grad:
-                    slot = acc(name, TensorRole.ACTIVATION_GRAD)
-                    t.register_hook(lambda g, _s=slot: _s.add(g, fmt, grad_scale))  # type: ignore[no-untyped-call]
+                    acc(name, TensorRole.ACTIVATION_GRAD)  # keeps the row next to its activation
+                    t.register_hook(lambda g, _n=name: add_grad(_n, TensorRole.ACTIVATION_GRAD, g))  # type: ignore[no-untyped-call]
 
         return hook
 
+    def make_param_hook(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                add_grad(name, TensorRole.PARAM_GRAD, p.grad)
+
+        return hook
+
+    graph = CallGraph(model)
     for name, module in model.named_modules():
         handles.append(module.register_forward_hook(make_hook(module_name(name)), with_kwargs=True))
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(make_param_hook(module_name(name))))
     try:
         model.train()
         for batch in batches:
@@ -172,18 +227,17 @@ def range_scan(
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, batch)
             loss.backward()  # type: ignore[no-untyped-call]
-            for name, module in model.named_modules():
-                for p in module.parameters(recurse=False):
-                    if p.grad is not None:
-                        acc(module_name(name), TensorRole.PARAM_GRAD).add(p.grad, fmt, grad_scale)
     finally:
         for h in handles:
             h.remove()
+        graph.close()
         model.zero_grad(set_to_none=True)
     rows = []
     for name, role in order:
         a = accs[(name, role)]
-        scale = 1.0 if role is TensorRole.ACTIVATION else grad_scale
+        if role is TensorRole.ACTIVATION_GRAD and a.values == 0:
+            continue  # no gradient reached this output
+        scale = grad_scale if role.is_gradient else 1.0
         rows.append(
             ModuleRange(
                 module=name,
@@ -199,6 +253,9 @@ def range_scan(
                 flushed=a.flushed,
                 flushed_unscaled=a.flushed_unscaled,
                 headroom_binades=headroom_binades(a.absmax * scale, fmt) if a.absmax else math.inf,
+                produced_by=graph.grad_producer(name) if role is TensorRole.ACTIVATION_GRAD else name,
+                backward_rank=ranks.get((name, role)),
+                input_absmax=inputs_max.get(name, 0.0) if role is TensorRole.ACTIVATION else 0.0,
             )
         )
     return rows

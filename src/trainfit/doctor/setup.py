@@ -4,14 +4,21 @@ The factory takes no arguments and returns a :class:`DoctorSetup` or the 4-tuple
 ``(model, batches, loss_fn, make_optimizer)``: ``loss_fn(model, batch)`` returns a scalar loss and
 ``make_optimizer(params)`` builds a fresh optimizer (the doctor needs several, one per run, all from the
 same initial weights).
+
+For ``package.module:function`` the current directory is put first on ``sys.path`` while the module is
+imported and the factory runs, as ``python -m`` does: ``trainfit doctor cases:setup`` finds ``./cases.py``
+(the ``trainfit`` console script's ``sys.path`` starts with its own bin directory, not the cwd). For
+``file.py:function`` the file's directory is, so that it can import its siblings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +36,36 @@ class DoctorSetup:
     make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
+def _is_file_spec(module_part: str) -> bool:
+    return module_part.endswith(".py") or "/" in module_part or "\\" in module_part
+
+
+@contextlib.contextmanager
+def _on_sys_path(directory: str) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` for the duration (unless it is already there)."""
+    if directory in sys.path:
+        yield
+        return
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(directory)
+
+
+def _search_dir(spec: str) -> str:
+    module_part = spec.rpartition(":")[0]
+    if _is_file_spec(module_part):
+        return str(Path(module_part).expanduser().resolve().parent)
+    return os.getcwd()
+
+
 def _import_target(spec: str) -> Callable[[], Any]:
     module_part, sep, func_name = spec.rpartition(":")
     if not sep or not module_part or not func_name:
         raise DoctorError(f"expected 'file.py:function' or 'package.module:function', got '{spec}'")
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+    if _is_file_spec(module_part):
         path = Path(module_part).expanduser().resolve()
         if not path.is_file():
             raise DoctorError(f"no such file: {module_part}")
@@ -42,15 +74,12 @@ def _import_target(spec: str) -> Callable[[], Any]:
         if mod_spec is None or mod_spec.loader is None:
             raise DoctorError(f"cannot import {module_part}")
         module = importlib.util.module_from_spec(mod_spec)
-        sys.path.insert(0, str(path.parent))  # let the file import its siblings
         try:
             sys.modules[name] = module
             mod_spec.loader.exec_module(module)
         except Exception as exc:
             sys.modules.pop(name, None)
             raise DoctorError(f"importing {module_part} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            sys.path.remove(str(path.parent))
     else:
         try:
             module = importlib.import_module(module_part)
@@ -89,9 +118,10 @@ def coerce_setup(value: Any, origin: str = "the factory") -> DoctorSetup:
 
 def load_setup(spec: str) -> DoctorSetup:
     """Import ``spec`` ('file.py:function' or 'pkg.module:function'), call it and validate the result."""
-    func = _import_target(spec)
-    try:
-        value = func()
-    except Exception as exc:
-        raise DoctorError(f"{spec} raised {type(exc).__name__}: {exc}") from exc
+    with _on_sys_path(_search_dir(spec)):
+        func = _import_target(spec)
+        try:
+            value = func()
+        except Exception as exc:
+            raise DoctorError(f"{spec} raised {type(exc).__name__}: {exc}") from exc
     return coerce_setup(value, origin=spec)
