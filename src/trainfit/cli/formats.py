@@ -16,8 +16,7 @@ from trainfit.precision.formats import (
     INTEGER_FORMATS,
     edge_facts,
 )
-
-SCHEMA_VERSION = 1
+from trainfit.result import SCHEMA_VERSION
 
 
 def _num(x: float) -> str:

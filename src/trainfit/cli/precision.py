@@ -11,9 +11,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from trainfit.precision.advice import Accelerator, PrecisionAdvice, accelerator_from_spec, recommend
+from trainfit.result import SCHEMA_VERSION
 from trainfit.units import fmt_gib
-
-SCHEMA_VERSION = 1
 
 
 def _accelerators(gpu: str | None) -> tuple[Accelerator, ...]:
