@@ -404,7 +404,8 @@ def _gpt2(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
     """GPT-2 (modeling_gpt2.py): fused c_attn, Conv1D with biases, LayerNorm, learned positions, tied."""
     h = base["hidden_size"]
     return base | {
-        "intermediate_size": _intermediate(cfg, 4 * h),
+        # GPT2MLP reads only n_inner (None: 4h); an 'intermediate_size' key is not mapped onto it.
+        "intermediate_size": _int(cfg, "n_inner", 4 * h, minimum=0),
         "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True),
         "norm": NormKind.LAYERNORM,
         "norm_bias": True,

@@ -81,7 +81,7 @@ def _usage_message(exc: click_errors.UsageError) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the typer app, turning user errors into one line and exit status 2."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, prog_name="trainfit", standalone_mode=False)
     except TrainfitError as exc:
         fail(str(exc))
     except click_errors.NoArgsIsHelpError as exc:

@@ -1,0 +1,226 @@
+"""Property test of the CLI's error contract (issue 15 #22) over random command lines and random config.json
+files: every run either succeeds (exit 0) or prints exactly one line, ``error: ...``, on stderr, nothing on
+stdout, and exits 2. Never a traceback (an exception escaping ``main``), never exit 1.
+
+Covers estimate (analytic and rule-of-thumb), models, gpus, formats and precision; not doctor, trace or
+measure (slow). Hub ids never touch the network: the reachability probe answers "offline" and the
+download finds nothing in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.cli._cli_helper import Result, run_cli
+from trainfit.arch import loader
+from trainfit.arch.catalog import catalog_config
+
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,  # reproducible in CI; failures print the falsifying command line
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline_hub() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "_hub_reachable", lambda endpoint, timeout=0: False)
+        try:
+            import huggingface_hub
+            from huggingface_hub.errors import LocalEntryNotFoundError
+        except ImportError:  # pragma: no cover - huggingface_hub is a dev dependency
+            yield
+            return
+
+        def not_cached(*args: Any, **kwargs: Any) -> str:
+            raise LocalEntryNotFoundError("fuzz: nothing cached")
+
+        mp.setattr(huggingface_hub, "hf_hub_download", not_cached)
+        yield
+
+
+def check_contract(res: Result, args: list[str]) -> None:
+    assert res.code in (0, 2), f"exit {res.code} for {args!r}: {res.err}"
+    assert "Traceback" not in res.err, args
+    if res.code == 2:
+        lines = res.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) > len("error: "), (args, res.err)
+        assert res.out == "", (args, res.out)
+
+
+# -- command lines ----------------------------------------------------------------------------------------
+
+WEIRD = st.sampled_from(
+    ["", " ", "0", "-1", "-0", "1.5", "1e9", "1e400", "nan", "inf", "-inf", "abc", "0x10", "1_000", "10" * 20,
+     "∞", "é", "--", "-", "None", "true", "[1]", "{}", "a" * 300, "\t"]
+)  # fmt: skip
+SANE_INT = st.sampled_from(["1", "2", "4", "8", "32", "128", "1024", "2048", "4096", "32000"])
+BAD_INT = st.one_of(
+    st.integers(-5, 70_000).map(str),
+    st.sampled_from(["0", "-1", str(2**31), str(2**63), str(10**30), "3.0", "2e3"]),
+    WEIRD,
+)
+INTS = st.one_of(SANE_INT, SANE_INT, BAD_INT)  # mostly plausible, so the success path is explored too
+COUNTS = st.one_of(
+    st.sampled_from(["1.3e9", "7e9", "7000000000", "1_300_000_000", "3e8"]),
+    st.sampled_from(["1.5", "1e15", "0", "-7e9", "1e400"]),
+    WEIRD,
+)
+FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.sampled_from(["0.3", "0", "1", "0.99"]))
+SLUGS = st.sampled_from(
+    [
+        "gpt2",
+        "llama-3.1-8b",
+        "mixtral-8x7b-v0.1",
+        "deepseek-v3",
+        "bert-base-uncased",
+        "falcon-7b",
+        "gemma-2b",
+        "qwen3-30b-a3b",
+        "LLAMA-3.2-1B",
+        "phi-2",
+    ]
+)
+MODELS = st.one_of(
+    SLUGS,
+    SLUGS,
+    st.sampled_from(["llama-3.1-8bb", "org/model", "a/b/c", "./nope/config.json", "/", ".", "~",
+                     "meta-llama/Llama-3.1-8B"]),
+    WEIRD,
+    st.text(max_size=40),
+)  # fmt: skip
+GPUS = st.one_of(st.sampled_from(["t4", "a100-sxm-80gb", "mi250x", "h200-sxm-141gb", "A100", "nope"]), WEIRD)
+CHOICES = {
+    "--precision": ["fp32", "amp-bf16", "amp-fp16", "master-bf16", "master-fp16", "pure-bf16", "fp8", "bf16"],
+    "--optimizer": ["adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion", "adam"],
+    "--checkpointing": ["none", "full", "sqrt", "half"],
+    "--attention": ["sdpa", "eager", "flash"],
+    "--optimizer-impl": ["foreach", "fused", "for-each"],
+    "--method": ["analytic", "rule-of-thumb", "nope"],
+}
+
+
+@st.composite
+def estimate_args(draw: st.DrawFn) -> list[str]:
+    args = ["estimate"]
+    if draw(st.booleans()):
+        args.append(draw(MODELS))
+    else:  # what-if numbers: the three required ones usually present, the rest sometimes
+        for flag, values, often in (
+            ("--params", COUNTS, True),
+            ("--hidden-size", st.one_of(st.sampled_from(["1024", "2048", "4096"]), INTS), True),
+            ("--num-layers", st.one_of(st.sampled_from(["2", "24", "32"]), INTS), True),
+            ("--num-heads", INTS, False),
+            ("--num-kv-heads", INTS, False),
+            ("--vocab-size", INTS, False),
+            ("--intermediate-size", INTS, False),
+        ):
+            if draw(st.integers(0, 9)) < (9 if often else 3):
+                args += [flag, draw(values)]
+    options: list[tuple[str, st.SearchStrategy[str]]] = [
+        ("--gpu", GPUS),
+        ("--batch", INTS),
+        ("--seq", INTS),
+        ("--grad-accum", INTS),
+        ("--headroom", FLOATS),
+        *(
+            (flag, st.one_of(st.sampled_from(values[:3]), st.sampled_from(values), WEIRD))
+            for flag, values in CHOICES.items()
+        ),
+    ]
+    for flag, values in draw(st.lists(st.sampled_from(options), max_size=4, unique_by=lambda o: o[0])):
+        args += [flag, draw(values)]
+    for flag in draw(st.lists(st.sampled_from(["--json", "--explain", "--modules", "-v"]), max_size=2, unique=True)):
+        args.append(flag)
+    return args
+
+
+@st.composite
+def other_args(draw: st.DrawFn) -> list[str]:
+    command = draw(st.sampled_from(["models", "gpus", "formats", "precision"]))
+    args = [command]
+    if command == "precision":
+        args += ["--gpu", draw(GPUS)]
+    if draw(st.booleans()):
+        args.append("--json")
+    return args
+
+
+@st.composite
+def mangled(draw: st.DrawFn, base: st.SearchStrategy[list[str]]) -> list[str]:
+    """A valid-ish command line, sometimes with a junk token, an unknown flag or a lost value."""
+    args = draw(base)
+    damage = draw(st.integers(0, 8))
+    if damage == 1:
+        args.insert(
+            draw(st.integers(1, len(args))), draw(st.one_of(WEIRD, st.sampled_from(["--bogus", "-z", "--json=1"])))
+        )
+    elif damage == 2 and len(args) > 1:
+        del args[draw(st.integers(1, len(args) - 1))]
+    elif damage == 3:
+        args[0] = draw(st.sampled_from(["estimat", "model", "GPUS", "help", "--help-me", "--version"]))
+    return args
+
+
+@SETTINGS
+@given(args=mangled(st.one_of(estimate_args(), other_args())))
+def test_cli_is_ok_or_one_error_line(capsys, args: list[str]) -> None:
+    check_contract(run_cli(capsys, *args), args)
+
+
+# -- config files -----------------------------------------------------------------------------------------
+
+BASES = ["llama-3.2-1b", "gpt2", "mixtral-8x7b-v0.1", "qwen2.5-0.5b", "bert-base-uncased", "falcon-7b", "deepseek-v3"]
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.sampled_from([0, -1, 1, 2**31, 2**63, 10**400]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0.5, 1024.5, 2048.0, -0.0]),
+    st.text(max_size=12),
+    st.lists(st.integers(0, 4096), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+
+
+@st.composite
+def config_files(draw: st.DrawFn) -> bytes:
+    kind = draw(st.integers(0, 9))
+    if kind == 0:
+        return draw(st.binary(max_size=200))
+    if kind == 1:
+        return draw(st.text(max_size=80)).encode()
+    cfg: dict[str, Any] = dict(catalog_config(draw(st.sampled_from(BASES))))
+    keys = sorted(cfg)
+    for key in draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3, unique=True)):
+        if draw(st.integers(0, 5)) == 0:
+            del cfg[key]
+        else:
+            cfg[key] = draw(JUNK)
+    if kind == 2:
+        return json.dumps(draw(st.one_of(st.lists(st.integers(), max_size=3), st.integers(), st.text()))).encode()
+    try:
+        return json.dumps(cfg).encode()
+    except ValueError:  # 10**400 etc. are fine; only NaN-like refusals land here
+        return b"{}"
+
+
+@SETTINGS
+@given(content=config_files(), extra=st.sampled_from([[], ["--json"], ["--gpu", "t4"], ["--method", "rule-of-thumb"]]))
+def test_any_config_file_is_ok_or_one_error_line(
+    capsys, tmp_path_factory: pytest.TempPathFactory, content: bytes, extra: list[str]
+) -> None:
+    path: Path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_bytes(content)
+    args = ["estimate", str(path), *extra]
+    check_contract(run_cli(capsys, *args), [*args, content[:200].decode(errors="replace")])
