@@ -20,6 +20,8 @@ def _parse_count(text: str | None, flag: str) -> int | None:
         raise ConfigError(f"{flag} expects a number such as 1.3e9 or 7000000000, got '{text}'") from None
     if value <= 0 or value != value or value == float("inf"):
         raise ConfigError(f"{flag} must be a positive number, got '{text}'")
+    if not value.is_integer():
+        raise ConfigError(f"{flag} must be a whole number of parameters, got '{text}'")
     return int(value)
 
 
