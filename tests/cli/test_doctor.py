@@ -61,3 +61,30 @@ def test_cli_app_import_is_torch_free():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_unknown_precision_lists_only_what_the_doctor_accepts(capsys):
+    res = run_cli(capsys, "doctor", "--demo", "--precision", "bogus")
+    assert res.code == 2
+    assert res.err.strip() == "error: unknown precision 'bogus'; choose one of: auto, amp-fp16, amp-bf16, pure-bf16"
+
+
+def test_demo_runs_in_pure_bf16(capsys):
+    """The model was cast to bf16 and the batches were not: 'mat1 and mat2 must have the same dtype'."""
+    res = run_cli(capsys, "doctor", "--demo", "--precision", "pure-bf16", "--steps", "4", "--json")
+    assert res.code == 0, res.err
+    data = json.loads(res.out)
+    assert data["precision"] == "pure-bf16" and data["format"] == "bf16"
+    assert all(isinstance(x, float) for x in data["runs"][1]["losses"])
+
+
+def test_docs_give_the_demo_the_steps_it_runs():
+    """docs/precision.md said the demo runs 30 steps; it runs the --steps default."""
+    import inspect
+
+    from trainfit.cli.doctor import doctor
+
+    steps = inspect.signature(doctor).parameters["steps"].default
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "precision.md").read_text()
+    (line,) = [ln for ln in docs.splitlines() if ln.startswith("`trainfit doctor --demo`")]
+    assert f"{steps} steps" in line

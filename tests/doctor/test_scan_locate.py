@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from trainfit.doctor.graph import LOSS_FUNCTION, CallGraph
 from trainfit.doctor.locate import NonfiniteTracker, Where
 from trainfit.doctor.scan import TensorRole, range_scan
 from trainfit.precision.formats import BF16, FP16
@@ -82,6 +85,7 @@ def test_backward_inf_found_where_detect_anomaly_is_silent():
     assert tracker.forward == {}
     origin = tracker.backward[7]
     assert (origin.module, origin.where, origin.what) == ("lin", Where.OUTPUT_GRAD, "Inf")
+    assert origin.producer == "(model)"  # the sqrt inline in the model's forward made it
 
 
 def test_forward_origin_is_the_module_not_its_consumers():
@@ -116,3 +120,86 @@ def test_hooks_tolerate_inplace_relu():
     rows = range_scan(model, [torch.randn(2, 4)], lambda m, b: m(b).sum(), FP16)
     # the in-place ReLU returns the very tensor Linear 0 produced, which is counted once, under "0"
     assert {r.module for r in rows if r.role is TensorRole.ACTIVATION} == {"0", "2"}
+
+
+class _BlowUpGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by inf."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g * math.inf
+
+
+class BlowUp(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BlowUpGrad.apply(x)
+
+
+def test_a_gradient_is_blamed_on_the_module_whose_backward_made_it():
+    """The first non-finite gradient is *seen* at a's output but *made* by `blow`'s backward."""
+    model = torch.nn.Sequential()
+    model.add_module("a", torch.nn.Linear(4, 4))
+    model.add_module("blow", BlowUp())
+    model.add_module("c", torch.nn.Linear(4, 1))
+    tracker = NonfiniteTracker(model)
+    model(torch.randn(2, 4)).sum().backward()
+    tracker.close()
+    origin = tracker.backward[0]
+    assert (origin.module, origin.where, origin.producer) == ("a", Where.OUTPUT_GRAD, "blow")
+    assert "made by blow's backward" in origin.describe()
+    # parameter gradients are made by the module's own backward
+    assert not tracker.forward
+
+
+def test_call_graph_attribution():
+    """Who makes the gradient of each module's output: the next module, through pass-through modules
+    (in-place ReLU, Identity) and containers; inline code in the caller; the loss for the model's output."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x))) + x
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), Block(), torch.nn.Identity(), torch.nn.Linear(4, 1)
+    )
+    graph = CallGraph(model)
+    model(torch.randn(2, 4)).sum()
+    graph.close()
+    produced = {name or "(model)": graph.grad_producer(name or "(model)") for name, _ in model.named_modules()}
+    assert produced == {
+        "(model)": LOSS_FUNCTION,
+        "0": "2.a",  # ReLU(inplace=True) passes 0's tensor on; Block's first consumer is its child a
+        "1": "2.a",
+        "2": "4",  # through the Identity
+        "2.a": "2",  # tanh, inline in Block.forward
+        "2.b": "2",  # the residual add, inline in Block.forward
+        "3": "4",
+        "4": LOSS_FUNCTION,  # returned by the Sequential, consumed by the loss
+    }
+
+
+def test_range_scan_rows_say_who_produced_them_and_when():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    rows = range_scan(model, [torch.randn(3, 4)], lambda m, b: m(b).sum(), FP16)
+    act_grad = {r.module: r for r in rows if r.role is TensorRole.ACTIVATION_GRAD}
+    assert act_grad["0"].produced_by == "1" and act_grad["1"].produced_by == "2"
+    assert act_grad["2"].produced_by == LOSS_FUNCTION
+    # backward order: the gradient of 2's output first, then 2's parameters and 1's output, …, 0's parameters
+    ranks = {(r.module, r.role): r.backward_rank for r in rows if r.role.is_gradient}
+    assert ranks[("2", TensorRole.ACTIVATION_GRAD)] == 0
+    assert ranks[("0", TensorRole.PARAM_GRAD)] == max(ranks.values())
+    weights = [r for r in rows if r.role is TensorRole.WEIGHT]
+    assert {r.module for r in weights} == {"0", "2"}
+    w = next(r for r in weights if r.module == "0")
+    assert w.values == 4 * 8 + 8 and w.absmax == float(
+        torch.cat([p.detach().abs().flatten() for p in model[0].parameters()]).max()
+    )

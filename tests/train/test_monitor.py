@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainfit.train import EventKind, InstabilityError, StabilityMonitor, StepStats, TrainStep
-from trainfit.train.monitor import CHECK_ORDER, Check
+from trainfit.train.monitor import CHECK_ORDER, Check, troubleshooting_advice
 
 
 def healthy_stream(n: int, seed: int = 0, scale: float | None = 65536.0):
@@ -234,3 +234,14 @@ def test_nonfinite_loss_mentions_loss_scaling_only_for_fp16():
         m.attach(precision=precision)
         (ev,) = m.observe(StepStats(step=0, loss=math.nan))
         assert ("loss scaling" in ev.message) is mentioned, (precision, ev.message)
+
+
+def test_advice_mentions_the_loss_scaler_only_under_fp16():
+    for precision, mentioned in (("fp32", False), ("amp-bf16", False), ("pure-bf16", False), ("amp-fp16", True)):
+        advice = troubleshooting_advice(
+            EventKind.NONFINITE_LOSS, precision=precision, lr=1e-3, max_grad_norm=None, step=5
+        )
+        texts = " ".join(a.text for a in advice)
+        assert ("scaler" in texts) is mentioned, (precision, texts)
+    fp32 = troubleshooting_advice(EventKind.NONFINITE_LOSS, precision="fp32", lr=1e-3, max_grad_norm=None, step=5)
+    assert "mixed precision" not in fp32[1].text and "unknown" not in fp32[0].text

@@ -103,7 +103,12 @@ def _render(console: Console, r: DoctorReport) -> None:
                 where += f" step {f.step}"
             table.add_row(f.kind.value, f.severity.value, f.module or "", where.strip(), f.message)
         console.print(table)
-    console.print(Panel(r.diagnosis, title="Diagnosis" + (f" — cause: {r.cause.value}" if r.cause else "")))
+    title = (
+        "Diagnosis"
+        + (f" — cause: {r.cause.value}" if r.cause else "")
+        + (f", module: {r.culprit}" if r.culprit else "")
+    )
+    console.print(Panel(r.diagnosis, title=title))
 
 
 def doctor(

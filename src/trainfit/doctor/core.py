@@ -504,7 +504,7 @@ def _culprit(
     if vanish:
         r = min(vanish, key=lambda r: r.backward_rank if r.backward_rank is not None else math.inf)
         at = f"at loss scale {r.scale:g}" if r.scale != 1.0 else "without loss scaling"
-        text = f"{r.flush_fraction:.0%} of {_describe_row(r)} flush to 0 in {fmt.id} {at}"
+        text = f"{r.flush_fraction:.0%} of the non-zero values of {_describe_row(r)} flush to 0 in {fmt.id} {at}"
         cands.append(((0, 2, r.backward_rank if r.backward_rank is not None else math.inf), _Culprit(r.module, text)))
     if not cands:
         return None
@@ -877,11 +877,12 @@ def _diagnosis(
         )
     if cause is Check.LEARNING_RATE:
         lowest = lr_runs[-1]
-        clipped = f" nor clipping at {cfg.clip_norm:g}" if clip_run is not None else ""
+        clipped = f", and neither does clipping at {cfg.clip_norm:g}" if clip_run is not None else ""
         return (
             f"The learning rate is the likely cause: fp32 is unstable too ({ref.health.problem()}), so it is not "
             f"precision, and the batches are clean; but even lr/{2 ** len(lr_runs)} (lr={_lr(lowest.lr)}, down from "
-            f"{_lr(res.lr)}){clipped} makes training stable{_lr_evidence(res, lowest)}. Lower the learning rate by "
+            f"{_lr(res.lr)}) does not make training stable{clipped}{_lr_evidence(res, lowest)}. Lower the learning "
+            "rate by "
             f"much more — try lr={_lr(res.lr / 100 if res.lr is not None else None)} — with a warmup, and rerun the "
             "doctor; if no learning rate helps, check the optimizer's other settings and the loss (article §5.3, "
             "step 2)."

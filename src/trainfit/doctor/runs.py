@@ -92,13 +92,13 @@ class RunHealth:
         if self.first_nonfinite_step is not None:
             return f"its loss is NaN/Inf from step {self.first_nonfinite_step}"
         if self.exploded:
-            return f"its loss explodes (from {self.start_loss:.4g} up to {self.max_loss:.4g})"
+            return f"its loss explodes from {self.start_loss:.4g} up to {self.max_loss:.4g}"
         if self.rising:
-            return f"its loss rises ({self.start_loss:.4g} → {self.end_loss:.4g})"
+            return f"its loss rises from {self.start_loss:.4g} to {self.end_loss:.4g}"
         if self.scale_collapsed_at is not None:
             return (
-                f"its loss scale collapses below 1 at step {self.scale_collapsed_at} (the scaler skips "
-                f"{self.skip_fraction:.0%} of the optimizer steps)"
+                f"its loss scale collapses below 1 at step {self.scale_collapsed_at}, the scaler skipping "
+                f"{self.skip_fraction:.0%} of the optimizer steps"
             )
         return "it is stable"
 

@@ -173,7 +173,7 @@ def troubleshooting_advice(
         prec = Advice(
             check=Check.PRECISION,
             order=1,
-            text="the run is fp32 (or its precision is unknown), so half precision is not the cause"
+            text="the run is fp32, so half precision is not the cause"
             if precision == "fp32"
             else "rerun the same steps in fp32 from the same weights; if fp32 is stable, the cause is precision",
             applicable=precision != "fp32",
@@ -197,17 +197,22 @@ def troubleshooting_advice(
             text="rerun a few hundred steps in fp32 from the same weights; if fp32 is stable, look for "
             "division by zero, log(0) and long low-precision accumulations (bf16 keeps only 8 bits).",
         )
+    sensitive = "; mixed precision is more sensitive to it" if half else ""
     if lr is not None and lr > 0:
-        lr_text = f"halve the learning rate ({lr:.3g} → {lr / 2:.3g}); mixed precision is more sensitive to it"
+        lr_text = f"halve the learning rate ({lr:.3g} → {lr / 2:.3g}){sensitive}"
     else:
-        lr_text = "halve the learning rate; mixed precision is more sensitive to it"
+        lr_text = f"halve the learning rate{sensitive}"
     lr_advice = Advice(check=Check.LEARNING_RATE, order=2, text=lr_text)
     if max_grad_norm is None:
-        clip = Advice(
-            check=Check.CLIPPING,
-            order=3,
-            text="clip gradients at max_norm=1.0 (after scaler.unscale_ with fp16)",
+        # loss scaling only exists under fp16: fp32/bf16 runs get no scaler advice (unknown precision: a hint)
+        when = (
+            " after scaler.unscale_"
+            if fp16
+            else " (with fp16 loss scaling: after scaler.unscale_)"
+            if precision is None
+            else ""
         )
+        clip = Advice(check=Check.CLIPPING, order=3, text=f"clip gradients at max_norm=1.0{when}")
     elif max_grad_norm > 1.0:
         clip = Advice(check=Check.CLIPPING, order=3, text=f"lower the clipping threshold from {max_grad_norm:g} to 1.0")
     else:
