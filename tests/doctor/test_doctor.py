@@ -242,3 +242,16 @@ def test_precision_choices_do_not_offer_fp32(name):
         diagnose(coerce_setup(cases.healthy()), DoctorConfig(precision=name))
     message = str(info.value)
     assert message == f"unknown precision '{name}'; choose one of: auto, amp-fp16, amp-bf16, pure-bf16"
+
+
+def test_data_scan_sees_inside_dict_like_batches():
+    """A tokenizer's BatchEncoding is a UserDict, not a dict: its tensors were skipped by the data scan."""
+    from collections import UserDict
+
+    from trainfit.doctor.data import scan_batches
+    from trainfit.precision.formats import FP16
+
+    x = torch.zeros(4)
+    x[1] = math.nan
+    (row,) = scan_batches([UserDict({"input": x, "ids": torch.ones(4, dtype=torch.long)})], FP16)
+    assert row.nan == 1 and row.float_values == 4
