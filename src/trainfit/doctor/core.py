@@ -50,11 +50,10 @@ from trainfit.doctor.runs import RunResult, RunSpec, initial_loss, run
 from trainfit.doctor.scan import ModuleRange, TensorRole, range_scan
 from trainfit.doctor.setup import DoctorSetup, load_setup
 from trainfit.precision.formats import FloatFormat, get_format, json_float
+from trainfit.result import SCHEMA_VERSION
 from trainfit.strategy import Precision
 from trainfit.train.monitor import CHECK_ORDER, Check, EventKind
 from trainfit.train.step import resolve_precision
-
-SCHEMA_VERSION = 1
 
 #: what ``--precision`` accepts: the doctor compares a half-precision recipe with fp32
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "amp-fp16", "amp-bf16", "pure-bf16")
