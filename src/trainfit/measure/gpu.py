@@ -1,23 +1,37 @@
 """Measure on a CUDA device what the trace predicts, phase by phase and region by region.
 
-The step loop is :func:`trainfit.trace.engine.run_steps` on real CUDA tensors (no fake mode, no tracker, no
-emulation: the real kernels run). At every mark of the trace — phase starts and ends, the forward entry of
-each repeated unit, the backward moment a unit's output gradient is ready — a probe reads
-``torch.cuda.max_memory_allocated()`` (and ``max_memory_reserved()``) and resets the peak counters, so each
-stretch between two marks has its own measured peak. The caching allocator does its accounting on the host
-when a kernel is launched, so no synchronisation is needed for the counters to be right. Regions are then
-maxima over their stretches, extrapolated in depth exactly as the trace is (:mod:`trainfit.trace.depth`).
+The trace's plan, layouts and step runner run unchanged on real device tensors (no fake mode, no tracker,
+no emulation: the real kernels run): :func:`trainfit.trace.depth.run_layout` with a probe. At every mark
+of the timeline — phase starts and ends, the forward entry of each repeated unit, the backward moment a
+unit's output gradient is ready — the probe reads ``torch.cuda.max_memory_allocated()`` (and
+``max_memory_reserved()``) and resets the peak counters, so each stretch between two marks has its own
+measured peak. The caching allocator does its accounting on the host when a kernel is launched, so no
+synchronisation is needed for the counters to be right. Regions are then maxima over their stretches,
+extrapolated in depth exactly as the trace is (:mod:`trainfit.trace.depth`).
+
+Depth extrapolation takes differences between runs, so whatever one run leaves allocated is multiplied
+by the number of units in the next: a run's model, optimizer and batches live only inside
+``run_layout``; after each run the garbage collector and ``empty_cache`` run, and the memory still
+allocated before each run is compared with the first run's (a warning names any difference). Before the
+first run a small matmul forward and backward creates the cuBLAS handles and workspaces of both the
+main and the autograd thread, which the caching allocator serves and keeps, so every run starts from the
+same baseline.
 
 The device reports totals only. Weights, master weights and optimizer states are sized from the live
 tensors (512-byte blocks); the rest of each total — gradients, activations, logits, temporaries and the
 cuBLAS workspace, which the caching allocator also serves — is reported as temporaries.
+
+The device is a :class:`DeviceMemory`: :class:`CudaMemory` by default; tests pass a stand-in that counts
+real CPU storages, so the bookkeeping runs in CI without a GPU.
 """
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -25,45 +39,179 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError
 from trainfit.result import Component, MeasureDetails, MemoryReport, Method, ModuleRow, Phase, TraceDetails
 from trainfit.strategy import Strategy
-from trainfit.trace import engine as eng
-from trainfit.trace import hf
-from trainfit.trace import tracker as tk
-from trainfit.trace.api import _breakdown, _bytes_per_param, _overhead
-from trainfit.trace.depth import extrapolate_phases, keyed_regions, plan_depth
-from trainfit.trace.optim import make_optimizer, state_tensors
+from trainfit.trace import depth, hf, readout
+from trainfit.trace.api import trace_spec
+from trainfit.trace.runner import compute_dtype
+from trainfit.trace.timeline import Interval, Label, Mark, Peak, Region
 
 C = Component
 
+#: A difference in the memory allocated before two layout runs larger than this is reported.
+BASELINE_DRIFT_BYTES = 2 * 2**20
 
-class CudaProbe:
-    """``probe(label)`` for :func:`run_steps`: the allocator's peak since the previous probe."""
 
-    def __init__(self) -> None:
+class DeviceMemory(Protocol):
+    """What the measurement reads from a device (``torch.cuda``'s memory functions)."""
+
+    @property
+    def device(self) -> str:
+        """The torch device type the run's tensors are made on."""
+        ...
+
+    def name(self) -> str: ...
+    def synchronize(self) -> None: ...
+    def empty_cache(self) -> None: ...
+    def memory_allocated(self) -> int: ...
+    def max_memory_allocated(self) -> int: ...
+    def memory_reserved(self) -> int: ...
+    def max_memory_reserved(self) -> int: ...
+    def reset_peak_memory_stats(self) -> None: ...
+
+
+class CudaMemory:
+    """The current CUDA device."""
+
+    device = "cuda"
+
+    def name(self) -> str:
+        return str(torch.cuda.get_device_name())
+
+    def synchronize(self) -> None:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self.allocated = [torch.cuda.memory_allocated()]
-        self.reserved = [torch.cuda.memory_reserved()]
-        self.labels = ["start"]
 
-    def __call__(self, label: str) -> int:
-        self.allocated.append(torch.cuda.max_memory_allocated())
-        self.reserved.append(torch.cuda.max_memory_reserved())
-        self.labels.append(label)
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated())
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated())
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved())
+
+    def max_memory_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved())
+
+    def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
-        return len(self.allocated) - 1
+
+
+class DeviceProbe:
+    """``probe(mark)`` for the runner: the device's peak since the previous mark, and its level now.
+
+    Reading ``i`` holds the largest allocation between mark ``i - 1`` and mark ``i`` (the peak counters
+    are reset at every mark, which sets them to the level at that moment) and the allocation at mark
+    ``i``. Reading 0 is taken when the probe is made."""
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+        memory.synchronize()
+        memory.reset_peak_memory_stats()
+        self.level = [memory.memory_allocated()]
+        self.level_reserved = [memory.memory_reserved()]
+        self.peaks = list(self.level)
+        self.peaks_reserved = list(self.level_reserved)
+        self.marks: list[Mark | None] = [None]
+
+    def __call__(self, mark: Mark) -> int:
+        mem = self.memory
+        self.peaks.append(mem.max_memory_allocated())
+        self.peaks_reserved.append(mem.max_memory_reserved())
+        self.level.append(mem.memory_allocated())
+        self.level_reserved.append(mem.memory_reserved())
+        self.marks.append(mark)
+        mem.reset_peak_memory_stats()
+        return len(self.peaks) - 1
 
     def peak(self, start: int, end: int, reserved: bool = False) -> int:
-        series = self.reserved if reserved else self.allocated
-        window = series[start + 1 : end + 1] or [series[start]]
-        return max(window)
+        """The largest allocation from mark ``start`` to mark ``end`` (inclusive): the level at ``start``
+        and the peaks of the stretches after it up to ``end``."""
+        if not 0 <= start <= end < len(self.peaks):
+            raise ValueError(f"no readings for marks {start}..{end} ({len(self.peaks)} readings)")
+        level, peaks = (self.level_reserved, self.peaks_reserved) if reserved else (self.level, self.peaks)
+        return max([level[start], *peaks[start + 1 : end + 1]])
 
 
-def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = tk.rounded(st.nbytes())
-    return sum(seen.values())
+@dataclass
+class _LayoutMeasurement:
+    """One layout run's numbers (no tensors): region and phase breakdowns, reserved peaks per phase."""
+
+    regions: dict[tuple[Phase, Region], dict[Component, int]]
+    phases: dict[Phase, dict[Component, int]]
+    reserved: dict[Phase, int] = field(default_factory=dict)
+
+
+def _worst(
+    intervals: list[Interval[Label]], probe: DeviceProbe, split: Callable[[int], dict[Component, int]]
+) -> list[Peak[Label]]:
+    return [
+        Peak(label=iv.label, event=iv.end, total_bytes=(t := probe.peak(iv.start, iv.end)), components=split(t))
+        for iv in intervals
+    ]
+
+
+def _measure_layout(
+    spec: ModelSpec,
+    strategy: Strategy,
+    plan: depth.DepthPlan,
+    layout: hf.Layout,
+    memory: DeviceMemory,
+    *,
+    steps: int,
+    adamw_impl: str,
+    progress: Callable[[str, float], None] | None,
+) -> _LayoutMeasurement:
+    probe = DeviceProbe(memory)
+    done = depth.run_layout(
+        spec,
+        strategy,
+        plan,
+        layout,
+        steps=steps,
+        adamw_impl=adamw_impl,
+        progress=progress,
+        on_device=depth.DeviceRun(device=memory.device, probe=probe),
+    )
+    res = done.resident
+    held = {C.WEIGHTS: res.weights, C.MASTER_WEIGHTS: res.master_weights, C.OPTIMIZER_STATES: res.optimizer_states}
+
+    def split(total: int) -> dict[Component, int]:
+        return {**held, C.TEMPORARIES: max(0, total - sum(held.values()))}
+
+    timeline = done.run.timeline
+    regions = readout.worst_by(
+        ((pk.label.phase, pk.label.region), pk) for pk in _worst(timeline.region_intervals(), probe, split)
+    )
+    phase_intervals = timeline.phase_intervals()
+    phases = readout.worst_by((pk.label.phase, pk) for pk in _worst(phase_intervals, probe, split))
+    reserved: dict[Phase, int] = {}
+    for iv in phase_intervals:
+        ph = iv.label.phase
+        reserved[ph] = max(reserved.get(ph, 0), probe.peak(iv.start, iv.end, reserved=True))
+    return _LayoutMeasurement(
+        regions={k: pk.components for k, pk in regions.items()},
+        phases={k: pk.components for k, pk in phases.items()},
+        reserved=reserved,
+    )
+
+
+def warm_up(memory: DeviceMemory, strategy: Strategy) -> None:
+    """A matmul forward and backward on the device, in the recipe's compute dtype (under autocast for the
+    amp recipes): creates the cuBLAS handles and workspaces of the main thread and of autograd's device
+    thread before the first measured run, so that every run starts from the same allocation."""
+    rec = strategy.recipe
+    dtype = torch.float32 if rec.autocast else compute_dtype(rec)
+    x = torch.ones(64, 64, device=memory.device, dtype=dtype, requires_grad=True)
+    if rec.autocast:
+        with torch.autocast(memory.device, dtype=compute_dtype(rec)):
+            y = x @ x
+    else:
+        y = x @ x
+    y.float().sum().backward()  # type: ignore[no-untyped-call]
+    del x, y
+    memory.synchronize()
 
 
 def measure_spec(
@@ -76,92 +224,58 @@ def measure_spec(
     extrapolate: bool = True,
     with_trace: bool = True,
     modules: bool = False,
+    memory: DeviceMemory | None = None,
 ) -> MemoryReport:
-    """Run ``spec`` under ``strategy`` on the current CUDA device and report measured peaks per phase."""
-    if not torch.cuda.is_available():
-        raise DependencyError(
-            "--method measure needs a CUDA GPU and a CUDA build of PyTorch (torch.cuda.is_available() is "
-            "False); use --method trace to get the same numbers without a GPU"
-        )
+    """Run ``spec`` under ``strategy`` on the current CUDA device (or ``memory``'s) and report measured
+    peaks per phase."""
+    if memory is None:
+        if not torch.cuda.is_available():
+            raise DependencyError(
+                "--method measure needs a CUDA GPU and a CUDA build of PyTorch (torch.cuda.is_available() is "
+                "False); use --method trace to get the same numbers without a GPU"
+            )
+        memory = CudaMemory()
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
-    plan = plan_depth(spec, strategy, extrapolate=extrapolate)
-    keyed: list[dict[Any, dict[Component, int]]] = []
-    reserved_by_phase: dict[str, int] = {}
-    full_phases: dict[Phase, dict[Component, int]] = {}
+    plan = depth.plan_depth(spec, strategy, extrapolate=extrapolate)
+    warm_up(memory, strategy)
+    keyed: list[dict[depth.Key, dict[Component, int]]] = []
+    measured: list[_LayoutMeasurement] = []
+    baselines: list[int] = []
+    n = len(plan.layouts)
     for i, (counts, layout) in enumerate(plan.layouts):
-        say(f"measure {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers)", i / len(plan.layouts))
-        model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
-        torch.cuda.empty_cache()
-        probe = CudaProbe()
-        eng.materialize(model, None, None, device="cuda")
-        stack_mod: Any = model.get_submodule(plan.stack_path)
-        layers: list[torch.nn.Module] = list(stack_mod)
-        hf.install_checkpointing(model, layers, layout.blocks, [])
-        first, last = _positions(layout)
-        optimizer_box: list[Any] = []
 
-        def make_opt(params: list[torch.nn.Parameter], box: list[Any] = optimizer_box) -> Any:
-            opt = make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl)
-            box.append(opt)
-            return opt
+        def sub(msg: str, frac: float, i: int = i, layers: int = len(layout.layers)) -> None:
+            say(f"measure {i + 1}/{n} ({layers} layers): {msg}", (i + frac) / n)
 
-        run = eng.run_steps(
-            model,
-            None,
-            make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cuda"),
-            forward=lambda m, b: m(**b),
-            loss_of=lambda out, _b: out.loss,
-            make_optimizer=make_opt,
-            recipe=strategy.recipe,
-            steps=steps,
-            head_module=hf.head_of(model),
-            stack=eng.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else None,
-            emulate_cuda=False,
-            track=False,
-            device="cuda",
-            probe=probe,
-        )
-        opt = optimizer_box[0]
-        weights = _tensor_bytes(list(model.parameters()))
-        states = _tensor_bytes([t for _, t in state_tensors(opt) if t.is_cuda])  # CPU step counters excluded
-        opt_params = [p for g in opt.param_groups for p in g["params"]]
-        master = _tensor_bytes(opt_params) if strategy.recipe.master_bits else 0
+        gc.collect()
+        memory.empty_cache()
+        baselines.append(memory.memory_allocated())
+        m = _measure_layout(spec, strategy, plan, layout, memory, steps=steps, adamw_impl=adamw_impl, progress=sub)
+        measured.append(m)
+        keyed.append(depth.keyed_regions(m.regions, layout, counts))
+    gc.collect()
+    memory.empty_cache()
+    baselines.append(memory.memory_allocated())
+    say("extrapolating", 1.0)
 
-        def split(total: int, w: int = weights, s: int = states, m: int = master) -> dict[Component, int]:
-            return {C.WEIGHTS: w, C.MASTER_WEIGHTS: m, C.OPTIMIZER_STATES: s, C.TEMPORARIES: max(0, total - w - s - m)}
-
-        regions: dict[tuple[Phase, str], dict[Component, int]] = {}
-        for iv in eng.region_intervals(run):
-            _, ph, region = iv.label.split(":", 2)
-            key = (Phase(ph), region)
-            total = probe.peak(iv.start, iv.end)
-            if key not in regions or total > sum(regions[key].values()):
-                regions[key] = split(total)
-        keyed.append(keyed_regions(regions, layout, counts))
-        if not plan.ext:
-            for iv in eng.phase_intervals(run):
-                ph = Phase(iv.label.split(":", 1)[1])
-                total = probe.peak(iv.start, iv.end)
-                if ph not in full_phases or total > sum(full_phases[ph].values()):
-                    full_phases[ph] = split(total)
-                reserved_by_phase[ph.value] = max(
-                    reserved_by_phase.get(ph.value, 0), probe.peak(iv.start, iv.end, reserved=True)
-                )
-        del model, run, optimizer_box
-        torch.cuda.empty_cache()
     warnings: list[str] = []
+    drift = [b - baselines[0] for b in baselines]
+    if any(abs(d) > BASELINE_DRIFT_BYTES for d in drift):
+        warnings.append(
+            "memory allocated before each measured run (MiB, relative to the first): "
+            + ", ".join(f"{d / 2**20:+.1f}" for d in drift)
+            + "; what one run leaves behind is counted in the next and multiplied by extrapolation"
+        )
     if plan.ext:
-        phases = extrapolate_phases(keyed, plan.ext, plan.runs, warnings)
+        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings)
     else:
-        phases = {ph: _breakdown(ph, full_phases[ph]) for ph in Phase}
+        phases = {ph: readout.breakdown(ph, measured[0].phases[ph]) for ph in Phase}
     trace_totals: dict[Phase, int] | None = None
     gap: dict[Phase, int] | None = None
     rows: tuple[ModuleRow, ...] = ()
     if with_trace:
-        from trainfit.trace import trace_spec
-
         tr = trace_spec(spec, strategy, steps=steps, adamw_impl=adamw_impl, extrapolate=extrapolate, modules=modules)
         trace_totals = {ph: tr.phase(ph).total_bytes for ph in Phase}
         gap = {ph: phases[ph].total_bytes - trace_totals[ph] for ph in Phase}
@@ -169,8 +283,8 @@ def measure_spec(
     details = MeasureDetails(
         layers_traced=tuple(len(layout.layers) for _, layout in plan.layouts),
         extrapolated=bool(plan.ext),
-        device=torch.cuda.get_device_name(),
-        max_memory_reserved={Phase(k): v for k, v in reserved_by_phase.items()},
+        device=memory.name(),
+        max_memory_reserved=_reserved(measured, plan.ext),
         measure_seconds=round(time.perf_counter() - t0, 2),
         modules=rows,
         trace=trace_totals,
@@ -183,8 +297,8 @@ def measure_spec(
         params=plan.params,
         trainable_params=plan.params,
         phases=tuple(phases[ph] for ph in Phase),
-        overhead=_overhead(peak),
-        bytes_per_param=_bytes_per_param(phases, plan.params),
+        overhead=readout.overhead(peak),
+        bytes_per_param=readout.bytes_per_param(phases, plan.params),
         notes=(
             "measured with torch.cuda.max_memory_allocated between the trace's marks, step 2 onwards",
             "the device reports totals: weights, master weights and optimizer states are sized from the live "
@@ -196,7 +310,7 @@ def measure_spec(
     )
 
 
-def _positions(layout: hf.Layout) -> tuple[list[int], list[int]]:
-    from trainfit.trace.depth import _layer_positions
-
-    return _layer_positions(layout)
+def _reserved(measured: list[_LayoutMeasurement], ext: list[int]) -> Mapping[Phase, int]:
+    """``max_memory_reserved`` per phase of a full-depth run (not extrapolated: the reserve is not linear
+    in depth)."""
+    return {} if ext else dict(measured[0].reserved)

@@ -9,57 +9,18 @@ extrapolated linearly in the number of repeated units, then each phase takes the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import TrainfitError
-from trainfit.result import (
-    BytesPerParam,
-    Component,
-    MemoryReport,
-    Method,
-    ModuleRow,
-    Phase,
-    PhaseBreakdown,
-    TraceDetails,
-)
+from trainfit.result import MemoryReport, Method, Phase, TraceDetails
 from trainfit.strategy import Precision, Strategy, recipe
+from trainfit.trace import depth, readout
+from trainfit.trace import runner as rn
 from trainfit.trace._deps import require_torch, require_transformers
 
 Progress = Callable[[str, float], None]
-
-#: Rows of the per-module table.
-MODULE_ROWS = 30
-
-
-def _overhead(peak: int) -> Any:
-    from trainfit.analytic.overhead import overhead_for
-
-    return overhead_for(peak)
-
-
-def _bytes_per_param(phases: Mapping[Phase, PhaseBreakdown], params: int) -> BytesPerParam:
-    if params <= 0:
-        return BytesPerParam()
-    opt = phases[Phase.OPTIMIZER_STEP]
-    fwd = phases[Phase.FORWARD]
-
-    def per(n: int) -> float:
-        return round(n / params, 4)
-
-    return BytesPerParam(
-        weights=per(opt.get(Component.WEIGHTS)),
-        gradients=per(opt.get(Component.GRADIENTS)),
-        master_weights=per(opt.get(Component.MASTER_WEIGHTS)),
-        optimizer_states=per(opt.get(Component.OPTIMIZER_STATES)),
-        autocast_copies=per(fwd.get(Component.AUTOCAST_COPIES)),
-    )
-
-
-def _breakdown(phase: Phase, comps: Mapping[Component, int]) -> PhaseBreakdown:
-    return PhaseBreakdown(phase=phase, components={c: int(comps.get(c, 0)) for c in Component})
 
 
 def trace_spec(
@@ -81,8 +42,6 @@ def trace_spec(
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     require_torch()
     require_transformers()
-    from trainfit.trace import depth
-
     return depth.trace_hf(
         spec,
         strategy,
@@ -102,6 +61,7 @@ def trace(
     optimizer_fn: Callable[[list[Any]], Any] | None = None,
     precision: Precision | str = "amp-bf16",
     steps: int = 2,
+    grad_accum: int = 1,
     forward_fn: Callable[[Any, Any], Any] | None = None,
     head_module: str | None = None,
     max_grad_norm: float | None = 1.0,
@@ -115,19 +75,18 @@ def trace(
     ``model(*batch)`` for a sequence, else ``model(batch)``), ``loss_fn(output, batch)`` returns the
     scalar loss (default: ``output.loss``), ``optimizer_fn(params)`` builds the optimizer (default:
     AdamW, foreach as on CUDA; for master-* recipes it receives the fp32 master parameters). ``head_module`` names a
-    submodule whose forward and backward count as logits/loss.
+    submodule whose forward and backward count as logits/loss. ``grad_accum > 1`` runs each step as
+    accumulating micro-steps (gradients resident in the forward and backward passes after the first).
     """
     torch = require_torch()
-    from trainfit.trace import engine as eng
-
     rec = recipe(precision)
-    mode = eng.fake_mode()
+    mode = rn.fake_mode()
     with torch.device("meta"):
         model = model_fn()
     if not isinstance(model, torch.nn.Module):
         raise TrainfitError("model_fn must return a torch.nn.Module")
     model.train()
-    eng.materialize(model, mode, eng.weight_dtype(rec))
+    rn.materialize(model, mode, rn.weight_dtype(rec))
 
     def default_forward(m: Any, batch: Any) -> Any:
         if isinstance(batch, Mapping):
@@ -147,23 +106,24 @@ def trace(
     def default_optimizer(params: list[Any]) -> Any:
         return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, foreach=True)
 
-    head = model.get_submodule(head_module) if head_module else None
-    run = eng.run_steps(
-        model,
-        mode,
+    fns = rn.StepFns(
         make_batch=inputs_fn,
         forward=forward_fn or default_forward,
         loss_of=loss_fn or default_loss,
         make_optimizer=optimizer_fn or default_optimizer,
+    )
+    options = rn.RunOptions(
         recipe=rec,
         steps=steps,
-        head_module=head,
+        grad_accum=grad_accum,
         max_grad_norm=max_grad_norm,
+        head_module=model.get_submodule(head_module) if head_module else None,
         progress=progress,
     )
-    peaks = eng.phase_peaks(run)
-    phases = {ph: _breakdown(ph, peaks[ph].components) for ph in Phase}
-    rows = module_rows(eng.module_activations(run, peaks[Phase.FORWARD].event), {}, None, 0) if modules else ()
+    run = rn.run_steps(model, fns, options, rn.Execution(mode=mode))
+    peaks = readout.phase_peaks(run)
+    phases = {ph: readout.breakdown(ph, peaks[ph].components) for ph in Phase}
+    rows = readout.module_rows(readout.module_activations(run, peaks[Phase.FORWARD].event), {}, None) if modules else ()
     depth_count = _count_layers(model)
     return MemoryReport(
         method=Method.TRACE,
@@ -171,8 +131,8 @@ def trace(
         params=run.params,
         trainable_params=run.trainable_params,
         phases=tuple(phases[ph] for ph in Phase),
-        overhead=_overhead(max(p.total_bytes for p in phases.values())),
-        bytes_per_param=_bytes_per_param(phases, run.params),
+        overhead=readout.overhead(max(p.total_bytes for p in phases.values())),
+        bytes_per_param=readout.bytes_per_param(phases, run.params),
         notes=(
             "fake-tensor trace of the full model for 2+ steps; phases read from step 2 (steady state)",
             f"precision {rec.precision.value}; CUDA autocast policy and kernels emulated",
@@ -190,33 +150,3 @@ def _count_layers(model: Any) -> int:
     conf = getattr(model, "config", None)
     n = getattr(conf, "num_hidden_layers", None)
     return int(n) if isinstance(n, int) else 0
-
-
-def module_rows(
-    by_owner: Mapping[str, int], full_counts: Mapping[str, int], stack_path: str | None, traced_units: int
-) -> tuple[ModuleRow, ...]:
-    """Largest saved-activation owners. Owners inside the layer stack are folded over the layer index
-    (``model.layers.*.mlp``) and scaled to the full depth with ``full_counts[pattern]`` instances."""
-    folded: dict[str, list[int]] = {}
-    pat = re.compile(rf"^{re.escape(stack_path)}\.(\d+)(\.|$)") if stack_path else None
-    for owner, nbytes in by_owner.items():
-        key = owner
-        if pat is not None:
-            m = pat.match(owner)
-            if m:
-                key = f"{stack_path}.*{owner[m.end(1) :]}"
-        folded.setdefault(key, []).append(nbytes)
-    rows = []
-    for key, vals in folded.items():
-        per = sum(vals) // len(vals)
-        n = full_counts.get(key, len(vals))
-        rows.append(
-            ModuleRow(
-                module=key or "(root)",
-                instances=n,
-                per_instance_bytes=per,
-                activation_bytes=per * n if key in full_counts else sum(vals),
-            )
-        )
-    rows.sort(key=lambda r: -r.activation_bytes)
-    return tuple(rows[:MODULE_ROWS])

@@ -3,25 +3,31 @@
 The peak of a phase is a maximum over moments, and a maximum of linear functions is not linear — the
 worst moment of backward can move from its start (logits gradients) to its end (all gradients) as layers
 are added. So we never extrapolate a phase's peak directly. We cut every phase into regions whose position
-is fixed relative to the stack — before the stack, each repeated unit, after the stack — and take each
-region's worst moment. At a fixed moment every live tensor either belongs to one unit (weights, grads,
-saved activations of that unit: a constant per unit) or not, so a region's breakdown is exactly linear in
-the number of units ``k`` of each run. For a run traced at ``k = 2`` and ``k = 3``:
+is fixed relative to the stack — before the stack, each repeated unit, after the stack (the timeline's
+:class:`~trainfit.trace.timeline.Region`) — and take each region's worst moment. At a fixed moment every
+live tensor either belongs to one unit (weights, grads, saved activations of that unit: a constant per
+unit) or not, so a region's breakdown is exactly linear in the number of units ``k`` of each run. For a
+run traced at ``k = 1`` and ``k = 2`` (``BASE_UNITS`` and one more):
 
-    v(K) = v(2) + (v(3) − v(2)) · (K − 2)          (per component, in bytes)
+    v(K) = v(1) + (v(2) − v(1)) · (K − 1)          (per component, in bytes)
 
-for the regions that exist at every ``k``: pre, post, the run's first unit and its last unit. Within a
-run, the worst unit is its first or last one, because consecutive units differ by a constant (what one
-unit adds, minus what it releases). With several runs, each is varied in its own trace and the slopes
-add. Each phase of the full model is then the largest of its extrapolated regions. A test holds the
-result to a full-depth trace.
+for the places that exist at every ``k`` (:class:`Place`): before and after the stack, the run's first
+unit and its last unit. Within a run, the worst unit is its first or last one, because consecutive units
+differ by a constant (what one unit adds, minus what it releases). With several runs, each is varied in
+its own trace and the slopes add. Each phase of the full model is then the largest of its extrapolated
+places. A test holds the result to a full-depth trace.
+
+:func:`plan_depth` chooses the layouts, :func:`run_layout` builds one reduced model and runs it — on fake
+tensors for the trace, on a real device for ``--method measure``, which shares the plan, the run, the
+keying and the extrapolation — and :func:`trace_hf` makes the trace's report.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -38,18 +44,47 @@ from trainfit.result import (
     TraceDetails,
 )
 from trainfit.strategy import Strategy
-from trainfit.trace import engine as eng
-from trainfit.trace import hf
-from trainfit.trace.api import _breakdown, _bytes_per_param, _overhead, module_rows
-from trainfit.trace.optim import make_optimizer
-
-Key = tuple[Phase, Any]
+from trainfit.trace import hf, readout
+from trainfit.trace import runner as rn
+from trainfit.trace import tracker as tk
+from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
+from trainfit.trace.timeline import Region, Span
 
 #: Repetitions of each extrapolated unit in the base trace; each variant trace adds one.
 BASE_UNITS = 1
 
 
-def _layer_positions(layout: hf.Layout) -> tuple[list[int], list[int]]:
+class RunEnd(StrEnum):
+    """Which unit of a repeated run a region belongs to."""
+
+    FIRST = "first"
+    MID = "mid"
+    LAST = "last"
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a region sits relative to the repeated runs: a span outside the units (before or after the
+    stack, or the whole phase), or an end of run ``run``. Places are what a depth-varied trace has in
+    common with the full model; they are extrapolated one by one."""
+
+    span: Span
+    run: int | None = None
+    end: RunEnd | None = None
+
+    @staticmethod
+    def of(region: Region) -> Place:
+        """The place of a region that is not a unit."""
+        if region.span is Span.UNIT:
+            raise ValueError("a unit region's place depends on the layout")
+        return Place(region.span)
+
+
+Key = tuple[Phase, Place]
+
+
+def layer_positions(layout: hf.Layout) -> tuple[list[int], list[int]]:
+    """Index (in the reduced stack) of each unit's first and last layer."""
     starts, acc = [], 0
     for b in layout.blocks:
         starts.append(acc)
@@ -59,60 +94,10 @@ def _layer_positions(layout: hf.Layout) -> tuple[list[int], list[int]]:
     return first, last
 
 
-def _run_layout(
-    spec: ModelSpec,
-    strategy: Strategy,
-    meta: torch.nn.Module,
-    stack_path: str,
-    full_layers: int,
-    layout: hf.Layout,
-    *,
-    steps: int,
-    adamw_impl: str,
-    full_depth: bool,
-    progress: Callable[[str, float], None] | None,
-) -> tuple[eng.TraceRun, torch.nn.Module]:
-    rec = strategy.recipe
-    mode = eng.fake_mode()
-    keep = layout.layers
-    model = hf.reduced_model(meta, stack_path, keep, full_layers)
-    eng.materialize(model, mode, None)
-    stack_mod: Any = model.get_submodule(stack_path)
-    layers: list[torch.nn.Module] = list(stack_mod)
-    box: list[Any] = []
-    hf.install_checkpointing(model, layers, layout.blocks, box)
-    first, last = _layer_positions(layout)
-    stack = eng.StackHooks(layers=layers, unit_first=first, unit_last=last) if not full_depth else None
-    make_batch = hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len)
-    with hf.runtime_patches():
-        run = _steps(
-            model,
-            mode,
-            make_batch=make_batch,
-            forward=lambda m, batch: m(**batch),
-            loss_of=lambda out, _batch: out.loss,
-            make_optimizer=lambda params: make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl),
-            recipe=rec,
-            steps=steps,
-            head_module=hf.head_of(model),
-            stack=stack,
-            progress=progress,
-            prepare=box.append,
-        )
-    return run, model
-
-
-_steps = eng.run_steps
-
-
-def _keyed(run: eng.TraceRun, layout: hf.Layout, counts: list[int]) -> dict[Key, dict[Component, int]]:
-    return keyed_regions({k: pk.components for k, pk in eng.region_peaks(run).items()}, layout, counts)
-
-
 def keyed_regions(
-    regions: dict[tuple[Phase, str], dict[Component, int]], layout: hf.Layout, counts: list[int]
+    regions: Mapping[tuple[Phase, Region], Mapping[Component, int]], layout: hf.Layout, counts: list[int]
 ) -> dict[Key, dict[Component, int]]:
-    """Region peaks keyed by position relative to the runs: pre/post, (run, first|last|mid)."""
+    """Region breakdowns keyed by their place relative to the runs: pre/post/whole, or (run, first|last|mid)."""
     within: list[int] = []
     seen: dict[int, int] = {}
     for r in layout.unit_run:
@@ -120,21 +105,132 @@ def keyed_regions(
         seen[r] = seen.get(r, 0) + 1
     out: dict[Key, dict[Component, int]] = {}
     for (phase, region), comps in regions.items():
-        key: Any = region
-        if region.startswith("unit"):
-            u = int(region[4:])
-            r, j = layout.unit_run[u], within[u]
+        if region.span is Span.UNIT:
+            assert region.unit is not None
+            r, j = layout.unit_run[region.unit], within[region.unit]
             c = counts[r]
-            key = (r, "first" if j == 0 else "last" if j == c - 1 else "mid")
+            end = RunEnd.FIRST if j == 0 else RunEnd.LAST if j == c - 1 else RunEnd.MID
+            place = Place(Span.UNIT, r, end)
             if c == 1:  # the only unit is both the first and the last
-                _keep_max(out, (phase, (r, "last")), comps)
-        _keep_max(out, (phase, key), comps)
+                _keep_max(out, (phase, Place(Span.UNIT, r, RunEnd.LAST)), comps)
+        else:
+            place = Place.of(region)
+        _keep_max(out, (phase, place), comps)
     return out
 
 
-def _keep_max(out: dict[Key, dict[Component, int]], k: Key, comps: dict[Component, int]) -> None:
+def _keep_max(out: dict[Key, dict[Component, int]], k: Key, comps: Mapping[Component, int]) -> None:
     if k not in out or sum(comps.values()) > sum(out[k].values()):
         out[k] = dict(comps)
+
+
+# -- one layout, built and run ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceRun:
+    """Run a layout on a real device instead of fake tensors: real kernels, no tracker, no CUDA emulation;
+    ``probe`` reads the device at every mark (:mod:`trainfit.measure`)."""
+
+    device: str
+    probe: rn.Probe
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResidentBytes:
+    """What the model states occupied on the run's device after the last step (512-byte blocks, each
+    storage once; host-side optimizer counters excluded)."""
+
+    weights: int
+    master_weights: int
+    optimizer_states: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayoutRun:
+    """What running a layout leaves: the run's timeline and tracker, and the resident states' sizes. It
+    holds no tensor, module or optimizer of the run, so the run's memory is free once nothing else holds
+    them (``--method measure`` relies on it between the depth-varied runs)."""
+
+    run: rn.TraceRun
+    resident: ResidentBytes
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st._cdata] = tk.rounded(st.nbytes())
+    return sum(seen.values())
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: Any, *, master: bool, device: str) -> ResidentBytes:
+    """Sizes of the weights (parameters and buffers), the master weights (the optimizer's parameters under
+    a master-* recipe) and the optimizer states on ``device`` (not the host-side step counters)."""
+    host = host_state_keys(optimizer)
+    states = [t for k, t in state_tensors(optimizer) if k not in host and t.device.type == device]
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    return ResidentBytes(
+        weights=_storage_bytes([*model.parameters(), *model.buffers()]),
+        master_weights=_storage_bytes(opt_params) if master else 0,
+        optimizer_states=_storage_bytes(states),
+    )
+
+
+def run_layout(
+    spec: ModelSpec,
+    strategy: Strategy,
+    plan: DepthPlan,
+    layout: hf.Layout,
+    *,
+    steps: int,
+    adamw_impl: str,
+    progress: Callable[[str, float], None] | None = None,
+    on_device: DeviceRun | None = None,
+) -> LayoutRun:
+    """Build the reduced model of ``layout`` from the plan's meta model and run the training steps on it:
+    on fake tensors under the tracker and the CUDA emulation (the trace), or on a real device under a
+    probe (``on_device``; ``--method measure``). The model, optimizer and batches live only in this call."""
+    rec = strategy.recipe
+    device = on_device.device if on_device is not None else "cpu"
+    mode = rn.fake_mode() if on_device is None else None
+    model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    rn.materialize(model, mode, None, device=device)
+    stack: Any = model.get_submodule(plan.stack_path)
+    layers: list[torch.nn.Module] = list(stack)
+    box: list[tk.Tracker] = []
+    hf.install_checkpointing(model, layers, layout.blocks, box)
+    first, last = layer_positions(layout)
+    optimizers: list[Any] = []
+
+    def build_optimizer(params: list[torch.nn.Parameter]) -> Any:
+        opt = make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl)
+        optimizers.append(opt)
+        return opt
+
+    fns = rn.StepFns(
+        make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device=device),
+        forward=lambda m, batch: m(**batch),
+        loss_of=lambda out, _batch: out.loss,
+        make_optimizer=build_optimizer,
+    )
+    options = rn.RunOptions(
+        recipe=rec,
+        steps=steps,
+        grad_accum=strategy.grad_accum,
+        head_module=hf.head_of(model),
+        stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
+        progress=progress,
+        prepare=box.append,
+    )
+    if on_device is None:
+        execution = rn.Execution(mode=mode)
+    else:
+        execution = rn.Execution(device=device, emulate_cuda=False, track=False, probe=on_device.probe)
+    with hf.runtime_patches():
+        run = rn.run_steps(model, fns, options, execution)
+    resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
+    return LayoutRun(run=run, resident=resident)
 
 
 @dataclass
@@ -153,7 +249,7 @@ class DepthPlan:
 
 
 def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool) -> DepthPlan:
-    meta, notes = hf.build_meta(spec, strategy, eng.weight_dtype(strategy.recipe))
+    meta, notes = hf.build_meta(spec, strategy, rn.weight_dtype(strategy.recipe))
     meta_config: Any = meta.config
     conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
     full_layers = int(conf.num_hidden_layers)
@@ -191,77 +287,74 @@ def trace_hf(
     adamw_impl: str,
     extrapolate: bool,
 ) -> MemoryReport:
+    """The trace of a Hugging Face model: every layout of the plan on fake tensors, extrapolated."""
     t0 = time.perf_counter()
     say = progress or (lambda _msg, _frac: None)
     say("building the model on the meta device", 0.0)
     plan = plan_depth(spec, strategy, extrapolate=extrapolate)
-    meta, notes, stack_path, stack = plan.meta, plan.notes, plan.stack_path, plan.stack
-    full_layers, params, runs, ext = plan.full_layers, plan.params, plan.runs, plan.ext
-    configs = [counts for counts, _ in plan.layouts]
+    notes, runs, ext = plan.notes, plan.runs, plan.ext
+    n_layouts = len(plan.layouts)
 
-    results: list[tuple[list[int], hf.Layout, eng.TraceRun]] = []
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     for i, (counts, layout) in enumerate(plan.layouts):
 
         def sub(msg: str, frac: float, i: int = i, n: int = len(layout.layers)) -> None:
-            say(f"trace {i + 1}/{len(configs)} ({n} layers): {msg}", (i + frac) / len(configs))
+            say(f"trace {i + 1}/{n_layouts} ({n} layers): {msg}", (i + frac) / n_layouts)
 
-        run, _model = _run_layout(
-            spec,
-            strategy,
-            meta,
-            stack_path,
-            full_layers,
-            layout,
-            steps=steps,
-            adamw_impl=adamw_impl,
-            full_depth=not ext,
-            progress=sub,
-        )
-        results.append((counts, layout, run))
+        done = run_layout(spec, strategy, plan, layout, steps=steps, adamw_impl=adamw_impl, progress=sub)
+        results.append((counts, layout, done.run))
     say("extrapolating", 1.0)
 
     warnings: list[str] = []
-    _, base_layout, base_run = results[0]
+    base_run = results[0][2]
     if ext:
-        keyed = [_keyed(run, layout, counts) for counts, layout, run in results]
+        keyed = [
+            keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
+            for counts, layout, run in results
+        ]
         phases = extrapolate_phases(keyed, ext, runs, warnings)
     else:
-        pk = eng.phase_peaks(base_run)
-        phases = {ph: _breakdown(ph, pk[ph].components) for ph in Phase}
+        pk = readout.phase_peaks(base_run)
+        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
 
     rows: tuple[ModuleRow, ...] = ()
     if modules:
-        fwd_event = eng.phase_peaks(base_run)[Phase.FORWARD].event
-        counts_full = _instance_counts(stack, stack_path, base_layout)
-        rows = module_rows(eng.module_activations(base_run, fwd_event), counts_full, stack_path, 0)
+        fwd_event = readout.phase_peaks(base_run)[Phase.FORWARD].event
+        counts_full = readout.stack_instance_counts(plan.stack, plan.stack_path)
+        rows = readout.module_rows(readout.module_activations(base_run, fwd_event), counts_full, plan.stack_path)
 
     traced = [len(layout.layers) for _, layout, _ in results]
     if ext:
         notes.append(
-            f"traced {', '.join(map(str, traced))} of {full_layers} layers and extrapolated each region linearly "
-            f"in the repeated units ({_describe(runs, ext)})"
+            f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers and extrapolated each region "
+            f"linearly in the repeated units ({_describe(runs, ext)})"
         )
     else:
-        notes.append(f"traced the full depth ({full_layers} layers)")
+        notes.append(f"traced the full depth ({plan.full_layers} layers)")
     notes += [
         "fake-tensor trace of real transformers modules, 2+ training steps; phases read from step 2 (steady state)",
         f"CUDA emulated: autocast op lists, SDPA kernel ({_fmt(base_run.sdpa_backends) or 'none'}), fused dropout; "
         f"allocator granularity 512 B",
         f"optimizer: {strategy.optimizer.value}"
         + (f" ({adamw_impl})" if strategy.optimizer.value == "adamw" else "")
-        + f"; grad-norm clipping {eng.DEFAULT_MAX_GRAD_NORM}",
+        + f"; grad-norm clipping {rn.DEFAULT_MAX_GRAD_NORM}",
     ]
+    if strategy.grad_accum > 1:
+        notes.append(
+            f"gradient accumulation x{strategy.grad_accum}: each step traced as a pass from zero gradients and "
+            "a pass accumulating into them (gradients resident); later passes repeat the second"
+        )
     if spec.params_override is not None:
         warnings.append("explicit --params cannot be traced; traced the Llama-style model built from the dimensions")
     peak = max(p.total_bytes for p in phases.values())
     return MemoryReport(
         method=Method.TRACE,
         model_name=spec.name,
-        params=params,
-        trainable_params=params,
+        params=plan.params,
+        trainable_params=plan.params,
         phases=tuple(phases[ph] for ph in Phase),
-        overhead=_overhead(peak),
-        bytes_per_param=_bytes_per_param(phases, params),
+        overhead=readout.overhead(peak),
+        bytes_per_param=readout.bytes_per_param(phases, plan.params),
         notes=tuple(notes),
         warnings=tuple(warnings),
         details=TraceDetails(
@@ -294,10 +387,12 @@ def extrapolate_phases(
     runs: list[hf.Run],
     warnings: list[str],
 ) -> dict[Phase, PhaseBreakdown]:
+    """Each place of the base layout extrapolated to the full run counts, then each phase's largest place.
+    ``keyed[0]`` is the base layout, ``keyed[n]`` the layout with one more unit of run ``ext[n - 1]``."""
     base = keyed[0]
     full: dict[Key, dict[Component, int]] = {}
     for key, comps in base.items():
-        if key[1] != "pre" and key[1] != "post" and isinstance(key[1], tuple) and key[1][1] == "mid":
+        if key[1].end is RunEnd.MID:
             continue
         out = dict(comps)
         for n, r in enumerate(ext, start=1):
@@ -310,13 +405,12 @@ def extrapolate_phases(
         full[key] = out
     # sanity: a middle unit never beats both ends
     for n in range(1, len(keyed)):
-        for key, comps in keyed[n].items():
-            if isinstance(key[1], tuple) and key[1][1] == "mid":
-                r = key[1][0]
-                ends = [keyed[n].get((key[0], (r, e))) for e in ("first", "last")]
+        for (phase, place), comps in keyed[n].items():
+            if place.end is RunEnd.MID:
+                ends = [keyed[n].get((phase, Place(Span.UNIT, place.run, e))) for e in (RunEnd.FIRST, RunEnd.LAST)]
                 top = max(sum(e.values()) for e in ends if e)
                 if sum(comps.values()) > top:
-                    warnings.append(f"{key[0].value}: a middle unit peaks above the ends; extrapolation may be low")
+                    warnings.append(f"{phase.value}: a middle unit peaks above the ends; extrapolation may be low")
     phases: dict[Phase, PhaseBreakdown] = {}
     for ph in Phase:
         cands = [(sum(v.values()), v) for k, v in full.items() if k[0] == ph]
@@ -324,15 +418,5 @@ def extrapolate_phases(
         if any(v < 0 for v in comps.values()):
             warnings.append(f"{ph.value}: extrapolation produced a negative component; clamped to 0")
             comps = {c: max(0, v) for c, v in comps.items()}
-        phases[ph] = _breakdown(ph, comps)
+        phases[ph] = readout.breakdown(ph, comps)
     return phases
-
-
-def _instance_counts(full_stack: torch.nn.ModuleList, stack_path: str, layout: hf.Layout) -> dict[str, int]:
-    """How many layers of the full model hold each submodule path (``stack.*.rest``)."""
-    counts: dict[str, int] = {}
-    for layer in full_stack:
-        for name, _m in layer.named_modules():
-            key = f"{stack_path}.*" + (f".{name}" if name else "")
-            counts[key] = counts.get(key, 0) + 1
-    return counts

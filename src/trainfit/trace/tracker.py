@@ -24,8 +24,8 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +34,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, allocator_bytes
 from trainfit.result import Component
+from trainfit.trace.timeline import Interval as Interval  # re-exported: the tracker computes their peaks
+from trainfit.trace.timeline import Peak as Peak
+
+L = TypeVar("L")
 
 #: Allocation granularity of the CUDA caching allocator (one fact in trainfit.cuda_facts).
 ALLOC_GRANULARITY_BYTES = ALLOCATOR_BLOCK_BYTES
@@ -66,30 +70,13 @@ class Record:
     nbytes: int
     alloc_t: int
     phase: str
-    step: int
+    step: int  # the forward/backward pass (micro-step) counter of the runner
     head: bool
     recompute: int  # index into Tracker.recompute_ends, -1 if not born in a recomputation
     owner: str
     op: str
     kind: int = NONE
     free_t: int | None = None
-
-
-@dataclass(slots=True)
-class Interval:
-    """A slice of the event timeline: events ``start..end`` inclusive (state after each event)."""
-
-    label: str
-    start: int
-    end: int
-
-
-@dataclass(slots=True)
-class Peak:
-    label: str
-    event: int
-    total_bytes: int
-    components: dict[Component, int] = field(default_factory=dict)
 
 
 class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -107,7 +94,7 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.recompute = -1
         self.recompute_ends: list[int | None] = []
         self.module_stack: list[str] = []
-        self.forward_end: dict[int, int] = {}
+        self.forward_end: dict[int, int] = {}  # pass -> event at which its forward ended
         self.accumulations: list[tuple[Record, Record]] = []
         self._merged = False
         self._to_copy = torch.ops.aten._to_copy.default
@@ -266,7 +253,7 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 comp[rec.free_t] = ci
         return delta, comp
 
-    def peaks(self, intervals: Sequence[Interval]) -> list[Peak]:
+    def peaks(self, intervals: Sequence[Interval[L]]) -> list[Peak[L]]:
         """The state of maximum live bytes inside each interval, with its breakdown by component."""
         delta, comp = self._events()
         totals = [0] * len(delta)
@@ -274,7 +261,7 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for e, d in enumerate(delta):
             run += d
             totals[e] = run
-        chosen: list[tuple[Interval, int]] = []
+        chosen: list[tuple[Interval[L], int]] = []
         for iv in intervals:
             lo, hi = max(0, iv.start), min(iv.end, len(totals) - 1)
             if hi < lo:
@@ -292,7 +279,7 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             while w < len(wanted) and wanted[w] == e:
                 snap[e] = list(sums)
                 w += 1
-        out = []
+        out: list[Peak[L]] = []
         for iv, e in chosen:
             parts = {c: snap[e][i] for i, c in enumerate(COMPONENTS)}
             out.append(Peak(label=iv.label, event=e, total_bytes=totals[e], components=parts))

@@ -1,0 +1,216 @@
+"""``--method measure`` without a GPU: the probe's windows, and the whole measurement on a stand-in device
+that counts real CPU storages the way the caching allocator counts blocks (issue 9 part 1).
+
+On an H200 the measured peaks were too high by the same amount in every phase: (K − 1) times what the
+first, one-unit run of the depth extrapolation left allocated (its weights and optimizer states, kept by a
+local variable holding its optimizer), because extrapolation takes differences between runs. These tests
+hold the bookkeeping to what would have caught it: each run's model and optimizer are garbage before the
+next run starts, every run starts from the same allocation, and extrapolated equals full depth."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import pytest
+
+from trainfit.result import Component, Phase
+from trainfit.strategy import Strategy
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
+
+from tests.trace.conftest import tiny_spec  # noqa: E402
+from trainfit.cuda_facts import allocator_bytes  # noqa: E402
+from trainfit.measure.gpu import DeviceProbe, measure_spec  # noqa: E402
+from trainfit.trace import depth, hf  # noqa: E402
+from trainfit.trace.timeline import Mark  # noqa: E402
+
+
+class ScriptedMemory:
+    """A device whose allocations the test makes by hand."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.now = self.top = 0
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.top = max(self.top, self.now)
+
+    def name(self) -> str:
+        return "scripted"
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return self.now
+
+    def max_memory_allocated(self) -> int:
+        return self.top
+
+    memory_reserved = memory_allocated
+    max_memory_reserved = max_memory_allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        self.top = self.now
+
+
+def test_probe_windows_are_reset_at_every_mark() -> None:
+    mem = ScriptedMemory()
+    mem.alloc(100)
+    p = DeviceProbe(mem)  # reading 0: level 100
+    mem.alloc(900)
+    mem.alloc(-900)  # a spike of 1000 before mark 1
+    a = p(Mark.FORWARD_START)
+    mem.alloc(50)
+    b = p(Mark.FORWARD_END)  # level 150
+    mem.alloc(-50)
+    c = p(Mark.BACKWARD_START)  # level 100
+    assert p.peak(0, a) == 1000  # the spike belongs to the stretch before mark 1 ...
+    assert p.peak(a, b) == 150  # ... and to no window starting at it
+    assert p.peak(b, c) == 150  # the level at a window's start counts
+    assert p.peak(b, b) == 150  # an empty window is the level at its mark, not the stretch before it
+    assert p.peak(c, c) == 100
+    with pytest.raises(ValueError):
+        p.peak(c, b)
+
+
+class CpuStandIn(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A "cuda-like" device on the CPU: every real CPU storage an operator creates is allocated (512-byte
+    blocks) until its last reference dies, with a peak counter that ``reset_peak_memory_stats`` resets.
+    Autograd adds gradients out of place while a dispatch mode is active, so backward peaks exceed a
+    plain CPU run's; the stand-in is for the bookkeeping, compared only with itself."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.now = self.top = 0
+        self._seen: Any = WeakIdKeyDictionary()
+
+    def _free(self, n: int, _ref: object) -> None:
+        self.now -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                n = allocator_bytes(st.nbytes())
+                if n and st not in self._seen:
+                    self._seen[st] = weakref.ref(st, functools.partial(self._free, n))
+                    self.now += n
+                    self.top = max(self.top, self.now)
+        return out
+
+    def name(self) -> str:
+        return "cpu stand-in"
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return self.now
+
+    def max_memory_allocated(self) -> int:
+        return self.top
+
+    memory_reserved = memory_allocated
+    max_memory_reserved = max_memory_allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        self.top = self.now
+
+
+SPEC = dict(hidden_size=128, intermediate_size=256, vocab_size=2048, num_hidden_layers=6)
+
+
+def _measure(st: Strategy, **kw: Any):  # type: ignore[no-untyped-def]
+    dev = CpuStandIn()
+    with dev:
+        return measure_spec(tiny_spec("llama", **SPEC), st, memory=dev, with_trace=False, **kw)
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[Any]]:
+    """Weak references to every reduced model and optimizer built; each new layout run first checks that
+    those of the previous runs are dead."""
+    refs: list[weakref.ref[Any]] = []
+    build, make_opt = hf.reduced_model, depth.make_optimizer
+
+    def reduced_model(*a: Any, **k: Any) -> Any:
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert not alive, f"objects of the previous layout run still alive: {alive}"
+        model = build(*a, **k)
+        refs.append(weakref.ref(model))
+        return model
+
+    def make_optimizer(*a: Any, **k: Any) -> Any:
+        opt = make_opt(*a, **k)
+        refs.append(weakref.ref(opt))
+        return opt
+
+    monkeypatch.setattr(hf, "reduced_model", reduced_model)
+    monkeypatch.setattr(depth, "make_optimizer", make_optimizer)
+    return refs
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(precision="amp-bf16"),
+        dict(precision="fp32", checkpointing="full"),
+        dict(precision="master-bf16", optimizer="sgd-momentum", grad_accum=2),
+    ],
+)
+def test_runs_leave_nothing_behind_and_extrapolation_equals_full_depth(
+    kw: dict[str, Any], watched: list[weakref.ref[Any]]
+) -> None:
+    st = Strategy(micro_batch=2, seq_len=64, **kw)
+    ext = _measure(st)
+    assert ext.extra["layers_traced"] == [1, 2]
+    assert len(watched) == 4 and all(r() is None for r in watched)  # 2 runs x (model, optimizer)
+    assert not ext.warnings, ext.warnings
+    full = _measure(st, extrapolate=False)
+    assert full.extra["layers_traced"] == [6]
+    for pe, pf in zip(ext.phases, full.phases, strict=True):
+        assert abs(pe.total_bytes - pf.total_bytes) <= 4096, (pe.phase, pe.total_bytes, pf.total_bytes)
+    states = full.phase(Phase.OPTIMIZER_STEP).components
+    assert states[Component.WEIGHTS] > 0 and states[Component.OPTIMIZER_STATES] > 0
+    assert full.extra["max_memory_reserved"]
+
+
+def test_a_run_that_leaks_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 bug, reproduced: keep each run's optimizer alive (as the old loop's local did). The
+    baseline check names it, and the extrapolated phases are off by (K - 1) x what leaked."""
+    kept: list[Any] = []
+    make_opt = depth.make_optimizer
+
+    def leaky(*a: Any, **k: Any) -> Any:
+        kept.append(make_opt(*a, **k))
+        return kept[-1]
+
+    st = Strategy(micro_batch=2, seq_len=64, precision="amp-bf16")
+    clean = _measure(st)
+    monkeypatch.setattr(depth, "make_optimizer", leaky)
+    leaked = _measure(st)
+    assert not clean.warnings
+    assert any("leaves behind" in w for w in leaked.warnings), leaked.warnings
+    # The one-layer model's weights and AdamW states (648k parameters x 12 bytes = 7.4 MiB) survive into
+    # the two-layer run, which extrapolation multiplies by the 5 layers it adds.
+    excess = leaked.phase(Phase.FORWARD).total_bytes - clean.phase(Phase.FORWARD).total_bytes
+    assert 5 * 7 * 2**20 < excess < 5 * 8 * 2**20, excess
