@@ -91,6 +91,8 @@ def run_cell(model: str, rec: str, ck: str, *, dry_run: bool) -> dict[str, Any]:
         row["measured_reserved"] = me.extra.get("max_memory_reserved", {})
         row["device"] = me.extra.get("device")
         row["measure_seconds"] = round(time.perf_counter() - t1, 1)
+        if me.warnings:  # e.g. memory left allocated between measured runs
+            row["measure_warnings"] = list(me.warnings)
     return row
 
 

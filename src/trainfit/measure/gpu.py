@@ -27,6 +27,7 @@ real CPU storages, so the bookkeeping runs in CI without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Mapping
@@ -198,19 +199,22 @@ def _measure_layout(
 
 
 def warm_up(memory: DeviceMemory, strategy: Strategy) -> None:
-    """A matmul forward and backward on the device, in the recipe's compute dtype (under autocast for the
-    amp recipes): creates the cuBLAS handles and workspaces of the main thread and of autograd's device
-    thread before the first measured run, so that every run starts from the same allocation."""
+    """A linear layer's forward and backward on the device, in the recipe's dtypes (under autocast for the
+    amp recipes): creates the cuBLAS/cuBLASLt handles and workspaces of the main thread and of autograd's
+    device thread before the first measured run (the caching allocator serves and keeps them), so that
+    every run starts from the same allocation."""
     rec = strategy.recipe
     dtype = torch.float32 if rec.autocast else compute_dtype(rec)
-    x = torch.ones(64, 64, device=memory.device, dtype=dtype, requires_grad=True)
-    if rec.autocast:
-        with torch.autocast(memory.device, dtype=compute_dtype(rec)):
-            y = x @ x
-    else:
-        y = x @ x
+
+    def param(*shape: int) -> torch.Tensor:
+        return torch.ones(*shape, device=memory.device, dtype=dtype, requires_grad=True)
+
+    x, w, b = param(64, 64), param(64, 64), param(64)
+    ctx = torch.autocast(memory.device, dtype=compute_dtype(rec)) if rec.autocast else contextlib.nullcontext()
+    with ctx:
+        y = torch.nn.functional.linear(x, w, b) @ w
     y.float().sum().backward()  # type: ignore[no-untyped-call]
-    del x, y
+    del x, w, b, y
     memory.synchronize()
 
 
