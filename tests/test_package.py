@@ -121,15 +121,4 @@ def test_no_private_names_imported_across_modules() -> None:
                     own_private_module = target.exists() and _module_name(path).startswith(node.module)
                     if alias.name.startswith("_") and not alias.name.startswith("__") and not own_private_module:
                         offenders.append(f"{_module_name(path)} imports {node.module}.{alias.name}")
-    # Known, being untangled (issue 8: the trace's runner/timeline/read-out split). Listed so that no new
-    # offender can appear; remove entries as they go.
-    pending = {
-        "trainfit.trace.depth imports trainfit.trace.api._breakdown",
-        "trainfit.trace.depth imports trainfit.trace.api._bytes_per_param",
-        "trainfit.trace.depth imports trainfit.trace.api._overhead",
-        "trainfit.measure.gpu imports trainfit.trace.api._breakdown",
-        "trainfit.measure.gpu imports trainfit.trace.api._bytes_per_param",
-        "trainfit.measure.gpu imports trainfit.trace.api._overhead",
-        "trainfit.measure.gpu imports trainfit.trace.depth._layer_positions",
-    }
-    assert not set(offenders) - pending, sorted(set(offenders) - pending)
+    assert not offenders, offenders
