@@ -32,20 +32,20 @@ from trainfit.trace import depth, hf  # noqa: E402
 from trainfit.trace.timeline import Mark  # noqa: E402
 
 
-class ScriptedMemory:
-    """A device whose allocations the test makes by hand."""
+class CountingMemory:
+    """The device-memory protocol over two counters (allocated now, peak since the last reset)."""
 
     device = "cpu"
-
-    def __init__(self) -> None:
-        self.now = self.top = 0
+    label = "counting"
+    now: int
+    top: int
 
     def alloc(self, n: int) -> None:
         self.now += n
         self.top = max(self.top, self.now)
 
     def name(self) -> str:
-        return "scripted"
+        return self.label
 
     def synchronize(self) -> None:
         pass
@@ -64,6 +64,15 @@ class ScriptedMemory:
 
     def reset_peak_memory_stats(self) -> None:
         self.top = self.now
+
+
+class ScriptedMemory(CountingMemory):
+    """A device whose allocations the test makes by hand."""
+
+    label = "scripted"
+
+    def __init__(self) -> None:
+        self.now = self.top = 0
 
 
 def test_probe_windows_are_reset_at_every_mark() -> None:
@@ -86,13 +95,13 @@ def test_probe_windows_are_reset_at_every_mark() -> None:
         p.peak(c, b)
 
 
-class CpuStandIn(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class CpuStandIn(CountingMemory, TorchDispatchMode):  # type: ignore[no-untyped-call]
     """A "cuda-like" device on the CPU: every real CPU storage an operator creates is allocated (512-byte
     blocks) until its last reference dies, with a peak counter that ``reset_peak_memory_stats`` resets.
     Autograd adds gradients out of place while a dispatch mode is active, so backward peaks exceed a
     plain CPU run's; the stand-in is for the bookkeeping, compared only with itself."""
 
-    device = "cpu"
+    label = "cpu stand-in"
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -110,30 +119,8 @@ class CpuStandIn(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 n = allocator_bytes(st.nbytes())
                 if n and st not in self._seen:
                     self._seen[st] = weakref.ref(st, functools.partial(self._free, n))
-                    self.now += n
-                    self.top = max(self.top, self.now)
+                    self.alloc(n)
         return out
-
-    def name(self) -> str:
-        return "cpu stand-in"
-
-    def synchronize(self) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def memory_allocated(self) -> int:
-        return self.now
-
-    def max_memory_allocated(self) -> int:
-        return self.top
-
-    memory_reserved = memory_allocated
-    max_memory_reserved = max_memory_allocated
-
-    def reset_peak_memory_stats(self) -> None:
-        self.top = self.now
 
 
 SPEC = dict(hidden_size=128, intermediate_size=256, vocab_size=2048, num_hidden_layers=6)

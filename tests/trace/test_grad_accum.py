@@ -12,16 +12,14 @@ from trainfit.strategy import Strategy
 from .conftest import tiny_spec
 
 torch = pytest.importorskip("torch")
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from trainfit.analytic import estimate_analytic  # noqa: E402
 from trainfit.trace import readout, trace, trace_spec  # noqa: E402
 from trainfit.trace import runner as rn  # noqa: E402
-from trainfit.trace import tracker as tk  # noqa: E402
 from trainfit.trace.agreement import PEAK_TOLERANCE, compare  # noqa: E402
 from trainfit.trace.timeline import Label  # noqa: E402
 
-from .test_real_cpu import TOL_BYTES, _run  # noqa: E402
+from .test_real_cpu import TOL_BYTES, _run, profiled_window_peaks  # noqa: E402
 
 C = Component
 
@@ -116,18 +114,10 @@ def test_fake_accumulating_pass_matches_a_real_cpu_run() -> None:
     )
     assert all(fake[ph] > first[ph].total_bytes for ph in fake)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _run(spec, s, None, track=False, annotate=True, grad_accum=2)
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    ranges = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("trainfit:")}
-    mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    real = profiled_window_peaks(
+        lambda: _run(spec, s, None, track=False, annotate=True, grad_accum=2),
+        {ph.value: f"trainfit:1.1:{ph.value}" for ph in fake},
+    )
     for ph, nbytes in fake.items():
-        lo, hi = ranges[f"trainfit:1.1:{ph.value}"]
-        live, best = 0, 0
-        for t, n in mem:
-            if t > hi:
-                break
-            live += tk.rounded(n) if n > 0 else -tk.rounded(-n)
-            if t >= lo:
-                best = max(best, live)
+        best = real[ph.value]
         assert abs(nbytes - best) <= TOL_BYTES, (ph, nbytes, best)

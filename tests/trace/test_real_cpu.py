@@ -48,15 +48,17 @@ def _run(spec, s: Strategy, mode, **kw):  # type: ignore[no-untyped-def]
         )
 
 
-def _profiled_peaks(spec, s: Strategy) -> dict[str, int]:  # type: ignore[no-untyped-def]
+def profiled_window_peaks(run_fn, windows: dict[str, str]) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Run ``run_fn`` under the CPU profiler and return, per key, the peak live bytes (allocator-rounded)
+    within the profiler range named by ``windows[key]``."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _run(spec, s, None, track=False, annotate=True)
+        run_fn()
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
     ranges = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("trainfit:")}
     mem = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
     out = {}
-    for ph in Phase:
-        lo, hi = ranges[f"trainfit:1:{ph.value}"]
+    for key, name in windows.items():
+        lo, hi = ranges[name]
         live, best = 0, 0
         for t, n in mem:
             if t > hi:
@@ -64,8 +66,14 @@ def _profiled_peaks(spec, s: Strategy) -> dict[str, int]:  # type: ignore[no-unt
             live += tk.rounded(n) if n > 0 else -tk.rounded(-n)
             if t >= lo:
                 best = max(best, live)
-        out[ph.value] = best
+        out[key] = best
     return out
+
+
+def _profiled_peaks(spec, s: Strategy) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return profiled_window_peaks(
+        lambda: _run(spec, s, None, track=False, annotate=True), {ph.value: f"trainfit:1:{ph.value}" for ph in Phase}
+    )
 
 
 @pytest.mark.parametrize(

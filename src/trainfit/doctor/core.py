@@ -178,6 +178,19 @@ def _lr(x: float | None) -> str:
     return "?" if x is None else f"{x:.3g}"
 
 
+def _near_forward(r: ModuleRange, what: str, fmt_id: str, margin: str) -> Finding:
+    """A forward tensor (a module's weights or outputs) within the near-limit margin of the format's maximum."""
+    return Finding(
+        kind=FindingKind.OVERFLOW,
+        severity=Severity.WARNING,
+        module=r.module,
+        direction=Direction.FORWARD,
+        message=f"{r.module}'s {what} reach {r.absmax:.4g}, {_pow2(r.headroom_binades)} below "
+        f"{fmt_id}'s maximum ({margin} counts as near)",
+        advice="training can push them over; watch this layer",
+    )
+
+
 def _pow2(h: float) -> str:
     return f"{h:.1f} powers of two"
 
@@ -248,17 +261,7 @@ def _scan_findings(
                     )
                 )
             elif r.headroom_binades < near:
-                out.append(
-                    Finding(
-                        kind=FindingKind.OVERFLOW,
-                        severity=Severity.WARNING,
-                        module=r.module,
-                        direction=Direction.FORWARD,
-                        message=f"{r.module}'s weights reach {r.absmax:.4g}, {_pow2(r.headroom_binades)} below "
-                        f"{fmt.id}'s maximum ({margin} counts as near)",
-                        advice="training can push them over; watch this layer",
-                    )
-                )
+                out.append(_near_forward(r, "weights", fmt.id, margin))
             continue
         # activations: an origin only if the module's own inputs were within range (else a consequence)
         inputs_over = r.input_absmax >= fmt.overflow_threshold
@@ -280,17 +283,7 @@ def _scan_findings(
         elif not r.overflow and r.headroom_binades < near and not inputs_over:
             in_headroom = math.log2(fmt.max_finite / r.input_absmax) if r.input_absmax > 0 else math.inf
             if in_headroom >= near:  # else the values came in near the limit: a consequence
-                out.append(
-                    Finding(
-                        kind=FindingKind.OVERFLOW,
-                        severity=Severity.WARNING,
-                        module=r.module,
-                        direction=Direction.FORWARD,
-                        message=f"{r.module}'s outputs reach {r.absmax:.4g}, {_pow2(r.headroom_binades)} below "
-                        f"{fmt.id}'s maximum ({margin} counts as near)",
-                        advice="training can push them over; watch this layer",
-                    )
-                )
+                out.append(_near_forward(r, "outputs", fmt.id, margin))
         if r.nonzero and r.flush_fraction >= cfg.underflow_fraction:
             out.append(
                 Finding(
