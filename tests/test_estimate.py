@@ -29,3 +29,13 @@ def test_unmodelled_setups_are_refused_not_ignored(strategy: Strategy) -> None:
 def test_gemma2_falls_back_to_eager_once() -> None:
     r = estimate("gemma-2b", Strategy())  # gemma (1) supports SDPA: no fallback warning
     assert not any("no SDPA" in w for w in r.warnings)
+
+
+def test_rule_of_thumb_says_what_it_ignores_and_brackets_the_nvidia_smi_total() -> None:
+    r = estimate("llama-3.2-1b", Strategy(precision="fp32", checkpointing="full"), method="rule-of-thumb")
+    (w,) = r.warnings  # no SDPA warning: the rule has no attention kernel (analytic warns for fp32 GQA)
+    assert "ignores --precision fp32, --checkpointing full" in w
+    assert r.low_bytes is not None and r.high_bytes is not None
+    assert r.low_bytes <= r.nvidia_smi_estimate_bytes <= r.high_bytes
+    assert any("math kernel" in x for x in estimate("llama-3.2-1b", Strategy(precision="fp32")).warnings)
+    assert estimate("llama-3.2-1b", Strategy(), method="rule-of-thumb").warnings == ()

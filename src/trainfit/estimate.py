@@ -87,6 +87,23 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer{fix}"]
 
 
+def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
+    """The article's formula has fixed terms (fp16 weights and grads, fp32 Adam: 2 + 2 + 8 B/param; c = 10–20
+    without checkpointing): say which of the user's settings it does not take into account."""
+    default = Strategy()
+    ignored = []
+    for field in ("precision", "optimizer", "checkpointing", "attention", "optimizer_impl", "grad_accum"):
+        value = getattr(strategy, field)
+        if value != getattr(default, field):
+            ignored.append(f"--{field.replace('_', '-')} {value}")
+    if not ignored:
+        return []
+    return [
+        f"the rule of thumb is the article's fixed formula (2 + 2 + 8 B/param, c = 10–20): it ignores "
+        f"{', '.join(ignored)}; --method analytic takes them into account"
+    ]
+
+
 def _require_modelled(strategy: Strategy, method: Method) -> None:
     beyond = strategy.beyond_single_gpu_training()
     if beyond:
@@ -128,7 +145,10 @@ def estimate(
             f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "
             f"({spec.max_position_embeddings}); the estimate assumes the model can run at that length"
         )
-    warnings += attention_warnings(spec, strategy)
+    if method is Method.RULE_OF_THUMB:
+        warnings += rule_of_thumb_warnings(asked)
+    else:
+        warnings += attention_warnings(spec, strategy)
     fit = None
     notes = list(report.notes)
     if gpu_spec is not None:

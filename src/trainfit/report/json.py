@@ -69,7 +69,7 @@ def report_json(
         "warnings": list(report.warnings),
         "extra": dict(report.extra),
     }
-    if report.low_bytes is not None:
+    if report.low_bytes is not None:  # the rule of thumb's range of the nvidia-smi total (overhead included)
         out["low_bytes"] = report.low_bytes
         out["high_bytes"] = report.high_bytes
     if report.fit is not None:
