@@ -45,3 +45,16 @@ def test_int8_bytes() -> None:
 )
 def test_sdpa_kernel_rules(kw: dict[str, object], kernel: str) -> None:
     assert sdpa_kernel_for(**kw) is SdpaKernel(kernel)  # type: ignore[arg-type]
+
+
+def test_flash_needs_compute_capability_8() -> None:
+    from trainfit.cuda_facts import has_flash_attention
+
+    assert [has_flash_attention(cc) for cc in ("7.0", "7.5", "8.0", "8.9", "9.0", None)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]

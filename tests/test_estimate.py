@@ -39,3 +39,17 @@ def test_rule_of_thumb_says_what_it_ignores_and_brackets_the_nvidia_smi_total() 
     assert r.low_bytes <= r.nvidia_smi_estimate_bytes <= r.high_bytes
     assert any("math kernel" in x for x in estimate("llama-3.2-1b", Strategy(precision="fp32")).warnings)
     assert estimate("llama-3.2-1b", Strategy(), method="rule-of-thumb").warnings == ()
+
+
+def test_flash_attention_follows_the_gpu() -> None:
+    """PyTorch has no flash kernel below compute capability 8.0: a GQA model in fp16 on a T4 gets SDPA's math
+    kernel (fp32 scores), on an A100 flash; the same strategy therefore needs more memory on the T4."""
+    s = Strategy(precision="amp-fp16", seq_len=1024)
+    t4, a100 = estimate("qwen2.5-0.5b", s, gpu="t4"), estimate("qwen2.5-0.5b", s, gpu="a100-sxm-80gb")
+    assert t4.peak_bytes > a100.peak_bytes
+    assert any("no FlashAttention" in w for w in t4.warnings)
+    assert any("this GPU has no FlashAttention" in w and "math kernel" in w for w in t4.warnings)
+    assert not any("FlashAttention" in w for w in a100.warnings)
+    # Without grouped heads the memory-efficient kernel takes over from flash: no fall-back to math.
+    gpt2 = estimate("gpt2", Strategy(precision="amp-fp16", seq_len=1024), gpu="t4")
+    assert not any("falls back to the math kernel" in w for w in gpt2.warnings)

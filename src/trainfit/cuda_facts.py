@@ -77,6 +77,15 @@ def sdpa_kernel_for(
     return SdpaKernel.MATH
 
 
+def has_flash_attention(compute_capability: str | None) -> bool:
+    """Whether PyTorch's FlashAttention kernel runs on a GPU of this compute capability (NVIDIA "8.6" etc.).
+    ``None`` (AMD): ROCm builds ship flash attention for MI200/MI300 (aotriton), so it is assumed."""
+    if compute_capability is None:
+        return True
+    major, _, minor = compute_capability.partition(".")
+    return (int(major), int(minor or 0)) >= FLASH_MIN_COMPUTE_CAPABILITY
+
+
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)
 

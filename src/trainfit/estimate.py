@@ -16,6 +16,7 @@ from importlib import import_module
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
 from trainfit.arch import ModelSpec, load_model
+from trainfit.cuda_facts import has_flash_attention
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.search import DEFAULT_HEADROOM, MAX_SEARCH_BATCH, fit_verdict, required_bytes
@@ -73,6 +74,8 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
         why = f"{spec.model_type} passes {spec.num_kv_heads} k/v head(s) to SDPA without enable_gqa"
         if strategy.checkpointing is Checkpointing.NONE:
             fix = "; --checkpointing full keeps them for one layer at a time"
+    elif grouped and not strategy.flash_sdp:
+        why = "this GPU has no FlashAttention and the memory-efficient kernel takes no grouped k/v heads"
     elif grouped and strategy.recipe.compute_bits == 32:
         why = "fp32 inputs rule out FlashAttention and the memory-efficient kernel takes no grouped k/v heads"
         fix = "; a 16-bit recipe such as amp-bf16 gets a fused kernel"
@@ -137,6 +140,13 @@ def estimate(
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     strategy, fallback = effective_strategy(spec, asked)
     warnings = [fallback] if fallback else []
+    if gpu_spec is not None and strategy.flash_sdp and not has_flash_attention(gpu_spec.compute_capability):
+        strategy = dataclasses.replace(strategy, flash_sdp=False)
+        if strategy.attention is Attention.SDPA:
+            warnings.append(
+                f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
+                "PyTorch: SDPA runs the memory-efficient or the math kernel"
+            )
     fn = _method_fn(method)
     report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
     warnings += list(report.warnings)

@@ -259,6 +259,7 @@ def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> SdpaKernel:
         gqa_ok=spec.sdpa_gqa and not masked,
         head_dim=d,
         v_head_dim=dv,
+        flash_capable=strategy.flash_sdp,
     )
 
 

@@ -33,6 +33,9 @@ class Strategy:
     optimizer: Optimizer = Optimizer.ADAMW
     checkpointing: Checkpointing = Checkpointing.NONE
     attention: Attention = Attention.SDPA
+    # SDPA may use FlashAttention (torch.backends.cuda.enable_flash_sdp). PyTorch has no flash kernel below
+    # compute capability 8.0: trainfit.estimate turns it off for such a --gpu.
+    flash_sdp: bool = True
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     micro_batch: int = 1
     seq_len: int = 2048

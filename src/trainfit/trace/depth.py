@@ -222,6 +222,7 @@ def run_layout(
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
         progress=progress,
         prepare=box.append,
+        flash_sdp=strategy.flash_sdp,
     )
     if on_device is None:
         execution = rn.Execution(mode=mode)

@@ -71,6 +71,7 @@ def sdpa_backend(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     enable_gqa: bool = False,
+    flash: bool = True,
 ) -> SdpaKernel:
     """The CUDA SDPA backend an sm80+ GPU picks for these inputs (``select_sdp_backend``, default priority
     flash > memory-efficient > math). Both fused kernels need q, k and v with the same batch and head counts
@@ -89,6 +90,7 @@ def sdpa_backend(
         head_dim=q.size(-1),
         v_head_dim=v.size(-1),
         causal_cross=is_causal and lq != lk,
+        flash_capable=flash,
     )
 
 
@@ -153,6 +155,7 @@ def emulated_sdpa(
     enable_gqa: bool = False,
     *,
     calls: dict[str, int] | None = None,
+    flash: bool = True,
 ) -> torch.Tensor:
     if torch.is_autocast_enabled("cpu"):  # SDPA is on CUDA autocast's lower-precision list
         low = torch.get_autocast_dtype("cpu")
@@ -160,7 +163,7 @@ def emulated_sdpa(
             query, key, value = (t.to(low) if t.dtype in (torch.float32, *_HALF) else t for t in (query, key, value))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.to(low)
-    backend = sdpa_backend(query, key, value, attn_mask, is_causal, enable_gqa)
+    backend = sdpa_backend(query, key, value, attn_mask, is_causal, enable_gqa, flash)
     if calls is not None:
         calls[backend] = calls.get(backend, 0) + 1
     with torch.autocast("cpu", enabled=False):
@@ -191,15 +194,16 @@ class _GroupedMMFallback(torch.autograd.Function):
 class CudaKernels(TorchFunctionMode):
     """Route the ops above to their CUDA emulation while active."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, flash: bool = True) -> None:
         super().__init__()
+        self.flash = flash  # the GPU offers FlashAttention (compute capability >= 8.0)
         self.sdpa_calls: dict[str, int] = {}
         self._grouped = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return emulated_sdpa(*args, **kwargs, calls=self.sdpa_calls)
+            return emulated_sdpa(*args, **kwargs, calls=self.sdpa_calls, flash=self.flash)
         if func is F.softmax:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             dtype = args[3] if len(args) > 3 else kwargs.get("dtype")

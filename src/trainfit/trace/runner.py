@@ -138,6 +138,7 @@ class RunOptions:
     stack: StackHooks = field(default_factory=StackHooks)
     progress: Progress | None = None
     prepare: Callable[[tk.Tracker], None] | None = None
+    flash_sdp: bool = True  # the emulated GPU has FlashAttention (Strategy.flash_sdp)
 
     def __post_init__(self) -> None:
         if self.steps < 2:
@@ -267,7 +268,7 @@ class _StepLoop:
         self.trainable = [p for p in self.params if p.requires_grad]
         self.timeline = Timeline()
         self.cur = PassMarks()  # the pass being run (hooks write into it)
-        self.kernels = CudaKernels()
+        self.kernels = CudaKernels(flash=options.flash_sdp)
         self.handles: list[Any] = []
         self.passes = 0  # passes run so far (the tracker's pass counter)
         self.loss: torch.Tensor | None = None  # from forward to backward, owned by no frame in between
