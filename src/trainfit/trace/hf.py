@@ -302,7 +302,8 @@ def _enable_hf_checkpointing(model: torch.nn.Module) -> None:
     fn: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise TrainfitError(f"{type(model).__name__} does not support gradient checkpointing in transformers")
-    fn()
+    with quiet_transformers():
+        fn()
 
 
 def install_checkpointing(
@@ -406,7 +407,8 @@ class _Segment:
 
 @contextlib.contextmanager
 def runtime_patches() -> Iterator[None]:
-    """Answer transformers' data-dependent batch checks as a real unpadded, unpacked batch would.
+    """Answer transformers' data-dependent batch checks as a real unpadded, unpacked batch would, with
+    transformers' log lines silenced while the steps run (they would leak into the trace's output).
 
     ``masking_utils.find_packed_sequence_indices`` cannot read position ids under fake tensors and then
     assumes packed sequences, which materialises a [b, 1, s, s] mask and rules out flash attention. Our
@@ -417,7 +419,8 @@ def runtime_patches() -> Iterator[None]:
     orig = mu.find_packed_sequence_indices
     mu.find_packed_sequence_indices = lambda position_ids: None
     try:
-        yield
+        with quiet_transformers():  # e.g. "use_cache=True is incompatible with gradient checkpointing"
+            yield
     finally:
         mu.find_packed_sequence_indices = orig
 
