@@ -140,10 +140,12 @@ def estimate(
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     strategy, fallback = effective_strategy(spec, asked)
     warnings = [fallback] if fallback else []
+    gpu_notes: list[str] = []
     if gpu_spec is not None and strategy.flash_sdp and not has_flash_attention(gpu_spec.compute_capability):
+        # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
         strategy = dataclasses.replace(strategy, flash_sdp=False)
         if strategy.attention is Attention.SDPA:
-            warnings.append(
+            gpu_notes.append(
                 f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
                 "PyTorch: SDPA runs the memory-efficient or the math kernel"
             )
@@ -160,7 +162,7 @@ def estimate(
     else:
         warnings += attention_warnings(spec, strategy)
     fit = None
-    notes = list(report.notes)
+    notes = list(report.notes) + gpu_notes
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.

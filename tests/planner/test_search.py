@@ -53,3 +53,12 @@ def test_suggestions() -> None:
     assert r.fit is not None and r.fit.suggestions[0].kind is SuggestionKind.NEEDS_SHARDING
     r = estimate("gpt2", Strategy(), gpu="a100-sxm-80gb")
     assert r.fit is not None and r.fit.fits and r.fit.suggestions == ()
+
+
+def test_leaner_states_suggest_only_flags_not_in_use() -> None:
+    r = estimate(
+        "llama-3.1-8b", Strategy(precision="pure-bf16", checkpointing="full", micro_batch=4), gpu="a100-sxm-80gb"
+    )
+    assert r.fit is not None
+    (sug,) = r.fit.suggestions
+    assert sug.kind is SuggestionKind.LEANER_STATES and sug.flags == ("--optimizer adamw-8bit",)

@@ -22,7 +22,7 @@ from enum import StrEnum
 from trainfit.arch.spec import ModelSpec
 from trainfit.hardware import GPUSpec
 from trainfit.result import FitVerdict, MemoryReport
-from trainfit.strategy import Strategy
+from trainfit.strategy import Optimizer, Precision, Strategy
 
 DEFAULT_HEADROOM = 0.30
 MAX_SEARCH_BATCH = 1 << 16
@@ -93,7 +93,15 @@ def suggestions(report: MemoryReport, strategy: Strategy, usable: int, best_batc
     if states is None or states <= usable:
         return ()
     leanest = report.params * LEANEST_STATE_BYTES_PER_PARAM
-    if leanest > usable:
+    flags = tuple(
+        flag
+        for flag, in_use in (
+            ("--precision pure-bf16", strategy.precision is Precision.PURE_BF16),
+            ("--optimizer adamw-8bit", strategy.optimizer is Optimizer.ADAMW_8BIT),
+        )
+        if not in_use
+    )
+    if leanest > usable or not flags:
         return (
             Suggestion(
                 kind=SuggestionKind.NEEDS_SHARDING,
@@ -105,7 +113,7 @@ def suggestions(report: MemoryReport, strategy: Strategy, usable: int, best_batc
         Suggestion(
             kind=SuggestionKind.LEANER_STATES,
             reason="a leaner precision recipe or optimizer shrinks the model states",
-            flags=("--precision pure-bf16", "--optimizer adamw-8bit"),
+            flags=flags,
             states_bytes=states,
         ),
     )
