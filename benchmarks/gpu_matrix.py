@@ -76,6 +76,7 @@ def run_cell(model: str, rec: str, ck: str, *, dry_run: bool) -> dict[str, Any]:
     spec = load_model(model)
     st = Strategy(precision=rec, checkpointing=ck, micro_batch=b, seq_len=s)
     row: dict[str, Any] = {"model": model, "precision": rec, "checkpointing": ck, "batch": b, "seq": s}
+    row["optimizer_impl"] = st.optimizer_impl.value  # the HF Trainer default (fused) since issue 15 #15
     t0 = time.perf_counter()
     an = estimate_analytic(spec, st)
     row["analytic"] = by_phase(an)

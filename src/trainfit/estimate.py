@@ -25,13 +25,25 @@ from trainfit.strategy import Attention, Checkpointing, Strategy
 
 __all__ = [
     "DEFAULT_HEADROOM",
+    "DEFAULT_SEQ_LEN",
     "MAX_SEARCH_BATCH",
     "attention_warnings",
+    "default_seq_len",
     "effective_strategy",
     "estimate",
     "precision_warnings",
     "required_bytes",
 ]
+
+
+#: The sequence length when none is given, unless the model's context is shorter.
+DEFAULT_SEQ_LEN = 2048
+
+
+def default_seq_len(spec: ModelSpec) -> int:
+    """2048 tokens, or the model's ``max_position_embeddings`` when shorter (GPT-2, BERT: 1024, 512)."""
+    context = spec.max_position_embeddings
+    return min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN
 
 
 def _method_fn(method: Method) -> Callable[..., MemoryReport]:

@@ -33,7 +33,12 @@ def estimate_cmd(
         str | None, typer.Option("--gpu", help="Catalog GPU id for a fit verdict (see 'trainfit gpus').")
     ] = None,
     batch: Annotated[int, typer.Option("--batch", "-b", help="Micro-batch size per GPU.")] = 1,
-    seq: Annotated[int, typer.Option("--seq", "-s", help="Sequence length in tokens.")] = 2048,
+    seq: Annotated[
+        int | None,
+        typer.Option(
+            "--seq", "-s", help="Sequence length in tokens (default 2048, or the model's context if shorter)."
+        ),
+    ] = None,
     precision: Annotated[
         str, typer.Option(help="fp32 | amp-bf16 | amp-fp16 | master-bf16 | master-fp16 | pure-bf16")
     ] = "amp-bf16",
@@ -43,8 +48,8 @@ def estimate_cmd(
     checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none | full | sqrt")] = "none",
     attention: Annotated[str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")] = "sdpa",
     optimizer_impl: Annotated[
-        str, typer.Option("--optimizer-impl", help="foreach (torch default) | fused (HF Trainer default).")
-    ] = "foreach",
+        str, typer.Option("--optimizer-impl", help="fused (HF Trainer default) | foreach (torch's own default).")
+    ] = "fused",
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
@@ -76,7 +81,7 @@ def estimate_cmd(
     from trainfit.analytic.explain import compare_with_rule_of_thumb
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
-    from trainfit.estimate import estimate
+    from trainfit.estimate import default_seq_len, estimate
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
@@ -110,7 +115,7 @@ def estimate_cmd(
         "attention": attention,
         "optimizer_impl": optimizer_impl,
         "micro_batch": batch,
-        "seq_len": seq,
+        "seq_len": seq if seq is not None else default_seq_len(spec),
         "grad_accum": grad_accum,
     }
     strategy = Strategy(**fields)

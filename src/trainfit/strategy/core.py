@@ -36,7 +36,8 @@ class Strategy:
     # SDPA may use FlashAttention (torch.backends.cuda.enable_flash_sdp). PyTorch has no flash kernel below
     # compute capability 8.0: trainfit.estimate turns it off for such a --gpu.
     flash_sdp: bool = True
-    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
+    # The HF Trainer's default (adamw_torch_fused with torch >= 2.8), like every other default here.
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FUSED
     micro_batch: int = 1
     seq_len: int = 2048
     grad_accum: int = 1
