@@ -53,3 +53,16 @@ def test_flash_attention_follows_the_gpu() -> None:
     # Without grouped heads the memory-efficient kernel takes over from flash: no fall-back to math.
     gpt2 = estimate("gpt2", Strategy(precision="amp-fp16", seq_len=1024), gpu="t4")
     assert not any("falls back to the math kernel" in w for w in gpt2.warnings)
+
+
+def test_default_sequence_is_the_models_context_when_shorter() -> None:
+    from typer.testing import CliRunner
+
+    from trainfit.cli.app import app
+    from trainfit.estimate import DEFAULT_SEQ_LEN, default_seq_len
+
+    assert default_seq_len(load_model("gpt2")) == 1024 and default_seq_len(load_model("bert-base-uncased")) == 512
+    assert default_seq_len(load_model("llama-3.1-8b")) == DEFAULT_SEQ_LEN
+    res = CliRunner().invoke(app, ["estimate", "gpt2", "--json"])
+    assert res.exit_code == 0 and "max_position_embeddings" not in res.output
+    assert '"seq_len": 1024' in res.stdout and '"optimizer_impl": "fused"' in res.stdout
