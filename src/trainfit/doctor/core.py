@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from trainfit.doctor.data import BatchScan, scan_batches
-from trainfit.doctor.findings import Direction, DoctorError, Finding, FindingKind, Severity
+from trainfit.doctor.findings import Direction, DoctorError, Finding, FindingKind
 from trainfit.doctor.locate import Origin, Where
 from trainfit.doctor.runs import RunResult, RunSpec, initial_loss, run
 from trainfit.doctor.scan import ModuleRange, TensorRole, range_scan
@@ -52,7 +52,7 @@ from trainfit.doctor.setup import DoctorSetup, load_setup
 from trainfit.precision.formats import FloatFormat, get_format, json_float
 from trainfit.result import SCHEMA_VERSION
 from trainfit.strategy import Precision
-from trainfit.train.monitor import CHECK_ORDER, Check, EventKind
+from trainfit.train.monitor import CHECK_ORDER, Check, EventKind, Severity
 from trainfit.train.step import resolve_precision
 
 #: what ``--precision`` accepts: the doctor compares a half-precision recipe with fp32

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit.errors import TrainfitError
-from trainfit.train.monitor import Check
+from trainfit.train.monitor import Check, Severity
+
+__all__ = ["Check", "Direction", "DoctorError", "Finding", "FindingKind", "Severity"]
 
 
 class DoctorError(TrainfitError):
@@ -23,12 +25,6 @@ class FindingKind(StrEnum):
     LR = "lr"  # unstable at this learning rate, stable at a fraction of it
     CLIPPING = "clipping"  # unstable without clipping, stable with max_norm=1.0
     DATA = "data"  # NaN/Inf/extreme values in the batches
-
-
-class Severity(StrEnum):
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
 
 
 class Direction(StrEnum):

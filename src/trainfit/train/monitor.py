@@ -67,6 +67,9 @@ class EventKind(StrEnum):
 
 
 class Severity(StrEnum):
+    """How serious an event or a doctor finding is (one enum for the monitor and the doctor)."""
+
+    INFO = "info"
     WARNING = "warning"
     ERROR = "error"
 
