@@ -38,15 +38,34 @@ def test_capped_search_says_at_least() -> None:
     assert capped and best == MAX_SEARCH_BATCH
 
 
-def test_suggestions() -> None:
-    r = estimate("gpt2", Strategy(micro_batch=64, seq_len=1024, grad_accum=2), gpu="t4")
-    assert r.fit is not None and not r.fit.fits and r.fit.max_micro_batch
+def _apply(s: Strategy, flags: tuple[str, ...]) -> Strategy:
+    kw = {"batch": "micro_batch", "grad-accum": "grad_accum"}
+    changes = {kw[f.split()[0][2:]]: int(f.split()[1]) for f in flags}
+    return dataclasses.replace(s, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("slug", "gpu", "kw"),
+    [
+        ("gpt2", "t4", dict(micro_batch=64, seq_len=1024, precision="amp-fp16")),
+        ("bert-base-uncased", "t4", dict(micro_batch=32, seq_len=512, precision="amp-fp16")),
+        ("qwen2.5-0.5b", "rtx-4090", dict(micro_batch=16, seq_len=2048, grad_accum=3)),
+    ],
+)
+def test_suggested_accumulation_fits_and_keeps_the_effective_batch(slug: str, gpu: str, kw: dict[str, object]) -> None:
+    s = Strategy(**kw)  # type: ignore[arg-type]
+    r = estimate(slug, s, gpu=gpu)
+    assert r.fit is not None and not r.fit.fits
     (sug,) = r.fit.suggestions
-    accum = -(-128 // r.fit.max_micro_batch)
-    assert sug.kind is SuggestionKind.SMALLER_MICRO_BATCH and sug.flags == (
-        f"--batch {r.fit.max_micro_batch}",
-        f"--grad-accum {accum}",
-    )
+    assert sug.kind is SuggestionKind.SMALLER_MICRO_BATCH
+    applied = _apply(s, sug.flags)
+    assert applied.grad_accum >= 2 and applied.effective_batch >= s.effective_batch
+    assert applied.effective_batch - s.effective_batch < applied.grad_accum  # within one micro-batch row each
+    after = estimate(slug, applied, gpu=gpu)
+    assert after.fit is not None and after.fit.fits, (sug, after.fit)
+
+
+def test_suggestions() -> None:
     r = estimate("llama-3.1-8b", Strategy(), gpu="a100-sxm-80gb")
     assert r.fit is not None and r.fit.suggestions[0].kind is SuggestionKind.LEANER_STATES
     r = estimate("llama-3.1-70b", Strategy(precision="pure-bf16", optimizer="adamw-8bit"), gpu="a100-sxm-80gb")

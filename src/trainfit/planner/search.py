@@ -76,19 +76,45 @@ def max_micro_batch(spec: ModelSpec, strategy: Strategy, usable: int, fn: Estima
     return lo, False
 
 
-def suggestions(report: MemoryReport, strategy: Strategy, usable: int, best_batch: int) -> tuple[Suggestion, ...]:
-    """What would make ``report``'s setup fit ``usable`` bytes (empty when it fits)."""
+def accumulation_plan(spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator) -> Suggestion | None:
+    """A smaller micro-batch with gradient accumulation that keeps (at least) the effective batch and fits.
+
+    Accumulating keeps every gradient resident through forward and backward, so the micro-batch is searched
+    with accumulation on (the memory is the same for any number of steps ≥ 2); the micro-batch is then
+    evened out over the steps: ``steps = ⌈effective / largest⌉``, ``micro = ⌈effective / steps⌉``."""
+    effective = strategy.effective_batch
+    if effective < 2:
+        return None
+    largest, _ = max_micro_batch(
+        spec, dataclasses.replace(strategy, grad_accum=max(2, strategy.grad_accum)), usable, fn
+    )
+    if largest == 0:
+        return None
+    steps = -(-effective // largest)
+    if steps < 2:  # only when the method that judged the setup is not the one searched (trace, measure)
+        return None
+    micro = -(-effective // steps)
+    kept = micro * steps
+    batch = (
+        f"keeps the effective batch {effective}" if kept == effective else f"effective batch {kept} (was {effective})"
+    )
+    return Suggestion(
+        kind=SuggestionKind.SMALLER_MICRO_BATCH,
+        reason=f"micro-batch {micro} with {steps} accumulation steps fits and {batch}",
+        flags=(f"--batch {micro}", f"--grad-accum {steps}"),
+    )
+
+
+def suggestions(
+    spec: ModelSpec, report: MemoryReport, strategy: Strategy, usable: int, fn: Estimator | None
+) -> tuple[Suggestion, ...]:
+    """What would make ``report``'s setup fit ``usable`` bytes (empty when it fits). ``fn``: the estimator to
+    search micro-batches with (None: no search)."""
     if required_bytes(report) <= usable:
         return ()
-    if best_batch > 0:
-        accum = -(-strategy.effective_batch // best_batch)
-        return (
-            Suggestion(
-                kind=SuggestionKind.SMALLER_MICRO_BATCH,
-                reason=f"micro-batch {best_batch} fits; accumulate {accum} micro-steps to keep the effective batch",
-                flags=(f"--batch {best_batch}", f"--grad-accum {accum}"),
-            ),
-        )
+    plan = accumulation_plan(spec, strategy, usable, fn) if fn is not None else None
+    if plan is not None:
+        return (plan,)
     states = report.states_bytes()
     if states is None or states <= usable:
         return ()
@@ -145,5 +171,5 @@ def fit_verdict(
         free_bytes=usable - need,
         max_micro_batch=best,
         max_micro_batch_capped=capped,
-        suggestions=suggestions(report, strategy, usable, best or 0),
+        suggestions=suggestions(spec, report, strategy, usable, search_fn),
     )
