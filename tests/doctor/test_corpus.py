@@ -129,3 +129,11 @@ def test_adam_high_lr_fp32_blow_up_is_seen_from_the_initial_loss():
     assert report.start_loss == h.start_loss < 20
     assert h.exploded and h.max_loss > 1e6
     assert f"up to {h.max_loss:.4g}" in h.problem()  # the peak, not the end loss
+
+
+@pytest.mark.parametrize("steps", [10, 11])
+def test_short_healthy_run_is_not_blamed_on_precision(steps):
+    """GradScaler's calibration skips (3 of the first 10 steps here) are no updates: fp16's progress is
+    compared with fp32's after as many applied updates, not after as many steps."""
+    report = diagnose(cases.corpus_healthy(), DoctorConfig(precision="amp-fp16", steps=steps))
+    assert report.cause is None and report.findings == (), report.diagnosis

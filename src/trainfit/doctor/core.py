@@ -421,8 +421,18 @@ def _backward_origin(result: RunResult) -> Origin | None:
 
 
 def _trains_worse(ref: RunResult, res: RunResult, ratio: float) -> bool:
-    p32, p = ref.health.progress, res.health.progress
-    return ref.health.stable and p32 > 0 and p < ratio * p32
+    """The chosen precision makes less than ``ratio`` of fp32's progress per applied update. Progress is the
+    drop of the fp32 evaluation loss from the initial weights to the trained ones, on the same batches for both
+    runs; it is divided by the updates actually applied, because a step the scaler skips changes nothing (and
+    GradScaler's calibration skips several at the start of a healthy run)."""
+    if not ref.health.stable or ref.applied_updates == 0 or res.applied_updates == 0:
+        return False
+    start = ref.health.start_loss
+    p32 = (start - ref.end_eval_loss) / ref.applied_updates
+    p = (start - res.end_eval_loss) / res.applied_updates
+    if not (math.isfinite(p32) and p32 > 0):
+        return False
+    return not math.isfinite(p) or p < ratio * p32
 
 
 @dataclass(frozen=True, slots=True)
@@ -858,8 +868,10 @@ def _diagnosis(
             text += (
                 " Gradients vanish in fp16 without loss scaling: enable dynamic loss scaling (torch.amp.GradScaler)."
             )
-        elif "fp16" in p:
+        elif "fp16" in p and culprit is not None:
             text += " Fix the layer, or use bf16 (same range as fp32) on a GPU that supports it."
+        elif "fp16" in p:
+            text += " Use bf16 (same range as fp32) on a GPU that supports it."
         return text
     if cause is Check.LEARNING_RATE and lr_fix is not None:
         return (

@@ -116,6 +116,13 @@ class RunResult:
     forward_origins: tuple[Origin, ...]
     backward_origins: tuple[Origin, ...]
     health: RunHealth
+    #: the fp32 loss of the trained weights on the batches the initial loss was taken on (:func:`eval_loss`)
+    end_eval_loss: float = math.nan
+
+    @property
+    def applied_updates(self) -> int:
+        """Optimizer steps that changed the weights (a step the loss scaler skips does not)."""
+        return sum(1 for s in self.skipped if not s)
 
     def scale_before(self, step: int) -> float | None:
         """The loss scale the backward of ``step`` ran at (scales are recorded after each update)."""
@@ -234,21 +241,27 @@ def prepare_batches(batches: Sequence[Any], precision: Precision) -> Sequence[An
     return [cast.setdefault(id(b), cast_floats(b, torch.bfloat16)) for b in batches]
 
 
-def initial_loss(setup: DoctorSetup, pristine: torch.nn.Module, batches: Sequence[Any], *, seed: int = 0) -> float:
-    """The fp32 loss of the initial weights, averaged over the first ``window(len(batches))`` batches
-    (forward only, in train mode, on a copy): every run's starting point."""
+def eval_loss(setup: DoctorSetup, model: torch.nn.Module, batches: Sequence[Any], *, seed: int = 0) -> float:
+    """The fp32 loss of ``model``'s weights averaged over the first ``window(len(batches))`` batches (forward
+    only, in train mode, on an fp32 copy). Evaluating every run on the same batches makes their progress
+    comparable: each training loss is on a different batch, and batches differ more than runs do."""
     torch.manual_seed(seed)
-    model = prepare_model(pristine, Precision.FP32)
-    model.train()
+    copy = prepare_model(model, Precision.FP32)
+    copy.train()
     values = []
     with torch.no_grad():
         for i, batch in enumerate(batches[: window(len(batches))]):
             try:
-                values.append(float(setup.loss_fn(model, batch)))
+                values.append(float(setup.loss_fn(copy, batch)))
             except Exception as exc:
                 raise DoctorError(f"the loss on batch {i} raised {type(exc).__name__}: {exc}") from exc
     finite = [v for v in values if math.isfinite(v)]
     return sum(finite) / len(finite) if finite else math.nan
+
+
+def initial_loss(setup: DoctorSetup, pristine: torch.nn.Module, batches: Sequence[Any], *, seed: int = 0) -> float:
+    """The fp32 loss of the initial weights (:func:`eval_loss`): every run's starting point."""
+    return eval_loss(setup, pristine, batches, seed=seed)
 
 
 def run(
@@ -263,6 +276,7 @@ def run(
     """Train ``len(batches)`` optimizer steps (one micro-batch each) under ``spec``; ``start_loss`` is the
     loss of the initial weights (:func:`initial_loss`)."""
     torch.manual_seed(seed)
+    raw_batches = batches
     batches = prepare_batches(batches, spec.precision)
     model = prepare_model(pristine, spec.precision)
     model.train()
@@ -316,4 +330,5 @@ def run(
         forward_origins=tuple(tracker.forward[k] for k in sorted(tracker.forward)) if tracker else (),
         backward_origins=tuple(tracker.backward[k] for k in sorted(tracker.backward)) if tracker else (),
         health=assess(losses, skipped, start_loss=start_loss, scales=scales),
+        end_eval_loss=eval_loss(setup, model, raw_batches, seed=seed),
     )
