@@ -23,3 +23,9 @@ def test_search_cap_and_unsearched_batch_are_explicit() -> None:
     assert report_json(capped)["max_micro_batch_capped"] is True
     unsearched = dataclasses.replace(r, fit=dataclasses.replace(r.fit, max_micro_batch=None))
     assert report_json(unsearched)["max_micro_batch"] is None
+
+
+def test_every_method_carries_every_component() -> None:
+    data = report_json(estimate("gpt2", method="rule-of-thumb"))
+    for phase in data["phases"].values():
+        assert set(phase["components"]) == {c.value for c in Component}

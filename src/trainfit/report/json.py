@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import SCHEMA_VERSION, MemoryReport
+from trainfit.result import SCHEMA_VERSION, Component, MemoryReport, PhaseBreakdown
 from trainfit.strategy import Strategy
 
 
@@ -24,6 +24,11 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
         "grad_accum": strategy.grad_accum,
         "effective_batch": strategy.effective_batch,
     }
+
+
+def _components(phase: PhaseBreakdown) -> dict[str, int]:
+    """Every component, zeros included, whatever the method filled in."""
+    return {c.value: phase.get(c) for c in Component}
 
 
 def report_json(
@@ -49,11 +54,11 @@ def report_json(
         "strategy": strategy_json(strategy),
         "peak_bytes": report.peak_bytes,
         "phase": report.peak_phase.value,
-        "components": {c.value: n for c, n in peak.components.items()},
+        "components": _components(peak),
         "phases": {
             p.phase.value: {
                 "total_bytes": p.total_bytes,
-                "components": {c.value: n for c, n in p.components.items()},
+                "components": _components(p),
             }
             for p in report.phases
         },
