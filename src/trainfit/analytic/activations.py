@@ -47,6 +47,7 @@ class TermRole(StrEnum):
     """When a saved tensor is released, which is what the step's moments need to know about it."""
 
     BLOCK = "block"  # saved by a block; released by that block's backward
+    MLP = "mlp"  # saved by a block's MLP; released by the MLP's backward, before the block's norms
     SOFTMAX_OUTPUT = "softmax-output"  # a block's attention softmax output: what it has saved when the softmax runs
     EMBEDDING = "embedding"  # saved by the embedding (ids, RoPE tables, embedding norm): lives to the end
     HEAD = "head"  # final norm / MLM head: released by the head's backward
@@ -529,16 +530,17 @@ def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> li
         if spec.norms_per_layer > 2:  # Gemma-2 post-attention / post-feed-forward norms
             for k in range(3, spec.norms_per_layer + 1):
                 terms += _norm_terms(f"norm{k}", t, h, spec, w)
+    mlp: list[SavedTerm] = []
     if moe:
-        terms += _moe_terms(spec, t, w, nb)
+        mlp += _moe_terms(spec, t, w, nb)
     else:
         i = spec.intermediate_size
         if not mlp_reads_norm1:
             n_mlp_in = 2 if spec.mlp is MlpKind.GATED else 1
-            terms.append(_matmul_inputs("mlp_in", t, h, n_mlp_in, nb, w))
-        terms += _act_terms("mlp", spec, t, i, w)
+            mlp.append(_matmul_inputs("mlp_in", t, h, n_mlp_in, nb, w))
+        mlp += _act_terms("mlp", spec, t, i, w)
     del a
-    return terms
+    return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
 
 
 def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
@@ -647,9 +649,7 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
     norm = 20 * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
     # Inside a block, its norms back-propagate after its MLP has released its saved tensors, so a
     # block's norm moment nets out those.
-    mlp_saved = sum(
-        x.bytes for x in layer_terms(spec, strategy, moe=spec.num_moe_layers > 0) if x.name.startswith("mlp")
-    )
+    mlp_saved = sum(x.bytes for x in layer_terms(spec, strategy, moe=spec.num_moe_layers > 0) if x.role is TermRole.MLP)
     in_block_norm = max(0, norm - mlp_saved)
     return BackwardTemps(norm_bytes=norm, block_bytes=max(mlp, in_block_norm))
 
