@@ -132,7 +132,7 @@ class RankMemory:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overhead:
-    """Memory outside PyTorch's allocated tensors (documented constants, see ``analytic.overhead``)."""
+    """Memory outside PyTorch's allocated tensors (documented constants, see ``trainfit.overhead``)."""
 
     cuda_context_bytes: int
     allocator_reserve_bytes: int

@@ -49,11 +49,11 @@ from trainfit.analytic.activations import (
     score_chain,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.overhead import overhead_for
 from trainfit.analytic.states import ModelStates, model_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
+from trainfit.overhead import overhead_for
 from trainfit.result import (
     AnalyticDetails,
     BytesPerParam,

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
-from trainfit.analytic.overhead import overhead_for
+from trainfit.overhead import overhead_for
 from trainfit.result import BytesPerParam, Component, ModuleRow, Overhead, Phase, PhaseBreakdown
 from trainfit.trace.timeline import Label, Peak, Region
 

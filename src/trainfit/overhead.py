@@ -1,4 +1,5 @@
-"""Non-tensor memory: what ``nvidia-smi`` shows beyond ``torch.cuda.max_memory_allocated``.
+"""Non-tensor memory: what ``nvidia-smi`` shows beyond ``torch.cuda.max_memory_allocated``. Shared by every
+method (the analytic model, the trace and ``measure``), so it lives outside ``analytic/``.
 
 Two named constants, both estimates to be calibrated by ``--method measure`` on real hardware:
 
