@@ -122,3 +122,16 @@ def test_no_private_names_imported_across_modules() -> None:
                     if alias.name.startswith("_") and not alias.name.startswith("__") and not own_private_module:
                         offenders.append(f"{_module_name(path)} imports {node.module}.{alias.name}")
     assert not offenders, offenders
+
+
+def test_trace_and_measure_do_not_import_the_analytic_model() -> None:
+    """What the two methods share lives in cuda_facts, overhead and strategy (docs/architecture.md)."""
+    graph = _graph()
+    offenders = [
+        (m, n)
+        for m, deps in graph.items()
+        if m.startswith(("trainfit.trace", "trainfit.measure"))
+        for n in deps
+        if n.startswith("trainfit.analytic")
+    ]
+    assert not offenders, offenders
