@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainfit.arch.spec import ModelSpec
     from trainfit.hardware.gpus import GPUSpec
-    from trainfit.planner.search import Suggestion
     from trainfit.strategy import Strategy
 
 #: Version of the JSON of every command (``estimate``, ``formats``, ``precision``, ``doctor``). It changes
@@ -295,6 +294,20 @@ Details = AnalyticDetails | RuleOfThumbDetails | TraceDetails | MeasureDetails
 
 
 # --- fit ----------------------------------------------------------------------------------------------
+
+
+class SuggestionKind(StrEnum):
+    SMALLER_MICRO_BATCH = "smaller-micro-batch"  # the largest micro-batch that fits, accumulate the rest
+    LEANER_STATES = "leaner-states"  # the states alone exceed the GPU; a leaner recipe/optimizer fits them
+    NEEDS_SHARDING = "needs-sharding"  # even the leanest recipe's states exceed one GPU
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Suggestion:
+    kind: SuggestionKind
+    reason: str  # one sentence: why, with the numbers
+    flags: tuple[str, ...] = ()  # CLI flags that apply it (empty: nothing trainfit can express yet)
+    states_bytes: int | None = None  # the model states it is about, when it is about them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,13 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import StrEnum
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.hardware import GPUSpec
-from trainfit.result import FitVerdict, MemoryReport
+from trainfit.result import FitVerdict, MemoryReport, Suggestion, SuggestionKind
 from trainfit.strategy import Optimizer, Precision, Strategy
+
+__all__ = [
+    "DEFAULT_HEADROOM",
+    "LEANEST_STATE_BYTES_PER_PARAM",
+    "MAX_SEARCH_BATCH",
+    "Suggestion",
+    "SuggestionKind",
+    "accumulation_plan",
+    "fit_verdict",
+    "max_micro_batch",
+    "required_bytes",
+    "suggestions",
+    "usable_bytes",
+]
 
 DEFAULT_HEADROOM = 0.30
 MAX_SEARCH_BATCH = 1 << 16
@@ -32,20 +44,6 @@ MAX_SEARCH_BATCH = 1 << 16
 LEANEST_STATE_BYTES_PER_PARAM = 2 + 2 + 2
 
 Estimator = Callable[[ModelSpec, Strategy], MemoryReport]
-
-
-class SuggestionKind(StrEnum):
-    SMALLER_MICRO_BATCH = "smaller-micro-batch"  # the largest micro-batch that fits, accumulate the rest
-    LEANER_STATES = "leaner-states"  # the states alone exceed the GPU; a leaner recipe/optimizer fits them
-    NEEDS_SHARDING = "needs-sharding"  # even the leanest recipe's states exceed one GPU
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Suggestion:
-    kind: SuggestionKind
-    reason: str  # one sentence: why, with the numbers
-    flags: tuple[str, ...] = ()  # CLI flags that apply it (empty: nothing trainfit can express yet)
-    states_bytes: int | None = None  # the model states it is about, when it is about them
 
 
 def required_bytes(report: MemoryReport) -> int:

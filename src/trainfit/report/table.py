@@ -13,7 +13,6 @@ from rich.table import Table
 from rich.text import Text
 
 from trainfit.analytic.explain import Difference
-from trainfit.planner.search import Suggestion, SuggestionKind
 from trainfit.result import (
     Component,
     FitVerdict,
@@ -21,6 +20,8 @@ from trainfit.result import (
     MemoryReport,
     Method,
     RuleOfThumbDetails,
+    Suggestion,
+    SuggestionKind,
     TraceDetails,
 )
 from trainfit.strategy import Strategy
