@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainfit.cuda_facts import SdpaKernel
 from trainfit.result import (
     AnalyticDetails,
     Component,
@@ -52,7 +53,7 @@ def test_extra_is_the_json_view_of_typed_details() -> None:
     t = TraceDetails(
         layers_traced=(2,),
         modules=(ModuleRow(module="a", instances=2, per_instance_bytes=3, activation_bytes=6),),
-        sdpa_backends={"flash": 2},
+        sdpa_backends={SdpaKernel.FLASH: 2},
         peak_events={Phase.FORWARD: 11},
     )
     assert t.as_dict() == {

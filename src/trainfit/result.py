@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from trainfit.cuda_facts import SdpaKernel
+
 if TYPE_CHECKING:
     from trainfit.arch.spec import ModelSpec
     from trainfit.hardware.gpus import GPUSpec
@@ -236,7 +238,7 @@ class RepeatedRun:
 class TraceDetails:
     layers_traced: tuple[int, ...]
     modules: tuple[ModuleRow, ...] = ()
-    sdpa_backends: Mapping[str, int] = field(default_factory=dict)
+    sdpa_backends: Mapping[SdpaKernel, int] = field(default_factory=dict)
     extrapolated: bool | None = None  # None: an nn.Module traced whole (``trace()``)
     runs: tuple[RepeatedRun, ...] = ()
     optimizer_impl: str | None = None
@@ -253,7 +255,7 @@ class TraceDetails:
             out["runs"] = [
                 {"start_block": r.start_block, "unit_blocks": r.unit_blocks, "units": r.units} for r in self.runs
             ]
-        out["sdpa_backends"] = dict(self.sdpa_backends)
+        out["sdpa_backends"] = {k.value: n for k, n in self.sdpa_backends.items()}
         if self.optimizer_impl is not None:
             out["optimizer_impl"] = self.optimizer_impl
         if self.trace_seconds is not None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from trainfit.arch.spec import ModelSpec
+from trainfit.cuda_facts import SdpaKernel
 from trainfit.result import (
     Component,
     MemoryReport,
@@ -370,7 +371,7 @@ def trace_hf(
     )
 
 
-def _fmt(d: dict[str, int]) -> str:
+def _fmt(d: Mapping[SdpaKernel, int]) -> str:
     return ", ".join(sorted(d))
 
 

@@ -154,7 +154,7 @@ def emulated_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    calls: dict[str, int] | None = None,
+    calls: dict[SdpaKernel, int] | None = None,
     flash: bool = True,
 ) -> torch.Tensor:
     if torch.is_autocast_enabled("cpu"):  # SDPA is on CUDA autocast's lower-precision list
@@ -197,7 +197,7 @@ class CudaKernels(TorchFunctionMode):
     def __init__(self, *, flash: bool = True) -> None:
         super().__init__()
         self.flash = flash  # the GPU offers FlashAttention (compute capability >= 8.0)
-        self.sdpa_calls: dict[str, int] = {}
+        self.sdpa_calls: dict[SdpaKernel, int] = {}
         self._grouped = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from trainfit.cuda_facts import SdpaKernel
 from trainfit.errors import TraceUnsupportedError, TrainfitError
 from trainfit.strategy import Recipe
 from trainfit.trace import tracker as tk
@@ -178,7 +179,7 @@ class TraceRun:
     timeline: Timeline
     params: int
     trainable_params: int
-    sdpa_backends: dict[str, int]
+    sdpa_backends: dict[SdpaKernel, int]
     notes: list[str] = field(default_factory=list)
 
 
