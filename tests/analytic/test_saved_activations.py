@@ -282,7 +282,9 @@ def analytic_saved_bytes(cfg: dict, precision: str, attention: str | None = None
 Q_BUILT_BY_CAT = frozenset({"gpt_neox", "phi", "phi3"})
 
 
-def cpu_artefacts(cfg: dict, precision: str, batch: int = B, attention: str | None = None) -> int:
+def cpu_artefacts(
+    cfg: dict, precision: str, batch: int = B, attention: str | None = None, *, cpu_math_kernel: bool = False
+) -> int:
     """Bytes by which a CPU run differs from the CUDA run the analytic model describes (documented
     in docs/accuracy.md):
 
@@ -297,17 +299,20 @@ def cpu_artefacts(cfg: dict, precision: str, batch: int = B, attention: str | No
     4. The CPU flash kernel runs fp32 and fewer k/v heads (``enable_gqa``); on CUDA flash is 16-bit only
        and the memory-efficient kernel has no GQA, so CUDA takes the math kernel for GQA models in fp32
        (``sdpa_kernel``): the CPU saves what a flash kernel saves instead.
+
+    ``cpu_math_kernel``: the CPU run was forced onto SDPA's math kernel, as the analytic side is; then
+    1. and 4. do not arise (the math kernel saves no output of its own, and runs the CUDA code).
     """
     spec = spec_from_config(cfg, name="t", source="test")
     t = batch * S
     a = 4 if precision == "fp32" else 2
     delta = 0
     st = Strategy(precision=precision, micro_batch=batch, seq_len=S, attention=attention or _attention(cfg))  # type: ignore[arg-type]
-    if st.attention.value == "sdpa" and act.sdpa_kernel(spec, st) == act.MATH:
+    if st.attention.value == "sdpa" and act.sdpa_kernel(spec, st) == act.MATH and not cpu_math_kernel:
         with mock.patch.object(act, "sdpa_kernel", return_value=act.FLASH):
             as_flash = _layers_bytes(spec, st)
         delta += as_flash - _layers_bytes(spec, st)
-    if spec.model_type in Q_BUILT_BY_CAT:
+    if spec.model_type in Q_BUILT_BY_CAT and not (cpu_math_kernel and st.attention.value == "sdpa"):
         delta += spec.num_layers * a * t * spec.q_dim
     if spec.norm is NormKind.LAYERNORM and precision == "pure-bf16":
         n_norms = spec.num_layers * spec.norms_per_layer + int(spec.final_norm) + int(spec.embedding_norm)
@@ -359,3 +364,22 @@ def test_eager_attention_batch_of_one(family: str) -> None:
     measured = measured_saved_bytes(cfg, torch.float32, amp=False, attention="eager", batch=1)
     analytic = analytic_saved_bytes(cfg, "fp32", attention="eager", batch=1)
     assert analytic + cpu_artefacts(cfg, "fp32", 1, attention="eager") == measured
+
+
+@pytest.mark.parametrize("batch", [1, B])
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("pure-bf16", "bfloat16")])
+@pytest.mark.parametrize("family", sorted(f for f in CONFIGS if f != "gemma2"))
+def test_sdpa_math_kernel_matches_autograd(family: str, precision: str, dtype: str, batch: int) -> None:
+    """The math kernel's own terms, checked in place: the CPU run is forced onto SDPA's math kernel
+    (``sdpa_kernel(SDPBackend.MATH)``, the same composite code CUDA runs) and the analytic model is told the
+    same (for GQA in fp32 it picks the math kernel itself; otherwise the patch is what a GPU without
+    FlashAttention runs). Multi-query Falcon (k/v broadcast without enable_gqa) is checked term by term in
+    test_sdpa_math.py."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = CONFIGS[family]
+    with sdpa_kernel(SDPBackend.MATH):
+        measured = measured_saved_bytes(cfg, getattr(torch, dtype), amp=False, batch=batch)
+    with mock.patch.object(act, "sdpa_kernel", return_value=act.MATH):
+        analytic = analytic_saved_bytes(cfg, precision, batch=batch)
+    assert analytic + cpu_artefacts(cfg, precision, batch, cpu_math_kernel=True) == measured

@@ -5,22 +5,35 @@ up to the caching allocator's 512-byte blocks.
 Optimizer state sizes (per parameter tensor ``p`` of ``n`` elements, states created like ``p`` unless
 stated):
 
-* ``adamw``      — exp_avg + exp_avg_sq: 2·n elements (torch.optim.AdamW; ``step`` lives on the CPU).
+* ``adamw``      — exp_avg + exp_avg_sq: 2·n elements (torch.optim.AdamW). ``step`` is a host scalar for
+  ``foreach``; the ``fused`` kernel keeps it on the device, one fp32 0-dim tensor (a 512-byte block) per
+  tensor (torch/optim/adam.py ``_init_group``).
 * ``adamw-8bit`` — bitsandbytes blockwise 8-bit Adam: 2·n bytes + one fp32 absmax per 256-element block
   per state; tensors under 4096 elements keep 32-bit states (bnb ``min_8bit_size``; Dettmers et al.
-  2022, "8-bit Optimizers via Block-wise Quantization").
+  2022, "8-bit Optimizers via Block-wise Quantization"); plus the two shared 256-entry fp32 quantisation
+  maps (``Optimizer2State.init_state``, ``create_dynamic_map``), once per optimizer.
 * ``sgd``        — none.  ``sgd-momentum`` — one momentum buffer (n elements).
 * ``adafactor``  — factored second moment for ≥2-D tensors: rows + columns in fp32, full fp32 for 1-D,
-  no first moment (Shazeer & Stern 2018; transformers ``Adafactor`` defaults, beta1=None).
+  no first moment (Shazeer & Stern 2018; transformers ``Adafactor`` defaults, beta1=None), and the
+  parameter's RMS, a 0-dim fp32 tensor on the device (``state["RMS"] = self._rms(p)``).
 * ``lion``       — one momentum buffer (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
 
-Step temporaries (what ``optimizer.step()`` allocates on top):
+Step temporaries (what ``optimizer.step()`` allocates on top), each tensor its own allocation:
 
 * AdamW with torch's default ``foreach`` implementation on CUDA allocates ``sqrt(exp_avg_sq)`` for every
-  tensor of a dtype group at once: one more state-sized buffer (torch/optim/adam.py ``_multi_tensor_adam``).
-  The ``fused`` implementation (HF Trainer's default with torch ≥ 2.8) has no such buffer.
+  tensor of a dtype group at once: one more state-sized buffer (torch/optim/adam.py ``_multi_tensor_adam``,
+  ``torch._foreach_sqrt``). The ``fused`` implementation (HF Trainer's default with torch ≥ 2.8) has no such
+  buffer.
 * ``master-*`` recipes cast the 16-bit grads to fp32 for the fp32 master parameters: 4 bytes/param.
-* Per-tensor optimizers (bnb 8-bit, Adafactor, Lion) need ~2 copies of the largest tensor in fp32.
+* ``adamw-8bit``: nothing. bitsandbytes updates each tensor in place with one fused CUDA kernel
+  (``Optimizer2State.update_step`` → ``F.optimizer_update_8bit_blockwise`` → ``kOptimizerStatic8bit2StateBlockwise``,
+  or ``kOptimizer32bit2State`` for the 32-bit small tensors; bitsandbytes/backends/cuda/ops.py, csrc/ops.cu).
+* ``lion`` (lucidrains/lion-pytorch ``update_fn``, per tensor): ``exp_avg.clone()`` and the out-of-place
+  ``add`` of the gradient are alive together: 2 copies of the largest trainable tensor, in the state dtype.
+* ``adafactor`` (transformers ``Adafactor.step``, per tensor): ``grad**2`` with ``+ eps``, then the factored
+  estimate while the previous ``update`` is referenced: 2 fp32 copies of the largest trainable tensor; a
+  16-bit parameter adds its fp32 gradient and fp32 parameter copies (``grad.float()``, ``p.float()``): 4.
+  The per-row and per-column vectors of the factored estimate are left out (O(rows + cols)).
 
 One rule, per parameter tensor (:func:`param_states`): a tensor is stored in its own format (the recipe's
 weight width; a frozen base may be stored in ``BaseWeights.dtype``; a quantised base keeps each layer linear
@@ -60,10 +73,11 @@ def _alloc(numel: int, bits: int) -> int:
     return round_up(numel * bits // 8, ALLOCATOR_BLOCK_BYTES)
 
 
-def _opt_state_bytes(t: ParamTensor, opt: Optimizer, state_bits: int) -> int:
+def _opt_state_bytes(t: ParamTensor, opt: Optimizer, state_bits: int, impl: OptimizerImpl) -> int:
     n = t.numel
     if opt is Optimizer.ADAMW:
-        return 2 * _alloc(n, state_bits)
+        step = _alloc(1, 32) if impl is OptimizerImpl.FUSED else 0  # the fused kernel's device step counter
+        return 2 * _alloc(n, state_bits) + step
     if opt is Optimizer.ADAMW_8BIT:
         if n < BNB_MIN_8BIT_SIZE:
             return 2 * _alloc(n, 32)
@@ -74,12 +88,17 @@ def _opt_state_bytes(t: ParamTensor, opt: Optimizer, state_bits: int) -> int:
     if opt in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
         return _alloc(n, state_bits)
     if opt is Optimizer.ADAFACTOR:
+        rms = _alloc(1, 32)  # state["RMS"], a 0-dim device tensor
         if len(t.shape) >= 2:
             rows = n // t.shape[-1]
             cols = n // t.shape[-2]
-            return _alloc(rows, 32) + _alloc(cols, 32)
-        return _alloc(n, 32)
+            return _alloc(rows, 32) + _alloc(cols, 32) + rms
+        return _alloc(n, 32) + rms
     raise AssertionError(opt)  # pragma: no cover
+
+
+#: bitsandbytes' two shared quantisation maps ("dynamic", "udynamic"): 256 fp32 entries each.
+BNB_QMAPS_BYTES = 2 * _alloc(256, 32)
 
 
 def _per_param_bits(opt: Optimizer, state_bits: int) -> float:
@@ -153,6 +172,10 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         master = p * r.master_bits // 8
         optim = int(p * _per_param_bits(opt, state_bits) / 8)
         copies = matmul_p * r.compute_bits // 8 if r.autocast else 0
+        # No shapes: the state-sized lists are unrounded, the largest tensor is the inventory's.
+        list_state = p * state_bits // 8
+        list_fp32 = p * 4
+        largest = largest_any
     else:
         states = param_states(spec, strategy)
         trained = [(x.tensor, x.count) for x in states if x.trainable]
@@ -161,16 +184,26 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         weights = sum(x.count * x.weight_bytes for x in states)
         grads = sum(m * _alloc(t.numel, r.grad_bits) for t, m in trained)
         master = sum(m * _alloc(t.numel, r.master_bits) for t, m in trained) if r.master_bits else 0
-        optim = sum(m * _opt_state_bytes(t, opt, state_bits) for t, m in trained)
+        impl = strategy.optimizer_impl
+        optim = sum(m * _opt_state_bytes(t, opt, state_bits, impl) for t, m in trained)
+        if opt is Optimizer.ADAMW_8BIT and any(t.numel >= BNB_MIN_8BIT_SIZE for t, _ in trained):
+            optim += BNB_QMAPS_BYTES
         copies = sum(x.count * _alloc(x.tensor.numel, r.compute_bits) for x in states if x.autocast_copy)
+        list_state = sum(m * _alloc(t.numel, state_bits) for t, m in trained)
+        list_fp32 = sum(m * _alloc(t.numel, 32) for t, m in trained)
+        largest = max((t.numel for t, _ in trained), default=0)
 
     temp = 0
     if opt is Optimizer.ADAMW and strategy.optimizer_impl is OptimizerImpl.FOREACH:
-        temp += trainable_p * state_bits // 8  # foreach sqrt(exp_avg_sq) over the whole dtype group
-    elif opt in (Optimizer.ADAMW_8BIT, Optimizer.ADAFACTOR, Optimizer.LION):
-        temp += 2 * _alloc(largest_any, 32)
+        temp += list_state  # foreach sqrt(exp_avg_sq): one tensor per parameter, all alive at once
+    elif opt is Optimizer.LION:
+        temp += 2 * _alloc(largest, state_bits)  # exp_avg.clone() and the out-of-place add
+    elif opt is Optimizer.ADAFACTOR:
+        # 2 fp32 update tensors; a 16-bit parameter adds grad.float() and p.float() (an fp32 master: none).
+        updated_bits = 32 if r.master_bits else r.weight_bits
+        temp += (2 if updated_bits == 32 else 4) * _alloc(largest, 32)
     if r.master_bits:
-        temp += trainable_p * 4  # fp32 copies of the 16-bit grads for the fp32 master parameters
+        temp += list_fp32  # fp32 copies of the 16-bit grads for the fp32 master parameters
     return ModelStates(
         weights_bytes=weights,
         grads_bytes=grads,
