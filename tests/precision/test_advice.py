@@ -88,3 +88,11 @@ def test_snippet_runs_on_cpu_and_trains(precision):
     exec(code, {"model": model, "optimizer": optimizer, "loader": loader, "loss_fn": loss_fn})
     after = loss_fn(model, (x, y)).item()
     assert after < before
+
+
+def test_amd_advice_speaks_of_matrix_cores_not_tensor_cores_or_compute_capability() -> None:
+    from trainfit.hardware import get_gpu
+    from trainfit.precision.advice import accelerator_from_spec, recommend
+
+    text = " ".join(recommend(accelerator_from_spec(get_gpu("mi250x"))).reasons)
+    assert "matrix cores" in text and "tensor cores" not in text and "compute capability" not in text

@@ -161,7 +161,8 @@ def recommend(acc: Accelerator) -> PrecisionAdvice:
         )
     elif acc.native_bf16:
         precision, fmt, scaling = Precision.AMP_BF16, "bf16", False
-        reasons.append(f"{where} runs bf16 natively on its tensor cores.")
+        units = "tensor cores" if acc.kind is AcceleratorKind.CUDA else "matrix cores (AMD CDNA)"
+        reasons.append(f"{where} runs bf16 natively on its {units}.")
         reasons.append(
             "bf16 has fp32's 8 exponent bits, so gradients neither overflow nor underflow in practice: "
             "no loss scaling to tune (article §2.2, §2.3)."
@@ -169,7 +170,10 @@ def recommend(acc: Accelerator) -> PrecisionAdvice:
         reasons.append("Weights stay fp32 under autocast, so the optimizer updates full-precision masters.")
     else:
         precision, fmt, scaling = Precision.AMP_FP16, "fp16", True
-        reasons.append(f"{where} has no native bf16 (needs compute capability >= 8.0); fp16 tensor cores exist.")
+        if acc.kind is AcceleratorKind.CUDA:
+            reasons.append(f"{where} has no native bf16 (needs compute capability >= 8.0); fp16 tensor cores exist.")
+        else:
+            reasons.append(f"{where} has no native bf16; it runs fp16 natively.")
         reasons.append(
             "fp16 has 5 exponent bits (max 65504, min normal 6.1e-5): small gradients flush to zero, so use "
             "dynamic loss scaling with torch.amp.GradScaler (article §2.2, §3.3)."
