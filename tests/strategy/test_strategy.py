@@ -105,3 +105,11 @@ def test_adapter_validation() -> None:
 def test_sqrt_layout_covers_every_layer(layers: int) -> None:
     sizes = checkpoint_layout("sqrt", layers).segment_sizes  # type: ignore[arg-type]
     assert sum(sizes) == layers and max(sizes) <= -(-layers // max(1, int(layers**0.5)))
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(parallelism="x"), dict(adapter="lora"), dict(offload=True), dict(base_weights="nf4"), dict(flash_sdp=1)]
+)
+def test_sub_configs_must_be_their_types(kw: dict[str, object]) -> None:
+    with pytest.raises(StrategyError, match="must be"):
+        Strategy(**kw)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainfit.errors import StrategyError
 from trainfit.strategy._validate import coerce_enum, positive_int
 from trainfit.strategy.adapters import Adapter, BaseWeights
 from trainfit.strategy.parallel import Offload, Parallelism, Sharding
@@ -63,6 +64,19 @@ class Strategy:
         coerce_enum(self, "optimizer_impl", OptimizerImpl)
         coerce_enum(self, "sharding", Sharding)
         coerce_enum(self, "workload", Workload)
+        for name, kind in (
+            ("parallelism", Parallelism),
+            ("offload", Offload),
+            ("base_weights", BaseWeights),
+            ("savers", MemorySavers),
+            ("generation", Generation),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise StrategyError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.adapter is not None and not isinstance(self.adapter, Adapter):
+            raise StrategyError(f"adapter must be an Adapter or None, got {self.adapter!r}")
+        if not isinstance(self.flash_sdp, bool):
+            raise StrategyError(f"flash_sdp must be True or False, got {self.flash_sdp!r}")
 
     @property
     def recipe(self) -> Recipe:
