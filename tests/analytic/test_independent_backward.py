@@ -96,11 +96,6 @@ def test_rmsnorm_backward_never_below_a_real_run(precision: str, dtype: str, r: 
     assert _analytic("llama", precision, b, s, h) >= _measured(_rmsnorm(h), b * s, h, getattr(torch, dtype))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="activations.backward_temp_bytes counts 20·t·h; the real backward peaks at (20 − r)·t·h because the "
-    "saved normed tensor (r·t·h) is released before the pow backward's peak",
-)
 @pytest.mark.parametrize(("precision", "dtype", "r"), PRECISIONS)
 def test_rmsnorm_backward_matches_a_real_run(precision: str, dtype: str, r: int) -> None:
     b, s, h = SHAPES[0]

@@ -617,7 +617,9 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
       itself, already released by the down projection's backward: r·t·h + 2·a·t·i. HF's Python GeLU
       holds more (fp32 ``pow`` under autocast) and has released two saved tensors by then; MoE experts
       add the concatenated gate_up gradient.
-    * HF RMSNorm's backward runs in fp32 on five t·h tensors (cast, rsqrt product, mean, pow): 20·t·h.
+    * HF RMSNorm's backward runs in fp32 on five t·h tensors (cast, rsqrt product, mean, pow): 20·t·h, of
+      which the saved normed tensor (r·t·h) is already released at the peak: (20 − r)·t·h (measured on a real
+      CPU backward, tests/analytic/test_independent_backward.py).
     """
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
@@ -646,7 +648,7 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
         per_routed = 5 * e - e if e == 2 else 3 * e - e
         moe = w.residual * t * h + per_routed * routed_i
         mlp = max(mlp if spec.num_dense_layers else 0, moe)
-    norm = 20 * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
+    norm = (20 - w.residual) * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
     # Inside a block, its norms back-propagate after its MLP has released its saved tensors, so a
     # block's norm moment nets out those.
     mlp_saved = sum(x.bytes for x in layer_terms(spec, strategy, moe=spec.num_moe_layers > 0) if x.role is TermRole.MLP)

@@ -61,6 +61,7 @@ class Lion(torch.optim.Optimizer):
                 update = exp_avg.clone().mul_(b1).add(p.grad, alpha=1 - b1).sign_()
                 p.add_(update, alpha=-group["lr"])
                 exp_avg.mul_(b2).add_(p.grad, alpha=1 - b2)
+                del update  # lucidrains' update_fn is a function: its update dies with each call
 
 
 class AdamW8bitModel(torch.optim.Optimizer):
