@@ -27,8 +27,15 @@ def test_unmodelled_setups_are_refused_not_ignored(strategy: Strategy) -> None:
 
 
 def test_gemma2_falls_back_to_eager_once() -> None:
-    r = estimate("gemma-2b", Strategy())  # gemma (1) supports SDPA: no fallback warning
-    assert not any("no SDPA" in w for w in r.warnings)
+    from pathlib import Path
+
+    gemma2 = load_model(str(Path(__file__).parent / "fixtures" / "configs" / "tiny-gemma2.json"))
+    r = estimate(gemma2, Strategy(seq_len=64))
+    assert [w for w in r.warnings if "no SDPA attention" in w] == [
+        f"{gemma2.name} (gemma2) has no SDPA attention in transformers; estimating eager attention"
+    ]
+    assert r.strategy is not None and r.strategy.attention.value == "sdpa"  # the echo is what was asked
+    assert not any("no SDPA" in w for w in estimate("gemma-2b", Strategy()).warnings)  # Gemma 1 has SDPA
 
 
 def test_rule_of_thumb_says_what_it_ignores_and_brackets_the_nvidia_smi_total() -> None:
