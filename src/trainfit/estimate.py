@@ -15,6 +15,7 @@ from importlib import import_module
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
+from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention
 from trainfit.errors import DependencyError, StrategyError
@@ -185,6 +186,14 @@ def estimate(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
                 "micro-batch is not searched (one probe per batch would take minutes): --method analytic searches it"
             )
+    comparison = () if method is Method.RULE_OF_THUMB else tuple(compare_with_rule_of_thumb(spec, strategy, report))
     return dataclasses.replace(
-        report, warnings=tuple(warnings), notes=tuple(notes), fit=fit, model=spec, strategy=asked, gpu=gpu_spec
+        report,
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+        fit=fit,
+        model=spec,
+        strategy=asked,
+        gpu=gpu_spec,
+        comparison=comparison,
     )

@@ -154,6 +154,16 @@ class Term:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Difference:
+    """One row of the comparison with the article's rule of thumb: its bytes, ours, and why they differ."""
+
+    term: str
+    rule_of_thumb_bytes: int
+    analytic_bytes: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BytesPerParam:
     """Steady-state bytes per parameter of each model state (autocast copies: during forward/backward)."""
 
@@ -343,6 +353,7 @@ class MemoryReport:
     fit: FitVerdict | None = None
     details: Details | None = None
     ranks: tuple[RankMemory, ...] = ()  # empty: every rank holds ``phases``
+    comparison: tuple[Difference, ...] = ()  # with the rule of thumb, term by term (set by trainfit.estimate)
     # The inputs this report answers (set by ``trainfit.estimate``; None when a method is called directly
     # on something that has none, e.g. ``trace()`` of an arbitrary module has no ModelSpec).
     model: ModelSpec | None = None

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from trainfit.analytic.rule_of_thumb import estimate_rule_of_thumb
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import AnalyticDetails, Component, MemoryReport
+from trainfit.result import AnalyticDetails, Component, Difference, MemoryReport
+
+__all__ = ["Difference", "compare_with_rule_of_thumb"]
 from trainfit.strategy import Strategy
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Difference:
-    term: str
-    rule_of_thumb_bytes: int
-    analytic_bytes: int
-    why: str
 
 
 def compare_with_rule_of_thumb(spec: ModelSpec, strategy: Strategy, report: MemoryReport) -> list[Difference]:

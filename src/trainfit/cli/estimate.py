@@ -78,7 +78,6 @@ def estimate_cmd(
 
       trainfit estimate --params 1.3e9 --hidden-size 2048 --num-layers 24 --batch 4 --seq 1024 --method rule-of-thumb
     """
-    from trainfit.analytic.explain import compare_with_rule_of_thumb
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.estimate import default_seq_len, estimate
@@ -137,8 +136,7 @@ def estimate_cmd(
     if json_out:
         print_json(report_json(report))
         return
-    diffs = compare_with_rule_of_thumb(spec, strategy, report) if m is not Method.RULE_OF_THUMB else None
-    render(stdout_console(), report, diffs, verbose=explain)
+    render(stdout_console(), report, verbose=explain)
 
 
 @contextmanager

@@ -12,9 +12,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from trainfit.analytic.explain import Difference
 from trainfit.result import (
     Component,
+    Difference,
     FitVerdict,
     MeasureDetails,
     MemoryReport,
@@ -194,15 +194,10 @@ def _measured_vs_trace(report: MemoryReport) -> Table | None:
     return table
 
 
-def render(
-    console: Console,
-    report: MemoryReport,
-    differences: list[Difference] | None = None,
-    *,
-    verbose: bool = False,
-) -> None:
+def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> None:
     """The answer first, then the breakdown; with ``verbose`` the explanation (bytes per parameter, the
     comparison with the rule of thumb, module tables, notes)."""
+    differences = list(report.comparison)
     console.print(_header(report))
     console.print(_answer(report))
     if report.method is Method.RULE_OF_THUMB:
