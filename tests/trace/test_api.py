@@ -8,11 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainfit.errors import TrainfitError  # noqa: E402
+from trainfit.errors import TraceUnsupportedError, TrainfitError  # noqa: E402
 from trainfit.result import Component, Method, Phase  # noqa: E402
 from trainfit.strategy import Optimizer  # noqa: E402
 from trainfit.trace import trace  # noqa: E402
-from trainfit.trace.engine import TraceUnsupportedError  # noqa: E402
 from trainfit.trace.optim import make_optimizer  # noqa: E402
 
 C = Component

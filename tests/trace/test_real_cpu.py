@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from trainfit.result import Phase  # noqa: E402
-from trainfit.trace import engine as eng  # noqa: E402
-from trainfit.trace import hf  # noqa: E402
+from trainfit.trace import hf, readout  # noqa: E402
+from trainfit.trace import runner as rn  # noqa: E402
 from trainfit.trace import tracker as tk  # noqa: E402
 from trainfit.trace.optim import make_optimizer  # noqa: E402
 
@@ -25,27 +25,24 @@ TOL_BYTES = 64 * 1024
 
 
 def _run(spec, s: Strategy, mode, **kw):  # type: ignore[no-untyped-def]
-    meta, _ = hf.build_meta(spec, s, eng.weight_dtype(s.recipe))
+    meta, _ = hf.build_meta(spec, s, rn.weight_dtype(s.recipe))
     n = meta.config.num_hidden_layers
     path, _stack = hf.find_stack(meta, n)
     model = hf.reduced_model(meta, path, list(range(n)), n)
-    eng.materialize(model, mode, None)
+    rn.materialize(model, mode, None)
     box: list[tk.Tracker] = []
     hf.install_checkpointing(model, list(model.get_submodule(path)), hf.blocks_for(n, s.checkpointing), box)
+    fns = rn.StepFns(
+        make_batch=hf.batch_fn(spec, s.micro_batch, s.seq_len),
+        forward=lambda m, b: m(**b),
+        loss_of=lambda o, _b: o.loss,
+        make_optimizer=lambda p: make_optimizer(s.optimizer, p, adamw_impl="foreach"),
+    )
+    opts = rn.RunOptions(
+        recipe=s.recipe, head_module=hf.head_of(model), prepare=box.append, grad_accum=kw.pop("grad_accum", 1)
+    )
     with hf.runtime_patches():
-        return eng.run_steps(
-            model,
-            mode,
-            make_batch=hf.batch_fn(spec, s.micro_batch, s.seq_len),
-            forward=lambda m, b: m(**b),
-            loss_of=lambda o, _b: o.loss,
-            make_optimizer=lambda p: make_optimizer(s.optimizer, p, adamw_impl="foreach"),
-            recipe=s.recipe,
-            head_module=hf.head_of(model),
-            prepare=box.append,
-            emulate_cuda=False,
-            **kw,
-        )
+        return rn.run_steps(model, fns, opts, rn.Execution(mode=mode, emulate_cuda=False, **kw))
 
 
 def profiled_window_peaks(run_fn, windows: dict[str, str]) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -93,7 +90,7 @@ def _profiled_peaks(spec, s: Strategy) -> dict[str, int]:  # type: ignore[no-unt
 def test_fake_trace_matches_real_cpu_run(family: str, overrides: dict[str, object], kw: dict[str, object]) -> None:
     spec = tiny_spec(family, **overrides)
     s = Strategy(**kw)  # type: ignore[arg-type]
-    fake = eng.phase_peaks(_run(spec, s, eng.fake_mode()))
+    fake = readout.phase_peaks(_run(spec, s, rn.fake_mode()))
     real = _profiled_peaks(spec, s)
     for ph, pk in fake.items():
         assert abs(pk.total_bytes - real[ph.value]) <= TOL_BYTES, (ph, pk.total_bytes, real[ph.value])
