@@ -24,7 +24,7 @@ from trainfit.result import (
     SuggestionKind,
     TraceDetails,
 )
-from trainfit.strategy import Strategy
+from trainfit.strategy import Optimizer, Strategy
 from trainfit.units import fmt_count, fmt_gb, fmt_gib, gib
 
 
@@ -36,8 +36,9 @@ def _header(report: MemoryReport) -> Text:
     s = report.strategy
     if s is not None:
         t.append(
-            f"{s.precision.value} · {s.optimizer.value} ({s.optimizer_impl.value})"
-            f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
+            f"{s.precision.value} · {s.optimizer.value}"
+            + (f" ({s.optimizer_impl.value})" if s.optimizer is Optimizer.ADAMW else "")
+            + f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
             f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
             f" (effective batch {s.effective_batch})"
         )
