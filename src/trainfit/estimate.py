@@ -16,6 +16,7 @@ from importlib import import_module
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
 from trainfit.analytic.explain import compare_with_rule_of_thumb
+from trainfit.analytic.parallel import estimate_parallel
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention
 from trainfit.errors import DependencyError, StrategyError
@@ -47,7 +48,17 @@ def default_seq_len(spec: ModelSpec) -> int:
     return min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN
 
 
-def _method_fn(method: Method) -> Callable[..., MemoryReport]:
+def _method_fn(method: Method, strategy: Strategy | None = None) -> Callable[..., MemoryReport]:
+    if strategy is not None and strategy.is_distributed:
+        if method is Method.ANALYTIC:
+            return estimate_parallel
+        if method is Method.TRACE:  # lazy: needs torch + transformers
+            dfn: Callable[..., MemoryReport] = import_module("trainfit.trace.distributed").trace_distributed
+            return dfn
+        raise StrategyError(
+            f"--method {method.value} models one GPU; many GPUs are modelled by --method analytic (and trace for "
+            "ddp and fsdp)"
+        )
     if method is Method.ANALYTIC:
         return estimate_analytic
     if method is Method.RULE_OF_THUMB:
@@ -120,8 +131,16 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
     ]
 
 
+#: What each method models beyond one GPU (``Strategy.beyond_single_gpu_training`` items it accepts).
+_DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload")
+
+
 def _require_modelled(strategy: Strategy, method: Method) -> None:
     beyond = strategy.beyond_single_gpu_training()
+    if strategy.is_distributed and method in (Method.ANALYTIC, Method.TRACE):
+        # Many GPUs are modelled by the analytic method (trainfit.analytic.parallel) and, for DDP and FSDP2,
+        # traced (trainfit.trace.distributed); what else the strategy asks is still refused below.
+        beyond = tuple(b for b in beyond if not any(k in b for k in _DISTRIBUTED_ITEMS))
     if beyond:
         raise StrategyError(
             f"--method {method.value} models one GPU, full fine-tuning, a training step; "
@@ -162,7 +181,7 @@ def estimate(
                 f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
                 "PyTorch: SDPA runs the memory-efficient or the math kernel"
             )
-    fn = _method_fn(method)
+    fn = _method_fn(method, strategy)
     report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
@@ -186,7 +205,11 @@ def estimate(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
                 "micro-batch is not searched (one probe per batch would take minutes): --method analytic searches it"
             )
-    comparison = () if method is Method.RULE_OF_THUMB else tuple(compare_with_rule_of_thumb(spec, strategy, report))
+    comparison = (
+        ()
+        if method is Method.RULE_OF_THUMB or strategy.is_distributed
+        else tuple(compare_with_rule_of_thumb(spec, strategy, report))
+    )
     return dataclasses.replace(
         report,
         warnings=tuple(warnings),

@@ -214,3 +214,8 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         params=p,
         trainable_params=trainable_p,
     )
+
+
+def optimizer_state_bytes(t: ParamTensor, opt: Optimizer, state_bits: int, impl: OptimizerImpl) -> int:
+    """Optimizer-state bytes of one parameter tensor (or shard of one), as :func:`model_states` counts them."""
+    return _opt_state_bytes(t, opt, state_bits, impl)

@@ -9,7 +9,15 @@ Modules: ``dtypes`` (number formats and widths), ``recipe`` (precision recipes),
 from trainfit.strategy.adapters import ALL_LINEAR, Adapter, AdapterKind, BaseWeights, Quantization
 from trainfit.strategy.core import Strategy
 from trainfit.strategy.dtypes import DType
-from trainfit.strategy.parallel import Offload, OffloadTarget, Parallelism, Sharding
+from trainfit.strategy.parallel import (
+    Engine,
+    EngineOptions,
+    Offload,
+    OffloadTarget,
+    Parallelism,
+    PipelineSchedule,
+    Sharding,
+)
 from trainfit.strategy.recipe import RECIPES, Precision, Recipe, recipe
 from trainfit.strategy.training import (
     Attention,
@@ -31,6 +39,8 @@ __all__ = [
     "CheckpointLayout",
     "Checkpointing",
     "DType",
+    "Engine",
+    "EngineOptions",
     "Generation",
     "MemorySavers",
     "Offload",
@@ -38,6 +48,7 @@ __all__ = [
     "Optimizer",
     "OptimizerImpl",
     "Parallelism",
+    "PipelineSchedule",
     "Precision",
     "Quantization",
     "Recipe",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from trainfit.errors import StrategyError
 from trainfit.strategy._validate import coerce_enum, positive_int
 from trainfit.strategy.adapters import Adapter, BaseWeights
-from trainfit.strategy.parallel import Offload, Parallelism, Sharding
+from trainfit.strategy.parallel import EngineOptions, Offload, Parallelism, Sharding
 from trainfit.strategy.recipe import RECIPES, Precision, Recipe
 from trainfit.strategy.training import (
     Attention,
@@ -46,6 +46,7 @@ class Strategy:
     parallelism: Parallelism = field(default_factory=Parallelism)
     sharding: Sharding = Sharding.NONE
     offload: Offload = field(default_factory=Offload)
+    engine: EngineOptions = field(default_factory=EngineOptions)  # the multi-GPU framework and its settings
     adapter: Adapter | None = None
     base_weights: BaseWeights = field(default_factory=BaseWeights)
     savers: MemorySavers = field(default_factory=MemorySavers)
@@ -67,6 +68,7 @@ class Strategy:
         for name, kind in (
             ("parallelism", Parallelism),
             ("offload", Offload),
+            ("engine", EngineOptions),
             ("base_weights", BaseWeights),
             ("savers", MemorySavers),
             ("generation", Generation),
@@ -107,6 +109,11 @@ class Strategy:
     def checkpoint_segments(self, num_layers: int) -> int:
         """Number of checkpointed segments (0 without checkpointing)."""
         return len(self.checkpoint_layout(num_layers).segment_sizes)
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one GPU, a sharding framework or offload: what :mod:`trainfit.analytic.parallel` models."""
+        return not self.parallelism.is_single_gpu or self.sharding is not Sharding.NONE or self.offload.any
 
     def beyond_single_gpu_training(self) -> tuple[str, ...]:
         """The sub-configs that differ from one GPU, full fine-tuning, a training step (what a method

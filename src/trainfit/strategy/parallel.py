@@ -40,6 +40,24 @@ class Sharding(StrEnum):
         return self in (Sharding.ZERO3, Sharding.FSDP, Sharding.HSDP)
 
 
+class PipelineSchedule(StrEnum):
+    """Pipeline schedules (Megatron-LM ``schedules.py``): how many micro-batches a stage holds at once."""
+
+    ONE_F_ONE_B = "1f1b"  # PipeDream-Flush: stage s holds min(pp − s, m) micro-batches (Narayanan et al. 2021)
+    INTERLEAVED = "interleaved"  # virtual stages: first stage ⌈pp·(1 + (pp − 1)/(pp·v))⌉ (Megatron)
+    GPIPE = "gpipe"  # all m micro-batches forward, then all backward (Huang et al. 2019)
+
+
+class Engine(StrEnum):
+    """Which framework's rules the numbers follow. ``auto`` picks the one users expect for the setup:
+    megatron when tensor or pipeline parallelism is asked, deepspeed for zero*, torch for ddp/fsdp/hsdp."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    DEEPSPEED = "deepspeed"
+    MEGATRON = "megatron"
+
+
 class OffloadTarget(StrEnum):
     NONE = "none"
     CPU = "cpu"
@@ -55,10 +73,16 @@ class Parallelism:
     pipeline: int = 1
     sequence_parallel: bool = False
     gpus_per_node: int = 8  # HSDP's shard group and where NVLink ends
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    microbatches: int = 1  # micro-batches per optimizer step and pipeline (Megatron's global/micro/dp)
 
     def __post_init__(self) -> None:
-        for name in ("data", "tensor", "pipeline", "gpus_per_node"):
-            positive_int(f"{name} parallel degree" if name != "gpus_per_node" else name, getattr(self, name))
+        coerce_enum(self, "pipeline_schedule", PipelineSchedule)
+        for name in ("data", "tensor", "pipeline", "gpus_per_node", "virtual_stages", "microbatches"):
+            positive_int(
+                f"{name} parallel degree" if name in ("data", "tensor", "pipeline") else name, getattr(self, name)
+            )
         if self.sequence_parallel and self.tensor == 1:
             raise StrategyError("sequence parallelism splits over the tensor-parallel group: it needs tensor > 1")
 
@@ -84,5 +108,43 @@ class Offload:
         coerce_enum(self, "parameters", OffloadTarget)
 
     @property
+    def optimizer_on_host(self) -> bool:
+        return self.optimizer is not OffloadTarget.NONE
+
+    @property
+    def parameters_on_host(self) -> bool:
+        return self.parameters is not OffloadTarget.NONE
+
+    @property
     def any(self) -> bool:
         return self.optimizer is not OffloadTarget.NONE or self.parameters is not OffloadTarget.NONE or self.activations
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineOptions:
+    """The framework and the settings of it that move memory, at each framework's documented default.
+
+    torch DDP: ``bucket_cap_mb`` 25 and a first bucket of 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``),
+    ``gradient_as_bucket_view`` False (torch/nn/parallel/distributed.py ``DistributedDataParallel.__init__``).
+    FSDP2: ``reshard_after_forward`` True (torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard``).
+    DeepSpeed ZeRO: ``reduce_bucket_size`` and ``allgather_bucket_size`` 5e8 elements, ``contiguous_gradients``
+    True, ``overlap_comm`` False for stages 1–2 and True for stage 3, ``stage3_prefetch_bucket_size`` 5e7,
+    ``stage3_max_live_parameters`` 1e9 (deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``).
+    """
+
+    engine: Engine = Engine.AUTO
+    reshard_after_forward: bool = True
+    bucket_cap_mb: int = 25
+    first_bucket_bytes: int = 1024 * 1024
+    gradient_as_bucket_view: bool = False
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's per-stage default
+    prefetch_bucket_size: int = 50_000_000
+
+    def __post_init__(self) -> None:
+        coerce_enum(self, "engine", Engine)
+        for name in ("bucket_cap_mb", "first_bucket_bytes", "reduce_bucket_size", "allgather_bucket_size"):
+            positive_int(name.replace("_", "-"), getattr(self, name))
+        if self.prefetch_bucket_size < 0:
+            raise StrategyError(f"prefetch-bucket-size must be >= 0, got {self.prefetch_bucket_size}")
