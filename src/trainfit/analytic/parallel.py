@@ -423,6 +423,14 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
         allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in g.tensors) * sbits // 8)
         for g in inv.layers
     )
+    # One layer's padded all-gather output in the compute dtype: FSDP2 keeps the last all-gather result
+    # (``comm_ctx.all_gather_state``) until the next copy-out or the root's post-forward
+    # (_fsdp_param_group.py ``wait_for_unshard``), so it is alive through the loss, and the last layer's
+    # unshard is in flight when backward starts.
+    ag = max(
+        allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in g.tensors) * cbits // 8)
+        for g in inv.layers
+    )
     raf = strategy.engine.reshard_after_forward
     offload = strategy.offload.parameters_on_host
     n_layers = sum(g.count for g in inv.layers)
@@ -442,14 +450,16 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
         comm = 0
         if m.phase is Phase.FORWARD:
             unsharded = root + (0 if raf else layers_all)
+            comm = ag if p.shard > 1 else 0
         elif m.name in (MomentName.BACKWARD_START, MomentName.BACKWARD_FINAL_NORM):
             unsharded = root + (layers_all if not raf else 0)
+            comm = ag if p.shard > 1 and raf else 0
         elif m.name in (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX):
             # the current layer and the one prefetched; its bf16 gradients feed an fp32 reduce-scatter input
             unsharded = root + (layers_all if not raf else 2 * layer)
             comm = rs
         elif m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
-            unsharded = root + (layer if raf else layer)
+            unsharded = root + (layer if raf else layers_all)
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
             unsharded = root

@@ -169,6 +169,7 @@ class Execution:
     track: bool = True
     annotate: bool = False
     probe: Probe | None = None
+    tracker: Callable[[], tk.Tracker] = tk.Tracker  # a subclass for distributed runs (trace/distributed.py)
 
 
 @dataclass
@@ -262,7 +263,7 @@ class _StepLoop:
 
     def __init__(self, model: torch.nn.Module, fns: StepFns, options: RunOptions, execution: Execution):
         self.model, self.fns, self.opts, self.ex = model, fns, options, execution
-        self.tr = tk.Tracker()
+        self.tr = execution.tracker()
         if options.prepare is not None:
             options.prepare(self.tr)
         self.params = list(model.parameters())

@@ -1,0 +1,408 @@
+"""One rank of a many-GPU run, traced: the real parallelisation code on PyTorch's fake process group.
+
+The reference for :mod:`trainfit.analytic.parallel`. One process plays rank 0 of a world of W ranks:
+``dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=W)``
+(torch/testing/_internal/distributed/fake_pg.py) and a CPU device mesh; collectives return at once
+without touching data, so every tensor the framework allocates on rank 0 is allocated, at its real size,
+on fake tensors. The model is the reduced-depth Hugging Face model of the single-GPU trace
+(:mod:`trainfit.trace.depth`), wrapped by the framework's own code, then run by the same step runner
+under the same tracker and CUDA emulation; regions are extrapolated in depth as for one GPU (FSDP2's
+peaks are exactly linear in the number of layers, DESIGN §4.3). The cost of a step does not depend on W.
+
+* **FSDP2** (``--sharding fsdp``): ``fully_shard`` on every decoder layer, then on the root — the
+  per-layer-plus-root policy of torchtitan and of accelerate's ``fsdp2_prepare_model`` with a
+  transformer-layer auto-wrap — with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over
+  fp32 parameters for the 16-bit recipes, and ``reshard_after_forward`` as asked.
+* **DDP** (``--sharding ddp``): ``DistributedDataParallel`` with the asked ``bucket_cap_mb`` and
+  ``gradient_as_bucket_view``; its parameter-shape check across ranks is skipped (a collective on
+  real data) and a communication hook returns a completed future.
+
+What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
+parameters with ``UntypedStorage.resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py
+``free_storage``/``alloc_storage``), which no dispatch mode sees, so ``resize_`` is patched for the run and
+each re-allocation is a new storage record (:attr:`Component.UNSHARDED_PARAMS`); parameters, gradients
+and optimizer states are DTensors, whose local tensors are what a rank holds; storages made while the
+framework builds its buffers (DDP's buckets, also when it rebuilds them after the first step) are
+:attr:`Component.COMM_BUFFERS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.errors import StrategyError, TraceUnsupportedError
+from trainfit.result import (
+    Component,
+    MemoryReport,
+    Method,
+    Phase,
+    RepeatedRun,
+    TraceDetails,
+)
+from trainfit.strategy import Engine, Precision, Sharding, Strategy
+from trainfit.trace import depth, hf, readout
+from trainfit.trace import runner as rn
+from trainfit.trace import tracker as tk
+from trainfit.trace.optim import make_optimizer
+
+#: Record kinds beyond the tracker's own.
+UNSHARDED, COMM = 20, 21
+
+Progress = Callable[[str, float], None]
+
+
+class DistTracker(tk.Tracker):
+    """The storage tracker with DTensor local shards, ``resize_`` re-allocations and comm-buffer regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comm_depth = 0
+
+    def _local(self, t: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    def _record(self, st: torch.UntypedStorage, op: str) -> tk.Record | None:
+        rec = super()._record(st, op)
+        if rec is not None and rec.kind == tk.NONE and self.comm_depth > 0 and rec.alloc_t == self.t:
+            rec.kind = COMM
+        return rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        """The tracker's own bookkeeping on what a rank holds: a DTensor's local tensor, never the wrapper
+        (whose storage has the global size)."""
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        for t in tree_leaves(out):
+            if isinstance(t, DTensor):
+                t = t._local_tensor
+            if not isinstance(t, torch.Tensor):
+                continue
+            rec = self._record(t.untyped_storage(), name)
+            if rec is None or rec.alloc_t != self.t:
+                continue
+            if func is self._to_copy and rec.kind == tk.NONE:
+                src = self.record_of(args[0])
+                if src is not None and src.kind in (tk.WEIGHTS, tk.MASTER) and args[0].dtype != t.dtype:
+                    rec.kind = tk.AUTOCAST
+            elif func is self._add and self.phase == tk.BACKWARD and len(args) == 2 and not kwargs:
+                self._maybe_accumulation(rec, t, args)
+        return out
+
+    def mark(self, tensors: Iterable[torch.Tensor | None], kind: int, *, only_unmarked: bool = False) -> None:
+        super().mark((self._local(t) for t in tensors), kind, only_unmarked=only_unmarked)
+
+    def record_of(self, t: torch.Tensor) -> tk.Record | None:
+        return super().record_of(self._local(t))
+
+    def _freed(self, rec: tk.Record, _ref: object) -> None:
+        if rec.free_t is None:  # a storage resized to 0 was freed then
+            super()._freed(rec, _ref)
+
+    def on_resize(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """``storage.resize_(nbytes)`` happened: 0 frees the storage's record; a size makes a new one."""
+        entry = self._info.get(st)
+        if nbytes == 0:
+            if entry is not None:
+                entry[0].free_t = self._tick()
+                del self._info[st]
+            return
+        if entry is not None:
+            entry[0].free_t = self._tick()
+            del self._info[st]
+        rec = self._record(st, "resize_")
+        if rec is not None:
+            rec.kind = UNSHARDED
+
+    @contextlib.contextmanager
+    def comm_region(self) -> Iterator[None]:
+        self.comm_depth += 1
+        try:
+            yield
+        finally:
+            self.comm_depth -= 1
+
+    def component(self, rec: tk.Record) -> Component | None:
+        if rec.kind == UNSHARDED:
+            return Component.UNSHARDED_PARAMS
+        if rec.kind == COMM:
+            return Component.COMM_BUFFERS
+        return super().component(rec)
+
+
+@contextlib.contextmanager
+def _patched_resize(tr: DistTracker) -> Iterator[None]:
+    orig = torch.UntypedStorage.resize_
+
+    def resize_(st: torch.UntypedStorage, size: int) -> Any:
+        out = orig(st, size)
+        tr.on_resize(st, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = orig  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Any]:
+    """Rank 0 of ``world_size`` on the fake process group, and its 1-D CPU device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_traceable(strategy: Strategy) -> None:
+    """The setups this trace runs: DDP and FSDP2 (torch engine), data parallel only, nothing offloaded."""
+    par, sh = strategy.parallelism, strategy.sharding
+    if par.tensor > 1 or par.pipeline > 1:
+        raise StrategyError("--method trace runs DDP and FSDP2; tensor/pipeline parallelism: use --method analytic")
+    if sh not in (Sharding.DDP, Sharding.FSDP, Sharding.NONE) or strategy.engine.engine not in (
+        Engine.AUTO,
+        Engine.TORCH,
+    ):
+        raise StrategyError(f"--method trace runs --sharding ddp|fsdp; for {sh.value} use --method analytic")
+    if strategy.offload.any:
+        raise StrategyError("--method trace does not run CPU offload; use --method analytic")
+
+
+def _mixed(strategy: Strategy) -> bool:
+    return strategy.precision in (
+        Precision.AMP_BF16,
+        Precision.AMP_FP16,
+        Precision.MASTER_BF16,
+        Precision.MASTER_FP16,
+    )
+
+
+def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if _mixed(strategy)
+        else MixedPrecisionPolicy()
+    )
+    raf = strategy.engine.reshard_after_forward
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+
+
+def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> torch.nn.Module:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def done(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    # DDP checks the hook's annotations at run time (strings under ``from __future__ import annotations``).
+    done.__annotations__ = {"_state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    eo = strategy.engine
+    with _no_shape_check():
+        ddp = DistributedDataParallel(
+            model, bucket_cap_mb=eo.bucket_cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view
+        )
+    ddp.register_comm_hook(None, done)
+    # After the first step the reducer rebuilds its buckets in the order gradients arrived
+    # (``Reducer::rebuild_buckets``), which reads tensor data and fails on fake tensors: keep the buckets
+    # built at construction (same sizes, parameters in reverse registration order).
+    ddp.reducer = _NoRebuild(ddp.reducer)  # type: ignore[assignment]
+    return ddp
+
+
+class _NoRebuild:
+    """The DDP reducer, except that ``_rebuild_buckets`` is a no-op (see :func:`_wrap_ddp`)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+@contextlib.contextmanager
+def _no_shape_check() -> Iterator[None]:
+    import torch.distributed.utils as du
+    import torch.nn.parallel.distributed as dd
+
+    saved = dd._verify_param_shape_across_processes
+    dd._verify_param_shape_across_processes = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        dd._verify_param_shape_across_processes = saved
+        _ = du
+
+
+def _run_strategy(strategy: Strategy) -> tuple[Strategy, Any]:
+    """(the strategy the model is built under, the recipe the runner runs). FSDP2's mixed precision: fp32
+    parameters, bf16 compute by the policy, no autocast and no separate master copy."""
+    if strategy.sharding is Sharding.FSDP and _mixed(strategy):
+        built = dataclasses.replace(strategy, precision=Precision.AMP_BF16)
+        rec = dataclasses.replace(built.recipe, autocast=False, loss_scaling=False)
+        return built, rec
+    return strategy, strategy.recipe
+
+
+def run_layout_distributed(
+    spec: ModelSpec,
+    strategy: Strategy,
+    plan: depth.DepthPlan,
+    layout: hf.Layout,
+    mesh: Any,
+    *,
+    steps: int,
+    adamw_impl: str,
+    progress: Progress | None = None,
+) -> rn.TraceRun:
+    """Build the reduced model of ``layout``, wrap it with the framework and run it under the tracker."""
+    built, rec = _run_strategy(strategy)
+    mode = rn.fake_mode()
+    model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    rn.materialize(model, mode, None)
+    stack: Any = model.get_submodule(plan.stack_path)
+    layers: list[torch.nn.Module] = list(stack)
+    box: list[tk.Tracker] = []
+    hf.install_checkpointing(model, layers, layout.blocks, box)
+    first, last = depth.layer_positions(layout)
+    tr = DistTracker()
+    box.append(tr)
+    head = hf.head_of(model)
+    with mode, tr, _patched_resize(tr):
+        if strategy.sharding is Sharding.FSDP:
+            _wrap_fsdp(model, layers, mesh, strategy)
+            run_model: torch.nn.Module = model
+        else:
+            with tr.comm_region():
+                run_model = _wrap_ddp(model, strategy, tr)
+    fns = rn.StepFns(
+        make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
+        forward=lambda m, batch: m(**batch),
+        loss_of=lambda out, _batch: out.loss,
+        make_optimizer=lambda params: make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl),
+    )
+    options = rn.RunOptions(
+        recipe=rec,
+        steps=steps,
+        grad_accum=strategy.grad_accum,
+        head_module=head,
+        stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
+        progress=progress,
+        flash_sdp=strategy.flash_sdp,
+    )
+    execution = rn.Execution(mode=mode, tracker=lambda: tr)
+    with hf.runtime_patches(), _patched_resize(tr):
+        return rn.run_steps(run_model, fns, options, execution)
+
+
+def trace_distributed(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    modules: bool = False,
+    progress: Progress | None = None,
+    steps: int = 2,
+    adamw_impl: str | None = None,
+    extrapolate: bool = True,
+) -> MemoryReport:
+    """Rank 0 of ``strategy``'s DDP or FSDP2 run, traced on the fake process group and extrapolated in depth."""
+    del modules
+    check_traceable(strategy)
+    adamw_impl = adamw_impl or strategy.optimizer_impl.value
+    from trainfit.trace._deps import require_torch, require_transformers
+
+    require_torch()
+    require_transformers()
+    t0 = time.perf_counter()
+    say = progress or (lambda _m, _f: None)
+    built, _ = _run_strategy(strategy)
+    plan = depth.plan_depth(spec, built, extrapolate=extrapolate)
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+    world = strategy.parallelism.world_size
+    with fake_world(world) as mesh:
+        for i, (counts, layout) in enumerate(plan.layouts):
+            say(f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}", i / len(plan.layouts))
+            try:
+                run = run_layout_distributed(spec, strategy, plan, layout, mesh, steps=steps, adamw_impl=adamw_impl)
+            except (RuntimeError, NotImplementedError, AssertionError) as exc:
+                import os
+                if os.environ.get("TRAINFIT_DEBUG"):
+                    raise
+                raise TraceUnsupportedError(
+                    f"the {strategy.sharding.value} trace failed: {str(exc).splitlines()[0][:200]}"
+                ) from None
+            results.append((counts, layout, run))
+    warnings: list[str] = []
+    if plan.ext:
+        keyed = [
+            depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
+            for counts, layout, run in results
+        ]
+        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings)
+    else:
+        pk = readout.phase_peaks(results[0][2])
+        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+    traced = [len(layout.layers) for _, layout, _ in results]
+    peak = max(p.total_bytes for p in phases.values())
+    what = (
+        f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
+        + (", MixedPrecisionPolicy(bf16, fp32)" if _mixed(strategy) else "")
+        if strategy.sharding is Sharding.FSDP
+        else f"DDP bucket_cap_mb={strategy.engine.bucket_cap_mb}, "
+        f"gradient_as_bucket_view={strategy.engine.gradient_as_bucket_view}"
+    )
+    notes = [
+        f"rank 0 of {world} on PyTorch's fake process group: {what}",
+        f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
+        + (" and extrapolated each region linearly" if plan.ext else ""),
+        "NCCL's own buffers (outside the allocator) are not counted",
+    ]
+    return MemoryReport(
+        method=Method.TRACE,
+        model_name=spec.name,
+        params=plan.params,
+        trainable_params=plan.params,
+        phases=tuple(phases[ph] for ph in Phase),
+        overhead=readout.overhead(peak),
+        bytes_per_param=readout.bytes_per_param(phases, plan.params),
+        notes=tuple(notes),
+        warnings=tuple(warnings),
+        details=TraceDetails(
+            layers_traced=tuple(traced),
+            extrapolated=bool(plan.ext),
+            runs=tuple(RepeatedRun(start_block=r.start, unit_blocks=r.period, units=r.count) for r in plan.runs),
+            sdpa_backends=dict(results[0][2].sdpa_backends),
+            optimizer_impl=adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
+            trace_seconds=round(time.perf_counter() - t0, 2),
+        ),
+    )
+
+
+__all__ = ["DistTracker", "check_traceable", "fake_world", "run_layout_distributed", "trace_distributed"]
