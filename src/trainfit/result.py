@@ -334,6 +334,7 @@ class FitVerdict:
     max_micro_batch: int | None  # 0 when even batch 1 does not fit; None when not searched (trace, measure)
     max_micro_batch_capped: bool = False  # the search stopped at its cap: "at least max_micro_batch"
     suggestions: tuple[Suggestion, ...] = ()  # what would make it fit (trainfit.planner.search)
+    rank_required_bytes: tuple[int, ...] = ()  # per entry of MemoryReport.ranks, what must fit (same rule)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

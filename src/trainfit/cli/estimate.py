@@ -54,6 +54,36 @@ def estimate_cmd(
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
     modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,
+    gpus: Annotated[int, typer.Option("--gpus", help="World size: GPUs in the job (data × tensor × pipeline).")] = 1,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (Megatron).")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree (Megatron).")] = 1,
+    pp_schedule: Annotated[str, typer.Option("--pp-schedule", help="1f1b | interleaved | gpipe")] = "1f1b",
+    virtual_stages: Annotated[
+        int, typer.Option("--virtual-stages", help="Model chunks per pipeline rank (interleaved).")
+    ] = 1,
+    microbatches: Annotated[
+        int, typer.Option("--microbatches", help="Micro-batches per step in the pipeline.")
+    ] = 1,
+    sequence_parallel: Annotated[
+        bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism (needs --tp > 1).")
+    ] = False,
+    sharding: Annotated[str, typer.Option(help="none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp")] = "none",
+    reshard_after_forward: Annotated[
+        bool,
+        typer.Option("--reshard-after-forward/--no-reshard-after-forward", help="FSDP2: free layers after forward."),
+    ] = True,
+    offload: Annotated[str, typer.Option(help="CPU offload: none | optimizer | optimizer+params")] = "none",
+    engine: Annotated[
+        str, typer.Option(help="auto | torch (ddp, fsdp) | deepspeed (zero*) | megatron (tp, pp, zero1)")
+    ] = "auto",
+    bucket_cap_mb: Annotated[int, typer.Option("--bucket-cap-mb", help="DDP bucket size (MiB).")] = 25,
+    gradient_as_bucket_view: Annotated[
+        bool, typer.Option("--gradient-as-bucket-view", help="DDP: gradients are views of the buckets.")
+    ] = False,
+    reduce_bucket_size: Annotated[
+        float, typer.Option("--reduce-bucket-size", help="DeepSpeed reduce bucket (elements).")
+    ] = 5e8,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="HSDP shard group; host memory per node.")] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     explain: Annotated[
         bool,
@@ -77,6 +107,8 @@ def estimate_cmd(
       trainfit estimate ./my-model/config.json --gpu rtx-4090 --checkpointing full --optimizer adamw-8bit
 
       trainfit estimate --params 1.3e9 --hidden-size 2048 --num-layers 24 --batch 4 --seq 1024 --method rule-of-thumb
+
+      trainfit estimate llama-3.1-70b --gpus 64 --tp 8 --pp 4 --sequence-parallel --microbatches 16
     """
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
@@ -84,7 +116,7 @@ def estimate_cmd(
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
-    from trainfit.strategy import Strategy
+    from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
 
     explicit = [params, hidden_size, num_layers]
     if model is not None and any(v is not None for v in explicit):
@@ -116,6 +148,25 @@ def estimate_cmd(
         "micro_batch": batch,
         "seq_len": seq if seq is not None else default_seq_len(spec),
         "grad_accum": grad_accum,
+        "parallelism": Parallelism.for_gpus(
+            gpus,
+            tensor=tp,
+            pipeline=pp,
+            pipeline_schedule=pp_schedule,
+            virtual_stages=virtual_stages,
+            microbatches=microbatches,
+            sequence_parallel=sequence_parallel,
+            gpus_per_node=gpus_per_node,
+        ),
+        "sharding": sharding,
+        "offload": Offload.parse(offload),
+        "engine": EngineOptions(
+            engine=engine,
+            reshard_after_forward=reshard_after_forward,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            reduce_bucket_size=_parse_count(str(reduce_bucket_size), "--reduce-bucket-size") or 0,
+        ),
     }
     strategy = Strategy(**fields)
     try:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.hardware import GPUSpec
+from trainfit.overhead import overhead_for
 from trainfit.result import FitVerdict, MemoryReport, Suggestion, SuggestionKind
 from trainfit.strategy import Optimizer, Precision, Strategy
 
@@ -159,7 +160,9 @@ def fit_verdict(
         best, capped = None, False
     else:
         best, capped = max_micro_batch(spec, strategy, usable, search_fn)
+    rank_required = tuple(r.peak_bytes + overhead_for(r.peak_bytes).total_bytes for r in report.ranks)
     return FitVerdict(
+        rank_required_bytes=rank_required,
         gpu_id=gpu.id,
         gpu_memory_bytes=gpu.memory_bytes,
         headroom_fraction=headroom,

@@ -23,7 +23,48 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
         "seq_len": strategy.seq_len,
         "grad_accum": strategy.grad_accum,
         "effective_batch": strategy.effective_batch,
+        # Many GPUs (new keys; the defaults are one GPU, nothing sharded or offloaded).
+        "gpus": strategy.world_size,
+        "data_parallel": strategy.parallelism.data,
+        "tensor_parallel": strategy.parallelism.tensor,
+        "pipeline_parallel": strategy.parallelism.pipeline,
+        "sequence_parallel": strategy.parallelism.sequence_parallel,
+        "pp_schedule": strategy.parallelism.pipeline_schedule.value,
+        "virtual_stages": strategy.parallelism.virtual_stages,
+        "microbatches": strategy.parallelism.microbatches,
+        "sharding": strategy.sharding.value,
+        "engine": strategy.engine.engine.value,
+        "reshard_after_forward": strategy.engine.reshard_after_forward,
+        "offload": strategy.offload.flag,
     }
+
+
+def _phase_json(p: PhaseBreakdown) -> dict[str, Any]:
+    out: dict[str, Any] = {"total_bytes": p.total_bytes, "components": _components(p)}
+    if p.host_components:
+        out["host_bytes"] = p.host_bytes
+        out["host_components"] = {c.value: n for c, n in p.host_components.items()}
+    return out
+
+
+def ranks_json(report: MemoryReport) -> list[dict[str, Any]]:
+    """Each distinct rank (pipeline stage): its rank indices, peak, peak phase and phases; with a GPU, the
+    bytes that must fit and whether they do."""
+    out = []
+    fit = report.fit
+    for i, r in enumerate(report.ranks):
+        peak = max(r.phases, key=lambda p: p.total_bytes)
+        row: dict[str, Any] = {
+            "ranks": list(r.ranks),
+            "peak_bytes": r.peak_bytes,
+            "phase": peak.phase.value,
+            "phases": {p.phase.value: _phase_json(p) for p in r.phases},
+        }
+        if fit is not None and i < len(fit.rank_required_bytes):
+            row["required_bytes"] = fit.rank_required_bytes[i]
+            row["fits"] = fit.rank_required_bytes[i] <= fit.usable_bytes
+        out.append(row)
+    return out
 
 
 def _components(phase: PhaseBreakdown) -> dict[str, int]:
@@ -55,13 +96,9 @@ def report_json(
         "peak_bytes": report.peak_bytes,
         "phase": report.peak_phase.value,
         "components": _components(peak),
-        "phases": {
-            p.phase.value: {
-                "total_bytes": p.total_bytes,
-                "components": _components(p),
-            }
-            for p in report.phases
-        },
+        "phases": {p.phase.value: _phase_json(p) for p in report.phases},
+        "host_peak_bytes": report.host_peak_bytes,
+        "ranks": ranks_json(report),
         "overhead": {
             "cuda_context_bytes": report.overhead.cuda_context_bytes,
             "allocator_reserve_bytes": report.overhead.allocator_reserve_bytes,

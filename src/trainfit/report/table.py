@@ -42,6 +42,13 @@ def _header(report: MemoryReport) -> Text:
             f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
             f" (effective batch {s.effective_batch})"
         )
+        if s.is_distributed:
+            par = s.parallelism
+            t.append(
+                f"\n{s.world_size} GPUs = data {par.data} × tensor {par.tensor} × pipeline {par.pipeline}"
+                + (" (sequence parallel)" if par.sequence_parallel else "")
+                + f" · sharding {s.sharding.value} · offload {s.offload.flag}"
+            )
     return t
 
 
@@ -140,6 +147,39 @@ def _phases(report: MemoryReport) -> Table:
     return table
 
 
+def _ranks(report: MemoryReport) -> Table | None:
+    """One row per distinct rank (pipeline stage): its peak and, with a GPU, whether it fits."""
+    if not report.ranks:
+        return None
+    fit = report.fit
+    table = Table(title="Per rank (GiB; the headline above is the worst)", title_justify="left")
+    for col in ("ranks", "peak phase", "peak allocated", "fits"):
+        table.add_column(col, justify="left" if col in ("ranks", "peak phase") else "right")
+    worst = max(r.peak_bytes for r in report.ranks)
+    for i, r in enumerate(report.ranks):
+        peak = max(r.phases, key=lambda p: p.total_bytes)
+        names = f"{r.ranks[0]}–{r.ranks[-1]}" if len(r.ranks) > 1 else str(r.ranks[0])
+        fits = ""
+        if fit is not None and i < len(fit.rank_required_bytes):
+            fits = "yes" if fit.rank_required_bytes[i] <= fit.usable_bytes else "NO"
+        table.add_row(
+            names, peak.phase.value, f"{gib(r.peak_bytes):.2f}", fits, style="bold" if r.peak_bytes == worst else None
+        )
+    return table
+
+
+def _distributed_notes(report: MemoryReport) -> list[str]:
+    """The engine defaults and the worst-rank reason (always shown for many GPUs)."""
+    s = report.strategy
+    if s is None or not s.is_distributed:
+        return []
+    keys = ("engine", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank")
+    out = [n for n in report.notes if any(k in n for k in keys)]
+    if report.host_peak_bytes:
+        out.append(f"host memory per node: {fmt_gib(report.host_peak_bytes)} (offloaded states, pinned)")
+    return out
+
+
 def _bytes_per_param(report: MemoryReport, s: Strategy) -> Text:
     b = report.bytes_per_param
     txt = (
@@ -205,7 +245,9 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
         console.print(_rule_of_thumb(report))
     else:
         console.print(_phases(report))
-        for extra_table in (_measured_vs_trace(report), _modules(report)):
+        for line in _distributed_notes(report):
+            console.print(f"[dim]{line}[/dim]")
+        for extra_table in (_ranks(report), _measured_vs_trace(report), _modules(report)):
             if extra_table is not None:
                 console.print(extra_table)
     if not verbose:

@@ -90,6 +90,19 @@ class Parallelism:
     def world_size(self) -> int:
         return self.data * self.tensor * self.pipeline
 
+    @classmethod
+    def for_gpus(cls, gpus: int, *, tensor: int = 1, pipeline: int = 1, **kwargs: object) -> Parallelism:
+        """``gpus`` ranks split as data × tensor × pipeline: the data degree is gpus / (tensor·pipeline),
+        and a world size that is not a multiple of tensor·pipeline is refused."""
+        positive_int("gpus", gpus)
+        positive_int("tensor parallel degree", tensor)
+        positive_int("pipeline parallel degree", pipeline)
+        if gpus % (tensor * pipeline):
+            raise StrategyError(
+                f"--gpus {gpus} is not a multiple of --tp {tensor} × --pp {pipeline} = {tensor * pipeline}"
+            )
+        return cls(data=gpus // (tensor * pipeline), tensor=tensor, pipeline=pipeline, **kwargs)  # type: ignore[arg-type]
+
     @property
     def is_single_gpu(self) -> bool:
         return self.world_size == 1
@@ -102,6 +115,25 @@ class Offload:
     optimizer: OffloadTarget = OffloadTarget.NONE
     parameters: OffloadTarget = OffloadTarget.NONE
     activations: bool = False  # activation checkpoints kept on the host (torch.autograd.graph.save_on_cpu)
+
+    @classmethod
+    def parse(cls, flag: str) -> Offload:
+        """``none`` | ``optimizer`` (ZeRO-Offload) | ``optimizer+params`` (ZeRO-Infinity, FSDP2 CPUOffloadPolicy)."""
+        choices = {
+            "none": cls(),
+            "optimizer": cls(optimizer=OffloadTarget.CPU),
+            "optimizer+params": cls(optimizer=OffloadTarget.CPU, parameters=OffloadTarget.CPU),
+        }
+        if flag not in choices:
+            raise StrategyError(f"unknown --offload '{flag}'; choose one of: {', '.join(choices)}")
+        return choices[flag]
+
+    @property
+    def flag(self) -> str:
+        """The ``--offload`` value this stands for."""
+        if self.parameters is not OffloadTarget.NONE:
+            return "optimizer+params"
+        return "optimizer" if self.optimizer is not OffloadTarget.NONE else "none"
 
     def __post_init__(self) -> None:
         coerce_enum(self, "optimizer", OffloadTarget)
