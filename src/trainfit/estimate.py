@@ -132,7 +132,7 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
 
 
 #: What each method models beyond one GPU (``Strategy.beyond_single_gpu_training`` items it accepts).
-_DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload")
+_DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload", "engine")
 
 
 def _require_modelled(strategy: Strategy, method: Method) -> None:

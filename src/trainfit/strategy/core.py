@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from trainfit.errors import StrategyError
 from trainfit.strategy._validate import coerce_enum, positive_int
 from trainfit.strategy.adapters import Adapter, BaseWeights
-from trainfit.strategy.parallel import EngineOptions, Offload, Parallelism, Sharding
+from trainfit.strategy.parallel import Engine, EngineOptions, Offload, Parallelism, Sharding
 from trainfit.strategy.recipe import RECIPES, Precision, Recipe
 from trainfit.strategy.training import (
     Attention,
@@ -112,8 +112,14 @@ class Strategy:
 
     @property
     def is_distributed(self) -> bool:
-        """More than one GPU, a sharding framework or offload: what :mod:`trainfit.analytic.parallel` models."""
-        return not self.parallelism.is_single_gpu or self.sharding is not Sharding.NONE or self.offload.any
+        """More than one GPU, a sharding framework, offload or a named engine: what
+        :mod:`trainfit.analytic.parallel` models (one GPU under a named engine is a world of one)."""
+        return (
+            not self.parallelism.is_single_gpu
+            or self.sharding is not Sharding.NONE
+            or self.offload.any
+            or self.engine.engine is not Engine.AUTO
+        )
 
     def beyond_single_gpu_training(self) -> tuple[str, ...]:
         """The sub-configs that differ from one GPU, full fine-tuning, a training step (what a method
@@ -125,6 +131,8 @@ class Strategy:
             out.append(f"sharding {self.sharding.value}")
         if self.offload.any:
             out.append("offload")
+        if self.engine.engine is not Engine.AUTO:
+            out.append(f"engine {self.engine.engine.value}")
         if self.adapter is not None:
             out.append(f"{self.adapter.kind.value} adapters")
         if not self.base_weights.is_default:

@@ -1,0 +1,245 @@
+"""Per-rank memory under many GPUs (trainfit.analytic.parallel), held to sources other than itself:
+the ZeRO paper's per-stage model-state formulas, Megatron's bytes per parameter and in-flight counts,
+Korthikanti et al.'s sequence-parallel split, the single-GPU model at W = 1, and invariants (sharding
+over more ranks never adds per-rank memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfit import estimate
+from trainfit.analytic import estimate_analytic
+from trainfit.analytic.parallel import (
+    ddp_bucket_bytes,
+    estimate_parallel,
+    in_flight_microbatches,
+    shard_tensor,
+    tp_local_spec,
+)
+from trainfit.arch import load_model
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import ParamTensor
+from trainfit.errors import StrategyError
+from trainfit.result import STATE_COMPONENTS, Component, Phase
+from trainfit.strategy import (
+    EngineOptions,
+    Offload,
+    Parallelism,
+    PipelineSchedule,
+    Precision,
+    Strategy,
+)
+
+GiB = 2**30
+MODELS = ("llama-3.1-8b", "qwen2.5-7b", "gpt2", "mistral-7b-v0.1")
+
+
+def _dp(w: int, **kw: object) -> Strategy:
+    return Strategy(parallelism=Parallelism(data=w), **kw)  # type: ignore[arg-type]
+
+
+def _states(strategy: Strategy, slug: str = "llama-2-7b") -> int:
+    r = estimate(slug, strategy)
+    step = r.phase(Phase.OPTIMIZER_STEP)
+    return sum(step.get(c) for c in STATE_COMPONENTS)
+
+
+# -- ZeRO: Rajbhandari et al. 2020, §5 (Ψ parameters, K = 12 for mixed-precision Adam, N ranks) -------------
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_zero_stages_match_the_paper(n: int) -> None:
+    psi = inventory(load_model("llama-2-7b")).total
+    paper = {"zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n, "zero3": 16 * psi / n}
+    for stage, expected in paper.items():
+        got = _states(_dp(n, precision="master-bf16", sharding=stage))
+        # the fp32 gradient partition of the step is a temporary, not a state; padding is < 2·N elements
+        assert abs(got - expected) / expected < 0.01, (stage, got, expected)
+
+
+def test_zero2_offload_leaves_the_16_bit_weights_on_the_gpu() -> None:
+    """DeepSpeed's estimate_zero2_model_states_mem_needs(cpu_offload=True): gpu = 2Ψ."""
+    psi = inventory(load_model("llama-2-7b")).total
+    s = _dp(8, precision="master-bf16", sharding="zero2", offload=Offload.parse("optimizer"))
+    r = estimate("llama-2-7b", s)
+    step = r.phase(Phase.OPTIMIZER_STEP)
+    assert step.get(Component.WEIGHTS) == pytest.approx(2 * psi, rel=1e-6)
+    assert step.get(Component.OPTIMIZER_STATES) == step.get(Component.MASTER_WEIGHTS) == 0
+    # host per node: 8 ranks × (fp32 master 4 + Adam 8 + fp32 grads 4) · Ψ/8 = 16Ψ
+    assert r.host_peak_bytes == pytest.approx(16 * psi, rel=1e-3)
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------------
+
+
+def test_shard_pads_dim0_up() -> None:
+    t = ParamTensor(name="w", shape=(5, 3), matmul=True)
+    assert shard_tensor(t, 2).shape == (3, 3)
+    assert shard_tensor(t, 8).shape == (1, 3)
+    assert shard_tensor(t, 1) is t
+
+
+def test_fsdp_at_one_rank_holds_the_single_gpu_fp32_states() -> None:
+    """W = 1, fp32: FSDP2's one shard is the whole tensor, so the states equal the single-GPU model's."""
+    single = estimate_analytic(load_model("llama-3.1-8b"), Strategy(precision="fp32"))
+    fsdp = estimate("llama-3.1-8b", Strategy(precision="fp32", sharding="fsdp"))
+    step1, step2 = single.phase(Phase.OPTIMIZER_STEP), fsdp.phase(Phase.OPTIMIZER_STEP)
+    for c in (Component.WEIGHTS, Component.GRADIENTS, Component.OPTIMIZER_STATES):
+        assert step1.get(c) == step2.get(c)
+
+
+def test_fsdp_mixed_precision_is_16_bytes_per_param_over_w() -> None:
+    psi = inventory(load_model("llama-3.1-8b")).total
+    got = _states(_dp(8, sharding="fsdp"), "llama-3.1-8b")
+    assert abs(got - 16 * psi / 8) / (16 * psi / 8) < 0.005
+    r = estimate("llama-3.1-8b", _dp(8, sharding="fsdp"))
+    assert all(p.get(Component.AUTOCAST_COPIES) == 0 for p in r.phases)  # bf16 compute by the policy
+
+
+def test_no_reshard_after_forward_keeps_every_layer() -> None:
+    spec = load_model("llama-3.1-8b")
+    on = estimate(spec, _dp(8, sharding="fsdp"))
+    off = estimate(spec, _dp(8, sharding="fsdp", engine=EngineOptions(reshard_after_forward=False)))
+    layers_bf16 = 2 * sum(g.params for g in inventory(spec).layers)
+    got = off.phase(Phase.FORWARD).get(Component.UNSHARDED_PARAMS) - on.phase(Phase.FORWARD).get(
+        Component.UNSHARDED_PARAMS
+    )
+    assert abs(got - layers_bf16) / layers_bf16 < 0.001
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    slug=st.sampled_from(MODELS),
+    sharding=st.sampled_from(["fsdp", "zero3", "zero2", "zero1"]),
+    k=st.integers(0, 9),
+    raf=st.booleans(),
+    ckpt=st.sampled_from(["none", "full"]),
+)
+def test_more_ranks_never_add_per_rank_memory(slug: str, sharding: str, k: int, raf: bool, ckpt: str) -> None:
+    w = 2**k
+    s = _dp(w, sharding=sharding, checkpointing=ckpt, engine=EngineOptions(reshard_after_forward=raf))
+    a = estimate(slug, s)
+    b = estimate(slug, dataclasses.replace(s, parallelism=Parallelism(data=2 * w)))
+    for pa, pb in zip(a.phases, b.phases, strict=True):
+        assert pb.total_bytes <= pa.total_bytes, (pa.phase, w)
+
+
+# -- DDP -------------------------------------------------------------------------------------------------
+
+
+def test_ddp_buckets_hold_every_gradient() -> None:
+    spec = load_model("llama-3.1-8b")
+    psi = inventory(spec).total
+    buckets = ddp_bucket_bytes(spec, 32, 25 * 2**20, 2**20)
+    assert abs(sum(buckets) - 4 * psi) <= 512 * len(buckets)
+    assert all(b <= 25 * 2**20 + 4 * 128256 * 4096 for b in buckets)  # a bucket closes past its cap
+
+
+def test_ddp_is_the_single_gpu_model_plus_its_buckets() -> None:
+    spec = load_model("qwen2.5-7b")
+    psi = inventory(spec).total
+    single = estimate_analytic(spec, Strategy())
+    ddp = estimate(spec, _dp(4, sharding="ddp"))
+    view = estimate(spec, _dp(4, sharding="ddp", engine=EngineOptions(gradient_as_bucket_view=True)))
+    for p1, p2, p3 in zip(single.phases, ddp.phases, view.phases, strict=True):
+        assert abs(p2.total_bytes - p1.total_bytes - 4 * psi) < 0.001 * psi
+        assert p3.total_bytes <= p2.total_bytes
+    # with bucket views the gradients are there from the first forward on
+    assert view.phase(Phase.FORWARD).get(Component.GRADIENTS) == pytest.approx(4 * psi, rel=1e-3)
+
+
+# -- Megatron TP / SP / PP -------------------------------------------------------------------------------
+
+
+def test_megatron_bytes_per_parameter() -> None:
+    """theoretical_memory_usage.py: 18 B/param, or 6 + 12/d with the distributed optimizer."""
+    spec = load_model("llama-3.1-8b")
+    psi = inventory(spec).total
+    for sharding, per in (("none", 18), ("zero1", 6 + 12 / 4)):
+        s = _dp(4, sharding=sharding, engine=EngineOptions(engine="megatron"))
+        assert _states(s, "llama-3.1-8b") == pytest.approx(per * psi, rel=1e-6)
+
+
+def test_tensor_parallel_splits_the_states() -> None:
+    spec = load_model("llama-3.1-8b")
+    local = tp_local_spec(spec, 8)
+    s = Strategy(parallelism=Parallelism(tensor=8))
+    assert _states(s, "llama-3.1-8b") == pytest.approx(18 * inventory(local).total, rel=1e-6)
+    # Megatron pads the vocabulary to a multiple of 128·tp
+    assert local.vocab_size * 8 % (128 * 8) == 0 and local.vocab_size * 8 >= spec.vocab_size
+
+
+def test_sequence_parallel_divides_every_activation() -> None:
+    """Korthikanti et al. 2022, Table 2: sbh(10 + 24/t) without SP, sbh·34/t with it (modern blocks differ
+    in the constants, not in which tensors are split)."""
+    spec = load_model("llama-3.1-8b")
+    one = estimate(spec, Strategy(parallelism=Parallelism(tensor=1), engine=EngineOptions(engine="megatron")))
+    sp = estimate(spec, Strategy(parallelism=Parallelism(tensor=4, sequence_parallel=True)))
+    nosp = estimate(spec, Strategy(parallelism=Parallelism(tensor=4)))
+    a1 = one.phase(Phase.FORWARD).get(Component.ACTIVATIONS)
+    a_sp = sp.phase(Phase.FORWARD).get(Component.ACTIVATIONS)
+    a_nosp = nosp.phase(Phase.FORWARD).get(Component.ACTIVATIONS)
+    assert abs(a_sp - a1 / 4) / (a1 / 4) < 0.01
+    assert a1 / 4 < a_nosp < a1
+
+
+@pytest.mark.parametrize(("pp", "v"), [(4, 2), (8, 4), (2, 3)])
+def test_interleaved_first_stage_matches_megatron_penalty(pp: int, v: int) -> None:
+    """theoretical_memory_usage.py: pp·(1 + (pp − 1)/(pp·v)) micro-batches on the first stage."""
+    got = in_flight_microbatches(PipelineSchedule.INTERLEAVED, pp, 0, 64, v)
+    assert got == pytest.approx(pp * (1 + (pp - 1) / (pp * v)))
+
+
+def test_one_f_one_b_and_gpipe_in_flight() -> None:
+    assert [in_flight_microbatches(PipelineSchedule.ONE_F_ONE_B, 4, s, 16, 1) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight_microbatches(PipelineSchedule.ONE_F_ONE_B, 4, 0, 2, 1) == 2
+    assert in_flight_microbatches(PipelineSchedule.GPIPE, 4, 3, 16, 1) == 16
+
+
+def test_pipeline_ranks_first_stage_worst_last_holds_logits() -> None:
+    r = estimate("llama-3.1-8b", Strategy(parallelism=Parallelism(data=2, pipeline=4, microbatches=8)))
+    assert len(r.ranks) == 4 and r.ranks[0].ranks == (0, 1)
+    assert r.peak_bytes == max(x.peak_bytes for x in r.ranks) == r.ranks[0].peak_bytes
+    logits = [x.phases[1].components[Component.LOGITS_LOSS] for x in r.ranks]
+    assert logits[:3] == [0, 0, 0] and logits[3] > 0
+    acts = [x.phases[0].components[Component.ACTIVATIONS] for x in r.ranks]
+    assert acts[0] > acts[1] > acts[2]
+
+
+# -- validation ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"parallelism": Parallelism(tensor=3)}, "must divide"),
+        ({"parallelism": Parallelism(pipeline=64)}, "larger than"),
+        ({"parallelism": Parallelism(pipeline=5)}, "evenly"),
+        ({"parallelism": Parallelism(data=2, pipeline=2), "sharding": "zero2"}, "ZeRO-2/3"),
+        ({"parallelism": Parallelism(data=2, pipeline=2), "sharding": "zero3"}, "ZeRO-2/3"),
+        ({"parallelism": Parallelism(data=2), "sharding": "fsdp", "offload": Offload.parse("optimizer")}, "CPUOffload"),
+        ({"parallelism": Parallelism(data=2), "sharding": "ddp", "offload": Offload.parse("optimizer")}, "offload"),
+        ({"parallelism": Parallelism(data=2), "sharding": "zero2", "offload": Offload.parse("optimizer+params")}, "zero3"),
+        ({"parallelism": Parallelism(pipeline=2, virtual_stages=2)}, "interleaved"),
+        ({"parallelism": Parallelism(data=2), "sharding": "zero1", "engine": EngineOptions(engine="torch")}, "DeepSpeed"),
+    ],
+)
+def test_invalid_combinations_are_refused(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(StrategyError, match=needle):
+        estimate_parallel(load_model("llama-3.1-8b"), Strategy(**kwargs))  # type: ignore[arg-type]
+
+
+def test_gpus_not_a_multiple_of_tp_pp() -> None:
+    with pytest.raises(StrategyError, match="not a multiple"):
+        Parallelism.for_gpus(12, tensor=8)
+    assert Parallelism.for_gpus(64, tensor=8, pipeline=4).data == 2
+
+
+def test_single_gpu_estimate_is_unchanged() -> None:
+    spec = load_model("llama-3.1-8b")
+    assert estimate(spec, Strategy()).phases == estimate_analytic(spec, Strategy()).phases
+    assert Precision.AMP_BF16 is Strategy().precision
