@@ -1,0 +1,80 @@
+"""`trainfit estimate` for many GPUs: the issue's example commands, the JSON's per-rank keys, and one-line
+refusals (exit 2) for combinations the engines refuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ._cli_helper import run_cli
+
+EXAMPLES = [
+    "llama-3.1-8b --gpus 8 --sharding fsdp --checkpointing full --batch 2 --seq 8192 --gpu h100-sxm-80gb",
+    "llama-2-7b --gpus 8 --sharding zero2 --precision master-bf16 --offload optimizer",
+    "llama-3.1-70b --gpus 64 --tp 8 --pp 4 --sequence-parallel --microbatches 16",
+]
+
+
+@pytest.mark.parametrize("line", EXAMPLES)
+def test_issue_examples_run(capsys: pytest.CaptureFixture[str], line: str) -> None:
+    res = run_cli(capsys, "estimate", *line.split())
+    assert res.code == 0, res.err
+    assert "GPUs = data" in res.out
+
+
+def test_json_reports_the_worst_rank_and_each_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "estimate", *EXAMPLES[2].split(), "--gpu", "h100-sxm-80gb", "--json")
+    out = json.loads(res.out)
+    assert out["strategy"]["gpus"] == 64 and out["strategy"]["data_parallel"] == 2
+    stages = out["ranks"]
+    assert [s["ranks"][0] for s in stages] == [0, 16, 32, 48]
+    assert out["peak_bytes"] == max(s["peak_bytes"] for s in stages)
+    assert all("fits" in s for s in stages)
+    assert out["host_peak_bytes"] == 0
+
+
+def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "estimate", *EXAMPLES[1].split(), "--json")
+    out = json.loads(res.out)
+    assert out["host_peak_bytes"] > 0 and out["strategy"]["offload"] == "optimizer"
+    assert out["phases"]["optimizer-step"]["host_bytes"] == out["host_peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("llama-3.1-8b --gpus 12 --tp 8", "not a multiple"),
+        ("llama-3.1-8b --gpus 3 --tp 3", "must divide"),
+        ("llama-3.1-8b --gpus 64 --pp 64", "larger than"),
+        ("llama-3.1-8b --gpus 8 --pp 2 --sharding zero2", "ZeRO-2/3"),
+        ("llama-3.1-8b --gpus 8 --sharding fsdp --offload optimizer", "optimizer+params"),
+        ("llama-3.1-8b --gpus 8 --sharding ddp --method rule-of-thumb", "does not model"),
+        ("llama-3.1-8b --gpus 8 --tp 2 --sharding fsdp --method trace", "analytic"),
+        ("llama-3.1-8b --gpus 2 --sharding zero9", "zero9"),
+    ],
+)
+def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:
+    res = run_cli(capsys, "estimate", *line.split())
+    assert res.code == 2
+    assert needle in res.err
+    assert len(res.err.strip().splitlines()) == 1
+    assert "Traceback" not in res.err
+
+
+def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    cfg = {
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "tie_word_embeddings": True,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    res = run_cli(capsys, "estimate", str(path), "--gpus", "4", "--sharding", "ddp", "--method", "trace", "--seq", "128", "--json")
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert out["method"] == "trace"
+    assert out["phases"]["forward"]["components"]["comm_buffers"] > 0
