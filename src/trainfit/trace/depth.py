@@ -248,9 +248,12 @@ class DepthPlan:
     runs: list[hf.Run]
     ext: list[int]
     layouts: list[tuple[list[int], hf.Layout]]
+    base_units: int = BASE_UNITS
 
 
-def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool) -> DepthPlan:
+def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool, base_units: int = BASE_UNITS) -> DepthPlan:
+    """The meta model and the layouts to trace: each repeated run at ``base_units`` and one more unit
+    (FSDP2 needs 2: with one layer there is no next layer to prefetch)."""
     meta, notes = hf.build_meta(spec, strategy, rn.weight_dtype(strategy.recipe))
     meta_config: Any = meta.config
     conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
@@ -265,18 +268,18 @@ def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool) -> Dep
     ext = [r for r, run in enumerate(runs) if run.count >= hf.MIN_EXTRAPOLATED_COUNT] if extrapolate else []
     configs: list[list[int]] = []
     if ext:
-        base = [BASE_UNITS if r in ext else run.count for r, run in enumerate(runs)]
+        base = [base_units if r in ext else run.count for r, run in enumerate(runs)]
         configs.append(base)
         for r in ext:
             c = list(base)
-            c[r] = BASE_UNITS + 1
+            c[r] = base_units + 1
             configs.append(c)
         if len(hf.layout_for(blocks, runs, configs[-1]).layers) >= full_layers:
             ext, configs = [], []
     if not ext:
         configs = [[run.count for run in runs]]
     layouts = [(counts, hf.layout_for(blocks, runs, counts)) for counts in configs]
-    return DepthPlan(meta, notes, stack_path, stack, full_layers, params, runs, ext, layouts)
+    return DepthPlan(meta, notes, stack_path, stack, full_layers, params, runs, ext, layouts, base_units)
 
 
 def trace_hf(
@@ -388,6 +391,7 @@ def extrapolate_phases(
     ext: list[int],
     runs: list[hf.Run],
     warnings: list[str],
+    base_units: int = BASE_UNITS,
 ) -> dict[Phase, PhaseBreakdown]:
     """Each place of the base layout extrapolated to the full run counts, then each phase's largest place.
     ``keyed[0]`` is the base layout, ``keyed[n]`` the layout with one more unit of run ``ext[n - 1]``."""
@@ -401,7 +405,7 @@ def extrapolate_phases(
             other = keyed[n].get(key)
             if other is None:
                 continue
-            scale = runs[r].count - BASE_UNITS
+            scale = runs[r].count - base_units
             for c in Component:
                 out[c] = out.get(c, 0) + (other.get(c, 0) - comps.get(c, 0)) * scale
         full[key] = out

@@ -343,7 +343,9 @@ def trace_distributed(
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     built, _ = _run_strategy(strategy)
-    plan = depth.plan_depth(spec, built, extrapolate=extrapolate)
+    # FSDP2 prefetches the next layer: its pattern is periodic from two layers on, so trace 2 and 3.
+    base = 2 if strategy.sharding is Sharding.FSDP else depth.BASE_UNITS
+    plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base)
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     world = strategy.parallelism.world_size
     with fake_world(world) as mesh:
@@ -365,7 +367,7 @@ def trace_distributed(
             depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
-        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings)
+        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
     else:
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
