@@ -431,6 +431,9 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
         allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in g.tensors) * cbits // 8)
         for g in inv.layers
     )
+    # The root's reduce-scatter at the end of backward (its post-backward): the fp32 input of its padded
+    # size, while the LM head's bf16 gradient is still referenced.
+    rs_root = allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in inv.model_tensors) * sbits // 8)
     raf = strategy.engine.reshard_after_forward
     offload = strategy.offload.parameters_on_host
     n_layers = sum(g.count for g in inv.layers)
@@ -462,7 +465,9 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
             unsharded = root + (layer if raf else layers_all)
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
-            unsharded = root
+            # inside the root's post-backward: the root is resharded, its gradients are being reduced
+            comm = rs_root
+            c[Component.TEMPORARIES] += q.grad_head
         if offload and m.phase is Phase.OPTIMIZER_STEP:
             c[Component.TEMPORARIES] = 0
         elif m.phase is Phase.OPTIMIZER_STEP:

@@ -322,6 +322,26 @@ def run_layout_distributed(
         return rn.run_steps(run_model, fns, options, execution)
 
 
+def _hold_transients(keyed: list[dict[Any, dict[Component, int]]], strategy: Strategy) -> list[dict[Any, dict[Component, int]]]:
+    """FSDP2's transient buffers — the all-gather inputs and outputs, the reduce-scatter input, the
+    unsharded layers in flight (with ``reshard_after_forward``), the logits — cover the root plus at most
+    the current and the prefetched layer, whatever the depth; which of them is alive at a region's worst
+    moment shifts with the layers around it, so their difference between two depths is not a per-layer
+    slope. Each place keeps the larger of the traced values for them and extrapolates only the states and
+    the saved activations (exactly linear in depth)."""
+    held = {Component.TEMPORARIES, Component.LOGITS_LOSS, Component.COMM_BUFFERS}
+    if strategy.engine.reshard_after_forward:
+        held.add(Component.UNSHARDED_PARAMS)
+    out = [{k: dict(v) for k, v in d.items()} for d in keyed]
+    for key in out[0]:
+        for c in held:
+            top = max(d[key].get(c, 0) for d in out if key in d)
+            for d in out:
+                if key in d:
+                    d[key][c] = top
+    return out
+
+
 def trace_distributed(
     spec: ModelSpec,
     strategy: Strategy,
@@ -367,6 +387,8 @@ def trace_distributed(
             depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
+        if strategy.sharding is Sharding.FSDP:
+            keyed = _hold_transients(keyed, strategy)
         phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
     else:
         pk = readout.phase_peaks(results[0][2])
