@@ -64,11 +64,7 @@ def main(argv: list[str]) -> None:
         tr = trace_distributed(spec, s)
         secs = time.perf_counter() - t0
         an = estimate_parallel(spec, s)
-        setup = (
-            f"FSDP2, reshard_after_forward={flag}"
-            if sharding == "fsdp"
-            else f"DDP, gradient_as_bucket_view={flag}"
-        )
+        setup = f"FSDP2, reshard_after_forward={flag}" if sharding == "fsdp" else f"DDP, gradient_as_bucket_view={flag}"
         worst = max(
             abs(a.total_bytes - t.total_bytes) / t.total_bytes for a, t in zip(an.phases, tr.phases, strict=True)
         )

@@ -223,9 +223,15 @@ def test_pipeline_ranks_first_stage_worst_last_holds_logits() -> None:
         ({"parallelism": Parallelism(data=2, pipeline=2), "sharding": "zero3"}, "ZeRO-2/3"),
         ({"parallelism": Parallelism(data=2), "sharding": "fsdp", "offload": Offload.parse("optimizer")}, "CPUOffload"),
         ({"parallelism": Parallelism(data=2), "sharding": "ddp", "offload": Offload.parse("optimizer")}, "offload"),
-        ({"parallelism": Parallelism(data=2), "sharding": "zero2", "offload": Offload.parse("optimizer+params")}, "zero3"),
+        (
+            {"parallelism": Parallelism(data=2), "sharding": "zero2", "offload": Offload.parse("optimizer+params")},
+            "zero3",
+        ),
         ({"parallelism": Parallelism(pipeline=2, virtual_stages=2)}, "interleaved"),
-        ({"parallelism": Parallelism(data=2), "sharding": "zero1", "engine": EngineOptions(engine="torch")}, "DeepSpeed"),
+        (
+            {"parallelism": Parallelism(data=2), "sharding": "zero1", "engine": EngineOptions(engine="torch")},
+            "DeepSpeed",
+        ),
     ],
 )
 def test_invalid_combinations_are_refused(kwargs: dict[str, object], needle: str) -> None:

@@ -73,7 +73,9 @@ def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path:
     }  # fmt: skip
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    res = run_cli(capsys, "estimate", str(path), "--gpus", "4", "--sharding", "ddp", "--method", "trace", "--seq", "128", "--json")
+    res = run_cli(
+        capsys, "estimate", str(path), "--gpus", "4", "--sharding", "ddp", "--method", "trace", "--seq", "128", "--json"
+    )
     assert res.code == 0, res.err
     out = json.loads(res.out)
     assert out["method"] == "trace"

@@ -140,7 +140,7 @@ def resolve_engine(strategy: Strategy) -> Engine:
 
 def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     """Validate the combination (one-line :class:`StrategyError` otherwise) and resolve the engine."""
-    par, sh, eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
+    par, sh, _eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
     tp, pp, dp = par.tensor, par.pipeline, par.data
     engine = resolve_engine(strategy)
     if off.activations:
@@ -541,10 +541,7 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             m * optimizer_state_bytes(shard_tensor(t, p.dp), strategy.optimizer, 32, strategy.optimizer_impl)
             for t, m in inv.all_tensors()
         )
-    if stage < 3:
-        weights = allocator_bytes(total * pb)
-    else:
-        weights = allocator_bytes(part * pb) + allocator_bytes(whole * pb)
+    weights = allocator_bytes(total * pb) if stage < 3 else allocator_bytes(part * pb) + allocator_bytes(whole * pb)
     bucket = allocator_bytes(eo.reduce_bucket_size * pb)
     overlap = _overlap(strategy)
     grad_part = allocator_bytes(part * pb)

@@ -61,9 +61,7 @@ def estimate_cmd(
     virtual_stages: Annotated[
         int, typer.Option("--virtual-stages", help="Model chunks per pipeline rank (interleaved).")
     ] = 1,
-    microbatches: Annotated[
-        int, typer.Option("--microbatches", help="Micro-batches per step in the pipeline.")
-    ] = 1,
+    microbatches: Annotated[int, typer.Option("--microbatches", help="Micro-batches per step in the pipeline.")] = 1,
     sequence_parallel: Annotated[
         bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism (needs --tp > 1).")
     ] = False,
@@ -161,7 +159,7 @@ def estimate_cmd(
         "sharding": sharding,
         "offload": Offload.parse(offload),
         "engine": EngineOptions(
-            engine=engine,
+            engine=engine,  # type: ignore[arg-type]  # a string, validated and coerced by EngineOptions
             reshard_after_forward=reshard_after_forward,
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,

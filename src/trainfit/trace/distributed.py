@@ -58,7 +58,7 @@ UNSHARDED, COMM = 20, 21
 Progress = Callable[[str, float], None]
 
 
-class DistTracker(tk.Tracker):
+class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
     """The storage tracker with DTensor local shards, ``resize_`` re-allocations and comm-buffer regions."""
 
     def __init__(self) -> None:
@@ -220,7 +220,8 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
         return fut
 
     # DDP checks the hook's annotations at run time (strings under ``from __future__ import annotations``).
-    done.__annotations__ = {"_state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    bucket_type = dist.GradBucket  # type: ignore[attr-defined]
+    done.__annotations__ = {"_state": object, "bucket": bucket_type, "return": torch.futures.Future[torch.Tensor]}
     eo = strategy.engine
     with _no_shape_check():
         ddp = DistributedDataParallel(
@@ -252,12 +253,12 @@ def _no_shape_check() -> Iterator[None]:
     import torch.distributed.utils as du
     import torch.nn.parallel.distributed as dd
 
-    saved = dd._verify_param_shape_across_processes
-    dd._verify_param_shape_across_processes = lambda *a, **k: None
+    saved = dd._verify_param_shape_across_processes  # type: ignore[attr-defined]
+    dd._verify_param_shape_across_processes = lambda *a, **k: None  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        dd._verify_param_shape_across_processes = saved
+        dd._verify_param_shape_across_processes = saved  # type: ignore[attr-defined]
         _ = du
 
 
@@ -283,7 +284,7 @@ def run_layout_distributed(
     progress: Progress | None = None,
 ) -> rn.TraceRun:
     """Build the reduced model of ``layout``, wrap it with the framework and run it under the tracker."""
-    built, rec = _run_strategy(strategy)
+    _built, rec = _run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
     rn.materialize(model, mode, None)
@@ -322,7 +323,9 @@ def run_layout_distributed(
         return rn.run_steps(run_model, fns, options, execution)
 
 
-def _hold_transients(keyed: list[dict[Any, dict[Component, int]]], strategy: Strategy) -> list[dict[Any, dict[Component, int]]]:
+def _hold_transients(
+    keyed: list[dict[Any, dict[Component, int]]], strategy: Strategy
+) -> list[dict[Any, dict[Component, int]]]:
     """FSDP2's transient buffers — the all-gather inputs and outputs, the reduce-scatter input, the
     unsharded layers in flight (with ``reshard_after_forward``), the logits — cover the root plus at most
     the current and the prefetched layer, whatever the depth; which of them is alive at a region's worst
@@ -370,11 +373,15 @@ def trace_distributed(
     world = strategy.parallelism.world_size
     with fake_world(world) as mesh:
         for i, (counts, layout) in enumerate(plan.layouts):
-            say(f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}", i / len(plan.layouts))
+            say(
+                f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}",
+                i / len(plan.layouts),
+            )
             try:
                 run = run_layout_distributed(spec, strategy, plan, layout, mesh, steps=steps, adamw_impl=adamw_impl)
             except (RuntimeError, NotImplementedError, AssertionError) as exc:
                 import os
+
                 if os.environ.get("TRAINFIT_DEBUG"):
                     raise
                 raise TraceUnsupportedError(
