@@ -433,6 +433,7 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
     )
     # The root's reduce-scatter at the end of backward (its post-backward): the fp32 input of its padded
     # size, while the LM head's bf16 gradient is still referenced.
+    root_shard_grads = sum(_alloc(shard_tensor(t, p.shard).numel, sbits) for t in inv.model_tensors)
     rs_root = allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in inv.model_tensors) * sbits // 8)
     raf = strategy.engine.reshard_after_forward
     offload = strategy.offload.parameters_on_host
@@ -467,7 +468,12 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
         elif m.name is MomentName.BACKWARD_EMBEDDING:
             # inside the root's post-backward: the root is resharded, its gradients are being reduced
             comm = rs_root
-            c[Component.TEMPORARIES] += q.grad_head
+            # Copy-in done, the token table's bf16 gradient is freed and the root's sharded gradients are
+            # allocated (the LM head's bf16 gradient is still referenced): the later of the two moments is
+            # worse when the root's shards outweigh the table's gradient (small W).
+            c[Component.TEMPORARIES] += q.grad_head + max(0, q.grad_late - root_shard_grads)
+            if q.grad_late > root_shard_grads:
+                c[Component.GRADIENTS] -= root_shard_grads
         if offload and m.phase is Phase.OPTIMIZER_STEP:
             c[Component.TEMPORARIES] = 0
         elif m.phase is Phase.OPTIMIZER_STEP:
