@@ -80,3 +80,17 @@ def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path:
     out = json.loads(res.out)
     assert out["method"] == "trace"
     assert out["phases"]["forward"]["components"]["comm_buffers"] > 0
+
+
+def test_docs_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ``$ trainfit estimate`` line of docs/distributed.md prints the peak quoted under it."""
+    text = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text()
+    block = text.split("## Tested examples", 1)[1].split("```", 2)[1]
+    lines = [x for x in block.splitlines() if x.strip()]
+    pairs = [(lines[i], lines[i + 1]) for i in range(0, len(lines), 2)]
+    assert len(pairs) >= 6
+    for cmd, want in pairs:
+        assert cmd.startswith("$ trainfit estimate ")
+        res = run_cli(capsys, *cmd.split()[2:])
+        assert res.code == 0, (cmd, res.err)
+        assert want in " ".join(res.out.split()), (cmd, want)
