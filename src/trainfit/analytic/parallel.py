@@ -474,6 +474,15 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
             c[Component.TEMPORARIES] += q.grad_head + max(0, q.grad_late - root_shard_grads)
             if q.grad_late > root_shard_grads:
                 c[Component.GRADIENTS] -= root_shard_grads
+        if m.name in (
+            MomentName.BACKWARD_FINAL_NORM,
+            MomentName.BACKWARD_TOP_BLOCK,
+            MomentName.BACKWARD_TOP_SOFTMAX,
+            MomentName.BACKWARD_BOTTOM_BLOCK,
+            MomentName.BACKWARD_BOTTOM_SOFTMAX,
+        ):
+            # the LM head's bf16 gradient waits, unsharded, for the root's reduce-scatter at the end
+            c[Component.TEMPORARIES] += q.grad_head
         if offload and m.phase is Phase.OPTIMIZER_STEP:
             c[Component.TEMPORARIES] = 0
         elif m.phase is Phase.OPTIMIZER_STEP:
