@@ -19,11 +19,22 @@ def test_report_echoes_its_inputs_and_renders_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    "strategy", [Strategy(parallelism=Parallelism(data=2)), Strategy(adapter=Adapter()), Strategy(workload="inference")]
+    "strategy",
+    [
+        Strategy(parallelism=Parallelism(data=2), workload="inference"),  # many GPUs: training only
+        Strategy(adapter=Adapter()),
+        Strategy(workload="inference"),
+    ],
 )
 def test_unmodelled_setups_are_refused_not_ignored(strategy: Strategy) -> None:
     with pytest.raises(StrategyError, match="does not model yet"):
         estimate("gpt2", strategy)
+
+
+def test_many_gpus_are_modelled_by_the_analytic_method_only() -> None:
+    assert estimate("gpt2", Strategy(parallelism=Parallelism(data=2), sharding="ddp")).peak_bytes > 0
+    with pytest.raises(StrategyError, match="does not model yet"):
+        estimate("gpt2", Strategy(parallelism=Parallelism(data=2)), method="rule-of-thumb")
 
 
 def test_gemma2_falls_back_to_eager_once() -> None:

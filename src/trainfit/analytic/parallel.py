@@ -143,6 +143,14 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     par, sh, _eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
     tp, pp, dp = par.tensor, par.pipeline, par.data
     engine = resolve_engine(strategy)
+    if strategy.beyond_single_gpu_training() and not strategy.trains_every_weight:
+        raise StrategyError(
+            "many GPUs are modelled for full fine-tuning; adapters with sharding: trainfit does not model yet"
+        )
+    if strategy.workload.value != "training" or strategy.savers.any or not strategy.base_weights.is_default:
+        raise StrategyError(
+            "many GPUs are modelled for a full-precision training step; this setup: trainfit does not model yet"
+        )
     if off.activations:
         raise StrategyError("activation offload is not modelled; use --offload none|optimizer|optimizer+params")
     if off.optimizer is OffloadTarget.NVME or off.parameters is OffloadTarget.NVME:

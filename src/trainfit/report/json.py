@@ -13,7 +13,7 @@ from trainfit.strategy import Strategy
 
 
 def strategy_json(strategy: Strategy) -> dict[str, Any]:
-    return {
+    out = {
         "precision": strategy.precision.value,
         "optimizer": strategy.optimizer.value,
         "checkpointing": strategy.checkpointing.value,
@@ -23,7 +23,16 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
         "seq_len": strategy.seq_len,
         "grad_accum": strategy.grad_accum,
         "effective_batch": strategy.effective_batch,
-        # Many GPUs (new keys; the defaults are one GPU, nothing sharded or offloaded).
+    }
+    if strategy.is_distributed:
+        out |= parallel_json(strategy)
+    return out
+
+
+def parallel_json(strategy: Strategy) -> dict[str, Any]:
+    """The many-GPU settings (present only for a multi-GPU, sharded or offloaded strategy: one-GPU JSON is
+    unchanged)."""
+    return {
         "gpus": strategy.world_size,
         "data_parallel": strategy.parallelism.data,
         "tensor_parallel": strategy.parallelism.tensor,
@@ -97,8 +106,6 @@ def report_json(
         "phase": report.peak_phase.value,
         "components": _components(peak),
         "phases": {p.phase.value: _phase_json(p) for p in report.phases},
-        "host_peak_bytes": report.host_peak_bytes,
-        "ranks": ranks_json(report),
         "overhead": {
             "cuda_context_bytes": report.overhead.cuda_context_bytes,
             "allocator_reserve_bytes": report.overhead.allocator_reserve_bytes,
@@ -111,6 +118,9 @@ def report_json(
         "warnings": list(report.warnings),
         "extra": dict(report.extra),
     }
+    if strategy.is_distributed:  # many GPUs: the worst rank is the headline; each distinct rank, host memory
+        out["host_peak_bytes"] = report.host_peak_bytes
+        out["ranks"] = ranks_json(report)
     if report.low_bytes is not None:  # the rule of thumb's range of the nvidia-smi total (overhead included)
         out["low_bytes"] = report.low_bytes
         out["high_bytes"] = report.high_bytes
