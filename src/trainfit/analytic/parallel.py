@@ -746,6 +746,11 @@ def _megatron(
         "activations per layer from the Hugging Face block model split per Korthikanti et al. 2022 "
         "(without SP the norm and residual tensors are replicated)",
     ]
+    if p.pp > 1 and par.microbatches < p.pp:
+        notes.append(
+            f"only {par.microbatches} micro-batch(es) for {p.pp} pipeline stages: the pipeline idles most of the "
+            "step (--microbatches sets how many per step; memory on stage 0 grows up to pp of them)"
+        )
     return worst.phases, tuple(stages) if p.pp > 1 else (), notes
 
 

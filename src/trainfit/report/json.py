@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import SCHEMA_VERSION, Component, MemoryReport, PhaseBreakdown
+from trainfit.result import SCHEMA_VERSION, Component, MemoryReport, PhaseBreakdown, RankMemory
 from trainfit.strategy import Strategy
 
 
@@ -57,11 +57,12 @@ def _phase_json(p: PhaseBreakdown) -> dict[str, Any]:
 
 
 def ranks_json(report: MemoryReport) -> list[dict[str, Any]]:
-    """Each distinct rank (pipeline stage): its rank indices, peak, peak phase and phases; with a GPU, the
-    bytes that must fit and whether they do."""
+    """Each distinct rank (pipeline stage; one entry for all ranks when they hold the same): its rank
+    indices, peak, peak phase and phases; with a GPU, the bytes that must fit and whether they do."""
     out = []
     fit = report.fit
-    for i, r in enumerate(report.ranks):
+    ranks = report.ranks or (RankMemory(ranks=tuple(range(report.world_size)), phases=report.phases),)
+    for i, r in enumerate(ranks):
         peak = max(r.phases, key=lambda p: p.total_bytes)
         row: dict[str, Any] = {
             "ranks": list(r.ranks),
@@ -69,9 +70,12 @@ def ranks_json(report: MemoryReport) -> list[dict[str, Any]]:
             "phase": peak.phase.value,
             "phases": {p.phase.value: _phase_json(p) for p in r.phases},
         }
-        if fit is not None and i < len(fit.rank_required_bytes):
+        if fit is not None and report.ranks and i < len(fit.rank_required_bytes):
             row["required_bytes"] = fit.rank_required_bytes[i]
             row["fits"] = fit.rank_required_bytes[i] <= fit.usable_bytes
+        elif fit is not None:  # every rank holds the headline
+            row["required_bytes"] = fit.required_bytes
+            row["fits"] = fit.fits
         out.append(row)
     return out
 
