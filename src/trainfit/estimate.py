@@ -57,7 +57,7 @@ def _method_fn(method: Method, strategy: Strategy | None = None) -> Callable[...
             return dfn
         raise StrategyError(
             f"--method {method.value} models one GPU; many GPUs are modelled by --method analytic (and trace for "
-            "ddp and fsdp)"
+            "ddp, fsdp and hsdp)"
         )
     if method is Method.ANALYTIC:
         return estimate_analytic

@@ -1,5 +1,5 @@
-"""Analytic vs trace for one rank of a many-GPU run: FSDP2 (both reshard settings) and DDP (both bucket
-settings) at W ∈ {2, 8}, on tiny configs. The trace runs the real ``fully_shard`` and
+"""Analytic vs trace for one rank of a many-GPU run: FSDP2 (both reshard settings), HSDP (2 × 8) and DDP
+(both bucket settings) at W ∈ {2, 8, 16}, on tiny configs. The trace runs the real ``fully_shard`` and
 ``DistributedDataParallel`` on PyTorch's fake process group; the analytic model is closed-form. Each
 phase must agree within 3%. ``python benchmarks/agreement_distributed.py`` prints the same at catalog sizes."""
 
@@ -26,6 +26,7 @@ CELLS = [
     ("llama", "fsdp", 8, True, "amp-bf16"),
     ("llama", "fsdp", 8, False, "amp-bf16"),
     ("qwen2", "fsdp", 2, False, "fp32"),
+    ("llama", "hsdp", 16, True, "amp-bf16"),  # 2 nodes × 8: sharded over 8, replicated over 2
     ("llama", "ddp", 2, False, "amp-bf16"),
     ("qwen2", "ddp", 8, True, "amp-bf16"),
 ]
@@ -40,7 +41,7 @@ def _strategy(sharding: str, w: int, flag: bool, precision: str) -> Strategy:
         seq_len=128,
         # flag: reshard_after_forward for FSDP2, gradient_as_bucket_view for DDP
         engine=EngineOptions(
-            reshard_after_forward=flag if sharding == "fsdp" else True,
+            reshard_after_forward=flag if sharding != "ddp" else True,
             gradient_as_bucket_view=flag if sharding == "ddp" else False,
         ),
     )

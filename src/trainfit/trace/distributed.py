@@ -158,8 +158,9 @@ def _patched_resize(tr: DistTracker) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[Any]:
-    """Rank 0 of ``world_size`` on the fake process group, and its 1-D CPU device mesh."""
+def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
+    """Rank 0 of ``world_size`` on the fake process group, and its CPU device mesh: 1-D, or 2-D
+    (replicate × shard) for HSDP when ``shard`` < ``world_size``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -168,7 +169,10 @@ def fake_world(world_size: int) -> Iterator[Any]:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        if shard is None or shard >= world_size:
+            yield init_device_mesh("cpu", (world_size,))
+        else:
+            yield init_device_mesh("cpu", (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
     finally:
         dist.destroy_process_group()
 
@@ -178,11 +182,11 @@ def check_traceable(strategy: Strategy) -> None:
     par, sh = strategy.parallelism, strategy.sharding
     if par.tensor > 1 or par.pipeline > 1:
         raise StrategyError("--method trace runs DDP and FSDP2; tensor/pipeline parallelism: use --method analytic")
-    if sh not in (Sharding.DDP, Sharding.FSDP, Sharding.NONE) or strategy.engine.engine not in (
+    if sh not in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP, Sharding.NONE) or strategy.engine.engine not in (
         Engine.AUTO,
         Engine.TORCH,
     ):
-        raise StrategyError(f"--method trace runs --sharding ddp|fsdp; for {sh.value} use --method analytic")
+        raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
 
@@ -265,7 +269,7 @@ def _no_shape_check() -> Iterator[None]:
 def _run_strategy(strategy: Strategy) -> tuple[Strategy, Any]:
     """(the strategy the model is built under, the recipe the runner runs). FSDP2's mixed precision: fp32
     parameters, bf16 compute by the policy, no autocast and no separate master copy."""
-    if strategy.sharding is Sharding.FSDP and _mixed(strategy):
+    if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and _mixed(strategy):
         built = dataclasses.replace(strategy, precision=Precision.AMP_BF16)
         rec = dataclasses.replace(built.recipe, autocast=False, loss_scaling=False)
         return built, rec
@@ -297,7 +301,7 @@ def run_layout_distributed(
     box.append(tr)
     head = hf.head_of(model)
     with mode, tr, _patched_resize(tr):
-        if strategy.sharding is Sharding.FSDP:
+        if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
             _wrap_fsdp(model, layers, mesh, strategy)
             run_model: torch.nn.Module = model
         else:
@@ -367,11 +371,14 @@ def trace_distributed(
     say = progress or (lambda _m, _f: None)
     built, _ = _run_strategy(strategy)
     # FSDP2 prefetches the next layer: its pattern is periodic from two layers on, so trace 2 and 3.
-    base = 2 if strategy.sharding is Sharding.FSDP else depth.BASE_UNITS
+    fsdp = strategy.sharding in (Sharding.FSDP, Sharding.HSDP)
+    base = 2 if fsdp else depth.BASE_UNITS
     plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base)
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     world = strategy.parallelism.world_size
-    with fake_world(world) as mesh:
+    par = strategy.parallelism
+    shard = min(world, par.gpus_per_node) if strategy.sharding is Sharding.HSDP else None
+    with fake_world(world, shard) as mesh:
         for i, (counts, layout) in enumerate(plan.layouts):
             say(
                 f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}",
@@ -394,7 +401,7 @@ def trace_distributed(
             depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
-        if strategy.sharding is Sharding.FSDP:
+        if fsdp:
             keyed = _hold_transients(keyed, strategy)
         phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
     else:
@@ -405,7 +412,7 @@ def trace_distributed(
     what = (
         f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
         + (", MixedPrecisionPolicy(bf16, fp32)" if _mixed(strategy) else "")
-        if strategy.sharding is Sharding.FSDP
+        if fsdp
         else f"DDP bucket_cap_mb={strategy.engine.bucket_cap_mb}, "
         f"gradient_as_bucket_view={strategy.engine.gradient_as_bucket_view}"
     )
