@@ -103,7 +103,7 @@ def _suggestion(s: Suggestion) -> str:
         return (
             " The model states alone (weights, gradients, master weights, optimizer states) take more than the "
             f"usable memory: no batch size or checkpointing can help. Even pure-bf16 with 8-bit AdamW needs "
-            f"{fmt_gib(s.states_bytes)} for them: this model needs sharding across GPUs (e.g. --gpus 8 --sharding fsdp)."
+            f"{fmt_gib(s.states_bytes)} for them: this model needs sharding (e.g. --gpus 8 --sharding fsdp)."
         )
     return (
         f" The model states alone (weights, gradients, master weights, optimizer states) take "
