@@ -20,6 +20,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
+from trainfit.overhead import outside_allocator
 from trainfit.planner.search import DEFAULT_HEADROOM, MAX_SEARCH_BATCH, fit_verdict, required_bytes
 from trainfit.result import MemoryReport, Method
 from trainfit.strategy import Attention, Checkpointing, Strategy
@@ -162,8 +163,18 @@ def estimate(
                 f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
                 "PyTorch: SDPA runs the memory-efficient or the math kernel"
             )
-    fn = _method_fn(method)
-    report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
+    method_fn = _method_fn(method)
+
+    def fn(spec: ModelSpec, strategy: Strategy, **options: object) -> MemoryReport:
+        """The method, with the overhead outside the allocator of this GPU (the rule of thumb keeps its own)."""
+        rep = method_fn(spec, strategy, **options)
+        if method is Method.RULE_OF_THUMB:
+            return rep
+        return dataclasses.replace(
+            rep, overhead=outside_allocator(gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes)
+        )
+
+    report = fn(spec, strategy, **(method_options or {}))
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(

@@ -133,14 +133,23 @@ class RankMemory:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overhead:
-    """Memory outside PyTorch's allocated tensors (documented constants, see ``trainfit.overhead``)."""
+    """Memory beyond the allocated peak (see :mod:`trainfit.overhead`): what the caching allocator reserves on
+    top of it, and what sits outside the allocator (CUDA context, lazily loaded kernels, NCCL buffers)."""
 
-    cuda_context_bytes: int
-    allocator_reserve_bytes: int
+    cuda_context_bytes: int  # the context after CUDA + cuBLAS initialisation, outside the allocator
+    allocator_reserve_bytes: int  # max_memory_reserved − max_memory_allocated
+    kernel_images_bytes: int = 0  # kernel modules loaded lazily as the workload first runs them
+    nccl_bytes: int = 0  # NCCL's own buffers (many GPUs), outside the allocator
+    basis: str = ""  # where the outside-allocator figures come from (one sentence)
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """What ``nvidia-smi`` shows beyond ``torch.cuda.memory_reserved``."""
+        return self.cuda_context_bytes + self.kernel_images_bytes + self.nccl_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.cuda_context_bytes + self.allocator_reserve_bytes
+        return self.outside_allocator_bytes + self.allocator_reserve_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -397,8 +406,8 @@ class MemoryReport:
 
     @property
     def nvidia_smi_estimate_bytes(self) -> int:
-        """Estimate of what ``nvidia-smi`` shows for the process: reserved + CUDA context."""
-        return self.reserved_estimate_bytes + self.overhead.cuda_context_bytes
+        """Estimate of what ``nvidia-smi`` shows for the process: reserved + everything outside the allocator."""
+        return self.reserved_estimate_bytes + self.overhead.outside_allocator_bytes
 
     def phase(self, phase: AnyPhase) -> PhaseBreakdown:
         for p in self.phases:
