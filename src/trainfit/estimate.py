@@ -10,9 +10,11 @@ renderer needs nothing else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from importlib import import_module
 
+from trainfit.allocator import AllocatorConfig
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
 from trainfit.analytic.explain import compare_with_rule_of_thumb
@@ -138,8 +140,11 @@ def estimate(
     gpu: GPUSpec | str | None = None,
     headroom: float = DEFAULT_HEADROOM,
     method_options: dict[str, object] | None = None,
+    allocator: str | None = None,
 ) -> MemoryReport:
-    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes."""
+    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
+    ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
+    process's environment variable, else PyTorch's defaults)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -164,17 +169,22 @@ def estimate(
                 "PyTorch: SDPA runs the memory-efficient or the math kernel"
             )
     method_fn = _method_fn(method)
+    options = dict(method_options or {})
+    if method is Method.ANALYTIC:
+        options.setdefault(
+            "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
+        )
 
-    def fn(spec: ModelSpec, strategy: Strategy, **options: object) -> MemoryReport:
+    def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
         """The method, with the overhead outside the allocator of this GPU (the rule of thumb keeps its own)."""
-        rep = method_fn(spec, strategy, **options)
+        rep = method_fn(spec, strategy, **kw)
         if method is Method.RULE_OF_THUMB:
             return rep
         return dataclasses.replace(
             rep, overhead=outside_allocator(gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes)
         )
 
-    report = fn(spec, strategy, **(method_options or {}))
+    report = fn(spec, strategy, **options)
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(
@@ -191,7 +201,9 @@ def estimate(
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
         searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB)
-        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, fn if searchable else None)
+        fit = fit_verdict(
+            spec, strategy, report, gpu_spec, headroom, functools.partial(fn, **options) if searchable else None
+        )
         if not searchable:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "

@@ -201,15 +201,37 @@ class BytesPerParam:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AnalyticDetails:
-    activation_coefficient: float  # saved activation bytes / (b·s·h·L): the article's c, computed
-    activations_per_layer_bytes: int
+class AllocatorDetails:
+    """What the caching-allocator simulation said (:mod:`trainfit.allocator`)."""
+
+    config: str  # the PYTORCH_CUDA_ALLOC_CONF simulated ("" = the defaults)
+    reserved_peak_bytes: int  # predicted torch.cuda.max_memory_reserved
+    fragmentation_bytes: int  # reserved − allocated when reserved peaked
+    segments: int  # segments (expandable: mapped ranges) at the reserved peak
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "config": self.config,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "segments": self.segments,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnalyticDetails:
+    activation_coefficient: float  # saved activation bytes / (b·s·h·L): the article's c, computed
+    activations_per_layer_bytes: int
+    allocator: AllocatorDetails | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "activation_coefficient": self.activation_coefficient,
             "activations_per_layer_bytes": self.activations_per_layer_bytes,
         }
+        if self.allocator is not None:
+            out["allocator"] = self.allocator.as_dict()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
