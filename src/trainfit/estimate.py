@@ -10,7 +10,6 @@ renderer needs nothing else.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from importlib import import_module
 
@@ -184,7 +183,10 @@ def estimate(
             rep, overhead=outside_allocator(gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes)
         )
 
-    report = fn(spec, strategy, **options)
+    def with_options(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
+        return fn(spec, strategy, **options)
+
+    report = with_options(spec, strategy)
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(
@@ -201,9 +203,7 @@ def estimate(
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
         searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB)
-        fit = fit_verdict(
-            spec, strategy, report, gpu_spec, headroom, functools.partial(fn, **options) if searchable else None
-        )
+        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, with_options if searchable else None)
         if not searchable:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
