@@ -81,3 +81,27 @@ def test_layout_at_peak_sums_to_peak() -> None:
     lay = res.simulated.layout_at_peak
     assert lay is not None
     assert sum(s.size_bytes for s in lay) == res.simulated.peak_reserved_bytes
+
+
+def test_workspaces_in_the_trace() -> None:
+    # allocations never freed whose size is a workspace size: the 1 MiB cuBLASLt one in the first forward,
+    # the 32 MiB cuBLAS one of the backward thread (the main thread's predates the recording)
+    from trainfit.allocator.workspaces import cublas_workspace_bytes, cublaslt_workspace_bytes
+
+    trace = _snapshot("default")["device_traces"][0]
+    live: dict[int, tuple[int, int]] = {}
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (i, e["size"])
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    kept = {size for _, size in live.values()}
+    assert cublas_workspace_bytes((9, 0)) in kept
+    assert cublaslt_workspace_bytes((9, 0)) in kept
+    pre = [
+        b["size"]
+        for s in _snapshot("default")["segments"]
+        for b in s["blocks"]
+        if b["state"] == "active_allocated" and b["address"] not in {e["addr"] for e in trace}
+    ]
+    assert cublas_workspace_bytes((9, 0)) in pre

@@ -260,3 +260,11 @@ def test_duplicate_live_key_is_an_error() -> None:
     sim.malloc(1, 10)
     with pytest.raises(ValueError):
         sim.malloc(1, 10)
+
+
+def test_plain_string_ops_are_accepted() -> None:
+    events = [Event("alloc", 1, 5 * MiB), Event("free", 1), Event("alloc", 2, 1000)]  # type: ignore[arg-type]
+    res = simulate(events, cfg())
+    assert res.peak_reserved_bytes == 22 * MiB
+    with pytest.raises(ValueError):
+        simulate([Event("bogus", 1, 1)], cfg())  # type: ignore[arg-type]
