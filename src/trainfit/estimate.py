@@ -10,20 +10,22 @@ renderer needs nothing else.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from importlib import import_module
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.arch import ModelSpec, load_model
-from trainfit.cuda_facts import has_flash_attention
+from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
-from trainfit.overhead import outside_allocator
+from trainfit.overhead import REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import DEFAULT_HEADROOM, MAX_SEARCH_BATCH, fit_verdict, required_bytes
-from trainfit.result import MemoryReport, Method
+from trainfit.result import Component, MemoryReport, Method
 from trainfit.strategy import Attention, Checkpointing, Strategy
 
 __all__ = [
@@ -122,6 +124,24 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
     ]
 
 
+def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
+    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu`` (no GPU: the H200 the context
+    figures come from), sized by this process's ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE``."""
+    if gpu is None:
+        gpu = get_gpu(REFERENCE_GPU)
+    cc = parse_compute_capability(gpu.compute_capability) if gpu.compute_capability else (0, 0)
+    return training_workspaces(cc, os.environ)
+
+
+def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
+    """``report`` with the workspaces in every phase (allocated in step 1, held from then on)."""
+    phases = tuple(
+        dataclasses.replace(p, components={**p.components, Component.WORKSPACES: workspaces_bytes})
+        for p in report.phases
+    )
+    return dataclasses.replace(report, phases=phases)
+
+
 def _require_modelled(strategy: Strategy, method: Method) -> None:
     beyond = strategy.beyond_single_gpu_training()
     if beyond:
@@ -169,16 +189,21 @@ def estimate(
             )
     method_fn = _method_fn(method)
     options = dict(method_options or {})
+    workspaces = gpu_workspaces(gpu_spec)
     if method is Method.ANALYTIC:
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )
+        options.setdefault("workspaces", workspaces)
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
-        """The method, with the overhead outside the allocator of this GPU (the rule of thumb keeps its own)."""
+        """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the
+        overhead outside its allocator (the rule of thumb keeps its own)."""
         rep = method_fn(spec, strategy, **kw)
         if method is Method.RULE_OF_THUMB:
             return rep
+        if method is not Method.MEASURE:
+            rep = with_workspaces(rep, sum(w.size_bytes for w in workspaces))
         return dataclasses.replace(
             rep, overhead=outside_allocator(gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes)
         )

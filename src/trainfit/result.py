@@ -73,6 +73,7 @@ class Component(StrEnum):
     ADAPTER_WEIGHTS = "adapter_weights"
     UNSHARDED_PARAMS = "unsharded_params"  # ZeRO-3/FSDP: parameters all-gathered for the current layer(s)
     COMM_BUFFERS = "comm_buffers"  # DDP buckets, reduce-scatter/all-gather staging buffers
+    WORKSPACES = "workspaces"  # cuBLAS/cuBLASLt workspaces: allocator blocks no tensor owns (per GPU)
 
 
 #: Components that make up the model states (weights and what training keeps per weight).

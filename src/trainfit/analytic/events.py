@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
+from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import (
     TermRole,
     Widths,
@@ -77,8 +78,9 @@ def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
     return x.name.startswith("lm_head") or (spec.tie_word_embeddings and x.name == "embed_tokens.weight")
 
 
-def training_events(spec: ModelSpec, strategy: Strategy) -> list[Event]:
-    """The synthesised event stream of :data:`STEPS` training steps (see the module docstring)."""
+def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
+    """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
+    thread's ``workspaces`` appear at the first forward, the autograd thread's at the first backward."""
     r = strategy.recipe
     w = Widths.of(strategy)
     st = model_states(spec, strategy)
@@ -120,8 +122,12 @@ def training_events(spec: ModelSpec, strategy: Strategy) -> list[Event]:
         saved = [s.alloc(term.bytes) for term in terms_of[g.kind]]
         return copies, saved
 
-    for _step in range(STEPS):
+    for step in range(STEPS):
         inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
+        if step == 0:
+            for ws in workspaces:
+                if ws.thread is Thread.MAIN:
+                    s.alloc(ws.size_bytes)
         embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
         layers: list[tuple[list[int], list[int]]] = []
         kept: list[int] = []
@@ -150,6 +156,10 @@ def training_events(spec: ModelSpec, strategy: Strategy) -> list[Event]:
         s.free(logits)  # the HF Trainer drops the outputs before backward
 
         # Backward: the loss gradients, then the head.
+        if step == 0:
+            for ws in workspaces:
+                if ws.thread is Thread.AUTOGRAD:
+                    s.alloc(ws.size_bytes)
         grads: list[int] = []
         # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
         # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
@@ -223,6 +233,11 @@ def describe(config: AllocatorConfig) -> str:
     return ",".join(parts)
 
 
-def simulate_training(spec: ModelSpec, strategy: Strategy, config: AllocatorConfig | None = None) -> AllocatorResult:
+def simulate_training(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+) -> AllocatorResult:
     """The caching allocator's peaks over the synthesised stream of a training step."""
-    return simulate(training_events(spec, strategy), config)
+    return simulate(training_events(spec, strategy, workspaces), config)

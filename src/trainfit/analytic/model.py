@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import (
     SavedTerm,
     TermRole,
@@ -489,11 +490,17 @@ def training_moments(q: StepInputs) -> dict[Phase, Moment]:
 
 
 def estimate_analytic(
-    spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False, allocator: AllocatorConfig | None = None
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    keep_logits: bool = False,
+    allocator: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
 ) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``; reserved
     memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
-    ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment)."""
+    ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment), with the GPU's cuBLAS
+    ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU)."""
     strategy, _ = effective_strategy(spec, strategy)  # Gemma-2: eager attention
     q = step_inputs(spec, strategy, keep_logits=keep_logits)
     worst_moments = training_moments(q)
@@ -503,14 +510,15 @@ def estimate_analytic(
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
     coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
     config = allocator if allocator is not None else AllocatorConfig.from_env()
-    sim = simulate_training(spec, strategy, config)
+    sim = simulate_training(spec, strategy, config, workspaces)
+    held = peak + sum(w.size_bytes for w in workspaces)
     return MemoryReport(
         method=Method.ANALYTIC,
         model_name=spec.name,
         params=st.params,
         trainable_params=st.trainable_params,
         phases=phases,
-        overhead=outside_allocator(None, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - peak)),
+        overhead=outside_allocator(None, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held)),
         bytes_per_param=BytesPerParam(
             weights=st.per_param(st.weights_bytes),
             gradients=st.per_param(st.grads_bytes),
