@@ -33,11 +33,13 @@ from trainfit.analytic.activations import (
     TermRole,
     Widths,
     backward_temp_bytes,
+    eager_backward_moment,
+    eager_forward_moment,
     layer_terms,
     model_terms,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.states import model_states, param_states
+from trainfit.analytic.states import model_states, optimizer_state_tensors, param_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import Strategy
@@ -114,12 +116,22 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
     n_logits = t * spec.vocab_size
     temps = backward_temp_bytes(spec, strategy)
     a = w.compute
+    # Materialised attention scores (eager, SDPA's math kernel): their transients around the softmax.
+    chain_forward = eager_forward_moment(spec, strategy)[1]
+    chain_backward = eager_backward_moment(spec, strategy)[1]
     optimizer_created = False
 
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in g.tensors if x.matmul and w.amp]
-        saved = [s.alloc(term.bytes) for term in terms_of[g.kind]]
+        saved: list[int] = []
+        for term in terms_of[g.kind]:
+            if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
+                transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
+                saved += [s.alloc(n) for n in term.tensors()]
+                s.free(transient)
+                continue
+            saved += [s.alloc(n) for n in term.tensors()]
         return copies, saved
 
     for step in range(STEPS):
@@ -190,8 +202,10 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
                 copies, saved = layers[i]
             grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in g.tensors if strategy.trains_every_weight]
             temp = s.alloc(temps.block_bytes)
-            g_next = s.alloc(w.residual * t * h)
             s.free(temp)
+            chain = s.alloc(chain_backward)
+            g_next = s.alloc(w.residual * t * h)
+            s.free(chain)
             s.free_all(saved)
             s.free_all(copies)
             s.free(g_res)
@@ -205,10 +219,13 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
 
         # The optimizer step: states created in the first step, then its temporaries.
         if not optimizer_created:
+            state_bits = 32 if r.master_bits else r.state_bits
             for x, m in trained:
+                pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
                 for _ in range(m):
-                    s.alloc(per_tensor(st.master_bytes, x))
-                    s.alloc(per_tensor(st.optimizer_bytes, x))
+                    s.alloc(_bytes(x.numel, r.master_bits))
+                    for n in pieces:
+                        s.alloc(n)
             optimizer_created = True
         step_temps = [s.alloc(per_tensor(st.step_temp_bytes, x)) for x, m in trained for _ in range(m)]
         s.free_all(step_temps)
