@@ -1,0 +1,80 @@
+"""Reserved memory from the allocator model against the H200 calibration data (shared/gpu-truth).
+
+1. Replays the two real ``torch.cuda.memory._snapshot()`` traces of ``q05-amp-foreach-b4s2048`` (default
+   allocator, expandable segments) and compares the simulated peak reserved with the real one.
+2. With ``--trace``: traces the same case with trainfit (three layers, stitched to 24), adds the cuBLAS
+   workspaces, replays the events and compares with ``max_reserved`` of ``h200-training.jsonl``.
+
+Usage: python benchmarks/allocator_replay.py [--trace] [--truth DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+
+from trainfit.allocator import AllocatorConfig, replay_snapshot
+
+CASE = "q05-amp-foreach-b4s2048"
+GiB = 2**30
+
+
+def _truth(arg: str | None) -> Path:
+    repo = Path(__file__).resolve().parents[1]
+    for d in ([Path(arg)] if arg else []) + [repo.parent / "shared" / "gpu-truth", Path("/work/shared/gpu-truth")]:
+        if (d / "h200-training.jsonl").is_file():
+            return d
+    sys.exit("gpu-truth data not found (pass --truth DIR)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--truth")
+    a = ap.parse_args()
+    truth = _truth(a.truth)
+    measured = {}
+    for line in (truth / "h200-training.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("id") == CASE:
+            measured["expandable" if "expandable" in row.get("allocator", "") else "default"] = row["max_reserved"]
+    print(f"{'input':<28} {'allocator':<11} {'simulated':>12} {'real':>12} {'error':>8}")
+    for kind in ("default", "expandable"):
+        with open(truth / f"allocator-trace-{CASE}-{kind}.pickle", "rb") as fh:
+            snap = pickle.load(fh)
+        for real_addr in (True, False):
+            t = time.perf_counter()
+            r = replay_snapshot(snap, real_addresses=real_addr)
+            dt = time.perf_counter() - t
+            sim, real = r.simulated.peak_reserved_bytes, measured[kind]
+            what = "snapshot replay" + ("" if real_addr else " (own addrs)")
+            print(
+                f"{what:<28} {kind:<11} {sim / GiB:>10.3f} G {real / GiB:>10.3f} G {(sim - real) / real:>+8.3%}"
+                f"   addresses {r.address_matches}/{r.alloc_events}, {dt:.2f} s"
+            )
+    if a.trace:
+        from trainfit.arch import load_model
+        from trainfit.strategy import Strategy
+        from trainfit.trace.events import reserved_from_trace
+
+        spec = load_model("qwen2.5-0.5b")
+        st = Strategy(precision="amp-bf16", optimizer_impl="foreach", micro_batch=4, seq_len=2048)
+        for kind, conf in (("default", ""), ("expandable", "expandable_segments:True")):
+            t = time.perf_counter()
+            tr = reserved_from_trace(spec, st, AllocatorConfig.parse(conf), compute_capability=(9, 0))
+            dt = time.perf_counter() - t
+            sim, real = tr.result.peak_reserved_bytes, measured[kind]
+            print(
+                f"{'trainfit trace (stitched)':<28} {kind:<11} {sim / GiB:>10.3f} G {real / GiB:>10.3f} G "
+                f"{(sim - real) / real:>+8.3%}   {tr.layers_traced}/{tr.layers_full} layers traced, "
+                f"{tr.events} events, {dt:.1f} s"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
