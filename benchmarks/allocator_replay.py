@@ -3,9 +3,10 @@
 1. Replays the two real ``torch.cuda.memory._snapshot()`` traces of ``q05-amp-foreach-b4s2048`` (default
    allocator, expandable segments) and compares the simulated peak reserved with the real one.
 2. With ``--trace``: traces the same case with trainfit (three layers, stitched to 24), adds the cuBLAS
-   workspaces, replays the events and compares with ``max_reserved`` of ``h200-training.jsonl``.
+   workspaces, replays the events and compares with ``max_reserved`` of ``h200-training.jsonl``;
+   ``--all-cases`` does that for every case of the file (each allocator setting it was measured with).
 
-Usage: python benchmarks/allocator_replay.py [--trace] [--truth DIR]
+Usage: python benchmarks/allocator_replay.py [--trace [--all-cases]] [--truth DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def _truth(arg: str | None) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--all-cases", action="store_true")
     ap.add_argument("--truth")
     a = ap.parse_args()
     truth = _truth(a.truth)
@@ -57,22 +59,43 @@ def main() -> int:
                 f"   addresses {r.address_matches}/{r.alloc_events}, {dt:.2f} s"
             )
     if a.trace:
-        from trainfit.arch import load_model
-        from trainfit.strategy import Strategy
-        from trainfit.trace.events import reserved_from_trace
+        rows = [json.loads(line) for line in (truth / "h200-training.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "id" in r and "max_reserved" in r and (a.all_cases or r["id"] == CASE)]
+        for row in rows:
+            _trace_case(row)
+    return 0
 
-        spec = load_model("qwen2.5-0.5b")
-        st = Strategy(precision="amp-bf16", optimizer_impl="foreach", micro_batch=4, seq_len=2048)
-        for kind, conf in (("default", ""), ("expandable", "expandable_segments:True")):
-            t = time.perf_counter()
-            tr = reserved_from_trace(spec, st, AllocatorConfig.parse(conf), compute_capability=(9, 0))
-            dt = time.perf_counter() - t
-            sim, real = tr.result.peak_reserved_bytes, measured[kind]
-            print(
-                f"{'trainfit trace (stitched)':<28} {kind:<11} {sim / GiB:>10.3f} G {real / GiB:>10.3f} G "
-                f"{(sim - real) / real:>+8.3%}   {tr.layers_traced}/{tr.layers_full} layers traced, "
-                f"{tr.events} events, {dt:.1f} s"
-            )
+
+def _trace_case(row: dict[str, object]) -> None:
+    from trainfit.arch import load_model
+    from trainfit.strategy import Strategy
+    from trainfit.trace.events import reserved_from_trace
+
+    spec = load_model(str(row["model"]))
+    st = Strategy(
+        precision=str(row["recipe"]),
+        optimizer_impl=str(row["optimizer_impl"]),
+        checkpointing=str(row["checkpointing"]),
+        attention=str(row["attention"]),
+        micro_batch=int(str(row["batch"])),
+        seq_len=int(str(row["seq"])),
+    )
+    conf = str(row.get("allocator", ""))
+    kind = "default" if conf in ("", "default") else "expandable"
+    t = time.perf_counter()
+    tr = reserved_from_trace(
+        spec, st, AllocatorConfig.parse("" if kind == "default" else conf), compute_capability=(9, 0)
+    )
+    dt = time.perf_counter() - t
+    sim, real = tr.result.peak_reserved_bytes, int(str(row["max_reserved"]))
+    alloc_sim, alloc_real = tr.result.peak_allocated_bytes, int(str(row["peak_allocated"]))
+    print(
+        f"{'trace ' + str(row['id']):<40} {kind:<11} {sim / GiB:>8.3f} G {real / GiB:>8.3f} G "
+        f"{(sim - real) / real:>+8.3%}   (allocated {(alloc_sim - alloc_real) / alloc_real:+.2%}; "
+        f"{tr.layers_traced}/{tr.layers_full} layers{' stitched' if tr.stitched else ''}, "
+        f"{tr.events} events, {dt:.1f} s)",
+        flush=True,
+    )
     return 0
 
 

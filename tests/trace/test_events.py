@@ -14,15 +14,16 @@ from trainfit.trace.events import reserved_from_trace
 from .conftest import tiny_spec
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_stitched_equals_full_depth(checkpointing: str) -> None:
+@pytest.mark.parametrize(
+    ("checkpointing", "precision", "impl"),
+    [("none", "amp-bf16", "foreach"), ("full", "amp-bf16", "foreach"), ("none", "pure-bf16", "fused")],
+)
+def test_stitched_equals_full_depth(checkpointing: str, precision: str, impl: str) -> None:
     spec = tiny_spec("llama", num_hidden_layers=5, vocab_size=4096)
-    st = Strategy(
-        precision="amp-bf16", optimizer_impl="foreach", micro_batch=2, seq_len=64, checkpointing=checkpointing
-    )
+    st = Strategy(precision=precision, optimizer_impl=impl, micro_batch=2, seq_len=64, checkpointing=checkpointing)
     stitched = reserved_from_trace(spec, st, stitch=True, layout=True)
     full = reserved_from_trace(spec, st, stitch=False)
-    assert stitched.stitched and not full.stitched
+    assert stitched.stitched and not full.stitched and stitched.stitch_problem is None
     assert stitched.layers_traced == 3 and full.layers_traced == 5
     assert stitched.size_mismatches == 0
     assert stitched.events == full.events
