@@ -6,7 +6,10 @@
    workspaces, replays the events and compares with ``max_reserved`` of ``h200-training.jsonl``;
    ``--all-cases`` does that for every case of the file (each allocator setting it was measured with).
 
-Usage: python benchmarks/allocator_replay.py [--trace [--all-cases]] [--truth DIR]
+3. With ``--phases CASE``: traces CASE at full depth for 3 steps and prints simulated against real reserved
+   and allocated bytes at the end of every phase (where a gap first appears).
+
+Usage: python benchmarks/allocator_replay.py [--trace [--all-cases]] [--phases CASE] [--truth DIR]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 from trainfit.allocator import AllocatorConfig, replay_snapshot
+from trainfit.strategy import Strategy
 
 CASE = "q05-amp-foreach-b4s2048"
 GiB = 2**30
@@ -36,6 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--all-cases", action="store_true")
+    ap.add_argument("--phases", metavar="CASE")
     ap.add_argument("--truth")
     a = ap.parse_args()
     truth = _truth(a.truth)
@@ -63,16 +68,15 @@ def main() -> int:
         rows = [r for r in rows if "id" in r and "max_reserved" in r and (a.all_cases or r["id"] == CASE)]
         for row in rows:
             _trace_case(row)
+    if a.phases:
+        rows = [json.loads(line) for line in (truth / "h200-training.jsonl").read_text().splitlines()]
+        row = next(r for r in rows if r.get("id") == a.phases and r.get("allocator") == "default")
+        _phases(row)
     return 0
 
 
-def _trace_case(row: dict[str, object]) -> None:
-    from trainfit.arch import load_model
-    from trainfit.strategy import Strategy
-    from trainfit.trace.events import reserved_from_trace
-
-    spec = load_model(str(row["model"]))
-    st = Strategy(
+def _strategy(row: dict[str, object]) -> Strategy:
+    return Strategy(
         precision=str(row["recipe"]),
         optimizer_impl=str(row["optimizer_impl"]),
         checkpointing=str(row["checkpointing"]),
@@ -80,6 +84,47 @@ def _trace_case(row: dict[str, object]) -> None:
         micro_batch=int(str(row["batch"])),
         seq_len=int(str(row["seq"])),
     )
+
+
+def _phases(row: dict[str, object]) -> None:
+    from trainfit.allocator import Simulator
+    from trainfit.arch import load_model
+    from trainfit.trace import depth
+    from trainfit.trace.events import tracker_events, with_workspaces
+
+    spec = load_model(str(row["model"]))
+    st = _strategy(row)
+    plan = depth.plan_depth(spec, st, extrapolate=False)
+    _, lay = plan.layouts[0]
+    run = depth.run_layout(spec, st, plan, lay, steps=3, adamw_impl=str(row["optimizer_impl"])).run
+    plain = tracker_events(run)
+    events = with_workspaces(plain, run, (9, 0))
+    tr = run.tracker
+    kept = sorted({t for rec in tr.records if tr.component(rec) is not None for t in (rec.alloc_t, rec.free_t) if t})
+    sim = Simulator(AllocatorConfig())
+    pos = 0
+    real_steps: list[dict[str, dict[str, int]]] = row["steps"]  # type: ignore[assignment]
+    print(f"{'step':>4} {'phase':<15} {'reserved sim':>12} {'real':>9} {'allocated sim':>14} {'real':>9}  (GiB)")
+    for sm in run.timeline.steps:
+        pm = sm.passes[0]
+        for phase, tick in (("forward", pm.fwd_end), ("backward", pm.bwd_end), ("optimizer-step", sm.opt_end)):
+            target = sum(1 for t in kept if t <= tick) + (len(events) - len(plain))  # workspaces come first
+            while pos < min(target, len(events)):
+                sim.run((events[pos],))
+                pos += 1
+            real = real_steps[sm.step][phase]
+            print(
+                f"{sm.step:>4} {phase:<15} {sim.reserved_bytes / GiB:>12.3f} {real['reserved'] / GiB:>9.3f} "
+                f"{sim.allocated_bytes / GiB:>14.3f} {real['allocated'] / GiB:>9.3f}"
+            )
+
+
+def _trace_case(row: dict[str, object]) -> None:
+    from trainfit.arch import load_model
+    from trainfit.trace.events import reserved_from_trace
+
+    spec = load_model(str(row["model"]))
+    st = _strategy(row)
     conf = str(row.get("allocator", ""))
     kind = "default" if conf in ("", "default") else "expandable"
     t = time.perf_counter()
@@ -96,7 +141,6 @@ def _trace_case(row: dict[str, object]) -> None:
         f"{tr.events} events, {dt:.1f} s)",
         flush=True,
     )
-    return 0
 
 
 if __name__ == "__main__":
