@@ -268,3 +268,17 @@ def test_plain_string_ops_are_accepted() -> None:
     assert res.peak_reserved_bytes == 22 * MiB
     with pytest.raises(ValueError):
         simulate([Event("bogus", 1, 1)], cfg())  # type: ignore[arg-type]
+
+
+def test_reserved_at_peak_allocated() -> None:
+    events = [
+        Event(Op.ALLOC, 1, 12 * MiB),  # reserved 12, allocated 12
+        Event(Op.ALLOC, 2, 5 * MiB),  # + a 20 MiB segment: reserved 32, allocated 17 (the peak)
+        Event(Op.FREE, 1),
+        Event(Op.FREE, 2),
+        Event(Op.ALLOC, 3, 14 * MiB),  # the 20 MiB segment is whole again: best fit, split, no growth
+    ]
+    res = simulate(events, cfg())
+    assert res.peak_allocated_bytes == 17 * MiB
+    assert res.reserved_at_peak_allocated_bytes == 32 * MiB
+    assert res.peak_reserved_bytes == 32 * MiB

@@ -148,13 +148,12 @@ def replay_snapshot(
 
     # ---- segments at the start: (address, size, small, stream, expandable, virtual)
     starts: list[tuple[int, int, bool, int, bool]] = []
-    end_reserved = sum(s["total_size"] for s in segments)
     expandable_runs = [s for s in segments if s.get("is_expandable")]
     for s in segments:
         if s.get("is_expandable") or s["address"] in seg_alloc_addrs:
             continue
         starts.append((s["address"], s["total_size"], s["segment_type"] == "small", s["stream"], False))
-    for addr, size, stream in seg_freed_unknown:
+    for addr, size, stream in seg_freed_unknown:  # only small-pool segments are exactly 2 MiB
         starts.append((addr, size, size == 2 << 20, stream, False))
     if expandable_runs:
         # maps in the trace grow the runs at their end; take them off the last-growing (largest) runs.
@@ -236,8 +235,8 @@ def replay_snapshot(
     return ReplayResult(
         simulated=result,
         start_reserved_bytes=start_reserved,
-        real_peak_reserved_bytes=max(start_reserved + real_peak_delta, start_reserved),
-        real_reserved_end_bytes=start_reserved + real_delta if starts or real_delta else end_reserved,
+        real_peak_reserved_bytes=start_reserved + real_peak_delta,
+        real_reserved_end_bytes=start_reserved + real_delta,
         real_num_device_allocs=real_allocs,
         alloc_events=allocs,
         address_matches=matches,

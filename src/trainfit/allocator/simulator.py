@@ -136,6 +136,8 @@ class OutOfMemory:
 class AllocatorResult:
     peak_reserved_bytes: int
     peak_allocated_bytes: int
+    #: Reserved bytes when allocated first reached its peak (what an OOM at that moment would see).
+    reserved_at_peak_allocated_bytes: int
     reserved_end_bytes: int
     allocated_end_bytes: int
     #: reserved − allocated at the moment reserved peaked, and that over reserved.
@@ -251,6 +253,7 @@ class Simulator:
         self.allocated_bytes = 0
         self.peak_reserved_bytes = 0
         self.peak_allocated_bytes = 0
+        self.reserved_at_peak_allocated_bytes = 0
         self.fragmentation_at_peak_bytes = 0
         self.num_segments = 0  # cudaMalloc segments + expandable segments
         self.num_segments_at_peak = 0
@@ -323,6 +326,7 @@ class Simulator:
         self.allocated_bytes += block.size
         if self.allocated_bytes > self.peak_allocated_bytes:
             self.peak_allocated_bytes = self.allocated_bytes
+            self.reserved_at_peak_allocated_bytes = self.reserved_bytes
         if self.reserved_bytes > self.peak_reserved_bytes:
             self.peak_reserved_bytes = self.reserved_bytes
             self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
@@ -671,7 +675,9 @@ class Simulator:
         self.reserved_bytes += size_bytes
         self.num_segments += 1
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+            self.reserved_at_peak_allocated_bytes = self.reserved_bytes
         self.num_segments_at_peak = self.num_segments
         self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
 
@@ -716,6 +722,7 @@ class Simulator:
         return AllocatorResult(
             peak_reserved_bytes=peak,
             peak_allocated_bytes=self.peak_allocated_bytes,
+            reserved_at_peak_allocated_bytes=self.reserved_at_peak_allocated_bytes,
             reserved_end_bytes=self.reserved_bytes,
             allocated_end_bytes=self.allocated_bytes,
             fragmentation_bytes=self.fragmentation_at_peak_bytes,

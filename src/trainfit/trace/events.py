@@ -9,16 +9,26 @@ cuBLAS and cuBLASLt workspaces at the first forward pass, the autograd thread's 
 first backward pass.
 
 Full depth by stitching. Fragmentation is not linear in depth, so we do not extrapolate reserved bytes; we
-rebuild the *event stream* of the full model from a trace with three units of the layer stack (first,
-middle, last) by repeating the middle unit's events, forward and backward, to the real count. A storage
-keeps its identity across the copy: one allocated in the middle unit gets a fresh key per copy; a free in
-a copy of a storage born in the unit before (the first unit, or the previous copy) frees that unit's
-corresponding storage (the k-th allocation of one unit corresponds to the k-th of the next, which we check
-by size); storages of the middle unit freed later (gradients at ``zero_grad``) are freed once per copy. The
-events of a unit's parameters outside its regions (weights at setup, optimizer states and the foreach
-temporaries of the optimizer step) are found the same way, by the parameters' order: see
-:func:`stitch_events`. Full-depth traces check the stitching (tests/trace/test_events.py).
-"""
+rebuild the *event stream* of the full model from a trace with three units of the repeated layer run
+(first, middle, last) by repeating the middle unit's events, forward and backward, to the real count
+(backward copies run last-first). A storage keeps its identity across the copies:
+
+* one allocated by the middle unit gets a fresh key per copy;
+* inside a copy, a free of a storage born in the unit before (the first unit, or the previous copy) frees
+  that unit's corresponding storage (the k-th allocation of one unit's region corresponds to the k-th of the
+  next one's; :attr:`Stitched.size_mismatches` counts pairs of different sizes), and symmetrically in
+  backward for the unit after;
+* a middle-unit storage freed by the last unit is the last copy's, by the first unit the first copy's, and
+  outside the units (``zero_grad``, the end of the stack) every copy's that is still live;
+* outside the units' regions, the per-parameter work (weights at setup, optimizer states, each foreach
+  op's outputs) shows up as three equal consecutive blocks of allocations, one per unit
+  (``_mark_repeats``); the middle block is repeated like a unit.
+
+The stitched stream is checked (:func:`check_stream`: every free names a live allocation); if the units
+are not alike enough for that, or the model has several repeated runs, :func:`reserved_from_trace` traces
+the full depth instead. On tiny models (with and without checkpointing, pure bf16 and fused AdamW, gradient
+accumulation, multi-layer checkpoint segments, GPT-2, tied Qwen2) the stitched stream has exactly the
+events and the peaks of a full-depth trace (tests/trace/test_events.py)."""
 
 from __future__ import annotations
 
@@ -108,6 +118,8 @@ class TraceReserved:
     stitched: bool
     #: Unit storages matched across units with different sizes (0: the repeated units are alike).
     size_mismatches: int = 0
+    #: Why a stitched stream was rejected (and the full depth traced instead); None if it was not.
+    stitch_problem: str | None = None
 
 
 def reserved_from_run(
@@ -279,11 +291,20 @@ def stitch_events(
         return rec + c * nrec
 
     out: list[Event] = []
+    live: set[int] = set()
     pending = sorted((inserts or {}).items())
 
     def flush(tick: int | None) -> None:
         while pending and (tick is None or pending[0][0] <= tick):
             out.extend(pending.pop(0)[1])
+
+    def alloc(key: int, size: int) -> None:
+        live.add(key)
+        out.append(Event(Op.ALLOC, key, size))
+
+    def free(key: int) -> None:
+        live.discard(key)
+        out.append(Event(Op.FREE, key))
 
     def emit_block(block: list[_Ev]) -> None:
         order = range(copies, 0, -1) if block[0].backward else range(1, copies + 1)
@@ -291,17 +312,17 @@ def stitch_events(
         for c in order:
             for e in block:
                 if e.alloc:
-                    out.append(Event(Op.ALLOC, copy_key(e.rec, c), e.size))
+                    alloc(copy_key(e.rec, c), e.size)
                     continue
                 ru = rec_unit.get(e.rec)
                 if ru == 1:
-                    out.append(Event(Op.FREE, copy_key(e.rec, c)))
-                elif ru == 0:
-                    out.append(Event(Op.FREE, e.rec if c == 1 else copy_key(phi10.get(e.rec, e.rec), c - 1)))
-                elif ru == 2:
-                    out.append(Event(Op.FREE, e.rec if c == copies else copy_key(phi21.get(e.rec, e.rec), c + 1)))
+                    free(copy_key(e.rec, c))
+                elif ru == 0:  # the unit before this copy: the first unit, or the previous copy
+                    free(e.rec if c == 1 else copy_key(phi10.get(e.rec, e.rec), c - 1))
+                elif ru == 2:  # the unit after this copy (backward): the last unit, or the next copy
+                    free(e.rec if c == copies else copy_key(phi21.get(e.rec, e.rec), c + 1))
                 elif c == first:
-                    out.append(Event(Op.FREE, e.rec))
+                    free(e.rec)
 
     i = 0
     n = len(evs)
@@ -316,16 +337,20 @@ def stitch_events(
             i = j
             continue
         if e.alloc:
-            out.append(Event(Op.ALLOC, e.rec, e.size))
+            alloc(e.rec, e.size)
         elif rec_unit.get(e.rec) == 1:
-            if e.unit == 2:
-                out.append(Event(Op.FREE, copy_key(e.rec, copies)))
-            elif e.unit == 0:
-                out.append(Event(Op.FREE, copy_key(e.rec, 1)))
-            else:  # freed outside the units (e.g. at zero_grad): every copy's
-                out.extend(Event(Op.FREE, copy_key(e.rec, c)) for c in range(1, copies + 1))
+            # unit 1's storage freed by another unit (its neighbour: the adjacent copy) or outside the units
+            # (every copy whose storage is still live: the others went with their neighbour copy)
+            if e.unit == 2 and copy_key(e.rec, copies) in live:
+                free(copy_key(e.rec, copies))
+            elif e.unit == 0 and copy_key(e.rec, 1) in live:
+                free(copy_key(e.rec, 1))
+            else:
+                for c in range(1, copies + 1):
+                    if copy_key(e.rec, c) in live:
+                        free(copy_key(e.rec, c))
         else:
-            out.append(Event(Op.FREE, e.rec))
+            free(e.rec)
         flush(e.tick)
         i += 1
     flush(None)
@@ -340,6 +365,21 @@ def _pass_of(run: rn.TraceRun, tick: int) -> int:
                 return p
             p += 1
     return p
+
+
+def check_stream(events: list[Event]) -> str | None:
+    """``None`` if every free names a live allocation and no live key is allocated again, else why not."""
+    live: set[int] = set()
+    for i, e in enumerate(events):
+        if e.op is Op.ALLOC:
+            if e.key in live:
+                return f"event {i}: key {e.key} allocated twice"
+            live.add(e.key)
+        elif e.op is Op.FREE:
+            if e.key not in live:
+                return f"event {i}: key {e.key} freed but not live"
+            live.discard(e.key)
+    return None
 
 
 def _workspace_inserts(
@@ -395,6 +435,22 @@ def reserved_from_trace(
             params_per_unit=per_unit,
             inserts=_workspace_inserts(done.run, compute_capability, env),
         )
+        problem = check_stream(st.events)
+        if problem is not None:  # the units are not alike enough to stitch: trace the full depth
+            return replace(
+                reserved_from_trace(
+                    spec,
+                    strategy,
+                    config,
+                    compute_capability=compute_capability,
+                    env=env,
+                    capacity_bytes=capacity_bytes,
+                    stitch=False,
+                    steps=steps,
+                    layout=layout,
+                ),
+                stitch_problem=problem,
+            )
         res = simulate(st.events, config, capacity_bytes=capacity_bytes, layout=layout)
         return TraceReserved(
             result=res,
