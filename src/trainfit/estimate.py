@@ -124,13 +124,17 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
     ]
 
 
-def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
-    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu`` (no GPU: the H200 the context
-    figures come from), sized by this process's ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE``."""
+def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
+    """``gpu``'s compute capability (no GPU: the H200 the context figures come from; AMD: (0, 0))."""
     if gpu is None:
         gpu = get_gpu(REFERENCE_GPU)
-    cc = parse_compute_capability(gpu.compute_capability) if gpu.compute_capability else (0, 0)
-    return training_workspaces(cc, os.environ)
+    return parse_compute_capability(gpu.compute_capability) if gpu.compute_capability else (0, 0)
+
+
+def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
+    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu``, sized by this process's
+    ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE``."""
+    return training_workspaces(gpu_compute_capability(gpu), os.environ)
 
 
 def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
@@ -190,11 +194,14 @@ def estimate(
     method_fn = _method_fn(method)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    if method is Method.ANALYTIC:
+    if method in (Method.ANALYTIC, Method.TRACE):
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )
+    if method is Method.ANALYTIC:
         options.setdefault("workspaces", workspaces)
+    if method is Method.TRACE:
+        options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
         """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the

@@ -286,6 +286,7 @@ class TraceDetails:
     optimizer_impl: str | None = None
     trace_seconds: float | None = None
     peak_events: Mapping[Phase, int] = field(default_factory=dict)
+    allocator: AllocatorDetails | None = None  # the traced events replayed through the allocator simulation
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -304,6 +305,8 @@ class TraceDetails:
             out["trace_seconds"] = self.trace_seconds
         if self.peak_events:
             out["peak_events"] = {ph.value: ev for ph, ev in self.peak_events.items()}
+        if self.allocator is not None:
+            out["allocator"] = self.allocator.as_dict()
         return out
 
 

@@ -50,3 +50,23 @@ def test_workspaces_are_in_the_stream() -> None:
     ampere = with_workspaces(plain, run, (8, 0))
     assert len(ampere) == len(plain) + 3
     assert AllocatorConfig() == AllocatorConfig.parse("")
+
+
+def test_trace_method_reports_the_simulated_reserved_memory() -> None:
+    """``trace_spec(allocator=...)`` (what ``estimate(method="trace")`` asks for) replays its events: the
+    reserved estimate is the simulated peak, never below the allocated peak plus the workspaces."""
+    from trainfit.result import TraceDetails
+    from trainfit.trace import trace_spec
+
+    spec = tiny_spec("llama", num_hidden_layers=5, vocab_size=4096)
+    st = Strategy(precision="amp-bf16", optimizer_impl="foreach", micro_batch=2, seq_len=64)
+    plain = trace_spec(spec, st)
+    simulated = trace_spec(spec, st, allocator=AllocatorConfig(), compute_capability=(8, 0))
+    assert simulated.phases == plain.phases
+    details = simulated.details
+    assert isinstance(details, TraceDetails) and details.allocator is not None
+    workspaces = 2 * (8 << 20) + 2 * (128 << 10) + (1 << 20)  # cuBLAS :4096:2:16:8 twice, cuBLASLt 1 MiB
+    assert simulated.reserved_estimate_bytes == max(
+        simulated.peak_bytes, details.allocator.reserved_peak_bytes - workspaces
+    )
+    assert details.allocator.reserved_peak_bytes >= simulated.peak_bytes + workspaces

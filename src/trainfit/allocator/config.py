@@ -97,6 +97,25 @@ class AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string (``None`` or empty: the defaults)."""
         return _Parser(conf or "").parse()
 
+    def to_env(self) -> str:
+        """The settings that differ from PyTorch's defaults, as ``PYTORCH_CUDA_ALLOC_CONF`` spells them ("" for
+        the defaults; a divisions list is abbreviated)."""
+        default = AllocatorConfig()
+        parts = []
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.max_split_size_bytes is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size_bytes >> 20}")
+        if self.max_non_split_rounding_bytes != default.max_non_split_rounding_bytes:
+            parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding_bytes >> 20}")
+        if self.roundup_power2_divisions != default.roundup_power2_divisions:
+            parts.append("roundup_power2_divisions:[...]")
+        if self.garbage_collection_threshold:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        if self.backend is not default.backend:
+            parts.append(f"backend:{self.backend.value}")
+        return ",".join(parts)
+
     @classmethod
     def from_env(cls) -> AllocatorConfig:
         """The settings of this process's ``PYTORCH_CUDA_ALLOC_CONF`` (falling back to ``PYTORCH_ALLOC_CONF``)."""

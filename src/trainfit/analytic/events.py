@@ -44,7 +44,7 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import Strategy
 
-__all__ = ["STEPS", "describe", "simulate_training", "training_events"]
+__all__ = ["STEPS", "simulate_training", "training_events"]
 
 #: Steps replayed: the first creates the optimizer states, the second and third are the steady state.
 STEPS = 3
@@ -231,23 +231,6 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
         s.free_all(step_temps)
         s.free_all(grads)  # zero_grad(set_to_none=True)
     return s.events
-
-
-def describe(config: AllocatorConfig) -> str:
-    """The settings that differ from PyTorch's defaults, as ``PYTORCH_CUDA_ALLOC_CONF`` spells them."""
-    default = AllocatorConfig()
-    parts = []
-    if config.expandable_segments:
-        parts.append("expandable_segments:True")
-    if config.max_split_size_bytes is not None:
-        parts.append(f"max_split_size_mb:{config.max_split_size_bytes >> 20}")
-    if config.roundup_power2_divisions != default.roundup_power2_divisions:
-        parts.append("roundup_power2_divisions:[...]")
-    if config.garbage_collection_threshold:
-        parts.append(f"garbage_collection_threshold:{config.garbage_collection_threshold}")
-    if config.backend is not default.backend:
-        parts.append(f"backend:{config.backend.value}")
-    return ",".join(parts)
 
 
 def simulate_training(

@@ -50,7 +50,7 @@ from trainfit.analytic.activations import (
     model_terms,
     score_chain,
 )
-from trainfit.analytic.events import describe, simulate_training
+from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.states import ModelStates, model_states
 from trainfit.arch.params import inventory
@@ -532,7 +532,7 @@ def estimate_analytic(
             activation_coefficient=round(coeff, 2),
             activations_per_layer_bytes=stack.max_layer_bytes,
             allocator=AllocatorDetails(
-                config=describe(config),
+                config=config.to_env(),
                 reserved_peak_bytes=sim.peak_reserved_bytes,
                 fragmentation_bytes=sim.fragmentation_bytes,
                 segments=sim.num_segments_at_peak,
