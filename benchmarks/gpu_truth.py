@@ -2,12 +2,13 @@
 against ``torch.cuda.max_memory_allocated``, and the reserved/nvidia-smi estimates against
 ``max_memory_reserved`` and the device's used memory.
 
-    python benchmarks/gpu_truth.py ../shared/gpu-truth/h200-training.jsonl
+    python benchmarks/gpu_truth.py ../shared/gpu-truth/h200-training.jsonl [--trace]
 
 The file holds lines from ``measure_training.py`` (a plain PyTorch loop, independent of trainfit): a ``meta``
 line per run, then one line per case with ``model``, ``recipe``, ``optimizer_impl``, ``checkpointing``,
 ``attention``, ``batch``, ``seq``, ``phases`` (peak allocated per phase), ``max_reserved`` and
-``device_used_end``. Prints a markdown table; ratios, not absolute timings.
+``device_used_end``. Prints markdown tables; ratios, not absolute timings. ``--trace`` adds the trace method's
+reserved and nvidia-smi estimates (a fake-tensor trace per case: minutes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trainfit.result import Phase
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("data", type=Path, help="a JSON-lines file of measured cases")
+    ap.add_argument("--trace", action="store_true", help="also run the trace method on every case")
     args = ap.parse_args()
     allocator = "default"
     print("| case | allocator | phase | measured GiB | analytic GiB | analytic/measured − 1 |")
@@ -42,7 +44,8 @@ def main() -> None:
             micro_batch=row["batch"],
             seq_len=row["seq"],
         )
-        r = estimate(row["model"], s)
+        conf = "" if allocator == "default" else allocator
+        r = estimate(row["model"], s, gpu="h200-sxm-141gb", allocator=conf)
         for ph in Phase:
             measured = row["phases"][ph.value]
             ours = r.phase(ph).total_bytes
@@ -51,21 +54,23 @@ def main() -> None:
             print(
                 f"| {row['id']} | {allocator} | {ph.value} | {measured / 2**30:.2f} | {ours / 2**30:.2f} | {rel:+.2%} |"
             )
-        reserved_rows.append(
-            (
-                row["id"],
-                allocator,
-                row["max_reserved"] / row["peak_allocated"],
-                r.reserved_estimate_bytes / r.peak_bytes,
-                row["device_used_end"],
-                r.nvidia_smi_estimate_bytes,
-            )
-        )
+        measured = (row["max_reserved"], row["device_used_end"])
+        reserved_rows.append((row["id"], allocator, "analytic", *measured, r))
+        if args.trace:
+            t = estimate(row["model"], s, gpu="h200-sxm-141gb", allocator=conf, method="trace")
+            reserved_rows.append((row["id"], allocator, "trace", *measured, t))
     print(f"\nworst |analytic/measured − 1| over every phase: {worst:.2%}\n")
-    print("| case | allocator | measured reserved/allocated | estimated | device used GiB | nvidia-smi estimate GiB |")
-    print("|---|---|---:|---:|---:|---:|")
-    for case, alloc, m, e, used, est in reserved_rows:
-        print(f"| {case} | {alloc} | {m:.3f} | {e:.3f} | {used / 2**30:.2f} | {est / 2**30:.2f} |")
+    print(
+        "| case | allocator | method | max_memory_reserved GiB | reserved estimate GiB | error | device used GiB "
+        "| nvidia-smi estimate GiB | error |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for case, alloc, method, res, used, rep in reserved_rows:
+        res_est, est = rep.reserved_estimate_bytes, rep.nvidia_smi_estimate_bytes
+        print(
+            f"| {case} | {alloc} | {method} | {res / 2**30:.2f} | {res_est / 2**30:.2f} | {res_est / res - 1:+.1%} "
+            f"| {used / 2**30:.2f} | {est / 2**30:.2f} | {est / used - 1:+.1%} |"
+        )
 
 
 if __name__ == "__main__":

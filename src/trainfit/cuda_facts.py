@@ -15,6 +15,9 @@ place so the two methods cannot drift apart.
   use blocks of 64 with fp32 absmax, or with double quantisation uint8 absmax plus an fp32 absmax per 256
   blocks and a 256-entry fp32 code (``quantize_4bit``, ``QuantState``; checked on CPU, see DESIGN §4.4);
   LLM.int8 stores int8 weights plus one fp32 scale per output row (``Int8Params``).
+* The most threads an SM keeps resident, by compute capability (CUDA C++ Programming Guide, "Technical
+  Specifications per Compute Capability": 2048 on 7.0, 8.0, 9.0 and 10.0; 1024 on 7.5; 1536 on 8.6, 8.7,
+  8.9 and 12.x). The driver sizes the context's local memory (thread stacks) by it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,36 @@ BNB_NESTED_CODE_ENTRIES = 256  # the dynamic map used by double quantisation, fp
 #: FlashAttention's largest head dim and minimum compute capability.
 FLASH_MAX_HEAD_DIM = 256
 FLASH_MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+#: Resident threads per SM by compute capability (major, minor); see the module docstring.
+MAX_THREADS_PER_SM: dict[tuple[int, int], int] = {
+    (7, 0): 2048,
+    (7, 2): 2048,
+    (7, 5): 1024,
+    (8, 0): 2048,
+    (8, 6): 1536,
+    (8, 7): 1536,
+    (8, 9): 1536,
+    (9, 0): 2048,
+    (10, 0): 2048,
+    (12, 0): 1536,
+}
+
+
+def parse_compute_capability(compute_capability: str) -> tuple[int, int]:
+    """``"8.6"`` → ``(8, 6)``."""
+    major, _, minor = compute_capability.partition(".")
+    return int(major), int(minor or 0)
+
+
+def max_threads_per_sm(compute_capability: str) -> int:
+    """Resident threads per SM for an NVIDIA compute capability (unknown future minors: their major's value)."""
+    cc = parse_compute_capability(compute_capability)
+    if cc in MAX_THREADS_PER_SM:
+        return MAX_THREADS_PER_SM[cc]
+    same_major = [v for (major, _), v in sorted(MAX_THREADS_PER_SM.items()) if major == cc[0]]
+    return same_major[0] if same_major else 2048
 
 
 def allocator_bytes(nbytes: int) -> int:
@@ -82,8 +115,7 @@ def has_flash_attention(compute_capability: str | None) -> bool:
     ``None`` (AMD): ROCm builds ship flash attention for MI200/MI300 (aotriton), so it is assumed."""
     if compute_capability is None:
         return True
-    major, _, minor = compute_capability.partition(".")
-    return (int(major), int(minor or 0)) >= FLASH_MIN_COMPUTE_CAPABILITY
+    return parse_compute_capability(compute_capability) >= FLASH_MIN_COMPUTE_CAPABILITY
 
 
 def _blocks(n: int, block: int) -> int:

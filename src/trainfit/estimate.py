@@ -10,19 +10,23 @@ renderer needs nothing else.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from importlib import import_module
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
 from trainfit.analytic.explain import compare_with_rule_of_thumb
-from trainfit.analytic.parallel import estimate_parallel
+from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
 from trainfit.arch import ModelSpec, load_model
-from trainfit.cuda_facts import has_flash_attention
+from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
+from trainfit.overhead import REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import DEFAULT_HEADROOM, MAX_SEARCH_BATCH, fit_verdict, required_bytes
-from trainfit.result import MemoryReport, Method
+from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown
 from trainfit.strategy import Attention, Checkpointing, Strategy
 
 __all__ = [
@@ -135,6 +139,32 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
 _DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload", "engine")
 
 
+def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
+    """``gpu``'s compute capability (no GPU: the H200 the context figures come from; AMD: (0, 0))."""
+    if gpu is None:
+        gpu = get_gpu(REFERENCE_GPU)
+    return parse_compute_capability(gpu.compute_capability) if gpu.compute_capability else (0, 0)
+
+
+def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
+    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu``, sized by this process's
+    ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE``."""
+    return training_workspaces(gpu_compute_capability(gpu), os.environ)
+
+
+def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
+    """``report`` with the workspaces in every phase (allocated in step 1, held from then on), of every rank."""
+
+    def add(phases: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
+        return tuple(
+            dataclasses.replace(p, components={**p.components, Component.WORKSPACES: workspaces_bytes})
+            for p in phases
+        )
+
+    ranks = tuple(dataclasses.replace(r, phases=add(r.phases)) for r in report.ranks)
+    return dataclasses.replace(report, phases=add(report.phases), ranks=ranks)
+
+
 def _require_modelled(strategy: Strategy, method: Method) -> None:
     beyond = strategy.beyond_single_gpu_training()
     if strategy.is_distributed and method in (Method.ANALYTIC, Method.TRACE):
@@ -156,8 +186,11 @@ def estimate(
     gpu: GPUSpec | str | None = None,
     headroom: float = DEFAULT_HEADROOM,
     method_options: dict[str, object] | None = None,
+    allocator: str | None = None,
 ) -> MemoryReport:
-    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes."""
+    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
+    ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
+    process's environment variable, else PyTorch's defaults)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -181,8 +214,37 @@ def estimate(
                 f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
                 "PyTorch: SDPA runs the memory-efficient or the math kernel"
             )
-    fn = _method_fn(method, strategy)
-    report = fn(spec, strategy, **(method_options or {})) if method_options else fn(spec, strategy)
+    method_fn = _method_fn(method, strategy)
+    options = dict(method_options or {})
+    workspaces = gpu_workspaces(gpu_spec)
+    if method in (Method.ANALYTIC, Method.TRACE):
+        options.setdefault(
+            "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
+        )
+    if method is Method.ANALYTIC:
+        options.setdefault("workspaces", workspaces)
+    if method is Method.TRACE:
+        options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
+
+    def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
+        """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the
+        overhead outside its allocator (the rule of thumb keeps its own)."""
+        rep = method_fn(spec, strategy, **kw)
+        if method is Method.RULE_OF_THUMB:
+            return rep
+        if method is not Method.MEASURE:
+            rep = with_workspaces(rep, sum(w.size_bytes for w in workspaces))
+        return dataclasses.replace(
+            rep,
+            overhead=outside_allocator(
+                gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes, nccl_bytes=nccl_bytes(strategy)
+            ),
+        )
+
+    def with_options(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
+        return fn(spec, strategy, **options)
+
+    report = with_options(spec, strategy)
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(
@@ -199,7 +261,7 @@ def estimate(
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
         searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB)
-        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, fn if searchable else None)
+        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, with_options if searchable else None)
         if not searchable:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "

@@ -1,33 +1,124 @@
-"""Non-tensor memory: what ``nvidia-smi`` shows beyond ``torch.cuda.max_memory_allocated``. Shared by every
-method (the analytic model, the trace and ``measure``), so it lives outside ``analytic/``.
+"""Memory beyond the allocated tensors: what ``nvidia-smi`` shows on top of ``torch.cuda.max_memory_allocated``.
+Shared by every method (the analytic model, the trace and ``measure``), so it lives outside ``analytic/``.
 
-Two named constants, both estimates to be calibrated by ``--method measure`` on real hardware:
+Two parts, decided by different things:
 
-* ``CUDA_CONTEXT_BYTES`` — the CUDA context, kernel images and cuBLAS/cuDNN handles and workspaces
-  that exist as soon as the first kernel runs. Commonly 300–800 MiB depending on GPU, driver and
-  which libraries load (PyTorch "CUDA semantics" notes; cuBLAS workspace defaults ``:4096:8`` plus a
-  32 MiB cuBLASLt workspace on Hopper). We use 512 MiB.
-* ``ALLOCATOR_RESERVE_FRACTION`` — the caching allocator keeps freed blocks and rounds requests (2 MiB
-  granularity for large blocks, 20 MiB segments; PyTorch "CUDA memory management" docs), so
-  ``max_memory_reserved`` exceeds ``max_memory_allocated``. We assume 10% of the allocated peak,
-  the middle of the 5–15% gap commonly seen in training; ``expandable_segments`` lowers it.
+* **The caching allocator's reserve** (``max_memory_reserved − max_memory_allocated``): cached free blocks,
+  segment rounding, fragmentation. It depends on the exact order of allocations and frees, so it belongs
+  to the method that knows that order; until a method simulates the allocator it is
+  ``ALLOCATOR_RESERVE_FRACTION`` of the allocated peak (10%; measured 0.7–35% on the H200, median 12%).
+* **What sits outside the allocator** (device used − ``memory_reserved``), a property of the GPU and the
+  workload, in three terms:
+
+  1. *The CUDA context after CUDA and cuBLAS initialisation*: driver and runtime state, the modules cuBLAS
+     loads, and the **local-memory reservation**, which the driver sizes for the whole context as
+     ``SMs × max resident threads per SM × local memory per thread`` (NVIDIA Developer Forums, "Local memory
+     management", forums.developer.nvidia.com/t/289339: "MAX_THREADS_PER_SM x SMs x LOCAL_MEM_PER_THREAD"; the
+     default per-thread stack is
+     ``cudaLimitStackSize`` = 1 KiB). On our H200 (torch 2.11 + CUDA 13.0, driver 580) the context measured
+     718,077,952 B (``../shared/gpu-truth``: used after init − reserved after init, the same with either
+     allocator setting); 132 SMs × 2048 threads × 1 KiB = 264 MiB of it is local memory, the remaining
+     420.8 MiB the driver, runtime and library modules. For another NVIDIA GPU we keep those 420.8 MiB and
+     recompute the local memory from its SM count and compute capability: an *estimate*, not a
+     measurement, and every report says which it is. PyTorch loads kernels lazily (``CUDA_MODULE_LOADING=LAZY``
+     since 1.13, pytorch/pytorch#86509; the CUDA default on Linux since 12.2): eager loading (CUDA < 11.7)
+     took over 1 GB more (ptrblck in pytorch/pytorch#107667), which we do not model.
+  2. *Kernel images loaded lazily* as a training step first runs each kernel: 82–88 MiB more after training
+     steps than after initialisation on the H200 (seven cases, 2 MiB steps); we count their middle, 86 MiB.
+     Inference runs fewer distinct kernels; we count the same figure, an upper bound there.
+  3. *NCCL's buffers* for multi-GPU runs (not allocated through PyTorch): 0 on one GPU. With a one-rank NCCL
+     group the H200 showed +67 MiB under FSDP2 and +557 MiB after DDP (DESIGN §4.1); the multi-GPU model
+     fills this term.
+
+AMD GPUs: ROCm allocates scratch (local) memory per queue when a kernel needs it and no public figure for
+its context was found, so the driver/runtime term alone is assumed and the basis says so.
 """
 
 from __future__ import annotations
 
-from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES
+from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, max_threads_per_sm
+from trainfit.hardware.gpus import GPUSpec, get_gpu
 from trainfit.result import Overhead
 from trainfit.units import MiB
 
-CUDA_CONTEXT_BYTES = 512 * MiB
+__all__ = [
+    "ALLOCATOR_BLOCK_BYTES",
+    "ALLOCATOR_RESERVE_FRACTION",
+    "CONTEXT_MEASURED",
+    "LOCAL_MEMORY_PER_THREAD_BYTES",
+    "TRAINING_KERNEL_IMAGES_BYTES",
+    "context_bytes",
+    "local_memory_bytes",
+    "outside_allocator",
+    "overhead_for",
+]
+
 ALLOCATOR_RESERVE_FRACTION = 0.10
 
+#: Default per-thread stack (``cudaLimitStackSize``), the local memory a fresh context reserves per thread.
+LOCAL_MEMORY_PER_THREAD_BYTES = 1024
 
-__all__ = ["ALLOCATOR_BLOCK_BYTES", "ALLOCATOR_RESERVE_FRACTION", "CUDA_CONTEXT_BYTES", "overhead_for"]
+#: Contexts measured after CUDA + cuBLAS initialisation, outside the allocator: GPU id → (bytes, how).
+CONTEXT_MEASURED: dict[str, tuple[int, str]] = {
+    "h200-sxm-141gb": (
+        718_077_952,
+        "measured on an H200 with torch 2.11 + CUDA 13.0, driver 580 (../shared/gpu-truth)",
+    ),
+}
+
+#: The GPU the reference figures were measured on (and the assumption when no GPU is named).
+REFERENCE_GPU = "h200-sxm-141gb"
+
+#: Kernel images a training step loads lazily beyond initialisation (H200: 82–88 MiB; see the docstring).
+TRAINING_KERNEL_IMAGES_BYTES = 86 * MiB
 
 
-def overhead_for(peak_allocated_bytes: int) -> Overhead:
-    return Overhead(
-        cuda_context_bytes=CUDA_CONTEXT_BYTES,
-        allocator_reserve_bytes=int(peak_allocated_bytes * ALLOCATOR_RESERVE_FRACTION),
+def local_memory_bytes(gpu: GPUSpec) -> int:
+    """The context's local-memory reservation: SMs × resident threads per SM × 1 KiB (NVIDIA only)."""
+    if gpu.compute_capability is None or gpu.sm_count is None:
+        return 0
+    return gpu.sm_count * max_threads_per_sm(gpu.compute_capability) * LOCAL_MEMORY_PER_THREAD_BYTES
+
+
+def _reference() -> tuple[GPUSpec, int]:
+    ref = get_gpu(REFERENCE_GPU)
+    return ref, CONTEXT_MEASURED[REFERENCE_GPU][0]
+
+
+def context_bytes(gpu: GPUSpec | None) -> tuple[int, str]:
+    """(bytes of the CUDA context after CUDA + cuBLAS initialisation, where the figure comes from)."""
+    if gpu is None:
+        ref, measured = _reference()
+        return measured, f"no --gpu: the CUDA context {CONTEXT_MEASURED[ref.id][1]}"
+    if gpu.id in CONTEXT_MEASURED:
+        measured, how = CONTEXT_MEASURED[gpu.id]
+        return measured, f"the CUDA context {how}"
+    ref, measured = _reference()
+    runtime = measured - local_memory_bytes(ref)
+    if gpu.compute_capability is None:
+        return runtime, (
+            f"the CUDA context assumed: the driver/runtime part measured on the {ref.name}, no local-memory term "
+            "(ROCm allocates scratch on demand; no public figure for a ROCm context)"
+        )
+    local = local_memory_bytes(gpu)
+    return runtime + local, (
+        f"the CUDA context estimated: the driver/runtime part measured on the {ref.name} plus this GPU's "
+        f"local memory ({gpu.sm_count} SMs × {max_threads_per_sm(gpu.compute_capability)} threads × 1 KiB)"
     )
+
+
+def outside_allocator(gpu: GPUSpec | None, *, allocator_reserve_bytes: int, nccl_bytes: int = 0) -> Overhead:
+    """The overhead of a training step on ``gpu`` with the method's allocator reserve."""
+    context, basis = context_bytes(gpu)
+    return Overhead(
+        cuda_context_bytes=context,
+        kernel_images_bytes=TRAINING_KERNEL_IMAGES_BYTES,
+        nccl_bytes=nccl_bytes,
+        allocator_reserve_bytes=allocator_reserve_bytes,
+        basis=f"{basis}; +{TRAINING_KERNEL_IMAGES_BYTES // MiB} MiB of kernels loaded lazily by a training step",
+    )
+
+
+def overhead_for(peak_allocated_bytes: int, gpu: GPUSpec | None = None) -> Overhead:
+    """The overhead with the fixed-fraction allocator reserve (for methods that do not simulate it)."""
+    return outside_allocator(gpu, allocator_reserve_bytes=int(peak_allocated_bytes * ALLOCATOR_RESERVE_FRACTION))

@@ -73,6 +73,7 @@ class Component(StrEnum):
     ADAPTER_WEIGHTS = "adapter_weights"
     UNSHARDED_PARAMS = "unsharded_params"  # ZeRO-3/FSDP: parameters all-gathered for the current layer(s)
     COMM_BUFFERS = "comm_buffers"  # DDP buckets, reduce-scatter/all-gather staging buffers
+    WORKSPACES = "workspaces"  # cuBLAS/cuBLASLt workspaces: allocator blocks no tensor owns (per GPU)
 
 
 #: Components that make up the model states (weights and what training keeps per weight).
@@ -133,14 +134,23 @@ class RankMemory:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overhead:
-    """Memory outside PyTorch's allocated tensors (documented constants, see ``trainfit.overhead``)."""
+    """Memory beyond the allocated peak (see :mod:`trainfit.overhead`): what the caching allocator reserves on
+    top of it, and what sits outside the allocator (CUDA context, lazily loaded kernels, NCCL buffers)."""
 
-    cuda_context_bytes: int
-    allocator_reserve_bytes: int
+    cuda_context_bytes: int  # the context after CUDA + cuBLAS initialisation, outside the allocator
+    allocator_reserve_bytes: int  # max_memory_reserved − max_memory_allocated
+    kernel_images_bytes: int = 0  # kernel modules loaded lazily as the workload first runs them
+    nccl_bytes: int = 0  # NCCL's own buffers (many GPUs), outside the allocator
+    basis: str = ""  # where the outside-allocator figures come from (one sentence)
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """What ``nvidia-smi`` shows beyond ``torch.cuda.memory_reserved``."""
+        return self.cuda_context_bytes + self.kernel_images_bytes + self.nccl_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.cuda_context_bytes + self.allocator_reserve_bytes
+        return self.outside_allocator_bytes + self.allocator_reserve_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,15 +202,37 @@ class BytesPerParam:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AnalyticDetails:
-    activation_coefficient: float  # saved activation bytes / (b·s·h·L): the article's c, computed
-    activations_per_layer_bytes: int
+class AllocatorDetails:
+    """What the caching-allocator simulation said (:mod:`trainfit.allocator`)."""
+
+    config: str  # the PYTORCH_CUDA_ALLOC_CONF simulated ("" = the defaults)
+    reserved_peak_bytes: int  # predicted torch.cuda.max_memory_reserved
+    fragmentation_bytes: int  # reserved − allocated when reserved peaked
+    segments: int  # segments (expandable: mapped ranges) at the reserved peak
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "config": self.config,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "segments": self.segments,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnalyticDetails:
+    activation_coefficient: float  # saved activation bytes / (b·s·h·L): the article's c, computed
+    activations_per_layer_bytes: int
+    allocator: AllocatorDetails | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "activation_coefficient": self.activation_coefficient,
             "activations_per_layer_bytes": self.activations_per_layer_bytes,
         }
+        if self.allocator is not None:
+            out["allocator"] = self.allocator.as_dict()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,6 +286,7 @@ class TraceDetails:
     optimizer_impl: str | None = None
     trace_seconds: float | None = None
     peak_events: Mapping[Phase, int] = field(default_factory=dict)
+    allocator: AllocatorDetails | None = None  # the traced events replayed through the allocator simulation
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -272,6 +305,8 @@ class TraceDetails:
             out["trace_seconds"] = self.trace_seconds
         if self.peak_events:
             out["peak_events"] = {ph.value: ev for ph, ev in self.peak_events.items()}
+        if self.allocator is not None:
+            out["allocator"] = self.allocator.as_dict()
         return out
 
 
@@ -398,8 +433,8 @@ class MemoryReport:
 
     @property
     def nvidia_smi_estimate_bytes(self) -> int:
-        """Estimate of what ``nvidia-smi`` shows for the process: reserved + CUDA context."""
-        return self.reserved_estimate_bytes + self.overhead.cuda_context_bytes
+        """Estimate of what ``nvidia-smi`` shows for the process: reserved + everything outside the allocator."""
+        return self.reserved_estimate_bytes + self.overhead.outside_allocator_bytes
 
     def phase(self, phase: AnyPhase) -> PhaseBreakdown:
         for p in self.phases:

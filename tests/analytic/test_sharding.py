@@ -142,7 +142,7 @@ def test_ddp_buckets_hold_every_gradient() -> None:
 def test_ddp_is_the_single_gpu_model_plus_its_buckets() -> None:
     spec = load_model("qwen2.5-7b")
     psi = inventory(spec).total
-    single = estimate_analytic(spec, Strategy())
+    single = estimate(spec, Strategy())
     ddp = estimate(spec, _dp(4, sharding="ddp"))
     view = estimate(spec, _dp(4, sharding="ddp", engine=EngineOptions(gradient_as_bucket_view=True)))
     for p1, p2, p3 in zip(single.phases, ddp.phases, view.phases, strict=True):
@@ -245,7 +245,9 @@ def test_gpus_not_a_multiple_of_tp_pp() -> None:
     assert Parallelism.for_gpus(64, tensor=8, pipeline=4).data == 2
 
 
-def test_single_gpu_estimate_is_unchanged() -> None:
+def test_single_gpu_estimate_is_not_the_parallel_model() -> None:
     spec = load_model("llama-3.1-8b")
-    assert estimate(spec, Strategy()).phases == estimate_analytic(spec, Strategy()).phases
+    one = estimate(spec, Strategy())
+    assert not Strategy().is_distributed and one.ranks == ()
+    assert all(p.get(Component.COMM_BUFFERS) == p.get(Component.UNSHARDED_PARAMS) == 0 for p in one.phases)
     assert Precision.AMP_BF16 is Strategy().precision

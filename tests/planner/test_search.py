@@ -49,7 +49,7 @@ def _apply(s: Strategy, flags: tuple[str, ...]) -> Strategy:
     [
         ("gpt2", "t4", dict(micro_batch=64, seq_len=1024, precision="amp-fp16")),
         ("bert-base-uncased", "t4", dict(micro_batch=32, seq_len=512, precision="amp-fp16")),
-        ("qwen2.5-0.5b", "rtx-4090", dict(micro_batch=16, seq_len=2048, grad_accum=3)),
+        ("qwen2.5-0.5b", "rtx-4090", dict(micro_batch=16, seq_len=1024, grad_accum=3)),
     ],
 )
 def test_suggested_accumulation_fits_and_keeps_the_effective_batch(slug: str, gpu: str, kw: dict[str, object]) -> None:

@@ -60,6 +60,13 @@ class SavedTerm:
     bytes: int
     formula: str
     role: TermRole = TermRole.BLOCK
+    # The separate tensors that make up ``bytes`` when there are several (q, k and v; a dropout's mask and
+    # output), as the allocator sees them (trainfit.analytic.events); empty: one tensor.
+    pieces: tuple[int, ...] = ()
+
+    def tensors(self) -> tuple[int, ...]:
+        """The byte sizes of the tensors behind this term."""
+        return self.pieces or (self.bytes,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -339,7 +346,10 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
             full, full_v = heads * d, heads * dv
             out.append(
                 SavedTerm(
-                    name="attn.sdpa_math.qkv", bytes=4 * t * (qd + full + full_v), formula="4·t·(q_dim+2·heads·hd)"
+                    name="attn.sdpa_math.qkv",
+                    bytes=4 * t * (qd + full + full_v),
+                    formula="4·t·(q_dim+2·heads·hd)",
+                    pieces=(4 * t * qd, 4 * t * full, 4 * t * full_v),
                 )
             )
             out.append(
@@ -353,7 +363,12 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
             if spec.attention_dropout > 0:
                 # at::dropout on CUDA: fused native_dropout, a bool mask and the fp32 dropped probabilities.
                 out.append(
-                    SavedTerm(name="attn.sdpa_math.dropout", bytes=5 * b * nh * s * s, formula="(1+4)·b·heads·s²")
+                    SavedTerm(
+                        name="attn.sdpa_math.dropout",
+                        bytes=5 * b * nh * s * s,
+                        formula="(1+4)·b·heads·s²",
+                        pieces=(b * nh * s * s, 4 * b * nh * s * s),
+                    )
                 )
             out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
             return out
@@ -376,7 +391,12 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         out.append(SavedTerm(name="attn.eager.q_k_v", bytes=qkv.bytes, formula=qkv.formula))
     else:
         out.append(
-            SavedTerm(name="attn.eager.q_k_v", bytes=a * t * (qd + kv_rep + kv_rep), formula="a·t·(q_dim+2·heads·hd)")
+            SavedTerm(
+                name="attn.eager.q_k_v",
+                bytes=a * t * (qd + kv_rep + kv_rep),
+                formula="a·t·(q_dim+2·heads·hd)",
+                pieces=(a * t * qd, a * t * kv_rep, a * t * kv_rep),
+            )
         )
     if spec.attn_logit_softcapping:
         out.append(SavedTerm(name="attn.eager.softcap_tanh", bytes=a * scores, formula="a·b·heads·s² (tanh out)"))
@@ -389,7 +409,14 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         )
     )
     if spec.attention_dropout > 0:
-        out.append(SavedTerm(name="attn.eager.dropout", bytes=(1 + a) * scores, formula="(1+a)·b·heads·s²"))
+        out.append(
+            SavedTerm(
+                name="attn.eager.dropout",
+                bytes=(1 + a) * scores,
+                formula="(1+a)·b·heads·s²",
+                pieces=(scores, a * scores),
+            )
+        )
     elif ch.probs:
         out.append(SavedTerm(name="attn.eager.probs", bytes=ch.probs * scores, formula="a·b·heads·s²"))
     out.append(SavedTerm(name="attn.eager.out", bytes=a * t * qd, formula="a·t·q_dim"))
@@ -432,7 +459,12 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
     output alive; the KV cache's ``torch.cat`` replaces k and v by copies (GPT-2: q stays a view, so the
     fused output and the two copies are all saved)."""
     cache = _kv_cache_active(spec, strategy)
-    plain = SavedTerm(name="attn.sdpa.qkv", bytes=a * t * (qd + kd + vd), formula="a·t·(q_dim+2·kv_dim)")
+    plain = SavedTerm(
+        name="attn.sdpa.qkv",
+        bytes=a * t * (qd + kd + vd),
+        formula="a·t·(q_dim+2·kv_dim)",
+        pieces=(a * t * qd, a * t * kd, a * t * vd),
+    )
     if not spec.fused_qkv or spec.mla is not None or spec.sdpa_kv_expanded:
         # (Falcon's new architecture copies k and v out of the fused output while expanding them.)
         return plain

@@ -31,6 +31,8 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import (
     SavedTerm,
     TermRole,
@@ -48,13 +50,15 @@ from trainfit.analytic.activations import (
     model_terms,
     score_chain,
 )
+from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.states import ModelStates, model_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
-from trainfit.overhead import overhead_for
+from trainfit.overhead import outside_allocator
 from trainfit.result import (
+    AllocatorDetails,
     AnalyticDetails,
     BytesPerParam,
     Component,
@@ -485,8 +489,18 @@ def training_moments(q: StepInputs) -> dict[Phase, Moment]:
     }
 
 
-def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> MemoryReport:
-    """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``."""
+def estimate_analytic(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    keep_logits: bool = False,
+    allocator: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+) -> MemoryReport:
+    """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``; reserved
+    memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
+    ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment), with the GPU's cuBLAS
+    ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU)."""
     strategy, _ = effective_strategy(spec, strategy)  # Gemma-2: eager attention
     q = step_inputs(spec, strategy, keep_logits=keep_logits)
     worst_moments = training_moments(q)
@@ -495,13 +509,16 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
     st, stack = q.states, q.stack
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
     coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
+    config = allocator if allocator is not None else AllocatorConfig.from_env()
+    sim = simulate_training(spec, strategy, config, workspaces)
+    held = peak + sum(w.size_bytes for w in workspaces)
     return MemoryReport(
         method=Method.ANALYTIC,
         model_name=spec.name,
         params=st.params,
         trainable_params=st.trainable_params,
         phases=phases,
-        overhead=overhead_for(peak),
+        overhead=outside_allocator(None, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held)),
         bytes_per_param=BytesPerParam(
             weights=st.per_param(st.weights_bytes),
             gradients=st.per_param(st.grads_bytes),
@@ -512,7 +529,14 @@ def estimate_analytic(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
         terms=_terms(spec, strategy, st, stack, q.logits_backward),
         notes=_notes(strategy, coeff),
         details=AnalyticDetails(
-            activation_coefficient=round(coeff, 2), activations_per_layer_bytes=stack.max_layer_bytes
+            activation_coefficient=round(coeff, 2),
+            activations_per_layer_bytes=stack.max_layer_bytes,
+            allocator=AllocatorDetails(
+                config=config.to_env(),
+                reserved_peak_bytes=sim.peak_reserved_bytes,
+                fragmentation_bytes=sim.fragmentation_bytes,
+                segments=sim.num_segments_at_peak,
+            ),
         ),
     )
 

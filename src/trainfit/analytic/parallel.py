@@ -757,10 +757,19 @@ def _megatron(
 # -- the entry point -------------------------------------------------------------------------------------
 
 
-def estimate_parallel(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> MemoryReport:
+def estimate_parallel(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    keep_logits: bool = False,
+    allocator: object | None = None,
+    workspaces: tuple[object, ...] = (),
+) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
-    and host memory per node, for ``strategy``'s parallel setup."""
-    del keep_logits
+    and host memory per node, for ``strategy``'s parallel setup. The allocator simulation is not run for
+    many GPUs yet (``allocator`` and ``workspaces`` are accepted and unused: the reserve is the fixed
+    fraction of :func:`trainfit.overhead.overhead_for`)."""
+    del keep_logits, allocator, workspaces
     strategy, _ = effective_strategy(spec, strategy)
     p = plan(spec, strategy)
     ranks: tuple[RankMemory, ...] = ()
@@ -808,7 +817,8 @@ def estimate_parallel(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
             *p.defaults,
             *notes,
             why,
-            "per-rank bytes inside PyTorch's allocator; NCCL's own buffers (outside it) are not counted",
+            "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
+            "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
         ),
         details=AnalyticDetails(activation_coefficient=0.0, activations_per_layer_bytes=0),
         ranks=ranks,
@@ -818,6 +828,19 @@ def estimate_parallel(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool 
 def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
     best = max(range(len(ranks)), key=lambda i: ranks[i].peak_bytes)
     return best
+
+
+#: NCCL's buffers outside PyTorch's allocator, measured with a one-rank NCCL group on the H200
+#: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed or Megatron (0).
+NCCL_FSDP_BYTES = 67 * 2**20
+NCCL_DDP_BYTES = 557 * 2**20
+
+
+def nccl_bytes(strategy: Strategy) -> int:
+    """NCCL's own device buffers for ``strategy`` (outside the allocator; 0 where not measured)."""
+    if not strategy.is_distributed or resolve_engine(strategy) is not Engine.TORCH:
+        return 0
+    return NCCL_FSDP_BYTES if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) else NCCL_DDP_BYTES
 
 
 def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
@@ -836,6 +859,7 @@ __all__ = [
     "estimate_parallel",
     "fsdp_states",
     "in_flight_microbatches",
+    "nccl_bytes",
     "plan",
     "resolve_engine",
     "shard_tensor",

@@ -97,6 +97,29 @@ def _opt_state_bytes(t: ParamTensor, opt: Optimizer, state_bits: int, impl: Opti
     raise AssertionError(opt)  # pragma: no cover
 
 
+def optimizer_state_tensors(t: ParamTensor, opt: Optimizer, state_bits: int, impl: OptimizerImpl) -> tuple[int, ...]:
+    """The allocator-rounded state tensors ``opt`` keeps for parameter ``t``, one entry per tensor (their sum
+    is :func:`_opt_state_bytes`): what an allocator simulation allocates when the states are created."""
+    n = t.numel
+    if opt is Optimizer.ADAMW:
+        step = (_alloc(1, 32),) if impl is OptimizerImpl.FUSED else ()
+        return (_alloc(n, state_bits), _alloc(n, state_bits), *step)
+    if opt is Optimizer.ADAMW_8BIT:
+        if n < BNB_MIN_8BIT_SIZE:
+            return (_alloc(n, 32), _alloc(n, 32))
+        blocks = -(-n // BNB_BLOCK)
+        return (_alloc(n, 8), _alloc(blocks, 32), _alloc(n, 8), _alloc(blocks, 32))
+    if opt is Optimizer.SGD:
+        return ()
+    if opt in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
+        return (_alloc(n, state_bits),)
+    if opt is Optimizer.ADAFACTOR:
+        if len(t.shape) >= 2:
+            return (_alloc(n // t.shape[-1], 32), _alloc(n // t.shape[-2], 32), _alloc(1, 32))
+        return (_alloc(n, 32), _alloc(1, 32))
+    raise AssertionError(opt)  # pragma: no cover
+
+
 #: bitsandbytes' two shared quantisation maps ("dynamic", "udynamic"): 256 fp32 entries each.
 BNB_QMAPS_BYTES = 2 * _alloc(256, 32)
 

@@ -48,10 +48,15 @@ class GPUSpec:
     source: str = ""
     notes: str = ""
     memory_basis: str = "nominal"  # "driver": reported total with ECC on; "nominal": vendor capacity
+    # Streaming multiprocessors (AMD: compute units): the CUDA context's local-memory reservation scales
+    # with it (trainfit.overhead). Each entry cites its source in ``sm_count_source``.
+    sm_count: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
             raise ValueError(f"GPU {self.id}: memory_bytes must be positive")
+        if self.sm_count is not None and self.sm_count <= 0:
+            raise ValueError(f"GPU {self.id}: sm_count must be positive")
         if self.memory_basis not in MEMORY_BASES:
             raise ValueError(f"GPU {self.id}: memory_basis must be one of {', '.join(MEMORY_BASES)}")
 
@@ -64,6 +69,7 @@ class GPUSpec:
             "memory_basis": self.memory_basis,
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
             "compute_capability": self.compute_capability,
+            "sm_count": self.sm_count,
             "bf16": self.bf16,
             "fp8": self.fp8,
             "tf32": self.tf32,
@@ -91,6 +97,7 @@ def _catalog() -> dict[str, GPUSpec]:
             source=row.get("source", ""),
             notes=row.get("notes", ""),
             memory_basis=row.get("memory_basis", "nominal"),
+            sm_count=row.get("sm_count"),
         )
         out[spec.id] = spec
     return out

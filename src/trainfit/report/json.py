@@ -112,7 +112,11 @@ def report_json(
         "phases": {p.phase.value: _phase_json(p) for p in report.phases},
         "overhead": {
             "cuda_context_bytes": report.overhead.cuda_context_bytes,
+            "kernel_images_bytes": report.overhead.kernel_images_bytes,
+            "nccl_bytes": report.overhead.nccl_bytes,
+            "outside_allocator_bytes": report.overhead.outside_allocator_bytes,
             "allocator_reserve_bytes": report.overhead.allocator_reserve_bytes,
+            "basis": report.overhead.basis,
         },
         "reserved_estimate_bytes": report.reserved_estimate_bytes,
         "nvidia_smi_estimate_bytes": report.nvidia_smi_estimate_bytes,

@@ -67,7 +67,7 @@ def _answer(report: MemoryReport) -> Text:
         f" during {report.peak_phase.value} (torch.cuda.max_memory_allocated); "
         f"reserved ≈ {fmt_gib(report.reserved_estimate_bytes)}; "
         f"nvidia-smi ≈ {fmt_gib(report.nvidia_smi_estimate_bytes)} "
-        f"(+{fmt_gib(report.overhead.cuda_context_bytes)} CUDA context)"
+        f"(+{fmt_gib(report.overhead.outside_allocator_bytes)} outside the allocator: CUDA context and kernels)"
     )
     return t
 
@@ -265,3 +265,5 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
         console.print(_differences(differences, report.peak_phase.value))
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")
+    if report.overhead.basis and report.method is not Method.RULE_OF_THUMB:
+        console.print(f"[dim]outside the allocator: {report.overhead.basis}[/dim]")

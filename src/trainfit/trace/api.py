@@ -9,16 +9,21 @@ extrapolated linearly in the number of repeated units, then each phase takes the
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import training_workspaces
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import TrainfitError
-from trainfit.result import MemoryReport, Method, Phase, TraceDetails
+from trainfit.result import AllocatorDetails, MemoryReport, Method, Phase, TraceDetails
 from trainfit.strategy import Precision, Strategy, recipe
 from trainfit.trace import depth, readout
 from trainfit.trace import runner as rn
 from trainfit.trace._deps import require_torch, require_transformers
+from trainfit.trace.events import reserved_from_trace
 
 Progress = Callable[[str, float], None]
 
@@ -32,17 +37,22 @@ def trace_spec(
     steps: int = 2,
     adamw_impl: str | None = None,
     extrapolate: bool = True,
+    allocator: AllocatorConfig | None = None,
+    compute_capability: tuple[int, int] = (9, 0),
 ) -> MemoryReport:
     """Trace ``spec`` trained under ``strategy`` (real HF modules, fake tensors, CUDA policies).
 
     ``extrapolate=False`` traces the full depth. ``adamw_impl`` overrides ``strategy.optimizer_impl``:
     ``foreach`` (``torch.optim.AdamW``'s default on CUDA) or ``fused`` (the HF Trainer's default on
-    torch >= 2.8).
+    torch >= 2.8). With ``allocator``, the trace's events (stitched to full depth, with the cuBLAS
+    workspaces of a GPU of ``compute_capability``) are replayed through the caching-allocator simulation
+    for the reserved memory (:func:`trainfit.trace.events.reserved_from_trace`: one more trace of three
+    units of the layer stack); without it, reserved memory is the fixed fraction of ``trainfit.overhead``.
     """
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     require_torch()
     require_transformers()
-    return depth.trace_hf(
+    report = depth.trace_hf(
         spec,
         strategy,
         modules=modules,
@@ -50,6 +60,29 @@ def trace_spec(
         steps=steps,
         adamw_impl=adamw_impl,
         extrapolate=extrapolate,
+    )
+    if allocator is None:
+        return report
+    if progress is not None:
+        progress("simulating the caching allocator on the full-depth event stream", 1.0)
+    res = reserved_from_trace(
+        spec, strategy, allocator, compute_capability=compute_capability, env=os.environ, steps=steps
+    ).result
+    held = report.peak_bytes + sum(w.size_bytes for w in training_workspaces(compute_capability, os.environ))
+    details = report.details
+    assert isinstance(details, TraceDetails)
+    return dataclasses.replace(
+        report,
+        overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=max(0, res.peak_reserved_bytes - held)),
+        details=dataclasses.replace(
+            details,
+            allocator=AllocatorDetails(
+                config=allocator.to_env(),
+                reserved_peak_bytes=res.peak_reserved_bytes,
+                fragmentation_bytes=res.fragmentation_bytes,
+                segments=res.num_segments_at_peak,
+            ),
+        ),
     )
 
 

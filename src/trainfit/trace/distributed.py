@@ -358,9 +358,13 @@ def trace_distributed(
     steps: int = 2,
     adamw_impl: str | None = None,
     extrapolate: bool = True,
+    allocator: object | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> MemoryReport:
-    """Rank 0 of ``strategy``'s DDP or FSDP2 run, traced on the fake process group and extrapolated in depth."""
-    del modules
+    """Rank 0 of ``strategy``'s DDP or FSDP2 run, traced on the fake process group and extrapolated in depth.
+    The allocator replay of the single-GPU trace is not run for many GPUs yet (``allocator`` and
+    ``compute_capability`` are accepted and unused)."""
+    del modules, allocator, compute_capability
     check_traceable(strategy)
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     from trainfit.trace._deps import require_torch, require_transformers
@@ -420,7 +424,7 @@ def trace_distributed(
         f"rank 0 of {world} on PyTorch's fake process group: {what}",
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + (" and extrapolated each region linearly" if plan.ext else ""),
-        "NCCL's own buffers (outside the allocator) are not counted",
+        "NCCL's own buffers are outside the allocator (the overhead's NCCL term)",
     ]
     return MemoryReport(
         method=Method.TRACE,

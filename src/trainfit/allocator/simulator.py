@@ -1,0 +1,816 @@
+"""An event-driven model of PyTorch's CUDA caching allocator (``DeviceCachingAllocator`` in
+c10/cuda/CUDACachingAllocator.cpp), to predict *reserved* memory from a sequence of allocations and frees.
+
+Reserved memory is what ``cudaMalloc`` (or, with expandable segments, ``cuMemMap``) has handed the
+allocator; allocated memory is the blocks it has handed out. Their difference is fragmentation, and it
+depends on the exact order of requests, so we replay the order instead of guessing a ratio. The rules,
+each from the source (function names of ``DeviceCachingAllocator`` unless said otherwise):
+
+* **Rounding** (``round_size``): requests round up to 512 B (``kMinBlockSize``); with
+  ``roundup_power2_divisions`` a request above 512·d rounds to the next of d equal steps between two powers
+  of two (``roundup_power2_next_division``).
+* **Pools** (``get_pool``): ≤ 1 MiB (``kSmallSize``) goes to the small pool, anything larger to the large
+  pool; each pool is searched per stream (``BlockComparatorSize`` orders by stream, size, address).
+* **Segment sizes** (``get_allocation_size``): small requests get a 2 MiB segment (``kSmallBuffer``),
+  requests under 10 MiB (``kMinLargeAlloc``) a 20 MiB one (``kLargeBuffer``), larger ones their size rounded
+  up to 2 MiB (``kRoundLarge``).
+* **Best fit** (``get_free_block``): the smallest cached block of the pool and stream that is large enough,
+  lowest address on ties. With ``max_split_size``, a request below it never takes a block at or above it,
+  and a request at or above it takes a block at most ``max_non_split_rounding`` larger.
+* **Splitting** (``should_split``, ``alloc_found_block``): the request takes the low end of the block; the
+  rest becomes a free block if it is ≥ 512 B (small pool, or any pool with expandable segments), or
+  > 1 MiB for a large-pool request below ``max_split_size``. An unsplit remainder stays part of the
+  allocated block and counts in ``allocated``.
+* **Merging** (``free_block``, ``try_merge_blocks``): a freed block merges with its free neighbours in the
+  same segment; segments never merge.
+* **Growth** (``malloc``, ``alloc_block``): a miss allocates a new segment. If a capacity is given and the
+  segment does not fit, the allocator frees oversize cached blocks (``release_available_cached_blocks``,
+  only with ``max_split_size``), then every unsplit cached segment (``release_cached_blocks``) and retries;
+  a second miss is an out-of-memory error. ``garbage_collection_threshold`` (``garbage_collect_cached_blocks``)
+  runs before a new segment only when a capacity (a memory fraction, ``set_fraction``) is set.
+* **Expandable segments** (``find_expandable_block``, ``try_allocate_expandable_block``, ``map_block``,
+  ``unmap_block``; Note [Expandable Segments]): one virtual range per pool and stream, mapped on demand in
+  pages of 2 MiB (small pool) or 20 MiB (large pool) at the lowest unmapped address (merged with the free
+  block before it); while searching, the free block at the mapped end counts as if it had the unmapped
+  space behind it, so other blocks are preferred to it. Free whole pages are unmapped on ``empty_cache``.
+* **Release** (``release_cached_blocks``, ``release_blocks``): reserved memory only shrinks on
+  ``empty_cache()`` (or an out-of-memory retry): unsplit free segments are ``cudaFree``d, free pages of
+  expandable segments unmapped.
+* **Cross-stream frees** (``free``, ``insert_events``, ``process_events``): a block used on another stream
+  is freed in two steps, ``free_requested`` (``allocated`` drops) and ``free_completed`` (the block returns
+  to the pool once the other stream's events have completed); the model takes both as events.
+
+What is not modelled: CUDA graph private pools, IPC, peer access, the free-memory callbacks, and the
+allocator's interaction with memory outside it (the capacity is a number we are told).
+
+Speed: each pool keeps its free blocks in a list sorted by (size, address), searched and updated with
+``bisect``; merges follow the blocks' neighbour links, so an event costs O(log n) comparisons plus a list
+insertion (a C ``memmove``), never a scan. See ``benchmarks/allocator_speed.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+from trainfit.allocator.config import AllocatorConfig, AllocatorConfigError, Backend
+
+#: Constants of c10/cuda/CUDACachingAllocator.cpp.
+MIN_BLOCK_BYTES = 512  # kMinBlockSize
+SMALL_SIZE_BYTES = 1 << 20  # kSmallSize: the largest small-pool request
+SMALL_BUFFER_BYTES = 2 << 20  # kSmallBuffer: small-pool segment (and expandable page) size
+LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: segment for 1–10 MiB requests (and expandable large page)
+MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
+
+#: Where simulated segments start (any aligned address works: only the order of addresses matters).
+_BASE_ADDRESS = 1 << 40
+#: Virtual size of an expandable segment when no capacity is given (find_expandable_block reserves
+#: 1 1/8 of the GPU's memory; only its being larger than any request matters here).
+_DEFAULT_VA_BYTES = 1 << 46
+
+
+class Op(StrEnum):
+    ALLOC = "alloc"
+    FREE = "free"  # free_requested and free_completed at once (same-stream free)
+    FREE_REQUESTED = "free_requested"
+    FREE_COMPLETED = "free_completed"
+    EMPTY_CACHE = "empty_cache"
+
+
+class Event(NamedTuple):
+    """One allocator call: ``key`` names the allocation (any int unique among live ones)."""
+
+    op: Op
+    key: int = 0
+    size_bytes: int = 0
+    stream: int = 0
+
+
+class PoolKind(StrEnum):
+    SMALL = "small"
+    LARGE = "large"
+
+
+class BlockState(StrEnum):
+    ALLOCATED = "allocated"
+    PENDING_FREE = "pending_free"  # free requested, not completed (cross-stream)
+    FREE = "free"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockLayout:
+    address: int
+    size_bytes: int
+    state: BlockState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentLayout:
+    """One segment (for expandable segments: one contiguous mapped range), blocks by address."""
+
+    address: int
+    size_bytes: int
+    pool: PoolKind
+    stream: int
+    expandable: bool
+    blocks: tuple[BlockLayout, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutOfMemory:
+    """The request the allocator could not satisfy, even after freeing its cache."""
+
+    event_index: int
+    request_bytes: int
+    reserved_bytes: int
+    allocated_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocatorResult:
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    #: Reserved bytes when allocated first reached its peak (what an OOM at that moment would see).
+    reserved_at_peak_allocated_bytes: int
+    reserved_end_bytes: int
+    allocated_end_bytes: int
+    #: reserved − allocated at the moment reserved peaked, and that over reserved.
+    fragmentation_bytes: int
+    fragmentation_ratio: float
+    #: Index of the event after which reserved first reached its peak (-1: never grew).
+    peak_event_index: int
+    num_segments_end: int
+    num_segments_at_peak: int
+    num_device_allocs: int
+    num_device_frees: int
+    oom: OutOfMemory | None = None
+    layout_at_peak: tuple[SegmentLayout, ...] | None = None
+
+
+class _Segment:
+    __slots__ = ("address", "expandable", "page_bytes", "small", "stream")
+
+    def __init__(self, address: int, small: bool, stream: int, expandable: bool) -> None:
+        self.address = address
+        self.small = small
+        self.stream = stream
+        self.expandable = expandable
+        self.page_bytes = SMALL_BUFFER_BYTES if small else LARGE_BUFFER_BYTES
+
+
+class _Block:
+    __slots__ = ("addr", "gc_base", "in_use", "mapped", "next", "pending", "prev", "seg", "size")
+
+    def __init__(self, addr: int, size: int, seg: _Segment, mapped: bool = True) -> None:
+        self.addr = addr
+        self.size = size
+        self.seg = seg
+        self.mapped = mapped
+        self.in_use = False  # handed out (allocated, or freed but not completed)
+        self.pending = False  # free requested, not completed
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.gc_base = 0
+
+
+class _Pool:
+    __slots__ = ("free", "small", "stream", "unmapped")
+
+    def __init__(self, small: bool, stream: int) -> None:
+        self.small = small
+        self.stream = stream
+        self.free: list[tuple[int, int, _Block]] = []  # (size, address, block), sorted
+        self.unmapped: list[tuple[int, _Block]] = []  # (address, block), sorted
+
+
+class AllocatorOutOfMemory(Exception):
+    """Internal: raised by ``malloc`` and turned into :class:`OutOfMemory` by :func:`simulate`."""
+
+
+def round_size(size_bytes: int, config: AllocatorConfig) -> int:
+    """``round_size``: 512 B granularity, or ``roundup_power2_divisions`` steps."""
+    if size_bytes < MIN_BLOCK_BYTES:
+        return MIN_BLOCK_BYTES
+    d = config.divisions_for(size_bytes)
+    if d > 1 and size_bytes > MIN_BLOCK_BYTES * d:
+        # roundup_power2_next_division
+        if size_bytes & (size_bytes - 1) == 0:
+            return size_bytes
+        floor = 1 << (size_bytes.bit_length() - 1)
+        step = floor >> (d.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        low = size_bytes & ~(step - 1)
+        return size_bytes if low == size_bytes else low + step
+    return -(-size_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
+
+
+def allocation_size(size_bytes: int) -> int:
+    """``get_allocation_size``: the segment ``cudaMalloc``ed for a (rounded) request that missed the cache."""
+    if size_bytes <= SMALL_SIZE_BYTES:
+        return SMALL_BUFFER_BYTES
+    if size_bytes < MIN_LARGE_ALLOC_BYTES:
+        return LARGE_BUFFER_BYTES
+    return -(-size_bytes // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+
+
+class Simulator:
+    """The allocator's state. Drive it with :meth:`malloc` / :meth:`free` / ... or :func:`simulate`.
+
+    ``capacity_bytes``: what the allocator may reserve (device memory minus what lives outside it, or a
+    memory fraction); ``None`` means unlimited (no out-of-memory retries, no garbage collection).
+    ``segment_address``: optional hook giving the address of a new ``cudaMalloc`` segment of a given size
+    (a replay uses the real addresses so that ties in best fit break as they did); ``None`` falls back.
+    """
+
+    def __init__(
+        self,
+        config: AllocatorConfig | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        segment_address: Callable[[int], int | None] | None = None,
+    ) -> None:
+        self.config = config or AllocatorConfig()
+        if self.config.backend is not Backend.NATIVE:
+            raise AllocatorConfigError("only the native caching allocator is modelled (not cudaMallocAsync)")
+        self.capacity_bytes = capacity_bytes
+        self._segment_address = segment_address
+        self._max_split = self.config.max_split_bytes
+        self._expandable = self.config.expandable_segments
+        self._gc = self.config.garbage_collection_threshold > 0.0 and capacity_bytes is not None
+        self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
+        self._pools: dict[tuple[bool, int], _Pool] = {}
+        self._gc_calls = {True: 0, False: 0}
+        self._live: dict[int, _Block] = {}
+        self._next_address = _BASE_ADDRESS
+        self.reserved_bytes = 0
+        self.allocated_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.peak_allocated_bytes = 0
+        self.reserved_at_peak_allocated_bytes = 0
+        self.fragmentation_at_peak_bytes = 0
+        self.num_segments = 0  # cudaMalloc segments + expandable segments
+        self.num_segments_at_peak = 0
+        self.num_device_allocs = 0
+        self.num_device_frees = 0
+        self.peak_event_index = -1
+        self.event_index = -1
+
+    # ---------------------------------------------------------------- pools and free lists
+    def _pool(self, small: bool, stream: int) -> _Pool:
+        pool = self._pools.get((small, stream))
+        if pool is None:
+            pool = self._pools[(small, stream)] = _Pool(small, stream)
+        return pool
+
+    def _insert_free(self, pool: _Pool, b: _Block) -> None:
+        b.gc_base = self._gc_calls[pool.small]
+        insort(pool.free, (b.size, b.addr, b))
+
+    @staticmethod
+    def _remove_free(pool: _Pool, b: _Block) -> None:
+        i = bisect_left(pool.free, (b.size, b.addr))
+        del pool.free[i]
+
+    @staticmethod
+    def _remove_unmapped(pool: _Pool, b: _Block) -> None:
+        i = bisect_left(pool.unmapped, (b.addr,))
+        del pool.unmapped[i]
+
+    def _new_address(self, size: int) -> int:
+        if self._segment_address is not None:
+            addr = self._segment_address(size)
+            if addr is not None:
+                return addr
+        addr = self._next_address
+        self._next_address += -(-size // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES + ROUND_LARGE_BYTES
+        return addr
+
+    # ---------------------------------------------------------------- public operations
+    def malloc(self, key: int, size_bytes: int, stream: int = 0) -> int:
+        """Allocate ``size_bytes`` for ``key`` on ``stream``; returns the block's address."""
+        if key in self._live:
+            raise ValueError(f"allocation key {key} is already live")
+        if self._plain_rounding:
+            size = MIN_BLOCK_BYTES if size_bytes < MIN_BLOCK_BYTES else -(-size_bytes // 512) * 512
+        else:
+            size = round_size(size_bytes, self.config)
+        small = size <= SMALL_SIZE_BYTES
+        pool = self._pools.get((small, stream)) or self._pool(small, stream)
+        block = self._get_free_block(pool, size)
+        if block is None:
+            block = self._grow(pool, size)
+        remaining = block.size - size
+        if (
+            (remaining >= MIN_BLOCK_BYTES)
+            if (small or self._expandable)
+            else (size < self._max_split and remaining > SMALL_SIZE_BYTES)
+        ):
+            rest = _Block(block.addr + size, remaining, block.seg)
+            rest.prev = block
+            rest.next = block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            rest.gc_base = self._gc_calls[small]
+            insort(pool.free, (remaining, rest.addr, rest))
+        block.in_use = True
+        self._live[key] = block
+        self.allocated_bytes += block.size
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+            self.reserved_at_peak_allocated_bytes = self.reserved_bytes
+        if self.reserved_bytes > self.peak_reserved_bytes:
+            self.peak_reserved_bytes = self.reserved_bytes
+            self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
+            self.num_segments_at_peak = self.num_segments
+            self.peak_event_index = self.event_index
+        return block.addr
+
+    def free_requested(self, key: int) -> None:
+        """``free`` of a block with uses on other streams: ``allocated`` drops, the block stays unavailable."""
+        b = self._live[key]
+        if not b.pending:
+            b.pending = True
+            self.allocated_bytes -= b.size
+
+    def free_completed(self, key: int) -> None:
+        """The block's other-stream uses have completed: it returns to its pool (``free_block``)."""
+        b = self._live.pop(key)
+        if not b.pending:
+            self.allocated_bytes -= b.size
+        b.pending = False
+        b.in_use = False
+        seg = b.seg
+        pool = self._pools[(seg.small, seg.stream)]
+        prev, nxt = b.prev, b.next
+        if prev is not None and not prev.in_use:
+            self._merge(pool, b, prev)
+        if nxt is not None and not nxt.in_use:
+            self._merge(pool, b, nxt)
+        b.gc_base = self._gc_calls[seg.small]
+        insort(pool.free, (b.size, b.addr, b))
+
+    def free(self, key: int) -> None:
+        """A same-stream free: requested and completed at once."""
+        self.free_completed(key)
+
+    def empty_cache(self) -> None:
+        """``emptyCache`` → ``release_cached_blocks``: free unsplit segments, unmap free expandable pages."""
+        for pool in list(self._pools.values()):
+            to_unmap: list[_Block] = []
+            for _, _, b in list(pool.free):
+                if b.seg.expandable:
+                    to_unmap.append(b)
+                elif b.prev is None and b.next is None:
+                    self._release_segment(pool, b)
+            for b in to_unmap:
+                self._unmap_block(pool, b)
+                if b.prev is None and b.next is None and not b.mapped:
+                    self._remove_unmapped(pool, b)
+                    self.num_segments -= 1
+
+    # ---------------------------------------------------------------- search
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        if self._gc:
+            self._gc_calls[pool.small] += 1
+        free = pool.free
+        i = bisect_left(free, (size, -1))
+        n = len(free)
+        if i == n:
+            return None
+        b = free[i][2]
+        if b.seg.expandable:
+            if self._expandable:
+
+                def reach(x: _Block) -> int:
+                    nxt = x.next
+                    return x.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+                while b.seg.expandable and i + 1 < n and reach(free[i + 1][2]) < reach(b):
+                    i += 1
+                    b = free[i][2]
+            else:
+                i += 1
+                while i < n and free[i][2].seg.expandable:
+                    i += 1
+                if i == n:
+                    return None
+                b = free[i][2]
+        max_split = self._max_split
+        if size < max_split and b.size >= max_split:
+            return None
+        if size >= max_split and b.size >= size + self.config.max_non_split_rounding_bytes:
+            return None
+        del free[i]
+        return b
+
+    # ---------------------------------------------------------------- growth
+    def _grow(self, pool: _Pool, size: int) -> _Block:
+        if self._gc:
+            self._garbage_collect()
+        alloc = allocation_size(size)
+        block = self._alloc_block(pool, size, alloc)
+        if block is None and self._release_available(pool, size):
+            block = self._alloc_block(pool, size, alloc)
+        if block is None:
+            self.empty_cache()
+            block = self._alloc_block(pool, size, alloc)
+        if block is None:
+            raise AllocatorOutOfMemory(size)
+        return block
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.capacity_bytes is None or self.reserved_bytes + nbytes <= self.capacity_bytes
+
+    def _alloc_block(self, pool: _Pool, size: int, alloc: int) -> _Block | None:
+        if not self._fits(alloc):
+            return None
+        if self._expandable:
+            return self._alloc_expandable(pool, size)
+        seg = _Segment(self._new_address(alloc), pool.small, pool.stream, expandable=False)
+        self.reserved_bytes += alloc
+        self.num_segments += 1
+        self.num_device_allocs += 1
+        return _Block(seg.address, alloc, seg)
+
+    def _release_segment(self, pool: _Pool, b: _Block) -> None:
+        self._remove_free(pool, b)
+        self.reserved_bytes -= b.size
+        self.num_segments -= 1
+        self.num_device_frees += 1
+
+    def _release_available(self, pool: _Pool, size: int) -> bool:
+        """``release_available_cached_blocks``: free oversize cached blocks, only with ``max_split_size``."""
+        if self.config.max_split_size_bytes is None:
+            return False
+        key = max(size, self._max_split)
+        free = pool.free
+        i = bisect_left(free, (key, -1))
+        if i < len(free):
+            b = free[i][2]
+            if b.prev is None and b.next is None and not b.seg.expandable:
+                self._release_segment(pool, b)
+                return True
+            return False
+        released = 0
+        i -= 1
+        while i >= 0 and released < key:
+            b = free[i][2]
+            if b.size < self._max_split or b.prev is not None or b.next is not None or b.seg.expandable:
+                break
+            released += b.size
+            self._release_segment(pool, b)
+            i -= 1
+        return released >= key
+
+    def _garbage_collect(self) -> None:
+        """``garbage_collect_cached_blocks``: free unsplit large cached blocks older than the average."""
+        assert self.capacity_bytes is not None
+        threshold = int(self.config.garbage_collection_threshold * self.capacity_bytes)
+        if self.reserved_bytes <= threshold:
+            return
+        target = self.reserved_bytes - threshold
+        calls = self._gc_calls[False]
+        pools = [p for p in self._pools.values() if not p.small]
+
+        def freeable() -> list[tuple[_Pool, _Block]]:
+            return [
+                (p, b)
+                for p in pools
+                for _, _, b in p.free
+                if b.prev is None and b.next is None and not b.seg.expandable
+            ]
+
+        cands = freeable()
+        if not cands:
+            return
+        total_age = sum(calls - b.gc_base for _, b in cands)
+        count = len(cands)
+        reclaimed = 0
+        freed_one = True
+        while reclaimed < target and freed_one and count > 0:
+            threshold_age = total_age / count
+            freed_one = False
+            for p, b in freeable():
+                age = calls - b.gc_base
+                if age >= threshold_age:
+                    freed_one = True
+                    reclaimed += b.size
+                    total_age -= age
+                    count -= 1
+                    self._release_segment(p, b)
+
+    # ---------------------------------------------------------------- expandable segments
+    def _alloc_expandable(self, pool: _Pool, size: int) -> _Block | None:
+        """``try_allocate_expandable_block``."""
+        c = self._find_expandable(pool, size)
+        if not c.mapped and not self._map_block(pool, c, min(c.size, size)):
+            return None
+        while c.size < size:
+            nxt = c.next
+            assert nxt is not None and not nxt.mapped
+            if not self._map_block(pool, nxt, min(size - c.size, nxt.size)):
+                return None
+            c = nxt
+        self._remove_free(pool, c)
+        return c
+
+    def _find_expandable(self, pool: _Pool, size: int) -> _Block:
+        """``find_expandable_block``: the lowest unmapped range (with the free block before it) with room."""
+        for _, u in pool.unmapped:
+            c = u
+            if c.prev is not None and not c.prev.in_use:
+                c = c.prev
+            room = 0
+            x: _Block | None = c
+            while room < size and x is not None and not x.in_use:
+                room += x.size
+                x = x.next
+            if room >= size:
+                return c
+        va = _DEFAULT_VA_BYTES if self.capacity_bytes is None else self.capacity_bytes + self.capacity_bytes // 8
+        va = -(-va // LARGE_BUFFER_BYTES) * LARGE_BUFFER_BYTES
+        seg = _Segment(self._new_address(va), pool.small, pool.stream, expandable=True)
+        u = _Block(seg.address, va, seg, mapped=False)
+        insort(pool.unmapped, (u.addr, u))
+        self.num_segments += 1
+        return u
+
+    def _map_block(self, pool: _Pool, b: _Block, size: int) -> bool:
+        """``map_block``: back the start of unmapped block ``b`` with whole pages covering ``size``."""
+        page = b.seg.page_bytes
+        mapped = min(-(-size // page) * page, b.size)
+        if not self._fits(mapped):
+            return False
+        self._remove_unmapped(pool, b)
+        b.mapped = True
+        if mapped < b.size:
+            rest = _Block(b.addr + mapped, b.size - mapped, b.seg, mapped=False)
+            rest.prev = b
+            rest.next = b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = mapped
+            insort(pool.unmapped, (rest.addr, rest))
+        self._merge(pool, b, b.prev)
+        self._merge(pool, b, b.next)
+        self._insert_free(pool, b)
+        self.reserved_bytes += mapped
+        self.num_device_allocs += 1
+        return True
+
+    def _unmap_block(self, pool: _Pool, b: _Block) -> None:
+        """``unmap_block``: give back the whole pages inside free block ``b``."""
+        page = b.seg.page_bytes
+        off = b.addr - b.seg.address
+        begin = -(-off // page) * page
+        end = (off + b.size) // page * page
+        if begin >= end:
+            return
+        self._remove_free(pool, b)
+        before = begin - off
+        after = off + b.size - end
+        if before > 0:
+            bf = _Block(b.addr, before, b.seg)
+            bf.prev = b.prev
+            if b.prev is not None:
+                b.prev.next = bf
+            bf.next = b
+            b.prev = bf
+            self._insert_free(pool, bf)
+        if after > 0:
+            af = _Block(b.seg.address + end, after, b.seg)
+            af.next = b.next
+            if b.next is not None:
+                b.next.prev = af
+            af.prev = b
+            b.next = af
+            self._insert_free(pool, af)
+        b.addr = b.seg.address + begin
+        b.size = end - begin
+        b.mapped = False
+        self._merge(pool, b, b.prev)
+        self._merge(pool, b, b.next)
+        insort(pool.unmapped, (b.addr, b))
+        self.reserved_bytes -= end - begin
+        self.num_device_frees += 1
+
+    # ---------------------------------------------------------------- merging
+    def _merge(self, pool: _Pool, dst: _Block, src: _Block | None) -> None:
+        """``try_merge_blocks``: absorb free neighbour ``src`` (same mapping state) into ``dst``."""
+        if src is None or src.in_use or src.mapped != dst.mapped:
+            return
+        if src.mapped:
+            self._remove_free(pool, src)
+        else:
+            self._remove_unmapped(pool, src)
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+        else:
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+
+    # ---------------------------------------------------------------- seeding and inspection
+    def seed_segment(
+        self,
+        *,
+        address: int,
+        size_bytes: int,
+        small: bool,
+        stream: int = 0,
+        live: Iterable[tuple[int, int, int]] = (),
+        expandable: bool = False,
+        virtual_bytes: int | None = None,
+    ) -> None:
+        """Add an existing segment (for replays that start mid-run).
+
+        ``live``: (key, address, size) of the blocks allocated in it; the gaps become free blocks. For an
+        expandable segment ``size_bytes`` is the mapped part, from ``address``; ``virtual_bytes`` the range.
+        """
+        pool = self._pool(small, stream)
+        seg = _Segment(address, small, stream, expandable)
+        blocks: list[_Block] = []
+        cursor = address
+        end = address + size_bytes
+        for key, addr, size in sorted(live, key=lambda t: t[1]):
+            if addr < cursor or addr + size > end:
+                raise ValueError(f"block at {addr:#x} does not fit segment {address:#x}")
+            if addr > cursor:
+                blocks.append(_Block(cursor, addr - cursor, seg))
+            b = _Block(addr, size, seg)
+            b.in_use = True
+            self._live[key] = b
+            self.allocated_bytes += size
+            blocks.append(b)
+            cursor = addr + size
+        if cursor < end:
+            blocks.append(_Block(cursor, end - cursor, seg))
+        if expandable:
+            va = virtual_bytes or _DEFAULT_VA_BYTES
+            if va > size_bytes:
+                blocks.append(_Block(end, va - size_bytes, seg, mapped=False))
+        for prev, nxt in itertools.pairwise(blocks):
+            prev.next = nxt
+            nxt.prev = prev
+        for b in blocks:
+            if not b.in_use:
+                if b.mapped:
+                    self._insert_free(pool, b)
+                else:
+                    insort(pool.unmapped, (b.addr, b))
+        self.reserved_bytes += size_bytes
+        self.num_segments += 1
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+            self.reserved_at_peak_allocated_bytes = self.reserved_bytes
+        self.num_segments_at_peak = self.num_segments
+        self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
+
+    def address_of(self, key: int) -> int:
+        return self._live[key].addr
+
+    def layout(self) -> tuple[SegmentLayout, ...]:
+        """Every segment (expandable: every mapped run) with its blocks, by address."""
+        blocks: dict[int, _Block] = {}
+        for b in self._live.values():
+            blocks[id(b)] = b
+        for pool in self._pools.values():
+            for _, _, b in pool.free:
+                blocks[id(b)] = b
+        heads = {id(b): b for b in blocks.values() if b.prev is None or not b.prev.mapped}
+        out: list[SegmentLayout] = []
+        for head in heads.values():
+            items: list[BlockLayout] = []
+            x: _Block | None = head
+            while x is not None and x.mapped:
+                state = (
+                    BlockState.FREE
+                    if not x.in_use
+                    else (BlockState.PENDING_FREE if x.pending else BlockState.ALLOCATED)
+                )
+                items.append(BlockLayout(address=x.addr, size_bytes=x.size, state=state))
+                x = x.next
+            out.append(
+                SegmentLayout(
+                    address=head.addr,
+                    size_bytes=sum(i.size_bytes for i in items),
+                    pool=PoolKind.SMALL if head.seg.small else PoolKind.LARGE,
+                    stream=head.seg.stream,
+                    expandable=head.seg.expandable,
+                    blocks=tuple(items),
+                )
+            )
+        return tuple(sorted(out, key=lambda s: s.address))
+
+    def result(self, *, oom: OutOfMemory | None = None) -> AllocatorResult:
+        peak = self.peak_reserved_bytes
+        return AllocatorResult(
+            peak_reserved_bytes=peak,
+            peak_allocated_bytes=self.peak_allocated_bytes,
+            reserved_at_peak_allocated_bytes=self.reserved_at_peak_allocated_bytes,
+            reserved_end_bytes=self.reserved_bytes,
+            allocated_end_bytes=self.allocated_bytes,
+            fragmentation_bytes=self.fragmentation_at_peak_bytes,
+            fragmentation_ratio=self.fragmentation_at_peak_bytes / peak if peak else 0.0,
+            peak_event_index=self.peak_event_index,
+            num_segments_end=self.num_segments,
+            num_segments_at_peak=self.num_segments_at_peak,
+            num_device_allocs=self.num_device_allocs,
+            num_device_frees=self.num_device_frees,
+            oom=oom,
+        )
+
+    # ---------------------------------------------------------------- driving
+    def run(self, events: Iterable[Event], *, stop_after: int | None = None) -> OutOfMemory | None:
+        """Apply ``events`` in order (up to index ``stop_after`` included); returns the OOM if one happened."""
+        # blocks link to each other (prev/next): keep the cyclic collector from rescanning them every few
+        # thousand allocations (a third of the run time); nothing here leaves garbage cycles behind
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(events, stop_after)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _run(self, events: Iterable[Event], stop_after: int | None) -> OutOfMemory | None:
+        alloc, free, req, done = Op.ALLOC, Op.FREE, Op.FREE_REQUESTED, Op.FREE_COMPLETED
+        malloc, free_completed, free_requested = self.malloc, self.free_completed, self.free_requested
+        i = self.event_index
+        for ev in events:
+            i += 1
+            self.event_index = i
+            op = ev[0]
+            if type(op) is not Op:
+                op = Op(op)  # a plain string; raises on an unknown one
+            if op is alloc:
+                try:
+                    malloc(ev[1], ev[2], ev[3])
+                except AllocatorOutOfMemory:
+                    return OutOfMemory(
+                        event_index=i,
+                        request_bytes=ev[2],
+                        reserved_bytes=self.reserved_bytes,
+                        allocated_bytes=self.allocated_bytes,
+                    )
+            elif op is free or op is done:
+                free_completed(ev[1])
+            elif op is req:
+                free_requested(ev[1])
+            else:
+                self.empty_cache()
+            if stop_after is not None and i >= stop_after:
+                break
+        return None
+
+
+def simulate(
+    events: Iterable[Event] | Callable[[], Iterable[Event]],
+    config: AllocatorConfig | None = None,
+    *,
+    capacity_bytes: int | None = None,
+    layout: bool = False,
+    setup: Callable[[Simulator], None] | None = None,
+) -> AllocatorResult:
+    """Replay ``events`` through a fresh allocator and report reserved/allocated peaks and fragmentation.
+
+    ``layout=True`` adds the segment layout at the reserved peak: the events are replayed a second time up
+    to the peak (pass ``events`` as a list, or as a function returning a fresh iterable). ``setup`` seeds the
+    simulator (e.g. with the segments that existed before the events started).
+    """
+
+    def fresh() -> Simulator:
+        sim = Simulator(config, capacity_bytes=capacity_bytes)
+        if setup is not None:
+            setup(sim)
+        return sim
+
+    def stream_of() -> Iterable[Event]:
+        return events() if callable(events) else events
+
+    sim = fresh()
+    oom = sim.run(stream_of())
+    res = sim.result(oom=oom)
+    if not layout:
+        return res
+    again = fresh()
+    if res.peak_event_index >= 0:
+        again.run(stream_of(), stop_after=res.peak_event_index)
+    from dataclasses import replace
+
+    return replace(res, layout_at_peak=again.layout())

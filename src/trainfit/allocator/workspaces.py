@@ -1,0 +1,114 @@
+"""cuBLAS and cuBLASLt workspaces: allocations of the caching allocator that no tensor owns.
+
+PyTorch gives every cuBLAS handle a workspace per stream, allocated through the caching allocator and kept
+for the life of the process (``setWorkspaceForHandle`` / ``getCUDABlasLtWorkspace`` in
+aten/src/ATen/cuda/CublasHandlePool.cpp, read at pytorch/pytorch@26a39059). Handles come from a per-thread
+pool window (``getCurrentCUDABlasHandle``), so each CPU thread that runs a matmul on a device gets its own
+handle and therefore its own workspace:
+
+* **cuBLAS** (``parseChosenWorkspaceSize``): ``CUBLAS_WORKSPACE_CONFIG`` as ``:SIZE:COUNT`` pairs, SIZE in
+  KiB, summed; without it 32 MiB (``4096 * 8 * 1024``) on compute capability 9.0 exactly (Hopper) and
+  ``:4096:2:16:8`` = 8 MiB + 128 KiB elsewhere. An unparsable value falls back to the default.
+* **cuBLASLt** (``parseCUDABlasLtWorkspaceSize``, ``getCUDABlasLtWorkspaceSize``): ``CUBLASLT_WORKSPACE_SIZE``
+  in KiB, default 1024 (1 MiB), capped at the cuBLAS size unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set
+  false. A separate Lt workspace is allocated per handle and stream unless that variable is set *true*, in
+  which case Lt borrows the cuBLAS workspace (``getCUDABlasLtWorkspace``).
+
+In a training step two threads run matmuls: the Python thread (forward, optimizer) and the autograd
+engine's device thread (backward, ``torch/csrc/autograd/engine.cpp`` runs each device's work on its own
+thread). Checked on the H200 traces in ``shared/gpu-truth`` (torch 2.11, CUDA 13): the main thread's
+32 MiB cuBLAS workspace predates the recording (the measuring script's warm-up matmul); the trace then
+allocates a 1 MiB block never freed at the first forward matmuls (the cuBLASLt workspace, event 43) and a
+32 MiB block never freed at the very first backward matmul (event 3254, right after the logits' gradient:
+the backward thread's cuBLAS workspace). No second Lt workspace appears in backward: that thread's matmuls
+went through plain cuBLAS. These are 33 MiB of reserved memory that no tensor explains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+KIB = 1024
+MIB = 1024 * KIB
+_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+class WorkspaceKind(StrEnum):
+    CUBLAS = "cublas"
+    CUBLASLT = "cublaslt"
+
+
+class Thread(StrEnum):
+    """The CPU threads of a training step that hold a cuBLAS handle."""
+
+    MAIN = "main"  # forward, loss, optimizer step
+    AUTOGRAD = "autograd"  # the autograd engine's device thread: backward
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workspace:
+    kind: WorkspaceKind
+    thread: Thread
+    stream: int
+    size_bytes: int
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
+    """Bytes of one cuBLAS workspace (``parseChosenWorkspaceSize``)."""
+    default = 4096 * 8 * KIB if compute_capability == (9, 0) else 4096 * KIB * 2 + 16 * KIB * 8
+    conf = (env or {}).get("CUBLAS_WORKSPACE_CONFIG")
+    if conf is None:
+        return default
+    pairs = _PAIR.findall(conf)
+    if not pairs:
+        return default
+    return sum(int(size) * KIB * int(count) for size, count in pairs)
+
+
+def _unified(env: Mapping[str, str]) -> bool | None:
+    raw = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    if raw is None:
+        return None
+    return raw.strip().lower() in ("1", "true", "on", "yes", "y")
+
+
+def cublaslt_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
+    """Bytes of one separate cuBLASLt workspace; 0 when Lt shares the cuBLAS one (unified, opt-in)."""
+    env = env or {}
+    if _unified(env) is True:
+        return 0
+    size = 1024 * KIB
+    raw = env.get("CUBLASLT_WORKSPACE_SIZE")
+    if raw is not None:
+        with contextlib.suppress(ValueError):
+            size = int(raw) * KIB
+    if _unified(env) is not False:  # unset counts as unified for the size cap (getCUDABlasLtWorkspaceSize)
+        size = min(size, cublas_workspace_bytes(compute_capability, env))
+    return size
+
+
+def training_workspaces(
+    compute_capability: tuple[int, int],
+    env: Mapping[str, str] | None = None,
+    *,
+    stream: int = 0,
+    backward_lt: bool = False,
+) -> tuple[Workspace, ...]:
+    """The workspaces a single-stream training step creates, in the order they appear.
+
+    Main thread: cuBLAS (first matmul) and cuBLASLt (first Lt matmul, in the forward); autograd thread:
+    cuBLAS at the first backward matmul, plus cuBLASLt if ``backward_lt`` (not seen on the H200 trace).
+    """
+    cublas = cublas_workspace_bytes(compute_capability, env)
+    lt = cublaslt_workspace_bytes(compute_capability, env)
+    out = [Workspace(kind=WorkspaceKind.CUBLAS, thread=Thread.MAIN, stream=stream, size_bytes=cublas)]
+    if lt:
+        out.append(Workspace(kind=WorkspaceKind.CUBLASLT, thread=Thread.MAIN, stream=stream, size_bytes=lt))
+    out.append(Workspace(kind=WorkspaceKind.CUBLAS, thread=Thread.AUTOGRAD, stream=stream, size_bytes=cublas))
+    if lt and backward_lt:
+        out.append(Workspace(kind=WorkspaceKind.CUBLASLT, thread=Thread.AUTOGRAD, stream=stream, size_bytes=lt))
+    return tuple(out)

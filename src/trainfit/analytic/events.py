@@ -1,0 +1,243 @@
+"""Reserved memory without torch: the analytic model's tensors as an allocator event stream.
+
+``max_memory_reserved`` depends on the order of allocations and frees, not just on the peak, so the
+analytic method does what the trace does with its recorded events: it replays a stream through the caching
+allocator simulation (:mod:`trainfit.allocator`). The stream is synthesised from the same quantities the
+moments are built from, tensor by tensor, in the order a Hugging Face training step runs them:
+
+* before the recorded steps: the weights (``model.to("cuda")``), parameter by parameter;
+* each step: the input ids and labels; per layer, the autocast weight copies and the saved tensors of
+  :func:`~trainfit.analytic.activations.layer_terms`; the head's saved tensors and the loss chain of
+  :mod:`~trainfit.analytic.logits` (16-bit logits, the fp32 copy, the log-softmax output), the outputs
+  dropped before backward; backward in reverse: the loss gradients, each layer's parameter gradients and
+  its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released;
+  the optimizer step: states created lazily in the first step (so they land in blocks the first step's
+  activations left cached, as on a real GPU), its temporaries (``step_temp_bytes``); ``zero_grad`` frees the
+  gradients;
+* checkpointing: the forward keeps each segment's input, and the backward recomputes one segment's saved
+  tensors before releasing them.
+
+Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
+second). The stream has fewer transient tensors than a real step (element-wise outputs freed at once are
+left out); they reuse blocks of their own size and matter little for the peak of reserved memory. How close
+this is to the trace's own events and to the H200 is in docs/accuracy.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
+from trainfit.allocator.workspaces import Thread, Workspace
+from trainfit.analytic.activations import (
+    TermRole,
+    Widths,
+    backward_temp_bytes,
+    eager_backward_moment,
+    eager_forward_moment,
+    layer_terms,
+    model_terms,
+)
+from trainfit.analytic.logits import logits_memory
+from trainfit.analytic.states import model_states, optimizer_state_tensors, param_states
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
+from trainfit.strategy import Strategy
+
+__all__ = ["STEPS", "simulate_training", "training_events"]
+
+#: Steps replayed: the first creates the optimizer states, the second and third are the steady state.
+STEPS = 3
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._next = 0
+
+    def alloc(self, nbytes: int) -> int:
+        self._next += 1
+        if nbytes > 0:
+            self.events.append(Event(Op.ALLOC, self._next, nbytes))
+        return self._next if nbytes > 0 else 0
+
+    def free(self, key: int) -> None:
+        if key:
+            self.events.append(Event(Op.FREE, key))
+
+    def free_all(self, keys: Iterable[int]) -> None:
+        for k in keys:
+            self.free(k)
+
+
+def _bytes(numel: int, bits: int) -> int:
+    return numel * bits // 8
+
+
+def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
+    """Whether a model-level tensor's gradient appears with the head's backward (the LM head, or the token
+    table tied to it), not at the end of backward."""
+    return x.name.startswith("lm_head") or (spec.tie_word_embeddings and x.name == "embed_tokens.weight")
+
+
+def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
+    """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
+    thread's ``workspaces`` appear at the first forward, the autograd thread's at the first backward."""
+    r = strategy.recipe
+    w = Widths.of(strategy)
+    st = model_states(spec, strategy)
+    states = param_states(spec, strategy)
+    inv = inventory(spec)
+    t = strategy.tokens_per_micro_batch
+    h = spec.hidden_size
+    s = _Stream()
+
+    # Weights, in module order: the model-level tensors, then each layer's.
+    for ps in states:
+        for _ in range(ps.count):
+            s.alloc(ps.weight_bytes)
+    trained = [(ps.tensor, ps.count) for ps in states if ps.trainable]
+    trained_numel = sum(x.numel * m for x, m in trained) or 1
+
+    def per_tensor(total: int, x: ParamTensor) -> int:
+        return total * x.numel // trained_numel
+
+    layer_tensors = {id(x) for g in inv.layers for x in g.tensors}
+    model_trained = [x for x, _ in trained if id(x) not in layer_tensors]
+    copy_model = [ps.tensor for ps in states if ps.autocast_copy and id(ps.tensor) not in layer_tensors]
+    layout = strategy.checkpoint_layout(spec.num_layers)
+    segment_of: list[int] = []
+    for i, n in enumerate(layout.segment_sizes):
+        segment_of += [i] * n
+    kinds = [g for g in inv.layers for _ in range(g.count)]
+    terms_of = {g.kind: layer_terms(spec, strategy, moe=g.kind == "moe") for g in inv.layers}
+    mt = model_terms(spec, strategy)
+    lg = logits_memory(spec, strategy)
+    n_logits = t * spec.vocab_size
+    temps = backward_temp_bytes(spec, strategy)
+    a = w.compute
+    # Materialised attention scores (eager, SDPA's math kernel): their transients around the softmax.
+    chain_forward = eager_forward_moment(spec, strategy)[1]
+    chain_backward = eager_backward_moment(spec, strategy)[1]
+    optimizer_created = False
+
+    def layer_forward(i: int) -> tuple[list[int], list[int]]:
+        g = kinds[i]
+        copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in g.tensors if x.matmul and w.amp]
+        saved: list[int] = []
+        for term in terms_of[g.kind]:
+            if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
+                transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
+                saved += [s.alloc(n) for n in term.tensors()]
+                s.free(transient)
+                continue
+            saved += [s.alloc(n) for n in term.tensors()]
+        return copies, saved
+
+    for step in range(STEPS):
+        inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
+        if step == 0:
+            for ws in workspaces:
+                if ws.thread is Thread.MAIN:
+                    s.alloc(ws.size_bytes)
+        embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
+        layers: list[tuple[list[int], list[int]]] = []
+        kept: list[int] = []
+        residual = s.alloc(w.residual * t * h)
+        for i in range(spec.num_layers):
+            if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
+                kept.append(s.alloc(w.residual * t * h))  # the segment's input, kept for its recompute
+            copies, saved = layer_forward(i)
+            if segment_of:  # no grad inside a checkpoint: nothing is saved, copies die with the call
+                s.free_all(saved)
+                s.free_all(copies)
+                copies, saved = [], []
+            layers.append((copies, saved))
+            nxt = s.alloc(w.residual * t * h)
+            s.free(residual)
+            residual = nxt
+        head_copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in copy_model]
+        head = [s.alloc(x.bytes) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)]
+        s.free(residual)
+        # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
+        logits = s.alloc(a * n_logits)
+        upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind is not ModelKind.MASKED_LM else 0
+        rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
+        log_softmax = s.alloc(rest)
+        s.free(upcast)
+        s.free(logits)  # the HF Trainer drops the outputs before backward
+
+        # Backward: the loss gradients, then the head.
+        if step == 0:
+            for ws in workspaces:
+                if ws.thread is Thread.AUTOGRAD:
+                    s.alloc(ws.size_bytes)
+        grads: list[int] = []
+        # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
+        # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
+        g_nll = s.alloc(4 * n_logits)
+        mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
+        g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
+        s.free(g_nll)
+        s.free(log_softmax)
+        g_logits = g_lsm
+        if upcast:
+            g_logits = s.alloc(a * n_logits)
+            s.free(g_lsm)
+        grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in model_trained if _head_tensor(spec, x)]
+        g_res = s.alloc(w.residual * t * h)
+        s.free(g_logits)
+        s.free_all(head_copies)
+        norm_temp = s.alloc(temps.norm_bytes)
+        s.free(norm_temp)
+        s.free_all(head)
+        for i in reversed(range(spec.num_layers)):
+            g = kinds[i]
+            copies, saved = layers[i]
+            if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
+                # Recompute the segment that ends here: every layer of it saves again.
+                seg = segment_of[i]
+                for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
+                    layers[j] = layer_forward(j)
+                copies, saved = layers[i]
+            grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in g.tensors if strategy.trains_every_weight]
+            temp = s.alloc(temps.block_bytes)
+            s.free(temp)
+            chain = s.alloc(chain_backward)
+            g_next = s.alloc(w.residual * t * h)
+            s.free(chain)
+            s.free_all(saved)
+            s.free_all(copies)
+            s.free(g_res)
+            g_res = g_next
+            if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
+                s.free(kept.pop())
+        grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
+        s.free(g_res)
+        s.free_all(embedding)
+        s.free_all(inputs)
+
+        # The optimizer step: states created in the first step, then its temporaries.
+        if not optimizer_created:
+            state_bits = 32 if r.master_bits else r.state_bits
+            for x, m in trained:
+                pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
+                for _ in range(m):
+                    s.alloc(_bytes(x.numel, r.master_bits))
+                    for n in pieces:
+                        s.alloc(n)
+            optimizer_created = True
+        step_temps = [s.alloc(per_tensor(st.step_temp_bytes, x)) for x, m in trained for _ in range(m)]
+        s.free_all(step_temps)
+        s.free_all(grads)  # zero_grad(set_to_none=True)
+    return s.events
+
+
+def simulate_training(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+) -> AllocatorResult:
+    """The caching allocator's peaks over the synthesised stream of a training step."""
+    return simulate(training_events(spec, strategy, workspaces), config)

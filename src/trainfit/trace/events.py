@@ -1,0 +1,475 @@
+"""The trace as an allocator event stream, and the reserved memory the caching allocator would hold for it.
+
+The tracker (:mod:`trainfit.trace.tracker`) numbers every storage allocation and every free with one tick
+each, so its records *are* the ordered sequence of ``malloc`` / ``free`` calls a CUDA run makes (sizes
+already rounded to 512 B, which the allocator's own rounding leaves unchanged by default). What the trace
+cannot see are the allocations no tensor owns: the cuBLAS and cuBLASLt workspaces
+(:mod:`trainfit.allocator.workspaces`). We add them where the H200 trace shows them: the main thread's
+cuBLAS and cuBLASLt workspaces at the first forward pass, the autograd thread's cuBLAS workspace at the
+first backward pass.
+
+Full depth by stitching. Fragmentation is not linear in depth, so we do not extrapolate reserved bytes; we
+rebuild the *event stream* of the full model from a trace with three units of the repeated layer run
+(first, middle, last) by repeating the middle unit's events, forward and backward, to the real count
+(backward copies run last-first). A storage keeps its identity across the copies:
+
+* one allocated by the middle unit gets a fresh key per copy;
+* inside a copy, a free of a storage born in the unit before (the first unit, or the previous copy) frees
+  that unit's corresponding storage (the k-th allocation of one unit's region corresponds to the k-th of the
+  next one's; :attr:`Stitched.size_mismatches` counts pairs of different sizes), and symmetrically in
+  backward for the unit after;
+* a middle-unit storage freed by the last unit is the last copy's, by the first unit the first copy's, and
+  outside the units (``zero_grad``, the end of the stack) every copy's that is still live;
+* outside the units' regions, the per-parameter work (weights at setup, optimizer states, each foreach
+  op's outputs) shows up as three equal consecutive blocks of allocations, one per unit
+  (``_mark_repeats``); the middle block is repeated like a unit.
+
+The stitched stream is checked (:func:`check_stream`: every free names a live allocation); if the units
+are not alike enough for that, or the model has several repeated runs, :func:`reserved_from_trace` traces
+the full depth instead. On tiny models (with and without checkpointing, pure bf16 and fused AdamW, gradient
+accumulation, multi-layer checkpoint segments, GPT-2, tied Qwen2) the stitched stream has exactly the
+events and the peaks of a full-depth trace (tests/trace/test_events.py)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
+from trainfit.allocator.workspaces import Thread, WorkspaceKind, training_workspaces
+from trainfit.arch.spec import ModelSpec
+from trainfit.strategy import Strategy
+from trainfit.trace import runner as rn
+
+#: Keys of workspace allocations (tracker records use their index, ≥ 0).
+_WORKSPACE_KEY = -1
+
+
+def tracker_events(run: rn.TraceRun) -> list[Event]:
+    """The run's allocations and frees in order (storages the step never puts on the device excluded)."""
+    tr = run.tracker
+    tr.merge_inplace_accumulations()
+    slots: list[Event | None] = [None] * (tr.t + 2)
+    for idx, rec in enumerate(tr.records):
+        if tr.component(rec) is None:
+            continue
+        slots[rec.alloc_t] = Event(Op.ALLOC, idx, rec.nbytes)
+        if rec.free_t is not None:
+            slots[rec.free_t] = Event(Op.FREE, idx)
+    return [e for e in slots if e is not None]
+
+
+def _tick_index(run: rn.TraceRun) -> list[int]:
+    """For each tick, how many kept events precede or are at it (to insert events after a tick)."""
+    tr = run.tracker
+    kept = [0] * (tr.t + 2)
+    for rec in tr.records:
+        if tr.component(rec) is None:
+            continue
+        kept[rec.alloc_t] = 1
+        if rec.free_t is not None:
+            kept[rec.free_t] = 1
+    acc = 0
+    out = [0] * len(kept)
+    for t, k in enumerate(kept):
+        acc += k
+        out[t] = acc
+    return out
+
+
+def with_workspaces(
+    events: list[Event],
+    run: rn.TraceRun,
+    compute_capability: tuple[int, int],
+    env: Mapping[str, str] | None = None,
+) -> list[Event]:
+    """Insert the cuBLAS/cuBLASLt workspace allocations (never freed) at the first forward and backward."""
+    steps = run.timeline.steps
+    if not steps or not steps[0].passes:
+        return list(events)
+    first = steps[0].passes[0]
+    index = _tick_index(run)
+    at: dict[int, list[Event]] = {}
+    key = _WORKSPACE_KEY
+    for ws in training_workspaces(compute_capability, env):
+        tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start
+        pos = index[min(tick, len(index) - 1)]
+        at.setdefault(pos, []).append(Event(Op.ALLOC, key, ws.size_bytes))
+        key -= 1
+        assert ws.kind in WorkspaceKind
+    out: list[Event] = []
+    for i, e in enumerate(events):
+        out.extend(at.pop(i, ()))
+        out.append(e)
+    for pos in sorted(at):
+        out.extend(at[pos])
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceReserved:
+    """Reserved memory predicted for a traced run."""
+
+    result: AllocatorResult
+    events: int
+    layers_traced: int
+    layers_full: int
+    stitched: bool
+    #: Unit storages matched across units with different sizes (0: the repeated units are alike).
+    size_mismatches: int = 0
+    #: Why a stitched stream was rejected (and the full depth traced instead); None if it was not.
+    stitch_problem: str | None = None
+
+
+def reserved_from_run(
+    run: rn.TraceRun,
+    config: AllocatorConfig | None = None,
+    *,
+    compute_capability: tuple[int, int] = (9, 0),
+    env: Mapping[str, str] | None = None,
+    capacity_bytes: int | None = None,
+    layout: bool = False,
+) -> AllocatorResult:
+    """Replay a (full-depth) run's events plus the workspaces through the allocator model."""
+    events = with_workspaces(tracker_events(run), run, compute_capability, env)
+    return simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
+
+
+# -- full depth by stitching ---------------------------------------------------------------------------
+
+#: Units of the extrapolated run in the trace that is stitched: the first, one middle unit, the last.
+STITCH_UNITS = 3
+
+
+@dataclass(slots=True)
+class _Ev:
+    alloc: bool
+    rec: int
+    size: int
+    tick: int
+    unit: int | None = None  # 0, 1, 2: which traced unit's event this is; None: not a unit's
+    group: int = -1  # the region (or repeated block) the unit event belongs to
+    backward: bool = False  # a backward region: copies run last-first
+
+
+def _raw_events(run: rn.TraceRun) -> list[_Ev]:
+    tr = run.tracker
+    tr.merge_inplace_accumulations()
+    slots: list[_Ev | None] = [None] * (tr.t + 2)
+    for idx, rec in enumerate(tr.records):
+        if tr.component(rec) is None:
+            continue
+        slots[rec.alloc_t] = _Ev(True, idx, rec.nbytes, rec.alloc_t)
+        if rec.free_t is not None:
+            slots[rec.free_t] = _Ev(False, idx, rec.nbytes, rec.free_t)
+    return [e for e in slots if e is not None]
+
+
+def _unit_intervals(run: rn.TraceRun, units: tuple[int, int, int]) -> list[tuple[int, int, int, bool]]:
+    """(first tick, last tick, which of the three units, backward?) of every pass's unit regions."""
+    out: list[tuple[int, int, int, bool]] = []
+    for sm in run.timeline.steps:
+        for pm in sm.passes:
+            k = len(pm.unit_fwd)
+            for which, u in enumerate(units):
+                if u < k:
+                    end = pm.unit_fwd[u + 1] if u + 1 < k else pm.stack_fwd_end
+                    out.append((pm.unit_fwd[u] + 1, end, which, False))
+            kb = len(pm.unit_bwd)
+            if kb and pm.stack_bwd_end >= 0:
+                for j in range(kb):
+                    u = kb - 1 - j
+                    if u in units:
+                        end = pm.unit_bwd[j + 1] if j + 1 < kb else pm.stack_bwd_end
+                        out.append((pm.unit_bwd[j] + 1, end, units.index(u), True))
+    return out
+
+
+def _tokens(evs: list[_Ev]) -> list[tuple[bool, int]]:
+    return [(e.alloc, e.size) for e in evs]
+
+
+def _mark_repeats(evs: list[_Ev], lo: int, hi: int, period: int, next_group: int) -> int:
+    """In ``evs[lo:hi]`` (outside the unit regions), find three equal consecutive blocks of a multiple of
+    ``period`` events (the per-parameter work of a foreach op, the weights, the optimizer states: one block
+    per unit) and label them units 0, 1, 2."""
+    toks = _tokens(evs[lo:hi])
+    n = len(toks)
+    i = 0
+    while i < n:
+        found = 0
+        for mult in (4, 3, 2, 1):
+            L = period * mult
+            if i + 3 * L <= n and toks[i : i + L] == toks[i + L : i + 2 * L] == toks[i + 2 * L : i + 3 * L]:
+                found = L
+                break
+        if not found:
+            i += 1
+            continue
+        for which in range(3):
+            for e in evs[lo + i + which * found : lo + i + (which + 1) * found]:
+                if e.alloc:  # a free follows its storage: every copy's, where unit 1's is freed
+                    e.unit, e.group = which, next_group
+        next_group += 1
+        i += 3 * found
+    return next_group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stitched:
+    events: list[Event]
+    #: Unit-0/unit-2 storages matched to a unit-1 storage of another size (0 when the units are alike).
+    size_mismatches: int
+
+
+def stitch_events(
+    run: rn.TraceRun,
+    *,
+    units: tuple[int, int, int],
+    full_units: int,
+    params_per_unit: int,
+    inserts: Mapping[int, list[Event]] | None = None,
+) -> Stitched:
+    """The event stream of the model with ``full_units`` units, from a run whose ``units`` (indices in the
+    traced stack) are three consecutive units of the repeated run: unit 1's events are emitted
+    ``full_units − 2`` times (see the module docstring). ``inserts``: events to emit after a tick."""
+    evs = _raw_events(run)
+    copies = full_units - 2
+    if copies < 1:
+        raise ValueError("stitching needs at least three units in the full model")
+    # 1. events inside the three units' regions
+    ivs = sorted(_unit_intervals(run, units))
+    ticks = [e.tick for e in evs]
+
+    group = 0
+    covered = [False] * len(evs)
+    # one group per pass and direction: the unit-0/1/2 regions of that pass share it
+    by_pass: dict[tuple[int, bool], int] = {}
+    for lo_t, hi_t, which, backward in ivs:
+        lo, hi = bisect_left(ticks, lo_t), bisect_right(ticks, hi_t)
+        key = (_pass_of(run, lo_t), backward)
+        if key not in by_pass:
+            by_pass[key] = group
+            group += 1
+        for i in range(lo, hi):
+            evs[i].unit, evs[i].group, evs[i].backward = which, by_pass[key], backward
+            covered[i] = True
+    # 2. per-parameter repeats outside them
+    i = 0
+    while i < len(evs):
+        if covered[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(evs) and not covered[j]:
+            j += 1
+        group = _mark_repeats(evs, i, j, params_per_unit, group)
+        i = j
+    # 3. which unit each storage belongs to, and the unit-0 -> unit-1 -> unit-2 correspondence
+    rec_unit: dict[int, int] = {}
+    allocs: dict[tuple[int, int], list[_Ev]] = {}
+    for e in evs:
+        if e.alloc and e.unit is not None:
+            rec_unit[e.rec] = e.unit
+            allocs.setdefault((e.group, e.unit), []).append(e)
+    phi10: dict[int, int] = {}
+    phi21: dict[int, int] = {}
+    mismatches = 0
+    for (g, u), lst in allocs.items():
+        if u == 1:
+            continue
+        mid = allocs.get((g, 1), [])
+        for a, b in zip(lst, mid, strict=False):
+            (phi10 if u == 0 else phi21)[a.rec] = b.rec
+            mismatches += a.size != b.size
+        mismatches += abs(len(lst) - len(mid))
+    # 4. emit
+    nrec = len(run.tracker.records)
+
+    def copy_key(rec: int, c: int) -> int:
+        return rec + c * nrec
+
+    out: list[Event] = []
+    live: set[int] = set()
+    pending = sorted((inserts or {}).items())
+
+    def flush(tick: int | None) -> None:
+        while pending and (tick is None or pending[0][0] <= tick):
+            out.extend(pending.pop(0)[1])
+
+    def alloc(key: int, size: int) -> None:
+        live.add(key)
+        out.append(Event(Op.ALLOC, key, size))
+
+    def free(key: int) -> None:
+        live.discard(key)
+        out.append(Event(Op.FREE, key))
+
+    def emit_block(block: list[_Ev]) -> None:
+        order = range(copies, 0, -1) if block[0].backward else range(1, copies + 1)
+        first = order[0]
+        for c in order:
+            for e in block:
+                if e.alloc:
+                    alloc(copy_key(e.rec, c), e.size)
+                    continue
+                ru = rec_unit.get(e.rec)
+                if ru == 1:
+                    free(copy_key(e.rec, c))
+                elif ru == 0:  # the unit before this copy: the first unit, or the previous copy
+                    free(e.rec if c == 1 else copy_key(phi10.get(e.rec, e.rec), c - 1))
+                elif ru == 2:  # the unit after this copy (backward): the last unit, or the next copy
+                    free(e.rec if c == copies else copy_key(phi21.get(e.rec, e.rec), c + 1))
+                elif c == first:
+                    free(e.rec)
+
+    i = 0
+    n = len(evs)
+    while i < n:
+        e = evs[i]
+        if e.unit == 1:
+            j = i
+            while j < n and evs[j].unit == 1 and evs[j].group == e.group:
+                j += 1
+            emit_block(evs[i:j])
+            flush(evs[j - 1].tick)
+            i = j
+            continue
+        if e.alloc:
+            alloc(e.rec, e.size)
+        elif rec_unit.get(e.rec) == 1:
+            # unit 1's storage freed by another unit (its neighbour: the adjacent copy) or outside the units
+            # (every copy whose storage is still live: the others went with their neighbour copy)
+            if e.unit == 2 and copy_key(e.rec, copies) in live:
+                free(copy_key(e.rec, copies))
+            elif e.unit == 0 and copy_key(e.rec, 1) in live:
+                free(copy_key(e.rec, 1))
+            else:
+                for c in range(1, copies + 1):
+                    if copy_key(e.rec, c) in live:
+                        free(copy_key(e.rec, c))
+        else:
+            free(e.rec)
+        flush(e.tick)
+        i += 1
+    flush(None)
+    return Stitched(events=out, size_mismatches=mismatches)
+
+
+def _pass_of(run: rn.TraceRun, tick: int) -> int:
+    p = 0
+    for sm in run.timeline.steps:
+        for pm in sm.passes:
+            if tick <= pm.bwd_end:
+                return p
+            p += 1
+    return p
+
+
+def check_stream(events: list[Event]) -> str | None:
+    """``None`` if every free names a live allocation and no live key is allocated again, else why not."""
+    live: set[int] = set()
+    for i, e in enumerate(events):
+        if e.op is Op.ALLOC:
+            if e.key in live:
+                return f"event {i}: key {e.key} allocated twice"
+            live.add(e.key)
+        elif e.op is Op.FREE:
+            if e.key not in live:
+                return f"event {i}: key {e.key} freed but not live"
+            live.discard(e.key)
+    return None
+
+
+def _workspace_inserts(
+    run: rn.TraceRun, compute_capability: tuple[int, int], env: Mapping[str, str] | None
+) -> dict[int, list[Event]]:
+    steps = run.timeline.steps
+    if not steps or not steps[0].passes:
+        return {}
+    first = steps[0].passes[0]
+    at: dict[int, list[Event]] = {}
+    key = _WORKSPACE_KEY
+    for ws in training_workspaces(compute_capability, env):
+        tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start
+        at.setdefault(tick, []).append(Event(Op.ALLOC, key, ws.size_bytes))
+        key -= 1
+    return at
+
+
+def reserved_from_trace(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig | None = None,
+    *,
+    compute_capability: tuple[int, int] = (9, 0),
+    env: Mapping[str, str] | None = None,
+    capacity_bytes: int | None = None,
+    stitch: bool = True,
+    steps: int = 2,
+    layout: bool = False,
+) -> TraceReserved:
+    """Predicted ``max_memory_reserved`` of ``spec`` trained under ``strategy``: trace the model (three
+    units of its repeated layer run, stitched to full depth; or the full depth when there is no run to
+    stitch or ``stitch=False``), add the workspaces, and replay the events through the allocator model."""
+    from trainfit.trace import depth, hf
+
+    adamw_impl = strategy.optimizer_impl.value
+    plan = depth.plan_depth(spec, strategy, extrapolate=stitch)
+    if stitch and len(plan.ext) == 1 and plan.runs[plan.ext[0]].count > STITCH_UNITS:
+        r = plan.ext[0]
+        counts = [STITCH_UNITS if k == r else run.count for k, run in enumerate(plan.runs)]
+        blocks = hf.blocks_for(plan.full_layers, strategy.checkpointing)
+        lay = hf.layout_for(blocks, plan.runs, counts)
+        plan3 = replace(plan, layouts=[(counts, lay)])
+        done = depth.run_layout(spec, strategy, plan3, lay, steps=steps, adamw_impl=adamw_impl)
+        unit_ids = [u for u, rr in enumerate(lay.unit_run) if rr == r]
+        run = plan.runs[r]
+        unit_layers = [i for b in blocks[run.start : run.start + run.period] for i in b.layers]
+        per_unit = sum(len(list(plan.stack[i].parameters())) for i in unit_layers)
+        st = stitch_events(
+            done.run,
+            units=(unit_ids[0], unit_ids[1], unit_ids[2]),
+            full_units=run.count,
+            params_per_unit=per_unit,
+            inserts=_workspace_inserts(done.run, compute_capability, env),
+        )
+        problem = check_stream(st.events)
+        if problem is not None:  # the units are not alike enough to stitch: trace the full depth
+            return replace(
+                reserved_from_trace(
+                    spec,
+                    strategy,
+                    config,
+                    compute_capability=compute_capability,
+                    env=env,
+                    capacity_bytes=capacity_bytes,
+                    stitch=False,
+                    steps=steps,
+                    layout=layout,
+                ),
+                stitch_problem=problem,
+            )
+        res = simulate(st.events, config, capacity_bytes=capacity_bytes, layout=layout)
+        return TraceReserved(
+            result=res,
+            events=len(st.events),
+            layers_traced=len(lay.layers),
+            layers_full=plan.full_layers,
+            stitched=True,
+            size_mismatches=st.size_mismatches,
+        )
+    if plan.ext:
+        plan = depth.plan_depth(spec, strategy, extrapolate=False)
+    counts, lay = plan.layouts[0]
+    done = depth.run_layout(spec, strategy, plan, lay, steps=steps, adamw_impl=adamw_impl)
+    events = with_workspaces(tracker_events(done.run), done.run, compute_capability, env)
+    res = simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
+    return TraceReserved(
+        result=res,
+        events=len(events),
+        layers_traced=len(lay.layers),
+        layers_full=plan.full_layers,
+        stitched=False,
+    )

@@ -1,0 +1,72 @@
+"""PYTORCH_CUDA_ALLOC_CONF parsing, checked against the grammar of c10/core/AllocatorConfig.cpp (parseArgs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit.allocator import AllocatorConfig, AllocatorConfigError, Backend, Simulator
+from trainfit.errors import TrainfitError
+
+MiB = 1 << 20
+
+
+def test_defaults() -> None:
+    for conf in (None, "", "   "):
+        c = AllocatorConfig.parse(conf)
+        assert c == AllocatorConfig()
+        assert c.max_split_size_bytes is None
+        assert not c.expandable_segments
+
+
+def test_all_options() -> None:
+    c = AllocatorConfig.parse(
+        "max_split_size_mb:128, garbage_collection_threshold:0.6,expandable_segments:True,"
+        "roundup_power2_divisions:8,max_non_split_rounding_mb:64,release_lock_on_cudamalloc:True,"
+        "pinned_use_cuda_host_register:False,pinned_num_register_threads:4,backend:native"
+    )
+    assert c.max_split_size_bytes == 128 * MiB
+    assert c.max_non_split_rounding_bytes == 64 * MiB
+    assert c.garbage_collection_threshold == 0.6
+    assert c.expandable_segments
+    assert c.roundup_power2_divisions == (8,) * 16
+    assert c.backend is Backend.NATIVE
+
+
+def test_divisions_list() -> None:
+    # 256 MiB -> interval 8: the first entry also fills 0..7; '>' fills from the last index (10) on,
+    # overwriting 1024's 4 as parseRoundUpPower2Divisions does (std::fill from last_index).
+    c = AllocatorConfig.parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]")
+    assert c.roundup_power2_divisions == (1,) * 9 + (2,) + (8,) * 6
+    assert c.divisions_for(300 * MiB) == 1  # log2 = 28 -> index 8
+    assert c.divisions_for(600 * MiB) == 2  # index 9
+    assert c.divisions_for(100 << 30) == 8  # clamped to 15
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        "max_split_size_mb:10",  # below 20
+        "max_split_size_mb:abc",
+        "garbage_collection_threshold:1.5",
+        "expandable_segments:true",  # only True/False
+        "roundup_power2_divisions:3",
+        "roundup_power2_divisions:[256:3]",
+        "unknown_option:1",
+        "expandable_segments:True;max_split_size_mb:64",
+        "max_split_size_mb",
+        "backend:magic",
+        "expandable_segments:True max_split_size_mb:64",
+    ],
+)
+def test_bad_strings_raise_one_line(conf: str) -> None:
+    with pytest.raises(AllocatorConfigError) as info:
+        AllocatorConfig.parse(conf)
+    assert isinstance(info.value, TrainfitError)
+    assert "\n" not in str(info.value)
+
+
+def test_async_backend_is_parsed_but_not_simulated() -> None:
+    c = AllocatorConfig.parse("backend:cudaMallocAsync")
+    assert c.backend is Backend.CUDA_MALLOC_ASYNC
+    with pytest.raises(AllocatorConfigError):
+        Simulator(c)

@@ -1,0 +1,94 @@
+"""What sits outside the allocator is a property of the GPU (issue 9 §3), traced to its sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainfit import estimate
+from trainfit.hardware import get_gpu, list_gpus
+from trainfit.overhead import (
+    CONTEXT_MEASURED,
+    TRAINING_KERNEL_IMAGES_BYTES,
+    context_bytes,
+    local_memory_bytes,
+    outside_allocator,
+)
+
+_CANDIDATES = (Path(__file__).resolve().parents[2] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
+TRUTH = next((p for p in _CANDIDATES if p.is_dir()), None)
+
+
+def _truth_lines() -> list[dict[str, object]]:
+    if TRUTH is None:
+        pytest.skip("the H200 calibration data (../shared/gpu-truth) is not here")
+    return [json.loads(line) for line in (TRUTH / "h200-training.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_every_catalog_gpu_has_a_cited_sm_count() -> None:
+    for g in list_gpus():
+        assert g.sm_count is not None and g.sm_count > 0, g.id
+    raw = json.loads((Path(__file__).resolve().parents[1] / "src/trainfit/hardware/data/gpus.json").read_text())
+    assert all(row.get("sm_count_source") for row in raw)
+
+
+def test_local_memory_is_sms_times_threads_times_one_kib() -> None:
+    # CUDA C++ Programming Guide: 2048 resident threads per SM on sm80, 1536 on sm86/sm89, 1024 on sm75.
+    assert local_memory_bytes(get_gpu("a100-sxm-80gb")) == 108 * 2048 * 1024
+    assert local_memory_bytes(get_gpu("rtx-4090")) == 128 * 1536 * 1024
+    assert local_memory_bytes(get_gpu("t4")) == 40 * 1024 * 1024
+    assert local_memory_bytes(get_gpu("mi300x")) == 0  # ROCm: scratch on demand
+
+
+def test_h200_context_is_the_measured_one() -> None:
+    meta = [line["meta"] for line in _truth_lines() if "meta" in line]
+    outside_at_init = {int(m["used_after_init"]) - int(m["reserved_after_init"]) for m in meta}  # type: ignore[index]
+    assert outside_at_init == {context_bytes(get_gpu("h200-sxm-141gb"))[0]}
+    assert "measured" in context_bytes(get_gpu("h200-sxm-141gb"))[1]
+
+
+def test_kernel_images_lie_in_the_measured_range() -> None:
+    lines = _truth_lines()
+    init = {int(m["meta"]["used_after_init"]) - int(m["meta"]["reserved_after_init"]) for m in lines if "meta" in m}  # type: ignore[index]
+    (context,) = init
+    grown = [int(line["outside_allocator"]) - context for line in lines if "outside_allocator" in line]  # type: ignore[call-overload]
+    assert grown and min(grown) <= TRAINING_KERNEL_IMAGES_BYTES <= max(grown)
+
+
+def test_other_gpus_keep_the_runtime_part_and_scale_the_local_memory() -> None:
+    h200 = get_gpu("h200-sxm-141gb")
+    runtime = CONTEXT_MEASURED[h200.id][0] - local_memory_bytes(h200)
+    for gpu_id in ("a100-sxm-80gb", "rtx-4090", "l4", "t4"):
+        g = get_gpu(gpu_id)
+        got, basis = context_bytes(g)
+        assert got == runtime + local_memory_bytes(g)
+        assert "estimated" in basis
+    assert context_bytes(get_gpu("mi300x"))[0] == runtime
+    assert "assumed" in context_bytes(get_gpu("mi300x"))[1]
+
+
+def test_nvidia_smi_is_reserved_plus_everything_outside_the_allocator() -> None:
+    r = estimate("qwen2.5-0.5b", gpu="a100-sxm-80gb")
+    o = r.overhead
+    assert o.outside_allocator_bytes == o.cuda_context_bytes + o.kernel_images_bytes + o.nccl_bytes
+    assert r.nvidia_smi_estimate_bytes == r.reserved_estimate_bytes + o.outside_allocator_bytes
+    assert o.cuda_context_bytes == context_bytes(get_gpu("a100-sxm-80gb"))[0]
+    assert r.fit is not None and r.fit.required_bytes == r.nvidia_smi_estimate_bytes
+
+
+def test_the_gpu_changes_its_workspaces_and_what_is_outside_the_allocator() -> None:
+    from trainfit.result import Component
+
+    a, b = estimate("gpt2", gpu="t4"), estimate("gpt2", gpu="h200-sxm-141gb")
+    ws_a, ws_b = a.peak.get(Component.WORKSPACES), b.peak.get(Component.WORKSPACES)
+    # cuBLAS: 32 MiB per handle on sm90, 8 MiB + 128 KiB elsewhere; two handles (forward, autograd) + 1 MiB Lt.
+    assert (ws_a, ws_b) == (2 * (8 * 2**20 + 128 * 2**10) + 2**20, 2 * 32 * 2**20 + 2**20)
+    assert a.peak_bytes - ws_a == b.peak_bytes - ws_b
+    assert a.overhead.cuda_context_bytes < b.overhead.cuda_context_bytes  # 40 × 1024 threads < 132 × 2048
+
+
+def test_nccl_buffers_are_outside_the_allocator() -> None:
+    o = outside_allocator(get_gpu("h100-sxm-80gb"), allocator_reserve_bytes=0, nccl_bytes=5)
+    assert o.outside_allocator_bytes == o.cuda_context_bytes + o.kernel_images_bytes + 5

@@ -1,0 +1,72 @@
+"""The trace's allocator event stream: stitching three traced units to full depth must give the very
+stream (and so the very reserved bytes) a full-depth trace gives."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from trainfit.allocator import AllocatorConfig, Op
+from trainfit.strategy import Strategy
+from trainfit.trace.events import reserved_from_trace
+
+from .conftest import tiny_spec
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "precision", "impl"),
+    [("none", "amp-bf16", "foreach"), ("full", "amp-bf16", "foreach"), ("none", "pure-bf16", "fused")],
+)
+def test_stitched_equals_full_depth(checkpointing: str, precision: str, impl: str) -> None:
+    spec = tiny_spec("llama", num_hidden_layers=5, vocab_size=4096)
+    st = Strategy(precision=precision, optimizer_impl=impl, micro_batch=2, seq_len=64, checkpointing=checkpointing)
+    stitched = reserved_from_trace(spec, st, stitch=True, layout=True)
+    full = reserved_from_trace(spec, st, stitch=False)
+    assert stitched.stitched and not full.stitched and stitched.stitch_problem is None
+    assert stitched.layers_traced == 3 and full.layers_traced == 5
+    assert stitched.size_mismatches == 0
+    assert stitched.events == full.events
+    assert stitched.result.peak_allocated_bytes == full.result.peak_allocated_bytes
+    assert stitched.result.peak_reserved_bytes == full.result.peak_reserved_bytes
+    assert stitched.result.layout_at_peak is not None
+
+
+def test_workspaces_are_in_the_stream() -> None:
+    from trainfit.trace import depth
+    from trainfit.trace.events import tracker_events, with_workspaces
+
+    spec = tiny_spec("llama")
+    st = Strategy(precision="amp-bf16", optimizer_impl="foreach", micro_batch=1, seq_len=32)
+    plan = depth.plan_depth(spec, st, extrapolate=False)
+    _, lay = plan.layouts[0]
+    run = depth.run_layout(spec, st, plan, lay, steps=2, adamw_impl="foreach").run
+    plain = tracker_events(run)
+    hopper = with_workspaces(plain, run, (9, 0))
+    added = Counter(e.size_bytes for e in hopper if e.op is Op.ALLOC) - Counter(
+        e.size_bytes for e in plain if e.op is Op.ALLOC
+    )
+    assert added == Counter({32 << 20: 2, 1 << 20: 1})  # two cuBLAS handles (main, autograd), one cuBLASLt
+    ampere = with_workspaces(plain, run, (8, 0))
+    assert len(ampere) == len(plain) + 3
+    assert AllocatorConfig() == AllocatorConfig.parse("")
+
+
+def test_trace_method_reports_the_simulated_reserved_memory() -> None:
+    """``trace_spec(allocator=...)`` (what ``estimate(method="trace")`` asks for) replays its events: the
+    reserved estimate is the simulated peak, never below the allocated peak plus the workspaces."""
+    from trainfit.result import TraceDetails
+    from trainfit.trace import trace_spec
+
+    spec = tiny_spec("llama", num_hidden_layers=5, vocab_size=4096)
+    st = Strategy(precision="amp-bf16", optimizer_impl="foreach", micro_batch=2, seq_len=64)
+    plain = trace_spec(spec, st)
+    simulated = trace_spec(spec, st, allocator=AllocatorConfig(), compute_capability=(8, 0))
+    assert simulated.phases == plain.phases
+    details = simulated.details
+    assert isinstance(details, TraceDetails) and details.allocator is not None
+    workspaces = 2 * (8 << 20) + 2 * (128 << 10) + (1 << 20)  # cuBLAS :4096:2:16:8 twice, cuBLASLt 1 MiB
+    assert simulated.reserved_estimate_bytes == max(
+        simulated.peak_bytes, details.allocator.reserved_peak_bytes - workspaces
+    )
+    assert details.allocator.reserved_peak_bytes >= simulated.peak_bytes + workspaces
