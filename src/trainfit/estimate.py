@@ -157,8 +157,7 @@ def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport
 
     def add(phases: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
         return tuple(
-            dataclasses.replace(p, components={**p.components, Component.WORKSPACES: workspaces_bytes})
-            for p in phases
+            dataclasses.replace(p, components={**p.components, Component.WORKSPACES: workspaces_bytes}) for p in phases
         )
 
     ranks = tuple(dataclasses.replace(r, phases=add(r.phases)) for r in report.ranks)
