@@ -19,11 +19,24 @@ def test_report_echoes_its_inputs_and_renders_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    "strategy", [Strategy(parallelism=Parallelism(data=2)), Strategy(adapter=Adapter()), Strategy(workload="inference")]
+    "strategy",
+    [
+        Strategy(parallelism=Parallelism(data=2)),
+        Strategy(adapter=Adapter(), parallelism=Parallelism(data=2)),
+        Strategy(workload="inference"),
+    ],
 )
 def test_unmodelled_setups_are_refused_not_ignored(strategy: Strategy) -> None:
     with pytest.raises(StrategyError, match="does not model yet"):
         estimate("gpt2", strategy)
+
+
+def test_adapters_on_a_layout_without_closed_forms_are_refused_in_one_line() -> None:
+    # GPT-2's fused c_attn has no LoRA closed form here (adapters are modelled for separate q/k/v).
+    with pytest.raises(StrategyError, match="fused qkv"):
+        estimate("gpt2", Strategy(adapter=Adapter()))
+    with pytest.raises(StrategyError, match="--method rule-of-thumb models one GPU, full fine-tuning"):
+        estimate("gpt2", Strategy(adapter=Adapter()), method="rule-of-thumb")
 
 
 def test_gemma2_falls_back_to_eager_once() -> None:

@@ -15,6 +15,7 @@ from importlib import import_module
 
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
+from trainfit.analytic.adapters import check_finetune_model
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention
@@ -120,8 +121,11 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
     ]
 
 
-def _require_modelled(strategy: Strategy, method: Method) -> None:
-    beyond = strategy.beyond_single_gpu_training()
+def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None = None) -> None:
+    finetunes = method in (Method.ANALYTIC, Method.TRACE) and spec is not None
+    beyond = strategy.beyond_single_gpu_finetuning() if finetunes else strategy.beyond_single_gpu_training()
+    if finetunes and spec is not None and not beyond:
+        check_finetune_model(spec, strategy, trace=method is Method.TRACE)
     if beyond:
         raise StrategyError(
             f"--method {method.value} models one GPU, full fine-tuning, a training step; "
@@ -147,7 +151,7 @@ def estimate(
         raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(m.value for m in Method)}") from None
     if not 0 <= headroom < 1:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
-    _require_modelled(asked, method)
+    _require_modelled(asked, method, spec)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")

@@ -6,7 +6,15 @@ Modules: ``dtypes`` (number formats and widths), ``recipe`` (precision recipes),
 (the Strategy itself).
 """
 
-from trainfit.strategy.adapters import ALL_LINEAR, Adapter, AdapterKind, BaseWeights, Quantization
+from trainfit.strategy.adapters import (
+    ALL_LINEAR,
+    Adapter,
+    AdapterKind,
+    BaseWeights,
+    Finetune,
+    Quantization,
+    finetune_setup,
+)
 from trainfit.strategy.core import Strategy
 from trainfit.strategy.dtypes import DType
 from trainfit.strategy.parallel import Offload, OffloadTarget, Parallelism, Sharding
@@ -31,6 +39,7 @@ __all__ = [
     "CheckpointLayout",
     "Checkpointing",
     "DType",
+    "Finetune",
     "Generation",
     "MemorySavers",
     "Offload",
@@ -45,5 +54,6 @@ __all__ = [
     "Strategy",
     "Workload",
     "checkpoint_layout",
+    "finetune_setup",
     "recipe",
 ]
