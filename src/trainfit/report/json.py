@@ -13,6 +13,30 @@ from trainfit.strategy import Strategy
 
 
 def strategy_json(strategy: Strategy) -> dict[str, Any]:
+    out = _strategy_core(strategy)
+    a, base = strategy.adapter, strategy.base_weights
+    if a is not None or not base.is_default:  # fine-tuning keys only when set: full fine-tuning JSON unchanged
+        out["finetune"] = {
+            "adapter": None
+            if a is None
+            else {
+                "kind": a.kind.value,
+                "rank": a.rank,
+                "alpha": a.alpha,
+                "targets": list(a.targets),
+                "dropout": a.dropout,
+                "dtype": a.dtype.value,
+            },
+            "base_dtype": base.dtype.value if base.dtype is not None else None,
+            "base_quantization": base.quantization.value,
+            "double_quant": base.double_quant,
+            "kbit_prepared": base.kbit_prepared,
+            "frozen": list(base.frozen),
+        }
+    return out
+
+
+def _strategy_core(strategy: Strategy) -> dict[str, Any]:
     return {
         "precision": strategy.precision.value,
         "optimizer": strategy.optimizer.value,
