@@ -644,6 +644,66 @@ def _site_of(saved: list[AdapterSaved], sites: tuple[AdapterSite, ...]) -> list[
     return [by_name[x.name.split(".")[0]] for x in saved]
 
 
+def input_grads_enabled(strategy: Strategy) -> bool:
+    """Whether the embeddings' output requires grad under an adapter: transformers 5 enables it whenever
+    gradient checkpointing is turned on (``_activation_checkpointing_enable`` → ``enable_input_require_grads``),
+    ``prepare_model_for_kbit_training`` does for a quantised base, and ``get_peft_model`` does only when the
+    model already checkpoints (peft_model.py: ``if getattr(model, "is_gradient_checkpointing", True)``)."""
+    return strategy.checkpointing.value != "none" or strategy.base_weights.kbit_prepared
+
+
+def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """What the first layer does *not* save under an adapter when the embeddings' output does not require
+    grad: its first norm sees an input that needs no gradient (and has a frozen weight), so it saves nothing;
+    the adapters make the attention's outputs require grad from there on. Assumes a target reads the
+    attention's input (q, k or v), as ``all-linear`` and the usual q,v do."""
+    if not frozen_base(strategy) or input_grads_enabled(strategy):
+        return 0
+    assert strategy.adapter is not None
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    norm = sum(x.bytes for x in _norm_terms("norm1", t, spec.hidden_size, spec, w, frozen=True))
+    # Dropout over an input that needs no gradient keeps no mask (native_dropout's backward is not needed).
+    masks = (
+        sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads is SiteInput.NORM1)
+        if strategy.adapter.dropout > 0
+        else 0
+    )
+    return norm + masks
+
+
+def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Gradients an adapter adds in flight inside its layer's backward, at the widest site: ``lora_A``'s input
+    gradient in the width it computed in (mm), and — when PEFT cast the input to the adapter dtype
+    (``_cast_input_dtype``) — its copy in the adapter dtype made by the cast's backward while the first is
+    still referenced: (mm + ad)·t·d_in (matched against the trace of real PEFT modules)."""
+    if strategy.adapter is None:
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    ad = strategy.adapter.dtype.bits // 8
+    mm = w.compute if w.amp else ad
+    widths = {
+        SiteInput.NORM1: _norm_out_width(spec, w),
+        SiteInput.NORM2: _norm_out_width(spec, w),
+        SiteInput.ATTN_OUT: w.compute,
+        SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
+    }
+    return max(
+        (t * s.d_in * (mm + (ad if widths[s.reads] != ad else 0)) for s in adapter_sites(spec, strategy.adapter)),
+        default=0,
+    )
+
+
+def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """A frozen LM head saves no input, but the final norm's output is still referenced while the logits and
+    the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end."""
+    if not frozen_base(strategy):
+        return 0
+    w = Widths.of(strategy)
+    return _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
+
+
 def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     """Saved tensors outside the layers: embedding bookkeeping, shared RoPE tables, final norm and
     the LM head's input (the logits themselves are in :mod:`trainfit.analytic.logits`)."""

@@ -35,6 +35,7 @@ from trainfit.analytic.activations import (
     SavedTerm,
     TermRole,
     Widths,
+    adapter_backward_bytes,
     attention_mask_bytes,
     attention_variants,
     backward_temp_bytes,
@@ -43,6 +44,8 @@ from trainfit.analytic.activations import (
     eager_forward_moment,
     eager_nograd_inputs_bytes,
     effective_strategy,
+    first_layer_unsaved_bytes,
+    frozen_head_input_bytes,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
@@ -211,7 +214,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         scale = st.autocast_copies_bytes / max(1, sum(counts[k] * copies[k] for k in counts))
         copies = {k: int(v * scale) for k, v in copies.items()}
     if len(variants) == 1 or len(inv.layers) == 1:
-        all_layers = sum(r.layers * r.saved_bytes for r in rows)
+        all_layers = sum(r.layers * r.saved_bytes for r in rows) - first_layer_unsaved_bytes(spec, strategy)
     else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
         all_layers = sum(counts[k] * per_kind[k] for k in counts)
     mt = model_terms(spec, strategy)
@@ -255,6 +258,7 @@ class StepInputs:
     segment_layers: int  # layers in the largest segment
     masks: int  # [b, 1, s, s] attention masks
     cache_held: int  # the KV cache's own k/v copies (training with use_cache)
+    forward_transient: int = 0  # alive at the forward's end but saved by nothing (a frozen head's input)
 
 
 def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
@@ -269,10 +273,11 @@ def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> St
         grad_layer=parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
-        block_temp=q.block_temp + dequant_transient_bytes(spec, strategy),
+        block_temp=q.block_temp + dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy),
         # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
         # weight's per-call copy dies with its no-grad layer (the head's is saved by the head's matmul).
         copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
+        forward_transient=frozen_head_input_bytes(spec, strategy),
     )
 
 
@@ -342,7 +347,7 @@ def forward_moments(q: StepInputs) -> list[Moment]:
             activations=a.all_layers_bytes + a.model_bytes,
             autocast_copies=q.copies_all,
             logits_loss=q.logits_forward,
-            temporaries=q.cache_held,
+            temporaries=q.cache_held + q.forward_transient,
         )
     else:
         end = Moment(
@@ -351,6 +356,7 @@ def forward_moments(q: StepInputs) -> list[Moment]:
             activations=q.kept_inputs + a.model_bytes + q.masks,
             autocast_copies=q.copies_fwd_ckpt,
             logits_loss=q.logits_forward,
+            temporaries=q.forward_transient,
         )
     moments = [end]
     for v in a.variants:

@@ -196,6 +196,10 @@ def run_layout(
     device = on_device.device if on_device is not None else "cpu"
     mode = rn.fake_mode() if on_device is None else None
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    if strategy.adapter is not None or not strategy.base_weights.is_default:
+        from trainfit.trace.peft import apply_finetuning
+
+        model = apply_finetuning(model, strategy)  # on meta: PEFT adapters, frozen base (trace/peft.py)
     rn.materialize(model, mode, None, device=device)
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
