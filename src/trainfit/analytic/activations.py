@@ -674,9 +674,11 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
 
 def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """Gradients an adapter adds in flight inside its layer's backward, at the widest site: ``lora_A``'s input
-    gradient in the width it computed in (mm), and — when PEFT cast the input to the adapter dtype
-    (``_cast_input_dtype``) — its copy in the adapter dtype made by the cast's backward while the first is
-    still referenced: (mm + ad)·t·d_in (matched against the trace of real PEFT modules)."""
+    gradient in the width it computed in (mm), then autocast's cast back to the adapter dtype, dropout's
+    backward and PEFT's cast back to the input dtype (``_cast_input_dtype``): every gradient of that chain but
+    the last is alive at its worst moment (amp, fp32 adapters, 16-bit input: (2 + 4)·t·d_in; with dropout
+    (2 + 4 + 4)·t·d_in; no autocast: 4·t·d_in); mm·t·d_in when nothing is cast. Matched against the trace of real PEFT modules (tests/trace/test_peft.py),
+    not derived op by op."""
     if strategy.adapter is None:
         return 0
     w = Widths.of(strategy)
@@ -689,10 +691,21 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         SiteInput.ATTN_OUT: w.compute,
         SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
     }
-    return max(
-        (t * s.d_in * (mm + (ad if widths[s.reads] != ad else 0)) for s in adapter_sites(spec, strategy.adapter)),
-        default=0,
-    )
+    drop = strategy.adapter.dropout > 0
+
+    def extra(site: AdapterSite) -> int:
+        # The input gradient's widths back from lora_A: its matmul's, autocast's cast back to the adapter
+        # dtype, dropout's backward, PEFT's cast back to the input's dtype. All but the last are alive at once.
+        chain = [mm]
+        if w.amp and ad != mm:
+            chain.append(ad)
+        if drop:
+            chain.append(ad)
+        if widths[site.reads] != ad:
+            chain.append(widths[site.reads])
+        return sum(chain[:-1]) if len(chain) > 1 else chain[0]
+
+    return max((t * s.d_in * extra(s) for s in adapter_sites(spec, strategy.adapter)), default=0)
 
 
 def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
