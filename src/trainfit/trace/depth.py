@@ -357,7 +357,7 @@ def trace_hf(
         method=Method.TRACE,
         model_name=spec.name,
         params=plan.params,
-        trainable_params=plan.params,
+        trainable_params=_trainable_params(results, ext, runs),
         phases=tuple(phases[ph] for ph in Phase),
         overhead=readout.overhead(peak),
         bytes_per_param=readout.bytes_per_param(phases, plan.params),
@@ -373,6 +373,18 @@ def trace_hf(
             trace_seconds=round(time.perf_counter() - t0, 2),
         ),
     )
+
+
+def _trainable_params(
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]], ext: list[int], runs: list[hf.Run]
+) -> int:
+    """Trainable parameters at full depth: the base layout's, plus each extrapolated run's per-unit increment
+    (the difference of two depths) times its missing units — every parameter when fully fine-tuning."""
+    total = results[0][2].trainable_params
+    for k, r in enumerate(ext):
+        per_unit = results[k + 1][2].trainable_params - total
+        total += per_unit * (runs[r].count - results[0][0][r])
+    return total
 
 
 def _fmt(d: Mapping[SdpaKernel, int]) -> str:

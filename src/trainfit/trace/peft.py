@@ -23,6 +23,7 @@ refuses them for this method.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -66,7 +67,8 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
         task_type="CAUSAL_LM",
     )
     wanted = _TORCH_DTYPES[adapter.dtype]
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecates is_gradient_checkpointing
         wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=wanted == torch.float32)
     inner: torch.nn.Module = wrapped.base_model.model
     for name, p in inner.named_parameters():
