@@ -27,10 +27,11 @@ def test_documented_examples(line: str, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_flags_reach_the_strategy(capsys: pytest.CaptureFixture[str]) -> None:
-    r = run_cli(
-        capsys,
-        *["estimate", "llama-3.2-1b", "--finetune", "qlora", "--lora-rank", "32", "--lora-targets", "q_proj,v_proj", "--lora-dropout", "0.05", "--no-double-quant", "--seq", "256", "--json"],
+    line = (
+        "estimate llama-3.2-1b --finetune qlora --lora-rank 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 "
+        "--no-double-quant --seq 256 --json"
     )
+    r = run_cli(capsys, *line.split())
     assert r.code == 0, r.err
     ft = json.loads(r.out)["strategy"]["finetune"]
     assert ft["adapter"]["rank"] == 32 and ft["adapter"]["alpha"] == 64
