@@ -135,14 +135,17 @@ def test_model_dependent_refusals() -> None:
     a, b = finetune_setup("lora", targets="q_proj,query_key_value")
     with pytest.raises(StrategyError, match="no module named query_key_value"):
         estimate(spec, Strategy(adapter=a, base_weights=b))
-    _, fb = finetune_setup("freeze", freeze="layers:0-9")
+    _, bad = finetune_setup("freeze", freeze="layers:0-9")
     with pytest.raises(StrategyError, match="goes past"):
-        estimate(spec, Strategy(base_weights=fb))
+        estimate(spec, Strategy(base_weights=bad))
+    _, fb = finetune_setup("freeze", freeze="layers:0-1")
     with pytest.raises(StrategyError, match="cannot be fully fine-tuned"):
         Strategy(base_weights=BaseWeights(quantization="nf4"))
-    qa, qb = finetune_setup("qlora")
-    with pytest.raises(StrategyError, match="does not run bitsandbytes"):
+    qa, qb = finetune_setup("lora", base_dtype="int8")
+    with pytest.raises(StrategyError, match=r"does not run LLM\.int8"):
         estimate(spec, Strategy(adapter=qa, base_weights=qb), method="trace")
+    with pytest.raises(StrategyError, match="does not model --freeze"):
+        estimate(spec, Strategy(base_weights=fb), method="trace")
 
 
 def test_freeze_removes_exactly_the_frozen_tensors_states() -> None:

@@ -40,8 +40,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 
-# (family, targets, dropout, checkpointing, adapter dtype, precision, base dtype)
+# (family, targets, dropout, checkpointing, adapter dtype, precision, base dtype); finetune "lora" unless the
+# base is nf4/fp4 (QLoRA: real bitsandbytes Linear4bit layers, prepare_model_for_kbit_training).
 MATRIX = [
+    ("llama", "all-linear", 0.0, "full", "fp32", "amp-bf16", "nf4"),
+    ("llama", "q_proj,v_proj", 0.1, "full", "fp32", "amp-bf16", "nf4"),
+    ("qwen2", "all-linear", 0.1, "full", "fp32", "amp-bf16", "nf4"),
     ("llama", "q_proj,v_proj", 0.0, "none", "fp32", "amp-bf16", "bf16"),
     ("llama", "all-linear", 0.1, "none", "fp32", "amp-bf16", "bf16"),
     ("llama", "all-linear", 0.0, "full", "fp32", "amp-bf16", "bf16"),
@@ -58,9 +62,8 @@ def test_lora_analytic_agrees_with_the_peft_trace(
     family: str, targets: str, dropout: float, ckpt: str, adapter_dtype: str, precision: str, base: str | None
 ) -> None:
     spec = spec_from_config(FAMILIES[family], name=f"small-{family}", source="test")
-    a, b = finetune_setup(
-        "lora", rank=8, targets=targets, dropout=dropout, adapter_dtype=adapter_dtype, base_dtype=base
-    )
+    how = "qlora" if base in ("nf4", "fp4") else "lora"
+    a, b = finetune_setup(how, rank=8, targets=targets, dropout=dropout, adapter_dtype=adapter_dtype, base_dtype=base)
     s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)
     ra = estimate(spec, s)
     rt = estimate(spec, s, method="trace")
@@ -76,3 +79,18 @@ def test_trace_builds_the_adapters_peft_builds() -> None:
     rt = estimate(spec, Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=64), method="trace")
     # per layer: q 8·(256+256), v 8·(256+128); 4 layers.
     assert rt.trainable_params == 4 * (8 * 512 + 8 * 384)
+
+
+def test_qlora_trace_stores_the_base_byte_exact() -> None:
+    """The traced 4-bit weights (packed values + quant-state buffers) are what the analytic storage formula
+    says, to the allocator block: weights + adapter weights of the analytic report vs the trace's weights
+    (which also hold the rotary embedding's ``inv_freq`` and ``original_inv_freq`` buffers: head_dim/2 fp32
+    values each, one 512-byte block each)."""
+    spec = spec_from_config(FAMILIES["llama"], name="small-llama", source="test")
+    a, b = finetune_setup("qlora", rank=8, targets="all-linear")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=64, checkpointing="full")
+    ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+    from trainfit.result import Component
+
+    analytic = ra.phases[-1].get(Component.WEIGHTS) + ra.phases[-1].get(Component.ADAPTER_WEIGHTS)
+    assert rt.phases[-1].get(Component.WEIGHTS) == analytic + 2 * 512

@@ -647,9 +647,10 @@ def _site_of(saved: list[AdapterSaved], sites: tuple[AdapterSite, ...]) -> list[
 def input_grads_enabled(strategy: Strategy) -> bool:
     """Whether the embeddings' output requires grad under an adapter: transformers 5 enables it whenever
     gradient checkpointing is turned on (``_activation_checkpointing_enable`` → ``enable_input_require_grads``),
-    ``prepare_model_for_kbit_training`` does for a quantised base, and ``get_peft_model`` does only when the
-    model already checkpoints (peft_model.py: ``if getattr(model, "is_gradient_checkpointing", True)``)."""
-    return strategy.checkpointing.value != "none" or strategy.base_weights.kbit_prepared
+    ``prepare_model_for_kbit_training`` does only together with checkpointing (peft/utils/other.py), and
+    ``get_peft_model`` only when the model already checkpoints (peft_model.py:
+    ``if getattr(model, "is_gradient_checkpointing", True)``)."""
+    return strategy.checkpointing.value != "none"
 
 
 def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:

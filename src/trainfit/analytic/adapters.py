@@ -264,8 +264,21 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if strategy.base_weights.quantization is Quantization.NONE:
         return 0
     group = _dense_group(inventory(spec))
-    largest = max(t.numel for t in group.tensors if t.matmul)
-    return largest * strategy.recipe.compute_bits // 8
+    linears = [t for t in group.tensors if t.matmul]
+    largest = max(t.numel for t in linears)
+    out = largest * strategy.recipe.compute_bits // 8
+    # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
+    # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
+    # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
+    # the trace of real bitsandbytes layers, tests/trace/test_peft.py; fitted, not derived op by op).
+    if strategy.base_weights.kbit_prepared and strategy.recipe.compute_bits < 32:
+        widest = max(linears, key=lambda t: t.shape[1])
+        adapted = strategy.adapter is not None and any(
+            s.name == _short(widest) for s in adapter_sites(spec, strategy.adapter)
+        )
+        # An adapter on that linear already holds part of it (its own gradient chain): 2·t·d_in more, not 4.
+        out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.shape[1]
+    return out
 
 
 def mlp_frozen(spec: ModelSpec) -> bool:
@@ -285,7 +298,7 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = F
             rng = layer_range(p)
             if rng is not None and rng.stop > spec.num_layers:
                 raise StrategyError(f"freeze range {p} goes past {spec.name}'s {spec.num_layers} layers")
-    if trace and strategy.base_weights.quantization is not Quantization.NONE:
-        raise StrategyError(
-            "--method trace does not run bitsandbytes layers yet; use --method analytic for a quantised base"
-        )
+    if trace and strategy.base_weights.quantization is Quantization.INT8:
+        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
+    if trace and strategy.base_weights.frozen:
+        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")

@@ -17,13 +17,24 @@ What PEFT does that matters for memory, and is therefore done by PEFT itself her
 
 The forward runs the original transformers module, which PEFT modified in place (``peft_model.base_model.model``),
 so the stack path, the head and the checkpointing hooks of :mod:`trainfit.trace.hf` apply unchanged.
-Quantised (bitsandbytes) bases are not traced yet: :func:`trainfit.analytic.adapters.check_finetune_model`
-refuses them for this method.
+
+A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` of the
+layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone, ``modules_to_not_convert``), then
+``prepare_model_for_kbit_training`` (peft/utils/other.py) casts every other parameter to fp32, then PEFT wraps
+the 4-bit layers (``peft/tuners/lora/bnb.py`` ``Linear4bit``). After the fake parameters are in place, each
+4-bit weight is quantised *on a fake tensor* with ``bitsandbytes.functional.quantize_4bit`` (DESIGN §4.4) and
+kept as a plain frozen parameter carrying its ``quant_state``; the state's tensors (absmax, nested absmax,
+codes, offset) are registered as buffers so they count as weights. Double quantisation builds
+``name2qmap["dynamic"]`` lazily with a data-dependent ``tolist``: it is built outside fake mode and handed in
+as a fake tensor for the run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,13 +60,20 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
     adapter, base = strategy.adapter, strategy.base_weights
     if base.frozen:
         raise StrategyError("--method trace does not model --freeze yet; use --method analytic")
-    if base.quantization is not Quantization.NONE:
-        raise StrategyError("--method trace does not run bitsandbytes layers yet; use --method analytic")
+    if base.quantization is Quantization.INT8:
+        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
+    quantised = base.quantization is not Quantization.NONE
+    if quantised:
+        _to_linear4bit(model, strategy)
     if base.dtype is not None:
         model.to(_TORCH_DTYPES[base.dtype])  # meta tensors: a dtype change, nothing allocated
     if adapter is None:
         return model
     peft = require_peft()
+    if quantised:
+        # What QLoRA recipes call: fp32 for everything not 4-bit; checkpointing is the strategy's business
+        # (transformers' gradient_checkpointing_enable, installed by trace.hf, enables input grads itself).
+        peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     targets: str | list[str] = ALL_LINEAR if adapter.targets == (ALL_LINEAR,) else list(adapter.targets)
     config = peft.LoraConfig(
         r=adapter.rank,
@@ -75,3 +93,72 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
         if "lora_" in name and p.dtype != wanted:
             p.data = p.data.to(wanted)  # meta: a dtype change (PEFT leaves meta adapters in fp32)
     return inner
+
+
+def _to_linear4bit(model: torch.nn.Module, strategy: Strategy) -> None:
+    """Replace every ``nn.Linear`` but the output head with a meta ``bnb.nn.Linear4bit`` (transformers'
+    ``replace_with_bnb_linear``; the head is in ``modules_to_not_convert``)."""
+    bnb: Any = importlib.import_module("bitsandbytes")
+    m: Any = model
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[strategy.recipe.compute_dtype]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child is head:
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute,
+                compress_statistics=strategy.base_weights.double_quant,
+                quant_type=strategy.base_weights.quantization.value,
+                device="meta",
+            )
+            setattr(parent, name, q)
+    m.is_loaded_in_4bit = True  # what PEFT and prepare_model_for_kbit_training look for
+
+
+@contextlib.contextmanager
+def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> Iterator[None]:
+    """Quantise every ``Linear4bit`` weight of the materialised ``model`` on fake tensors of ``mode`` (a
+    ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run."""
+    if strategy.base_weights.quantization not in (Quantization.NF4, Quantization.FP4):
+        yield
+        return
+    bnb: Any = importlib.import_module("bitsandbytes")
+    bf: Any = importlib.import_module("bitsandbytes.functional")
+
+    saved = bf.name2qmap.get("dynamic")
+    real_map = bf.create_dynamic_map()
+    bf.name2qmap["dynamic"] = mode.from_tensor(real_map) if mode is not None else real_map
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[strategy.recipe.compute_dtype]
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            for mod in model.modules():
+                if not isinstance(mod, bnb.nn.Linear4bit):
+                    continue
+                out_f, in_f = mod.out_features, mod.in_features
+                w = torch.zeros(out_f, in_f, dtype=compute)
+                packed, qs = bf.quantize_4bit(
+                    w,
+                    blocksize=64,
+                    quant_type=strategy.base_weights.quantization.value,
+                    compress_statistics=strategy.base_weights.double_quant,
+                    quant_storage=torch.uint8,
+                )
+                weight = torch.nn.Parameter(packed, requires_grad=False)
+                weight.quant_state = qs  # type: ignore[attr-defined]
+                mod.weight = weight
+                mod.quant_state = qs
+                parts = [qs.absmax, qs.code]
+                if qs.nested:
+                    parts += [qs.offset, qs.state2.absmax, qs.state2.code]
+                for k, t in enumerate(parts):
+                    mod.register_buffer(f"_trainfit_quant_{k}", t, persistent=False)
+        yield
+    finally:
+        if saved is None:
+            bf.name2qmap.pop("dynamic", None)
+        else:
+            bf.name2qmap["dynamic"] = saved
