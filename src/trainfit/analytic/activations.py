@@ -440,6 +440,12 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     # The math kernel saves scaled (new) k and fp32 or broadcast v; the others save what they are given.
     k_extra = k_width * t * kd if (repeated or math or k_width != w.compute) else 0
     v_extra = w.compute * t * kd if (repeated or (math and (gqa or w.compute != 4))) else 0
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        # A bitsandbytes v_proj returns its input's dtype (fp32 over QLoRA's fp32 residual stream): the cache
+        # keeps that v while the attention kernel saves its own autocast copy.
+        v_width = frozen_base_mlp_width(strategy, w)
+        if v_width != w.compute:
+            v_extra = v_width * t * kd
     return k_extra + v_extra
 
 
