@@ -22,7 +22,7 @@ def test_report_echoes_its_inputs_and_renders_alone() -> None:
     "strategy",
     [
         Strategy(parallelism=Parallelism(data=2), workload="inference"),  # many GPUs: training only
-        Strategy(adapter=Adapter()),
+        Strategy(adapter=Adapter(), parallelism=Parallelism(data=2)),  # many GPUs: full fine-tuning only
         Strategy(workload="inference"),
     ],
 )
@@ -35,6 +35,14 @@ def test_many_gpus_are_modelled_by_the_analytic_method_only() -> None:
     assert estimate("gpt2", Strategy(parallelism=Parallelism(data=2), sharding="ddp")).peak_bytes > 0
     with pytest.raises(StrategyError, match="does not model yet"):
         estimate("gpt2", Strategy(parallelism=Parallelism(data=2)), method="rule-of-thumb")
+
+
+def test_adapters_on_a_layout_without_closed_forms_are_refused_in_one_line() -> None:
+    # GPT-2's fused c_attn has no LoRA closed form here (adapters are modelled for separate q/k/v).
+    with pytest.raises(StrategyError, match="fused qkv"):
+        estimate("gpt2", Strategy(adapter=Adapter()))
+    with pytest.raises(StrategyError, match="--method rule-of-thumb models one GPU, full fine-tuning"):
+        estimate("gpt2", Strategy(adapter=Adapter()), method="rule-of-thumb")
 
 
 def test_gemma2_falls_back_to_eager_once() -> None:

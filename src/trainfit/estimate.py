@@ -18,6 +18,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.workspaces import Workspace, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
+from trainfit.analytic.adapters import check_finetune_model
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
 from trainfit.arch import ModelSpec, load_model
@@ -164,12 +165,16 @@ def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport
     return dataclasses.replace(report, phases=add(report.phases), ranks=ranks)
 
 
-def _require_modelled(strategy: Strategy, method: Method) -> None:
-    beyond = strategy.beyond_single_gpu_training()
+def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None = None) -> None:
+    finetunes = method in (Method.ANALYTIC, Method.TRACE) and spec is not None
+    beyond = strategy.beyond_single_gpu_finetuning() if finetunes else strategy.beyond_single_gpu_training()
     if strategy.is_distributed and method in (Method.ANALYTIC, Method.TRACE):
         # Many GPUs are modelled by the analytic method (trainfit.analytic.parallel) and, for DDP and FSDP2,
-        # traced (trainfit.trace.distributed); what else the strategy asks is still refused below.
+        # traced (trainfit.trace.distributed); what else the strategy asks is still refused below (the
+        # many-GPU path refuses adapters itself).
         beyond = tuple(b for b in beyond if not any(k in b for k in _DISTRIBUTED_ITEMS))
+    if finetunes and spec is not None and not beyond and not strategy.is_distributed:
+        check_finetune_model(spec, strategy, trace=method is Method.TRACE)
     if beyond:
         raise StrategyError(
             f"--method {method.value} models one GPU, full fine-tuning, a training step; "
@@ -198,7 +203,7 @@ def estimate(
         raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(m.value for m in Method)}") from None
     if not 0 <= headroom < 1:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
-    _require_modelled(asked, method)
+    _require_modelled(asked, method, spec)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")

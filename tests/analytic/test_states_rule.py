@@ -19,9 +19,15 @@ def test_a_frozen_base_has_no_gradients_master_or_optimizer_states() -> None:
     spec = load_model("llama-3.2-1b")
     s = Strategy(precision="master-bf16", adapter=Adapter(rank=8))
     st = model_states(spec, s)
-    assert st.trainable_params == 0 and st.grads_bytes == st.master_bytes == st.optimizer_bytes == 0
-    # The fp32-master step temporaries scale with trainable parameters only.
-    assert st.step_temp_bytes == 0
+    assert all(not x.trainable for x in param_states(spec, s) if not x.adapter)
+    # Only the fp32 LoRA pairs train: per layer r·(d_in + d_out) over q, k, v, o (2048→2048, 2048→512 twice,
+    # 2048→2048) and gate, up, down (2048↔8192), 16 layers; all tensor sizes are multiples of 512 bytes.
+    per_layer = 8 * (2 * 4096 + 2 * 2560 + 3 * 10240)
+    assert st.trainable_params == 16 * per_layer
+    # fp32 adapters: fp32 grads, no master copy, fp32 AdamW states (+ the fused kernel's step per tensor).
+    assert st.grads_bytes == 4 * 16 * per_layer and st.master_bytes == 0
+    assert st.optimizer_bytes == 8 * 16 * per_layer + 16 * 14 * 512
+    assert st.step_temp_bytes == 0  # no fp32 master: no fp32 grad copies
 
 
 def test_nf4_base_packs_layer_linears_only() -> None:

@@ -34,7 +34,7 @@ def test_defaults_are_single_gpu_full_training() -> None:
         (dict(sharding="zero3"), "sharding zero3"),
         (dict(offload=Offload(optimizer="cpu")), "offload"),
         (dict(adapter=Adapter(rank=8)), "lora adapters"),
-        (dict(base_weights=BaseWeights(quantization="nf4")), "nf4"),
+        (dict(adapter=Adapter(rank=8), base_weights=BaseWeights(quantization="nf4")), "nf4"),
         (dict(workload="inference"), "inference"),
     ],
 )

@@ -35,9 +35,10 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
+from trainfit.analytic.adapters import AdapterSaved, AdapterSite, SiteInput, adapter_saved, adapter_sites, frozen_base
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
-from trainfit.strategy import Attention, Strategy
+from trainfit.strategy import Attention, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
@@ -80,17 +81,32 @@ class Widths:
     @classmethod
     def of(cls, strategy: Strategy) -> Widths:
         r = strategy.recipe
-        return cls(residual=r.weight_bits // 8, compute=r.compute_bits // 8, amp=r.autocast)
+        return cls(residual=residual_bits(strategy) // 8, compute=r.compute_bits // 8, amp=r.autocast)
 
 
-def _norm_terms(name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True) -> list[SavedTerm]:
-    """Saved tensors of one norm over the residual stream (input width = residual)."""
+def residual_bits(strategy: Strategy) -> int:
+    """The residual stream's width: the embedding table's dtype. Under an adapter the frozen base may be
+    stored in ``BaseWeights.dtype``, and ``prepare_model_for_kbit_training`` casts the embeddings to fp32."""
+    r = strategy.recipe
+    if strategy.adapter is None:
+        return r.weight_bits
+    base = strategy.base_weights
+    if base.kbit_prepared:
+        return 32
+    return base.dtype.bits if base.dtype is not None else r.weight_bits
+
+
+def _norm_terms(
+    name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_saved: bool = True, frozen: bool = False
+) -> list[SavedTerm]:
+    """Saved tensors of one norm over the residual stream (input width = residual). A ``frozen`` weight does
+    not make ``weight * normed`` keep ``normed`` (only the gradient of ``normed`` is computed)."""
     r = w.residual
     if spec.norm is NormKind.RMSNORM and spec.norm_unit_offset:
         # Gemma: fp32 x·rsqrt, times (1 + w.float()) — both fp32 factors saved — then cast back.
         out = [
             SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t"),
-            SavedTerm(name=f"{name}.normed_fp32", bytes=4 * t * h, formula="4·t·h"),
+            SavedTerm(name=f"{name}.normed_fp32", bytes=0 if frozen else 4 * t * h, formula="4·t·h"),
             SavedTerm(name=f"{name}.one_plus_w", bytes=4 * h, formula="4·h"),
         ]
         if input_saved:
@@ -101,7 +117,8 @@ def _norm_terms(name: str, t: int, h: int, spec: ModelSpec, w: Widths, *, input_
         out = [SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t")]
         if input_saved:
             out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h"))
-        out.append(SavedTerm(name=f"{name}.normed", bytes=r * t * h, formula=f"{r}·t·h"))
+        if not frozen:
+            out.append(SavedTerm(name=f"{name}.normed", bytes=r * t * h, formula=f"{r}·t·h"))
         return out
     # native_layer_norm saves input (+ weight/bias) and fp32 mean/rstd.
     out = [SavedTerm(name=f"{name}.mean_rstd", bytes=8 * t, formula="8·t")]
@@ -450,6 +467,12 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     # The math kernel saves scaled (new) k and fp32 or broadcast v; the others save what they are given.
     k_extra = k_width * t * kd if (repeated or math or k_width != w.compute) else 0
     v_extra = w.compute * t * kd if (repeated or (math and (gqa or w.compute != 4))) else 0
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        # A bitsandbytes v_proj returns its input's dtype (fp32 over QLoRA's fp32 residual stream): the cache
+        # keeps that v while the attention kernel saves its own autocast copy.
+        v_width = frozen_base_mlp_width(strategy, w)
+        if v_width != w.compute:
+            v_extra = v_width * t * kd
     return k_extra + v_extra
 
 
@@ -541,6 +564,8 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
 
 def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
     """Saved activation tensors of one transformer layer (no checkpointing)."""
+    if frozen_base(strategy):
+        return frozen_layer_terms(spec, strategy)
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     h, a = spec.hidden_size, w.compute
@@ -573,6 +598,162 @@ def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> li
         mlp += _act_terms("mlp", spec, t, i, w)
     del a
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
+
+
+def frozen_base_mlp_width(strategy: Strategy, w: Widths) -> int:
+    """Width of a frozen MLP's intermediate tensors: the compute dtype, except that a bitsandbytes linear
+    returns its *input's* dtype (``Linear4bit.forward``: ``out.to(inp_dtype)``), so a quantised base over an
+    fp32 residual stream (after ``prepare_model_for_kbit_training``) runs its MLP in fp32."""
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        return max(w.compute, w.residual) if w.amp else w.residual
+    return w.compute
+
+
+def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
+    """Saved tensors of one layer whose base weights are all frozen, with the adapters' own (module docstring
+    of :mod:`trainfit.analytic.adapters`): norms keep no normed output, frozen linears keep no input, a
+    SwiGLU keeps gate, act(gate) and up (not the product), a fused GeLU MLP keeps fc1's output; attention
+    saves what it saves under full fine-tuning; the adapters add their inputs, masks and rank-r outputs."""
+    assert strategy.adapter is not None
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    h, a = spec.hidden_size, w.compute
+    nb = _norm_out_width(spec, w)
+    sites = adapter_sites(spec, strategy.adapter)
+    mlp_w = frozen_base_mlp_width(strategy, w)
+    widths = {SiteInput.NORM1: nb, SiteInput.NORM2: nb, SiteInput.ATTN_OUT: a, SiteInput.MLP_ACT: mlp_w}
+    saved = adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+    # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU.
+    already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA else set()
+    if spec.mlp is MlpKind.DENSE and spec.activation == "relu":
+        already.add(SiteInput.MLP_ACT)
+    seen: set[SiteInput] = set()
+
+    def adapter_terms(reads: tuple[SiteInput, ...]) -> list[SavedTerm]:
+        out: list[SavedTerm] = []
+        for x, site in zip(saved, _site_of(saved, sites), strict=True):
+            if site.reads not in reads:
+                continue
+            if x.reads is not None:
+                if x.reads in seen or x.reads in already:
+                    continue
+                seen.add(x.reads)
+            out.append(SavedTerm(name=f"lora.{x.name}", bytes=x.bytes, formula=x.formula))
+        return out
+
+    terms = _norm_terms("norm1", t, h, spec, w, frozen=True)
+    terms += adapter_terms((SiteInput.NORM1,))
+    attn = _attention_terms(spec, strategy, t, w)
+    if spec.qk_norm:
+        qd, kd = spec.q_dim, spec.kv_dim
+        attn = [
+            dataclasses.replace(x, bytes=4 * t * (qd + kd) + 4 * t * (spec.num_heads + spec.num_kv_heads))
+            if x.name == "attn.qk_norm"
+            else x
+            for x in attn
+        ]
+    if strategy.attention is Attention.EAGER:
+        attn = [x for x in attn if x.name != "attn.eager.out"]  # o_proj's input: a frozen o_proj keeps none
+    terms += attn
+    terms += adapter_terms((SiteInput.ATTN_OUT,))
+    if spec.hidden_dropout > 0:
+        terms.append(SavedTerm(name="dropout_masks", bytes=2 * t * h, formula="2 × 1·t·h (attention, MLP)"))
+    terms += _norm_terms("norm2", t, h, spec, w, frozen=True)
+    if spec.norms_per_layer > 2:
+        for k in range(3, spec.norms_per_layer + 1):
+            terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
+    i = spec.intermediate_size
+    mlp = adapter_terms((SiteInput.NORM2,))
+    if spec.mlp is MlpKind.GATED:
+        mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
+    elif spec.activation == "relu":
+        mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
+    elif spec.activation in PYTHON_GELUS:
+        mlp += _act_terms("mlp", spec, t, i, w)  # HF's Python GeLU: not derived for a frozen fc2 (kept as is)
+    else:
+        mlp.append(SavedTerm(name="mlp.act", bytes=mlp_w * t * i, formula="a·t·i (fc1 out)"))
+    mlp += adapter_terms((SiteInput.MLP_ACT,))
+    return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
+
+
+def _site_of(saved: list[AdapterSaved], sites: tuple[AdapterSite, ...]) -> list[AdapterSite]:
+    """The site each saved adapter tensor belongs to (names are ``{site}.{what}``)."""
+    by_name = {s.name: s for s in sites}
+    return [by_name[x.name.split(".")[0]] for x in saved]
+
+
+def input_grads_enabled(strategy: Strategy) -> bool:
+    """Whether the embeddings' output requires grad under an adapter: transformers 5 enables it whenever
+    gradient checkpointing is turned on (``_activation_checkpointing_enable`` → ``enable_input_require_grads``),
+    ``prepare_model_for_kbit_training`` does only together with checkpointing (peft/utils/other.py), and
+    ``get_peft_model`` only when the model already checkpoints (peft_model.py:
+    ``if getattr(model, "is_gradient_checkpointing", True)``)."""
+    return strategy.checkpointing.value != "none"
+
+
+def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """What the first layer does *not* save under an adapter when the embeddings' output does not require
+    grad: its first norm sees an input that needs no gradient (and has a frozen weight), so it saves nothing;
+    the adapters make the attention's outputs require grad from there on. Assumes a target reads the
+    attention's input (q, k or v), as ``all-linear`` and the usual q,v do."""
+    if not frozen_base(strategy) or input_grads_enabled(strategy):
+        return 0
+    assert strategy.adapter is not None
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    norm = sum(x.bytes for x in _norm_terms("norm1", t, spec.hidden_size, spec, w, frozen=True))
+    # Dropout over an input that needs no gradient keeps no mask (native_dropout's backward is not needed).
+    masks = (
+        sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads is SiteInput.NORM1)
+        if strategy.adapter.dropout > 0
+        else 0
+    )
+    return norm + masks
+
+
+def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Gradients an adapter adds in flight inside its layer's backward, at the widest site: ``lora_A``'s input
+    gradient in the width it computed in (mm), then autocast's cast back to the adapter dtype, dropout's
+    backward and PEFT's cast back to the input dtype (``_cast_input_dtype``): every gradient of that chain but
+    the last is alive at its worst moment (amp, fp32 adapters, 16-bit input: (2 + 4)·t·d_in; with dropout
+    (2 + 4 + 4)·t·d_in; no autocast: 4·t·d_in); mm·t·d_in when nothing is cast. Matched against the trace of
+    real PEFT modules (tests/trace/test_peft.py), not derived op by op."""
+    if strategy.adapter is None:
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    ad = strategy.adapter.dtype.bits // 8
+    mm = w.compute if w.amp else ad
+    widths = {
+        SiteInput.NORM1: _norm_out_width(spec, w),
+        SiteInput.NORM2: _norm_out_width(spec, w),
+        SiteInput.ATTN_OUT: w.compute,
+        SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
+    }
+    drop = strategy.adapter.dropout > 0
+
+    def extra(site: AdapterSite) -> int:
+        # The input gradient's widths back from lora_A: its matmul's, autocast's cast back to the adapter
+        # dtype, dropout's backward, PEFT's cast back to the input's dtype. All but the last are alive at once.
+        chain = [mm]
+        if w.amp and ad != mm:
+            chain.append(ad)
+        if drop:
+            chain.append(ad)
+        if widths[site.reads] != ad:
+            chain.append(widths[site.reads])
+        return sum(chain[:-1]) if len(chain) > 1 else chain[0]
+
+    return max((t * s.d_in * extra(s) for s in adapter_sites(spec, strategy.adapter)), default=0)
+
+
+def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """A frozen LM head saves no input, but the final norm's output is still referenced while the logits and
+    the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end."""
+    if not frozen_base(strategy):
+        return 0
+    w = Widths.of(strategy)
+    return _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
 
 
 def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
@@ -609,8 +790,9 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     embedding = [dataclasses.replace(x, role=TermRole.EMBEDDING) for x in out]
     out = []
     nb = _norm_out_width(spec, w)
+    frozen = frozen_base(strategy)
     if spec.final_norm:
-        out += _norm_terms("final_norm", t, h, spec, w)
+        out += _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
     if spec.kind is ModelKind.MASKED_LM:
         # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP).
         out.append(_matmul_inputs("mlm.dense_in", t, h, 1, nb, w))
@@ -619,6 +801,8 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))
     head = [dataclasses.replace(x, role=TermRole.HEAD) for x in out]
     head_input = dataclasses.replace(_matmul_inputs("lm_head_in", t, h, 1, nb, w), role=TermRole.HEAD_INPUT)
+    if frozen:  # a frozen LM head keeps no input
+        head_input = dataclasses.replace(head_input, bytes=0, formula="0 (frozen head)")
     return [*embedding, *head, head_input]
 
 

@@ -37,6 +37,7 @@ from trainfit.analytic.activations import (
     SavedTerm,
     TermRole,
     Widths,
+    adapter_backward_bytes,
     attention_mask_bytes,
     attention_variants,
     backward_temp_bytes,
@@ -45,14 +46,17 @@ from trainfit.analytic.activations import (
     eager_forward_moment,
     eager_nograd_inputs_bytes,
     effective_strategy,
+    first_layer_unsaved_bytes,
+    frozen_head_input_bytes,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
     score_chain,
 )
+from trainfit.analytic.adapters import dequant_transient_bytes, finetuning
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.states import ModelStates, model_states
+from trainfit.analytic.states import ModelStates, finetune_parts, model_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
@@ -103,6 +107,7 @@ class Resident:
     weights: int
     master_weights: int
     optimizer_states: int
+    adapter_weights: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +129,7 @@ class Moment:
             Component.WEIGHTS: self.resident.weights,
             Component.MASTER_WEIGHTS: self.resident.master_weights,
             Component.OPTIMIZER_STATES: self.resident.optimizer_states,
+            Component.ADAPTER_WEIGHTS: self.resident.adapter_weights,
             Component.GRADIENTS: self.gradients,
             Component.ACTIVATIONS: self.activations,
             Component.AUTOCAST_COPIES: self.autocast_copies,
@@ -206,11 +212,13 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
             per_kind[g.kind] = max(per_kind.get(g.kind, 0), _sum(lt))
         mm = sum(t.numel for t in g.tensors if t.matmul)
         copies[g.kind] = mm * w.compute if w.amp else 0
-    if spec.params_override is not None and w.amp:
+    if finetuning(strategy):
+        copies = dict.fromkeys(copies, finetune_parts(spec, strategy).copies_layer_bytes)
+    elif spec.params_override is not None and w.amp:
         scale = st.autocast_copies_bytes / max(1, sum(counts[k] * copies[k] for k in counts))
         copies = {k: int(v * scale) for k, v in copies.items()}
     if len(variants) == 1 or len(inv.layers) == 1:
-        all_layers = sum(r.layers * r.saved_bytes for r in rows)
+        all_layers = sum(r.layers * r.saved_bytes for r in rows) - first_layer_unsaved_bytes(spec, strategy)
     else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
         all_layers = sum(counts[k] * per_kind[k] for k in counts)
     mt = model_terms(spec, strategy)
@@ -254,9 +262,30 @@ class StepInputs:
     segment_layers: int  # layers in the largest segment
     masks: int  # [b, 1, s, s] attention masks
     cache_held: int  # the KV cache's own k/v copies (training with use_cache)
+    forward_transient: int = 0  # alive at the forward's end but saved by nothing (a frozen head's input)
 
 
 def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
+    q = _step_inputs(spec, strategy, keep_logits=keep_logits)
+    if not finetuning(strategy):
+        return q
+    # Fine-tuning: only trainable tensors have gradients; a quantised base dequantises a weight in backward.
+    parts = finetune_parts(spec, strategy)
+    return dataclasses.replace(
+        q,
+        resident=dataclasses.replace(q.resident, adapter_weights=q.states.adapter_weights_bytes),
+        grad_layer=parts.grad_layer_bytes,
+        grad_head=parts.grad_head_bytes,
+        grad_late=parts.grad_late_bytes,
+        block_temp=q.block_temp + dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy),
+        # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
+        # weight's per-call copy dies with its no-grad layer (the head's is saved by the head's matmul).
+        copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
+        forward_transient=frozen_head_input_bytes(spec, strategy),
+    )
+
+
+def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
     st = model_states(spec, strategy)
     inv = inventory(spec)
     stack = stack_activations(spec, strategy, st)
@@ -322,7 +351,7 @@ def forward_moments(q: StepInputs) -> list[Moment]:
             activations=a.all_layers_bytes + a.model_bytes,
             autocast_copies=q.copies_all,
             logits_loss=q.logits_forward,
-            temporaries=q.cache_held,
+            temporaries=q.cache_held + q.forward_transient,
         )
     else:
         end = Moment(
@@ -331,6 +360,7 @@ def forward_moments(q: StepInputs) -> list[Moment]:
             activations=q.kept_inputs + a.model_bytes + q.masks,
             autocast_copies=q.copies_fwd_ckpt,
             logits_loss=q.logits_forward,
+            temporaries=q.forward_transient,
         )
     moments = [end]
     for v in a.variants:
@@ -454,7 +484,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         gradients=g_all,
         activations=a.embedding_bytes,
         temporaries=q.spec.vocab_size * q.spec.embed_dim * (q.strategy.recipe.grad_bits // 8)
-        if q.spec.tie_word_embeddings
+        if q.spec.tie_word_embeddings and q.grad_head
         else 0,
     )
     moments = [start, norm, top, bottom, embedding]

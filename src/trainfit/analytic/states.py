@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainfit.analytic.adapters import adapter_tensors, finetuning, frozen_layer_counts, is_frozen
 from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, BNB_MIN_8BIT_SIZE, allocator_bytes, quantized_weight_tensors
@@ -64,6 +65,7 @@ class ModelStates:
     autocast_copies_bytes: int  # all low-precision copies of matmul weights (AMP only)
     params: int
     trainable_params: int
+    adapter_weights_bytes: int = 0  # LoRA/DoRA tensors (trainable; their grads and states are counted above)
 
     def per_param(self, n: int) -> float:
         return n / self.params if self.params else 0.0
@@ -146,10 +148,14 @@ class ParamState:
     weight_bytes: int  # per tensor, allocator-rounded (every piece of a quantised tensor rounded)
     trainable: bool
     autocast_copy: bool  # autocast caches a 16-bit copy of it
+    bits: int = 0  # its own dtype width when it differs from the recipe's (adapters); 0: the recipe's
+    adapter: bool = False  # an adapter tensor (LoRA A/B, DoRA magnitude)
 
 
 def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
     """Every parameter tensor of ``spec`` under ``strategy``'s trainable mask and per-tensor formats."""
+    if finetuning(strategy):
+        return finetune_param_states(spec, strategy)
     r = strategy.recipe
     base = strategy.base_weights
     full = strategy.trains_every_weight
@@ -179,7 +185,77 @@ def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
     return tuple(out)
 
 
+def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
+    """The per-tensor rule under an adapter or ``--freeze`` patterns (:mod:`trainfit.analytic.adapters`).
+
+    A frozen tensor is stored in ``BaseWeights.dtype`` (else the recipe's weight width); a frozen layer linear
+    of a quantised base is packed (bitsandbytes bytes, :func:`trainfit.cuda_facts.quantized_weight_tensors`);
+    after ``prepare_model_for_kbit_training`` every other 16-bit tensor is fp32 (peft/utils/other.py). Adapter
+    tensors train in the adapter dtype (``ParamState.bits``). Autocast keeps a 16-bit copy of every matmul
+    weight wider than it computes: cached for trainable leaves, cast per call (and saved by the matmul for
+    the input gradient) for frozen ones."""
+    r = strategy.recipe
+    base = strategy.base_weights
+    quant = base.quantization.dtype
+    inv = inventory(spec)
+    adapter = strategy.adapter
+    out: list[ParamState] = []
+
+    def frozen_bits(t: ParamTensor) -> int:
+        bits = r.weight_bits if base.dtype is None else base.dtype.bits
+        return 32 if base.kbit_prepared and bits == 16 else bits
+
+    def add(t: ParamTensor, count: int, *, trainable: bool, in_layer: bool) -> None:
+        if count == 0:
+            return
+        packed = quant is not None and not trainable and t.matmul and in_layer
+        if packed:
+            assert quant is not None
+            pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
+            weight, bits = sum(allocator_bytes(n) for n in pieces), quant.bits
+        else:
+            bits = r.weight_bits if trainable else frozen_bits(t)
+            weight = _alloc(t.numel, bits)
+        out.append(
+            ParamState(
+                tensor=t,
+                count=count,
+                weight_bytes=weight,
+                trainable=trainable,
+                autocast_copy=r.autocast and t.matmul and not packed and bits > r.compute_bits,
+            )
+        )
+
+    patterns = base.frozen
+    for t in inv.model_tensors:
+        frozen = adapter is not None or is_frozen(t, patterns, None, layers=spec.num_layers)
+        add(t, 1, trainable=not frozen, in_layer=False)
+    for g in inv.layers:
+        for t in g.tensors:
+            n_frozen = g.count if adapter is not None else frozen_layer_counts(spec, patterns, g, t)
+            add(t, n_frozen, trainable=False, in_layer=True)
+            add(t, g.count - n_frozen, trainable=True, in_layer=True)
+    if adapter is not None:
+        n = sum(g.count for g in inv.layers)
+        bits = adapter.dtype.bits
+        for t in adapter_tensors(spec, adapter):
+            out.append(
+                ParamState(
+                    tensor=t,
+                    count=n,
+                    weight_bytes=_alloc(t.numel, bits),
+                    trainable=True,
+                    autocast_copy=r.autocast and t.matmul and bits > r.compute_bits,
+                    bits=bits,
+                    adapter=True,
+                )
+            )
+    return tuple(out)
+
+
 def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
+    if finetuning(strategy):
+        return finetune_model_states(spec, strategy)
     r = strategy.recipe
     opt = strategy.optimizer
     # Optimizer states are created like the tensor the optimizer updates: the fp32 master copy if any.
@@ -216,6 +292,24 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         list_fp32 = sum(m * _alloc(t.numel, 32) for t, m in trained)
         largest = max((t.numel for t, _ in trained), default=0)
 
+    temp = _step_temp_bytes(strategy, list_state, list_fp32, largest, state_bits)
+    return ModelStates(
+        weights_bytes=weights,
+        grads_bytes=grads,
+        master_bytes=master,
+        optimizer_bytes=optim,
+        step_temp_bytes=temp,
+        autocast_copies_bytes=copies,
+        params=p,
+        trainable_params=trainable_p,
+    )
+
+
+def _step_temp_bytes(strategy: Strategy, list_state: int, list_fp32: int, largest: int, state_bits: int) -> int:
+    """``optimizer.step()``'s temporaries (see the module docstring): ``list_state``/``list_fp32`` are the
+    trainable tensors' state-sized and fp32-sized lists, ``largest`` the largest trainable tensor."""
+    r = strategy.recipe
+    opt = strategy.optimizer
     temp = 0
     if opt is Optimizer.ADAMW and strategy.optimizer_impl is OptimizerImpl.FOREACH:
         temp += list_state  # foreach sqrt(exp_avg_sq): one tensor per parameter, all alive at once
@@ -227,15 +321,96 @@ def model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
         temp += (2 if updated_bits == 32 else 4) * _alloc(largest, 32)
     if r.master_bits:
         temp += list_fp32  # fp32 copies of the 16-bit grads for the fp32 master parameters
+    return temp
+
+
+def finetune_model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
+    """Model states under an adapter or ``--freeze``: only trainable tensors have gradients, master copies and
+    optimizer states. An adapter tensor is held in its own dtype: its gradient too (autograd makes a
+    parameter's gradient in its dtype), a master copy only under a master-* recipe when it is 16-bit, and
+    states like the tensor the optimizer updates (torch/optim/adam.py ``_init_group``: ``zeros_like(p)``)."""
+    r = strategy.recipe
+    opt = strategy.optimizer
+    impl = strategy.optimizer_impl
+    states = param_states(spec, strategy)
+    trained = [x for x in states if x.trainable]
+
+    def widths(x: ParamState) -> tuple[int, int, int]:
+        """(gradient, master, optimizer-state) bits of one trainable tensor."""
+        if not x.bits:
+            return r.grad_bits, r.master_bits, 32 if r.master_bits else r.state_bits
+        master = 32 if r.master_bits and x.bits < 32 else 0
+        return x.bits, master, 32 if master else x.bits
+
+    grads = master = optim = list_state = list_fp32 = 0
+    for x in trained:
+        g, mb, sb = widths(x)
+        n, m = x.tensor.numel, x.count
+        grads += m * _alloc(n, g)
+        master += m * _alloc(n, mb) if mb else 0
+        optim += m * _opt_state_bytes(x.tensor, opt, sb, impl)
+        list_state += m * _alloc(n, sb)
+        list_fp32 += m * _alloc(n, 32) if mb else 0
+    if opt is Optimizer.ADAMW_8BIT and any(x.tensor.numel >= BNB_MIN_8BIT_SIZE for x in trained):
+        optim += BNB_QMAPS_BYTES
+    state_bits = max((widths(x)[2] for x in trained), default=32)
+    largest = max((x.tensor.numel for x in trained), default=0)
+    temp = _step_temp_bytes(strategy, list_state, list_fp32 if r.master_bits else 0, largest, state_bits)
+    base_params = inventory(spec).total
     return ModelStates(
-        weights_bytes=weights,
+        weights_bytes=sum(x.count * x.weight_bytes for x in states if not x.adapter),
         grads_bytes=grads,
         master_bytes=master,
         optimizer_bytes=optim,
         step_temp_bytes=temp,
-        autocast_copies_bytes=copies,
-        params=p,
-        trainable_params=trainable_p,
+        autocast_copies_bytes=sum(x.count * _alloc(x.tensor.numel, r.compute_bits) for x in states if x.autocast_copy),
+        params=base_params,
+        trainable_params=sum(x.tensor.numel * x.count for x in trained),
+        adapter_weights_bytes=sum(x.count * x.weight_bytes for x in states if x.adapter),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinetuneParts:
+    """Per-layer and model-level pieces of the states that the step's moments need under fine-tuning."""
+
+    grad_layer_bytes: int  # one layer's trainable gradients (adapters included), the largest layer's
+    grad_head_bytes: int  # the LM head's (or tied table's) gradient, 0 when frozen
+    grad_late_bytes: int  # the untied token table's gradient, 0 when frozen
+    copies_layer_bytes: int  # one layer's autocast weight copies
+    cached_copies_layer_bytes: int  # of which autocast caches (trainable leaves) for the whole forward
+    copies_head_bytes: int  # the copies outside the layer stack
+
+
+def finetune_parts(spec: ModelSpec, strategy: Strategy) -> FinetuneParts:
+    """Split :func:`finetune_param_states` into what one layer and the head contribute (gradients in the
+    tensor's own dtype, autocast copies in the compute dtype)."""
+    r = strategy.recipe
+    inv = inventory(spec)
+    layers = max(1, sum(g.count for g in inv.layers))
+    model_ids = {id(t) for t in inv.model_tensors}
+    grad_layer = grad_head = grad_late = copies_layer = copies_head = cached = 0
+    for x in param_states(spec, strategy):
+        t = x.tensor
+        copy = _alloc(t.numel, r.compute_bits) if x.autocast_copy else 0
+        grad = _alloc(t.numel, x.bits or r.grad_bits) if x.trainable else 0
+        if id(t) in model_ids or t.name.startswith(("embed", "lm_head", "final_norm")):
+            copies_head += copy
+            if t.name.startswith("lm_head") or (spec.tie_word_embeddings and t.name == "embed_tokens.weight"):
+                grad_head += grad
+            elif t.name == "embed_tokens.weight":
+                grad_late += grad
+        else:
+            copies_layer += x.count * copy
+            cached += x.count * copy if x.trainable else 0
+            grad_layer += grad  # the largest layer: one trainable copy of each tensor
+    return FinetuneParts(
+        grad_layer_bytes=grad_layer,
+        grad_head_bytes=grad_head,
+        grad_late_bytes=grad_late,
+        copies_layer_bytes=copies_layer // layers,
+        cached_copies_layer_bytes=cached // layers,
+        copies_head_bytes=copies_head,
     )
 
 

@@ -87,6 +87,29 @@ def estimate_cmd(
         bool,
         typer.Option("--explain", "-v", help="Also show bytes per parameter, the rule-of-thumb comparison and notes."),
     ] = False,
+    finetune: Annotated[
+        str, typer.Option("--finetune", help="full | lora | qlora (nf4 base + LoRA) | freeze (with --freeze).")
+    ] = "full",
+    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank r.")] = 16,
+    lora_alpha: Annotated[int | None, typer.Option("--lora-alpha", help="LoRA alpha (default 2·rank).")] = None,
+    lora_targets: Annotated[
+        str, typer.Option("--lora-targets", help="Module names as PEFT spells them (q_proj,v_proj) or all-linear.")
+    ] = "all-linear",
+    lora_dropout: Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout probability.")] = 0.0,
+    adapter_dtype: Annotated[
+        str, typer.Option("--adapter-dtype", help="fp32 (PEFT's default on a 16-bit base) | bf16 | fp16.")
+    ] = "fp32",
+    base_dtype: Annotated[
+        str | None,
+        typer.Option("--base-dtype", help="Frozen base storage: bf16 | fp16 | fp32 | int8 | nf4 | fp4."),
+    ] = None,
+    double_quant: Annotated[
+        bool, typer.Option("--double-quant/--no-double-quant", help="4-bit base: quantise the absmax constants.")
+    ] = True,
+    freeze: Annotated[
+        str | None,
+        typer.Option("--freeze", help="With --finetune freeze: embeddings, lm_head, norm, module names, layers:0-15."),
+    ] = None,
     params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
@@ -107,6 +130,8 @@ def estimate_cmd(
       trainfit estimate --params 1.3e9 --hidden-size 2048 --num-layers 24 --batch 4 --seq 1024 --method rule-of-thumb
 
       trainfit estimate llama-3.1-70b --gpus 64 --tp 8 --pp 4 --sequence-parallel --microbatches 16
+
+      trainfit estimate mistral-7b-v0.1 --finetune qlora --lora-rank 64 --lora-targets q_proj,v_proj --gpu rtx-4090
     """
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
@@ -114,7 +139,7 @@ def estimate_cmd(
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
-    from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
+    from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy, finetune_setup
 
     explicit = [params, hidden_size, num_layers]
     if model is not None and any(v is not None for v in explicit):
@@ -166,6 +191,20 @@ def estimate_cmd(
             reduce_bucket_size=_parse_count(str(reduce_bucket_size), "--reduce-bucket-size") or 0,
         ),
     }
+    if finetune != "full" or freeze is not None or base_dtype is not None:
+        if freeze is not None and finetune == "full":
+            finetune = "freeze"
+        fields["adapter"], fields["base_weights"] = finetune_setup(
+            finetune,
+            rank=lora_rank,
+            alpha=lora_alpha,
+            targets=lora_targets,
+            dropout=lora_dropout,
+            adapter_dtype=adapter_dtype,
+            base_dtype=base_dtype,
+            double_quant=double_quant,
+            freeze=freeze or (),
+        )
     strategy = Strategy(**fields)
     try:
         m = Method(method)

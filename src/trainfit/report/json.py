@@ -13,7 +13,33 @@ from trainfit.strategy import Strategy
 
 
 def strategy_json(strategy: Strategy) -> dict[str, Any]:
-    out = {
+    out = _strategy_core(strategy)
+    if strategy.is_distributed:
+        out |= parallel_json(strategy)
+    a, base = strategy.adapter, strategy.base_weights
+    if a is not None or not base.is_default:  # fine-tuning keys only when set: full fine-tuning JSON unchanged
+        out["finetune"] = {
+            "adapter": None
+            if a is None
+            else {
+                "kind": a.kind.value,
+                "rank": a.rank,
+                "alpha": a.alpha,
+                "targets": list(a.targets),
+                "dropout": a.dropout,
+                "dtype": a.dtype.value,
+            },
+            "base_dtype": base.dtype.value if base.dtype is not None else None,
+            "base_quantization": base.quantization.value,
+            "double_quant": base.double_quant,
+            "kbit_prepared": base.kbit_prepared,
+            "frozen": list(base.frozen),
+        }
+    return out
+
+
+def _strategy_core(strategy: Strategy) -> dict[str, Any]:
+    return {
         "precision": strategy.precision.value,
         "optimizer": strategy.optimizer.value,
         "checkpointing": strategy.checkpointing.value,
@@ -24,9 +50,6 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
         "grad_accum": strategy.grad_accum,
         "effective_batch": strategy.effective_batch,
     }
-    if strategy.is_distributed:
-        out |= parallel_json(strategy)
-    return out
 
 
 def parallel_json(strategy: Strategy) -> dict[str, Any]:

@@ -6,7 +6,15 @@ Modules: ``dtypes`` (number formats and widths), ``recipe`` (precision recipes),
 (the Strategy itself).
 """
 
-from trainfit.strategy.adapters import ALL_LINEAR, Adapter, AdapterKind, BaseWeights, Quantization
+from trainfit.strategy.adapters import (
+    ALL_LINEAR,
+    Adapter,
+    AdapterKind,
+    BaseWeights,
+    Finetune,
+    Quantization,
+    finetune_setup,
+)
 from trainfit.strategy.core import Strategy
 from trainfit.strategy.dtypes import DType
 from trainfit.strategy.parallel import (
@@ -41,6 +49,7 @@ __all__ = [
     "DType",
     "Engine",
     "EngineOptions",
+    "Finetune",
     "Generation",
     "MemorySavers",
     "Offload",
@@ -56,5 +65,6 @@ __all__ = [
     "Strategy",
     "Workload",
     "checkpoint_layout",
+    "finetune_setup",
     "recipe",
 ]

@@ -61,17 +61,154 @@ class Adapter:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BaseWeights:
-    """How the base model's weights are stored. ``dtype=None``: as the precision recipe says."""
+    """How the base model's weights are stored. ``dtype=None``: as the precision recipe says.
+
+    ``frozen``: module patterns frozen under full fine-tuning (``embeddings``, ``lm_head``, ``norm``, a
+    module name such as ``q_proj``, or a layer range ``layers:0-15``); see
+    :func:`trainfit.analytic.adapters.is_frozen`. ``kbit_prepared``: PEFT's
+    ``prepare_model_for_kbit_training`` ran (peft/utils/other.py): every parameter that is not 4-bit is cast
+    to fp32, and the input embeddings' output requires grad.
+    """
 
     dtype: DType | None = None
     quantization: Quantization = Quantization.NONE
     double_quant: bool = True  # QLoRA's quantised absmax constants (bnb_4bit_use_double_quant)
+    frozen: tuple[str, ...] = ()
+    kbit_prepared: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
             coerce_enum(self, "dtype", DType)
+            if self.dtype.bits < 16:
+                raise StrategyError(
+                    f"base dtype {self.dtype.value} is a quantised format: give it as quantization, not dtype"
+                )
         coerce_enum(self, "quantization", Quantization)
+        if isinstance(self.frozen, str):
+            object.__setattr__(self, "frozen", tuple(x for x in self.frozen.split(",") if x))
+        for pattern in self.frozen:
+            check_freeze_pattern(pattern)
+        if self.kbit_prepared and self.quantization is Quantization.NONE:
+            raise StrategyError("prepare_model_for_kbit_training needs a quantised base (int8, nf4 or fp4)")
 
     @property
     def is_default(self) -> bool:
-        return self.dtype is None and self.quantization is Quantization.NONE
+        return self.dtype is None and self.quantization is Quantization.NONE and not self.frozen
+
+
+class Finetune(StrEnum):
+    """What trains: every weight, LoRA adapters over a frozen base, QLoRA (LoRA over an nf4 base prepared
+    by ``prepare_model_for_kbit_training``), or every weight but the ``--freeze`` patterns."""
+
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+    FREEZE = "freeze"
+
+
+#: Names ``--freeze`` accepts besides module names and layer ranges.
+FREEZE_GROUPS = ("embeddings", "lm_head", "norm")
+
+
+def check_freeze_pattern(pattern: str) -> None:
+    """A freeze pattern is a module name (``q_proj``), a group (``embeddings``) or ``layers:A-B``."""
+    if not pattern or pattern != pattern.strip():
+        raise StrategyError(f"empty or padded freeze pattern {pattern!r}")
+    if pattern.startswith("layers:"):
+        lo, sep, hi = pattern[len("layers:") :].partition("-")
+        if not (lo.isdigit() and (not sep or hi.isdigit())) or (sep and int(hi) < int(lo)):
+            raise StrategyError(f"freeze layer range must look like layers:0-15, got '{pattern}'")
+
+
+def layer_range(pattern: str) -> range | None:
+    """``layers:A-B`` → range(A, B + 1) (inclusive, as users write it); ``None`` for other patterns."""
+    if not pattern.startswith("layers:"):
+        return None
+    lo, sep, hi = pattern[len("layers:") :].partition("-")
+    return range(int(lo), int(hi if sep else lo) + 1)
+
+
+_BASE_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp32": DType.FP32}
+_BASE_QUANT = {"int8": Quantization.INT8, "nf4": Quantization.NF4, "fp4": Quantization.FP4}
+
+
+def finetune_setup(
+    finetune: Finetune | str,
+    *,
+    rank: int = 16,
+    alpha: int | None = None,
+    targets: str | tuple[str, ...] = ALL_LINEAR,
+    dropout: float = 0.0,
+    adapter_dtype: DType | str = DType.FP32,
+    base_dtype: str | None = None,
+    double_quant: bool = True,
+    freeze: str | tuple[str, ...] = (),
+) -> tuple[Adapter | None, BaseWeights]:
+    """The adapter and base-weight settings of one fine-tuning method, as the CLI and JSON spell them.
+    ``base_dtype``: bf16 | fp16 | fp32 | int8 | nf4 | fp4 (QLoRA defaults to nf4 and refuses a float base);
+    ``alpha`` defaults to 2·rank. Bad combinations raise :class:`StrategyError`."""
+    try:
+        how = Finetune(finetune)
+    except ValueError:
+        raise StrategyError(
+            f"unknown finetune '{finetune}'; choose one of: {', '.join(f.value for f in Finetune)}"
+        ) from None
+    if base_dtype is not None and base_dtype not in _BASE_DTYPES and base_dtype not in _BASE_QUANT:
+        choices = ", ".join([*_BASE_DTYPES, *_BASE_QUANT])
+        raise StrategyError(f"unknown base-dtype '{base_dtype}'; choose one of: {choices}")
+    if isinstance(targets, str):
+        targets = tuple(x.strip() for x in targets.split(",") if x.strip())
+    if isinstance(freeze, str):
+        freeze = tuple(x.strip() for x in freeze.split(",") if x.strip())
+    if how is Finetune.QLORA:
+        if base_dtype is None:
+            base_dtype = "nf4"
+        if base_dtype not in ("nf4", "fp4"):
+            raise StrategyError(
+                f"qlora quantises the base to 4 bits (nf4 or fp4), not {base_dtype}; use --finetune lora"
+            )
+    if freeze and how is not Finetune.FREEZE:
+        raise StrategyError(f"--freeze needs --finetune freeze (with {how.value}, the adapter decides what trains)")
+    if how is Finetune.FREEZE and not freeze:
+        raise StrategyError("--finetune freeze needs --freeze PATTERNS (e.g. embeddings,layers:0-15)")
+    quant = _BASE_QUANT.get(base_dtype or "")
+    if how in (Finetune.FULL, Finetune.FREEZE):
+        if base_dtype is not None:
+            raise StrategyError(
+                f"--base-dtype sets how a frozen base is stored; with --finetune {how.value} the weights train "
+                "in the precision recipe's format"
+            )
+        return None, BaseWeights(frozen=freeze)
+    adapter = Adapter(
+        rank=rank,
+        alpha=alpha if alpha is not None else 2 * rank,
+        targets=targets,
+        dropout=dropout,
+        dtype=_adapter_dtype(adapter_dtype),
+    )
+    return adapter, BaseWeights(
+        dtype=_BASE_DTYPES.get(base_dtype or ""),
+        quantization=quant or Quantization.NONE,
+        double_quant=double_quant,
+        kbit_prepared=how is Finetune.QLORA,
+    )
+
+
+def _adapter_dtype(value: DType | str) -> DType:
+    try:
+        return DType(value)
+    except ValueError:
+        raise StrategyError(f"unknown adapter-dtype '{value}'; choose one of: fp32, bf16, fp16") from None
+
+
+def check_finetune(adapter: Adapter | None, base: BaseWeights) -> None:
+    """Combinations of adapter and base storage that no run can have (one-line :class:`StrategyError`)."""
+    if base.quantization is not Quantization.NONE and adapter is None:
+        raise StrategyError(
+            f"a {base.quantization.value} base cannot be fully fine-tuned (bitsandbytes weights take no "
+            "optimizer step): add an adapter (--finetune lora or qlora)"
+        )
+    if base.quantization is not Quantization.NONE and base.dtype is not None:
+        raise StrategyError("give the base either a float dtype or a quantisation, not both")
+    if adapter is not None and base.frozen:
+        raise StrategyError("freeze patterns apply to full fine-tuning; an adapter already freezes the base")

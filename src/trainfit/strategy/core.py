@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from trainfit.errors import StrategyError
 from trainfit.strategy._validate import coerce_enum, positive_int
-from trainfit.strategy.adapters import Adapter, BaseWeights
+from trainfit.strategy.adapters import Adapter, BaseWeights, check_finetune
 from trainfit.strategy.parallel import Engine, EngineOptions, Offload, Parallelism, Sharding
 from trainfit.strategy.recipe import RECIPES, Precision, Recipe
 from trainfit.strategy.training import (
@@ -79,6 +79,7 @@ class Strategy:
             raise StrategyError(f"adapter must be an Adapter or None, got {self.adapter!r}")
         if not isinstance(self.flash_sdp, bool):
             raise StrategyError(f"flash_sdp must be True or False, got {self.flash_sdp!r}")
+        check_finetune(self.adapter, self.base_weights)
 
     @property
     def recipe(self) -> Recipe:
@@ -121,6 +122,17 @@ class Strategy:
             or self.engine.engine is not Engine.AUTO
         )
 
+    def beyond_single_gpu_finetuning(self) -> tuple[str, ...]:
+        """As :meth:`beyond_single_gpu_training`, but adapters, frozen and quantised base weights are in scope
+        (what a method that models single-GPU fine-tuning must still refuse)."""
+        finetune = (
+            f"{self.adapter.kind.value} adapters" if self.adapter is not None else None,
+            "frozen base weights" if self.base_weights.frozen else None,
+        )
+        return tuple(
+            x for x in self.beyond_single_gpu_training() if x not in finetune and not x.startswith("base weights")
+        )
+
     def beyond_single_gpu_training(self) -> tuple[str, ...]:
         """The sub-configs that differ from one GPU, full fine-tuning, a training step (what a method
         that models only that setup must refuse rather than silently ignore)."""
@@ -135,7 +147,9 @@ class Strategy:
             out.append(f"engine {self.engine.engine.value}")
         if self.adapter is not None:
             out.append(f"{self.adapter.kind.value} adapters")
-        if not self.base_weights.is_default:
+        if self.base_weights.frozen:
+            out.append("frozen base weights")
+        if self.base_weights.dtype is not None or self.base_weights.quantization.value != "none":
             out.append(
                 "base weights "
                 + (

@@ -24,6 +24,7 @@ keying and the extrapolation — and :func:`trace_hf` makes the trace's report.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -196,7 +197,15 @@ def run_layout(
     device = on_device.device if on_device is not None else "cpu"
     mode = rn.fake_mode() if on_device is None else None
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
-    rn.materialize(model, mode, None, device=device)
+    quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.adapter is not None or not strategy.base_weights.is_default:
+        from trainfit.trace.peft import apply_finetuning, quantised_weights
+
+        model = apply_finetuning(model, strategy)  # on meta: PEFT adapters, frozen base (trace/peft.py)
+        rn.materialize(model, mode, None, device=device)
+        quantised = quantised_weights(model, mode, strategy)  # bitsandbytes 4-bit weights on fake tensors
+    else:
+        rn.materialize(model, mode, None, device=device)
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[tk.Tracker] = []
@@ -229,9 +238,9 @@ def run_layout(
         execution = rn.Execution(mode=mode)
     else:
         execution = rn.Execution(device=device, emulate_cuda=False, track=False, probe=on_device.probe)
-    with hf.runtime_patches():
+    with hf.runtime_patches(), quantised:
         run = rn.run_steps(model, fns, options, execution)
-    resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
+        resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
     return LayoutRun(run=run, resident=resident)
 
 
@@ -356,7 +365,7 @@ def trace_hf(
         method=Method.TRACE,
         model_name=spec.name,
         params=plan.params,
-        trainable_params=plan.params,
+        trainable_params=_trainable_params(results, ext, runs),
         phases=tuple(phases[ph] for ph in Phase),
         overhead=readout.overhead(peak),
         bytes_per_param=readout.bytes_per_param(phases, plan.params),
@@ -372,6 +381,18 @@ def trace_hf(
             trace_seconds=round(time.perf_counter() - t0, 2),
         ),
     )
+
+
+def _trainable_params(
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]], ext: list[int], runs: list[hf.Run]
+) -> int:
+    """Trainable parameters at full depth: the base layout's, plus each extrapolated run's per-unit increment
+    (the difference of two depths) times its missing units — every parameter when fully fine-tuning."""
+    total = results[0][2].trainable_params
+    for k, r in enumerate(ext):
+        per_unit = results[k + 1][2].trainable_params - total
+        total += per_unit * (runs[r].count - results[0][0][r])
+    return total
 
 
 def _fmt(d: Mapping[SdpaKernel, int]) -> str:

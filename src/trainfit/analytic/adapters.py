@@ -1,0 +1,304 @@
+"""Fine-tuning in the analytic model: which tensors train, what the adapters add, and what autograd saves
+around a frozen linear.
+
+**What trains.** Full fine-tuning trains every tensor; ``--freeze`` patterns (:func:`is_frozen`) take
+tensors out; an adapter freezes the whole base and adds, beside each targeted linear (``d_in → d_out``), a
+LoRA pair ``A`` (r × d_in) and ``B`` (d_out × r) in the adapter dtype (Hu et al. 2021; PEFT
+``peft/tuners/lora/layer.py`` ``LoraLayer.update_layer``), plus DoRA's magnitude vector (d_out, Liu et al.
+2024). Targets are matched as PEFT matches ``target_modules``: a module name suffix, or ``all-linear`` for
+every linear inside the layers (PEFT ``_maybe_include_all_linear_layers`` also leaves the output head out).
+
+**Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
+one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
+QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
+is not 4-bit (embeddings, norms, the LM head) to fp32.
+
+**What autograd saves** (derivatives.yaml saves an input only for the gradients it must compute; checked
+against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
+
+* a frozen linear saves nothing (its input gradient needs only the weight, a parameter);
+* a norm with a frozen weight does not keep its normed output (``weight * normed``: only the weight is
+  saved for the gradient of ``normed``);
+* a frozen SwiGLU MLP keeps gate, act(gate) and up, not their product (down_proj's input); a frozen fused
+  GeLU MLP keeps fc1's output, not the activation's;
+* per adapted linear (PEFT ``lora.Linear.forward``: ``_cast_input_dtype`` then
+  ``lora_B(lora_A(dropout(x))) * scaling``): the input as ``lora_A`` sees it — ``x`` itself when nothing
+  casts it (then one tensor for every adapter reading it), else a new copy per module (in the adapter dtype,
+  or the compute dtype under autocast) — a bool mask per module when dropout > 0 (CUDA ``native_dropout``),
+  and ``lora_A``'s output (T·r) saved by ``lora_B``. Under autocast the adapters' own 16-bit weight copies
+  are cached (2·r·(d_in + d_out) per module; aten ``cached_cast`` caches leaf tensors that require grad).
+  These are DESIGN §4.4's closed forms, extended to every target set.
+
+Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
+call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
+
+**Transients.** bitsandbytes' ``MatMul4Bit.backward`` (and ``MatMul8bitLt``'s) dequantises the whole weight to
+compute the input gradient: one N·K tensor in the compute dtype per linear, alive during that matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from trainfit.arch.params import LayerGroup, ParamInventory, inventory
+from trainfit.arch.spec import MlpKind, ModelSpec, ParamTensor
+from trainfit.errors import StrategyError
+from trainfit.strategy import ALL_LINEAR, Adapter, AdapterKind, Quantization, Strategy
+from trainfit.strategy.adapters import FREEZE_GROUPS, layer_range
+
+
+class SiteInput(StrEnum):
+    """The tensor an adapted linear reads (adapters reading the same tensor can share it)."""
+
+    NORM1 = "norm1"  # the attention's normed input (q, k, v)
+    ATTN_OUT = "attn-out"  # the attention output (o_proj)
+    NORM2 = "norm2"  # the MLP's normed input (gate, up, fc1)
+    MLP_ACT = "mlp-act"  # the MLP's activation (down_proj, fc2)
+
+
+_INPUT_OF = {
+    "q_proj": SiteInput.NORM1,
+    "k_proj": SiteInput.NORM1,
+    "v_proj": SiteInput.NORM1,
+    "o_proj": SiteInput.ATTN_OUT,
+    "gate_proj": SiteInput.NORM2,
+    "up_proj": SiteInput.NORM2,
+    "fc1": SiteInput.NORM2,
+    "down_proj": SiteInput.MLP_ACT,
+    "fc2": SiteInput.MLP_ACT,
+}
+
+#: Hugging Face module names that differ from the inventory's (OPT's out_proj is o_proj).
+_HF_ALIASES = {"out_proj": "o_proj"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterSite:
+    """One adapted linear of a layer: its module name, widths and the tensor it reads."""
+
+    name: str  # as PEFT spells it: q_proj, down_proj, ...
+    d_in: int
+    d_out: int
+    reads: SiteInput
+
+
+def finetuning(strategy: Strategy) -> bool:
+    """Anything but full fine-tuning of every weight: an adapter or ``--freeze`` patterns."""
+    return strategy.adapter is not None or bool(strategy.base_weights.frozen)
+
+
+def _short(t: ParamTensor) -> str:
+    """``attn.q_proj.weight`` → ``q_proj``."""
+    parts = t.name.split(".")
+    return parts[-2] if len(parts) >= 2 else parts[0]
+
+
+def supports_adapters(spec: ModelSpec) -> str | None:
+    """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers layers with
+    separate q/k/v projections and a dense (gated or fused-activation) MLP."""
+    if spec.params_override is not None:
+        return "explicit --params (no tensor shapes to attach adapters to)"
+    if spec.moe is not None:
+        return "mixture-of-experts layers"
+    if spec.mla is not None:
+        return "multi-head latent attention"
+    if spec.fused_qkv:
+        return "a fused qkv projection"
+    if spec.parallel_attn:
+        return "parallel attention/MLP blocks"
+    return None
+
+
+def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
+    """The linears of one layer that ``adapter`` targets (PEFT ``target_modules`` matching). A target that
+    is no module of the model raises one line naming the ones that are."""
+    why = supports_adapters(spec)
+    if why is not None:
+        raise StrategyError(f"adapters are modelled for Llama-style layers; {spec.name} has {why}")
+    group = _dense_group(inventory(spec))
+    linears = [t for t in group.tensors if t.matmul and _short(t) in _INPUT_OF]
+    names = [_short(t) for t in linears]
+    wanted = {_HF_ALIASES.get(x, x) for x in adapter.targets}
+    if ALL_LINEAR in wanted:
+        if len(wanted) > 1:
+            raise StrategyError("give either all-linear or module names as LoRA targets, not both")
+        wanted = set(names)
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise StrategyError(
+            f"no module named {', '.join(unknown)} in {spec.name}; its linears are {', '.join(names)} (or all-linear)"
+        )
+    return tuple(
+        AdapterSite(name=_short(t), d_in=t.shape[1], d_out=t.shape[0], reads=_INPUT_OF[_short(t)])
+        for t in linears
+        if _short(t) in wanted
+    )
+
+
+def _dense_group(inv: ParamInventory) -> LayerGroup:
+    return next(g for g in inv.layers if g.kind == "dense")
+
+
+def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """One layer's adapter tensors: LoRA A (r × d_in) and B (d_out × r) per site (PEFT ``update_layer``), and
+    DoRA's magnitude (d_out) — Hu et al. 2021; Liu et al. 2024."""
+    out: list[ParamTensor] = []
+    r = adapter.rank
+    for s in adapter_sites(spec, adapter):
+        out.append(ParamTensor(name=f"{s.name}.lora_A.weight", shape=(r, s.d_in), matmul=True))
+        out.append(ParamTensor(name=f"{s.name}.lora_B.weight", shape=(s.d_out, r), matmul=True))
+        if adapter.kind is AdapterKind.DORA:
+            out.append(ParamTensor(name=f"{s.name}.lora_magnitude_vector", shape=(s.d_out,), matmul=False))
+    return tuple(out)
+
+
+def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, layers: int) -> bool:
+    """Whether ``t`` (in layer ``layer``, or outside the stack when ``None``) matches a ``--freeze`` pattern:
+    ``embeddings`` (token, position and type tables), ``lm_head``, ``norm`` (every norm weight), ``layers:A-B``
+    (whole layers), or a module name (``q_proj``: that linear in every layer)."""
+    for p in patterns:
+        rng = layer_range(p)
+        if rng is not None:
+            if rng.stop > layers:
+                raise StrategyError(f"freeze range {p} goes past the model's {layers} layers (0-{layers - 1})")
+            if layer is not None and layer in rng:
+                return True
+        elif p == "embeddings":
+            if t.name.startswith("embed_") and "norm" not in t.name:
+                return True
+        elif p == "lm_head":
+            if t.name.startswith("lm_head"):
+                return True
+        elif p == "norm":
+            if "norm" in t.name:
+                return True
+        elif _short(t) == _HF_ALIASES.get(p, p):
+            return True
+    return False
+
+
+def check_freeze_patterns(spec: ModelSpec, patterns: tuple[str, ...]) -> None:
+    """Every ``--freeze`` name must name something in the model (one line otherwise)."""
+    inv = inventory(spec)
+    names = {_short(t) for t in inv.model_tensors} | {_short(t) for g in inv.layers for t in g.tensors}
+    for p in patterns:
+        if layer_range(p) is not None or p in FREEZE_GROUPS:
+            continue
+        if _HF_ALIASES.get(p, p) not in names:
+            raise StrategyError(
+                f"--freeze {p}: no such module in {spec.name}; use {', '.join(FREEZE_GROUPS)}, layers:A-B or one of "
+                + ", ".join(sorted(n for n in names if "proj" in n or n.startswith("fc")))
+            )
+
+
+def frozen_layer_counts(spec: ModelSpec, patterns: tuple[str, ...], group: LayerGroup, t: ParamTensor) -> int:
+    """How many of ``group``'s ``count`` copies of ``t`` are frozen. Layer ranges count layers of the stack in
+    order; a model with several layer kinds numbers them in inventory order (dense first)."""
+    inv = inventory(spec)
+    start = 0
+    for g in inv.layers:
+        if g.kind == group.kind:
+            break
+        start += g.count
+    return sum(is_frozen(t, patterns, start + k, layers=spec.num_layers) for k in range(group.count))
+
+
+# -- what autograd saves -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterSaved:
+    """One tensor (or one shared tensor) an adapter saves per layer."""
+
+    name: str
+    bytes: int
+    formula: str
+    reads: SiteInput | None = None  # set for a shared input: count it once per input tensor
+
+
+def adapter_saved(
+    sites: tuple[AdapterSite, ...],
+    adapter: Adapter,
+    *,
+    tokens: int,
+    input_width: dict[SiteInput, int],
+    amp: bool,
+    compute: int,
+) -> list[AdapterSaved]:
+    """Per layer, what the adapters save (PEFT ``lora.Linear.forward``; DESIGN §4.4 closed forms): the input
+    as ``lora_A`` sees it, the dropout mask, and ``lora_A``'s output. ``input_width``: bytes per element of
+    each input tensor as the base layer receives it."""
+    t, r = tokens, adapter.rank
+    ad = adapter.dtype.bits // 8
+    mm = compute if amp else ad  # the width lora_A's matmul computes (and saves its input) in
+    out: list[AdapterSaved] = []
+    for s in sites:
+        w_in = input_width[s.reads]
+        cast = w_in != ad  # PEFT _cast_input_dtype: x.to(lora_A.weight.dtype) when the dtypes differ
+        dropped = adapter.dropout > 0
+        autocast_cast = amp and (ad if (cast or dropped) else w_in) != compute
+        if not cast and not dropped and not autocast_cast:
+            out.append(
+                AdapterSaved(
+                    name=f"{s.name}.lora_in", bytes=w_in * t * s.d_in, formula="x itself (shared)", reads=s.reads
+                )
+            )
+        else:
+            out.append(AdapterSaved(name=f"{s.name}.lora_in", bytes=mm * t * s.d_in, formula=f"{mm}·t·d_in (new copy)"))
+        if dropped:
+            out.append(AdapterSaved(name=f"{s.name}.dropout_mask", bytes=t * s.d_in, formula="1·t·d_in (bool mask)"))
+        out.append(AdapterSaved(name=f"{s.name}.lora_A_out", bytes=mm * t * r, formula=f"{mm}·t·r"))
+    return out
+
+
+def frozen_base(strategy: Strategy) -> bool:
+    """Every base weight frozen and the hidden states requiring grad (an adapter)."""
+    return strategy.adapter is not None
+
+
+def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """The largest dequantised weight alive at once in backward: bitsandbytes' ``MatMul4Bit.backward``
+    (bitsandbytes/autograd/_functions.py) computes ``grad_output @ dequantize_4bit(W).t()``, and
+    ``MatMul8bitLt.backward`` multiplies by ``CB·SCB/127``: one N·K tensor in the compute dtype."""
+    if strategy.base_weights.quantization is Quantization.NONE:
+        return 0
+    group = _dense_group(inventory(spec))
+    linears = [t for t in group.tensors if t.matmul]
+    largest = max(t.numel for t in linears)
+    out = largest * strategy.recipe.compute_bits // 8
+    # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
+    # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
+    # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
+    # the trace of real bitsandbytes layers, tests/trace/test_peft.py; fitted, not derived op by op).
+    if strategy.base_weights.kbit_prepared and strategy.recipe.compute_bits < 32:
+        widest = max(linears, key=lambda t: t.shape[1])
+        adapted = strategy.adapter is not None and any(
+            s.name == _short(widest) for s in adapter_sites(spec, strategy.adapter)
+        )
+        # An adapter on that linear already holds part of it (its own gradient chain): 2·t·d_in more, not 4.
+        out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.shape[1]
+    return out
+
+
+def mlp_frozen(spec: ModelSpec) -> bool:
+    """Whether the frozen MLP form is known for ``spec`` (gated, or a fused activation)."""
+    return spec.mlp is MlpKind.GATED or spec.activation not in ("gelu_new", "gelu_fast", "gelu_python")
+
+
+def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = False) -> None:
+    """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
+    target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
+    a quantised base in the trace (bitsandbytes layers are not traced yet)."""
+    if strategy.adapter is not None:
+        adapter_sites(spec, strategy.adapter)
+    if strategy.base_weights.frozen:
+        check_freeze_patterns(spec, strategy.base_weights.frozen)
+        for p in strategy.base_weights.frozen:
+            rng = layer_range(p)
+            if rng is not None and rng.stop > spec.num_layers:
+                raise StrategyError(f"freeze range {p} goes past {spec.name}'s {spec.num_layers} layers")
+    if trace and strategy.base_weights.quantization is Quantization.INT8:
+        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
+    if trace and strategy.base_weights.frozen:
+        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")

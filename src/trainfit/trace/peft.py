@@ -1,0 +1,164 @@
+"""Real PEFT adapters in the trace: the reduced model of each depth is wrapped on the meta device, then its
+parameters become fake tensors like any other model's (DESIGN §4.4: ``get_peft_model`` cannot wrap fake
+parameters, because ``Module.to`` swaps tensors; building and wrapping on meta and swapping in fresh fake
+tensors afterwards works).
+
+What PEFT does that matters for memory, and is therefore done by PEFT itself here rather than imitated:
+
+* ``get_peft_model(model, LoraConfig(...), autocast_adapter_dtype=...)`` (peft/mapping_func.py) freezes
+  every base parameter and injects ``lora.Linear`` layers (peft/tuners/lora/layer.py ``LoraLayer.update_layer``)
+  for ``target_modules`` (``"all-linear"``: ``_maybe_include_all_linear_layers`` in peft/tuners/tuners_utils.py,
+  every linear but the output layer). ``autocast_adapter_dtype=True`` keeps the adapters in fp32 on a 16-bit
+  base; with ``False`` they take the base layer's dtype (``_move_adapter_to_device_of_base_layer``), and a
+  third dtype is set by casting the adapter tensors.
+* ``PeftModel.__init__`` calls ``_prepare_model_for_gradient_checkpointing`` (peft/peft_model.py), which for a
+  non-quantised model calls ``enable_input_require_grads``: the embeddings' output requires grad, so every
+  layer's hidden states do (and every layer saves the same tensors).
+
+The forward runs the original transformers module, which PEFT modified in place (``peft_model.base_model.model``),
+so the stack path, the head and the checkpointing hooks of :mod:`trainfit.trace.hf` apply unchanged.
+
+A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` of the
+layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone, ``modules_to_not_convert``), then
+``prepare_model_for_kbit_training`` (peft/utils/other.py) casts every other parameter to fp32, then PEFT wraps
+the 4-bit layers (``peft/tuners/lora/bnb.py`` ``Linear4bit``). After the fake parameters are in place, each
+4-bit weight is quantised *on a fake tensor* with ``bitsandbytes.functional.quantize_4bit`` (DESIGN §4.4) and
+kept as a plain frozen parameter carrying its ``quant_state``; the state's tensors (absmax, nested absmax,
+codes, offset) are registered as buffers so they count as weights. Double quantisation builds
+``name2qmap["dynamic"]`` lazily with a data-dependent ``tolist``: it is built outside fake mode and handed in
+as a fake tensor for the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from trainfit.errors import DependencyError, StrategyError
+from trainfit.strategy import ALL_LINEAR, AdapterKind, Quantization, Strategy
+from trainfit.strategy.dtypes import DType
+
+_TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+
+
+def require_peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise DependencyError("--method trace with adapters needs peft: pip install 'trainfit[finetune]'") from None
+    return peft
+
+
+def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Module:
+    """Wrap ``model`` (on the meta device) as ``strategy`` fine-tunes it; returns the transformers module with
+    the adapters injected (``model`` itself when nothing changes)."""
+    adapter, base = strategy.adapter, strategy.base_weights
+    if base.frozen:
+        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")
+    if base.quantization is Quantization.INT8:
+        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
+    quantised = base.quantization is not Quantization.NONE
+    if quantised:
+        _to_linear4bit(model, strategy)
+    if base.dtype is not None:
+        model.to(_TORCH_DTYPES[base.dtype])  # meta tensors: a dtype change, nothing allocated
+    if adapter is None:
+        return model
+    peft = require_peft()
+    if quantised:
+        # What QLoRA recipes call: fp32 for everything not 4-bit; checkpointing is the strategy's business
+        # (transformers' gradient_checkpointing_enable, installed by trace.hf, enables input grads itself).
+        peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    targets: str | list[str] = ALL_LINEAR if adapter.targets == (ALL_LINEAR,) else list(adapter.targets)
+    config = peft.LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=targets,
+        bias="none",
+        use_dora=adapter.kind is AdapterKind.DORA,
+        task_type="CAUSAL_LM",
+    )
+    wanted = _TORCH_DTYPES[adapter.dtype]
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecates is_gradient_checkpointing
+        wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=wanted == torch.float32)
+    inner: torch.nn.Module = wrapped.base_model.model
+    for name, p in inner.named_parameters():
+        if "lora_" in name and p.dtype != wanted:
+            p.data = p.data.to(wanted)  # meta: a dtype change (PEFT leaves meta adapters in fp32)
+    return inner
+
+
+def _to_linear4bit(model: torch.nn.Module, strategy: Strategy) -> None:
+    """Replace every ``nn.Linear`` but the output head with a meta ``bnb.nn.Linear4bit`` (transformers'
+    ``replace_with_bnb_linear``; the head is in ``modules_to_not_convert``)."""
+    bnb: Any = importlib.import_module("bitsandbytes")
+    m: Any = model
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[strategy.recipe.compute_dtype]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child is head:
+                continue
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute,
+                compress_statistics=strategy.base_weights.double_quant,
+                quant_type=strategy.base_weights.quantization.value,
+                device="meta",
+            )
+            setattr(parent, name, q)
+    m.is_loaded_in_4bit = True  # what PEFT and prepare_model_for_kbit_training look for
+
+
+@contextlib.contextmanager
+def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> Iterator[None]:
+    """Quantise every ``Linear4bit`` weight of the materialised ``model`` on fake tensors of ``mode`` (a
+    ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run."""
+    if strategy.base_weights.quantization not in (Quantization.NF4, Quantization.FP4):
+        yield
+        return
+    bnb: Any = importlib.import_module("bitsandbytes")
+    bf: Any = importlib.import_module("bitsandbytes.functional")
+
+    saved = bf.name2qmap.get("dynamic")
+    real_map = bf.create_dynamic_map()
+    bf.name2qmap["dynamic"] = mode.from_tensor(real_map) if mode is not None else real_map
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[strategy.recipe.compute_dtype]
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            for mod in model.modules():
+                if not isinstance(mod, bnb.nn.Linear4bit):
+                    continue
+                out_f, in_f = mod.out_features, mod.in_features
+                w = torch.zeros(out_f, in_f, dtype=compute)
+                packed, qs = bf.quantize_4bit(
+                    w,
+                    blocksize=64,
+                    quant_type=strategy.base_weights.quantization.value,
+                    compress_statistics=strategy.base_weights.double_quant,
+                    quant_storage=torch.uint8,
+                )
+                weight = torch.nn.Parameter(packed, requires_grad=False)
+                weight.quant_state = qs  # type: ignore[attr-defined]
+                mod.weight = weight
+                mod.quant_state = qs
+                parts = [qs.absmax, qs.code]
+                if qs.nested:
+                    parts += [qs.offset, qs.state2.absmax, qs.state2.code]
+                for k, t in enumerate(parts):
+                    mod.register_buffer(f"_trainfit_quant_{k}", t, persistent=False)
+        yield
+    finally:
+        if saved is None:
+            bf.name2qmap.pop("dynamic", None)
+        else:
+            bf.name2qmap["dynamic"] = saved

@@ -1,0 +1,195 @@
+"""Fine-tuning in the analytic model: adapter tensors, frozen and quantised base storage, what a frozen layer
+saves, refusals, and invariants (freezing or LoRA never adds gradient or optimizer memory).
+
+Expected numbers are derived by hand from the formulas in the docstrings they cite, never read off the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfit import Strategy, estimate
+from trainfit.analytic.activations import first_layer_unsaved_bytes, layer_terms
+from trainfit.analytic.states import model_states, param_states
+from trainfit.arch import load_model
+from trainfit.arch.config import spec_from_config
+from trainfit.errors import StrategyError
+from trainfit.result import Component, Phase
+from trainfit.strategy import Adapter, BaseWeights, finetune_setup
+
+LLAMA = {
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+    "max_position_embeddings": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def tiny(**over: object) -> object:
+    return spec_from_config({**LLAMA, **over}, name="tiny-llama", source="test")
+
+
+def test_frozen_layer_saves_what_the_closed_forms_say() -> None:
+    """amp-bf16 over a bf16 base, fp32 adapters on q and v, no dropout, flash SDPA (DESIGN §4.4):
+    RMSNorm keeps its fp32 input and rsqrt but no normed output (frozen weight); frozen q/k/v/o keep nothing;
+    each adapter keeps a bf16 copy of x (T·d_in·2; PEFT casts x to fp32, autocast casts it back) and lora_A's
+    output (T·r·2); SDPA keeps q, k, v, out, lse; a frozen SwiGLU keeps gate, act and up (3·2·T·i)."""
+    spec = tiny()
+    a, b = finetune_setup("lora", rank=8, targets="q_proj,v_proj", base_dtype="bf16")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=2, seq_len=256)
+    t, h, i, r = 512, 256, 512, 8
+    qd, kd = 4 * 64, 2 * 64
+    norm = 4 * t + 4 * t * h
+    lora = 2 * (2 * t * h + 2 * t * r)
+    sdpa = 2 * t * (qd + 2 * kd) + 2 * t * qd + 4 * 2 * 4 * 256
+    mlp = 3 * 2 * t * i
+    assert sum(x.bytes for x in layer_terms(spec, s)) == 2 * norm + lora + sdpa + mlp
+    # Without checkpointing PEFT leaves the embeddings' output without grad: layer 0's first norm saves nothing.
+    assert first_layer_unsaved_bytes(spec, s) == norm
+    assert first_layer_unsaved_bytes(spec, dataclasses.replace(s, checkpointing="full")) == 0
+
+
+def test_dropout_and_bf16_adapters_change_the_adapter_terms_as_derived() -> None:
+    spec = tiny()
+    t, h, r = 512, 256, 8
+    base = Strategy(micro_batch=2, seq_len=256, precision="pure-bf16")
+    a16, b = finetune_setup("lora", rank=r, targets="q_proj,v_proj", base_dtype="bf16", adapter_dtype="bf16")
+    a16d, _ = finetune_setup(
+        "lora", rank=r, targets="q_proj,v_proj", base_dtype="bf16", adapter_dtype="bf16", dropout=0.1
+    )
+    plain = sum(x.bytes for x in layer_terms(spec, dataclasses.replace(base, adapter=a16, base_weights=b)))
+    dropped = sum(x.bytes for x in layer_terms(spec, dataclasses.replace(base, adapter=a16d, base_weights=b)))
+    # bf16 adapters on a bf16 input, no autocast, no dropout: x itself is saved once for both adapters.
+    # With dropout each adapter keeps its dropped copy (2·T·h) and a bool mask (T·h) instead.
+    assert dropped - plain == 2 * (2 * t * h + t * h) - 2 * t * h
+
+
+def test_lora_states_count_only_the_adapters() -> None:
+    """Llama-3.2-1B, rank 16, q and v: A (16 × 2048) + B (2048 × 16 / 512 × 16) per layer, 16 layers; fp32
+    adapters: fp32 grads, AdamW states 8 B/param plus the fused kernel's step per tensor (512-byte block)."""
+    spec = load_model("llama-3.2-1b")
+    a, b = finetune_setup("lora", rank=16, targets="q_proj,v_proj", base_dtype="bf16")
+    stt = model_states(spec, Strategy(adapter=a, base_weights=b))
+    per_layer = 16 * (2048 + 2048) + 16 * (2048 + 512)
+    n = 16 * per_layer
+    assert stt.trainable_params == n
+    assert stt.grads_bytes == 4 * n and stt.adapter_weights_bytes == 4 * n
+    assert stt.optimizer_bytes == 8 * n + 16 * 4 * 512
+    # The base: bf16, every tensor frozen.
+    assert stt.weights_bytes == 2 * stt.params
+    assert stt.master_bytes == 0
+
+
+def test_qlora_base_is_about_half_a_byte_per_parameter() -> None:
+    """nf4 + double quantisation: n/2 + n/64 (uint8 absmax) + 4·n/(64·256) ≈ 0.516 B/param for the layer
+    linears (QLoRA paper: 4.127 bits); prepare_model_for_kbit_training keeps the rest in fp32."""
+    spec = load_model("llama-3.1-8b")
+    a, b = finetune_setup("qlora", rank=16)
+    states = param_states(spec, Strategy(adapter=a, base_weights=b))
+    packed = [x for x in states if not x.adapter and x.tensor.matmul and not x.tensor.name.startswith("lm_head")]
+    per_param = sum(x.count * x.weight_bytes for x in packed) / sum(x.count * x.tensor.numel for x in packed)
+    assert 0.515 < per_param < 0.53
+    (emb,) = [x for x in states if x.tensor.name == "embed_tokens.weight"]
+    assert emb.weight_bytes == 4 * emb.tensor.numel  # cast to fp32 by prepare_model_for_kbit_training
+
+
+def test_nf4_bytes_match_bitsandbytes() -> None:
+    """The byte formula against bitsandbytes' own quantize_4bit on a real CPU tensor (DESIGN §4.4)."""
+    torch = pytest.importorskip("torch")
+    f = pytest.importorskip("bitsandbytes.functional")
+    from trainfit.cuda_facts import quantized_weight_tensors
+
+    for rows, cols, dq in ((300, 1000, True), (257, 130, True), (300, 1000, False)):
+        w = torch.zeros(rows, cols, dtype=torch.bfloat16)
+        q, qs = f.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=dq)
+        parts = [q, qs.absmax, qs.code]
+        if dq:
+            parts += [qs.offset, qs.state2.absmax, qs.state2.code]
+        real = sum(p.numel() * p.element_size() for p in parts)
+        assert real == sum(quantized_weight_tensors(rows * cols, rows, "nf4", double_quant=dq))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(finetune="qlora", base_dtype="fp32"), "qlora quantises the base"),
+        (dict(finetune="lora", rank=0), "rank must be a positive integer"),
+        (dict(finetune="lora", dropout=1.0), "dropout"),
+        (dict(finetune="full", base_dtype="bf16"), "frozen base"),
+        (dict(finetune="freeze"), "needs --freeze"),
+        (dict(finetune="lora", freeze="embeddings"), "needs --finetune freeze"),
+        (dict(finetune="lora", adapter_dtype="int8"), "adapter-dtype|16- or 32-bit"),
+        (dict(finetune="dora-ish"), "unknown finetune"),
+    ],
+)
+def test_bad_combinations_are_one_line_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(StrategyError, match=match):
+        finetune_setup(**kwargs)  # type: ignore[arg-type]
+
+
+def test_model_dependent_refusals() -> None:
+    spec = tiny()
+    a, b = finetune_setup("lora", targets="q_proj,query_key_value")
+    with pytest.raises(StrategyError, match="no module named query_key_value"):
+        estimate(spec, Strategy(adapter=a, base_weights=b))
+    _, bad = finetune_setup("freeze", freeze="layers:0-9")
+    with pytest.raises(StrategyError, match="goes past"):
+        estimate(spec, Strategy(base_weights=bad))
+    _, fb = finetune_setup("freeze", freeze="layers:0-1")
+    with pytest.raises(StrategyError, match="cannot be fully fine-tuned"):
+        Strategy(base_weights=BaseWeights(quantization="nf4"))
+    qa, qb = finetune_setup("lora", base_dtype="int8")
+    with pytest.raises(StrategyError, match=r"does not run LLM\.int8"):
+        estimate(spec, Strategy(adapter=qa, base_weights=qb), method="trace")
+    with pytest.raises(StrategyError, match="does not model --freeze"):
+        estimate(spec, Strategy(base_weights=fb), method="trace")
+
+
+def test_freeze_removes_exactly_the_frozen_tensors_states() -> None:
+    """Freezing embeddings and layers 0-1 of 4: AdamW (fp32 recipe) keeps 8 B per trainable parameter (+ one
+    512-byte fused step counter per trainable tensor)."""
+    spec = tiny()
+    _, fb = finetune_setup("freeze", freeze="embeddings,layers:0-1")
+    s = Strategy(precision="fp32", base_weights=fb)
+    stt = model_states(spec, s)
+    full = model_states(spec, Strategy(precision="fp32"))
+    layer = (full.params - 2 * 1024 * 256 - 256) // 4  # minus embed, lm_head, final norm
+    assert stt.trainable_params == full.params - 1024 * 256 - 2 * layer
+    assert stt.grads_bytes == 4 * stt.trainable_params
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 6),
+    rank=st.integers(1, 64),
+    targets=st.sampled_from(["all-linear", "q_proj,v_proj", "down_proj", "o_proj,up_proj"]),
+    freeze=st.sampled_from(["embeddings", "layers:0-0", "lm_head,norm", "q_proj,k_proj"]),
+    precision=st.sampled_from(["amp-bf16", "pure-bf16", "fp32", "master-bf16"]),
+)
+def test_freezing_or_lora_never_adds_gradient_or_optimizer_memory(
+    layers: int, rank: int, targets: str, freeze: str, precision: str
+) -> None:
+    spec = tiny(num_hidden_layers=layers)
+    full = Strategy(precision=precision)
+    ref = model_states(spec, full)
+    a, b = finetune_setup("lora", rank=rank, targets=targets)
+    _, fb = finetune_setup("freeze", freeze=freeze)
+    for s in (dataclasses.replace(full, adapter=a, base_weights=b), dataclasses.replace(full, base_weights=fb)):
+        stt = model_states(spec, s)
+        assert stt.grads_bytes <= ref.grads_bytes
+        assert stt.optimizer_bytes + stt.master_bytes <= ref.optimizer_bytes + ref.master_bytes
+        r = estimate(spec, s)
+        step = r.phase(Phase.OPTIMIZER_STEP)
+        assert step.get(Component.GRADIENTS) <= ref.grads_bytes
+
+
+def test_full_fine_tuning_numbers_are_untouched_by_the_adapter_code() -> None:
+    """An adapter-free strategy takes none of the fine-tuning paths (goldens pin the exact numbers)."""
+    spec = load_model("llama-3.2-1b")
+    s = Strategy()
+    assert all(x.trainable and not x.adapter and x.bits == 0 for x in param_states(spec, s))
+    assert model_states(spec, s).adapter_weights_bytes == 0
+    assert Adapter().targets == ("all-linear",)
