@@ -1,0 +1,529 @@
+"""Inference memory in closed form: weights, KV cache, the prefill and decode peaks, and what fits.
+
+An inference request has two phases (:class:`~trainfit.result.InferencePhase`). **Prefill** runs the whole
+prompt (``b·s`` tokens) through the model once and writes every layer's keys and values into the cache;
+**decode** then runs one token per sequence per step against the cache. Nothing is saved for backward, so
+the activation terms are *transients*: what one layer holds while it runs, on top of what is resident
+(weights, the cache so far, a few per-forward tensors such as the embeddings and RoPE tables).
+
+What Hugging Face ``generate`` keeps (transformers 5, ``generation/utils.py`` ``_sample``, checked on fake
+tensors by :mod:`trainfit.trace.generate`):
+
+* the forward gets ``logits_to_keep=1``: the head multiplies only the last position, ``b·vocab`` logits,
+  and ``generate`` copies them to fp32 (``outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)``);
+  the previous step's fp32 copy is alive through the next step's forward;
+* ``DynamicCache`` (``cache_utils.DynamicLayer.update``) grows each layer by ``torch.cat``: during a decode
+  step the new ``[b, kv_heads, T, head_dim]`` K and V exist beside the old ones until the assignment drops
+  them, so the worst moment holds the cache at full length plus one layer's previous K/V;
+* ``DynamicSlidingWindowLayer`` keeps a *view* of the last ``window − 1`` tokens of the ``cat`` result: after
+  prefill the storage is the whole prompt, after the first decode step ``window`` tokens;
+* ``StaticCache`` (``StaticLayer``) allocates ``[b, kv_heads, prompt + new_tokens, head_dim]`` once and
+  writes with ``index_copy_``: no copies; its sliding layers (``StaticSlidingWindowLayer``) hold
+  ``min(window, prompt + new)`` tokens and ``roll`` once full, a transient copy of one layer;
+* MLA (DeepSeek-V2/V3, ``DeepseekV3Attention.forward``) caches the compressed latent — ``kv_lora_rank``
+  (normed ``kv_nope``) and ``qk_rope_head_dim`` (``k_rot``), one "head" each — and ``expand_kv``
+  decompresses the whole cache of the running layer every step: ``kv_b_proj`` output
+  ``b·T·heads·(nope + v)`` plus a new key tensor ``b·heads·T·(nope + rope)``.
+
+KV cache = 2 · layers · kv_heads · head_dim · tokens · batch · bytes (Pope et al. 2022, "Efficiently Scaling
+Transformer Inference", §2; vLLM ``get_kv_cache_spec``), each tensor rounded to the allocator's 512 bytes.
+
+Paged servers (``--cache paged``, vLLM's PagedAttention: Kwon et al. 2023) hold the cache in blocks of
+``block_size`` tokens per layer; a sequence of ``T`` tokens takes ``⌈T / block_size⌉`` blocks. With
+``--server paged`` the capacity is what vLLM reports at start-up (``vllm/v1/worker/gpu_worker.py``
+``determine_available_memory``, ``vllm/v1/core/kv_cache_utils.py`` ``get_num_blocks``):
+
+    kv_budget = total_gpu_memory · gpu_memory_utilization − (weights + peak activation of the profile run
+                + non-torch memory)
+    blocks = kv_budget // (block_size · bytes per token of all layers)
+
+where the profile run is a forward pass over ``max_num_batched_tokens`` tokens (8192 by default in V1's
+chunked prefill) with dummy inputs. We take the profile peak from our own prefill formula over those
+tokens as one batch, and ``non-torch`` from our CUDA-context constant; vLLM measures both.
+
+Tensor parallelism (Megatron-style, ``--tp``) splits every layer's linears and the vocab-parallel embedding
+and head ``tp`` ways; norms are replicated. K/V heads are split when there are at least ``tp`` of them and
+replicated otherwise (vLLM ``get_num_kv_heads``: ``max(1, total_num_kv_heads // tp_size)``); the MLA
+latent is replicated on every rank.
+
+Weights (one implementation of each format, :mod:`trainfit.cuda_facts` for bitsandbytes): fp32/bf16/fp16
+store every tensor in that format. ``int8``/``nf4``/``fp4`` (bitsandbytes, via transformers'
+``BitsAndBytesConfig``) quantise every ``nn.Linear`` inside the layers and keep the embeddings, the LM
+head (``llm_int8_skip_modules`` defaults to the output embeddings), norms and the fused MoE expert tensors
+(not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` of the load. ``fp8`` is the fine-grained
+e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
+``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block), again layer linears only.
+
+The article's rule of thumb for serving — weights × 1.2 — is reported beside our answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
+from trainfit.cuda_facts import (
+    SdpaKernel,
+    allocator_bytes,
+    has_flash_attention,
+    quantized_weight_tensors,
+    sdpa_kernel_for,
+)
+from trainfit.errors import StrategyError
+from trainfit.hardware.gpus import GPUSpec
+from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
+from trainfit.result import Component, InferencePhase, PhaseBreakdown, Term
+from trainfit.strategy import Attention
+
+#: Tokens in a paged-attention block (vLLM's default ``--block-size``).
+DEFAULT_BLOCK_SIZE = 16
+#: vLLM's default ``--gpu-memory-utilization``.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+#: Tokens of vLLM V1's profile run: ``max_num_batched_tokens`` with chunked prefill (``SchedulerConfig``).
+VLLM_PROFILE_TOKENS = 8192
+#: The article's serving rule of thumb: weights × 1.2.
+RULE_OF_THUMB_FACTOR = 1.2
+#: Block edge of fine-grained FP8 weights (DeepSeek-V3 ``weight_block_size``).
+FP8_BLOCK = 128
+#: Largest batch the capacity search tries.
+MAX_SEARCH = 1 << 20
+#: Fraction of GPU memory a ``generate`` fit leaves free by default.
+DEFAULT_INFER_HEADROOM = 0.10
+
+
+class WeightFormat(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    INT8 = "int8"
+    NF4 = "nf4"
+    FP4 = "fp4"
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "nf4": 4, "fp4": 4}[self.value]
+
+    @property
+    def compute(self) -> KVFormat:
+        """The dtype activations (and a default cache) take: the weights' own 16/32-bit format, else bf16."""
+        if self is WeightFormat.FP32:
+            return KVFormat.FP32
+        if self is WeightFormat.FP16:
+            return KVFormat.FP16
+        return KVFormat.BF16
+
+    @property
+    def bnb(self) -> bool:
+        return self in (WeightFormat.INT8, WeightFormat.NF4, WeightFormat.FP4)
+
+
+class KVFormat(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}[self.value]
+
+
+class CacheKind(StrEnum):
+    DYNAMIC = "dynamic"  # transformers DynamicCache (sliding layers windowed, as transformers does)
+    STATIC = "static"  # transformers StaticCache, max_cache_len = prompt + new tokens
+    SLIDING = "sliding"  # DynamicCache on a model with a sliding window (refused without one)
+    PAGED = "paged"  # vLLM-style blocks of block_size tokens
+
+
+def _coerce(obj: object, name: str, enum: type[StrEnum]) -> None:
+    value = getattr(obj, name)
+    if value is None or isinstance(value, enum):
+        return
+    try:
+        object.__setattr__(obj, name, enum(str(value).lower()))
+    except ValueError:
+        choices = ", ".join(m.value for m in enum)
+        raise StrategyError(f"unknown {name.replace('_', '-')} '{value}'; choose one of: {choices}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferenceSetup:
+    """One inference request shape and how it runs. ``kv_dtype=None``: the cache in the compute dtype."""
+
+    batch: int = 1
+    prompt: int = 2048
+    new_tokens: int = 256
+    dtype: WeightFormat = WeightFormat.BF16
+    kv_dtype: KVFormat | None = None
+    cache: CacheKind = CacheKind.DYNAMIC
+    block_size: int = DEFAULT_BLOCK_SIZE
+    attention: Attention = Attention.SDPA
+    tp: int = 1
+    double_quant: bool = True
+
+    def __post_init__(self) -> None:
+        _coerce(self, "dtype", WeightFormat)
+        _coerce(self, "kv_dtype", KVFormat)
+        _coerce(self, "cache", CacheKind)
+        _coerce(self, "attention", Attention)
+        for name in ("batch", "prompt", "new_tokens", "block_size", "tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise StrategyError(f"{name.replace('_', ' ')} must be a positive whole number, got {v!r}")
+
+    @property
+    def compute_bits(self) -> int:
+        return self.dtype.compute.bits
+
+    @property
+    def dtype_bits(self) -> int:
+        return self.dtype.bits
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self.kv_dtype or self.dtype.compute
+
+    @property
+    def context(self) -> int:
+        """Tokens a sequence reaches: prompt + new tokens."""
+        return self.prompt + self.new_tokens
+
+
+def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None) -> None:
+    """Refuse what no run could do: a context beyond the model's, a sliding cache without a window, an
+    encoder, a format the GPU cannot run."""
+    if spec.kind is not ModelKind.CAUSAL_LM:
+        raise StrategyError(f"{spec.name} is not a causal language model; trainfit infer models generation")
+    ctx = spec.max_position_embeddings
+    if ctx is not None and setup.context > ctx:
+        raise StrategyError(
+            f"prompt {setup.prompt} + new tokens {setup.new_tokens} = {setup.context} exceeds {spec.name}'s "
+            f"context of {ctx} tokens"
+        )
+    if setup.cache is CacheKind.SLIDING and not (spec.sliding_window and spec.sliding_layers):
+        raise StrategyError(f"{spec.name} has no sliding-window layers; use --cache dynamic or static")
+    if spec.params_override is not None:
+        raise StrategyError("trainfit infer needs a model's shapes, not --params")
+    if gpu is not None:
+        cc = gpu.compute_capability
+        if setup.dtype is WeightFormat.FP8 or setup.kv_format is KVFormat.FP8:
+            if not gpu.fp8:
+                raise StrategyError(
+                    f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
+                    "use --dtype/--kv-dtype bf16 or int8"
+                )
+        if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16 and not setup.dtype.bnb:
+            raise StrategyError(f"{gpu.id} (compute capability {cc}) has no native bf16; use --dtype fp16")
+    if setup.tp > 1 and spec.num_heads % setup.tp:
+        raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
+
+
+# -- weights ------------------------------------------------------------------------------------------
+
+
+def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """Bytes of every parameter tensor on one GPU, each piece rounded to 512 bytes, plus RoPE buffers."""
+    inv = inventory(spec)
+    layer_ids = {id(t) for g in inv.layers for t in g.tensors}
+    tp = setup.tp
+    keep_bits = setup.dtype.bits if setup.dtype in (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP16) else 16
+    total = 0
+    for t, count in inv.all_tensors():
+        in_layer = id(t) in layer_ids
+        is_norm = len(t.shape) == 1 and ("norm" in t.name)
+        split = 1 if is_norm else tp
+        numel = -(-t.numel // split)
+        rows = -(-t.shape[0] // split)
+        linear = in_layer and t.matmul and len(t.shape) == 2
+        if linear and setup.dtype.bnb:
+            pieces = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
+            one = sum(allocator_bytes(n) for n in pieces)
+        elif linear and setup.dtype is WeightFormat.FP8:
+            cols = numel // rows if rows else 0
+            scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
+            one = allocator_bytes(numel) + allocator_bytes(4 * scales)
+        else:
+            one = allocator_bytes(numel * keep_bits // 8)
+        total += count * one
+    if spec.rotary_dim:
+        total += 2 * allocator_bytes(4 * (spec.rotary_dim // 2))  # inv_freq and original_inv_freq, fp32
+    return total
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
+    """K/V heads on one rank: split when there are at least ``tp``, else one replicated head."""
+    return max(1, spec.num_kv_heads // tp)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerKinds:
+    """How many layers hold a full cache and how many a sliding window of ``window`` tokens."""
+
+    full: int
+    sliding: int
+    window: int | None
+
+
+def layer_kinds(spec: ModelSpec, setup: InferenceSetup) -> LayerKinds:
+    w = spec.sliding_window if spec.sliding_layers else None
+    if setup.cache is CacheKind.PAGED or w is None:
+        return LayerKinds(full=spec.num_layers, sliding=0, window=None)
+    return LayerKinds(full=spec.num_layers - spec.sliding_layers, sliding=spec.sliding_layers, window=w)
+
+
+def kv_layer_tensors(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> tuple[int, int]:
+    """Bytes of one layer's two cache tensors (K and V; MLA: the latent ``kv_nope`` and ``k_rot``) for
+    ``tokens`` tokens of every sequence in the batch, each rounded to the allocator's 512 bytes."""
+    if tokens <= 0:
+        return 0, 0
+    bits, b = setup.kv_format.bits, setup.batch
+    if spec.mla is not None:
+        m = spec.mla
+        return (
+            allocator_bytes(b * tokens * m.kv_lora_rank * bits // 8),
+            allocator_bytes(b * tokens * m.qk_rope_head_dim * bits // 8),
+        )
+    one = allocator_bytes(b * kv_heads_per_gpu(spec, setup.tp) * tokens * spec.head_dim * bits // 8)
+    return one, one
+
+
+def kv_layer_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
+    """One layer's K and V for ``tokens`` tokens: 2 · batch · kv_heads · head_dim · tokens · bytes."""
+    return sum(kv_layer_tensors(spec, setup, tokens))
+
+
+def kv_bytes_per_token(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """Cache bytes one token of one sequence takes over all layers (unrounded): the paged-block unit."""
+    bits = setup.kv_format.bits
+    if spec.mla is not None:
+        per_layer = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * bits
+    else:
+        per_layer = 2 * kv_heads_per_gpu(spec, setup.tp) * spec.head_dim * bits
+    return spec.num_layers * per_layer // 8
+
+
+def _stored_tokens(setup: InferenceSetup, window: int | None, step: int) -> int:
+    """Tokens one layer's cache storage holds after forward pass ``step`` (0 = prefill)."""
+    s, n = setup.prompt, setup.new_tokens
+    if setup.cache is CacheKind.STATIC:
+        return s + n if window is None else min(window, s + n)
+    if setup.cache is CacheKind.PAGED:
+        bs = setup.block_size
+        return -(-(s + step) // bs) * bs
+    if window is None or step == 0:
+        return s + step
+    return min(s + step, window)
+
+
+def kv_cache_bytes(spec: ModelSpec, setup: InferenceSetup, step: int | None = None) -> int:
+    """The cache after pass ``step`` (default: the last pass, ``new_tokens − 1``: the cache at full length)."""
+    k = layer_kinds(spec, setup)
+    st = setup.new_tokens - 1 if step is None else step
+    full = k.full * kv_layer_bytes(spec, setup, _stored_tokens(setup, None, st))
+    slid = k.sliding * kv_layer_bytes(spec, setup, _stored_tokens(setup, k.window, st)) if k.sliding else 0
+    return full + slid
+
+
+def _decode_kv_moment(spec: ModelSpec, setup: InferenceSetup, step: int) -> int:
+    """Worst cache bytes inside decode pass ``step``. ``torch.cat`` (dynamic caches) holds the running
+    layer's old and new K/V together: with every other layer already updated (the last layer running) or
+    none yet (the first), whichever is larger — the first only wins when a sliding layer shrinks from the
+    prompt to its window. A static sliding layer that is full ``roll``s into a new tensor (one layer's copy);
+    a static full layer writes in place."""
+    k = layer_kinds(spec, setup)
+    groups: list[tuple[int, int, int, int, int, bool]] = []  # count, old, new, old K, new K, cat
+    for count, win in ((k.full, None), (k.sliding, k.window)):
+        if not count:
+            continue
+        old_t = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step - 1))
+        new_t = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step))
+        cat = setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING)
+        roll = setup.cache is CacheKind.STATIC and win is not None and setup.prompt + step - 1 >= win
+        copy_new = max(new_t) if roll else 0
+        groups.append((count, sum(old_t), sum(new_t), max(old_t), max(new_t) if cat else copy_new, cat))
+    all_old = sum(g[0] * g[1] for g in groups)
+    all_new = sum(g[0] * g[2] for g in groups)
+    best = all_new
+    for _, _, _, old_k, new_k, cat in groups:
+        # ``self.keys = torch.cat(...)`` drops the old K before V's cat runs: one tensor in flight.
+        best = max(best, all_new + old_k, all_old + new_k) if cat else max(best, all_new + new_k)
+    return best
+
+
+# -- activations ----------------------------------------------------------------------------------------
+
+
+def _kernel(spec: ModelSpec, setup: InferenceSetup, *, masked: bool, q_len: int, flash: bool) -> SdpaKernel:
+    d = spec.mla.qk_head_dim if spec.mla else spec.head_dim
+    dv = spec.mla.v_head_dim if spec.mla else spec.head_dim
+    gqa = spec.num_kv_heads != spec.num_heads and spec.mla is None
+    return sdpa_kernel_for(
+        half=setup.compute_bits == 16,
+        masked=masked,
+        same_heads=not gqa or masked,
+        gqa_ok=spec.sdpa_gqa and not masked,
+        head_dim=d,
+        v_head_dim=dv,
+        flash_capable=flash,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Moment:
+    """A candidate worst moment of one pass: activations and logits beyond weights and cache."""
+
+    name: str
+    activations_bytes: int
+    logits_bytes: int = 0
+    kv_extra_bytes: int = 0  # cache bytes beyond the resident cache at that moment (a copy in flight)
+
+
+def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int, step: int) -> int:
+    """Per-pass tensors alive through the stack: token ids, the attention mask (its length grows by one
+    per step in ``_update_model_kwargs_for_generation``), position ids, the embeddings' output and
+    RoPE's cos/sin in the compute dtype."""
+    b, a = setup.batch, setup.compute_bits // 8
+    h = spec.hidden_size
+    ids = allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far
+    mask = allocator_bytes(8 * b * total)
+    pos = allocator_bytes(8 * b * q) + allocator_bytes(8 * q)  # position ids, cache_position
+    emb = allocator_bytes(b * q * h * a)
+    rope = 0
+    if spec.rotary_dim:
+        rd = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
+        rope = 2 * allocator_bytes(b * q * rd * a)
+    del step
+    return ids + mask + pos + emb + rope
+
+
+def _layer_moments(
+    spec: ModelSpec, setup: InferenceSetup, q: int, kv_len: int, *, masked: bool, flash: bool
+) -> list[Moment]:
+    """Transient bytes inside the running layer for ``q`` new tokens attending to ``kv_len`` keys, beside
+    the layer's input (the previous layer's output) and the embeddings kept by the model's forward."""
+    b, a = setup.batch, setup.compute_bits // 8
+    h = spec.hidden_size
+    t = b * q
+    tp = setup.tp
+    nh = spec.num_heads // tp
+    kvh = kv_heads_per_gpu(spec, tp)
+    hd = spec.head_dim
+    x = allocator_bytes(t * h * a)  # a hidden-size tensor
+    out: list[Moment] = []
+    # MLP: gated — act(gate), up and their product alive together; dense — fc1's output and the activation.
+    if spec.moe is not None:
+        inter = spec.moe.expert_intermediate_size
+        routed = t * spec.moe.experts_per_token
+        mlp = 3 * allocator_bytes(routed * inter // tp * a) + 2 * allocator_bytes(routed * h * a)
+    else:
+        inter = spec.intermediate_size // tp
+        n = 3 if spec.mlp is MlpKind.GATED else 2
+        mlp = n * allocator_bytes(t * inter * a)
+    # layer input + residual (attention output added) + the normed MLP input
+    out.append(Moment(name="mlp", activations_bytes=3 * x + mlp))
+    # Attention: normed input, q after RoPE, the SDPA output and its logsumexp, the transposed copy.
+    if spec.mla is not None:
+        m = spec.mla
+        qd = nh * m.qk_head_dim
+        expand = allocator_bytes(b * kv_len * nh * (m.qk_nope_head_dim + m.v_head_dim) * a) + allocator_bytes(
+            b * nh * kv_len * m.qk_head_dim * a
+        )
+        attn = 2 * x + allocator_bytes(t * qd * a) * 2 + expand + allocator_bytes(t * nh * m.v_head_dim * a)
+        out.append(Moment(name="attention", activations_bytes=attn))
+        return out
+    qb = allocator_bytes(t * nh * hd * a)
+    kb = allocator_bytes(t * kvh * hd * a)
+    kernel = _kernel(spec, setup, masked=masked, q_len=q, flash=flash)
+    heads_kv = nh if masked or kernel is not SdpaKernel.FLASH else kvh
+    repeat = 2 * allocator_bytes(b * nh * kv_len * hd * a) if heads_kv != kvh else 0
+    if setup.attention is Attention.EAGER or kernel is SdpaKernel.MATH:
+        scores = b * nh * q * kv_len
+        probs = allocator_bytes(scores * a) * 2 + allocator_bytes(scores * 4)
+        attn = 2 * x + qb + 2 * kb + repeat + probs
+    else:
+        lse = allocator_bytes(b * nh * q * 4)
+        attn = 2 * x + 2 * qb + 2 * kb + repeat + lse
+    out.append(Moment(name="attention", activations_bytes=attn))
+    return out
+
+
+def _norm_moment(spec: ModelSpec, setup: InferenceSetup, q: int) -> int:
+    """The final norm over every position (``logits_to_keep`` slices only its output): RMSNorm upcasts to
+    fp32 (input, fp32 copy, normalised fp32, cast back) — LlamaRMSNorm.forward."""
+    b, a = setup.batch, setup.compute_bits // 8
+    t = b * q * spec.hidden_size
+    if spec.norm is NormKind.RMSNORM and a != 4:
+        return allocator_bytes(t * a) + 2 * allocator_bytes(t * 4)
+    return 2 * allocator_bytes(t * a)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseEstimate:
+    """One phase's worst moment and what it is."""
+
+    breakdown: PhaseBreakdown
+    moment: str
+
+
+def _logits_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """Last-token logits in the compute dtype (the head's output, vocab-parallel then gathered)."""
+    return allocator_bytes(setup.batch * spec.vocab_size * setup.compute_bits // 8)
+
+
+def _fp32_logits(spec: ModelSpec, setup: InferenceSetup) -> int:
+    return allocator_bytes(setup.batch * spec.vocab_size * 4)
+
+
+def phase_estimates(
+    spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None
+) -> dict[InferencePhase, PhaseEstimate]:
+    """Prefill and decode: the largest of each phase's candidate moments, by component."""
+    w = weight_bytes(spec, setup) if weights is None else weights
+    s, n = setup.prompt, setup.new_tokens
+    kinds = layer_kinds(spec, setup)
+    lg, lg32 = _logits_bytes(spec, setup), _fp32_logits(spec, setup)
+
+    def best(cands: list[tuple[str, int, int, int]], phase: InferencePhase) -> PhaseEstimate:
+        name, kv, act, logit = max(cands, key=lambda c: c[1] + c[2] + c[3])
+        comps = {Component.WEIGHTS: w, Component.KV_CACHE: kv, Component.ACTIVATIONS: act}
+        if logit:
+            comps[Component.LOGITS_LOSS] = logit
+        return PhaseEstimate(breakdown=PhaseBreakdown(phase=phase, components=comps), moment=name)
+
+    # Prefill: the last layer runs with every cache entry written (S tokens) — or the static cache whole.
+    kv_pre = kv_cache_bytes(spec, setup, 0)
+    window_masked = kinds.window is not None and s >= kinds.window and setup.attention is Attention.SDPA
+    resident = _resident_inputs(spec, setup, s, s, 0)
+    mask = 0
+    if setup.attention is Attention.EAGER:
+        mask = spec.attention_masks * allocator_bytes(setup.batch * s * s * setup.compute_bits // 8)
+    elif window_masked:
+        mask = allocator_bytes(s * s)  # sdpa_mask: one bool [1, 1, s, s] broadcast over the batch
+    pre: list[tuple[str, int, int, int]] = []
+    for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
+        pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
+    pre.append(("prefill final norm", kv_pre, resident + _norm_moment(spec, setup, s), 0))
+    pre.append(("prefill logits", kv_pre, allocator_bytes(8 * setup.batch * s) * 2, lg + lg32))
+    out = {InferencePhase.PREFILL: best(pre, InferencePhase.PREFILL)}
+    if n < 2:
+        return out
+    dec: list[tuple[str, int, int, int]] = []
+    for step in sorted({1, min(2, n - 1), n - 1}):
+        total = s + step
+        kv_mom = _decode_kv_moment(spec, setup, step)
+        kv_after = kv_cache_bytes(spec, setup, step)
+        res = _resident_inputs(spec, setup, 1, total, step)
+        kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
+        acts = max(m.activations_bytes for m in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash))
+        dec.append((f"decode step {step}: cache copy", kv_mom, res + acts, lg32))
+        dec.append((f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32))
+    out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
+    return out
