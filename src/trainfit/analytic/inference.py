@@ -408,7 +408,20 @@ def _layer_moments(
     spec: ModelSpec, setup: InferenceSetup, q: int, kv_len: int, *, masked: bool, flash: bool
 ) -> list[Moment]:
     """Transient bytes inside the running layer for ``q`` new tokens attending to ``kv_len`` keys, beside
-    the layer's input (the previous layer's output) and the embeddings kept by the model's forward."""
+    the layer's input (the previous layer's output). Three moments (transformers' Llama-style layer):
+
+    * ``cache write``: the normed input, q and k after RoPE and v, while the cache takes its ``cat`` copy
+      (``kv_extra_bytes`` is then the copy in flight, computed by the caller);
+    * ``attention``: by kernel. Flash / memory-efficient: the normed input, q, the output and its fp32
+      logsumexp (b·heads·q) — k/v repeated per query head when a mask is passed (``repeat_kv``). Math
+      (``_scaled_dot_product_attention_math``: GQA or fp32 without a mask): k and v repeated, k scaled by
+      √scale (three b·heads·T·head_dim copies), the b·heads·q·T scores twice (``bmm`` and the causal-bias
+      add) and the [q, T] bias. Eager (``eager_attention_forward``): k/v repeated, the scores plus mask, the
+      fp32 copy ``softmax(dtype=float32)`` makes of bf16 scores (fp16 uses CUDA's fused half-to-float
+      softmax, :mod:`trainfit.trace.kernels`), and the fp32 probabilities;
+    * ``mlp``: the layer input, the residual sum and the normed MLP input (3 hidden-size tensors), plus gated
+      act(gate), up and their product (3 × b·q·intermediate) or dense fc1 output and activation (2 ×).
+    """
     b, a = setup.batch, setup.compute_bits // 8
     h = spec.hidden_size
     t = b * q
@@ -418,7 +431,6 @@ def _layer_moments(
     hd = spec.head_dim
     x = allocator_bytes(t * h * a)  # a hidden-size tensor
     out: list[Moment] = []
-    # MLP: gated — act(gate), up and their product alive together; dense — fc1's output and the activation.
     if spec.moe is not None:
         inter = spec.moe.expert_intermediate_size
         routed = t * spec.moe.experts_per_token
@@ -427,9 +439,7 @@ def _layer_moments(
         inter = spec.intermediate_size // tp
         n = 3 if spec.mlp is MlpKind.GATED else 2
         mlp = n * allocator_bytes(t * inter * a)
-    # layer input + residual (attention output added) + the normed MLP input
     out.append(Moment(name="mlp", activations_bytes=3 * x + mlp))
-    # Attention: normed input, q after RoPE, the SDPA output and its logsumexp, the transposed copy.
     if spec.mla is not None:
         m = spec.mla
         qd = nh * m.qk_head_dim
@@ -438,20 +448,29 @@ def _layer_moments(
         )
         attn = 2 * x + allocator_bytes(t * qd * a) * 2 + expand + allocator_bytes(t * nh * m.v_head_dim * a)
         out.append(Moment(name="attention", activations_bytes=attn))
+        out.append(Moment(name="cache write", activations_bytes=2 * x + 2 * allocator_bytes(t * qd * a)))
         return out
     qb = allocator_bytes(t * nh * hd * a)
     kb = allocator_bytes(t * kvh * hd * a)
-    kernel = _kernel(spec, setup, masked=masked, q_len=q, flash=flash)
-    heads_kv = nh if masked or kernel is not SdpaKernel.FLASH else kvh
-    repeat = 2 * allocator_bytes(b * nh * kv_len * hd * a) if heads_kv != kvh else 0
-    if setup.attention is Attention.EAGER or kernel is SdpaKernel.MATH:
-        scores = b * nh * q * kv_len
-        probs = allocator_bytes(scores * a) * 2 + allocator_bytes(scores * 4)
-        attn = 2 * x + qb + 2 * kb + repeat + probs
+    out.append(Moment(name="cache write", activations_bytes=2 * x + qb + 2 * kb))
+    rep = allocator_bytes(b * nh * kv_len * hd * a)
+    gqa = kvh != nh
+    scores = b * nh * q * kv_len
+    if setup.attention is Attention.EAGER:
+        upcast = allocator_bytes(scores * 4) if setup.dtype.compute is KVFormat.BF16 and spec.softmax_upcast else 0
+        probs = allocator_bytes(scores * 4) if spec.softmax_upcast else allocator_bytes(scores * a)
+        attn = 2 * x + qb + (2 * rep if gqa else 0) + allocator_bytes(scores * a) + upcast + probs
+        name = "attention (eager)"
     else:
-        lse = allocator_bytes(b * nh * q * 4)
-        attn = 2 * x + 2 * qb + 2 * kb + repeat + lse
-    out.append(Moment(name="attention", activations_bytes=attn))
+        kernel = _kernel(spec, setup, masked=masked, q_len=q, flash=flash)
+        if kernel is SdpaKernel.MATH:
+            bias = allocator_bytes(q * kv_len * a) if q > 1 else 0
+            attn = 2 * x + qb + (3 if gqa else 1) * rep + bias + (2 if q > 1 else 1) * allocator_bytes(scores * a)
+        else:
+            repeat = 2 * rep if gqa and masked else 0
+            attn = 2 * x + 2 * qb + 2 * kb + repeat + allocator_bytes(b * nh * q * 4)
+        name = f"attention (sdpa {kernel.value})"
+    out.append(Moment(name=name, activations_bytes=attn))
     return out
 
 
@@ -518,12 +537,14 @@ def phase_estimates(
     dec: list[tuple[str, int, int, int]] = []
     for step in sorted({1, min(2, n - 1), n - 1}):
         total = s + step
-        kv_mom = _decode_kv_moment(spec, setup, step)
         kv_after = kv_cache_bytes(spec, setup, step)
         res = _resident_inputs(spec, setup, 1, total, step)
+        if setup.attention is Attention.EAGER:
+            res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
-        acts = max(m.activations_bytes for m in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash))
-        dec.append((f"decode step {step}: cache copy", kv_mom, res + acts, lg32))
+        for mo in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash):
+            kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
+            dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
         dec.append((f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32))
     out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
     return out
