@@ -194,17 +194,22 @@ class InferenceSetup:
         return self.prompt + self.new_tokens
 
 
-def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None) -> None:
+def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None) -> tuple[str, ...]:
     """Refuse what no run could do: a context beyond the model's, a sliding cache without a window, an
-    encoder, a format the GPU cannot run."""
+    encoder, a format the GPU cannot run. Returns warnings: a model whose every layer slides (Mistral v0.1)
+    runs past ``max_position_embeddings`` with a bounded cache, so there the context is a warning."""
+    warnings: list[str] = []
     if spec.kind is not ModelKind.CAUSAL_LM:
         raise StrategyError(f"{spec.name} is not a causal language model; trainfit infer models generation")
     ctx = spec.max_position_embeddings
     if ctx is not None and setup.context > ctx:
-        raise StrategyError(
+        why = (
             f"prompt {setup.prompt} + new tokens {setup.new_tokens} = {setup.context} exceeds {spec.name}'s "
             f"context of {ctx} tokens"
         )
+        if not (spec.sliding_window and spec.sliding_layers == spec.num_layers):
+            raise StrategyError(why)
+        warnings.append(f"{why}; every layer attends within {spec.sliding_window} tokens, so it runs, untrained")
     if setup.cache is CacheKind.SLIDING and not (spec.sliding_window and spec.sliding_layers):
         raise StrategyError(f"{spec.name} has no sliding-window layers; use --cache dynamic or static")
     if spec.params_override is not None:
@@ -221,6 +226,7 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
             raise StrategyError(f"{gpu.id} (compute capability {cc}) has no native bf16; use --dtype fp16")
     if setup.tp > 1 and spec.num_heads % setup.tp:
         raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
+    return tuple(warnings)
 
 
 # -- weights ------------------------------------------------------------------------------------------
@@ -348,12 +354,16 @@ def _decode_kv_moment(spec: ModelSpec, setup: InferenceSetup, step: int) -> int:
         cat = setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING)
         roll = setup.cache is CacheKind.STATIC and win is not None and setup.prompt + step - 1 >= win
         copy_new = max(new_t) if roll else 0
-        groups.append((count, sum(old_t), sum(new_t), max(old_t), max(new_t) if cat else copy_new, cat))
+        # DynamicLayer assigns each cat at once (one tensor in flight); DynamicSlidingWindowLayer cats K and
+        # V before assigning either (both in flight).
+        both = win is not None
+        in_old = sum(old_t) if both else max(old_t)
+        in_new = sum(new_t) if both else max(new_t)
+        groups.append((count, sum(old_t), sum(new_t), in_old, in_new if cat else copy_new, cat))
     all_old = sum(g[0] * g[1] for g in groups)
     all_new = sum(g[0] * g[2] for g in groups)
     best = all_new
     for _, _, _, old_k, new_k, cat in groups:
-        # ``self.keys = torch.cat(...)`` drops the old K before V's cat runs: one tensor in flight.
         best = max(best, all_new + old_k, all_old + new_k) if cat else max(best, all_new + new_k)
     return best
 
@@ -392,7 +402,7 @@ def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int,
     RoPE's cos/sin in the compute dtype."""
     b, a = setup.batch, setup.compute_bits // 8
     h = spec.hidden_size
-    ids = allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far
+    ids = 2 * allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far, and the cat making them
     mask = allocator_bytes(8 * b * total)
     pos = allocator_bytes(8 * b * q) + allocator_bytes(8 * q)  # position ids, cache_position
     emb = allocator_bytes(b * q * h * a)
@@ -468,7 +478,10 @@ def _layer_moments(
             attn = 2 * x + qb + (3 if gqa else 1) * rep + bias + (2 if q > 1 else 1) * allocator_bytes(scores * a)
         else:
             repeat = 2 * rep if gqa and masked else 0
-            attn = 2 * x + 2 * qb + 2 * kb + repeat + allocator_bytes(b * nh * q * 4)
+            # The efficient kernel turns a bool mask into an additive one in q's dtype, columns padded to 16
+            # (``convert_boolean_attn_mask``, ``preprocess_mask``; see trainfit.trace.kernels).
+            bias = allocator_bytes(b * q * (-(-kv_len // 16) * 16) * a) if masked else 0
+            attn = 2 * x + 2 * qb + repeat + bias + allocator_bytes(b * nh * q * 4)
         name = f"attention (sdpa {kernel.value})"
     out.append(Moment(name=name, activations_bytes=attn))
     return out
@@ -548,3 +561,203 @@ def phase_estimates(
         dec.append((f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32))
     out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
     return out
+
+
+# -- what fits --------------------------------------------------------------------------------------------
+
+
+def required_bytes(peak_bytes: int) -> int:
+    """What must fit on the GPU: the ``nvidia-smi`` estimate — peak allocated + allocator reserve + CUDA
+    context (the constants of :mod:`trainfit.overhead`, shared with training)."""
+    return peak_bytes + int(peak_bytes * ALLOCATOR_RESERVE_FRACTION) + CUDA_CONTEXT_BYTES
+
+
+def peak_bytes(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None) -> int:
+    return max(p.breakdown.total_bytes for p in phase_estimates(spec, setup, flash=flash, weights=weights).values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capacity:
+    """``generate`` capacities on one GPU (one tensor-parallel group): the largest batch at the setup's
+    prompt and new tokens, and the longest context (prompt + new tokens, new tokens fixed) at its batch.
+    0 when even the smallest does not fit; ``*_capped``: the search stopped at its limit (the model's
+    context, or :data:`MAX_SEARCH`)."""
+
+    usable_bytes: int
+    max_batch: int
+    max_batch_capped: bool
+    max_context: int
+    max_context_capped: bool
+
+
+def _largest(fits: Callable[[int], bool], lo_value: int, cap: int) -> tuple[int, bool]:
+    """Largest v in [lo_value, cap] with fits(v) (monotone), by doubling then bisection; (lo_value − 1, False)
+    when none."""
+    if not fits(lo_value):
+        return lo_value - 1, False
+    lo, hi = lo_value, lo_value * 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        if fits(cap):
+            return cap, True
+        hi = cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, False
+
+
+def capacity(spec: ModelSpec, setup: InferenceSetup, usable: int, *, flash: bool = True) -> Capacity:
+    """Search batch and context with the closed forms (memory is monotone in both)."""
+    w = weight_bytes(spec, setup)
+
+    def fits_batch(b: int) -> bool:
+        return required_bytes(peak_bytes(spec, dataclasses.replace(setup, batch=b), flash=flash, weights=w)) <= usable
+
+    def fits_prompt(p: int) -> bool:
+        return required_bytes(peak_bytes(spec, dataclasses.replace(setup, prompt=p), flash=flash, weights=w)) <= usable
+
+    mb, mb_cap = _largest(fits_batch, 1, MAX_SEARCH)
+    limit = (spec.max_position_embeddings or MAX_SEARCH) - setup.new_tokens
+    mp, mp_cap = _largest(fits_prompt, 1, limit) if limit >= 1 else (0, False)
+    return Capacity(
+        usable_bytes=usable,
+        max_batch=mb,
+        max_batch_capped=mb_cap,
+        max_context=mp + setup.new_tokens if mp > 0 else 0,
+        max_context_capped=mp_cap,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedCapacity:
+    """A paged server's KV pool as vLLM sizes it at start-up (see the module docstring)."""
+
+    gpu_memory_utilization: float
+    requested_bytes: int  # total GPU memory × utilisation
+    weights_bytes: int
+    profile_peak_bytes: int  # activations of the profile run (our prefill formula over its tokens)
+    non_torch_bytes: int  # CUDA context and libraries (our constant; vLLM measures it)
+    kv_budget_bytes: int
+    block_size: int
+    block_bytes: int  # one block of every layer: block_size · bytes per token
+    kv_blocks: int
+    max_concurrent_tokens: int
+    max_concurrent_sequences: int  # at the setup's context (prompt + new tokens)
+
+
+def paged_capacity(
+    spec: ModelSpec, setup: InferenceSetup, gpu_memory_bytes: int, utilization: float, *, flash: bool = True
+) -> PagedCapacity:
+    """KV blocks and concurrent tokens after weights and the profile run's peak under ``utilization`` —
+    vLLM V1 ``Worker.determine_available_memory`` (requested = total × utilisation; available = requested −
+    weights − profile peak − non-torch) and ``kv_cache_utils.get_num_blocks`` (available // page size of all
+    layers). Where we differ: vLLM profiles a real forward over ``max_num_batched_tokens`` and a sampler run
+    over ``max_num_seqs``; we compute that forward's prefill activations (one sequence of
+    :data:`VLLM_PROFILE_TOKENS`, flash attention, no cache) and two fp32 logits rows per sequence slot, and
+    take the CUDA context from our constant. CUDA-graph memory (captured after the KV pool) is left out."""
+    if not 0.0 < utilization <= 1.0:
+        raise StrategyError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    w = weight_bytes(spec, setup)
+    prof_setup = dataclasses.replace(
+        setup, batch=1, prompt=VLLM_PROFILE_TOKENS, new_tokens=1, cache=CacheKind.DYNAMIC, attention=Attention.SDPA
+    )
+    pre = phase_estimates(spec, prof_setup, flash=flash, weights=w)[InferencePhase.PREFILL].breakdown
+    sampler = 2 * allocator_bytes(256 * spec.vocab_size * 4)  # vLLM default max_num_seqs = 256
+    profile = max(pre.get(Component.ACTIVATIONS), sampler)
+    requested = int(gpu_memory_bytes * utilization)
+    budget = requested - w - profile - CUDA_CONTEXT_BYTES
+    per_token = kv_bytes_per_token(spec, setup)
+    block = setup.block_size * per_token
+    blocks = max(0, budget // block) if block else 0
+    tokens = blocks * setup.block_size
+    per_seq = -(-setup.context // setup.block_size) * setup.block_size
+    return PagedCapacity(
+        gpu_memory_utilization=utilization,
+        requested_bytes=requested,
+        weights_bytes=w,
+        profile_peak_bytes=profile,
+        non_torch_bytes=CUDA_CONTEXT_BYTES,
+        kv_budget_bytes=budget,
+        block_size=setup.block_size,
+        block_bytes=block,
+        kv_blocks=blocks,
+        max_concurrent_tokens=tokens,
+        max_concurrent_sequences=tokens // per_seq,
+    )
+
+
+def rule_of_thumb_bytes(params: int, setup: InferenceSetup) -> int:
+    """The article's serving rule: parameters × bytes per parameter × 1.2 (per GPU: divided by ``tp``)."""
+    return int(params * setup.dtype.bits / 8 * RULE_OF_THUMB_FACTOR / setup.tp)
+
+
+def flash_for(gpu: GPUSpec | None) -> bool:
+    return True if gpu is None else has_flash_attention(gpu.compute_capability)
+
+
+def explain_terms(
+    spec: ModelSpec, setup: InferenceSetup, phases: Mapping[InferencePhase, PhaseEstimate]
+) -> tuple[Term, ...]:
+    """The terms of the answer, each with its formula and source."""
+    w = weight_bytes(spec, setup)
+    kvh = kv_heads_per_gpu(spec, setup.tp)
+    kv_formula = (
+        f"layers · batch · T · (kv_lora_rank + qk_rope_head_dim) · {setup.kv_format.bits // 8} B, T = {setup.context - 1}"
+        if spec.mla is not None
+        else f"2 · layers · {kvh} kv heads · {spec.head_dim} · T · batch · {setup.kv_format.bits // 8} B, "
+        f"T = {setup.context - 1} (the last generated token is never fed back)"
+    )
+    out = [
+        Term(
+            name="weights",
+            bytes=w,
+            formula=f"every tensor in {setup.dtype.value}"
+            + (" (layer linears quantised; embeddings, head, norms bf16)" if setup.dtype.bits < 16 else "")
+            + (f", split {setup.tp} ways" if setup.tp > 1 else ""),
+            source="trainfit.arch.params inventory; bitsandbytes layouts in trainfit.cuda_facts",
+        ),
+        Term(
+            name="kv cache (full length)",
+            bytes=kv_cache_bytes(spec, setup),
+            formula=kv_formula,
+            source="Pope et al. 2022 §2; transformers cache_utils DynamicLayer/StaticLayer",
+        ),
+    ]
+    for ph, est in phases.items():
+        out.append(
+            Term(
+                name=f"{ph.value} transients",
+                bytes=est.breakdown.get(Component.ACTIVATIONS) + est.breakdown.get(Component.LOGITS_LOSS),
+                formula=f"worst moment: {est.moment}",
+                source="transformers generate/_sample (logits_to_keep=1), modeling_llama; checked by the trace",
+            )
+        )
+    return tuple(out)
+
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "DEFAULT_INFER_HEADROOM",
+    "CacheKind",
+    "Capacity",
+    "InferenceSetup",
+    "KVFormat",
+    "PagedCapacity",
+    "PhaseEstimate",
+    "WeightFormat",
+    "capacity",
+    "explain_terms",
+    "flash_for",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "paged_capacity",
+    "peak_bytes",
+    "phase_estimates",
+    "required_bytes",
+    "rule_of_thumb_bytes",
+    "validate",
+    "weight_bytes",
+]
