@@ -61,8 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
@@ -78,9 +77,14 @@ from trainfit.hardware.gpus import GPUSpec
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES
 from trainfit.result import Component, InferencePhase, PhaseBreakdown, Term
 from trainfit.strategy import Attention
+from trainfit.strategy.inference import (
+    DEFAULT_BLOCK_SIZE,
+    CacheKind,
+    InferenceSetup,
+    KVFormat,
+    WeightFormat,
+)
 
-#: Tokens in a paged-attention block (vLLM's default ``--block-size``).
-DEFAULT_BLOCK_SIZE = 16
 #: vLLM's default ``--gpu-memory-utilization``.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 #: Tokens of vLLM V1's profile run: ``max_num_batched_tokens`` with chunked prefill (``SchedulerConfig``).
@@ -93,105 +97,6 @@ FP8_BLOCK = 128
 MAX_SEARCH = 1 << 20
 #: Fraction of GPU memory a ``generate`` fit leaves free by default.
 DEFAULT_INFER_HEADROOM = 0.10
-
-
-class WeightFormat(StrEnum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP8 = "fp8"
-    INT8 = "int8"
-    NF4 = "nf4"
-    FP4 = "fp4"
-
-    @property
-    def bits(self) -> int:
-        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "nf4": 4, "fp4": 4}[self.value]
-
-    @property
-    def compute(self) -> KVFormat:
-        """The dtype activations (and a default cache) take: the weights' own 16/32-bit format, else bf16."""
-        if self is WeightFormat.FP32:
-            return KVFormat.FP32
-        if self is WeightFormat.FP16:
-            return KVFormat.FP16
-        return KVFormat.BF16
-
-    @property
-    def bnb(self) -> bool:
-        return self in (WeightFormat.INT8, WeightFormat.NF4, WeightFormat.FP4)
-
-
-class KVFormat(StrEnum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP8 = "fp8"
-
-    @property
-    def bits(self) -> int:
-        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}[self.value]
-
-
-class CacheKind(StrEnum):
-    DYNAMIC = "dynamic"  # transformers DynamicCache (sliding layers windowed, as transformers does)
-    STATIC = "static"  # transformers StaticCache, max_cache_len = prompt + new tokens
-    SLIDING = "sliding"  # DynamicCache on a model with a sliding window (refused without one)
-    PAGED = "paged"  # vLLM-style blocks of block_size tokens
-
-
-def _coerce(obj: object, name: str, enum: type[StrEnum]) -> None:
-    value = getattr(obj, name)
-    if value is None or isinstance(value, enum):
-        return
-    try:
-        object.__setattr__(obj, name, enum(str(value).lower()))
-    except ValueError:
-        choices = ", ".join(m.value for m in enum)
-        raise StrategyError(f"unknown {name.replace('_', '-')} '{value}'; choose one of: {choices}") from None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class InferenceSetup:
-    """One inference request shape and how it runs. ``kv_dtype=None``: the cache in the compute dtype."""
-
-    batch: int = 1
-    prompt: int = 2048
-    new_tokens: int = 256
-    dtype: WeightFormat = WeightFormat.BF16
-    kv_dtype: KVFormat | None = None
-    cache: CacheKind = CacheKind.DYNAMIC
-    block_size: int = DEFAULT_BLOCK_SIZE
-    attention: Attention = Attention.SDPA
-    tp: int = 1
-    double_quant: bool = True
-
-    def __post_init__(self) -> None:
-        _coerce(self, "dtype", WeightFormat)
-        _coerce(self, "kv_dtype", KVFormat)
-        _coerce(self, "cache", CacheKind)
-        _coerce(self, "attention", Attention)
-        for name in ("batch", "prompt", "new_tokens", "block_size", "tp"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise StrategyError(f"{name.replace('_', ' ')} must be a positive whole number, got {v!r}")
-
-    @property
-    def compute_bits(self) -> int:
-        return self.dtype.compute.bits
-
-    @property
-    def dtype_bits(self) -> int:
-        return self.dtype.bits
-
-    @property
-    def kv_format(self) -> KVFormat:
-        return self.kv_dtype or self.dtype.compute
-
-    @property
-    def context(self) -> int:
-        """Tokens a sequence reaches: prompt + new tokens."""
-        return self.prompt + self.new_tokens
 
 
 def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None) -> tuple[str, ...]:
@@ -216,12 +121,11 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
         raise StrategyError("trainfit infer needs a model's shapes, not --params")
     if gpu is not None:
         cc = gpu.compute_capability
-        if setup.dtype is WeightFormat.FP8 or setup.kv_format is KVFormat.FP8:
-            if not gpu.fp8:
-                raise StrategyError(
-                    f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
-                    "use --dtype/--kv-dtype bf16 or int8"
-                )
+        if (setup.dtype is WeightFormat.FP8 or setup.kv_format is KVFormat.FP8) and not gpu.fp8:
+            raise StrategyError(
+                f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
+                "use --dtype/--kv-dtype bf16 or int8"
+            )
         if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16 and not setup.dtype.bnb:
             raise StrategyError(f"{gpu.id} (compute capability {cc}) has no native bf16; use --dtype fp16")
     if setup.tp > 1 and spec.num_heads % setup.tp:
@@ -558,7 +462,9 @@ def phase_estimates(
         for mo in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash):
             kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
             dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
-        dec.append((f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32))
+        dec.append(
+            (f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32)
+        )
     out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
     return out
 
@@ -704,7 +610,8 @@ def explain_terms(
     w = weight_bytes(spec, setup)
     kvh = kv_heads_per_gpu(spec, setup.tp)
     kv_formula = (
-        f"layers · batch · T · (kv_lora_rank + qk_rope_head_dim) · {setup.kv_format.bits // 8} B, T = {setup.context - 1}"
+        f"layers · batch · T · (kv_lora_rank + qk_rope_head_dim) · {setup.kv_format.bits // 8} B, "
+        f"T = {setup.context - 1}"
         if spec.mla is not None
         else f"2 · layers · {kvh} kv heads · {spec.head_dim} · T · batch · {setup.kv_format.bits // 8} B, "
         f"T = {setup.context - 1} (the last generated token is never fed back)"

@@ -25,7 +25,8 @@ def infer_cmd(
     gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs in all (default: --tp).")] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree (default: --gpus, else 1).")] = None,
     max_batch: Annotated[
-        bool, typer.Option("--max-batch", help="Show the capacity search: largest batch, longest context (needs --gpu).")
+        bool,
+        typer.Option("--max-batch", help="Show the capacity search: largest batch, longest context (needs --gpu)."),
     ] = False,
     server: Annotated[str, typer.Option(help="generate (Hugging Face) | paged (a vLLM-style server)")] = "generate",
     gpu_memory_utilization: Annotated[

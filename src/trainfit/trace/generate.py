@@ -38,14 +38,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainfit.analytic.inference import CacheKind, InferenceSetup, WeightFormat
 from trainfit.arch.spec import ModelSpec
 from trainfit.cuda_facts import SdpaKernel
 from trainfit.errors import TraceError, TraceUnsupportedError
 from trainfit.result import Component, InferencePhase
 from trainfit.strategy import Checkpointing, Strategy
+from trainfit.strategy.inference import CacheKind, InferenceSetup, WeightFormat
 from trainfit.trace import hf
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -87,7 +88,9 @@ class _Answers(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func is torch.ops.aten._local_scalar_dense.default:
             if args[0].dtype == torch.bool:
                 return len(self.passes) >= self.new_tokens
-            raise TraceUnsupportedError("generate asked for a numeric value of a tensor; cannot answer it on fake tensors")
+            raise TraceUnsupportedError(
+                "generate asked for a numeric value of a tensor; cannot answer it on fake tensors"
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -134,7 +137,11 @@ def _cache_implementation(setup: InferenceSetup) -> str | None:
 
 
 def _run_layout(
-    model: torch.nn.Module, stack: torch.nn.ModuleList, unit_first_layer: Sequence[int], setup: InferenceSetup, flash: bool
+    model: torch.nn.Module,
+    stack: torch.nn.ModuleList,
+    unit_first_layer: Sequence[int],
+    setup: InferenceSetup,
+    flash: bool,
 ) -> tuple[tk.Tracker, list[_PassMarks], dict[SdpaKernel, int]]:
     mode = rn.fake_mode()
     rn.materialize(model, mode, None)
@@ -173,7 +180,7 @@ def _run_layout(
         answers.passes.append(tr.t)
         return out
 
-    model.forward = traced_forward  # type: ignore[method-assign]
+    model.forward = traced_forward
     kernels = CudaKernels(flash=flash)
     b, s = setup.batch, setup.prompt
     try:
@@ -190,7 +197,7 @@ def _run_layout(
                 cache_implementation=_cache_implementation(setup),
             )
             del out
-    except rn.DataDependentOutputException as exc:
+    except DataDependentOutputException as exc:
         raise TraceUnsupportedError(f"generate needs a tensor value fake tensors cannot give: {exc}") from None
     finally:
         for h in handles:
@@ -258,9 +265,11 @@ def trace_generate(
     if dtype is None:
         raise TraceError(f"--method trace runs fp32, bf16 or fp16 weights, not {setup.dtype.value}")
     if setup.kv_format.bits != setup.dtype_bits:
-        raise TraceError("--method trace keeps the cache in the weights' dtype (Hugging Face generate); drop --kv-dtype")
+        raise TraceError(
+            "--method trace keeps the cache in the weights' dtype (Hugging Face generate); drop --kv-dtype"
+        )
     say("building the model on the meta device", 0.0)
-    strategy = Strategy(attention=setup.attention.value, checkpointing=Checkpointing.NONE)
+    strategy = Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE)
     meta, notes = hf.build_meta(spec, strategy, dtype)
     meta_config: Any = meta.config
     conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
@@ -310,9 +319,10 @@ def trace_generate(
         if cands:
             phases[ph] = max(cands, key=lambda v: sum(v.values()))
     # Steady-state cache and weights at full depth: from the "after" place of the last pass.
-    end = full_places.get((InferencePhase.DECODE, ("after", -1, ""))) or full_places[
-        (InferencePhase.PREFILL, ("after", -1, ""))
-    ]
+    end = (
+        full_places.get((InferencePhase.DECODE, ("after", -1, "")))
+        or full_places[(InferencePhase.PREFILL, ("after", -1, ""))]
+    )
     note = (
         f"traced {', '.join(map(str, traced))} of {full} layers, extrapolated linearly per place"
         if ext
