@@ -31,6 +31,9 @@ CASES: list[tuple[str, InferenceSetup]] = [
     ("gemma-2b", InferenceSetup(batch=8, prompt=1024, new_tokens=8)),
     ("phi-2", InferenceSetup(batch=8, prompt=1024, new_tokens=8)),
     ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8)),
+    ("mixtral-8x7b-v0.1", InferenceSetup(batch=4, prompt=1024, new_tokens=8)),
+    ("gpt2", InferenceSetup(batch=16, prompt=512, new_tokens=8)),
+    ("deepseek-v3", InferenceSetup(batch=1, prompt=1024, new_tokens=4)),
 ]
 
 

@@ -20,7 +20,7 @@ from trainfit.strategy.inference import InferenceSetup
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainfit.trace.generate import trace_generate  # noqa: E402
+from trainfit.trace.generate import trace_generate
 
 
 def _spec(kind: str = "llama", **kw: Any) -> ModelSpec:

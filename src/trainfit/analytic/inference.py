@@ -63,6 +63,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from trainfit.analytic.activations import PYTHON_GELUS
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import (
@@ -309,10 +310,10 @@ def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int,
     ids = 2 * allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far, and the cat making them
     mask = allocator_bytes(8 * b * total)
     pos = allocator_bytes(8 * b * q) + allocator_bytes(8 * q)  # position ids, cache_position
-    emb = allocator_bytes(b * q * h * a)
+    emb = allocator_bytes(b * q * h * a) * (2 if spec.learned_positions else 1)  # + learned position rows
     rope = 0
     if spec.rotary_dim:
-        rd = spec.mla.qk_rope_head_dim if spec.mla else spec.head_dim
+        rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim  # partial RoPE: Phi, NeoX
         rope = 2 * allocator_bytes(b * q * rd * a)
     del step
     return ids + mask + pos + emb + rope
@@ -346,14 +347,29 @@ def _layer_moments(
     x = allocator_bytes(t * h * a)  # a hidden-size tensor
     out: list[Moment] = []
     if spec.moe is not None:
-        inter = spec.moe.expert_intermediate_size
-        routed = t * spec.moe.experts_per_token
-        mlp = 3 * allocator_bytes(routed * inter // tp * a) + 2 * allocator_bytes(routed * h * a)
+        # transformers 5 ``grouped_mm_experts_forward`` (integrations/moe.py) over routed = t·top_k rows: the
+        # gathered inputs beside gate_up's output, act(gate) and the product; or, at its end, the down
+        # projection's output, its product with the routing weights (fp32 unless the model casts them,
+        # Qwen-MoE) and that product permuted back. Shared experts: a gated MLP over the t tokens.
+        moe = spec.moe
+        inter = moe.expert_intermediate_size // tp
+        routed = t * moe.experts_per_token
+        wb = a if moe.weights_in_compute_dtype else 4
+        x_sel = allocator_bytes(routed * h * a)
+        gate_up = allocator_bytes(routed * 2 * inter * a) + 2 * allocator_bytes(routed * inter * a)
+        tail = allocator_bytes(routed * h * a) + 2 * allocator_bytes(routed * h * max(a, wb))
+        shared_i = moe.num_shared_experts * moe.shared_expert_intermediate_size // tp
+        shared = 3 * allocator_bytes(t * shared_i * a) if shared_i else 0
+        mlp = max(x_sel + max(gate_up, tail), shared)
     else:
         inter = spec.intermediate_size // tp
-        n = 3 if spec.mlp is MlpKind.GATED else 2
+        # HF's Python GeLUs (gelu_new: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))) hold fc1's output and
+        # three intermediates at once; a fused activation holds its output beside fc1's.
+        n = 3 if spec.mlp is MlpKind.GATED else 4 if spec.activation in PYTHON_GELUS else 2
         mlp = n * allocator_bytes(t * inter * a)
-    out.append(Moment(name="mlp", activations_bytes=3 * x + mlp))
+    # GPT2Block keeps ``attn_output`` referenced until it returns: a fourth hidden-size tensor.
+    hidden = 4 if spec.model_type == "gpt2" else 3
+    out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp))
     if spec.mla is not None:
         m = spec.mla
         qd = nh * m.qk_head_dim
