@@ -148,6 +148,8 @@ def infer(
     if not 0.0 <= headroom < 1.0:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
     warnings = list(an.validate(spec, st, gpu_spec))
+    if st.attention.value == "sdpa" and not spec.supports_sdpa:
+        warnings.append(f"{spec.name} ({spec.model_type}) has no SDPA attention in transformers; estimating eager")
     flash = an.flash_for(gpu_spec)
     weights = an.weight_bytes(spec, st)
     estimates = an.phase_estimates(spec, st, flash=flash, weights=weights)

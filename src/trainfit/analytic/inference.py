@@ -365,7 +365,14 @@ def _layer_moments(
         inter = spec.intermediate_size // tp
         # HF's Python GeLUs (gelu_new: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))) hold fc1's output and
         # three intermediates at once; a fused activation holds its output beside fc1's.
-        n = 3 if spec.mlp is MlpKind.GATED else 4 if spec.activation in PYTHON_GELUS else 2
+        # Phi-3 fuses gate and up (``gate_up_proj``): its 2·i output lives beside act(gate) and the product.
+        n = (
+            (4 if spec.model_type == "phi3" else 3)
+            if spec.mlp is MlpKind.GATED
+            else 4
+            if spec.activation in PYTHON_GELUS
+            else 2
+        )
         mlp = n * allocator_bytes(t * inter * a)
     # GPT2Block keeps ``attn_output`` referenced until it returns: a fourth hidden-size tensor.
     hidden = 4 if spec.model_type == "gpt2" else 3
@@ -437,7 +444,10 @@ def _fp32_logits(spec: ModelSpec, setup: InferenceSetup) -> int:
 def phase_estimates(
     spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None
 ) -> dict[InferencePhase, PhaseEstimate]:
-    """Prefill and decode: the largest of each phase's candidate moments, by component."""
+    """Prefill and decode: the largest of each phase's candidate moments, by component. A model transformers
+    offers no SDPA for (Gemma-2) runs eager attention."""
+    if setup.attention is Attention.SDPA and not spec.supports_sdpa:
+        setup = dataclasses.replace(setup, attention=Attention.EAGER)
     w = weight_bytes(spec, setup) if weights is None else weights
     s, n = setup.prompt, setup.new_tokens
     kinds = layer_kinds(spec, setup)
