@@ -67,9 +67,7 @@ def main(argv: list[str]) -> None:
             rows.append((name, desc, ph.value, t / GiB, a / GiB, 100 * (a - t) / t, an[ph].moment, rest))
         print(f"{name} {desc}: trace {secs:.1f}s", file=sys.stderr, flush=True)
     if markdown:
-        print(
-            "| model | setup | phase | trace GiB | analytic GiB | error | error beyond weights | worst moment (analytic) |"
-        )
+        print("| model | setup | phase | trace GiB | analytic GiB | error | error beyond weights | worst moment |")
         print("|---|---|---|---:|---:|---:|---:|---|")
         for r in rows:
             print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:+.2f}% | {r[7]:+.2f}% | {r[6]} |")
