@@ -200,6 +200,18 @@ def infer(
         cap = an.capacity(spec, st, usable, flash=flash)
         if srv is Server.PAGED:
             paged = an.paged_capacity(spec, st, gpu_spec.memory_bytes, gpu_memory_utilization, flash=flash)
+            # A paged server fits when its pool holds one sequence at the requested context.
+            one_seq = -(-st.context // st.block_size) * paged.block_bytes
+            need = paged.weights_bytes + paged.profile_peak_bytes + paged.non_torch_bytes + one_seq
+            fit = InferenceFit(
+                gpu_id=gpu_spec.id,
+                gpu_memory_bytes=gpu_spec.memory_bytes,
+                headroom_fraction=round(1 - gpu_memory_utilization, 6),
+                usable_bytes=paged.requested_bytes,
+                required_bytes=need,
+                fits=need <= paged.requested_bytes,
+                free_bytes=paged.requested_bytes - need,
+            )
     return InferenceReport(
         method=m,
         model=spec,

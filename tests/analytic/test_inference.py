@@ -157,3 +157,36 @@ def test_bad_input_is_refused() -> None:
         an.validate(spec, InferenceSetup(cache=CacheKind.SLIDING))
     with pytest.raises(StrategyError):
         InferenceSetup(dtype="int3")
+
+
+# -- invariants ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_MODELS = ["llama-3.2-1b", "mistral-7b-v0.1", "qwen3-30b-a3b", "gpt2", "deepseek-v3", "gemma-2b"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(_MODELS),
+    batch=st.integers(1, 16),
+    prompt=st.integers(1, 900),
+    new=st.integers(1, 100),
+    cache=st.sampled_from(["dynamic", "static", "paged"]),
+    dtype=st.sampled_from(["bf16", "fp32", "nf4", "int8"]),
+)
+def test_memory_is_monotone_and_tp_never_adds(
+    model: str, batch: int, prompt: int, new: int, cache: str, dtype: str
+) -> None:
+    spec = load_model(model)
+    s = InferenceSetup(batch=batch, prompt=prompt, new_tokens=new, cache=cache, dtype=dtype)
+    peak = an.peak_bytes(spec, s)
+    assert an.peak_bytes(spec, dataclasses.replace(s, batch=batch + 1)) >= peak
+    assert an.peak_bytes(spec, dataclasses.replace(s, prompt=prompt + 7)) >= peak
+    assert an.peak_bytes(spec, dataclasses.replace(s, new_tokens=new + 3)) >= peak
+    if spec.num_heads % 2 == 0:
+        assert an.peak_bytes(spec, dataclasses.replace(s, tp=2)) <= peak
+    for est in an.phase_estimates(spec, s).values():
+        assert est.breakdown.total_bytes == sum(est.breakdown.components.values())
+        assert est.breakdown.get(Component.WEIGHTS) == an.weight_bytes(spec, s)
