@@ -94,6 +94,8 @@ VLLM_PROFILE_TOKENS = 8192
 RULE_OF_THUMB_FACTOR = 1.2
 #: Block edge of fine-grained FP8 weights (DeepSeek-V3 ``weight_block_size``).
 FP8_BLOCK = 128
+#: Model types whose MoE router weight transformers keeps in fp32 whatever the load dtype.
+_FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
 #: Largest batch the capacity search tries.
 MAX_SEARCH = 1 << 20
 #: Fraction of GPU memory a ``generate`` fit leaves free by default.
@@ -150,8 +152,13 @@ def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
         split = 1 if is_norm else tp
         numel = -(-t.numel // split)
         rows = -(-t.shape[0] // split)
-        linear = in_layer and t.matmul and len(t.shape) == 2
-        if linear and setup.dtype.bnb:
+        # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
+        # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``).
+        router = t.name == "mlp.router.weight"
+        linear = in_layer and t.matmul and len(t.shape) == 2 and not router
+        if router and spec.model_type in _FP32_ROUTERS:
+            one = allocator_bytes(numel * 4)
+        elif linear and setup.dtype.bnb:
             pieces = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
             one = sum(allocator_bytes(n) for n in pieces)
         elif linear and setup.dtype is WeightFormat.FP8:
@@ -163,6 +170,8 @@ def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
         total += count * one
     if spec.rotary_dim:
         total += 2 * allocator_bytes(4 * (spec.rotary_dim // 2))  # inv_freq and original_inv_freq, fp32
+    if spec.moe is not None and spec.model_type == "deepseek_v3":  # fp32 e_score_correction_bias buffer
+        total += spec.num_moe_layers * allocator_bytes(4 * spec.moe.num_experts)
     return total
 
 
