@@ -102,3 +102,26 @@ def test_cli_method_trace(capsys: pytest.CaptureFixture[str]) -> None:
 def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[str]) -> None:
     res = run_cli(capsys, "infer", "llama-3.2-1b", "--dtype", "nf4", "--method", "trace")
     assert res.code == 2 and "trace" in res.err
+
+
+FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_families_within_2_percent(name: str) -> None:
+    """MoE (grouped_mm experts, shared experts in both orders), MLA's latent cache and expand_kv, Gemma-2's
+    eager fallback with two masks, Phi-3's fused projections, OPT."""
+    from pathlib import Path
+
+    from trainfit.arch import load_model
+
+    spec = load_model(str(Path(__file__).parents[1] / "fixtures" / "configs" / f"{name}.json"))
+    setup = InferenceSetup(batch=2, prompt=96, new_tokens=5)
+    traced = trace_generate(spec, setup)
+    closed = phase_estimates(spec, setup)
+    for ph in InferencePhase:
+        t = sum(traced.phases[ph].values())
+        a = closed[ph].breakdown.total_bytes
+        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
+    assert traced.weights_bytes == weight_bytes(spec, setup)
+    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)

@@ -170,6 +170,8 @@ def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
         total += count * one
     if spec.rotary_dim:
         total += 2 * allocator_bytes(4 * (spec.rotary_dim // 2))  # inv_freq and original_inv_freq, fp32
+    if spec.embedding_scale:  # Gemma's scaled embedding: a 0-dim ``embed_scale`` buffer
+        total += allocator_bytes(2)
     if spec.moe is not None and spec.model_type == "deepseek_v3":  # fp32 e_score_correction_bias buffer
         total += spec.num_moe_layers * allocator_bytes(4 * spec.moe.num_experts)
     return total
@@ -364,12 +366,24 @@ def _layer_moments(
         inter = moe.expert_intermediate_size // tp
         routed = t * moe.experts_per_token
         wb = a if moe.weights_in_compute_dtype else 4
-        x_sel = allocator_bytes(routed * h * a)
+        # Router bookkeeping alive through the experts: logits [t, E] (fp32 for DeepSeek's fp32 router), the
+        # top-k weights, and int64 top-k indices, sorted ids, permutation and its inverse.
+        rb = 4 if spec.model_type in _FP32_ROUTERS else a
+        router = allocator_bytes(t * moe.num_experts * rb) + 4 * allocator_bytes(routed * 8)
+        router += 2 * allocator_bytes(routed * wb)
+        x_sel = allocator_bytes(routed * h * a) + router
         gate_up = allocator_bytes(routed * 2 * inter * a) + 2 * allocator_bytes(routed * inter * a)
         tail = allocator_bytes(routed * h * a) + 2 * allocator_bytes(routed * h * max(a, wb))
         shared_i = moe.num_shared_experts * moe.shared_expert_intermediate_size // tp
         shared = 3 * allocator_bytes(t * shared_i * a) if shared_i else 0
-        mlp = max(x_sel + max(gate_up, tail), shared)
+        if shared_i and moe.shared_expert_gate:
+            # Qwen2-MoE runs the shared expert first and holds its output through the routed experts.
+            mlp = max(x_sel + max(gate_up, tail) + x, shared)
+        elif shared_i:
+            # DeepSeek runs the routed experts first and holds their output through the shared experts.
+            mlp = max(x_sel + max(gate_up, tail), shared + x)
+        else:
+            mlp = x_sel + max(gate_up, tail)
     else:
         inter = spec.intermediate_size // tp
         # HF's Python GeLUs (gelu_new: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))) hold fc1's output and
@@ -383,8 +397,9 @@ def _layer_moments(
             else 2
         )
         mlp = n * allocator_bytes(t * inter * a)
-    # GPT2Block keeps ``attn_output`` referenced until it returns: a fourth hidden-size tensor.
-    hidden = 4 if spec.model_type == "gpt2" else 3
+    # GPT2Block keeps ``attn_output`` referenced until it returns: a fourth hidden-size tensor; OPT's decoder
+    # layer reassigns ``hidden_states`` to fc1's output, dropping the normed input: two.
+    hidden = {"gpt2": 4, "opt": 2}.get(spec.model_type, 3)
     out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp))
     if spec.mla is not None:
         m = spec.mla
@@ -478,6 +493,9 @@ def phase_estimates(
         mask = spec.attention_masks * allocator_bytes(setup.batch * s * s * setup.compute_bits // 8)
     elif window_masked:
         mask = allocator_bytes(s * s)  # sdpa_mask: one bool [1, 1, s, s] broadcast over the batch
+    elif spec.attention_masks > 1 and not spec.sliding_layers:
+        # Qwen2-MoE builds its sliding mask even with no window: a bool [b, 1, s, s] no layer reads.
+        mask = allocator_bytes(setup.batch * s * s)
     pre: list[tuple[str, int, int, int]] = []
     for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
         pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
