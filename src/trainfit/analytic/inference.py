@@ -287,7 +287,7 @@ def _decode_kv_moment(spec: ModelSpec, setup: InferenceSetup, step: int) -> int:
 # -- activations ----------------------------------------------------------------------------------------
 
 
-def _kernel(spec: ModelSpec, setup: InferenceSetup, *, masked: bool, q_len: int, flash: bool) -> SdpaKernel:
+def _kernel(spec: ModelSpec, setup: InferenceSetup, *, masked: bool, flash: bool) -> SdpaKernel:
     d = spec.mla.qk_head_dim if spec.mla else spec.head_dim
     dv = spec.mla.v_head_dim if spec.mla else spec.head_dim
     gqa = spec.num_kv_heads != spec.num_heads and spec.mla is None
@@ -304,15 +304,13 @@ def _kernel(spec: ModelSpec, setup: InferenceSetup, *, masked: bool, q_len: int,
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Moment:
-    """A candidate worst moment of one pass: activations and logits beyond weights and cache."""
+    """A candidate worst moment inside the running layer: its activation bytes (weights and cache apart)."""
 
     name: str
     activations_bytes: int
-    logits_bytes: int = 0
-    kv_extra_bytes: int = 0  # cache bytes beyond the resident cache at that moment (a copy in flight)
 
 
-def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int, step: int) -> int:
+def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int) -> int:
     """Per-pass tensors alive through the stack: token ids, the attention mask (its length grows by one
     per step in ``_update_model_kwargs_for_generation``), position ids, the embeddings' output and
     RoPE's cos/sin in the compute dtype."""
@@ -326,7 +324,6 @@ def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int,
     if spec.rotary_dim:
         rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim  # partial RoPE: Phi, NeoX
         rope = 2 * allocator_bytes(b * q * rd * a)
-    del step
     return ids + mask + pos + emb + rope
 
 
@@ -337,7 +334,7 @@ def _layer_moments(
     the layer's input (the previous layer's output). Three moments (transformers' Llama-style layer):
 
     * ``cache write``: the normed input, q and k after RoPE and v, while the cache takes its ``cat`` copy
-      (``kv_extra_bytes`` is then the copy in flight, computed by the caller);
+      (the caller adds the copy in flight, :func:`_decode_kv_moment`);
     * ``attention``: by kernel. Flash / memory-efficient: the normed input, q, the output and its fp32
       logsumexp (b·heads·q) — k/v repeated per query head when a mask is passed (``repeat_kv``). Math
       (``_scaled_dot_product_attention_math``: GQA or fp32 without a mask): k and v repeated, k scaled by
@@ -423,7 +420,7 @@ def _layer_moments(
         attn = 2 * x + qb + (2 * rep if gqa else 0) + allocator_bytes(scores * a) + upcast + probs
         name = "attention (eager)"
     else:
-        kernel = _kernel(spec, setup, masked=masked, q_len=q, flash=flash)
+        kernel = _kernel(spec, setup, masked=masked, flash=flash)
         if kernel is SdpaKernel.MATH:
             bias = allocator_bytes(q * kv_len * a) if q > 1 else 0
             attn = 2 * x + qb + (3 if gqa else 1) * rep + bias + (2 if q > 1 else 1) * allocator_bytes(scores * a)
@@ -487,7 +484,7 @@ def phase_estimates(
     # Prefill: the last layer runs with every cache entry written (S tokens) — or the static cache whole.
     kv_pre = kv_cache_bytes(spec, setup, 0)
     window_masked = kinds.window is not None and s >= kinds.window and setup.attention is Attention.SDPA
-    resident = _resident_inputs(spec, setup, s, s, 0)
+    resident = _resident_inputs(spec, setup, s, s)
     mask = 0
     if setup.attention is Attention.EAGER:
         mask = spec.attention_masks * allocator_bytes(setup.batch * s * s * setup.compute_bits // 8)
@@ -508,7 +505,7 @@ def phase_estimates(
     for step in sorted({1, min(2, n - 1), n - 1}):
         total = s + step
         kv_after = kv_cache_bytes(spec, setup, step)
-        res = _resident_inputs(spec, setup, 1, total, step)
+        res = _resident_inputs(spec, setup, 1, total)
         if setup.attention is Attention.EAGER:
             res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
