@@ -78,3 +78,10 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
     res = run_cli(capsys, "infer", "--help")
     assert res.code == 0
     assert "--server" in res.out and "trainfit infer llama-3.1-8b" in res.out
+
+
+def test_bf16_without_native_support_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--gpu", "t4", "--json")
+    assert res.code == 0
+    assert "bf16" in res.err and "warning" in res.err
+    assert json.loads(res.out)["warnings"]

@@ -129,8 +129,10 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
                 f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
                 "use --dtype/--kv-dtype bf16 or int8"
             )
-        if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16 and not setup.dtype.bnb:
-            raise StrategyError(f"{gpu.id} (compute capability {cc}) has no native bf16; use --dtype fp16")
+        if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16:
+            warnings.append(
+                f"{gpu.id} (compute capability {cc}) has no native bf16: emulated and slow; try --dtype fp16"
+            )
     if setup.tp > 1 and spec.num_heads % setup.tp:
         raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
     return tuple(warnings)
