@@ -76,13 +76,19 @@ def test_trace_activations_matter_in_the_matrix() -> None:
     assert sum(pre.values()) > 1.3 * weight_bytes(spec, setup)
 
 
-def test_depth_extrapolation_matches_a_full_depth_trace() -> None:
-    spec = _spec(num_hidden_layers=6)
-    setup = InferenceSetup(batch=2, prompt=64, new_tokens=3)
+@pytest.mark.parametrize(
+    ("spec", "setup"),
+    [
+        (_spec(num_hidden_layers=6), InferenceSetup(batch=2, prompt=64, new_tokens=3)),
+        (_spec("mistral", num_hidden_layers=5), InferenceSetup(batch=1, prompt=64, new_tokens=3, cache="sliding")),
+    ],
+    ids=["llama", "mistral-sliding"],
+)
+def test_depth_extrapolation_matches_a_full_depth_trace(spec: ModelSpec, setup: InferenceSetup) -> None:
     ext = trace_generate(spec, setup)
     full = trace_generate(spec, setup, extrapolate=False)
     assert ext.extrapolated and ext.layers_traced == (2, 3)
-    assert not full.extrapolated and full.layers_traced == (6,)
+    assert not full.extrapolated and full.layers_traced == (spec.num_layers,)
     for ph in InferencePhase:
         assert ext.phases[ph] == full.phases[ph]
     assert ext.kv_cache_bytes == full.kv_cache_bytes
