@@ -131,3 +131,23 @@ def test_fixture_families_within_2_percent(name: str) -> None:
         assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
     assert traced.weights_bytes == weight_bytes(spec, setup)
     assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+
+
+@pytest.mark.parametrize(
+    ("spec", "setup"),
+    [
+        (_spec(), InferenceSetup(batch=2, prompt=64, new_tokens=9)),
+        (_spec("mistral"), InferenceSetup(batch=1, prompt=96, new_tokens=9, cache="sliding")),
+        (_spec("mistral"), InferenceSetup(batch=1, prompt=40, new_tokens=12, cache="sliding")),
+        (_spec("mistral"), InferenceSetup(batch=1, prompt=40, new_tokens=12, cache="static")),
+    ],
+    ids=["dynamic", "sliding-prompt-beyond-window", "sliding-window-reached", "static-sliding"],
+)
+def test_two_short_runs_equal_one_long_generate(spec: ModelSpec, setup: InferenceSetup) -> None:
+    """The split (prompt + 3 new tokens, then the last pass of prompt + new − 3 with 3) reads the same phases
+    as one generate of every new token."""
+    split = trace_generate(spec, setup, extrapolate=False)
+    whole = trace_generate(spec, setup, extrapolate=False, split=False)
+    for ph in InferencePhase:
+        assert split.phases[ph] == whole.phases[ph], ph
+    assert split.kv_cache_bytes == whole.kv_cache_bytes

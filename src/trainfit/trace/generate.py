@@ -31,6 +31,7 @@ with one layer the layer's input *is* the embedding output, with two or more the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -55,6 +56,14 @@ from trainfit.trace.kernels import CudaKernels
 
 #: Units of each repeated run in the base trace (the variant traces add one).
 BASE_UNITS = 2
+
+#: A request of more new tokens is traced as two short ``generate`` runs: the prompt with this many new tokens
+#: (prefill and the first decode steps, where a sliding cache shrinks from the prompt to its window), and a
+#: prompt of ``prompt + new − SPLIT_TOKENS`` tokens with this many, of which only the last pass is read — its
+#: state (cache storages, token ids, mask, previous logits) is the original last step's exactly, for
+#: dynamic, sliding and static caches. Decode memory between the two only grows to the last step or stays.
+SPLIT_TOKENS = 3
+LATE = "@late"
 
 _KV = 100  # tracker kind for KV-cache storages (beyond the training kinds)
 
@@ -142,6 +151,7 @@ def _run_layout(
     unit_first_layer: Sequence[int],
     setup: InferenceSetup,
     flash: bool,
+    cache_len: int | None = None,
 ) -> tuple[tk.Tracker, list[_PassMarks], dict[SdpaKernel, int]]:
     mode = rn.fake_mode()
     rn.materialize(model, mode, None)
@@ -189,12 +199,16 @@ def _run_layout(
             mask = torch.ones((b, s), dtype=torch.long)
             tr.mark([ids, mask], tk.NONE)
             gen: Any = model.generate
+            extra: dict[str, Any] = {}
+            if setup.cache is CacheKind.STATIC:  # the request's whole context, also in a split run
+                extra["max_cache_len"] = cache_len or setup.context
             out = gen(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=setup.new_tokens,
                 do_sample=False,
                 cache_implementation=_cache_implementation(setup),
+                **extra,
             )
             del out
     except DataDependentOutputException as exc:
@@ -207,16 +221,30 @@ def _run_layout(
 
 
 def _places(
-    tr: tk.Tracker, passes: list[_PassMarks], unit_run: Sequence[int], counts: Sequence[int]
+    tr: tk.Tracker,
+    passes: list[_PassMarks],
+    unit_run: Sequence[int],
+    counts: Sequence[int],
+    *,
+    tag: str = "",
+    skip: int = 0,
+    request_bytes: int | None = None,
 ) -> dict[tuple[InferencePhase, Place], dict[Component, int]]:
-    """Worst moment of each place of each phase, by component."""
+    """Worst moment of each place of each phase, by component; passes before ``skip`` are left out, place
+    names get ``tag`` (the late-decode run's places are extrapolated apart from the first run's).
+    ``request_bytes``: count the request's own tensors — those made before the first pass (token ids,
+    attention mask, ``generate``'s position bookkeeping) — as this many bytes instead (a late run's prompt
+    is longer than the request's)."""
     after: list[tuple[int, int]] = []
     ivs: list[tk.Interval[tuple[InferencePhase, Place]]] = []
     for c, pm in enumerate(passes):
         phase = InferencePhase.PREFILL if c == 0 else InferencePhase.DECODE
         nxt = passes[c + 1].start if c + 1 < len(passes) else tr.t
+        after.append((pm.stack_end, nxt))
+        if c < skip:
+            continue
         starts = pm.unit_starts
-        ivs.append(tk.Interval(label=(phase, ("before", -1, "")), start=pm.start if c else 0, end=starts[0]))
+        ivs.append(tk.Interval(label=(phase, ("before" + tag, -1, "")), start=pm.start if c else 0, end=starts[0]))
         seen: dict[int, int] = {}
         for u, us in enumerate(starts):
             r = unit_run[u]
@@ -224,17 +252,20 @@ def _places(
             seen[r] = j + 1
             end = starts[u + 1] if u + 1 < len(starts) else pm.stack_end
             if j == 0:
-                ivs.append(tk.Interval(label=(phase, ("unit", r, "first")), start=us, end=end))
+                ivs.append(tk.Interval(label=(phase, ("unit" + tag, r, "first")), start=us, end=end))
             if j == counts[r] - 1:
-                ivs.append(tk.Interval(label=(phase, ("unit", r, "last")), start=us, end=end))
-        ivs.append(tk.Interval(label=(phase, ("after", -1, "")), start=pm.stack_end, end=nxt))
-        after.append((pm.stack_end, nxt))
+                ivs.append(tk.Interval(label=(phase, ("unit" + tag, r, "last")), start=us, end=end))
+        ivs.append(tk.Interval(label=(phase, ("after" + tag, -1, "")), start=pm.stack_end, end=nxt))
+
+    first = passes[0].start
 
     def component(rec: tk.Record) -> Component | None:
         if rec.kind == _KV:
             return Component.KV_CACHE
         if rec.kind == tk.WEIGHTS:
             return Component.WEIGHTS
+        if request_bytes is not None and rec.alloc_t < first:
+            return None
         if any(lo < rec.alloc_t <= hi for lo, hi in after):
             return Component.LOGITS_LOSS
         return Component.ACTIVATIONS
@@ -243,6 +274,8 @@ def _places(
     out: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
     for pk in tr.peaks(ivs):
         comps = {k: v for k, v in pk.components.items() if v}
+        if request_bytes:
+            comps[Component.ACTIVATIONS] = comps.get(Component.ACTIVATIONS, 0) + request_bytes
         if pk.label not in out or sum(comps.values()) > sum(out[pk.label].values()):
             out[pk.label] = comps
     return out
@@ -254,6 +287,7 @@ def trace_generate(
     *,
     flash: bool = True,
     extrapolate: bool = True,
+    split: bool = True,
     progress: Callable[[str, float], None] | None = None,
 ) -> GenerateTrace:
     """Trace ``generate`` for ``spec`` under ``setup`` (one GPU, 16/32-bit weights and cache)."""
@@ -285,23 +319,26 @@ def trace_generate(
     keyed: list[dict[tuple[InferencePhase, Place], dict[Component, int]]] = []
     traced: list[int] = []
     sdpa: dict[SdpaKernel, int] = {}
-    first_run: tuple[tk.Tracker, list[_PassMarks]] | None = None
     for i, counts in enumerate(configs):
         layout = hf.layout_for(blocks, runs, counts)
         layers = layout.layers
         say(f"trace {i + 1}/{len(configs)}: generate with {len(layers)} layers", i / len(configs))
-        model = hf.reduced_model(meta, stack_path, layers, full) if len(layers) < full else meta
-        _, sub = hf.find_stack(model, len(layers))
         starts, acc = [], 0
         for blk in layout.blocks:
             starts.append(acc)
             acc += len(blk.layers)
         unit_first = [starts[fb] for fb, _ in layout.unit_blocks]
-        tr, passes, calls = _run_layout(model, sub, unit_first, setup, flash)
-        if first_run is None:
-            first_run = (tr, passes)
-            sdpa = calls
-        keyed.append(_places(tr, passes, layout.unit_run, counts))
+        places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
+        request: int | None = None
+        for run_setup, tag, skip in _runs(setup, split):
+            model = hf.reduced_model(meta, stack_path, layers, full)
+            _, sub = hf.find_stack(model, len(layers))
+            tr, passes, calls = _run_layout(model, sub, unit_first, run_setup, flash, setup.context)
+            if not sdpa:
+                sdpa = calls
+            places.update(_places(tr, passes, layout.unit_run, counts, tag=tag, skip=skip, request_bytes=request))
+            request = _request_bytes(tr, passes)
+        keyed.append(places)
         traced.append(len(layers))
     say("extrapolating", 1.0)
     full_places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
@@ -319,10 +356,7 @@ def trace_generate(
         if cands:
             phases[ph] = max(cands, key=lambda v: sum(v.values()))
     # Steady-state cache and weights at full depth: from the "after" place of the last pass.
-    end = (
-        full_places.get((InferencePhase.DECODE, ("after", -1, "")))
-        or full_places[(InferencePhase.PREFILL, ("after", -1, ""))]
-    )
+    end = full_places[_last_after(full_places)]
     note = (
         f"traced {', '.join(map(str, traced))} of {full} layers, extrapolated linearly per place"
         if ext
@@ -340,6 +374,39 @@ def trace_generate(
     )
 
 
+def _request_bytes(tr: tk.Tracker, passes: Sequence[_PassMarks]) -> int:
+    """Bytes of the request's own tensors (made before the first pass) still alive at the last pass."""
+    first, last = passes[0].start, passes[-1].start
+    return sum(
+        r.nbytes
+        for r in tr.records
+        if r.kind not in (tk.WEIGHTS, _KV) and r.alloc_t < first and (r.free_t is None or r.free_t > last)
+    )
+
+
+def _last_after(places: Mapping[tuple[InferencePhase, Place], Any]) -> tuple[InferencePhase, Place]:
+    """The key of the place after the last pass's stack: the late run's, else the only run's decode, else
+    the prefill's."""
+    for key in (
+        (InferencePhase.DECODE, ("after" + LATE, -1, "")),
+        (InferencePhase.DECODE, ("after", -1, "")),
+        (InferencePhase.PREFILL, ("after", -1, "")),
+    ):
+        if key in places:
+            return key
+    raise AssertionError("no pass was traced")  # pragma: no cover
+
+
+def _runs(setup: InferenceSetup, split: bool) -> list[tuple[InferenceSetup, str, int]]:
+    """The generate runs that cover a request: (setup, place tag, passes to skip). See :data:`SPLIT_TOKENS`."""
+    n = setup.new_tokens
+    if not split or n <= SPLIT_TOKENS:
+        return [(setup, "", 0)]
+    early = dataclasses.replace(setup, new_tokens=SPLIT_TOKENS)
+    late = dataclasses.replace(setup, prompt=setup.prompt + n - SPLIT_TOKENS, new_tokens=SPLIT_TOKENS)
+    return [(early, "", 0), (late, LATE, SPLIT_TOKENS - 1)]
+
+
 def _final_kv(
     keyed: list[dict[tuple[InferencePhase, Place], dict[Component, int]]],
     ext: list[int],
@@ -347,9 +414,7 @@ def _final_kv(
     configs: Sequence[Sequence[int]],
 ) -> int:
     """KV bytes right after the last pass (no copy in flight), extrapolated like the places."""
-    key = (InferencePhase.DECODE, ("after", -1, ""))
-    if key not in keyed[0]:
-        key = (InferencePhase.PREFILL, ("after", -1, ""))
+    key = _last_after(keyed[0])
     v0 = keyed[0][key].get(Component.KV_CACHE, 0)
     out = v0
     for n, r in enumerate(ext, start=1):
