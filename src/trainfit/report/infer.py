@@ -216,7 +216,7 @@ def render_infer(console: Console, report: InferenceReport, *, verbose: bool = F
     if verbose:
         terms = Table(title="Terms")
         for col in ("term", "GiB", "formula", "source"):
-            terms.add_column(col)
+            terms.add_column(col, overflow="fold")  # sources are file and function names: never cut them
         for term in report.terms:
             terms.add_row(term.name, f"{term.bytes / 2**30:.3f}", term.formula, term.source)
         console.print(terms)
