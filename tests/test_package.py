@@ -14,7 +14,18 @@ SRC = Path(trainfit.__file__).parent
 
 def test_public_api_is_pinned() -> None:
     assert sorted(trainfit.__all__) == sorted(
-        ["MemoryReport", "Strategy", "TrainfitError", "__version__", "estimate", "get_gpu", "load_model", "trace"]
+        [
+            "InferenceReport",
+            "MemoryReport",
+            "Strategy",
+            "TrainfitError",
+            "__version__",
+            "estimate",
+            "get_gpu",
+            "infer",
+            "load_model",
+            "trace",
+        ]
     )
     for name in trainfit.__all__:
         assert getattr(trainfit, name) is not None

@@ -6,8 +6,9 @@ The pinned public API (torch-free at import; a test asserts ``__all__``)::
 
     report = estimate(load_model("llama-3.1-8b"), Strategy(micro_batch=4), gpu=get_gpu("a100-sxm-80gb"))
 
-``trace`` is the :mod:`trainfit.trace` package, callable like its ``trace`` function (it imports torch
-only when called).
+``infer(model, InferenceSetup(...) or batch=..., prompt=..., gpu=...)`` answers inference memory
+(:mod:`trainfit.infer`). ``trace`` is the :mod:`trainfit.trace` package, callable like its ``trace``
+function (it imports torch only when called).
 """
 
 from trainfit import trace
@@ -15,18 +16,21 @@ from trainfit.arch import load_model
 from trainfit.errors import TrainfitError
 from trainfit.estimate import estimate
 from trainfit.hardware import get_gpu
+from trainfit.infer import InferenceReport, infer
 from trainfit.result import MemoryReport
 from trainfit.strategy import Strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InferenceReport",
     "MemoryReport",
     "Strategy",
     "TrainfitError",
     "__version__",
     "estimate",
     "get_gpu",
+    "infer",
     "load_model",
     "trace",
 ]

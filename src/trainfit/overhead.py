@@ -107,18 +107,24 @@ def context_bytes(gpu: GPUSpec | None) -> tuple[int, str]:
     )
 
 
-def outside_allocator(gpu: GPUSpec | None, *, allocator_reserve_bytes: int, nccl_bytes: int = 0) -> Overhead:
-    """The overhead of a training step on ``gpu`` with the method's allocator reserve."""
+def outside_allocator(
+    gpu: GPUSpec | None, *, allocator_reserve_bytes: int, nccl_bytes: int = 0, inference: bool = False
+) -> Overhead:
+    """The overhead of a training step (or, with ``inference``, of generation) on ``gpu`` with the method's
+    allocator reserve."""
     context, basis = context_bytes(gpu)
     return Overhead(
         cuda_context_bytes=context,
         kernel_images_bytes=TRAINING_KERNEL_IMAGES_BYTES,
         nccl_bytes=nccl_bytes,
         allocator_reserve_bytes=allocator_reserve_bytes,
-        basis=f"{basis}; +{TRAINING_KERNEL_IMAGES_BYTES // MiB} MiB of kernels loaded lazily by a training step",
+        basis=f"{basis}; +{TRAINING_KERNEL_IMAGES_BYTES // MiB} MiB of kernels loaded lazily by a training step"
+        + (" (counted for generation too: an upper bound)" if inference else ""),
     )
 
 
-def overhead_for(peak_allocated_bytes: int, gpu: GPUSpec | None = None) -> Overhead:
+def overhead_for(peak_allocated_bytes: int, gpu: GPUSpec | None = None, *, inference: bool = False) -> Overhead:
     """The overhead with the fixed-fraction allocator reserve (for methods that do not simulate it)."""
-    return outside_allocator(gpu, allocator_reserve_bytes=int(peak_allocated_bytes * ALLOCATOR_RESERVE_FRACTION))
+    return outside_allocator(
+        gpu, allocator_reserve_bytes=int(peak_allocated_bytes * ALLOCATOR_RESERVE_FRACTION), inference=inference
+    )

@@ -1,0 +1,86 @@
+"""Analytic vs ``generate`` trace for inference, at catalog sizes: one row per model, setup and phase.
+
+    PYTHONPATH=src python benchmarks/agreement_infer.py [--markdown] [MODEL ...]
+
+The trace (``trainfit.trace.generate``) runs transformers' ``generate`` on fake tensors, depth-extrapolated
+from 2 and 3 layers; the analytic model is ``trainfit.analytic.inference``. Prints a table (markdown with
+``--markdown``, as in docs/accuracy.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from trainfit.analytic.inference import phase_estimates
+from trainfit.arch import load_model
+from trainfit.result import InferencePhase
+from trainfit.strategy.inference import InferenceSetup
+from trainfit.trace.generate import trace_generate
+from trainfit.units import GiB
+
+CASES: list[tuple[str, InferenceSetup]] = [
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8)),
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, cache="static")),
+    ("llama-3.1-8b", InferenceSetup(batch=1, prompt=4096, new_tokens=8, attention="eager")),
+    ("llama-3.2-1b", InferenceSetup(batch=16, prompt=1024, new_tokens=8, dtype="fp32")),
+    ("mistral-7b-v0.1", InferenceSetup(batch=1, prompt=8192, new_tokens=8, cache="sliding")),
+    ("qwen2.5-7b", InferenceSetup(batch=8, prompt=1024, new_tokens=8)),
+    ("qwen3-8b", InferenceSetup(batch=8, prompt=1024, new_tokens=8, dtype="fp16")),
+    ("tinyllama-1.1b", InferenceSetup(batch=32, prompt=512, new_tokens=8)),
+    ("gemma-2b", InferenceSetup(batch=8, prompt=1024, new_tokens=8)),
+    ("phi-2", InferenceSetup(batch=8, prompt=1024, new_tokens=8)),
+    ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8)),
+    ("mixtral-8x7b-v0.1", InferenceSetup(batch=4, prompt=1024, new_tokens=8)),
+    ("gpt2", InferenceSetup(batch=16, prompt=512, new_tokens=8)),
+    ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=4096, new_tokens=4)),
+    ("deepseek-v3", InferenceSetup(batch=1, prompt=1024, new_tokens=4)),
+    ("deepseek-v3", InferenceSetup(batch=4, prompt=4096, new_tokens=4)),
+]
+
+
+def main(argv: list[str]) -> None:
+    markdown = "--markdown" in argv
+    only = [a for a in argv if not a.startswith("--")]
+    rows = []
+    for name, setup in CASES:
+        if only and name not in only:
+            continue
+        spec = load_model(name)
+        t0 = time.perf_counter()
+        try:
+            tr = trace_generate(spec, setup)
+        except Exception as exc:  # a benchmark reports, it does not stop
+            print(f"{name}: trace failed: {exc}", file=sys.stderr)
+            continue
+        secs = time.perf_counter() - t0
+        an = phase_estimates(spec, setup)
+        desc = (
+            f"{setup.dtype.value} {setup.cache.value} {setup.attention.value} "
+            f"b{setup.batch} p{setup.prompt}+{setup.new_tokens}"
+        )
+        for ph in InferencePhase:
+            t = sum(tr.phases[ph].values())
+            a = an[ph].breakdown.total_bytes
+            w = tr.weights_bytes
+            rest = 100 * (a - t) / (t - w) if t > w else 0.0  # the error on what is not weights
+            rows.append((name, desc, ph.value, t / GiB, a / GiB, 100 * (a - t) / t, an[ph].moment, rest))
+        print(f"{name} {desc}: trace {secs:.1f}s", file=sys.stderr, flush=True)
+    if markdown:
+        print("| model | setup | phase | trace GiB | analytic GiB | error | error beyond weights | worst moment |")
+        print("|---|---|---|---:|---:|---:|---:|---|")
+        for r in rows:
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:+.2f}% | {r[7]:+.2f}% | {r[6]} |")
+    else:
+        for r in rows:
+            print(f"{r[0]:16s} {r[1]:40s} {r[2]:8s} {r[3]:9.3f} {r[4]:9.3f} {r[5]:+7.2f}% {r[7]:+7.2f}%  {r[6]}")
+    worst = max((abs(r[5]) for r in rows), default=0.0)
+    beyond = max((abs(r[7]) for r in rows), default=0.0)
+    print(
+        f"worst |error|: {worst:.2f}% of the phase, {beyond:.2f}% of its non-weight bytes, over {len(rows)} phases",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,735 @@
+"""Inference memory in closed form: weights, KV cache, the prefill and decode peaks, and what fits.
+
+An inference request has two phases (:class:`~trainfit.result.InferencePhase`). **Prefill** runs the whole
+prompt (``b·s`` tokens) through the model once and writes every layer's keys and values into the cache;
+**decode** then runs one token per sequence per step against the cache. Nothing is saved for backward, so
+the activation terms are *transients*: what one layer holds while it runs, on top of what is resident
+(weights, the cache so far, a few per-forward tensors such as the embeddings and RoPE tables).
+
+What Hugging Face ``generate`` keeps (transformers 5, ``generation/utils.py`` ``_sample``, checked on fake
+tensors by :mod:`trainfit.trace.generate`):
+
+* the forward gets ``logits_to_keep=1``: the head multiplies only the last position, ``b·vocab`` logits,
+  and ``generate`` copies them to fp32 (``outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)``);
+  the previous step's fp32 copy is alive through the next step's forward;
+* ``DynamicCache`` (``cache_utils.DynamicLayer.update``) grows each layer by ``torch.cat``: during a decode
+  step the new ``[b, kv_heads, T, head_dim]`` K and V exist beside the old ones until the assignment drops
+  them, so the worst moment holds the cache at full length plus one layer's previous K/V;
+* ``DynamicSlidingWindowLayer`` keeps a *view* of the last ``window − 1`` tokens of the ``cat`` result: after
+  prefill the storage is the whole prompt, after the first decode step ``window`` tokens;
+* ``StaticCache`` (``StaticLayer``) allocates ``[b, kv_heads, prompt + new_tokens, head_dim]`` once and
+  writes with ``index_copy_``: no copies; its sliding layers (``StaticSlidingWindowLayer``) hold
+  ``min(window, prompt + new)`` tokens and ``roll`` once full, a transient copy of one layer;
+* MLA (DeepSeek-V2/V3, ``DeepseekV3Attention.forward``) caches the compressed latent — ``kv_lora_rank``
+  (normed ``kv_nope``) and ``qk_rope_head_dim`` (``k_rot``), one "head" each — and ``expand_kv``
+  decompresses the whole cache of the running layer every step: ``kv_b_proj`` output
+  ``b·T·heads·(nope + v)`` plus a new key tensor ``b·heads·T·(nope + rope)``.
+
+KV cache = 2 · layers · kv_heads · head_dim · tokens · batch · bytes (Pope et al. 2022, "Efficiently Scaling
+Transformer Inference", §2; vLLM ``get_kv_cache_spec``), each tensor rounded to the allocator's 512 bytes.
+
+Paged servers (``--cache paged``, vLLM's PagedAttention: Kwon et al. 2023) hold the cache in blocks of
+``block_size`` tokens per layer; a sequence of ``T`` tokens takes ``⌈T / block_size⌉`` blocks. With
+``--server paged`` the capacity is what vLLM reports at start-up (``vllm/v1/worker/gpu_worker.py``
+``determine_available_memory``, ``vllm/v1/core/kv_cache_utils.py`` ``get_num_blocks``):
+
+    kv_budget = total_gpu_memory · gpu_memory_utilization − (weights + peak activation of the profile run
+                + non-torch memory)
+    blocks = kv_budget // (block_size · bytes per token of all layers)
+
+where the profile run is a forward pass over ``max_num_batched_tokens`` tokens (8192 by default in V1's
+chunked prefill) with dummy inputs. We take the profile peak from our own prefill formula over those
+tokens as one batch, and ``non-torch`` from our CUDA-context constant; vLLM measures both.
+
+Tensor parallelism (Megatron-style, ``--tp``) splits every layer's linears and the vocab-parallel embedding
+and head ``tp`` ways; norms are replicated. K/V heads are split when there are at least ``tp`` of them and
+replicated otherwise (vLLM ``get_num_kv_heads``: ``max(1, total_num_kv_heads // tp_size)``); the MLA
+latent is replicated on every rank.
+
+Weights (one implementation of each format, :mod:`trainfit.cuda_facts` for bitsandbytes): fp32/bf16/fp16
+store every tensor in that format. ``int8``/``nf4``/``fp4`` (bitsandbytes, via transformers'
+``BitsAndBytesConfig``) quantise every ``nn.Linear`` inside the layers and keep the embeddings, the LM
+head (``llm_int8_skip_modules`` defaults to the output embeddings), norms and the fused MoE expert tensors
+(not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` of the load. ``fp8`` is the fine-grained
+e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
+``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block), again layer linears only.
+
+The article's rule of thumb for serving — weights × 1.2 — is reported beside our answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from trainfit.analytic.activations import PYTHON_GELUS
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
+from trainfit.cuda_facts import (
+    SdpaKernel,
+    allocator_bytes,
+    has_flash_attention,
+    quantized_weight_tensors,
+    sdpa_kernel_for,
+)
+from trainfit.errors import StrategyError
+from trainfit.hardware.gpus import GPUSpec
+from trainfit.overhead import overhead_for
+from trainfit.result import Component, InferencePhase, PhaseBreakdown, Term
+from trainfit.strategy import Attention
+from trainfit.strategy.inference import (
+    DEFAULT_BLOCK_SIZE,
+    CacheKind,
+    InferenceSetup,
+    KVFormat,
+    WeightFormat,
+)
+
+#: vLLM's default ``--gpu-memory-utilization``.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+#: Tokens of vLLM V1's profile run: ``max_num_batched_tokens`` with chunked prefill (``SchedulerConfig``).
+VLLM_PROFILE_TOKENS = 8192
+#: The article's serving rule of thumb: weights × 1.2.
+RULE_OF_THUMB_FACTOR = 1.2
+#: Block edge of fine-grained FP8 weights (DeepSeek-V3 ``weight_block_size``).
+FP8_BLOCK = 128
+#: Model types whose MoE router weight transformers keeps in fp32 whatever the load dtype.
+_FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
+#: Largest batch the capacity search tries.
+MAX_SEARCH = 1 << 20
+#: Fraction of GPU memory a ``generate`` fit leaves free by default.
+DEFAULT_INFER_HEADROOM = 0.10
+
+
+def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None) -> tuple[str, ...]:
+    """Refuse what no run could do: a context beyond the model's, a sliding cache without a window, an
+    encoder, a format the GPU cannot run. Returns warnings: a model whose every layer slides (Mistral v0.1)
+    runs past ``max_position_embeddings`` with a bounded cache, so there the context is a warning."""
+    warnings: list[str] = []
+    if spec.kind is not ModelKind.CAUSAL_LM:
+        raise StrategyError(f"{spec.name} is not a causal language model; trainfit infer models generation")
+    ctx = spec.max_position_embeddings
+    if ctx is not None and setup.context > ctx:
+        why = (
+            f"prompt {setup.prompt} + new tokens {setup.new_tokens} = {setup.context} exceeds {spec.name}'s "
+            f"context of {ctx} tokens"
+        )
+        if not (spec.sliding_window and spec.sliding_layers == spec.num_layers):
+            raise StrategyError(why)
+        warnings.append(f"{why}; every layer attends within {spec.sliding_window} tokens, so it runs, untrained")
+    if setup.cache is CacheKind.SLIDING and not (spec.sliding_window and spec.sliding_layers):
+        raise StrategyError(f"{spec.name} has no sliding-window layers; use --cache dynamic or static")
+    if spec.params_override is not None:
+        raise StrategyError("trainfit infer needs a model's shapes, not --params")
+    if gpu is not None:
+        cc = gpu.compute_capability
+        if (setup.dtype is WeightFormat.FP8 or setup.kv_format is KVFormat.FP8) and not gpu.fp8:
+            raise StrategyError(
+                f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
+                "use --dtype/--kv-dtype bf16 or int8"
+            )
+        if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16:
+            warnings.append(
+                f"{gpu.id} (compute capability {cc}) has no native bf16: emulated and slow; try --dtype fp16"
+            )
+    if setup.tp > 1 and spec.num_heads % setup.tp:
+        raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
+    return tuple(warnings)
+
+
+# -- weights ------------------------------------------------------------------------------------------
+
+
+def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """Bytes of every parameter tensor on one GPU, each piece rounded to 512 bytes, plus RoPE buffers."""
+    inv = inventory(spec)
+    layer_ids = {id(t) for g in inv.layers for t in g.tensors}
+    tp = setup.tp
+    keep_bits = setup.dtype.bits if setup.dtype in (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP16) else 16
+    total = 0
+    for t, count in inv.all_tensors():
+        in_layer = id(t) in layer_ids
+        is_norm = len(t.shape) == 1 and ("norm" in t.name)
+        split = 1 if is_norm else tp
+        numel = -(-t.numel // split)
+        rows = -(-t.shape[0] // split)
+        # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
+        # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``).
+        router = t.name == "mlp.router.weight"
+        linear = in_layer and t.matmul and len(t.shape) == 2 and not router
+        if router and spec.model_type in _FP32_ROUTERS:
+            one = allocator_bytes(numel * 4)
+        elif linear and setup.dtype.bnb:
+            pieces = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
+            one = sum(allocator_bytes(n) for n in pieces)
+        elif linear and setup.dtype is WeightFormat.FP8:
+            cols = numel // rows if rows else 0
+            scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
+            one = allocator_bytes(numel) + allocator_bytes(4 * scales)
+        else:
+            one = allocator_bytes(numel * keep_bits // 8)
+        total += count * one
+    if spec.rotary_dim:
+        total += 2 * allocator_bytes(4 * (spec.rotary_dim // 2))  # inv_freq and original_inv_freq, fp32
+    if spec.embedding_scale:  # Gemma's scaled embedding: a 0-dim ``embed_scale`` buffer
+        total += allocator_bytes(2)
+    if spec.moe is not None and spec.model_type == "deepseek_v3":  # fp32 e_score_correction_bias buffer
+        total += spec.num_moe_layers * allocator_bytes(4 * spec.moe.num_experts)
+    return total
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
+    """K/V heads on one rank: split when there are at least ``tp``, else one replicated head."""
+    return max(1, spec.num_kv_heads // tp)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerKinds:
+    """How many layers hold a full cache and how many a sliding window of ``window`` tokens."""
+
+    full: int
+    sliding: int
+    window: int | None
+
+
+def layer_kinds(spec: ModelSpec, setup: InferenceSetup) -> LayerKinds:
+    w = spec.sliding_window if spec.sliding_layers else None
+    if setup.cache is CacheKind.PAGED or w is None:
+        return LayerKinds(full=spec.num_layers, sliding=0, window=None)
+    return LayerKinds(full=spec.num_layers - spec.sliding_layers, sliding=spec.sliding_layers, window=w)
+
+
+def kv_layer_tensors(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> tuple[int, int]:
+    """Bytes of one layer's two cache tensors (K and V; MLA: the latent ``kv_nope`` and ``k_rot``) for
+    ``tokens`` tokens of every sequence in the batch, each rounded to the allocator's 512 bytes."""
+    if tokens <= 0:
+        return 0, 0
+    bits, b = setup.kv_format.bits, setup.batch
+    if spec.mla is not None:
+        m = spec.mla
+        return (
+            allocator_bytes(b * tokens * m.kv_lora_rank * bits // 8),
+            allocator_bytes(b * tokens * m.qk_rope_head_dim * bits // 8),
+        )
+    one = allocator_bytes(b * kv_heads_per_gpu(spec, setup.tp) * tokens * spec.head_dim * bits // 8)
+    return one, one
+
+
+def kv_layer_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
+    """One layer's K and V for ``tokens`` tokens: 2 · batch · kv_heads · head_dim · tokens · bytes."""
+    return sum(kv_layer_tensors(spec, setup, tokens))
+
+
+def kv_bytes_per_token(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """Cache bytes one token of one sequence takes over all layers (unrounded): the paged-block unit."""
+    bits = setup.kv_format.bits
+    if spec.mla is not None:
+        per_layer = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * bits
+    else:
+        per_layer = 2 * kv_heads_per_gpu(spec, setup.tp) * spec.head_dim * bits
+    return spec.num_layers * per_layer // 8
+
+
+def _stored_tokens(setup: InferenceSetup, window: int | None, step: int) -> int:
+    """Tokens one layer's cache storage holds after forward pass ``step`` (0 = prefill)."""
+    s, n = setup.prompt, setup.new_tokens
+    if setup.cache is CacheKind.STATIC:
+        return s + n if window is None else min(window, s + n)
+    if setup.cache is CacheKind.PAGED:
+        bs = setup.block_size
+        return -(-(s + step) // bs) * bs
+    if window is None or step == 0:
+        return s + step
+    return min(s + step, window)
+
+
+def kv_cache_bytes(spec: ModelSpec, setup: InferenceSetup, step: int | None = None) -> int:
+    """The cache after pass ``step`` (default: the last pass, ``new_tokens − 1``: the cache at full length)."""
+    k = layer_kinds(spec, setup)
+    st = setup.new_tokens - 1 if step is None else step
+    full = k.full * kv_layer_bytes(spec, setup, _stored_tokens(setup, None, st))
+    slid = k.sliding * kv_layer_bytes(spec, setup, _stored_tokens(setup, k.window, st)) if k.sliding else 0
+    return full + slid
+
+
+def _decode_kv_moment(spec: ModelSpec, setup: InferenceSetup, step: int) -> int:
+    """Worst cache bytes inside decode pass ``step``. ``torch.cat`` (dynamic caches) holds the running
+    layer's old and new K/V together: with every other layer already updated (the last layer running) or
+    none yet (the first), whichever is larger — the first only wins when a sliding layer shrinks from the
+    prompt to its window. A static sliding layer that is full ``roll``s into a new tensor (one layer's copy);
+    a static full layer writes in place."""
+    k = layer_kinds(spec, setup)
+    groups: list[tuple[int, int, int, int, int, bool]] = []  # count, old, new, old K, new K, cat
+    for count, win in ((k.full, None), (k.sliding, k.window)):
+        if not count:
+            continue
+        old_t = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step - 1))
+        new_t = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step))
+        cat = setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING)
+        roll = setup.cache is CacheKind.STATIC and win is not None and setup.prompt + step - 1 >= win
+        copy_new = max(new_t) if roll else 0
+        # DynamicLayer assigns each cat at once (one tensor in flight); DynamicSlidingWindowLayer cats K and
+        # V before assigning either (both in flight).
+        both = win is not None
+        in_old = sum(old_t) if both else max(old_t)
+        in_new = sum(new_t) if both else max(new_t)
+        groups.append((count, sum(old_t), sum(new_t), in_old, in_new if cat else copy_new, cat))
+    all_old = sum(g[0] * g[1] for g in groups)
+    all_new = sum(g[0] * g[2] for g in groups)
+    best = all_new
+    for _, _, _, old_k, new_k, cat in groups:
+        best = max(best, all_new + old_k, all_old + new_k) if cat else max(best, all_new + new_k)
+    return best
+
+
+# -- activations ----------------------------------------------------------------------------------------
+
+
+def _kernel(spec: ModelSpec, setup: InferenceSetup, *, masked: bool, flash: bool) -> SdpaKernel:
+    d = spec.mla.qk_head_dim if spec.mla else spec.head_dim
+    dv = spec.mla.v_head_dim if spec.mla else spec.head_dim
+    gqa = spec.num_kv_heads != spec.num_heads and spec.mla is None
+    return sdpa_kernel_for(
+        half=setup.compute_bits == 16,
+        masked=masked,
+        same_heads=not gqa or masked,
+        gqa_ok=spec.sdpa_gqa and not masked,
+        head_dim=d,
+        v_head_dim=dv,
+        flash_capable=flash,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Moment:
+    """A candidate worst moment inside the running layer: its activation bytes (weights and cache apart)."""
+
+    name: str
+    activations_bytes: int
+
+
+def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int) -> int:
+    """Per-pass tensors alive through the stack: token ids, the attention mask (its length grows by one
+    per step in ``_update_model_kwargs_for_generation``), position ids, the embeddings' output and
+    RoPE's cos/sin in the compute dtype."""
+    b, a = setup.batch, setup.compute_bits // 8
+    h = spec.hidden_size
+    ids = 2 * allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far, and the cat making them
+    mask = allocator_bytes(8 * b * total)
+    pos = allocator_bytes(8 * b * q) + allocator_bytes(8 * q)  # position ids, cache_position
+    emb = allocator_bytes(b * q * h * a) * (2 if spec.learned_positions else 1)  # + learned position rows
+    rope = 0
+    if spec.rotary_dim:
+        rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim  # partial RoPE: Phi, NeoX
+        rope = 2 * allocator_bytes(b * q * rd * a)
+    return ids + mask + pos + emb + rope
+
+
+def _layer_moments(
+    spec: ModelSpec, setup: InferenceSetup, q: int, kv_len: int, *, masked: bool, flash: bool
+) -> list[Moment]:
+    """Transient bytes inside the running layer for ``q`` new tokens attending to ``kv_len`` keys, beside
+    the layer's input (the previous layer's output). Three moments (transformers' Llama-style layer):
+
+    * ``cache write``: the normed input, q and k after RoPE and v, while the cache takes its ``cat`` copy
+      (the caller adds the copy in flight, :func:`_decode_kv_moment`);
+    * ``attention``: by kernel. Flash / memory-efficient: the normed input, q, the output and its fp32
+      logsumexp (b·heads·q) — k/v repeated per query head when a mask is passed (``repeat_kv``). Math
+      (``_scaled_dot_product_attention_math``: GQA or fp32 without a mask): k and v repeated, k scaled by
+      √scale (three b·heads·T·head_dim copies), the b·heads·q·T scores twice (``bmm`` and the causal-bias
+      add) and the [q, T] bias. Eager (``eager_attention_forward``): k/v repeated, the scores plus mask, the
+      fp32 copy ``softmax(dtype=float32)`` makes of bf16 scores (fp16 uses CUDA's fused half-to-float
+      softmax, :mod:`trainfit.trace.kernels`), and the fp32 probabilities;
+    * ``mlp``: the layer input, the residual sum and the normed MLP input (3 hidden-size tensors), plus gated
+      act(gate), up and their product (3 × b·q·intermediate) or dense fc1 output and activation (2 ×).
+    """
+    b, a = setup.batch, setup.compute_bits // 8
+    h = spec.hidden_size
+    t = b * q
+    tp = setup.tp
+    nh = spec.num_heads // tp
+    kvh = kv_heads_per_gpu(spec, tp)
+    hd = spec.head_dim
+    x = allocator_bytes(t * h * a)  # a hidden-size tensor
+    out: list[Moment] = []
+    if spec.moe is not None:
+        # transformers 5 ``grouped_mm_experts_forward`` (integrations/moe.py) over routed = t·top_k rows: the
+        # gathered inputs beside gate_up's output, act(gate) and the product; or, at its end, the down
+        # projection's output, its product with the routing weights (fp32 unless the model casts them,
+        # Qwen-MoE) and that product permuted back. Shared experts: a gated MLP over the t tokens.
+        moe = spec.moe
+        inter = moe.expert_intermediate_size // tp
+        routed = t * moe.experts_per_token
+        wb = a if moe.weights_in_compute_dtype else 4
+        # Router bookkeeping alive through the experts: logits [t, E] (fp32 for DeepSeek's fp32 router), the
+        # top-k weights, and int64 top-k indices, sorted ids, permutation and its inverse.
+        rb = 4 if spec.model_type in _FP32_ROUTERS else a
+        router = allocator_bytes(t * moe.num_experts * rb) + 4 * allocator_bytes(routed * 8)
+        router += 2 * allocator_bytes(routed * wb)
+        x_sel = allocator_bytes(routed * h * a) + router
+        gate_up = allocator_bytes(routed * 2 * inter * a) + 2 * allocator_bytes(routed * inter * a)
+        tail = allocator_bytes(routed * h * a) + 2 * allocator_bytes(routed * h * max(a, wb))
+        shared_i = moe.num_shared_experts * moe.shared_expert_intermediate_size // tp
+        shared = 3 * allocator_bytes(t * shared_i * a) if shared_i else 0
+        if shared_i and moe.shared_expert_gate:
+            # Qwen2-MoE runs the shared expert first and holds its output through the routed experts.
+            mlp = max(x_sel + max(gate_up, tail) + x, shared)
+        elif shared_i:
+            # DeepSeek runs the routed experts first and holds their output through the shared experts.
+            mlp = max(x_sel + max(gate_up, tail), shared + x)
+        else:
+            mlp = x_sel + max(gate_up, tail)
+    else:
+        inter = spec.intermediate_size // tp
+        # HF's Python GeLUs (gelu_new: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))) hold fc1's output and
+        # three intermediates at once; a fused activation holds its output beside fc1's.
+        # Phi-3 fuses gate and up (``gate_up_proj``): its 2·i output lives beside act(gate) and the product.
+        n = (
+            (4 if spec.model_type == "phi3" else 3)
+            if spec.mlp is MlpKind.GATED
+            else 4
+            if spec.activation in PYTHON_GELUS
+            else 2
+        )
+        mlp = n * allocator_bytes(t * inter * a)
+    # GPT2Block keeps ``attn_output`` referenced until it returns: a fourth hidden-size tensor; OPT's decoder
+    # layer reassigns ``hidden_states`` to fc1's output, dropping the normed input: two.
+    hidden = {"gpt2": 4, "opt": 2}.get(spec.model_type, 3)
+    out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp))
+    if spec.mla is not None:
+        m = spec.mla
+        qd = nh * m.qk_head_dim
+        expand = allocator_bytes(b * kv_len * nh * (m.qk_nope_head_dim + m.v_head_dim) * a) + allocator_bytes(
+            b * nh * kv_len * m.qk_head_dim * a
+        )
+        attn = 2 * x + allocator_bytes(t * qd * a) * 2 + expand + allocator_bytes(t * nh * m.v_head_dim * a)
+        out.append(Moment(name="attention", activations_bytes=attn))
+        out.append(Moment(name="cache write", activations_bytes=2 * x + 2 * allocator_bytes(t * qd * a)))
+        return out
+    qb = allocator_bytes(t * nh * hd * a)
+    kb = allocator_bytes(t * kvh * hd * a)
+    out.append(Moment(name="cache write", activations_bytes=2 * x + qb + 2 * kb))
+    rep = allocator_bytes(b * nh * kv_len * hd * a)
+    gqa = kvh != nh
+    scores = b * nh * q * kv_len
+    if setup.attention is Attention.EAGER:
+        upcast = allocator_bytes(scores * 4) if setup.dtype.compute is KVFormat.BF16 and spec.softmax_upcast else 0
+        probs = allocator_bytes(scores * 4) if spec.softmax_upcast else allocator_bytes(scores * a)
+        attn = 2 * x + qb + (2 * rep if gqa else 0) + allocator_bytes(scores * a) + upcast + probs
+        name = "attention (eager)"
+    else:
+        kernel = _kernel(spec, setup, masked=masked, flash=flash)
+        if kernel is SdpaKernel.MATH:
+            bias = allocator_bytes(q * kv_len * a) if q > 1 else 0
+            attn = 2 * x + qb + (3 if gqa else 1) * rep + bias + (2 if q > 1 else 1) * allocator_bytes(scores * a)
+        else:
+            repeat = 2 * rep if gqa and masked else 0
+            # The efficient kernel turns a bool mask into an additive one in q's dtype, columns padded to 16
+            # (``convert_boolean_attn_mask``, ``preprocess_mask``; see trainfit.trace.kernels).
+            bias = allocator_bytes(b * q * (-(-kv_len // 16) * 16) * a) if masked else 0
+            attn = 2 * x + 2 * qb + repeat + bias + allocator_bytes(b * nh * q * 4)
+        name = f"attention (sdpa {kernel.value})"
+    out.append(Moment(name=name, activations_bytes=attn))
+    return out
+
+
+def _norm_moment(spec: ModelSpec, setup: InferenceSetup, q: int) -> int:
+    """The final norm over every position (``logits_to_keep`` slices only its output): RMSNorm upcasts to
+    fp32 (input, fp32 copy, normalised fp32, cast back) — LlamaRMSNorm.forward."""
+    b, a = setup.batch, setup.compute_bits // 8
+    t = b * q * spec.hidden_size
+    if spec.norm is NormKind.RMSNORM and a != 4:
+        return allocator_bytes(t * a) + 2 * allocator_bytes(t * 4)
+    return 2 * allocator_bytes(t * a)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseEstimate:
+    """One phase's worst moment and what it is."""
+
+    breakdown: PhaseBreakdown
+    moment: str
+
+
+def _logits_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """Last-token logits in the compute dtype (the head's output, vocab-parallel then gathered)."""
+    return allocator_bytes(setup.batch * spec.vocab_size * setup.compute_bits // 8)
+
+
+def _fp32_logits(spec: ModelSpec, setup: InferenceSetup) -> int:
+    return allocator_bytes(setup.batch * spec.vocab_size * 4)
+
+
+def phase_estimates(
+    spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None
+) -> dict[InferencePhase, PhaseEstimate]:
+    """Prefill and decode: the largest of each phase's candidate moments, by component. A model transformers
+    offers no SDPA for (Gemma-2) runs eager attention."""
+    if setup.attention is Attention.SDPA and not spec.supports_sdpa:
+        setup = dataclasses.replace(setup, attention=Attention.EAGER)
+    w = weight_bytes(spec, setup) if weights is None else weights
+    s, n = setup.prompt, setup.new_tokens
+    kinds = layer_kinds(spec, setup)
+    lg, lg32 = _logits_bytes(spec, setup), _fp32_logits(spec, setup)
+
+    def best(cands: list[tuple[str, int, int, int]], phase: InferencePhase) -> PhaseEstimate:
+        name, kv, act, logit = max(cands, key=lambda c: c[1] + c[2] + c[3])
+        comps = {Component.WEIGHTS: w, Component.KV_CACHE: kv, Component.ACTIVATIONS: act}
+        if logit:
+            comps[Component.LOGITS_LOSS] = logit
+        return PhaseEstimate(breakdown=PhaseBreakdown(phase=phase, components=comps), moment=name)
+
+    # Prefill: the last layer runs with every cache entry written (S tokens) — or the static cache whole.
+    kv_pre = kv_cache_bytes(spec, setup, 0)
+    window_masked = kinds.window is not None and s >= kinds.window and setup.attention is Attention.SDPA
+    resident = _resident_inputs(spec, setup, s, s)
+    mask = 0
+    if setup.attention is Attention.EAGER:
+        mask = spec.attention_masks * allocator_bytes(setup.batch * s * s * setup.compute_bits // 8)
+    elif window_masked:
+        mask = allocator_bytes(s * s)  # sdpa_mask: one bool [1, 1, s, s] broadcast over the batch
+    elif spec.attention_masks > 1 and not spec.sliding_layers:
+        # Qwen2-MoE builds its sliding mask even with no window: a bool [b, 1, s, s] no layer reads.
+        mask = allocator_bytes(setup.batch * s * s)
+    pre: list[tuple[str, int, int, int]] = []
+    for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
+        pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
+    pre.append(("prefill final norm", kv_pre, resident + _norm_moment(spec, setup, s), 0))
+    pre.append(("prefill logits", kv_pre, allocator_bytes(8 * setup.batch * s) * 2, lg + lg32))
+    out = {InferencePhase.PREFILL: best(pre, InferencePhase.PREFILL)}
+    if n < 2:
+        return out
+    dec: list[tuple[str, int, int, int]] = []
+    for step in sorted({1, min(2, n - 1), n - 1}):
+        total = s + step
+        kv_after = kv_cache_bytes(spec, setup, step)
+        res = _resident_inputs(spec, setup, 1, total)
+        if setup.attention is Attention.EAGER:
+            res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
+        kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
+        for mo in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash):
+            kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
+            dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
+        dec.append(
+            (f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32)
+        )
+    out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
+    return out
+
+
+# -- what fits --------------------------------------------------------------------------------------------
+
+
+def required_bytes(peak_bytes: int, gpu: GPUSpec | None = None) -> int:
+    """What must fit on the GPU: the ``nvidia-smi`` estimate — peak allocated + allocator reserve + what
+    sits outside the allocator on ``gpu`` (:mod:`trainfit.overhead`, shared with training)."""
+    return peak_bytes + overhead_for(peak_bytes, gpu, inference=True).total_bytes
+
+
+def peak_bytes(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None) -> int:
+    return max(p.breakdown.total_bytes for p in phase_estimates(spec, setup, flash=flash, weights=weights).values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capacity:
+    """``generate`` capacities on one GPU (one tensor-parallel group): the largest batch at the setup's
+    prompt and new tokens, and the longest context (prompt + new tokens, new tokens fixed) at its batch.
+    0 when even the smallest does not fit; ``*_capped``: the search stopped at its limit (the model's
+    context, or :data:`MAX_SEARCH`)."""
+
+    usable_bytes: int
+    max_batch: int
+    max_batch_capped: bool
+    max_context: int
+    max_context_capped: bool
+
+
+def _largest(fits: Callable[[int], bool], lo_value: int, cap: int) -> tuple[int, bool]:
+    """Largest v in [lo_value, cap] with fits(v) (monotone), by doubling then bisection; (lo_value − 1, False)
+    when none."""
+    if not fits(lo_value):
+        return lo_value - 1, False
+    lo, hi = lo_value, lo_value * 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        if fits(cap):
+            return cap, True
+        hi = cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, False
+
+
+def capacity(
+    spec: ModelSpec, setup: InferenceSetup, usable: int, *, flash: bool = True, gpu: GPUSpec | None = None
+) -> Capacity:
+    """Search batch and context with the closed forms (memory is monotone in both)."""
+    w = weight_bytes(spec, setup)
+
+    def fits(s: InferenceSetup) -> bool:
+        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w), gpu) <= usable
+
+    def fits_batch(b: int) -> bool:
+        return fits(dataclasses.replace(setup, batch=b))
+
+    def fits_prompt(p: int) -> bool:
+        return fits(dataclasses.replace(setup, prompt=p))
+
+    mb, mb_cap = _largest(fits_batch, 1, MAX_SEARCH)
+    limit = (spec.max_position_embeddings or MAX_SEARCH) - setup.new_tokens
+    mp, mp_cap = _largest(fits_prompt, 1, limit) if limit >= 1 else (0, False)
+    return Capacity(
+        usable_bytes=usable,
+        max_batch=mb,
+        max_batch_capped=mb_cap,
+        max_context=mp + setup.new_tokens if mp > 0 else 0,
+        max_context_capped=mp_cap,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedCapacity:
+    """A paged server's KV pool as vLLM sizes it at start-up (see the module docstring)."""
+
+    gpu_memory_utilization: float
+    requested_bytes: int  # total GPU memory × utilisation
+    weights_bytes: int
+    profile_peak_bytes: int  # activations of the profile run (our prefill formula over its tokens)
+    non_torch_bytes: int  # CUDA context and kernels (trainfit.overhead for the GPU; vLLM measures it)
+    kv_budget_bytes: int
+    block_size: int
+    block_bytes: int  # one block of every layer: block_size · bytes per token
+    kv_blocks: int
+    max_concurrent_tokens: int
+    max_concurrent_sequences: int  # at the setup's context (prompt + new tokens)
+
+
+def paged_capacity(
+    spec: ModelSpec,
+    setup: InferenceSetup,
+    gpu_memory_bytes: int,
+    utilization: float,
+    *,
+    flash: bool = True,
+    gpu: GPUSpec | None = None,
+) -> PagedCapacity:
+    """KV blocks and concurrent tokens after weights and the profile run's peak under ``utilization`` —
+    vLLM V1 ``Worker.determine_available_memory`` (requested = total × utilisation; available = requested −
+    weights − profile peak − non-torch) and ``kv_cache_utils.get_num_blocks`` (available // page size of all
+    layers). Where we differ: vLLM profiles a real forward over ``max_num_batched_tokens`` and a sampler run
+    over ``max_num_seqs``; we compute that forward's prefill activations (one sequence of
+    :data:`VLLM_PROFILE_TOKENS`, flash attention, no cache) and two fp32 logits rows per sequence slot, and
+    take the memory outside the allocator from :mod:`trainfit.overhead` for ``gpu``. CUDA-graph memory
+    (captured after the KV pool) is left out."""
+    if not 0.0 < utilization <= 1.0:
+        raise StrategyError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    w = weight_bytes(spec, setup)
+    prof_setup = dataclasses.replace(
+        setup, batch=1, prompt=VLLM_PROFILE_TOKENS, new_tokens=1, cache=CacheKind.DYNAMIC, attention=Attention.SDPA
+    )
+    pre = phase_estimates(spec, prof_setup, flash=flash, weights=w)[InferencePhase.PREFILL].breakdown
+    sampler = 2 * allocator_bytes(256 * spec.vocab_size * 4)  # vLLM default max_num_seqs = 256
+    profile = max(pre.get(Component.ACTIVATIONS), sampler)
+    requested = int(gpu_memory_bytes * utilization)
+    non_torch = overhead_for(0, gpu, inference=True).outside_allocator_bytes
+    budget = requested - w - profile - non_torch
+    per_token = kv_bytes_per_token(spec, setup)
+    block = setup.block_size * per_token
+    blocks = max(0, budget // block) if block else 0
+    tokens = blocks * setup.block_size
+    per_seq = -(-setup.context // setup.block_size) * setup.block_size
+    return PagedCapacity(
+        gpu_memory_utilization=utilization,
+        requested_bytes=requested,
+        weights_bytes=w,
+        profile_peak_bytes=profile,
+        non_torch_bytes=non_torch,
+        kv_budget_bytes=budget,
+        block_size=setup.block_size,
+        block_bytes=block,
+        kv_blocks=blocks,
+        max_concurrent_tokens=tokens,
+        max_concurrent_sequences=tokens // per_seq,
+    )
+
+
+def rule_of_thumb_bytes(params: int, setup: InferenceSetup) -> int:
+    """The article's serving rule: parameters × bytes per parameter × 1.2 (per GPU: divided by ``tp``)."""
+    return int(params * setup.dtype.bits / 8 * RULE_OF_THUMB_FACTOR / setup.tp)
+
+
+def flash_for(gpu: GPUSpec | None) -> bool:
+    return True if gpu is None else has_flash_attention(gpu.compute_capability)
+
+
+def explain_terms(
+    spec: ModelSpec, setup: InferenceSetup, phases: Mapping[InferencePhase, PhaseEstimate]
+) -> tuple[Term, ...]:
+    """The terms of the answer, each with its formula and source."""
+    w = weight_bytes(spec, setup)
+    kvh = kv_heads_per_gpu(spec, setup.tp)
+    kv_formula = (
+        f"layers · batch · T · (kv_lora_rank + qk_rope_head_dim) · {setup.kv_format.bits // 8} B, "
+        f"T = {setup.context - 1}"
+        if spec.mla is not None
+        else f"2 · layers · {kvh} kv heads · {spec.head_dim} · T · batch · {setup.kv_format.bits // 8} B, "
+        f"T = {setup.context - 1} (the last generated token is never fed back)"
+    )
+    out = [
+        Term(
+            name="weights",
+            bytes=w,
+            formula=f"every tensor in {setup.dtype.value}"
+            + (" (layer linears quantised; embeddings, head, norms bf16)" if setup.dtype.bits < 16 else "")
+            + (f", split {setup.tp} ways" if setup.tp > 1 else ""),
+            source="trainfit.arch.params inventory; bitsandbytes layouts in trainfit.cuda_facts",
+        ),
+        Term(
+            name="kv cache (full length)",
+            bytes=kv_cache_bytes(spec, setup),
+            formula=kv_formula,
+            source="Pope et al. 2022 §2; transformers cache_utils DynamicLayer/StaticLayer",
+        ),
+    ]
+    for ph, est in phases.items():
+        out.append(
+            Term(
+                name=f"{ph.value} transients",
+                bytes=est.breakdown.get(Component.ACTIVATIONS) + est.breakdown.get(Component.LOGITS_LOSS),
+                formula=f"worst moment: {est.moment}",
+                source="transformers generate/_sample (logits_to_keep=1), modeling_llama; checked by the trace",
+            )
+        )
+    return tuple(out)
+
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "DEFAULT_INFER_HEADROOM",
+    "CacheKind",
+    "Capacity",
+    "InferenceSetup",
+    "KVFormat",
+    "PagedCapacity",
+    "PhaseEstimate",
+    "WeightFormat",
+    "capacity",
+    "explain_terms",
+    "flash_for",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "paged_capacity",
+    "peak_bytes",
+    "phase_estimates",
+    "required_bytes",
+    "rule_of_thumb_bytes",
+    "validate",
+    "weight_bytes",
+]

@@ -1,0 +1,94 @@
+"""``trainfit infer``: parse, call :func:`trainfit.infer.infer`, render. No arithmetic here."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from trainfit.errors import StrategyError
+
+
+def infer_cmd(
+    model: Annotated[str, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")],
+    batch: Annotated[int, typer.Option("--batch", "-b", help="Sequences decoded together.")] = 1,
+    prompt: Annotated[int, typer.Option("--prompt", "-p", help="Prompt tokens per sequence.")] = 2048,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", help="Tokens generated per sequence.")] = 256,
+    dtype: Annotated[str, typer.Option(help="Weights: fp32 | bf16 | fp16 | fp8 | int8 | nf4 | fp4")] = "bf16",
+    kv_dtype: Annotated[
+        str | None, typer.Option("--kv-dtype", help="KV cache: fp32 | bf16 | fp16 | fp8 (default: compute dtype)")
+    ] = None,
+    cache: Annotated[str, typer.Option(help="dynamic | static | sliding | paged")] = "dynamic",
+    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per paged KV block.")] = 16,
+    attention: Annotated[str, typer.Option(help="sdpa | eager")] = "sdpa",
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Catalog GPU id: fit verdict and capacities.")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs in all (default: --tp).")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree (default: --gpus, else 1).")] = None,
+    max_batch: Annotated[
+        bool,
+        typer.Option("--max-batch", help="Show the capacity search: largest batch, longest context (needs --gpu)."),
+    ] = False,
+    server: Annotated[str, typer.Option(help="generate (Hugging Face) | paged (a vLLM-style server)")] = "generate",
+    gpu_memory_utilization: Annotated[
+        float, typer.Option("--gpu-memory-utilization", help="Paged server: fraction of GPU memory it may take.")
+    ] = 0.9,
+    headroom: Annotated[float, typer.Option(help="generate: fraction of GPU memory kept free.")] = 0.10,
+    method: Annotated[str, typer.Option(help="analytic | trace (Hugging Face generate on fake tensors)")] = "analytic",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", "-v", help="Also show each term's formula and source.")] = False,
+) -> None:
+    """Estimate GPU memory for inference with MODEL: weights, KV cache, the prefill and decode peaks, and with
+    --gpu whether it fits, the largest batch and the longest context; with --server paged, the KV blocks and
+    concurrent tokens a vLLM-style server gets.
+
+    Examples:
+
+      trainfit infer llama-3.1-8b --batch 8 --prompt 2048 --new-tokens 256 --gpu l4
+
+      trainfit infer mistral-7b-v0.1 --dtype nf4 --prompt 32768 --batch 1
+
+      trainfit infer qwen2.5-72b --gpus 4 --tp 4 --gpu h100-sxm-80gb --max-batch
+
+      trainfit infer llama-3.1-70b --server paged --gpu-memory-utilization 0.9 --gpu h200-sxm-141gb
+
+      trainfit infer deepseek-v3 --kv-dtype fp8 --prompt 8192 --gpu h200-sxm-141gb --gpus 8
+    """
+    from trainfit.analytic.inference import InferenceSetup
+    from trainfit.cli.common import print_json, stdout_console, warn
+    from trainfit.infer import infer
+    from trainfit.report.infer import infer_json, render_infer
+
+    if max_batch and gpu is None:
+        raise StrategyError("--max-batch searches what fits on a GPU: give --gpu")
+    degree = tp if tp is not None else (gpus if gpus is not None else 1)
+    setup = InferenceSetup(
+        batch=batch,
+        prompt=prompt,
+        new_tokens=new_tokens,
+        dtype=dtype,  # type: ignore[arg-type]  # coerced and validated by InferenceSetup
+        kv_dtype=kv_dtype,  # type: ignore[arg-type]
+        cache=cache,  # type: ignore[arg-type]
+        block_size=block_size,
+        attention=attention,  # type: ignore[arg-type]
+        tp=degree,
+    )
+    report = infer(
+        model,
+        setup,
+        method=method,
+        gpu=gpu,
+        gpus=gpus,
+        server=server,
+        gpu_memory_utilization=gpu_memory_utilization,
+        headroom=headroom,
+    )
+    for w in report.warnings:
+        warn(w)
+    if json_out:
+        print_json(infer_json(report))
+        return
+    render_infer(stdout_console(), report, verbose=explain, capacity=max_batch)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("infer", no_args_is_help=True)(infer_cmd)

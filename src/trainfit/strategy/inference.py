@@ -1,0 +1,118 @@
+"""What an inference request is (the input of ``trainfit infer``): batch, prompt and new tokens, the
+weights' storage format, the cache's dtype and kind, the attention kernel and the tensor-parallel degree.
+
+Shared by both methods (the closed forms in :mod:`trainfit.analytic.inference` and the ``generate`` trace in
+:mod:`trainfit.trace.generate`), so it lives here, beside the training :class:`~trainfit.strategy.Strategy`.
+Formats are widths in bits (:class:`WeightFormat`, :class:`KVFormat`); quantised weights' exact bytes are in
+:mod:`trainfit.cuda_facts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from trainfit.errors import StrategyError
+from trainfit.strategy.training import Attention
+
+#: Tokens in a paged-attention block (vLLM's default ``--block-size``).
+DEFAULT_BLOCK_SIZE = 16
+
+
+class WeightFormat(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    INT8 = "int8"
+    NF4 = "nf4"
+    FP4 = "fp4"
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "nf4": 4, "fp4": 4}[self.value]
+
+    @property
+    def compute(self) -> KVFormat:
+        """The dtype activations (and a default cache) take: the weights' own 16/32-bit format, else bf16."""
+        if self is WeightFormat.FP32:
+            return KVFormat.FP32
+        if self is WeightFormat.FP16:
+            return KVFormat.FP16
+        return KVFormat.BF16
+
+    @property
+    def bnb(self) -> bool:
+        return self in (WeightFormat.INT8, WeightFormat.NF4, WeightFormat.FP4)
+
+
+class KVFormat(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}[self.value]
+
+
+class CacheKind(StrEnum):
+    DYNAMIC = "dynamic"  # transformers DynamicCache (sliding layers windowed, as transformers does)
+    STATIC = "static"  # transformers StaticCache, max_cache_len = prompt + new tokens
+    SLIDING = "sliding"  # DynamicCache on a model with a sliding window (refused without one)
+    PAGED = "paged"  # vLLM-style blocks of block_size tokens
+
+
+def _coerce(obj: object, name: str, enum: type[StrEnum]) -> None:
+    value = getattr(obj, name)
+    if value is None or isinstance(value, enum):
+        return
+    try:
+        object.__setattr__(obj, name, enum(str(value).lower()))
+    except ValueError:
+        choices = ", ".join(m.value for m in enum)
+        raise StrategyError(f"unknown {name.replace('_', '-')} '{value}'; choose one of: {choices}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferenceSetup:
+    """One inference request shape and how it runs. ``kv_dtype=None``: the cache in the compute dtype."""
+
+    batch: int = 1
+    prompt: int = 2048
+    new_tokens: int = 256
+    dtype: WeightFormat = WeightFormat.BF16
+    kv_dtype: KVFormat | None = None
+    cache: CacheKind = CacheKind.DYNAMIC
+    block_size: int = DEFAULT_BLOCK_SIZE
+    attention: Attention = Attention.SDPA
+    tp: int = 1
+    double_quant: bool = True
+
+    def __post_init__(self) -> None:
+        _coerce(self, "dtype", WeightFormat)
+        _coerce(self, "kv_dtype", KVFormat)
+        _coerce(self, "cache", CacheKind)
+        _coerce(self, "attention", Attention)
+        for name in ("batch", "prompt", "new_tokens", "block_size", "tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise StrategyError(f"{name.replace('_', ' ')} must be a positive whole number, got {v!r}")
+
+    @property
+    def compute_bits(self) -> int:
+        return self.dtype.compute.bits
+
+    @property
+    def dtype_bits(self) -> int:
+        return self.dtype.bits
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self.kv_dtype or self.dtype.compute
+
+    @property
+    def context(self) -> int:
+        """Tokens a sequence reaches: prompt + new tokens."""
+        return self.prompt + self.new_tokens

@@ -1,0 +1,422 @@
+"""``trainfit infer --method trace``: Hugging Face ``generate`` on fake tensors, every live byte counted.
+
+We build the model from its ``config.json`` on the meta device (:func:`trainfit.trace.hf.build_meta`), make
+its parameters fake CPU tensors, and call the real ``model.generate`` — greedy, a fixed number of new tokens,
+the model's own cache classes (``DynamicCache`` with its ``DynamicLayer`` / ``DynamicSlidingWindowLayer``,
+``StaticCache``) — under the storage tracker (:mod:`trainfit.trace.tracker`) and the CUDA kernel emulation
+(:mod:`trainfit.trace.kernels`). Three things make ``generate`` run on fake tensors (DESIGN §4.4):
+
+* data-dependent scalars (``_local_scalar_dense``) are answered: every boolean question ``generate`` asks
+  (special-token checks, right padding, "are all sequences finished?") gets ``False`` until the model has
+  run ``new_tokens`` forward passes, then the stop check gets ``True``;
+* the forward wrapper that marks the cache uses ``functools.wraps``, because ``generate`` inspects
+  ``forward``'s signature to pass ``logits_to_keep=1`` (only the last position's logits);
+* the batch is unpadded (an all-ones attention mask), and transformers' mask code is told so: under fake
+  tensors ``masking_utils.is_tracing`` is true and the mask would never be skipped (a [b, 1, q, kv] mask,
+  k/v repeated per query head), while a real GPU run skips it (``_ignore_causal_mask_sdpa``).
+
+Phases: **prefill** is the first forward pass and the logits work after it, until the second pass starts;
+**decode** is every later pass. Storages are classified by fate: parameters and buffers are weights;
+whatever the cache object references after a pass is KV cache (the old storage ``torch.cat`` replaces stays
+KV cache until it dies, so a decode peak shows the cache plus one layer's copy); storages born after the last
+layer of a pass (final norm, head, the fp32 copy of the last-token logits) are logits; the rest are
+activations (hidden states, MLP intermediates, masks, rotary tables, token ids).
+
+Depth: as for training (:mod:`trainfit.trace.depth`), a repeated run of layers is traced at 2 and 3 units
+and each *place* (before the stack, the run's first and last unit, after the stack) is extrapolated
+linearly per component, then each phase takes its largest place. Two units, not one, are the base here:
+with one layer the layer's input *is* the embedding output, with two or more they are different tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.cuda_facts import SdpaKernel
+from trainfit.errors import TraceError, TraceUnsupportedError
+from trainfit.result import Component, InferencePhase
+from trainfit.strategy import Checkpointing, Strategy
+from trainfit.strategy.inference import CacheKind, InferenceSetup, WeightFormat
+from trainfit.trace import hf
+from trainfit.trace import runner as rn
+from trainfit.trace import tracker as tk
+from trainfit.trace._deps import require_transformers
+from trainfit.trace.kernels import CudaKernels
+
+#: Units of each repeated run in the base trace (the variant traces add one).
+BASE_UNITS = 2
+
+#: A request of more new tokens is traced as two short ``generate`` runs: the prompt with this many new tokens
+#: (prefill and the first decode steps, where a sliding cache shrinks from the prompt to its window), and a
+#: prompt of ``prompt + new − SPLIT_TOKENS`` tokens with this many, of which only the last pass is read — its
+#: state (cache storages, token ids, mask, previous logits) is the original last step's exactly, for
+#: dynamic, sliding and static caches. Decode memory between the two only grows to the last step or stays.
+SPLIT_TOKENS = 3
+LATE = "@late"
+
+_KV = 100  # tracker kind for KV-cache storages (beyond the training kinds)
+
+_DTYPES = {WeightFormat.FP32: torch.float32, WeightFormat.BF16: torch.bfloat16, WeightFormat.FP16: torch.float16}
+
+Place = tuple[str, int, str]  # ("before" | "unit" | "after", run, "first" | "last")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateTrace:
+    """The trace's answer: each phase's worst moment by component, and what was traced."""
+
+    phases: Mapping[InferencePhase, Mapping[Component, int]]
+    kv_cache_bytes: int  # the cache after the last pass (full length)
+    weights_bytes: int
+    layers_traced: tuple[int, ...]
+    extrapolated: bool
+    sdpa_backends: Mapping[SdpaKernel, int]
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+
+class _Answers(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Answer ``generate``'s data-dependent scalar questions (see the module docstring)."""
+
+    def __init__(self, passes: list[int], new_tokens: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.passes, self.new_tokens = passes, new_tokens
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            if args[0].dtype == torch.bool:
+                return len(self.passes) >= self.new_tokens
+            raise TraceUnsupportedError(
+                "generate asked for a numeric value of a tensor; cannot answer it on fake tensors"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _mask_patches() -> Iterator[None]:
+    """An unpadded batch, as a real run sees it: mask skipping allowed, the padding mask all ones."""
+    mu = require_transformers().masking_utils
+    saved = {n: getattr(mu, n) for n in ("is_tracing", "fast_all", "find_packed_sequence_indices")}
+    mu.is_tracing = lambda *_a, **_k: False
+    mu.fast_all = lambda _t: True
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        with hf.quiet_transformers():
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(mu, n, f)
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+@dataclass(slots=True)
+class _PassMarks:
+    start: int
+    unit_starts: list[int]
+    stack_end: int = -1
+    end: int = -1
+
+
+def _cache_implementation(setup: InferenceSetup) -> str | None:
+    if setup.cache is CacheKind.STATIC:
+        return "static"
+    if setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING):
+        return None  # DynamicCache: sliding layers get DynamicSlidingWindowLayer from the config
+    raise TraceError("--method trace runs Hugging Face generate: --cache dynamic, static or sliding")
+
+
+def _run_layout(
+    model: torch.nn.Module,
+    stack: torch.nn.ModuleList,
+    unit_first_layer: Sequence[int],
+    setup: InferenceSetup,
+    flash: bool,
+    cache_len: int | None = None,
+) -> tuple[tk.Tracker, list[_PassMarks], dict[SdpaKernel, int]]:
+    mode = rn.fake_mode()
+    rn.materialize(model, mode, None)
+    model.eval()
+    conf: Any = model.config
+    conf.use_cache = True
+    gc: Any = model.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = None, 0, None
+    tr = tk.Tracker()
+    tr.mark(list(model.parameters()) + list(model.buffers()), tk.WEIGHTS)
+    passes: list[_PassMarks] = []
+    answers = _Answers([], setup.new_tokens)
+    firsts = set(unit_first_layer)
+    handles = []
+    for i, layer in enumerate(stack):
+        if i in firsts:
+
+            def pre(_m: torch.nn.Module, _a: Any) -> None:
+                passes[-1].unit_starts.append(tr.t)
+
+            handles.append(layer.register_forward_pre_hook(pre))
+    last = stack[len(stack) - 1]
+
+    def post(_m: torch.nn.Module, _a: Any, _o: Any) -> None:
+        passes[-1].stack_end = tr.t
+
+    handles.append(last.register_forward_hook(post))
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def traced_forward(*args: Any, **kwargs: Any) -> Any:
+        passes.append(_PassMarks(start=tr.t, unit_starts=[]))
+        out = forward(*args, **kwargs)
+        tr.mark(_cache_tensors(getattr(out, "past_key_values", None) or kwargs.get("past_key_values")), _KV)
+        passes[-1].end = tr.t
+        answers.passes.append(tr.t)
+        return out
+
+    model.forward = traced_forward
+    kernels = CudaKernels(flash=flash)
+    b, s = setup.batch, setup.prompt
+    try:
+        with mode, _mask_patches(), kernels, tr, answers, torch.no_grad():
+            ids = torch.zeros((b, s), dtype=torch.long)
+            mask = torch.ones((b, s), dtype=torch.long)
+            tr.mark([ids, mask], tk.NONE)
+            gen: Any = model.generate
+            extra: dict[str, Any] = {}
+            if setup.cache is CacheKind.STATIC:  # the request's whole context, also in a split run
+                extra["max_cache_len"] = cache_len or setup.context
+            out = gen(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=setup.new_tokens,
+                do_sample=False,
+                cache_implementation=_cache_implementation(setup),
+                **extra,
+            )
+            del out
+    except DataDependentOutputException as exc:
+        raise TraceUnsupportedError(f"generate needs a tensor value fake tensors cannot give: {exc}") from None
+    finally:
+        for h in handles:
+            h.remove()
+    tr.t += 1  # the end of generate: everything it returned is dropped
+    return tr, passes, dict(kernels.sdpa_calls)
+
+
+def _places(
+    tr: tk.Tracker,
+    passes: list[_PassMarks],
+    unit_run: Sequence[int],
+    counts: Sequence[int],
+    *,
+    tag: str = "",
+    skip: int = 0,
+    request_bytes: int | None = None,
+) -> dict[tuple[InferencePhase, Place], dict[Component, int]]:
+    """Worst moment of each place of each phase, by component; passes before ``skip`` are left out, place
+    names get ``tag`` (the late-decode run's places are extrapolated apart from the first run's).
+    ``request_bytes``: count the request's own tensors — those made before the first pass (token ids,
+    attention mask, ``generate``'s position bookkeeping) — as this many bytes instead (a late run's prompt
+    is longer than the request's)."""
+    after: list[tuple[int, int]] = []
+    ivs: list[tk.Interval[tuple[InferencePhase, Place]]] = []
+    for c, pm in enumerate(passes):
+        phase = InferencePhase.PREFILL if c == 0 else InferencePhase.DECODE
+        nxt = passes[c + 1].start if c + 1 < len(passes) else tr.t
+        after.append((pm.stack_end, nxt))
+        if c < skip:
+            continue
+        starts = pm.unit_starts
+        ivs.append(tk.Interval(label=(phase, ("before" + tag, -1, "")), start=pm.start if c else 0, end=starts[0]))
+        seen: dict[int, int] = {}
+        for u, us in enumerate(starts):
+            r = unit_run[u]
+            j = seen.get(r, 0)
+            seen[r] = j + 1
+            end = starts[u + 1] if u + 1 < len(starts) else pm.stack_end
+            if j == 0:
+                ivs.append(tk.Interval(label=(phase, ("unit" + tag, r, "first")), start=us, end=end))
+            if j == counts[r] - 1:
+                ivs.append(tk.Interval(label=(phase, ("unit" + tag, r, "last")), start=us, end=end))
+        ivs.append(tk.Interval(label=(phase, ("after" + tag, -1, "")), start=pm.stack_end, end=nxt))
+
+    first = passes[0].start
+
+    def component(rec: tk.Record) -> Component | None:
+        if rec.kind == _KV:
+            return Component.KV_CACHE
+        if rec.kind == tk.WEIGHTS:
+            return Component.WEIGHTS
+        if request_bytes is not None and rec.alloc_t < first:
+            return None
+        if any(lo < rec.alloc_t <= hi for lo, hi in after):
+            return Component.LOGITS_LOSS
+        return Component.ACTIVATIONS
+
+    tr.component = component  # type: ignore[method-assign]
+    out: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
+    for pk in tr.peaks(ivs):
+        comps = {k: v for k, v in pk.components.items() if v}
+        if request_bytes:
+            comps[Component.ACTIVATIONS] = comps.get(Component.ACTIVATIONS, 0) + request_bytes
+        if pk.label not in out or sum(comps.values()) > sum(out[pk.label].values()):
+            out[pk.label] = comps
+    return out
+
+
+def trace_generate(
+    spec: ModelSpec,
+    setup: InferenceSetup,
+    *,
+    flash: bool = True,
+    extrapolate: bool = True,
+    split: bool = True,
+    progress: Callable[[str, float], None] | None = None,
+) -> GenerateTrace:
+    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU, 16/32-bit weights and cache)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda _m, _f: None)
+    if setup.tp != 1:
+        raise TraceError("--method trace runs one GPU: use --tp 1 (the analytic method models tensor parallelism)")
+    dtype = _DTYPES.get(setup.dtype)
+    if dtype is None:
+        raise TraceError(f"--method trace runs fp32, bf16 or fp16 weights, not {setup.dtype.value}")
+    if setup.kv_format.bits != setup.dtype_bits:
+        raise TraceError(
+            "--method trace keeps the cache in the weights' dtype (Hugging Face generate); drop --kv-dtype"
+        )
+    say("building the model on the meta device", 0.0)
+    strategy = Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE)
+    meta, notes = hf.build_meta(spec, strategy, dtype)
+    meta_config: Any = meta.config
+    conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
+    full = int(conf.num_hidden_layers)
+    stack_path, stack = hf.find_stack(meta, full)
+    sig_ids: dict[Any, int] = {}
+    sigs = [sig_ids.setdefault(hf.layer_signature(layer), len(sig_ids)) for layer in stack]
+    blocks = hf.blocks_for(full, Checkpointing.NONE)
+    runs = hf.find_runs([(b.checkpointed, tuple(sigs[i] for i in b.layers)) for b in blocks])
+    ext = [r for r, run in enumerate(runs) if run.count >= BASE_UNITS + 2] if extrapolate else []
+    base = [BASE_UNITS if r in ext else run.count for r, run in enumerate(runs)]
+    configs = [base] + [[c + (1 if r == e else 0) for r, c in enumerate(base)] for e in ext]
+    keyed: list[dict[tuple[InferencePhase, Place], dict[Component, int]]] = []
+    traced: list[int] = []
+    sdpa: dict[SdpaKernel, int] = {}
+    for i, counts in enumerate(configs):
+        layout = hf.layout_for(blocks, runs, counts)
+        layers = layout.layers
+        say(f"trace {i + 1}/{len(configs)}: generate with {len(layers)} layers", i / len(configs))
+        starts, acc = [], 0
+        for blk in layout.blocks:
+            starts.append(acc)
+            acc += len(blk.layers)
+        unit_first = [starts[fb] for fb, _ in layout.unit_blocks]
+        places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
+        request: int | None = None
+        for run_setup, tag, skip in _runs(setup, split):
+            model = hf.reduced_model(meta, stack_path, layers, full)
+            _, sub = hf.find_stack(model, len(layers))
+            tr, passes, calls = _run_layout(model, sub, unit_first, run_setup, flash, setup.context)
+            if not sdpa:
+                sdpa = calls
+            places.update(_places(tr, passes, layout.unit_run, counts, tag=tag, skip=skip, request_bytes=request))
+            request = _request_bytes(tr, passes)
+        keyed.append(places)
+        traced.append(len(layers))
+    say("extrapolating", 1.0)
+    full_places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
+    for key, comps in keyed[0].items():
+        out = dict(comps)
+        for n, r in enumerate(ext, start=1):
+            other = keyed[n].get(key, comps)
+            scale = runs[r].count - BASE_UNITS
+            for c in set(out) | set(other):
+                out[c] = out.get(c, 0) + (other.get(c, 0) - comps.get(c, 0)) * scale
+        full_places[key] = {c: max(0, v) for c, v in out.items()}
+    phases: dict[InferencePhase, dict[Component, int]] = {}
+    for ph in InferencePhase:
+        cands = [v for (p, _), v in full_places.items() if p is ph]
+        if cands:
+            phases[ph] = max(cands, key=lambda v: sum(v.values()))
+    # Steady-state cache and weights at full depth: from the "after" place of the last pass.
+    end = full_places[_last_after(full_places)]
+    note = (
+        f"traced {', '.join(map(str, traced))} of {full} layers, extrapolated linearly per place"
+        if ext
+        else f"traced the full depth ({full} layers)"
+    )
+    return GenerateTrace(
+        phases=phases,
+        kv_cache_bytes=_final_kv(keyed, ext, runs, configs),
+        weights_bytes=end.get(Component.WEIGHTS, 0),
+        layers_traced=tuple(traced),
+        extrapolated=bool(ext),
+        sdpa_backends=sdpa,
+        seconds=round(time.perf_counter() - t0, 2),
+        notes=(*notes, note),
+    )
+
+
+def _request_bytes(tr: tk.Tracker, passes: Sequence[_PassMarks]) -> int:
+    """Bytes of the request's own tensors (made before the first pass) still alive at the last pass."""
+    first, last = passes[0].start, passes[-1].start
+    return sum(
+        r.nbytes
+        for r in tr.records
+        if r.kind not in (tk.WEIGHTS, _KV) and r.alloc_t < first and (r.free_t is None or r.free_t > last)
+    )
+
+
+def _last_after(places: Mapping[tuple[InferencePhase, Place], Any]) -> tuple[InferencePhase, Place]:
+    """The key of the place after the last pass's stack: the late run's, else the only run's decode, else
+    the prefill's."""
+    for key in (
+        (InferencePhase.DECODE, ("after" + LATE, -1, "")),
+        (InferencePhase.DECODE, ("after", -1, "")),
+        (InferencePhase.PREFILL, ("after", -1, "")),
+    ):
+        if key in places:
+            return key
+    raise AssertionError("no pass was traced")  # pragma: no cover
+
+
+def _runs(setup: InferenceSetup, split: bool) -> list[tuple[InferenceSetup, str, int]]:
+    """The generate runs that cover a request: (setup, place tag, passes to skip). See :data:`SPLIT_TOKENS`."""
+    n = setup.new_tokens
+    if not split or n <= SPLIT_TOKENS:
+        return [(setup, "", 0)]
+    early = dataclasses.replace(setup, new_tokens=SPLIT_TOKENS)
+    late = dataclasses.replace(setup, prompt=setup.prompt + n - SPLIT_TOKENS, new_tokens=SPLIT_TOKENS)
+    return [(early, "", 0), (late, LATE, SPLIT_TOKENS - 1)]
+
+
+def _final_kv(
+    keyed: list[dict[tuple[InferencePhase, Place], dict[Component, int]]],
+    ext: list[int],
+    runs: Sequence[hf.Run],
+    configs: Sequence[Sequence[int]],
+) -> int:
+    """KV bytes right after the last pass (no copy in flight), extrapolated like the places."""
+    key = _last_after(keyed[0])
+    v0 = keyed[0][key].get(Component.KV_CACHE, 0)
+    out = v0
+    for n, r in enumerate(ext, start=1):
+        out += (keyed[n][key].get(Component.KV_CACHE, 0) - v0) * (runs[r].count - configs[0][r])
+    return out

@@ -1,0 +1,192 @@
+"""The inference closed forms, held to hand-derived numbers and to invariants (torch-free).
+
+Every expected number here is written from the formula in the docstring it tests (KV = 2·L·kv·hd·T·b·bytes,
+bitsandbytes' nf4 layout, vLLM's block arithmetic), not read back from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainfit.analytic import inference as an
+from trainfit.analytic.inference import CacheKind, InferenceSetup
+from trainfit.arch import load_model
+from trainfit.arch.params import inventory
+from trainfit.errors import StrategyError
+from trainfit.hardware import get_gpu
+from trainfit.result import Component, InferencePhase
+from trainfit.units import GiB
+
+
+def _r512(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def test_kv_cache_llama_3_1_8b_by_hand() -> None:
+    # 32 layers, 8 kv heads, head dim 128, bf16; the last decode pass holds prompt + new − 1 tokens.
+    spec = load_model("llama-3.1-8b")
+    s = InferenceSetup(batch=4, prompt=1000, new_tokens=25)
+    tokens = 1000 + 25 - 1
+    one = 4 * 8 * tokens * 128 * 2  # one K (or V) tensor of one layer
+    assert an.kv_cache_bytes(spec, s) == 32 * 2 * _r512(one)
+    # per token, all layers: 2 · 32 · 8 · 128 · 2 bytes = 131072 (the figure every KV calculator prints)
+    assert an.kv_bytes_per_token(spec, s) == 131072
+
+
+def test_kv_dtype_fp8_halves_the_cache() -> None:
+    spec = load_model("llama-3.1-8b")
+    s = InferenceSetup(batch=2, prompt=4096, new_tokens=1)
+    assert an.kv_cache_bytes(spec, dataclasses.replace(s, kv_dtype="fp8")) * 2 == an.kv_cache_bytes(spec, s)
+
+
+def test_static_cache_holds_prompt_plus_new_from_the_prefill() -> None:
+    spec = load_model("llama-3.2-1b")  # 16 layers, 8 kv heads, head dim 64
+    s = InferenceSetup(batch=1, prompt=512, new_tokens=512, cache="static")
+    one = 1 * 8 * 1024 * 64 * 2
+    expected = 16 * 2 * _r512(one)
+    assert an.kv_cache_bytes(spec, s, 0) == expected
+    assert an.kv_cache_bytes(spec, s) == expected
+
+
+def test_sliding_window_caps_the_cache_after_the_first_decode_step() -> None:
+    spec = load_model("mistral-7b-v0.1")  # window 4096 on all 32 layers, 8 kv heads, head dim 128
+    s = InferenceSetup(batch=1, prompt=8000, new_tokens=100)
+    prefill_tokens, window = 8000, 4096
+    assert an.kv_cache_bytes(spec, s, 0) == 32 * 2 * _r512(8 * prefill_tokens * 128 * 2)
+    assert an.kv_cache_bytes(spec, s) == 32 * 2 * _r512(8 * window * 128 * 2)
+
+
+def test_mla_caches_the_latent() -> None:
+    spec = load_model("deepseek-v3")  # kv_lora_rank 512, qk_rope_head_dim 64, 61 layers
+    s = InferenceSetup(batch=1, prompt=1024, new_tokens=1)
+    assert an.kv_bytes_per_token(spec, s) == 61 * (512 + 64) * 2
+    assert an.kv_cache_bytes(spec, s) == 61 * (_r512(1024 * 512 * 2) + _r512(1024 * 64 * 2))
+
+
+def test_tensor_parallel_splits_kv_heads_and_replicates_when_fewer() -> None:
+    spec = load_model("llama-3.1-70b")  # 8 kv heads
+    base = InferenceSetup(batch=1, prompt=128, new_tokens=1)
+    assert an.kv_bytes_per_token(spec, dataclasses.replace(base, tp=4)) * 4 == an.kv_bytes_per_token(spec, base)
+    # tp 16 > 8 kv heads: one head per rank, replicated (vLLM get_num_kv_heads)
+    per16 = an.kv_bytes_per_token(spec, dataclasses.replace(base, tp=16))
+    assert per16 == an.kv_bytes_per_token(spec, dataclasses.replace(base, tp=8))
+
+
+def test_bf16_weights_are_two_bytes_per_parameter_up_to_rounding() -> None:
+    spec = load_model("qwen2.5-7b")
+    w = an.weight_bytes(spec, InferenceSetup(dtype="bf16"))
+    params = inventory(spec).total
+    assert 2 * params <= w <= 2 * params + 512 * 2000
+
+
+def test_nf4_weights_by_hand_for_one_linear() -> None:
+    # nf4 with double quant: n/2 + n/64 + 4·⌈n/64/256⌉ + 1024 + 4 + 64 (QLoRA layout, DESIGN §4.4)
+    spec = load_model("llama-3.2-1b")
+    bf16 = an.weight_bytes(spec, InferenceSetup(dtype="bf16"))
+    nf4 = an.weight_bytes(spec, InferenceSetup(dtype="nf4"))
+    n = 2048 * 8192  # one gate_proj of llama-3.2-1b
+    blocks = n // 64
+    one_nf4 = _r512(n // 2) + _r512(blocks) + _r512(4 * -(-blocks // 256)) + _r512(1024) + _r512(4) + _r512(64)
+    saved_per_gate = 2 * n - one_nf4
+    assert nf4 < bf16
+    # 16 layers × (gate, up, down) of this size: at least that much saved, and the embedding stays bf16
+    assert bf16 - nf4 > 16 * 3 * saved_per_gate
+    assert nf4 > 2 * spec.vocab_size * spec.hidden_size
+
+
+def test_prefill_logits_are_last_token_only() -> None:
+    spec = load_model("llama-3.1-8b")
+    s = InferenceSetup(batch=1, prompt=4096, new_tokens=2)
+    est = an.phase_estimates(spec, s)
+    logits = est[InferencePhase.DECODE].breakdown.get(Component.LOGITS_LOSS)
+    # at most the bf16 logits and two fp32 copies of one position: b · vocab · (2 + 4 + 4)
+    assert logits <= 10 * spec.vocab_size + 3 * 512
+
+
+def test_memory_grows_with_batch_and_prompt() -> None:
+    spec = load_model("qwen2.5-0.5b")
+    prev = 0
+    for b in (1, 2, 4, 8):
+        peak = an.peak_bytes(spec, InferenceSetup(batch=b, prompt=512, new_tokens=16))
+        assert peak > prev
+        prev = peak
+    prev = 0
+    for p in (128, 1024, 4096):
+        peak = an.peak_bytes(spec, InferenceSetup(batch=2, prompt=p, new_tokens=16))
+        assert peak > prev
+        prev = peak
+
+
+def test_capacity_is_the_boundary() -> None:
+    spec = load_model("llama-3.1-8b")
+    gpu = get_gpu("a100-sxm-80gb")
+    s = InferenceSetup(batch=1, prompt=2048, new_tokens=256)
+    usable = int(gpu.memory_bytes * 0.9)
+    cap = an.capacity(spec, s, usable)
+    assert cap.max_batch > 1 and not cap.max_batch_capped
+
+    def need(b: int) -> int:
+        return an.required_bytes(an.peak_bytes(spec, dataclasses.replace(s, batch=b)))
+
+    assert need(cap.max_batch) <= usable < need(cap.max_batch + 1)
+
+
+def test_paged_blocks_follow_vllm_arithmetic() -> None:
+    spec = load_model("llama-3.1-8b")
+    s = InferenceSetup(batch=1, prompt=1000, new_tokens=24, cache="paged", block_size=16)
+    p = an.paged_capacity(spec, s, 80 * GiB, 0.9)
+    assert p.requested_bytes == int(80 * GiB * 0.9)
+    assert p.kv_budget_bytes == p.requested_bytes - p.weights_bytes - p.profile_peak_bytes - p.non_torch_bytes
+    assert p.block_bytes == 16 * 131072
+    assert p.kv_blocks == p.kv_budget_bytes // p.block_bytes
+    assert p.max_concurrent_tokens == 16 * p.kv_blocks
+    assert p.max_concurrent_sequences == p.max_concurrent_tokens // 1024  # 1024 = 64 blocks of 16
+
+
+def test_bad_input_is_refused() -> None:
+    spec = load_model("llama-3.2-1b")
+    with pytest.raises(StrategyError):
+        InferenceSetup(batch=0)
+    with pytest.raises(StrategyError):
+        an.validate(spec, InferenceSetup(prompt=spec.max_position_embeddings or 0, new_tokens=1))
+    with pytest.raises(StrategyError, match="fp8"):
+        an.validate(spec, InferenceSetup(dtype="fp8"), get_gpu("a100-sxm-80gb"))
+    with pytest.raises(StrategyError, match="sliding"):
+        an.validate(spec, InferenceSetup(cache=CacheKind.SLIDING))
+    with pytest.raises(StrategyError):
+        InferenceSetup(dtype="int3")
+
+
+# -- invariants ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_MODELS = ["llama-3.2-1b", "mistral-7b-v0.1", "qwen3-30b-a3b", "gpt2", "deepseek-v3", "gemma-2b"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(_MODELS),
+    batch=st.integers(1, 16),
+    prompt=st.integers(1, 900),
+    new=st.integers(1, 100),
+    cache=st.sampled_from(["dynamic", "static", "paged"]),
+    dtype=st.sampled_from(["bf16", "fp32", "nf4", "int8"]),
+)
+def test_memory_is_monotone_and_tp_never_adds(
+    model: str, batch: int, prompt: int, new: int, cache: str, dtype: str
+) -> None:
+    spec = load_model(model)
+    s = InferenceSetup(batch=batch, prompt=prompt, new_tokens=new, cache=cache, dtype=dtype)
+    peak = an.peak_bytes(spec, s)
+    assert an.peak_bytes(spec, dataclasses.replace(s, batch=batch + 1)) >= peak
+    assert an.peak_bytes(spec, dataclasses.replace(s, prompt=prompt + 7)) >= peak
+    assert an.peak_bytes(spec, dataclasses.replace(s, new_tokens=new + 3)) >= peak
+    if spec.num_heads % 2 == 0:
+        assert an.peak_bytes(spec, dataclasses.replace(s, tp=2)) <= peak
+    for est in an.phase_estimates(spec, s).values():
+        assert est.breakdown.total_bytes == sum(est.breakdown.components.values())
+        assert est.breakdown.get(Component.WEIGHTS) == an.weight_bytes(spec, s)

@@ -1,0 +1,87 @@
+"""``trainfit infer`` from the command line: the issue's examples, errors on one line, JSON keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli._cli_helper import run_cli
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("llama-3.1-8b", "--batch", "8", "--prompt", "2048", "--new-tokens", "256", "--gpu", "l4"),
+        ("mistral-7b-v0.1", "--dtype", "nf4", "--prompt", "32768", "--batch", "1"),
+        ("qwen2.5-72b", "--gpus", "4", "--tp", "4", "--gpu", "h100-sxm-80gb", "--max-batch"),
+        ("llama-3.1-70b", "--server", "paged", "--gpu-memory-utilization", "0.9", "--gpu", "h200-sxm-141gb"),
+        ("deepseek-v3", "--kv-dtype", "fp8", "--prompt", "8192"),
+    ],
+)
+def test_issue_examples_run(capsys: pytest.CaptureFixture[str], args: tuple[str, ...]) -> None:
+    res = run_cli(capsys, "infer", *args)
+    assert res.code == 0, res.err
+    assert "Peak allocated" in res.out
+
+
+def test_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(
+        capsys, "infer", "llama-3.1-8b", "--batch", "2", "--prompt", "512", "--gpu", "a100-sxm-80gb", "--json"
+    )
+    assert res.code == 0, res.err
+    doc = json.loads(res.out)
+    for key in ("schema_version", "peak_bytes", "weights_bytes", "kv_cache_bytes", "phases", "fit", "capacity"):
+        assert key in doc
+    assert set(doc["phases"]) == {"prefill", "decode"}
+    assert doc["peak_bytes"] == max(p["total_bytes"] for p in doc["phases"].values())
+    for p in doc["phases"].values():
+        assert sum(p["components"].values()) == p["total_bytes"]
+    assert doc["fit"]["fits"] is True
+    assert doc["capacity"]["max_batch"] >= 2
+    assert doc["paged"] is None
+
+
+def test_paged_json(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(
+        capsys, "infer", "llama-3.1-8b", "--server", "paged", "--gpu", "h100-sxm-80gb", "--block-size", "32", "--json"
+    )
+    assert res.code == 0, res.err
+    paged = json.loads(res.out)["paged"]
+    assert paged["block_size"] == 32
+    assert paged["max_concurrent_tokens"] == 32 * paged["kv_blocks"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("llama-3.2-1b", "--batch", "0"), "batch"),
+        (("llama-3.2-1b", "--prompt", "131072", "--new-tokens", "10"), "context"),
+        (("llama-3.1-8b", "--dtype", "fp8", "--gpu", "a100-sxm-80gb"), "fp8"),
+        (("llama-3.1-8b", "--dtype", "int3"), "dtype"),
+        (("llama-3.1-8b", "--max-batch"), "--gpu"),
+        (("llama-3.1-8b", "--server", "paged"), "--gpu"),
+        (("llama-3.1-8b", "--cache", "sliding"), "sliding"),
+        (("llama-3.1-8b", "--gpus", "3", "--tp", "2"), "multiple"),
+    ],
+)
+def test_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str) -> None:
+    res = run_cli(capsys, "infer", *args)
+    assert res.code == 2
+    lines = res.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:")
+    assert needle in lines[0]
+    assert "Traceback" not in res.err
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "infer", "--help")
+    assert res.code == 0
+    assert "--server" in res.out and "trainfit infer llama-3.1-8b" in res.out
+
+
+def test_bf16_without_native_support_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--gpu", "t4", "--json")
+    assert res.code == 0
+    assert "bf16" in res.err and "warning" in res.err
+    assert json.loads(res.out)["warnings"]

@@ -1,0 +1,152 @@
+"""The ``generate`` trace against the closed forms: each phase within 2% on tiny configs (dynamic, static and
+sliding caches; GQA and MHA; bf16, fp16, fp32; SDPA and eager), depth extrapolation against a full-depth
+trace, and the CLI's ``--method trace``. The trace is the independent oracle here: it runs transformers' own
+``generate`` and cache classes; nothing in it is computed from the analytic formulas."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.cli._cli_helper import run_cli
+from trainfit.analytic.inference import kv_cache_bytes, phase_estimates, weight_bytes
+from trainfit.arch.config import spec_from_config
+from trainfit.arch.spec import ModelSpec
+from trainfit.result import InferencePhase
+from trainfit.strategy.inference import InferenceSetup
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from trainfit.trace.generate import trace_generate
+
+
+def _spec(kind: str = "llama", **kw: Any) -> ModelSpec:
+    cfg: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    if kind == "mistral":
+        cfg.update(model_type="mistral", sliding_window=48)
+    cfg.update(kw)
+    return spec_from_config(cfg, name=f"tiny-{kind}", source="explicit")
+
+
+CASES = [
+    ("gqa-bf16-dynamic", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6)),
+    ("gqa-fp32-math", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6, dtype="fp32")),
+    ("gqa-static", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6, cache="static")),
+    ("gqa-eager", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6, attention="eager")),
+    ("mha-fp16", _spec(num_key_value_heads=8), InferenceSetup(batch=2, prompt=128, new_tokens=6, dtype="fp16")),
+    ("sliding-beyond-window", _spec("mistral"), InferenceSetup(batch=2, prompt=128, new_tokens=6, cache="sliding")),
+    ("sliding-static", _spec("mistral"), InferenceSetup(batch=2, prompt=128, new_tokens=6, cache="static")),
+    (
+        "sliding-long-prompt",
+        _spec("mistral", intermediate_size=128, sliding_window=64),
+        InferenceSetup(batch=1, prompt=512, new_tokens=4, cache="sliding"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "spec", "setup"), CASES, ids=[c[0] for c in CASES])
+def test_analytic_within_2_percent_of_the_trace(name: str, spec: ModelSpec, setup: InferenceSetup) -> None:
+    traced = trace_generate(spec, setup)
+    closed = phase_estimates(spec, setup)
+    for ph in InferencePhase:
+        t = sum(traced.phases[ph].values())
+        a = closed[ph].breakdown.total_bytes
+        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
+    assert traced.weights_bytes == weight_bytes(spec, setup)
+    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+
+
+def test_trace_activations_matter_in_the_matrix() -> None:
+    """The agreement above is not carried by the weights alone: prefill transients are a large share."""
+    spec, setup = CASES[0][1], CASES[0][2]
+    pre = trace_generate(spec, setup).phases[InferencePhase.PREFILL]
+    assert sum(pre.values()) > 1.3 * weight_bytes(spec, setup)
+
+
+@pytest.mark.parametrize(
+    ("spec", "setup"),
+    [
+        (_spec(num_hidden_layers=6), InferenceSetup(batch=2, prompt=64, new_tokens=3)),
+        (_spec("mistral", num_hidden_layers=5), InferenceSetup(batch=1, prompt=64, new_tokens=3, cache="sliding")),
+    ],
+    ids=["llama", "mistral-sliding"],
+)
+def test_depth_extrapolation_matches_a_full_depth_trace(spec: ModelSpec, setup: InferenceSetup) -> None:
+    ext = trace_generate(spec, setup)
+    full = trace_generate(spec, setup, extrapolate=False)
+    assert ext.extrapolated and ext.layers_traced == (2, 3)
+    assert not full.extrapolated and full.layers_traced == (spec.num_layers,)
+    for ph in InferencePhase:
+        assert ext.phases[ph] == full.phases[ph]
+    assert ext.kv_cache_bytes == full.kv_cache_bytes
+
+
+def test_cli_method_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--prompt", "64", "--new-tokens", "3", "--method", "trace", "--json")
+    assert res.code == 0, res.err
+    doc = json.loads(res.out)
+    assert doc["method"] == "trace" and doc["trace"]["layers_traced"] == [2, 3]
+    analytic = json.loads(run_cli(capsys, "infer", "llama-3.2-1b", "--prompt", "64", "--new-tokens", "3", "--json").out)
+    for ph in ("prefill", "decode"):
+        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
+        assert abs(a - t) <= 0.02 * t
+
+
+def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[str]) -> None:
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--dtype", "nf4", "--method", "trace")
+    assert res.code == 2 and "trace" in res.err
+
+
+FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_families_within_2_percent(name: str) -> None:
+    """MoE (grouped_mm experts, shared experts in both orders), MLA's latent cache and expand_kv, Gemma-2's
+    eager fallback with two masks, Phi-3's fused projections, OPT."""
+    from pathlib import Path
+
+    from trainfit.arch import load_model
+
+    spec = load_model(str(Path(__file__).parents[1] / "fixtures" / "configs" / f"{name}.json"))
+    setup = InferenceSetup(batch=2, prompt=96, new_tokens=5)
+    traced = trace_generate(spec, setup)
+    closed = phase_estimates(spec, setup)
+    for ph in InferencePhase:
+        t = sum(traced.phases[ph].values())
+        a = closed[ph].breakdown.total_bytes
+        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
+    assert traced.weights_bytes == weight_bytes(spec, setup)
+    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+
+
+@pytest.mark.parametrize(
+    ("spec", "setup"),
+    [
+        (_spec(), InferenceSetup(batch=2, prompt=64, new_tokens=6)),
+        (_spec("mistral"), InferenceSetup(batch=1, prompt=96, new_tokens=6, cache="sliding")),
+        (_spec("mistral"), InferenceSetup(batch=1, prompt=40, new_tokens=10, cache="static")),
+    ],
+    ids=["dynamic", "sliding-prompt-beyond-window", "static-sliding"],
+)
+def test_two_short_runs_equal_one_long_generate(spec: ModelSpec, setup: InferenceSetup) -> None:
+    """The split (prompt + 3 new tokens, then the last pass of prompt + new − 3 with 3) reads the same phases
+    as one generate of every new token."""
+    split = trace_generate(spec, setup, extrapolate=False)
+    whole = trace_generate(spec, setup, extrapolate=False, split=False)
+    for ph in InferencePhase:
+        assert split.phases[ph] == whole.phases[ph], ph
+    assert split.kv_cache_bytes == whole.kv_cache_bytes
