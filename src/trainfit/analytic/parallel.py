@@ -669,16 +669,21 @@ def _megatron(
     q = step_inputs(local, cs, keep_logits=False)
     fp32 = cs.recipe.compute_bits == 32
     dist_opt = strategy.sharding is Sharding.ZERO1
+    if strategy.optimizer is not Optimizer.ADAMW:
+        raise StrategyError(
+            f"tensor/pipeline parallelism models Megatron's Adam (fp32 states); --optimizer {strategy.optimizer.value} "
+            "is not modelled there yet"
+        )
     inv = inventory(local)
-    layers_params = sum(g.params_per_layer for g in inv.layers) // max(1, len(inv.layers))
     per_layer_params = max(g.params_per_layer for g in inv.layers)
     embed = [t for t in inv.model_tensors if t.name.startswith("embed")]
     rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
     embed_params = sum(t.numel for t in embed)
     rest_params = sum(t.numel for t in rest)
-    if spec.tie_word_embeddings:
-        rest_params += embed_params  # the last stage keeps its own copy of the tied table for the head
-    del layers_params
+    if spec.tie_word_embeddings and p.pp > 1:
+        # The last stage keeps its own copy of the tied token table for the head (Megatron's
+        # ``share_embeddings_and_output_weights`` across the first and last stage); on one stage it is one tensor.
+        rest_params += sum(t.numel for t in embed if t.name == "embed_tokens.weight")
     L = spec.num_layers
     ls = L // p.pp
     # Activations of one micro-batch on one layer (SP: every tensor split; Korthikanti et al. 2022, Table 2).

@@ -77,6 +77,16 @@ class Strategy:
                 raise StrategyError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if self.adapter is not None and not isinstance(self.adapter, Adapter):
             raise StrategyError(f"adapter must be an Adapter or None, got {self.adapter!r}")
+        if (
+            self.engine.engine is Engine.TORCH
+            and self.parallelism.is_single_gpu
+            and self.sharding is Sharding.NONE
+            and not self.offload.any
+        ):
+            raise StrategyError(
+                "--engine torch on one GPU without --sharding is plain single-GPU training: drop --engine, or add "
+                "--sharding ddp|fsdp to model that wrapper"
+            )
         if not isinstance(self.flash_sdp, bool):
             raise StrategyError(f"flash_sdp must be True or False, got {self.flash_sdp!r}")
         check_finetune(self.adapter, self.base_weights)

@@ -189,6 +189,11 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
+    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
+        raise StrategyError(
+            "adapters, frozen or quantised base weights with many GPUs are not modelled yet; "
+            "fine-tuning runs on one GPU (drop --gpus/--sharding)"
+        )
 
 
 def _mixed(strategy: Strategy) -> bool:
