@@ -228,8 +228,8 @@ def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
     eo, sh = strategy.engine, strategy.sharding
     if engine is Engine.TORCH and sh in (Sharding.FSDP, Sharding.HSDP):
         mp = (
-            "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 shards"
-            if _fsdp_mixed(strategy)
+            f"MixedPrecisionPolicy(param_dtype={strategy.recipe.compute_dtype}, reduce_dtype=fp32) over fp32 shards"
+            if strategy.recipe.mixed
             else "no mixed-precision policy (parameters in their own dtype)"
         )
         return (f"FSDP2 fully_shard per decoder layer + root, reshard_after_forward={eo.reshard_after_forward}, {mp}",)
@@ -257,16 +257,6 @@ def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
 def _overlap(strategy: Strategy) -> bool:
     o = strategy.engine.overlap_comm
     return o if o is not None else strategy.sharding is Sharding.ZERO3
-
-
-def _fsdp_mixed(strategy: Strategy) -> bool:
-    """FSDP2's mixed-precision policy applies: a 16-bit recipe (amp-* or master-*)."""
-    return strategy.precision in (
-        Precision.AMP_BF16,
-        Precision.AMP_FP16,
-        Precision.MASTER_BF16,
-        Precision.MASTER_FP16,
-    )
 
 
 # -- small helpers ---------------------------------------------------------------------------------------
@@ -343,7 +333,7 @@ def fsdp_states(spec: ModelSpec, strategy: Strategy, shards: int) -> ShardedStat
     policy (the shard is the master weight), gradients in the shard's dtype, optimizer states like the shard
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py; torch/optim/adamw.py ``_init_group``)."""
     r = strategy.recipe
-    bits = 32 if _fsdp_mixed(strategy) else r.weight_bits
+    bits = 32 if strategy.recipe.mixed else r.weight_bits
     inv = inventory(spec)
     impl = strategy.optimizer_impl
     w = g = o = 0
@@ -421,7 +411,7 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
     st = fsdp_states(spec, strategy, p.shard)
     inv = inventory(spec)
     cbits = cs.recipe.compute_bits
-    mixed = _fsdp_mixed(strategy)
+    mixed = strategy.recipe.mixed
     sbits = 32 if mixed else strategy.recipe.weight_bits
     root = _unsharded_bytes([(t, 1) for t in inv.model_tensors], cbits)
     layer = max(_unsharded_bytes([(t, 1) for t in g.tensors], cbits) for g in inv.layers)
