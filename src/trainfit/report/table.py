@@ -40,8 +40,14 @@ def _header(report: MemoryReport) -> Text:
             f"{s.precision.value} · {s.optimizer.value}"
             + (f" ({s.optimizer_impl.value})" if s.optimizer is Optimizer.ADAMW else "")
             + f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
-            f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
-            f" (effective batch {s.effective_batch})"
+            f" · micro-batch {s.micro_batch} × seq {s.seq_len} · "
+            + (
+                f"{s.parallelism.microbatches} pipeline micro-batches"
+                if s.parallelism.pipeline > 1
+                else f"grad-accum {s.grad_accum}"
+            )
+            + f" (effective batch {s.effective_batch}"
+            + (f", global {s.global_batch})" if s.parallelism.data > 1 else ")")
         )
         if s.is_distributed:
             par = s.parallelism
