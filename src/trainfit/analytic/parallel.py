@@ -79,7 +79,6 @@ from trainfit.cuda_facts import allocator_bytes
 from trainfit.errors import StrategyError
 from trainfit.overhead import overhead_for
 from trainfit.result import (
-    AnalyticDetails,
     BytesPerParam,
     Component,
     MemoryReport,
@@ -98,6 +97,7 @@ from trainfit.strategy import (
     Sharding,
     Strategy,
 )
+from trainfit.units import MiB, fmt_gib
 
 #: DeepSpeed ``stage3_param_persistence_threshold`` default: smaller parameters are never partitioned.
 DS_PERSISTENCE_THRESHOLD = 100_000
@@ -396,7 +396,7 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
         return c
 
     notes = [
-        f"DDP: {len(buckets)} gradient buckets of {total / 2**30:.2f} GiB in all, resident from construction"
+        f"DDP: {len(buckets)} gradient buckets of {fmt_gib(total)} in all, resident from construction"
         + (" (the gradients are views of them)" if eo.gradient_as_bucket_view else " on top of the gradients")
     ]
     return _worst(q, adjust, {}), notes
@@ -500,8 +500,8 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
     notes = [
         f"FSDP2 over {p.shard} ranks"
         + (f" (HSDP: replicated over {p.dp // p.shard} nodes)" if p.sharding is Sharding.HSDP else "")
-        + f": {n_layers} layer groups + root; unsharded root {root / 2**30:.2f} GiB, one layer "
-        f"{layer / 2**30:.3f} GiB in {'bf16' if cbits == 16 else 'fp32'}"
+        + f": {n_layers} layer groups + root; unsharded root {fmt_gib(root)}, one layer "
+        f"{fmt_gib(layer, 3)} in {'bf16' if cbits == 16 else 'fp32'}"
         + ("" if raf else "; reshard_after_forward=False keeps every layer unsharded through forward and backward"),
     ]
     if mixed:
@@ -606,7 +606,7 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     notes = [
         f"DeepSpeed ZeRO-{stage} over {p.dp} ranks: partition of {part:,} elements per rank"
         + (f" (+{whole:,} in parameters under the persistence threshold, kept whole)" if stage == 3 else "")
-        + f"; reduce bucket {eo.reduce_bucket_size:.0e} elements ({bucket / 2**30:.2f} GiB)",
+        + f"; reduce bucket {eo.reduce_bucket_size:.0e} elements ({fmt_gib(bucket)})",
     ]
     if off_opt:
         notes.append(
@@ -815,7 +815,6 @@ def estimate_parallel(
             "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
             "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
         ),
-        details=AnalyticDetails(activation_coefficient=0.0, activations_per_layer_bytes=0),
         ranks=ranks,
     )
 
@@ -827,8 +826,8 @@ def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
 
 #: NCCL's buffers outside PyTorch's allocator, measured with a one-rank NCCL group on the H200
 #: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed or Megatron (0).
-NCCL_FSDP_BYTES = 67 * 2**20
-NCCL_DDP_BYTES = 557 * 2**20
+NCCL_FSDP_BYTES = 67 * MiB
+NCCL_DDP_BYTES = 557 * MiB
 
 
 def nccl_bytes(strategy: Strategy) -> int:
