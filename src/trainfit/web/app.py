@@ -89,7 +89,9 @@ async def read_body(request: Request) -> dict[str, Any]:
         return dict(request.query_params)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise RequestError(413, f"request body is {int(declared) // 1024} KiB, over the {MAX_BODY_BYTES // 1024} KiB limit")
+        raise RequestError(
+            413, f"request body is {int(declared) // 1024} KiB, over the {MAX_BODY_BYTES // 1024} KiB limit"
+        )
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -180,7 +182,7 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
     async def config(request: Request) -> Response:
         raw = await read_body(request)
         if request.method != "POST" or raw.get("config") in (None, ""):
-            return error(400, "POST a JSON object {\"config\": \"<text of a config.json>\"}")
+            return error(400, 'POST a JSON object {"config": "<text of a config.json>"}')
         spec = resolve_model({"config": raw["config"], "config_name": raw.get("config_name")}, allow_hub=False)
         return JSONResponse({"schema_version": 1, "model": model_row(spec)})
 
@@ -222,6 +224,9 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
             )
         return FileResponse(path, media_type="text/javascript", headers={"Cache-Control": "max-age=86400"})
 
+    async def favicon(request: Request) -> Response:
+        return Response(status_code=204)
+
     async def on_trainfit_error(request: Request, exc: Exception) -> Response:
         return error(400, str(exc))
 
@@ -236,6 +241,7 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
     both = ["GET", "POST"]
     routes = [
         Route("/", index),
+        Route("/favicon.ico", favicon),
         Route("/static/plotly.min.js", plotly),
         Route("/api/models", models),
         Route("/api/gpus", gpus),

@@ -15,7 +15,7 @@ from trainfit.result import SCHEMA_VERSION
 
 @cache
 def _model_rows() -> tuple[dict[str, Any], ...]:
-    from trainfit.arch import catalog_slugs, count_params, load_model
+    from trainfit.arch import catalog_slugs, load_model
 
     return tuple(model_row(load_model(s)) for s in catalog_slugs())
 
@@ -43,9 +43,7 @@ def models_payload(query: str = "") -> dict[str, Any]:
     """``trainfit models --json``; with ``query``, the rows whose id, type or architecture contain every word."""
     words = query.lower().split()
     rows = [
-        r
-        for r in _model_rows()
-        if all(w in f"{r['id']} {r['model_type']} {r['architecture']}".lower() for w in words)
+        r for r in _model_rows() if all(w in f"{r['id']} {r['model_type']} {r['architecture']}".lower() for w in words)
     ]
     return {"schema_version": 1, "models": rows}
 

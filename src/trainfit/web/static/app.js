@@ -4,6 +4,9 @@
 "use strict";
 
 const GIB = 2 ** 30;
+// One colour per component, none of them the grey of the "must fit" bar.
+const COLORS = ["#2f6fdd", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#9c755f", "#76b7b2", "#edc948", "#ff9da7",
+  "#4e79a7", "#8cd17d", "#d37295", "#a0cbe8"];
 const $ = (sel, root = document) => root.querySelector(sel);
 const $$ = (sel, root = document) => Array.from(root.querySelectorAll(sel));
 const form = $("#form");
@@ -16,7 +19,8 @@ let pastedConfig = null; // text of a pasted config.json
 let seq = 0; // request counter: answers to stale requests are dropped
 let activeJob = null;
 
-window.trainfit = { last: null, lastRule: null, lastRequest: null, ready: false, updates: 0 };
+// For tests and the curious: the last answer, and whether an update is pending.
+window.trainfit = { last: null, lastRule: null, lastRequest: null, ready: false, updates: 0, busy: true };
 
 function gib(bytes) {
   return (bytes / GIB).toFixed(2) + " GiB";
@@ -207,7 +211,7 @@ function drawChart(data, kind) {
   const l = lines(data, kind);
   const fg = cssVar("--fg") || "#222";
   const layout = {
-    barmode: "stack", shapes: l.shapes, annotations: l.annotations,
+    barmode: "stack", colorway: COLORS, shapes: l.shapes, annotations: l.annotations,
     margin: { t: 10, r: 10, b: 60, l: 55 }, height: 420,
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: fg },
     yaxis: { title: { text: "GiB" }, gridcolor: cssVar("--grid") || "#ddd", rangemode: "tozero" },
@@ -290,6 +294,8 @@ async function update() {
   clearErrors();
   if (!body.model && !body.config) {
     $("#status").textContent = "Pick a model to start.";
+    window.trainfit.updates += 1;
+    window.trainfit.busy = false;
     return;
   }
   if (kind === "estimate" && body.method === "trace") return startJob(kind, body, my);
@@ -312,7 +318,7 @@ async function update() {
     showError(e.message);
     $("#status").textContent = "";
   } finally {
-    if (my === seq) window.trainfit.updates += 1;
+    if (my === seq) { window.trainfit.updates += 1; window.trainfit.busy = false; }
   }
 }
 
@@ -341,12 +347,13 @@ async function startJob(kind, body, my) {
     $("#job").hidden = true;
     showError(e.message);
   } finally {
-    if (my === seq) window.trainfit.updates += 1;
+    if (my === seq) { window.trainfit.updates += 1; window.trainfit.busy = false; }
   }
 }
 
 let timer = null;
 function soon() {
+  window.trainfit.busy = true;
   clearTimeout(timer);
   timer = setTimeout(update, 200);
 }
@@ -395,6 +402,7 @@ function selectTab(tab, save = true) {
 // ---- wiring -----------------------------------------------------------------------------------------------------------
 
 function useConfig(text) {
+  window.trainfit.busy = true;
   pastedConfig = text && text.trim() ? text : null;
   update();
 }
