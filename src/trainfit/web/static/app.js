@@ -124,17 +124,37 @@ function clearErrors() {
   for (const el of $$(".invalid")) el.classList.remove("invalid");
 }
 
-function showError(message) {
-  $("#error").textContent = message;
-  let field = null;
+// Library names that are not the form's (the message says "batch must be ...", the form calls it micro-batch).
+const ALIASES = { micro_batch: "batch", seq_len: "seq", world_size: "gpus" };
+
+function fieldOf(message) {
+  const infer = workload() === "inference";
   const flag = message.match(/--([a-z][a-z0-9-]*)/);
-  if (pastedConfig && /config|json|model_type|hidden_size|architecture/i.test(message) && !flag) field = "config";
-  else if (flag) field = flag[1];
-  else if (/model/i.test(message)) field = pastedConfig ? "config" : "model";
+  const word = message.match(/^([a-z][a-z_]*)\b/);
+  let name = flag ? flag[1].replace(/-/g, "_") : word ? ALIASES[word[1]] || word[1] : null;
+  if (name && infer && (name === "batch" || name === "tp")) name = "i_" + name;
+  if (name && $(`.err[data-for="${name}"]`)) return name;
+  if (pastedConfig) return "config";
+  return /model/i.test(message) ? "model" : null;
+}
+
+// An error replaces the answer: a chart of the previous inputs next to it would mislead.
+function clearAnswer() {
+  window.trainfit.last = null;
+  $("#verdict").textContent = "";
+  $("#verdict").className = "verdict";
+  for (const id of ["#compare", "#suggestions", "#warnings"]) $(id).textContent = "";
+  if (typeof Plotly !== "undefined") Plotly.purge("chart");
+}
+
+function showError(message) {
+  clearAnswer();
+  $("#error").textContent = message;
+  const field = fieldOf(message);
   const slot = field && $(`.err[data-for="${field}"]`);
   if (slot) {
     slot.textContent = message;
-    const input = form.elements.namedItem(field.replace(/-/g, "_"));
+    const input = form.elements.namedItem(field);
     if (input && !(input instanceof RadioNodeList)) input.classList.add("invalid");
     if (field === "config") $("#config-box").open = true;
   }
@@ -314,7 +334,6 @@ async function update() {
     $("#status").textContent = "";
   } catch (e) {
     if (my !== seq) return;
-    window.trainfit.last = null;
     showError(e.message);
     $("#status").textContent = "";
   } finally {
