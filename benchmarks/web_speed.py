@@ -76,7 +76,7 @@ def main() -> None:
         return run
 
     def web(path: str, body: dict[str, Any] | None, vary: bool = True) -> Callable[[int], object]:
-        return lambda i: _post(base + path, None if body is None else ({**body, "batch": 100 + i} if vary else body))
+        return lambda i: _post(base + path, None if body is None else ({**body, "batch": i + 1} if vary else body))
 
     cases: list[tuple[str, Callable[[int], object] | None, Callable[[int], object]]] = [
         ("GET /api/models", None, lambda i: _post(base + "/api/models?q=llama", None)),
