@@ -16,6 +16,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,11 +160,28 @@ def test_choose_a_model_and_a_gpu(page: Any, base_url: str, tmp_path_factory: py
     shot = tmp_path_factory.mktemp("web") / "main-view.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
+
+
+def test_the_readme_command_as_a_link(page: Any, base_url: str) -> None:
+    """The README's first command, as a link: the page says what the API (and so the CLI) says."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("python3 -m venv") and "trainfit estimate" in x)
+    args = line.split("trainfit estimate ", 1)[1].split()
+    query: dict[str, Any] = {"model": args[0]}
+    for flag, value in zip(args[1::2], args[2::2], strict=True):
+        query[flag.removeprefix("--").replace("-", "_")] = value
+    goto(page, base_url + "/?" + urllib.parse.urlencode(query))
+    want = api(base_url, "/api/estimate", query)
+    verdict = page.inner_text("#verdict")
+    assert verdict.startswith("Fits on" if want["fits"] else "Does not fit on")
+    assert f"needs {gib(want['required_bytes'])} of {gib(want['usable_bytes'])} usable" in verdict
+    assert_chart_is(page, want["phases"], want["required_bytes"])
     if os.environ.get("TRAINFIT_README_SCREENSHOT") == "1":
         page.screenshot(path=str(ROOT / "docs" / "web.png"))
 
 
 def test_a_knob_updates_the_chart_and_the_url(page: Any, base_url: str) -> None:
+    goto(page, base_url + "/?model=qwen2.5-7b&gpu=a100-sxm-80gb")
     before = chart(page)
     n = updates(page)
     page.select_option("select[name=checkpointing]", "full")

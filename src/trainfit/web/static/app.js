@@ -219,7 +219,8 @@ function lines(data, kind) {
     out.shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: bytes / GIB, y1: bytes / GIB,
       line: { color, width: 2, dash }, name: label });
     out.annotations.push({ xref: "paper", x: 1, y: bytes / GIB, xanchor: "right", yanchor: "bottom",
-      text: `${label}: ${gib(bytes)}`, showarrow: false, font: { color, size: 11 } });
+      text: `${label}: ${gib(bytes)}`, showarrow: false, font: { color, size: 11 }, yshift: 1,
+      bgcolor: cssVar("--bg") || "#fff", opacity: 0.9 });
   };
   if (capacity !== null) add(capacity, `${gpu} capacity`, cssVar("--bad") || "#c33", "solid");
   if (usable !== null && usable !== undefined && usable !== capacity) add(usable, "after headroom", cssVar("--warn") || "#c80", "dash");
@@ -235,7 +236,7 @@ function drawChart(data, kind) {
     margin: { t: 10, r: 10, b: 60, l: 55 }, height: 420,
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: fg },
     yaxis: { title: { text: "GiB" }, gridcolor: cssVar("--grid") || "#ddd", rangemode: "tozero" },
-    legend: { orientation: "h", y: -0.18 },
+    legend: { orientation: "h", y: -0.18, traceorder: "normal" },
   };
   if (typeof Plotly === "undefined") {
     $("#chart").textContent = "chart library missing: pip install 'trainfit[web]'";
@@ -266,6 +267,7 @@ function verdictText(data, kind) {
   const head = `${data.model.name} (${data.method}): peak ${gib(data.peak_bytes)} in ${data.phase}`;
   if (data.fits === undefined) return { cls: "", text: head + " — pick a GPU for a verdict" };
   const mb = data.max_micro_batch === null || data.max_micro_batch === undefined ? "" :
+    data.max_micro_batch === 0 ? " · no micro-batch fits" :
     ` · largest micro-batch ${data.max_micro_batch}${data.max_micro_batch_capped ? "+" : ""}`;
   return data.fits
     ? { cls: "ok", text: `Fits on ${data.gpu}: needs ${gib(data.required_bytes)} of ${gib(data.usable_bytes)} usable (${gib(data.free_bytes)} free)${mb}` }
