@@ -111,7 +111,8 @@ def chart(page: Any) -> dict[str, Any]:
     return dict(
         page.evaluate(
             """() => { const gd = document.getElementById('chart');
-            return { traces: (gd.data || []).map(t => ({meta: t.meta, x: t.x, y: t.y, customdata: t.customdata})),
+            return { traces: (gd.data || []).map(t => ({meta: t.meta, x: t.x, ids: t.ids || null, y: t.y,
+                                                       customdata: t.customdata})),
                      lines: ((gd.layout || {}).shapes || []).map(s => ({name: s.name, y: s.y0})) }; }"""
         )
     )
@@ -121,20 +122,36 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def assert_chart_is(page: Any, phases: dict[str, Any], required: int | None) -> None:
-    """The stacked bars hold exactly each phase's non-zero components, in bytes (customdata) and GiB (height)."""
+def assert_chart_is(page: Any, want: dict[str, Any], kind: str = "estimate") -> None:
+    """The stacked bars hold exactly each phase's non-zero components, in bytes (customdata) and GiB (height), and
+    the bytes that must fit (per rank when ranks differ)."""
     drawn = chart(page)["traces"]
-    seen: dict[tuple[str, str], int] = {}
+    bars: list[tuple[str, int]] = []
+    musts: list[int] = []
     for t in drawn:
-        for x, y, b in zip(t["x"], t["y"], t["customdata"], strict=True):
+        for y, b in zip(t["y"], t["customdata"], strict=True):
             assert y * GIB == pytest.approx(b, rel=1e-12)
             if t["meta"] == "required":
-                assert b == required
+                musts.append(b)
             elif b:
-                seen[(x, t["meta"])] = b
-    expected = {(ph, c): b for ph, p in phases.items() for c, b in p["components"].items() if b}
-    assert seen == expected
-    assert any(t["meta"] == "required" for t in drawn) == (required is not None)
+                bars.append((t["meta"], b))
+    ranks = want.get("ranks") or []
+    if len(ranks) > 1:
+        groups = [r["phases"] for r in ranks]
+        required = [r["required_bytes"] for r in ranks if "required_bytes" in r]
+    else:
+        groups = [want["phases"]]
+        fit = want.get("fit") if kind == "infer" else want
+        required = [fit["required_bytes"]] if fit and "required_bytes" in fit else []
+    expected = [(c, b) for phases in groups for p in phases.values() for c, b in p["components"].items() if b]
+    assert sorted(bars) == sorted(expected)
+    assert musts == required
+    if len(groups) == 1:  # one bar per phase: each bar is its phase's (ids: the phase; x: its label)
+        for t in drawn:
+            if t["meta"] == "required":
+                continue
+            for phase, b in zip(t["ids"], t["customdata"], strict=True):
+                assert want["phases"][phase]["components"][t["meta"]] == b
 
 
 def test_choose_a_model_and_a_gpu(page: Any, base_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -148,7 +165,7 @@ def test_choose_a_model_and_a_gpu(page: Any, base_url: str, tmp_path_factory: py
     verdict = page.inner_text("#verdict")
     assert verdict.startswith("Fits on a100-sxm-80gb" if want["fits"] else "Does not fit on a100-sxm-80gb")
     assert gib(want["required_bytes"]) in verdict and gib(want["usable_bytes"]) in verdict
-    assert_chart_is(page, want["phases"], want["required_bytes"])
+    assert_chart_is(page, want)
     capacity = next(g for g in api(base_url, "/api/gpus")["gpus"] if g["id"] == "a100-sxm-80gb")["memory_bytes"]
     lines = {line["name"]: line["y"] * GIB for line in chart(page)["lines"]}
     assert lines["a100-sxm-80gb capacity"] == pytest.approx(capacity, rel=1e-12)
@@ -175,7 +192,7 @@ def test_the_readme_command_as_a_link(page: Any, base_url: str) -> None:
     verdict = page.inner_text("#verdict")
     assert verdict.startswith("Fits on" if want["fits"] else "Does not fit on")
     assert f"needs {gib(want['required_bytes'])} of {gib(want['usable_bytes'])} usable" in verdict
-    assert_chart_is(page, want["phases"], want["required_bytes"])
+    assert_chart_is(page, want)
     if os.environ.get("TRAINFIT_README_SCREENSHOT") == "1":
         page.screenshot(path=str(ROOT / "docs" / "web.png"))
 
@@ -190,7 +207,7 @@ def test_a_knob_updates_the_chart_and_the_url(page: Any, base_url: str) -> None:
     want = api(
         base_url, "/api/estimate", {"model": "qwen2.5-7b", "gpu": "a100-sxm-80gb", "checkpointing": "full", "batch": 4}
     )
-    assert_chart_is(page, want["phases"], want["required_bytes"])
+    assert_chart_is(page, want)
     assert chart(page) != before
     assert "checkpointing=full" in page.url and "batch=4" in page.url
     # A bad value: the API's one line, next to the field.
@@ -237,7 +254,7 @@ def test_a_pasted_config(page: Any, base_url: str) -> None:
     settle(page, n)
     want = api(base_url, "/api/estimate", {"config": good, "gpu": "t4"})
     assert page.inner_text('.err[data-for="config"]') == ""
-    assert_chart_is(page, want["phases"], want["required_bytes"])
+    assert_chart_is(page, want)
     assert "#config=" in page.url
 
 
@@ -251,7 +268,7 @@ def test_inference_and_the_formats_tab(page: Any, base_url: str) -> None:
     assert verdict.startswith("Fits on l4" if want["fit"]["fits"] else "Does not fit on l4")
     assert gib(want["fit"]["required_bytes"]) in verdict
     assert f"largest batch {want['capacity']['max_batch']}" in verdict
-    assert_chart_is(page, want["phases"], want["fit"]["required_bytes"])
+    assert_chart_is(page, want, "infer")
     page.click("#tab-formats")
     page.wait_for_selector("#formats-table tbody tr")
     formats = api(base_url, "/api/formats")
@@ -260,6 +277,14 @@ def test_inference_and_the_formats_tab(page: Any, base_url: str) -> None:
     page.wait_for_selector("#advice b")
     assert page.inner_text("#advice b") == advice["precision"]
     assert "tab=formats" in page.url
+
+
+def test_pipeline_ranks(page: Any, base_url: str) -> None:
+    query = {"model": "llama-3.1-70b", "gpu": "h100-sxm-80gb", "gpus": "16", "tp": "4", "pp": "4", "microbatches": "8"}
+    goto(page, base_url + "/?" + urllib.parse.urlencode(query))
+    want = api(base_url, "/api/estimate", query)
+    assert len(want["ranks"]) > 1
+    assert_chart_is(page, want)
 
 
 def test_phone_width_and_dark_mode(page: Any, base_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -277,7 +302,7 @@ def test_phone_width_and_dark_mode(page: Any, base_url: str, tmp_path_factory: p
     assert sum(background()) < sum(light) / 3, "prefers-color-scheme: dark gives a dark page"
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"), "no sideways scrolling"
     want = api(base_url, "/api/estimate", {"model": "llama-3.1-8b", "gpu": "rtx-4090", "finetune": "lora"})
-    assert_chart_is(page, want["phases"], want["required_bytes"])
+    assert_chart_is(page, want)
     page.screenshot(path=str(tmp_path_factory.mktemp("web") / "phone-dark.png"), full_page=True)
     page.set_viewport_size({"width": 1280, "height": 900})
     page.emulate_media(color_scheme="light")

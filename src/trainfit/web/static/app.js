@@ -166,35 +166,52 @@ function cssVar(name) {
   return getComputedStyle(document.body).getPropertyValue(name).trim();
 }
 
-// Bars: one per phase (per rank and phase when ranks differ), stacked by component, plus the bytes that must fit.
+// Short phase names on a phone, where the labels would collide.
+const SHORT = { forward: "fwd", backward: "bwd", "optimizer-step": "opt", prefill: "prefill", decode: "decode" };
+
+function phaseLabel(phase) {
+  return window.innerWidth < 600 ? SHORT[phase] || phase : phase;
+}
+
+// Bars: one per phase (per rank and phase when ranks differ), stacked by component, plus the bytes that must
+// fit (the JSON's required bytes: per rank when ranks differ).
 function bars(data, kind) {
-  const cats = [];
   const stacks = []; // {x, components}
+  const required = []; // {x, bytes}
+  const must = window.innerWidth < 600 ? "must fit" : "must fit<br>(reserved + outside)";
   if (kind === "estimate" && data.ranks && data.ranks.length > 1) {
     for (const r of data.ranks) {
-      const who = r.ranks.length > 1 ? `ranks ${r.ranks[0]}–${r.ranks[r.ranks.length - 1]}` : `rank ${r.ranks[0]}`;
-      for (const [phase, p] of Object.entries(r.phases)) stacks.push({ x: `${who}<br>${phase}`, components: p.components });
+      const first = r.ranks[0];
+      const last = r.ranks[r.ranks.length - 1];
+      const narrow = window.innerWidth < 600;
+      const who = r.ranks.length > 1 ? `${narrow ? "r" : "ranks "}${first}–${last}` : `${narrow ? "r" : "rank "}${first}`;
+      for (const [phase, p] of Object.entries(r.phases)) {
+        stacks.push({ x: `${who}<br>${phaseLabel(phase)}`, id: `${first}:${phase}`, components: p.components });
+      }
+      if (r.required_bytes !== undefined) required.push({ x: `${who}<br>must fit`, bytes: r.required_bytes });
     }
   } else {
-    for (const [phase, p] of Object.entries(data.phases)) stacks.push({ x: phase, components: p.components });
+    for (const [phase, p] of Object.entries(data.phases)) {
+      stacks.push({ x: phaseLabel(phase), id: phase, components: p.components });
+    }
+    const req = kind === "estimate" ? data.required_bytes : data.fit && data.fit.required_bytes;
+    if (req !== undefined && req !== null) required.push({ x: must, bytes: req });
   }
-  for (const s of stacks) cats.push(s.x);
+  const cats = stacks.map((s) => s.x);
   const names = [];
   for (const s of stacks) for (const [c, b] of Object.entries(s.components)) if (b > 0 && !names.includes(c)) names.push(c);
   const traces = names.map((c) => {
     const bytes = stacks.map((s) => s.components[c] || 0);
     return {
-      type: "bar", name: c.replace(/_/g, " "), meta: c, x: cats, y: bytes.map((b) => b / GIB), customdata: bytes,
+      type: "bar", name: c.replace(/_/g, " "), meta: c, x: cats, ids: stacks.map((s) => s.id), y: bytes.map((b) => b / GIB), customdata: bytes,
       hovertemplate: "%{fullData.name}: %{y:.2f} GiB<extra>%{x}</extra>",
     };
   });
-  const required = kind === "estimate" ? data.required_bytes : data.fit && data.fit.required_bytes;
-  if (required !== undefined && required !== null) {
-    const label = "must fit<br>(reserved + outside)";
+  if (required.length) {
     traces.push({
-      type: "bar", name: "must fit (reserved + CUDA context)", meta: "required", x: [label], y: [required / GIB],
-      customdata: [required], marker: { color: cssVar("--req") || "#888" },
-      hovertemplate: "needs %{y:.2f} GiB<extra></extra>",
+      type: "bar", name: "must fit (reserved + CUDA context)", meta: "required", x: required.map((r) => r.x),
+      y: required.map((r) => r.bytes / GIB), customdata: required.map((r) => r.bytes),
+      marker: { color: cssVar("--req") || "#888" }, hovertemplate: "needs %{y:.2f} GiB<extra>%{x}</extra>",
     });
   }
   return traces;
@@ -233,10 +250,11 @@ function drawChart(data, kind) {
   const fg = cssVar("--fg") || "#222";
   const layout = {
     barmode: "stack", colorway: COLORS, shapes: l.shapes, annotations: l.annotations,
-    margin: { t: 10, r: 10, b: 60, l: 55 }, height: 420,
+    margin: { t: 10, r: 10, b: 10, l: 55 }, height: 440,
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)", font: { color: fg },
     yaxis: { title: { text: "GiB" }, gridcolor: cssVar("--grid") || "#ddd", rangemode: "tozero" },
-    legend: { orientation: "h", y: -0.18, traceorder: "normal" },
+    xaxis: { automargin: true, tickangle: window.innerWidth < 600 ? -90 : "auto" },
+    legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom", traceorder: "normal" },
   };
   if (typeof Plotly === "undefined") {
     $("#chart").textContent = "chart library missing: pip install 'trainfit[web]'";
@@ -280,7 +298,7 @@ function render(data, kind) {
   el.className = "verdict " + v.cls;
   el.textContent = v.text;
   drawChart(data, kind);
-  const sugg = (data.suggestions || []).map((s) => `${s.reason}: ${s.flags.join(" ")}`);
+  const sugg = (data.suggestions || []).map((s) => (s.flags.length ? `${s.reason}: ${s.flags.join(" ")}` : s.reason));
   $("#suggestions").innerHTML = sugg.length ? "<h3>To make it fit</h3>" + li(sugg, "sugg") : "";
   $("#warnings").innerHTML = li(data.warnings || [], "warn");
   if (kind === "infer") {
