@@ -55,6 +55,7 @@ function request() {
     if (f.i_batch !== DEFAULTS.i_batch) req.batch = f.i_batch;
     for (const k of ["prompt", "new_tokens", "dtype", "kv_dtype", "cache", "server"]) put(k, f[k]);
     if (f.i_tp) req.tp = f.i_tp;
+    put("method", f.i_method);
     put("gpus", f.gpus);
     return { kind: "infer", body: req };
   }
@@ -338,7 +339,7 @@ async function update() {
     window.trainfit.busy = false;
     return;
   }
-  if (kind === "estimate" && body.method === "trace") return startJob(kind, body, my);
+  if (body.method === "trace") return startJob(kind, body, my);
   $("#status").textContent = "…";
   try {
     const wantRule = kind === "estimate" && (body.method || "analytic") === "analytic";
@@ -362,7 +363,19 @@ async function update() {
 }
 
 async function startJob(kind, body, my) {
-  if (activeJob) await fetch(`/api/jobs/${activeJob}`, { method: "DELETE" });
+  if (activeJob) { // one trace at a time: cancel the previous one and wait until it has stopped
+    const previous = activeJob;
+    activeJob = null;
+    await fetch(`/api/jobs/${previous}`, { method: "DELETE" });
+    $("#job").hidden = false;
+    $("#job-msg").textContent = "cancelling the previous trace…";
+    for (let i = 0; i < 600; i++) {
+      const j = await api(`/api/jobs/${previous}`).catch(() => ({ state: "gone" }));
+      if (j.state !== "running" || my !== seq) break;
+      await new Promise((r) => setTimeout(r, 250));
+    }
+    if (my !== seq) return;
+  }
   $("#job").hidden = false;
   $("#job-msg").textContent = "starting the trace…";
   try {
