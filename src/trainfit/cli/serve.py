@@ -33,7 +33,7 @@ def serve_cmd(
         bool, typer.Option("--allow-hub", help="Let the page name Hugging Face Hub ids (fetches their config.json).")
     ] = False,
 ) -> None:
-    """Serve the memory calculator as a local web page (needs: pip install 'trainfit[web]').
+    r"""Serve the memory calculator as a local web page (needs the web extra: pip install 'trainfit\[web]').
 
     Examples:
 
