@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
@@ -371,3 +373,32 @@ def test_a_failing_job_reports_its_one_line() -> None:
             break
         time.sleep(0.01)
     assert other.state is JobState.CANCELLED
+
+
+VALUES = st.one_of(
+    st.sampled_from(["", " ", "0", "-1", "1.5", "1e400", "nan", "abc", "true", "none", "full", "fp8", "t4", "2"]),
+    st.integers(-3, 5000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kind=st.sampled_from(["estimate", "infer"]),
+    picks=st.dictionaries(st.sampled_from(sorted(set(estimate_options()) | set(infer_options()))), VALUES, max_size=3),
+)
+def test_any_input_gets_an_answer_or_one_line(client: TestClient, kind: str, picks: dict[str, Any]) -> None:
+    """Whatever the values, the API answers 200 or a 4xx with one line: never a 500, never a traceback."""
+    body = {"model": "qwen2.5-0.5b", **picks}
+    try:
+        json.dumps(body, allow_nan=False)
+    except ValueError:
+        body = {k: (str(v) if isinstance(v, float) else v) for k, v in body.items()}  # JSON has no nan/inf
+    got = client.post(f"/api/{kind}", json=body)
+    assert got.status_code in (200, 400), got.text
+    if got.status_code == 400:
+        message = got.json()["error"]
+        assert message and message == " ".join(message.split())
