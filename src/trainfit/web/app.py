@@ -26,6 +26,7 @@ that toggles back to a view it has seen gets it at once; trace and measure runs 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -47,8 +48,8 @@ from trainfit.web.payloads import formats_payload, gpus_payload, model_row, mode
 #: The largest request body the server reads: a pasted config.json plus the options.
 MAX_BODY_BYTES = MAX_CONFIG_BYTES + 64 * 1024
 
-#: Methods answered in the request; the others (trace, measure) run as jobs.
-QUICK_METHODS = ("analytic", "rule-of-thumb")
+#: Methods that run for seconds: they run as jobs (the others are answered in the request).
+SLOW_METHODS = ("trace", "measure")
 
 #: Distinct requests whose answers are memoised.
 CACHE_SIZE = 512
@@ -150,11 +151,11 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
     """The ASGI app. ``allow_hub``: let requests name Hugging Face Hub ids (a network fetch per new id)."""
     jobs = Jobs()
 
-    def quick(kind: str) -> Any:
+    def quick(kind: str) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             raw = await read_body(request)
             method = _method(raw)
-            if method not in QUICK_METHODS and method in ("trace", "measure"):
+            if method in SLOW_METHODS:
                 return error(
                     400, f"--method {method} runs for seconds: start it as a job (POST /api/jobs with kind '{kind}')"
                 )
