@@ -1,4 +1,5 @@
-"""`import trainfit` and the analytic / rule-of-thumb estimate never import torch, transformers or
+"""`import trainfit`, the analytic / rule-of-thumb estimate (one GPU or many, fine-tuning included) and
+``trainfit infer`` (capacity searches and paged servers included) never import torch, transformers or
 huggingface_hub (they must be usable, and fast, on a laptop without them)."""
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ import sys
 CODE = """
 import sys
 import trainfit, trainfit.cli.app
+from trainfit import infer
 from trainfit.cli.app import main
+infer("llama-3.1-8b", batch=4, prompt=1024, gpu="a100-sxm-80gb")
 for argv in (["estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--json"],
              ["estimate", "--params", "7e9", "--hidden-size", "4096", "--num-layers", "32",
               "--method", "rule-of-thumb"],
+             ["estimate", "llama-3.1-8b", "--gpus", "8", "--sharding", "fsdp", "--gpu", "h100-sxm-80gb"],
+             ["estimate", "llama-3.1-8b", "--finetune", "qlora", "--gpu", "rtx-4090", "--segments"],
+             ["infer", "qwen2.5-72b", "--gpus", "4", "--gpu", "h100-sxm-80gb", "--max-batch", "--json"],
+             ["infer", "llama-3.1-8b", "--server", "paged", "--gpu", "h200-sxm-141gb"],
              ["models"], ["gpus"]):
     try:
         main(argv)

@@ -191,10 +191,12 @@ def estimate(
     headroom: float = DEFAULT_HEADROOM,
     method_options: dict[str, object] | None = None,
     allocator: str | None = None,
+    allocator_layout: bool = False,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
-    process's environment variable, else PyTorch's defaults)."""
+    process's environment variable, else PyTorch's defaults); ``allocator_layout``: also report the simulated
+    segments at the reserved peak (``AllocatorDetails.layout``)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -248,7 +250,12 @@ def estimate(
     def with_options(spec: ModelSpec, strategy: Strategy) -> MemoryReport:
         return fn(spec, strategy, **options)
 
-    report = with_options(spec, strategy)
+    if allocator_layout and (method not in (Method.ANALYTIC, Method.TRACE) or strategy.is_distributed):
+        raise StrategyError(
+            "--segments needs the allocator simulation: --method analytic or trace, on one GPU (many GPUs use a "
+            "fixed reserve fraction for now)"
+        )
+    report = fn(spec, strategy, **options, layout=True) if allocator_layout else with_options(spec, strategy)
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(

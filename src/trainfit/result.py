@@ -202,6 +202,30 @@ class BytesPerParam:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentSummary:
+    """One segment of the simulated allocator at the reserved peak (``--segments``)."""
+
+    size_bytes: int
+    pool: str  # "small" (≤ 1 MiB requests) or "large"
+    expandable: bool
+    allocated_bytes: int
+    free_bytes: int
+    blocks: int
+    largest_free_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "size_bytes": self.size_bytes,
+            "pool": self.pool,
+            "expandable": self.expandable,
+            "allocated_bytes": self.allocated_bytes,
+            "free_bytes": self.free_bytes,
+            "blocks": self.blocks,
+            "largest_free_bytes": self.largest_free_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AllocatorDetails:
     """What the caching-allocator simulation said (:mod:`trainfit.allocator`)."""
 
@@ -209,14 +233,18 @@ class AllocatorDetails:
     reserved_peak_bytes: int  # predicted torch.cuda.max_memory_reserved
     fragmentation_bytes: int  # reserved − allocated when reserved peaked
     segments: int  # segments (expandable: mapped ranges) at the reserved peak
+    layout: tuple[SegmentSummary, ...] = ()  # the segments at the reserved peak, when asked for (by address)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "config": self.config,
             "reserved_peak_bytes": self.reserved_peak_bytes,
             "fragmentation_bytes": self.fragmentation_bytes,
             "segments": self.segments,
         }
+        if self.layout:
+            out["layout"] = [x.as_dict() for x in self.layout]
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,14 @@ def fmt_gib(n_bytes: int | float, digits: int = 2) -> str:
     return f"{n_bytes / GiB:.{digits}f} GiB"
 
 
+def fmt_binary(n_bytes: int | float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1: ``'20.00 MiB'``, ``'1.50 GiB'``."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{int(n_bytes)} B"
+
+
 def fmt_gb(n_bytes: int | float, digits: int = 1) -> str:
     """Format bytes as decimal ``'12.3 GB'`` (article style)."""
     return f"{n_bytes / GB:.{digits}f} GB"

@@ -251,3 +251,14 @@ def test_single_gpu_estimate_is_not_the_parallel_model() -> None:
     assert not Strategy().is_distributed and one.ranks == ()
     assert all(p.get(Component.COMM_BUFFERS) == p.get(Component.UNSHARDED_PARAMS) == 0 for p in one.phases)
     assert Precision.AMP_BF16 is Strategy().precision
+
+
+@pytest.mark.parametrize("slug", ["gpt2", "qwen2.5-1.5b"])
+def test_megatron_counts_a_tied_table_once_on_one_stage(slug: str) -> None:
+    """Megatron's bf16 weights are 2 B/param on one pipeline stage: the tied token table is the head (the
+    second copy exists only on the last stage of a longer pipeline)."""
+    from trainfit import estimate
+    from trainfit.strategy import EngineOptions
+
+    r = estimate(slug, Strategy(engine=EngineOptions(engine="megatron")))  # type: ignore[arg-type]
+    assert r.bytes_per_param.weights == pytest.approx(2.0)

@@ -53,6 +53,10 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 8 --sharding ddp --method rule-of-thumb", "does not model"),
         ("llama-3.1-8b --gpus 8 --tp 2 --sharding fsdp --method trace", "analytic"),
         ("llama-3.1-8b --gpus 2 --sharding zero9", "zero9"),
+        ("llama-3.1-8b --engine torch", "plain single-GPU"),
+        ("llama-3.1-8b --gpus 8 --tp 2 --optimizer sgd", "Adam"),
+        ("llama-3.1-8b --gpus 8 --pp-schedule interleaved --virtual-stages 2", "--pp > 1"),
+        ("llama-3.1-8b --gpus 2 --sharding ddp --method trace --finetune lora", "not modelled yet"),
     ],
 )
 def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:

@@ -52,6 +52,7 @@ def test_full_fine_tuning_json_has_no_finetune_key(capsys: pytest.CaptureFixture
         "--finetune freeze --freeze layers:3-2",
         "--finetune lora --adapter-dtype int4",
         "--finetune bogus",
+        "--finetune freeze --freeze embeddings,lm_head,norm,layers:0-15",  # nothing left to train
     ],
 )
 def test_bad_fine_tuning_flags_exit_2_with_one_line(args: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,6 +63,7 @@ def test_paged_json(capsys: pytest.CaptureFixture[str]) -> None:
         (("llama-3.1-8b", "--server", "paged"), "--gpu"),
         (("llama-3.1-8b", "--cache", "sliding"), "sliding"),
         (("llama-3.1-8b", "--gpus", "3", "--tp", "2"), "multiple"),
+        (("qwen2.5-14b", "--tp", "5"), "k/v heads"),  # 40 heads / 5 ok, 8 k/v heads neither split nor replicated
     ],
 )
 def test_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str) -> None:

@@ -74,6 +74,7 @@ ESTIMATES: list[dict[str, Any]] = [
     {"model": "llama-3.1-70b", "gpu": "h100-sxm-80gb", "gpus": 16, "sharding": "fsdp", "checkpointing": "full"},
     {"model": "llama-3.1-70b", "gpu": "h100-sxm-80gb", "gpus": 16, "tp": 4, "pp": 4, "microbatches": 8},
     {"model": "tinyllama-1.1b", "gpu": "l4", "method": "rule-of-thumb"},
+    {"model": "qwen2.5-0.5b", "gpu": "l4", "alloc_conf": "expandable_segments:True", "segments": True},
     {"params": "1.3e9", "hidden_size": 2048, "num_layers": 24, "batch": 4, "seq": 1024},
 ]
 

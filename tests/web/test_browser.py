@@ -1,8 +1,9 @@
 """The page in a real Chromium (Debian's ``chromium`` package, driven by Playwright through ``executable_path``).
 
-One server and one browser for the module. Every expected value comes from the JSON API on the same server:
-the page must show what the API says (the API equals the CLI: tests/web/test_api.py). Skips, saying why,
-where Playwright or a chromium binary is missing (``.ci/run`` installs chromium with apt-get).
+One server and one browser for the module (one per worker under pytest-xdist: each test sets up its own view).
+Every expected value comes from the JSON API on the same server: the page must show what the API says (the API
+equals the CLI: tests/web/test_api.py). Skips, saying why, where Playwright or a chromium binary is missing
+(``.ci/run`` installs chromium with apt-get).
 
 The main view's screenshot is kept under pytest's tmp dir; with ``TRAINFIT_README_SCREENSHOT=1`` it is also
 written to ``docs/web.png`` (the README's picture).
@@ -226,7 +227,13 @@ def test_a_knob_updates_the_chart_and_the_url(page: Any, base_url: str) -> None:
 
 
 def test_a_link_reproduces_the_view(page: Any, base_url: str) -> None:
+    goto(page, base_url + "/?model=qwen2.5-7b&gpu=a100-sxm-80gb")
+    n = updates(page)
+    page.select_option("select[name=optimizer]", "adamw-8bit")
+    page.check("input[name=workload][value=finetune]")
+    settle(page, n)
     url, verdict, drawn = page.url, page.inner_text("#verdict"), chart(page)
+    assert "optimizer=adamw-8bit" in url and "workload=finetune" in url
     other = page.context.new_page()
     try:
         goto(other, url)

@@ -286,6 +286,18 @@ def mlp_frozen(spec: ModelSpec) -> bool:
     return spec.mlp is MlpKind.GATED or spec.activation not in ("gelu_new", "gelu_fast", "gelu_python")
 
 
+def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
+    """Whether any parameter is left trainable (an adapter, or a tensor no ``--freeze`` pattern covers)."""
+    if strategy.adapter is not None:
+        return True
+    patterns, layers = strategy.base_weights.frozen, spec.num_layers
+    inv = inventory(spec)
+    if any(not is_frozen(t, patterns, None, layers=layers) for t in inv.model_tensors):
+        return True
+    stack = [t for g in inv.layers for t in g.tensors]
+    return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
+
+
 def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = False) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
@@ -298,6 +310,8 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = F
             rng = layer_range(p)
             if rng is not None and rng.stop > spec.num_layers:
                 raise StrategyError(f"freeze range {p} goes past {spec.name}'s {spec.num_layers} layers")
+    if strategy.base_weights.frozen and not _anything_trains(spec, strategy):
+        raise StrategyError("--freeze leaves no trainable parameter (torch's optimizers refuse an empty list)")
     if trace and strategy.base_weights.quantization is Quantization.INT8:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
     if trace and strategy.base_weights.frozen:

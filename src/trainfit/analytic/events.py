@@ -238,6 +238,9 @@ def simulate_training(
     strategy: Strategy,
     config: AllocatorConfig | None = None,
     workspaces: tuple[Workspace, ...] = (),
+    *,
+    layout: bool = False,
 ) -> AllocatorResult:
-    """The caching allocator's peaks over the synthesised stream of a training step."""
-    return simulate(training_events(spec, strategy, workspaces), config)
+    """The caching allocator's peaks over the synthesised stream of a training step (``layout``: with the
+    segments at the reserved peak)."""
+    return simulate(training_events(spec, strategy, workspaces), config, layout=layout)

@@ -127,7 +127,7 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
         if (setup.dtype is WeightFormat.FP8 or setup.kv_format is KVFormat.FP8) and not gpu.fp8:
             raise StrategyError(
                 f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
-                "use --dtype/--kv-dtype bf16 or int8"
+                "use --dtype bf16 (or int8) and --kv-dtype bf16"
             )
         if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16:
             warnings.append(
@@ -135,6 +135,16 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
             )
     if setup.tp > 1 and spec.num_heads % setup.tp:
         raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
+    kv = spec.num_kv_heads
+    if setup.tp > 1 and kv % setup.tp and setup.tp % kv:
+        # vLLM's rule (``get_num_kv_heads``): split the k/v heads evenly, or replicate each over tp / kv ranks.
+        raise StrategyError(
+            f"--tp {setup.tp} neither divides nor is a multiple of {spec.name}'s {kv} k/v heads; "
+            "choose a tensor-parallel degree that splits them evenly"
+        )
+    widths = {spec.intermediate_size} | ({spec.moe.expert_intermediate_size} if spec.moe is not None else set())
+    if setup.tp > 1 and any(w % setup.tp for w in widths if w):
+        raise StrategyError(f"--tp {setup.tp} must divide {spec.name}'s MLP width ({', '.join(map(str, widths))})")
     return tuple(warnings)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.report import allocator_details
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import (
     SavedTerm,
@@ -62,7 +63,6 @@ from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.overhead import outside_allocator
 from trainfit.result import (
-    AllocatorDetails,
     AnalyticDetails,
     BytesPerParam,
     Component,
@@ -526,6 +526,7 @@ def estimate_analytic(
     keep_logits: bool = False,
     allocator: AllocatorConfig | None = None,
     workspaces: tuple[Workspace, ...] = (),
+    layout: bool = False,
 ) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``; reserved
     memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
@@ -540,7 +541,7 @@ def estimate_analytic(
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
     coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
     config = allocator if allocator is not None else AllocatorConfig.from_env()
-    sim = simulate_training(spec, strategy, config, workspaces)
+    sim = simulate_training(spec, strategy, config, workspaces, layout=layout)
     held = peak + sum(w.size_bytes for w in workspaces)
     return MemoryReport(
         method=Method.ANALYTIC,
@@ -561,12 +562,7 @@ def estimate_analytic(
         details=AnalyticDetails(
             activation_coefficient=round(coeff, 2),
             activations_per_layer_bytes=stack.max_layer_bytes,
-            allocator=AllocatorDetails(
-                config=config.to_env(),
-                reserved_peak_bytes=sim.peak_reserved_bytes,
-                fragmentation_bytes=sim.fragmentation_bytes,
-                segments=sim.num_segments_at_peak,
-            ),
+            allocator=allocator_details(sim, config),
         ),
     )
 

@@ -79,7 +79,6 @@ from trainfit.cuda_facts import allocator_bytes
 from trainfit.errors import StrategyError
 from trainfit.overhead import overhead_for
 from trainfit.result import (
-    AnalyticDetails,
     BytesPerParam,
     Component,
     MemoryReport,
@@ -98,6 +97,7 @@ from trainfit.strategy import (
     Sharding,
     Strategy,
 )
+from trainfit.units import MiB, fmt_gib
 
 #: DeepSpeed ``stage3_param_persistence_threshold`` default: smaller parameters are never partitioned.
 DS_PERSISTENCE_THRESHOLD = 100_000
@@ -228,8 +228,8 @@ def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
     eo, sh = strategy.engine, strategy.sharding
     if engine is Engine.TORCH and sh in (Sharding.FSDP, Sharding.HSDP):
         mp = (
-            "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 shards"
-            if _fsdp_mixed(strategy)
+            f"MixedPrecisionPolicy(param_dtype={strategy.recipe.compute_dtype}, reduce_dtype=fp32) over fp32 shards"
+            if strategy.recipe.mixed
             else "no mixed-precision policy (parameters in their own dtype)"
         )
         return (f"FSDP2 fully_shard per decoder layer + root, reshard_after_forward={eo.reshard_after_forward}, {mp}",)
@@ -257,16 +257,6 @@ def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
 def _overlap(strategy: Strategy) -> bool:
     o = strategy.engine.overlap_comm
     return o if o is not None else strategy.sharding is Sharding.ZERO3
-
-
-def _fsdp_mixed(strategy: Strategy) -> bool:
-    """FSDP2's mixed-precision policy applies: a 16-bit recipe (amp-* or master-*)."""
-    return strategy.precision in (
-        Precision.AMP_BF16,
-        Precision.AMP_FP16,
-        Precision.MASTER_BF16,
-        Precision.MASTER_FP16,
-    )
 
 
 # -- small helpers ---------------------------------------------------------------------------------------
@@ -343,7 +333,7 @@ def fsdp_states(spec: ModelSpec, strategy: Strategy, shards: int) -> ShardedStat
     policy (the shard is the master weight), gradients in the shard's dtype, optimizer states like the shard
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py; torch/optim/adamw.py ``_init_group``)."""
     r = strategy.recipe
-    bits = 32 if _fsdp_mixed(strategy) else r.weight_bits
+    bits = 32 if strategy.recipe.mixed else r.weight_bits
     inv = inventory(spec)
     impl = strategy.optimizer_impl
     w = g = o = 0
@@ -406,7 +396,7 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
         return c
 
     notes = [
-        f"DDP: {len(buckets)} gradient buckets of {total / 2**30:.2f} GiB in all, resident from construction"
+        f"DDP: {len(buckets)} gradient buckets of {fmt_gib(total)} in all, resident from construction"
         + (" (the gradients are views of them)" if eo.gradient_as_bucket_view else " on top of the gradients")
     ]
     return _worst(q, adjust, {}), notes
@@ -421,7 +411,7 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
     st = fsdp_states(spec, strategy, p.shard)
     inv = inventory(spec)
     cbits = cs.recipe.compute_bits
-    mixed = _fsdp_mixed(strategy)
+    mixed = strategy.recipe.mixed
     sbits = 32 if mixed else strategy.recipe.weight_bits
     root = _unsharded_bytes([(t, 1) for t in inv.model_tensors], cbits)
     layer = max(_unsharded_bytes([(t, 1) for t in g.tensors], cbits) for g in inv.layers)
@@ -510,8 +500,8 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
     notes = [
         f"FSDP2 over {p.shard} ranks"
         + (f" (HSDP: replicated over {p.dp // p.shard} nodes)" if p.sharding is Sharding.HSDP else "")
-        + f": {n_layers} layer groups + root; unsharded root {root / 2**30:.2f} GiB, one layer "
-        f"{layer / 2**30:.3f} GiB in {'bf16' if cbits == 16 else 'fp32'}"
+        + f": {n_layers} layer groups + root; unsharded root {fmt_gib(root)}, one layer "
+        f"{fmt_gib(layer, 3)} in {'bf16' if cbits == 16 else 'fp32'}"
         + ("" if raf else "; reshard_after_forward=False keeps every layer unsharded through forward and backward"),
     ]
     if mixed:
@@ -616,7 +606,7 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     notes = [
         f"DeepSpeed ZeRO-{stage} over {p.dp} ranks: partition of {part:,} elements per rank"
         + (f" (+{whole:,} in parameters under the persistence threshold, kept whole)" if stage == 3 else "")
-        + f"; reduce bucket {eo.reduce_bucket_size:.0e} elements ({bucket / 2**30:.2f} GiB)",
+        + f"; reduce bucket {eo.reduce_bucket_size:.0e} elements ({fmt_gib(bucket)})",
     ]
     if off_opt:
         notes.append(
@@ -669,16 +659,21 @@ def _megatron(
     q = step_inputs(local, cs, keep_logits=False)
     fp32 = cs.recipe.compute_bits == 32
     dist_opt = strategy.sharding is Sharding.ZERO1
+    if strategy.optimizer is not Optimizer.ADAMW:
+        raise StrategyError(
+            f"tensor/pipeline parallelism models Megatron's Adam (fp32 states); --optimizer {strategy.optimizer.value} "
+            "is not modelled there yet"
+        )
     inv = inventory(local)
-    layers_params = sum(g.params_per_layer for g in inv.layers) // max(1, len(inv.layers))
     per_layer_params = max(g.params_per_layer for g in inv.layers)
     embed = [t for t in inv.model_tensors if t.name.startswith("embed")]
     rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
     embed_params = sum(t.numel for t in embed)
     rest_params = sum(t.numel for t in rest)
-    if spec.tie_word_embeddings:
-        rest_params += embed_params  # the last stage keeps its own copy of the tied table for the head
-    del layers_params
+    if spec.tie_word_embeddings and p.pp > 1:
+        # The last stage keeps its own copy of the tied token table for the head (Megatron's
+        # ``share_embeddings_and_output_weights`` across the first and last stage); on one stage it is one tensor.
+        rest_params += sum(t.numel for t in embed if t.name == "embed_tokens.weight")
     L = spec.num_layers
     ls = L // p.pp
     # Activations of one micro-batch on one layer (SP: every tensor split; Korthikanti et al. 2022, Table 2).
@@ -820,7 +815,6 @@ def estimate_parallel(
             "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
             "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
         ),
-        details=AnalyticDetails(activation_coefficient=0.0, activations_per_layer_bytes=0),
         ranks=ranks,
     )
 
@@ -832,8 +826,8 @@ def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
 
 #: NCCL's buffers outside PyTorch's allocator, measured with a one-rank NCCL group on the H200
 #: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed or Megatron (0).
-NCCL_FSDP_BYTES = 67 * 2**20
-NCCL_DDP_BYTES = 557 * 2**20
+NCCL_FSDP_BYTES = 67 * MiB
+NCCL_DDP_BYTES = 557 * MiB
 
 
 def nccl_bytes(strategy: Strategy) -> int:

@@ -83,6 +83,16 @@ def estimate_cmd(
     ] = 5e8,
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="HSDP shard group; host memory per node.")] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+    alloc_conf: Annotated[
+        str | None,
+        typer.Option(
+            "--alloc-conf",
+            help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. expandable_segments:True (default: the environment's).",
+        ),
+    ] = None,
+    segments: Annotated[
+        bool, typer.Option("--segments", help="Show the simulated allocator segments at the reserved peak.")
+    ] = False,
     explain: Annotated[
         bool,
         typer.Option("--explain", "-v", help="Also show bytes per parameter, the rule-of-thumb comparison and notes."),
@@ -218,7 +228,16 @@ def estimate_cmd(
     with _progress(enabled=options is not None and not json_out) as progress:
         if options is not None and progress is not None:
             options["progress"] = progress
-        report = estimate(spec, strategy, method=m, gpu=gpu, headroom=headroom, method_options=options or None)
+        report = estimate(
+            spec,
+            strategy,
+            method=m,
+            gpu=gpu,
+            headroom=headroom,
+            method_options=options or None,
+            allocator=alloc_conf,
+            allocator_layout=segments,
+        )
     for w in report.warnings:
         warn(w)
     if json_out:

@@ -84,7 +84,7 @@ def accumulation_plan(spec: ModelSpec, strategy: Strategy, usable: int, fn: Esti
     with accumulation on (the memory is the same for any number of steps ≥ 2); the micro-batch is then
     evened out over the steps: ``steps = ⌈effective / largest⌉``, ``micro = ⌈effective / steps⌉``."""
     effective = strategy.effective_batch
-    if effective < 2:
+    if effective < 2 or strategy.parallelism.pipeline > 1:  # a pipeline's micro-batches are --microbatches
         return None
     largest, _ = max_micro_batch(
         spec, dataclasses.replace(strategy, grad_accum=max(2, strategy.grad_accum)), usable, fn

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from trainfit.infer import InferenceReport, Server
 from trainfit.result import SCHEMA_VERSION, Component, InferencePhase
-from trainfit.units import fmt_count, fmt_gb, fmt_gib
+from trainfit.units import fmt_count, fmt_gb, fmt_gib, gib
 
 #: Components an inference phase can hold, in display order.
 INFER_COMPONENTS: tuple[Component, ...] = (
@@ -169,8 +169,8 @@ def _phases(report: InferenceReport) -> Table:
         table.add_column(p.phase.value, justify="right")
     for c in INFER_COMPONENTS:
         if any(p.get(c) for p in report.phases):
-            table.add_row(c.value, *(f"{p.get(c) / 2**30:.3f}" for p in report.phases))
-    table.add_row("total", *(f"{p.total_bytes / 2**30:.3f}" for p in report.phases), style="bold")
+            table.add_row(c.value, *(f"{gib(p.get(c)):.3f}" for p in report.phases))
+    table.add_row("total", *(f"{gib(p.total_bytes):.3f}" for p in report.phases), style="bold")
     table.add_row(
         "worst moment", *(report.moments.get(InferencePhase(p.phase.value), "") for p in report.phases), style="dim"
     )
@@ -221,7 +221,7 @@ def render_infer(console: Console, report: InferenceReport, *, verbose: bool = F
         for col in ("term", "GiB", "formula", "source"):
             terms.add_column(col, overflow="fold")  # sources are file and function names: never cut them
         for term in report.terms:
-            terms.add_row(term.name, f"{term.bytes / 2**30:.3f}", term.formula, term.source)
+            terms.add_row(term.name, f"{gib(term.bytes):.3f}", term.formula, term.source)
         console.print(terms)
         for n in report.notes:
             console.print(Text(f"note: {n}", style="dim"))

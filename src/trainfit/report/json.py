@@ -57,6 +57,7 @@ def parallel_json(strategy: Strategy) -> dict[str, Any]:
     unchanged)."""
     return {
         "gpus": strategy.world_size,
+        "global_batch": strategy.global_batch,
         "data_parallel": strategy.parallelism.data,
         "tensor_parallel": strategy.parallelism.tensor,
         "pipeline_parallel": strategy.parallelism.pipeline,

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trainfit.result import (
+    AnalyticDetails,
     Component,
     Difference,
     FitVerdict,
@@ -25,7 +26,7 @@ from trainfit.result import (
     TraceDetails,
 )
 from trainfit.strategy import Optimizer, Strategy
-from trainfit.units import fmt_count, fmt_gb, fmt_gib, gib
+from trainfit.units import fmt_binary, fmt_count, fmt_gb, fmt_gib, gib
 
 
 def _header(report: MemoryReport) -> Text:
@@ -39,8 +40,14 @@ def _header(report: MemoryReport) -> Text:
             f"{s.precision.value} · {s.optimizer.value}"
             + (f" ({s.optimizer_impl.value})" if s.optimizer is Optimizer.ADAMW else "")
             + f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
-            f" · micro-batch {s.micro_batch} × seq {s.seq_len} · grad-accum {s.grad_accum}"
-            f" (effective batch {s.effective_batch})"
+            f" · micro-batch {s.micro_batch} × seq {s.seq_len} · "
+            + (
+                f"{s.parallelism.microbatches} pipeline micro-batches"
+                if s.parallelism.pipeline > 1
+                else f"grad-accum {s.grad_accum}"
+            )
+            + f" (effective batch {s.effective_batch}"
+            + (f", global {s.global_batch})" if s.parallelism.data > 1 else ")")
         )
         if s.is_distributed:
             par = s.parallelism
@@ -235,6 +242,38 @@ def _measured_vs_trace(report: MemoryReport) -> Table | None:
     return table
 
 
+#: Segments listed by ``--segments`` (the most fragmented first; the JSON lists them all).
+SEGMENT_ROWS = 12
+
+
+def _segments(report: MemoryReport) -> Table | None:
+    d = report.details
+    alloc = d.allocator if isinstance(d, AnalyticDetails | TraceDetails) else None
+    if alloc is None or not alloc.layout:
+        return None
+    segs = alloc.layout
+    reserved = sum(x.size_bytes for x in segs)
+    free = sum(x.free_bytes for x in segs)
+    t = Table(
+        title=f"Allocator segments at the reserved peak: {len(segs)} segments, {fmt_gib(reserved)} reserved, "
+        f"{fmt_gib(free)} free inside them ({alloc.config or 'default settings'}); the {SEGMENT_ROWS} with the "
+        "most free space",
+        title_justify="left",
+    )
+    for col in ("size", "pool", "allocated", "free", "largest free block", "blocks"):
+        t.add_column(col, justify="left" if col == "pool" else "right")
+    for x in sorted(segs, key=lambda x: -x.free_bytes)[:SEGMENT_ROWS]:
+        t.add_row(
+            fmt_binary(x.size_bytes),
+            x.pool + (" (expandable)" if x.expandable else ""),
+            fmt_binary(x.allocated_bytes),
+            fmt_binary(x.free_bytes),
+            fmt_binary(x.largest_free_bytes),
+            str(x.blocks),
+        )
+    return t
+
+
 def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> None:
     """The answer first, then the breakdown; with ``verbose`` the explanation (bytes per parameter, the
     comparison with the rule of thumb, module tables, notes)."""
@@ -247,7 +286,7 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
         console.print(_phases(report))
         for line in _distributed_notes(report):
             console.print(f"[dim]{line}[/dim]")
-        for extra_table in (_ranks(report), _measured_vs_trace(report), _modules(report)):
+        for extra_table in (_ranks(report), _measured_vs_trace(report), _modules(report), _segments(report)):
             if extra_table is not None:
                 console.print(extra_table)
     if not verbose:

@@ -77,6 +77,21 @@ class Strategy:
                 raise StrategyError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if self.adapter is not None and not isinstance(self.adapter, Adapter):
             raise StrategyError(f"adapter must be an Adapter or None, got {self.adapter!r}")
+        if (
+            self.engine.engine is Engine.TORCH
+            and self.parallelism.is_single_gpu
+            and self.sharding is Sharding.NONE
+            and not self.offload.any
+        ):
+            raise StrategyError(
+                "--engine torch on one GPU without --sharding is plain single-GPU training: drop --engine, or add "
+                "--sharding ddp|fsdp to model that wrapper"
+            )
+        if self.parallelism.pipeline > 1 and self.grad_accum > 1:
+            raise StrategyError(
+                "with pipeline parallelism the micro-batches of a step are --microbatches; --grad-accum is for "
+                "data parallelism alone"
+            )
         if not isinstance(self.flash_sdp, bool):
             raise StrategyError(f"flash_sdp must be True or False, got {self.flash_sdp!r}")
         check_finetune(self.adapter, self.base_weights)
@@ -87,8 +102,15 @@ class Strategy:
 
     @property
     def effective_batch(self) -> int:
-        """Sequences per optimizer step on one data-parallel replica (× data degree for the global batch)."""
-        return self.micro_batch * self.grad_accum
+        """Sequences per optimizer step on one data-parallel replica: micro-batch × accumulation steps (with
+        pipeline parallelism, × the micro-batches the pipeline runs per step). × data degree: the global batch."""
+        pipelined = self.parallelism.microbatches if self.parallelism.pipeline > 1 else 1
+        return self.micro_batch * self.grad_accum * pipelined
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over every data-parallel replica."""
+        return self.effective_batch * self.parallelism.data
 
     @property
     def tokens_per_micro_batch(self) -> int:

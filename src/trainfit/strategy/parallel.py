@@ -85,6 +85,8 @@ class Parallelism:
             )
         if self.sequence_parallel and self.tensor == 1:
             raise StrategyError("sequence parallelism splits over the tensor-parallel group: it needs tensor > 1")
+        if (self.pipeline_schedule is PipelineSchedule.INTERLEAVED or self.virtual_stages > 1) and self.pipeline == 1:
+            raise StrategyError("an interleaved schedule (--virtual-stages) splits pipeline stages: it needs --pp > 1")
 
     @property
     def world_size(self) -> int:

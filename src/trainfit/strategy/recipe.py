@@ -64,6 +64,12 @@ class Recipe:
         return DType.FP32 if self.weight_bits == 32 else self.compute
 
     @property
+    def mixed(self) -> bool:
+        """16-bit compute over fp32 parameters (amp-*, master-*): what a framework's mixed-precision policy runs
+        (FSDP2 ``MixedPrecisionPolicy(param_dtype=<compute>, reduce_dtype=fp32)``, DeepSpeed/Megatron bf16/fp16)."""
+        return self.compute_bits == 16 and (self.autocast or self.master_bits > 0)
+
+    @property
     def needs_bf16(self) -> bool:
         return self.compute_dtype == "bf16"
 

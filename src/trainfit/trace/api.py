@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.report import allocator_details
 from trainfit.allocator.workspaces import training_workspaces
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import TrainfitError
-from trainfit.result import AllocatorDetails, MemoryReport, Method, Phase, TraceDetails
+from trainfit.result import MemoryReport, Method, Phase, TraceDetails
 from trainfit.strategy import Precision, Strategy, recipe
 from trainfit.trace import depth, readout
 from trainfit.trace import runner as rn
@@ -39,6 +40,7 @@ def trace_spec(
     extrapolate: bool = True,
     allocator: AllocatorConfig | None = None,
     compute_capability: tuple[int, int] = (9, 0),
+    layout: bool = False,
 ) -> MemoryReport:
     """Trace ``spec`` trained under ``strategy`` (real HF modules, fake tensors, CUDA policies).
 
@@ -66,7 +68,7 @@ def trace_spec(
     if progress is not None:
         progress("simulating the caching allocator on the full-depth event stream", 1.0)
     res = reserved_from_trace(
-        spec, strategy, allocator, compute_capability=compute_capability, env=os.environ, steps=steps
+        spec, strategy, allocator, compute_capability=compute_capability, env=os.environ, steps=steps, layout=layout
     ).result
     held = report.peak_bytes + sum(w.size_bytes for w in training_workspaces(compute_capability, os.environ))
     details = report.details
@@ -76,12 +78,7 @@ def trace_spec(
         overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=max(0, res.peak_reserved_bytes - held)),
         details=dataclasses.replace(
             details,
-            allocator=AllocatorDetails(
-                config=allocator.to_env(),
-                reserved_peak_bytes=res.peak_reserved_bytes,
-                fragmentation_bytes=res.fragmentation_bytes,
-                segments=res.num_segments_at_peak,
-            ),
+            allocator=allocator_details(res, allocator),
         ),
     )
 

@@ -189,23 +189,22 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
-
-
-def _mixed(strategy: Strategy) -> bool:
-    return strategy.precision in (
-        Precision.AMP_BF16,
-        Precision.AMP_FP16,
-        Precision.MASTER_BF16,
-        Precision.MASTER_FP16,
-    )
+    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
+        raise StrategyError(
+            "adapters, frozen or quantised base weights with many GPUs are not modelled yet; "
+            "fine-tuning runs on one GPU (drop --gpus/--sharding)"
+        )
 
 
 def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if _mixed(strategy)
+        MixedPrecisionPolicy(
+            param_dtype=torch.float16 if strategy.recipe.compute_dtype == "fp16" else torch.bfloat16,
+            reduce_dtype=torch.float32,
+        )
+        if strategy.recipe.mixed
         else MixedPrecisionPolicy()
     )
     raf = strategy.engine.reshard_after_forward
@@ -269,8 +268,9 @@ def _no_shape_check() -> Iterator[None]:
 def _run_strategy(strategy: Strategy) -> tuple[Strategy, Any]:
     """(the strategy the model is built under, the recipe the runner runs). FSDP2's mixed precision: fp32
     parameters, bf16 compute by the policy, no autocast and no separate master copy."""
-    if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and _mixed(strategy):
-        built = dataclasses.replace(strategy, precision=Precision.AMP_BF16)
+    if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and strategy.recipe.mixed:
+        fp16 = strategy.recipe.compute_dtype == "fp16"
+        built = dataclasses.replace(strategy, precision=Precision.AMP_FP16 if fp16 else Precision.AMP_BF16)
         rec = dataclasses.replace(built.recipe, autocast=False, loss_scaling=False)
         return built, rec
     return strategy, strategy.recipe
@@ -415,7 +415,7 @@ def trace_distributed(
     peak = max(p.total_bytes for p in phases.values())
     what = (
         f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
-        + (", MixedPrecisionPolicy(bf16, fp32)" if _mixed(strategy) else "")
+        + (f", MixedPrecisionPolicy({strategy.recipe.compute_dtype}, fp32)" if strategy.recipe.mixed else "")
         if fsdp
         else f"DDP bucket_cap_mb={strategy.engine.bucket_cap_mb}, "
         f"gradient_as_bucket_view={strategy.engine.gradient_as_bucket_view}"

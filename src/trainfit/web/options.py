@@ -289,7 +289,14 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
         raise StrategyError(
             f"unknown method '{o['method']}'; choose one of: {', '.join(x.value for x in Method)}"
         ) from None
-    return spec, {"strategy": strategy, "method": method, "gpu": o["gpu"], "headroom": o["headroom"]}
+    return spec, {
+        "strategy": strategy,
+        "method": method,
+        "gpu": o["gpu"],
+        "headroom": o["headroom"],
+        "allocator": o["alloc_conf"],
+        "allocator_layout": o["segments"],
+    }
 
 
 def infer_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
