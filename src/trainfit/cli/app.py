@@ -30,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "trainfit.cli.formats",
     "trainfit.cli.precision",
     "trainfit.cli.doctor",
+    "trainfit.cli.serve",
 )
 
 app = typer.Typer(

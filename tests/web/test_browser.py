@@ -1,0 +1,315 @@
+"""The page in a real Chromium (Debian's ``chromium`` package, driven by Playwright through ``executable_path``).
+
+One server and one browser for the module (one per worker under pytest-xdist: each test sets up its own view).
+Every expected value comes from the JSON API on the same server: the page must show what the API says (the API
+equals the CLI: tests/web/test_api.py). Skips, saying why, where Playwright or a chromium binary is missing
+(``.ci/run`` installs chromium with apt-get).
+
+The main view's screenshot is kept under pytest's tmp dir; with ``TRAINFIT_README_SCREENSHOT=1`` it is also
+written to ``docs/web.png`` (the README's picture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
+
+from trainfit.arch.catalog import catalog_config  # noqa: E402
+from trainfit.web.app import create_app  # noqa: E402
+
+ROOT = Path(__file__).parents[2]
+GIB = 2**30
+
+
+def _chromium() -> str | None:
+    for name in (os.environ.get("TRAINFIT_CHROMIUM"), "chromium", "chromium-browser"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+CHROMIUM = _chromium()
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary (apt-get install chromium, or set TRAINFIT_CHROMIUM)"
+)
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def page(base_url: str) -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        context = browser.new_context(viewport={"width": 1280, "height": 900}, color_scheme="light")
+        pg = context.new_page()
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.errors = errors
+        yield pg
+        browser.close()
+    assert not errors, errors
+
+
+def api(base_url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as res:
+            return json.load(res)
+    except urllib.error.HTTPError as exc:
+        return json.load(exc)
+
+
+def settle(page: Any, before: int) -> None:
+    """Wait until the page has finished an update started after ``before`` updates."""
+    page.wait_for_function(
+        "n => window.trainfit && window.trainfit.ready && !window.trainfit.busy && window.trainfit.updates > n",
+        arg=before,
+        timeout=20_000,
+    )
+
+
+def updates(page: Any) -> int:
+    return int(page.evaluate("window.trainfit ? window.trainfit.updates : 0"))
+
+
+def goto(page: Any, url: str) -> None:
+    page.goto(url)
+    settle(page, 0)
+
+
+def chart(page: Any) -> dict[str, Any]:
+    return dict(
+        page.evaluate(
+            """() => { const gd = document.getElementById('chart');
+            return { traces: (gd.data || []).map(t => ({meta: t.meta, x: t.x, ids: t.ids || null, y: t.y,
+                                                       customdata: t.customdata})),
+                     lines: ((gd.layout || {}).shapes || []).map(s => ({name: s.name, y: s.y0})) }; }"""
+        )
+    )
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def assert_chart_is(page: Any, want: dict[str, Any], kind: str = "estimate") -> None:
+    """The stacked bars hold exactly each phase's non-zero components, in bytes (customdata) and GiB (height), and
+    the bytes that must fit (per rank when ranks differ)."""
+    drawn = chart(page)["traces"]
+    bars: list[tuple[str, int]] = []
+    musts: list[int] = []
+    for t in drawn:
+        for y, b in zip(t["y"], t["customdata"], strict=True):
+            assert y * GIB == pytest.approx(b, rel=1e-12)
+            if t["meta"] == "required":
+                musts.append(b)
+            elif b:
+                bars.append((t["meta"], b))
+    ranks = want.get("ranks") or []
+    if len(ranks) > 1:
+        groups = [r["phases"] for r in ranks]
+        required = [r["required_bytes"] for r in ranks if "required_bytes" in r]
+    else:
+        groups = [want["phases"]]
+        fit = want.get("fit") if kind == "infer" else want
+        required = [fit["required_bytes"]] if fit and "required_bytes" in fit else []
+    expected = [(c, b) for phases in groups for p in phases.values() for c, b in p["components"].items() if b]
+    assert sorted(bars) == sorted(expected)
+    assert musts == required
+    if len(groups) == 1:  # one bar per phase: each bar is its phase's (ids: the phase; x: its label)
+        for t in drawn:
+            if t["meta"] == "required":
+                continue
+            for phase, b in zip(t["ids"], t["customdata"], strict=True):
+                assert want["phases"][phase]["components"][t["meta"]] == b
+
+
+def test_choose_a_model_and_a_gpu(page: Any, base_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    goto(page, base_url + "/")
+    assert "Pick a model" in page.inner_text("#status")
+    n = updates(page)
+    page.fill("#model-search", "qwen2.5-7b")
+    page.select_option("#gpu", "a100-sxm-80gb")
+    settle(page, n)
+    want = api(base_url, "/api/estimate", {"model": "qwen2.5-7b", "gpu": "a100-sxm-80gb"})
+    verdict = page.inner_text("#verdict")
+    assert verdict.startswith("Fits on a100-sxm-80gb" if want["fits"] else "Does not fit on a100-sxm-80gb")
+    assert gib(want["required_bytes"]) in verdict and gib(want["usable_bytes"]) in verdict
+    assert_chart_is(page, want)
+    capacity = next(g for g in api(base_url, "/api/gpus")["gpus"] if g["id"] == "a100-sxm-80gb")["memory_bytes"]
+    lines = {line["name"]: line["y"] * GIB for line in chart(page)["lines"]}
+    assert lines["a100-sxm-80gb capacity"] == pytest.approx(capacity, rel=1e-12)
+    assert lines["after headroom"] == pytest.approx(want["usable_bytes"], rel=1e-12)
+    rule = api(base_url, "/api/estimate", {"model": "qwen2.5-7b", "gpu": "a100-sxm-80gb", "method": "rule-of-thumb"})
+    assert gib(rule["nvidia_smi_estimate_bytes"]) in page.inner_text("#compare")
+    for s in want["suggestions"]:
+        assert " ".join(s["flags"]) in page.inner_text("#suggestions")
+    shot = tmp_path_factory.mktemp("web") / "main-view.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+
+
+def test_the_readme_command_as_a_link(page: Any, base_url: str) -> None:
+    """The README's first command, as a link: the page says what the API (and so the CLI) says."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("python3 -m venv") and "trainfit estimate" in x)
+    args = line.split("trainfit estimate ", 1)[1].split()
+    query: dict[str, Any] = {"model": args[0]}
+    for flag, value in zip(args[1::2], args[2::2], strict=True):
+        query[flag.removeprefix("--").replace("-", "_")] = value
+    goto(page, base_url + "/?" + urllib.parse.urlencode(query))
+    want = api(base_url, "/api/estimate", query)
+    verdict = page.inner_text("#verdict")
+    assert verdict.startswith("Fits on" if want["fits"] else "Does not fit on")
+    assert f"needs {gib(want['required_bytes'])} of {gib(want['usable_bytes'])} usable" in verdict
+    assert_chart_is(page, want)
+    if os.environ.get("TRAINFIT_README_SCREENSHOT") == "1":
+        page.screenshot(path=str(ROOT / "docs" / "web.png"))
+
+
+def test_a_knob_updates_the_chart_and_the_url(page: Any, base_url: str) -> None:
+    goto(page, base_url + "/?model=qwen2.5-7b&gpu=a100-sxm-80gb")
+    before = chart(page)
+    n = updates(page)
+    page.select_option("select[name=checkpointing]", "full")
+    page.fill("input[name=batch]", "4")
+    settle(page, n)
+    want = api(
+        base_url, "/api/estimate", {"model": "qwen2.5-7b", "gpu": "a100-sxm-80gb", "checkpointing": "full", "batch": 4}
+    )
+    assert_chart_is(page, want)
+    assert chart(page) != before
+    assert "checkpointing=full" in page.url and "batch=4" in page.url
+    # A bad value: the API's one line, next to the field.
+    n = updates(page)
+    page.fill("input[name=batch]", "0")
+    settle(page, n)
+    bad = api(
+        base_url, "/api/estimate", {"model": "qwen2.5-7b", "gpu": "a100-sxm-80gb", "checkpointing": "full", "batch": 0}
+    )
+    assert page.inner_text('.err[data-for="batch"]') == bad["error"]
+    assert page.inner_text("#verdict") == "" and chart(page)["traces"] == [], "no stale answer beside an error"
+    n = updates(page)
+    page.fill("input[name=batch]", "4")
+    settle(page, n)
+    assert page.inner_text('.err[data-for="batch"]') == ""
+
+
+def test_a_link_reproduces_the_view(page: Any, base_url: str) -> None:
+    goto(page, base_url + "/?model=qwen2.5-7b&gpu=a100-sxm-80gb")
+    n = updates(page)
+    page.select_option("select[name=optimizer]", "adamw-8bit")
+    page.check("input[name=workload][value=finetune]")
+    settle(page, n)
+    url, verdict, drawn = page.url, page.inner_text("#verdict"), chart(page)
+    assert "optimizer=adamw-8bit" in url and "workload=finetune" in url
+    other = page.context.new_page()
+    try:
+        goto(other, url)
+        assert other.inner_text("#verdict") == verdict
+        assert chart(other) == drawn
+    finally:
+        other.close()
+
+
+def test_a_pasted_config(page: Any, base_url: str) -> None:
+    goto(page, base_url + "/?gpu=t4")
+    page.click("#config-box summary")
+    broken = '{"model_type": "llama", "hidden_size": 896,'
+    n = updates(page)
+    page.fill("#config", broken)
+    page.click("#config-use")
+    settle(page, n)
+    want = api(base_url, "/api/estimate", {"config": broken, "gpu": "t4"})["error"]
+    assert page.inner_text('.err[data-for="config"]') == want
+    assert page.inner_text("#verdict") == ""
+    good = json.dumps(catalog_config("qwen2.5-0.5b"))
+    n = updates(page)
+    page.fill("#config", good)
+    page.click("#config-use")
+    settle(page, n)
+    want = api(base_url, "/api/estimate", {"config": good, "gpu": "t4"})
+    assert page.inner_text('.err[data-for="config"]') == ""
+    assert_chart_is(page, want)
+    assert "#config=" in page.url
+
+
+def test_inference_and_the_formats_tab(page: Any, base_url: str) -> None:
+    goto(page, base_url + "/?model=llama-3.1-8b&gpu=l4")
+    n = updates(page)
+    page.check("input[name=workload][value=inference]")
+    settle(page, n)
+    want = api(base_url, "/api/infer", {"model": "llama-3.1-8b", "gpu": "l4"})
+    verdict = page.inner_text("#verdict")
+    assert verdict.startswith("Fits on l4" if want["fit"]["fits"] else "Does not fit on l4")
+    assert gib(want["fit"]["required_bytes"]) in verdict
+    assert f"largest batch {want['capacity']['max_batch']}" in verdict
+    assert_chart_is(page, want, "infer")
+    page.click("#tab-formats")
+    page.wait_for_selector("#formats-table tbody tr")
+    formats = api(base_url, "/api/formats")
+    assert page.locator("#formats-table tbody tr").count() == len(formats["formats"]) + len(formats["integer_formats"])
+    advice = api(base_url, "/api/precision?gpu=l4")["recommendation"]
+    page.wait_for_selector("#advice b")
+    assert page.inner_text("#advice b") == advice["precision"]
+    assert "tab=formats" in page.url
+
+
+def test_pipeline_ranks(page: Any, base_url: str) -> None:
+    query = {"model": "llama-3.1-70b", "gpu": "h100-sxm-80gb", "gpus": "16", "tp": "4", "pp": "4", "microbatches": "8"}
+    goto(page, base_url + "/?" + urllib.parse.urlencode(query))
+    want = api(base_url, "/api/estimate", query)
+    assert len(want["ranks"]) > 1
+    assert_chart_is(page, want)
+
+
+def test_phone_width_and_dark_mode(page: Any, base_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    def background() -> list[int]:
+        rgb = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        return [int(v) for v in rgb[rgb.index("(") + 1 : rgb.index(")")].split(",")[:3]]
+
+    goto(page, base_url + "/?model=llama-3.1-8b&gpu=rtx-4090&workload=finetune")
+    light = background()
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.emulate_media(color_scheme="dark")
+    n = updates(page)
+    page.reload()
+    settle(page, min(n, 0))
+    assert sum(background()) < sum(light) / 3, "prefers-color-scheme: dark gives a dark page"
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"), "no sideways scrolling"
+    want = api(base_url, "/api/estimate", {"model": "llama-3.1-8b", "gpu": "rtx-4090", "finetune": "lora"})
+    assert_chart_is(page, want)
+    page.screenshot(path=str(tmp_path_factory.mktemp("web") / "phone-dark.png"), full_page=True)
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.emulate_media(color_scheme="light")
