@@ -192,11 +192,14 @@ def estimate(
     method_options: dict[str, object] | None = None,
     allocator: str | None = None,
     allocator_layout: bool = False,
+    simulate_allocator: bool = True,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
     process's environment variable, else PyTorch's defaults); ``allocator_layout``: also report the simulated
-    segments at the reserved peak (``AllocatorDetails.layout``)."""
+    segments at the reserved peak (``AllocatorDetails.layout``); ``simulate_allocator=False``: the trace skips
+    the allocator simulation (one trace fewer) and reports the fixed reserve fraction — for callers that only
+    need the allocated phases."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -223,7 +226,7 @@ def estimate(
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    if method in (Method.ANALYTIC, Method.TRACE):
+    if method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator):
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )

@@ -66,7 +66,7 @@ def test_lora_analytic_agrees_with_the_peft_trace(
     a, b = finetune_setup(how, rank=8, targets=targets, dropout=dropout, adapter_dtype=adapter_dtype, base_dtype=base)
     s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)
     ra = estimate(spec, s)
-    rt = estimate(spec, s, method="trace")
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
     assert ra.trainable_params == rt.trainable_params
     for pa, pt in zip(ra.phases, rt.phases, strict=True):
         assert abs(pa.total_bytes - pt.total_bytes) <= 0.03 * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
@@ -76,7 +76,9 @@ def test_trace_builds_the_adapters_peft_builds() -> None:
     """The traced model's trainable tensors are PEFT's: rank-8 A/B pairs on q and v of every layer."""
     spec = spec_from_config(FAMILIES["llama"], name="small-llama", source="test")
     a, b = finetune_setup("lora", rank=8, targets="q_proj,v_proj", base_dtype="bf16")
-    rt = estimate(spec, Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=64), method="trace")
+    rt = estimate(
+        spec, Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=64), method="trace", simulate_allocator=False
+    )
     # per layer: q 8·(256+256), v 8·(256+128); 4 layers.
     assert rt.trainable_params == 4 * (8 * 512 + 8 * 384)
 
@@ -89,7 +91,7 @@ def test_qlora_trace_stores_the_base_byte_exact() -> None:
     spec = spec_from_config(FAMILIES["llama"], name="small-llama", source="test")
     a, b = finetune_setup("qlora", rank=8, targets="all-linear")
     s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=64, checkpointing="full")
-    ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+    ra, rt = estimate(spec, s), estimate(spec, s, method="trace", simulate_allocator=False)
     from trainfit.result import Component
 
     analytic = ra.phases[-1].get(Component.WEIGHTS) + ra.phases[-1].get(Component.ADAPTER_WEIGHTS)
