@@ -102,9 +102,12 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
     def per_tensor(total: int, x: ParamTensor) -> int:
         return total * x.numel // trained_numel
 
-    layer_tensors = {id(x) for g in inv.layers for x in g.tensors}
-    model_trained = [x for x, _ in trained if id(x) not in layer_tensors]
-    copy_model = [ps.tensor for ps in states if ps.autocast_copy and id(ps.tensor) not in layer_tensors]
+    # Tensors compare by value (name, shape): the inventory is rebuilt per call, so identities differ.
+    layer_tensors = {x for g in inv.layers for x in g.tensors}
+    trainable = {x for x, _ in trained}
+    model_trained = [x for x, _ in trained if x not in layer_tensors]
+    copy_model = [ps.tensor for ps in states if ps.autocast_copy and ps.tensor not in layer_tensors]
+    copied = {ps.tensor for ps in states if ps.autocast_copy}  # autocast caches a 16-bit copy of these
     layout = strategy.checkpoint_layout(spec.num_layers)
     segment_of: list[int] = []
     for i, n in enumerate(layout.segment_sizes):
@@ -123,7 +126,7 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
 
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
-        copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in g.tensors if x.matmul and w.amp]
+        copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in g.tensors if x in copied]
         saved: list[int] = []
         for term in terms_of[g.kind]:
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
@@ -200,7 +203,7 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
                 for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
                     layers[j] = layer_forward(j)
                 copies, saved = layers[i]
-            grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in g.tensors if strategy.trains_every_weight]
+            grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in g.tensors if x in trainable]
             temp = s.alloc(temps.block_bytes)
             s.free(temp)
             chain = s.alloc(chain_backward)
