@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from trainfit import Strategy, estimate, load_model
 from trainfit.allocator import AllocatorConfig, Op
 from trainfit.analytic.events import simulate_training, training_events
+from trainfit.strategy import finetune_setup
 
 _CANDIDATES = (Path(__file__).resolve().parents[3] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
 TRUTH = next((p for p in _CANDIDATES if p.is_dir()), None)
+
+
+def _finetune(how: str, base: str, targets: str) -> dict[str, Any]:
+    adapter, base_weights = finetune_setup(how, rank=16, targets=targets, base_dtype=base)
+    return {"adapter": adapter, "base_weights": base_weights}
+
 
 CASES = [
     ("qwen2.5-0.5b", Strategy(micro_batch=2, seq_len=1024)),
     ("gpt2", Strategy(precision="amp-fp16", optimizer_impl="foreach", micro_batch=4, seq_len=1024)),
     ("llama-3.2-1b", Strategy(precision="pure-bf16", checkpointing="full", micro_batch=2, seq_len=2048)),
     ("bert-base-uncased", Strategy(precision="fp32", attention="eager", micro_batch=4, seq_len=512)),
+    # Fine-tuning: frozen or quantised bases get no gradients and no autocast copies in the stream either.
+    ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("qlora", "nf4", "q_proj,v_proj"))),
+    ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("lora", "bf16", "all-linear"))),
 ]
 
 
