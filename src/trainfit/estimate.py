@@ -191,10 +191,12 @@ def estimate(
     headroom: float = DEFAULT_HEADROOM,
     method_options: dict[str, object] | None = None,
     allocator: str | None = None,
+    search_micro_batch: bool = True,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
-    process's environment variable, else PyTorch's defaults)."""
+    process's environment variable, else PyTorch's defaults). ``search_micro_batch``: with a GPU, search the
+    largest micro-batch that fits (False: the verdict for this micro-batch only; what the planner asks)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -264,9 +266,9 @@ def estimate(
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
-        searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB)
+        searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB) and search_micro_batch
         fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, with_options if searchable else None)
-        if not searchable:
+        if not searchable and search_micro_batch:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
                 "micro-batch is not searched (one probe per batch would take minutes): --method analytic searches it"
