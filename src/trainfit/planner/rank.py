@@ -183,7 +183,7 @@ class _Search:
             else:
                 hi = mid
         fitting = micros[: lo + 1]
-        best = min(fitting, key=lambda m: self.key(c.world, self.speed(self.strategy(c, m))))
+        best = min(fitting, key=lambda m: (self.key(c.world, self.speed(self.strategy(c, m))), -m))
         req = self.required(self.strategy(c, best))
         assert req is not None
         return self.plan(c, best, req), None
