@@ -24,7 +24,7 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
-from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time
+from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time, step_time_of
 from trainfit.strategy import Strategy
 
 __all__ = ["Plan", "PlanResult", "describe_changes", "search_plans"]
@@ -92,8 +92,34 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _distance(c: Candidate, baseline: Strategy) -> int:
+    """How many of the candidate's choices differ from the baseline (the tie-break between equal bounds)."""
+    return sum(
+        (
+            c.world != baseline.world_size,
+            c.precision != baseline.precision,
+            c.optimizer != baseline.optimizer,
+            c.checkpointing != baseline.checkpointing,
+            c.sharding != baseline.sharding,
+            c.tensor != baseline.parallelism.tensor,
+            c.pipeline != baseline.parallelism.pipeline,
+            c.offload != baseline.offload.flag,
+            c.finetune is not Finetune.FULL,
+        )
+    )
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Near:
+    """A candidate that does not fit at its smallest micro-batch, and by how many bytes (a bound or the estimate)."""
+
+    candidate: Candidate
+    micro: int
+    bytes: int
 
 
 class _Search:
@@ -138,8 +164,46 @@ class _Search:
                 self._memory[s] = rep.fit.required_bytes
         return self._memory[s]
 
+    def lower_bound(self, s: Strategy) -> int:
+        """A cheap bound below the estimate's requirement for one GPU (0 for many): the closed-form allocated peak
+        (the same moments :func:`trainfit.analytic.estimate_analytic` reports) + cuBLAS workspaces + memory
+        outside the allocator, without the allocator simulation's reserve (which is ≥ 0)."""
+        if s.is_distributed:
+            return 0
+        from trainfit.analytic.activations import effective_strategy
+        from trainfit.analytic.model import step_inputs, training_moments
+        from trainfit.cuda_facts import has_flash_attention
+        from trainfit.estimate import gpu_workspaces
+        from trainfit.overhead import outside_allocator
+
+        eff, _ = effective_strategy(self.spec, s)
+        if eff.flash_sdp and not has_flash_attention(self.gpu.compute_capability):
+            eff = dataclasses.replace(eff, flash_sdp=False)
+        try:
+            moments = training_moments(step_inputs(self.spec, eff, keep_logits=False))
+        except StrategyError:
+            return 0
+        peak = max(m.breakdown().total_bytes for m in moments.values())
+        work = sum(w.size_bytes for w in gpu_workspaces(self.gpu))
+        return peak + work + outside_allocator(self.gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+
+    def fits(self, s: Strategy) -> bool:
+        if self.lower_bound(s) > self.usable:
+            return False
+        r = self.required(s)
+        return r is not None and r <= self.usable
+
     def speed(self, s: Strategy) -> StepTime:
         return step_time(self.spec, s, self.gpu, network_gbps=self.network)
+
+    def fast_speed(self, c: Candidate, micro: int) -> StepTime:
+        x = c.speed_inputs(
+            micro_batch=micro,
+            grad_accum=self.global_batch // (c.data * micro),
+            seq_len=self.seq_len,
+            gpus_per_node=self.gpn,
+        )
+        return step_time_of(self.spec, x, self.gpu, network_gbps=self.network)
 
     def key(self, gpus: int, t: StepTime) -> tuple[float, ...]:
         if self.objective is Objective.FEWEST_GPUS:
@@ -162,23 +226,25 @@ class _Search:
             changes=describe_changes(s, self.baseline),
         )
 
-    def evaluate(self, c: Candidate) -> tuple[Plan | None, Plan | None]:
+    def evaluate(self, c: Candidate) -> tuple[Plan | None, _Near | None]:
         """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit)."""
         micros = self.micro_options(c)
         try:
             first = self.strategy(c, micros[0])
         except StrategyError:
             return None, None
+        bound = self.lower_bound(first)
+        if bound > self.usable:
+            return None, _Near(candidate=c, micro=micros[0], bytes=bound)
         need = self.required(first)
         if need is None:
             return None, None
         if need > self.usable:
-            return None, self.plan(c, micros[0], need)
+            return None, _Near(candidate=c, micro=micros[0], bytes=need)
         lo, hi = 0, len(micros)  # micros[lo] fits; micros[hi] (if any) does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            r = self.required(self.strategy(c, micros[mid]))
-            if r is not None and r <= self.usable:
+            if self.fits(self.strategy(c, micros[mid])):
                 lo = mid
             else:
                 hi = mid
@@ -239,20 +305,16 @@ def search_plans(
         # Speed does not depend on the optimizer: one bound per candidate without it.
         skey = (dataclasses.replace(c, optimizer=baseline.optimizer),)
         if skey not in speed_cache:
-            keys = []
-            for m in s.micro_options(c):
-                try:
-                    keys.append(s.key(c.world, s.speed(s.strategy(c, m))))
-                except StrategyError:
-                    continue
-            speed_cache[skey] = min(keys) if keys else None
+            try:
+                speed_cache[skey] = min(s.key(c.world, s.fast_speed(c, m)) for m in s.micro_options(c))
+            except StrategyError:  # no peak for this dtype in the catalog
+                speed_cache[skey] = None
         bound = speed_cache[skey]
         if bound is not None:
-            changes = len(describe_changes(s.strategy(c, s.micro_options(c)[-1]), baseline))
-            bounded.append((bound, changes, i, c))
+            bounded.append((bound, _distance(c, baseline), i, c))
     bounded.sort(key=lambda x: (x[0], x[1], x[2]))
     found: list[Plan] = []
-    closest: Plan | None = None
+    closest: _Near | None = None
     for bound, _changes, _i, c in bounded:
         if len(found) >= top and bound >= s.key(found[-1].gpus, found[-1].speed):
             break
@@ -261,14 +323,19 @@ def search_plans(
             found.append(plan)
             found.sort(key=lambda p: (s.key(p.gpus, p.speed), len(p.changes), -p.margin_bytes))
             del found[top:]
-        elif near is not None and (closest is None or near.required_bytes < closest.required_bytes):
+        elif near is not None and (closest is None or near.bytes < closest.bytes):
             closest = near
     needs: tuple[str, ...] = ()
+    nearest: Plan | None = None
+    if not found and closest is not None:
+        need = s.required(s.strategy(closest.candidate, closest.micro))  # the estimate's own number, not a bound
+        if need is not None:
+            nearest = s.plan(closest.candidate, closest.micro, need)
     if not found and explain_needs:
-        needs = _needs(spec, gpu, closest, s, gpus=gpus, seq_len=seq_len, global_batch=global_batch, allow=allow)
+        needs = _needs(spec, gpu, nearest, s, gpus=gpus, seq_len=seq_len, global_batch=global_batch, allow=allow)
     return PlanResult(
         plans=tuple(found),
-        closest=None if found else closest,
+        closest=nearest,
         needs=needs,
         objective=objective,
         global_batch=global_batch,

@@ -26,6 +26,7 @@ from enum import StrEnum
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
+from trainfit.planner.speed import SpeedInputs
 from trainfit.strategy import (
     Checkpointing,
     Engine,
@@ -39,6 +40,7 @@ from trainfit.strategy import (
     Strategy,
     finetune_setup,
 )
+from trainfit.strategy.recipe import RECIPES
 
 __all__ = [
     "Candidate",
@@ -96,6 +98,29 @@ class Candidate:
     @property
     def data(self) -> int:
         return self.world // (self.tensor * self.pipeline)
+
+    def speed_inputs(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> SpeedInputs:
+        """What :func:`trainfit.planner.speed.step_time_of` reads — equal to ``SpeedInputs.of(self.strategy(...))``
+        (a test holds them together) without building and validating a Strategy."""
+        r = RECIPES[self.precision]
+        return SpeedInputs(
+            data=self.data,
+            tensor=self.tensor,
+            pipeline=self.pipeline,
+            gpus_per_node=gpus_per_node,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            frozen_base=self.finetune is not Finetune.FULL,
+            compute_dtype=r.compute_dtype,
+            compute_bits=r.compute_bits,
+            grad_bits=r.grad_bits,
+            weight_bits=r.weight_bits,
+            recompute=self.checkpointing is not Checkpointing.NONE,
+            sharding=self.sharding,
+            offload_optimizer=self.offload != "none",
+            offload_parameters=self.offload == "optimizer+params",
+        )
 
     def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
         """The Strategy this candidate runs at ``micro_batch`` × ``grad_accum`` (the pipeline's micro-batches

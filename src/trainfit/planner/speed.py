@@ -36,7 +36,6 @@ sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protoco
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from trainfit.arch.params import active_params_per_token, count_params
@@ -50,9 +49,11 @@ __all__ = [
     "HBM_EFFICIENCY",
     "HOST_ADAM_GBPS",
     "MATMUL_EFFICIENCY",
+    "SpeedInputs",
     "StepTime",
     "model_flops_per_token",
     "step_time",
+    "step_time_of",
 ]
 
 #: Sustained fraction of the dense tensor-core peak for large GEMMs: cuBLAS bf16 8192³ on a B200 ran at 1610 of
@@ -97,8 +98,75 @@ class StepTime:
     mfu: float  # model FLOPs per second per GPU / the catalog peak
 
 
-def _peak_flops(gpu: GPUSpec, strategy: Strategy) -> float:
-    dtype = strategy.recipe.compute_dtype
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeedInputs:
+    """What the speed model reads of a Strategy (built by :meth:`of`; the planner builds it directly)."""
+
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    gpus_per_node: int = 8
+    virtual_stages: int = 1  # > 1 only with the interleaved schedule
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    frozen_base: bool = False
+    compute_dtype: str = "bf16"
+    compute_bits: int = 16
+    grad_bits: int = 32
+    weight_bits: int = 32
+    recompute: bool = False
+    sharding: Sharding = Sharding.NONE
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> SpeedInputs:
+        par, r = strategy.parallelism, strategy.recipe
+        return cls(
+            data=par.data,
+            tensor=par.tensor,
+            pipeline=par.pipeline,
+            gpus_per_node=par.gpus_per_node,
+            virtual_stages=par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED else 1,
+            seq_len=strategy.seq_len,
+            micro_batch=strategy.micro_batch,
+            grad_accum=strategy.grad_accum,
+            frozen_base=strategy.adapter is not None,
+            compute_dtype=r.compute_dtype,
+            compute_bits=r.compute_bits,
+            grad_bits=r.grad_bits,
+            weight_bits=r.weight_bits,
+            recompute=strategy.checkpointing is not Checkpointing.NONE,
+            sharding=strategy.sharding,
+            offload_optimizer=strategy.offload.optimizer_on_host,
+            offload_parameters=strategy.offload.parameters_on_host,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ModelNumbers:
+    params: int
+    matmul_params: int  # active parameters that are matmul weights
+
+
+_MODEL_CACHE: dict[int, tuple[ModelSpec, _ModelNumbers]] = {}
+
+
+def _numbers(spec: ModelSpec) -> _ModelNumbers:
+    hit = _MODEL_CACHE.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    nums = _ModelNumbers(
+        params=count_params(spec), matmul_params=active_params_per_token(spec) - _embedding_lookup_params(spec)
+    )
+    if len(_MODEL_CACHE) > 256:
+        _MODEL_CACHE.clear()
+    _MODEL_CACHE[id(spec)] = (spec, nums)
+    return nums
+
+
+def _peak_flops(gpu: GPUSpec, dtype: str) -> float:
     peak = gpu.peak_tflops.get(dtype)
     if not peak:
         raise StrategyError(f"{gpu.id} has no {dtype} peak in the GPU catalog: no speed estimate for {dtype}")
@@ -124,10 +192,9 @@ def _attention_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
 def model_flops_per_token(spec: ModelSpec, seq_len: int, *, frozen_base: bool = False) -> float:
     """Training FLOPs per token without recompute: 3 × (2·P_matmul + attention); 2 × with a frozen base (no
     weight gradients; the LoRA adapters' own FLOPs, < 1% of the total at rank 16, are left out)."""
-    matmul = active_params_per_token(spec) - _embedding_lookup_params(spec)
     attn = _attention_flops_per_token(spec, seq_len)
     passes = 2 if frozen_base else 3
-    return passes * (2 * matmul + attn)
+    return passes * (2 * _numbers(spec).matmul_params + attn)
 
 
 def _ring(n: int) -> float:
@@ -145,59 +212,55 @@ def step_time(
 
     Tokens per step = micro-batch × grad_accum × data degree × sequence length; with a pipeline the
     micro-batches per step are ``grad_accum`` (Megatron: global / (micro·dp))."""
-    par = strategy.parallelism
-    d, t, p, gpn = par.data, par.tensor, par.pipeline, par.gpus_per_node
-    world = par.world_size
-    seq, micro, accum = strategy.seq_len, strategy.micro_batch, strategy.grad_accum
+    return step_time_of(spec, SpeedInputs.of(strategy), gpu, network_gbps=network_gbps)
+
+
+def step_time_of(
+    spec: ModelSpec, x: SpeedInputs, gpu: GPUSpec, *, network_gbps: float = DEFAULT_NETWORK_GBPS
+) -> StepTime:
+    """:func:`step_time` of the inputs the speed model reads."""
+    d, t, p, gpn = x.data, x.tensor, x.pipeline, x.gpus_per_node
+    world = d * t * p
+    seq, micro, accum = x.seq_len, x.micro_batch, x.grad_accum
     tokens_micro = micro * seq
     tokens_step = tokens_micro * accum * d
-    frozen = strategy.adapter is not None
-    recipe = strategy.recipe
+    nums = _numbers(spec)
 
-    peak = _peak_flops(gpu, strategy)
-    matmul_params = active_params_per_token(spec) - _embedding_lookup_params(spec)
+    peak = _peak_flops(gpu, x.compute_dtype)
     attn = _attention_flops_per_token(spec, seq)
-    layer_matmul = matmul_params - (spec.vocab_size * spec.hidden_size)  # blocks only (the head is not recomputed)
-    passes = 2 if frozen else 3
-    fwd = model_flops_per_token(spec, seq, frozen_base=frozen) / passes
-    recompute_fwd = (2 * max(layer_matmul, 0) + attn) if strategy.checkpointing is not Checkpointing.NONE else 0.0
+    layer_matmul = nums.matmul_params - spec.vocab_size * spec.hidden_size  # blocks only (the head is not recomputed)
+    passes = 2 if x.frozen_base else 3
+    fwd = 2 * nums.matmul_params + attn
+    recompute_fwd = (2 * max(layer_matmul, 0) + attn) if x.recompute else 0.0
     model_flops_rank = passes * fwd * tokens_micro * accum / (t * p)
     recompute_flops_rank = recompute_fwd * tokens_micro * accum / (t * p)
-    flops_time = (model_flops_rank + recompute_flops_rank) / (peak * MATMUL_EFFICIENCY)
+    flops_rate = peak * MATMUL_EFFICIENCY
     hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
-    act_bytes_layer_token = ACTIVATION_BYTES_PER_HIDDEN * spec.hidden_size
     layers_rank = spec.num_layers / p
-    passes_mem = 3 + (1 if strategy.checkpointing is not Checkpointing.NONE else 0)
-    mem_time = passes_mem * act_bytes_layer_token * layers_rank * tokens_micro * accum / t / hbm
-    recompute_time = recompute_flops_rank / (peak * MATMUL_EFFICIENCY) + (
-        act_bytes_layer_token * layers_rank * tokens_micro * accum / t / hbm
-        if strategy.checkpointing is not Checkpointing.NONE
-        else 0.0
-    )
-    compute = flops_time + mem_time
+    act_traffic = ACTIVATION_BYTES_PER_HIDDEN * spec.hidden_size * layers_rank * tokens_micro * accum / t / hbm
+    mem_time = (3 + (1 if x.recompute else 0)) * act_traffic
+    recompute_time = recompute_flops_rank / flops_rate + (act_traffic if x.recompute else 0.0)
+    compute = (model_flops_rank + recompute_flops_rank) / flops_rate + mem_time
     compute_micro = compute / accum
 
-    intra = (gpu.nvlink_gbps or gpu.pcie_gbps or 16.0) * 1e9
-    net = network_gbps * 1e9
     pcie = (gpu.pcie_gbps or 16.0) * 1e9
-    multi_node = world > gpn
+    intra = gpu.nvlink_gbps * 1e9 if gpu.nvlink_gbps else pcie
+    net = network_gbps * 1e9
     tp_bw = intra if t <= gpn else net
     dp_bw = net if d * t > gpn else intra
 
-    params = count_params(spec)
-    local_params = params / (t * p)
-    trained = params if not frozen else max(1, params // 100)  # adapters: ~1% (their gradients are all that moves)
-    local_trained = trained / (t * p)
-    gb = recipe.grad_bits / 8
-    wb = recipe.weight_bits / 8
-    sh = strategy.sharding
+    local_params = nums.params / (t * p)
+    # Trained parameters: all, or with a frozen base only the adapters (~1% at rank 16; their gradients are
+    # all that is reduced).
+    local_trained = local_params if not x.frozen_base else local_params / 100
+    gb, wb = x.grad_bits / 8, x.weight_bits / 8
+    sh = x.sharding
 
-    comm = 0.0
-    exposed = 0.0
+    comm = exposed = 0.0
     if d > 1 and sh in (Sharding.DDP, Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2):
         c = 2 * _ring(d) * local_trained * gb / dp_bw
         comm += c
-        exposed += max(0.0, c - compute_micro * 2 / 3)  # hidden behind the last micro-step's backward
+        exposed += max(0.0, c - compute_micro * 2 / 3)  # hidden behind the last micro-step's backward (2/3)
     elif d > 1 and sh in (Sharding.ZERO3, Sharding.FSDP):
         per_micro = (2 * _ring(d) * local_params * wb + _ring(d) * local_trained * gb) / dp_bw
         comm += per_micro * accum
@@ -209,28 +272,25 @@ def step_time(
         across = 2 * _ring(replicas) * local_trained / shard * gb / net if replicas > 1 else 0.0
         comm += per_micro * accum + across
         exposed += accum * max(0.0, per_micro - compute_micro) + max(0.0, across - compute_micro * 2 / 3)
+    act = micro * seq * spec.hidden_size * x.compute_bits / 8
     if t > 1:
-        act = micro * seq * spec.hidden_size * recipe.compute_bits / 8
-        calls = 4 + (2 if strategy.checkpointing is not Checkpointing.NONE else 0)
+        calls = 4 + (2 if x.recompute else 0)
         c = calls * layers_rank * 2 * _ring(t) * act / tp_bw * accum
         comm += c
         exposed += c
     bubble = 0.0
     if p > 1:
-        v = par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED else 1
-        bubble = compute * (p - 1) / (v * accum)
-        act = micro * seq * spec.hidden_size * recipe.compute_bits / 8 / t
-        c = 2 * accum * act / (net if multi_node else intra)  # activations forward, gradients back, per micro-step
+        bubble = compute * (p - 1) / (x.virtual_stages * accum)
+        c = 2 * accum * act / t / (net if world > gpn else intra)  # activations forward, gradients back
         comm += c
         exposed += c
     offload = 0.0
-    if strategy.offload.optimizer_on_host:
-        shard_params = local_trained / max(1, d)
+    if x.offload_optimizer:
+        shard_params = local_trained / d
         offload += shard_params * (gb + 2) / pcie + shard_params * HOST_ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBPS * 1e9)
-    if strategy.offload.parameters_on_host:
-        offload += accum * 2 * local_params / max(1, d) * 2 / pcie
+    if x.offload_parameters:
+        offload += accum * 2 * local_params / d * 2 / pcie
     step = compute + exposed + bubble + offload
-    mf = passes * fwd * tokens_micro * accum / (t * p)
     return StepTime(
         compute_seconds=compute,
         recompute_seconds=recompute_time,
@@ -240,7 +300,7 @@ def step_time(
         offload_seconds=offload,
         step_seconds=step,
         tokens_per_step=tokens_step,
-        tokens_per_second=tokens_step / step if step > 0 else math.inf,
-        model_flops_per_step=mf,
-        mfu=mf / step / peak if step > 0 else 0.0,
+        tokens_per_second=tokens_step / step,
+        model_flops_per_step=model_flops_rank,
+        mfu=model_flops_rank / step / peak,
     )
