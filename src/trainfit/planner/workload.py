@@ -10,19 +10,21 @@ __all__ = ["parse_tokens", "resolve_world", "sequences_per_step"]
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 
 
-def parse_tokens(text: str) -> int:
-    """``4M`` → 4 000 000 (decimal suffixes k, M, G/B), ``2e6``, ``4_000_000``."""
+def parse_tokens(text: str, *, multiple_of: int = 1) -> int:
+    """``2e6``, ``4_000_000``, or with a suffix k/M/G: ``4M`` is 4 000 000 when that is a multiple of
+    ``multiple_of`` (the sequence length), else 4·2²⁰ = 4 194 304 when that is (Llama 3's "4M tokens" batch is
+    512 sequences of 8192, Dubey et al. 2024 §3.4.1)."""
     t = text.strip().replace("_", "").lower()
-    scale = 1
-    if t and t[-1] in _SUFFIX:
-        scale, t = _SUFFIX[t[-1]], t[:-1]
+    suffix = t[-1:] if t[-1:] in _SUFFIX else ""
     try:
-        value = float(t) * scale
+        number = float(t[:-1] if suffix else t)
     except ValueError:
         raise ConfigError(f"--tokens-per-step expects a number such as 4M or 2e6, got '{text}'") from None
-    if not value.is_integer() or value <= 0:
-        raise ConfigError(f"--tokens-per-step must be a positive whole number of tokens, got '{text}'")
-    return int(value)
+    options = [number * _SUFFIX[suffix], number * 2 ** (10 * ("kmgb".index(suffix) % 3 + 1))] if suffix else [number]
+    for value in options:
+        if value > 0 and value.is_integer() and int(value) % multiple_of == 0:
+            return int(value)
+    raise ConfigError(f"--tokens-per-step {text} is not a whole number of sequences of {multiple_of} tokens")
 
 
 def resolve_world(*, gpus: int | None, nodes: int | None, gpus_per_node: int) -> int:
@@ -47,10 +49,7 @@ def sequences_per_step(*, global_batch: int | None, tokens_per_step: str | None,
     if global_batch is not None and tokens_per_step is not None:
         raise ConfigError("give --global-batch or --tokens-per-step, not both")
     if tokens_per_step is not None:
-        tokens = parse_tokens(tokens_per_step)
-        if tokens % seq_len:
-            raise ConfigError(f"--tokens-per-step {tokens} is not a multiple of --seq {seq_len}")
-        return tokens // seq_len
+        return parse_tokens(tokens_per_step, multiple_of=seq_len) // seq_len
     if global_batch is None:
         raise ConfigError("give --global-batch (sequences per step) or --tokens-per-step")
     if global_batch < 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from trainfit.planner.rank import Plan, PlanResult
@@ -86,7 +87,10 @@ def render_plan(console: Console, result: PlanResult) -> None:
             f"{p.speed.mfu:.0%}",
             ", ".join(p.changes) or "(baseline)",
         )
-    for column in table.columns:
+    for column in table.columns:  # never cut a cell: the table at its natural width (as cli.common.print_table)
         column.no_wrap = True
+    natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    if natural > console.width:
+        console = Console(soft_wrap=False, width=natural)
     console.print(table)
     console.print(explain_top(result.plans[0]))
