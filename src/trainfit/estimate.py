@@ -273,6 +273,13 @@ def estimate(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
                 "micro-batch is not searched (one probe per batch would take minutes): --method analytic searches it"
             )
+    speed = None
+    if gpu_spec is not None and fit is not None and method is not Method.RULE_OF_THUMB and search_micro_batch:
+        from trainfit.planner.fixes import checked_fixes, speed_of
+
+        speed = speed_of(spec, strategy, gpu_spec)
+        if not fit.fits and method is Method.ANALYTIC:
+            fit = dataclasses.replace(fit, fixes=checked_fixes(spec, asked, gpu_spec, headroom))
     comparison = (
         ()
         if method is Method.RULE_OF_THUMB or strategy.is_distributed
@@ -287,4 +294,5 @@ def estimate(
         strategy=asked,
         gpu=gpu_spec,
         comparison=comparison,
+        speed=speed,
     )
