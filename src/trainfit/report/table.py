@@ -96,13 +96,12 @@ def _verdict(f: FitVerdict) -> Text:
         t.append(f"Largest micro-batch that fits: at least {f.max_micro_batch} (the search stops there).")
     else:
         t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
-    if f.fixes:  # checked by the planner: these replace the unchecked hints
+    for s in f.suggestions:  # why it does not fit
+        t.append(_suggestion(s))
+    if f.fixes:  # what fits, checked by the planner with this estimate
         t.append("\nChecked fixes (trainfit plan; each fits by this estimate):")
         for i, s in enumerate(f.fixes, 1):
             t.append(f"\n  {i}. {' '.join(s.flags) or '(as given)'}: {s.reason}")
-        return t
-    for s in f.suggestions:
-        t.append(_suggestion(s))
     return t
 
 
