@@ -18,7 +18,7 @@ from trainfit.planner.speed import (
     step_time,
     step_time_of,
 )
-from trainfit.strategy import Parallelism
+from trainfit.strategy import Parallelism, Sharding
 
 
 def test_flops_per_token_is_six_n_plus_attention() -> None:
@@ -76,7 +76,7 @@ def test_pipeline_bubble_is_p_minus_one_over_m() -> None:
 
 def test_more_gpus_over_network_cost_more_than_over_nvlink() -> None:
     spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
-    x = SpeedInputs(data=16, seq_len=4096, micro_batch=1, grad_accum=1, sharding="fsdp")  # type: ignore[arg-type]
+    x = SpeedInputs(data=16, seq_len=4096, micro_batch=1, grad_accum=1, sharding=Sharding.FSDP)
     slow = dataclasses.replace(x, gpus_per_node=8)
     fast = dataclasses.replace(x, gpus_per_node=16)
     assert step_time_of(spec, slow, gpu).comm_seconds > step_time_of(spec, fast, gpu).comm_seconds

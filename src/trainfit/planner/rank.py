@@ -25,7 +25,7 @@ from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time, step_time_of
-from trainfit.strategy import Strategy
+from trainfit.strategy import Parallelism, Sharding, Strategy
 
 __all__ = ["Plan", "PlanResult", "describe_changes", "search_plans"]
 
@@ -277,14 +277,14 @@ def search_plans(
         raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
     objective = Objective(objective)
     if baseline is None:
+        # The setup a user starts from: trainfit's defaults (amp-bf16, fused AdamW, no checkpointing), data
+        # parallel (DDP) over the GPUs, the whole global batch in one micro-batch per GPU.
         data = math.gcd(gpus, global_batch)
         baseline = Strategy(
             seq_len=seq_len,
             micro_batch=global_batch // data,
-            parallelism=Candidate(world=data)
-            .strategy(micro_batch=1, grad_accum=1, seq_len=seq_len, gpus_per_node=gpus_per_node)
-            .parallelism,
-            sharding="ddp" if data > 1 else "none",
+            parallelism=Parallelism.for_gpus(data, gpus_per_node=gpus_per_node),
+            sharding=Sharding.DDP if data > 1 else Sharding.NONE,
         )
     s = _Search(
         spec,
