@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -30,6 +31,10 @@ def plan_cmd(
         float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
     ] = 50.0,
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
+    export: Annotated[
+        str | None,
+        typer.Option("--export", help="Write the top plan's configs here (TrainingArguments, accelerate, DeepSpeed)."),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """What to change to make MODEL's training fit, fastest first: ranked plans with per-GPU peak, margin,
@@ -44,7 +49,8 @@ def plan_cmd(
       trainfit plan mistral-7b-v0.1 --gpu rtx-4090 --allow lora,qlora --seq 2048 --global-batch 64
     """
     from trainfit.arch import load_model
-    from trainfit.cli.common import print_json, stdout_console
+    from trainfit.cli.common import print_json, stdout_console, warn
+    from trainfit.export import export_plan, write_export
     from trainfit.hardware import get_gpu
     from trainfit.planner.rank import search_plans
     from trainfit.planner.space import Objective, parse_allow
@@ -55,8 +61,9 @@ def plan_cmd(
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
     batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq)
+    spec = load_model(model)
     result = search_plans(
-        load_model(model),
+        spec,
         get_gpu(gpu),
         gpus=world,
         seq_len=seq,
@@ -69,10 +76,17 @@ def plan_cmd(
         network_gbps=network_gbps,
         top=top,
     )
+    written: tuple[Path, ...] = ()
+    if export is not None and result.plans:
+        written = write_export(export_plan(spec, result.plans[0].strategy), Path(export))
     if json_out:
-        print_json(plan_json(result))
+        print_json(plan_json(result) | {"exported": [str(p) for p in written]})
         return
     render_plan(stdout_console(), result)
+    if export is not None and not result.plans:
+        warn("nothing fits: no configuration exported")
+    for path in written:
+        typer.echo(f"wrote {path}")
 
 
 def register(app: typer.Typer) -> None:
