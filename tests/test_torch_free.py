@@ -13,6 +13,7 @@ from trainfit.cli.app import main
 for argv in (["estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--json"],
              ["estimate", "--params", "7e9", "--hidden-size", "4096", "--num-layers", "32",
               "--method", "rule-of-thumb"],
+             ["plan", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--seq", "1024", "--global-batch", "8", "--json"],
              ["models"], ["gpus"]):
     try:
         main(argv)

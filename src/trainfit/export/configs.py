@@ -1,16 +1,21 @@
 """A plan's Strategy as the engines spell it: HF ``TrainingArguments`` keyword arguments, an accelerate config
 for FSDP2, a DeepSpeed config, a Megatron argument list and the ``torchrun`` / ``accelerate launch`` command.
 
-Each mapping follows the engine's own documented keys: transformers ``TrainingArguments`` (``optim``
-``adamw_torch_fused`` / ``adamw_bnb_8bit``; ``fsdp=True`` with ``fsdp_config`` ``version`` 2,
-``reshard_after_forward``, ``cpu_offload``, ``transformer_layer_cls_to_wrap``: transformers 5.24
-``_apply_legacy_fsdp_to_config`` deprecates the string form and refuses hybrid_shard under FSDP2); accelerate's ``fsdp_config`` (``fsdp_version: 2``,
-``TRANSFORMER_BASED_WRAP``, ``fsdp_reshard_after_forward``, ``fsdp_offload_params``); DeepSpeed's
-``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``) and its batch
-identity train_batch_size = micro × accumulation × data degree; Megatron-LM's ``--tensor-model-parallel-size``,
-``--pipeline-model-parallel-size``, ``--sequence-parallel``, ``--use-distributed-optimizer``. Tests load each
-file with the engine's own parser (tests/export). What a format cannot say is listed in ``Export.notes``.
-The foreign configurations are plain JSON-shaped mappings, as the engines take them.
+Each mapping follows the engine's own documented keys:
+
+- transformers ``TrainingArguments``: ``optim`` ``adamw_torch_fused`` / ``adamw_bnb_8bit``; ``fsdp=True`` with
+  ``fsdp_config`` (``version`` 2, ``reshard_after_forward``, ``cpu_offload``, ``transformer_layer_cls_to_wrap``):
+  transformers 5.24's ``_apply_legacy_fsdp_to_config`` deprecates the string form and refuses hybrid_shard
+  under FSDP2.
+- accelerate's ``fsdp_config``: ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP``, ``fsdp_reshard_after_forward``,
+  ``fsdp_offload_params``.
+- DeepSpeed's ``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``)
+  and its batch identity train_batch_size = micro × accumulation × data degree.
+- Megatron-LM: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
+  ``--use-distributed-optimizer``.
+
+Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
+``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.
 """
 
 from __future__ import annotations
