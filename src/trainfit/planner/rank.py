@@ -109,6 +109,25 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
     )
 
 
+def _layout(p: Plan) -> tuple[object, ...]:
+    c = p.candidate
+    return (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, p.strategy.micro_batch)
+
+
+def _distinct(ranked: list[Plan], s: _Search) -> list[Plan]:
+    """``ranked`` without plans that repeat an earlier one's layout at the same speed (they differ only in the
+    precision recipe or optimizer, which the speed model does not tell apart): the first — fewest changes,
+    then most margin — stands for them."""
+    seen: set[tuple[object, ...]] = set()
+    out: list[Plan] = []
+    for p in ranked:
+        sig = (*_layout(p), s.key(p.gpus, p.speed))
+        if sig not in seen:
+            seen.add(sig)
+            out.append(p)
+    return out
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -318,11 +337,14 @@ def search_plans(
     for bound, _changes, _i, c in bounded:
         if len(found) >= top and bound >= s.key(found[-1].gpus, found[-1].speed):
             break
+        same = (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune)
+        if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
+            continue  # a plan of this layout already reaches this candidate's best time: it could only tie
         plan, near = s.evaluate(c)
         if plan is not None:
             found.append(plan)
             found.sort(key=lambda p: (s.key(p.gpus, p.speed), len(p.changes), -p.margin_bytes))
-            del found[top:]
+            found = _distinct(found, s)[:top]
         elif near is not None and (closest is None or near.bytes < closest.bytes):
             closest = near
     needs: tuple[str, ...] = ()

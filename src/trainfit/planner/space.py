@@ -8,9 +8,13 @@ bisects, since memory grows with it). What the space contains, and why:
   FP8 is not in the space: the memory model has no FP8 recipe yet, so ``--allow fp8`` is refused.
 - **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW.
 - **Checkpointing**: none, sqrt, full (:func:`trainfit.strategy.checkpoint_layout`).
-- **Layouts**: one GPU; DDP, ZeRO-1/2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
+- **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
   CPU offload; Megatron tensor parallelism (with sequence parallelism) of degree 2, 4, 8 that divides the
-  heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth.
+  heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth, with
+  the distributed optimizer (ZeRO-1). Left out because another layout dominates them — the same
+  communication volume (the speed model cannot tell them apart) and no more memory: ZeRO-1 without tensor or
+  pipeline parallelism (ZeRO-2 reduce-scatters what ZeRO-1 all-reduces; Rajbhandari et al. 2020 §5) and
+  Megatron without the distributed optimizer.
   Whether a framework supports a combination is the estimate's call: it raises ``StrategyError`` for what
   no framework runs, and such candidates are dropped.
 - **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
@@ -199,7 +203,6 @@ def _layouts(spec: ModelSpec, world: int, gpus_per_node: int) -> list[tuple[int,
         ]
     out: list[tuple[int, int, Sharding, str, Engine]] = [
         (1, 1, Sharding.DDP, "none", Engine.AUTO),
-        (1, 1, Sharding.ZERO1, "none", Engine.AUTO),
         (1, 1, Sharding.ZERO2, "none", Engine.AUTO),
         (1, 1, Sharding.ZERO3, "none", Engine.AUTO),
         (1, 1, Sharding.FSDP, "none", Engine.AUTO),
@@ -213,8 +216,7 @@ def _layouts(spec: ModelSpec, world: int, gpus_per_node: int) -> list[tuple[int,
         for p in (1, 2, 4, 8):
             if (t, p) == (1, 1) or p > spec.num_layers or world % (t * p):
                 continue
-            for sh in (Sharding.DDP, Sharding.ZERO1):
-                out.append((t, p, sh, "none", Engine.MEGATRON))
+            out.append((t, p, Sharding.ZERO1, "none", Engine.MEGATRON))
     return out
 
 
