@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,42 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
     kwargs = json.loads((tmp_path / "training_args.json").read_text())
     assert kwargs["per_device_train_batch_size"] == top["micro_batch"]
     assert str(tmp_path / "launch.sh") in out["exported"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("TRAINFIT_TORCHRUN_TESTS") != "1",
+    reason="two torch+transformers processes take ~35 s on 2 cores: TRAINFIT_TORCHRUN_TESTS=1 runs it",
+)
+def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path) -> None:
+    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    strategy = STRATEGIES["fsdp"]
+    write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 64,
+            }
+        )
+    )
+    env = {**os.environ, "TRAINFIT_MODEL": str(tiny), "TRAINFIT_SEQ": "16", "TRAINFIT_STEPS": "2",
+           "TRAINFIT_ACCUM": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp_path / "train_fsdp2.py")]  # fmt: skip
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 1 loss" in res.stdout

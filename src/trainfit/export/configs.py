@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainfit.arch.spec import ModelSpec
+from trainfit.export.fsdp2_script import fsdp2_script
 from trainfit.strategy import Checkpointing, Engine, Optimizer, Precision, Sharding, Strategy
 
 __all__ = ["Export", "export_plan", "layer_class", "write_export"]
@@ -49,6 +50,7 @@ class Export:
     deepspeed_config: dict[str, Any] | None  # ZeRO plans: DeepSpeed's config JSON
     megatron_args: tuple[str, ...]  # tensor/pipeline plans: Megatron-LM's pretrain_gpt.py arguments
     launch: str  # the command that starts the job on one node (run it on each node with its --node-rank)
+    script: str | None = None  # FSDP plans: train_fsdp2.py (trainfit.export.fsdp2_script)
     notes: tuple[str, ...]  # what the formats cannot express, and what the user must still do
 
 
@@ -217,6 +219,9 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     targs = _training_arguments(spec, strategy, notes)
     nodes, gpn = _nodes(strategy), min(strategy.world_size, strategy.parallelism.gpus_per_node)
     rdzv = " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500" if nodes > 1 else ""
+    code = None
+    if strategy.sharding is Sharding.FSDP:
+        code, script = fsdp2_script(spec, strategy, layer_class(spec)), "train_fsdp2.py"
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
     if megatron:
         notes.append("tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt")
@@ -230,12 +235,13 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
         megatron_args=_megatron(strategy, spec) if megatron else (),
         launch=launch,
         notes=tuple(notes),
+        script=code,
     )
 
 
 def write_export(export: Export, directory: Path) -> tuple[Path, ...]:
     """Write ``export`` into ``directory``: training_args.json, ds_config.json, accelerate_fsdp2.yaml,
-    megatron_args.txt, launch.sh, NOTES.txt (those that apply). The accelerate config is written as JSON,
+    megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that apply). The accelerate config is written as JSON,
     which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
     directory.mkdir(parents=True, exist_ok=True)
     out: list[Path] = []
@@ -252,6 +258,8 @@ def write_export(export: Export, directory: Path) -> tuple[Path, ...]:
         put("accelerate_fsdp2.yaml", json.dumps(export.accelerate_config, indent=2) + "\n")
     if export.megatron_args:
         put("megatron_args.txt", "\n".join(export.megatron_args) + "\n")
+    if export.script is not None:
+        put("train_fsdp2.py", export.script)
     put("launch.sh", "#!/bin/sh\n" + export.launch + "\n")
     if export.notes:
         put("NOTES.txt", "\n".join(export.notes) + "\n")
