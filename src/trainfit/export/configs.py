@@ -241,8 +241,8 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
 
 def write_export(export: Export, directory: Path) -> tuple[Path, ...]:
     """Write ``export`` into ``directory``: training_args.json, ds_config.json, accelerate_fsdp2.yaml,
-    megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that apply). The accelerate config is written as JSON,
-    which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
+    megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that apply). The accelerate config is
+    written as JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
     directory.mkdir(parents=True, exist_ok=True)
     out: list[Path] = []
 
