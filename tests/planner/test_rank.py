@@ -98,3 +98,28 @@ def test_candidates_hit_the_global_batch(world: int) -> None:
     s = _search("qwen2.5-0.5b", "a100-sxm-80gb", 24, 512)
     for c in candidates(s.spec, s.gpu, gpus=world, gpus_per_node=8, global_batch=24):
         assert isinstance(c, Candidate) and 24 % c.data == 0
+
+
+def test_random_searches_return_plans_that_fit_and_hit_the_batch() -> None:
+    rng = random.Random(7)
+    models = ("gpt2", "qwen2.5-0.5b", "llama-3.2-1b", "tinyllama-1.1b")
+    gpus = ("t4", "rtx-4090", "a100-sxm-40gb", "l4")
+    for _ in range(5):
+        slug, gpu_id = rng.choice(models), rng.choice(gpus)
+        n, seq, gb = rng.choice((1, 2, 4, 8)), rng.choice((512, 1024)), rng.choice((8, 12, 32))
+        spec, gpu = load_model(slug), get_gpu(gpu_id)
+        r = search_plans(spec, gpu, gpus=n, seq_len=seq, global_batch=gb, top=2)
+        for p in r.plans:
+            s = p.strategy
+            assert s.world_size <= n and s.micro_batch * s.grad_accum * s.parallelism.data == gb
+            rep = estimate(spec, s, gpu=gpu, headroom=0.3, search_micro_batch=False)
+            assert rep.fit is not None and rep.fit.fits and rep.fit.required_bytes == p.required_bytes
+
+
+def test_cheapest_costs_no_more_than_fastest() -> None:
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-40gb")
+    kw = {"gpus": 8, "seq_len": 2048, "global_batch": 32, "top": 1}
+    fastest = search_plans(spec, gpu, **kw).plans[0]  # type: ignore[arg-type]
+    cheapest = search_plans(spec, gpu, objective=Objective.CHEAPEST, **kw).plans[0]  # type: ignore[arg-type]
+    assert cheapest.cost_per_step(2.0) <= fastest.cost_per_step(2.0)
+    assert cheapest.speed.step_seconds >= fastest.speed.step_seconds
