@@ -119,7 +119,7 @@ def test_random_searches_return_plans_that_fit_and_hit_the_batch() -> None:
 def test_cheapest_costs_no_more_than_fastest() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-40gb")
     kw = {"gpus": 8, "seq_len": 2048, "global_batch": 32, "top": 1}
-    fastest = search_plans(spec, gpu, **kw).plans[0]  # type: ignore[arg-type]
-    cheapest = search_plans(spec, gpu, objective=Objective.CHEAPEST, **kw).plans[0]  # type: ignore[arg-type]
+    fastest = search_plans(spec, gpu, **kw).plans[0]
+    cheapest = search_plans(spec, gpu, objective=Objective.CHEAPEST, **kw).plans[0]
     assert cheapest.cost_per_step(2.0) <= fastest.cost_per_step(2.0)
     assert cheapest.speed.step_seconds >= fastest.speed.step_seconds
