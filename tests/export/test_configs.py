@@ -72,7 +72,7 @@ def test_training_arguments_are_accepted(name: str, tmp_path: Path, bf16_gpu: No
     assert args.gradient_accumulation_steps == strategy.grad_accum
     assert args.bf16 == (strategy.recipe.compute_dtype == "bf16")
     if strategy.sharding.value == "fsdp":
-        assert args.fsdp is True and args.fsdp_config["version"] == 2
+        assert bool(args.fsdp) and args.fsdp_config["version"] == 2
         assert args.fsdp_config["reshard_after_forward"] is True
         assert args.fsdp_config["cpu_offload"] == strategy.offload.parameters_on_host
 
