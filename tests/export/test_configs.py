@@ -72,9 +72,10 @@ def test_training_arguments_are_accepted(name: str, tmp_path: Path, bf16_gpu: No
     assert args.gradient_accumulation_steps == strategy.grad_accum
     assert args.bf16 == (strategy.recipe.compute_dtype == "bf16")
     if strategy.sharding.value == "fsdp":
-        assert bool(args.fsdp) and args.fsdp_config["version"] == 2
-        assert args.fsdp_config["reshard_after_forward"] is True
-        assert args.fsdp_config["cpu_offload"] == strategy.offload.parameters_on_host
+        fsdp_config = args.fsdp_config
+        assert bool(args.fsdp) and isinstance(fsdp_config, dict) and fsdp_config["version"] == 2
+        assert fsdp_config["reshard_after_forward"] is True
+        assert fsdp_config["cpu_offload"] == strategy.offload.parameters_on_host
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp-offload"])
