@@ -20,6 +20,7 @@ for argv in (["estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--json"],
              ["estimate", "llama-3.1-8b", "--finetune", "qlora", "--gpu", "rtx-4090", "--segments"],
              ["infer", "qwen2.5-72b", "--gpus", "4", "--gpu", "h100-sxm-80gb", "--max-batch", "--json"],
              ["infer", "llama-3.1-8b", "--server", "paged", "--gpu", "h200-sxm-141gb"],
+             ["plan", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--seq", "1024", "--global-batch", "8", "--json"],
              ["models"], ["gpus"]):
     try:
         main(argv)

@@ -193,13 +193,15 @@ def estimate(
     allocator: str | None = None,
     allocator_layout: bool = False,
     simulate_allocator: bool = True,
+    search_micro_batch: bool = True,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
     process's environment variable, else PyTorch's defaults); ``allocator_layout``: also report the simulated
     segments at the reserved peak (``AllocatorDetails.layout``); ``simulate_allocator=False``: the trace skips
     the allocator simulation (one trace fewer) and reports the fixed reserve fraction — for callers that only
-    need the allocated phases."""
+    need the allocated phases. ``search_micro_batch``: with a GPU, search the largest micro-batch that fits
+    (False: the verdict for this micro-batch only; what the planner asks)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -274,13 +276,20 @@ def estimate(
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
-        searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB)
+        searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB) and search_micro_batch
         fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, with_options if searchable else None)
-        if not searchable:
+        if not searchable and search_micro_batch:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
                 "micro-batch is not searched (one probe per batch would take minutes): --method analytic searches it"
             )
+    speed = None
+    if gpu_spec is not None and fit is not None and method is not Method.RULE_OF_THUMB and search_micro_batch:
+        from trainfit.planner.fixes import checked_fixes, speed_of
+
+        speed = speed_of(spec, strategy, gpu_spec)
+        if not fit.fits and method is Method.ANALYTIC:
+            fit = dataclasses.replace(fit, fixes=checked_fixes(spec, asked, gpu_spec, headroom))
     comparison = (
         ()
         if method is Method.RULE_OF_THUMB or strategy.is_distributed
@@ -295,4 +304,5 @@ def estimate(
         strategy=asked,
         gpu=gpu_spec,
         comparison=comparison,
+        speed=speed,
     )

@@ -34,6 +34,7 @@ from trainfit.cuda_facts import SdpaKernel
 if TYPE_CHECKING:
     from trainfit.arch.spec import ModelSpec
     from trainfit.hardware.gpus import GPUSpec
+    from trainfit.planner.speed import StepTime
     from trainfit.strategy import Strategy
 
 #: Version of the JSON of every command (``estimate``, ``formats``, ``precision``, ``doctor``). It changes
@@ -375,6 +376,7 @@ class SuggestionKind(StrEnum):
     SMALLER_MICRO_BATCH = "smaller-micro-batch"  # the largest micro-batch that fits, accumulate the rest
     LEANER_STATES = "leaner-states"  # the states alone exceed the GPU; a leaner recipe/optimizer fits them
     NEEDS_SHARDING = "needs-sharding"  # even the leanest recipe's states exceed one GPU
+    PLAN = "plan"  # a plan the planner checked with the estimate itself (trainfit.planner.rank)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -398,6 +400,9 @@ class FitVerdict:
     max_micro_batch_capped: bool = False  # the search stopped at its cap: "at least max_micro_batch"
     suggestions: tuple[Suggestion, ...] = ()  # what would make it fit (trainfit.planner.search)
     rank_required_bytes: tuple[int, ...] = ()  # per entry of MemoryReport.ranks, what must fit (same rule)
+    # Checked fixes from the planner (trainfit.planner.rank): its top plans for the same GPUs, global batch and
+    # sequence, each a set of flags that ``trainfit estimate`` says fits. Empty when it fits or none was found.
+    fixes: tuple[Suggestion, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -423,6 +428,8 @@ class MemoryReport:
     model: ModelSpec | None = None
     strategy: Strategy | None = None
     gpu: GPUSpec | None = None
+    # With a GPU: the speed model's step time for exactly this configuration (trainfit.planner.speed).
+    speed: StepTime | None = None
 
     def __post_init__(self) -> None:
         if not self.phases:

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 #: Command modules, in help order. Each must define ``register(app: typer.Typer) -> None``.
 COMMAND_MODULES: tuple[str, ...] = (
     "trainfit.cli.estimate",
+    "trainfit.cli.plan",
     "trainfit.cli.infer",
     "trainfit.cli.catalog",
     "trainfit.cli.formats",

@@ -51,6 +51,10 @@ class GPUSpec:
     # Streaming multiprocessors (AMD: compute units): the CUDA context's local-memory reservation scales
     # with it (trainfit.overhead). Each entry cites its source in ``sm_count_source``.
     sm_count: int | None = None
+    # Links (GB/s per direction, per GPU; sources in ``links_source``): NVLink/Infinity Fabric to the other GPUs
+    # of an 8-GPU node (None: none that spans the node) and the PCIe link to the host. trainfit.planner.speed.
+    nvlink_gbps: float | None = None
+    pcie_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -98,6 +102,8 @@ def _catalog() -> dict[str, GPUSpec]:
             notes=row.get("notes", ""),
             memory_basis=row.get("memory_basis", "nominal"),
             sm_count=row.get("sm_count"),
+            nvlink_gbps=row.get("nvlink_gbps"),
+            pcie_gbps=row.get("pcie_gbps"),
         )
         out[spec.id] = spec
     return out

@@ -172,5 +172,10 @@ def report_json(
                 {"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags), "states_bytes": x.states_bytes}
                 for x in f.suggestions
             ],
+            "fixes": [{"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags)} for x in f.fixes],
         }
+    if report.gpu is not None:  # the speed model for exactly this configuration (None: no peak for its dtype)
+        out["step_seconds"] = report.speed.step_seconds if report.speed is not None else None
+        out["tokens_per_second"] = report.speed.tokens_per_second if report.speed is not None else None
+        out["mfu"] = report.speed.mfu if report.speed is not None else None
     return out

@@ -65,6 +65,12 @@ def _answer(report: MemoryReport) -> Text:
     if report.fit is not None:
         t.append_text(_verdict(report.fit))
         t.append("\n")
+    if report.speed is not None:
+        sp = report.speed
+        t.append(
+            f"Speed model: {sp.step_seconds:.2f} s per optimizer step, {sp.tokens_per_second:,.0f} tokens/s, "
+            f"MFU {sp.mfu:.0%} (docs/speed.md)\n"
+        )
     if report.method is Method.RULE_OF_THUMB:
         total = report.peak_bytes + report.overhead.total_bytes
         t.append(f"Rule of thumb: {fmt_gib(total)} ({fmt_gb(total)} as the article counts it)", style="bold")
@@ -97,8 +103,12 @@ def _verdict(f: FitVerdict) -> Text:
         t.append(f"Largest micro-batch that fits: at least {f.max_micro_batch} (the search stops there).")
     else:
         t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
-    for s in f.suggestions:
+    for s in f.suggestions:  # why it does not fit
         t.append(_suggestion(s))
+    if f.fixes:  # what fits, checked by the planner with this estimate
+        t.append("\nChecked fixes (trainfit plan; each fits by this estimate):")
+        for i, s in enumerate(f.fixes, 1):
+            t.append(f"\n  {i}. {' '.join(s.flags) or '(as given)'}: {s.reason}")
     return t
 
 

@@ -1,0 +1,93 @@
+"""``trainfit plan``: parse, call :func:`trainfit.planner.rank.search_plans`, render. No arithmetic here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainfit.errors import ConfigError
+
+
+def plan_cmd(
+    model: Annotated[str, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")],
+    gpu: Annotated[str, typer.Option("--gpu", help="Catalog GPU id (see 'trainfit gpus').")],
+    gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs available (at most this many are used).")] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", help="Nodes (with --gpus-per-node).")] = None,
+    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (where NVLink ends).")] = 8,
+    seq: Annotated[int, typer.Option("--seq", "-s", help="Sequence length in tokens.")] = 2048,
+    global_batch: Annotated[
+        int | None, typer.Option("--global-batch", help="Sequences per optimizer step, over all GPUs.")
+    ] = None,
+    tokens_per_step: Annotated[
+        str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (4M, 2e6); a multiple of --seq.")
+    ] = None,
+    allow: Annotated[str | None, typer.Option("--allow", help="Also consider: lora,qlora.")] = None,
+    objective: Annotated[str, typer.Option(help="fastest | fewest-gpus | cheapest")] = "fastest",
+    price_per_gpu_hour: Annotated[float, typer.Option("--price-per-gpu-hour", help="For --objective cheapest.")] = 1.0,
+    headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
+    network_gbps: Annotated[
+        float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
+    ] = 50.0,
+    top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
+    export: Annotated[
+        str | None,
+        typer.Option("--export", help="Write the top plan's configs here (TrainingArguments, accelerate, DeepSpeed)."),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """What to change to make MODEL's training fit, fastest first: ranked plans with per-GPU peak, margin,
+    step time, tokens/s and MFU, each checked by the same estimate as 'trainfit estimate'.
+
+    Examples:
+
+      trainfit plan llama-3.1-8b --gpu a100-sxm-80gb --gpus 8 --seq 4096 --global-batch 256
+
+      trainfit plan llama-3.1-70b --gpu h100-sxm-80gb --nodes 4 --gpus-per-node 8 --seq 8192 --tokens-per-step 4M
+
+      trainfit plan mistral-7b-v0.1 --gpu rtx-4090 --allow lora,qlora --seq 2048 --global-batch 64
+    """
+    from trainfit.arch import load_model
+    from trainfit.cli.common import print_json, stdout_console, warn
+    from trainfit.export import export_plan, write_export
+    from trainfit.hardware import get_gpu
+    from trainfit.planner.rank import search_plans
+    from trainfit.planner.space import Objective, parse_allow
+    from trainfit.planner.workload import resolve_world, sequences_per_step
+    from trainfit.report.plan import plan_json, render_plan
+
+    if objective not in {o.value for o in Objective}:
+        raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
+    world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
+    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq)
+    spec = load_model(model)
+    result = search_plans(
+        spec,
+        get_gpu(gpu),
+        gpus=world,
+        seq_len=seq,
+        global_batch=batch,
+        gpus_per_node=gpus_per_node,
+        allow=parse_allow(allow),
+        objective=Objective(objective),
+        price_per_gpu_hour=price_per_gpu_hour,
+        headroom=headroom,
+        network_gbps=network_gbps,
+        top=top,
+    )
+    written: tuple[Path, ...] = ()
+    if export is not None and result.plans:
+        written = write_export(export_plan(spec, result.plans[0].strategy), Path(export))
+    if json_out:
+        print_json(plan_json(result) | {"exported": [str(p) for p in written]})
+        return
+    render_plan(stdout_console(), result)
+    if export is not None and not result.plans:
+        warn("nothing fits: no configuration exported")
+    for path in written:
+        typer.echo(f"wrote {path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan", no_args_is_help=True)(plan_cmd)

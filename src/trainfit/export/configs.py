@@ -1,0 +1,266 @@
+"""A plan's Strategy as the engines spell it: HF ``TrainingArguments`` keyword arguments, an accelerate config
+for FSDP2, a DeepSpeed config, a Megatron argument list and the ``torchrun`` / ``accelerate launch`` command.
+
+Each mapping follows the engine's own documented keys:
+
+- transformers ``TrainingArguments``: ``optim`` ``adamw_torch_fused`` / ``adamw_bnb_8bit``; ``fsdp=True`` with
+  ``fsdp_config`` (``version`` 2, ``reshard_after_forward``, ``cpu_offload``, ``transformer_layer_cls_to_wrap``):
+  transformers 5.24's ``_apply_legacy_fsdp_to_config`` deprecates the string form and refuses hybrid_shard
+  under FSDP2.
+- accelerate's ``fsdp_config``: ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP``, ``fsdp_reshard_after_forward``,
+  ``fsdp_offload_params``.
+- DeepSpeed's ``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``)
+  and its batch identity train_batch_size = micro × accumulation × data degree.
+- Megatron-LM: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
+  ``--use-distributed-optimizer``.
+
+Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
+``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.export.fsdp2_script import fsdp2_script
+from trainfit.strategy import Checkpointing, Engine, Optimizer, Precision, Sharding, Strategy
+
+__all__ = ["Export", "export_plan", "layer_class", "write_export"]
+
+#: The decoder-layer class transformers defines, where it is not ``<Prefix>DecoderLayer`` of ``<Prefix>ForCausalLM``.
+_LAYER_CLASSES = {
+    "gpt2": "GPT2Block",
+    "gpt_neox": "GPTNeoXLayer",
+    "bert": "BertLayer",
+    "starcoder2": "Starcoder2DecoderLayer",
+}
+
+DEEPSPEED_FILE = "ds_config.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Export:
+    training_arguments: dict[str, Any]  # transformers.TrainingArguments(**this, output_dir=...)
+    accelerate_config: dict[str, Any] | None  # FSDP / HSDP plans: accelerate's config YAML (as a mapping)
+    deepspeed_config: dict[str, Any] | None  # ZeRO plans: DeepSpeed's config JSON
+    megatron_args: tuple[str, ...]  # tensor/pipeline plans: Megatron-LM's pretrain_gpt.py arguments
+    launch: str  # the command that starts the job on one node (run it on each node with its --node-rank)
+    script: str | None = None  # FSDP plans: train_fsdp2.py (trainfit.export.fsdp2_script)
+    notes: tuple[str, ...]  # what the formats cannot express, and what the user must still do
+
+
+def layer_class(spec: ModelSpec) -> str:
+    """The transformer block class FSDP wraps (``LlamaForCausalLM`` → ``LlamaDecoderLayer``)."""
+    if spec.model_type in _LAYER_CLASSES:
+        return _LAYER_CLASSES[spec.model_type]
+    for suffix in ("ForCausalLM", "LMHeadModel", "Model"):
+        if spec.architecture.endswith(suffix):
+            return spec.architecture[: -len(suffix)] + "DecoderLayer"
+    return spec.architecture + "DecoderLayer"
+
+
+def _mixed(strategy: Strategy) -> str:
+    return {"bf16": "bf16", "fp16": "fp16"}.get(strategy.recipe.compute_dtype, "no")
+
+
+def _nodes(strategy: Strategy) -> int:
+    gpn = strategy.parallelism.gpus_per_node
+    return max(1, -(-strategy.world_size // gpn))
+
+
+def _deepspeed(strategy: Strategy) -> dict[str, Any]:
+    stage = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}[strategy.sharding]
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "contiguous_gradients": True,
+        "overlap_comm": strategy.engine.overlap_comm if strategy.engine.overlap_comm is not None else stage == 3,
+        "reduce_bucket_size": strategy.engine.reduce_bucket_size,
+        "allgather_bucket_size": strategy.engine.allgather_bucket_size,
+    }
+    if strategy.offload.optimizer_on_host:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if strategy.offload.parameters_on_host:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict[str, Any] = {
+        "train_batch_size": strategy.micro_batch * strategy.grad_accum * strategy.parallelism.data,
+        "train_micro_batch_size_per_gpu": strategy.micro_batch,
+        "gradient_accumulation_steps": strategy.grad_accum,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+    }
+    if strategy.recipe.compute_dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif strategy.recipe.compute_dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if strategy.optimizer is Optimizer.ADAMW:  # DeepSpeed's own (CPU Adam under offload); lr is the user's choice
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8}}
+    return cfg
+
+
+def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
+    nodes = _nodes(strategy)
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "mixed_precision": _mixed(strategy),
+        "num_machines": nodes,
+        "num_processes": strategy.world_size,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+        "downcast_bf16": "no",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": layer_class(spec),
+            "fsdp_reshard_after_forward": strategy.engine.reshard_after_forward,
+            "fsdp_offload_params": strategy.offload.parameters_on_host,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_activation_checkpointing": strategy.checkpointing is not Checkpointing.NONE,
+        },
+    }
+    if nodes > 1:
+        cfg["main_process_ip"] = "MASTER_ADDR"
+        cfg["main_process_port"] = 29500
+    return cfg
+
+
+def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": strategy.micro_batch,
+        "gradient_accumulation_steps": strategy.grad_accum,
+        "gradient_checkpointing": strategy.checkpointing is not Checkpointing.NONE,
+        "optim": "adamw_bnb_8bit" if strategy.optimizer is Optimizer.ADAMW_8BIT else "adamw_torch_fused",
+        "bf16": strategy.recipe.compute_dtype == "bf16",
+        "fp16": strategy.recipe.compute_dtype == "fp16",
+    }
+    if strategy.optimizer not in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
+        notes.append(f"optimizer {strategy.optimizer.value}: set TrainingArguments.optim yourself")
+    if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
+        # transformers ≥ 5: fsdp=True with everything in fsdp_config (the string form is deprecated, and FSDP2
+        # takes no hybrid_shard there: HSDP is accelerate's ParallelismConfig, see the notes).
+        args["fsdp"] = True
+        args["fsdp_config"] = {
+            "version": 2,
+            "reshard_after_forward": strategy.engine.reshard_after_forward,
+            "cpu_offload": strategy.offload.parameters_on_host,
+            "transformer_layer_cls_to_wrap": [layer_class(spec)],
+        }
+        if strategy.sharding is Sharding.HSDP:
+            nodes = _nodes(strategy)
+            notes.append(
+                f"HSDP: pass accelerate ParallelismConfig(dp_replicate_size={nodes}, "
+                f"dp_shard_size={strategy.world_size // nodes}) to the Trainer (not validated by trainfit)"
+            )
+    elif strategy.sharding.value.startswith("zero"):
+        args["deepspeed"] = DEEPSPEED_FILE
+    if strategy.checkpointing is Checkpointing.SQRT:
+        notes.append(
+            "sqrt checkpointing (segments of ⌈L/⌈√L⌉⌉ blocks) has no TrainingArguments switch: gradient_checkpointing"
+            " checkpoints every block (the plan's memory with --checkpointing full is at most that of sqrt)"
+        )
+    if strategy.precision is Precision.PURE_BF16:
+        notes.append("pure-bf16: load the model with torch_dtype=torch.bfloat16 (weights and Adam states in bf16)")
+    elif strategy.precision in (
+        Precision.MASTER_BF16,
+        Precision.MASTER_FP16,
+    ) and not strategy.sharding.value.startswith("zero"):
+        notes.append(
+            f"{strategy.precision.value}: 16-bit weights with an fp32 master copy is what DeepSpeed and FSDP2's "
+            "MixedPrecisionPolicy do; under the plain Trainer use the amp recipe or --sharding zero*"
+        )
+    if strategy.adapter is not None:
+        q = strategy.base_weights.quantization.value
+        notes.append(
+            f"LoRA rank {strategy.adapter.rank} on {', '.join(strategy.adapter.targets)} (peft.LoraConfig)"
+            + (", base in nf4 with double quantisation (BitsAndBytesConfig load_in_4bit=True)" if q == "nf4" else "")
+        )
+    return args
+
+
+def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
+    par = strategy.parallelism
+    args = [
+        f"--tensor-model-parallel-size {par.tensor}",
+        f"--pipeline-model-parallel-size {par.pipeline}",
+        f"--micro-batch-size {strategy.micro_batch}",
+        f"--global-batch-size {strategy.micro_batch * strategy.grad_accum * par.data}",
+        f"--seq-length {strategy.seq_len}",
+    ]
+    if par.sequence_parallel:
+        args.append("--sequence-parallel")
+    if par.virtual_stages > 1:
+        args.append(f"--num-layers-per-virtual-pipeline-stage {spec.num_layers // (par.pipeline * par.virtual_stages)}")
+    if strategy.sharding is Sharding.ZERO1:
+        args.append("--use-distributed-optimizer")
+    if strategy.checkpointing is not Checkpointing.NONE:
+        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if strategy.recipe.compute_dtype in ("bf16", "fp16"):
+        args.append(f"--{strategy.recipe.compute_dtype}")
+    return tuple(args)
+
+
+def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py") -> Export:
+    """The engines' configurations for ``strategy`` (a plan's)."""
+    notes: list[str] = []
+    megatron = strategy.parallelism.tensor > 1 or strategy.parallelism.pipeline > 1
+    if strategy.engine.engine is Engine.MEGATRON:
+        megatron = True
+    ds = _deepspeed(strategy) if strategy.sharding.value.startswith("zero") and not megatron else None
+    acc = _accelerate(spec, strategy) if strategy.sharding is Sharding.FSDP else None
+    targs = _training_arguments(spec, strategy, notes)
+    nodes, gpn = _nodes(strategy), min(strategy.world_size, strategy.parallelism.gpus_per_node)
+    rdzv = " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500" if nodes > 1 else ""
+    code = None
+    if strategy.sharding is Sharding.FSDP:
+        code, script = fsdp2_script(spec, strategy, layer_class(spec)), "train_fsdp2.py"
+    launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
+    if megatron:
+        notes.append("tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt")
+        launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} pretrain_gpt.py " + " ".join(
+            _megatron(strategy, spec)
+        )
+    return Export(
+        training_arguments=targs,
+        accelerate_config=acc,
+        deepspeed_config=ds,
+        megatron_args=_megatron(strategy, spec) if megatron else (),
+        launch=launch,
+        notes=tuple(notes),
+        script=code,
+    )
+
+
+def write_export(export: Export, directory: Path) -> tuple[Path, ...]:
+    """Write ``export`` into ``directory``: training_args.json, ds_config.json, accelerate_fsdp2.yaml,
+    megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that apply). The accelerate config is
+    written as JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out: list[Path] = []
+
+    def put(name: str, text: str) -> None:
+        path = directory / name
+        path.write_text(text, encoding="utf-8")
+        out.append(path)
+
+    put("training_args.json", json.dumps(export.training_arguments, indent=2) + "\n")
+    if export.deepspeed_config is not None:
+        put(DEEPSPEED_FILE, json.dumps(export.deepspeed_config, indent=2) + "\n")
+    if export.accelerate_config is not None:
+        put("accelerate_fsdp2.yaml", json.dumps(export.accelerate_config, indent=2) + "\n")
+    if export.megatron_args:
+        put("megatron_args.txt", "\n".join(export.megatron_args) + "\n")
+    if export.script is not None:
+        put("train_fsdp2.py", export.script)
+    put("launch.sh", "#!/bin/sh\n" + export.launch + "\n")
+    if export.notes:
+        put("NOTES.txt", "\n".join(export.notes) + "\n")
+    return tuple(out)

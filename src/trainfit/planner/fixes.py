@@ -1,0 +1,60 @@
+"""What ``trainfit estimate`` adds from the planner: the speed of exactly the configuration asked, and — when
+it does not fit — the planner's top three checked plans for the same GPUs, global batch and sequence length."""
+
+from __future__ import annotations
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.errors import StrategyError
+from trainfit.hardware import GPUSpec
+from trainfit.planner.speed import StepTime, step_time
+from trainfit.result import Suggestion, SuggestionKind
+from trainfit.strategy import Strategy
+
+__all__ = ["FIXES", "checked_fixes", "speed_of"]
+
+#: How many checked fixes ``trainfit estimate`` shows.
+FIXES = 3
+
+
+def speed_of(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> StepTime | None:
+    """The speed model's step time (None where the catalog has no peak for the recipe's dtype)."""
+    try:
+        return step_time(spec, strategy, gpu)
+    except StrategyError:
+        return None
+
+
+def checked_fixes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: float) -> tuple[Suggestion, ...]:
+    """The planner's top plans for ``strategy``'s GPUs, global batch and sequence, as suggestions whose flags
+    are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning)."""
+    from trainfit.planner.rank import search_plans
+    from trainfit.planner.space import Finetune
+
+    par = strategy.parallelism
+    try:
+        result = search_plans(
+            spec,
+            gpu,
+            gpus=strategy.world_size,
+            gpus_per_node=par.gpus_per_node,
+            seq_len=strategy.seq_len,
+            global_batch=strategy.micro_batch * strategy.grad_accum * par.data,
+            allow=(Finetune.LORA, Finetune.QLORA) if strategy.adapter is not None else (),
+            headroom=headroom,
+            baseline=strategy,
+            top=FIXES,
+            explain_needs=False,
+        )
+    except StrategyError:
+        return ()
+    return tuple(
+        Suggestion(
+            kind=SuggestionKind.PLAN,
+            reason=(
+                f"fits with {p.required_bytes / 2**30:.1f} GiB of {p.usable_bytes / 2**30:.1f} GiB usable; "
+                f"{p.speed.step_seconds:.2f} s/step, {p.speed.tokens_per_second:,.0f} tokens/s (speed model)"
+            ),
+            flags=p.changes,
+        )
+        for p in result.plans
+    )

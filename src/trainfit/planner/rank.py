@@ -1,0 +1,407 @@
+"""``trainfit plan``: the ranked search (best-first, checked by the estimate itself).
+
+Every candidate's memory is :func:`trainfit.estimate.estimate` of the very Strategy the plan prints, on the
+GPU, with the headroom (``search_micro_batch=False``: the planner bisects the micro-batch itself), so a plan
+fits exactly when ``trainfit estimate`` with those flags says it fits.
+
+Speed is cheap (:mod:`trainfit.planner.speed`, microseconds) and memory is not (milliseconds), so the search
+is best-first: for each candidate, the best step time over the micro-batches that hit the global batch is a
+lower bound on what it can achieve; candidates are visited in order of that bound and the search stops once
+``top`` plans are found and the next bound is worse than the last of them. For a visited candidate, the
+micro-batch is bisected over the divisors (memory grows with the micro-batch: a property test holds the
+analytic model to it), and the best micro-batch among those that fit is kept. When nothing fits, the
+candidate that comes closest (least memory above the usable bytes at micro-batch 1) is reported with
+what would make it fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.errors import StrategyError
+from trainfit.hardware import GPUSpec
+from trainfit.planner.space import Candidate, Finetune, Objective, candidates
+from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time, step_time_of
+from trainfit.strategy import Parallelism, Sharding, Strategy
+
+__all__ = ["Plan", "PlanResult", "describe_changes", "search_plans"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    candidate: Candidate
+    strategy: Strategy
+    required_bytes: int  # per-GPU nvidia-smi estimate from trainfit.estimate (the worst rank)
+    usable_bytes: int
+    speed: StepTime
+    changes: tuple[str, ...]  # what differs from the baseline, as CLI flags
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.usable_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.usable_bytes - self.required_bytes
+
+    @property
+    def gpus(self) -> int:
+        return self.strategy.world_size
+
+    def cost_per_step(self, price_per_gpu_hour: float) -> float:
+        return self.gpus * self.speed.step_seconds / 3600 * price_per_gpu_hour
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
+    plans: tuple[Plan, ...]  # ranked, best first; empty when nothing fits
+    closest: Plan | None  # when nothing fits: the candidate nearest to fitting (micro-batch 1)
+    needs: tuple[str, ...]  # when nothing fits: what would make the closest fit
+    objective: Objective
+    global_batch: int
+    seq_len: int
+    candidates: int  # candidates in the space
+    estimates: int  # memory estimates run
+
+
+def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
+    """``strategy``'s differences from ``baseline`` as ``trainfit estimate`` flags."""
+    out: list[str] = []
+    if strategy.world_size != baseline.world_size:
+        out.append(f"--gpus {strategy.world_size}")
+    for name in ("precision", "optimizer", "checkpointing", "sharding"):
+        if getattr(strategy, name) != getattr(baseline, name):
+            out.append(f"--{name} {getattr(strategy, name).value}")
+    par, bpar = strategy.parallelism, baseline.parallelism
+    if par.tensor != bpar.tensor:
+        out.append(f"--tp {par.tensor} --sequence-parallel" if par.sequence_parallel else f"--tp {par.tensor}")
+    if par.pipeline != bpar.pipeline:
+        out.append(f"--pp {par.pipeline} --microbatches {par.microbatches}")
+    if strategy.offload != baseline.offload:
+        out.append(f"--offload {strategy.offload.flag}")
+    if strategy.engine.engine != baseline.engine.engine:
+        out.append(f"--engine {strategy.engine.engine.value}")
+    if (strategy.adapter is None) != (baseline.adapter is None) or strategy.base_weights != baseline.base_weights:
+        q = strategy.base_weights.quantization.value
+        out.append("--finetune " + ("qlora" if q == "nf4" else "lora" if strategy.adapter is not None else "full"))
+    if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
+        out.append(f"--batch {strategy.micro_batch} --grad-accum {strategy.grad_accum}")
+    return tuple(out)
+
+
+def _distance(c: Candidate, baseline: Strategy) -> int:
+    """How many of the candidate's choices differ from the baseline (the tie-break between equal bounds)."""
+    return sum(
+        (
+            c.world != baseline.world_size,
+            c.precision != baseline.precision,
+            c.optimizer != baseline.optimizer,
+            c.checkpointing != baseline.checkpointing,
+            c.sharding != baseline.sharding,
+            c.tensor != baseline.parallelism.tensor,
+            c.pipeline != baseline.parallelism.pipeline,
+            c.offload != baseline.offload.flag,
+            c.finetune is not Finetune.FULL,
+        )
+    )
+
+
+def _layout(p: Plan) -> tuple[object, ...]:
+    c = p.candidate
+    return (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, p.strategy.micro_batch)
+
+
+def _distinct(ranked: list[Plan], s: _Search) -> list[Plan]:
+    """``ranked`` without plans that repeat an earlier one's layout at the same speed (they differ only in the
+    precision recipe or optimizer, which the speed model does not tell apart): the first — fewest changes,
+    then most margin — stands for them."""
+    seen: set[tuple[object, ...]] = set()
+    out: list[Plan] = []
+    for p in ranked:
+        sig = (*_layout(p), s.key(p.gpus, p.speed))
+        if sig not in seen:
+            seen.add(sig)
+            out.append(p)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Near:
+    """A candidate that does not fit at its smallest micro-batch, and by how many bytes (a bound or the estimate)."""
+
+    candidate: Candidate
+    micro: int
+    bytes: int
+
+
+class _Search:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        gpu: GPUSpec,
+        *,
+        seq_len: int,
+        global_batch: int,
+        gpus_per_node: int,
+        headroom: float,
+        network_gbps: float,
+        objective: Objective,
+        price: float,
+        baseline: Strategy,
+    ) -> None:
+        self.spec, self.gpu = spec, gpu
+        self.seq_len, self.global_batch, self.gpn = seq_len, global_batch, gpus_per_node
+        self.headroom, self.network, self.objective, self.price = headroom, network_gbps, objective, price
+        self.baseline = baseline
+        self.usable = int(gpu.memory_bytes * (1 - headroom))
+        self.estimates = 0
+        self._memory: dict[Strategy, int | None] = {}
+
+    def strategy(self, c: Candidate, micro: int) -> Strategy:
+        accum = self.global_batch // (c.data * micro)
+        return c.strategy(micro_batch=micro, grad_accum=accum, seq_len=self.seq_len, gpus_per_node=self.gpn)
+
+    def required(self, s: Strategy) -> int | None:
+        """The estimate's per-GPU requirement (None: no framework runs this strategy)."""
+        if s not in self._memory:
+            from trainfit.estimate import estimate  # trainfit.estimate imports this package
+
+            self.estimates += 1
+            try:
+                rep = estimate(self.spec, s, gpu=self.gpu, headroom=self.headroom, search_micro_batch=False)
+            except StrategyError:
+                self._memory[s] = None
+            else:
+                assert rep.fit is not None
+                self._memory[s] = rep.fit.required_bytes
+        return self._memory[s]
+
+    def lower_bound(self, s: Strategy) -> int:
+        """A cheap bound below the estimate's requirement for one GPU (0 for many): the closed-form allocated peak
+        (the same moments :func:`trainfit.analytic.estimate_analytic` reports) + cuBLAS workspaces + memory
+        outside the allocator, without the allocator simulation's reserve (which is ≥ 0)."""
+        if s.is_distributed:
+            return 0
+        from trainfit.analytic.activations import effective_strategy
+        from trainfit.analytic.model import step_inputs, training_moments
+        from trainfit.cuda_facts import has_flash_attention
+        from trainfit.estimate import gpu_workspaces
+        from trainfit.overhead import outside_allocator
+
+        eff, _ = effective_strategy(self.spec, s)
+        if eff.flash_sdp and not has_flash_attention(self.gpu.compute_capability):
+            eff = dataclasses.replace(eff, flash_sdp=False)
+        try:
+            moments = training_moments(step_inputs(self.spec, eff, keep_logits=False))
+        except StrategyError:
+            return 0
+        peak = max(m.breakdown().total_bytes for m in moments.values())
+        work = sum(w.size_bytes for w in gpu_workspaces(self.gpu))
+        return peak + work + outside_allocator(self.gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+
+    def fits(self, s: Strategy) -> bool:
+        if self.lower_bound(s) > self.usable:
+            return False
+        r = self.required(s)
+        return r is not None and r <= self.usable
+
+    def speed(self, s: Strategy) -> StepTime:
+        return step_time(self.spec, s, self.gpu, network_gbps=self.network)
+
+    def fast_speed(self, c: Candidate, micro: int) -> StepTime:
+        x = c.speed_inputs(
+            micro_batch=micro,
+            grad_accum=self.global_batch // (c.data * micro),
+            seq_len=self.seq_len,
+            gpus_per_node=self.gpn,
+        )
+        return step_time_of(self.spec, x, self.gpu, network_gbps=self.network)
+
+    def key(self, gpus: int, t: StepTime) -> tuple[float, ...]:
+        if self.objective is Objective.FEWEST_GPUS:
+            return (gpus, t.step_seconds)
+        if self.objective is Objective.CHEAPEST:
+            return (gpus * t.step_seconds, t.step_seconds)
+        return (t.step_seconds,)
+
+    def micro_options(self, c: Candidate) -> list[int]:
+        return _divisors(self.global_batch // c.data)
+
+    def plan(self, c: Candidate, micro: int, required: int) -> Plan:
+        s = self.strategy(c, micro)
+        return Plan(
+            candidate=c,
+            strategy=s,
+            required_bytes=required,
+            usable_bytes=self.usable,
+            speed=self.speed(s),
+            changes=describe_changes(s, self.baseline),
+        )
+
+    def evaluate(self, c: Candidate) -> tuple[Plan | None, _Near | None]:
+        """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit)."""
+        micros = self.micro_options(c)
+        try:
+            first = self.strategy(c, micros[0])
+        except StrategyError:
+            return None, None
+        bound = self.lower_bound(first)
+        if bound > self.usable:
+            return None, _Near(candidate=c, micro=micros[0], bytes=bound)
+        need = self.required(first)
+        if need is None:
+            return None, None
+        if need > self.usable:
+            return None, _Near(candidate=c, micro=micros[0], bytes=need)
+        lo, hi = 0, len(micros)  # micros[lo] fits; micros[hi] (if any) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(self.strategy(c, micros[mid])):
+                lo = mid
+            else:
+                hi = mid
+        fitting = micros[: lo + 1]
+        best = min(fitting, key=lambda m: (self.key(c.world, self.speed(self.strategy(c, m))), -m))
+        req = self.required(self.strategy(c, best))
+        assert req is not None
+        return self.plan(c, best, req), None
+
+
+def search_plans(
+    spec: ModelSpec,
+    gpu: GPUSpec,
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    gpus_per_node: int = 8,
+    allow: tuple[Finetune, ...] = (),
+    objective: Objective = Objective.FASTEST,
+    price_per_gpu_hour: float = 1.0,
+    headroom: float = 0.30,
+    network_gbps: float = DEFAULT_NETWORK_GBPS,
+    baseline: Strategy | None = None,
+    top: int = 5,
+    explain_needs: bool = True,
+) -> PlanResult:
+    """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``."""
+    if global_batch < 1 or gpus < 1 or gpus_per_node < 1:
+        raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
+    objective = Objective(objective)
+    if baseline is None:
+        # The setup a user starts from: trainfit's defaults (amp-bf16, fused AdamW, no checkpointing), data
+        # parallel (DDP) over the GPUs, the whole global batch in one micro-batch per GPU.
+        data = math.gcd(gpus, global_batch)
+        baseline = Strategy(
+            seq_len=seq_len,
+            micro_batch=global_batch // data,
+            parallelism=Parallelism.for_gpus(data, gpus_per_node=gpus_per_node),
+            sharding=Sharding.DDP if data > 1 else Sharding.NONE,
+        )
+    s = _Search(
+        spec,
+        gpu,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        gpus_per_node=gpus_per_node,
+        headroom=headroom,
+        network_gbps=network_gbps,
+        objective=objective,
+        price=price_per_gpu_hour,
+        baseline=baseline,
+    )
+    space = candidates(spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow)
+    bounded: list[tuple[tuple[float, ...], int, int, Candidate]] = []
+    speed_cache: dict[tuple[object, ...], tuple[float, ...] | None] = {}
+    for i, c in enumerate(space):
+        # Speed does not depend on the optimizer: one bound per candidate without it.
+        skey = (dataclasses.replace(c, optimizer=baseline.optimizer),)
+        if skey not in speed_cache:
+            try:
+                speed_cache[skey] = min(s.key(c.world, s.fast_speed(c, m)) for m in s.micro_options(c))
+            except StrategyError:  # no peak for this dtype in the catalog
+                speed_cache[skey] = None
+        bound = speed_cache[skey]
+        if bound is not None:
+            bounded.append((bound, _distance(c, baseline), i, c))
+    bounded.sort(key=lambda x: (x[0], x[1], x[2]))
+    found: list[Plan] = []
+    closest: _Near | None = None
+    for bound, _changes, _i, c in bounded:
+        if len(found) >= top and bound >= s.key(found[-1].gpus, found[-1].speed):
+            break
+        same = (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune)
+        if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
+            continue  # a plan of this layout already reaches this candidate's best time: it could only tie
+        plan, near = s.evaluate(c)
+        if plan is not None:
+            found.append(plan)
+            found.sort(key=lambda p: (s.key(p.gpus, p.speed), len(p.changes), -p.margin_bytes))
+            found = _distinct(found, s)[:top]
+        elif near is not None and (closest is None or near.bytes < closest.bytes):
+            closest = near
+    needs: tuple[str, ...] = ()
+    nearest: Plan | None = None
+    if not found and closest is not None:
+        need = s.required(s.strategy(closest.candidate, closest.micro))  # the estimate's own number, not a bound
+        if need is not None:
+            nearest = s.plan(closest.candidate, closest.micro, need)
+    if not found and explain_needs:
+        needs = _needs(spec, gpu, nearest, s, gpus=gpus, seq_len=seq_len, global_batch=global_batch, allow=allow)
+    return PlanResult(
+        plans=tuple(found),
+        closest=nearest,
+        needs=needs,
+        objective=objective,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        candidates=len(space),
+        estimates=s.estimates,
+    )
+
+
+def _needs(
+    spec: ModelSpec,
+    gpu: GPUSpec,
+    closest: Plan | None,
+    s: _Search,
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    allow: tuple[Finetune, ...],
+) -> tuple[str, ...]:
+    """What would make it fit: a GPU with enough memory, more GPUs (checked), LoRA/QLoRA (checked)."""
+    out: list[str] = []
+    if closest is not None:
+        gib = closest.required_bytes / (1 - s.headroom) / 2**30
+        out.append(
+            f"a GPU with at least {gib:.0f} GiB (the closest plan needs {closest.required_bytes / 2**30:.1f} GiB)"
+        )
+    common = {
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "gpus_per_node": s.gpn,
+        "headroom": s.headroom,
+        "network_gbps": s.network,
+        "top": 1,
+        "explain_needs": False,
+    }
+    for more in (2 * gpus, 4 * gpus, 8 * gpus):
+        r = search_plans(spec, gpu, gpus=more, allow=allow, **common)  # type: ignore[arg-type]
+        if r.plans:
+            out.append(f"{r.plans[0].gpus} GPUs ({', '.join(r.plans[0].changes)})")
+            break
+    missing = tuple(f for f in (Finetune.LORA, Finetune.QLORA) if f not in allow)
+    if missing:
+        r = search_plans(spec, gpu, gpus=gpus, allow=allow + missing, **common)  # type: ignore[arg-type]
+        if r.plans:
+            out.append(f"--allow {','.join(m.value for m in missing)} ({', '.join(r.plans[0].changes)})")
+    return tuple(out)

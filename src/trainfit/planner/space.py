@@ -1,0 +1,259 @@
+"""The planner's search space: which layouts, recipes and fine-tuning methods are worth estimating.
+
+A :class:`Candidate` is everything about a run except the micro-batch (which :mod:`trainfit.planner.rank`
+bisects, since memory grows with it). What the space contains, and why:
+
+- **Precision**: recipes the GPU runs natively (``bf16`` only with native bf16 — compute capability ≥ 8.0,
+  DESIGN §4; fp16 with loss scaling otherwise; fp32 when neither has a tensor-core peak in the catalog).
+  FP8 is not in the space: the memory model has no FP8 recipe yet, so ``--allow fp8`` is refused.
+- **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW.
+- **Checkpointing**: none, sqrt, full (:func:`trainfit.strategy.checkpoint_layout`).
+- **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
+  CPU offload; Megatron tensor parallelism (with sequence parallelism) of degree 2, 4, 8 that divides the
+  heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth, with
+  the distributed optimizer (ZeRO-1). Left out because another layout dominates them — the same
+  communication volume (the speed model cannot tell them apart) and no more memory: ZeRO-1 without tensor or
+  pipeline parallelism (ZeRO-2 reduce-scatters what ZeRO-1 all-reduces; Rajbhandari et al. 2020 §5) and
+  Megatron without the distributed optimizer.
+  Whether a framework supports a combination is the estimate's call: it raises ``StrategyError`` for what
+  no framework runs, and such candidates are dropped.
+- **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
+  (using fewer GPUs is a plan too; nested for powers of two, so more GPUs never make the best plan worse).
+- **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.errors import StrategyError
+from trainfit.hardware import GPUSpec
+from trainfit.planner.speed import SpeedInputs
+from trainfit.strategy import (
+    Checkpointing,
+    Engine,
+    EngineOptions,
+    Offload,
+    Optimizer,
+    Parallelism,
+    PipelineSchedule,
+    Precision,
+    Sharding,
+    Strategy,
+    finetune_setup,
+)
+from trainfit.strategy.recipe import RECIPES
+
+__all__ = [
+    "Candidate",
+    "Finetune",
+    "Objective",
+    "candidates",
+    "native_precisions",
+    "parse_allow",
+    "world_sizes",
+]
+
+
+class Objective(StrEnum):
+    FASTEST = "fastest"  # least time per optimizer step (the global batch is fixed)
+    FEWEST_GPUS = "fewest-gpus"  # the smallest world that fits, fastest among those
+    CHEAPEST = "cheapest"  # GPU-hours per step × price per GPU-hour
+
+
+class Finetune(StrEnum):
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+
+
+_ALLOWABLE = ("lora", "qlora", "fp8")
+
+
+def parse_allow(text: str | None) -> tuple[Finetune, ...]:
+    """``--allow lora,qlora``: the fine-tuning methods the search may use beyond full fine-tuning."""
+    out: list[Finetune] = []
+    for item in (x.strip() for x in (text or "").split(",") if x.strip()):
+        if item not in _ALLOWABLE:
+            raise StrategyError(f"unknown --allow '{item}'; choose from: {', '.join(_ALLOWABLE)}")
+        if item == "fp8":
+            raise StrategyError("--allow fp8: the memory model has no FP8 recipe yet, so the planner cannot check it")
+        out.append(Finetune(item))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """A run without its micro-batch: world, layout, recipe, fine-tuning method."""
+
+    world: int
+    tensor: int = 1
+    pipeline: int = 1
+    sharding: Sharding = Sharding.NONE
+    offload: str = "none"
+    engine: Engine = Engine.AUTO
+    precision: Precision = Precision.AMP_BF16
+    optimizer: Optimizer = Optimizer.ADAMW
+    checkpointing: Checkpointing = Checkpointing.NONE
+    finetune: Finetune = Finetune.FULL
+
+    @property
+    def data(self) -> int:
+        return self.world // (self.tensor * self.pipeline)
+
+    def speed_inputs(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> SpeedInputs:
+        """What :func:`trainfit.planner.speed.step_time_of` reads — equal to ``SpeedInputs.of(self.strategy(...))``
+        (a test holds them together) without building and validating a Strategy."""
+        r = RECIPES[self.precision]
+        return SpeedInputs(
+            data=self.data,
+            tensor=self.tensor,
+            pipeline=self.pipeline,
+            gpus_per_node=gpus_per_node,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            frozen_base=self.finetune is not Finetune.FULL,
+            compute_dtype=r.compute_dtype,
+            compute_bits=r.compute_bits,
+            grad_bits=r.grad_bits,
+            weight_bits=r.weight_bits,
+            recompute=self.checkpointing is not Checkpointing.NONE,
+            sharding=self.sharding,
+            offload_optimizer=self.offload != "none",
+            offload_parameters=self.offload == "optimizer+params",
+        )
+
+    def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
+        """The Strategy this candidate runs at ``micro_batch`` × ``grad_accum`` (the pipeline's micro-batches
+        per step are the accumulation steps)."""
+        adapter, base = (None, None)
+        if self.finetune is not Finetune.FULL:
+            adapter, base = finetune_setup(self.finetune.value)
+        fields: dict[str, object] = {}
+        if base is not None:
+            fields["base_weights"] = base
+        return Strategy(
+            precision=self.precision,
+            optimizer=self.optimizer,
+            checkpointing=self.checkpointing,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            seq_len=seq_len,
+            parallelism=Parallelism.for_gpus(
+                self.world,
+                tensor=self.tensor,
+                pipeline=self.pipeline,
+                sequence_parallel=self.tensor > 1,
+                gpus_per_node=gpus_per_node,
+                microbatches=grad_accum if self.pipeline > 1 else 1,
+                pipeline_schedule=PipelineSchedule.ONE_F_ONE_B,
+            ),
+            sharding=self.sharding,
+            offload=Offload.parse(self.offload),
+            engine=EngineOptions(engine=self.engine),
+            adapter=adapter,
+            **fields,  # type: ignore[arg-type]
+        )
+
+
+def native_precisions(gpu: GPUSpec) -> tuple[Precision, ...]:
+    """Recipes ``gpu`` runs natively: bf16 ones where bf16 is native, else fp16 with loss scaling, else fp32."""
+    if gpu.bf16 and gpu.peak_tflops.get("bf16"):
+        return (Precision.AMP_BF16, Precision.MASTER_BF16, Precision.PURE_BF16)
+    if gpu.peak_tflops.get("fp16"):
+        return (Precision.AMP_FP16, Precision.MASTER_FP16)
+    return (Precision.FP32,)
+
+
+def world_sizes(gpus: int, gpus_per_node: int) -> tuple[int, ...]:
+    """Powers of two up to ``gpus``, whole nodes up to ``gpus``, and ``gpus`` itself (ascending)."""
+    out = {gpus}
+    w = 1
+    while w <= gpus:
+        out.add(w)
+        w *= 2
+    out.update(range(gpus_per_node, gpus + 1, gpus_per_node))
+    return tuple(sorted(out))
+
+
+def _tp_degrees(spec: ModelSpec, world: int, gpus_per_node: int) -> list[int]:
+    out = [1]
+    for t in (2, 4, 8):
+        if (
+            t <= min(world, gpus_per_node)
+            and world % t == 0
+            and spec.num_heads % t == 0
+            and spec.num_kv_heads % t == 0
+            and spec.intermediate_size % t == 0
+            and spec.moe is None
+        ):
+            out.append(t)
+    return out
+
+
+def _layouts(spec: ModelSpec, world: int, gpus_per_node: int) -> list[tuple[int, int, Sharding, str, Engine]]:
+    if world == 1:
+        return [
+            (1, 1, Sharding.NONE, "none", Engine.AUTO),
+            (1, 1, Sharding.ZERO2, "optimizer", Engine.DEEPSPEED),
+            (1, 1, Sharding.ZERO3, "optimizer+params", Engine.DEEPSPEED),
+        ]
+    out: list[tuple[int, int, Sharding, str, Engine]] = [
+        (1, 1, Sharding.DDP, "none", Engine.AUTO),
+        (1, 1, Sharding.ZERO2, "none", Engine.AUTO),
+        (1, 1, Sharding.ZERO3, "none", Engine.AUTO),
+        (1, 1, Sharding.FSDP, "none", Engine.AUTO),
+        (1, 1, Sharding.ZERO2, "optimizer", Engine.AUTO),
+        (1, 1, Sharding.ZERO3, "optimizer+params", Engine.AUTO),
+        (1, 1, Sharding.FSDP, "optimizer+params", Engine.AUTO),
+    ]
+    if world > gpus_per_node and world % gpus_per_node == 0:
+        out.append((1, 1, Sharding.HSDP, "none", Engine.AUTO))
+    for t in _tp_degrees(spec, world, gpus_per_node):
+        for p in (1, 2, 4, 8):
+            if (t, p) == (1, 1) or p > spec.num_layers or world % (t * p):
+                continue
+            out.append((t, p, Sharding.ZERO1, "none", Engine.MEGATRON))
+    return out
+
+
+def candidates(
+    spec: ModelSpec,
+    gpu: GPUSpec,
+    *,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    allow: tuple[Finetune, ...] = (),
+) -> list[Candidate]:
+    """Every candidate whose data degree divides the global batch (so micro × accumulation × data hits it)."""
+    out: list[Candidate] = []
+    methods = (Finetune.FULL, *allow)
+    for world in world_sizes(gpus, gpus_per_node):
+        for t, p, sh, off, engine in _layouts(spec, world, gpus_per_node):
+            if global_batch % (world // (t * p)):
+                continue
+            for ft in methods:
+                if ft is not Finetune.FULL and (world > 1 or off != "none"):
+                    continue  # adapters: one GPU (the memory model's many-GPU path refuses them)
+                for prec in native_precisions(gpu):
+                    for opt in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
+                        for ck in (Checkpointing.NONE, Checkpointing.SQRT, Checkpointing.FULL):
+                            out.append(
+                                Candidate(
+                                    world=world,
+                                    tensor=t,
+                                    pipeline=p,
+                                    sharding=sh,
+                                    offload=off,
+                                    engine=engine,
+                                    precision=prec,
+                                    optimizer=opt,
+                                    checkpointing=ck,
+                                    finetune=ft,
+                                )
+                            )
+    return out

@@ -1,0 +1,57 @@
+"""The plan's fixed inputs as the CLI spells them: the world (``--gpus`` or ``--nodes × --gpus-per-node``)
+and the global batch (``--global-batch`` sequences or ``--tokens-per-step`` tokens)."""
+
+from __future__ import annotations
+
+from trainfit.errors import ConfigError
+
+__all__ = ["parse_tokens", "resolve_world", "sequences_per_step"]
+
+_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+
+
+def parse_tokens(text: str, *, multiple_of: int = 1) -> int:
+    """``2e6``, ``4_000_000``, or with a suffix k/M/G: ``4M`` is 4 000 000 when that is a multiple of
+    ``multiple_of`` (the sequence length), else 4·2²⁰ = 4 194 304 when that is (Llama 3's "4M tokens" batch is
+    512 sequences of 8192, Dubey et al. 2024 §3.4.1)."""
+    t = text.strip().replace("_", "").lower()
+    suffix = t[-1:] if t[-1:] in _SUFFIX else ""
+    try:
+        number = float(t[:-1] if suffix else t)
+    except ValueError:
+        raise ConfigError(f"--tokens-per-step expects a number such as 4M or 2e6, got '{text}'") from None
+    options = [number * _SUFFIX[suffix], number * 2 ** (10 * ("kmgb".index(suffix) % 3 + 1))] if suffix else [number]
+    for value in options:
+        if value > 0 and value.is_integer() and int(value) % multiple_of == 0:
+            return int(value)
+    raise ConfigError(f"--tokens-per-step {text} is not a whole number of sequences of {multiple_of} tokens")
+
+
+def resolve_world(*, gpus: int | None, nodes: int | None, gpus_per_node: int) -> int:
+    if gpus_per_node < 1:
+        raise ConfigError("--gpus-per-node must be positive")
+    if gpus is not None and nodes is not None:
+        if gpus != nodes * gpus_per_node:
+            raise ConfigError(f"--gpus {gpus} is not --nodes {nodes} × --gpus-per-node {gpus_per_node}")
+        return gpus
+    if nodes is not None:
+        if nodes < 1:
+            raise ConfigError("--nodes must be positive")
+        return nodes * gpus_per_node
+    if gpus is not None and gpus < 1:
+        raise ConfigError("--gpus must be positive")
+    return gpus or 1
+
+
+def sequences_per_step(*, global_batch: int | None, tokens_per_step: str | None, seq_len: int) -> int:
+    if seq_len < 1:
+        raise ConfigError("--seq must be positive")
+    if global_batch is not None and tokens_per_step is not None:
+        raise ConfigError("give --global-batch or --tokens-per-step, not both")
+    if tokens_per_step is not None:
+        return parse_tokens(tokens_per_step, multiple_of=seq_len) // seq_len
+    if global_batch is None:
+        raise ConfigError("give --global-batch (sequences per step) or --tokens-per-step")
+    if global_batch < 1:
+        raise ConfigError("--global-batch must be positive")
+    return global_batch

@@ -1,0 +1,96 @@
+"""Rendering of ``trainfit plan`` results: a ranked table, the top plan in two lines, or "nothing fits"
+with the closest plan and what it would need; and the JSON for scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+from trainfit.planner.rank import Plan, PlanResult
+from trainfit.report.json import strategy_json
+from trainfit.units import fmt_gib
+
+PLAN_SCHEMA_VERSION = 1
+
+
+def _plan_json(p: Plan) -> dict[str, Any]:
+    sp = p.speed
+    return {
+        "gpus": p.gpus,
+        "strategy": strategy_json(p.strategy),
+        "required_bytes": p.required_bytes,
+        "usable_bytes": p.usable_bytes,
+        "margin_bytes": p.margin_bytes,
+        "fits": p.fits,
+        "changes": list(p.changes),
+        "step_seconds": sp.step_seconds,
+        "tokens_per_second": sp.tokens_per_second,
+        "mfu": sp.mfu,
+        "compute_seconds": sp.compute_seconds,
+        "recompute_seconds": sp.recompute_seconds,
+        "exposed_comm_seconds": sp.exposed_comm_seconds,
+        "bubble_seconds": sp.bubble_seconds,
+        "offload_seconds": sp.offload_seconds,
+    }
+
+
+def plan_json(result: PlanResult) -> dict[str, Any]:
+    return {
+        "schema_version": PLAN_SCHEMA_VERSION,
+        "objective": result.objective.value,
+        "global_batch": result.global_batch,
+        "seq_len": result.seq_len,
+        "candidates": result.candidates,
+        "estimates": result.estimates,
+        "plans": [_plan_json(p) for p in result.plans],
+        "closest": _plan_json(result.closest) if result.closest is not None else None,
+        "needs": list(result.needs),
+    }
+
+
+def explain_top(p: Plan) -> str:
+    """The top plan in two lines."""
+    sp = p.speed
+    what = ", ".join(p.changes) if p.changes else "the baseline as given"
+    return (
+        f"{p.gpus} GPU(s): {what}.\n"
+        f"peak {fmt_gib(p.required_bytes)} of {fmt_gib(p.usable_bytes)} usable; "
+        f"{sp.step_seconds:.2f} s/step, {sp.tokens_per_second:,.0f} tokens/s, MFU {sp.mfu:.0%} (speed model)."
+    )
+
+
+def render_plan(console: Console, result: PlanResult) -> None:
+    """The ranked table and the top plan in two lines, or "nothing fits" with the closest plan and its needs."""
+    if not result.plans:
+        console.print("[bold red]nothing fits[/bold red] within the usable memory.")
+        if result.closest is not None:
+            console.print("closest: " + explain_top(result.closest))
+        for need in result.needs:
+            console.print(f"  would fit with {need}")
+        return
+    table = Table(
+        title=f"plans ({result.objective.value}; {result.candidates} candidates, {result.estimates} estimates)"
+    )
+    for col in ("#", "GPUs", "peak/GPU", "margin", "step s", "tokens/s", "MFU", "changes from the baseline"):
+        table.add_column(col, justify="left" if col.startswith("changes") else "right")
+    for i, p in enumerate(result.plans, 1):
+        table.add_row(
+            str(i),
+            str(p.gpus),
+            fmt_gib(p.required_bytes),
+            fmt_gib(p.margin_bytes),
+            f"{p.speed.step_seconds:.2f}",
+            f"{p.speed.tokens_per_second:,.0f}",
+            f"{p.speed.mfu:.0%}",
+            ", ".join(p.changes) or "(baseline)",
+        )
+    for column in table.columns:  # never cut a cell: the table at its natural width (as cli.common.print_table)
+        column.no_wrap = True
+    natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    if natural > console.width:
+        console = Console(soft_wrap=False, width=natural)
+    console.print(table)
+    console.print(explain_top(result.plans[0]))

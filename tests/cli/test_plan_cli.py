@@ -1,0 +1,65 @@
+"""``trainfit plan`` from the command line: the examples, JSON, one-line errors; ``estimate``'s checked fixes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from tests.cli._cli_helper import run_cli
+
+
+def test_plan_json_top_plan_fits_when_estimated_with_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli(capsys, "plan", "llama-3.2-1b", "--gpu", "a100-sxm-40gb", "--gpus", "8", "--seq", "4096",
+                "--global-batch", "64", "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert out["schema_version"] == 1 and out["plans"]
+    top = out["plans"][0]
+    assert top["fits"] and top["required_bytes"] <= top["usable_bytes"]
+    assert top["tokens_per_second"] > 0 and 0 < top["mfu"] < 1
+    # the same flags through `trainfit estimate` (baseline: amp-bf16, DDP over 8 GPUs, micro-batch 8)
+    flags = ["--gpus", "8", "--sharding", "ddp", "--batch", "8"]
+    for change in top["changes"]:
+        flags += shlex.split(change)
+    e = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpu", "a100-sxm-40gb", "--seq", "4096", *flags, "--json")
+    assert e.code == 0, e.err
+    est = json.loads(e.out)
+    assert est["fits"] and est["required_bytes"] == top["required_bytes"]
+    assert est["step_seconds"] == pytest.approx(top["step_seconds"])
+
+
+def test_plan_table_and_two_line_explanation(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli(capsys, "plan", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--seq", "1024", "--global-batch", "16")
+    assert r.code == 0, r.err
+    assert "tokens/s" in r.out and "usable" in r.out and "MFU" in r.out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--global-batch", "8", "--tokens-per-step", "8192"], "not both"),
+        (["--tokens-per-step", "1000"], "whole number of sequences"),
+        (["--global-batch", "8", "--objective", "quickest"], "unknown --objective"),
+        (["--global-batch", "8", "--allow", "fp8"], "no FP8 recipe"),
+        (["--global-batch", "8", "--gpus", "3", "--nodes", "1"], "--gpus-per-node"),
+        ([], "--global-batch"),
+    ],
+)
+def test_plan_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--seq", "1024", *args)
+    assert r.code == 2
+    assert message in r.err and r.err.count("\n") == 1
+
+
+def test_estimate_that_does_not_fit_lists_checked_fixes_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["estimate", "qwen2.5-1.5b", "--gpu", "t4", "--precision", "amp-fp16", "--seq", "2048", "--batch", "8"]
+    r = run_cli(capsys, *base, "--json")
+    out = json.loads(r.out)
+    assert not out["fits"] and 1 <= len(out["fixes"]) <= 3
+    assert out["step_seconds"] > 0 and out["tokens_per_second"] > 0
+    for fix in out["fixes"]:
+        flags = [f for change in fix["flags"] for f in shlex.split(change)]
+        e = run_cli(capsys, *base, *flags, "--json")
+        assert e.code == 0 and json.loads(e.out)["fits"], fix
