@@ -147,7 +147,6 @@ def test_layer_class_exists_in_transformers(slug: str) -> None:
 def test_megatron_plan_exports_its_arguments() -> None:
     s = Strategy(
         micro_batch=1,
-        grad_accum=16,
         checkpointing="full",
         sharding="zero1",
         engine=EngineOptions(engine=Engine.MEGATRON),

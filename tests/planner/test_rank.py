@@ -36,7 +36,7 @@ def test_plans_are_the_estimate_of_the_same_strategy() -> None:
         rep = estimate(spec, p.strategy, gpu=gpu, headroom=0.3)  # the CLI's call, batch search included
         assert rep.fit is not None and rep.fit.fits
         assert rep.fit.required_bytes == p.required_bytes
-        assert p.strategy.micro_batch * p.strategy.grad_accum * p.strategy.parallelism.data == 64
+        assert p.strategy.global_batch == 64
 
 
 def test_random_candidates_memory_equals_estimate() -> None:
@@ -111,7 +111,7 @@ def test_random_searches_return_plans_that_fit_and_hit_the_batch() -> None:
         r = search_plans(spec, gpu, gpus=n, seq_len=seq, global_batch=gb, top=2)
         for p in r.plans:
             s = p.strategy
-            assert s.world_size <= n and s.micro_batch * s.grad_accum * s.parallelism.data == gb
+            assert s.world_size <= n and s.global_batch == gb
             rep = estimate(spec, s, gpu=gpu, headroom=0.3, search_micro_batch=False)
             assert rep.fit is not None and rep.fit.fits and rep.fit.required_bytes == p.required_bytes
 

@@ -87,9 +87,9 @@ def _deepspeed(strategy: Strategy) -> dict[str, Any]:
     if strategy.offload.parameters_on_host:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     cfg: dict[str, Any] = {
-        "train_batch_size": strategy.micro_batch * strategy.grad_accum * strategy.parallelism.data,
+        "train_batch_size": strategy.global_batch,
         "train_micro_batch_size_per_gpu": strategy.micro_batch,
-        "gradient_accumulation_steps": strategy.grad_accum,
+        "gradient_accumulation_steps": strategy.effective_batch // strategy.micro_batch,
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
     }
@@ -192,7 +192,7 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
         f"--tensor-model-parallel-size {par.tensor}",
         f"--pipeline-model-parallel-size {par.pipeline}",
         f"--micro-batch-size {strategy.micro_batch}",
-        f"--global-batch-size {strategy.micro_batch * strategy.grad_accum * par.data}",
+        f"--global-batch-size {strategy.global_batch}",
         f"--seq-length {strategy.seq_len}",
     ]
     if par.sequence_parallel:

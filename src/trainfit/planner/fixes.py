@@ -38,7 +38,7 @@ def checked_fixes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: f
             gpus=strategy.world_size,
             gpus_per_node=par.gpus_per_node,
             seq_len=strategy.seq_len,
-            global_batch=strategy.micro_batch * strategy.grad_accum * par.data,
+            global_batch=strategy.global_batch,
             allow=(Finetune.LORA, Finetune.QLORA) if strategy.adapter is not None else (),
             headroom=headroom,
             baseline=strategy,

@@ -88,7 +88,8 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         q = strategy.base_weights.quantization.value
         out.append("--finetune " + ("qlora" if q == "nf4" else "lora" if strategy.adapter is not None else "full"))
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
-        out.append(f"--batch {strategy.micro_batch} --grad-accum {strategy.grad_accum}")
+        accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
+        out.append(f"--batch {strategy.micro_batch}{accum}")
     return tuple(out)
 
 

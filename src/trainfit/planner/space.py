@@ -140,7 +140,7 @@ class Candidate:
             optimizer=self.optimizer,
             checkpointing=self.checkpointing,
             micro_batch=micro_batch,
-            grad_accum=grad_accum,
+            grad_accum=1 if self.pipeline > 1 else grad_accum,  # a pipeline's accumulation is its micro-batches
             seq_len=seq_len,
             parallelism=Parallelism.for_gpus(
                 self.world,

@@ -131,7 +131,7 @@ class SpeedInputs:
             virtual_stages=par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED else 1,
             seq_len=strategy.seq_len,
             micro_batch=strategy.micro_batch,
-            grad_accum=strategy.grad_accum,
+            grad_accum=strategy.effective_batch // strategy.micro_batch,  # pipeline micro-batches included
             frozen_base=strategy.adapter is not None,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
