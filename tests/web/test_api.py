@@ -110,6 +110,23 @@ def test_infer_equals_the_cli_json(
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "seq": 1024, "global_batch": 8},
+        {"model": "mistral-7b-v0.1", "gpu": "rtx-4090", "allow": "lora,qlora", "global_batch": 16, "top": 3},
+    ],
+    ids=["full", "lora"],
+)
+def test_plan_equals_the_cli_json(
+    client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = cli_json(["plan", *to_args(options)], capsys)
+    got = client.post("/api/plan", json=options)
+    assert got.status_code == 200, got.text
+    assert got.json() == expected
+
+
+@pytest.mark.parametrize(
     ("path", "args"),
     [
         ("/api/models", ["models"]),
@@ -218,7 +235,8 @@ def test_infer_errors_are_the_cli_line(
         ("/api/estimate", {"config": " " * (MAX_CONFIG_BYTES + 1)}, 400, "KiB a config.json may have"),
         ("/api/config", {"config": "{oops"}, 400, "not valid JSON"),
         ("/api/config", {}, 400, "POST a JSON object"),
-        ("/api/plan", {"model": "gpt2"}, 501, "planner"),
+        ("/api/plan", {"model": "gpt2"}, 400, "--gpu is required"),
+        ("/api/plan", {"model": "gpt2", "gpu": "a100-sxm-80gb", "objective": "cheapest-ish"}, 400, "--objective"),
         ("/api/jobs", {"kind": "plan"}, 400, "unknown job kind"),
         ("/api/jobs", {"kind": "estimate", "model": "gpt2", "batch": "x"}, 400, "invalid value for '--batch'"),
     ],
@@ -236,7 +254,7 @@ def test_refusals_are_one_line(client: TestClient, path: str, body: dict[str, An
     [
         ("/api/precision", 400, "?gpu="),
         ("/api/precision?gpu=nope", 400, "unknown GPU"),
-        ("/api/plan", 501, "not built yet"),
+        ("/api/plan?model=gpt2", 400, "--gpu is required"),
         ("/api/jobs/deadbeef", 404, "no job"),
         ("/api/nothing", 404, "Not Found"),
     ],

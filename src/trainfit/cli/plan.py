@@ -7,8 +7,6 @@ from typing import Annotated
 
 import typer
 
-from trainfit.errors import ConfigError
-
 
 def plan_cmd(
     model: Annotated[str, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")],
@@ -51,26 +49,21 @@ def plan_cmd(
     from trainfit.arch import load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.export import export_plan, write_export
-    from trainfit.hardware import get_gpu
-    from trainfit.planner.rank import search_plans
-    from trainfit.planner.space import Objective, parse_allow
-    from trainfit.planner.workload import resolve_world, sequences_per_step
+    from trainfit.planner.api import plan
     from trainfit.report.plan import plan_json, render_plan
 
-    if objective not in {o.value for o in Objective}:
-        raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
-    world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
-    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq)
     spec = load_model(model)
-    result = search_plans(
+    result = plan(
         spec,
-        get_gpu(gpu),
-        gpus=world,
-        seq_len=seq,
-        global_batch=batch,
+        gpu,
+        gpus=gpus,
+        nodes=nodes,
         gpus_per_node=gpus_per_node,
-        allow=parse_allow(allow),
-        objective=Objective(objective),
+        seq=seq,
+        global_batch=global_batch,
+        tokens_per_step=tokens_per_step,
+        allow=allow,
+        objective=objective,
         price_per_gpu_hour=price_per_gpu_hour,
         headroom=headroom,
         network_gbps=network_gbps,

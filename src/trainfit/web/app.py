@@ -11,7 +11,7 @@ commands' JSON): one schema, one version, and no arithmetic in the browser. Endp
 ``/api/estimate``      ``trainfit estimate ... --json`` (GET: query string; POST: a JSON object)
 ``/api/infer``         ``trainfit infer ... --json``
 ``POST /api/config``   checks a pasted config.json: its row as ``/api/models`` lists it, or the error
-``/api/plan``          501 until ``trainfit plan`` exists
+``/api/plan``          ``trainfit plan --json`` (ranked plans; exports stay with the CLI)
 ``/api/jobs``          trace runs: POST starts one, GET ``/api/jobs/ID`` polls, DELETE cancels
 =====================  =========================================================================
 
@@ -42,7 +42,7 @@ from starlette.staticfiles import StaticFiles
 
 from trainfit.errors import TrainfitError
 from trainfit.web.jobs import JobBusyError, Jobs
-from trainfit.web.options import MAX_CONFIG_BYTES, estimate_inputs, infer_inputs, resolve_model
+from trainfit.web.options import MAX_CONFIG_BYTES, estimate_inputs, infer_inputs, plan_inputs, resolve_model
 from trainfit.web.payloads import formats_payload, gpus_payload, model_row, models_payload, precision_payload
 
 #: The largest request body the server reads: a pasted config.json plus the options.
@@ -138,13 +138,22 @@ def _infer_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None) -> d
     return infer_json(infer(spec, progress=progress, **kwargs))
 
 
+def _plan_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None) -> dict[str, Any]:
+    from trainfit.planner.api import plan
+    from trainfit.report.plan import plan_json
+
+    spec, kwargs = plan_inputs(raw, allow_hub=allow_hub)
+    return plan_json(plan(spec, **kwargs)) | {"exported": []}  # as `trainfit plan --json` without --export
+
+
 COMPUTE = {"estimate": _estimate_json, "infer": _infer_json}
+QUICK = {**COMPUTE, "plan": _plan_json}
 
 
 @lru_cache(maxsize=CACHE_SIZE)
 def _quick(kind: str, key: str, allow_hub: bool) -> str:
     """The JSON text of a quick answer, memoised by the request's canonical JSON."""
-    return json.dumps(COMPUTE[kind](json.loads(key), allow_hub))
+    return json.dumps(QUICK[kind](json.loads(key), allow_hub))
 
 
 def create_app(*, allow_hub: bool = False) -> Starlette:
@@ -186,9 +195,6 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
             return error(400, 'POST a JSON object {"config": "<text of a config.json>"}')
         spec = resolve_model({"config": raw["config"], "config_name": raw.get("config_name")}, allow_hub=False)
         return JSONResponse({"schema_version": 1, "model": model_row(spec)})
-
-    async def plan(request: Request) -> Response:
-        return error(501, "the planner ('trainfit plan') is not built yet; /api/plan answers once it is")
 
     async def start_job(request: Request) -> Response:
         raw = await read_body(request)
@@ -251,7 +257,7 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
         Route("/api/estimate", quick("estimate"), methods=both),
         Route("/api/infer", quick("infer"), methods=both),
         Route("/api/config", config, methods=both),
-        Route("/api/plan", plan, methods=both),
+        Route("/api/plan", quick("plan"), methods=both),
         Route("/api/jobs", start_job, methods=["POST"]),
         Route("/api/jobs/{job_id}", job, methods=["GET", "DELETE"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),

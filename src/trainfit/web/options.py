@@ -87,6 +87,26 @@ def estimate_options() -> dict[str, Option]:
 
 
 @cache
+def plan_options() -> dict[str, Option]:
+    """The options of ``trainfit plan``, by API name (``export`` writes files: not offered here)."""
+    from trainfit.cli.plan import plan_cmd
+
+    out = _options_of(plan_cmd)
+    out.pop("export", None)
+    return out
+
+
+def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
+    """The model and the keyword arguments of :func:`trainfit.planner.api.plan` for a request."""
+    o = parse_options(raw, plan_options())
+    spec = resolve_model(raw, allow_hub=allow_hub)
+    assert spec is not None
+    if not o.get("gpu"):
+        raise ConfigError("--gpu is required: the GPU to plan for (see /api/gpus)")
+    return spec, o
+
+
+@cache
 def infer_options() -> dict[str, Option]:
     """The options of ``trainfit infer``, by API name."""
     from trainfit.cli.infer import infer_cmd

@@ -1,0 +1,53 @@
+"""``plan()``: the planner as the CLI and the web page call it — the flags' values in, a ranked
+:class:`~trainfit.planner.rank.PlanResult` out (one place that turns GPUs/nodes and a batch or a token budget
+into the search's inputs)."""
+
+from __future__ import annotations
+
+from trainfit.arch import ModelSpec, load_model
+from trainfit.errors import ConfigError
+from trainfit.hardware import GPUSpec, get_gpu
+from trainfit.planner.rank import PlanResult, search_plans
+from trainfit.planner.space import Objective, parse_allow
+from trainfit.planner.workload import resolve_world, sequences_per_step
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: ModelSpec | str,
+    gpu: GPUSpec | str,
+    *,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int = 8,
+    seq: int = 2048,
+    global_batch: int | None = None,
+    tokens_per_step: str | None = None,
+    allow: str | None = None,
+    objective: str = "fastest",
+    price_per_gpu_hour: float = 1.0,
+    headroom: float = 0.30,
+    network_gbps: float = 50.0,
+    top: int = 5,
+) -> PlanResult:
+    """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument)."""
+    if objective not in {o.value for o in Objective}:
+        raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
+    world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
+    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq)
+    spec = load_model(model) if isinstance(model, str) else model
+    return search_plans(
+        spec,
+        get_gpu(gpu) if isinstance(gpu, str) else gpu,
+        gpus=world,
+        seq_len=seq,
+        global_batch=batch,
+        gpus_per_node=gpus_per_node,
+        allow=parse_allow(allow),
+        objective=Objective(objective),
+        price_per_gpu_hour=price_per_gpu_hour,
+        headroom=headroom,
+        network_gbps=network_gbps,
+        top=top,
+    )
