@@ -443,7 +443,8 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
 def _kv_cache_active(spec: ModelSpec, strategy: Strategy) -> bool:
     """HF builds a DynamicCache in training when ``config.use_cache`` is true, and its ``update``
     concatenates k and v into new tensors; gradient checkpointing turns the cache off."""
-    return spec.use_cache and spec.kind is ModelKind.CAUSAL_LM and strategy.checkpoint_segments(spec.num_layers) == 0
+    decoder = spec.kind is not ModelKind.MASKED_LM and spec.model_type != "bert"  # any decoder head builds it
+    return spec.use_cache and decoder and strategy.checkpoint_segments(spec.num_layers) == 0
 
 
 def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -749,8 +750,11 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
 
 def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """A frozen LM head saves no input, but the final norm's output is still referenced while the logits and
-    the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end."""
-    if not frozen_base(strategy):
+    the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end. A decoder's
+    classification head holds it too (``last_hidden_state`` while ``score`` and the loss run; matched to the
+    trace, tests/trace/test_heads.py)."""
+    classifier = spec.kind in (ModelKind.SEQ_CLS, ModelKind.TOKEN_CLS) and spec.model_type != "bert"
+    if not frozen_base(strategy) and not classifier:
         return 0
     w = Widths.of(strategy)
     return _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
@@ -799,11 +803,58 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(SavedTerm(name="mlm.gelu_in", bytes=w.compute * t * h, formula="a·t·h"))
         ln_in = 4 if w.amp else w.compute
         out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))
+    if not spec.kind.has_vocab_logits:
+        out += classifier_terms(spec, strategy)
     head = [dataclasses.replace(x, role=TermRole.HEAD) for x in out]
     head_input = dataclasses.replace(_matmul_inputs("lm_head_in", t, h, 1, nb, w), role=TermRole.HEAD_INPUT)
-    if frozen:  # a frozen LM head keeps no input
-        head_input = dataclasses.replace(head_input, bytes=0, formula="0 (frozen head)")
+    if frozen or not spec.kind.has_vocab_logits:  # a frozen LM head keeps no input; a classifier's is above
+        head_input = dataclasses.replace(head_input, bytes=0, formula="0 (frozen or no LM head)")
     return [*embedding, *head, head_input]
+
+
+def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
+    """What a classification head saves for backward (trainfit.arch.heads), beyond the final norm.
+
+    * decoder ``seq-cls``: ``score`` runs over every token, so it saves its t·h input like an LM head
+      (cast per call under autocast), and the row pick ``logits[arange(b), last]`` saves two b-long int64
+      index tensors — transformers ``GenericForSequenceClassification.forward``;
+    * BERT ``seq-cls``: the pooler's dense reads ``hidden[:, 0]``, a *view*: without autocast it saves the view,
+      which keeps the whole last hidden state (r·t·h) alive; under autocast it saves its own a·b·h cast. Then
+      tanh's output, dropout's bool mask and the classifier's input, each b·h — ``BertPooler``,
+      ``BertForSequenceClassification``;
+    * ``token-cls``: dropout on the last hidden state keeps a bool mask (t·h) and the score saves the dropped
+      tensor (its a·t·h cast under autocast) — ``GenericForTokenClassification``;
+    * ``none``: nothing (the assumed loss, ``last_hidden_state.mean()``, saves only a shape).
+    """
+    from trainfit.arch.heads import classifier_dropout, is_encoder
+
+    w = Widths.of(strategy)
+    t, b, h = strategy.tokens_per_micro_batch, strategy.micro_batch, spec.hidden_size
+    nb = _norm_out_width(spec, w)
+    p = classifier_dropout(spec)
+    if spec.kind is ModelKind.SEQ_CLS and is_encoder(spec):
+        out = [
+            SavedTerm(name="pooler.dense_in", bytes=w.compute * b * h, formula="a·b·h (cast of hidden[:, 0])")
+            if w.amp
+            else SavedTerm(name="pooler.dense_in", bytes=nb * t * h, formula="r·t·h (hidden[:, 0] keeps its base)"),
+            SavedTerm(name="pooler.tanh_out", bytes=w.compute * b * h, formula="a·b·h"),
+        ]
+        if p > 0:
+            out.append(SavedTerm(name="classifier.dropout_mask", bytes=b * h, formula="1·b·h"))
+        out.append(SavedTerm(name="classifier.input", bytes=w.compute * b * h, formula="a·b·h"))
+        return out
+    if spec.kind is ModelKind.SEQ_CLS:
+        return [
+            _matmul_inputs("score_in", t, h, 1, nb, w),
+            SavedTerm(name="score.row_pick", bytes=16 * b, formula="2·8·b (int64 indices)", pieces=(8 * b, 8 * b)),
+        ]
+    if spec.kind is ModelKind.TOKEN_CLS:
+        out = []
+        if p > 0:
+            out.append(SavedTerm(name="classifier.dropout_mask", bytes=t * h, formula="1·t·h"))
+        out.append(_matmul_inputs("score_in", t, h, 1, nb, w))
+        return out
+    return []
 
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:

@@ -309,8 +309,8 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         grads_resident=st.grads_bytes if strategy.grad_accum > 1 else 0,
         grad_layer=max(g.params_per_layer for g in inv.layers) * gb,
         # The LM head's gradient appears first (the token table's, when tied); the untied token table's last.
-        grad_head=(table if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * gb,
-        grad_late=0 if spec.tie_word_embeddings else table * gb,
+        grad_head=_head_grad_numel(spec) * gb,
+        grad_late=0 if spec.tie_word_embeddings and spec.kind.has_vocab_logits else table * gb,
         copies_all=c_all,
         copies_head=c_head,
         copies_max_layer=max(copies.values()),
@@ -328,7 +328,18 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         # die with the decoder's forward.
         masks=sum(allocator_bytes(m) for m in attention_mask_bytes(spec, strategy)),
         cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants),
+        forward_transient=frozen_head_input_bytes(spec, strategy),  # 0 for a trainable LM head
     )
+
+
+def _head_grad_numel(spec: ModelSpec) -> int:
+    """Elements of the first gradient to appear: the LM head's (the tied token table's), or a classification
+    head's own tensors (trainfit.arch.heads; the token table's gradient then comes last)."""
+    if not spec.kind.has_vocab_logits:
+        from trainfit.arch.heads import head_tensors
+
+        return sum(t.numel for t in head_tensors(spec))
+    return spec.vocab_size * spec.embed_dim if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
 
 
 def _recompute_bytes(q: StepInputs) -> tuple[int, int]:
@@ -484,7 +495,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         gradients=g_all,
         activations=a.embedding_bytes,
         temporaries=q.spec.vocab_size * q.spec.embed_dim * (q.strategy.recipe.grad_bits // 8)
-        if q.spec.tie_word_embeddings and q.grad_head
+        if q.spec.tie_word_embeddings and q.spec.kind.has_vocab_logits and q.grad_head
         else 0,
     )
     moments = [start, norm, top, bottom, embedding]

@@ -110,6 +110,13 @@ def estimate_cmd(
         str | None,
         typer.Option("--freeze", help="With --finetune freeze: embeddings, lm_head, norm, module names, layers:0-15."),
     ] = None,
+    head: Annotated[
+        str | None,
+        typer.Option("--head", help="Task head: causal-lm | masked-lm | seq-cls | token-cls | none (default: config)."),
+    ] = None,
+    num_labels: Annotated[
+        int | None, typer.Option("--num-labels", help="Classes of a seq-cls/token-cls head (default: config, else 2).")
+    ] = None,
     params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
@@ -134,6 +141,7 @@ def estimate_cmd(
       trainfit estimate mistral-7b-v0.1 --finetune qlora --lora-rank 64 --lora-targets q_proj,v_proj --gpu rtx-4090
     """
     from trainfit.arch import explicit_model, load_model
+    from trainfit.arch.heads import with_head
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.estimate import default_seq_len, estimate
     from trainfit.report.json import report_json
@@ -162,6 +170,8 @@ def estimate_cmd(
         )
     else:
         spec = load_model(model)
+    if head is not None or num_labels is not None:
+        spec = with_head(spec, head, num_labels)
     fields: dict[str, Any] = {  # strings are validated and coerced to enums by Strategy
         "precision": precision,
         "optimizer": optimizer,

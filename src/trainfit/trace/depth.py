@@ -221,7 +221,7 @@ def run_layout(
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device=device),
         forward=lambda m, batch: m(**batch),
-        loss_of=lambda out, _batch: out.loss,
+        loss_of=hf.loss_of(spec),
         make_optimizer=build_optimizer,
     )
     options = rn.RunOptions(
