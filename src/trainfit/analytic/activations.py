@@ -38,7 +38,7 @@ from enum import StrEnum
 from trainfit.analytic.adapters import AdapterSaved, AdapterSite, SiteInput, adapter_saved, adapter_sites, frozen_base
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
-from trainfit.strategy import Attention, Quantization, Strategy
+from trainfit.strategy import Attention, Checkpointing, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
@@ -132,6 +132,11 @@ def _norm_out_width(spec: ModelSpec, w: Widths) -> int:
     if spec.norm is NormKind.LAYERNORM and w.amp:
         return 4
     return w.residual
+
+
+def norm_out_width(spec: ModelSpec, w: Widths) -> int:
+    """The final norm's output width (what an LM head or a fused loss reads)."""
+    return _norm_out_width(spec, w)
 
 
 def _matmul_inputs(name: str, t: int, width: int, n_consumers: int, in_bytes: int, w: Widths) -> SavedTerm:
@@ -563,8 +568,41 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
     return out
 
 
+#: The attention core's own saved tensors (scores → softmax → dropout → probs, and a fused kernel's logsumexp),
+#: which selective recompute does not keep: Korthikanti et al. 2022 §5 ("selective activation recomputation":
+#: the 5·a·s/h term of Table 2 is recomputed); Megatron megatron/core/transformer/attention.py
+#: ``_checkpointed_attention_forward`` wraps ``core_attention`` in ``tensor_parallel.checkpoint``.
+_ATTENTION_CORE = frozenset(
+    {
+        "attn.softmax",
+        "attn.eager.softcap_tanh",
+        "attn.eager.dropout",
+        "attn.eager.probs",
+        "attn.sdpa_math.dropout",
+        "attn.sdpa.lse",
+    }
+)
+
+
 def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
-    """Saved activation tensors of one transformer layer (no checkpointing)."""
+    """Saved activation tensors of one transformer layer (no checkpointing; under ``--checkpointing selective``
+    without the attention core's, which its layer's backward recomputes — :func:`selective_recompute_bytes`)."""
+    terms = _layer_terms(spec, strategy, moe=moe)
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        return [x for x in terms if x.name not in _ATTENTION_CORE]
+    return terms
+
+
+def selective_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Selective recompute: the attention core's saved tensors of one layer, alive again while that layer's
+    backward runs (recomputed from the kept q, k, v) — Korthikanti et al. 2022 §5."""
+    if strategy.checkpointing is not Checkpointing.SELECTIVE:
+        return 0
+    moe = spec.num_moe_layers > 0 and spec.num_dense_layers == 0
+    return sum(x.bytes for x in _layer_terms(spec, strategy, moe=moe) if x.name in _ATTENTION_CORE)
+
+
+def _layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
     if frozen_base(strategy):
         return frozen_layer_terms(spec, strategy)
     w = Widths.of(strategy)

@@ -221,7 +221,7 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
         s.free_all(inputs)
 
         # The optimizer step: states created in the first step, then its temporaries.
-        if not optimizer_created:
+        if not optimizer_created and not strategy.savers.paged_optimizer:  # paged: cudaMallocManaged, not here
             state_bits = 32 if r.master_bits else r.state_bits
             for x, m in trained:
                 pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
