@@ -150,7 +150,7 @@ class Strategy:
     def beyond_the_trace(self) -> tuple[str, ...]:
         """The memory savers the fake-tensor trace (and the real-GPU measurement, which reuses its runner) do not
         run yet: the analytic method models them alone."""
-        out = list(self.savers.names())
+        out = [n for n in self.savers.names() if not n.startswith("--loss chunked")]  # trace/savers.py runs it
         if self.checkpointing is Checkpointing.SELECTIVE:
             out.append("--checkpointing selective")
         return tuple(out)
