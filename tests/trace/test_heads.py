@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -74,18 +75,22 @@ def test_bert_seq_cls_has_the_pooler() -> None:
     assert count_params(with_head(bert, "seq-cls", 2)) == count_params(bert) - mlm_head + h * h + h + 2 * h + 2
 
 
-def test_chunked_loss_trace_forward_agrees() -> None:
-    """torchtune's chunked cross-entropy run for real (trainfit.trace.savers): the forward's peak, at the last
-    chunk's upcast, is the closed form's a·V + 4·V + 4·V/N (every chunk's log-softmax saved). The backward's
-    order across chunks is a known gap (docs/accuracy.md), not asserted here."""
+@pytest.mark.parametrize(("precision", "ckpt", "chunks"), [("pure-bf16", "none", 8), ("amp-bf16", "full", 2)])
+def test_chunked_loss_analytic_agrees_with_the_trace(precision: str, ckpt: str, chunks: int) -> None:
+    """torchtune's chunked cross-entropy run for real (trainfit.trace.savers) against the closed forms: every phase
+    within 3% (workspaces aside); and, by hand, the forward saves the fp32 copy of all but one chunk:
+    a·V + 4·V + 4·V/N instead of a·V + 8·V."""
     from trainfit.strategy import MemorySavers
 
     cfg = dict(FAMILIES["llama"], vocab_size=8192)
     spec = spec_from_config(cfg, name="small-llama", source="test")
-    s = Strategy(precision="pure-bf16", micro_batch=2, seq_len=128, savers=MemorySavers(loss="chunked"))
-    ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
-    fa, ft = _net(ra)[0], _net(rt)[0]
-    assert abs(fa - ft) <= 0.01 * ft, (fa, ft)
-    plain = _net(estimate(spec, Strategy(precision="pure-bf16", micro_batch=2, seq_len=128), method="trace"))[0]
-    v = 256 * 8192
-    assert abs((plain - ft) - (4 * v - 4 * v // 8)) <= 16 * 1024  # the fp32 copy, now one chunk's (+ label copies)
+    s = Strategy(precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)
+    chunked = dataclasses.replace(s, savers=MemorySavers(loss="chunked", loss_chunks=chunks))
+    ra, rt = estimate(spec, chunked), estimate(spec, chunked, method="trace")
+    for pa, pt, phase in zip(_net(ra), _net(rt), ra.phases, strict=True):
+        assert abs(pa - pt) <= 0.03 * pt, (phase.phase, pa, pt)
+    if ckpt == "none" and precision == "pure-bf16":
+        plain = _net(estimate(spec, s, method="trace"))[0]
+        v = 256 * 8192
+        saved = 4 * v - 4 * v // chunks
+        assert abs((plain - _net(rt)[0]) - saved) <= 16 * 1024  # (+ the chunked labels' copies)

@@ -301,7 +301,7 @@ def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
     if strategy.checkpointing is Checkpointing.SELECTIVE:
         q = dataclasses.replace(q, block_temp=q.block_temp + selective_recompute_bytes(spec, strategy))
     if sv.loss is LossImpl.CHUNKED:
-        lg = chunked_loss_memory(spec, strategy, keep_logits=keep_logits)
+        lg = chunked_loss_memory(spec, strategy, keep_logits=keep_logits, head_trainable=q.grad_head > 0)
         q = dataclasses.replace(q, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes)
     elif sv.loss is LossImpl.FUSED_LINEAR:
         lg = fused_linear_loss_memory(spec, strategy, head_grad_bytes=q.grad_head)

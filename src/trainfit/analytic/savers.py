@@ -6,7 +6,11 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   ``CEWithChunkedOutputLoss.forward``: the model returns its logits in N chunks of the sequence, each chunk is
   upcast with ``.float()`` and passed to ``cross_entropy`` on its own). Every chunk's log-softmax output is still
   saved for backward (4·V in all); only the fp32 *copy* is one chunk at a time: forward a·V + 4·V + 4·V/N (instead
-  of a·V + 8·V); backward, inside the first chunk's log-softmax backward, 4·V + 8·V/N (instead of 12·V).
+  of a·V + 8·V); backward, inside the first chunk's log-softmax backward, 4·V + 8·V/N (instead of 12·V) — or
+  later, once every chunk's loss backward has run (autograd visits nodes by decreasing sequence number, and every
+  loss node is younger than every head matmul): while the head's per-chunk matmul backwards add their
+  vocab×h weight gradients, 2·a·V·(N−1)/N + 2·a·vocab·h (fitted to the trace; the factor 2 on the logits
+  gradients is not derived op by op).
 * **Fused linear cross-entropy** (Liger-Kernel ``src/liger_kernel/ops/fused_linear_cross_entropy.py``
   ``fused_linear_cross_entropy_forward``): no logits tensor at all. The forward walks the tokens in chunks of
   c = next_pow2(⌈t / ⌈vocab/h⌉⌉) (so one chunk's logits, c·vocab, are about t·h), computes the loss and, already
@@ -75,16 +79,26 @@ def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     return min(tokens, _next_pow2(-(-tokens // inc)))
 
 
-def chunked_loss_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> LogitsMemory:
-    """torchtune chunked CE: forward a·V + 4·V + 4·⌈V/N⌉, backward 4·V + 8·⌈V/N⌉ — module docstring."""
+def chunked_loss_memory(
+    spec: ModelSpec, strategy: Strategy, *, keep_logits: bool, head_trainable: bool = True
+) -> LogitsMemory:
+    """torchtune chunked CE: forward a·V + 4·V + 4·⌈V/N⌉; backward the larger of 4·V + 8·⌈V/N⌉ (the first
+    chunk's log-softmax backward) and 2·a·V·(N−1)/N + 2·a·vocab·h (the head's second per-chunk backward) —
+    module docstring; the second form is fitted to the trace (tests/trace/test_heads.py)."""
     from trainfit.analytic.logits import LogitsMemory
 
     n = strategy.tokens_per_micro_batch * spec.vocab_size
     a = strategy.recipe.compute_bits // 8
-    chunk = -(-n // strategy.savers.loss_chunks)
+    chunks = strategy.savers.loss_chunks
+    chunk = -(-n // chunks)
     upcast = 4 * chunk if a != 4 else 0
     forward = a * n + 4 * n + upcast
-    backward = 4 * n + 8 * chunk + (a * n if keep_logits else 0)
+    # Autograd runs nodes by decreasing sequence number and every loss node was created after every head matmul,
+    # so all N chunks' loss backwards run first (their logits gradients, a·V, all alive), then the head's N
+    # matmul backwards, each adding a vocab×h weight gradient (in the compute dtype) into autograd's buffer.
+    head = 2 * a * spec.vocab_size * spec.embed_dim if head_trainable else 0
+    second = 2 * a * (n - chunk) + head if chunks > 1 else 0
+    backward = max(4 * n + 8 * chunk, second) + (a * n if keep_logits else 0)
     return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
 
 
