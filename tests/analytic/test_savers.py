@@ -5,6 +5,7 @@ bitsandbytes' paged states)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ SLUGS = ["llama-3.2-1b", "qwen2.5-7b", "gpt2", "mistral-7b-v0.1", "phi-2", "opt-
 strategies = st.builds(
     Strategy,
     precision=st.sampled_from(list(Precision)),
-    optimizer=st.sampled_from([Optimizer.ADAMW, Optimizer.ADAMW_8BIT, Optimizer.LION]),
+    optimizer=st.sampled_from([Optimizer.ADAMW, Optimizer.ADAMW_8BIT, Optimizer.LION, Optimizer.SGD]),
     checkpointing=st.sampled_from([Checkpointing.NONE, Checkpointing.FULL, Checkpointing.SQRT]),
     attention=st.sampled_from(list(Attention)),
     micro_batch=st.integers(1, 8),
@@ -43,15 +44,35 @@ SAVERS = [
 ]
 
 
+def _chunked_slack(spec: Any, s: Strategy, savers: MemorySavers) -> int:
+    """The one way a saver adds bytes: with a chunked loss the head's weight gets N gradient contributions, and
+    while the second is added into autograd's buffer two vocab×h gradients (compute dtype) are alive; when the
+    head's gradient dominates the step (SGD, a large tied table: GPT-2 in fp32, +13% at 512 tokens) that can
+    outweigh the logits it saves."""
+    if savers.loss.value != "chunked":
+        return 0
+    return 2 * (s.recipe.compute_bits // 8) * spec.vocab_size * spec.embed_dim
+
+
+def test_chunked_loss_can_raise_the_peak_when_the_head_gradient_dominates() -> None:
+    spec = load_model("gpt2")
+    s = Strategy(precision="fp32", optimizer="sgd", micro_batch=1, seq_len=512)
+    base = estimate_analytic(spec, s).peak_bytes
+    chunked = estimate_analytic(spec, dataclasses.replace(s, savers=MemorySavers(loss="chunked"))).peak_bytes
+    assert base < chunked <= base + _chunked_slack(spec, s, MemorySavers(loss="chunked"))
+
+
 @settings(max_examples=60, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies, savers=st.sampled_from(SAVERS))
 def test_each_saver_never_increases_the_peak(slug: str, s: Strategy, savers: MemorySavers) -> None:
     spec = load_model(slug)
     if savers.loss.value != "standard" and spec.final_logit_softcapping:
         return
+    if savers.paged_optimizer and s.optimizer is Optimizer.SGD:
+        return  # bitsandbytes has no paged SGD (refused)
     base = estimate_analytic(spec, s)
     saved = estimate_analytic(spec, dataclasses.replace(s, savers=savers))
-    assert saved.peak_bytes <= base.peak_bytes
+    assert saved.peak_bytes <= base.peak_bytes + _chunked_slack(spec, s, savers)
     for pb, ps in zip(base.phases, saved.phases, strict=True):
         # what leaves the GPU is counted on the host, never lost
         assert ps.total_bytes + ps.host_bytes >= min(ps.total_bytes, pb.total_bytes)
@@ -92,7 +113,9 @@ def test_chunked_loss_hand_count() -> None:
     assert r.phase(Phase.FORWARD).components[Component.LOGITS_LOSS] == 2 * v + 4 * v + 4 * v // 8
     q = step_inputs(spec, s, keep_logits=False)
     start = next(m for m in backward_moments(q) if m.name is MomentName.BACKWARD_START)
-    assert start.logits_loss == 4 * v + 8 * v // 8
+    # the larger of the first chunk's log-softmax backward and the head's second per-chunk matmul backward (all
+    # logits gradients alive, two vocab×h bf16 weight gradients in autograd's buffer)
+    assert start.logits_loss == max(4 * v + 8 * v // 8, 2 * 2 * (v - v // 8) + 2 * 2 * 128256 * 2048)
 
 
 def test_liger_chunk_size_matches_its_own_example() -> None:
