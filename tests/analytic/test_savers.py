@@ -62,7 +62,7 @@ def test_chunked_loss_can_raise_the_peak_when_the_head_gradient_dominates() -> N
     assert base < chunked <= base + _chunked_slack(spec, s, MemorySavers(loss="chunked"))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies, savers=st.sampled_from(SAVERS))
 def test_each_saver_never_increases_the_peak(slug: str, s: Strategy, savers: MemorySavers) -> None:
     spec = load_model(slug)
@@ -78,7 +78,7 @@ def test_each_saver_never_increases_the_peak(slug: str, s: Strategy, savers: Mem
         assert ps.total_bytes + ps.host_bytes >= min(ps.total_bytes, pb.total_bytes)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies)
 def test_selective_recompute_never_increases_the_peak(slug: str, s: Strategy) -> None:
     spec = load_model(slug)

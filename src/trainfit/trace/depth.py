@@ -50,7 +50,7 @@ from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
-from trainfit.trace.savers import chunked_loss_fns
+from trainfit.trace.savers import OptimizerInBackward, chunked_loss_fns
 from trainfit.trace.timeline import Region, Span
 
 #: Repetitions of each extrapolated unit in the base trace; each variant trace adds one.
@@ -215,6 +215,12 @@ def run_layout(
     optimizers: list[Any] = []
 
     def build_optimizer(params: list[torch.nn.Parameter]) -> Any:
+        if strategy.savers.optimizer_in_backward:  # trace/savers.py: torchtune's per-parameter hooks
+            in_bwd = OptimizerInBackward(
+                params, lambda ps: make_optimizer(strategy.optimizer, ps, adamw_impl=adamw_impl)
+            )
+            optimizers.append(in_bwd)
+            return in_bwd
         opt = make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl)
         optimizers.append(opt)
         return opt

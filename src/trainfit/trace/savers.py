@@ -43,3 +43,38 @@ def chunked_loss_fns(strategy: Strategy) -> tuple[Forward, LossOf] | None:
         return out
 
     return forward, loss_of
+
+
+class OptimizerInBackward:
+    """torchtune's optimizer-in-backward (``torchtune/training/memory.py`` ``register_optim_in_bwd_hooks``): one
+    optimizer per parameter, stepped from the parameter's post-accumulate-grad hook, which then drops the gradient.
+    Looks like an optimizer to the runner: ``step`` and ``zero_grad`` have nothing left to do, ``state`` and
+    ``param_groups`` are the per-parameter optimizers' (so the read-out counts their states)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], make_one: Callable[[list[Any]], Any]) -> None:
+        self.per_param = {p: make_one([p]) for p in params}
+        self.handles: list[Any] = []
+        for p, opt in self.per_param.items():
+
+            def hook(param: torch.Tensor, opt: Any = opt) -> None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            self.handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+        for opt in self.per_param.values():
+            out.update(opt.state)
+        return out
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.per_param.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
