@@ -173,6 +173,11 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
         # traced (trainfit.trace.distributed); what else the strategy asks is still refused below (the
         # many-GPU path refuses adapters itself).
         beyond = tuple(b for b in beyond if not any(k in b for k in _DISTRIBUTED_ITEMS))
+    if method in (Method.TRACE, Method.MEASURE, Method.RULE_OF_THUMB) and strategy.beyond_the_trace():
+        raise StrategyError(
+            f"--method {method.value} does not model {', '.join(strategy.beyond_the_trace())} yet; "
+            "use --method analytic"
+        )
     if finetunes and spec is not None and not beyond and not strategy.is_distributed:
         check_finetune_model(spec, strategy, trace=method is Method.TRACE)
     if beyond:

@@ -38,7 +38,7 @@ from enum import StrEnum
 from trainfit.analytic.adapters import AdapterSaved, AdapterSite, SiteInput, adapter_saved, adapter_sites, frozen_base
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
-from trainfit.strategy import Attention, Quantization, Strategy
+from trainfit.strategy import Attention, Checkpointing, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
@@ -132,6 +132,11 @@ def _norm_out_width(spec: ModelSpec, w: Widths) -> int:
     if spec.norm is NormKind.LAYERNORM and w.amp:
         return 4
     return w.residual
+
+
+def norm_out_width(spec: ModelSpec, w: Widths) -> int:
+    """The final norm's output width (what an LM head or a fused loss reads)."""
+    return _norm_out_width(spec, w)
 
 
 def _matmul_inputs(name: str, t: int, width: int, n_consumers: int, in_bytes: int, w: Widths) -> SavedTerm:
@@ -443,7 +448,8 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
 def _kv_cache_active(spec: ModelSpec, strategy: Strategy) -> bool:
     """HF builds a DynamicCache in training when ``config.use_cache`` is true, and its ``update``
     concatenates k and v into new tensors; gradient checkpointing turns the cache off."""
-    return spec.use_cache and spec.kind is ModelKind.CAUSAL_LM and strategy.checkpoint_segments(spec.num_layers) == 0
+    decoder = spec.kind is not ModelKind.MASKED_LM and spec.model_type != "bert"  # any decoder head builds it
+    return spec.use_cache and decoder and strategy.checkpoint_segments(spec.num_layers) == 0
 
 
 def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -562,8 +568,41 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
     return out
 
 
+#: The attention core's own saved tensors (scores → softmax → dropout → probs, and a fused kernel's logsumexp),
+#: which selective recompute does not keep: Korthikanti et al. 2022 §5 ("selective activation recomputation":
+#: the 5·a·s/h term of Table 2 is recomputed); Megatron megatron/core/transformer/attention.py
+#: ``_checkpointed_attention_forward`` wraps ``core_attention`` in ``tensor_parallel.checkpoint``.
+_ATTENTION_CORE = frozenset(
+    {
+        "attn.softmax",
+        "attn.eager.softcap_tanh",
+        "attn.eager.dropout",
+        "attn.eager.probs",
+        "attn.sdpa_math.dropout",
+        "attn.sdpa.lse",
+    }
+)
+
+
 def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
-    """Saved activation tensors of one transformer layer (no checkpointing)."""
+    """Saved activation tensors of one transformer layer (no checkpointing; under ``--checkpointing selective``
+    without the attention core's, which its layer's backward recomputes — :func:`selective_recompute_bytes`)."""
+    terms = _layer_terms(spec, strategy, moe=moe)
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        return [x for x in terms if x.name not in _ATTENTION_CORE]
+    return terms
+
+
+def selective_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Selective recompute: the attention core's saved tensors of one layer, alive again while that layer's
+    backward runs (recomputed from the kept q, k, v) — Korthikanti et al. 2022 §5."""
+    if strategy.checkpointing is not Checkpointing.SELECTIVE:
+        return 0
+    moe = spec.num_moe_layers > 0 and spec.num_dense_layers == 0
+    return sum(x.bytes for x in _layer_terms(spec, strategy, moe=moe) if x.name in _ATTENTION_CORE)
+
+
+def _layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
     if frozen_base(strategy):
         return frozen_layer_terms(spec, strategy)
     w = Widths.of(strategy)
@@ -749,8 +788,11 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
 
 def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """A frozen LM head saves no input, but the final norm's output is still referenced while the logits and
-    the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end."""
-    if not frozen_base(strategy):
+    the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end. A decoder's
+    classification head holds it too (``last_hidden_state`` while ``score`` and the loss run; matched to the
+    trace, tests/trace/test_heads.py)."""
+    classifier = spec.kind in (ModelKind.SEQ_CLS, ModelKind.TOKEN_CLS) and spec.model_type != "bert"
+    if not frozen_base(strategy) and not classifier:
         return 0
     w = Widths.of(strategy)
     return _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
@@ -799,11 +841,58 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(SavedTerm(name="mlm.gelu_in", bytes=w.compute * t * h, formula="a·t·h"))
         ln_in = 4 if w.amp else w.compute
         out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))
+    if not spec.kind.has_vocab_logits:
+        out += classifier_terms(spec, strategy)
     head = [dataclasses.replace(x, role=TermRole.HEAD) for x in out]
     head_input = dataclasses.replace(_matmul_inputs("lm_head_in", t, h, 1, nb, w), role=TermRole.HEAD_INPUT)
-    if frozen:  # a frozen LM head keeps no input
-        head_input = dataclasses.replace(head_input, bytes=0, formula="0 (frozen head)")
+    if frozen or not spec.kind.has_vocab_logits:  # a frozen LM head keeps no input; a classifier's is above
+        head_input = dataclasses.replace(head_input, bytes=0, formula="0 (frozen or no LM head)")
     return [*embedding, *head, head_input]
+
+
+def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
+    """What a classification head saves for backward (trainfit.arch.heads), beyond the final norm.
+
+    * decoder ``seq-cls``: ``score`` runs over every token, so it saves its t·h input like an LM head
+      (cast per call under autocast), and the row pick ``logits[arange(b), last]`` saves two b-long int64
+      index tensors — transformers ``GenericForSequenceClassification.forward``;
+    * BERT ``seq-cls``: the pooler's dense reads ``hidden[:, 0]``, a *view*: without autocast it saves the view,
+      which keeps the whole last hidden state (r·t·h) alive; under autocast it saves its own a·b·h cast. Then
+      tanh's output, dropout's bool mask and the classifier's input, each b·h — ``BertPooler``,
+      ``BertForSequenceClassification``;
+    * ``token-cls``: dropout on the last hidden state keeps a bool mask (t·h) and the score saves the dropped
+      tensor (its a·t·h cast under autocast) — ``GenericForTokenClassification``;
+    * ``none``: nothing (the assumed loss, ``last_hidden_state.mean()``, saves only a shape).
+    """
+    from trainfit.arch.heads import classifier_dropout, is_encoder
+
+    w = Widths.of(strategy)
+    t, b, h = strategy.tokens_per_micro_batch, strategy.micro_batch, spec.hidden_size
+    nb = _norm_out_width(spec, w)
+    p = classifier_dropout(spec)
+    if spec.kind is ModelKind.SEQ_CLS and is_encoder(spec):
+        out = [
+            SavedTerm(name="pooler.dense_in", bytes=w.compute * b * h, formula="a·b·h (cast of hidden[:, 0])")
+            if w.amp
+            else SavedTerm(name="pooler.dense_in", bytes=nb * t * h, formula="r·t·h (hidden[:, 0] keeps its base)"),
+            SavedTerm(name="pooler.tanh_out", bytes=w.compute * b * h, formula="a·b·h"),
+        ]
+        if p > 0:
+            out.append(SavedTerm(name="classifier.dropout_mask", bytes=b * h, formula="1·b·h"))
+        out.append(SavedTerm(name="classifier.input", bytes=w.compute * b * h, formula="a·b·h"))
+        return out
+    if spec.kind is ModelKind.SEQ_CLS:
+        return [
+            _matmul_inputs("score_in", t, h, 1, nb, w),
+            SavedTerm(name="score.row_pick", bytes=16 * b, formula="2·8·b (int64 indices)", pieces=(8 * b, 8 * b)),
+        ]
+    if spec.kind is ModelKind.TOKEN_CLS:
+        out = []
+        if p > 0:
+            out.append(SavedTerm(name="classifier.dropout_mask", bytes=t * h, formula="1·t·h"))
+        out.append(_matmul_inputs("score_in", t, h, 1, nb, w))
+        return out
+    return []
 
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:

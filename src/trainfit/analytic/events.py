@@ -77,6 +77,8 @@ def _bytes(numel: int, bits: int) -> int:
 def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
     """Whether a model-level tensor's gradient appears with the head's backward (the LM head, or the token
     table tied to it), not at the end of backward."""
+    if not spec.kind.has_vocab_logits:  # a classification head's own tensors (trainfit.arch.heads)
+        return x.name.startswith(("score.", "classifier.", "pooler."))
     return x.name.startswith("lm_head") or (spec.tie_word_embeddings and x.name == "embed_tokens.weight")
 
 
@@ -116,7 +118,8 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
     terms_of = {g.kind: layer_terms(spec, strategy, moe=g.kind == "moe") for g in inv.layers}
     mt = model_terms(spec, strategy)
     lg = logits_memory(spec, strategy)
-    n_logits = t * spec.vocab_size
+    # Classification heads: num_labels-wide logits (their small row-pick tensors folded into the same shape).
+    n_logits = t * spec.vocab_size if spec.kind.has_vocab_logits else lg.logits_bytes // (w.compute or 1)
     temps = backward_temp_bytes(spec, strategy)
     a = w.compute
     # Materialised attention scores (eager, SDPA's math kernel): their transients around the softmax.
@@ -164,7 +167,7 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
         s.free(residual)
         # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
         logits = s.alloc(a * n_logits)
-        upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind is not ModelKind.MASKED_LM else 0
+        upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
         rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
         log_softmax = s.alloc(rest)
         s.free(upcast)
@@ -221,7 +224,7 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
         s.free_all(inputs)
 
         # The optimizer step: states created in the first step, then its temporaries.
-        if not optimizer_created:
+        if not optimizer_created and not strategy.savers.paged_optimizer:  # paged: cudaMallocManaged, not here
             state_bits = 32 if r.master_bits else r.state_bits
             for x, m in trained:
                 pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)

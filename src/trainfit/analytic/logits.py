@@ -30,8 +30,10 @@ class LogitsMemory:
 
 
 def logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> LogitsMemory:
-    n = strategy.tokens_per_micro_batch * spec.vocab_size
     a = strategy.recipe.compute_bits // 8
+    if not spec.kind.has_vocab_logits:
+        return classifier_logits_memory(spec, strategy, keep_logits=keep_logits)
+    n = strategy.tokens_per_micro_batch * spec.vocab_size
     if spec.kind is ModelKind.MASKED_LM:
         # BERT: CrossEntropyLoss on the logits as they are (no .float()). Under autocast, log_softmax
         # takes CUDA's fp32_set_opt_dtype policy — log_softmax(x, dtype=float) reads 16-bit and writes
@@ -48,3 +50,35 @@ def logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = Fa
         forward += a * n
         backward += a * n
     return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
+
+
+def classifier_logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> LogitsMemory:
+    """Logits and loss of a classification head (trainfit.arch.heads): ``num_labels`` wide, never vocabulary-wide.
+
+    ``token-cls`` (transformers ``loss_utils.py`` ``ForTokenClassification``: ``logits.float()`` then
+    cross-entropy) has the causal-LM forms with ``V = t·num_labels``. ``seq-cls`` on a decoder
+    (``GenericForSequenceClassification``) computes ``t·num_labels`` logits, picks one row per sequence
+    (b·num_labels) and takes cross-entropy of those without an upcast (``ForSequenceClassificationLoss``);
+    its backward scatters the picked gradient into a zero ``t·num_labels`` tensor. BERT's ``seq-cls`` has only
+    the b·num_labels logits. ``none`` has no logits (the loss is the caller's).
+    """
+    from trainfit.analytic.activations import residual_bits
+    from trainfit.arch.heads import is_encoder
+
+    a = strategy.recipe.compute_bits // 8
+    t, b, nl = strategy.tokens_per_micro_batch, strategy.micro_batch, spec.num_labels
+    lsm = 4 if strategy.recipe.autocast else a  # log_softmax runs in fp32 under CUDA autocast
+    if spec.kind is ModelKind.TOKEN_CLS:
+        n = t * nl
+        forward = a * n + (4 * n if a != 4 else 0) + 4 * n
+        backward = 12 * n + (a * n if keep_logits else 0)
+        return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
+    if spec.kind is ModelKind.SEQ_CLS:
+        full = 0 if is_encoder(spec) else a * t * nl
+        n = b * nl
+        forward = full + a * n + lsm * n
+        backward = 2 * lsm * n + a * n + full + (a * n if keep_logits else 0)
+        return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
+    # none: the model's output (last_hidden_state, the residual stream's width) is alive while the loss reduces it.
+    out = strategy.tokens_per_micro_batch * spec.hidden_size * (residual_bits(strategy) // 8)
+    return LogitsMemory(forward_peak_bytes=out, backward_peak_bytes=0, logits_bytes=0)

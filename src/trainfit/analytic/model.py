@@ -53,11 +53,21 @@ from trainfit.analytic.activations import (
     layer_terms,
     model_terms,
     score_chain,
+    selective_recompute_bytes,
 )
 from trainfit.analytic.adapters import dequant_transient_bytes, finetuning
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.states import ModelStates, finetune_parts, model_states
+from trainfit.analytic.savers import (
+    check_savers,
+    checkpoint_input_bytes,
+    chunked_loss_memory,
+    fused_linear_head_input_bytes,
+    fused_linear_loss_memory,
+    offloaded_bytes,
+    saver_notes,
+)
+from trainfit.analytic.states import ModelStates, finetune_parts, model_states, param_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
@@ -72,7 +82,7 @@ from trainfit.result import (
     PhaseBreakdown,
     Term,
 )
-from trainfit.strategy import Attention, Optimizer, Strategy
+from trainfit.strategy import Attention, Checkpointing, LossImpl, Optimizer, Strategy
 
 
 def _sum(terms: list[SavedTerm]) -> int:
@@ -122,6 +132,14 @@ class Moment:
     autocast_copies: int = 0
     logits_loss: int = 0
     temporaries: int = 0
+    # Outside the device peak: offloaded activations (pinned host memory) and paged optimizer states (CUDA
+    # unified memory, invisible to max_memory_allocated) — trainfit.analytic.savers.
+    host_activations: int = 0
+    host_optimizer_states: int = 0
+
+    def host_components(self) -> dict[Component, int]:
+        out = {Component.ACTIVATIONS: self.host_activations, Component.OPTIMIZER_STATES: self.host_optimizer_states}
+        return {k: v for k, v in out.items() if v}
 
     def components(self) -> dict[Component, int]:
         parts = dict.fromkeys(Component, 0)
@@ -143,7 +161,7 @@ class Moment:
         return sum(self.components().values())
 
     def breakdown(self) -> PhaseBreakdown:
-        return PhaseBreakdown(phase=self.phase, components=self.components())
+        return PhaseBreakdown(phase=self.phase, components=self.components(), host_components=self.host_components())
 
     def inside_softmax_backward(self, swap: int, temporaries: int) -> Moment:
         """This block moment, inside its attention softmax backward: the block's post-softmax saved tensors
@@ -263,13 +281,58 @@ class StepInputs:
     masks: int  # [b, 1, s, s] attention masks
     cache_held: int  # the KV cache's own k/v copies (training with use_cache)
     forward_transient: int = 0  # alive at the forward's end but saved by nothing (a frozen head's input)
+    host_activations: int = 0  # --activation-offload: saved tensors in pinned host memory
+    host_optimizer_states: int = 0  # paged optimizer: states in CUDA unified memory, outside the allocator
 
 
 def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
     q = _step_inputs(spec, strategy, keep_logits=keep_logits)
-    if not finetuning(strategy):
+    if finetuning(strategy):
+        q = _finetune_inputs(q)
+    return _saver_inputs(q, keep_logits=keep_logits)
+
+
+def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
+    """The memory savers' closed forms (:mod:`trainfit.analytic.savers`) applied to the step's inputs."""
+    spec, strategy = q.spec, q.strategy
+    sv = strategy.savers
+    if not sv.any and strategy.checkpointing is not Checkpointing.SELECTIVE:
         return q
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        q = dataclasses.replace(q, block_temp=q.block_temp + selective_recompute_bytes(spec, strategy))
+    if sv.loss is LossImpl.CHUNKED:
+        lg = chunked_loss_memory(spec, strategy, keep_logits=keep_logits, head_trainable=q.grad_head > 0)
+        q = dataclasses.replace(q, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes)
+    elif sv.loss is LossImpl.FUSED_LINEAR:
+        lg = fused_linear_loss_memory(spec, strategy, head_grad_bytes=q.grad_head)
+        grad_input = allocator_bytes(fused_linear_head_input_bytes(spec, strategy))
+        a = q.stack
+        stack = dataclasses.replace(
+            a, model_bytes=a.model_bytes - a.head_input_bytes + grad_input, head_input_bytes=grad_input
+        )
+        q = dataclasses.replace(
+            q, stack=stack, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes
+        )
+    if sv.activation_offload:
+        a = q.stack
+        if q.segments == 0:
+            gpu, host = offloaded_bytes(a.all_layers_bytes, a.max_layer_bytes, q.spec.num_layers)
+            q = dataclasses.replace(q, stack=dataclasses.replace(a, all_layers_bytes=gpu), host_activations=host)
+        else:
+            gpu, host = offloaded_bytes(q.kept_inputs, checkpoint_input_bytes(spec, strategy), q.segments)
+            q = dataclasses.replace(q, kept_inputs=gpu, host_activations=host)
+    if sv.paged_optimizer:
+        q = dataclasses.replace(
+            q,
+            resident=dataclasses.replace(q.resident, optimizer_states=0),
+            host_optimizer_states=q.resident.optimizer_states,
+        )
+    return q
+
+
+def _finetune_inputs(q: StepInputs) -> StepInputs:
     # Fine-tuning: only trainable tensors have gradients; a quantised base dequantises a weight in backward.
+    spec, strategy = q.spec, q.strategy
     parts = finetune_parts(spec, strategy)
     return dataclasses.replace(
         q,
@@ -309,8 +372,8 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         grads_resident=st.grads_bytes if strategy.grad_accum > 1 else 0,
         grad_layer=max(g.params_per_layer for g in inv.layers) * gb,
         # The LM head's gradient appears first (the token table's, when tied); the untied token table's last.
-        grad_head=(table if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * gb,
-        grad_late=0 if spec.tie_word_embeddings else table * gb,
+        grad_head=_head_grad_numel(spec) * gb,
+        grad_late=0 if spec.tie_word_embeddings and spec.kind.has_vocab_logits else table * gb,
         copies_all=c_all,
         copies_head=c_head,
         copies_max_layer=max(copies.values()),
@@ -328,7 +391,18 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         # die with the decoder's forward.
         masks=sum(allocator_bytes(m) for m in attention_mask_bytes(spec, strategy)),
         cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants),
+        forward_transient=frozen_head_input_bytes(spec, strategy),  # 0 for a trainable LM head
     )
+
+
+def _head_grad_numel(spec: ModelSpec) -> int:
+    """Elements of the first gradient to appear: the LM head's (the tied token table's), or a classification
+    head's own tensors (trainfit.arch.heads; the token table's gradient then comes last)."""
+    if not spec.kind.has_vocab_logits:
+        from trainfit.arch.heads import head_tensors
+
+        return sum(t.numel for t in head_tensors(spec))
+    return spec.vocab_size * spec.embed_dim if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
 
 
 def _recompute_bytes(q: StepInputs) -> tuple[int, int]:
@@ -484,7 +558,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         gradients=g_all,
         activations=a.embedding_bytes,
         temporaries=q.spec.vocab_size * q.spec.embed_dim * (q.strategy.recipe.grad_bits // 8)
-        if q.spec.tie_word_embeddings and q.grad_head
+        if q.spec.tie_word_embeddings and q.spec.kind.has_vocab_logits and q.grad_head
         else 0,
     )
     moments = [start, norm, top, bottom, embedding]
@@ -512,11 +586,32 @@ def optimizer_step_moment(q: StepInputs) -> Moment:
 
 def training_moments(q: StepInputs) -> dict[Phase, Moment]:
     """The worst moment of each phase of a training step."""
+    fwd, bwd, opt = forward_moments(q), backward_moments(q), optimizer_step_moment(q)
+    if q.strategy.savers.optimizer_in_backward:
+        # torchtune register_optim_in_bwd_hooks: each gradient is stepped and dropped as it is accumulated, so
+        # one tensor's gradient at a time; optimizer.step() then has nothing left to do (trainfit.analytic.savers).
+        one = largest_grad_bytes(q.spec, q.strategy)
+        bwd = [dataclasses.replace(m, gradients=min(m.gradients, one)) for m in bwd]
+        opt = dataclasses.replace(opt, gradients=0, temporaries=0)
+    ha, ho = q.host_activations, q.host_optimizer_states
     return {
-        Phase.FORWARD: worst(forward_moments(q)),
-        Phase.BACKWARD: worst(backward_moments(q)),
-        Phase.OPTIMIZER_STEP: optimizer_step_moment(q),
+        Phase.FORWARD: dataclasses.replace(worst(fwd), host_activations=ha, host_optimizer_states=ho),
+        Phase.BACKWARD: dataclasses.replace(worst(bwd), host_activations=ha, host_optimizer_states=ho),
+        Phase.OPTIMIZER_STEP: dataclasses.replace(opt, host_optimizer_states=ho),
     }
+
+
+def largest_grad_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """The largest single gradient tensor (optimizer in backward holds one at a time)."""
+    gb = strategy.recipe.grad_bits
+    return max(
+        (
+            allocator_bytes(ps.tensor.numel * (ps.bits or gb) // 8)
+            for ps in param_states(spec, strategy)
+            if ps.trainable
+        ),
+        default=0,
+    )
 
 
 def estimate_analytic(
@@ -533,6 +628,7 @@ def estimate_analytic(
     ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment), with the GPU's cuBLAS
     ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU)."""
     strategy, _ = effective_strategy(spec, strategy)  # Gemma-2: eager attention
+    check_savers(spec, strategy)
     q = step_inputs(spec, strategy, keep_logits=keep_logits)
     worst_moments = training_moments(q)
     phases = tuple(worst_moments[ph].breakdown() for ph in Phase)
@@ -543,13 +639,18 @@ def estimate_analytic(
     config = allocator if allocator is not None else AllocatorConfig.from_env()
     sim = simulate_training(spec, strategy, config, workspaces, layout=layout)
     held = peak + sum(w.size_bytes for w in workspaces)
+    reserve = max(0, sim.peak_reserved_bytes - held)
+    if strategy.savers.any:
+        # The synthesised stream replays the paged optimizer and the loss savers only partly (analytic.events):
+        # take the allocator's own overhead above its allocated peak rather than above this peak.
+        reserve = max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
     return MemoryReport(
         method=Method.ANALYTIC,
         model_name=spec.name,
         params=st.params,
         trainable_params=st.trainable_params,
         phases=phases,
-        overhead=outside_allocator(None, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held)),
+        overhead=outside_allocator(None, allocator_reserve_bytes=reserve),
         bytes_per_param=BytesPerParam(
             weights=st.per_param(st.weights_bytes),
             gradients=st.per_param(st.grads_bytes),
@@ -558,7 +659,7 @@ def estimate_analytic(
             autocast_copies=st.per_param(st.autocast_copies_bytes),
         ),
         terms=_terms(spec, strategy, st, stack, q.logits_backward),
-        notes=_notes(strategy, coeff),
+        notes=_notes(spec, strategy, coeff),
         details=AnalyticDetails(
             activation_coefficient=round(coeff, 2),
             activations_per_layer_bytes=stack.max_layer_bytes,
@@ -567,7 +668,7 @@ def estimate_analytic(
     )
 
 
-def _notes(strategy: Strategy, coeff: float) -> tuple[str, ...]:
+def _notes(spec: ModelSpec, strategy: Strategy, coeff: float) -> tuple[str, ...]:
     notes = [
         f"activation coefficient c = {coeff:.1f} bytes per (token·hidden·layer) (the article assumes 10–20)",
         "steady state (step ≥ 2): optimizer states resident; grads freed by zero_grad(set_to_none=True)",
@@ -584,7 +685,7 @@ def _notes(strategy: Strategy, coeff: float) -> tuple[str, ...]:
             f"grad accumulation ×{strategy.grad_accum}: grads stay resident across micro-steps; "
             f"effective batch {strategy.effective_batch}"
         )
-    return tuple(notes)
+    return tuple(notes) + saver_notes(spec, strategy)
 
 
 def _terms(

@@ -151,8 +151,10 @@ def inventory(spec: ModelSpec) -> ParamInventory:
     """Every parameter tensor of ``spec`` (tied embeddings counted once)."""
     h, v = spec.hidden_size, spec.vocab_size
     # The token embedding doubles as the LM head when tied: mark it as a matmul weight then.
+    # A classification or headless model (trainfit.arch.heads) has no vocabulary-sized head at all.
+    lm = spec.kind.has_vocab_logits
     model: list[ParamTensor] = [
-        ParamTensor(name="embed_tokens.weight", shape=(v, spec.embed_dim), matmul=spec.tie_word_embeddings)
+        ParamTensor(name="embed_tokens.weight", shape=(v, spec.embed_dim), matmul=spec.tie_word_embeddings and lm)
     ]
     if spec.learned_positions:
         model.append(ParamTensor(name="embed_positions.weight", shape=(spec.learned_positions, h), matmul=False))
@@ -162,7 +164,9 @@ def inventory(spec: ModelSpec) -> ParamInventory:
         model += _norm("embed_norm", h, spec)
     if spec.final_norm:
         model += _norm("final_norm", h, spec)
-    if not spec.tie_word_embeddings:
+    if not lm:
+        pass
+    elif not spec.tie_word_embeddings:
         model += _linear("lm_head", h, v, spec.lm_head_bias)
     elif spec.lm_head_bias:
         model.append(ParamTensor(name="lm_head.bias", shape=(v,), matmul=False))

@@ -31,8 +31,18 @@ def check_dim(owner: str, name: str, value: Any, *, minimum: int = 1) -> None:
 
 
 class ModelKind(StrEnum):
-    CAUSAL_LM = "causal-lm"
-    MASKED_LM = "masked-lm"
+    """The task head on top of the layer stack (``--head``): what HF ``AutoModelFor...`` class is trained."""
+
+    CAUSAL_LM = "causal-lm"  # *ForCausalLM: vocabulary-sized logits over every token
+    MASKED_LM = "masked-lm"  # *ForMaskedLM (BERT): transform + tied decoder over every token
+    SEQ_CLS = "seq-cls"  # *ForSequenceClassification: num_labels logits per sequence
+    TOKEN_CLS = "token-cls"  # *ForTokenClassification: num_labels logits per token
+    BASE = "none"  # AutoModel: the base model, no head (the loss is the caller's)
+
+    @property
+    def has_vocab_logits(self) -> bool:
+        """Language-model heads: logits as wide as the vocabulary, and a head tied to the embeddings."""
+        return self in (ModelKind.CAUSAL_LM, ModelKind.MASKED_LM)
 
 
 class NormKind(StrEnum):
@@ -110,6 +120,7 @@ class ModelSpec:
     model_type: str  # HF model_type ("llama", "gpt2", ...) or "explicit"
     architecture: str  # HF class name, e.g. "LlamaForCausalLM"
     kind: ModelKind = ModelKind.CAUSAL_LM
+    num_labels: int = 2  # classification heads (config.num_labels; HF's default is 2)
 
     hidden_size: int
     num_layers: int
@@ -181,6 +192,7 @@ class ModelSpec:
         for fname in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
             check_dim("ModelSpec", fname, getattr(self, fname))
         check_dim("ModelSpec", "intermediate_size", self.intermediate_size, minimum=0)
+        check_dim("ModelSpec", "num_labels", self.num_labels)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ModelSpec: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -43,9 +43,12 @@ def estimate_cmd(
         str, typer.Option(help="fp32 | amp-bf16 | amp-fp16 | master-bf16 | master-fp16 | pure-bf16")
     ] = "amp-bf16",
     optimizer: Annotated[
-        str, typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion")
+        str,
+        typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion (paged-*: bitsandbytes paged)"),
     ] = "adamw",
-    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing: none | full | sqrt")] = "none",
+    checkpointing: Annotated[
+        str, typer.Option(help="Activation checkpointing: none | full | sqrt | selective (attention core only)")
+    ] = "none",
     attention: Annotated[str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")] = "sdpa",
     optimizer_impl: Annotated[
         str, typer.Option("--optimizer-impl", help="fused (HF Trainer default) | foreach (torch's own default).")
@@ -120,6 +123,27 @@ def estimate_cmd(
         str | None,
         typer.Option("--freeze", help="With --finetune freeze: embeddings, lm_head, norm, module names, layers:0-15."),
     ] = None,
+    loss: Annotated[
+        str,
+        typer.Option("--loss", help="standard | chunked[:N] (torchtune) | fused-linear (Liger): no full fp32 logits."),
+    ] = "standard",
+    optimizer_in_backward: Annotated[
+        bool, typer.Option("--optimizer-in-backward", help="Step each parameter as its gradient arrives (torchtune).")
+    ] = False,
+    activation_offload: Annotated[
+        bool, typer.Option("--activation-offload", help="Saved activations to pinned host memory (torchtune).")
+    ] = False,
+    paged_optimizer: Annotated[
+        bool,
+        typer.Option("--paged-optimizer", help="bitsandbytes paged optimizer: states in CUDA unified memory."),
+    ] = False,
+    head: Annotated[
+        str | None,
+        typer.Option("--head", help="Task head: causal-lm | masked-lm | seq-cls | token-cls | none (default: config)."),
+    ] = None,
+    num_labels: Annotated[
+        int | None, typer.Option("--num-labels", help="Classes of a seq-cls/token-cls head (default: config, else 2).")
+    ] = None,
     params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
@@ -144,12 +168,13 @@ def estimate_cmd(
       trainfit estimate mistral-7b-v0.1 --finetune qlora --lora-rank 64 --lora-targets q_proj,v_proj --gpu rtx-4090
     """
     from trainfit.arch import explicit_model, load_model
+    from trainfit.arch.heads import with_head
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.estimate import default_seq_len, estimate
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
-    from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy, finetune_setup
+    from trainfit.strategy import EngineOptions, MemorySavers, Offload, Parallelism, Strategy, finetune_setup
 
     explicit = [params, hidden_size, num_layers]
     if model is not None and any(v is not None for v in explicit):
@@ -172,6 +197,11 @@ def estimate_cmd(
         )
     else:
         spec = load_model(model)
+    if head is not None or num_labels is not None:
+        spec = with_head(spec, head, num_labels)
+    if optimizer.startswith("paged-"):  # bitsandbytes' names: paged-adamw-8bit, paged-adamw, paged-lion
+        optimizer, paged_optimizer = optimizer.removeprefix("paged-"), True
+    loss_impl, loss_chunks = MemorySavers.parse_loss(loss)
     fields: dict[str, Any] = {  # strings are validated and coerced to enums by Strategy
         "precision": precision,
         "optimizer": optimizer,
@@ -181,6 +211,13 @@ def estimate_cmd(
         "micro_batch": batch,
         "seq_len": seq if seq is not None else default_seq_len(spec),
         "grad_accum": grad_accum,
+        "savers": MemorySavers(
+            loss=loss_impl,
+            loss_chunks=loss_chunks,
+            optimizer_in_backward=optimizer_in_backward,
+            activation_offload=activation_offload,
+            paged_optimizer=paged_optimizer,
+        ),
         "parallelism": Parallelism.for_gpus(
             gpus,
             tensor=tp,

@@ -35,6 +35,15 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
             "kbit_prepared": base.kbit_prepared,
             "frozen": list(base.frozen),
         }
+    sv = strategy.savers
+    if sv.any:  # savers' keys only when set: JSON without them unchanged
+        out["savers"] = {
+            "loss": sv.loss.value,
+            "loss_chunks": sv.loss_chunks,
+            "optimizer_in_backward": sv.optimizer_in_backward,
+            "activation_offload": sv.activation_offload,
+            "paged_optimizer": sv.paged_optimizer,
+        }
     return out
 
 
@@ -126,6 +135,9 @@ def report_json(
             "source": spec.source,
             "model_type": spec.model_type,
             "architecture": spec.architecture,
+            # a task head only when it is not a language-model head (goldens unchanged)
+            **({"head": spec.kind.value} if not spec.kind.has_vocab_logits else {}),
+            **({"num_labels": spec.num_labels} if spec.kind.value.endswith("-cls") else {}),
         },
         "params": report.params,
         "trainable_params": report.trainable_params,

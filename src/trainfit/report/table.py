@@ -193,7 +193,9 @@ def _distributed_notes(report: MemoryReport) -> list[str]:
     keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank")
     out = [n for n in report.notes if any(k in n for k in keys)]
     if report.host_peak_bytes:
-        out.append(f"host memory per node: {fmt_gib(report.host_peak_bytes)} (offloaded states, pinned)")
+        out.append(
+            f"host memory per node: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)"
+        )
     return out
 
 

@@ -35,7 +35,7 @@ from trainfit.strategy.training import (
     OptimizerImpl,
     checkpoint_layout,
 )
-from trainfit.strategy.workload import Generation, MemorySavers, Workload
+from trainfit.strategy.workload import Generation, LossImpl, MemorySavers, Workload
 
 __all__ = [
     "ALL_LINEAR",
@@ -51,6 +51,7 @@ __all__ = [
     "EngineOptions",
     "Finetune",
     "Generation",
+    "LossImpl",
     "MemorySavers",
     "Offload",
     "OffloadTarget",

@@ -95,6 +95,20 @@ class Strategy:
         if not isinstance(self.flash_sdp, bool):
             raise StrategyError(f"flash_sdp must be True or False, got {self.flash_sdp!r}")
         check_finetune(self.adapter, self.base_weights)
+        if self.savers.optimizer_in_backward and self.grad_accum > 1:
+            # torchtune's recipes refuse it: the gradients are gone before the next micro-step could add to them.
+            raise StrategyError(
+                "--optimizer-in-backward steps each parameter as its gradient arrives; it cannot accumulate "
+                f"gradients (--grad-accum {self.grad_accum}): use --grad-accum 1"
+            )
+        if self.savers.paged_optimizer and self.optimizer not in (
+            Optimizer.ADAMW,
+            Optimizer.ADAMW_8BIT,
+            Optimizer.LION,
+        ):
+            raise StrategyError(
+                f"bitsandbytes has paged AdamW, AdamW8bit and Lion optimizers, not {self.optimizer.value}"
+            )
 
     @property
     def recipe(self) -> Recipe:
@@ -155,6 +169,17 @@ class Strategy:
             x for x in self.beyond_single_gpu_training() if x not in finetune and not x.startswith("base weights")
         )
 
+    def beyond_the_trace(self) -> tuple[str, ...]:
+        """The memory savers the fake-tensor trace (and the real-GPU measurement, which reuses its runner) do not
+        run yet: the analytic method models them alone."""
+        runs = ("--loss chunked", "--optimizer-in-backward")  # trace/savers.py runs them
+        out = [n for n in self.savers.names() if not n.startswith(runs)]
+        if self.savers.optimizer_in_backward and self.recipe.master_bits:
+            out.append("--optimizer-in-backward with fp32 master weights")
+        if self.checkpointing is Checkpointing.SELECTIVE:
+            out.append("--checkpointing selective")
+        return tuple(out)
+
     def beyond_single_gpu_training(self) -> tuple[str, ...]:
         """The sub-configs that differ from one GPU, full fine-tuning, a training step (what a method
         that models only that setup must refuse rather than silently ignore)."""
@@ -180,7 +205,7 @@ class Strategy:
                     else str(self.base_weights.dtype)
                 )
             )
-        if self.savers.any:
+        if self.savers.any and not self.parallelism.is_single_gpu:
             out.append("memory savers")
         if self.workload is not Workload.TRAINING:
             out.append(self.workload.value)

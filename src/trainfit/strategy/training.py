@@ -37,6 +37,10 @@ class Checkpointing(StrEnum):
     NONE = "none"
     FULL = "full"
     SQRT = "sqrt"
+    # Korthikanti et al. 2022 §5 (Megatron ``--recompute-granularity selective``, megatron/core/transformer/
+    # attention.py ``_checkpointed_attention_forward``): only the attention core — scores, softmax, dropout,
+    # probs·v — is recomputed; every other saved tensor is kept. No segments.
+    SELECTIVE = "selective"
 
 
 class Attention(StrEnum):
@@ -65,7 +69,7 @@ def checkpoint_layout(checkpointing: Checkpointing, num_layers: int) -> Checkpoi
     ``torch.utils.checkpoint.checkpoint_sequential``, no trailing segment runs unchecked, which keeps
     memory monotonic in the depth.)
     """
-    if checkpointing is Checkpointing.NONE:
+    if checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE):
         return CheckpointLayout(segment_sizes=())
     if checkpointing is Checkpointing.FULL:
         return CheckpointLayout(segment_sizes=(1,) * num_layers)

@@ -18,7 +18,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import allocator_details
 from trainfit.allocator.workspaces import training_workspaces
 from trainfit.arch.spec import ModelSpec
-from trainfit.errors import TrainfitError
+from trainfit.errors import StrategyError, TrainfitError
 from trainfit.result import MemoryReport, Method, Phase, TraceDetails
 from trainfit.strategy import Precision, Strategy, recipe
 from trainfit.trace import depth, readout
@@ -51,6 +51,10 @@ def trace_spec(
     for the reserved memory (:func:`trainfit.trace.events.reserved_from_trace`: one more trace of three
     units of the layer stack); without it, reserved memory is the fixed fraction of ``trainfit.overhead``.
     """
+    if strategy.beyond_the_trace():
+        raise StrategyError(
+            f"the trace does not run {', '.join(strategy.beyond_the_trace())} yet; use --method analytic"
+        )
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     require_torch()
     require_transformers()

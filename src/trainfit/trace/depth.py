@@ -50,6 +50,7 @@ from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
+from trainfit.trace.savers import OptimizerInBackward, chunked_loss_fns
 from trainfit.trace.timeline import Region, Span
 
 #: Repetitions of each extrapolated unit in the base trace; each variant trace adds one.
@@ -214,14 +215,21 @@ def run_layout(
     optimizers: list[Any] = []
 
     def build_optimizer(params: list[torch.nn.Parameter]) -> Any:
+        if strategy.savers.optimizer_in_backward:  # trace/savers.py: torchtune's per-parameter hooks
+            in_bwd = OptimizerInBackward(
+                params, lambda ps: make_optimizer(strategy.optimizer, ps, adamw_impl=adamw_impl)
+            )
+            optimizers.append(in_bwd)
+            return in_bwd
         opt = make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl)
         optimizers.append(opt)
         return opt
 
+    chunked = chunked_loss_fns(strategy)
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device=device),
-        forward=lambda m, batch: m(**batch),
-        loss_of=lambda out, _batch: out.loss,
+        forward=chunked[0] if chunked else lambda m, batch: m(**batch),
+        loss_of=chunked[1] if chunked else hf.loss_of(spec),
         make_optimizer=build_optimizer,
     )
     options = rn.RunOptions(

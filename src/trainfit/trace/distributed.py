@@ -310,7 +310,7 @@ def run_layout_distributed(
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
         forward=lambda m, batch: m(**batch),
-        loss_of=lambda out, _batch: out.loss,
+        loss_of=hf.loss_of(spec),
         make_optimizer=lambda params: make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl),
     )
     options = rn.RunOptions(

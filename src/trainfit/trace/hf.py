@@ -104,14 +104,38 @@ def hf_config(spec: ModelSpec) -> Any:
     # As the user's run would: transformers builds a DynamicCache in training when config.use_cache is
     # true (gradient checkpointing turns it off), and its torch.cat copies k and v.
     conf.use_cache = spec.use_cache
+    if not spec.kind.has_vocab_logits:  # a task head (trainfit.arch.heads)
+        conf.num_labels = spec.num_labels
+        # *ForSequenceClassification refuses batches > 1 without a pad token; no id in the batch is padding.
+        if getattr(conf, "pad_token_id", None) is None:
+            conf.pad_token_id = spec.vocab_size - 1
     return conf
+
+
+def auto_class(spec: ModelSpec) -> Any:
+    """The transformers auto class for ``spec``'s task head."""
+    tf = require_transformers()
+    return {
+        ModelKind.CAUSAL_LM: tf.AutoModelForCausalLM,
+        ModelKind.MASKED_LM: tf.AutoModelForMaskedLM,
+        ModelKind.SEQ_CLS: tf.AutoModelForSequenceClassification,
+        ModelKind.TOKEN_CLS: tf.AutoModelForTokenClassification,
+        ModelKind.BASE: tf.AutoModel,
+    }[spec.kind]
+
+
+def loss_of(spec: ModelSpec) -> Callable[[Any, Any], torch.Tensor]:
+    """The model's own loss; the headless model's assumed one (trainfit.arch.heads): ``last_hidden_state.mean()``."""
+    if spec.kind is ModelKind.BASE:
+        return lambda out, _batch: out.last_hidden_state.mean()
+    return lambda out, _batch: out.loss
 
 
 def build_meta(spec: ModelSpec, strategy: Strategy, weight_dtype: torch.dtype) -> tuple[torch.nn.Module, list[str]]:
     """The full-depth model on the meta device, in training mode. Returns (model, notes)."""
-    tf = require_transformers()
+    require_transformers()
     conf = hf_config(spec)
-    auto = tf.AutoModelForMaskedLM if spec.kind is ModelKind.MASKED_LM else tf.AutoModelForCausalLM
+    auto = auto_class(spec)
     attn = "eager" if strategy.attention is Attention.EAGER else "sdpa"
     notes: list[str] = []
     refusals = _refusal_types()
@@ -435,7 +459,10 @@ def batch_fn(
 
     def make() -> dict[str, torch.Tensor]:
         ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
-        labels = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
+        if spec.kind is ModelKind.BASE:
+            return {"input_ids": ids}
+        shape = (micro_batch,) if spec.kind is ModelKind.SEQ_CLS else (micro_batch, seq_len)
+        labels = torch.zeros(shape, dtype=torch.long, device=device)
         return {"input_ids": ids, "labels": labels}
 
     return make

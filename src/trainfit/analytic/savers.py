@@ -1,0 +1,176 @@
+"""Memory savers (``Strategy.savers``, ``--checkpointing selective``): closed forms, one per saver, applied to the
+step's inputs and moments of :mod:`trainfit.analytic.model` without touching the arithmetic of a step that uses
+none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and ``r`` the residual width:
+
+* **Chunked cross-entropy** (torchtune ``torchtune/modules/loss/ce_chunked_output_loss.py``
+  ``CEWithChunkedOutputLoss.forward``: the model returns its logits in N chunks of the sequence, each chunk is
+  upcast with ``.float()`` and passed to ``cross_entropy`` on its own). Every chunk's log-softmax output is still
+  saved for backward (4·V in all); only the fp32 *copy* is one chunk at a time: forward a·V + 4·V + 4·V/N (instead
+  of a·V + 8·V); backward, inside the first chunk's log-softmax backward, 4·V + 8·V/N (instead of 12·V) — or
+  later, once every chunk's loss backward has run (autograd visits nodes by decreasing sequence number, and every
+  loss node is younger than every head matmul): while the head's per-chunk matmul backwards add their
+  vocab×h weight gradients, 2·a·V·(N−1)/N + 2·a·vocab·h (fitted to the trace; the factor 2 on the logits
+  gradients is not derived op by op).
+* **Fused linear cross-entropy** (Liger-Kernel ``src/liger_kernel/ops/fused_linear_cross_entropy.py``
+  ``fused_linear_cross_entropy_forward``): no logits tensor at all. The forward walks the tokens in chunks of
+  c = next_pow2(⌈t / ⌈vocab/h⌉⌉) (so one chunk's logits, c·vocab, are about t·h), computes the loss and, already
+  in the forward, the gradients: ``grad_input`` (t·h in the input's dtype, saved instead of the head's input) and
+  ``grad_weight`` (the head's gradient, ``zeros_like(weight)``, present from the forward on). What remains: one
+  chunk's a·c·vocab logits, its c·h input-gradient product, the fp32 per-token loss (4·t), ``grad_input`` and
+  ``grad_weight``.
+* **Optimizer in backward** (torchtune ``torchtune/training/memory.py`` ``register_optim_in_bwd_hooks``: one
+  optimizer per parameter, stepped by a ``register_post_accumulate_grad_hook`` that then drops the gradient):
+  at most one parameter's gradient is alive at any time; the optimizer-step phase holds no gradients at all.
+  Gradient accumulation is refused (torchtune refuses it: the gradients are gone before the next micro-step).
+* **Activation offloading** (torchtune ``torchtune/training/_activation_offloading.py`` ``OffloadActivations``: a
+  ``saved_tensors_hooks`` pair copies every saved tensor of ≥ 1024 bytes to pinned host memory; with streams the
+  forward keeps a tensor until its copy is done and the backward prefetches the next layer's). On the GPU: two
+  layers' saved tensors (or two checkpoint inputs under checkpointing) — the one in flight and the one being
+  copied or prefetched; on the host: every layer's (``PhaseBreakdown.host_components``). torchtune keeps the
+  output projection's tensors on the GPU (``NoOpManager``), so the head and the logits stay; autocast's cached
+  weight copies are counted on the GPU as before.
+* **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
+  ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
+  outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
+  them to host memory when the GPU runs out. They are reported apart (``host_components``), not in the device
+  peak.
+* **Selective recompute** (Korthikanti et al. 2022 §5; :func:`trainfit.analytic.activations.layer_terms`): the
+  attention core's saved tensors are dropped and one layer's come back while its backward runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from trainfit.analytic.activations import Widths, residual_bits
+from trainfit.arch.spec import ModelKind, ModelSpec
+from trainfit.errors import StrategyError
+from trainfit.strategy import LossImpl, Strategy
+
+if TYPE_CHECKING:
+    from trainfit.analytic.logits import LogitsMemory
+
+#: torchtune OffloadActivations ``min_offload_size``: smaller saved tensors stay on the GPU.
+MIN_OFFLOAD_BYTES = 1024
+#: Layers (or checkpoint inputs) an offloading run holds on the GPU: the one in flight and the one being copied
+#: to the host in the forward, or prefetched back in the backward (OffloadActivations with ``use_streams``).
+OFFLOAD_LAYERS_ON_GPU = 2
+
+
+def check_savers(spec: ModelSpec, strategy: Strategy) -> None:
+    """One-line refusals for savers that do not apply to this model."""
+    sv = strategy.savers
+    if sv.loss is not LossImpl.STANDARD and spec.kind is not ModelKind.CAUSAL_LM:
+        raise StrategyError(
+            f"--loss {sv.loss.value} replaces a causal-LM loss; {spec.name} has a {spec.kind.value} head"
+        )
+    if sv.loss is not LossImpl.STANDARD and spec.final_logit_softcapping:
+        raise StrategyError(f"--loss {sv.loss.value}: the logit soft-cap of {spec.model_type} is not modelled with it")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Liger's chunk: next_pow2(⌈t / ⌈vocab/h⌉⌉) tokens, at most t — ``fused_linear_cross_entropy_forward``."""
+    inc = -(-vocab // hidden)
+    return min(tokens, _next_pow2(-(-tokens // inc)))
+
+
+def chunked_loss_memory(
+    spec: ModelSpec, strategy: Strategy, *, keep_logits: bool, head_trainable: bool = True
+) -> LogitsMemory:
+    """torchtune chunked CE: forward a·V + 4·V + 4·⌈V/N⌉; backward the larger of 4·V + 8·⌈V/N⌉ (the first
+    chunk's log-softmax backward) and 2·a·V·(N−1)/N + 2·a·vocab·h (the head's second per-chunk backward) —
+    module docstring; the second form is fitted to the trace (tests/trace/test_heads.py)."""
+    from trainfit.analytic.logits import LogitsMemory
+
+    n = strategy.tokens_per_micro_batch * spec.vocab_size
+    a = strategy.recipe.compute_bits // 8
+    chunks = strategy.savers.loss_chunks
+    chunk = -(-n // chunks)
+    upcast = 4 * chunk if a != 4 else 0
+    forward = a * n + 4 * n + upcast
+    # Autograd runs nodes by decreasing sequence number and every loss node was created after every head matmul,
+    # so all N chunks' loss backwards run first (their logits gradients, a·V, all alive), then the head's N
+    # matmul backwards, each adding a vocab×h weight gradient (in the compute dtype) into autograd's buffer.
+    head = 2 * a * spec.vocab_size * spec.embed_dim if head_trainable else 0
+    second = 2 * a * (n - chunk) + head if chunks > 1 else 0
+    backward = max(4 * n + 8 * chunk, second) + (a * n if keep_logits else 0)
+    return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
+
+
+def fused_linear_loss_memory(spec: ModelSpec, strategy: Strategy, *, head_grad_bytes: int) -> LogitsMemory:
+    """Liger fused linear CE: forward grad_weight + a·c·vocab + a·c·h + 4·t; backward grad_weight (already
+    there) — module docstring. ``grad_input`` is a saved head tensor (:func:`fused_linear_head_input_bytes`)."""
+    from trainfit.analytic.logits import LogitsMemory
+
+    t = strategy.tokens_per_micro_batch
+    a = strategy.recipe.compute_bits // 8
+    c = liger_chunk_tokens(t, spec.vocab_size, spec.hidden_size)
+    forward = head_grad_bytes + a * c * spec.vocab_size + a * c * spec.hidden_size + 4 * t
+    return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=head_grad_bytes, logits_bytes=0)
+
+
+def fused_linear_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Liger saves ``grad_input = zeros_like(_input)`` (t·h, the final norm output's dtype) instead of the input."""
+    from trainfit.analytic.activations import norm_out_width
+
+    return norm_out_width(spec, Widths.of(strategy)) * strategy.tokens_per_micro_batch * spec.hidden_size
+
+
+def offloaded_bytes(all_layers_bytes: int, max_layer_bytes: int, num_layers: int) -> tuple[int, int]:
+    """(on the GPU, on the host) of the layers' saved tensors under activation offloading — module docstring."""
+    on_gpu = min(num_layers, OFFLOAD_LAYERS_ON_GPU) * max_layer_bytes
+    return min(all_layers_bytes, on_gpu), max(0, all_layers_bytes - on_gpu)
+
+
+def checkpoint_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """One checkpoint input (the residual stream entering a segment): r·t·h."""
+    return residual_bits(strategy) // 8 * strategy.tokens_per_micro_batch * spec.hidden_size
+
+
+def replace_logits(lg: LogitsMemory, forward: int, backward: int) -> LogitsMemory:
+    return dataclasses.replace(lg, forward_peak_bytes=forward, backward_peak_bytes=backward)
+
+
+def saver_notes(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    """What each saver in use changes, in the report's notes (and what the head's loss is)."""
+    from trainfit.strategy import Checkpointing
+
+    sv = strategy.savers
+    out: list[str] = []
+    if spec.kind is ModelKind.BASE:
+        out.append("--head none: the loss is assumed to be last_hidden_state.mean() (it saves nothing)")
+    if sv.loss is LossImpl.CHUNKED:
+        out.append(
+            f"chunked cross-entropy (torchtune): the fp32 upcast one chunk of {sv.loss_chunks} at a time; every "
+            "chunk's log-softmax output is still saved"
+        )
+    elif sv.loss is LossImpl.FUSED_LINEAR:
+        c = liger_chunk_tokens(strategy.tokens_per_micro_batch, spec.vocab_size, spec.hidden_size)
+        out.append(
+            f"fused linear cross-entropy (Liger): no logits tensor; {c}-token chunks, the head's weight and input "
+            "gradients computed in the forward (what remains: one chunk's logits, grad_input, grad_weight)"
+        )
+    if sv.optimizer_in_backward:
+        out.append(
+            "optimizer in backward (torchtune): one parameter's gradient alive at a time; no optimizer-step peak"
+        )
+    if sv.activation_offload:
+        out.append(
+            f"activation offloading (torchtune OffloadActivations): {OFFLOAD_LAYERS_ON_GPU} layers' saved tensors "
+            "(or checkpoint inputs) on the GPU, the rest in pinned host memory (host bytes per phase)"
+        )
+    if sv.paged_optimizer:
+        out.append(
+            "paged optimizer (bitsandbytes): states in CUDA unified memory, outside max_memory_allocated and "
+            "not in the device peak; reported as host bytes (paged out when the GPU is full)"
+        )
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        out.append("selective recompute (Korthikanti et al. 2022 §5): only the attention core is recomputed")
+    if sv.any:
+        out.append("reserved memory: the allocator simulation does not replay the savers; its overhead is kept")
+    return tuple(out)

@@ -1,0 +1,186 @@
+"""Memory savers (trainfit.analytic.savers): each never increases the device peak (hypothesis), and hand counts
+from the libraries' own rules (torchtune's chunked loss and optimizer-in-backward, Liger's chunk size,
+bitsandbytes' paged states)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfit import estimate
+from trainfit.analytic import estimate_analytic
+from trainfit.analytic.model import MomentName, backward_moments, step_inputs
+from trainfit.analytic.savers import liger_chunk_tokens
+from trainfit.arch import load_model
+from trainfit.arch.spec import ModelKind
+from trainfit.errors import StrategyError
+from trainfit.result import Component, Phase
+from trainfit.strategy import Attention, Checkpointing, MemorySavers, Optimizer, Precision, Strategy
+
+SLUGS = ["llama-3.2-1b", "qwen2.5-7b", "gpt2", "mistral-7b-v0.1", "phi-2", "opt-6.7b", "mixtral-8x7b-v0.1"]
+
+strategies = st.builds(
+    Strategy,
+    precision=st.sampled_from(list(Precision)),
+    optimizer=st.sampled_from([Optimizer.ADAMW, Optimizer.ADAMW_8BIT, Optimizer.LION, Optimizer.SGD]),
+    checkpointing=st.sampled_from([Checkpointing.NONE, Checkpointing.FULL, Checkpointing.SQRT]),
+    attention=st.sampled_from(list(Attention)),
+    micro_batch=st.integers(1, 8),
+    seq_len=st.integers(1, 4096),
+)
+
+SAVERS = [
+    MemorySavers(loss="chunked"),
+    MemorySavers(loss="chunked", loss_chunks=3),
+    MemorySavers(loss="fused-linear"),
+    MemorySavers(optimizer_in_backward=True),
+    MemorySavers(activation_offload=True),
+    MemorySavers(paged_optimizer=True),
+    MemorySavers(loss="chunked", optimizer_in_backward=True, activation_offload=True, paged_optimizer=True),
+]
+
+
+def _chunked_slack(spec: Any, s: Strategy, savers: MemorySavers) -> int:
+    """The one way a saver adds bytes: with a chunked loss the head's weight gets N gradient contributions, and
+    while the second is added into autograd's buffer two vocab×h gradients (compute dtype) are alive; when the
+    head's gradient dominates the step (SGD, a large tied table: GPT-2 in fp32, +13% at 512 tokens) that can
+    outweigh the logits it saves."""
+    if savers.loss.value != "chunked":
+        return 0
+    return 2 * (s.recipe.compute_bits // 8) * spec.vocab_size * spec.embed_dim
+
+
+def test_chunked_loss_can_raise_the_peak_when_the_head_gradient_dominates() -> None:
+    spec = load_model("gpt2")
+    s = Strategy(precision="fp32", optimizer="sgd", micro_batch=1, seq_len=512)
+    base = estimate_analytic(spec, s).peak_bytes
+    chunked = estimate_analytic(spec, dataclasses.replace(s, savers=MemorySavers(loss="chunked"))).peak_bytes
+    assert base < chunked <= base + _chunked_slack(spec, s, MemorySavers(loss="chunked"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(slug=st.sampled_from(SLUGS), s=strategies, savers=st.sampled_from(SAVERS))
+def test_each_saver_never_increases_the_peak(slug: str, s: Strategy, savers: MemorySavers) -> None:
+    spec = load_model(slug)
+    if savers.loss.value != "standard" and spec.final_logit_softcapping:
+        return
+    if savers.paged_optimizer and s.optimizer is Optimizer.SGD:
+        return  # bitsandbytes has no paged SGD (refused)
+    base = estimate_analytic(spec, s)
+    saved = estimate_analytic(spec, dataclasses.replace(s, savers=savers))
+    assert saved.peak_bytes <= base.peak_bytes + _chunked_slack(spec, s, savers)
+    for pb, ps in zip(base.phases, saved.phases, strict=True):
+        # what leaves the GPU is counted on the host, never lost
+        assert ps.total_bytes + ps.host_bytes >= min(ps.total_bytes, pb.total_bytes)
+
+
+@settings(max_examples=30, deadline=None)
+@given(slug=st.sampled_from(SLUGS), s=strategies)
+def test_selective_recompute_never_increases_the_peak(slug: str, s: Strategy) -> None:
+    spec = load_model(slug)
+    none = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.NONE)).peak_bytes
+    assert estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.SELECTIVE)).peak_bytes <= none
+
+
+def test_selective_recompute_drops_the_eager_score_chain() -> None:
+    """Korthikanti et al. 2022: selective recompute removes the 5·a·s/h term — with eager attention the
+    b·heads·s² chain; with flash SDPA only the fp32 logsumexp (4·b·heads·s) per layer."""
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(precision="pure-bf16", attention="eager", micro_batch=1, seq_len=2048)
+    none = estimate_analytic(spec, s).phase(Phase.FORWARD).components[Component.ACTIVATIONS]
+    sel = estimate_analytic(spec, dataclasses.replace(s, checkpointing="selective"))
+    scores = 32 * 2048 * 2048  # b·heads·s²
+    # at least the fp32 softmax output per layer is gone (16 layers)
+    assert none - sel.phase(Phase.FORWARD).components[Component.ACTIVATIONS] >= 16 * 4 * scores
+    sdpa = dataclasses.replace(s, attention="sdpa")
+    lse = 16 * 4 * 1 * 32 * 2048
+    a0 = estimate_analytic(spec, sdpa).phase(Phase.FORWARD).components[Component.ACTIVATIONS]
+    a1 = estimate_analytic(spec, dataclasses.replace(sdpa, checkpointing="selective"))
+    assert a0 - a1.phase(Phase.FORWARD).components[Component.ACTIVATIONS] == lse
+
+
+def test_chunked_loss_hand_count() -> None:
+    """torchtune CEWithChunkedOutputLoss, N = 8: every chunk's fp32 log-softmax saved (4·V), the fp32 copy one
+    chunk at a time; backward inside the first chunk: 4·V + 2 × 4·V/8."""
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(precision="pure-bf16", micro_batch=1, seq_len=1024, savers=MemorySavers(loss="chunked"))
+    v = 1024 * 128256
+    r = estimate_analytic(spec, s)
+    assert r.phase(Phase.FORWARD).components[Component.LOGITS_LOSS] == 2 * v + 4 * v + 4 * v // 8
+    q = step_inputs(spec, s, keep_logits=False)
+    start = next(m for m in backward_moments(q) if m.name is MomentName.BACKWARD_START)
+    # the larger of the first chunk's log-softmax backward and the head's second per-chunk matmul backward (all
+    # logits gradients alive, two vocab×h bf16 weight gradients in autograd's buffer)
+    assert start.logits_loss == max(4 * v + 8 * v // 8, 2 * 2 * (v - v // 8) + 2 * 2 * 128256 * 2048)
+
+
+def test_liger_chunk_size_matches_its_own_example() -> None:
+    """Liger's comment: BT = 4096·4, V = 32000, H = 4096 → inc_factor 8, chunk 2048."""
+    assert liger_chunk_tokens(4096 * 4, 32000, 4096) == 2048
+    assert liger_chunk_tokens(100, 32000, 4096) == 16  # next_pow2(⌈100/8⌉)
+
+
+def test_fused_linear_has_no_vocabulary_logits() -> None:
+    spec = load_model("llama-3.1-8b")
+    s = Strategy(precision="pure-bf16", micro_batch=4, seq_len=2048, checkpointing="full")
+    fused = estimate_analytic(spec, dataclasses.replace(s, savers=MemorySavers(loss="fused-linear")))
+    t, vocab, h = 4 * 2048, 128256, 4096
+    c = 256  # next_pow2(⌈8192 / ⌈128256/4096⌉⌉) = next_pow2(⌈8192/32⌉) = 256
+    head_grad = vocab * h * 2
+    fwd = fused.phase(Phase.FORWARD).components[Component.LOGITS_LOSS]
+    assert fwd == head_grad + 2 * c * vocab + 2 * c * h + 4 * t
+    assert fwd - head_grad < 2 * t * vocab // 10  # far below the bf16 logits alone
+
+
+def test_optimizer_in_backward_holds_one_gradient() -> None:
+    """torchtune register_optim_in_bwd_hooks: the largest gradient alive is one tensor's (the untied 128256×2048
+    embedding table, bf16); nothing is left for optimizer.step()."""
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(precision="pure-bf16", micro_batch=1, seq_len=512, savers=MemorySavers(optimizer_in_backward=True))
+    r = estimate_analytic(spec, s)
+    assert r.phase(Phase.BACKWARD).components[Component.GRADIENTS] <= 128256 * 2048 * 2
+    assert r.phase(Phase.OPTIMIZER_STEP).components[Component.GRADIENTS] == 0
+    with pytest.raises(StrategyError, match="grad-accum 4"):
+        dataclasses.replace(s, grad_accum=4)
+
+
+def test_paged_states_are_reported_apart() -> None:
+    """bitsandbytes paged AdamW8bit: the states (about 2 B/param) are outside the device peak, on the host side."""
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(optimizer="adamw-8bit", micro_batch=1, seq_len=512)
+    plain = estimate_analytic(spec, s)
+    paged = estimate_analytic(spec, dataclasses.replace(s, savers=MemorySavers(paged_optimizer=True)))
+    states = plain.phase(Phase.OPTIMIZER_STEP).components[Component.OPTIMIZER_STATES]
+    assert 1.9 * plain.params < states < 2.1 * plain.params
+    for p in paged.phases:
+        assert p.components[Component.OPTIMIZER_STATES] == 0
+        assert p.host_components[Component.OPTIMIZER_STATES] == states
+    assert paged.peak_bytes == plain.peak_bytes - states  # the states leave every phase, nothing else moves
+
+
+def test_activation_offload_moves_all_but_two_layers() -> None:
+    spec = load_model("llama-3.2-1b")  # 16 layers
+    s = Strategy(precision="pure-bf16", micro_batch=1, seq_len=1024)
+    plain = estimate_analytic(spec, s)
+    off = estimate_analytic(spec, dataclasses.replace(s, savers=MemorySavers(activation_offload=True)))
+    per_layer = plain.details.activations_per_layer_bytes  # type: ignore[union-attr]
+    f0, f1 = plain.phase(Phase.FORWARD), off.phase(Phase.FORWARD)
+    moved = f0.components[Component.ACTIVATIONS] - f1.components[Component.ACTIVATIONS]
+    assert f1.host_components[Component.ACTIVATIONS] == moved
+    assert 13 * per_layer <= moved <= 14 * per_layer  # 14 of 16 layers (layer 0 saves a little less)
+
+
+def test_savers_are_refused_where_not_modelled() -> None:
+    bert = load_model("bert-base-uncased")
+    with pytest.raises(StrategyError, match="causal-LM"):
+        estimate(bert, Strategy(seq_len=128, savers=MemorySavers(loss="chunked")))
+    spec = load_model("llama-3.2-1b")
+    with pytest.raises(StrategyError, match="use --method analytic"):
+        estimate(spec, Strategy(seq_len=128, checkpointing="selective"), method="trace")
+    with pytest.raises(StrategyError, match="paged"):
+        Strategy(optimizer="sgd", savers=MemorySavers(paged_optimizer=True))
+    assert bert.kind is ModelKind.MASKED_LM
