@@ -76,6 +76,10 @@ ESTIMATES: list[dict[str, Any]] = [
     {"model": "tinyllama-1.1b", "gpu": "l4", "method": "rule-of-thumb"},
     {"model": "qwen2.5-0.5b", "gpu": "l4", "alloc_conf": "expandable_segments:True", "segments": True},
     {"params": "1.3e9", "hidden_size": 2048, "num_layers": 24, "batch": 4, "seq": 1024},
+    # Every option group reaches the Strategy (one builder for the CLI and the page: cli.estimate.strategy_from_flags).
+    {"model": "llama-3.2-1b", "gpu": "l4", "loss": "chunked:4", "activation_offload": True, "optimizer": "paged-adamw"},
+    {"model": "bert-base-uncased", "head": "seq-cls", "num_labels": 3, "precision": "fp32"},
+    {"model": "llama-3.2-1b", "finetune": "freeze", "freeze": "embeddings,layers:0-7", "optimizer_in_backward": True},
 ]
 
 

@@ -8,7 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
+from trainfit.arch.spec import ModelSpec
 from trainfit.errors import ConfigError, StrategyError
+from trainfit.strategy import Strategy
 
 
 def _parse_count(text: str | None, flag: str) -> int | None:
@@ -23,6 +25,90 @@ def _parse_count(text: str | None, flag: str) -> int | None:
     if not value.is_integer():
         raise ConfigError(f"{flag} must be a whole number of parameters, got '{text}'")
     return int(value)
+
+
+#: The flags of ``trainfit estimate`` that describe the run (the Strategy, and the task head of the model);
+#: :func:`strategy_from_flags` takes exactly these, so the CLI and the web page build one thing the same way.
+STRATEGY_FLAGS: tuple[str, ...] = (
+    "precision", "optimizer", "checkpointing", "attention", "optimizer_impl", "batch", "seq", "grad_accum",
+    "gpus", "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel", "gpus_per_node",
+    "sharding", "offload", "engine", "reshard_after_forward", "bucket_cap_mb", "gradient_as_bucket_view",
+    "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_dtype",
+    "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
+    "paged_optimizer", "head", "num_labels",
+)  # fmt: skip
+
+
+def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strategy]:
+    """(the model with the requested task head, the Strategy) from the values of :data:`STRATEGY_FLAGS`
+    (each as ``trainfit estimate`` declares it, defaults included); bad values raise a one-line error."""
+    from trainfit.arch.heads import with_head
+    from trainfit.estimate import default_seq_len
+    from trainfit.strategy import EngineOptions, MemorySavers, Offload, Parallelism, finetune_setup
+
+    missing = [f for f in STRATEGY_FLAGS if f not in flags]
+    if missing or len(flags) != len(STRATEGY_FLAGS):
+        raise TypeError(f"strategy_from_flags needs exactly {STRATEGY_FLAGS}; missing {missing}")
+    f = flags
+    head, num_labels, optimizer, paged_optimizer = f["head"], f["num_labels"], f["optimizer"], f["paged_optimizer"]
+    finetune, freeze = f["finetune"], f["freeze"]
+    if head is not None or num_labels is not None:
+        spec = with_head(spec, head, num_labels)
+    if optimizer.startswith("paged-"):  # bitsandbytes' names: paged-adamw-8bit, paged-adamw, paged-lion
+        optimizer, paged_optimizer = optimizer.removeprefix("paged-"), True
+    loss_impl, loss_chunks = MemorySavers.parse_loss(f["loss"])
+    fields: dict[str, Any] = {  # strings are validated and coerced to enums by Strategy
+        "precision": f["precision"],
+        "optimizer": optimizer,
+        "checkpointing": f["checkpointing"],
+        "attention": f["attention"],
+        "optimizer_impl": f["optimizer_impl"],
+        "micro_batch": f["batch"],
+        "seq_len": f["seq"] if f["seq"] is not None else default_seq_len(spec),
+        "grad_accum": f["grad_accum"],
+        "savers": MemorySavers(
+            loss=loss_impl,
+            loss_chunks=loss_chunks,
+            optimizer_in_backward=f["optimizer_in_backward"],
+            activation_offload=f["activation_offload"],
+            paged_optimizer=paged_optimizer,
+        ),
+        "parallelism": Parallelism.for_gpus(
+            f["gpus"],
+            tensor=f["tp"],
+            pipeline=f["pp"],
+            pipeline_schedule=f["pp_schedule"],
+            virtual_stages=f["virtual_stages"],
+            microbatches=f["microbatches"],
+            sequence_parallel=f["sequence_parallel"],
+            gpus_per_node=f["gpus_per_node"],
+        ),
+        "sharding": f["sharding"],
+        "offload": Offload.parse(f["offload"]),
+        "engine": EngineOptions(
+            engine=f["engine"],  # a string, validated and coerced by EngineOptions
+            reshard_after_forward=f["reshard_after_forward"],
+            bucket_cap_mb=f["bucket_cap_mb"],
+            gradient_as_bucket_view=f["gradient_as_bucket_view"],
+            reduce_bucket_size=_parse_count(str(f["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
+        ),
+    }
+    if finetune != "full" or freeze is not None or f["base_dtype"] is not None:
+        if freeze is not None and finetune == "full":
+            finetune = "freeze"
+        fields["adapter"], fields["base_weights"] = finetune_setup(
+            finetune,
+            rank=f["lora_rank"],
+            alpha=f["lora_alpha"],
+            targets=f["lora_targets"],
+            dropout=f["lora_dropout"],
+            adapter_dtype=f["adapter_dtype"],
+            base_dtype=f["base_dtype"],
+            double_quant=f["double_quant"],
+            freeze=freeze or (),
+        )
+    strategy = Strategy(**fields)
+    return spec, strategy
 
 
 def estimate_cmd(
@@ -168,13 +254,11 @@ def estimate_cmd(
       trainfit estimate mistral-7b-v0.1 --finetune qlora --lora-rank 64 --lora-targets q_proj,v_proj --gpu rtx-4090
     """
     from trainfit.arch import explicit_model, load_model
-    from trainfit.arch.heads import with_head
     from trainfit.cli.common import print_json, stdout_console, warn
-    from trainfit.estimate import default_seq_len, estimate
+    from trainfit.estimate import estimate
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
-    from trainfit.strategy import EngineOptions, MemorySavers, Offload, Parallelism, Strategy, finetune_setup
 
     explicit = [params, hidden_size, num_layers]
     if model is not None and any(v is not None for v in explicit):
@@ -197,62 +281,8 @@ def estimate_cmd(
         )
     else:
         spec = load_model(model)
-    if head is not None or num_labels is not None:
-        spec = with_head(spec, head, num_labels)
-    if optimizer.startswith("paged-"):  # bitsandbytes' names: paged-adamw-8bit, paged-adamw, paged-lion
-        optimizer, paged_optimizer = optimizer.removeprefix("paged-"), True
-    loss_impl, loss_chunks = MemorySavers.parse_loss(loss)
-    fields: dict[str, Any] = {  # strings are validated and coerced to enums by Strategy
-        "precision": precision,
-        "optimizer": optimizer,
-        "checkpointing": checkpointing,
-        "attention": attention,
-        "optimizer_impl": optimizer_impl,
-        "micro_batch": batch,
-        "seq_len": seq if seq is not None else default_seq_len(spec),
-        "grad_accum": grad_accum,
-        "savers": MemorySavers(
-            loss=loss_impl,
-            loss_chunks=loss_chunks,
-            optimizer_in_backward=optimizer_in_backward,
-            activation_offload=activation_offload,
-            paged_optimizer=paged_optimizer,
-        ),
-        "parallelism": Parallelism.for_gpus(
-            gpus,
-            tensor=tp,
-            pipeline=pp,
-            pipeline_schedule=pp_schedule,
-            virtual_stages=virtual_stages,
-            microbatches=microbatches,
-            sequence_parallel=sequence_parallel,
-            gpus_per_node=gpus_per_node,
-        ),
-        "sharding": sharding,
-        "offload": Offload.parse(offload),
-        "engine": EngineOptions(
-            engine=engine,  # type: ignore[arg-type]  # a string, validated and coerced by EngineOptions
-            reshard_after_forward=reshard_after_forward,
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            reduce_bucket_size=_parse_count(str(reduce_bucket_size), "--reduce-bucket-size") or 0,
-        ),
-    }
-    if finetune != "full" or freeze is not None or base_dtype is not None:
-        if freeze is not None and finetune == "full":
-            finetune = "freeze"
-        fields["adapter"], fields["base_weights"] = finetune_setup(
-            finetune,
-            rank=lora_rank,
-            alpha=lora_alpha,
-            targets=lora_targets,
-            dropout=lora_dropout,
-            adapter_dtype=adapter_dtype,
-            base_dtype=base_dtype,
-            double_quant=double_quant,
-            freeze=freeze or (),
-        )
-    strategy = Strategy(**fields)
+    flags = dict(locals())  # before any comprehension: its own scope would have its own locals()
+    spec, strategy = strategy_from_flags(spec, **{name: flags[name] for name in STRATEGY_FLAGS})
     try:
         m = Method(method)
     except ValueError:

@@ -234,9 +234,8 @@ def _count(text: str | None, flag: str) -> int | None:
 def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.estimate.estimate` for a request, as
     ``trainfit estimate`` builds them from its flags (``method_options`` excluded)."""
-    from trainfit.estimate import default_seq_len
+    from trainfit.cli.estimate import STRATEGY_FLAGS, strategy_from_flags
     from trainfit.result import Method
-    from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy, finetune_setup
 
     o = parse_options(raw, estimate_options())
     explicit = [o["params"], o["hidden_size"], o["num_layers"]]
@@ -258,51 +257,7 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
             vocab_size=o["vocab_size"],
             intermediate_size=o["intermediate_size"],
         )
-    fields: dict[str, Any] = {
-        "precision": o["precision"],
-        "optimizer": o["optimizer"],
-        "checkpointing": o["checkpointing"],
-        "attention": o["attention"],
-        "optimizer_impl": o["optimizer_impl"],
-        "micro_batch": o["batch"],
-        "seq_len": o["seq"] if o["seq"] is not None else default_seq_len(spec),
-        "grad_accum": o["grad_accum"],
-        "parallelism": Parallelism.for_gpus(
-            o["gpus"],
-            tensor=o["tp"],
-            pipeline=o["pp"],
-            pipeline_schedule=o["pp_schedule"],
-            virtual_stages=o["virtual_stages"],
-            microbatches=o["microbatches"],
-            sequence_parallel=o["sequence_parallel"],
-            gpus_per_node=o["gpus_per_node"],
-        ),
-        "sharding": o["sharding"],
-        "offload": Offload.parse(o["offload"]),
-        "engine": EngineOptions(
-            engine=o["engine"],
-            reshard_after_forward=o["reshard_after_forward"],
-            bucket_cap_mb=o["bucket_cap_mb"],
-            gradient_as_bucket_view=o["gradient_as_bucket_view"],
-            reduce_bucket_size=_count(str(o["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
-        ),
-    }
-    finetune, freeze = o["finetune"], o["freeze"]
-    if finetune != "full" or freeze is not None or o["base_dtype"] is not None:
-        if freeze is not None and finetune == "full":
-            finetune = "freeze"
-        fields["adapter"], fields["base_weights"] = finetune_setup(
-            finetune,
-            rank=o["lora_rank"],
-            alpha=o["lora_alpha"],
-            targets=o["lora_targets"],
-            dropout=o["lora_dropout"],
-            adapter_dtype=o["adapter_dtype"],
-            base_dtype=o["base_dtype"],
-            double_quant=o["double_quant"],
-            freeze=freeze or (),
-        )
-    strategy = Strategy(**fields)
+    spec, strategy = strategy_from_flags(spec, **{name: o[name] for name in STRATEGY_FLAGS})
     try:
         method = Method(o["method"])
     except ValueError:
