@@ -16,6 +16,7 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
 
     from trainfit.arch import catalog_slugs, count_params, load_model
     from trainfit.cli.common import print_json, print_table
+    from trainfit.report.json import model_row
     from trainfit.units import fmt_count
 
     specs = [load_model(s) for s in catalog_slugs()]
@@ -23,22 +24,7 @@ def models_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON
         print_json(
             {
                 "schema_version": 1,
-                "models": [
-                    {
-                        "id": s.name,
-                        "model_type": s.model_type,
-                        "architecture": s.architecture,
-                        "params": count_params(s),
-                        "hidden_size": s.hidden_size,
-                        "num_layers": s.num_layers,
-                        "num_heads": s.num_heads,
-                        "num_kv_heads": s.num_kv_heads,
-                        "vocab_size": s.vocab_size,
-                        "max_position_embeddings": s.max_position_embeddings,
-                        "num_experts": s.moe.num_experts if s.moe else None,
-                    }
-                    for s in specs
-                ],
+                "models": [model_row(s) for s in specs],
             }
         )
         return

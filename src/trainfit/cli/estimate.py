@@ -13,7 +13,7 @@ from trainfit.errors import ConfigError, StrategyError
 from trainfit.strategy import Strategy
 
 
-def _parse_count(text: str | None, flag: str) -> int | None:
+def parse_count(text: str | None, flag: str) -> int | None:
     if text is None:
         return None
     try:
@@ -90,7 +90,7 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
             reshard_after_forward=f["reshard_after_forward"],
             bucket_cap_mb=f["bucket_cap_mb"],
             gradient_as_bucket_view=f["gradient_as_bucket_view"],
-            reduce_bucket_size=_parse_count(str(f["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
+            reduce_bucket_size=parse_count(str(f["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
         ),
     }
     if finetune != "full" or freeze is not None or f["base_dtype"] is not None:
@@ -271,7 +271,7 @@ def estimate_cmd(
             )
         assert hidden_size is not None and num_layers is not None
         spec = explicit_model(
-            params=_parse_count(params, "--params") or 0,
+            params=parse_count(params, "--params") or 0,
             hidden_size=hidden_size,
             num_layers=num_layers,
             num_heads=num_heads,

@@ -12,6 +12,25 @@ from trainfit.result import SCHEMA_VERSION, Component, MemoryReport, PhaseBreakd
 from trainfit.strategy import Strategy
 
 
+def model_row(spec: ModelSpec) -> dict[str, Any]:
+    """One model as ``trainfit models --json`` (and the web page's catalog) lists it."""
+    from trainfit.arch import count_params
+
+    return {
+        "id": spec.name,
+        "model_type": spec.model_type,
+        "architecture": spec.architecture,
+        "params": count_params(spec),
+        "hidden_size": spec.hidden_size,
+        "num_layers": spec.num_layers,
+        "num_heads": spec.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "num_experts": spec.moe.num_experts if spec.moe else None,
+    }
+
+
 def strategy_json(strategy: Strategy) -> dict[str, Any]:
     out = _strategy_core(strategy)
     if strategy.is_distributed:

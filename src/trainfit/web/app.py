@@ -41,9 +41,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from trainfit.errors import TrainfitError
+from trainfit.report.json import model_row
 from trainfit.web.jobs import JobBusyError, Jobs
 from trainfit.web.options import MAX_CONFIG_BYTES, estimate_inputs, infer_inputs, plan_inputs, resolve_model
-from trainfit.web.payloads import formats_payload, gpus_payload, model_row, models_payload, precision_payload
+from trainfit.web.payloads import formats_payload, gpus_payload, models_payload, precision_payload
 
 #: The largest request body the server reads: a pasted config.json plus the options.
 MAX_BODY_BYTES = MAX_CONFIG_BYTES + 64 * 1024
@@ -194,6 +195,7 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
         if request.method != "POST" or raw.get("config") in (None, ""):
             return error(400, 'POST a JSON object {"config": "<text of a config.json>"}')
         spec = resolve_model({"config": raw["config"], "config_name": raw.get("config_name")}, allow_hub=False)
+        assert spec is not None  # required=True: a missing model is a 400 before this
         return JSONResponse({"schema_version": 1, "model": model_row(spec)})
 
     async def start_job(request: Request) -> Response:

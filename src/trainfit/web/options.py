@@ -216,25 +216,10 @@ def resolve_model(raw: Mapping[str, Any], *, allow_hub: bool, required: bool = T
     )
 
 
-def _count(text: str | None, flag: str) -> int | None:
-    """``--params 1.3e9``: the CLI's count parser (trainfit.cli.estimate), same messages."""
-    if text is None:
-        return None
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise ConfigError(f"{flag} expects a number such as 1.3e9 or 7000000000, got '{text}'") from None
-    if value <= 0 or value != value or value == float("inf"):
-        raise ConfigError(f"{flag} must be a positive number, got '{text}'")
-    if not value.is_integer():
-        raise ConfigError(f"{flag} must be a whole number of parameters, got '{text}'")
-    return int(value)
-
-
 def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.estimate.estimate` for a request, as
     ``trainfit estimate`` builds them from its flags (``method_options`` excluded)."""
-    from trainfit.cli.estimate import STRATEGY_FLAGS, strategy_from_flags
+    from trainfit.cli.estimate import STRATEGY_FLAGS, parse_count, strategy_from_flags
     from trainfit.result import Method
 
     o = parse_options(raw, estimate_options())
@@ -249,7 +234,7 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
                 "--params, --hidden-size and --num-layers"
             )
         spec = explicit_model(
-            params=_count(o["params"], "--params") or 0,
+            params=parse_count(o["params"], "--params") or 0,
             hidden_size=o["hidden_size"],
             num_layers=o["num_layers"],
             num_heads=o["num_heads"],

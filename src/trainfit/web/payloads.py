@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+from trainfit.report.json import model_row
 from trainfit.result import SCHEMA_VERSION
 
 
@@ -18,25 +19,6 @@ def _model_rows() -> tuple[dict[str, Any], ...]:
     from trainfit.arch import catalog_slugs, load_model
 
     return tuple(model_row(load_model(s)) for s in catalog_slugs())
-
-
-def model_row(s: Any) -> dict[str, Any]:
-    """One model as ``trainfit models --json`` lists it."""
-    from trainfit.arch import count_params
-
-    return {
-        "id": s.name,
-        "model_type": s.model_type,
-        "architecture": s.architecture,
-        "params": count_params(s),
-        "hidden_size": s.hidden_size,
-        "num_layers": s.num_layers,
-        "num_heads": s.num_heads,
-        "num_kv_heads": s.num_kv_heads,
-        "vocab_size": s.vocab_size,
-        "max_position_embeddings": s.max_position_embeddings,
-        "num_experts": s.moe.num_experts if s.moe else None,
-    }
 
 
 def models_payload(query: str = "") -> dict[str, Any]:
