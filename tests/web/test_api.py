@@ -130,6 +130,63 @@ def test_plan_equals_the_cli_json(
     assert got.json() == expected
 
 
+PLAN = {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "seq": 1024, "global_batch": 8}
+
+
+def test_plan_export_equals_the_files_write_export_writes(client: TestClient, tmp_path: Path) -> None:
+    """Each ranked plan's /api/plan/export files are, name for name and byte for byte, what write_export writes
+    (``trainfit plan --export DIR`` for the top plan) for that plan."""
+    from trainfit.arch import load_model
+    from trainfit.export import export_plan, write_export
+    from trainfit.planner.api import plan
+
+    result = plan(load_model("qwen2.5-0.5b"), "rtx-4090", seq=1024, global_batch=8)
+    ranked = client.post("/api/plan", json=PLAN).json()["plans"]
+    assert len(result.plans) == len(ranked) >= 2
+    for rank, p in enumerate(result.plans, 1):
+        got = client.post("/api/plan/export", json={**PLAN, "rank": rank})
+        assert got.status_code == 200, got.text
+        body = got.json()
+        assert body["schema_version"] == 1 and body["rank"] == rank
+        written = write_export(export_plan(load_model("qwen2.5-0.5b"), p.strategy), tmp_path / str(rank))
+        assert list(body["files"]) == [path.name for path in written]
+        assert body["files"] == {path.name: path.read_text(encoding="utf-8") for path in written}
+    top = client.post("/api/plan/export", json=PLAN).json()
+    assert top == client.post("/api/plan/export", json={**PLAN, "rank": 1}).json(), "rank defaults to 1"
+
+
+def test_plan_export_of_the_cli(client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The top plan's files equal those `trainfit plan --export DIR` writes."""
+    out = cli_json(["plan", *to_args(PLAN), "--export", str(tmp_path)], capsys)
+    files = client.post("/api/plan/export", json=PLAN).json()["files"]
+    assert [Path(p).name for p in out["exported"]] == list(files)
+    assert {name: (tmp_path / name).read_text(encoding="utf-8") for name in files} == files
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({**PLAN, "rank": 99}, 400, "rank 99 is out of range"),
+        ({**PLAN, "rank": 0}, 400, "rank 0 is out of range"),
+        ({**PLAN, "rank": "first"}, 400, "rank must be a whole number"),
+        ({**PLAN, "rank": True}, 400, "rank must be a whole number"),
+        ({"model": "llama-3.1-70b", "gpu": "t4", "gpus": 1, "global_batch": 8}, 400, "nothing fits"),
+        ({"model": "qwen2.5-0.5b"}, 400, "--gpu is required"),
+        ({**PLAN, "export": "/tmp/x"}, 400, "no such option: --export"),
+    ],
+    ids=["rank-high", "rank-zero", "rank-text", "rank-bool", "nothing-fits", "no-gpu", "no-export-dir"],
+)
+def test_plan_export_errors(client: TestClient, body: dict[str, Any], status: int, says: str) -> None:
+    got = client.post("/api/plan/export", json=body)
+    assert got.status_code == status, got.text
+    message = got.json()["error"]
+    assert says in message and "\n" not in message
+
+
+def test_plan_export_is_post_only(client: TestClient) -> None:
+    assert client.get("/api/plan/export", params=PLAN).status_code == 405
+
+
 @pytest.mark.parametrize(
     ("path", "args"),
     [

@@ -313,3 +313,43 @@ def test_phone_width_and_dark_mode(page: Any, base_url: str, tmp_path_factory: p
     page.screenshot(path=str(tmp_path_factory.mktemp("web") / "phone-dark.png"), full_page=True)
     page.set_viewport_size({"width": 1280, "height": 900})
     page.emulate_media(color_scheme="light")
+
+
+def test_plans_tab_and_a_download(page: Any, base_url: str, tmp_path: Path) -> None:
+    """The Plans tab shows /api/plan's ranked plans; a row's button downloads /api/plan/export's files."""
+    goto(page, base_url + "/?model=qwen2.5-0.5b&gpu=rtx-4090&seq=1024&tab=plans")
+    page.wait_for_function("() => window.trainfit.plansUpdates > 0 && !window.trainfit.plansBusy", timeout=20_000)
+    body = {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "gpus": "1", "seq": "1024", "global_batch": "8"}
+    assert page.evaluate("window.trainfit.plansRequest") == body, "the tab asks for the form's model/GPU/GPUs/seq"
+    want = api(base_url, "/api/plan", body)
+    rows = page.locator("#plans-table tbody tr")
+    assert rows.count() == len(want["plans"]) >= 2
+    first = want["plans"][0]
+    cells = [c.strip() for c in rows.nth(0).locator("th, td").all_inner_texts()]
+    assert cells[:8] == [
+        "1",
+        str(first["gpus"]),
+        gib(first["required_bytes"]),
+        gib(first["margin_bytes"]),
+        f"{first['step_seconds']:.2f}",
+        f"{first['tokens_per_second']:,.0f}",
+        f"{first['mfu']:.0%}",
+        ", ".join(first["changes"]) or "(baseline)",
+    ]
+    with page.expect_download() as info:
+        rows.nth(1).locator("button.download").click()
+    saved = tmp_path / info.value.suggested_filename
+    info.value.save_as(saved)
+    assert saved.name.endswith("rank2.json")
+    assert json.loads(saved.read_text()) == api(base_url, "/api/plan/export", {**body, "rank": 2})
+    # The tab's knobs live in the URL: a link reproduces the table.
+    page.fill("#plan-batch", "16")
+    page.check("#plan-lora")
+    page.wait_for_function(
+        "() => !window.trainfit.plansBusy && (window.trainfit.plansRequest || {}).allow === 'lora,qlora'"
+        " && window.trainfit.plansRequest.global_batch === '16'",
+        timeout=20_000,
+    )
+    assert "plan_batch=16" in page.url and "plan_allow=lora%2Cqlora" in page.url and "tab=plans" in page.url
+    want = api(base_url, "/api/plan", {**body, "global_batch": "16", "allow": "lora,qlora"})
+    assert page.locator("#plans-table tbody tr").count() == len(want["plans"])

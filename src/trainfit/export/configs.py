@@ -30,7 +30,7 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.export.fsdp2_script import fsdp2_script
 from trainfit.strategy import Checkpointing, Engine, Optimizer, Precision, Sharding, Strategy
 
-__all__ = ["Export", "export_plan", "layer_class", "write_export"]
+__all__ = ["Export", "export_files", "export_plan", "layer_class", "write_export"]
 
 #: The decoder-layer class transformers defines, where it is not ``<Prefix>DecoderLayer`` of ``<Prefix>ForCausalLM``.
 _LAYER_CLASSES = {
@@ -239,28 +239,31 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     )
 
 
+def export_files(export: Export) -> dict[str, str]:
+    """The files of ``export``, name → text, in the order :func:`write_export` writes them: training_args.json,
+    ds_config.json, accelerate_fsdp2.yaml, megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that
+    apply). The accelerate config is JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
+    files = {"training_args.json": json.dumps(export.training_arguments, indent=2) + "\n"}
+    if export.deepspeed_config is not None:
+        files[DEEPSPEED_FILE] = json.dumps(export.deepspeed_config, indent=2) + "\n"
+    if export.accelerate_config is not None:
+        files["accelerate_fsdp2.yaml"] = json.dumps(export.accelerate_config, indent=2) + "\n"
+    if export.megatron_args:
+        files["megatron_args.txt"] = "\n".join(export.megatron_args) + "\n"
+    if export.script is not None:
+        files["train_fsdp2.py"] = export.script
+    files["launch.sh"] = "#!/bin/sh\n" + export.launch + "\n"
+    if export.notes:
+        files["NOTES.txt"] = "\n".join(export.notes) + "\n"
+    return files
+
+
 def write_export(export: Export, directory: Path) -> tuple[Path, ...]:
-    """Write ``export`` into ``directory``: training_args.json, ds_config.json, accelerate_fsdp2.yaml,
-    megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that apply). The accelerate config is
-    written as JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
+    """Write :func:`export_files` of ``export`` into ``directory``; the paths written, in order."""
     directory.mkdir(parents=True, exist_ok=True)
     out: list[Path] = []
-
-    def put(name: str, text: str) -> None:
+    for name, text in export_files(export).items():
         path = directory / name
         path.write_text(text, encoding="utf-8")
         out.append(path)
-
-    put("training_args.json", json.dumps(export.training_arguments, indent=2) + "\n")
-    if export.deepspeed_config is not None:
-        put(DEEPSPEED_FILE, json.dumps(export.deepspeed_config, indent=2) + "\n")
-    if export.accelerate_config is not None:
-        put("accelerate_fsdp2.yaml", json.dumps(export.accelerate_config, indent=2) + "\n")
-    if export.megatron_args:
-        put("megatron_args.txt", "\n".join(export.megatron_args) + "\n")
-    if export.script is not None:
-        put("train_fsdp2.py", export.script)
-    put("launch.sh", "#!/bin/sh\n" + export.launch + "\n")
-    if export.notes:
-        put("NOTES.txt", "\n".join(export.notes) + "\n")
     return tuple(out)

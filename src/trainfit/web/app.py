@@ -11,7 +11,8 @@ commands' JSON): one schema, one version, and no arithmetic in the browser. Endp
 ``/api/estimate``      ``trainfit estimate ... --json`` (GET: query string; POST: a JSON object)
 ``/api/infer``         ``trainfit infer ... --json``
 ``POST /api/config``   checks a pasted config.json: its row as ``/api/models`` lists it, or the error
-``/api/plan``          ``trainfit plan --json`` (ranked plans; exports stay with the CLI)
+``/api/plan``          ``trainfit plan --json`` (ranked plans)
+``POST /api/plan/export`` the files ``trainfit plan --export DIR`` writes, for plan ``rank`` (1 = the top plan)
 ``/api/jobs``          trace runs: POST starts one, GET ``/api/jobs/ID`` polls, DELETE cancels
 =====================  =========================================================================
 
@@ -40,7 +41,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from trainfit.errors import TrainfitError
+from trainfit.errors import ConfigError, TrainfitError
 from trainfit.report.json import model_row
 from trainfit.web.jobs import JobBusyError, Jobs
 from trainfit.web.options import MAX_CONFIG_BYTES, estimate_inputs, infer_inputs, plan_inputs, resolve_model
@@ -147,8 +148,33 @@ def _plan_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None) -> di
     return plan_json(plan(spec, **kwargs)) | {"exported": []}  # as `trainfit plan --json` without --export
 
 
+def _plan_export_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None) -> dict[str, Any]:
+    """The files ``trainfit plan --export DIR`` writes (name → text), for the plan ranked ``rank`` (1-based)."""
+    from trainfit.export import export_files, export_plan
+    from trainfit.planner.api import plan
+
+    options = dict(raw)
+    rank = options.pop("rank", 1)
+    if isinstance(rank, bool) or not isinstance(rank, int | str) or not str(rank).strip().isdigit():
+        raise ConfigError(f"rank must be a whole number ≥ 1 (1 = the top plan), not '{str(rank)[:40]}'")
+    rank = int(str(rank).strip())
+    spec, kwargs = plan_inputs(options, allow_hub=allow_hub)
+    result = plan(spec, **kwargs)
+    if not result.plans:
+        raise ConfigError("nothing fits within the usable memory: no plan to export (see /api/plan's needs)")
+    if not 1 <= rank <= len(result.plans):
+        raise ConfigError(
+            f"rank {rank} is out of range: there are {len(result.plans)} plan(s), ranked 1 to {len(result.plans)}"
+        )
+    return {
+        "schema_version": 1,
+        "rank": rank,
+        "files": export_files(export_plan(spec, result.plans[rank - 1].strategy)),
+    }
+
+
 COMPUTE = {"estimate": _estimate_json, "infer": _infer_json}
-QUICK = {**COMPUTE, "plan": _plan_json}
+QUICK = {**COMPUTE, "plan": _plan_json, "plan_export": _plan_export_json}
 
 
 @lru_cache(maxsize=CACHE_SIZE)
@@ -260,6 +286,7 @@ def create_app(*, allow_hub: bool = False) -> Starlette:
         Route("/api/infer", quick("infer"), methods=both),
         Route("/api/config", config, methods=both),
         Route("/api/plan", quick("plan"), methods=both),
+        Route("/api/plan/export", quick("plan_export"), methods=["POST"]),
         Route("/api/jobs", start_job, methods=["POST"]),
         Route("/api/jobs/{job_id}", job, methods=["GET", "DELETE"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),

@@ -20,7 +20,8 @@ let seq = 0; // request counter: answers to stale requests are dropped
 let activeJob = null;
 
 // For tests and the curious: the last answer, and whether an update is pending.
-window.trainfit = { last: null, lastRule: null, lastRequest: null, ready: false, updates: 0, busy: true };
+window.trainfit = { last: null, lastRule: null, lastRequest: null, ready: false, updates: 0, busy: true,
+  plans: null, plansRequest: null, plansBusy: false, plansUpdates: 0 };
 
 function gib(bytes) {
   return (bytes / GIB).toFixed(2) + " GiB";
@@ -80,6 +81,9 @@ function saveUrl() {
   }
   const tab = $("[role=tab][aria-selected=true]").dataset.tab;
   if (tab !== "memory") q.set("tab", tab);
+  const pb = $("#plan-batch").value.trim();
+  if (pb !== $("#plan-batch").defaultValue) q.set("plan_batch", pb);
+  if ($("#plan-lora").checked) q.set("plan_allow", "lora,qlora");
   const hash = pastedConfig ? "#config=" + encodeURIComponent(pastedConfig) : "";
   history.replaceState(null, "", "?" + q.toString() + hash);
 }
@@ -102,6 +106,8 @@ function loadUrl() {
     $("#config").value = pastedConfig;
     $("#config-box").open = true;
   }
+  if (q.has("plan_batch")) $("#plan-batch").value = q.get("plan_batch");
+  $("#plan-lora").checked = q.get("plan_allow") === "lora,qlora";
   selectTab(q.get("tab") || "memory", false);
 }
 
@@ -410,6 +416,92 @@ function soon() {
   timer = setTimeout(update, 200);
 }
 
+// ---- plans tab ----------------------------------------------------------------------------------------------------
+
+// The /api/plan request for the form's model, GPU, GPU count and sequence and the tab's global batch.
+function planRequest() {
+  const f = fields();
+  const req = pastedConfig ? { config: pastedConfig } : { model: f.model };
+  if (f.gpu) req.gpu = f.gpu;
+  if (f.gpus) req.gpus = f.gpus;
+  if (f.seq) req.seq = f.seq;
+  const gb = $("#plan-batch").value.trim();
+  if (gb) req.global_batch = gb;
+  if ($("#plan-lora").checked) req.allow = "lora,qlora";
+  return req;
+}
+
+function pct(x) {
+  return (x * 100).toFixed(0) + "%";
+}
+
+let planSeq = 0;
+async function loadPlans() {
+  const my = ++planSeq;
+  window.trainfit.plansBusy = true;
+  const body = planRequest();
+  $("#plan-error").textContent = "";
+  $("#plans-table").innerHTML = "";
+  $("#plan-needs").innerHTML = "";
+  try {
+    if (!body.model && !body.config) { $("#plan-status").textContent = "Pick a model to start."; return; }
+    if (!body.gpu) { $("#plan-status").textContent = "Pick a GPU to plan for."; return; }
+    $("#plan-status").textContent = "searching…";
+    const data = await api("/api/plan", body);
+    if (my !== planSeq) return;
+    window.trainfit.plans = data;
+    window.trainfit.plansRequest = body;
+    $("#plan-status").textContent = `${data.objective}: ${data.candidates} candidates, ${data.estimates} estimates; ` +
+      `global batch ${data.global_batch}, sequence ${data.seq_len}`;
+    if (!data.plans.length) {
+      $("#plan-error").textContent = "nothing fits within the usable memory";
+      const needs = data.needs.map((n) => `would fit with ${n}`);
+      $("#plan-needs").innerHTML = li(needs, "sugg");
+      return;
+    }
+    const rows = data.plans.map((p, i) => `<tr><th>${i + 1}</th><td>${p.gpus}</td><td>${gib(p.required_bytes)}</td>` +
+      `<td>${gib(p.margin_bytes)}</td><td>${p.step_seconds.toFixed(2)}</td>` +
+      `<td>${Math.round(p.tokens_per_second).toLocaleString("en-US")}</td><td>${pct(p.mfu)}</td>` +
+      `<td class="wrap">${escapeHtml(p.changes.join(", ") || "(baseline)")}</td>` +
+      `<td><button type="button" class="download" data-rank="${i + 1}">Download configs</button></td></tr>`);
+    $("#plans-table").innerHTML = "<thead><tr><th>#</th><th>GPUs</th><th>peak/GPU</th><th>margin</th><th>step s</th>" +
+      "<th>tokens/s</th><th>MFU</th><th>changes from the baseline</th><th></th></tr></thead><tbody>" + rows.join("") + "</tbody>";
+  } catch (e) {
+    if (my !== planSeq) return;
+    window.trainfit.plans = null;
+    $("#plan-status").textContent = "";
+    $("#plan-error").textContent = e.message;
+  } finally {
+    if (my === planSeq) { window.trainfit.plansBusy = false; window.trainfit.plansUpdates = (window.trainfit.plansUpdates || 0) + 1; }
+  }
+}
+
+// The chosen plan's exported files (/api/plan/export), saved as one JSON bundle by a normal browser download.
+async function downloadPlan(rank) {
+  const body = window.trainfit.plansRequest;
+  try {
+    const data = await api("/api/plan/export", { ...body, rank });
+    const blob = new Blob([JSON.stringify(data, null, 2) + "\n"], { type: "application/json" });
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(blob);
+    const who = (body.model || "config").replace(/[^A-Za-z0-9._-]+/g, "_");
+    a.download = `trainfit-plan-${who}-${body.gpu}-rank${rank}.json`;
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 10_000);
+  } catch (e) {
+    $("#plan-error").textContent = e.message;
+  }
+}
+
+let planTimer = null;
+function plansSoon() {
+  window.trainfit.plansBusy = true;
+  clearTimeout(planTimer);
+  planTimer = setTimeout(loadPlans, 200);
+}
+
 // ---- formats tab ------------------------------------------------------------------------------------------------
 
 function num(x) {
@@ -448,6 +540,7 @@ function selectTab(tab, save = true) {
   for (const b of $$("[role=tab]")) b.setAttribute("aria-selected", String(b.dataset.tab === tab));
   for (const v of $$(".view")) v.hidden = v.id !== "view-" + tab;
   if (tab === "formats") loadFormats();
+  if (tab === "plans") loadPlans();
   if (save) saveUrl();
 }
 
@@ -456,6 +549,7 @@ function selectTab(tab, save = true) {
 function useConfig(text) {
   window.trainfit.busy = true;
   pastedConfig = text && text.trim() ? text : null;
+  if (!$("#view-plans").hidden) plansSoon();
   update();
 }
 
@@ -475,9 +569,18 @@ async function init() {
     if (ev.target.id === "config") return;
     if (ev.target.id === "model-search") { pastedConfig = null; }
     if (ev.target.id === "gpu" && !$("#view-formats").hidden) loadFormats();
+    if (!$("#view-plans").hidden) plansSoon();
     soon();
   });
   form.addEventListener("change", (ev) => { if (ev.target.id !== "config") soon(); });
+  for (const id of ["#plan-batch", "#plan-lora"]) {
+    $(id).addEventListener("input", () => { saveUrl(); plansSoon(); });
+    $(id).addEventListener("change", () => { saveUrl(); plansSoon(); });
+  }
+  $("#plans-table").addEventListener("click", (e) => {
+    const b = e.target.closest("button.download");
+    if (b) downloadPlan(Number(b.dataset.rank));
+  });
   $("#config-use").addEventListener("click", () => useConfig($("#config").value));
   $("#config-clear").addEventListener("click", () => { $("#config").value = ""; useConfig(""); });
   const drop = $("#config");
