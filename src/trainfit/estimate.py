@@ -233,13 +233,15 @@ def estimate(
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    if method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator):
+    # The allocator simulation runs for one GPU; many-GPU setups keep the fixed reserve fraction (for now).
+    simulated = not strategy.is_distributed
+    if simulated and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )
-    if method is Method.ANALYTIC:
+    if simulated and method is Method.ANALYTIC:
         options.setdefault("workspaces", workspaces)
-    if method is Method.TRACE:
+    if simulated and method is Method.TRACE:
         options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:

@@ -755,16 +755,10 @@ def _megatron(
 def estimate_parallel(
     spec: ModelSpec,
     strategy: Strategy,
-    *,
-    keep_logits: bool = False,
-    allocator: object | None = None,
-    workspaces: tuple[object, ...] = (),
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. The allocator simulation is not run for
-    many GPUs yet (``allocator`` and ``workspaces`` are accepted and unused: the reserve is the fixed
-    fraction of :func:`trainfit.overhead.overhead_for`)."""
-    del keep_logits, allocator, workspaces
+    many GPUs yet: the reserve is the fixed fraction of :func:`trainfit.overhead.overhead_for`."""
     strategy, _ = effective_strategy(spec, strategy)
     p = plan(spec, strategy)
     ranks: tuple[RankMemory, ...] = ()

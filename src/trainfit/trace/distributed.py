@@ -358,13 +358,10 @@ def trace_distributed(
     steps: int = 2,
     adamw_impl: str | None = None,
     extrapolate: bool = True,
-    allocator: object | None = None,
-    compute_capability: tuple[int, int] | None = None,
 ) -> MemoryReport:
     """Rank 0 of ``strategy``'s DDP or FSDP2 run, traced on the fake process group and extrapolated in depth.
-    The allocator replay of the single-GPU trace is not run for many GPUs yet (``allocator`` and
-    ``compute_capability`` are accepted and unused)."""
-    del modules, allocator, compute_capability
+    The allocator replay of the single-GPU trace is not run for many GPUs yet."""
+    del modules
     check_traceable(strategy)
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     from trainfit.trace._deps import require_torch, require_transformers
