@@ -26,7 +26,13 @@ from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.overhead import REFERENCE_GPU, outside_allocator
-from trainfit.planner.search import DEFAULT_HEADROOM, MAX_SEARCH_BATCH, fit_verdict, required_bytes
+from trainfit.planner.search import (
+    DEFAULT_HEADROOM,
+    MAX_SEARCH_BATCH,
+    fit_verdict,
+    lower_bound_bytes,
+    required_bytes,
+)
 from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown
 from trainfit.strategy import Attention, Checkpointing, Strategy
 
@@ -284,7 +290,20 @@ def estimate(
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
         searchable = method in (Method.ANALYTIC, Method.RULE_OF_THUMB) and search_micro_batch
-        fit = fit_verdict(spec, strategy, report, gpu_spec, headroom, with_options if searchable else None)
+        gpu_for_bound = gpu_spec  # the analytic requirement is at least its allocated peak + what is outside
+
+        def bound(sp: ModelSpec, st: Strategy) -> int:
+            return lower_bound_bytes(sp, st, gpu_for_bound)
+
+        fit = fit_verdict(
+            spec,
+            strategy,
+            report,
+            gpu_spec,
+            headroom,
+            with_options if searchable else None,
+            bound if method is Method.ANALYTIC else None,
+        )
         if not searchable and search_micro_batch:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "

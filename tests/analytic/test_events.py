@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from trainfit import Strategy, estimate, load_model
-from trainfit.allocator import AllocatorConfig, Op
-from trainfit.analytic.events import simulate_training, training_events
+from trainfit.allocator import AllocatorConfig, Op, simulate
+from trainfit.allocator.workspaces import training_workspaces
+from trainfit.analytic.events import forget_simulations, simulate_training, training_events
 from trainfit.strategy import finetune_setup
 
 _CANDIDATES = (Path(__file__).resolve().parents[3] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
@@ -119,3 +120,25 @@ def test_reserved_within_5_percent_of_the_h200(alloc: str, row: dict[str, object
     )
     r = estimate(str(row["model"]), s, allocator="" if alloc == "default" else alloc)
     assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.05)
+
+
+@pytest.mark.parametrize(("slug", "strategy"), CASES)
+@pytest.mark.parametrize("alloc", ["", "expandable_segments:True"])
+def test_driving_the_simulator_directly_equals_replaying_the_event_list(
+    slug: str, strategy: Strategy, alloc: str
+) -> None:
+    """The estimate feeds the simulator as it synthesises (no event list): same calls, same indices, so the
+    same result as :func:`trainfit.allocator.simulate` over :func:`training_events`."""
+    spec, config = load_model(slug), AllocatorConfig.parse(alloc)
+    ws = training_workspaces((9, 0))
+    forget_simulations()
+    assert simulate_training(spec, strategy, config, ws) == simulate(training_events(spec, strategy, ws), config)
+
+
+def test_simulations_are_memoised_on_their_inputs() -> None:
+    spec = load_model("gpt2")
+    forget_simulations()
+    first = simulate_training(spec, Strategy(micro_batch=2), AllocatorConfig())
+    assert simulate_training(load_model("gpt2"), Strategy(micro_batch=2), AllocatorConfig()) is first
+    other = simulate_training(spec, Strategy(micro_batch=3), AllocatorConfig())
+    assert other is not first and other.peak_reserved_bytes > first.peak_reserved_bytes

@@ -25,9 +25,11 @@ this is to the trace's own events and to the H200 is in docs/accuracy.md.
 
 from __future__ import annotations
 
+import gc
+from collections import OrderedDict
 from collections.abc import Iterable
 
-from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
 from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import (
     TermRole,
@@ -44,26 +46,41 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import Strategy
 
-__all__ = ["STEPS", "simulate_training", "training_events"]
+__all__ = ["STEPS", "forget_simulations", "simulate_training", "training_events"]
 
 #: Steps replayed: the first creates the optimizer states, the second and third are the steady state.
 STEPS = 3
 
 
 class _Stream:
-    def __init__(self) -> None:
+    """Where the synthesised events go: a list, or (``sim``) straight into a simulator, which is what the
+    estimate needs and saves building and dispatching thousands of event tuples (the same calls, in the same
+    order, with the same event indices as :meth:`Simulator.run` would make)."""
+
+    def __init__(self, sim: Simulator | None = None) -> None:
         self.events: list[Event] = []
         self._next = 0
+        self._sim = sim
 
     def alloc(self, nbytes: int) -> int:
         self._next += 1
         if nbytes > 0:
-            self.events.append(Event(Op.ALLOC, self._next, nbytes))
+            sim = self._sim
+            if sim is None:
+                self.events.append(Event(Op.ALLOC, self._next, nbytes))
+            else:
+                sim.event_index += 1
+                sim.malloc(self._next, nbytes)
         return self._next if nbytes > 0 else 0
 
     def free(self, key: int) -> None:
         if key:
-            self.events.append(Event(Op.FREE, key))
+            sim = self._sim
+            if sim is None:
+                self.events.append(Event(Op.FREE, key))
+            else:
+                sim.event_index += 1
+                sim.free_completed(key)
 
     def free_all(self, keys: Iterable[int]) -> None:
         for k in keys:
@@ -85,6 +102,12 @@ def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
     """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
     thread's ``workspaces`` appear at the first forward, the autograd thread's at the first backward."""
+    s = _Stream()
+    _synthesise(s, spec, strategy, workspaces)
+    return s.events
+
+
+def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...]) -> None:
     r = strategy.recipe
     w = Widths.of(strategy)
     st = model_states(spec, strategy)
@@ -92,7 +115,6 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
     inv = inventory(spec)
     t = strategy.tokens_per_micro_batch
     h = spec.hidden_size
-    s = _Stream()
 
     # Weights, in module order: the model-level tensors, then each layer's.
     for ps in states:
@@ -236,7 +258,17 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
         step_temps = [s.alloc(per_tensor(st.step_temp_bytes, x)) for x, m in trained for _ in range(m)]
         s.free_all(step_temps)
         s.free_all(grads)  # zero_grad(set_to_none=True)
-    return s.events
+
+
+#: Results of recent simulations by their inputs (the stream is a pure function of them): the planner, the
+#: micro-batch search and a web page re-ask the same setups. Bounded; oldest entries leave first.
+_MEMO: OrderedDict[tuple[object, ...], AllocatorResult] = OrderedDict()
+MEMO_ENTRIES = 256
+
+
+def forget_simulations() -> None:
+    """Empty the memo of :func:`simulate_training` (tests, benchmarks that time cold runs)."""
+    _MEMO.clear()
 
 
 def simulate_training(
@@ -248,5 +280,26 @@ def simulate_training(
     layout: bool = False,
 ) -> AllocatorResult:
     """The caching allocator's peaks over the synthesised stream of a training step (``layout``: with the
-    segments at the reserved peak)."""
-    return simulate(training_events(spec, strategy, workspaces), config, layout=layout)
+    segments at the reserved peak). Memoised on the inputs (``ModelSpec`` holds a dict, so it is keyed by its
+    ``repr``, which shows every field)."""
+    key = (repr(spec), strategy, config, workspaces, layout)
+    hit = _MEMO.get(key)
+    if hit is not None:
+        _MEMO.move_to_end(key)
+        return hit
+    if layout:  # replayed twice (the second time up to the peak): needs the events
+        result = simulate(training_events(spec, strategy, workspaces), config, layout=True)
+    else:
+        sim = Simulator(config)
+        enabled = gc.isenabled()
+        gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
+        try:
+            _synthesise(_Stream(sim), spec, strategy, workspaces)
+        finally:
+            if enabled:
+                gc.enable()
+        result = sim.result()
+    _MEMO[key] = result
+    if len(_MEMO) > MEMO_ENTRIES:
+        _MEMO.popitem(last=False)
+    return result

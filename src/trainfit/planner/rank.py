@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
+from trainfit.planner.search import lower_bound_bytes
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time, step_time_of
 from trainfit.strategy import Parallelism, Sharding, Strategy
@@ -185,27 +186,8 @@ class _Search:
         return self._memory[s]
 
     def lower_bound(self, s: Strategy) -> int:
-        """A cheap bound below the estimate's requirement for one GPU (0 for many): the closed-form allocated peak
-        (the same moments :func:`trainfit.analytic.estimate_analytic` reports) + cuBLAS workspaces + memory
-        outside the allocator, without the allocator simulation's reserve (which is ≥ 0)."""
-        if s.is_distributed:
-            return 0
-        from trainfit.analytic.activations import effective_strategy
-        from trainfit.analytic.model import step_inputs, training_moments
-        from trainfit.cuda_facts import has_flash_attention
-        from trainfit.estimate import gpu_workspaces
-        from trainfit.overhead import outside_allocator
-
-        eff, _ = effective_strategy(self.spec, s)
-        if eff.flash_sdp and not has_flash_attention(self.gpu.compute_capability):
-            eff = dataclasses.replace(eff, flash_sdp=False)
-        try:
-            moments = training_moments(step_inputs(self.spec, eff, keep_logits=False))
-        except StrategyError:
-            return 0
-        peak = max(m.breakdown().total_bytes for m in moments.values())
-        work = sum(w.size_bytes for w in gpu_workspaces(self.gpu))
-        return peak + work + outside_allocator(self.gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+        """:func:`trainfit.planner.search.lower_bound_bytes`: no allocator simulation."""
+        return lower_bound_bytes(self.spec, s, self.gpu)
 
     def fits(self, s: Strategy) -> bool:
         if self.lower_bound(s) > self.usable:
@@ -247,7 +229,10 @@ class _Search:
         )
 
     def evaluate(self, c: Candidate) -> tuple[Plan | None, _Near | None]:
-        """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit)."""
+        """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit).
+
+        The largest micro-batch the lower bound allows is found first (no estimate); when the estimate says it
+        fits, every larger one is ruled out by the bound, otherwise the micro-batch is bisected below it."""
         micros = self.micro_options(c)
         try:
             first = self.strategy(c, micros[0])
@@ -256,13 +241,21 @@ class _Search:
         bound = self.lower_bound(first)
         if bound > self.usable:
             return None, _Near(candidate=c, micro=micros[0], bytes=bound)
-        need = self.required(first)
-        if need is None:
-            return None, None
-        if need > self.usable:
-            return None, _Near(candidate=c, micro=micros[0], bytes=need)
-        lo, hi = 0, len(micros)  # micros[lo] fits; micros[hi] (if any) does not
+        lo, hi = 0, len(micros)  # the bound allows micros[lo]; it rules out micros[hi] (if any)
         while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.lower_bound(self.strategy(c, micros[mid])) <= self.usable else (lo, mid)
+        if lo > 0 and self.fits(self.strategy(c, micros[lo])):
+            hi = lo + 1
+        else:
+            hi = lo if lo > 0 else 1
+            need = self.required(first)
+            if need is None:
+                return None, None
+            if need > self.usable:
+                return None, _Near(candidate=c, micro=micros[0], bytes=need)
+            lo = 0
+        while hi - lo > 1:  # micros[lo] fits; micros[hi] (if any) does not
             mid = (lo + hi) // 2
             if self.fits(self.strategy(c, micros[mid])):
                 lo = mid

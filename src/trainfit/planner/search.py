@@ -33,6 +33,7 @@ __all__ = [
     "SuggestionKind",
     "accumulation_plan",
     "fit_verdict",
+    "lower_bound_bytes",
     "max_micro_batch",
     "required_bytes",
     "suggestions",
@@ -47,6 +48,7 @@ MAX_SEARCH_BATCH = 1 << 16
 LEANEST_STATE_BYTES_PER_PARAM = 2 + 2 + 2
 
 Estimator = Callable[[ModelSpec, Strategy], MemoryReport]
+Bound = Callable[[ModelSpec, Strategy], int]
 
 
 def required_bytes(report: MemoryReport) -> int:
@@ -58,26 +60,83 @@ def usable_bytes(gpu: GPUSpec, headroom: float) -> int:
     return int(gpu.memory_bytes * (1 - headroom))
 
 
-def max_micro_batch(spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator) -> tuple[int, bool]:
-    """(largest micro-batch whose estimate fits ``usable``, whether the search hit its cap)."""
+def _largest(pred: Callable[[int], bool]) -> tuple[int, bool]:
+    """(largest ``b`` with ``pred(b)``, whether the search hit its cap), given ``pred(1)``: doubling, then bisecting."""
+    lo, hi = 1, 2
+    while hi <= MAX_SEARCH_BATCH and pred(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_SEARCH_BATCH:
+        return lo, True
+    return _bisect(pred, lo, hi), False
+
+
+def _bisect(pred: Callable[[int], bool], lo: int, hi: int) -> int:
+    """A ``b`` in [lo, hi) with ``pred(b)`` and not ``pred(b + 1)``, given ``pred(lo)`` and not ``pred(hi)``."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if pred(mid) else (lo, mid)
+    return lo
+
+
+def max_micro_batch(
+    spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator, bound: Bound | None = None
+) -> tuple[int, bool]:
+    """(largest micro-batch whose estimate fits ``usable``, whether the search hit its cap).
+
+    ``bound``: a cheap lower bound of the estimate's requirement (:func:`lower_bound_bytes`). The search first
+    finds the largest micro-batch the bound allows without running ``fn``; when ``fn`` says that one fits, it
+    is the answer (its successor cannot fit), else the micro-batch is bisected below it with ``fn``. The
+    answer has the same contract either way (it fits, its successor does not); the bound saves the allocator
+    simulations of every probe the bound already rules out."""
 
     def fits(b: int) -> bool:
         return required_bytes(fn(spec, dataclasses.replace(strategy, micro_batch=b))) <= usable
 
-    if not fits(1):
+    if bound is None:
+        return _largest(fits) if fits(1) else (0, False)
+
+    def allowed(b: int) -> bool:
+        return bound(spec, dataclasses.replace(strategy, micro_batch=b)) <= usable
+
+    if not allowed(1):
         return 0, False
-    lo, hi = 1, 2
-    while hi <= MAX_SEARCH_BATCH and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > MAX_SEARCH_BATCH:
-        return lo, True
-    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, False
+    top, capped = _largest(allowed)
+    if fits(top):
+        return top, capped
+    if top == 1 or not fits(1):
+        return 0, False
+    return _bisect(fits, 1, top), False
 
 
-def accumulation_plan(spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator) -> Suggestion | None:
+def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
+    """A cheap bound below the analytic estimate's requirement on one GPU (0 for many): the closed-form
+    allocated peak (the moments :func:`trainfit.analytic.estimate_analytic` reports) + the GPU's cuBLAS
+    workspaces + the memory outside the allocator, without the allocator simulation's reserve (which is
+    ≥ 0: ``estimate_analytic`` takes the simulated reserved bytes above this peak, never below)."""
+    if strategy.is_distributed:
+        return 0
+    from trainfit.analytic.activations import effective_strategy
+    from trainfit.analytic.model import step_inputs, training_moments
+    from trainfit.cuda_facts import has_flash_attention
+    from trainfit.errors import StrategyError
+    from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
+    from trainfit.overhead import outside_allocator
+
+    eff, _ = effective_strategy(spec, strategy)
+    if eff.flash_sdp and not has_flash_attention(gpu.compute_capability):
+        eff = dataclasses.replace(eff, flash_sdp=False)
+    try:
+        moments = training_moments(step_inputs(spec, eff, keep_logits=False))
+    except StrategyError:
+        return 0
+    peak = max(m.breakdown().total_bytes for m in moments.values())
+    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
+    return peak + work + outside_allocator(gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+
+
+def accumulation_plan(
+    spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator, bound: Bound | None = None
+) -> Suggestion | None:
     """A smaller micro-batch with gradient accumulation that keeps (at least) the effective batch and fits.
 
     Accumulating keeps every gradient resident through forward and backward, so the micro-batch is searched
@@ -87,7 +146,7 @@ def accumulation_plan(spec: ModelSpec, strategy: Strategy, usable: int, fn: Esti
     if effective < 2 or strategy.parallelism.pipeline > 1:  # a pipeline's micro-batches are --microbatches
         return None
     largest, _ = max_micro_batch(
-        spec, dataclasses.replace(strategy, grad_accum=max(2, strategy.grad_accum)), usable, fn
+        spec, dataclasses.replace(strategy, grad_accum=max(2, strategy.grad_accum)), usable, fn, bound
     )
     if largest == 0:
         return None
@@ -107,13 +166,18 @@ def accumulation_plan(spec: ModelSpec, strategy: Strategy, usable: int, fn: Esti
 
 
 def suggestions(
-    spec: ModelSpec, report: MemoryReport, strategy: Strategy, usable: int, fn: Estimator | None
+    spec: ModelSpec,
+    report: MemoryReport,
+    strategy: Strategy,
+    usable: int,
+    fn: Estimator | None,
+    bound: Bound | None = None,
 ) -> tuple[Suggestion, ...]:
     """What would make ``report``'s setup fit ``usable`` bytes (empty when it fits). ``fn``: the estimator to
     search micro-batches with (None: no search)."""
     if required_bytes(report) <= usable:
         return ()
-    plan = accumulation_plan(spec, strategy, usable, fn) if fn is not None else None
+    plan = accumulation_plan(spec, strategy, usable, fn, bound) if fn is not None else None
     if plan is not None:
         return (plan,)
     states = report.states_bytes()
@@ -153,15 +217,17 @@ def fit_verdict(
     gpu: GPUSpec,
     headroom: float,
     search_fn: Estimator | None,
+    bound: Bound | None = None,
 ) -> FitVerdict:
     """Does ``report`` fit ``gpu`` with ``headroom`` kept free; the largest micro-batch by ``search_fn``
-    (None: not searched, the method is too slow to probe)."""
+    (None: not searched, the method is too slow to probe), skipping the probes ``bound`` (a lower bound of
+    ``search_fn``'s requirement) already rules out."""
     usable = usable_bytes(gpu, headroom)
     need = required_bytes(report)
     if search_fn is None:
         best, capped = None, False
     else:
-        best, capped = max_micro_batch(spec, strategy, usable, search_fn)
+        best, capped = max_micro_batch(spec, strategy, usable, search_fn, bound)
     rank_required = tuple(r.peak_bytes + overhead_for(r.peak_bytes).total_bytes for r in report.ranks)
     return FitVerdict(
         rank_required_bytes=rank_required,
@@ -174,5 +240,5 @@ def fit_verdict(
         free_bytes=usable - need,
         max_micro_batch=best,
         max_micro_batch_capped=capped,
-        suggestions=suggestions(spec, report, strategy, usable, search_fn),
+        suggestions=suggestions(spec, report, strategy, usable, search_fn, bound),
     )
