@@ -147,8 +147,24 @@ def _layer(spec: ModelSpec, *, moe: bool) -> tuple[ParamTensor, ...]:
     return tuple(tensors)
 
 
+#: Inventories by ``repr(spec)`` (a ModelSpec holds its config dict, so it is not hashable; its repr shows every
+#: field): the analytic model asks for the same one many times per estimate, the planner thousands of times.
+_INVENTORIES: dict[str, ParamInventory] = {}
+_INVENTORY_ENTRIES = 64
+
+
 def inventory(spec: ModelSpec) -> ParamInventory:
-    """Every parameter tensor of ``spec`` (tied embeddings counted once)."""
+    """Every parameter tensor of ``spec`` (tied embeddings counted once); immutable, memoised."""
+    key = repr(spec)
+    inv = _INVENTORIES.get(key)
+    if inv is None:
+        if len(_INVENTORIES) >= _INVENTORY_ENTRIES:
+            _INVENTORIES.pop(next(iter(_INVENTORIES)))
+        inv = _INVENTORIES[key] = _build_inventory(spec)
+    return inv
+
+
+def _build_inventory(spec: ModelSpec) -> ParamInventory:
     h, v = spec.hidden_size, spec.vocab_size
     # The token embedding doubles as the LM head when tied: mark it as a matmul weight then.
     # A classification or headless model (trainfit.arch.heads) has no vocabulary-sized head at all.

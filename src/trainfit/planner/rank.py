@@ -231,8 +231,9 @@ class _Search:
     def evaluate(self, c: Candidate) -> tuple[Plan | None, _Near | None]:
         """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit).
 
-        The largest micro-batch the lower bound allows is found first (no estimate); when the estimate says it
-        fits, every larger one is ruled out by the bound, otherwise the micro-batch is bisected below it."""
+        On one GPU the largest micro-batch the lower bound allows is found first (no estimate); when the estimate
+        says it fits, every larger one is ruled out by the bound, otherwise the micro-batch is bisected below it.
+        Many GPUs have no bound: bisected from micro-batch 1 up."""
         micros = self.micro_options(c)
         try:
             first = self.strategy(c, micros[0])
@@ -242,7 +243,7 @@ class _Search:
         if bound > self.usable:
             return None, _Near(candidate=c, micro=micros[0], bytes=bound)
         lo, hi = 0, len(micros)  # the bound allows micros[lo]; it rules out micros[hi] (if any)
-        while hi - lo > 1:
+        while hi - lo > 1 and not first.is_distributed:  # many GPUs: no bound (0), bisect with estimates
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.lower_bound(self.strategy(c, micros[mid])) <= self.usable else (lo, mid)
         if lo > 0 and self.fits(self.strategy(c, micros[lo])):
