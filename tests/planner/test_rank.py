@@ -123,3 +123,26 @@ def test_cheapest_costs_no_more_than_fastest() -> None:
     cheapest = search_plans(spec, gpu, objective=Objective.CHEAPEST, **kw).plans[0]
     assert cheapest.cost_per_step(2.0) <= fastest.cost_per_step(2.0)
     assert cheapest.speed.step_seconds >= fastest.speed.step_seconds
+
+
+@pytest.mark.parametrize(("slug", "gpu", "gpus"), [("qwen2.5-1.5b", "t4", 1), ("qwen2.5-0.5b", "rtx-4090", 2)])
+def test_a_candidates_plan_is_the_exhaustive_answer(slug: str, gpu: str, gpus: int) -> None:
+    """The bound-first search finds what trying every micro-batch with the estimate finds: the fastest of the
+    micro-batches up to the first that does not fit."""
+    s = _search(slug, gpu, 16, 1024)
+    space = [c for c in candidates(s.spec, s.gpu, gpus=gpus, gpus_per_node=8, global_batch=16) if c.data <= 2]
+    for c in random.Random(3).sample(space, 6):
+        micros = s.micro_options(c)
+        fitting: list[int] = []
+        for m in micros:
+            need = s.required(s.strategy(c, m))
+            if need is None or need > s.usable:
+                break
+            fitting.append(m)
+        plan, _ = s.evaluate(c)
+        if not fitting:
+            assert plan is None
+            continue
+        assert plan is not None
+        best = min(fitting, key=lambda m: (s.key(c.world, s.speed(s.strategy(c, m))), -m))
+        assert plan.strategy == s.strategy(c, best)

@@ -242,31 +242,38 @@ class _Search:
         bound = self.lower_bound(first)
         if bound > self.usable:
             return None, _Near(candidate=c, micro=micros[0], bytes=bound)
+        if first.is_distributed:  # many GPUs: no bound (0), bisect with estimates
+            return self._bisect_from_smallest(c, micros, len(micros))
         lo, hi = 0, len(micros)  # the bound allows micros[lo]; it rules out micros[hi] (if any)
-        while hi - lo > 1 and not first.is_distributed:  # many GPUs: no bound (0), bisect with estimates
+        while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.lower_bound(self.strategy(c, micros[mid])) <= self.usable else (lo, mid)
         if lo > 0 and self.fits(self.strategy(c, micros[lo])):
-            hi = lo + 1
-        else:
-            hi = lo if lo > 0 else 1
-            need = self.required(first)
-            if need is None:
-                return None, None
-            if need > self.usable:
-                return None, _Near(candidate=c, micro=micros[0], bytes=need)
-            lo = 0
+            return self._best(c, micros[: lo + 1]), None
+        return self._bisect_from_smallest(c, micros, lo if lo > 0 else 1)
+
+    def _bisect_from_smallest(self, c: Candidate, micros: list[int], hi: int) -> tuple[Plan | None, _Near | None]:
+        """Whether ``micros[0]`` fits, then the largest that fits below ``micros[hi]`` (known not to fit)."""
+        need = self.required(self.strategy(c, micros[0]))
+        if need is None:
+            return None, None
+        if need > self.usable:
+            return None, _Near(candidate=c, micro=micros[0], bytes=need)
+        lo = 0
         while hi - lo > 1:  # micros[lo] fits; micros[hi] (if any) does not
             mid = (lo + hi) // 2
             if self.fits(self.strategy(c, micros[mid])):
                 lo = mid
             else:
                 hi = mid
-        fitting = micros[: lo + 1]
+        return self._best(c, micros[: lo + 1]), None
+
+    def _best(self, c: Candidate, fitting: list[int]) -> Plan:
+        """The plan of the fastest micro-batch among ``fitting`` (ties: the larger)."""
         best = min(fitting, key=lambda m: (self.key(c.world, self.speed(self.strategy(c, m))), -m))
         req = self.required(self.strategy(c, best))
         assert req is not None
-        return self.plan(c, best, req), None
+        return self.plan(c, best, req)
 
 
 def search_plans(

@@ -181,6 +181,16 @@ def report_json(
         "warnings": list(report.warnings),
         "extra": dict(report.extra),
     }
+    if report.comparison:  # the article's rule of thumb beside this estimate, term by term, and why they differ
+        out["comparison"] = [
+            {
+                "term": d.term,
+                "rule_of_thumb_bytes": d.rule_of_thumb_bytes,
+                "analytic_bytes": d.analytic_bytes,
+                "why": d.why,
+            }
+            for d in report.comparison
+        ]
     if strategy.is_distributed:  # many GPUs: the worst rank is the headline; each distinct rank, host memory
         out["host_peak_bytes"] = report.host_peak_bytes
         out["ranks"] = ranks_json(report)
