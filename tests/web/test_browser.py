@@ -173,8 +173,13 @@ def test_choose_a_model_and_a_gpu(page: Any, base_url: str, tmp_path_factory: py
     assert lines["after headroom"] == pytest.approx(want["usable_bytes"], rel=1e-12)
     rule = api(base_url, "/api/estimate", {"model": "qwen2.5-7b", "gpu": "a100-sxm-80gb", "method": "rule-of-thumb"})
     assert gib(rule["nvidia_smi_estimate_bytes"]) in page.inner_text("#compare")
-    for s in want["suggestions"]:
+    for s in want["suggestions"] + want["fixes"]:
         assert " ".join(s["flags"]) in page.inner_text("#suggestions")
+    rows = page.locator("#comparison tbody tr")
+    assert rows.count() == len(want["comparison"]) > 0
+    for i, d in enumerate(want["comparison"]):
+        cells = rows.nth(i).locator("td").all_inner_texts()
+        assert cells[:3] == [d["term"], gib(d["rule_of_thumb_bytes"]), gib(d["analytic_bytes"])]
     shot = tmp_path_factory.mktemp("web") / "main-view.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000

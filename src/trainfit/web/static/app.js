@@ -305,7 +305,8 @@ function render(data, kind) {
   el.className = "verdict " + v.cls;
   el.textContent = v.text;
   drawChart(data, kind);
-  const sugg = (data.suggestions || []).map((s) => (s.flags.length ? `${s.reason}: ${s.flags.join(" ")}` : s.reason));
+  const sugg = [...(data.suggestions || []), ...(data.fixes || [])].map(
+    (s) => (s.flags.length ? `${s.reason}: ${s.flags.join(" ")}` : s.reason));
   $("#suggestions").innerHTML = sugg.length ? "<h3>To make it fit</h3>" + li(sugg, "sugg") : "";
   $("#warnings").innerHTML = li(data.warnings || [], "warn");
   if (kind === "infer") {
@@ -317,8 +318,15 @@ function renderRule(rule, data) {
   if (!rule) { $("#compare").textContent = ""; return; }
   if (rule.error) { $("#compare").textContent = `Rule of thumb: ${rule.error}`; return; }
   const range = rule.low_bytes !== undefined ? ` (range ${gib(rule.low_bytes)} – ${gib(rule.high_bytes)})` : "";
-  $("#compare").textContent = `Rule of thumb (the article's 12 B/param + activations + 1–2 GB): ` +
+  const head = `Rule of thumb (the article's 12 B/param + activations + 1–2 GB): ` +
     `${gib(rule.nvidia_smi_estimate_bytes ?? rule.peak_bytes)}${range} · ${data.method}: nvidia-smi ${gib(data.nvidia_smi_estimate_bytes)}`;
+  const rows = (data.comparison || []).map((d) =>
+    `<tr><td>${escapeHtml(d.term)}</td><td class="num">${gib(d.rule_of_thumb_bytes)}</td>` +
+    `<td class="num">${gib(d.analytic_bytes)}</td><td class="wrap">${escapeHtml(d.why)}</td></tr>`).join("");
+  $("#compare").innerHTML = `<p>${escapeHtml(head)}</p>` + (rows
+    ? `<div class="scroll"><table id="comparison"><thead><tr><th>term</th><th>rule of thumb</th><th>trainfit</th>` +
+      `<th>why they differ</th></tr></thead><tbody>${rows}</tbody></table></div>`
+    : "");
 }
 
 // ---- the update loop -------------------------------------------------------------------------------------------
