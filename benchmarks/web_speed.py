@@ -98,6 +98,18 @@ def main() -> None:
             "llama-3.1-70b --gpus 16 fsdp --gpu h100",
             {"model": "llama-3.1-70b", "gpus": 16, "sharding": "fsdp", "gpu": "h100-sxm-80gb"},
         ),
+        (
+            "llama-3.1-8b --gpu h100 --no-fixes (the page's verdict)",
+            {"model": "llama-3.1-8b", "gpu": "h100-sxm-80gb", "seq": 512, "fixes": False},
+        ),
+        (
+            "llama-3.2-1b --gpu h100 (fits: verdict + batch search)",
+            {"model": "llama-3.2-1b", "gpu": "h100-sxm-80gb", "seq": 1024},
+        ),
+        (
+            "llama-3.1-70b --gpus 16 fsdp --gpu h100 --no-fixes",
+            {"model": "llama-3.1-70b", "gpus": 16, "sharding": "fsdp", "gpu": "h100-sxm-80gb", "fixes": False},
+        ),
         ("rule of thumb, gpt2 --gpu t4", {"model": "gpt2", "method": "rule-of-thumb", "gpu": "t4"}),
     ):
         cases.append((f"estimate {label}", lib_estimate(body), web("/api/estimate", body)))
@@ -111,11 +123,11 @@ def main() -> None:
     body = {"model": "llama-3.1-8b", "gpu": "l4", "prompt": 1024}
     cases.append(("infer llama-3.1-8b --gpu l4", lib_infer(body), web("/api/infer", body)))
 
-    print(f"{'request':55} {'library ms':>16} {'HTTP ms':>16}   (median / max of {n})")
+    print(f"{'request':62} {'library ms':>16} {'HTTP ms':>16}   (median / max of {n})")
     for label, lib, http in cases:
         lib_t = "-" if lib is None else "{:7.1f} / {:6.1f}".format(*_ms(lib, n))
         med, worst = _ms(http, n)
-        print(f"{label:55} {lib_t:>16} {med:7.1f} / {worst:6.1f}")
+        print(f"{label:62} {lib_t:>16} {med:7.1f} / {worst:6.1f}")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,7 @@ def estimate(
     allocator_layout: bool = False,
     simulate_allocator: bool = True,
     search_micro_batch: bool = True,
+    fixes: bool = True,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -212,7 +213,8 @@ def estimate(
     segments at the reserved peak (``AllocatorDetails.layout``); ``simulate_allocator=False``: the trace skips
     the allocator simulation (one trace fewer) and reports the fixed reserve fraction — for callers that only
     need the allocated phases. ``search_micro_batch``: with a GPU, search the largest micro-batch that fits
-    (False: the verdict for this micro-batch only; what the planner asks)."""
+    (False: the verdict for this micro-batch only; what the planner asks). ``fixes``: when it does not fit on the
+    GPU, search the planner's top three checked fixes (False: ``FitVerdict.fixes_searched`` stays False)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -314,8 +316,8 @@ def estimate(
         from trainfit.planner.fixes import checked_fixes, speed_of
 
         speed = speed_of(spec, strategy, gpu_spec)
-        if not fit.fits and method is Method.ANALYTIC:
-            fit = dataclasses.replace(fit, fixes=checked_fixes(spec, asked, gpu_spec, headroom))
+        if not fit.fits and method is Method.ANALYTIC and fixes:
+            fit = dataclasses.replace(fit, fixes=checked_fixes(spec, asked, gpu_spec, headroom), fixes_searched=True)
     comparison = (
         ()
         if method is Method.RULE_OF_THUMB or strategy.is_distributed

@@ -401,8 +401,10 @@ class FitVerdict:
     suggestions: tuple[Suggestion, ...] = ()  # what would make it fit (trainfit.planner.search)
     rank_required_bytes: tuple[int, ...] = ()  # per entry of MemoryReport.ranks, what must fit (same rule)
     # Checked fixes from the planner (trainfit.planner.rank): its top plans for the same GPUs, global batch and
-    # sequence, each a set of flags that ``trainfit estimate`` says fits. Empty when it fits or none was found.
+    # sequence, each a set of flags that ``trainfit estimate`` says fits. Empty when it fits or none was found;
+    # ``fixes_searched`` says whether the planner was asked (not for trace/measure, nor with ``fixes=False``).
     fixes: tuple[Suggestion, ...] = ()
+    fixes_searched: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

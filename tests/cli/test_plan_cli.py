@@ -63,3 +63,12 @@ def test_estimate_that_does_not_fit_lists_checked_fixes_that_fit(capsys: pytest.
         flags = [f for change in fix["flags"] for f in shlex.split(change)]
         e = run_cli(capsys, *base, *flags, "--json")
         assert e.code == 0 and json.loads(e.out)["fits"], fix
+
+
+def test_no_fixes_leaves_the_planner_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-fixes: the same verdict, and ``fixes`` is null (not searched) rather than an empty list (none found)."""
+    base = ["estimate", "qwen2.5-1.5b", "--gpu", "t4", "--precision", "amp-fp16", "--seq", "2048", "--batch", "8"]
+    full = json.loads(run_cli(capsys, *base, "--json").out)
+    quick = json.loads(run_cli(capsys, *base, "--no-fixes", "--json").out)
+    assert quick["fixes"] is None and full["fixes"]
+    assert {k: v for k, v in quick.items() if k != "fixes"} == {k: v for k, v in full.items() if k != "fixes"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trainfit import Strategy, estimate, get_gpu, load_model
 from trainfit.analytic import estimate_analytic
@@ -81,3 +83,30 @@ def test_leaner_states_suggest_only_flags_not_in_use() -> None:
     assert r.fit is not None
     (sug,) = r.fit.suggestions
     assert sug.kind is SuggestionKind.LEANER_STATES and sug.flags == ("--optimizer adamw-8bit",)
+
+
+@given(
+    fails=st.sets(st.integers(min_value=1, max_value=64), min_size=1),
+    lowest=st.integers(min_value=0, max_value=3),
+)
+def test_largest_below_keeps_the_search_contract(fails: set[int], lowest: int) -> None:
+    """Any predicate (monotone or not): the answer holds and its successor fails; None only when ``lowest`` fails."""
+    from trainfit.planner.search import largest_below
+
+    hi = max(fails)
+    if hi <= lowest:
+        return
+    probes: list[int] = []
+
+    def pred(x: int) -> bool:
+        probes.append(x)
+        assert lowest <= x < hi
+        return x not in fails
+
+    got = largest_below(pred, hi, lowest)
+    if got is None:
+        assert lowest in fails
+    else:
+        assert got not in fails and (got + 1) in fails and lowest <= got < hi
+    if hi - 1 not in fails:
+        assert probes == [hi - 1]  # just below the bound: one probe

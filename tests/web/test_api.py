@@ -80,6 +80,7 @@ ESTIMATES: list[dict[str, Any]] = [
     {"model": "llama-3.2-1b", "gpu": "l4", "loss": "chunked:4", "activation_offload": True, "optimizer": "paged-adamw"},
     {"model": "bert-base-uncased", "head": "seq-cls", "num_labels": 3, "precision": "fp32"},
     {"model": "llama-3.2-1b", "finetune": "freeze", "freeze": "embeddings,layers:0-7", "optimizer_in_backward": True},
+    {"model": "qwen2.5-1.5b", "gpu": "t4", "precision": "amp-fp16", "seq": 2048, "batch": 8, "fixes": False},
 ]
 
 

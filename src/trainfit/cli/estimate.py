@@ -182,6 +182,13 @@ def estimate_cmd(
     segments: Annotated[
         bool, typer.Option("--segments", help="Show the simulated allocator segments at the reserved peak.")
     ] = False,
+    fixes: Annotated[
+        bool,
+        typer.Option(
+            "--fixes/--no-fixes",
+            help="With --gpu, when it does not fit: search the planner's top three checked fixes (--no-fixes: faster).",
+        ),
+    ] = True,
     explain: Annotated[
         bool,
         typer.Option("--explain", "-v", help="Also show bytes per parameter, the rule-of-thumb comparison and notes."),
@@ -304,6 +311,7 @@ def estimate_cmd(
             method_options=options or None,
             allocator=alloc_conf,
             allocator_layout=segments,
+            fixes=fixes,
         )
     for w in report.warnings:
         warn(w)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
-from trainfit.planner.search import lower_bound_bytes
+from trainfit.planner.search import largest_below, lower_bound_bytes
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time, step_time_of
 from trainfit.strategy import Parallelism, Sharding, Strategy
@@ -250,7 +250,12 @@ class _Search:
             lo, hi = (mid, hi) if self.lower_bound(self.strategy(c, micros[mid])) <= self.usable else (lo, mid)
         if lo > 0 and self.fits(self.strategy(c, micros[lo])):
             return self._best(c, micros[: lo + 1]), None
-        return self._bisect_from_smallest(c, micros, lo if lo > 0 else 1)
+        if lo == 0:
+            return self._bisect_from_smallest(c, micros, 1)
+        below = largest_below(lambda i: self.fits(self.strategy(c, micros[i])), lo, 0)
+        if below is None:  # not even the smallest: how far off it is, by the estimate
+            return self._bisect_from_smallest(c, micros, 1)
+        return self._best(c, micros[: below + 1]), None
 
     def _bisect_from_smallest(self, c: Candidate, micros: list[int], hi: int) -> tuple[Plan | None, _Near | None]:
         """Whether ``micros[0]`` fits, then the largest that fits below ``micros[hi]`` (known not to fit)."""

@@ -33,6 +33,7 @@ __all__ = [
     "SuggestionKind",
     "accumulation_plan",
     "fit_verdict",
+    "largest_below",
     "lower_bound_bytes",
     "max_micro_batch",
     "required_bytes",
@@ -78,6 +79,20 @@ def _bisect(pred: Callable[[int], bool], lo: int, hi: int) -> int:
     return lo
 
 
+def largest_below(pred: Callable[[int], bool], hi: int, lowest: int) -> int | None:
+    """The largest ``x`` in [lowest, hi) with ``pred(x)`` whose successor fails, given ``not pred(hi)``; None when
+    ``pred(lowest)`` fails. Probes hi − 1, hi − 3, hi − 7, … then bisects: after a closed-form bound has ruled
+    out everything above ``hi``, the answer is usually just below it (the allocator's reserve is a few percent)."""
+    step = 1
+    while True:
+        lo = max(lowest, hi - step)
+        if pred(lo):
+            return _bisect(pred, lo, hi)
+        if lo == lowest:
+            return None
+        hi, step = lo, step * 2
+
+
 def max_micro_batch(
     spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator, bound: Bound | None = None
 ) -> tuple[int, bool]:
@@ -85,7 +100,8 @@ def max_micro_batch(
 
     ``bound``: a cheap lower bound of the estimate's requirement (:func:`lower_bound_bytes`). The search first
     finds the largest micro-batch the bound allows without running ``fn``; when ``fn`` says that one fits, it
-    is the answer (its successor cannot fit), else the micro-batch is bisected below it with ``fn``. The
+    is the answer (its successor cannot fit), else the micro-batch is searched below it with ``fn``
+    (:func:`largest_below`). The
     answer has the same contract either way (it fits, its successor does not); the bound saves the allocator
     simulations of every probe the bound already rules out."""
 
@@ -103,9 +119,7 @@ def max_micro_batch(
     top, capped = _largest(allowed)
     if fits(top):
         return top, capped
-    if top == 1 or not fits(1):
-        return 0, False
-    return _bisect(fits, 1, top), False
+    return (largest_below(fits, top, 1) or 0), False
 
 
 def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:

@@ -213,7 +213,10 @@ def report_json(
                 {"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags), "states_bytes": x.states_bytes}
                 for x in f.suggestions
             ],
-            "fixes": [{"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags)} for x in f.fixes],
+            # null: it does not fit and the planner was not asked (trace, measure, --no-fixes)
+            "fixes": [{"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags)} for x in f.fixes]
+            if f.fits or f.fixes_searched
+            else None,
         }
     if report.gpu is not None:  # the speed model for exactly this configuration (None: no peak for its dtype)
         out["step_seconds"] = report.speed.step_seconds if report.speed is not None else None

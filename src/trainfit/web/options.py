@@ -256,6 +256,7 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
         "headroom": o["headroom"],
         "allocator": o["alloc_conf"],
         "allocator_layout": o["segments"],
+        "fixes": o["fixes"],
     }
 
 

@@ -357,8 +357,11 @@ async function update() {
   $("#status").textContent = "…";
   try {
     const wantRule = kind === "estimate" && (body.method || "analytic") === "analytic";
-    const [data, rule] = await Promise.all([
-      api(`/api/${kind}`, body),
+    // The verdict first, without the planner's checked fixes (a search of its own); then, when it does not fit,
+    // the same request with them — each response is the CLI's --json for those flags.
+    const quick = wantRule && body.gpu && body.fixes === undefined ? { ...body, fixes: false } : body;
+    let [data, rule] = await Promise.all([
+      api(`/api/${kind}`, quick),
       wantRule ? api("/api/estimate", { ...body, method: "rule-of-thumb" }).catch((e) => ({ error: e.message })) : null,
     ]);
     if (my !== seq) return;
@@ -366,6 +369,14 @@ async function update() {
     window.trainfit.lastRule = rule;
     render(data, kind);
     if (kind === "estimate") renderRule(rule, data);
+    if (quick !== body && data.fits === false && data.fixes === null) {
+      $("#status").textContent = "checking fixes…";
+      data = await api(`/api/${kind}`, body);
+      if (my !== seq) return;
+      window.trainfit.last = data;
+      render(data, kind);
+      renderRule(rule, data);
+    }
     $("#status").textContent = "";
   } catch (e) {
     if (my !== seq) return;
