@@ -2,7 +2,9 @@
 
 Usable memory = GPU memory × (1 − headroom) (30% by default: the seed article's closing advice), compared
 with the ``nvidia-smi`` estimate (predicted reserved memory + everything outside the allocator). The largest
-micro-batch that fits is found by doubling then bisecting. Allocated memory is monotonic in the batch (a
+micro-batch that fits is found by doubling then bisecting — first on a closed-form lower bound
+(:func:`lower_bound_bytes`, no allocator simulation), then with the estimate at that micro-batch and just
+below it (:func:`largest_below`). Allocated memory is monotonic in the batch (a
 property test holds the analytic model to it); reserved memory almost is, but the simulated allocator can
 need one segment more at a smaller batch (llama-3.1-8b pure-bf16: 74.8 GiB at micro-batch 8, 73.4 at 9), so
 the answer is a micro-batch that fits whose successor does not. Only cheap methods are searched: one probe of the trace
