@@ -26,9 +26,9 @@ this is to the trace's own events and to the H200 is in docs/accuracy.md.
 from __future__ import annotations
 
 import gc
-from collections import OrderedDict
 from collections.abc import Iterable
 
+from trainfit._memo import Memo
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
 from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import (
@@ -262,8 +262,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
 
 #: Results of recent simulations by their inputs (the stream is a pure function of them): the planner, the
 #: micro-batch search and a web page re-ask the same setups. Bounded; oldest entries leave first.
-_MEMO: OrderedDict[tuple[object, ...], AllocatorResult] = OrderedDict()
-MEMO_ENTRIES = 256
+_MEMO: Memo[AllocatorResult] = Memo(256)
 
 
 def forget_simulations() -> None:
@@ -282,24 +281,28 @@ def simulate_training(
     """The caching allocator's peaks over the synthesised stream of a training step (``layout``: with the
     segments at the reserved peak). Memoised on the inputs (``ModelSpec`` holds a dict, so it is keyed by its
     ``repr``, which shows every field)."""
-    key = (repr(spec), strategy, config, workspaces, layout)
-    hit = _MEMO.get(key)
-    if hit is not None:
-        _MEMO.move_to_end(key)
-        return hit
+    return _MEMO.get(
+        (repr(spec), strategy, config, workspaces, layout),
+        lambda: _simulate_training(spec, strategy, config, workspaces, layout=layout),
+    )
+
+
+def _simulate_training(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig | None,
+    workspaces: tuple[Workspace, ...],
+    *,
+    layout: bool,
+) -> AllocatorResult:
     if layout:  # replayed twice (the second time up to the peak): needs the events
-        result = simulate(training_events(spec, strategy, workspaces), config, layout=True)
-    else:
-        sim = Simulator(config)
-        enabled = gc.isenabled()
-        gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
-        try:
-            _synthesise(_Stream(sim), spec, strategy, workspaces)
-        finally:
-            if enabled:
-                gc.enable()
-        result = sim.result()
-    _MEMO[key] = result
-    if len(_MEMO) > MEMO_ENTRIES:
-        _MEMO.popitem(last=False)
-    return result
+        return simulate(training_events(spec, strategy, workspaces), config, layout=True)
+    sim = Simulator(config)
+    enabled = gc.isenabled()
+    gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
+    try:
+        _synthesise(_Stream(sim), spec, strategy, workspaces)
+    finally:
+        if enabled:
+            gc.enable()
+    return sim.result()

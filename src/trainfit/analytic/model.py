@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
+from trainfit._memo import Memo
 from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import allocator_details
 from trainfit.allocator.workspaces import Workspace
@@ -285,7 +286,17 @@ class StepInputs:
     host_optimizer_states: int = 0  # paged optimizer: states in CUDA unified memory, outside the allocator
 
 
+#: The planner and the micro-batch search build the same steps again (the same compute strategy under many
+#: parallel layouts); StepInputs is immutable.
+_STEPS: Memo[StepInputs] = Memo(512)
+
+
 def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
+    """Every quantity of one training step (memoised on the spec's repr, the strategy and ``keep_logits``)."""
+    return _STEPS.get((repr(spec), strategy, keep_logits), lambda: _build_step_inputs(spec, strategy, keep_logits))
+
+
+def _build_step_inputs(spec: ModelSpec, strategy: Strategy, keep_logits: bool) -> StepInputs:
     q = _step_inputs(spec, strategy, keep_logits=keep_logits)
     if finetuning(strategy):
         q = _finetune_inputs(q)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainfit._memo import Memo
 from trainfit.arch.spec import MlpKind, ModelSpec, NormKind, ParamTensor
 
 
@@ -147,21 +148,13 @@ def _layer(spec: ModelSpec, *, moe: bool) -> tuple[ParamTensor, ...]:
     return tuple(tensors)
 
 
-#: Inventories by ``repr(spec)`` (a ModelSpec holds its config dict, so it is not hashable; its repr shows every
-#: field): the analytic model asks for the same one many times per estimate, the planner thousands of times.
-_INVENTORIES: dict[str, ParamInventory] = {}
-_INVENTORY_ENTRIES = 64
+#: The analytic model asks for the same inventory many times per estimate, the planner thousands of times.
+_INVENTORIES: Memo[ParamInventory] = Memo(64)
 
 
 def inventory(spec: ModelSpec) -> ParamInventory:
     """Every parameter tensor of ``spec`` (tied embeddings counted once); immutable, memoised."""
-    key = repr(spec)
-    inv = _INVENTORIES.get(key)
-    if inv is None:
-        if len(_INVENTORIES) >= _INVENTORY_ENTRIES:
-            _INVENTORIES.pop(next(iter(_INVENTORIES)))
-        inv = _INVENTORIES[key] = _build_inventory(spec)
-    return inv
+    return _INVENTORIES.get(repr(spec), lambda: _build_inventory(spec))
 
 
 def _build_inventory(spec: ModelSpec) -> ParamInventory:

@@ -1,0 +1,42 @@
+"""A small bounded memo for the pure functions the estimate calls many times with the same inputs.
+
+The planner and the micro-batch search ask the analytic model about the same model and many related setups:
+the parameter inventory of one ``ModelSpec``, the step quantities of one ``Strategy``, the allocator
+simulation of one stream. Each is a pure function of its inputs, so its result is kept, least recently used
+first out. ``ModelSpec`` holds its config dict and is not hashable: callers key it by ``repr`` (every field).
+Results must be immutable (frozen dataclasses, tuples): callers share them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+__all__ = ["Memo"]
+
+
+class Memo(Generic[V]):
+    """``memo.get(key, compute)``: the value for ``key``, computed once while it stays among the last ``size``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data: OrderedDict[Hashable, V] = OrderedDict()
+
+    def get(self, key: Hashable, compute: Callable[[], V]) -> V:
+        data = self._data
+        if key in data:
+            data.move_to_end(key)
+            return data[key]
+        value = data[key] = compute()
+        if len(data) > self.size:
+            data.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
