@@ -158,6 +158,11 @@ def infer(
         if st.cache is not CacheKind.PAGED
         else "paged cache: blocks of --block-size tokens per sequence and layer (vLLM PagedAttention)"
     ]
+    if an.hf_fp8(st):
+        notes.append(
+            "fp8 cache: transformers QuantizedCache(backend='fp8') - float8_e4m3fn K/V with a per-tensor scale; "
+            "attention reads a dequantised copy of the running layer's cache"
+        )
     if spec.mla is not None:
         notes.append("MLA: the cache holds the compressed latent (kv_lora_rank + qk_rope_head_dim per token and layer)")
     phases: dict[InferencePhase, dict[Component, int]] = {

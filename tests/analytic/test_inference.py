@@ -36,9 +36,32 @@ def test_kv_cache_llama_3_1_8b_by_hand() -> None:
 
 
 def test_kv_dtype_fp8_halves_the_cache() -> None:
-    spec = load_model("llama-3.1-8b")
+    """fp8 storage is half of bf16; transformers' fp8 cache (``Fp8QuantizedLayer``) adds a 0-dim fp32 scale
+    (one 512-byte block) per tensor, a static cache (no transformers fp8 variant: storage only) none."""
+    spec = load_model("llama-3.1-8b")  # 32 layers, K and V each
     s = InferenceSetup(batch=2, prompt=4096, new_tokens=1)
-    assert an.kv_cache_bytes(spec, dataclasses.replace(s, kv_dtype="fp8")) * 2 == an.kv_cache_bytes(spec, s)
+    dyn = an.kv_cache_bytes(spec, dataclasses.replace(s, kv_dtype="fp8"))
+    assert (dyn - 32 * 2 * 512) * 2 == an.kv_cache_bytes(spec, s)
+    st = dataclasses.replace(s, cache="static")
+    assert an.kv_cache_bytes(spec, dataclasses.replace(st, kv_dtype="fp8")) * 2 == an.kv_cache_bytes(spec, st)
+
+
+def test_fp8_cache_decode_holds_a_dequantised_copy_by_hand() -> None:
+    """Decode with transformers' fp8 cache, the running layer's update (``Fp8QuantizedLayer.update``):
+    old fp8 K and V (its locals) beside the new ones, the step's quantised token, the dequantised bf16 K,
+    and V's ``q.float()`` and its product with the scale (two fp32 copies)."""
+    spec = load_model("llama-3.1-8b")  # 8 kv heads, head dim 128
+    s = InferenceSetup(batch=4, prompt=1000, new_tokens=25, kv_dtype="fp8")
+    t = 1000 + 24  # tokens stored after the last pass
+    old, transient = an.fp8_dequantise_bytes(spec, s, t)
+    assert old == 2 * _r512(4 * 8 * (t - 1) * 128)
+    assert transient == 2 * _r512(4 * 8 * 128) + _r512(4 * 8 * t * 128 * 2) + 2 * _r512(4 * 8 * t * 128 * 4)
+    dec = an.phase_estimates(spec, s)[InferencePhase.DECODE]
+    assert dec.moment.endswith("fp8 dequantise")
+    assert dec.breakdown.get(Component.KV_CACHE) == an.kv_cache_bytes(spec, s) + old
+    # the bf16 cache of the same request never holds those fp32 copies
+    bf16 = an.phase_estimates(spec, dataclasses.replace(s, kv_dtype=None))[InferencePhase.DECODE]
+    assert dec.breakdown.get(Component.ACTIVATIONS) - bf16.breakdown.get(Component.ACTIVATIONS) >= transient
 
 
 def test_static_cache_holds_prompt_plus_new_from_the_prefill() -> None:

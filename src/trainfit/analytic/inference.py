@@ -23,7 +23,21 @@ tensors by :mod:`trainfit.trace.generate`):
 * MLA (DeepSeek-V2/V3, ``DeepseekV3Attention.forward``) caches the compressed latent — ``kv_lora_rank``
   (normed ``kv_nope``) and ``qk_rope_head_dim`` (``k_rot``), one "head" each — and ``expand_kv``
   decompresses the whole cache of the running layer every step: ``kv_b_proj`` output
-  ``b·T·heads·(nope + v)`` plus a new key tensor ``b·heads·T·(nope + rope)``.
+  ``b·T·heads·(nope + v)`` plus a new key tensor ``b·heads·T·(nope + rope)``. The cached latent is what
+  vLLM's MLA caches too (``kv_lora_rank + qk_rope_head_dim`` per token, one entry, vllm
+  ``v1/attention/backends/mla/common.py``); vLLM does not decompress the cache at decode (it absorbs
+  ``kv_b_proj`` into the query and output projections), so the ``expand_kv`` transient is Hugging Face's.
+
+``--kv-dtype fp8`` in ``generate`` is transformers' ``QuantizedCache(backend="fp8")`` (``Fp8QuantizedLayer``,
+:func:`hf_fp8`): float8_e4m3fn storage and a 0-dim fp32 scale per tensor (per-tensor scaling, as vLLM's
+``kv_cache_dtype="fp8"`` — docs.vllm.ai "Quantized KV Cache"). It is not fused: prefill quantises each
+layer's K/V through two fp32 copies (``(t.float() / scale).to(fp8)``) and hands attention the unquantised
+inputs; each decode step ``cat``s the quantised token on, keeps the old fp8 K/V (``update``'s locals) and
+dequantises the whole layer (``q.float() * scale``: two fp32 copies, then the compute-dtype copy attention
+reads). Those transients are moments here (:func:`fp8_quantise_moments`, :func:`fp8_dequantise_bytes`) and
+the attention moment carries the compute-dtype K/V. A paged server (vLLM) writes fp8 in its cache kernel
+(``reshape_and_cache_flash``; MLA ``concat_and_cache_mla``) and dequantises inside attention: storage only,
+no copies; so is a static cache, which has no transformers fp8 variant (a warning says so).
 
 KV cache = 2 · layers · kv_heads · head_dim · tokens · batch · bytes (Pope et al. 2022, "Efficiently Scaling
 Transformer Inference", §2; vLLM ``get_kv_cache_spec``), each tensor rounded to the allocator's 512 bytes.
@@ -133,6 +147,16 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
             warnings.append(
                 f"{gpu.id} (compute capability {cc}) has no native bf16: emulated and slow; try --dtype fp16"
             )
+    if setup.kv_format is KVFormat.FP8 and setup.cache is CacheKind.STATIC:
+        warnings.append(
+            "transformers has no static fp8 cache (QuantizedCache is dynamic): estimated as fp8 storage that "
+            "attention reads in place, as a fused fp8 kernel does (no dequantised copy)"
+        )
+    elif hf_fp8(setup) and spec.sliding_layers and spec.sliding_window:
+        warnings.append(
+            f"transformers' fp8 cache (QuantizedCache) refuses {spec.name}'s sliding-window layers: "
+            "estimated as if each layer kept its window in fp8"
+        )
     if setup.tp > 1 and spec.num_heads % setup.tp:
         raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
     kv = spec.num_kv_heads
@@ -213,12 +237,29 @@ def layer_kinds(spec: ModelSpec, setup: InferenceSetup) -> LayerKinds:
     return LayerKinds(full=spec.num_layers - spec.sliding_layers, sliding=spec.sliding_layers, window=w)
 
 
-def kv_layer_tensors(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> tuple[int, int]:
+def hf_fp8(setup: InferenceSetup) -> bool:
+    """An fp8 cache in Hugging Face ``generate``: transformers' ``QuantizedCache(backend="fp8")``, whose
+    ``Fp8QuantizedLayer`` stores float8_e4m3fn K/V with a per-tensor fp32 scale and hands attention a
+    dequantised copy (see :func:`fp8_moments`). Static caches have no fp8 variant in transformers; there,
+    as in a paged server, fp8 is storage only (vLLM's kernels dequantise inside attention)."""
+    return setup.kv_format is KVFormat.FP8 and setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING)
+
+
+def kv_layer_tensors(
+    spec: ModelSpec, setup: InferenceSetup, tokens: int, *, bits: int | None = None, scales: bool = True
+) -> tuple[int, int]:
     """Bytes of one layer's two cache tensors (K and V; MLA: the latent ``kv_nope`` and ``k_rot``) for
-    ``tokens`` tokens of every sequence in the batch, each rounded to the allocator's 512 bytes."""
+    ``tokens`` tokens of every sequence in the batch, each rounded to the allocator's 512 bytes; ``bits``:
+    in that width instead of the cache's (a dequantised copy). A Hugging Face fp8 cache (:func:`hf_fp8`)
+    adds each tensor's 0-dim fp32 scale (``Fp8QuantizedLayer._quantize``) unless ``scales`` is false."""
     if tokens <= 0:
         return 0, 0
-    bits, b = setup.kv_format.bits, setup.batch
+    b = setup.batch
+    if bits is None:
+        bits = setup.kv_format.bits
+        if scales and hf_fp8(setup):
+            k, v = kv_layer_tensors(spec, setup, tokens, bits=bits)
+            return k + allocator_bytes(4), v + allocator_bytes(4)
     if spec.mla is not None:
         m = spec.mla
         return (
@@ -419,7 +460,7 @@ def _layer_moments(
         attn = 2 * x + allocator_bytes(t * qd * a) * 2 + expand + allocator_bytes(t * nh * m.v_head_dim * a)
         out.append(Moment(name="attention", activations_bytes=attn))
         out.append(Moment(name="cache write", activations_bytes=2 * x + 2 * allocator_bytes(t * qd * a)))
-        return out
+        return _with_dequantised(spec, setup, kv_len, out)
     qb = allocator_bytes(t * nh * hd * a)
     kb = allocator_bytes(t * kvh * hd * a)
     out.append(Moment(name="cache write", activations_bytes=2 * x + qb + 2 * kb))
@@ -444,7 +485,52 @@ def _layer_moments(
             attn = 2 * x + 2 * qb + repeat + bias + allocator_bytes(b * nh * q * 4)
         name = f"attention (sdpa {kernel.value})"
     out.append(Moment(name=name, activations_bytes=attn))
-    return out
+    return _with_dequantised(spec, setup, kv_len, out)
+
+
+def _with_dequantised(spec: ModelSpec, setup: InferenceSetup, kv_len: int, moments: list[Moment]) -> list[Moment]:
+    """A Hugging Face fp8 cache hands attention compute-dtype K/V that are not the cache: the prompt's own
+    K/V in prefill (``Fp8QuantizedLayer.update`` returns its inputs on the first call), the dequantised
+    whole cache in decode (``_dequantize``: ``(q.float() * scale).to(dtype)``). They live through attention
+    (and MLA's ``expand_kv``), where an unquantised cache is read in place."""
+    if not hf_fp8(setup):
+        return moments
+    dq = sum(kv_layer_tensors(spec, setup, kv_len, bits=setup.compute_bits))
+    return [
+        Moment(name=m.name, activations_bytes=m.activations_bytes + dq) if m.name.startswith("attention") else m
+        for m in moments
+    ]
+
+
+def fp8_quantise_moments(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> list[tuple[str, int, int]]:
+    """Prefill of a Hugging Face fp8 cache (transformers ``Fp8QuantizedLayer.lazy_initialization`` →
+    ``_quantize``): per tensor, K then V, ``(t.float() / scale).to(float8_e4m3fn)`` holds the fp32 copy
+    and the quotient (the copy is free for fp32 activations: ``.float()`` returns its input), then the
+    quotient beside the fp8 result. Returns (moment, cache bytes not yet written, transient bytes) beside
+    the running layer's ``cache write`` activations; the 0-dim scales are 512 bytes each."""
+    kq, vq = kv_layer_tensors(spec, setup, tokens, scales=False)
+    fk, fv = kv_layer_tensors(spec, setup, tokens, bits=32)
+    copies = 1 if setup.compute_bits == 32 else 2
+    sc = allocator_bytes(4)
+    return [
+        ("fp8 quantise (K)", kq + vq + sc, copies * fk),
+        ("fp8 quantise (K)", vq + sc, fk),
+        ("fp8 quantise (V)", vq, copies * fv),
+        ("fp8 quantise (V)", 0, fv),
+    ]
+
+
+def fp8_dequantise_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> tuple[int, int]:
+    """Decode of a Hugging Face fp8 cache (``Fp8QuantizedLayer.update`` after the first call): the step's
+    quantised K/V are ``cat`` onto the stored ones, then ``_dequantize`` makes ``q.float()`` and its product
+    with the scale (fp32, two copies) and casts it to the compute dtype; K is dequantised first and held while
+    V is. ``update``'s locals keep the *old* fp8 K and V (and the step's quantised token) alive until it
+    returns. Returns (old fp8 K + V of the running layer, transient bytes) for a cache of ``tokens``."""
+    ok, ov = kv_layer_tensors(spec, setup, tokens - 1, scales=False)
+    nk, nv = kv_layer_tensors(spec, setup, 1, scales=False)
+    fk, fv = kv_layer_tensors(spec, setup, tokens, bits=32)
+    bk, _ = kv_layer_tensors(spec, setup, tokens, bits=setup.compute_bits)
+    return ok + ov, nk + nv + max(2 * fk, bk + 2 * fv)
 
 
 def _norm_moment(spec: ModelSpec, setup: InferenceSetup, q: int) -> int:
@@ -455,6 +541,10 @@ def _norm_moment(spec: ModelSpec, setup: InferenceSetup, q: int) -> int:
     if spec.norm is NormKind.RMSNORM and a != 4:
         return allocator_bytes(t * a) + 2 * allocator_bytes(t * 4)
     return 2 * allocator_bytes(t * a)
+
+
+def _cache_write(moments: list[Moment]) -> int:
+    return next(m.activations_bytes for m in moments if m.name == "cache write")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -508,6 +598,10 @@ def phase_estimates(
     pre: list[tuple[str, int, int, int]] = []
     for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
         pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
+    if hf_fp8(setup):
+        cw = _cache_write(_layer_moments(spec, setup, s, s, masked=window_masked, flash=flash))
+        for name, unwritten, transient in fp8_quantise_moments(spec, setup, s):
+            pre.append((f"prefill {name}", kv_pre - unwritten, resident + mask + cw + transient, 0))
     pre.append(("prefill final norm", kv_pre, resident + _norm_moment(spec, setup, s), 0))
     pre.append(("prefill logits", kv_pre, allocator_bytes(8 * setup.batch * s) * 2, lg + lg32))
     out = {InferencePhase.PREFILL: best(pre, InferencePhase.PREFILL)}
@@ -521,9 +615,15 @@ def phase_estimates(
         if setup.attention is Attention.EAGER:
             res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
-        for mo in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash):
+        layer = _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash)
+        for mo in layer:
             kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
             dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
+        if hf_fp8(setup):
+            old, transient = fp8_dequantise_bytes(spec, setup, kv_len)
+            dec.append(
+                (f"decode step {step}: fp8 dequantise", kv_after + old, res + _cache_write(layer) + transient, lg32)
+            )
         dec.append(
             (f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32)
         )
@@ -691,6 +791,8 @@ def explain_terms(
         else f"2 · layers · {kvh} kv heads · {spec.head_dim} · T · batch · {setup.kv_format.bits // 8} B, "
         f"T = {setup.context - 1} (the last generated token is never fed back)"
     )
+    if hf_fp8(setup):
+        kv_formula += "; fp8 (float8_e4m3fn) with a 0-dim fp32 scale per tensor"
     out = [
         Term(
             name="weights",
@@ -704,7 +806,8 @@ def explain_terms(
             name="kv cache (full length)",
             bytes=kv_cache_bytes(spec, setup),
             formula=kv_formula,
-            source="Pope et al. 2022 §2; transformers cache_utils DynamicLayer/StaticLayer",
+            source="Pope et al. 2022 §2; transformers cache_utils DynamicLayer/StaticLayer"
+            + ("/Fp8QuantizedLayer (QuantizedCache backend fp8)" if hf_fp8(setup) else ""),
         ),
     ]
     for ph, est in phases.items():
@@ -733,6 +836,9 @@ __all__ = [
     "capacity",
     "explain_terms",
     "flash_for",
+    "fp8_dequantise_bytes",
+    "fp8_quantise_moments",
+    "hf_fp8",
     "kv_bytes_per_token",
     "kv_cache_bytes",
     "paged_capacity",
