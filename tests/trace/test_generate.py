@@ -245,3 +245,30 @@ def test_cli_method_trace_fp8_cache(capsys: pytest.CaptureFixture[str]) -> None:
     for ph in ("prefill", "decode"):
         t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
         assert abs(a - t) <= 0.02 * t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setup",
+    [
+        InferenceSetup(batch=8, prompt=300, new_tokens=40),
+        InferenceSetup(batch=4, prompt=512, new_tokens=24, kv_dtype="fp8"),
+        InferenceSetup(batch=4, prompt=512, new_tokens=24, cache="static"),
+    ],
+    ids=["dynamic", "fp8", "static"],
+)
+def test_analytic_allocator_stream_against_the_traced_generate(setup: InferenceSetup) -> None:
+    """Reserved memory: the closed forms' event stream and the trace's own allocations (every storage of a
+    full-depth generate on fake tensors, in order) through the same caching-allocator simulation. K/V
+    tensors of 0.3–1.2 MiB and MLP blocks of several MiB put both pools to work; the stream's blocks are
+    coarser than the real tensors, so reserved agrees to one large segment (20 MiB, ``kLargeBuffer``)."""
+    from trainfit.allocator import simulate
+    from trainfit.allocator.simulator import LARGE_BUFFER_BYTES
+    from trainfit.analytic.inference import generate_events as analytic_events
+    from trainfit.trace.generate import generate_events as traced_events
+
+    spec = _spec(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_key_value_heads=8, vocab_size=32000)
+    traced = simulate(traced_events(spec, setup))
+    closed = simulate(analytic_events(spec, setup))
+    assert abs(closed.peak_allocated_bytes - traced.peak_allocated_bytes) <= 0.01 * traced.peak_allocated_bytes
+    assert abs(closed.peak_reserved_bytes - traced.peak_reserved_bytes) <= LARGE_BUFFER_BYTES

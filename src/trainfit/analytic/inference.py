@@ -68,6 +68,12 @@ head (``llm_int8_skip_modules`` defaults to the output embeddings), norms and th
 e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
 ``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block), again layer linears only.
 
+Reserved memory: :func:`generate_events` writes the same quantities as the ``generate`` call's ordered
+allocations and frees (weights, the cache's growth by ``cat``, one block per moment), and
+:func:`simulate_generate` replays them through the caching-allocator simulation (:mod:`trainfit.allocator`);
+:mod:`trainfit.infer` takes the reserve from it. The capacity search applies that reserve as a fraction of
+each probe's peak (``capacity(reserve=)``).
+
 The article's rule of thumb for serving — weights × 1.2 — is reported beside our answer.
 """
 
@@ -76,7 +82,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
 from trainfit.analytic.activations import PYTHON_GELUS
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
@@ -89,7 +97,7 @@ from trainfit.cuda_facts import (
 )
 from trainfit.errors import StrategyError
 from trainfit.hardware.gpus import GPUSpec
-from trainfit.overhead import overhead_for
+from trainfit.overhead import outside_allocator, overhead_for
 from trainfit.result import Component, InferencePhase, PhaseBreakdown, Term
 from trainfit.strategy import Attention
 from trainfit.strategy.inference import (
@@ -177,11 +185,17 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
 
 def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
     """Bytes of every parameter tensor on one GPU, each piece rounded to 512 bytes, plus RoPE buffers."""
+    return sum(weight_allocations(spec, setup))
+
+
+def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
+    """Every weight allocation on one GPU in load order (each piece of a quantised tensor apart), rounded to
+    512 bytes: :func:`weight_bytes` is their sum; the allocator event stream replays them one by one."""
     inv = inventory(spec)
     layer_ids = {id(t) for g in inv.layers for t in g.tensors}
     tp = setup.tp
     keep_bits = setup.dtype.bits if setup.dtype in (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP16) else 16
-    total = 0
+    out: list[int] = []
     for t, count in inv.all_tensors():
         in_layer = id(t) in layer_ids
         is_norm = len(t.shape) == 1 and ("norm" in t.name)
@@ -193,24 +207,24 @@ def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
         router = t.name == "mlp.router.weight"
         linear = in_layer and t.matmul and len(t.shape) == 2 and not router
         if router and spec.model_type in _FP32_ROUTERS:
-            one = allocator_bytes(numel * 4)
+            pieces = [allocator_bytes(numel * 4)]
         elif linear and setup.dtype.bnb:
-            pieces = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
-            one = sum(allocator_bytes(n) for n in pieces)
+            q = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
+            pieces = [allocator_bytes(n) for n in q]
         elif linear and setup.dtype is WeightFormat.FP8:
             cols = numel // rows if rows else 0
             scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
-            one = allocator_bytes(numel) + allocator_bytes(4 * scales)
+            pieces = [allocator_bytes(numel), allocator_bytes(4 * scales)]
         else:
-            one = allocator_bytes(numel * keep_bits // 8)
-        total += count * one
+            pieces = [allocator_bytes(numel * keep_bits // 8)]
+        out += pieces * count
     if spec.rotary_dim:
-        total += 2 * allocator_bytes(4 * (spec.rotary_dim // 2))  # inv_freq and original_inv_freq, fp32
+        out += [allocator_bytes(4 * (spec.rotary_dim // 2))] * 2  # inv_freq and original_inv_freq, fp32
     if spec.embedding_scale:  # Gemma's scaled embedding: a 0-dim ``embed_scale`` buffer
-        total += allocator_bytes(2)
+        out.append(allocator_bytes(2))
     if spec.moe is not None and spec.model_type == "deepseek_v3":  # fp32 e_score_correction_bias buffer
-        total += spec.num_moe_layers * allocator_bytes(4 * spec.moe.num_experts)
-    return total
+        out += [allocator_bytes(4 * spec.moe.num_experts)] * spec.num_moe_layers
+    return out
 
 
 # -- the cache ----------------------------------------------------------------------------------------
@@ -631,13 +645,162 @@ def phase_estimates(
     return out
 
 
+# -- reserved memory: the generate call as an allocator event stream ------------------------------------
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._next = 0
+
+    def alloc(self, nbytes: int) -> int:
+        self._next += 1
+        if nbytes > 0:
+            self.events.append(Event(Op.ALLOC, self._next, nbytes))
+        return self._next if nbytes > 0 else 0
+
+    def free(self, *keys: int) -> None:
+        for key in keys:
+            if key:
+                self.events.append(Event(Op.FREE, key))
+
+
+def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True) -> list[Event]:
+    """The allocations and frees of one ``generate`` call, in order, from the same quantities as the moments:
+    the weights tensor by tensor (:func:`weight_allocations`); the request's ids and mask, re-made one token
+    longer after every pass (``torch.cat`` in ``_update_model_kwargs_for_generation``); per pass the position
+    ids, embeddings and RoPE tables; per layer its ``cache write``, ``attention`` and ``mlp`` moments (each one
+    block beside the layer input, freed when the next starts) and the cache's own allocations inside the
+    first — ``DynamicLayer.update`` makes a one-token-longer K, then V, and frees the old ones (the growth
+    that fragments a caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer``
+    allocates the whole context at the prefill (a full static sliding layer ``roll``s into new tensors);
+    an fp8 cache (:func:`hf_fp8`) quantises through fp32 copies and, from the first decode step, holds the
+    dequantised K/V through attention; then the final norm, the head's logits and ``generate``'s fp32 copy
+    (the previous step's freed after the next forward). The blocks are coarser than the real tensors (one
+    per moment), so its allocated peak is near the closed forms', not equal to it."""
+    if setup.attention is Attention.SDPA and not spec.supports_sdpa:
+        setup = dataclasses.replace(setup, attention=Attention.EAGER)
+    st = _Stream()
+    for n in weight_allocations(spec, setup):
+        st.alloc(n)
+    b, a, h = setup.batch, setup.compute_bits // 8, spec.hidden_size
+    s, n_new = setup.prompt, setup.new_tokens
+    kinds = layer_kinds(spec, setup)
+    windows = [None] * kinds.full + [kinds.window] * kinds.sliding
+    fp8 = hf_fp8(setup)
+    ids, mask = st.alloc(8 * b * s), st.alloc(8 * b * s)
+    cache: list[list[int]] = [[0, 0] for _ in windows]
+    prev_lg32 = 0
+    for step in range(n_new):
+        q, total = (s, s) if step == 0 else (1, s + step)
+        kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n_new
+        per_pass = [st.alloc(allocator_bytes(8 * b * q)), st.alloc(allocator_bytes(8 * q))]
+        if spec.rotary_dim:
+            rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim
+            per_pass += [st.alloc(allocator_bytes(b * q * rd * a)) for _ in range(2)]
+        if setup.attention is Attention.EAGER:
+            per_pass += [st.alloc(allocator_bytes(b * q * total * a)) for _ in range(spec.attention_masks)]
+        xb = allocator_bytes(b * q * h * a)
+        if spec.learned_positions:
+            per_pass.append(st.alloc(xb))
+        x = st.alloc(xb)
+        moments = {
+            m.name: m.activations_bytes for m in _layer_moments(spec, setup, q, kv_len, masked=False, flash=flash)
+        }
+        attn = next(v for k, v in moments.items() if k.startswith("attention"))
+        for i, win in enumerate(windows):
+            block = st.alloc(moments["cache write"] - xb)
+            held = _cache_update(st, spec, setup, cache[i], win, step, fp8)
+            st.free(block)
+            block = st.alloc(
+                attn - xb - sum(kv_layer_tensors(spec, setup, kv_len, bits=setup.compute_bits) if held else ())
+            )
+            st.free(block, *held)
+            block = st.alloc(moments["mlp"] - xb)
+            out = st.alloc(xb)
+            st.free(block, x)
+            x = out
+        norm = st.alloc(_norm_moment(spec, setup, q))
+        st.free(norm)
+        lg = st.alloc(_logits_bytes(spec, setup))
+        lg32 = st.alloc(_fp32_logits(spec, setup))
+        st.free(lg, x, *per_pass, prev_lg32)
+        prev_lg32 = lg32
+        new_ids, new_mask = (
+            st.alloc(allocator_bytes(8 * b * (total + 1))),
+            st.alloc(allocator_bytes(8 * b * (total + 1))),
+        )
+        st.free(ids, mask)
+        ids, mask = new_ids, new_mask
+    return st.events
+
+
+def _cache_update(
+    st: _Stream, spec: ModelSpec, setup: InferenceSetup, keys: list[int], win: int | None, step: int, fp8: bool
+) -> tuple[int, ...]:
+    """One layer's cache allocations inside its ``update`` (``keys``: the layer's current K and V, replaced in
+    place); returns what stays alive through attention (an fp8 cache's compute-dtype K/V)."""
+    new = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step), scales=False)
+    if fp8:
+        sc = allocator_bytes(4)
+        f32 = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step), bits=32)
+        if step == 0:
+            for j in (0, 1):
+                st.alloc(sc)  # the per-tensor scale, kept by the cache
+                c1, c2 = st.alloc(f32[j]), st.alloc(f32[j])
+                st.free(c1)
+                keys[j] = st.alloc(new[j])
+                st.free(c2)
+            return ()
+        old = list(keys)
+        keys[0], keys[1] = st.alloc(new[0]), st.alloc(new[1])
+        comp = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step), bits=setup.compute_bits)
+        out = []
+        for j in (0, 1):
+            c1, c2 = st.alloc(f32[j]), st.alloc(f32[j])
+            st.free(c1)
+            out.append(st.alloc(comp[j]))
+            st.free(c2)
+        st.free(*old)
+        return tuple(out)
+    if setup.cache is CacheKind.STATIC:
+        roll = win is not None and setup.prompt + step - 1 >= win
+        if step == 0 or roll:
+            old = list(keys)
+            keys[0], keys[1] = st.alloc(new[0]), st.alloc(new[1])
+            st.free(*old)
+        return ()
+    if win is not None:  # DynamicSlidingWindowLayer: both cats before either assignment
+        old = list(keys)
+        keys[0], keys[1] = st.alloc(new[0]), st.alloc(new[1])
+        st.free(*old)
+        return ()
+    for j in (0, 1):  # DynamicLayer: K's cat assigned (old K freed), then V's
+        nk = st.alloc(new[j])
+        st.free(keys[j])
+        keys[j] = nk
+    return ()
+
+
+def simulate_generate(
+    spec: ModelSpec, setup: InferenceSetup, config: AllocatorConfig | None = None, *, flash: bool = True
+) -> AllocatorResult:
+    """The caching allocator's peaks over :func:`generate_events` (``config``: ``PYTORCH_CUDA_ALLOC_CONF``,
+    default PyTorch's defaults)."""
+    return simulate(generate_events(spec, setup, flash=flash), config)
+
+
 # -- what fits --------------------------------------------------------------------------------------------
 
 
-def required_bytes(peak_bytes: int, gpu: GPUSpec | None = None) -> int:
+def required_bytes(peak_bytes: int, gpu: GPUSpec | None = None, reserve: Fraction | None = None) -> int:
     """What must fit on the GPU: the ``nvidia-smi`` estimate — peak allocated + allocator reserve + what
-    sits outside the allocator on ``gpu`` (:mod:`trainfit.overhead`, shared with training)."""
-    return peak_bytes + overhead_for(peak_bytes, gpu, inference=True).total_bytes
+    sits outside the allocator on ``gpu`` (:mod:`trainfit.overhead`, shared with training). ``reserve``: the
+    allocator reserve as a fraction of the peak (a simulated one), else the fixed fraction."""
+    if reserve is None:
+        return peak_bytes + overhead_for(peak_bytes, gpu, inference=True).total_bytes
+    over = outside_allocator(gpu, allocator_reserve_bytes=int(peak_bytes * reserve), inference=True)
+    return peak_bytes + over.total_bytes
 
 
 def peak_bytes(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None) -> int:
@@ -677,13 +840,21 @@ def _largest(fits: Callable[[int], bool], lo_value: int, cap: int) -> tuple[int,
 
 
 def capacity(
-    spec: ModelSpec, setup: InferenceSetup, usable: int, *, flash: bool = True, gpu: GPUSpec | None = None
+    spec: ModelSpec,
+    setup: InferenceSetup,
+    usable: int,
+    *,
+    flash: bool = True,
+    gpu: GPUSpec | None = None,
+    reserve: Fraction | None = None,
 ) -> Capacity:
-    """Search batch and context with the closed forms (memory is monotone in both)."""
+    """Search batch and context with the closed forms (memory is monotone in both). ``reserve``: the
+    allocator reserve as a fraction of each probe's peak (the request's simulated fraction; one simulation
+    per probe would take minutes), else the fixed fraction."""
     w = weight_bytes(spec, setup)
 
     def fits(s: InferenceSetup) -> bool:
-        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w), gpu) <= usable
+        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w), gpu, reserve) <= usable
 
     def fits_batch(b: int) -> bool:
         return fits(dataclasses.replace(setup, batch=b))
@@ -838,6 +1009,7 @@ __all__ = [
     "flash_for",
     "fp8_dequantise_bytes",
     "fp8_quantise_moments",
+    "generate_events",
     "hf_fp8",
     "kv_bytes_per_token",
     "kv_cache_bytes",
@@ -846,6 +1018,8 @@ __all__ = [
     "phase_estimates",
     "required_bytes",
     "rule_of_thumb_bytes",
+    "simulate_generate",
     "validate",
+    "weight_allocations",
     "weight_bytes",
 ]

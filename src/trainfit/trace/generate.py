@@ -52,6 +52,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainfit.allocator import Event, Op
 from trainfit.arch.spec import ModelSpec
 from trainfit.cuda_facts import SdpaKernel
 from trainfit.errors import TraceError, TraceUnsupportedError
@@ -459,3 +460,28 @@ def _final_kv(
     for n, r in enumerate(ext, start=1):
         out += (keyed[n][key].get(Component.KV_CACHE, 0) - v0) * (runs[r].count - configs[0][r])
     return out
+
+
+def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True) -> list[Event]:
+    """The allocations and frees of one full-depth ``generate`` run on fake tensors, in order: the weights
+    (as the model is put on the device), then every storage the tracker saw, freed when it died. What the
+    caching-allocator simulation replays to check the closed forms' own stream
+    (:func:`trainfit.analytic.inference.generate_events`); no depth extrapolation, no split (small models)."""
+    dtype = _DTYPES.get(setup.dtype)
+    if dtype is None or setup.tp != 1:
+        raise TraceError("generate_events traces one GPU with fp32, bf16 or fp16 weights")
+    _check_kv_dtype(spec, setup)
+    meta, _ = hf.build_meta(spec, Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE), dtype)
+    meta_config: Any = meta.config
+    conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
+    full = int(conf.num_hidden_layers)
+    stack_path, _ = hf.find_stack(meta, full)
+    model = hf.reduced_model(meta, stack_path, list(range(full)), full)
+    _, sub = hf.find_stack(model, full)
+    tr, _, _ = _run_layout(model, sub, [], setup, flash, setup.context)
+    slots: list[Event | None] = [None] * (tr.t + 2)
+    for idx, rec in enumerate(tr.records):
+        slots[rec.alloc_t] = Event(Op.ALLOC, idx, rec.nbytes)
+        if rec.free_t is not None:
+            slots[rec.free_t] = Event(Op.FREE, idx)
+    return [e for e in slots if e is not None]
