@@ -36,6 +36,10 @@ CASES: list[tuple[str, InferenceSetup]] = [
     ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=4096, new_tokens=4)),
     ("deepseek-v3", InferenceSetup(batch=1, prompt=1024, new_tokens=4)),
     ("deepseek-v3", InferenceSetup(batch=4, prompt=4096, new_tokens=4)),
+    # --kv-dtype fp8: transformers' QuantizedCache(backend="fp8"), a dequantised copy per attention call
+    ("llama-3.1-8b", InferenceSetup(batch=8, prompt=4096, new_tokens=8, kv_dtype="fp8")),
+    ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=4096, new_tokens=4, kv_dtype="fp8")),
+    ("deepseek-v3", InferenceSetup(batch=1, prompt=8192, new_tokens=4, kv_dtype="fp8")),
 ]
 
 
@@ -56,7 +60,8 @@ def main(argv: list[str]) -> None:
         secs = time.perf_counter() - t0
         an = phase_estimates(spec, setup)
         desc = (
-            f"{setup.dtype.value} {setup.cache.value} {setup.attention.value} "
+            f"{setup.dtype.value}{' kv-' + setup.kv_format.value if setup.kv_dtype else ''} "
+            f"{setup.cache.value} {setup.attention.value} "
             f"b{setup.batch} p{setup.prompt}+{setup.new_tokens}"
         )
         for ph in InferencePhase:

@@ -3,8 +3,11 @@
 It resolves the model and GPU, refuses what no run could do (:func:`trainfit.analytic.inference.validate`),
 runs the method — the closed forms (:mod:`trainfit.analytic.inference`, torch-free) or the ``generate`` trace
 (:mod:`trainfit.trace.generate`, imported only when asked for) — and, with a GPU, adds the fit verdict and the
-capacities (always from the closed forms: a capacity search is dozens of estimates). The report echoes its
-inputs, so the renderers (:mod:`trainfit.report.infer`) need nothing else.
+capacities (always from the closed forms: a capacity search is dozens of estimates). The analytic method's
+allocator reserve comes from simulating the caching allocator over the ``generate`` call's event stream
+(:func:`trainfit.analytic.inference.simulate_generate`); the capacity search applies the same reserve as a
+fraction of each probe's peak, so the verdict and the largest batch agree. The report echoes its inputs, so
+the renderers (:mod:`trainfit.report.infer`) need nothing else.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 from importlib import import_module
 from typing import Any
 
+from trainfit.allocator import AllocatorConfig
 from trainfit.analytic import inference as an
 from trainfit.analytic.inference import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -29,7 +34,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.arch.params import count_params
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
-from trainfit.overhead import overhead_for
+from trainfit.overhead import outside_allocator, overhead_for
 from trainfit.result import Component, InferencePhase, Method, Overhead, PhaseBreakdown, Term
 
 __all__ = ["InferenceFit", "InferenceReport", "Server", "infer"]
@@ -123,10 +128,17 @@ def infer(
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     headroom: float = DEFAULT_INFER_HEADROOM,
     progress: Callable[[str, float], None] | None = None,
+    allocator: str | None = None,
+    simulate_allocator: bool = True,
     **setup_fields: Any,
 ) -> InferenceReport:
     """Inference memory for ``model`` under ``setup`` (or its fields as keywords: ``batch``, ``prompt``,
-    ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``)."""
+    ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``).
+
+    The analytic method's allocator reserve comes from replaying the ``generate`` call's allocations
+    through the caching-allocator simulation (:func:`trainfit.analytic.inference.simulate_generate`) under
+    ``allocator`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string; None: this process's environment, else PyTorch's
+    defaults); ``simulate_allocator=False``, a paged cache and the trace keep the fixed reserve fraction."""
     spec = load_model(model) if isinstance(model, str) else model
     st = _setup(setup, setup_fields)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
@@ -158,6 +170,11 @@ def infer(
         if st.cache is not CacheKind.PAGED
         else "paged cache: blocks of --block-size tokens per sequence and layer (vLLM PagedAttention)"
     ]
+    if an.hf_fp8(st):
+        notes.append(
+            "fp8 cache: transformers QuantizedCache(backend='fp8') - float8_e4m3fn K/V with a per-tensor scale; "
+            "attention reads a dequantised copy of the running layer's cache"
+        )
     if spec.mla is not None:
         notes.append("MLA: the cache holds the compressed latent (kv_lora_rank + qk_rope_head_dim per token and layer)")
     phases: dict[InferencePhase, dict[Component, int]] = {
@@ -183,6 +200,18 @@ def infer(
     breakdowns = tuple(PhaseBreakdown(phase=ph, components=c) for ph, c in phases.items())
     peak = max(b.total_bytes for b in breakdowns)
     overhead = overhead_for(peak, gpu_spec, inference=True)
+    reserve: Fraction | None = None
+    if m is Method.ANALYTIC and simulate_allocator and st.cache is not CacheKind.PAGED:
+        config = AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
+        sim = an.simulate_generate(spec, st, config, flash=flash)
+        held = max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
+        overhead = outside_allocator(gpu_spec, allocator_reserve_bytes=held, inference=True)
+        reserve = Fraction(held, peak)
+        notes.append(
+            f"allocator reserve from the caching-allocator simulation of the generate call "
+            f"({config.to_env() or 'PyTorch defaults'}): {held / 2**20:.0f} MiB, {100 * held / peak:.1f}% of the "
+            "peak; the capacity search applies that fraction to every probe"
+        )
     params = count_params(spec)
     fit = cap = paged = None
     if gpu_spec is not None:
@@ -197,7 +226,7 @@ def infer(
             fits=required <= usable,
             free_bytes=usable - required,
         )
-        cap = an.capacity(spec, st, usable, flash=flash, gpu=gpu_spec)
+        cap = an.capacity(spec, st, usable, flash=flash, gpu=gpu_spec, reserve=reserve)
         if srv is Server.PAGED:
             paged = an.paged_capacity(
                 spec, st, gpu_spec.memory_bytes, gpu_memory_utilization, flash=flash, gpu=gpu_spec

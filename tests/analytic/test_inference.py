@@ -36,9 +36,32 @@ def test_kv_cache_llama_3_1_8b_by_hand() -> None:
 
 
 def test_kv_dtype_fp8_halves_the_cache() -> None:
-    spec = load_model("llama-3.1-8b")
+    """fp8 storage is half of bf16; transformers' fp8 cache (``Fp8QuantizedLayer``) adds a 0-dim fp32 scale
+    (one 512-byte block) per tensor, a static cache (no transformers fp8 variant: storage only) none."""
+    spec = load_model("llama-3.1-8b")  # 32 layers, K and V each
     s = InferenceSetup(batch=2, prompt=4096, new_tokens=1)
-    assert an.kv_cache_bytes(spec, dataclasses.replace(s, kv_dtype="fp8")) * 2 == an.kv_cache_bytes(spec, s)
+    dyn = an.kv_cache_bytes(spec, dataclasses.replace(s, kv_dtype="fp8"))
+    assert (dyn - 32 * 2 * 512) * 2 == an.kv_cache_bytes(spec, s)
+    st = dataclasses.replace(s, cache="static")
+    assert an.kv_cache_bytes(spec, dataclasses.replace(st, kv_dtype="fp8")) * 2 == an.kv_cache_bytes(spec, st)
+
+
+def test_fp8_cache_decode_holds_a_dequantised_copy_by_hand() -> None:
+    """Decode with transformers' fp8 cache, the running layer's update (``Fp8QuantizedLayer.update``):
+    old fp8 K and V (its locals) beside the new ones, the step's quantised token, the dequantised bf16 K,
+    and V's ``q.float()`` and its product with the scale (two fp32 copies)."""
+    spec = load_model("llama-3.1-8b")  # 8 kv heads, head dim 128
+    s = InferenceSetup(batch=4, prompt=1000, new_tokens=25, kv_dtype="fp8")
+    t = 1000 + 24  # tokens stored after the last pass
+    old, transient = an.fp8_dequantise_bytes(spec, s, t)
+    assert old == 2 * _r512(4 * 8 * (t - 1) * 128)
+    assert transient == 2 * _r512(4 * 8 * 128) + _r512(4 * 8 * t * 128 * 2) + 2 * _r512(4 * 8 * t * 128 * 4)
+    dec = an.phase_estimates(spec, s)[InferencePhase.DECODE]
+    assert dec.moment.endswith("fp8 dequantise")
+    assert dec.breakdown.get(Component.KV_CACHE) == an.kv_cache_bytes(spec, s) + old
+    # the bf16 cache of the same request never holds those fp32 copies
+    bf16 = an.phase_estimates(spec, dataclasses.replace(s, kv_dtype=None))[InferencePhase.DECODE]
+    assert dec.breakdown.get(Component.ACTIVATIONS) - bf16.breakdown.get(Component.ACTIVATIONS) >= transient
 
 
 def test_static_cache_holds_prompt_plus_new_from_the_prefill() -> None:
@@ -190,3 +213,43 @@ def test_memory_is_monotone_and_tp_never_adds(
     for est in an.phase_estimates(spec, s).values():
         assert est.breakdown.total_bytes == sum(est.breakdown.components.values())
         assert est.breakdown.get(Component.WEIGHTS) == an.weight_bytes(spec, s)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("llama-3.1-8b", {"batch": 8, "prompt": 2048, "new_tokens": 64}),
+        ("llama-3.1-8b", {"batch": 8, "prompt": 2048, "new_tokens": 64, "kv_dtype": "fp8"}),
+        ("llama-3.1-8b", {"batch": 8, "prompt": 2048, "new_tokens": 64, "cache": "static"}),
+        ("mistral-7b-v0.1", {"batch": 1, "prompt": 8192, "new_tokens": 16, "cache": "sliding"}),
+        ("qwen3-30b-a3b", {"batch": 16, "prompt": 4096, "new_tokens": 8}),
+        ("deepseek-v3", {"batch": 1, "prompt": 2048, "new_tokens": 8, "kv_dtype": "fp8"}),
+    ],
+)
+def test_generate_stream_reaches_the_closed_form_peak(name: str, fields: dict[str, object]) -> None:
+    """The allocator event stream (one block per moment, the cache's own cat/free sequence, ids re-made each
+    step) peaks where the phase-by-phase maximum does: the two are assembled independently from the same
+    per-layer quantities, so a tensor dropped or double-freed in the stream shows here."""
+    from trainfit.allocator import simulate
+
+    spec = load_model(name)
+    s = InferenceSetup(**fields)  # type: ignore[arg-type]
+    sim = simulate(an.generate_events(spec, s))
+    peak = an.peak_bytes(spec, s)
+    assert abs(sim.peak_allocated_bytes - peak) <= 0.01 * peak
+    assert sim.peak_reserved_bytes >= sim.peak_allocated_bytes
+
+
+def test_infer_reserve_is_simulated_and_the_capacity_search_agrees_with_the_fit() -> None:
+    from trainfit.infer import infer
+    from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
+
+    spec = load_model("llama-3.1-8b")
+    for batch in (1, 6, 7, 8, 9, 10, 16):
+        rep = infer(spec, batch=batch, prompt=2048, new_tokens=32, gpu="l4")
+        assert rep.overhead.allocator_reserve_bytes != int(rep.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
+        assert rep.fit is not None and rep.capacity is not None
+        # the fit verdict and the batch search use the same reserve: the asked batch fits iff it is ≤ max
+        assert rep.fit.fits == (batch <= rep.capacity.max_batch), batch
+    fixed = infer(spec, batch=8, prompt=2048, new_tokens=32, gpu="l4", simulate_allocator=False)
+    assert fixed.overhead.allocator_reserve_bytes == int(fixed.peak_bytes * ALLOCATOR_RESERVE_FRACTION)

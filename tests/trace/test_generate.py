@@ -5,6 +5,7 @@ trace, and the CLI's ``--method trace``. The trace is the independent oracle her
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -14,7 +15,7 @@ from tests.cli._cli_helper import run_cli
 from trainfit.analytic.inference import kv_cache_bytes, phase_estimates, weight_bytes
 from trainfit.arch.config import spec_from_config
 from trainfit.arch.spec import ModelSpec
-from trainfit.result import InferencePhase
+from trainfit.result import Component, InferencePhase
 from trainfit.strategy.inference import InferenceSetup
 
 pytest.importorskip("torch")
@@ -150,3 +151,124 @@ def test_two_short_runs_equal_one_long_generate(spec: ModelSpec, setup: Inferenc
     for ph in InferencePhase:
         assert split.phases[ph] == whole.phases[ph], ph
     assert split.kv_cache_bytes == whole.kv_cache_bytes
+
+
+def _tiny_deepseek_v3() -> ModelSpec:
+    """MLA (q and kv LoRA, a latent cache) + MoE (routed and shared experts, fp32 router, grouped routing)."""
+    cfg: dict[str, Any] = {
+        "model_type": "deepseek_v3",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "n_group": 2,
+        "topk_group": 1,
+    }
+    return spec_from_config(cfg, name="tiny-deepseek-v3", source="explicit")
+
+
+FP8_CASES = [
+    ("gqa-bf16", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6, kv_dtype="fp8")),
+    ("gqa-fp32-math", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6, dtype="fp32", kv_dtype="fp8")),
+    ("gqa-fp16-eager", _spec(), InferenceSetup(batch=2, prompt=96, new_tokens=5, dtype="fp16", kv_dtype="fp8")),
+    # A narrow MLP: the prefill's worst moment is the quantisation of the last layer's K/V.
+    (
+        "mha-quantise",
+        _spec(num_key_value_heads=8, intermediate_size=128),
+        InferenceSetup(batch=2, prompt=96, new_tokens=5, kv_dtype="fp8"),
+    ),
+    ("deepseek-v3-mla-moe", _tiny_deepseek_v3(), InferenceSetup(batch=2, prompt=96, new_tokens=5, kv_dtype="fp8")),
+]
+
+
+@pytest.mark.parametrize(("name", "spec", "setup"), FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_fp8_cache_within_2_percent_of_the_trace(name: str, spec: ModelSpec, setup: InferenceSetup) -> None:
+    """``--kv-dtype fp8``: the trace runs transformers' ``QuantizedCache(backend="fp8")`` (float8 storage,
+    per-tensor scale, a dequantised copy for attention); the closed forms follow the same mechanism."""
+    traced = trace_generate(spec, setup)
+    closed = phase_estimates(spec, setup)
+    for ph in InferencePhase:
+        t = sum(traced.phases[ph].values())
+        a = closed[ph].breakdown.total_bytes
+        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
+    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    assert traced.weights_bytes == weight_bytes(spec, setup)
+
+
+def test_fp8_cache_is_stored_in_one_byte_and_read_dequantised() -> None:
+    """The traced fp8 cache is about half the traced bf16 one, and its decode holds more activations than
+    the bf16 run (the dequantised copies the bf16 cache does not need)."""
+    spec, setup = _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=4)
+    bf16 = trace_generate(spec, setup)
+    fp8 = trace_generate(spec, dataclasses.replace(setup, kv_dtype="fp8"))
+    assert 0.45 * bf16.kv_cache_bytes < fp8.kv_cache_bytes < 0.55 * bf16.kv_cache_bytes
+    act = Component.ACTIVATIONS
+    assert fp8.phases[InferencePhase.DECODE][act] > bf16.phases[InferencePhase.DECODE][act] + fp8.kv_cache_bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("llama-3.2-1b", "--kv-dtype", "fp8", "--cache", "static"), "dynamic only"),
+        (("mistral-7b-v0.1", "--kv-dtype", "fp8"), "sliding"),
+        (("llama-3.2-1b", "--kv-dtype", "fp32"), "fp8"),
+    ],
+    ids=["static", "sliding-layers", "fp32-cache"],
+)
+def test_trace_refuses_fp8_caches_transformers_lacks(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str
+) -> None:
+    res = run_cli(capsys, "infer", *args, "--prompt", "64", "--new-tokens", "3", "--method", "trace")
+    assert res.code == 2 and needle in res.err and len(res.err.strip().splitlines()) == 1, res.err
+
+
+def test_cli_method_trace_fp8_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("infer", "llama-3.2-1b", "--prompt", "64", "--new-tokens", "3", "--kv-dtype", "fp8", "--json")
+    res = run_cli(capsys, *args, "--method", "trace")
+    assert res.code == 0, res.err
+    doc, analytic = json.loads(res.out), json.loads(run_cli(capsys, *args).out)
+    assert doc["kv_cache_bytes"] == analytic["kv_cache_bytes"]
+    for ph in ("prefill", "decode"):
+        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
+        assert abs(a - t) <= 0.02 * t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setup",
+    [
+        InferenceSetup(batch=8, prompt=300, new_tokens=40),
+        InferenceSetup(batch=4, prompt=512, new_tokens=24, kv_dtype="fp8"),
+        InferenceSetup(batch=4, prompt=512, new_tokens=24, cache="static"),
+    ],
+    ids=["dynamic", "fp8", "static"],
+)
+def test_analytic_allocator_stream_against_the_traced_generate(setup: InferenceSetup) -> None:
+    """Reserved memory: the closed forms' event stream and the trace's own allocations (every storage of a
+    full-depth generate on fake tensors, in order) through the same caching-allocator simulation. K/V
+    tensors of 0.3–1.2 MiB and MLP blocks of several MiB put both pools to work; the stream's blocks are
+    coarser than the real tensors, so reserved agrees to one large segment (20 MiB, ``kLargeBuffer``)."""
+    from trainfit.allocator import simulate
+    from trainfit.allocator.simulator import LARGE_BUFFER_BYTES
+    from trainfit.analytic.inference import generate_events as analytic_events
+    from trainfit.trace.generate import generate_events as traced_events
+
+    spec = _spec(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_key_value_heads=8, vocab_size=32000)
+    traced = simulate(traced_events(spec, setup))
+    closed = simulate(analytic_events(spec, setup))
+    assert abs(closed.peak_allocated_bytes - traced.peak_allocated_bytes) <= 0.01 * traced.peak_allocated_bytes
+    assert abs(closed.peak_reserved_bytes - traced.peak_reserved_bytes) <= LARGE_BUFFER_BYTES

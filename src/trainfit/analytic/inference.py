@@ -23,7 +23,21 @@ tensors by :mod:`trainfit.trace.generate`):
 * MLA (DeepSeek-V2/V3, ``DeepseekV3Attention.forward``) caches the compressed latent — ``kv_lora_rank``
   (normed ``kv_nope``) and ``qk_rope_head_dim`` (``k_rot``), one "head" each — and ``expand_kv``
   decompresses the whole cache of the running layer every step: ``kv_b_proj`` output
-  ``b·T·heads·(nope + v)`` plus a new key tensor ``b·heads·T·(nope + rope)``.
+  ``b·T·heads·(nope + v)`` plus a new key tensor ``b·heads·T·(nope + rope)``. The cached latent is what
+  vLLM's MLA caches too (``kv_lora_rank + qk_rope_head_dim`` per token, one entry, vllm
+  ``v1/attention/backends/mla/common.py``); vLLM does not decompress the cache at decode (it absorbs
+  ``kv_b_proj`` into the query and output projections), so the ``expand_kv`` transient is Hugging Face's.
+
+``--kv-dtype fp8`` in ``generate`` is transformers' ``QuantizedCache(backend="fp8")`` (``Fp8QuantizedLayer``,
+:func:`hf_fp8`): float8_e4m3fn storage and a 0-dim fp32 scale per tensor (per-tensor scaling, as vLLM's
+``kv_cache_dtype="fp8"`` — docs.vllm.ai "Quantized KV Cache"). It is not fused: prefill quantises each
+layer's K/V through two fp32 copies (``(t.float() / scale).to(fp8)``) and hands attention the unquantised
+inputs; each decode step ``cat``s the quantised token on, keeps the old fp8 K/V (``update``'s locals) and
+dequantises the whole layer (``q.float() * scale``: two fp32 copies, then the compute-dtype copy attention
+reads). Those transients are moments here (:func:`fp8_quantise_moments`, :func:`fp8_dequantise_bytes`) and
+the attention moment carries the compute-dtype K/V. A paged server (vLLM) writes fp8 in its cache kernel
+(``reshape_and_cache_flash``; MLA ``concat_and_cache_mla``) and dequantises inside attention: storage only,
+no copies; so is a static cache, which has no transformers fp8 variant (a warning says so).
 
 KV cache = 2 · layers · kv_heads · head_dim · tokens · batch · bytes (Pope et al. 2022, "Efficiently Scaling
 Transformer Inference", §2; vLLM ``get_kv_cache_spec``), each tensor rounded to the allocator's 512 bytes.
@@ -54,6 +68,12 @@ head (``llm_int8_skip_modules`` defaults to the output embeddings), norms and th
 e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
 ``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block), again layer linears only.
 
+Reserved memory: :func:`generate_events` writes the same quantities as the ``generate`` call's ordered
+allocations and frees (weights, the cache's growth by ``cat``, one block per moment), and
+:func:`simulate_generate` replays them through the caching-allocator simulation (:mod:`trainfit.allocator`);
+:mod:`trainfit.infer` takes the reserve from it. The capacity search applies that reserve as a fraction of
+each probe's peak (``capacity(reserve=)``).
+
 The article's rule of thumb for serving — weights × 1.2 — is reported beside our answer.
 """
 
@@ -62,7 +82,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
 from trainfit.analytic.activations import PYTHON_GELUS
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
@@ -75,7 +97,7 @@ from trainfit.cuda_facts import (
 )
 from trainfit.errors import StrategyError
 from trainfit.hardware.gpus import GPUSpec
-from trainfit.overhead import overhead_for
+from trainfit.overhead import outside_allocator, overhead_for
 from trainfit.result import Component, InferencePhase, PhaseBreakdown, Term
 from trainfit.strategy import Attention
 from trainfit.strategy.inference import (
@@ -133,6 +155,16 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
             warnings.append(
                 f"{gpu.id} (compute capability {cc}) has no native bf16: emulated and slow; try --dtype fp16"
             )
+    if setup.kv_format is KVFormat.FP8 and setup.cache is CacheKind.STATIC:
+        warnings.append(
+            "transformers has no static fp8 cache (QuantizedCache is dynamic): estimated as fp8 storage that "
+            "attention reads in place, as a fused fp8 kernel does (no dequantised copy)"
+        )
+    elif hf_fp8(setup) and spec.sliding_layers and spec.sliding_window:
+        warnings.append(
+            f"transformers' fp8 cache (QuantizedCache) refuses {spec.name}'s sliding-window layers: "
+            "estimated as if each layer kept its window in fp8"
+        )
     if setup.tp > 1 and spec.num_heads % setup.tp:
         raise StrategyError(f"--tp {setup.tp} must divide the {spec.num_heads} attention heads of {spec.name}")
     kv = spec.num_kv_heads
@@ -153,11 +185,17 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
 
 def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
     """Bytes of every parameter tensor on one GPU, each piece rounded to 512 bytes, plus RoPE buffers."""
+    return sum(weight_allocations(spec, setup))
+
+
+def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
+    """Every weight allocation on one GPU in load order (each piece of a quantised tensor apart), rounded to
+    512 bytes: :func:`weight_bytes` is their sum; the allocator event stream replays them one by one."""
     inv = inventory(spec)
     layer_ids = {id(t) for g in inv.layers for t in g.tensors}
     tp = setup.tp
     keep_bits = setup.dtype.bits if setup.dtype in (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP16) else 16
-    total = 0
+    out: list[int] = []
     for t, count in inv.all_tensors():
         in_layer = id(t) in layer_ids
         is_norm = len(t.shape) == 1 and ("norm" in t.name)
@@ -169,24 +207,24 @@ def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
         router = t.name == "mlp.router.weight"
         linear = in_layer and t.matmul and len(t.shape) == 2 and not router
         if router and spec.model_type in _FP32_ROUTERS:
-            one = allocator_bytes(numel * 4)
+            pieces = [allocator_bytes(numel * 4)]
         elif linear and setup.dtype.bnb:
-            pieces = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
-            one = sum(allocator_bytes(n) for n in pieces)
+            q = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
+            pieces = [allocator_bytes(n) for n in q]
         elif linear and setup.dtype is WeightFormat.FP8:
             cols = numel // rows if rows else 0
             scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
-            one = allocator_bytes(numel) + allocator_bytes(4 * scales)
+            pieces = [allocator_bytes(numel), allocator_bytes(4 * scales)]
         else:
-            one = allocator_bytes(numel * keep_bits // 8)
-        total += count * one
+            pieces = [allocator_bytes(numel * keep_bits // 8)]
+        out += pieces * count
     if spec.rotary_dim:
-        total += 2 * allocator_bytes(4 * (spec.rotary_dim // 2))  # inv_freq and original_inv_freq, fp32
+        out += [allocator_bytes(4 * (spec.rotary_dim // 2))] * 2  # inv_freq and original_inv_freq, fp32
     if spec.embedding_scale:  # Gemma's scaled embedding: a 0-dim ``embed_scale`` buffer
-        total += allocator_bytes(2)
+        out.append(allocator_bytes(2))
     if spec.moe is not None and spec.model_type == "deepseek_v3":  # fp32 e_score_correction_bias buffer
-        total += spec.num_moe_layers * allocator_bytes(4 * spec.moe.num_experts)
-    return total
+        out += [allocator_bytes(4 * spec.moe.num_experts)] * spec.num_moe_layers
+    return out
 
 
 # -- the cache ----------------------------------------------------------------------------------------
@@ -213,12 +251,29 @@ def layer_kinds(spec: ModelSpec, setup: InferenceSetup) -> LayerKinds:
     return LayerKinds(full=spec.num_layers - spec.sliding_layers, sliding=spec.sliding_layers, window=w)
 
 
-def kv_layer_tensors(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> tuple[int, int]:
+def hf_fp8(setup: InferenceSetup) -> bool:
+    """An fp8 cache in Hugging Face ``generate``: transformers' ``QuantizedCache(backend="fp8")``, whose
+    ``Fp8QuantizedLayer`` stores float8_e4m3fn K/V with a per-tensor fp32 scale and hands attention a
+    dequantised copy (see :func:`fp8_moments`). Static caches have no fp8 variant in transformers; there,
+    as in a paged server, fp8 is storage only (vLLM's kernels dequantise inside attention)."""
+    return setup.kv_format is KVFormat.FP8 and setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING)
+
+
+def kv_layer_tensors(
+    spec: ModelSpec, setup: InferenceSetup, tokens: int, *, bits: int | None = None, scales: bool = True
+) -> tuple[int, int]:
     """Bytes of one layer's two cache tensors (K and V; MLA: the latent ``kv_nope`` and ``k_rot``) for
-    ``tokens`` tokens of every sequence in the batch, each rounded to the allocator's 512 bytes."""
+    ``tokens`` tokens of every sequence in the batch, each rounded to the allocator's 512 bytes; ``bits``:
+    in that width instead of the cache's (a dequantised copy). A Hugging Face fp8 cache (:func:`hf_fp8`)
+    adds each tensor's 0-dim fp32 scale (``Fp8QuantizedLayer._quantize``) unless ``scales`` is false."""
     if tokens <= 0:
         return 0, 0
-    bits, b = setup.kv_format.bits, setup.batch
+    b = setup.batch
+    if bits is None:
+        bits = setup.kv_format.bits
+        if scales and hf_fp8(setup):
+            k, v = kv_layer_tensors(spec, setup, tokens, bits=bits)
+            return k + allocator_bytes(4), v + allocator_bytes(4)
     if spec.mla is not None:
         m = spec.mla
         return (
@@ -419,7 +474,7 @@ def _layer_moments(
         attn = 2 * x + allocator_bytes(t * qd * a) * 2 + expand + allocator_bytes(t * nh * m.v_head_dim * a)
         out.append(Moment(name="attention", activations_bytes=attn))
         out.append(Moment(name="cache write", activations_bytes=2 * x + 2 * allocator_bytes(t * qd * a)))
-        return out
+        return _with_dequantised(spec, setup, kv_len, out)
     qb = allocator_bytes(t * nh * hd * a)
     kb = allocator_bytes(t * kvh * hd * a)
     out.append(Moment(name="cache write", activations_bytes=2 * x + qb + 2 * kb))
@@ -444,7 +499,52 @@ def _layer_moments(
             attn = 2 * x + 2 * qb + repeat + bias + allocator_bytes(b * nh * q * 4)
         name = f"attention (sdpa {kernel.value})"
     out.append(Moment(name=name, activations_bytes=attn))
-    return out
+    return _with_dequantised(spec, setup, kv_len, out)
+
+
+def _with_dequantised(spec: ModelSpec, setup: InferenceSetup, kv_len: int, moments: list[Moment]) -> list[Moment]:
+    """A Hugging Face fp8 cache hands attention compute-dtype K/V that are not the cache: the prompt's own
+    K/V in prefill (``Fp8QuantizedLayer.update`` returns its inputs on the first call), the dequantised
+    whole cache in decode (``_dequantize``: ``(q.float() * scale).to(dtype)``). They live through attention
+    (and MLA's ``expand_kv``), where an unquantised cache is read in place."""
+    if not hf_fp8(setup):
+        return moments
+    dq = sum(kv_layer_tensors(spec, setup, kv_len, bits=setup.compute_bits))
+    return [
+        Moment(name=m.name, activations_bytes=m.activations_bytes + dq) if m.name.startswith("attention") else m
+        for m in moments
+    ]
+
+
+def fp8_quantise_moments(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> list[tuple[str, int, int]]:
+    """Prefill of a Hugging Face fp8 cache (transformers ``Fp8QuantizedLayer.lazy_initialization`` →
+    ``_quantize``): per tensor, K then V, ``(t.float() / scale).to(float8_e4m3fn)`` holds the fp32 copy
+    and the quotient (the copy is free for fp32 activations: ``.float()`` returns its input), then the
+    quotient beside the fp8 result. Returns (moment, cache bytes not yet written, transient bytes) beside
+    the running layer's ``cache write`` activations; the 0-dim scales are 512 bytes each."""
+    kq, vq = kv_layer_tensors(spec, setup, tokens, scales=False)
+    fk, fv = kv_layer_tensors(spec, setup, tokens, bits=32)
+    copies = 1 if setup.compute_bits == 32 else 2
+    sc = allocator_bytes(4)
+    return [
+        ("fp8 quantise (K)", kq + vq + sc, copies * fk),
+        ("fp8 quantise (K)", vq + sc, fk),
+        ("fp8 quantise (V)", vq, copies * fv),
+        ("fp8 quantise (V)", 0, fv),
+    ]
+
+
+def fp8_dequantise_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> tuple[int, int]:
+    """Decode of a Hugging Face fp8 cache (``Fp8QuantizedLayer.update`` after the first call): the step's
+    quantised K/V are ``cat`` onto the stored ones, then ``_dequantize`` makes ``q.float()`` and its product
+    with the scale (fp32, two copies) and casts it to the compute dtype; K is dequantised first and held while
+    V is. ``update``'s locals keep the *old* fp8 K and V (and the step's quantised token) alive until it
+    returns. Returns (old fp8 K + V of the running layer, transient bytes) for a cache of ``tokens``."""
+    ok, ov = kv_layer_tensors(spec, setup, tokens - 1, scales=False)
+    nk, nv = kv_layer_tensors(spec, setup, 1, scales=False)
+    fk, fv = kv_layer_tensors(spec, setup, tokens, bits=32)
+    bk, _ = kv_layer_tensors(spec, setup, tokens, bits=setup.compute_bits)
+    return ok + ov, nk + nv + max(2 * fk, bk + 2 * fv)
 
 
 def _norm_moment(spec: ModelSpec, setup: InferenceSetup, q: int) -> int:
@@ -455,6 +555,10 @@ def _norm_moment(spec: ModelSpec, setup: InferenceSetup, q: int) -> int:
     if spec.norm is NormKind.RMSNORM and a != 4:
         return allocator_bytes(t * a) + 2 * allocator_bytes(t * 4)
     return 2 * allocator_bytes(t * a)
+
+
+def _cache_write(moments: list[Moment]) -> int:
+    return next(m.activations_bytes for m in moments if m.name == "cache write")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -508,6 +612,10 @@ def phase_estimates(
     pre: list[tuple[str, int, int, int]] = []
     for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
         pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
+    if hf_fp8(setup):
+        cw = _cache_write(_layer_moments(spec, setup, s, s, masked=window_masked, flash=flash))
+        for name, unwritten, transient in fp8_quantise_moments(spec, setup, s):
+            pre.append((f"prefill {name}", kv_pre - unwritten, resident + mask + cw + transient, 0))
     pre.append(("prefill final norm", kv_pre, resident + _norm_moment(spec, setup, s), 0))
     pre.append(("prefill logits", kv_pre, allocator_bytes(8 * setup.batch * s) * 2, lg + lg32))
     out = {InferencePhase.PREFILL: best(pre, InferencePhase.PREFILL)}
@@ -521,9 +629,15 @@ def phase_estimates(
         if setup.attention is Attention.EAGER:
             res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
-        for mo in _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash):
+        layer = _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash)
+        for mo in layer:
             kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
             dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
+        if hf_fp8(setup):
+            old, transient = fp8_dequantise_bytes(spec, setup, kv_len)
+            dec.append(
+                (f"decode step {step}: fp8 dequantise", kv_after + old, res + _cache_write(layer) + transient, lg32)
+            )
         dec.append(
             (f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32)
         )
@@ -531,13 +645,162 @@ def phase_estimates(
     return out
 
 
+# -- reserved memory: the generate call as an allocator event stream ------------------------------------
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._next = 0
+
+    def alloc(self, nbytes: int) -> int:
+        self._next += 1
+        if nbytes > 0:
+            self.events.append(Event(Op.ALLOC, self._next, nbytes))
+        return self._next if nbytes > 0 else 0
+
+    def free(self, *keys: int) -> None:
+        for key in keys:
+            if key:
+                self.events.append(Event(Op.FREE, key))
+
+
+def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True) -> list[Event]:
+    """The allocations and frees of one ``generate`` call, in order, from the same quantities as the moments:
+    the weights tensor by tensor (:func:`weight_allocations`); the request's ids and mask, re-made one token
+    longer after every pass (``torch.cat`` in ``_update_model_kwargs_for_generation``); per pass the position
+    ids, embeddings and RoPE tables; per layer its ``cache write``, ``attention`` and ``mlp`` moments (each one
+    block beside the layer input, freed when the next starts) and the cache's own allocations inside the
+    first — ``DynamicLayer.update`` makes a one-token-longer K, then V, and frees the old ones (the growth
+    that fragments a caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer``
+    allocates the whole context at the prefill (a full static sliding layer ``roll``s into new tensors);
+    an fp8 cache (:func:`hf_fp8`) quantises through fp32 copies and, from the first decode step, holds the
+    dequantised K/V through attention; then the final norm, the head's logits and ``generate``'s fp32 copy
+    (the previous step's freed after the next forward). The blocks are coarser than the real tensors (one
+    per moment), so its allocated peak is near the closed forms', not equal to it."""
+    if setup.attention is Attention.SDPA and not spec.supports_sdpa:
+        setup = dataclasses.replace(setup, attention=Attention.EAGER)
+    st = _Stream()
+    for n in weight_allocations(spec, setup):
+        st.alloc(n)
+    b, a, h = setup.batch, setup.compute_bits // 8, spec.hidden_size
+    s, n_new = setup.prompt, setup.new_tokens
+    kinds = layer_kinds(spec, setup)
+    windows = [None] * kinds.full + [kinds.window] * kinds.sliding
+    fp8 = hf_fp8(setup)
+    ids, mask = st.alloc(8 * b * s), st.alloc(8 * b * s)
+    cache: list[list[int]] = [[0, 0] for _ in windows]
+    prev_lg32 = 0
+    for step in range(n_new):
+        q, total = (s, s) if step == 0 else (1, s + step)
+        kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n_new
+        per_pass = [st.alloc(allocator_bytes(8 * b * q)), st.alloc(allocator_bytes(8 * q))]
+        if spec.rotary_dim:
+            rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim
+            per_pass += [st.alloc(allocator_bytes(b * q * rd * a)) for _ in range(2)]
+        if setup.attention is Attention.EAGER:
+            per_pass += [st.alloc(allocator_bytes(b * q * total * a)) for _ in range(spec.attention_masks)]
+        xb = allocator_bytes(b * q * h * a)
+        if spec.learned_positions:
+            per_pass.append(st.alloc(xb))
+        x = st.alloc(xb)
+        moments = {
+            m.name: m.activations_bytes for m in _layer_moments(spec, setup, q, kv_len, masked=False, flash=flash)
+        }
+        attn = next(v for k, v in moments.items() if k.startswith("attention"))
+        for i, win in enumerate(windows):
+            block = st.alloc(moments["cache write"] - xb)
+            held = _cache_update(st, spec, setup, cache[i], win, step, fp8)
+            st.free(block)
+            block = st.alloc(
+                attn - xb - sum(kv_layer_tensors(spec, setup, kv_len, bits=setup.compute_bits) if held else ())
+            )
+            st.free(block, *held)
+            block = st.alloc(moments["mlp"] - xb)
+            out = st.alloc(xb)
+            st.free(block, x)
+            x = out
+        norm = st.alloc(_norm_moment(spec, setup, q))
+        st.free(norm)
+        lg = st.alloc(_logits_bytes(spec, setup))
+        lg32 = st.alloc(_fp32_logits(spec, setup))
+        st.free(lg, x, *per_pass, prev_lg32)
+        prev_lg32 = lg32
+        new_ids, new_mask = (
+            st.alloc(allocator_bytes(8 * b * (total + 1))),
+            st.alloc(allocator_bytes(8 * b * (total + 1))),
+        )
+        st.free(ids, mask)
+        ids, mask = new_ids, new_mask
+    return st.events
+
+
+def _cache_update(
+    st: _Stream, spec: ModelSpec, setup: InferenceSetup, keys: list[int], win: int | None, step: int, fp8: bool
+) -> tuple[int, ...]:
+    """One layer's cache allocations inside its ``update`` (``keys``: the layer's current K and V, replaced in
+    place); returns what stays alive through attention (an fp8 cache's compute-dtype K/V)."""
+    new = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step), scales=False)
+    if fp8:
+        sc = allocator_bytes(4)
+        f32 = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step), bits=32)
+        if step == 0:
+            for j in (0, 1):
+                st.alloc(sc)  # the per-tensor scale, kept by the cache
+                c1, c2 = st.alloc(f32[j]), st.alloc(f32[j])
+                st.free(c1)
+                keys[j] = st.alloc(new[j])
+                st.free(c2)
+            return ()
+        old = list(keys)
+        keys[0], keys[1] = st.alloc(new[0]), st.alloc(new[1])
+        comp = kv_layer_tensors(spec, setup, _stored_tokens(setup, win, step), bits=setup.compute_bits)
+        out = []
+        for j in (0, 1):
+            c1, c2 = st.alloc(f32[j]), st.alloc(f32[j])
+            st.free(c1)
+            out.append(st.alloc(comp[j]))
+            st.free(c2)
+        st.free(*old)
+        return tuple(out)
+    if setup.cache is CacheKind.STATIC:
+        roll = win is not None and setup.prompt + step - 1 >= win
+        if step == 0 or roll:
+            old = list(keys)
+            keys[0], keys[1] = st.alloc(new[0]), st.alloc(new[1])
+            st.free(*old)
+        return ()
+    if win is not None:  # DynamicSlidingWindowLayer: both cats before either assignment
+        old = list(keys)
+        keys[0], keys[1] = st.alloc(new[0]), st.alloc(new[1])
+        st.free(*old)
+        return ()
+    for j in (0, 1):  # DynamicLayer: K's cat assigned (old K freed), then V's
+        nk = st.alloc(new[j])
+        st.free(keys[j])
+        keys[j] = nk
+    return ()
+
+
+def simulate_generate(
+    spec: ModelSpec, setup: InferenceSetup, config: AllocatorConfig | None = None, *, flash: bool = True
+) -> AllocatorResult:
+    """The caching allocator's peaks over :func:`generate_events` (``config``: ``PYTORCH_CUDA_ALLOC_CONF``,
+    default PyTorch's defaults)."""
+    return simulate(generate_events(spec, setup, flash=flash), config)
+
+
 # -- what fits --------------------------------------------------------------------------------------------
 
 
-def required_bytes(peak_bytes: int, gpu: GPUSpec | None = None) -> int:
+def required_bytes(peak_bytes: int, gpu: GPUSpec | None = None, reserve: Fraction | None = None) -> int:
     """What must fit on the GPU: the ``nvidia-smi`` estimate — peak allocated + allocator reserve + what
-    sits outside the allocator on ``gpu`` (:mod:`trainfit.overhead`, shared with training)."""
-    return peak_bytes + overhead_for(peak_bytes, gpu, inference=True).total_bytes
+    sits outside the allocator on ``gpu`` (:mod:`trainfit.overhead`, shared with training). ``reserve``: the
+    allocator reserve as a fraction of the peak (a simulated one), else the fixed fraction."""
+    if reserve is None:
+        return peak_bytes + overhead_for(peak_bytes, gpu, inference=True).total_bytes
+    over = outside_allocator(gpu, allocator_reserve_bytes=int(peak_bytes * reserve), inference=True)
+    return peak_bytes + over.total_bytes
 
 
 def peak_bytes(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True, weights: int | None = None) -> int:
@@ -577,13 +840,21 @@ def _largest(fits: Callable[[int], bool], lo_value: int, cap: int) -> tuple[int,
 
 
 def capacity(
-    spec: ModelSpec, setup: InferenceSetup, usable: int, *, flash: bool = True, gpu: GPUSpec | None = None
+    spec: ModelSpec,
+    setup: InferenceSetup,
+    usable: int,
+    *,
+    flash: bool = True,
+    gpu: GPUSpec | None = None,
+    reserve: Fraction | None = None,
 ) -> Capacity:
-    """Search batch and context with the closed forms (memory is monotone in both)."""
+    """Search batch and context with the closed forms (memory is monotone in both). ``reserve``: the
+    allocator reserve as a fraction of each probe's peak (the request's simulated fraction; one simulation
+    per probe would take minutes), else the fixed fraction."""
     w = weight_bytes(spec, setup)
 
     def fits(s: InferenceSetup) -> bool:
-        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w), gpu) <= usable
+        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w), gpu, reserve) <= usable
 
     def fits_batch(b: int) -> bool:
         return fits(dataclasses.replace(setup, batch=b))
@@ -691,6 +962,8 @@ def explain_terms(
         else f"2 · layers · {kvh} kv heads · {spec.head_dim} · T · batch · {setup.kv_format.bits // 8} B, "
         f"T = {setup.context - 1} (the last generated token is never fed back)"
     )
+    if hf_fp8(setup):
+        kv_formula += "; fp8 (float8_e4m3fn) with a 0-dim fp32 scale per tensor"
     out = [
         Term(
             name="weights",
@@ -704,7 +977,8 @@ def explain_terms(
             name="kv cache (full length)",
             bytes=kv_cache_bytes(spec, setup),
             formula=kv_formula,
-            source="Pope et al. 2022 §2; transformers cache_utils DynamicLayer/StaticLayer",
+            source="Pope et al. 2022 §2; transformers cache_utils DynamicLayer/StaticLayer"
+            + ("/Fp8QuantizedLayer (QuantizedCache backend fp8)" if hf_fp8(setup) else ""),
         ),
     ]
     for ph, est in phases.items():
@@ -733,6 +1007,10 @@ __all__ = [
     "capacity",
     "explain_terms",
     "flash_for",
+    "fp8_dequantise_bytes",
+    "fp8_quantise_moments",
+    "generate_events",
+    "hf_fp8",
     "kv_bytes_per_token",
     "kv_cache_bytes",
     "paged_capacity",
@@ -740,6 +1018,8 @@ __all__ = [
     "phase_estimates",
     "required_bytes",
     "rule_of_thumb_bytes",
+    "simulate_generate",
     "validate",
+    "weight_allocations",
     "weight_bytes",
 ]

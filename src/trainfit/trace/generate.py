@@ -15,6 +15,16 @@ the model's own cache classes (``DynamicCache`` with its ``DynamicLayer`` / ``Dy
   tensors ``masking_utils.is_tracing`` is true and the mask would never be skipped (a [b, 1, q, kv] mask,
   k/v repeated per query head), while a real GPU run skips it (``_ignore_causal_mask_sdpa``).
 
+``--kv-dtype fp8`` runs transformers' own fp8 cache: ``cache_implementation="quantized"`` with
+``cache_config={"backend": "fp8"}`` builds ``QuantizedCache`` of ``Fp8QuantizedLayer``s (``cache_utils``,
+transformers 5.24) — float8_e4m3fn K/V with a per-tensor fp32 scale frozen at the first update, new tokens
+quantised and ``cat``-appended, and every later ``update`` returns the dequantised whole cache
+(``(q.float() * scale).to(dtype)``) for attention. That is the non-fused path: real compute-dtype copies of
+the running layer's cache at every attention call, which a server's fused kernels (vLLM ``kv_cache_dtype=
+"fp8"``, dequantised inside attention) do not make. transformers has no static fp8 cache and its
+``QuantizedCache`` refuses sliding-window layers, so the trace refuses those (one line), as it refuses a
+cache dtype other than the compute dtype or fp8.
+
 Phases: **prefill** is the first forward pass and the logits work after it, until the second pass starts;
 **decode** is every later pass. Storages are classified by fate: parameters and buffers are weights;
 whatever the cache object references after a pass is KV cache (the old storage ``torch.cat`` replaces stays
@@ -42,12 +52,13 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainfit.allocator import Event, Op
 from trainfit.arch.spec import ModelSpec
 from trainfit.cuda_facts import SdpaKernel
 from trainfit.errors import TraceError, TraceUnsupportedError
 from trainfit.result import Component, InferencePhase
 from trainfit.strategy import Checkpointing, Strategy
-from trainfit.strategy.inference import CacheKind, InferenceSetup, WeightFormat
+from trainfit.strategy.inference import CacheKind, InferenceSetup, KVFormat, WeightFormat
 from trainfit.trace import hf
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -120,12 +131,16 @@ def _mask_patches() -> Iterator[None]:
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """What a cache object holds: each layer's ``keys``/``values``, and for transformers' quantised layers
+    (``BaseQuantizedLayer``: ``Fp8QuantizedLayer``) the ``(fp8 tensor, scale)`` pairs ``_quantized_keys`` /
+    ``_quantized_values`` (their ``keys``/``values`` are empty tensors that only carry the dtype)."""
     out: list[torch.Tensor] = []
     for layer in getattr(cache, "layers", ()):
-        for name in ("keys", "values"):
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
             t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                out.append(t)
+            for x in t if isinstance(t, tuple) else (t,):
+                if isinstance(x, torch.Tensor):
+                    out.append(x)
     return out
 
 
@@ -138,11 +153,36 @@ class _PassMarks:
 
 
 def _cache_implementation(setup: InferenceSetup) -> str | None:
+    if setup.kv_format is KVFormat.FP8:
+        return "quantized"  # QuantizedCache(backend="fp8"): Fp8QuantizedLayer on every layer
     if setup.cache is CacheKind.STATIC:
         return "static"
     if setup.cache in (CacheKind.DYNAMIC, CacheKind.SLIDING):
         return None  # DynamicCache: sliding layers get DynamicSlidingWindowLayer from the config
     raise TraceError("--method trace runs Hugging Face generate: --cache dynamic, static or sliding")
+
+
+def _check_kv_dtype(spec: ModelSpec, setup: InferenceSetup) -> None:
+    """The caches ``generate`` can build: the compute dtype (every cache kind), or fp8 through transformers'
+    ``QuantizedCache(backend="fp8")`` (``cache_utils.Fp8QuantizedLayer``), which is dynamic and refuses
+    sliding-window layers."""
+    if setup.kv_format is setup.dtype.compute:
+        return
+    if setup.kv_format is not KVFormat.FP8:
+        raise TraceError(
+            f"--method trace: Hugging Face generate keeps the cache in the compute dtype or fp8 "
+            f"(QuantizedCache), not {setup.kv_format.value}; drop --kv-dtype or use --kv-dtype fp8"
+        )
+    if setup.cache is not CacheKind.DYNAMIC:
+        raise TraceError(
+            "--method trace: transformers' fp8 cache (QuantizedCache, backend fp8) is dynamic only; "
+            "use --cache dynamic with --kv-dtype fp8"
+        )
+    if spec.sliding_layers and spec.sliding_window:
+        raise TraceError(
+            f"--method trace: transformers' fp8 cache (QuantizedCache) refuses sliding-window layers, "
+            f"which {spec.name} has; drop --kv-dtype fp8"
+        )
 
 
 def _run_layout(
@@ -202,6 +242,8 @@ def _run_layout(
             extra: dict[str, Any] = {}
             if setup.cache is CacheKind.STATIC:  # the request's whole context, also in a split run
                 extra["max_cache_len"] = cache_len or setup.context
+            if setup.kv_format is KVFormat.FP8:
+                extra["cache_config"] = {"backend": "fp8"}
             out = gen(
                 input_ids=ids,
                 attention_mask=mask,
@@ -290,7 +332,8 @@ def trace_generate(
     split: bool = True,
     progress: Callable[[str, float], None] | None = None,
 ) -> GenerateTrace:
-    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU, 16/32-bit weights and cache)."""
+    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU, 16/32-bit weights, a cache in the compute
+    dtype or transformers' dynamic fp8 cache)."""
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     if setup.tp != 1:
@@ -298,10 +341,7 @@ def trace_generate(
     dtype = _DTYPES.get(setup.dtype)
     if dtype is None:
         raise TraceError(f"--method trace runs fp32, bf16 or fp16 weights, not {setup.dtype.value}")
-    if setup.kv_format.bits != setup.dtype_bits:
-        raise TraceError(
-            "--method trace keeps the cache in the weights' dtype (Hugging Face generate); drop --kv-dtype"
-        )
+    _check_kv_dtype(spec, setup)
     say("building the model on the meta device", 0.0)
     strategy = Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE)
     meta, notes = hf.build_meta(spec, strategy, dtype)
@@ -420,3 +460,28 @@ def _final_kv(
     for n, r in enumerate(ext, start=1):
         out += (keyed[n][key].get(Component.KV_CACHE, 0) - v0) * (runs[r].count - configs[0][r])
     return out
+
+
+def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True) -> list[Event]:
+    """The allocations and frees of one full-depth ``generate`` run on fake tensors, in order: the weights
+    (as the model is put on the device), then every storage the tracker saw, freed when it died. What the
+    caching-allocator simulation replays to check the closed forms' own stream
+    (:func:`trainfit.analytic.inference.generate_events`); no depth extrapolation, no split (small models)."""
+    dtype = _DTYPES.get(setup.dtype)
+    if dtype is None or setup.tp != 1:
+        raise TraceError("generate_events traces one GPU with fp32, bf16 or fp16 weights")
+    _check_kv_dtype(spec, setup)
+    meta, _ = hf.build_meta(spec, Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE), dtype)
+    meta_config: Any = meta.config
+    conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
+    full = int(conf.num_hidden_layers)
+    stack_path, _ = hf.find_stack(meta, full)
+    model = hf.reduced_model(meta, stack_path, list(range(full)), full)
+    _, sub = hf.find_stack(model, full)
+    tr, _, _ = _run_layout(model, sub, [], setup, flash, setup.context)
+    slots: list[Event | None] = [None] * (tr.t + 2)
+    for idx, rec in enumerate(tr.records):
+        slots[rec.alloc_t] = Event(Op.ALLOC, idx, rec.nbytes)
+        if rec.free_t is not None:
+            slots[rec.free_t] = Event(Op.FREE, idx)
+    return [e for e in slots if e is not None]
