@@ -3,11 +3,12 @@
 It resolves the model and GPU, refuses what no run could do (:func:`trainfit.analytic.inference.validate`),
 runs the method — the closed forms (:mod:`trainfit.analytic.inference`, torch-free) or the ``generate`` trace
 (:mod:`trainfit.trace.generate`, imported only when asked for) — and, with a GPU, adds the fit verdict and the
-capacities (always from the closed forms: a capacity search is dozens of estimates). The analytic method's
-allocator reserve comes from simulating the caching allocator over the ``generate`` call's event stream
-(:func:`trainfit.analytic.inference.simulate_generate`); the capacity search applies the same reserve as a
-fraction of each probe's peak, so the verdict and the largest batch agree. The report echoes its inputs, so
-the renderers (:mod:`trainfit.report.infer`) need nothing else.
+capacities (always from the closed forms: a capacity search is dozens of estimates). On request
+(``simulate_allocator``, ``--simulate-allocator``) the analytic method's allocator reserve comes from simulating
+the caching allocator over the ``generate`` call's event stream
+(:func:`trainfit.analytic.inference.simulate_generate`), else it is the fixed reserve fraction; the capacity
+search applies the same reserve as a fraction of each probe's peak, so the verdict and the largest batch agree.
+The report echoes its inputs, so the renderers (:mod:`trainfit.report.infer`) need nothing else.
 """
 
 from __future__ import annotations
@@ -129,16 +130,19 @@ def infer(
     headroom: float = DEFAULT_INFER_HEADROOM,
     progress: Callable[[str, float], None] | None = None,
     allocator: str | None = None,
-    simulate_allocator: bool = True,
+    simulate_allocator: bool = False,
     **setup_fields: Any,
 ) -> InferenceReport:
     """Inference memory for ``model`` under ``setup`` (or its fields as keywords: ``batch``, ``prompt``,
     ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``).
 
-    The analytic method's allocator reserve comes from replaying the ``generate`` call's allocations
-    through the caching-allocator simulation (:func:`trainfit.analytic.inference.simulate_generate`) under
-    ``allocator`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string; None: this process's environment, else PyTorch's
-    defaults); ``simulate_allocator=False``, a paged cache and the trace keep the fixed reserve fraction."""
+    With ``simulate_allocator`` the analytic method's allocator reserve comes from replaying the ``generate``
+    call's allocations through the caching-allocator simulation
+    (:func:`trainfit.analytic.inference.simulate_generate`) under ``allocator`` (a ``PYTORCH_CUDA_ALLOC_CONF``
+    string; None: this process's environment, else PyTorch's defaults). Off by default: one decode step per
+    new token makes the stream long (0.5–2 s for catalog models, against milliseconds for the closed forms),
+    and it is not yet checked against a GPU; without it, a paged cache and the trace keep the fixed reserve
+    fraction."""
     spec = load_model(model) if isinstance(model, str) else model
     st = _setup(setup, setup_fields)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu

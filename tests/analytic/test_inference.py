@@ -246,10 +246,10 @@ def test_infer_reserve_is_simulated_and_the_capacity_search_agrees_with_the_fit(
 
     spec = load_model("llama-3.1-8b")
     for batch in (1, 6, 7, 8, 9, 10, 16):
-        rep = infer(spec, batch=batch, prompt=2048, new_tokens=32, gpu="l4")
+        rep = infer(spec, batch=batch, prompt=2048, new_tokens=32, gpu="l4", simulate_allocator=True)
         assert rep.overhead.allocator_reserve_bytes != int(rep.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
         assert rep.fit is not None and rep.capacity is not None
         # the fit verdict and the batch search use the same reserve: the asked batch fits iff it is ≤ max
         assert rep.fit.fits == (batch <= rep.capacity.max_batch), batch
-    fixed = infer(spec, batch=8, prompt=2048, new_tokens=32, gpu="l4", simulate_allocator=False)
+    fixed = infer(spec, batch=8, prompt=2048, new_tokens=32, gpu="l4")  # the default: the fixed fraction
     assert fixed.overhead.allocator_reserve_bytes == int(fixed.peak_bytes * ALLOCATOR_RESERVE_FRACTION)

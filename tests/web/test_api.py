@@ -101,6 +101,7 @@ INFERS: list[dict[str, Any]] = [
     {"model": "llama-3.1-8b", "batch": 8, "gpu": "l4", "kv_dtype": "fp8"},
     {"model": "qwen2.5-7b", "gpu": "h100-sxm-80gb", "server": "paged", "gpu_memory_utilization": 0.85},
     {"model": "llama-3.1-70b", "gpus": 4, "tp": 4, "gpu": "h100-sxm-80gb", "dtype": "fp8"},
+    {"model": "gpt2", "prompt": 256, "new_tokens": 16, "gpu": "t4", "simulate_allocator": True},
 ]
 
 

@@ -33,6 +33,18 @@ def infer_cmd(
         float, typer.Option("--gpu-memory-utilization", help="Paged server: fraction of GPU memory it may take.")
     ] = 0.9,
     headroom: Annotated[float, typer.Option(help="generate: fraction of GPU memory kept free.")] = 0.10,
+    simulate_allocator: Annotated[
+        bool,
+        typer.Option(
+            "--simulate-allocator",
+            help="Allocator reserve from simulating the caching allocator over generate's allocations "
+            "(0.5–2 s; default: a 10% reserve).",
+        ),
+    ] = False,
+    alloc_conf: Annotated[
+        str | None,
+        typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF to simulate (implies --simulate-allocator)."),
+    ] = None,
     method: Annotated[str, typer.Option(help="analytic | trace (Hugging Face generate on fake tensors)")] = "analytic",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
     explain: Annotated[bool, typer.Option("--explain", "-v", help="Also show each term's formula and source.")] = False,
@@ -81,6 +93,8 @@ def infer_cmd(
         server=server,
         gpu_memory_utilization=gpu_memory_utilization,
         headroom=headroom,
+        allocator=alloc_conf,
+        simulate_allocator=simulate_allocator or alloc_conf is not None,
     )
     for w in report.warnings:
         warn(w)

@@ -288,4 +288,6 @@ def infer_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec,
         "server": o["server"],
         "gpu_memory_utilization": o["gpu_memory_utilization"],
         "headroom": o["headroom"],
+        "allocator": o["alloc_conf"],
+        "simulate_allocator": o["simulate_allocator"] or o["alloc_conf"] is not None,
     }
