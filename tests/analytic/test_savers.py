@@ -184,3 +184,31 @@ def test_savers_are_refused_where_not_modelled() -> None:
     with pytest.raises(StrategyError, match="paged"):
         Strategy(optimizer="sgd", savers=MemorySavers(paged_optimizer=True))
     assert bert.kind is ModelKind.MASKED_LM
+
+
+@pytest.mark.parametrize("slug", ["llama-3.2-1b", "qwen2.5-0.5b", "gpt2", "mistral-7b-v0.1"])
+def test_sac_lies_between_full_checkpointing_and_none(slug: str) -> None:
+    """torchtitan's per-op SAC keeps more than full checkpointing (the save list's outputs) and less than none:
+    strictly so at the end of the forward; the peak may be the optimizer step's, the same for all three."""
+    spec = load_model(slug)
+    reports = {
+        ck: estimate_analytic(spec, Strategy(checkpointing=ck, micro_batch=2, seq_len=2048))  # type: ignore[arg-type]
+        for ck in ("none", "sac", "full")
+    }
+    peaks = {ck: r.peak_bytes for ck, r in reports.items()}
+    assert peaks["full"] <= peaks["sac"] <= peaks["none"], peaks
+    fwd = {ck: r.phase(Phase.FORWARD).total_bytes for ck, r in reports.items()}
+    assert fwd["full"] < fwd["sac"] < fwd["none"], fwd
+
+
+@pytest.mark.parametrize(
+    ("slug", "kw", "says"),
+    [
+        ("mixtral-8x7b-v0.1", {}, "MoE"),
+        ("llama-3.2-1b", {"attention": "eager"}, "eager"),
+        ("llama-3.2-1b", {"precision": "fp32"}, "math"),
+    ],
+)
+def test_sac_is_refused_where_not_modelled(slug: str, kw: dict[str, str], says: str) -> None:
+    with pytest.raises(StrategyError, match=says):
+        estimate(load_model(slug), Strategy(checkpointing="sac", seq_len=256, **kw))  # type: ignore[arg-type]

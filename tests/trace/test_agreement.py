@@ -141,3 +141,35 @@ def test_partly_sliding_stack_within_5_percent_of_trace(precision: str, ckpt: st
     """Qwen2 with its last layers sliding: past the window those layers get a mask (memory-efficient
     kernel), the others none (flash in 16-bit, the math kernel in fp32 with GQA)."""
     _check("qwen2", precision, ckpt, (4, 200), use_sliding_window=True, sliding_window=160, max_window_layers=2)
+
+
+@pytest.mark.parametrize(
+    ("family", "precision"),
+    [("llama", "amp-bf16"), ("llama", "pure-bf16"), ("qwen2", "amp-bf16"), ("gpt2", "pure-bf16")],
+)
+def test_sac_keeps_exactly_the_save_list_outputs(family: str, precision: str) -> None:
+    """``--checkpointing sac``: torch's selective checkpointing with torchtitan's policy, traced, keeps per layer
+    exactly what :func:`sac_saved_terms` lists beyond full checkpointing (every second bias-free ``mm``, every
+    ``addmm``, the fused attention's output and logsumexp); and the peaks agree like every recipe's."""
+    from trainfit.analytic.activations import sac_saved_terms
+    from trainfit.result import Component, Phase
+
+    spec = tiny_spec(family)
+    sac = Strategy(precision=precision, checkpointing="sac", micro_batch=2, seq_len=128)  # type: ignore[arg-type]
+    full = Strategy(precision=precision, checkpointing="full", micro_batch=2, seq_len=128)  # type: ignore[arg-type]
+    traced_sac, traced_full = trace_spec(spec, sac), trace_spec(spec, full)
+    kept = [t.phase(Phase.FORWARD).components[Component.ACTIVATIONS] for t in (traced_sac, traced_full)]
+    assert kept[0] - kept[1] == spec.num_layers * sum(x.bytes for x in sac_saved_terms(spec, sac))
+    ag = compare(estimate_analytic(spec, sac), traced_sac)
+    assert abs(ag.peak_rel) <= 0.03 and all(abs(g.rel) <= 0.03 for g in ag.phases if g.components), ag
+
+
+@pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
+def test_sac_with_dropout_agrees_within_3_percent(precision: str) -> None:
+    """GPT-2 (dropout 0.1) under autocast or fp32: the traced SAC keeps ±16 KiB per layer beside what
+    :func:`sac_saved_terms` lists (not found yet: docs/accuracy.md); the peaks still agree."""
+    spec = tiny_spec("gpt2")
+    sac = Strategy(precision=precision, checkpointing="sac", micro_batch=2, seq_len=128)  # type: ignore[arg-type]
+    ag = compare(estimate_analytic(spec, sac), trace_spec(spec, sac))
+    # the peak, as the other agreement tests: fp32 GPT-2's forward phase is as far off under full checkpointing
+    assert abs(ag.peak_rel) <= 0.03, ag

@@ -35,9 +35,18 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
-from trainfit.analytic.adapters import AdapterSaved, AdapterSite, SiteInput, adapter_saved, adapter_sites, frozen_base
+from trainfit.analytic.adapters import (
+    AdapterSaved,
+    AdapterSite,
+    SiteInput,
+    adapter_saved,
+    adapter_sites,
+    finetuning,
+    frozen_base,
+)
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
+from trainfit.errors import StrategyError
 from trainfit.strategy import Attention, Checkpointing, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
@@ -602,6 +611,71 @@ def selective_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return sum(x.bytes for x in _layer_terms(spec, strategy, moe=moe) if x.name in _ATTENTION_CORE)
 
 
+def check_sac(spec: ModelSpec, strategy: Strategy) -> None:
+    """What ``--checkpointing sac`` is modelled for: dense decoder layers whose attention is one of SDPA's fused
+    kernels, full fine-tuning. Elsewhere the save list holds ops trainfit does not follow yet (eager and the math
+    kernel's ``bmm`` scores, MoE's ``grouped_mm`` and ``topk``, MLA's extra projections, adapters' matmuls)."""
+    if strategy.checkpointing is not Checkpointing.SAC:
+        return
+    why = ""
+    if spec.moe is not None or spec.num_moe_layers:
+        why = "MoE layers"
+    elif spec.mla is not None:
+        why = "multi-head latent attention"
+    elif finetuning(strategy):
+        why = "adapters or frozen/quantised base weights"
+    elif strategy.attention is not Attention.SDPA or sdpa_kernel(spec, strategy) == MATH:
+        why = "attention outside SDPA's fused kernels (eager, or SDPA's math fallback)"
+    if why:
+        raise StrategyError(
+            f"--checkpointing sac is modelled for dense layers with SDPA's fused attention; not for {why}: "
+            "use --checkpointing full or selective"
+        )
+
+
+def _layer_linears(spec: ModelSpec) -> list[tuple[str, int, bool]]:
+    """The layer's linear projections in forward order: (name, output width, has bias). HF runs the attention
+    (q, k, v or the fused qkv, then o) before the MLP, also where both read one normed input."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    out = (
+        [("attn.qkv", spec.q_dim + 2 * spec.kv_dim, spec.qkv_bias)]
+        if spec.fused_qkv
+        else [(f"attn.{n}", spec.q_dim if n == "q" else spec.kv_dim, spec.qkv_bias) for n in "qkv"]
+    )
+    out.append(("attn.o", h, spec.out_bias))
+    if spec.mlp is MlpKind.GATED:
+        out += [("mlp.gate", i, spec.mlp_bias), ("mlp.up", i, spec.mlp_bias), ("mlp.down", h, spec.mlp_bias)]
+    else:
+        out += [("mlp.fc1", i, spec.mlp_bias), ("mlp.fc2", h, spec.mlp_bias)]
+    return out
+
+
+def sac_saved_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
+    """What torchtitan's per-op SAC keeps of one layer beyond its input, until that layer's backward
+    (torchtitan/distributed/activation_checkpoint.py ``SelectiveAC._wrap_block``): the outputs of the ops in
+    its save list — torch's ``get_default_op_list().compute_intensive_ops`` (``mm``, ``addmm``, ``bmm``, the
+    fused SDPA kernels, …) — except every second ``mm`` of the block's forward (its count is kept per call;
+    ``addmm``, a linear with a bias, is not counted and always saved). A fused SDPA kernel's saved outputs are
+    its output and its fp32 logsumexp. Everything else is recomputed. Outputs are in the compute dtype."""
+    if strategy.checkpointing is not Checkpointing.SAC:
+        return []
+    w = Widths.of(strategy)
+    a, t = w.compute, strategy.tokens_per_micro_batch
+    b, s = strategy.micro_batch, strategy.seq_len
+    out: list[SavedTerm] = []
+    mm = 0
+    for name, width, bias in _layer_linears(spec):
+        if not bias:
+            mm += 1
+            if mm % 2 == 0:
+                continue  # PREFER_RECOMPUTE: every second mm
+        out.append(SavedTerm(name=f"sac.{name}", bytes=a * t * width, formula=f"a·t·{name} width"))
+    lse = s if sdpa_kernel(spec, strategy) == FLASH else -(-s // 32) * 32
+    out.append(SavedTerm(name="sac.sdpa.out", bytes=a * t * spec.q_dim, formula="a·t·heads·head_dim"))
+    out.append(SavedTerm(name="sac.sdpa.lse", bytes=4 * b * spec.num_heads * lse, formula="4·b·heads·s"))
+    return out
+
+
 def _layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
     if frozen_base(strategy):
         return frozen_layer_terms(spec, strategy)
@@ -897,12 +971,15 @@ def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:
     """(bytes kept by the checkpointed segments' inputs, number of segments, layers in the largest
-    segment) under ``Strategy.checkpoint_layout`` — full: one layer per segment; sqrt: segments of
-    ⌈L/⌈√L⌉⌉ layers covering every layer. Backward recomputes one segment at a time."""
+    segment) under ``Strategy.checkpoint_layout`` — full (and sac, which also keeps :func:`sac_saved_terms`
+    per layer): one layer per segment; sqrt: segments of ⌈L/⌈√L⌉⌉ layers covering every layer. Backward
+    recomputes one segment at a time."""
     layout = strategy.checkpoint_layout(spec.num_layers)
     segments = len(layout.segment_sizes)
     w = Widths.of(strategy)
     kept = segments * w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
+    # --checkpointing sac: each layer also keeps its save-list outputs until its backward
+    kept += spec.num_layers * sum(x.bytes for x in sac_saved_terms(spec, strategy))
     return kept, segments, layout.largest_segment
 
 

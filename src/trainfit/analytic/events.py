@@ -39,6 +39,7 @@ from trainfit.analytic.activations import (
     eager_forward_moment,
     layer_terms,
     model_terms,
+    sac_saved_terms,
 )
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.states import model_states, optimizer_state_tensors, param_states
@@ -148,6 +149,8 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
     chain_forward = eager_forward_moment(spec, strategy)[1]
     chain_backward = eager_backward_moment(spec, strategy)[1]
     optimizer_created = False
+    sac_sizes = [x.bytes for x in sac_saved_terms(spec, strategy)]
+    sac_kept: dict[int, list[int]] = {}
 
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
@@ -180,6 +183,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
                 s.free_all(saved)
                 s.free_all(copies)
                 copies, saved = [], []
+                sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
             layers.append((copies, saved))
             nxt = s.alloc(w.residual * t * h)
             s.free(residual)
@@ -226,6 +230,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
                 # Recompute the segment that ends here: every layer of it saves again.
                 seg = segment_of[i]
                 for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
+                    s.free_all(sac_kept.pop(j, []))  # the recomputation takes them over (no new allocation)
                     layers[j] = layer_forward(j)
                 copies, saved = layers[i]
             grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in g.tensors if x in trainable]

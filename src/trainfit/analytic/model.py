@@ -43,6 +43,7 @@ from trainfit.analytic.activations import (
     attention_mask_bytes,
     attention_variants,
     backward_temp_bytes,
+    check_sac,
     checkpoint_terms,
     eager_backward_moment,
     eager_forward_moment,
@@ -53,6 +54,7 @@ from trainfit.analytic.activations import (
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
+    sac_saved_terms,
     score_chain,
     selective_recompute_bytes,
 )
@@ -284,6 +286,7 @@ class StepInputs:
     forward_transient: int = 0  # alive at the forward's end but saved by nothing (a frozen head's input)
     host_activations: int = 0  # --activation-offload: saved tensors in pinned host memory
     host_optimizer_states: int = 0  # paged optimizer: states in CUDA unified memory, outside the allocator
+    sac_saved: int = 0  # --checkpointing sac: one layer's kept save-list outputs (in kept_inputs)
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -297,6 +300,7 @@ def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> St
 
 
 def _build_step_inputs(spec: ModelSpec, strategy: Strategy, keep_logits: bool) -> StepInputs:
+    check_sac(spec, strategy)
     q = _step_inputs(spec, strategy, keep_logits=keep_logits)
     if finetuning(strategy):
         q = _finetune_inputs(q)
@@ -395,6 +399,7 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         block_temp=temps.block_bytes,
         norm_temp=temps.norm_bytes,
         kept_inputs=kept_inputs,
+        sac_saved=sum(x.bytes for x in sac_saved_terms(spec, strategy)),
         segments=n_segments,
         segment_layers=seg_layers,
         # The [b, 1, s, s] attention masks (eager attention; SDPA past a sliding window): inputs of every
@@ -545,11 +550,14 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             activations=q.kept_inputs + model_norm + q.masks,
             temporaries=q.norm_temp,
         )
+        # Under sac the recomputation takes the layer's kept outputs from its cache (torch.utils.checkpoint
+        # ``_CachedTorchDispatchMode``) instead of allocating them, and the cache lets go of them: the layer's
+        # saved set replaces them.
         top = Moment(
             name=MomentName.BACKWARD_TOP_BLOCK,
             **base,  # type: ignore[arg-type]
             gradients=g_head,
-            activations=q.kept_inputs + recompute + a.embedding_bytes + q.masks,
+            activations=q.kept_inputs - q.sac_saved + recompute + a.embedding_bytes + q.masks,
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )

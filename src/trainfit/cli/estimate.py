@@ -133,7 +133,11 @@ def estimate_cmd(
         typer.Option(help="adamw | adamw-8bit | sgd | sgd-momentum | adafactor | lion (paged-*: bitsandbytes paged)"),
     ] = "adamw",
     checkpointing: Annotated[
-        str, typer.Option(help="Activation checkpointing: none | full | sqrt | selective (attention core only)")
+        str,
+        typer.Option(
+            help="Activation checkpointing: none | full | sqrt | selective (attention core only) | "
+            "sac (torchtitan's per-op policy)"
+        ),
     ] = "none",
     attention: Annotated[str, typer.Option(help="Attention kernel: sdpa (flash/mem-efficient) | eager")] = "sdpa",
     optimizer_impl: Annotated[

@@ -41,6 +41,11 @@ class Checkpointing(StrEnum):
     # attention.py ``_checkpointed_attention_forward``): only the attention core — scores, softmax, dropout,
     # probs·v — is recomputed; every other saved tensor is kept. No segments.
     SELECTIVE = "selective"
+    # torchtitan's per-op selective activation checkpointing (torchtitan/distributed/activation_checkpoint.py
+    # ``SelectiveAC``; ``--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op``):
+    # every block is checkpointed, but the outputs of compute-intensive ops (matmuls, fused attention) are saved
+    # — every second mm recomputed — and everything else is recomputed in backward.
+    SAC = "sac"
 
 
 class Attention(StrEnum):
@@ -71,7 +76,7 @@ def checkpoint_layout(checkpointing: Checkpointing, num_layers: int) -> Checkpoi
     """
     if checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE):
         return CheckpointLayout(segment_sizes=())
-    if checkpointing is Checkpointing.FULL:
+    if checkpointing in (Checkpointing.FULL, Checkpointing.SAC):
         return CheckpointLayout(segment_sizes=(1,) * num_layers)
     size = math.ceil(num_layers / max(1, math.ceil(math.sqrt(num_layers))))
     full_segments, rest = divmod(num_layers, size)

@@ -45,7 +45,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Strategy
+from trainfit.strategy import Checkpointing, Strategy
 from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -210,7 +210,7 @@ def run_layout(
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[tk.Tracker] = []
-    hf.install_checkpointing(model, layers, layout.blocks, box)
+    hf.install_checkpointing(model, layers, layout.blocks, box, sac=strategy.checkpointing is Checkpointing.SAC)
     first, last = layer_positions(layout)
     optimizers: list[Any] = []
 

@@ -46,7 +46,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Engine, Precision, Sharding, Strategy
+from trainfit.strategy import Checkpointing, Engine, Precision, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -295,7 +295,7 @@ def run_layout_distributed(
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[tk.Tracker] = []
-    hf.install_checkpointing(model, layers, layout.blocks, box)
+    hf.install_checkpointing(model, layers, layout.blocks, box, sac=strategy.checkpointing is Checkpointing.SAC)
     first, last = depth.layer_positions(layout)
     tr = DistTracker()
     box.append(tr)

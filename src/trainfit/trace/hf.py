@@ -232,7 +232,7 @@ class Block:
 def blocks_for(num_layers: int, checkpointing: Checkpointing) -> list[Block]:
     if checkpointing is Checkpointing.NONE:
         return [Block(False, (i,)) for i in range(num_layers)]
-    if checkpointing is Checkpointing.FULL:
+    if checkpointing in (Checkpointing.FULL, Checkpointing.SAC):
         return [Block(True, (i,)) for i in range(num_layers)]
     out, i = [], 0
     for size in sqrt_layout(num_layers):
@@ -322,12 +322,12 @@ def reduced_model(meta: torch.nn.Module, stack_path: str, keep: Sequence[int], f
 # -- checkpointing --------------------------------------------------------------------------------------
 
 
-def _enable_hf_checkpointing(model: torch.nn.Module) -> None:
+def _enable_hf_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any] | None = None) -> None:
     fn: Any = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise TrainfitError(f"{type(model).__name__} does not support gradient checkpointing in transformers")
     with quiet_transformers():
-        fn()
+        fn(kwargs) if kwargs else fn()
 
 
 def install_checkpointing(
@@ -335,11 +335,19 @@ def install_checkpointing(
     layers: Sequence[torch.nn.Module],
     blocks: Sequence[Block],
     tracker_box: list[tk.Tracker],
+    *,
+    sac: bool = False,
 ) -> None:
-    """Checkpoint the stack as ``blocks`` say (positions in ``layers`` follow block order)."""
+    """Checkpoint the stack as ``blocks`` say (positions in ``layers`` follow block order); ``sac``: each layer
+    with torchtitan's per-op selective policy (trainfit.trace.savers ``sac_context_fn``)."""
     if not any(b.checkpointed for b in blocks):
         return
-    _enable_hf_checkpointing(model)
+    if sac:
+        from trainfit.trace.savers import sac_context_fn
+
+        _enable_hf_checkpointing(model, {"use_reentrant": False, "context_fn": sac_context_fn()})
+    else:
+        _enable_hf_checkpointing(model)
     pos = 0
     for b in blocks:
         members = list(range(pos, pos + len(b.layers)))

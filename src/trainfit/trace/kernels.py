@@ -94,6 +94,12 @@ def sdpa_backend(
     )
 
 
+#: Set while an emulated fused attention kernel allocates its outputs: a selective-checkpointing policy that
+#: saves the outputs of CUDA's ``_scaled_dot_product_flash_attention`` / ``_efficient_attention`` ops saves
+#: what the emulation allocates instead (trainfit.trace.savers ``sac_context_fn``).
+FUSED_ATTENTION_OUTPUTS = [False]
+
+
 class _FusedAttention(torch.autograd.Function):
     """Allocates and saves what CUDA's flash / memory-efficient attention allocates and saves."""
 
@@ -103,9 +109,13 @@ class _FusedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         b, hq, lq, _ = q.shape
         dv = v.size(-1)
-        out = q.new_empty((b, lq, hq, dv)).transpose(1, 2)
-        lse_len = lq if backend == FLASH else _round(lq, 32)
-        lse = q.new_empty((b, hq, lse_len), dtype=torch.float32)
+        FUSED_ATTENTION_OUTPUTS[0] = True
+        try:
+            out = q.new_empty((b, lq, hq, dv)).transpose(1, 2)
+            lse_len = lq if backend == FLASH else _round(lq, 32)
+            lse = q.new_empty((b, hq, lse_len), dtype=torch.float32)
+        finally:
+            FUSED_ATTENTION_OUTPUTS[0] = False
         ctx.backend = backend
         ctx.save_for_backward(q, k, v, out, lse, bias)
         return out

@@ -5,6 +5,13 @@
   ``num_output_chunks``: ``[self.output(chunk) for chunk in h.chunk(num_output_chunks, dim=1)]``) and the loss is
   ``CEWithChunkedOutputLoss``: each chunk upcast with ``.float()`` and summed cross-entropy, divided by the number
   of tokens. Written from the behaviour those two functions document; no code is copied.
+* ``--checkpointing sac``: torchtitan's per-op selective activation checkpointing
+  (torchtitan/distributed/activation_checkpoint.py ``SelectiveAC``) as the ``context_fn`` of each layer's
+  non-reentrant checkpoint: ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with its policy —
+  save the outputs of torch's compute-intensive ops (``torch._functorch.partitioners.get_default_op_list``)
+  and of the fused attention kernels, except every second ``mm`` of a call; recompute everything else. The
+  trace's fused attention is an emulation (trainfit.trace.kernels), so the outputs it allocates stand for
+  the kernel's.
 """
 
 from __future__ import annotations
@@ -78,3 +85,39 @@ class OptimizerInBackward:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
+
+
+def sac_context_fn() -> Callable[[], Any]:
+    """The ``context_fn`` of a layer's checkpoint under ``--checkpointing sac`` (fresh contexts and a fresh mm
+    count per call, as torchtitan's ``_get_custom_policy``)."""
+    from torch._functorch.partitioners import get_default_op_list
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from trainfit.trace.kernels import FUSED_ATTENTION_OUTPUTS
+
+    aten = torch.ops.aten
+    save_ops: set[Any] = {getattr(op, "default") for op in get_default_op_list().compute_intensive_ops}  # noqa: B009
+    save_ops |= {aten.linear.default, aten.max.default, aten.topk.default}
+    mm_ops = (aten.mm.default, aten.linear.default)
+
+    def policy_factory() -> Any:
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func in mm_ops:
+                counts[mode] += 1
+            if FUSED_ATTENTION_OUTPUTS[0]:
+                return CheckpointPolicy.MUST_SAVE
+            if func in save_ops:
+                if func in mm_ops and counts[mode] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+    def context_fn() -> Any:
+        return create_selective_checkpoint_contexts(policy_factory())  # type: ignore[no-untyped-call]
+
+    return context_fn
