@@ -236,8 +236,8 @@ def _check_torch_tp(spec: ModelSpec, strategy: Strategy) -> None:
         raise StrategyError("pipeline parallelism is modelled with --engine megatron, not torch")
     if sh is not Sharding.NONE:
         raise StrategyError(
-            f"--engine torch with --tp models DTensor tensor parallelism with --sharding none; {sh.value} with "
-            "tensor parallelism: use --engine megatron (ddp, zero1)"
+            f"DTensor tensor parallelism (--engine torch --tp) is modelled with --sharding none, not {sh.value} "
+            "(2-D FSDP2×TP is not modelled yet); --engine megatron with --sharding ddp|zero1 is, by --method analytic"
         )
     if strategy.offload.any:
         raise StrategyError("offload with DTensor tensor parallelism is not modelled")
@@ -833,7 +833,8 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
       ``embedding_dense_backward_strategy``), so the replicated V·h gradient is computed and the rank's
       ``Shard(0)`` gradient is a view of it — the whole table's gradient stays resident;
     * with sequence parallelism the norms' saved tensors are split, the matmul inputs are not
-      (:func:`_sp_saved_bytes`); the norms' backward temporaries are split too.
+      (:func:`_sp_saved_bytes`); the norms' backward temporaries are split too;
+    * the logits are gathered whole (``output_layouts=Replicate()``) for the model's own loss.
     """
     from trainfit.analytic.states import model_states
 
@@ -846,6 +847,12 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
     table_grad = _alloc(spec.vocab_size * spec.hidden_size, gbits)
     st = dataclasses.replace(st, grads_bytes=st.grads_bytes - _alloc(vocab_rows * spec.hidden_size, gbits) + table_grad)
     head_copy = _alloc(vocab_rows * spec.hidden_size, strategy.recipe.compute_bits) if strategy.recipe.autocast else 0
+    # Gathering the logits (Shard(-1) → Replicate): all-gather on dim 0 into a whole-size buffer, then chunk
+    # and cat onto the vocabulary dim (torch/distributed/_functional_collectives.py ``all_gather_single``,
+    # ``_maybe_view_chunk_cat``), while the rank's own slice is still referenced: 2·t·V + t·⌈V/tp⌉ elements
+    # in the logits' dtype. The worse of that and the loss's own peak (it is, in fp32).
+    t, cbits = strategy.tokens_per_micro_batch, strategy.recipe.compute_bits
+    gather = 2 * _alloc(t * spec.vocab_size, cbits) + _alloc(t * vocab_rows, cbits)
     q = dataclasses.replace(
         q,
         states=st,
@@ -858,6 +865,7 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
         copies_all=st.autocast_copies_bytes,
         copies_head=head_copy,
         copies_fwd_ckpt=st.autocast_copies_bytes if spec.autocast_weight_cache else head_copy,
+        logits_forward=max(q.logits_forward, gather),
     )
     if p.sequence_parallel:
         layer_cut, final_cut = _sp_saved_bytes(local, strategy, tp)

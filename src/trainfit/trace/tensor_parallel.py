@@ -42,6 +42,7 @@ from trainfit.result import MemoryReport, Method, Phase, RepeatedRun, TraceDetai
 from trainfit.strategy import Engine, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
+from trainfit.trace.distributed import DistTracker, _patched_resize
 from trainfit.trace.optim import make_optimizer
 
 Progress = Callable[[str, float], None]
@@ -180,6 +181,17 @@ def fake_mesh(dp: int, tp: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
+class TPTracker(DistTracker):  # type: ignore[no-untyped-call]
+    """:class:`~trainfit.trace.distributed.DistTracker` whose ``_c10d_functional.wait_tensor`` returns its input,
+    as it does on a device (torch/csrc/distributed/c10d/Functional.cpp ``wait_tensor``): under fake tensors
+    it would otherwise make a second storage for every collective's result (DESIGN §4.3)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+
+
 def run_layout_tp(
     spec: ModelSpec,
     strategy: Strategy,
@@ -191,8 +203,6 @@ def run_layout_tp(
     adamw_impl: str,
 ) -> rn.TraceRun:
     """Build the reduced model of ``layout``, parallelise it on ``mesh["tp"]`` and run it under the tracker."""
-    from trainfit.trace.distributed import DistTracker, _patched_resize
-
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
     rn.materialize(model, mode, None)
@@ -201,7 +211,7 @@ def run_layout_tp(
     box: list[Any] = []
     hf.install_checkpointing(model, layers, layout.blocks, box)
     first, last = depth.layer_positions(layout)
-    tr = DistTracker()
+    tr = TPTracker()
     box.append(tr)
     with mode, tr:
         parallelize(model, layers, mesh["tp"], sequence_parallel=strategy.parallelism.sequence_parallel)

@@ -1,0 +1,119 @@
+"""Analytic vs trace for one rank of DTensor tensor parallelism (``--engine torch --tp N``, ± sequence
+parallelism), on tiny Llama configs. The trace runs the real ``parallelize_module`` plan
+(trainfit.trace.tensor_parallel) on PyTorch's fake process group; the analytic model
+(trainfit.analytic.parallel ``_torch_tp``) is closed-form. Each phase must agree within 3%.
+``python benchmarks/agreement_distributed.py`` prints the same at catalog sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit.errors import StrategyError
+from trainfit.result import Component, Phase
+from trainfit.strategy import EngineOptions, Parallelism, Strategy
+
+from .conftest import tiny_spec
+
+pytest.importorskip("torch")
+from trainfit.analytic.parallel import estimate_parallel
+from trainfit.trace.distributed import trace_distributed
+
+TOLERANCE = 0.03
+#: Wide enough that grad-norm clipping's per-tensor 512-byte norms (not modelled) stay small, with heads and
+#: k/v heads that 4 divides.
+WIDER = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+
+# (tp, dp, sequence parallel, precision)
+CELLS = [
+    (2, 1, False, "amp-bf16"),
+    (2, 1, True, "amp-bf16"),
+    (4, 1, False, "amp-bf16"),
+    (4, 1, True, "amp-bf16"),
+    (2, 4, True, "amp-bf16"),  # W = 8: DP 4 without sharding, each rank as in TP alone
+    (2, 1, True, "pure-bf16"),  # no autocast: q/k/v share one all-gathered norm output
+    (4, 1, False, "fp32"),
+]
+
+
+def _strategy(tp: int, dp: int, sp: bool, precision: str, **kw: object) -> Strategy:
+    return Strategy(
+        precision=precision,
+        parallelism=Parallelism(data=dp, tensor=tp, sequence_parallel=sp),
+        engine=EngineOptions(engine="torch"),
+        micro_batch=2,
+        seq_len=128,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("tp", "dp", "sp", "precision"),
+    [pytest.param(*c, id=f"tp{c[0]}-dp{c[1]}-{'sp' if c[2] else 'nosp'}-{c[3]}") for c in CELLS],
+)
+def test_rank_agrees_with_trace(tp: int, dp: int, sp: bool, precision: str) -> None:
+    spec = tiny_spec("llama", **WIDER)
+    s = _strategy(tp, dp, sp, precision)
+    traced = trace_distributed(spec, s)
+    closed = estimate_parallel(spec, s)
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (
+            a.phase,
+            a.total_bytes,
+            t.total_bytes,
+        )
+    step_a, step_t = closed.phase(Phase.OPTIMIZER_STEP), traced.phase(Phase.OPTIMIZER_STEP)
+    for c in (Component.WEIGHTS, Component.OPTIMIZER_STATES, Component.GRADIENTS):
+        assert abs(step_a.get(c) - step_t.get(c)) <= 0.01 * step_t.get(c) + 4096, c
+
+
+def test_sequence_parallel_splits_the_norms_not_the_matmul_inputs() -> None:
+    """SP removes from each layer what the traced norms saved, (1 − 1/tp) of it, and nothing else: the trace's
+    activation saving from SP equals the analytic model's, which counts the norms alone."""
+    spec = tiny_spec("llama", **WIDER)
+    t = {sp: trace_distributed(spec, _strategy(2, 1, sp, "amp-bf16")) for sp in (False, True)}
+    a = {sp: estimate_parallel(spec, _strategy(2, 1, sp, "amp-bf16")) for sp in (False, True)}
+    saved_t = t[False].phase(Phase.FORWARD).get(Component.ACTIVATIONS) - t[True].phase(Phase.FORWARD).get(
+        Component.ACTIVATIONS
+    )
+    saved_a = a[False].phase(Phase.FORWARD).get(Component.ACTIVATIONS) - a[True].phase(Phase.FORWARD).get(
+        Component.ACTIVATIONS
+    )
+    assert saved_t > 0
+    assert abs(saved_a - saved_t) <= 0.03 * saved_t, (saved_a, saved_t)
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_matches_full_depth() -> None:
+    """Traced at 1 and 2 layers and extrapolated to 5 = traced at 5 layers."""
+    spec = tiny_spec("llama", num_hidden_layers=5, **WIDER)
+    s = _strategy(2, 1, True, "amp-bf16")
+    ext = trace_distributed(spec, s)
+    full = trace_distributed(spec, s, extrapolate=False)
+    for a, t in zip(ext.phases, full.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= 0.01 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"engine": EngineOptions(engine="megatron")}, "Megatron"),
+        ({"sharding": "fsdp"}, "not modelled yet"),
+    ],
+)
+def test_refusals(kwargs: dict[str, object], needle: str) -> None:
+    spec = tiny_spec("llama", **WIDER)
+    base = {"parallelism": Parallelism(data=2, tensor=2), "engine": EngineOptions(engine="torch")} | kwargs
+    with pytest.raises(StrategyError, match=needle):
+        trace_distributed(spec, Strategy(**base))  # type: ignore[arg-type]
+
+
+def test_pipeline_is_refused() -> None:
+    spec = tiny_spec("llama", **WIDER)
+    with pytest.raises(StrategyError, match="pipeline"):
+        trace_distributed(spec, Strategy(parallelism=Parallelism(tensor=2, pipeline=2)))
