@@ -3,7 +3,7 @@ sharded states and CPU offload, for the frameworks people use. Torch-free.
 
 The single-GPU model (:mod:`trainfit.analytic.model`) stays the one source of the activation, logits and
 backward-temporary arithmetic; this module changes *which* tensors a rank holds and adds what the
-frameworks add. Four engines, each with its own rules (:class:`~trainfit.strategy.Engine`):
+frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`) and setup:
 
 * **torch DDP** (``--sharding ddp``): every rank holds the single-GPU states plus the reducer's gradient
   buckets — one flat tensor per bucket in the gradient dtype, filled in reverse parameter order, the first
@@ -45,6 +45,14 @@ frameworks add. Four engines, each with its own rules (:class:`~trainfit.strateg
   min(pp − s, m), interleaved (pp − s − 1)·2 + (v − 1)·pp + 1 chunk-micro-batches of L/(pp·v) layers
   (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_with_interleaving``,
   ``num_warmup_microbatches``), GPipe m.
+
+* **torch DTensor TP** (``--engine torch --tp``, ± ``--sequence-parallel``; torchtitan's Llama plan through
+  ``parallelize_module``, torch/distributed/tensor/parallel/style.py): the single-GPU recipe and step of a
+  rank's model — heads, k/v heads and MLP width split, hidden size and (gathered) vocabulary whole — with the
+  states of its shards (vocabulary rows ⌈V/tp⌉), the token table's gradient computed whole (DTensor's
+  embedding backward has no vocabulary-sharded strategy), under SP the norms' saved tensors split but each
+  matmul's all-gathered input saved whole, and the logits' all-gather (:func:`_torch_tp`). Checked against
+  the trace of the real plan (:mod:`trainfit.trace.tensor_parallel`).
 
 Offload (``--offload optimizer`` for ZeRO-Offload, ``optimizer+params`` for ZeRO-Infinity and FSDP2's
 ``CPUOffloadPolicy``) moves the fp32 master weights, optimizer states and fp32 gradient partition (and
@@ -892,6 +900,11 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
         f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)}; DTensor's embedding "
         "backward has no vocabulary-sharded strategy)",
     ]
+    if p.dp > 1:
+        notes.append(
+            f"the {p.dp} data-parallel replicas add no buffers here (--sharding none: gradients all-reduced in "
+            "place); DDP over DTensors and 2-D FSDP2×TP (torchtitan's DP with TP) are not modelled yet"
+        )
     if p.sequence_parallel:
         notes.append(
             "sequence parallelism splits the norms' saved tensors; each matmul saves its all-gathered input "
