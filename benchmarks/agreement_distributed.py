@@ -31,14 +31,16 @@ CASES = (
     ("llama-3.1-70b", "fsdp", 64, True, "full"),
 )
 QUICK = CASES[:1]
-# (model, tensor-parallel degree, sequence parallel): --engine torch, W = tp, micro-batch 1 × 2048
+# (model, tensor-parallel degree, sequence parallel, checkpointing): --engine torch, W = tp, micro-batch 1 × 2048
 TP_CASES = (
-    ("llama-3.1-8b", 2, False),
-    ("llama-3.1-8b", 2, True),
-    ("llama-3.1-8b", 4, False),
-    ("llama-3.1-8b", 4, True),
-    ("llama-3.1-8b", 8, False),
-    ("llama-3.1-8b", 8, True),
+    ("llama-3.1-8b", 2, False, "none"),
+    ("llama-3.1-8b", 2, True, "none"),
+    ("llama-3.1-8b", 4, False, "none"),
+    ("llama-3.1-8b", 4, True, "none"),
+    ("llama-3.1-8b", 8, False, "none"),
+    ("llama-3.1-8b", 8, True, "none"),
+    ("llama-3.1-8b", 8, True, "full"),
+    ("qwen2.5-7b", 4, True, "none"),
 )
 
 
@@ -60,9 +62,10 @@ def strategy(sharding: str, w: int, flag: bool, ckpt: str) -> Strategy:
     )
 
 
-def tp_strategy(tp: int, sp: bool) -> Strategy:
+def tp_strategy(tp: int, sp: bool, ckpt: str) -> Strategy:
     return Strategy(
         parallelism=Parallelism(tensor=tp, sequence_parallel=sp),
+        checkpointing=ckpt,
         engine=EngineOptions(engine="torch"),
         micro_batch=1,
         seq_len=2048,
@@ -95,8 +98,8 @@ def main(argv: list[str]) -> None:
     for slug, sharding, w, flag, ckpt in cases:
         setup = f"FSDP2, reshard_after_forward={flag}" if sharding == "fsdp" else f"DDP, gradient_as_bucket_view={flag}"
         row(slug, setup, w, ckpt, strategy(sharding, w, flag, ckpt))
-    for slug, tp, sp in tp_cases:
-        row(slug, f"DTensor TP {tp}{' + SP' if sp else ''}", tp, "none", tp_strategy(tp, sp))
+    for slug, tp, sp, ckpt in tp_cases:
+        row(slug, f"DTensor TP {tp}{' + SP' if sp else ''}", tp, ckpt, tp_strategy(tp, sp, ckpt))
 
 
 if __name__ == "__main__":

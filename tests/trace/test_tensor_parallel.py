@@ -29,36 +29,38 @@ WIDER = {
     "num_key_value_heads": 4,
 }
 
-# (tp, dp, sequence parallel, precision)
+# (family, tp, dp, sequence parallel, precision, checkpointing)
 CELLS = [
-    (2, 1, False, "amp-bf16"),
-    (2, 1, True, "amp-bf16"),
-    (4, 1, False, "amp-bf16"),
-    (4, 1, True, "amp-bf16"),
-    (2, 4, True, "amp-bf16"),  # W = 8: DP 4 without sharding, each rank as in TP alone
-    (2, 1, True, "pure-bf16"),  # no autocast: q/k/v share one all-gathered norm output
-    (4, 1, False, "fp32"),
+    ("llama", 2, 1, False, "amp-bf16", "none"),
+    ("llama", 2, 1, True, "amp-bf16", "none"),
+    ("llama", 4, 1, False, "amp-bf16", "none"),
+    ("llama", 4, 1, True, "amp-bf16", "none"),
+    ("llama", 2, 4, True, "amp-bf16", "none"),  # W = 8: DP 4 without sharding, each rank as in TP alone
+    ("llama", 2, 1, True, "pure-bf16", "none"),  # no autocast: q/k/v share one all-gathered norm output
+    ("llama", 4, 1, False, "fp32", "none"),  # fp32 logits: the all-gather is the forward's worst moment
+    ("llama", 2, 1, True, "amp-bf16", "full"),  # the kept segment inputs are sequence-sharded
+    ("qwen2", 2, 1, True, "amp-bf16", "none"),  # q/k/v biases sharded with their weights
 ]
 
 
-def _strategy(tp: int, dp: int, sp: bool, precision: str, **kw: object) -> Strategy:
+def _strategy(tp: int, dp: int, sp: bool, precision: str, ckpt: str = "none") -> Strategy:
     return Strategy(
         precision=precision,
+        checkpointing=ckpt,
         parallelism=Parallelism(data=dp, tensor=tp, sequence_parallel=sp),
         engine=EngineOptions(engine="torch"),
         micro_batch=2,
         seq_len=128,
-        **kw,  # type: ignore[arg-type]
     )
 
 
 @pytest.mark.parametrize(
-    ("tp", "dp", "sp", "precision"),
-    [pytest.param(*c, id=f"tp{c[0]}-dp{c[1]}-{'sp' if c[2] else 'nosp'}-{c[3]}") for c in CELLS],
+    ("family", "tp", "dp", "sp", "precision", "ckpt"),
+    [pytest.param(*c, id=f"{c[0]}-tp{c[1]}-dp{c[2]}-{'sp' if c[3] else 'nosp'}-{c[4]}-ckpt-{c[5]}") for c in CELLS],
 )
-def test_rank_agrees_with_trace(tp: int, dp: int, sp: bool, precision: str) -> None:
-    spec = tiny_spec("llama", **WIDER)
-    s = _strategy(tp, dp, sp, precision)
+def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precision: str, ckpt: str) -> None:
+    spec = tiny_spec(family, **WIDER, tie_word_embeddings=False)
+    s = _strategy(tp, dp, sp, precision, ckpt)
     traced = trace_distributed(spec, s)
     closed = estimate_parallel(spec, s)
     for a, t in zip(closed.phases, traced.phases, strict=True):

@@ -887,7 +887,8 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
             per_kind_bytes={k: v - layer_cut for k, v in a.per_kind_bytes.items()},
             model_bytes=a.model_bytes - final_cut,
         )
-        q = dataclasses.replace(q, stack=stack, norm_temp=q.norm_temp // tp)
+        # A checkpointed segment keeps its input: the residual stream, a Shard(1) DTensor under SP.
+        q = dataclasses.replace(q, stack=stack, norm_temp=q.norm_temp // tp, kept_inputs=q.kept_inputs // tp)
     phases = tuple(
         PhaseBreakdown(phase=ph, components=_full(_single(worst_m)))
         for ph, worst_m in ((ph, max(ms, key=lambda m: m.total_bytes)) for ph, ms in _moments(q).items())
