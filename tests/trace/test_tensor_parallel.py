@@ -1,10 +1,13 @@
 """Analytic vs trace for one rank of DTensor tensor parallelism (``--engine torch --tp N``, ± sequence
 parallelism), on tiny Llama configs. The trace runs the real ``parallelize_module`` plan
 (trainfit.trace.tensor_parallel) on PyTorch's fake process group; the analytic model
-(trainfit.analytic.parallel ``_torch_tp``) is closed-form. Each phase must agree within 3%.
+(trainfit.analytic.parallel ``_torch_tp``) is closed-form. Each phase must agree within 3%. The trace itself
+is checked against the same steps on real CPU tensors (``torch.profiler``), as for one GPU.
 ``python benchmarks/agreement_distributed.py`` prints the same at catalog sizes."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -74,6 +77,66 @@ def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precisi
         assert abs(step_a.get(c) - step_t.get(c)) <= 0.01 * step_t.get(c) + 4096, c
 
 
+def _run_tp(spec, s: Strategy, mode, mesh, **kw):  # type: ignore[no-untyped-def]
+    """All layers of ``spec`` parallelised with the plan and run for two steps (fake tensors or real ones)."""
+    from trainfit.trace import hf
+    from trainfit.trace import runner as rn
+    from trainfit.trace.optim import make_optimizer
+    from trainfit.trace.tensor_parallel import TPTracker, parallelize
+
+    meta, _ = hf.build_meta(spec, s, rn.weight_dtype(s.recipe))
+    n = meta.config.num_hidden_layers
+    path, _stack = hf.find_stack(meta, n)
+    model = hf.reduced_model(meta, path, list(range(n)), n)
+    rn.materialize(model, mode, None)
+    layers = list(model.get_submodule(path))
+    tr = TPTracker()
+    with contextlib.ExitStack() as ctx:
+        if mode is not None:  # the fake trace builds the DTensors under the tracker, as trace_tensor_parallel does
+            ctx.enter_context(mode)
+            ctx.enter_context(tr)
+        parallelize(model, layers, mesh["tp"], sequence_parallel=s.parallelism.sequence_parallel)
+    fns = rn.StepFns(
+        make_batch=hf.batch_fn(spec, s.micro_batch, s.seq_len),
+        forward=lambda m, b: m(**b),
+        loss_of=lambda o, _b: o.loss,
+        make_optimizer=lambda p: make_optimizer(s.optimizer, p, adamw_impl="foreach"),
+    )
+    opts = rn.RunOptions(recipe=s.recipe, head_module=hf.head_of(model))
+    with hf.runtime_patches():
+        return rn.run_steps(model, fns, opts, rn.Execution(mode=mode, emulate_cuda=False, tracker=lambda: tr, **kw))
+
+
+@pytest.mark.parametrize(("sp", "precision"), [(True, "fp32"), (False, "amp-bf16"), (True, "pure-bf16")])
+def test_fake_trace_matches_real_cpu_run(sp: bool, precision: str) -> None:
+    """Ground truth for the tracker's DTensor handling (local shards, ``wait_tensor`` returning its input, the
+    whole token-table gradient): the same TP steps on real CPU tensors over the fake process group, measured by
+    ``torch.profiler(profile_memory=True)``, agree with the fake-tensor trace to a constant few KiB."""
+    from trainfit.trace import readout
+    from trainfit.trace import runner as rn
+    from trainfit.trace.tensor_parallel import fake_mesh
+
+    from .test_real_cpu import TOL_BYTES, profiled_window_peaks
+
+    spec = tiny_spec("llama", **WIDER | {"num_hidden_layers": 2})
+    s = Strategy(
+        precision=precision,
+        parallelism=Parallelism(tensor=2, sequence_parallel=sp),
+        engine=EngineOptions(engine="torch"),
+        micro_batch=2,
+        seq_len=64,
+    )
+    with fake_mesh(1, 2) as mesh:
+        fake = readout.phase_peaks(_run_tp(spec, s, rn.fake_mode(), mesh))
+        real = profiled_window_peaks(
+            lambda: _run_tp(spec, s, None, mesh, track=False, annotate=True),
+            {ph.value: f"trainfit:1:{ph.value}" for ph in Phase},
+        )
+    for ph, pk in fake.items():
+        assert abs(pk.total_bytes - real[ph.value]) <= TOL_BYTES, (ph, pk.total_bytes, real[ph.value])
+
+
+@pytest.mark.slow
 def test_sequence_parallel_splits_the_norms_not_the_matmul_inputs() -> None:
     """SP removes from each layer what the traced norms saved, (1 − 1/tp) of it, and nothing else: the trace's
     activation saving from SP equals the analytic model's, which counts the norms alone."""
