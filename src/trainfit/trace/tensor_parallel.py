@@ -244,7 +244,10 @@ def trace_tensor_parallel(
 ) -> MemoryReport:
     """Rank 0 of ``strategy``'s DTensor TP (± SP) run, traced on the fake process group and extrapolated in
     depth (the per-layer saved tensors and states are exactly linear in the number of layers)."""
+    from trainfit.trace._deps import require_transformers
+
     check_traceable_tp(spec, strategy)
+    require_transformers()
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
