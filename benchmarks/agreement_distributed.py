@@ -1,11 +1,12 @@
 """Analytic vs trace for one rank of a many-GPU run at catalog sizes: the table in docs/accuracy.md
 ("Many GPUs: analytic vs trace").
 
-Each row traces rank 0 of the real FSDP2 ``fully_shard`` or torch DDP on PyTorch's fake process group
-(trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and compares every phase with the
-closed-form model (trainfit.analytic.parallel). The trace time is the wall time of the whole trace; it
-does not grow with the world size.
-Usage: python benchmarks/agreement_distributed.py [--quick]
+Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor tensor parallelism
+(``parallelize_module`` with torchtitan's Llama plan, ± sequence parallelism; trainfit.trace.tensor_parallel)
+on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
+compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
+time of the whole trace; it does not grow with the world size.
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only]
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ CASES = (
     ("llama-3.1-70b", "fsdp", 64, True, "full"),
 )
 QUICK = CASES[:1]
+# (model, tensor-parallel degree, sequence parallel, checkpointing): --engine torch, W = tp, micro-batch 1 × 2048
+TP_CASES = (
+    ("llama-3.1-8b", 2, False, "none"),
+    ("llama-3.1-8b", 2, True, "none"),
+    ("llama-3.1-8b", 4, False, "none"),
+    ("llama-3.1-8b", 4, True, "none"),
+    ("llama-3.1-8b", 8, False, "none"),
+    ("llama-3.1-8b", 8, True, "none"),
+    ("llama-3.1-8b", 8, True, "full"),
+    ("qwen2.5-7b", 4, True, "none"),
+)
 
 
 def gib(n: int) -> str:
@@ -50,30 +62,44 @@ def strategy(sharding: str, w: int, flag: bool, ckpt: str) -> Strategy:
     )
 
 
+def tp_strategy(tp: int, sp: bool, ckpt: str) -> Strategy:
+    return Strategy(
+        parallelism=Parallelism(tensor=tp, sequence_parallel=sp),
+        checkpointing=ckpt,
+        engine=EngineOptions(engine="torch"),
+        micro_batch=1,
+        seq_len=2048,
+    )
+
+
+def row(slug: str, setup: str, w: int, ckpt: str, s: Strategy) -> None:
+    spec = load_model(slug)
+    t0 = time.perf_counter()
+    tr = trace_distributed(spec, s)
+    secs = time.perf_counter() - t0
+    an = estimate_parallel(spec, s)
+    worst = max(abs(a.total_bytes - t.total_bytes) / t.total_bytes for a, t in zip(an.phases, tr.phases, strict=True))
+    d = (an.peak_bytes - tr.peak_bytes) / tr.peak_bytes
+    print(
+        f"| {slug} | {setup} | {w} | {ckpt} | {gib(an.peak_bytes)} ({an.peak_phase.value}) | "
+        f"{gib(tr.peak_bytes)} ({tr.peak_phase.value}) | {d:+.2%} | {worst:.2%} | {secs:.1f} |",
+        flush=True,
+    )
+
+
 def main(argv: list[str]) -> None:
-    cases = QUICK if "--quick" in argv else CASES
+    cases = () if "--tp-only" in argv else QUICK if "--quick" in argv else CASES
+    tp_cases = TP_CASES[:1] if "--quick" in argv else TP_CASES
     print(
         "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
         "| trace s |"
     )
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for slug, sharding, w, flag, ckpt in cases:
-        spec = load_model(slug)
-        s = strategy(sharding, w, flag, ckpt)
-        t0 = time.perf_counter()
-        tr = trace_distributed(spec, s)
-        secs = time.perf_counter() - t0
-        an = estimate_parallel(spec, s)
         setup = f"FSDP2, reshard_after_forward={flag}" if sharding == "fsdp" else f"DDP, gradient_as_bucket_view={flag}"
-        worst = max(
-            abs(a.total_bytes - t.total_bytes) / t.total_bytes for a, t in zip(an.phases, tr.phases, strict=True)
-        )
-        d = (an.peak_bytes - tr.peak_bytes) / tr.peak_bytes
-        print(
-            f"| {slug} | {setup} | {w} | {ckpt} | {gib(an.peak_bytes)} ({an.peak_phase.value}) | "
-            f"{gib(tr.peak_bytes)} ({tr.peak_phase.value}) | {d:+.2%} | {worst:.2%} | {secs:.1f} |",
-            flush=True,
-        )
+        row(slug, setup, w, ckpt, strategy(sharding, w, flag, ckpt))
+    for slug, tp, sp, ckpt in tp_cases:
+        row(slug, f"DTensor TP {tp}{' + SP' if sp else ''}", tp, ckpt, tp_strategy(tp, sp, ckpt))
 
 
 if __name__ == "__main__":

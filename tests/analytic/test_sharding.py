@@ -262,3 +262,35 @@ def test_megatron_counts_a_tied_table_once_on_one_stage(slug: str) -> None:
 
     r = estimate(slug, Strategy(engine=EngineOptions(engine="megatron")))  # type: ignore[arg-type]
     assert r.bytes_per_param.weights == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("slug", "kwargs", "needle"),
+    [
+        ("qwen2.5-1.5b", {}, "tied embeddings"),
+        ("pythia-6.9b", {}, "Llama-style"),
+        ("llama-3.1-8b", {"sharding": "fsdp"}, "not modelled yet"),
+        ("llama-3.1-8b", {"offload": Offload.parse("optimizer+params")}, "offload"),
+    ],
+)
+def test_dtensor_tp_refusals(slug: str, kwargs: dict[str, object], needle: str) -> None:
+    """``--engine torch --tp`` models DTensor TP of untied Llama-style decoders with --sharding none only."""
+    s = {"parallelism": Parallelism(data=2, tensor=2), "engine": EngineOptions(engine="torch")} | kwargs
+    with pytest.raises(StrategyError, match=needle):
+        estimate_parallel(load_model(slug), Strategy(**s))  # type: ignore[arg-type]
+
+
+def test_dtensor_tp_states_are_the_shards_plus_the_whole_table_gradient() -> None:
+    """Closed form of a DTensor TP rank's amp-bf16 states for Llama-3.1-8B at tp 2, from the config alone:
+    fp32 weights and gradients and two fp32 AdamW states of the rank's shards (heads, k/v heads, MLP width
+    and vocabulary rows halved; norms whole), and the token table's gradient whole (V·h·4)."""
+    spec = load_model("llama-3.1-8b")
+    h, v, i, hd, L = spec.hidden_size, spec.vocab_size, spec.intermediate_size, spec.head_dim, spec.num_layers
+    q, kv = spec.num_heads * hd // 2, spec.num_kv_heads * hd // 2
+    layer = h * q + 2 * h * kv + q * h + 3 * h * (i // 2) + 2 * h
+    local = L * layer + 2 * (v // 2) * h + h
+    r = estimate_parallel(spec, Strategy(parallelism=Parallelism(tensor=2), engine=EngineOptions(engine="torch")))
+    step = r.phase(Phase.OPTIMIZER_STEP)
+    assert step.get(Component.WEIGHTS) == pytest.approx(4 * local, rel=1e-4)
+    assert step.get(Component.OPTIMIZER_STATES) == pytest.approx(8 * local, rel=1e-4)
+    assert step.get(Component.GRADIENTS) == pytest.approx(4 * (local + v * h - (v // 2) * h), rel=1e-4)

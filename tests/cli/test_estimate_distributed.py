@@ -98,3 +98,27 @@ def test_docs_examples(capsys: pytest.CaptureFixture[str]) -> None:
         res = run_cli(capsys, *cmd.split()[2:])
         assert res.code == 0, (cmd, res.err)
         assert want in " ".join(res.out.split()), (cmd, want)
+
+
+def test_trace_of_tensor_parallelism_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The issue's command on a tiny Llama: ``--tp`` with ``--method trace`` runs DTensor TP (``--engine auto``
+    is traced as torch and says so) and agrees with ``--engine torch --method analytic``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    cfg = {
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 512,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    common = [str(path), "--gpus", "8", "--tp", "2", "--batch", "1", "--seq", "128", "--json"]
+    res = run_cli(capsys, "estimate", *common, "--method", "trace")
+    assert res.code == 0, res.err
+    traced = json.loads(res.out)
+    assert traced["method"] == "trace"
+    assert any("--engine torch" in n for n in traced["notes"])
+    res = run_cli(capsys, "estimate", *common, "--engine", "torch")
+    assert res.code == 0, res.err
+    closed = json.loads(res.out)
+    assert abs(closed["peak_bytes"] - traced["peak_bytes"]) <= 0.03 * traced["peak_bytes"]

@@ -3,7 +3,7 @@ sharded states and CPU offload, for the frameworks people use. Torch-free.
 
 The single-GPU model (:mod:`trainfit.analytic.model`) stays the one source of the activation, logits and
 backward-temporary arithmetic; this module changes *which* tensors a rank holds and adds what the
-frameworks add. Four engines, each with its own rules (:class:`~trainfit.strategy.Engine`):
+frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`) and setup:
 
 * **torch DDP** (``--sharding ddp``): every rank holds the single-GPU states plus the reducer's gradient
   buckets — one flat tensor per bucket in the gradient dtype, filled in reverse parameter order, the first
@@ -46,6 +46,14 @@ frameworks add. Four engines, each with its own rules (:class:`~trainfit.strateg
   (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_with_interleaving``,
   ``num_warmup_microbatches``), GPipe m.
 
+* **torch DTensor TP** (``--engine torch --tp``, ± ``--sequence-parallel``; torchtitan's Llama plan through
+  ``parallelize_module``, torch/distributed/tensor/parallel/style.py): the single-GPU recipe and step of a
+  rank's model — heads, k/v heads and MLP width split, hidden size and (gathered) vocabulary whole — with the
+  states of its shards (vocabulary rows ⌈V/tp⌉), the token table's gradient computed whole (DTensor's
+  embedding backward has no vocabulary-sharded strategy), under SP the norms' saved tensors split but each
+  matmul's all-gathered input saved whole, and the logits' all-gather (:func:`_torch_tp`). Checked against
+  the trace of the real plan (:mod:`trainfit.trace.tensor_parallel`).
+
 Offload (``--offload optimizer`` for ZeRO-Offload, ``optimizer+params`` for ZeRO-Infinity and FSDP2's
 ``CPUOffloadPolicy``) moves the fp32 master weights, optimizer states and fp32 gradient partition (and
 with ``+params`` the parameter partition) to pinned host memory; host bytes are reported per node
@@ -74,7 +82,7 @@ from trainfit.analytic.model import (
 )
 from trainfit.analytic.states import optimizer_state_bytes
 from trainfit.arch.params import inventory
-from trainfit.arch.spec import ModelSpec, ParamTensor
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.errors import StrategyError
 from trainfit.overhead import overhead_for
@@ -157,7 +165,9 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
         raise StrategyError("NVMe offload is not modelled; --offload moves states to CPU memory")
     if off.parameters_on_host and not off.optimizer_on_host:
         raise StrategyError("offloading parameters needs the optimizer offloaded too (--offload optimizer+params)")
-    if (tp > 1 or pp > 1) and engine is not Engine.MEGATRON:
+    if engine is Engine.TORCH and tp > 1:
+        _check_torch_tp(spec, strategy)
+    elif (tp > 1 or pp > 1) and engine is not Engine.MEGATRON:
         if engine is Engine.DEEPSPEED and tp == 1 and sh in (Sharding.ZERO2, Sharding.ZERO3):
             raise StrategyError(f"DeepSpeed's pipeline engine refuses ZeRO-2/3 (--sharding {sh.value} with --pp {pp})")
         raise StrategyError(f"tensor/pipeline parallelism is modelled with --engine megatron, not {engine.value}")
@@ -196,7 +206,7 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"--engine deepspeed models --sharding zero1|zero2|zero3, not {sh.value}")
         if off.parameters_on_host and sh is not Sharding.ZERO3:
             raise StrategyError("parameter offload (ZeRO-Infinity) needs --sharding zero3")
-    if engine is Engine.TORCH:
+    if engine is Engine.TORCH and tp == 1:
         if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
             raise StrategyError(f"--sharding {sh.value} is DeepSpeed ZeRO: use --engine deepspeed (or auto)")
         if off.any and sh not in (Sharding.FSDP, Sharding.HSDP):
@@ -224,8 +234,44 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     )
 
 
+def _check_torch_tp(spec: ModelSpec, strategy: Strategy) -> None:
+    """What the DTensor tensor-parallel model covers (``--engine torch --tp N``): one pipeline stage, data
+    parallel without sharding, a dense untied Llama-family decoder whose heads, k/v heads and MLP width ``tp``
+    divides."""
+    par, sh = strategy.parallelism, strategy.sharding
+    tp = par.tensor
+    if par.pipeline > 1:
+        raise StrategyError("pipeline parallelism is modelled with --engine megatron, not torch")
+    if sh is not Sharding.NONE:
+        raise StrategyError(
+            f"DTensor tensor parallelism (--engine torch --tp) is modelled with --sharding none, not {sh.value} "
+            "(2-D FSDP2×TP is not modelled yet); --engine megatron with --sharding ddp|zero1 is, by --method analytic"
+        )
+    if strategy.offload.any:
+        raise StrategyError("offload with DTensor tensor parallelism is not modelled")
+    if spec.moe is not None or spec.mla is not None or spec.kind is not ModelKind.CAUSAL_LM:
+        raise StrategyError("DTensor tensor parallelism is modelled for dense causal LMs (the Llama plan)")
+    if spec.tie_word_embeddings:
+        raise StrategyError("DTensor tensor parallelism with tied embeddings is not modelled (one table, two plans)")
+    if spec.fused_qkv or spec.parallel_attn or spec.norms_per_layer != 2 or spec.mlp is not MlpKind.GATED:
+        raise StrategyError("DTensor tensor parallelism is modelled for Llama-style blocks (separate q/k/v, SwiGLU)")
+    if spec.num_heads % tp or spec.num_kv_heads % tp or spec.intermediate_size % tp:
+        raise StrategyError(
+            f"--tp {tp} must divide the attention heads ({spec.num_heads}), k/v heads ({spec.num_kv_heads}) "
+            f"and the MLP width ({spec.intermediate_size})"
+        )
+
+
 def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
     eo, sh = strategy.engine, strategy.sharding
+    if engine is Engine.TORCH and strategy.parallelism.tensor > 1:
+        sp = strategy.parallelism.sequence_parallel
+        return (
+            "DTensor tensor parallelism (torchtitan's Llama plan): ColwiseParallel q/k/v/gate/up, RowwiseParallel "
+            "o/down, vocabulary-sharded embedding, lm_head ColwiseParallel with gathered logits"
+            + (", SequenceParallel norms" if sp else "")
+            + f"; the single-GPU {strategy.precision.value} recipe (TP changes no dtype)",
+        )
     if engine is Engine.TORCH and sh in (Sharding.FSDP, Sharding.HSDP):
         mp = (
             f"MixedPrecisionPolicy(param_dtype={strategy.recipe.compute_dtype}, reduce_dtype=fp32) over fp32 shards"
@@ -749,6 +795,125 @@ def _megatron(
     return worst.phases, tuple(stages) if p.pp > 1 else (), notes
 
 
+# -- torch DTensor TP / SP -------------------------------------------------------------------------------
+
+
+def dtensor_tp_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """What one DTensor tensor-parallel rank computes with: ``heads/tp`` query and k/v heads, ``i/tp`` MLP width
+    (``ColwiseParallel`` shards q/k/v/gate/up on dim 0, ``RowwiseParallel`` o/down on dim 1), the full hidden
+    size (norms and the residual stream are replicated) and the full vocabulary (the logits are gathered)."""
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // tp,
+        num_kv_heads=spec.num_kv_heads // tp,
+        intermediate_size=spec.intermediate_size // tp,
+    )
+
+
+#: Saved-tensor names (trainfit.analytic.activations) over the residual stream: split by sequence
+#: parallelism. The matmul inputs (``attn_in``, ``mlp_in``, ``lm_head_in``) are the all-gathered tensors.
+_SP_SPLIT_PREFIXES = ("norm1.", "norm2.", "final_norm.")
+
+
+def _sp_saved_bytes(spec: ModelSpec, strategy: Strategy, tp: int) -> tuple[int, int]:
+    """(per layer, final norm) bytes that sequence parallelism removes from one rank's saved tensors: the
+    norms' saved tensors split over ``tp`` (``SequenceParallel``), while each matmul still saves its whole
+    all-gathered input (``PrepareModuleInput`` redistributes ``Shard(1)`` → ``Replicate()`` before q/k/v and
+    gate/up; unlike Megatron, which saves the sharded input and all-gathers it again in backward —
+    Korthikanti et al. 2022 §4.2.2)."""
+    from trainfit.analytic.activations import layer_terms, model_terms
+
+    def cut(names: list[tuple[str, int]]) -> int:
+        return sum(b - b // tp for n, b in names if n.startswith(_SP_SPLIT_PREFIXES))
+
+    layer = cut([(x.name, x.bytes) for x in layer_terms(spec, strategy)])
+    final = cut([(x.name, x.bytes) for x in model_terms(spec, strategy)])
+    return layer, final
+
+
+def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+    """One rank of DTensor TP (± SP): the single-GPU step of :func:`dtensor_tp_spec`'s model, with the
+    states of the rank's shards (the vocabulary split as ``torch.chunk``: rank 0 holds ⌈V/tp⌉ rows —
+    torch/distributed/tensor/_api.py ``distribute_tensor``), and two DTensor facts:
+
+    * the token table's gradient is computed whole: ``embedding_dense_backward`` has no strategy with the
+      weight gradient sharded on the vocabulary (torch/distributed/tensor/_ops/_embedding_ops.py
+      ``embedding_dense_backward_strategy``), so the replicated V·h gradient is computed and the rank's
+      ``Shard(0)`` gradient is a view of it — the whole table's gradient stays resident;
+    * with sequence parallelism the norms' saved tensors are split, the matmul inputs are not
+      (:func:`_sp_saved_bytes`); the norms' backward temporaries are split too;
+    * the logits are gathered whole (``output_layouts=Replicate()``) for the model's own loss.
+    """
+    from trainfit.analytic.states import model_states
+
+    tp = p.tp
+    local = dtensor_tp_spec(spec, tp)
+    q = step_inputs(local, strategy, keep_logits=False)
+    vocab_rows = -(-spec.vocab_size // tp)
+    st = model_states(dataclasses.replace(local, vocab_size=vocab_rows), strategy)
+    gbits = strategy.recipe.grad_bits
+    table_grad = _alloc(spec.vocab_size * spec.hidden_size, gbits)
+    st = dataclasses.replace(st, grads_bytes=st.grads_bytes - _alloc(vocab_rows * spec.hidden_size, gbits) + table_grad)
+    head_copy = _alloc(vocab_rows * spec.hidden_size, strategy.recipe.compute_bits) if strategy.recipe.autocast else 0
+    # Gathering the logits (Shard(-1) → Replicate): all-gather on dim 0 into a whole-size buffer, then chunk
+    # and cat onto the vocabulary dim (torch/distributed/_functional_collectives.py ``all_gather_single``,
+    # ``_maybe_view_chunk_cat``), while the rank's own slice is still referenced: 2·t·V + t·⌈V/tp⌉ elements
+    # in the logits' dtype. The worse of that and the loss's own peak (it is, in fp32).
+    t, cbits = strategy.tokens_per_micro_batch, strategy.recipe.compute_bits
+    gather = 2 * _alloc(t * spec.vocab_size, cbits) + _alloc(t * vocab_rows, cbits)
+    q = dataclasses.replace(
+        q,
+        states=st,
+        resident=dataclasses.replace(
+            q.resident, weights=st.weights_bytes, master_weights=st.master_bytes, optimizer_states=st.optimizer_bytes
+        ),
+        grads_resident=st.grads_bytes if strategy.grad_accum > 1 else 0,
+        grad_head=vocab_rows * spec.hidden_size * gbits // 8,
+        grad_late=spec.vocab_size * spec.hidden_size * gbits // 8,
+        copies_all=st.autocast_copies_bytes,
+        copies_head=head_copy,
+        copies_fwd_ckpt=st.autocast_copies_bytes if spec.autocast_weight_cache else head_copy,
+        logits_forward=max(q.logits_forward, gather),
+    )
+    if p.sequence_parallel:
+        layer_cut, final_cut = _sp_saved_bytes(local, strategy, tp)
+        a = q.stack
+        n = spec.num_layers
+        stack = dataclasses.replace(
+            a,
+            variants=tuple(dataclasses.replace(v, saved_bytes=v.saved_bytes - layer_cut) for v in a.variants),
+            all_layers_bytes=a.all_layers_bytes - n * layer_cut,
+            max_layer_bytes=a.max_layer_bytes - layer_cut,
+            per_kind_bytes={k: v - layer_cut for k, v in a.per_kind_bytes.items()},
+            model_bytes=a.model_bytes - final_cut,
+        )
+        # A checkpointed segment keeps its input: the residual stream, a Shard(1) DTensor under SP.
+        q = dataclasses.replace(q, stack=stack, norm_temp=q.norm_temp // tp, kept_inputs=q.kept_inputs // tp)
+    phases = tuple(
+        PhaseBreakdown(phase=ph, components=_full(_single(worst_m)))
+        for ph, worst_m in ((ph, max(ms, key=lambda m: m.total_bytes)) for ph, ms in _moments(q).items())
+    )
+    notes = [
+        f"DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}, DP {p.dp} (no sharding): each rank holds "
+        f"{spec.num_heads // tp} of {spec.num_heads} heads, {spec.intermediate_size // tp} of "
+        f"{spec.intermediate_size} MLP columns and {vocab_rows:,} of {spec.vocab_size:,} vocabulary rows; norms "
+        "replicated; the logits gathered whole for the loss",
+        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)}; DTensor's embedding "
+        "backward has no vocabulary-sharded strategy)",
+    ]
+    if p.dp > 1:
+        notes.append(
+            f"the {p.dp} data-parallel replicas add no buffers here (--sharding none: gradients all-reduced in "
+            "place); DDP over DTensors and 2-D FSDP2×TP (torchtitan's DP with TP) are not modelled yet"
+        )
+    if p.sequence_parallel:
+        notes.append(
+            "sequence parallelism splits the norms' saved tensors; each matmul saves its all-gathered input "
+            "(unlike Megatron, which re-gathers it in backward)"
+        )
+    return phases, notes
+
+
 # -- the entry point -------------------------------------------------------------------------------------
 
 
@@ -775,6 +940,9 @@ def estimate_parallel(
             if ranks
             else "every rank holds the same"
         )
+    elif p.engine is Engine.TORCH and p.tp > 1:
+        phases, notes = _torch_tp(spec, strategy, p)
+        why = "every rank of the tensor-parallel group holds the same (rank 0 has the largest vocabulary shard)"
     elif p.engine is Engine.DEEPSPEED:
         phases, notes = _deepspeed(spec, strategy, p)
         why = "every rank holds the same partition size (rank 0's, the largest with padding)"

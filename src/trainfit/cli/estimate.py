@@ -148,7 +148,9 @@ def estimate_cmd(
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
     modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,
     gpus: Annotated[int, typer.Option("--gpus", help="World size: GPUs in the job (data × tensor × pipeline).")] = 1,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (Megatron).")] = 1,
+    tp: Annotated[
+        int, typer.Option("--tp", help="Tensor-parallel degree (Megatron; DTensor with --engine torch).")
+    ] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree (Megatron).")] = 1,
     pp_schedule: Annotated[str, typer.Option("--pp-schedule", help="1f1b | interleaved | gpipe")] = "1f1b",
     virtual_stages: Annotated[
@@ -156,7 +158,7 @@ def estimate_cmd(
     ] = 1,
     microbatches: Annotated[int, typer.Option("--microbatches", help="Micro-batches per step in the pipeline.")] = 1,
     sequence_parallel: Annotated[
-        bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism (needs --tp > 1).")
+        bool, typer.Option("--sequence-parallel", help="Sequence parallelism (needs --tp > 1).")
     ] = False,
     sharding: Annotated[str, typer.Option(help="none | ddp | zero1 | zero2 | zero3 | fsdp | hsdp")] = "none",
     reshard_after_forward: Annotated[

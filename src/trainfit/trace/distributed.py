@@ -180,8 +180,8 @@ def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
 def check_traceable(strategy: Strategy) -> None:
     """The setups this trace runs: DDP and FSDP2 (torch engine), data parallel only, nothing offloaded."""
     par, sh = strategy.parallelism, strategy.sharding
-    if par.tensor > 1 or par.pipeline > 1:
-        raise StrategyError("--method trace runs DDP and FSDP2; tensor/pipeline parallelism: use --method analytic")
+    if par.pipeline > 1:
+        raise StrategyError("--method trace does not run pipeline parallelism; use --method analytic")
     if sh not in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP, Sharding.NONE) or strategy.engine.engine not in (
         Engine.AUTO,
         Engine.TORCH,
@@ -362,6 +362,12 @@ def trace_distributed(
     """Rank 0 of ``strategy``'s DDP or FSDP2 run, traced on the fake process group and extrapolated in depth.
     The allocator replay of the single-GPU trace is not run for many GPUs yet."""
     del modules
+    if strategy.parallelism.tensor > 1:  # DTensor TP (± SP): trainfit.trace.tensor_parallel
+        from trainfit.trace.tensor_parallel import trace_tensor_parallel
+
+        return trace_tensor_parallel(
+            spec, strategy, progress=progress, steps=steps, adamw_impl=adamw_impl, extrapolate=extrapolate
+        )
     check_traceable(strategy)
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     from trainfit.trace._deps import require_torch, require_transformers
