@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
-from trainfit.imports import import_config  # noqa: E402
+from trainfit.imports import import_config
 
 DATA = Path(__file__).parent / "data"
 ZERO2 = str(DATA / "ds_config_zero2.json")

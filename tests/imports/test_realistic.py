@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
-from trainfit.imports import (  # noqa: E402
+from trainfit.imports import (
     import_config,
     strategy_from_accelerate,
     strategy_from_deepspeed,
@@ -131,7 +131,7 @@ def test_deepspeeds_own_validation_errors_are_one_line() -> None:
     with pytest.raises(ConfigError, match="DeepSpeed refuses it") as exc:
         strategy_from_deepspeed(cfg)
     assert "\n" not in str(exc.value)
-    with pytest.raises(StrategyError, match="optimizer.type 'OneBitAdam'"):
+    with pytest.raises(StrategyError, match=r"optimizer\.type 'OneBitAdam'"):
         strategy_from_deepspeed({**cfg, "zero_optimization": {"stage": 1}, "optimizer": {"type": "OneBitAdam"}})
 
 
