@@ -236,3 +236,20 @@ def test_unknown_files_are_refused_in_one_line(tmp_path: Path) -> None:
     bad.write_text("distributed_type: [unclosed\n")
     with pytest.raises(ConfigError, match="accelerate cannot load it"):
         import_config(bad)
+
+
+def test_importing_trainfit_imports_stays_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trainfit.imports, trainfit.integrations; "
+        "print([m for m in ('torch', 'transformers', 'deepspeed', 'accelerate') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_an_unknown_precision_answer_is_one_line() -> None:
+    with pytest.raises(StrategyError, match="unknown precision 'bf17'"):
+        strategy_from_deepspeed(DATA / "ds_config_zero3.json", gpus=1, micro_batch=1, grad_accum=1, precision="bf17")

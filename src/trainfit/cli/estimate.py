@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import ConfigError, StrategyError
 from trainfit.strategy import Strategy
+
+if TYPE_CHECKING:
+    from trainfit.imports import ImportedRun
 
 
 def parse_count(text: str | None, flag: str) -> int | None:
@@ -350,7 +353,7 @@ def explicit_flags() -> frozenset[str]:
 
 def strategy_from_file(
     spec: ModelSpec, path: str, flags: dict[str, Any], explicit: frozenset[str]
-) -> tuple[ModelSpec, Strategy, Any]:
+) -> tuple[ModelSpec, Strategy, ImportedRun]:
     """``--from PATH``: the file's settings (:func:`trainfit.imports.import_config`) with the explicitly given
     flags laid over them, built by :func:`strategy_from_flags` like any other run; the ZeRO bucket settings
     that have no flag are taken from the file. Returns the model, the Strategy and the ``ImportedRun``."""
@@ -380,7 +383,7 @@ def strategy_from_file(
     return spec, strategy, imported
 
 
-def render_imported(imported: Any, flags: dict[str, Any], explicit: frozenset[str], strategy: Strategy) -> None:
+def render_imported(imported: ImportedRun, flags: dict[str, Any], explicit: frozenset[str], strategy: Strategy) -> None:
     """What ``--from`` used and ignored, one line each, before the report."""
     from rich.markup import escape
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainfit.errors import ConfigError, DependencyError
+from trainfit.errors import ConfigError, DependencyError, StrategyError
 from trainfit.imports.result import ConfigKind, Draft, ImportedRun, refuse
 from trainfit.strategy import Precision
 
@@ -155,7 +155,12 @@ def _resolve_autos(
             if precision is None:
                 raise refuse(src, f'{block}.enabled is "auto" (the HF Trainer fills it): give --precision '
                              "master-bf16, master-fp16 or fp32")  # fmt: skip
-            sub["enabled"] = Precision(precision).value.endswith(block)
+            try:
+                answer = Precision(precision)
+            except ValueError:
+                choices = ", ".join(p.value for p in Precision)
+                raise StrategyError(f"unknown precision '{precision}'; choose one of: {choices}") from None
+            sub["enabled"] = answer.value.endswith(block)
             autos[f"{block}.enabled"] = "--precision"
     zero = cfg.get("zero_optimization")
     if isinstance(zero, dict):
