@@ -253,3 +253,13 @@ def test_importing_trainfit_imports_stays_torch_free() -> None:
 def test_an_unknown_precision_answer_is_one_line() -> None:
     with pytest.raises(StrategyError, match="unknown precision 'bf17'"):
         strategy_from_deepspeed(DATA / "ds_config_zero3.json", gpus=1, micro_batch=1, grad_accum=1, precision="bf17")
+
+
+def test_training_args_legacy_fsdp_string_is_resolved_by_transformers() -> None:
+    """``fsdp="shard_grad_op offload"`` (deprecated): TrainingArguments turns it into reshard_after_forward=False and
+    cpu_offload (``_apply_legacy_fsdp_to_config``); the importer reads what transformers resolved."""
+    run = strategy_from_training_args({"output_dir": "x", "fsdp": "shard_grad_op offload"}, gpus=8)
+    s = run.strategy
+    assert (s.sharding.value, s.engine.reshard_after_forward, s.offload.flag) == ("fsdp", False, "optimizer+params")
+    with pytest.raises(ConfigError, match="TrainingArguments refuses it"):
+        strategy_from_training_args({"output_dir": "x", "fsdp": "hybrid_shard"}, gpus=8)
