@@ -263,3 +263,22 @@ def test_training_args_legacy_fsdp_string_is_resolved_by_transformers() -> None:
     assert (s.sharding.value, s.engine.reshard_after_forward, s.offload.flag) == ("fsdp", False, "optimizer+params")
     with pytest.raises(ConfigError, match="TrainingArguments refuses it"):
         strategy_from_training_args({"output_dir": "x", "fsdp": "hybrid_shard"}, gpus=8)
+
+
+@pytest.mark.parametrize(
+    ("dist", "mp", "procs", "expected"),
+    [
+        ("MULTI_GPU", "fp16", 4, ("ddp", "amp-fp16", 4)),
+        ("'NO'", "'no'", 1, ("none", "fp32", 1)),  # as accelerate config writes them
+        ("NO", "no", 1, ("none", "fp32", 1)),  # unquoted: YAML 1.1 booleans
+    ],
+)
+def test_accelerate_plain_configs(
+    dist: str, mp: str, procs: int, expected: tuple[str, str, int], tmp_path: Path
+) -> None:
+    text = (DATA / "accelerate_fsdp2.yaml").read_text().split("fsdp_config:")[0]  # the keys before fsdp_config
+    text = text.replace("distributed_type: FSDP", f"distributed_type: {dist}")
+    path = tmp_path / "acc.yaml"
+    path.write_text(text + f"mixed_precision: {mp}\nnum_machines: 1\nnum_processes: {procs}\n")
+    s = strategy_from_accelerate(path).strategy
+    assert (s.sharding.value, s.precision.value, s.world_size) == expected

@@ -112,3 +112,16 @@ def test_a_peft_lora_model_is_estimated_with_its_adapter(tmp_path: Path) -> None
     assert cb.report.trainable_params == direct.trainable_params
     assert cb.report.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert cb.report.peak_bytes == direct.peak_bytes
+
+
+def test_bf16_weights_with_bf16_arguments_are_pure_bf16() -> None:
+    """A model loaded in bf16 under ``bf16=True``: autocast casts nothing and AdamW keeps bf16 states."""
+    from trainfit.integrations.hf import estimate_trainer_run
+
+    cfg = LlamaConfig(**{k: v for k, v in TINY["llama"].items() if k != "model_type"})
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    args = TrainingArguments(output_dir="x", use_cpu=True, bf16=True, per_device_train_batch_size=2, report_to="none")
+    report = estimate_trainer_run(args, model, gpu="l4", seq_len=32)
+    assert report.strategy is not None and report.strategy.precision.value == "pure-bf16"
+    direct = estimate(tiny_spec("llama"), Strategy(precision="pure-bf16", micro_batch=2, seq_len=32), gpu="l4")
+    assert report.peak_bytes == direct.peak_bytes

@@ -97,7 +97,8 @@ def strategy_from_accelerate(
     if not isinstance(cfg, ClusterConfig):
         raise refuse(name, "a SageMaker config: trainfit reads LOCAL_MACHINE configs")
     d = Draft(source=name, kind=ConfigKind.ACCELERATE)
-    dist = str(getattr(cfg.distributed_type, "value", cfg.distributed_type))
+    # YAML 1.1 reads an unquoted NO as false (accelerate's writer quotes it: 'NO')
+    dist = "NO" if cfg.distributed_type is False else str(getattr(cfg.distributed_type, "value", cfg.distributed_type))
     mp = str(getattr(cfg.mixed_precision, "value", cfg.mixed_precision) or "no").lower()
     procs, machines = int(cfg.num_processes), max(1, int(cfg.num_machines))
     if procs < 1:
