@@ -371,7 +371,7 @@ def test_the_api_speaks_every_cli_flag() -> None:
         sub = command.commands[name]  # type: ignore[attr-defined]
         flags = {opt for p in sub.params for opt in p.opts if opt.startswith("--")}
         assert {o.flag for o in options.values()} <= flags
-        skipped = {"--json", "--explain", "--modules", "--max-batch", "--help"}
+        skipped = {"--json", "--explain", "--modules", "--max-batch", "--help", "--from"}  # --from: no local files
         assert flags - {o.flag for o in options.values()} <= skipped
 
 

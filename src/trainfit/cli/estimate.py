@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import ConfigError, StrategyError
 from trainfit.strategy import Strategy
+
+if TYPE_CHECKING:
+    from trainfit.imports import ImportedRun
 
 
 def parse_count(text: str | None, flag: str) -> int | None:
@@ -243,6 +246,14 @@ def estimate_cmd(
     num_labels: Annotated[
         int | None, typer.Option("--num-labels", help="Classes of a seq-cls/token-cls head (default: config, else 2).")
     ] = None,
+    from_path: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="Estimate the run a config file describes: a DeepSpeed ds_config.json, an accelerate config "
+            "(.yaml) or TrainingArguments JSON (docs/imports.md). Flags given explicitly override the file.",
+        ),
+    ] = None,
     params: Annotated[str | None, typer.Option("--params", help="What-if: total parameters, e.g. 1.3e9.")] = None,
     hidden_size: Annotated[int | None, typer.Option("--hidden-size", help="What-if: hidden size.")] = None,
     num_layers: Annotated[int | None, typer.Option("--num-layers", help="What-if: number of layers.")] = None,
@@ -265,6 +276,8 @@ def estimate_cmd(
       trainfit estimate llama-3.1-70b --gpus 64 --tp 8 --pp 4 --sequence-parallel --microbatches 16
 
       trainfit estimate mistral-7b-v0.1 --finetune qlora --lora-rank 64 --lora-targets q_proj,v_proj --gpu rtx-4090
+
+      trainfit estimate llama-3.1-8b --from ds_config.json --gpus 8 --batch 4 --grad-accum 2 --gpu h100-sxm-80gb
     """
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
@@ -295,7 +308,11 @@ def estimate_cmd(
     else:
         spec = load_model(model)
     flags = dict(locals())  # before any comprehension: its own scope would have its own locals()
-    spec, strategy = strategy_from_flags(spec, **{name: flags[name] for name in STRATEGY_FLAGS})
+    imported = None
+    if from_path is not None:
+        spec, strategy, imported = strategy_from_file(spec, from_path, flags, explicit_flags())
+    else:
+        spec, strategy = strategy_from_flags(spec, **{name: flags[name] for name in STRATEGY_FLAGS})
     try:
         m = Method(method)
     except ValueError:
@@ -322,9 +339,92 @@ def estimate_cmd(
     for w in report.warnings:
         warn(w)
     if json_out:
-        print_json(report_json(report))
+        out = report_json(report)
+        if imported is not None:
+            out["imported"] = imported.as_dict()
+        print_json(out)
         return
+    if imported is not None:
+        render_imported(imported, {name: flags[name] for name in STRATEGY_FLAGS}, explicit_flags(), strategy)
     render(stdout_console(), report, verbose=explain)
+
+
+def explicit_flags() -> frozenset[str]:
+    """The parameters of the running command given on the command line (or by environment), not defaulted."""
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:  # pragma: no cover - older typer re-exports click's
+        from click import get_current_context  # type: ignore[no-redef]
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return frozenset()
+    return frozenset(
+        name
+        for name in ctx.params
+        if (src := ctx.get_parameter_source(name)) is not None and src.name in ("COMMANDLINE", "ENVIRONMENT")
+    )
+
+
+def strategy_from_file(
+    spec: ModelSpec, path: str, flags: dict[str, Any], explicit: frozenset[str]
+) -> tuple[ModelSpec, Strategy, ImportedRun]:
+    """``--from PATH``: the file's settings (:func:`trainfit.imports.import_config`) with the explicitly given
+    flags laid over them, built by :func:`strategy_from_flags` like any other run; the ZeRO bucket settings
+    that have no flag are taken from the file. Returns the model, the Strategy and the ``ImportedRun``."""
+    from dataclasses import replace
+
+    from trainfit.imports import import_config
+
+    def given(name: str) -> Any:
+        return flags[name] if name in explicit else None
+
+    imported = import_config(
+        path,
+        gpus=given("gpus"),
+        micro_batch=given("batch"),
+        grad_accum=given("grad_accum"),
+        precision=given("precision"),
+        seq_len=given("seq"),
+        hidden_size=spec.hidden_size,
+    )
+    merged = {name: flags[name] for name in STRATEGY_FLAGS}
+    for name, value in imported.flags:
+        if name not in explicit:
+            merged[name] = value
+    spec, strategy = strategy_from_flags(spec, **merged)
+    if imported.engine_extras:
+        strategy = replace(strategy, engine=replace(strategy.engine, **dict(imported.engine_extras)))
+    return spec, strategy, imported
+
+
+def render_imported(imported: ImportedRun, flags: dict[str, Any], explicit: frozenset[str], strategy: Strategy) -> None:
+    """What ``--from`` used and ignored, one line each, before the report."""
+    from rich.markup import escape
+
+    from trainfit.cli.common import stdout_console
+
+    console = stdout_console()
+
+    def say(text: str) -> None:
+        console.print(text, highlight=False, soft_wrap=True)
+
+    say(f"[bold]from {escape(imported.source)}[/bold] ({imported.kind.value}):")
+    for s in imported.used:
+        say(f"  used    {escape(s.key)}={escape(s.value)} → {escape(s.meaning)}")
+    for s in imported.ignored:
+        say(f"  ignored {escape(s.key)}={escape(s.value)}: {escape(s.meaning)}")
+    from_file = dict(imported.flags)
+    over = sorted(n for n in explicit & set(from_file) if n in STRATEGY_FLAGS and flags[n] != from_file[n])
+    if over:
+        say("  overridden by flags: " + ", ".join(f"--{n.replace('_', '-')} {flags[n]}" for n in over))
+    unset = [
+        f"--{n.replace('_', '-')} {v}"
+        for n, v in (("batch", strategy.micro_batch), ("seq", strategy.seq_len), ("grad_accum", strategy.grad_accum))
+        if n not in from_file and n not in explicit
+    ]
+    if unset:
+        say("  not in the file (defaults): " + ", ".join(unset))
+    say("")
 
 
 @contextmanager

@@ -60,8 +60,8 @@ def _options_of(fn: Callable[..., Any], json_flag: str = "json_out") -> dict[str
     hints = typing.get_type_hints(fn, include_extras=True)
     out: dict[str, Option] = {}
     for name, param in inspect.signature(fn).parameters.items():
-        if name in ("model", json_flag, "explain", "modules", "max_batch"):
-            continue  # the model is handled apart; output switches have no meaning for JSON
+        if name in ("model", json_flag, "explain", "modules", "max_batch", "from_path"):
+            continue  # the model is handled apart; output switches have no meaning for JSON; no local files
         hint = hints[name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
         args = [a for a in typing.get_args(base) if a is not type(None)]

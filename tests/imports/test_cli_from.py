@@ -1,0 +1,123 @@
+"""``trainfit estimate --from``: what the text and JSON say about the file, explicit flags over the file's values,
+the CLI's Strategy equal to the library's, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli._cli_helper import run_cli
+from trainfit import load_model
+from trainfit.cli.estimate import STRATEGY_FLAGS, estimate_cmd, strategy_from_file
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+from trainfit.imports import import_config
+
+DATA = Path(__file__).parent / "data"
+ZERO2 = str(DATA / "ds_config_zero2.json")
+ANSWERS = ("--gpus", "8", "--batch", "4", "--grad-accum", "2", "--precision", "master-bf16")
+
+
+def _defaults() -> dict[str, Any]:
+    return {n: p.default for n, p in inspect.signature(estimate_cmd).parameters.items() if n in STRATEGY_FLAGS}
+
+
+@pytest.mark.parametrize(
+    ("name", "hints"),
+    [
+        ("accelerate_fsdp2.yaml", {}),
+        ("accelerate_deepspeed.yaml", {"batch": 2}),
+        ("training_args.json", {"seq": 1024}),
+        ("training_args_deepspeed.json", {"gpus": 8}),
+        ("ds_config_zero3.json", {"gpus": 8, "batch": 4, "grad_accum": 2, "precision": "master-bf16"}),
+    ],
+)
+def test_cli_builds_the_strategy_the_library_imports(name: str, hints: dict[str, Any]) -> None:
+    """The CLI lays the file's values over its flags and builds through strategy_from_flags; the library builds
+    the Strategy directly (Draft.finish). Both must be the same run."""
+    spec = load_model("llama-3.1-8b")
+    flags = {**_defaults(), **hints}
+    _, cli_strategy, run = strategy_from_file(spec, str(DATA / name), flags, frozenset(hints))
+    library = import_config(
+        DATA / name,
+        gpus=hints.get("gpus"),
+        micro_batch=hints.get("batch"),
+        grad_accum=hints.get("grad_accum"),
+        precision=hints.get("precision"),
+        seq_len=hints.get("seq", 2048),
+        hidden_size=spec.hidden_size,
+    )
+    assert cli_strategy == library.strategy
+    assert run.used == library.used
+
+
+def test_text_output_says_what_was_used_and_ignored(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", ZERO2, *ANSWERS)
+    assert r.code == 0, r.err
+    assert "from ds_config_zero2.json (deepspeed):" in r.out
+    assert "used    zero_optimization.stage=2 → --sharding zero2" in r.out
+    assert 'used    train_micro_batch_size_per_gpu="auto" → --batch 4 (from --batch)' in r.out
+    assert "ignored zero_optimization.reduce_scatter=true" in r.out
+    assert "not in the file (defaults): --seq 2048" in r.out
+    assert "sharding zero2" in r.out  # the report itself follows
+
+
+def test_json_has_the_imported_settings_and_the_file_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", ZERO2, *ANSWERS, "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    imp = out["imported"]
+    assert imp["kind"] == "deepspeed" and imp["source"] == "ds_config_zero2.json"
+    assert {"key": "zero_optimization.stage", "value": "2", "meaning": "--sharding zero2"} in imp["used"]
+    assert any(i["key"] == "scheduler" for i in imp["ignored"])
+    plain = run_cli(capsys, "estimate", "llama-3.1-8b", "--gpus", "8", "--batch", "4", "--grad-accum", "2",
+                    "--precision", "master-bf16", "--sharding", "zero2", "--offload", "optimizer",
+                    "--reduce-bucket-size", "2e8", "--json")  # fmt: skip
+    expected = json.loads(plain.out)
+    # the file also sets allgather_bucket_size 2e8 and overlap_comm true (no flags): only those may differ
+    assert out["strategy"]["sharding"] == expected["strategy"]["sharding"] == "zero2"
+    assert out["strategy"]["micro_batch"] == 4 and out["strategy"]["precision"] == "master-bf16"
+    assert "imported" not in expected
+
+
+def test_explicit_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(DATA / "accelerate_fsdp2.yaml"),
+                "--checkpointing", "none", "--no-reshard-after-forward", "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    s = json.loads(r.out)["strategy"]
+    assert s["checkpointing"] == "none" and s["sharding"] == "fsdp"
+    text = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(DATA / "accelerate_fsdp2.yaml"),
+                   "--checkpointing", "none")  # fmt: skip
+    assert "overridden by flags: --checkpointing none" in text.out
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "match"),
+    [
+        (None, ".json", "no such file"),
+        ("{not json", ".json", "not valid JSON"),
+        ("distributed_type: [x\n", ".yaml", "accelerate cannot load it"),
+        ('{"zero_optimization": {"stage": 9}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, '
+         '"gradient_accumulation_steps": 8}', ".json", "DeepSpeed refuses it"),
+        ('{"output_dir": "x", "optim": "rmsprop"}', ".json", "optim 'rmsprop'"),
+        ('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}', ".json", "give --batch"),
+    ],
+)  # fmt: skip
+def test_errors_are_one_line_exit_2(
+    content: str | None, suffix: str, match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / f"cfg{suffix}"
+    if content is not None:
+        path.write_text(content)
+    r = run_cli(capsys, "estimate", "gpt2", "--from", str(path))
+    assert r.code == 2
+    lines = [x for x in r.err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and match in lines[0], r.err
+    assert "Traceback" not in r.err
