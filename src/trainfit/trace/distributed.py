@@ -142,7 +142,7 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager
-def _patched_resize(tr: DistTracker) -> Iterator[None]:
+def patched_resize(tr: DistTracker) -> Iterator[None]:
     orig = torch.UntypedStorage.resize_
 
     def resize_(st: torch.UntypedStorage, size: int) -> Any:
@@ -300,7 +300,7 @@ def run_layout_distributed(
     tr = DistTracker()
     box.append(tr)
     head = hf.head_of(model)
-    with mode, tr, _patched_resize(tr):
+    with mode, tr, patched_resize(tr):
         if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
             _wrap_fsdp(model, layers, mesh, strategy)
             run_model: torch.nn.Module = model
@@ -323,7 +323,7 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with hf.runtime_patches(), _patched_resize(tr):
+    with hf.runtime_patches(), patched_resize(tr):
         return rn.run_steps(run_model, fns, options, execution)
 
 

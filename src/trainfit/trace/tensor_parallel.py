@@ -42,7 +42,7 @@ from trainfit.result import MemoryReport, Method, Phase, RepeatedRun, TraceDetai
 from trainfit.strategy import Engine, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
-from trainfit.trace.distributed import DistTracker, _patched_resize
+from trainfit.trace.distributed import DistTracker, patched_resize
 from trainfit.trace.optim import make_optimizer
 
 Progress = Callable[[str, float], None]
@@ -229,7 +229,7 @@ def run_layout_tp(
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
         flash_sdp=strategy.flash_sdp,
     )
-    with hf.runtime_patches(), _patched_resize(tr):
+    with hf.runtime_patches(), patched_resize(tr):
         return rn.run_steps(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr))
 
 
