@@ -46,7 +46,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Engine, Precision, Sharding, Strategy
+from trainfit.strategy import Engine, Precision, Quantization, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -189,11 +189,13 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
-    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
-        raise StrategyError(
-            "adapters, frozen or quantised base weights with many GPUs are not modelled yet; "
-            "fine-tuning runs on one GPU (drop --gpus/--sharding)"
-        )
+    base = strategy.base_weights
+    if base.frozen:
+        raise StrategyError("--method trace does not run --freeze with many GPUs yet; use --method analytic")
+    if base.quantization is not Quantization.NONE and sh in (Sharding.FSDP, Sharding.HSDP):
+        raise StrategyError("--method trace does not run QLoRA under FSDP2 yet; use --method analytic")
+    if base.quantization is Quantization.INT8:
+        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
 
 def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy) -> None:
@@ -288,10 +290,20 @@ def run_layout_distributed(
     progress: Progress | None = None,
 ) -> rn.TraceRun:
     """Build the reduced model of ``layout``, wrap it with the framework and run it under the tracker."""
-    _built, rec = _run_strategy(strategy)
+    built, rec = _run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
-    rn.materialize(model, mode, None)
+    quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.adapter is not None or not strategy.base_weights.is_default:
+        from trainfit.trace.peft import apply_finetuning, quantised_weights
+
+        # Real PEFT adapters on the meta model (trace/peft.py), in the dtype the run builds them in: PEFT's
+        # fp32 adapters over an fp32 base for FSDP2's policy, which casts every parameter for compute.
+        model = apply_finetuning(model, built)
+        rn.materialize(model, mode, None)
+        quantised = quantised_weights(model, mode, built)
+    else:
+        rn.materialize(model, mode, None)
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[tk.Tracker] = []
@@ -323,7 +335,7 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with hf.runtime_patches(), _patched_resize(tr):
+    with hf.runtime_patches(), _patched_resize(tr), quantised:
         return rn.run_steps(run_model, fns, options, execution)
 
 
@@ -409,6 +421,11 @@ def trace_distributed(
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
     traced = [len(layout.layers) for _, layout, _ in results]
+    trainable = results[0][2].trainable_params
+    for k, r in enumerate(plan.ext):  # each extrapolated run's per-unit increment times its missing units
+        trainable += (results[k + 1][2].trainable_params - results[0][2].trainable_params) * (
+            plan.runs[r].count - results[0][0][r]
+        )
     peak = max(p.total_bytes for p in phases.values())
     what = (
         f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
@@ -417,6 +434,8 @@ def trace_distributed(
         else f"DDP bucket_cap_mb={strategy.engine.bucket_cap_mb}, "
         f"gradient_as_bucket_view={strategy.engine.gradient_as_bucket_view}"
     )
+    if strategy.adapter is not None:
+        what += f"; real PEFT {strategy.adapter.kind.value} adapters on the frozen base"
     notes = [
         f"rank 0 of {world} on PyTorch's fake process group: {what}",
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
@@ -427,7 +446,7 @@ def trace_distributed(
         method=Method.TRACE,
         model_name=spec.name,
         params=plan.params,
-        trainable_params=plan.params,
+        trainable_params=trainable,
         phases=tuple(phases[ph] for ph in Phase),
         overhead=readout.overhead(peak),
         bytes_per_param=readout.bytes_per_param(phases, plan.params),
