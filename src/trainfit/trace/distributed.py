@@ -158,6 +158,32 @@ def _patched_resize(tr: DistTracker) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _quant_state_on_unsharded(strategy: Strategy) -> Iterator[None]:
+    """FSDP2 replaces each ``Linear4bit`` weight by its unsharded tensor, which has lost the ``quant_state``
+    attribute; bitsandbytes recovers it in ``Linear4bit.forward`` from the module
+    (bitsandbytes/nn/modules.py ``fix_4bit_weight_quant_state_from_module``: "this happens for example for
+    fsdp") by re-wrapping the weight as a ``Params4bit`` sharing its data, which a fake tensor refuses. For
+    the trace the attribute is set on the unsharded tensor itself: the same storage, nothing allocated."""
+    if strategy.base_weights.quantization is Quantization.NONE:
+        yield
+        return
+    import importlib
+
+    mods: Any = importlib.import_module("bitsandbytes.nn.modules")
+    saved = mods.fix_4bit_weight_quant_state_from_module
+
+    def fix(module: Any) -> None:
+        if getattr(module.weight, "quant_state", None) is None:
+            module.weight.quant_state = module.quant_state
+
+    mods.fix_4bit_weight_quant_state_from_module = fix
+    try:
+        yield
+    finally:
+        mods.fix_4bit_weight_quant_state_from_module = saved
+
+
+@contextlib.contextmanager
 def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
     """Rank 0 of ``world_size`` on the fake process group, and its CPU device mesh: 1-D, or 2-D
     (replicate × shard) for HSDP when ``shard`` < ``world_size``."""
@@ -192,8 +218,6 @@ def check_traceable(strategy: Strategy) -> None:
     base = strategy.base_weights
     if base.frozen:
         raise StrategyError("--method trace does not run --freeze with many GPUs yet; use --method analytic")
-    if base.quantization is not Quantization.NONE and sh in (Sharding.FSDP, Sharding.HSDP):
-        raise StrategyError("--method trace does not run QLoRA under FSDP2 yet; use --method analytic")
     if base.quantization is Quantization.INT8:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
@@ -312,13 +336,22 @@ def run_layout_distributed(
     tr = DistTracker()
     box.append(tr)
     head = hf.head_of(model)
-    with mode, tr, _patched_resize(tr):
-        if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
-            _wrap_fsdp(model, layers, mesh, strategy)
-            run_model: torch.nn.Module = model
-        else:
-            with tr.comm_region():
-                run_model = _wrap_ddp(model, strategy, tr)
+    # The 4-bit weights are quantised before the framework wraps the model (as a loaded QLoRA model is):
+    # otherwise the wrapper would keep the unquantised weights it saw.
+    held = contextlib.ExitStack()
+    held.enter_context(quantised)
+    held.enter_context(_quant_state_on_unsharded(strategy))
+    try:
+        with mode, tr, _patched_resize(tr):
+            if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
+                _wrap_fsdp(model, layers, mesh, strategy)
+                run_model: torch.nn.Module = model
+            else:
+                with tr.comm_region():
+                    run_model = _wrap_ddp(model, strategy, tr)
+    except BaseException:
+        held.close()
+        raise
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
         forward=lambda m, batch: m(**batch),
@@ -335,7 +368,7 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with hf.runtime_patches(), _patched_resize(tr), quantised:
+    with held, hf.runtime_patches(), _patched_resize(tr):
         return rn.run_steps(run_model, fns, options, execution)
 
 
