@@ -462,21 +462,22 @@ def fsdp_states(spec: ModelSpec, strategy: Strategy, shards: int) -> ShardedStat
     weight's packed storage shards like any tensor; its quant state (absmax, codes) is a Python attribute of
     the parameter, not a parameter, so every rank keeps all of it."""
     impl = strategy.optimizer_impl
-    w = a = g = o = 0
+    w = a = o = 0
     largest, largest_bits = 0, 32
-    for h in held_tensors(spec, strategy, fsdp_mixed=strategy.recipe.mixed):
+    held = held_tensors(spec, strategy, fsdp_mixed=strategy.recipe.mixed)
+    for h in held:
         m = h.count
         n = h.shard_numel(shards)
-        held = m * (_alloc(n, h.bits) + h.quant_state_bytes)
+        kept = m * (_alloc(n, h.bits) + h.quant_state_bytes)
         if h.adapter:
-            a += held
+            a += kept
         else:
-            w += held
+            w += kept
         if h.trainable:
-            g += m * _alloc(n, h.bits)
             o += m * optimizer_state_bytes(shard_tensor(h.tensor, shards), strategy.optimizer, h.bits, impl)
             if n > largest:
                 largest, largest_bits = n, h.bits
+    g = _fsdp_sharded_grads(spec, held, shards)
     temp = 0
     if strategy.optimizer is Optimizer.ADAMW and impl is OptimizerImpl.FOREACH:
         temp = g
@@ -569,6 +570,19 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
 
 
 # -- torch FSDP2 -----------------------------------------------------------------------------------------
+
+
+def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int) -> int:
+    """The sharded gradients: views into each group's flat reduce-scatter output, one allocation per group
+    of the padded shards of its trainable parameters in their dtype (_fsdp_collectives.py ``foreach_reduce``:
+    ``torch.as_strided(reduce_output, ...)``). A tensor trainable in c of a group's layers is taken to be
+    trainable in the same c layers as the others (exact for layer ranges and module names)."""
+    out = allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in held if h.root and h.trainable))
+    for i, g in enumerate(inventory(spec).layers):
+        layer = [h for h in held if h.group == i and h.trainable]
+        for k in range(g.count):
+            out += allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in layer if k < h.count))
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
