@@ -46,6 +46,16 @@ frameworks add. Four engines, each with its own rules (:class:`~trainfit.strateg
   (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_with_interleaving``,
   ``num_warmup_microbatches``), GPipe m.
 
+Fine-tuning (``--finetune lora|qlora|freeze``) keeps the single-GPU per-tensor rule
+(:func:`~trainfit.analytic.states.param_states`: what trains, adapters, packed 4-bit weights) and each
+framework's own: DDP buckets only trainable gradients; FSDP2 shards and all-gathers every parameter but
+reduce-scatters, and keeps gradients and optimizer states for, only the trainable ones, and its policy computes
+PEFT's fp32 adapters in bf16; a QLoRA weight's packed storage shards like any tensor while its quant state is
+whole on every rank; ZeRO keeps every parameter in 16 bits (partitioned in stage 3) and partitions only the
+trainable ones' gradients, masters and optimizer states (:func:`held_tensors`, :func:`fsdp_groups`,
+:func:`zero_partition`; docs/distributed.md "Many GPUs with adapters"). Megatron with adapters, int8 bases
+and QLoRA with ZeRO are refused (:func:`check_parallel_finetune`).
+
 Offload (``--offload optimizer`` for ZeRO-Offload, ``optimizer+params`` for ZeRO-Infinity and FSDP2's
 ``CPUOffloadPolicy``) moves the fp32 master weights, optimizer states and fp32 gradient partition (and
 with ``+params`` the parameter partition) to pinned host memory; host bytes are reported per node

@@ -17,6 +17,12 @@ peaks are exactly linear in the number of layers, DESIGN §4.3). The cost of a s
   ``gradient_as_bucket_view``; its parameter-shape check across ranks is skipped (a collective on
   real data) and a communication hook returns a completed future.
 
+Fine-tuning: the reduced model gets real PEFT adapters on the meta device
+(:func:`trainfit.trace.peft.apply_finetuning`) before it is materialised; QLoRA's 4-bit weights are quantised
+on fake tensors *before* the framework wraps the model (a wrapper would otherwise keep the unquantised weights
+it saw), and under FSDP2 bitsandbytes' recovery of the ``quant_state`` that the unsharded weight lost is done
+on the fake tensor itself. ``--freeze`` with many GPUs is not traced yet.
+
 What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
 parameters with ``UntypedStorage.resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py
 ``free_storage``/``alloc_storage``), which no dispatch mode sees, so ``resize_`` is patched for the run and
