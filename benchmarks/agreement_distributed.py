@@ -5,8 +5,9 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor t
 (``parallelize_module`` with torchtitan's Llama plan, ± sequence parallelism; trainfit.trace.tensor_parallel)
 on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
 compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
-time of the whole trace; it does not grow with the world size.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only]
+time of the whole trace; it does not grow with the world size. The fine-tuning rows (``--finetune``) wrap
+real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only] [--finetune]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 from trainfit.analytic.parallel import estimate_parallel
 from trainfit.arch import load_model
-from trainfit.strategy import EngineOptions, Parallelism, Strategy
+from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
 from trainfit.trace.distributed import trace_distributed
 
 # (model, sharding, world size, reshard_after_forward / gradient_as_bucket_view, checkpointing)
@@ -42,21 +43,33 @@ TP_CASES = (
     ("llama-3.1-8b", 8, True, "full"),
     ("qwen2.5-7b", 4, True, "none"),
 )
+# (model, sharding, world size, flag, checkpointing, finetune, LoRA targets): rank 16, PEFT's fp32 adapters
+FINETUNE = (
+    ("llama-3.1-8b", "fsdp", 8, True, "none", "lora", "all-linear"),
+    ("llama-3.1-8b", "fsdp", 8, False, "full", "lora", "q_proj,v_proj"),
+    ("llama-3.1-8b", "fsdp", 64, True, "full", "lora", "all-linear"),
+    ("llama-3.1-8b", "fsdp", 8, True, "full", "qlora", "all-linear"),
+    ("llama-3.1-8b", "ddp", 8, False, "full", "lora", "all-linear"),
+    ("qwen2.5-7b", "hsdp", 16, True, "none", "lora", "q_proj,v_proj"),
+)
 
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def strategy(sharding: str, w: int, flag: bool, ckpt: str) -> Strategy:
+def strategy(sharding: str, w: int, flag: bool, ckpt: str, how: str = "full", targets: str = "all-linear") -> Strategy:
+    adapter, base = finetune_setup(how, rank=16, targets=targets) if how != "full" else (None, None)
+    extra = {"adapter": adapter, "base_weights": base} if adapter is not None else {}
     return Strategy(
+        **extra,
         parallelism=Parallelism(data=w),
         sharding=sharding,
         checkpointing=ckpt,
         micro_batch=1,
         seq_len=2048,
         engine=EngineOptions(
-            reshard_after_forward=flag if sharding == "fsdp" else True,
+            reshard_after_forward=flag if sharding in ("fsdp", "hsdp") else True,
             gradient_as_bucket_view=flag if sharding == "ddp" else False,
         ),
     )
@@ -88,16 +101,26 @@ def row(slug: str, setup: str, w: int, ckpt: str, s: Strategy) -> None:
 
 
 def main(argv: list[str]) -> None:
-    cases = () if "--tp-only" in argv else QUICK if "--quick" in argv else CASES
-    tp_cases = TP_CASES[:1] if "--quick" in argv else TP_CASES
+    finetune = "--finetune" in argv
+    cases: tuple[tuple[object, ...], ...] = (
+        FINETUNE if finetune else () if "--tp-only" in argv else QUICK if "--quick" in argv else CASES
+    )
+    tp_cases = () if finetune else TP_CASES[:1] if "--quick" in argv else TP_CASES
     print(
         "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
         "| trace s |"
     )
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
-    for slug, sharding, w, flag, ckpt in cases:
-        setup = f"FSDP2, reshard_after_forward={flag}" if sharding == "fsdp" else f"DDP, gradient_as_bucket_view={flag}"
-        row(slug, setup, w, ckpt, strategy(sharding, w, flag, ckpt))
+    for slug, sharding, w, flag, ckpt, *ft in cases:
+        setup = (
+            f"{'HSDP' if sharding == 'hsdp' else 'FSDP2'}, reshard_after_forward={flag}"
+            if sharding in ("fsdp", "hsdp")
+            else f"DDP, gradient_as_bucket_view={flag}"
+        )
+        if ft:
+            setup += f", {ft[0]} r16 {ft[1]}"
+        s = strategy(str(sharding), int(str(w)), bool(flag), str(ckpt), *map(str, ft))
+        row(str(slug), setup, int(str(w)), str(ckpt), s)
     for slug, tp, sp, ckpt in tp_cases:
         row(slug, f"DTensor TP {tp}{' + SP' if sp else ''}", tp, ckpt, tp_strategy(tp, sp, ckpt))
 

@@ -176,8 +176,8 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
     beyond = strategy.beyond_single_gpu_finetuning() if finetunes else strategy.beyond_single_gpu_training()
     if strategy.is_distributed and method in (Method.ANALYTIC, Method.TRACE):
         # Many GPUs are modelled by the analytic method (trainfit.analytic.parallel) and, for DDP and FSDP2,
-        # traced (trainfit.trace.distributed); what else the strategy asks is still refused below (the
-        # many-GPU path refuses adapters itself).
+        # traced (trainfit.trace.distributed), fine-tuning included; what else the strategy asks is still
+        # refused below (the many-GPU paths refuse the fine-tuning layouts they do not model themselves).
         beyond = tuple(b for b in beyond if not any(k in b for k in _DISTRIBUTED_ITEMS))
     if method in (Method.TRACE, Method.MEASURE, Method.RULE_OF_THUMB) and strategy.beyond_the_trace():
         raise StrategyError(

@@ -56,7 +56,10 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --engine torch", "plain single-GPU"),
         ("llama-3.1-8b --gpus 8 --tp 2 --optimizer sgd", "Adam"),
         ("llama-3.1-8b --gpus 8 --pp-schedule interleaved --virtual-stages 2", "--pp > 1"),
-        ("llama-3.1-8b --gpus 2 --sharding ddp --method trace --finetune lora", "not modelled yet"),
+        ("llama-3.1-8b --gpus 2 --sharding fsdp --method trace --finetune freeze --freeze embeddings", "--freeze"),
+        ("llama-3.1-8b --gpus 4 --tp 2 --sharding zero1 --finetune lora", "Megatron"),
+        ("llama-3.1-8b --gpus 8 --sharding zero3 --finetune qlora", "QLoRA with DeepSpeed"),
+        ("llama-3.1-8b --gpus 8 --sharding fsdp --finetune lora --base-dtype int8", "int8"),
     ],
 )
 def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:

@@ -54,6 +54,16 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   matmul's all-gathered input saved whole, and the logits' all-gather (:func:`_torch_tp`). Checked against
   the trace of the real plan (:mod:`trainfit.trace.tensor_parallel`).
 
+Fine-tuning (``--finetune lora|qlora|freeze``) keeps the single-GPU per-tensor rule
+(:func:`~trainfit.analytic.states.param_states`: what trains, adapters, packed 4-bit weights) and each
+framework's own: DDP buckets only trainable gradients; FSDP2 shards and all-gathers every parameter but
+reduce-scatters, and keeps gradients and optimizer states for, only the trainable ones, and its policy computes
+PEFT's fp32 adapters in bf16; a QLoRA weight's packed storage shards like any tensor while its quant state is
+whole on every rank; ZeRO keeps every parameter in 16 bits (partitioned in stage 3) and partitions only the
+trainable ones' gradients, masters and optimizer states (:func:`held_tensors`, :func:`fsdp_groups`,
+:func:`zero_partition`; docs/distributed.md "Many GPUs with adapters"). Megatron with adapters, int8 bases
+and QLoRA with ZeRO are refused (:func:`check_parallel_finetune`).
+
 Offload (``--offload optimizer`` for ZeRO-Offload, ``optimizer+params`` for ZeRO-Infinity and FSDP2's
 ``CPUOffloadPolicy``) moves the fp32 master weights, optimizer states and fp32 gradient partition (and
 with ``+params`` the parameter partition) to pinned host memory; host bytes are reported per node
@@ -71,6 +81,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainfit.analytic.activations import effective_strategy
+from trainfit.analytic.adapters import check_finetune_model, finetuning
 from trainfit.analytic.model import (
     Moment,
     MomentName,
@@ -80,10 +91,10 @@ from trainfit.analytic.model import (
     optimizer_step_moment,
     step_inputs,
 )
-from trainfit.analytic.states import optimizer_state_bytes
+from trainfit.analytic.states import optimizer_state_bytes, param_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
-from trainfit.cuda_facts import allocator_bytes
+from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.overhead import overhead_for
 from trainfit.result import (
@@ -102,6 +113,7 @@ from trainfit.strategy import (
     OptimizerImpl,
     PipelineSchedule,
     Precision,
+    Quantization,
     Sharding,
     Strategy,
 )
@@ -151,14 +163,12 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     par, sh, _eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
     tp, pp, dp = par.tensor, par.pipeline, par.data
     engine = resolve_engine(strategy)
-    if strategy.beyond_single_gpu_training() and not strategy.trains_every_weight:
+    if strategy.workload.value != "training" or strategy.savers.any:
         raise StrategyError(
-            "many GPUs are modelled for full fine-tuning; adapters with sharding: trainfit does not model yet"
+            "many GPUs are modelled for a training step without memory savers; this setup: trainfit does not model yet"
         )
-    if strategy.workload.value != "training" or strategy.savers.any or not strategy.base_weights.is_default:
-        raise StrategyError(
-            "many GPUs are modelled for a full-precision training step; this setup: trainfit does not model yet"
-        )
+    if finetuning(strategy):
+        check_parallel_finetune(spec, strategy, engine)
     if off.activations:
         raise StrategyError("activation offload is not modelled; use --offload none|optimizer|optimizer+params")
     if off.optimizer is OffloadTarget.NVME or off.parameters is OffloadTarget.NVME:
@@ -321,12 +331,23 @@ def shard_tensor(t: ParamTensor, shards: int) -> ParamTensor:
     return ParamTensor(name=t.name, shape=(rows, *t.shape[1:]), matmul=t.matmul)
 
 
-def _compute_strategy(strategy: Strategy) -> Strategy:
+def _compute_strategy(strategy: Strategy, *, casts_every_param: bool = True) -> Strategy:
     """The strategy whose single-GPU activations a 16-bit-compute framework run has: layers in bf16 over
-    16-bit parameters, no autocast (FSDP2's param_dtype, DeepSpeed's and Megatron's bf16 modules)."""
+    16-bit parameters, no autocast (FSDP2's param_dtype, DeepSpeed's and Megatron's bf16 modules).
+
+    Fine-tuning: a framework that casts every parameter for compute (``casts_every_param``: FSDP2's
+    mixed-precision policy, whose ``param_dtype`` applies to frozen parameters and to PEFT's fp32 adapters
+    alike, _fsdp_param.py ``init_dtype_attrs``; DeepSpeed's ``_cast_module_mixed_precision``) runs the
+    adapters in the 16-bit dtype — ``lora_A``'s weight is bf16, so PEFT's ``_cast_input_dtype`` copies
+    nothing — and the frozen base (an fp32 ``prepare_model_for_kbit_training`` base included) in bf16."""
     if strategy.recipe.compute_bits == 32:
         return dataclasses.replace(strategy, precision=Precision.FP32)
-    return dataclasses.replace(strategy, precision=Precision.PURE_BF16)
+    cs = dataclasses.replace(strategy, precision=Precision.PURE_BF16)
+    if casts_every_param and finetuning(strategy):
+        if cs.adapter is not None:
+            cs = dataclasses.replace(cs, adapter=dataclasses.replace(cs.adapter, dtype=cs.recipe.compute))
+        cs = dataclasses.replace(cs, base_weights=dataclasses.replace(cs.base_weights, dtype=None, kbit_prepared=False))
+    return cs
 
 
 def _moments(q: StepInputs) -> dict[Phase, list[Moment]]:
@@ -360,6 +381,117 @@ def _single(m: Moment) -> dict[Component, int]:
     return dict(m.components())
 
 
+# -- fine-tuning: what a rank holds of a partly frozen model ---------------------------------------------
+
+#: FSDP-QLoRA stores the packed 4-bit weights in bf16 elements (``bnb_4bit_quant_storage=torch.bfloat16``;
+#: Answer.AI's fsdp_qlora, PEFT's "FSDP + QLoRA" guide), so that ``fully_shard`` can flatten them with the
+#: rest: two bytes per storage element, four 4-bit values each.
+QUANT_STORAGE_BITS = 16
+
+
+def check_parallel_finetune(spec: ModelSpec, strategy: Strategy, engine: Engine) -> None:
+    """Refuse, in one line, a fine-tuning setup the many-GPU model does not cover (and whatever the single-GPU
+    fine-tuning model refuses: targets the model lacks, layer layouts the adapter closed forms do not cover)."""
+    check_finetune_model(spec, strategy)
+    quant = strategy.base_weights.quantization
+    if engine is Engine.MEGATRON:
+        raise StrategyError(
+            "adapters and --freeze with tensor/pipeline parallelism (Megatron) are not modelled; "
+            "use --sharding fsdp|hsdp|ddp|zero1|zero2|zero3"
+        )
+    if quant is Quantization.INT8:
+        raise StrategyError(
+            "an int8 (LLM.int8) base with many GPUs is not modelled (its Int8Params do not shard); "
+            "use --finetune qlora (nf4) or a 16-bit base"
+        )
+    if quant is not Quantization.NONE and engine is Engine.DEEPSPEED:
+        raise StrategyError(
+            "QLoRA with DeepSpeed ZeRO is not modelled (4-bit weights inside ZeRO partitions); "
+            "use --sharding fsdp|hsdp|ddp"
+        )
+    if quant is not Quantization.NONE and strategy.offload.any:
+        raise StrategyError("QLoRA with CPU offload is not modelled; use --offload none")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldTensor:
+    """One parameter tensor (× ``count`` identical ones) as a data-parallel framework holds it."""
+
+    tensor: ParamTensor
+    count: int
+    trainable: bool
+    bits: int  # its stored width (a packed 4-bit weight: its storage dtype's)
+    root: bool  # outside the decoder layers (embeddings, final norm, head): FSDP2's root group
+    adapter: bool = False
+    group: int = -1  # the inventory's layer group it belongs to (-1: root)
+    packed_bytes: int = 0  # a bitsandbytes 4-bit weight: its packed data, sharded as storage elements
+    quant_state_bytes: int = 0  # its quant state (absmax, codes, offset): allocator-rounded, whole per rank
+
+    @property
+    def storage_numel(self) -> int:
+        """Elements of the tensor as stored (a packed weight: ⌈bytes/2⌉ bf16 elements of one column)."""
+        if self.packed_bytes:
+            return -(-self.packed_bytes * 8 // QUANT_STORAGE_BITS)
+        return self.tensor.numel
+
+    def shard_numel(self, shards: int) -> int:
+        """The local shard on rank 0: dim 0 padded to ⌈dim0/W⌉ rows (FSDP2 ``_init_sharded_param``)."""
+        if self.packed_bytes:
+            return -(-self.storage_numel // shards)
+        return shard_tensor(self.tensor, shards).numel
+
+
+def held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool = False) -> tuple[HeldTensor, ...]:
+    """Every parameter tensor of ``spec`` under ``strategy``'s trainable mask (``param_states``) with the
+    width a data-parallel rank stores it in. ``fsdp_mixed``: FSDP2 under a mixed-precision policy, whose
+    model is built in fp32 (a base without ``--base-dtype`` and every trainable tensor but a 16-bit adapter
+    is fp32); a QLoRA base's packed weights are stored as bf16 elements (:data:`QUANT_STORAGE_BITS`) and
+    its other frozen tensors in fp32 (``prepare_model_for_kbit_training``)."""
+    r, base = strategy.recipe, strategy.base_weights
+    quant = base.quantization.dtype
+    inv = inventory(spec)
+    # param_states walks the inventory in order (model tensors, then each layer group's; a tensor frozen in
+    # some layers and trainable in others twice in a row), then the adapters: follow it to place each tensor.
+    seq = [(t, -1) for t in inv.model_tensors] + [(t, i) for i, g in enumerate(inv.layers) for t in g.tensors]
+    dense = next((i for i, g in enumerate(inv.layers) if g.kind == "dense"), 0)
+    out: list[HeldTensor] = []
+    at = -1
+    for x in param_states(spec, strategy):
+        t = x.tensor
+        if x.adapter:
+            group = dense
+        else:
+            if at < 0 or seq[at][0] != t:
+                at += 1
+                while seq[at][0] != t:
+                    at += 1
+            group = seq[at][1]
+        root = group < 0
+        common = {"tensor": t, "count": x.count, "trainable": x.trainable, "root": root, "group": group}
+        if x.adapter:
+            out.append(HeldTensor(**common, bits=x.bits, adapter=True))  # type: ignore[arg-type]
+            continue
+        if x.trainable:
+            out.append(HeldTensor(**common, bits=32 if fsdp_mixed else r.weight_bits))  # type: ignore[arg-type]
+            continue
+        if quant is not None and t.matmul and not root:
+            pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
+            out.append(
+                HeldTensor(
+                    **common,  # type: ignore[arg-type]
+                    bits=QUANT_STORAGE_BITS,
+                    packed_bytes=pieces[0],
+                    quant_state_bytes=sum(allocator_bytes(n) for n in pieces[1:]),
+                )
+            )
+            continue
+        bits = base.dtype.bits if base.dtype is not None else (32 if fsdp_mixed else r.weight_bits)
+        if base.kbit_prepared and bits == 16:
+            bits = 32
+        out.append(HeldTensor(**common, bits=bits))  # type: ignore[arg-type]
+    return tuple(out)
+
+
 # -- sharded states --------------------------------------------------------------------------------------
 
 
@@ -372,30 +504,44 @@ class ShardedStates:
     master_bytes: int
     optimizer_bytes: int
     step_temp_bytes: int
+    adapter_bytes: int = 0  # the adapters' shards (LoRA A/B, DoRA magnitudes)
 
 
 def fsdp_states(spec: ModelSpec, strategy: Strategy, shards: int) -> ShardedStates:
     """FSDP2 shards: each parameter padded to ⌈dim0/W⌉ rows on the rank; fp32 under the mixed-precision
     policy (the shard is the master weight), gradients in the shard's dtype, optimizer states like the shard
-    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py; torch/optim/adamw.py ``_init_group``)."""
-    r = strategy.recipe
-    bits = 32 if strategy.recipe.mixed else r.weight_bits
-    inv = inventory(spec)
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py; torch/optim/adamw.py ``_init_group``).
+
+    Fine-tuning: ``fully_shard`` shards every parameter of a group, frozen or not; only the trainable ones
+    get a sharded gradient (``FSDPParam.to_accumulated_grad_if_needed``/``foreach_reduce`` see only
+    parameters with a gradient) and optimizer states (the optimizer is given the trainable ones). A QLoRA
+    weight's packed storage shards like any tensor; its quant state (absmax, codes) is a Python attribute of
+    the parameter, not a parameter, so every rank keeps all of it."""
     impl = strategy.optimizer_impl
-    w = g = o = 0
-    largest = 0
-    for t, m in inv.all_tensors():
-        s = shard_tensor(t, shards)
-        w += m * _alloc(s.numel, bits)
-        g += m * _alloc(s.numel, bits)
-        o += m * optimizer_state_bytes(s, strategy.optimizer, bits, impl)
-        largest = max(largest, s.numel)
+    w = a = o = 0
+    largest, largest_bits = 0, 32
+    held = held_tensors(spec, strategy, fsdp_mixed=strategy.recipe.mixed)
+    for h in held:
+        m = h.count
+        n = h.shard_numel(shards)
+        kept = m * (_alloc(n, h.bits) + h.quant_state_bytes)
+        if h.adapter:
+            a += kept
+        else:
+            w += kept
+        if h.trainable:
+            o += m * optimizer_state_bytes(shard_tensor(h.tensor, shards), strategy.optimizer, h.bits, impl)
+            if n > largest:
+                largest, largest_bits = n, h.bits
+    g = _fsdp_sharded_grads(spec, held, shards)
     temp = 0
     if strategy.optimizer is Optimizer.ADAMW and impl is OptimizerImpl.FOREACH:
         temp = g
     elif strategy.optimizer is Optimizer.LION:
-        temp = 2 * _alloc(largest, bits)
-    return ShardedStates(weights_bytes=w, grads_bytes=g, master_bytes=0, optimizer_bytes=o, step_temp_bytes=temp)
+        temp = 2 * _alloc(largest, largest_bits)
+    return ShardedStates(
+        weights_bytes=w, grads_bytes=g, master_bytes=0, optimizer_bytes=o, step_temp_bytes=temp, adapter_bytes=a
+    )
 
 
 def _unsharded_bytes(tensors: Sequence[tuple[ParamTensor, int]], bits: int) -> int:
@@ -405,32 +551,58 @@ def _unsharded_bytes(tensors: Sequence[tuple[ParamTensor, int]], bits: int) -> i
 # -- torch DDP -------------------------------------------------------------------------------------------
 
 
-def ddp_bucket_bytes(spec: ModelSpec, grad_bits: int, cap_bytes: int, first_bytes: int) -> list[int]:
+def ddp_bucket_bytes(
+    spec: ModelSpec, grad_bits: int, cap_bytes: int, first_bytes: int, strategy: Strategy | None = None
+) -> list[int]:
     """DDP's buckets: parameters in reverse order, a bucket closes once it holds ≥ its limit (the first
     1 MiB, then ``bucket_cap_mb``); one flat gradient-dtype tensor each (c10d/reducer.cpp
-    ``compute_bucket_assignment_by_size``; torch/nn/parallel/distributed.py ``_DEFAULT_FIRST_BUCKET_BYTES``)."""
+    ``compute_bucket_assignment_by_size``; torch/nn/parallel/distributed.py ``_DEFAULT_FIRST_BUCKET_BYTES``).
+
+    With ``strategy`` fine-tuning, only its trainable parameters are in the reducer (distributed.py
+    ``_build_params_for_reducer`` keeps ``p.requires_grad``), each in its own gradient dtype (an fp32
+    adapter's gradient is fp32), and the buckets are assigned per dtype (the reducer keys its size limits by
+    dtype and device)."""
     inv = inventory(spec)
-    order: list[ParamTensor] = list(inv.model_tensors[:1])  # the token table comes first in module order
-    for g in inv.layers:
-        order += [t for _ in range(g.count) for t in g.tensors]
-    order += list(inv.model_tensors[1:])
+    order: list[tuple[int, int]] = []  # (elements, gradient bits) in module registration order
+    if strategy is None or not finetuning(strategy):
+        tensors: list[ParamTensor] = list(inv.model_tensors[:1])  # the token table comes first in module order
+        for g in inv.layers:
+            tensors += [t for _ in range(g.count) for t in g.tensors]
+        tensors += list(inv.model_tensors[1:])
+        order = [(t.numel, grad_bits) for t in tensors]
+    else:
+        held = [h for h in held_tensors(spec, strategy) if h.trainable]
+        gb = strategy.recipe.grad_bits
+
+        def bits(h: HeldTensor) -> int:
+            return h.bits if h.adapter else gb
+
+        first = inv.model_tensors[:1]
+        order += [(h.tensor.numel, bits(h)) for h in held if h.root and h.tensor in first]
+        n_layers = sum(g.count for g in inv.layers)
+        per_layer = [h for h in held if not h.root]
+        for k in range(n_layers):
+            # a tensor trainable in c of the layers: in the first c (the order only moves bucket edges)
+            order += [(h.tensor.numel, bits(h)) for h in per_layer if k < h.count]
+        order += [(h.tensor.numel, bits(h)) for h in held if h.root and h.tensor not in first]
     buckets: list[int] = []
-    size = 0
-    limit = first_bytes
-    for t in reversed(order):
-        size += t.numel * grad_bits // 8
-        if size >= limit:
-            buckets.append(size)
-            size, limit = 0, cap_bytes
-    if size:
-        buckets.append(size)
+    size: dict[int, int] = {}
+    limit: dict[int, int] = {}
+    for numel, b in reversed(order):
+        size[b] = size.get(b, 0) + numel * b // 8
+        if size[b] >= limit.get(b, first_bytes):
+            buckets.append(size[b])
+            size[b], limit[b] = 0, cap_bytes
+    buckets += [n for n in size.values() if n]
     return [allocator_bytes(b) for b in buckets]
 
 
 def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     q = step_inputs(spec, strategy, keep_logits=False)
     eo = strategy.engine
-    buckets = ddp_bucket_bytes(spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes)
+    buckets = ddp_bucket_bytes(
+        spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
+    )
     total = sum(buckets)
 
     def adjust(m: Moment) -> dict[Component, int]:
@@ -445,40 +617,111 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
         f"DDP: {len(buckets)} gradient buckets of {fmt_gib(total)} in all, resident from construction"
         + (" (the gradients are views of them)" if eo.gradient_as_bucket_view else " on top of the gradients")
     ]
+    if finetuning(strategy):
+        notes.append(
+            "fine-tuning under DDP: every rank holds the single-GPU fine-tuning states; the buckets hold only the "
+            "trainable parameters' gradients"
+        )
     return _worst(q, adjust, {}), notes
 
 
 # -- torch FSDP2 -----------------------------------------------------------------------------------------
 
 
+def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int) -> int:
+    """The sharded gradients: views into each group's flat reduce-scatter output, one allocation per group
+    of the padded shards of its trainable parameters in their dtype (_fsdp_collectives.py ``foreach_reduce``:
+    ``torch.as_strided(reduce_output, ...)``). A tensor trainable in c of a group's layers is taken to be
+    trainable in the same c layers as the others (exact for layer ranges and module names)."""
+    out = allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in held if h.root and h.trainable))
+    for i, g in enumerate(inventory(spec).layers):
+        layer = [h for h in held if h.group == i and h.trainable]
+        for k in range(g.count):
+            out += allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in layer if k < h.count))
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FsdpGroups:
+    """What FSDP2's groups move: the unsharded parameters (per tensor, unpadded, in the all-gather dtype),
+    the padded all-gather output and reduce-scatter input of one layer group, the root's."""
+
+    root_bytes: int  # the root's unsharded parameters
+    layer_bytes: int  # the largest layer's unsharded parameters
+    layers_all_bytes: int  # every layer's
+    all_gather_bytes: int  # one layer's padded all-gather output
+    reduce_scatter_bytes: int  # one layer's padded reduce-scatter input (its trainable parameters only)
+    root_reduce_scatter_bytes: int
+    root_shard_grads_bytes: int  # the root's sharded gradients
+
+
+def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
+    """Per group (``fully_shard`` per decoder layer + root): the all-gather moves every parameter, frozen or
+    not, cast to ``param_dtype`` under the policy (a packed 4-bit storage is not cast: bf16 already, or not
+    floating, _fsdp_param.py ``init_dtype_attrs``; mixed dtypes without a policy are gathered as bytes,
+    _fsdp_collectives.py ``foreach_all_gather``); the reduce-scatter moves the gradients of the trainable
+    ones in ``reduce_dtype`` (fp32 under the policy), ``foreach_reduce``."""
+    mixed = strategy.recipe.mixed
+    cbits = strategy.recipe.compute_bits
+    held = held_tensors(spec, strategy, fsdp_mixed=mixed)
+
+    def gather_bits(h: HeldTensor) -> int:
+        return h.bits if h.packed_bytes or not mixed else cbits
+
+    def reduce_bits(h: HeldTensor) -> int:
+        return 32 if mixed else h.bits
+
+    def unique(hs: Sequence[HeldTensor]) -> list[HeldTensor]:
+        """One entry per tensor of a layer (a tensor frozen in some layers and trainable in others is held
+        twice, with its two counts); trainable if any copy is (the worst layer)."""
+        seen: dict[int, HeldTensor] = {}
+        for h in hs:
+            k = id(h.tensor)
+            if k not in seen or (h.trainable and not seen[k].trainable):
+                seen[k] = h
+        return list(seen.values())
+
+    root = unique([h for h in held if h.root])
+    inv = inventory(spec)
+    layers = [unique([h for h in held if h.group == i]) for i in range(len(inv.layers))]
+
+    def unsharded(hs: Sequence[HeldTensor]) -> int:
+        return sum(_alloc(h.storage_numel, gather_bits(h)) for h in hs)
+
+    def padded(hs: Sequence[HeldTensor], bits: Callable[[HeldTensor], int]) -> int:
+        return allocator_bytes(sum(h.shard_numel(shards) * shards * bits(h) // 8 for h in hs))
+
+    return FsdpGroups(
+        root_bytes=unsharded(root),
+        layer_bytes=max(unsharded(hs) for hs in layers),
+        layers_all_bytes=sum(g.count * unsharded(hs) for g, hs in zip(inv.layers, layers, strict=True)),
+        all_gather_bytes=max(padded(hs, gather_bits) for hs in layers),
+        reduce_scatter_bytes=max(padded([h for h in hs if h.trainable], reduce_bits) for hs in layers),
+        root_reduce_scatter_bytes=padded([h for h in root if h.trainable], reduce_bits),
+        root_shard_grads_bytes=sum(_alloc(h.shard_numel(shards), h.bits) for h in root if h.trainable),
+    )
+
+
 def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
-    cs = _compute_strategy(strategy)
+    cs = _compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     q = step_inputs(spec, cs, keep_logits=False)
     st = fsdp_states(spec, strategy, p.shard)
     inv = inventory(spec)
     cbits = cs.recipe.compute_bits
     mixed = strategy.recipe.mixed
-    sbits = 32 if mixed else strategy.recipe.weight_bits
-    root = _unsharded_bytes([(t, 1) for t in inv.model_tensors], cbits)
-    layer = max(_unsharded_bytes([(t, 1) for t in g.tensors], cbits) for g in inv.layers)
-    layers_all = sum(g.count * _unsharded_bytes([(t, 1) for t in g.tensors], cbits) for g in inv.layers)
+    fg = fsdp_groups(spec, strategy, p.shard)
+    root, layer, layers_all = fg.root_bytes, fg.layer_bytes, fg.layers_all_bytes
     # The reduce-scatter input of one layer: its padded size in the reduce dtype (fp32 under the policy).
-    rs = max(
-        allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in g.tensors) * sbits // 8)
-        for g in inv.layers
-    )
+    rs = fg.reduce_scatter_bytes
     # One layer's padded all-gather output in the compute dtype: FSDP2 keeps the last all-gather result
     # (``comm_ctx.all_gather_state``) until the next copy-out or the root's post-forward
     # (_fsdp_param_group.py ``wait_for_unshard``), so it is alive through the loss, and the last layer's
     # unshard is in flight when backward starts.
-    ag = max(
-        allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in g.tensors) * cbits // 8)
-        for g in inv.layers
-    )
+    ag = fg.all_gather_bytes
     # The root's reduce-scatter at the end of backward (its post-backward): the fp32 input of its padded
     # size, while the LM head's bf16 gradient is still referenced.
-    root_shard_grads = sum(_alloc(shard_tensor(t, p.shard).numel, sbits) for t in inv.model_tensors)
-    rs_root = allocator_bytes(sum(shard_tensor(t, p.shard).numel * p.shard for t in inv.model_tensors) * sbits // 8)
+    root_shard_grads = fg.root_shard_grads_bytes
+    rs_root = fg.root_reduce_scatter_bytes
     raf = strategy.engine.reshard_after_forward
     offload = strategy.offload.parameters_on_host
     n_layers = sum(g.count for g in inv.layers)
@@ -489,8 +732,10 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
         c[Component.AUTOCAST_COPIES] = 0
         if offload:
             c[Component.WEIGHTS] = c[Component.OPTIMIZER_STATES] = c[Component.MASTER_WEIGHTS] = 0
+            c[Component.ADAPTER_WEIGHTS] = 0
         else:
             c[Component.WEIGHTS], c[Component.MASTER_WEIGHTS] = st.weights_bytes, 0
+            c[Component.ADAPTER_WEIGHTS] = st.adapter_bytes
             c[Component.OPTIMIZER_STATES] = st.optimizer_bytes
         frac = min(1.0, m.gradients / g_full)
         c[Component.GRADIENTS] = 0 if offload else int(st.grads_bytes * frac)
@@ -539,7 +784,7 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
     if offload:
         per_node = min(p.world, strategy.parallelism.gpus_per_node)
         host = {
-            Component.WEIGHTS: st.weights_bytes * per_node,
+            Component.WEIGHTS: (st.weights_bytes + st.adapter_bytes) * per_node,
             Component.GRADIENTS: st.grads_bytes * per_node,
             Component.OPTIMIZER_STATES: st.optimizer_bytes * per_node,
         }
@@ -557,7 +802,27 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
         )
     if offload:
         notes.append("CPUOffloadPolicy: shards, gradients and optimizer states in pinned host memory (per node)")
+    if finetuning(strategy):
+        notes.append(_fsdp_finetune_note(strategy, mixed))
     return _worst(q, adjust, host), notes
+
+
+def _fsdp_finetune_note(strategy: Strategy, mixed: bool) -> str:
+    note = (
+        "fine-tuning under FSDP2: every parameter, frozen or not, is sharded and all-gathered; only the trainable "
+        "ones have sharded gradients, reduce-scatters and optimizer states"
+    )
+    if mixed and strategy.adapter is not None:
+        note += (
+            f"; the policy's param_dtype casts the {strategy.adapter.dtype.value} adapters to "
+            f"{strategy.recipe.compute_dtype} for compute (their shards stay {strategy.adapter.dtype.value})"
+        )
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        note += (
+            "; 4-bit weights as packed bf16 storage (bnb_4bit_quant_storage=bf16, sharded like any tensor), their "
+            "quant state whole on every rank"
+        )
+    return note
 
 
 # -- DeepSpeed ZeRO --------------------------------------------------------------------------------------
@@ -581,6 +846,61 @@ def deepspeed_partition_numel(spec: ModelSpec, stage: int, dp: int) -> tuple[int
     return part, whole
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroPartition:
+    """What a ZeRO rank holds, in elements: the 16-bit parameters (``weights_numel`` as one flat buffer
+    plus ``frozen_tensors`` kept as their own tensors), and the partition of the trainable parameters
+    that carries the gradients, fp32 master weights and optimizer states."""
+
+    trainable_numel: int  # every trainable element (the flat 16-bit groups of stages 1–2)
+    part_numel: int  # this rank's partition of them
+    trainable_tensors: tuple[tuple[ParamTensor, int], ...]
+    frozen_tensors: tuple[tuple[ParamTensor, int], ...]  # stages 1–2: frozen tensors outside the flat groups
+    stage3_part_numel: int = 0  # stage 3: every parameter's partition (frozen too), persistent ones excluded
+    stage3_whole_numel: int = 0  # stage 3: parameters under the persistence threshold, whole on every rank
+
+
+def zero_partition(spec: ModelSpec, strategy: Strategy, stage: int, dp: int) -> ZeroPartition:
+    """Fine-tuning under ZeRO: the flat 16-bit groups and the fp32 partitions hold only the trainable
+    parameters (stage_1_and_2.py and stage3.py keep ``is_optimized_parameter``: ``requires_grad``); the engine
+    casts every parameter, frozen or not, to the 16-bit dtype (engine.py ``_cast_module_mixed_precision``);
+    stage 3 partitions every parameter, frozen or not (partition_parameters.py ``_partition_param``), and a
+    parameter under the persistence threshold is kept whole besides its partition, which still carries its
+    fp32 master and optimizer states (``ds_tensor``). Full fine-tuning is the case where all train."""
+    held = held_tensors(spec, strategy)
+    trainable = tuple((h.tensor, h.count) for h in held if h.trainable)
+    frozen = tuple((h.tensor, h.count) for h in held if not h.trainable)
+    n_train = sum(t.numel * m for t, m in trainable)
+    if stage < 3:
+        align = DS_ALIGNMENT_FACTOR * dp
+        part = -(-n_train // align) * align // dp
+        return ZeroPartition(
+            trainable_numel=n_train, part_numel=part, trainable_tensors=trainable, frozen_tensors=frozen
+        )
+    s3_part, s3_whole = _stage3_numel([*trainable, *frozen], dp)
+    full = not finetuning(strategy)
+    # Full fine-tuning keeps the published model (the persistent parameters' partitions left out, < 0.01%).
+    part = s3_part if full else sum(m * -(-t.numel // dp) for t, m in trainable)
+    return ZeroPartition(
+        trainable_numel=n_train,
+        part_numel=part,
+        trainable_tensors=trainable,
+        frozen_tensors=(),
+        stage3_part_numel=s3_part,
+        stage3_whole_numel=s3_whole,
+    )
+
+
+def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[int, int]:
+    part = whole = 0
+    for t, m in tensors:
+        if t.numel < DS_PERSISTENCE_THRESHOLD:
+            whole += m * t.numel
+        else:
+            part += m * -(-t.numel // dp)
+    return part, whole
+
+
 def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     fp32 = strategy.recipe.compute_bits == 32
     cs = _compute_strategy(strategy)
@@ -589,8 +909,9 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     eo = strategy.engine
     pb = 4 if fp32 else 2  # parameter and gradient bytes
     inv = inventory(spec)
-    total = inv.total
-    part, whole = deepspeed_partition_numel(spec, stage, p.dp)
+    zp = zero_partition(spec, strategy, stage, p.dp)
+    total = zp.trainable_numel
+    part, whole = zp.part_numel, zp.stage3_whole_numel
     off_opt, off_par = strategy.offload.optimizer_on_host, strategy.offload.parameters_on_host
     master = 0 if fp32 else 4 * part
     opt_bits = 32
@@ -598,9 +919,12 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     if strategy.optimizer is not Optimizer.ADAMW:
         optim = sum(
             m * optimizer_state_bytes(shard_tensor(t, p.dp), strategy.optimizer, 32, strategy.optimizer_impl)
-            for t, m in inv.all_tensors()
+            for t, m in zp.trainable_tensors
         )
-    weights = allocator_bytes(total * pb) if stage < 3 else allocator_bytes(part * pb) + allocator_bytes(whole * pb)
+    if stage < 3:
+        weights = allocator_bytes(total * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)
+    else:
+        weights = allocator_bytes(zp.stage3_part_numel * pb) + allocator_bytes(whole * pb)
     bucket = allocator_bytes(eo.reduce_bucket_size * pb)
     overlap = _overlap(strategy)
     grad_part = allocator_bytes(part * pb)
@@ -608,12 +932,13 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     largest_module = max(t.numel for t, _ in inv.all_tensors())
     fetch = 0
     if stage == 3:
-        fetch = allocator_bytes(min(total, largest_module + eo.prefetch_bucket_size) * pb)
+        fetch = allocator_bytes(min(inv.total, largest_module + eo.prefetch_bucket_size) * pb)
     g_full = max(1, q.states.grads_bytes)
 
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
+        c[Component.ADAPTER_WEIGHTS] = 0  # cast to 16 bits with the rest, in the flat groups (WEIGHTS)
         c[Component.WEIGHTS] = 0 if off_par else weights
         c[Component.MASTER_WEIGHTS] = 0 if off_opt else allocator_bytes(master)
         c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
@@ -649,6 +974,15 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         }
         if off_par:
             host[Component.WEIGHTS] = part * pb * per_node
+    if finetuning(strategy):
+        frozen_numel = sum(t.numel * m for t, m in zp.frozen_tensors)
+        notes_ft = [
+            f"fine-tuning under ZeRO-{stage}: the 16-bit parameters of all {inv.total:,} elements"
+            + (" (partitioned)" if stage == 3 else f" ({frozen_numel:,} frozen, outside the flat groups)")
+            + f"; gradients, fp32 master weights and optimizer states only for the {total:,} trainable"
+        ]
+    else:
+        notes_ft = []
     notes = [
         f"DeepSpeed ZeRO-{stage} over {p.dp} ranks: partition of {part:,} elements per rank"
         + (f" (+{whole:,} in parameters under the persistence threshold, kept whole)" if stage == 3 else "")
@@ -659,7 +993,7 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "ZeRO-Offload: fp32 master weights, Adam states and the fp32 gradient partition in pinned host memory "
             "(host bytes per node)"
         )
-    return _worst(q, adjust, host), notes
+    return _worst(q, adjust, host), notes + notes_ft
 
 
 # -- Megatron TP / SP / PP -------------------------------------------------------------------------------
@@ -955,12 +1289,13 @@ def estimate_parallel(
     peak = max(ph.total_bytes for ph in phases)
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
+    trainable = sum(h.tensor.numel * h.count for h in held_tensors(spec, strategy) if h.trainable)
     opt = next(ph for ph in phases if ph.phase is Phase.OPTIMIZER_STEP)
     return MemoryReport(
         method=Method.ANALYTIC,
         model_name=spec.name,
         params=params,
-        trainable_params=params,
+        trainable_params=trainable,
         phases=phases,
         overhead=overhead_for(peak),
         bytes_per_param=BytesPerParam(
@@ -1007,17 +1342,24 @@ def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
 
 
 __all__ = [
+    "FsdpGroups",
+    "HeldTensor",
     "ParallelPlan",
     "ShardedStates",
+    "ZeroPartition",
+    "check_parallel_finetune",
     "data_parallel_degree",
     "ddp_bucket_bytes",
     "deepspeed_partition_numel",
     "estimate_parallel",
+    "fsdp_groups",
     "fsdp_states",
+    "held_tensors",
     "in_flight_microbatches",
     "nccl_bytes",
     "plan",
     "resolve_engine",
     "shard_tensor",
     "tp_local_spec",
+    "zero_partition",
 ]

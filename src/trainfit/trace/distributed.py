@@ -17,6 +17,12 @@ peaks are exactly linear in the number of layers, DESIGN §4.3). The cost of a s
   ``gradient_as_bucket_view``; its parameter-shape check across ranks is skipped (a collective on
   real data) and a communication hook returns a completed future.
 
+Fine-tuning: the reduced model gets real PEFT adapters on the meta device
+(:func:`trainfit.trace.peft.apply_finetuning`) before it is materialised; QLoRA's 4-bit weights are quantised
+on fake tensors *before* the framework wraps the model (a wrapper would otherwise keep the unquantised weights
+it saw), and under FSDP2 bitsandbytes' recovery of the ``quant_state`` that the unsharded weight lost is done
+on the fake tensor itself. ``--freeze`` with many GPUs is not traced yet.
+
 What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
 parameters with ``UntypedStorage.resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py
 ``free_storage``/``alloc_storage``), which no dispatch mode sees, so ``resize_`` is patched for the run and
@@ -46,7 +52,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Checkpointing, Engine, Precision, Sharding, Strategy
+from trainfit.strategy import Checkpointing, Engine, Precision, Quantization, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -158,6 +164,32 @@ def patched_resize(tr: DistTracker) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _quant_state_on_unsharded(strategy: Strategy) -> Iterator[None]:
+    """FSDP2 replaces each ``Linear4bit`` weight by its unsharded tensor, which has lost the ``quant_state``
+    attribute; bitsandbytes recovers it in ``Linear4bit.forward`` from the module
+    (bitsandbytes/nn/modules.py ``fix_4bit_weight_quant_state_from_module``: "this happens for example for
+    fsdp") by re-wrapping the weight as a ``Params4bit`` sharing its data, which a fake tensor refuses. For
+    the trace the attribute is set on the unsharded tensor itself: the same storage, nothing allocated."""
+    if strategy.base_weights.quantization is Quantization.NONE:
+        yield
+        return
+    import importlib
+
+    mods: Any = importlib.import_module("bitsandbytes.nn.modules")
+    saved = mods.fix_4bit_weight_quant_state_from_module
+
+    def fix(module: Any) -> None:
+        if getattr(module.weight, "quant_state", None) is None:
+            module.weight.quant_state = module.quant_state
+
+    mods.fix_4bit_weight_quant_state_from_module = fix
+    try:
+        yield
+    finally:
+        mods.fix_4bit_weight_quant_state_from_module = saved
+
+
+@contextlib.contextmanager
 def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
     """Rank 0 of ``world_size`` on the fake process group, and its CPU device mesh: 1-D, or 2-D
     (replicate × shard) for HSDP when ``shard`` < ``world_size``."""
@@ -189,11 +221,11 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
-    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
-        raise StrategyError(
-            "adapters, frozen or quantised base weights with many GPUs are not modelled yet; "
-            "fine-tuning runs on one GPU (drop --gpus/--sharding)"
-        )
+    base = strategy.base_weights
+    if base.frozen:
+        raise StrategyError("--method trace does not run --freeze with many GPUs yet; use --method analytic")
+    if base.quantization is Quantization.INT8:
+        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
 
 def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy) -> None:
@@ -288,10 +320,20 @@ def run_layout_distributed(
     progress: Progress | None = None,
 ) -> rn.TraceRun:
     """Build the reduced model of ``layout``, wrap it with the framework and run it under the tracker."""
-    _built, rec = _run_strategy(strategy)
+    built, rec = _run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
-    rn.materialize(model, mode, None)
+    quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.adapter is not None or not strategy.base_weights.is_default:
+        from trainfit.trace.peft import apply_finetuning, quantised_weights
+
+        # Real PEFT adapters on the meta model (trace/peft.py), in the dtype the run builds them in: PEFT's
+        # fp32 adapters over an fp32 base for FSDP2's policy, which casts every parameter for compute.
+        model = apply_finetuning(model, built)
+        rn.materialize(model, mode, None)
+        quantised = quantised_weights(model, mode, built)
+    else:
+        rn.materialize(model, mode, None)
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[tk.Tracker] = []
@@ -300,13 +342,22 @@ def run_layout_distributed(
     tr = DistTracker()
     box.append(tr)
     head = hf.head_of(model)
-    with mode, tr, patched_resize(tr):
-        if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
-            _wrap_fsdp(model, layers, mesh, strategy)
-            run_model: torch.nn.Module = model
-        else:
-            with tr.comm_region():
-                run_model = _wrap_ddp(model, strategy, tr)
+    # The 4-bit weights are quantised before the framework wraps the model (as a loaded QLoRA model is):
+    # otherwise the wrapper would keep the unquantised weights it saw.
+    held = contextlib.ExitStack()
+    held.enter_context(quantised)
+    held.enter_context(_quant_state_on_unsharded(strategy))
+    try:
+        with mode, tr, patched_resize(tr):
+            if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
+                _wrap_fsdp(model, layers, mesh, strategy)
+                run_model: torch.nn.Module = model
+            else:
+                with tr.comm_region():
+                    run_model = _wrap_ddp(model, strategy, tr)
+    except BaseException:
+        held.close()
+        raise
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
         forward=lambda m, batch: m(**batch),
@@ -323,7 +374,7 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with hf.runtime_patches(), patched_resize(tr):
+    with held, hf.runtime_patches(), patched_resize(tr):
         return rn.run_steps(run_model, fns, options, execution)
 
 
@@ -415,6 +466,11 @@ def trace_distributed(
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
     traced = [len(layout.layers) for _, layout, _ in results]
+    trainable = results[0][2].trainable_params
+    for k, r in enumerate(plan.ext):  # each extrapolated run's per-unit increment times its missing units
+        trainable += (results[k + 1][2].trainable_params - results[0][2].trainable_params) * (
+            plan.runs[r].count - results[0][0][r]
+        )
     peak = max(p.total_bytes for p in phases.values())
     what = (
         f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
@@ -423,6 +479,8 @@ def trace_distributed(
         else f"DDP bucket_cap_mb={strategy.engine.bucket_cap_mb}, "
         f"gradient_as_bucket_view={strategy.engine.gradient_as_bucket_view}"
     )
+    if strategy.adapter is not None:
+        what += f"; real PEFT {strategy.adapter.kind.value} adapters on the frozen base"
     notes = [
         f"rank 0 of {world} on PyTorch's fake process group: {what}",
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
@@ -433,7 +491,7 @@ def trace_distributed(
         method=Method.TRACE,
         model_name=spec.name,
         params=plan.params,
-        trainable_params=plan.params,
+        trainable_params=trainable,
         phases=tuple(phases[ph] for ph in Phase),
         overhead=readout.overhead(peak),
         bytes_per_param=readout.bytes_per_param(phases, plan.params),

@@ -156,6 +156,9 @@ def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> 
                     parts += [qs.offset, qs.state2.absmax, qs.state2.code]
                 for k, t in enumerate(parts):
                     mod.register_buffer(f"_trainfit_quant_{k}", t, persistent=False)
+                # This frame lives through the run: keep no reference to the last weight, which a framework
+                # that replaces the parameters (FSDP2's shards) would otherwise leave alive.
+                del w, packed, weight
         yield
     finally:
         if saved is None:

@@ -1,0 +1,199 @@
+"""Many GPUs with adapters (trainfit.analytic.parallel under --finetune lora|qlora|freeze), held to closed forms
+written from the frameworks' rules rather than to the code's own output — ZeRO keeps 16-bit copies of every
+parameter but partitions gradients, fp32 masters and Adam only for the trainable ones (stage_1_and_2.py,
+stage3.py ``is_optimized_parameter``); FSDP2 shards every parameter but gives only trainable ones gradients and
+optimizer states; DDP's reducer holds only trainable gradients — and to invariants: more ranks never add
+per-rank memory, an adapter never adds gradient or optimizer memory over full fine-tuning at the same layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfit import estimate
+from trainfit.arch import load_model
+from trainfit.arch.params import inventory
+from trainfit.errors import StrategyError
+from trainfit.result import Component, Phase
+from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
+
+SLUG = "llama-3.1-8b"
+#: DeepSpeed ``stage3_param_persistence_threshold`` (zero/config.py default 1e5).
+PERSISTENCE = 100_000
+
+
+def _lora_params(rank: int) -> int:
+    """LoRA on every linear of Llama-3.1-8B's 32 layers: r·(d_in + d_out) per linear (Hu et al. 2021)."""
+    h, kv, inter = 4096, 8 * 128, 14336
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    return 32 * sum(rank * (a + b) for a, b in linears)
+
+
+def _ft(how: str, w: int, sharding: str, **kw: object) -> Strategy:
+    freeze = kw.pop("freeze", ())
+    adapter, base = finetune_setup(how, rank=16, freeze=freeze, base_dtype=kw.pop("base_dtype", None))  # type: ignore[arg-type]
+    return Strategy(
+        adapter=adapter,
+        base_weights=base,
+        parallelism=Parallelism(data=w),
+        sharding=sharding,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _step(strategy: Strategy, slug: str = SLUG) -> dict[Component, int]:
+    step = estimate(slug, strategy).phase(Phase.OPTIMIZER_STEP)
+    return {c: step.get(c) for c in Component}
+
+
+@pytest.mark.parametrize("w", [8, 64])
+def test_zero_with_lora_partitions_only_the_adapters_states(w: int) -> None:
+    psi = inventory(load_model(SLUG)).total
+    t = _lora_params(16)
+    for stage in ("zero1", "zero2", "zero3"):
+        c = _step(_ft("lora", w, stage))
+        assert c[Component.MASTER_WEIGHTS] == pytest.approx(4 * t / w, rel=0.01), stage
+        assert c[Component.OPTIMIZER_STATES] == pytest.approx(8 * t / w, rel=0.01), stage
+        grads = 2 * t if stage == "zero1" else 2 * t / w  # stage 1 keeps whole 16-bit gradients
+        assert c[Component.GRADIENTS] == pytest.approx(grads, rel=0.01), stage
+        if stage == "zero3":
+            # every parameter partitioned (⌈n/W⌉ each); those under the persistence threshold also kept whole
+            # on every rank: the norms and most rank-16 A/B matrices (16·4096 = 65536 elements)
+            spec = load_model(SLUG)
+            sizes = [x.numel for x, m in inventory(spec).all_tensors() for _ in range(m)]
+            h, kv, inter = 4096, 1024, 14336
+            linears = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+            sizes += [n for _ in range(32) for d_in, d_out in linears for n in (16 * d_in, 16 * d_out)]
+            part = sum(-(-n // w) for n in sizes if n >= PERSISTENCE)
+            whole = sum(n for n in sizes if n < PERSISTENCE)
+            assert c[Component.WEIGHTS] == pytest.approx(2 * part + 2 * whole, rel=0.001)
+        else:
+            assert c[Component.WEIGHTS] == pytest.approx(2 * (psi + t), rel=0.001), stage  # all in bf16
+
+
+@pytest.mark.parametrize(("base_dtype", "base_bytes"), [(None, 4), ("bf16", 2)])
+def test_fsdp_with_lora_shards_every_parameter_and_trains_the_adapters(base_dtype: str | None, base_bytes: int) -> None:
+    psi = inventory(load_model(SLUG)).total
+    t = _lora_params(16)
+    w = 8
+    c = _step(_ft("lora", w, "fsdp", base_dtype=base_dtype))
+    # fp32 adapter shards (the policy's master weights) + fp32 sharded gradients + fp32 Adam
+    assert c[Component.WEIGHTS] == pytest.approx(base_bytes * psi / w, rel=0.002)
+    assert c[Component.ADAPTER_WEIGHTS] == pytest.approx(4 * t / w, rel=0.01)
+    assert c[Component.GRADIENTS] == pytest.approx(4 * t / w, rel=0.01)
+    # Adam's two fp32 states, plus the fused kernel's one 512-byte step counter per adapter tensor
+    n_tensors = 32 * 7 * 2
+    assert c[Component.OPTIMIZER_STATES] == pytest.approx(8 * t / w + 512 * n_tensors, rel=0.01)
+
+
+def test_fsdp_qlora_shards_the_packed_storage_and_keeps_the_quant_state_whole() -> None:
+    spec = load_model(SLUG)
+    inv = inventory(spec)
+    linears = sum(x.numel * g.count for g in inv.layers for x in g.tensors if x.matmul)
+    rest = inv.total - linears
+    w = 8
+    c = _step(_ft("qlora", w, "fsdp"))
+    # nf4 with double quant: n/2 packed bytes (sharded) + n/64 uint8 absmax and 4 bytes per 256 of them
+    # (bitsandbytes quantize_4bit, compress_statistics) kept whole; the rest fp32 (prepare_model_for_kbit_training)
+    expected = linears / 2 / w + linears / 64 + 4 * linears / 64 / 256 + 4 * rest / w
+    assert c[Component.WEIGHTS] == pytest.approx(expected, rel=0.01)
+
+
+def test_ddp_with_lora_adds_buckets_of_the_adapter_gradients_only() -> None:
+    t = _lora_params(16)
+    adapter, base = finetune_setup("lora", rank=16)
+    single = estimate(SLUG, Strategy(adapter=adapter, base_weights=base))
+    ddp = estimate(SLUG, _ft("lora", 4, "ddp"))
+    for p1, p2 in zip(single.phases, ddp.phases, strict=True):
+        # fp32 gradient buckets of the adapters (c10d reducer: requires_grad parameters only)
+        assert p2.total_bytes - p1.total_bytes == pytest.approx(4 * t, abs=512 * 64), p1.phase
+
+
+def test_fsdp_freeze_gives_frozen_layers_no_gradients() -> None:
+    spec = load_model(SLUG)
+    inv = inventory(spec)
+    per_layer = sum(g.params_per_layer for g in inv.layers)
+    head_norm = inv.total - sum(x.numel for x in inv.model_tensors if x.name.startswith("embed")) - 32 * per_layer
+    trainable = 16 * per_layer + head_norm  # layers 16-31, the final norm and the head
+    w = 8
+    full = _step(_ft("full", w, "fsdp"))
+    frozen = _step(_ft("freeze", w, "fsdp", freeze="embeddings,layers:0-15"))
+    assert frozen[Component.WEIGHTS] == full[Component.WEIGHTS]  # frozen tensors shard like any other
+    assert frozen[Component.GRADIENTS] == pytest.approx(4 * trainable / w, rel=0.01)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    slug=st.sampled_from(("llama-3.1-8b", "qwen2.5-7b", "mistral-7b-v0.1")),
+    sharding=st.sampled_from(["fsdp", "zero3", "hsdp"]),
+    how=st.sampled_from(["lora", "qlora", "freeze"]),
+    k=st.integers(0, 8),
+    raf=st.booleans(),
+    ckpt=st.sampled_from(["none", "full"]),
+)
+def test_more_ranks_never_add_per_rank_memory_with_adapters(
+    slug: str, sharding: str, how: str, k: int, raf: bool, ckpt: str
+) -> None:
+    """Per-rank states never grow with W. The whole rank never grows either, except under FSDP2 past W =
+    rank: LoRA's A (r × d_in) is sharded on dim 0 into ⌈r/W⌉ padded rows, so its all-gather output holds
+    W·⌈r/W⌉ ≥ W rows (torch.chunk in _fsdp_param.py ``_init_sharded_param``; the fake-PG trace shows the same
+    growth, tests/trace/test_distributed_finetune.py)."""
+    if how == "qlora" and sharding == "zero3":
+        return  # refused (test_unmodelled_layouts_are_refused_in_one_line)
+    w = 2**k
+    s = _ft(
+        how,
+        w,
+        sharding,
+        freeze=("embeddings", "layers:0-3") if how == "freeze" else (),
+        checkpointing=ckpt,
+        engine=EngineOptions(reshard_after_forward=raf),
+    )
+    a = estimate(slug, s)
+    b = estimate(slug, dataclasses.replace(s, parallelism=Parallelism(data=2 * w)))
+    states = (Component.WEIGHTS, Component.ADAPTER_WEIGHTS, Component.GRADIENTS, Component.OPTIMIZER_STATES)
+    padded_rows = sharding != "zero3" and how != "freeze" and 2 * w > 16
+    for pa, pb in zip(a.phases, b.phases, strict=True):
+        assert sum(pb.get(c) for c in states) <= sum(pa.get(c) for c in states), (pa.phase, w)
+        if not padded_rows:
+            assert pb.total_bytes <= pa.total_bytes, (pa.phase, w)
+
+
+def test_fsdp_all_gather_grows_past_the_lora_rank() -> None:
+    """W·⌈r/W⌉ padded rows of each A in one layer's all-gather output: from W = r on, doubling W adds
+    W·d_in more rows per A of the layer (bf16 under the policy)."""
+    w = 32
+    a = estimate(SLUG, _ft("lora", w, "fsdp")).phase(Phase.FORWARD).get(Component.COMM_BUFFERS)
+    b = estimate(SLUG, _ft("lora", 2 * w, "fsdp")).phase(Phase.FORWARD).get(Component.COMM_BUFFERS)
+    h, inter = 4096, 14336
+    d_ins = [h] * 6 + [inter]  # q, k, v, o, gate, up read h; down reads the MLP width
+    # ⌈16/W⌉ = 1 row per rank for A; B (d_out × 16) pads dim 0 by < W rows
+    grown = sum((2 * w - w) * d * 2 for d in d_ins)
+    assert b - a == pytest.approx(grown, rel=0.05)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("w", [2, 16])
+def test_lora_never_adds_gradient_or_optimizer_memory(sharding: str, w: int) -> None:
+    full = estimate(SLUG, _ft("full", w, sharding))
+    lora = estimate(SLUG, _ft("lora", w, sharding))
+    for c in (Component.GRADIENTS, Component.OPTIMIZER_STATES, Component.MASTER_WEIGHTS):
+        assert max(p.get(c) for p in lora.phases) <= max(p.get(c) for p in full.phases), c
+
+
+@pytest.mark.parametrize(
+    ("how", "kw", "needle"),
+    [
+        ("lora", {"parallelism": Parallelism(data=2, tensor=2), "sharding": "zero1"}, "Megatron"),
+        ("qlora", {"parallelism": Parallelism(data=8), "sharding": "zero3"}, "QLoRA with DeepSpeed"),
+        ("lora-int8", {"parallelism": Parallelism(data=8), "sharding": "fsdp"}, "int8"),
+    ],
+)
+def test_unmodelled_layouts_are_refused_in_one_line(how: str, kw: dict[str, object], needle: str) -> None:
+    adapter, base = finetune_setup("lora", base_dtype="int8") if how == "lora-int8" else finetune_setup(how)
+    with pytest.raises(StrategyError, match=needle) as exc:
+        estimate(SLUG, Strategy(adapter=adapter, base_weights=base, **kw))  # type: ignore[arg-type]
+    assert "\n" not in str(exc.value)
