@@ -146,3 +146,17 @@ def test_a_candidates_plan_is_the_exhaustive_answer(slug: str, gpu: str, gpus: i
         assert plan is not None
         best = min(fitting, key=lambda m: (s.key(c.world, s.speed(s.strategy(c, m))), -m))
         assert plan.strategy == s.strategy(c, best)
+
+
+def test_adapters_are_planned_on_many_gpus_and_checked_by_the_estimate() -> None:
+    """--allow lora,qlora on 4 GPUs: data-parallel adapter plans, each the estimate's own number."""
+    from trainfit.planner.space import Finetune
+
+    spec, gpu = load_model("mistral-7b-v0.1"), get_gpu("rtx-4090")
+    r = search_plans(spec, gpu, gpus=4, seq_len=2048, global_batch=64, allow=(Finetune.LORA, Finetune.QLORA))
+    many = [p for p in r.plans if p.gpus > 1 and p.strategy.adapter is not None]
+    assert many
+    for p in many:
+        assert p.strategy.parallelism.tensor == p.strategy.parallelism.pipeline == 1
+        rep = estimate(spec, p.strategy, gpu=gpu, headroom=0.3, search_micro_batch=False)
+        assert rep.fit is not None and rep.fit.fits and rep.fit.required_bytes == p.required_bytes

@@ -220,7 +220,7 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     nodes, gpn = _nodes(strategy), min(strategy.world_size, strategy.parallelism.gpus_per_node)
     rdzv = " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500" if nodes > 1 else ""
     code = None
-    if strategy.sharding is Sharding.FSDP:
+    if strategy.sharding is Sharding.FSDP and strategy.adapter is None:  # with adapters: the Trainer and PEFT
         code, script = fsdp2_script(spec, strategy, layer_class(spec)), "train_fsdp2.py"
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
     if megatron:

@@ -19,7 +19,10 @@ bisects, since memory grows with it). What the space contains, and why:
   no framework runs, and such candidates are dropped.
 - **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
   (using fewer GPUs is a plan too; nested for powers of two, so more GPUs never make the best plan worse).
-- **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them.
+- **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them, on
+  one GPU or data parallel (DDP, FSDP2/HSDP, ZeRO; what the estimate refuses — QLoRA with ZeRO — drops out),
+  not with tensor/pipeline parallelism or offload. Their exports are the Trainer's (with PEFT), not the
+  torchrun FSDP2 script.
 """
 
 from __future__ import annotations
@@ -237,8 +240,8 @@ def candidates(
             if global_batch % (world // (t * p)):
                 continue
             for ft in methods:
-                if ft is not Finetune.FULL and (world > 1 or off != "none"):
-                    continue  # adapters: one GPU (the memory model's many-GPU path refuses them)
+                if ft is not Finetune.FULL and (t > 1 or p > 1 or off != "none"):
+                    continue  # adapters: data parallel only (Megatron with adapters is refused; so is offload here)
                 for prec in native_precisions(gpu):
                     for opt in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
                         for ck in (Checkpointing.NONE, Checkpointing.SQRT, Checkpointing.FULL):
