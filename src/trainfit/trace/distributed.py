@@ -182,11 +182,21 @@ def check_traceable(strategy: Strategy) -> None:
     par, sh = strategy.parallelism, strategy.sharding
     if par.tensor > 1 or par.pipeline > 1:
         raise StrategyError("--method trace runs DDP and FSDP2; tensor/pipeline parallelism: use --method analytic")
+    if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) and strategy.engine.engine in (
+        Engine.AUTO,
+        Engine.DEEPSPEED,
+    ):
+        from trainfit.trace.deepspeed import check_traceable as check_deepspeed  # DeepSpeed ZeRO
+
+        check_deepspeed(strategy)
+        return
     if sh not in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP, Sharding.NONE) or strategy.engine.engine not in (
         Engine.AUTO,
         Engine.TORCH,
     ):
-        raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
+        raise StrategyError(
+            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2|zero3; for {sh.value} use --method analytic"
+        )
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
     if not strategy.trains_every_weight or not strategy.base_weights.is_default:
@@ -363,6 +373,10 @@ def trace_distributed(
     The allocator replay of the single-GPU trace is not run for many GPUs yet."""
     del modules
     check_traceable(strategy)
+    if strategy.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
+        from trainfit.trace.deepspeed import trace_deepspeed
+
+        return trace_deepspeed(spec, strategy, progress=progress, steps=steps, extrapolate=extrapolate)
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     from trainfit.trace._deps import require_torch, require_transformers
 
