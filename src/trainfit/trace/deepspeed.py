@@ -42,6 +42,7 @@ AdamW.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import time
@@ -52,7 +53,7 @@ import torch
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
-from trainfit.result import MemoryReport, Method, Phase, RepeatedRun, TraceDetails
+from trainfit.result import Component, MemoryReport, Method, Phase, RepeatedRun, TraceDetails
 from trainfit.strategy import Optimizer, Precision, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
@@ -155,7 +156,17 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     for mod in (ppc, pp, s3):
         if hasattr(mod, "assert_ints_same_as_other_ranks"):
             patches.append((mod, "assert_ints_same_as_other_ranks", lambda _ints: None))
+    # DeepSpeed caches its communication backend and process groups in module globals
+    # (deepspeed/comm/comm.py ``cdb``, deepspeed/utils/groups.py ``_WORLD_GROUP``, ...): a later trace on a new
+    # fake process group must not find the destroyed one's.
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.utils import groups as ds_groups
+
+    state = [(ds_comm, "cdb")] + [
+        (ds_groups, name) for name in vars(ds_groups) if name.startswith("_") and name[1:2].isupper()
+    ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    saved += [(obj, name, copy.copy(getattr(obj, name))) for obj, name in state]
     for obj, name, new in patches:
         setattr(obj, name, new)
     try:
@@ -409,7 +420,8 @@ def trace_deepspeed(
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     stage = ZERO_STAGES[strategy.sharding]
-    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate)
+    # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate, base_units=2)
     world = strategy.parallelism.world_size
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     step_run: rn.TraceRun | None = None
@@ -431,12 +443,19 @@ def trace_deepspeed(
             depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
-        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
+        phases = depth.extrapolate_phases(
+            _hold_transients(keyed), plan.ext, plan.runs, warnings, base_units=plan.base_units
+        )
         if step_run is not None:
             # Rank 0's gradient partition holds whole the parameters its slice of the flat buffer meets, and
-            # the slice moves with the depth: not linear in it. The step is taken from the full depth.
-            step = readout.phase_peaks(step_run)[Phase.OPTIMIZER_STEP]
-            phases[Phase.OPTIMIZER_STEP] = readout.breakdown(Phase.OPTIMIZER_STEP, step.components)
+            # the slice moves with the depth: not linear in it. The step is taken from the full depth, and
+            # the backward is at least what the full depth holds while the gradients are reduced.
+            full = readout.phase_peaks(step_run)
+            phases[Phase.OPTIMIZER_STEP] = readout.breakdown(
+                Phase.OPTIMIZER_STEP, full[Phase.OPTIMIZER_STEP].components
+            )
+            if full[Phase.BACKWARD].total_bytes > phases[Phase.BACKWARD].total_bytes:
+                phases[Phase.BACKWARD] = readout.breakdown(Phase.BACKWARD, full[Phase.BACKWARD].components)
     else:
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
@@ -470,6 +489,25 @@ def trace_deepspeed(
             trace_seconds=round(time.perf_counter() - t0, 2),
         ),
     )
+
+
+def _hold_transients(
+    keyed: list[dict[Any, dict[Component, int]]],
+) -> list[dict[Any, dict[Component, int]]]:
+    """What the reduction holds in backward — the autograd gradients waiting for the bucket, the bucket, the
+    copies made when it is reduced, the loss's tensors — is bounded by the bucket, not by the depth, and
+    where in the stack a bucket fills shifts with the depth: each place keeps the larger of the traced values
+    for them, and only the states and the saved activations are extrapolated (cf. FSDP2's
+    ``trace.distributed._hold_transients``)."""
+    held = (Component.TEMPORARIES, Component.LOGITS_LOSS, Component.COMM_BUFFERS, Component.GRADIENTS)
+    out = [{k: dict(v) for k, v in d.items()} for d in keyed]
+    for key in out[0]:
+        for c in held:
+            top = max(d[key].get(c, 0) for d in out if key in d)
+            for d in out:
+                if key in d:
+                    d[key][c] = top
+    return out
 
 
 @contextlib.contextmanager
