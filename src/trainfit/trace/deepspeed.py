@@ -450,12 +450,11 @@ def trace_deepspeed(
             # Rank 0's gradient partition holds whole the parameters its slice of the flat buffer meets, and
             # the slice moves with the depth: not linear in it. The step is taken from the full depth, and
             # the backward is at least what the full depth holds while the gradients are reduced.
-            full = readout.phase_peaks(step_run)
-            phases[Phase.OPTIMIZER_STEP] = readout.breakdown(
-                Phase.OPTIMIZER_STEP, full[Phase.OPTIMIZER_STEP].components
-            )
-            if full[Phase.BACKWARD].total_bytes > phases[Phase.BACKWARD].total_bytes:
-                phases[Phase.BACKWARD] = readout.breakdown(Phase.BACKWARD, full[Phase.BACKWARD].components)
+            at_depth = readout.phase_peaks(step_run)
+            step_pk, bwd_pk = at_depth[Phase.OPTIMIZER_STEP], at_depth[Phase.BACKWARD]
+            phases[Phase.OPTIMIZER_STEP] = readout.breakdown(Phase.OPTIMIZER_STEP, step_pk.components)
+            if bwd_pk.total_bytes > phases[Phase.BACKWARD].total_bytes:
+                phases[Phase.BACKWARD] = readout.breakdown(Phase.BACKWARD, bwd_pk.components)
     else:
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
