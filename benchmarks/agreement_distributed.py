@@ -5,7 +5,8 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard`` or torch DDP on PyTorch
 (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and compares every phase with the
 closed-form model (trainfit.analytic.parallel). The trace time is the wall time of the whole trace; it
 does not grow with the world size.
-Usage: python benchmarks/agreement_distributed.py [--quick]
+DeepSpeed ZeRO-1/2 rows run rank 0 of the real DeepSpeed engine (trainfit.trace.deepspeed).
+Usage: python benchmarks/agreement_distributed.py [--quick | --deepspeed]
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ CASES = (
     ("qwen2.5-7b", "ddp", 8, True, "none"),
     ("llama-3.2-1b", "ddp", 64, False, "full"),
     ("llama-3.1-70b", "fsdp", 64, True, "full"),
+    # DeepSpeed ZeRO (trainfit.trace.deepspeed; the flag is unused): the exported ds_config.json, default buckets
+    ("llama-2-7b", "zero2", 8, False, "none"),
+    ("llama-2-7b", "zero1", 64, False, "none"),
+    ("qwen2.5-7b", "zero2", 2, False, "full"),
 )
 QUICK = CASES[:1]
 
@@ -52,6 +57,8 @@ def strategy(sharding: str, w: int, flag: bool, ckpt: str) -> Strategy:
 
 def main(argv: list[str]) -> None:
     cases = QUICK if "--quick" in argv else CASES
+    if "--deepspeed" in argv:
+        cases = tuple(c for c in CASES if c[1].startswith("zero"))
     print(
         "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
         "| trace s |"
@@ -64,7 +71,13 @@ def main(argv: list[str]) -> None:
         tr = trace_distributed(spec, s)
         secs = time.perf_counter() - t0
         an = estimate_parallel(spec, s)
-        setup = f"FSDP2, reshard_after_forward={flag}" if sharding == "fsdp" else f"DDP, gradient_as_bucket_view={flag}"
+        setup = (
+            f"FSDP2, reshard_after_forward={flag}"
+            if sharding == "fsdp"
+            else f"DeepSpeed ZeRO-{sharding[-1]}"
+            if sharding.startswith("zero")
+            else f"DDP, gradient_as_bucket_view={flag}"
+        )
         worst = max(
             abs(a.total_bytes - t.total_bytes) / t.total_bytes for a, t in zip(an.phases, tr.phases, strict=True)
         )

@@ -62,7 +62,7 @@ def _method_fn(method: Method, strategy: Strategy | None = None) -> Callable[...
             return dfn
         raise StrategyError(
             f"--method {method.value} models one GPU; many GPUs are modelled by --method analytic (and trace for "
-            "ddp, fsdp and hsdp)"
+            "ddp, fsdp, hsdp, zero1 and zero2)"
         )
     if method is Method.ANALYTIC:
         return estimate_analytic

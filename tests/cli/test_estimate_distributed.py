@@ -57,6 +57,8 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 8 --tp 2 --optimizer sgd", "Adam"),
         ("llama-3.1-8b --gpus 8 --pp-schedule interleaved --virtual-stages 2", "--pp > 1"),
         ("llama-3.1-8b --gpus 2 --sharding ddp --method trace --finetune lora", "not modelled yet"),
+        ("llama-3.1-8b --gpus 8 --sharding zero3 --method trace", "for zero3 use --method analytic"),
+        ("llama-3.1-8b --gpus 8 --sharding zero2 --offload optimizer --method trace", "offload"),
     ],
 )
 def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:
