@@ -30,13 +30,27 @@ Five patches make the engine run on fake tensors (DESIGN §4.3); none changes wh
 * ``assert_ints_same_as_other_ranks`` (ZeRO-3's check that all ranks trace the same module order; it reads
   rank 0's list) is skipped.
 
-What is counted: the 16-bit flat parameter buffer (stages 1–2) or partitions (stage 3), the fp32 master
-partitions and Adam states, the gradients (stage 1: the full 16-bit ``.grad`` of every parameter; stage 2:
-``grads_in_partition``), the reduce buckets (``ipg_buffer``, stage 3's ``__ipg_bucket_flat_buffer``) as
-:attr:`Component.COMM_BUFFERS`, stage 3's all-gathered parameters as :attr:`Component.UNSHARDED_PARAMS`,
-and every temporary DeepSpeed makes on the way (flattening, the fp32 gradient partition of the step, the
-norms). Refused here: CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op) and optimizers other than
-AdamW.
+What is counted (components filed by the tracker, :class:`DeepSpeedTracker`): the flat 16-bit parameter
+buffer, the fp32 master partition and Adam's states (marked by the attributes the ZeRO optimizer keeps them
+in); the gradients — autograd's ``.grad`` until the reduction, then ``grads_in_partition`` (what
+``copy_grads_in_partition`` allocates); the reduce buckets (what ``setup_buckets`` allocates) as
+:attr:`Component.COMM_BUFFERS`; every temporary DeepSpeed makes on the way (bucket copies, the step's fp64
+norms, flattened and fp32 gradient partitions). Meta tensors (DeepSpeed keeps a ``zeros_like(p,
+device="meta")`` per parameter) are not memory and are not recorded.
+
+Depth: forward and backward are traced at 2 and 3 layers and extrapolated per region, with the reduction's
+transients (gradients waiting for the bucket, the bucket, its copies, the loss's tensors) held at the larger
+traced value rather than extrapolated — they are bounded by the bucket, and where a bucket fills shifts with
+the depth. Rank 0's gradient partition is not linear in the depth at all (it holds whole every parameter its
+slice of the flat buffer meets, and the slice moves with the depth), so the optimizer step is traced once
+more at full depth with a stand-in loss, the sum of every parameter's sum: one cheap backward that hands
+DeepSpeed's hooks every gradient, then the real ``engine.step()``. That run's backward (every gradient
+reduced, no activations) is also a floor for the backward phase.
+
+Refused in one line: ZeRO-3 (the engine runs on fake tensors with these patches, but its gathered
+parameters, persistent parameters and gradient partition buffer are not yet filed and checked against the
+closed form), CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
+gradient accumulation (the runner's passes per step do not follow DeepSpeed's accumulation boundary).
 """
 
 from __future__ import annotations
@@ -296,18 +310,12 @@ class _EngineLoop(rn._StepLoop):
         return rn._Optim(optimizer=optimizer, master=None, scaler=None, params=self.trainable, host_keys=set())
 
     def mark_states(self) -> None:
-        """Give DeepSpeed's long-lived buffers their component (by the attributes the ZeRO optimizers keep
-        them in: deepspeed/runtime/zero/stage_1_and_2.py, stage3.py)."""
+        """Give DeepSpeed's long-lived buffers their component, by the attributes ``DeepSpeedZeroOptimizer``
+        keeps them in (deepspeed/runtime/zero/stage_1_and_2.py)."""
         o, tr = self.engine.optimizer, self.tr
-        if self.stage < 3:
-            tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
-            tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
-            tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
-        else:
-            tr.mark(_tensors(o.fp16_partitioned_groups_flat), tk.WEIGHTS)
-            tr.mark(_tensors(o.fp32_partitioned_groups_flat), tk.MASTER)
-            tr.mark(_tensors(getattr(o, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer", None)), COMM)
-            tr.mark(_tensors(getattr(o, "grad_partitions_flat_buffer", None)), tk.GRAD)
+        tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
+        tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
+        tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
         for _key, t in state_tensors(o.optimizer):
             tr.mark([t], tk.OPT)
 
@@ -327,7 +335,8 @@ class _EngineLoop(rn._StepLoop):
     def optimizer_step(self, sm: StepMarks, optim: rn._Optim) -> None:
         with self.phase(tk.OPTIMIZER, str(sm.step)):
             sm.opt_start = self.now(Mark.OPTIMIZER_START)
-            self.tr.mark([p.grad for p in self.trainable], tk.GRAD)
+            # ``.grad`` left by the reduction (stage 1: autograd's; views of buffers already filed keep their kind)
+            self.tr.mark([p.grad for p in self.trainable], tk.GRAD, only_unmarked=True)
             self.engine.step()
             self.mark_states()
             sm.opt_end = self.now(Mark.OPTIMIZER_END)
