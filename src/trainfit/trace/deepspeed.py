@@ -59,6 +59,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,7 +67,7 @@ from typing import Any
 import torch
 
 from trainfit.arch.spec import ModelSpec
-from trainfit.errors import StrategyError, TraceUnsupportedError
+from trainfit.errors import DependencyError, StrategyError, TraceUnsupportedError
 from trainfit.result import Component, MemoryReport, Method, Phase, RepeatedRun, TraceDetails
 from trainfit.strategy import Optimizer, Precision, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
@@ -418,23 +419,15 @@ def trace_deepspeed(
 
     require_torch()
     require_transformers()
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        from trainfit.errors import DependencyError
-
-        raise DependencyError(
-            "--method trace for --sharding zero* needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed"
-        ) from None
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     stage = ZERO_STAGES[strategy.sharding]
-    # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
-    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate, base_units=2)
     world = strategy.parallelism.world_size
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     step_run: rn.TraceRun | None = None
-    with _deepspeed_world(world), _quiet_deepspeed(), _one_line_failure(stage):
+    # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate, base_units=2)
+    with _quiet_deepspeed(), _deepspeed_world(world), _one_line_failure(stage):
         for i, (counts, layout) in enumerate(plan.layouts):
             say(
                 f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}",
@@ -533,17 +526,32 @@ def _one_line_failure(stage: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_deepspeed() -> Iterator[None]:
-    """DeepSpeed logs its configuration and each step at INFO/WARNING: keep the trace's output clean."""
+    """DeepSpeed prints to stdout (its accelerator choice when imported, the build of its communication op)
+    and logs its configuration there: while it traces, stdout goes to the null device and its logger to
+    ERROR, so that ``--json`` stays clean; the warnings fake tensors provoke in it (``data_ptr`` of a
+    FakeTensor, deprecated collectives) are silenced. Raises DependencyError without DeepSpeed."""
     import logging
+    import warnings
 
-    from deepspeed.utils import logger
-
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        try:
+            from deepspeed.utils import logger
+        except ImportError:
+            raise DependencyError(
+                "--method trace for --sharding zero* needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed"
+            ) from None
+        # A handler made on first import writes to the stdout of that moment (the sink): point it at stderr.
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream is sink:
+                h.setStream(sys.stderr)
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
 
 
 __all__ = ["check_traceable", "ds_config", "run_layout_deepspeed", "trace_deepspeed"]
