@@ -17,6 +17,9 @@ peaks are exactly linear in the number of layers, DESIGN §4.3). The cost of a s
   ``gradient_as_bucket_view``; its parameter-shape check across ranks is skipped (a collective on
   real data) and a communication hook returns a completed future.
 
+DeepSpeed ZeRO-1/2 (``--sharding zero1|zero2``) is traced by :mod:`trainfit.trace.deepspeed`, which
+:func:`trace_distributed` hands it to.
+
 What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
 parameters with ``UntypedStorage.resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py
 ``free_storage``/``alloc_storage``), which no dispatch mode sees, so ``resize_`` is patched for the run and
@@ -195,7 +198,7 @@ def check_traceable(strategy: Strategy) -> None:
         Engine.TORCH,
     ):
         raise StrategyError(
-            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2|zero3; for {sh.value} use --method analytic"
+            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2; for {sh.value} use --method analytic"
         )
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
