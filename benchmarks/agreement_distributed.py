@@ -5,9 +5,10 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor t
 (``parallelize_module`` with torchtitan's Llama plan, ± sequence parallelism; trainfit.trace.tensor_parallel)
 on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
 compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
-time of the whole trace; it does not grow with the world size. The fine-tuning rows (``--finetune``) wrap
-real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only] [--finetune]
+time of the whole trace; it does not grow with the world size. DeepSpeed ZeRO-1/2 rows run rank 0 of the
+real DeepSpeed engine (trainfit.trace.deepspeed). The fine-tuning rows (``--finetune``) wrap real PEFT LoRA
+models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --deepspeed | --finetune]
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ CASES = (
     ("qwen2.5-7b", "ddp", 8, True, "none"),
     ("llama-3.2-1b", "ddp", 64, False, "full"),
     ("llama-3.1-70b", "fsdp", 64, True, "full"),
+    # DeepSpeed ZeRO (trainfit.trace.deepspeed; the flag is unused): the exported ds_config.json, default buckets
+    ("llama-2-7b", "zero2", 8, False, "none"),
+    ("llama-2-7b", "zero1", 64, False, "none"),
+    ("qwen2.5-7b", "zero2", 2, False, "full"),
 )
 QUICK = CASES[:1]
 # (model, tensor-parallel degree, sequence parallel, checkpointing): --engine torch, W = tp, micro-batch 1 × 2048
@@ -105,7 +110,9 @@ def main(argv: list[str]) -> None:
     cases: tuple[tuple[object, ...], ...] = (
         FINETUNE if finetune else () if "--tp-only" in argv else QUICK if "--quick" in argv else CASES
     )
-    tp_cases = () if finetune else TP_CASES[:1] if "--quick" in argv else TP_CASES
+    if "--deepspeed" in argv:
+        cases = tuple(c for c in CASES if str(c[1]).startswith("zero"))
+    tp_cases = () if finetune or "--deepspeed" in argv else TP_CASES[:1] if "--quick" in argv else TP_CASES
     print(
         "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
         "| trace s |"
@@ -115,6 +122,8 @@ def main(argv: list[str]) -> None:
         setup = (
             f"{'HSDP' if sharding == 'hsdp' else 'FSDP2'}, reshard_after_forward={flag}"
             if sharding in ("fsdp", "hsdp")
+            else f"DeepSpeed ZeRO-{str(sharding)[-1]}"
+            if str(sharding).startswith("zero")
             else f"DDP, gradient_as_bucket_view={flag}"
         )
         if ft:

@@ -68,7 +68,7 @@ def _method_fn(method: Method, strategy: Strategy | None = None) -> Callable[...
             return dfn
         raise StrategyError(
             f"--method {method.value} models one GPU; many GPUs are modelled by --method analytic (and trace for "
-            "ddp, fsdp, hsdp and DTensor --tp)"
+            "ddp, fsdp, hsdp, zero1, zero2 and DTensor --tp)"
         )
     if method is Method.ANALYTIC:
         return estimate_analytic

@@ -56,8 +56,12 @@ def test_zero_stages_match_the_paper(n: int) -> None:
     psi = inventory(load_model("llama-2-7b")).total
     paper = {"zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n, "zero3": 16 * psi / n}
     for stage, expected in paper.items():
-        got = _states(_dp(n, precision="master-bf16", sharding=stage))
-        # the fp32 gradient partition of the step is a temporary, not a state; padding is < 2·N elements
+        r = estimate("llama-2-7b", _dp(n, precision="master-bf16", sharding=stage))
+        # The most a phase holds: stage 1 holds the full 16-bit gradients (the paper's 2Ψ) until the reduction
+        # at the end of backward, after which DeepSpeed keeps only its partition's (stage_1_and_2.py
+        # ``reduce_gradients`` → ``copy_grads_in_partition``). The fp32 gradient partition of the step is a
+        # temporary, not a state; padding is < 2·N elements, rank 0's whole boundary parameters < 1%.
+        got = max(sum(p.get(c) for c in STATE_COMPONENTS) for p in r.phases)
         assert abs(got - expected) / expected < 0.01, (stage, got, expected)
 
 

@@ -3,6 +3,7 @@ refusals (exit 2) for combinations the engines refuse."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 4 --tp 2 --sharding zero1 --finetune lora", "Megatron"),
         ("llama-3.1-8b --gpus 8 --sharding zero3 --finetune qlora", "QLoRA with DeepSpeed"),
         ("llama-3.1-8b --gpus 8 --sharding fsdp --finetune lora --base-dtype int8", "int8"),
+        ("llama-3.1-8b --gpus 8 --sharding zero3 --method trace", "for zero3 use --method analytic"),
+        ("llama-3.1-8b --gpus 8 --sharding zero2 --offload optimizer --method trace", "offload"),
     ],
 )
 def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:
@@ -87,6 +90,30 @@ def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path:
     out = json.loads(res.out)
     assert out["method"] == "trace"
     assert out["phases"]["forward"]["components"]["comm_buffers"] > 0
+
+
+@pytest.mark.slow
+def test_trace_of_deepspeed_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """DeepSpeed prints and logs to stdout when imported and while it sets up; the trace keeps ``--json``
+    parseable. (Not ``importorskip("deepspeed")``: importing it here, outside the trace, would print.)"""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed")
+    cfg = {
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "tie_word_embeddings": True,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    args = ("--gpus", "8", "--sharding", "zero2", "--method", "trace", "--seq", "128", "--json")
+    res = run_cli(capsys, "estimate", str(path), *args)
+    assert res.code == 0, res.err
+    assert res.out.startswith("{"), res.out[:300]
+    out = json.loads(res.out)
+    assert out["method"] == "trace"
+    assert out["phases"]["backward"]["components"]["comm_buffers"] > 0
 
 
 def test_docs_examples(capsys: pytest.CaptureFixture[str]) -> None:

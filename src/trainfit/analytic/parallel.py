@@ -77,7 +77,7 @@ padding beyond ``make_vocab_size_divisible_by`` = 128·tp, MoE expert parallelis
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from trainfit.analytic.activations import effective_strategy
@@ -107,6 +107,7 @@ from trainfit.result import (
     RankMemory,
 )
 from trainfit.strategy import (
+    Checkpointing,
     Engine,
     OffloadTarget,
     Optimizer,
@@ -169,6 +170,10 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
         )
     if finetuning(strategy):
         check_parallel_finetune(spec, strategy, engine)
+    if strategy.checkpointing is Checkpointing.SAC and (tp > 1 or pp > 1):
+        raise StrategyError(
+            "--checkpointing sac with tensor/pipeline parallelism is not modelled yet; use --checkpointing full"
+        )
     if off.activations:
         raise StrategyError("activation offload is not modelled; use --offload none|optimizer|optimizer+params")
     if off.optimizer is OffloadTarget.NVME or off.parameters is OffloadTarget.NVME:
@@ -901,6 +906,34 @@ def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[
     return part, whole
 
 
+def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
+    """Stages 1–2, rank 0: (elements of every parameter whose slice of the flat buffer meets the rank's
+    partition [0, part), the largest such slice). Parameters are flattened in ``model.parameters()`` order
+    (embeddings, the layers, the final norm and head); ``grads_in_partition`` holds each meeting parameter's
+    gradient whole (stage_1_and_2.py ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over
+    ``params_in_partition``), and the step's norm reads each slice of ``averaged_gradients`` cast to fp64
+    (``get_grad_norm_direct``: ``g.data.to(get_norm_dtype())``)."""
+    inv = inventory(spec)
+    emb = [t for t in inv.model_tensors if t.name.startswith("embed")]
+    rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
+
+    def order() -> Iterator[ParamTensor]:
+        yield from emb
+        for g in inv.layers:
+            for _ in range(g.count):
+                yield from g.tensors
+        yield from rest
+
+    offset = whole = largest = 0
+    for t in order():
+        if offset >= part:
+            break
+        whole += t.numel
+        largest = max(largest, min(offset + t.numel, part) - offset)
+        offset += t.numel
+    return whole, largest
+
+
 def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     fp32 = strategy.recipe.compute_bits == 32
     cs = _compute_strategy(strategy)
@@ -929,6 +962,16 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     overlap = _overlap(strategy)
     grad_part = allocator_bytes(part * pb)
     fp32_grad = 0 if fp32 else allocator_bytes(part * 4)  # the step's fp32 gradient partition
+    if stage < 3 and not finetuning(strategy):
+        # Rank 0 (the trace's): the gradients of the parameters its partition meets, whole; the step first
+        # takes the norm of each slice in fp64, then flattens the slices (``self.flatten``) and casts the
+        # flat partition to fp32 (stage_1_and_2.py ``DeepSpeedZeroOptimizer.step``).
+        whole_numel, largest_slice = deepspeed_rank0_gradients(spec, part)
+        grad_part = allocator_bytes(whole_numel * pb)
+        step_temp = max(allocator_bytes(8 * largest_slice), allocator_bytes(part * pb) + fp32_grad)
+    else:  # stage 3; and fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over
+        # them is not derived yet: ZeRO with adapters is not traced)
+        step_temp = fp32_grad
     largest_module = max(t.numel for t, _ in inv.all_tensors())
     fetch = 0
     if stage == 3:
@@ -950,15 +993,20 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
                 comm = allocator_bytes(min(total, eo.reduce_bucket_size) * pb)  # the flattened allreduce bucket
         else:
             grads = 0 if off_opt else int(grad_part * frac)
-            if m.phase is Phase.BACKWARD:
+            # The bucket is made at the first parameter gradient (``process_gradients`` → ``setup_buckets``),
+            # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
+            if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
                 comm = bucket * (2 if overlap and stage == 2 else 1)
         if stage == 3:
             comm = bucket  # persistent __ipg_bucket_flat_buffer
             if m.phase is not Phase.OPTIMIZER_STEP:
                 unsharded = fetch
         if m.phase is Phase.OPTIMIZER_STEP:
-            grads = allocator_bytes(total * pb) if stage == 1 else (0 if off_opt else grad_part)
-            c[Component.TEMPORARIES] = 0 if off_opt else fp32_grad
+            # Stage 1 too keeps only its partition's gradients after backward: at the accumulation boundary
+            # ``reduce_gradients`` reduces every gradient and copies the partition's into
+            # ``grads_in_partition`` (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``).
+            grads = 0 if off_opt else grad_part
+            c[Component.TEMPORARIES] = 0 if off_opt else step_temp
         c[Component.GRADIENTS] = grads
         c[Component.COMM_BUFFERS] = comm
         c[Component.UNSHARDED_PARAMS] = unsharded

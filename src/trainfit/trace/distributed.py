@@ -23,6 +23,9 @@ on fake tensors *before* the framework wraps the model (a wrapper would otherwis
 it saw), and under FSDP2 bitsandbytes' recovery of the ``quant_state`` that the unsharded weight lost is done
 on the fake tensor itself. ``--freeze`` with many GPUs is not traced yet.
 
+DeepSpeed ZeRO-1/2 (``--sharding zero1|zero2``) is traced by :mod:`trainfit.trace.deepspeed`, which
+:func:`trace_distributed` hands it to.
+
 What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
 parameters with ``UntypedStorage.resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_common.py
 ``free_storage``/``alloc_storage``), which no dispatch mode sees, so ``resize_`` is patched for the run and
@@ -214,11 +217,21 @@ def check_traceable(strategy: Strategy) -> None:
     par, sh = strategy.parallelism, strategy.sharding
     if par.pipeline > 1:
         raise StrategyError("--method trace does not run pipeline parallelism; use --method analytic")
+    if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) and strategy.engine.engine in (
+        Engine.AUTO,
+        Engine.DEEPSPEED,
+    ):
+        from trainfit.trace.deepspeed import check_traceable as check_deepspeed  # DeepSpeed ZeRO
+
+        check_deepspeed(strategy)
+        return
     if sh not in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP, Sharding.NONE) or strategy.engine.engine not in (
         Engine.AUTO,
         Engine.TORCH,
     ):
-        raise StrategyError(f"--method trace runs --sharding ddp|fsdp|hsdp; for {sh.value} use --method analytic")
+        raise StrategyError(
+            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2; for {sh.value} use --method analytic"
+        )
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
     base = strategy.base_weights
@@ -420,6 +433,10 @@ def trace_distributed(
             spec, strategy, progress=progress, steps=steps, adamw_impl=adamw_impl, extrapolate=extrapolate
         )
     check_traceable(strategy)
+    if strategy.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
+        from trainfit.trace.deepspeed import trace_deepspeed
+
+        return trace_deepspeed(spec, strategy, progress=progress, steps=steps, extrapolate=extrapolate)
     adamw_impl = adamw_impl or strategy.optimizer_impl.value
     from trainfit.trace._deps import require_torch, require_transformers
 

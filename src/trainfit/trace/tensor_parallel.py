@@ -39,7 +39,7 @@ import torch
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
 from trainfit.result import MemoryReport, Method, Phase, RepeatedRun, TraceDetails
-from trainfit.strategy import Engine, Strategy
+from trainfit.strategy import Checkpointing, Engine, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace.distributed import DistTracker, patched_resize
@@ -209,7 +209,7 @@ def run_layout_tp(
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[Any] = []
-    hf.install_checkpointing(model, layers, layout.blocks, box)
+    hf.install_checkpointing(model, layers, layout.blocks, box, sac=strategy.checkpointing is Checkpointing.SAC)
     first, last = depth.layer_positions(layout)
     tr = TPTracker()
     box.append(tr)

@@ -1,0 +1,559 @@
+"""One rank of a DeepSpeed ZeRO run, traced: the real ``DeepSpeedEngine`` on PyTorch's fake process group.
+
+The reference for the ZeRO part of :mod:`trainfit.analytic.parallel`. Rank 0 of W ranks on the fake
+process group (:func:`trainfit.trace.distributed.fake_world`), ``deepspeed.init_distributed(dist_backend=
+"fake")`` on top of it, and DeepSpeed's CPU accelerator (``get_accelerator()`` on a box without CUDA), so
+every buffer DeepSpeed makes with ``torch.empty(..., device=get_accelerator().current_device_name())`` is a
+fake ``cpu`` tensor of its real size, seen by the same storage tracker as the model's own tensors
+(:class:`~trainfit.trace.distributed.DistTracker`). The model is the reduced-depth Hugging Face model of
+the single-GPU trace, built in the recipe's 16-bit dtype (what DeepSpeed's ``bf16``/``fp16`` blocks make
+of a model); two steps run through ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``, and the
+regions are extrapolated in depth as for one GPU.
+
+The configuration is the one ``trainfit export`` writes for the strategy
+(:func:`trainfit.export.configs.export_plan`: stage, ``contiguous_gradients``, ``overlap_comm``,
+``reduce_bucket_size``, ``allgather_bucket_size``, the bf16/fp16 block, clipping 1.0), with one change:
+its ``optimizer`` block (DeepSpeed's FusedAdam, a CUDA op) is replaced by a client
+``torch.optim.AdamW(fused=True)``, which ZeRO wraps exactly as it wraps FusedAdam — ``torch.optim.AdamW``
+is in ``ZERO_SUPPORTED_OPTIMIZERS`` (deepspeed/runtime/zero/utils.py), ``DeepSpeedEngine.
+_configure_optimizer`` hands it to the ZeRO optimizer, which points its parameter groups at the fp32
+partitions — and which, like FusedAdam, steps without full-size temporaries.
+
+Five patches make the engine run on fake tensors (DESIGN §4.3); none changes what is allocated:
+
+* ``model.to(device)`` in ``DeepSpeedEngine._configure_distributed_model`` is a no-op (fake parameters
+  cannot be swapped; the model is already on the fake ``cpu`` device in its dtype);
+* ``DeepSpeedZeroOptimizer.has_overflow`` computes its per-gradient checks and answers "no overflow"
+  (it reads the all-reduced flag with ``.item()``); the fp16 loss scale therefore never drops;
+* ``is_invalid_grad_norm`` answers "valid" (it reads the norm);
+* the CPU accelerator's ``is_fp16_supported`` answers yes (the traced device is a GPU);
+* ``assert_ints_same_as_other_ranks`` (ZeRO-3's check that all ranks trace the same module order; it reads
+  rank 0's list) is skipped.
+
+What is counted (components filed by the tracker, :class:`DeepSpeedTracker`): the flat 16-bit parameter
+buffer, the fp32 master partition and Adam's states (marked by the attributes the ZeRO optimizer keeps them
+in); the gradients — autograd's ``.grad`` until the reduction, then ``grads_in_partition`` (what
+``copy_grads_in_partition`` allocates); the reduce buckets (what ``setup_buckets`` allocates) as
+:attr:`Component.COMM_BUFFERS`; every temporary DeepSpeed makes on the way (bucket copies, the step's fp64
+norms, flattened and fp32 gradient partitions). Meta tensors (DeepSpeed keeps a ``zeros_like(p,
+device="meta")`` per parameter) are not memory and are not recorded.
+
+Depth: forward and backward are traced at 2 and 3 layers and extrapolated per region, with the reduction's
+transients (gradients waiting for the bucket, the bucket, its copies, the loss's tensors) held at the larger
+traced value rather than extrapolated — they are bounded by the bucket, and where a bucket fills shifts with
+the depth. Rank 0's gradient partition is not linear in the depth at all (it holds whole every parameter its
+slice of the flat buffer meets, and the slice moves with the depth), so the optimizer step is traced once
+more at full depth with a stand-in loss, the sum of every parameter's sum: one cheap backward that hands
+DeepSpeed's hooks every gradient, then the real ``engine.step()``. That run's backward (every gradient
+reduced, no activations) is also a floor for the backward phase.
+
+Refused in one line: ZeRO-3 (the engine runs on fake tensors with these patches, but its gathered
+parameters, persistent parameters and gradient partition buffer are not yet filed and checked against the
+closed form), CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
+gradient accumulation (the runner's passes per step do not follow DeepSpeed's accumulation boundary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from trainfit.arch.spec import ModelSpec
+from trainfit.errors import DependencyError, StrategyError, TraceUnsupportedError
+from trainfit.result import Component, MemoryReport, Method, Phase, RepeatedRun, TraceDetails
+from trainfit.strategy import Checkpointing, Optimizer, Precision, Sharding, Strategy
+from trainfit.trace import depth, hf, readout
+from trainfit.trace import runner as rn
+from trainfit.trace import tracker as tk
+from trainfit.trace.distributed import COMM, DistTracker, fake_world, patched_resize
+from trainfit.trace.optim import state_tensors
+from trainfit.trace.timeline import Mark, PassMarks, StepMarks
+
+Progress = Callable[[str, float], None]
+
+ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
+
+
+def check_traceable(strategy: Strategy) -> None:
+    """What this trace runs: ZeRO-1/2/3, data parallel only, on the device, full training with AdamW."""
+    if strategy.sharding is Sharding.ZERO3:
+        raise StrategyError("--method trace runs DeepSpeed ZeRO-1/2; for zero3 use --method analytic")
+    if strategy.offload.any:
+        raise StrategyError("--method trace does not run DeepSpeed's CPU offload; use --method analytic")
+    if strategy.grad_accum > 1:
+        raise StrategyError("--method trace runs DeepSpeed with one micro-batch per step; use --method analytic")
+    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
+        raise StrategyError(
+            "--method trace does not run DeepSpeed ZeRO with adapters, frozen or quantised base weights yet; "
+            "use --method analytic"
+        )
+    if strategy.checkpointing is Checkpointing.SAC:
+        raise StrategyError("--method trace does not run --checkpointing sac under DeepSpeed; use --method analytic")
+    if strategy.optimizer is not Optimizer.ADAMW:
+        raise StrategyError(
+            f"--method trace runs DeepSpeed ZeRO with AdamW; for --optimizer {strategy.optimizer.value} "
+            "use --method analytic"
+        )
+
+
+def ds_config(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
+    """The DeepSpeed config ``trainfit export`` writes for ``strategy``, without its ``optimizer`` block
+    (a client AdamW replaces FusedAdam; see the module docstring)."""
+    from trainfit.export.configs import export_plan
+
+    cfg = export_plan(spec, strategy).deepspeed_config
+    if cfg is None:  # pragma: no cover - export writes one for every zero* strategy without tp/pp
+        raise StrategyError(f"no DeepSpeed config for --sharding {strategy.sharding.value}")
+    cfg = dict(cfg)
+    cfg.pop("optimizer", None)
+    return cfg
+
+
+def _built(strategy: Strategy) -> Strategy:
+    """The strategy the model is built under: DeepSpeed's bf16/fp16 blocks hold the module in 16 bits and
+    run it without autocast (``DeepSpeedEngine._configure_distributed_model`` casts the module), so the
+    activations are those of a pure 16-bit model, as the analytic model assumes."""
+    if strategy.recipe.compute_bits == 32:
+        return dataclasses.replace(strategy, precision=Precision.FP32)
+    return dataclasses.replace(strategy, precision=Precision.PURE_BF16)
+
+
+def _dtype(strategy: Strategy) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.recipe.compute_dtype, torch.float32)
+
+
+@contextlib.contextmanager
+def _deepspeed_world(world: int) -> Iterator[None]:
+    """DeepSpeed's launcher variables, its communication layer on the fake process group, and the four
+    patches of the module docstring; everything restored on exit."""
+    import deepspeed
+    from deepspeed.runtime import engine as ds_engine
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+    from deepspeed.runtime.zero import stage3 as s3
+    from deepspeed.runtime.zero import stage_1_and_2 as s12
+
+    env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+
+    def has_overflow(self: Any, partition_gradients: bool = True) -> bool:
+        if not self.cpu_offload:
+            self.has_overflow_partitioned_grads_serial()  # its allocations; the flag is read with .item()
+        return False
+
+    def configure(self: Any, model: torch.nn.Module) -> Any:
+        saved_to = model.to
+        model.to = lambda *a, **k: model  # type: ignore[method-assign]
+        try:
+            return orig_configure(self, model)
+        finally:
+            model.to = saved_to  # type: ignore[method-assign]
+
+    orig_configure = ds_engine.DeepSpeedEngine._configure_distributed_model
+    patches: list[tuple[Any, str, Any]] = [
+        (ds_engine.DeepSpeedEngine, "_configure_distributed_model", configure),
+        (s12.DeepSpeedZeroOptimizer, "has_overflow", has_overflow),
+    ]
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed's CPU accelerator refuses fp16 (``CPU_Accelerator.is_fp16_supported``); the traced GPU has it.
+    patches.append((get_accelerator(), "is_fp16_supported", lambda: True))
+    for mod in (s12, s3, ds_engine):
+        if hasattr(mod, "is_invalid_grad_norm"):
+            patches.append((mod, "is_invalid_grad_norm", lambda _norm: False))
+    for mod in (ppc, pp, s3):
+        if hasattr(mod, "assert_ints_same_as_other_ranks"):
+            patches.append((mod, "assert_ints_same_as_other_ranks", lambda _ints: None))
+    # DeepSpeed caches its communication backend and process groups in module globals
+    # (deepspeed/comm/comm.py ``cdb``, deepspeed/utils/groups.py ``_WORLD_GROUP``, ...): a later trace on a new
+    # fake process group must not find the destroyed one's.
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.utils import groups as ds_groups
+
+    state = [(ds_comm, "cdb")] + [
+        (ds_groups, name) for name in vars(ds_groups) if name.startswith("_") and name[1:2].isupper()
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    saved += [(obj, name, copy.copy(getattr(obj, name))) for obj, name in state]
+    for obj, name, new in patches:
+        setattr(obj, name, new)
+    try:
+        with fake_world(world):
+            deepspeed.init_distributed(dist_backend="fake", verbose=False)
+            yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _backward_unwrapped() -> Iterator[None]:
+    """``engine.backward`` calls ``loss.backward()``; route it to :func:`runner.run_backward` so the backward
+    keeps the CUDA kernel emulation (see its docstring)."""
+    orig = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None, **_: Any) -> None:
+        if gradient is not None or retain_graph:
+            orig(self, gradient, retain_graph)  # type: ignore[no-untyped-call]
+            return
+        rn.run_backward(self)
+
+    torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = orig  # type: ignore[method-assign]
+
+
+class DeepSpeedTracker(DistTracker):  # type: ignore[no-untyped-call]
+    """The distributed tracker, less meta-device storages (DeepSpeed keeps ``zeros_like(p, device="meta")``
+    shapes of every parameter, stage_1_and_2.py), with regions in which new storages take a given kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.utils._pytree import tree_leaves
+
+        kw = kwargs or {}
+        device = kw.get("device")
+        tensors = [t for t in tree_leaves((args, kw)) if isinstance(t, torch.Tensor)]
+        if (device is not None and torch.device(device).type == "meta") or (
+            tensors and all(t.device.type == "meta" for t in tensors)
+        ):
+            return func(*args, **kw)  # shapes only, no memory
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
+
+    def _record(self, st: torch.UntypedStorage, op: str) -> tk.Record | None:
+        rec = super()._record(st, op)
+        if rec is not None and self.kinds and rec.kind == tk.NONE and rec.alloc_t == self.t:
+            rec.kind = self.kinds[-1]
+        return rec
+
+    @contextlib.contextmanager
+    def kind_region(self, kind: int) -> Iterator[None]:
+        self.kinds.append(kind)
+        try:
+            yield
+        finally:
+            self.kinds.pop()
+
+
+@contextlib.contextmanager
+def _allocations_as(tr: DeepSpeedTracker, where: list[tuple[Any, str, int]]) -> Iterator[None]:
+    """While the methods ``where`` = [(class, name, kind)] run, what they allocate is of that kind."""
+    saved = []
+    for cls, name, kind in where:
+        orig = getattr(cls, name)
+
+        def wrapped(*a: Any, _orig: Any = orig, _kind: int = kind, **k: Any) -> Any:
+            with tr.kind_region(_kind):
+                return _orig(*a, **k)
+
+        saved.append((cls, name, orig))
+        setattr(cls, name, wrapped)
+    try:
+        yield
+    finally:
+        for cls, name, orig in saved:
+            setattr(cls, name, orig)
+
+
+def _buffer_methods(stage: int) -> list[tuple[Any, str, int]]:
+    """DeepSpeed's methods that allocate its reduce buckets and gradient partitions."""
+    from deepspeed.runtime.zero import stage_1_and_2 as s12
+
+    z = s12.DeepSpeedZeroOptimizer
+    return [(z, "setup_buckets", COMM), (z, "copy_grads_in_partition", tk.GRAD)]
+
+
+def _tensors(*objs: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            out.extend(_tensors(*o))
+        elif isinstance(o, dict):
+            out.extend(_tensors(*o.values()))
+    return out
+
+
+class _EngineLoop(rn._StepLoop):
+    """The runner's step loop with DeepSpeed's engine doing the backward, the reduction and the step."""
+
+    def __init__(self, model: torch.nn.Module, fns: rn.StepFns, options: rn.RunOptions, ex: rn.Execution, cfg: Any):
+        super().__init__(model, fns, options, ex)
+        self.cfg = cfg
+        self.engine: Any = None
+        self.stage = int(cfg["zero_optimization"]["stage"])
+
+    def build_optimizer(self) -> rn._Optim:
+        import deepspeed
+
+        client = torch.optim.AdamW(self.trainable, lr=2e-5, weight_decay=0.0, fused=True)
+        engine, optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=client, config=self.cfg)
+        self.engine = engine
+        self.mark_states()
+        return rn._Optim(optimizer=optimizer, master=None, scaler=None, params=self.trainable, host_keys=set())
+
+    def mark_states(self) -> None:
+        """Give DeepSpeed's long-lived buffers their component, by the attributes ``DeepSpeedZeroOptimizer``
+        keeps them in (deepspeed/runtime/zero/stage_1_and_2.py)."""
+        o, tr = self.engine.optimizer, self.tr
+        tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
+        tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
+        tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
+        for _key, t in state_tensors(o.optimizer):
+            tr.mark([t], tk.OPT)
+
+    def backward(self, m: PassMarks, label: str, optim: rn._Optim) -> None:
+        loss, self.loss = self.loss, None
+        assert loss is not None
+        with self.phase(tk.BACKWARD, label):
+            self.tr.bwd_head = True
+            m.bwd_start = self.now(Mark.BACKWARD_START)
+            with _backward_unwrapped():
+                self.engine.backward(loss)
+            del loss
+            self.tr.bwd_head = False
+            self.mark_states()
+            m.bwd_end = self.now(Mark.BACKWARD_END)
+
+    def optimizer_step(self, sm: StepMarks, optim: rn._Optim) -> None:
+        with self.phase(tk.OPTIMIZER, str(sm.step)):
+            sm.opt_start = self.now(Mark.OPTIMIZER_START)
+            # ``.grad`` left by the reduction (stage 1: autograd's; views of buffers already filed keep their kind)
+            self.tr.mark([p.grad for p in self.trainable], tk.GRAD, only_unmarked=True)
+            self.engine.step()
+            self.mark_states()
+            sm.opt_end = self.now(Mark.OPTIMIZER_END)
+        self.tr.phase = tk.SETUP
+
+
+def run_layout_deepspeed(
+    spec: ModelSpec,
+    strategy: Strategy,
+    plan: depth.DepthPlan,
+    layout: hf.Layout,
+    *,
+    steps: int,
+    stand_in: bool = False,
+    progress: Progress | None = None,
+) -> rn.TraceRun:
+    """Build the reduced model of ``layout`` in the recipe's dtype and run it through DeepSpeed's engine.
+    ``stand_in``: instead of the model's forward, the loss is the sum of every parameter's sum — one
+    cheap backward that hands DeepSpeed's hooks every gradient, for the optimizer step at full depth."""
+    built = _built(strategy)
+    mode = rn.fake_mode()
+    model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    rn.materialize(model, mode, _dtype(strategy))
+    stack: Any = model.get_submodule(plan.stack_path)
+    layers: list[torch.nn.Module] = list(stack)
+    box: list[tk.Tracker] = []
+    if not stand_in:
+        hf.install_checkpointing(model, layers, layout.blocks, box)  # (sac is refused: check_traceable)
+    first, last = depth.layer_positions(layout)
+    tr = DeepSpeedTracker()
+    box.append(tr)
+    loop_box: list[_EngineLoop] = []
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward(_m: torch.nn.Module, batch: Any) -> Any:
+        return None if stand_in else loop_box[0].engine(**batch)
+
+    def loss_of(out: Any, batch: Any) -> torch.Tensor:
+        if stand_in:
+            return torch.stack([p.sum() for p in params]).sum()
+        return hf.loss_of(spec)(out, batch)
+
+    fns = rn.StepFns(
+        make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
+        forward=forward,
+        loss_of=loss_of,
+        make_optimizer=lambda params: None,
+    )
+    options = rn.RunOptions(
+        recipe=built.recipe,
+        steps=steps,
+        grad_accum=1,
+        max_grad_norm=None,  # DeepSpeed clips inside engine.step (gradient_clipping 1.0)
+        head_module=None if stand_in else hf.head_of(model),
+        stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last)
+        if plan.ext and not stand_in
+        else rn.StackHooks(),
+        progress=progress,
+        flash_sdp=strategy.flash_sdp,
+    )
+    loop = _EngineLoop(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr), ds_config(spec, strategy))
+    loop_box.append(loop)
+    with hf.runtime_patches(), patched_resize(tr), _allocations_as(tr, _buffer_methods(loop.stage)):
+        return loop.run()
+
+
+def trace_deepspeed(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    progress: Progress | None = None,
+    steps: int = 2,
+    extrapolate: bool = True,
+) -> MemoryReport:
+    """Rank 0 of ``strategy``'s DeepSpeed ZeRO run, traced on the fake process group and extrapolated in
+    depth."""
+    check_traceable(strategy)
+    from trainfit.trace._deps import require_torch, require_transformers
+
+    require_torch()
+    require_transformers()
+    t0 = time.perf_counter()
+    say = progress or (lambda _m, _f: None)
+    stage = ZERO_STAGES[strategy.sharding]
+    world = strategy.parallelism.world_size
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+    step_run: rn.TraceRun | None = None
+    # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate, base_units=2)
+    with _quiet_deepspeed(), _deepspeed_world(world), _one_line_failure(stage):
+        for i, (counts, layout) in enumerate(plan.layouts):
+            say(
+                f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}",
+                i / len(plan.layouts),
+            )
+            results.append((counts, layout, run_layout_deepspeed(spec, strategy, plan, layout, steps=steps)))
+        if plan.ext and stage < 3:
+            say("the optimizer step at full depth", 0.95)
+            blocks = hf.blocks_for(plan.full_layers, strategy.checkpointing)
+            full = hf.layout_for(blocks, plan.runs, [r.count for r in plan.runs])
+            step_run = run_layout_deepspeed(spec, strategy, plan, full, steps=steps, stand_in=True)
+    warnings: list[str] = []
+    if plan.ext:
+        keyed = [
+            depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
+            for counts, layout, run in results
+        ]
+        phases = depth.extrapolate_phases(
+            _hold_transients(keyed), plan.ext, plan.runs, warnings, base_units=plan.base_units
+        )
+        if step_run is not None:
+            # Rank 0's gradient partition holds whole the parameters its slice of the flat buffer meets, and
+            # the slice moves with the depth: not linear in it. The step is taken from the full depth, and
+            # the backward is at least what the full depth holds while the gradients are reduced.
+            at_depth = readout.phase_peaks(step_run)
+            step_pk, bwd_pk = at_depth[Phase.OPTIMIZER_STEP], at_depth[Phase.BACKWARD]
+            phases[Phase.OPTIMIZER_STEP] = readout.breakdown(Phase.OPTIMIZER_STEP, step_pk.components)
+            if bwd_pk.total_bytes > phases[Phase.BACKWARD].total_bytes:
+                phases[Phase.BACKWARD] = readout.breakdown(Phase.BACKWARD, bwd_pk.components)
+    else:
+        pk = readout.phase_peaks(results[0][2])
+        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+    traced = [len(layout.layers) for _, layout, _ in results]
+    peak = max(p.total_bytes for p in phases.values())
+    zero = ds_config(spec, strategy)["zero_optimization"]
+    notes = [
+        f"rank 0 of {world} on PyTorch's fake process group: DeepSpeed ZeRO-{stage} engine, the exported config "
+        f"(reduce_bucket_size {zero['reduce_bucket_size']:.0e}, overlap_comm {zero['overlap_comm']}, "
+        f"{strategy.recipe.compute_dtype}) with a client torch AdamW in place of FusedAdam",
+        f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
+        + (" and extrapolated each region linearly" if plan.ext else ""),
+        "NCCL's own buffers are outside the allocator",
+    ]
+    return MemoryReport(
+        method=Method.TRACE,
+        model_name=spec.name,
+        params=plan.params,
+        trainable_params=plan.params,
+        phases=tuple(phases[ph] for ph in Phase),
+        overhead=readout.overhead(peak),
+        bytes_per_param=readout.bytes_per_param(phases, plan.params),
+        notes=tuple(notes),
+        warnings=tuple(warnings),
+        details=TraceDetails(
+            layers_traced=tuple(traced),
+            extrapolated=bool(plan.ext),
+            runs=tuple(RepeatedRun(start_block=r.start, unit_blocks=r.period, units=r.count) for r in plan.runs),
+            sdpa_backends=dict(results[0][2].sdpa_backends),
+            optimizer_impl="fused",
+            trace_seconds=round(time.perf_counter() - t0, 2),
+        ),
+    )
+
+
+def _hold_transients(
+    keyed: list[dict[Any, dict[Component, int]]],
+) -> list[dict[Any, dict[Component, int]]]:
+    """What the reduction holds in backward — the autograd gradients waiting for the bucket, the bucket, the
+    copies made when it is reduced, the loss's tensors — is bounded by the bucket, not by the depth, and
+    where in the stack a bucket fills shifts with the depth: each place keeps the larger of the traced values
+    for them, and only the states and the saved activations are extrapolated (cf. FSDP2's
+    ``trace.distributed._hold_transients``)."""
+    held = (Component.TEMPORARIES, Component.LOGITS_LOSS, Component.COMM_BUFFERS, Component.GRADIENTS)
+    out = [{k: dict(v) for k, v in d.items()} for d in keyed]
+    for key in out[0]:
+        for c in held:
+            top = max(d[key].get(c, 0) for d in out if key in d)
+            for d in out:
+                if key in d:
+                    d[key][c] = top
+    return out
+
+
+@contextlib.contextmanager
+def _one_line_failure(stage: int) -> Iterator[None]:
+    """DeepSpeed failing on fake tensors is a one-line :class:`TraceUnsupportedError` (``TRAINFIT_DEBUG=1``
+    keeps the traceback)."""
+    try:
+        yield
+    except (RuntimeError, NotImplementedError, AssertionError, ValueError) as exc:
+        if os.environ.get("TRAINFIT_DEBUG"):
+            raise
+        msg = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise TraceUnsupportedError(f"the ZeRO-{stage} trace failed: {msg}") from None
+
+
+@contextlib.contextmanager
+def _quiet_deepspeed() -> Iterator[None]:
+    """DeepSpeed prints to stdout (its accelerator choice when imported, the build of its communication op)
+    and logs its configuration there: while it traces, stdout goes to the null device and its logger to
+    ERROR, so that ``--json`` stays clean; the warnings fake tensors provoke in it (``data_ptr`` of a
+    FakeTensor, deprecated collectives) are silenced. Raises DependencyError without DeepSpeed."""
+    import logging
+    import warnings
+
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        try:
+            from deepspeed.utils import logger
+        except ImportError:
+            raise DependencyError(
+                "--method trace for --sharding zero* needs DeepSpeed: DS_BUILD_OPS=0 pip install deepspeed"
+            ) from None
+        # A handler made on first import writes to the stdout of that moment (the sink): point it at stderr.
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream is sink:
+                h.setStream(sys.stderr)
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+
+__all__ = ["check_traceable", "ds_config", "run_layout_deepspeed", "trace_deepspeed"]

@@ -1,0 +1,107 @@
+"""Analytic vs trace for one rank of a DeepSpeed ZeRO run: the real ``DeepSpeedEngine`` (stages 1 and 2,
+bf16 and fp16 blocks) on PyTorch's fake process group at W ∈ {2, 8, 64}, against the closed form of
+:mod:`trainfit.analytic.parallel`, each phase within 3%. A reduce bucket of 50,000 elements keeps the bucket
+from dwarfing a tiny model's states (DeepSpeed's default, 5e8 elements, is 1 GB), so several buckets fill
+and flush in each backward. ``python benchmarks/agreement_distributed.py`` prints the same at catalog sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit.errors import StrategyError
+from trainfit.result import Component, Phase
+from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
+
+from .conftest import tiny_spec
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+from trainfit.analytic.parallel import estimate_parallel
+from trainfit.export.configs import export_plan
+from trainfit.trace.deepspeed import ds_config
+from trainfit.trace.distributed import trace_distributed
+
+TOLERANCE = 0.03
+WIDER = {"hidden_size": 128, "intermediate_size": 256, "vocab_size": 512}
+BUCKET = 50_000
+
+CELLS = [
+    ("zero1", 2, "amp-bf16"),
+    ("zero1", 8, "amp-fp16"),
+    ("zero2", 2, "amp-fp16"),
+    ("zero2", 8, "amp-bf16"),
+    ("zero2", 64, "amp-bf16"),
+]
+
+
+def _strategy(sharding: str, w: int, precision: str, **kw: object) -> Strategy:
+    return Strategy(
+        precision=precision,
+        parallelism=Parallelism(data=w),
+        sharding=sharding,
+        micro_batch=2,
+        seq_len=128,
+        engine=EngineOptions(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sharding", "w", "precision"), [pytest.param(*c, id="-".join(map(str, c))) for c in CELLS])
+def test_rank_agrees_with_trace(sharding: str, w: int, precision: str) -> None:
+    spec = tiny_spec("llama", **WIDER)
+    s = _strategy(sharding, w, precision)
+    traced = trace_distributed(spec, s)
+    closed = estimate_parallel(spec, s)
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (
+            a.phase,
+            a.total_bytes,
+            t.total_bytes,
+        )
+    step_a, step_t = closed.phase(Phase.OPTIMIZER_STEP), traced.phase(Phase.OPTIMIZER_STEP)
+    for c in (Component.WEIGHTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES, Component.GRADIENTS):
+        assert abs(step_a.get(c) - step_t.get(c)) <= 0.01 * step_t.get(c) + 4096, c
+
+
+@pytest.mark.slow
+def test_step_at_full_depth_matches_the_full_trace() -> None:
+    """The extrapolated trace (2 and 3 layers, the step from the full-depth stand-in run) = the trace at
+    full depth (5 layers), every phase within 1%."""
+    spec = tiny_spec("llama", num_hidden_layers=5, **WIDER)
+    s = _strategy("zero2", 4, "amp-bf16")
+    ext = trace_distributed(spec, s)
+    full = trace_distributed(spec, s, extrapolate=False)
+    assert ext.details is not None and ext.details.extrapolated
+    for a, t in zip(ext.phases, full.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= 0.01 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+
+
+def test_the_trace_runs_the_exported_config() -> None:
+    """What DeepSpeed is given is ``trainfit export``'s ds_config.json less its optimizer block."""
+    spec = tiny_spec("llama", **WIDER)
+    s = _strategy("zero2", 8, "amp-fp16")
+    exported = export_plan(spec, s).deepspeed_config
+    assert exported is not None
+    cfg = ds_config(spec, s)
+    assert "optimizer" not in cfg and "optimizer" in exported
+    assert cfg == {k: v for k, v in exported.items() if k != "optimizer"}
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == BUCKET
+    assert cfg["fp16"]["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"sharding": "zero3"}, "zero3"),
+        ({"offload": Offload.parse("optimizer")}, "offload"),
+        ({"optimizer": "sgd"}, "AdamW"),
+        ({"grad_accum": 2}, "micro-batch"),
+    ],
+)
+def test_refusals_are_one_line(kw: dict[str, object], words: str) -> None:
+    args: dict[str, object] = {"sharding": "zero2", **kw}
+    sharding = str(args.pop("sharding"))
+    s = _strategy(sharding, 8, "amp-bf16", **args)
+    with pytest.raises(StrategyError, match=words):
+        trace_distributed(tiny_spec("llama", **WIDER), s)
