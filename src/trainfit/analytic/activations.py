@@ -653,15 +653,19 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     of :mod:`trainfit.analytic.adapters`): norms keep no normed output, frozen linears keep no input, a
     SwiGLU keeps gate, act(gate) and up (not the product), a fused GeLU MLP keeps fc1's output; attention
     saves what it saves under full fine-tuning; the adapters add their inputs, masks and rank-r outputs."""
-    assert strategy.adapter is not None
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     h, a = spec.hidden_size, w.compute
     nb = _norm_out_width(spec, w)
-    sites = adapter_sites(spec, strategy.adapter)
+    # Without an adapter: a layer --freeze freezes whole, its input requiring grad (adapters.FrozenLayers).
+    sites = adapter_sites(spec, strategy.adapter) if strategy.adapter is not None else ()
     mlp_w = frozen_base_mlp_width(strategy, w)
     widths = {SiteInput.NORM1: nb, SiteInput.NORM2: nb, SiteInput.ATTN_OUT: a, SiteInput.MLP_ACT: mlp_w}
-    saved = adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+    saved = (
+        adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+        if strategy.adapter is not None
+        else []
+    )
     # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU.
     already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA else set()
     if spec.mlp is MlpKind.DENSE and spec.activation == "relu":

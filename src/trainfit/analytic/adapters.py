@@ -178,6 +178,52 @@ def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, l
     return False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrozenLayers:
+    """How ``--freeze`` patterns leave the layer stack, counting whole layers only (a layer with any trainable
+    tensor counts as trainable: an upper bound for a partly frozen one).
+
+    Autograd records a node only where an input requires grad (torch/csrc/autograd/function.h
+    ``compute_requires_grad``), so a frozen layer whose input needs no gradient saves nothing: it is ``dead``.
+    Its input needs one when the embeddings' output does — a trainable embedding table, or checkpointing,
+    with which transformers 5 calls ``enable_input_require_grads`` (modeling_utils.py
+    ``_activation_checkpointing_enable``, for every ``input_ids`` model) — or when any layer below trains.
+    A ``frozen`` layer with such an input saves what the input gradient needs (the frozen forms of
+    :func:`trainfit.analytic.activations.frozen_layer_terms`, no adapters)."""
+
+    dead: int
+    frozen: int
+    trainable: int
+    bottom_frozen: bool  # the lowest layer that runs a backward is wholly frozen: it adds no gradient
+
+
+def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
+    """The stack under ``--freeze`` (``None`` without freeze patterns, or under an adapter)."""
+    patterns = strategy.base_weights.frozen
+    if strategy.adapter is not None or not patterns:
+        return None
+    inv = inventory(spec)
+    n = spec.num_layers
+    per_layer: list[tuple[ParamTensor, ...]] = []
+    for g in inv.layers:
+        per_layer += [g.tensors] * g.count
+    embeds = [t for t in inv.model_tensors if t.name.startswith("embed")]
+    grad = strategy.checkpointing.value != "none" or any(not is_frozen(t, patterns, None, layers=n) for t in embeds)
+    dead = frozen = trainable = 0
+    bottom_frozen = False
+    for i, tensors in enumerate(per_layer):
+        if all(is_frozen(t, patterns, i, layers=n) for t in tensors):
+            if grad:
+                bottom_frozen = bottom_frozen or (frozen + trainable == 0)
+                frozen += 1
+            else:
+                dead += 1
+        else:
+            trainable += 1
+            grad = True
+    return FrozenLayers(dead=dead, frozen=frozen, trainable=trainable, bottom_frozen=bottom_frozen)
+
+
 def check_freeze_patterns(spec: ModelSpec, patterns: tuple[str, ...]) -> None:
     """Every ``--freeze`` name must name something in the model (one line otherwise)."""
     inv = inventory(spec)
@@ -314,5 +360,3 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = F
         raise StrategyError("--freeze leaves no trainable parameter (torch's optimizers refuse an empty list)")
     if trace and strategy.base_weights.quantization is Quantization.INT8:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
-    if trace and strategy.base_weights.frozen:
-        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")

@@ -49,13 +49,14 @@ from trainfit.analytic.activations import (
     effective_strategy,
     first_layer_unsaved_bytes,
     frozen_head_input_bytes,
+    frozen_layer_terms,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
     score_chain,
     selective_recompute_bytes,
 )
-from trainfit.analytic.adapters import dequant_transient_bytes, finetuning
+from trainfit.analytic.adapters import dequant_transient_bytes, finetuning, frozen_layers, mlp_frozen, supports_adapters
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.savers import (
@@ -239,6 +240,13 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         all_layers = sum(r.layers * r.saved_bytes for r in rows) - first_layer_unsaved_bytes(spec, strategy)
     else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
         all_layers = sum(counts[k] * per_kind[k] for k in counts)
+    fz = frozen_layers(spec, strategy)
+    known = supports_adapters(spec) is None and mlp_frozen(spec)  # the frozen-layer forms are known
+    if fz is not None and known and len(rows) == 1 and strategy.checkpointing is not Checkpointing.SELECTIVE:
+        # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
+        normal, still = rows[0].saved_bytes, _sum(frozen_layer_terms(spec, strategy))
+        all_layers -= fz.dead * normal + fz.frozen * (normal - still)
+        per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
     mt = model_terms(spec, strategy)
     return StackActivations(
         variants=tuple(rows),
@@ -334,10 +342,16 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
     # Fine-tuning: only trainable tensors have gradients; a quantised base dequantises a weight in backward.
     spec, strategy = q.spec, q.strategy
     parts = finetune_parts(spec, strategy)
+    # --freeze: a dead layer's frozen weights are cast per call and saved by nothing (adapters.FrozenLayers).
+    fz = frozen_layers(spec, strategy)
+    dead = fz.dead if fz is not None else 0
     return dataclasses.replace(
         q,
+        copies_all=q.copies_all - dead * parts.copies_layer_bytes,
+        copies_max_layer=q.copies_max_layer if fz is None or fz.dead < spec.num_layers else 0,
         resident=dataclasses.replace(q.resident, adapter_weights=q.states.adapter_weights_bytes),
-        grad_layer=parts.grad_layer_bytes,
+        # A frozen bottom layer adds no gradient: every trainable one is there during its backward.
+        grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
         block_temp=q.block_temp + dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy),

@@ -58,8 +58,8 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
     """Wrap ``model`` (on the meta device) as ``strategy`` fine-tunes it; returns the transformers module with
     the adapters injected (``model`` itself when nothing changes)."""
     adapter, base = strategy.adapter, strategy.base_weights
-    if base.frozen:
-        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")
+    # ``--freeze`` patterns are applied to the full-depth meta model (:func:`freeze_patterns`, called by
+    # trace/depth.py ``plan_depth``): layer ranges need the full model's layer indices.
     if base.quantization is Quantization.INT8:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
     quantised = base.quantization is not Quantization.NONE
@@ -162,3 +162,59 @@ def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> 
             bf.name2qmap.pop("dynamic", None)
         else:
             bf.name2qmap["dynamic"] = saved
+
+
+#: HF module names that differ from the inventory's (the analytic side's ``_HF_ALIASES``, both ways).
+_FREEZE_ALIASES = {"out_proj": "o_proj", "o_proj": "out_proj"}
+
+
+def freeze_patterns(model: torch.nn.Module, stack_path: str, patterns: tuple[str, ...]) -> int:
+    """``--freeze`` on the full-depth (meta) ``model``: ``requires_grad_(False)`` on every parameter a pattern
+    names, as a training script does before building its optimizer (the trace's optimizer gets only the
+    parameters that still require grad). Returns how many parameter tensors were frozen.
+
+    * ``embeddings``: every ``nn.Embedding`` outside the layer stack (token, position and token-type tables;
+      a tied head shares the token table, so it freezes with it);
+    * ``lm_head``: the output embeddings (``get_output_embeddings``) when untied; a tied head has no tensor
+      of its own (``named_parameters`` lists it once, as the token table), as the analytic inventory;
+    * ``norm``: every parameter of a module whose class is a norm (``*Norm``, ``LayerNorm``);
+    * ``layers:A-B``: every parameter of stack layers A..B (full-depth indices);
+    * a module name (``q_proj``, ``out_proj``/``o_proj``): that module's parameters wherever it occurs.
+    """
+    from trainfit.strategy.adapters import layer_range
+
+    m: Any = model
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    embed = m.get_input_embeddings() if hasattr(m, "get_input_embeddings") else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    prefix = stack_path + "."
+    frozen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        own = [p for p in mod.parameters(recurse=False)]
+        if not own:
+            continue
+        in_stack = mod_name.startswith(prefix)
+        short = mod_name.rpartition(".")[2]
+        for pat in patterns:
+            rng = layer_range(pat)
+            hit = False
+            if rng is not None:
+                if in_stack:
+                    idx = mod_name[len(prefix) :].partition(".")[0]
+                    hit = idx.isdigit() and int(idx) in rng
+            elif pat == "embeddings":
+                hit = isinstance(mod, torch.nn.Embedding) and not in_stack and mod is not head
+            elif pat == "lm_head":
+                hit = mod is head and not tied
+            elif pat == "norm":
+                cls = type(mod).__name__
+                hit = cls.endswith("Norm") or "LayerNorm" in cls or "RMSNorm" in cls
+            else:
+                hit = short in (pat, _FREEZE_ALIASES.get(pat, pat))
+            if hit:
+                for p in own:
+                    if id(p) not in frozen:
+                        frozen.add(id(p))
+                        p.requires_grad_(False)
+                break
+    return len(frozen)
