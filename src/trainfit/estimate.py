@@ -179,7 +179,7 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
             "use --method analytic"
         )
     if finetunes and spec is not None and not beyond and not strategy.is_distributed:
-        check_finetune_model(spec, strategy, trace=method is Method.TRACE)
+        check_finetune_model(spec, strategy)
     if beyond:
         raise StrategyError(
             f"--method {method.value} models one GPU, full fine-tuning, a training step; "

@@ -140,9 +140,6 @@ def test_model_dependent_refusals() -> None:
         estimate(spec, Strategy(base_weights=bad))
     with pytest.raises(StrategyError, match="cannot be fully fine-tuned"):
         Strategy(base_weights=BaseWeights(quantization="nf4"))
-    qa, qb = finetune_setup("lora", base_dtype="int8")
-    with pytest.raises(StrategyError, match=r"does not run LLM\.int8"):
-        estimate(spec, Strategy(adapter=qa, base_weights=qb), method="trace")
 
 
 def test_freeze_removes_exactly_the_frozen_tensors_states() -> None:

@@ -670,6 +670,23 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA else set()
     if spec.mlp is MlpKind.DENSE and spec.activation == "relu":
         already.add(SiteInput.MLP_ACT)
+    # An LLM.int8 linear is no frozen nn.Linear: bitsandbytes' MatMul8bitLt.forward keeps its input A in
+    # ``ctx.tensors = (CAt, subA, A)`` whenever the input requires grad (bitsandbytes/autograd/_functions.py),
+    # so every linear's input stays saved (shared inputs once): norm1's and norm2's outputs, the attention
+    # output, the MLP's activation product (matched against the trace of real Linear8bitLt layers).
+    int8 = strategy.base_weights.quantization is Quantization.INT8
+    int8_in: dict[SiteInput, list[SavedTerm]] = {}
+    if int8:
+        int8_in = {
+            SiteInput.NORM1: [SavedTerm(name="int8.norm1_out", bytes=nb * t * h, formula=f"{nb}·t·h (int8 A)")],
+            SiteInput.NORM2: [SavedTerm(name="int8.norm2_out", bytes=nb * t * h, formula=f"{nb}·t·h (int8 A)")],
+        }
+        if SiteInput.MLP_ACT not in already:
+            i_ = spec.intermediate_size
+            int8_in[SiteInput.MLP_ACT] = [
+                SavedTerm(name="int8.mlp_act", bytes=mlp_w * t * i_, formula=f"{mlp_w}·t·i (int8 A)")
+            ]
+        already |= {SiteInput.NORM1, SiteInput.NORM2, SiteInput.MLP_ACT}
     seen: set[SiteInput] = set()
 
     def adapter_terms(reads: tuple[SiteInput, ...]) -> list[SavedTerm]:
@@ -685,6 +702,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         return out
 
     terms = _norm_terms("norm1", t, h, spec, w, frozen=True)
+    terms += int8_in.get(SiteInput.NORM1, [])
     terms += adapter_terms((SiteInput.NORM1,))
     attn = _attention_terms(spec, strategy, t, w)
     if spec.qk_norm:
@@ -695,7 +713,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
             else x
             for x in attn
         ]
-    if strategy.attention is Attention.EAGER:
+    if strategy.attention is Attention.EAGER and not int8:
         attn = [x for x in attn if x.name != "attn.eager.out"]  # o_proj's input: a frozen o_proj keeps none
     terms += attn
     terms += adapter_terms((SiteInput.ATTN_OUT,))
@@ -706,7 +724,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         for k in range(3, spec.norms_per_layer + 1):
             terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
     i = spec.intermediate_size
-    mlp = adapter_terms((SiteInput.NORM2,))
+    mlp = int8_in.get(SiteInput.NORM2, []) + adapter_terms((SiteInput.NORM2,))
     if spec.mlp is MlpKind.GATED:
         mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
     elif spec.activation == "relu":
@@ -715,6 +733,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         mlp += _act_terms("mlp", spec, t, i, w)  # HF's Python GeLU: not derived for a frozen fc2 (kept as is)
     else:
         mlp.append(SavedTerm(name="mlp.act", bytes=mlp_w * t * i, formula="a·t·i (fc1 out)"))
+    mlp += int8_in.get(SiteInput.MLP_ACT, [])
     mlp += adapter_terms((SiteInput.MLP_ACT,))
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
 
@@ -745,6 +764,9 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     norm = sum(x.bytes for x in _norm_terms("norm1", t, spec.hidden_size, spec, w, frozen=True))
+    if strategy.base_weights.quantization is Quantization.INT8:
+        # ... and its LLM.int8 q/k/v keep no input (MatMul8bitLt saves A only if an input needs a gradient).
+        norm += _norm_out_width(spec, w) * t * spec.hidden_size
     # Dropout over an input that needs no gradient keeps no mask (native_dropout's backward is not needed).
     masks = (
         sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads is SiteInput.NORM1)
@@ -897,6 +919,22 @@ def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(_matmul_inputs("score_in", t, h, 1, nb, w))
         return out
     return []
+
+
+def int8_ctx_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Per layer, the inputs that LLM.int8 linears keep through a *checkpointed* forward. ``MatMul8bitLt``
+    (bitsandbytes/autograd/_functions.py) stores its input on ``ctx.tensors``, not through
+    ``save_for_backward``, so the saved-tensor hooks of non-reentrant checkpointing never see it: every
+    linear's input stays alive from the forward until that node's backward, checkpointing or not. Distinct
+    tensors: norm1's and norm2's outputs, the attention output (o_proj's input), the MLP's activation product
+    (down_proj's input). Found in the trace of real ``Linear8bitLt`` layers; 0 for other bases."""
+    if strategy.base_weights.quantization is not Quantization.INT8 or strategy.adapter is None:
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    nb = _norm_out_width(spec, w)
+    mlp_in = spec.intermediate_size * frozen_base_mlp_width(strategy, w)
+    return t * (2 * nb * spec.hidden_size + w.compute * spec.q_dim + mlp_in)
 
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:

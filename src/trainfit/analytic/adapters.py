@@ -32,8 +32,17 @@ against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
 Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
 call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
 
-**Transients.** bitsandbytes' ``MatMul4Bit.backward`` (and ``MatMul8bitLt``'s) dequantises the whole weight to
-compute the input gradient: one N·K tensor in the compute dtype per linear, alive during that matmul.
+**Transients.** bitsandbytes' ``MatMul4Bit.backward`` dequantises the whole weight to compute the input
+gradient: one N·K tensor in the compute dtype per linear, alive during that matmul; ``MatMul8bitLt.backward``
+makes it in the *input's* dtype (``CB.to(ctx.dtype_A)``; no autocast inside the Function).
+
+**LLM.int8 saves what a frozen linear does not.** ``MatMul8bitLt.forward`` keeps its input on ``ctx.tensors``
+whenever an input requires grad, outside ``save_for_backward``: every int8 linear's input is saved, and
+non-reentrant checkpointing (saved-tensor hooks) cannot drop it
+(:func:`trainfit.analytic.activations.int8_ctx_bytes`).
+
+**``--freeze``** (:class:`FrozenLayers`): a wholly frozen layer saves nothing when no gradient flows into it
+(frozen embeddings, no checkpointing, no trainable layer below), the frozen forms when one does.
 """
 
 from __future__ import annotations
@@ -313,6 +322,19 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     linears = [t for t in group.tensors if t.matmul]
     largest = max(t.numel for t in linears)
     out = largest * strategy.recipe.compute_bits // 8
+    if strategy.base_weights.quantization is Quantization.INT8:
+        # MatMul8bitLt.backward: ``CB.to(ctx.dtype_A, copy=True)`` — the weight in its *input's* dtype (no
+        # autocast inside the Function), not the compute dtype: fp32 over an fp32 residual stream.
+        from trainfit.analytic.activations import Widths, frozen_base_mlp_width, norm_out_width
+
+        w = Widths.of(strategy)
+        width = {
+            SiteInput.NORM1: norm_out_width(spec, w),
+            SiteInput.NORM2: norm_out_width(spec, w),
+            SiteInput.ATTN_OUT: w.compute,
+            SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
+        }
+        out = max(t.numel * width[_INPUT_OF[_short(t)]] for t in linears if _short(t) in _INPUT_OF)
     # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
     # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
     # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
@@ -344,10 +366,10 @@ def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
     return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
 
 
-def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = False) -> None:
+def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
-    a quantised base in the trace (bitsandbytes layers are not traced yet)."""
+    a ``--freeze`` that leaves nothing to train (the trace runs LLM.int8 layers and ``--freeze`` too)."""
     if strategy.adapter is not None:
         adapter_sites(spec, strategy.adapter)
     if strategy.base_weights.frozen:
@@ -358,5 +380,3 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = F
                 raise StrategyError(f"freeze range {p} goes past {spec.name}'s {spec.num_layers} layers")
     if strategy.base_weights.frozen and not _anything_trains(spec, strategy):
         raise StrategyError("--freeze leaves no trainable parameter (torch's optimizers refuse an empty list)")
-    if trace and strategy.base_weights.quantization is Quantization.INT8:
-        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")

@@ -50,6 +50,7 @@ from trainfit.analytic.activations import (
     first_layer_unsaved_bytes,
     frozen_head_input_bytes,
     frozen_layer_terms,
+    int8_ctx_bytes,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
@@ -349,6 +350,8 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         q,
         copies_all=q.copies_all - dead * parts.copies_layer_bytes,
         copies_max_layer=q.copies_max_layer if fz is None or fz.dead < spec.num_layers else 0,
+        # LLM.int8 inputs held on ctx escape checkpointing (activations.int8_ctx_bytes): kept like its inputs.
+        kept_inputs=q.kept_inputs + (spec.num_layers * int8_ctx_bytes(spec, strategy) if q.segments else 0),
         resident=dataclasses.replace(q.resident, adapter_weights=q.states.adapter_weights_bytes),
         # A frozen bottom layer adds no gradient: every trainable one is there during its backward.
         grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
