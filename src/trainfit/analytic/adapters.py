@@ -380,3 +380,20 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
                 raise StrategyError(f"freeze range {p} goes past {spec.name}'s {spec.num_layers} layers")
     if strategy.base_weights.frozen and not _anything_trains(spec, strategy):
         raise StrategyError("--freeze leaves no trainable parameter (torch's optimizers refuse an empty list)")
+
+
+def check_dora(strategy: Strategy, *, analytic: bool) -> None:
+    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) is traced with real PEFT modules, but the closed
+    forms do not describe its forward yet: ``DoraLinearLayer.forward`` (peft/tuners/lora/dora.py) builds
+    ``lora_B(lora_A(eye(d_in)))`` (lora_A saves the d_in × d_in identity), the full-size ``W + s·BA`` for its
+    weight norm, and runs the base layer a second time. The analytic method refuses it rather than count it
+    as LoRA; a quantised base under DoRA is refused by both (not traced)."""
+    if strategy.adapter is None or strategy.adapter.kind is not AdapterKind.DORA:
+        return
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
+    if analytic:
+        raise StrategyError(
+            "the analytic model does not model DoRA's forward yet (the weight norm of W + s·BA per step); "
+            "use --method trace"
+        )
