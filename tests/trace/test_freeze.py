@@ -40,6 +40,7 @@ MATRIX = [
     ("llama", "embeddings,layers:0-3", "none", "fp32"),  # a dead prefix: layers 0-3 save nothing
     ("llama", "embeddings,layers:0-3", "none", "amp-bf16"),
     ("llama", "embeddings,layers:0-3", "full", "amp-bf16"),  # checkpointing: input grads on, 0-3 frozen
+    ("llama", "layers:0-3", "sqrt", "amp-bf16"),  # a frozen bottom segment recomputes the frozen forms
     ("llama", "layers:4-7", "none", "pure-bf16"),  # frozen layers above trainable ones
     ("llama", "embeddings,layers:0-7", "none", "amp-bf16"),  # everything but the final norm and the head
     ("llama", "embeddings,layers:0-7,norm", "full", "fp32"),  # everything but the head

@@ -35,7 +35,15 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
-from trainfit.analytic.adapters import AdapterSaved, AdapterSite, SiteInput, adapter_saved, adapter_sites, frozen_base
+from trainfit.analytic.adapters import (
+    AdapterSaved,
+    AdapterSite,
+    SiteInput,
+    adapter_saved,
+    adapter_sites,
+    frozen_base,
+    frozen_layers,
+)
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 from trainfit.strategy import Attention, Checkpointing, Quantization, Strategy
@@ -859,7 +867,12 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     out = []
     nb = _norm_out_width(spec, w)
     frozen = frozen_base(strategy)
-    if spec.final_norm:
+    fz = frozen_layers(spec, strategy)
+    if spec.final_norm and fz is not None and fz.final_norm_frozen:
+        # --freeze norm: a frozen final norm keeps no normed output; over an input that needs no gradient
+        # (every layer dead) it saves nothing at all.
+        out += _norm_terms("final_norm", t, h, spec, w, frozen=True) if fz.stack_output_grad else []
+    elif spec.final_norm:
         out += _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
     if spec.kind is ModelKind.MASKED_LM:
         # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP).

@@ -204,6 +204,9 @@ class FrozenLayers:
     frozen: int
     trainable: int
     bottom_frozen: bool  # the lowest layer that runs a backward is wholly frozen: it adds no gradient
+    frozen_at: tuple[bool, ...] = ()  # per layer of the stack: wholly frozen (dead or frozen)
+    stack_output_grad: bool = True  # the last layer's output requires grad
+    final_norm_frozen: bool = False  # every final-norm tensor frozen (``norm``)
 
 
 def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
@@ -220,8 +223,9 @@ def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
     grad = strategy.checkpointing.value != "none" or any(not is_frozen(t, patterns, None, layers=n) for t in embeds)
     dead = frozen = trainable = 0
     bottom_frozen = False
-    for i, tensors in enumerate(per_layer):
-        if all(is_frozen(t, patterns, i, layers=n) for t in tensors):
+    frozen_at = tuple(all(is_frozen(t, patterns, i, layers=n) for t in ts) for i, ts in enumerate(per_layer))
+    for wholly in frozen_at:
+        if wholly:
             if grad:
                 bottom_frozen = bottom_frozen or (frozen + trainable == 0)
                 frozen += 1
@@ -230,7 +234,16 @@ def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
         else:
             trainable += 1
             grad = True
-    return FrozenLayers(dead=dead, frozen=frozen, trainable=trainable, bottom_frozen=bottom_frozen)
+    final = [t for t in inv.model_tensors if t.name.startswith("final_norm")]
+    return FrozenLayers(
+        dead=dead,
+        frozen=frozen,
+        trainable=trainable,
+        bottom_frozen=bottom_frozen,
+        frozen_at=frozen_at,
+        stack_output_grad=grad,
+        final_norm_frozen=bool(final) and all(is_frozen(t, patterns, None, layers=n) for t in final),
+    )
 
 
 def check_freeze_patterns(spec: ModelSpec, patterns: tuple[str, ...]) -> None:

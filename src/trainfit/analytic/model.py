@@ -204,6 +204,7 @@ class StackActivations:
     head_input_bytes: int  # the LM head's input: released first
     autocast_layer_copies: dict[str, int]  # 16-bit weight copies per layer kind (amp only)
     layer_counts: dict[str, int]
+    bottom_segment_bytes: int | None = None  # --freeze: what the first checkpointed segment's layers save
 
 
 def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> StackActivations:
@@ -242,12 +243,16 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
     else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
         all_layers = sum(counts[k] * per_kind[k] for k in counts)
     fz = frozen_layers(spec, strategy)
+    bottom_segment: int | None = None
     known = supports_adapters(spec) is None and mlp_frozen(spec)  # the frozen-layer forms are known
     if fz is not None and known and len(rows) == 1 and strategy.checkpointing is not Checkpointing.SELECTIVE:
         # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
         normal, still = rows[0].saved_bytes, _sum(frozen_layer_terms(spec, strategy))
         all_layers -= fz.dead * normal + fz.frozen * (normal - still)
         per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
+        if strategy.checkpointing is not Checkpointing.NONE:  # no dead layers: input grads are on
+            first = strategy.checkpoint_layout(spec.num_layers).segment_sizes[0]
+            bottom_segment = sum(still if f else normal for f in fz.frozen_at[:first])
     mt = model_terms(spec, strategy)
     return StackActivations(
         variants=tuple(rows),
@@ -260,6 +265,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         head_input_bytes=_sum([t for t in mt if t.role is TermRole.HEAD_INPUT]),
         autocast_layer_copies=copies,
         layer_counts=counts,
+        bottom_segment_bytes=bottom_segment,
     )
 
 
@@ -346,9 +352,13 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
     # --freeze: a dead layer's frozen weights are cast per call and saved by nothing (adapters.FrozenLayers).
     fz = frozen_layers(spec, strategy)
     dead = fz.dead if fz is not None else 0
+    # When nothing below the head needs a gradient (every layer dead, the final norm frozen), the head's
+    # matmul needs no input gradient and saves no 16-bit copy of its weight: autocast's cached copy dies with
+    # the forward's autocast region — a forward-end transient, gone in backward.
+    head_copy = parts.copies_head_bytes if fz is not None and not fz.stack_output_grad and fz.final_norm_frozen else 0
     return dataclasses.replace(
         q,
-        copies_all=q.copies_all - dead * parts.copies_layer_bytes,
+        copies_all=q.copies_all - dead * parts.copies_layer_bytes - head_copy,
         copies_max_layer=q.copies_max_layer if fz is None or fz.dead < spec.num_layers else 0,
         # LLM.int8 inputs held on ctx escape checkpointing (activations.int8_ctx_bytes): kept like its inputs.
         kept_inputs=q.kept_inputs + (spec.num_layers * int8_ctx_bytes(spec, strategy) if q.segments else 0),
@@ -361,7 +371,7 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
         # weight's per-call copy dies with its no-grad layer (the head's is saved by the head's matmul).
         copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
-        forward_transient=frozen_head_input_bytes(spec, strategy),
+        forward_transient=frozen_head_input_bytes(spec, strategy) + head_copy,
     )
 
 
@@ -422,14 +432,17 @@ def _head_grad_numel(spec: ModelSpec) -> int:
     return spec.vocab_size * spec.embed_dim if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
 
 
-def _recompute_bytes(q: StepInputs) -> tuple[int, int]:
+def _recompute_bytes(q: StepInputs, *, bottom: bool = False) -> tuple[int, int]:
     """(what the recomputed segment saves, the segment's input). The recomputed segment saves its own input
     again; when the first norm saves the residual tensor itself (fp32 residual, or LayerNorm), that is the
-    kept checkpoint — count it once."""
+    kept checkpoint — count it once. ``bottom``: the first segment, counted layer by layer under --freeze."""
     w = Widths.of(q.strategy)
     shared_input = w.residual == 4 or q.spec.norm is NormKind.LAYERNORM
     input_bytes = w.residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size
-    return q.segment_layers * q.stack.max_layer_bytes - (input_bytes if shared_input else 0), input_bytes
+    saved = q.segment_layers * q.stack.max_layer_bytes
+    if bottom and q.stack.bottom_segment_bytes is not None:
+        saved = q.stack.bottom_segment_bytes
+    return saved - (input_bytes if shared_input else 0), input_bytes
 
 
 def forward_moments(q: StepInputs) -> list[Moment]:
@@ -560,11 +573,12 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             temporaries=q.block_temp,
         )
         # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
+        recompute_bottom, _ = _recompute_bytes(q, bottom=True)
         bottom = Moment(
             name=MomentName.BACKWARD_BOTTOM_BLOCK,
             **base,  # type: ignore[arg-type]
             gradients=max(gr, g_all - q.segment_layers * q.grad_layer - q.grad_late),
-            activations=segment_input + recompute + a.embedding_bytes + q.masks,
+            activations=segment_input + recompute_bottom + a.embedding_bytes + q.masks,
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )
