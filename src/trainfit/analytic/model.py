@@ -204,7 +204,8 @@ class StackActivations:
     head_input_bytes: int  # the LM head's input: released first
     autocast_layer_copies: dict[str, int]  # 16-bit weight copies per layer kind (amp only)
     layer_counts: dict[str, int]
-    bottom_segment_bytes: int | None = None  # --freeze: what the first checkpointed segment's layers save
+    bottom_segment_bytes: int | None = None  # --freeze: what the bottom checkpointed segment's layers save
+    bottom_kept_segments: int = 1  # --freeze: segments whose inputs are kept at the bottom moment
 
 
 def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> StackActivations:
@@ -244,6 +245,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         all_layers = sum(counts[k] * per_kind[k] for k in counts)
     fz = frozen_layers(spec, strategy)
     bottom_segment: int | None = None
+    kept_segments = 1
     known = supports_adapters(spec) is None and mlp_frozen(spec)  # the frozen-layer forms are known
     if fz is not None and known and len(rows) == 1 and strategy.checkpointing is not Checkpointing.SELECTIVE:
         # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
@@ -251,8 +253,18 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         all_layers -= fz.dead * normal + fz.frozen * (normal - still)
         per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
         if strategy.checkpointing is not Checkpointing.NONE:  # no dead layers: input grads are on
-            first = strategy.checkpoint_layout(spec.num_layers).segment_sizes[0]
-            bottom_segment = sum(still if f else normal for f in fz.frozen_at[:first])
+            # Below the lowest trainable layer every gradient exists, so the worst moment there is entering
+            # the topmost wholly frozen segment of the bottom: all their inputs kept, its frozen layers
+            # recomputed (else the first segment, as it is).
+            sizes = strategy.checkpoint_layout(spec.num_layers).segment_sizes
+            prefix = next((i for i, f in enumerate(fz.frozen_at) if not f), len(fz.frozen_at))
+            start, n = 0, 0
+            while n < len(sizes) and start + sizes[n] <= prefix:
+                start, n = start + sizes[n], n + 1
+            kept_segments = max(1, n)
+            lo = start - sizes[n - 1] if n else 0
+            hi = lo + sizes[kept_segments - 1]
+            bottom_segment = sum(still if f else normal for f in fz.frozen_at[lo:hi])
     mt = model_terms(spec, strategy)
     return StackActivations(
         variants=tuple(rows),
@@ -266,6 +278,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         autocast_layer_copies=copies,
         layer_counts=counts,
         bottom_segment_bytes=bottom_segment,
+        bottom_kept_segments=kept_segments,
     )
 
 
@@ -578,7 +591,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             name=MomentName.BACKWARD_BOTTOM_BLOCK,
             **base,  # type: ignore[arg-type]
             gradients=max(gr, g_all - q.segment_layers * q.grad_layer - q.grad_late),
-            activations=segment_input + recompute_bottom + a.embedding_bytes + q.masks,
+            activations=a.bottom_kept_segments * segment_input + recompute_bottom + a.embedding_bytes + q.masks,
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )
