@@ -17,6 +17,11 @@ differ by a constant (what one unit adds, minus what it releases). With several 
 its own trace and the slopes add. Each phase of the full model is then the largest of its extrapolated
 places. A test holds the result to a full-depth trace.
 
+Which parameters train is part of a layer's signature: ``--freeze layers:0-15`` makes the frozen and the
+trainable layers two runs, each varied in its own trace (frozen layers save and hold different things). The
+kept layers of such a layout are not a prefix of the stack; they are renumbered (``layer_idx``) to their
+reduced positions.
+
 :func:`plan_depth` chooses the layouts, :func:`run_layout` builds one reduced model and runs it — on fake
 tensors for the trace, on a real device for ``--method measure``, which shares the plan, the run, the
 keying and the extrapolation — and :func:`trace_hf` makes the trace's report.
