@@ -5,7 +5,9 @@ For each model x target set x checkpointing x dropout (rank 16, amp-bf16 over a 
 adapters, micro-batch 1 x 2048 tokens) the peak of each method and the worst per-phase difference. The trace
 runs real PEFT modules on fake tensors (trainfit.trace.peft) and extrapolates in depth from two depths.
 QLoRA rows trace real bitsandbytes Linear4bit layers quantised on fake tensors.
-Usage: python benchmarks/agreement_finetune.py [--write]   (--write replaces the marked section of docs/accuracy.md)
+``--freeze-int8``: the ``--finetune freeze`` and LLM.int8 rows instead (their own marked section).
+Usage: python benchmarks/agreement_finetune.py [--freeze-int8] [--write]   (--write replaces the marked section of
+docs/accuracy.md)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from trainfit import Strategy, estimate
 from trainfit.arch import load_model
-from trainfit.result import Component
+from trainfit.result import Component, MemoryReport
 from trainfit.strategy import finetune_setup
 
 MODELS = ("llama-3.2-1b", "qwen2.5-7b", "llama-3.1-8b", "mistral-7b-v0.1")
@@ -79,15 +81,69 @@ def rows(*, qlora_only: bool = False) -> list[str]:
     return out
 
 
+#: ``--freeze`` patterns per model: the embeddings, the embeddings and the lower half of the layers, everything
+#: but the LM head (llama-3.2-1b ties it to the token table: everything but that table).
+FREEZE = {
+    "llama-3.2-1b": ("embeddings", "embeddings,layers:0-7", "layers:0-15,norm"),  # tied: the table is the head
+    "llama-3.1-8b": ("embeddings", "embeddings,layers:0-15", "embeddings,layers:0-31,norm"),
+}
+FREEZE_BEGIN, FREEZE_END = "<!-- agreement-freeze-int8:begin -->", "<!-- agreement-freeze-int8:end -->"
+
+
+def _worst(ra: MemoryReport, rt: MemoryReport) -> float:
+    pairs = zip(ra.phases, rt.phases, strict=True)
+    return max(((pa.total_bytes - pt.total_bytes) / pt.total_bytes for pa, pt in pairs), key=abs)
+
+
+def freeze_int8_rows() -> list[str]:
+    """``--finetune freeze`` (amp-bf16, the trace freezing the real model's parameters) and LoRA over an
+    LLM.int8 base (real bitsandbytes Linear8bitLt run as MatMul8bitLt), micro-batch 1 x 2048 tokens."""
+    out = [
+        "| model | setup | ckpt | analytic peak GiB | trace peak GiB | worst phase diff |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    cases: list[tuple[str, str, Strategy]] = []
+    for name, patterns in FREEZE.items():
+        for freeze, ckpt in itertools.product(patterns, CHECKPOINTING):
+            _, b = finetune_setup("freeze", freeze=freeze)
+            s = Strategy(base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=2048)
+            cases.append((name, f"freeze {freeze}", s))
+    for name, targets, ckpt in itertools.product(FREEZE, TARGETS, CHECKPOINTING):
+        a, b = finetune_setup("lora", rank=16, targets=targets, base_dtype="int8")
+        s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=2048)
+        cases.append((name, f"int8 lora {targets}", s))
+    for name, setup, s in cases:
+        spec = load_model(name)
+        t0 = time.perf_counter()
+        ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+        out.append(
+            f"| {name} | {setup} | {s.checkpointing.value} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "
+            f"| {_worst(ra, rt) * 100:+.2f}% |"
+        )
+        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    return out
+
+
+def _write(begin: str, end: str, table: str) -> None:
+    doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
+    text = doc.read_text()
+    new = f"{begin}\n{table}\n{end}"
+    text = re.sub(re.escape(begin) + ".*?" + re.escape(end), new, text, flags=re.S) if begin in text else text
+    doc.write_text(text)
+
+
 def main() -> None:
+    """``--freeze-int8`` runs only the freeze and LLM.int8 table (its own marked section)."""
+    if "--freeze-int8" in sys.argv:
+        table = "\n".join(freeze_int8_rows())
+        print(table)
+        if "--write" in sys.argv:
+            _write(FREEZE_BEGIN, FREEZE_END, table)
+        return
     table = "\n".join(rows(qlora_only="--qlora-only" in sys.argv))
     print(table)
     if "--write" in sys.argv:
-        doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
-        text = doc.read_text()
-        new = f"{BEGIN}\n{table}\n{END}"
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), new, text, flags=re.S) if BEGIN in text else text
-        doc.write_text(text)
+        _write(BEGIN, END, table)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.workspaces import Workspace, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
-from trainfit.analytic.adapters import check_finetune_model
+from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
 from trainfit.arch import ModelSpec, load_model
@@ -185,7 +185,8 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
             "use --method analytic"
         )
     if finetunes and spec is not None and not beyond and not strategy.is_distributed:
-        check_finetune_model(spec, strategy, trace=method is Method.TRACE)
+        check_finetune_model(spec, strategy)
+        check_dora(strategy, analytic=method is Method.ANALYTIC)
     if beyond:
         raise StrategyError(
             f"--method {method.value} models one GPU, full fine-tuning, a training step; "

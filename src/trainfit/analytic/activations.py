@@ -43,6 +43,7 @@ from trainfit.analytic.adapters import (
     adapter_sites,
     finetuning,
     frozen_base,
+    frozen_layers,
 )
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
@@ -727,19 +728,40 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     of :mod:`trainfit.analytic.adapters`): norms keep no normed output, frozen linears keep no input, a
     SwiGLU keeps gate, act(gate) and up (not the product), a fused GeLU MLP keeps fc1's output; attention
     saves what it saves under full fine-tuning; the adapters add their inputs, masks and rank-r outputs."""
-    assert strategy.adapter is not None
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     h, a = spec.hidden_size, w.compute
     nb = _norm_out_width(spec, w)
-    sites = adapter_sites(spec, strategy.adapter)
+    # Without an adapter: a layer --freeze freezes whole, its input requiring grad (adapters.FrozenLayers).
+    sites = adapter_sites(spec, strategy.adapter) if strategy.adapter is not None else ()
     mlp_w = frozen_base_mlp_width(strategy, w)
     widths = {SiteInput.NORM1: nb, SiteInput.NORM2: nb, SiteInput.ATTN_OUT: a, SiteInput.MLP_ACT: mlp_w}
-    saved = adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+    saved = (
+        adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+        if strategy.adapter is not None
+        else []
+    )
     # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU.
     already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA else set()
     if spec.mlp is MlpKind.DENSE and spec.activation == "relu":
         already.add(SiteInput.MLP_ACT)
+    # An LLM.int8 linear is no frozen nn.Linear: bitsandbytes' MatMul8bitLt.forward keeps its input A in
+    # ``ctx.tensors = (CAt, subA, A)`` whenever the input requires grad (bitsandbytes/autograd/_functions.py),
+    # so every linear's input stays saved (shared inputs once): norm1's and norm2's outputs, the attention
+    # output, the MLP's activation product (matched against the trace of real Linear8bitLt layers).
+    int8 = strategy.base_weights.quantization is Quantization.INT8
+    int8_in: dict[SiteInput, list[SavedTerm]] = {}
+    if int8:
+        int8_in = {
+            SiteInput.NORM1: [SavedTerm(name="int8.norm1_out", bytes=nb * t * h, formula=f"{nb}·t·h (int8 A)")],
+            SiteInput.NORM2: [SavedTerm(name="int8.norm2_out", bytes=nb * t * h, formula=f"{nb}·t·h (int8 A)")],
+        }
+        if SiteInput.MLP_ACT not in already:
+            i_ = spec.intermediate_size
+            int8_in[SiteInput.MLP_ACT] = [
+                SavedTerm(name="int8.mlp_act", bytes=mlp_w * t * i_, formula=f"{mlp_w}·t·i (int8 A)")
+            ]
+        already |= {SiteInput.NORM1, SiteInput.NORM2, SiteInput.MLP_ACT}
     seen: set[SiteInput] = set()
 
     def adapter_terms(reads: tuple[SiteInput, ...]) -> list[SavedTerm]:
@@ -755,6 +777,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         return out
 
     terms = _norm_terms("norm1", t, h, spec, w, frozen=True)
+    terms += int8_in.get(SiteInput.NORM1, [])
     terms += adapter_terms((SiteInput.NORM1,))
     attn = _attention_terms(spec, strategy, t, w)
     if spec.qk_norm:
@@ -765,7 +788,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
             else x
             for x in attn
         ]
-    if strategy.attention is Attention.EAGER:
+    if strategy.attention is Attention.EAGER and not int8:
         attn = [x for x in attn if x.name != "attn.eager.out"]  # o_proj's input: a frozen o_proj keeps none
     terms += attn
     terms += adapter_terms((SiteInput.ATTN_OUT,))
@@ -776,7 +799,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         for k in range(3, spec.norms_per_layer + 1):
             terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
     i = spec.intermediate_size
-    mlp = adapter_terms((SiteInput.NORM2,))
+    mlp = int8_in.get(SiteInput.NORM2, []) + adapter_terms((SiteInput.NORM2,))
     if spec.mlp is MlpKind.GATED:
         mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
     elif spec.activation == "relu":
@@ -785,6 +808,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         mlp += _act_terms("mlp", spec, t, i, w)  # HF's Python GeLU: not derived for a frozen fc2 (kept as is)
     else:
         mlp.append(SavedTerm(name="mlp.act", bytes=mlp_w * t * i, formula="a·t·i (fc1 out)"))
+    mlp += int8_in.get(SiteInput.MLP_ACT, [])
     mlp += adapter_terms((SiteInput.MLP_ACT,))
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
 
@@ -815,6 +839,9 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     norm = sum(x.bytes for x in _norm_terms("norm1", t, spec.hidden_size, spec, w, frozen=True))
+    if strategy.base_weights.quantization is Quantization.INT8:
+        # ... and its LLM.int8 q/k/v keep no input (MatMul8bitLt saves A only if an input needs a gradient).
+        norm += _norm_out_width(spec, w) * t * spec.hidden_size
     # Dropout over an input that needs no gradient keeps no mask (native_dropout's backward is not needed).
     masks = (
         sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads is SiteInput.NORM1)
@@ -907,7 +934,12 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     out = []
     nb = _norm_out_width(spec, w)
     frozen = frozen_base(strategy)
-    if spec.final_norm:
+    fz = frozen_layers(spec, strategy)
+    if spec.final_norm and fz is not None and fz.final_norm_frozen:
+        # --freeze norm: a frozen final norm keeps no normed output; over an input that needs no gradient
+        # (every layer dead) it saves nothing at all.
+        out += _norm_terms("final_norm", t, h, spec, w, frozen=True) if fz.stack_output_grad else []
+    elif spec.final_norm:
         out += _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
     if spec.kind is ModelKind.MASKED_LM:
         # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP).
@@ -967,6 +999,22 @@ def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(_matmul_inputs("score_in", t, h, 1, nb, w))
         return out
     return []
+
+
+def int8_ctx_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Per layer, the inputs that LLM.int8 linears keep through a *checkpointed* forward. ``MatMul8bitLt``
+    (bitsandbytes/autograd/_functions.py) stores its input on ``ctx.tensors``, not through
+    ``save_for_backward``, so the saved-tensor hooks of non-reentrant checkpointing never see it: every
+    linear's input stays alive from the forward until that node's backward, checkpointing or not. Distinct
+    tensors: norm1's and norm2's outputs, the attention output (o_proj's input), the MLP's activation product
+    (down_proj's input). Found in the trace of real ``Linear8bitLt`` layers; 0 for other bases."""
+    if strategy.base_weights.quantization is not Quantization.INT8 or strategy.adapter is None:
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    nb = _norm_out_width(spec, w)
+    mlp_in = spec.intermediate_size * frozen_base_mlp_width(strategy, w)
+    return t * (2 * nb * spec.hidden_size + w.compute * spec.q_dim + mlp_in)
 
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:

@@ -32,8 +32,17 @@ against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
 Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
 call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
 
-**Transients.** bitsandbytes' ``MatMul4Bit.backward`` (and ``MatMul8bitLt``'s) dequantises the whole weight to
-compute the input gradient: one N·K tensor in the compute dtype per linear, alive during that matmul.
+**Transients.** bitsandbytes' ``MatMul4Bit.backward`` dequantises the whole weight to compute the input
+gradient: one N·K tensor in the compute dtype per linear, alive during that matmul; ``MatMul8bitLt.backward``
+makes it in the *input's* dtype (``CB.to(ctx.dtype_A)``; no autocast inside the Function).
+
+**LLM.int8 saves what a frozen linear does not.** ``MatMul8bitLt.forward`` keeps its input on ``ctx.tensors``
+whenever an input requires grad, outside ``save_for_backward``: every int8 linear's input is saved, and
+non-reentrant checkpointing (saved-tensor hooks) cannot drop it
+(:func:`trainfit.analytic.activations.int8_ctx_bytes`).
+
+**``--freeze``** (:class:`FrozenLayers`): a wholly frozen layer saves nothing when no gradient flows into it
+(frozen embeddings, no checkpointing, no trainable layer below), the frozen forms when one does.
 """
 
 from __future__ import annotations
@@ -178,6 +187,65 @@ def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, l
     return False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrozenLayers:
+    """How ``--freeze`` patterns leave the layer stack, counting whole layers only (a layer with any trainable
+    tensor counts as trainable: an upper bound for a partly frozen one).
+
+    Autograd records a node only where an input requires grad (torch/csrc/autograd/function.h
+    ``compute_requires_grad``), so a frozen layer whose input needs no gradient saves nothing: it is ``dead``.
+    Its input needs one when the embeddings' output does — a trainable embedding table, or checkpointing,
+    with which transformers 5 calls ``enable_input_require_grads`` (modeling_utils.py
+    ``_activation_checkpointing_enable``, for every ``input_ids`` model) — or when any layer below trains.
+    A ``frozen`` layer with such an input saves what the input gradient needs (the frozen forms of
+    :func:`trainfit.analytic.activations.frozen_layer_terms`, no adapters)."""
+
+    dead: int
+    frozen: int
+    trainable: int
+    bottom_frozen: bool  # the lowest layer that runs a backward is wholly frozen: it adds no gradient
+    frozen_at: tuple[bool, ...] = ()  # per layer of the stack: wholly frozen (dead or frozen)
+    stack_output_grad: bool = True  # the last layer's output requires grad
+    final_norm_frozen: bool = False  # every final-norm tensor frozen (``norm``)
+
+
+def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
+    """The stack under ``--freeze`` (``None`` without freeze patterns, or under an adapter)."""
+    patterns = strategy.base_weights.frozen
+    if strategy.adapter is not None or not patterns:
+        return None
+    inv = inventory(spec)
+    n = spec.num_layers
+    per_layer: list[tuple[ParamTensor, ...]] = []
+    for g in inv.layers:
+        per_layer += [g.tensors] * g.count
+    embeds = [t for t in inv.model_tensors if t.name.startswith("embed")]
+    grad = strategy.checkpointing.value != "none" or any(not is_frozen(t, patterns, None, layers=n) for t in embeds)
+    dead = frozen = trainable = 0
+    bottom_frozen = False
+    frozen_at = tuple(all(is_frozen(t, patterns, i, layers=n) for t in ts) for i, ts in enumerate(per_layer))
+    for wholly in frozen_at:
+        if wholly:
+            if grad:
+                bottom_frozen = bottom_frozen or (frozen + trainable == 0)
+                frozen += 1
+            else:
+                dead += 1
+        else:
+            trainable += 1
+            grad = True
+    final = [t for t in inv.model_tensors if t.name.startswith("final_norm")]
+    return FrozenLayers(
+        dead=dead,
+        frozen=frozen,
+        trainable=trainable,
+        bottom_frozen=bottom_frozen,
+        frozen_at=frozen_at,
+        stack_output_grad=grad,
+        final_norm_frozen=bool(final) and all(is_frozen(t, patterns, None, layers=n) for t in final),
+    )
+
+
 def check_freeze_patterns(spec: ModelSpec, patterns: tuple[str, ...]) -> None:
     """Every ``--freeze`` name must name something in the model (one line otherwise)."""
     inv = inventory(spec)
@@ -267,6 +335,19 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     linears = [t for t in group.tensors if t.matmul]
     largest = max(t.numel for t in linears)
     out = largest * strategy.recipe.compute_bits // 8
+    if strategy.base_weights.quantization is Quantization.INT8:
+        # MatMul8bitLt.backward: ``CB.to(ctx.dtype_A, copy=True)`` — the weight in its *input's* dtype (no
+        # autocast inside the Function), not the compute dtype: fp32 over an fp32 residual stream.
+        from trainfit.analytic.activations import Widths, frozen_base_mlp_width, norm_out_width
+
+        w = Widths.of(strategy)
+        width = {
+            SiteInput.NORM1: norm_out_width(spec, w),
+            SiteInput.NORM2: norm_out_width(spec, w),
+            SiteInput.ATTN_OUT: w.compute,
+            SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
+        }
+        out = max(t.numel * width[_INPUT_OF[_short(t)]] for t in linears if _short(t) in _INPUT_OF)
     # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
     # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
     # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
@@ -298,10 +379,10 @@ def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
     return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
 
 
-def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = False) -> None:
+def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
-    a quantised base in the trace (bitsandbytes layers are not traced yet)."""
+    a ``--freeze`` that leaves nothing to train (the trace runs LLM.int8 layers and ``--freeze`` too)."""
     if strategy.adapter is not None:
         adapter_sites(spec, strategy.adapter)
     if strategy.base_weights.frozen:
@@ -312,7 +393,20 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, trace: bool = F
                 raise StrategyError(f"freeze range {p} goes past {spec.name}'s {spec.num_layers} layers")
     if strategy.base_weights.frozen and not _anything_trains(spec, strategy):
         raise StrategyError("--freeze leaves no trainable parameter (torch's optimizers refuse an empty list)")
-    if trace and strategy.base_weights.quantization is Quantization.INT8:
-        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
-    if trace and strategy.base_weights.frozen:
-        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")
+
+
+def check_dora(strategy: Strategy, *, analytic: bool) -> None:
+    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) is traced with real PEFT modules, but the closed
+    forms do not describe its forward yet: ``DoraLinearLayer.forward`` (peft/tuners/lora/dora.py) builds
+    ``lora_B(lora_A(eye(d_in)))`` (lora_A saves the d_in × d_in identity), the full-size ``W + s·BA`` for its
+    weight norm, and runs the base layer a second time. The analytic method refuses it rather than count it
+    as LoRA; a quantised base under DoRA is refused by both (not traced)."""
+    if strategy.adapter is None or strategy.adapter.kind is not AdapterKind.DORA:
+        return
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
+    if analytic:
+        raise StrategyError(
+            "the analytic model does not model DoRA's forward yet (the weight norm of W + s·BA per step); "
+            "use --method trace"
+        )

@@ -51,6 +51,8 @@ from trainfit.analytic.activations import (
     effective_strategy,
     first_layer_unsaved_bytes,
     frozen_head_input_bytes,
+    frozen_layer_terms,
+    int8_ctx_bytes,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
@@ -58,7 +60,7 @@ from trainfit.analytic.activations import (
     score_chain,
     selective_recompute_bytes,
 )
-from trainfit.analytic.adapters import dequant_transient_bytes, finetuning
+from trainfit.analytic.adapters import dequant_transient_bytes, finetuning, frozen_layers, mlp_frozen, supports_adapters
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.savers import (
@@ -205,6 +207,8 @@ class StackActivations:
     head_input_bytes: int  # the LM head's input: released first
     autocast_layer_copies: dict[str, int]  # 16-bit weight copies per layer kind (amp only)
     layer_counts: dict[str, int]
+    bottom_segment_bytes: int | None = None  # --freeze: what the bottom checkpointed segment's layers save
+    bottom_kept_segments: int = 1  # --freeze: segments whose inputs are kept at the bottom moment
 
 
 def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> StackActivations:
@@ -242,6 +246,28 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         all_layers = sum(r.layers * r.saved_bytes for r in rows) - first_layer_unsaved_bytes(spec, strategy)
     else:  # mixed sliding layers in a stack of several kinds (no such family today): the larger variant
         all_layers = sum(counts[k] * per_kind[k] for k in counts)
+    fz = frozen_layers(spec, strategy)
+    bottom_segment: int | None = None
+    kept_segments = 1
+    known = supports_adapters(spec) is None and mlp_frozen(spec)  # the frozen-layer forms are known
+    if fz is not None and known and len(rows) == 1 and strategy.checkpointing is not Checkpointing.SELECTIVE:
+        # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
+        normal, still = rows[0].saved_bytes, _sum(frozen_layer_terms(spec, strategy))
+        all_layers -= fz.dead * normal + fz.frozen * (normal - still)
+        per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
+        if strategy.checkpointing is not Checkpointing.NONE:  # no dead layers: input grads are on
+            # Below the lowest trainable layer every gradient exists, so the worst moment there is entering
+            # the topmost wholly frozen segment of the bottom: all their inputs kept, its frozen layers
+            # recomputed (else the first segment, as it is).
+            sizes = strategy.checkpoint_layout(spec.num_layers).segment_sizes
+            prefix = next((i for i, f in enumerate(fz.frozen_at) if not f), len(fz.frozen_at))
+            start, n = 0, 0
+            while n < len(sizes) and start + sizes[n] <= prefix:
+                start, n = start + sizes[n], n + 1
+            kept_segments = max(1, n)
+            lo = start - sizes[n - 1] if n else 0
+            hi = lo + sizes[kept_segments - 1]
+            bottom_segment = sum(still if f else normal for f in fz.frozen_at[lo:hi])
     mt = model_terms(spec, strategy)
     return StackActivations(
         variants=tuple(rows),
@@ -254,6 +280,8 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         head_input_bytes=_sum([t for t in mt if t.role is TermRole.HEAD_INPUT]),
         autocast_layer_copies=copies,
         layer_counts=counts,
+        bottom_segment_bytes=bottom_segment,
+        bottom_kept_segments=kept_segments,
     )
 
 
@@ -349,17 +377,29 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
     # Fine-tuning: only trainable tensors have gradients; a quantised base dequantises a weight in backward.
     spec, strategy = q.spec, q.strategy
     parts = finetune_parts(spec, strategy)
+    # --freeze: a dead layer's frozen weights are cast per call and saved by nothing (adapters.FrozenLayers).
+    fz = frozen_layers(spec, strategy)
+    dead = fz.dead if fz is not None else 0
+    # When nothing below the head needs a gradient (every layer dead, the final norm frozen), the head's
+    # matmul needs no input gradient and saves no 16-bit copy of its weight: autocast's cached copy dies with
+    # the forward's autocast region — a forward-end transient, gone in backward.
+    head_copy = parts.copies_head_bytes if fz is not None and not fz.stack_output_grad and fz.final_norm_frozen else 0
     return dataclasses.replace(
         q,
+        copies_all=q.copies_all - dead * parts.copies_layer_bytes - head_copy,
+        copies_max_layer=q.copies_max_layer if fz is None or fz.dead < spec.num_layers else 0,
+        # LLM.int8 inputs held on ctx escape checkpointing (activations.int8_ctx_bytes): kept like its inputs.
+        kept_inputs=q.kept_inputs + (spec.num_layers * int8_ctx_bytes(spec, strategy) if q.segments else 0),
         resident=dataclasses.replace(q.resident, adapter_weights=q.states.adapter_weights_bytes),
-        grad_layer=parts.grad_layer_bytes,
+        # A frozen bottom layer adds no gradient: every trainable one is there during its backward.
+        grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
         block_temp=q.block_temp + dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy),
         # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
         # weight's per-call copy dies with its no-grad layer (the head's is saved by the head's matmul).
         copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
-        forward_transient=frozen_head_input_bytes(spec, strategy),
+        forward_transient=frozen_head_input_bytes(spec, strategy) + head_copy,
     )
 
 
@@ -421,14 +461,17 @@ def _head_grad_numel(spec: ModelSpec) -> int:
     return spec.vocab_size * spec.embed_dim if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
 
 
-def _recompute_bytes(q: StepInputs) -> tuple[int, int]:
+def _recompute_bytes(q: StepInputs, *, bottom: bool = False) -> tuple[int, int]:
     """(what the recomputed segment saves, the segment's input). The recomputed segment saves its own input
     again; when the first norm saves the residual tensor itself (fp32 residual, or LayerNorm), that is the
-    kept checkpoint — count it once."""
+    kept checkpoint — count it once. ``bottom``: the first segment, counted layer by layer under --freeze."""
     w = Widths.of(q.strategy)
     shared_input = w.residual == 4 or q.spec.norm is NormKind.LAYERNORM
     input_bytes = w.residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size
-    return q.segment_layers * q.stack.max_layer_bytes - (input_bytes if shared_input else 0), input_bytes
+    saved = q.segment_layers * q.stack.max_layer_bytes
+    if bottom and q.stack.bottom_segment_bytes is not None:
+        saved = q.stack.bottom_segment_bytes
+    return saved - (input_bytes if shared_input else 0), input_bytes
 
 
 def forward_moments(q: StepInputs) -> list[Moment]:
@@ -562,11 +605,12 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             temporaries=q.block_temp,
         )
         # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
+        recompute_bottom, _ = _recompute_bytes(q, bottom=True)
         bottom = Moment(
             name=MomentName.BACKWARD_BOTTOM_BLOCK,
             **base,  # type: ignore[arg-type]
             gradients=max(gr, g_all - q.segment_layers * q.grad_layer - q.grad_late),
-            activations=segment_input + recompute + a.embedding_bytes + q.masks,
+            activations=a.bottom_kept_segments * segment_input + recompute_bottom + a.embedding_bytes + q.masks,
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )

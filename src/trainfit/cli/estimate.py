@@ -36,8 +36,8 @@ STRATEGY_FLAGS: tuple[str, ...] = (
     "precision", "optimizer", "checkpointing", "attention", "optimizer_impl", "batch", "seq", "grad_accum",
     "gpus", "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel", "gpus_per_node",
     "sharding", "offload", "engine", "reshard_after_forward", "bucket_cap_mb", "gradient_as_bucket_view",
-    "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_dtype",
-    "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
+    "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
+    "adapter_dtype", "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
     "paged_optimizer", "head", "num_labels",
 )  # fmt: skip
 
@@ -105,6 +105,7 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
             alpha=f["lora_alpha"],
             targets=f["lora_targets"],
             dropout=f["lora_dropout"],
+            dora=f["dora"],
             adapter_dtype=f["adapter_dtype"],
             base_dtype=f["base_dtype"],
             double_quant=f["double_quant"],
@@ -211,6 +212,9 @@ def estimate_cmd(
         str, typer.Option("--lora-targets", help="Module names as PEFT spells them (q_proj,v_proj) or all-linear.")
     ] = "all-linear",
     lora_dropout: Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout probability.")] = 0.0,
+    dora: Annotated[
+        bool, typer.Option("--dora", help="DoRA (PEFT use_dora=True) instead of LoRA; --method trace only.")
+    ] = False,
     adapter_dtype: Annotated[
         str, typer.Option("--adapter-dtype", help="fp32 (PEFT's default on a 16-bit base) | bf16 | fp16.")
     ] = "fp32",

@@ -139,6 +139,7 @@ def finetune_setup(
     alpha: int | None = None,
     targets: str | tuple[str, ...] = ALL_LINEAR,
     dropout: float = 0.0,
+    dora: bool = False,
     adapter_dtype: DType | str = DType.FP32,
     base_dtype: str | None = None,
     double_quant: bool = True,
@@ -146,7 +147,8 @@ def finetune_setup(
 ) -> tuple[Adapter | None, BaseWeights]:
     """The adapter and base-weight settings of one fine-tuning method, as the CLI and JSON spell them.
     ``base_dtype``: bf16 | fp16 | fp32 | int8 | nf4 | fp4 (QLoRA defaults to nf4 and refuses a float base);
-    ``alpha`` defaults to 2·rank. Bad combinations raise :class:`StrategyError`."""
+    ``alpha`` defaults to 2·rank; ``dora``: DoRA adapters (PEFT ``LoraConfig(use_dora=True)``) instead of LoRA.
+    Bad combinations raise :class:`StrategyError`."""
     try:
         how = Finetune(finetune)
     except ValueError:
@@ -169,6 +171,8 @@ def finetune_setup(
             )
     if freeze and how is not Finetune.FREEZE:
         raise StrategyError(f"--freeze needs --finetune freeze (with {how.value}, the adapter decides what trains)")
+    if dora and how is not Finetune.LORA:
+        raise StrategyError(f"--dora is a LoRA variant: use it with --finetune lora, not {how.value}")
     if how is Finetune.FREEZE and not freeze:
         raise StrategyError("--finetune freeze needs --freeze PATTERNS (e.g. embeddings,layers:0-15)")
     quant = _BASE_QUANT.get(base_dtype or "")
@@ -180,6 +184,7 @@ def finetune_setup(
             )
         return None, BaseWeights(frozen=freeze)
     adapter = Adapter(
+        kind=AdapterKind.DORA if dora else AdapterKind.LORA,
         rank=rank,
         alpha=alpha if alpha is not None else 2 * rank,
         targets=targets,

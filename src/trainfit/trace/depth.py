@@ -17,6 +17,11 @@ differ by a constant (what one unit adds, minus what it releases). With several 
 its own trace and the slopes add. Each phase of the full model is then the largest of its extrapolated
 places. A test holds the result to a full-depth trace.
 
+Which parameters train is part of a layer's signature: ``--freeze layers:0-15`` makes the frozen and the
+trainable layers two runs, each varied in its own trace (frozen layers save and hold different things). The
+kept layers of such a layout are not a prefix of the stack; they are renumbered (``layer_idx``) to their
+reduced positions.
+
 :func:`plan_depth` chooses the layouts, :func:`run_layout` builds one reduced model and runs it — on fake
 tensors for the trace, on a real device for ``--method measure``, which shares the plan, the run, the
 keying and the extrapolation — and :func:`trace_hf` makes the trace's report.
@@ -198,6 +203,7 @@ def run_layout(
     device = on_device.device if on_device is not None else "cpu"
     mode = rn.fake_mode() if on_device is None else None
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    renumber_layers(model, plan.stack_path)
     quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if strategy.adapter is not None or not strategy.base_weights.is_default:
         from trainfit.trace.peft import apply_finetuning, quantised_weights
@@ -252,6 +258,19 @@ def run_layout(
     return LayoutRun(run=run, resident=resident)
 
 
+def renumber_layers(model: torch.nn.Module, stack_path: str) -> None:
+    """Give each kept layer its position in the reduced stack as ``layer_idx`` (the index transformers' caches
+    and per-layer config lists are read with). A layout of two extrapolated runs keeps layers that are not a
+    prefix of the stack (say 0 and 16 of a half-frozen model); their full-depth indices would run past the
+    reduced model's ``DynamicCache``. The per-layer config lists are sliced in the same order
+    (``hf.reduced_model``), so a layer reads its own entry; for a prefix this changes nothing."""
+    stack: Any = model.get_submodule(stack_path)
+    for pos, layer in enumerate(stack):
+        for mod in layer.modules():
+            if isinstance(getattr(mod, "layer_idx", None), int):
+                mod.layer_idx = pos
+
+
 @dataclass
 class DepthPlan:
     """The full model on meta and the reduced layouts to run (one, at full depth, when not extrapolating)."""
@@ -277,8 +296,16 @@ def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool, base_u
     full_layers = int(conf.num_hidden_layers)
     stack_path, stack = hf.find_stack(meta, full_layers)
     params = sum(p.numel() for p in meta.parameters())
+    if strategy.base_weights.frozen:
+        from trainfit.trace.peft import freeze_patterns
+
+        freeze_patterns(meta, stack_path, strategy.base_weights.frozen)  # full-depth layer indices
     sig_ids: dict[Any, int] = {}
-    sigs = [sig_ids.setdefault(hf.layer_signature(layer), len(sig_ids)) for layer in stack]
+    # A frozen layer costs what a trainable one does not (no gradients, no states, fewer saved tensors), so
+    # which parameters train is part of a layer's signature: a freeze range splits the stack into runs that
+    # are extrapolated separately.
+    keys = [(hf.layer_signature(layer), tuple(p.requires_grad for p in layer.parameters())) for layer in stack]
+    sigs = [sig_ids.setdefault(k, len(sig_ids)) for k in keys]
     blocks = hf.blocks_for(full_layers, strategy.checkpointing)
     tokens = [(b.checkpointed, tuple(sigs[i] for i in b.layers)) for b in blocks]
     runs = hf.find_runs(tokens)
@@ -396,9 +423,9 @@ def _trainable_params(
 ) -> int:
     """Trainable parameters at full depth: the base layout's, plus each extrapolated run's per-unit increment
     (the difference of two depths) times its missing units — every parameter when fully fine-tuning."""
-    total = results[0][2].trainable_params
+    base = total = results[0][2].trainable_params
     for k, r in enumerate(ext):
-        per_unit = results[k + 1][2].trainable_params - total
+        per_unit = results[k + 1][2].trainable_params - base  # each variant differs from the base by one unit
         total += per_unit * (runs[r].count - results[0][0][r])
     return total
 

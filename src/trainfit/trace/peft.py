@@ -27,6 +27,18 @@ kept as a plain frozen parameter carrying its ``quant_state``; the state's tenso
 codes, offset) are registered as buffers so they count as weights. Double quantisation builds
 ``name2qmap["dynamic"]`` lazily with a data-dependent ``tolist``: it is built outside fake mode and handed in
 as a fake tensor for the run.
+
+An LLM.int8 base (``--base-dtype int8``) is built the same way with ``bnb.nn.Linear8bitLt``
+(``has_fp16_weights=False``, outlier threshold 0: the outlier columns are a data-dependent shape); each weight
+becomes the int8 ``CB`` (N × K) with its fp32 row scales ``SCB`` (a buffer), what ``Int8Params._quantize``
+leaves. In training on a CPU tensor bitsandbytes routes ``bnb.matmul`` to ``MatMul8bitFp``; the run patches it
+to ``MatMul8bitLt``, the CUDA path, whose memory differs: it keeps its input on ``ctx`` (outside
+``save_for_backward``, so checkpointing cannot drop it) and its backward dequantises the weight in the
+input's dtype.
+
+``--freeze`` (:func:`freeze_patterns`) turns ``requires_grad`` off on the full-depth meta model before the
+reduced models are cut from it (trace/depth.py ``plan_depth``), so layer ranges keep their indices and
+frozen and trainable layers form separate runs of the depth extrapolation.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from typing import Any
 
 import torch
 
-from trainfit.errors import DependencyError, StrategyError
+from trainfit.errors import DependencyError
 from trainfit.strategy import ALL_LINEAR, AdapterKind, Quantization, Strategy
 from trainfit.strategy.dtypes import DType
 
@@ -58,19 +70,20 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
     """Wrap ``model`` (on the meta device) as ``strategy`` fine-tunes it; returns the transformers module with
     the adapters injected (``model`` itself when nothing changes)."""
     adapter, base = strategy.adapter, strategy.base_weights
-    if base.frozen:
-        raise StrategyError("--method trace does not model --freeze yet; use --method analytic")
-    if base.quantization is Quantization.INT8:
-        raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
+    # ``--freeze`` patterns are applied to the full-depth meta model (:func:`freeze_patterns`, called by
+    # trace/depth.py ``plan_depth``): layer ranges need the full model's layer indices.
     quantised = base.quantization is not Quantization.NONE
-    if quantised:
+    int8 = base.quantization is Quantization.INT8
+    if int8:
+        _to_linear8bit(model)
+    elif quantised:
         _to_linear4bit(model, strategy)
     if base.dtype is not None:
         model.to(_TORCH_DTYPES[base.dtype])  # meta tensors: a dtype change, nothing allocated
     if adapter is None:
         return model
     peft = require_peft()
-    if quantised:
+    if quantised and (base.kbit_prepared or not int8):
         # What QLoRA recipes call: fp32 for everything not 4-bit; checkpointing is the strategy's business
         # (transformers' gradient_checkpointing_enable, installed by trace.hf, enables input grads itself).
         peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -119,10 +132,68 @@ def _to_linear4bit(model: torch.nn.Module, strategy: Strategy) -> None:
     m.is_loaded_in_4bit = True  # what PEFT and prepare_model_for_kbit_training look for
 
 
+def _to_linear8bit(model: torch.nn.Module) -> None:
+    """Replace every ``nn.Linear`` but the output head with a meta ``bnb.nn.Linear8bitLt`` as transformers'
+    ``replace_with_bnb_linear`` does for ``load_in_8bit`` (``has_fp16_weights=False``: int8 weights that take
+    no gradient). The outlier threshold is 0 here, not transformers' ``llm_int8_threshold=6.0``: the outlier
+    columns are data-dependent (a dynamic shape fake tensors cannot give); they add a T × n_outliers fp16
+    ``subA`` per linear, a few columns (Dettmers et al. 2022 §3)."""
+    bnb: Any = importlib.import_module("bitsandbytes")
+    m: Any = model
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child is head:
+                continue
+            q = bnb.nn.Linear8bitLt(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                has_fp16_weights=False,
+                threshold=0.0,
+                device="meta",
+            )
+            setattr(parent, name, q)
+    m.is_loaded_in_8bit = True  # what PEFT (dispatch_bnb_8bit) looks for
+
+
+@contextlib.contextmanager
+def _cuda_int8_matmul() -> Iterator[None]:
+    """Run ``bnb.matmul`` as on a CUDA device: in training on a CPU tensor bitsandbytes takes
+    ``MatMul8bitFp`` (dequantise, then a float matmul; bitsandbytes/autograd/_functions.py ``matmul``), on
+    CUDA ``MatMul8bitLt``, whose memory the trace must show. The per-call warning about the fp16 cast of a
+    non-fp16 input is silenced."""
+    import logging
+
+    bnb: Any = importlib.import_module("bitsandbytes")
+    fns: Any = importlib.import_module("bitsandbytes.autograd._functions")
+    saved = bnb.matmul
+    log = logging.getLogger("bitsandbytes.autograd._functions")
+    level = log.level
+
+    def matmul(A: Any, B: Any, out: Any = None, state: Any = None, threshold: float = 0.0, bias: Any = None) -> Any:
+        state = state or fns.MatmulLtState()
+        if threshold > 0.0:
+            state.threshold = threshold
+        return fns.MatMul8bitLt.apply(A, B, out, bias, state)
+
+    bnb.matmul = matmul
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        bnb.matmul = saved
+        log.setLevel(level)
+
+
 @contextlib.contextmanager
 def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> Iterator[None]:
     """Quantise every ``Linear4bit`` weight of the materialised ``model`` on fake tensors of ``mode`` (a
     ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run."""
+    if strategy.base_weights.quantization is Quantization.INT8:
+        with _int8_weights(model, mode), _cuda_int8_matmul():
+            yield
+        return
     if strategy.base_weights.quantization not in (Quantization.NF4, Quantization.FP4):
         yield
         return
@@ -165,3 +236,82 @@ def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> 
             bf.name2qmap.pop("dynamic", None)
         else:
             bf.name2qmap["dynamic"] = saved
+
+
+#: HF module names that differ from the inventory's (the analytic side's ``_HF_ALIASES``, both ways).
+_FREEZE_ALIASES = {"out_proj": "o_proj", "o_proj": "out_proj"}
+
+
+def freeze_patterns(model: torch.nn.Module, stack_path: str, patterns: tuple[str, ...]) -> int:
+    """``--freeze`` on the full-depth (meta) ``model``: ``requires_grad_(False)`` on every parameter a pattern
+    names, as a training script does before building its optimizer (the trace's optimizer gets only the
+    parameters that still require grad). Returns how many parameter tensors were frozen.
+
+    * ``embeddings``: every ``nn.Embedding`` outside the layer stack (token, position and token-type tables;
+      a tied head shares the token table, so it freezes with it);
+    * ``lm_head``: the output embeddings (``get_output_embeddings``) when untied; a tied head has no tensor
+      of its own (``named_parameters`` lists it once, as the token table), as the analytic inventory;
+    * ``norm``: every parameter of a module whose class is a norm (``*Norm``, ``LayerNorm``);
+    * ``layers:A-B``: every parameter of stack layers A..B (full-depth indices);
+    * a module name (``q_proj``, ``out_proj``/``o_proj``): that module's parameters wherever it occurs.
+    """
+    from trainfit.strategy.adapters import layer_range
+
+    m: Any = model
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    embed = m.get_input_embeddings() if hasattr(m, "get_input_embeddings") else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    prefix = stack_path + "."
+    frozen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        own = [p for p in mod.parameters(recurse=False)]
+        if not own:
+            continue
+        in_stack = mod_name.startswith(prefix)
+        short = mod_name.rpartition(".")[2]
+        for pat in patterns:
+            rng = layer_range(pat)
+            hit = False
+            if rng is not None:
+                if in_stack:
+                    idx = mod_name[len(prefix) :].partition(".")[0]
+                    hit = idx.isdigit() and int(idx) in rng
+            elif pat == "embeddings":
+                hit = isinstance(mod, torch.nn.Embedding) and not in_stack and mod is not head
+            elif pat == "lm_head":
+                hit = mod is head and not tied
+            elif pat == "norm":
+                cls = type(mod).__name__
+                hit = cls.endswith("Norm") or "LayerNorm" in cls or "RMSNorm" in cls
+            else:
+                hit = short in (pat, _FREEZE_ALIASES.get(pat, pat))
+            if hit:
+                for p in own:
+                    if id(p) not in frozen:
+                        frozen.add(id(p))
+                        p.requires_grad_(False)
+                break
+    return len(frozen)
+
+
+@contextlib.contextmanager
+def _int8_weights(model: torch.nn.Module, mode: Any) -> Iterator[None]:
+    """Give every ``Linear8bitLt`` of the materialised ``model`` what ``Int8Params._quantize`` leaves on the
+    device (bitsandbytes/nn/modules.py): the int8 weight ``CB`` (N × K) as the parameter's data, with
+    ``CB`` and the fp32 row scales ``SCB`` (N) attached; the first forward moves them to the module's
+    ``MatmulLtState`` (``init_8bit_state``). ``SCB`` is registered as a buffer so it counts as weights:
+    N·K + 4·N bytes per linear (DESIGN §4.4)."""
+    bnb: Any = importlib.import_module("bitsandbytes")
+    with mode if mode is not None else contextlib.nullcontext():
+        for mod in model.modules():
+            if not isinstance(mod, bnb.nn.Linear8bitLt):
+                continue
+            dev = mod.weight.device  # the run's device (--method measure runs these on a real GPU)
+            cb = torch.zeros(mod.out_features, mod.in_features, dtype=torch.int8, device=dev)
+            scb = torch.ones(mod.out_features, dtype=torch.float32, device=dev)
+            weight = torch.nn.Parameter(cb, requires_grad=False)
+            weight.CB = cb  # type: ignore[attr-defined]
+            weight.SCB = scb  # type: ignore[attr-defined]
+            mod.weight = weight
+            mod.register_buffer("_trainfit_quant_0", scb, persistent=False)
+    yield
