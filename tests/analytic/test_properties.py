@@ -18,7 +18,8 @@ strategies = st.builds(
     Strategy,
     precision=st.sampled_from(list(Precision)),
     optimizer=st.sampled_from(list(Optimizer)),
-    checkpointing=st.sampled_from(list(Checkpointing)),
+    # sac refuses eager/math attention and MoE (one line); tests/analytic/test_savers.py and the trace hold it
+    checkpointing=st.sampled_from([c for c in Checkpointing if c is not Checkpointing.SAC]),
     attention=st.sampled_from(list(Attention)),
     micro_batch=st.integers(1, 16),
     seq_len=st.integers(1, 8192),
