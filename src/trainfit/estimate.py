@@ -305,7 +305,7 @@ def estimate(
             gpu_spec,
             headroom,
             with_options if searchable else None,
-            bound if method is Method.ANALYTIC else None,
+            bound if method is Method.ANALYTIC and not strategy.is_distributed else None,  # many GPUs: no bound
         )
         if not searchable and search_micro_batch:
             notes.append(

@@ -110,3 +110,21 @@ def test_largest_below_keeps_the_search_contract(fails: set[int], lowest: int) -
         assert got not in fails and (got + 1) in fails and lowest <= got < hi
     if hi - 1 not in fails:
         assert probes == [hi - 1]  # just below the bound: one probe
+
+
+def test_many_gpu_micro_batch_search_counts_up_without_a_bound() -> None:
+    """Many GPUs have no closed-form bound: the search doubles from micro-batch 1 (a handful of estimates) and
+    lands where stepping up one at a time does."""
+    from trainfit.strategy import Parallelism
+
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-40gb")
+    s = Strategy(parallelism=Parallelism(data=4), sharding="fsdp", seq_len=4096, checkpointing="full")
+    rep = estimate(spec, s, gpu=gpu)
+    assert rep.fit is not None and rep.fit.max_micro_batch is not None and 0 < rep.fit.max_micro_batch < 64
+    best = rep.fit.max_micro_batch
+
+    def fits(b: int) -> bool:
+        r = estimate(spec, dataclasses.replace(s, micro_batch=b), gpu=gpu, search_micro_batch=False)
+        return r.fit is not None and r.fit.fits
+
+    assert fits(best) and not fits(best + 1)
