@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 V = TypeVar("V")
 
-__all__ = ["Memo"]
+__all__ = ["Memo", "spec_key"]
 
 
 class Memo(Generic[V]):
@@ -40,3 +40,20 @@ class Memo(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+#: ``repr`` of recently seen specs by identity (each entry holds its spec, so an id is not reused while cached).
+_KEYS: OrderedDict[int, tuple[object, str]] = OrderedDict()
+
+
+def spec_key(spec: object) -> str:
+    """``repr(spec)`` (every field: the memo key of a ``ModelSpec``), computed once per spec object — a 70B
+    spec's repr with its config dict costs tens of microseconds, and the planner asks thousands of times."""
+    hit = _KEYS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    key = repr(spec)
+    _KEYS[id(spec)] = (spec, key)
+    if len(_KEYS) > 64:
+        _KEYS.popitem(last=False)
+    return key

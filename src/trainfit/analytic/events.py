@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable
 
-from trainfit._memo import Memo
+from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
 from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import (
@@ -287,7 +287,7 @@ def simulate_training(
     segments at the reserved peak). Memoised on the inputs (``ModelSpec`` holds a dict, so it is keyed by its
     ``repr``, which shows every field)."""
     return _MEMO.get(
-        (repr(spec), strategy, config, workspaces, layout),
+        (spec_key(spec), strategy, config, workspaces, layout),
         lambda: _simulate_training(spec, strategy, config, workspaces, layout=layout),
     )
 

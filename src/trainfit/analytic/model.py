@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
-from trainfit._memo import Memo
+from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import allocator_details
 from trainfit.allocator.workspaces import Workspace
@@ -324,7 +324,7 @@ _STEPS: Memo[StepInputs] = Memo(512)
 
 def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> StepInputs:
     """Every quantity of one training step (memoised on the spec's repr, the strategy and ``keep_logits``)."""
-    return _STEPS.get((repr(spec), strategy, keep_logits), lambda: _build_step_inputs(spec, strategy, keep_logits))
+    return _STEPS.get((spec_key(spec), strategy, keep_logits), lambda: _build_step_inputs(spec, strategy, keep_logits))
 
 
 def _build_step_inputs(spec: ModelSpec, strategy: Strategy, keep_logits: bool) -> StepInputs:

@@ -640,9 +640,9 @@ def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int
     trainable in the same c layers as the others (exact for layer ranges and module names)."""
     out = allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in held if h.root and h.trainable))
     for i, g in enumerate(inventory(spec).layers):
-        layer = [h for h in held if h.group == i and h.trainable]
+        layer = [(h.count, h.shard_numel(shards) * h.bits // 8) for h in held if h.group == i and h.trainable]
         for k in range(g.count):
-            out += allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in layer if k < h.count))
+            out += allocator_bytes(sum(n for count, n in layer if k < count))
     return out
 
 

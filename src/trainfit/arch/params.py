@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit._memo import Memo
+from trainfit._memo import Memo, spec_key
 from trainfit.arch.spec import MlpKind, ModelSpec, NormKind, ParamTensor
 
 
@@ -154,7 +154,7 @@ _INVENTORIES: Memo[ParamInventory] = Memo(64)
 
 def inventory(spec: ModelSpec) -> ParamInventory:
     """Every parameter tensor of ``spec`` (tied embeddings counted once); immutable, memoised."""
-    return _INVENTORIES.get(repr(spec), lambda: _build_inventory(spec))
+    return _INVENTORIES.get(spec_key(spec), lambda: _build_inventory(spec))
 
 
 def _build_inventory(spec: ModelSpec) -> ParamInventory:
