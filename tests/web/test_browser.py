@@ -358,3 +358,38 @@ def test_plans_tab_and_a_download(page: Any, base_url: str, tmp_path: Path) -> N
     assert "plan_batch=16" in page.url and "plan_allow=lora%2Cqlora" in page.url and "tab=plans" in page.url
     want = api(base_url, "/api/plan", {**body, "global_batch": "16", "allow": "lora,qlora"})
     assert page.locator("#plans-table tbody tr").count() == len(want["plans"])
+
+
+def test_savers_sac_and_adapter_knobs_reach_the_api(page: Any, base_url: str) -> None:
+    """The knobs added with the CLI's flags: checkpointing sac, the memory savers, LoRA alpha/dropout, double
+    quantisation — the page's request carries them and draws what the API answers for them."""
+    goto(page, base_url + "/?model=llama-3.2-1b&gpu=l4")
+    n = updates(page)
+    page.select_option("select[name=checkpointing]", "sac")
+    page.click("text=Memory savers and head")
+    page.select_option("select[name=loss]", "chunked")
+    page.check("input[name=optimizer_in_backward]")
+    settle(page, n)
+    body = {"model": "llama-3.2-1b", "gpu": "l4", "checkpointing": "sac", "loss": "chunked"}
+    body["optimizer_in_backward"] = True
+    assert page.evaluate("window.trainfit.lastRequest.body") == body
+    assert_chart_is(page, api(base_url, "/api/estimate", body))
+    assert "checkpointing=sac" in page.url and "optimizer_in_backward=true" in page.url
+    n = updates(page)
+    page.select_option("select[name=checkpointing]", "full")  # sac is refused with adapters (one line)
+    page.check("input[value=finetune]")
+    page.select_option("select[name=finetune]", "qlora")
+    page.fill("input[name=lora_alpha]", "64")
+    page.uncheck("input[name=double_quant]")
+    settle(page, n)
+    page.wait_for_function(
+        "window.trainfit.lastRequest.body.double_quant === false && window.trainfit.lastRequest.body.lora_alpha"
+    )
+    sent = page.evaluate("window.trainfit.lastRequest.body")
+    assert sent["finetune"] == "qlora" and sent["lora_alpha"] == "64" and sent["double_quant"] is False
+    want = api(base_url, "/api/estimate", sent)
+    for _ in range(100):  # the page's answer to that request, once it has arrived
+        if page.evaluate("window.trainfit.last") == want:
+            break
+        page.wait_for_timeout(100)
+    assert page.evaluate("window.trainfit.last") == want

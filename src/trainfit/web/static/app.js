@@ -58,14 +58,22 @@ function request() {
     if (f.i_tp) req.tp = f.i_tp;
     put("method", f.i_method);
     put("gpus", f.gpus);
+    if (f.simulate_allocator === "true") req.simulate_allocator = true;
     return { kind: "infer", body: req };
   }
   for (const k of ["batch", "seq", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "headroom",
-    "gpus", "sharding", "tp", "pp", "microbatches", "pp_schedule", "offload", "engine", "method"]) put(k, f[k]);
-  if (f.sequence_parallel === "true") req.sequence_parallel = true;
+    "gpus", "sharding", "tp", "pp", "microbatches", "pp_schedule", "offload", "engine", "method", "loss", "head",
+    "num_labels", "alloc_conf"]) put(k, f[k]);
+  for (const k of ["sequence_parallel", "optimizer_in_backward", "activation_offload", "paged_optimizer"]) {
+    if (f[k] === "true") req[k] = true;
+  }
   if (f.workload === "finetune") {
     req.finetune = f.finetune;
-    for (const k of ["lora_rank", "lora_targets", "adapter_dtype", "base_dtype", "freeze"]) put(k, f[k]);
+    for (const k of ["lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_dtype", "base_dtype", "freeze"]) {
+      put(k, f[k]);
+    }
+    if (f.dora === "true") req.dora = true;
+    if (f.double_quant === "false") req.double_quant = false;
   }
   return { kind: "estimate", body: req };
 }
