@@ -68,12 +68,12 @@ import torch
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError, StrategyError, TraceUnsupportedError
-from trainfit.result import Component, MemoryReport, Method, Phase, RepeatedRun, TraceDetails
+from trainfit.result import Component, MemoryReport, Phase
 from trainfit.strategy import Checkpointing, Optimizer, Precision, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
-from trainfit.trace.distributed import COMM, DistTracker, fake_world, patched_resize
+from trainfit.trace.distributed import COMM, DistTracker, fake_world, patched_resize, rank_report
 from trainfit.trace.optim import state_tensors
 from trainfit.trace.timeline import Mark, PassMarks, StepMarks
 
@@ -463,7 +463,6 @@ def trace_deepspeed(
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
     traced = [len(layout.layers) for _, layout, _ in results]
-    peak = max(p.total_bytes for p in phases.values())
     zero = ds_config(spec, strategy)["zero_optimization"]
     notes = [
         f"rank 0 of {world} on PyTorch's fake process group: DeepSpeed ZeRO-{stage} engine, the exported config "
@@ -473,24 +472,16 @@ def trace_deepspeed(
         + (" and extrapolated each region linearly" if plan.ext else ""),
         "NCCL's own buffers are outside the allocator",
     ]
-    return MemoryReport(
-        method=Method.TRACE,
-        model_name=spec.name,
-        params=plan.params,
+    return rank_report(
+        spec,
+        plan,
+        phases,
+        results,
         trainable_params=plan.params,
-        phases=tuple(phases[ph] for ph in Phase),
-        overhead=readout.overhead(peak),
-        bytes_per_param=readout.bytes_per_param(phases, plan.params),
-        notes=tuple(notes),
-        warnings=tuple(warnings),
-        details=TraceDetails(
-            layers_traced=tuple(traced),
-            extrapolated=bool(plan.ext),
-            runs=tuple(RepeatedRun(start_block=r.start, unit_blocks=r.period, units=r.count) for r in plan.runs),
-            sdpa_backends=dict(results[0][2].sdpa_backends),
-            optimizer_impl="fused",
-            trace_seconds=round(time.perf_counter() - t0, 2),
-        ),
+        optimizer_impl="fused",
+        notes=notes,
+        warnings=warnings,
+        started=t0,
     )
 
 

@@ -52,6 +52,7 @@ from trainfit.result import (
     MemoryReport,
     Method,
     Phase,
+    PhaseBreakdown,
     RepeatedRun,
     TraceDetails,
 )
@@ -488,7 +489,6 @@ def trace_distributed(
         trainable += (results[k + 1][2].trainable_params - results[0][2].trainable_params) * (
             plan.runs[r].count - results[0][0][r]
         )
-    peak = max(p.total_bytes for p in phases.values())
     what = (
         f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
         + (f", MixedPrecisionPolicy({strategy.recipe.compute_dtype}, fp32)" if strategy.recipe.mixed else "")
@@ -504,25 +504,52 @@ def trace_distributed(
         + (" and extrapolated each region linearly" if plan.ext else ""),
         "NCCL's own buffers are outside the allocator (the overhead's NCCL term)",
     ]
+    return rank_report(
+        spec,
+        plan,
+        phases,
+        results,
+        trainable_params=trainable,
+        optimizer_impl=adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
+        notes=notes,
+        warnings=warnings,
+        started=t0,
+    )
+
+
+def rank_report(
+    spec: ModelSpec,
+    plan: depth.DepthPlan,
+    phases: dict[Phase, PhaseBreakdown],
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]],
+    *,
+    trainable_params: int,
+    optimizer_impl: str,
+    notes: list[str],
+    warnings: list[str],
+    started: float,
+) -> MemoryReport:
+    """The traced rank as a report (shared by the DDP/FSDP2, DTensor TP and DeepSpeed traces)."""
+    peak = max(p.total_bytes for p in phases.values())
     return MemoryReport(
         method=Method.TRACE,
         model_name=spec.name,
         params=plan.params,
-        trainable_params=trainable,
+        trainable_params=trainable_params,
         phases=tuple(phases[ph] for ph in Phase),
         overhead=readout.overhead(peak),
         bytes_per_param=readout.bytes_per_param(phases, plan.params),
         notes=tuple(notes),
         warnings=tuple(warnings),
         details=TraceDetails(
-            layers_traced=tuple(traced),
+            layers_traced=tuple(len(layout.layers) for _, layout, _ in results),
             extrapolated=bool(plan.ext),
             runs=tuple(RepeatedRun(start_block=r.start, unit_blocks=r.period, units=r.count) for r in plan.runs),
             sdpa_backends=dict(results[0][2].sdpa_backends),
-            optimizer_impl=adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
-            trace_seconds=round(time.perf_counter() - t0, 2),
+            optimizer_impl=optimizer_impl,
+            trace_seconds=round(time.perf_counter() - started, 2),
         ),
     )
 
 
-__all__ = ["DistTracker", "check_traceable", "fake_world", "run_layout_distributed", "trace_distributed"]
+__all__ = ["DistTracker", "check_traceable", "fake_world", "rank_report", "run_layout_distributed", "trace_distributed"]

@@ -38,11 +38,11 @@ import torch
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
-from trainfit.result import MemoryReport, Method, Phase, RepeatedRun, TraceDetails
+from trainfit.result import MemoryReport, Phase
 from trainfit.strategy import Checkpointing, Engine, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
-from trainfit.trace.distributed import DistTracker, patched_resize
+from trainfit.trace.distributed import DistTracker, patched_resize, rank_report
 from trainfit.trace.optim import make_optimizer
 
 Progress = Callable[[str, float], None]
@@ -283,7 +283,6 @@ def trace_tensor_parallel(
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
     traced = [len(layout.layers) for _, layout, _ in results]
-    peak = max(p.total_bytes for p in phases.values())
     sp = par.sequence_parallel
     notes = [
         f"rank 0 of {par.world_size} (TP {tp} × DP {dp}) on PyTorch's fake process group: DTensor "
@@ -299,24 +298,16 @@ def trace_tensor_parallel(
             "traced as --engine torch (DTensor); --method analytic with --engine auto models Megatron-LM's TP — "
             "compare with --engine torch"
         )
-    return MemoryReport(
-        method=Method.TRACE,
-        model_name=spec.name,
-        params=plan.params,
+    return rank_report(
+        spec,
+        plan,
+        phases,
+        results,
         trainable_params=plan.params,
-        phases=tuple(phases[ph] for ph in Phase),
-        overhead=readout.overhead(peak),
-        bytes_per_param=readout.bytes_per_param(phases, plan.params),
-        notes=tuple(notes),
-        warnings=tuple(warnings),
-        details=TraceDetails(
-            layers_traced=tuple(traced),
-            extrapolated=bool(plan.ext),
-            runs=tuple(RepeatedRun(start_block=r.start, unit_blocks=r.period, units=r.count) for r in plan.runs),
-            sdpa_backends=dict(results[0][2].sdpa_backends),
-            optimizer_impl=adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
-            trace_seconds=round(time.perf_counter() - t0, 2),
-        ),
+        optimizer_impl=adamw_impl if strategy.optimizer.value == "adamw" else strategy.optimizer.value,
+        notes=notes,
+        warnings=warnings,
+        started=t0,
     )
 
 
