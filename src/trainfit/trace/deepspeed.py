@@ -73,7 +73,7 @@ from trainfit.strategy import Checkpointing, Optimizer, Precision, Sharding, Str
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
-from trainfit.trace.distributed import COMM, DistTracker, fake_world, patched_resize, rank_report
+from trainfit.trace.distributed import COMM, DistTracker, fake_world, hold_at_max, patched_resize, rank_report
 from trainfit.trace.optim import state_tensors
 from trainfit.trace.timeline import Mark, PassMarks, StepMarks
 
@@ -494,14 +494,7 @@ def _hold_transients(
     for them, and only the states and the saved activations are extrapolated (cf. FSDP2's
     ``trace.distributed._hold_transients``)."""
     held = (Component.TEMPORARIES, Component.LOGITS_LOSS, Component.COMM_BUFFERS, Component.GRADIENTS)
-    out = [{k: dict(v) for k, v in d.items()} for d in keyed]
-    for key in out[0]:
-        for c in held:
-            top = max(d[key].get(c, 0) for d in out if key in d)
-            for d in out:
-                if key in d:
-                    d[key][c] = top
-    return out
+    return hold_at_max(keyed, held)
 
 
 @contextlib.contextmanager

@@ -404,6 +404,14 @@ def _hold_transients(
     held = {Component.TEMPORARIES, Component.LOGITS_LOSS, Component.COMM_BUFFERS}
     if strategy.engine.reshard_after_forward:
         held.add(Component.UNSHARDED_PARAMS)
+    return hold_at_max(keyed, held)
+
+
+def hold_at_max(
+    keyed: list[dict[Any, dict[Component, int]]], held: Iterable[Component]
+) -> list[dict[Any, dict[Component, int]]]:
+    """``keyed`` (one traced depth each, by region key) with each ``held`` component set to its largest
+    traced value in every region: bounded by a buffer, not by the depth, so not extrapolated."""
     out = [{k: dict(v) for k, v in d.items()} for d in keyed]
     for key in out[0]:
         for c in held:
@@ -552,4 +560,12 @@ def rank_report(
     )
 
 
-__all__ = ["DistTracker", "check_traceable", "fake_world", "rank_report", "run_layout_distributed", "trace_distributed"]
+__all__ = [
+    "DistTracker",
+    "check_traceable",
+    "fake_world",
+    "hold_at_max",
+    "rank_report",
+    "run_layout_distributed",
+    "trace_distributed",
+]
