@@ -1,0 +1,1105 @@
+"""Every GPU check the open issues ask for, in one prepared run of a few minutes on one CUDA GPU.
+
+On the device machine (torch, transformers, peft present; nothing downloaded; no trainfit install):
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/gpu_session.py --out "$OUT" --budget 480
+
+Here, without a GPU, every section runs on the CPU with tiny shapes and no CUDA numbers (the plumbing only):
+
+    PYTHONPATH=src python benchmarks/gpu_session.py --dry-run --out /tmp/gpu-session [--sections measure,lora]
+
+Sections, in priority order, each with its share of ``--budget`` (time a section leaves unused goes to the
+next ones); docs/accuracy.md "How to run the GPU checks" says what each records:
+
+1. ``measure`` (issue 9): ``estimate(..., method="measure")`` (depth-extrapolated, the CLI's path) and a
+   full-depth measurement for qwen2.5-0.5b amp-bf16 2×1024 against the trace and the analytic model per phase;
+   two training cases, **each in a fresh process**, with per-phase ``max_memory_allocated`` /
+   ``max_memory_reserved`` and the device's used memory against the analytic ``reserved_estimate_bytes`` and
+   ``nvidia_smi_estimate_bytes`` (llama-3.2-1b pure-bf16 full checkpointing 4×2048 with its
+   ``torch.cuda.memory._snapshot()`` allocator trace, replayed through trainfit's simulator; bert-large fp32
+   eager 4×512); then ``pytest -m gpu tests/measure tests/train`` with what time is left.
+2. ``distributed`` (issue 10): FSDP2 ``fully_shard`` (per decoder layer, then the root, as the trace wraps) and
+   DDP at world size 1 on a one-GPU NCCL process group, qwen2.5-0.5b pure-bf16, against
+   ``estimate(--gpus 1 --sharding fsdp|ddp)`` analytic and trace; device used shows NCCL's buffers.
+3. ``lora`` (issue 11): a PEFT LoRA step (rank 16, all-linear) on qwen2.5-0.5b; QLoRA is recorded as skipped
+   when bitsandbytes does not import.
+4. ``generate`` (issue 12): Hugging Face ``generate`` (greedy, a fixed number of new tokens) for three models ×
+   dynamic and static cache, peak allocated in prefill and decode against ``infer`` analytic and trace.
+5. ``speed`` (issue 14): wall time of training steps (after warm-up, synchronised) of three single-GPU setups
+   against the speed model's ``trainfit.planner.speed.step_time``.
+
+How: the parent process never imports torch. Each case runs in its own child process (``--child``), so a
+case starts from a fresh CUDA context and allocator and an earlier case cannot change its reserved memory;
+the predictions (analytic, trace) run in a second child at the same time, on the CPU. A child that runs past
+its section's time is killed and recorded as a timeout; an exception is recorded with its error; the run
+goes on. Models are built as the trace builds them (``trainfit.trace.hf``: the catalog config, the
+recipe's weight dtype, SDPA or eager, ``use_cache`` as the trace sets it), with random weights, directly on
+the GPU; batches are ``hf.batch_fn``'s; the optimizer is ``trace.optim.make_optimizer``'s.
+
+Output (at most 8 files under ``--out``): ``session.jsonl`` (one JSON object per line, each with
+``section``, ``issue``, ``case`` and ``record``: predicted | measured | comparison | error | skipped;
+appended as produced), ``summary.md`` (rewritten after every case), ``log.txt`` (the children's output),
+``pytest.txt``, and ``snapshot_l1b.pickle`` (or ``.pickle.xz`` when it is over 15 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import lzma
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GPU = "h200-sxm-141gb"
+PHASES = ("forward", "backward", "optimizer-step")
+MAX_FILE_BYTES = 15 * 2**20
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    section: str
+    kind: str  # measure | train | dist | lora | qlora | generate | speed | pytest
+    model: str = ""
+    strategy: dict[str, Any] = field(default_factory=dict)  # Strategy keyword arguments
+    trace: bool = True  # also predict with --method trace
+    snapshot: bool = False  # record the allocator trace
+    caches: tuple[str, ...] = ()  # generate
+    prompt: int = 0
+    new_tokens: int = 0
+    batch: int = 0
+
+
+#: (name, issue, share of the budget), in priority order.
+SECTIONS = (
+    ("measure", 9, 0.40),
+    ("distributed", 10, 0.15),
+    ("lora", 11, 0.10),
+    ("generate", 12, 0.20),
+    ("speed", 14, 0.15),
+)
+ISSUE = {name: issue for name, issue, _ in SECTIONS}
+
+CASES = (
+    Case(
+        id="q05-measure-amp-b2s1024",
+        section="measure",
+        kind="measure",
+        model="qwen2.5-0.5b",
+        strategy={"precision": "amp-bf16", "micro_batch": 2, "seq_len": 1024},
+    ),
+    Case(
+        id="l1b-pure-foreach-full-b4s2048",
+        section="measure",
+        kind="train",
+        model="llama-3.2-1b",
+        strategy={
+            "precision": "pure-bf16",
+            "optimizer_impl": "foreach",
+            "checkpointing": "full",
+            "micro_batch": 4,
+            "seq_len": 2048,
+        },
+        snapshot=True,
+    ),
+    Case(
+        id="bertl-fp32-foreach-eager-b4s512",
+        section="measure",
+        kind="train",
+        model="bert-large-uncased",
+        strategy={
+            "precision": "fp32",
+            "optimizer_impl": "foreach",
+            "attention": "eager",
+            "micro_batch": 4,
+            "seq_len": 512,
+        },
+    ),
+    Case(id="pytest-gpu", section="measure", kind="pytest"),
+    *(
+        Case(
+            id=f"q05-{sh}-w1-pure-b2s1024",
+            section="distributed",
+            kind="dist",
+            model="qwen2.5-0.5b",
+            strategy={"precision": "pure-bf16", "sharding": sh, "micro_batch": 2, "seq_len": 1024},
+        )
+        for sh in ("fsdp", "ddp")
+    ),
+    Case(
+        id="q05-lora-r16-all-linear-pure-b4s1024",
+        section="lora",
+        kind="lora",
+        model="qwen2.5-0.5b",
+        strategy={"precision": "pure-bf16", "micro_batch": 4, "seq_len": 1024, "lora": 16},
+    ),
+    Case(id="qlora", section="lora", kind="qlora", trace=False),
+    *(
+        Case(
+            id=f"gen-{m}",
+            section="generate",
+            kind="generate",
+            model=m,
+            caches=("dynamic", "static"),
+            batch=4,
+            prompt=1024,
+            new_tokens=32,
+        )
+        for m in ("qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b-v0.1")
+    ),
+    Case(
+        id="speed-q05-amp-fused-b4s2048",
+        section="speed",
+        kind="speed",
+        model="qwen2.5-0.5b",
+        strategy={"precision": "amp-bf16", "micro_batch": 4, "seq_len": 2048},
+        trace=False,
+    ),
+    Case(
+        id="speed-l1b-pure-fused-full-b4s2048",
+        section="speed",
+        kind="speed",
+        model="llama-3.2-1b",
+        strategy={"precision": "pure-bf16", "checkpointing": "full", "micro_batch": 4, "seq_len": 2048},
+        trace=False,
+    ),
+    Case(
+        id="speed-l3b-pure-fused-b2s4096",
+        section="speed",
+        kind="speed",
+        model="llama-3.2-3b",
+        strategy={"precision": "pure-bf16", "micro_batch": 2, "seq_len": 4096},
+        trace=False,
+    ),
+)
+BY_ID = {c.id: c for c in CASES}
+
+#: Dry-run shrinking of a catalog config: depth, width, vocabulary (the family stays).
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+
+
+# -- shared helpers -----------------------------------------------------------------------------------------
+
+
+def spec_of(slug: str, dry: bool) -> Any:
+    from trainfit.arch import load_model
+    from trainfit.arch.catalog import catalog_config
+    from trainfit.arch.loader import spec_from_config
+
+    if not dry:
+        return load_model(slug)
+    cfg = dict(catalog_config(slug))
+    for k, v in TINY.items():
+        if k in cfg:
+            cfg[k] = v
+    return spec_from_config(cfg, name=f"{slug}-tiny", source="dry-run")
+
+
+def strategy_of(case: Case, dry: bool) -> Any:
+    from trainfit.strategy import Adapter, Strategy
+
+    kw = dict(case.strategy)
+    rank = kw.pop("lora", None)
+    if rank:
+        kw["adapter"] = Adapter(rank=rank, alpha=2 * rank)
+    if dry:
+        kw["micro_batch"], kw["seq_len"] = min(kw.get("micro_batch", 1), 2), 32
+    return Strategy(**kw)
+
+
+def gen_shape(case: Case, dry: bool) -> tuple[int, int, int]:
+    return (2, 16, 4) if dry else (case.batch, case.prompt, case.new_tokens)
+
+
+def rel(pred: int | float | None, meas: int | float | None) -> float | None:
+    return None if not pred or not meas else round(pred / meas - 1, 5)
+
+
+def by_phase(rep: Any) -> dict[str, int]:
+    return {str(p.phase.value): int(p.total_bytes) for p in rep.phases}
+
+
+class Sink:
+    """Appends JSON lines to a file, flushed one by one (a killed writer keeps what it wrote)."""
+
+    def __init__(self, path: Path, case: Case) -> None:
+        self.path, self.case = path, case
+
+    def write(self, record: str, **fields: Any) -> dict[str, Any]:
+        row = {"section": self.case.section, "issue": ISSUE[self.case.section], "case": self.case.id, "record": record}
+        row.update(fields)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row, default=str) + "\n")
+        return row
+
+
+# -- predictions (CPU child, torch only for the trace) --------------------------------------------------------
+
+
+def predict(case: Case, sink: Sink, dry: bool) -> None:
+    if case.kind in ("pytest", "qlora"):
+        return
+    from trainfit import estimate
+    from trainfit.hardware import get_gpu
+
+    spec = spec_of(case.model, dry)
+    if case.kind == "generate":
+        from trainfit.infer import infer
+
+        b, p, n = gen_shape(case, dry)
+        for cache in case.caches:
+            for method in ("analytic", "trace"):
+                t0 = time.perf_counter()
+                try:
+                    r = infer(spec, batch=b, prompt=p, new_tokens=n, cache=cache, dtype="bf16", method=method)
+                    sink.write(
+                        "predicted",
+                        cache=cache,
+                        method=method,
+                        phases=by_phase(r),
+                        kv_cache_bytes=r.kv_cache_bytes,
+                        weights_bytes=r.weights_bytes,
+                        seconds=round(time.perf_counter() - t0, 1),
+                    )
+                except Exception as exc:
+                    sink.write("error", cache=cache, method=method, error=f"{type(exc).__name__}: {exc}"[:400])
+        return
+    st = strategy_of(case, dry)
+    if case.kind == "speed":
+        from trainfit.planner.speed import step_time
+
+        t = step_time(spec, st, get_gpu(GPU))
+        sink.write(
+            "predicted",
+            method="speed-model",
+            step_seconds=t.step_seconds,
+            tokens_per_second=t.tokens_per_second,
+            mfu=t.mfu,
+            compute_seconds=t.compute_seconds,
+        )
+        return
+    for method in ("analytic", "trace") if case.trace else ("analytic",):
+        t0 = time.perf_counter()
+        try:
+            r = estimate(spec, st, method=method, gpu=GPU, search_micro_batch=False, fixes=False)
+            sink.write(
+                "predicted",
+                method=method,
+                phases=by_phase(r),
+                peak_bytes=r.peak_bytes,
+                reserved_estimate_bytes=r.reserved_estimate_bytes,
+                nvidia_smi_estimate_bytes=r.nvidia_smi_estimate_bytes,
+                outside_allocator_bytes=r.overhead.outside_allocator_bytes,
+                warnings=list(r.warnings),
+                seconds=round(time.perf_counter() - t0, 1),
+            )
+        except Exception as exc:
+            sink.write("error", method=method, error=f"{type(exc).__name__}: {exc}"[:400])
+
+
+# -- measurements (device child) -------------------------------------------------------------------------------
+
+
+class _Dev:
+    """The run's device and its memory counters (all empty on the CPU)."""
+
+    def __init__(self, dry: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = not dry
+        if self.cuda and not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device: run with --dry-run to check the plumbing")
+        self.name = "cuda" if self.cuda else "cpu"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        if self.cuda:
+            self.sync()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def stats(self) -> dict[str, int]:
+        if not self.cuda:
+            return {}
+        c = self.torch.cuda
+        free, total = c.mem_get_info()
+        return {
+            "allocated": c.memory_allocated(),
+            "max_allocated": c.max_memory_allocated(),
+            "reserved": c.memory_reserved(),
+            "max_reserved": c.max_memory_reserved(),
+            "device_used": total - free,
+        }
+
+    def env(self) -> dict[str, Any]:
+        """Versions, and the memory used outside the allocator after CUDA and cuBLAS initialisation."""
+        import transformers
+
+        out: dict[str, Any] = {"torch": self.torch.__version__, "transformers": transformers.__version__}
+        if self.cuda:
+            t = self.torch
+            x = t.ones(256, 256, device="cuda") @ t.ones(256, 256, device="cuda")
+            del x
+            t.cuda.synchronize()
+            free, total = t.cuda.mem_get_info()
+            out.update(
+                device=t.cuda.get_device_name(),
+                cuda=t.version.cuda,
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                total=total,
+                used_after_init=total - free,
+                reserved_after_init=t.cuda.memory_reserved(),
+            )
+        return out
+
+
+def build_model(spec: Any, st: Any, dev: _Dev, *, dtype: Any = None) -> Any:
+    """The Hugging Face model as the trace builds it (trainfit.trace.hf.build_meta), with random weights on
+    the run's device: the catalog config with ``use_cache`` as the trace sets it, the recipe's weight dtype,
+    SDPA (eager when asked, or when the model has no SDPA)."""
+    torch = dev.torch
+    from trainfit.strategy import Attention
+    from trainfit.trace import hf
+    from trainfit.trace import runner as rn
+
+    conf = hf.hf_config(spec)
+    auto = hf.auto_class(spec)
+    wdtype = dtype or rn.weight_dtype(st.recipe)
+    attn = "eager" if st.attention is Attention.EAGER else "sdpa"
+    with hf.quiet_transformers(), torch.device(dev.name):
+        try:
+            model = auto.from_config(conf, attn_implementation=attn, dtype=wdtype)
+        except ValueError:
+            model = auto.from_config(conf, attn_implementation="eager", dtype=wdtype)
+    return model
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Full checkpointing as the trace turns it on (trace/hf.py ``_enable_hf_checkpointing``): the model's own
+    ``activation_checkpointing_enable`` (or ``gradient_checkpointing_enable``), transformers' defaults."""
+    fn = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    fn()
+
+
+def train_loop(
+    spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3, forward: Callable[..., Any] | None = None
+) -> dict[str, Any]:
+    """The trace's training step on real tensors, measured per phase like ../shared/gpu-truth's
+    measure_training.py: the peak counter is reset before forward, backward and the optimizer step; the
+    phases' peaks are the maxima of steps 1.. (optimizer states resident)."""
+    torch = dev.torch
+    from trainfit.strategy import Checkpointing
+    from trainfit.trace import hf
+    from trainfit.trace import runner as rn
+    from trainfit.trace.optim import make_optimizer
+
+    if st.checkpointing is Checkpointing.FULL:
+        enable_checkpointing(model)
+    model.train()
+    rec = st.recipe
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(st.optimizer, params, adamw_impl=st.optimizer_impl.value if dev.cuda else "foreach")
+    scaler = torch.amp.GradScaler(dev.name, enabled=bool(rec.loss_scaling) and dev.cuda)
+    make_batch = hf.batch_fn(spec, st.micro_batch, st.seq_len, device=dev.name)
+    loss_of = hf.loss_of(spec)
+    fwd = forward or (lambda m, batch: m(**batch))
+    phases = dict.fromkeys(PHASES, 0)
+    phases_reserved = dict.fromkeys(PHASES, 0)
+    phases_used = dict.fromkeys(PHASES, 0)
+    rows: list[dict[str, Any]] = []
+    seconds: list[float] = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = make_batch()
+        dev.reset()
+        with torch.autocast(dev.name, dtype=rn.compute_dtype(rec), enabled=bool(rec.autocast)):
+            out = fwd(model, batch)
+        loss = loss_of(out, batch)
+        del out
+        f = dev.stats()
+        dev.reset()
+        scaler.scale(loss).backward()
+        del loss
+        b = dev.stats()
+        dev.reset()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        o = dev.stats()
+        dev.sync()
+        seconds.append(round(time.perf_counter() - t0, 4))
+        rows.append({"forward": f, "backward": b, "optimizer-step": o})
+        if step >= 1 and dev.cuda:
+            for ph, s in zip(PHASES, (f, b, o), strict=True):
+                phases[ph] = max(phases[ph], s["max_allocated"])
+                phases_reserved[ph] = max(phases_reserved[ph], s["max_reserved"])
+                phases_used[ph] = max(phases_used[ph], s["device_used"])
+    out_row: dict[str, Any] = {"phases": phases if dev.cuda else {}, "steps": rows, "step_seconds": seconds}
+    if dev.cuda:
+        out_row.update(phases_max_reserved=phases_reserved, phases_device_used=phases_used)
+    out_row["params"] = sum(p.numel() for p in model.parameters())
+    out_row["trainable_params"] = sum(p.numel() for p in params)
+    if dev.cuda:
+        c = torch.cuda
+        free, total = c.mem_get_info()
+        out_row.update(
+            max_reserved=c.max_memory_reserved(),  # = the run's peak: reserved only grows (no empty_cache)
+            reserved_end=c.memory_reserved(),
+            device_used_end=total - free,
+            outside_allocator=total - free - c.memory_reserved(),
+            peak_allocated=max(phases.values()),
+        )
+    del opt, params
+    return out_row
+
+
+def _free(dev: _Dev) -> None:
+    gc.collect()
+    if dev.cuda:
+        dev.torch.cuda.empty_cache()
+
+
+def measure_case(case: Case, sink: Sink, out: Path, dry: bool) -> None:
+    if case.kind == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:
+            sink.write("skipped", reason=f"no bitsandbytes ({type(exc).__name__})")
+            return
+        sink.write("skipped", reason="bitsandbytes imports, but this script has no QLoRA measurement yet")
+        return
+    dev = _Dev(dry)
+    env = dev.env()
+    spec = spec_of(case.model, dry)
+    fn = {
+        "measure": _measure_method,
+        "train": _train,
+        "dist": _dist,
+        "lora": _lora,
+        "generate": _generate,
+        "speed": _speed,
+    }[case.kind]
+    fn(case, spec, dev, sink, out, env, dry)
+
+
+def _measure_method(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """``--method measure`` as the CLI runs it (depth-extrapolated), then at full depth without extrapolation."""
+    from trainfit import estimate
+    from trainfit.measure.gpu import measure_spec
+
+    st = strategy_of(case, dry)
+    for label, extrapolate in (("extrapolated", True), ("full-depth", False)):
+        t0 = time.perf_counter()
+        if dry:  # the measurement's bookkeeping on CPU tensors, counters reading zero
+            rep = measure_spec(spec, st, extrapolate=extrapolate, with_trace=False, memory=_CpuMemory())
+        elif extrapolate:
+            rep = estimate(spec, st, method="measure", gpu=GPU, search_micro_batch=False, fixes=False)
+        else:
+            rep = measure_spec(spec, st, extrapolate=False, with_trace=False)
+        _free(dev)
+        details = rep.details.as_dict() if rep.details is not None else {}
+        details.pop("modules", None)
+        sink.write(
+            "measured",
+            how=f"method=measure, {label}",
+            phases=by_phase(rep),
+            components={str(p.phase.value): {str(k.value): v for k, v in p.components.items()} for p in rep.phases},
+            details=details,
+            warnings=list(rep.warnings),
+            env=env,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+
+
+class _CpuMemory:
+    """The measurement's device protocol on the CPU, every counter zero (dry-run only)."""
+
+    device = "cpu"
+
+    def name(self) -> str:
+        return "cpu (dry-run)"
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+
+def _train(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    torch = dev.torch
+    st = strategy_of(case, dry)
+    record = case.snapshot and dev.cuda
+    if record:  # from before the model exists: the weights' allocations are in the event list too
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=3_000_000)
+    t0 = time.perf_counter()
+    model = build_model(spec, st, dev)
+    extra: dict[str, Any] = {"after_build": dev.stats()}  # what construction left reserved before step 1
+    row = train_loop(spec, st, model, dev)
+    if record:
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        extra["snapshot"] = _write_snapshot(snap, out / "snapshot_l1b.pickle")
+    sink.write(
+        "measured",
+        how="plain training loop, fresh process",
+        **row,
+        **extra,
+        env=env,
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+
+
+def _write_snapshot(snap: Any, path: Path) -> dict[str, Any]:
+    data = pickle.dumps(snap)
+    info: dict[str, Any] = {"pickle_bytes": len(data), "events": len(snap["device_traces"][0])}
+    if len(data) > MAX_FILE_BYTES:
+        data = lzma.compress(data, preset=6)
+        path = path.with_suffix(".pickle.xz")
+        info["xz_bytes"] = len(data)
+    if len(data) > MAX_FILE_BYTES:
+        info["written"] = None
+        return info
+    path.write_bytes(data)
+    info["written"] = path.name
+    return info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dist(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """World size 1 on a real process group: NCCL on the GPU (gloo for the dry run), wrapped as the trace
+    wraps (trainfit.trace.distributed ``_wrap_fsdp`` / ``_wrap_ddp``: per decoder layer then the root; DDP
+    with the strategy's bucket_cap_mb and gradient_as_bucket_view)."""
+    import torch.distributed as dist
+
+    torch = dev.torch
+    from trainfit.strategy import Sharding
+    from trainfit.trace import hf
+
+    st = strategy_of(case, dry)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    if dev.cuda:
+        torch.cuda.set_device(0)
+    before = dev.stats()
+    dist.init_process_group("nccl" if dev.cuda else "gloo", rank=0, world_size=1)
+    try:
+        t0 = time.perf_counter()
+        model = build_model(spec, st, dev)
+        if st.sharding is Sharding.FSDP:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            if st.recipe.mixed:
+                raise RuntimeError("this check runs pure recipes only (FSDP2 mixed precision not prepared)")
+            mesh = init_device_mesh(dev.name, (1,))
+            _, stack = hf.find_stack(model, spec.num_layers)
+            raf = st.engine.reshard_after_forward
+            for layer in stack:
+                fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=raf)
+            fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=raf)
+            run_model = model
+            how = f"FSDP2 fully_shard per layer + root, reshard_after_forward={raf}"
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            eo = st.engine
+            run_model = DistributedDataParallel(
+                model, bucket_cap_mb=eo.bucket_cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view
+            )
+            how = f"DDP bucket_cap_mb={eo.bucket_cap_mb}, gradient_as_bucket_view={eo.gradient_as_bucket_view}"
+        row = train_loop(spec, st, run_model, dev)
+        sink.write(
+            "measured",
+            how=how + ", world size 1, fresh process",
+            **row,
+            before_init=before,
+            env=env,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _lora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """PEFT LoRA as the trace applies it (trainfit.trace.peft ``apply_finetuning``): LoraConfig with the
+    adapter's rank, alpha, dropout and targets, fp32 adapters (``autocast_adapter_dtype``); the inner
+    transformers model is trained."""
+    try:
+        import peft
+    except ImportError:
+        sink.write("skipped", reason="no peft")
+        return
+    st = strategy_of(case, dry)
+    a = st.adapter
+    t0 = time.perf_counter()
+    model = build_model(spec, st, dev)
+    targets: Any = "all-linear" if a.targets == ("all-linear",) else list(a.targets)
+    config = peft.LoraConfig(
+        r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+    )
+    wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=a.dtype.value == "fp32")
+    inner = wrapped.base_model.model
+    row = train_loop(spec, st, inner, dev)
+    sink.write("measured", how="PEFT LoRA, fresh process", **row, env=env, seconds=round(time.perf_counter() - t0, 1))
+
+
+def _generate(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """``generate`` as the trace runs it (trainfit.trace.generate): eval mode, ``use_cache``, greedy, all-ones
+    mask, a static cache of max_cache_len = prompt + new tokens, no auto-compilation (transformers compiles the
+    forward for a static cache on CUDA, ``_valid_auto_compile_criteria``; the trace is eager); EOS is switched
+    off so every run makes the asked number of tokens. The peak counter is read and reset as each forward pass
+    starts: prefill is the first pass and the logits work up to the second, decode every later pass."""
+    torch = dev.torch
+    from trainfit.strategy import Strategy
+
+    b, p, n = gen_shape(case, dry)
+    model = build_model(spec, Strategy(), dev, dtype=torch.bfloat16)
+    model.eval()
+    model.config.use_cache = True
+    gc_ = model.generation_config
+    gc_.eos_token_id = None
+    gc_.pad_token_id = 0
+    weights = dev.stats()
+    for cache in case.caches:
+        _free(dev)
+        t0 = time.perf_counter()
+        stretches: list[int] = []
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def marked(*args: Any, _fw: Any = forward, _st: list[int] = stretches, **kwargs: Any) -> Any:
+            if dev.cuda:
+                _st.append(torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                _st.append(0)
+            return _fw(*args, **kwargs)
+
+        model.forward = marked
+        try:
+            dev.reset()
+            base = dev.stats()
+            ids = torch.randint(0, spec.vocab_size, (b, p), device=dev.name)
+            mask = torch.ones((b, p), dtype=torch.long, device=dev.name)
+            extra: dict[str, Any] = {"max_cache_len": p + n} if cache == "static" else {}
+            with torch.no_grad():
+                res = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    do_sample=False,
+                    cache_implementation="static" if cache == "static" else None,
+                    disable_compile=True,  # CUDA + a static cache would torch.compile the decode step
+                    **extra,
+                )
+            dev.sync()
+            last = torch.cuda.max_memory_allocated() if dev.cuda else 0
+            new = int(res.shape[1] - p)
+            del res, ids, mask
+        finally:
+            model.forward = forward
+        # stretches[i]: the peak from pass i-1's start to pass i's start (i = 0: before the first pass).
+        seg = [*stretches[1:], last]  # seg[j]: pass j and what follows it until pass j+1
+        phases = {"prefill": max([stretches[0], seg[0]]), "decode": max(seg[1:], default=0)} if dev.cuda else {}
+        sink.write(
+            "measured",
+            cache=cache,
+            how="HF generate, greedy",
+            batch=b,
+            prompt=p,
+            new_tokens=n,
+            generated=new,
+            passes=len(stretches),
+            phases=phases,
+            baseline=base,
+            weights=weights,
+            end=dev.stats(),
+            env=env,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
+
+
+def _speed(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """Wall time of optimizer steps: 2 warm-up steps, then each step synchronised, no per-phase resets."""
+    torch = dev.torch
+    from trainfit.strategy import Checkpointing
+    from trainfit.trace import hf
+    from trainfit.trace import runner as rn
+    from trainfit.trace.optim import make_optimizer
+
+    st = strategy_of(case, dry)
+    model = build_model(spec, st, dev)
+    if st.checkpointing is Checkpointing.FULL:
+        enable_checkpointing(model)
+    model.train()
+    rec = st.recipe
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(st.optimizer, params, adamw_impl=st.optimizer_impl.value if dev.cuda else "foreach")
+    scaler = torch.amp.GradScaler(dev.name, enabled=bool(rec.loss_scaling) and dev.cuda)
+    batch = hf.batch_fn(spec, st.micro_batch, st.seq_len, device=dev.name)()
+    loss_of = hf.loss_of(spec)
+    times: list[float] = []
+    for step in range(2 + (2 if dry else 6)):
+        dev.sync()
+        t0 = time.perf_counter()
+        with torch.autocast(dev.name, dtype=rn.compute_dtype(rec), enabled=bool(rec.autocast)):
+            loss = loss_of(model(**batch), batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        del loss
+        dev.sync()
+        if step >= 2:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    median = times[len(times) // 2]
+    sink.write(
+        "measured",
+        how="synchronised optimizer steps after 2 warm-up steps",
+        step_seconds=median,
+        all_step_seconds=[round(t, 5) for t in times],
+        tokens_per_second=st.micro_batch * st.seq_len / median,
+        peak_allocated=torch.cuda.max_memory_allocated() if dev.cuda else None,
+        env=env,
+    )
+
+
+# -- comparison and summary (parent, torch-free) ------------------------------------------------------------
+
+
+def compare(case: Case, rows: list[dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """Comparison records from a case's predicted and measured rows."""
+    pred = {(r.get("cache"), r.get("method")): r for r in rows if r["record"] == "predicted"}
+    meas = [r for r in rows if r["record"] == "measured"]
+    cmp: list[dict[str, Any]] = []
+    for m in meas:
+        if case.kind == "speed":
+            p = pred.get((None, "speed-model"), {})
+            cmp.append(
+                {
+                    "measured_step_seconds": m["step_seconds"],
+                    "predicted_step_seconds": p.get("step_seconds"),
+                    "rel_error": rel(p.get("step_seconds"), m["step_seconds"]),
+                }
+            )
+            continue
+        cache = m.get("cache")
+        phases = m.get("phases") or {}
+        c: dict[str, Any] = {"cache": cache} if cache else {}
+        if m.get("how"):
+            c["how"] = m["how"]
+        c["measured"] = phases
+        for method in ("analytic", "trace"):
+            p = pred.get((cache, method))
+            if p is None:
+                continue
+            c[method] = p["phases"]
+            c[f"{method}_rel_error"] = {ph: rel(p["phases"].get(ph), v) for ph, v in phases.items()}
+            if "reserved_estimate_bytes" in p and m.get("max_reserved"):
+                c[f"{method}_reserved"] = {
+                    "measured_max_reserved": m["max_reserved"],
+                    "reserved_estimate_bytes": p["reserved_estimate_bytes"],
+                    "rel_error": rel(p["reserved_estimate_bytes"], m["max_reserved"]),
+                    "measured_device_used": m.get("device_used_end"),
+                    "nvidia_smi_estimate_bytes": p["nvidia_smi_estimate_bytes"],
+                    "device_used_rel_error": rel(p["nvidia_smi_estimate_bytes"], m.get("device_used_end")),
+                }
+        trace_in_measure = (m.get("details") or {}).get("trace")
+        if trace_in_measure:
+            c["measure_vs_own_trace_rel_error"] = {ph: rel(phases.get(ph), v) for ph, v in trace_in_measure.items()}
+        cmp.append(c)
+    if case.snapshot:
+        cmp.extend(_replay(out))
+    return cmp
+
+
+def _replay(out: Path) -> list[dict[str, Any]]:
+    """The l1b allocator trace through trainfit's simulator: simulated against real reserved."""
+    from trainfit.allocator import replay_snapshot
+
+    for name in ("snapshot_l1b.pickle", "snapshot_l1b.pickle.xz"):
+        path = out / name
+        if path.exists():
+            raw = path.read_bytes()
+            snap = pickle.loads(lzma.decompress(raw) if name.endswith(".xz") else raw)  # our own file
+            r = replay_snapshot(snap)
+            return [
+                {
+                    "how": "allocator snapshot replayed through trainfit.allocator.replay_snapshot",
+                    "file": name,
+                    "simulated_peak_reserved": r.simulated.peak_reserved_bytes,
+                    "real_peak_reserved": r.real_peak_reserved_bytes,
+                    "rel_error": round(r.peak_reserved_error, 5),
+                    "address_matches": r.address_matches,
+                    "alloc_events": r.alloc_events,
+                }
+            ]
+    return []
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f}" if isinstance(n, int | float) and n else "—"
+
+
+def _pct(x: Any) -> str:
+    return f"{x:+.1%}" if isinstance(x, float) else "—"
+
+
+def summary(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    out = ["# GPU session", "", "```", json.dumps(meta), "```", ""]
+    for name, issue, _ in SECTIONS:
+        sec = [r for r in rows if r.get("section") == name]
+        if not sec:
+            continue
+        out += [f"## {name} (issue {issue})", ""]
+        out += ["| case | what | phase | measured GiB | analytic GiB | trace GiB | analytic err | trace err |"]
+        out += ["|---|---|---|---:|---:|---:|---:|---:|"]
+        for r in sec:
+            if r["record"] in ("error", "skipped"):
+                what = r.get("error") or r.get("reason") or ""
+                extra = " ".join(str(r.get(k)) for k in ("method", "cache") if r.get(k))
+                out.append(f"| {r['case']} | {r['record']} {extra}: {str(what)[:160]} | | | | | | |")
+            if r["record"] != "comparison":
+                continue
+            if "measured_step_seconds" in r:
+                out.append(
+                    f"| {r['case']} | step seconds | — | {r['measured_step_seconds']:.4g} s | "
+                    f"{r.get('predicted_step_seconds') or 0:.4g} s (speed model) | | {_pct(r.get('rel_error'))} | |"
+                )
+                continue
+            if "simulated_peak_reserved" in r:
+                out.append(
+                    f"| {r['case']} | snapshot replay: reserved | — | {_gib(r['real_peak_reserved'])} | "
+                    f"{_gib(r['simulated_peak_reserved'])} (simulated) | | {_pct(r['rel_error'])} | |"
+                )
+                continue
+            what = r.get("cache") or r.get("how", "")
+            measured = r.get("measured") or {}
+            for ph in measured or r.get("analytic") or r.get("trace") or {}:  # dry-run: predictions only
+                v = measured.get(ph)
+                a, t = (r.get("analytic") or {}).get(ph), (r.get("trace") or {}).get(ph)
+                ae, te = (r.get("analytic_rel_error") or {}).get(ph), (r.get("trace_rel_error") or {}).get(ph)
+                out.append(
+                    f"| {r['case']} | {what} | {ph} | {_gib(v)} | {_gib(a)} | {_gib(t)} | {_pct(ae)} | {_pct(te)} |"
+                )
+            res, tres = r.get("analytic_reserved"), r.get("trace_reserved") or {}
+            if res:
+                out.append(
+                    f"| {r['case']} | max_memory_reserved | — | {_gib(res['measured_max_reserved'])} | "
+                    f"{_gib(res['reserved_estimate_bytes'])} | {_gib(tres.get('reserved_estimate_bytes'))} | "
+                    f"{_pct(res['rel_error'])} | {_pct(tres.get('rel_error'))} |"
+                )
+                out.append(
+                    f"| {r['case']} | device used (nvidia-smi) | — | {_gib(res['measured_device_used'])} | "
+                    f"{_gib(res['nvidia_smi_estimate_bytes'])} | | {_pct(res['device_used_rel_error'])} | |"
+                )
+        pyt = [r for r in sec if r.get("case") == "pytest-gpu" and r["record"] == "measured"]
+        for r in pyt:
+            out += ["", f"`{r['command']}` → exit {r['returncode']}: {r.get('tail', '').strip().splitlines()[-1:]}"]
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+# -- orchestration -------------------------------------------------------------------------------------------
+
+
+def child_main(case_id: str, role: str, part: Path, out: Path, dry: bool) -> None:
+    case = BY_ID[case_id]
+    sink = Sink(part, case)
+    try:
+        if role == "predict":
+            predict(case, sink, dry)
+        else:
+            measure_case(case, sink, out, dry)
+    except Exception as exc:
+        traceback.print_exc()
+        sink.write("error", role=role, error=f"{type(exc).__name__}: {exc}"[:600])
+
+
+def _spawn(args: list[str], log: Any) -> subprocess.Popen[bytes]:
+    """A child in its own session (so a timeout kills its whole group), run from the repository with src/
+    on its path whatever this process's working directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=env)
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float) -> str | None:
+    """Wait for ``proc`` until ``deadline``; kill its process group (it started it) when it runs over."""
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return None if proc.returncode == 0 else f"exit status {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timeout: killed at the section's time limit"
+
+
+def run_pytest(case: Case, sink: Sink, deadline: float, out: Path, dry: bool) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "tests/measure",
+        "tests/train",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    if dry:  # no GPU: the command and its paths, not a run (they would all skip)
+        missing = [p for p in ("tests/measure", "tests/train") if not (REPO / p).is_dir()]
+        sink.write("skipped", reason="dry-run: pytest not run", command=" ".join(cmd[1:]), missing=missing)
+        return
+    t0 = time.perf_counter()
+    with (out / "pytest.txt").open("w") as fh:
+        proc = _spawn(cmd, fh)
+        err = _wait(proc, deadline)
+    tail = (out / "pytest.txt").read_text(errors="replace")[-3000:]
+    sink.write(
+        "measured",
+        command="pytest " + " ".join(cmd[3:]),
+        returncode=proc.returncode,
+        error=err,
+        tail=tail,
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+
+
+def run_case(case: Case, deadline: float, out: Path, sink_path: Path, log: Any, dry: bool, inline: bool) -> None:
+    main_sink = Sink(sink_path, case)
+    if case.kind == "pytest":
+        run_pytest(case, main_sink, deadline, out, dry)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-session-"))
+    parts = {role: tmp / f"{role}.jsonl" for role in ("measure", "predict")}
+    errors: dict[str, str | None] = {}
+    if inline:
+        for role, part in parts.items():
+            child_main(case.id, role, part, out, dry)
+    else:
+        procs = {}
+        for role, part in parts.items():
+            args = [sys.executable, str(Path(__file__).resolve()), "--child", case.id, "--role", role]
+            args += ["--part", str(part), "--out", str(out)] + (["--dry-run"] if dry else [])
+            procs[role] = _spawn(args, log)
+        for role, proc in procs.items():
+            errors[role] = _wait(proc, deadline)
+    rows: list[dict[str, Any]] = []
+    for role, part in parts.items():
+        got = [json.loads(line) for line in part.read_text().splitlines() if line.strip()] if part.exists() else []
+        with sink_path.open("a") as fh:
+            fh.writelines(json.dumps(r, default=str) + "\n" for r in got)
+        rows += got
+        if errors.get(role):  # a timeout or a crash the child could not record itself
+            rows.append(main_sink.write("error", role=role, error=errors[role]))
+    try:
+        for c in compare(case, rows, out):
+            main_sink.write("comparison", **c)
+    except Exception as exc:
+        main_sink.write("error", role="compare", error=f"{type(exc).__name__}: {exc}"[:400])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no CUDA numbers")
+    ap.add_argument("--sections", default=",".join(s for s, _, _ in SECTIONS))
+    ap.add_argument("--inline", action="store_true", help="run cases in this process (tests; no time limits)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--part", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        child_main(a.child, a.role, a.part, a.out, a.dry_run)
+        return 0
+    wanted = a.sections.split(",")
+    unknown = [s for s in wanted if s not in ISSUE]
+    if unknown:
+        print(f"unknown section(s) {unknown}; choose from {list(ISSUE)}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    end = start + a.budget
+    sink_path = a.out / "session.jsonl"
+    meta = {"budget_s": a.budget, "dry_run": a.dry_run, "sections": wanted, "python": sys.version.split()[0]}
+    with sink_path.open("a") as fh:
+        fh.write(json.dumps({"record": "meta", **meta}) + "\n")
+    section_end = start
+    with (a.out / "log.txt").open("a") as log:
+        for name, _, share in SECTIONS:
+            if name not in wanted:
+                continue
+            # A section's share of the budget, plus what earlier sections left unused.
+            section_end = min(end, max(section_end, time.monotonic()) + share * a.budget)
+            for case in (c for c in CASES if c.section == name):
+                left = section_end - time.monotonic()
+                if left < 5 and not a.inline:
+                    Sink(sink_path, case).write("skipped", reason=f"no time left in section {name}")
+                    continue
+                t0 = time.monotonic()
+                print(f"[{time.monotonic() - start:6.1f}s] {case.id} ({left:.0f}s left in {name})", flush=True)
+                log.write(f"\n===== {case.id}\n")
+                log.flush()
+                try:
+                    run_case(case, section_end, a.out, sink_path, log, a.dry_run, a.inline)
+                except Exception as exc:
+                    traceback.print_exc()
+                    Sink(sink_path, case).write("error", role="parent", error=f"{type(exc).__name__}: {exc}"[:400])
+                rows = [json.loads(line) for line in sink_path.read_text().splitlines()]
+                (a.out / "summary.md").write_text(summary([r for r in rows if r.get("case")], meta))
+                print(f"         done in {time.monotonic() - t0:.1f}s", flush=True)
+            section_end = max(section_end, time.monotonic())
+    print((a.out / "summary.md").read_text() if (a.out / "summary.md").exists() else "(no summary)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""``benchmarks/gpu_session.py`` — the prepared GPU run — must not rot between the sessions that get a GPU.
+
+Each section runs its dry run here (CPU, tiny configs, no CUDA numbers) in this process: every case must
+produce its measured record (or a reasoned skip), its analytic and trace predictions and a comparison, with
+no error. The orchestration is checked too: the time shares, the output-file limit, and that a child past
+its deadline is killed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_session.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_session", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_session"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gs = _load()
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "session.jsonl").read_text().splitlines()]
+
+
+def test_sections_and_cases_are_consistent() -> None:
+    shares = [share for _, _, share in gs.SECTIONS]
+    assert abs(sum(shares) - 1) < 1e-9
+    assert {c.section for c in gs.CASES} == {name for name, _, _ in gs.SECTIONS}
+    assert len(gs.BY_ID) == len(gs.CASES)  # ids are unique
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("section", [name for name, _, _ in gs.SECTIONS])
+def test_dry_run_of_each_section(section: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if section == "lora":
+        pytest.importorskip("peft")
+    assert gs.main(["--dry-run", "--inline", "--sections", section, "--out", str(tmp_path)]) == 0
+    rows = _rows(tmp_path)
+    errors = [r for r in rows if r.get("record") == "error"]
+    assert not errors, errors
+    for case in (c for c in gs.CASES if c.section == section):
+        got = {r["record"] for r in rows if r.get("case") == case.id}
+        if case.kind in ("pytest", "qlora"):
+            assert got == {"skipped"}, (case.id, got)
+            continue
+        assert {"measured", "predicted", "comparison"} <= got, (case.id, got)
+        methods = {r.get("method") for r in rows if r.get("case") == case.id and r["record"] == "predicted"}
+        want = {"speed-model"} if case.kind == "speed" else {"analytic", "trace"}
+        assert methods == want, (case.id, methods)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) <= 8, files  # the device tool brings back at most 8 files
+    assert f"## {section}" in (tmp_path / "summary.md").read_text()
+
+
+def test_comparison_is_predicted_over_measured() -> None:
+    case = gs.BY_ID["bertl-fp32-foreach-eager-b4s512"]
+    measured = {
+        "record": "measured",
+        "phases": {"forward": 100, "backward": 200},
+        "max_reserved": 400,
+        "device_used_end": 1000,
+    }
+    analytic = {
+        "record": "predicted",
+        "method": "analytic",
+        "phases": {"forward": 110, "backward": 150},
+        "reserved_estimate_bytes": 300,
+        "nvidia_smi_estimate_bytes": 1100,
+    }
+    (c,) = gs.compare(case, [measured, analytic], Path("."))
+    assert c["analytic_rel_error"] == {"forward": 0.1, "backward": -0.25}
+    assert c["analytic_reserved"]["rel_error"] == -0.25
+    assert c["analytic_reserved"]["device_used_rel_error"] == 0.1
+    assert "trace" not in c
+
+
+def test_a_child_past_its_deadline_is_killed(tmp_path: Path) -> None:
+    with (tmp_path / "log.txt").open("w") as log:
+        proc = gs._spawn([sys.executable, "-c", "import time; time.sleep(60)"], log)
+        t0 = time.monotonic()
+        err = gs._wait(proc, time.monotonic() + 1)
+    assert err is not None and err.startswith("timeout")
+    assert time.monotonic() - t0 < 20
+    assert proc.poll() is not None
