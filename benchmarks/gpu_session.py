@@ -17,7 +17,9 @@ next ones); docs/accuracy.md "How to run the GPU checks" says what each records:
    ``max_memory_reserved`` and the device's used memory against the analytic ``reserved_estimate_bytes`` and
    ``nvidia_smi_estimate_bytes`` (llama-3.2-1b pure-bf16 full checkpointing 4×2048 with its
    ``torch.cuda.memory._snapshot()`` allocator trace, replayed through trainfit's simulator; bert-large fp32
-   eager 4×512); then ``pytest -m gpu tests/measure tests/train`` with what time is left.
+   eager 4×512); the same l1b case once more after qwen2.5-0.5b amp-bf16 4×2048 in one process, as the
+   published figures were taken (does the earlier case change l1b's reserved memory?); then
+   ``pytest -m gpu tests/measure tests/train`` with what time is left.
 2. ``distributed`` (issue 10): FSDP2 ``fully_shard`` (per decoder layer, then the root, as the trace wraps) and
    DDP at world size 1 on a one-GPU NCCL process group, qwen2.5-0.5b pure-bf16, against
    ``estimate(--gpus 1 --sharding fsdp|ddp)`` analytic and trace; device used shows NCCL's buffers.
@@ -59,7 +61,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ class Case:
     prompt: int = 0
     new_tokens: int = 0
     batch: int = 0
+    #: (model, Strategy keywords) trained first in the same process, as the published figures were taken.
+    preceded_by: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 #: (name, issue, share of the budget), in priority order.
@@ -94,6 +97,16 @@ SECTIONS = (
     ("speed", 14, 0.15),
 )
 ISSUE = {name: issue for name, issue, _ in SECTIONS}
+
+#: The published l1b case (../shared/gpu-truth/h200-training.jsonl), and the case run before it there.
+L1B = {
+    "precision": "pure-bf16",
+    "optimizer_impl": "foreach",
+    "checkpointing": "full",
+    "micro_batch": 4,
+    "seq_len": 2048,
+}
+Q05_PUBLISHED = {"precision": "amp-bf16", "optimizer_impl": "foreach", "micro_batch": 4, "seq_len": 2048}
 
 CASES = (
     Case(
@@ -108,13 +121,7 @@ CASES = (
         section="measure",
         kind="train",
         model="llama-3.2-1b",
-        strategy={
-            "precision": "pure-bf16",
-            "optimizer_impl": "foreach",
-            "checkpointing": "full",
-            "micro_batch": 4,
-            "seq_len": 2048,
-        },
+        strategy=L1B,
         snapshot=True,
     ),
     Case(
@@ -129,6 +136,15 @@ CASES = (
             "micro_batch": 4,
             "seq_len": 512,
         },
+    ),
+    Case(
+        id="l1b-after-q05-same-process",
+        section="measure",
+        kind="train",
+        model="llama-3.2-1b",
+        strategy=L1B,
+        trace=False,
+        preceded_by=(("qwen2.5-0.5b", Q05_PUBLISHED),),
     ),
     Case(id="pytest-gpu", section="measure", kind="pytest"),
     *(
@@ -219,10 +235,10 @@ def spec_of(slug: str, dry: bool) -> Any:
     return spec_from_config(cfg, name=f"{slug}-tiny", source="dry-run")
 
 
-def strategy_of(case: Case, dry: bool) -> Any:
+def strategy_of(case: Case, dry: bool, kw: dict[str, Any] | None = None) -> Any:
     from trainfit.strategy import Adapter, Strategy
 
-    kw = dict(case.strategy)
+    kw = dict(case.strategy if kw is None else kw)
     rank = kw.pop("lora", None)
     if rank:
         kw["adapter"] = Adapter(rank=rank, alpha=2 * rank)
@@ -408,9 +424,7 @@ def enable_checkpointing(model: Any) -> None:
     fn()
 
 
-def train_loop(
-    spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3, forward: Callable[..., Any] | None = None
-) -> dict[str, Any]:
+def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> dict[str, Any]:
     """The trace's training step on real tensors, measured per phase like ../shared/gpu-truth's
     measure_training.py: the peak counter is reset before forward, backward and the optimizer step; the
     phases' peaks are the maxima of steps 1.. (optimizer states resident)."""
@@ -429,7 +443,6 @@ def train_loop(
     scaler = torch.amp.GradScaler(dev.name, enabled=bool(rec.loss_scaling) and dev.cuda)
     make_batch = hf.batch_fn(spec, st.micro_batch, st.seq_len, device=dev.name)
     loss_of = hf.loss_of(spec)
-    fwd = forward or (lambda m, batch: m(**batch))
     phases = dict.fromkeys(PHASES, 0)
     phases_reserved = dict.fromkeys(PHASES, 0)
     phases_used = dict.fromkeys(PHASES, 0)
@@ -440,7 +453,7 @@ def train_loop(
         batch = make_batch()
         dev.reset()
         with torch.autocast(dev.name, dtype=rn.compute_dtype(rec), enabled=bool(rec.autocast)):
-            out = fwd(model, batch)
+            out = model(**batch)
         loss = loss_of(out, batch)
         del out
         f = dev.stats()
@@ -564,6 +577,13 @@ class _CpuMemory:
 def _train(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
     torch = dev.torch
     st = strategy_of(case, dry)
+    for slug, kw in case.preceded_by:  # as one process measured case after case: gc + empty_cache between
+        first = strategy_of(case, dry, kw)
+        t0 = time.perf_counter()
+        row = train_loop(spec_of(slug, dry), first, build_model(spec_of(slug, dry), first, dev), dev)
+        sink.write("preceding", model=slug, strategy=kw, **row, seconds=round(time.perf_counter() - t0, 1))
+        _free(dev)
+        sink.write("preceding-freed", stats=dev.stats())
     record = case.snapshot and dev.cuda
     if record:  # from before the model exists: the weights' allocations are in the event list too
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=3_000_000)
@@ -577,7 +597,7 @@ def _train(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[st
         extra["snapshot"] = _write_snapshot(snap, out / "snapshot_l1b.pickle")
     sink.write(
         "measured",
-        how="plain training loop, fresh process",
+        how="plain training loop, " + ("after the preceding case(s)" if case.preceded_by else "fresh process"),
         **row,
         **extra,
         env=env,
@@ -848,7 +868,8 @@ def compare(case: Case, rows: list[dict[str, Any]], out: Path) -> list[dict[str,
                 }
         trace_in_measure = (m.get("details") or {}).get("trace")
         if trace_in_measure:
-            c["measure_vs_own_trace_rel_error"] = {ph: rel(phases.get(ph), v) for ph, v in trace_in_measure.items()}
+            c["own_trace"] = trace_in_measure  # the trace measure_spec ran beside the measurement
+            c["own_trace_rel_error"] = {ph: rel(v, phases.get(ph)) for ph, v in trace_in_measure.items()}
         cmp.append(c)
     if case.snapshot:
         cmp.extend(_replay(out))
