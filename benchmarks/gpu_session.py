@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib.util
 import json
 import lzma
 import os
@@ -58,7 +59,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -178,29 +178,17 @@ CASES = (
         )
         for m in ("qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b-v0.1")
     ),
-    Case(
-        id="speed-q05-amp-fused-b4s2048",
-        section="speed",
-        kind="speed",
-        model="qwen2.5-0.5b",
-        strategy={"precision": "amp-bf16", "micro_batch": 4, "seq_len": 2048},
-        trace=False,
-    ),
-    Case(
-        id="speed-l1b-pure-fused-full-b4s2048",
-        section="speed",
-        kind="speed",
-        model="llama-3.2-1b",
-        strategy={"precision": "pure-bf16", "checkpointing": "full", "micro_batch": 4, "seq_len": 2048},
-        trace=False,
-    ),
-    Case(
-        id="speed-l3b-pure-fused-b2s4096",
-        section="speed",
-        kind="speed",
-        model="llama-3.2-3b",
-        strategy={"precision": "pure-bf16", "micro_batch": 2, "seq_len": 4096},
-        trace=False,
+    *(
+        Case(id=f"speed-{cid}", section="speed", kind="speed", model=m, strategy=kw, trace=False)
+        for cid, m, kw in (
+            ("q05-amp-fused-b4s2048", "qwen2.5-0.5b", {"precision": "amp-bf16", "micro_batch": 4, "seq_len": 2048}),
+            (
+                "l1b-pure-fused-full-b4s2048",
+                "llama-3.2-1b",
+                {"precision": "pure-bf16", "checkpointing": "full", "micro_batch": 4, "seq_len": 2048},
+            ),
+            ("l3b-pure-fused-b2s4096", "llama-3.2-3b", {"precision": "pure-bf16", "micro_batch": 2, "seq_len": 4096}),
+        )
     ),
 )
 BY_ID = {c.id: c for c in CASES}
@@ -259,6 +247,18 @@ def by_phase(rep: Any) -> dict[str, int]:
     return {str(p.phase.value): int(p.total_bytes) for p in rep.phases}
 
 
+SESSION = "session.jsonl"
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The records of a session file (a line cut short by a killed writer is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
 class Sink:
     """Appends JSON lines to a file, flushed one by one (a killed writer keeps what it wrote)."""
 
@@ -268,8 +268,12 @@ class Sink:
     def write(self, record: str, **fields: Any) -> dict[str, Any]:
         row = {"section": self.case.section, "issue": ISSUE[self.case.section], "case": self.case.id, "record": record}
         row.update(fields)
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row, default=str) + "\n")
+        # One write(2) per line on an O_APPEND file: two children can append to the same file.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(row, default=str) + "\n").encode())
+        finally:
+            os.close(fd)
         return row
 
 
@@ -419,15 +423,16 @@ def build_model(spec: Any, st: Any, dev: _Dev, *, dtype: Any = None) -> Any:
 
 def enable_checkpointing(model: Any) -> None:
     """Full checkpointing as the trace turns it on (trace/hf.py ``_enable_hf_checkpointing``): the model's own
-    ``activation_checkpointing_enable`` (or ``gradient_checkpointing_enable``), transformers' defaults."""
+    ``activation_checkpointing_enable`` (or ``gradient_checkpointing_enable``), non-reentrant — said
+    explicitly, as measure_training.py did for the published figures, whatever this transformers' default."""
     fn = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    fn()
+    fn({"use_reentrant": False})
 
 
-def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> dict[str, Any]:
-    """The trace's training step on real tensors, measured per phase like ../shared/gpu-truth's
-    measure_training.py: the peak counter is reset before forward, backward and the optimizer step; the
-    phases' peaks are the maxima of steps 1.. (optimizer states resident)."""
+def prepare(spec: Any, st: Any, model: Any, dev: _Dev) -> tuple[Any, ...]:
+    """(trainable parameters, optimizer, grad scaler, batch maker, loss, autocast context) of the trace's step
+    for ``st`` (trace.optim ``make_optimizer``, hf ``batch_fn`` / ``loss_of``, the recipe's autocast and loss
+    scaling), with checkpointing on when asked and the model in training mode."""
     torch = dev.torch
     from trainfit.strategy import Checkpointing
     from trainfit.trace import hf
@@ -442,7 +447,19 @@ def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> 
     opt = make_optimizer(st.optimizer, params, adamw_impl=st.optimizer_impl.value if dev.cuda else "foreach")
     scaler = torch.amp.GradScaler(dev.name, enabled=bool(rec.loss_scaling) and dev.cuda)
     make_batch = hf.batch_fn(spec, st.micro_batch, st.seq_len, device=dev.name)
-    loss_of = hf.loss_of(spec)
+
+    def autocast() -> Any:
+        return torch.autocast(dev.name, dtype=rn.compute_dtype(rec), enabled=bool(rec.autocast))
+
+    return params, opt, scaler, make_batch, hf.loss_of(spec), autocast
+
+
+def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> dict[str, Any]:
+    """The trace's training step on real tensors, measured per phase like ../shared/gpu-truth's
+    measure_training.py: the peak counter is reset before forward, backward and the optimizer step; the
+    phases' peaks are the maxima of steps 1.. (optimizer states resident)."""
+    torch = dev.torch
+    params, opt, scaler, make_batch, loss_of, autocast = prepare(spec, st, model, dev)
     phases = dict.fromkeys(PHASES, 0)
     phases_reserved = dict.fromkeys(PHASES, 0)
     phases_used = dict.fromkeys(PHASES, 0)
@@ -452,7 +469,7 @@ def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> 
         t0 = time.perf_counter()
         batch = make_batch()
         dev.reset()
-        with torch.autocast(dev.name, dtype=rn.compute_dtype(rec), enabled=bool(rec.autocast)):
+        with autocast():
             out = model(**batch)
         loss = loss_of(out, batch)
         del out
@@ -500,13 +517,11 @@ def _free(dev: _Dev) -> None:
 
 
 def measure_case(case: Case, sink: Sink, out: Path, dry: bool) -> None:
-    if case.kind == "qlora":
-        try:
-            import bitsandbytes  # noqa: F401
-        except Exception as exc:
-            sink.write("skipped", reason=f"no bitsandbytes ({type(exc).__name__})")
-            return
-        sink.write("skipped", reason="bitsandbytes imports, but this script has no QLoRA measurement yet")
+    if case.kind == "qlora":  # looked up, not imported: importing bitsandbytes takes seconds
+        if importlib.util.find_spec("bitsandbytes") is None:
+            sink.write("skipped", reason="no bitsandbytes")
+        else:
+            sink.write("skipped", reason="bitsandbytes is installed, but this script has no QLoRA measurement yet")
         return
     dev = _Dev(dry)
     env = dev.env()
@@ -783,27 +798,15 @@ def _generate(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict
 def _speed(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
     """Wall time of optimizer steps: 2 warm-up steps, then each step synchronised, no per-phase resets."""
     torch = dev.torch
-    from trainfit.strategy import Checkpointing
-    from trainfit.trace import hf
-    from trainfit.trace import runner as rn
-    from trainfit.trace.optim import make_optimizer
-
     st = strategy_of(case, dry)
     model = build_model(spec, st, dev)
-    if st.checkpointing is Checkpointing.FULL:
-        enable_checkpointing(model)
-    model.train()
-    rec = st.recipe
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(st.optimizer, params, adamw_impl=st.optimizer_impl.value if dev.cuda else "foreach")
-    scaler = torch.amp.GradScaler(dev.name, enabled=bool(rec.loss_scaling) and dev.cuda)
-    batch = hf.batch_fn(spec, st.micro_batch, st.seq_len, device=dev.name)()
-    loss_of = hf.loss_of(spec)
+    _params, opt, scaler, make_batch, loss_of, autocast = prepare(spec, st, model, dev)
+    batch = make_batch()
     times: list[float] = []
     for step in range(2 + (2 if dry else 6)):
         dev.sync()
         t0 = time.perf_counter()
-        with torch.autocast(dev.name, dtype=rn.compute_dtype(rec), enabled=bool(rec.autocast)):
+        with autocast():
             loss = loss_of(model(**batch), batch)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -966,9 +969,9 @@ def summary(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 # -- orchestration -------------------------------------------------------------------------------------------
 
 
-def child_main(case_id: str, role: str, part: Path, out: Path, dry: bool) -> None:
+def child_main(case_id: str, role: str, out: Path, dry: bool) -> None:
     case = BY_ID[case_id]
-    sink = Sink(part, case)
+    sink = Sink(out / SESSION, case)
     try:
         if role == "predict":
             predict(case, sink, dry)
@@ -979,10 +982,13 @@ def child_main(case_id: str, role: str, part: Path, out: Path, dry: bool) -> Non
         sink.write("error", role=role, error=f"{type(exc).__name__}: {exc}"[:600])
 
 
-def _spawn(args: list[str], log: Any) -> subprocess.Popen[bytes]:
+def _spawn(args: list[str], log: Any, *, hide_gpu: bool = False) -> subprocess.Popen[bytes]:
     """A child in its own session (so a timeout kills its whole group), run from the repository with src/
-    on its path whatever this process's working directory."""
+    on its path whatever this process's working directory. ``hide_gpu``: the prediction child sees no GPU, so
+    it cannot create a CUDA context that the measuring child's ``mem_get_info`` would count."""
     env = dict(os.environ)
+    if hide_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=env)
@@ -1038,26 +1044,22 @@ def run_case(case: Case, deadline: float, out: Path, sink_path: Path, log: Any, 
     if case.kind == "pytest":
         run_pytest(case, main_sink, deadline, out, dry)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="gpu-session-"))
-    parts = {role: tmp / f"{role}.jsonl" for role in ("measure", "predict")}
+    roles = ("measure", "predict")
     errors: dict[str, str | None] = {}
     if inline:
-        for role, part in parts.items():
-            child_main(case.id, role, part, out, dry)
+        for role in roles:
+            child_main(case.id, role, out, dry)
     else:
         procs = {}
-        for role, part in parts.items():
+        for role in roles:
             args = [sys.executable, str(Path(__file__).resolve()), "--child", case.id, "--role", role]
-            args += ["--part", str(part), "--out", str(out)] + (["--dry-run"] if dry else [])
-            procs[role] = _spawn(args, log)
+            args += ["--out", str(out)] + (["--dry-run"] if dry else [])
+            procs[role] = _spawn(args, log, hide_gpu=role == "predict")
         for role, proc in procs.items():
             errors[role] = _wait(proc, deadline)
-    rows: list[dict[str, Any]] = []
-    for role, part in parts.items():
-        got = [json.loads(line) for line in part.read_text().splitlines() if line.strip()] if part.exists() else []
-        with sink_path.open("a") as fh:
-            fh.writelines(json.dumps(r, default=str) + "\n" for r in got)
-        rows += got
+    # The children appended their records to session.jsonl as they went (one write per line).
+    rows = [r for r in read_rows(sink_path) if r.get("case") == case.id]
+    for role in roles:
         if errors.get(role):  # a timeout or a crash the child could not record itself
             rows.append(main_sink.write("error", role=role, error=errors[role]))
     try:
@@ -1076,11 +1078,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline", action="store_true", help="run cases in this process (tests; no time limits)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--role", help=argparse.SUPPRESS)
-    ap.add_argument("--part", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.child:
-        child_main(a.child, a.role, a.part, a.out, a.dry_run)
+        child_main(a.child, a.role, a.out, a.dry_run)
         return 0
     wanted = a.sections.split(",")
     unknown = [s for s in wanted if s not in ISSUE]
@@ -1089,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.monotonic()
     end = start + a.budget
-    sink_path = a.out / "session.jsonl"
+    sink_path = a.out / SESSION
     meta = {"budget_s": a.budget, "dry_run": a.dry_run, "sections": wanted, "python": sys.version.split()[0]}
     with sink_path.open("a") as fh:
         fh.write(json.dumps({"record": "meta", **meta}) + "\n")
@@ -1114,7 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:
                     traceback.print_exc()
                     Sink(sink_path, case).write("error", role="parent", error=f"{type(exc).__name__}: {exc}"[:400])
-                rows = [json.loads(line) for line in sink_path.read_text().splitlines()]
+                rows = read_rows(sink_path)
                 (a.out / "summary.md").write_text(summary([r for r in rows if r.get("case")], meta))
                 print(f"         done in {time.monotonic() - t0:.1f}s", flush=True)
             section_end = max(section_end, time.monotonic())
