@@ -912,7 +912,10 @@ def _pct(x: Any) -> str:
 
 
 def summary(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    out = ["# GPU session", "", "```", json.dumps(meta), "```", ""]
+    env = next((r["env"] for r in rows if isinstance(r.get("env"), dict) and r["env"].get("device")), None)
+    out = ["# GPU session", "", "```", json.dumps(meta), json.dumps(env) if env else "(no device seen)", "```", ""]
+    out.append("Errors are predicted / measured − 1; every record, with the raw per-step numbers, is in session.jsonl.")
+    out.append("")
     for name, issue, _ in SECTIONS:
         sec = [r for r in rows if r.get("section") == name]
         if not sec:
