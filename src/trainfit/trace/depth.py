@@ -50,7 +50,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Checkpointing, Strategy
+from trainfit.strategy import Checkpointing, Float8, Strategy
 from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -204,6 +204,10 @@ def run_layout(
     mode = rn.fake_mode() if on_device is None else None
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
     renumber_layers(model, plan.stack_path)
+    if strategy.float8 is not Float8.NONE:
+        from trainfit.trace.float8 import apply_float8
+
+        apply_float8(model, plan.stack_path, strategy)  # torchao Float8Linear, on meta (trace/float8.py)
     quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if strategy.adapter is not None or not strategy.base_weights.is_default:
         from trainfit.trace.peft import apply_finetuning, quantised_weights
