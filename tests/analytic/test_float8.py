@@ -135,7 +135,7 @@ def test_model_refusals() -> None:
 
 def test_gpu_without_fp8_is_refused() -> None:
     s = Strategy(precision="pure-bf16", float8="tensorwise")
-    with pytest.raises(StrategyError, match="compute capability >= 8.9"):
+    with pytest.raises(StrategyError, match=r"compute capability >= 8\.9"):
         estimate(_spec(), s, gpu="a100-sxm-80gb")
     assert estimate(_spec(), s, gpu="h100-sxm-80gb").peak_bytes > 0
 

@@ -29,10 +29,11 @@ DIM_MULTIPLE = 16  # torchtitan module_filter_fn: both weight dims divisible by 
 
 def require_torchao() -> ModuleType:
     try:
-        import torchao.float8
+        import torchao.float8 as fp8
     except ImportError:
         raise DependencyError(_HINT) from None
-    return torchao.float8
+    module: ModuleType = fp8
+    return module
 
 
 def _cuda_autocast_input(_mod: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
