@@ -36,6 +36,7 @@ separately), MLA, fused qkv projections, non-gated MLPs (GPT-2's ``Conv1D`` is n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainfit.arch.params import inventory
@@ -133,21 +134,16 @@ def linear_backward_extra(t: int, k: int, n: int) -> int:
 
 def layer_forward_extra(spec: ModelSpec, strategy: Strategy) -> int:
     """The largest fp8 forward transient among one block's converted linears."""
-    if not enabled(strategy):
-        return 0
-    t = strategy.tokens_per_micro_batch
-    return max(
-        (linear_forward_extra(t, x.in_features, x.out_features) for x in block_linears(spec) if x.converted),
-        default=0,
-    )
+    return _worst(spec, strategy, linear_forward_extra)
 
 
 def layer_backward_extra(spec: ModelSpec, strategy: Strategy) -> int:
     """The largest fp8 backward transient among one block's converted linears."""
+    return _worst(spec, strategy, linear_backward_extra)
+
+
+def _worst(spec: ModelSpec, strategy: Strategy, extra: Callable[[int, int, int], int]) -> int:
     if not enabled(strategy):
         return 0
     t = strategy.tokens_per_micro_batch
-    return max(
-        (linear_backward_extra(t, x.in_features, x.out_features) for x in block_linears(spec) if x.converted),
-        default=0,
-    )
+    return max((extra(t, x.in_features, x.out_features) for x in block_linears(spec) if x.converted), default=0)
