@@ -21,7 +21,7 @@ from trainfit.arch.params import inventory
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.errors import StrategyError
 from trainfit.estimate import estimate
-from trainfit.strategy import Strategy
+from trainfit.strategy import Offload, Parallelism, Strategy
 
 from ..cli._cli_helper import run_cli
 
@@ -113,13 +113,19 @@ def test_backward_transient_reaches_the_block_moment() -> None:
     [
         ({"precision": "fp32"}, "--precision fp32"),
         ({"precision": "amp-fp16"}, "--precision amp-fp16"),
-        ({"sharding": "fsdp", "parallelism": None}, "more than one GPU"),
+        ({"sharding": "zero3"}, "this layout"),
+        ({"sharding": "fsdp", "offload": Offload.parse("optimizer")}, "this layout"),
     ],
 )
 def test_strategy_refusals(kwargs: dict[str, object], words: str) -> None:
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     with pytest.raises(StrategyError, match=words):
         Strategy(float8="tensorwise", **kwargs)  # type: ignore[arg-type]
+
+
+def test_torch_data_parallel_layouts_are_modelled() -> None:
+    for sharding in ("ddp", "fsdp", "hsdp"):
+        s = Strategy(float8="tensorwise", precision="amp-bf16", sharding=sharding, parallelism=Parallelism(data=16))
+        assert s.float8.value == "tensorwise"
 
 
 def test_model_refusals() -> None:

@@ -38,14 +38,23 @@ def test_fp8_candidates_only_where_the_gpu_has_fp8() -> None:
         base = candidates(spec, gpu, gpus=8, gpus_per_node=8, global_batch=64)
         fp8 = float8_candidates(gpu, base)
         assert bool(fp8) is expected, gpu_id
-        assert all(c.world == 1 and c.float8 is Float8.TENSORWISE and c.precision.value.endswith("bf16") for c in fp8)
+        assert all(
+            c.float8 is Float8.TENSORWISE
+            and c.precision.value.endswith("bf16")
+            and c.sharding.value in ("none", "ddp", "fsdp", "hsdp")
+            and c.tensor == c.pipeline == 1
+            and c.offload == "none"
+            for c in fp8
+        )
+        assert not expected or {c.sharding.value for c in fp8} == {"none", "ddp", "fsdp"}
 
 
 def test_fp8_candidate_speed_inputs_match_the_strategy() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("h100-sxm-80gb")
-    for c in candidates(spec, gpu, gpus=1, gpus_per_node=8, global_batch=8, fp8=True):
-        s = c.strategy(micro_batch=1, grad_accum=8, seq_len=1024, gpus_per_node=8)
-        assert SpeedInputs.of(s) == c.speed_inputs(micro_batch=1, grad_accum=8, seq_len=1024, gpus_per_node=8)
+    for c in candidates(spec, gpu, gpus=8, gpus_per_node=8, global_batch=8, fp8=True):
+        accum = 8 // c.data
+        s = c.strategy(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+        assert SpeedInputs.of(s) == c.speed_inputs(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
 
 
 def test_fp8_share_from_the_config_numbers() -> None:

@@ -29,9 +29,13 @@ What a ``Float8Linear`` (torchao 0.18, torchao/float8/float8_linear.py) holds, e
   ``go8.t()`` is column-major: ``.contiguous()`` copies it, + t·n; b = the row-major x8 copied, + t·k):
   3·t·n + n·k + 2·t·k. The peak is the largest of these (:func:`linear_backward_extra`).
 
+Many GPUs (torch DDP, FSDP2, HSDP): :mod:`trainfit.analytic.parallel` builds a rank's moments from its compute
+strategy (``_compute_strategy`` keeps ``float8``), so the same terms apply with bf16 weights under FSDP2.
+
 Not modelled (refused with one line): rowwise scaling, ``torch.compile``, FSDP2's fp8 all-gather
-(``enable_fsdp_float8_all_gather``: ``WeightWithDynamicFloat8CastTensor``), MoE experts (torchtitan converts them
-separately), MLA, fused qkv projections, non-gated MLPs (GPT-2's ``Conv1D`` is no ``nn.Linear``), per-op SAC.
+(``enable_fsdp_float8_all_gather``: ``WeightWithDynamicFloat8CastTensor``), ZeRO, tensor/pipeline parallelism,
+offload, MoE experts (torchtitan converts them separately), MLA, fused qkv projections, non-gated MLPs (GPT-2's
+``Conv1D`` is no ``nn.Linear``), per-op SAC.
 """
 
 from __future__ import annotations

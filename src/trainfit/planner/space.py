@@ -5,9 +5,10 @@ bisects, since memory grows with it). What the space contains, and why:
 
 - **Precision**: recipes the GPU runs natively (``bf16`` only with native bf16 — compute capability ≥ 8.0,
   DESIGN §4; fp16 with loss scaling otherwise; fp32 when neither has a tensor-core peak in the catalog).
-  With ``--allow fp8`` on a GPU with fp8 tensor cores (compute capability ≥ 8.9), every one-GPU, full-training
-  bf16 candidate also comes with torchao fp8 linears (``--fp8 tensorwise``: :func:`float8_candidates`); the
-  estimate refuses the models it does not model (MoE, MLA, …), which drops those.
+  With ``--allow fp8`` on a GPU with fp8 tensor cores (compute capability ≥ 8.9), every full-training bf16
+  candidate on one GPU or torch DDP/FSDP2/HSDP (no offload, TP or PP) also comes with torchao fp8 linears
+  (``--fp8 tensorwise``: :func:`float8_candidates`); the estimate refuses the models it does not model (MoE,
+  MLA, …), which drops those.
 - **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW.
 - **Checkpointing**: none, sqrt, full (:func:`trainfit.strategy.checkpoint_layout`).
 - **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
@@ -117,15 +118,18 @@ def check_allow_float8(gpu: GPUSpec, allow: str | None) -> None:
 
 
 def float8_candidates(gpu: GPUSpec, base: list[Candidate]) -> list[Candidate]:
-    """The fp8 variants of ``base``: where ``gpu`` has fp8 tensor cores, one GPU without sharding or offload, full
-    training, a bf16 recipe — what ``Strategy`` models with ``--fp8``."""
+    """The fp8 variants of ``base``: where ``gpu`` has fp8 tensor cores, one GPU or torch DDP / FSDP2 / HSDP
+    without offload, tensor or pipeline parallelism, full training, a bf16 recipe — what ``Strategy`` models with
+    ``--fp8`` (torchtitan's 1-D runs)."""
     if not gpu_has_float8(gpu):
         return []
+    layouts = (Sharding.NONE, Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
     return [
         replace(c, float8=Float8.TENSORWISE)
         for c in base
-        if c.world == 1
-        and c.sharding is Sharding.NONE
+        if c.sharding in layouts
+        and c.engine in (Engine.AUTO, Engine.TORCH)
+        and c.tensor == c.pipeline == 1
         and c.offload == "none"
         and c.finetune is Finetune.FULL
         and c.precision.value in FLOAT8_RECIPES

@@ -124,12 +124,25 @@ class Strategy:
             why = f"--precision {self.precision.value} (fp8 linears are modelled over {', '.join(FLOAT8_RECIPES)})"
         elif self.adapter is not None or not self.base_weights.is_default:
             why = "adapters or frozen/quantised base weights (torchao's Float8Linear trains full weights)"
-        elif self.is_distributed:
-            why = "more than one GPU, sharding, offload or a named engine (one GPU only for now)"
+        elif self.is_distributed and not self._float8_layout():
+            why = (
+                "this layout (modelled: one GPU, or torch DDP / FSDP2 / HSDP without offload, tensor or pipeline "
+                "parallelism; FSDP2's fp8 all-gather is not modelled)"
+            )
         elif self.workload is not Workload.TRAINING:
             why = self.workload.value
         if why:
             raise StrategyError(f"--fp8 {self.float8.value} is not modelled with {why}")
+
+    def _float8_layout(self) -> bool:
+        """torch data parallelism (DDP, FSDP2, HSDP) over torchao Float8Linear modules (torchtitan's 1-D runs)."""
+        return (
+            self.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
+            and self.engine.engine in (Engine.AUTO, Engine.TORCH)
+            and not self.offload.any
+            and self.parallelism.tensor == 1
+            and self.parallelism.pipeline == 1
+        )
 
     @property
     def recipe(self) -> Recipe:

@@ -26,7 +26,7 @@ runs it (``--model.converters float8``): torchao's ``convert_to_float8_training`
 float8 with dynamic tensorwise scales. States are untouched (the weights stay in the recipe's dtype; fp8 copies
 exist only inside each matmul), so the states' bytes per parameter are the bf16 recipe's. What changes is what
 :mod:`trainfit.analytic.activations` (``float8_*``) describes: the casts' transients and, under autocast, no
-cached bf16 copies of the converted weights.
+cached bf16 copies of the converted weights. Modelled on one GPU and under torch DDP / FSDP2 / HSDP.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Checkpointing, Engine, Precision, Quantization, Sharding, Strategy
+from trainfit.strategy import Checkpointing, Engine, Float8, Precision, Quantization, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -337,6 +337,10 @@ def run_layout_distributed(
     built, rec = _run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    if strategy.float8 is not Float8.NONE:
+        from trainfit.trace.float8 import apply_float8
+
+        apply_float8(model, plan.stack_path, strategy)  # torchao Float8Linear before the wrapper (torchtitan's order)
     quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if strategy.adapter is not None or not strategy.base_weights.is_default:
         from trainfit.trace.peft import apply_finetuning, quantised_weights
