@@ -54,6 +54,7 @@ from trainfit.strategy import Checkpointing, Float8, Strategy
 from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.float8 import inner_ops_tracked as float8_inner_ops
 from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
 from trainfit.trace.savers import OptimizerInBackward, chunked_loss_fns
 from trainfit.trace.timeline import Region, Span
@@ -256,7 +257,7 @@ def run_layout(
         execution = rn.Execution(mode=mode)
     else:
         execution = rn.Execution(device=device, emulate_cuda=False, track=False, probe=on_device.probe)
-    with hf.runtime_patches(), quantised:
+    with hf.runtime_patches(), quantised, float8_inner_ops(box, strategy):
         run = rn.run_steps(model, fns, options, execution)
         resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
     return LayoutRun(run=run, resident=resident)

@@ -60,6 +60,7 @@ from trainfit.strategy import Checkpointing, Engine, Float8, Precision, Quantiza
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.float8 import inner_ops_tracked
 from trainfit.trace.optim import make_optimizer
 
 #: Record kinds beyond the tracker's own.
@@ -392,7 +393,7 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with held, hf.runtime_patches(), patched_resize(tr):
+    with held, hf.runtime_patches(), patched_resize(tr), inner_ops_tracked(box, strategy):
         return rn.run_steps(run_model, fns, options, execution)
 
 

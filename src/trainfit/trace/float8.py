@@ -7,6 +7,12 @@ tensorwise scaling). The swap happens on the meta model, before its parameters b
 ``torch._scaled_mm`` has a CPU kernel and a fake (meta) implementation in torch 2.13, so the module's own
 forward and backward (``matmul_with_hp_or_float8_args``) run unchanged, casts included.
 
+The tracker (a ``TorchDispatchMode``) sees an op on a ``Float8TrainingTensor`` — ``aten.mm`` — and its output,
+but not the ops its ``__torch_dispatch__`` runs while handling it: a mode is off the stack while its own handler
+runs. Those include ``float8_ops.preprocess_addmm``'s layout copies (``w8.t()`` for grad_input; ``go8.t()`` and
+``x8`` for grad_weight) and ``torch._scaled_mm``. :func:`inner_ops_tracked` puts the tracker back on the stack
+inside that handler, so the copies are counted as a CUDA run allocates them.
+
 One emulation: ``Float8Linear.forward`` casts its input to the autocast dtype only when
 ``torch.is_autocast_enabled()`` — CUDA's autocast. The trace runs CPU autocast under CUDA's policy
 (:mod:`trainfit.trace.autocast`), where that call says False; a forward pre-hook makes the same
@@ -15,10 +21,13 @@ One emulation: ``Float8Linear.forward`` casts its input to the autocast dtype on
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainfit.errors import DependencyError
 from trainfit.strategy import Float8, Strategy
@@ -63,3 +72,28 @@ def apply_float8(model: torch.nn.Module, stack_path: str, strategy: Strategy) ->
     for m in swapped:
         m.register_forward_pre_hook(_cuda_autocast_input)
     return len(swapped)
+
+
+@contextlib.contextmanager
+def inner_ops_tracked(box: Sequence[Any], strategy: Strategy) -> Iterator[None]:
+    """While active, ``Float8TrainingTensor.__torch_dispatch__`` runs under ``box[0]`` (the run's tracker, once the
+    runner has made it) again, so the allocations inside torchao's handlers are recorded (module docstring)."""
+    if strategy.float8 is Float8.NONE:
+        yield
+        return
+    require_torchao()
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    original = Float8TrainingTensor.__dict__["__torch_dispatch__"]
+
+    def dispatch(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        mode = box[0] if box else None
+        scope = mode if isinstance(mode, TorchDispatchMode) else contextlib.nullcontext()
+        with scope:
+            return original.__func__(cls, func, types, args, kwargs)
+
+    Float8TrainingTensor.__torch_dispatch__ = classmethod(dispatch)
+    try:
+        yield
+    finally:
+        Float8TrainingTensor.__torch_dispatch__ = original
