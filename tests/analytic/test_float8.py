@@ -152,3 +152,8 @@ def test_cli_flag_json_and_refusal(capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(r.out)["strategy"]["float8"] == "tensorwise"
     r = run_cli(capsys, "estimate", "llama-3.2-1b", "--fp8", "tensorwise", "--gpu", "a100-sxm-80gb")
     assert r.code == 2 and r.err.count("\n") == 1 and "8.9" in r.err
+
+
+def test_unknown_fp8_recipe_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_cli(capsys, "estimate", "llama-3.2-1b", "--fp8", "rowwise")
+    assert r.code == 2 and r.err.strip() == "error: unknown --fp8 'rowwise'; choose one of: none, tensorwise"

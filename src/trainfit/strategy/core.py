@@ -67,7 +67,12 @@ class Strategy:
         coerce_enum(self, "optimizer_impl", OptimizerImpl)
         coerce_enum(self, "sharding", Sharding)
         coerce_enum(self, "workload", Workload)
-        coerce_enum(self, "float8", Float8)
+        try:
+            coerce_enum(self, "float8", Float8)
+        except StrategyError:
+            raise StrategyError(
+                f"unknown --fp8 '{self.float8}'; choose one of: {', '.join(f.value for f in Float8)}"
+            ) from None
         for name, kind in (
             ("parallelism", Parallelism),
             ("offload", Offload),
