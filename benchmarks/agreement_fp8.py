@@ -9,10 +9,10 @@ Needs torchao (``pip install --no-deps torchao``). Usage: python benchmarks/agre
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 import time
-from pathlib import Path
+
+from agreement import gib, write_section  # benchmarks/agreement.py: a script's folder is on sys.path
 
 from trainfit.analytic import estimate_analytic
 from trainfit.arch import load_model
@@ -29,10 +29,6 @@ CELLS = (
 RECIPES = ("amp-bf16", "pure-bf16")
 CHECKPOINTING = ("none", "full")
 BEGIN, END = "<!-- agreement-fp8:begin -->", "<!-- agreement-fp8:end -->"
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
 
 
 def rows() -> list[str]:
@@ -79,13 +75,7 @@ def main() -> None:
     )
     print(section)
     if "--write" in sys.argv:
-        doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
-        text = doc.read_text(encoding="utf-8")
-        if BEGIN in text:
-            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), section, text, flags=re.S)
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-        doc.write_text(text, encoding="utf-8")
+        write_section(section, BEGIN, END)
 
 
 if __name__ == "__main__":
