@@ -113,13 +113,18 @@ def main() -> None:
     )
     print(section)
     if "--write" in sys.argv:
-        doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
-        text = doc.read_text(encoding="utf-8")
-        if BEGIN in text:
-            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), section, text, flags=re.S)
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-        doc.write_text(text, encoding="utf-8")
+        write_section(section, BEGIN, END)
+
+
+def write_section(section: str, begin: str, end: str) -> None:
+    """Replace the ``begin``…``end`` section of docs/accuracy.md with ``section`` (append it when absent)."""
+    doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
+    text = doc.read_text(encoding="utf-8")
+    if begin in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), section, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from trainfit.planner.search import (
     lower_bound_bytes,
     required_bytes,
 )
+from trainfit.precision.advice import fp8_from_cc
 from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown
 from trainfit.strategy import Attention, Checkpointing, Strategy
 
@@ -171,7 +172,23 @@ def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport
     return dataclasses.replace(report, phases=add(report.phases), ranks=ranks)
 
 
+def check_float8_gpu(strategy: Strategy, gpu: GPUSpec | None) -> None:
+    """``--fp8`` needs fp8 tensor cores: compute capability >= 8.9 (``precision.advice.fp8_from_cc``; torchtitan's
+    float8 converter refuses below ``has_cuda_capability(8, 9)``), or the catalog's fp8 flag where no capability
+    is listed (AMD)."""
+    if strategy.float8.value == "none" or gpu is None:
+        return
+    has = fp8_from_cc(gpu.compute_capability) if gpu.compute_capability else gpu.fp8
+    if not has:
+        raise StrategyError(
+            f"--fp8 {strategy.float8.value} needs fp8 tensor cores (compute capability >= 8.9); {gpu.id} has "
+            f"{gpu.compute_capability or 'none'}: drop --fp8 or pick an fp8 GPU (L4, L40S, H100, H200, B200, RTX 4090)"
+        )
+
+
 def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None = None) -> None:
+    if strategy.float8.value != "none" and method in (Method.RULE_OF_THUMB, Method.MEASURE):
+        raise StrategyError(f"--fp8 is modelled by --method analytic and trace, not {method.value}")
     finetunes = method in (Method.ANALYTIC, Method.TRACE) and spec is not None
     beyond = strategy.beyond_single_gpu_finetuning() if finetunes else strategy.beyond_single_gpu_training()
     if strategy.is_distributed and method in (Method.ANALYTIC, Method.TRACE):
@@ -228,6 +245,7 @@ def estimate(
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
+    check_float8_gpu(asked, gpu_spec)
     strategy, fallback = effective_strategy(spec, asked)
     warnings = [fallback] if fallback else []
     gpu_notes: list[str] = []

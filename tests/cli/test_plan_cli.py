@@ -42,7 +42,7 @@ def test_plan_table_and_two_line_explanation(capsys: pytest.CaptureFixture[str])
         (["--global-batch", "8", "--tokens-per-step", "8192"], "not both"),
         (["--tokens-per-step", "1000"], "whole number of sequences"),
         (["--global-batch", "8", "--objective", "quickest"], "unknown --objective"),
-        (["--global-batch", "8", "--allow", "fp8"], "no FP8 recipe"),
+        (["--global-batch", "8", "--allow", "fp8"], "t4 has no fp8 tensor cores"),
         (["--global-batch", "8", "--gpus", "3", "--nodes", "1"], "--gpus-per-node"),
         ([], "--global-batch"),
     ],

@@ -177,13 +177,18 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
     os.environ.get("TRAINFIT_TORCHRUN_TESTS") != "1",
     reason="two torch+transformers processes take ~35 s on 2 cores: TRAINFIT_TORCHRUN_TESTS=1 runs it",
 )
-def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path) -> None:
-    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64."""
+@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
+def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
+    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 (with
+    ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel)."""
+    import dataclasses
     import subprocess
     import sys
 
     pytest.importorskip("torch")
-    strategy = STRATEGIES["fsdp"]
+    if fp8 != "none":
+        pytest.importorskip("torchao.float8")
+    strategy = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8)  # type: ignore[arg-type]
     write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
     tiny = tmp_path / "tiny"
     tiny.mkdir()

@@ -62,6 +62,14 @@ from trainfit.analytic.activations import (
 )
 from trainfit.analytic.adapters import dequant_transient_bytes, finetuning, frozen_layers, mlp_frozen, supports_adapters
 from trainfit.analytic.events import simulate_training
+from trainfit.analytic.float8 import (
+    block_linears,
+    check_float8,
+    converted_weight_names,
+    layer_backward_extra,
+    layer_forward_extra,
+)
+from trainfit.analytic.float8 import enabled as float8_enabled
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.savers import (
     check_savers,
@@ -99,6 +107,7 @@ class MomentName(StrEnum):
 
     FORWARD_END = "forward-end"  # after the loss, everything saved
     FORWARD_LAST_SOFTMAX = "forward-last-softmax"  # the last block's materialised score chain
+    FORWARD_FP8_CAST = "forward-fp8-cast"  # --fp8: inside the last block's worst Float8Linear cast
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
@@ -235,7 +244,8 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
                 )
             )
             per_kind[g.kind] = max(per_kind.get(g.kind, 0), _sum(lt))
-        mm = sum(t.numel for t in g.tensors if t.matmul)
+        fp8 = converted_weight_names(spec, strategy)  # Float8Linear weights get no autocast copy
+        mm = sum(t.numel for t in g.tensors if t.matmul and t.name not in fp8)
         copies[g.kind] = mm * w.compute if w.amp else 0
     if finetuning(strategy):
         copies = dict.fromkeys(copies, finetune_parts(spec, strategy).copies_layer_bytes)
@@ -315,6 +325,7 @@ class StepInputs:
     host_activations: int = 0  # --activation-offload: saved tensors in pinned host memory
     host_optimizer_states: int = 0  # paged optimizer: states in CUDA unified memory, outside the allocator
     sac_saved: int = 0  # --checkpointing sac: one layer's kept save-list outputs (in kept_inputs)
+    float8_forward: int = 0  # --fp8: the worst Float8Linear cast transient of a block's forward
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -329,10 +340,30 @@ def step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> St
 
 def _build_step_inputs(spec: ModelSpec, strategy: Strategy, keep_logits: bool) -> StepInputs:
     check_sac(spec, strategy)
+    check_float8(spec, strategy)
     q = _step_inputs(spec, strategy, keep_logits=keep_logits)
     if finetuning(strategy):
         q = _finetune_inputs(q)
-    return _saver_inputs(q, keep_logits=keep_logits)
+    return _float8_inputs(_saver_inputs(q, keep_logits=keep_logits))
+
+
+def _float8_inputs(q: StepInputs) -> StepInputs:
+    """``--fp8``: the casts of torchao's ``Float8Linear`` (:mod:`trainfit.analytic.float8`). Inside a block's
+    backward the worst converted linear's casts sit on top of the incoming residual gradient (r·t·h) and its own
+    grad_output (a·t·n); in the forward, on top of everything the stack has saved (the last block's linears)."""
+    if not float8_enabled(q.strategy):
+        return q
+    spec, strategy = q.spec, q.strategy
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    residual_grad = w.residual * t * spec.hidden_size
+    widest_out = max(x.out_features for x in block_linears(spec) if x.converted)
+    in_flight = residual_grad + w.compute * t * widest_out
+    return dataclasses.replace(
+        q,
+        block_temp=max(q.block_temp, in_flight + layer_backward_extra(spec, strategy)),
+        float8_forward=layer_forward_extra(spec, strategy),
+    )
 
 
 def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
@@ -496,6 +527,19 @@ def forward_moments(q: StepInputs) -> list[Moment]:
             temporaries=q.forward_transient,
         )
     moments = [end]
+    if q.float8_forward:
+        # The last block's casts, over what the stack below (or, checkpointed, the kept inputs) holds; the head's
+        # autocast copy is not made yet. Counting the whole last block as saved makes this an upper bound.
+        layer_copies = q.copies_all - q.copies_head
+        moments.append(
+            Moment(
+                name=MomentName.FORWARD_FP8_CAST,
+                **base,  # type: ignore[arg-type]
+                activations=(a.all_layers_bytes if q.segments == 0 else q.kept_inputs) + a.embedding_bytes + q.masks,
+                autocast_copies=layer_copies if q.segments == 0 or q.spec.autocast_weight_cache else q.copies_max_layer,
+                temporaries=q.float8_forward + q.cache_held,
+            )
+        )
     for v in a.variants:
         if v.kind != a.top_kind:
             continue
@@ -703,8 +747,9 @@ def estimate_analytic(
     sim = simulate_training(spec, strategy, config, workspaces, layout=layout)
     held = peak + sum(w.size_bytes for w in workspaces)
     reserve = max(0, sim.peak_reserved_bytes - held)
-    if strategy.savers.any:
-        # The synthesised stream replays the paged optimizer and the loss savers only partly (analytic.events):
+    if strategy.savers.any or float8_enabled(strategy):
+        # The synthesised stream replays the paged optimizer, the loss savers and fp8's casts only partly
+        # (analytic.events: Float8Linear's transients are not in it):
         # take the allocator's own overhead above its allocated peak rather than above this peak.
         reserve = max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
     return MemoryReport(
@@ -747,6 +792,12 @@ def _notes(spec: ModelSpec, strategy: Strategy, coeff: float) -> tuple[str, ...]
         notes.append(
             f"grad accumulation ×{strategy.grad_accum}: grads stay resident across micro-steps; "
             f"effective batch {strategy.effective_batch}"
+        )
+    if float8_enabled(strategy):
+        n = sum(x.converted for x in block_linears(spec))
+        notes.append(
+            f"--fp8 {strategy.float8.value}: torchao Float8Linear on {n} of each block's {len(block_linears(spec))} "
+            "linears (dims ÷ 16; LM head in bf16), eager casts; the allocator stream leaves their transients out"
         )
     return tuple(notes) + saver_notes(spec, strategy)
 

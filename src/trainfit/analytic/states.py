@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.analytic.adapters import adapter_tensors, finetuning, frozen_layer_counts, is_frozen
+from trainfit.analytic.float8 import converted_weight_names
 from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, BNB_MIN_8BIT_SIZE, allocator_bytes, quantized_weight_tensors
@@ -163,6 +164,8 @@ def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
     inv = inventory(spec)
     out: list[ParamState] = []
     layer_tensors = {id(t) for g in inv.layers for t in g.tensors}
+    # torchao's Float8Linear casts its weight straight to fp8, never to bf16: no autocast copy (analytic.float8).
+    fp8 = converted_weight_names(spec, strategy)
     for t, m in inv.all_tensors():
         trainable = full
         packed = quant is not None and not trainable and t.matmul and id(t) in layer_tensors
@@ -179,7 +182,7 @@ def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
                 count=m,
                 weight_bytes=weight,
                 trainable=trainable,
-                autocast_copy=r.autocast and t.matmul and not packed,
+                autocast_copy=r.autocast and t.matmul and not packed and not (id(t) in layer_tensors and t.name in fp8),
             )
         )
     return tuple(out)

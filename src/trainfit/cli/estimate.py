@@ -38,7 +38,7 @@ STRATEGY_FLAGS: tuple[str, ...] = (
     "sharding", "offload", "engine", "reshard_after_forward", "bucket_cap_mb", "gradient_as_bucket_view",
     "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
     "adapter_dtype", "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
-    "paged_optimizer", "head", "num_labels",
+    "paged_optimizer", "head", "num_labels", "fp8",
 )  # fmt: skip
 
 
@@ -69,6 +69,7 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
         "micro_batch": f["batch"],
         "seq_len": f["seq"] if f["seq"] is not None else default_seq_len(spec),
         "grad_accum": f["grad_accum"],
+        "float8": f["fp8"],
         "savers": MemorySavers(
             loss=loss_impl,
             loss_chunks=loss_chunks,
@@ -148,6 +149,14 @@ def estimate_cmd(
         str, typer.Option("--optimizer-impl", help="fused (HF Trainer default) | foreach (torch's own default).")
     ] = "fused",
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Gradient accumulation steps.")] = 1,
+    fp8: Annotated[
+        str,
+        typer.Option(
+            "--fp8",
+            help="FP8 training of the blocks' linears (torchao Float8Linear, as torchtitan runs it; compute "
+            "capability >= 8.9): none | tensorwise.",
+        ),
+    ] = "none",
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     method: Annotated[str, typer.Option(help="analytic | rule-of-thumb | trace | measure")] = "analytic",
     modules: Annotated[bool, typer.Option("--modules", help="trace: per-module saved-activation table.")] = False,

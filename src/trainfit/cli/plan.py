@@ -21,7 +21,9 @@ def plan_cmd(
     tokens_per_step: Annotated[
         str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (4M, 2e6); a multiple of --seq.")
     ] = None,
-    allow: Annotated[str | None, typer.Option("--allow", help="Also consider: lora,qlora.")] = None,
+    allow: Annotated[
+        str | None, typer.Option("--allow", help="Also consider: lora,qlora,fp8 (fp8: torchao linears, one GPU).")
+    ] = None,
     objective: Annotated[str, typer.Option(help="fastest | fewest-gpus | cheapest")] = "fastest",
     price_per_gpu_hour: Annotated[float, typer.Option("--price-per-gpu-hour", help="For --objective cheapest.")] = 1.0,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,

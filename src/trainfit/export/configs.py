@@ -222,6 +222,12 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     code = None
     if strategy.sharding is Sharding.FSDP and strategy.adapter is None:  # with adapters: the Trainer and PEFT
         code, script = fsdp2_script(spec, strategy, layer_class(spec)), "train_fsdp2.py"
+    if strategy.float8.value != "none":
+        notes.append(
+            "--fp8: the Trainer, accelerate and DeepSpeed configs do not carry it; swap the blocks' linears with "
+            "torchao's convert_to_float8_training (torchtitan: --model.converters float8)"
+            + (" as train_fsdp2.py does" if code is not None else "")
+        )
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
     if megatron:
         notes.append("tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt")

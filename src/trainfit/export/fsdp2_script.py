@@ -1,6 +1,7 @@
 """The ``train_fsdp2.py`` a FSDP plan exports: PyTorch FSDP2 (``fully_shard`` per transformer block, then the
 root — the wrapping trainfit's memory model assumes, DESIGN §4.3), the plan's micro-batch, accumulation,
-checkpointing, mixed precision and offload. It trains on random tokens so it runs as it is; replace the batch
+checkpointing, mixed precision, offload and ``--fp8`` (torchao's ``convert_to_float8_training`` before the
+wrapping, torchtitan's order). It trains on random tokens so it runs as it is; replace the batch
 with your data loader. ``tests/export`` runs it for real on a tiny model across 2 CPU processes with gloo
 (DESIGN §4: FSDP2 runs on the CPU)."""
 
@@ -32,6 +33,7 @@ CHECKPOINTING = {checkpointing}
 BF16 = {bf16}
 RESHARD_AFTER_FORWARD = {reshard}
 OFFLOAD = {offload}
+FLOAT8 = {float8}  # torchao Float8Linear on the blocks' linears (pip install torchao)
 
 
 def main() -> None:
@@ -44,6 +46,14 @@ def main() -> None:
     config = AutoConfig.from_pretrained(MODEL)
     config.use_cache = False
     model = AutoModelForCausalLM.from_config(config)  # real runs: from_pretrained (weights), same wrapping
+    if FLOAT8:  # torchtitan's float8 converter: block linears whose dims divide by 16, before fully_shard
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        def keep(module: torch.nn.Module, fqn: str) -> bool:
+            n, k = module.weight.shape if isinstance(module, torch.nn.Linear) else (1, 1)
+            return "lm_head" not in fqn and n % 16 == 0 and k % 16 == 0 and isinstance(module, torch.nn.Linear)
+
+        convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
     if CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if BF16 and cuda else None
@@ -93,4 +103,5 @@ def fsdp2_script(spec: ModelSpec, strategy: Strategy, layer: str) -> str:
         bf16=strategy.recipe.compute_dtype == "bf16",
         reshard=strategy.engine.reshard_after_forward,
         offload=strategy.offload.parameters_on_host,
+        float8=strategy.float8.value != "none",
     )

@@ -8,7 +8,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import ConfigError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.rank import PlanResult, search_plans
-from trainfit.planner.space import Objective, parse_allow
+from trainfit.planner.space import Objective, allows_float8, check_allow_float8, parse_allow
 from trainfit.planner.workload import resolve_world, sequences_per_step
 
 __all__ = ["plan"]
@@ -37,14 +37,17 @@ def plan(
     world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
     batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq)
     spec = load_model(model) if isinstance(model, str) else model
+    gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    check_allow_float8(gpu_spec, allow)
     return search_plans(
         spec,
-        get_gpu(gpu) if isinstance(gpu, str) else gpu,
+        gpu_spec,
         gpus=world,
         seq_len=seq,
         global_batch=batch,
         gpus_per_node=gpus_per_node,
         allow=parse_allow(allow),
+        fp8=allows_float8(allow),
         objective=Objective(objective),
         price_per_gpu_hour=price_per_gpu_hour,
         headroom=headroom,

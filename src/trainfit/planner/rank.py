@@ -88,6 +88,8 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     if (strategy.adapter is None) != (baseline.adapter is None) or strategy.base_weights != baseline.base_weights:
         q = strategy.base_weights.quantization.value
         out.append("--finetune " + ("qlora" if q == "nf4" else "lora" if strategy.adapter is not None else "full"))
+    if strategy.float8 != baseline.float8:
+        out.append(f"--fp8 {strategy.float8.value}")
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
         accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
         out.append(f"--batch {strategy.micro_batch}{accum}")
@@ -107,13 +109,24 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
             c.pipeline != baseline.parallelism.pipeline,
             c.offload != baseline.offload.flag,
             c.finetune is not Finetune.FULL,
+            c.float8 != baseline.float8,
         )
     )
 
 
 def _layout(p: Plan) -> tuple[object, ...]:
     c = p.candidate
-    return (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, p.strategy.micro_batch)
+    return (
+        c.world,
+        c.tensor,
+        c.pipeline,
+        c.sharding,
+        c.offload,
+        c.checkpointing,
+        c.finetune,
+        c.float8,  # fp8 linears change the speed: not the same layout
+        p.strategy.micro_batch,
+    )
 
 
 def _distinct(ranked: list[Plan], s: _Search) -> list[Plan]:
@@ -290,6 +303,7 @@ def search_plans(
     global_batch: int,
     gpus_per_node: int = 8,
     allow: tuple[Finetune, ...] = (),
+    fp8: bool = False,
     objective: Objective = Objective.FASTEST,
     price_per_gpu_hour: float = 1.0,
     headroom: float = 0.30,
@@ -324,7 +338,9 @@ def search_plans(
         price=price_per_gpu_hour,
         baseline=baseline,
     )
-    space = candidates(spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow)
+    space = candidates(
+        spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow, fp8=fp8
+    )
     bounded: list[tuple[tuple[float, ...], int, int, Candidate]] = []
     speed_cache: dict[tuple[object, ...], tuple[float, ...] | None] = {}
     for i, c in enumerate(space):
@@ -344,7 +360,7 @@ def search_plans(
     for bound, _changes, _i, c in bounded:
         if len(found) >= top and bound >= s.key(found[-1].gpus, found[-1].speed):
             break
-        same = (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune)
+        same = (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, c.float8)
         if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
             continue  # a plan of this layout already reaches this candidate's best time: it could only tie
         plan, near = s.evaluate(c)

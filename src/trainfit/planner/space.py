@@ -5,7 +5,10 @@ bisects, since memory grows with it). What the space contains, and why:
 
 - **Precision**: recipes the GPU runs natively (``bf16`` only with native bf16 — compute capability ≥ 8.0,
   DESIGN §4; fp16 with loss scaling otherwise; fp32 when neither has a tensor-core peak in the catalog).
-  FP8 is not in the space: the memory model has no FP8 recipe yet, so ``--allow fp8`` is refused.
+  With ``--allow fp8`` on a GPU with fp8 tensor cores (compute capability ≥ 8.9), every full-training bf16
+  candidate on one GPU or torch DDP/FSDP2/HSDP (no offload, TP or PP) also comes with torchao fp8 linears
+  (``--fp8 tensorwise``: :func:`float8_candidates`); the estimate refuses the models it does not model (MoE,
+  MLA, …), which drops those.
 - **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW.
 - **Checkpointing**: none, sqrt, full (:func:`trainfit.strategy.checkpoint_layout`).
 - **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
@@ -27,7 +30,7 @@ bisects, since memory grows with it). What the space contains, and why:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from trainfit.arch.spec import ModelSpec
@@ -35,9 +38,11 @@ from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
 from trainfit.planner.speed import SpeedInputs
 from trainfit.strategy import (
+    FLOAT8_RECIPES,
     Checkpointing,
     Engine,
     EngineOptions,
+    Float8,
     Offload,
     Optimizer,
     Parallelism,
@@ -53,7 +58,11 @@ __all__ = [
     "Candidate",
     "Finetune",
     "Objective",
+    "allows_float8",
     "candidates",
+    "check_allow_float8",
+    "float8_candidates",
+    "gpu_has_float8",
     "native_precisions",
     "parse_allow",
     "world_sizes",
@@ -82,9 +91,49 @@ def parse_allow(text: str | None) -> tuple[Finetune, ...]:
         if item not in _ALLOWABLE:
             raise StrategyError(f"unknown --allow '{item}'; choose from: {', '.join(_ALLOWABLE)}")
         if item == "fp8":
-            raise StrategyError("--allow fp8: the memory model has no FP8 recipe yet, so the planner cannot check it")
+            continue  # not a fine-tuning method: allows_float8
         out.append(Finetune(item))
     return tuple(out)
+
+
+def allows_float8(text: str | None) -> bool:
+    """``--allow ...,fp8``: the search may swap the block linears for torchao fp8 ones."""
+    return "fp8" in {x.strip() for x in (text or "").split(",")}
+
+
+def gpu_has_float8(gpu: GPUSpec) -> bool:
+    """fp8 tensor cores: compute capability >= 8.9 (``precision.advice.fp8_from_cc``), else the catalog's flag."""
+    from trainfit.precision.advice import fp8_from_cc
+
+    return fp8_from_cc(gpu.compute_capability) if gpu.compute_capability else gpu.fp8
+
+
+def check_allow_float8(gpu: GPUSpec, allow: str | None) -> None:
+    """``--allow fp8`` on a GPU without fp8 tensor cores is a one-line error, not a silently empty addition."""
+    if allows_float8(allow) and not gpu_has_float8(gpu):
+        raise StrategyError(
+            f"--allow fp8: {gpu.id} has no fp8 tensor cores (compute capability "
+            f"{gpu.compute_capability or 'unknown'}; fp8 needs 8.9 or newer)"
+        )
+
+
+def float8_candidates(gpu: GPUSpec, base: list[Candidate]) -> list[Candidate]:
+    """The fp8 variants of ``base``: where ``gpu`` has fp8 tensor cores, one GPU or torch DDP / FSDP2 / HSDP
+    without offload, tensor or pipeline parallelism, full training, a bf16 recipe — what ``Strategy`` models with
+    ``--fp8`` (torchtitan's 1-D runs)."""
+    if not gpu_has_float8(gpu):
+        return []
+    layouts = (Sharding.NONE, Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
+    return [
+        replace(c, float8=Float8.TENSORWISE)
+        for c in base
+        if c.sharding in layouts
+        and c.engine in (Engine.AUTO, Engine.TORCH)
+        and c.tensor == c.pipeline == 1
+        and c.offload == "none"
+        and c.finetune is Finetune.FULL
+        and c.precision.value in FLOAT8_RECIPES
+    ]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +150,7 @@ class Candidate:
     optimizer: Optimizer = Optimizer.ADAMW
     checkpointing: Checkpointing = Checkpointing.NONE
     finetune: Finetune = Finetune.FULL
+    float8: Float8 = Float8.NONE
 
     @property
     def data(self) -> int:
@@ -127,6 +177,7 @@ class Candidate:
             sharding=self.sharding,
             offload_optimizer=self.offload != "none",
             offload_parameters=self.offload == "optimizer+params",
+            float8=self.float8 is not Float8.NONE,
         )
 
     def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
@@ -158,6 +209,7 @@ class Candidate:
             offload=Offload.parse(self.offload),
             engine=EngineOptions(engine=self.engine),
             adapter=adapter,
+            float8=self.float8,
             **fields,  # type: ignore[arg-type]
         )
 
@@ -231,8 +283,10 @@ def candidates(
     gpus_per_node: int,
     global_batch: int,
     allow: tuple[Finetune, ...] = (),
+    fp8: bool = False,
 ) -> list[Candidate]:
-    """Every candidate whose data degree divides the global batch (so micro × accumulation × data hits it)."""
+    """Every candidate whose data degree divides the global batch (so micro × accumulation × data hits it);
+    with ``fp8``, their :func:`float8_candidates` too."""
     out: list[Candidate] = []
     methods = (Finetune.FULL, *allow)
     for world in world_sizes(gpus, gpus_per_node):
@@ -259,4 +313,4 @@ def candidates(
                                     finetune=ft,
                                 )
                             )
-    return out
+    return out + (float8_candidates(gpu, out) if fp8 else [])

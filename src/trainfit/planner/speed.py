@@ -119,6 +119,7 @@ class SpeedInputs:
     sharding: Sharding = Sharding.NONE
     offload_optimizer: bool = False
     offload_parameters: bool = False
+    float8: bool = False  # --fp8: the converted block linears run at the fp8 peak (float8_rate)
 
     @classmethod
     def of(cls, strategy: Strategy) -> SpeedInputs:
@@ -141,6 +142,7 @@ class SpeedInputs:
             sharding=strategy.sharding,
             offload_optimizer=strategy.offload.optimizer_on_host,
             offload_parameters=strategy.offload.parameters_on_host,
+            float8=strategy.float8.value != "none",
         )
 
 
@@ -197,6 +199,32 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int, *, frozen_base: bool = 
     return passes * (2 * _numbers(spec).matmul_params + attn)
 
 
+def float8_flops_fraction(spec: ModelSpec, seq_len: int) -> float:
+    """Share of a training step's FLOPs that run in fp8 under ``--fp8``: the converted block linears
+    (:func:`trainfit.analytic.float8.block_linears`: torchtitan's filter, dims ÷ 16; all three GEMMs of each —
+    output, grad_input, grad_weight — are ``torch._scaled_mm`` in ``matmul_with_hp_or_float8_args``) over the
+    forward's matmul + attention FLOPs; the LM head and attention stay in bf16. Forward and backward have the same
+    share (each backward GEMM is twice its forward's), and a recompute's share is close to it (no head)."""
+    from trainfit.analytic.float8 import block_linears
+
+    converted = sum(x.in_features * x.out_features for x in block_linears(spec) if x.converted) * spec.num_layers
+    total = 2 * _numbers(spec).matmul_params + _attention_flops_per_token(spec, seq_len)
+    return min(1.0, 2 * converted / total) if total else 0.0
+
+
+def float8_rate(spec: ModelSpec, gpu: GPUSpec, seq_len: int, rate: float, peak: float) -> float:
+    """The sustained FLOP rate with a fraction φ of the FLOPs at the GPU's fp8 peak (the catalog's dense fp8
+    tensor-core figure, twice bf16 on Ada/Hopper/Blackwell) and the rest at ``rate``: the time-weighted (harmonic)
+    mean, 1 / ((1 − φ)/rate + φ/(rate·fp8/peak)). Same :data:`MATMUL_EFFICIENCY` for both; the casts' memory
+    traffic (amax, scale, cast: fused under torch.compile) is not in it. Without an fp8 peak, ``rate``."""
+    fp8 = gpu.peak_tflops.get("fp8")
+    if not fp8:
+        return rate
+    phi = float8_flops_fraction(spec, seq_len)
+    fast = rate * float(fp8) * 1e12 / peak
+    return 1.0 / ((1.0 - phi) / rate + phi / fast)
+
+
 def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
@@ -235,6 +263,8 @@ def step_time_of(
     model_flops_rank = passes * fwd * tokens_micro * accum / (t * p)
     recompute_flops_rank = recompute_fwd * tokens_micro * accum / (t * p)
     flops_rate = peak * MATMUL_EFFICIENCY
+    if x.float8:
+        flops_rate = float8_rate(spec, gpu, seq, flops_rate, peak)
     hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
     layers_rank = spec.num_layers / p
     act_traffic = ACTIVATION_BYTES_PER_HIDDEN * spec.hidden_size * layers_rank * tokens_micro * accum / t / hbm

@@ -67,7 +67,7 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
 
 
 def _strategy_core(strategy: Strategy) -> dict[str, Any]:
-    return {
+    core = {
         "precision": strategy.precision.value,
         "optimizer": strategy.optimizer.value,
         "checkpointing": strategy.checkpointing.value,
@@ -78,6 +78,9 @@ def _strategy_core(strategy: Strategy) -> dict[str, Any]:
         "grad_accum": strategy.grad_accum,
         "effective_batch": strategy.effective_batch,
     }
+    if strategy.float8.value != "none":  # present only when asked: other JSON is unchanged
+        core["float8"] = strategy.float8.value
+    return core
 
 
 def parallel_json(strategy: Strategy) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from trainfit.strategy.parallel import (
     PipelineSchedule,
     Sharding,
 )
-from trainfit.strategy.recipe import RECIPES, Precision, Recipe, recipe
+from trainfit.strategy.recipe import FLOAT8_RECIPES, RECIPES, Float8, Precision, Recipe, recipe
 from trainfit.strategy.training import (
     Attention,
     Checkpointing,
@@ -39,6 +39,7 @@ from trainfit.strategy.workload import Generation, LossImpl, MemorySavers, Workl
 
 __all__ = [
     "ALL_LINEAR",
+    "FLOAT8_RECIPES",
     "RECIPES",
     "Adapter",
     "AdapterKind",
@@ -50,6 +51,7 @@ __all__ = [
     "Engine",
     "EngineOptions",
     "Finetune",
+    "Float8",
     "Generation",
     "LossImpl",
     "MemorySavers",

@@ -16,7 +16,7 @@ from trainfit.errors import StrategyError
 from trainfit.strategy._validate import coerce_enum, positive_int
 from trainfit.strategy.adapters import Adapter, BaseWeights, check_finetune
 from trainfit.strategy.parallel import Engine, EngineOptions, Offload, Parallelism, Sharding
-from trainfit.strategy.recipe import RECIPES, Precision, Recipe
+from trainfit.strategy.recipe import FLOAT8_RECIPES, RECIPES, Float8, Precision, Recipe
 from trainfit.strategy.training import (
     Attention,
     Checkpointing,
@@ -52,6 +52,8 @@ class Strategy:
     savers: MemorySavers = field(default_factory=MemorySavers)
     workload: Workload = Workload.TRAINING
     generation: Generation = field(default_factory=Generation)
+    # torchao Float8Linear on the transformer blocks' linears (torchtitan's float8 converter); see recipe.Float8.
+    float8: Float8 = Float8.NONE
 
     def __post_init__(self) -> None:
         positive_int("batch", self.micro_batch)
@@ -65,6 +67,12 @@ class Strategy:
         coerce_enum(self, "optimizer_impl", OptimizerImpl)
         coerce_enum(self, "sharding", Sharding)
         coerce_enum(self, "workload", Workload)
+        try:
+            coerce_enum(self, "float8", Float8)
+        except StrategyError:
+            raise StrategyError(
+                f"unknown --fp8 '{self.float8}'; choose one of: {', '.join(f.value for f in Float8)}"
+            ) from None
         for name, kind in (
             ("parallelism", Parallelism),
             ("offload", Offload),
@@ -109,6 +117,37 @@ class Strategy:
             raise StrategyError(
                 f"bitsandbytes has paged AdamW, AdamW8bit and Lion optimizers, not {self.optimizer.value}"
             )
+
+        self._check_float8()
+
+    def _check_float8(self) -> None:
+        """What ``--fp8`` is modelled with: a bf16 recipe, full training of every weight, one GPU."""
+        if self.float8 is Float8.NONE:
+            return
+        why = ""
+        if self.precision.value not in FLOAT8_RECIPES:
+            why = f"--precision {self.precision.value} (fp8 linears are modelled over {', '.join(FLOAT8_RECIPES)})"
+        elif self.adapter is not None or not self.base_weights.is_default:
+            why = "adapters or frozen/quantised base weights (torchao's Float8Linear trains full weights)"
+        elif self.is_distributed and not self._float8_layout():
+            why = (
+                "this layout (modelled: one GPU, or torch DDP / FSDP2 / HSDP without offload, tensor or pipeline "
+                "parallelism; FSDP2's fp8 all-gather is not modelled)"
+            )
+        elif self.workload is not Workload.TRAINING:
+            why = self.workload.value
+        if why:
+            raise StrategyError(f"--fp8 {self.float8.value} is not modelled with {why}")
+
+    def _float8_layout(self) -> bool:
+        """torch data parallelism (DDP, FSDP2, HSDP) over torchao Float8Linear modules (torchtitan's 1-D runs)."""
+        return (
+            self.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
+            and self.engine.engine in (Engine.AUTO, Engine.TORCH)
+            and not self.offload.any
+            and self.parallelism.tensor == 1
+            and self.parallelism.pipeline == 1
+        )
 
     @property
     def recipe(self) -> Recipe:

@@ -19,6 +19,14 @@ pure-bf16      weights, grads and optimizer states in bf16       2 + 2 + 4 = 8
 Sources: Micikevicius et al. 2018 (master weights, loss scaling); Rajbhandari et al. 2020 (ZeRO, 16Ψ);
 PyTorch AMP docs (autocast over fp32 weights). The article's "2 + 2 + 8 = 12" counts fp16 weights and
 grads plus fp32 Adam states but omits the fp32 master copy it describes in its own section 6.2.
+
+**FP8 training** (``Float8``) is not a recipe of its own but a layer swap on top of a bf16 one, as torchtitan
+runs it (``--model.converters float8``): torchao's ``convert_to_float8_training`` replaces the block linears by
+``Float8Linear`` (torchao/float8/float8_linear.py), whose matmuls cast input, weight and output gradient to
+float8 with dynamic tensorwise scales. States are untouched (the weights stay in the recipe's dtype; fp8 copies
+exist only inside each matmul), so the states' bytes per parameter are the bf16 recipe's. What changes is what
+:mod:`trainfit.analytic.activations` (``float8_*``) describes: the casts' transients and, under autocast, no
+cached bf16 copies of the converted weights. Modelled on one GPU and under torch DDP / FSDP2 / HSDP.
 """
 
 from __future__ import annotations
@@ -27,6 +35,20 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit.strategy.dtypes import DType
+
+
+class Float8(StrEnum):
+    """FP8 training of the transformer blocks' linears (torchao ``Float8LinearConfig`` recipe names):
+    ``none`` or ``tensorwise`` (dynamic per-tensor scales for input, weight and grad_output — torchao's
+    default ``Float8LinearConfig()``, ``recipe_name="tensorwise"``). Rowwise scaling is not modelled."""
+
+    NONE = "none"
+    TENSORWISE = "tensorwise"
+
+
+#: Recipes an fp8 linear is modelled under: bf16 compute (torchtitan's FSDP2 ``param_dtype=bf16`` and its
+#: single-GPU ``torch.autocast(bf16)``; pure bf16).
+FLOAT8_RECIPES = ("amp-bf16", "master-bf16", "pure-bf16")
 
 
 class Precision(StrEnum):

@@ -50,10 +50,11 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Checkpointing, Strategy
+from trainfit.strategy import Checkpointing, Float8, Strategy
 from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.float8 import inner_ops_tracked as float8_inner_ops
 from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
 from trainfit.trace.savers import OptimizerInBackward, chunked_loss_fns
 from trainfit.trace.timeline import Region, Span
@@ -204,6 +205,10 @@ def run_layout(
     mode = rn.fake_mode() if on_device is None else None
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
     renumber_layers(model, plan.stack_path)
+    if strategy.float8 is not Float8.NONE:
+        from trainfit.trace.float8 import apply_float8
+
+        apply_float8(model, plan.stack_path, strategy)  # torchao Float8Linear, on meta (trace/float8.py)
     quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if strategy.adapter is not None or not strategy.base_weights.is_default:
         from trainfit.trace.peft import apply_finetuning, quantised_weights
@@ -252,7 +257,7 @@ def run_layout(
         execution = rn.Execution(mode=mode)
     else:
         execution = rn.Execution(device=device, emulate_cuda=False, track=False, probe=on_device.probe)
-    with hf.runtime_patches(), quantised:
+    with hf.runtime_patches(), quantised, float8_inner_ops(box, strategy):
         run = rn.run_steps(model, fns, options, execution)
         resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
     return LayoutRun(run=run, resident=resident)

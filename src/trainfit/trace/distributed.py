@@ -56,10 +56,11 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Checkpointing, Engine, Precision, Quantization, Sharding, Strategy
+from trainfit.strategy import Checkpointing, Engine, Float8, Precision, Quantization, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.float8 import inner_ops_tracked
 from trainfit.trace.optim import make_optimizer
 
 #: Record kinds beyond the tracker's own.
@@ -337,6 +338,10 @@ def run_layout_distributed(
     built, rec = _run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    if strategy.float8 is not Float8.NONE:
+        from trainfit.trace.float8 import apply_float8
+
+        apply_float8(model, plan.stack_path, strategy)  # torchao Float8Linear before the wrapper (torchtitan's order)
     quantised: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if strategy.adapter is not None or not strategy.base_weights.is_default:
         from trainfit.trace.peft import apply_finetuning, quantised_weights
@@ -388,7 +393,7 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with held, hf.runtime_patches(), patched_resize(tr):
+    with held, hf.runtime_patches(), patched_resize(tr), inner_ops_tracked(box, strategy):
         return rn.run_steps(run_model, fns, options, execution)
 
 
