@@ -2,10 +2,18 @@
 
 Both are optional dependencies of trainfit, so a missing one is a user-facing ``DependencyError`` with the
 install command, never an ``ImportError`` traceback.
+
+torchao (the ``fp8`` extra) is imported by transformers' quantizer registry whenever it is installed, and its
+import logs warnings that are not the user's business on a CPU build (its CUDA extensions fail to load; torch
+deprecates its enum registrations). :func:`require_torch` imports it first with those two loggers silenced,
+so a trace prints only trainfit's output.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import sys
 from types import ModuleType
 
 from trainfit.errors import DependencyError
@@ -17,11 +25,37 @@ _TORCH_HINT = (
 _HF_HINT = "--method trace on a Hugging Face config needs transformers: pip install 'trainfit[hf]'"
 
 
+#: The loggers torchao's import writes to: its own (``torchao/__init__.py``: "Failed to load ...so") and
+#: torch's pytree registry (``torch/utils/_pytree.py``: enum ``register_constant`` deprecation).
+_NOISY_AT_TORCHAO_IMPORT = ("torchao", "torch.utils._pytree")
+#: What gets imported: the package, its float8 training (``--fp8``), and what transformers' torchao quantizer
+#: imports (``transformers/quantizers/quantizer_torchao.py``); each registers enums with the pytree.
+_TORCHAO_MODULES = ("torchao", "torchao.float8", "torchao.prototype.safetensors.safetensors_support")
+
+
+def _import_torchao_quietly() -> None:
+    if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
+        return
+    loggers = [logging.getLogger(name) for name in _NOISY_AT_TORCHAO_IMPORT]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        for module in _TORCHAO_MODULES:
+            importlib.import_module(module)
+    except Exception:  # a broken optional install must not break the trace; transformers copes without it
+        pass
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def require_torch() -> ModuleType:
     try:
         import torch
     except ImportError:
         raise DependencyError(_TORCH_HINT) from None
+    _import_torchao_quietly()
     return torch
 
 
