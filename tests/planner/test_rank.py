@@ -10,7 +10,7 @@ import pytest
 from trainfit import estimate, get_gpu, load_model
 from trainfit.planner.rank import _Search, search_plans
 from trainfit.planner.space import Candidate, Objective, candidates, world_sizes
-from trainfit.strategy import Strategy
+from trainfit.strategy import Checkpointing, Strategy
 
 
 def _search(spec_slug: str, gpu: str, gb: int, seq: int) -> _Search:
@@ -57,11 +57,17 @@ def test_random_candidates_memory_equals_estimate() -> None:
 def test_lower_bound_is_below_the_estimate_on_one_gpu() -> None:
     s = _search("qwen2.5-1.5b", "t4", 16, 1024)
     space = [c for c in candidates(s.spec, s.gpu, gpus=1, gpus_per_node=8, global_batch=16) if c.offload == "none"]
-    for c in random.Random(2).sample(space, 8):
+    checked = 0
+    for c in random.Random(2).sample(space, 10):
         for micro in (1, 4):
             st = s.strategy(c, micro)
             need = s.required(st)
-            assert need is not None and 0 < s.lower_bound(st) <= need
+            if need is None:  # per-op SAC needs SDPA's fused kernels: a T4 runs SDPA's math fallback (refused)
+                assert c.checkpointing is Checkpointing.SAC
+                continue
+            checked += 1
+            assert 0 < s.lower_bound(st) <= need
+    assert checked >= 12
 
 
 def test_more_gpus_never_make_the_best_plan_slower() -> None:

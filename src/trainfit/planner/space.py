@@ -7,7 +7,9 @@ bisects, since memory grows with it). What the space contains, and why:
   DESIGN §4; fp16 with loss scaling otherwise; fp32 when neither has a tensor-core peak in the catalog).
   FP8 is not in the space: the memory model has no FP8 recipe yet, so ``--allow fp8`` is refused.
 - **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW.
-- **Checkpointing**: none, sqrt, full (:func:`trainfit.strategy.checkpoint_layout`).
+- **Checkpointing**: none, selective (Megatron: the attention core recomputed), sac (torchtitan's per-op
+  selective AC), sqrt, full (:func:`trainfit.strategy.checkpoint_layout`); the estimate refuses sac where it is
+  not modelled (MoE, MLA, eager attention, adapters, tensor/pipeline parallelism) and such candidates drop out.
 - **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
   CPU offload; Megatron tensor parallelism (with sequence parallelism) of degree 2, 4, 8 that divides the
   heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth, with
@@ -35,6 +37,8 @@ from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
 from trainfit.planner.speed import SpeedInputs
 from trainfit.strategy import (
+    Adapter,
+    BaseWeights,
     Checkpointing,
     Engine,
     EngineOptions,
@@ -50,6 +54,7 @@ from trainfit.strategy import (
 from trainfit.strategy.recipe import RECIPES
 
 __all__ = [
+    "CHECKPOINTING",
     "Candidate",
     "Finetune",
     "Objective",
@@ -110,6 +115,7 @@ class Candidate:
         """What :func:`trainfit.planner.speed.step_time_of` reads — equal to ``SpeedInputs.of(self.strategy(...))``
         (a test holds them together) without building and validating a Strategy."""
         r = RECIPES[self.precision]
+        adapter, base = self._finetune()
         return SpeedInputs(
             data=self.data,
             tensor=self.tensor,
@@ -118,25 +124,30 @@ class Candidate:
             seq_len=seq_len,
             micro_batch=micro_batch,
             grad_accum=grad_accum,
-            frozen_base=self.finetune is not Finetune.FULL,
+            adapter=adapter,
+            base_quantization=base.quantization,
+            double_quant=base.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
             grad_bits=r.grad_bits,
             weight_bits=r.weight_bits,
-            recompute=self.checkpointing is not Checkpointing.NONE,
+            checkpointing=self.checkpointing,
             sharding=self.sharding,
             offload_optimizer=self.offload != "none",
             offload_parameters=self.offload == "optimizer+params",
         )
 
+    def _finetune(self) -> tuple[Adapter | None, BaseWeights]:
+        """The adapter and base weights of the fine-tuning method (PEFT defaults; the Strategy's own default base
+        under full fine-tuning)."""
+        return _FINETUNE[self.finetune]
+
     def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
         """The Strategy this candidate runs at ``micro_batch`` × ``grad_accum`` (the pipeline's micro-batches
         per step are the accumulation steps)."""
-        adapter, base = (None, None)
-        if self.finetune is not Finetune.FULL:
-            adapter, base = finetune_setup(self.finetune.value)
+        adapter, base = self._finetune()
         fields: dict[str, object] = {}
-        if base is not None:
+        if self.finetune is not Finetune.FULL:
             fields["base_weights"] = base
         return Strategy(
             precision=self.precision,
@@ -160,6 +171,25 @@ class Candidate:
             adapter=adapter,
             **fields,  # type: ignore[arg-type]
         )
+
+
+_FINETUNE: dict[Finetune, tuple[Adapter | None, BaseWeights]] = {
+    Finetune.FULL: (None, BaseWeights()),
+    Finetune.LORA: finetune_setup("lora"),
+    Finetune.QLORA: finetune_setup("qlora"),
+}
+
+
+#: Checkpointing modes searched. ``sac`` is modelled (memory and speed) for dense layers with SDPA's fused
+#: attention, full fine-tuning and no tensor/pipeline parallelism; elsewhere the estimate refuses it
+#: (``trainfit.analytic.activations.check_sac``, ``trainfit.analytic.parallel.plan``) and the search drops it.
+CHECKPOINTING = (
+    Checkpointing.NONE,
+    Checkpointing.SELECTIVE,
+    Checkpointing.SAC,
+    Checkpointing.SQRT,
+    Checkpointing.FULL,
+)
 
 
 def native_precisions(gpu: GPUSpec) -> tuple[Precision, ...]:
@@ -244,7 +274,7 @@ def candidates(
                     continue  # adapters: data parallel only (Megatron with adapters is refused; so is offload here)
                 for prec in native_precisions(gpu):
                     for opt in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
-                        for ck in (Checkpointing.NONE, Checkpointing.SQRT, Checkpointing.FULL):
+                        for ck in CHECKPOINTING:
                             out.append(
                                 Candidate(
                                     world=world,
