@@ -16,6 +16,7 @@ from trainfit.planner.speed import (
     MATMUL_EFFICIENCY,
     SpeedInputs,
     dequant_bytes,
+    elementwise_bytes,
     model_flops_per_token,
     step_time,
     step_time_of,
@@ -49,24 +50,40 @@ def test_lora_adds_its_rank_r_matmuls_trained() -> None:
     assert model_flops_per_token(spec, 2048, adapter=adapter) == pytest.approx(frozen + 6 * lora, rel=1e-12)
 
 
+def test_elementwise_bytes_of_a_llama_layer() -> None:
+    """llama-3.2-1b (h 2048, q 2048, k/v 512, MLP 8192, full RoPE) in bf16, by hand from transformers'
+    LlamaDecoderLayer: two RMSNorms at 36 B/element (to fp32 2+4, pow 4+4, mean 4, ·rsqrt 4+4, to bf16 4+2,
+    ·weight 2+2), rotary on q and k at 20 B, the attention output's contiguous copy 4 B per q element, SiLU·up
+    10 B per intermediate element, two residual adds at 6 B. Under autocast over fp32 weights the norms and
+    residual adds work on an fp32 stream: 44 B and 12 B."""
+    spec = load_model("llama-3.2-1b")
+    assert (spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size) == (2048, 2048, 512, 8192)
+    assert spec.rotary_dim == spec.head_dim
+    by_hand = 2 * 36 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 6 * 2048
+    assert elementwise_bytes(spec, 16) == by_hand == 313344
+    amp = 2 * 44 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 12 * 2048
+    assert elementwise_bytes(spec, 16, 32) == amp
+
+
 def test_one_gpu_step_is_flops_over_peak_plus_memory_traffic() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-80gb")
-    s = Strategy(seq_len=2048, micro_batch=4, grad_accum=2)
+    s = Strategy(seq_len=2048, micro_batch=4, grad_accum=2, precision="pure-bf16")
     t = step_time(spec, s, gpu)
     tokens = 2048 * 4 * 2
-    flops = model_flops_per_token(spec, 2048) * tokens
-    # FlashAttention's backward recomputes QKᵀ: half a forward of attention more (executed, not model FLOPs)
-    flash = 0.5 * 2 * 2048 * spec.num_heads * spec.head_dim * spec.num_layers * tokens
-    traffic = 3 * 34 * spec.hidden_size * spec.num_layers * tokens
+    attn_fwd = 2 * 2048 * spec.num_heads * spec.head_dim * spec.num_layers  # causal half of 2·2·s·q per layer
+    matmul = model_flops_per_token(spec, 2048) * tokens - 3 * attn_fwd * tokens
+    # FlashAttention's backward recomputes QKᵀ: 3.5 forwards of attention run, at FlashAttention-2's A100 rate
+    attention = 3.5 * attn_fwd * tokens
+    traffic = 3 * 313344 * spec.num_layers * tokens  # forward + backward (2×), bf16 (test above)
     adam = 28 * count_params(spec)  # fused AdamW: read w, g, m, v and write w, m, v in fp32, once per step
     hbm = 2039e9 * HBM_EFFICIENCY
-    expected = (flops + flash) / (312e12 * MATMUL_EFFICIENCY) + (traffic + adam) / hbm
-    assert gpu.memory_bandwidth_gbps == 2039
+    expected = matmul / (312e12 * MATMUL_EFFICIENCY) + attention / (312e12 * 0.50) + (traffic + adam) / hbm
+    assert gpu.memory_bandwidth_gbps == 2039 and gpu.compute_capability == "8.0"
     assert t.step_seconds == pytest.approx(expected, rel=1e-9)
     assert t.optimizer_seconds == pytest.approx(adam / hbm)
     assert t.exposed_comm_seconds == t.bubble_seconds == t.offload_seconds == 0
     assert t.tokens_per_second == pytest.approx(tokens / expected)
-    assert t.mfu == pytest.approx(flops / expected / 312e12)  # MFU counts model FLOPs only
+    assert t.mfu == pytest.approx(model_flops_per_token(spec, 2048) * tokens / expected / 312e12)  # model FLOPs
 
 
 def test_checkpointing_modes_recompute_what_they_drop() -> None:
@@ -77,19 +94,22 @@ def test_checkpointing_modes_recompute_what_they_drop() -> None:
         for c in ("none", "full", "sqrt", "selective", "sac")
     )
     tokens = 2 * 2048
-    rate = 989e12 * MATMUL_EFFICIENCY
-    traffic = 34 * spec.hidden_size * spec.num_layers * tokens / (3350e9 * HBM_EFFICIENCY)
+    rate, attn_rate = 989e12 * MATMUL_EFFICIENCY, 989e12 * 0.35  # FlashAttention-2 on an H100
+    # amp-bf16 (the default): bf16 matmul outputs over an fp32 residual stream
+    traffic = elementwise_bytes(spec, 16, 32) * spec.num_layers * tokens / (3350e9 * HBM_EFFICIENCY)
     h, i, q, kv = _llama_dims(spec)
     attn = 2 * 2048 * q * spec.num_layers  # forward attention per token (causal half of 2·2·s·q per layer)
     blocks = spec.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
     assert none.recompute_seconds == 0
     # full and sqrt: one forward of every block — its matmuls, attention and the memory-bound work
     # (the model's P counts the norm weights as in Kaplan's N: < 0.01%)
-    assert full.recompute_seconds == pytest.approx((2 * blocks + attn) * tokens / rate + traffic, rel=1e-4)
+    assert full.recompute_seconds == pytest.approx(
+        2 * blocks * tokens / rate + attn * tokens / attn_rate + traffic, rel=1e-4
+    )
     assert sqrt.step_seconds == full.step_seconds
     assert full.step_seconds == pytest.approx(none.step_seconds + full.recompute_seconds)
     # selective (Megatron): the attention core only
-    assert sel.recompute_seconds == pytest.approx(attn * tokens / rate, rel=1e-9)
+    assert sel.recompute_seconds == pytest.approx(attn * tokens / attn_rate, rel=1e-9)
     # torchtitan per-op SAC: mm 2, 4, 6 of q, k, v, o, gate, up, down (k, o, up) again, and every op outside the
     # save list (the memory-bound work)
     assert sac.recompute_seconds == pytest.approx(

@@ -40,13 +40,14 @@ from dataclasses import dataclass
 
 from trainfit._memo import Memo, spec_key
 from trainfit.arch.params import active_params_per_token, count_params, inventory
-from trainfit.arch.spec import ModelSpec
+from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
 from trainfit.cuda_facts import BNB_4BIT_BLOCK, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
 from trainfit.strategy import Adapter, Checkpointing, PipelineSchedule, Quantization, Sharding, Strategy
 
 __all__ = [
+    "ATTENTION_EFFICIENCY",
     "DEFAULT_NETWORK_GBPS",
     "FLASH_BACKWARD_RECOMPUTE",
     "HBM_EFFICIENCY",
@@ -54,7 +55,9 @@ __all__ = [
     "MATMUL_EFFICIENCY",
     "SpeedInputs",
     "StepTime",
+    "attention_efficiency",
     "dequant_bytes",
+    "elementwise_bytes",
     "model_flops_per_token",
     "step_time",
     "step_time_of",
@@ -88,8 +91,12 @@ HOST_ADAM_BYTES_PER_PARAM = 28
 #: Executed, not model FLOPs (MFU leaves it out).
 FLASH_BACKWARD_RECOMPUTE = 0.5
 
-#: Korthikanti et al. 2022, Table 2: 34·s·b·h bytes of saved activations per layer (fused attention: no 5·a·s/h).
-ACTIVATION_BYTES_PER_HIDDEN = 34
+#: Sustained fraction of the tensor-core peak the attention kernel reaches, by compute capability; the SDPA
+#: flash backend is FlashAttention-2 (ported into PyTorch 2.2). A100 (8.0): "50-73% of the theoretical maximum
+#: FLOPs/s" (Dao 2023, FlashAttention-2, abstract; the forward pass — its backward is slower, so the low end);
+#: H100 (9.0): "FlashAttention-2 achieves only 35% utilization on H100" (Shah et al. 2024, FlashAttention-3,
+#: abstract). Elsewhere no figure was found: :data:`MATMUL_EFFICIENCY`.
+ATTENTION_EFFICIENCY = {"8.0": 0.50, "9.0": 0.35}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,7 +310,8 @@ def dequant_bytes(spec: ModelSpec, quantization: Quantization, *, double_quant: 
 class _Recompute:
     """What a checkpointing mode runs again in backward, per token of a micro-batch (before sharding)."""
 
-    flops: float  # matmul and attention FLOPs
+    flops: float  # matmul FLOPs
+    attention_flops: float  # attention-core FLOPs (they run at the attention kernel's efficiency)
     memory_passes: int  # extra forward passes of the memory-bound work (the 34·h bytes)
     tp_collectives: int  # extra tensor-parallel all-reduces per layer (the forward's two)
     linears_again: bool  # the block linears run again (QLoRA dequantises again, adapters run again)
@@ -326,12 +334,15 @@ def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
     if ck in (Checkpointing.FULL, Checkpointing.SQRT):
         blocks = max(nums.matmul_params - spec.vocab_size * spec.hidden_size, 0)
         adapters = 2 * _adapter_numbers(spec, x.adapter).params if x.adapter is not None else 0
-        return _Recompute(flops=2 * blocks + attn + adapters, memory_passes=1, tp_collectives=2, linears_again=True)
+        return _Recompute(
+            flops=2 * blocks + adapters, attention_flops=attn, memory_passes=1, tp_collectives=2, linears_again=True
+        )
     if ck is Checkpointing.SELECTIVE:
-        return _Recompute(flops=attn, memory_passes=0, tp_collectives=0, linears_again=False)
+        return _Recompute(flops=0.0, attention_flops=attn, memory_passes=0, tp_collectives=0, linears_again=False)
     if ck is Checkpointing.SAC:
-        return _Recompute(flops=2 * nums.sac_recompute_params, memory_passes=1, tp_collectives=0, linears_again=False)
-    return _Recompute(flops=0.0, memory_passes=0, tp_collectives=0, linears_again=False)
+        sac = 2 * nums.sac_recompute_params
+        return _Recompute(flops=sac, attention_flops=0.0, memory_passes=1, tp_collectives=0, linears_again=False)
+    return _Recompute(flops=0.0, attention_flops=0.0, memory_passes=0, tp_collectives=0, linears_again=False)
 
 
 def _frozen_base_seconds(
@@ -353,6 +364,56 @@ def _frozen_base_seconds(
     bwd = (ad.elements_bwd * a * tokens_rank + dq * rank_share * micro_steps) / hbm
     again = fwd if linears_again else 0.0
     return fwd + bwd + again, again
+
+
+def attention_efficiency(gpu: GPUSpec) -> float:
+    """:data:`ATTENTION_EFFICIENCY` of ``gpu``'s compute capability, else :data:`MATMUL_EFFICIENCY`."""
+    return ATTENTION_EFFICIENCY.get(gpu.compute_capability or "", MATMUL_EFFICIENCY)
+
+
+_ELEMENTWISE: Memo[float] = Memo(64)
+
+
+def elementwise_bytes(spec: ModelSpec, bits: int, stream_bits: int | None = None) -> float:
+    """HBM bytes the forward's elementwise (memory-bound) kernels move per layer and token, eager PyTorch, op by
+    op as transformers' Llama-style layer runs them (``a`` = ``bits``/8 bytes per element of what the matmuls
+    write; ``r`` = ``stream_bits``/8 of the residual stream, which the norms and residual adds work on — the
+    weights' dtype: fp32 under autocast over fp32 weights; default ``bits``); the backward moves about twice
+    that (each op reads its output gradient and saved input and writes its input gradient), a recomputed
+    forward once more:
+
+    - RMSNorm (``LlamaRMSNorm.forward``: to fp32, ``pow(2)``, ``mean``, ``* rsqrt``, back to the input dtype,
+      ``weight *``): (r + 4) + 8 + 4 + 8 + (4 + r) + 2r = 28 + 4r bytes per element; a fused LayerNorm 2r;
+      per norm of the layer, and over q and k under per-head q/k norms (on ``a``-wide q and k);
+    - rotary (``apply_rotary_pos_emb``: ``rotate_half``'s neg and cat, two products, a sum) on the rotated
+      part of q and k: 10a per element;
+    - the attention output's ``transpose(1, 2).contiguous()``: 2a per element of q;
+    - the MLP activation: SiLU then the product with ``up`` (5a per intermediate element) for gated MLPs, the
+      activation alone (2a) otherwise;
+    - two residual adds: 3r per element each.
+
+    Leaves out dropout (0 in the catalog's decoders) and the embedding and head's own elementwise work. This
+    replaces the 34·h bytes of *saved* activations (Korthikanti et al. 2022) the model used before: eager
+    kernels move each tensor several times (the fp32 norm chain alone is 36 bytes per element in bf16)."""
+
+    def build() -> float:
+        a, r = bits / 8, (stream_bits or bits) / 8
+
+        def norm(x: float) -> float:
+            return 28 + 4 * x if spec.norm is NormKind.RMSNORM else 2 * x
+
+        h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+        out = spec.norms_per_layer * h * norm(r)
+        if spec.qk_norm:
+            out += (q + kv) * norm(a)
+        if spec.rotary_dim:
+            out += 10 * a * (q + kv) * spec.rotary_dim / spec.head_dim
+        out += 2 * a * q
+        out += (5 if spec.mlp is MlpKind.GATED else 2) * a * i
+        out += 2 * 3 * r * h
+        return out
+
+    return _ELEMENTWISE.get((spec_key(spec), bits, stream_bits), build)
 
 
 def _ring(n: int) -> float:
@@ -389,18 +450,30 @@ def step_time_of(
     rc = _recompute(spec, x, attn)
     tokens_rank = tokens_micro * accum / (t * p)  # token-passes of the whole model per rank and step
     model_flops_rank = model_flops_per_token(spec, seq, adapter=x.adapter) * tokens_rank
-    recompute_flops_rank = rc.flops * tokens_rank
-    flash_flops_rank = FLASH_BACKWARD_RECOMPUTE * attn * tokens_rank
+    # Attention-core FLOPs, executed: the 3 × forward of the model count, FlashAttention's backward recompute
+    # and a recomputed forward; the rest of the model FLOPs (and the rest of the recompute) are matmuls.
+    attn_rank = (3 + FLASH_BACKWARD_RECOMPUTE) * attn * tokens_rank
+    matmul_rank = model_flops_rank - 3 * attn * tokens_rank
     flops_rate = peak * MATMUL_EFFICIENCY
+    attn_rate = peak * attention_efficiency(gpu)
     hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
     layers_rank = spec.num_layers / p
-    act_traffic = ACTIVATION_BYTES_PER_HIDDEN * spec.hidden_size * layers_rank * tokens_micro * accum / t / hbm
+    act_traffic = elementwise_bytes(spec, x.compute_bits, x.weight_bits) * layers_rank * tokens_micro * accum / t / hbm
     mem_time = (3 + rc.memory_passes) * act_traffic
-    recompute_time = recompute_flops_rank / flops_rate + rc.memory_passes * act_traffic
+    recompute_time = (
+        rc.flops * tokens_rank / flops_rate
+        + rc.attention_flops * tokens_rank / attn_rate
+        + rc.memory_passes * act_traffic
+    )
     frozen_time, frozen_again = _frozen_base_seconds(spec, x, tokens_rank, hbm, linears_again=rc.linears_again)
     if rc.linears_again:
         recompute_time += frozen_again
-    compute = (model_flops_rank + recompute_flops_rank + flash_flops_rank) / flops_rate + mem_time + frozen_time
+    compute = (
+        (matmul_rank + rc.flops * tokens_rank) / flops_rate
+        + (attn_rank + rc.attention_flops * tokens_rank) / attn_rate
+        + mem_time
+        + frozen_time
+    )
     compute_micro = compute / accum
 
     pcie = (gpu.pcie_gbps or 16.0) * 1e9
