@@ -9,7 +9,7 @@ import pytest
 
 from trainfit import estimate, get_gpu, load_model
 from trainfit.planner.rank import _Search, search_plans
-from trainfit.planner.space import Candidate, Objective, candidates, world_sizes
+from trainfit.planner.space import Candidate, Finetune, Objective, candidates, world_sizes
 from trainfit.strategy import Checkpointing, Strategy
 
 
@@ -68,6 +68,28 @@ def test_lower_bound_is_below_the_estimate_on_one_gpu() -> None:
             checked += 1
             assert 0 < s.lower_bound(st) <= need
     assert checked >= 12
+
+
+@pytest.mark.parametrize(("slug", "gpu"), [("llama-3.2-1b", "a100-sxm-40gb"), ("qwen2.5-0.5b", "t4")])
+def test_data_parallel_bound_is_below_the_estimate(slug: str, gpu: str) -> None:
+    """Many GPUs, data parallel only: one replica's activations and logits stay below every rank's requirement
+    (DDP, ZeRO, FSDP, HSDP, offload, adapters; the frameworks' own compute recipes), and are not 0."""
+    s = _search(slug, gpu, 32, 1024)
+    allow = (Finetune.LORA, Finetune.QLORA)
+    space = [
+        c for c in candidates(s.spec, s.gpu, gpus=16, gpus_per_node=8, global_batch=32, allow=allow) if c.world > 1
+    ]
+    checked = 0
+    for c in random.Random(3).sample(space, 40):
+        st = s.strategy(c, 2)
+        need = s.required(st)
+        bound = s.lower_bound(st)
+        if c.tensor > 1 or c.pipeline > 1:
+            assert bound == 0
+        elif need is not None:
+            checked += 1
+            assert 0 < bound <= need, c
+    assert checked >= 10
 
 
 def test_more_gpus_never_make_the_best_plan_slower() -> None:

@@ -16,7 +16,6 @@ what would make it fit.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -329,7 +328,17 @@ def search_plans(
     speed_cache: dict[tuple[object, ...], tuple[float, ...] | None] = {}
     for i, c in enumerate(space):
         # Speed does not depend on the optimizer: one bound per candidate without it.
-        skey = (dataclasses.replace(c, optimizer=baseline.optimizer),)
+        skey = (
+            c.world,
+            c.tensor,
+            c.pipeline,
+            c.sharding,
+            c.offload,
+            c.engine,
+            c.precision,
+            c.checkpointing,
+            c.finetune,
+        )
         if skey not in speed_cache:
             try:
                 speed_cache[skey] = min(s.key(c.world, s.fast_speed(c, m)) for m in s.micro_options(c))
