@@ -192,3 +192,21 @@ def test_candidate_speed_inputs_match_the_strategy() -> None:
         accum = 64 // c.data
         s = c.strategy(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
         assert SpeedInputs.of(s) == c.speed_inputs(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+
+
+@pytest.mark.parametrize(
+    ("slug", "again"),
+    [
+        ("llama-3.2-1b", {"attn.k", "attn.o", "mlp.up"}),  # mm 1..7 = q k v o gate up down: the even ones
+        ("qwen2.5-0.5b", {"mlp.gate", "mlp.down"}),  # q, k, v have biases (addmm, always saved): o gate up down
+    ],
+)
+def test_sac_recomputes_every_second_mm(slug: str, again: set[str]) -> None:
+    """torchtitan's policy by hand: ``mm`` outputs alternate saved / recomputed by their count in the block's
+    forward; ``addmm`` (a linear with a bias) is not counted and always saved."""
+    from trainfit.analytic.activations import sac_recomputed_linears, sac_saved_terms
+
+    spec = load_model(slug)
+    assert {n for n, _i, _o in sac_recomputed_linears(spec)} == again
+    saved = {t.name.removeprefix("sac.") for t in sac_saved_terms(spec, Strategy(checkpointing="sac", seq_len=64))}
+    assert not again & saved

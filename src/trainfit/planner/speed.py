@@ -6,13 +6,19 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   weights: MoE counts only the routed top-k experts; an untied input embedding is a lookup and does no FLOPs)
   plus attention's 2·2·s·(heads·head_dim) per layer, halved for causal masks (fused kernels skip the masked
   half). Training = forward + backward = 3× forward for trained weights (Kaplan et al. 2020, §2.1: 6·N per
-  token); a frozen weight (LoRA, QLoRA) needs only the input gradient, 2× forward. Checkpointing recomputes
-  the blocks' forward once more (``full`` and ``sqrt`` alike: every block is inside a segment; Chen et al.
-  2016). FLOPs run at the catalog peak for the recipe's compute dtype times :data:`MATMUL_EFFICIENCY`.
-- **Memory-bound work** (norms, activations, residual adds, rotary): per layer and token the forward writes
-  the 34·h bytes Korthikanti et al. 2022 (Table 2, no attention-score terms under fused attention) count as
-  saved activations; backward reads them and writes gradients of the same size, so 3 × 34·h bytes move per
-  pass, over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
+  token); a frozen weight (LoRA, QLoRA) needs only the input gradient, 2× forward; attention's backward is
+  2× its forward either way, plus the QKᵀ FlashAttention recomputes (:data:`FLASH_BACKWARD_RECOMPUTE`); LoRA
+  adapters train (3 × 2·r·(d_in + d_out)). Each checkpointing mode recomputes what it dropped
+  (:func:`_recompute`: full/sqrt a forward of the blocks, selective the attention core, sac every second
+  ``mm`` and the elementwise ops). Matmuls run at the catalog peak for the recipe's compute dtype ×
+  :data:`MATMUL_EFFICIENCY`, attention at × :data:`ATTENTION_EFFICIENCY` (FlashAttention-2's measured
+  utilisation by GPU generation).
+- **Memory-bound work**: the eager elementwise kernels of a layer (:func:`elementwise_bytes`, op by op from
+  transformers' Llama layer: the fp32 RMSNorm chain, rotary, SiLU·up, residual adds) forward, about twice that
+  backward, once more under full/sqrt/sac; LoRA's own elementwise traffic (PEFT ``lora.Linear.forward``);
+  QLoRA's dequantisation of every 4-bit weight in forward and backward (:func:`dequant_bytes`, bitsandbytes
+  ``MatMul4Bit``); the optimizer step (fused AdamW, 28 B per stepped parameter: the adapters only under
+  LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
 - **Communication** (ring collectives: each rank sends and receives (n−1)/n of the buffer per reduce-scatter
   or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
   within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
@@ -31,7 +37,9 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   parameter update; Ren et al. 2021 §4.2).
 
 What it does not model (stated in docs/speed.md): kernel-launch gaps, GEMM shape efficiency (small hidden
-sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency, power caps.
+sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
+overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
+bases, ``--freeze`` patterns (run as full training).
 """
 
 from __future__ import annotations
