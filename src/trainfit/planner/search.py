@@ -132,25 +132,32 @@ def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
     workspaces + the memory outside the allocator, without the allocator simulation's reserve (which is
     ≥ 0: ``estimate_analytic`` takes the simulated reserved bytes above this peak, never below); with pure
     data parallelism, :func:`data_parallel_activations`; with tensor or pipeline parallelism 0."""
-    from trainfit.analytic.activations import effective_strategy
     from trainfit.analytic.model import step_inputs, training_moments
-    from trainfit.cuda_facts import has_flash_attention
     from trainfit.errors import StrategyError
     from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
     from trainfit.overhead import outside_allocator
 
     if strategy.is_distributed:
         return data_parallel_activations(spec, strategy, gpu)
-    eff, _ = effective_strategy(spec, strategy)
-    if eff.flash_sdp and not has_flash_attention(gpu.compute_capability):
-        eff = dataclasses.replace(eff, flash_sdp=False)
     try:
-        moments = training_moments(step_inputs(spec, eff, keep_logits=False))
+        moments = training_moments(step_inputs(spec, _on_gpu(spec, strategy, gpu), keep_logits=False))
     except StrategyError:
         return 0
     peak = max(m.breakdown().total_bytes for m in moments.values())
     work = sum(w.size_bytes for w in gpu_workspaces(gpu))
     return peak + work + outside_allocator(gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+
+
+def _on_gpu(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> Strategy:
+    """The strategy the analytic model runs (``effective_strategy``), without FlashAttention where ``gpu`` has
+    none — as :func:`trainfit.estimate.estimate` adjusts it before any method."""
+    from trainfit.analytic.activations import effective_strategy
+    from trainfit.cuda_facts import has_flash_attention
+
+    eff, _ = effective_strategy(spec, strategy)
+    if eff.flash_sdp and not has_flash_attention(gpu.compute_capability):
+        eff = dataclasses.replace(eff, flash_sdp=False)
+    return eff
 
 
 def data_parallel_activations(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
@@ -160,10 +167,8 @@ def data_parallel_activations(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec)
     its 16-bit compute strategy (``_compute_strategy``: FSDP2, DeepSpeed), keeping their activations and
     logits. The bound is the smaller of those activations + logits at the fullest moment, one replica's, before
     states, workspaces and the reserve."""
-    from trainfit.analytic.activations import effective_strategy
     from trainfit.analytic.model import step_inputs, training_moments
     from trainfit.analytic.parallel import _compute_strategy
-    from trainfit.cuda_facts import has_flash_attention
     from trainfit.errors import StrategyError
     from trainfit.strategy import EngineOptions, Offload, Parallelism, Sharding
 
@@ -182,10 +187,7 @@ def data_parallel_activations(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec)
         out: int | None = None
         try:
             for s in {one, _compute_strategy(one), _compute_strategy(one, casts_every_param=False)}:
-                eff, _ = effective_strategy(spec, s)
-                if eff.flash_sdp and not has_flash_attention(gpu.compute_capability):
-                    eff = dataclasses.replace(eff, flash_sdp=False)
-                moments = training_moments(step_inputs(spec, eff, keep_logits=False))
+                moments = training_moments(step_inputs(spec, _on_gpu(spec, s, gpu), keep_logits=False))
                 most = max(m.activations + m.logits_loss for m in moments.values())
                 out = most if out is None else min(out, most)
         except StrategyError:
