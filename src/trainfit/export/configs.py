@@ -168,16 +168,17 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
             " checkpoints every block (the plan's memory with --checkpointing full is at most that of sqrt)"
         )
     elif strategy.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SAC):
+        selective = strategy.checkpointing is Checkpointing.SELECTIVE
         how = (
             "Megatron's --recompute-granularity selective (the attention core only)"
-            if strategy.checkpointing is Checkpointing.SELECTIVE
+            if selective
             else "torchtitan's per-op SAC (--activation_checkpoint.mode selective --activation_checkpoint"
             ".selective_ac_option op)"
         )
         notes.append(
             f"the plan uses {how}: TrainingArguments, accelerate and DeepSpeed have no switch for it, so their "
-            "configs checkpoint every block (less memory, more recompute: --checkpointing full's step time); "
-            "megatron_args.txt keeps selective recompute"
+            "configs checkpoint every block (less memory, more recompute: --checkpointing full's step time)"
+            + ("; megatron_args.txt keeps selective recompute" if selective else "")
         )
     if strategy.precision is Precision.PURE_BF16:
         notes.append("pure-bf16: load the model with torch_dtype=torch.bfloat16 (weights and Adam states in bf16)")
