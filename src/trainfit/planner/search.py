@@ -164,11 +164,11 @@ def data_parallel_activations(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec)
     """A bound below a data-parallel rank's requirement (tensor = pipeline = 1; else 0): every rank runs the
     whole model on its micro-batch, and the parallel estimate (:func:`trainfit.analytic.parallel.
     estimate_parallel`) builds each rank's phases on the single-GPU moments of the strategy itself (DDP) or of
-    its 16-bit compute strategy (``_compute_strategy``: FSDP2, DeepSpeed), keeping their activations and
+    its 16-bit compute strategy (``compute_strategy``: FSDP2, DeepSpeed), keeping their activations and
     logits. The bound is the smaller of those activations + logits at the fullest moment, one replica's, before
     states, workspaces and the reserve."""
     from trainfit.analytic.model import step_inputs, training_moments
-    from trainfit.analytic.parallel import _compute_strategy
+    from trainfit.analytic.parallel import compute_strategy
     from trainfit.errors import StrategyError
     from trainfit.strategy import EngineOptions, Offload, Parallelism, Sharding
 
@@ -186,7 +186,7 @@ def data_parallel_activations(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec)
     def build() -> int:
         out: int | None = None
         try:
-            for s in {one, _compute_strategy(one), _compute_strategy(one, casts_every_param=False)}:
+            for s in {one, compute_strategy(one), compute_strategy(one, casts_every_param=False)}:
                 moments = training_moments(step_inputs(spec, _on_gpu(spec, s, gpu), keep_logits=False))
                 most = max(m.activations + m.logits_loss for m in moments.values())
                 out = most if out is None else min(out, most)
