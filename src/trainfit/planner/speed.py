@@ -353,6 +353,27 @@ def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
     return _Recompute(flops=0.0, attention_flops=0.0, memory_passes=0, tp_collectives=0, linears_again=False)
 
 
+_PER_TOKEN: Memo[tuple[float, float, _Recompute, float]] = Memo(256)
+
+
+def _per_token(spec: ModelSpec, x: SpeedInputs) -> tuple[float, float, _Recompute, float]:
+    """(forward attention FLOPs, model FLOPs, the recompute, elementwise bytes per layer) per token: what
+    depends on the model, the sequence, checkpointing, the adapter and the dtypes, not on the layout (the
+    planner asks for thousands of layouts)."""
+
+    def build() -> tuple[float, float, _Recompute, float]:
+        attn = _attention_flops_per_token(spec, x.seq_len)
+        return (
+            attn,
+            model_flops_per_token(spec, x.seq_len, adapter=x.adapter),
+            _recompute(spec, x, attn),
+            elementwise_bytes(spec, x.compute_bits, x.weight_bits),
+        )
+
+    key = (spec_key(spec), x.seq_len, x.checkpointing, x.adapter, x.compute_bits, x.weight_bits)
+    return _PER_TOKEN.get(key, build)
+
+
 def _frozen_base_seconds(
     spec: ModelSpec, x: SpeedInputs, tokens_rank: float, hbm: float, *, linears_again: bool
 ) -> tuple[float, float]:
@@ -454,10 +475,9 @@ def step_time_of(
     nums = _numbers(spec)
 
     peak = _peak_flops(gpu, x.compute_dtype)
-    attn = _attention_flops_per_token(spec, seq)
-    rc = _recompute(spec, x, attn)
+    attn, model_flops, rc, elementwise = _per_token(spec, x)
     tokens_rank = tokens_micro * accum / (t * p)  # token-passes of the whole model per rank and step
-    model_flops_rank = model_flops_per_token(spec, seq, adapter=x.adapter) * tokens_rank
+    model_flops_rank = model_flops * tokens_rank
     # Attention-core FLOPs, executed: the 3 × forward of the model count, FlashAttention's backward recompute
     # and a recomputed forward; the rest of the model FLOPs (and the rest of the recompute) are matmuls.
     attn_rank = (3 + FLASH_BACKWARD_RECOMPUTE) * attn * tokens_rank
@@ -466,7 +486,7 @@ def step_time_of(
     attn_rate = peak * attention_efficiency(gpu)
     hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
     layers_rank = spec.num_layers / p
-    act_traffic = elementwise_bytes(spec, x.compute_bits, x.weight_bits) * layers_rank * tokens_micro * accum / t / hbm
+    act_traffic = elementwise * layers_rank * tokens_micro * accum / t / hbm
     mem_time = (3 + rc.memory_passes) * act_traffic
     recompute_time = (
         rc.flops * tokens_rank / flops_rate
