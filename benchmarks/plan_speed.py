@@ -3,21 +3,23 @@
     PYTHONPATH=src python benchmarks/plan_speed.py
 
 The first table is the search time of the issue's examples (the goal: under 2 s each). The second is the
-speed model's tokens/s per GPU against figures the frameworks published for named setups (docs/speed.md
-keeps the table and its sources); "selective" checkpointing, which trainfit does not model, runs as none.
+speed model's tokens/s per GPU against figures torchtitan published for named setups (docs/speed.md keeps the
+table, its sources and how each setup was matched: torchtitan's selective op AC is ``sac``; its H100s are a
+500 W HBM2e part whose peak it gives as a range, so those predictions are ranges).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
 
 from trainfit.arch import load_model
-from trainfit.hardware import get_gpu
+from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.rank import search_plans
 from trainfit.planner.space import parse_allow
-from trainfit.planner.speed import step_time
+from trainfit.planner.speed import SpeedInputs, step_time, step_time_of
 from trainfit.strategy import Parallelism, Strategy
 
 SEARCHES = (
@@ -32,7 +34,7 @@ class Published:
     name: str
     source: str
     model: str
-    gpu: str
+    gpu: str  # "torchtitan-h100": the HBM2e, 500 W H100 of torchtitan's benchmark hosts (torchtitan_h100 below)
     gpus: int
     tensor: int
     micro_batch: int
@@ -41,34 +43,47 @@ class Published:
     tokens_per_second_per_gpu: float
 
 
+TT = "torchtitan docs/performance.md"
 PUBLISHED = (
     Published(
-        "Llama 3.1 8B, 8×H100, FSDP, local batch 2, selective AC",
-        "torchtitan docs/performance.md, Table 1 (FSDP, no compile): 5,762 TPS/GPU",
+        "Llama 3.1 8B, 8×H100, FSDP, local batch 2, selective op AC",
+        f"torchtitan benchmarks/llama3_h100_202412_torchtitan.md (= {TT} since 2025-01) Table 1, FSDP, no compile",
         "llama-3.1-8b",
-        "h100-sxm-80gb",
+        "torchtitan-h100",
         8,
         1,
         2,
         8192,
-        "none",
+        "sac",  # train_configs/llama3_8b.toml at the benchmark's commit 9dec370: selective_ac_option = 'op'
         5762,
     ),
     Published(
-        "Llama 3 8B, 64×A100-80GB, FSDP2, local batch 1, selective layer AC",
-        "torchtitan docs/performance.md (Llama 3 numbers): 2,904 WPS, 56.8% MFU",
+        "Llama 3.1 8B, 128×H100, FSDP, local batch 2, selective op AC",
+        "same, Table 3, FSDP, no compile",
+        "llama-3.1-8b",
+        "torchtitan-h100",
+        128,
+        1,
+        2,
+        8192,
+        "sac",
+        5605,
+    ),
+    Published(
+        "Llama 3 8B, 64×A100-80GB, FSDP2, local batch 1, selective op AC",
+        f"{TT} at 4d88a8a (2024-12), Llama 3 numbers: 2,973 WPS, 58.2% MFU",
         "llama-3.1-8b",
         "a100-sxm-80gb",
         64,
         1,
         1,
         8192,
-        "none",
-        2904,
+        "sac",
+        2973,
     ),
     Published(
         "Llama 3 70B, 64×A100-80GB, FSDP2, local batch 1, full AC",
-        "torchtitan docs/performance.md (Llama 3 numbers): 331 WPS, 51.7% MFU",
+        "same: 331 WPS, 51.7% MFU",
         "llama-3.1-70b",
         "a100-sxm-80gb",
         64,
@@ -80,9 +95,9 @@ PUBLISHED = (
     ),
     Published(
         "Llama 3.1 405B, 128×H100, FSDP 16 × TP 8, local batch 2, full AC",
-        "torchtitan docs/performance.md (Llama 3.1 numbers): 109 WPS, 29.0% MFU",
+        "same, Llama 3.1 numbers: 109 WPS, 29.0% MFU (no Float8 or async TP)",
         "llama-3.1-405b",
-        "h100-sxm-80gb",
+        "torchtitan-h100",
         128,
         8,
         2,
@@ -91,6 +106,57 @@ PUBLISHED = (
         109,
     ),
 )
+
+
+def torchtitan_h100() -> tuple[GPUSpec, GPUSpec]:
+    """torchtitan's H100s, as its benchmark page states: "96GB HBM2e with 2.4 TB/sec peak memory bandwidth",
+    "the default 500W power limit", and "the actual peak TFLOPs number is between SXM and NVL, and we don't
+    know its exact value". Returned as (SXM peak, NVL peak), both at 2.4 TB/s: the prediction is a range."""
+    sxm, nvl = get_gpu("h100-sxm-80gb"), get_gpu("h100-nvl-94gb")
+    hi = dataclasses.replace(sxm, memory_bandwidth_gbps=2400.0)
+    # The catalog has no sourced fp8 peak for the NVL part: Hopper's dense fp8 is twice its bf16 (SXM: 1979 vs
+    # 989), so the NVL-peak variant keeps that ratio.
+    bf16 = nvl.peak_tflops["bf16"]
+    fp8 = sxm.peak_tflops["fp8"] * bf16 / sxm.peak_tflops["bf16"] if bf16 and sxm.peak_tflops["fp8"] else None
+    lo = dataclasses.replace(hi, peak_tflops={**sxm.peak_tflops, "bf16": bf16, "fp8": fp8})
+    return hi, lo
+
+
+def predicted(p: Published) -> list[float]:
+    """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100)."""
+    s = Strategy(
+        precision="master-bf16",  # torchtitan: bf16 parameters for compute, fp32 reduce (FSDP2 mixed precision)
+        micro_batch=p.micro_batch,
+        seq_len=p.seq_len,
+        checkpointing=p.checkpointing,
+        sharding="fsdp",
+        parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor),
+    )
+    gpus = torchtitan_h100() if p.gpu == "torchtitan-h100" else (get_gpu(p.gpu),)
+    return [step_time(load_model(p.model), s, g).tokens_per_second / p.gpus for g in gpus]
+
+
+#: torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1 (8 GPUs, FSDP, torch.compile on both sides):
+#: FSDP + compile 6,667 and FSDP + compile + Float8 8,532 tokens/s/GPU.
+FLOAT8_PUBLISHED_RATIO = 8532 / 6667
+
+
+def float8_ratio() -> list[float]:
+    """The speed model's fp8 ÷ bf16 tokens/s for the first published setup (Llama 3.1 8B, 8 GPUs, FSDP), on both
+    of torchtitan's H100 peaks: the same inputs with ``float8`` set (the speed model alone; the memory estimate
+    refuses --fp8 with sac, which is why the inputs are replaced rather than a Strategy built)."""
+    p = PUBLISHED[0]
+    s = Strategy(
+        precision="master-bf16",
+        micro_batch=p.micro_batch,
+        seq_len=p.seq_len,
+        checkpointing=p.checkpointing,
+        sharding="fsdp",
+        parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor),
+    )
+    spec, x = load_model(p.model), SpeedInputs.of(s)
+    fp8 = dataclasses.replace(x, float8=True)
+    return [step_time_of(spec, x, g).step_seconds / step_time_of(spec, fp8, g).step_seconds for g in torchtitan_h100()]
 
 
 def main() -> int:
@@ -104,21 +170,19 @@ def main() -> int:
         worst = max(worst, dt)
         print(f"  {slug} on {gpus}× {gpu}: {dt:.2f} s, {r.candidates} candidates, {r.estimates} estimates")
     print(f"  slowest: {worst:.2f} s")
-    print("\nspeed model vs published tokens/s per GPU")
+    print("\nspeed model vs published tokens/s per GPU (torchtitan's H100: SXM … NVL peak)")
     for p in PUBLISHED:
-        s = Strategy(
-            precision="master-bf16",  # torchtitan: bf16 parameters for compute, fp32 reduce (FSDP2 mixed precision)
-            micro_batch=p.micro_batch,
-            seq_len=p.seq_len,
-            checkpointing=p.checkpointing,
-            sharding="fsdp",
-            parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor),
-        )
-        t = step_time(load_model(p.model), s, get_gpu(p.gpu))
-        pred = t.tokens_per_second / p.gpus
-        err = pred / p.tokens_per_second_per_gpu - 1
+        pred = predicted(p)
         published = p.tokens_per_second_per_gpu
-        print(f"  {p.name}: predicted {pred:,.0f}, published {published:,.0f} ({err:+.0%}); MFU {t.mfu:.0%}")
+        values = " … ".join(f"{x:,.0f}" for x in pred)
+        errors = " … ".join(f"{x / published - 1:+.0%}" for x in pred)
+        print(f"  {p.name}: predicted {values}, published {published:,.0f} ({errors})")
+    ratios = float8_ratio()
+    print(
+        f"\nfp8 (torchao Float8Linear) speed-up, {PUBLISHED[0].name}: predicted "
+        + " … ".join(f"×{r:.2f}" for r in ratios)
+        + f", published ×{FLOAT8_PUBLISHED_RATIO:.2f} (with torch.compile)"
+    )
     return 0
 
 

@@ -159,6 +159,27 @@ def test_megatron_plan_exports_its_arguments() -> None:
     assert ex.deepspeed_config is None and "--nnodes 2" in ex.launch
 
 
+def test_selective_and_sac_plans_say_what_the_formats_cannot_express() -> None:
+    """Megatron has selective recompute; the Trainer, accelerate and DeepSpeed only checkpoint whole blocks (a
+    plan with selective or per-op SAC is exported with full checkpointing, and NOTES.txt says so)."""
+    spec = load_model("llama-3.1-8b")
+    mega = Strategy(
+        micro_batch=1,
+        checkpointing="selective",
+        sharding="zero1",
+        engine=EngineOptions(engine=Engine.MEGATRON),
+        parallelism=Parallelism.for_gpus(8, tensor=4, sequence_parallel=True),
+    )
+    args = " ".join(export_plan(spec, mega).megatron_args)
+    assert "--recompute-granularity selective" in args and "--recompute-granularity full" not in args
+    sac = Strategy(
+        micro_batch=1, grad_accum=2, checkpointing="sac", sharding="fsdp", parallelism=Parallelism.for_gpus(8)
+    )
+    ex = export_plan(spec, sac)
+    assert ex.training_arguments["gradient_checkpointing"] is True
+    assert any("per-op SAC" in n and "every block" in n for n in ex.notes)
+
+
 def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from tests.cli._cli_helper import run_cli
 

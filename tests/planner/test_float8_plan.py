@@ -20,7 +20,6 @@ from trainfit.planner.speed import (
     MATMUL_EFFICIENCY,
     SpeedInputs,
     float8_flops_fraction,
-    model_flops_per_token,
     step_time_of,
 )
 from trainfit.strategy import Float8
@@ -58,25 +57,29 @@ def test_fp8_candidate_speed_inputs_match_the_strategy() -> None:
 
 
 def test_fp8_share_from_the_config_numbers() -> None:
-    """Llama-3.1-8B: every block linear converts (4096, 1024, 14336 are ÷ 16); its forward FLOPs per token are
-    2·32·(2·4096² + 2·4096·1024 + 3·4096·14336) out of a third of the training FLOPs per token."""
+    """Llama-3.1-8B: every block linear converts (4096, 1024, 14336 are ÷ 16); the LM head (4096 × 128256,
+    untied) stays bf16. The speed model's matmul FLOPs follow Kaplan's 2·N over the non-embedding parameters,
+    the 65 RMSNorm weights of 4096 included, so the share is blocks / (blocks + head + norms)."""
     spec = load_model("llama-3.1-8b")
     linears = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
-    forward = model_flops_per_token(spec, 4096) / 3
-    assert float8_flops_fraction(spec, 4096) == pytest.approx(2 * linears / forward, rel=1e-12)
+    head, norms = 4096 * 128256, (2 * 32 + 1) * 4096
+    assert float8_flops_fraction(spec) == pytest.approx(linears / (linears + head + norms), rel=1e-12)
 
 
 def test_fp8_matmuls_run_at_the_fp8_peak() -> None:
-    """H100 SXM: fp8 1979 = 2 × bf16 989.5 (dense): the matmul time of the converted share halves, so the compute
-    term without its memory-bound part scales by 1 − φ/2; nothing else changes."""
+    """H100 SXM: fp8 1979 = 2 × bf16 989.5 (dense). Without recompute the step's matmuls execute 3 × 2·P_matmul
+    FLOPs per token; the converted share φ of them runs at the fp8 rate, so the compute time drops by
+    M/R · φ · (1 − bf16/fp8) (R: the bf16 matmul rate); attention and the memory-bound work do not change."""
     spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
     x = SpeedInputs(seq_len=4096, micro_batch=1, grad_accum=8)
     bf16, fp8 = step_time_of(spec, x, gpu), step_time_of(spec, SpeedInputs(**{**_fields(x), "float8": True}), gpu)
-    phi = float8_flops_fraction(spec, 4096)
+    phi = float8_flops_fraction(spec)
     ratio = gpu.peak_tflops["fp8"] / gpu.peak_tflops["bf16"]  # type: ignore[operator]
-    flops_bf16 = bf16.model_flops_per_step / (gpu.peak_tflops["bf16"] * 1e12 * MATMUL_EFFICIENCY)  # type: ignore[operator]
-    mem = bf16.compute_seconds - flops_bf16
-    assert fp8.compute_seconds - mem == pytest.approx(flops_bf16 * (1 - phi + phi / ratio), rel=1e-3)
+    matmul_params = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4096 * 128256 + 65 * 4096
+    matmul_flops = 3 * 2 * matmul_params * 4096 * 8
+    rate = gpu.peak_tflops["bf16"] * 1e12 * MATMUL_EFFICIENCY  # type: ignore[operator]
+    saved = matmul_flops / rate * phi * (1 - 1 / ratio)
+    assert bf16.compute_seconds - fp8.compute_seconds == pytest.approx(saved, rel=1e-6)
     assert fp8.model_flops_per_step == bf16.model_flops_per_step
 
 

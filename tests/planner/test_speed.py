@@ -9,16 +9,19 @@ import pytest
 
 from trainfit import Strategy, get_gpu, load_model
 from trainfit.arch.params import count_params
-from trainfit.planner.space import candidates
+from trainfit.arch.spec import ModelSpec
+from trainfit.planner.space import CHECKPOINTING, Finetune, candidates
 from trainfit.planner.speed import (
     HBM_EFFICIENCY,
     MATMUL_EFFICIENCY,
     SpeedInputs,
+    dequant_bytes,
+    elementwise_bytes,
     model_flops_per_token,
     step_time,
     step_time_of,
 )
-from trainfit.strategy import Parallelism, Sharding
+from trainfit.strategy import Parallelism, Sharding, finetune_setup
 
 
 def test_flops_per_token_is_six_n_plus_attention() -> None:
@@ -28,34 +31,131 @@ def test_flops_per_token_is_six_n_plus_attention() -> None:
     attention = 3 * 2 * s * spec.num_heads * spec.head_dim * spec.num_layers  # 12·L·h·s per token, halved (causal)
     # norm weights are not matmuls but are in N: they are < 0.01% of it
     assert model_flops_per_token(spec, s) == pytest.approx(6 * n + attention, rel=1e-4)
-    assert model_flops_per_token(spec, s, frozen_base=True) == pytest.approx((6 * n + attention) * 2 / 3, rel=1e-4)
+    # a frozen weight has no weight gradient (4·N); attention has no weights: its backward stays 2× its forward
+    assert model_flops_per_token(spec, s, frozen_base=True) == pytest.approx(4 * n + attention, rel=1e-4)
 
 
-def test_one_gpu_step_is_flops_over_peak_plus_activation_traffic() -> None:
+def _llama_dims(spec: ModelSpec) -> tuple[int, int, int, int]:
+    h, i = spec.hidden_size, spec.intermediate_size
+    return h, i, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+
+
+def test_lora_adds_its_rank_r_matmuls_trained() -> None:
+    spec = load_model("llama-3.2-1b")
+    adapter, _ = finetune_setup("lora")  # rank 16 on q, k, v, o, gate, up, down
+    h, i, q, kv = _llama_dims(spec)
+    r, L = adapter.rank, spec.num_layers
+    lora = L * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))  # A: r×d_in, B: d_out×r
+    frozen = model_flops_per_token(spec, 2048, frozen_base=True)
+    assert model_flops_per_token(spec, 2048, adapter=adapter) == pytest.approx(frozen + 6 * lora, rel=1e-12)
+
+
+def test_elementwise_bytes_of_a_llama_layer() -> None:
+    """llama-3.2-1b (h 2048, q 2048, k/v 512, MLP 8192, full RoPE) in bf16, by hand from transformers'
+    LlamaDecoderLayer: two RMSNorms at 36 B/element (to fp32 2+4, pow 4+4, mean 4, ·rsqrt 4+4, to bf16 4+2,
+    ·weight 2+2), rotary on q and k at 20 B, the attention output's contiguous copy 4 B per q element, SiLU·up
+    10 B per intermediate element, two residual adds at 6 B. Under autocast over fp32 weights the norms and
+    residual adds work on an fp32 stream: 44 B and 12 B."""
+    spec = load_model("llama-3.2-1b")
+    assert (spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size) == (2048, 2048, 512, 8192)
+    assert spec.rotary_dim == spec.head_dim
+    by_hand = 2 * 36 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 6 * 2048
+    assert elementwise_bytes(spec, 16) == by_hand == 313344
+    amp = 2 * 44 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 12 * 2048
+    assert elementwise_bytes(spec, 16, 32) == amp
+
+
+def test_one_gpu_step_is_flops_over_peak_plus_memory_traffic() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-80gb")
-    s = Strategy(seq_len=2048, micro_batch=4, grad_accum=2)
+    s = Strategy(seq_len=2048, micro_batch=4, grad_accum=2, precision="pure-bf16")
     t = step_time(spec, s, gpu)
     tokens = 2048 * 4 * 2
-    flops = model_flops_per_token(spec, 2048) * tokens
-    traffic = 3 * 34 * spec.hidden_size * spec.num_layers * tokens
-    expected = flops / (312e12 * MATMUL_EFFICIENCY) + traffic / (2039e9 * HBM_EFFICIENCY)
-    assert gpu.memory_bandwidth_gbps == 2039
+    attn_fwd = 2 * 2048 * spec.num_heads * spec.head_dim * spec.num_layers  # causal half of 2·2·s·q per layer
+    matmul = model_flops_per_token(spec, 2048) * tokens - 3 * attn_fwd * tokens
+    # FlashAttention's backward recomputes QKᵀ: 3.5 forwards of attention run, at FlashAttention-2's A100 rate
+    attention = 3.5 * attn_fwd * tokens
+    traffic = 3 * 313344 * spec.num_layers * tokens  # forward + backward (2×), bf16 (test above)
+    adam = 28 * count_params(spec)  # fused AdamW: read w, g, m, v and write w, m, v in fp32, once per step
+    hbm = 2039e9 * HBM_EFFICIENCY
+    expected = matmul / (312e12 * MATMUL_EFFICIENCY) + attention / (312e12 * 0.50) + (traffic + adam) / hbm
+    assert gpu.memory_bandwidth_gbps == 2039 and gpu.compute_capability == "8.0"
     assert t.step_seconds == pytest.approx(expected, rel=1e-9)
+    assert t.optimizer_seconds == pytest.approx(adam / hbm)
     assert t.exposed_comm_seconds == t.bubble_seconds == t.offload_seconds == 0
     assert t.tokens_per_second == pytest.approx(tokens / expected)
+    assert t.mfu == pytest.approx(model_flops_per_token(spec, 2048) * tokens / expected / 312e12)  # model FLOPs
 
 
-def test_checkpointing_adds_one_forward_of_the_blocks() -> None:
+def test_checkpointing_modes_recompute_what_they_drop() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("h100-sxm-80gb")
     base = Strategy(seq_len=2048, micro_batch=2)
-    none, full, sqrt = (
-        step_time(spec, dataclasses.replace(base, checkpointing=c), gpu) for c in ("none", "full", "sqrt")
+    none, full, sqrt, sel, sac = (
+        step_time(spec, dataclasses.replace(base, checkpointing=c), gpu)
+        for c in ("none", "full", "sqrt", "selective", "sac")
     )
+    tokens = 2 * 2048
+    rate, attn_rate = 989e12 * MATMUL_EFFICIENCY, 989e12 * 0.35  # FlashAttention-2 on an H100
+    # amp-bf16 (the default): bf16 matmul outputs over an fp32 residual stream
+    traffic = elementwise_bytes(spec, 16, 32) * spec.num_layers * tokens / (3350e9 * HBM_EFFICIENCY)
+    h, i, q, kv = _llama_dims(spec)
+    attn = 2 * 2048 * q * spec.num_layers  # forward attention per token (causal half of 2·2·s·q per layer)
+    blocks = spec.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
     assert none.recompute_seconds == 0
-    assert full.step_seconds == pytest.approx(none.step_seconds + full.recompute_seconds)
+    # full and sqrt: one forward of every block — its matmuls, attention and the memory-bound work
+    # (the model's P counts the norm weights as in Kaplan's N: < 0.01%)
+    assert full.recompute_seconds == pytest.approx(
+        2 * blocks * tokens / rate + attn * tokens / attn_rate + traffic, rel=1e-4
+    )
     assert sqrt.step_seconds == full.step_seconds
-    # the recompute is about a third of the (model) compute: a forward of the blocks out of forward + backward
-    assert 0.2 < full.recompute_seconds / none.compute_seconds < 0.34
+    assert full.step_seconds == pytest.approx(none.step_seconds + full.recompute_seconds)
+    # selective (Megatron): the attention core only
+    assert sel.recompute_seconds == pytest.approx(attn * tokens / attn_rate, rel=1e-9)
+    # torchtitan per-op SAC: mm 2, 4, 6 of q, k, v, o, gate, up, down (k, o, up) again, and every op outside the
+    # save list (the memory-bound work)
+    assert sac.recompute_seconds == pytest.approx(
+        2 * spec.num_layers * (h * kv + q * h + h * i) * tokens / rate + traffic
+    )
+    assert none.step_seconds < sel.step_seconds < sac.step_seconds < full.step_seconds
+
+
+def test_lora_and_qlora_step() -> None:
+    """LoRA: frozen linears skip the weight gradients, the adapters add their own small matmuls and elementwise
+    traffic, and only the adapters are stepped; QLoRA dequantises every 4-bit block weight in forward and
+    backward (and once more in a recomputed forward)."""
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("rtx-4090")
+    full = Strategy(seq_len=2048, micro_batch=2, grad_accum=4, precision="pure-bf16")
+    lora_a, lora_b = finetune_setup("lora")
+    q_a, q_b = finetune_setup("qlora")
+    lora = dataclasses.replace(full, adapter=lora_a, base_weights=lora_b)
+    qlora = dataclasses.replace(full, adapter=q_a, base_weights=q_b)
+    t_full, t_lora, t_q = (step_time(spec, s, gpu) for s in (full, lora, qlora))
+    hbm = 1008e9 * HBM_EFFICIENCY
+    h, i, q, kv = _llama_dims(spec)
+    L, r, tokens = spec.num_layers, lora_a.rank, 2 * 2048 * 4
+    sites = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]  # (d_in, d_out): q k v o gate up down
+    elements = L * sum(6 * d_in + 10 * d_out for d_in, d_out in sites)  # PEFT lora.Linear forward + backward
+    adapter_params = L * sum(r * (d_in + d_out) for d_in, d_out in sites)
+    extra = ((model_flops_per_token(spec, 2048, adapter=lora_a) - model_flops_per_token(spec, 2048)) * tokens) / (
+        165.15e12 * MATMUL_EFFICIENCY
+    )
+    expected = (
+        t_full.step_seconds
+        + extra
+        + 2 * elements * tokens / hbm
+        - 28 * (count_params(spec) - adapter_params) / hbm  # the optimizer steps the adapters only
+    )
+    assert t_lora.step_seconds == pytest.approx(expected, rel=1e-9)
+    assert t_lora.step_seconds < t_full.step_seconds
+    # bitsandbytes nf4 with double quantisation, per weight of n elements: packed n/2, uint8 absmax per 64,
+    # fp32 absmax per 256 blocks (+ the fp32 nested code, offset and 4-bit code) read; fp32 absmax per 64
+    # written and read back; the bf16 weight (2n) written
+    per_layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h]
+    dq = L * sum(n / 2 + n / 64 + 4 * n / (64 * 256) + 4 * 256 + 4 + 64 + 8 * n / 64 + 2 * n for n in per_layer)
+    assert dequant_bytes(spec, q_b.quantization, double_quant=True, out_bits=16) == pytest.approx(dq, rel=1e-6)
+    assert t_q.step_seconds == pytest.approx(t_lora.step_seconds + 2 * 4 * dq / hbm, rel=1e-6)  # fwd + bwd × 4
+    ck = step_time(spec, dataclasses.replace(qlora, checkpointing="full"), gpu)
+    ck_lora = step_time(spec, dataclasses.replace(lora, checkpointing="full"), gpu)
+    assert ck.step_seconds - ck_lora.step_seconds == pytest.approx(3 * 4 * dq / hbm, rel=1e-6)
 
 
 def test_ddp_all_reduce_is_the_ring_volume_over_nvlink() -> None:
@@ -84,8 +184,29 @@ def test_more_gpus_over_network_cost_more_than_over_nvlink() -> None:
 
 def test_candidate_speed_inputs_match_the_strategy() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-80gb")
-    space = candidates(spec, gpu, gpus=16, gpus_per_node=8, global_batch=64, allow=())
-    for c in random.Random(0).sample(space, 60):
+    space = candidates(spec, gpu, gpus=16, gpus_per_node=8, global_batch=64, allow=(Finetune.LORA, Finetune.QLORA))
+    sample = random.Random(0).sample(space, 80)
+    assert {c.finetune for c in sample} == set(Finetune)
+    assert {c.checkpointing for c in sample} == set(CHECKPOINTING)
+    for c in sample:
         accum = 64 // c.data
         s = c.strategy(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
         assert SpeedInputs.of(s) == c.speed_inputs(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+
+
+@pytest.mark.parametrize(
+    ("slug", "again"),
+    [
+        ("llama-3.2-1b", {"attn.k", "attn.o", "mlp.up"}),  # mm 1..7 = q k v o gate up down: the even ones
+        ("qwen2.5-0.5b", {"mlp.gate", "mlp.down"}),  # q, k, v have biases (addmm, always saved): o gate up down
+    ],
+)
+def test_sac_recomputes_every_second_mm(slug: str, again: set[str]) -> None:
+    """torchtitan's policy by hand: ``mm`` outputs alternate saved / recomputed by their count in the block's
+    forward; ``addmm`` (a linear with a bias) is not counted and always saved."""
+    from trainfit.analytic.activations import sac_recomputed_linears, sac_saved_terms
+
+    spec = load_model(slug)
+    assert {n for n, _i, _o in sac_recomputed_linears(spec)} == again
+    saved = {t.name.removeprefix("sac.") for t in sac_saved_terms(spec, Strategy(checkpointing="sac", seq_len=64))}
+    assert not again & saved

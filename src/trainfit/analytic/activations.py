@@ -651,6 +651,29 @@ def _layer_linears(spec: ModelSpec) -> list[tuple[str, int, bool]]:
     return out
 
 
+def _sac_linears(spec: ModelSpec) -> list[tuple[str, int, bool, bool]]:
+    """The layer's linears with whether torchtitan's per-op SAC saves their output: (name, output width, has
+    bias, saved). ``mm`` outputs alternate saved / recomputed by their count in the block's forward (the
+    policy's ``mm_count`` key); ``addmm`` (a linear with a bias) is not counted and always saved."""
+    out: list[tuple[str, int, bool, bool]] = []
+    mm = 0
+    for name, width, bias in _layer_linears(spec):
+        if not bias:
+            mm += 1
+        out.append((name, width, bias, bias or mm % 2 == 1))
+    return out
+
+
+def sac_recomputed_linears(spec: ModelSpec) -> list[tuple[str, int, int]]:
+    """The linears of one layer whose matmul torchtitan's per-op SAC runs again in backward (every second
+    ``mm``; :func:`sac_saved_terms` keeps the others): (name, input width, output width). A linear reads the
+    hidden size, except ``attn.o`` (the attention output, ``q_dim`` wide) and the MLP's last projection (the
+    intermediate size)."""
+    last_mlp = _layer_linears(spec)[-1][0]
+    ins = {"attn.o": spec.q_dim, last_mlp: spec.intermediate_size}
+    return [(n, ins.get(n, spec.hidden_size), w) for n, w, _b, saved in _sac_linears(spec) if not saved]
+
+
 def sac_saved_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     """What torchtitan's per-op SAC keeps of one layer beyond its input, until that layer's backward
     (torchtitan/distributed/activation_checkpoint.py ``SelectiveAC._wrap_block``): the outputs of the ops in
@@ -664,13 +687,9 @@ def sac_saved_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     a, t = w.compute, strategy.tokens_per_micro_batch
     b, s = strategy.micro_batch, strategy.seq_len
     out: list[SavedTerm] = []
-    mm = 0
-    for name, width, bias in _layer_linears(spec):
-        if not bias:
-            mm += 1
-            if mm % 2 == 0:
-                continue  # PREFER_RECOMPUTE: every second mm
-        out.append(SavedTerm(name=f"sac.{name}", bytes=a * t * width, formula=f"a·t·{name} width"))
+    for name, width, _bias, saved in _sac_linears(spec):
+        if saved:
+            out.append(SavedTerm(name=f"sac.{name}", bytes=a * t * width, formula=f"a·t·{name} width"))
     lse = s if sdpa_kernel(spec, strategy) == FLASH else -(-s // 32) * 32
     out.append(SavedTerm(name="sac.sdpa.out", bytes=a * t * spec.q_dim, formula="a·t·heads·head_dim"))
     out.append(SavedTerm(name="sac.sdpa.lse", bytes=4 * b * spec.num_heads * lse, formula="4·b·heads·s"))

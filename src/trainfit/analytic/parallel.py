@@ -336,7 +336,7 @@ def shard_tensor(t: ParamTensor, shards: int) -> ParamTensor:
     return ParamTensor(name=t.name, shape=(rows, *t.shape[1:]), matmul=t.matmul)
 
 
-def _compute_strategy(strategy: Strategy, *, casts_every_param: bool = True) -> Strategy:
+def compute_strategy(strategy: Strategy, *, casts_every_param: bool = True) -> Strategy:
     """The strategy whose single-GPU activations a 16-bit-compute framework run has: layers in bf16 over
     16-bit parameters, no autocast (FSDP2's param_dtype, DeepSpeed's and Megatron's bf16 modules).
 
@@ -708,7 +708,7 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
 
 
 def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
-    cs = _compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
+    cs = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     q = step_inputs(spec, cs, keep_logits=False)
     st = fsdp_states(spec, strategy, p.shard)
     inv = inventory(spec)
@@ -936,7 +936,7 @@ def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
 
 def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     fp32 = strategy.recipe.compute_bits == 32
-    cs = _compute_strategy(strategy)
+    cs = compute_strategy(strategy)
     q = step_inputs(spec, cs, keep_logits=False)
     stage = int(strategy.sharding.value[-1])
     eo = strategy.engine
@@ -1082,7 +1082,7 @@ def _megatron(
     spec: ModelSpec, strategy: Strategy, p: ParallelPlan
 ) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], list[str]]:
     par = strategy.parallelism
-    cs = _compute_strategy(strategy)
+    cs = compute_strategy(strategy)
     local = tp_local_spec(spec, p.tp)
     q = step_inputs(local, cs, keep_logits=False)
     fp32 = cs.recipe.compute_bits == 32
@@ -1396,6 +1396,7 @@ __all__ = [
     "ShardedStates",
     "ZeroPartition",
     "check_parallel_finetune",
+    "compute_strategy",
     "data_parallel_degree",
     "ddp_bucket_bytes",
     "deepspeed_partition_numel",

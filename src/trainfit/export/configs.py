@@ -167,6 +167,19 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
             "sqrt checkpointing (segments of ⌈L/⌈√L⌉⌉ blocks) has no TrainingArguments switch: gradient_checkpointing"
             " checkpoints every block (the plan's memory with --checkpointing full is at most that of sqrt)"
         )
+    elif strategy.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SAC):
+        selective = strategy.checkpointing is Checkpointing.SELECTIVE
+        how = (
+            "Megatron's --recompute-granularity selective (the attention core only)"
+            if selective
+            else "torchtitan's per-op SAC (--activation_checkpoint.mode selective --activation_checkpoint"
+            ".selective_ac_option op)"
+        )
+        notes.append(
+            f"the plan uses {how}: TrainingArguments, accelerate and DeepSpeed have no switch for it, so their "
+            "configs checkpoint every block (less memory, more recompute: --checkpointing full's step time)"
+            + ("; megatron_args.txt keeps selective recompute" if selective else "")
+        )
     if strategy.precision is Precision.PURE_BF16:
         notes.append("pure-bf16: load the model with torch_dtype=torch.bfloat16 (weights and Adam states in bf16)")
     elif strategy.precision in (
@@ -201,7 +214,9 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
         args.append(f"--num-layers-per-virtual-pipeline-stage {spec.num_layers // (par.pipeline * par.virtual_stages)}")
     if strategy.sharding is Sharding.ZERO1:
         args.append("--use-distributed-optimizer")
-    if strategy.checkpointing is not Checkpointing.NONE:
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        args.append("--recompute-granularity selective")
+    elif strategy.checkpointing is not Checkpointing.NONE:
         args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
     if strategy.recipe.compute_dtype in ("bf16", "fp16"):
         args.append(f"--{strategy.recipe.compute_dtype}")

@@ -10,13 +10,13 @@ lower bound on what it can achieve; candidates are visited in order of that boun
 ``top`` plans are found and the next bound is worse than the last of them. For a visited candidate, the
 micro-batch is bisected over the divisors (memory grows with the micro-batch: a property test holds the
 analytic model to it), and the best micro-batch among those that fit is kept. When nothing fits, the
-candidate that comes closest (least memory above the usable bytes at micro-batch 1) is reported with
-what would make it fit.
+candidate that comes closest (least memory above the usable bytes at micro-batch 1, by the estimate: the
+candidates a bound ruled out are estimated smallest bound first, until no bound can beat the best) is
+reported with what would make it fit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -312,7 +312,8 @@ def search_plans(
     top: int = 5,
     explain_needs: bool = True,
 ) -> PlanResult:
-    """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``."""
+    """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``.
+    ``explain_needs``: when nothing fits, find the closest candidate and what it would need (False: plans only)."""
     if global_batch < 1 or gpus < 1 or gpus_per_node < 1:
         raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
     objective = Objective(objective)
@@ -345,7 +346,17 @@ def search_plans(
     speed_cache: dict[tuple[object, ...], tuple[float, ...] | None] = {}
     for i, c in enumerate(space):
         # Speed does not depend on the optimizer: one bound per candidate without it.
-        skey = (dataclasses.replace(c, optimizer=baseline.optimizer),)
+        skey = (
+            c.world,
+            c.tensor,
+            c.pipeline,
+            c.sharding,
+            c.offload,
+            c.engine,
+            c.precision,
+            c.checkpointing,
+            c.finetune,
+        )
         if skey not in speed_cache:
             try:
                 speed_cache[skey] = min(s.key(c.world, s.fast_speed(c, m)) for m in s.micro_options(c))
@@ -356,7 +367,7 @@ def search_plans(
             bounded.append((bound, _distance(c, baseline), i, c))
     bounded.sort(key=lambda x: (x[0], x[1], x[2]))
     found: list[Plan] = []
-    closest: _Near | None = None
+    nears: list[_Near] = []
     for bound, _changes, _i, c in bounded:
         if len(found) >= top and bound >= s.key(found[-1].gpus, found[-1].speed):
             break
@@ -368,15 +379,12 @@ def search_plans(
             found.append(plan)
             found.sort(key=lambda p: (s.key(p.gpus, p.speed), len(p.changes), -p.margin_bytes))
             found = _distinct(found, s)[:top]
-        elif near is not None and (closest is None or near.bytes < closest.bytes):
-            closest = near
+        elif near is not None:
+            nears.append(near)
     needs: tuple[str, ...] = ()
     nearest: Plan | None = None
-    if not found and closest is not None:
-        need = s.required(s.strategy(closest.candidate, closest.micro))  # the estimate's own number, not a bound
-        if need is not None:
-            nearest = s.plan(closest.candidate, closest.micro, need)
-    if not found and explain_needs:
+    if not found and explain_needs:  # (callers that want plans only — fixes, the re-searches — skip both)
+        nearest = _closest(s, nears)
         needs = _needs(spec, gpu, nearest, s, gpus=gpus, seq_len=seq_len, global_batch=global_batch, allow=allow)
     return PlanResult(
         plans=tuple(found),
@@ -388,6 +396,23 @@ def search_plans(
         candidates=len(space),
         estimates=s.estimates,
     )
+
+
+def _closest(s: _Search, nears: list[_Near]) -> Plan | None:
+    """The candidate nearest to fitting by the estimate's own numbers. A near candidate's bytes are either the
+    estimate's or a lower bound of it (the closed-form bound; one data-parallel replica's activations, far below
+    the estimate), so they are visited smallest first and estimated until the next one's bytes cannot beat
+    the best estimate found."""
+    best: tuple[int, _Near] | None = None
+    for near in sorted(nears, key=lambda n: n.bytes):
+        if best is not None and near.bytes >= best[0]:
+            break
+        need = s.required(s.strategy(near.candidate, near.micro))
+        if need is not None and (best is None or need < best[0]):
+            best = (need, near)
+    if best is None:
+        return None
+    return s.plan(best[1].candidate, best[1].micro, best[0])
 
 
 def _needs(

@@ -9,8 +9,12 @@ bisects, since memory grows with it). What the space contains, and why:
   candidate on one GPU or torch DDP/FSDP2/HSDP (no offload, TP or PP) also comes with torchao fp8 linears
   (``--fp8 tensorwise``: :func:`float8_candidates`); the estimate refuses the models it does not model (MoE,
   MLA, …), which drops those.
-- **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW.
-- **Checkpointing**: none, sqrt, full (:func:`trainfit.strategy.checkpoint_layout`).
+- **Optimizer**: AdamW (fused, the HF Trainer default) and bitsandbytes 8-bit AdamW (adapters: AdamW only —
+  their states are a few hundred MB, and the speed model cannot tell the two apart).
+- **Checkpointing**: none, selective (Megatron: the attention core recomputed), sac (torchtitan's per-op
+  selective AC), sqrt, full (:func:`trainfit.strategy.checkpoint_layout`); the estimate refuses sac where it is
+  not modelled (MoE, MLA, eager attention, adapters, tensor/pipeline parallelism, fp8) and such candidates drop
+  out.
 - **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
   CPU offload; Megatron tensor parallelism (with sequence parallelism) of degree 2, 4, 8 that divides the
   heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth, with
@@ -39,6 +43,8 @@ from trainfit.hardware import GPUSpec
 from trainfit.planner.speed import SpeedInputs
 from trainfit.strategy import (
     FLOAT8_RECIPES,
+    Adapter,
+    BaseWeights,
     Checkpointing,
     Engine,
     EngineOptions,
@@ -55,6 +61,7 @@ from trainfit.strategy import (
 from trainfit.strategy.recipe import RECIPES
 
 __all__ = [
+    "CHECKPOINTING",
     "Candidate",
     "Finetune",
     "Objective",
@@ -119,8 +126,8 @@ def check_allow_float8(gpu: GPUSpec, allow: str | None) -> None:
 
 def float8_candidates(gpu: GPUSpec, base: list[Candidate]) -> list[Candidate]:
     """The fp8 variants of ``base``: where ``gpu`` has fp8 tensor cores, one GPU or torch DDP / FSDP2 / HSDP
-    without offload, tensor or pipeline parallelism, full training, a bf16 recipe — what ``Strategy`` models with
-    ``--fp8`` (torchtitan's 1-D runs)."""
+    without offload, tensor or pipeline parallelism, full training, a bf16 recipe, not per-op SAC — what
+    ``Strategy`` models with ``--fp8`` (torchtitan's 1-D runs)."""
     if not gpu_has_float8(gpu):
         return []
     layouts = (Sharding.NONE, Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
@@ -133,6 +140,7 @@ def float8_candidates(gpu: GPUSpec, base: list[Candidate]) -> list[Candidate]:
         and c.offload == "none"
         and c.finetune is Finetune.FULL
         and c.precision.value in FLOAT8_RECIPES
+        and c.checkpointing is not Checkpointing.SAC  # the estimate refuses --fp8 with sac
     ]
 
 
@@ -160,6 +168,7 @@ class Candidate:
         """What :func:`trainfit.planner.speed.step_time_of` reads — equal to ``SpeedInputs.of(self.strategy(...))``
         (a test holds them together) without building and validating a Strategy."""
         r = RECIPES[self.precision]
+        adapter, base = self._finetune()
         return SpeedInputs(
             data=self.data,
             tensor=self.tensor,
@@ -168,26 +177,31 @@ class Candidate:
             seq_len=seq_len,
             micro_batch=micro_batch,
             grad_accum=grad_accum,
-            frozen_base=self.finetune is not Finetune.FULL,
+            adapter=adapter,
+            base_quantization=base.quantization,
+            double_quant=base.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
             grad_bits=r.grad_bits,
             weight_bits=r.weight_bits,
-            recompute=self.checkpointing is not Checkpointing.NONE,
+            checkpointing=self.checkpointing,
             sharding=self.sharding,
             offload_optimizer=self.offload != "none",
             offload_parameters=self.offload == "optimizer+params",
             float8=self.float8 is not Float8.NONE,
         )
 
+    def _finetune(self) -> tuple[Adapter | None, BaseWeights]:
+        """The adapter and base weights of the fine-tuning method (PEFT defaults; the Strategy's own default base
+        under full fine-tuning)."""
+        return _FINETUNE[self.finetune]
+
     def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
         """The Strategy this candidate runs at ``micro_batch`` × ``grad_accum`` (the pipeline's micro-batches
         per step are the accumulation steps)."""
-        adapter, base = (None, None)
-        if self.finetune is not Finetune.FULL:
-            adapter, base = finetune_setup(self.finetune.value)
+        adapter, base = self._finetune()
         fields: dict[str, object] = {}
-        if base is not None:
+        if self.finetune is not Finetune.FULL:
             fields["base_weights"] = base
         return Strategy(
             precision=self.precision,
@@ -212,6 +226,32 @@ class Candidate:
             float8=self.float8,
             **fields,  # type: ignore[arg-type]
         )
+
+
+_FINETUNE: dict[Finetune, tuple[Adapter | None, BaseWeights]] = {
+    Finetune.FULL: (None, BaseWeights()),
+    Finetune.LORA: finetune_setup("lora"),
+    Finetune.QLORA: finetune_setup("qlora"),
+}
+
+
+#: Checkpointing modes searched. ``sac`` is modelled (memory and speed) for dense layers with SDPA's fused
+#: attention, full fine-tuning and no tensor/pipeline parallelism; elsewhere the estimate refuses it
+#: (``trainfit.analytic.activations.check_sac``, ``trainfit.analytic.parallel.plan``) and the search drops it.
+CHECKPOINTING = (
+    Checkpointing.NONE,
+    Checkpointing.SELECTIVE,
+    Checkpointing.SAC,
+    Checkpointing.SQRT,
+    Checkpointing.FULL,
+)
+
+
+def _optimizers(ft: Finetune) -> tuple[Optimizer, ...]:
+    """AdamW and 8-bit AdamW; adapters only AdamW: the optimizer holds the adapters' states alone (rank 16 on all
+    linears: 42M of Mistral 7B's 7.2B parameters), so 8-bit states save 0.25 GB there and the speed model cannot
+    tell the two apart — a second candidate per layout that can only tie."""
+    return (Optimizer.ADAMW,) if ft is not Finetune.FULL else (Optimizer.ADAMW, Optimizer.ADAMW_8BIT)
 
 
 def native_precisions(gpu: GPUSpec) -> tuple[Precision, ...]:
@@ -297,8 +337,8 @@ def candidates(
                 if ft is not Finetune.FULL and (t > 1 or p > 1 or off != "none"):
                     continue  # adapters: data parallel only (Megatron with adapters is refused; so is offload here)
                 for prec in native_precisions(gpu):
-                    for opt in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
-                        for ck in (Checkpointing.NONE, Checkpointing.SQRT, Checkpointing.FULL):
+                    for opt in _optimizers(ft):
+                        for ck in CHECKPOINTING:
                             out.append(
                                 Candidate(
                                     world=world,

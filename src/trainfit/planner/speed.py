@@ -6,13 +6,19 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   weights: MoE counts only the routed top-k experts; an untied input embedding is a lookup and does no FLOPs)
   plus attention's 2·2·s·(heads·head_dim) per layer, halved for causal masks (fused kernels skip the masked
   half). Training = forward + backward = 3× forward for trained weights (Kaplan et al. 2020, §2.1: 6·N per
-  token); a frozen weight (LoRA, QLoRA) needs only the input gradient, 2× forward. Checkpointing recomputes
-  the blocks' forward once more (``full`` and ``sqrt`` alike: every block is inside a segment; Chen et al.
-  2016). FLOPs run at the catalog peak for the recipe's compute dtype times :data:`MATMUL_EFFICIENCY`.
-- **Memory-bound work** (norms, activations, residual adds, rotary): per layer and token the forward writes
-  the 34·h bytes Korthikanti et al. 2022 (Table 2, no attention-score terms under fused attention) count as
-  saved activations; backward reads them and writes gradients of the same size, so 3 × 34·h bytes move per
-  pass, over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
+  token); a frozen weight (LoRA, QLoRA) needs only the input gradient, 2× forward; attention's backward is
+  2× its forward either way, plus the QKᵀ FlashAttention recomputes (:data:`FLASH_BACKWARD_RECOMPUTE`); LoRA
+  adapters train (3 × 2·r·(d_in + d_out)). Each checkpointing mode recomputes what it dropped
+  (:func:`_recompute`: full/sqrt a forward of the blocks, selective the attention core, sac every second
+  ``mm`` and the elementwise ops). Matmuls run at the catalog peak for the recipe's compute dtype ×
+  :data:`MATMUL_EFFICIENCY`, attention at × :data:`ATTENTION_EFFICIENCY` (FlashAttention-2's measured
+  utilisation by GPU generation).
+- **Memory-bound work**: the eager elementwise kernels of a layer (:func:`elementwise_bytes`, op by op from
+  transformers' Llama layer: the fp32 RMSNorm chain, rotary, SiLU·up, residual adds) forward, about twice that
+  backward, once more under full/sqrt/sac; LoRA's own elementwise traffic (PEFT ``lora.Linear.forward``);
+  QLoRA's dequantisation of every 4-bit weight in forward and backward (:func:`dequant_bytes`, bitsandbytes
+  ``MatMul4Bit``); the optimizer step (fused AdamW, 28 B per stepped parameter: the adapters only under
+  LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
 - **Communication** (ring collectives: each rank sends and receives (n−1)/n of the buffer per reduce-scatter
   or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
   within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
@@ -31,26 +37,35 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   parameter update; Ren et al. 2021 §4.2).
 
 What it does not model (stated in docs/speed.md): kernel-launch gaps, GEMM shape efficiency (small hidden
-sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency, power caps.
+sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
+overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
+bases, ``--freeze`` patterns (run as full training).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.arch.params import active_params_per_token, count_params
-from trainfit.arch.spec import ModelSpec
+from trainfit._memo import Memo, spec_key
+from trainfit.arch.params import active_params_per_token, count_params, inventory
+from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
+from trainfit.cuda_facts import BNB_4BIT_BLOCK, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
-from trainfit.strategy import Checkpointing, PipelineSchedule, Sharding, Strategy
+from trainfit.strategy import Adapter, Checkpointing, PipelineSchedule, Quantization, Sharding, Strategy
 
 __all__ = [
+    "ATTENTION_EFFICIENCY",
     "DEFAULT_NETWORK_GBPS",
+    "FLASH_BACKWARD_RECOMPUTE",
     "HBM_EFFICIENCY",
     "HOST_ADAM_GBPS",
     "MATMUL_EFFICIENCY",
     "SpeedInputs",
     "StepTime",
+    "attention_efficiency",
+    "dequant_bytes",
+    "elementwise_bytes",
     "model_flops_per_token",
     "step_time",
     "step_time_of",
@@ -77,8 +92,19 @@ HOST_ADAM_GBPS = 25.0
 #: write weight, m, v (12 B) — the fp32 states of Rajbhandari et al. 2020's 16Ψ recipe.
 HOST_ADAM_BYTES_PER_PARAM = 28
 
-#: Korthikanti et al. 2022, Table 2: 34·s·b·h bytes of saved activations per layer (fused attention: no 5·a·s/h).
-ACTIVATION_BYTES_PER_HIDDEN = 34
+#: Attention FLOPs a fused kernel's backward runs beyond the 2 × forward it is credited with, per forward: the
+#: FlashAttention backward recomputes S = QKᵀ (one of the forward's two matmuls) from the saved logsumexp
+#: instead of reading the scores (Dao 2023, FlashAttention-2 Algorithm 2 line 11; torchtitan's
+#: ``get_num_flop_per_token`` notes "the flash attention does 1 more matmul recomputation in the backward").
+#: Executed, not model FLOPs (MFU leaves it out).
+FLASH_BACKWARD_RECOMPUTE = 0.5
+
+#: Sustained fraction of the tensor-core peak the attention kernel reaches, by compute capability; the SDPA
+#: flash backend is FlashAttention-2 (ported into PyTorch 2.2). A100 (8.0): "50-73% of the theoretical maximum
+#: FLOPs/s" (Dao 2023, FlashAttention-2, abstract; the forward pass — its backward is slower, so the low end);
+#: H100 (9.0): "FlashAttention-2 achieves only 35% utilization on H100" (Shah et al. 2024, FlashAttention-3,
+#: abstract). Elsewhere no figure was found: :data:`MATMUL_EFFICIENCY`.
+ATTENTION_EFFICIENCY = {"8.0": 0.50, "9.0": 0.35}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +117,7 @@ class StepTime:
     exposed_comm_seconds: float  # the part of comm_seconds not hidden behind compute
     bubble_seconds: float  # pipeline bubble
     offload_seconds: float  # PCIe transfers and the CPU optimizer step
+    optimizer_seconds: float = 0.0  # the optimizer step on the GPU (memory-bound)
     step_seconds: float
     tokens_per_step: int  # the whole job
     tokens_per_second: float  # the whole job
@@ -110,16 +137,22 @@ class SpeedInputs:
     seq_len: int
     micro_batch: int
     grad_accum: int
-    frozen_base: bool = False
+    adapter: Adapter | None = None  # LoRA/DoRA over a frozen base
+    base_quantization: Quantization = Quantization.NONE  # the frozen base's storage (QLoRA: nf4)
+    double_quant: bool = True
     compute_dtype: str = "bf16"
     compute_bits: int = 16
     grad_bits: int = 32
     weight_bits: int = 32
-    recompute: bool = False
+    checkpointing: Checkpointing = Checkpointing.NONE
     sharding: Sharding = Sharding.NONE
     offload_optimizer: bool = False
     offload_parameters: bool = False
     float8: bool = False  # --fp8: the converted block linears run at the fp8 peak (float8_rate)
+
+    @property
+    def frozen_base(self) -> bool:
+        return self.adapter is not None
 
     @classmethod
     def of(cls, strategy: Strategy) -> SpeedInputs:
@@ -133,12 +166,14 @@ class SpeedInputs:
             seq_len=strategy.seq_len,
             micro_batch=strategy.micro_batch,
             grad_accum=strategy.effective_batch // strategy.micro_batch,  # pipeline micro-batches included
-            frozen_base=strategy.adapter is not None,
+            adapter=strategy.adapter,
+            base_quantization=strategy.base_weights.quantization,
+            double_quant=strategy.base_weights.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
             grad_bits=r.grad_bits,
             weight_bits=r.weight_bits,
-            recompute=strategy.checkpointing is not Checkpointing.NONE,
+            checkpointing=strategy.checkpointing,
             sharding=strategy.sharding,
             offload_optimizer=strategy.offload.optimizer_on_host,
             offload_parameters=strategy.offload.parameters_on_host,
@@ -150,6 +185,7 @@ class SpeedInputs:
 class _ModelNumbers:
     params: int
     matmul_params: int  # active parameters that are matmul weights
+    sac_recompute_params: int  # weights of the matmuls per-op SAC runs again, all layers (:func:`_sac_params`)
 
 
 _MODEL_CACHE: dict[int, tuple[ModelSpec, _ModelNumbers]] = {}
@@ -160,7 +196,9 @@ def _numbers(spec: ModelSpec) -> _ModelNumbers:
     if hit is not None and hit[0] is spec:
         return hit[1]
     nums = _ModelNumbers(
-        params=count_params(spec), matmul_params=active_params_per_token(spec) - _embedding_lookup_params(spec)
+        params=count_params(spec),
+        matmul_params=active_params_per_token(spec) - _embedding_lookup_params(spec),
+        sac_recompute_params=_sac_params(spec),
     )
     if len(_MODEL_CACHE) > 256:
         _MODEL_CACHE.clear()
@@ -191,28 +229,239 @@ def _attention_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     return 4 * span * spec.num_heads * spec.head_dim * spec.num_layers * 0.5
 
 
-def model_flops_per_token(spec: ModelSpec, seq_len: int, *, frozen_base: bool = False) -> float:
-    """Training FLOPs per token without recompute: 3 × (2·P_matmul + attention); 2 × with a frozen base (no
-    weight gradients; the LoRA adapters' own FLOPs, < 1% of the total at rank 16, are left out)."""
+def model_flops_per_token(
+    spec: ModelSpec, seq_len: int, *, frozen_base: bool = False, adapter: Adapter | None = None
+) -> float:
+    """Training FLOPs per token without recompute: 3 × (2·P_matmul + attention) — forward, then the input and
+    the weight gradients. A frozen base weight (``frozen_base``, or any ``adapter``) has no weight gradient:
+    2 × 2·P_matmul. Attention has no weights: its backward (dQ, dK, dV) is 2 × its forward either way. An
+    adapter's own matmuls train: 3 × 2·P_adapter."""
     attn = _attention_flops_per_token(spec, seq_len)
-    passes = 2 if frozen_base else 3
-    return passes * (2 * _numbers(spec).matmul_params + attn)
+    frozen = frozen_base or adapter is not None
+    adapters = 3 * 2 * _adapter_numbers(spec, adapter).params if adapter is not None else 0
+    return (2 if frozen else 3) * 2 * _numbers(spec).matmul_params + 3 * attn + adapters
 
 
-def float8_flops_fraction(spec: ModelSpec, seq_len: int) -> float:
-    """Share of a training step's FLOPs that run in fp8 under ``--fp8``: the converted block linears
+def _sac_params(spec: ModelSpec) -> int:
+    """Weights of the matmuls torchtitan's per-op SAC recomputes, all layers: every second ``mm`` of a block
+    (:func:`trainfit.analytic.activations.sac_recomputed_linears`, the policy ``sac_saved_terms`` follows).
+    Each costs 2·d_in·d_out FLOPs per token again in backward."""
+    from trainfit.analytic.activations import sac_recomputed_linears
+
+    return spec.num_layers * sum(d_in * d_out for _n, d_in, d_out in sac_recomputed_linears(spec))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _AdapterNumbers:
+    params: int  # adapter matmul weights, all layers: r·(d_in + d_out) per adapted linear
+    elements_fwd: int  # elementwise traffic per token, forward (PEFT lora.Linear.forward)
+    elements_bwd: int  # the same, backward
+    trained: int  # every adapter parameter (DoRA's magnitudes too): what is reduced and stepped
+
+
+_ADAPTERS: Memo[_AdapterNumbers] = Memo(64)
+_DEQUANT: Memo[int] = Memo(64)
+
+
+def _adapter_numbers(spec: ModelSpec, adapter: Adapter) -> _AdapterNumbers:
+    """Per-token cost of LoRA adapters beside the frozen linears (Hu et al. 2021; PEFT
+    peft/tuners/lora/layer.py ``Linear.forward``: ``result = base_layer(x)``, then ``result = result +
+    lora_B(lora_A(dropout(x))) * scaling``; dropout 0 is ``nn.Identity``). The rank-r GEMMs are FLOP-light
+    (2·r·(d_in + d_out) per token forward) but memory-bound; elements moved per token and adapted linear:
+    forward ``lora_A`` reads x (d_in), ``lora_B`` writes d_out, ``* scaling`` reads and writes d_out, the add
+    reads 2·d_out and writes d_out → d_in + 6·d_out; backward: the scaling's gradient (read and write d_out),
+    ``lora_B``'s input and weight gradients (read the d_out gradient twice), ``lora_A``'s (write the d_in
+    input gradient, read x), and autograd's sum of the two input gradients of x (read 2·d_in, write d_in)
+    → 5·d_in + 4·d_out. The r-wide tensors are left out (r ≪ d)."""
+    from trainfit.analytic.adapters import adapter_sites, adapter_tensors
+
+    def build() -> _AdapterNumbers:
+        sites = adapter_sites(spec, adapter)
+        n = spec.num_layers
+        return _AdapterNumbers(
+            params=n * sum(adapter.rank * (x.d_in + x.d_out) for x in sites),
+            elements_fwd=n * sum(x.d_in + 6 * x.d_out for x in sites),
+            elements_bwd=n * sum(5 * x.d_in + 4 * x.d_out for x in sites),
+            trained=n * sum(t.numel for t in adapter_tensors(spec, adapter)),
+        )
+
+    return _ADAPTERS.get((spec_key(spec), adapter), build)
+
+
+def dequant_bytes(spec: ModelSpec, quantization: Quantization, *, double_quant: bool, out_bits: int) -> int:
+    """HBM bytes one dequantisation of every 4-bit block weight moves (0 for an unquantised base): bitsandbytes
+    ``MatMul4Bit`` (bitsandbytes/autograd/_functions.py) multiplies by ``dequantize_4bit(W)`` in backward, and in
+    forward for more than 1536 rows (``gemm_4bit`` on CUDA, bitsandbytes/backends/cuda/ops.py, falls back to
+    ``_gemm_4bit_default_impl``: dequantise, then ``F.linear``) — every training micro-batch. The kernel is
+    memory-bound: it reads the packed weight and its absmax (:func:`trainfit.cuda_facts.quantized_weight_tensors`)
+    and writes the weight in the compute dtype; with double quantisation the uint8 absmax is first expanded to
+    fp32 (``dequantize_blockwise``: 4 bytes per block written, then read). LLM.int8 bases (``MatMul8bitLt``)
+    are not modelled (0). The LM head stays unquantised (transformers keeps the output embedding out of
+    bitsandbytes' conversion)."""
+    if quantization not in (Quantization.NF4, Quantization.FP4):
+        return 0
+
+    def build() -> int:
+        total = 0
+        for g in inventory(spec).layers:
+            for t in g.tensors:
+                if not t.matmul:
+                    continue
+                kind = quantization.value
+                stored = sum(quantized_weight_tensors(t.numel, t.shape[0], kind, double_quant=double_quant))
+                nested = 2 * 4 * -(-t.numel // BNB_4BIT_BLOCK) if double_quant else 0
+                total += g.count * (stored + nested + t.numel * out_bits // 8)
+        return total
+
+    return _DEQUANT.get((spec_key(spec), quantization, double_quant, out_bits), build)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Recompute:
+    """What a checkpointing mode runs again in backward, per token of a micro-batch (before sharding)."""
+
+    flops: float  # matmul FLOPs
+    attention_flops: float  # attention-core FLOPs (they run at the attention kernel's efficiency)
+    memory_passes: int  # extra forward passes of the memory-bound work (the 34·h bytes)
+    tp_collectives: int  # extra tensor-parallel all-reduces per layer (the forward's two)
+    linears_again: bool  # the block linears run again (QLoRA dequantises again, adapters run again)
+
+
+def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
+    """The recompute of each checkpointing mode (``attn``: forward attention FLOPs per token).
+
+    - ``full``/``sqrt``: one more forward of every block (Chen et al. 2016: every block is inside a
+      recomputed segment; the LM head is not): 2·P_blocks + attention, the memory-bound work, the forward's
+      two tensor-parallel collectives per layer.
+    - ``selective``: the attention core only (Korthikanti et al. 2022 §5; Megatron ``--recompute-granularity
+      selective``): one more forward of attention (under a fused kernel, its score traffic stays on chip).
+    - ``sac``: torchtitan's per-op SAC (torchtitan/distributed/activation_checkpoint.py): the saved ops'
+      outputs — every other ``mm``, the fused attention, ``addmm`` — are not run again; every second ``mm``
+      is (:func:`_sac_params`) and so is every op outside the save list (norms, rotary, SiLU, products,
+      residual adds): one more forward pass of the memory-bound work."""
+    ck = x.checkpointing
+    nums = _numbers(spec)
+    if ck in (Checkpointing.FULL, Checkpointing.SQRT):
+        blocks = max(nums.matmul_params - spec.vocab_size * spec.hidden_size, 0)
+        adapters = 2 * _adapter_numbers(spec, x.adapter).params if x.adapter is not None else 0
+        return _Recompute(
+            flops=2 * blocks + adapters, attention_flops=attn, memory_passes=1, tp_collectives=2, linears_again=True
+        )
+    if ck is Checkpointing.SELECTIVE:
+        return _Recompute(flops=0.0, attention_flops=attn, memory_passes=0, tp_collectives=0, linears_again=False)
+    if ck is Checkpointing.SAC:
+        sac = 2 * nums.sac_recompute_params
+        return _Recompute(flops=sac, attention_flops=0.0, memory_passes=1, tp_collectives=0, linears_again=False)
+    return _Recompute(flops=0.0, attention_flops=0.0, memory_passes=0, tp_collectives=0, linears_again=False)
+
+
+_PER_TOKEN: Memo[tuple[float, float, _Recompute, float]] = Memo(256)
+
+
+def _per_token(spec: ModelSpec, x: SpeedInputs) -> tuple[float, float, _Recompute, float]:
+    """(forward attention FLOPs, model FLOPs, the recompute, elementwise bytes per layer) per token: what
+    depends on the model, the sequence, checkpointing, the adapter and the dtypes, not on the layout (the
+    planner asks for thousands of layouts)."""
+
+    def build() -> tuple[float, float, _Recompute, float]:
+        attn = _attention_flops_per_token(spec, x.seq_len)
+        return (
+            attn,
+            model_flops_per_token(spec, x.seq_len, adapter=x.adapter),
+            _recompute(spec, x, attn),
+            elementwise_bytes(spec, x.compute_bits, x.weight_bits),
+        )
+
+    key = (spec_key(spec), x.seq_len, x.checkpointing, x.adapter, x.compute_bits, x.weight_bits)
+    return _PER_TOKEN.get(key, build)
+
+
+def _frozen_base_seconds(
+    spec: ModelSpec, x: SpeedInputs, tokens_rank: float, hbm: float, *, linears_again: bool
+) -> tuple[float, float]:
+    """(seconds per step, the part a recomputed forward repeats) of the memory-bound work a frozen base adds:
+    the adapters' elementwise traffic (:func:`_adapter_numbers`, compute-dtype elements) and QLoRA's
+    dequantisation of every 4-bit weight (:func:`dequant_bytes`) in forward and in backward of each
+    micro-step, once more when checkpointing runs the linears again. Their FLOPs are in
+    :func:`model_flops_per_token`."""
+    if x.adapter is None:
+        return 0.0, 0.0
+    ad = _adapter_numbers(spec, x.adapter)
+    a = x.compute_bits / 8
+    rank_share = 1 / (x.tensor * x.pipeline)
+    dq = dequant_bytes(spec, x.base_quantization, double_quant=x.double_quant, out_bits=x.compute_bits)
+    micro_steps = x.grad_accum
+    fwd = (ad.elements_fwd * a * tokens_rank + dq * rank_share * micro_steps) / hbm
+    bwd = (ad.elements_bwd * a * tokens_rank + dq * rank_share * micro_steps) / hbm
+    again = fwd if linears_again else 0.0
+    return fwd + bwd + again, again
+
+
+def attention_efficiency(gpu: GPUSpec) -> float:
+    """:data:`ATTENTION_EFFICIENCY` of ``gpu``'s compute capability, else :data:`MATMUL_EFFICIENCY`."""
+    return ATTENTION_EFFICIENCY.get(gpu.compute_capability or "", MATMUL_EFFICIENCY)
+
+
+_ELEMENTWISE: Memo[float] = Memo(64)
+
+
+def elementwise_bytes(spec: ModelSpec, bits: int, stream_bits: int | None = None) -> float:
+    """HBM bytes the forward's elementwise (memory-bound) kernels move per layer and token, eager PyTorch, op by
+    op as transformers' Llama-style layer runs them (``a`` = ``bits``/8 bytes per element of what the matmuls
+    write; ``r`` = ``stream_bits``/8 of the residual stream, which the norms and residual adds work on — the
+    weights' dtype: fp32 under autocast over fp32 weights; default ``bits``); the backward moves about twice
+    that (each op reads its output gradient and saved input and writes its input gradient), a recomputed
+    forward once more:
+
+    - RMSNorm (``LlamaRMSNorm.forward``: to fp32, ``pow(2)``, ``mean``, ``* rsqrt``, back to the input dtype,
+      ``weight *``): (r + 4) + 8 + 4 + 8 + (4 + r) + 2r = 28 + 4r bytes per element; a fused LayerNorm 2r;
+      per norm of the layer, and over q and k under per-head q/k norms (on ``a``-wide q and k);
+    - rotary (``apply_rotary_pos_emb``: ``rotate_half``'s neg and cat, two products, a sum) on the rotated
+      part of q and k: 10a per element;
+    - the attention output's ``transpose(1, 2).contiguous()``: 2a per element of q;
+    - the MLP activation: SiLU then the product with ``up`` (5a per intermediate element) for gated MLPs, the
+      activation alone (2a) otherwise;
+    - two residual adds: 3r per element each.
+
+    Leaves out dropout (0 in the catalog's decoders) and the embedding and head's own elementwise work. This
+    replaces the 34·h bytes of *saved* activations (Korthikanti et al. 2022) the model used before: eager
+    kernels move each tensor several times (the fp32 norm chain alone is 36 bytes per element in bf16)."""
+
+    def build() -> float:
+        a, r = bits / 8, (stream_bits or bits) / 8
+
+        def norm(x: float) -> float:
+            return 28 + 4 * x if spec.norm is NormKind.RMSNORM else 2 * x
+
+        h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+        out = spec.norms_per_layer * h * norm(r)
+        if spec.qk_norm:
+            out += (q + kv) * norm(a)
+        if spec.rotary_dim:
+            out += 10 * a * (q + kv) * spec.rotary_dim / spec.head_dim
+        out += 2 * a * q
+        out += (5 if spec.mlp is MlpKind.GATED else 2) * a * i
+        out += 2 * 3 * r * h
+        return out
+
+    return _ELEMENTWISE.get((spec_key(spec), bits, stream_bits), build)
+
+
+def float8_flops_fraction(spec: ModelSpec) -> float:
+    """Share of a training step's matmul FLOPs that run in fp8 under ``--fp8``: the converted block linears
     (:func:`trainfit.analytic.float8.block_linears`: torchtitan's filter, dims ÷ 16; all three GEMMs of each —
     output, grad_input, grad_weight — are ``torch._scaled_mm`` in ``matmul_with_hp_or_float8_args``) over the
-    forward's matmul + attention FLOPs; the LM head and attention stay in bf16. Forward and backward have the same
-    share (each backward GEMM is twice its forward's), and a recompute's share is close to it (no head)."""
+    forward's matmul FLOPs; the LM head stays in bf16 (attention has its own rate and stays bf16 too). Forward
+    and backward have the same share (each backward GEMM is twice its forward's), and a recompute's share is
+    close to it (no head)."""
     from trainfit.analytic.float8 import block_linears
 
     converted = sum(x.in_features * x.out_features for x in block_linears(spec) if x.converted) * spec.num_layers
-    total = 2 * _numbers(spec).matmul_params + _attention_flops_per_token(spec, seq_len)
+    total = 2 * _numbers(spec).matmul_params
     return min(1.0, 2 * converted / total) if total else 0.0
 
 
-def float8_rate(spec: ModelSpec, gpu: GPUSpec, seq_len: int, rate: float, peak: float) -> float:
+def float8_rate(spec: ModelSpec, gpu: GPUSpec, rate: float, peak: float) -> float:
     """The sustained FLOP rate with a fraction φ of the FLOPs at the GPU's fp8 peak (the catalog's dense fp8
     tensor-core figure, twice bf16 on Ada/Hopper/Blackwell) and the rest at ``rate``: the time-weighted (harmonic)
     mean, 1 / ((1 − φ)/rate + φ/(rate·fp8/peak)). Same :data:`MATMUL_EFFICIENCY` for both; the casts' memory
@@ -220,7 +469,7 @@ def float8_rate(spec: ModelSpec, gpu: GPUSpec, seq_len: int, rate: float, peak: 
     fp8 = gpu.peak_tflops.get("fp8")
     if not fp8:
         return rate
-    phi = float8_flops_fraction(spec, seq_len)
+    phi = float8_flops_fraction(spec)
     fast = rate * float(fp8) * 1e12 / peak
     return 1.0 / ((1.0 - phi) / rate + phi / fast)
 
@@ -255,22 +504,35 @@ def step_time_of(
     nums = _numbers(spec)
 
     peak = _peak_flops(gpu, x.compute_dtype)
-    attn = _attention_flops_per_token(spec, seq)
-    layer_matmul = nums.matmul_params - spec.vocab_size * spec.hidden_size  # blocks only (the head is not recomputed)
-    passes = 2 if x.frozen_base else 3
-    fwd = 2 * nums.matmul_params + attn
-    recompute_fwd = (2 * max(layer_matmul, 0) + attn) if x.recompute else 0.0
-    model_flops_rank = passes * fwd * tokens_micro * accum / (t * p)
-    recompute_flops_rank = recompute_fwd * tokens_micro * accum / (t * p)
+    attn, model_flops, rc, elementwise = _per_token(spec, x)
+    tokens_rank = tokens_micro * accum / (t * p)  # token-passes of the whole model per rank and step
+    model_flops_rank = model_flops * tokens_rank
+    # Attention-core FLOPs, executed: the 3 × forward of the model count, FlashAttention's backward recompute
+    # and a recomputed forward; the rest of the model FLOPs (and the rest of the recompute) are matmuls.
+    attn_rank = (3 + FLASH_BACKWARD_RECOMPUTE) * attn * tokens_rank
+    matmul_rank = model_flops_rank - 3 * attn * tokens_rank
     flops_rate = peak * MATMUL_EFFICIENCY
     if x.float8:
-        flops_rate = float8_rate(spec, gpu, seq, flops_rate, peak)
+        flops_rate = float8_rate(spec, gpu, flops_rate, peak)
+    attn_rate = peak * attention_efficiency(gpu)
     hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
     layers_rank = spec.num_layers / p
-    act_traffic = ACTIVATION_BYTES_PER_HIDDEN * spec.hidden_size * layers_rank * tokens_micro * accum / t / hbm
-    mem_time = (3 + (1 if x.recompute else 0)) * act_traffic
-    recompute_time = recompute_flops_rank / flops_rate + (act_traffic if x.recompute else 0.0)
-    compute = (model_flops_rank + recompute_flops_rank) / flops_rate + mem_time
+    act_traffic = elementwise * layers_rank * tokens_micro * accum / t / hbm
+    mem_time = (3 + rc.memory_passes) * act_traffic
+    recompute_time = (
+        rc.flops * tokens_rank / flops_rate
+        + rc.attention_flops * tokens_rank / attn_rate
+        + rc.memory_passes * act_traffic
+    )
+    frozen_time, frozen_again = _frozen_base_seconds(spec, x, tokens_rank, hbm, linears_again=rc.linears_again)
+    if rc.linears_again:
+        recompute_time += frozen_again
+    compute = (
+        (matmul_rank + rc.flops * tokens_rank) / flops_rate
+        + (attn_rank + rc.attention_flops * tokens_rank) / attn_rate
+        + mem_time
+        + frozen_time
+    )
     compute_micro = compute / accum
 
     pcie = (gpu.pcie_gbps or 16.0) * 1e9
@@ -280,10 +542,11 @@ def step_time_of(
     dp_bw = net if d * t > gpn else intra
 
     local_params = nums.params / (t * p)
-    # Trained parameters: all, or with a frozen base only the adapters (~1% at rank 16; their gradients are
-    # all that is reduced).
-    local_trained = local_params if not x.frozen_base else local_params / 100
+    # Trained parameters: all, or with an adapter only its parameters (their gradients are all that is reduced).
+    local_trained = local_params if x.adapter is None else _adapter_numbers(spec, x.adapter).trained / (t * p)
     gb, wb = x.grad_bits / 8, x.weight_bits / 8
+    if x.base_quantization in (Quantization.NF4, Quantization.FP4):
+        wb = 0.5 + 1 / BNB_4BIT_BLOCK  # sharded 4-bit storage is what is gathered: packed weight + uint8 absmax
     sh = x.sharding
 
     comm = exposed = 0.0
@@ -304,7 +567,7 @@ def step_time_of(
         exposed += accum * max(0.0, per_micro - compute_micro) + max(0.0, across - compute_micro * 2 / 3)
     act = micro * seq * spec.hidden_size * x.compute_bits / 8
     if t > 1:
-        calls = 4 + (2 if x.recompute else 0)
+        calls = 4 + rc.tp_collectives
         c = calls * layers_rank * 2 * _ring(t) * act / tp_bw * accum
         comm += c
         exposed += c
@@ -320,7 +583,11 @@ def step_time_of(
         offload += shard_params * (gb + 2) / pcie + shard_params * HOST_ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBPS * 1e9)
     if x.offload_parameters:
         offload += accum * 2 * local_params / d * 2 / pcie
-    step = compute + exposed + bubble + offload
+    optimizer = 0.0
+    if not x.offload_optimizer:
+        stepped = local_trained if sh in (Sharding.NONE, Sharding.DDP) else local_trained / d
+        optimizer = stepped * HOST_ADAM_BYTES_PER_PARAM / hbm  # fused AdamW: memory-bound, same 28 B/param
+    step = compute + exposed + bubble + offload + optimizer
     return StepTime(
         compute_seconds=compute,
         recompute_seconds=recompute_time,
@@ -328,6 +595,7 @@ def step_time_of(
         exposed_comm_seconds=exposed,
         bubble_seconds=bubble,
         offload_seconds=offload,
+        optimizer_seconds=optimizer,
         step_seconds=step,
         tokens_per_step=tokens_step,
         tokens_per_second=tokens_step / step,
