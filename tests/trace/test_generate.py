@@ -107,8 +107,8 @@ def test_cli_method_trace(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[str]) -> None:
-    res = run_cli(capsys, "infer", "llama-3.2-1b", "--dtype", "nf4", "--method", "trace")
-    assert res.code == 2 and "trace" in res.err
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--dtype", "fp8", "--method", "trace")
+    assert res.code == 2 and "trace" in res.err and "fp8" in res.err
 
 
 FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]

@@ -62,11 +62,13 @@ latent is replicated on every rank.
 
 Weights (one implementation of each format, :mod:`trainfit.cuda_facts` for bitsandbytes): fp32/bf16/fp16
 store every tensor in that format. ``int8``/``nf4``/``fp4`` (bitsandbytes, via transformers'
-``BitsAndBytesConfig``) quantise every ``nn.Linear`` inside the layers and keep the embeddings, the LM
-head (``llm_int8_skip_modules`` defaults to the output embeddings), norms and the fused MoE expert tensors
-(not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` of the load. ``fp8`` is the fine-grained
-e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
-``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block), again layer linears only.
+``BitsAndBytesConfig``) quantise every ``nn.Linear`` but the output head (``get_keys_to_not_convert``; so
+also OPT-350m's ``project_in``/``project_out``) and keep the embeddings, the LM head, norms and the fused MoE
+expert tensors (not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` of the load. ``fp8`` is the
+fine-grained e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
+``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block) on the same linears, and on
+the fused experts too (``FP8Experts``, per expert and block). bitsandbytes' matmul transients are moments per
+linear (:func:`linear_transient_bytes`); fp8 matmuls count none (the Triton/DeepGEMM kernels are not modelled).
 
 Reserved memory: :func:`generate_events` writes the same quantities as the ``generate`` call's ordered
 allocations and frees (weights, the cache's growth by ``cat``, one block per moment), and
@@ -225,6 +227,13 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
             cols = numel // rows if rows else 0
             scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
             pieces = [allocator_bytes(numel), allocator_bytes(4 * scales)]
+        elif setup.dtype is WeightFormat.FP8 and in_layer and t.name.startswith("mlp.experts.") and len(t.shape) == 3:
+            # transformers' ``FP8Experts`` (replace_with_fp8_linear converts every ``.experts`` module): fp8
+            # [E, out, in] and fp32 scales [E, ⌈out/128⌉, ⌈in/128⌉], gate_up's output dim at least 2 blocks
+            # (``_alloc_expert_proj(min_sf_out=2)``).
+            e, n_out, n_in = t.shape
+            sf_out = max(-(-n_out // FP8_BLOCK), 2 if t.name.endswith("gate_up_proj") else 1)
+            pieces = [allocator_bytes(numel), allocator_bytes(4 * -(-(e * sf_out * -(-n_in // FP8_BLOCK)) // split))]
         else:
             pieces = [allocator_bytes(numel * keep_bits // 8)]
         out += pieces * count
