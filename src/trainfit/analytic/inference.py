@@ -68,7 +68,8 @@ expert tensors (not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` o
 fine-grained e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
 ``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block) on the same linears, and on
 the fused experts too (``FP8Experts``, per expert and block). bitsandbytes' matmul transients are moments per
-linear (:func:`linear_transient_bytes`); fp8 matmuls count none (the Triton/DeepGEMM kernels are not modelled).
+linear (:func:`linear_transient_bytes`), and so are fp8's (the activation's fp8 copy and per-group scales);
+the fused fp8 experts' grouped kernels count none.
 
 Reserved memory: :func:`generate_events` writes the same quantities as the ``generate`` call's ordered
 allocations and frees (weights, the cache's growth by ``cat``, one block per moment), and
@@ -540,7 +541,9 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
     * int8 (``MatMul8bitLt``, outlier threshold 6.0): the fp16 copy of the input, the int8 rows and fp32 row
       scales, then ``A.abs()`` and its bool outlier mask (``int8_vectorwise_quant``); then, with the int8 rows
       and scales still held, the int32 product beside its fp16 dequantisation, and the fp16 beside the cast
-      to the compute dtype (``int8_scaled_mm`` → ``int8_mm_dequant``).
+      to the compute dtype (``int8_scaled_mm`` → ``int8_mm_dequant``);
+    * fp8 (transformers ``FP8Linear``, Triton ``w8a8_block_dynamic_fp8_matmul`` or DeepGEMM): the input
+      quantised in one pass — an fp8 copy (rows·k) and fp32 scales per 1 × 128 group — beside the output.
     """
     a = setup.compute_bits // 8
     out = allocator_bytes(rows * n * a)
@@ -557,6 +560,8 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
         quant = a16 + held + max(allocator_bytes(rows * k * 2) + mask, mask + allocator_bytes(1))
         f16 = allocator_bytes(rows * n * 2)
         return max(quant, held + allocator_bytes(rows * n * 4) + f16, held + f16 + (0 if half else out))
+    if setup.dtype is WeightFormat.FP8:
+        return allocator_bytes(rows * k) + allocator_bytes(4 * rows * -(-k // FP8_BLOCK)) + out
     return out
 
 
@@ -586,7 +591,7 @@ def _quantised_linear_moments(
     normed q latent, kv_a_proj_with_mqa beside q, kv_b_proj over the whole cache (``mla_rows`` = batch × cached
     tokens, ``expand_kv``) beside q, the query cat and the kv latent, o_proj beside the attention moment
     (``mla_attention``: the expanded keys and values stay referenced) and the kv latent."""
-    if not setup.dtype.bnb:
+    if not (setup.dtype.bnb or setup.dtype is WeightFormat.FP8):
         return []
     a, tp = setup.compute_bits // 8, setup.tp
     h, nh, kvh = spec.hidden_size, spec.num_heads // tp, kv_heads_per_gpu(spec, tp)
@@ -820,7 +825,8 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
     that fragments a caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer``
     allocates the whole context at the prefill (a full static sliding layer ``roll``s into new tensors);
     an fp8 cache (:func:`hf_fp8`) quantises through fp32 copies and, from the first decode step, holds the
-    dequantised K/V through attention; then the final norm, the head's logits and ``generate``'s fp32 copy
+    dequantised K/V through attention; bitsandbytes weights add the layer's worst quantised linear as one
+    block; then the final norm, the head's logits and ``generate``'s fp32 copy
     (the previous step's freed after the next forward). The blocks are coarser than the real tensors (one
     per moment), so its allocated peak is near the closed forms', not equal to it."""
     if setup.attention is Attention.SDPA and not spec.supports_sdpa:
@@ -853,6 +859,7 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
             m.name: m.activations_bytes for m in _layer_moments(spec, setup, q, kv_len, masked=False, flash=flash)
         }
         attn = next(v for k, v in moments.items() if k.startswith("attention"))
+        linear = max((v for k, v in moments.items() if k.endswith(f"({setup.dtype.value})")), default=0)
         for i, win in enumerate(windows):
             block = st.alloc(moments["cache write"] - xb)
             held = _cache_update(st, spec, setup, cache[i], win, step, fp8)
@@ -861,6 +868,8 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
                 attn - xb - sum(kv_layer_tensors(spec, setup, kv_len, bits=setup.compute_bits) if held else ())
             )
             st.free(block, *held)
+            if linear:  # the layer's worst quantised linear (bitsandbytes' matmul transients), one block
+                st.free(st.alloc(linear - xb))
             block = st.alloc(moments["mlp"] - xb)
             out = st.alloc(xb)
             st.free(block, x)

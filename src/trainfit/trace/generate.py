@@ -86,20 +86,21 @@ def _build_dtype(setup: InferenceSetup) -> torch.dtype:
     """The dtype the model is built in: the weights' own 16/32-bit format; for bitsandbytes weights the
     compute dtype (bf16), which the embeddings, head and norms keep (transformers loads the rest with
     ``dtype=torch.bfloat16`` and quantises the layer linears)."""
-    if setup.dtype.bnb:
+    if setup.dtype.bnb or setup.dtype is WeightFormat.FP8:
         return _COMPUTE[setup.dtype.compute]
-    dtype = _DTYPES.get(setup.dtype)
-    if dtype is None:
-        raise TraceError(
-            f"--method trace runs fp32, bf16, fp16, int8, nf4 or fp4 weights, not {setup.dtype.value} "
-            "(transformers' fp8 linears need their Triton/DeepGEMM kernels); use --method analytic"
-        )
-    return dtype
+    return _DTYPES[setup.dtype]
 
 
 @contextlib.contextmanager
 def _quantised(model: torch.nn.Module, mode: Any, setup: InferenceSetup) -> Iterator[None]:
-    """bitsandbytes weights on the materialised ``model`` (trace/bnb.py) and their CUDA kernels' memory."""
+    """bitsandbytes weights on the materialised ``model`` (trace/bnb.py) and their CUDA kernels' memory; the
+    fp8 matmul stand-in for ``--dtype fp8`` (trace/fp8.py)."""
+    if setup.dtype is WeightFormat.FP8:
+        from trainfit.trace.fp8 import fp8_matmul_kernels
+
+        with fp8_matmul_kernels():
+            yield
+        return
     if not setup.dtype.bnb:
         yield
         return
@@ -126,7 +127,13 @@ def _quantised(model: torch.nn.Module, mode: Any, setup: InferenceSetup) -> Iter
 
 def _to_bnb_layers(model: torch.nn.Module, setup: InferenceSetup) -> None:
     """On the meta model: transformers' ``replace_with_bnb_linear`` for ``--dtype int8|nf4|fp4`` (outlier
-    threshold ``llm_int8_threshold=6.0``; ``bnb_4bit_compute_dtype`` = the compute dtype, bf16)."""
+    threshold ``llm_int8_threshold=6.0``; ``bnb_4bit_compute_dtype`` = the compute dtype, bf16), its
+    ``replace_with_fp8_linear`` for ``--dtype fp8`` (trainfit.trace.fp8)."""
+    if setup.dtype is WeightFormat.FP8:
+        from trainfit.trace.fp8 import to_fp8_layers
+
+        to_fp8_layers(model, _COMPUTE[setup.dtype.compute])
+        return
     if not setup.dtype.bnb:
         return
     from trainfit.cuda_facts import BNB_INT8_THRESHOLD
