@@ -22,6 +22,7 @@ answers "no" to ``is_deepgemm_loadable``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,10 +38,10 @@ def to_fp8_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """On the meta ``model``: transformers' ``replace_with_fp8_linear`` as its fine-grained fp8 quantizer runs it
     (``FineGrainedFP8HfQuantizer._process_model_before_weight_loading``)."""
     import transformers
-    from transformers.integrations import finegrained_fp8 as f8
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    config = transformers.FineGrainedFP8Config(weight_block_size=[FP8_BLOCK, FP8_BLOCK])
+    f8: Any = importlib.import_module("transformers.integrations.finegrained_fp8")
+    config = transformers.FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK))
     f8.replace_with_fp8_linear(model, modules_to_not_convert=get_keys_to_not_convert(model), quantization_config=config)
     for mod in model.modules():
         if isinstance(mod, f8.FP8Experts):
@@ -77,8 +78,7 @@ def _matmul_stand_in(
 @contextlib.contextmanager
 def fp8_matmul_kernels() -> Iterator[None]:
     """Route transformers' fp8 linears to :func:`_matmul_stand_in` while active."""
-    from transformers.integrations import finegrained_fp8 as f8
-
+    f8: Any = importlib.import_module("transformers.integrations.finegrained_fp8")
     saved = f8.finegrained_fp8_linear, f8.is_deepgemm_loadable
     f8.finegrained_fp8_linear = _matmul_stand_in
     f8.is_deepgemm_loadable = lambda: False
