@@ -51,6 +51,9 @@ CASES: list[tuple[str, InferenceSetup]] = [
     ("llama-3.2-1b", InferenceSetup(batch=1, prompt=4096, new_tokens=8, dtype="int8", attention="eager")),
     ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8, dtype="nf4")),
     ("deepseek-v3", InferenceSetup(batch=2, prompt=1024, new_tokens=4, dtype="int8")),
+    # transformers' fine-grained fp8 (FP8Linear, 128x128 blocks): the input's fp8 copy and scales per linear
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, dtype="fp8")),
+    ("qwen2.5-7b", InferenceSetup(batch=16, prompt=512, new_tokens=8, dtype="fp8")),
 ]
 
 
