@@ -32,6 +32,11 @@ KV cache until it dies, so a decode peak shows the cache plus one layer's copy);
 layer of a pass (final norm, head, the fp32 copy of the last-token logits) are logits; the rest are
 activations (hidden states, MLP intermediates, masks, rotary tables, token ids).
 
+Quantised weights: ``--dtype int8|nf4|fp4`` builds bitsandbytes layers as transformers'
+``replace_with_bnb_linear`` does and gives bitsandbytes' custom ops their CUDA kernels' memory
+(:mod:`trainfit.trace.bnb`, shared with the training trace); ``--dtype fp8`` builds transformers' ``FP8Linear``
+layers with a stand-in for the fp8 matmul kernel (:mod:`trainfit.trace.fp8`; MoE models refused).
+
 Depth: as for training (:mod:`trainfit.trace.depth`), a repeated run of layers is traced at 2 and 3 units
 and each *place* (before the stack, the run's first and last unit, after the stack) is extrapolated
 linearly per component, then each phase takes its largest place. Two units, not one, are the base here:
@@ -408,7 +413,8 @@ def trace_generate(
     split: bool = True,
     progress: Callable[[str, float], None] | None = None,
 ) -> GenerateTrace:
-    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU, 16/32-bit weights, a cache in the compute
+    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU; 16/32-bit, bitsandbytes int8/nf4/fp4 or dense
+    fine-grained fp8 weights; a cache in the compute
     dtype or transformers' dynamic fp8 cache)."""
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
