@@ -1123,9 +1123,16 @@ def explain_terms(
             name="weights",
             bytes=w,
             formula=f"every tensor in {setup.dtype.value}"
-            + (" (layer linears quantised; embeddings, head, norms bf16)" if setup.dtype.bits < 16 else "")
+            + (
+                " (linears but the head quantised"
+                + (", fused MoE experts too (FP8Experts)" if setup.dtype is WeightFormat.FP8 and spec.moe else "")
+                + "; embeddings, head, norms bf16)"
+                if setup.dtype.bits < 16
+                else ""
+            )
             + (f", split {setup.tp} ways" if setup.tp > 1 else ""),
-            source="trainfit.arch.params inventory; bitsandbytes layouts in trainfit.cuda_facts",
+            source="trainfit.arch.params inventory; bitsandbytes layouts in trainfit.cuda_facts; transformers "
+            "replace_with_bnb_linear / replace_with_fp8_linear",
         ),
         Term(
             name="kv cache (full length)",
