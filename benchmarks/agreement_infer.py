@@ -1,14 +1,17 @@
 """Analytic vs ``generate`` trace for inference, at catalog sizes: one row per model, setup and phase.
 
-    PYTHONPATH=src python benchmarks/agreement_infer.py [--markdown] [MODEL ...]
+    PYTHONPATH=src python benchmarks/agreement_infer.py [--markdown] [--dtype nf4|fp4|int8|...] [MODEL ...]
 
 The trace (``trainfit.trace.generate``) runs transformers' ``generate`` on fake tensors, depth-extrapolated
 from 2 and 3 layers; the analytic model is ``trainfit.analytic.inference``. Prints a table (markdown with
-``--markdown``, as in docs/accuracy.md).
+``--markdown``, as in docs/accuracy.md). ``--dtype D`` runs every case with weights in ``D`` instead (the
+bitsandbytes formats run real ``Linear4bit``/``Linear8bitLt`` layers with their CUDA kernels' memory,
+trainfit.trace.bnb); the quantised cases below are always in the table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -40,16 +43,29 @@ CASES: list[tuple[str, InferenceSetup]] = [
     ("llama-3.1-8b", InferenceSetup(batch=8, prompt=4096, new_tokens=8, kv_dtype="fp8")),
     ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=4096, new_tokens=4, kv_dtype="fp8")),
     ("deepseek-v3", InferenceSetup(batch=1, prompt=8192, new_tokens=4, kv_dtype="fp8")),
+    # bitsandbytes weights: the dequantised weight (4-bit, > 4 rows) or LLM.int8's activation buffers per linear
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, dtype="nf4")),
+    ("llama-3.1-8b", InferenceSetup(batch=1, prompt=512, new_tokens=8, dtype="nf4")),
+    ("mistral-7b-v0.1", InferenceSetup(batch=8, prompt=1024, new_tokens=8, dtype="fp4", double_quant=False)),
+    ("qwen2.5-7b", InferenceSetup(batch=8, prompt=1024, new_tokens=8, dtype="int8")),
+    ("llama-3.2-1b", InferenceSetup(batch=1, prompt=4096, new_tokens=8, dtype="int8", attention="eager")),
+    ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8, dtype="nf4")),
+    ("deepseek-v3", InferenceSetup(batch=2, prompt=1024, new_tokens=4, dtype="int8")),
+    # transformers' fine-grained fp8 (FP8Linear, 128x128 blocks): the input's fp8 copy and scales per linear
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, dtype="fp8")),
+    ("qwen2.5-7b", InferenceSetup(batch=16, prompt=512, new_tokens=8, dtype="fp8")),
 ]
 
 
 def main(argv: list[str]) -> None:
     markdown = "--markdown" in argv
-    only = [a for a in argv if not a.startswith("--")]
+    dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else None
+    only = [a for i, a in enumerate(argv) if not a.startswith("--") and (i == 0 or argv[i - 1] != "--dtype")]
     rows = []
-    for name, setup in CASES:
+    for name, base in CASES:
         if only and name not in only:
             continue
+        setup = dataclasses.replace(base, dtype=dtype) if dtype else base
         spec = load_model(name)
         t0 = time.perf_counter()
         try:
@@ -60,7 +76,8 @@ def main(argv: list[str]) -> None:
         secs = time.perf_counter() - t0
         an = phase_estimates(spec, setup)
         desc = (
-            f"{setup.dtype.value}{' kv-' + setup.kv_format.value if setup.kv_dtype else ''} "
+            f"{setup.dtype.value}{'' if setup.double_quant or not setup.dtype.bnb else ' no-dq'}"
+            f"{' kv-' + setup.kv_format.value if setup.kv_dtype else ''} "
             f"{setup.cache.value} {setup.attention.value} "
             f"b{setup.batch} p{setup.prompt}+{setup.new_tokens}"
         )

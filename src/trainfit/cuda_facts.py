@@ -36,6 +36,14 @@ BNB_4BIT_BLOCK = 64
 BNB_NESTED_BLOCK = 256
 BNB_4BIT_CODE_ENTRIES = 16  # nf4/fp4 lookup table, fp32
 BNB_NESTED_CODE_ENTRIES = 256  # the dynamic map used by double quantisation, fp32
+#: Rows (tokens × batch) up to which every CUDA architecture runs bitsandbytes' fused 4-bit matmul in
+#: inference (``_GEMM_4BIT_CUSTOM_FLOOR_M``, bitsandbytes 0.50 backends/cuda/ops.py ``gemm_4bit``); above it the
+#: weight may be dequantised whole (always above 1536 rows; between, a per-architecture table decides, and
+#: the dequantised weight is the larger memory, which both methods assume).
+BNB_4BIT_FUSED_MAX_ROWS = 4
+#: bitsandbytes' LLM.int8 quantises activations with an outlier threshold (transformers'
+#: ``llm_int8_threshold`` default).
+BNB_INT8_THRESHOLD = 6.0
 
 #: FlashAttention's largest head dim and minimum compute capability.
 FLASH_MAX_HEAD_DIM = 256

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -107,8 +108,9 @@ def test_cli_method_trace(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[str]) -> None:
-    res = run_cli(capsys, "infer", "llama-3.2-1b", "--dtype", "nf4", "--method", "trace")
-    assert res.code == 2 and "trace" in res.err
+    moe = str(Path(__file__).parents[1] / "fixtures" / "configs" / "tiny-qwen2-moe.json")
+    res = run_cli(capsys, "infer", moe, "--dtype", "fp8", "--method", "trace", "--prompt", "16", "--new-tokens", "2")
+    assert res.code == 2 and "trace" in res.err and "FP8Experts" in res.err
 
 
 FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]

@@ -62,11 +62,14 @@ latent is replicated on every rank.
 
 Weights (one implementation of each format, :mod:`trainfit.cuda_facts` for bitsandbytes): fp32/bf16/fp16
 store every tensor in that format. ``int8``/``nf4``/``fp4`` (bitsandbytes, via transformers'
-``BitsAndBytesConfig``) quantise every ``nn.Linear`` inside the layers and keep the embeddings, the LM
-head (``llm_int8_skip_modules`` defaults to the output embeddings), norms and the fused MoE expert tensors
-(not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` of the load. ``fp8`` is the fine-grained
-e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
-``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block), again layer linears only.
+``BitsAndBytesConfig``) quantise every ``nn.Linear`` but the output head (``get_keys_to_not_convert``; so
+also OPT-350m's ``project_in``/``project_out``) and keep the embeddings, the LM head, norms and the fused MoE
+expert tensors (not ``nn.Linear``) in bf16, the usual ``dtype=torch.bfloat16`` of the load. ``fp8`` is the
+fine-grained e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_size`` [128, 128]; transformers
+``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block) on the same linears, and on
+the fused experts too (``FP8Experts``, per expert and block). bitsandbytes' matmul transients are moments per
+linear (:func:`linear_transient_bytes`), and so are fp8's (the activation's fp8 copy and per-group scales);
+the fused fp8 experts' grouped kernels count none.
 
 Reserved memory: :func:`generate_events` writes the same quantities as the ``generate`` call's ordered
 allocations and frees (weights, the cache's growth by ``cat``, one block per moment), and
@@ -89,6 +92,8 @@ from trainfit.analytic.activations import PYTHON_GELUS
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import (
+    BNB_4BIT_BLOCK,
+    BNB_4BIT_FUSED_MAX_ROWS,
     SdpaKernel,
     allocator_bytes,
     has_flash_attention,
@@ -118,6 +123,9 @@ RULE_OF_THUMB_FACTOR = 1.2
 FP8_BLOCK = 128
 #: Model types whose MoE router weight transformers keeps in fp32 whatever the load dtype.
 _FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
+#: ``nn.Linear`` layers outside the layer stack that quantisation converts (everything but the output head,
+#: transformers' ``get_keys_to_not_convert``): OPT-350m's ``project_in``/``project_out`` (word_embed_proj_dim).
+_OUTER_LINEARS = frozenset({"project_in.weight", "project_out.weight"})
 #: Largest batch the capacity search tries.
 MAX_SEARCH = 1 << 20
 #: Fraction of GPU memory a ``generate`` fit leaves free by default.
@@ -196,6 +204,7 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
     tp = setup.tp
     keep_bits = setup.dtype.bits if setup.dtype in (WeightFormat.FP32, WeightFormat.BF16, WeightFormat.FP16) else 16
     out: list[int] = []
+    fused_gate_up = spec.model_type == "phi3"
     for t, count in inv.all_tensors():
         in_layer = id(t) in layer_ids
         is_norm = len(t.shape) == 1 and ("norm" in t.name)
@@ -205,7 +214,11 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
         # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
         # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``).
         router = t.name == "mlp.router.weight"
-        linear = in_layer and t.matmul and len(t.shape) == 2 and not router
+        linear = (in_layer or t.name in _OUTER_LINEARS) and t.matmul and len(t.shape) == 2 and not router
+        if fused_gate_up and t.name == "mlp.up_proj.weight":
+            continue  # Phi-3's gate and up are one ``gate_up_proj`` tensor (counted with gate_proj)
+        if fused_gate_up and t.name == "mlp.gate_proj.weight":
+            numel, rows = 2 * numel, 2 * rows
         if router and spec.model_type in _FP32_ROUTERS:
             pieces = [allocator_bytes(numel * 4)]
         elif linear and setup.dtype.bnb:
@@ -215,6 +228,13 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
             cols = numel // rows if rows else 0
             scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
             pieces = [allocator_bytes(numel), allocator_bytes(4 * scales)]
+        elif setup.dtype is WeightFormat.FP8 and in_layer and t.name.startswith("mlp.experts.") and len(t.shape) == 3:
+            # transformers' ``FP8Experts`` (replace_with_fp8_linear converts every ``.experts`` module): fp8
+            # [E, out, in] and fp32 scales [E, ⌈out/128⌉, ⌈in/128⌉], gate_up's output dim at least 2 blocks
+            # (``_alloc_expert_proj(min_sf_out=2)``).
+            e, n_out, n_in = t.shape
+            sf_out = max(-(-n_out // FP8_BLOCK), 2 if t.name.endswith("gate_up_proj") else 1)
+            pieces = [allocator_bytes(numel), allocator_bytes(4 * -(-(e * sf_out * -(-n_in // FP8_BLOCK)) // split))]
         else:
             pieces = [allocator_bytes(numel * keep_bits // 8)]
         out += pieces * count
@@ -464,7 +484,10 @@ def _layer_moments(
     # GPT2Block keeps ``attn_output`` referenced until it returns: a fourth hidden-size tensor; OPT's decoder
     # layer reassigns ``hidden_states`` to fc1's output, dropping the normed input: two.
     hidden = {"gpt2": 4, "opt": 2}.get(spec.model_type, 3)
-    out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp))
+    # Eager attention returns its probabilities, which the decoder layer keeps referenced (``hidden_states, _ =
+    # self.self_attn(...)``) until it returns: through o_proj and the whole MLP.
+    probs = allocator_bytes(b * nh * q * kv_len * a) if setup.attention is Attention.EAGER else 0
+    out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp + probs))
     if spec.mla is not None:
         m = spec.mla
         qd = nh * m.qk_head_dim
@@ -474,10 +497,14 @@ def _layer_moments(
         attn = 2 * x + allocator_bytes(t * qd * a) * 2 + expand + allocator_bytes(t * nh * m.v_head_dim * a)
         out.append(Moment(name="attention", activations_bytes=attn))
         out.append(Moment(name="cache write", activations_bytes=2 * x + 2 * allocator_bytes(t * qd * a)))
+        out += _quantised_linear_moments(
+            spec, setup, t, hidden * x + probs, eager_probs=probs, mla_rows=b * kv_len, mla_attention=attn
+        )
         return _with_dequantised(spec, setup, kv_len, out)
     qb = allocator_bytes(t * nh * hd * a)
     kb = allocator_bytes(t * kvh * hd * a)
     out.append(Moment(name="cache write", activations_bytes=2 * x + qb + 2 * kb))
+    out += _quantised_linear_moments(spec, setup, t, hidden * x + probs, eager_probs=probs)
     rep = allocator_bytes(b * nh * kv_len * hd * a)
     gqa = kvh != nh
     scores = b * nh * q * kv_len
@@ -500,6 +527,129 @@ def _layer_moments(
         name = f"attention (sdpa {kernel.value})"
     out.append(Moment(name=name, activations_bytes=attn))
     return _with_dequantised(spec, setup, kv_len, out)
+
+
+def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> int:
+    """The worst bytes one quantised linear holds beside its input while it runs, its output included, for
+    ``rows`` tokens of ``k`` inputs and ``n`` outputs (the CUDA kernels of bitsandbytes 0.50,
+    backends/cuda/ops.py; the trace emulates the same kernels, trainfit.trace.bnb):
+
+    * nf4/fp4 (``gemm_4bit``): up to :data:`~trainfit.cuda_facts.BNB_4BIT_FUSED_MAX_ROWS` rows the fused kernel
+      writes the output only; above, ``_dequant_linear_fallback`` dequantises the whole weight (n·k in the
+      compute dtype) beside the output, and with double quantisation first the per-block absmax and its sum
+      with the offset (two fp32 tensors of ⌈n·k/64⌉);
+    * int8 (``MatMul8bitLt``, outlier threshold 6.0): the fp16 copy of the input, the int8 rows and fp32 row
+      scales, then ``A.abs()`` and its bool outlier mask (``int8_vectorwise_quant``); then, with the int8 rows
+      and scales still held, the int32 product beside its fp16 dequantisation, and the fp16 beside the cast
+      to the compute dtype (``int8_scaled_mm`` → ``int8_mm_dequant``);
+    * fp8 (transformers ``FP8Linear``, Triton ``w8a8_block_dynamic_fp8_matmul`` or DeepGEMM): the input
+      quantised in one pass — an fp8 copy (rows·k) and fp32 scales per 1 × 128 group — beside the output.
+    """
+    a = setup.compute_bits // 8
+    out = allocator_bytes(rows * n * a)
+    if setup.dtype in (WeightFormat.NF4, WeightFormat.FP4):
+        if rows <= BNB_4BIT_FUSED_MAX_ROWS:
+            return out
+        absmax = 2 * allocator_bytes(4 * -(-(n * k) // BNB_4BIT_BLOCK)) if setup.double_quant else 0
+        return absmax + allocator_bytes(n * k * a) + out
+    if setup.dtype is WeightFormat.INT8:
+        half = setup.dtype.compute is KVFormat.FP16
+        held = allocator_bytes(rows * k) + allocator_bytes(rows * 4)  # int8 rows, fp32 row scales
+        a16 = 0 if half else allocator_bytes(rows * k * 2)
+        mask = allocator_bytes(rows * k)
+        quant = a16 + held + max(allocator_bytes(rows * k * 2) + mask, mask + allocator_bytes(1))
+        f16 = allocator_bytes(rows * n * 2)
+        return max(quant, held + allocator_bytes(rows * n * 4) + f16, held + f16 + (0 if half else out))
+    if setup.dtype is WeightFormat.FP8:
+        return allocator_bytes(rows * k) + allocator_bytes(4 * rows * -(-k // FP8_BLOCK)) + out
+    return out
+
+
+def _quantised_linear_moments(
+    spec: ModelSpec,
+    setup: InferenceSetup,
+    t: int,
+    hidden: int,
+    *,
+    eager_probs: int = 0,
+    mla_rows: int = 0,
+    mla_attention: int = 0,
+) -> list[Moment]:
+    """One moment per bitsandbytes linear of a Llama-style layer (dense or MoE shared experts) for ``t`` tokens:
+    what is alive when it is called plus :func:`linear_transient_bytes`. ``hidden``: the hidden-size tensors
+    the layer holds through its MLP. Attention (``LlamaAttention.forward``): q_proj beside the layer input
+    and its norm, k_proj beside q too, v_proj beside q and k, o_proj beside q after RoPE and the attention
+    output. MLP (``LlamaMLP``: ``down(act(gate(x)) * up(x))``): gate beside the MLP's hidden tensors, up beside
+    act(gate) too, down beside the product; Phi-3's fused ``gate_up_proj`` output stays alive (the ``gate``
+    chunk is a view of it) through the down projection; a dense MLP's fc2 beside fc1's activated output.
+    MoE layers: their shared experts (nn.Linear) — DeepSeek's after the routed experts, whose output is held
+    (one more hidden-size tensor); the routed experts are fused tensors bitsandbytes does not quantise; a
+    MoE model's leading dense layers (DeepSeek ``first_k_dense_replace``) run the dense MLP.
+    ``hidden``: the hidden-size tensors the layer holds through its MLP, and eager attention's probabilities
+    (``eager_probs``), which live from o_proj to the end of the layer.
+    MLA (``DeepseekV2Attention.forward``): q_a_proj/q_proj beside the input and its norm, q_b_proj beside the
+    normed q latent, kv_a_proj_with_mqa beside q, kv_b_proj over the whole cache (``mla_rows`` = batch × cached
+    tokens, ``expand_kv``) beside q, the query cat and the kv latent, o_proj beside the attention moment
+    (``mla_attention``: the expanded keys and values stay referenced) and the kv latent."""
+    if not (setup.dtype.bnb or setup.dtype is WeightFormat.FP8):
+        return []
+    a, tp = setup.compute_bits // 8, setup.tp
+    h, nh, kvh = spec.hidden_size, spec.num_heads // tp, kv_heads_per_gpu(spec, tp)
+    x = allocator_bytes(t * h * a)
+    out: list[Moment] = []
+
+    def add(name: str, base: int, k: int, n: int) -> None:
+        out.append(
+            Moment(
+                name=f"{name} ({setup.dtype.value})", activations_bytes=base + linear_transient_bytes(setup, t, k, n)
+            )
+        )
+
+    if spec.mla is None:
+        hd = spec.head_dim
+        qb, kb = allocator_bytes(t * nh * hd * a), allocator_bytes(t * kvh * hd * a)
+        add("q_proj", 2 * x, h, nh * hd)
+        add("k_proj", 2 * x + qb, h, kvh * hd)
+        add("v_proj", 2 * x + qb + kb, h, kvh * hd)
+        add("o_proj", 2 * x + 2 * qb + eager_probs, nh * hd, h)
+    else:
+        m = spec.mla
+        qd = allocator_bytes(t * nh * m.qk_head_dim * a)
+        if m.q_lora_rank:
+            add("q_a_proj", 2 * x, h, m.q_lora_rank)
+            add("q_b_proj", 2 * x + allocator_bytes(t * m.q_lora_rank * a), m.q_lora_rank, nh * m.qk_head_dim)
+        else:
+            add("q_proj", 2 * x, h, nh * m.qk_head_dim)
+        latent = allocator_bytes(t * (m.kv_lora_rank + m.qk_rope_head_dim) * a)
+        add("kv_a_proj_with_mqa", 2 * x + qd, h, m.kv_lora_rank + m.qk_rope_head_dim)
+        kv_b = linear_transient_bytes(setup, mla_rows, m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim))
+        out.append(Moment(name=f"kv_b_proj ({setup.dtype.value})", activations_bytes=2 * x + 2 * qd + latent + kv_b))
+        add("o_proj", mla_attention + latent, nh * m.v_head_dim, h)
+
+    def gated(base: int, inter: int, name: str = "") -> None:
+        ti = allocator_bytes(t * inter * a)
+        add(f"{name}gate_proj", base, h, inter)
+        add(f"{name}up_proj", base + ti, h, inter)
+        add(f"{name}down_proj", base + ti, inter, h)
+
+    if spec.moe is not None:
+        moe = spec.moe
+        shared_i = moe.num_shared_experts * moe.shared_expert_intermediate_size // tp
+        if shared_i:
+            gated(hidden + (0 if moe.shared_expert_gate else x), shared_i, "shared ")
+        if moe.num_dense_layers:
+            gated(hidden, spec.intermediate_size // tp, "dense ")
+        return out
+    inter = spec.intermediate_size // tp
+    if spec.model_type == "phi3":
+        add("gate_up_proj", hidden, h, 2 * inter)
+        add("down_proj", hidden + allocator_bytes(t * 2 * inter * a) + allocator_bytes(t * inter * a), inter, h)
+    elif spec.mlp is MlpKind.GATED:
+        gated(hidden, inter)
+    else:
+        add("fc1", hidden, h, inter)
+        add("fc2", hidden + allocator_bytes(t * inter * a), inter, h)
+    return out
 
 
 def _with_dequantised(spec: ModelSpec, setup: InferenceSetup, kv_len: int, moments: list[Moment]) -> list[Moment]:
@@ -675,7 +825,8 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
     that fragments a caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer``
     allocates the whole context at the prefill (a full static sliding layer ``roll``s into new tensors);
     an fp8 cache (:func:`hf_fp8`) quantises through fp32 copies and, from the first decode step, holds the
-    dequantised K/V through attention; then the final norm, the head's logits and ``generate``'s fp32 copy
+    dequantised K/V through attention; bitsandbytes weights add the layer's worst quantised linear as one
+    block; then the final norm, the head's logits and ``generate``'s fp32 copy
     (the previous step's freed after the next forward). The blocks are coarser than the real tensors (one
     per moment), so its allocated peak is near the closed forms', not equal to it."""
     if setup.attention is Attention.SDPA and not spec.supports_sdpa:
@@ -708,6 +859,7 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
             m.name: m.activations_bytes for m in _layer_moments(spec, setup, q, kv_len, masked=False, flash=flash)
         }
         attn = next(v for k, v in moments.items() if k.startswith("attention"))
+        linear = max((v for k, v in moments.items() if k.endswith(f"({setup.dtype.value})")), default=0)
         for i, win in enumerate(windows):
             block = st.alloc(moments["cache write"] - xb)
             held = _cache_update(st, spec, setup, cache[i], win, step, fp8)
@@ -716,6 +868,8 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
                 attn - xb - sum(kv_layer_tensors(spec, setup, kv_len, bits=setup.compute_bits) if held else ())
             )
             st.free(block, *held)
+            if linear:  # the layer's worst quantised linear (bitsandbytes' matmul transients), one block
+                st.free(st.alloc(linear - xb))
             block = st.alloc(moments["mlp"] - xb)
             out = st.alloc(xb)
             st.free(block, x)
@@ -969,9 +1123,16 @@ def explain_terms(
             name="weights",
             bytes=w,
             formula=f"every tensor in {setup.dtype.value}"
-            + (" (layer linears quantised; embeddings, head, norms bf16)" if setup.dtype.bits < 16 else "")
+            + (
+                " (linears but the head quantised"
+                + (", fused MoE experts too (FP8Experts)" if setup.dtype is WeightFormat.FP8 and spec.moe else "")
+                + "; embeddings, head, norms bf16)"
+                if setup.dtype.bits < 16
+                else ""
+            )
             + (f", split {setup.tp} ways" if setup.tp > 1 else ""),
-            source="trainfit.arch.params inventory; bitsandbytes layouts in trainfit.cuda_facts",
+            source="trainfit.arch.params inventory; bitsandbytes layouts in trainfit.cuda_facts; transformers "
+            "replace_with_bnb_linear / replace_with_fp8_linear",
         ),
         Term(
             name="kv cache (full length)",

@@ -18,6 +18,9 @@ def infer_cmd(
     kv_dtype: Annotated[
         str | None, typer.Option("--kv-dtype", help="KV cache: fp32 | bf16 | fp16 | fp8 (default: compute dtype)")
     ] = None,
+    double_quant: Annotated[
+        bool, typer.Option("--double-quant/--no-double-quant", help="nf4/fp4: quantise the absmax constants.")
+    ] = True,
     cache: Annotated[str, typer.Option(help="dynamic | static | sliding | paged")] = "dynamic",
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per paged KV block.")] = 16,
     attention: Annotated[str, typer.Option(help="sdpa | eager")] = "sdpa",
@@ -83,6 +86,7 @@ def infer_cmd(
         block_size=block_size,
         attention=attention,  # type: ignore[arg-type]
         tp=degree,
+        double_quant=double_quant,
     )
     report = infer(
         model,

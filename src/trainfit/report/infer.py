@@ -50,6 +50,7 @@ def infer_json(report: InferenceReport) -> dict[str, Any]:
             "prompt": s.prompt,
             "new_tokens": s.new_tokens,
             "dtype": s.dtype.value,
+            "double_quant": s.double_quant,
             "kv_dtype": s.kv_format.value,
             "cache": s.cache.value,
             "block_size": s.block_size,

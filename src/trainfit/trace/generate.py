@@ -32,6 +32,11 @@ KV cache until it dies, so a decode peak shows the cache plus one layer's copy);
 layer of a pass (final norm, head, the fp32 copy of the last-token logits) are logits; the rest are
 activations (hidden states, MLP intermediates, masks, rotary tables, token ids).
 
+Quantised weights: ``--dtype int8|nf4|fp4`` builds bitsandbytes layers as transformers'
+``replace_with_bnb_linear`` does and gives bitsandbytes' custom ops their CUDA kernels' memory
+(:mod:`trainfit.trace.bnb`, shared with the training trace); ``--dtype fp8`` builds transformers' ``FP8Linear``
+layers with a stand-in for the fp8 matmul kernel (:mod:`trainfit.trace.fp8`; MoE models refused).
+
 Depth: as for training (:mod:`trainfit.trace.depth`), a repeated run of layers is traced at 2 and 3 units
 and each *place* (before the stack, the run's first and last unit, after the stack) is extrapolated
 linearly per component, then each phase takes its largest place. Two units, not one, are the base here:
@@ -79,6 +84,73 @@ LATE = "@late"
 _KV = 100  # tracker kind for KV-cache storages (beyond the training kinds)
 
 _DTYPES = {WeightFormat.FP32: torch.float32, WeightFormat.BF16: torch.bfloat16, WeightFormat.FP16: torch.float16}
+_COMPUTE = {KVFormat.FP32: torch.float32, KVFormat.BF16: torch.bfloat16, KVFormat.FP16: torch.float16}
+
+
+def _build_dtype(setup: InferenceSetup) -> torch.dtype:
+    """The dtype the model is built in: the weights' own 16/32-bit format; for bitsandbytes weights the
+    compute dtype (bf16), which the embeddings, head and norms keep (transformers loads the rest with
+    ``dtype=torch.bfloat16`` and quantises the layer linears)."""
+    if setup.dtype.bnb or setup.dtype is WeightFormat.FP8:
+        return _COMPUTE[setup.dtype.compute]
+    return _DTYPES[setup.dtype]
+
+
+@contextlib.contextmanager
+def _quantised(model: torch.nn.Module, mode: Any, setup: InferenceSetup) -> Iterator[None]:
+    """bitsandbytes weights on the materialised ``model`` (trace/bnb.py) and their CUDA kernels' memory; the
+    fp8 matmul stand-in for ``--dtype fp8`` (trace/fp8.py)."""
+    if setup.dtype is WeightFormat.FP8:
+        from trainfit.trace.fp8 import fp8_matmul_kernels
+
+        with fp8_matmul_kernels():
+            yield
+        return
+    if not setup.dtype.bnb:
+        yield
+        return
+    import logging
+
+    from trainfit.trace import bnb
+
+    log = logging.getLogger("bitsandbytes.autograd._functions")  # MatMul8bitLt warns of its fp16 cast per call
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        if setup.dtype is WeightFormat.INT8:
+            with bnb.int8_weights(model, mode):
+                yield
+        else:
+            compute = _COMPUTE[setup.dtype.compute]
+            with bnb.four_bit_weights(
+                model, mode, quant_type=setup.dtype.value, double_quant=setup.double_quant, compute=compute
+            ):
+                yield
+    finally:
+        log.setLevel(level)
+
+
+def _to_bnb_layers(model: torch.nn.Module, setup: InferenceSetup) -> None:
+    """On the meta model: transformers' ``replace_with_bnb_linear`` for ``--dtype int8|nf4|fp4`` (outlier
+    threshold ``llm_int8_threshold=6.0``; ``bnb_4bit_compute_dtype`` = the compute dtype, bf16), its
+    ``replace_with_fp8_linear`` for ``--dtype fp8`` (trainfit.trace.fp8)."""
+    if setup.dtype is WeightFormat.FP8:
+        from trainfit.trace.fp8 import to_fp8_layers
+
+        to_fp8_layers(model, _COMPUTE[setup.dtype.compute])
+        return
+    if not setup.dtype.bnb:
+        return
+    from trainfit.cuda_facts import BNB_INT8_THRESHOLD
+    from trainfit.trace import bnb
+
+    if setup.dtype is WeightFormat.INT8:
+        bnb.to_linear8bit(model, threshold=BNB_INT8_THRESHOLD)
+    else:
+        bnb.to_linear4bit(
+            model, quant_type=setup.dtype.value, double_quant=setup.double_quant, compute=_COMPUTE[setup.dtype.compute]
+        )
+
 
 Place = tuple[str, int, str]  # ("before" | "unit" | "after", run, "first" | "last")
 
@@ -194,7 +266,10 @@ def _run_layout(
     cache_len: int | None = None,
 ) -> tuple[tk.Tracker, list[_PassMarks], dict[SdpaKernel, int]]:
     mode = rn.fake_mode()
+    _to_bnb_layers(model, setup)
     rn.materialize(model, mode, None)
+    held = contextlib.ExitStack()  # the quantised weights' state, for the run
+    held.enter_context(_quantised(model, mode, setup))
     model.eval()
     conf: Any = model.config
     conf.use_cache = True
@@ -232,9 +307,14 @@ def _run_layout(
 
     model.forward = traced_forward
     kernels = CudaKernels(flash=flash)
+    bnb_kernels: Any = contextlib.nullcontext()
+    if setup.dtype.bnb:
+        from trainfit.trace.bnb import CudaBnbKernels
+
+        bnb_kernels = CudaBnbKernels()
     b, s = setup.batch, setup.prompt
     try:
-        with mode, _mask_patches(), kernels, tr, answers, torch.no_grad():
+        with mode, _mask_patches(), kernels, tr, answers, bnb_kernels, torch.no_grad():
             ids = torch.zeros((b, s), dtype=torch.long)
             mask = torch.ones((b, s), dtype=torch.long)
             tr.mark([ids, mask], tk.NONE)
@@ -258,6 +338,7 @@ def _run_layout(
     finally:
         for h in handles:
             h.remove()
+        held.close()
     tr.t += 1  # the end of generate: everything it returned is dropped
     return tr, passes, dict(kernels.sdpa_calls)
 
@@ -332,15 +413,14 @@ def trace_generate(
     split: bool = True,
     progress: Callable[[str, float], None] | None = None,
 ) -> GenerateTrace:
-    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU, 16/32-bit weights, a cache in the compute
+    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU; 16/32-bit, bitsandbytes int8/nf4/fp4 or dense
+    fine-grained fp8 weights; a cache in the compute
     dtype or transformers' dynamic fp8 cache)."""
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     if setup.tp != 1:
         raise TraceError("--method trace runs one GPU: use --tp 1 (the analytic method models tensor parallelism)")
-    dtype = _DTYPES.get(setup.dtype)
-    if dtype is None:
-        raise TraceError(f"--method trace runs fp32, bf16 or fp16 weights, not {setup.dtype.value}")
+    dtype = _build_dtype(setup)
     _check_kv_dtype(spec, setup)
     say("building the model on the meta device", 0.0)
     strategy = Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE)
@@ -467,9 +547,9 @@ def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = Tru
     (as the model is put on the device), then every storage the tracker saw, freed when it died. What the
     caching-allocator simulation replays to check the closed forms' own stream
     (:func:`trainfit.analytic.inference.generate_events`); no depth extrapolation, no split (small models)."""
-    dtype = _DTYPES.get(setup.dtype)
-    if dtype is None or setup.tp != 1:
-        raise TraceError("generate_events traces one GPU with fp32, bf16 or fp16 weights")
+    if setup.tp != 1:
+        raise TraceError("generate_events traces one GPU")
+    dtype = _build_dtype(setup)
     _check_kv_dtype(spec, setup)
     meta, _ = hf.build_meta(spec, Strategy(attention=setup.attention, checkpointing=Checkpointing.NONE), dtype)
     meta_config: Any = meta.config

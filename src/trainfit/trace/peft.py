@@ -21,7 +21,8 @@ so the stack path, the head and the checkpointing hooks of :mod:`trainfit.trace.
 A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` of the
 layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone, ``modules_to_not_convert``), then
 ``prepare_model_for_kbit_training`` (peft/utils/other.py) casts every other parameter to fp32, then PEFT wraps
-the 4-bit layers (``peft/tuners/lora/bnb.py`` ``Linear4bit``). After the fake parameters are in place, each
+the 4-bit layers (``peft/tuners/lora/bnb.py`` ``Linear4bit``). The bitsandbytes construction lives in
+:mod:`trainfit.trace.bnb` (shared with the ``generate`` trace). After the fake parameters are in place, each
 4-bit weight is quantised *on a fake tensor* with ``bitsandbytes.functional.quantize_4bit`` (DESIGN §4.4) and
 kept as a plain frozen parameter carrying its ``quant_state``; the state's tensors (absmax, nested absmax,
 codes, offset) are registered as buffers so they count as weights. Double quantisation builds
@@ -44,7 +45,6 @@ frozen and trainable layers form separate runs of the depth extrapolation.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -54,6 +54,7 @@ import torch
 from trainfit.errors import DependencyError
 from trainfit.strategy import ALL_LINEAR, AdapterKind, Quantization, Strategy
 from trainfit.strategy.dtypes import DType
+from trainfit.trace import bnb
 
 _TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -109,133 +110,37 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
 
 
 def _to_linear4bit(model: torch.nn.Module, strategy: Strategy) -> None:
-    """Replace every ``nn.Linear`` but the output head with a meta ``bnb.nn.Linear4bit`` (transformers'
-    ``replace_with_bnb_linear``; the head is in ``modules_to_not_convert``)."""
-    bnb: Any = importlib.import_module("bitsandbytes")
-    m: Any = model
-    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[strategy.recipe.compute_dtype]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child is head:
-                continue
-            q = bnb.nn.Linear4bit(
-                child.in_features,
-                child.out_features,
-                bias=child.bias is not None,
-                compute_dtype=compute,
-                compress_statistics=strategy.base_weights.double_quant,
-                quant_type=strategy.base_weights.quantization.value,
-                device="meta",
-            )
-            setattr(parent, name, q)
-    m.is_loaded_in_4bit = True  # what PEFT and prepare_model_for_kbit_training look for
+    """``Linear4bit`` layers for a QLoRA base (trace/bnb.py ``to_linear4bit``)."""
+    bnb.to_linear4bit(
+        model,
+        quant_type=strategy.base_weights.quantization.value,
+        double_quant=strategy.base_weights.double_quant,
+        compute=_TORCH_DTYPES[DType(strategy.recipe.compute_dtype)],
+    )
 
 
 def _to_linear8bit(model: torch.nn.Module) -> None:
-    """Replace every ``nn.Linear`` but the output head with a meta ``bnb.nn.Linear8bitLt`` as transformers'
-    ``replace_with_bnb_linear`` does for ``load_in_8bit`` (``has_fp16_weights=False``: int8 weights that take
-    no gradient). The outlier threshold is 0 here, not transformers' ``llm_int8_threshold=6.0``: the outlier
-    columns are data-dependent (a dynamic shape fake tensors cannot give); they add a T × n_outliers fp16
-    ``subA`` per linear, a few columns (Dettmers et al. 2022 §3)."""
-    bnb: Any = importlib.import_module("bitsandbytes")
-    m: Any = model
-    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child is head:
-                continue
-            q = bnb.nn.Linear8bitLt(
-                child.in_features,
-                child.out_features,
-                bias=child.bias is not None,
-                has_fp16_weights=False,
-                threshold=0.0,
-                device="meta",
-            )
-            setattr(parent, name, q)
-    m.is_loaded_in_8bit = True  # what PEFT (dispatch_bnb_8bit) looks for
-
-
-@contextlib.contextmanager
-def _cuda_int8_matmul() -> Iterator[None]:
-    """Run ``bnb.matmul`` as on a CUDA device: in training on a CPU tensor bitsandbytes takes
-    ``MatMul8bitFp`` (dequantise, then a float matmul; bitsandbytes/autograd/_functions.py ``matmul``), on
-    CUDA ``MatMul8bitLt``, whose memory the trace must show. The per-call warning about the fp16 cast of a
-    non-fp16 input is silenced."""
-    import logging
-
-    bnb: Any = importlib.import_module("bitsandbytes")
-    fns: Any = importlib.import_module("bitsandbytes.autograd._functions")
-    saved = bnb.matmul
-    log = logging.getLogger("bitsandbytes.autograd._functions")
-    level = log.level
-
-    def matmul(A: Any, B: Any, out: Any = None, state: Any = None, threshold: float = 0.0, bias: Any = None) -> Any:
-        state = state or fns.MatmulLtState()
-        if threshold > 0.0:
-            state.threshold = threshold
-        return fns.MatMul8bitLt.apply(A, B, out, bias, state)
-
-    bnb.matmul = matmul
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        bnb.matmul = saved
-        log.setLevel(level)
+    """``Linear8bitLt`` layers for an LLM.int8 base, outlier threshold 0 (trace/bnb.py ``to_linear8bit``)."""
+    bnb.to_linear8bit(model)
 
 
 @contextlib.contextmanager
 def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> Iterator[None]:
     """Quantise every ``Linear4bit`` weight of the materialised ``model`` on fake tensors of ``mode`` (a
-    ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run."""
-    if strategy.base_weights.quantization is Quantization.INT8:
-        with _int8_weights(model, mode), _cuda_int8_matmul():
+    ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run (trace/bnb.py)."""
+    q = strategy.base_weights.quantization
+    if q is Quantization.INT8:
+        with bnb.int8_weights(model, mode), bnb.cuda_int8_matmul():
             yield
         return
-    if strategy.base_weights.quantization not in (Quantization.NF4, Quantization.FP4):
+    if q not in (Quantization.NF4, Quantization.FP4):
         yield
         return
-    bnb: Any = importlib.import_module("bitsandbytes")
-    bf: Any = importlib.import_module("bitsandbytes.functional")
-
-    saved = bf.name2qmap.get("dynamic")
-    real_map = bf.create_dynamic_map()
-    bf.name2qmap["dynamic"] = mode.from_tensor(real_map) if mode is not None else real_map
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[strategy.recipe.compute_dtype]
-    try:
-        with mode if mode is not None else contextlib.nullcontext():
-            for mod in model.modules():
-                if not isinstance(mod, bnb.nn.Linear4bit):
-                    continue
-                out_f, in_f = mod.out_features, mod.in_features
-                w = torch.zeros(out_f, in_f, dtype=compute)
-                packed, qs = bf.quantize_4bit(
-                    w,
-                    blocksize=64,
-                    quant_type=strategy.base_weights.quantization.value,
-                    compress_statistics=strategy.base_weights.double_quant,
-                    quant_storage=torch.uint8,
-                )
-                weight = torch.nn.Parameter(packed, requires_grad=False)
-                weight.quant_state = qs  # type: ignore[attr-defined]
-                mod.weight = weight
-                mod.quant_state = qs
-                parts = [qs.absmax, qs.code]
-                if qs.nested:
-                    parts += [qs.offset, qs.state2.absmax, qs.state2.code]
-                for k, t in enumerate(parts):
-                    mod.register_buffer(f"_trainfit_quant_{k}", t, persistent=False)
-                # This frame lives through the run: keep no reference to the last weight, which a framework
-                # that replaces the parameters (FSDP2's shards) would otherwise leave alive.
-                del w, packed, weight
+    compute = _TORCH_DTYPES[DType(strategy.recipe.compute_dtype)]
+    with bnb.four_bit_weights(
+        model, mode, quant_type=q.value, double_quant=strategy.base_weights.double_quant, compute=compute
+    ):
         yield
-    finally:
-        if saved is None:
-            bf.name2qmap.pop("dynamic", None)
-        else:
-            bf.name2qmap["dynamic"] = saved
 
 
 #: HF module names that differ from the inventory's (the analytic side's ``_HF_ALIASES``, both ways).
@@ -292,26 +197,3 @@ def freeze_patterns(model: torch.nn.Module, stack_path: str, patterns: tuple[str
                         p.requires_grad_(False)
                 break
     return len(frozen)
-
-
-@contextlib.contextmanager
-def _int8_weights(model: torch.nn.Module, mode: Any) -> Iterator[None]:
-    """Give every ``Linear8bitLt`` of the materialised ``model`` what ``Int8Params._quantize`` leaves on the
-    device (bitsandbytes/nn/modules.py): the int8 weight ``CB`` (N × K) as the parameter's data, with
-    ``CB`` and the fp32 row scales ``SCB`` (N) attached; the first forward moves them to the module's
-    ``MatmulLtState`` (``init_8bit_state``). ``SCB`` is registered as a buffer so it counts as weights:
-    N·K + 4·N bytes per linear (DESIGN §4.4)."""
-    bnb: Any = importlib.import_module("bitsandbytes")
-    with mode if mode is not None else contextlib.nullcontext():
-        for mod in model.modules():
-            if not isinstance(mod, bnb.nn.Linear8bitLt):
-                continue
-            dev = mod.weight.device  # the run's device (--method measure runs these on a real GPU)
-            cb = torch.zeros(mod.out_features, mod.in_features, dtype=torch.int8, device=dev)
-            scb = torch.ones(mod.out_features, dtype=torch.float32, device=dev)
-            weight = torch.nn.Parameter(cb, requires_grad=False)
-            weight.CB = cb  # type: ignore[attr-defined]
-            weight.SCB = scb  # type: ignore[attr-defined]
-            mod.weight = weight
-            mod.register_buffer("_trainfit_quant_0", scb, persistent=False)
-    yield
