@@ -257,10 +257,10 @@ def _check_torch_tp(spec: ModelSpec, strategy: Strategy) -> None:
     tp = par.tensor
     if par.pipeline > 1:
         raise StrategyError("pipeline parallelism is modelled with --engine megatron, not torch")
-    if sh is not Sharding.NONE:
+    if sh not in (Sharding.NONE, Sharding.FSDP):
         raise StrategyError(
-            f"DTensor tensor parallelism (--engine torch --tp) is modelled with --sharding none, not {sh.value} "
-            "(2-D FSDP2×TP is not modelled yet); --engine megatron with --sharding ddp|zero1 is, by --method analytic"
+            f"DTensor tensor parallelism (--engine torch --tp) is modelled with --sharding none|fsdp (2-D FSDP2×TP), "
+            f"not {sh.value}; --engine megatron with --sharding ddp|zero1 is, by --method analytic"
         )
     if strategy.offload.any:
         raise StrategyError("offload with DTensor tensor parallelism is not modelled")
@@ -707,14 +707,24 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     )
 
 
-def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+def _fsdp(
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    *,
+    q: StepInputs | None = None,
+    held_spec: ModelSpec | None = None,
+) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+    """One FSDP2 rank. ``q``/``held_spec`` (2-D FSDP2×TP, :func:`_fsdp_tp`): the rank's step inputs and the
+    model whose parameter inventory is the tensors FSDP2 shards (the TP-local ones), instead of ``spec``'s."""
     cs = _compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
-    q = step_inputs(spec, cs, keep_logits=False)
-    st = fsdp_states(spec, strategy, p.shard)
-    inv = inventory(spec)
+    q = q or step_inputs(spec, cs, keep_logits=False)
+    held_spec = held_spec or spec
+    st = fsdp_states(held_spec, strategy, p.shard)
+    inv = inventory(held_spec)
     cbits = cs.recipe.compute_bits
     mixed = strategy.recipe.mixed
-    fg = fsdp_groups(spec, strategy, p.shard)
+    fg = fsdp_groups(held_spec, strategy, p.shard)
     root, layer, layers_all = fg.root_bytes, fg.layer_bytes, fg.layers_all_bytes
     # The reduce-scatter input of one layer: its padded size in the reduce dtype (fp32 under the policy).
     rs = fg.reduce_scatter_bytes
@@ -1226,6 +1236,39 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
       (:func:`_sp_saved_bytes`); the norms' backward temporaries are split too;
     * the logits are gathered whole (``output_layouts=Replicate()``) for the model's own loss.
     """
+    q, table_grad, vocab_rows = _tp_inputs(spec, strategy, p)
+    tp = p.tp
+    phases = tuple(
+        PhaseBreakdown(phase=ph, components=_full(_single(worst_m)))
+        for ph, worst_m in ((ph, max(ms, key=lambda m: m.total_bytes)) for ph, ms in _moments(q).items())
+    )
+    notes = [
+        f"DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}, DP {p.dp} (no sharding): each rank holds "
+        f"{spec.num_heads // tp} of {spec.num_heads} heads, {spec.intermediate_size // tp} of "
+        f"{spec.intermediate_size} MLP columns and {vocab_rows:,} of {spec.vocab_size:,} vocabulary rows; norms "
+        "replicated; the logits gathered whole for the loss",
+        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)}; DTensor's embedding "
+        "backward has no vocabulary-sharded strategy)",
+    ]
+    if p.dp > 1:
+        notes.append(
+            f"the {p.dp} data-parallel replicas add no buffers here (--sharding none: gradients all-reduced in "
+            "place); DDP over DTensors is not modelled (--sharding fsdp: 2-D FSDP2×TP is)"
+        )
+    if p.sequence_parallel:
+        notes.append(_SP_NOTE)
+    return phases, notes
+
+
+_SP_NOTE = (
+    "sequence parallelism splits the norms' saved tensors; each matmul saves its all-gathered input "
+    "(unlike Megatron, which re-gathers it in backward)"
+)
+
+
+def _tp_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[StepInputs, int, int]:
+    """(the single-GPU step inputs of one DTensor TP rank — see :func:`_torch_tp` —, the whole token table's
+    gradient bytes, the rank's vocabulary rows)."""
     from trainfit.analytic.states import model_states
 
     tp = p.tp
@@ -1271,28 +1314,41 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
         )
         # A checkpointed segment keeps its input: the residual stream, a Shard(1) DTensor under SP.
         q = dataclasses.replace(q, stack=stack, norm_temp=q.norm_temp // tp, kept_inputs=q.kept_inputs // tp)
-    phases = tuple(
-        PhaseBreakdown(phase=ph, components=_full(_single(worst_m)))
-        for ph, worst_m in ((ph, max(ms, key=lambda m: m.total_bytes)) for ph, ms in _moments(q).items())
-    )
+    return q, table_grad, vocab_rows
+
+
+def dtensor_tp_held_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The model whose parameter inventory is one TP rank's local tensors: :func:`dtensor_tp_spec` with
+    ⌈V/tp⌉ vocabulary rows (``ColwiseParallel`` local weights ``[out/tp, in]``, ``RowwiseParallel``
+    ``[out, in/tp]``, the inventory's ``(out, in)`` shapes; norms whole)."""
+    return dataclasses.replace(dtensor_tp_spec(spec, tp), vocab_size=-(-spec.vocab_size // tp))
+
+
+def _fsdp_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+    """One rank of 2-D FSDP2 × DTensor TP (torchtitan's ``parallelize_llama``: ``apply_tp``, then
+    ``fully_shard`` per layer and root over the ``dp`` mesh dimension). FSDP2 shards a DTensor parameter's
+    *local* tensor on dim 0 over the dp ranks (_fsdp_param.py ``_init_sharding_spec_tp`` returns
+    ``param._local_tensor``; ``_init_sharded_param`` chunks it with ``_chunk_with_empty`` and pads to
+    ⌈dim0/dp⌉ rows): each TP-local tensor of :func:`dtensor_tp_held_spec` gets FSDP2's rules
+    (:func:`_fsdp`: sharded fp32 states under the policy, the unsharded root plus the current and the
+    prefetched layer — each at its TP-local size —, the all-gather and reduce-scatter buffers), and the
+    activations, logits gather and whole token-table gradient are DTensor TP's (:func:`_tp_inputs`) under
+    FSDP2's compute dtype."""
+    cs = _compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
+    q, table_grad, vocab_rows = _tp_inputs(spec, cs, p)
+    phases, notes = _fsdp(spec, strategy, p, q=q, held_spec=dtensor_tp_held_spec(spec, p.tp))
+    tp = p.tp
     notes = [
-        f"DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}, DP {p.dp} (no sharding): each rank holds "
-        f"{spec.num_heads // tp} of {spec.num_heads} heads, {spec.intermediate_size // tp} of "
-        f"{spec.intermediate_size} MLP columns and {vocab_rows:,} of {spec.vocab_size:,} vocabulary rows; norms "
-        "replicated; the logits gathered whole for the loss",
-        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)}; DTensor's embedding "
-        "backward has no vocabulary-sharded strategy)",
+        f"2-D FSDP2 × DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}: TP first ({spec.num_heads // tp} of "
+        f"{spec.num_heads} heads, {spec.intermediate_size // tp} of {spec.intermediate_size} MLP columns, "
+        f"{vocab_rows:,} of {spec.vocab_size:,} vocabulary rows per TP rank), then FSDP2 shards each TP-local "
+        f"tensor on dim 0 over the {p.dp} data-parallel ranks",
+        *notes,
+        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)} in the compute dtype; "
+        "DTensor's embedding backward has no vocabulary-sharded strategy) before the root's reduce-scatter",
     ]
-    if p.dp > 1:
-        notes.append(
-            f"the {p.dp} data-parallel replicas add no buffers here (--sharding none: gradients all-reduced in "
-            "place); DDP over DTensors and 2-D FSDP2×TP (torchtitan's DP with TP) are not modelled yet"
-        )
     if p.sequence_parallel:
-        notes.append(
-            "sequence parallelism splits the norms' saved tensors; each matmul saves its all-gathered input "
-            "(unlike Megatron, which re-gathers it in backward)"
-        )
+        notes.append(_SP_NOTE)
     return phases, notes
 
 
@@ -1322,6 +1378,9 @@ def estimate_parallel(
             if ranks
             else "every rank holds the same"
         )
+    elif p.engine is Engine.TORCH and p.tp > 1 and p.sharding is Sharding.FSDP:
+        phases, notes = _fsdp_tp(spec, strategy, p)
+        why = "every rank holds the same; rank 0 has the largest vocabulary shard and ⌈dim0/dp⌉-row FSDP2 shards"
     elif p.engine is Engine.TORCH and p.tp > 1:
         phases, notes = _torch_tp(spec, strategy, p)
         why = "every rank of the tensor-parallel group holds the same (rank 0 has the largest vocabulary shard)"
@@ -1399,6 +1458,7 @@ __all__ = [
     "data_parallel_degree",
     "ddp_bucket_bytes",
     "deepspeed_partition_numel",
+    "dtensor_tp_held_spec",
     "estimate_parallel",
     "fsdp_groups",
     "fsdp_states",
