@@ -242,8 +242,14 @@ def estimate(
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    # The allocator simulation runs for one GPU; many-GPU setups keep the fixed reserve fraction (for now).
+    # The allocator simulation runs for one GPU and, analytic, for torch DDP/FSDP2 ranks (analytic.rank_events;
+    # estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
+    if strategy.is_distributed and method is Method.ANALYTIC:
+        options.setdefault(
+            "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
+        )
+        options.setdefault("workspaces", workspaces)
     if simulated and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()

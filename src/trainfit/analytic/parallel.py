@@ -80,6 +80,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import effective_strategy
 from trainfit.analytic.adapters import check_finetune_model, finetuning
 from trainfit.analytic.model import (
@@ -1358,10 +1360,15 @@ def _fsdp_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tupl
 def estimate_parallel(
     spec: ModelSpec,
     strategy: Strategy,
+    *,
+    allocator: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
-    and host memory per node, for ``strategy``'s parallel setup. The allocator simulation is not run for
-    many GPUs yet: the reserve is the fixed fraction of :func:`trainfit.overhead.overhead_for`."""
+    and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
+    torch DDP and FSDP2 ranks replay their event stream through the caching-allocator simulation
+    (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS ``workspaces``); other setups, and calls
+    without ``allocator``, keep the fixed fraction of :func:`trainfit.overhead.overhead_for`."""
     strategy, _ = effective_strategy(spec, strategy)
     p = plan(spec, strategy)
     ranks: tuple[RankMemory, ...] = ()
@@ -1394,6 +1401,19 @@ def estimate_parallel(
         phases, notes = _ddp(spec, strategy)
         why = "every rank holds a full replica"
     peak = max(ph.total_bytes for ph in phases)
+    overhead = overhead_for(peak)
+    reserve_note = "reserved: the fixed reserve fraction of the allocated peak (docs/accuracy.md)"
+    if allocator is not None:
+        from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
+
+        if rank_simulated(strategy, p):
+            sim = simulate_rank(spec, strategy, p, allocator, workspaces)
+            held = peak + sum(w.size_bytes for w in workspaces)
+            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
+            reserve_note = (
+                f"reserved: this rank's event stream through the caching-allocator simulation (peak reserved "
+                f"{fmt_gib(sim.peak_reserved_bytes)})"
+            )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
     trainable = sum(h.tensor.numel * h.count for h in held_tensors(spec, strategy) if h.trainable)
@@ -1404,7 +1424,7 @@ def estimate_parallel(
         params=params,
         trainable_params=trainable,
         phases=phases,
-        overhead=overhead_for(peak),
+        overhead=overhead,
         bytes_per_param=BytesPerParam(
             weights=opt.get(Component.WEIGHTS) / params,
             gradients=st_bytes[Component.GRADIENTS] / params,
@@ -1416,11 +1436,16 @@ def estimate_parallel(
             *p.defaults,
             *notes,
             why,
+            reserve_note,
             "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
             "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
         ),
         ranks=ranks,
     )
+
+
+#: The single-GPU compute strategy of a 16-bit-compute framework rank (for :mod:`trainfit.analytic.rank_events`).
+compute_strategy = _compute_strategy
 
 
 def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
@@ -1455,6 +1480,7 @@ __all__ = [
     "ShardedStates",
     "ZeroPartition",
     "check_parallel_finetune",
+    "compute_strategy",
     "data_parallel_degree",
     "ddp_bucket_bytes",
     "deepspeed_partition_numel",
