@@ -716,9 +716,11 @@ def _fsdp(
     *,
     q: StepInputs | None = None,
     held_spec: ModelSpec | None = None,
+    table_copy: int = 0,
 ) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
-    """One FSDP2 rank. ``q``/``held_spec`` (2-D FSDP2×TP, :func:`_fsdp_tp`): the rank's step inputs and the
-    model whose parameter inventory is the tensors FSDP2 shards (the TP-local ones), instead of ``spec``'s."""
+    """One FSDP2 rank. ``q``/``held_spec``/``table_copy`` (2-D FSDP2×TP, :func:`_fsdp_tp`): the rank's step
+    inputs, the model whose parameter inventory is the tensors FSDP2 shards (the TP-local ones) instead of
+    ``spec``'s, and the token table's local gradient copied out of the whole one in the embedding's backward."""
     cs = _compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     q = q or step_inputs(spec, cs, keep_logits=False)
     held_spec = held_spec or spec
@@ -772,14 +774,25 @@ def _fsdp(
             unsharded = root + (layer if raf else layers_all)
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
-            # inside the root's post-backward: the root is resharded, its gradients are being reduced
-            comm = rs_root
+            # Inside the root's post-backward: the root is resharded, its gradients are being reduced.
             # Copy-in done, the token table's bf16 gradient is freed and the root's sharded gradients are
             # allocated (the LM head's bf16 gradient is still referenced): the later of the two moments is
             # worse when the root's shards outweigh the table's gradient (small W).
-            c[Component.TEMPORARIES] += q.grad_head + max(0, q.grad_late - root_shard_grads)
-            if q.grad_late > root_shard_grads:
+            post_temp = q.grad_head + max(0, q.grad_late - root_shard_grads)
+            post_grads = root_shard_grads if q.grad_late > root_shard_grads else 0
+            # Or the embedding's own backward, before that: the root still unsharded, the last layer's
+            # reduce-scatter input still in flight (one kept: ``reduce_scatter_max_input_buffers`` = 1,
+            # _fsdp_param_group.py ``post_backward``), the table's gradient just computed (under TP whole,
+            # with its Shard(0) copy: ``table_copy``), the root's shards not yet made.
+            during_temp = q.grad_head + q.grad_late + table_copy
+            if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
+                unsharded, comm = root, rs
+                c[Component.TEMPORARIES] += during_temp
                 c[Component.GRADIENTS] -= root_shard_grads
+            else:
+                comm = rs_root
+                c[Component.TEMPORARIES] += post_temp
+                c[Component.GRADIENTS] -= post_grads
         if m.name in (
             MomentName.BACKWARD_FINAL_NORM,
             MomentName.BACKWARD_TOP_BLOCK,
@@ -1338,7 +1351,13 @@ def _fsdp_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tupl
     FSDP2's compute dtype."""
     cs = _compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     q, table_grad, vocab_rows = _tp_inputs(spec, cs, p)
-    phases, notes = _fsdp(spec, strategy, p, q=q, held_spec=dtensor_tp_held_spec(spec, p.tp))
+    # The embedding's backward computes the whole table's gradient, then redistributes it Replicate → Shard(0)
+    # into a copy of the rank's ⌈V/tp⌉ rows (DTensor ``Shard._split_tensor``/``_local_shard``), which FSDP2's
+    # post-backward reduce-scatters; the whole one is freed after the copy.
+    table_copy = _alloc(vocab_rows * spec.hidden_size, cs.recipe.grad_bits)
+    phases, notes = _fsdp(
+        spec, strategy, p, q=q, held_spec=dtensor_tp_held_spec(spec, p.tp), table_copy=table_copy
+    )
     tp = p.tp
     notes = [
         f"2-D FSDP2 × DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}: TP first ({spec.num_heads // tp} of "
