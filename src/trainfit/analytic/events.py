@@ -63,15 +63,17 @@ class Stream:
         self._next = 0
         self._sim = sim
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, stream: int = 0) -> int:
+        """A new allocation's key (0 for nothing); ``stream``: the CUDA stream it is made on (the caching
+        allocator keeps each stream's freed blocks for that stream)."""
         self._next += 1
         if nbytes > 0:
             sim = self._sim
             if sim is None:
-                self.events.append(Event(Op.ALLOC, self._next, nbytes))
+                self.events.append(Event(Op.ALLOC, self._next, nbytes, stream))
             else:
                 sim.event_index += 1
-                sim.malloc(self._next, nbytes)
+                sim.malloc(self._next, nbytes, stream)
         return self._next if nbytes > 0 else 0
 
     def free(self, key: int) -> None:

@@ -20,7 +20,9 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   ``reduce_scatter_max_input_buffers``), allocates the fp32 reduce-scatter input of the padded size, frees
   the unsharded gradients after the copy-in and allocates the group's sharded gradients (one reduce output,
   the grads are views of it) (_fsdp_param_group.py ``post_backward``, _fsdp_collectives.py
-  ``foreach_reduce``); the root's last. The optimizer
+  ``foreach_reduce``); the root's last. Streams: all-gather outputs on the all-gather copy-in stream, reduce
+  outputs on the reduce-scatter stream, the rest (the reduce-scatter input included) on the default one; the
+  allocator keeps a stream's freed blocks for that stream, which is part of FSDP2's reserve. The optimizer
   states are made on the shards in the first step.
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO,
@@ -84,6 +86,13 @@ class DdpHooks(RankHooks):
         return 0 if self.view else super().grad_bytes(x, bits)
 
 
+#: FSDP2's side streams (``FSDPCommContext.lazy_init``): the all-gather outputs are made on the all-gather
+#: copy-in stream, the reduce outputs (the sharded gradients are views of them) on the reduce-scatter stream;
+#: the caching allocator reuses a freed block only for its own stream. The rest is the default stream (0).
+ALL_GATHER_STREAM = 1
+REDUCE_SCATTER_STREAM = 2
+
+
 class _Group:
     """One ``fully_shard`` group's sizes in bytes (FSDP2, rank 0)."""
 
@@ -132,8 +141,9 @@ class FsdpHooks(RankHooks):
         return self.root if i < 0 else self.layers[i]
 
     def _all_gather(self, s: Stream, i: int) -> int:
-        """``unshard``: the all-gather output (none on one rank: copied straight from the shard)."""
-        return s.alloc(self._group(i).all_gather) if self.shards > 1 else 0
+        """``unshard``: the all-gather output, made on the all-gather copy-in stream (forward and pre-backward:
+        ``get_all_gather_streams``); none on one rank (copied straight from the shard)."""
+        return s.alloc(self._group(i).all_gather, ALL_GATHER_STREAM) if self.shards > 1 else 0
 
     def _copy_out(self, s: Stream, i: int) -> None:
         """``wait_for_unshard``: the unsharded parameters (``init_unsharded_param``)."""
@@ -183,7 +193,7 @@ class FsdpHooks(RankHooks):
         g = self._group(i)
         self.rs_pending = s.alloc(g.reduce_scatter)
         s.free_all(grads)
-        return [s.alloc(g.shard_grads)]
+        return [s.alloc(g.shard_grads, REDUCE_SCATTER_STREAM)]
 
     def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
         return self._post_backward(s, i, grads)
