@@ -311,7 +311,7 @@ def estimate(
             gpu_spec,
             headroom,
             with_options if searchable else None,
-            bound if method is Method.ANALYTIC and not strategy.is_distributed else None,  # many GPUs: no bound
+            bound if method is Method.ANALYTIC else None,
         )
         if not searchable and search_micro_batch:
             notes.append(

@@ -26,7 +26,7 @@ this is to the trace's own events and to the H200 is in docs/accuracy.md.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
@@ -47,7 +47,16 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import Strategy
 
-__all__ = ["STEPS", "RankHooks", "Stream", "forget_simulations", "simulate_training", "synthesise", "training_events"]
+__all__ = [
+    "STEPS",
+    "RankHooks",
+    "Stream",
+    "forget_simulations",
+    "simulate_training",
+    "simulation_memo",
+    "synthesise",
+    "training_events",
+]
 
 #: Steps replayed: the first creates the optimizer states, the second and third are the steady state.
 STEPS = 3
@@ -173,9 +182,11 @@ def synthesise(
     strategy: Strategy,
     workspaces: tuple[Workspace, ...],
     rank: RankHooks = _ONE_GPU,
+    steps: int = STEPS,
+    stop: Callable[[int], bool] | None = None,
 ) -> None:
-    """Write the stream of :data:`STEPS` training steps into ``s`` (see the module docstring); ``rank``: where
-    a many-GPU rank departs from it."""
+    """Write the stream of ``steps`` training steps into ``s`` (see the module docstring); ``rank``: where
+    a many-GPU rank departs from it; ``stop(step)``, asked after each step: True ends the stream there."""
     r = strategy.recipe
     w = Widths.of(strategy)
     st = model_states(spec, strategy)
@@ -230,7 +241,7 @@ def synthesise(
             saved += [s.alloc(n) for n in term.tensors()]
         return copies, saved
 
-    for step in range(STEPS):
+    for step in range(steps):
         inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
         if step == 0:
             for ws in workspaces:
@@ -335,11 +346,19 @@ def synthesise(
         step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)]
         s.free_all(step_temps)
         s.free_all(grads)  # zero_grad(set_to_none=True)
+        if stop is not None and stop(step):
+            break
 
 
 #: Results of recent simulations by their inputs (the stream is a pure function of them): the planner, the
 #: micro-batch search and a web page re-ask the same setups. Bounded; oldest entries leave first.
 _MEMO: Memo[AllocatorResult] = Memo(256)
+
+
+def simulation_memo() -> Memo[AllocatorResult]:
+    """The memo of allocator simulations (also :mod:`trainfit.analytic.rank_events`'s, under its own keys),
+    emptied by :func:`forget_simulations`."""
+    return _MEMO
 
 
 def forget_simulations() -> None:

@@ -22,7 +22,10 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   the grads are views of it) (_fsdp_param_group.py ``post_backward``, _fsdp_collectives.py
   ``foreach_reduce``); the root's last. Streams: all-gather outputs on the all-gather copy-in stream, reduce
   outputs on the reduce-scatter stream, the rest (the reduce-scatter input included) on the default one; the
-  allocator keeps a stream's freed blocks for that stream, which is part of FSDP2's reserve. The optimizer
+  allocator keeps a stream's freed blocks for that stream, which is part of FSDP2's reserve.
+
+Reserved memory can keep growing for a few steps (one GPU's stream settles by its second): steps are
+replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The optimizer
   states are made on the shards in the first step.
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO,
@@ -34,11 +37,11 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 
-from trainfit._memo import Memo, spec_key
+from trainfit._memo import spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.adapters import finetuning
-from trainfit.analytic.events import RankHooks, Stream, synthesise
+from trainfit.analytic.events import RankHooks, Stream, simulation_memo, synthesise
 from trainfit.analytic.parallel import (
     ParallelPlan,
     compute_strategy,
@@ -85,6 +88,11 @@ class DdpHooks(RankHooks):
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         return 0 if self.view else super().grad_bytes(x, bits)
 
+
+#: Steps replayed at most. A rank's reserved memory can grow for a few steps before it settles (FSDP2's
+#: per-stream pools: llama-3.1-8b over 8 ranks grows until the fourth step), so steps are replayed until one
+#: raises no peak (from the third on), at most this many.
+MAX_STEPS = 8
 
 #: FSDP2's side streams (``FSDPCommContext.lazy_init``): the all-gather outputs are made on the all-gather
 #: copy-in stream, the reduce outputs (the sharded gradients are views of them) on the reduce-scatter stream;
@@ -227,10 +235,6 @@ def _alloc_bits(numel: int, bits: int) -> int:
     return numel * bits // 8
 
 
-#: Recent rank simulations by their inputs (pure functions of them); bounded like the single-GPU memo.
-_MEMO: Memo[AllocatorResult] = Memo(128)
-
-
 def simulate_rank(
     spec: ModelSpec,
     strategy: Strategy,
@@ -239,8 +243,9 @@ def simulate_rank(
     workspaces: tuple[Workspace, ...] = (),
 ) -> AllocatorResult:
     """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups)."""
-    return _MEMO.get(
-        (spec_key(spec), strategy, p, config, workspaces), lambda: _simulate(spec, strategy, p, config, workspaces)
+    return simulation_memo().get(
+        ("rank", spec_key(spec), strategy, p, config, workspaces),
+        lambda: _simulate(spec, strategy, p, config, workspaces),
     )
 
 
@@ -258,10 +263,18 @@ def _simulate(
         hooks = FsdpHooks(spec, strategy, p.shard)
         run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     sim = Simulator(config)
+    seen = [-1]
+
+    def steady(step: int) -> bool:
+        """A step that raised no reserved peak, after the states exist (step ≥ 1), ends the stream."""
+        grew = sim.peak_reserved_bytes > seen[0]
+        seen[0] = sim.peak_reserved_bytes
+        return step >= 2 and not grew
+
     enabled = gc.isenabled()
     gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
     try:
-        synthesise(Stream(sim), spec, run, workspaces, hooks)
+        synthesise(Stream(sim), spec, run, workspaces, hooks, steps=MAX_STEPS, stop=steady)
     finally:
         if enabled:
             gc.enable()

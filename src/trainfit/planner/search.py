@@ -125,12 +125,13 @@ def max_micro_batch(
 
 
 def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
-    """A cheap bound below the analytic estimate's requirement on one GPU (0 for many): the closed-form
-    allocated peak (the moments :func:`trainfit.analytic.estimate_analytic` reports) + the GPU's cuBLAS
-    workspaces + the memory outside the allocator, without the allocator simulation's reserve (which is
-    ≥ 0: ``estimate_analytic`` takes the simulated reserved bytes above this peak, never below)."""
+    """A cheap bound below the analytic estimate's requirement: the closed-form allocated peak (the moments
+    :func:`trainfit.analytic.estimate_analytic` reports; many GPUs: :func:`trainfit.analytic.parallel.
+    estimate_parallel`'s, without its allocator simulation) + the GPU's cuBLAS workspaces + the memory
+    outside the allocator (with NCCL's buffers), without the allocator's reserve (which is ≥ 0: the simulated
+    reserved bytes are taken above this peak, never below; the fixed fraction is ≥ 0)."""
     if strategy.is_distributed:
-        return 0
+        return _parallel_lower_bound(spec, strategy, gpu)
     from trainfit.analytic.activations import effective_strategy
     from trainfit.analytic.model import step_inputs, training_moments
     from trainfit.cuda_facts import has_flash_attention
@@ -148,6 +149,24 @@ def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
     peak = max(m.breakdown().total_bytes for m in moments.values())
     work = sum(w.size_bytes for w in gpu_workspaces(gpu))
     return peak + work + outside_allocator(gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+
+
+def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
+    from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
+    from trainfit.cuda_facts import has_flash_attention
+    from trainfit.errors import StrategyError
+    from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
+    from trainfit.overhead import outside_allocator
+
+    if strategy.flash_sdp and not has_flash_attention(gpu.compute_capability):
+        strategy = dataclasses.replace(strategy, flash_sdp=False)
+    try:
+        peak = estimate_parallel(spec, strategy).peak_bytes  # no allocator: the fixed fraction, not simulated
+    except StrategyError:
+        return 0
+    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
+    outside = outside_allocator(gpu, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+    return peak + work + outside.outside_allocator_bytes
 
 
 def accumulation_plan(
