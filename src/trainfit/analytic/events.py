@@ -153,8 +153,9 @@ class RankHooks:
         """After layer ``i``'s backward: the gradients that stay (a reduction may replace them)."""
         return grads
 
-    def backward_end(self, s: Stream, grads: list[int]) -> list[int] | None:
-        """After the model-level gradients: what replaces ``grads`` (None: they stay)."""
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        """After the model-level gradients (``head``: those made with the head's backward, ``late``: at the end
+        of backward): what replaces them (None: they stay)."""
         return None
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
@@ -330,7 +331,7 @@ def synthesise(
                 s.free(kept.pop())
         late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
         grads += late
-        kept_grads = rank.backward_end(s, model_grads + late)
+        kept_grads = rank.backward_end(s, model_grads, late)
         if kept_grads is not None:
             dropped = set(model_grads + late)
             grads = [k for k in grads if k not in dropped] + kept_grads

@@ -14,8 +14,8 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   copy-out one unsharded tensor per parameter (``FSDPParam.init_unsharded_param``); in forward the output is
   kept until the next group's copy-out (``comm_ctx.all_gather_state``), in backward it is freed at its own
   (_fsdp_param_group.py ``wait_for_unshard``); the forward reshards each layer after it
-  (``reshard_after_forward``); backward's pre-backward of layer i copies it out and prefetches i − 1's
-  all-gather (``_backward_prefetch``), and its post-backward allocates
+  (``reshard_after_forward``); the root's pre-backward prefetches the last layer's all-gather, each layer's
+  pre-backward copies it out and prefetches the next one's (``_backward_prefetch``), and its post-backward allocates
   reshards (frees the unsharded parameters), frees the previous reduce-scatter input (one in flight:
   ``reduce_scatter_max_input_buffers``), allocates the fp32 reduce-scatter input of the padded size, frees
   the unsharded gradients after the copy-in and allocates the group's sharded gradients (one reduce output,
@@ -179,6 +179,11 @@ class FsdpHooks(RankHooks):
     def backward_begin(self, s: Stream) -> None:
         s.free(self.gather_out)  # the root's post-forward
         self.gather_out = 0
+        # The root's pre-backward (the loss's gradient reaching the model's output) prefetches the first
+        # layer to run backward, the last (``FSDPState._pre_backward`` → ``_backward_prefetch``).
+        last = len(self.layers) - 1
+        if last >= 0 and last not in self.unsharded:
+            self.prefetched[last] = self._all_gather(s, last)
 
     def layer_backward_begin(self, s: Stream, i: int) -> None:
         # In backward the all-gather output is freed at its copy-out; the pre-backward then prefetches the
@@ -192,22 +197,27 @@ class FsdpHooks(RankHooks):
         if i >= 1 and i - 1 not in self.unsharded and i - 1 not in self.prefetched:
             self.prefetched[i - 1] = self._all_gather(s, i - 1)
 
-    def _post_backward(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+    def _post_backward(self, s: Stream, i: int, grads: list[int], held: Sequence[int] = ()) -> list[int]:
         """``FSDPParamGroup.post_backward``: reshard, release the previous reduce-scatter input (one in flight,
         ``reduce_scatter_max_input_buffers``), then ``foreach_reduce``: the input, the copy-in that frees the
-        unsharded gradients, the reduce output the sharded gradients are views of."""
+        unsharded gradients (but ``held``, still referenced elsewhere), the reduce output the sharded gradients
+        are views of; then ``held`` goes."""
         self._reshard(s, i)
         s.free(self.rs_pending)
         g = self._group(i)
         self.rs_pending = s.alloc(g.reduce_scatter)
         s.free_all(grads)
-        return [s.alloc(g.shard_grads, REDUCE_SCATTER_STREAM)]
+        out = [s.alloc(g.shard_grads, REDUCE_SCATTER_STREAM)]
+        s.free_all(held)
+        return out
 
     def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
         return self._post_backward(s, i, grads)
 
-    def backward_end(self, s: Stream, grads: list[int]) -> list[int] | None:
-        out = self._post_backward(s, -1, grads)
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        # The LM head's 16-bit gradient outlives the root's copy-in (the trace: it is freed after the root's
+        # reduce output is made; analytic.parallel ``_fsdp``'s embedding moment).
+        out = self._post_backward(s, -1, late, held=head)
         s.free(self.rs_pending)
         self.rs_pending = 0
         s.free(self.gather_out)
