@@ -149,11 +149,14 @@ class ParallelPlan:
 
 
 def resolve_engine(strategy: Strategy) -> Engine:
-    """``auto``: megatron with TP/PP, deepspeed for zero*, torch otherwise (ddp, fsdp, hsdp)."""
+    """``auto``: megatron with TP/PP (torch for TP with ``--sharding fsdp``: 2-D FSDP2×TP, which Megatron does
+    not run), deepspeed for zero*, torch otherwise (ddp, fsdp, hsdp)."""
     e = strategy.engine.engine
     if e is not Engine.AUTO:
         return e
     par, sh = strategy.parallelism, strategy.sharding
+    if par.tensor > 1 and par.pipeline == 1 and sh is Sharding.FSDP:
+        return Engine.TORCH
     if par.tensor > 1 or par.pipeline > 1:
         return Engine.MEGATRON
     if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):

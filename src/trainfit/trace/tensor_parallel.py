@@ -350,7 +350,7 @@ def trace_tensor_parallel(
         + (" and extrapolated each region linearly" if plan.ext else ""),
         "NCCL's own buffers are outside the allocator (not measured for tensor parallelism)",
     ]
-    if strategy.engine.engine is Engine.AUTO:
+    if strategy.engine.engine is Engine.AUTO and not fsdp:
         notes.append(
             "traced as --engine torch (DTensor); --method analytic with --engine auto models Megatron-LM's TP — "
             "compare with --engine torch"
