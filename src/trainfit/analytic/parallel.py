@@ -1358,9 +1358,7 @@ def _fsdp_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tupl
     # into a copy of the rank's ⌈V/tp⌉ rows (DTensor ``Shard._split_tensor``/``_local_shard``), which FSDP2's
     # post-backward reduce-scatters; the whole one is freed after the copy.
     table_copy = _alloc(vocab_rows * spec.hidden_size, cs.recipe.grad_bits)
-    phases, notes = _fsdp(
-        spec, strategy, p, q=q, held_spec=dtensor_tp_held_spec(spec, p.tp), table_copy=table_copy
-    )
+    phases, notes = _fsdp(spec, strategy, p, q=q, held_spec=dtensor_tp_held_spec(spec, p.tp), table_copy=table_copy)
     tp = p.tp
     notes = [
         f"2-D FSDP2 × DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}: TP first ({spec.num_heads // tp} of "

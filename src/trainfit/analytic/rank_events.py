@@ -229,7 +229,9 @@ class FsdpHooks(RankHooks):
         for h in self.held:
             if not h.trainable:
                 continue
-            pieces = optimizer_state_tensors(shard_tensor(h.tensor, self.shards), st.optimizer, h.bits, st.optimizer_impl)
+            pieces = optimizer_state_tensors(
+                shard_tensor(h.tensor, self.shards), st.optimizer, h.bits, st.optimizer_impl
+            )
             for _ in range(h.count):
                 for n in pieces:
                     s.alloc(n)
