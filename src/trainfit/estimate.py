@@ -279,8 +279,8 @@ def estimate(
 
     if allocator_layout and (method not in (Method.ANALYTIC, Method.TRACE) or strategy.is_distributed):
         raise StrategyError(
-            "--segments needs the allocator simulation: --method analytic or trace, on one GPU (many GPUs use a "
-            "fixed reserve fraction for now)"
+            "--segments shows the allocator simulation's segments: --method analytic or trace, on one GPU (a "
+            "many-GPU rank's simulation does not report its layout yet)"
         )
     report = fn(spec, strategy, **options, layout=True) if allocator_layout else with_options(spec, strategy)
     warnings += list(report.warnings)
