@@ -93,16 +93,17 @@ def test_a_ddp_rank_is_one_gpu_plus_its_buckets() -> None:
 
 
 def test_fsdp_collectives_allocate_on_their_own_streams() -> None:
-    """FSDP2 makes every all-gather output on its copy-in stream (one per group unshard) and every reduce
-    output on its reduce-scatter stream (one per group and step), nothing else there."""
+    """FSDP2 makes every all-gather output on its copy-in stream (one per group unshard, after the flat bf16
+    copy of the shards it copies in) and every reduce output on its reduce-scatter stream (one per group and
+    step), nothing else there."""
     spec = load_model("llama-3.2-1b")
     s = _s("fsdp", 8)
     st = Stream()
     synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 8), steps=2)
     allocs = [e for e in st.events if e.op is Op.ALLOC]
     groups = spec.num_layers + 1
-    # per step: each layer's forward unshard and backward unshard, the root's once
-    assert sum(e.stream == ALL_GATHER_STREAM for e in allocs) == 2 * (2 * spec.num_layers + 1)
+    # per step: each layer's forward unshard and backward unshard, the root's once; two allocations each
+    assert sum(e.stream == ALL_GATHER_STREAM for e in allocs) == 2 * 2 * (2 * spec.num_layers + 1)
     assert sum(e.stream == REDUCE_SCATTER_STREAM for e in allocs) == 2 * groups
 
 

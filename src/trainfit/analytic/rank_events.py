@@ -10,7 +10,8 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   ``gradient_as_bucket_view`` the gradients are views of them and allocate nothing.
 * **torch FSDP2** (``fully_shard`` per layer + root, :func:`~trainfit.analytic.parallel.held_tensors` for the
   widths): the stream of the compute strategy (bf16 layers, no autocast) over the rank's padded shards; per
-  group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank) and its
+  group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank; under the
+  policy after the flat bf16 copy of the rank's shards, freed at once) and its
   copy-out one unsharded tensor per parameter (``FSDPParam.init_unsharded_param``); in forward the output is
   kept until the next group's copy-out (``comm_ctx.all_gather_state``), in backward it is freed at its own
   (_fsdp_param_group.py ``wait_for_unshard``); the forward reshards each layer after it
@@ -130,6 +131,7 @@ class FsdpHooks(RankHooks):
         self.shards = shards
         self.bits = bits
         self.raf = strategy.engine.reshard_after_forward
+        self.cast_inputs = mixed
         self.root = _Group(inv.model_tensors, shards, bits, gather, reduce)
         by_kind = {g.kind: _Group(g.tensors, shards, bits, gather, reduce) for g in inv.layers}
         self.layers = [by_kind[g.kind] for g in inv.layers for _ in range(g.count)]
@@ -150,8 +152,16 @@ class FsdpHooks(RankHooks):
 
     def _all_gather(self, s: Stream, i: int) -> int:
         """``unshard``: the all-gather output, made on the all-gather copy-in stream (forward and pre-backward:
-        ``get_all_gather_streams``); none on one rank (copied straight from the shard)."""
-        return s.alloc(self._group(i).all_gather, ALL_GATHER_STREAM) if self.shards > 1 else 0
+        ``get_all_gather_streams``) after the flat ``param_dtype`` copy of the rank's shards that it copies in
+        (_fsdp_collectives.py ``_get_param_all_gather_inputs``: one ``torch.empty`` under a mixed-precision
+        policy, freed after ``all_gather_copy_in``); none on one rank (copied straight from the shard)."""
+        if self.shards == 1:
+            return 0
+        g = self._group(i)
+        cast = s.alloc(g.all_gather // self.shards, ALL_GATHER_STREAM) if self.cast_inputs else 0
+        out = s.alloc(g.all_gather, ALL_GATHER_STREAM)
+        s.free(cast)
+        return out
 
     def _copy_out(self, s: Stream, i: int) -> None:
         """``wait_for_unshard``: the unsharded parameters (``init_unsharded_param``)."""
