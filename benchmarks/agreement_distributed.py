@@ -8,7 +8,9 @@ compares every phase with the closed-form model (trainfit.analytic.parallel). Th
 time of the whole trace; it does not grow with the world size. DeepSpeed ZeRO-1/2 rows run rank 0 of the
 real DeepSpeed engine (trainfit.trace.deepspeed). The fine-tuning rows (``--finetune``) wrap real PEFT LoRA
 models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --deepspeed | --finetune]
+2-D FSDP2 × TP rows (``--fsdp-tp``) run ``parallelize_module`` then ``fully_shard`` per layer and root on the
+``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --finetune]
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ TP_CASES = (
     ("llama-3.1-8b", 8, True, "full"),
     ("qwen2.5-7b", 4, True, "none"),
 )
+# (model, tp, dp, sequence parallel, checkpointing): --engine torch --sharding fsdp, W = tp·dp, 1 × 2048
+FSDP_TP_CASES = (
+    ("llama-3.1-8b", 2, 4, True, "none"),
+    ("llama-3.1-8b", 8, 8, False, "none"),
+    ("llama-3.1-8b", 4, 16, True, "full"),
+    ("llama-3.1-70b", 8, 8, True, "full"),
+)
 # (model, sharding, world size, flag, checkpointing, finetune, LoRA targets): rank 16, PEFT's fp32 adapters
 FINETUNE = (
     ("llama-3.1-8b", "fsdp", 8, True, "none", "lora", "all-linear"),
@@ -80,9 +89,10 @@ def strategy(sharding: str, w: int, flag: bool, ckpt: str, how: str = "full", ta
     )
 
 
-def tp_strategy(tp: int, sp: bool, ckpt: str) -> Strategy:
+def tp_strategy(tp: int, sp: bool, ckpt: str, dp: int = 1) -> Strategy:
     return Strategy(
-        parallelism=Parallelism(tensor=tp, sequence_parallel=sp),
+        sharding="fsdp" if dp > 1 else "none",
+        parallelism=Parallelism(data=dp, tensor=tp, sequence_parallel=sp),
         checkpointing=ckpt,
         engine=EngineOptions(engine="torch"),
         micro_batch=1,
@@ -105,7 +115,21 @@ def row(slug: str, setup: str, w: int, ckpt: str, s: Strategy) -> None:
     )
 
 
+def _header() -> None:
+    print(
+        "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
+        "| trace s |"
+    )
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+
+
 def main(argv: list[str]) -> None:
+    if "--fsdp-tp" in argv:
+        _header()
+        for slug, tp, dp, sp, ckpt in FSDP_TP_CASES[:1] if "--quick" in argv else FSDP_TP_CASES:
+            setup = f"FSDP2 {dp} × DTensor TP {tp}{' + SP' if sp else ''}"
+            row(str(slug), setup, int(tp) * int(dp), str(ckpt), tp_strategy(int(tp), bool(sp), str(ckpt), int(dp)))
+        return
     finetune = "--finetune" in argv
     cases: tuple[tuple[object, ...], ...] = (
         FINETUNE if finetune else () if "--tp-only" in argv else QUICK if "--quick" in argv else CASES
@@ -113,11 +137,7 @@ def main(argv: list[str]) -> None:
     if "--deepspeed" in argv:
         cases = tuple(c for c in CASES if str(c[1]).startswith("zero"))
     tp_cases = () if finetune or "--deepspeed" in argv else TP_CASES[:1] if "--quick" in argv else TP_CASES
-    print(
-        "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
-        "| trace s |"
-    )
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    _header()
     for slug, sharding, w, flag, ckpt, *ft in cases:
         setup = (
             f"{'HSDP' if sharding == 'hsdp' else 'FSDP2'}, reshard_after_forward={flag}"

@@ -260,8 +260,14 @@ def estimate(
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    # The allocator simulation runs for one GPU; many-GPU setups keep the fixed reserve fraction (for now).
+    # The allocator simulation runs for one GPU and, analytic, for torch DDP/FSDP2 ranks (analytic.rank_events;
+    # estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
+    if strategy.is_distributed and method is Method.ANALYTIC:
+        options.setdefault(
+            "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
+        )
+        options.setdefault("workspaces", workspaces)
     if simulated and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
@@ -291,8 +297,8 @@ def estimate(
 
     if allocator_layout and (method not in (Method.ANALYTIC, Method.TRACE) or strategy.is_distributed):
         raise StrategyError(
-            "--segments needs the allocator simulation: --method analytic or trace, on one GPU (many GPUs use a "
-            "fixed reserve fraction for now)"
+            "--segments shows the allocator simulation's segments: --method analytic or trace, on one GPU (a "
+            "many-GPU rank's simulation does not report its layout yet)"
         )
     report = fn(spec, strategy, **options, layout=True) if allocator_layout else with_options(spec, strategy)
     warnings += list(report.warnings)
@@ -323,7 +329,7 @@ def estimate(
             gpu_spec,
             headroom,
             with_options if searchable else None,
-            bound if method is Method.ANALYTIC and not strategy.is_distributed else None,  # many GPUs: no bound
+            bound if method is Method.ANALYTIC else None,
         )
         if not searchable and search_micro_batch:
             notes.append(

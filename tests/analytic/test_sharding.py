@@ -273,12 +273,14 @@ def test_megatron_counts_a_tied_table_once_on_one_stage(slug: str) -> None:
     [
         ("qwen2.5-1.5b", {}, "tied embeddings"),
         ("pythia-6.9b", {}, "Llama-style"),
-        ("llama-3.1-8b", {"sharding": "fsdp"}, "not modelled yet"),
+        ("llama-3.1-8b", {"sharding": "hsdp"}, "none|fsdp"),
+        ("llama-3.1-8b", {"sharding": "ddp"}, "none|fsdp"),
         ("llama-3.1-8b", {"offload": Offload.parse("optimizer+params")}, "offload"),
+        ("llama-3.1-8b", {"sharding": "fsdp", "offload": Offload.parse("optimizer+params")}, "offload"),
     ],
 )
 def test_dtensor_tp_refusals(slug: str, kwargs: dict[str, object], needle: str) -> None:
-    """``--engine torch --tp`` models DTensor TP of untied Llama-style decoders with --sharding none only."""
+    """``--engine torch --tp`` models DTensor TP of untied Llama-style decoders with --sharding none or fsdp."""
     s = {"parallelism": Parallelism(data=2, tensor=2), "engine": EngineOptions(engine="torch")} | kwargs
     with pytest.raises(StrategyError, match=needle):
         estimate_parallel(load_model(slug), Strategy(**s))  # type: ignore[arg-type]
@@ -298,3 +300,46 @@ def test_dtensor_tp_states_are_the_shards_plus_the_whole_table_gradient() -> Non
     assert step.get(Component.WEIGHTS) == pytest.approx(4 * local, rel=1e-4)
     assert step.get(Component.OPTIMIZER_STATES) == pytest.approx(8 * local, rel=1e-4)
     assert step.get(Component.GRADIENTS) == pytest.approx(4 * (local + v * h - (v // 2) * h), rel=1e-4)
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(2, 4), (4, 2), (8, 8)])
+def test_fsdp_tp_states_are_the_tp_local_tensors_sharded_again(tp: int, dp: int) -> None:
+    """Closed form of a 2-D FSDP2 × TP rank's amp-bf16 states for Llama-3.1-8B, from the config alone: TP
+    splits every matmul weight and the vocabulary over ``tp`` (norms whole), then FSDP2 shards each TP-local
+    tensor on dim 0 over ``dp`` (every dim 0 here divides evenly) — fp32 shards (the master weights under the
+    policy), fp32 sharded gradients, two fp32 AdamW states: 16 bytes per element of the rank's shard."""
+    spec = load_model("llama-3.1-8b")
+    h, v, i, hd, L = spec.hidden_size, spec.vocab_size, spec.intermediate_size, spec.head_dim, spec.num_layers
+    matmul = L * (2 * h * spec.num_heads * hd + 2 * h * spec.num_kv_heads * hd + 3 * h * i) + 2 * v * h
+    norms = (2 * L + 1) * h
+    shard = matmul // (tp * dp) + norms // dp
+    s = Strategy(
+        sharding="fsdp",
+        parallelism=Parallelism(data=dp, tensor=tp),
+        engine=EngineOptions(engine="torch"),
+    )
+    step = estimate_parallel(spec, s).phase(Phase.OPTIMIZER_STEP)
+    assert step.get(Component.WEIGHTS) == pytest.approx(4 * shard, rel=1e-4)
+    assert step.get(Component.GRADIENTS) == pytest.approx(4 * shard, rel=1e-4)
+    # AdamW's per-parameter ``step`` scalar (a 512-byte block each) is the rest.
+    assert step.get(Component.OPTIMIZER_STATES) == pytest.approx(8 * shard, rel=5e-4)
+    assert step.get(Component.MASTER_WEIGHTS) == 0
+
+
+def test_fsdp_tp_unshards_one_tp_local_layer_at_a_time() -> None:
+    """The unsharded parameters in backward (root + the current and the prefetched layer, bf16) are the
+    TP-local tensors: a 2-D rank all-gathers 1/tp of what a 1-D FSDP2 rank does (norms and the root's
+    norm excepted, which TP keeps whole)."""
+    spec = load_model("llama-3.1-8b")
+    h, v, i, hd, L = spec.hidden_size, spec.vocab_size, spec.intermediate_size, spec.head_dim, spec.num_layers
+    tp = 4
+    layer = (2 * h * spec.num_heads * hd + 2 * h * spec.num_kv_heads * hd + 3 * h * i) // tp + 2 * h
+    root = 2 * v * h // tp + h
+    s = Strategy(sharding="fsdp", parallelism=Parallelism(data=2, tensor=tp), engine=EngineOptions(engine="torch"))
+    back = estimate_parallel(spec, s).phase(Phase.BACKWARD)
+    assert back.get(Component.UNSHARDED_PARAMS) in (
+        pytest.approx(2 * (root + 2 * layer), rel=1e-3),  # the top layer and its prefetched neighbour
+        pytest.approx(2 * (root + layer), rel=1e-3),  # the bottom layer
+        pytest.approx(2 * root, rel=1e-3),  # the embedding's moment: only the root
+    )
+    assert L > 2

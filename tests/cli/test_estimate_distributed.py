@@ -52,7 +52,7 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 8 --pp 2 --sharding zero2", "ZeRO-2/3"),
         ("llama-3.1-8b --gpus 8 --sharding fsdp --offload optimizer", "optimizer+params"),
         ("llama-3.1-8b --gpus 8 --sharding ddp --method rule-of-thumb", "does not model"),
-        ("llama-3.1-8b --gpus 8 --tp 2 --sharding fsdp --method trace", "analytic"),
+        ("llama-3.1-8b --gpus 8 --tp 2 --sharding hsdp --method trace", "analytic"),
         ("llama-3.1-8b --gpus 2 --sharding zero9", "zero9"),
         ("llama-3.1-8b --engine torch", "plain single-GPU"),
         ("llama-3.1-8b --gpus 8 --tp 2 --optimizer sgd", "Adam"),

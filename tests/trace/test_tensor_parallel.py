@@ -8,12 +8,15 @@ is checked against the same steps on real CPU tensors (``torch.profiler``), as f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
-from trainfit.strategy import EngineOptions, Parallelism, Strategy
+from trainfit.strategy import EngineOptions, Parallelism, Sharding, Strategy
 
 from .conftest import tiny_spec
 
@@ -64,10 +67,17 @@ def _strategy(tp: int, dp: int, sp: bool, precision: str, ckpt: str = "none") ->
 def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precision: str, ckpt: str) -> None:
     spec = tiny_spec(family, **WIDER, tie_word_embeddings=False)
     s = _strategy(tp, dp, sp, precision, ckpt)
+    _agrees(spec, s, TOLERANCE)
+
+
+def _agrees(spec: ModelSpec, s: Strategy, tolerance: float, step_slack: int = 0) -> None:
+    """Each phase of the closed form within ``tolerance`` of the trace (+ ``step_slack`` bytes in the optimizer
+    step), the step's states within 1%."""
     traced = trace_distributed(spec, s)
     closed = estimate_parallel(spec, s)
     for a, t in zip(closed.phases, traced.phases, strict=True):
-        assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (
+        slack = step_slack if a.phase is Phase.OPTIMIZER_STEP else 0
+        assert abs(a.total_bytes - t.total_bytes) <= tolerance * t.total_bytes + slack, (
             a.phase,
             a.total_bytes,
             t.total_bytes,
@@ -75,6 +85,33 @@ def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precisi
     step_a, step_t = closed.phase(Phase.OPTIMIZER_STEP), traced.phase(Phase.OPTIMIZER_STEP)
     for c in (Component.WEIGHTS, Component.OPTIMIZER_STATES, Component.GRADIENTS):
         assert abs(step_a.get(c) - step_t.get(c)) <= 0.01 * step_t.get(c) + 4096, c
+
+
+FSDP_TOLERANCE = 0.02
+# (tp, dp, sequence parallel, precision, checkpointing, reshard_after_forward)
+FSDP_CELLS = [
+    pytest.param(2, 4, False, "amp-bf16", "none", True, id="tp2-dp4-nosp-amp-bf16"),
+    pytest.param(4, 2, True, "pure-bf16", "full", True, id="tp4-dp2-sp-pure-bf16-ckpt-full"),
+    pytest.param(2, 4, True, "fp32", "none", False, id="tp2-dp4-sp-fp32-no-reshard", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("tp", "dp", "sp", "precision", "ckpt", "raf"), FSDP_CELLS)
+def test_fsdp_tp_rank_agrees_with_trace(tp: int, dp: int, sp: bool, precision: str, ckpt: str, raf: bool) -> None:
+    """2-D FSDP2 × TP (``--sharding fsdp``): the trace runs ``parallelize_module`` then ``fully_shard`` per layer
+    and root on the ``dp`` mesh dimension (torchtitan's ``parallelize_llama``); the analytic model shards the
+    TP-local tensors with FSDP2's rules. Each phase within 2%; the states within 1% (+ grad clipping's
+    per-tensor norms, 512 bytes each, which neither model counts)."""
+    spec = tiny_spec("llama", **WIDER, tie_word_embeddings=False)
+    s = dataclasses.replace(
+        _strategy(tp, dp, sp, precision, ckpt),
+        sharding=Sharding.FSDP,
+        engine=EngineOptions(engine="torch", reshard_after_forward=raf),
+    )
+    # clip_grad_norm_ in the traced step: one 512-byte norm per parameter tensor, their stack and the clip
+    # coefficient (torch/nn/utils/clip_grad.py ``_get_total_norm``), not in the analytic model.
+    clip = 512 * (sum(m for _, m in inventory(spec).all_tensors()) + 2)
+    _agrees(spec, s, FSDP_TOLERANCE, step_slack=clip)
 
 
 def _run_tp(spec, s: Strategy, mode, mesh, **kw):  # type: ignore[no-untyped-def]
@@ -168,7 +205,7 @@ def test_depth_extrapolation_matches_full_depth() -> None:
     ("kwargs", "needle"),
     [
         ({"engine": EngineOptions(engine="megatron")}, "Megatron"),
-        ({"sharding": "fsdp"}, "not modelled yet"),
+        ({"sharding": "hsdp"}, "none|fsdp"),
     ],
 )
 def test_refusals(kwargs: dict[str, object], needle: str) -> None:

@@ -26,7 +26,7 @@ this is to the trace's own events and to the H200 is in docs/accuracy.md.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
@@ -42,18 +42,27 @@ from trainfit.analytic.activations import (
     sac_saved_terms,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.states import model_states, optimizer_state_tensors, param_states
+from trainfit.analytic.states import ParamState, model_states, optimizer_state_tensors, param_states
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import Strategy
 
-__all__ = ["STEPS", "forget_simulations", "simulate_training", "training_events"]
+__all__ = [
+    "STEPS",
+    "RankHooks",
+    "Stream",
+    "forget_simulations",
+    "simulate_training",
+    "simulation_memo",
+    "synthesise",
+    "training_events",
+]
 
 #: Steps replayed: the first creates the optimizer states, the second and third are the steady state.
 STEPS = 3
 
 
-class _Stream:
+class Stream:
     """Where the synthesised events go: a list, or (``sim``) straight into a simulator, which is what the
     estimate needs and saves building and dispatching thousands of event tuples (the same calls, in the same
     order, with the same event indices as :meth:`Simulator.run` would make)."""
@@ -63,15 +72,17 @@ class _Stream:
         self._next = 0
         self._sim = sim
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, stream: int = 0) -> int:
+        """A new allocation's key (0 for nothing); ``stream``: the CUDA stream it is made on (the caching
+        allocator keeps each stream's freed blocks for that stream)."""
         self._next += 1
         if nbytes > 0:
             sim = self._sim
             if sim is None:
-                self.events.append(Event(Op.ALLOC, self._next, nbytes))
+                self.events.append(Event(Op.ALLOC, self._next, nbytes, stream))
             else:
                 sim.event_index += 1
-                sim.malloc(self._next, nbytes)
+                sim.malloc(self._next, nbytes, stream)
         return self._next if nbytes > 0 else 0
 
     def free(self, key: int) -> None:
@@ -103,12 +114,80 @@ def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
     """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
     thread's ``workspaces`` appear at the first forward, the autograd thread's at the first backward."""
-    s = _Stream()
-    _synthesise(s, spec, strategy, workspaces)
+    s = Stream()
+    synthesise(s, spec, strategy, workspaces)
     return s.events
 
 
-def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...]) -> None:
+class RankHooks:
+    """Where a many-GPU rank's stream departs from one GPU's (:mod:`trainfit.analytic.rank_events`): the
+    resident states it builds, what it all-gathers around each layer, how a layer's gradients are reduced.
+    This base class is one GPU: every hook does what the single-GPU stream does."""
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        """The resident parameters (and a framework's persistent buffers), before the first step."""
+        for ps in states:
+            for _ in range(ps.count):
+                s.alloc(ps.weight_bytes)
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        """Bytes of the gradient autograd makes for ``x`` (0: a view of a framework's buffer)."""
+        return _bytes(x.numel, bits)
+
+    def forward_begin(self, s: Stream) -> None:
+        """Before the embedding (a root's unshard)."""
+
+    def layer_forward_begin(self, s: Stream, i: int) -> None:
+        """Before layer ``i``'s forward (its unshard)."""
+
+    def layer_forward_end(self, s: Stream, i: int) -> None:
+        """After layer ``i``'s forward (its reshard)."""
+
+    def backward_begin(self, s: Stream) -> None:
+        """After the loss, before its backward (the root's post-forward)."""
+
+    def layer_backward_begin(self, s: Stream, i: int) -> None:
+        """Before layer ``i``'s gradients (its unshard, the next one's prefetch)."""
+
+    def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        """After layer ``i``'s backward: the gradients that stay (a reduction may replace them)."""
+        return grads
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        """After the model-level gradients (``head``: those made with the head's backward, ``late``: at the end
+        of backward): what replaces them (None: they stay)."""
+        return None
+
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        """The optimizer's states, made in the first step."""
+        r = strategy.recipe
+        state_bits = 32 if r.master_bits else r.state_bits
+        for x, m in trained:
+            pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
+            for _ in range(m):
+                s.alloc(_bytes(x.numel, r.master_bits))
+                for n in pieces:
+                    s.alloc(n)
+
+    def step_temp_bytes(self, default: int) -> int:
+        """The optimizer step's temporaries, in all."""
+        return default
+
+
+_ONE_GPU = RankHooks()
+
+
+def synthesise(
+    s: Stream,
+    spec: ModelSpec,
+    strategy: Strategy,
+    workspaces: tuple[Workspace, ...],
+    rank: RankHooks = _ONE_GPU,
+    steps: int = STEPS,
+    stop: Callable[[int], bool] | None = None,
+) -> None:
+    """Write the stream of ``steps`` training steps into ``s`` (see the module docstring); ``rank``: where
+    a many-GPU rank departs from it; ``stop(step)``, asked after each step: True ends the stream there."""
     r = strategy.recipe
     w = Widths.of(strategy)
     st = model_states(spec, strategy)
@@ -118,9 +197,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
     h = spec.hidden_size
 
     # Weights, in module order: the model-level tensors, then each layer's.
-    for ps in states:
-        for _ in range(ps.count):
-            s.alloc(ps.weight_bytes)
+    rank.weights(s, states)
     trained = [(ps.tensor, ps.count) for ps in states if ps.trainable]
     trained_numel = sum(x.numel * m for x, m in trained) or 1
 
@@ -165,12 +242,13 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
             saved += [s.alloc(n) for n in term.tensors()]
         return copies, saved
 
-    for step in range(STEPS):
+    for step in range(steps):
         inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
         if step == 0:
             for ws in workspaces:
                 if ws.thread is Thread.MAIN:
                     s.alloc(ws.size_bytes)
+        rank.forward_begin(s)
         embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
         layers: list[tuple[list[int], list[int]]] = []
         kept: list[int] = []
@@ -178,6 +256,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
         for i in range(spec.num_layers):
             if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                 kept.append(s.alloc(w.residual * t * h))  # the segment's input, kept for its recompute
+            rank.layer_forward_begin(s, i)
             copies, saved = layer_forward(i)
             if segment_of:  # no grad inside a checkpoint: nothing is saved, copies die with the call
                 s.free_all(saved)
@@ -188,6 +267,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
             nxt = s.alloc(w.residual * t * h)
             s.free(residual)
             residual = nxt
+            rank.layer_forward_end(s, i)
         head_copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in copy_model]
         head = [s.alloc(x.bytes) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)]
         s.free(residual)
@@ -198,6 +278,7 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
         log_softmax = s.alloc(rest)
         s.free(upcast)
         s.free(logits)  # the HF Trainer drops the outputs before backward
+        rank.backward_begin(s)
 
         # Backward: the loss gradients, then the head.
         if step == 0:
@@ -216,7 +297,8 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
         if upcast:
             g_logits = s.alloc(a * n_logits)
             s.free(g_lsm)
-        grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in model_trained if _head_tensor(spec, x)]
+        model_grads = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if _head_tensor(spec, x)]
+        grads += model_grads
         g_res = s.alloc(w.residual * t * h)
         s.free(g_logits)
         s.free_all(head_copies)
@@ -233,7 +315,8 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
                     s.free_all(sac_kept.pop(j, []))  # the recomputation takes them over (no new allocation)
                     layers[j] = layer_forward(j)
                 copies, saved = layers[i]
-            grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in g.tensors if x in trainable]
+            rank.layer_backward_begin(s, i)
+            layer_grads = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in trainable]
             temp = s.alloc(temps.block_bytes)
             s.free(temp)
             chain = s.alloc(chain_backward)
@@ -243,31 +326,40 @@ def _synthesise(s: _Stream, spec: ModelSpec, strategy: Strategy, workspaces: tup
             s.free_all(copies)
             s.free(g_res)
             g_res = g_next
+            grads += rank.layer_backward_end(s, i, layer_grads)
             if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                 s.free(kept.pop())
-        grads += [s.alloc(_bytes(x.numel, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
+        late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
+        grads += late
+        kept_grads = rank.backward_end(s, model_grads, late)
+        if kept_grads is not None:
+            dropped = set(model_grads + late)
+            grads = [k for k in grads if k not in dropped] + kept_grads
         s.free(g_res)
         s.free_all(embedding)
         s.free_all(inputs)
 
         # The optimizer step: states created in the first step, then its temporaries.
         if not optimizer_created and not strategy.savers.paged_optimizer:  # paged: cudaMallocManaged, not here
-            state_bits = 32 if r.master_bits else r.state_bits
-            for x, m in trained:
-                pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
-                for _ in range(m):
-                    s.alloc(_bytes(x.numel, r.master_bits))
-                    for n in pieces:
-                        s.alloc(n)
+            rank.optimizer_states(s, strategy, trained)
             optimizer_created = True
-        step_temps = [s.alloc(per_tensor(st.step_temp_bytes, x)) for x, m in trained for _ in range(m)]
+        step_temp = rank.step_temp_bytes(st.step_temp_bytes)
+        step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)]
         s.free_all(step_temps)
         s.free_all(grads)  # zero_grad(set_to_none=True)
+        if stop is not None and stop(step):
+            break
 
 
 #: Results of recent simulations by their inputs (the stream is a pure function of them): the planner, the
 #: micro-batch search and a web page re-ask the same setups. Bounded; oldest entries leave first.
 _MEMO: Memo[AllocatorResult] = Memo(256)
+
+
+def simulation_memo() -> Memo[AllocatorResult]:
+    """The memo of allocator simulations (also :mod:`trainfit.analytic.rank_events`'s, under its own keys),
+    emptied by :func:`forget_simulations`."""
+    return _MEMO
 
 
 def forget_simulations() -> None:
@@ -306,7 +398,7 @@ def _simulate_training(
     enabled = gc.isenabled()
     gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
     try:
-        _synthesise(_Stream(sim), spec, strategy, workspaces)
+        synthesise(Stream(sim), spec, strategy, workspaces)
     finally:
         if enabled:
             gc.enable()

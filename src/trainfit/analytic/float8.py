@@ -30,7 +30,7 @@ What a ``Float8Linear`` (torchao 0.18, torchao/float8/float8_linear.py) holds, e
   3·t·n + n·k + 2·t·k. The peak is the largest of these (:func:`linear_backward_extra`).
 
 Many GPUs (torch DDP, FSDP2, HSDP): :mod:`trainfit.analytic.parallel` builds a rank's moments from its compute
-strategy (``_compute_strategy`` keeps ``float8``), so the same terms apply with bf16 weights under FSDP2.
+strategy (``compute_strategy`` keeps ``float8``), so the same terms apply with bf16 weights under FSDP2.
 
 Not modelled (refused with one line): rowwise scaling, ``torch.compile``, FSDP2's fp8 all-gather
 (``enable_fsdp_float8_all_gather``: ``WeightWithDynamicFloat8CastTensor``), ZeRO, tensor/pipeline parallelism,

@@ -80,6 +80,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import effective_strategy
 from trainfit.analytic.adapters import check_finetune_model, finetuning
 from trainfit.analytic.model import (
@@ -147,11 +149,14 @@ class ParallelPlan:
 
 
 def resolve_engine(strategy: Strategy) -> Engine:
-    """``auto``: megatron with TP/PP, deepspeed for zero*, torch otherwise (ddp, fsdp, hsdp)."""
+    """``auto``: megatron with TP/PP (torch for TP with ``--sharding fsdp``: 2-D FSDP2×TP, which Megatron does
+    not run), deepspeed for zero*, torch otherwise (ddp, fsdp, hsdp)."""
     e = strategy.engine.engine
     if e is not Engine.AUTO:
         return e
     par, sh = strategy.parallelism, strategy.sharding
+    if par.tensor > 1 and par.pipeline == 1 and sh is Sharding.FSDP:
+        return Engine.TORCH
     if par.tensor > 1 or par.pipeline > 1:
         return Engine.MEGATRON
     if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
@@ -257,10 +262,10 @@ def _check_torch_tp(spec: ModelSpec, strategy: Strategy) -> None:
     tp = par.tensor
     if par.pipeline > 1:
         raise StrategyError("pipeline parallelism is modelled with --engine megatron, not torch")
-    if sh is not Sharding.NONE:
+    if sh not in (Sharding.NONE, Sharding.FSDP):
         raise StrategyError(
-            f"DTensor tensor parallelism (--engine torch --tp) is modelled with --sharding none, not {sh.value} "
-            "(2-D FSDP2×TP is not modelled yet); --engine megatron with --sharding ddp|zero1 is, by --method analytic"
+            f"DTensor tensor parallelism (--engine torch --tp) is modelled with --sharding none|fsdp (2-D FSDP2×TP), "
+            f"not {sh.value}; --engine megatron with --sharding ddp|zero1 is, by --method analytic"
         )
     if strategy.offload.any:
         raise StrategyError("offload with DTensor tensor parallelism is not modelled")
@@ -707,14 +712,26 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     )
 
 
-def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+def _fsdp(
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    *,
+    q: StepInputs | None = None,
+    held_spec: ModelSpec | None = None,
+    table_copy: int = 0,
+) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+    """One FSDP2 rank. ``q``/``held_spec``/``table_copy`` (2-D FSDP2×TP, :func:`_fsdp_tp`): the rank's step
+    inputs, the model whose parameter inventory is the tensors FSDP2 shards (the TP-local ones) instead of
+    ``spec``'s, and the token table's local gradient copied out of the whole one in the embedding's backward."""
     cs = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
-    q = step_inputs(spec, cs, keep_logits=False)
-    st = fsdp_states(spec, strategy, p.shard)
-    inv = inventory(spec)
+    q = q or step_inputs(spec, cs, keep_logits=False)
+    held_spec = held_spec or spec
+    st = fsdp_states(held_spec, strategy, p.shard)
+    inv = inventory(held_spec)
     cbits = cs.recipe.compute_bits
     mixed = strategy.recipe.mixed
-    fg = fsdp_groups(spec, strategy, p.shard)
+    fg = fsdp_groups(held_spec, strategy, p.shard)
     root, layer, layers_all = fg.root_bytes, fg.layer_bytes, fg.layers_all_bytes
     # The reduce-scatter input of one layer: its padded size in the reduce dtype (fp32 under the policy).
     rs = fg.reduce_scatter_bytes
@@ -760,14 +777,25 @@ def _fsdp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[P
             unsharded = root + (layer if raf else layers_all)
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
-            # inside the root's post-backward: the root is resharded, its gradients are being reduced
-            comm = rs_root
+            # Inside the root's post-backward: the root is resharded, its gradients are being reduced.
             # Copy-in done, the token table's bf16 gradient is freed and the root's sharded gradients are
             # allocated (the LM head's bf16 gradient is still referenced): the later of the two moments is
             # worse when the root's shards outweigh the table's gradient (small W).
-            c[Component.TEMPORARIES] += q.grad_head + max(0, q.grad_late - root_shard_grads)
-            if q.grad_late > root_shard_grads:
+            post_temp = q.grad_head + max(0, q.grad_late - root_shard_grads)
+            post_grads = root_shard_grads if q.grad_late > root_shard_grads else 0
+            # Or the embedding's own backward, before that: the root still unsharded, the last layer's
+            # reduce-scatter input still in flight (one kept: ``reduce_scatter_max_input_buffers`` = 1,
+            # _fsdp_param_group.py ``post_backward``), the table's gradient just computed (under TP whole,
+            # with its Shard(0) copy: ``table_copy``), the root's shards not yet made.
+            during_temp = q.grad_head + q.grad_late + table_copy
+            if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
+                unsharded, comm = root, rs
+                c[Component.TEMPORARIES] += during_temp
                 c[Component.GRADIENTS] -= root_shard_grads
+            else:
+                comm = rs_root
+                c[Component.TEMPORARIES] += post_temp
+                c[Component.GRADIENTS] -= post_grads
         if m.name in (
             MomentName.BACKWARD_FINAL_NORM,
             MomentName.BACKWARD_TOP_BLOCK,
@@ -1226,6 +1254,39 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
       (:func:`_sp_saved_bytes`); the norms' backward temporaries are split too;
     * the logits are gathered whole (``output_layouts=Replicate()``) for the model's own loss.
     """
+    q, table_grad, vocab_rows = _tp_inputs(spec, strategy, p)
+    tp = p.tp
+    phases = tuple(
+        PhaseBreakdown(phase=ph, components=_full(_single(worst_m)))
+        for ph, worst_m in ((ph, max(ms, key=lambda m: m.total_bytes)) for ph, ms in _moments(q).items())
+    )
+    notes = [
+        f"DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}, DP {p.dp} (no sharding): each rank holds "
+        f"{spec.num_heads // tp} of {spec.num_heads} heads, {spec.intermediate_size // tp} of "
+        f"{spec.intermediate_size} MLP columns and {vocab_rows:,} of {spec.vocab_size:,} vocabulary rows; norms "
+        "replicated; the logits gathered whole for the loss",
+        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)}; DTensor's embedding "
+        "backward has no vocabulary-sharded strategy)",
+    ]
+    if p.dp > 1:
+        notes.append(
+            f"the {p.dp} data-parallel replicas add no buffers here (--sharding none: gradients all-reduced in "
+            "place); DDP over DTensors is not modelled (--sharding fsdp: 2-D FSDP2×TP is)"
+        )
+    if p.sequence_parallel:
+        notes.append(_SP_NOTE)
+    return phases, notes
+
+
+_SP_NOTE = (
+    "sequence parallelism splits the norms' saved tensors; each matmul saves its all-gathered input "
+    "(unlike Megatron, which re-gathers it in backward)"
+)
+
+
+def _tp_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[StepInputs, int, int]:
+    """(the single-GPU step inputs of one DTensor TP rank — see :func:`_torch_tp` —, the whole token table's
+    gradient bytes, the rank's vocabulary rows)."""
     from trainfit.analytic.states import model_states
 
     tp = p.tp
@@ -1271,28 +1332,45 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
         )
         # A checkpointed segment keeps its input: the residual stream, a Shard(1) DTensor under SP.
         q = dataclasses.replace(q, stack=stack, norm_temp=q.norm_temp // tp, kept_inputs=q.kept_inputs // tp)
-    phases = tuple(
-        PhaseBreakdown(phase=ph, components=_full(_single(worst_m)))
-        for ph, worst_m in ((ph, max(ms, key=lambda m: m.total_bytes)) for ph, ms in _moments(q).items())
-    )
+    return q, table_grad, vocab_rows
+
+
+def dtensor_tp_held_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The model whose parameter inventory is one TP rank's local tensors: :func:`dtensor_tp_spec` with
+    ⌈V/tp⌉ vocabulary rows (``ColwiseParallel`` local weights ``[out/tp, in]``, ``RowwiseParallel``
+    ``[out, in/tp]``, the inventory's ``(out, in)`` shapes; norms whole)."""
+    return dataclasses.replace(dtensor_tp_spec(spec, tp), vocab_size=-(-spec.vocab_size // tp))
+
+
+def _fsdp_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+    """One rank of 2-D FSDP2 × DTensor TP (torchtitan's ``parallelize_llama``: ``apply_tp``, then
+    ``fully_shard`` per layer and root over the ``dp`` mesh dimension). FSDP2 shards a DTensor parameter's
+    *local* tensor on dim 0 over the dp ranks (_fsdp_param.py ``_init_sharding_spec_tp`` returns
+    ``param._local_tensor``; ``_init_sharded_param`` chunks it with ``_chunk_with_empty`` and pads to
+    ⌈dim0/dp⌉ rows): each TP-local tensor of :func:`dtensor_tp_held_spec` gets FSDP2's rules
+    (:func:`_fsdp`: sharded fp32 states under the policy, the unsharded root plus the current and the
+    prefetched layer — each at its TP-local size —, the all-gather and reduce-scatter buffers), and the
+    activations, logits gather and whole token-table gradient are DTensor TP's (:func:`_tp_inputs`) under
+    FSDP2's compute dtype."""
+    cs = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
+    q, table_grad, vocab_rows = _tp_inputs(spec, cs, p)
+    # The embedding's backward computes the whole table's gradient, then redistributes it Replicate → Shard(0)
+    # into a copy of the rank's ⌈V/tp⌉ rows (DTensor ``Shard._split_tensor``/``_local_shard``), which FSDP2's
+    # post-backward reduce-scatters; the whole one is freed after the copy.
+    table_copy = _alloc(vocab_rows * spec.hidden_size, cs.recipe.grad_bits)
+    phases, notes = _fsdp(spec, strategy, p, q=q, held_spec=dtensor_tp_held_spec(spec, p.tp), table_copy=table_copy)
+    tp = p.tp
     notes = [
-        f"DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}, DP {p.dp} (no sharding): each rank holds "
-        f"{spec.num_heads // tp} of {spec.num_heads} heads, {spec.intermediate_size // tp} of "
-        f"{spec.intermediate_size} MLP columns and {vocab_rows:,} of {spec.vocab_size:,} vocabulary rows; norms "
-        "replicated; the logits gathered whole for the loss",
-        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)}; DTensor's embedding "
-        "backward has no vocabulary-sharded strategy)",
+        f"2-D FSDP2 × DTensor TP {tp}{' + SP' if p.sequence_parallel else ''}: TP first ({spec.num_heads // tp} of "
+        f"{spec.num_heads} heads, {spec.intermediate_size // tp} of {spec.intermediate_size} MLP columns, "
+        f"{vocab_rows:,} of {spec.vocab_size:,} vocabulary rows per TP rank), then FSDP2 shards each TP-local "
+        f"tensor on dim 0 over the {p.dp} data-parallel ranks",
+        *notes,
+        f"the token table's gradient is computed whole on every rank ({fmt_gib(table_grad)} in the compute dtype; "
+        "DTensor's embedding backward has no vocabulary-sharded strategy) before the root's reduce-scatter",
     ]
-    if p.dp > 1:
-        notes.append(
-            f"the {p.dp} data-parallel replicas add no buffers here (--sharding none: gradients all-reduced in "
-            "place); DDP over DTensors and 2-D FSDP2×TP (torchtitan's DP with TP) are not modelled yet"
-        )
     if p.sequence_parallel:
-        notes.append(
-            "sequence parallelism splits the norms' saved tensors; each matmul saves its all-gathered input "
-            "(unlike Megatron, which re-gathers it in backward)"
-        )
+        notes.append(_SP_NOTE)
     return phases, notes
 
 
@@ -1302,10 +1380,15 @@ def _torch_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tup
 def estimate_parallel(
     spec: ModelSpec,
     strategy: Strategy,
+    *,
+    allocator: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
-    and host memory per node, for ``strategy``'s parallel setup. The allocator simulation is not run for
-    many GPUs yet: the reserve is the fixed fraction of :func:`trainfit.overhead.overhead_for`."""
+    and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
+    torch DDP and FSDP2 ranks replay their event stream through the caching-allocator simulation
+    (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS ``workspaces``); other setups, and calls
+    without ``allocator``, keep the fixed fraction of :func:`trainfit.overhead.overhead_for`."""
     strategy, _ = effective_strategy(spec, strategy)
     p = plan(spec, strategy)
     ranks: tuple[RankMemory, ...] = ()
@@ -1322,6 +1405,9 @@ def estimate_parallel(
             if ranks
             else "every rank holds the same"
         )
+    elif p.engine is Engine.TORCH and p.tp > 1 and p.sharding is Sharding.FSDP:
+        phases, notes = _fsdp_tp(spec, strategy, p)
+        why = "every rank holds the same; rank 0 has the largest vocabulary shard and ⌈dim0/dp⌉-row FSDP2 shards"
     elif p.engine is Engine.TORCH and p.tp > 1:
         phases, notes = _torch_tp(spec, strategy, p)
         why = "every rank of the tensor-parallel group holds the same (rank 0 has the largest vocabulary shard)"
@@ -1335,6 +1421,19 @@ def estimate_parallel(
         phases, notes = _ddp(spec, strategy)
         why = "every rank holds a full replica"
     peak = max(ph.total_bytes for ph in phases)
+    overhead = overhead_for(peak)
+    reserve_note = "reserved: the fixed reserve fraction of the allocated peak (docs/accuracy.md)"
+    if allocator is not None:
+        from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
+
+        if rank_simulated(strategy, p):
+            sim = simulate_rank(spec, strategy, p, allocator, workspaces)
+            held = peak + sum(w.size_bytes for w in workspaces)
+            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
+            reserve_note = (
+                f"reserved: this rank's event stream through the caching-allocator simulation (peak reserved "
+                f"{fmt_gib(sim.peak_reserved_bytes)})"
+            )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
     trainable = sum(h.tensor.numel * h.count for h in held_tensors(spec, strategy) if h.trainable)
@@ -1345,7 +1444,7 @@ def estimate_parallel(
         params=params,
         trainable_params=trainable,
         phases=phases,
-        overhead=overhead_for(peak),
+        overhead=overhead,
         bytes_per_param=BytesPerParam(
             weights=opt.get(Component.WEIGHTS) / params,
             gradients=st_bytes[Component.GRADIENTS] / params,
@@ -1357,6 +1456,7 @@ def estimate_parallel(
             *p.defaults,
             *notes,
             why,
+            reserve_note,
             "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
             "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
         ),
@@ -1400,6 +1500,7 @@ __all__ = [
     "data_parallel_degree",
     "ddp_bucket_bytes",
     "deepspeed_partition_numel",
+    "dtensor_tp_held_spec",
     "estimate_parallel",
     "fsdp_groups",
     "fsdp_states",

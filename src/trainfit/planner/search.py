@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from trainfit._memo import Memo, spec_key
 from trainfit.arch.spec import ModelSpec
 from trainfit.hardware import GPUSpec
 from trainfit.overhead import overhead_for
@@ -35,7 +34,6 @@ __all__ = [
     "Suggestion",
     "SuggestionKind",
     "accumulation_plan",
-    "data_parallel_activations",
     "fit_verdict",
     "largest_below",
     "lower_bound_bytes",
@@ -127,18 +125,18 @@ def max_micro_batch(
 
 
 def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
-    """A cheap bound below the analytic estimate's requirement (0 for many): on one GPU the closed-form
-    allocated peak (the moments :func:`trainfit.analytic.estimate_analytic` reports) + the GPU's cuBLAS
-    workspaces + the memory outside the allocator, without the allocator simulation's reserve (which is
-    ≥ 0: ``estimate_analytic`` takes the simulated reserved bytes above this peak, never below); with pure
-    data parallelism, :func:`data_parallel_activations`; with tensor or pipeline parallelism 0."""
+    """A cheap bound below the analytic estimate's requirement: the closed-form allocated peak (the moments
+    :func:`trainfit.analytic.estimate_analytic` reports; many GPUs: :func:`trainfit.analytic.parallel.
+    estimate_parallel`'s, without its allocator simulation) + the GPU's cuBLAS workspaces + the memory
+    outside the allocator (with NCCL's buffers), without the allocator's reserve (which is ≥ 0: the simulated
+    reserved bytes are taken above this peak, never below; the fixed fraction is ≥ 0)."""
+    if strategy.is_distributed:
+        return _parallel_lower_bound(spec, strategy, gpu)
     from trainfit.analytic.model import step_inputs, training_moments
     from trainfit.errors import StrategyError
     from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
     from trainfit.overhead import outside_allocator
 
-    if strategy.is_distributed:
-        return data_parallel_activations(spec, strategy, gpu)
     try:
         moments = training_moments(step_inputs(spec, _on_gpu(spec, strategy, gpu), keep_logits=False))
     except StrategyError:
@@ -160,45 +158,22 @@ def _on_gpu(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> Strategy:
     return eff
 
 
-def data_parallel_activations(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
-    """A bound below a data-parallel rank's requirement (tensor = pipeline = 1; else 0): every rank runs the
-    whole model on its micro-batch, and the parallel estimate (:func:`trainfit.analytic.parallel.
-    estimate_parallel`) builds each rank's phases on the single-GPU moments of the strategy itself (DDP) or of
-    its 16-bit compute strategy (``compute_strategy``: FSDP2, DeepSpeed), keeping their activations and
-    logits. The bound is the smaller of those activations + logits at the fullest moment, one replica's, before
-    states, workspaces and the reserve."""
-    from trainfit.analytic.model import step_inputs, training_moments
-    from trainfit.analytic.parallel import compute_strategy
+def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
+    from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
+    from trainfit.cuda_facts import has_flash_attention
     from trainfit.errors import StrategyError
-    from trainfit.strategy import EngineOptions, Offload, Parallelism, Sharding
+    from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
+    from trainfit.overhead import outside_allocator
 
-    par = strategy.parallelism
-    if par.tensor > 1 or par.pipeline > 1:
+    if strategy.flash_sdp and not has_flash_attention(gpu.compute_capability):
+        strategy = dataclasses.replace(strategy, flash_sdp=False)
+    try:
+        peak = estimate_parallel(spec, strategy).peak_bytes  # no allocator: the fixed fraction, not simulated
+    except StrategyError:
         return 0
-    one = dataclasses.replace(
-        strategy,
-        parallelism=Parallelism(gpus_per_node=par.gpus_per_node),
-        sharding=Sharding.NONE,
-        offload=Offload.parse("none"),
-        engine=EngineOptions(),
-    )
-
-    def build() -> int:
-        out: int | None = None
-        try:
-            for s in {one, compute_strategy(one), compute_strategy(one, casts_every_param=False)}:
-                moments = training_moments(step_inputs(spec, _on_gpu(spec, s, gpu), keep_logits=False))
-                most = max(m.activations + m.logits_loss for m in moments.values())
-                out = most if out is None else min(out, most)
-        except StrategyError:
-            return 0
-        return out or 0
-
-    # one replica's strategy is shared by every data-parallel layout of the same recipe and micro-batch
-    return _REPLICA_BOUNDS.get((spec_key(spec), one, gpu.compute_capability), build)
-
-
-_REPLICA_BOUNDS: Memo[int] = Memo(256)
+    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
+    outside = outside_allocator(gpu, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+    return peak + work + outside.outside_allocator_bytes
 
 
 def accumulation_plan(

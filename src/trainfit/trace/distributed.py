@@ -565,12 +565,21 @@ def rank_report(
     )
 
 
+#: Public names for the 2-D FSDP2×TP trace (:mod:`trainfit.trace.tensor_parallel`), which applies the same
+#: FSDP2 wrapping, build strategy and depth rule over the ``dp`` mesh dimension of a TP-parallelised model.
+wrap_fsdp = _wrap_fsdp
+fsdp_run_strategy = _run_strategy
+hold_fsdp_transients = _hold_transients
+
 __all__ = [
     "DistTracker",
     "check_traceable",
     "fake_world",
+    "fsdp_run_strategy",
     "hold_at_max",
+    "hold_fsdp_transients",
     "rank_report",
     "run_layout_distributed",
     "trace_distributed",
+    "wrap_fsdp",
 ]

@@ -39,10 +39,17 @@ import torch
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
 from trainfit.result import MemoryReport, Phase
-from trainfit.strategy import Checkpointing, Engine, Strategy
+from trainfit.strategy import Checkpointing, Engine, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
-from trainfit.trace.distributed import DistTracker, patched_resize, rank_report
+from trainfit.trace.distributed import (
+    DistTracker,
+    fsdp_run_strategy,
+    hold_fsdp_transients,
+    patched_resize,
+    rank_report,
+    wrap_fsdp,
+)
 from trainfit.trace.optim import make_optimizer
 
 Progress = Callable[[str, float], None]
@@ -192,6 +199,35 @@ class TPTracker(DistTracker):  # type: ignore[no-untyped-call]
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
 
 
+@contextlib.contextmanager
+def _mesh_tensor_outside_modes() -> Iterator[None]:
+    """Device meshes built, and their rank tensor read, with no dispatch mode active: FSDP2 over a TP DTensor
+    concatenates the dp and tp meshes (device_mesh.py ``DeviceMesh._concatenate``, _fsdp_param.py
+    ``_init_sharding_spec_tp``), whose rank tensors are made from the real rank map (``as_strided``, ``eq``)
+    — refused under fake tensors, and not memory the rank's step holds."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    prop = DeviceMesh.__dict__["mesh"]
+    init = DeviceMesh.__init__
+
+    def mesh(self: Any) -> Any:
+        with _disable_current_modes():
+            return prop.fget(self)
+
+    def build(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _disable_current_modes():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.mesh = property(mesh)  # type: ignore[method-assign,assignment]
+    DeviceMesh.__init__ = build  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.mesh = prop  # type: ignore[method-assign]
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+
+
 def run_layout_tp(
     spec: ModelSpec,
     strategy: Strategy,
@@ -202,7 +238,10 @@ def run_layout_tp(
     steps: int,
     adamw_impl: str,
 ) -> rn.TraceRun:
-    """Build the reduced model of ``layout``, parallelise it on ``mesh["tp"]`` and run it under the tracker."""
+    """Build the reduced model of ``layout``, parallelise it on ``mesh["tp"]`` (and with ``--sharding fsdp``
+    shard it with FSDP2 on ``mesh["dp"]``) and run it under the tracker."""
+    fsdp = strategy.sharding is Sharding.FSDP
+    _, rec = fsdp_run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
     rn.materialize(model, mode, None)
@@ -215,6 +254,11 @@ def run_layout_tp(
     box.append(tr)
     with mode, tr:
         parallelize(model, layers, mesh["tp"], sequence_parallel=strategy.parallelism.sequence_parallel)
+    if fsdp:
+        # torchtitan's apply_fsdp after apply_tp: FSDP2 shards each DTensor's local (TP) tensor on dim 0
+        # over the dp mesh dimension (_fsdp_param.py ``_init_sharding_spec_tp``); resize_ frees are tracked.
+        with _mesh_tensor_outside_modes(), mode, tr, patched_resize(tr):
+            wrap_fsdp(model, layers, mesh["dp"], strategy)
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
         forward=lambda m, batch: m(**batch),
@@ -222,14 +266,15 @@ def run_layout_tp(
         make_optimizer=lambda params: make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl),
     )
     options = rn.RunOptions(
-        recipe=strategy.recipe,
+        recipe=rec,
         steps=steps,
         grad_accum=strategy.grad_accum,
         head_module=hf.head_of(model),
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
         flash_sdp=strategy.flash_sdp,
     )
-    with hf.runtime_patches(), patched_resize(tr):
+    meshes = _mesh_tensor_outside_modes() if fsdp else contextlib.nullcontext()
+    with meshes, hf.runtime_patches(), patched_resize(tr):
         return rn.run_steps(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr))
 
 
@@ -253,7 +298,10 @@ def trace_tensor_parallel(
     say = progress or (lambda _m, _f: None)
     par = strategy.parallelism
     tp, dp = par.tensor, par.data
-    plan = depth.plan_depth(spec, strategy, extrapolate=extrapolate)
+    fsdp = strategy.sharding is Sharding.FSDP
+    built, _ = fsdp_run_strategy(strategy)  # FSDP2's policy: fp32 parameters, bf16 compute
+    # FSDP2 prefetches the next layer: its pattern is periodic from two layers on (trace/distributed.py).
+    plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=2 if fsdp else depth.BASE_UNITS)
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     with fake_mesh(dp, tp) as mesh:
         for i, (counts, layout) in enumerate(plan.layouts):
@@ -278,6 +326,8 @@ def trace_tensor_parallel(
             depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
+        if fsdp:
+            keyed = hold_fsdp_transients(keyed, strategy)
         phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
     else:
         pk = readout.phase_peaks(results[0][2])
@@ -288,12 +338,19 @@ def trace_tensor_parallel(
         f"rank 0 of {par.world_size} (TP {tp} × DP {dp}) on PyTorch's fake process group: DTensor "
         "parallelize_module with torchtitan's Llama plan (ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, "
         "vocabulary-sharded embedding, lm_head ColwiseParallel with gathered logits"
-        + (", SequenceParallel norms)" if sp else ")"),
+        + (", SequenceParallel norms)" if sp else ")")
+        + (
+            f"; then FSDP2 fully_shard per layer + root over the dp mesh dimension ({dp} ranks), "
+            f"reshard_after_forward={strategy.engine.reshard_after_forward}"
+            + (f", MixedPrecisionPolicy({strategy.recipe.compute_dtype}, fp32)" if strategy.recipe.mixed else "")
+            if fsdp
+            else ""
+        ),
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + (" and extrapolated each region linearly" if plan.ext else ""),
         "NCCL's own buffers are outside the allocator (not measured for tensor parallelism)",
     ]
-    if strategy.engine.engine is Engine.AUTO:
+    if strategy.engine.engine is Engine.AUTO and not fsdp:
         notes.append(
             "traced as --engine torch (DTensor); --method analytic with --engine auto models Megatron-LM's TP — "
             "compare with --engine torch"

@@ -1,0 +1,303 @@
+"""Reserved memory of one data-parallel rank: its tensors as an allocator event stream. Torch-free.
+
+The single-GPU stream (:mod:`trainfit.analytic.events`) with :class:`~trainfit.analytic.events.RankHooks`
+that make it one rank's, in the order the framework runs, then replayed through the caching-allocator
+simulation (:mod:`trainfit.allocator`) like one GPU's:
+
+* **torch DDP**: the single-GPU stream of the rank's recipe plus the reducer's gradient buckets, made when
+  ``DistributedDataParallel`` is built (after the weights) and never freed (c10d/reducer.cpp
+  ``initialize_buckets``; sizes: :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`); with
+  ``gradient_as_bucket_view`` the gradients are views of them and allocate nothing.
+* **torch FSDP2** (``fully_shard`` per layer + root, :func:`~trainfit.analytic.parallel.held_tensors` for the
+  widths): the stream of the compute strategy (bf16 layers, no autocast) over the rank's padded shards; per
+  group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank; under the
+  policy after the flat bf16 copy of the rank's shards, freed at once) and its
+  copy-out one unsharded tensor per parameter (``FSDPParam.init_unsharded_param``); in forward the output is
+  kept until the next group's copy-out (``comm_ctx.all_gather_state``), in backward it is freed at its own
+  (_fsdp_param_group.py ``wait_for_unshard``); the forward reshards each layer after it
+  (``reshard_after_forward``); the root's pre-backward prefetches the last layer's all-gather, each layer's
+  pre-backward copies it out and prefetches the next one's (``_backward_prefetch``), and its post-backward allocates
+  reshards (frees the unsharded parameters), frees the previous reduce-scatter input (one in flight:
+  ``reduce_scatter_max_input_buffers``), allocates the fp32 reduce-scatter input of the padded size, frees
+  the unsharded gradients after the copy-in and allocates the group's sharded gradients (one reduce output,
+  the grads are views of it) (_fsdp_param_group.py ``post_backward``, _fsdp_collectives.py
+  ``foreach_reduce``); the root's last. Streams: all-gather outputs on the all-gather copy-in stream, reduce
+  outputs on the reduce-scatter stream, the rest (the reduce-scatter input included) on the default one; the
+  allocator keeps a stream's freed blocks for that stream, which is part of FSDP2's reserve.
+
+Reserved memory can keep growing for a few steps (one GPU's stream settles by its second): steps are
+replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The optimizer
+  states are made on the shards in the first step.
+
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO,
+Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and fine-tuning with many GPUs.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+
+from trainfit._memo import spec_key
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
+from trainfit.allocator.workspaces import Workspace
+from trainfit.analytic.adapters import finetuning
+from trainfit.analytic.events import RankHooks, Stream, simulation_memo, synthesise
+from trainfit.analytic.parallel import (
+    ParallelPlan,
+    compute_strategy,
+    ddp_bucket_bytes,
+    held_tensors,
+    shard_tensor,
+)
+from trainfit.analytic.states import ParamState, optimizer_state_tensors
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import ModelSpec, ParamTensor
+from trainfit.strategy import Engine, Optimizer, OptimizerImpl, Sharding, Strategy
+
+__all__ = ["DdpHooks", "FsdpHooks", "rank_simulated", "simulate_rank"]
+
+
+def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
+    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, full training, nothing
+    offloaded, one model replica per rank); otherwise the fixed fraction."""
+    return (
+        p.engine is Engine.TORCH
+        and p.tp == 1
+        and p.pp == 1
+        and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
+        and not strategy.offload.any
+        and not finetuning(strategy)
+    )
+
+
+class DdpHooks(RankHooks):
+    """DDP: the buckets after the weights; with ``gradient_as_bucket_view`` no separate gradients."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
+        eo = strategy.engine
+        self.buckets = ddp_bucket_bytes(
+            spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
+        )
+        self.view = eo.gradient_as_bucket_view
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        super().weights(s, states)
+        for b in self.buckets:
+            s.alloc(b)
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        return 0 if self.view else super().grad_bytes(x, bits)
+
+
+#: Steps replayed at most. A rank's reserved memory can grow for a few steps before it settles (FSDP2's
+#: per-stream pools: llama-3.1-8b over 8 ranks grows until the fourth step), so steps are replayed until one
+#: raises no peak (from the third on), at most this many.
+MAX_STEPS = 8
+
+#: FSDP2's side streams (``FSDPCommContext.lazy_init``): the all-gather outputs are made on the all-gather
+#: copy-in stream, the reduce outputs (the sharded gradients are views of them) on the reduce-scatter stream;
+#: the caching allocator reuses a freed block only for its own stream. The rest is the default stream (0).
+ALL_GATHER_STREAM = 1
+REDUCE_SCATTER_STREAM = 2
+
+
+class _Group:
+    """One ``fully_shard`` group's sizes in bytes (FSDP2, rank 0)."""
+
+    __slots__ = ("all_gather", "reduce_scatter", "shard_grads", "shards", "unsharded")
+
+    def __init__(
+        self, tensors: Sequence[ParamTensor], shards: int, bits: int, gather_bits: int, reduce_bits: int
+    ) -> None:
+        local = [shard_tensor(t, shards).numel for t in tensors]
+        self.shards = [n * bits // 8 for n in local]
+        self.unsharded = [t.numel * gather_bits // 8 for t in tensors]
+        self.all_gather = sum(local) * shards * gather_bits // 8
+        self.reduce_scatter = sum(local) * shards * reduce_bits // 8
+        self.shard_grads = sum(self.shards)
+
+
+class FsdpHooks(RankHooks):
+    """FSDP2 per layer + root (see the module docstring); the stream is the compute strategy's."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, shards: int) -> None:
+        mixed = strategy.recipe.mixed
+        bits = 32 if mixed else strategy.recipe.weight_bits
+        gather = strategy.recipe.compute_bits if mixed else bits
+        reduce = 32 if mixed else bits
+        inv = inventory(spec)
+        self.strategy = strategy
+        self.shards = shards
+        self.bits = bits
+        self.raf = strategy.engine.reshard_after_forward
+        self.cast_inputs = mixed
+        self.root = _Group(inv.model_tensors, shards, bits, gather, reduce)
+        by_kind = {g.kind: _Group(g.tensors, shards, bits, gather, reduce) for g in inv.layers}
+        self.layers = [by_kind[g.kind] for g in inv.layers for _ in range(g.count)]
+        self.held = held_tensors(spec, strategy, fsdp_mixed=mixed)
+        self.unsharded: dict[int, list[int]] = {}  # group (-1: root) → its unsharded parameters
+        self.gather_out = 0  # the forward's last all-gather output, kept until the next copy-out
+        self.prefetched: dict[int, int] = {}  # backward: layer → its all-gather output, not yet copied out
+        self.rs_pending = 0  # the reduce-scatter input in flight
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        for h in self.held:
+            n = _alloc_bits(h.shard_numel(self.shards), h.bits)
+            for _ in range(h.count):
+                s.alloc(n)
+
+    def _group(self, i: int) -> _Group:
+        return self.root if i < 0 else self.layers[i]
+
+    def _all_gather(self, s: Stream, i: int) -> int:
+        """``unshard``: the all-gather output, made on the all-gather copy-in stream (forward and pre-backward:
+        ``get_all_gather_streams``) after the flat ``param_dtype`` copy of the rank's shards that it copies in
+        (_fsdp_collectives.py ``_get_param_all_gather_inputs``: one ``torch.empty`` under a mixed-precision
+        policy, freed after ``all_gather_copy_in``); none on one rank (copied straight from the shard)."""
+        if self.shards == 1:
+            return 0
+        g = self._group(i)
+        cast = s.alloc(g.all_gather // self.shards, ALL_GATHER_STREAM) if self.cast_inputs else 0
+        out = s.alloc(g.all_gather, ALL_GATHER_STREAM)
+        s.free(cast)
+        return out
+
+    def _copy_out(self, s: Stream, i: int) -> None:
+        """``wait_for_unshard``: the unsharded parameters (``init_unsharded_param``)."""
+        self.unsharded[i] = [s.alloc(n) for n in self._group(i).unsharded]
+
+    def _reshard(self, s: Stream, i: int) -> None:
+        s.free_all(self.unsharded.pop(i, []))
+
+    def forward_begin(self, s: Stream) -> None:
+        self.layer_forward_begin(s, -1)
+
+    def layer_forward_begin(self, s: Stream, i: int) -> None:
+        # In forward the all-gather output is kept (``comm_ctx.all_gather_state``) until the next copy-out.
+        if i in self.unsharded:
+            return
+        out = self._all_gather(s, i)
+        s.free(self.gather_out)
+        self._copy_out(s, i)
+        self.gather_out = out
+
+    def layer_forward_end(self, s: Stream, i: int) -> None:
+        if self.raf:
+            self._reshard(s, i)
+
+    def backward_begin(self, s: Stream) -> None:
+        s.free(self.gather_out)  # the root's post-forward
+        self.gather_out = 0
+        # The root's pre-backward (the loss's gradient reaching the model's output) prefetches the first
+        # layer to run backward, the last (``FSDPState._pre_backward`` → ``_backward_prefetch``).
+        last = len(self.layers) - 1
+        if last >= 0 and last not in self.unsharded:
+            self.prefetched[last] = self._all_gather(s, last)
+
+    def layer_backward_begin(self, s: Stream, i: int) -> None:
+        # In backward the all-gather output is freed at its copy-out; the pre-backward then prefetches the
+        # next layer to run (``_backward_prefetch``): its all-gather output waits for that layer.
+        if i not in self.unsharded:
+            out = self.prefetched.pop(i, None)
+            if out is None:
+                out = self._all_gather(s, i)
+            self._copy_out(s, i)
+            s.free(out)
+        if i >= 1 and i - 1 not in self.unsharded and i - 1 not in self.prefetched:
+            self.prefetched[i - 1] = self._all_gather(s, i - 1)
+
+    def _post_backward(self, s: Stream, i: int, grads: list[int], held: Sequence[int] = ()) -> list[int]:
+        """``FSDPParamGroup.post_backward``: reshard, release the previous reduce-scatter input (one in flight,
+        ``reduce_scatter_max_input_buffers``), then ``foreach_reduce``: the input, the copy-in that frees the
+        unsharded gradients (but ``held``, still referenced elsewhere), the reduce output the sharded gradients
+        are views of; then ``held`` goes."""
+        self._reshard(s, i)
+        s.free(self.rs_pending)
+        g = self._group(i)
+        self.rs_pending = s.alloc(g.reduce_scatter)
+        s.free_all(grads)
+        out = [s.alloc(g.shard_grads, REDUCE_SCATTER_STREAM)]
+        s.free_all(held)
+        return out
+
+    def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        return self._post_backward(s, i, grads)
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        # The LM head's 16-bit gradient outlives the root's copy-in (the trace: it is freed after the root's
+        # reduce output is made; analytic.parallel ``_fsdp``'s embedding moment).
+        out = self._post_backward(s, -1, late, held=head)
+        s.free(self.rs_pending)
+        self.rs_pending = 0
+        s.free(self.gather_out)
+        self.gather_out = 0
+        return out
+
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        st = self.strategy
+        for h in self.held:
+            if not h.trainable:
+                continue
+            pieces = optimizer_state_tensors(
+                shard_tensor(h.tensor, self.shards), st.optimizer, h.bits, st.optimizer_impl
+            )
+            for _ in range(h.count):
+                for n in pieces:
+                    s.alloc(n)
+
+    def step_temp_bytes(self, default: int) -> int:
+        st = self.strategy
+        if st.optimizer is Optimizer.ADAMW and st.optimizer_impl is OptimizerImpl.FOREACH:
+            return sum(g.shard_grads for g in self.layers) + self.root.shard_grads
+        return 0 if st.optimizer is Optimizer.ADAMW else default
+
+
+def _alloc_bits(numel: int, bits: int) -> int:
+    return numel * bits // 8
+
+
+def simulate_rank(
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    config: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+) -> AllocatorResult:
+    """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups)."""
+    return simulation_memo().get(
+        ("rank", spec_key(spec), strategy, p, config, workspaces),
+        lambda: _simulate(spec, strategy, p, config, workspaces),
+    )
+
+
+def _simulate(
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    config: AllocatorConfig | None,
+    workspaces: tuple[Workspace, ...],
+) -> AllocatorResult:
+    hooks: RankHooks
+    if p.sharding is Sharding.DDP:
+        hooks, run = DdpHooks(spec, strategy), strategy
+    else:
+        hooks = FsdpHooks(spec, strategy, p.shard)
+        run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
+    sim = Simulator(config)
+    seen = [-1]
+
+    def steady(step: int) -> bool:
+        """A step that raised no reserved peak, after the states exist (step ≥ 1), ends the stream."""
+        grew = sim.peak_reserved_bytes > seen[0]
+        seen[0] = sim.peak_reserved_bytes
+        return step >= 2 and not grew
+
+    enabled = gc.isenabled()
+    gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
+    try:
+        synthesise(Stream(sim), spec, run, workspaces, hooks, steps=MAX_STEPS, stop=steady)
+    finally:
+        if enabled:
+            gc.enable()
+    return sim.result()

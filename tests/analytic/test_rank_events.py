@@ -1,0 +1,134 @@
+"""Reserved memory of a data-parallel rank (trainfit.analytic.rank_events): the rank's tensors as an allocator
+event stream, held to the closed-form per-rank model (trainfit.analytic.parallel), which builds the same
+quantities as moments rather than as an ordered stream: replayed, the stream must peak where the moments do
+and leave exactly the resident states; the estimate takes its reserve from the simulation for torch DDP and
+FSDP2 ranks only."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit import estimate
+from trainfit.allocator import AllocatorConfig, Op
+from trainfit.analytic.events import Stream, synthesise
+from trainfit.analytic.parallel import compute_strategy, estimate_parallel, plan
+from trainfit.analytic.rank_events import (
+    ALL_GATHER_STREAM,
+    REDUCE_SCATTER_STREAM,
+    FsdpHooks,
+    rank_simulated,
+    simulate_rank,
+)
+from trainfit.arch import load_model
+from trainfit.arch.params import inventory
+from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
+from trainfit.result import Component, Phase
+from trainfit.strategy import EngineOptions, Parallelism, Strategy
+
+
+def _s(sharding: str, w: int, flag: bool = True, ckpt: str = "none", **kw: object) -> Strategy:
+    return Strategy(
+        parallelism=Parallelism(data=w, gpus_per_node=8),
+        sharding=sharding,
+        checkpointing=ckpt,
+        micro_batch=1,
+        seq_len=2048,
+        engine=EngineOptions(
+            reshard_after_forward=flag if sharding != "ddp" else True,
+            gradient_as_bucket_view=flag if sharding == "ddp" else False,
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+CASES = [
+    ("llama-3.2-1b", _s("fsdp", 8)),
+    ("llama-3.2-1b", _s("fsdp", 8, flag=False)),
+    ("llama-3.2-1b", _s("fsdp", 64, ckpt="full")),
+    ("llama-3.2-1b", _s("fsdp", 1)),
+    ("qwen2.5-0.5b", _s("hsdp", 16)),
+    ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16")),
+    ("llama-3.2-1b", _s("ddp", 8)),
+    ("llama-3.2-1b", _s("ddp", 2, flag=False)),
+]
+
+
+@pytest.mark.parametrize(("slug", "strategy"), CASES)
+def test_the_rank_stream_peaks_where_the_moments_do(slug: str, strategy: Strategy) -> None:
+    spec = load_model(slug)
+    res = simulate_rank(spec, strategy, plan(spec, strategy), AllocatorConfig())
+    closed = estimate_parallel(spec, strategy)
+    assert res.peak_allocated_bytes == pytest.approx(closed.peak_bytes, rel=0.02)
+    assert res.peak_reserved_bytes >= res.peak_allocated_bytes
+
+
+@pytest.mark.parametrize(("slug", "strategy"), CASES)
+def test_the_rank_stream_leaves_the_resident_states(slug: str, strategy: Strategy) -> None:
+    """After ``zero_grad`` a rank holds its weights (FSDP2: its shards), master weights, optimizer states and,
+    under DDP, its buckets (the gradients when they are views of them): what the closed form's optimizer-step
+    phase calls resident, less the gradients that ``zero_grad`` frees."""
+    spec = load_model(slug)
+    res = simulate_rank(spec, strategy, plan(spec, strategy), AllocatorConfig())
+    step = estimate_parallel(spec, strategy).phase(Phase.OPTIMIZER_STEP)
+    kept = [Component.WEIGHTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES, Component.COMM_BUFFERS]
+    if strategy.sharding.value == "ddp" and strategy.engine.gradient_as_bucket_view:
+        kept.append(Component.GRADIENTS)
+    # The simulator counts a large block's unsplit remainder (≤ 1 MiB) as allocated (DESIGN §4.2).
+    assert res.allocated_end_bytes == pytest.approx(sum(step.get(c) for c in kept), rel=0.01)
+
+
+def test_a_ddp_rank_is_one_gpu_plus_its_buckets() -> None:
+    """DDP's stream (without ``gradient_as_bucket_view``) is the single-GPU stream plus the reducer's buckets,
+    resident from construction (``ddp_bucket_bytes``, c10d/reducer.cpp): its peak is one GPU's plus them."""
+    from trainfit.analytic.events import simulate_training
+    from trainfit.analytic.parallel import ddp_bucket_bytes
+
+    spec = load_model("llama-3.2-1b")
+    s = _s("ddp", 4, flag=False, ckpt="full")
+    one = simulate_training(spec, Strategy(checkpointing="full", micro_batch=1, seq_len=2048), AllocatorConfig())
+    rank = simulate_rank(spec, s, plan(spec, s), AllocatorConfig())
+    buckets = sum(ddp_bucket_bytes(spec, 32, 25 * 2**20, 2**20))
+    assert buckets >= 4 * inventory(spec).total  # fp32, every parameter's gradient
+    assert rank.peak_allocated_bytes == pytest.approx(one.peak_allocated_bytes + buckets, rel=0.002)
+
+
+def test_fsdp_collectives_allocate_on_their_own_streams() -> None:
+    """FSDP2 makes every all-gather output on its copy-in stream (one per group unshard, after the flat bf16
+    copy of the shards it copies in) and every reduce output on its reduce-scatter stream (one per group and
+    step), nothing else there."""
+    spec = load_model("llama-3.2-1b")
+    s = _s("fsdp", 8)
+    st = Stream()
+    synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 8), steps=2)
+    allocs = [e for e in st.events if e.op is Op.ALLOC]
+    groups = spec.num_layers + 1
+    # per step: each layer's forward unshard and backward unshard, the root's once; two allocations each
+    assert sum(e.stream == ALL_GATHER_STREAM for e in allocs) == 2 * 2 * (2 * spec.num_layers + 1)
+    assert sum(e.stream == REDUCE_SCATTER_STREAM for e in allocs) == 2 * groups
+
+
+def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
+    spec = load_model("llama-3.2-1b")
+    for s in (_s("fsdp", 8), _s("ddp", 8)):
+        assert rank_simulated(s, plan(spec, s))
+        r = estimate(spec, s)
+        assert r.overhead.allocator_reserve_bytes != int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
+        assert any("caching-allocator simulation" in n for n in r.notes)
+    for s in (_s("zero2", 8), Strategy(parallelism=Parallelism(data=2, tensor=2))):
+        assert not rank_simulated(s, plan(spec, s))
+        r = estimate(spec, s)
+        assert any("fixed reserve fraction" in n for n in r.notes)
+    # The library call without an allocator keeps the fixed fraction (what the planner's bound uses).
+    r = estimate_parallel(spec, _s("fsdp", 8))
+    assert r.overhead.allocator_reserve_bytes == int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
+
+
+def test_expandable_segments_fragment_less_on_a_rank() -> None:
+    spec = load_model("llama-3.2-1b")
+    s = _s("fsdp", 8)
+    p = plan(spec, s)
+    default = simulate_rank(spec, s, p, AllocatorConfig())
+    expandable = simulate_rank(spec, s, p, AllocatorConfig.parse("expandable_segments:True"))
+    # (allocated differs by the unsplit remainders, which expandable segments round differently)
+    assert expandable.peak_allocated_bytes == pytest.approx(default.peak_allocated_bytes, rel=1e-3)
+    assert expandable.peak_reserved_bytes < default.peak_reserved_bytes
