@@ -6,9 +6,9 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor t
 on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
 compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
 time of the whole trace; it does not grow with the world size. DeepSpeed ZeRO-1/2 rows run rank 0 of the
-real DeepSpeed engine (trainfit.trace.deepspeed). The fine-tuning rows (``--finetune``) wrap real PEFT LoRA
+real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole depth. The fine-tuning rows (``--finetune``) wrap real PEFT LoRA
 models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --deepspeed | --finetune]
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --deepspeed | --zero3 | --finetune]
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ CASES = (
     ("llama-2-7b", "zero2", 8, False, "none"),
     ("llama-2-7b", "zero1", 64, False, "none"),
     ("qwen2.5-7b", "zero2", 2, False, "full"),
+    # ZeRO-3 is traced at full depth (the gathered parameters depend on the recorded module order)
+    ("llama-2-7b", "zero3", 8, False, "none"),
+    ("qwen2.5-7b", "zero3", 64, False, "full"),
 )
 QUICK = CASES[:1]
 # (model, tensor-parallel degree, sequence parallel, checkpointing): --engine torch, W = tp, micro-batch 1 × 2048
@@ -112,7 +115,9 @@ def main(argv: list[str]) -> None:
     )
     if "--deepspeed" in argv:
         cases = tuple(c for c in CASES if str(c[1]).startswith("zero"))
-    tp_cases = () if finetune or "--deepspeed" in argv else TP_CASES[:1] if "--quick" in argv else TP_CASES
+    if "--zero3" in argv:
+        cases = tuple(c for c in CASES if c[1] == "zero3")
+    tp_cases = () if finetune or "--deepspeed" in argv or "--zero3" in argv else TP_CASES[:1] if "--quick" in argv else TP_CASES
     print(
         "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
         "| trace s |"

@@ -73,7 +73,15 @@ from trainfit.strategy import Checkpointing, Optimizer, Precision, Sharding, Str
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
-from trainfit.trace.distributed import COMM, DistTracker, fake_world, hold_at_max, patched_resize, rank_report
+from trainfit.trace.distributed import (
+    COMM,
+    UNSHARDED,
+    DistTracker,
+    fake_world,
+    hold_at_max,
+    patched_resize,
+    rank_report,
+)
 from trainfit.trace.optim import state_tensors
 from trainfit.trace.timeline import Mark, PassMarks, StepMarks
 
@@ -84,8 +92,6 @@ ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
 
 def check_traceable(strategy: Strategy) -> None:
     """What this trace runs: ZeRO-1/2/3, data parallel only, on the device, full training with AdamW."""
-    if strategy.sharding is Sharding.ZERO3:
-        raise StrategyError("--method trace runs DeepSpeed ZeRO-1/2; for zero3 use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run DeepSpeed's CPU offload; use --method analytic")
     if strategy.grad_accum > 1:
@@ -150,6 +156,12 @@ def _deepspeed_world(world: int) -> Iterator[None]:
             self.has_overflow_partitioned_grads_serial()  # its allocations; the flag is read with .item()
         return False
 
+    def has_overflow_stage3(self: Any, partition_gradients: bool = True) -> bool:
+        # its checks over the gradient partition (stage3.py ``has_overflow``); the flag is read with .item()
+        torch.isinf(self.grad_partitions_flat_buffer).any()
+        torch.isnan(self.grad_partitions_flat_buffer).any()
+        return False
+
     def configure(self: Any, model: torch.nn.Module) -> Any:
         saved_to = model.to
         model.to = lambda *a, **k: model  # type: ignore[method-assign]
@@ -162,6 +174,7 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     patches: list[tuple[Any, str, Any]] = [
         (ds_engine.DeepSpeedEngine, "_configure_distributed_model", configure),
         (s12.DeepSpeedZeroOptimizer, "has_overflow", has_overflow),
+        (s3.DeepSpeedZeroOptimizer_Stage3, "has_overflow", has_overflow_stage3),
     ]
     from deepspeed.accelerator import get_accelerator
 
@@ -278,6 +291,11 @@ def _buffer_methods(stage: int) -> list[tuple[Any, str, int]]:
     """DeepSpeed's methods that allocate its reduce buckets and gradient partitions."""
     from deepspeed.runtime.zero import stage_1_and_2 as s12
 
+    if stage == 3:
+        from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+        # What a fetch allocates (the all-gather buffers the gathered parameters are views of) is unsharded.
+        return [(ppc.PartitionedParameterCoordinator, "fetch_sub_module", UNSHARDED)]
     z = s12.DeepSpeedZeroOptimizer
     return [(z, "setup_buckets", COMM), (z, "copy_grads_in_partition", tk.GRAD)]
 
@@ -316,9 +334,25 @@ class _EngineLoop(rn._StepLoop):
         """Give DeepSpeed's long-lived buffers their component, by the attributes ``DeepSpeedZeroOptimizer``
         keeps them in (deepspeed/runtime/zero/stage_1_and_2.py)."""
         o, tr = self.engine.optimizer, self.tr
+        if self.stage == 3:
+            self.mark_stage3_states()
+            return
         tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
         tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
         tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
+        for _key, t in state_tensors(o.optimizer):
+            tr.mark([t], tk.OPT)
+
+    def mark_stage3_states(self) -> None:
+        """Stage 3's long-lived buffers (deepspeed/runtime/zero/stage3.py ``DeepSpeedZeroOptimizer_Stage3``):
+        the flat 16-bit partition ``lp_param_buffer`` and the whole persistent parameters (``ds_persist``),
+        the fp32 partitions, the gradient partition ``grad_partitions_flat_buffer`` and the reduce buckets."""
+        o, tr = self.engine.optimizer, self.tr
+        tr.mark(_tensors(getattr(o, "lp_param_buffer", None)), tk.WEIGHTS)
+        tr.mark([p.data for p in self.model.parameters() if getattr(p, "ds_persist", False)], tk.WEIGHTS)
+        tr.mark(_tensors(o.fp32_partitioned_groups_flat), tk.MASTER)
+        tr.mark(_tensors(getattr(o, "grad_partitions_flat_buffer", None)), tk.GRAD)
+        tr.mark([b.buffer for b in o.ipg_buckets.values() if b.buffer is not None], COMM)
         for _key, t in state_tensors(o.optimizer):
             tr.mark([t], tk.OPT)
 
@@ -428,7 +462,9 @@ def trace_deepspeed(
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     step_run: rn.TraceRun | None = None
     # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
-    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate, base_units=2)
+    # Stage 3 runs at full depth: which parameters stay gathered depends on where each module is in the
+    # recorded order (``stage3_max_reuse_distance``, the prefetch window), not linearly on the depth.
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate and stage < 3, base_units=2)
     with _quiet_deepspeed(), _deepspeed_world(world), _one_line_failure(stage):
         for i, (counts, layout) in enumerate(plan.layouts):
             say(
