@@ -6,8 +6,8 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor t
 on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
 compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
 time of the whole trace; it does not grow with the world size. DeepSpeed ZeRO-1/2 rows run rank 0 of the
-real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole depth. The fine-tuning rows (``--finetune``) wrap real PEFT LoRA
-models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
+real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole depth. The fine-tuning rows
+(``--finetune``) wrap real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --deepspeed | --zero3 | --finetune]
 """
 
@@ -117,7 +117,8 @@ def main(argv: list[str]) -> None:
         cases = tuple(c for c in CASES if str(c[1]).startswith("zero"))
     if "--zero3" in argv:
         cases = tuple(c for c in CASES if c[1] == "zero3")
-    tp_cases = () if finetune or "--deepspeed" in argv or "--zero3" in argv else TP_CASES[:1] if "--quick" in argv else TP_CASES
+    only_zero = "--deepspeed" in argv or "--zero3" in argv
+    tp_cases = () if finetune or only_zero else TP_CASES[:1] if "--quick" in argv else TP_CASES
     print(
         "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
         "| trace s |"
