@@ -29,10 +29,12 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   ``nccl_start_alignment_factor``); stage 2 keeps its gradient partition in ``grads_in_partition`` and, with
   ``contiguous_gradients``, reduces through an ``ipg_buffer`` of ``reduce_bucket_size`` elements (two with
   ``overlap_comm``) during backward; the step casts the gradient partition to fp32. Stage 3 partitions
-  each parameter to ⌈numel/W⌉ (zero/partition_parameters.py ``_partition_param``), keeps parameters under
-  ``param_persistence_threshold`` (1e5) whole, a persistent ``reduce_bucket_size`` gradient bucket
-  (zero/stage3.py ``__ipg_bucket_flat_buffer``), and fetches the module being run plus up to
-  ``stage3_prefetch_bucket_size`` elements ahead (zero/partitioned_param_coordinator.py).
+  each parameter to ⌈numel/W⌉ (zero/partition_parameters.py ``_partition_param``) into one flat buffer, keeps
+  parameters of at most ``param_persistence_threshold`` (1e5) elements whole besides their partition, a
+  persistent ``reduce_bucket_size`` gradient bucket and gradient partition (zero/stage3.py
+  ``_setup_for_real_optimizer``), and gathers parameters as its coordinator does — fetch, prefetch up to
+  ``stage3_prefetch_bucket_size``, keep what is reused within ``stage3_max_reuse_distance`` — replayed over
+  the module order by :mod:`trainfit.analytic.zero3` (checked against the traced engine).
 * **Megatron-LM** (``--tp``, ``--pp``, ``--sharding zero1`` = the distributed optimizer): bf16 parameters,
   fp32 main gradients in the persistent contiguous grad buffer (``accumulate_allreduce_grads_in_fp32`` is
   forced for bf16), fp32 master weights and Adam states: 18 B/param, or 6 + 12/d with the distributed

@@ -19,12 +19,14 @@ is in ``ZERO_SUPPORTED_OPTIMIZERS`` (deepspeed/runtime/zero/utils.py), ``DeepSpe
 _configure_optimizer`` hands it to the ZeRO optimizer, which points its parameter groups at the fp32
 partitions — and which, like FusedAdam, steps without full-size temporaries.
 
-Five patches make the engine run on fake tensors (DESIGN §4.3); none changes what is allocated:
+Six patches make the engine run on fake tensors (DESIGN §4.3); none changes what is allocated:
 
 * ``model.to(device)`` in ``DeepSpeedEngine._configure_distributed_model`` is a no-op (fake parameters
   cannot be swapped; the model is already on the fake ``cpu`` device in its dtype);
 * ``DeepSpeedZeroOptimizer.has_overflow`` computes its per-gradient checks and answers "no overflow"
   (it reads the all-reduced flag with ``.item()``); the fp16 loss scale therefore never drops;
+* so does stage 3's ``DeepSpeedZeroOptimizer_Stage3.has_overflow`` (``isinf``/``isnan`` over its gradient
+  partition);
 * ``is_invalid_grad_norm`` answers "valid" (it reads the norm);
 * the CPU accelerator's ``is_fp16_supported`` answers yes (the traced device is a GPU);
 * ``assert_ints_same_as_other_ranks`` (ZeRO-3's check that all ranks trace the same module order; it reads
@@ -47,9 +49,18 @@ more at full depth with a stand-in loss, the sum of every parameter's sum: one c
 DeepSpeed's hooks every gradient, then the real ``engine.step()``. That run's backward (every gradient
 reduced, no activations) is also a floor for the backward phase.
 
-Refused in one line: ZeRO-3 (the engine runs on fake tensors with these patches, but its gathered
-parameters, persistent parameters and gradient partition buffer are not yet filed and checked against the
-closed form), CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
+ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, parameters partitioned by ``deepspeed.initialize``, not
+``zero.Init``): the config adds ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
+``stage3_max_reuse_distance``; its buffers are filed by attribute (``lp_param_buffer`` and the whole
+``ds_persist`` parameters as weights, ``fp32_partitioned_groups_flat``, ``grad_partitions_flat_buffer``,
+the ``ipg_buckets`` buffer), and whatever ``PartitionedParameterCoordinator.fetch_sub_module`` allocates
+(the coalesced all-gather buffers and the whole copies made from them) is
+:attr:`Component.UNSHARDED_PARAMS`. It is traced at full depth, never extrapolated: the coordinator
+records the module order in the first step and fetches, prefetches and releases by it from the second, so
+what stays gathered depends on where each module is in that order (``stage3_max_reuse_distance``, the
+prefetch scan), not linearly on the depth (:mod:`trainfit.analytic.zero3` replays it).
+
+Refused in one line: CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
 gradient accumulation (the runner's passes per step do not follow DeepSpeed's accumulation boundary).
 """
 

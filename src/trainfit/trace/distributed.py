@@ -23,7 +23,7 @@ on fake tensors *before* the framework wraps the model (a wrapper would otherwis
 it saw), and under FSDP2 bitsandbytes' recovery of the ``quant_state`` that the unsharded weight lost is done
 on the fake tensor itself. ``--freeze`` with many GPUs is not traced yet.
 
-DeepSpeed ZeRO-1/2 (``--sharding zero1|zero2``) is traced by :mod:`trainfit.trace.deepspeed`, which
+DeepSpeed ZeRO-1/2/3 (``--sharding zero1|zero2|zero3``) is traced by :mod:`trainfit.trace.deepspeed`, which
 :func:`trace_distributed` hands it to.
 
 What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
@@ -231,7 +231,7 @@ def check_traceable(strategy: Strategy) -> None:
         Engine.TORCH,
     ):
         raise StrategyError(
-            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2; for {sh.value} use --method analytic"
+            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2|zero3; for {sh.value} use --method analytic"
         )
     if strategy.offload.any:
         raise StrategyError("--method trace does not run CPU offload; use --method analytic")
