@@ -27,10 +27,13 @@ the analytic model's moments. Checked against the real engine traced on fake ten
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from trainfit._memo import Memo, spec_key
 from trainfit.analytic.model import MomentName
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec
@@ -182,31 +185,54 @@ class Zero3Fetch:
     peak_bytes: int  # the largest at any moment of the step
 
 
+_REPLAYS: Memo[Zero3Fetch] = Memo(256)
+
+
 def gathered_bytes(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Zero3Fetch:
     """Replay the coordinator over one steady-state step (the trace is complete) and read what is gathered."""
     eo = strategy.engine
+    segments = strategy.checkpoint_layout(spec.num_layers).segment_sizes
+    key = (spec_key(spec), segments, eo.prefetch_bucket_size, eo.max_live_parameters, eo.max_reuse_distance)
+    return _REPLAYS.get((*key, dp, param_bytes), lambda: _replay(spec, strategy, dp, param_bytes))
+
+
+def _replay(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Zero3Fetch:
+    eo = strategy.engine
     params, order = module_order(spec, strategy)
-    n = len(order)
     queue: deque[tuple[int, int]] = deque((p, s) for s, st in enumerate(order) for p in sorted(set(st.params)))
     recent: dict[int, int] = {}
     avail: set[int] = set()
     registry: dict[int, int] = {}  # param -> handle id (its flat buffer alive while any param refers to it)
     flats: dict[int, int] = {}  # handle id -> bytes
+    handles = itertools.count(1)
+    uses: dict[int, list[int]] = {}
+    prefix = [0]  # elements of the modules before each step
+    for j, st in enumerate(order):
+        for q in st.params:
+            uses.setdefault(q, []).append(j)
+        prefix.append(prefix[-1] + sum(params[q].numel for q in st.params))
     live_numel = 0
     moments: list[tuple[str, int]] = []  # (where, live bytes) after each event
+    held = [0]  # bytes of the whole copies of gathered, non-persistent parameters
 
     def whole(p: int) -> int:
         return allocator_bytes(params[p].numel * param_bytes)
 
     def live() -> int:
-        return sum(whole(p) for p in avail if not params[p].persist) + sum(flats.values())
+        return held[0] + sum(flats.values())
+
+    def make_available(p: int) -> None:
+        if p not in avail:
+            avail.add(p)
+            if not params[p].persist:
+                held[0] += whole(p)
 
     def gather(ps: Sequence[int]) -> None:
         nonlocal live_numel
         ps = [p for p in ps if p not in avail and p not in registry]
         if not ps:
             return
-        hid = len(flats) + 1 + max(flats, default=0)
+        hid = next(handles)
         part = sum(-(-params[p].numel // dp) for p in ps)
         flats[hid] = allocator_bytes(part * dp * param_bytes)
         for p in ps:
@@ -219,14 +245,14 @@ def gathered_bytes(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: in
             return
         for q, h in [*registry.items(), (p, hid)]:
             if h == hid:
-                avail.add(q)  # ``wait`` copies every parameter of the handle out of the flat buffer
+                make_available(q)  # ``wait`` copies every parameter of the handle out of the flat buffer
         moments.append((where, live()))
         if hid not in registry.values():
             del flats[hid]
 
     for p, prm in enumerate(params):  # persistent parameters are whole from the start (counted as weights)
         if prm.persist:
-            avail.add(p)
+            make_available(p)
     for s, st in enumerate(order):
         mine = sorted(set(st.params))
         gather([p for p in mine if not params[p].persist])
@@ -253,16 +279,17 @@ def gathered_bytes(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: in
         moments.append((st.where, live()))
         # release after the module ran (step id already advanced: s + 1)
         release = {p for p in mine if not params[p].persist and recent.get(p, -(10**10)) <= s + 1}
-        traversed = 0
-        for later in order[s + 1 : n]:
-            if traversed >= eo.max_reuse_distance:
-                break
-            for q in later.params:
-                release.discard(q)
-                traversed += params[q].numel
+        # ``__params_to_release`` walks the order from s + 1 and stops once it has passed max_reuse_distance
+        # elements: a module at j is seen iff prefix[j] - prefix[s + 1] < max_reuse_distance.
+        for p in list(release):
+            uses_p = uses[p]
+            k = bisect.bisect_left(uses_p, s + 1)
+            if k < len(uses_p) and prefix[uses_p[k]] - prefix[s + 1] < eo.max_reuse_distance:
+                release.discard(p)
         for p in release:
             if p in avail:
                 avail.discard(p)
+                held[0] -= whole(p)
                 live_numel -= params[p].numel
         moments.append((st.where, live()))
 
