@@ -519,6 +519,8 @@ def trace_distributed(
     )
     if strategy.adapter is not None:
         what += f"; real PEFT {strategy.adapter.kind.value} adapters on the frozen base"
+    if fsdp and strategy.offload.parameters_on_host:
+        what += "; CPUOffloadPolicy: shards, gradients, optimizer states and the step on the host (not counted)"
     notes = [
         f"rank 0 of {world} on PyTorch's fake process group: {what}",
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
