@@ -6,11 +6,11 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor t
 on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
 compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
 time of the whole trace; it does not grow with the world size. DeepSpeed ZeRO-1/2 rows run rank 0 of the
-real DeepSpeed engine (trainfit.trace.deepspeed). The fine-tuning rows (``--finetune``) wrap real PEFT LoRA
-models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
+real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole depth. The fine-tuning rows
+(``--finetune``) wrap real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
 2-D FSDP2 × TP rows (``--fsdp-tp``) run ``parallelize_module`` then ``fully_shard`` per layer and root on the
 ``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --finetune]
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune]
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ CASES = (
     ("llama-2-7b", "zero2", 8, False, "none"),
     ("llama-2-7b", "zero1", 64, False, "none"),
     ("qwen2.5-7b", "zero2", 2, False, "full"),
+    # ZeRO-3 is traced at full depth (the gathered parameters depend on the recorded module order)
+    ("llama-2-7b", "zero3", 8, False, "none"),
+    ("qwen2.5-7b", "zero3", 64, False, "full"),
 )
 QUICK = CASES[:1]
 # (model, tensor-parallel degree, sequence parallel, checkpointing): --engine torch, W = tp, micro-batch 1 × 2048
@@ -136,7 +139,10 @@ def main(argv: list[str]) -> None:
     )
     if "--deepspeed" in argv:
         cases = tuple(c for c in CASES if str(c[1]).startswith("zero"))
-    tp_cases = () if finetune or "--deepspeed" in argv else TP_CASES[:1] if "--quick" in argv else TP_CASES
+    if "--zero3" in argv:
+        cases = tuple(c for c in CASES if c[1] == "zero3")
+    only_zero = "--deepspeed" in argv or "--zero3" in argv
+    tp_cases = () if finetune or only_zero else TP_CASES[:1] if "--quick" in argv else TP_CASES
     _header()
     for slug, sharding, w, flag, ckpt, *ft in cases:
         setup = (

@@ -29,10 +29,12 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   ``nccl_start_alignment_factor``); stage 2 keeps its gradient partition in ``grads_in_partition`` and, with
   ``contiguous_gradients``, reduces through an ``ipg_buffer`` of ``reduce_bucket_size`` elements (two with
   ``overlap_comm``) during backward; the step casts the gradient partition to fp32. Stage 3 partitions
-  each parameter to ⌈numel/W⌉ (zero/partition_parameters.py ``_partition_param``), keeps parameters under
-  ``param_persistence_threshold`` (1e5) whole, a persistent ``reduce_bucket_size`` gradient bucket
-  (zero/stage3.py ``__ipg_bucket_flat_buffer``), and fetches the module being run plus up to
-  ``stage3_prefetch_bucket_size`` elements ahead (zero/partitioned_param_coordinator.py).
+  each parameter to ⌈numel/W⌉ (zero/partition_parameters.py ``_partition_param``) into one flat buffer, keeps
+  parameters of at most ``param_persistence_threshold`` (1e5) elements whole besides their partition, a
+  persistent ``reduce_bucket_size`` gradient bucket and gradient partition (zero/stage3.py
+  ``_setup_for_real_optimizer``), and gathers parameters as its coordinator does — fetch, prefetch up to
+  ``stage3_prefetch_bucket_size``, keep what is reused within ``stage3_max_reuse_distance`` — replayed over
+  the module order by :mod:`trainfit.analytic.zero3` (checked against the traced engine).
 * **Megatron-LM** (``--tp``, ``--pp``, ``--sharding zero1`` = the distributed optimizer): bf16 parameters,
   fp32 main gradients in the persistent contiguous grad buffer (``accumulate_allreduce_grads_in_fp32`` is
   forced for bf16), fp32 master weights and Adam states: 18 B/param, or 6 + 12/d with the distributed
@@ -94,6 +96,7 @@ from trainfit.analytic.model import (
     step_inputs,
 )
 from trainfit.analytic.states import optimizer_state_bytes, param_states
+from trainfit.analytic.zero3 import PERSISTENCE_THRESHOLD, gathered_bytes
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
@@ -122,8 +125,8 @@ from trainfit.strategy import (
 )
 from trainfit.units import MiB, fmt_gib
 
-#: DeepSpeed ``stage3_param_persistence_threshold`` default: smaller parameters are never partitioned.
-DS_PERSISTENCE_THRESHOLD = 100_000
+#: DeepSpeed ``stage3_param_persistence_threshold`` default: parameters of at most this many elements stay whole.
+DS_PERSISTENCE_THRESHOLD = PERSISTENCE_THRESHOLD
 #: DeepSpeed stages 1–2 pad the flat buffer to a multiple of this times the data-parallel size.
 DS_ALIGNMENT_FACTOR = 2
 #: Megatron ``make_vocab_size_divisible_by`` default (the padded vocabulary is a multiple of this × tp).
@@ -864,19 +867,14 @@ def _fsdp_finetune_note(strategy: Strategy, mixed: bool) -> str:
 def deepspeed_partition_numel(spec: ModelSpec, stage: int, dp: int) -> tuple[int, int]:
     """(elements a rank's partition holds, elements kept whole on every rank). Stages 1–2: one flat buffer
     padded to a multiple of 2·dp, split evenly (stage_1_and_2.py); stage 3: each parameter padded to a
-    multiple of dp, parameters under the persistence threshold kept whole (partition_parameters.py)."""
+    multiple of dp, parameters of at most the persistence threshold kept whole as well (partition_parameters.py
+    ``_convert_to_deepspeed_param``: ``ds_numel <= param_persistence_threshold``)."""
     inv = inventory(spec)
     total = inv.total
     if stage < 3:
         align = DS_ALIGNMENT_FACTOR * dp
         return -(-total // align) * align // dp, 0
-    part = whole = 0
-    for t, m in inv.all_tensors():
-        if t.numel < DS_PERSISTENCE_THRESHOLD:
-            whole += m * t.numel
-        else:
-            part += m * -(-t.numel // dp)
-    return part, whole
+    return _stage3_numel(inv.all_tensors(), dp)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -889,8 +887,9 @@ class ZeroPartition:
     part_numel: int  # this rank's partition of them
     trainable_tensors: tuple[tuple[ParamTensor, int], ...]
     frozen_tensors: tuple[tuple[ParamTensor, int], ...]  # stages 1–2: frozen tensors outside the flat groups
-    stage3_part_numel: int = 0  # stage 3: every parameter's partition (frozen too), persistent ones excluded
+    stage3_part_numel: int = 0  # stage 3: every parameter's partition (frozen and persistent ones too)
     stage3_whole_numel: int = 0  # stage 3: parameters under the persistence threshold, whole on every rank
+    stage3_whole_tensors: tuple[tuple[ParamTensor, int], ...] = ()  # stage 3: those tensors
 
 
 def zero_partition(spec: ModelSpec, strategy: Strategy, stage: int, dp: int) -> ZeroPartition:
@@ -912,7 +911,9 @@ def zero_partition(spec: ModelSpec, strategy: Strategy, stage: int, dp: int) -> 
         )
     s3_part, s3_whole = _stage3_numel([*trainable, *frozen], dp)
     full = not finetuning(strategy)
-    # Full fine-tuning keeps the published model (the persistent parameters' partitions left out, < 0.01%).
+    # A persistent parameter keeps its partition too (``ds_tensor``): the flat 16-bit buffer, the gradient
+    # partition and the fp32 partition count every parameter's ``partition_numel()`` (stage3.py
+    # ``_create_fp16_partitions_with_defragmentation``, ``_setup_for_real_optimizer``).
     part = s3_part if full else sum(m * -(-t.numel // dp) for t, m in trainable)
     return ZeroPartition(
         trainable_numel=n_train,
@@ -921,16 +922,16 @@ def zero_partition(spec: ModelSpec, strategy: Strategy, stage: int, dp: int) -> 
         frozen_tensors=(),
         stage3_part_numel=s3_part,
         stage3_whole_numel=s3_whole,
+        stage3_whole_tensors=tuple((t, m) for t, m in [*trainable, *frozen] if t.numel <= DS_PERSISTENCE_THRESHOLD),
     )
 
 
 def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[int, int]:
     part = whole = 0
     for t, m in tensors:
-        if t.numel < DS_PERSISTENCE_THRESHOLD:
+        part += m * -(-t.numel // dp)
+        if t.numel <= DS_PERSISTENCE_THRESHOLD:
             whole += m * t.numel
-        else:
-            part += m * -(-t.numel // dp)
     return part, whole
 
 
@@ -982,10 +983,17 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             m * optimizer_state_bytes(shard_tensor(t, p.dp), strategy.optimizer, 32, strategy.optimizer_impl)
             for t, m in zp.trainable_tensors
         )
+    weights_step = 0
     if stage < 3:
         weights = allocator_bytes(total * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)
     else:
-        weights = allocator_bytes(zp.stage3_part_numel * pb) + allocator_bytes(whole * pb)
+        # The flat buffer of every parameter's partition (``lp_param_buffer``) and each persistent parameter
+        # whole; the step partitions the persistent ones too and re-gathers them after it (stage3.py ``step``:
+        # ``_partition_all_parameters`` ... ``_post_step``).
+        weights = allocator_bytes(zp.stage3_part_numel * pb) + sum(
+            m * _alloc(t.numel, pb * 8) for t, m in zp.stage3_whole_tensors
+        )
+        weights_step = allocator_bytes(zp.stage3_part_numel * pb)
     bucket = allocator_bytes(eo.reduce_bucket_size * pb)
     overlap = _overlap(strategy)
     grad_part = allocator_bytes(part * pb)
@@ -997,13 +1005,16 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         whole_numel, largest_slice = deepspeed_rank0_gradients(spec, part)
         grad_part = allocator_bytes(whole_numel * pb)
         step_temp = max(allocator_bytes(8 * largest_slice), allocator_bytes(part * pb) + fp32_grad)
-    else:  # stage 3; and fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over
-        # them is not derived yet: ZeRO with adapters is not traced)
+    elif stage == 3:
+        # The gradient partition flattened, then cast to fp32 (stage3.py ``_prepare_fp32_grad_for_sub_group``:
+        # ``self.flatten(self.averaged_gradients[i]).to(fp32)``).
+        step_temp = allocator_bytes(part * pb) + fp32_grad
+    else:  # fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over them is not
+        # derived yet: ZeRO with adapters is not traced)
         step_temp = fp32_grad
-    largest_module = max(t.numel for t, _ in inv.all_tensors())
-    fetch = 0
-    if stage == 3:
-        fetch = allocator_bytes(min(inv.total, largest_module + eo.prefetch_bucket_size) * pb)
+    fetch = None
+    if stage == 3:  # the gathered parameters, replaying DeepSpeed's parameter coordinator (analytic/zero3.py)
+        fetch = gathered_bytes(spec, strategy, p.dp, pb)
     g_full = max(1, q.states.grads_bytes)
 
     def adjust(m: Moment) -> dict[Component, int]:
@@ -1027,14 +1038,19 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
                 comm = bucket * (2 if overlap and stage == 2 else 1)
         if stage == 3:
             comm = bucket  # persistent __ipg_bucket_flat_buffer
-            if m.phase is not Phase.OPTIMIZER_STEP:
-                unsharded = fetch
+            # The gradient partition is one buffer made at init (stage3.py ``_setup_for_real_optimizer``:
+            # ``grad_partitions_flat_buffer``), held through the step.
+            grads = 0 if off_opt else grad_part
+            if m.phase is not Phase.OPTIMIZER_STEP and fetch is not None:
+                unsharded = fetch.at.get(m.name, fetch.peak_bytes)
         if m.phase is Phase.OPTIMIZER_STEP:
             # Stage 1 too keeps only its partition's gradients after backward: at the accumulation boundary
             # ``reduce_gradients`` reduces every gradient and copies the partition's into
             # ``grads_in_partition`` (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``).
             grads = 0 if off_opt else grad_part
             c[Component.TEMPORARIES] = 0 if off_opt else step_temp
+            if stage == 3 and not off_par:
+                c[Component.WEIGHTS] = weights_step
         c[Component.GRADIENTS] = grads
         c[Component.COMM_BUFFERS] = comm
         c[Component.UNSHARDED_PARAMS] = unsharded

@@ -82,6 +82,10 @@ def _deepspeed(strategy: Strategy) -> dict[str, Any]:
         "reduce_bucket_size": strategy.engine.reduce_bucket_size,
         "allgather_bucket_size": strategy.engine.allgather_bucket_size,
     }
+    if stage == 3:  # the analytic model's fetch window (``prefetch_bucket_size``) is the one DeepSpeed runs with
+        zero["stage3_prefetch_bucket_size"] = strategy.engine.prefetch_bucket_size
+        zero["stage3_max_live_parameters"] = strategy.engine.max_live_parameters
+        zero["stage3_max_reuse_distance"] = strategy.engine.max_reuse_distance
     if strategy.offload.optimizer_on_host:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if strategy.offload.parameters_on_host:

@@ -163,7 +163,8 @@ class EngineOptions:
     FSDP2: ``reshard_after_forward`` True (torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard``).
     DeepSpeed ZeRO: ``reduce_bucket_size`` and ``allgather_bucket_size`` 5e8 elements, ``contiguous_gradients``
     True, ``overlap_comm`` False for stages 1–2 and True for stage 3, ``stage3_prefetch_bucket_size`` 5e7,
-    ``stage3_max_live_parameters`` 1e9 (deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig``).
+    ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` 1e9 (deepspeed/runtime/zero/config.py
+    ``DeepSpeedZeroConfig``).
     """
 
     engine: Engine = Engine.AUTO
@@ -175,10 +176,13 @@ class EngineOptions:
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's per-stage default
     prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         coerce_enum(self, "engine", Engine)
         for name in ("bucket_cap_mb", "first_bucket_bytes", "reduce_bucket_size", "allgather_bucket_size"):
             positive_int(name.replace("_", "-"), getattr(self, name))
-        if self.prefetch_bucket_size < 0:
-            raise StrategyError(f"prefetch-bucket-size must be >= 0, got {self.prefetch_bucket_size}")
+        for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
+            if getattr(self, name) < 0:
+                raise StrategyError(f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

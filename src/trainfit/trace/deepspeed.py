@@ -19,12 +19,14 @@ is in ``ZERO_SUPPORTED_OPTIMIZERS`` (deepspeed/runtime/zero/utils.py), ``DeepSpe
 _configure_optimizer`` hands it to the ZeRO optimizer, which points its parameter groups at the fp32
 partitions — and which, like FusedAdam, steps without full-size temporaries.
 
-Five patches make the engine run on fake tensors (DESIGN §4.3); none changes what is allocated:
+Six patches make the engine run on fake tensors (DESIGN §4.3); none changes what is allocated:
 
 * ``model.to(device)`` in ``DeepSpeedEngine._configure_distributed_model`` is a no-op (fake parameters
   cannot be swapped; the model is already on the fake ``cpu`` device in its dtype);
 * ``DeepSpeedZeroOptimizer.has_overflow`` computes its per-gradient checks and answers "no overflow"
   (it reads the all-reduced flag with ``.item()``); the fp16 loss scale therefore never drops;
+* so does stage 3's ``DeepSpeedZeroOptimizer_Stage3.has_overflow`` (``isinf``/``isnan`` over its gradient
+  partition);
 * ``is_invalid_grad_norm`` answers "valid" (it reads the norm);
 * the CPU accelerator's ``is_fp16_supported`` answers yes (the traced device is a GPU);
 * ``assert_ints_same_as_other_ranks`` (ZeRO-3's check that all ranks trace the same module order; it reads
@@ -47,9 +49,18 @@ more at full depth with a stand-in loss, the sum of every parameter's sum: one c
 DeepSpeed's hooks every gradient, then the real ``engine.step()``. That run's backward (every gradient
 reduced, no activations) is also a floor for the backward phase.
 
-Refused in one line: ZeRO-3 (the engine runs on fake tensors with these patches, but its gathered
-parameters, persistent parameters and gradient partition buffer are not yet filed and checked against the
-closed form), CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
+ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, parameters partitioned by ``deepspeed.initialize``, not
+``zero.Init``): the config adds ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
+``stage3_max_reuse_distance``; its buffers are filed by attribute (``lp_param_buffer`` and the whole
+``ds_persist`` parameters as weights, ``fp32_partitioned_groups_flat``, ``grad_partitions_flat_buffer``,
+the ``ipg_buckets`` buffer), and whatever ``PartitionedParameterCoordinator.fetch_sub_module`` allocates
+(the coalesced all-gather buffers and the whole copies made from them) is
+:attr:`Component.UNSHARDED_PARAMS`. It is traced at full depth, never extrapolated: the coordinator
+records the module order in the first step and fetches, prefetches and releases by it from the second, so
+what stays gathered depends on where each module is in that order (``stage3_max_reuse_distance``, the
+prefetch scan), not linearly on the depth (:mod:`trainfit.analytic.zero3` replays it).
+
+Refused in one line: CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
 gradient accumulation (the runner's passes per step do not follow DeepSpeed's accumulation boundary).
 """
 
@@ -73,7 +84,15 @@ from trainfit.strategy import Checkpointing, Optimizer, Precision, Sharding, Str
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
-from trainfit.trace.distributed import COMM, DistTracker, fake_world, hold_at_max, patched_resize, rank_report
+from trainfit.trace.distributed import (
+    COMM,
+    UNSHARDED,
+    DistTracker,
+    fake_world,
+    hold_at_max,
+    patched_resize,
+    rank_report,
+)
 from trainfit.trace.optim import state_tensors
 from trainfit.trace.timeline import Mark, PassMarks, StepMarks
 
@@ -84,8 +103,6 @@ ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
 
 def check_traceable(strategy: Strategy) -> None:
     """What this trace runs: ZeRO-1/2/3, data parallel only, on the device, full training with AdamW."""
-    if strategy.sharding is Sharding.ZERO3:
-        raise StrategyError("--method trace runs DeepSpeed ZeRO-1/2; for zero3 use --method analytic")
     if strategy.offload.any:
         raise StrategyError("--method trace does not run DeepSpeed's CPU offload; use --method analytic")
     if strategy.grad_accum > 1:
@@ -150,6 +167,12 @@ def _deepspeed_world(world: int) -> Iterator[None]:
             self.has_overflow_partitioned_grads_serial()  # its allocations; the flag is read with .item()
         return False
 
+    def has_overflow_stage3(self: Any, partition_gradients: bool = True) -> bool:
+        # its checks over the gradient partition (stage3.py ``has_overflow``); the flag is read with .item()
+        torch.isinf(self.grad_partitions_flat_buffer).any()
+        torch.isnan(self.grad_partitions_flat_buffer).any()
+        return False
+
     def configure(self: Any, model: torch.nn.Module) -> Any:
         saved_to = model.to
         model.to = lambda *a, **k: model  # type: ignore[method-assign]
@@ -162,6 +185,7 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     patches: list[tuple[Any, str, Any]] = [
         (ds_engine.DeepSpeedEngine, "_configure_distributed_model", configure),
         (s12.DeepSpeedZeroOptimizer, "has_overflow", has_overflow),
+        (s3.DeepSpeedZeroOptimizer_Stage3, "has_overflow", has_overflow_stage3),
     ]
     from deepspeed.accelerator import get_accelerator
 
@@ -278,6 +302,11 @@ def _buffer_methods(stage: int) -> list[tuple[Any, str, int]]:
     """DeepSpeed's methods that allocate its reduce buckets and gradient partitions."""
     from deepspeed.runtime.zero import stage_1_and_2 as s12
 
+    if stage == 3:
+        from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+        # What a fetch allocates (the all-gather buffers the gathered parameters are views of) is unsharded.
+        return [(ppc.PartitionedParameterCoordinator, "fetch_sub_module", UNSHARDED)]
     z = s12.DeepSpeedZeroOptimizer
     return [(z, "setup_buckets", COMM), (z, "copy_grads_in_partition", tk.GRAD)]
 
@@ -316,9 +345,25 @@ class _EngineLoop(rn._StepLoop):
         """Give DeepSpeed's long-lived buffers their component, by the attributes ``DeepSpeedZeroOptimizer``
         keeps them in (deepspeed/runtime/zero/stage_1_and_2.py)."""
         o, tr = self.engine.optimizer, self.tr
+        if self.stage == 3:
+            self.mark_stage3_states()
+            return
         tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
         tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
         tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
+        for _key, t in state_tensors(o.optimizer):
+            tr.mark([t], tk.OPT)
+
+    def mark_stage3_states(self) -> None:
+        """Stage 3's long-lived buffers (deepspeed/runtime/zero/stage3.py ``DeepSpeedZeroOptimizer_Stage3``):
+        the flat 16-bit partition ``lp_param_buffer`` and the whole persistent parameters (``ds_persist``),
+        the fp32 partitions, the gradient partition ``grad_partitions_flat_buffer`` and the reduce buckets."""
+        o, tr = self.engine.optimizer, self.tr
+        tr.mark(_tensors(getattr(o, "lp_param_buffer", None)), tk.WEIGHTS)
+        tr.mark([p.data for p in self.model.parameters() if getattr(p, "ds_persist", False)], tk.WEIGHTS)
+        tr.mark(_tensors(o.fp32_partitioned_groups_flat), tk.MASTER)
+        tr.mark(_tensors(getattr(o, "grad_partitions_flat_buffer", None)), tk.GRAD)
+        tr.mark([b.buffer for b in o.ipg_buckets.values() if b.buffer is not None], COMM)
         for _key, t in state_tensors(o.optimizer):
             tr.mark([t], tk.OPT)
 
@@ -428,7 +473,9 @@ def trace_deepspeed(
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     step_run: rn.TraceRun | None = None
     # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
-    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate, base_units=2)
+    # Stage 3 runs at full depth: which parameters stay gathered depends on where each module is in the
+    # recorded order (``stage3_max_reuse_distance``, the prefetch window), not linearly on the depth.
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate and stage < 3, base_units=2)
     with _quiet_deepspeed(), _deepspeed_world(world), _one_line_failure(stage):
         for i, (counts, layout) in enumerate(plan.layouts):
             say(

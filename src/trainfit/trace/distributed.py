@@ -23,7 +23,7 @@ on fake tensors *before* the framework wraps the model (a wrapper would otherwis
 it saw), and under FSDP2 bitsandbytes' recovery of the ``quant_state`` that the unsharded weight lost is done
 on the fake tensor itself. ``--freeze`` with many GPUs is not traced yet.
 
-DeepSpeed ZeRO-1/2 (``--sharding zero1|zero2``) is traced by :mod:`trainfit.trace.deepspeed`, which
+DeepSpeed ZeRO-1/2/3 (``--sharding zero1|zero2|zero3``) is traced by :mod:`trainfit.trace.deepspeed`, which
 :func:`trace_distributed` hands it to.
 
 What the tracker needs beyond one GPU (DESIGN §4.3): FSDP2 frees and re-allocates the unsharded
@@ -72,9 +72,12 @@ Progress = Callable[[str, float], None]
 class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
     """The storage tracker with DTensor local shards, ``resize_`` re-allocations and comm-buffer regions."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, host_states: bool = False) -> None:
         super().__init__()
         self.comm_depth = 0
+        # FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer states live in
+        # host memory and the step runs there; on the CPU mesh they are ordinary tensors, filed as host here.
+        self.host_states = host_states
 
     def _local(self, t: Any) -> Any:
         from torch.distributed.tensor import DTensor
@@ -112,6 +115,8 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
         return out
 
     def mark(self, tensors: Iterable[torch.Tensor | None], kind: int, *, only_unmarked: bool = False) -> None:
+        if self.host_states and kind in (tk.WEIGHTS, tk.MASTER, tk.GRAD, tk.OPT):
+            kind = tk.HOST
         super().mark((self._local(t) for t in tensors), kind, only_unmarked=only_unmarked)
 
     def record_of(self, t: torch.Tensor) -> tk.Record | None:
@@ -145,6 +150,8 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
             self.comm_depth -= 1
 
     def component(self, rec: tk.Record) -> Component | None:
+        if self.host_states and rec.kind == tk.NONE and rec.phase == tk.OPTIMIZER:
+            return None  # the offloaded step's temporaries are host memory
         if rec.kind == UNSHARDED:
             return Component.UNSHARDED_PARAMS
         if rec.kind == COMM:
@@ -232,10 +239,10 @@ def check_traceable(strategy: Strategy) -> None:
         Engine.TORCH,
     ):
         raise StrategyError(
-            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2; for {sh.value} use --method analytic"
+            f"--method trace runs --sharding ddp|fsdp|hsdp|zero1|zero2|zero3; for {sh.value} use --method analytic"
         )
-    if strategy.offload.any:
-        raise StrategyError("--method trace does not run CPU offload; use --method analytic")
+    if strategy.offload.any and not (sh in (Sharding.FSDP, Sharding.HSDP) and strategy.offload.parameters_on_host):
+        raise StrategyError("--method trace runs CPU offload only as FSDP2's CPUOffloadPolicy; use --method analytic")
     base = strategy.base_weights
     if base.frozen:
         raise StrategyError("--method trace does not run --freeze with many GPUs yet; use --method analytic")
@@ -255,9 +262,15 @@ def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any,
         else MixedPrecisionPolicy()
     )
     raf = strategy.engine.reshard_after_forward
+    kw: dict[str, Any] = {}
+    if strategy.offload.parameters_on_host:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # pin_memory=False: fake tensors have no ``_pin_memory``, and pinning only changes the kind of host memory
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
 
 
 def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> torch.nn.Module:
@@ -358,7 +371,7 @@ def run_layout_distributed(
     box: list[tk.Tracker] = []
     hf.install_checkpointing(model, layers, layout.blocks, box, sac=strategy.checkpointing is Checkpointing.SAC)
     first, last = depth.layer_positions(layout)
-    tr = DistTracker()
+    tr = DistTracker(host_states=strategy.offload.parameters_on_host)
     box.append(tr)
     head = hf.head_of(model)
     # The 4-bit weights are quantised before the framework wraps the model (as a loaded QLoRA model is):
@@ -511,6 +524,8 @@ def trace_distributed(
     )
     if strategy.adapter is not None:
         what += f"; real PEFT {strategy.adapter.kind.value} adapters on the frozen base"
+    if fsdp and strategy.offload.parameters_on_host:
+        what += "; CPUOffloadPolicy: shards, gradients, optimizer states and the step on the host (not counted)"
     notes = [
         f"rank 0 of {world} on PyTorch's fake process group: {what}",
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"

@@ -1,0 +1,58 @@
+"""The replay of DeepSpeed ZeRO-3's parameter coordinator (analytic/zero3.py) at its limits, against sums over
+the parameter inventory: with no prefetch and no reuse window every module's parameters are released after it
+runs; with a window wider than the model nothing is released in the forward. (The replay against the real
+engine: tests/trace/test_deepspeed.py::test_zero3_rank_agrees_with_trace.)"""
+
+from __future__ import annotations
+
+from trainfit.analytic.model import MomentName
+from trainfit.analytic.zero3 import PERSISTENCE_THRESHOLD, gathered_bytes, module_order
+from trainfit.arch.config import spec_from_config
+from trainfit.arch.params import inventory
+from trainfit.cuda_facts import allocator_bytes
+from trainfit.strategy import EngineOptions, Parallelism, Strategy
+
+CONFIG = {
+    "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+    "max_position_embeddings": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+W = 8
+
+
+def _strategy(prefetch: int, reuse: int) -> Strategy:
+    return Strategy(
+        parallelism=Parallelism(data=W),
+        sharding="zero3",
+        engine=EngineOptions(prefetch_bucket_size=prefetch, max_reuse_distance=reuse),
+    )
+
+
+def _partitioned() -> list[int]:
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    return [t.numel for t, m in inventory(spec).all_tensors() for _ in range(m) if t.numel > PERSISTENCE_THRESHOLD]
+
+
+def test_order_has_every_parameter_once_forward_and_once_backward() -> None:
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    params, order = module_order(spec, _strategy(0, 0))
+    assert sorted(p.numel for p in params) == sorted(
+        t.numel for t, m in inventory(spec).all_tensors() for _ in range(m)
+    )
+    uses = [q for st in order for q in st.params]
+    assert sorted(uses) == sorted(list(range(len(params))) * 2)
+
+
+def test_no_prefetch_no_reuse_releases_each_module() -> None:
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    g = gathered_bytes(spec, _strategy(0, 0), W, 2)
+    assert g.at[MomentName.FORWARD_END] == 0
+    # the worst moment: one module's coalesced all-gather buffer (W partitions) and its whole copy
+    largest = max(_partitioned())
+    assert g.peak_bytes == allocator_bytes(-(-largest // W) * W * 2) + allocator_bytes(largest * 2)
+
+
+def test_a_window_wider_than_the_model_keeps_everything_gathered() -> None:
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    g = gathered_bytes(spec, _strategy(0, 10**12), W, 2)
+    assert g.at[MomentName.FORWARD_END] == sum(allocator_bytes(n * 2) for n in _partitioned())
