@@ -76,9 +76,9 @@ def test_lower_bound_is_below_the_estimate_on_one_gpu() -> None:
 
 
 @pytest.mark.parametrize(("slug", "gpu"), [("llama-3.2-1b", "a100-sxm-40gb"), ("qwen2.5-0.5b", "t4")])
-def test_data_parallel_bound_is_below_the_estimate(slug: str, gpu: str) -> None:
-    """Many GPUs, data parallel only: one replica's activations and logits stay below every rank's requirement
-    (DDP, ZeRO, FSDP, HSDP, offload, adapters; the frameworks' own compute recipes), and are not 0."""
+def test_many_gpu_bound_is_below_the_estimate(slug: str, gpu: str) -> None:
+    """Many GPUs: the closed-form rank peak + workspaces + outside (no allocator reserve) stays below every rank's
+    requirement (DDP, ZeRO, FSDP, HSDP, offload, adapters, Megatron TP/PP), and is not 0."""
     s = _search(slug, gpu, 32, 1024)
     allow = (Finetune.LORA, Finetune.QLORA)
     space = [
@@ -89,9 +89,7 @@ def test_data_parallel_bound_is_below_the_estimate(slug: str, gpu: str) -> None:
         st = s.strategy(c, 2)
         need = s.required(st)
         bound = s.lower_bound(st)
-        if c.tensor > 1 or c.pipeline > 1:
-            assert bound == 0
-        elif need is not None:
+        if need is not None:
             checked += 1
             assert 0 < bound <= need, c
     assert checked >= 10
