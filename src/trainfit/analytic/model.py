@@ -58,6 +58,7 @@ from trainfit.analytic.activations import (
     model_terms,
     sac_saved_terms,
     score_chain,
+    selective_core_before_softmax_bytes,
     selective_recompute_bytes,
 )
 from trainfit.analytic.adapters import dequant_transient_bytes, finetuning, frozen_layers, mlp_frozen, supports_adapters
@@ -191,6 +192,9 @@ class AttentionVariantLayers:
     layers: int
     saved_bytes: int
     before_softmax_bytes: int
+    # --checkpointing selective: what the recomputed attention core saves before its softmax (q/k casts,
+    # repeat_kv copies, a soft-cap's tanh), alive again while the recomputation's softmax backward runs
+    recomputed_before_softmax_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -226,12 +230,21 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         counts[g.kind] = g.count
         for vspec, n in variants:
             lt = layer_terms(vspec, strategy, moe=g.kind == "moe")
-            cut = next((i for i, x in enumerate(lt) if x.role is TermRole.SOFTMAX_OUTPUT), len(lt))
+            cut = next((i for i, x in enumerate(lt) if x.role is TermRole.SOFTMAX_OUTPUT), None)
+            recomputed = 0
+            if cut is None:  # --checkpointing selective: the score chain is the checkpointed core's, after its inputs
+                cut = next((i + 1 for i, x in enumerate(lt) if x.name == "attn.core_inputs"), len(lt))
+                recomputed = selective_core_before_softmax_bytes(vspec, strategy, moe=g.kind == "moe")
             # With one kind (every stack with mixed sliding layers is one), the variant counts are exact.
             layers = g.count if len(variants) == 1 else n
             rows.append(
                 AttentionVariantLayers(
-                    spec=vspec, kind=g.kind, layers=layers, saved_bytes=_sum(lt), before_softmax_bytes=_sum(lt[:cut])
+                    spec=vspec,
+                    kind=g.kind,
+                    layers=layers,
+                    saved_bytes=_sum(lt),
+                    before_softmax_bytes=_sum(lt[:cut]),
+                    recomputed_before_softmax_bytes=recomputed,
                 )
             )
             per_kind[g.kind] = max(per_kind.get(g.kind, 0), _sum(lt))
@@ -347,14 +360,25 @@ def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
         lg = chunked_loss_memory(spec, strategy, keep_logits=keep_logits, head_trainable=q.grad_head > 0)
         q = dataclasses.replace(q, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes)
     elif sv.loss is LossImpl.FUSED_LINEAR:
-        lg = fused_linear_loss_memory(spec, strategy, head_grad_bytes=q.grad_head)
+        # Under autocast the head's 16-bit weight copy is saved by nothing (Liger's node saves grad_input and
+        # grad_weight): autocast's cached copy dies with the forward's autocast region, and each chunk's
+        # ``x @ weight.t()`` casts the weight again (a view is not cached) — found by the trace.
+        ch = q.copies_head
+        lg = fused_linear_loss_memory(spec, strategy, head_grad_bytes=q.grad_head, weight_cast_bytes=ch)
         grad_input = allocator_bytes(fused_linear_head_input_bytes(spec, strategy))
         a = q.stack
         stack = dataclasses.replace(
             a, model_bytes=a.model_bytes - a.head_input_bytes + grad_input, head_input_bytes=grad_input
         )
         q = dataclasses.replace(
-            q, stack=stack, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes
+            q,
+            stack=stack,
+            logits_forward=lg.forward_peak_bytes,
+            logits_backward=lg.backward_peak_bytes,
+            copies_all=q.copies_all - ch,
+            copies_head=0,
+            copies_fwd_ckpt=q.copies_fwd_ckpt - ch,
+            forward_transient=q.forward_transient + ch,
         )
     if sv.activation_offload:
         a = q.stack
@@ -632,7 +656,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         if attn_saved:
             # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
             # holds what it saved before its softmax plus the softmax output, the rest of it is released.
-            swap = v.before_softmax_bytes + attn_saved - a.per_kind_bytes[v.kind]
+            swap = v.before_softmax_bytes + v.recomputed_before_softmax_bytes + attn_saved - a.per_kind_bytes[v.kind]
             moments += [m.inside_softmax_backward(swap, attn_temp) for m in (top, bottom)]
     return moments
 

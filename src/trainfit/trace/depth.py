@@ -55,7 +55,12 @@ from trainfit.trace import hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
-from trainfit.trace.savers import OptimizerInBackward, chunked_loss_fns
+from trainfit.trace.savers import (
+    OptimizerInBackward,
+    chunked_loss_fns,
+    fused_linear_loss_fns,
+    selective_recompute,
+)
 from trainfit.trace.timeline import Region, Span
 
 #: Repetitions of each extrapolated unit in the base trace; each variant trace adds one.
@@ -231,7 +236,7 @@ def run_layout(
         optimizers.append(opt)
         return opt
 
-    chunked = chunked_loss_fns(strategy)
+    chunked = chunked_loss_fns(strategy) or fused_linear_loss_fns(strategy)  # trace/savers.py
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device=device),
         forward=chunked[0] if chunked else lambda m, batch: m(**batch),
@@ -252,7 +257,10 @@ def run_layout(
         execution = rn.Execution(mode=mode)
     else:
         execution = rn.Execution(device=device, emulate_cuda=False, track=False, probe=on_device.probe)
-    with hf.runtime_patches(), quantised:
+    selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        selective = selective_recompute(model, box)  # trace/savers.py: the attention core checkpointed
+    with hf.runtime_patches(), quantised, selective:
         run = rn.run_steps(model, fns, options, execution)
         resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
     return LayoutRun(run=run, resident=resident)
