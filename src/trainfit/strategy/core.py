@@ -172,7 +172,8 @@ class Strategy:
     def beyond_the_trace(self) -> tuple[str, ...]:
         """The memory savers the fake-tensor trace (and the real-GPU measurement, which reuses its runner) do not
         run yet: the analytic method models them alone."""
-        runs = ("--loss chunked", "--loss fused-linear", "--optimizer-in-backward")  # trace/savers.py runs them
+        # trace/savers.py runs them
+        runs = ("--loss chunked", "--loss fused-linear", "--optimizer-in-backward", "--activation-offload")
         out = [n for n in self.savers.names() if not n.startswith(runs)]
         if self.savers.optimizer_in_backward and self.recipe.master_bits:
             out.append("--optimizer-in-backward with fp32 master weights")

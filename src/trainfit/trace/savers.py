@@ -16,6 +16,18 @@
   ``out_dtype=float32`` for an fp32 accumulator: Liger's sm80+ path, no vocab×h temporary). Saved for backward:
   ``grad_input`` and ``grad_weight``, scaled in place by the incoming gradient. Called through the head module, so
   the head's hooks (the runner's head region) see it. Labels are not shifted (as the chunked loss above).
+* ``--activation-offload``: torchtune's ``OffloadActivations`` (torchtune/training/_activation_offloading.py, with
+  its defaults: ``use_streams=True``, ``max_fwd_stash_size=5``, ``min_offload_size=1024``), emulated by
+  :class:`OffloadActivations` — the mechanism of ``torch.autograd.graph.save_on_cpu``, a ``saved_tensors_hooks``
+  pair around the model's forward. Each saved tensor of ≥ 1024 bytes that is not a parameter is copied into a new
+  (pinned) host tensor, marked ``HOST`` for the tracker (host bytes, outside the device peak); the device tensor is
+  kept in a forward stash until a tensor 5 packs later arrives (the stream's copy event; a tensor freed from the
+  stash dies unless something else holds it). From the output head's forward pre-hook on, nothing is offloaded
+  (torchtune's ``NoOpManager`` on ``model.output``; torchtune computes the loss outside the offloading context).
+  In backward a tensor still in the stash is handed back as is; any other is copied to a new device tensor, kept
+  until the next autograd node that unpacks has run (torchtune's ``bwd_tensor_stash``), the rest released when the
+  backward ends (``queue_callback``). Checkpointed regions save through their own hooks: only the checkpoints'
+  inputs are offloaded.
 * ``--checkpointing sac``: torchtitan's per-op selective activation checkpointing
   (torchtitan/distributed/activation_checkpoint.py ``SelectiveAC``) as the ``context_fn`` of each layer's
   non-reentrant checkpoint: ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with its policy —
@@ -258,3 +270,99 @@ def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Itera
     finally:
         for undo in restore:
             undo()
+
+
+class OffloadActivations:
+    """torchtune's ``OffloadActivations`` with streams, emulated for the trace (module docstring): wrap the forward
+    with :meth:`forward`; ``host_peak_bytes`` is the most host bytes held at once (allocator-rounded)."""
+
+    STASH = 5  # max_fwd_stash_size
+    MIN_BYTES = 1024  # min_offload_size
+
+    def __init__(self, head: torch.nn.Module | None, tracker_box: list[Any]) -> None:
+        self.box = tracker_box
+        self.no_op = False
+        self.next_id = 0
+        self.saved: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (tensor, on the host)
+        self.fwd_stash: dict[int, torch.Tensor] = {}
+        self.bwd_stash: dict[int, torch.Tensor] = {}
+        self.node: Any = None
+        self.first_unpack = True
+        self.device: torch.device | None = None
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
+        if head is not None:
+            head.register_forward_pre_hook(self._head_reached)
+
+    def _head_reached(self, *_args: Any) -> None:
+        self.no_op = True
+
+    def _host_copy(self, x: torch.Tensor) -> torch.Tensor:
+        from trainfit.trace import tracker as tk
+
+        # --method measure: a real pinned host copy; the trace: a fake tensor the tracker counts on the host
+        real = x.device.type == "cuda"
+        host = torch.empty_like(x, device="cpu", pin_memory=True) if real else torch.empty_like(x)
+        if self.box:
+            self.box[0].mark([host], tk.HOST)
+        host.copy_(x)
+        self.host_bytes += tk.rounded(host.untyped_storage().nbytes())
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        return host
+
+    def pack(self, x: torch.Tensor) -> int:
+        self.next_id += 1
+        i = self.next_id
+        small = x.element_size() * x.numel() < self.MIN_BYTES
+        if self.no_op or small or isinstance(x, torch.nn.Parameter):
+            self.saved[i] = (x, False)
+            return i
+        for old in [k for k in self.fwd_stash if k <= i - self.STASH]:
+            del self.fwd_stash[old]
+        self.device = x.device
+        self.saved[i] = (self._host_copy(x), True)
+        self.fwd_stash[i] = x
+        return i
+
+    def unpack(self, i: int) -> torch.Tensor:
+        from trainfit.trace import tracker as tk
+
+        if self.first_unpack:
+            self.first_unpack = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        x, on_host = self.saved.pop(i)
+        if not on_host:
+            return x
+        self.host_bytes -= tk.rounded(x.untyped_storage().nbytes())
+        node = torch._C._current_autograd_node()
+        prev = []
+        if node is not self.node:
+            self.node, prev = node, list(self.bwd_stash)
+        if i in self.fwd_stash:
+            out = self.fwd_stash[i]
+        else:
+            dev = self.device or x.device
+            out = torch.empty_like(x, device=dev).copy_(x)  # back to the device (a new device tensor)
+            self.bwd_stash[i] = out
+
+        def after(*_args: Any) -> None:
+            self.fwd_stash.clear()  # in backward now
+            for k in prev:
+                self.bwd_stash.pop(k, None)
+
+        if node is not None:
+            node.register_hook(after)
+        return out
+
+    def _backward_done(self) -> None:
+        self.bwd_stash.clear()
+        self.fwd_stash.clear()
+        self.first_unpack = True
+
+    def forward(self, inner: Forward) -> Forward:
+        def run(model: Any, batch: Any) -> Any:
+            self.no_op = False
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                return inner(model, batch)
+
+        return run
