@@ -171,7 +171,9 @@ class Strategy:
 
     def beyond_the_trace(self) -> tuple[str, ...]:
         """The memory savers the fake-tensor trace (and the real-GPU measurement, which reuses its runner) do not
-        run yet: the analytic method models them alone."""
+        run: the analytic method models them alone. trace/savers.py runs the others (selective recompute is a
+        checkpointing mode it runs too). Paged optimizers stay here: bitsandbytes allocates their states with
+        ``cudaMallocManaged`` (``F.get_paged``), which a fake tensor cannot stand for."""
         # trace/savers.py runs them
         runs = ("--loss chunked", "--loss fused-linear", "--optimizer-in-backward", "--activation-offload")
         out = [n for n in self.savers.names() if not n.startswith(runs)]
