@@ -175,23 +175,19 @@ def _write(begin: str, end: str, table: str) -> None:
 
 
 def main() -> None:
-    """``--freeze-int8`` runs only the freeze and LLM.int8 table (its own marked section)."""
-    if "--savers" in sys.argv:
-        table = "\n".join(saver_rows())
-        print(table)
-        if "--write" in sys.argv:
-            _write(SAVERS_BEGIN, SAVERS_END, table)
-        return
-    if "--freeze-int8" in sys.argv:
-        table = "\n".join(freeze_int8_rows())
-        print(table)
-        if "--write" in sys.argv:
-            _write(FREEZE_BEGIN, FREEZE_END, table)
-        return
-    table = "\n".join(rows(qlora_only="--qlora-only" in sys.argv))
+    """``--freeze-int8`` / ``--savers`` run only their own table (each its own marked section)."""
+    sections = {
+        "--savers": (saver_rows, SAVERS_BEGIN, SAVERS_END),
+        "--freeze-int8": (freeze_int8_rows, FREEZE_BEGIN, FREEZE_END),
+    }
+    make, begin, end = next(
+        (v for k, v in sections.items() if k in sys.argv),
+        (lambda: rows(qlora_only="--qlora-only" in sys.argv), BEGIN, END),
+    )
+    table = "\n".join(make())
     print(table)
     if "--write" in sys.argv:
-        _write(BEGIN, END, table)
+        _write(begin, end, table)
 
 
 if __name__ == "__main__":
