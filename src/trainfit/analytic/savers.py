@@ -37,8 +37,12 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
   them to host memory when the GPU runs out. They are reported apart (``host_components``), not in the device
   peak.
-* **Selective recompute** (Korthikanti et al. 2022 §5; :func:`trainfit.analytic.activations.layer_terms`): the
-  attention core's saved tensors are dropped and one layer's come back while its backward runs.
+* **Selective recompute** (Korthikanti et al. 2022 §5; Megatron-Core ``recompute_granularity="selective"``,
+  ``core_attn``; :func:`trainfit.analytic.activations.layer_terms`): the attention core's saved tensors are replaced
+  by the checkpoint's inputs (q and k after RoPE in the residual dtype, k and v before ``repeat_kv``) and one
+  layer's come back, with a fused kernel's output, while its backward runs
+  (:func:`~trainfit.analytic.activations.selective_recompute_bytes`; checked against the trace, which checkpoints
+  the transformers attention-interface call).
 """
 
 from __future__ import annotations
