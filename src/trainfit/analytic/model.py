@@ -61,7 +61,14 @@ from trainfit.analytic.activations import (
     selective_core_before_softmax_bytes,
     selective_recompute_bytes,
 )
-from trainfit.analytic.adapters import dequant_transient_bytes, finetuning, frozen_layers, mlp_frozen, supports_adapters
+from trainfit.analytic.adapters import (
+    dequant_transient_bytes,
+    dora_norm_transient_bytes,
+    finetuning,
+    frozen_layers,
+    mlp_frozen,
+    supports_adapters,
+)
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.savers import (
@@ -100,6 +107,7 @@ class MomentName(StrEnum):
 
     FORWARD_END = "forward-end"  # after the loss, everything saved
     FORWARD_LAST_SOFTMAX = "forward-last-softmax"  # the last block's materialised score chain
+    FORWARD_LAST_DORA_NORM = "forward-last-dora-norm"  # the last block's DoRA weight norm (full-size matrices)
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
@@ -328,6 +336,7 @@ class StepInputs:
     host_activations: int = 0  # --activation-offload: saved tensors in pinned host memory
     host_optimizer_states: int = 0  # paged optimizer: states in CUDA unified memory, outside the allocator
     sac_saved: int = 0  # --checkpointing sac: one layer's kept save-list outputs (in kept_inputs)
+    dora_norm: int = 0  # DoRA: the weight norm's full-size transients, inside a layer's forward (or recompute)
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -419,11 +428,16 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
-        block_temp=q.block_temp + dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy),
+        block_temp=q.block_temp
+        + dequant_transient_bytes(spec, strategy)
+        + adapter_backward_bytes(spec, strategy)
+        # a checkpointed layer's recomputation computes DoRA's weight norm again
+        + (dora_norm_transient_bytes(spec, strategy) if q.segments else 0),
         # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
         # weight's per-call copy dies with its no-grad layer (the head's is saved by the head's matmul).
         copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
         forward_transient=frozen_head_input_bytes(spec, strategy) + head_copy,
+        dora_norm=dora_norm_transient_bytes(spec, strategy),
     )
 
 
@@ -520,6 +534,18 @@ def forward_moments(q: StepInputs) -> list[Moment]:
             temporaries=q.forward_transient,
         )
     moments = [end]
+    if q.dora_norm:
+        # Inside the last layer's widest DoRA linear: every layer's saved tensors (the last one's nearly all),
+        # or the kept inputs of a checkpointed forward, and the weight norm's full-size transients.
+        moments.append(
+            Moment(
+                name=MomentName.FORWARD_LAST_DORA_NORM,
+                **base,  # type: ignore[arg-type]
+                activations=(a.all_layers_bytes if q.segments == 0 else q.kept_inputs + q.masks) + a.embedding_bytes,
+                autocast_copies=q.copies_all - q.copies_head if q.segments == 0 else q.copies_fwd_ckpt - q.copies_head,
+                temporaries=q.dora_norm + q.cache_held,
+            )
+        )
     for v in a.variants:
         if v.kind != a.top_kind:
             continue
