@@ -6,7 +6,10 @@ adapters, micro-batch 1 x 2048 tokens) the peak of each method and the worst per
 runs real PEFT modules on fake tensors (trainfit.trace.peft) and extrapolates in depth from two depths.
 QLoRA rows trace real bitsandbytes Linear4bit layers quantised on fake tensors.
 ``--freeze-int8``: the ``--finetune freeze`` and LLM.int8 rows instead (their own marked section).
-Usage: python benchmarks/agreement_finetune.py [--freeze-int8] [--write]   (--write replaces the marked section of
+``--savers``: the memory savers the trace runs (trainfit.trace.savers: selective recompute, Liger's fused linear
+cross-entropy, torchtune's activation offloading), full fine-tuning (their own marked section).
+Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers] [--write]
+(--write replaces the marked section of
 docs/accuracy.md)
 """
 
@@ -21,7 +24,7 @@ from pathlib import Path
 from trainfit import Strategy, estimate
 from trainfit.arch import load_model
 from trainfit.result import Component, MemoryReport
-from trainfit.strategy import finetune_setup
+from trainfit.strategy import MemorySavers, finetune_setup
 
 MODELS = ("llama-3.2-1b", "qwen2.5-7b", "llama-3.1-8b", "mistral-7b-v0.1")
 TARGETS = ("q_proj,v_proj", "all-linear")
@@ -124,6 +127,45 @@ def freeze_int8_rows() -> list[str]:
     return out
 
 
+SAVERS_BEGIN, SAVERS_END = "<!-- agreement-savers:begin -->", "<!-- agreement-savers:end -->"
+SAVER_MODELS = ("llama-3.2-1b", "qwen2.5-0.5b")
+#: (label, precision, checkpointing, attention, savers) — micro-batch 1 x 2048 tokens, full fine-tuning
+SAVER_CASES = (
+    ("selective (flash)", "amp-bf16", "selective", "sdpa", MemorySavers()),
+    ("selective (eager)", "pure-bf16", "selective", "eager", MemorySavers()),
+    ("fused-linear", "pure-bf16", "none", "sdpa", MemorySavers(loss="fused-linear")),
+    ("fused-linear", "amp-bf16", "full", "sdpa", MemorySavers(loss="fused-linear")),
+    ("activation offload", "pure-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
+)
+
+
+def saver_rows() -> list[str]:
+    out = [
+        "| model | saver | recipe | ckpt | analytic peak GiB | trace peak GiB | worst phase diff "
+        "| host GiB analytic / trace |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for name, (label, precision, ckpt, attention, savers) in itertools.product(SAVER_MODELS, SAVER_CASES):
+        spec = load_model(name)
+        s = Strategy(
+            precision=precision,  # type: ignore[arg-type]
+            checkpointing=ckpt,  # type: ignore[arg-type]
+            attention=attention,  # type: ignore[arg-type]
+            micro_batch=1,
+            seq_len=2048,
+            savers=savers,
+        )
+        t0 = time.perf_counter()
+        ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+        host = f"{ra.phases[0].host_bytes / GIB:.2f} / {rt.phases[0].host_bytes / GIB:.2f}" if savers.any else "-"
+        out.append(
+            f"| {name} | {label} | {precision} | {ckpt} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "
+            f"| {_worst(ra, rt) * 100:+.2f}% | {host} |"
+        )
+        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    return out
+
+
 def _write(begin: str, end: str, table: str) -> None:
     doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
     text = doc.read_text()
@@ -133,17 +175,19 @@ def _write(begin: str, end: str, table: str) -> None:
 
 
 def main() -> None:
-    """``--freeze-int8`` runs only the freeze and LLM.int8 table (its own marked section)."""
-    if "--freeze-int8" in sys.argv:
-        table = "\n".join(freeze_int8_rows())
-        print(table)
-        if "--write" in sys.argv:
-            _write(FREEZE_BEGIN, FREEZE_END, table)
-        return
-    table = "\n".join(rows(qlora_only="--qlora-only" in sys.argv))
+    """``--freeze-int8`` / ``--savers`` run only their own table (each its own marked section)."""
+    sections = {
+        "--savers": (saver_rows, SAVERS_BEGIN, SAVERS_END),
+        "--freeze-int8": (freeze_int8_rows, FREEZE_BEGIN, FREEZE_END),
+    }
+    make, begin, end = next(
+        (v for k, v in sections.items() if k in sys.argv),
+        (lambda: rows(qlora_only="--qlora-only" in sys.argv), BEGIN, END),
+    )
+    table = "\n".join(make())
     print(table)
     if "--write" in sys.argv:
-        _write(BEGIN, END, table)
+        _write(begin, end, table)
 
 
 if __name__ == "__main__":

@@ -78,12 +78,40 @@ def test_each_saver_never_increases_the_peak(slug: str, s: Strategy, savers: Mem
         assert ps.total_bytes + ps.host_bytes >= min(ps.total_bytes, pb.total_bytes)
 
 
+def _selective_slack(spec: Any, s: Strategy) -> int:
+    """The one way selective recompute adds bytes (found by the trace, tests/trace/test_savers_trace.py): the
+    checkpoint keeps the attention interface's q and k after RoPE, in the residual stream's dtype (fp32 under
+    autocast), where a fused SDPA kernel would have kept 16-bit casts; and the recomputation makes the kernel's
+    output once more (a·t·q_dim, one layer). With flash attention and fp32 weights that outweighs the logsumexp it
+    drops."""
+    a = s.recipe.compute_bits // 8
+    r = s.recipe.weight_bits // 8
+    t = s.tokens_per_micro_batch
+    return spec.num_layers * max(0, r - a) * t * (spec.q_dim + spec.kv_dim) + a * t * spec.q_dim
+
+
 @settings(max_examples=30, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies)
 def test_selective_recompute_never_increases_the_peak(slug: str, s: Strategy) -> None:
     spec = load_model(slug)
     none = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.NONE)).peak_bytes
-    assert estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.SELECTIVE)).peak_bytes <= none
+    sel = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.SELECTIVE)).peak_bytes
+    assert sel <= none + _selective_slack(spec, s)
+
+
+def test_selective_recompute_can_raise_the_peak_with_flash_under_autocast() -> None:
+    """The exception above, as the trace shows it on a tiny Llama (amp-bf16, flash: +1.1% at 2×256 tokens): at
+    catalog size the fp32 q and k the checkpoint keeps outweigh the logsumexp; with eager attention the dropped
+    b·heads·s² chain wins by far."""
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(precision="amp-bf16", micro_batch=1, seq_len=2048)
+    none = estimate_analytic(spec, s).peak_bytes
+    sel = estimate_analytic(spec, dataclasses.replace(s, checkpointing="selective")).peak_bytes
+    assert none < sel <= none + _selective_slack(spec, s)
+    eager = dataclasses.replace(s, attention="eager")
+    assert estimate_analytic(spec, dataclasses.replace(eager, checkpointing="selective")).peak_bytes < (
+        estimate_analytic(spec, eager).peak_bytes
+    )
 
 
 def test_selective_recompute_drops_the_eager_score_chain() -> None:
@@ -179,8 +207,8 @@ def test_savers_are_refused_where_not_modelled() -> None:
     with pytest.raises(StrategyError, match="causal-LM"):
         estimate(bert, Strategy(seq_len=128, savers=MemorySavers(loss="chunked")))
     spec = load_model("llama-3.2-1b")
-    with pytest.raises(StrategyError, match="use --method analytic"):
-        estimate(spec, Strategy(seq_len=128, checkpointing="selective"), method="trace")
+    with pytest.raises(StrategyError, match="paged-optimizer yet; use --method analytic"):
+        estimate(spec, Strategy(seq_len=128, savers=MemorySavers(paged_optimizer=True)), method="trace")
     with pytest.raises(StrategyError, match="paged"):
         Strategy(optimizer="sgd", savers=MemorySavers(paged_optimizer=True))
     assert bert.kind is ModelKind.MASKED_LM

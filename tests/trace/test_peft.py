@@ -7,6 +7,7 @@ swamp the per-token terms; each trace takes a second or two.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -96,3 +97,24 @@ def test_qlora_trace_stores_the_base_byte_exact() -> None:
 
     analytic = ra.phases[-1].get(Component.WEIGHTS) + ra.phases[-1].get(Component.ADAPTER_WEIGHTS)
     assert rt.phases[-1].get(Component.WEIGHTS) == analytic + 2 * 512
+
+
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_lora_on_a_4bit_base_is_not_kbit_prepared(ckpt: str) -> None:
+    """``--finetune lora --base-dtype nf4`` is a 4-bit base wrapped by ``get_peft_model`` alone; QLoRA is the same
+    plus ``prepare_model_for_kbit_training`` (fp32 norms, embeddings and head). Under pure bf16 the two differ by
+    those fp32 copies: the trace (real PEFT) must agree with the analytic for plain LoRA on nf4 (a trace that
+    prepared every 4-bit base was 5.6% above it), and QLoRA must hold more than it."""
+    spec = spec_from_config(FAMILIES["llama"], name="small-llama", source="test")
+    s = Strategy(precision="pure-bf16", checkpointing=ckpt, micro_batch=2, seq_len=128)
+    a, b = finetune_setup("lora", rank=8, targets="all-linear", base_dtype="nf4")
+    assert not b.kbit_prepared
+    lora = dataclasses.replace(s, adapter=a, base_weights=b)
+    ra, rt = estimate(spec, lora), estimate(spec, lora, method="trace", simulate_allocator=False)
+    for pa, pt in zip(ra.phases, rt.phases, strict=True):
+        assert abs(pa.total_bytes - pt.total_bytes) <= 0.01 * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
+    a, b = finetune_setup("qlora", rank=8, targets="all-linear")
+    assert b.kbit_prepared
+    rq = estimate(spec, dataclasses.replace(s, adapter=a, base_weights=b), method="trace", simulate_allocator=False)
+    # prepare_model_for_kbit_training's fp32 casts: the 1024×256 embedding and head tables alone add 2 × 1024·256·2
+    assert rq.phases[-1].total_bytes - rt.phases[-1].total_bytes >= 2 * 1024 * 256 * 2

@@ -578,38 +578,79 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
     return out
 
 
-#: The attention core's own saved tensors (scores → softmax → dropout → probs, and a fused kernel's logsumexp),
-#: which selective recompute does not keep: Korthikanti et al. 2022 §5 ("selective activation recomputation":
-#: the 5·a·s/h term of Table 2 is recomputed); Megatron megatron/core/transformer/attention.py
-#: ``_checkpointed_attention_forward`` wraps ``core_attention`` in ``tensor_parallel.checkpoint``.
-_ATTENTION_CORE = frozenset(
-    {
-        "attn.softmax",
-        "attn.eager.softcap_tanh",
-        "attn.eager.dropout",
-        "attn.eager.probs",
-        "attn.sdpa_math.dropout",
-        "attn.sdpa.lse",
-    }
-)
+#: Attention terms that are not the attention core's (selective recompute keeps them): MLA's latents and up-projection
+#: output and the per-head q/k norms run before the attention interface; the core's output is o_proj's saved input
+#: (for a fused SDPA kernel the same storage as the kernel's saved ``out``: HF's ``transpose(1, 2).contiguous()`` of
+#: the kernel's b·s·heads·d output is a view).
+_OUTSIDE_CORE = frozenset({"attn.latents", "attn.kv_b_out", "attn.qk_norm", "attn.sdpa.out", "attn.eager.out"})
+
+
+def _is_core(term: SavedTerm) -> bool:
+    """A saved tensor of the attention core: from the interface's q, k, v to its output (scores, softmax,
+    dropout, probabilities, a fused kernel's logsumexp and q/k/v casts or repeat_kv copies, a padded bias)."""
+    return term.name.startswith("attn.") and term.name not in _OUTSIDE_CORE
+
+
+def _core_inputs(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> SavedTerm:
+    """What the selective checkpoint saves instead: the attention interface's q, k, v as they reach it — k and v
+    not yet expanded to every head (repeat_kv is inside), q and k after RoPE, whose cos/sin carry the residual
+    stream's dtype (fp32 under autocast: the interface's q and k are fp32 where the kernel would have saved
+    16-bit casts; found by the trace)."""
+    if spec.mla is not None:
+        m, nh = spec.mla, spec.num_heads
+        qd = kd = nh * m.qk_head_dim
+        vd = nh * m.v_head_dim
+    else:
+        qd, kd, vd = spec.q_dim, spec.kv_dim, spec.kv_dim
+    a = w.compute
+    rope = w.residual if spec.rotary_dim or spec.mla is not None else a
+    if rope == a:
+        base = _sdpa_inputs(spec, strategy, t, a, qd, kd, vd)  # the kernel's own inputs (views of a fused qkv)
+        return SavedTerm(name="attn.core_inputs", bytes=base.bytes, formula=base.formula, pieces=base.pieces)
+    qk = rope * t * (qd + kd)
+    if spec.fused_qkv and spec.mla is None and not spec.sdpa_kv_expanded and not _kv_cache_active(spec, strategy):
+        v, vf = a * t * (qd + kd + vd), "fused qkv (v view)"
+    else:
+        v, vf = a * t * vd, "a·t·kv_dim"
+    return SavedTerm(name="attn.core_inputs", bytes=qk + v, formula=f"r·t·(q_dim+kv_dim) + {vf}", pieces=(qk, v))
 
 
 def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
-    """Saved activation tensors of one transformer layer (no checkpointing; under ``--checkpointing selective``
-    without the attention core's, which its layer's backward recomputes — :func:`selective_recompute_bytes`)."""
+    """Saved activation tensors of one transformer layer. Under ``--checkpointing selective`` (Megatron's
+    ``recompute_granularity="selective"``, ``core_attn``; Korthikanti et al. 2022 §5) the attention core is one
+    non-reentrant checkpoint: its saved tensors are replaced by its inputs (:func:`_core_inputs`) and come back
+    while the layer's backward runs (:func:`selective_recompute_bytes`)."""
     terms = _layer_terms(spec, strategy, moe=moe)
-    if strategy.checkpointing is Checkpointing.SELECTIVE:
-        return [x for x in terms if x.name not in _ATTENTION_CORE]
-    return terms
+    if strategy.checkpointing is not Checkpointing.SELECTIVE:
+        return terms
+    kept = [x for x in terms if not _is_core(x)]
+    at = next((i for i, x in enumerate(terms) if _is_core(x)), len(kept))
+    w = Widths.of(strategy)
+    return [*kept[:at], _core_inputs(spec, strategy, strategy.tokens_per_micro_batch, w), *kept[at:]]
 
 
 def selective_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> int:
-    """Selective recompute: the attention core's saved tensors of one layer, alive again while that layer's
-    backward runs (recomputed from the kept q, k, v) — Korthikanti et al. 2022 §5."""
+    """Selective recompute: while a layer's backward runs, its attention core is run again and saves what it
+    saves without checkpointing (a fused SDPA kernel also its output, a new tensor this time) —
+    Korthikanti et al. 2022 §5; the trace's ``torch.utils.checkpoint`` recomputation."""
     if strategy.checkpointing is not Checkpointing.SELECTIVE:
         return 0
     moe = spec.num_moe_layers > 0 and spec.num_dense_layers == 0
-    return sum(x.bytes for x in _layer_terms(spec, strategy, moe=moe) if x.name in _ATTENTION_CORE)
+    terms = _layer_terms(spec, strategy, moe=moe)
+    core = sum(x.bytes for x in terms if _is_core(x))
+    fused = any(x.name == "attn.sdpa.lse" for x in terms)
+    return core + (sum(x.bytes for x in terms if x.name == "attn.sdpa.out") if fused else 0)
+
+
+def selective_core_before_softmax_bytes(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> int:
+    """Selective recompute with a score chain (eager, SDPA's math kernel): what the attention core saves before
+    its softmax output (q/k casts, repeat_kv copies, a soft-cap's tanh), alive around the chain's softmax in the
+    forward and again in its recomputation's backward."""
+    if strategy.checkpointing is not Checkpointing.SELECTIVE:
+        return 0
+    terms = _layer_terms(spec, strategy, moe=moe)
+    cut = next((i for i, x in enumerate(terms) if x.role is TermRole.SOFTMAX_OUTPUT), 0)
+    return sum(x.bytes for x in terms[:cut] if _is_core(x))
 
 
 def check_sac(spec: ModelSpec, strategy: Strategy) -> None:

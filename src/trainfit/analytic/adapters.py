@@ -52,6 +52,7 @@ from enum import StrEnum
 
 from trainfit.arch.params import LayerGroup, ParamInventory, inventory
 from trainfit.arch.spec import MlpKind, ModelSpec, ParamTensor
+from trainfit.cuda_facts import allocator_bytes
 from trainfit.errors import StrategyError
 from trainfit.strategy import ALL_LINEAR, Adapter, AdapterKind, Quantization, Strategy
 from trainfit.strategy.adapters import FREEZE_GROUPS, layer_range
@@ -317,7 +318,46 @@ def adapter_saved(
         if dropped:
             out.append(AdapterSaved(name=f"{s.name}.dropout_mask", bytes=t * s.d_in, formula="1·t·d_in (bool mask)"))
         out.append(AdapterSaved(name=f"{s.name}.lora_A_out", bytes=mm * t * r, formula=f"{mm}·t·r"))
+        if adapter.kind is AdapterKind.DORA:
+            out += _dora_saved(s, tokens=t, mm=mm, base_out=compute, ad=ad)
     return out
+
+
+def _dora_saved(s: AdapterSite, *, tokens: int, mm: int, base_out: int, ad: int) -> list[AdapterSaved]:
+    """What DoRA adds per adapted linear (PEFT ``DoraLinearLayer.forward``, peft/tuners/lora/dora.py, without
+    dropout: ``base_result`` is the base layer's output): ``(mag_norm_scale - 1) * base_result`` saves the base
+    output (t·d_out, the base matmul's dtype) and ``mag_norm_scale - 1``; ``mag_norm_scale * lora_result`` saves
+    ``lora_B``'s output (t·d_out, lora_B's matmul dtype) and ``mag_norm_scale``; ``magnitude / weight_norm`` saves
+    the detached weight norm — three d_out vectors in the adapter dtype. The weight norm itself (``lora_B(lora_A(
+    eye(d_in)))`` and the full-size ``W + s·BA``) is computed without a path to any gradient (``.detach()``):
+    forward transients only, freed within the call. Checked against the trace (tests/trace/test_dora.py)."""
+    t = tokens
+    return [
+        AdapterSaved(name=f"{s.name}.dora_base_out", bytes=base_out * t * s.d_out, formula=f"{base_out}·t·d_out"),
+        AdapterSaved(name=f"{s.name}.dora_lora_out", bytes=mm * t * s.d_out, formula=f"{mm}·t·d_out"),
+        AdapterSaved(name=f"{s.name}.dora_scales", bytes=3 * allocator_bytes(ad * s.d_out), formula=f"3 × {ad}·d_out"),
+    ]
+
+
+def dora_norm_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """DoRA's weight norm, recomputed in every forward call (PEFT ``DoraLinearLayer.forward``: ``get_lora_weight``
+    then ``get_weight_norm``), at its widest adapted linear, while ``weight + scaling * lora_weight`` is formed:
+    ``lora_A``'s saved ``eye(d_in)`` (its matmul's dtype), ``lora_A``'s output (d_in·r), ``lora_weight`` in the
+    input's dtype, the base weight cast to it (when the base dtype differs), the scaled copy and the sum — full
+    d_in × d_out matrices, freed when the call returns (nothing on that path needs a gradient). 0 without DoRA."""
+    adapter = strategy.adapter
+    if adapter is None or adapter.kind is not AdapterKind.DORA:
+        return 0
+    amp = strategy.recipe.autocast
+    ad = adapter.dtype.bits // 8
+    mm = strategy.recipe.compute_bits // 8 if amp else ad
+    base = strategy.base_weights.dtype
+    wb = base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
+    full = 3 + (1 if wb != ad else 0)
+    return max(
+        s.d_in * s.d_in * mm + s.d_in * adapter.rank * mm + full * ad * s.d_in * s.d_out
+        for s in adapter_sites(spec, adapter)
+    )
 
 
 def frozen_base(strategy: Strategy) -> bool:
@@ -405,8 +445,8 @@ def check_dora(strategy: Strategy, *, analytic: bool) -> None:
         return
     if strategy.base_weights.quantization is not Quantization.NONE:
         raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
-    if analytic:
+    if analytic and strategy.adapter.dropout > 0:
         raise StrategyError(
-            "the analytic model does not model DoRA's forward yet (the weight norm of W + s·BA per step); "
-            "use --method trace"
+            "the analytic model does not model DoRA with --lora-dropout yet (PEFT then runs the base layer a "
+            "second time on the dropped input); use --method trace, or --lora-dropout 0"
         )

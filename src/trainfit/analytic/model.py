@@ -58,9 +58,17 @@ from trainfit.analytic.activations import (
     model_terms,
     sac_saved_terms,
     score_chain,
+    selective_core_before_softmax_bytes,
     selective_recompute_bytes,
 )
-from trainfit.analytic.adapters import dequant_transient_bytes, finetuning, frozen_layers, mlp_frozen, supports_adapters
+from trainfit.analytic.adapters import (
+    dequant_transient_bytes,
+    dora_norm_transient_bytes,
+    finetuning,
+    frozen_layers,
+    mlp_frozen,
+    supports_adapters,
+)
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.float8 import (
     block_linears,
@@ -108,6 +116,7 @@ class MomentName(StrEnum):
     FORWARD_END = "forward-end"  # after the loss, everything saved
     FORWARD_LAST_SOFTMAX = "forward-last-softmax"  # the last block's materialised score chain
     FORWARD_FP8_CAST = "forward-fp8-cast"  # --fp8: inside the last block's worst Float8Linear cast
+    FORWARD_LAST_DORA_NORM = "forward-last-dora-norm"  # the last block's DoRA weight norm (full-size matrices)
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
@@ -200,6 +209,9 @@ class AttentionVariantLayers:
     layers: int
     saved_bytes: int
     before_softmax_bytes: int
+    # --checkpointing selective: what the recomputed attention core saves before its softmax (q/k casts,
+    # repeat_kv copies, a soft-cap's tanh), alive again while the recomputation's softmax backward runs
+    recomputed_before_softmax_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,12 +247,21 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         counts[g.kind] = g.count
         for vspec, n in variants:
             lt = layer_terms(vspec, strategy, moe=g.kind == "moe")
-            cut = next((i for i, x in enumerate(lt) if x.role is TermRole.SOFTMAX_OUTPUT), len(lt))
+            cut = next((i for i, x in enumerate(lt) if x.role is TermRole.SOFTMAX_OUTPUT), None)
+            recomputed = 0
+            if cut is None:  # --checkpointing selective: the score chain is the checkpointed core's, after its inputs
+                cut = next((i + 1 for i, x in enumerate(lt) if x.name == "attn.core_inputs"), len(lt))
+                recomputed = selective_core_before_softmax_bytes(vspec, strategy, moe=g.kind == "moe")
             # With one kind (every stack with mixed sliding layers is one), the variant counts are exact.
             layers = g.count if len(variants) == 1 else n
             rows.append(
                 AttentionVariantLayers(
-                    spec=vspec, kind=g.kind, layers=layers, saved_bytes=_sum(lt), before_softmax_bytes=_sum(lt[:cut])
+                    spec=vspec,
+                    kind=g.kind,
+                    layers=layers,
+                    saved_bytes=_sum(lt),
+                    before_softmax_bytes=_sum(lt[:cut]),
+                    recomputed_before_softmax_bytes=recomputed,
                 )
             )
             per_kind[g.kind] = max(per_kind.get(g.kind, 0), _sum(lt))
@@ -326,6 +347,7 @@ class StepInputs:
     host_optimizer_states: int = 0  # paged optimizer: states in CUDA unified memory, outside the allocator
     sac_saved: int = 0  # --checkpointing sac: one layer's kept save-list outputs (in kept_inputs)
     float8_forward: int = 0  # --fp8: the worst Float8Linear cast transient of a block's forward
+    dora_norm: int = 0  # DoRA: the weight norm's full-size transients, inside a layer's forward (or recompute)
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -378,14 +400,25 @@ def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
         lg = chunked_loss_memory(spec, strategy, keep_logits=keep_logits, head_trainable=q.grad_head > 0)
         q = dataclasses.replace(q, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes)
     elif sv.loss is LossImpl.FUSED_LINEAR:
-        lg = fused_linear_loss_memory(spec, strategy, head_grad_bytes=q.grad_head)
+        # Under autocast the head's 16-bit weight copy is saved by nothing (Liger's node saves grad_input and
+        # grad_weight): autocast's cached copy dies with the forward's autocast region, and each chunk's
+        # ``x @ weight.t()`` casts the weight again (a view is not cached) — found by the trace.
+        ch = q.copies_head
+        lg = fused_linear_loss_memory(spec, strategy, head_grad_bytes=q.grad_head, weight_cast_bytes=ch)
         grad_input = allocator_bytes(fused_linear_head_input_bytes(spec, strategy))
         a = q.stack
         stack = dataclasses.replace(
             a, model_bytes=a.model_bytes - a.head_input_bytes + grad_input, head_input_bytes=grad_input
         )
         q = dataclasses.replace(
-            q, stack=stack, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes
+            q,
+            stack=stack,
+            logits_forward=lg.forward_peak_bytes,
+            logits_backward=lg.backward_peak_bytes,
+            copies_all=q.copies_all - ch,
+            copies_head=0,
+            copies_fwd_ckpt=q.copies_fwd_ckpt - ch,
+            forward_transient=q.forward_transient + ch,
         )
     if sv.activation_offload:
         a = q.stack
@@ -426,11 +459,16 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
-        block_temp=q.block_temp + dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy),
+        block_temp=q.block_temp
+        + dequant_transient_bytes(spec, strategy)
+        + adapter_backward_bytes(spec, strategy)
+        # a checkpointed layer's recomputation computes DoRA's weight norm again
+        + (dora_norm_transient_bytes(spec, strategy) if q.segments else 0),
         # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
         # weight's per-call copy dies with its no-grad layer (the head's is saved by the head's matmul).
         copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
         forward_transient=frozen_head_input_bytes(spec, strategy) + head_copy,
+        dora_norm=dora_norm_transient_bytes(spec, strategy),
     )
 
 
@@ -538,6 +576,18 @@ def forward_moments(q: StepInputs) -> list[Moment]:
                 activations=(a.all_layers_bytes if q.segments == 0 else q.kept_inputs) + a.embedding_bytes + q.masks,
                 autocast_copies=layer_copies if q.segments == 0 or q.spec.autocast_weight_cache else q.copies_max_layer,
                 temporaries=q.float8_forward + q.cache_held,
+            )
+        )
+    if q.dora_norm:
+        # Inside the last layer's widest DoRA linear: every layer's saved tensors (the last one's nearly all),
+        # or the kept inputs of a checkpointed forward, and the weight norm's full-size transients.
+        moments.append(
+            Moment(
+                name=MomentName.FORWARD_LAST_DORA_NORM,
+                **base,  # type: ignore[arg-type]
+                activations=(a.all_layers_bytes if q.segments == 0 else q.kept_inputs + q.masks) + a.embedding_bytes,
+                autocast_copies=q.copies_all - q.copies_head if q.segments == 0 else q.copies_fwd_ckpt - q.copies_head,
+                temporaries=q.dora_norm + q.cache_held,
             )
         )
     for v in a.variants:
@@ -676,7 +726,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         if attn_saved:
             # Inside the top layer's (and the bottom segment's top layer's) attention backward: that layer
             # holds what it saved before its softmax plus the softmax output, the rest of it is released.
-            swap = v.before_softmax_bytes + attn_saved - a.per_kind_bytes[v.kind]
+            swap = v.before_softmax_bytes + v.recomputed_before_softmax_bytes + attn_saved - a.per_kind_bytes[v.kind]
             moments += [m.inside_softmax_backward(swap, attn_temp) for m in (top, bottom)]
     return moments
 

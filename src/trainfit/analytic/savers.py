@@ -17,7 +17,10 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   in the forward, the gradients: ``grad_input`` (t·h in the input's dtype, saved instead of the head's input) and
   ``grad_weight`` (the head's gradient, ``zeros_like(weight)``, present from the forward on). What remains: one
   chunk's a·c·vocab logits, its c·h input-gradient product, the fp32 per-token loss (4·t), ``grad_input`` and
-  ``grad_weight``.
+  ``grad_weight``. Under autocast (fp32 weights) the head's 16-bit weight copy is saved by nothing: autocast's
+  cached copy (``grad_logits @ weight``) lives only to the end of the forward, and each chunk's
+  ``x @ weight.t()`` makes one more (a transposed view is not a leaf, so not cached): 2·a·vocab·h in the forward,
+  none in the backward (found by the trace, trainfit.trace.savers ``FusedLinearCrossEntropy``).
 * **Optimizer in backward** (torchtune ``torchtune/training/memory.py`` ``register_optim_in_bwd_hooks``: one
   optimizer per parameter, stepped by a ``register_post_accumulate_grad_hook`` that then drops the gradient):
   at most one parameter's gradient is alive at any time; the optimizer-step phase holds no gradients at all.
@@ -34,8 +37,12 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
   them to host memory when the GPU runs out. They are reported apart (``host_components``), not in the device
   peak.
-* **Selective recompute** (Korthikanti et al. 2022 §5; :func:`trainfit.analytic.activations.layer_terms`): the
-  attention core's saved tensors are dropped and one layer's come back while its backward runs.
+* **Selective recompute** (Korthikanti et al. 2022 §5; Megatron-Core ``recompute_granularity="selective"``,
+  ``core_attn``; :func:`trainfit.analytic.activations.layer_terms`): the attention core's saved tensors are replaced
+  by the checkpoint's inputs (q and k after RoPE in the residual dtype, k and v before ``repeat_kv``) and one
+  layer's come back, with a fused kernel's output, while its backward runs
+  (:func:`~trainfit.analytic.activations.selective_recompute_bytes`; checked against the trace, which checkpoints
+  the transformers attention-interface call).
 """
 
 from __future__ import annotations
@@ -102,15 +109,18 @@ def chunked_loss_memory(
     return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
 
 
-def fused_linear_loss_memory(spec: ModelSpec, strategy: Strategy, *, head_grad_bytes: int) -> LogitsMemory:
-    """Liger fused linear CE: forward grad_weight + a·c·vocab + a·c·h + 4·t; backward grad_weight (already
-    there) — module docstring. ``grad_input`` is a saved head tensor (:func:`fused_linear_head_input_bytes`)."""
+def fused_linear_loss_memory(
+    spec: ModelSpec, strategy: Strategy, *, head_grad_bytes: int, weight_cast_bytes: int = 0
+) -> LogitsMemory:
+    """Liger fused linear CE: forward grad_weight + a·c·vocab + a·c·h + 4·t (+ under autocast one uncached
+    16-bit cast of the head's weight per chunk, ``weight_cast_bytes``); backward grad_weight (already there) —
+    module docstring. ``grad_input`` is a saved head tensor (:func:`fused_linear_head_input_bytes`)."""
     from trainfit.analytic.logits import LogitsMemory
 
     t = strategy.tokens_per_micro_batch
     a = strategy.recipe.compute_bits // 8
     c = liger_chunk_tokens(t, spec.vocab_size, spec.hidden_size)
-    forward = head_grad_bytes + a * c * spec.vocab_size + a * c * spec.hidden_size + 4 * t
+    forward = head_grad_bytes + a * c * spec.vocab_size + a * c * spec.hidden_size + 4 * t + weight_cast_bytes
     return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=head_grad_bytes, logits_bytes=0)
 
 

@@ -222,7 +222,10 @@ def estimate_cmd(
     ] = "all-linear",
     lora_dropout: Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout probability.")] = 0.0,
     dora: Annotated[
-        bool, typer.Option("--dora", help="DoRA (PEFT use_dora=True) instead of LoRA; --method trace only.")
+        bool,
+        typer.Option(
+            "--dora", help="DoRA (PEFT use_dora=True) instead of LoRA (float base; analytic without --lora-dropout)."
+        ),
     ] = False,
     adapter_dtype: Annotated[
         str, typer.Option("--adapter-dtype", help="fp32 (PEFT's default on a 16-bit base) | bf16 | fp16.")

@@ -210,13 +210,14 @@ class Strategy:
 
     def beyond_the_trace(self) -> tuple[str, ...]:
         """The memory savers the fake-tensor trace (and the real-GPU measurement, which reuses its runner) do not
-        run yet: the analytic method models them alone."""
-        runs = ("--loss chunked", "--optimizer-in-backward")  # trace/savers.py runs them
+        run: the analytic method models them alone. trace/savers.py runs the others (selective recompute is a
+        checkpointing mode it runs too). Paged optimizers stay here: bitsandbytes allocates their states with
+        ``cudaMallocManaged`` (``F.get_paged``), which a fake tensor cannot stand for."""
+        # trace/savers.py runs them
+        runs = ("--loss chunked", "--loss fused-linear", "--optimizer-in-backward", "--activation-offload")
         out = [n for n in self.savers.names() if not n.startswith(runs)]
         if self.savers.optimizer_in_backward and self.recipe.master_bits:
             out.append("--optimizer-in-backward with fp32 master weights")
-        if self.checkpointing is Checkpointing.SELECTIVE:
-            out.append("--checkpointing selective")
         return tuple(out)
 
     def beyond_single_gpu_training(self) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ keying and the extrapolation — and :func:`trace_hf` makes the trace's report.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,7 +57,13 @@ from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.float8 import inner_ops_tracked as float8_inner_ops
 from trainfit.trace.optim import host_state_keys, make_optimizer, state_tensors
-from trainfit.trace.savers import OptimizerInBackward, chunked_loss_fns
+from trainfit.trace.savers import (
+    OffloadActivations,
+    OptimizerInBackward,
+    chunked_loss_fns,
+    fused_linear_loss_fns,
+    selective_recompute,
+)
 from trainfit.trace.timeline import Region, Span
 
 #: Repetitions of each extrapolated unit in the base trace; each variant trace adds one.
@@ -163,6 +170,7 @@ class LayoutRun:
 
     run: rn.TraceRun
     resident: ResidentBytes
+    host_activation_bytes: int = 0  # --activation-offload: the most saved-tensor bytes on the host at once
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -236,10 +244,14 @@ def run_layout(
         optimizers.append(opt)
         return opt
 
-    chunked = chunked_loss_fns(strategy)
+    chunked = chunked_loss_fns(strategy) or fused_linear_loss_fns(strategy)  # trace/savers.py
+    forward: Callable[[Any, Any], Any] = chunked[0] if chunked else lambda m, batch: m(**batch)
+    offload = OffloadActivations(hf.head_of(model), box) if strategy.savers.activation_offload else None
+    if offload is not None:
+        forward = offload.forward(forward)  # trace/savers.py: torchtune's OffloadActivations around the forward
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device=device),
-        forward=chunked[0] if chunked else lambda m, batch: m(**batch),
+        forward=forward,
         loss_of=chunked[1] if chunked else hf.loss_of(spec),
         make_optimizer=build_optimizer,
     )
@@ -257,10 +269,13 @@ def run_layout(
         execution = rn.Execution(mode=mode)
     else:
         execution = rn.Execution(device=device, emulate_cuda=False, track=False, probe=on_device.probe)
-    with hf.runtime_patches(), quantised, float8_inner_ops(box, strategy):
+    selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        selective = selective_recompute(model, box)  # trace/savers.py: the attention core checkpointed
+    with hf.runtime_patches(), quantised, float8_inner_ops(box, strategy), selective:
         run = rn.run_steps(model, fns, options, execution)
         resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
-    return LayoutRun(run=run, resident=resident)
+    return LayoutRun(run=run, resident=resident, host_activation_bytes=offload.host_peak_bytes if offload else 0)
 
 
 def renumber_layers(model: torch.nn.Module, stack_path: str) -> None:
@@ -350,6 +365,7 @@ def trace_hf(
     n_layouts = len(plan.layouts)
 
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+    host: list[int] = []
     for i, (counts, layout) in enumerate(plan.layouts):
 
         def sub(msg: str, frac: float, i: int = i, n: int = len(layout.layers)) -> None:
@@ -357,6 +373,7 @@ def trace_hf(
 
         done = run_layout(spec, strategy, plan, layout, steps=steps, adamw_impl=adamw_impl, progress=sub)
         results.append((counts, layout, done.run))
+        host.append(done.host_activation_bytes)
     say("extrapolating", 1.0)
 
     warnings: list[str] = []
@@ -370,6 +387,12 @@ def trace_hf(
     else:
         pk = readout.phase_peaks(base_run)
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+
+    if strategy.savers.activation_offload:
+        # The offloaded bytes grow by the same amount per repeated unit (runs as the device regions).
+        full_host = host[0] + sum((host[n] - host[0]) * (runs[r].count - plan.base_units) for n, r in enumerate(ext, 1))
+        for ph in (Phase.FORWARD, Phase.BACKWARD):
+            phases[ph] = dataclasses.replace(phases[ph], host_components={Component.ACTIVATIONS: full_host})
 
     rows: tuple[ModuleRow, ...] = ()
     if modules:

@@ -224,6 +224,8 @@ def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
 def check_traceable(strategy: Strategy) -> None:
     """The setups this trace runs: DDP and FSDP2 (torch engine), data parallel only, nothing offloaded."""
     par, sh = strategy.parallelism, strategy.sharding
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        raise StrategyError("--method trace runs --checkpointing selective on one GPU; use --method analytic")
     if par.pipeline > 1:
         raise StrategyError("--method trace does not run pipeline parallelism; use --method analytic")
     if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) and strategy.engine.engine in (

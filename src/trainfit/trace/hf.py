@@ -230,7 +230,7 @@ class Block:
 
 
 def blocks_for(num_layers: int, checkpointing: Checkpointing) -> list[Block]:
-    if checkpointing is Checkpointing.NONE:
+    if checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE):  # selective: inside the layer (savers.py)
         return [Block(False, (i,)) for i in range(num_layers)]
     if checkpointing in (Checkpointing.FULL, Checkpointing.SAC):
         return [Block(True, (i,)) for i in range(num_layers)]
@@ -368,7 +368,7 @@ def install_checkpointing(
             member._gradient_checkpointing_func = functools.partial(seg.call, j)
 
 
-def _in_recompute(tracker_box: list[tk.Tracker], fn: Callable[..., Any], *a: Any, **k: Any) -> Any:
+def in_recompute(tracker_box: list[tk.Tracker], fn: Callable[..., Any], *a: Any, **k: Any) -> Any:
     tr = tracker_box[0] if tracker_box else None
     if tr is None or tr.phase != tk.BACKWARD:
         return fn(*a, **k)
@@ -383,7 +383,7 @@ def _tracked(checkpoint_fn: Callable[..., Any], tracker_box: list[tk.Tracker]) -
     """HF's per-layer checkpoint function, marking the recomputation as such for the tracker."""
 
     def wrapped(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_fn(functools.partial(_in_recompute, tracker_box, function), *args, **kwargs)
+        return checkpoint_fn(functools.partial(in_recompute, tracker_box, function), *args, **kwargs)
 
     return wrapped
 
@@ -414,7 +414,7 @@ class _Segment:
         if j == 0:
             calls: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
             self.calls = calls
-            replay = functools.partial(_in_recompute, self.tracker_box, functools.partial(self._replay, calls))
+            replay = functools.partial(in_recompute, self.tracker_box, functools.partial(self._replay, calls))
             self.gen = _checkpoint_without_reentrant_generator(
                 replay, True, noop_context_fn, "default", False, True, args[0]
             )

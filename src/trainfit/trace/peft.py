@@ -84,9 +84,11 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
     if adapter is None:
         return model
     peft = require_peft()
-    if quantised and (base.kbit_prepared or not int8):
-        # What QLoRA recipes call: fp32 for everything not 4-bit; checkpointing is the strategy's business
-        # (transformers' gradient_checkpointing_enable, installed by trace.hf, enables input grads itself).
+    if base.kbit_prepared:
+        # What QLoRA recipes call (``--finetune qlora``): fp32 for everything not 4-bit; checkpointing is the
+        # strategy's business (transformers' gradient_checkpointing_enable, installed by trace.hf, enables input
+        # grads itself). ``--finetune lora`` on a quantised base is a user who loaded the base in 4 or 8 bits and
+        # called ``get_peft_model`` directly: the base keeps its 16-bit non-quantised tensors (as the analytic).
         peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     targets: str | list[str] = ALL_LINEAR if adapter.targets == (ALL_LINEAR,) else list(adapter.targets)
     config = peft.LoraConfig(
