@@ -14,7 +14,7 @@ import pytest
 
 from trainfit import load_model
 from trainfit.export import export_plan, write_export
-from trainfit.strategy import Offload, Parallelism, Strategy
+from trainfit.strategy import MemorySavers, Offload, Parallelism, Strategy
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -66,7 +66,11 @@ DDP = {
     for ck in ("none", "full")
 }  # fmt: skip
 
-SINGLE = {"single-amp-bf16-full": _s(micro_batch=2, grad_accum=16, checkpointing="full")}
+SINGLE = {
+    "single-amp-bf16-full": _s(micro_batch=2, grad_accum=16, checkpointing="full"),
+    # Liger's fused linear cross-entropy: TrainingArguments(use_liger_kernel=True, liger_kernel_config=loss only)
+    "single-amp-bf16-fused-linear": _s(micro_batch=2, grad_accum=16, savers=MemorySavers(loss="fused-linear")),
+}
 
 
 def _files(strategy: Strategy, tmp_path: Path) -> Path:
@@ -125,3 +129,11 @@ def test_import_config_detects_each_kind(tmp_path: Path) -> None:
     as_json.write_text((d2 / "accelerate_fsdp2.yaml").read_text())
     assert json.loads(as_json.read_text())["distributed_type"] == "FSDP"
     assert import_config(as_json).kind.value == "accelerate"
+
+
+def test_liger_kernels_beyond_the_loss_are_listed_as_ignored() -> None:
+    """``use_liger_kernel=True`` with Liger's default config also fuses rope, swiglu and rms_norm, which trainfit
+    does not model: the loss is read, the rest is said to be ignored."""
+    run = strategy_from_training_args({"output_dir": "x", "use_liger_kernel": True})
+    assert run.strategy.savers.loss.value == "fused-linear"
+    assert any(s.key == "liger_kernel_config" for s in run.ignored)

@@ -28,9 +28,9 @@ from typing import Any
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.export.fsdp2_script import fsdp2_script
-from trainfit.strategy import Checkpointing, Engine, Optimizer, Precision, Sharding, Strategy
+from trainfit.strategy import Checkpointing, Engine, LossImpl, Optimizer, Precision, Sharding, Strategy
 
-__all__ = ["Export", "export_files", "export_plan", "layer_class", "write_export"]
+__all__ = ["LIGER_LOSS_ONLY", "Export", "export_files", "export_plan", "layer_class", "write_export"]
 
 #: The decoder-layer class transformers defines, where it is not ``<Prefix>DecoderLayer`` of ``<Prefix>ForCausalLM``.
 _LAYER_CLASSES = {
@@ -41,6 +41,16 @@ _LAYER_CLASSES = {
 }
 
 DEEPSPEED_FILE = "ds_config.json"
+
+#: TrainingArguments.liger_kernel_config with Liger's fused linear cross-entropy alone (the keys are
+#: ``liger_kernel.transformers.apply_liger_kernel_to_*``'s arguments; ``trainfit.imports`` reads them back).
+LIGER_LOSS_ONLY = {
+    "fused_linear_cross_entropy": True,
+    "cross_entropy": False,
+    "rope": False,
+    "swiglu": False,
+    "rms_norm": False,
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,6 +158,19 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
     }
     if strategy.optimizer not in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
         notes.append(f"optimizer {strategy.optimizer.value}: set TrainingArguments.optim yourself")
+    if strategy.savers.loss is LossImpl.FUSED_LINEAR:
+        # transformers Trainer: apply_liger_kernel(model, liger_kernel_config); only the fused linear
+        # cross-entropy, the saver the plan's memory counts (Liger's rope/swiglu/rms_norm kernels save differently).
+        args["use_liger_kernel"] = True
+        args["liger_kernel_config"] = dict(LIGER_LOSS_ONLY)
+        notes.append("--loss fused-linear: pip install liger-kernel (the Trainer applies only its fused linear "
+                     "cross-entropy, per liger_kernel_config)")  # fmt: skip
+    elif strategy.savers.loss is LossImpl.CHUNKED:
+        notes.append("--loss chunked: torchtune's CEWithChunkedOutputLoss has no TrainingArguments switch")
+    for flag, on in (("--optimizer-in-backward", strategy.savers.optimizer_in_backward),
+                     ("--activation-offload", strategy.savers.activation_offload)):  # fmt: skip
+        if on:
+            notes.append(f"{flag}: a torchtune feature with no TrainingArguments switch")
     if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
         # transformers ≥ 5: fsdp=True with everything in fsdp_config (the string form is deprecated, and FSDP2
         # takes no hybrid_shard there: HSDP is accelerate's ParallelismConfig, see the notes).

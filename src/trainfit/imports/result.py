@@ -158,7 +158,7 @@ class Draft:
                 reduce_bucket_size=int(f.get("reduce_bucket_size", 5e8)),
                 **self.engine_extras,
             ),
-            savers=MemorySavers(paged_optimizer=paged),
+            savers=MemorySavers(paged_optimizer=paged, loss=f.get("loss", "standard")),
         )
         return ImportedRun(
             source=self.source,
@@ -180,7 +180,7 @@ _BUILDABLE = frozenset(
     {
         "precision", "optimizer", "optimizer_impl", "checkpointing", "batch", "grad_accum", "seq", "gpus",
         "gpus_per_node", "sharding", "offload", "engine", "reshard_after_forward", "bucket_cap_mb",
-        "reduce_bucket_size",
+        "reduce_bucket_size", "loss",
     }
 )  # fmt: skip
 

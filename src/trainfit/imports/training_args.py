@@ -93,6 +93,9 @@ def strategy_from_training_args(
         return _from_args(source, {}, Draft(source=label or "TrainingArguments", kind=ConfigKind.TRAINING_ARGS),
                           gpus, seq_len, hidden_size, Path.cwd())  # fmt: skip
     try:
+        from trainfit.trace._deps import import_torchao_quietly
+
+        import_torchao_quietly()  # transformers imports torchao when it is installed; its import logs noise
         from transformers import TrainingArguments
     except ImportError:
         raise DependencyError("reading TrainingArguments needs transformers: pip install transformers") from None
@@ -171,6 +174,8 @@ def _from_args(
     for k, v in ckpt_kwargs.items():
         if k not in ("every_n_layers", "offload"):
             d.ignore(f"activation_checkpointing_kwargs.{k}", v, "passed to torch.utils.checkpoint: not modelled")
+    if getattr(args, "use_liger_kernel", False):
+        _liger(args, d)
     if args.torch_compile:
         d.ignore("torch_compile", True, "torch.compile may fuse kernels and save activations; trainfit estimates eager")
     if args.ddp_bucket_cap_mb is not None:
@@ -191,6 +196,23 @@ def _from_args(
         if raw and key in raw and key != "output_dir" and key not in ignored:
             d.ignore(key, raw[key], "no effect on memory")
     return d.finish(seq_len=seq_len)
+
+
+def _liger(args: Any, d: Draft) -> None:
+    """``use_liger_kernel``: the Trainer calls ``apply_liger_kernel(model, liger_kernel_config)``; each
+    ``apply_liger_kernel_to_*`` defaults its kernels on (rope, swiglu, rms_norm, fused linear cross-entropy).
+    trainfit models the fused linear cross-entropy (``--loss fused-linear``); the other kernels save other
+    activations and are listed as ignored (the estimate then stays an upper bound for them)."""
+    config = dict(getattr(args, "liger_kernel_config", None) or {})
+    if config.get("fused_linear_cross_entropy", True):
+        d.use("use_liger_kernel", True, "loss", "fused-linear",
+              note="Liger's fused linear cross-entropy: no full logits")  # fmt: skip
+    else:
+        d.ignore("use_liger_kernel", True, "Liger kernels without its fused linear cross-entropy: not modelled")
+    others = [k for k in ("rope", "swiglu", "rms_norm") if config.get(k, True)]
+    if others:
+        why = "Liger's fused rope/swiglu/rms_norm keep other activations: not modelled (an upper bound)"
+        d.ignore("liger_kernel_config", {k: True for k in others}, why)
 
 
 def _fsdp(args: Any, d: Draft) -> None:

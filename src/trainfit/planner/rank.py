@@ -90,6 +90,8 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         out.append("--finetune " + ("qlora" if q == "nf4" else "lora" if strategy.adapter is not None else "full"))
     if strategy.float8 != baseline.float8:
         out.append(f"--fp8 {strategy.float8.value}")
+    if strategy.savers.loss != baseline.savers.loss:
+        out.append(f"--loss {strategy.savers.loss.value}")
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
         accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
         out.append(f"--batch {strategy.micro_batch}{accum}")
@@ -110,6 +112,7 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
             c.offload != baseline.offload.flag,
             c.finetune is not Finetune.FULL,
             c.float8 != baseline.float8,
+            c.loss != baseline.savers.loss,
         )
     )
 

@@ -26,6 +26,7 @@ bisects, since memory grows with it). What the space contains, and why:
   no framework runs, and such candidates are dropped.
 - **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
   (using fewer GPUs is a plan too; nested for powers of two, so more GPUs never make the best plan worse).
+- **Memory savers**: Liger's fused linear cross-entropy on one GPU (:func:`saver_candidates`).
 - **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them, on
   one GPU or data parallel (DDP, FSDP2/HSDP, ZeRO; what the estimate refuses — QLoRA with ZeRO — drops out),
   not with tensor/pipeline parallelism or offload. Their exports are the Trainer's (with PEFT), not the
@@ -49,6 +50,8 @@ from trainfit.strategy import (
     Engine,
     EngineOptions,
     Float8,
+    LossImpl,
+    MemorySavers,
     Offload,
     Optimizer,
     Parallelism,
@@ -72,6 +75,7 @@ __all__ = [
     "gpu_has_float8",
     "native_precisions",
     "parse_allow",
+    "saver_candidates",
     "world_sizes",
 ]
 
@@ -159,6 +163,7 @@ class Candidate:
     checkpointing: Checkpointing = Checkpointing.NONE
     finetune: Finetune = Finetune.FULL
     float8: Float8 = Float8.NONE
+    loss: LossImpl = LossImpl.STANDARD  # --loss fused-linear (:func:`saver_candidates`)
 
     @property
     def data(self) -> int:
@@ -224,6 +229,7 @@ class Candidate:
             engine=EngineOptions(engine=self.engine),
             adapter=adapter,
             float8=self.float8,
+            savers=MemorySavers(loss=self.loss),
             **fields,  # type: ignore[arg-type]
         )
 
@@ -353,4 +359,20 @@ def candidates(
                                     finetune=ft,
                                 )
                             )
+    out += saver_candidates(out)
     return out + (float8_candidates(gpu, out) if fp8 else [])
+
+
+def saver_candidates(base: list[Candidate]) -> list[Candidate]:
+    """The memory savers' variants of ``base``: Liger's fused linear cross-entropy (``--loss fused-linear``: no
+    full logits, ``TrainingArguments(use_liger_kernel=True)`` exports it) on one GPU without DeepSpeed — where the
+    estimate models the savers (many-GPU setups refuse them). Same FLOPs as the standard loss (Liger computes the
+    head's gradients chunk by chunk inside its forward: the same three matmuls), so the speed model prices it like
+    its twin; it wins only where it fits a larger micro-batch, or fits at all. Not searched: the chunked loss
+    (fused-linear needs less, and the Trainer has no switch for it), activation offloading and optimizer-in-backward
+    (torchtune features with no TrainingArguments switch; both are ``trainfit estimate`` flags)."""
+    return [
+        replace(c, loss=LossImpl.FUSED_LINEAR)
+        for c in base
+        if c.world == 1 and c.sharding is Sharding.NONE and c.loss is LossImpl.STANDARD
+    ]

@@ -33,7 +33,8 @@ _NOISY_AT_TORCHAO_IMPORT = ("torchao", "torch.utils._pytree")
 _TORCHAO_MODULES = ("torchao", "torchao.float8", "torchao.prototype.safetensors.safetensors_support")
 
 
-def _import_torchao_quietly() -> None:
+def import_torchao_quietly() -> None:
+    """Import torchao (when installed) with its import-time warnings silenced (module docstring)."""
     if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
         return
     loggers = [logging.getLogger(name) for name in _NOISY_AT_TORCHAO_IMPORT]
@@ -55,7 +56,7 @@ def require_torch() -> ModuleType:
         import torch
     except ImportError:
         raise DependencyError(_TORCH_HINT) from None
-    _import_torchao_quietly()
+    import_torchao_quietly()
     return torch
 
 
