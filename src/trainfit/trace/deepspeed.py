@@ -206,6 +206,10 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     state = [(ds_comm, "cdb")] + [
         (ds_groups, name) for name in vars(ds_groups) if name.startswith("_") and name[1:2].isupper()
     ]
+    # ZeRO-3 replaces torch.nn.functional.linear with its memory-efficient autograd function "until manually
+    # reset" (partition_parameters.py ``_enable_mem_efficient_linear``): right for the traced engine, wrong for
+    # every model traced after it in this process (its custom autocast changes what amp saves).
+    state.append((torch.nn.functional, "linear"))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     saved += [(obj, name, copy.copy(getattr(obj, name))) for obj, name in state]
     for obj, name, new in patches:
