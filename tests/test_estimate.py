@@ -7,7 +7,7 @@ import pytest
 from trainfit import Strategy, estimate, load_model
 from trainfit.errors import StrategyError
 from trainfit.report.json import report_json
-from trainfit.strategy import Adapter, Parallelism
+from trainfit.strategy import Adapter, MemorySavers, Parallelism
 
 
 def test_report_echoes_its_inputs_and_renders_alone() -> None:
@@ -66,6 +66,9 @@ def test_rule_of_thumb_says_what_it_ignores_and_brackets_the_nvidia_smi_total() 
     assert r.low_bytes <= r.nvidia_smi_estimate_bytes <= r.high_bytes
     assert any("math kernel" in x for x in estimate("llama-3.2-1b", Strategy(precision="fp32")).warnings)
     assert estimate("llama-3.2-1b", Strategy(), method="rule-of-thumb").warnings == ()
+    savers = Strategy(checkpointing="selective", savers=MemorySavers(loss="fused-linear", activation_offload=True))
+    (w,) = estimate("llama-3.2-1b", savers, method="rule-of-thumb").warnings
+    assert "--checkpointing selective, --loss fused-linear, --activation-offload" in w
 
 
 def test_flash_attention_follows_the_gpu() -> None:

@@ -135,6 +135,9 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
         value = getattr(strategy, field)
         if value != getattr(default, field):
             ignored.append(f"--{field.replace('_', '-')} {value}")
+    ignored += strategy.savers.names()  # the memory savers (--loss, --optimizer-in-backward, ...)
+    if strategy.float8 != default.float8:
+        ignored.append(f"--fp8 {strategy.float8.value}")
     if not ignored:
         return []
     return [
