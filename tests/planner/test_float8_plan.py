@@ -51,9 +51,11 @@ def test_fp8_candidates_only_where_the_gpu_has_fp8() -> None:
 def test_fp8_candidate_speed_inputs_match_the_strategy() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("h100-sxm-80gb")
     for c in candidates(spec, gpu, gpus=8, gpus_per_node=8, global_batch=8, fp8=True):
-        accum = 8 // c.data
-        s = c.strategy(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
-        assert SpeedInputs.of(s) == c.speed_inputs(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+        micro = 8 // c.data if c.optimizer_in_backward else 1  # optimizer-in-backward: no accumulation
+        accum = 8 // (c.data * micro)
+        s = c.strategy(micro_batch=micro, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+        x = c.speed_inputs(micro_batch=micro, grad_accum=accum, seq_len=1024, gpus_per_node=8, spec=spec)
+        assert SpeedInputs.of(s, spec) == x
 
 
 def test_fp8_share_from_the_config_numbers() -> None:

@@ -1,36 +1,122 @@
-"""The memory savers in `trainfit plan`'s space: Liger's fused linear cross-entropy on one GPU."""
+"""The memory savers in `trainfit plan`'s space, one GPU: Liger's fused linear cross-entropy, and torchtune's
+chunked loss, activation offloading and optimizer-in-backward — each kept only where its twin without the saver
+does not fit."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from trainfit import estimate, load_model
 from trainfit.hardware import get_gpu
 from trainfit.planner.api import plan
-from trainfit.planner.space import candidates, saver_candidates
-from trainfit.strategy import LossImpl, MemorySavers, Sharding
+from trainfit.planner.rank import search_plans
+from trainfit.planner.space import (
+    TORCHTUNE_CHECKPOINTING,
+    TORCHTUNE_PRECISIONS,
+    Finetune,
+    candidates,
+    saver_candidates,
+)
+from trainfit.planner.speed import SpeedInputs, step_time_of
+from trainfit.strategy import LossImpl, MemorySavers, Sharding, Strategy
 
 
 def test_saver_variants_only_where_the_estimate_models_savers() -> None:
     spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-80gb")
-    space = candidates(spec, gpu, gpus=8, gpus_per_node=8, global_batch=16)
-    fused = [c for c in space if c.loss is LossImpl.FUSED_LINEAR]
-    assert fused and all(c.world == 1 and c.sharding is Sharding.NONE for c in fused)
-    assert len(fused) == len([c for c in space if c.world == 1 and c.sharding is Sharding.NONE]) // 2
-    assert saver_candidates(fused) == []  # no variant of a variant
+    space = candidates(spec, gpu, gpus=8, gpus_per_node=8, global_batch=16, allow=(Finetune.LORA,))
+    savers = [c for c in space if c.twin() != c]
+    assert savers and all(c.world == 1 and c.sharding is Sharding.NONE for c in savers)
+    base = [c for c in space if c.world == 1 and c.sharding is Sharding.NONE and c.twin() == c]
+    fused = [c for c in savers if c.loss is LossImpl.FUSED_LINEAR]
+    assert len(fused) == len(base)  # every one-GPU candidate, adapters included
+    torchtune = [c for c in base if c.finetune is Finetune.FULL and c.precision in TORCHTUNE_PRECISIONS
+                 and c.checkpointing in TORCHTUNE_CHECKPOINTING]  # fmt: skip
+    assert torchtune
+    for kind in (
+        lambda c: c.loss is LossImpl.CHUNKED,
+        lambda c: c.activation_offload,
+        lambda c: c.optimizer_in_backward,
+    ):
+        variants = [c for c in savers if kind(c)]
+        assert sorted(map(repr, (c.twin() for c in variants))) == sorted(map(repr, torchtune))
+    assert all(sum((c.loss is not LossImpl.STANDARD, c.activation_offload, c.optimizer_in_backward)) == 1
+               for c in savers)  # fmt: skip
+    assert saver_candidates(savers) == []  # no variant of a variant
+
+
+def test_optimizer_in_backward_is_searched_without_accumulation() -> None:
+    """torchtune refuses optimizer_in_bwd with gradient accumulation (and so does Strategy): its only micro-batch is
+    the whole per-GPU batch."""
+    from tests.planner.test_rank import _search
+
+    s = _search("llama-3.2-1b", "a100-sxm-80gb", 16, 1024)
+    opt = next(c for c in candidates(s.spec, s.gpu, gpus=1, gpus_per_node=8, global_batch=16)
+               if c.optimizer_in_backward)  # fmt: skip
+    assert s.micro_options(opt) == [16]
+    assert s.strategy(opt, 16).grad_accum == 1
+
+
+def _check(spec_slug: str, gpu: str, plans: list) -> None:  # type: ignore[type-arg]
+    """Each saver plan fits by the estimate and its twin (the same plan without the saver) does not."""
+    spec = load_model(spec_slug)
+    for p in plans:
+        again = estimate(spec, p.strategy, gpu=gpu, search_micro_batch=False, fixes=False)
+        assert again.fit is not None and again.fit.fits and again.fit.required_bytes == p.required_bytes
+        twin = dataclasses.replace(p.strategy, savers=MemorySavers())
+        standard = estimate(spec, twin, gpu=gpu, search_micro_batch=False, fixes=False)
+        assert standard.fit is not None and not standard.fit.fits
 
 
 def test_a_fused_linear_plan_is_there_only_because_its_standard_twin_does_not_fit() -> None:
     """The speed model prices the fused loss like the standard one (the same matmuls), so a plan keeps
     ``--loss fused-linear`` only where the estimate says the same plan with the standard loss does not fit."""
-    spec = load_model("llama-3.2-1b")
-    r = plan(spec, "rtx-4090", gpus=1, seq=4096, global_batch=16, top=5)
+    r = plan(load_model("llama-3.2-1b"), "rtx-4090", gpus=1, seq=4096, global_batch=16, top=5)
     fused = [p for p in r.plans if p.strategy.savers.loss is LossImpl.FUSED_LINEAR]
     assert fused, [p.changes for p in r.plans]
-    for p in fused:
-        assert "--loss fused-linear" in p.changes
-        again = estimate(spec, p.strategy, gpu="rtx-4090", search_micro_batch=False, fixes=False)
-        assert again.fit is not None and again.fit.fits
-        twin = dataclasses.replace(p.strategy, savers=MemorySavers())
-        standard = estimate(spec, twin, gpu="rtx-4090", search_micro_batch=False, fixes=False)
-        assert standard.fit is not None and not standard.fit.fits
+    assert all("--loss fused-linear" in p.changes for p in fused)
+    _check("llama-3.2-1b", "rtx-4090", fused)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "seq", "gb", "flag"),
+    [
+        ("a100-sxm-80gb", 8192, 1, "--optimizer-in-backward"),  # 8B: bf16 weights + 8-bit states, no gradients
+        ("h100-sxm-80gb", 2048, 2, "--activation-offload"),
+    ],
+)
+def test_torchtune_saver_plans_are_there_only_because_their_twin_does_not_fit(
+    gpu: str, seq: int, gb: int, flag: str
+) -> None:
+    spec = load_model("llama-3.1-8b")
+    r = search_plans(spec, get_gpu(gpu), gpus=1, seq_len=seq, global_batch=gb, top=5)
+    with_saver = [p for p in r.plans if flag in p.changes]
+    assert with_saver, [p.changes for p in r.plans]
+    for p in with_saver:
+        assert p.strategy.precision.value == "pure-bf16" and p.strategy.grad_accum * p.strategy.micro_batch == gb
+    _check("llama-3.1-8b", gpu, with_saver)
+
+
+def test_activation_offload_costs_the_pcie_traffic_its_passes_do_not_hide() -> None:
+    """torchtune's OffloadActivations streams: the saved bytes go down during the forward and come back during the
+    backward; what a pass does not hide is added. With a fast PCIe link nothing shows; with a slow one the step
+    grows by 2 × transfer − forward − backward per micro-step (closed form from the cited overlap)."""
+    spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
+    s = Strategy(precision="pure-bf16", seq_len=2048, micro_batch=2, grad_accum=2,
+                 savers=MemorySavers(activation_offload=True))  # fmt: skip
+    x = SpeedInputs.of(s, spec)
+    twin = dataclasses.replace(x, offload_activation_bytes=0)
+    base = step_time_of(spec, twin, gpu)
+    compute_micro = base.compute_seconds / 2
+    fast = dataclasses.replace(gpu, pcie_gbps=1e6)
+    assert step_time_of(spec, x, fast).step_seconds == pytest.approx(step_time_of(spec, twin, fast).step_seconds)
+    slow = dataclasses.replace(gpu, pcie_gbps=1.0)
+    transfer = x.offload_activation_bytes / 1e9
+    assert transfer > compute_micro  # the slow link cannot be hidden in either pass
+    added = step_time_of(spec, x, slow).step_seconds - step_time_of(spec, twin, slow).step_seconds
+    assert added == pytest.approx(2 * (2 * transfer - compute_micro))
+    # the bytes moved: every layer's saved tensors, the ones the estimate puts on the host and the in-flight two
+    rep = estimate(spec, s, gpu=gpu, search_micro_batch=False, fixes=False)
+    assert 0 < rep.host_peak_bytes < x.offload_activation_bytes
+    assert x.offload_activation_bytes - rep.host_peak_bytes < x.offload_activation_bytes / spec.num_layers * 2.5

@@ -10,7 +10,7 @@ import pytest
 from trainfit import Strategy, get_gpu, load_model
 from trainfit.arch.params import count_params
 from trainfit.arch.spec import ModelSpec
-from trainfit.planner.space import CHECKPOINTING, Finetune, candidates
+from trainfit.planner.space import CHECKPOINTING, Candidate, Finetune, candidates
 from trainfit.planner.speed import (
     HBM_EFFICIENCY,
     MATMUL_EFFICIENCY,
@@ -189,9 +189,32 @@ def test_candidate_speed_inputs_match_the_strategy() -> None:
     assert {c.finetune for c in sample} == set(Finetune)
     assert {c.checkpointing for c in sample} == set(CHECKPOINTING)
     for c in sample:
-        accum = 64 // c.data
-        s = c.strategy(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
-        assert SpeedInputs.of(s) == c.speed_inputs(micro_batch=1, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+        _same_inputs(spec, c, 64)
+
+
+def _same_inputs(spec: ModelSpec, c: Candidate, global_batch: int) -> None:
+    micro = global_batch // c.data if c.optimizer_in_backward else 1  # optimizer-in-backward: no accumulation
+    accum = global_batch // (c.data * micro)
+    s = c.strategy(micro_batch=micro, grad_accum=accum, seq_len=1024, gpus_per_node=8)
+    x = c.speed_inputs(micro_batch=micro, grad_accum=accum, seq_len=1024, gpus_per_node=8, spec=spec)
+    assert SpeedInputs.of(s, spec) == x
+
+
+def test_2d_and_saver_candidates_speed_inputs_match_the_strategy() -> None:
+    """2-D FSDP2 × TP (DTensor: the plan's ends and the vocabulary) and the one-GPU savers (activation offload: the
+    memory model's saved bytes) read the same inputs from the candidate as from its Strategy."""
+    spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
+    space = candidates(spec, gpu, gpus=16, gpus_per_node=8, global_batch=32)
+    two_d = [c for c in space if c.tensor > 1 and c.engine.value == "torch"]
+    savers = [c for c in space if c.twin() != c]
+    assert {c.loss.value for c in savers} == {"fused-linear", "chunked", "standard"}
+    assert any(c.activation_offload for c in savers) and any(c.optimizer_in_backward for c in savers)
+    rng = random.Random(5)
+    for c in rng.sample(two_d, 15) + rng.sample(savers, 25):
+        _same_inputs(spec, c, 32)
+    offload = next(c for c in savers if c.activation_offload)
+    x = offload.speed_inputs(micro_batch=2, grad_accum=16, seq_len=1024, gpus_per_node=8, spec=spec)
+    assert x.offload_activation_bytes > 0
 
 
 @pytest.mark.parametrize(

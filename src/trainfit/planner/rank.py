@@ -92,6 +92,11 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         out.append(f"--fp8 {strategy.float8.value}")
     if strategy.savers.loss != baseline.savers.loss:
         out.append(f"--loss {strategy.savers.loss.value}")
+    sv, bsv = strategy.savers, baseline.savers
+    if sv.activation_offload and not bsv.activation_offload:
+        out.append("--activation-offload")
+    if sv.optimizer_in_backward and not bsv.optimizer_in_backward:
+        out.append("--optimizer-in-backward")
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
         accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
         out.append(f"--batch {strategy.micro_batch}{accum}")
@@ -113,6 +118,8 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
             c.finetune is not Finetune.FULL,
             c.float8 != baseline.float8,
             c.loss != baseline.savers.loss,
+            c.activation_offload != baseline.savers.activation_offload,
+            c.optimizer_in_backward != baseline.savers.optimizer_in_backward,
         )
     )
 
@@ -220,6 +227,7 @@ class _Search:
             grad_accum=self.global_batch // (c.data * micro),
             seq_len=self.seq_len,
             gpus_per_node=self.gpn,
+            spec=self.spec,
         )
         return step_time_of(self.spec, x, self.gpu, network_gbps=self.network)
 
@@ -231,7 +239,9 @@ class _Search:
         return (t.step_seconds,)
 
     def micro_options(self, c: Candidate) -> list[int]:
-        return _divisors(self.global_batch // c.data)
+        """The micro-batches that hit the global batch; optimizer-in-backward only without accumulation."""
+        per_rank = self.global_batch // c.data
+        return [per_rank] if c.optimizer_in_backward else _divisors(per_rank)
 
     def plan(self, c: Candidate, micro: int, required: int) -> Plan:
         s = self.strategy(c, micro)
@@ -359,6 +369,9 @@ def search_plans(
             c.precision,
             c.checkpointing,
             c.finetune,
+            c.float8,
+            c.activation_offload,  # its PCIe traffic
+            c.optimizer_in_backward,  # its micro-batches (no accumulation)
         )
         if skey not in speed_cache:
             try:
@@ -378,6 +391,10 @@ def search_plans(
         if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
             continue  # a plan of this layout already reaches this candidate's best time: it could only tie
         plan, near = s.evaluate(c)
+        if plan is not None and c.twin() != c and s.fits(s.strategy(c.twin(), plan.strategy.micro_batch)):
+            # A saver is never faster than its twin at the same micro-batch: where the twin fits there, the
+            # twin's own plan is at least as good (the twin is a candidate of its own).
+            plan = None
         if plan is not None:
             found.append(plan)
             found.sort(key=lambda p: (s.key(p.gpus, p.speed), len(p.changes), -p.margin_bytes))

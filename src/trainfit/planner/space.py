@@ -41,7 +41,7 @@ from enum import StrEnum
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
-from trainfit.planner.speed import SpeedInputs
+from trainfit.planner.speed import SpeedInputs, offloaded_activation_bytes
 from trainfit.strategy import (
     FLOAT8_RECIPES,
     Adapter,
@@ -145,6 +145,8 @@ def float8_candidates(gpu: GPUSpec, base: list[Candidate]) -> list[Candidate]:
         and c.finetune is Finetune.FULL
         and c.precision.value in FLOAT8_RECIPES
         and c.checkpointing is not Checkpointing.SAC  # the estimate refuses --fp8 with sac
+        and c.savers.loss is not LossImpl.CHUNKED  # torchtune's savers: their export is torchtune's recipe
+        and not (c.activation_offload or c.optimizer_in_backward)
     ]
 
 
@@ -163,17 +165,41 @@ class Candidate:
     checkpointing: Checkpointing = Checkpointing.NONE
     finetune: Finetune = Finetune.FULL
     float8: Float8 = Float8.NONE
-    loss: LossImpl = LossImpl.STANDARD  # --loss fused-linear (:func:`saver_candidates`)
+    loss: LossImpl = LossImpl.STANDARD  # --loss fused-linear | chunked (:func:`saver_candidates`)
+    activation_offload: bool = False  # --activation-offload (torchtune)
+    optimizer_in_backward: bool = False  # --optimizer-in-backward (torchtune; accumulation 1 only)
 
     @property
     def data(self) -> int:
         return self.world // (self.tensor * self.pipeline)
 
-    def speed_inputs(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> SpeedInputs:
-        """What :func:`trainfit.planner.speed.step_time_of` reads — equal to ``SpeedInputs.of(self.strategy(...))``
-        (a test holds them together) without building and validating a Strategy."""
+    @property
+    def savers(self) -> MemorySavers:
+        return MemorySavers(
+            loss=self.loss,
+            activation_offload=self.activation_offload,
+            optimizer_in_backward=self.optimizer_in_backward,
+        )
+
+    def twin(self) -> Candidate:
+        """The same candidate without memory savers (what a saver must beat: :func:`saver_candidates`)."""
+        return replace(self, loss=LossImpl.STANDARD, activation_offload=False, optimizer_in_backward=False)
+
+    def speed_inputs(
+        self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int, spec: ModelSpec | None = None
+    ) -> SpeedInputs:
+        """What :func:`trainfit.planner.speed.step_time_of` reads — equal to ``SpeedInputs.of(self.strategy(...),
+        spec)`` (a test holds them together) without building and validating a Strategy, except under activation
+        offload, whose bytes are the memory model's (``spec`` is needed then, and for 2-D FSDP2 × TP)."""
         r = RECIPES[self.precision]
         adapter, base = self._finetune()
+        dtensor = self.tensor > 1 and self.engine is Engine.TORCH
+        if spec is None and (dtensor or self.activation_offload):
+            raise ValueError("Candidate.speed_inputs needs the model for activation offload or DTensor TP")
+        offloaded = 0
+        if self.activation_offload and spec is not None:
+            kw = {"micro_batch": micro_batch, "grad_accum": grad_accum, "seq_len": seq_len}
+            offloaded = offloaded_activation_bytes(spec, self.strategy(**kw, gpus_per_node=gpus_per_node))
         return SpeedInputs(
             data=self.data,
             tensor=self.tensor,
@@ -194,6 +220,9 @@ class Candidate:
             offload_optimizer=self.offload != "none",
             offload_parameters=self.offload == "optimizer+params",
             float8=self.float8 is not Float8.NONE,
+            dtensor_tp=dtensor,
+            vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
+            offload_activation_bytes=offloaded,
         )
 
     def _finetune(self) -> tuple[Adapter | None, BaseWeights]:
@@ -229,7 +258,7 @@ class Candidate:
             engine=EngineOptions(engine=self.engine),
             adapter=adapter,
             float8=self.float8,
-            savers=MemorySavers(loss=self.loss),
+            savers=self.savers,
             **fields,  # type: ignore[arg-type]
         )
 
@@ -295,6 +324,27 @@ def _tp_degrees(spec: ModelSpec, world: int, gpus_per_node: int) -> list[int]:
     return out
 
 
+def _fsdp_tp_degrees(spec: ModelSpec, world: int, gpus_per_node: int) -> list[int]:
+    """Tensor degrees of 2-D FSDP2 × DTensor TP on ``world`` GPUs: the Megatron degrees (within a node, dividing
+    the heads, k/v heads and MLP width) that the estimate's own check of the DTensor plan accepts
+    (:func:`trainfit.analytic.parallel.plan`: a dense untied Llama-style causal LM), data degree world / t."""
+    from trainfit.analytic.parallel import plan
+
+    out = []
+    for t in _tp_degrees(spec, world, gpus_per_node)[1:]:
+        probe = Strategy(
+            parallelism=Parallelism.for_gpus(world, tensor=t, sequence_parallel=True, gpus_per_node=gpus_per_node),
+            sharding=Sharding.FSDP,
+            engine=EngineOptions(engine=Engine.TORCH),
+        )
+        try:
+            plan(spec, probe)
+        except StrategyError:
+            continue
+        out.append(t)
+    return out
+
+
 def _layouts(spec: ModelSpec, world: int, gpus_per_node: int) -> list[tuple[int, int, Sharding, str, Engine]]:
     if world == 1:
         return [
@@ -313,6 +363,7 @@ def _layouts(spec: ModelSpec, world: int, gpus_per_node: int) -> list[tuple[int,
     ]
     if world > gpus_per_node and world % gpus_per_node == 0:
         out.append((1, 1, Sharding.HSDP, "none", Engine.AUTO))
+    out += [(t, 1, Sharding.FSDP, "none", Engine.TORCH) for t in _fsdp_tp_degrees(spec, world, gpus_per_node)]
     for t in _tp_degrees(spec, world, gpus_per_node):
         for p in (1, 2, 4, 8):
             if (t, p) == (1, 1) or p > spec.num_layers or world % (t * p):
@@ -363,16 +414,43 @@ def candidates(
     return out + (float8_candidates(gpu, out) if fp8 else [])
 
 
+#: The recipes and checkpointing modes torchtune's ``full_finetune_single_device`` runs: ``dtype: bf16`` (weights,
+#: gradients and AdamW states in bf16: trainfit's pure-bf16) or fp32, no autocast; ``enable_activation_checkpointing``
+#: checkpoints every layer (full) or none.
+TORCHTUNE_PRECISIONS = (Precision.PURE_BF16, Precision.FP32)
+TORCHTUNE_CHECKPOINTING = (Checkpointing.NONE, Checkpointing.FULL)
+
+
 def saver_candidates(base: list[Candidate]) -> list[Candidate]:
-    """The memory savers' variants of ``base``: Liger's fused linear cross-entropy (``--loss fused-linear``: no
-    full logits, ``TrainingArguments(use_liger_kernel=True)`` exports it) on one GPU without DeepSpeed — where the
-    estimate models the savers (many-GPU setups refuse them). Same FLOPs as the standard loss (Liger computes the
-    head's gradients chunk by chunk inside its forward: the same three matmuls), so the speed model prices it like
-    its twin; it wins only where it fits a larger micro-batch, or fits at all. Not searched: the chunked loss
-    (fused-linear needs less, and the Trainer has no switch for it), activation offloading and optimizer-in-backward
-    (torchtune features with no TrainingArguments switch; both are ``trainfit estimate`` flags)."""
-    return [
-        replace(c, loss=LossImpl.FUSED_LINEAR)
-        for c in base
-        if c.world == 1 and c.sharding is Sharding.NONE and c.loss is LossImpl.STANDARD
-    ]
+    """The memory savers' variants of ``base``, one saver each, on one GPU without DeepSpeed — where the estimate
+    models the savers (many-GPU setups refuse them):
+
+    - Liger's fused linear cross-entropy (``--loss fused-linear``: no full logits; exported as
+      ``TrainingArguments(use_liger_kernel=True)``). Same FLOPs as the standard loss (Liger computes the head's
+      gradients chunk by chunk inside its forward: the same three matmuls).
+    - torchtune's savers, under full fine-tuning on the recipes and checkpointing modes its single-device recipe runs
+      (:data:`TORCHTUNE_PRECISIONS`, :data:`TORCHTUNE_CHECKPOINTING`; exported as torchtune recipe overrides —
+      the HF Trainer has no switch for any of them): the chunked cross-entropy (``--loss chunked``,
+      ``CEWithChunkedOutputLoss``: the same FLOPs), activation offloading (``--activation-offload``,
+      ``enable_activation_offloading``: priced by its PCIe traffic not hidden behind compute) and
+      optimizer-in-backward (``--optimizer-in-backward``, ``optimizer_in_bwd``: the same optimizer work; only
+      with accumulation 1, which torchtune requires — :meth:`trainfit.planner.rank._Search.micro_options`).
+
+    A saver never makes a step faster than its twin (:meth:`Candidate.twin`) at the same micro-batch, so the search
+    keeps a saver's plan only where the twin does not fit at that micro-batch (``search_plans``)."""
+    out: list[Candidate] = []
+    for c in base:
+        if c.world != 1 or c.sharding is not Sharding.NONE or c.twin() != c:
+            continue
+        out.append(replace(c, loss=LossImpl.FUSED_LINEAR))
+        if (
+            c.finetune is Finetune.FULL
+            and c.precision in TORCHTUNE_PRECISIONS
+            and c.checkpointing in TORCHTUNE_CHECKPOINTING
+        ):
+            out += [
+                replace(c, loss=LossImpl.CHUNKED),
+                replace(c, activation_offload=True),
+                replace(c, optimizer_in_backward=True),
+            ]
+    return out

@@ -29,12 +29,19 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   across nodes once per step. Tensor parallelism all-reduces b·s·h activations twice in forward and twice
   in backward per layer, not overlapped (Narayanan et al. 2021 §3.2 / Shoeybi et al. 2019 §3); sequence
   parallelism moves the same bytes as all-gather + reduce-scatter (Korthikanti et al. 2022 §4.2.2).
+  DTensor tensor parallelism (``--engine torch``; 2-D FSDP2 × TP, torchtitan's ``parallelize_llama``: TP within
+  a node, FSDP2 over the data-parallel dimension — across nodes when data × tensor exceeds a node) adds its
+  plan's ends (:func:`_dtensor_ends`: the vocabulary-sharded embedding, the head's input and the all-gathered
+  logits); its FSDP2 collectives are the 1-D ones over the TP-local parameters (P/t per rank).
 - **Pipeline bubble**: (p − 1)/(v·m) of the ideal time for m micro-batches and v virtual stages (Narayanan
   et al. 2021, §2.2.1 and §2.2.2); GPipe has the same bubble (Huang et al. 2019).
 - **Offload**: each step moves the gradient shard to the host and the updated 16-bit weights back over PCIe
   and runs Adam on the CPU (:data:`HOST_ADAM_GBPS`); parameter offload also uploads each weight shard for the
   forward and the backward gather of every micro-step. Not overlapped (DeepSpeed's default, no delayed
-  parameter update; Ren et al. 2021 §4.2).
+  parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune ``OffloadActivations``) copies
+  the saved tensors down in forward and up in backward on a side stream: only what a pass does not hide counts
+  (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
+  same optimizer traffic as their twins: no term.
 
 What it does not model (stated in docs/speed.md): kernel-launch gaps, GEMM shape efficiency (small hidden
 sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
@@ -149,14 +156,22 @@ class SpeedInputs:
     offload_optimizer: bool = False
     offload_parameters: bool = False
     float8: bool = False  # --fp8: the converted block linears run at the fp8 peak (float8_rate)
+    dtensor_tp: bool = False  # DTensor TP (--engine torch): embedding/head collectives, the logits gather
+    vocab_size: int = 0  # the gathered logits' width (dtensor_tp)
+    offload_activation_bytes: int = 0  # --activation-offload: saved bytes copied to the host per micro-step
 
     @property
     def frozen_base(self) -> bool:
         return self.adapter is not None
 
     @classmethod
-    def of(cls, strategy: Strategy) -> SpeedInputs:
+    def of(cls, strategy: Strategy, spec: ModelSpec | None = None) -> SpeedInputs:
+        """The inputs of ``strategy``; ``spec`` is needed for ``--activation-offload`` (the bytes it moves) and
+        DTensor tensor parallelism (the vocabulary of the gathered logits)."""
         par, r = strategy.parallelism, strategy.recipe
+        dtensor = dtensor_tensor_parallel(strategy)
+        if spec is None and (dtensor or strategy.savers.activation_offload):
+            raise ValueError("SpeedInputs.of needs the model for activation offload or DTensor tensor parallelism")
         return cls(
             data=par.data,
             tensor=par.tensor,
@@ -178,7 +193,44 @@ class SpeedInputs:
             offload_optimizer=strategy.offload.optimizer_on_host,
             offload_parameters=strategy.offload.parameters_on_host,
             float8=strategy.float8.value != "none",
+            dtensor_tp=dtensor,
+            vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
+            offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
         )
+
+
+def dtensor_tensor_parallel(strategy: Strategy) -> bool:
+    """Tensor parallelism run by DTensor (``--engine torch``, or ``auto`` with ``--sharding fsdp``: 2-D FSDP2 × TP),
+    as :func:`trainfit.analytic.parallel.resolve_engine` decides for the memory estimate."""
+    from trainfit.analytic.parallel import resolve_engine
+    from trainfit.strategy import Engine
+
+    return strategy.parallelism.tensor > 1 and resolve_engine(strategy) is Engine.TORCH
+
+
+_OFFLOADED: Memo[int] = Memo(512)
+
+
+def offloaded_activation_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Bytes ``--activation-offload`` copies to the host per micro-step (and back in backward): every saved tensor
+    of the layers — the estimate's host bytes plus the one or two layers in flight it keeps on the GPU
+    (:func:`trainfit.analytic.savers.offloaded_bytes`: torchtune ``OffloadActivations`` copies each saved tensor
+    of at least ``min_offload_size`` bytes, the in-flight ones included) — or, under checkpointing, the
+    checkpoint inputs. Read from :func:`trainfit.analytic.model.step_inputs`, the memory estimate's own inputs:
+    0 without offloading."""
+    if not strategy.savers.activation_offload:
+        return 0
+
+    def build() -> int:
+        from trainfit.analytic.activations import effective_strategy
+        from trainfit.analytic.model import step_inputs
+
+        eff, _ = effective_strategy(spec, strategy)
+        q = step_inputs(spec, eff, keep_logits=False)
+        on_gpu = q.stack.all_layers_bytes if q.segments == 0 else q.kept_inputs
+        return q.host_activations + on_gpu
+
+    return _OFFLOADED.get((spec_key(spec), strategy), build)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -478,6 +530,38 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def _dtensor_ends(x: SpeedInputs, act: float) -> float:
+    """Bytes per micro-step each rank sends for the ends of DTensor's Llama plan (the plan
+    :mod:`trainfit.trace.tensor_parallel` traces and the memory estimate models, torchtitan's ``apply_tp``
+    without loss parallel), beyond the layers' collectives, ring algorithm:
+
+    - the vocabulary-sharded embedding (``RowwiseParallel(input_layouts=Replicate())``): its partial output is
+      all-reduced (2·(t−1)/t·act), or reduce-scattered with SP (forward) and its gradient all-gathered
+      (backward): the same bytes;
+    - the head's input (``ColwiseParallel``): with SP all-gathered in forward and its gradient reduce-scattered
+      in backward; without SP its partial gradient all-reduced: 2·(t−1)/t·act either way;
+    - the logits (``output_layouts=Replicate()``): all-gathered for the model's own loss, (t−1)/t·b·s·V in the
+      compute dtype; their gradient is sliced back locally (Replicate → Shard needs no collective).
+
+    Megatron's vocabulary-parallel cross-entropy needs no logits gather; its embedding and head collectives
+    (the first two terms) are not counted for it (two of its 4·L + 2 per micro-step)."""
+    t = x.tensor
+    logits = x.micro_batch * x.seq_len * x.vocab_size * x.compute_bits / 8
+    return 2 * 2 * _ring(t) * act + _ring(t) * logits
+
+
+def _activation_offload_exposed(transfer: float, compute_micro: float, recompute_micro: float) -> float:
+    """Seconds per micro-step that ``--activation-offload`` adds: torchtune ``OffloadActivations`` with
+    ``use_streams`` copies each saved tensor to pinned host memory on a side stream while the forward computes,
+    and prefetches the next layer's back while the backward computes
+    (torchtune/training/_activation_offloading.py): each direction costs the part of its PCIe transfer
+    (``transfer`` seconds) its pass does not hide — the forward is a third of the compute without recompute
+    (Kaplan et al. 2020: backward = 2 × forward), the backward the rest, recompute included."""
+    forward = (compute_micro - recompute_micro) / 3
+    backward = compute_micro - forward
+    return max(0.0, transfer - forward) + max(0.0, transfer - backward)
+
+
 def step_time(
     spec: ModelSpec,
     strategy: Strategy,
@@ -489,7 +573,7 @@ def step_time(
 
     Tokens per step = micro-batch × grad_accum × data degree × sequence length; with a pipeline the
     micro-batches per step are ``grad_accum`` (Megatron: global / (micro·dp))."""
-    return step_time_of(spec, SpeedInputs.of(strategy), gpu, network_gbps=network_gbps)
+    return step_time_of(spec, SpeedInputs.of(strategy, spec), gpu, network_gbps=network_gbps)
 
 
 def step_time_of(
@@ -569,6 +653,8 @@ def step_time_of(
     if t > 1:
         calls = 4 + rc.tp_collectives
         c = calls * layers_rank * 2 * _ring(t) * act / tp_bw * accum
+        if x.dtensor_tp:
+            c += _dtensor_ends(x, act) / tp_bw * accum
         comm += c
         exposed += c
     bubble = 0.0
@@ -583,6 +669,9 @@ def step_time_of(
         offload += shard_params * (gb + 2) / pcie + shard_params * HOST_ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBPS * 1e9)
     if x.offload_parameters:
         offload += accum * 2 * local_params / d * 2 / pcie
+    if x.offload_activation_bytes:
+        transfer = x.offload_activation_bytes / pcie
+        offload += accum * _activation_offload_exposed(transfer, compute_micro, recompute_time / accum)
     optimizer = 0.0
     if not x.offload_optimizer:
         stepped = local_trained if sh in (Sharding.NONE, Sharding.DDP) else local_trained / d
