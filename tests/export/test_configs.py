@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -193,25 +194,130 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
     assert str(tmp_path / "launch.sh") in out["exported"]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("TRAINFIT_TORCHRUN_TESTS") != "1",
-    reason="two torch+transformers processes take ~35 s on 2 cores: TRAINFIT_TORCHRUN_TESTS=1 runs it",
-)
-@pytest.mark.parametrize("fp8", ["none", "tensorwise"])
-def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
-    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 (with
-    ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel)."""
-    import dataclasses
-    import subprocess
-    import sys
+def _two_d(world: int = 16, tensor: int = 8, sp: bool = True) -> Strategy:
+    return Strategy(
+        precision="master-bf16",
+        micro_batch=2,
+        grad_accum=2,
+        checkpointing="full",
+        sharding="fsdp",
+        engine=EngineOptions(engine=Engine.TORCH),
+        parallelism=Parallelism.for_gpus(world, tensor=tensor, sequence_parallel=sp),
+    )
 
-    pytest.importorskip("torch")
-    if fp8 != "none":
-        pytest.importorskip("torchao.float8")
-    strategy = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8)  # type: ignore[arg-type]
-    write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
-    tiny = tmp_path / "tiny"
+
+def test_2d_plan_exports_a_tp_then_fsdp2_script() -> None:
+    """2-D FSDP2 × DTensor TP: train_fsdp2.py builds the ("dp", "tp") mesh, applies ``parallelize_module`` (the
+    estimate's Llama plan with SP) and only then ``fully_shard`` over the dp dimension; no Megatron arguments and no
+    accelerate config (neither carries DTensor TP), and NOTES.txt says so."""
+    import ast
+
+    ex = export_plan(load_model("llama-3.1-8b"), _two_d())
+    assert ex.script is not None and ex.megatron_args == () and ex.accelerate_config is None
+    assert (
+        ex.deepspeed_config is None and "train_fsdp2.py" in ex.launch and "--nnodes 2 --nproc-per-node 8" in ex.launch
+    )
+    tree = ast.parse(ex.script)
+    main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
+    nodes = sorted(
+        (n for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name | ast.Attribute)),
+        key=lambda n: (n.lineno, n.col_offset),
+    )  # source order
+    calls = [n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in nodes]  # type: ignore[union-attr]
+    order = [c for c in calls if c in ("init_device_mesh", "tensor_parallel", "fully_shard")]
+    assert order[:3] == ["init_device_mesh", "tensor_parallel", "fully_shard"], order
+    assert re.search(r"^TP = 8\b", ex.script, re.M) and 'kw["mesh"] = mesh["dp"]' in ex.script
+    from trainfit.trace.tensor_parallel import COLWISE, NORMS, ROWWISE  # the plan the trace runs
+
+    consts = {
+        n.targets[0].id: ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Tuple)
+    }
+    assert (consts["COLWISE"], consts["ROWWISE"], consts["NORMS"]) == (COLWISE, ROWWISE, NORMS)
+    assert any("2-D FSDP2" in n for n in ex.notes)
+    one_d = export_plan(load_model("llama-3.1-8b"), STRATEGIES["fsdp"])
+    assert one_d.script is not None and re.search(r"^TP = 1\b", one_d.script, re.M)
+    assert one_d.accelerate_config is not None
+
+
+def test_2d_script_without_sequence_parallel_is_refused() -> None:
+    from trainfit.errors import StrategyError
+
+    with pytest.raises(StrategyError, match="sequence-parallel"):
+        export_plan(load_model("llama-3.1-8b"), _two_d(sp=False))
+
+
+def _saver(**savers: Any) -> Strategy:
+    from trainfit.strategy import MemorySavers
+
+    micro, accum = (4, 1) if savers.get("optimizer_in_backward") else (2, 2)
+    return Strategy(precision="pure-bf16", optimizer="adamw-8bit", checkpointing="full", micro_batch=micro,
+                    grad_accum=accum, seq_len=4096, savers=MemorySavers(**savers))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("savers", "override"),
+    [
+        ({"loss": "chunked"}, "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss"),
+        ({"activation_offload": True}, "enable_activation_offloading=True"),
+        ({"optimizer_in_backward": True}, "optimizer_in_bwd=True"),
+    ],
+)
+def test_torchtune_savers_export_recipe_overrides(savers: dict[str, Any], override: str, tmp_path: Path) -> None:
+    """The savers the HF Trainer has no switch for are exported as torchtune ``full_finetune_single_device``
+    overrides (the keys of its *_full_single_device.yaml configs); NOTES.txt and the plan say the Trainer lacks them."""
+    s = _saver(**savers)
+    ex = export_plan(load_model("llama-3.1-8b"), s)
+    tune = ex.torchtune_overrides
+    assert override in tune and "dtype=bf16" in tune and "enable_activation_checkpointing=True" in tune
+    assert f"batch_size={s.micro_batch}" in tune and f"gradient_accumulation_steps={s.grad_accum}" in tune
+    assert "optimizer._component_=bitsandbytes.optim.AdamW8bit" in tune and "tokenizer.max_seq_len=4096" in tune
+    assert ex.launch.startswith("tune run full_finetune_single_device --config ")
+    assert any("no TrainingArguments switch" in n for n in ex.notes)
+    assert any("the HF Trainer has no switch" in n for n in ex.notes)
+    files = write_export(ex, tmp_path)
+    assert tmp_path / "torchtune_overrides.txt" in files
+    assert (tmp_path / "torchtune_overrides.txt").read_text().split() == list(tune)
+
+
+def test_torchtune_export_refuses_what_torchtune_does_not_run() -> None:
+    import dataclasses
+
+    from trainfit.errors import StrategyError
+
+    for change in ({"precision": "amp-bf16"}, {"checkpointing": "sac"}):
+        with pytest.raises(StrategyError, match="torchtune"):
+            export_plan(load_model("llama-3.1-8b"), dataclasses.replace(_saver(activation_offload=True), **change))
+    # the fused loss is the Trainer's (Liger): no torchtune file
+    from trainfit.strategy import MemorySavers
+
+    fused = dataclasses.replace(_saver(), savers=MemorySavers(loss="fused-linear"))
+    assert export_plan(load_model("llama-3.1-8b"), fused).torchtune_overrides == ()
+
+
+def test_plan_cli_says_the_trainer_lacks_the_top_plans_saver(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Llama 3.2 3B on one RTX 4090 at sequence 1024: bf16 weights and 8-bit states fit only without gradients
+    (optimizer-in-backward, accumulation 1); the plan says the HF Trainer has no switch for it and exports
+    torchtune's overrides."""
+    from tests.cli._cli_helper import run_cli
+
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--seq", "1024", "--global-batch", "1",
+                "--top", "1", "--export", str(tmp_path), "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert "--optimizer-in-backward" in out["plans"][0]["changes"]
+    assert any("HF Trainer has no switch" in n for n in out["top_plan_notes"])
+    assert "optimizer_in_bwd=True" in (tmp_path / "torchtune_overrides.txt").read_text()
+    text = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--seq", "1024", "--global-batch", "1",
+                   "--top", "1")  # fmt: skip
+    assert "note: --optimizer-in-backward" in text.out
+
+
+def _tiny_llama(folder: Path) -> Path:
+    tiny = folder / "tiny"
     tiny.mkdir()
     (tiny / "config.json").write_text(
         json.dumps(
@@ -228,9 +334,35 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
             }
         )
     )
+    return tiny
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("TRAINFIT_TORCHRUN_TESTS") != "1",
+    reason="2 or 4 torch+transformers processes take ~35 s on 2 cores: TRAINFIT_TORCHRUN_TESTS=1 runs it",
+)
+@pytest.mark.parametrize("fp8", ["none", "tensorwise", "2d"])
+def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
+    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 (with
+    ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel; ``2d``: 4 processes, FSDP2 over
+    2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's collectives run on gloo)."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    if fp8 == "tensorwise":
+        pytest.importorskip("torchao.float8")
+    if fp8 == "2d":
+        strategy, procs = _two_d(world=4, tensor=2), 4
+    else:
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8), 2  # type: ignore[arg-type]
+    write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
+    tiny = _tiny_llama(tmp_path)
     env = {**os.environ, "TRAINFIT_MODEL": str(tiny), "TRAINFIT_SEQ": "16", "TRAINFIT_STEPS": "2",
            "TRAINFIT_ACCUM": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
            str(tmp_path / "train_fsdp2.py")]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

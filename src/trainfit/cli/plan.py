@@ -33,7 +33,11 @@ def plan_cmd(
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
     export: Annotated[
         str | None,
-        typer.Option("--export", help="Write the top plan's configs here (TrainingArguments, accelerate, DeepSpeed)."),
+        typer.Option(
+            "--export",
+            help="Write the top plan's configs here (TrainingArguments, accelerate, DeepSpeed, train_fsdp2.py, "
+            "torchtune overrides).",
+        ),
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
@@ -51,6 +55,7 @@ def plan_cmd(
     from trainfit.arch import load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.export import export_plan, write_export
+    from trainfit.export.configs import hf_trainer_lacks
     from trainfit.planner.api import plan
     from trainfit.report.plan import plan_json, render_plan
 
@@ -74,10 +79,14 @@ def plan_cmd(
     written: tuple[Path, ...] = ()
     if export is not None and result.plans:
         written = write_export(export_plan(spec, result.plans[0].strategy), Path(export))
+    # savers only torchtune switches on: said for the top plan (the HF Trainer export cannot carry them)
+    notes = hf_trainer_lacks(result.plans[0].strategy) if result.plans else ()
     if json_out:
-        print_json(plan_json(result) | {"exported": [str(p) for p in written]})
+        print_json(plan_json(result) | {"exported": [str(p) for p in written], "top_plan_notes": list(notes)})
         return
     render_plan(stdout_console(), result)
+    for note in notes:
+        typer.echo(f"note: {note}")
     if export is not None and not result.plans:
         warn("nothing fits: no configuration exported")
     for path in written:

@@ -27,10 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from trainfit.arch.spec import ModelSpec
+from trainfit.errors import StrategyError
 from trainfit.export.fsdp2_script import fsdp2_script
 from trainfit.strategy import Checkpointing, Engine, LossImpl, Optimizer, Precision, Sharding, Strategy
 
-__all__ = ["LIGER_LOSS_ONLY", "Export", "export_files", "export_plan", "layer_class", "write_export"]
+__all__ = [
+    "LIGER_LOSS_ONLY",
+    "Export",
+    "export_files",
+    "export_plan",
+    "hf_trainer_lacks",
+    "layer_class",
+    "torchtune_overrides",
+    "write_export",
+]
 
 #: The decoder-layer class transformers defines, where it is not ``<Prefix>DecoderLayer`` of ``<Prefix>ForCausalLM``.
 _LAYER_CLASSES = {
@@ -62,6 +72,7 @@ class Export:
     launch: str  # the command that starts the job on one node (run it on each node with its --node-rank)
     script: str | None = None  # FSDP plans: train_fsdp2.py (trainfit.export.fsdp2_script)
     notes: tuple[str, ...]  # what the formats cannot express, and what the user must still do
+    torchtune_overrides: tuple[str, ...] = ()  # torchtune-only savers: `tune run` key=value overrides
 
 
 def layer_class(spec: ModelSpec) -> str:
@@ -165,12 +176,8 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
         args["liger_kernel_config"] = dict(LIGER_LOSS_ONLY)
         notes.append("--loss fused-linear: pip install liger-kernel (the Trainer applies only its fused linear "
                      "cross-entropy, per liger_kernel_config)")  # fmt: skip
-    elif strategy.savers.loss is LossImpl.CHUNKED:
-        notes.append("--loss chunked: torchtune's CEWithChunkedOutputLoss has no TrainingArguments switch")
-    for flag, on in (("--optimizer-in-backward", strategy.savers.optimizer_in_backward),
-                     ("--activation-offload", strategy.savers.activation_offload)):  # fmt: skip
-        if on:
-            notes.append(f"{flag}: a torchtune feature with no TrainingArguments switch")
+    for line in hf_trainer_lacks(strategy):
+        notes.append(line)
     if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
         # transformers ≥ 5: fsdp=True with everything in fsdp_config (the string form is deprecated, and FSDP2
         # takes no hybrid_shard there: HSDP is accelerate's ParallelismConfig, see the notes).
@@ -226,6 +233,76 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
     return args
 
 
+#: torchtune's single-device full fine-tuning recipe, and the config to start from (the user's model's).
+TORCHTUNE_RECIPE = "full_finetune_single_device"
+TORCHTUNE_CONFIG = '"${TORCHTUNE_CONFIG:?set TORCHTUNE_CONFIG, e.g. llama3_1/8B_full_single_device}"'
+
+#: The savers only torchtune switches on: flag → (what the HF Trainer lacks, the torchtune override).
+_TORCHTUNE_SAVERS = {
+    "--loss chunked": "torchtune's CEWithChunkedOutputLoss (loss._component_)",
+    "--activation-offload": "torchtune's OffloadActivations (enable_activation_offloading=True)",
+    "--optimizer-in-backward": "torchtune's per-parameter optimizer hooks (optimizer_in_bwd=True)",
+}
+
+
+def hf_trainer_lacks(strategy: Strategy) -> tuple[str, ...]:
+    """One line per memory saver of ``strategy`` that the HF Trainer has no switch for (torchtune has: the plan's
+    output and NOTES.txt say so)."""
+    return tuple(
+        f"{flag}: {what}; the HF Trainer has no switch for it (training_args.json leaves it out)"
+        for flag, what in _TORCHTUNE_SAVERS.items()
+        if any(n.startswith(flag) for n in strategy.savers.names())
+    )
+
+
+def torchtune_overrides(strategy: Strategy) -> tuple[str, ...]:
+    """``key=value`` overrides of torchtune's ``full_finetune_single_device`` config (recipes/configs/*/
+    *_full_single_device.yaml keys: ``batch_size``, ``gradient_accumulation_steps``, ``optimizer_in_bwd``,
+    ``enable_activation_checkpointing``, ``enable_activation_offloading``, ``dtype``, ``loss._component_``,
+    ``optimizer._component_``, ``tokenizer.max_seq_len``) for a one-GPU plan with a saver only torchtune has;
+    () otherwise. The recipe sets the model's output chunks from ``CEWithChunkedOutputLoss.num_output_chunks``."""
+    sv = strategy.savers
+    if not (sv.loss is LossImpl.CHUNKED or sv.activation_offload or sv.optimizer_in_backward):
+        return ()
+    if not strategy.parallelism.is_single_gpu or strategy.adapter is not None:
+        return ()
+    dtype = {Precision.PURE_BF16: "bf16", Precision.FP32: "fp32"}.get(strategy.precision)
+    if dtype is None:
+        raise StrategyError(
+            f"torchtune trains in bf16 or fp32 without autocast (dtype: bf16|fp32): {strategy.precision.value} has "
+            "no torchtune export; use --precision pure-bf16"
+        )
+    if strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL):
+        raise StrategyError(
+            f"torchtune checkpoints every layer or none (enable_activation_checkpointing): --checkpointing "
+            f"{strategy.checkpointing.value} has no torchtune export"
+        )
+    optimizer = {
+        Optimizer.ADAMW: "torch.optim.AdamW",
+        Optimizer.ADAMW_8BIT: "bitsandbytes.optim.AdamW8bit",
+    }.get(strategy.optimizer)
+    if optimizer is None:
+        raise StrategyError(f"--optimizer {strategy.optimizer.value} has no torchtune export")
+    if sv.loss is LossImpl.CHUNKED:
+        loss = [
+            "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
+            f"loss.num_output_chunks={sv.loss_chunks}",
+        ]
+    else:
+        loss = ["loss._component_=torch.nn.CrossEntropyLoss"]
+    return (
+        f"batch_size={strategy.micro_batch}",
+        f"gradient_accumulation_steps={strategy.grad_accum}",
+        f"optimizer_in_bwd={sv.optimizer_in_backward}",
+        f"enable_activation_checkpointing={strategy.checkpointing is Checkpointing.FULL}",
+        f"enable_activation_offloading={sv.activation_offload}",
+        f"dtype={dtype}",
+        f"optimizer._component_={optimizer}",
+        *loss,
+        f"tokenizer.max_seq_len={strategy.seq_len}",
+    )
+
+
 def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
     par = strategy.parallelism
     args = [
@@ -252,13 +329,30 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
 
 def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py") -> Export:
     """The engines' configurations for ``strategy`` (a plan's)."""
+    from trainfit.analytic.parallel import resolve_engine
+
     notes: list[str] = []
-    megatron = strategy.parallelism.tensor > 1 or strategy.parallelism.pipeline > 1
-    if strategy.engine.engine is Engine.MEGATRON:
-        megatron = True
+    engine = resolve_engine(strategy)
+    megatron = engine is Engine.MEGATRON
+    two_d = strategy.parallelism.tensor > 1 and engine is Engine.TORCH  # 2-D FSDP2 × DTensor TP
     ds = _deepspeed(strategy) if strategy.sharding.value.startswith("zero") and not megatron else None
-    acc = _accelerate(spec, strategy) if strategy.sharding is Sharding.FSDP else None
+    acc = _accelerate(spec, strategy) if strategy.sharding is Sharding.FSDP and not two_d else None
     targs = _training_arguments(spec, strategy, notes)
+    if two_d:
+        notes.append(
+            f"2-D FSDP2 × tensor parallel {strategy.parallelism.tensor}: run train_fsdp2.py (DTensor "
+            "parallelize_module, then fully_shard over the dp mesh dimension); training_args.json and accelerate "
+            "carry no tensor parallelism (accelerate's ParallelismConfig(dp_shard_size, tp_size) is not validated "
+            "by trainfit)"
+        )
+    tune = torchtune_overrides(strategy)
+    if tune:
+        notes.append(
+            "memory savers with no TrainingArguments switch ("
+            + ", ".join(n for n in strategy.savers.names() if not n.startswith("--loss fused"))
+            + "): training_args.json leaves them out; torchtune's full_finetune_single_device runs them with "
+            "torchtune_overrides.txt (launch.sh)"
+        )
     nodes, gpn = _nodes(strategy), min(strategy.world_size, strategy.parallelism.gpus_per_node)
     rdzv = " --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500" if nodes > 1 else ""
     code = None
@@ -271,6 +365,8 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
             + (" as train_fsdp2.py does" if code is not None else "")
         )
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
+    if tune:
+        launch = f"tune run {TORCHTUNE_RECIPE} --config {TORCHTUNE_CONFIG} " + " ".join(shlex.quote(a) for a in tune)
     if megatron:
         notes.append("tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt")
         launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} pretrain_gpt.py " + " ".join(
@@ -284,6 +380,7 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
         launch=launch,
         notes=tuple(notes),
         script=code,
+        torchtune_overrides=tune,
     )
 
 
@@ -300,6 +397,8 @@ def export_files(export: Export) -> dict[str, str]:
         files["megatron_args.txt"] = "\n".join(export.megatron_args) + "\n"
     if export.script is not None:
         files["train_fsdp2.py"] = export.script
+    if export.torchtune_overrides:
+        files["torchtune_overrides.txt"] = "\n".join(export.torchtune_overrides) + "\n"
     files["launch.sh"] = "#!/bin/sh\n" + export.launch + "\n"
     if export.notes:
         files["NOTES.txt"] = "\n".join(export.notes) + "\n"
