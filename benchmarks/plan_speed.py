@@ -19,7 +19,7 @@ from trainfit.arch import load_model
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.rank import search_plans
 from trainfit.planner.space import parse_allow
-from trainfit.planner.speed import SpeedInputs, step_time, step_time_of
+from trainfit.planner.speed import SpeedInputs, step_time_of
 from trainfit.strategy import Parallelism, Strategy
 
 SEARCHES = (
@@ -41,6 +41,8 @@ class Published:
     seq_len: int
     checkpointing: str
     tokens_per_second_per_gpu: float
+    float8: bool = False  # torchao Float8Linear (the speed model's fp8 rate; the estimate refuses it with TP)
+    sharding: str = "fsdp"
 
 
 TT = "torchtitan docs/performance.md"
@@ -105,6 +107,19 @@ PUBLISHED = (
         "full",
         109,
     ),
+    Published(
+        "Llama 3.1 70B, 256×H100, FSDP 32 × TP 8 (2-D), local batch 16, full AC, Float8 + compile",
+        "torchtitan docs/performance.md (benchmark commit 9dec370) Table 4, '2D' row (no AsyncTP)",
+        "llama-3.1-70b",
+        "torchtitan-h100",
+        256,
+        8,
+        16,
+        8192,
+        "full",
+        829,
+        float8=True,
+    ),
 )
 
 
@@ -123,17 +138,21 @@ def torchtitan_h100() -> tuple[GPUSpec, GPUSpec]:
 
 
 def predicted(p: Published) -> list[float]:
-    """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100)."""
+    """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100).
+    TP runs are torchtitan's 2-D FSDP2 × DTensor TP with sequence parallelism (``--engine torch``, what ``auto``
+    resolves FSDP + TP to); Float8 runs set the speed model's fp8 rate on the same inputs."""
     s = Strategy(
         precision="master-bf16",  # torchtitan: bf16 parameters for compute, fp32 reduce (FSDP2 mixed precision)
         micro_batch=p.micro_batch,
         seq_len=p.seq_len,
         checkpointing=p.checkpointing,
-        sharding="fsdp",
-        parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor),
+        sharding=p.sharding,
+        parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor, sequence_parallel=p.tensor > 1),
     )
+    spec = load_model(p.model)
+    x = dataclasses.replace(SpeedInputs.of(s, spec), float8=p.float8)
     gpus = torchtitan_h100() if p.gpu == "torchtitan-h100" else (get_gpu(p.gpu),)
-    return [step_time(load_model(p.model), s, g).tokens_per_second / p.gpus for g in gpus]
+    return [step_time_of(spec, x, g).tokens_per_second / p.gpus for g in gpus]
 
 
 #: torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1 (8 GPUs, FSDP, torch.compile on both sides):

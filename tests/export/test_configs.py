@@ -309,7 +309,7 @@ def test_plan_cli_says_the_trainer_lacks_the_top_plans_saver(
     assert r.code == 0, r.err
     out = json.loads(r.out)
     assert "--optimizer-in-backward" in out["plans"][0]["changes"]
-    assert any("HF Trainer has no switch" in n for n in out["top_plan_notes"])
+    assert any("HF Trainer has no switch" in n for n in out["plans"][0]["notes"])
     assert "optimizer_in_bwd=True" in (tmp_path / "torchtune_overrides.txt").read_text()
     text = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--seq", "1024", "--global-batch", "1",
                    "--top", "1")  # fmt: skip

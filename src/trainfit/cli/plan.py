@@ -82,7 +82,7 @@ def plan_cmd(
     # savers only torchtune switches on: said for the top plan (the HF Trainer export cannot carry them)
     notes = hf_trainer_lacks(result.plans[0].strategy) if result.plans else ()
     if json_out:
-        print_json(plan_json(result) | {"exported": [str(p) for p in written], "top_plan_notes": list(notes)})
+        print_json(plan_json(result) | {"exported": [str(p) for p in written]})  # each plan's "notes" say it
         return
     render_plan(stdout_console(), result)
     for note in notes:

@@ -12,7 +12,12 @@ Each mapping follows the engine's own documented keys:
 - DeepSpeed's ``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``)
   and its batch identity train_batch_size = micro × accumulation × data degree.
 - Megatron-LM: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
-  ``--use-distributed-optimizer``.
+  ``--use-distributed-optimizer`` (plans whose engine resolves to Megatron; 2-D FSDP2 × DTensor TP plans get
+  ``train_fsdp2.py`` with the TP plan instead, :mod:`trainfit.export.fsdp2_script`).
+- torchtune's ``full_finetune_single_device`` recipe overrides (``torchtune_overrides.txt``, ``tune run`` in
+  launch.sh) for the one-GPU savers only torchtune has: ``loss._component_=...CEWithChunkedOutputLoss``,
+  ``enable_activation_offloading``, ``optimizer_in_bwd`` (:func:`torchtune_overrides`; not validated:
+  torchtune is not installed here). The HF Trainer has no switch for them (:func:`hf_trainer_lacks`).
 
 Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
 ``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.

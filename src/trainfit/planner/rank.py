@@ -13,6 +13,10 @@ analytic model to it), and the best micro-batch among those that fit is kept. Wh
 candidate that comes closest (least memory above the usable bytes at micro-batch 1, by the estimate: the
 candidates a bound ruled out are estimated smallest bound first, until no bound can beat the best) is
 reported with what would make it fit.
+
+A memory saver never makes a step faster than the same plan without it (:meth:`~trainfit.planner.space.
+Candidate.twin`): a saver's plan is dropped when its twin fits at the same micro-batch (the twin, a candidate of
+its own, is then at least as good), so every saver a plan prints is one the plan needs.
 """
 
 from __future__ import annotations

@@ -18,7 +18,11 @@ bisects, since memory grows with it). What the space contains, and why:
 - **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
   CPU offload; Megatron tensor parallelism (with sequence parallelism) of degree 2, 4, 8 that divides the
   heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth, with
-  the distributed optimizer (ZeRO-1). Left out because another layout dominates them — the same
+  the distributed optimizer (ZeRO-1); 2-D FSDP2 × DTensor tensor parallelism (``--engine torch --tp N
+  --sharding fsdp`` with sequence parallelism, torchtitan's ``parallelize_llama``) of the same degrees where the
+  estimate's DTensor check accepts the model (:func:`_fsdp_tp_degrees`: dense, untied, Llama-style blocks), data
+  degree world / t. Per-op SAC is not generated with TP or PP (the estimate refuses it). Left out because
+  another layout dominates them — the same
   communication volume (the speed model cannot tell them apart) and no more memory: ZeRO-1 without tensor or
   pipeline parallelism (ZeRO-2 reduce-scatters what ZeRO-1 all-reduces; Rajbhandari et al. 2020 §5) and
   Megatron without the distributed optimizer.
@@ -26,7 +30,10 @@ bisects, since memory grows with it). What the space contains, and why:
   no framework runs, and such candidates are dropped.
 - **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
   (using fewer GPUs is a plan too; nested for powers of two, so more GPUs never make the best plan worse).
-- **Memory savers**: Liger's fused linear cross-entropy on one GPU (:func:`saver_candidates`).
+- **Memory savers** (one GPU, one saver per variant, :func:`saver_candidates`): Liger's fused linear
+  cross-entropy; torchtune's chunked loss, activation offloading and optimizer-in-backward (accumulation 1) on
+  the recipes torchtune runs. A saver's plan is kept only where its twin without it does not fit at the same
+  micro-batch (:mod:`trainfit.planner.rank`).
 - **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them, on
   one GPU or data parallel (DDP, FSDP2/HSDP, ZeRO; what the estimate refuses — QLoRA with ZeRO — drops out),
   not with tensor/pipeline parallelism or offload. Their exports are the Trainer's (with PEFT), not the
@@ -396,6 +403,8 @@ def candidates(
                 for prec in native_precisions(gpu):
                     for opt in _optimizers(ft):
                         for ck in CHECKPOINTING:
+                            if ck is Checkpointing.SAC and (t > 1 or p > 1):
+                                continue  # the estimate refuses sac with TP/PP (analytic.parallel.plan): no need to ask
                             out.append(
                                 Candidate(
                                     world=world,

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from trainfit.export.configs import hf_trainer_lacks
 from trainfit.planner.rank import Plan, PlanResult
 from trainfit.report.json import strategy_json
 from trainfit.units import fmt_gib
@@ -34,6 +35,7 @@ def _plan_json(p: Plan) -> dict[str, Any]:
         "exposed_comm_seconds": sp.exposed_comm_seconds,
         "bubble_seconds": sp.bubble_seconds,
         "offload_seconds": sp.offload_seconds,
+        "notes": list(hf_trainer_lacks(p.strategy)),  # savers the HF Trainer export cannot carry (torchtune's)
     }
 
 
