@@ -120,3 +120,20 @@ def test_activation_offload_costs_the_pcie_traffic_its_passes_do_not_hide() -> N
     rep = estimate(spec, s, gpu=gpu, search_micro_batch=False, fixes=False)
     assert 0 < rep.host_peak_bytes < x.offload_activation_bytes
     assert x.offload_activation_bytes - rep.host_peak_bytes < x.offload_activation_bytes / spec.num_layers * 2.5
+
+
+def test_a_saver_plan_is_the_estimate_of_its_printed_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 3.2 3B on one RTX 4090, sequence 1024, one sequence per step: the top plan steps the optimizer in
+    backward; `trainfit estimate` with the plan's flags gives its per-GPU requirement."""
+    import json
+
+    from tests.cli._cli_helper import run_cli
+
+    r = search_plans(load_model("llama-3.2-3b"), get_gpu("rtx-4090"), gpus=1, seq_len=1024, global_batch=1, top=1)
+    p = r.plans[0]
+    assert "--optimizer-in-backward" in p.changes, p.changes
+    flags = [f for change in p.changes for f in change.split()]
+    res = run_cli(capsys, "estimate", "llama-3.2-3b", "--gpu", "rtx-4090", "--seq", "1024", *flags, "--json")
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert out["required_bytes"] == p.required_bytes and out["fits"]
