@@ -50,7 +50,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from trainfit.analytic.activations import Widths, residual_bits
+from trainfit.analytic.activations import SavedTerm, TermRole, Widths, layer_terms, model_terms, residual_bits
+from trainfit.analytic.float8 import block_linears, converted_weight_names
+from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.strategy import LossImpl, Strategy
@@ -131,10 +133,64 @@ def fused_linear_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return norm_out_width(spec, Widths.of(strategy)) * strategy.tokens_per_micro_batch * spec.hidden_size
 
 
-def offloaded_bytes(all_layers_bytes: int, max_layer_bytes: int, num_layers: int) -> tuple[int, int]:
-    """(on the GPU, on the host) of the layers' saved tensors under activation offloading — module docstring."""
-    on_gpu = min(num_layers, OFFLOAD_LAYERS_ON_GPU) * max_layer_bytes
-    return min(all_layers_bytes, on_gpu), max(0, all_layers_bytes - on_gpu)
+def checkpoint_inputs_on_gpu(kept_inputs: int, input_bytes: int, segments: int) -> int:
+    """Checkpoint inputs on the GPU under offloading with checkpointing: two (the backward's unpacked copy of the
+    segment being recomputed and the previous one's, freed after the next unpacking node) — module docstring."""
+    return min(kept_inputs, min(segments, OFFLOAD_LAYERS_ON_GPU) * input_bytes)
+
+
+def _offloaded(pieces: tuple[int, ...]) -> int:
+    """The bytes of a term's tensors that torchtune offloads (``num_bytes >= min_offload_size``)."""
+    return sum(p for p in pieces if p >= MIN_OFFLOAD_BYTES)
+
+
+def _per_save(terms: list[SavedTerm]) -> int:
+    """Offloaded bytes of ``terms`` once per save (``SavedTerm.saves``): torchtune's pack copies every save."""
+    return sum(x.saves * _offloaded(x.tensors()) for x in terms)
+
+
+def offload_model_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Host bytes of the saves outside the layer stack: the embedding's (its int64 ids, 8·t, once t ≥ 128) and the
+    final norm's, once per save (HF RMSNorm: the fp32 input and rsqrt twice each). The LM head's input stays on the
+    GPU (``NoOpManager`` on the output layer); RoPE's tables are saved by the layers."""
+    mt = [x for x in model_terms(spec, strategy) if x.name != "rope.cos_sin"]
+    return _per_save([x for x in mt if x.role in (TermRole.EMBEDDING, TermRole.HEAD)])
+
+
+def offload_layer_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Host bytes of the layer stack without checkpointing, beyond each saved storage counted once
+    (``all_layers_bytes``): the extra saves of one storage (a normed input read by q, k and v is copied three times,
+    RMSNorm's fp32 input and rsqrt twice, SDPA's output again by o_proj); every matmul weight, whose transposed view
+    ``weight.t()`` is what ``mm`` saves — a view is no ``nn.Parameter``, so torchtune's check lets it through (under
+    autocast the 16-bit cast is saved) — at the compute width; and RoPE's cos and sin, saved by the q and k products
+    of every layer (two tables' worth per layer)."""
+    w = Widths.of(strategy)
+    extra = 0
+    for g in inventory(spec).layers:
+        terms = layer_terms(spec, strategy, moe=g.kind == "moe")
+        repeats = sum((x.saves - 1) * _offloaded(x.tensors()) for x in terms)
+        fp8 = converted_weight_names(spec, strategy)
+        weights = sum(t.numel for t in g.tensors if t.matmul and t.name not in fp8) * w.compute
+        extra += g.count * (repeats + weights)
+    rope = next((x.bytes for x in model_terms(spec, strategy) if x.name == "rope.cos_sin"), 0)
+    return extra + spec.num_layers * 2 * rope
+
+
+def offload_in_flight_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Inside a layer's backward without checkpointing: the unpacked device copies of the autograd node running
+    and of the previous one (torchtune's ``bwd_tensor_stash``: a node's copies are freed in the post-hook of the
+    next node that unpacks). Bounded by twice the largest linear's node — its input and its weight's view, both at
+    the compute width: 2·a·k·(t + n) for a k→n linear."""
+    a = strategy.recipe.compute_bits // 8
+    t = strategy.tokens_per_micro_batch
+    nodes = [x.in_features * (t + x.out_features) for x in block_linears(spec)]
+    return 2 * a * max(nodes, default=0)
+
+
+def offload_embedding_kept_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """The embedding's saves that stay on the GPU: tensors under 1 KiB (int64 ids of fewer than 128 tokens)."""
+    emb = [x for x in model_terms(spec, strategy) if x.role is TermRole.EMBEDDING and x.name != "rope.cos_sin"]
+    return sum(p for x in emb for p in x.tensors() if p < MIN_OFFLOAD_BYTES)
 
 
 def checkpoint_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
