@@ -104,24 +104,35 @@ def test_fused_linear_loss_analytic_agrees_with_the_trace(precision: str, ckpt: 
 OFFLOAD_LLAMA = dict(LIGER_LLAMA, vocab_size=1024)
 
 
-@pytest.mark.parametrize("precision", ["pure-bf16", "amp-bf16"])
-def test_activation_offload_traced_with_checkpointing_agrees_on_the_device(precision: str) -> None:
-    """torchtune's OffloadActivations emulated (trace/savers.py) under full checkpointing — the setup torchtune's
-    recipes pair it with — against the closed form on the device: every phase within 1%. The host side is larger
-    in the trace (torchtune copies a tensor once per save, the embedding's and final norm's saves too; the analytic
-    counts each layer's checkpoint input once): docs/accuracy.md."""
+@pytest.mark.parametrize(
+    ("precision", "ckpt", "attention"),
+    [
+        ("pure-bf16", "full", "sdpa"),
+        ("amp-bf16", "full", "sdpa"),
+        ("pure-bf16", "none", "sdpa"),
+        ("amp-bf16", "none", "eager"),
+        pytest.param("amp-bf16", "none", "sdpa", marks=pytest.mark.slow),
+        pytest.param("pure-bf16", "none", "eager", marks=pytest.mark.slow),
+    ],
+)
+def test_activation_offload_analytic_agrees_with_the_trace(precision: str, ckpt: str, attention: str) -> None:
+    """torchtune's OffloadActivations emulated (trace/savers.py) against the closed form: the device within 2% of
+    every phase (tiny configs: the forward keeps the final norm's saves, the backward two nodes' unpacked copies),
+    and the host bytes within 0.1% (once per save, weight views, RoPE tables, ids and final norm included)."""
     spec = spec_from_config(OFFLOAD_LLAMA, name="small-llama", source="test")
     s = Strategy(  # type: ignore[arg-type]
         precision=precision,
-        checkpointing="full",
+        checkpointing=ckpt,
+        attention=attention,
         micro_batch=2,
         seq_len=128,
         savers=MemorySavers(activation_offload=True),
     )
     ra = estimate(spec, s, simulate_allocator=False)
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
-    _within(ra, rt, 0.01)
-    assert rt.phases[0].host_bytes >= ra.phases[0].host_bytes > 0
+    _within(ra, rt, 0.02)
+    host = rt.phases[0].host_bytes
+    assert host > 0 and abs(ra.phases[0].host_bytes - host) <= 0.001 * host
 
 
 @pytest.mark.parametrize("ckpt", ["none", "full"])
