@@ -133,9 +133,13 @@ SAVER_MODELS = ("llama-3.2-1b", "qwen2.5-0.5b")
 SAVER_CASES = (
     ("selective (flash)", "amp-bf16", "selective", "sdpa", MemorySavers()),
     ("selective (eager)", "pure-bf16", "selective", "eager", MemorySavers()),
+    ("selective (eager)", "amp-bf16", "selective", "eager", MemorySavers()),
     ("fused-linear", "pure-bf16", "none", "sdpa", MemorySavers(loss="fused-linear")),
     ("fused-linear", "amp-bf16", "full", "sdpa", MemorySavers(loss="fused-linear")),
     ("activation offload", "pure-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
+    ("activation offload", "amp-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
+    ("activation offload", "pure-bf16", "none", "sdpa", MemorySavers(activation_offload=True)),
+    ("activation offload (eager)", "amp-bf16", "none", "eager", MemorySavers(activation_offload=True)),
 )
 
 
