@@ -205,9 +205,12 @@ def test_activation_offload_without_checkpointing_counted_by_hand() -> None:
         2 * rms
         + 3 * 2 * t * h  # q, k, v each save the normed input
         + 4 * 2 * t * hd  # q*cos, rot(q)*sin, k*cos, rot(k)*sin (1, 1, s, hd tables)
-        + 2 * t * (qd + 2 * kvd) + 2 * t * qd + 4 * 32 * t  # SDPA: q, k, v, out, fp32 logsumexp
+        + 2 * t * (qd + 2 * kvd)
+        + 2 * t * qd
+        + 4 * 32 * t  # SDPA: q, k, v, out, fp32 logsumexp
         + 2 * t * qd  # o_proj's input
-        + 2 * 2 * t * h + 4 * 2 * t * i  # gate/up inputs; gate, silu(gate), up, product (down's input)
+        + 2 * 2 * t * h
+        + 4 * 2 * t * i  # gate/up inputs; gate, silu(gate), up, product (down's input)
         + 2 * (h * qd + 2 * h * kvd + qd * h + 3 * h * i)  # every weight's transposed view
     )
     host = L * layer + 8 * t + rms  # + the int64 ids and the final norm
