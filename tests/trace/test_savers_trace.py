@@ -29,15 +29,16 @@ def _within(ra: object, rt: object, tol: float, phases: int = 3) -> None:
 
 
 # (family, precision, attention, tolerance) of the forward and backward: SDPA within 1.2%; eager's recomputed
-# score chain within 3.5% (autocast: the analytic is low in the backward, docs/accuracy.md)
+# score chain within 2% (the backward within 0.01% since the checkpointed cores keep the mask: docs/accuracy.md)
 SELECTIVE = [
     ("llama", "amp-bf16", "sdpa", 0.012),
     ("qwen2", "pure-bf16", "sdpa", 0.012),
     ("gpt2", "amp-bf16", "sdpa", 0.012),
     ("mixtral", "pure-bf16", "sdpa", 0.012),
-    ("llama", "pure-bf16", "eager", 0.025),
-    ("gemma2", "pure-bf16", "eager", 0.03),
-    ("llama", "amp-bf16", "eager", 0.035),
+    ("llama", "pure-bf16", "eager", 0.015),
+    ("gemma2", "pure-bf16", "eager", 0.015),
+    ("llama", "amp-bf16", "eager", 0.015),
+    pytest.param("gemma2", "amp-bf16", "eager", 0.02, marks=pytest.mark.slow),
 ]
 
 
