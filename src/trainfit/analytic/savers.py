@@ -26,12 +26,15 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   at most one parameter's gradient is alive at any time; the optimizer-step phase holds no gradients at all.
   Gradient accumulation is refused (torchtune refuses it: the gradients are gone before the next micro-step).
 * **Activation offloading** (torchtune ``torchtune/training/_activation_offloading.py`` ``OffloadActivations``: a
-  ``saved_tensors_hooks`` pair copies every saved tensor of ≥ 1024 bytes to pinned host memory; with streams the
-  forward keeps a tensor until its copy is done and the backward prefetches the next layer's). On the GPU: two
-  layers' saved tensors (or two checkpoint inputs under checkpointing) — the one in flight and the one being
-  copied or prefetched; on the host: every layer's (``PhaseBreakdown.host_components``). torchtune keeps the
-  output projection's tensors on the GPU (``NoOpManager``), so the head and the logits stay; autocast's cached
-  weight copies are counted on the GPU as before.
+  ``saved_tensors_hooks`` pair copies every saved tensor of ≥ 1024 bytes that is not an ``nn.Parameter`` instance
+  to pinned host memory; with streams the forward keeps a tensor until a pack 5 ids later, the backward frees an
+  unpacked copy after the next unpacking node). Host: one copy per *save* (``SavedTerm.saves``), matmul weights
+  included — ``mm`` saves ``weight.t()``, a view, which the isinstance test lets through — with RoPE's tables per
+  layer, the ids and the final norm. GPU without checkpointing: the stash at the forward's end is the final norm's
+  saves, the layers keep nothing, autocast's layer copies die with the forward, a layer's backward holds two nodes'
+  unpacked copies (bounded by twice the largest linear's input and weight). With checkpointing: two checkpoint
+  inputs. torchtune keeps the output projection's tensors on the GPU (``NoOpManager``), so the head and the logits
+  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -62,8 +65,8 @@ if TYPE_CHECKING:
 
 #: torchtune OffloadActivations ``min_offload_size``: smaller saved tensors stay on the GPU.
 MIN_OFFLOAD_BYTES = 1024
-#: Layers (or checkpoint inputs) an offloading run holds on the GPU: the one in flight and the one being copied
-#: to the host in the forward, or prefetched back in the backward (OffloadActivations with ``use_streams``).
+#: Checkpoint inputs an offloading run holds on the GPU in backward: the unpacked copy of the segment being
+#: recomputed and the previous one's, freed after the next unpacking node (OffloadActivations with ``use_streams``).
 OFFLOAD_LAYERS_ON_GPU = 2
 
 
@@ -227,8 +230,9 @@ def saver_notes(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
         )
     if sv.activation_offload:
         out.append(
-            f"activation offloading (torchtune OffloadActivations): {OFFLOAD_LAYERS_ON_GPU} layers' saved tensors "
-            "(or checkpoint inputs) on the GPU, the rest in pinned host memory (host bytes per phase)"
+            "activation offloading (torchtune OffloadActivations): saved tensors of >= 1 KiB (weight views too) "
+            f"copied to pinned host memory once per save (host bytes per phase); {OFFLOAD_LAYERS_ON_GPU} checkpoint "
+            "inputs, or the final norm's saves and two autograd nodes' copies, stay on the GPU"
         )
     if sv.paged_optimizer:
         out.append(
