@@ -136,6 +136,12 @@ def fused_linear_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return norm_out_width(spec, Widths.of(strategy)) * strategy.tokens_per_micro_batch * spec.hidden_size
 
 
+#: Families whose projections are transformers' ``Conv1D`` (transformers/pytorch_utils.py ``Conv1D.forward``:
+#: ``torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)``): ``addmm`` saves the weight itself, an
+#: ``nn.Parameter``, which OffloadActivations leaves on the GPU — where an ``nn.Linear`` saves ``weight.t()``.
+CONV1D_MODEL_TYPES = frozenset({"gpt2"})
+
+
 def checkpoint_inputs_on_gpu(kept_inputs: int, input_bytes: int, segments: int) -> int:
     """Checkpoint inputs on the GPU under offloading with checkpointing: two (the backward's unpacked copy of the
     segment being recomputed and the previous one's, freed after the next unpacking node) — module docstring."""
@@ -165,8 +171,10 @@ def offload_layer_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     (``all_layers_bytes``): the extra saves of one storage (a normed input read by q, k and v is copied three times,
     RMSNorm's fp32 input and rsqrt twice, SDPA's output again by o_proj); every matmul weight, whose transposed view
     ``weight.t()`` is what ``mm`` saves — a view is no ``nn.Parameter``, so torchtune's check lets it through (under
-    autocast the 16-bit cast is saved) — at the compute width; and RoPE's cos and sin, saved by the q and k products
-    of every layer (two tables' worth per layer)."""
+    autocast the 16-bit cast is saved; not GPT-2's ``Conv1D``, :data:`CONV1D_MODEL_TYPES`) — at the compute width;
+    and RoPE's cos and sin, saved by the q and k products of every layer (two tables' worth per layer). Checked
+    save by save against the trace for Llama, Qwen2 and Gemma-2; GPT-2 and Mixtral's MoE layers are not followed
+    save by save (docs/accuracy.md)."""
     w = Widths.of(strategy)
     extra = 0
     for g in inventory(spec).layers:
@@ -174,6 +182,8 @@ def offload_layer_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         repeats = sum((x.saves - 1) * _offloaded(x.tensors()) for x in terms)
         fp8 = converted_weight_names(spec, strategy)
         weights = sum(t.numel for t in g.tensors if t.matmul and t.name not in fp8) * w.compute
+        if spec.model_type in CONV1D_MODEL_TYPES and not w.amp:
+            weights = 0  # addmm saves the Parameter itself: not offloaded (under autocast its cast is)
         extra += g.count * (repeats + weights)
     rope = next((x.bytes for x in model_terms(spec, strategy) if x.name == "rope.cos_sin"), 0)
     return extra + spec.num_layers * 2 * rope
