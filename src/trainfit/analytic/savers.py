@@ -173,17 +173,21 @@ def offload_layer_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     ``weight.t()`` is what ``mm`` saves — a view is no ``nn.Parameter``, so torchtune's check lets it through (under
     autocast the 16-bit cast is saved; not GPT-2's ``Conv1D``, :data:`CONV1D_MODEL_TYPES`) — at the compute width;
     and RoPE's cos and sin, saved by the q and k products of every layer (two tables' worth per layer). Checked
-    save by save against the trace for Llama, Qwen2 and Gemma-2; GPT-2 and Mixtral's MoE layers are not followed
-    save by save (docs/accuracy.md)."""
+    save by save against the trace for Llama, Qwen2, Gemma-2 and Mixtral; GPT-2 is not followed save by save
+    (docs/accuracy.md)."""
     w = Widths.of(strategy)
+    expert_width = strategy.recipe.weight_bits // 8
     extra = 0
     for g in inventory(spec).layers:
         terms = layer_terms(spec, strategy, moe=g.kind == "moe")
         repeats = sum((x.saves - 1) * _offloaded(x.tensors()) for x in terms)
         fp8 = converted_weight_names(spec, strategy)
-        weights = sum(t.numel for t in g.tensors if t.matmul and t.name not in fp8) * w.compute
+        sizes = [t.numel * w.compute for t in g.tensors if t.matmul and t.name not in fp8]
         if spec.model_type in CONV1D_MODEL_TYPES and not w.amp:
-            weights = 0  # addmm saves the Parameter itself: not offloaded (under autocast its cast is)
+            sizes = []  # addmm saves the Parameter itself: not offloaded (under autocast its cast is)
+        # MoE experts (grouped_mm, no autocast kernel: the weight dtype) save views of the stacked weights.
+        sizes += [t.numel * expert_width for t in g.tensors if ".experts." in t.name and len(t.shape) == 3]
+        weights = sum(x for x in sizes if x >= MIN_OFFLOAD_BYTES)
         extra += g.count * (repeats + weights)
     rope = next((x.bytes for x in model_terms(spec, strategy) if x.name == "rope.cos_sin"), 0)
     return extra + spec.num_layers * 2 * rope
