@@ -133,9 +133,13 @@ SAVER_MODELS = ("llama-3.2-1b", "qwen2.5-0.5b")
 SAVER_CASES = (
     ("selective (flash)", "amp-bf16", "selective", "sdpa", MemorySavers()),
     ("selective (eager)", "pure-bf16", "selective", "eager", MemorySavers()),
+    ("selective (eager)", "amp-bf16", "selective", "eager", MemorySavers()),
     ("fused-linear", "pure-bf16", "none", "sdpa", MemorySavers(loss="fused-linear")),
     ("fused-linear", "amp-bf16", "full", "sdpa", MemorySavers(loss="fused-linear")),
     ("activation offload", "pure-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
+    ("activation offload", "amp-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
+    ("activation offload", "pure-bf16", "none", "sdpa", MemorySavers(activation_offload=True)),
+    ("activation offload (eager)", "amp-bf16", "none", "eager", MemorySavers(activation_offload=True)),
 )
 
 
@@ -156,7 +160,10 @@ def saver_rows() -> list[str]:
             savers=savers,
         )
         t0 = time.perf_counter()
-        ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+        # Allocated bytes only: the trace's allocator replay (trace/events.py stitch_events) fails on
+        # qwen2.5-0.5b with offloading and no checkpointing (IndexError), and the savers change no reserve.
+        ra = estimate(spec, s, simulate_allocator=False)
+        rt = estimate(spec, s, method="trace", simulate_allocator=False)
         host = f"{ra.phases[0].host_bytes / GIB:.2f} / {rt.phases[0].host_bytes / GIB:.2f}" if savers.any else "-"
         out.append(
             f"| {name} | {label} | {precision} | {ckpt} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "

@@ -29,15 +29,16 @@ def _within(ra: object, rt: object, tol: float, phases: int = 3) -> None:
 
 
 # (family, precision, attention, tolerance) of the forward and backward: SDPA within 1.2%; eager's recomputed
-# score chain within 3.5% (autocast: the analytic is low in the backward, docs/accuracy.md)
+# score chain within 2% (the backward within 0.01% since the checkpointed cores keep the mask: docs/accuracy.md)
 SELECTIVE = [
     ("llama", "amp-bf16", "sdpa", 0.012),
     ("qwen2", "pure-bf16", "sdpa", 0.012),
     ("gpt2", "amp-bf16", "sdpa", 0.012),
     ("mixtral", "pure-bf16", "sdpa", 0.012),
-    ("llama", "pure-bf16", "eager", 0.025),
-    ("gemma2", "pure-bf16", "eager", 0.03),
-    ("llama", "amp-bf16", "eager", 0.035),
+    ("llama", "pure-bf16", "eager", 0.015),
+    ("gemma2", "pure-bf16", "eager", 0.015),
+    ("llama", "amp-bf16", "eager", 0.015),
+    pytest.param("gemma2", "amp-bf16", "eager", 0.02, marks=pytest.mark.slow),
 ]
 
 
@@ -104,24 +105,35 @@ def test_fused_linear_loss_analytic_agrees_with_the_trace(precision: str, ckpt: 
 OFFLOAD_LLAMA = dict(LIGER_LLAMA, vocab_size=1024)
 
 
-@pytest.mark.parametrize("precision", ["pure-bf16", "amp-bf16"])
-def test_activation_offload_traced_with_checkpointing_agrees_on_the_device(precision: str) -> None:
-    """torchtune's OffloadActivations emulated (trace/savers.py) under full checkpointing — the setup torchtune's
-    recipes pair it with — against the closed form on the device: every phase within 1%. The host side is larger
-    in the trace (torchtune copies a tensor once per save, the embedding's and final norm's saves too; the analytic
-    counts each layer's checkpoint input once): docs/accuracy.md."""
+@pytest.mark.parametrize(
+    ("precision", "ckpt", "attention"),
+    [
+        ("pure-bf16", "full", "sdpa"),
+        ("amp-bf16", "full", "sdpa"),
+        ("pure-bf16", "none", "sdpa"),
+        ("amp-bf16", "none", "eager"),
+        pytest.param("amp-bf16", "none", "sdpa", marks=pytest.mark.slow),
+        pytest.param("pure-bf16", "none", "eager", marks=pytest.mark.slow),
+    ],
+)
+def test_activation_offload_analytic_agrees_with_the_trace(precision: str, ckpt: str, attention: str) -> None:
+    """torchtune's OffloadActivations emulated (trace/savers.py) against the closed form: the device within 2% of
+    every phase (tiny configs: the forward keeps the final norm's saves, the backward two nodes' unpacked copies),
+    and the host bytes within 0.1% (once per save, weight views, RoPE tables, ids and final norm included)."""
     spec = spec_from_config(OFFLOAD_LLAMA, name="small-llama", source="test")
     s = Strategy(  # type: ignore[arg-type]
         precision=precision,
-        checkpointing="full",
+        checkpointing=ckpt,
+        attention=attention,
         micro_batch=2,
         seq_len=128,
         savers=MemorySavers(activation_offload=True),
     )
     ra = estimate(spec, s, simulate_allocator=False)
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
-    _within(ra, rt, 0.01)
-    assert rt.phases[0].host_bytes >= ra.phases[0].host_bytes > 0
+    _within(ra, rt, 0.02)
+    host = rt.phases[0].host_bytes
+    assert host > 0 and abs(ra.phases[0].host_bytes - host) <= 0.001 * host
 
 
 @pytest.mark.parametrize("ckpt", ["none", "full"])
@@ -140,3 +152,23 @@ def test_activation_offload_never_raises_the_traced_peak(ckpt: str) -> None:
     assert off.peak_bytes <= plain.peak_bytes
     saved = [r.phases[0].components[Component.ACTIVATIONS] for r in (plain, off)]
     assert off.phases[0].host_bytes >= saved[0] - saved[1] > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "precision"),
+    [("qwen2", "pure-bf16"), ("mixtral", "amp-bf16"), pytest.param("gemma2", "amp-bf16", marks=pytest.mark.slow)],
+)
+def test_activation_offload_host_bytes_per_family(family: str, precision: str) -> None:
+    """Offloading without checkpointing on other families' tiny configs: q/k/v biases (Qwen2: addmm still saves
+    ``weight.t()``), MoE experts (Mixtral: grouped_mm saves views of the stacked weights, in the weight dtype; the
+    router's weight is under 1 KiB), Gemma-2's unit-offset norms and eager attention. Host within 0.1%, device
+    within 2% of every phase."""
+    spec = tiny_spec(family)
+    s = Strategy(  # type: ignore[arg-type]
+        precision=precision, micro_batch=2, seq_len=128, savers=MemorySavers(activation_offload=True)
+    )
+    ra = estimate(spec, s, simulate_allocator=False)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    _within(ra, rt, 0.02)
+    host = rt.phases[0].host_bytes
+    assert host > 0 and abs(ra.phases[0].host_bytes - host) <= 0.001 * host

@@ -74,6 +74,9 @@ class SavedTerm:
     # The separate tensors that make up ``bytes`` when there are several (q, k and v; a dropout's mask and
     # output), as the allocator sees them (trainfit.analytic.events); empty: one tensor.
     pieces: tuple[int, ...] = ()
+    # How many autograd saves reference this tensor (one storage, several ``SavedVariable``s): what a
+    # ``saved_tensors_hooks`` pack sees, and copies once per save (--activation-offload: trainfit.analytic.savers).
+    saves: int = 1
 
     def tensors(self) -> tuple[int, ...]:
         """The byte sizes of the tensors behind this term."""
@@ -115,18 +118,19 @@ def _norm_terms(
     if spec.norm is NormKind.RMSNORM and spec.norm_unit_offset:
         # Gemma: fp32 x·rsqrt, times (1 + w.float()) — both fp32 factors saved — then cast back.
         out = [
-            SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t"),
+            SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t", saves=2),
             SavedTerm(name=f"{name}.normed_fp32", bytes=0 if frozen else 4 * t * h, formula="4·t·h"),
             SavedTerm(name=f"{name}.one_plus_w", bytes=4 * h, formula="4·h"),
         ]
         if input_saved:
-            out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h"))
+            out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h", saves=2))
         return out
     if spec.norm is NormKind.RMSNORM:
         # HF LlamaRMSNorm: x.to(fp32) saved by pow/mul; rsqrt (t fp32); weight * normed.to(input_dtype).
-        out = [SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t")]
+        # ``pow(2)`` and ``x * rsqrt`` both save the fp32 input; ``rsqrt`` and the same mul both save rsqrt.
+        out = [SavedTerm(name=f"{name}.rsqrt", bytes=4 * t, formula="4·t", saves=2)]
         if input_saved:
-            out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h"))
+            out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h", saves=2))
         if not frozen:
             out.append(SavedTerm(name=f"{name}.normed", bytes=r * t * h, formula=f"{r}·t·h"))
         return out
@@ -158,7 +162,9 @@ def _matmul_inputs(name: str, t: int, width: int, n_consumers: int, in_bytes: in
             bytes=n_consumers * w.compute * t * width,
             formula=f"{n_consumers}·{w.compute}·t·w",
         )
-    return SavedTerm(name=f"{name}.input", bytes=in_bytes * t * width, formula=f"{in_bytes}·t·w")
+    return SavedTerm(
+        name=f"{name}.input", bytes=in_bytes * t * width, formula=f"{in_bytes}·t·w", saves=max(1, n_consumers)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -402,12 +408,14 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
                         pieces=(b * nh * s * s, 4 * b * nh * s * s),
                     )
                 )
-            out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
+            out.append(
+                SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim", saves=2)
+            )
             return out
         out.append(_sdpa_inputs(spec, strategy, t, a, qd, kd, vd))
         if bias := sdpa_bias_bytes(spec, strategy):
             out.append(SavedTerm(name="attn.sdpa.bias", bytes=bias, formula="a·b·s·⌈s/16⌉·16 (masked layers)"))
-        out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim"))
+        out.append(SavedTerm(name="attn.sdpa.out", bytes=a * t * out_width, formula="a·t·heads·v_head_dim", saves=2))
         out.append(SavedTerm(name="attn.sdpa.lse", bytes=4 * b * nh * s, formula="4·b·heads·s"))
         return out
     # Eager (modeling_*.eager_attention_forward): repeat_kv copies, the softmax output, the probabilities.

@@ -26,12 +26,15 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   at most one parameter's gradient is alive at any time; the optimizer-step phase holds no gradients at all.
   Gradient accumulation is refused (torchtune refuses it: the gradients are gone before the next micro-step).
 * **Activation offloading** (torchtune ``torchtune/training/_activation_offloading.py`` ``OffloadActivations``: a
-  ``saved_tensors_hooks`` pair copies every saved tensor of ≥ 1024 bytes to pinned host memory; with streams the
-  forward keeps a tensor until its copy is done and the backward prefetches the next layer's). On the GPU: two
-  layers' saved tensors (or two checkpoint inputs under checkpointing) — the one in flight and the one being
-  copied or prefetched; on the host: every layer's (``PhaseBreakdown.host_components``). torchtune keeps the
-  output projection's tensors on the GPU (``NoOpManager``), so the head and the logits stay; autocast's cached
-  weight copies are counted on the GPU as before.
+  ``saved_tensors_hooks`` pair copies every saved tensor of ≥ 1024 bytes that is not an ``nn.Parameter`` instance
+  to pinned host memory; with streams the forward keeps a tensor until a pack 5 ids later, the backward frees an
+  unpacked copy after the next unpacking node). Host: one copy per *save* (``SavedTerm.saves``), matmul weights
+  included — ``mm`` saves ``weight.t()``, a view, which the isinstance test lets through — with RoPE's tables per
+  layer, the ids and the final norm. GPU without checkpointing: the stash at the forward's end is the final norm's
+  saves, the layers keep nothing, autocast's layer copies die with the forward, a layer's backward holds two nodes'
+  unpacked copies (bounded by twice the largest linear's input and weight). With checkpointing: two checkpoint
+  inputs. torchtune keeps the output projection's tensors on the GPU (``NoOpManager``), so the head and the logits
+  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -50,7 +53,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from trainfit.analytic.activations import Widths, residual_bits
+from trainfit.analytic.activations import SavedTerm, TermRole, Widths, layer_terms, model_terms, residual_bits
+from trainfit.analytic.float8 import block_linears, converted_weight_names
+from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.strategy import LossImpl, Strategy
@@ -60,8 +65,8 @@ if TYPE_CHECKING:
 
 #: torchtune OffloadActivations ``min_offload_size``: smaller saved tensors stay on the GPU.
 MIN_OFFLOAD_BYTES = 1024
-#: Layers (or checkpoint inputs) an offloading run holds on the GPU: the one in flight and the one being copied
-#: to the host in the forward, or prefetched back in the backward (OffloadActivations with ``use_streams``).
+#: Checkpoint inputs an offloading run holds on the GPU in backward: the unpacked copy of the segment being
+#: recomputed and the previous one's, freed after the next unpacking node (OffloadActivations with ``use_streams``).
 OFFLOAD_LAYERS_ON_GPU = 2
 
 
@@ -131,10 +136,78 @@ def fused_linear_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return norm_out_width(spec, Widths.of(strategy)) * strategy.tokens_per_micro_batch * spec.hidden_size
 
 
-def offloaded_bytes(all_layers_bytes: int, max_layer_bytes: int, num_layers: int) -> tuple[int, int]:
-    """(on the GPU, on the host) of the layers' saved tensors under activation offloading — module docstring."""
-    on_gpu = min(num_layers, OFFLOAD_LAYERS_ON_GPU) * max_layer_bytes
-    return min(all_layers_bytes, on_gpu), max(0, all_layers_bytes - on_gpu)
+#: Families whose projections are transformers' ``Conv1D`` (transformers/pytorch_utils.py ``Conv1D.forward``:
+#: ``torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)``): ``addmm`` saves the weight itself, an
+#: ``nn.Parameter``, which OffloadActivations leaves on the GPU — where an ``nn.Linear`` saves ``weight.t()``.
+CONV1D_MODEL_TYPES = frozenset({"gpt2"})
+
+
+def checkpoint_inputs_on_gpu(kept_inputs: int, input_bytes: int, segments: int) -> int:
+    """Checkpoint inputs on the GPU under offloading with checkpointing: two (the backward's unpacked copy of the
+    segment being recomputed and the previous one's, freed after the next unpacking node) — module docstring."""
+    return min(kept_inputs, min(segments, OFFLOAD_LAYERS_ON_GPU) * input_bytes)
+
+
+def _offloaded(pieces: tuple[int, ...]) -> int:
+    """The bytes of a term's tensors that torchtune offloads (``num_bytes >= min_offload_size``)."""
+    return sum(p for p in pieces if p >= MIN_OFFLOAD_BYTES)
+
+
+def _per_save(terms: list[SavedTerm]) -> int:
+    """Offloaded bytes of ``terms`` once per save (``SavedTerm.saves``): torchtune's pack copies every save."""
+    return sum(x.saves * _offloaded(x.tensors()) for x in terms)
+
+
+def offload_model_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Host bytes of the saves outside the layer stack: the embedding's (its int64 ids, 8·t, once t ≥ 128) and the
+    final norm's, once per save (HF RMSNorm: the fp32 input and rsqrt twice each). The LM head's input stays on the
+    GPU (``NoOpManager`` on the output layer); RoPE's tables are saved by the layers."""
+    mt = [x for x in model_terms(spec, strategy) if x.name != "rope.cos_sin"]
+    return _per_save([x for x in mt if x.role in (TermRole.EMBEDDING, TermRole.HEAD)])
+
+
+def offload_layer_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Host bytes of the layer stack without checkpointing, beyond each saved storage counted once
+    (``all_layers_bytes``): the extra saves of one storage (a normed input read by q, k and v is copied three times,
+    RMSNorm's fp32 input and rsqrt twice, SDPA's output again by o_proj); every matmul weight, whose transposed view
+    ``weight.t()`` is what ``mm`` saves — a view is no ``nn.Parameter``, so torchtune's check lets it through (under
+    autocast the 16-bit cast is saved; not GPT-2's ``Conv1D``, :data:`CONV1D_MODEL_TYPES`) — at the compute width;
+    and RoPE's cos and sin, saved by the q and k products of every layer (two tables' worth per layer). Checked
+    save by save against the trace for Llama, Qwen2, Gemma-2 and Mixtral; GPT-2 is not followed save by save
+    (docs/accuracy.md)."""
+    w = Widths.of(strategy)
+    expert_width = strategy.recipe.weight_bits // 8
+    extra = 0
+    for g in inventory(spec).layers:
+        terms = layer_terms(spec, strategy, moe=g.kind == "moe")
+        repeats = sum((x.saves - 1) * _offloaded(x.tensors()) for x in terms)
+        fp8 = converted_weight_names(spec, strategy)
+        sizes = [t.numel * w.compute for t in g.tensors if t.matmul and t.name not in fp8]
+        if spec.model_type in CONV1D_MODEL_TYPES and not w.amp:
+            sizes = []  # addmm saves the Parameter itself: not offloaded (under autocast its cast is)
+        # MoE experts (grouped_mm, no autocast kernel: the weight dtype) save views of the stacked weights.
+        sizes += [t.numel * expert_width for t in g.tensors if ".experts." in t.name and len(t.shape) == 3]
+        weights = sum(x for x in sizes if x >= MIN_OFFLOAD_BYTES)
+        extra += g.count * (repeats + weights)
+    rope = next((x.bytes for x in model_terms(spec, strategy) if x.name == "rope.cos_sin"), 0)
+    return extra + spec.num_layers * 2 * rope
+
+
+def offload_in_flight_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Inside a layer's backward without checkpointing: the unpacked device copies of the autograd node running
+    and of the previous one (torchtune's ``bwd_tensor_stash``: a node's copies are freed in the post-hook of the
+    next node that unpacks). Bounded by twice the largest linear's node — its input and its weight's view, both at
+    the compute width: 2·a·k·(t + n) for a k→n linear."""
+    a = strategy.recipe.compute_bits // 8
+    t = strategy.tokens_per_micro_batch
+    nodes = [x.in_features * (t + x.out_features) for x in block_linears(spec)]
+    return 2 * a * max(nodes, default=0)
+
+
+def offload_embedding_kept_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """The embedding's saves that stay on the GPU: tensors under 1 KiB (int64 ids of fewer than 128 tokens)."""
+    emb = [x for x in model_terms(spec, strategy) if x.role is TermRole.EMBEDDING and x.name != "rope.cos_sin"]
+    return sum(p for x in emb for p in x.tensors() if p < MIN_OFFLOAD_BYTES)
 
 
 def checkpoint_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -171,8 +244,9 @@ def saver_notes(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
         )
     if sv.activation_offload:
         out.append(
-            f"activation offloading (torchtune OffloadActivations): {OFFLOAD_LAYERS_ON_GPU} layers' saved tensors "
-            "(or checkpoint inputs) on the GPU, the rest in pinned host memory (host bytes per phase)"
+            "activation offloading (torchtune OffloadActivations): saved tensors of >= 1 KiB (weight views too) "
+            f"copied to pinned host memory once per save (host bytes per phase); {OFFLOAD_LAYERS_ON_GPU} checkpoint "
+            "inputs, or the final norm's saves and two autograd nodes' copies, stay on the GPU"
         )
     if sv.paged_optimizer:
         out.append(
