@@ -126,6 +126,19 @@ _FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
 #: ``nn.Linear`` layers outside the layer stack that quantisation converts (everything but the output head,
 #: transformers' ``get_keys_to_not_convert``): OPT-350m's ``project_in``/``project_out`` (word_embed_proj_dim).
 _OUTER_LINEARS = frozenset({"project_in.weight", "project_out.weight"})
+#: Tensors every tensor-parallel rank holds whole beyond the norms and the router: a row-parallel linear's bias
+#: (added once after the all-reduce: transformers ``RowwiseParallel.shard_param`` ``Replicate()`` for ``bias``;
+#: Megatron/vLLM ``RowParallelLinear``), and Qwen2-MoE's one-output shared-expert gate (no plan rule; vLLM
+#: keeps it a plain ``nn.Linear``).
+_REPLICATED_UNDER_TP = frozenset(
+    {
+        "attn.o_proj.bias",
+        "mlp.down_proj.bias",
+        "mlp.fc2.bias",
+        "mlp.shared_experts.down_proj.bias",
+        "mlp.shared_expert_gate.weight",
+    }
+)
 #: Largest batch the capacity search tries.
 MAX_SEARCH = 1 << 20
 #: Fraction of GPU memory a ``generate`` fit leaves free by default.
@@ -208,12 +221,15 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
     for t, count in inv.all_tensors():
         in_layer = id(t) in layer_ids
         is_norm = len(t.shape) == 1 and ("norm" in t.name)
-        split = 1 if is_norm else tp
+        # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
+        # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``). Tensor parallelism
+        # replicates them: no rule in transformers' ``base_model_tp_plan`` names the router (the generate
+        # trace), and vLLM builds it as a ``ReplicatedLinear`` (vllm/model_executor/models/mixtral.py,
+        # qwen3_moe.py, deepseek_v2.py).
+        router = t.name == "mlp.router.weight"
+        split = 1 if is_norm or router or t.name in _REPLICATED_UNDER_TP else tp
         numel = -(-t.numel // split)
         rows = -(-t.shape[0] // split)
-        # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
-        # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``).
-        router = t.name == "mlp.router.weight"
         linear = (in_layer or t.name in _OUTER_LINEARS) and t.matmul and len(t.shape) == 2 and not router
         if fused_gate_up and t.name == "mlp.up_proj.weight":
             continue  # Phi-3's gate and up are one ``gate_up_proj`` tensor (counted with gate_proj)
@@ -488,6 +504,14 @@ def _layer_moments(
     # self.self_attn(...)``) until it returns: through o_proj and the whole MLP.
     probs = allocator_bytes(b * nh * q * kv_len * a) if setup.attention is Attention.EAGER else 0
     out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp + probs))
+    if spec.norm is NormKind.RMSNORM and a != 4:
+        # The post-attention RMSNorm upcasts its input (the residual sum) to fp32 and multiplies by the rsqrt
+        # of its fp32 mean of squares (LlamaRMSNorm.forward; Gemma's ``_norm(x.float())`` the same): two
+        # t·h fp32 tensors and two t-sized fp32 ones beside the layer input and the residual sum. The norm is
+        # replicated under tensor parallelism while the MLP is split, so from ``intermediate / tp < hidden``
+        # on (Qwen2.5-72B at --tp 4) this, not the MLP, is the layer's prefill peak (the generate trace).
+        norm = 2 * allocator_bytes(t * h * 4) + 2 * allocator_bytes(t * 4)
+        out.append(Moment(name="norm", activations_bytes=(hidden - 1) * x + norm + probs))
     if spec.mla is not None:
         m = spec.mla
         qd = nh * m.qk_head_dim
