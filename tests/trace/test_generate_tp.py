@@ -23,9 +23,22 @@ from trainfit.strategy.inference import InferenceSetup
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainfit.trace.generate import trace_generate
+from trainfit.trace.generate import GenerateTrace, trace_generate
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs"
+
+
+def _agrees(name: str, spec: ModelSpec, setup: InferenceSetup) -> GenerateTrace:
+    """Each phase of the TP trace within 2% of the closed forms, the rank's weights and cache to the byte."""
+    traced = trace_generate(spec, setup)
+    closed = phase_estimates(spec, setup)
+    for ph in InferencePhase:
+        t = sum(traced.phases[ph].values())
+        a = closed[ph].breakdown.total_bytes
+        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
+    assert traced.weights_bytes == weight_bytes(spec, setup)
+    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    return traced
 
 
 def _spec(**kw: Any) -> ModelSpec:
@@ -67,14 +80,7 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "spec", "setup"), CASES, ids=[c[0] for c in CASES])
 def test_tp_trace_within_2_percent_and_exact_rank_states(name: str, spec: ModelSpec, setup: InferenceSetup) -> None:
-    traced = trace_generate(spec, setup)
-    closed = phase_estimates(spec, setup)
-    for ph in InferencePhase:
-        t = sum(traced.phases[ph].values())
-        a = closed[ph].breakdown.total_bytes
-        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
-    assert traced.weights_bytes == weight_bytes(spec, setup)
-    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    traced = _agrees(name, spec, setup)
     assert any("rank 0 of TP" in n for n in traced.notes)
 
 
@@ -122,15 +128,7 @@ def test_tp_moe_experts() -> None:
         name="tiny-qwen3-moe",
         source="explicit",
     )
-    setup = InferenceSetup(batch=2, prompt=96, new_tokens=4, tp=2)
-    traced = trace_generate(spec, setup)
-    closed = phase_estimates(spec, setup)
-    for ph in InferencePhase:
-        t = sum(traced.phases[ph].values())
-        a = closed[ph].breakdown.total_bytes
-        assert abs(a - t) <= 0.02 * t, f"{ph.value}: analytic {a} vs trace {t}"
-    assert traced.weights_bytes == weight_bytes(spec, setup)
-    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    _agrees("tiny-qwen3-moe", spec, InferenceSetup(batch=2, prompt=96, new_tokens=4, tp=2))
 
 
 @pytest.mark.parametrize(
