@@ -35,7 +35,7 @@ activations (hidden states, MLP intermediates, masks, rotary tables, token ids).
 Quantised weights: ``--dtype int8|nf4|fp4`` builds bitsandbytes layers as transformers'
 ``replace_with_bnb_linear`` does and gives bitsandbytes' custom ops their CUDA kernels' memory
 (:mod:`trainfit.trace.bnb`, shared with the training trace); ``--dtype fp8`` builds transformers' ``FP8Linear``
-layers with a stand-in for the fp8 matmul kernel (:mod:`trainfit.trace.fp8`; MoE models refused).
+layers (and ``FP8Experts`` on MoE models) with stand-ins for the fp8 matmul kernels (:mod:`trainfit.trace.fp8`).
 
 Tensor parallelism (``--tp``): rank 0 of the group on PyTorch's fake process group and a 1-D CPU mesh, with
 transformers' own plan — the model's ``base_model_tp_plan`` resolved and applied as ``from_pretrained``
@@ -129,7 +129,7 @@ def _quantised(model: torch.nn.Module, mode: Any, setup: InferenceSetup) -> Iter
             with bnb.int8_weights(model, mode):
                 yield
         else:
-            compute = _COMPUTE[setup.dtype.compute]
+            compute = _COMPUTE[setup.four_bit_compute]
             with bnb.four_bit_weights(
                 model, mode, quant_type=setup.dtype.value, double_quant=setup.double_quant, compute=compute
             ):
@@ -156,7 +156,10 @@ def _to_bnb_layers(model: torch.nn.Module, setup: InferenceSetup) -> None:
         bnb.to_linear8bit(model, threshold=BNB_INT8_THRESHOLD)
     else:
         bnb.to_linear4bit(
-            model, quant_type=setup.dtype.value, double_quant=setup.double_quant, compute=_COMPUTE[setup.dtype.compute]
+            model,
+            quant_type=setup.dtype.value,
+            double_quant=setup.double_quant,
+            compute=_COMPUTE[setup.four_bit_compute],
         )
 
 
