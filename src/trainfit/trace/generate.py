@@ -522,34 +522,28 @@ def trace_generate(
     keyed: list[dict[tuple[InferencePhase, Place], dict[Component, int]]] = []
     traced: list[int] = []
     sdpa: dict[SdpaKernel, int] = {}
-    meshes = contextlib.ExitStack()
-    mesh = meshes.enter_context(_fake_tp_mesh(setup.tp)) if setup.tp > 1 else None
-    for i, counts in enumerate(configs):
-        layout = hf.layout_for(blocks, runs, counts)
-        layers = layout.layers
-        say(f"trace {i + 1}/{len(configs)}: generate with {len(layers)} layers", i / len(configs))
-        starts, acc = [], 0
-        for blk in layout.blocks:
-            starts.append(acc)
-            acc += len(blk.layers)
-        unit_first = [starts[fb] for fb, _ in layout.unit_blocks]
-        places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
-        request: int | None = None
-        for run_setup, tag, skip in _runs(setup, split):
-            model = hf.reduced_model(meta, stack_path, layers, full)
-            _, sub = hf.find_stack(model, len(layers))
-            try:
+    with _fake_tp_mesh(setup.tp) if setup.tp > 1 else contextlib.nullcontext() as mesh:
+        for i, counts in enumerate(configs):
+            layout = hf.layout_for(blocks, runs, counts)
+            layers = layout.layers
+            say(f"trace {i + 1}/{len(configs)}: generate with {len(layers)} layers", i / len(configs))
+            starts, acc = [], 0
+            for blk in layout.blocks:
+                starts.append(acc)
+                acc += len(blk.layers)
+            unit_first = [starts[fb] for fb, _ in layout.unit_blocks]
+            places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
+            request: int | None = None
+            for run_setup, tag, skip in _runs(setup, split):
+                model = hf.reduced_model(meta, stack_path, layers, full)
+                _, sub = hf.find_stack(model, len(layers))
                 tr, passes, calls = _run_layout(model, sub, unit_first, run_setup, flash, setup.context, mesh)
-            except BaseException:
-                meshes.close()
-                raise
-            if not sdpa:
-                sdpa = calls
-            places.update(_places(tr, passes, layout.unit_run, counts, tag=tag, skip=skip, request_bytes=request))
-            request = _request_bytes(tr, passes)
-        keyed.append(places)
-        traced.append(len(layers))
-    meshes.close()
+                if not sdpa:
+                    sdpa = calls
+                places.update(_places(tr, passes, layout.unit_run, counts, tag=tag, skip=skip, request_bytes=request))
+                request = _request_bytes(tr, passes)
+            keyed.append(places)
+            traced.append(len(layers))
     say("extrapolating", 1.0)
     full_places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
     for key, comps in keyed[0].items():
