@@ -54,6 +54,15 @@ CASES: list[tuple[str, InferenceSetup]] = [
     # transformers' fine-grained fp8 (FP8Linear, 128x128 blocks): the input's fp8 copy and scales per linear
     ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, dtype="fp8")),
     ("qwen2.5-7b", InferenceSetup(batch=16, prompt=512, new_tokens=8, dtype="fp8")),
+    # fp8 MoE experts (FP8Experts, grouped kernel with fused activation quantisation)
+    ("deepseek-v3", InferenceSetup(batch=1, prompt=1024, new_tokens=4, dtype="fp8")),
+    ("mixtral-8x7b-v0.1", InferenceSetup(batch=4, prompt=1024, new_tokens=8, dtype="fp8")),
+    # tensor parallelism: rank 0 of transformers' own plan (base_model_tp_plan) on the fake process group
+    ("qwen2.5-72b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, tp=4)),
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, tp=2, cache="static")),
+    ("qwen3-8b", InferenceSetup(batch=8, prompt=1024, new_tokens=8, tp=4)),
+    ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8, tp=4)),
+    ("mixtral-8x7b-v0.1", InferenceSetup(batch=4, prompt=1024, new_tokens=8, tp=8)),
 ]
 
 
@@ -79,6 +88,7 @@ def main(argv: list[str]) -> None:
             f"{setup.dtype.value}{'' if setup.double_quant or not setup.dtype.bnb else ' no-dq'}"
             f"{' kv-' + setup.kv_format.value if setup.kv_dtype else ''} "
             f"{setup.cache.value} {setup.attention.value} "
+            f"{'tp' + str(setup.tp) + ' ' if setup.tp > 1 else ''}"
             f"b{setup.batch} p{setup.prompt}+{setup.new_tokens}"
         )
         for ph in InferencePhase:

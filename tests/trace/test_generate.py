@@ -109,8 +109,9 @@ def test_cli_method_trace(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[str]) -> None:
     moe = str(Path(__file__).parents[1] / "fixtures" / "configs" / "tiny-qwen2-moe.json")
-    res = run_cli(capsys, "infer", moe, "--dtype", "fp8", "--method", "trace", "--prompt", "16", "--new-tokens", "2")
-    assert res.code == 2 and "trace" in res.err and "FP8Experts" in res.err
+    args = ("infer", moe, "--dtype", "nf4", "--gpus", "2", "--tp", "2", "--method", "trace", "--prompt", "16")
+    res = run_cli(capsys, *args, "--new-tokens", "2")
+    assert res.code == 2 and "16/32-bit" in res.err and len(res.err.strip().splitlines()) == 1, res.err
 
 
 FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]

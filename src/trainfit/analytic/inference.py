@@ -69,7 +69,9 @@ fine-grained e4m3 format DeepSeek-V3 ships (``quantization_config.weight_block_s
 ``FP8Linear``: fp8 weight plus an fp32 ``weight_scale_inv`` per 128 × 128 block) on the same linears, and on
 the fused experts too (``FP8Experts``, per expert and block). bitsandbytes' matmul transients are moments per
 linear (:func:`linear_transient_bytes`), and so are fp8's (the activation's fp8 copy and per-group scales);
-the fused fp8 experts' grouped kernels count none.
+the fused fp8 experts' grouped kernel (``w8a8_block_fp8_matmul_grouped``) quantises inside its matmul loop and
+adds nothing beside its output, and ``fp8_grouped_mm_experts_forward`` keeps the routed product in the compute
+dtype (checked by the trace: DeepSeek-V3 and Mixtral in fp8 within 0.01%).
 
 Reserved memory: :func:`generate_events` writes the same quantities as the ``generate`` call's ordered
 allocations and frees (weights, the cache's growth by ``cat``, one block per moment), and
@@ -126,6 +128,19 @@ _FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
 #: ``nn.Linear`` layers outside the layer stack that quantisation converts (everything but the output head,
 #: transformers' ``get_keys_to_not_convert``): OPT-350m's ``project_in``/``project_out`` (word_embed_proj_dim).
 _OUTER_LINEARS = frozenset({"project_in.weight", "project_out.weight"})
+#: Tensors every tensor-parallel rank holds whole beyond the norms and the router: a row-parallel linear's bias
+#: (added once after the all-reduce: transformers ``RowwiseParallel.shard_param`` ``Replicate()`` for ``bias``;
+#: Megatron/vLLM ``RowParallelLinear``), and Qwen2-MoE's one-output shared-expert gate (no plan rule; vLLM
+#: keeps it a plain ``nn.Linear``).
+_REPLICATED_UNDER_TP = frozenset(
+    {
+        "attn.o_proj.bias",
+        "mlp.down_proj.bias",
+        "mlp.fc2.bias",
+        "mlp.shared_experts.down_proj.bias",
+        "mlp.shared_expert_gate.weight",
+    }
+)
 #: Largest batch the capacity search tries.
 MAX_SEARCH = 1 << 20
 #: Fraction of GPU memory a ``generate`` fit leaves free by default.
@@ -208,12 +223,15 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
     for t, count in inv.all_tensors():
         in_layer = id(t) in layer_ids
         is_norm = len(t.shape) == 1 and ("norm" in t.name)
-        split = 1 if is_norm else tp
+        # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
+        # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``). Tensor parallelism
+        # replicates them: no rule in transformers' ``base_model_tp_plan`` names the router (the generate
+        # trace), and vLLM builds it as a ``ReplicatedLinear`` (vllm/model_executor/models/mixtral.py,
+        # qwen3_moe.py, deepseek_v2.py).
+        router = t.name == "mlp.router.weight"
+        split = 1 if is_norm or router or t.name in _REPLICATED_UNDER_TP else tp
         numel = -(-t.numel // split)
         rows = -(-t.shape[0] // split)
-        # transformers 5 MoE routers are plain Parameters in a TopKRouter module (not nn.Linear: never
-        # quantised); DeepSeek-V2/V3 create theirs in fp32 (``DeepseekV3TopkRouter``).
-        router = t.name == "mlp.router.weight"
         linear = (in_layer or t.name in _OUTER_LINEARS) and t.matmul and len(t.shape) == 2 and not router
         if fused_gate_up and t.name == "mlp.up_proj.weight":
             continue  # Phi-3's gate and up are one ``gate_up_proj`` tensor (counted with gate_proj)
@@ -457,7 +475,10 @@ def _layer_moments(
         router += 2 * allocator_bytes(routed * wb)
         x_sel = allocator_bytes(routed * h * a) + router
         gate_up = allocator_bytes(routed * 2 * inter * a) + 2 * allocator_bytes(routed * inter * a)
-        tail = allocator_bytes(routed * h * a) + 2 * allocator_bytes(routed * h * max(a, wb))
+        # fp8 experts (``fp8_grouped_mm_experts_forward``, finegrained_fp8.py) cast the routing weights to the
+        # output's dtype first (``sample_weights_g.to(proj_out.dtype)``): the product stays in the compute dtype.
+        wp = a if setup.dtype is WeightFormat.FP8 else max(a, wb)
+        tail = allocator_bytes(routed * h * a) + 2 * allocator_bytes(routed * h * wp)
         shared_i = moe.num_shared_experts * moe.shared_expert_intermediate_size // tp
         shared = 3 * allocator_bytes(t * shared_i * a) if shared_i else 0
         if shared_i and moe.shared_expert_gate:
@@ -488,6 +509,14 @@ def _layer_moments(
     # self.self_attn(...)``) until it returns: through o_proj and the whole MLP.
     probs = allocator_bytes(b * nh * q * kv_len * a) if setup.attention is Attention.EAGER else 0
     out.append(Moment(name="mlp", activations_bytes=hidden * x + mlp + probs))
+    if spec.norm is NormKind.RMSNORM and a != 4:
+        # The post-attention RMSNorm upcasts its input (the residual sum) to fp32 and multiplies by the rsqrt
+        # of its fp32 mean of squares (LlamaRMSNorm.forward; Gemma's ``_norm(x.float())`` the same): two
+        # t·h fp32 tensors and two t-sized fp32 ones beside the layer input and the residual sum. The norm is
+        # replicated under tensor parallelism while the MLP is split, so from ``intermediate / tp < hidden``
+        # on (Qwen2.5-72B at --tp 4) this, not the MLP, is the layer's prefill peak (the generate trace).
+        norm = 2 * allocator_bytes(t * h * 4) + 2 * allocator_bytes(t * 4)
+        out.append(Moment(name="norm", activations_bytes=(hidden - 1) * x + norm + probs))
     if spec.mla is not None:
         m = spec.mla
         qd = nh * m.qk_head_dim
@@ -537,7 +566,10 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
     * nf4/fp4 (``gemm_4bit``): up to :data:`~trainfit.cuda_facts.BNB_4BIT_FUSED_MAX_ROWS` rows the fused kernel
       writes the output only; above, ``_dequant_linear_fallback`` dequantises the whole weight (n·k in the
       compute dtype) beside the output, and with double quantisation first the per-block absmax and its sum
-      with the offset (two fp32 tensors of ⌈n·k/64⌉);
+      with the offset (two fp32 tensors of ⌈n·k/64⌉). A ``--compute-dtype`` other than the activations'
+      (transformers' default fp32) adds ``Linear4bit.forward``'s casts: the input in the compute dtype, held
+      through the matmul, and the output in it beside its cast back (``.to(inp_dtype)``); the dequantised
+      weight and the output are then in the compute dtype;
     * int8 (``MatMul8bitLt``, outlier threshold 6.0): the fp16 copy of the input, the int8 rows and fp32 row
       scales, then ``A.abs()`` and its bool outlier mask (``int8_vectorwise_quant``); then, with the int8 rows
       and scales still held, the int32 product beside its fp16 dequantisation, and the fp16 beside the cast
@@ -548,10 +580,14 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
     a = setup.compute_bits // 8
     out = allocator_bytes(rows * n * a)
     if setup.dtype in (WeightFormat.NF4, WeightFormat.FP4):
+        c = setup.four_bit_compute.bits // 8
+        x_c = allocator_bytes(rows * k * c) if c != a else 0  # x.to(compute_dtype), a local to the end
+        out_c = allocator_bytes(rows * n * c)
+        cast = x_c + out_c + out if c != a else 0  # the compute-dtype output beside its cast back
         if rows <= BNB_4BIT_FUSED_MAX_ROWS:
-            return out
+            return max(x_c + out_c, cast)
         absmax = 2 * allocator_bytes(4 * -(-(n * k) // BNB_4BIT_BLOCK)) if setup.double_quant else 0
-        return absmax + allocator_bytes(n * k * a) + out
+        return max(x_c + absmax + allocator_bytes(n * k * c) + out_c, cast)
     if setup.dtype is WeightFormat.INT8:
         half = setup.dtype.compute is KVFormat.FP16
         held = allocator_bytes(rows * k) + allocator_bytes(rows * 4)  # int8 rows, fp32 row scales

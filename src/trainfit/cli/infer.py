@@ -21,6 +21,13 @@ def infer_cmd(
     double_quant: Annotated[
         bool, typer.Option("--double-quant/--no-double-quant", help="nf4/fp4: quantise the absmax constants.")
     ] = True,
+    compute_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--compute-dtype",
+            help="nf4/fp4: bnb_4bit_compute_dtype, bf16 | fp16 | fp32 (default bf16; transformers' default: fp32).",
+        ),
+    ] = None,
     cache: Annotated[str, typer.Option(help="dynamic | static | sliding | paged")] = "dynamic",
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per paged KV block.")] = 16,
     attention: Annotated[str, typer.Option(help="sdpa | eager")] = "sdpa",
@@ -87,6 +94,7 @@ def infer_cmd(
         attention=attention,  # type: ignore[arg-type]
         tp=degree,
         double_quant=double_quant,
+        compute_dtype=compute_dtype,  # type: ignore[arg-type]
     )
     report = infer(
         model,

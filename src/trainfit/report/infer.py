@@ -51,6 +51,7 @@ def infer_json(report: InferenceReport) -> dict[str, Any]:
             "new_tokens": s.new_tokens,
             "dtype": s.dtype.value,
             "double_quant": s.double_quant,
+            "compute_dtype": s.four_bit_compute.value if s.dtype.value in ("nf4", "fp4") else None,
             "kv_dtype": s.kv_format.value,
             "cache": s.cache.value,
             "block_size": s.block_size,

@@ -77,7 +77,14 @@ def _coerce(obj: object, name: str, enum: type[StrEnum]) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InferenceSetup:
-    """One inference request shape and how it runs. ``kv_dtype=None``: the cache in the compute dtype."""
+    """One inference request shape and how it runs. ``kv_dtype=None``: the cache in the compute dtype.
+
+    ``compute_dtype``: bitsandbytes 4-bit's ``bnb_4bit_compute_dtype`` (nf4/fp4 only). None means bf16, the
+    activations' dtype (``BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.bfloat16)``, the usual QLoRA recipe).
+    transformers' own default is fp32 (``BitsAndBytesConfig.__init__``: None → ``torch.float32``), and it hands
+    it to every ``Linear4bit``, which then skips its switch to the input's dtype (bitsandbytes
+    ``Linear4bit.compute_type_is_set``): each 4-bit linear casts its bf16 input to fp32, dequantises the weight
+    to fp32 and casts the fp32 output back. The activations between layers stay in the model's dtype."""
 
     batch: int = 1
     prompt: int = 2048
@@ -89,10 +96,19 @@ class InferenceSetup:
     attention: Attention = Attention.SDPA
     tp: int = 1
     double_quant: bool = True
+    compute_dtype: KVFormat | None = None
 
     def __post_init__(self) -> None:
         _coerce(self, "dtype", WeightFormat)
         _coerce(self, "kv_dtype", KVFormat)
+        _coerce(self, "compute_dtype", KVFormat)
+        if self.compute_dtype is not None:
+            if self.dtype not in (WeightFormat.NF4, WeightFormat.FP4):
+                raise StrategyError(
+                    "--compute-dtype is bitsandbytes 4-bit's bnb_4bit_compute_dtype: use it with --dtype nf4|fp4"
+                )
+            if self.compute_dtype is KVFormat.FP8:
+                raise StrategyError("--compute-dtype: bitsandbytes 4-bit computes in bf16, fp16 or fp32, not fp8")
         _coerce(self, "cache", CacheKind)
         _coerce(self, "attention", Attention)
         for name in ("batch", "prompt", "new_tokens", "block_size", "tp"):
@@ -107,6 +123,11 @@ class InferenceSetup:
     @property
     def dtype_bits(self) -> int:
         return self.dtype.bits
+
+    @property
+    def four_bit_compute(self) -> KVFormat:
+        """The dtype a 4-bit linear computes in: ``compute_dtype``, else the activations' dtype."""
+        return self.compute_dtype or self.dtype.compute
 
     @property
     def kv_format(self) -> KVFormat:

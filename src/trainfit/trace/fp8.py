@@ -5,8 +5,8 @@ Construction: transformers' ``replace_with_fp8_linear`` (integrations/finegraine
 ``FineGrainedFP8Config(weight_block_size=[128, 128])`` — DeepSeek-V3's format — and the quantizer's skip list
 (``get_keys_to_not_convert``: the output head), run on the meta model: every other ``nn.Linear`` becomes an
 ``FP8Linear`` holding a float8_e4m3fn weight and an fp32 ``weight_scale_inv`` per 128 × 128 block; a bias
-takes the model's dtype, as a checkpoint loads it. Fused MoE experts become ``FP8Experts``, whose grouped fp8
-kernels have no stand-in here: the trace refuses MoE models in fp8 (one line).
+takes the model's dtype, as a checkpoint loads it. Fused MoE experts become ``FP8Experts`` (fp8 ``[E, out, in]``
+weights and fp32 ``[E, ⌈out/128⌉, ⌈in/128⌉]`` scales) run by ``fp8_grouped_mm_experts_forward``.
 
 Kernel: ``FP8Linear.forward`` → ``fp8_linear`` → DeepGEMM (``deepgemm_fp8_fp4_linear``, sm90+, when loadable)
 or the hub's Triton ``finegrained-fp8`` kernel (``finegrained_fp8_linear`` → ``matmul_2d`` →
@@ -17,6 +17,14 @@ before the matmul — Triton ``fp8_act_quant_block_dynamic(A.view(M, K), block_k
 wrapper's locals and die when it returns. :func:`fp8_matmul_kernels` swaps ``finegrained_fp8_linear`` for a
 stand-in that allocates exactly those three tensors (and adds the bias in place, as transformers does), and
 answers "no" to ``is_deepgemm_loadable``.
+
+Experts: ``fp8_grouped_mm_experts_forward`` sorts the routed rows by expert and calls ``fp8_grouped_matmul`` →
+the hub kernel's ``w8a8_block_fp8_matmul_grouped`` for gate_up and down. That kernel fuses the activation
+quantisation into its matmul loop (per-row scales computed per K tile; no fp8 copy of the input) and allocates
+only its output ``C = A.new_empty(S, N)`` and a per-expert tile schedule (``tiles_per_expert``, ``tile_offsets``:
+E entries each). :func:`_grouped_stand_in` allocates the same; the rest of the experts' forward — gather,
+``histc``, routing weights cast to the output dtype, the inverse permutation — is transformers' own code on
+fake tensors.
 """
 
 from __future__ import annotations
@@ -27,8 +35,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-from trainfit.errors import TraceError
 
 #: DeepSeek-V3's ``weight_block_size`` edge (also the activation group size).
 FP8_BLOCK = 128
@@ -44,11 +50,6 @@ def to_fp8_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     config = transformers.FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK))
     f8.replace_with_fp8_linear(model, modules_to_not_convert=get_keys_to_not_convert(model), quantization_config=config)
     for mod in model.modules():
-        if isinstance(mod, f8.FP8Experts):
-            raise TraceError(
-                "--method trace runs fp8 weights of dense layers; transformers' FP8Experts (MoE) kernels have no "
-                "fake-tensor stand-in yet: use --method analytic"
-            )
         if isinstance(mod, f8.FP8Linear) and mod.bias is not None:
             mod.bias = torch.nn.Parameter(mod.bias.to(dtype), requires_grad=False)
 
@@ -75,17 +76,37 @@ def _matmul_stand_in(
     return out
 
 
+def _grouped_stand_in(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    offsets: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    block_size: Any = None,
+) -> torch.Tensor:
+    """What ``fp8_grouped_matmul`` allocates (see the module docstring): the ``[S, N]`` output in the input's
+    dtype, and the kernel's per-expert tile schedule (``tiles_per_expert`` in ``tokens_per_expert``'s dtype,
+    ``tile_offsets`` int32) — the activation quantisation is fused into the matmul loop, no fp8 copy."""
+    tiles = torch.empty_like(tokens_per_expert)
+    tile_offsets = torch.empty(tokens_per_expert.shape, dtype=torch.int32)
+    out = input.new_empty((input.shape[0], weight.shape[1]))
+    del tiles, tile_offsets
+    return out
+
+
 @contextlib.contextmanager
 def fp8_matmul_kernels() -> Iterator[None]:
-    """Route transformers' fp8 linears to :func:`_matmul_stand_in` while active."""
+    """Route transformers' fp8 linears to :func:`_matmul_stand_in` and its fp8 experts' grouped matmul to
+    :func:`_grouped_stand_in` while active."""
     f8: Any = importlib.import_module("transformers.integrations.finegrained_fp8")
-    saved = f8.finegrained_fp8_linear, f8.is_deepgemm_loadable
+    saved = f8.finegrained_fp8_linear, f8.is_deepgemm_loadable, f8.fp8_grouped_matmul
     f8.finegrained_fp8_linear = _matmul_stand_in
     f8.is_deepgemm_loadable = lambda: False
+    f8.fp8_grouped_matmul = _grouped_stand_in
     try:
         yield
     finally:
-        f8.finegrained_fp8_linear, f8.is_deepgemm_loadable = saved
+        f8.finegrained_fp8_linear, f8.is_deepgemm_loadable, f8.fp8_grouped_matmul = saved
 
 
 __all__ = ["FP8_BLOCK", "fp8_matmul_kernels", "to_fp8_layers"]

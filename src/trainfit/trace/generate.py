@@ -35,7 +35,14 @@ activations (hidden states, MLP intermediates, masks, rotary tables, token ids).
 Quantised weights: ``--dtype int8|nf4|fp4`` builds bitsandbytes layers as transformers'
 ``replace_with_bnb_linear`` does and gives bitsandbytes' custom ops their CUDA kernels' memory
 (:mod:`trainfit.trace.bnb`, shared with the training trace); ``--dtype fp8`` builds transformers' ``FP8Linear``
-layers with a stand-in for the fp8 matmul kernel (:mod:`trainfit.trace.fp8`; MoE models refused).
+layers (and ``FP8Experts`` on MoE models) with stand-ins for the fp8 matmul kernels (:mod:`trainfit.trace.fp8`).
+
+Tensor parallelism (``--tp``): rank 0 of the group on PyTorch's fake process group and a 1-D CPU mesh, with
+transformers' own plan — the model's ``base_model_tp_plan`` resolved and applied as ``from_pretrained``
+does it for ``DistributedConfig(tp_size=tp)`` (:func:`_tensor_parallel`); each DTensor's local shard is a fake
+tensor and the tracker counts local shards (:class:`trainfit.trace.tensor_parallel.TPTracker`). The report's
+notes name where transformers' plan keeps more on a rank than a head-splitting server (unsharded attention,
+gathered fused outputs, layer linears without a rule).
 
 Depth: as for training (:mod:`trainfit.trace.depth`), a repeated run of layers is traced at 2 and 3 units
 and each *place* (before the stack, the run's first and last unit, after the stack) is extrapolated
@@ -48,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -121,7 +129,7 @@ def _quantised(model: torch.nn.Module, mode: Any, setup: InferenceSetup) -> Iter
             with bnb.int8_weights(model, mode):
                 yield
         else:
-            compute = _COMPUTE[setup.dtype.compute]
+            compute = _COMPUTE[setup.four_bit_compute]
             with bnb.four_bit_weights(
                 model, mode, quant_type=setup.dtype.value, double_quant=setup.double_quant, compute=compute
             ):
@@ -148,7 +156,10 @@ def _to_bnb_layers(model: torch.nn.Module, setup: InferenceSetup) -> None:
         bnb.to_linear8bit(model, threshold=BNB_INT8_THRESHOLD)
     else:
         bnb.to_linear4bit(
-            model, quant_type=setup.dtype.value, double_quant=setup.double_quant, compute=_COMPUTE[setup.dtype.compute]
+            model,
+            quant_type=setup.dtype.value,
+            double_quant=setup.double_quant,
+            compute=_COMPUTE[setup.four_bit_compute],
         )
 
 
@@ -257,6 +268,69 @@ def _check_kv_dtype(spec: ModelSpec, setup: InferenceSetup) -> None:
         )
 
 
+def _tensor_parallel(model: torch.nn.Module, mesh: Any, mode: Any) -> None:
+    """Rank 0 of transformers' own tensor parallelism on the meta ``model``, then its tensors made fake.
+
+    What ``from_pretrained(distributed_config=DistributedConfig(tp_size=tp))`` does before it loads weights
+    (transformers 5.24 ``distributed/mixin.py`` ``maybe_distribute_model``): ``_resolve_parallel_plans``
+    expands the model's plan (the config's ``base_model_tp_plan`` — ``colwise`` q/k/v/gate/up, ``rowwise``
+    o/down — plus ``embedding_rowwise`` on ``embed_tokens`` and the class's ``colwise_gather_output`` head),
+    and ``apply_tensor_parallelism`` (``distributed/tensor_parallel.py``) turns each planned weight into a
+    ``DTensor`` placeholder (``distribute_tensor(meta, mesh, [Shard], src_data_rank=None)``) and installs the
+    styles' forward wrappers; ``_tp_size`` is what ``generate`` reads to size a static cache per rank
+    (``_get_static_cache_init_shape``). Loading then fills each rank's local shard: here each DTensor's local
+    tensor becomes a fresh fake tensor of the shard's shape (the rank holds only its shard), every other
+    tensor a fake copy of its meta shape (:func:`trainfit.trace.runner.materialize`)."""
+    import importlib
+
+    from torch.distributed.tensor import DTensor
+
+    config: Any = importlib.import_module("transformers.distributed.configuration_utils")
+    tensor_parallel: Any = importlib.import_module("transformers.distributed.tensor_parallel")
+    # transformers builds the model untied (``init.no_tie_weights()``), distributes it, and ties the weights
+    # when loading ends (modeling_utils.py ``from_pretrained`` → ``_finalize_model_loading``): a tied head is
+    # sharded as its own parameter, then made the embedding's (both ``Shard(0)`` on the vocabulary).
+    owners: dict[int, tuple[torch.nn.Module, str]] = {}
+    tied: list[tuple[torch.nn.Module, str, torch.nn.Module, str]] = []
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in owners:
+                tied.append((mod, name, *owners[id(p)]))
+                mod._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            else:
+                owners[id(p)] = (mod, name)
+    resolve: Any = model._resolve_parallel_plans
+    try:
+        plan, _, _ = resolve(config.DistributedConfig(tp_size=mesh.size()))
+    except ValueError as exc:  # no base_model_tp_plan for this architecture
+        raise TraceUnsupportedError(f"transformers' tensor parallelism: {str(exc).splitlines()[0][:200]}") from None
+    tensor_parallel.apply_tensor_parallelism(model, mesh, plan)
+    model._tp_size = mesh.size()
+    memo: dict[int, torch.nn.Parameter] = {}
+    with mode:
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if not isinstance(p, DTensor):
+                    continue
+                if id(p) not in memo:
+                    local = torch.zeros(p._local_tensor.shape, dtype=p.dtype)
+                    d = DTensor.from_local(
+                        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
+                    memo[id(p)] = torch.nn.Parameter(d, requires_grad=p.requires_grad)
+                mod._parameters[name] = memo[id(p)]
+    rest = [(m, n, p) for m in model.modules() for n, p in m._parameters.items() if isinstance(p, DTensor)]
+    for m, n, _ in rest:  # keep the DTensors out of materialize, which copies every parameter's global shape
+        m._parameters[n] = None
+    rn.materialize(model, mode, None)
+    for m, n, p in rest:
+        m._parameters[n] = p
+    for mod, name, owner, owner_name in tied:
+        mod._parameters[name] = owner._parameters[owner_name]
+
+
 def _run_layout(
     model: torch.nn.Module,
     stack: torch.nn.ModuleList,
@@ -264,10 +338,14 @@ def _run_layout(
     setup: InferenceSetup,
     flash: bool,
     cache_len: int | None = None,
+    mesh: Any = None,
 ) -> tuple[tk.Tracker, list[_PassMarks], dict[SdpaKernel, int]]:
     mode = rn.fake_mode()
     _to_bnb_layers(model, setup)
-    rn.materialize(model, mode, None)
+    if mesh is not None:
+        _tensor_parallel(model, mesh, mode)
+    else:
+        rn.materialize(model, mode, None)
     held = contextlib.ExitStack()  # the quantised weights' state, for the run
     held.enter_context(_quantised(model, mode, setup))
     model.eval()
@@ -275,7 +353,11 @@ def _run_layout(
     conf.use_cache = True
     gc: Any = model.generation_config
     gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = None, 0, None
-    tr = tk.Tracker()
+    tr: tk.Tracker = tk.Tracker()
+    if mesh is not None:
+        from trainfit.trace.tensor_parallel import TPTracker
+
+        tr = TPTracker()
     tr.mark(list(model.parameters()) + list(model.buffers()), tk.WEIGHTS)
     passes: list[_PassMarks] = []
     answers = _Answers([], setup.new_tokens)
@@ -413,13 +495,12 @@ def trace_generate(
     split: bool = True,
     progress: Callable[[str, float], None] | None = None,
 ) -> GenerateTrace:
-    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU; 16/32-bit, bitsandbytes int8/nf4/fp4 or dense
-    fine-grained fp8 weights; a cache in the compute
-    dtype or transformers' dynamic fp8 cache)."""
+    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU or rank 0 of ``setup.tp``; 16/32-bit,
+    bitsandbytes int8/nf4/fp4 or dense fine-grained fp8 weights on one GPU; a cache in the compute dtype or
+    transformers' dynamic fp8 cache)."""
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
-    if setup.tp != 1:
-        raise TraceError("--method trace runs one GPU: use --tp 1 (the analytic method models tensor parallelism)")
+    _check_tp(spec, setup)
     dtype = _build_dtype(setup)
     _check_kv_dtype(spec, setup)
     say("building the model on the meta device", 0.0)
@@ -428,6 +509,8 @@ def trace_generate(
     meta_config: Any = meta.config
     conf = meta_config.get_text_config() if hasattr(meta_config, "get_text_config") else meta_config
     full = int(conf.num_hidden_layers)
+    if setup.tp > 1:
+        notes = [*notes, *_tp_notes(meta, setup.tp)]
     stack_path, stack = hf.find_stack(meta, full)
     sig_ids: dict[Any, int] = {}
     sigs = [sig_ids.setdefault(hf.layer_signature(layer), len(sig_ids)) for layer in stack]
@@ -439,27 +522,28 @@ def trace_generate(
     keyed: list[dict[tuple[InferencePhase, Place], dict[Component, int]]] = []
     traced: list[int] = []
     sdpa: dict[SdpaKernel, int] = {}
-    for i, counts in enumerate(configs):
-        layout = hf.layout_for(blocks, runs, counts)
-        layers = layout.layers
-        say(f"trace {i + 1}/{len(configs)}: generate with {len(layers)} layers", i / len(configs))
-        starts, acc = [], 0
-        for blk in layout.blocks:
-            starts.append(acc)
-            acc += len(blk.layers)
-        unit_first = [starts[fb] for fb, _ in layout.unit_blocks]
-        places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
-        request: int | None = None
-        for run_setup, tag, skip in _runs(setup, split):
-            model = hf.reduced_model(meta, stack_path, layers, full)
-            _, sub = hf.find_stack(model, len(layers))
-            tr, passes, calls = _run_layout(model, sub, unit_first, run_setup, flash, setup.context)
-            if not sdpa:
-                sdpa = calls
-            places.update(_places(tr, passes, layout.unit_run, counts, tag=tag, skip=skip, request_bytes=request))
-            request = _request_bytes(tr, passes)
-        keyed.append(places)
-        traced.append(len(layers))
+    with _fake_tp_mesh(setup.tp) if setup.tp > 1 else contextlib.nullcontext() as mesh:
+        for i, counts in enumerate(configs):
+            layout = hf.layout_for(blocks, runs, counts)
+            layers = layout.layers
+            say(f"trace {i + 1}/{len(configs)}: generate with {len(layers)} layers", i / len(configs))
+            starts, acc = [], 0
+            for blk in layout.blocks:
+                starts.append(acc)
+                acc += len(blk.layers)
+            unit_first = [starts[fb] for fb, _ in layout.unit_blocks]
+            places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
+            request: int | None = None
+            for run_setup, tag, skip in _runs(setup, split):
+                model = hf.reduced_model(meta, stack_path, layers, full)
+                _, sub = hf.find_stack(model, len(layers))
+                tr, passes, calls = _run_layout(model, sub, unit_first, run_setup, flash, setup.context, mesh)
+                if not sdpa:
+                    sdpa = calls
+                places.update(_places(tr, passes, layout.unit_run, counts, tag=tag, skip=skip, request_bytes=request))
+                request = _request_bytes(tr, passes)
+            keyed.append(places)
+            traced.append(len(layers))
     say("extrapolating", 1.0)
     full_places: dict[tuple[InferencePhase, Place], dict[Component, int]] = {}
     for key, comps in keyed[0].items():
@@ -492,6 +576,76 @@ def trace_generate(
         seconds=round(time.perf_counter() - t0, 2),
         notes=(*notes, note),
     )
+
+
+def _check_tp(spec: ModelSpec, setup: InferenceSetup) -> None:
+    """What the tensor-parallel trace runs: transformers' own plan (the model config's ``base_model_tp_plan``)
+    on 16/32-bit weights. transformers shards k/v ``colwise`` and, unlike vLLM, never replicates a k/v head:
+    with fewer k/v heads than ranks (or a count ``tp`` does not divide) ``generate`` finds no even split
+    (``get_kv_heads_per_rank`` returns None) and a rank's k_proj output is not whole heads."""
+    if setup.tp == 1:
+        return
+    if setup.dtype.bnb or setup.dtype is WeightFormat.FP8:
+        raise TraceError(
+            f"--method trace runs tensor parallelism with 16/32-bit weights, not --dtype {setup.dtype.value}; "
+            "use --method analytic"
+        )
+    if spec.mla is None and spec.num_kv_heads % setup.tp:
+        raise TraceError(
+            f"--method trace: transformers' tensor-parallel plan splits k/v heads evenly, and {spec.name}'s "
+            f"{spec.num_kv_heads} do not split {setup.tp} ways (vLLM replicates them; --method analytic models that)"
+        )
+
+
+def _tp_notes(model: torch.nn.Module, tp: int) -> tuple[str, ...]:
+    """What the report says about transformers' plan: rank 0 of ``tp``, and whether the plan splits attention
+    (DeepSeek-V3's ``base_model_tp_plan`` names only the MLP and experts: MLA runs replicated on every rank)."""
+    plan: Any = getattr(model, "tp_plan", None) or {}
+    out = [
+        f"rank 0 of TP {tp} on PyTorch's fake process group: transformers' own plan "
+        "(base_model_tp_plan: colwise/rowwise linears, vocabulary-parallel embedding, gathered lm_head)"
+    ]
+    config: Any = model.config
+    kind = config.model_type
+    if not any(".self_attn." in key for key in plan):
+        out.append(
+            f"transformers' plan for {kind} leaves attention unsharded: every rank holds and runs all heads "
+            "(the analytic method splits them, as vLLM does)"
+        )
+    gathered = sorted(
+        {k.rsplit(".", 1)[-1] for k, v in plan.items() if ".layers." in k and v == "colwise_gather_output"}
+    )
+    if gathered:
+        out.append(
+            f"transformers' plan for {kind} gathers the output of {', '.join(gathered)} on every rank "
+            "(colwise_gather_output): activations and the cache are not split (the analytic method splits them)"
+        )
+
+    def wild(name: str) -> str:
+        return re.sub(r"\.\d+\.", ".*.", name)
+
+    unplanned = sorted(
+        {
+            wild(n).rsplit(".*.", 1)[-1]
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".layers." in n and wild(n) not in plan and m.out_features > 1
+        }
+    )
+    if unplanned:
+        out.append(
+            f"transformers' plan for {kind} has no rule for {', '.join(unplanned)}: replicated on every rank "
+            "(the analytic method splits them)"
+        )
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _fake_tp_mesh(tp: int) -> Iterator[Any]:
+    """Rank 0 of a ``tp``-rank group on PyTorch's fake process group, its 1-D CPU mesh (DESIGN §4.3)."""
+    from trainfit.trace.tensor_parallel import fake_mesh
+
+    with fake_mesh(1, tp) as mesh:
+        yield mesh["tp"]
 
 
 def _request_bytes(tr: tk.Tracker, passes: Sequence[_PassMarks]) -> int:
