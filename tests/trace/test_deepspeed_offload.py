@@ -5,9 +5,10 @@ form of :mod:`trainfit.analytic.parallel`.
 
 Device phases within 3%, host components (what DeepSpeed pins, and Adam's states on the host) within 1%. One
 explained exception: offloaded, the step leaves on the device little more than the 16-bit weights, and the
-per-parameter fp64 norm scalars DeepSpeed keeps until the end of the step (``norm_for_param_grads``, one 512-byte
-block each), which the closed form leaves out, are then a few percent of a tiny model's step: 32 KiB of slack
-(a few kilobytes of tens of GiB at catalog sizes, ``benchmarks/agreement_distributed.py --offload``)."""
+per-parameter fp64 norm scalars DeepSpeed keeps until the end of the step (``norm_for_param_grads``, one
+512-byte block each), which the closed form leaves out, are then a few percent of a tiny model's step, as are the
+few small gradients (norm weights, 512-byte blocks) stage 1 still holds on the device at the step: 32 KiB of
+slack (a few kilobytes of tens of GiB at catalog sizes, ``benchmarks/agreement_distributed.py --offload``)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,13 @@ def test_offloaded_rank_agrees_with_trace(sharding: str, w: int, offload: str, p
     traced = trace_distributed(spec, s)
     closed = estimate_parallel(spec, s)
     for a, t in zip(closed.phases, traced.phases, strict=True):
-        assert abs(a.total_bytes - t.total_bytes) <= 0.03 * t.total_bytes + SLACK, (a.phase, a.total_bytes, t.total_bytes)
+        assert abs(a.total_bytes - t.total_bytes) <= 0.03 * t.total_bytes + SLACK, (
+            a.phase,
+            a.total_bytes,
+            t.total_bytes,
+        )
         for c in (Component.WEIGHTS, Component.GRADIENTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES):
-            assert abs(a.get(c) - t.get(c)) <= 0.01 * t.get(c) + 4096, (a.phase, c, a.get(c), t.get(c))
+            assert abs(a.get(c) - t.get(c)) <= 0.01 * t.get(c) + SLACK, (a.phase, c, a.get(c), t.get(c))
         # the host: what DeepSpeed pins and Adam's states, by component (per node, as the analytic reports)
         assert set(t.host_components) == {c for c, n in a.host_components.items() if n}, a.phase
         for c, n in a.host_components.items():

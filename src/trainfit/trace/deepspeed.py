@@ -60,8 +60,17 @@ records the module order in the first step and fetches, prefetches and releases 
 what stays gathered depends on where each module is in that order (``stage3_max_reuse_distance``, the
 prefetch scan), not linearly on the depth (:mod:`trainfit.analytic.zero3` replays it).
 
-Refused in one line: CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
-gradient accumulation (the runner's passes per step do not follow DeepSpeed's accumulation boundary).
+CPU offload (``--offload optimizer``: ``offload_optimizer: {device: cpu}``, stages 1–3; ``optimizer+params``:
+``offload_param`` as well, stage 3) runs the exported config whole: its ``optimizer`` block makes the engine build
+DeepSpeedCPUAdam, whose C++ extension alone is a stand-in; what DeepSpeed pins and what the CPU Adam step
+allocates is filed as host memory and reported per node in ``host_components``
+(:mod:`trainfit.trace.deepspeed_offload`, with the two further patched reads). On the CPU accelerator a
+``.to(device)`` of a host tensor is no copy, so the device copies ZeRO-3 makes of a host partition before using
+it (stage3.py ``grad_buffer.to(grad_partition.device)``; the offloaded parameter partition before its
+all-gather) are not seen.
+
+Refused in one line: NVMe and activation offload, optimizers other than AdamW, gradient accumulation (the
+runner's passes per step do not follow DeepSpeed's accumulation boundary).
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.deepspeed_offload import HOST_KINDS, host_live, mark_offload_states, offload_patches
 from trainfit.trace.distributed import (
     COMM,
     UNSHARDED,
@@ -93,7 +103,6 @@ from trainfit.trace.distributed import (
     patched_resize,
     rank_report,
 )
-from trainfit.trace.deepspeed_offload import HOST_KINDS, host_live, mark_offload_states, offload_patches
 from trainfit.trace.optim import state_tensors
 from trainfit.trace.timeline import Mark, PassMarks, StepMarks
 
@@ -278,7 +287,7 @@ class DeepSpeedTracker(DistTracker):  # type: ignore[no-untyped-call]
     def component(self, rec: tk.Record) -> Component | None:
         if rec.kind in HOST_KINDS:
             return None  # host memory (trainfit.trace.deepspeed_offload)
-        return super().component(rec)  # type: ignore[no-any-return]
+        return super().component(rec)
 
     def _record(self, st: torch.UntypedStorage, op: str) -> tk.Record | None:
         rec = super()._record(st, op)
@@ -355,8 +364,9 @@ class _EngineLoop(rn._StepLoop):
 
         # With offload the config's optimizer block makes the engine build DeepSpeedCPUAdam itself.
         client = None if self.offload else torch.optim.AdamW(self.trainable, lr=2e-5, weight_decay=0.0, fused=True)
+        params = self.trainable if self.offload else None
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=self.model, model_parameters=self.trainable if self.offload else None, optimizer=client, config=self.cfg
+            model=self.model, model_parameters=params, optimizer=client, config=self.cfg
         )
         self.engine = engine
         self.mark_states()

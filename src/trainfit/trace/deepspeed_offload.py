@@ -78,7 +78,8 @@ class _HostAdamOp:
     def __init__(self) -> None:
         self.adamw: dict[int, bool] = {}
 
-    def create_adam(self, opt_id: int, _lr: float, _b1: float, _b2: float, _eps: float, _wd: float, adamw: bool, *_: Any) -> int:
+    def create_adam(self, opt_id: int, *args: Any) -> int:
+        adamw = args[5]  # (lr, beta1, beta2, eps, weight_decay, adamw_mode, should_log)
         self.adamw[opt_id] = bool(adamw)
         return 0
 
@@ -87,7 +88,7 @@ class _HostAdamOp:
         return 0
 
     @torch.no_grad()
-    def adam_update(  # noqa: PLR0913 - the extension's signature
+    def adam_update(
         self,
         opt_id: int,
         step: int,
