@@ -62,7 +62,13 @@ def _strategy(sharding: str, w: int, offload: str, precision: str) -> Strategy:
 def test_offloaded_rank_agrees_with_trace(sharding: str, w: int, offload: str, precision: str) -> None:
     spec = tiny_spec("llama", **(ZERO3 if sharding == "zero3" else WIDER))
     s = _strategy(sharding, w, offload, precision)
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import cpu_adam
+
+    builder = cpu_adam.CPUAdamBuilder
     traced = trace_distributed(spec, s)
+    # the stand-in and the host filing are the trace's only: DeepSpeed is left as it was
+    assert cpu_adam.CPUAdamBuilder is builder and "pin_memory" not in vars(get_accelerator())
     closed = estimate_parallel(spec, s)
     for a, t in zip(closed.phases, traced.phases, strict=True):
         assert abs(a.total_bytes - t.total_bytes) <= 0.03 * t.total_bytes + SLACK, (

@@ -94,6 +94,7 @@ from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.deepspeed_offload import HOST_KINDS, host_live, mark_offload_states, offload_patches
+from trainfit.trace.deepspeed_offload import tensors_in as _tensors
 from trainfit.trace.distributed import (
     COMM,
     UNSHARDED,
@@ -335,18 +336,6 @@ def _buffer_methods(stage: int) -> list[tuple[Any, str, int]]:
         return [(ppc.PartitionedParameterCoordinator, "fetch_sub_module", UNSHARDED)]
     z = s12.DeepSpeedZeroOptimizer
     return [(z, "setup_buckets", COMM), (z, "copy_grads_in_partition", tk.GRAD)]
-
-
-def _tensors(*objs: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for o in objs:
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            out.extend(_tensors(*o))
-        elif isinstance(o, dict):
-            out.extend(_tensors(*o.values()))
-    return out
 
 
 class _EngineLoop(rn._StepLoop):

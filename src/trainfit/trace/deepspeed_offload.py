@@ -122,19 +122,24 @@ class HostAdamBuilder:
         return _HostAdamOp()
 
 
+def tensors_in(*objs: Any) -> list[torch.Tensor]:
+    """The tensors in ``objs`` and in the lists, tuples and dicts among them (DeepSpeed's buffer attributes)."""
+    out: list[torch.Tensor] = []
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            out.extend(tensors_in(*o))
+        elif isinstance(o, dict):
+            out.extend(tensors_in(*o.values()))
+    return out
+
+
 def mark_offload_states(o: Any, tr: Any, stage: int) -> None:
     """File DeepSpeed's host buffers by the attribute the ZeRO optimizer ``o`` keeps them in."""
     from trainfit.trace.optim import state_tensors
 
-    def ts(x: Any) -> list[torch.Tensor]:
-        if isinstance(x, torch.Tensor):
-            return [x]
-        if isinstance(x, (list, tuple)):
-            return [t for v in x for t in ts(v)]
-        if isinstance(x, dict):
-            return [t for v in x.values() for t in ts(v)]
-        return []
-
+    ts = tensors_in
     if stage < 3:
         fp32 = ts(o.single_partition_of_fp32_groups)
         tr.mark(ts(getattr(o, "param_buffer_of_bit16_for_cpu_offload_groups", None)), H_BUF)
@@ -232,4 +237,4 @@ def offload_patches(tr: Any) -> Iterator[None]:
                 setattr(obj, name, old)
 
 
-__all__ = ["HOST_KINDS", "HostAdamBuilder", "host_live", "mark_offload_states", "offload_patches"]
+__all__ = ["HOST_KINDS", "HostAdamBuilder", "host_live", "mark_offload_states", "offload_patches", "tensors_in"]
