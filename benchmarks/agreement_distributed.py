@@ -10,7 +10,10 @@ real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole de
 (``--finetune``) wrap real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
 2-D FSDP2 × TP rows (``--fsdp-tp``) run ``parallelize_module`` then ``fully_shard`` per layer and root on the
 ``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune]
+DeepSpeed's CPU offload rows (``--offload``: ZeRO-Offload, ZeRO-Infinity to CPU; trainfit.trace.deepspeed_offload)
+also compare the host bytes per node (what DeepSpeed pins, Adam's states on the host).
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
+| --offload]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 
 from trainfit.analytic.parallel import estimate_parallel
 from trainfit.arch import load_model
-from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
+from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy, finetune_setup
 from trainfit.trace.distributed import trace_distributed
 
 # (model, sharding, world size, reshard_after_forward / gradient_as_bucket_view, checkpointing)
@@ -68,6 +71,14 @@ FINETUNE = (
     ("llama-3.1-8b", "fsdp", 8, True, "full", "qlora", "all-linear"),
     ("llama-3.1-8b", "ddp", 8, False, "full", "lora", "all-linear"),
     ("qwen2.5-7b", "hsdp", 16, True, "none", "lora", "q_proj,v_proj"),
+)
+
+# (model, sharding, world size, --offload, checkpointing): DeepSpeed with the exported offload blocks, master-bf16
+OFFLOAD_CASES = (
+    ("llama-2-7b", "zero2", 8, "optimizer", "none"),
+    ("llama-2-7b", "zero1", 64, "optimizer", "none"),
+    ("llama-2-7b", "zero3", 8, "optimizer", "none"),
+    ("qwen2.5-7b", "zero3", 64, "optimizer+params", "full"),
 )
 
 
@@ -126,7 +137,43 @@ def _header() -> None:
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
 
 
+def offload_rows(quick: bool) -> None:
+    print(
+        "| model | setup | W | ckpt | analytic GiB (phase) | trace GiB (phase) | Δ peak | worst Δ of a phase "
+        "| host/node analytic GiB | host/node trace GiB | Δ host | trace s |"
+    )
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for slug, sharding, w, offload, ckpt in OFFLOAD_CASES[:1] if quick else OFFLOAD_CASES:
+        spec = load_model(slug)
+        s = Strategy(
+            precision="master-bf16",
+            parallelism=Parallelism(data=w),
+            sharding=sharding,
+            checkpointing=ckpt,
+            micro_batch=1,
+            seq_len=2048,
+            offload=Offload.parse(offload),
+        )
+        t0 = time.perf_counter()
+        tr = trace_distributed(spec, s)
+        secs = time.perf_counter() - t0
+        an = estimate_parallel(spec, s)
+        pairs = zip(an.phases, tr.phases, strict=True)
+        worst = max(abs(a.total_bytes - t.total_bytes) / t.total_bytes for a, t in pairs)
+        d = (an.peak_bytes - tr.peak_bytes) / tr.peak_bytes
+        dh = (an.host_peak_bytes - tr.host_peak_bytes) / tr.host_peak_bytes
+        print(
+            f"| {slug} | ZeRO-{sharding[-1]}, --offload {offload} | {w} | {ckpt} | {gib(an.peak_bytes)} "
+            f"({an.peak_phase.value}) | {gib(tr.peak_bytes)} ({tr.peak_phase.value}) | {d:+.2%} | {worst:.2%} | "
+            f"{gib(an.host_peak_bytes)} | {gib(tr.host_peak_bytes)} | {dh:+.2%} | {secs:.1f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str]) -> None:
+    if "--offload" in argv:
+        offload_rows("--quick" in argv)
+        return
     if "--fsdp-tp" in argv:
         _header()
         for slug, tp, dp, sp, ckpt in FSDP_TP_CASES[:1] if "--quick" in argv else FSDP_TP_CASES:

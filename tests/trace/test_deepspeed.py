@@ -148,8 +148,7 @@ def test_zero3_rank_agrees_with_trace(w: int, precision: str, ckpt: str, prefetc
 @pytest.mark.parametrize(
     ("kw", "words"),
     [
-        ({"sharding": "zero3", "offload": Offload.parse("optimizer")}, "offload"),
-        ({"offload": Offload.parse("optimizer")}, "offload"),
+        ({"offload": Offload.parse("optimizer+params")}, "zero3"),
         ({"optimizer": "sgd"}, "AdamW"),
         ({"grad_accum": 2}, "micro-batch"),
     ],

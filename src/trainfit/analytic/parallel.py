@@ -1016,12 +1016,18 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     if stage == 3:  # the gathered parameters, replaying DeepSpeed's parameter coordinator (analytic/zero3.py)
         fetch = gathered_bytes(spec, strategy, p.dp, pb)
     g_full = max(1, q.states.grads_bytes)
+    largest = max((t.numel for t, _m in zp.trainable_tensors), default=0)
+    # ZeRO-Offload, stages 1–2: a 16-bit device buffer of the largest parameter, through which gradients are
+    # staged for the host (stage_1_and_2.py ``__init__``: ``temp_grad_buffer_for_gpu_offload``), held all run.
+    off_staging = allocator_bytes(largest * pb) if off_opt and stage < 3 else 0
+    # ZeRO-Infinity keeps the persistent parameters whole on the device; only their partitions go to the host.
+    whole_on_device = sum(m * _alloc(t.numel, pb * 8) for t, m in zp.stage3_whole_tensors)
 
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
         c[Component.ADAPTER_WEIGHTS] = 0  # cast to 16 bits with the rest, in the flat groups (WEIGHTS)
-        c[Component.WEIGHTS] = 0 if off_par else weights
+        c[Component.WEIGHTS] = whole_on_device if off_par else weights
         c[Component.MASTER_WEIGHTS] = 0 if off_opt else allocator_bytes(master)
         c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
         frac = min(1.0, m.gradients / g_full)
@@ -1049,10 +1055,12 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # ``grads_in_partition`` (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``).
             grads = 0 if off_opt else grad_part
             c[Component.TEMPORARIES] = 0 if off_opt else step_temp
-            if stage == 3 and not off_par:
+            if stage == 3 and not off_opt:
+                # (offloaded, the device's step is the copy back of the partition: its peak is at the start,
+                # the persistent parameters still whole)
                 c[Component.WEIGHTS] = weights_step
         c[Component.GRADIENTS] = grads
-        c[Component.COMM_BUFFERS] = comm
+        c[Component.COMM_BUFFERS] = comm + off_staging
         c[Component.UNSHARDED_PARAMS] = unsharded
         return c
 
@@ -1064,6 +1072,14 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             Component.OPTIMIZER_STATES: optim * per_node,
             Component.GRADIENTS: part * 4 * per_node,  # the pinned fp32 gradient partition
         }
+        if stage < 3:
+            # Pinned 16-bit staging: the partition's copy-back buffer and one parameter's gradient
+            # (stage_1_and_2.py ``param_buffer_of_bit16_for_cpu_offload_groups``, ``temp_grad_buffer_for_cpu_offload``).
+            host[Component.COMM_BUFFERS] = (part + largest) * pb * per_node
+        else:
+            # Stage 3 moves its 16-bit gradient partition to the host too, besides the fp32 one (stage3.py
+            # ``_setup_for_real_optimizer``: ``grad_partitions_flat_buffer`` on ``self.device``, pinned).
+            host[Component.GRADIENTS] = part * (4 + pb) * per_node
         if off_par:
             host[Component.WEIGHTS] = part * pb * per_node
     if finetuning(strategy):

@@ -60,8 +60,17 @@ records the module order in the first step and fetches, prefetches and releases 
 what stays gathered depends on where each module is in that order (``stage3_max_reuse_distance``, the
 prefetch scan), not linearly on the depth (:mod:`trainfit.analytic.zero3` replays it).
 
-Refused in one line: CPU offload (host buffers and DeepSpeedCPUAdam, a C++ op), optimizers other than AdamW,
-gradient accumulation (the runner's passes per step do not follow DeepSpeed's accumulation boundary).
+CPU offload (``--offload optimizer``: ``offload_optimizer: {device: cpu}``, stages 1–3; ``optimizer+params``:
+``offload_param`` as well, stage 3) runs the exported config whole: its ``optimizer`` block makes the engine build
+DeepSpeedCPUAdam, whose C++ extension alone is a stand-in; what DeepSpeed pins and what the CPU Adam step
+allocates is filed as host memory and reported per node in ``host_components``
+(:mod:`trainfit.trace.deepspeed_offload`, with the two further patched reads). On the CPU accelerator a
+``.to(device)`` of a host tensor is no copy, so the device copies ZeRO-3 makes of a host partition before using
+it (stage3.py ``grad_buffer.to(grad_partition.device)``; the offloaded parameter partition before its
+all-gather) are not seen.
+
+Refused in one line: NVMe and activation offload, optimizers other than AdamW, gradient accumulation (the
+runner's passes per step do not follow DeepSpeed's accumulation boundary).
 """
 
 from __future__ import annotations
@@ -79,11 +88,13 @@ import torch
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError, StrategyError, TraceUnsupportedError
-from trainfit.result import Component, MemoryReport, Phase
-from trainfit.strategy import Checkpointing, Optimizer, Precision, Sharding, Strategy
+from trainfit.result import Component, MemoryReport, Phase, PhaseBreakdown
+from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.deepspeed_offload import HOST_KINDS, host_live, mark_offload_states, offload_patches
+from trainfit.trace.deepspeed_offload import tensors_in as _tensors
 from trainfit.trace.distributed import (
     COMM,
     UNSHARDED,
@@ -103,8 +114,13 @@ ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
 
 def check_traceable(strategy: Strategy) -> None:
     """What this trace runs: ZeRO-1/2/3, data parallel only, on the device, full training with AdamW."""
-    if strategy.offload.any:
-        raise StrategyError("--method trace does not run DeepSpeed's CPU offload; use --method analytic")
+    off = strategy.offload
+    if off.activations:
+        raise StrategyError("--method trace does not run activation offload under DeepSpeed; use --method analytic")
+    if OffloadTarget.NVME in (off.optimizer, off.parameters):
+        raise StrategyError("--method trace runs DeepSpeed's offload to CPU memory, not NVMe")
+    if off.parameters_on_host and (strategy.sharding is not Sharding.ZERO3 or not off.optimizer_on_host):
+        raise StrategyError("parameter offload (ZeRO-Infinity) needs --sharding zero3 --offload optimizer+params")
     if strategy.grad_accum > 1:
         raise StrategyError("--method trace runs DeepSpeed with one micro-batch per step; use --method analytic")
     if not strategy.trains_every_weight or not strategy.base_weights.is_default:
@@ -123,14 +139,16 @@ def check_traceable(strategy: Strategy) -> None:
 
 def ds_config(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
     """The DeepSpeed config ``trainfit export`` writes for ``strategy``, without its ``optimizer`` block
-    (a client AdamW replaces FusedAdam; see the module docstring)."""
+    (a client AdamW replaces FusedAdam; see the module docstring) unless the optimizer is offloaded (then the
+    engine builds DeepSpeedCPUAdam from it, :mod:`trainfit.trace.deepspeed_offload`)."""
     from trainfit.export.configs import export_plan
 
     cfg = export_plan(spec, strategy).deepspeed_config
     if cfg is None:  # pragma: no cover - export writes one for every zero* strategy without tp/pp
         raise StrategyError(f"no DeepSpeed config for --sharding {strategy.sharding.value}")
     cfg = dict(cfg)
-    cfg.pop("optimizer", None)
+    if not strategy.offload.optimizer_on_host:  # with offload the engine builds DeepSpeedCPUAdam from it
+        cfg.pop("optimizer", None)
     return cfg
 
 
@@ -267,6 +285,11 @@ class DeepSpeedTracker(DistTracker):  # type: ignore[no-untyped-call]
             return func(*args, **kw)  # shapes only, no memory
         return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
 
+    def component(self, rec: tk.Record) -> Component | None:
+        if rec.kind in HOST_KINDS:
+            return None  # host memory (trainfit.trace.deepspeed_offload)
+        return super().component(rec)
+
     def _record(self, st: torch.UntypedStorage, op: str) -> tk.Record | None:
         rec = super()._record(st, op)
         if rec is not None and self.kinds and rec.kind == tk.NONE and rec.alloc_t == self.t:
@@ -315,18 +338,6 @@ def _buffer_methods(stage: int) -> list[tuple[Any, str, int]]:
     return [(z, "setup_buckets", COMM), (z, "copy_grads_in_partition", tk.GRAD)]
 
 
-def _tensors(*objs: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for o in objs:
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            out.extend(_tensors(*o))
-        elif isinstance(o, dict):
-            out.extend(_tensors(*o.values()))
-    return out
-
-
 class _EngineLoop(rn._StepLoop):
     """The runner's step loop with DeepSpeed's engine doing the backward, the reduction and the step."""
 
@@ -335,12 +346,17 @@ class _EngineLoop(rn._StepLoop):
         self.cfg = cfg
         self.engine: Any = None
         self.stage = int(cfg["zero_optimization"]["stage"])
+        self.offload = "offload_optimizer" in cfg["zero_optimization"]
 
     def build_optimizer(self) -> rn._Optim:
         import deepspeed
 
-        client = torch.optim.AdamW(self.trainable, lr=2e-5, weight_decay=0.0, fused=True)
-        engine, optimizer, _, _ = deepspeed.initialize(model=self.model, optimizer=client, config=self.cfg)
+        # With offload the config's optimizer block makes the engine build DeepSpeedCPUAdam itself.
+        client = None if self.offload else torch.optim.AdamW(self.trainable, lr=2e-5, weight_decay=0.0, fused=True)
+        params = self.trainable if self.offload else None
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=self.model, model_parameters=params, optimizer=client, config=self.cfg
+        )
         self.engine = engine
         self.mark_states()
         return rn._Optim(optimizer=optimizer, master=None, scaler=None, params=self.trainable, host_keys=set())
@@ -351,12 +367,17 @@ class _EngineLoop(rn._StepLoop):
         o, tr = self.engine.optimizer, self.tr
         if self.stage == 3:
             self.mark_stage3_states()
-            return
-        tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
-        tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
-        tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
-        for _key, t in state_tensors(o.optimizer):
-            tr.mark([t], tk.OPT)
+        else:
+            tr.mark(_tensors(o.bit16_groups_flat), tk.WEIGHTS)
+            if not self.offload:
+                tr.mark(_tensors(o.single_partition_of_fp32_groups), tk.MASTER)
+                tr.mark(_tensors(getattr(o, "grads_in_partition", None)), tk.GRAD)
+                for _key, t in state_tensors(o.optimizer):
+                    tr.mark([t], tk.OPT)
+            else:  # DeepSpeed's device-side staging buffer for the copies to the host
+                tr.mark(_tensors(getattr(o, "temp_grad_buffer_for_gpu_offload", None)), COMM)
+        if self.offload:
+            mark_offload_states(o, tr, self.stage)
 
     def mark_stage3_states(self) -> None:
         """Stage 3's long-lived buffers (deepspeed/runtime/zero/stage3.py ``DeepSpeedZeroOptimizer_Stage3``):
@@ -451,7 +472,8 @@ def run_layout_deepspeed(
     )
     loop = _EngineLoop(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr), ds_config(spec, strategy))
     loop_box.append(loop)
-    with hf.runtime_patches(), patched_resize(tr), _allocations_as(tr, _buffer_methods(loop.stage)):
+    offload = offload_patches(tr) if loop.offload else contextlib.nullcontext()
+    with hf.runtime_patches(), patched_resize(tr), _allocations_as(tr, _buffer_methods(loop.stage)), offload:
         return loop.run()
 
 
@@ -513,12 +535,20 @@ def trace_deepspeed(
     else:
         pk = readout.phase_peaks(results[0][2])
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+    if strategy.offload.any:
+        phases = _with_host(phases, step_run or results[-1][2], min(world, strategy.parallelism.gpus_per_node))
     traced = [len(layout.layers) for _, layout, _ in results]
     zero = ds_config(spec, strategy)["zero_optimization"]
     notes = [
         f"rank 0 of {world} on PyTorch's fake process group: DeepSpeed ZeRO-{stage} engine, the exported config "
         f"(reduce_bucket_size {zero['reduce_bucket_size']:.0e}, overlap_comm {zero['overlap_comm']}, "
-        f"{strategy.recipe.compute_dtype}) with a client torch AdamW in place of FusedAdam",
+        f"{strategy.recipe.compute_dtype}) "
+        + (
+            "with ZeRO-Offload: DeepSpeedCPUAdam built by the engine, its C++ step replaced by a torch stand-in "
+            "on the host tensors; host bytes per node"
+            if strategy.offload.any
+            else "with a client torch AdamW in place of FusedAdam"
+        ),
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + (" and extrapolated each region linearly" if plan.ext else ""),
         "NCCL's own buffers are outside the allocator",
@@ -534,6 +564,17 @@ def trace_deepspeed(
         warnings=warnings,
         started=t0,
     )
+
+
+def _with_host(phases: dict[Phase, PhaseBreakdown], run: rn.TraceRun, per_node: int) -> dict[Phase, PhaseBreakdown]:
+    """Each phase with the host bytes (by component) the full-depth run holds at that phase's device peak, times
+    the ranks of a node, as the analytic reports them (its host memory is the node's)."""
+    peaks = readout.phase_peaks(run)
+    out = {}
+    for ph, b in phases.items():
+        host = host_live(run.tracker, peaks[ph].event)
+        out[ph] = dataclasses.replace(b, host_components={c: n * per_node for c, n in host.items()})
+    return out
 
 
 def _hold_transients(

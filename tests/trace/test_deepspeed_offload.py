@@ -1,0 +1,126 @@
+"""DeepSpeed's CPU offload traced: rank 0 of the real ``DeepSpeedEngine`` with ``offload_optimizer: {device:
+cpu}`` (ZeRO-1/2/3) and ``offload_param`` (ZeRO-3) on PyTorch's fake process group, DeepSpeedCPUAdam's C++ step
+replaced by a torch stand-in on the host tensors (:mod:`trainfit.trace.deepspeed_offload`), against the closed
+form of :mod:`trainfit.analytic.parallel`.
+
+Device phases within 3%, host components (what DeepSpeed pins, and Adam's states on the host) within 1%. One
+explained exception: offloaded, the step leaves on the device little more than the 16-bit weights, and the
+per-parameter fp64 norm scalars DeepSpeed keeps until the end of the step (``norm_for_param_grads``, one
+512-byte block each), which the closed form leaves out, are then a few percent of a tiny model's step, as are the
+few small gradients (norm weights, 512-byte blocks) stage 1 still holds on the device at the step: 32 KiB of
+slack (a few kilobytes of tens of GiB at catalog sizes, ``benchmarks/agreement_distributed.py --offload``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit.errors import StrategyError
+from trainfit.result import Component
+from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
+
+from .conftest import tiny_spec
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+from trainfit.analytic.parallel import estimate_parallel
+from trainfit.export.configs import export_plan
+from trainfit.trace.deepspeed import ds_config
+from trainfit.trace.distributed import trace_distributed
+
+WIDER = {"hidden_size": 128, "intermediate_size": 256, "vocab_size": 512}
+# as tests/trace/test_deepspeed.py: MLP and vocabulary above the persistence threshold, so ZeRO-3 gathers
+ZERO3 = {"hidden_size": 128, "intermediate_size": 1024, "vocab_size": 1024}
+BUCKET = 50_000
+SLACK = 32 * 1024
+
+CELLS = [
+    ("zero1", 2, "optimizer", "amp-fp16"),
+    ("zero2", 8, "optimizer", "master-bf16"),
+    ("zero2", 64, "optimizer", "amp-bf16"),
+    ("zero3", 8, "optimizer", "master-bf16"),
+    ("zero3", 2, "optimizer+params", "amp-fp16"),
+    ("zero3", 64, "optimizer+params", "amp-bf16"),
+]
+
+
+def _strategy(sharding: str, w: int, offload: str, precision: str) -> Strategy:
+    return Strategy(
+        precision=precision,
+        parallelism=Parallelism(data=w),
+        sharding=sharding,
+        micro_batch=2,
+        seq_len=128,
+        offload=Offload.parse(offload),
+        engine=EngineOptions(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET, prefetch_bucket_size=BUCKET),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sharding", "w", "offload", "precision"), [pytest.param(*c, id="-".join(map(str, c))) for c in CELLS]
+)
+def test_offloaded_rank_agrees_with_trace(sharding: str, w: int, offload: str, precision: str) -> None:
+    spec = tiny_spec("llama", **(ZERO3 if sharding == "zero3" else WIDER))
+    s = _strategy(sharding, w, offload, precision)
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import cpu_adam
+
+    builder = cpu_adam.CPUAdamBuilder
+    traced = trace_distributed(spec, s)
+    # the stand-in and the host filing are the trace's only: DeepSpeed is left as it was
+    assert cpu_adam.CPUAdamBuilder is builder and "pin_memory" not in vars(get_accelerator())
+    closed = estimate_parallel(spec, s)
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= 0.03 * t.total_bytes + SLACK, (
+            a.phase,
+            a.total_bytes,
+            t.total_bytes,
+        )
+        for c in (Component.WEIGHTS, Component.GRADIENTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES):
+            assert abs(a.get(c) - t.get(c)) <= 0.01 * t.get(c) + SLACK, (a.phase, c, a.get(c), t.get(c))
+        # the host: what DeepSpeed pins and Adam's states, by component (per node, as the analytic reports)
+        assert set(t.host_components) == {c for c, n in a.host_components.items() if n}, a.phase
+        for c, n in a.host_components.items():
+            got = t.host_components.get(c, 0)
+            assert abs(n - got) <= 0.01 * got + 4096 * s.parallelism.gpus_per_node, (a.phase, c, n, got)
+    # the states left the device
+    assert traced.phases[-1].get(Component.OPTIMIZER_STATES) == traced.phases[-1].get(Component.MASTER_WEIGHTS) == 0
+
+
+def test_the_offloaded_trace_runs_the_exported_config() -> None:
+    """Offloaded, DeepSpeed is given ``trainfit export``'s ds_config.json whole: its optimizer block makes the
+    engine build DeepSpeedCPUAdam (only the C++ extension under it is a stand-in)."""
+    spec = tiny_spec("llama", **WIDER)
+    s = _strategy("zero3", 8, "optimizer+params", "amp-bf16")
+    assert ds_config(spec, s) == export_plan(spec, s).deepspeed_config
+    assert ds_config(spec, s)["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_host_adam_stand_in_is_adamw() -> None:
+    """The stand-in for the ``cpu_adam`` extension against torch's AdamW on real tensors: the same update."""
+    import torch
+
+    from trainfit.trace.deepspeed_offload import HostAdamBuilder
+
+    torch.manual_seed(0)
+    p0, g = torch.randn(64), torch.randn(64)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    op = HostAdamBuilder().load()
+    op.create_adam(0, 1e-2, 0.9, 0.99, 1e-8, 0.1, True, False)
+    p, m, v = p0.clone(), torch.zeros(64), torch.zeros(64)
+    for step in (1, 2, 3):
+        ref.grad = g * step
+        opt.step()
+        op.adam_update(0, step, 1e-2, 0.9, 0.99, 1e-8, 0.1, True, p, g * step, m, v)
+    torch.testing.assert_close(p, ref.detach())
+
+
+@pytest.mark.parametrize(
+    ("sharding", "offload", "words"),
+    [("zero2", Offload.parse("optimizer+params"), "zero3"), ("zero3", Offload(activations=True), "activation")],
+)
+def test_offload_refusals_are_one_line(sharding: str, offload: Offload, words: str) -> None:
+    s = Strategy(parallelism=Parallelism(data=8), sharding=sharding, offload=offload)
+    with pytest.raises(StrategyError, match=words):
+        trace_distributed(tiny_spec("llama", **WIDER), s)
