@@ -71,6 +71,7 @@ _INPUT_OF = {
     "q_proj": SiteInput.NORM1,
     "k_proj": SiteInput.NORM1,
     "v_proj": SiteInput.NORM1,
+    "qkv_proj": SiteInput.NORM1,
     "o_proj": SiteInput.ATTN_OUT,
     "gate_proj": SiteInput.NORM2,
     "up_proj": SiteInput.NORM2,
@@ -82,15 +83,37 @@ _INPUT_OF = {
 #: Hugging Face module names that differ from the inventory's (OPT's out_proj is o_proj).
 _HF_ALIASES = {"out_proj": "o_proj"}
 
+_NEOX_NAMES = {"qkv_proj": "query_key_value", "o_proj": "dense", "fc1": "dense_h_to_4h", "fc2": "dense_4h_to_h"}
+
+#: The layer linears as each transformers implementation names them (and PEFT's ``target_modules`` match them),
+#: where they differ from the inventory's Llama names: GPT-2's ``Conv1D`` modules (modeling_gpt2.py ``GPT2Attention``
+#: ``c_attn``/``c_proj``, ``GPT2MLP`` ``c_fc``/``c_proj`` — two ``c_proj`` per layer, told apart as ``attn.c_proj``
+#: and ``mlp.c_proj``), NeoX and Falcon (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``), Phi-2
+#: (``dense``), OPT (``out_proj``), StarCoder2 (``c_fc``, ``c_proj``). Phi-3's ``gate_up_proj`` is one linear for the
+#: inventory's gate and up (:func:`layer_linears`).
+_HF_NAMES: dict[str, dict[str, str]] = {
+    "gpt2": {"qkv_proj": "c_attn", "o_proj": "attn.c_proj", "fc1": "c_fc", "fc2": "mlp.c_proj"},
+    "gpt_neox": _NEOX_NAMES,
+    "falcon": _NEOX_NAMES,
+    "phi": {"o_proj": "dense"},
+    "opt": {"o_proj": "out_proj"},
+    "starcoder2": {"fc1": "c_fc", "fc2": "c_proj"},
+}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterSite:
     """One adapted linear of a layer: its module name, widths and the tensor it reads."""
 
-    name: str  # as PEFT spells it: q_proj, down_proj, ...
+    name: str  # as PEFT spells it: q_proj, down_proj, c_attn, attn.c_proj (when a name repeats in the layer)
     d_in: int
     d_out: int
     reads: SiteInput
+
+    def matches(self, target: str) -> bool:
+        """PEFT's ``target_modules`` test for a module name: the full name or a ``.``-separated suffix of it
+        (peft/tuners/tuners_utils.py ``check_target_module_exists``)."""
+        return self.name == target or self.name.endswith("." + target) or target.endswith("." + self.name)
 
 
 def finetuning(strategy: Strategy) -> bool:
@@ -105,14 +128,18 @@ def _short(t: ParamTensor) -> str:
 
 
 def supports_adapters(spec: ModelSpec) -> str | None:
-    """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers layers with
-    separate q/k/v projections and a dense (gated or fused-activation) MLP."""
+    """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers dense layers
+    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel."""
     if spec.params_override is not None:
         return "explicit --params (no tensor shapes to attach adapters to)"
     if spec.moe is not None:
         return "mixture-of-experts layers"
     if spec.mla is not None:
         return "multi-head latent attention"
+    return None
+
+
+def _layout_beyond_llama(spec: ModelSpec) -> str | None:
     if spec.fused_qkv:
         return "a fused qkv projection"
     if spec.parallel_attn:
@@ -120,30 +147,52 @@ def supports_adapters(spec: ModelSpec) -> str | None:
     return None
 
 
+def frozen_forms_known(spec: ModelSpec) -> bool:
+    """Whether ``--freeze``'s frozen-layer forms were checked for ``spec``'s layout: Llama-style layers (separate
+    q/k/v, sequential attention and MLP) with a gated or fused-activation MLP."""
+    return supports_adapters(spec) is None and _layout_beyond_llama(spec) is None and mlp_frozen(spec)
+
+
+def layer_linears(spec: ModelSpec) -> tuple[AdapterSite, ...]:
+    """Every linear of a dense layer as PEFT sees it (what ``all-linear`` wraps): its module name, widths and
+    input. A parallel block with one norm (Phi-2, Falcon-7B: ``mlp(ln(x))`` beside ``attn(ln(x))``,
+    modeling_phi.py ``PhiDecoderLayer``, modeling_falcon.py ``FalconDecoderLayer``) feeds the MLP the attention's
+    normed input; NeoX and Falcon's new architecture norm the same ``x`` twice (two tensors)."""
+    names = _HF_NAMES.get(spec.model_type, {})
+    mlp_in = SiteInput.NORM1 if spec.parallel_attn and spec.norms_per_layer == 1 else SiteInput.NORM2
+    out: list[AdapterSite] = []
+    for t in _dense_group(inventory(spec)).tensors:
+        short = _short(t)
+        if not t.matmul or short not in _INPUT_OF:
+            continue
+        reads = mlp_in if _INPUT_OF[short] is SiteInput.NORM2 else _INPUT_OF[short]
+        out.append(AdapterSite(name=names.get(short, short), d_in=t.shape[1], d_out=t.shape[0], reads=reads))
+    if spec.model_type == "phi3":  # modeling_phi3.py Phi3MLP: gate_up_proj (h → 2·i), then chunk(2)
+        gate, up = (next(s for s in out if s.name == n) for n in ("gate_proj", "up_proj"))
+        fused = AdapterSite(name="gate_up_proj", d_in=gate.d_in, d_out=gate.d_out + up.d_out, reads=gate.reads)
+        out = [fused if s is gate else s for s in out if s is not up]
+    return tuple(out)
+
+
 def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
     """The linears of one layer that ``adapter`` targets (PEFT ``target_modules`` matching). A target that
     is no module of the model raises one line naming the ones that are."""
     why = supports_adapters(spec)
     if why is not None:
-        raise StrategyError(f"adapters are modelled for Llama-style layers; {spec.name} has {why}")
-    group = _dense_group(inventory(spec))
-    linears = [t for t in group.tensors if t.matmul and _short(t) in _INPUT_OF]
-    names = [_short(t) for t in linears]
-    wanted = {_HF_ALIASES.get(x, x) for x in adapter.targets}
+        raise StrategyError(f"the adapter model does not cover {spec.name} yet: it has {why}")
+    linears = layer_linears(spec)
+    names = list(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
+    wanted = set(adapter.targets)
     if ALL_LINEAR in wanted:
         if len(wanted) > 1:
             raise StrategyError("give either all-linear or module names as LoRA targets, not both")
-        wanted = set(names)
-    unknown = sorted(wanted - set(names))
+        return linears
+    unknown = sorted(x for x in wanted if not any(s.matches(x) for s in linears))
     if unknown:
         raise StrategyError(
             f"no module named {', '.join(unknown)} in {spec.name}; its linears are {', '.join(names)} (or all-linear)"
         )
-    return tuple(
-        AdapterSite(name=_short(t), d_in=t.shape[1], d_out=t.shape[0], reads=_INPUT_OF[_short(t)])
-        for t in linears
-        if _short(t) in wanted
-    )
+    return tuple(s for s in linears if any(s.matches(x) for x in wanted))
 
 
 def _dense_group(inv: ParamInventory) -> LayerGroup:
@@ -371,9 +420,8 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     ``MatMul8bitLt.backward`` multiplies by ``CB·SCB/127``: one N·K tensor in the compute dtype."""
     if strategy.base_weights.quantization is Quantization.NONE:
         return 0
-    group = _dense_group(inventory(spec))
-    linears = [t for t in group.tensors if t.matmul]
-    largest = max(t.numel for t in linears)
+    linears = layer_linears(spec)
+    largest = max(s.d_in * s.d_out for s in linears)
     out = largest * strategy.recipe.compute_bits // 8
     if strategy.base_weights.quantization is Quantization.INT8:
         # MatMul8bitLt.backward: ``CB.to(ctx.dtype_A, copy=True)`` — the weight in its *input's* dtype (no
@@ -387,18 +435,16 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
             SiteInput.ATTN_OUT: w.compute,
             SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
         }
-        out = max(t.numel * width[_INPUT_OF[_short(t)]] for t in linears if _short(t) in _INPUT_OF)
+        out = max(s.d_in * s.d_out * width[s.reads] for s in linears)
     # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
     # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
     # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
     # the trace of real bitsandbytes layers, tests/trace/test_peft.py; fitted, not derived op by op).
     if strategy.base_weights.kbit_prepared and strategy.recipe.compute_bits < 32:
-        widest = max(linears, key=lambda t: t.shape[1])
-        adapted = strategy.adapter is not None and any(
-            s.name == _short(widest) for s in adapter_sites(spec, strategy.adapter)
-        )
+        widest = max(linears, key=lambda s: s.d_in)
+        adapted = strategy.adapter is not None and widest in adapter_sites(spec, strategy.adapter)
         # An adapter on that linear already holds part of it (its own gradient chain): 2·t·d_in more, not 4.
-        out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.shape[1]
+        out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.d_in
     return out
 
 
@@ -425,6 +471,12 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
     a ``--freeze`` that leaves nothing to train (the trace runs LLM.int8 layers and ``--freeze`` too)."""
     if strategy.adapter is not None:
         adapter_sites(spec, strategy.adapter)
+        layout = _layout_beyond_llama(spec)
+        if layout and strategy.base_weights.quantization is not Quantization.NONE:
+            raise StrategyError(
+                f"a quantised base is modelled for Llama-style layers; {spec.name} has {layout} "
+                "(bitsandbytes' conversion of its linears is not traced yet): use a float --base-dtype"
+            )
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:
