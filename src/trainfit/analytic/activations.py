@@ -41,6 +41,8 @@ from trainfit.analytic.adapters import (
     SiteInput,
     adapter_saved,
     adapter_sites,
+    base_weight_width,
+    dora_weight_copy_bytes,
     finetuning,
     frozen_base,
     frozen_layers,
@@ -48,7 +50,7 @@ from trainfit.analytic.adapters import (
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 from trainfit.errors import StrategyError
-from trainfit.strategy import Attention, Checkpointing, Quantization, Strategy
+from trainfit.strategy import AdapterKind, Attention, Checkpointing, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
@@ -812,7 +814,15 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     mlp_w = frozen_base_mlp_width(strategy, w)
     widths = {SiteInput.NORM1: nb, SiteInput.NORM2: nb, SiteInput.ATTN_OUT: a, SiteInput.MLP_ACT: mlp_w}
     saved = (
-        adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+        adapter_saved(
+            sites,
+            strategy.adapter,
+            tokens=t,
+            input_width=widths,
+            amp=w.amp,
+            compute=a,
+            base_width=base_weight_width(strategy),
+        )
         if strategy.adapter is not None
         else []
     )
@@ -936,7 +946,16 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         if strategy.adapter.dropout > 0
         else 0
     )
-    return norm + masks
+    # DoRA with dropout: the second base linear over an input that needs no gradient saves no weight copy.
+    copies = 0
+    if strategy.adapter.kind is AdapterKind.DORA and strategy.adapter.dropout > 0:
+        ad, bw = strategy.adapter.dtype.bits // 8, base_weight_width(strategy)
+        copies = sum(
+            dora_weight_copy_bytes(s, ad=ad, amp=w.amp, compute=w.compute, base=bw)
+            for s in adapter_sites(spec, strategy.adapter)
+            if s.reads in blind
+        )
+    return norm + masks + copies
 
 
 def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:

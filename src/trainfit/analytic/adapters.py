@@ -343,10 +343,12 @@ def adapter_saved(
     input_width: dict[SiteInput, int],
     amp: bool,
     compute: int,
+    base_width: int = 2,
 ) -> list[AdapterSaved]:
     """Per layer, what the adapters save (PEFT ``lora.Linear.forward``; DESIGN §4.4 closed forms): the input
     as ``lora_A`` sees it, the dropout mask, and ``lora_A``'s output. ``input_width``: bytes per element of
-    each input tensor as the base layer receives it."""
+    each input tensor as the base layer receives it; ``base_width``: bytes per base weight element (DoRA with
+    dropout keeps a copy of the weight, :func:`dora_weight_copy_bytes`)."""
     t, r = tokens, adapter.rank
     ad = adapter.dtype.bits // 8
     mm = compute if amp else ad  # the width lora_A's matmul computes (and saves its input) in
@@ -368,8 +370,32 @@ def adapter_saved(
             out.append(AdapterSaved(name=f"{s.name}.dropout_mask", bytes=t * s.d_in, formula="1·t·d_in (bool mask)"))
         out.append(AdapterSaved(name=f"{s.name}.lora_A_out", bytes=mm * t * r, formula=f"{mm}·t·r"))
         if adapter.kind is AdapterKind.DORA:
-            out += _dora_saved(s, tokens=t, mm=mm, base_out=compute, ad=ad)
+            # With dropout PEFT recomputes the base output from the dropped input: F.linear in lora_A's matmul
+            # width (autocast's compute dtype, else the adapter dtype); without, it reuses the base layer's.
+            out += _dora_saved(s, tokens=t, mm=mm, base_out=mm if dropped else compute, ad=ad)
+            if dropped and (copy := dora_weight_copy_bytes(s, ad=ad, amp=amp, compute=compute, base=base_width)):
+                out.append(AdapterSaved(name=f"{s.name}.dora_weight", bytes=copy, formula="d_in·d_out (weight copy)"))
     return out
+
+
+def base_weight_width(strategy: Strategy) -> int:
+    """Bytes per element of a float base weight: ``--base-dtype``, else the recipe's weight dtype."""
+    base = strategy.base_weights.dtype
+    return base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
+
+
+def dora_weight_copy_bytes(s: AdapterSite, *, ad: int, amp: bool, compute: int, base: int) -> int:
+    """DoRA with dropout (PEFT ``DoraLinearVariant.forward``, peft/tuners/lora/variants.py: ``x = dropout(x)``,
+    ``base_result=None``; then ``DoraLinearLayer.forward``, peft/tuners/lora/dora.py) runs the base layer a
+    second time as ``F.linear(x, weight.to(x.dtype))``. The weight needs no gradient, so that linear saves only
+    the weight it multiplied by (its input's gradient needs it; derivatives.yaml ``linear``/``mm``): the
+    parameter itself when nothing casts it (0 bytes), else a d_in × d_out copy per adapted linear and layer —
+    the ``.to(x.dtype)`` copy (adapter dtype), or autocast's cast of it to the compute dtype (not cached:
+    autocast caches casts of leaf tensors only, aten/src/ATen/autocast_mode.h ``cached_cast``)."""
+    n = s.d_in * s.d_out
+    if amp and ad != compute:
+        return compute * n
+    return ad * n if base != ad else 0
 
 
 def _dora_saved(s: AdapterSite, *, tokens: int, mm: int, base_out: int, ad: int) -> list[AdapterSaved]:
@@ -488,17 +514,11 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
 
 
 def check_dora(strategy: Strategy, *, analytic: bool) -> None:
-    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) is traced with real PEFT modules, but the closed
-    forms do not describe its forward yet: ``DoraLinearLayer.forward`` (peft/tuners/lora/dora.py) builds
-    ``lora_B(lora_A(eye(d_in)))`` (lora_A saves the d_in × d_in identity), the full-size ``W + s·BA`` for its
-    weight norm, and runs the base layer a second time. The analytic method refuses it rather than count it
-    as LoRA; a quantised base under DoRA is refused by both (not traced)."""
+    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) over a quantised base is refused by both methods
+    (not traced). ``analytic`` is kept for callers: the closed forms now cover DoRA with and without dropout
+    (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`)."""
+    del analytic
     if strategy.adapter is None or strategy.adapter.kind is not AdapterKind.DORA:
         return
     if strategy.base_weights.quantization is not Quantization.NONE:
         raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
-    if analytic and strategy.adapter.dropout > 0:
-        raise StrategyError(
-            "the analytic model does not model DoRA with --lora-dropout yet (PEFT then runs the base layer a "
-            "second time on the dropped input); use --method trace, or --lora-dropout 0"
-        )
