@@ -181,3 +181,29 @@ def test_the_adapters_are_the_ones_peft_builds(family: str, targets: str, module
     assert len(adapter_sites(spec, a)) == modules
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
     assert estimate(spec, s).trainable_params == rt.trainable_params
+
+
+def test_all_linear_on_a_transformers5_moe_is_what_peft_converts_it_to() -> None:
+    """transformers 5 fuses Mixtral's experts into 3-D ``gate_up_proj``/``down_proj`` parameters and makes the router
+    a custom module; PEFT (peft/utils/transformers_weight_conversion.py ``_convert_peft_config_moe``) turns
+    ``all-linear`` into the attention linears, the router ``gate`` and ``target_parameters`` for the experts
+    (``ParamWrapper``: lora_A r·E × d_in, lora_B d_out × r·E, twice the rank for the fused gate_up). The trace runs
+    exactly that (counted by hand here); the analytic method refuses the layout in one line."""
+    from trainfit.errors import StrategyError
+
+    cfg = {
+        "model_type": "mixtral", "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 512,
+    }  # fmt: skip
+    spec = spec_from_config(cfg, name="small-mixtral", source="test")
+    a, b = finetune_setup("lora", rank=8, targets="all-linear", base_dtype="bf16")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=32)
+    r, e, h, i, kv = 8, 4, 256, 384, 128
+    attention = r * (h + h) + 2 * r * (h + kv) + r * (h + h)
+    router = r * (h + e)
+    experts = (2 * r * e) * (h + 2 * i) + (r * e) * (i + h)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    assert rt.trainable_params == 2 * (attention + router + experts)
+    with pytest.raises(StrategyError, match=r"mixture-of-experts.*target_parameters"):
+        estimate(spec, s)

@@ -65,6 +65,8 @@ class SiteInput(StrEnum):
     ATTN_OUT = "attn-out"  # the attention output (o_proj)
     NORM2 = "norm2"  # the MLP's normed input (gate, up, fc1)
     MLP_ACT = "mlp-act"  # the MLP's activation (down_proj, fc2)
+    Q_LATENT = "q-latent"  # MLA: q_a_layernorm's output (q_b_proj)
+    KV_LATENT = "kv-latent"  # MLA: kv_a_layernorm's output (kv_b_proj)
 
 
 _INPUT_OF = {
@@ -78,6 +80,11 @@ _INPUT_OF = {
     "fc1": SiteInput.NORM2,
     "down_proj": SiteInput.MLP_ACT,
     "fc2": SiteInput.MLP_ACT,
+    "shared_expert_gate": SiteInput.NORM2,  # Qwen2-MoE: nn.Linear(h, 1)
+    "q_a_proj": SiteInput.NORM1,  # MLA (modeling_deepseek_v3.py DeepseekV3Attention)
+    "q_b_proj": SiteInput.Q_LATENT,
+    "kv_a_proj_with_mqa": SiteInput.NORM1,
+    "kv_b_proj": SiteInput.KV_LATENT,
 }
 
 #: Hugging Face module names that differ from the inventory's (OPT's out_proj is o_proj).
@@ -133,9 +140,12 @@ def supports_adapters(spec: ModelSpec) -> str | None:
     if spec.params_override is not None:
         return "explicit --params (no tensor shapes to attach adapters to)"
     if spec.moe is not None:
-        return "mixture-of-experts layers"
+        return (
+            "mixture-of-experts layers (on transformers 5 PEFT reaches the fused 3-D experts through "
+            "target_parameters and wraps the router: no closed form here yet)"
+        )
     if spec.mla is not None:
-        return "multi-head latent attention"
+        return "multi-head latent attention (its q_a/q_b/kv_a/kv_b adapters have no closed form here yet)"
     return None
 
 
@@ -153,15 +163,21 @@ def frozen_forms_known(spec: ModelSpec) -> bool:
     return supports_adapters(spec) is None and _layout_beyond_llama(spec) is None and mlp_frozen(spec)
 
 
-def layer_linears(spec: ModelSpec) -> tuple[AdapterSite, ...]:
-    """Every linear of a dense layer as PEFT sees it (what ``all-linear`` wraps): its module name, widths and
-    input. A parallel block with one norm (Phi-2, Falcon-7B: ``mlp(ln(x))`` beside ``attn(ln(x))``,
-    modeling_phi.py ``PhiDecoderLayer``, modeling_falcon.py ``FalconDecoderLayer``) feeds the MLP the attention's
-    normed input; NeoX and Falcon's new architecture norm the same ``x`` twice (two tensors)."""
+def layer_linears(spec: ModelSpec, kind: str = "dense") -> tuple[AdapterSite, ...]:
+    """Every linear of one kind of layer (``dense``, ``moe``; the first kind the model has when it lacks that one)
+    as PEFT sees it — what ``all-linear`` wraps, every ``nn.Linear``/``Conv1D`` but the output layer (PEFT
+    ``_maybe_include_all_linear_layers``): its module name, widths and input. A parallel block with one norm
+    (Phi-2, Falcon-7B: ``mlp(ln(x))`` beside ``attn(ln(x))``, modeling_phi.py ``PhiDecoderLayer``,
+    modeling_falcon.py ``FalconDecoderLayer``) feeds the MLP the attention's normed input; NeoX and Falcon's new
+    architecture norm the same ``x`` twice (two tensors). In an MoE layer of transformers 5 the router
+    (``*TopKRouter``: an ``nn.Parameter``) and the experts (``*Experts``: 3-D ``gate_up_proj``/``down_proj``
+    parameters run by ``grouped_mm``) are no linears: only the attention and the shared experts are."""
     names = _HF_NAMES.get(spec.model_type, {})
     mlp_in = SiteInput.NORM1 if spec.parallel_attn and spec.norms_per_layer == 1 else SiteInput.NORM2
+    inv = inventory(spec)
+    group = next((g for g in inv.layers if g.kind == kind), inv.layers[0])
     out: list[AdapterSite] = []
-    for t in _dense_group(inventory(spec)).tensors:
+    for t in group.tensors:
         short = _short(t)
         if not t.matmul or short not in _INPUT_OF:
             continue
@@ -174,25 +190,44 @@ def layer_linears(spec: ModelSpec) -> tuple[AdapterSite, ...]:
     return tuple(out)
 
 
-def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
-    """The linears of one layer that ``adapter`` targets (PEFT ``target_modules`` matching). A target that
-    is no module of the model raises one line naming the ones that are."""
-    why = supports_adapters(spec)
-    if why is not None:
-        raise StrategyError(f"the adapter model does not cover {spec.name} yet: it has {why}")
-    linears = layer_linears(spec)
-    names = list(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
+def _matched(spec: ModelSpec, adapter: Adapter, linears: tuple[AdapterSite, ...]) -> tuple[AdapterSite, ...]:
     wanted = set(adapter.targets)
     if ALL_LINEAR in wanted:
-        if len(wanted) > 1:
-            raise StrategyError("give either all-linear or module names as LoRA targets, not both")
         return linears
-    unknown = sorted(x for x in wanted if not any(s.matches(x) for s in linears))
-    if unknown:
-        raise StrategyError(
-            f"no module named {', '.join(unknown)} in {spec.name}; its linears are {', '.join(names)} (or all-linear)"
-        )
     return tuple(s for s in linears if any(s.matches(x) for x in wanted))
+
+
+def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
+    """Every LoRA target must name a linear of some layer of ``spec`` (PEFT refuses a target it cannot find);
+    one line naming the ones that are otherwise."""
+    wanted = set(adapter.targets)
+    if ALL_LINEAR in wanted and len(wanted) > 1:
+        raise StrategyError("give either all-linear or module names as LoRA targets, not both")
+    linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind))
+    unknown = sorted(x for x in wanted - {ALL_LINEAR} if not any(s.matches(x) for s in linears))
+    if unknown:
+        names = ", ".join(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
+        experts = (
+            " (the experts are 3-D parameters, not linears: PEFT reaches them only through target_parameters, "
+            "which trainfit does not model)"
+            if spec.moe is not None
+            else ""
+        )
+        raise StrategyError(
+            f"no module named {', '.join(unknown)} in {spec.name}; its linears are {names} (or all-linear){experts}"
+        )
+
+
+def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
+    """The linears of one (dense) layer that ``adapter`` targets (PEFT ``target_modules`` matching). A target
+    that is no module of the model, or a layout the closed forms do not cover, raises one line."""
+    check_targets(spec, adapter)
+    why = supports_adapters(spec)
+    if why is not None:
+        raise StrategyError(
+            f"the analytic adapter model does not cover {spec.name} yet: it has {why}; use --method trace"
+        )
+    return _matched(spec, adapter, layer_linears(spec))
 
 
 def _dense_group(inv: ParamInventory) -> LayerGroup:
@@ -491,13 +526,15 @@ def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
     return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
 
 
-def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
+def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool = True) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
     a ``--freeze`` that leaves nothing to train (the trace runs LLM.int8 layers and ``--freeze`` too)."""
     if strategy.adapter is not None:
-        adapter_sites(spec, strategy.adapter)
-        layout = _layout_beyond_llama(spec)
+        check_targets(spec, strategy.adapter)
+        if analytic or spec.params_override is not None:
+            adapter_sites(spec, strategy.adapter)
+        layout = _layout_beyond_llama(spec) or ("MoE or latent-attention layers" if supports_adapters(spec) else None)
         if layout and strategy.base_weights.quantization is not Quantization.NONE:
             raise StrategyError(
                 f"a quantised base is modelled for Llama-style layers; {spec.name} has {layout} "
