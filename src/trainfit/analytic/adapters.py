@@ -208,8 +208,8 @@ def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
     if unknown:
         names = ", ".join(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
         experts = (
-            " (the experts are 3-D parameters, not linears: PEFT reaches them only through target_parameters, "
-            "which trainfit does not model)"
+            " (the experts are 3-D parameters, not linears: PEFT reaches them through target_parameters, which "
+            "all-linear includes on transformers 5)"
             if spec.moe is not None
             else ""
         )
