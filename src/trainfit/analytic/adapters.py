@@ -8,6 +8,15 @@ LoRA pair ``A`` (r × d_in) and ``B`` (d_out × r) in the adapter dtype (Hu et a
 2024). Targets are matched as PEFT matches ``target_modules``: a module name suffix, or ``all-linear`` for
 every linear inside the layers (PEFT ``_maybe_include_all_linear_layers`` also leaves the output head out).
 
+**Layouts** (:func:`layer_linears`): the linears are named as each transformers implementation names them —
+GPT-2's ``Conv1D`` ``c_attn``/``c_proj``/``c_fc`` (two ``c_proj``: ``attn.c_proj``, ``mlp.c_proj``), Falcon's and
+NeoX's ``query_key_value``/``dense``/``dense_h_to_4h``/``dense_4h_to_h``, Phi-2's ``dense``, Phi-3's fused
+``qkv_proj`` and ``gate_up_proj``. A fused qkv is one adapted linear reading the normed input; a parallel block
+with one norm (Phi-2, Falcon-7B) feeds that normed tensor to the MLP too. MoE and MLA models are traced only: on
+transformers 5 the experts are 3-D parameters and the router a custom module, and PEFT turns ``all-linear`` into
+attention + router + ``target_parameters`` on the experts (peft/utils/transformers_weight_conversion.py
+``_convert_peft_config_moe``), whose forward has no closed form here yet (:func:`supports_adapters`).
+
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
 one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
 QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
@@ -21,13 +30,16 @@ against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
   saved for the gradient of ``normed``);
 * a frozen SwiGLU MLP keeps gate, act(gate) and up, not their product (down_proj's input); a frozen fused
   GeLU MLP keeps fc1's output, not the activation's;
+* a LayerNorm over a 16-bit residual under autocast saves its own fp32 cast of the input (one per norm);
+  SDPA's math kernel keeps no output for a frozen o_proj; HF's Python GeLU keeps no product for a frozen fc2;
 * per adapted linear (PEFT ``lora.Linear.forward``: ``_cast_input_dtype`` then
   ``lora_B(lora_A(dropout(x))) * scaling``): the input as ``lora_A`` sees it — ``x`` itself when nothing
   casts it (then one tensor for every adapter reading it), else a new copy per module (in the adapter dtype,
   or the compute dtype under autocast) — a bool mask per module when dropout > 0 (CUDA ``native_dropout``),
   and ``lora_A``'s output (T·r) saved by ``lora_B``. Under autocast the adapters' own 16-bit weight copies
   are cached (2·r·(d_in + d_out) per module; aten ``cached_cast`` caches leaf tensors that require grad).
-  These are DESIGN §4.4's closed forms, extended to every target set.
+  These are DESIGN §4.4's closed forms, extended to every target set. DoRA adds the base and ``lora_B`` outputs
+  and, with dropout, the weight its second base linear multiplied by (:func:`dora_weight_copy_bytes`).
 
 Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
 call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
