@@ -8,7 +8,9 @@ QLoRA rows trace real bitsandbytes Linear4bit layers quantised on fake tensors.
 ``--freeze-int8``: the ``--finetune freeze`` and LLM.int8 rows instead (their own marked section).
 ``--savers``: the memory savers the trace runs (trainfit.trace.savers: selective recompute, Liger's fused linear
 cross-entropy, torchtune's activation offloading), full fine-tuning (their own marked section).
-Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers] [--write]
+``--layouts``: LoRA on fused-qkv and parallel-block layouts (GPT-2's Conv1D, Phi-2, Falcon, NeoX) and DoRA with
+dropout (their own marked section).
+Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts] [--write]
 (--write replaces the marked section of
 docs/accuracy.md)
 """
@@ -173,6 +175,36 @@ def saver_rows() -> list[str]:
     return out
 
 
+LAYOUTS_BEGIN, LAYOUTS_END = "<!-- agreement-layouts:begin -->", "<!-- agreement-layouts:end -->"
+#: Fused qkv (GPT-2 c_attn as a Conv1D, Falcon/NeoX query_key_value) and parallel blocks (Phi-2, Falcon, NeoX).
+LAYOUT_MODELS = ("gpt2-large", "phi-2", "falcon-7b", "pythia-6.9b")
+#: DoRA with dropout: PEFT's second base linear on the dropped input (trainfit.analytic.adapters.dora_weight_copy_bytes)
+DORA_MODELS = ("llama-3.2-1b", "qwen2.5-1.5b")
+
+
+def layout_rows() -> list[str]:
+    """LoRA all-linear, dropout 0.05, and DoRA with dropout 0.05 (amp-bf16 over a bf16 base, PEFT's fp32 adapters,
+    rank 16, micro-batch 1 x 2048 tokens)."""
+    out = [
+        "| model | adapter | targets | ckpt | analytic peak GiB | trace peak GiB | worst phase diff |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    cases = [(m, False, "all-linear", c) for m, c in itertools.product(LAYOUT_MODELS, CHECKPOINTING)]
+    cases += [(m, True, t, c) for m, t, c in itertools.product(DORA_MODELS, TARGETS, CHECKPOINTING)]
+    for name, dora, targets, ckpt in cases:
+        spec = load_model(name)
+        a, b = finetune_setup("lora", rank=16, targets=targets, dropout=0.05, base_dtype="bf16", dora=dora)
+        s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=2048)
+        t0 = time.perf_counter()
+        ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+        out.append(
+            f"| {name} | {'dora' if dora else 'lora'} | {targets} | {ckpt} | {ra.peak_bytes / GIB:.2f} "
+            f"| {rt.peak_bytes / GIB:.2f} | {_worst(ra, rt) * 100:+.2f}% |"
+        )
+        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    return out
+
+
 def _write(begin: str, end: str, table: str) -> None:
     doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
     text = doc.read_text()
@@ -182,10 +214,11 @@ def _write(begin: str, end: str, table: str) -> None:
 
 
 def main() -> None:
-    """``--freeze-int8`` / ``--savers`` run only their own table (each its own marked section)."""
+    """``--freeze-int8`` / ``--savers`` / ``--layouts`` run only their own table (each its own marked section)."""
     sections = {
         "--savers": (saver_rows, SAVERS_BEGIN, SAVERS_END),
         "--freeze-int8": (freeze_int8_rows, FREEZE_BEGIN, FREEZE_END),
+        "--layouts": (layout_rows, LAYOUTS_BEGIN, LAYOUTS_END),
     }
     make, begin, end = next(
         (v for k, v in sections.items() if k in sys.argv),

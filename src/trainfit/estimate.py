@@ -205,7 +205,7 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
             "use --method analytic"
         )
     if finetunes and spec is not None and not beyond and not strategy.is_distributed:
-        check_finetune_model(spec, strategy)
+        check_finetune_model(spec, strategy, analytic=method is Method.ANALYTIC)
         check_dora(strategy, analytic=method is Method.ANALYTIC)
     if beyond:
         raise StrategyError(

@@ -187,3 +187,73 @@ def test_full_fine_tuning_numbers_are_untouched_by_the_adapter_code() -> None:
     assert all(x.trainable and not x.adapter and x.bits == 0 for x in param_states(spec, s))
     assert model_states(spec, s).adapter_weights_bytes == 0
     assert Adapter().targets == ("all-linear",)
+
+
+# -- layouts beyond Llama: the linears as transformers names them (modeling_gpt2.py, modeling_falcon.py, ...) --
+
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128}
+PHI3 = {
+    "model_type": "phi3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 128,
+    "pad_token_id": 0,
+}  # fmt: skip
+FALCON = {
+    "model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "vocab_size": 256, "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
+    "bias": False, "max_position_embeddings": 128,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        # GPT2Attention: c_attn Conv1D(3h, h), c_proj Conv1D(h, h); GPT2MLP: c_fc Conv1D(4h, h), c_proj Conv1D(h, 4h)
+        (GPT2, {"c_attn": (64, 192), "attn.c_proj": (64, 64), "c_fc": (64, 256), "mlp.c_proj": (256, 64)}),
+        # Phi3Attention: qkv_proj (h → (heads + 2·kv)·hd), o_proj; Phi3MLP: gate_up_proj (h → 2·i), down_proj
+        (PHI3, {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 192), "down_proj": (96, 64)}),
+        # FalconAttention: query_key_value (multi-query: h + 2·hd), dense; FalconMLP: dense_h_to_4h, dense_4h_to_h
+        (
+            FALCON,
+            {"query_key_value": (64, 96), "dense": (64, 64), "dense_h_to_4h": (64, 256), "dense_4h_to_h": (256, 64)},
+        ),
+    ],
+)
+def test_all_linear_is_every_linear_as_transformers_names_it(
+    cfg: dict[str, object], expected: dict[str, tuple[int, int]]
+) -> None:
+    from trainfit.analytic.adapters import adapter_sites
+
+    spec = spec_from_config(cfg, name="tiny", source="test")
+    sites = adapter_sites(spec, Adapter(rank=4))
+    assert {s.name: (s.d_in, s.d_out) for s in sites} == expected
+
+
+def test_targets_match_as_peft_matches_module_paths() -> None:
+    """PEFT matches a target as the module path or a ``.``-suffix of it: GPT-2's ``c_proj`` is both projections,
+    ``attn.c_proj`` only the attention's; a parallel block's MLP reads the attention's normed input."""
+    from trainfit.analytic.adapters import SiteInput, adapter_sites
+
+    gpt2 = spec_from_config(GPT2, name="tiny-gpt2", source="test")
+    assert [s.name for s in adapter_sites(gpt2, Adapter(targets=("c_proj",)))] == ["attn.c_proj", "mlp.c_proj"]
+    assert [s.name for s in adapter_sites(gpt2, Adapter(targets=("attn.c_proj",)))] == ["attn.c_proj"]
+    falcon = spec_from_config(FALCON, name="tiny-falcon", source="test")
+    reads = {s.name: s.reads for s in adapter_sites(falcon, Adapter())}
+    assert reads["dense_h_to_4h"] is SiteInput.NORM1 and reads["query_key_value"] is SiteInput.NORM1
+    with pytest.raises(StrategyError, match="no module named q_proj in tiny-falcon; its linears are query_key_value"):
+        adapter_sites(falcon, Adapter(targets=("q_proj",)))
+
+
+def test_moe_targets_are_checked_but_the_analytic_method_refuses_the_layout() -> None:
+    mixtral = load_model("mixtral-8x7b-v0.1")
+    from trainfit.analytic.adapters import check_finetune_model
+
+    a, b = finetune_setup("lora", targets="q_proj,v_proj", base_dtype="bf16")
+    s = Strategy(adapter=a, base_weights=b)
+    check_finetune_model(mixtral, s, analytic=False)  # the trace runs it
+    with pytest.raises(StrategyError, match="mixture-of-experts"):
+        check_finetune_model(mixtral, s)
+    with pytest.raises(StrategyError, match="experts are 3-D parameters"):
+        check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("w1",))), analytic=False)
+    deepseek = load_model("deepseek-v3")
+    mla = Adapter(targets=("q_a_proj", "kv_b_proj"))
+    check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla), analytic=False)

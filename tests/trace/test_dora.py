@@ -1,5 +1,5 @@
-"""DoRA (``LoraConfig(use_dora=True)``): the trace runs real PEFT DoRA modules; the analytic closed form (without
-dropout; with it, a one-line refusal: trainfit.analytic.adapters.check_dora) is checked against it."""
+"""DoRA (``LoraConfig(use_dora=True)``): the trace runs real PEFT DoRA modules; the analytic closed form, with and
+without dropout (trainfit.analytic.adapters._dora_saved, dora_weight_copy_bytes), is checked against it."""
 
 from __future__ import annotations
 
@@ -36,25 +36,32 @@ def test_dora_is_traced_with_its_magnitude_vectors() -> None:
     assert dora.phases[0].total_bytes > lora.phases[0].total_bytes
 
 
-# (precision, checkpointing, targets, adapter dtype, tolerance)
+# (precision, checkpointing, targets, adapter dtype, dropout, tolerance)
 DORA = [
-    ("amp-bf16", "none", "q_proj,v_proj", "fp32", 0.005),
-    ("pure-bf16", "none", "all-linear", "bf16", 0.005),
-    ("pure-bf16", "full", "q_proj,v_proj", "bf16", 0.005),
-    ("amp-bf16", "full", "all-linear", "fp32", 0.015),  # the weight norm's transients in the forward: -1.1%
+    ("amp-bf16", "none", "q_proj,v_proj", "fp32", 0.0, 0.005),
+    ("pure-bf16", "none", "all-linear", "bf16", 0.0, 0.005),
+    ("pure-bf16", "full", "q_proj,v_proj", "bf16", 0.0, 0.005),
+    ("amp-bf16", "full", "all-linear", "fp32", 0.0, 0.015),  # the weight norm's transients in the forward: -1.1%
+    # With dropout PEFT runs the base linear again on the dropped input and keeps the weight it multiplied by.
+    ("amp-bf16", "none", "q_proj,v_proj", "fp32", 0.1, 0.005),
+    ("pure-bf16", "none", "all-linear", "fp32", 0.1, 0.01),  # the fp32 weight copies: -0.75% in the forward
+    ("pure-bf16", "none", "all-linear", "bf16", 0.1, 0.005),  # no copy: the parameter itself is saved
+    ("amp-bf16", "full", "all-linear", "fp32", 0.1, 0.02),  # forward transients under recomputation: -1.8%
 ]
 
 
-@pytest.mark.parametrize(("precision", "ckpt", "targets", "adapter_dtype", "tol"), DORA)
+@pytest.mark.parametrize(("precision", "ckpt", "targets", "adapter_dtype", "dropout", "tol"), DORA)
 def test_dora_analytic_agrees_with_the_peft_trace(
-    precision: str, ckpt: str, targets: str, adapter_dtype: str, tol: float
+    precision: str, ckpt: str, targets: str, adapter_dtype: str, dropout: float, tol: float
 ) -> None:
     """The closed form of DoRA's forward (analytic.adapters._dora_saved, dora_norm_transient_bytes) against real
     PEFT DoRA modules traced on fake tensors, every phase; and by hand, what DoRA saves beyond LoRA in the trace
     (q_proj,v_proj, amp): per layer and adapted linear the base output and lora_B's output (2 × 2·t·d_out, bf16
     under autocast) and three fp32 d_out vectors."""
     spec = spec_from_config(LLAMA, name="small-llama", source="test")
-    a, b = finetune_setup("lora", rank=8, targets=targets, base_dtype="bf16", dora=True, adapter_dtype=adapter_dtype)
+    a, b = finetune_setup(
+        "lora", rank=8, targets=targets, base_dtype="bf16", dora=True, adapter_dtype=adapter_dtype, dropout=dropout
+    )
     s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)  # type: ignore[arg-type]
     ra = estimate(spec, s, simulate_allocator=False)
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
@@ -75,10 +82,33 @@ def test_dora_saves_the_two_outputs_beyond_lora() -> None:
     assert 0 <= extra - got <= 1024 + 512
 
 
+def test_dora_dropout_keeps_a_weight_copy_per_adapted_linear() -> None:
+    """By hand, from PEFT's code (variants.py ``DoraLinearVariant.forward``, dora.py ``DoraLinearLayer.forward``):
+    with dropout, ``F.linear(dropout(x), weight.to(x.dtype))`` saves the weight it multiplied by; under autocast
+    with fp32 adapters that is autocast's bf16 cast of the fp32 copy, 2·d_in·d_out per adapted linear and layer
+    (q: 256×256, v: 256×128), four layers but the first (its input needs no gradient without checkpointing).
+    The analytic activations with dropout minus without (where the base output is reused: same bytes, bf16)
+    must hold those copies plus the dropout masks (1·t·d_in per linear) the trace also shows."""
+    spec = spec_from_config(LLAMA, name="small-llama", source="test")
+    t = 256
+
+    def act(dropout: float, method: str) -> int:
+        a, b = finetune_setup("lora", rank=8, targets="q_proj,v_proj", base_dtype="bf16", dora=True, dropout=dropout)
+        s = Strategy(adapter=a, base_weights=b, micro_batch=2, seq_len=128)
+        r = estimate(spec, s, method=method, simulate_allocator=False)
+        from trainfit.result import Component
+
+        return r.phases[0].components[Component.ACTIVATIONS]
+
+    copies = 3 * 2 * (256 * 256 + 256 * 128)
+    masks = 3 * 2 * t * 256  # q and v both read the normed input; layer 0 keeps no mask either
+    got = act(0.1, "analytic") - act(0.0, "analytic")
+    assert got == copies + masks
+    traced = act(0.1, "trace") - act(0.0, "trace")
+    assert abs(traced - got) <= 4 * 512, (traced, got)
+
+
 def test_dora_refusals() -> None:
     spec = spec_from_config(LLAMA, name="small-llama", source="test")
-    with pytest.raises(StrategyError, match="DoRA with --lora-dropout"):
-        a, b = finetune_setup("lora", rank=8, targets="q_proj,v_proj", base_dtype="bf16", dora=True, dropout=0.1)
-        estimate(spec, Strategy(adapter=a, base_weights=b, micro_batch=2, seq_len=128))
     with pytest.raises(StrategyError, match="DoRA over a quantised base"):
         estimate(spec, _strategy("dora", "int8"), method="trace", simulate_allocator=False)

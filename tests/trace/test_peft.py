@@ -39,6 +39,28 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
         "max_position_embeddings": 512, "tie_word_embeddings": False,
     },
+    # Fused qkv and parallel blocks, as PEFT names their linears.
+    "gpt2": {  # Conv1D c_attn / c_proj / c_fc / c_proj (PEFT sets fan_in_fan_out), Python GeLU
+        "model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 1024, "n_positions": 512,
+    },
+    "falcon": {  # query_key_value (multi-query), one LayerNorm feeding attention and MLP in parallel
+        "model_type": "falcon", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "vocab_size": 1024, "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
+        "bias": False, "max_position_embeddings": 512,
+    },
+    "phi": {  # separate q/k/v, dense, fc1/fc2; one LayerNorm, parallel block
+        "model_type": "phi", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
+    },
+    "phi3": {  # qkv_proj and gate_up_proj fused
+        "model_type": "phi3", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "pad_token_id": 0,
+    },
+    "neox": {  # query_key_value; parallel residual with two LayerNorms over the same x
+        "model_type": "gpt_neox", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
+    },
 }  # fmt: skip
 
 # (family, targets, dropout, checkpointing, adapter dtype, precision, base dtype); finetune "lora" unless the
@@ -57,8 +79,25 @@ MATRIX = [
     ("qwen3", "all-linear", 0.0, "full", "fp32", "pure-bf16", "bf16"),
 ]
 
+# Fused qkv and parallel blocks (trainfit.analytic.adapters.layer_linears): a LayerNorm over a 16-bit residual
+# under autocast saves its own fp32 cast (one per norm, NeoX's second norm too); Falcon's masked multi-query
+# attention takes SDPA's math kernel, which keeps no output for a frozen dense; a frozen fc2 keeps no GeLU product.
+LAYOUTS = [
+    ("gpt2", "all-linear", 0.0, "none", "fp32", "amp-bf16", "bf16"),
+    ("gpt2", "c_attn,c_proj", 0.1, "full", "bf16", "pure-bf16", "bf16"),
+    ("falcon", "all-linear", 0.1, "full", "fp32", "amp-bf16", "bf16"),
+    ("falcon", "query_key_value", 0.0, "none", "fp32", "amp-bf16", "bf16"),
+    ("phi", "all-linear", 0.0, "none", "fp32", "amp-bf16", "bf16"),
+    ("phi3", "qkv_proj,gate_up_proj", 0.1, "none", "fp32", "amp-bf16", "bf16"),
+    ("neox", "all-linear", 0.0, "none", "fp32", "amp-bf16", "bf16"),
+    ("neox", "all-linear", 0.1, "full", "bf16", "pure-bf16", "bf16"),
+]
 
-@pytest.mark.parametrize(("family", "targets", "dropout", "ckpt", "adapter_dtype", "precision", "base"), MATRIX)
+
+@pytest.mark.parametrize(
+    ("family", "targets", "dropout", "ckpt", "adapter_dtype", "precision", "base"),
+    MATRIX + [pytest.param(*x, marks=pytest.mark.slow) for x in LAYOUTS],
+)
 def test_lora_analytic_agrees_with_the_peft_trace(
     family: str, targets: str, dropout: float, ckpt: str, adapter_dtype: str, precision: str, base: str | None
 ) -> None:
@@ -118,3 +157,53 @@ def test_lora_on_a_4bit_base_is_not_kbit_prepared(ckpt: str) -> None:
     rq = estimate(spec, dataclasses.replace(s, adapter=a, base_weights=b), method="trace", simulate_allocator=False)
     # prepare_model_for_kbit_training's fp32 casts: the 1024×256 embedding and head tables alone add 2 × 1024·256·2
     assert rq.phases[-1].total_bytes - rt.phases[-1].total_bytes >= 2 * 1024 * 256 * 2
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "modules"),
+    [
+        ("gpt2", "all-linear", 4),  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+        ("gpt2", "c_proj", 2),  # PEFT's suffix match: both c_proj
+        ("falcon", "all-linear", 4),
+        ("phi3", "all-linear", 4),  # qkv_proj, o_proj, gate_up_proj, down_proj
+        ("phi", "dense,fc2", 2),
+    ],
+)
+def test_the_adapters_are_the_ones_peft_builds(family: str, targets: str, modules: int) -> None:
+    """The analytic trainable count (trainfit.analytic.adapters.layer_linears, names as transformers spells them)
+    against the trace's, which counts what PEFT really wrapped (``all-linear`` resolved by
+    ``_maybe_include_all_linear_layers``; a name matched as a module-path suffix)."""
+    spec = spec_from_config(FAMILIES[family], name=f"small-{family}", source="test")
+    a, b = finetune_setup("lora", rank=8, targets=targets, base_dtype="bf16")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=32)
+    from trainfit.analytic.adapters import adapter_sites
+
+    assert len(adapter_sites(spec, a)) == modules
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    assert estimate(spec, s).trainable_params == rt.trainable_params
+
+
+def test_all_linear_on_a_transformers5_moe_is_what_peft_converts_it_to() -> None:
+    """transformers 5 fuses Mixtral's experts into 3-D ``gate_up_proj``/``down_proj`` parameters and makes the router
+    a custom module; PEFT (peft/utils/transformers_weight_conversion.py ``_convert_peft_config_moe``) turns
+    ``all-linear`` into the attention linears, the router ``gate`` and ``target_parameters`` for the experts
+    (``ParamWrapper``: lora_A r·E × d_in, lora_B d_out × r·E, twice the rank for the fused gate_up). The trace runs
+    exactly that (counted by hand here); the analytic method refuses the layout in one line."""
+    from trainfit.errors import StrategyError
+
+    cfg = {
+        "model_type": "mixtral", "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 512,
+    }  # fmt: skip
+    spec = spec_from_config(cfg, name="small-mixtral", source="test")
+    a, b = finetune_setup("lora", rank=8, targets="all-linear", base_dtype="bf16")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=32)
+    r, e, h, i, kv = 8, 4, 256, 384, 128
+    attention = r * (h + h) + 2 * r * (h + kv) + r * (h + h)
+    router = r * (h + e)
+    experts = (2 * r * e) * (h + 2 * i) + (r * e) * (i + h)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    assert rt.trainable_params == 2 * (attention + router + experts)
+    with pytest.raises(StrategyError, match=r"mixture-of-experts.*target_parameters"):
+        estimate(spec, s)

@@ -41,6 +41,8 @@ from trainfit.analytic.adapters import (
     SiteInput,
     adapter_saved,
     adapter_sites,
+    base_weight_width,
+    dora_weight_copy_bytes,
     finetuning,
     frozen_base,
     frozen_layers,
@@ -48,7 +50,7 @@ from trainfit.analytic.adapters import (
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 from trainfit.errors import StrategyError
-from trainfit.strategy import Attention, Checkpointing, Quantization, Strategy
+from trainfit.strategy import AdapterKind, Attention, Checkpointing, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
@@ -136,7 +138,22 @@ def _norm_terms(
         return out
     # native_layer_norm saves input (+ weight/bias) and fp32 mean/rstd.
     out = [SavedTerm(name=f"{name}.mean_rstd", bytes=8 * t, formula="8·t")]
-    if input_saved:
+    if w.amp and r < 4:
+        # A 16-bit residual (an adapter's 16-bit base under autocast): layer_norm is on CUDA autocast's fp32 list,
+        # so each call casts its input — a new fp32 copy per norm, which it saves — and its weight and bias
+        # (fp32-list casts are not cached: aten/src/ATen/autocast_mode.h ``cached_cast`` caches only casts to
+        # the lower precision). Checked against the trace of NeoX/GPT-2/Phi-2 LoRA (tests/trace/test_peft.py).
+        n_affine = 2 if spec.norm_bias else 1
+        out.append(SavedTerm(name=f"{name}.input_fp32", bytes=4 * t * h, formula="4·t·h (autocast cast)"))
+        out.append(
+            SavedTerm(
+                name=f"{name}.affine_fp32",
+                bytes=n_affine * 4 * h,
+                formula=f"{n_affine} × 4·h",
+                pieces=(4 * h,) * n_affine,
+            )
+        )
+    elif input_saved:
         out.append(SavedTerm(name=f"{name}.input", bytes=r * t * h, formula=f"{r}·t·h"))
     return out
 
@@ -805,12 +822,22 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     mlp_w = frozen_base_mlp_width(strategy, w)
     widths = {SiteInput.NORM1: nb, SiteInput.NORM2: nb, SiteInput.ATTN_OUT: a, SiteInput.MLP_ACT: mlp_w}
     saved = (
-        adapter_saved(sites, strategy.adapter, tokens=t, input_width=widths, amp=w.amp, compute=a)
+        adapter_saved(
+            sites,
+            strategy.adapter,
+            tokens=t,
+            input_width=widths,
+            amp=w.amp,
+            compute=a,
+            base_width=base_weight_width(strategy),
+        )
         if strategy.adapter is not None
         else []
     )
-    # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU.
-    already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA else set()
+    # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU. SDPA's
+    # math kernel (Falcon's masked multi-query attention) saves its inputs and probabilities, not its output.
+    math = strategy.attention is Attention.SDPA and sdpa_kernel(spec, strategy) == MATH
+    already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA and not math else set()
     if spec.mlp is MlpKind.DENSE and spec.activation == "relu":
         already.add(SiteInput.MLP_ACT)
     # An LLM.int8 linear is no frozen nn.Linear: bitsandbytes' MatMul8bitLt.forward keeps its input A in
@@ -856,13 +883,15 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
             else x
             for x in attn
         ]
-    if strategy.attention is Attention.EAGER and not int8:
-        attn = [x for x in attn if x.name != "attn.eager.out"]  # o_proj's input: a frozen o_proj keeps none
+    if (strategy.attention is Attention.EAGER or math) and not int8:
+        # o_proj's input: a frozen o_proj keeps none
+        attn = [x for x in attn if x.name not in ("attn.eager.out", "attn.sdpa.out")]
     terms += attn
     terms += adapter_terms((SiteInput.ATTN_OUT,))
     if spec.hidden_dropout > 0:
         terms.append(SavedTerm(name="dropout_masks", bytes=2 * t * h, formula="2 × 1·t·h (attention, MLP)"))
-    terms += _norm_terms("norm2", t, h, spec, w, frozen=True)
+    if not (spec.parallel_attn and spec.norms_per_layer == 1):  # one norm feeds a parallel block's MLP too
+        terms += _norm_terms("norm2", t, h, spec, w, frozen=True, input_saved=not spec.parallel_attn)
     if spec.norms_per_layer > 2:
         for k in range(3, spec.norms_per_layer + 1):
             terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
@@ -873,7 +902,12 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     elif spec.activation == "relu":
         mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
     elif spec.activation in PYTHON_GELUS:
-        mlp += _act_terms("mlp", spec, t, i, w)  # HF's Python GeLU: not derived for a frozen fc2 (kept as is)
+        # HF's Python GeLU keeps its own intermediates (x or its fp32 cast for pow, tanh's output, 1 + tanh,
+        # 0.5·x), but a frozen fc2 does not keep the product it reads (matched against the GPT-2/Phi-2 trace).
+        full = _act_terms("mlp", spec, t, i, w)[0]
+        mlp.append(
+            dataclasses.replace(full, bytes=full.bytes - a * t * i, formula=f"{full.formula} − a·t·i (fc2 frozen)")
+        )
     else:
         mlp.append(SavedTerm(name="mlp.act", bytes=mlp_w * t * i, formula="a·t·i (fc1 out)"))
     mlp += int8_in.get(SiteInput.MLP_ACT, [])
@@ -884,7 +918,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
 def _site_of(saved: list[AdapterSaved], sites: tuple[AdapterSite, ...]) -> list[AdapterSite]:
     """The site each saved adapter tensor belongs to (names are ``{site}.{what}``)."""
     by_name = {s.name: s for s in sites}
-    return [by_name[x.name.split(".")[0]] for x in saved]
+    return [by_name[x.name.rpartition(".")[0]] for x in saved]  # a site may be dotted (attn.c_proj)
 
 
 def input_grads_enabled(strategy: Strategy) -> bool:
@@ -907,16 +941,29 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     norm = sum(x.bytes for x in _norm_terms("norm1", t, spec.hidden_size, spec, w, frozen=True))
+    blind = {SiteInput.NORM1}
+    if spec.parallel_attn and spec.norms_per_layer >= 2:  # NeoX: the MLP's norm reads the same x
+        norm += sum(x.bytes for x in _norm_terms("norm2", t, spec.hidden_size, spec, w, frozen=True))
+        blind.add(SiteInput.NORM2)
     if strategy.base_weights.quantization is Quantization.INT8:
         # ... and its LLM.int8 q/k/v keep no input (MatMul8bitLt saves A only if an input needs a gradient).
         norm += _norm_out_width(spec, w) * t * spec.hidden_size
     # Dropout over an input that needs no gradient keeps no mask (native_dropout's backward is not needed).
     masks = (
-        sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads is SiteInput.NORM1)
+        sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads in blind)
         if strategy.adapter.dropout > 0
         else 0
     )
-    return norm + masks
+    # DoRA with dropout: the second base linear over an input that needs no gradient saves no weight copy.
+    copies = 0
+    if strategy.adapter.kind is AdapterKind.DORA and strategy.adapter.dropout > 0:
+        ad, bw = strategy.adapter.dtype.bits // 8, base_weight_width(strategy)
+        copies = sum(
+            dora_weight_copy_bytes(s, ad=ad, amp=w.amp, compute=w.compute, base=bw)
+            for s in adapter_sites(spec, strategy.adapter)
+            if s.reads in blind
+        )
+    return norm + masks + copies
 
 
 def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:

@@ -8,6 +8,15 @@ LoRA pair ``A`` (r × d_in) and ``B`` (d_out × r) in the adapter dtype (Hu et a
 2024). Targets are matched as PEFT matches ``target_modules``: a module name suffix, or ``all-linear`` for
 every linear inside the layers (PEFT ``_maybe_include_all_linear_layers`` also leaves the output head out).
 
+**Layouts** (:func:`layer_linears`): the linears are named as each transformers implementation names them —
+GPT-2's ``Conv1D`` ``c_attn``/``c_proj``/``c_fc`` (two ``c_proj``: ``attn.c_proj``, ``mlp.c_proj``), Falcon's and
+NeoX's ``query_key_value``/``dense``/``dense_h_to_4h``/``dense_4h_to_h``, Phi-2's ``dense``, Phi-3's fused
+``qkv_proj`` and ``gate_up_proj``. A fused qkv is one adapted linear reading the normed input; a parallel block
+with one norm (Phi-2, Falcon-7B) feeds that normed tensor to the MLP too. MoE and MLA models are traced only: on
+transformers 5 the experts are 3-D parameters and the router a custom module, and PEFT turns ``all-linear`` into
+attention + router + ``target_parameters`` on the experts (peft/utils/transformers_weight_conversion.py
+``_convert_peft_config_moe``), whose forward has no closed form here yet (:func:`supports_adapters`).
+
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
 one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
 QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
@@ -21,13 +30,16 @@ against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
   saved for the gradient of ``normed``);
 * a frozen SwiGLU MLP keeps gate, act(gate) and up, not their product (down_proj's input); a frozen fused
   GeLU MLP keeps fc1's output, not the activation's;
+* a LayerNorm over a 16-bit residual under autocast saves its own fp32 cast of the input (one per norm);
+  SDPA's math kernel keeps no output for a frozen o_proj; HF's Python GeLU keeps no product for a frozen fc2;
 * per adapted linear (PEFT ``lora.Linear.forward``: ``_cast_input_dtype`` then
   ``lora_B(lora_A(dropout(x))) * scaling``): the input as ``lora_A`` sees it — ``x`` itself when nothing
   casts it (then one tensor for every adapter reading it), else a new copy per module (in the adapter dtype,
   or the compute dtype under autocast) — a bool mask per module when dropout > 0 (CUDA ``native_dropout``),
   and ``lora_A``'s output (T·r) saved by ``lora_B``. Under autocast the adapters' own 16-bit weight copies
   are cached (2·r·(d_in + d_out) per module; aten ``cached_cast`` caches leaf tensors that require grad).
-  These are DESIGN §4.4's closed forms, extended to every target set.
+  These are DESIGN §4.4's closed forms, extended to every target set. DoRA adds the base and ``lora_B`` outputs
+  and, with dropout, the weight its second base linear multiplied by (:func:`dora_weight_copy_bytes`).
 
 Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
 call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
@@ -65,32 +77,62 @@ class SiteInput(StrEnum):
     ATTN_OUT = "attn-out"  # the attention output (o_proj)
     NORM2 = "norm2"  # the MLP's normed input (gate, up, fc1)
     MLP_ACT = "mlp-act"  # the MLP's activation (down_proj, fc2)
+    Q_LATENT = "q-latent"  # MLA: q_a_layernorm's output (q_b_proj)
+    KV_LATENT = "kv-latent"  # MLA: kv_a_layernorm's output (kv_b_proj)
 
 
 _INPUT_OF = {
     "q_proj": SiteInput.NORM1,
     "k_proj": SiteInput.NORM1,
     "v_proj": SiteInput.NORM1,
+    "qkv_proj": SiteInput.NORM1,
     "o_proj": SiteInput.ATTN_OUT,
     "gate_proj": SiteInput.NORM2,
     "up_proj": SiteInput.NORM2,
     "fc1": SiteInput.NORM2,
     "down_proj": SiteInput.MLP_ACT,
     "fc2": SiteInput.MLP_ACT,
+    "shared_expert_gate": SiteInput.NORM2,  # Qwen2-MoE: nn.Linear(h, 1)
+    "q_a_proj": SiteInput.NORM1,  # MLA (modeling_deepseek_v3.py DeepseekV3Attention)
+    "q_b_proj": SiteInput.Q_LATENT,
+    "kv_a_proj_with_mqa": SiteInput.NORM1,
+    "kv_b_proj": SiteInput.KV_LATENT,
 }
 
 #: Hugging Face module names that differ from the inventory's (OPT's out_proj is o_proj).
 _HF_ALIASES = {"out_proj": "o_proj"}
+
+_NEOX_NAMES = {"qkv_proj": "query_key_value", "o_proj": "dense", "fc1": "dense_h_to_4h", "fc2": "dense_4h_to_h"}
+
+#: The layer linears as each transformers implementation names them (and PEFT's ``target_modules`` match them),
+#: where they differ from the inventory's Llama names: GPT-2's ``Conv1D`` modules (modeling_gpt2.py ``GPT2Attention``
+#: ``c_attn``/``c_proj``, ``GPT2MLP`` ``c_fc``/``c_proj`` — two ``c_proj`` per layer, told apart as ``attn.c_proj``
+#: and ``mlp.c_proj``), NeoX and Falcon (``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``), Phi-2
+#: (``dense``), OPT (``out_proj``), StarCoder2 (``c_fc``, ``c_proj``). Phi-3's ``gate_up_proj`` is one linear for the
+#: inventory's gate and up (:func:`layer_linears`).
+_HF_NAMES: dict[str, dict[str, str]] = {
+    "gpt2": {"qkv_proj": "c_attn", "o_proj": "attn.c_proj", "fc1": "c_fc", "fc2": "mlp.c_proj"},
+    "gpt_neox": _NEOX_NAMES,
+    "falcon": _NEOX_NAMES,
+    "phi": {"o_proj": "dense"},
+    "opt": {"o_proj": "out_proj"},
+    "starcoder2": {"fc1": "c_fc", "fc2": "c_proj"},
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdapterSite:
     """One adapted linear of a layer: its module name, widths and the tensor it reads."""
 
-    name: str  # as PEFT spells it: q_proj, down_proj, ...
+    name: str  # as PEFT spells it: q_proj, down_proj, c_attn, attn.c_proj (when a name repeats in the layer)
     d_in: int
     d_out: int
     reads: SiteInput
+
+    def matches(self, target: str) -> bool:
+        """PEFT's ``target_modules`` test for a module name: the full name or a ``.``-separated suffix of it
+        (peft/tuners/tuners_utils.py ``check_target_module_exists``)."""
+        return self.name == target or self.name.endswith("." + target) or target.endswith("." + self.name)
 
 
 def finetuning(strategy: Strategy) -> bool:
@@ -105,14 +147,21 @@ def _short(t: ParamTensor) -> str:
 
 
 def supports_adapters(spec: ModelSpec) -> str | None:
-    """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers layers with
-    separate q/k/v projections and a dense (gated or fused-activation) MLP."""
+    """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers dense layers
+    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel."""
     if spec.params_override is not None:
         return "explicit --params (no tensor shapes to attach adapters to)"
     if spec.moe is not None:
-        return "mixture-of-experts layers"
+        return (
+            "mixture-of-experts layers (on transformers 5 PEFT reaches the fused 3-D experts through "
+            "target_parameters and wraps the router: no closed form here yet)"
+        )
     if spec.mla is not None:
-        return "multi-head latent attention"
+        return "multi-head latent attention (its q_a/q_b/kv_a/kv_b adapters have no closed form here yet)"
+    return None
+
+
+def _layout_beyond_llama(spec: ModelSpec) -> str | None:
     if spec.fused_qkv:
         return "a fused qkv projection"
     if spec.parallel_attn:
@@ -120,30 +169,77 @@ def supports_adapters(spec: ModelSpec) -> str | None:
     return None
 
 
+def frozen_forms_known(spec: ModelSpec) -> bool:
+    """Whether ``--freeze``'s frozen-layer forms were checked for ``spec``'s layout: Llama-style layers (separate
+    q/k/v, sequential attention and MLP) with a gated or fused-activation MLP."""
+    return supports_adapters(spec) is None and _layout_beyond_llama(spec) is None and mlp_frozen(spec)
+
+
+def layer_linears(spec: ModelSpec, kind: str = "dense") -> tuple[AdapterSite, ...]:
+    """Every linear of one kind of layer (``dense``, ``moe``; the first kind the model has when it lacks that one)
+    as PEFT sees it — what ``all-linear`` wraps, every ``nn.Linear``/``Conv1D`` but the output layer (PEFT
+    ``_maybe_include_all_linear_layers``): its module name, widths and input. A parallel block with one norm
+    (Phi-2, Falcon-7B: ``mlp(ln(x))`` beside ``attn(ln(x))``, modeling_phi.py ``PhiDecoderLayer``,
+    modeling_falcon.py ``FalconDecoderLayer``) feeds the MLP the attention's normed input; NeoX and Falcon's new
+    architecture norm the same ``x`` twice (two tensors). In an MoE layer of transformers 5 the router
+    (``*TopKRouter``: an ``nn.Parameter``) and the experts (``*Experts``: 3-D ``gate_up_proj``/``down_proj``
+    parameters run by ``grouped_mm``) are no linears: only the attention and the shared experts are."""
+    names = _HF_NAMES.get(spec.model_type, {})
+    mlp_in = SiteInput.NORM1 if spec.parallel_attn and spec.norms_per_layer == 1 else SiteInput.NORM2
+    inv = inventory(spec)
+    group = next((g for g in inv.layers if g.kind == kind), inv.layers[0])
+    out: list[AdapterSite] = []
+    for t in group.tensors:
+        short = _short(t)
+        if not t.matmul or short not in _INPUT_OF:
+            continue
+        reads = mlp_in if _INPUT_OF[short] is SiteInput.NORM2 else _INPUT_OF[short]
+        out.append(AdapterSite(name=names.get(short, short), d_in=t.shape[1], d_out=t.shape[0], reads=reads))
+    if spec.model_type == "phi3":  # modeling_phi3.py Phi3MLP: gate_up_proj (h → 2·i), then chunk(2)
+        gate, up = (next(s for s in out if s.name == n) for n in ("gate_proj", "up_proj"))
+        fused = AdapterSite(name="gate_up_proj", d_in=gate.d_in, d_out=gate.d_out + up.d_out, reads=gate.reads)
+        out = [fused if s is gate else s for s in out if s is not up]
+    return tuple(out)
+
+
+def _matched(spec: ModelSpec, adapter: Adapter, linears: tuple[AdapterSite, ...]) -> tuple[AdapterSite, ...]:
+    wanted = set(adapter.targets)
+    if ALL_LINEAR in wanted:
+        return linears
+    return tuple(s for s in linears if any(s.matches(x) for x in wanted))
+
+
+def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
+    """Every LoRA target must name a linear of some layer of ``spec`` (PEFT refuses a target it cannot find);
+    one line naming the ones that are otherwise."""
+    wanted = set(adapter.targets)
+    if ALL_LINEAR in wanted and len(wanted) > 1:
+        raise StrategyError("give either all-linear or module names as LoRA targets, not both")
+    linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind))
+    unknown = sorted(x for x in wanted - {ALL_LINEAR} if not any(s.matches(x) for s in linears))
+    if unknown:
+        names = ", ".join(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
+        experts = (
+            " (the experts are 3-D parameters, not linears: PEFT reaches them through target_parameters, which "
+            "all-linear includes on transformers 5)"
+            if spec.moe is not None
+            else ""
+        )
+        raise StrategyError(
+            f"no module named {', '.join(unknown)} in {spec.name}; its linears are {names} (or all-linear){experts}"
+        )
+
+
 def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
-    """The linears of one layer that ``adapter`` targets (PEFT ``target_modules`` matching). A target that
-    is no module of the model raises one line naming the ones that are."""
+    """The linears of one (dense) layer that ``adapter`` targets (PEFT ``target_modules`` matching). A target
+    that is no module of the model, or a layout the closed forms do not cover, raises one line."""
+    check_targets(spec, adapter)
     why = supports_adapters(spec)
     if why is not None:
-        raise StrategyError(f"adapters are modelled for Llama-style layers; {spec.name} has {why}")
-    group = _dense_group(inventory(spec))
-    linears = [t for t in group.tensors if t.matmul and _short(t) in _INPUT_OF]
-    names = [_short(t) for t in linears]
-    wanted = {_HF_ALIASES.get(x, x) for x in adapter.targets}
-    if ALL_LINEAR in wanted:
-        if len(wanted) > 1:
-            raise StrategyError("give either all-linear or module names as LoRA targets, not both")
-        wanted = set(names)
-    unknown = sorted(wanted - set(names))
-    if unknown:
         raise StrategyError(
-            f"no module named {', '.join(unknown)} in {spec.name}; its linears are {', '.join(names)} (or all-linear)"
+            f"the analytic adapter model does not cover {spec.name} yet: it has {why}; use --method trace"
         )
-    return tuple(
-        AdapterSite(name=_short(t), d_in=t.shape[1], d_out=t.shape[0], reads=_INPUT_OF[_short(t)])
-        for t in linears
-        if _short(t) in wanted
-    )
+    return _matched(spec, adapter, layer_linears(spec))
 
 
 def _dense_group(inv: ParamInventory) -> LayerGroup:
@@ -294,10 +390,12 @@ def adapter_saved(
     input_width: dict[SiteInput, int],
     amp: bool,
     compute: int,
+    base_width: int = 2,
 ) -> list[AdapterSaved]:
     """Per layer, what the adapters save (PEFT ``lora.Linear.forward``; DESIGN §4.4 closed forms): the input
     as ``lora_A`` sees it, the dropout mask, and ``lora_A``'s output. ``input_width``: bytes per element of
-    each input tensor as the base layer receives it."""
+    each input tensor as the base layer receives it; ``base_width``: bytes per base weight element (DoRA with
+    dropout keeps a copy of the weight, :func:`dora_weight_copy_bytes`)."""
     t, r = tokens, adapter.rank
     ad = adapter.dtype.bits // 8
     mm = compute if amp else ad  # the width lora_A's matmul computes (and saves its input) in
@@ -319,8 +417,32 @@ def adapter_saved(
             out.append(AdapterSaved(name=f"{s.name}.dropout_mask", bytes=t * s.d_in, formula="1·t·d_in (bool mask)"))
         out.append(AdapterSaved(name=f"{s.name}.lora_A_out", bytes=mm * t * r, formula=f"{mm}·t·r"))
         if adapter.kind is AdapterKind.DORA:
-            out += _dora_saved(s, tokens=t, mm=mm, base_out=compute, ad=ad)
+            # With dropout PEFT recomputes the base output from the dropped input: F.linear in lora_A's matmul
+            # width (autocast's compute dtype, else the adapter dtype); without, it reuses the base layer's.
+            out += _dora_saved(s, tokens=t, mm=mm, base_out=mm if dropped else compute, ad=ad)
+            if dropped and (copy := dora_weight_copy_bytes(s, ad=ad, amp=amp, compute=compute, base=base_width)):
+                out.append(AdapterSaved(name=f"{s.name}.dora_weight", bytes=copy, formula="d_in·d_out (weight copy)"))
     return out
+
+
+def base_weight_width(strategy: Strategy) -> int:
+    """Bytes per element of a float base weight: ``--base-dtype``, else the recipe's weight dtype."""
+    base = strategy.base_weights.dtype
+    return base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
+
+
+def dora_weight_copy_bytes(s: AdapterSite, *, ad: int, amp: bool, compute: int, base: int) -> int:
+    """DoRA with dropout (PEFT ``DoraLinearVariant.forward``, peft/tuners/lora/variants.py: ``x = dropout(x)``,
+    ``base_result=None``; then ``DoraLinearLayer.forward``, peft/tuners/lora/dora.py) runs the base layer a
+    second time as ``F.linear(x, weight.to(x.dtype))``. The weight needs no gradient, so that linear saves only
+    the weight it multiplied by (its input's gradient needs it; derivatives.yaml ``linear``/``mm``): the
+    parameter itself when nothing casts it (0 bytes), else a d_in × d_out copy per adapted linear and layer —
+    the ``.to(x.dtype)`` copy (adapter dtype), or autocast's cast of it to the compute dtype (not cached:
+    autocast caches casts of leaf tensors only, aten/src/ATen/autocast_mode.h ``cached_cast``)."""
+    n = s.d_in * s.d_out
+    if amp and ad != compute:
+        return compute * n
+    return ad * n if base != ad else 0
 
 
 def _dora_saved(s: AdapterSite, *, tokens: int, mm: int, base_out: int, ad: int) -> list[AdapterSaved]:
@@ -371,9 +493,8 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     ``MatMul8bitLt.backward`` multiplies by ``CB·SCB/127``: one N·K tensor in the compute dtype."""
     if strategy.base_weights.quantization is Quantization.NONE:
         return 0
-    group = _dense_group(inventory(spec))
-    linears = [t for t in group.tensors if t.matmul]
-    largest = max(t.numel for t in linears)
+    linears = layer_linears(spec)
+    largest = max(s.d_in * s.d_out for s in linears)
     out = largest * strategy.recipe.compute_bits // 8
     if strategy.base_weights.quantization is Quantization.INT8:
         # MatMul8bitLt.backward: ``CB.to(ctx.dtype_A, copy=True)`` — the weight in its *input's* dtype (no
@@ -387,18 +508,16 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
             SiteInput.ATTN_OUT: w.compute,
             SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
         }
-        out = max(t.numel * width[_INPUT_OF[_short(t)]] for t in linears if _short(t) in _INPUT_OF)
+        out = max(s.d_in * s.d_out * width[s.reads] for s in linears)
     # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
     # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
     # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
     # the trace of real bitsandbytes layers, tests/trace/test_peft.py; fitted, not derived op by op).
     if strategy.base_weights.kbit_prepared and strategy.recipe.compute_bits < 32:
-        widest = max(linears, key=lambda t: t.shape[1])
-        adapted = strategy.adapter is not None and any(
-            s.name == _short(widest) for s in adapter_sites(spec, strategy.adapter)
-        )
+        widest = max(linears, key=lambda s: s.d_in)
+        adapted = strategy.adapter is not None and widest in adapter_sites(spec, strategy.adapter)
         # An adapter on that linear already holds part of it (its own gradient chain): 2·t·d_in more, not 4.
-        out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.shape[1]
+        out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.d_in
     return out
 
 
@@ -419,12 +538,20 @@ def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
     return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
 
 
-def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
+def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool = True) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
     a ``--freeze`` that leaves nothing to train (the trace runs LLM.int8 layers and ``--freeze`` too)."""
     if strategy.adapter is not None:
-        adapter_sites(spec, strategy.adapter)
+        check_targets(spec, strategy.adapter)
+        if analytic or spec.params_override is not None:
+            adapter_sites(spec, strategy.adapter)
+        layout = _layout_beyond_llama(spec) or ("MoE or latent-attention layers" if supports_adapters(spec) else None)
+        if layout and strategy.base_weights.quantization is not Quantization.NONE:
+            raise StrategyError(
+                f"a quantised base is modelled for Llama-style layers; {spec.name} has {layout} "
+                "(bitsandbytes' conversion of its linears is not traced yet): use a float --base-dtype"
+            )
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:
@@ -436,17 +563,11 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy) -> None:
 
 
 def check_dora(strategy: Strategy, *, analytic: bool) -> None:
-    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) is traced with real PEFT modules, but the closed
-    forms do not describe its forward yet: ``DoraLinearLayer.forward`` (peft/tuners/lora/dora.py) builds
-    ``lora_B(lora_A(eye(d_in)))`` (lora_A saves the d_in × d_in identity), the full-size ``W + s·BA`` for its
-    weight norm, and runs the base layer a second time. The analytic method refuses it rather than count it
-    as LoRA; a quantised base under DoRA is refused by both (not traced)."""
+    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) over a quantised base is refused by both methods
+    (not traced). ``analytic`` is kept for callers: the closed forms now cover DoRA with and without dropout
+    (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`)."""
+    del analytic
     if strategy.adapter is None or strategy.adapter.kind is not AdapterKind.DORA:
         return
     if strategy.base_weights.quantization is not Quantization.NONE:
         raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
-    if analytic and strategy.adapter.dropout > 0:
-        raise StrategyError(
-            "the analytic model does not model DoRA with --lora-dropout yet (PEFT then runs the base layer a "
-            "second time on the dropped input); use --method trace, or --lora-dropout 0"
-        )

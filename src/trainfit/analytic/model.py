@@ -65,9 +65,8 @@ from trainfit.analytic.adapters import (
     dequant_transient_bytes,
     dora_norm_transient_bytes,
     finetuning,
+    frozen_forms_known,
     frozen_layers,
-    mlp_frozen,
-    supports_adapters,
 )
 from trainfit.analytic.events import simulate_training
 from trainfit.analytic.float8 import (
@@ -285,7 +284,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
     fz = frozen_layers(spec, strategy)
     bottom_segment: int | None = None
     kept_segments = 1
-    known = supports_adapters(spec) is None and mlp_frozen(spec)  # the frozen-layer forms are known
+    known = frozen_forms_known(spec)  # the frozen-layer forms are known
     if fz is not None and known and len(rows) == 1 and strategy.checkpointing is not Checkpointing.SELECTIVE:
         # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
         normal, still = rows[0].saved_bytes, _sum(frozen_layer_terms(spec, strategy))

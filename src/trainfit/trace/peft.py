@@ -11,6 +11,12 @@ What PEFT does that matters for memory, and is therefore done by PEFT itself her
   every linear but the output layer). ``autocast_adapter_dtype=True`` keeps the adapters in fp32 on a 16-bit
   base; with ``False`` they take the base layer's dtype (``_move_adapter_to_device_of_base_layer``), and a
   third dtype is set by casting the adapter tensors.
+* On transformers 5 MoE models (Mixtral, and every model transformers maps to the Qwen2-MoE conversion: Qwen3-MoE,
+  DeepSeek-V2/V3) PEFT rewrites the config first (peft/utils/transformers_weight_conversion.py
+  ``_convert_peft_config_moe``): the experts are 3-D parameters, so ``all-linear`` (or a v4 expert name) becomes
+  ``target_parameters`` on ``gate_up_proj``/``down_proj`` (``ParamWrapper``) plus LoRA on the router ``gate``;
+  the names ``gate_proj``/``up_proj``/``down_proj`` go to the experts, so DeepSeek's dense MLPs and shared experts
+  get no adapter. The trace runs what PEFT builds; the analytic method refuses these layouts.
 * ``PeftModel.__init__`` calls ``_prepare_model_for_gradient_checkpointing`` (peft/peft_model.py), which for a
   non-quantised model calls ``enable_input_require_grads``: the embeddings' output requires grad, so every
   layer's hidden states do (and every layer saves the same tensors).
