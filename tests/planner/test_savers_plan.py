@@ -116,10 +116,9 @@ def test_activation_offload_costs_the_pcie_traffic_its_passes_do_not_hide() -> N
     assert transfer > compute_micro  # the slow link cannot be hidden in either pass
     added = step_time_of(spec, x, slow).step_seconds - step_time_of(spec, twin, slow).step_seconds
     assert added == pytest.approx(2 * (2 * transfer - compute_micro))
-    # the bytes moved: every layer's saved tensors, the ones the estimate puts on the host and the in-flight two
+    # the bytes moved: every save is copied to the host once (the stash's too), what the estimate puts there
     rep = estimate(spec, s, gpu=gpu, search_micro_batch=False, fixes=False)
-    assert 0 < rep.host_peak_bytes < x.offload_activation_bytes
-    assert x.offload_activation_bytes - rep.host_peak_bytes < x.offload_activation_bytes / spec.num_layers * 2.5
+    assert rep.host_peak_bytes == x.offload_activation_bytes > 0
 
 
 def test_a_saver_plan_is_the_estimate_of_its_printed_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -212,11 +212,10 @@ _OFFLOADED: Memo[int] = Memo(512)
 
 
 def offloaded_activation_bytes(spec: ModelSpec, strategy: Strategy) -> int:
-    """Bytes ``--activation-offload`` copies to the host per micro-step (and back in backward): every saved tensor
-    of the layers — the estimate's host bytes plus the one or two layers in flight it keeps on the GPU
-    (:func:`trainfit.analytic.savers.offloaded_bytes`: torchtune ``OffloadActivations`` copies each saved tensor
-    of at least ``min_offload_size`` bytes, the in-flight ones included) — or, under checkpointing, the
-    checkpoint inputs. Read from :func:`trainfit.analytic.model.step_inputs`, the memory estimate's own inputs:
+    """Bytes ``--activation-offload`` copies to the host per micro-step (and back in backward): the estimate's host
+    activation bytes — torchtune ``OffloadActivations`` copies each saved tensor of at least ``min_offload_size``
+    bytes once, the ones its stash keeps on the GPU too (:mod:`trainfit.analytic.savers`) — or, under checkpointing,
+    every checkpoint input. Read from :func:`trainfit.analytic.model.step_inputs`, the memory estimate's own inputs:
     0 without offloading."""
     if not strategy.savers.activation_offload:
         return 0
@@ -226,9 +225,7 @@ def offloaded_activation_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         from trainfit.analytic.model import step_inputs
 
         eff, _ = effective_strategy(spec, strategy)
-        q = step_inputs(spec, eff, keep_logits=False)
-        on_gpu = q.stack.all_layers_bytes if q.segments == 0 else q.kept_inputs
-        return q.host_activations + on_gpu
+        return step_inputs(spec, eff, keep_logits=False).host_activations
 
     return _OFFLOADED.get((spec_key(spec), strategy), build)
 
