@@ -10,7 +10,10 @@ real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole de
 (``--finetune``) wrap real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
 2-D FSDP2 × TP rows (``--fsdp-tp``) run ``parallelize_module`` then ``fully_shard`` per layer and root on the
 ``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.
-Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune]
+``--reshard``: FSDP2's matrix, both ``reshard_after_forward`` settings × checkpointing none/full/selective at
+W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
+Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
+| --reshard]
 """
 
 from __future__ import annotations
@@ -126,7 +129,24 @@ def _header() -> None:
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
 
 
+#: (model, world sizes) of the ``--reshard`` matrix: FSDP2 × both reshard settings × checkpointing none/full/selective
+RESHARD = ("llama-3.1-8b", (2, 8, 64))
+
+
+def reshard_matrix(quick: bool) -> None:
+    """FSDP2 per layer + root, ``reshard_after_forward`` True/False × checkpointing none/full/selective."""
+    slug, worlds = RESHARD
+    _header()
+    for w in worlds[:1] if quick else worlds:
+        for flag in (True, False):
+            for ckpt in ("none", "full", "selective"):
+                row(slug, f"FSDP2, reshard_after_forward={flag}", w, ckpt, strategy("fsdp", w, flag, ckpt))
+
+
 def main(argv: list[str]) -> None:
+    if "--reshard" in argv:
+        reshard_matrix("--quick" in argv)
+        return
     if "--fsdp-tp" in argv:
         _header()
         for slug, tp, dp, sp, ckpt in FSDP_TP_CASES[:1] if "--quick" in argv else FSDP_TP_CASES:

@@ -656,7 +656,7 @@ def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FsdpGroups:
-    """What FSDP2's groups move: the unsharded parameters (per tensor, unpadded, in the all-gather dtype),
+    """What FSDP2's groups move: the unsharded parameters (per tensor, padded to W shards, in the all-gather dtype),
     the padded all-gather output and reduce-scatter input of one layer group, the root's."""
 
     root_bytes: int  # the root's unsharded parameters
@@ -699,7 +699,9 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     layers = [unique([h for h in held if h.group == i]) for i in range(len(inv.layers))]
 
     def unsharded(hs: Sequence[HeldTensor]) -> int:
-        return sum(_alloc(h.storage_numel, gather_bits(h)) for h in hs)
+        # each unsharded parameter is a view of its own padded all-gather output, W padded shards long
+        # (_fsdp_param.py ``init_all_gather_outputs``, ``init_unsharded_param``: ``torch.as_strided``)
+        return sum(_alloc(h.shard_numel(shards) * shards, gather_bits(h)) for h in hs)
 
     def padded(hs: Sequence[HeldTensor], bits: Callable[[HeldTensor], int]) -> int:
         return allocator_bytes(sum(h.shard_numel(shards) * shards * bits(h) // 8 for h in hs))
@@ -752,7 +754,16 @@ def _fsdp(
     n_layers = sum(g.count for g in inv.layers)
     g_full = max(1, q.states.grads_bytes)
 
-    def adjust(m: Moment) -> dict[Component, int]:
+    # Layers unsharded in a layer's backward: FSDP2's post-backward reshards every layer after its backward
+    # (``reshard_after_backward``, _fsdp_param_group.py ``post_backward``); below it, with reshard_after_forward
+    # every layer still unsharded since its forward, without it the current one and the one its pre-backward
+    # prefetched (``_backward_prefetch``). The bottom moment is the bottom segment's top layer.
+    seg = q.segment_layers if q.segments else 1
+    bottom_held = min(seg, 2) if raf else seg
+
+    def adjust(m: Moment, inner: tuple[int, bool] | None = None) -> dict[Component, int]:
+        """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held) for the
+        moments of :func:`_fsdp_inner_moments`."""
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
         if offload:
@@ -773,11 +784,12 @@ def _fsdp(
             unsharded = root + (layers_all if not raf else 0)
             comm = ag if p.shard > 1 and raf else 0
         elif m.name in (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX):
-            # the current layer and the one prefetched; its bf16 gradients feed an fp32 reduce-scatter input
-            unsharded = root + (layers_all if not raf else 2 * layer)
-            comm = rs
+            # the current layer and the one prefetched (every layer without reshard_after_forward); no
+            # reduce-scatter input yet: the top layer's is made in its post-backward (_fsdp_inner_moments)
+            unsharded = root + (layers_all if not raf else min(2, n_layers) * layer)
         elif m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
-            unsharded = root + (layer if raf else layers_all)
+            # the layers above are resharded by their post-backward, whatever reshard_after_forward says
+            unsharded = root + bottom_held * layer
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
             # Inside the root's post-backward: the root is resharded, its gradients are being reduced.
@@ -812,6 +824,8 @@ def _fsdp(
             c[Component.TEMPORARIES] = 0
         elif m.phase is Phase.OPTIMIZER_STEP:
             c[Component.TEMPORARIES] = st.step_temp_bytes
+        if inner is not None:
+            unsharded, comm = root + inner[0] * layer, rs if inner[1] else 0
         c[Component.UNSHARDED_PARAMS] = unsharded
         c[Component.COMM_BUFFERS] = comm
         return c
@@ -840,7 +854,73 @@ def _fsdp(
         notes.append("CPUOffloadPolicy: shards, gradients and optimizer states in pinned host memory (per node)")
     if finetuning(strategy):
         notes.append(_fsdp_finetune_note(strategy, mixed))
-    return _worst(q, adjust, host), notes
+    phases = _worst(q, adjust, host)
+    inner = [adjust(m, (held, in_flight)) for m, held, in_flight in _fsdp_inner_moments(q, raf, n_layers)]
+    if inner:
+        bwd = next(ph for ph in phases if ph.phase is Phase.BACKWARD)
+        worst = max(inner, key=lambda c: sum(c.values()))
+        if sum(worst.values()) > bwd.total_bytes:
+            new = PhaseBreakdown(phase=Phase.BACKWARD, components=_full(worst), host_components=dict(host))
+            phases = tuple(new if ph.phase is Phase.BACKWARD else ph for ph in phases)
+    return phases, notes
+
+
+def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool]]:
+    """FSDP2's backward moments besides the single-GPU ones, as (the single-GPU moment shifted, the layers
+    unsharded then, whether a reduce-scatter input is held). Per layer, top down (_fsdp_param_group.py
+    ``pre_backward``, ``post_backward``; _fsdp_collectives.py ``foreach_reduce``): its pre-backward unshards it
+    (a no-op without ``reshard_after_forward``: every layer stays unsharded from its forward) and prefetches the
+    next; its backward (and, checkpointed, its recomputation: the recompute's pre-forward finds it unsharded,
+    ``FSDPState._pre_forward`` in ``PRE_BACKWARD``) runs with the previous layer's fp32 reduce-scatter input in
+    flight (``reduce_scatter_max_input_buffers`` = 1); its post-backward reshards it whatever
+    ``reshard_after_forward`` says (``reshard_after_backward``), frees the previous input, makes its own and
+    copies the bf16 gradients in. Going down one layer, the rank gains one layer's sharded gradients and loses
+    the layer above's checkpoint input (or saved tensors) and, without ``reshard_after_forward``, one unsharded
+    layer: linear between the ends, so these moments are the ones next to the single-GPU top and bottom:
+
+    * the top layer's post-backward: its saved (or recomputed) tensors gone, its bf16 gradients and the fp32
+      reduce-scatter input held, the layer itself resharded;
+    * the layer below the top: one layer's sharded gradients more than at the top and the top's reduce-scatter
+      input; without ``reshard_after_forward`` one layer fewer unsharded (at W = 2 the fp32 shard, 4/2 bytes per
+      element, weighs as much as the bf16 layer) — with checkpointing the backward's worst moment there;
+    * the layer above the bottom: itself and the one below (prefetched, or never resharded), one layer's sharded
+      gradients fewer than at the bottom, one more checkpoint input (or layer's saved tensors) kept.
+
+    Checkpointed segments of several layers (``sqrt``) are entered at their top layer: there only the top's
+    post-backward and the layer below the top are shifted (by one layer's recomputed tensors)."""
+    if n_layers < 2:
+        return []
+    a = q.stack
+    one_segment = q.segments > 0 and q.segment_layers == 1
+    # What one layer's backward releases for good: its checkpoint input (full, sac: with its kept outputs) or its
+    # saved tensors (no or selective recompute; inside a segment, one layer's recomputed tensors).
+    released = q.kept_inputs // q.segments if one_segment else a.max_layer_bytes
+    # What the current layer holds only during its backward: its recomputed tensors when checkpointed.
+    own = q.segment_layers * a.max_layer_bytes if q.segments else 0
+    tops = (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX)
+    bottoms = (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX)
+    out: list[tuple[Moment, int, bool]] = []
+    for m in backward_moments(q):
+        if m.name is MomentName.BACKWARD_TOP_BLOCK:
+            post = dataclasses.replace(
+                m,
+                activations=max(0, m.activations - own - released),
+                temporaries=q.grad_layer,  # the layer's bf16 gradients, copied into the reduce-scatter input
+            )
+            out.append((post, (n_layers - 1) if not raf else 1, True))
+        if n_layers < 3:
+            continue
+        if m.name in tops:
+            below_top = dataclasses.replace(
+                m, gradients=m.gradients + q.grad_layer, activations=max(0, m.activations - released)
+            )
+            out.append((below_top, 2 if raf else n_layers - 1, True))
+        elif m.name in bottoms and (q.segments == 0 or one_segment):
+            above_bottom = dataclasses.replace(
+                m, gradients=max(q.grads_resident, m.gradients - q.grad_layer), activations=m.activations + released
+            )
+            out.append((above_bottom, 2, True))
+    return out
 
 
 def _fsdp_finetune_note(strategy: Strategy, mixed: bool) -> str:

@@ -112,7 +112,8 @@ class _Group:
     ) -> None:
         local = [shard_tensor(t, shards).numel for t in tensors]
         self.shards = [n * bits // 8 for n in local]
-        self.unsharded = [t.numel * gather_bits // 8 for t in tensors]
+        # views of each parameter's padded all-gather output (_fsdp_param.py ``init_unsharded_param``)
+        self.unsharded = [n * shards * gather_bits // 8 for n in local]
         self.all_gather = sum(local) * shards * gather_bits // 8
         self.reduce_scatter = sum(local) * shards * reduce_bits // 8
         self.shard_grads = sum(self.shards)
