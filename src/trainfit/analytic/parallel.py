@@ -872,22 +872,20 @@ def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[M
     (a no-op without ``reshard_after_forward``: every layer stays unsharded from its forward) and prefetches the
     next; its backward (and, checkpointed, its recomputation: the recompute's pre-forward finds it unsharded,
     ``FSDPState._pre_forward`` in ``PRE_BACKWARD``) runs with the previous layer's fp32 reduce-scatter input in
-    flight (``reduce_scatter_max_input_buffers`` = 1); its post-backward reshards it whatever
-    ``reshard_after_forward`` says (``reshard_after_backward``), frees the previous input, makes its own and
-    copies the bf16 gradients in. Going down one layer, the rank gains one layer's sharded gradients and loses
-    the layer above's checkpoint input (or saved tensors) and, without ``reshard_after_forward``, one unsharded
-    layer: linear between the ends, so these moments are the ones next to the single-GPU top and bottom:
-
-    * the top layer's post-backward: its saved (or recomputed) tensors gone, its bf16 gradients and the fp32
-      reduce-scatter input held, the layer itself resharded;
-    * the layer below the top: one layer's sharded gradients more than at the top and the top's reduce-scatter
-      input; without ``reshard_after_forward`` one layer fewer unsharded (at W = 2 the fp32 shard, 4/2 bytes per
-      element, weighs as much as the bf16 layer) — with checkpointing the backward's worst moment there;
-    * the layer above the bottom: itself and the one below (prefetched, or never resharded), one layer's sharded
-      gradients fewer than at the bottom, one more checkpoint input (or layer's saved tensors) kept.
+    flight (``reduce_scatter_max_input_buffers`` = 1) and ends holding all its bf16 weight gradients; its
+    post-backward reshards it whatever ``reshard_after_forward`` says (``reshard_after_backward``), frees the
+    previous input, makes its own and copies the gradients in. Going down one layer, the rank gains one layer's
+    sharded gradients and loses the layer above's checkpoint input (or saved tensors) and, without
+    ``reshard_after_forward``, one unsharded layer: linear between the ends, so the moments are taken at the
+    layers next to the ends — the top, the layer below it, the one above the bottom, the bottom — each inside its
+    backward (the single-GPU moment) and at its end (its recomputed or saved tensors gone, its bf16 gradients
+    held, itself still unsharded: for large layers and short sequences the worse of the two), plus the top
+    layer's post-backward (resharded, its reduce-scatter input made). At W = 2 the fp32 shard of a layer's
+    gradients (4/2 bytes per element) weighs as much as the bf16 layer: without ``reshard_after_forward`` and
+    with recompute the layer below the top is the backward's worst moment.
 
     Checkpointed segments of several layers (``sqrt``) are entered at their top layer: there only the top's
-    post-backward and the layer below the top are shifted (by one layer's recomputed tensors)."""
+    moments and the layer below the top are shifted (by one layer's recomputed tensors)."""
     if n_layers < 2:
         return []
     a = q.stack
@@ -895,31 +893,41 @@ def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[M
     # What one layer's backward releases for good: its checkpoint input (full, sac: with its kept outputs) or its
     # saved tensors (no or selective recompute; inside a segment, one layer's recomputed tensors).
     released = q.kept_inputs // q.segments if one_segment else a.max_layer_bytes
-    # What the current layer holds only during its backward: its recomputed tensors when checkpointed.
-    own = q.segment_layers * a.max_layer_bytes if q.segments else 0
+    # What the current layer holds only during its backward: its recomputed tensors, or its saved ones.
+    own = q.segment_layers * a.max_layer_bytes if q.segments else a.max_layer_bytes
+    seg = q.segment_layers if q.segments else 1
+    top_held = min(2, n_layers) if raf else n_layers
+    bottom_held = min(seg, 2) if raf else seg
     tops = (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX)
     bottoms = (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX)
+    inside: list[tuple[Moment, int, bool]] = []
     out: list[tuple[Moment, int, bool]] = []
     for m in backward_moments(q):
         if m.name is MomentName.BACKWARD_TOP_BLOCK:
+            inside.append((m, top_held, False))
             post = dataclasses.replace(
                 m,
-                activations=max(0, m.activations - own - released),
+                activations=max(0, m.activations - own - (released if one_segment else 0)),
                 temporaries=q.grad_layer,  # the layer's bf16 gradients, copied into the reduce-scatter input
             )
-            out.append((post, (n_layers - 1) if not raf else 1, True))
+            out.append((post, top_held - 1, True))
+        elif m.name is MomentName.BACKWARD_BOTTOM_BLOCK:
+            inside.append((m, bottom_held, True))
         if n_layers < 3:
             continue
         if m.name in tops:
             below_top = dataclasses.replace(
                 m, gradients=m.gradients + q.grad_layer, activations=max(0, m.activations - released)
             )
-            out.append((below_top, 2 if raf else n_layers - 1, True))
+            inside.append((below_top, 2 if raf else n_layers - 1, True))
         elif m.name in bottoms and (q.segments == 0 or one_segment):
             above_bottom = dataclasses.replace(
                 m, gradients=max(q.grads_resident, m.gradients - q.grad_layer), activations=m.activations + released
             )
-            out.append((above_bottom, 2, True))
+            inside.append((above_bottom, 2, True))
+    for m, held, in_flight in inside:
+        end = dataclasses.replace(m, activations=max(0, m.activations - own), temporaries=q.grad_layer)
+        out += [(m, held, in_flight), (end, held, in_flight)]
     return out
 
 
