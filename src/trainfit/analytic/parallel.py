@@ -803,6 +803,12 @@ def _fsdp(
             # _fsdp_param_group.py ``post_backward``), the table's gradient just computed (under TP whole,
             # with its Shard(0) copy: ``table_copy``), the root's shards not yet made.
             during_temp = q.grad_head + q.grad_late + table_copy
+            # Or the copy-in itself: the root's fp32 reduce-scatter input made while the bf16 gradients it copies
+            # are still referenced (``post_backward`` holds ``unsharded_grads`` across ``foreach_reduce``), the
+            # root's shards not yet made (the trace: llama-3.1-8b over 8 ranks with full recompute, 501 MiB more).
+            copy_in = q.grad_head + q.grad_late
+            if rs_root + copy_in - root_shard_grads > rs_root + post_temp - post_grads:
+                post_temp, post_grads = copy_in, root_shard_grads
             if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
                 unsharded, comm = root, rs
                 c[Component.TEMPORARIES] += during_temp
