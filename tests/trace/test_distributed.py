@@ -13,7 +13,7 @@ from trainfit.arch.params import inventory
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, Strategy
 
-from .conftest import tiny_spec
+from .conftest import assert_phases_agree, tiny_spec
 
 pytest.importorskip("torch")
 from trainfit.analytic.parallel import estimate_parallel
@@ -109,13 +109,7 @@ def test_fsdp_reshard_matrix_agrees_with_trace(w: int, raf: bool, ckpt: str) -> 
     assert traced.details is not None and traced.details.extrapolated
     closed = estimate_parallel(spec, s)
     clip = 512 * (sum(m for _, m in inventory(spec).all_tensors()) + 2)
-    for a, t in zip(closed.phases, traced.phases, strict=True):
-        slack = clip if a.phase is Phase.OPTIMIZER_STEP else 0
-        assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes + slack, (
-            a.phase,
-            a.total_bytes,
-            t.total_bytes,
-        )
+    assert_phases_agree(closed, traced, TOLERANCE, step_slack=clip)
 
 
 def test_fsdp_extrapolation_keeps_the_layers_next_to_the_ends() -> None:

@@ -19,7 +19,8 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   bf16 model, no autocast copies). The unsharded (all-gathered) parameters at a moment are the root's
   (embeddings, final norm, head: the root is not resharded after forward, ``FSDPState._lazy_init``) plus
   the current layer and the one prefetched; ``reshard_after_forward=False`` keeps every layer unsharded
-  from its forward to its backward (DESIGN §4.3). In backward, a layer's bf16 gradients are reduced
+  from its forward until its own post-backward, which reshards it either way (DESIGN §4.3; the backward's
+  moments layer by layer: :func:`_fsdp_inner_moments`). In backward, a layer's bf16 gradients are reduced
   through an fp32 reduce-scatter input of its padded size (``_fsdp_collectives.py`` ``foreach_reduce``).
   HSDP shards within ``gpus_per_node`` ranks and replicates across nodes.
 * **DeepSpeed ZeRO** (``--sharding zero1|zero2|zero3``): 16-bit parameters and gradients, fp32 master
@@ -849,7 +850,7 @@ def _fsdp(
         + (f" (HSDP: replicated over {p.dp // p.shard} nodes)" if p.sharding is Sharding.HSDP else "")
         + f": {n_layers} layer groups + root; unsharded root {fmt_gib(root)}, one layer "
         f"{fmt_gib(layer, 3)} in {'bf16' if cbits == 16 else 'fp32'}"
-        + ("" if raf else "; reshard_after_forward=False keeps every layer unsharded through forward and backward"),
+        + ("" if raf else "; reshard_after_forward=False keeps each layer unsharded until its post-backward"),
     ]
     if mixed:
         notes.append(
