@@ -12,8 +12,10 @@ real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole de
 ``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.
 DeepSpeed's CPU offload rows (``--offload``: ZeRO-Offload, ZeRO-Infinity to CPU; trainfit.trace.deepspeed_offload)
 also compare the host bytes per node (what DeepSpeed pins, Adam's states on the host).
+``--reshard``: FSDP2's matrix, both ``reshard_after_forward`` settings × checkpointing none/full/selective at
+W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
-| --offload]
+| --offload | --reshard]
 """
 
 from __future__ import annotations
@@ -170,9 +172,26 @@ def offload_rows(quick: bool) -> None:
         )
 
 
+#: (model, world sizes) of the ``--reshard`` matrix: FSDP2 × both reshard settings × checkpointing none/full/selective
+RESHARD = ("llama-3.1-8b", (2, 8, 64))
+
+
+def reshard_matrix(quick: bool) -> None:
+    """FSDP2 per layer + root, ``reshard_after_forward`` True/False × checkpointing none/full/selective."""
+    slug, worlds = RESHARD
+    _header()
+    for w in worlds[:1] if quick else worlds:
+        for flag in (True, False):
+            for ckpt in ("none", "full", "selective"):
+                row(slug, f"FSDP2, reshard_after_forward={flag}", w, ckpt, strategy("fsdp", w, flag, ckpt))
+
+
 def main(argv: list[str]) -> None:
     if "--offload" in argv:
         offload_rows("--quick" in argv)
+        return
+    if "--reshard" in argv:
+        reshard_matrix("--quick" in argv)
         return
     if "--fsdp-tp" in argv:
         _header()

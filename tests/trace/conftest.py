@@ -73,3 +73,17 @@ TINY: dict[str, dict[str, Any]] = {
 def tiny_spec(family: str, **overrides: Any) -> ModelSpec:
     cfg = {**TINY[family], **overrides}
     return spec_from_config(cfg, name=f"tiny-{family}", source="test")
+
+
+def assert_phases_agree(closed: Any, traced: Any, tolerance: float, *, step_slack: int = 0) -> None:
+    """Each phase of the analytic report ``closed`` within ``tolerance`` of the trace's; the optimizer step may
+    also differ by ``step_slack`` bytes (grad clipping's per-tensor norms, which neither model counts)."""
+    from trainfit.result import Phase
+
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        slack = step_slack if a.phase is Phase.OPTIMIZER_STEP else 0
+        assert abs(a.total_bytes - t.total_bytes) <= tolerance * t.total_bytes + slack, (
+            a.phase,
+            a.total_bytes,
+            t.total_bytes,
+        )

@@ -17,6 +17,8 @@ from trainfit.arch.config import spec_from_config
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
 
+from .conftest import assert_phases_agree
+
 pytest.importorskip("torch")
 pytest.importorskip("peft")
 from trainfit.analytic.parallel import estimate_parallel
@@ -75,14 +77,22 @@ def test_finetuning_rank_agrees_with_trace(
     traced = trace_distributed(spec, s)
     closed = estimate_parallel(spec, s)
     assert closed.trainable_params == traced.trainable_params
-    for a, t in zip(closed.phases, traced.phases, strict=True):
-        assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+    # The traced step's grad clipping: one 512-byte norm per trainable tensor, their stack and the clip coefficient
+    # (torch/nn/utils/clip_grad.py ``_get_total_norm``), which neither model counts; FSDP2's four layers are traced
+    # whole (three and four layers are traced to extrapolate), where they are 3.4% of a tiny HSDP step.
+    assert_phases_agree(closed, traced, TOLERANCE, step_slack=512 * (len(_trainable_tensors(spec, s)) + 2))
     # The resident states on their own: the trace counts the adapters among the weights; it also holds the
     # rotary embedding's two inv_freq buffers (one 512-byte block each), which the analytic model leaves out.
     step_a, step_t = closed.phase(Phase.OPTIMIZER_STEP), traced.phase(Phase.OPTIMIZER_STEP)
     held_a = step_a.get(Component.WEIGHTS) + step_a.get(Component.ADAPTER_WEIGHTS)
     assert abs(held_a - step_t.get(Component.WEIGHTS)) <= 0.01 * step_t.get(Component.WEIGHTS) + 2048
     assert step_a.get(Component.OPTIMIZER_STATES) == pytest.approx(step_t.get(Component.OPTIMIZER_STATES), rel=0.01)
+
+
+def _trainable_tensors(spec: Any, s: Strategy) -> list[Any]:
+    from trainfit.analytic.parallel import held_tensors
+
+    return [h for h in held_tensors(spec, s) if h.trainable for _ in range(h.count)]
 
 
 def test_trace_refuses_freeze_with_many_gpus_in_one_line() -> None:

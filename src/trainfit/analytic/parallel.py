@@ -19,7 +19,8 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   bf16 model, no autocast copies). The unsharded (all-gathered) parameters at a moment are the root's
   (embeddings, final norm, head: the root is not resharded after forward, ``FSDPState._lazy_init``) plus
   the current layer and the one prefetched; ``reshard_after_forward=False`` keeps every layer unsharded
-  from its forward to its backward (DESIGN §4.3). In backward, a layer's bf16 gradients are reduced
+  from its forward until its own post-backward, which reshards it either way (DESIGN §4.3; the backward's
+  moments layer by layer: :func:`_fsdp_inner_moments`). In backward, a layer's bf16 gradients are reduced
   through an fp32 reduce-scatter input of its padded size (``_fsdp_collectives.py`` ``foreach_reduce``).
   HSDP shards within ``gpus_per_node`` ranks and replicates across nodes.
 * **DeepSpeed ZeRO** (``--sharding zero1|zero2|zero3``): 16-bit parameters and gradients, fp32 master
@@ -656,7 +657,7 @@ def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FsdpGroups:
-    """What FSDP2's groups move: the unsharded parameters (per tensor, unpadded, in the all-gather dtype),
+    """What FSDP2's groups move: the unsharded parameters (per tensor, padded to W shards, in the all-gather dtype),
     the padded all-gather output and reduce-scatter input of one layer group, the root's."""
 
     root_bytes: int  # the root's unsharded parameters
@@ -699,7 +700,9 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     layers = [unique([h for h in held if h.group == i]) for i in range(len(inv.layers))]
 
     def unsharded(hs: Sequence[HeldTensor]) -> int:
-        return sum(_alloc(h.storage_numel, gather_bits(h)) for h in hs)
+        # each unsharded parameter is a view of its own padded all-gather output, W padded shards long
+        # (_fsdp_param.py ``init_all_gather_outputs``, ``init_unsharded_param``: ``torch.as_strided``)
+        return sum(_alloc(h.shard_numel(shards) * shards, gather_bits(h)) for h in hs)
 
     def padded(hs: Sequence[HeldTensor], bits: Callable[[HeldTensor], int]) -> int:
         return allocator_bytes(sum(h.shard_numel(shards) * shards * bits(h) // 8 for h in hs))
@@ -752,7 +755,16 @@ def _fsdp(
     n_layers = sum(g.count for g in inv.layers)
     g_full = max(1, q.states.grads_bytes)
 
-    def adjust(m: Moment) -> dict[Component, int]:
+    # Layers unsharded in a layer's backward: FSDP2's post-backward reshards every layer after its backward
+    # (``reshard_after_backward``, _fsdp_param_group.py ``post_backward``); below it, with reshard_after_forward
+    # every layer still unsharded since its forward, without it the current one and the one its pre-backward
+    # prefetched (``_backward_prefetch``). The bottom moment is the bottom segment's top layer.
+    seg = q.segment_layers if q.segments else 1
+    bottom_held = min(seg, 2) if raf else seg
+
+    def adjust(m: Moment, inner: tuple[int, bool] | None = None) -> dict[Component, int]:
+        """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held) for the
+        moments of :func:`_fsdp_inner_moments`."""
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
         if offload:
@@ -773,11 +785,12 @@ def _fsdp(
             unsharded = root + (layers_all if not raf else 0)
             comm = ag if p.shard > 1 and raf else 0
         elif m.name in (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX):
-            # the current layer and the one prefetched; its bf16 gradients feed an fp32 reduce-scatter input
-            unsharded = root + (layers_all if not raf else 2 * layer)
-            comm = rs
+            # the current layer and the one prefetched (every layer without reshard_after_forward); no
+            # reduce-scatter input yet: the top layer's is made in its post-backward (_fsdp_inner_moments)
+            unsharded = root + (layers_all if not raf else min(2, n_layers) * layer)
         elif m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
-            unsharded = root + (layer if raf else layers_all)
+            # the layers above are resharded by their post-backward, whatever reshard_after_forward says
+            unsharded = root + bottom_held * layer
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
             # Inside the root's post-backward: the root is resharded, its gradients are being reduced.
@@ -791,6 +804,12 @@ def _fsdp(
             # _fsdp_param_group.py ``post_backward``), the table's gradient just computed (under TP whole,
             # with its Shard(0) copy: ``table_copy``), the root's shards not yet made.
             during_temp = q.grad_head + q.grad_late + table_copy
+            # Or the copy-in itself: the root's fp32 reduce-scatter input made while the bf16 gradients it copies
+            # are still referenced (``post_backward`` holds ``unsharded_grads`` across ``foreach_reduce``), the
+            # root's shards not yet made (the trace: llama-3.1-8b over 8 ranks with full recompute, 501 MiB more).
+            copy_in = q.grad_head + q.grad_late
+            if rs_root + copy_in - root_shard_grads > rs_root + post_temp - post_grads:
+                post_temp, post_grads = copy_in, root_shard_grads
             if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
                 unsharded, comm = root, rs
                 c[Component.TEMPORARIES] += during_temp
@@ -812,6 +831,8 @@ def _fsdp(
             c[Component.TEMPORARIES] = 0
         elif m.phase is Phase.OPTIMIZER_STEP:
             c[Component.TEMPORARIES] = st.step_temp_bytes
+        if inner is not None:
+            unsharded, comm = root + inner[0] * layer, rs if inner[1] else 0
         c[Component.UNSHARDED_PARAMS] = unsharded
         c[Component.COMM_BUFFERS] = comm
         return c
@@ -829,7 +850,7 @@ def _fsdp(
         + (f" (HSDP: replicated over {p.dp // p.shard} nodes)" if p.sharding is Sharding.HSDP else "")
         + f": {n_layers} layer groups + root; unsharded root {fmt_gib(root)}, one layer "
         f"{fmt_gib(layer, 3)} in {'bf16' if cbits == 16 else 'fp32'}"
-        + ("" if raf else "; reshard_after_forward=False keeps every layer unsharded through forward and backward"),
+        + ("" if raf else "; reshard_after_forward=False keeps each layer unsharded until its post-backward"),
     ]
     if mixed:
         notes.append(
@@ -840,7 +861,81 @@ def _fsdp(
         notes.append("CPUOffloadPolicy: shards, gradients and optimizer states in pinned host memory (per node)")
     if finetuning(strategy):
         notes.append(_fsdp_finetune_note(strategy, mixed))
-    return _worst(q, adjust, host), notes
+    phases = _worst(q, adjust, host)
+    inner = [adjust(m, (held, in_flight)) for m, held, in_flight in _fsdp_inner_moments(q, raf, n_layers)]
+    if inner:
+        bwd = next(ph for ph in phases if ph.phase is Phase.BACKWARD)
+        worst = max(inner, key=lambda c: sum(c.values()))
+        if sum(worst.values()) > bwd.total_bytes:
+            new = PhaseBreakdown(phase=Phase.BACKWARD, components=_full(worst), host_components=dict(host))
+            phases = tuple(new if ph.phase is Phase.BACKWARD else ph for ph in phases)
+    return phases, notes
+
+
+def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool]]:
+    """FSDP2's backward moments besides the single-GPU ones, as (the single-GPU moment shifted, the layers
+    unsharded then, whether a reduce-scatter input is held). Per layer, top down (_fsdp_param_group.py
+    ``pre_backward``, ``post_backward``; _fsdp_collectives.py ``foreach_reduce``): its pre-backward unshards it
+    (a no-op without ``reshard_after_forward``: every layer stays unsharded from its forward) and prefetches the
+    next; its backward (and, checkpointed, its recomputation: the recompute's pre-forward finds it unsharded,
+    ``FSDPState._pre_forward`` in ``PRE_BACKWARD``) runs with the previous layer's fp32 reduce-scatter input in
+    flight (``reduce_scatter_max_input_buffers`` = 1) and ends holding all its bf16 weight gradients; its
+    post-backward reshards it whatever ``reshard_after_forward`` says (``reshard_after_backward``), frees the
+    previous input, makes its own and copies the gradients in. Going down one layer, the rank gains one layer's
+    sharded gradients and loses the layer above's checkpoint input (or saved tensors) and, without
+    ``reshard_after_forward``, one unsharded layer: linear between the ends, so the moments are taken at the
+    layers next to the ends — the top, the layer below it, the one above the bottom, the bottom — each inside its
+    backward (the single-GPU moment) and at its end (its recomputed or saved tensors gone, its bf16 gradients
+    held, itself still unsharded: for large layers and short sequences the worse of the two), plus the top
+    layer's post-backward (resharded, its reduce-scatter input made). At W = 2 the fp32 shard of a layer's
+    gradients (4/2 bytes per element) weighs as much as the bf16 layer: without ``reshard_after_forward`` and
+    with recompute the layer below the top is the backward's worst moment.
+
+    Checkpointed segments of several layers (``sqrt``) are entered at their top layer: there only the top's
+    moments and the layer below the top are shifted (by one layer's recomputed tensors)."""
+    if n_layers < 2:
+        return []
+    a = q.stack
+    one_segment = q.segments > 0 and q.segment_layers == 1
+    # What one layer's backward releases for good: its checkpoint input (full, sac: with its kept outputs) or its
+    # saved tensors (no or selective recompute; inside a segment, one layer's recomputed tensors).
+    released = q.kept_inputs // q.segments if one_segment else a.max_layer_bytes
+    # What the current layer holds only during its backward: its recomputed tensors, or its saved ones.
+    own = q.segment_layers * a.max_layer_bytes if q.segments else a.max_layer_bytes
+    seg = q.segment_layers if q.segments else 1
+    top_held = min(2, n_layers) if raf else n_layers
+    bottom_held = min(seg, 2) if raf else seg
+    tops = (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX)
+    bottoms = (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX)
+    inside: list[tuple[Moment, int, bool]] = []
+    out: list[tuple[Moment, int, bool]] = []
+    for m in backward_moments(q):
+        if m.name is MomentName.BACKWARD_TOP_BLOCK:
+            inside.append((m, top_held, False))
+            post = dataclasses.replace(
+                m,
+                activations=max(0, m.activations - own - (released if one_segment else 0)),
+                temporaries=q.grad_layer,  # the layer's bf16 gradients, copied into the reduce-scatter input
+            )
+            out.append((post, top_held - 1, True))
+        elif m.name is MomentName.BACKWARD_BOTTOM_BLOCK:
+            inside.append((m, bottom_held, True))
+        if n_layers < 3:
+            continue
+        if m.name in tops:
+            below_top = dataclasses.replace(
+                m, gradients=m.gradients + q.grad_layer, activations=max(0, m.activations - released)
+            )
+            inside.append((below_top, 2 if raf else n_layers - 1, True))
+        elif m.name in bottoms and (q.segments == 0 or one_segment):
+            above_bottom = dataclasses.replace(
+                m, gradients=max(q.grads_resident, m.gradients - q.grad_layer), activations=m.activations + released
+            )
+            inside.append((above_bottom, 2, True))
+    for m, held, in_flight in inside:
+        end = dataclasses.replace(m, activations=max(0, m.activations - own), temporaries=q.grad_layer)
+        out += [(m, held, in_flight), (end, held, in_flight)]
+    return out
 
 
 def _fsdp_finetune_note(strategy: Strategy, mixed: bool) -> str:

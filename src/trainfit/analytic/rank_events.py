@@ -11,9 +11,9 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
 * **torch FSDP2** (``fully_shard`` per layer + root, :func:`~trainfit.analytic.parallel.held_tensors` for the
   widths): the stream of the compute strategy (bf16 layers, no autocast) over the rank's padded shards; per
   group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank; under the
-  policy after the flat bf16 copy of the rank's shards, freed at once) and its
-  copy-out one unsharded tensor per parameter (``FSDPParam.init_unsharded_param``); in forward the output is
-  kept until the next group's copy-out (``comm_ctx.all_gather_state``), in backward it is freed at its own
+  policy after the flat bf16 copy of the rank's shards, freed at once) and its copy-out one unsharded tensor
+  per parameter, W padded shards long (``FSDPParam.init_unsharded_param``); in forward the output is kept until
+  the next group's copy-out (``comm_ctx.all_gather_state``), in backward it is freed at its own
   (_fsdp_param_group.py ``wait_for_unshard``); the forward reshards each layer after it
   (``reshard_after_forward``); the root's pre-backward prefetches the last layer's all-gather, each layer's
   pre-backward copies it out and prefetches the next one's (``_backward_prefetch``), and its post-backward allocates
@@ -112,7 +112,8 @@ class _Group:
     ) -> None:
         local = [shard_tensor(t, shards).numel for t in tensors]
         self.shards = [n * bits // 8 for n in local]
-        self.unsharded = [t.numel * gather_bits // 8 for t in tensors]
+        # views of each parameter's padded all-gather output (_fsdp_param.py ``init_unsharded_param``)
+        self.unsharded = [n * shards * gather_bits // 8 for n in local]
         self.all_gather = sum(local) * shards * gather_bits // 8
         self.reduce_scatter = sum(local) * shards * reduce_bits // 8
         self.shard_grads = sum(self.shards)

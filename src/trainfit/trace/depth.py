@@ -76,6 +76,10 @@ class RunEnd(StrEnum):
     FIRST = "first"
     MID = "mid"
     LAST = "last"
+    #: the unit before the last (the second to run backward) and the one after the first, keyed besides their
+    #: own ends when asked (:func:`keyed_regions` ``inner``)
+    BELOW_LAST = "below-last"
+    ABOVE_FIRST = "above-first"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +115,17 @@ def layer_positions(layout: hf.Layout) -> tuple[list[int], list[int]]:
 
 
 def keyed_regions(
-    regions: Mapping[tuple[Phase, Region], Mapping[Component, int]], layout: hf.Layout, counts: list[int]
+    regions: Mapping[tuple[Phase, Region], Mapping[Component, int]],
+    layout: hf.Layout,
+    counts: list[int],
+    *,
+    inner: bool = False,
 ) -> dict[Key, dict[Component, int]]:
-    """Region breakdowns keyed by their place relative to the runs: pre/post/whole, or (run, first|last|mid)."""
+    """Region breakdowns keyed by their place relative to the runs: pre/post/whole, or (run, first|last|mid).
+    ``inner``: the unit before a run's last and, from three units on, the one after its first are also keyed
+    as such, for runs whose worst moment can sit next to an end at any depth (FSDP2's backward: each layer's
+    post-backward reshards it and leaves a reduce-scatter input in flight, trace/distributed.py); trace at
+    least three units then, so that neither is an end in the base layout."""
     within: list[int] = []
     seen: dict[int, int] = {}
     for r in layout.unit_run:
@@ -129,6 +141,10 @@ def keyed_regions(
             place = Place(Span.UNIT, r, end)
             if c == 1:  # the only unit is both the first and the last
                 _keep_max(out, (phase, Place(Span.UNIT, r, RunEnd.LAST)), comps)
+            if inner and c >= 2 and j == c - 2:
+                _keep_max(out, (phase, Place(Span.UNIT, r, RunEnd.BELOW_LAST)), comps)
+            if inner and c >= 3 and j == 1:
+                _keep_max(out, (phase, Place(Span.UNIT, r, RunEnd.ABOVE_FIRST)), comps)
         else:
             place = Place.of(region)
         _keep_max(out, (phase, place), comps)
@@ -493,11 +509,12 @@ def extrapolate_phases(
             for c in Component:
                 out[c] = out.get(c, 0) + (other.get(c, 0) - comps.get(c, 0)) * scale
         full[key] = out
-    # sanity: a middle unit never beats both ends
+    # sanity: a middle unit never beats the extrapolated ones
     for n in range(1, len(keyed)):
         for (phase, place), comps in keyed[n].items():
             if place.end is RunEnd.MID:
-                ends = [keyed[n].get((phase, Place(Span.UNIT, place.run, e))) for e in (RunEnd.FIRST, RunEnd.LAST)]
+                kept = (RunEnd.FIRST, RunEnd.LAST, RunEnd.BELOW_LAST, RunEnd.ABOVE_FIRST)  # the extrapolated units
+                ends = [keyed[n].get((phase, Place(Span.UNIT, place.run, e))) for e in kept]
                 top = max(sum(e.values()) for e in ends if e)
                 if sum(comps.values()) > top:
                     warnings.append(f"{phase.value}: a middle unit peaks above the ends; extrapolation may be low")

@@ -224,14 +224,16 @@ def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
 def check_traceable(strategy: Strategy) -> None:
     """The setups this trace runs: DDP and FSDP2 (torch engine), data parallel only, nothing offloaded."""
     par, sh = strategy.parallelism, strategy.sharding
-    if strategy.checkpointing is Checkpointing.SELECTIVE:
-        raise StrategyError("--method trace runs --checkpointing selective on one GPU; use --method analytic")
     if par.pipeline > 1:
         raise StrategyError("--method trace does not run pipeline parallelism; use --method analytic")
     if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) and strategy.engine.engine in (
         Engine.AUTO,
         Engine.DEEPSPEED,
     ):
+        if strategy.checkpointing is Checkpointing.SELECTIVE:
+            raise StrategyError(
+                "--method trace runs --checkpointing selective with ddp|fsdp|hsdp, not DeepSpeed; use --method analytic"
+            )
         from trainfit.trace.deepspeed import check_traceable as check_deepspeed  # DeepSpeed ZeRO
 
         check_deepspeed(strategy)
@@ -408,7 +410,12 @@ def run_layout_distributed(
         flash_sdp=strategy.flash_sdp,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
-    with held, hf.runtime_patches(), patched_resize(tr), inner_ops_tracked(box, strategy):
+    selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        from trainfit.trace.savers import selective_recompute
+
+        selective = selective_recompute(model, box)  # the attention core checkpointed, as on one GPU (depth.py)
+    with held, hf.runtime_patches(), patched_resize(tr), inner_ops_tracked(box, strategy), selective:
         return rn.run_steps(run_model, fns, options, execution)
 
 
@@ -474,9 +481,10 @@ def trace_distributed(
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
     built, _ = _run_strategy(strategy)
-    # FSDP2 prefetches the next layer: its pattern is periodic from two layers on, so trace 2 and 3.
+    # FSDP2 prefetches the next layer and keeps the last reduce-scatter input: its backward is periodic from the
+    # third layer on (the top has no input in flight, the bottom nothing to prefetch), so trace 3 and 4.
     fsdp = strategy.sharding in (Sharding.FSDP, Sharding.HSDP)
-    base = 2 if fsdp else depth.BASE_UNITS
+    base = 3 if fsdp else depth.BASE_UNITS
     plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base)
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     world = strategy.parallelism.world_size
@@ -501,8 +509,13 @@ def trace_distributed(
             results.append((counts, layout, run))
     warnings: list[str] = []
     if plan.ext:
+        # FSDP2: each post-backward reshards its layer and leaves its reduce-scatter input in flight, so the worst
+        # backward moment can be the layer below the top or above the bottom at any depth (analytic.parallel
+        # ``_fsdp_inner_moments``): key those units too, so that they are extrapolated, not dropped as middle ones.
         keyed = [
-            depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
+            depth.keyed_regions(
+                {k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts, inner=fsdp
+            )
             for counts, layout, run in results
         ]
         if fsdp:
