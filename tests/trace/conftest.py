@@ -87,3 +87,21 @@ def assert_phases_agree(closed: Any, traced: Any, tolerance: float, *, step_slac
             a.total_bytes,
             t.total_bytes,
         )
+
+
+def assert_generate_agrees(name: str, spec: ModelSpec, setup: Any) -> Any:
+    """``trainfit infer``'s closed forms against the traced ``generate``: each phase within 2%, the (rank's)
+    weights and cache to the byte; returns the trace."""
+    from trainfit.analytic.inference import kv_cache_bytes, phase_estimates, weight_bytes
+    from trainfit.result import InferencePhase
+    from trainfit.trace.generate import trace_generate
+
+    traced = trace_generate(spec, setup)
+    closed = phase_estimates(spec, setup)
+    for ph in InferencePhase:
+        t = sum(traced.phases[ph].values())
+        a = closed[ph].breakdown.total_bytes
+        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
+    assert traced.weights_bytes == weight_bytes(spec, setup)
+    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    return traced

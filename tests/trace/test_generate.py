@@ -19,6 +19,8 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.result import Component, InferencePhase
 from trainfit.strategy.inference import InferenceSetup
 
+from .conftest import assert_generate_agrees
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -61,14 +63,7 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "spec", "setup"), CASES, ids=[c[0] for c in CASES])
 def test_analytic_within_2_percent_of_the_trace(name: str, spec: ModelSpec, setup: InferenceSetup) -> None:
-    traced = trace_generate(spec, setup)
-    closed = phase_estimates(spec, setup)
-    for ph in InferencePhase:
-        t = sum(traced.phases[ph].values())
-        a = closed[ph].breakdown.total_bytes
-        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
-    assert traced.weights_bytes == weight_bytes(spec, setup)
-    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    assert_generate_agrees(name, spec, setup)
 
 
 def test_trace_activations_matter_in_the_matrix() -> None:

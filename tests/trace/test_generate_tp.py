@@ -20,6 +20,8 @@ from trainfit.errors import TraceError
 from trainfit.result import InferencePhase
 from trainfit.strategy.inference import InferenceSetup
 
+from .conftest import assert_generate_agrees
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -30,14 +32,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs"
 
 def _agrees(name: str, spec: ModelSpec, setup: InferenceSetup) -> GenerateTrace:
     """Each phase of the TP trace within 2% of the closed forms, the rank's weights and cache to the byte."""
-    traced = trace_generate(spec, setup)
-    closed = phase_estimates(spec, setup)
-    for ph in InferencePhase:
-        t = sum(traced.phases[ph].values())
-        a = closed[ph].breakdown.total_bytes
-        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
-    assert traced.weights_bytes == weight_bytes(spec, setup)
-    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    traced: GenerateTrace = assert_generate_agrees(name, spec, setup)
     return traced
 
 
