@@ -276,8 +276,9 @@ DS_REDUCTION_STREAM = 3
 class Zero2Hooks(RankHooks):
     """DeepSpeed ZeRO-2 (stage_1_and_2.py ``DeepSpeedZeroOptimizer``, no offload, full training), rank 0:
 
-    * init: the flat 16-bit parameters (``bit16_groups_flat``), the fp32 partition (``single_partition_of_fp32_groups``),
-      a zero fp32 gradient partition made and dropped (``initialize_optimizer_states``);
+    * init: the flat 16-bit parameters (``bit16_groups_flat``), the fp32 partition
+      (``single_partition_of_fp32_groups``), a zero fp32 gradient partition made and dropped
+      (``initialize_optimizer_states``);
     * backward: each gradient, as autograd makes it, goes into the IPG bucket (``process_gradients`` →
       ``setup_buckets`` makes ``reduce_bucket_size`` 16-bit elements, twice with ``overlap_comm``, at the first
       gradient; ``reduce_independent_p_g_buckets_and_remove_grads`` copies it in, so autograd's tensor goes);
