@@ -29,8 +29,17 @@ Reserved memory can keep growing for a few steps (one GPU's stream settles by it
 replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The optimizer
   states are made on the shards in the first step.
 
-What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO,
-Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and fine-tuning with many GPUs.
+* **DeepSpeed ZeRO-2** (16-bit compute, AdamW; :class:`Zero2Hooks`, deepspeed/runtime/zero/stage_1_and_2.py):
+  the compute strategy's stream with no per-parameter gradients of its own (each is copied into the IPG
+  bucket as autograd makes it, but one larger than the bucket); the flat 16-bit groups and the fp32 partition
+  before the first step; the bucket(s) from the first gradient to the end of backward; rank 0's
+  ``grads_in_partition`` made at the first flush that reaches its partition, on DeepSpeed's reduction stream
+  under ``overlap_comm``; the optimizer step's own buffers (written from ``step_temp_bytes``, the one per-step
+  hook after backward). Its allocated peak is :func:`~trainfit.analytic.parallel.estimate_parallel`'s.
+
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-1/3
+(and ZeRO-2 in fp32 or with other optimizers), Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
+fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -290,7 +299,9 @@ class Zero2Hooks(RankHooks):
     * step (``step``): the fp64 norm of each slice (``get_grad_norm_direct``), the flattened 16-bit partition and
       its fp32 copy, then the 16-bit one and ``grads_in_partition`` go (``free_grad_in_param_list``); AdamW's
       states are made in the first step; the fp32 gradient goes after it; the updated partitions are
-      all-gathered in place into the flat 16-bit groups (utils.py ``all_gather_dp_groups``: no allocation).
+      all-gathered in place into the flat 16-bit groups (runtime/utils.py ``all_gather_dp_groups``: one
+      ``all_gather_into_tensor`` per group where the backend has it, else ``allgather_bucket_size`` chunks of
+      views; no allocation either way).
 
     The step's events are written from :meth:`step_temp_bytes` (the one per-step hook after backward), on the
     stream the hooks keep from :meth:`weights`."""
