@@ -14,8 +14,10 @@ from trainfit.analytic.events import Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy, estimate_parallel, plan
 from trainfit.analytic.rank_events import (
     ALL_GATHER_STREAM,
+    DS_REDUCTION_STREAM,
     REDUCE_SCATTER_STREAM,
     FsdpHooks,
+    Zero2Hooks,
     rank_simulated,
     simulate_rank,
 )
@@ -24,9 +26,18 @@ from trainfit.arch.params import inventory
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, Strategy
+from trainfit.strategy.parallel import Offload, OffloadTarget
 
 
-def _s(sharding: str, w: int, flag: bool = True, ckpt: str = "none", **kw: object) -> Strategy:
+def _s(
+    sharding: str,
+    w: int,
+    flag: bool = True,
+    ckpt: str = "none",
+    overlap_comm: bool | None = None,
+    reduce_bucket_size: int = 500_000_000,
+    **kw: object,
+) -> Strategy:
     return Strategy(
         parallelism=Parallelism(data=w, gpus_per_node=8),
         sharding=sharding,
@@ -36,6 +47,8 @@ def _s(sharding: str, w: int, flag: bool = True, ckpt: str = "none", **kw: objec
         engine=EngineOptions(
             reshard_after_forward=flag if sharding != "ddp" else True,
             gradient_as_bucket_view=flag if sharding == "ddp" else False,
+            overlap_comm=overlap_comm,
+            reduce_bucket_size=reduce_bucket_size,
         ),
         **kw,  # type: ignore[arg-type]
     )
@@ -50,6 +63,9 @@ CASES = [
     ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16")),
     ("llama-3.2-1b", _s("ddp", 8)),
     ("llama-3.2-1b", _s("ddp", 2, flag=False)),
+    ("llama-3.2-1b", _s("zero2", 8)),
+    ("llama-3.2-1b", _s("zero2", 64, ckpt="full", overlap_comm=True)),
+    ("qwen2.5-0.5b", _s("zero2", 4, reduce_bucket_size=50_000_000)),
 ]
 
 
@@ -107,14 +123,47 @@ def test_fsdp_collectives_allocate_on_their_own_streams() -> None:
     assert sum(e.stream == REDUCE_SCATTER_STREAM for e in allocs) == 2 * groups
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero2_reduces_bucket_by_bucket(overlap: bool) -> None:
+    """ZeRO-2 (stage_1_and_2.py): the IPG bucket (twice with ``overlap_comm``) is made at the first gradient
+    and freed at the end of backward; autograd's gradients go into it (none of their own below the bucket
+    size); rank 0's gradient buffer (the whole parameters its partition meets) is made once per step, on the
+    reduction stream with ``overlap_comm``; the step's fp32 partition copy and, in the first step, AdamW's
+    two fp32 states are the partition's size."""
+    from trainfit.analytic.parallel import deepspeed_rank0_gradients, zero_partition
+    from trainfit.cuda_facts import allocator_bytes
+
+    spec = load_model("llama-3.2-1b")
+    s = _s("zero2", 4, overlap_comm=overlap)
+    p = plan(spec, s)
+    st = Stream()
+    synthesise(st, spec, compute_strategy(s), (), Zero2Hooks(spec, s, p), steps=2)
+    part = zero_partition(spec, s, 2, 4).part_numel
+    whole, _ = deepspeed_rank0_gradients(spec, part)
+    sizes = [e.size_bytes for e in st.events if e.op is Op.ALLOC]
+    bucket = 500_000_000 * 2
+    assert sizes.count(bucket) == 2 * (2 if overlap else 1)
+    assert max(t.numel for g in inventory(spec).layers for t in g.tensors) < 500_000_000
+    partition_grads = [e for e in st.events if e.op is Op.ALLOC and e.size_bytes == allocator_bytes(whole * 2)]
+    assert len(partition_grads) == 2
+    assert all(e.stream == (DS_REDUCTION_STREAM if overlap else 0) for e in partition_grads)
+    # init: the fp32 partition and the dropped zero grad partition; per step the fp32 gradient; AdamW's two once
+    assert sizes.count(part * 4) == 2 + 2 + 2
+
+
 def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     spec = load_model("llama-3.2-1b")
-    for s in (_s("fsdp", 8), _s("ddp", 8)):
+    for s in (_s("fsdp", 8), _s("ddp", 8), _s("zero2", 8)):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert r.overhead.allocator_reserve_bytes != int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
         assert any("caching-allocator simulation" in n for n in r.notes)
-    for s in (_s("zero2", 8), Strategy(parallelism=Parallelism(data=2, tensor=2))):
+    for s in (
+        _s("zero1", 8),
+        _s("zero3", 8),
+        _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
+        Strategy(parallelism=Parallelism(data=2, tensor=2)),
+    ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert any("fixed reserve fraction" in n for n in r.notes)

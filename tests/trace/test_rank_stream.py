@@ -2,7 +2,10 @@
 process group (trainfit.trace.distributed at full depth, three steps): replayed through the allocator model on
 one CUDA stream (the CPU trace has no streams), the synthesised stream reaches the traced allocated peak. Its
 reserved bytes are lower than the traced events' (it leaves out short-lived element-wise outputs, as one GPU's
-stream does): the numbers are in docs/accuracy.md ("Reserved memory with many GPUs")."""
+stream does): the numbers are in docs/accuracy.md ("Reserved memory with many GPUs").
+
+DeepSpeed ZeRO-2 likewise: the real ``DeepSpeedEngine`` (trainfit.trace.deepspeed, full depth, three steps)
+against the ZeRO-2 stream, allocated and reserved peaks on one CUDA stream."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import pytest
 from trainfit.allocator import AllocatorConfig, Event, simulate
 from trainfit.analytic.events import Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy
-from trainfit.analytic.rank_events import FsdpHooks
-from trainfit.strategy import Parallelism, Strategy
+from trainfit.analytic.parallel import plan as parallel_plan
+from trainfit.analytic.rank_events import FsdpHooks, Zero2Hooks
+from trainfit.strategy import EngineOptions, Parallelism, Strategy
 
 from .conftest import tiny_spec
 
@@ -37,3 +41,33 @@ def test_the_rank_stream_reaches_the_traced_allocated_peak() -> None:
     synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 4), steps=3)
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("w", "bucket"), [(4, 200_000), (8, 500_000_000)])
+def test_the_zero2_stream_reaches_the_traced_peaks(w: int, bucket: int) -> None:
+    """A 200,000-element bucket fills several times per backward and is smaller than the embedding and the
+    head (DeepSpeed's ``extra_large_param_to_reduce`` path); DeepSpeed's default (5e8) holds every gradient."""
+    pytest.importorskip("deepspeed")
+    from trainfit.trace import depth
+    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
+    from trainfit.trace.events import tracker_events
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(
+        parallelism=Parallelism(data=w),
+        sharding="zero2",
+        micro_batch=2,
+        seq_len=256,
+        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+    )
+    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
+    _, layout = plan.layouts[0]
+    with _quiet_deepspeed(), _deepspeed_world(w):
+        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
+    traced = simulate(tracker_events(run), AllocatorConfig())
+    st = Stream()
+    synthesise(st, spec, compute_strategy(s), (), Zero2Hooks(spec, s, parallel_plan(spec, s)), steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)

@@ -29,8 +29,17 @@ Reserved memory can keep growing for a few steps (one GPU's stream settles by it
 replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The optimizer
   states are made on the shards in the first step.
 
-What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO,
-Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and fine-tuning with many GPUs.
+* **DeepSpeed ZeRO-2** (16-bit compute, AdamW; :class:`Zero2Hooks`, deepspeed/runtime/zero/stage_1_and_2.py):
+  the compute strategy's stream with no per-parameter gradients of its own (each is copied into the IPG
+  bucket as autograd makes it, but one larger than the bucket); the flat 16-bit groups and the fp32 partition
+  before the first step; the bucket(s) from the first gradient to the end of backward; rank 0's
+  ``grads_in_partition`` made at the first flush that reaches its partition, on DeepSpeed's reduction stream
+  under ``overlap_comm``; the optimizer step's own buffers (written from ``step_temp_bytes``, the one per-step
+  hook after backward). Its allocated peak is :func:`~trainfit.analytic.parallel.estimate_parallel`'s.
+
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-1/3
+(and ZeRO-2 in fp32 or with other optimizers), Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
+fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -47,20 +56,34 @@ from trainfit.analytic.parallel import (
     ParallelPlan,
     compute_strategy,
     ddp_bucket_bytes,
+    deepspeed_rank0_gradients,
     held_tensors,
     shard_tensor,
+    zero_partition,
 )
 from trainfit.analytic.states import ParamState, optimizer_state_tensors
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
+from trainfit.cuda_facts import allocator_bytes
 from trainfit.strategy import Engine, Optimizer, OptimizerImpl, Sharding, Strategy
 
-__all__ = ["DdpHooks", "FsdpHooks", "rank_simulated", "simulate_rank"]
+__all__ = ["DdpHooks", "FsdpHooks", "Zero2Hooks", "rank_simulated", "simulate_rank"]
 
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
-    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, full training, nothing
-    offloaded, one model replica per rank); otherwise the fixed fraction."""
+    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-2 with
+    16-bit compute and AdamW; full training, nothing offloaded, one model replica per rank); otherwise the
+    fixed fraction."""
+    if p.engine is Engine.DEEPSPEED:
+        return (
+            p.sharding is Sharding.ZERO2
+            and p.tp == 1
+            and p.pp == 1
+            and strategy.recipe.compute_bits == 16
+            and strategy.optimizer is Optimizer.ADAMW
+            and not strategy.offload.any
+            and not finetuning(strategy)
+        )
     return (
         p.engine is Engine.TORCH
         and p.tp == 1
@@ -254,6 +277,133 @@ class FsdpHooks(RankHooks):
         return 0 if st.optimizer is Optimizer.ADAMW else default
 
 
+#: DeepSpeed's reduction stream (stage_1_and_2.py ``__init__``: ``self.reduction_stream``): with ``overlap_comm``
+#: the reduced gradients are copied into the partition's buffer under it (``reduce_ipg_grads``).
+DS_REDUCTION_STREAM = 3
+
+
+class Zero2Hooks(RankHooks):
+    """DeepSpeed ZeRO-2 (stage_1_and_2.py ``DeepSpeedZeroOptimizer``, no offload, full training), rank 0:
+
+    * init: the flat 16-bit parameters (``bit16_groups_flat``), the fp32 partition
+      (``single_partition_of_fp32_groups``), a zero fp32 gradient partition made and dropped
+      (``initialize_optimizer_states``);
+    * backward: each gradient, as autograd makes it, goes into the IPG bucket (``process_gradients`` →
+      ``setup_buckets`` makes ``reduce_bucket_size`` 16-bit elements, twice with ``overlap_comm``, at the first
+      gradient; ``reduce_independent_p_g_buckets_and_remove_grads`` copies it in, so autograd's tensor goes);
+      a full bucket is reduced (``reduce_ipg_grads``) and the gradients of the parameters rank 0's partition
+      meets are copied into ``grads_in_partition`` (``copy_grads_in_partition``, made at the first such copy,
+      on the reduction stream with ``overlap_comm``); a parameter larger than the bucket keeps its own gradient
+      until the next reduction; the epilogue reduces the rest and frees the buckets
+      (``independent_gradient_partition_epilogue`` → ``_release_ipg_buffers``);
+    * step (``step``): the fp64 norm of each slice (``get_grad_norm_direct``), the flattened 16-bit partition and
+      its fp32 copy, then the 16-bit one and ``grads_in_partition`` go (``free_grad_in_param_list``); AdamW's
+      states are made in the first step; the fp32 gradient goes after it; the updated partitions are
+      all-gathered in place into the flat 16-bit groups (runtime/utils.py ``all_gather_dp_groups``: one
+      ``all_gather_into_tensor`` per group where the backend has it, else ``allgather_bucket_size`` chunks of
+      views; no allocation either way).
+
+    The step's events are written from :meth:`step_temp_bytes` (the one per-step hook after backward), on the
+    stream the hooks keep from :meth:`weights`."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
+        self.pb = 2  # 16-bit parameters and gradients (rank_simulated)
+        zp = zero_partition(spec, strategy, 2, p.dp)
+        self.total, self.part = zp.trainable_numel, zp.part_numel
+        whole, self.largest_slice = deepspeed_rank0_gradients(spec, self.part)
+        self.partition_grads = allocator_bytes(whole * self.pb)
+        eo = strategy.engine
+        self.bucket_numel = eo.reduce_bucket_size
+        self.overlap = bool(eo.overlap_comm)  # DeepSpeed's default for stages 1–2: False
+        # Offsets in the flat buffer (``model.parameters()`` order: embeddings, layers, final norm and head).
+        inv = inventory(spec)
+        emb = [t for t in inv.model_tensors if t.name.startswith("embed")]
+        rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
+        self.model_offset: dict[str, int] = {}
+        off = 0
+        for t in emb:
+            self.model_offset[t.name] = off
+            off += t.numel
+        self.layer_offset: list[dict[str, int]] = []
+        for g in inv.layers:
+            for _ in range(g.count):
+                d: dict[str, int] = {}
+                for t in g.tensors:
+                    d[t.name] = off
+                    off += t.numel
+                self.layer_offset.append(d)
+        for t in rest:
+            self.model_offset[t.name] = off
+            off += t.numel
+        self.s = Stream()  # replaced by the replayed stream in weights()
+        self.layer: int | None = None  # the layer whose gradients autograd is making (None: model-level)
+        self.buckets: list[int] = []
+        self.elements = 0
+        self.pending_part = 0  # elements in the bucket of parameters rank 0's partition meets
+        self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
+        self.grads_in_partition = 0
+        self.states: list[int] = []
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        self.s = s
+        s.alloc(allocator_bytes(self.total * self.pb))  # bit16_groups_flat
+        s.alloc(self.part * 4)  # single_partition_of_fp32_groups
+        s.free(s.alloc(self.part * 4))  # initialize_optimizer_states: a zero fp32 grad partition, dropped
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        s = self.s
+        off = (self.model_offset if self.layer is None else self.layer_offset[self.layer]).get(x.name, 0)
+        if not self.buckets:  # setup_buckets, at the first gradient
+            self.buckets = [s.alloc(self.bucket_numel * self.pb) for _ in range(2 if self.overlap else 1)]
+        if self.elements + x.numel > self.bucket_numel:
+            self._reduce()
+        if x.numel > self.bucket_numel:  # extra_large_param_to_reduce: its own gradient, reduced next time
+            self.pending.append(s.alloc(x.numel * self.pb))
+        self.elements += x.numel
+        if off < self.part:
+            self.pending_part += x.numel
+        return 0  # copied into the bucket: autograd's gradient goes at once
+
+    def _reduce(self) -> None:
+        s = self.s
+        if self.pending_part and not self.grads_in_partition:
+            self.grads_in_partition = s.alloc(self.partition_grads, DS_REDUCTION_STREAM if self.overlap else 0)
+        s.free_all(self.pending)
+        self.pending, self.elements, self.pending_part = [], 0, 0
+
+    def backward_begin(self, s: Stream) -> None:
+        self.layer = None
+
+    def layer_backward_begin(self, s: Stream, i: int) -> None:
+        self.layer = i
+
+    def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        self.layer = None
+        return grads
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        self._reduce()  # independent_gradient_partition_epilogue
+        s.free_all(self.buckets)  # _release_ipg_buffers
+        self.buckets = []
+        return None
+
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        pass  # made by the step (torch.optim.AdamW's lazy state), after the gradients are flattened
+
+    def step_temp_bytes(self, default: int) -> int:
+        s = self.s
+        s.free(s.alloc(allocator_bytes(8 * self.largest_slice)))  # the norm's fp64 slices, one at a time
+        flat = s.alloc(self.part * self.pb)  # self.flatten(self.averaged_gradients[i])
+        fp32 = s.alloc(self.part * 4)  # .to(fp32)
+        s.free(flat)
+        s.free(self.grads_in_partition)  # free_grad_in_param_list(params_in_partition)
+        self.grads_in_partition = 0
+        if not self.states:
+            self.states = [s.alloc(self.part * 4), s.alloc(self.part * 4)]  # exp_avg, exp_avg_sq
+        s.free(fp32)
+        return 0
+
+
 def _alloc_bits(numel: int, bits: int) -> int:
     return numel * bits // 8
 
@@ -280,7 +430,9 @@ def _simulate(
     workspaces: tuple[Workspace, ...],
 ) -> AllocatorResult:
     hooks: RankHooks
-    if p.sharding is Sharding.DDP:
+    if p.engine is Engine.DEEPSPEED:
+        hooks, run = Zero2Hooks(spec, strategy, p), compute_strategy(strategy)
+    elif p.sharding is Sharding.DDP:
         hooks, run = DdpHooks(spec, strategy), strategy
     else:
         hooks = FsdpHooks(spec, strategy, p.shard)
