@@ -20,8 +20,10 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   (embeddings, final norm, head: the root is not resharded after forward, ``FSDPState._lazy_init``) plus
   the current layer and the one prefetched; ``reshard_after_forward=False`` keeps every layer unsharded
   from its forward until its own post-backward, which reshards it either way (DESIGN §4.3; the backward's
-  moments layer by layer: :func:`_fsdp_inner_moments`). In backward, a layer's bf16 gradients are reduced
-  through an fp32 reduce-scatter input of its padded size (``_fsdp_collectives.py`` ``foreach_reduce``).
+  moments layer by layer: :func:`_fsdp_inner_moments`; the forward's, at a layer's all-gather copy-out with the
+  previous group's all-gather output still alive: :func:`_fsdp_forward_moments`). In backward, a layer's bf16
+  gradients are reduced through an fp32 reduce-scatter input of its padded size (``_fsdp_collectives.py``
+  ``foreach_reduce``).
   HSDP shards within ``gpus_per_node`` ranks and replicates across nodes.
 * **DeepSpeed ZeRO** (``--sharding zero1|zero2|zero3``): 16-bit parameters and gradients, fp32 master
   weights and Adam states partitioned over the data-parallel group (Rajbhandari et al. 2020, §5). Stages
@@ -85,7 +87,7 @@ from dataclasses import dataclass
 
 from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.workspaces import Workspace
-from trainfit.analytic.activations import effective_strategy
+from trainfit.analytic.activations import Widths, effective_strategy
 from trainfit.analytic.adapters import check_finetune_model, finetuning
 from trainfit.analytic.model import (
     Moment,
@@ -664,6 +666,7 @@ class FsdpGroups:
     layer_bytes: int  # the largest layer's unsharded parameters
     layers_all_bytes: int  # every layer's
     all_gather_bytes: int  # one layer's padded all-gather output
+    root_all_gather_bytes: int  # the root's
     reduce_scatter_bytes: int  # one layer's padded reduce-scatter input (its trainable parameters only)
     root_reduce_scatter_bytes: int
     root_shard_grads_bytes: int  # the root's sharded gradients
@@ -712,6 +715,7 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
         layer_bytes=max(unsharded(hs) for hs in layers),
         layers_all_bytes=sum(g.count * unsharded(hs) for g, hs in zip(inv.layers, layers, strict=True)),
         all_gather_bytes=max(padded(hs, gather_bits) for hs in layers),
+        root_all_gather_bytes=padded(root, gather_bits),
         reduce_scatter_bytes=max(padded([h for h in hs if h.trainable], reduce_bits) for hs in layers),
         root_reduce_scatter_bytes=padded([h for h in root if h.trainable], reduce_bits),
         root_shard_grads_bytes=sum(_alloc(h.shard_numel(shards), h.bits) for h in root if h.trainable),
@@ -863,13 +867,61 @@ def _fsdp(
         notes.append(_fsdp_finetune_note(strategy, mixed))
     phases = _worst(q, adjust, host)
     inner = [adjust(m, (held, in_flight)) for m, held, in_flight in _fsdp_inner_moments(q, raf, n_layers)]
-    if inner:
-        bwd = next(ph for ph in phases if ph.phase is Phase.BACKWARD)
-        worst = max(inner, key=lambda c: sum(c.values()))
-        if sum(worst.values()) > bwd.total_bytes:
-            new = PhaseBreakdown(phase=Phase.BACKWARD, components=_full(worst), host_components=dict(host))
-            phases = tuple(new if ph.phase is Phase.BACKWARD else ph for ph in phases)
+    # one rank alone keeps no all-gather output (``wait_for_unshard`` copies from the shards directly)
+    copy_out = (
+        [
+            adjust(m) | {Component.UNSHARDED_PARAMS: root + held, Component.COMM_BUFFERS: comm}
+            for m, held, comm in _fsdp_forward_moments(q, fg, raf, n_layers)
+        ]
+        if p.shard > 1
+        else []
+    )
+    for phase, extra in ((Phase.BACKWARD, inner), (Phase.FORWARD, copy_out)):
+        if not extra:
+            continue
+        now = next(ph for ph in phases if ph.phase is phase)
+        worst = max(extra, key=lambda c: sum(c.values()))
+        if sum(worst.values()) > now.total_bytes:
+            new = PhaseBreakdown(phase=phase, components=_full(worst), host_components=dict(host))
+            phases = tuple(new if ph.phase is phase else ph for ph in phases)
     return phases, notes
+
+
+def _fsdp_forward_moments(q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: int) -> list[tuple[Moment, int, int]]:
+    """FSDP2's forward moments besides the single-GPU ones, as (the moment, the layer bytes unsharded then besides
+    the root, the all-gather outputs alive). In the forward FSDP2 prefetches implicitly: ``wait_for_unshard`` keeps
+    each group's flat all-gather output in ``comm_ctx.all_gather_state`` to free it after the *next* group's copy-out
+    (_fsdp_param_group.py ``wait_for_unshard``, training state ``FORWARD``). It drops that state before copying out,
+    but through the local ``prev_all_gather_state`` bound by its walrus test, which holds it until the method returns:
+    during a layer's copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` into the parameters' own
+    ``all_gather_outputs``, _fsdp_collectives.py) the previous group's all-gather output, this layer's and this
+    layer's unsharded parameters are all alive. The worst such moment is the top layer's (every layer below has
+    saved its tensors, or its checkpoint input) or the bottom layer's, whose previous group is the root, whose
+    all-gather output (embeddings, head) can outweigh a layer's. The trace: llama-3.1-70b over 64 ranks, full
+    recompute, the forward's peak is the top layer's copy-out (2 × 1.59 GiB of all-gather outputs and its 1.59 GiB of
+    unsharded parameters over the 80 kept inputs)."""
+    a = q.stack
+    s = q.strategy
+    base = forward_moments(q)[0]
+    # the hidden states entering a layer (the embedding's output for the bottom one): not yet saved by it
+    entering = Widths.of(s).residual * s.tokens_per_micro_batch * q.spec.hidden_size
+    below = a.embedding_bytes + q.masks
+    ag = fg.all_gather_bytes
+
+    def at(activations: int) -> Moment:
+        return dataclasses.replace(base, activations=activations, autocast_copies=0, logits_loss=0, temporaries=0)
+
+    # the bottom layer: only the root and itself unsharded, whatever reshard_after_forward says
+    out = [(at(below + entering), fg.layer_bytes, fg.root_all_gather_bytes + ag)]
+    if n_layers >= 2:
+        if q.segments == 0:
+            saved = a.all_layers_bytes - a.max_layer_bytes + entering
+        else:  # the kept inputs include the top's; inside a segment of several layers its input is a transient
+            saved = q.kept_inputs + (entering if q.segment_layers > 1 else 0)
+        # without reshard_after_forward every layer below stays unsharded (the step's first forward after a
+        # backward that resharded them all: each is unsharded again in its own forward)
+        out.append((at(below + saved), fg.layer_bytes if raf else fg.layers_all_bytes, 2 * ag))
+    return out
 
 
 def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool]]:

@@ -24,7 +24,9 @@ Hugging Face module names, with the styles of torch/distributed/tensor/parallel/
 Norm weights stay plain replicated tensors without SP (and replicated DTensors with it). With
 ``--sharding fsdp`` the TP-parallelised model is then sharded by FSDP2 over the ``dp`` mesh dimension
 (2-D, torchtitan's ``apply_fsdp``). The precision recipe is the single-GPU one (TP changes no dtype);
-FSDP2 applies its mixed-precision policy as in :mod:`trainfit.trace.distributed`.
+FSDP2 applies its mixed-precision policy as in :mod:`trainfit.trace.distributed`. Recompute as on one GPU:
+``full``/``sqrt``/``sac`` checkpoint the layers (trace.hf ``install_checkpointing``), ``selective`` the attention
+core (trace.savers ``selective_recompute``).
 """
 
 from __future__ import annotations
@@ -274,7 +276,13 @@ def run_layout_tp(
         flash_sdp=strategy.flash_sdp,
     )
     meshes = _mesh_tensor_outside_modes() if fsdp else contextlib.nullcontext()
-    with meshes, hf.runtime_patches(), patched_resize(tr):
+    selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        from trainfit.trace.savers import selective_recompute
+
+        # the attention core checkpointed, as on one GPU and under FSDP2 (trace.distributed): not a layer's blocks
+        selective = selective_recompute(model, box)
+    with meshes, hf.runtime_patches(), patched_resize(tr), selective:
         return rn.run_steps(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr))
 
 
