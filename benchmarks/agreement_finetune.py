@@ -162,8 +162,7 @@ def saver_rows() -> list[str]:
             savers=savers,
         )
         t0 = time.perf_counter()
-        # Allocated bytes only: the trace's allocator replay (trace/events.py stitch_events) fails on
-        # qwen2.5-0.5b with offloading and no checkpointing (IndexError), and the savers change no reserve.
+        # Allocated bytes only: the table compares allocated peaks (the allocator replay adds minutes per row).
         ra = estimate(spec, s, simulate_allocator=False)
         rt = estimate(spec, s, method="trace", simulate_allocator=False)
         host = f"{ra.phases[0].host_bytes / GIB:.2f} / {rt.phases[0].host_bytes / GIB:.2f}" if savers.any else "-"
