@@ -1,9 +1,9 @@
 """The ``train_fsdp2.py`` a FSDP plan exports: PyTorch FSDP2 (``fully_shard`` per transformer block, then the
 root — the wrapping trainfit's memory model assumes, DESIGN §4.3), the plan's micro-batch, accumulation,
-checkpointing, mixed precision, offload and ``--fp8`` (torchao's ``convert_to_float8_training`` before the
-wrapping, torchtitan's order). It trains on random tokens so it runs as it is; replace the batch
-with your data loader. ``tests/export`` runs it for real on a tiny model across CPU processes with gloo
-(DESIGN §4: FSDP2 runs on the CPU).
+checkpointing, mixed precision, offload, optimizer (and AdamW's fused/foreach implementation) and ``--fp8``
+(torchao's ``convert_to_float8_training`` before the wrapping, torchtitan's order). It trains on random tokens
+so it runs as it is; replace the batch with your data loader. ``tests/export`` runs it for real on a tiny model
+across CPU processes with gloo (DESIGN §4: FSDP2 runs on the CPU).
 
 2-D plans (``--tp N --sharding fsdp --engine torch``): a ``("dp", "tp")`` device mesh (TP innermost, within a
 node), DTensor ``parallelize_module`` with the Llama plan the estimate models and
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
-from trainfit.strategy import Checkpointing, Strategy
+from trainfit.strategy import Checkpointing, OptimizerImpl, Strategy
 
 __all__ = ["fsdp2_script"]
 
@@ -43,9 +43,34 @@ RESHARD_AFTER_FORWARD = {reshard}
 OFFLOAD = {offload}
 FLOAT8 = {float8}  # torchao Float8Linear on the blocks' linears (pip install torchao)
 TP = {tp}  # DTensor tensor-parallel degree (within a node); the data-parallel degree is WORLD_SIZE / TP
+OPTIMIZER = {optimizer!r}  # the plan's optimizer, as trainfit names it (its states are in the plan's memory)
+FUSED = {fused}  # AdamW: torch's fused kernel (else foreach), as the plan's memory assumes
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def build_optimizer(params, cuda: bool) -> torch.optim.Optimizer:
+    """The plan's optimizer: torch's AdamW/SGD, bitsandbytes' 8-bit AdamW, transformers' Adafactor (its defaults,
+    as trainfit models it) or lion-pytorch's Lion; the learning rates are placeholders."""
+    if OPTIMIZER == "adamw":
+        fused = FUSED and cuda and not OFFLOAD
+        return torch.optim.AdamW(params, lr=2e-5, fused=fused, foreach=not fused)
+    if OPTIMIZER in ("sgd", "sgd-momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if OPTIMIZER == "sgd-momentum" else 0.0)
+    if OPTIMIZER == "adamw-8bit":
+        import bitsandbytes as bnb  # pip install bitsandbytes
+
+        return bnb.optim.AdamW8bit(params, lr=2e-5)
+    if OPTIMIZER == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params)
+    if OPTIMIZER == "lion":
+        from lion_pytorch import Lion  # pip install lion-pytorch
+
+        return Lion(params, lr=1e-5)
+    raise SystemExit(f"unknown optimizer {{OPTIMIZER}}")
 
 
 def tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
@@ -125,7 +150,7 @@ def main() -> None:
         if type(module).__name__ == LAYER_CLASS:
             fully_shard(module, **kw)
     fully_shard(model, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=cuda and not OFFLOAD)
+    opt = build_optimizer(model.parameters(), cuda)
     gen = torch.Generator().manual_seed(dp_rank)  # the ranks of a TP group see the same batch
     for step in range(STEPS):
         total = 0.0
@@ -170,4 +195,6 @@ def fsdp2_script(spec: ModelSpec, strategy: Strategy, layer: str) -> str:
         offload=strategy.offload.parameters_on_host,
         float8=strategy.float8.value != "none",
         tp=par.tensor,
+        optimizer=strategy.optimizer.value,
+        fused=strategy.optimizer_impl is OptimizerImpl.FUSED,
     )
