@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.cli._cli_helper import run_cli
-from trainfit.analytic.inference import kv_cache_bytes, phase_estimates, weight_bytes
+from trainfit.analytic.inference import weight_bytes
 from trainfit.arch.config import spec_from_config
 from trainfit.arch.spec import ModelSpec
 from trainfit.result import Component, InferencePhase
@@ -121,15 +121,7 @@ def test_fixture_families_within_2_percent(name: str) -> None:
     from trainfit.arch import load_model
 
     spec = load_model(str(Path(__file__).parents[1] / "fixtures" / "configs" / f"{name}.json"))
-    setup = InferenceSetup(batch=2, prompt=96, new_tokens=5)
-    traced = trace_generate(spec, setup)
-    closed = phase_estimates(spec, setup)
-    for ph in InferencePhase:
-        t = sum(traced.phases[ph].values())
-        a = closed[ph].breakdown.total_bytes
-        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
-    assert traced.weights_bytes == weight_bytes(spec, setup)
-    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    assert_generate_agrees(name, spec, InferenceSetup(batch=2, prompt=96, new_tokens=5))
 
 
 @pytest.mark.parametrize(
@@ -197,14 +189,7 @@ FP8_CASES = [
 def test_fp8_cache_within_2_percent_of_the_trace(name: str, spec: ModelSpec, setup: InferenceSetup) -> None:
     """``--kv-dtype fp8``: the trace runs transformers' ``QuantizedCache(backend="fp8")`` (float8 storage,
     per-tensor scale, a dequantised copy for attention); the closed forms follow the same mechanism."""
-    traced = trace_generate(spec, setup)
-    closed = phase_estimates(spec, setup)
-    for ph in InferencePhase:
-        t = sum(traced.phases[ph].values())
-        a = closed[ph].breakdown.total_bytes
-        assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
-    assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
-    assert traced.weights_bytes == weight_bytes(spec, setup)
+    assert_generate_agrees(name, spec, setup)
 
 
 def test_fp8_cache_is_stored_in_one_byte_and_read_dequantised() -> None:
