@@ -30,7 +30,7 @@ def _search(spec_slug: str, gpu: str, gb: int, seq: int) -> _Search:
 
 @pytest.mark.parametrize(
     ("slug", "gpu", "seq", "gb"),
-    [("llama-3.2-1b", "a100-sxm-40gb", 4096, 64), ("llama-3.1-8b", "h100-sxm-80gb", 8192, 16)],
+    [("llama-3.2-1b", "a100-sxm-40gb", 8192, 64), ("llama-3.1-8b", "h100-sxm-80gb", 8192, 16)],
 )
 def test_plans_are_the_estimate_of_the_same_strategy(slug: str, gpu: str, seq: int, gb: int) -> None:
     spec, g = load_model(slug), get_gpu(gpu)

@@ -233,3 +233,163 @@ def test_sac_recomputes_every_second_mm(slug: str, again: set[str]) -> None:
     assert {n for n, _i, _o in sac_recomputed_linears(spec)} == again
     saved = {t.name.removeprefix("sac.") for t in sac_saved_terms(spec, Strategy(checkpointing="sac", seq_len=64))}
     assert not again & saved
+
+
+@pytest.mark.parametrize(
+    ("precision", "gather", "reduce"),
+    [("amp-bf16", 2, 4), ("master-bf16", 2, 4), ("pure-bf16", 2, 2), ("fp32", 4, 4)],
+)
+def test_fsdp_collectives_follow_the_mixed_precision_policy(precision: str, gather: int, reduce: int) -> None:
+    """FSDP2 under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (amp-*, master-*: fp32 shards)
+    all-gathers bf16 weights and reduce-scatters fp32 gradients; a 16-bit or fp32 model without a policy moves
+    its own width both ways. The speed model's volume is the memory model's: each layer group's padded
+    all-gather output and reduce-scatter input (``fsdp_groups``), gathered twice (forward, backward) and
+    reduced once per micro-step over a ring of 8 on NVLink."""
+    from trainfit.analytic.parallel import fsdp_groups
+
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("h100-sxm-80gb")
+    s = Strategy(
+        precision=precision, seq_len=1024, micro_batch=1, grad_accum=2, sharding="fsdp",
+        parallelism=Parallelism.for_gpus(8),
+    )  # fmt: skip
+    g = fsdp_groups(spec, s, 8)
+    layers = spec.num_layers
+    gathered = g.root_all_gather_bytes + layers * g.all_gather_bytes
+    reduced = g.root_reduce_scatter_bytes + layers * g.reduce_scatter_bytes
+    ring = 7 / 8
+    t = step_time(spec, s, gpu)
+    assert t.comm_seconds == pytest.approx(2 * ring * (2 * gathered + reduced) / (gpu.nvlink_gbps * 1e9), rel=1e-3)
+    p = count_params(spec)
+    assert gathered == pytest.approx(gather * p, rel=1e-3)  # the policy's widths, per parameter
+    assert reduced == pytest.approx(reduce * p, rel=1e-3)
+
+
+def test_fsdp_lora_reduces_the_adapters_in_their_dtype() -> None:
+    """PEFT keeps fp32 adapters on a bf16 base: without a policy (pure-bf16) FSDP2 reduce-scatters their fp32
+    gradients; under the policy the same fp32. Only the adapters are reduced (the memory model's groups)."""
+    from trainfit.analytic.parallel import fsdp_groups
+
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("h100-sxm-80gb")
+    adapter, base = finetune_setup("lora")
+    s = Strategy(
+        precision="pure-bf16", seq_len=1024, micro_batch=1, sharding="fsdp", adapter=adapter, base_weights=base,
+        parallelism=Parallelism.for_gpus(8),
+    )  # fmt: skip
+    g = fsdp_groups(spec, s, 8)
+    gathered = g.root_all_gather_bytes + spec.num_layers * g.all_gather_bytes
+    reduced = g.root_reduce_scatter_bytes + spec.num_layers * g.reduce_scatter_bytes
+    t = step_time(spec, s, gpu)
+    assert t.comm_seconds == pytest.approx(7 / 8 * (2 * gathered + reduced) / (gpu.nvlink_gbps * 1e9), rel=1e-3)
+    from trainfit.analytic.adapters import adapter_tensors
+
+    adapters = spec.num_layers * sum(x.numel for x in adapter_tensors(spec, adapter))
+    assert reduced == pytest.approx(4 * adapters, rel=1e-3)
+
+
+def _tp_inputs(spec: ModelSpec, **kw: object) -> SpeedInputs:
+    """One micro-batch of 4096 tokens twice, TP 8 on one H100 node, no data parallelism (TP traffic only)."""
+    base: dict[str, object] = dict(tensor=8, seq_len=4096, micro_batch=1, grad_accum=2, grad_bits=16, weight_bits=16)
+    return SpeedInputs(**(base | kw))  # type: ignore[arg-type]
+
+
+def _gemm_seconds(spec: ModelSpec, tokens: int, t: int, rate: float) -> dict[str, float]:
+    """Per-rank forward GEMM seconds of a Llama layer's linears (2·d_in·d_out FLOPs per token, split over t)."""
+    h, i, q, kv = _llama_dims(spec)
+    per = tokens / t / rate
+    return {
+        "qkv": 2 * h * (q + 2 * kv) * per,
+        "o": 2 * q * h * per,
+        "gate_up": 2 * 2 * h * i * per,
+        "down": 2 * i * h * per,
+    }
+
+
+def _half(spec: ModelSpec, tokens: int, t: int, bw: float) -> float:
+    return (t - 1) / t * tokens * spec.hidden_size * 2 / bw  # one all-gather or reduce-scatter of b·s·h bf16
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_megatron_tp_hides_the_input_gradient_collectives_behind_the_weight_gradient(checkpointing: str) -> None:
+    """Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (sequence parallel): the forward all-gather
+    and reduce-scatter of each block are exposed (and run again in a full recompute), so is the row-parallel
+    backward's all-gather of the output gradient; the column-parallel backward all-gathers its saved input shard
+    again behind the input-gradient GEMM and reduce-scatters the input gradient behind the weight-gradient GEMM
+    (each GEMM as long as the forward's). On an H100 node at 4096 tokens the attention side (q, k, v: 36 µs)
+    cannot hide a 65 µs collective; the MLP side (gate + up: 169 µs) can."""
+    spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
+    x = _tp_inputs(spec, checkpointing=checkpointing)
+    t = step_time_of(spec, x, gpu)
+    gemm = _gemm_seconds(spec, 4096, 8, 989e12 * MATMUL_EFFICIENCY)
+    half = _half(spec, 4096, 8, gpu.nvlink_gbps * 1e9)
+    assert gemm["qkv"] < half < gemm["gate_up"]
+    forwards = 2 if checkpointing == "full" else 1
+    per_layer_exposed = sum(forwards * 2 * half + half + 2 * max(0.0, half - gemm[c]) for c in ("qkv", "gate_up"))
+    per_layer_comm = 2 * (forwards * 2 * half + 3 * half)
+    L, accum = spec.num_layers, 2
+    assert t.exposed_comm_seconds == pytest.approx(L * accum * per_layer_exposed, rel=1e-9)
+    assert t.comm_seconds == pytest.approx(L * accum * per_layer_comm, rel=1e-9)
+    # without sequence parallelism: an all-reduce after each row-parallel GEMM, and the input gradient's
+    # all-reduce behind the weight-gradient GEMM (allreduce_dgrad)
+    plain = step_time_of(spec, dataclasses.replace(x, plain_tp=True), gpu)
+    exposed = sum(forwards * 2 * half + max(0.0, 2 * half - gemm[c]) for c in ("qkv", "gate_up"))
+    assert plain.exposed_comm_seconds == pytest.approx(L * accum * exposed, rel=1e-9)
+    assert plain.comm_seconds == pytest.approx(L * accum * 2 * (forwards + 1) * 2 * half, rel=1e-9)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_async_tp_overlaps_the_matched_collectives_chunk_by_chunk(checkpointing: str) -> None:
+    """torch's micro-pipeline TP pass (torchtitan's async TP): the forward all-gathers feeding q/k/v and gate/up,
+    the reduce-scatters of o and down, and the backward all-gathers of o's and down's output gradients feeding
+    their input-gradient GEMMs are split into 8 chunks whose copies run under the other 7 chunks' GEMMs; the
+    backward reduce-scatters of the summed q/k/v and gate/up input gradients are not matched (exposed). The
+    eager DTensor plan (what train_fsdp2.py runs) exposes every collective; both move the same bytes. The plan's
+    ends (embedding, head input, logits gather) run outside the compiled blocks: exposed either way."""
+    spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
+    eager = _tp_inputs(spec, checkpointing=checkpointing, dtensor_tp=True, vocab_size=spec.vocab_size)
+    t_eager = step_time_of(spec, eager, gpu)
+    t_async = step_time_of(spec, dataclasses.replace(eager, async_tp=True), gpu)
+    gemm = _gemm_seconds(spec, 4096, 8, 989e12 * MATMUL_EFFICIENCY)
+    bw = gpu.nvlink_gbps * 1e9
+    half = _half(spec, 4096, 8, bw)
+    ends = (2 * 2 * half * bw + 7 / 8 * 4096 * spec.vocab_size * 2) / bw  # test_fsdp_tp_plan's ring volumes
+    forwards = 2 if checkpointing == "full" else 1
+    L, accum = spec.num_layers, 2
+
+    def hidden(gemm_seconds: float) -> float:
+        return max(0.0, half - gemm_seconds * 7 / 8)
+
+    per_layer = sum(
+        forwards * (hidden(gemm[col]) + hidden(gemm[row])) + hidden(gemm[row]) + half
+        for col, row in (("qkv", "o"), ("gate_up", "down"))
+    )
+    assert t_async.exposed_comm_seconds == pytest.approx(accum * (L * per_layer + ends), rel=1e-9)
+    assert t_eager.exposed_comm_seconds == pytest.approx(accum * (L * 2 * (forwards + 1) * 2 * half + ends), rel=1e-9)
+    assert t_async.comm_seconds == t_eager.comm_seconds == pytest.approx(t_eager.exposed_comm_seconds)
+    assert t_async.compute_seconds == t_eager.compute_seconds
+    # async TP decomposes all-gathers and reduce-scatters: without sequence parallelism it changes nothing
+    plain = dataclasses.replace(eager, plain_tp=True)
+    assert step_time_of(spec, dataclasses.replace(plain, async_tp=True), gpu) == step_time_of(spec, plain, gpu)
+
+
+def test_tp_mechanism_follows_what_the_plan_runs() -> None:
+    """DTensor plans (``--engine torch``, the exported train_fsdp2.py: eager, no async TP) expose their TP
+    collectives; Megatron plans overlap as Megatron's layers do; async TP is the speed model's alone (no Strategy
+    option), and Megatron has none."""
+    from trainfit.errors import StrategyError
+    from trainfit.planner.speed import TpComm, tp_comm
+    from trainfit.strategy import Engine, EngineOptions
+
+    spec = load_model("llama-3.1-8b")
+    par = Parallelism.for_gpus(16, tensor=8, sequence_parallel=True)
+    dtensor = Strategy(seq_len=1024, micro_batch=1, sharding="fsdp", parallelism=par)  # auto: DTensor
+    megatron = Strategy(seq_len=1024, micro_batch=1, sharding="zero1", parallelism=par)  # auto: Megatron
+    torch_plain = dataclasses.replace(
+        dtensor, parallelism=Parallelism.for_gpus(16, tensor=8), engine=EngineOptions(engine=Engine.TORCH)
+    )
+    x_d, x_m, x_p = (SpeedInputs.of(s, spec) for s in (dtensor, megatron, torch_plain))
+    assert (tp_comm(x_d), tp_comm(x_m), tp_comm(x_p)) == (TpComm.EAGER, TpComm.MEGATRON, TpComm.EAGER)
+    assert not x_d.plain_tp and x_p.plain_tp
+    assert tp_comm(dataclasses.replace(x_d, async_tp=True)) is TpComm.ASYNC_TP
+    assert tp_comm(dataclasses.replace(x_p, async_tp=True)) is TpComm.EAGER
+    with pytest.raises(StrategyError, match="async TP"):
+        step_time_of(spec, dataclasses.replace(x_m, async_tp=True), get_gpu("h100-sxm-80gb"))

@@ -672,6 +672,19 @@ class FsdpGroups:
     root_shard_grads_bytes: int  # the root's sharded gradients
 
 
+def fsdp_wire_bits(held_bits: int, *, mixed: bool, compute_bits: int, packed: bool = False) -> tuple[int, int]:
+    """(all-gather, reduce-scatter) width in bits of one FSDP2 parameter held in ``held_bits``: under the
+    mixed-precision policy (``mixed``: ``MixedPrecisionPolicy(param_dtype=<compute>, reduce_dtype=fp32)``) the
+    all-gather casts to ``param_dtype`` — a packed 4-bit storage is not cast (bf16 already, or not floating) —
+    and the gradients are reduced in ``reduce_dtype``; without a policy both move the parameter's own dtype
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``init_dtype_attrs``; _fsdp_collectives.py
+    ``foreach_all_gather``, ``foreach_reduce``). The one rule the memory model (:func:`fsdp_groups`) and the speed
+    model (:mod:`trainfit.planner.speed`) both read."""
+    if not mixed:
+        return held_bits, held_bits
+    return (held_bits if packed else compute_bits), 32
+
+
 def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     """Per group (``fully_shard`` per decoder layer + root): the all-gather moves every parameter, frozen or
     not, cast to ``param_dtype`` under the policy (a packed 4-bit storage is not cast: bf16 already, or not
@@ -683,10 +696,10 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     held = held_tensors(spec, strategy, fsdp_mixed=mixed)
 
     def gather_bits(h: HeldTensor) -> int:
-        return h.bits if h.packed_bytes or not mixed else cbits
+        return fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=cbits, packed=bool(h.packed_bytes))[0]
 
     def reduce_bits(h: HeldTensor) -> int:
-        return 32 if mixed else h.bits
+        return fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=cbits, packed=bool(h.packed_bytes))[1]
 
     def unique(hs: Sequence[HeldTensor]) -> list[HeldTensor]:
         """One entry per tensor of a layer (a tensor frozen in some layers and trainable in others is held
@@ -1684,6 +1697,7 @@ __all__ = [
     "estimate_parallel",
     "fsdp_groups",
     "fsdp_states",
+    "fsdp_wire_bits",
     "held_tensors",
     "in_flight_microbatches",
     "nccl_bytes",

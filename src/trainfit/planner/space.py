@@ -228,6 +228,7 @@ class Candidate:
             offload_parameters=self.offload == "optimizer+params",
             float8=self.float8 is not Float8.NONE,
             dtensor_tp=dtensor,
+            mixed=r.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded,
         )

@@ -26,9 +26,14 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   (Li et al. 2020, PyTorch DDP §3.2.3 bucketing); ZeRO-3/FSDP all-gather the weights in forward and backward
   and reduce-scatter gradients every micro-step, prefetched so they overlap that micro-step's compute
   (Rajbhandari et al. 2020 §7; FSDP2 prefetching); HSDP does so within a node and all-reduces the shards
-  across nodes once per step. Tensor parallelism all-reduces b·s·h activations twice in forward and twice
-  in backward per layer, not overlapped (Narayanan et al. 2021 §3.2 / Shoeybi et al. 2019 §3); sequence
-  parallelism moves the same bytes as all-gather + reduce-scatter (Korthikanti et al. 2022 §4.2.2).
+  across nodes once per step. FSDP2 moves the widths of its ``MixedPrecisionPolicy``, the memory model's
+  (:func:`fsdp_collective_bytes`: bf16 gathers and fp32 reduce-scatters under amp-*/master-*). Tensor
+  parallelism all-reduces b·s·h activations twice in forward and twice in backward per layer (Narayanan et
+  al. 2021 §3.2 / Shoeybi et al. 2019 §3); sequence parallelism moves the same bytes as all-gather +
+  reduce-scatter (Korthikanti et al. 2022 §4.2.2). What is hidden depends on the engine
+  (:func:`tp_layer_seconds`): the exported eager DTensor plan hides nothing, Megatron's linear layers hide the
+  column-parallel backward's collectives behind its GEMMs, torchtitan's async TP (``async_tp``, no Strategy
+  option) pipelines the matched all-gather/reduce-scatter + GEMM pairs chunk by chunk.
   DTensor tensor parallelism (``--engine torch``; 2-D FSDP2 × TP, torchtitan's ``parallelize_llama``: TP within
   a node, FSDP2 over the data-parallel dimension — across nodes when data × tensor exceeds a node) adds its
   plan's ends (:func:`_dtensor_ends`: the vocabulary-sharded embedding, the head's input and the all-gathered
@@ -52,6 +57,7 @@ bases, ``--freeze`` patterns (run as full training).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from trainfit._memo import Memo, spec_key
 from trainfit.arch.params import active_params_per_token, count_params, inventory
@@ -70,12 +76,17 @@ __all__ = [
     "MATMUL_EFFICIENCY",
     "SpeedInputs",
     "StepTime",
+    "TpBlockGemms",
+    "TpComm",
     "attention_efficiency",
     "dequant_bytes",
     "elementwise_bytes",
+    "fsdp_collective_bytes",
     "model_flops_per_token",
     "step_time",
     "step_time_of",
+    "tp_comm",
+    "tp_layer_seconds",
 ]
 
 #: Sustained fraction of the dense tensor-core peak for large GEMMs: cuBLAS bf16 8192³ on a B200 ran at 1610 of
@@ -157,6 +168,9 @@ class SpeedInputs:
     offload_parameters: bool = False
     float8: bool = False  # --fp8: the converted block linears run at the fp8 peak (float8_rate)
     dtensor_tp: bool = False  # DTensor TP (--engine torch): embedding/head collectives, the logits gather
+    async_tp: bool = False  # torchtitan's async TP (torch.compile + Inductor's micro-pipeline TP pass): no Strategy
+    plain_tp: bool = False  # tensor parallelism without sequence parallelism (all-reduces, no all-gather/scatter)
+    mixed: bool = False  # Recipe.mixed: FSDP2 runs MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)
     vocab_size: int = 0  # the gathered logits' width (dtensor_tp)
     offload_activation_bytes: int = 0  # --activation-offload: saved bytes copied to the host per micro-step
 
@@ -194,6 +208,8 @@ class SpeedInputs:
             offload_parameters=strategy.offload.parameters_on_host,
             float8=strategy.float8.value != "none",
             dtensor_tp=dtensor,
+            plain_tp=par.tensor > 1 and not par.sequence_parallel,
+            mixed=r.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
         )
@@ -527,6 +543,130 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def fsdp_collective_bytes(x: SpeedInputs, params: float, adapters: float) -> tuple[float, float]:
+    """(bytes one all-gather of ``params`` base parameters and ``adapters`` adapter parameters moves, bytes one
+    reduce-scatter of the trained ones' gradients moves) under FSDP2 (``--sharding fsdp|hsdp``), at the widths
+    the memory model gives the same collectives (:func:`trainfit.analytic.parallel.fsdp_wire_bits`): a mixed
+    recipe (amp-*, master-*: fp32 shards) gathers in the compute dtype and reduces in fp32
+    (``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``), a 16-bit or fp32 recipe moves its own width both
+    ways, an adapter (PEFT: fp32 by default) its own dtype without a policy. A 4-bit base gathers its packed
+    storage, which the policy does not cast: 0.5 + 1/64 bytes per parameter (packed weight and uint8 absmax).
+    Trained: the base without an adapter, else the adapters."""
+    from trainfit.analytic.parallel import fsdp_wire_bits
+
+    held = 32 if x.mixed else x.weight_bits  # under the policy the model is built in fp32 (held_tensors)
+    gather, reduce = fsdp_wire_bits(held, mixed=x.mixed, compute_bits=x.compute_bits)
+    base = gather / 8
+    if x.base_quantization in (Quantization.NF4, Quantization.FP4):
+        base = 0.5 + 1 / BNB_4BIT_BLOCK
+    if x.adapter is None:
+        return params * base, params * reduce / 8
+    ad_gather, ad_reduce = fsdp_wire_bits(x.adapter.dtype.bits, mixed=x.mixed, compute_bits=x.compute_bits)
+    return params * base + adapters * ad_gather / 8, adapters * ad_reduce / 8
+
+
+class TpComm(StrEnum):
+    """How a tensor-parallel engine runs its per-layer collectives (:func:`tp_layer_seconds`)."""
+
+    EAGER = "eager"  # DTensor TP as train_fsdp2.py (and torchtitan without async TP) runs it
+    MEGATRON = "megatron"  # Megatron-LM's own linear layers, as megatron_args.txt runs them (no --tp-comm-overlap)
+    ASYNC_TP = "async-tp"  # torchtitan's async TP: Inductor's micro-pipeline TP pass over symmetric memory
+
+
+def tp_comm(x: SpeedInputs) -> TpComm:
+    """The mechanism the plan's engine runs: DTensor plans are eager (the exported ``train_fsdp2.py`` neither
+    compiles nor enables async TP) unless ``async_tp`` says otherwise (the speed model alone: no Strategy option
+    asks for it); the other TP engine is Megatron-LM. Async TP decomposes all-gathers and reduce-scatters only:
+    without sequence parallelism (all-reduces) it runs eager."""
+    if not x.dtensor_tp:
+        if x.async_tp:
+            raise StrategyError("async TP is torch's (DTensor, --engine torch): Megatron-LM has --tp-comm-overlap")
+        return TpComm.MEGATRON
+    return TpComm.ASYNC_TP if x.async_tp and not x.plain_tp else TpComm.EAGER
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TpBlockGemms:
+    """Per-rank seconds of one micro-step's forward GEMMs around a block's collectives (each backward GEMM — the
+    input gradient (dgrad) and the weight gradient (wgrad) — costs the same FLOPs as its forward)."""
+
+    column: tuple[float, float]  # (attention, MLP): the column-parallel GEMMs after the all-gather (q+k+v, gate+up)
+    row: tuple[float, float]  # (attention, MLP): the row-parallel GEMMs before the reduce-scatter (o, down)
+    column_fused: tuple[bool, bool]  # the column side is one ``mm`` (a non-gated MLP's up; q, k, v are three)
+
+
+def _tp_block_gemms(spec: ModelSpec, seconds_per_flop: float) -> TpBlockGemms:
+    """:class:`TpBlockGemms` of a dense decoder layer (MoE layers are refused with tensor parallelism), 2·d_in·d_out
+    FLOPs per token per linear, the micro-step's tokens spread over the tensor-parallel ranks (``seconds_per_flop``
+    = tokens / (t · rate)): the collectives run at the matmul rate the step uses."""
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    gated = spec.mlp is MlpKind.GATED
+    up = (2 if gated else 1) * h * i
+    return TpBlockGemms(
+        column=(2 * h * (q + 2 * kv) * seconds_per_flop, 2 * up * seconds_per_flop),
+        row=(2 * q * h * seconds_per_flop, 2 * i * h * seconds_per_flop),
+        column_fused=(False, not gated),
+    )
+
+
+def tp_layer_seconds(
+    mechanism: TpComm, half: float, gemms: TpBlockGemms, *, t: int, sequence_parallel: bool, recompute: bool
+) -> tuple[float, float]:
+    """(communication, the part of it exposed) per layer and micro-step of tensor parallelism; ``half`` is the
+    time of one all-gather or reduce-scatter of the b·s·h activations over the ring ((t−1)/t of the bytes), an
+    all-reduce two of them. Per block (attention, MLP) the forward moves 2·half: with sequence parallelism an
+    all-gather before the column-parallel GEMMs and a reduce-scatter after the row-parallel one, without it an
+    all-reduce after the row-parallel one (Korthikanti et al. 2022 §4.2.2: the same bytes); the backward the
+    same in reverse; ``recompute`` (full/sqrt) runs the forward's again (Megatron's
+    ``tensor_parallel.checkpoint``, torch's checkpoint replay the same modules).
+
+    - ``EAGER`` (DTensor, ``parallelize_module``): each redistribute is a functional collective waited on by the
+      next op, which needs its result: every collective is exposed. Compiled without the micro-pipeline pass the
+      same: Inductor moves collectives for overlap only under ``reorder_for_compute_comm_overlap`` (False by
+      default, torch/_inductor/config.py) — an assumption that the graph order leaves nothing to overlap.
+    - ``MEGATRON`` (megatron/core/tensor_parallel/layers.py ``LinearWithGradAccumulationAndAsyncCommunication``,
+      CUDA_DEVICE_MAX_CONNECTIONS=1): forward collectives are exposed (``gather_from_sequence_parallel_region``,
+      ``reduce_scatter_to_sequence_parallel_region``, ``reduce_from_tensor_model_parallel_region``), and so is
+      the row-parallel backward's all-gather of the output gradient; the column-parallel backward with sequence
+      parallelism all-gathers its saved input shard again (one more half: it saves the shard, not the
+      gathered input) asynchronously behind the input-gradient GEMM, then reduce-scatters the input gradient
+      behind the weight-gradient GEMM; without sequence parallelism it all-reduces the input gradient behind
+      the weight-gradient GEMM (``allreduce_dgrad``). Exposed: what the GEMM does not cover. These are
+      Megatron's own layers (``--transformer-impl local``); TransformerEngine's (the default) are taken to do the
+      same, unchecked. With ``--tp-comm-overlap`` (TransformerEngine userbuffers) the forward's would overlap
+      too: megatron_args.txt does not ask for it, and it is not modelled.
+    - ``ASYNC_TP`` (torch/_inductor/fx_passes/micro_pipeline_tp.py ``fuse_all_gather_matmul``,
+      ``fuse_matmul_reduce_scatter``; torch/distributed/_symmetric_memory ``_pipelined_all_gather_and_consume``,
+      ``_pipelined_produce_and_all2all``; enabled by torchtitan/distributed/compile.py ``_maybe_enable_async_tp``
+      for the compiled blocks): an all-gather whose result is the left operand of ``mm``s (the column-parallel
+      inputs in forward; the gathered output gradient of o/down feeding their input-gradient GEMM in backward)
+      and a reduce-scatter of one ``mm``'s output (o, down in forward) are split into t chunks copied by the
+      copy engines while the chunks' GEMMs run: exposed max(0, half − GEMM·(t−1)/t) (the local chunk's GEMM runs
+      uncovered). The backward reduce-scatter of the column side's input gradient sums several ``mm``s (q, k, v;
+      gate, up) and is not matched: exposed. The weight-gradient GEMMs, whose operands are transposed, are not
+      consumers either."""
+    passes = 2 if recompute else 1  # forwards per micro-step
+    pipelined = (t - 1) / t
+    comm = exposed = 0.0
+    for col, row, col_fused in zip(gemms.column, gemms.row, gemms.column_fused, strict=True):
+        if mechanism is TpComm.EAGER:
+            comm += (passes + 1) * 2 * half
+            exposed += (passes + 1) * 2 * half
+        elif mechanism is TpComm.MEGATRON and not sequence_parallel:
+            comm += (passes + 1) * 2 * half
+            exposed += passes * 2 * half + max(0.0, 2 * half - col)  # all-reduce of dgrad behind wgrad
+        elif mechanism is TpComm.MEGATRON:
+            comm += passes * 2 * half + 3 * half  # + the input's re-gather in backward
+            exposed += passes * 2 * half + half + 2 * max(0.0, half - col)  # re-gather behind dgrad, RS behind wgrad
+        else:
+            forward = max(0.0, half - col * pipelined) + max(0.0, half - row * pipelined)
+            grad_gather = max(0.0, half - row * pipelined)  # the output gradient gathered into o/down's dgrad
+            grad_scatter = max(0.0, half - col * pipelined) if col_fused else half
+            comm += (passes + 1) * 2 * half
+            exposed += passes * forward + grad_gather + grad_scatter
+    return comm, exposed
+
+
 def _dtensor_ends(x: SpeedInputs, act: float) -> float:
     """Bytes per micro-step each rank sends for the ends of DTensor's Llama plan (the plan
     :mod:`trainfit.trace.tensor_parallel` traces and the memory estimate models, torchtitan's ``apply_tp``
@@ -635,25 +775,38 @@ def step_time_of(
         c = 2 * _ring(d) * local_trained * gb / dp_bw
         comm += c
         exposed += max(0.0, c - compute_micro * 2 / 3)  # hidden behind the last micro-step's backward (2/3)
-    elif d > 1 and sh in (Sharding.ZERO3, Sharding.FSDP):
+    elif d > 1 and sh is Sharding.ZERO3:
         per_micro = (2 * _ring(d) * local_params * wb + _ring(d) * local_trained * gb) / dp_bw
         comm += per_micro * accum
         exposed += accum * max(0.0, per_micro - compute_micro)
+    elif d > 1 and sh is Sharding.FSDP:
+        ag, rs = fsdp_collective_bytes(x, local_params, local_trained if x.adapter is not None else 0.0)
+        per_micro = (2 * _ring(d) * ag + _ring(d) * rs) / dp_bw
+        comm += per_micro * accum
+        exposed += accum * max(0.0, per_micro - compute_micro)
     elif d > 1 and sh is Sharding.HSDP:
+        ag, rs = fsdp_collective_bytes(x, local_params, local_trained if x.adapter is not None else 0.0)
         shard = min(gpn, d)
         replicas = d // shard
-        per_micro = (2 * _ring(shard) * local_params * wb + _ring(shard) * local_trained * gb) / intra
-        across = 2 * _ring(replicas) * local_trained / shard * gb / net if replicas > 1 else 0.0
+        per_micro = (2 * _ring(shard) * ag + _ring(shard) * rs) / intra
+        across = 2 * _ring(replicas) * rs / shard / net if replicas > 1 else 0.0
         comm += per_micro * accum + across
         exposed += accum * max(0.0, per_micro - compute_micro) + max(0.0, across - compute_micro * 2 / 3)
     act = micro * seq * spec.hidden_size * x.compute_bits / 8
     if t > 1:
-        calls = 4 + rc.tp_collectives
-        c = calls * layers_rank * 2 * _ring(t) * act / tp_bw * accum
+        half = _ring(t) * act / tp_bw  # one all-gather or reduce-scatter of the b·s·h activations
+        gemms = _tp_block_gemms(spec, tokens_micro / (t * flops_rate))
+        layer_comm, layer_exposed = tp_layer_seconds(
+            tp_comm(x), half, gemms, t=t, sequence_parallel=not x.plain_tp, recompute=rc.tp_collectives > 0
+        )
+        c = layer_comm * layers_rank * accum
+        e = layer_exposed * layers_rank * accum
         if x.dtensor_tp:
-            c += _dtensor_ends(x, act) / tp_bw * accum
+            ends = _dtensor_ends(x, act) / tp_bw * accum  # outside the compiled blocks: eager, exposed
+            c += ends
+            e += ends
         comm += c
-        exposed += c
+        exposed += e
     bubble = 0.0
     if p > 1:
         bubble = compute * (p - 1) / (x.virtual_stages * accum)
