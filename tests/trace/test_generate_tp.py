@@ -36,7 +36,7 @@ def _agrees(name: str, spec: ModelSpec, setup: InferenceSetup) -> GenerateTrace:
     return traced
 
 
-def _spec(**kw: Any) -> ModelSpec:
+def _config(**kw: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": 256,
@@ -49,7 +49,19 @@ def _spec(**kw: Any) -> ModelSpec:
         "tie_word_embeddings": False,
     }
     cfg.update(kw)
+    return cfg
+
+
+def _spec(**kw: Any) -> ModelSpec:
+    cfg = _config(**kw)
     return spec_from_config(cfg, name=f"tiny-{cfg['model_type']}", source="explicit")
+
+
+def _phases_agree(doc: dict[str, Any], analytic: dict[str, Any]) -> None:
+    """Two ``infer --json`` documents (trace, analytic): each phase within 2% of the trace."""
+    for ph in ("prefill", "decode"):
+        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
+        assert abs(a - t) <= 0.02 * t, ph
 
 
 CASES = [
@@ -173,10 +185,7 @@ def test_cli_issue_command(capsys: pytest.CaptureFixture[str]) -> None:
     args = ("infer", "qwen2.5-72b", "--gpus", "4", "--tp", "4", "--prompt", "256", "--new-tokens", "3", "--json")
     res = run_cli(capsys, *args, "--method", "trace")
     assert res.code == 0, res.err
-    doc, analytic = json.loads(res.out), json.loads(run_cli(capsys, *args).out)
-    for ph in ("prefill", "decode"):
-        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
-        assert abs(a - t) <= 0.02 * t
+    _phases_agree(json.loads(res.out), json.loads(run_cli(capsys, *args).out))
 
 
 # -- quantised weights under tensor parallelism (issue 12) ------------------------------------------------------
@@ -308,25 +317,10 @@ def test_cli_nf4_tp_trace_refused_and_analytic_names_vllm(capsys: pytest.Capture
 def test_cli_fp8_tp_trace_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``trainfit infer ... --dtype fp8 --tp 2 --method trace --json`` runs and agrees with the analytic."""
     cfg = tmp_path / "config.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": 256,
-                "intermediate_size": 688,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "vocab_size": 1000,
-                "max_position_embeddings": 4096,
-            }
-        )
-    )
+    cfg.write_text(json.dumps(_config()))
     args = ("infer", str(cfg), "--tp", "2", "--dtype", "fp8", "--prompt", "64", "--new-tokens", "3", "--json")
     res = run_cli(capsys, *args, "--method", "trace")
     assert res.code == 0, res.err
     doc, analytic = json.loads(res.out), json.loads(run_cli(capsys, *args).out)
     assert doc["weights_bytes"] == analytic["weights_bytes"]
-    for ph in ("prefill", "decode"):
-        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
-        assert abs(a - t) <= 0.02 * t
+    _phases_agree(doc, analytic)
