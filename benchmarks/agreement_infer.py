@@ -63,6 +63,11 @@ CASES: list[tuple[str, InferenceSetup]] = [
     ("qwen3-8b", InferenceSetup(batch=8, prompt=1024, new_tokens=8, tp=4)),
     ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8, tp=4)),
     ("mixtral-8x7b-v0.1", InferenceSetup(batch=4, prompt=1024, new_tokens=8, tp=8)),
+    # tensor parallelism with fine-grained fp8 weights: the block scales sharded with their weights
+    ("qwen2.5-72b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, tp=4, dtype="fp8")),
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, tp=2, dtype="fp8")),
+    ("qwen3-30b-a3b", InferenceSetup(batch=4, prompt=1024, new_tokens=8, tp=4, dtype="fp8")),
+    ("mixtral-8x7b-v0.1", InferenceSetup(batch=4, prompt=1024, new_tokens=8, tp=8, dtype="fp8")),
 ]
 
 

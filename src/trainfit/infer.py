@@ -179,6 +179,7 @@ def infer(
             "fp8 cache: transformers QuantizedCache(backend='fp8') - float8_e4m3fn K/V with a per-tensor scale; "
             "attention reads a dequantised copy of the running layer's cache"
         )
+    notes += an.engine_notes(spec, st)
     if spec.mla is not None:
         notes.append("MLA: the cache holds the compressed latent (kv_lora_rank + qk_rope_head_dim per token and layer)")
     phases: dict[InferencePhase, dict[Component, int]] = {

@@ -36,7 +36,7 @@ def _agrees(name: str, spec: ModelSpec, setup: InferenceSetup) -> GenerateTrace:
     return traced
 
 
-def _spec(**kw: Any) -> ModelSpec:
+def _config(**kw: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": 256,
@@ -49,7 +49,19 @@ def _spec(**kw: Any) -> ModelSpec:
         "tie_word_embeddings": False,
     }
     cfg.update(kw)
+    return cfg
+
+
+def _spec(**kw: Any) -> ModelSpec:
+    cfg = _config(**kw)
     return spec_from_config(cfg, name=f"tiny-{cfg['model_type']}", source="explicit")
+
+
+def _phases_agree(doc: dict[str, Any], analytic: dict[str, Any]) -> None:
+    """Two ``infer --json`` documents (trace, analytic): each phase within 2% of the trace."""
+    for ph in ("prefill", "decode"):
+        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
+        assert abs(a - t) <= 0.02 * t, ph
 
 
 CASES = [
@@ -150,7 +162,7 @@ def test_tp_plans_that_depart_from_a_head_split_are_named(name: str, needle: str
     ("spec", "setup", "needle"),
     [
         (_spec(num_key_value_heads=2), InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=4), "k/v heads"),
-        (_spec(), InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=2, dtype="nf4"), "16/32-bit"),
+        (_spec(), InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=2, dtype="nf4"), "quantisation state"),
         (
             spec_from_config(
                 {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 500, "n_positions": 256},
@@ -173,7 +185,142 @@ def test_cli_issue_command(capsys: pytest.CaptureFixture[str]) -> None:
     args = ("infer", "qwen2.5-72b", "--gpus", "4", "--tp", "4", "--prompt", "256", "--new-tokens", "3", "--json")
     res = run_cli(capsys, *args, "--method", "trace")
     assert res.code == 0, res.err
+    _phases_agree(json.loads(res.out), json.loads(run_cli(capsys, *args).out))
+
+
+# -- quantised weights under tensor parallelism (issue 12) ------------------------------------------------------
+
+_MOE_MID = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 384,
+    "num_experts": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 1000,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+FP8_CASES = [
+    ("fp8-gqa-tp2", _spec(), InferenceSetup(batch=2, prompt=128, new_tokens=6, tp=2, dtype="fp8")),
+    (
+        "fp8-narrow-mlp-tp4",
+        _spec(intermediate_size=512),
+        InferenceSetup(batch=2, prompt=128, new_tokens=4, tp=4, dtype="fp8"),
+    ),
+    # fused experts: gate_up's [E, 6, 4] block scales ``_StridedShard(sf=2)`` -> [E, 4, 4] on rank 0, down's
+    # [E, 4, 3] ``Shard(-1)`` -> [E, 4, 2]: an even split of the scales would be 3 KiB short
+    (
+        "fp8-moe-experts-tp2",
+        spec_from_config(_MOE_MID, name="tiny-qwen3-moe-mid", source="explicit"),
+        InferenceSetup(batch=2, prompt=96, new_tokens=4, tp=2, dtype="fp8"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "spec", "setup"), FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_fp8_tp_trace_within_2_percent_and_exact_rank_states(name: str, spec: ModelSpec, setup: InferenceSetup) -> None:
+    """transformers' fine-grained fp8 under its own TP plan: each rank's fp8 weight and block scales (sharded
+    with it, the quantizer's ``update_parallel_plan`` applied) to the byte, each phase within 2%."""
+    traced = _agrees(name, spec, setup)
+    assert any("rank 0 of TP" in n for n in traced.notes)
+
+
+def test_fp8_tp_rank_holds_a_quarter_of_the_fp8_linears() -> None:
+    """The fp8 rank is the one-GPU fp8 model split: weights about 1/tp (norms, scales rounding replicated)."""
+    spec = _spec(hidden_size=512, intermediate_size=1536, num_key_value_heads=8)
+    one = trace_generate(spec, InferenceSetup(batch=1, prompt=32, new_tokens=2, dtype="fp8"))
+    four = trace_generate(spec, InferenceSetup(batch=1, prompt=32, new_tokens=2, dtype="fp8", tp=4))
+    assert 3.8 < one.weights_bytes / four.weights_bytes <= 4.0
+
+
+def _vllm_nf4_linear_bytes(shape: tuple[int, int], tp: int, row_parallel: bool) -> tuple[int, int]:
+    """(nf4 bytes at rest, bf16 bytes) of rank 0's shard of one linear, from real bitsandbytes: the shard
+    vLLM's loader slices (columns for a row-parallel linear, rows otherwise), ``quantize_4bit`` with
+    ``compress_statistics=True``, then the nested absmax dequantised to fp32 as ``_dequantize_dq`` does."""
+    import torch
+    from bitsandbytes.functional import dequantize_blockwise, quantize_4bit
+
+    from trainfit.cuda_facts import allocator_bytes
+
+    out, inp = shape
+    w = torch.randn((out, inp // tp) if row_parallel else (out // tp, inp), dtype=torch.bfloat16)
+    packed, state = quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+    absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+    held = [packed, absmax.float(), state.code]
+    return sum(allocator_bytes(t.numel() * t.element_size()) for t in held), allocator_bytes(w.numel() * 2)
+
+
+def test_vllm_nf4_tp_weights_match_real_bitsandbytes_shards() -> None:
+    """``--dtype nf4 --tp`` is vLLM's in-flight bitsandbytes: the closed forms' rank weights exceed the bf16
+    rank's by exactly what real bitsandbytes makes of each linear's shard, minus its bf16 bytes."""
+    pytest.importorskip("bitsandbytes")
+    from trainfit.arch.params import inventory
+
+    spec, tp = _spec(hidden_size=512, intermediate_size=1024, num_key_value_heads=8), 4
+    nf4 = InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=tp, dtype="nf4")
+    bf16 = InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=tp)
+    extra = 0
+    for group in inventory(spec).layers:
+        for t in group.tensors:
+            if t.matmul and len(t.shape) == 2:
+                row = t.name in ("attn.o_proj.weight", "mlp.down_proj.weight")
+                q, b = _vllm_nf4_linear_bytes((t.shape[0], t.shape[1]), tp, row)
+                extra += group.count * (q - b)
+    assert weight_bytes(spec, nf4) - weight_bytes(spec, bf16) == extra
+
+
+def test_vllm_nf4_tp_ignores_double_quant() -> None:
+    """vLLM dequantises the nested absmax at load: --no-double-quant changes nothing under --tp."""
+    spec = _spec()
+    a = InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=2, dtype="nf4")
+    b = InferenceSetup(batch=1, prompt=32, new_tokens=2, tp=2, dtype="nf4", double_quant=False)
+    assert weight_bytes(spec, a) == weight_bytes(spec, b)
+    assert phase_estimates(spec, a)[InferencePhase.PREFILL].breakdown.total_bytes == (
+        phase_estimates(spec, b)[InferencePhase.PREFILL].breakdown.total_bytes
+    )
+
+
+@pytest.mark.parametrize("method", ["analytic", "trace"])
+@pytest.mark.parametrize("dtype", ["int8", "fp4"])
+def test_cli_refuses_bitsandbytes_tp_no_engine_runs(
+    capsys: pytest.CaptureFixture[str], dtype: str, method: str
+) -> None:
+    """int8 and fp4 under tensor parallelism: transformers loses the quantisation state and vLLM shards only
+    the nf4 it quantises itself - one line, exit 2, in both methods."""
+    args = ("infer", "llama-3.1-8b", "--tp", "2", "--dtype", dtype, "--prompt", "64", "--new-tokens", "2")
+    res = run_cli(capsys, *args, "--method", method)
+    assert res.code == 2
+    assert "no engine trainfit models runs it" in res.err and len(res.err.strip().splitlines()) == 1
+    assert "Traceback" not in res.err
+
+
+def test_cli_nf4_tp_trace_refused_and_analytic_names_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("infer", "llama-3.1-8b", "--tp", "2", "--dtype", "nf4", "--prompt", "64", "--new-tokens", "2")
+    res = run_cli(capsys, *args, "--method", "trace")
+    assert res.code == 2 and "quantisation state" in res.err and len(res.err.strip().splitlines()) == 1
+    res = run_cli(capsys, *args, "--json")
+    assert res.code == 0, res.err
+    doc = json.loads(res.out)
+    assert any("the weights are vLLM's" in n for n in doc["notes"]), doc["notes"]
+    res = run_cli(capsys, *args, "--compute-dtype", "fp32")
+    assert res.code == 2 and "computes in the model's dtype" in res.err
+
+
+def test_cli_fp8_tp_trace_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``trainfit infer ... --dtype fp8 --tp 2 --method trace --json`` runs and agrees with the analytic."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_config()))
+    args = ("infer", str(cfg), "--tp", "2", "--dtype", "fp8", "--prompt", "64", "--new-tokens", "3", "--json")
+    res = run_cli(capsys, *args, "--method", "trace")
+    assert res.code == 0, res.err
     doc, analytic = json.loads(res.out), json.loads(run_cli(capsys, *args).out)
-    for ph in ("prefill", "decode"):
-        t, a = doc["phases"][ph]["total_bytes"], analytic["phases"][ph]["total_bytes"]
-        assert abs(a - t) <= 0.02 * t
+    assert doc["weights_bytes"] == analytic["weights_bytes"]
+    _phases_agree(doc, analytic)

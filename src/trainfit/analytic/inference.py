@@ -58,7 +58,12 @@ tokens as one batch, and ``non-torch`` from our CUDA-context constant; vLLM meas
 Tensor parallelism (Megatron-style, ``--tp``) splits every layer's linears and the vocab-parallel embedding
 and head ``tp`` ways; norms are replicated. K/V heads are split when there are at least ``tp`` of them and
 replicated otherwise (vLLM ``get_num_kv_heads``: ``max(1, total_num_kv_heads // tp_size)``); the MLA
-latent is replicated on every rank.
+latent is replicated on every rank. Quantised weights under tensor parallelism: fine-grained fp8 is what
+transformers runs (``FP8Linear`` is marked ``_hf_quantized_needs_local_tp``; its block scales are sharded with
+the weight, on the same dim, :func:`fp8_scale_count`; checked by the trace to the byte). bitsandbytes is not:
+transformers loses its quantisation state under a TP plan, and vLLM — the one engine that shards it — runs only
+nf4 it quantises itself at load, so ``--dtype nf4 --tp`` describes vLLM's weights (:func:`vllm_bnb`,
+:func:`engine_notes`) and int8/fp4 with ``--tp`` are refused.
 
 Weights (one implementation of each format, :mod:`trainfit.cuda_facts` for bitsandbytes): fp32/bf16/fp16
 store every tensor in that format. ``int8``/``nf4``/``fp4`` (bitsandbytes, via transformers'
@@ -197,6 +202,18 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
             f"--tp {setup.tp} neither divides nor is a multiple of {spec.name}'s {kv} k/v heads; "
             "choose a tensor-parallel degree that splits them evenly"
         )
+    if setup.tp > 1 and setup.dtype.bnb and setup.dtype is not WeightFormat.NF4:
+        raise StrategyError(
+            f"--dtype {setup.dtype.value} with --tp {setup.tp}: no engine trainfit models runs it - transformers' "
+            "tensor parallelism drops bitsandbytes' quantisation state (the first forward fails) and vLLM shards "
+            "only nf4 it quantises at load (it refuses pre-quantised bitsandbytes checkpoints with tensor "
+            "parallelism); use --dtype nf4, fp8 or --tp 1"
+        )
+    if vllm_bnb(setup) and setup.compute_dtype not in (None, setup.dtype.compute):
+        raise StrategyError(
+            f"--compute-dtype {setup.four_bit_compute.value} with --tp: nf4 under tensor parallelism is vLLM's, "
+            "which computes in the model's dtype; drop --compute-dtype"
+        )
     widths = {spec.intermediate_size} | ({spec.moe.expert_intermediate_size} if spec.moe is not None else set())
     if setup.tp > 1 and any(w % setup.tp for w in widths if w):
         raise StrategyError(f"--tp {setup.tp} must divide {spec.name}'s MLP width ({', '.join(map(str, widths))})")
@@ -209,6 +226,39 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
 def weight_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
     """Bytes of every parameter tensor on one GPU, each piece rounded to 512 bytes, plus RoPE buffers."""
     return sum(weight_allocations(spec, setup))
+
+
+def vllm_bnb(setup: InferenceSetup) -> bool:
+    """nf4 weights under tensor parallelism: only vLLM runs them (transformers' tensor parallelism turns each
+    ``Params4bit`` into a plain ``DTensor`` and loses its ``quant_state``: ``core_model_loading.py``
+    ``set_param_for_module`` → ``_dtensor_from_local_like``; the first forward fails — checked with
+    ``DistributedConfig(tp_size=2)`` under ``torchrun``). vLLM quantises a 16-bit checkpoint at load, each
+    rank its own shard (``model_loader/bitsandbytes_loader.py`` ``_unquantized_generator``: rows for
+    column-parallel and fused q/k/v, gate/up, columns for row-parallel, ``quantize_4bit(compress_statistics=
+    True, quant_type="nf4")``), then dequantises the nested absmax back to fp32 (``_dequantize_dq``): at rest
+    every linear — fused MoE experts included — keeps its packed nf4 weight, an fp32 absmax per 64 values and
+    the 16-entry code, whatever ``--double-quant`` says."""
+    return setup.tp > 1 and setup.dtype is WeightFormat.NF4
+
+
+def engine_notes(spec: ModelSpec, setup: InferenceSetup) -> tuple[str, ...]:
+    """What the report says when the closed forms describe an engine other than Hugging Face ``generate``:
+    nf4 under tensor parallelism is vLLM's (:func:`vllm_bnb`)."""
+    if not vllm_bnb(setup):
+        return ()
+    experts = " (MoE experts too, each forward dequantising the layer's local experts)" if spec.moe else ""
+    return (
+        f"--dtype nf4 with --tp {setup.tp}: the weights are vLLM's - each rank quantises its shard of a 16-bit "
+        f"checkpoint at load{experts}, nf4 with an fp32 absmax per 64 values (--double-quant has no effect); "
+        "transformers cannot run bitsandbytes under tensor parallelism. The activations, cache and bitsandbytes "
+        "transients are Hugging Face generate's closed forms with vLLM's head split, not vLLM's own runtime "
+        "(--server paged sizes its cache pool)",
+    )
+
+
+def _double_quant(setup: InferenceSetup) -> bool:
+    """Whether the 4-bit absmax stays double-quantised at rest (not under vLLM: :func:`vllm_bnb`)."""
+    return setup.double_quant and not vllm_bnb(setup)
 
 
 def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
@@ -240,19 +290,17 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
         if router and spec.model_type in _FP32_ROUTERS:
             pieces = [allocator_bytes(numel * 4)]
         elif linear and setup.dtype.bnb:
-            q = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=setup.double_quant)
+            q = quantized_weight_tensors(numel, rows, setup.dtype.value, double_quant=_double_quant(setup))
             pieces = [allocator_bytes(n) for n in q]
         elif linear and setup.dtype is WeightFormat.FP8:
-            cols = numel // rows if rows else 0
-            scales = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
-            pieces = [allocator_bytes(numel), allocator_bytes(4 * scales)]
+            n_out = t.shape[0] * (2 if fused_gate_up and t.name == "mlp.gate_proj.weight" else 1)
+            pieces = [allocator_bytes(numel), allocator_bytes(4 * fp8_scale_count(t.name, (n_out, t.shape[1]), split))]
         elif setup.dtype is WeightFormat.FP8 and in_layer and t.name.startswith("mlp.experts.") and len(t.shape) == 3:
-            # transformers' ``FP8Experts`` (replace_with_fp8_linear converts every ``.experts`` module): fp8
-            # [E, out, in] and fp32 scales [E, ⌈out/128⌉, ⌈in/128⌉], gate_up's output dim at least 2 blocks
-            # (``_alloc_expert_proj(min_sf_out=2)``).
-            e, n_out, n_in = t.shape
-            sf_out = max(-(-n_out // FP8_BLOCK), 2 if t.name.endswith("gate_up_proj") else 1)
-            pieces = [allocator_bytes(numel), allocator_bytes(4 * -(-(e * sf_out * -(-n_in // FP8_BLOCK)) // split))]
+            pieces = [allocator_bytes(numel), allocator_bytes(4 * fp8_scale_count(t.name, t.shape, split))]
+        elif vllm_bnb(setup) and in_layer and t.name.startswith("mlp.experts.") and len(t.shape) == 3:
+            # vLLM's ``BitsAndBytesMoEMethod``: each expert's gate, up and down quantised per rank, fused into
+            # ``w13_weight``/``w2_weight`` with their absmax concatenated (``_fuse_moe_quant_states``).
+            pieces = [allocator_bytes(n) for n in quantized_weight_tensors(numel, rows, "nf4", double_quant=False)]
         else:
             pieces = [allocator_bytes(numel * keep_bits // 8)]
         out += pieces * count
@@ -263,6 +311,52 @@ def weight_allocations(spec: ModelSpec, setup: InferenceSetup) -> list[int]:
     if spec.moe is not None and spec.model_type == "deepseek_v3":  # fp32 e_score_correction_bias buffer
         out += [allocator_bytes(4 * spec.moe.num_experts)] * spec.num_moe_layers
     return out
+
+
+#: Linear weights a tensor-parallel rank splits on their input dimension (row-parallel: transformers
+#: ``RowwiseParallel`` ``Shard(-1)``, Megatron/vLLM ``RowParallelLinear``); every other split linear is
+#: column-parallel (``ColwiseParallel`` ``Shard(0)``), the fused experts' ``gate_up_proj`` packed-column-parallel.
+_ROW_PARALLEL = frozenset(
+    {"attn.o_proj.weight", "mlp.down_proj.weight", "mlp.fc2.weight", "mlp.shared_experts.down_proj.weight"}
+)
+
+
+def _chunk0(n: int, k: int) -> int:
+    """Rank 0's share of ``n`` rows split ``k`` ways: ``torch.chunk``'s ⌈n/k⌉ (DTensor ``Shard``,
+    ``Shard.local_shard_size_and_offset``)."""
+    return min(n, -(-n // k))
+
+
+def _strided_chunk0(n: int, k: int, split_factor: int = 2) -> int:
+    """Rank 0's share of ``n`` rows under ``_StridedShard(split_factor=2)`` (transformers' ``packed_colwise``
+    for a fused gate/up): ``torch.chunk`` into ``split_factor`` pieces, each chunked ``k`` ways, rank 0 taking
+    its chunk of every piece (torch ``_StridedShard._split_tensor``)."""
+    c = -(-n // split_factor)
+    pieces = [c] * (n // c) + ([n % c] if n % c else [])
+    return sum(_chunk0(p, k) for p in pieces)
+
+
+def fp8_scale_count(name: str, shape: tuple[int, ...], tp: int) -> int:
+    """fp32 ``weight_scale_inv`` entries one rank holds for a fine-grained fp8 weight of global ``shape``
+    (``[out, in]``, or fused experts' ``[E, out, in]``): one per 128 × 128 block — ``FP8Linear`` allocates
+    ``[⌈out/128⌉, ⌈in/128⌉]``, ``FP8Experts`` ``[E, ⌈out/128⌉, ⌈in/128⌉]`` with gate_up's output dim at least 2
+    (``_alloc_expert_proj(min_sf_out=2)``), transformers 5.24 integrations/finegrained_fp8.py. Under tensor
+    parallelism the block grid is sharded with the weight, on the same dim and by the same style (the plan's
+    module rule covers both parameters: ``_expand_parallel_plan``; the fused experts' parameter rules gain
+    ``*_scale_inv`` twins: ``FineGrainedFP8HfQuantizer.update_parallel_plan``): a column-parallel linear
+    keeps ⌈⌈out/128⌉/tp⌉ block rows, a row-parallel one ⌈⌈in/128⌉/tp⌉ block columns, the packed gate/up
+    rank 0's strided share of the block rows (checked against the trace's DTensor local shards)."""
+    e, n_out, n_in = (1, *shape) if len(shape) == 2 else shape
+    sf_out = max(-(-n_out // FP8_BLOCK), 2 if name.endswith("experts.gate_up_proj") else 1)
+    sf_in = -(-n_in // FP8_BLOCK)
+    if tp > 1:
+        if name.endswith("experts.gate_up_proj"):
+            sf_out = _strided_chunk0(sf_out, tp)
+        elif name in _ROW_PARALLEL or name.endswith("experts.down_proj"):
+            sf_in = _chunk0(sf_in, tp)
+        else:
+            sf_out = _chunk0(sf_out, tp)
+    return e * sf_out * sf_in
 
 
 # -- the cache ----------------------------------------------------------------------------------------
@@ -489,6 +583,11 @@ def _layer_moments(
             mlp = max(x_sel + max(gate_up, tail), shared + x)
         else:
             mlp = x_sel + max(gate_up, tail)
+        if vllm_bnb(setup):
+            # vLLM's nf4 experts (``BitsAndBytesMoEMethod._apply_4bit_dequnt``) dequantise every local expert's
+            # w13 and w2 to the compute dtype on each forward before ``fused_experts`` runs.
+            e = moe.num_experts
+            mlp += allocator_bytes(e * 2 * inter * h * a) + allocator_bytes(e * h * inter * a)
     else:
         inter = spec.intermediate_size // tp
         # HF's Python GeLUs (gelu_new: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))) hold fc1's output and
@@ -586,7 +685,7 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
         cast = x_c + out_c + out if c != a else 0  # the compute-dtype output beside its cast back
         if rows <= BNB_4BIT_FUSED_MAX_ROWS:
             return max(x_c + out_c, cast)
-        absmax = 2 * allocator_bytes(4 * -(-(n * k) // BNB_4BIT_BLOCK)) if setup.double_quant else 0
+        absmax = 2 * allocator_bytes(4 * -(-(n * k) // BNB_4BIT_BLOCK)) if _double_quant(setup) else 0
         return max(x_c + absmax + allocator_bytes(n * k * c) + out_c, cast)
     if setup.dtype is WeightFormat.INT8:
         half = setup.dtype.compute is KVFormat.FP16

@@ -54,6 +54,23 @@ def to_fp8_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
             mod.bias = torch.nn.Parameter(mod.bias.to(dtype), requires_grad=False)
 
 
+def update_tp_plan(model: torch.nn.Module) -> None:
+    """What the fine-grained fp8 quantizer does to the model's tensor-parallel plan before it is distributed
+    (``HfQuantizer.preprocess_model`` → ``FineGrainedFP8HfQuantizer.update_parallel_plan``, transformers 5.24):
+    each parameter-level rule gains its ``weight_scale_inv`` twin with the same style (the fused experts'
+    ``gate_up_proj``/``down_proj`` rules), per-tensor (0-dim) scales become ``replicate``. Module-level rules
+    (``q_proj: colwise``) need nothing: ``_expand_parallel_plan`` gives every parameter of the module — the
+    fp8 weight and its block scales — the module's style, so ``ColwiseParallel.shard_param`` splits the
+    ``[⌈out/128⌉, ⌈in/128⌉]`` scales on dim 0 and ``RowwiseParallel`` on dim −1, as it splits the weight."""
+    import transformers
+
+    quantizers: Any = importlib.import_module("transformers.quantizers.quantizer_finegrained_fp8")
+    config = transformers.FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK))
+    plan: Any = getattr(model, "tp_plan", None)
+    if plan:
+        quantizers.FineGrainedFP8HfQuantizer(config).update_parallel_plan(model, plan)
+
+
 def _matmul_stand_in(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -109,4 +126,4 @@ def fp8_matmul_kernels() -> Iterator[None]:
         f8.finegrained_fp8_linear, f8.is_deepgemm_loadable, f8.fp8_grouped_matmul = saved
 
 
-__all__ = ["FP8_BLOCK", "fp8_matmul_kernels", "to_fp8_layers"]
+__all__ = ["FP8_BLOCK", "fp8_matmul_kernels", "to_fp8_layers", "update_tp_plan"]

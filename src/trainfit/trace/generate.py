@@ -42,7 +42,10 @@ transformers' own plan — the model's ``base_model_tp_plan`` resolved and appli
 does it for ``DistributedConfig(tp_size=tp)`` (:func:`_tensor_parallel`); each DTensor's local shard is a fake
 tensor and the tracker counts local shards (:class:`trainfit.trace.tensor_parallel.TPTracker`). The report's
 notes name where transformers' plan keeps more on a rank than a head-splitting server (unsharded attention,
-gathered fused outputs, layer linears without a rule).
+gathered fused outputs, layer linears without a rule). ``--dtype fp8`` runs too: the fp8 linears are built
+first and the quantizer's plan update applied (``trainfit.trace.fp8.update_tp_plan``), as ``from_pretrained``
+runs ``preprocess_model`` before ``maybe_distribute_model``; each ``FP8Linear`` (``_hf_quantized_needs_local_tp``)
+then runs on its local fp8 shard and local block scales. bitsandbytes weights are refused (:func:`_check_tp`).
 
 Depth: as for training (:mod:`trainfit.trace.depth`), a repeated run of layers is traced at 2 and 3 units
 and each *place* (before the stack, the run's first and last unit, after the stack) is extrapolated
@@ -268,7 +271,7 @@ def _check_kv_dtype(spec: ModelSpec, setup: InferenceSetup) -> None:
         )
 
 
-def _tensor_parallel(model: torch.nn.Module, mesh: Any, mode: Any) -> None:
+def _tensor_parallel(model: torch.nn.Module, mesh: Any, mode: Any, setup: InferenceSetup) -> None:
     """Rank 0 of transformers' own tensor parallelism on the meta ``model``, then its tensors made fake.
 
     What ``from_pretrained(distributed_config=DistributedConfig(tp_size=tp))`` does before it loads weights
@@ -301,6 +304,10 @@ def _tensor_parallel(model: torch.nn.Module, mesh: Any, mode: Any) -> None:
                 mod._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
             else:
                 owners[id(p)] = (mod, name)
+    if setup.dtype is WeightFormat.FP8:
+        from trainfit.trace.fp8 import update_tp_plan
+
+        update_tp_plan(model)  # the quantizer's preprocess_model, before maybe_distribute_model
     resolve: Any = model._resolve_parallel_plans
     try:
         plan, _, _ = resolve(config.DistributedConfig(tp_size=mesh.size()))
@@ -343,7 +350,7 @@ def _run_layout(
     mode = rn.fake_mode()
     _to_bnb_layers(model, setup)
     if mesh is not None:
-        _tensor_parallel(model, mesh, mode)
+        _tensor_parallel(model, mesh, mode, setup)
     else:
         rn.materialize(model, mode, None)
     held = contextlib.ExitStack()  # the quantised weights' state, for the run
@@ -495,8 +502,8 @@ def trace_generate(
     split: bool = True,
     progress: Callable[[str, float], None] | None = None,
 ) -> GenerateTrace:
-    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU or rank 0 of ``setup.tp``; 16/32-bit,
-    bitsandbytes int8/nf4/fp4 or dense fine-grained fp8 weights on one GPU; a cache in the compute dtype or
+    """Trace ``generate`` for ``spec`` under ``setup`` (one GPU or rank 0 of ``setup.tp``; 16/32-bit or
+    fine-grained fp8 weights, and bitsandbytes int8/nf4/fp4 on one GPU; a cache in the compute dtype or
     transformers' dynamic fp8 cache)."""
     t0 = time.perf_counter()
     say = progress or (lambda _m, _f: None)
@@ -580,15 +587,22 @@ def trace_generate(
 
 def _check_tp(spec: ModelSpec, setup: InferenceSetup) -> None:
     """What the tensor-parallel trace runs: transformers' own plan (the model config's ``base_model_tp_plan``)
-    on 16/32-bit weights. transformers shards k/v ``colwise`` and, unlike vLLM, never replicates a k/v head:
-    with fewer k/v heads than ranks (or a count ``tp`` does not divide) ``generate`` finds no even split
-    (``get_kv_heads_per_rank`` returns None) and a rank's k_proj output is not whole heads."""
+    on 16/32-bit or fine-grained fp8 weights. transformers shards k/v ``colwise`` and, unlike vLLM, never
+    replicates a k/v head: with fewer k/v heads than ranks (or a count ``tp`` does not divide) ``generate``
+    finds no even split (``get_kv_heads_per_rank`` returns None) and a rank's k_proj output is not whole heads.
+
+    bitsandbytes weights are refused: transformers 5.24 shards them without complaint but loses their
+    quantisation state — ``set_param_for_module`` wraps the loaded ``Params4bit``/``Int8Params`` into a plain
+    ``DTensor`` (``_dtensor_from_local_like``), and the first forward fails ("quant_state is required",
+    "'Tensor' object has no attribute 'CB'"; a real two-process ``torchrun`` of a tiny Llama with
+    ``DistributedConfig(tp_size=2)``). nf4 with ``--tp`` is vLLM's (``analytic.inference.vllm_bnb``)."""
     if setup.tp == 1:
         return
-    if setup.dtype.bnb or setup.dtype is WeightFormat.FP8:
+    if setup.dtype.bnb:
         raise TraceError(
-            f"--method trace runs tensor parallelism with 16/32-bit weights, not --dtype {setup.dtype.value}; "
-            "use --method analytic"
+            f"--method trace runs transformers' tensor parallelism, which loses bitsandbytes' quantisation state "
+            f"(the first forward fails): no trace of --dtype {setup.dtype.value} with --tp; "
+            "--method analytic models nf4 with --tp as vLLM runs it"
         )
     if spec.mla is None and spec.num_kv_heads % setup.tp:
         raise TraceError(
