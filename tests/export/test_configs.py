@@ -286,7 +286,7 @@ def test_torchtune_export_refuses_what_torchtune_does_not_run() -> None:
 
     from trainfit.errors import StrategyError
 
-    for change in ({"precision": "amp-bf16"}, {"checkpointing": "sac"}):
+    for change in ({"precision": "amp-bf16"}, {"checkpointing": "sac"}, {"checkpointing": "none"}):
         with pytest.raises(StrategyError, match="torchtune"):
             export_plan(load_model("llama-3.1-8b"), dataclasses.replace(_saver(activation_offload=True), **change))
     # the fused loss is the Trainer's (Liger): no torchtune file

@@ -16,8 +16,9 @@ Each mapping follows the engine's own documented keys:
   ``train_fsdp2.py`` with the TP plan instead, :mod:`trainfit.export.fsdp2_script`).
 - torchtune's ``full_finetune_single_device`` recipe overrides (``torchtune_overrides.txt``, ``tune run`` in
   launch.sh) for the one-GPU savers only torchtune has: ``loss._component_=...CEWithChunkedOutputLoss``,
-  ``enable_activation_offloading``, ``optimizer_in_bwd`` (:func:`torchtune_overrides`; not validated:
-  torchtune is not installed here). The HF Trainer has no switch for them (:func:`hf_trainer_lacks`).
+  ``enable_activation_offloading``, ``optimizer_in_bwd``, alone or combined (:func:`torchtune_overrides`; the
+  keys and ``_component_`` paths are checked against torchtune 0.6.1's shipped configs where it is installed).
+  The HF Trainer has no switch for them (:func:`hf_trainer_lacks`).
 
 Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
 ``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.
@@ -264,8 +265,12 @@ def torchtune_overrides(strategy: Strategy) -> tuple[str, ...]:
     """``key=value`` overrides of torchtune's ``full_finetune_single_device`` config (recipes/configs/*/
     *_full_single_device.yaml keys: ``batch_size``, ``gradient_accumulation_steps``, ``optimizer_in_bwd``,
     ``enable_activation_checkpointing``, ``enable_activation_offloading``, ``dtype``, ``loss._component_``,
-    ``optimizer._component_``, ``tokenizer.max_seq_len``) for a one-GPU plan with a saver only torchtune has;
-    () otherwise. The recipe sets the model's output chunks from ``CEWithChunkedOutputLoss.num_output_chunks``."""
+    ``optimizer._component_``, ``tokenizer.max_seq_len``) for a one-GPU plan with savers only torchtune has (any
+    combination of them); () otherwise. The recipe sets the model's output chunks from
+    ``CEWithChunkedOutputLoss.num_output_chunks``; its ``__init__`` refuses optimizer_in_bwd with accumulation
+    (``Strategy`` does too) and activation offloading without activation checkpointing (refused here).
+    tests/export/test_torchtune.py checks every key against each config torchtune 0.6.1 registers for the recipe
+    (``torchtune/_recipe_registry.py``) and resolves every ``_component_``."""
     sv = strategy.savers
     if not (sv.loss is LossImpl.CHUNKED or sv.activation_offload or sv.optimizer_in_backward):
         return ()
@@ -281,6 +286,13 @@ def torchtune_overrides(strategy: Strategy) -> tuple[str, ...]:
         raise StrategyError(
             f"torchtune checkpoints every layer or none (enable_activation_checkpointing): --checkpointing "
             f"{strategy.checkpointing.value} has no torchtune export"
+        )
+    if sv.activation_offload and strategy.checkpointing is not Checkpointing.FULL:
+        # recipes/full_finetune_single_device.py __init__ raises RuntimeError("enable_activation_offloading should
+        # only be True when enable_activation_checkpointing is True") (torchtune 0.6.1)
+        raise StrategyError(
+            "torchtune offloads activations only with activation checkpointing (enable_activation_checkpointing="
+            "True): --activation-offload needs --checkpointing full for a torchtune export"
         )
     optimizer = {
         Optimizer.ADAMW: "torch.optim.AdamW",
