@@ -108,6 +108,30 @@ def test_accelerate_fsdp2_config_round_trips(name: str, tmp_path: Path) -> None:
     assert dataclasses.replace(run.strategy, micro_batch=s.micro_batch, grad_accum=s.grad_accum) == s
 
 
+@pytest.mark.parametrize("world", [8, 16, 32])
+def test_accelerate_hsdp_config_round_trips(world: int, tmp_path: Path) -> None:
+    """HSDP's accelerate config carries its mesh in ``parallelism_config``: read back as HSDP, a replica per node."""
+    s = _s(precision="amp-bf16", micro_batch=2, grad_accum=2, sharding="hsdp", checkpointing="full",
+           parallelism=Parallelism.for_gpus(world))  # fmt: skip
+    run = strategy_from_accelerate(_files(s, tmp_path) / "accelerate_fsdp2.yaml", seq_len=s.seq_len)
+    # one node is one replica: FSDP over the node (trainfit's HSDP on one node is the same mesh)
+    want = s if world > 8 else dataclasses.replace(s, sharding="fsdp")
+    assert dataclasses.replace(run.strategy, micro_batch=s.micro_batch, grad_accum=s.grad_accum) == want
+
+
+def test_accelerate_tensor_parallel_mesh_is_refused(tmp_path: Path) -> None:
+    """accelerate's tp_size is the model's transformers tp_plan (no sequence parallelism): not read as a plan."""
+    from trainfit.errors import StrategyError
+
+    s = _s(micro_batch=2, sharding="hsdp", parallelism=Parallelism.for_gpus(16))
+    path = _files(s, tmp_path) / "accelerate_fsdp2.yaml"
+    cfg = json.loads(path.read_text())
+    cfg["parallelism_config"].update(parallelism_config_dp_shard_size=4, parallelism_config_tp_size=2)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(StrategyError, match="tp_size 2 is not modelled"):
+        strategy_from_accelerate(path)
+
+
 @pytest.mark.parametrize("name", sorted(FSDP | DDP | SINGLE))
 def test_training_arguments_round_trip(name: str, tmp_path: Path) -> None:
     s = (FSDP | DDP | SINGLE)[name]

@@ -1,10 +1,11 @@
 """The memory savers in `trainfit plan`'s space, one GPU: Liger's fused linear cross-entropy, and torchtune's
-chunked loss, activation offloading and optimizer-in-backward — each kept only where its twin without the saver
-does not fit."""
+chunked loss, activation offloading and optimizer-in-backward, alone and combined — each kept only where the same
+plan with fewer of its savers does not fit."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -20,7 +21,7 @@ from trainfit.planner.space import (
     saver_candidates,
 )
 from trainfit.planner.speed import SpeedInputs, step_time_of
-from trainfit.strategy import LossImpl, MemorySavers, Sharding, Strategy
+from trainfit.strategy import Checkpointing, LossImpl, MemorySavers, Optimizer, Sharding, Strategy
 
 
 def test_saver_variants_only_where_the_estimate_models_savers() -> None:
@@ -30,20 +31,38 @@ def test_saver_variants_only_where_the_estimate_models_savers() -> None:
     assert savers and all(c.world == 1 and c.sharding is Sharding.NONE for c in savers)
     base = [c for c in space if c.world == 1 and c.sharding is Sharding.NONE and c.twin() == c]
     fused = [c for c in savers if c.loss is LossImpl.FUSED_LINEAR]
-    assert len(fused) == len(base)  # every one-GPU candidate, adapters included
+    assert len(fused) == len(base)  # every one-GPU candidate, adapters included; alone
+    assert all(not (c.activation_offload or c.optimizer_in_backward) for c in fused)
     torchtune = [c for c in base if c.finetune is Finetune.FULL and c.precision in TORCHTUNE_PRECISIONS
                  and c.checkpointing in TORCHTUNE_CHECKPOINTING]  # fmt: skip
     assert torchtune
-    for kind in (
-        lambda c: c.loss is LossImpl.CHUNKED,
-        lambda c: c.activation_offload,
-        lambda c: c.optimizer_in_backward,
-    ):
-        variants = [c for c in savers if kind(c)]
-        assert sorted(map(repr, (c.twin() for c in variants))) == sorted(map(repr, torchtune))
-    assert all(sum((c.loss is not LossImpl.STANDARD, c.activation_offload, c.optimizer_in_backward)) == 1
-               for c in savers)  # fmt: skip
+    # torchtune's recipe offloads activations only with activation checkpointing (its __init__ raises otherwise)
+    offloadable = [c for c in torchtune if c.checkpointing is Checkpointing.FULL]
+    assert offloadable and len(offloadable) < len(torchtune)
+    for chunked, offload, in_bwd in itertools.product((False, True), repeat=3):
+        if not (chunked or offload or in_bwd):
+            continue
+        variants = [c for c in savers if (c.loss is LossImpl.CHUNKED, c.activation_offload, c.optimizer_in_backward)
+                    == (chunked, offload, in_bwd)]  # fmt: skip
+        twins = offloadable if offload else torchtune
+        assert sorted(map(repr, (c.twin() for c in variants))) == sorted(map(repr, twins)), (chunked, offload, in_bwd)
+    # bounded: one fused variant per base, at most 7 torchtune variants (4 combinations) per torchtune base
+    assert len(savers) == len(base) + 3 * len(torchtune) + 4 * len(offloadable)
     assert saver_candidates(savers) == []  # no variant of a variant
+
+
+def test_fewer_savers_are_the_proper_subsets_twin_first() -> None:
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("a100-sxm-80gb")
+    space = candidates(spec, gpu, gpus=1, gpus_per_node=8, global_batch=4)
+    (three,) = (c for c in space if c.loss is LossImpl.CHUNKED and c.activation_offload and c.optimizer_in_backward
+                and c.optimizer is Optimizer.ADAMW_8BIT)  # fmt: skip
+    fewer = three.fewer_savers()
+    assert fewer[0] == three.twin() and len(set(fewer)) == 7 and three not in fewer
+    on = [(c.loss is LossImpl.CHUNKED, c.activation_offload, c.optimizer_in_backward) for c in fewer]
+    assert sorted(on) == sorted(k for k in itertools.product((False, True), repeat=3) if not all(k))
+    assert all(f in space for f in fewer)  # each is a candidate of its own
+    single = next(c for c in space if c.loss is LossImpl.FUSED_LINEAR)
+    assert single.fewer_savers() == (single.twin(),) and single.twin().fewer_savers() == ()
 
 
 def test_optimizer_in_backward_is_searched_without_accumulation() -> None:
@@ -59,14 +78,28 @@ def test_optimizer_in_backward_is_searched_without_accumulation() -> None:
 
 
 def _check(spec_slug: str, gpu: str, plans: list) -> None:  # type: ignore[type-arg]
-    """Each saver plan fits by the estimate and its twin (the same plan without the saver) does not."""
+    """Each saver plan fits by the estimate, and the same plan with any proper subset of its savers (none, or for a
+    combination each smaller one) does not, at the same micro-batch."""
     spec = load_model(spec_slug)
     for p in plans:
         again = estimate(spec, p.strategy, gpu=gpu, search_micro_batch=False, fixes=False)
         assert again.fit is not None and again.fit.fits and again.fit.required_bytes == p.required_bytes
-        twin = dataclasses.replace(p.strategy, savers=MemorySavers())
-        standard = estimate(spec, twin, gpu=gpu, search_micro_batch=False, fixes=False)
-        assert standard.fit is not None and not standard.fit.fits
+        sv = p.strategy.savers
+        on = {
+            "loss": sv.loss,
+            "activation_offload": sv.activation_offload,
+            "optimizer_in_backward": sv.optimizer_in_backward,
+        }
+        off = {"loss": LossImpl.STANDARD, "activation_offload": False, "optimizer_in_backward": False}
+        active = [k for k in on if on[k] != off[k]]
+        assert active
+        for keep in itertools.product((False, True), repeat=len(active)):
+            if all(keep):
+                continue
+            fewer = MemorySavers(**{k: on[k] if kept else off[k] for k, kept in zip(active, keep, strict=True)})
+            smaller = estimate(spec, dataclasses.replace(p.strategy, savers=fewer), gpu=gpu, search_micro_batch=False,
+                               fixes=False)  # fmt: skip
+            assert smaller.fit is not None and not smaller.fit.fits, (p.changes, fewer.names())
 
 
 def test_a_fused_linear_plan_is_there_only_because_its_standard_twin_does_not_fit() -> None:
@@ -83,7 +116,8 @@ def test_a_fused_linear_plan_is_there_only_because_its_standard_twin_does_not_fi
     ("gpu", "seq", "gb", "flag"),
     [
         ("a100-sxm-80gb", 8192, 1, "--optimizer-in-backward"),  # 8B: bf16 weights + 8-bit states, no gradients
-        ("h100-sxm-80gb", 2048, 2, "--activation-offload"),
+        # --activation-offload: only with full checkpointing (torchtune's rule), where it saves less than the chunked
+        # loss; its plan is the combination of all three below (test_a_combination_of_savers_is_planned_...)
     ],
 )
 def test_torchtune_saver_plans_are_there_only_because_their_twin_does_not_fit(
@@ -96,6 +130,26 @@ def test_torchtune_saver_plans_are_there_only_because_their_twin_does_not_fit(
     for p in with_saver:
         assert p.strategy.precision.value == "pure-bf16" and p.strategy.grad_accum * p.strategy.micro_batch == gb
     _check("llama-3.1-8b", gpu, with_saver)
+
+
+@pytest.mark.parametrize(
+    ("seq", "flags"),
+    [
+        (12288, ("--loss chunked", "--optimizer-in-backward")),
+        (14336, ("--loss chunked", "--activation-offload", "--optimizer-in-backward")),
+    ],
+)
+def test_a_combination_of_savers_is_planned_where_no_fewer_of_them_fit(seq: int, flags: tuple[str, ...]) -> None:
+    """Llama 3.1 8B on one A100 80GB, one sequence per step: at 12288 tokens only chunked loss + optimizer-in-backward
+    fits among torchtune's savers, at 14336 only all three (by the estimate, checked saver subset by subset); the
+    search plans that combination, and it is the fastest plan (the DeepSpeed offload plans pay the PCIe traffic of
+    the optimizer states)."""
+    spec = load_model("llama-3.1-8b")
+    r = search_plans(spec, get_gpu("a100-sxm-80gb"), gpus=1, seq_len=seq, global_batch=1, top=5)
+    assert r.plans
+    top = r.plans[0]
+    assert all(f in top.changes for f in flags) and len(top.strategy.savers.names()) == len(flags), top.changes
+    _check("llama-3.1-8b", "a100-sxm-80gb", [p for p in r.plans if len(p.strategy.savers.names()) > 1])
 
 
 def test_activation_offload_costs_the_pcie_traffic_its_passes_do_not_hide() -> None:

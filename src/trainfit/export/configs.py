@@ -8,7 +8,9 @@ Each mapping follows the engine's own documented keys:
   transformers 5.24's ``_apply_legacy_fsdp_to_config`` deprecates the string form and refuses hybrid_shard
   under FSDP2.
 - accelerate's ``fsdp_config``: ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP``, ``fsdp_reshard_after_forward``,
-  ``fsdp_offload_params``.
+  ``fsdp_offload_params``; for HSDP its ``parallelism_config`` (``dp_replicate_size`` × ``dp_shard_size``), and
+  launch.sh runs ``accelerate launch`` (the Trainer's ``fsdp_config`` has no replica dimension). 2-D FSDP2 × TP
+  plans get none: accelerate's ``tp_size`` is the model's transformers ``tp_plan``, without sequence parallelism.
 - DeepSpeed's ``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``)
   and its batch identity train_batch_size = micro × accumulation × data degree.
 - Megatron-LM: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
@@ -16,8 +18,9 @@ Each mapping follows the engine's own documented keys:
   ``train_fsdp2.py`` with the TP plan instead, :mod:`trainfit.export.fsdp2_script`).
 - torchtune's ``full_finetune_single_device`` recipe overrides (``torchtune_overrides.txt``, ``tune run`` in
   launch.sh) for the one-GPU savers only torchtune has: ``loss._component_=...CEWithChunkedOutputLoss``,
-  ``enable_activation_offloading``, ``optimizer_in_bwd`` (:func:`torchtune_overrides`; not validated:
-  torchtune is not installed here). The HF Trainer has no switch for them (:func:`hf_trainer_lacks`).
+  ``enable_activation_offloading``, ``optimizer_in_bwd``, alone or combined (:func:`torchtune_overrides`; the
+  keys and ``_component_`` paths are checked against torchtune 0.6.1's shipped configs where it is installed).
+  The HF Trainer has no switch for them (:func:`hf_trainer_lacks`).
 
 Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
 ``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.
@@ -56,6 +59,7 @@ _LAYER_CLASSES = {
 }
 
 DEEPSPEED_FILE = "ds_config.json"
+ACCELERATE_FILE = "accelerate_fsdp2.yaml"
 
 #: TrainingArguments.liger_kernel_config with Liger's fused linear cross-entropy alone (the keys are
 #: ``liger_kernel.transformers.apply_liger_kernel_to_*``'s arguments; ``trainfit.imports`` reads them back).
@@ -160,7 +164,24 @@ def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
     if nodes > 1:
         cfg["main_process_ip"] = "MASTER_ADDR"
         cfg["main_process_port"] = 29500
+    if strategy.sharding is Sharding.HSDP:
+        cfg["parallelism_config"] = _hsdp_mesh(strategy)
     return cfg
+
+
+def _hsdp_mesh(strategy: Strategy) -> dict[str, int]:
+    """accelerate's ``parallelism_config`` section for HSDP (the keys ``accelerate config`` writes,
+    commands/config/cluster.py; ``accelerate launch`` exports them as ``PARALLELISM_CONFIG_*`` and
+    ``Accelerator()`` builds ``ParallelismConfig()`` from them): replicated over the nodes, sharded over each node's
+    GPUs — the ``("dp_replicate", "dp_shard_cp")`` mesh accelerate hands ``fully_shard``
+    (utils/fsdp_utils.py ``fsdp2_prepare_model``), trainfit's HSDP (shard group ``min(dp, gpus_per_node)``)."""
+    shard = min(strategy.world_size, strategy.parallelism.gpus_per_node)
+    return {
+        "parallelism_config_dp_replicate_size": strategy.world_size // shard,
+        "parallelism_config_dp_shard_size": shard,
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": 1,
+    }
 
 
 def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -> dict[str, Any]:
@@ -194,10 +215,11 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
             "transformer_layer_cls_to_wrap": [layer_class(spec)],
         }
         if strategy.sharding is Sharding.HSDP:
-            nodes = _nodes(strategy)
+            mesh = _hsdp_mesh(strategy)
             notes.append(
-                f"HSDP: pass accelerate ParallelismConfig(dp_replicate_size={nodes}, "
-                f"dp_shard_size={strategy.world_size // nodes}) to the Trainer (not validated by trainfit)"
+                f"HSDP ({mesh['parallelism_config_dp_replicate_size']} replicas × "
+                f"{mesh['parallelism_config_dp_shard_size']} shards): the Trainer's fsdp_config has no replica "
+                "dimension; launch.sh runs it with accelerate_fsdp2.yaml, whose parallelism_config carries the mesh"
             )
     elif strategy.sharding.value.startswith("zero"):
         args["deepspeed"] = DEEPSPEED_FILE
@@ -264,8 +286,12 @@ def torchtune_overrides(strategy: Strategy) -> tuple[str, ...]:
     """``key=value`` overrides of torchtune's ``full_finetune_single_device`` config (recipes/configs/*/
     *_full_single_device.yaml keys: ``batch_size``, ``gradient_accumulation_steps``, ``optimizer_in_bwd``,
     ``enable_activation_checkpointing``, ``enable_activation_offloading``, ``dtype``, ``loss._component_``,
-    ``optimizer._component_``, ``tokenizer.max_seq_len``) for a one-GPU plan with a saver only torchtune has;
-    () otherwise. The recipe sets the model's output chunks from ``CEWithChunkedOutputLoss.num_output_chunks``."""
+    ``optimizer._component_``, ``tokenizer.max_seq_len``) for a one-GPU plan with savers only torchtune has (any
+    combination of them); () otherwise. The recipe sets the model's output chunks from
+    ``CEWithChunkedOutputLoss.num_output_chunks``; its ``__init__`` refuses optimizer_in_bwd with accumulation
+    (``Strategy`` does too) and activation offloading without activation checkpointing (refused here).
+    tests/export/test_torchtune.py checks every key against each config torchtune 0.6.1 registers for the recipe
+    (``torchtune/_recipe_registry.py``) and resolves every ``_component_``."""
     sv = strategy.savers
     if not (sv.loss is LossImpl.CHUNKED or sv.activation_offload or sv.optimizer_in_backward):
         return ()
@@ -281,6 +307,13 @@ def torchtune_overrides(strategy: Strategy) -> tuple[str, ...]:
         raise StrategyError(
             f"torchtune checkpoints every layer or none (enable_activation_checkpointing): --checkpointing "
             f"{strategy.checkpointing.value} has no torchtune export"
+        )
+    if sv.activation_offload and strategy.checkpointing is not Checkpointing.FULL:
+        # recipes/full_finetune_single_device.py __init__ raises RuntimeError("enable_activation_offloading should
+        # only be True when enable_activation_checkpointing is True") (torchtune 0.6.1)
+        raise StrategyError(
+            "torchtune offloads activations only with activation checkpointing (enable_activation_checkpointing="
+            "True): --activation-offload needs --checkpointing full for a torchtune export"
         )
     optimizer = {
         Optimizer.ADAMW: "torch.optim.AdamW",
@@ -341,14 +374,18 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     megatron = engine is Engine.MEGATRON
     two_d = strategy.parallelism.tensor > 1 and engine is Engine.TORCH  # 2-D FSDP2 × DTensor TP
     ds = _deepspeed(strategy) if strategy.sharding.value.startswith("zero") and not megatron else None
-    acc = _accelerate(spec, strategy) if strategy.sharding is Sharding.FSDP and not two_d else None
+    acc = _accelerate(spec, strategy) if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and not two_d else None
     targs = _training_arguments(spec, strategy, notes)
     if two_d:
+        tp = strategy.parallelism.tensor
         notes.append(
-            f"2-D FSDP2 × tensor parallel {strategy.parallelism.tensor}: run train_fsdp2.py (DTensor "
-            "parallelize_module, then fully_shard over the dp mesh dimension); training_args.json and accelerate "
-            "carry no tensor parallelism (accelerate's ParallelismConfig(dp_shard_size, tp_size) is not validated "
-            "by trainfit)"
+            f"2-D FSDP2 × tensor parallel {tp}: run train_fsdp2.py (DTensor parallelize_module with sequence "
+            "parallelism, then fully_shard over the dp mesh dimension); training_args.json carries no tensor "
+            "parallelism, and no accelerate config is written: accelerate's parallelism_config (dp_shard_size="
+            f"{strategy.world_size // tp}, tp_size={tp}) runs the model's transformers tp_plan (from_pretrained "
+            "with tp_plan/DistributedConfig), which has no sequence parallelism (DistributedConfig."
+            "enable_sequence_parallel is not wired up) and keeps the embedding whole on each TP rank — not the "
+            "plan whose memory trainfit estimated"
         )
     tune = torchtune_overrides(strategy)
     if tune:
@@ -370,6 +407,9 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
             + (" as train_fsdp2.py does" if code is not None else "")
         )
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
+    if strategy.sharding is Sharding.HSDP and code is None:  # the mesh is accelerate's (parallelism_config)
+        machine = " --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR" if nodes > 1 else ""
+        launch = f"accelerate launch --config_file {ACCELERATE_FILE}{machine} {shlex.quote(script)}"
     if tune:
         launch = f"tune run {TORCHTUNE_RECIPE} --config {TORCHTUNE_CONFIG} " + " ".join(shlex.quote(a) for a in tune)
     if megatron:
@@ -397,7 +437,7 @@ def export_files(export: Export) -> dict[str, str]:
     if export.deepspeed_config is not None:
         files[DEEPSPEED_FILE] = json.dumps(export.deepspeed_config, indent=2) + "\n"
     if export.accelerate_config is not None:
-        files["accelerate_fsdp2.yaml"] = json.dumps(export.accelerate_config, indent=2) + "\n"
+        files[ACCELERATE_FILE] = json.dumps(export.accelerate_config, indent=2) + "\n"
     if export.megatron_args:
         files["megatron_args.txt"] = "\n".join(export.megatron_args) + "\n"
     if export.script is not None:

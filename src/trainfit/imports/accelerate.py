@@ -1,12 +1,12 @@
 """An accelerate config (the YAML ``accelerate config`` writes, or its JSON form) as the run trainfit models,
 read by accelerate's own loader (``accelerate.commands.config.config_args.load_config_from_file``).
 
-- ``distributed_type``: ``NO`` → one GPU; ``MULTI_GPU`` → ``--sharding ddp``; ``FSDP`` → ``--sharding fsdp``
-  (FSDP2 only: ``fsdp_version: 1`` is refused) with the plugin's ``reshard_after_forward``,
-  ``cpu_offload`` (→ ``--offload optimizer+params``, FSDP2's ``CPUOffloadPolicy``) and ``activation_checkpointing``
-  (→ ``--checkpointing full``), read from a ``FullyShardedDataParallelPlugin`` built the way ``accelerate
-  launch`` builds it (``_validate_launch_command`` → ``prepare_multi_gpu_env`` → the plugin reads the
-  environment; the environment is restored afterwards); ``DEEPSPEED`` → ``DeepSpeedPlugin`` (its
+- ``distributed_type``: ``NO`` → one GPU; ``MULTI_GPU`` → ``--sharding ddp``; ``FSDP`` → ``--sharding fsdp`` (FSDP2
+  only: ``fsdp_version: 1`` is refused) with the plugin's ``reshard_after_forward``, ``cpu_offload`` (→ ``--offload
+  optimizer+params``, FSDP2's ``CPUOffloadPolicy``) and ``activation_checkpointing`` (→ ``--checkpointing full``; a
+  ``parallelism_config`` replica dimension → ``--sharding hsdp``), read from a ``FullyShardedDataParallelPlugin``
+  built the way ``accelerate launch`` builds it (``_validate_launch_command`` → ``prepare_multi_gpu_env`` → the plugin
+  reads the environment; the environment is restored afterwards); ``DEEPSPEED`` → ``DeepSpeedPlugin`` (its
   ``deepspeed_config``, from ``zero_stage``/``offload_*_device`` or the nested ``deepspeed_config_file``, with
   ``set_mixed_precision``) read by :func:`trainfit.imports.deepspeed.strategy_from_deepspeed`; others refused.
 - ``mixed_precision``: ``no`` → ``fp32``, ``bf16`` → ``amp-bf16``, ``fp16`` → ``amp-fp16`` (autocast over fp32
@@ -142,6 +142,7 @@ def _fsdp(cfg: Any, d: Draft, path: Path) -> None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{d.source}: accelerate refuses it: {first}") from None
     d.use("distributed_type", "FSDP", "sharding", "fsdp", note="FSDP2 fully_shard per layer + root")
+    _parallelism(cfg, d)
     d.use("fsdp_config.fsdp_reshard_after_forward", raw.get("reshard_after_forward", True),
           "reshard_after_forward", bool(plugin.reshard_after_forward))  # fmt: skip
     if plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
@@ -203,3 +204,21 @@ def _deepspeed(
     for key, value in raw.items():
         if key in ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"):
             d.ignore(f"deepspeed_config.{key}", value, "loading, saving or launching: no effect on the step")
+
+
+def _parallelism(cfg: Any, d: Draft) -> None:
+    """``parallelism_config`` (the ``parallelism_config_*`` keys ``accelerate config`` writes): a replica dimension
+    is HSDP, whose shard group trainfit takes to be a node (``num_processes / num_machines``); tensor, context and
+    sequence parallelism are refused (accelerate's TP is the model's transformers ``tp_plan``: not modelled)."""
+    pc = {k.removeprefix("parallelism_config_"): v for k, v in (getattr(cfg, "parallelism_config", None) or {}).items()}
+    for key in ("tp_size", "cp_size", "sp_size"):
+        if int(pc.get(key, 1) or 1) > 1:
+            raise refuse(d.source, f"parallelism_config {key} {pc[key]} is not modelled from an accelerate config")
+    replicate, shard = int(pc.get("dp_replicate_size", 1) or 1), int(pc.get("dp_shard_size", 1) or 1)
+    if replicate > 1:
+        procs, machines = int(cfg.num_processes), max(1, int(cfg.num_machines))
+        if shard * machines != procs:
+            raise refuse(d.source, f"parallelism_config dp_shard_size {shard}: trainfit's HSDP shards within a node "
+                         f"({procs} processes on {machines} machines)")  # fmt: skip
+        d.use("parallelism_config.parallelism_config_dp_replicate_size", replicate, "sharding", "hsdp",
+              note=f"HSDP: {replicate} replicas of {shard} shards")  # fmt: skip

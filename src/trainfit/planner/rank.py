@@ -15,8 +15,9 @@ candidates a bound ruled out are estimated smallest bound first, until no bound 
 reported with what would make it fit.
 
 A memory saver never makes a step faster than the same plan without it (:meth:`~trainfit.planner.space.
-Candidate.twin`): a saver's plan is dropped when its twin fits at the same micro-batch (the twin, a candidate of
-its own, is then at least as good), so every saver a plan prints is one the plan needs.
+Candidate.twin`): a saver's plan is dropped when its twin, or for a combination of savers any subset of them
+(:meth:`~trainfit.planner.space.Candidate.fewer_savers`), fits at the same micro-batch (that candidate, one of its
+own, is then at least as good), so every saver a plan prints is one the plan needs.
 """
 
 from __future__ import annotations
@@ -395,9 +396,9 @@ def search_plans(
         if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
             continue  # a plan of this layout already reaches this candidate's best time: it could only tie
         plan, near = s.evaluate(c)
-        if plan is not None and c.twin() != c and s.fits(s.strategy(c.twin(), plan.strategy.micro_batch)):
-            # A saver is never faster than its twin at the same micro-batch: where the twin fits there, the
-            # twin's own plan is at least as good (the twin is a candidate of its own).
+        if plan is not None and any(s.fits(s.strategy(f, plan.strategy.micro_batch)) for f in c.fewer_savers()):
+            # A saver is never faster than the same plan without it at the same micro-batch: where the twin, or a
+            # combination's subset, fits there, its own plan is at least as good (each is a candidate of its own).
             plan = None
         if plan is not None:
             found.append(plan)

@@ -30,10 +30,10 @@ bisects, since memory grows with it). What the space contains, and why:
   no framework runs, and such candidates are dropped.
 - **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
   (using fewer GPUs is a plan too; nested for powers of two, so more GPUs never make the best plan worse).
-- **Memory savers** (one GPU, one saver per variant, :func:`saver_candidates`): Liger's fused linear
-  cross-entropy; torchtune's chunked loss, activation offloading and optimizer-in-backward (accumulation 1) on
-  the recipes torchtune runs. A saver's plan is kept only where its twin without it does not fit at the same
-  micro-batch (:mod:`trainfit.planner.rank`).
+- **Memory savers** (one GPU, :func:`saver_candidates`): Liger's fused linear cross-entropy alone; torchtune's
+  chunked loss, activation offloading (full checkpointing only) and optimizer-in-backward (accumulation 1), alone
+  and combined, on the recipes torchtune runs. A saver's plan is kept only where no candidate with fewer of its
+  savers fits at the same micro-batch (:mod:`trainfit.planner.rank`).
 - **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them, on
   one GPU or data parallel (DDP, FSDP2/HSDP, ZeRO; what the estimate refuses — QLoRA with ZeRO — drops out),
   not with tensor/pipeline parallelism or offload. Their exports are the Trainer's (with PEFT), not the
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from itertools import product
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
@@ -191,6 +192,25 @@ class Candidate:
     def twin(self) -> Candidate:
         """The same candidate without memory savers (what a saver must beat: :func:`saver_candidates`)."""
         return replace(self, loss=LossImpl.STANDARD, activation_offload=False, optimizer_in_backward=False)
+
+    def fewer_savers(self) -> tuple[Candidate, ...]:
+        """The same candidate with each proper subset of its savers, the :meth:`twin` first (what a combination
+        must beat: :func:`saver_candidates`); () without savers."""
+        drops = [
+            drop
+            for drop, on in (
+                ({"loss": LossImpl.STANDARD}, self.loss is not LossImpl.STANDARD),
+                ({"activation_offload": False}, self.activation_offload),
+                ({"optimizer_in_backward": False}, self.optimizer_in_backward),
+            )
+            if on
+        ]
+        out = []
+        for keep in product((False, True), repeat=len(drops)):  # (False, …): all dropped, the twin, first
+            if not all(keep):
+                fields = {k: v for drop, kept in zip(drops, keep, strict=True) if not kept for k, v in drop.items()}
+                out.append(replace(self, **fields))  # type: ignore[arg-type]
+        return tuple(out)
 
     def speed_inputs(
         self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int, spec: ModelSpec | None = None
@@ -432,35 +452,47 @@ TORCHTUNE_CHECKPOINTING = (Checkpointing.NONE, Checkpointing.FULL)
 
 
 def saver_candidates(base: list[Candidate]) -> list[Candidate]:
-    """The memory savers' variants of ``base``, one saver each, on one GPU without DeepSpeed — where the estimate
-    models the savers (many-GPU setups refuse them):
+    """The memory savers' variants of ``base``, on one GPU without DeepSpeed — where the estimate models the savers
+    (many-GPU setups refuse them):
 
     - Liger's fused linear cross-entropy (``--loss fused-linear``: no full logits; exported as
-      ``TrainingArguments(use_liger_kernel=True)``). Same FLOPs as the standard loss (Liger computes the head's
-      gradients chunk by chunk inside its forward: the same three matmuls).
+      ``TrainingArguments(use_liger_kernel=True)``), alone. Same FLOPs as the standard loss (Liger computes the
+      head's gradients chunk by chunk inside its forward: the same three matmuls).
     - torchtune's savers, under full fine-tuning on the recipes and checkpointing modes its single-device recipe runs
       (:data:`TORCHTUNE_PRECISIONS`, :data:`TORCHTUNE_CHECKPOINTING`; exported as torchtune recipe overrides —
-      the HF Trainer has no switch for any of them): the chunked cross-entropy (``--loss chunked``,
-      ``CEWithChunkedOutputLoss``: the same FLOPs), activation offloading (``--activation-offload``,
-      ``enable_activation_offloading``: priced by its PCIe traffic not hidden behind compute) and
-      optimizer-in-backward (``--optimizer-in-backward``, ``optimizer_in_bwd``: the same optimizer work; only
-      with accumulation 1, which torchtune requires — :meth:`trainfit.planner.rank._Search.micro_options`).
+      the HF Trainer has no switch for any of them), each alone and every combination of them (the recipe's
+      switches are independent): the chunked cross-entropy (``--loss chunked``, ``CEWithChunkedOutputLoss``: the
+      same FLOPs), activation offloading (``--activation-offload``, ``enable_activation_offloading``: priced by its
+      PCIe traffic not hidden behind compute; only with full checkpointing — the recipe's ``__init__`` raises
+      without ``enable_activation_checkpointing``) and optimizer-in-backward (``--optimizer-in-backward``,
+      ``optimizer_in_bwd``: the same optimizer work; only with accumulation 1, which torchtune requires —
+      :meth:`trainfit.planner.rank._Search.micro_options`). At most 7 variants per base candidate (4 of them
+      combinations), on the few one-GPU bases torchtune runs.
 
-    A saver never makes a step faster than its twin (:meth:`Candidate.twin`) at the same micro-batch, so the search
-    keeps a saver's plan only where the twin does not fit at that micro-batch (``search_plans``)."""
-    out: list[Candidate] = []
+    A saver never makes a step faster at the same micro-batch, so neither does adding one to others: the search
+    keeps a saver's plan only where no candidate with fewer of its savers (:meth:`Candidate.fewer_savers`: the
+    twin, and for a combination each subset) fits at that micro-batch (``search_plans``)."""
+    singles: list[Candidate] = []
+    combos: list[Candidate] = []
     for c in base:
         if c.world != 1 or c.sharding is not Sharding.NONE or c.twin() != c:
             continue
-        out.append(replace(c, loss=LossImpl.FUSED_LINEAR))
-        if (
+        singles.append(replace(c, loss=LossImpl.FUSED_LINEAR))
+        if not (
             c.finetune is Finetune.FULL
             and c.precision in TORCHTUNE_PRECISIONS
             and c.checkpointing in TORCHTUNE_CHECKPOINTING
         ):
-            out += [
-                replace(c, loss=LossImpl.CHUNKED),
-                replace(c, activation_offload=True),
-                replace(c, optimizer_in_backward=True),
-            ]
-    return out
+            continue
+        offload = (False, True) if c.checkpointing is Checkpointing.FULL else (False,)
+        for chunked, off, in_bwd in product((False, True), offload, (False, True)):
+            n = chunked + off + in_bwd
+            if n:
+                v = replace(
+                    c,
+                    loss=LossImpl.CHUNKED if chunked else LossImpl.STANDARD,
+                    activation_offload=off,
+                    optimizer_in_backward=in_bwd,
+                )
+                (singles if n == 1 else combos).append(v)
+    return singles + combos
