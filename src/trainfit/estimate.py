@@ -34,7 +34,7 @@ from trainfit.planner.search import (
     required_bytes,
 )
 from trainfit.precision.advice import fp8_from_cc
-from trainfit.result import Component, MemoryReport, Method, PhaseBreakdown
+from trainfit.result import Component, FitVerdict, MemoryReport, Method, PhaseBreakdown, Suggestion, SuggestionKind
 from trainfit.strategy import Attention, Checkpointing, Strategy
 
 __all__ = [
@@ -189,6 +189,42 @@ def check_float8_gpu(strategy: Strategy, gpu: GPUSpec | None) -> None:
         )
 
 
+def _with_expandable_segments(
+    fit: FitVerdict,
+    report: MemoryReport,
+    spec: ModelSpec,
+    strategy: Strategy,
+    options: dict[str, object],
+    fn: Callable[..., MemoryReport],
+) -> FitVerdict:
+    """When the simulated reserve is what keeps the setup off the GPU, say so: the same estimate with
+    ``expandable_segments:True`` (one segment per stream grows in 2 MiB pages and frees pages back, so freed large
+    blocks cannot strand memory the way fixed segments do: c10/cuda/CUDACachingAllocator.cpp ``ExpandableSegment``;
+    PyTorch's "CUDA memory management" notes). Checked by the allocator simulation itself, not assumed; only for
+    the simulated setups (the fixed reserve fraction does not depend on the setting) and only when the
+    allocator was not already set so."""
+    config = options.get("allocator")
+    if not isinstance(config, AllocatorConfig) or config.expandable_segments:
+        return fit
+    expandable = dataclasses.replace(config, expandable_segments=True)
+    alt = fn(spec, strategy, **{**options, "allocator": expandable})
+    need = required_bytes(alt)
+    if need > fit.usable_bytes or need >= fit.required_bytes:
+        return fit
+    hint = Suggestion(
+        kind=SuggestionKind.EXPANDABLE_SEGMENTS,
+        reason=(
+            f"the caching allocator's fragmentation is the difference: with "
+            f"PYTORCH_CUDA_ALLOC_CONF={expandable.to_env()} in the training job's environment it needs "
+            f"{need / 2**30:.2f} GiB of {fit.usable_bytes / 2**30:.2f} GiB usable (simulated reserve "
+            f"{(alt.reserved_estimate_bytes - alt.peak_bytes) / 2**30:.2f} GiB above the allocated peak instead of "
+            f"{(report.reserved_estimate_bytes - report.peak_bytes) / 2**30:.2f} GiB)"
+        ),
+        flags=(f"--alloc-conf {expandable.to_env()}",),
+    )
+    return dataclasses.replace(fit, suggestions=(hint, *fit.suggestions))
+
+
 def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None = None) -> None:
     if strategy.float8.value != "none" and method in (Method.RULE_OF_THUMB, Method.MEASURE):
         raise StrategyError(f"--fp8 is modelled by --method analytic and trace, not {method.value}")
@@ -334,6 +370,8 @@ def estimate(
             with_options if searchable else None,
             bound if method is Method.ANALYTIC else None,
         )
+        if not fit.fits and method is Method.ANALYTIC and search_micro_batch:
+            fit = _with_expandable_segments(fit, report, spec, strategy, options, fn)
         if not searchable and search_micro_batch:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "

@@ -377,6 +377,7 @@ class SuggestionKind(StrEnum):
     LEANER_STATES = "leaner-states"  # the states alone exceed the GPU; a leaner recipe/optimizer fits them
     NEEDS_SHARDING = "needs-sharding"  # even the leanest recipe's states exceed one GPU
     PLAN = "plan"  # a plan the planner checked with the estimate itself (trainfit.planner.rank)
+    EXPANDABLE_SEGMENTS = "expandable-segments"  # the reserve is fragmentation that expandable segments avoid
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

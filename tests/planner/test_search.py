@@ -128,3 +128,18 @@ def test_many_gpu_micro_batch_search_counts_up_without_a_bound() -> None:
         return r.fit is not None and r.fit.fits
 
     assert fits(best) and not fits(best + 1)
+
+
+@pytest.mark.parametrize("seq", [8192, 12288])
+def test_expandable_segments_are_suggested_exactly_when_they_make_it_fit(seq: int) -> None:
+    s = Strategy(precision="pure-bf16", optimizer="adamw-8bit", checkpointing="full", micro_batch=1, seq_len=seq)
+    plain = estimate("llama-3.1-8b", s, gpu="a100-sxm-80gb", allocator="", fixes=False)
+    grown = estimate("llama-3.1-8b", s, gpu="a100-sxm-80gb", allocator="expandable_segments:True", fixes=False)
+    assert plain.fit is not None and grown.fit is not None
+    assert plain.peak_bytes == grown.peak_bytes  # the setting changes the reserve only
+    hinted = [x for x in plain.fit.suggestions if x.kind is SuggestionKind.EXPANDABLE_SEGMENTS]
+    assert bool(hinted) == (not plain.fit.fits and grown.fit.fits)
+    if hinted:
+        assert hinted[0].flags == ("--alloc-conf expandable_segments:True",)
+        assert f"{grown.fit.required_bytes / 2**30:.2f} GiB" in hinted[0].reason
+    assert not [x for x in grown.fit.suggestions if x.kind is SuggestionKind.EXPANDABLE_SEGMENTS]

@@ -113,7 +113,7 @@ def _verdict(f: FitVerdict) -> Text:
 
 
 def _suggestion(s: Suggestion) -> str:
-    if s.kind is SuggestionKind.SMALLER_MICRO_BATCH:
+    if s.kind in (SuggestionKind.SMALLER_MICRO_BATCH, SuggestionKind.EXPANDABLE_SEGMENTS):
         return f" Try {' '.join(s.flags)}: {s.reason}."
     assert s.states_bytes is not None
     if s.kind is SuggestionKind.NEEDS_SHARDING:
