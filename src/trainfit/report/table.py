@@ -99,6 +99,8 @@ def _verdict(f: FitVerdict) -> Text:
         )
     if f.max_micro_batch is None:
         t.append("Largest micro-batch: not searched with this method (--method analytic searches it).")
+    elif f.max_micro_batch == 0:
+        t.append("Not even micro-batch 1 fits.")
     elif f.max_micro_batch_capped:
         t.append(f"Largest micro-batch that fits: at least {f.max_micro_batch} (the search stops there).")
     else:
