@@ -10,7 +10,8 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   :func:`~trainfit.analytic.activations.layer_terms`; the head's saved tensors and the loss chain of
   :mod:`~trainfit.analytic.logits` (16-bit logits, the fp32 copy, the log-softmax output), the outputs
   dropped before backward; backward in reverse: the loss gradients, each layer's parameter gradients and
-  its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released;
+  its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released; a tied
+  table's second dense gradient (the embedding's) and, out of place, their sum (``states.tied_gradient_sum``);
   the optimizer step: states created lazily in the first step (so they land in blocks the first step's
   activations left cached, as on a real GPU), its temporaries (``step_temp_bytes``); ``zero_grad`` frees the
   gradients;

@@ -40,6 +40,9 @@ weight width; a frozen base may be stored in ``BaseWeights.dtype``; a quantised 
 packed, see :mod:`trainfit.cuda_facts`) and, *only if it is trainable*, has a gradient, an fp32 master copy
 (master-* recipes) and optimizer states. Full fine-tuning makes every tensor trainable; an adapter freezes
 the base. Autocast keeps a 16-bit copy of each floating matmul weight stored wider than it computes.
+
+A tied token table's two gradients meet at the end of backward (:func:`tied_gradient_sum`): autograd adds them out
+of place when the LM head reads the table itself, in place behind autocast's cast (input_buffer.cpp ``accumulate``).
 """
 
 from __future__ import annotations
