@@ -30,6 +30,13 @@ next ones); docs/accuracy.md "How to run the GPU checks" says what each records:
    dynamic and static cache, peak allocated in prefill and decode against ``infer`` analytic and trace.
 5. ``speed`` (issue 14): wall time of training steps (after warm-up, synchronised) of three single-GPU setups
    against the speed model's ``trainfit.planner.speed.step_time``.
+6. ``tied`` (issue 11): does autograd add a tied token table's two gradients in place on CUDA
+   (trainfit.analytic.states ``tied_gradient_sum``: out of place when the head reads the table itself, in place
+   behind autocast's cast)? qwen2.5-0.5b cut to 2 layers (its 151936×896 table dominates), pure-bf16 and
+   amp-bf16, per phase against analytic and trace; and a bare probe: an fp32 table read by ``F.embedding`` and
+   ``F.linear`` (plain, 4 chunks, behind a bf16 cast), ``max_memory_allocated`` over ``backward()`` in tables
+   (about 3 out of place, 2 in place; behind the cast 1.5 in place, 2.5 out of place: its 16-bit copy, alive
+   before, is freed in backward).
 
 How: the parent process never imports torch. Each case runs in its own child process (``--child``), so a
 case starts from a fresh CUDA context and allocator and an earlier case cannot change its reserved memory;
@@ -76,7 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 class Case:
     id: str
     section: str
-    kind: str  # measure | train | dist | lora | qlora | generate | speed | pytest
+    kind: str  # measure | train | dist | lora | qlora | generate | speed | tied | pytest
     model: str = ""
     strategy: dict[str, Any] = field(default_factory=dict)  # Strategy keyword arguments
     trace: bool = True  # also predict with --method trace
@@ -95,7 +102,8 @@ SECTIONS = (
     ("distributed", 10, 0.15),
     ("lora", 11, 0.10),
     ("generate", 12, 0.20),
-    ("speed", 14, 0.15),
+    ("speed", 14, 0.10),
+    ("tied", 11, 0.05),
 )
 ISSUE = {name: issue for name, issue, _ in SECTIONS}
 
@@ -193,7 +201,20 @@ CASES = (
         )
     ),
 )
+CASES += tuple(
+    Case(
+        id=f"tied-q05-2layers-{p.split('-')[0]}-b1s256",
+        section="tied",
+        kind="tied",
+        model="qwen2.5-0.5b",
+        strategy={"precision": p, "micro_batch": 1, "seq_len": 256},
+    )
+    for p in ("pure-bf16", "amp-bf16")
+)
 BY_ID = {c.id: c for c in CASES}
+
+#: Layers of the tied cases' model: few, so that the token table's gradients decide the backward peak.
+TIED_LAYERS = 2
 
 #: Dry-run shrinking of a catalog config: depth, width, vocabulary (the family stays).
 TINY = {
@@ -223,6 +244,21 @@ def spec_of(slug: str, dry: bool) -> Any:
         if k in cfg:
             cfg[k] = v
     return spec_from_config(cfg, name=f"{slug}-tiny", source="dry-run")
+
+
+def case_spec(case: Case, dry: bool) -> Any:
+    """The case's model: the catalog's, cut to :data:`TIED_LAYERS` layers for the tied cases."""
+    if case.kind != "tied":
+        return spec_of(case.model, dry)
+    from trainfit.arch.catalog import catalog_config
+    from trainfit.arch.loader import spec_from_config
+
+    cfg = dict(catalog_config(case.model))
+    for k, v in TINY.items() if dry else ():
+        if k in cfg:
+            cfg[k] = v
+    cfg["num_hidden_layers"] = TIED_LAYERS
+    return spec_from_config(cfg, name=f"{case.model}-{TIED_LAYERS}layers", source="gpu-session")
 
 
 def strategy_of(case: Case, dry: bool, kw: dict[str, Any] | None = None) -> Any:
@@ -288,7 +324,7 @@ def predict(case: Case, sink: Sink, dry: bool) -> None:
     from trainfit import estimate
     from trainfit.hardware import get_gpu
 
-    spec = spec_of(case.model, dry)
+    spec = case_spec(case, dry)
     if case.kind == "generate":
         from trainfit.infer import infer
 
@@ -527,7 +563,7 @@ def measure_case(case: Case, sink: Sink, out: Path, dry: bool) -> None:
         return
     dev = _Dev(dry)
     env = dev.env()
-    spec = spec_of(case.model, dry)
+    spec = case_spec(case, dry)
     fn = {
         "measure": _measure_method,
         "train": _train,
@@ -535,6 +571,7 @@ def measure_case(case: Case, sink: Sink, out: Path, dry: bool) -> None:
         "lora": _lora,
         "generate": _generate,
         "speed": _speed,
+        "tied": _tied,
     }[case.kind]
     fn(case, spec, dev, sink, out, env, dry)
 
@@ -721,6 +758,58 @@ def _lora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str
     sink.write("measured", how="PEFT LoRA, fresh process", **row, env=env, seconds=round(time.perf_counter() - t0, 1))
 
 
+def tied_probe(dev: _Dev, variant: str, *, vocab: int, hidden: int, tokens: int = 8) -> float | None:
+    """``max_memory_allocated`` over ``backward()`` of a bare tied table, in tables (None on the CPU): an fp32
+    ``vocab × hidden`` parameter read by ``F.embedding`` and then by ``F.linear`` — ``plain`` (the head reads the
+    table: its gradient is a view, so torch/csrc/autograd/input_buffer.cpp ``accumulate`` adds out of place, about
+    3 tables: the head's gradient, the embedding's, the sum), ``chunked`` (4 chunks: the first two chunk gradients'
+    sum is out of place, about 3 too, then in place) or ``cast`` (behind a bf16 cast, as autocast: the cast's
+    backward makes a fresh fp32 tensor, added into in place: about 1.5)."""
+    torch = dev.torch
+    import torch.nn.functional as F
+
+    w = torch.nn.Parameter(torch.zeros(vocab, hidden, device=dev.name))
+    ids = torch.randint(0, vocab, (1, tokens), device=dev.name)
+    x = F.embedding(ids, w) * 1.0
+    if variant == "plain":
+        loss = F.linear(x, w).float().logsumexp(-1).sum()
+    elif variant == "chunked":
+        loss = sum(F.linear(c, w).float().logsumexp(-1).sum() for c in x.chunk(4, dim=1))
+    else:
+        loss = F.linear(x.bfloat16(), w.bfloat16()).float().logsumexp(-1).sum()
+    dev.reset()
+    before = torch.cuda.memory_allocated() if dev.cuda else 0
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated() - before if dev.cuda else None
+    del w, ids, x, loss
+    _free(dev)
+    return None if peak is None else round(peak / (vocab * hidden * 4), 4)
+
+
+def _tied(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """The tied model's training step (per phase, as ``_train``), then the bare probe at its table's size."""
+    from trainfit.analytic.states import tied_gradient_sum
+
+    st = strategy_of(case, dry)
+    t0 = time.perf_counter()
+    row = train_loop(spec, st, build_model(spec, st, dev), dev)
+    _free(dev)
+    tied = tied_gradient_sum(spec, st)
+    probe = {
+        v: tied_probe(dev, v, vocab=spec.vocab_size, hidden=spec.hidden_size) for v in ("plain", "chunked", "cast")
+    }
+    sink.write(
+        "measured",
+        how="plain training loop, fresh process; probe: backward peak over the table's fp32 bytes",
+        **row,
+        probe=probe,
+        analytic_out_of_place=bool(tied and tied.out_of_place_bytes),
+        table_grad_bytes=tied.embedding_grad_bytes if tied else 0,
+        env=env,
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+
+
 def _generate(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
     """``generate`` as the trace runs it (trainfit.trace.generate): eval mode, ``use_cache``, greedy, all-ones
     mask, a static cache of max_cache_len = prompt + new tokens, no auto-compilation (transformers compiles the
@@ -871,6 +960,10 @@ def compare(case: Case, rows: list[dict[str, Any]], out: Path) -> list[dict[str,
                     "nvidia_smi_estimate_bytes": p["nvidia_smi_estimate_bytes"],
                     "device_used_rel_error": rel(p["nvidia_smi_estimate_bytes"], m.get("device_used_end")),
                 }
+        if m.get("probe") is not None:
+            c["probe"] = m["probe"]
+            c["analytic_out_of_place"] = m.get("analytic_out_of_place")
+            c["table_grad_bytes"] = m.get("table_grad_bytes")
         trace_in_measure = (m.get("details") or {}).get("trace")
         if trace_in_measure:
             c["own_trace"] = trace_in_measure  # the trace measure_spec ran beside the measurement
@@ -952,6 +1045,12 @@ def summary(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 ae, te = (r.get("analytic_rel_error") or {}).get(ph), (r.get("trace_rel_error") or {}).get(ph)
                 out.append(
                     f"| {r['case']} | {what} | {ph} | {_gib(v)} | {_gib(a)} | {_gib(t)} | {_pct(ae)} | {_pct(te)} |"
+                )
+            if r.get("probe"):
+                probe = ", ".join(f"{k} {v}" for k, v in r["probe"].items())
+                out.append(
+                    f"| {r['case']} | probe, tables over backward ({probe}); the analytic adds "
+                    f"{'out of place' if r.get('analytic_out_of_place') else 'in place'} | | | | | | |"
                 )
             res, tres = r.get("analytic_reserved"), r.get("trace_reserved") or {}
             if res:

@@ -10,7 +10,8 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   :func:`~trainfit.analytic.activations.layer_terms`; the head's saved tensors and the loss chain of
   :mod:`~trainfit.analytic.logits` (16-bit logits, the fp32 copy, the log-softmax output), the outputs
   dropped before backward; backward in reverse: the loss gradients, each layer's parameter gradients and
-  its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released;
+  its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released; a tied
+  table's second dense gradient (the embedding's) and, out of place, their sum (``states.tied_gradient_sum``);
   the optimizer step: states created lazily in the first step (so they land in blocks the first step's
   activations left cached, as on a real GPU), its temporaries (``step_temp_bytes``); ``zero_grad`` frees the
   gradients;
@@ -42,7 +43,13 @@ from trainfit.analytic.activations import (
     sac_saved_terms,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.states import ParamState, model_states, optimizer_state_tensors, param_states
+from trainfit.analytic.states import (
+    ParamState,
+    model_states,
+    optimizer_state_tensors,
+    param_states,
+    tied_gradient_sum,
+)
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import Strategy
@@ -226,6 +233,9 @@ def synthesise(
     chain_forward = eager_forward_moment(spec, strategy)[1]
     chain_backward = eager_backward_moment(spec, strategy)[1]
     optimizer_created = False
+    tied = tied_gradient_sum(spec, strategy)
+    # The out-of-place sum on one GPU only: a rank's stream keeps its framework's hooks' account of the gradients.
+    tied_sum = 0 if tied is None or strategy.is_distributed else tied.out_of_place_bytes
     sac_sizes = [x.bytes for x in sac_saved_terms(spec, strategy)]
     sac_kept: dict[int, list[int]] = {}
 
@@ -297,7 +307,13 @@ def synthesise(
         if upcast:
             g_logits = s.alloc(a * n_logits)
             s.free(g_lsm)
-        model_grads = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if _head_tensor(spec, x)]
+        model_grads: list[int] = []
+        table_grad = 0  # the tied table's gradient, allocated with the head's backward
+        for x in model_trained:
+            if _head_tensor(spec, x):
+                model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                if x.name == "embed_tokens.weight":
+                    table_grad = model_grads[-1]
         grads += model_grads
         g_res = s.alloc(w.residual * t * h)
         s.free(g_logits)
@@ -329,6 +345,16 @@ def synthesise(
             grads += rank.layer_backward_end(s, i, layer_grads)
             if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                 s.free(kept.pop())
+        if tied is not None:
+            # A tied table: the embedding's dense gradient meets the head's (states.tied_gradient_sum); out of
+            # place, the sum takes the head's gradient's place and both inputs are released.
+            emb_grad = s.alloc(tied.embedding_grad_bytes)
+            if tied_sum and table_grad:
+                total = s.alloc(tied_sum)
+                s.free(table_grad)
+                model_grads[model_grads.index(table_grad)] = total
+                grads[grads.index(table_grad)] = total
+            s.free(emb_grad)
         late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
         grads += late
         kept_grads = rank.backward_end(s, model_grads, late)

@@ -91,7 +91,7 @@ from trainfit.analytic.savers import (
     offload_model_host_bytes,
     saver_notes,
 )
-from trainfit.analytic.states import ModelStates, finetune_parts, model_states, param_states
+from trainfit.analytic.states import ModelStates, finetune_parts, model_states, param_states, tied_gradient_sum
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
@@ -751,15 +751,21 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )
-    # A tied table receives a second dense gradient from the embedding, added into the first.
+    # A tied table receives a second dense gradient from the embedding, added into the head's, which waits in
+    # autograd's buffer — in place or not (states.tied_gradient_sum). The head's buffered gradient (born in the
+    # head's backward: logits/loss, as the trace files it) is a tensor of its own unless it is added into in place
+    # and becomes the .grad; with accumulation the .grad is resident and an out-of-place sum is transient too.
+    # Many GPUs (analytic.parallel adjusts these moments per framework) keep the in-place form for now.
+    tied = tied_gradient_sum(q.spec, q.strategy) if q.grad_head else None
+    single = not q.strategy.is_distributed
+    held_apart = tied is not None and single and (tied.out_of_place_bytes > 0 or gr > 0)
     embedding = Moment(
         name=MomentName.BACKWARD_EMBEDDING,
         **base,  # type: ignore[arg-type]
         gradients=g_all,
         activations=a.embedding_bytes,
-        temporaries=q.spec.vocab_size * q.spec.embed_dim * (q.strategy.recipe.grad_bits // 8)
-        if q.spec.tie_word_embeddings and q.spec.kind.has_vocab_logits and q.grad_head
-        else 0,
+        logits_loss=q.grad_head if held_apart else 0,
+        temporaries=(tied.embedding_grad_bytes + (tied.out_of_place_bytes if gr and single else 0)) if tied else 0,
     )
     moments = [start, norm, top, bottom, embedding]
     for v in a.variants:

@@ -40,6 +40,9 @@ weight width; a frozen base may be stored in ``BaseWeights.dtype``; a quantised 
 packed, see :mod:`trainfit.cuda_facts`) and, *only if it is trainable*, has a gradient, an fp32 master copy
 (master-* recipes) and optimizer states. Full fine-tuning makes every tensor trainable; an adapter freezes
 the base. Autocast keeps a 16-bit copy of each floating matmul weight stored wider than it computes.
+
+A tied token table's two gradients meet at the end of backward (:func:`tied_gradient_sum`): autograd adds them out
+of place when the LM head reads the table itself, in place behind autocast's cast (input_buffer.cpp ``accumulate``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, BNB_MIN_8BIT_SIZE, allocator_bytes, quantized_weight_tensors
 from trainfit.cuda_facts import BNB_OPTIM_BLOCK as BNB_BLOCK
-from trainfit.strategy import Optimizer, OptimizerImpl, Strategy
+from trainfit.strategy import LossImpl, Optimizer, OptimizerImpl, Strategy
 from trainfit.units import round_up
 
 
@@ -420,3 +423,47 @@ def finetune_parts(spec: ModelSpec, strategy: Strategy) -> FinetuneParts:
 def optimizer_state_bytes(t: ParamTensor, opt: Optimizer, state_bits: int, impl: OptimizerImpl) -> int:
     """Optimizer-state bytes of one parameter tensor (or shard of one), as :func:`model_states` counts them."""
     return _opt_state_bytes(t, opt, state_bits, impl)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TiedGradientSum:
+    """The end of backward of a model whose LM head is its token table: the table's two dense gradients meet."""
+
+    embedding_grad_bytes: int  # the embedding's own dense gradient (``embedding_dense_backward``), transient
+    out_of_place_bytes: int  # the sum's new tensor when autograd cannot add in place; 0 when it adds in place
+
+
+def tied_gradient_sum(spec: ModelSpec, strategy: Strategy) -> TiedGradientSum | None:
+    """How autograd adds a trainable tied table's two gradients (None: no tied trainable table).
+
+    The head's gradient arrives first and waits in the table's ``AccumulateGrad`` input buffer; the embedding's
+    arrives last. torch/csrc/autograd/input_buffer.cpp ``accumulate`` adds in place (``old_var.add_(var)``) only
+    when grad mode is off and ``can_accumulate_inplace(old_var)``: a plain dense tensor holding the last
+    reference to its TensorImpl and to its storage; otherwise ``old_var + var`` allocates a third table while both
+    are alive. ``InputBuffer::add`` picks only the stream by device (CUDA: the consumer's; CPU: none) and calls
+    the same ``accumulate``, so CUDA decides like a real CPU run. Which gradient is buffered decides it:
+
+    * the head's matmul reads the table itself (no autocast cast: fp32, pure-/master-16-bit recipes): ``F.linear``
+      multiplies by ``weight.t()``, whose column-major layout makes ``mm_mat2_backward``
+      (torch/csrc/autograd/FunctionsManual.cpp) return ``grad.t().mm(mat1).t()`` and ``TBackward0`` transposes
+      it back: a view, whose base keeps a second reference to the storage → **out of place**;
+    * autocast casts a wider table (amp recipes): ``ToCopyBackward0`` casts that view into a fresh tensor → in
+      place; Liger's fused linear cross-entropy returns its own ``grad_weight`` → in place; a chunked loss's
+      first two chunk gradients are summed out of place into a fresh tensor, into which the embedding's is added
+      → in place.
+
+    Checked: the fake-tensor trace replays exactly this rule (trainfit.trace.tracker
+    ``merge_inplace_accumulations``), and tests/trace/test_real_cpu.py holds the trace to a real CPU run of a
+    tied table; the GPU check is benchmarks/gpu_session.py ``tied``.
+    """
+    if not (spec.tie_word_embeddings and spec.kind.has_vocab_logits):
+        return None
+    table = next((x for x in param_states(spec, strategy) if x.tensor.name == "embed_tokens.weight"), None)
+    if table is None or not table.trainable:
+        return None
+    grad = _alloc(table.tensor.numel, table.bits or strategy.recipe.grad_bits)
+    sv = strategy.savers
+    fresh = (
+        table.autocast_copy or sv.loss is LossImpl.FUSED_LINEAR or (sv.loss is LossImpl.CHUNKED and sv.loss_chunks > 1)
+    )
+    return TiedGradientSum(embedding_grad_bytes=grad, out_of_place_bytes=0 if fresh else grad)
