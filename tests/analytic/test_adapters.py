@@ -253,7 +253,7 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     a, b = finetune_setup("lora", targets="q_proj,v_proj", base_dtype="bf16")
     s = Strategy(adapter=a, base_weights=b)
     check_finetune_model(mixtral, s)
-    check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("w1", "w3", "w2", "gate"))))
+    check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("q_proj", "w1", "w3", "w2", "gate"))))
     with pytest.raises(StrategyError, match="fuses w1 and w3 into gate_up_proj"):
         check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("w1",))), analytic=False)
     with pytest.raises(StrategyError, match="experts are 3-D parameters"):
@@ -262,6 +262,12 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
         for analytic in (True, False):
             with pytest.raises(StrategyError, match="ParamWrapper"):
                 check_finetune_model(mixtral, dataclasses.replace(s, adapter=bad), analytic=analytic)
+    # without checkpointing the first layer's saves depend on which adapter comes first: q/k/v only
+    experts_only = dataclasses.replace(s, adapter=Adapter(targets=("w1", "w3", "w2")))
+    with pytest.raises(StrategyError, match="attention-input target"):
+        check_finetune_model(mixtral, experts_only)
+    check_finetune_model(mixtral, experts_only, analytic=False)
+    check_finetune_model(mixtral, dataclasses.replace(experts_only, checkpointing="full"))
     # attention-only targets never reach a ParamWrapper: dropout is fine there
     check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("q_proj",), dropout=0.05)))
     deepseek = load_model("deepseek-v3")

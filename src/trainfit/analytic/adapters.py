@@ -651,7 +651,20 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
                 "drop it, or target only attention linears"
             )
         if analytic or spec.params_override is not None:
-            adapter_sites(spec, strategy.adapter)
+            sites = adapter_sites(spec, strategy.adapter)
+            if (
+                analytic
+                and moe_family(spec) is not None
+                and strategy.checkpointing.value == "none"
+                and not any(x.reads is SiteInput.NORM1 for x in sites)
+            ):
+                # Without checkpointing the embeddings' output needs no gradient (activations.input_grads_enabled),
+                # so the first layer saves only from its first adapter on: modelled when that is q/k/v.
+                raise StrategyError(
+                    f"the analytic model covers LoRA on {spec.name}'s experts without checkpointing only with an "
+                    "attention-input target (q_proj, k_proj or v_proj); add one, use --checkpointing full, or "
+                    "--method trace"
+                )
         layout = _layout_beyond_llama(spec) or ("MoE or latent-attention layers" if supports_adapters(spec) else None)
         if layout and strategy.base_weights.quantization is not Quantization.NONE:
             raise StrategyError(
