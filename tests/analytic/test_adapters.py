@@ -19,7 +19,7 @@ from trainfit.arch import load_model
 from trainfit.arch.config import spec_from_config
 from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
-from trainfit.strategy import Adapter, AdapterKind, BaseWeights, finetune_setup
+from trainfit.strategy import Adapter, AdapterKind, BaseWeights, Parallelism, finetune_setup
 
 LLAMA = {
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -270,6 +270,11 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     check_finetune_model(mixtral, dataclasses.replace(experts_only, checkpointing="full"))
     # attention-only targets never reach a ParamWrapper: dropout is fine there
     check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("q_proj",), dropout=0.05)))
+    from trainfit.analytic.parallel import check_parallel_finetune, resolve_engine
+
+    sharded = dataclasses.replace(s, parallelism=Parallelism(data=8), sharding="fsdp")
+    with pytest.raises(StrategyError, match="modelled for one GPU without sharding or offload only"):
+        check_parallel_finetune(mixtral, sharded, resolve_engine(sharded))
     deepseek = load_model("deepseek-v3")
     mla = Adapter(targets=("q_a_proj", "kv_b_proj"))
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla), analytic=False)
