@@ -215,7 +215,7 @@ def moe_rows() -> list[str]:
     adapters, rank 16, micro-batch 1 x 2048 tokens; the worst phase also without the cuBLAS workspaces."""
     out = [
         "| model | targets | ckpt | analytic peak GiB | trace peak GiB | worst phase diff | without workspaces |",
-        "|---|---|---|---|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for name, targets, ckpt in itertools.product(MOE_MODELS, TARGETS, CHECKPOINTING):
         spec = load_model(name)
