@@ -245,10 +245,10 @@ def test_targets_match_as_peft_matches_module_paths() -> None:
 
 def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused() -> None:
     """Mixtral's v4 expert names are PEFT targets (converted to target_parameters), half of the fused gate_up is
-    not (PEFT raises), ParamWrapper refuses dropout and DoRA (both methods); DeepSeek-V3 (MLA, shared experts) stays
-    traced only."""
+    not (PEFT raises), ParamWrapper refuses dropout and DoRA (both methods); DeepSeek-V3 (MLA, shared experts, dense
+    layers) stays traced only."""
     mixtral = load_model("mixtral-8x7b-v0.1")
-    from trainfit.analytic.adapters import check_finetune_model
+    from trainfit.analytic.adapters import adapter_sites, check_finetune_model
 
     a, b = finetune_setup("lora", targets="q_proj,v_proj", base_dtype="bf16")
     s = Strategy(adapter=a, base_weights=b)
@@ -275,6 +275,15 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     sharded = dataclasses.replace(s, parallelism=Parallelism(data=8), sharding="fsdp")
     with pytest.raises(StrategyError, match="modelled for one GPU without sharding or offload only"):
         check_parallel_finetune(mixtral, sharded, resolve_engine(sharded))
+    # PEFT leaves Qwen2-MoE's config alone: no ParamWrapper, so dropout is fine; its shared expert is a layer site
+    qwen2_moe = spec_from_config(
+        {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256, "num_experts": 4, "num_experts_per_tok": 2},
+        name="tiny-qwen2-moe", source="test",
+    )  # fmt: skip
+    check_finetune_model(qwen2_moe, dataclasses.replace(s, adapter=Adapter(dropout=0.05)))
+    assert {x.name for x in adapter_sites(qwen2_moe, Adapter())} >= {"gate_proj", "down_proj", "shared_expert_gate"}
     deepseek = load_model("deepseek-v3")
     mla = Adapter(targets=("q_a_proj", "kv_b_proj"))
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla), analytic=False)

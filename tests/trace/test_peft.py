@@ -220,6 +220,13 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
         "vocab_size": 1024, "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 512,
         "tie_word_embeddings": False, "norm_topk_prob": True,
     },
+    # PEFT does not convert qwen2_moe: all-linear adapts attention, the shared expert and shared_expert_gate only
+    "qwen2_moe": {
+        "model_type": "qwen2_moe", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 192,
+        "shared_expert_intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1024, "num_experts": 8, "num_experts_per_tok": 2,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+    },
 }  # fmt: skip
 
 # (family, targets, checkpointing, adapter dtype, precision, base dtype)
@@ -227,6 +234,7 @@ MOE_MATRIX = [
     ("mixtral", "all-linear", "none", "fp32", "amp-bf16", "bf16"),
     ("mixtral", "all-linear", "full", "fp32", "amp-bf16", "bf16"),
     ("qwen3_moe", "q_proj,gate_proj,up_proj", "full", "fp32", "amp-bf16", "bf16"),
+    ("qwen2_moe", "all-linear", "full", "fp32", "amp-bf16", "bf16"),
 ]
 MOE_SLOW = [
     ("mixtral", "q_proj", "none", "fp32", "amp-bf16", "bf16"),
@@ -235,6 +243,8 @@ MOE_SLOW = [
     ("mixtral", "w1,w3,q_proj", "none", "fp32", "pure-bf16", "bf16"),
     ("qwen3_moe", "all-linear", "full", "fp32", "amp-bf16", "bf16"),
     ("qwen3_moe", "down_proj,q_proj,v_proj", "full", "fp32", "amp-bf16", "bf16"),
+    ("qwen2_moe", "all-linear", "none", "fp32", "amp-bf16", "bf16"),
+    ("qwen2_moe", "q_proj,v_proj", "none", "fp32", "amp-bf16", "bf16"),
 ]
 
 

@@ -901,6 +901,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     if moe:
         shared = SiteInput.NORM2 in seen or SiteInput.NORM2 in already
         mlp += frozen_moe_terms(spec, strategy, t, w, nb, norm_out_saved=shared)
+        mlp += adapter_terms((SiteInput.MLP_ACT,))  # a shared expert's down_proj (Qwen2-MoE)
         return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
     if spec.mlp is MlpKind.GATED:
         mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
@@ -947,6 +948,12 @@ def frozen_moe_terms(
         SavedTerm(name="mlp.router", bytes=_router_bytes(spec, t, a), formula="4·t·E + 4·E + 36·t·k (+renorm)"),
         SavedTerm(name="mlp.experts", bytes=e * k_t * (h + 3 * i), formula="w·t·top_k·(h + 3·moe_i) (frozen)"),
     ]
+    if m.num_shared_experts:  # frozen SwiGLU (nn.Linear: the compute dtype); its adapters are layer sites
+        si = m.num_shared_experts * m.shared_expert_intermediate_size
+        out.append(SavedTerm(name="mlp.shared.swiglu", bytes=3 * a * t * si, formula="3·a·t·shared_i (gate, act, up)"))
+    if m.shared_expert_gate:
+        # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
+        out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
     if "router" in params:
         p = params["router"]
         if w.amp and nb != a:

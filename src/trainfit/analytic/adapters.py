@@ -27,8 +27,11 @@ input gradient, with its input (the weight now needs a gradient): per layer and 
 stack again in the base dtype, the largest term; in backward its E × d_out × d_in gradient is formed before
 ``baddbmm``'s backward reduces it to the factors (:func:`moe_param_grad_bytes`). The router's 2-D weight takes
 ``W + B·A·s`` (``_LoraParameterProxy``). ``ParamWrapper`` refuses dropout and DoRA (so do we, one line). Covered:
-Mixtral and Qwen3-MoE layouts (every layer MoE, no shared experts); shared experts, leading dense layers (DeepSeek)
-and multi-head latent attention stay traced only (:func:`supports_adapters`).
+Mixtral and Qwen3-MoE layouts (every layer MoE, no shared experts), and Qwen2-MoE, which PEFT does not convert
+(``qwen2_moe`` is no key of transformers' ``_MODEL_TO_CONVERSION_PATTERN``): ``all-linear`` adapts its attention,
+shared-expert linears and ``shared_expert_gate`` as ordinary layer sites, the router and experts stay frozen.
+DeepSeek's converted stacks with shared experts and leading dense layers, and multi-head latent attention, stay
+traced only (:func:`supports_adapters`).
 
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
 one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
@@ -168,9 +171,9 @@ def supports_adapters(spec: ModelSpec) -> str | None:
     if spec.mla is not None:
         return "multi-head latent attention (its q_a/q_b/kv_a/kv_b adapters have no closed form here yet)"
     if spec.moe is not None:
-        if moe_family(spec) is None:
+        if moe_family(spec) is None and spec.model_type not in _MOE_UNCONVERTED:
             return f"mixture-of-experts layers of a {spec.model_type} model (PEFT's v5 conversion not modelled)"
-        if spec.moe.num_shared_experts or spec.num_dense_layers:
+        if moe_family(spec) is not None and (spec.moe.num_shared_experts or spec.num_dense_layers):
             return (
                 "shared experts or leading dense layers beside its MoE layers (PEFT's target_parameters "
                 "conversion leaves them unadapted: not modelled yet)"
@@ -178,10 +181,14 @@ def supports_adapters(spec: ModelSpec) -> str | None:
     return None
 
 
-#: transformers' MoE families (conversion_mapping.py ``_MODEL_TO_CONVERSION_PATTERN``, which PEFT extends with
-#: ``mixtral``) whose PEFT conversion the closed forms cover, and PEFT's v4 name → v5 parameter map for each
-#: (peft/utils/transformers_weight_conversion.py ``_MOE_TARGET_MODULE_MAPPING``; ``router`` is ``gate.weight``).
-_MOE_FAMILIES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen2_moe"}
+#: Model types PEFT converts (transformers' conversion_mapping.py ``_MODEL_TO_CONVERSION_PATTERN``, which PEFT
+#: extends with ``mixtral``) and whose conversion the closed forms cover, with their family; and PEFT's v4 name → v5
+#: parameter map per family (peft/utils/transformers_weight_conversion.py ``_MOE_TARGET_MODULE_MAPPING``; ``router``
+#: is ``gate.weight``). ``qwen2_moe`` itself is no key of that table: PEFT leaves a Qwen2-MoE config alone, so
+#: ``all-linear`` adapts its attention and shared-expert linears only (checked on the trace).
+_MOE_FAMILIES = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe"}
+#: MoE model types PEFT does not convert whose layers the closed forms cover: the experts and router stay frozen.
+_MOE_UNCONVERTED = frozenset({"qwen2_moe"})
 _MOE_TARGETS: dict[str, dict[str, str]] = {
     "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
     "qwen2_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
