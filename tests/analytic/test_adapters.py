@@ -19,7 +19,7 @@ from trainfit.arch import load_model
 from trainfit.arch.config import spec_from_config
 from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
-from trainfit.strategy import Adapter, BaseWeights, finetune_setup
+from trainfit.strategy import Adapter, AdapterKind, BaseWeights, Parallelism, finetune_setup
 
 LLAMA = {
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
@@ -243,17 +243,79 @@ def test_targets_match_as_peft_matches_module_paths() -> None:
         adapter_sites(falcon, Adapter(targets=("q_proj",)))
 
 
-def test_moe_targets_are_checked_but_the_analytic_method_refuses_the_layout() -> None:
+def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused() -> None:
+    """Mixtral's v4 expert names are PEFT targets (converted to target_parameters), half of the fused gate_up is
+    not (PEFT raises), ParamWrapper refuses dropout and DoRA (both methods); DeepSeek-V3 (MLA, shared experts, dense
+    layers) stays traced only."""
     mixtral = load_model("mixtral-8x7b-v0.1")
-    from trainfit.analytic.adapters import check_finetune_model
+    from trainfit.analytic.adapters import adapter_sites, check_finetune_model
 
     a, b = finetune_setup("lora", targets="q_proj,v_proj", base_dtype="bf16")
     s = Strategy(adapter=a, base_weights=b)
-    check_finetune_model(mixtral, s, analytic=False)  # the trace runs it
-    with pytest.raises(StrategyError, match="mixture-of-experts"):
-        check_finetune_model(mixtral, s)
-    with pytest.raises(StrategyError, match="experts are 3-D parameters"):
+    check_finetune_model(mixtral, s)
+    check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("q_proj", "w1", "w3", "w2", "gate"))))
+    with pytest.raises(StrategyError, match="fuses w1 and w3 into gate_up_proj"):
         check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("w1",))), analytic=False)
+    with pytest.raises(StrategyError, match="experts are 3-D parameters"):
+        check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("experts",))), analytic=False)
+    for bad in (Adapter(dropout=0.05), Adapter(kind=AdapterKind.DORA)):
+        for analytic in (True, False):
+            with pytest.raises(StrategyError, match="ParamWrapper"):
+                check_finetune_model(mixtral, dataclasses.replace(s, adapter=bad), analytic=analytic)
+    # without checkpointing the first layer's saves depend on which adapter comes first: q/k/v only
+    experts_only = dataclasses.replace(s, adapter=Adapter(targets=("w1", "w3", "w2")))
+    with pytest.raises(StrategyError, match="attention-input target"):
+        check_finetune_model(mixtral, experts_only)
+    check_finetune_model(mixtral, experts_only, analytic=False)
+    check_finetune_model(mixtral, dataclasses.replace(experts_only, checkpointing="full"))
+    # attention-only targets never reach a ParamWrapper: dropout is fine there
+    check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("q_proj",), dropout=0.05)))
+    from trainfit.analytic.parallel import check_parallel_finetune, resolve_engine
+
+    sharded = dataclasses.replace(s, parallelism=Parallelism(data=8), sharding="fsdp")
+    with pytest.raises(StrategyError, match="modelled for one GPU without sharding or offload only"):
+        check_parallel_finetune(mixtral, sharded, resolve_engine(sharded))
+    # PEFT leaves Qwen2-MoE's config alone: no ParamWrapper, so dropout is fine; its shared expert is a layer site
+    qwen2_moe = spec_from_config(
+        {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256, "num_experts": 4, "num_experts_per_tok": 2},
+        name="tiny-qwen2-moe", source="test",
+    )  # fmt: skip
+    check_finetune_model(qwen2_moe, dataclasses.replace(s, adapter=Adapter(dropout=0.05)))
+    assert {x.name for x in adapter_sites(qwen2_moe, Adapter())} >= {"gate_proj", "down_proj", "shared_expert_gate"}
     deepseek = load_model("deepseek-v3")
     mla = Adapter(targets=("q_a_proj", "kv_b_proj"))
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla), analytic=False)
+    with pytest.raises(StrategyError, match="latent attention"):
+        check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla))
+
+
+def test_moe_lora_parameters_are_peft_param_wrappers() -> None:
+    """all-linear on Mixtral-8x7B: attention pairs, plus ParamWrapper pairs (PEFT ``ParamWrapper.update_layer``:
+    lora_A r·E × d_in, lora_B d_out × r·E) on the router's E × h weight (E = 1 there), the fused gate_up stack at
+    twice the rank (``_convert_peft_config_moe`` rank_pattern) and the down stack, written out from the config."""
+    mixtral = load_model("mixtral-8x7b-v0.1")
+    r, e, h, i, kv, n = 16, 8, 4096, 14336, 1024, 32
+    a, b = finetune_setup("lora", rank=r, targets="all-linear", base_dtype="bf16")
+    report = estimate(mixtral, Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=512))
+    attention = r * (h + h) + 2 * r * (h + kv) + r * (h + h)
+    router = r * (h + e)
+    experts = 2 * r * e * (h + 2 * i) + r * e * (i + h)
+    assert report.trainable_params == n * (attention + router + experts)
+    a, b = finetune_setup("lora", rank=r, targets="q_proj,w2", base_dtype="bf16")
+    report = estimate(mixtral, Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=512))
+    assert report.trainable_params == n * (r * (h + h) + r * e * (i + h))
+
+
+@pytest.mark.parametrize("slug", ["mixtral-8x7b-v0.1", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
+def test_moe_lora_never_needs_more_gradient_or_optimizer_memory_than_full_finetuning(slug: str, targets: str) -> None:
+    spec = load_model(slug)
+    full = estimate(spec, Strategy(precision="pure-bf16", micro_batch=1, seq_len=1024))
+    a, b = finetune_setup("lora", targets=targets, base_dtype="bf16", adapter_dtype="bf16")
+    lora = estimate(spec, Strategy(adapter=a, base_weights=b, precision="pure-bf16", micro_batch=1, seq_len=1024))
+    step_f, step_l = full.phases[-1], lora.phases[-1]
+    for comp in (Component.GRADIENTS, Component.OPTIMIZER_STATES):
+        assert step_l.get(comp) <= step_f.get(comp), comp
+    assert lora.trainable_params < full.trainable_params

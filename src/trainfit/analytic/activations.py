@@ -46,6 +46,7 @@ from trainfit.analytic.adapters import (
     finetuning,
     frozen_base,
     frozen_layers,
+    moe_param_sites,
 )
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
@@ -764,7 +765,7 @@ def sac_saved_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
 
 def _layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
     if frozen_base(strategy):
-        return frozen_layer_terms(spec, strategy)
+        return frozen_layer_terms(spec, strategy, moe=moe)
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     h, a = spec.hidden_size, w.compute
@@ -808,7 +809,7 @@ def frozen_base_mlp_width(strategy: Strategy, w: Widths) -> int:
     return w.compute
 
 
-def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
+def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
     """Saved tensors of one layer whose base weights are all frozen, with the adapters' own (module docstring
     of :mod:`trainfit.analytic.adapters`): norms keep no normed output, frozen linears keep no input, a
     SwiGLU keeps gate, act(gate) and up (not the product), a fused GeLU MLP keeps fc1's output; attention
@@ -897,6 +898,11 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
             terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
     i = spec.intermediate_size
     mlp = int8_in.get(SiteInput.NORM2, []) + adapter_terms((SiteInput.NORM2,))
+    if moe:
+        shared = SiteInput.NORM2 in seen or SiteInput.NORM2 in already
+        mlp += frozen_moe_terms(spec, strategy, t, w, nb, norm_out_saved=shared)
+        mlp += adapter_terms((SiteInput.MLP_ACT,))  # a shared expert's down_proj (Qwen2-MoE)
+        return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
     if spec.mlp is MlpKind.GATED:
         mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
     elif spec.activation == "relu":
@@ -913,6 +919,123 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     mlp += int8_in.get(SiteInput.MLP_ACT, [])
     mlp += adapter_terms((SiteInput.MLP_ACT,))
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
+
+
+def frozen_moe_terms(
+    spec: ModelSpec, strategy: Strategy, t: int, w: Widths, nb: int, *, norm_out_saved: bool
+) -> list[SavedTerm]:
+    """A frozen transformers 5 MoE block (Mixtral / Qwen3-MoE layout) with PEFT's ``ParamWrapper`` adapters
+    (:func:`trainfit.analytic.adapters.moe_param_sites`; module docstring of :mod:`trainfit.analytic.adapters`).
+    ``grouped_mm`` runs in the weight dtype (w = the base's bytes, :func:`_moe_terms`); over ``t·k`` routed rows:
+
+    * frozen experts: act's input (gate), act(gate) and up for the product's backward, and the down output
+      that the routing weights multiply (they require grad through the router): w·t·k·(h + 3·moe_i) — not the
+      gathered input nor the product, which only a frozen stack's weight gradient would need;
+    * an adapted stack (``_LoraFactorsProxy``: ``baddbmm(W, B_e, A_e)``, peft/tuners/lora/layer.py) is a new
+      weight that needs a gradient: ``grouped_mm`` saves it (w·E·d_out·d_in) and its input (gathered rows
+      w·t·k·h for gate_up, the product w·t·k·moe_i for down); ``baddbmm`` saves both factors, copies in the
+      weight dtype when the adapter dtype differs (``.to(param.dtype)``: w·rank·E·(d_in + d_out));
+    * an adapted router (``_LoraParameterProxy``: ``W + B·A·s``) makes its linear save its input (the normed
+      tensor, or autocast's cast of it) and the new E × h weight;
+    * the router's softmax/top-k bookkeeping as in full fine-tuning (:func:`_router_bytes`)."""
+    assert spec.moe is not None and strategy.adapter is not None
+    m, h, a = spec.moe, spec.hidden_size, w.compute
+    e = w.residual  # the base's bytes: grouped_mm has no autocast policy
+    ad = strategy.adapter.dtype.bits // 8
+    k_t, i = t * m.experts_per_token, m.expert_intermediate_size
+    params = {p.name: p for p in moe_param_sites(spec, strategy.adapter)}
+    out = [
+        SavedTerm(name="mlp.router", bytes=_router_bytes(spec, t, a), formula="4·t·E + 4·E + 36·t·k (+renorm)"),
+        SavedTerm(name="mlp.experts", bytes=e * k_t * (h + 3 * i), formula="w·t·top_k·(h + 3·moe_i) (frozen)"),
+    ]
+    if m.num_shared_experts:  # frozen SwiGLU (nn.Linear: the compute dtype); its adapters are layer sites
+        si = m.num_shared_experts * m.shared_expert_intermediate_size
+        out.append(SavedTerm(name="mlp.shared.swiglu", bytes=3 * a * t * si, formula="3·a·t·shared_i (gate, act, up)"))
+    if m.shared_expert_gate:
+        # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
+        out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
+    if "router" in params:
+        p = params["router"]
+        if w.amp and nb != a:
+            out.append(SavedTerm(name="lora.router.in", bytes=a * t * h, formula=f"{a}·t·h (autocast cast)"))
+        elif not norm_out_saved:
+            out.append(SavedTerm(name="lora.router.in", bytes=nb * t * h, formula=f"{nb}·t·h (normed input)"))
+        out.append(SavedTerm(name="lora.router.weight", bytes=e * p.weight_numel, formula="w·E·h (W + s·B·A)"))
+    ins = {"gate_up_proj": (h, "h (gathered rows)"), "down_proj": (i, "moe_i (product)")}
+    for name in ("gate_up_proj", "down_proj"):
+        if name not in params:
+            continue
+        p = params[name]
+        width, what = ins[name]
+        out.append(SavedTerm(name=f"lora.{name}.in", bytes=e * k_t * width, formula=f"w·t·top_k·{what}"))
+        out.append(SavedTerm(name=f"lora.{name}.weight", bytes=e * p.weight_numel, formula="w·E·d_out·d_in (baddbmm)"))
+        if ad != e:
+            out.append(
+                SavedTerm(name=f"lora.{name}.factors", bytes=e * p.adapter_numel, formula="w·rank·E·(d_in + d_out)")
+            )
+    return out
+
+
+def moe_adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """In flight at the worst moment of a frozen MoE block's backward (:func:`frozen_moe_terms`), net of the
+    block's saved tensors released by then (w: the base's bytes, r: the residual's, ``T = t·top_k`` routed
+    rows), every moment over the residual gradient r·t·h:
+
+    * the gate·up product's backward: the product's, act(gate)'s and up's gradients (w·T·3·moe_i), the routed
+      output that the routing weights multiplied already released (w·T·h) — and, when PEFT adapts the down
+      projection, its new weight and saved input too;
+    * an adapted down projection's grouped_mm backward: its input's gradient w·T·moe_i and the full weight
+      gradient w·E·h·moe_i (``baddbmm``'s backward reduces it to the factors' after), the output's gradient
+      already consumed;
+    * an adapted gate_up's: the concatenated gate/up gradient w·T·2·moe_i, the input's w·T·h and the weight
+      gradient w·E·2·moe_i·h, with gate, act(gate), up and the routed output released (and down's saved
+      tensors, when adapted).
+
+    Read off the trace's peaks (tests/trace/test_peft.py), not derived op by op."""
+    assert strategy.adapter is not None and spec.moe is not None
+    params = {p.name: p for p in moe_param_sites(spec, strategy.adapter)}
+    w = Widths.of(strategy)
+    e, r = w.residual, w.residual
+    t = strategy.tokens_per_micro_batch
+    h, i = spec.hidden_size, spec.moe.expert_intermediate_size
+    big_t = t * spec.moe.experts_per_token
+    down_released = 0
+    moments = []
+    if "down_proj" in params:
+        down_w = e * params["down_proj"].weight_numel
+        moments.append(e * big_t * i + down_w)
+        down_released = down_w + e * big_t * i
+    moments.append(e * big_t * (3 * i - h) - down_released)
+    if "gate_up_proj" in params:
+        released = e * big_t * (3 * i + h) + down_released
+        moments.append(e * big_t * (2 * i + h) + e * params["gate_up_proj"].weight_numel - released)
+    return r * t * h + max(0, *moments)
+
+
+def moe_adapter_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """A checkpointed forward saves nothing, but inside the last layer's experts PEFT's parametrized weights live
+    for the whole call (``ParamWrapper._activate_lora``: ``nn.utils.parametrize.cached()``, each computed at first
+    use): the factor copies of every adapted stack, the normed input and the residual (r·t·h each), and the worse
+    of two moments (w: the base's bytes, ``T = t·top_k``): the gate·up product — gate_up's new weight
+    (w·E·2·moe_i·h), the gathered rows (w·T·h), gate_up's output, act(gate) and the product (w·T·4·moe_i) — or
+    the down projection — both new weights, the gathered rows, the product and the output (w·T·(2h + moe_i)).
+    Read off the trace's peak (tests/trace/test_peft.py). 0 without an adapted expert stack."""
+    adapter = strategy.adapter
+    if adapter is None or spec.moe is None:
+        return 0
+    params = {p.name: p for p in moe_param_sites(spec, adapter) if p.experts > 1}
+    if not params:
+        return 0
+    w = Widths.of(strategy)
+    e, ad = w.residual, adapter.dtype.bits // 8
+    t = strategy.tokens_per_micro_batch
+    h, i = spec.hidden_size, spec.moe.expert_intermediate_size
+    big_t = t * spec.moe.experts_per_token
+    factors = sum(e * p.adapter_numel for p in params.values()) if ad != e else 0
+    new = {n: e * p.weight_numel for n, p in params.items()}
+    at_act = new.get("gate_up_proj", 0) + e * big_t * (h + 4 * i)
+    at_down = sum(new.values()) + e * big_t * (2 * h + i)
+    return factors + max(at_act, at_down) + (_norm_out_width(spec, w) + w.residual) * t * h
 
 
 def _site_of(saved: list[AdapterSaved], sites: tuple[AdapterSite, ...]) -> list[AdapterSite]:
@@ -1192,6 +1315,8 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
         routed_i = t * spec.moe.experts_per_token * spec.moe.expert_intermediate_size
         per_routed = 5 * e - e if e == 2 else 3 * e - e
         moe = w.residual * t * h + per_routed * routed_i
+        if frozen_base(strategy):
+            moe = moe_adapter_backward_bytes(spec, strategy)
         mlp = max(mlp if spec.num_dense_layers else 0, moe)
     norm = (20 - w.residual) * t * h if spec.norm is NormKind.RMSNORM else 2 * w.residual * t * h
     # Inside a block, its norms back-propagate after its MLP has released its saved tensors, so a

@@ -12,10 +12,26 @@ every linear inside the layers (PEFT ``_maybe_include_all_linear_layers`` also l
 GPT-2's ``Conv1D`` ``c_attn``/``c_proj``/``c_fc`` (two ``c_proj``: ``attn.c_proj``, ``mlp.c_proj``), Falcon's and
 NeoX's ``query_key_value``/``dense``/``dense_h_to_4h``/``dense_4h_to_h``, Phi-2's ``dense``, Phi-3's fused
 ``qkv_proj`` and ``gate_up_proj``. A fused qkv is one adapted linear reading the normed input; a parallel block
-with one norm (Phi-2, Falcon-7B) feeds that normed tensor to the MLP too. MoE and MLA models are traced only: on
-transformers 5 the experts are 3-D parameters and the router a custom module, and PEFT turns ``all-linear`` into
-attention + router + ``target_parameters`` on the experts (peft/utils/transformers_weight_conversion.py
-``_convert_peft_config_moe``), whose forward has no closed form here yet (:func:`supports_adapters`).
+with one norm (Phi-2, Falcon-7B) feeds that normed tensor to the MLP too.
+
+**MoE layers** (transformers 5: the router a custom module holding an ``nn.Parameter``, the experts 3-D
+``gate_up_proj``/``down_proj`` parameters run by ``grouped_mm``). PEFT rewrites the config first
+(peft/utils/transformers_weight_conversion.py ``_convert_peft_config_moe``): ``all-linear`` and the v4 names
+(Mixtral ``gate``/``w1``/``w3``/``w2``, Qwen-MoE ``gate``/``gate_proj``/``up_proj``/``down_proj``) become
+``target_parameters`` on the router weight and the expert stacks, the fused ``gate_up_proj`` at twice the rank
+(``rank_pattern``; ``w1`` without ``w3`` is refused). Each is a ``ParamWrapper`` (peft/tuners/lora/layer.py):
+lora_A ``r·E × d_in``, lora_B ``d_out × r·E`` (:class:`ParamSite`). Its forward parametrizes the weight for the
+call (``nn.utils.parametrize``): an expert stack becomes ``baddbmm(W, B_e, A_e)`` (``_LoraFactorsProxy``, the
+factors cast to the weight's dtype) — a **new full E × d_out × d_in weight**, which ``grouped_mm`` saves for the
+input gradient, with its input (the weight now needs a gradient): per layer and adapted stack, the whole expert
+stack again in the base dtype, the largest term; in backward its E × d_out × d_in gradient is formed before
+``baddbmm``'s backward reduces it to the factors (:func:`moe_param_grad_bytes`). The router's 2-D weight takes
+``W + B·A·s`` (``_LoraParameterProxy``). ``ParamWrapper`` refuses dropout and DoRA (so do we, one line). Covered:
+Mixtral and Qwen3-MoE layouts (every layer MoE, no shared experts), and Qwen2-MoE, which PEFT does not convert
+(``qwen2_moe`` is no key of transformers' ``_MODEL_TO_CONVERSION_PATTERN``): ``all-linear`` adapts its attention,
+shared-expert linears and ``shared_expert_gate`` as ordinary layer sites, the router and experts stay frozen.
+DeepSeek's converted stacks with shared experts and leading dense layers, and multi-head latent attention, stay
+traced only (:func:`supports_adapters`).
 
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
 one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
@@ -148,17 +164,88 @@ def _short(t: ParamTensor) -> str:
 
 def supports_adapters(spec: ModelSpec) -> str | None:
     """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers dense layers
-    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel."""
+    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel, and MoE
+    stacks of the Mixtral / Qwen3-MoE layout (every layer MoE, routed experts only)."""
     if spec.params_override is not None:
         return "explicit --params (no tensor shapes to attach adapters to)"
-    if spec.moe is not None:
-        return (
-            "mixture-of-experts layers (on transformers 5 PEFT reaches the fused 3-D experts through "
-            "target_parameters and wraps the router: no closed form here yet)"
-        )
     if spec.mla is not None:
         return "multi-head latent attention (its q_a/q_b/kv_a/kv_b adapters have no closed form here yet)"
+    if spec.moe is not None:
+        if moe_family(spec) is None and spec.model_type not in _MOE_UNCONVERTED:
+            return f"mixture-of-experts layers of a {spec.model_type} model (PEFT's v5 conversion not modelled)"
+        if moe_family(spec) is not None and (spec.moe.num_shared_experts or spec.num_dense_layers):
+            return (
+                "shared experts or leading dense layers beside its MoE layers (PEFT's target_parameters "
+                "conversion leaves them unadapted: not modelled yet)"
+            )
     return None
+
+
+#: Model types PEFT converts (transformers' conversion_mapping.py ``_MODEL_TO_CONVERSION_PATTERN``, which PEFT
+#: extends with ``mixtral``) and whose conversion the closed forms cover, with their family; and PEFT's v4 name → v5
+#: parameter map per family (peft/utils/transformers_weight_conversion.py ``_MOE_TARGET_MODULE_MAPPING``; ``router``
+#: is ``gate.weight``). ``qwen2_moe`` itself is no key of that table: PEFT leaves a Qwen2-MoE config alone, so
+#: ``all-linear`` adapts its attention and shared-expert linears only (checked on the trace).
+_MOE_FAMILIES = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe"}
+#: MoE model types PEFT does not convert whose layers the closed forms cover: the experts and router stay frozen.
+_MOE_UNCONVERTED = frozenset({"qwen2_moe"})
+_MOE_TARGETS: dict[str, dict[str, str]] = {
+    "mixtral": {"gate": "router", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen2_moe": {"gate": "router", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"},
+}
+
+
+def moe_family(spec: ModelSpec) -> str | None:
+    """PEFT's MoE conversion family of ``spec`` (``None``: a dense model, or a family not modelled)."""
+    return _MOE_FAMILIES.get(spec.model_type) if spec.moe is not None else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSite:
+    """A parameter PEFT adapts directly (``target_parameters``, ``ParamWrapper``): the router's 2-D weight
+    (``experts`` 1) or a 3-D expert stack, with the rank per expert (doubled for the fused ``gate_up_proj``)."""
+
+    name: str  # router | gate_up_proj | down_proj
+    experts: int
+    d_in: int
+    d_out: int
+    rank: int
+
+    @property
+    def adapter_numel(self) -> int:
+        """lora_A (rank·E × d_in) plus lora_B (d_out × rank·E) — PEFT ``ParamWrapper.update_layer``."""
+        return self.rank * self.experts * (self.d_in + self.d_out)
+
+    @property
+    def weight_numel(self) -> int:
+        return self.experts * self.d_in * self.d_out
+
+
+def moe_param_sites(spec: ModelSpec, adapter: Adapter) -> tuple[ParamSite, ...]:
+    """The MoE parameters ``adapter`` reaches through PEFT's conversion (empty for a dense model): with
+    ``all-linear`` the router and both expert stacks, else those the v4 names map to. Naming one half of the
+    fused gate_up (``w1`` without ``w3``) is refused in one line, as PEFT refuses it."""
+    family = moe_family(spec)
+    if family is None:
+        return ()
+    assert spec.moe is not None
+    m, h, r = spec.moe, spec.hidden_size, adapter.rank
+    mapping = _MOE_TARGETS[family]
+    wanted = set(mapping) if ALL_LINEAR in adapter.targets else set(adapter.targets) & set(mapping)
+    fused = [old for old, new in mapping.items() if new == "gate_up_proj"]
+    if 0 < len(wanted & set(fused)) < len(fused):
+        raise StrategyError(
+            f"PEFT cannot adapt {' or '.join(sorted(wanted & set(fused)))} alone in {spec.name}: transformers 5 fuses "
+            f"{' and '.join(fused)} into gate_up_proj; name both"
+        )
+    chosen = {mapping[x] for x in wanted}
+    e, i = m.num_experts, m.expert_intermediate_size
+    sites = [
+        ParamSite(name="router", experts=1, d_in=h, d_out=e, rank=r),
+        ParamSite(name="gate_up_proj", experts=e, d_in=h, d_out=2 * i, rank=2 * r),
+        ParamSite(name="down_proj", experts=e, d_in=i, d_out=h, rank=r),
+    ]
+    return tuple(s for s in sites if s.name in chosen)
 
 
 def _layout_beyond_llama(spec: ModelSpec) -> str | None:
@@ -171,8 +258,11 @@ def _layout_beyond_llama(spec: ModelSpec) -> str | None:
 
 def frozen_forms_known(spec: ModelSpec) -> bool:
     """Whether ``--freeze``'s frozen-layer forms were checked for ``spec``'s layout: Llama-style layers (separate
-    q/k/v, sequential attention and MLP) with a gated or fused-activation MLP."""
-    return supports_adapters(spec) is None and _layout_beyond_llama(spec) is None and mlp_frozen(spec)
+    q/k/v, sequential attention and MLP) with a gated or fused-activation MLP (no MoE: an MoE layer's frozen
+    form is known only beside PEFT's adapters, :func:`trainfit.analytic.activations.frozen_moe_terms`)."""
+    return (
+        spec.moe is None and supports_adapters(spec) is None and _layout_beyond_llama(spec) is None and mlp_frozen(spec)
+    )
 
 
 def layer_linears(spec: ModelSpec, kind: str = "dense") -> tuple[AdapterSite, ...]:
@@ -206,6 +296,11 @@ def _matched(spec: ModelSpec, adapter: Adapter, linears: tuple[AdapterSite, ...]
     wanted = set(adapter.targets)
     if ALL_LINEAR in wanted:
         return linears
+    # Names PEFT's MoE conversion moves to target_parameters are no target_modules any more (a Qwen-MoE
+    # ``gate_proj`` names the experts, not a linear): moe_param_sites.
+    family = moe_family(spec)
+    if family is not None:
+        wanted -= set(_MOE_TARGETS[family])
     return tuple(s for s in linears if any(s.matches(x) for x in wanted))
 
 
@@ -216,12 +311,14 @@ def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
     if ALL_LINEAR in wanted and len(wanted) > 1:
         raise StrategyError("give either all-linear or module names as LoRA targets, not both")
     linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind))
-    unknown = sorted(x for x in wanted - {ALL_LINEAR} if not any(s.matches(x) for s in linears))
+    family = moe_family(spec)
+    moe_names = set(_MOE_TARGETS[family]) if family is not None else set()
+    unknown = sorted(x for x in wanted - {ALL_LINEAR} - moe_names if not any(s.matches(x) for s in linears))
     if unknown:
         names = ", ".join(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
         experts = (
-            " (the experts are 3-D parameters, not linears: PEFT reaches them through target_parameters, which "
-            "all-linear includes on transformers 5)"
+            f" (the experts are 3-D parameters, not linears: PEFT reaches them as {', '.join(sorted(moe_names))} "
+            "through target_parameters, which all-linear includes on transformers 5)"
             if spec.moe is not None
             else ""
         )
@@ -256,6 +353,13 @@ def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...
         out.append(ParamTensor(name=f"{s.name}.lora_B.weight", shape=(s.d_out, r), matmul=True))
         if adapter.kind is AdapterKind.DORA:
             out.append(ParamTensor(name=f"{s.name}.lora_magnitude_vector", shape=(s.d_out,), matmul=False))
+    for p in moe_param_sites(spec, adapter):
+        # The router's delta B·A is a matmul under autocast (cached 16-bit copies of A and B); an expert stack's
+        # factors are cast to the weight's dtype explicitly (moe_adapter_saved), no autocast copy.
+        rank = p.rank * p.experts
+        mm = p.experts == 1
+        out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_A.weight", shape=(rank, p.d_in), matmul=mm))
+        out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_B.weight", shape=(p.d_out, rank), matmul=mm))
     return tuple(out)
 
 
@@ -544,8 +648,30 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
     a ``--freeze`` that leaves nothing to train (the trace runs LLM.int8 layers and ``--freeze`` too)."""
     if strategy.adapter is not None:
         check_targets(spec, strategy.adapter)
+        # PEFT's ParamWrapper (the router and expert stacks of a transformers 5 MoE) raises on both.
+        if moe_param_sites(spec, strategy.adapter) and (
+            strategy.adapter.dropout > 0 or strategy.adapter.kind is AdapterKind.DORA
+        ):
+            what = "DoRA" if strategy.adapter.kind is AdapterKind.DORA else "--lora-dropout > 0"
+            raise StrategyError(
+                f"PEFT's ParamWrapper (LoRA on {spec.name}'s MoE router and experts) does not work with {what}; "
+                "drop it, or target only attention linears"
+            )
         if analytic or spec.params_override is not None:
-            adapter_sites(spec, strategy.adapter)
+            sites = adapter_sites(spec, strategy.adapter)
+            if (
+                analytic
+                and moe_family(spec) is not None
+                and strategy.checkpointing.value == "none"
+                and not any(x.reads is SiteInput.NORM1 for x in sites)
+            ):
+                # Without checkpointing the embeddings' output needs no gradient (activations.input_grads_enabled),
+                # so the first layer saves only from its first adapter on: modelled when that is q/k/v.
+                raise StrategyError(
+                    f"the analytic model covers LoRA on {spec.name}'s experts without checkpointing only with an "
+                    "attention-input target (q_proj, k_proj or v_proj); add one, use --checkpointing full, or "
+                    "--method trace"
+                )
         layout = _layout_beyond_llama(spec) or ("MoE or latent-attention layers" if supports_adapters(spec) else None)
         if layout and strategy.base_weights.quantization is not Quantization.NONE:
             raise StrategyError(

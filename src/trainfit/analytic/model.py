@@ -56,6 +56,7 @@ from trainfit.analytic.activations import (
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
+    moe_adapter_forward_bytes,
     sac_saved_terms,
     score_chain,
     selective_core_before_softmax_bytes,
@@ -120,6 +121,7 @@ class MomentName(StrEnum):
     FORWARD_LAST_SOFTMAX = "forward-last-softmax"  # the last block's materialised score chain
     FORWARD_FP8_CAST = "forward-fp8-cast"  # --fp8: inside the last block's worst Float8Linear cast
     FORWARD_LAST_DORA_NORM = "forward-last-dora-norm"  # the last block's DoRA weight norm (full-size matrices)
+    FORWARD_LAST_MOE_EXPERTS = "forward-last-moe-experts"  # checkpointed: PEFT's parametrized expert weights
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
@@ -352,6 +354,7 @@ class StepInputs:
     sac_saved: int = 0  # --checkpointing sac: one layer's kept save-list outputs (in kept_inputs)
     float8_forward: int = 0  # --fp8: the worst Float8Linear cast transient of a block's forward
     dora_norm: int = 0  # DoRA: the weight norm's full-size transients, inside a layer's forward (or recompute)
+    moe_experts: int = 0  # LoRA on MoE experts, checkpointed: the last layer's expert working set (new weights)
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -511,6 +514,7 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         copies_fwd_ckpt=q.copies_head + spec.num_layers * parts.cached_copies_layer_bytes,
         forward_transient=frozen_head_input_bytes(spec, strategy) + head_copy,
         dora_norm=dora_norm_transient_bytes(spec, strategy),
+        moe_experts=moe_adapter_forward_bytes(spec, strategy) if q.segments else 0,
     )
 
 
@@ -630,6 +634,17 @@ def forward_moments(q: StepInputs) -> list[Moment]:
                 activations=(a.all_layers_bytes if q.segments == 0 else q.kept_inputs + q.masks) + a.embedding_bytes,
                 autocast_copies=q.copies_all - q.copies_head if q.segments == 0 else q.copies_fwd_ckpt - q.copies_head,
                 temporaries=q.dora_norm + q.cache_held,
+            )
+        )
+    if q.moe_experts:
+        # Inside the last layer's experts of a checkpointed forward (activations.moe_adapter_forward_bytes).
+        moments.append(
+            Moment(
+                name=MomentName.FORWARD_LAST_MOE_EXPERTS,
+                **base,  # type: ignore[arg-type]
+                activations=q.kept_inputs + q.masks + a.embedding_bytes,
+                autocast_copies=q.copies_fwd_ckpt - q.copies_head,
+                temporaries=q.moe_experts + q.cache_held,
             )
         )
     for v in a.variants:

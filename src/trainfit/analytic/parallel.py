@@ -409,6 +409,12 @@ def check_parallel_finetune(spec: ModelSpec, strategy: Strategy, engine: Engine)
     """Refuse, in one line, a fine-tuning setup the many-GPU model does not cover (and whatever the single-GPU
     fine-tuning model refuses: targets the model lacks, layer layouts the adapter closed forms do not cover)."""
     check_finetune_model(spec, strategy)
+    if strategy.adapter is not None and spec.moe is not None:
+        # The MoE closed forms (analytic.activations.frozen_moe_terms) are checked against one-GPU traces only.
+        raise StrategyError(
+            f"adapters on {spec.name}'s MoE layers are modelled for one GPU without sharding or offload only "
+            "(checked against one-GPU traces)"
+        )
     quant = strategy.base_weights.quantization
     if engine is Engine.MEGATRON:
         raise StrategyError(
