@@ -98,6 +98,9 @@ ZERO3_CELLS = [
     (8, "amp-bf16", "none", 50_000, 1_000_000_000),
     (2, "amp-fp16", "none", 0, 1_000_000_000),
     (8, "amp-bf16", "full", 150_000, 300_000),
+    # DeepSpeed's default prefetch bucket (5e7 elements) is larger than this model: the first module's prefetch
+    # gathers every parameter in one coalesced handle, whose flat buffer lives until the head's fetch
+    (8, "amp-bf16", "none", 50_000_000, 1_000_000_000),
 ]
 
 

@@ -120,6 +120,7 @@ class MomentName(StrEnum):
     FORWARD_LAST_SOFTMAX = "forward-last-softmax"  # the last block's materialised score chain
     FORWARD_FP8_CAST = "forward-fp8-cast"  # --fp8: inside the last block's worst Float8Linear cast
     FORWARD_LAST_DORA_NORM = "forward-last-dora-norm"  # the last block's DoRA weight norm (full-size matrices)
+    FORWARD_FINAL_NORM = "forward-final-norm"  # ZeRO-3: inside the final norm, before the head's parameter fetch
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward

@@ -101,7 +101,7 @@ from trainfit.analytic.model import (
 from trainfit.analytic.states import optimizer_state_bytes, param_states
 from trainfit.analytic.zero3 import PERSISTENCE_THRESHOLD, gathered_bytes
 from trainfit.arch.params import inventory
-from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.overhead import overhead_for
@@ -377,11 +377,14 @@ def _moments(q: StepInputs) -> dict[Phase, list[Moment]]:
 Adjust = Callable[[Moment], dict[Component, int]]
 
 
-def _worst(q: StepInputs, adjust: Adjust, host: dict[Component, int]) -> tuple[PhaseBreakdown, ...]:
-    """Each phase's worst moment after ``adjust`` maps a single-GPU moment to this rank's components."""
+def _worst(
+    q: StepInputs, adjust: Adjust, host: dict[Component, int], extra: Sequence[Moment] = ()
+) -> tuple[PhaseBreakdown, ...]:
+    """Each phase's worst moment after ``adjust`` maps a single-GPU moment to this rank's components
+    (``extra``: an engine's own moments, added to their phase's)."""
     out = []
     for ph, ms in _moments(q).items():
-        best = max((adjust(m) for m in ms), key=lambda c: sum(c.values()))
+        best = max((adjust(m) for m in [*ms, *(m for m in extra if m.phase is ph)]), key=lambda c: sum(c.values()))
         out.append(PhaseBreakdown(phase=ph, components=_full(best), host_components=dict(host)))
     return tuple(out)
 
@@ -1248,7 +1251,32 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "ZeRO-Offload: fp32 master weights, Adam states and the fp32 gradient partition in pinned host memory "
             "(host bytes per node)"
         )
-    return _worst(q, adjust, host), notes + notes_ft
+    extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
+    return _worst(q, adjust, host, extra), notes + notes_ft
+
+
+def _zero3_final_norm_moment(q: StepInputs) -> Moment:
+    """ZeRO-3, inside the final norm's forward: every activation saved (the forward's end, before the
+    logits), the norm's transients alive, and the gathered parameters of the moment before the head's fetch.
+    A coalesced all-gather's flat buffer lives until the last parameter it carries is waited on
+    (partition_parameters.py ``AllGatherCoalescedHandle``: the handle keeps ``partitions``, views of it, and
+    stays in ``__inflight_param_registry`` for each parameter until that parameter's module fetches it); with
+    a prefetch bucket larger than the model (DeepSpeed's default 5e7 on a small model) the first module's
+    prefetch gathers every parameter in one handle, whose last parameter is the LM head: the whole buffer and
+    every whole copy are alive through the forward, until the head's fetch (analytic/zero3.py).
+    Transients of HF ``LlamaRMSNorm.forward``: its input (the last layer's output), the fp32 product
+    ``hidden_states * torch.rsqrt(variance + eps)`` and the fp32 mean; a LayerNorm only its input."""
+    end = forward_moments(q)[0]
+    t, h = q.strategy.tokens_per_micro_batch, q.spec.hidden_size
+    norm = Widths.of(q.strategy).residual * t * h
+    if q.spec.norm is NormKind.RMSNORM:
+        norm += 4 * t * h + 4 * t
+    return dataclasses.replace(
+        end,
+        name=MomentName.FORWARD_FINAL_NORM,
+        logits_loss=0,
+        temporaries=end.temporaries - q.forward_transient + norm,
+    )
 
 
 # -- Megatron TP / SP / PP -------------------------------------------------------------------------------
