@@ -4,8 +4,8 @@ one CUDA stream (the CPU trace has no streams), the synthesised stream reaches t
 reserved bytes are lower than the traced events' (it leaves out short-lived element-wise outputs, as one GPU's
 stream does): the numbers are in docs/accuracy.md ("Reserved memory with many GPUs").
 
-DeepSpeed ZeRO-2 likewise: the real ``DeepSpeedEngine`` (trainfit.trace.deepspeed, full depth, three steps)
-against the ZeRO-2 stream, allocated and reserved peaks on one CUDA stream."""
+DeepSpeed ZeRO-1 and ZeRO-2 likewise: the real ``DeepSpeedEngine`` (trainfit.trace.deepspeed, full depth, three
+steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA stream."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from trainfit.allocator import AllocatorConfig, Event, simulate
 from trainfit.analytic.events import Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy
 from trainfit.analytic.parallel import plan as parallel_plan
-from trainfit.analytic.rank_events import FsdpHooks, Zero2Hooks
+from trainfit.analytic.rank_events import FsdpHooks, Zero1Hooks, Zero2Hooks
 from trainfit.strategy import EngineOptions, Parallelism, Strategy
 
 from .conftest import tiny_spec
@@ -43,11 +43,24 @@ def test_the_rank_stream_reaches_the_traced_allocated_peak() -> None:
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
 
 
+ZERO_CELLS = [
+    ("zero2", 4, 200_000, None),
+    ("zero2", 8, 500_000_000, None),
+    ("zero1", 4, 200_000, None),
+    ("zero1", 8, 500_000_000, None),
+    ("zero1", 4, 200_000, True),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("w", "bucket"), [(4, 200_000), (8, 500_000_000)])
-def test_the_zero2_stream_reaches_the_traced_peaks(w: int, bucket: int) -> None:
+@pytest.mark.parametrize(
+    ("sharding", "w", "bucket", "overlap"), [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO_CELLS]
+)
+def test_the_zero_stream_reaches_the_traced_peaks(sharding: str, w: int, bucket: int, overlap: bool | None) -> None:
     """A 200,000-element bucket fills several times per backward and is smaller than the embedding and the
-    head (DeepSpeed's ``extra_large_param_to_reduce`` path); DeepSpeed's default (5e8) holds every gradient."""
+    head (DeepSpeed's ``extra_large_param_to_reduce`` path); DeepSpeed's default (5e8) holds every gradient.
+    ZeRO-1 keeps autograd's gradients until the reduction after backward (with ``overlap_comm``, stage 2's
+    stream)."""
     pytest.importorskip("deepspeed")
     from trainfit.trace import depth
     from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
@@ -56,10 +69,10 @@ def test_the_zero2_stream_reaches_the_traced_peaks(w: int, bucket: int) -> None:
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     s = Strategy(
         parallelism=Parallelism(data=w),
-        sharding="zero2",
+        sharding=sharding,
         micro_batch=2,
         seq_len=256,
-        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
     )
     plan = depth.plan_depth(spec, _built(s), extrapolate=False)
     _, layout = plan.layouts[0]
@@ -67,7 +80,8 @@ def test_the_zero2_stream_reaches_the_traced_peaks(w: int, bucket: int) -> None:
         run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
     traced = simulate(tracker_events(run), AllocatorConfig())
     st = Stream()
-    synthesise(st, spec, compute_strategy(s), (), Zero2Hooks(spec, s, parallel_plan(spec, s)), steps=3)
+    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s))
+    synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)

@@ -128,6 +128,7 @@ class MomentName(StrEnum):
     BACKWARD_TOP_SOFTMAX = "backward-top-softmax"  # inside the top block's softmax backward
     BACKWARD_BOTTOM_SOFTMAX = "backward-bottom-softmax"
     BACKWARD_EMBEDDING = "backward-embedding"  # every gradient present, embedding backward
+    BACKWARD_REDUCE = "backward-reduce"  # ZeRO-1: after backward, the reduction into the partition's gradients
     OPTIMIZER_STEP = "optimizer-step"
 
 

@@ -1085,6 +1085,44 @@ def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[
     return part, whole
 
 
+def _flat_order(spec: ModelSpec) -> Iterator[ParamTensor]:
+    """The parameters in ``model.parameters()`` order, the order of stages 1–2's flat buffer and of
+    ``reduce_gradients``: embeddings, the layers, the final norm and head."""
+    inv = inventory(spec)
+    yield from (t for t in inv.model_tensors if t.name.startswith("embed"))
+    for g in inv.layers:
+        for _ in range(g.count):
+            yield from g.tensors
+    yield from (t for t in inv.model_tensors if not t.name.startswith("embed"))
+
+
+def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int) -> int:
+    """ZeRO-1 without ``overlap_comm``, rank 0: the gradient bytes live when ``grads_in_partition`` is made,
+    the worst moment of the reduction after backward (stage_1_and_2.py ``reduce_gradients`` →
+    ``reduce_independent_p_g_buckets_and_remove_grads``, in flat order: each gradient no larger than the bucket
+    is copied into it and freed; a larger one is reduced in place at the next flush; the first flush that
+    meets the partition [0, part) makes the buffer of the whole gradients it meets, ``copy_grads_in_partition``,
+    before the larger gradient it flushes is freed). Every gradient (``grad_bytes`` each element, allocator
+    rounding per tensor) less those already copied into the bucket, plus the buffer; after it, gradients only
+    go."""
+    whole, _ = deepspeed_rank0_gradients(spec, part)
+    tensors = list(_flat_order(spec))
+    live = sum(allocator_bytes(t.numel * grad_bytes) for t in tensors)
+    elements = in_part = offset = 0
+    for t in tensors:
+        if elements + t.numel > bucket_numel and in_part:
+            break  # this flush makes grads_in_partition
+        if elements + t.numel > bucket_numel:
+            elements = 0  # an empty flush (only a larger gradient before it, outside the partition)
+        if t.numel <= bucket_numel:
+            live -= allocator_bytes(t.numel * grad_bytes)
+        elements += t.numel
+        if offset < part:
+            in_part += t.numel
+        offset += t.numel
+    return live + allocator_bytes(whole * grad_bytes)
+
+
 def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     """Stages 1–2, rank 0: (elements of every parameter whose slice of the flat buffer meets the rank's
     partition [0, part), the largest such slice). Parameters are flattened in ``model.parameters()`` order
@@ -1092,19 +1130,8 @@ def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     gradient whole (stage_1_and_2.py ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over
     ``params_in_partition``), and the step's norm reads each slice of ``averaged_gradients`` cast to fp64
     (``get_grad_norm_direct``: ``g.data.to(get_norm_dtype())``)."""
-    inv = inventory(spec)
-    emb = [t for t in inv.model_tensors if t.name.startswith("embed")]
-    rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
-
-    def order() -> Iterator[ParamTensor]:
-        yield from emb
-        for g in inv.layers:
-            for _ in range(g.count):
-                yield from g.tensors
-        yield from rest
-
     offset = whole = largest = 0
-    for t in order():
+    for t in _flat_order(spec):
         if offset >= part:
             break
         whole += t.numel
@@ -1162,6 +1189,9 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     else:  # fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over them is not
         # derived yet: ZeRO with adapters is not traced)
         step_temp = fp32_grad
+    zero1_reduced = 0
+    if stage == 1 and not overlap and not off_opt and not finetuning(strategy):
+        zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb)
     fetch = None
     if stage == 3:  # the gathered parameters, replaying DeepSpeed's parameter coordinator (analytic/zero3.py)
         fetch = gathered_bytes(spec, strategy, p.dp, pb)
@@ -1182,16 +1212,24 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
         frac = min(1.0, m.gradients / g_full)
         comm = unsharded = 0
-        if stage == 1:
+        if stage == 1 and not (overlap and not off_opt):
             grads = int(allocator_bytes(total * pb) * frac)
-            if m.name is MomentName.BACKWARD_EMBEDDING:
-                comm = allocator_bytes(min(total, eo.reduce_bucket_size) * pb)  # the flattened allreduce bucket
-        else:
+            if off_opt:
+                if m.name is MomentName.BACKWARD_EMBEDDING:
+                    comm = allocator_bytes(min(total, eo.reduce_bucket_size) * pb)  # the flattened allreduce bucket
+            elif m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+                # Autograd's gradients stay whole through backward; the gradient hooks only make the bucket,
+                # at the first parameter gradient (``process_gradients`` → ``setup_buckets``: reduce_bucket_size
+                # elements whatever the model's size), freed after the reduction (``_release_ipg_buffers``).
+                comm = bucket
+                if m.name is MomentName.BACKWARD_REDUCE:
+                    grads = zero1_reduced
+        else:  # stage 2, and stage 1 with overlap_comm (whose hooks reduce as stage 2's do: ``process_gradients``)
             grads = 0 if off_opt else int(grad_part * frac)
             # The bucket is made at the first parameter gradient (``process_gradients`` → ``setup_buckets``),
             # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
             if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
-                comm = bucket * (2 if overlap and stage == 2 else 1)
+                comm = bucket * (2 if overlap and stage < 3 else 1)
         if stage == 3:
             comm = bucket  # persistent __ipg_bucket_flat_buffer
             # The gradient partition is one buffer made at init (stage3.py ``_setup_for_real_optimizer``:
@@ -1252,6 +1290,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "(host bytes per node)"
         )
     extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
+    if zero1_reduced:
+        # ZeRO-1 without overlap_comm: the engine reduces after backward (engine.py ``allreduce_gradients`` →
+        # ``reduce_gradients``), every gradient still there, the bucket and the partition's buffer made.
+        extra.append(Moment(name=MomentName.BACKWARD_REDUCE, phase=Phase.BACKWARD, resident=q.resident))
     return _worst(q, adjust, host, extra), notes + notes_ft
 
 
@@ -1593,7 +1635,7 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks and DeepSpeed ZeRO-2 ranks (16-bit AdamW, no offload) replay their event stream
+    torch DDP and FSDP2 ranks and DeepSpeed ZeRO-1/2 ranks (16-bit AdamW, no offload) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`."""

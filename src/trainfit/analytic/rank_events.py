@@ -36,10 +36,18 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   ``grads_in_partition`` made at the first flush that reaches its partition, on DeepSpeed's reduction stream
   under ``overlap_comm``; the optimizer step's own buffers (written from ``step_temp_bytes``, the one per-step
   hook after backward). Its allocated peak is :func:`~trainfit.analytic.parallel.estimate_parallel`'s.
+* **DeepSpeed ZeRO-1** (:class:`Zero1Hooks`, the same file with ``partition_gradients`` False): with
+  ``overlap_comm`` the ZeRO-2 stream; without it (stage 1's default) autograd's gradients stay whole through
+  backward, the bucket is made at the first gradient (``reduce_bucket_size`` elements, however small the
+  model: the closed form used to count min(model, bucket) at the embedding only, 11× low at the default 5e8 on
+  a tiny model), and the engine's reduction after backward copies them into it in flat order, making
+  ``grads_in_partition`` at the first flush (``zero1_reduce_gradients``, the closed form's
+  ``BACKWARD_REDUCE`` moment); a tied table's second dense gradient is added in place before it. Against the
+  real engine's events (tests/trace/test_rank_stream.py): allocated +0.65–0.71%, reserved −0.2…+1.8%.
 
-What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-1/3
-(and ZeRO-2 in fp32 or with other optimizers), Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
-fine-tuning with many GPUs.
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-3
+(and ZeRO-1/2 in fp32, with other optimizers or offload), Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU
+offload and fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -67,16 +75,16 @@ from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.strategy import Engine, Optimizer, OptimizerImpl, Sharding, Strategy
 
-__all__ = ["DdpHooks", "FsdpHooks", "Zero2Hooks", "rank_simulated", "simulate_rank"]
+__all__ = ["DdpHooks", "FsdpHooks", "Zero1Hooks", "Zero2Hooks", "rank_simulated", "simulate_rank"]
 
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
-    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-2 with
+    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-1/2 with
     16-bit compute and AdamW; full training, nothing offloaded, one model replica per rank); otherwise the
     fixed fraction."""
     if p.engine is Engine.DEEPSPEED:
         return (
-            p.sharding is Sharding.ZERO2
+            p.sharding in (Sharding.ZERO1, Sharding.ZERO2)
             and p.tp == 1
             and p.pp == 1
             and strategy.recipe.compute_bits == 16
@@ -404,6 +412,75 @@ class Zero2Hooks(RankHooks):
         return 0
 
 
+class Zero1Hooks(Zero2Hooks):
+    """DeepSpeed ZeRO-1 (stage_1_and_2.py with ``partition_gradients`` False), rank 0. With ``overlap_comm`` its
+    gradient hooks reduce as stage 2's do (``process_gradients``: ``partition_gradients or overlap_comm``), and
+    the stream is :class:`Zero2Hooks`'. Without it (stage 1's default) the hooks only make the IPG bucket at
+    the first gradient (``setup_buckets``); autograd's 16-bit gradients all stay until backward ends; then the
+    engine's ``allreduce_gradients`` → ``reduce_gradients`` walks the parameters in ``bit16_groups`` order
+    (``model.parameters()``) through ``reduce_independent_p_g_buckets_and_remove_grads``: each gradient is
+    copied into the bucket and becomes a view of it (its own storage goes), one larger than the bucket is
+    reduced on its own at the next flush; a full bucket is reduced and the gradients of the parameters rank 0's
+    partition meets are copied into ``grads_in_partition`` (made at the first such copy); the epilogue
+    (``overlapping_partition_gradients_reduce_epilogue``) flushes the rest and frees the bucket. The step is
+    stage 2's (``averaged_gradients`` over ``grads_in_partition``)."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
+        super().__init__(spec, strategy, p)
+        self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
+        self.kept: list[tuple[int, ParamTensor, int]] = []  # (flat offset, tensor, its gradient's key)
+        tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+        self.tied_table = spec.vocab_size * spec.embed_dim * self.pb if tied else 0
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        if self.overlap:
+            return super().grad_bytes(x, bits)
+        if not self.buckets:  # setup_buckets, from the first gradient hook
+            self.buckets = [self.s.alloc(self.bucket_numel * self.pb)]
+        self.made.append((self.layer, x))
+        return x.numel * self.pb
+
+    def _keep(self, layer: int | None, grads: list[int]) -> None:
+        """Pair the gradients ``layer`` (None: model-level) made, in order, with their keys."""
+        offsets = self.model_offset if layer is None else self.layer_offset[layer]
+        mine = [x for at, x in self.made if at == layer]
+        for x, key in zip(mine, grads, strict=True):
+            self.kept.append((offsets.get(x.name, 0), x, key))
+        self.made = [(at, x) for at, x in self.made if at != layer]
+
+    def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        if self.overlap:
+            return super().layer_backward_end(s, i, grads)
+        self._keep(i, grads)
+        self.layer = None
+        return []  # freed by the reduction after backward
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        if self.overlap:
+            return super().backward_end(s, head, late)
+        self._keep(None, head + late)
+        if self.tied_table:
+            # A tied table's second dense gradient, from the embedding's backward, added in place into the one
+            # the head made (AccumulateGrad), every other gradient still whole (the closed form's
+            # BACKWARD_EMBEDDING temporaries).
+            s.free(s.alloc(self.tied_table))
+        for off, x, key in sorted(self.kept, key=lambda k: k[0]):  # reduce_gradients, in flat order
+            if self.elements + x.numel > self.bucket_numel:
+                self._reduce()
+            if x.numel > self.bucket_numel:
+                self.pending.append(key)  # extra_large_param_to_reduce: reduced in place at the next flush
+            else:
+                s.free(key)  # copied into the bucket: the gradient is a view of it
+            self.elements += x.numel
+            if off < self.part:
+                self.pending_part += x.numel
+        self.kept = []
+        self._reduce()  # the epilogue's reduce_ipg_grads
+        s.free_all(self.buckets)  # _release_ipg_buffers
+        self.buckets = []
+        return []
+
+
 def _alloc_bits(numel: int, bits: int) -> int:
     return numel * bits // 8
 
@@ -431,7 +508,8 @@ def _simulate(
 ) -> AllocatorResult:
     hooks: RankHooks
     if p.engine is Engine.DEEPSPEED:
-        hooks, run = Zero2Hooks(spec, strategy, p), compute_strategy(strategy)
+        zero = Zero1Hooks if p.sharding is Sharding.ZERO1 else Zero2Hooks
+        hooks, run = zero(spec, strategy, p), compute_strategy(strategy)
     elif p.sharding is Sharding.DDP:
         hooks, run = DdpHooks(spec, strategy), strategy
     else:
