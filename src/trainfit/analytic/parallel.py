@@ -1635,7 +1635,7 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks and DeepSpeed ZeRO-1/2 ranks (16-bit AdamW, no offload) replay their event stream
+    torch DDP and FSDP2 ranks and DeepSpeed ZeRO ranks (16-bit AdamW, no offload) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`."""
