@@ -56,3 +56,19 @@ def test_a_window_wider_than_the_model_keeps_everything_gathered() -> None:
     spec = spec_from_config(CONFIG, name="t", source="test")
     g = gathered_bytes(spec, _strategy(0, 10**12), W, 2)
     assert g.at[MomentName.FORWARD_END] == sum(allocator_bytes(n * 2) for n in _partitioned())
+
+
+def test_a_prefetch_bucket_larger_than_the_model_gathers_it_in_one_handle() -> None:
+    """DeepSpeed's default bucket (5e7) on a small model: the first module's prefetch all-gathers every
+    partitioned parameter into one flat buffer (W padded partitions each), which lives until the last of its
+    parameters, the LM head, is fetched; the first wait copies every parameter out whole
+    (partition_parameters.py ``AllGatherCoalescedHandle.wait``). Inside the final norm both are alive; at the
+    forward's end (after the head's fetch) only the whole copies."""
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    s = Strategy(parallelism=Parallelism(data=W), sharding="zero3")
+    assert s.engine.prefetch_bucket_size > sum(_partitioned())
+    g = gathered_bytes(spec, s, W, 2)
+    whole = sum(allocator_bytes(n * 2) for n in _partitioned())
+    flat = allocator_bytes(sum(-(-n // W) for n in _partitioned()) * W * 2)
+    assert g.at[MomentName.FORWARD_FINAL_NORM] == whole + flat
+    assert g.at[MomentName.FORWARD_END] == whole

@@ -65,6 +65,20 @@ def test_rank_agrees_with_trace(sharding: str, w: int, precision: str) -> None:
 
 
 @pytest.mark.slow
+def test_zero1_at_the_default_bucket_agrees_with_trace() -> None:
+    """ZeRO-1 at DeepSpeed's default ``reduce_bucket_size`` (5e8 elements, a 1 GB bf16 bucket, 20 times this
+    model): the gradient hooks make the whole bucket at the first gradient, whatever the model's size, and it
+    stays through backward with every gradient (stage_1_and_2.py ``setup_buckets``)."""
+    spec = tiny_spec("llama", **WIDER)
+    s = Strategy(precision="amp-bf16", parallelism=Parallelism(data=8), sharding="zero1", micro_batch=2, seq_len=128)
+    assert s.engine.reduce_bucket_size == 500_000_000
+    traced = trace_distributed(spec, s)
+    closed = estimate_parallel(spec, s)
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+
+
+@pytest.mark.slow
 def test_step_at_full_depth_matches_the_full_trace() -> None:
     """The extrapolated trace (2 and 3 layers, the step from the full-depth stand-in run) = the trace at
     full depth (5 layers), every phase within 1%."""
@@ -98,6 +112,9 @@ ZERO3_CELLS = [
     (8, "amp-bf16", "none", 50_000, 1_000_000_000),
     (2, "amp-fp16", "none", 0, 1_000_000_000),
     (8, "amp-bf16", "full", 150_000, 300_000),
+    # DeepSpeed's default prefetch bucket (5e7 elements) is larger than this model: the first module's prefetch
+    # gathers every parameter in one coalesced handle, whose flat buffer lives until the head's fetch
+    (8, "amp-bf16", "none", 50_000_000, 1_000_000_000),
 ]
 
 

@@ -122,6 +122,7 @@ class MomentName(StrEnum):
     FORWARD_FP8_CAST = "forward-fp8-cast"  # --fp8: inside the last block's worst Float8Linear cast
     FORWARD_LAST_DORA_NORM = "forward-last-dora-norm"  # the last block's DoRA weight norm (full-size matrices)
     FORWARD_LAST_MOE_EXPERTS = "forward-last-moe-experts"  # checkpointed: PEFT's parametrized expert weights
+    FORWARD_FINAL_NORM = "forward-final-norm"  # ZeRO-3: inside the final norm, before the head's parameter fetch
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
@@ -129,6 +130,7 @@ class MomentName(StrEnum):
     BACKWARD_TOP_SOFTMAX = "backward-top-softmax"  # inside the top block's softmax backward
     BACKWARD_BOTTOM_SOFTMAX = "backward-bottom-softmax"
     BACKWARD_EMBEDDING = "backward-embedding"  # every gradient present, embedding backward
+    BACKWARD_REDUCE = "backward-reduce"  # ZeRO-1: after backward, the reduction into the partition's gradients
     OPTIMIZER_STEP = "optimizer-step"
 
 

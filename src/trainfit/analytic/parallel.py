@@ -101,7 +101,7 @@ from trainfit.analytic.model import (
 from trainfit.analytic.states import optimizer_state_bytes, param_states
 from trainfit.analytic.zero3 import PERSISTENCE_THRESHOLD, gathered_bytes
 from trainfit.arch.params import inventory
-from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.overhead import overhead_for
@@ -377,11 +377,14 @@ def _moments(q: StepInputs) -> dict[Phase, list[Moment]]:
 Adjust = Callable[[Moment], dict[Component, int]]
 
 
-def _worst(q: StepInputs, adjust: Adjust, host: dict[Component, int]) -> tuple[PhaseBreakdown, ...]:
-    """Each phase's worst moment after ``adjust`` maps a single-GPU moment to this rank's components."""
+def _worst(
+    q: StepInputs, adjust: Adjust, host: dict[Component, int], extra: Sequence[Moment] = ()
+) -> tuple[PhaseBreakdown, ...]:
+    """Each phase's worst moment after ``adjust`` maps a single-GPU moment to this rank's components
+    (``extra``: an engine's own moments, added to their phase's)."""
     out = []
     for ph, ms in _moments(q).items():
-        best = max((adjust(m) for m in ms), key=lambda c: sum(c.values()))
+        best = max((adjust(m) for m in [*ms, *(m for m in extra if m.phase is ph)]), key=lambda c: sum(c.values()))
         out.append(PhaseBreakdown(phase=ph, components=_full(best), host_components=dict(host)))
     return tuple(out)
 
@@ -1101,6 +1104,44 @@ def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[
     return part, whole
 
 
+def _flat_order(spec: ModelSpec) -> Iterator[ParamTensor]:
+    """The parameters in ``model.parameters()`` order, the order of stages 1–2's flat buffer and of
+    ``reduce_gradients``: embeddings, the layers, the final norm and head."""
+    inv = inventory(spec)
+    yield from (t for t in inv.model_tensors if t.name.startswith("embed"))
+    for g in inv.layers:
+        for _ in range(g.count):
+            yield from g.tensors
+    yield from (t for t in inv.model_tensors if not t.name.startswith("embed"))
+
+
+def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int) -> int:
+    """ZeRO-1 without ``overlap_comm``, rank 0: the gradient bytes live when ``grads_in_partition`` is made,
+    the worst moment of the reduction after backward (stage_1_and_2.py ``reduce_gradients`` →
+    ``reduce_independent_p_g_buckets_and_remove_grads``, in flat order: each gradient no larger than the bucket
+    is copied into it and freed; a larger one is reduced in place at the next flush; the first flush that
+    meets the partition [0, part) makes the buffer of the whole gradients it meets, ``copy_grads_in_partition``,
+    before the larger gradient it flushes is freed). Every gradient (``grad_bytes`` each element, allocator
+    rounding per tensor) less those already copied into the bucket, plus the buffer; after it, gradients only
+    go."""
+    whole, _ = deepspeed_rank0_gradients(spec, part)
+    tensors = list(_flat_order(spec))
+    live = sum(allocator_bytes(t.numel * grad_bytes) for t in tensors)
+    elements = in_part = offset = 0
+    for t in tensors:
+        if elements + t.numel > bucket_numel and in_part:
+            break  # this flush makes grads_in_partition
+        if elements + t.numel > bucket_numel:
+            elements = 0  # an empty flush (only a larger gradient before it, outside the partition)
+        if t.numel <= bucket_numel:
+            live -= allocator_bytes(t.numel * grad_bytes)
+        elements += t.numel
+        if offset < part:
+            in_part += t.numel
+        offset += t.numel
+    return live + allocator_bytes(whole * grad_bytes)
+
+
 def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     """Stages 1–2, rank 0: (elements of every parameter whose slice of the flat buffer meets the rank's
     partition [0, part), the largest such slice). Parameters are flattened in ``model.parameters()`` order
@@ -1108,19 +1149,8 @@ def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     gradient whole (stage_1_and_2.py ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over
     ``params_in_partition``), and the step's norm reads each slice of ``averaged_gradients`` cast to fp64
     (``get_grad_norm_direct``: ``g.data.to(get_norm_dtype())``)."""
-    inv = inventory(spec)
-    emb = [t for t in inv.model_tensors if t.name.startswith("embed")]
-    rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
-
-    def order() -> Iterator[ParamTensor]:
-        yield from emb
-        for g in inv.layers:
-            for _ in range(g.count):
-                yield from g.tensors
-        yield from rest
-
     offset = whole = largest = 0
-    for t in order():
+    for t in _flat_order(spec):
         if offset >= part:
             break
         whole += t.numel
@@ -1178,6 +1208,9 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     else:  # fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over them is not
         # derived yet: ZeRO with adapters is not traced)
         step_temp = fp32_grad
+    zero1_reduced = 0
+    if stage == 1 and not overlap and not off_opt and not finetuning(strategy):
+        zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb)
     fetch = None
     if stage == 3:  # the gathered parameters, replaying DeepSpeed's parameter coordinator (analytic/zero3.py)
         fetch = gathered_bytes(spec, strategy, p.dp, pb)
@@ -1198,16 +1231,24 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
         frac = min(1.0, m.gradients / g_full)
         comm = unsharded = 0
-        if stage == 1:
+        if stage == 1 and not (overlap and not off_opt):
             grads = int(allocator_bytes(total * pb) * frac)
-            if m.name is MomentName.BACKWARD_EMBEDDING:
-                comm = allocator_bytes(min(total, eo.reduce_bucket_size) * pb)  # the flattened allreduce bucket
-        else:
+            if off_opt:
+                if m.name is MomentName.BACKWARD_EMBEDDING:
+                    comm = allocator_bytes(min(total, eo.reduce_bucket_size) * pb)  # the flattened allreduce bucket
+            elif m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+                # Autograd's gradients stay whole through backward; the gradient hooks only make the bucket,
+                # at the first parameter gradient (``process_gradients`` → ``setup_buckets``: reduce_bucket_size
+                # elements whatever the model's size), freed after the reduction (``_release_ipg_buffers``).
+                comm = bucket
+                if m.name is MomentName.BACKWARD_REDUCE:
+                    grads = zero1_reduced
+        else:  # stage 2, and stage 1 with overlap_comm (whose hooks reduce as stage 2's do: ``process_gradients``)
             grads = 0 if off_opt else int(grad_part * frac)
             # The bucket is made at the first parameter gradient (``process_gradients`` → ``setup_buckets``),
             # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
             if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
-                comm = bucket * (2 if overlap and stage == 2 else 1)
+                comm = bucket * (2 if overlap and stage < 3 else 1)
         if stage == 3:
             comm = bucket  # persistent __ipg_bucket_flat_buffer
             # The gradient partition is one buffer made at init (stage3.py ``_setup_for_real_optimizer``:
@@ -1267,7 +1308,36 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "ZeRO-Offload: fp32 master weights, Adam states and the fp32 gradient partition in pinned host memory "
             "(host bytes per node)"
         )
-    return _worst(q, adjust, host), notes + notes_ft
+    extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
+    if zero1_reduced:
+        # ZeRO-1 without overlap_comm: the engine reduces after backward (engine.py ``allreduce_gradients`` →
+        # ``reduce_gradients``), every gradient still there, the bucket and the partition's buffer made.
+        extra.append(Moment(name=MomentName.BACKWARD_REDUCE, phase=Phase.BACKWARD, resident=q.resident))
+    return _worst(q, adjust, host, extra), notes + notes_ft
+
+
+def _zero3_final_norm_moment(q: StepInputs) -> Moment:
+    """ZeRO-3, inside the final norm's forward: every activation saved (the forward's end, before the
+    logits), the norm's transients alive, and the gathered parameters of the moment before the head's fetch.
+    A coalesced all-gather's flat buffer lives until the last parameter it carries is waited on
+    (partition_parameters.py ``AllGatherCoalescedHandle``: the handle keeps ``partitions``, views of it, and
+    stays in ``__inflight_param_registry`` for each parameter until that parameter's module fetches it); with
+    a prefetch bucket larger than the model (DeepSpeed's default 5e7 on a small model) the first module's
+    prefetch gathers every parameter in one handle, whose last parameter is the LM head: the whole buffer and
+    every whole copy are alive through the forward, until the head's fetch (analytic/zero3.py).
+    Transients of HF ``LlamaRMSNorm.forward``: its input (the last layer's output), the fp32 product
+    ``hidden_states * torch.rsqrt(variance + eps)`` and the fp32 mean; a LayerNorm only its input."""
+    end = forward_moments(q)[0]
+    t, h = q.strategy.tokens_per_micro_batch, q.spec.hidden_size
+    norm = Widths.of(q.strategy).residual * t * h
+    if q.spec.norm is NormKind.RMSNORM:
+        norm += 4 * t * h + 4 * t
+    return dataclasses.replace(
+        end,
+        name=MomentName.FORWARD_FINAL_NORM,
+        logits_loss=0,
+        temporaries=end.temporaries - q.forward_transient + norm,
+    )
 
 
 # -- Megatron TP / SP / PP -------------------------------------------------------------------------------
@@ -1584,7 +1654,7 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks and DeepSpeed ZeRO-2 ranks (16-bit AdamW, no offload) replay their event stream
+    torch DDP and FSDP2 ranks and DeepSpeed ZeRO ranks (16-bit AdamW, no offload) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`."""

@@ -36,9 +36,24 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   ``grads_in_partition`` made at the first flush that reaches its partition, on DeepSpeed's reduction stream
   under ``overlap_comm``; the optimizer step's own buffers (written from ``step_temp_bytes``, the one per-step
   hook after backward). Its allocated peak is :func:`~trainfit.analytic.parallel.estimate_parallel`'s.
+* **DeepSpeed ZeRO-1** (:class:`Zero1Hooks`, the same file with ``partition_gradients`` False): with
+  ``overlap_comm`` the ZeRO-2 stream; without it (stage 1's default) autograd's gradients stay whole through
+  backward, the bucket is made at the first gradient (``reduce_bucket_size`` elements, however small the
+  model: the closed form used to count min(model, bucket) at the embedding only, 11× low at the default 5e8 on
+  a tiny model), and the engine's reduction after backward copies them into it in flat order, making
+  ``grads_in_partition`` at the first flush (``zero1_reduce_gradients``, the closed form's
+  ``BACKWARD_REDUCE`` moment); a tied table's second dense gradient is added in place before it. Against the
+  real engine's events (tests/trace/test_rank_stream.py): allocated +0.65–0.71%, reserved −0.2…+1.8%.
+* **DeepSpeed ZeRO-3** (:class:`Zero3Hooks`, stage3.py): the persistent buffers at init, the parameter
+  coordinator's gathers, copies and releases from :mod:`trainfit.analytic.zero3`'s replay (which records them
+  as events) at the layer hooks, a layer's releases held to its end (the closed form counts the worst over the
+  layer's modules with the layer's tensors), the head gathered over the loss's backward; no gradients of their
+  own; the step's partition of the persistent parameters, flatten + fp32 cast, AdamW's states, re-gather.
+  Against the real engine's events: allocated +0.1…+0.4% (tiny, W = 8), −0.002% (llama-2-7b); reserved
+  −7.3…+7.3% (tiny: a 2 MiB segment is 2% there), −1.4% (llama-2-7b, 32.79 to 33.26 GiB).
 
-What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-1/3
-(and ZeRO-2 in fp32 or with other optimizers), Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
+fp32, with other optimizers or offload, Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
 fine-tuning with many GPUs.
 """
 
@@ -62,21 +77,22 @@ from trainfit.analytic.parallel import (
     zero_partition,
 )
 from trainfit.analytic.states import ParamState, optimizer_state_tensors
+from trainfit.analytic.zero3 import gathered_bytes
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.strategy import Engine, Optimizer, OptimizerImpl, Sharding, Strategy
 
-__all__ = ["DdpHooks", "FsdpHooks", "Zero2Hooks", "rank_simulated", "simulate_rank"]
+__all__ = ["DdpHooks", "FsdpHooks", "Zero1Hooks", "Zero2Hooks", "Zero3Hooks", "rank_simulated", "simulate_rank"]
 
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
-    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-2 with
-    16-bit compute and AdamW; full training, nothing offloaded, one model replica per rank); otherwise the
+    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-1/2/3
+    with 16-bit compute and AdamW; full training, nothing offloaded, one model replica per rank); otherwise the
     fixed fraction."""
     if p.engine is Engine.DEEPSPEED:
         return (
-            p.sharding is Sharding.ZERO2
+            p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
             and p.tp == 1
             and p.pp == 1
             and strategy.recipe.compute_bits == 16
@@ -404,6 +420,186 @@ class Zero2Hooks(RankHooks):
         return 0
 
 
+class Zero1Hooks(Zero2Hooks):
+    """DeepSpeed ZeRO-1 (stage_1_and_2.py with ``partition_gradients`` False), rank 0. With ``overlap_comm`` its
+    gradient hooks reduce as stage 2's do (``process_gradients``: ``partition_gradients or overlap_comm``), and
+    the stream is :class:`Zero2Hooks`'. Without it (stage 1's default) the hooks only make the IPG bucket at
+    the first gradient (``setup_buckets``); autograd's 16-bit gradients all stay until backward ends; then the
+    engine's ``allreduce_gradients`` → ``reduce_gradients`` walks the parameters in ``bit16_groups`` order
+    (``model.parameters()``) through ``reduce_independent_p_g_buckets_and_remove_grads``: each gradient is
+    copied into the bucket and becomes a view of it (its own storage goes), one larger than the bucket is
+    reduced on its own at the next flush; a full bucket is reduced and the gradients of the parameters rank 0's
+    partition meets are copied into ``grads_in_partition`` (made at the first such copy); the epilogue
+    (``overlapping_partition_gradients_reduce_epilogue``) flushes the rest and frees the bucket. The step is
+    stage 2's (``averaged_gradients`` over ``grads_in_partition``)."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
+        super().__init__(spec, strategy, p)
+        self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
+        self.kept: list[tuple[int, ParamTensor, int]] = []  # (flat offset, tensor, its gradient's key)
+        tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+        self.tied_table = spec.vocab_size * spec.embed_dim * self.pb if tied else 0
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        if self.overlap:
+            return super().grad_bytes(x, bits)
+        if not self.buckets:  # setup_buckets, from the first gradient hook
+            self.buckets = [self.s.alloc(self.bucket_numel * self.pb)]
+        self.made.append((self.layer, x))
+        return x.numel * self.pb
+
+    def _keep(self, layer: int | None, grads: list[int]) -> None:
+        """Pair the gradients ``layer`` (None: model-level) made, in order, with their keys."""
+        offsets = self.model_offset if layer is None else self.layer_offset[layer]
+        mine = [x for at, x in self.made if at == layer]
+        for x, key in zip(mine, grads, strict=True):
+            self.kept.append((offsets.get(x.name, 0), x, key))
+        self.made = [(at, x) for at, x in self.made if at != layer]
+
+    def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        if self.overlap:
+            return super().layer_backward_end(s, i, grads)
+        self._keep(i, grads)
+        self.layer = None
+        return []  # freed by the reduction after backward
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        if self.overlap:
+            return super().backward_end(s, head, late)
+        self._keep(None, head + late)
+        if self.tied_table:
+            # A tied table's second dense gradient, from the embedding's backward, added in place into the one
+            # the head made (AccumulateGrad), every other gradient still whole (the closed form's
+            # BACKWARD_EMBEDDING temporaries).
+            s.free(s.alloc(self.tied_table))
+        for off, x, key in sorted(self.kept, key=lambda k: k[0]):  # reduce_gradients, in flat order
+            if self.elements + x.numel > self.bucket_numel:
+                self._reduce()
+            if x.numel > self.bucket_numel:
+                self.pending.append(key)  # extra_large_param_to_reduce: reduced in place at the next flush
+            else:
+                s.free(key)  # copied into the bucket: the gradient is a view of it
+            self.elements += x.numel
+            if off < self.part:
+                self.pending_part += x.numel
+        self.kept = []
+        self._reduce()  # the epilogue's reduce_ipg_grads
+        s.free_all(self.buckets)  # _release_ipg_buffers
+        self.buckets = []
+        return []
+
+
+class Zero3Hooks(RankHooks):
+    """DeepSpeed ZeRO-3 (stage3.py ``DeepSpeedZeroOptimizer_Stage3``, no offload, full training), rank 0:
+
+    * init: the flat buffer of every parameter's 16-bit partition (``lp_param_buffer``) and each persistent
+      parameter whole (``ds_persist``), the fp32 partition, the gradient partition (``grad_partitions_flat_buffer``,
+      held all run) and the IPG bucket (``__ipg_bucket_flat_buffer``, held all run);
+    * forward and backward: the parameter coordinator's all-gathers (flat buffer of W partitions, then each
+      parameter copied out whole), prefetches and releases, replayed by :mod:`trainfit.analytic.zero3` and
+      written at the layer hooks of the step they belong to (a layer's modules at its begin, their releases at
+      its end; the final norm and head after the last layer; the head's backward over the loss's, the norm's
+      before the top layer's; a recomputed layer's forward with its backward); each gradient goes into the
+      bucket as autograd makes it (none of its own);
+    * step (``step``): the persistent parameters' whole copies go (``_partition_all_parameters``), the
+      gradient partition flattened and cast to fp32 (``_prepare_fp32_grad_for_sub_group``), AdamW's states in
+      the first step, then the persistent parameters gathered again (``_post_step``)."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
+        self.pb = 2
+        zp = zero_partition(spec, strategy, 3, p.dp)
+        self.part = zp.part_numel
+        self.lp = allocator_bytes(zp.stage3_part_numel * self.pb)
+        self.persistent = [allocator_bytes(t.numel * self.pb) for t, m in zp.stage3_whole_tensors for _ in range(m)]
+        self.bucket = allocator_bytes(strategy.engine.reduce_bucket_size * self.pb)
+        self.replay = gathered_bytes(spec, strategy, p.dp, self.pb).events
+        self.layers = spec.num_layers
+        self.s = Stream()
+        self.cursor = 0
+        self.keys: dict[int, int] = {}  # replay allocation id -> stream key
+        self.whole: list[int] = []
+        self.states: list[int] = []
+        self.deferred: list[int] = []
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        self.s = s
+        s.alloc(self.lp)
+        self.whole = [s.alloc(n) for n in self.persistent]
+        s.alloc(self.part * 4)  # fp32_partitioned_groups_flat
+        s.alloc(allocator_bytes(self.part * self.pb))  # grad_partitions_flat_buffer
+        s.alloc(self.bucket)  # __ipg_bucket_flat_buffer
+
+    def _play(self, *where: str, defer: bool = False) -> None:
+        """The replay's events from the cursor while they belong to ``where``; ``defer``: its frees wait for
+        :meth:`_release` (a layer's modules are one moment of the stream: what they gather is alive together
+        with the layer's tensors, as the closed form's worst over the layer's modules counts it)."""
+        ev, s = self.replay, self.s
+        while self.cursor < len(ev) and ev[self.cursor][0] in where:
+            _, ident, nbytes = ev[self.cursor]
+            if nbytes:
+                self.keys[ident] = s.alloc(nbytes)
+            elif defer:
+                self.deferred.append(self.keys.pop(ident, 0))
+            else:
+                s.free(self.keys.pop(ident, 0))
+            self.cursor += 1
+
+    def _release(self) -> None:
+        self.s.free_all(self.deferred)
+        self.deferred = []
+
+    def forward_begin(self, s: Stream) -> None:
+        self.cursor = 0
+        self._play("fwd")
+
+    def layer_forward_begin(self, s: Stream, i: int) -> None:
+        self._play(f"fwd-L{i}", defer=True)
+
+    def layer_forward_end(self, s: Stream, i: int) -> None:
+        self._release()
+        if i == self.layers - 1:
+            self._play("fwd-norm", "head")
+
+    def backward_begin(self, s: Stream) -> None:
+        self._play("bwd-head", defer=True)  # the head stays gathered through the loss's and its own backward
+
+    def layer_backward_begin(self, s: Stream, i: int) -> None:
+        if i == self.layers - 1:
+            self._release()
+            self._play("bwd-norm")
+        self._play(*(f"rec-L{j}" for j in range(self.layers)))  # the recomputation, before the layer's backward
+        self._play(f"bwd-L{i}", defer=True)
+
+    def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        self._release()
+        return grads
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        return 0  # copied into the IPG bucket as it is made
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        self._release()
+        self._play("bwd-norm", "bwd-embed", "end")
+        s.free_all(self.keys.values())
+        self.keys = {}
+        return None
+
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        pass  # made by the step
+
+    def step_temp_bytes(self, default: int) -> int:
+        s = self.s
+        s.free_all(self.whole)  # _partition_all_parameters
+        flat = s.alloc(allocator_bytes(self.part * self.pb))  # self.flatten(self.averaged_gradients[i])
+        fp32 = s.alloc(self.part * 4)  # .to(fp32)
+        if not self.states:
+            self.states = [s.alloc(self.part * 4), s.alloc(self.part * 4)]
+        s.free(flat)
+        s.free(fp32)
+        self.whole = [s.alloc(n) for n in self.persistent]  # _post_step: gathered again
+        return 0
+
+
 def _alloc_bits(numel: int, bits: int) -> int:
     return numel * bits // 8
 
@@ -431,7 +627,8 @@ def _simulate(
 ) -> AllocatorResult:
     hooks: RankHooks
     if p.engine is Engine.DEEPSPEED:
-        hooks, run = Zero2Hooks(spec, strategy, p), compute_strategy(strategy)
+        zero = {Sharding.ZERO1: Zero1Hooks, Sharding.ZERO3: Zero3Hooks}.get(p.sharding, Zero2Hooks)
+        hooks, run = zero(spec, strategy, p), compute_strategy(strategy)
     elif p.sharding is Sharding.DDP:
         hooks, run = DdpHooks(spec, strategy), strategy
     else:
