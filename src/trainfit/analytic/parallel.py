@@ -23,7 +23,8 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   moments layer by layer: :func:`_fsdp_inner_moments`; the forward's, at a layer's all-gather copy-out with the
   previous group's all-gather output still alive: :func:`_fsdp_forward_moments`). In backward, a layer's bf16
   gradients are reduced through an fp32 reduce-scatter input of its padded size (``_fsdp_collectives.py``
-  ``foreach_reduce``).
+  ``foreach_reduce``) in its post-backward, after its whole backward: its norms back-propagate over them
+  (:func:`_fsdp_norm_moments`); the root's gradient shards are made only in the root's post-backward.
   HSDP shards within ``gpus_per_node`` ranks and replicates across nodes.
 * **DeepSpeed ZeRO** (``--sharding zero1|zero2|zero3``): 16-bit parameters and gradients, fp32 master
   weights and Adam states partitioned over the data-parallel group (Rajbhandari et al. 2020, §5). Stages
