@@ -493,12 +493,20 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     the residual stream's by cos/sin, fp32 under autocast — and v. The attention kernel saves a copy itself
     when it needs a cast (autocast), repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
     loses ``enable_gqa``) or the math kernel's scaled/upcast copies; then the cache's copy is extra. 0 without
-    the cache, for fused qkv and for MLA."""
-    if not _kv_cache_active(spec, strategy) or spec.fused_qkv or spec.mla is not None:
+    the cache and for MLA; for a fused qkv (k and v views of one output that SDPA keeps), 0 unless a
+    bitsandbytes qkv returns its input's dtype (``Linear4bit.forward``: ``.to(inp_dtype)``, fp32 over QLoRA's
+    fp32 residual): under autocast SDPA then saves its own 16-bit copies and the cache's fp32 k and v are extra."""
+    if not _kv_cache_active(spec, strategy) or spec.mla is not None:
         return 0
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     kd = spec.kv_dim
+    if spec.fused_qkv:
+        quantised = strategy.base_weights.quantization is not Quantization.NONE
+        width = frozen_base_mlp_width(strategy, w)
+        if not (quantised and w.amp and width != w.compute):
+            return 0
+        return (max(width, w.residual) if spec.rotary_dim else width) * t * kd + width * t * kd
     k_width = max(w.compute, w.residual) if spec.rotary_dim else w.compute
     gqa = spec.num_kv_heads < spec.num_heads
     if strategy.attention is Attention.EAGER:
@@ -531,6 +539,15 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
     )
     if not spec.fused_qkv or spec.mla is not None or spec.sdpa_kv_expanded:
         # (Falcon's new architecture copies k and v out of the fused output while expanding them.)
+        return plain
+    w = Widths.of(strategy)
+    if (
+        strategy.base_weights.quantization is not Quantization.NONE
+        and w.amp
+        and frozen_base_mlp_width(strategy, w) != a
+    ):
+        # A bitsandbytes qkv returns its input's dtype (fp32 over QLoRA's residual): autocast casts q, k and v
+        # to new 16-bit tensors for SDPA, which saves those, not the fused output.
         return plain
     fused = a * t * (qd + kd + vd)
     if spec.rotary_dim:  # q, k rotated into new tensors; v is a view unless the cache copied it
@@ -901,6 +918,10 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
     elif spec.activation == "relu":
         mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
+    elif spec.activation in PYTHON_GELUS and mlp_w != a:
+        # A bitsandbytes fc1 returns its input's dtype (fp32 over QLoRA's fp32 residual): the whole GeLU runs
+        # in fp32 and keeps x (pow's input), tanh's output, 1 + tanh and 0.5·x; a frozen fc2 keeps nothing.
+        mlp.append(SavedTerm(name="mlp.gelu_python", bytes=4 * mlp_w * t * i, formula=f"4·{mlp_w}·t·i (fp32 GeLU)"))
     elif spec.activation in PYTHON_GELUS:
         # HF's Python GeLU keeps its own intermediates (x or its fp32 cast for pow, tanh's output, 1 + tanh,
         # 0.5·x), but a frozen fc2 does not keep the product it reads (matched against the GPT-2/Phi-2 trace).

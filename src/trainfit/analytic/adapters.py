@@ -18,7 +18,11 @@ attention + router + ``target_parameters`` on the experts (peft/utils/transforme
 ``_convert_peft_config_moe``), whose forward has no closed form here yet (:func:`supports_adapters`).
 
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
-one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
+one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`):
+transformers' ``replace_with_bnb_linear`` converts exactly ``nn.Linear`` and GPT-2's ``Conv1D`` (transposed to
+(out, in)), so GPT-2, Phi-2, Phi-3 (one packed ``gate_up_proj``, :func:`packed_weight_bytes`) and NeoX are packed
+like Llama; Falcon's ``FalconLinear`` subclass is not converted at all (refused, :func:`quantised_base_refusal`).
+A 4-bit layer's bias ends up in the compute dtype (``Linear4bit.forward`` recasts it on its first call).
 QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
 is not 4-bit (embeddings, norms, the LM head) to fp32.
 
@@ -64,7 +68,7 @@ from enum import StrEnum
 
 from trainfit.arch.params import LayerGroup, ParamInventory, inventory
 from trainfit.arch.spec import MlpKind, ModelSpec, ParamTensor
-from trainfit.cuda_facts import allocator_bytes
+from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.strategy import ALL_LINEAR, Adapter, AdapterKind, Quantization, Strategy
 from trainfit.strategy.adapters import FREEZE_GROUPS, layer_range
@@ -538,6 +542,47 @@ def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
     return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
 
 
+#: Model types whose layer linears are ``nn.Linear`` subclasses, which transformers' ``replace_with_bnb_linear``
+#: (transformers/integrations/bitsandbytes.py: ``isinstance(module, Conv1D) or type(module) is nn.Linear``) leaves
+#: unconverted: modeling_falcon.py ``FalconLinear(nn.Linear)``.
+_BNB_UNCONVERTED = {"falcon": "FalconLinear"}
+
+
+def quantised_base_refusal(spec: ModelSpec) -> str | None:
+    """Why a bitsandbytes base of ``spec`` is not modelled (``None`` when it is). transformers converts every
+    ``nn.Linear`` and GPT-2 ``Conv1D`` but the output head into ``Linear4bit``/``Linear8bitLt`` (Conv1D's weight
+    transposed to (out, in)), so GPT-2, Phi-2, Phi-3 and NeoX layers are packed like Llama's; Falcon's
+    ``FalconLinear`` layers are left float (its 4- and 8-bit loads quantise nothing), and MoE/MLA layers have no
+    closed form here."""
+    if spec.model_type in _BNB_UNCONVERTED:
+        return (
+            f"transformers' bitsandbytes integration (replace_with_bnb_linear) converts nn.Linear and Conv1D "
+            f"layers only, not its {_BNB_UNCONVERTED[spec.model_type]} layers, which would stay float"
+        )
+    if supports_adapters(spec) is not None:
+        return "MoE or latent-attention layers are not modelled over a quantised base"
+    return None
+
+
+def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_quant: bool) -> int:
+    """Device bytes of the bitsandbytes layer holding the layer linear weight ``t`` (allocator-rounded pieces of
+    :func:`trainfit.cuda_facts.quantized_weight_tensors`). Phi-3's gate and up are one ``gate_up_proj`` (2·i × h,
+    modeling_phi3.py ``Phi3MLP``), quantised as one tensor: its bytes go to ``gate_proj``, none to ``up_proj``."""
+    numel, rows = t.numel, t.shape[0]
+    if spec.model_type == "phi3" and t.name.endswith("mlp.up_proj.weight"):
+        return 0
+    if spec.model_type == "phi3" and t.name.endswith("mlp.gate_proj.weight"):
+        numel, rows = 2 * numel, 2 * rows
+    return sum(allocator_bytes(n) for n in quantized_weight_tensors(numel, rows, kind, double_quant=double_quant))
+
+
+def packed_bias_names(spec: ModelSpec) -> frozenset[str]:
+    """The bias tensors (inventory names) of the layer linears bitsandbytes converts."""
+    return frozenset(
+        t.name.removesuffix(".weight") + ".bias" for g in inventory(spec).layers for t in g.tensors if t.matmul
+    )
+
+
 def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool = True) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
@@ -546,12 +591,10 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
         check_targets(spec, strategy.adapter)
         if analytic or spec.params_override is not None:
             adapter_sites(spec, strategy.adapter)
-        layout = _layout_beyond_llama(spec) or ("MoE or latent-attention layers" if supports_adapters(spec) else None)
-        if layout and strategy.base_weights.quantization is not Quantization.NONE:
-            raise StrategyError(
-                f"a quantised base is modelled for Llama-style layers; {spec.name} has {layout} "
-                "(bitsandbytes' conversion of its linears is not traced yet): use a float --base-dtype"
-            )
+        if strategy.base_weights.quantization is not Quantization.NONE:
+            why = quantised_base_refusal(spec)
+            if why is not None:
+                raise StrategyError(f"a quantised base of {spec.name} is not modelled: {why}; use a float --base-dtype")
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:

@@ -24,8 +24,9 @@ What PEFT does that matters for memory, and is therefore done by PEFT itself her
 The forward runs the original transformers module, which PEFT modified in place (``peft_model.base_model.model``),
 so the stack path, the head and the checkpointing hooks of :mod:`trainfit.trace.hf` apply unchanged.
 
-A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` of the
-layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone, ``modules_to_not_convert``), then
+A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` (and
+GPT-2 ``Conv1D``) of the layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone,
+``modules_to_not_convert``), then
 ``prepare_model_for_kbit_training`` (peft/utils/other.py) casts every other parameter to fp32, then PEFT wraps
 the 4-bit layers (``peft/tuners/lora/bnb.py`` ``Linear4bit``). The bitsandbytes construction lives in
 :mod:`trainfit.trace.bnb` (shared with the ``generate`` trace). After the fake parameters are in place, each
