@@ -57,6 +57,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
         "tie_word_embeddings": False, "pad_token_id": 0,
     },
+    "bert": {  # encoder, masked LM: query/key/value, attention.output.dense, intermediate.dense, output.dense
+        "model_type": "bert", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
+        "architectures": ["BertForMaskedLM"],
+    },
     "neox": {  # query_key_value; parallel residual with two LayerNorms over the same x
         "model_type": "gpt_neox", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
         "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
@@ -91,6 +96,10 @@ LAYOUTS = [
     ("phi3", "qkv_proj,gate_up_proj", 0.1, "none", "fp32", "amp-bf16", "bf16"),
     ("neox", "all-linear", 0.0, "none", "fp32", "amp-bf16", "bf16"),
     ("neox", "all-linear", 0.1, "full", "bf16", "pure-bf16", "bf16"),
+    # BERT as transformers names it; all-linear also wraps the MLM head's transform dense (PEFT leaves out only
+    # the tied decoder). Without input gradients the embeddings' LayerNorm and dropout save nothing.
+    ("bert", "query,value", 0.0, "none", "fp32", "amp-bf16", "bf16"),
+    ("bert", "all-linear", 0.1, "full", "fp32", "amp-bf16", "bf16"),
 ]
 
 
@@ -253,6 +262,9 @@ def test_lora_on_a_4bit_base_is_not_kbit_prepared(ckpt: str) -> None:
         ("falcon", "all-linear", 4),
         ("phi3", "all-linear", 4),  # qkv_proj, o_proj, gate_up_proj, down_proj
         ("phi", "dense,fc2", 2),
+        ("bert", "query,value", 2),
+        ("bert", "all-linear", 6),  # and the MLM head's cls.predictions.transform.dense
+        ("bert", "dense", 3),  # attention.output.dense, intermediate.dense, output.dense (and the head's)
     ],
 )
 def test_the_adapters_are_the_ones_peft_builds(family: str, targets: str, modules: int) -> None:

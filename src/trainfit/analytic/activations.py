@@ -46,6 +46,7 @@ from trainfit.analytic.adapters import (
     finetuning,
     frozen_base,
     frozen_layers,
+    head_sites,
 )
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
@@ -1062,9 +1063,12 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(SavedTerm(name="embed.position_ids", bytes=8 * spec.learned_positions, formula="8·max_positions"))
         if spec.token_types:
             out.append(SavedTerm(name="embed.token_type_ids", bytes=8 * strategy.seq_len, formula="8·s"))
-    if spec.embedding_norm:
+    # Under an adapter without input gradients (adapters.input_grads_enabled) the frozen embeddings' output needs
+    # no gradient: their norm and dropout save nothing (BERT; matched against the trace, tests/trace/test_peft.py).
+    blind = frozen_base(strategy) and not input_grads_enabled(strategy)
+    if spec.embedding_norm and not blind:
         out += _norm_terms("embed_norm", t, h, spec, w)
-    if spec.embedding_dropout > 0:
+    if spec.embedding_dropout > 0 and not blind:
         out.append(SavedTerm(name="embed.dropout_mask", bytes=t * h, formula="1·t·h"))
     embedding = [dataclasses.replace(x, role=TermRole.EMBEDDING) for x in out]
     out = []
@@ -1078,8 +1082,17 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     elif spec.final_norm:
         out += _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
     if spec.kind is ModelKind.MASKED_LM:
-        # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP).
-        out.append(_matmul_inputs("mlm.dense_in", t, h, 1, nb, w))
+        # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP). Under an
+        # adapter the dense is frozen (saves no input); LoRA on it (all-linear, adapters.head_sites) saves its own.
+        if not frozen:
+            out.append(_matmul_inputs("mlm.dense_in", t, h, 1, nb, w))
+        elif strategy.adapter is not None and (sites := head_sites(spec, strategy.adapter)):
+            out += [
+                SavedTerm(name=f"lora.{x.name}", bytes=x.bytes, formula=x.formula)
+                for x in adapter_saved(
+                    sites, strategy.adapter, tokens=t, input_width={SiteInput.NORM1: nb}, amp=w.amp, compute=w.compute
+                )
+            ]
         out.append(SavedTerm(name="mlm.gelu_in", bytes=w.compute * t * h, formula="a·t·h"))
         ln_in = 4 if w.amp else w.compute
         out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))

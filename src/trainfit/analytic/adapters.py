@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit.arch.params import LayerGroup, ParamInventory, inventory
-from trainfit.arch.spec import MlpKind, ModelSpec, ParamTensor
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.strategy import ALL_LINEAR, Adapter, AdapterKind, Quantization, Strategy
@@ -121,6 +121,16 @@ _HF_NAMES: dict[str, dict[str, str]] = {
     "phi": {"o_proj": "dense"},
     "opt": {"o_proj": "out_proj"},
     "starcoder2": {"fc1": "c_fc", "fc2": "c_proj"},
+    # modeling_bert.py: BertSelfAttention query/key/value, BertSelfOutput.dense, BertIntermediate.dense,
+    # BertOutput.dense — the suffix "output.dense" matches both outputs, "dense" all three, as in PEFT.
+    "bert": {
+        "q_proj": "query",
+        "k_proj": "key",
+        "v_proj": "value",
+        "o_proj": "attention.output.dense",
+        "fc1": "intermediate.dense",
+        "fc2": "output.dense",
+    },
 }
 
 
@@ -219,7 +229,7 @@ def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
     wanted = set(adapter.targets)
     if ALL_LINEAR in wanted and len(wanted) > 1:
         raise StrategyError("give either all-linear or module names as LoRA targets, not both")
-    linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind))
+    linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind)) + _head_linears(spec)
     unknown = sorted(x for x in wanted - {ALL_LINEAR} if not any(s.matches(x) for s in linears))
     if unknown:
         names = ", ".join(dict.fromkeys(s.name.rpartition(".")[2] for s in linears))
@@ -246,21 +256,41 @@ def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
     return _matched(spec, adapter, layer_linears(spec))
 
 
-def _dense_group(inv: ParamInventory) -> LayerGroup:
-    return next(g for g in inv.layers if g.kind == "dense")
+def head_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
+    """Linears outside the layers that ``adapter`` targets: BERT's masked-LM head transform
+    (``cls.predictions.transform.dense``, h → h, modeling_bert.py ``BertPredictionHeadTransform``), reading the last
+    layer's output; ``all-linear`` wraps it (PEFT ``_maybe_include_all_linear_layers`` leaves out only the output
+    layer, the tied ``decoder``), and so does a ``dense`` target."""
+    return _matched(spec, adapter, _head_linears(spec))
 
 
-def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
-    """One layer's adapter tensors: LoRA A (r × d_in) and B (d_out × r) per site (PEFT ``update_layer``), and
-    DoRA's magnitude (d_out) — Hu et al. 2021; Liu et al. 2024."""
+def _head_linears(spec: ModelSpec) -> tuple[AdapterSite, ...]:
+    if spec.kind is not ModelKind.MASKED_LM or spec.model_type != "bert":
+        return ()
+    h = spec.hidden_size
+    return (AdapterSite(name="cls.predictions.transform.dense", d_in=h, d_out=h, reads=SiteInput.NORM1),)
+
+
+def site_tensors(sites: tuple[AdapterSite, ...], adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """LoRA A (r × d_in) and B (d_out × r) per site (PEFT ``update_layer``), and DoRA's magnitude (d_out) —
+    Hu et al. 2021; Liu et al. 2024."""
     out: list[ParamTensor] = []
     r = adapter.rank
-    for s in adapter_sites(spec, adapter):
+    for s in sites:
         out.append(ParamTensor(name=f"{s.name}.lora_A.weight", shape=(r, s.d_in), matmul=True))
         out.append(ParamTensor(name=f"{s.name}.lora_B.weight", shape=(s.d_out, r), matmul=True))
         if adapter.kind is AdapterKind.DORA:
             out.append(ParamTensor(name=f"{s.name}.lora_magnitude_vector", shape=(s.d_out,), matmul=False))
     return tuple(out)
+
+
+def _dense_group(inv: ParamInventory) -> LayerGroup:
+    return next(g for g in inv.layers if g.kind == "dense")
+
+
+def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """One layer's adapter tensors (:func:`site_tensors` of :func:`adapter_sites`)."""
+    return site_tensors(adapter_sites(spec, adapter), adapter)
 
 
 def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, layers: int) -> bool:

@@ -50,9 +50,11 @@ from trainfit.analytic.adapters import (
     adapter_tensors,
     finetuning,
     frozen_layer_counts,
+    head_sites,
     is_frozen,
     packed_bias_names,
     packed_weight_bytes,
+    site_tensors,
 )
 from trainfit.analytic.float8 import converted_weight_names
 from trainfit.arch.params import ParamInventory, inventory
@@ -254,11 +256,12 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
     if adapter is not None:
         n = sum(g.count for g in inv.layers)
         bits = adapter.dtype.bits
-        for t in adapter_tensors(spec, adapter):
+        per_layer = [(t, n) for t in adapter_tensors(spec, adapter)]
+        for t, count in per_layer + [(t, 1) for t in site_tensors(head_sites(spec, adapter), adapter)]:
             out.append(
                 ParamState(
                     tensor=t,
-                    count=n,
+                    count=count,
                     weight_bytes=_alloc(t.numel, bits),
                     trainable=True,
                     autocast_copy=r.autocast and t.matmul and bits > r.compute_bits,

@@ -105,7 +105,9 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
         target_modules=targets,
         bias="none",
         use_dora=adapter.kind is AdapterKind.DORA,
-        task_type="CAUSAL_LM",
+        # PEFT's CAUSAL_LM wrapper needs ``prepare_inputs_for_generation``; an encoder (BERT's masked LM) has
+        # none and takes the plain ``PeftModel`` (no task type), as PEFT's own encoder examples do.
+        task_type="CAUSAL_LM" if hasattr(model, "prepare_inputs_for_generation") else None,
     )
     wanted = _TORCH_DTYPES[adapter.dtype]
     with torch.device("meta"), warnings.catch_warnings():
