@@ -68,22 +68,24 @@ def rows(*, qlora_only: bool = False) -> list[str]:
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for name, targets, ckpt in itertools.product(MODELS, TARGETS, CHECKPOINTING):
-        spec = load_model(name)
-        a, b = finetune_setup("qlora", rank=16, targets=targets)
-        s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=2048)
-        t0 = time.perf_counter()
-        ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
-        worst = max(
-            ((pa.total_bytes - pt.total_bytes) / pt.total_bytes for pa, pt in zip(ra.phases, rt.phases, strict=True)),
-            key=abs,
-        )
-        w = ra.phases[0].get(Component.WEIGHTS)
-        out.append(
-            f"| {name} | {targets} | {ckpt} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "
-            f"| {worst * 100:+.2f}% | {w / GIB:.2f} |"
-        )
-        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+        out.append(_qlora_row(name, targets, ckpt))
     return out
+
+
+def _qlora_row(name: str, targets: str, ckpt: str, *, dropout: float = 0.0, seq: int = 2048) -> str:
+    """One QLoRA row: peaks, the worst phase difference and the analytic's weights (rank 16, micro-batch 1)."""
+    spec = load_model(name)
+    a, b = finetune_setup("qlora", rank=16, targets=targets, dropout=dropout)
+    s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=seq)
+    t0 = time.perf_counter()
+    ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
+    w = ra.phases[0].get(Component.WEIGHTS)
+    row = (
+        f"| {name} | {targets} | {ckpt} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "
+        f"| {_worst(ra, rt) * 100:+.2f}% | {w / GIB:.2f} |"
+    )
+    print(row, f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    return row
 
 
 #: ``--freeze`` patterns per model: the embeddings, the embeddings and the lower half of the layers, everything
@@ -218,18 +220,8 @@ def qlora_layout_rows() -> list[str]:
         "|---|---|---|---|---:|---:|---:|",
     ]
     for name, ckpt in itertools.product(QLORA_LAYOUT_MODELS, CHECKPOINTING):
-        spec = load_model(name)
-        a, b = finetune_setup("qlora", rank=16, targets="all-linear", dropout=0.05)
-        seq = min(2048, spec.max_position_embeddings or 2048)
-        s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=seq)
-        t0 = time.perf_counter()
-        ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
-        w = ra.phases[0].get(Component.WEIGHTS)
-        out.append(
-            f"| {name} | all-linear | {ckpt} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "
-            f"| {_worst(ra, rt) * 100:+.2f}% | {w / GIB:.2f} |"
-        )
-        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+        seq = min(2048, load_model(name).max_position_embeddings or 2048)
+        out.append(_qlora_row(name, "all-linear", ckpt, dropout=0.05, seq=seq))
     return out
 
 
