@@ -1174,7 +1174,12 @@ def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int
     layout = strategy.checkpoint_layout(spec.num_layers)
     segments = len(layout.segment_sizes)
     w = Widths.of(strategy)
-    kept = segments * w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
+    # A post-norm encoder (BERT: every layer ends in a LayerNorm, no final norm) hands each layer the LayerNorm's
+    # output, fp32 under CUDA autocast (layer_norm is on its fp32 list) whatever the base weights' dtype: a 16-bit
+    # base under an adapter still keeps 4·t·h per segment (matched against the trace, tests/trace/test_peft.py).
+    post_norm = spec.embedding_norm and not spec.final_norm and spec.norm is NormKind.LAYERNORM
+    width = max(w.residual, 4) if post_norm and w.amp else w.residual
+    kept = segments * width * strategy.tokens_per_micro_batch * spec.hidden_size
     # --checkpointing sac: each layer also keeps its save-list outputs until its backward
     kept += spec.num_layers * sum(x.bytes for x in sac_saved_terms(spec, strategy))
     return kept, segments, layout.largest_segment
