@@ -57,6 +57,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
         "tie_word_embeddings": False, "pad_token_id": 0,
     },
+    "bert": {  # encoder, masked LM: query/key/value, attention.output.dense, intermediate.dense, output.dense
+        "model_type": "bert", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
+        "architectures": ["BertForMaskedLM"],
+    },
     "neox": {  # query_key_value; parallel residual with two LayerNorms over the same x
         "model_type": "gpt_neox", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
         "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 512,
@@ -91,12 +96,36 @@ LAYOUTS = [
     ("phi3", "qkv_proj,gate_up_proj", 0.1, "none", "fp32", "amp-bf16", "bf16"),
     ("neox", "all-linear", 0.0, "none", "fp32", "amp-bf16", "bf16"),
     ("neox", "all-linear", 0.1, "full", "bf16", "pure-bf16", "bf16"),
+    # BERT as transformers names it; all-linear also wraps the MLM head's transform dense (PEFT leaves out only
+    # the tied decoder). Without input gradients the embeddings' LayerNorm and dropout save nothing.
+    ("bert", "query,value", 0.0, "none", "fp32", "amp-bf16", "bf16"),
+    ("bert", "all-linear", 0.1, "full", "fp32", "amp-bf16", "bf16"),
+]
+
+
+# A quantised base on those layouts: transformers' replace_with_bnb_linear converts GPT-2's Conv1D (weight
+# transposed) and every exact nn.Linear but the head; a 4-bit layer returns its input's dtype (fp32 over QLoRA's
+# residual), so the MLP and q/k/v are fp32 and autocast copies q/k/v for SDPA. (Falcon's FalconLinear is left
+# float by transformers: refused, test_falcon_quantised_base_is_refused.) GPT-2 and Phi-2 with full checkpointing
+# and dropout are 2.7% apart in backward, as their float-base rows are (2.6%: the checkpointed GeLU block).
+QLORA_LAYOUTS = [
+    ("gpt2", "all-linear", 0.0, "none", "fp32", "amp-bf16", "nf4"),
+    ("gpt2", "c_attn,c_proj", 0.1, "full", "fp32", "amp-bf16", "nf4"),
+    ("phi", "all-linear", 0.0, "none", "fp32", "amp-bf16", "nf4"),
+    ("phi", "dense,fc2", 0.1, "full", "fp32", "amp-bf16", "fp4"),
+    ("phi3", "all-linear", 0.1, "none", "fp32", "amp-bf16", "nf4"),
+    ("phi3", "qkv_proj,gate_up_proj", 0.0, "full", "fp32", "amp-bf16", "nf4"),
+    ("neox", "all-linear", 0.1, "full", "fp32", "amp-bf16", "nf4"),
+    ("neox", "query_key_value", 0.0, "none", "fp32", "amp-bf16", "fp4"),
 ]
 
 
 @pytest.mark.parametrize(
     ("family", "targets", "dropout", "ckpt", "adapter_dtype", "precision", "base"),
-    MATRIX + [pytest.param(*x, marks=pytest.mark.slow) for x in LAYOUTS],
+    MATRIX
+    + [pytest.param(*x, marks=pytest.mark.slow) for x in LAYOUTS]
+    + [pytest.param(*x, marks=pytest.mark.slow) for x in QLORA_LAYOUTS[1:]]
+    + QLORA_LAYOUTS[:1],
 )
 def test_lora_analytic_agrees_with_the_peft_trace(
     family: str, targets: str, dropout: float, ckpt: str, adapter_dtype: str, precision: str, base: str | None
@@ -138,6 +167,72 @@ def test_qlora_trace_stores_the_base_byte_exact() -> None:
     assert rt.phases[-1].get(Component.WEIGHTS) == analytic + 2 * 512
 
 
+@pytest.mark.parametrize(
+    ("family", "rotary_blocks"),
+    [
+        ("gpt2", 0),
+        ("phi3", 2),
+        pytest.param("phi", 2, marks=pytest.mark.slow),
+        pytest.param("neox", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_qlora_trace_stores_other_layouts_byte_exact(family: str, rotary_blocks: int) -> None:
+    """As above on GPT-2 (Conv1D c_attn/c_proj/c_fc converted by transformers, weight transposed to (out, in)),
+    Phi-2, Phi-3 (one 4-bit ``gate_up_proj``: one set of quantisation statistics, not two) and NeoX: the
+    analytic packs each converted linear as the trace's bitsandbytes layers hold it, and a 4-bit layer's bias in
+    the compute dtype (``Linear4bit.forward`` recasts it on the first call)."""
+    spec = spec_from_config(FAMILIES[family], name=f"small-{family}", source="test")
+    a, b = finetune_setup("qlora", rank=8, targets="all-linear")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=64, checkpointing="full")
+    ra, rt = estimate(spec, s), estimate(spec, s, method="trace", simulate_allocator=False)
+    from trainfit.result import Component
+
+    analytic = ra.phases[-1].get(Component.WEIGHTS) + ra.phases[-1].get(Component.ADAPTER_WEIGHTS)
+    assert rt.phases[-1].get(Component.WEIGHTS) == analytic + rotary_blocks * 512
+    assert rt.phases[-1].get(Component.AUTOCAST_COPIES) == 0  # no bias recast in the forward
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "phi3", "neox", "falcon"])
+def test_the_trace_converts_the_linears_transformers_converts(family: str) -> None:
+    """trainfit.trace.bnb against transformers' own ``replace_with_bnb_linear`` (with
+    ``get_keys_to_not_convert``, as ``from_pretrained`` calls it) on the same meta model: the same modules become
+    ``Linear4bit``, with the same (in, out) features — GPT-2's Conv1D included, Falcon's FalconLinear (an
+    ``nn.Linear`` subclass) left alone by both."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    bnb = pytest.importorskip("bitsandbytes")
+    from trainfit.trace.bnb import to_linear4bit
+    from trainfit.trace.hf import build_meta
+
+    spec = spec_from_config(FAMILIES[family], name=f"small-{family}", source="test")
+    s = Strategy(micro_batch=1, seq_len=32)
+
+    def converted(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
+        return {n: (x.in_features, x.out_features) for n, x in m.named_modules() if isinstance(x, bnb.nn.Linear4bit)}
+
+    ours, _ = build_meta(spec, s, torch.float32)
+    to_linear4bit(ours, quant_type="nf4", double_quant=True, compute=torch.bfloat16)
+    theirs, _ = build_meta(spec, s, torch.float32)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs), quantization_config=config)
+    assert converted(ours) == converted(theirs)
+    assert (len(converted(ours)) == 0) == (family == "falcon")
+
+
+def test_falcon_quantised_base_is_refused_by_both_methods() -> None:
+    from trainfit.errors import StrategyError
+
+    spec = spec_from_config(FAMILIES["falcon"], name="small-falcon", source="test")
+    a, b = finetune_setup("qlora", rank=8, targets="all-linear")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=32)
+    for method in ("analytic", "trace"):
+        with pytest.raises(StrategyError, match="not its FalconLinear layers"):
+            estimate(spec, s, method=method)
+
+
 @pytest.mark.parametrize("ckpt", ["none", "full"])
 def test_lora_on_a_4bit_base_is_not_kbit_prepared(ckpt: str) -> None:
     """``--finetune lora --base-dtype nf4`` is a 4-bit base wrapped by ``get_peft_model`` alone; QLoRA is the same
@@ -167,6 +262,9 @@ def test_lora_on_a_4bit_base_is_not_kbit_prepared(ckpt: str) -> None:
         ("falcon", "all-linear", 4),
         ("phi3", "all-linear", 4),  # qkv_proj, o_proj, gate_up_proj, down_proj
         ("phi", "dense,fc2", 2),
+        ("bert", "query,value", 2),
+        ("bert", "all-linear", 6),  # and the MLM head's cls.predictions.transform.dense
+        ("bert", "dense", 3),  # attention.output.dense, intermediate.dense, output.dense (and the head's)
     ],
 )
 def test_the_adapters_are_the_ones_peft_builds(family: str, targets: str, modules: int) -> None:

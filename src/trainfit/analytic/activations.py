@@ -46,6 +46,7 @@ from trainfit.analytic.adapters import (
     finetuning,
     frozen_base,
     frozen_layers,
+    head_sites,
     moe_param_sites,
 )
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
@@ -494,12 +495,20 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     the residual stream's by cos/sin, fp32 under autocast — and v. The attention kernel saves a copy itself
     when it needs a cast (autocast), repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
     loses ``enable_gqa``) or the math kernel's scaled/upcast copies; then the cache's copy is extra. 0 without
-    the cache, for fused qkv and for MLA."""
-    if not _kv_cache_active(spec, strategy) or spec.fused_qkv or spec.mla is not None:
+    the cache and for MLA; for a fused qkv (k and v views of one output that SDPA keeps), 0 unless a
+    bitsandbytes qkv returns its input's dtype (``Linear4bit.forward``: ``.to(inp_dtype)``, fp32 over QLoRA's
+    fp32 residual): under autocast SDPA then saves its own 16-bit copies and the cache's fp32 k and v are extra."""
+    if not _kv_cache_active(spec, strategy) or spec.mla is not None:
         return 0
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     kd = spec.kv_dim
+    if spec.fused_qkv:
+        quantised = strategy.base_weights.quantization is not Quantization.NONE
+        width = frozen_base_mlp_width(strategy, w)
+        if not (quantised and w.amp and width != w.compute):
+            return 0
+        return (max(width, w.residual) if spec.rotary_dim else width) * t * kd + width * t * kd
     k_width = max(w.compute, w.residual) if spec.rotary_dim else w.compute
     gqa = spec.num_kv_heads < spec.num_heads
     if strategy.attention is Attention.EAGER:
@@ -532,6 +541,15 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
     )
     if not spec.fused_qkv or spec.mla is not None or spec.sdpa_kv_expanded:
         # (Falcon's new architecture copies k and v out of the fused output while expanding them.)
+        return plain
+    w = Widths.of(strategy)
+    if (
+        strategy.base_weights.quantization is not Quantization.NONE
+        and w.amp
+        and frozen_base_mlp_width(strategy, w) != a
+    ):
+        # A bitsandbytes qkv returns its input's dtype (fp32 over QLoRA's residual): autocast casts q, k and v
+        # to new 16-bit tensors for SDPA, which saves those, not the fused output.
         return plain
     fused = a * t * (qd + kd + vd)
     if spec.rotary_dim:  # q, k rotated into new tensors; v is a view unless the cache copied it
@@ -907,6 +925,10 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
         mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
     elif spec.activation == "relu":
         mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
+    elif spec.activation in PYTHON_GELUS and mlp_w != a:
+        # A bitsandbytes fc1 returns its input's dtype (fp32 over QLoRA's fp32 residual): the whole GeLU runs
+        # in fp32 and keeps x (pow's input), tanh's output, 1 + tanh and 0.5·x; a frozen fc2 keeps nothing.
+        mlp.append(SavedTerm(name="mlp.gelu_python", bytes=4 * mlp_w * t * i, formula=f"4·{mlp_w}·t·i (fp32 GeLU)"))
     elif spec.activation in PYTHON_GELUS:
         # HF's Python GeLU keeps its own intermediates (x or its fp32 cast for pow, tanh's output, 1 + tanh,
         # 0.5·x), but a frozen fc2 does not keep the product it reads (matched against the GPT-2/Phi-2 trace).
@@ -1164,9 +1186,12 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out.append(SavedTerm(name="embed.position_ids", bytes=8 * spec.learned_positions, formula="8·max_positions"))
         if spec.token_types:
             out.append(SavedTerm(name="embed.token_type_ids", bytes=8 * strategy.seq_len, formula="8·s"))
-    if spec.embedding_norm:
+    # Under an adapter without input gradients (adapters.input_grads_enabled) the frozen embeddings' output needs
+    # no gradient: their norm and dropout save nothing (BERT; matched against the trace, tests/trace/test_peft.py).
+    blind = frozen_base(strategy) and not input_grads_enabled(strategy)
+    if spec.embedding_norm and not blind:
         out += _norm_terms("embed_norm", t, h, spec, w)
-    if spec.embedding_dropout > 0:
+    if spec.embedding_dropout > 0 and not blind:
         out.append(SavedTerm(name="embed.dropout_mask", bytes=t * h, formula="1·t·h"))
     embedding = [dataclasses.replace(x, role=TermRole.EMBEDDING) for x in out]
     out = []
@@ -1180,8 +1205,17 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     elif spec.final_norm:
         out += _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
     if spec.kind is ModelKind.MASKED_LM:
-        # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP).
-        out.append(_matmul_inputs("mlm.dense_in", t, h, 1, nb, w))
+        # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP). Under an
+        # adapter the dense is frozen (saves no input); LoRA on it (all-linear, adapters.head_sites) saves its own.
+        if not frozen:
+            out.append(_matmul_inputs("mlm.dense_in", t, h, 1, nb, w))
+        elif strategy.adapter is not None and (sites := head_sites(spec, strategy.adapter)):
+            out += [
+                SavedTerm(name=f"lora.{x.name}", bytes=x.bytes, formula=x.formula)
+                for x in adapter_saved(
+                    sites, strategy.adapter, tokens=t, input_width={SiteInput.NORM1: nb}, amp=w.amp, compute=w.compute
+                )
+            ]
         out.append(SavedTerm(name="mlm.gelu_in", bytes=w.compute * t * h, formula="a·t·h"))
         ln_in = 4 if w.amp else w.compute
         out.append(SavedTerm(name="mlm.norm", bytes=ln_in * t * h + 8 * t, formula="4·t·h + 8·t"))
@@ -1263,7 +1297,12 @@ def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int
     layout = strategy.checkpoint_layout(spec.num_layers)
     segments = len(layout.segment_sizes)
     w = Widths.of(strategy)
-    kept = segments * w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
+    # A post-norm encoder (BERT: every layer ends in a LayerNorm, no final norm) hands each layer the LayerNorm's
+    # output, fp32 under CUDA autocast (layer_norm is on its fp32 list) whatever the base weights' dtype: a 16-bit
+    # base under an adapter still keeps 4·t·h per segment (matched against the trace, tests/trace/test_peft.py).
+    post_norm = spec.embedding_norm and not spec.final_norm and spec.norm is NormKind.LAYERNORM
+    width = max(w.residual, 4) if post_norm and w.amp else w.residual
+    kept = segments * width * strategy.tokens_per_micro_batch * spec.hidden_size
     # --checkpointing sac: each layer also keeps its save-list outputs until its backward
     kept += spec.num_layers * sum(x.bytes for x in sac_saved_terms(spec, strategy))
     return kept, segments, layout.largest_segment

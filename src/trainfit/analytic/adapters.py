@@ -34,7 +34,11 @@ DeepSeek's converted stacks with shared experts and leading dense layers, and mu
 traced only (:func:`supports_adapters`).
 
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
-one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`).
+one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`):
+transformers' ``replace_with_bnb_linear`` converts exactly ``nn.Linear`` and GPT-2's ``Conv1D`` (transposed to
+(out, in)), so GPT-2, Phi-2, Phi-3 (one packed ``gate_up_proj``, :func:`packed_weight_bytes`) and NeoX are packed
+like Llama; Falcon's ``FalconLinear`` subclass is not converted at all (refused, :func:`quantised_base_refusal`).
+A 4-bit layer's bias ends up in the compute dtype (``Linear4bit.forward`` recasts it on its first call).
 QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
 is not 4-bit (embeddings, norms, the LM head) to fp32.
 
@@ -79,8 +83,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit.arch.params import LayerGroup, ParamInventory, inventory
-from trainfit.arch.spec import MlpKind, ModelSpec, ParamTensor
-from trainfit.cuda_facts import allocator_bytes
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, ParamTensor
+from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.strategy import ALL_LINEAR, Adapter, AdapterKind, Quantization, Strategy
 from trainfit.strategy.adapters import FREEZE_GROUPS, layer_range
@@ -133,6 +137,16 @@ _HF_NAMES: dict[str, dict[str, str]] = {
     "phi": {"o_proj": "dense"},
     "opt": {"o_proj": "out_proj"},
     "starcoder2": {"fc1": "c_fc", "fc2": "c_proj"},
+    # modeling_bert.py: BertSelfAttention query/key/value, BertSelfOutput.dense, BertIntermediate.dense,
+    # BertOutput.dense — the suffix "output.dense" matches both outputs, "dense" all three, as in PEFT.
+    "bert": {
+        "q_proj": "query",
+        "k_proj": "key",
+        "v_proj": "value",
+        "o_proj": "attention.output.dense",
+        "fc1": "intermediate.dense",
+        "fc2": "output.dense",
+    },
 }
 
 
@@ -310,7 +324,7 @@ def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
     wanted = set(adapter.targets)
     if ALL_LINEAR in wanted and len(wanted) > 1:
         raise StrategyError("give either all-linear or module names as LoRA targets, not both")
-    linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind))
+    linears = tuple(s for g in inventory(spec).layers for s in layer_linears(spec, g.kind)) + _head_linears(spec)
     family = moe_family(spec)
     moe_names = set(_MOE_TARGETS[family]) if family is not None else set()
     unknown = sorted(x for x in wanted - {ALL_LINEAR} - moe_names if not any(s.matches(x) for s in linears))
@@ -339,16 +353,27 @@ def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
     return _matched(spec, adapter, layer_linears(spec))
 
 
-def _dense_group(inv: ParamInventory) -> LayerGroup:
-    return next(g for g in inv.layers if g.kind == "dense")
+def head_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
+    """Linears outside the layers that ``adapter`` targets: BERT's masked-LM head transform
+    (``cls.predictions.transform.dense``, h → h, modeling_bert.py ``BertPredictionHeadTransform``), reading the last
+    layer's output; ``all-linear`` wraps it (PEFT ``_maybe_include_all_linear_layers`` leaves out only the output
+    layer, the tied ``decoder``), and so does a ``dense`` target."""
+    return _matched(spec, adapter, _head_linears(spec))
 
 
-def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
-    """One layer's adapter tensors: LoRA A (r × d_in) and B (d_out × r) per site (PEFT ``update_layer``), and
-    DoRA's magnitude (d_out) — Hu et al. 2021; Liu et al. 2024."""
+def _head_linears(spec: ModelSpec) -> tuple[AdapterSite, ...]:
+    if spec.kind is not ModelKind.MASKED_LM or spec.model_type != "bert":
+        return ()
+    h = spec.hidden_size
+    return (AdapterSite(name="cls.predictions.transform.dense", d_in=h, d_out=h, reads=SiteInput.NORM1),)
+
+
+def site_tensors(sites: tuple[AdapterSite, ...], adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """LoRA A (r × d_in) and B (d_out × r) per site (PEFT ``update_layer``), and DoRA's magnitude (d_out) —
+    Hu et al. 2021; Liu et al. 2024."""
     out: list[ParamTensor] = []
     r = adapter.rank
-    for s in adapter_sites(spec, adapter):
+    for s in sites:
         out.append(ParamTensor(name=f"{s.name}.lora_A.weight", shape=(r, s.d_in), matmul=True))
         out.append(ParamTensor(name=f"{s.name}.lora_B.weight", shape=(s.d_out, r), matmul=True))
         if adapter.kind is AdapterKind.DORA:
@@ -361,6 +386,15 @@ def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...
         out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_A.weight", shape=(rank, p.d_in), matmul=mm))
         out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_B.weight", shape=(p.d_out, rank), matmul=mm))
     return tuple(out)
+
+
+def _dense_group(inv: ParamInventory) -> LayerGroup:
+    return next(g for g in inv.layers if g.kind == "dense")
+
+
+def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """One layer's adapter tensors (:func:`site_tensors` of :func:`adapter_sites`)."""
+    return site_tensors(adapter_sites(spec, adapter), adapter)
 
 
 def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, layers: int) -> bool:
@@ -642,6 +676,47 @@ def _anything_trains(spec: ModelSpec, strategy: Strategy) -> bool:
     return any(not is_frozen(t, patterns, i, layers=layers) for i in range(layers) for t in stack)
 
 
+#: Model types whose layer linears are ``nn.Linear`` subclasses, which transformers' ``replace_with_bnb_linear``
+#: (transformers/integrations/bitsandbytes.py: ``isinstance(module, Conv1D) or type(module) is nn.Linear``) leaves
+#: unconverted: modeling_falcon.py ``FalconLinear(nn.Linear)``.
+_BNB_UNCONVERTED = {"falcon": "FalconLinear"}
+
+
+def quantised_base_refusal(spec: ModelSpec) -> str | None:
+    """Why a bitsandbytes base of ``spec`` is not modelled (``None`` when it is). transformers converts every
+    ``nn.Linear`` and GPT-2 ``Conv1D`` but the output head into ``Linear4bit``/``Linear8bitLt`` (Conv1D's weight
+    transposed to (out, in)), so GPT-2, Phi-2, Phi-3 and NeoX layers are packed like Llama's; Falcon's
+    ``FalconLinear`` layers are left float (its 4- and 8-bit loads quantise nothing), and MoE/MLA layers have no
+    closed form here."""
+    if spec.model_type in _BNB_UNCONVERTED:
+        return (
+            f"transformers' bitsandbytes integration (replace_with_bnb_linear) converts nn.Linear and Conv1D "
+            f"layers only, not its {_BNB_UNCONVERTED[spec.model_type]} layers, which would stay float"
+        )
+    if spec.moe is not None or spec.mla is not None or supports_adapters(spec) is not None:
+        return "MoE or latent-attention layers are not modelled over a quantised base"
+    return None
+
+
+def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_quant: bool) -> int:
+    """Device bytes of the bitsandbytes layer holding the layer linear weight ``t`` (allocator-rounded pieces of
+    :func:`trainfit.cuda_facts.quantized_weight_tensors`). Phi-3's gate and up are one ``gate_up_proj`` (2·i × h,
+    modeling_phi3.py ``Phi3MLP``), quantised as one tensor: its bytes go to ``gate_proj``, none to ``up_proj``."""
+    numel, rows = t.numel, t.shape[0]
+    if spec.model_type == "phi3" and t.name.endswith("mlp.up_proj.weight"):
+        return 0
+    if spec.model_type == "phi3" and t.name.endswith("mlp.gate_proj.weight"):
+        numel, rows = 2 * numel, 2 * rows
+    return sum(allocator_bytes(n) for n in quantized_weight_tensors(numel, rows, kind, double_quant=double_quant))
+
+
+def packed_bias_names(spec: ModelSpec) -> frozenset[str]:
+    """The bias tensors (inventory names) of the layer linears bitsandbytes converts."""
+    return frozenset(
+        t.name.removesuffix(".weight") + ".bias" for g in inventory(spec).layers for t in g.tensors if t.matmul
+    )
+
+
 def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool = True) -> None:
     """Refuse, in one line, a fine-tuning setup this model cannot have or the method does not model: a
     target or ``--freeze`` name the model lacks, an adapter on a layer layout the closed forms do not cover,
@@ -672,12 +747,10 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
                     "attention-input target (q_proj, k_proj or v_proj); add one, use --checkpointing full, or "
                     "--method trace"
                 )
-        layout = _layout_beyond_llama(spec) or ("MoE or latent-attention layers" if supports_adapters(spec) else None)
-        if layout and strategy.base_weights.quantization is not Quantization.NONE:
-            raise StrategyError(
-                f"a quantised base is modelled for Llama-style layers; {spec.name} has {layout} "
-                "(bitsandbytes' conversion of its linears is not traced yet): use a float --base-dtype"
-            )
+        if strategy.base_weights.quantization is not Quantization.NONE:
+            why = quantised_base_refusal(spec)
+            if why is not None:
+                raise StrategyError(f"a quantised base of {spec.name} is not modelled: {why}; use a float --base-dtype")
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:

@@ -49,7 +49,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.analytic.adapters import adapter_tensors, finetuning, frozen_layer_counts, is_frozen
+from trainfit.analytic.adapters import (
+    adapter_tensors,
+    finetuning,
+    frozen_layer_counts,
+    head_sites,
+    is_frozen,
+    packed_bias_names,
+    packed_weight_bytes,
+    site_tensors,
+)
 from trainfit.analytic.float8 import converted_weight_names
 from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
@@ -207,7 +216,13 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
     adapter = strategy.adapter
     out: list[ParamState] = []
 
+    # Linear4bit.forward casts its bias to the compute dtype on the first call, for good (bitsandbytes/nn/modules.py:
+    # ``bias.data = bias.data.to(x.dtype)`` after ``x.to(compute_dtype)``): a 4-bit layer's bias is that wide.
+    bias_4bit = packed_bias_names(spec) if quant is not None and quant.bits == 4 else frozenset()
+
     def frozen_bits(t: ParamTensor) -> int:
+        if t.name in bias_4bit:
+            return r.compute_bits
         bits = r.weight_bits if base.dtype is None else base.dtype.bits
         return 32 if base.kbit_prepared and bits == 16 else bits
 
@@ -217,8 +232,8 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
         packed = quant is not None and not trainable and t.matmul and in_layer
         if packed:
             assert quant is not None
-            pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
-            weight, bits = sum(allocator_bytes(n) for n in pieces), quant.bits
+            weight = packed_weight_bytes(spec, t, quant.value, double_quant=base.double_quant)
+            bits = quant.bits
         else:
             bits = r.weight_bits if trainable else frozen_bits(t)
             weight = _alloc(t.numel, bits)
@@ -244,11 +259,12 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
     if adapter is not None:
         n = sum(g.count for g in inv.layers)
         bits = adapter.dtype.bits
-        for t in adapter_tensors(spec, adapter):
+        per_layer = [(t, n) for t in adapter_tensors(spec, adapter)]
+        for t, count in per_layer + [(t, 1) for t in site_tensors(head_sites(spec, adapter), adapter)]:
             out.append(
                 ParamState(
                     tensor=t,
-                    count=n,
+                    count=count,
                     weight_bytes=_alloc(t.numel, bits),
                     trainable=True,
                     autocast_copy=r.autocast and t.matmul and bits > r.compute_bits,

@@ -1,14 +1,18 @@
 """bitsandbytes layers on fake tensors, shared by the training trace (QLoRA / LLM.int8 bases, trace/peft.py) and
 the ``generate`` trace (``--dtype int8|nf4|fp4``, trace/generate.py).
 
-Construction (moved here from trace/peft.py, unchanged): every ``nn.Linear`` but the output head becomes a meta
-``bnb.nn.Linear4bit`` / ``bnb.nn.Linear8bitLt``, as transformers' ``replace_with_bnb_linear`` does (the head is
-in ``modules_to_not_convert``); once the model's parameters are fake tensors, each 4-bit weight is quantised
+Construction: every module transformers' ``replace_with_bnb_linear`` (transformers/integrations/bitsandbytes.py)
+converts becomes a meta ``bnb.nn.Linear4bit`` / ``bnb.nn.Linear8bitLt`` — exactly ``nn.Linear`` (a subclass such
+as Falcon's ``FalconLinear`` stays float) and GPT-2's ``Conv1D``, whose (in, out) weight its quantize op transposes
+to (out, in) — but the output head (``modules_to_not_convert``, checked against transformers' own function in
+tests/trace/test_peft.py); once the model's parameters are fake tensors, each 4-bit weight is quantised
 *on a fake tensor* with ``bitsandbytes.functional.quantize_4bit`` (DESIGN §4.4) and kept as a plain frozen
 parameter carrying its ``quant_state``, whose tensors (absmax, nested absmax, codes, offset) are registered as
 buffers so they count as weights; double quantisation builds ``name2qmap["dynamic"]`` lazily with a
 data-dependent ``tolist``, so it is built outside fake mode and handed in as a fake tensor. Each LLM.int8
 weight becomes what ``Int8Params._quantize`` leaves: the int8 ``CB`` (N × K) with fp32 row scales ``SCB``.
+A 4-bit layer's bias is made the compute dtype up front: ``Linear4bit.forward`` recasts it so on its first call
+(``bias.data = bias.data.to(x.dtype)``), and it should count as a weight, not as a forward's copy.
 
 Forward kernels (:class:`CudaBnbKernels`, used by the ``generate`` trace). Under fake tensors bitsandbytes'
 custom ops run their ``register_fake`` kernels, which allocate only the output; a GPU runs the CUDA kernels of
@@ -57,32 +61,58 @@ def require_bnb() -> Any:
         ) from None
 
 
+def _conv1d() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # a model without transformers has no Conv1D
+        return None
+    return Conv1D
+
+
+def converted_linear(module: torch.nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a module transformers' ``replace_with_bnb_linear``
+    (transformers/integrations/bitsandbytes.py) turns into a bitsandbytes layer, else ``None``: exactly
+    ``nn.Linear`` (``type(module) is nn.Linear``: a subclass such as Falcon's ``FalconLinear`` stays float) or
+    GPT-2's ``Conv1D``, whose weight is stored (in, out): its ``Bnb4bitQuantize``/``Bnb8bitQuantize`` transpose
+    the checkpoint's weight, so the bitsandbytes layer holds it (out, in) like any linear."""
+    conv1d = _conv1d()
+    if conv1d is not None and isinstance(module, conv1d):
+        weight: Any = module.weight
+        n_in, n_out = weight.shape
+        return int(n_in), int(n_out)
+    if type(module) is torch.nn.Linear:
+        return module.in_features, module.out_features
+    return None
+
+
 def _replace_linears(model: torch.nn.Module, make: Any) -> None:
     m: Any = model
     head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child is head:
+            shape = converted_linear(child)
+            if shape is None or child is head:
                 continue
-            q = make(child)
-            if child.bias is not None:
+            bias: Any = child.bias
+            q = make(*shape, bias is not None)
+            if bias is not None:
                 # The checkpoint's bias loads in the model's dtype; a fresh bitsandbytes layer makes it in the
                 # default dtype, and its forward would cast it on the first call (``bias.data = ...``).
-                q.bias = torch.nn.Parameter(q.bias.to(child.bias.dtype), requires_grad=child.bias.requires_grad)
+                q.bias = torch.nn.Parameter(q.bias.to(bias.dtype), requires_grad=bias.requires_grad)
             setattr(parent, name, q)
 
 
 def to_linear4bit(model: torch.nn.Module, *, quant_type: str, double_quant: bool, compute: torch.dtype) -> None:
-    """Replace every ``nn.Linear`` but the output head with a meta ``bnb.nn.Linear4bit`` (transformers'
-    ``replace_with_bnb_linear``; the head is in ``modules_to_not_convert``); ``compute``:
-    ``bnb_4bit_compute_dtype``."""
+    """Replace every ``nn.Linear`` and GPT-2 ``Conv1D`` but the output head (:func:`converted_linear`) with a
+    meta ``bnb.nn.Linear4bit`` (transformers' ``replace_with_bnb_linear``; the head is in
+    ``modules_to_not_convert``); ``compute``: ``bnb_4bit_compute_dtype``."""
     bnb = require_bnb()
     _replace_linears(
         model,
-        lambda child: bnb.nn.Linear4bit(
-            child.in_features,
-            child.out_features,
-            bias=child.bias is not None,
+        lambda n_in, n_out, bias: bnb.nn.Linear4bit(
+            n_in,
+            n_out,
+            bias=bias,
             compute_dtype=compute,
             compress_statistics=double_quant,
             quant_type=quant_type,
@@ -103,10 +133,10 @@ def to_linear8bit(model: torch.nn.Module, *, threshold: float = 0.0) -> None:
     bnb = require_bnb()
     _replace_linears(
         model,
-        lambda child: bnb.nn.Linear8bitLt(
-            child.in_features,
-            child.out_features,
-            bias=child.bias is not None,
+        lambda n_in, n_out, bias: bnb.nn.Linear8bitLt(
+            n_in,
+            n_out,
+            bias=bias,
             has_fp16_weights=False,
             threshold=threshold,
             device="meta",
@@ -180,6 +210,12 @@ def four_bit_weights(
                     parts += [qs.offset, qs.state2.absmax, qs.state2.code]
                 for k, t in enumerate(parts):
                     mod.register_buffer(f"_trainfit_quant_{k}", t, persistent=False)
+                if mod.bias is not None and mod.bias.dtype != compute:
+                    # ``Linear4bit.forward`` casts its input to ``compute_dtype`` and then, on the first call,
+                    # the bias to it for good (``bias.data = bias.data.to(x.dtype)``): after one step the bias
+                    # of a 4-bit layer is a compute-dtype parameter, whatever prepare_model_for_kbit_training
+                    # made it. Done here so that it counts as a weight, not as a copy made in the forward.
+                    mod.bias.data = mod.bias.data.to(compute)
                 # This frame lives through the run: keep no reference to the last weight, which a framework
                 # that replaces the parameters (FSDP2's shards) would otherwise leave alive.
                 del w, packed, weight

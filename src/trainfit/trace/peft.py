@@ -25,8 +25,9 @@ What PEFT does that matters for memory, and is therefore done by PEFT itself her
 The forward runs the original transformers module, which PEFT modified in place (``peft_model.base_model.model``),
 so the stack path, the head and the checkpointing hooks of :mod:`trainfit.trace.hf` apply unchanged.
 
-A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` of the
-layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone, ``modules_to_not_convert``), then
+A 4-bit base (QLoRA) is built as transformers' bitsandbytes integration builds it: every ``nn.Linear`` (and
+GPT-2 ``Conv1D``) of the layer stack becomes a ``bnb.nn.Linear4bit`` (the output head is left alone,
+``modules_to_not_convert``), then
 ``prepare_model_for_kbit_training`` (peft/utils/other.py) casts every other parameter to fp32, then PEFT wraps
 the 4-bit layers (``peft/tuners/lora/bnb.py`` ``Linear4bit``). The bitsandbytes construction lives in
 :mod:`trainfit.trace.bnb` (shared with the ``generate`` trace). After the fake parameters are in place, each
@@ -105,7 +106,9 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
         target_modules=targets,
         bias="none",
         use_dora=adapter.kind is AdapterKind.DORA,
-        task_type="CAUSAL_LM",
+        # PEFT's CAUSAL_LM wrapper needs ``prepare_inputs_for_generation``; an encoder (BERT's masked LM) has
+        # none and takes the plain ``PeftModel`` (no task type), as PEFT's own encoder examples do.
+        task_type="CAUSAL_LM" if hasattr(model, "prepare_inputs_for_generation") else None,
     )
     wanted = _TORCH_DTYPES[adapter.dtype]
     with torch.device("meta"), warnings.catch_warnings():
