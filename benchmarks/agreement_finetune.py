@@ -11,8 +11,8 @@ cross-entropy, torchtune's activation offloading), full fine-tuning (their own m
 ``--layouts``: LoRA on fused-qkv and parallel-block layouts (GPT-2's Conv1D, Phi-2, Falcon, NeoX) and DoRA with
 dropout (their own marked section); ``--layouts-qlora``: QLoRA on those layouts (its own marked section).
 ``--moe``: LoRA on transformers 5 MoE models (Mixtral, Qwen3-MoE; PEFT's target_parameters on the experts).
-Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts | --layouts-qlora | --moe] [--write]
-(--write replaces the marked section of
+Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts | --layouts-qlora | --moe]
+[--write] (--write replaces the marked section of
 docs/accuracy.md)
 """
 

@@ -378,13 +378,6 @@ def site_tensors(sites: tuple[AdapterSite, ...], adapter: Adapter) -> tuple[Para
         out.append(ParamTensor(name=f"{s.name}.lora_B.weight", shape=(s.d_out, r), matmul=True))
         if adapter.kind is AdapterKind.DORA:
             out.append(ParamTensor(name=f"{s.name}.lora_magnitude_vector", shape=(s.d_out,), matmul=False))
-    for p in moe_param_sites(spec, adapter):
-        # The router's delta B·A is a matmul under autocast (cached 16-bit copies of A and B); an expert stack's
-        # factors are cast to the weight's dtype explicitly (moe_adapter_saved), no autocast copy.
-        rank = p.rank * p.experts
-        mm = p.experts == 1
-        out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_A.weight", shape=(rank, p.d_in), matmul=mm))
-        out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_B.weight", shape=(p.d_out, rank), matmul=mm))
     return tuple(out)
 
 
@@ -393,8 +386,17 @@ def _dense_group(inv: ParamInventory) -> LayerGroup:
 
 
 def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
-    """One layer's adapter tensors (:func:`site_tensors` of :func:`adapter_sites`)."""
-    return site_tensors(adapter_sites(spec, adapter), adapter)
+    """One layer's adapter tensors (:func:`site_tensors` of :func:`adapter_sites`, then the MoE router's and expert
+    stacks' pairs of :func:`moe_param_sites`)."""
+    out = list(site_tensors(adapter_sites(spec, adapter), adapter))
+    for p in moe_param_sites(spec, adapter):
+        # The router's delta B·A is a matmul under autocast (cached 16-bit copies of A and B); an expert stack's
+        # factors are cast to the weight's dtype explicitly (moe_adapter_saved), no autocast copy.
+        rank = p.rank * p.experts
+        mm = p.experts == 1
+        out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_A.weight", shape=(rank, p.d_in), matmul=mm))
+        out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_B.weight", shape=(p.d_out, rank), matmul=mm))
+    return tuple(out)
 
 
 def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, layers: int) -> bool:
