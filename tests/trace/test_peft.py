@@ -245,6 +245,8 @@ MOE_SLOW = [
     ("qwen3_moe", "down_proj,q_proj,v_proj", "full", "fp32", "amp-bf16", "bf16"),
     ("qwen2_moe", "all-linear", "none", "fp32", "amp-bf16", "bf16"),
     ("qwen2_moe", "q_proj,v_proj", "none", "fp32", "amp-bf16", "bf16"),
+    ("qwen2_moe", "all-linear", "none", "fp32", "amp-bf16", None),  # fp32 experts, frozen: GroupedMmBackward0
+    ("qwen3_moe", "all-linear", "selective", "fp32", "amp-bf16", "bf16"),  # the frozen core's output not kept
 ]
 
 
