@@ -135,3 +135,31 @@ def test_softmax_on_real_tensors_is_untouched() -> None:
     with K.CudaKernels():
         y = F.softmax(x, dim=-1, dtype=torch.float32)
     assert y.dtype == torch.float32 and torch.allclose(y, torch.full((2, 3), 1 / 3))
+
+
+def _grouped_saves_and_grads(call: object, a_grad: bool, b_grad: bool) -> tuple[list[tuple[object, ...]], tuple]:
+    """Shapes/dtypes a grouped matmul's autograd node packs, and which operands get a gradient."""
+    a = torch.randn(32, 16, requires_grad=a_grad)
+    b = torch.randn(2, 16, 8, requires_grad=b_grad)
+    packed: list[tuple[object, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():  # the real node also saves the int32 ``offs``, which the stand-in takes as given
+            packed.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call(a, b)  # type: ignore[operator]
+    out.backward(torch.ones_like(out))
+    grads = tuple(None if t.grad is None else (tuple(t.grad.shape), t.grad.dtype) for t in (a, b))
+    return sorted(packed, key=str), grads
+
+
+@pytest.mark.parametrize(("a_grad", "b_grad"), [(True, True), (True, False), (False, True)])
+def test_grouped_mm_fallback_saves_what_the_real_node_saves(a_grad: bool, b_grad: bool) -> None:
+    """The fp32 stand-in against the real ``GroupedMmBackward0`` (CPU fp32 kernel): frozen experts
+    (weight without grad) save no input and get no weight gradient; a frozen input saves no weight."""
+    offs = torch.tensor([12, 32], dtype=torch.int32)
+    real = _grouped_saves_and_grads(lambda a, b: torch._grouped_mm(a, b, offs=offs), a_grad, b_grad)
+    fallback = _grouped_saves_and_grads(K._GroupedMMFallback.apply, a_grad, b_grad)
+    assert fallback == real

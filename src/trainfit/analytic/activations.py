@@ -682,8 +682,11 @@ def selective_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     moe = spec.num_moe_layers > 0 and spec.num_dense_layers == 0
     terms = _layer_terms(spec, strategy, moe=moe)
     core = sum(x.bytes for x in terms if _is_core(x))
-    fused = any(x.name == "attn.sdpa.lse" for x in terms)
-    return core + (sum(x.bytes for x in terms if x.name == "attn.sdpa.out") if fused else 0)
+    if not any(x.name == "attn.sdpa.lse" for x in terms):
+        return core
+    # the kernel's output: from the attention's own terms, as a frozen layer's drops it (frozen_layer_terms)
+    attn = _attention_terms(spec, strategy, strategy.tokens_per_micro_batch, Widths.of(strategy))
+    return core + sum(x.bytes for x in attn if x.name == "attn.sdpa.out")
 
 
 def selective_core_before_softmax_bytes(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> int:
@@ -856,14 +859,19 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU. SDPA's
     # math kernel (Falcon's masked multi-query attention) saves its inputs and probabilities, not its output.
     math = strategy.attention is Attention.SDPA and sdpa_kernel(spec, strategy) == MATH
-    already = {SiteInput.ATTN_OUT} if strategy.attention is Attention.SDPA and not math else set()
+    int8 = strategy.base_weights.quantization is Quantization.INT8
+    # --checkpointing selective: the fused kernel runs inside the core's checkpoint, whose saves are dropped
+    # (torch.utils.checkpoint, non-reentrant: only the region's inputs stay, in ``_NoopSaveInputs``), so its
+    # output is saved only by a reader outside — a frozen o_proj is none (an LLM.int8 one is).
+    core_out_dropped = strategy.checkpointing is Checkpointing.SELECTIVE and not int8
+    fused_keeps_out = strategy.attention is Attention.SDPA and not math and not core_out_dropped
+    already = {SiteInput.ATTN_OUT} if fused_keeps_out else set()
     if spec.mlp is MlpKind.DENSE and spec.activation == "relu":
         already.add(SiteInput.MLP_ACT)
     # An LLM.int8 linear is no frozen nn.Linear: bitsandbytes' MatMul8bitLt.forward keeps its input A in
     # ``ctx.tensors = (CAt, subA, A)`` whenever the input requires grad (bitsandbytes/autograd/_functions.py),
     # so every linear's input stays saved (shared inputs once): norm1's and norm2's outputs, the attention
     # output, the MLP's activation product (matched against the trace of real Linear8bitLt layers).
-    int8 = strategy.base_weights.quantization is Quantization.INT8
     int8_in: dict[SiteInput, list[SavedTerm]] = {}
     if int8:
         int8_in = {
@@ -902,7 +910,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
             else x
             for x in attn
         ]
-    if (strategy.attention is Attention.EAGER or math) and not int8:
+    if (strategy.attention is Attention.EAGER or math or core_out_dropped) and not int8:
         # o_proj's input: a frozen o_proj keeps none
         attn = [x for x in attn if x.name not in ("attn.eager.out", "attn.sdpa.out")]
     terms += attn
@@ -1071,8 +1079,10 @@ def input_grads_enabled(strategy: Strategy) -> bool:
     gradient checkpointing is turned on (``_activation_checkpointing_enable`` → ``enable_input_require_grads``),
     ``prepare_model_for_kbit_training`` does only together with checkpointing (peft/utils/other.py), and
     ``get_peft_model`` only when the model already checkpoints (peft_model.py:
-    ``if getattr(model, "is_gradient_checkpointing", True)``)."""
-    return strategy.checkpointing.value != "none"
+    ``if getattr(model, "is_gradient_checkpointing", True)``). ``--checkpointing selective`` turns none of
+    that on: only the attention core is wrapped in ``torch.utils.checkpoint`` (Megatron's ``core_attn``; the
+    trace's ``trainfit.trace.savers.selective_recompute``), so the first layer saves as without checkpointing."""
+    return strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.SELECTIVE)
 
 
 def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:

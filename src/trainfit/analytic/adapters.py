@@ -739,15 +739,15 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
             if (
                 analytic
                 and moe_family(spec) is not None
-                and strategy.checkpointing.value == "none"
+                and strategy.checkpointing.value in ("none", "selective")  # activations.input_grads_enabled
                 and not any(x.reads is SiteInput.NORM1 for x in sites)
             ):
                 # Without checkpointing the embeddings' output needs no gradient (activations.input_grads_enabled),
                 # so the first layer saves only from its first adapter on: modelled when that is q/k/v.
                 raise StrategyError(
-                    f"the analytic model covers LoRA on {spec.name}'s experts without checkpointing only with an "
-                    "attention-input target (q_proj, k_proj or v_proj); add one, use --checkpointing full, or "
-                    "--method trace"
+                    f"the analytic model covers LoRA on {spec.name}'s experts without (or with selective) "
+                    "checkpointing only with an attention-input target (q_proj, k_proj or v_proj); add one, use "
+                    "--checkpointing full, or --method trace"
                 )
         if strategy.base_weights.quantization is not Quantization.NONE:
             why = quantised_base_refusal(spec)

@@ -26,7 +26,8 @@ allocates exactly what the CUDA kernel allocates (values are irrelevant under fa
   path; autocast's ``fp32_set_opt_dtype`` policy for ``softmax`` reaches it too.
 * ``grouped_mm`` (Hugging Face's MoE experts): the meta kernel accepts only bf16 (it mirrors the sm90 fast
   path); other dtypes take CUDA's loop-of-mm fallback, whose memory is its output plus, for backward, the
-  two saved operands. We emulate that fallback.
+  operands ``GroupedMmBackward0`` saves — the weight only if the input needs a gradient, the input only if
+  the weight does (frozen experts save no input). We emulate that fallback.
 
 Anything else runs unchanged.
 """
@@ -190,15 +191,26 @@ def emulated_sdpa(
 
 
 class _GroupedMMFallback(torch.autograd.Function):
+    """Saves and computes what ``GroupedMmBackward0`` does (tools/autograd/derivatives.yaml ``_grouped_mm``:
+    ``self: grouped_mm_mat1_backward(grad, mat2, ...)``, ``mat2: grouped_mm_mat2_backward(grad, self, ...)``):
+    ``mat2`` is saved only when ``self`` needs a gradient and ``self`` only when ``mat2`` does, and only the
+    gradients of operands that require one are made — so frozen experts save no input and get no
+    weight-sized gradient. Checked against the real node on meta bf16 tensors in tests/trace/test_kernels.py."""
+
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(b if need_a else None, a if need_b else None)
+        ctx.operands = (a.shape, a.dtype, b.shape, b.dtype)
         return a.new_empty((a.size(0), b.size(-1)))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = ctx.saved_tensors
-        return torch.empty_like(a), torch.empty_like(b)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        b, a = ctx.saved_tensors
+        a_shape, a_dtype, b_shape, b_dtype = ctx.operands
+        grad_a = grad.new_empty(a_shape, dtype=a_dtype) if b is not None else None
+        grad_b = grad.new_empty(b_shape, dtype=b_dtype) if a is not None else None
+        return grad_a, grad_b
 
 
 class CudaKernels(TorchFunctionMode):
