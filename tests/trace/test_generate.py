@@ -106,7 +106,9 @@ def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[s
     moe = str(Path(__file__).parents[1] / "fixtures" / "configs" / "tiny-qwen2-moe.json")
     args = ("infer", moe, "--dtype", "nf4", "--gpus", "2", "--tp", "2", "--method", "trace", "--prompt", "16")
     res = run_cli(capsys, *args, "--new-tokens", "2")
-    assert res.code == 2 and "loses bitsandbytes' quantisation state" in res.err and len(res.err.strip().splitlines()) == 1, res.err
+    assert (
+        res.code == 2 and "loses bitsandbytes' quantisation state" in res.err and len(res.err.strip().splitlines()) == 1
+    ), res.err
 
 
 FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]
