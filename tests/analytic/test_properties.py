@@ -27,7 +27,7 @@ strategies = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies)
 def test_components_nonnegative_and_peak_is_sum(slug: str, s: Strategy) -> None:
     r = estimate_analytic(load_model(slug), s)
@@ -41,7 +41,7 @@ def _kernels(spec: ModelSpec, s: Strategy) -> list[str]:
     return [sdpa_kernel(v, s) for v, _ in attention_variants(spec, s)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies, db=st.integers(1, 8), ds=st.integers(1, 2048))
 # Mistral-7B in fp32 at the sliding window (hypothesis seed 108): below 4096 tokens SDPA gets no mask and
 # grouped k/v, so fp32 runs the math kernel (fp32 b·heads·s² scores); from 4096 on transformers passes the
@@ -91,7 +91,7 @@ def _no_cache_slack(spec: ModelSpec, s: Strategy, c: Checkpointing) -> int:
     return per_segment * a * s.tokens_per_micro_batch * (spec.q_dim + spec.kv_dim) + first_input
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies)
 @example(slug="mixtral-8x7b-v0.1", s=Strategy(precision="pure-bf16", micro_batch=7, seq_len=761))
 def test_checkpointing_never_increases_memory(slug: str, s: Strategy) -> None:
@@ -102,7 +102,7 @@ def test_checkpointing_never_increases_memory(slug: str, s: Strategy) -> None:
         assert ckpt <= none + _no_cache_slack(spec, s, c)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(slug=st.sampled_from(SLUGS), s=strategies, extra=st.integers(1, 8))
 def test_monotonic_in_layers(slug: str, s: Strategy, extra: int) -> None:
     spec = load_model(slug)

@@ -23,7 +23,7 @@ from trainfit.arch import loader
 from trainfit.arch.catalog import catalog_config
 
 SETTINGS = settings(
-    max_examples=150,
+    max_examples=80,
     deadline=None,
     derandomize=True,  # reproducible in CI; failures print the falsifying command line
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -79,9 +79,10 @@ def test_analytic_within_5_percent_of_trace_other_recipes(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "precision", "ckpt"),
-    [
+    [  # pairwise: each family meets both recipes and both checkpointing modes, not all four pairs
         pytest.param(f, p, c, id=f"{f}-{p}-{c}")
-        for f, p, c in itertools.product(("llama", "gpt2", "bert"), ("amp-bf16", "pure-bf16"), ("none", "full"))
+        for i, f in enumerate(("llama", "gpt2", "bert"))
+        for p, c in (("amp-bf16", ("none", "full")[i % 2]), ("pure-bf16", ("full", "none")[i % 2]))
     ]
     # Falcon's eager path without checkpointing (with it, see docs/accuracy.md: a known gap).
     + [pytest.param("falcon", p, "none", id=f"falcon-{p}-none") for p in ("amp-bf16", "pure-bf16")],
@@ -110,9 +111,11 @@ def test_sliding_window_sdpa_within_5_percent_of_trace(precision: str, ckpt: str
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "precision", "ckpt", "batch"),
-    [
+    [  # pairwise: each architecture meets every recipe and both checkpointing modes, each recipe both modes
         pytest.param(f, p, c, 4, id=f"{f}-{p}-{c}")
-        for f, p, c in itertools.product(("falcon", "falcon-new"), ("amp-bf16", "pure-bf16", "fp32"), ("none", "full"))
+        for i, f in enumerate(("falcon", "falcon-new"))
+        for j, p in enumerate(("amp-bf16", "pure-bf16", "fp32"))
+        for c in (("none", "full")[(i + j) % 2],)
     ]
     + [pytest.param("falcon", "amp-bf16", "none", 1, id="falcon-amp-bf16-none-b1")],
 )
