@@ -14,12 +14,16 @@ DeepSpeed's CPU offload rows (``--offload``: ZeRO-Offload, ZeRO-Infinity to CPU;
 also compare the host bytes per node (what DeepSpeed pins, Adam's states on the host).
 ``--reshard``: FSDP2's matrix, both ``reshard_after_forward`` settings × checkpointing none/full/selective at
 W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
+``--reserve``: no trace; the analytic rank's predicted reserved memory from its simulated allocator event stream
+(trainfit.analytic.rank_events), default allocator and ``expandable_segments:True`` — the "What it predicts" table
+of docs/accuracy.md ("Reserved memory with many GPUs").
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
-| --offload | --reshard]
+| --offload | --reshard | --reserve]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -186,7 +190,49 @@ def reshard_matrix(quick: bool) -> None:
                 row(slug, f"FSDP2, reshard_after_forward={flag}", w, ckpt, strategy("fsdp", w, flag, ckpt))
 
 
+#: (model, sharding, W, reshard_after_forward / gradient_as_bucket_view / overlap_comm, checkpointing)
+RESERVE_CASES = (
+    *CASES[:8],
+    ("llama-3.1-8b", "zero2", 8, False, "none"),
+    ("llama-3.1-8b", "zero2", 8, True, "none"),
+    ("llama-3.1-8b", "zero2", 64, False, "full"),
+    ("qwen2.5-7b", "zero2", 2, False, "none"),
+    ("llama-3.1-70b", "zero2", 64, False, "full"),
+    ("llama-3.1-8b", "zero1", 8, False, "none"),
+    ("llama-3.1-8b", "zero1", 64, False, "full"),
+    ("llama-3.1-70b", "zero1", 64, False, "full"),
+    ("llama-3.1-8b", "zero3", 8, False, "none"),
+    ("llama-3.1-8b", "zero3", 64, False, "full"),
+    ("llama-3.1-70b", "zero3", 64, False, "full"),
+)
+
+
+def reserve_rows() -> None:
+    """The analytic rank's allocated peak and predicted reserved memory (micro-batch 1 × 2048, amp-bf16) with the
+    default allocator and with expandable segments (``estimate(..., allocator=...)``)."""
+    from trainfit import estimate
+
+    print("| model | setup | W | ckpt | allocated GiB | reserved GiB (reserve) | expandable |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for slug, sharding, w, flag, ckpt in RESERVE_CASES:
+        s = strategy(str(sharding), int(str(w)), bool(flag), str(ckpt))
+        if str(sharding).startswith("zero"):
+            s = dataclasses.replace(s, engine=dataclasses.replace(s.engine, overlap_comm=True if flag else None))
+            setup = f"ZeRO-{str(sharding)[-1]}{', overlap_comm' if flag else ''}"
+        elif sharding == "ddp":
+            setup = "DDP, gradient_as_bucket_view" if flag else "DDP"
+        else:
+            setup = f"FSDP2, reshard_after_forward={flag}"
+        plain, grown = (estimate(str(slug), s, allocator=conf) for conf in ("", "expandable_segments:True"))
+        cells = [f"{r.reserved_estimate_bytes / 2**30:.2f} ({r.reserved_estimate_bytes / r.peak_bytes - 1:+.1%})"
+                 for r in (plain, grown)]  # fmt: skip
+        print(f"| {slug} | {setup} | {w} | {ckpt} | {plain.peak_bytes / 2**30:.2f} | {cells[0]} | {cells[1]} |")
+
+
 def main(argv: list[str]) -> None:
+    if "--reserve" in argv:
+        reserve_rows()
+        return
     if "--offload" in argv:
         offload_rows("--quick" in argv)
         return
