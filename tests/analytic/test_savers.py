@@ -48,7 +48,7 @@ def _chunked_slack(spec: Any, s: Strategy, savers: MemorySavers) -> int:
     """The one way a saver adds bytes: with a chunked loss the head's weight gets N gradient contributions, and
     while the second is added into autograd's buffer (out of place: the first is a view) two vocab×h gradients
     (compute dtype) and their sum are alive; when the
-    head's gradient dominates the step (SGD, a large tied table: GPT-2 in fp32, +13% at 512 tokens) that can
+    head's gradient dominates the step (SGD, a large tied table: GPT-2 in fp32, +16% at 512 tokens) that can
     outweigh the logits it saves."""
     if savers.loss.value != "chunked":
         return 0
