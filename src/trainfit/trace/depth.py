@@ -17,6 +17,12 @@ differ by a constant (what one unit adds, minus what it releases). With several 
 its own trace and the slopes add. Each phase of the full model is then the largest of its extrapolated
 places. A test holds the result to a full-depth trace.
 
+The line needs its base points to be alike. When the hidden states entering the stack require no grad (a frozen
+token table without checkpointing: LoRA, ``--freeze embeddings``), the lowest layer computes no input gradient and,
+frozen, saves less than the others; at ``k = 1`` it is also the top layer, so the one-unit trace is off the line
+(Falcon-7B LoRA: the 1→2 slope 44 MiB per layer high). Such plans trace ``k = 2`` and ``k = 3``
+(:func:`stack_input_requires_grad`), as FSDP2 (3 and 4) and DeepSpeed (2 and 3) do for their own reasons.
+
 Which parameters train is part of a layer's signature: ``--freeze layers:0-15`` makes the frozen and the
 trainable layers two runs, each varied in its own trace (frozen layers save and hold different things). The
 kept layers of such a layout are not a prefix of the stack; they are renumbered (``layer_idx``) to their
