@@ -141,6 +141,8 @@ SAVER_CASES = (
     ("selective (eager)", "amp-bf16", "selective", "eager", MemorySavers()),
     ("fused-linear", "pure-bf16", "none", "sdpa", MemorySavers(loss="fused-linear")),
     ("fused-linear", "amp-bf16", "full", "sdpa", MemorySavers(loss="fused-linear")),
+    ("chunked", "pure-bf16", "none", "sdpa", MemorySavers(loss="chunked")),
+    ("chunked", "amp-bf16", "none", "sdpa", MemorySavers(loss="chunked")),
     ("activation offload", "pure-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
     ("activation offload", "amp-bf16", "full", "sdpa", MemorySavers(activation_offload=True)),
     ("activation offload", "pure-bf16", "none", "sdpa", MemorySavers(activation_offload=True)),

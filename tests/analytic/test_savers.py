@@ -46,12 +46,13 @@ SAVERS = [
 
 def _chunked_slack(spec: Any, s: Strategy, savers: MemorySavers) -> int:
     """The one way a saver adds bytes: with a chunked loss the head's weight gets N gradient contributions, and
-    while the second is added into autograd's buffer two vocab×h gradients (compute dtype) are alive; when the
-    head's gradient dominates the step (SGD, a large tied table: GPT-2 in fp32, +13% at 512 tokens) that can
+    while the second is added into autograd's buffer (out of place: the first is a view) two vocab×h gradients
+    (compute dtype) and their sum are alive; when the
+    head's gradient dominates the step (SGD, a large tied table: GPT-2 in fp32, +16% at 512 tokens) that can
     outweigh the logits it saves."""
     if savers.loss.value != "chunked":
         return 0
-    return 2 * (s.recipe.compute_bits // 8) * spec.vocab_size * spec.embed_dim
+    return 3 * (s.recipe.compute_bits // 8) * spec.vocab_size * spec.embed_dim
 
 
 def test_chunked_loss_can_raise_the_peak_when_the_head_gradient_dominates() -> None:
@@ -141,9 +142,9 @@ def test_chunked_loss_hand_count() -> None:
     assert r.phase(Phase.FORWARD).components[Component.LOGITS_LOSS] == 2 * v + 4 * v + 4 * v // 8
     q = step_inputs(spec, s, keep_logits=False)
     start = next(m for m in backward_moments(q) if m.name is MomentName.BACKWARD_START)
-    # the larger of the first chunk's log-softmax backward and the head's second per-chunk matmul backward (all
-    # logits gradients alive, two vocab×h bf16 weight gradients in autograd's buffer)
-    assert start.logits_loss == max(4 * v + 8 * v // 8, 2 * 2 * (v - v // 8) + 2 * 2 * 128256 * 2048)
+    # the larger of the first chunk's log-softmax backward and the head's second per-chunk matmul backward (the
+    # logits gradients of the 6 chunks not yet run; two vocab×h bf16 weight gradients and their out-of-place sum)
+    assert start.logits_loss == max(4 * v + 8 * v // 8, 2 * (v - 2 * v // 8) + 3 * 2 * 128256 * 2048)
 
 
 def test_liger_chunk_size_matches_its_own_example() -> None:

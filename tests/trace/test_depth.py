@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from trainfit.result import Phase
@@ -77,3 +79,39 @@ def test_sqrt_checkpointing_keeps_fewer_inputs_than_full() -> None:
     }
     # Forward keeps one input per segment: 2 under sqrt, 4 under full, everything without checkpointing.
     assert peaks[Checkpointing.SQRT] < peaks[Checkpointing.FULL] < peaks[Checkpointing.NONE]
+
+
+@pytest.mark.parametrize(
+    ("family", "finetune", "kw"),
+    [
+        ("falcon", "lora", {"targets": "all-linear", "dropout": 0.05, "base_dtype": "bf16"}),
+        ("llama", "lora", {"targets": "all-linear", "dropout": 0.05, "base_dtype": "bf16"}),
+        ("llama", "freeze", {"freeze": "embeddings"}),
+    ],
+)
+def test_extrapolation_without_input_gradient_into_the_stack(family: str, finetune: str, kw: dict[str, Any]) -> None:
+    """A frozen embedding table and no checkpointing: the lowest layer gets a plain tensor and computes no input
+    gradient; at one traced layer it is also the top one, off the line the deeper traces lie on (Falcon-7B LoRA:
+    the 1->2 slope 44 MiB/layer high). A small vocabulary and long sequence put the peak inside the stack."""
+    pytest.importorskip("peft")
+    from trainfit.strategy import finetune_setup
+
+    a, b = finetune_setup(finetune, rank=4, **kw)
+    spec = tiny_spec(family, num_hidden_layers=6, vocab_size=32)
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=256)
+    ext = trace_spec(spec, s)
+    full = trace_spec(spec, s, extrapolate=False)
+    assert ext.extra["extrapolated"]
+    for pe, pf in zip(ext.phases, full.phases, strict=True):
+        assert abs(pe.total_bytes - pf.total_bytes) <= TOL_BYTES, (pe.phase, pe.total_bytes, pf.total_bytes)
+    assert ext.extra["layers_traced"] == [2, 3]
+
+
+def test_trainable_embeddings_keep_one_base_unit() -> None:
+    """The cheap plan stays where the stack's input requires grad: a trainable table, or checkpointing."""
+    from trainfit.trace.depth import plan_depth
+
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    for s in (Strategy(micro_batch=1, seq_len=64), Strategy(micro_batch=1, seq_len=64, checkpointing="full")):
+        plan = plan_depth(spec, s, extrapolate=True)
+        assert plan.base_units == 1 and [len(lay.layers) for _, lay in plan.layouts] == [1, 2]

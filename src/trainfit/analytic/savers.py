@@ -8,9 +8,13 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   saved for backward (4·V in all); only the fp32 *copy* is one chunk at a time: forward a·V + 4·V + 4·V/N (instead
   of a·V + 8·V); backward, inside the first chunk's log-softmax backward, 4·V + 8·V/N (instead of 12·V) — or
   later, once every chunk's loss backward has run (autograd visits nodes by decreasing sequence number, and every
-  loss node is younger than every head matmul): while the head's per-chunk matmul backwards add their
-  vocab×h weight gradients, 2·a·V·(N−1)/N + 2·a·vocab·h (fitted to the trace; the factor 2 on the logits
-  gradients is not derived op by op).
+  loss node is younger than every head matmul; the saved log-softmax outputs are gone, the a·V logits gradients
+  wait): at the head's second per-chunk matmul backward, a·V·(N−2)/N + 3·a·vocab·h. The first chunk's weight
+  gradient waits in autograd's buffer as a view (``mm_mat2_backward`` in torch/csrc/autograd/FunctionsManual.cpp
+  returns ``grad.t().mm(mat1).t()`` for ``F.linear``'s ``weight.t()``, ``TBackward0`` transposes it back), so
+  input_buffer.cpp ``accumulate`` cannot add the second in place: both and their sum are alive (the rule of
+  :func:`trainfit.analytic.states.tied_gradient_sum`); later sums go in place into that fresh tensor. Under
+  autocast the chunks' gradients meet the same way in the buffer of the cached 16-bit copy's ``ToCopyBackward0``.
 * **Fused linear cross-entropy** (Liger-Kernel ``src/liger_kernel/ops/fused_linear_cross_entropy.py``
   ``fused_linear_cross_entropy_forward``): no logits tensor at all. The forward walks the tokens in chunks of
   c = next_pow2(⌈t / ⌈vocab/h⌉⌉) (so one chunk's logits, c·vocab, are about t·h), computes the loss and, already
@@ -95,8 +99,9 @@ def chunked_loss_memory(
     spec: ModelSpec, strategy: Strategy, *, keep_logits: bool, head_trainable: bool = True
 ) -> LogitsMemory:
     """torchtune chunked CE: forward a·V + 4·V + 4·⌈V/N⌉; backward the larger of 4·V + 8·⌈V/N⌉ (the first
-    chunk's log-softmax backward) and 2·a·V·(N−1)/N + 2·a·vocab·h (the head's second per-chunk backward) —
-    module docstring; the second form is fitted to the trace (tests/trace/test_heads.py)."""
+    chunk's log-softmax backward) and a·V·(N−2)/N + 3·a·vocab·h (the first sum of two chunks' head gradients,
+    out of place) — module docstring; checked against real CPU autograd (tests/analytic/test_savers.py) and the
+    trace (tests/trace/test_heads.py)."""
     from trainfit.analytic.logits import LogitsMemory
 
     n = strategy.tokens_per_micro_batch * spec.vocab_size
@@ -106,10 +111,14 @@ def chunked_loss_memory(
     upcast = 4 * chunk if a != 4 else 0
     forward = a * n + 4 * n + upcast
     # Autograd runs nodes by decreasing sequence number and every loss node was created after every head matmul,
-    # so all N chunks' loss backwards run first (their logits gradients, a·V, all alive), then the head's N
-    # matmul backwards, each adding a vocab×h weight gradient (in the compute dtype) into autograd's buffer.
-    head = 2 * a * spec.vocab_size * spec.embed_dim if head_trainable else 0
-    second = 2 * a * (n - chunk) + head if chunks > 1 else 0
+    # so all N chunks' loss backwards run first (their logits gradients, a·V, all alive; the saved log-softmax
+    # outputs freed), then the head's N matmul backwards. The first leaves its vocab×h weight gradient in the
+    # weight's buffer (a view: mm_mat2_backward's ``.t()`` transposed back by TBackward0); the second one's
+    # arrives and, the buffered one being a view, input_buffer.cpp ``accumulate`` adds them out of place: three
+    # tables alive, beside the logits gradients of the N − 2 chunks not yet run (states.tied_gradient_sum).
+    table = a * spec.vocab_size * spec.embed_dim
+    # Without a head gradient to sum: after the loss backwards, before the head's, the logits gradients alone.
+    second = a * (n - 2 * chunk) + 3 * table if head_trainable and chunks > 1 else a * (n - chunk)
     backward = max(4 * n + 8 * chunk, second) + (a * n if keep_logits else 0)
     return LogitsMemory(forward_peak_bytes=forward, backward_peak_bytes=backward, logits_bytes=a * n)
 

@@ -273,7 +273,7 @@ def measure_spec(
             + "; what one run leaves behind is counted in the next and multiplied by extrapolation"
         )
     if plan.ext:
-        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings)
+        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
     else:
         phases = {ph: readout.breakdown(ph, measured[0].phases[ph]) for ph in Phase}
     trace_totals: dict[Phase, int] | None = None

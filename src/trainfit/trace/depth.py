@@ -17,6 +17,12 @@ differ by a constant (what one unit adds, minus what it releases). With several 
 its own trace and the slopes add. Each phase of the full model is then the largest of its extrapolated
 places. A test holds the result to a full-depth trace.
 
+The line needs its base points to be alike. When the hidden states entering the stack require no grad (a frozen
+token table without checkpointing: LoRA, ``--freeze embeddings``), the lowest layer computes no input gradient and,
+frozen, saves less than the others; at ``k = 1`` it is also the top layer, so the one-unit trace is off the line
+(Falcon-7B LoRA: the 1→2 slope 44 MiB per layer high). Such plans trace ``k = 2`` and ``k = 3``
+(:func:`stack_input_requires_grad`), as FSDP2 (3 and 4) and DeepSpeed (2 and 3) do for their own reasons.
+
 Which parameters train is part of a layer's signature: ``--freeze layers:0-15`` makes the frozen and the
 trainable layers two runs, each varied in its own trace (frozen layers save and hold different things). The
 kept layers of such a layout are not a prefix of the stack; they are renumbered (``layer_idx``) to their
@@ -343,6 +349,10 @@ def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool, base_u
     keys = [(hf.layer_signature(layer), tuple(p.requires_grad for p in layer.parameters())) for layer in stack]
     sigs = [sig_ids.setdefault(k, len(sig_ids)) for k in keys]
     blocks = hf.blocks_for(full_layers, strategy.checkpointing)
+    if base_units < 2 and not stack_input_requires_grad(meta, strategy, blocks):
+        # The lowest layer computes no input gradient (and, when frozen, saves less): at one unit it is also the
+        # top one, so the one-unit trace is off the line the deeper ones lie on. Trace 2 and 3 units instead.
+        base_units = 2
     tokens = [(b.checkpointed, tuple(sigs[i] for i in b.layers)) for b in blocks]
     runs = hf.find_runs(tokens)
     ext = [r for r, run in enumerate(runs) if run.count >= hf.MIN_EXTRAPOLATED_COUNT] if extrapolate else []
@@ -360,6 +370,26 @@ def plan_depth(spec: ModelSpec, strategy: Strategy, *, extrapolate: bool, base_u
         configs = [[run.count for run in runs]]
     layouts = [(counts, hf.layout_for(blocks, runs, counts)) for counts in configs]
     return DepthPlan(meta, notes, stack_path, stack, full_layers, params, runs, ext, layouts, base_units)
+
+
+def stack_input_requires_grad(meta: torch.nn.Module, strategy: Strategy, blocks: list[hf.Block]) -> bool:
+    """Whether the hidden states entering the layer stack surely require grad, so that its lowest layer computes
+    an input gradient like every other (a ``False`` may be wrong only towards tracing one more unit).
+
+    They do under checkpointing: transformers' ``_activation_checkpointing_enable`` (modeling_utils.py) calls
+    ``enable_input_require_grads`` for every ``input_ids`` model (a forward hook that sets the embeddings' output
+    to require grad). PEFT calls it too, but only when the model checkpoints (peft/peft_model.py
+    ``PeftModel.__init__``: ``if getattr(model, "is_gradient_checkpointing", True)``), so without checkpointing a
+    LoRA model's lowest layer gets a plain tensor. Otherwise they do when the input embedding table trains
+    (full fine-tuning, ``--freeze`` not naming it)."""
+    if any(b.checkpointed for b in blocks):
+        return getattr(meta, "main_input_name", None) == "input_ids"
+    if strategy.adapter is not None:
+        return False  # get_peft_model freezes every base parameter
+    m: Any = meta
+    embed = m.get_input_embeddings() if hasattr(m, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    return isinstance(weight, torch.nn.Parameter) and weight.requires_grad
 
 
 def trace_hf(
@@ -399,7 +429,7 @@ def trace_hf(
             keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
-        phases = extrapolate_phases(keyed, ext, runs, warnings)
+        phases = extrapolate_phases(keyed, ext, runs, warnings, base_units=plan.base_units)
     else:
         pk = readout.phase_peaks(base_run)
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
