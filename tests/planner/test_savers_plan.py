@@ -82,7 +82,7 @@ def _check(spec_slug: str, gpu: str, plans: list) -> None:  # type: ignore[type-
     combination each smaller one) does not, at the same micro-batch."""
     spec = load_model(spec_slug)
     for p in plans:
-        again = estimate(spec, p.strategy, gpu=gpu, search_micro_batch=False, fixes=False)
+        again = estimate(spec, p.strategy, gpu=gpu, search_micro_batch=False, fixes=False, allocator=p.alloc_conf)
         assert again.fit is not None and again.fit.fits and again.fit.required_bytes == p.required_bytes
         sv = p.strategy.savers
         on = {
@@ -97,9 +97,10 @@ def _check(spec_slug: str, gpu: str, plans: list) -> None:  # type: ignore[type-
             if all(keep):
                 continue
             fewer = MemorySavers(**{k: on[k] if kept else off[k] for k, kept in zip(active, keep, strict=True)})
-            smaller = estimate(spec, dataclasses.replace(p.strategy, savers=fewer), gpu=gpu, search_micro_batch=False,
-                               fixes=False)  # fmt: skip
-            assert smaller.fit is not None and not smaller.fit.fits, (p.changes, fewer.names())
+            for alloc in {p.alloc_conf, "expandable_segments:True"}:  # nor with the planner's second chance
+                smaller = estimate(spec, dataclasses.replace(p.strategy, savers=fewer), gpu=gpu,
+                                   search_micro_batch=False, fixes=False, allocator=alloc)  # fmt: skip
+                assert smaller.fit is not None and not smaller.fit.fits, (p.changes, fewer.names(), alloc)
 
 
 def test_a_fused_linear_plan_is_there_only_because_its_standard_twin_does_not_fit() -> None:
@@ -186,6 +187,7 @@ def test_a_saver_plan_is_the_estimate_of_its_printed_flags(capsys: pytest.Captur
     p = r.plans[0]
     assert "--optimizer-in-backward" in p.changes, p.changes
     flags = [f for change in p.changes for f in change.split()]
+    flags = [f"--alloc-conf={f.split('=', 1)[1]}" if f.startswith("PYTORCH_CUDA_ALLOC_CONF=") else f for f in flags]
     res = run_cli(capsys, "estimate", "llama-3.2-3b", "--gpu", "rtx-4090", "--seq", "1024", *flags, "--json")
     assert res.code == 0, res.err
     out = json.loads(res.out)
