@@ -25,10 +25,12 @@ with that allocator but its lower bound (allocated peak + workspaces + what sits
 allocator setting can go below) does, and the report's reserve was simulated (not the fixed fraction), it is
 re-estimated with ``expandable_segments:True`` added — the check :func:`trainfit.estimate.estimate` makes for its
 own suggestion. If that fits, the plan carries that allocator (:attr:`Plan.alloc_conf`) and its changes say
-``PYTORCH_CUDA_ALLOC_CONF=...``. Its speed is the same: expandable segments change how the allocator maps memory
-(cuMemCreate/cuMemMap of 2 MiB pages, c10/cuda/CUDACachingAllocator.cpp ``ExpandableSegment``), not the kernels;
-PyTorch's "CUDA memory management" notes describe it as a fragmentation fix — no step-time cost is modelled
-(an assumption: mapping new pages when a segment grows costs driver calls, which the speed model ignores).
+``PYTORCH_CUDA_ALLOC_CONF=...``. Its speed is taken as the same — an assumption: expandable segments change how
+the allocator maps memory (cuMemCreate/cuMemMap of 2 MiB pages, c10/cuda/CUDACachingAllocator.cpp
+``ExpandableSegment``), not the kernels; PyTorch's "CUDA memory management" notes (docs/source/notes/cuda.rst,
+``expandable_segments``) present it as a fragmentation fix and state no cost either way, NVIDIA's NeMo
+Megatron-Bridge memory-tuning guide calls it a fix "with zero performance cost"; the driver calls when a
+segment grows are not modelled.
 """
 
 from __future__ import annotations
@@ -200,12 +202,15 @@ class _Search:
         price: float,
         baseline: Strategy,
         allocator: AllocatorConfig,
+        retry_expandable: bool = True,
     ) -> None:
         self.spec, self.gpu = spec, gpu
         self.allocator = allocator
         # The second chance (module docstring): None when the allocator already has expandable segments.
         self.expandable = (
-            None if allocator.expandable_segments else dataclasses.replace(allocator, expandable_segments=True)
+            None
+            if allocator.expandable_segments or not retry_expandable
+            else dataclasses.replace(allocator, expandable_segments=True)
         )
         self.seq_len, self.global_batch, self.gpn = seq_len, global_batch, gpus_per_node
         self.headroom, self.network, self.objective, self.price = headroom, network_gbps, objective, price
@@ -383,11 +388,13 @@ def search_plans(
     top: int = 5,
     explain_needs: bool = True,
     alloc_conf: str | None = None,
+    retry_expandable: bool = True,
 ) -> PlanResult:
     """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``.
     ``explain_needs``: when nothing fits, find the closest candidate and what it would need (False: plans only).
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` every estimate simulates (None: this process's environment
-    variable, else PyTorch's defaults); a candidate may still fit with expandable segments (module docstring)."""
+    variable, else PyTorch's defaults); ``retry_expandable``: a candidate that misses may still fit with expandable
+    segments (module docstring; False: that allocator only)."""
     if global_batch < 1 or gpus < 1 or gpus_per_node < 1:
         raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
     allocator = AllocatorConfig.parse(alloc_conf) if alloc_conf is not None else AllocatorConfig.from_env()
@@ -414,6 +421,7 @@ def search_plans(
         price=price_per_gpu_hour,
         baseline=baseline,
         allocator=allocator,
+        retry_expandable=retry_expandable,
     )
     space = candidates(
         spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow, fp8=fp8
@@ -525,6 +533,7 @@ def _needs(
         "top": 1,
         "explain_needs": False,
         "alloc_conf": s.allocator.to_env(),
+        "retry_expandable": s.expandable is not None,
     }
     for more in (2 * gpus, 4 * gpus, 8 * gpus):
         r = search_plans(spec, gpu, gpus=more, allow=allow, **common)  # type: ignore[arg-type]
