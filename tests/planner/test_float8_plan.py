@@ -94,7 +94,7 @@ def test_plan_with_fp8_fits_by_the_estimate_and_is_refused_without_fp8() -> None
     r = plan(spec, gpu, gpus=1, seq=2048, global_batch=16, allow="fp8", top=3)
     best = r.plans[0]
     assert best.strategy.float8 is Float8.TENSORWISE and "--fp8 tensorwise" in best.changes
-    again = estimate(spec, best.strategy, gpu=gpu, search_micro_batch=False, fixes=False)
+    again = estimate(spec, best.strategy, gpu=gpu, search_micro_batch=False, fixes=False, allocator=best.alloc_conf)
     assert again.fit is not None and again.fit.fits
     with pytest.raises(StrategyError, match="no fp8 tensor cores"):
         plan(spec, "a100-sxm-80gb", gpus=1, seq=2048, global_batch=16, allow="fp8")

@@ -57,9 +57,11 @@ def test_2d_candidates_memory_equals_the_estimate() -> None:
     space = _two_d(candidates(spec, gpu, gpus=16, gpus_per_node=8, global_batch=32))
     for c in random.Random(4).sample(space, 12):
         st = s.strategy(c, 1)
-        mine = s.required(st)
+        need = s.need(st)
+        mine = None if need is None else need[0]
+        alloc = "" if need is None else need[1].to_env()  # the allocator the planner's number holds for
         try:
-            rep = estimate(spec, st, gpu=gpu, headroom=0.3, search_micro_batch=False, fixes=False)
+            rep = estimate(spec, st, gpu=gpu, headroom=0.3, search_micro_batch=False, fixes=False, allocator=alloc)
         except Exception as exc:  # per-op SAC with TP: refused, and the planner drops it too
             assert mine is None, exc
             continue

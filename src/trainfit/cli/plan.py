@@ -31,6 +31,14 @@ def plan_cmd(
         float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
     ] = 50.0,
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
+    alloc_conf: Annotated[
+        str | None,
+        typer.Option(
+            "--alloc-conf",
+            help="PYTORCH_CUDA_ALLOC_CONF every estimate simulates (default: the environment's); a plan that fits "
+            "only with expandable_segments:True says so.",
+        ),
+    ] = None,
     export: Annotated[
         str | None,
         typer.Option(
@@ -75,10 +83,13 @@ def plan_cmd(
         headroom=headroom,
         network_gbps=network_gbps,
         top=top,
+        alloc_conf=alloc_conf,
     )
     written: tuple[Path, ...] = ()
     if export is not None and result.plans:
-        written = write_export(export_plan(spec, result.plans[0].strategy), Path(export))
+        written = write_export(
+            export_plan(spec, result.plans[0].strategy, alloc_conf=result.plans[0].alloc_conf), Path(export)
+        )
     # savers only torchtune switches on: said for the top plan (the HF Trainer export cannot carry them)
     notes = hf_trainer_lacks(result.plans[0].strategy) if result.plans else ()
     if json_out:

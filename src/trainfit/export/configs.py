@@ -22,6 +22,10 @@ Each mapping follows the engine's own documented keys:
   keys and ``_component_`` paths are checked against torchtune 0.6.1's shipped configs where it is installed).
   The HF Trainer has no switch for them (:func:`hf_trainer_lacks`).
 
+The caching allocator's configuration a plan was estimated with (``Plan.alloc_conf``, e.g. the planner's
+``expandable_segments:True`` second chance) is exported by launch.sh (``export PYTORCH_CUDA_ALLOC_CONF=...`` before
+the launch: torchrun and accelerate pass the environment to every worker) and NOTES.txt says why.
+
 Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
 ``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.
 """
@@ -365,8 +369,9 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
     return tuple(args)
 
 
-def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py") -> Export:
-    """The engines' configurations for ``strategy`` (a plan's)."""
+def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py", alloc_conf: str = "") -> Export:
+    """The engines' configurations for ``strategy`` (a plan's); ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the
+    plan's memory was estimated with ("" PyTorch's defaults: launch.sh sets nothing)."""
     from trainfit.analytic.parallel import resolve_engine
 
     notes: list[str] = []
@@ -417,6 +422,18 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
         launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} pretrain_gpt.py " + " ".join(
             _megatron(strategy, spec)
         )
+    if alloc_conf:
+        notes.append(
+            f"launch.sh exports PYTORCH_CUDA_ALLOC_CONF={alloc_conf}: the plan's memory estimate simulated the caching "
+            "allocator with that setting"
+            + (
+                " (expandable segments grow one segment per stream in 2 MiB pages, so freed blocks do not strand "
+                "reserved memory; without it the fragmentation does not leave the plan enough room)"
+                if "expandable_segments:True" in alloc_conf
+                else ""
+            )
+        )
+        launch = f"export PYTORCH_CUDA_ALLOC_CONF={shlex.quote(alloc_conf)}\n{launch}"
     return Export(
         training_arguments=targs,
         accelerate_config=acc,

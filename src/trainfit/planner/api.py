@@ -30,6 +30,7 @@ def plan(
     headroom: float = 0.30,
     network_gbps: float = 50.0,
     top: int = 5,
+    alloc_conf: str | None = None,
 ) -> PlanResult:
     """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument)."""
     if objective not in {o.value for o in Objective}:
@@ -53,4 +54,5 @@ def plan(
         headroom=headroom,
         network_gbps=network_gbps,
         top=top,
+        alloc_conf=alloc_conf,
     )

@@ -18,13 +18,28 @@ A memory saver never makes a step faster than the same plan without it (:meth:`~
 Candidate.twin`): a saver's plan is dropped when its twin, or for a combination of savers any subset of them
 (:meth:`~trainfit.planner.space.Candidate.fewer_savers`), fits at the same micro-batch (that candidate, one of its
 own, is then at least as good), so every saver a plan prints is one the plan needs.
+
+The caching allocator is part of the plan. Every estimate simulates the allocator the search is given (``--alloc-conf``;
+default: this process's ``PYTORCH_CUDA_ALLOC_CONF``), and a strategy gets one second chance: when it does not fit
+with that allocator but its lower bound (allocated peak + workspaces + what sits outside the allocator, which no
+allocator setting can go below) does, and the report's reserve was simulated (not the fixed fraction), it is
+re-estimated with ``expandable_segments:True`` added — the check :func:`trainfit.estimate.estimate` makes for its
+own suggestion. If that fits, the plan carries that allocator (:attr:`Plan.alloc_conf`) and its changes say
+``PYTORCH_CUDA_ALLOC_CONF=...``. Its speed is taken as the same — an assumption: expandable segments change how
+the allocator maps memory (cuMemCreate/cuMemMap of 2 MiB pages, c10/cuda/CUDACachingAllocator.cpp
+``ExpandableSegment``), not the kernels; PyTorch's "CUDA memory management" notes (docs/source/notes/cuda.rst,
+``expandable_segments``) present it as a fragmentation fix and state no cost either way, NVIDIA's NeMo
+Megatron-Bridge memory-tuning guide calls it a fix "with zero performance cost"; the driver calls when a
+segment grows are not modelled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from trainfit.allocator import AllocatorConfig
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
@@ -43,7 +58,8 @@ class Plan:
     required_bytes: int  # per-GPU nvidia-smi estimate from trainfit.estimate (the worst rank)
     usable_bytes: int
     speed: StepTime
-    changes: tuple[str, ...]  # what differs from the baseline, as CLI flags
+    changes: tuple[str, ...]  # what differs from the baseline, as CLI flags (and PYTORCH_CUDA_ALLOC_CONF=...)
+    alloc_conf: str = ""  # the PYTORCH_CUDA_ALLOC_CONF the estimate simulated ("" PyTorch's defaults)
 
     @property
     def fits(self) -> bool:
@@ -185,33 +201,72 @@ class _Search:
         objective: Objective,
         price: float,
         baseline: Strategy,
+        allocator: AllocatorConfig,
+        retry_expandable: bool = True,
     ) -> None:
         self.spec, self.gpu = spec, gpu
+        self.allocator = allocator
+        # The second chance (module docstring): None when the allocator already has expandable segments.
+        self.expandable = (
+            None
+            if allocator.expandable_segments or not retry_expandable
+            else dataclasses.replace(allocator, expandable_segments=True)
+        )
         self.seq_len, self.global_batch, self.gpn = seq_len, global_batch, gpus_per_node
         self.headroom, self.network, self.objective, self.price = headroom, network_gbps, objective, price
         self.baseline = baseline
         self.usable = int(gpu.memory_bytes * (1 - headroom))
         self.estimates = 0
-        self._memory: dict[Strategy, int | None] = {}
+        self._memory: dict[tuple[Strategy, AllocatorConfig], tuple[int, bool] | None] = {}
 
     def strategy(self, c: Candidate, micro: int) -> Strategy:
         accum = self.global_batch // (c.data * micro)
         return c.strategy(micro_batch=micro, grad_accum=accum, seq_len=self.seq_len, gpus_per_node=self.gpn)
 
-    def required(self, s: Strategy) -> int | None:
-        """The estimate's per-GPU requirement (None: no framework runs this strategy)."""
-        if s not in self._memory:
+    def _estimate(self, s: Strategy, allocator: AllocatorConfig) -> tuple[int, bool] | None:
+        """(the estimate's per-GPU requirement with ``allocator``, whether its reserve was simulated); None: no
+        framework runs this strategy."""
+        key = (s, allocator)
+        if key not in self._memory:
             from trainfit.estimate import estimate  # trainfit.estimate imports this package
 
             self.estimates += 1
             try:
-                rep = estimate(self.spec, s, gpu=self.gpu, headroom=self.headroom, search_micro_batch=False)
+                rep = estimate(
+                    self.spec,
+                    s,
+                    gpu=self.gpu,
+                    headroom=self.headroom,
+                    search_micro_batch=False,
+                    allocator=allocator.to_env(),
+                )
             except StrategyError:
-                self._memory[s] = None
+                self._memory[key] = None
             else:
                 assert rep.fit is not None
-                self._memory[s] = rep.fit.required_bytes
-        return self._memory[s]
+                simulated = getattr(rep.details, "allocator", None) is not None
+                self._memory[key] = (rep.fit.required_bytes, simulated)
+        return self._memory[key]
+
+    def need(self, s: Strategy) -> tuple[int, AllocatorConfig] | None:
+        """(the per-GPU requirement, the allocator it holds for): the search's allocator, or — when that does not
+        fit, the lower bound does and the reserve was simulated — with expandable segments if that fits
+        (the module docstring's second chance). None: no framework runs this strategy."""
+        first = self._estimate(s, self.allocator)
+        if first is None:
+            return None
+        need, simulated = first
+        if need <= self.usable or self.expandable is None or not simulated or self.lower_bound(s) > self.usable:
+            return need, self.allocator
+        second = self._estimate(s, self.expandable)
+        if second is not None and second[0] <= self.usable:
+            return second[0], self.expandable
+        return need, self.allocator
+
+    def required(self, s: Strategy) -> int | None:
+        """The per-GPU requirement of :meth:`need` (None: no framework runs this strategy)."""
+        n = self.need(s)
+        return None if n is None else n[0]
 
     def lower_bound(self, s: Strategy) -> int:
         """:func:`trainfit.planner.search.lower_bound_bytes`: no allocator simulation."""
@@ -248,15 +303,18 @@ class _Search:
         per_rank = self.global_batch // c.data
         return [per_rank] if c.optimizer_in_backward else _divisors(per_rank)
 
-    def plan(self, c: Candidate, micro: int, required: int) -> Plan:
+    def plan(self, c: Candidate, micro: int, required: int, allocator: AllocatorConfig) -> Plan:
         s = self.strategy(c, micro)
+        env = allocator.to_env()
+        alloc = (f"PYTORCH_CUDA_ALLOC_CONF={env}",) if allocator != self.allocator else ()
         return Plan(
             candidate=c,
             strategy=s,
             required_bytes=required,
             usable_bytes=self.usable,
             speed=self.speed(s),
-            changes=describe_changes(s, self.baseline),
+            changes=describe_changes(s, self.baseline) + alloc,
+            alloc_conf=env,
         )
 
     def evaluate(self, c: Candidate) -> tuple[Plan | None, _Near | None]:
@@ -307,9 +365,9 @@ class _Search:
     def _best(self, c: Candidate, fitting: list[int]) -> Plan:
         """The plan of the fastest micro-batch among ``fitting`` (ties: the larger)."""
         best = min(fitting, key=lambda m: (self.key(c.world, self.speed(self.strategy(c, m))), -m))
-        req = self.required(self.strategy(c, best))
-        assert req is not None
-        return self.plan(c, best, req)
+        need = self.need(self.strategy(c, best))
+        assert need is not None
+        return self.plan(c, best, *need)
 
 
 def search_plans(
@@ -329,11 +387,17 @@ def search_plans(
     baseline: Strategy | None = None,
     top: int = 5,
     explain_needs: bool = True,
+    alloc_conf: str | None = None,
+    retry_expandable: bool = True,
 ) -> PlanResult:
     """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``.
-    ``explain_needs``: when nothing fits, find the closest candidate and what it would need (False: plans only)."""
+    ``explain_needs``: when nothing fits, find the closest candidate and what it would need (False: plans only).
+    ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` every estimate simulates (None: this process's environment
+    variable, else PyTorch's defaults); ``retry_expandable``: a candidate that misses may still fit with expandable
+    segments (module docstring; False: that allocator only)."""
     if global_batch < 1 or gpus < 1 or gpus_per_node < 1:
         raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
+    allocator = AllocatorConfig.parse(alloc_conf) if alloc_conf is not None else AllocatorConfig.from_env()
     objective = Objective(objective)
     if baseline is None:
         # The setup a user starts from: trainfit's defaults (amp-bf16, fused AdamW, no checkpointing), data
@@ -356,6 +420,8 @@ def search_plans(
         objective=objective,
         price=price_per_gpu_hour,
         baseline=baseline,
+        allocator=allocator,
+        retry_expandable=retry_expandable,
     )
     space = candidates(
         spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow, fp8=fp8
@@ -428,16 +494,16 @@ def _closest(s: _Search, nears: list[_Near]) -> Plan | None:
     estimate's or a lower bound of it (the closed-form bound; one data-parallel replica's activations, far below
     the estimate), so they are visited smallest first and estimated until the next one's bytes cannot beat
     the best estimate found."""
-    best: tuple[int, _Near] | None = None
+    best: tuple[int, AllocatorConfig, _Near] | None = None
     for near in sorted(nears, key=lambda n: n.bytes):
         if best is not None and near.bytes >= best[0]:
             break
-        need = s.required(s.strategy(near.candidate, near.micro))
-        if need is not None and (best is None or need < best[0]):
-            best = (need, near)
+        need = s.need(s.strategy(near.candidate, near.micro))
+        if need is not None and (best is None or need[0] < best[0]):
+            best = (*need, near)
     if best is None:
         return None
-    return s.plan(best[1].candidate, best[1].micro, best[0])
+    return s.plan(best[2].candidate, best[2].micro, best[0], best[1])
 
 
 def _needs(
@@ -466,6 +532,8 @@ def _needs(
         "network_gbps": s.network,
         "top": 1,
         "explain_needs": False,
+        "alloc_conf": s.allocator.to_env(),
+        "retry_expandable": s.expandable is not None,
     }
     for more in (2 * gpus, 4 * gpus, 8 * gpus):
         r = search_plans(spec, gpu, gpus=more, allow=allow, **common)  # type: ignore[arg-type]

@@ -1,0 +1,66 @@
+"""The planner and the caching allocator's configuration: a candidate that only fits with expandable segments is a
+plan that says ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, and each number is the estimate's own, re-run
+with the plan's allocator (and, without it, the estimate says it does not fit)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from trainfit import estimate, get_gpu, load_model
+from trainfit.planner.rank import search_plans
+from trainfit.planner.speed import step_time
+
+ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def _search(alloc_conf: str) -> list:  # type: ignore[type-arg]
+    # Llama 3.1 8B, one A100 80GB, one 8192-token sequence per step: estimate's own example of the suggestion
+    # (pure-bf16 + adamw-8bit + full checkpointing fits only with expandable segments).
+    spec, gpu = load_model("llama-3.1-8b"), get_gpu("a100-sxm-80gb")
+    return list(search_plans(spec, gpu, gpus=1, seq_len=8192, global_batch=1, top=5, alloc_conf=alloc_conf).plans)
+
+
+def test_a_plan_fits_only_with_expandable_segments_and_says_so() -> None:
+    spec, gpu = load_model("llama-3.1-8b"), get_gpu("a100-sxm-80gb")
+    plans = _search("")
+    grown = [p for p in plans if ENV in p.changes]
+    assert grown, [p.changes for p in plans]
+    for p in plans:
+        assert (ENV in p.changes) == (p.alloc_conf == "expandable_segments:True")
+        kw = {"gpu": gpu, "headroom": 0.3, "search_micro_batch": False, "fixes": False}
+        again = estimate(spec, p.strategy, allocator=p.alloc_conf, **kw)  # type: ignore[arg-type]
+        assert again.fit is not None and again.fit.fits and again.fit.required_bytes == p.required_bytes
+        if p in grown:
+            plain = estimate(spec, p.strategy, allocator="", **kw)  # type: ignore[arg-type]
+            assert plain.fit is not None and not plain.fit.fits  # the second chance was needed
+            # its speed is the strategy's, allocator or not
+            assert p.speed == step_time(spec, p.strategy, gpu, network_gbps=50.0)
+
+
+def test_with_expandable_segments_given_no_plan_asks_for_it() -> None:
+    """--alloc-conf expandable_segments:True: every estimate simulates it, so no plan lists it as a change."""
+    plans = _search("expandable_segments:True")
+    assert plans
+    assert all(p.alloc_conf == "expandable_segments:True" and ENV not in p.changes for p in plans)
+
+
+def test_plan_cli_alloc_conf(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    from tests.cli._cli_helper import run_cli
+
+    args = ("plan", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--gpus", "1", "--seq", "8192", "--global-batch", "1")
+    bad = run_cli(capsys, *args, "--alloc-conf", "expandable_segments:maybe")
+    assert bad.code == 2 and len(bad.err.strip().splitlines()) == 1 and "Traceback" not in bad.err
+    res = run_cli(capsys, *args, "--alloc-conf", "", "--json", "--top", "5")
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert any(ENV in p["changes"] for p in out["plans"])
+    for p in out["plans"]:
+        if ENV in p["changes"]:  # the printed changes, as `trainfit estimate` runs them, fit
+            flags = [f for c in p["changes"] if c != ENV for f in shlex.split(c)]
+            r = run_cli(capsys, "estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--seq", "8192", *flags,
+                        "--alloc-conf", "expandable_segments:True", "--no-fixes", "--json")  # fmt: skip
+            assert r.code == 0, r.err
+            assert json.loads(r.out)["fits"]
