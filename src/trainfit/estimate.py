@@ -383,7 +383,8 @@ def estimate(
 
         speed = speed_of(spec, strategy, gpu_spec)
         if not fit.fits and method is Method.ANALYTIC and fixes:
-            fit = dataclasses.replace(fit, fixes=checked_fixes(spec, asked, gpu_spec, headroom), fixes_searched=True)
+            fixes_found = checked_fixes(spec, asked, gpu_spec, headroom, alloc_conf=allocator)
+            fit = dataclasses.replace(fit, fixes=fixes_found, fixes_searched=True)
     comparison = (
         ()
         if method is Method.RULE_OF_THUMB or strategy.is_distributed

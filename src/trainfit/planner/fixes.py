@@ -24,9 +24,13 @@ def speed_of(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> StepTime | No
         return None
 
 
-def checked_fixes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: float) -> tuple[Suggestion, ...]:
+def checked_fixes(
+    spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: float, alloc_conf: str | None = None
+) -> tuple[Suggestion, ...]:
     """The planner's top plans for ``strategy``'s GPUs, global batch and sequence, as suggestions whose flags
-    are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning)."""
+    are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning).
+    ``alloc_conf``: the allocator the estimate simulated (None: the environment's); a plan that needs another one
+    says so as ``--alloc-conf`` (the estimate's flag that reproduces it)."""
     from trainfit.planner.rank import search_plans
     from trainfit.planner.space import Finetune
 
@@ -44,6 +48,7 @@ def checked_fixes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: f
             baseline=strategy,
             top=FIXES,
             explain_needs=False,
+            alloc_conf=alloc_conf,
         )
     except StrategyError:
         return ()
@@ -54,7 +59,13 @@ def checked_fixes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: f
                 f"fits with {p.required_bytes / 2**30:.1f} GiB of {p.usable_bytes / 2**30:.1f} GiB usable; "
                 f"{p.speed.step_seconds:.2f} s/step, {p.speed.tokens_per_second:,.0f} tokens/s (speed model)"
             ),
-            flags=p.changes,
+            flags=tuple(_as_flag(c) for c in p.changes),
         )
         for p in result.plans
     )
+
+
+def _as_flag(change: str) -> str:
+    """A plan's change as ``trainfit estimate`` spells it (``PYTORCH_CUDA_ALLOC_CONF=X`` → ``--alloc-conf X``)."""
+    env = "PYTORCH_CUDA_ALLOC_CONF="
+    return f"--alloc-conf {change.removeprefix(env)}" if change.startswith(env) else change
