@@ -53,8 +53,21 @@ def test_plan_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list
     assert message in r.err and r.err.count("\n") == 1
 
 
-def test_estimate_that_does_not_fit_lists_checked_fixes_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["estimate", "qwen2.5-1.5b", "--gpu", "t4", "--precision", "amp-fp16", "--seq", "2048", "--batch", "8"]
+FIXES_CASES = [
+    ["qwen2.5-1.5b", "--gpu", "t4", "--precision", "amp-fp16", "--seq", "2048", "--batch", "8"],
+    # fragmentation is the difference: some fixes change the allocator (spelled --alloc-conf, replayed below)
+    [
+        *("llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--precision", "pure-bf16", "--optimizer", "adamw-8bit"),
+        *("--checkpointing", "full", "--batch", "1", "--seq", "8192", "--alloc-conf", ""),
+    ],
+]
+
+
+@pytest.mark.parametrize("case", FIXES_CASES, ids=["qwen-t4", "llama-8b-fragmented"])
+def test_estimate_that_does_not_fit_lists_checked_fixes_that_fit(
+    case: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["estimate", *case]
     r = run_cli(capsys, *base, "--json")
     out = json.loads(r.out)
     assert not out["fits"] and 1 <= len(out["fixes"]) <= 3
