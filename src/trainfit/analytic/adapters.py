@@ -74,7 +74,8 @@ non-reentrant checkpointing (saved-tensor hooks) cannot drop it
 (:func:`trainfit.analytic.activations.int8_ctx_bytes`).
 
 **``--freeze``** (:class:`FrozenLayers`): a wholly frozen layer saves nothing when no gradient flows into it
-(frozen embeddings, no checkpointing, no trainable layer below), the frozen forms when one does.
+(frozen embeddings, no layer checkpointing — selective recompute counts as none — no trainable layer below),
+the frozen forms when one does.
 """
 
 from __future__ import annotations
@@ -433,7 +434,8 @@ class FrozenLayers:
     ``compute_requires_grad``), so a frozen layer whose input needs no gradient saves nothing: it is ``dead``.
     Its input needs one when the embeddings' output does — a trainable embedding table, or checkpointing,
     with which transformers 5 calls ``enable_input_require_grads`` (modeling_utils.py
-    ``_activation_checkpointing_enable``, for every ``input_ids`` model) — or when any layer below trains.
+    ``_activation_checkpointing_enable``, for every ``input_ids`` model; not ``--checkpointing selective``,
+    which only wraps the attention core in ``torch.utils.checkpoint``) — or when any layer below trains.
     A ``frozen`` layer with such an input saves what the input gradient needs (the frozen forms of
     :func:`trainfit.analytic.activations.frozen_layer_terms`, no adapters)."""
 
@@ -457,7 +459,12 @@ def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
     for g in inv.layers:
         per_layer += [g.tensors] * g.count
     embeds = [t for t in inv.model_tensors if t.name.startswith("embed")]
-    grad = strategy.checkpointing.value != "none" or any(not is_frozen(t, patterns, None, layers=n) for t in embeds)
+    # Input grads are on only under layer checkpointing (activations.input_grads_enabled: HF's
+    # gradient_checkpointing_enable → enable_input_require_grads); --checkpointing selective wraps only the
+    # attention core in torch.utils.checkpoint and turns none of that on, so a frozen bottom stays dead.
+    grad = strategy.checkpointing.value not in ("none", "selective") or any(
+        not is_frozen(t, patterns, None, layers=n) for t in embeds
+    )
     dead = frozen = trainable = 0
     bottom_frozen = False
     frozen_at = tuple(all(is_frozen(t, patterns, i, layers=n) for t in ts) for i, ts in enumerate(per_layer))

@@ -8,7 +8,8 @@ HF causal-LM losses (transformers ``loss/loss_utils.py``, ``ForCausalLMLoss``) u
 * backward, at ``log_softmax_backward``: the saved output, the gradient from ``nll_loss`` (dense,
   4·V) and the gradient it produces (4·V): 12·V.
 
-BERT's masked-LM loss applies ``CrossEntropyLoss`` to the logits directly (see the code for the dtypes).
+BERT's masked-LM loss applies ``CrossEntropyLoss`` to the logits directly: under autocast 16-bit log-probs
+and nll_loss's fp32 copy of them (2·a·V + 4·V; see the code for the sources).
 Gemma-2's final soft-cap (``tanh(logits / cap) * cap``) keeps tanh's output (a·V) in both phases.
 The HF Trainer drops the model outputs before ``backward()``, so the 16-bit logits are not alive in
 backward; a loop that keeps ``outputs`` alive adds a·V there (``keep_logits``).
@@ -35,12 +36,18 @@ def logits_memory(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = Fa
         return classifier_logits_memory(spec, strategy, keep_logits=keep_logits)
     n = strategy.tokens_per_micro_batch * spec.vocab_size
     if spec.kind is ModelKind.MASKED_LM:
-        # BERT: CrossEntropyLoss on the logits as they are (no .float()). Under autocast, log_softmax
-        # takes CUDA's fp32_set_opt_dtype policy — log_softmax(x, dtype=float) reads 16-bit and writes
-        # fp32, no copy — and its backward returns the input dtype. Without autocast all of it is 16-bit.
-        lsm = 4 if strategy.recipe.autocast else a
-        forward = a * n + lsm * n
-        backward = 2 * lsm * n + a * n + (a * n if keep_logits else 0)
+        # BERT: CrossEntropyLoss on the logits as they are (no .float()). cross_entropy_loss has no CUDA
+        # autocast kernel and decomposes (aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss_symint``:
+        # ``nll_loss_nd(log_softmax(self, class_dim, self.scalar_type()))``): log_softmax gets an explicit
+        # dtype, so fp32_set_opt_dtype keeps it 16-bit (a·n, saved by LogSoftmaxBackward), and nll_loss is
+        # on autocast's fp32 list (autocast_mode.h AT_FORALL_FP32), so it reads an fp32 copy of that output
+        # (4·n), which NllLossBackward keeps (nll_loss_backward takes ``self``). Forward end: 16-bit logits +
+        # 16-bit log-probs + their fp32 copy. Backward at nll_loss_backward: the copy, the log-probs and the
+        # dense fp32 gradient. Without autocast all of it is in the weights' dtype, no copy (backward: the
+        # log-probs, nll_loss's gradient and log_softmax's).
+        cast = 4 * n if strategy.recipe.autocast and a != 4 else 0
+        forward = a * n + a * n + cast
+        backward = cast + a * n + (4 * n if cast else 2 * a * n) + (a * n if keep_logits else 0)
     else:
         upcast = 4 * n if a != 4 else 0
         forward = a * n + upcast + 4 * n

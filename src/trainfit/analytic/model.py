@@ -289,12 +289,12 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
     bottom_segment: int | None = None
     kept_segments = 1
     known = frozen_forms_known(spec)  # the frozen-layer forms are known
-    if fz is not None and known and len(rows) == 1 and strategy.checkpointing is not Checkpointing.SELECTIVE:
+    if fz is not None and known and len(rows) == 1:
         # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
         normal, still = rows[0].saved_bytes, _sum(frozen_layer_terms(spec, strategy))
         all_layers -= fz.dead * normal + fz.frozen * (normal - still)
         per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
-        if strategy.checkpointing is not Checkpointing.NONE:  # no dead layers: input grads are on
+        if strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.SELECTIVE):  # input grads on: no dead
             # Below the lowest trainable layer every gradient exists, so the worst moment there is entering
             # the topmost wholly frozen segment of the bottom: all their inputs kept, its frozen layers
             # recomputed (else the first segment, as it is).
