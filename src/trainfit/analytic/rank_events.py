@@ -119,6 +119,7 @@ class DdpHooks(RankHooks):
             spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
         )
         self.view = eo.gradient_as_bucket_view
+        self.adds_into_view = self.view
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         super().weights(s, states)
@@ -437,8 +438,6 @@ class Zero1Hooks(Zero2Hooks):
         super().__init__(spec, strategy, p)
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         self.kept: list[tuple[int, ParamTensor, int]] = []  # (flat offset, tensor, its gradient's key)
-        tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
-        self.tied_table = spec.vocab_size * spec.embed_dim * self.pb if tied else 0
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         if self.overlap:
@@ -467,11 +466,6 @@ class Zero1Hooks(Zero2Hooks):
         if self.overlap:
             return super().backward_end(s, head, late)
         self._keep(None, head + late)
-        if self.tied_table:
-            # A tied table's second dense gradient, from the embedding's backward, added in place into the one
-            # the head made (AccumulateGrad), every other gradient still whole (the closed form's
-            # BACKWARD_EMBEDDING temporaries).
-            s.free(s.alloc(self.tied_table))
         for off, x, key in sorted(self.kept, key=lambda k: k[0]):  # reduce_gradients, in flat order
             if self.elements + x.numel > self.bucket_numel:
                 self._reduce()
