@@ -6,6 +6,8 @@ FSDP2 ranks only."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from trainfit import estimate
@@ -201,7 +203,7 @@ def test_zero1_keeps_autograds_gradients_until_the_reduction(bucket: int) -> Non
     assert swaps == 2  # one per step
     live: dict[int, int] = {}
     worst = now = 0
-    for e, nxt in zip(ev, ev[1:], strict=False):
+    for e, nxt in itertools.pairwise(ev):
         if nxt.op is Op.FREE and nxt.key == e.key:
             continue  # a transient
         if e.op is Op.ALLOC and (e.size_bytes in grads or e.size_bytes == allocator_bytes(whole * 2)):
