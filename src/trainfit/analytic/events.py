@@ -49,6 +49,7 @@ from trainfit.analytic.states import (
     optimizer_state_tensors,
     param_states,
     tied_gradient_sum,
+    tied_sum_modelled,
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
@@ -130,6 +131,10 @@ class RankHooks:
     """Where a many-GPU rank's stream departs from one GPU's (:mod:`trainfit.analytic.rank_events`): the
     resident states it builds, what it all-gathers around each layer, how a layer's gradients are reduced.
     This base class is one GPU: every hook does what the single-GPU stream does."""
+
+    #: AccumulateGrad adds autograd's gradient into a ``.grad`` that is a view of a framework's buffer (DDP's
+    #: ``gradient_as_bucket_view``): a tied table's out-of-place sum is a tensor of its own before that.
+    adds_into_view = False
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         """The resident parameters (and a framework's persistent buffers), before the first step."""
@@ -234,8 +239,8 @@ def synthesise(
     chain_backward = eager_backward_moment(spec, strategy)[1]
     optimizer_created = False
     tied = tied_gradient_sum(spec, strategy)
-    # The out-of-place sum on one GPU only: a rank's stream keeps its framework's hooks' account of the gradients.
-    tied_sum = 0 if tied is None or strategy.is_distributed else tied.out_of_place_bytes
+    # The out-of-place sum on one GPU and under data parallelism (states.tied_sum_modelled).
+    tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
     sac_sizes = [x.bytes for x in sac_saved_terms(spec, strategy)]
     sac_kept: dict[int, list[int]] = {}
 
@@ -309,11 +314,14 @@ def synthesise(
             s.free(g_lsm)
         model_grads: list[int] = []
         table_grad = 0  # the tied table's gradient, allocated with the head's backward
+        waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
         for x in model_trained:
             if _head_tensor(spec, x):
                 model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
                 if x.name == "embed_tokens.weight":
                     table_grad = model_grads[-1]
+                    if not table_grad and tied is not None and tied_sum_modelled(strategy):
+                        waiting = s.alloc(tied.embedding_grad_bytes)
         grads += model_grads
         g_res = s.alloc(w.residual * t * h)
         s.free(g_logits)
@@ -347,14 +355,20 @@ def synthesise(
                 s.free(kept.pop())
         if tied is not None:
             # A tied table: the embedding's dense gradient meets the head's (states.tied_gradient_sum); out of
-            # place, the sum takes the head's gradient's place and both inputs are released.
+            # place, the sum takes the head's gradient's place and both inputs are released. A rank whose hooks
+            # copy each gradient at once (ZeRO-2/3's IPG bucket, DDP's bucket view) stands the copy for the sum;
+            # the head's gradient waited for the embedding's beside it (the hooks fire on AccumulateGrad, after
+            # autograd's sum: the closed form's BACKWARD_EMBEDDING moment).
             emb_grad = s.alloc(tied.embedding_grad_bytes)
             if tied_sum and table_grad:
                 total = s.alloc(tied_sum)
                 s.free(table_grad)
                 model_grads[model_grads.index(table_grad)] = total
                 grads[grads.index(table_grad)] = total
+            total = s.alloc(tied_sum) if waiting and rank.adds_into_view else 0
+            s.free(waiting)
             s.free(emb_grad)
+            s.free(total)
         late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
         grads += late
         kept_grads = rank.backward_end(s, model_grads, late)

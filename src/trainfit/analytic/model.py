@@ -92,7 +92,14 @@ from trainfit.analytic.savers import (
     offload_model_host_bytes,
     saver_notes,
 )
-from trainfit.analytic.states import ModelStates, finetune_parts, model_states, param_states, tied_gradient_sum
+from trainfit.analytic.states import (
+    ModelStates,
+    finetune_parts,
+    model_states,
+    param_states,
+    tied_gradient_sum,
+    tied_sum_modelled,
+)
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, NormKind
 from trainfit.cuda_facts import allocator_bytes
@@ -772,9 +779,9 @@ def backward_moments(q: StepInputs) -> list[Moment]:
     # autograd's buffer — in place or not (states.tied_gradient_sum). The head's buffered gradient (born in the
     # head's backward: logits/loss, as the trace files it) is a tensor of its own unless it is added into in place
     # and becomes the .grad; with accumulation the .grad is resident and an out-of-place sum is transient too.
-    # Many GPUs (analytic.parallel adjusts these moments per framework) keep the in-place form for now.
+    # Data parallelism too (states.tied_sum_modelled; analytic.parallel adjusts the moment per framework).
     tied = tied_gradient_sum(q.spec, q.strategy) if q.grad_head else None
-    single = not q.strategy.is_distributed
+    single = tied_sum_modelled(q.strategy)
     held_apart = tied is not None and single and (tied.out_of_place_bytes > 0 or gr > 0)
     embedding = Moment(
         name=MomentName.BACKWARD_EMBEDDING,

@@ -99,7 +99,7 @@ from trainfit.analytic.model import (
     optimizer_step_moment,
     step_inputs,
 )
-from trainfit.analytic.states import optimizer_state_bytes, param_states
+from trainfit.analytic.states import optimizer_state_bytes, param_states, tied_gradient_sum, tied_sum_modelled
 from trainfit.analytic.zero3 import PERSISTENCE_THRESHOLD, gathered_bytes
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
@@ -630,11 +630,19 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
         spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
     )
     total = sum(buckets)
+    # A tied table's out-of-place sum (states.tied_gradient_sum), which the one-GPU moment files as the
+    # table's .grad: with bucket views AccumulateGrad adds it into the table's view in place
+    # (torch/csrc/autograd/functions/accumulate_grad.h ``accumulateGrad``), a tensor of its own until then
+    # (the trace: tests/trace/test_tied_many_gpus.py); with accumulation it is in the moment's temporaries.
+    tied = tied_gradient_sum(spec, strategy) if q.grad_head and not q.grads_resident else None
+    tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
 
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
         if eo.gradient_as_bucket_view:
             c[Component.GRADIENTS] = total  # the gradients are views of the buckets, which never go away
+            if m.name is MomentName.BACKWARD_EMBEDDING:
+                c[Component.TEMPORARIES] += tied_sum
         else:
             c[Component.COMM_BUFFERS] = total
         return c
@@ -826,6 +834,9 @@ def _fsdp(
             unsharded = root + bottom_held * layer
             comm = rs
         elif m.name is MomentName.BACKWARD_EMBEDDING:
+            # The head's waiting gradient is ``q.grad_head`` below (a tied table's: states.tied_gradient_sum,
+            # whose out-of-place sum stays in the temporaries); not the moment's own count of it as well.
+            c[Component.LOGITS_LOSS] = 0
             # Inside the root's post-backward: the root is resharded, its gradients are being reduced.
             # Copy-in done, the token table's bf16 gradient is freed and the root's sharded gradients are
             # allocated (the LM head's bf16 gradient is still referenced): the later of the two moments is
@@ -836,7 +847,11 @@ def _fsdp(
             # reduce-scatter input still in flight (one kept: ``reduce_scatter_max_input_buffers`` = 1,
             # _fsdp_param_group.py ``post_backward``), the table's gradient just computed (under TP whole,
             # with its Shard(0) copy: ``table_copy``), the root's shards not yet made.
-            during_temp = q.grad_head + q.grad_late + table_copy
+            # A tied table's out-of-place sum (states.tied_gradient_sum) beside both its inputs: the one-GPU
+            # moment files it as the table's .grad, which the root's shards replace here; with accumulation it
+            # is already in the moment's temporaries (traces: tests/trace/test_tied_many_gpus.py).
+            tied = tied_gradient_sum(q.spec, q.strategy) if q.grad_head and not q.grads_resident else None
+            during_temp = q.grad_head + q.grad_late + table_copy + (tied.out_of_place_bytes if tied else 0)
             # Or the copy-in itself: the root's fp32 reduce-scatter input made while the bf16 gradients it copies
             # are still referenced (``post_backward`` holds ``unsharded_grads`` across ``foreach_reduce``), the
             # root's shards not yet made (the trace: llama-3.1-8b over 8 ranks with full recompute, 501 MiB more).

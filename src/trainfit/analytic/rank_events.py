@@ -7,7 +7,10 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
 * **torch DDP**: the single-GPU stream of the rank's recipe plus the reducer's gradient buckets, made when
   ``DistributedDataParallel`` is built (after the weights) and never freed (c10d/reducer.cpp
   ``initialize_buckets``; sizes: :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`); with
-  ``gradient_as_bucket_view`` the gradients are views of them and allocate nothing.
+  ``gradient_as_bucket_view`` the gradients are views of them and allocate nothing (a tied table's
+  out-of-place sum is a tensor of its own until ``accumulateGrad`` adds it into the view: ``adds_into_view``).
+  Every framework's hooks fire after autograd has summed a tied table's two gradients: a hook that takes a
+  gradient at once (bucket views, ZeRO-2/3's IPG bucket) leaves the head's waiting in autograd's buffer.
 * **torch FSDP2** (``fully_shard`` per layer + root, :func:`~trainfit.analytic.parallel.held_tensors` for the
   widths): the stream of the compute strategy (bf16 layers, no autocast) over the rank's padded shards; per
   group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank; under the
@@ -42,7 +45,7 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   model: the closed form used to count min(model, bucket) at the embedding only, 11× low at the default 5e8 on
   a tiny model), and the engine's reduction after backward copies them into it in flat order, making
   ``grads_in_partition`` at the first flush (``zero1_reduce_gradients``, the closed form's
-  ``BACKWARD_REDUCE`` moment); a tied table's second dense gradient is added in place before it. Against the
+  ``BACKWARD_REDUCE`` moment); a tied table's two gradients are summed before it (``events.synthesise``). Against the
   real engine's events (tests/trace/test_rank_stream.py): allocated +0.65–0.71%, reserved −0.2…+1.8%.
 * **DeepSpeed ZeRO-3** (:class:`Zero3Hooks`, stage3.py): the persistent buffers at init, the parameter
   coordinator's gathers, copies and releases from :mod:`trainfit.analytic.zero3`'s replay (which records them
@@ -119,6 +122,7 @@ class DdpHooks(RankHooks):
             spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
         )
         self.view = eo.gradient_as_bucket_view
+        self.adds_into_view = self.view
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         super().weights(s, states)
@@ -437,8 +441,6 @@ class Zero1Hooks(Zero2Hooks):
         super().__init__(spec, strategy, p)
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         self.kept: list[tuple[int, ParamTensor, int]] = []  # (flat offset, tensor, its gradient's key)
-        tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
-        self.tied_table = spec.vocab_size * spec.embed_dim * self.pb if tied else 0
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         if self.overlap:
@@ -467,11 +469,6 @@ class Zero1Hooks(Zero2Hooks):
         if self.overlap:
             return super().backward_end(s, head, late)
         self._keep(None, head + late)
-        if self.tied_table:
-            # A tied table's second dense gradient, from the embedding's backward, added in place into the one
-            # the head made (AccumulateGrad), every other gradient still whole (the closed form's
-            # BACKWARD_EMBEDDING temporaries).
-            s.free(s.alloc(self.tied_table))
         for off, x, key in sorted(self.kept, key=lambda k: k[0]):  # reduce_gradients, in flat order
             if self.elements + x.numel > self.bucket_numel:
                 self._reduce()

@@ -64,7 +64,7 @@ from trainfit.arch.params import ParamInventory, inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, BNB_MIN_8BIT_SIZE, allocator_bytes, quantized_weight_tensors
 from trainfit.cuda_facts import BNB_OPTIM_BLOCK as BNB_BLOCK
-from trainfit.strategy import LossImpl, Optimizer, OptimizerImpl, Strategy
+from trainfit.strategy import Engine, LossImpl, Optimizer, OptimizerImpl, Strategy
 from trainfit.units import round_up
 
 
@@ -483,3 +483,12 @@ def tied_gradient_sum(spec: ModelSpec, strategy: Strategy) -> TiedGradientSum | 
         table.autocast_copy or sv.loss is LossImpl.FUSED_LINEAR or (sv.loss is LossImpl.CHUNKED and sv.loss_chunks > 1)
     )
     return TiedGradientSum(embedding_grad_bytes=grad, out_of_place_bytes=0 if fresh else grad)
+
+
+def tied_sum_modelled(strategy: Strategy) -> bool:
+    """Whether :func:`tied_gradient_sum`'s rule holds under ``strategy``'s framework: one GPU, and data
+    parallelism (DDP's, FSDP2's and ZeRO's hooks fire on the table's ``AccumulateGrad``, after autograd's sum:
+    their traces, tests/trace/test_tied_many_gpus.py). Tensor parallelism refuses a tied table and Megatron's
+    layers write ``main_grad`` themselves: those keep the in-place form."""
+    par = strategy.parallelism
+    return par.tensor == 1 and par.pipeline == 1 and strategy.engine.engine is not Engine.MEGATRON
