@@ -457,3 +457,36 @@ def test_fsdp2_script_builds_the_plans_optimizer(optimizer: str, impl: str, buil
     compile(script, "train_fsdp2.py", "exec")
     assert f"OPTIMIZER = {optimizer!r}" in script and builds in script
     assert f"FUSED = {impl == 'fused'}" in script
+
+
+def test_megatron_arguments_carry_the_model_and_say_what_they_cannot() -> None:
+    """megatron_args.txt spells the model's departures from Megatron's GPT-2 defaults (read back from the ModelSpec;
+    Megatron's own parser checks them in test_megatron_args.py where it is installed), launch.sh exports
+    CUDA_DEVICE_MAX_CONNECTIONS=1 with TP (validate_args asserts it before Blackwell) and not without, and what
+    the flags cannot express is a note."""
+    mega = EngineOptions(engine=Engine.MEGATRON)
+    spec = load_model("llama-3.1-8b")
+    tp = Strategy(sharding="zero1", engine=mega, parallelism=Parallelism.for_gpus(8, tensor=4, sequence_parallel=True))
+    ex = export_plan(spec, tp)
+    args = " ".join(ex.megatron_args)
+    for flag in (
+        f"--num-layers {spec.num_layers}",
+        f"--hidden-size {spec.hidden_size}",
+        f"--ffn-hidden-size {spec.intermediate_size}",
+        f"--num-attention-heads {spec.num_heads}",
+        f"--group-query-attention --num-query-groups {spec.num_kv_heads}",
+        "--swiglu",
+        "--normalization RMSNorm",
+        "--position-embedding-type rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+    ):
+        assert flag in args, flag
+    assert ex.launch.startswith("export CUDA_DEVICE_MAX_CONNECTIONS=1\n") and "pretrain_gpt.py" in ex.launch
+    pp = Strategy(engine=mega, parallelism=Parallelism.for_gpus(2, pipeline=2, microbatches=2))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in export_plan(spec, pp).launch
+    gpt2 = " ".join(export_plan(load_model("gpt2"), pp).megatron_args)
+    assert "--openai-gelu" in gpt2 and "--disable-bias-linear" not in gpt2 and "--untie" not in gpt2
+    deepseek = export_plan(load_model("deepseek-v3"), pp)
+    said = [n for n in deepseek.notes if "cannot say" in n]
+    assert said and "multi-latent attention" in said[0] and "leading dense layers" in said[0]

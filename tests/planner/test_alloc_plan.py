@@ -58,6 +58,8 @@ def test_plan_cli_alloc_conf(capsys: pytest.CaptureFixture[str], tmp_path: objec
     out = json.loads(res.out)
     assert any(ENV in p["changes"] for p in out["plans"])
     for p in out["plans"]:
+        # the explicit key says the same as the changes: the allocator the plan assumes, null for the defaults
+        assert p["alloc_conf"] == ("expandable_segments:True" if ENV in p["changes"] else None)
         if ENV in p["changes"]:  # the printed changes, as `trainfit estimate` runs them, fit
             flags = [f for c in p["changes"] if c != ENV for f in shlex.split(c)]
             r = run_cli(capsys, "estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--seq", "8192", *flags,

@@ -115,13 +115,27 @@ def test_infer_equals_the_cli_json(
     assert got.json() == expected
 
 
+# Llama 3.1 8B on one A100 80GB, one 8192-token sequence: by default one plan fits only with expandable segments
+# (tests/planner/test_alloc_plan.py); given the setting, every estimate simulates it.
+PLAN_ALLOC = {
+    "model": "llama-3.1-8b",
+    "gpu": "a100-sxm-80gb",
+    "gpus": 1,
+    "seq": 8192,
+    "global_batch": 1,
+    "top": 3,
+    "alloc_conf": "expandable_segments:True",
+}
+
+
 @pytest.mark.parametrize(
     "options",
     [
         {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "seq": 1024, "global_batch": 8},
         {"model": "mistral-7b-v0.1", "gpu": "rtx-4090", "allow": "lora,qlora", "global_batch": 16, "top": 3},
+        PLAN_ALLOC,
     ],
-    ids=["full", "lora"],
+    ids=["full", "lora", "alloc-conf"],
 )
 def test_plan_equals_the_cli_json(
     client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
@@ -150,19 +164,51 @@ def test_plan_export_equals_the_files_write_export_writes(client: TestClient, tm
         assert got.status_code == 200, got.text
         body = got.json()
         assert body["schema_version"] == 1 and body["rank"] == rank
-        written = write_export(export_plan(load_model("qwen2.5-0.5b"), p.strategy), tmp_path / str(rank))
+        export = export_plan(load_model("qwen2.5-0.5b"), p.strategy, alloc_conf=p.alloc_conf)
+        written = write_export(export, tmp_path / str(rank))
         assert list(body["files"]) == [path.name for path in written]
         assert body["files"] == {path.name: path.read_text(encoding="utf-8") for path in written}
     top = client.post("/api/plan/export", json=PLAN).json()
     assert top == client.post("/api/plan/export", json={**PLAN, "rank": 1}).json(), "rank defaults to 1"
 
 
-def test_plan_export_of_the_cli(client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The top plan's files equal those `trainfit plan --export DIR` writes."""
-    out = cli_json(["plan", *to_args(PLAN), "--export", str(tmp_path)], capsys)
-    files = client.post("/api/plan/export", json=PLAN).json()["files"]
+@pytest.mark.parametrize("options", [PLAN, PLAN_ALLOC], ids=["default", "alloc-conf"])
+def test_plan_export_of_the_cli(
+    client: TestClient, options: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The top plan's files equal those `trainfit plan --export DIR` writes (with an allocator setting too: launch.sh
+    exports it)."""
+    out = cli_json(["plan", *to_args(options), "--export", str(tmp_path)], capsys)
+    files = client.post("/api/plan/export", json=options).json()["files"]
     assert [Path(p).name for p in out["exported"]] == list(files)
     assert {name: (tmp_path / name).read_text(encoding="utf-8") for name in files} == files
+    assert out["plans"][0]["alloc_conf"] == options.get("alloc_conf")
+
+
+def test_plan_export_carries_the_second_chance_allocator(client: TestClient) -> None:
+    """A plan that fits only with expandable segments (default allocator asked for) exports them in launch.sh."""
+    body = {**PLAN_ALLOC, "alloc_conf": "backend:native", "top": 5}  # PyTorch's defaults, whatever the server's env
+    plans = client.post("/api/plan", json=body).json()["plans"]
+    grown = [rank for rank, p in enumerate(plans, 1) if p["alloc_conf"] == "expandable_segments:True"]
+    assert grown, [p["changes"] for p in plans]
+    for rank in range(1, len(plans) + 1):
+        launch = client.post("/api/plan/export", json={**body, "rank": rank}).json()["files"]["launch.sh"]
+        assert ("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in launch) == (rank in grown)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{**PLAN, "alloc_conf": "expandable_segments:maybe"}, {**PLAN, "alloc_conf": "max_split_size_mb:-3"}],
+    ids=lambda o: o["alloc_conf"],
+)
+def test_plan_alloc_conf_errors_are_the_cli_line(
+    client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = cli_error(["plan", *to_args(options)], capsys)
+    for path in ("/api/plan", "/api/plan/export"):
+        got = client.post(path, json=options)
+        assert got.status_code == 400
+        assert got.json() == {"error": expected}
 
 
 @pytest.mark.parametrize(

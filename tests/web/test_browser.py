@@ -360,6 +360,17 @@ def test_plans_tab_and_a_download(page: Any, base_url: str, tmp_path: Path) -> N
     assert page.locator("#plans-table tbody tr").count() == len(want["plans"])
 
 
+def test_plans_tab_passes_the_allocator(page: Any, base_url: str) -> None:
+    """The form's Allocator field (``--alloc-conf``) reaches /api/plan, and the table is that answer."""
+    goto(page, base_url + "/?model=qwen2.5-0.5b&gpu=rtx-4090&seq=1024&alloc_conf=expandable_segments%3ATrue&tab=plans")
+    page.wait_for_function("() => window.trainfit.plansUpdates > 0 && !window.trainfit.plansBusy", timeout=20_000)
+    body = page.evaluate("window.trainfit.plansRequest")
+    assert body["alloc_conf"] == "expandable_segments:True"
+    want = api(base_url, "/api/plan", body)
+    assert all(p["alloc_conf"] == "expandable_segments:True" for p in want["plans"])
+    assert page.locator("#plans-table tbody tr").count() == len(want["plans"]) >= 1
+
+
 def test_savers_sac_and_adapter_knobs_reach_the_api(page: Any, base_url: str) -> None:
     """The knobs added with the CLI's flags: checkpointing sac, the memory savers, LoRA alpha/dropout, double
     quantisation — the page's request carries them and draws what the API answers for them."""

@@ -13,9 +13,14 @@ Each mapping follows the engine's own documented keys:
   plans get none: accelerate's ``tp_size`` is the model's transformers ``tp_plan``, without sequence parallelism.
 - DeepSpeed's ``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``)
   and its batch identity train_batch_size = micro × accumulation × data degree.
-- Megatron-LM: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
-  ``--use-distributed-optimizer`` (plans whose engine resolves to Megatron; 2-D FSDP2 × DTensor TP plans get
-  ``train_fsdp2.py`` with the TP plan instead, :mod:`trainfit.export.fsdp2_script`).
+- Megatron-LM: the model's shape (``--num-layers``, ``--hidden-size``, ``--num-query-groups``, ``--swiglu``, …:
+  Megatron's GPT defaults are GPT-2's, so Llama-style models spell every departure) and the plan's layout
+  (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
+  ``--use-distributed-optimizer``, batch sizes, recompute, precision) for plans whose engine resolves to Megatron;
+  launch.sh exports ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP (``validate_args`` asserts it before Blackwell).
+  Checked by Megatron's own ``parse_args`` + ``validate_args`` (megatron-core ≥ 0.17 ships
+  ``megatron/training/arguments.py``; Python ≥ 3.12) where it is installed (tests/export/test_megatron_args.py).
+  2-D FSDP2 × DTensor TP plans get ``train_fsdp2.py`` with the TP plan instead (:mod:`trainfit.export.fsdp2_script`).
 - torchtune's ``full_finetune_single_device`` recipe overrides (``torchtune_overrides.txt``, ``tune run`` in
   launch.sh) for the one-GPU savers only torchtune has: ``loss._component_=...CEWithChunkedOutputLoss``,
   ``enable_activation_offloading``, ``optimizer_in_bwd``, alone or combined (:func:`torchtune_overrides`; the
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainfit.arch.spec import ModelSpec
+from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
 from trainfit.errors import StrategyError
 from trainfit.export.fsdp2_script import fsdp2_script
 from trainfit.strategy import Checkpointing, Engine, LossImpl, Optimizer, Precision, Sharding, Strategy
@@ -345,9 +350,76 @@ def torchtune_overrides(strategy: Strategy) -> tuple[str, ...]:
     )
 
 
+def _megatron_model(spec: ModelSpec, seq_len: int) -> tuple[list[str], list[str]]:
+    """(Megatron-LM's model arguments for ``spec``, what of the model they cannot say). Megatron's GPT defaults
+    are GPT-2's — biased linears, GeLU, LayerNorm, learned positions, tied embeddings, dropout 0.1 (megatron-core
+    0.19.2 ``megatron/training/arguments.py`` ``add_megatron_arguments`` and ``TransformerConfig``'s defaults) —
+    so each departure of the model from them is spelled out (Megatron-LM's ``examples/llama`` scripts use the same
+    flags)."""
+    args = [
+        f"--num-layers {spec.num_layers}",
+        f"--hidden-size {spec.hidden_size}",
+        f"--ffn-hidden-size {spec.intermediate_size}",
+        f"--num-attention-heads {spec.num_heads}",
+    ]
+    lacks: list[str] = []
+    if spec.head_dim * spec.num_heads != spec.hidden_size:
+        args.append(f"--kv-channels {spec.head_dim}")
+    if spec.num_kv_heads != spec.num_heads:
+        args.append(f"--group-query-attention --num-query-groups {spec.num_kv_heads}")
+    args.append(f"--max-position-embeddings {max(spec.max_position_embeddings or 0, seq_len)}")
+    if spec.rotary_dim:
+        args.append("--position-embedding-type rope")
+        if spec.rotary_dim != spec.head_dim:
+            args.append(f"--rotary-percent {spec.rotary_dim / spec.head_dim:g}")
+    elif not spec.learned_positions:
+        args.append("--position-embedding-type none")
+    if spec.norm is NormKind.RMSNORM:
+        args.append("--normalization RMSNorm")
+    if spec.norm_unit_offset:
+        args.append("--apply-layernorm-1p")
+    if spec.qk_norm:
+        args.append("--qk-layernorm")
+    if spec.mlp is MlpKind.GATED and spec.activation == "silu":
+        args.append("--swiglu")
+    elif spec.mlp is MlpKind.DENSE and spec.activation in ("gelu_new", "gelu_pytorch_tanh"):
+        args.append("--openai-gelu")  # Megatron's name for GeLU's tanh approximation
+    elif spec.mlp is MlpKind.GATED or spec.activation != "gelu":
+        lacks.append(f"the {spec.mlp.value} MLP with {spec.activation}")
+    if not (spec.out_bias or spec.mlp_bias):
+        args.append("--disable-bias-linear" + (" --add-qkv-bias" if spec.qkv_bias else ""))
+    elif not spec.qkv_bias:
+        lacks.append("output/MLP biases without q/k/v biases")
+    if not spec.tie_word_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    args.append(f"--attention-dropout {spec.attention_dropout:g} --hidden-dropout {spec.hidden_dropout:g}")
+    if spec.moe is not None:
+        moe = spec.moe
+        args.append(
+            f"--num-experts {moe.num_experts} --moe-router-topk {moe.experts_per_token} "
+            f"--moe-ffn-hidden-size {moe.expert_intermediate_size}"
+        )
+        if moe.num_shared_experts:
+            shared = moe.num_shared_experts * moe.shared_expert_intermediate_size
+            args.append(f"--moe-shared-expert-intermediate-size {shared}")
+        if moe.num_dense_layers:
+            lacks.append(f"the {moe.num_dense_layers} leading dense layers (--moe-layer-freq)")
+    for name, present in (
+        ("multi-latent attention", spec.mla is not None),
+        ("parallel attention/MLP blocks", spec.parallel_attn),
+        ("sliding-window attention", spec.sliding_window is not None and spec.sliding_layers > 0),
+        ("logit soft-capping", spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None),
+        ("the embedding scale", spec.embedding_scale),
+    ):
+        if present:
+            lacks.append(name)
+    return args, lacks
+
+
 def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
     par = strategy.parallelism
     args = [
+        *_megatron_model(spec, strategy.seq_len)[0],
         f"--tensor-model-parallel-size {par.tensor}",
         f"--pipeline-model-parallel-size {par.pipeline}",
         f"--micro-batch-size {strategy.micro_batch}",
@@ -418,10 +490,21 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     if tune:
         launch = f"tune run {TORCHTUNE_RECIPE} --config {TORCHTUNE_CONFIG} " + " ".join(shlex.quote(a) for a in tune)
     if megatron:
-        notes.append("tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt")
+        notes.append(
+            "tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt (the model's "
+            "shape and the plan's layout; add your data and tokenizer: --data-path or --mock-data, --tokenizer-type "
+            "…, and the schedule)"
+        )
+        lacks = _megatron_model(spec, strategy.seq_len)[1]
+        if lacks:
+            notes.append(f"megatron_args.txt cannot say {', '.join(lacks)}: Megatron's GPT model would differ there")
         launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} pretrain_gpt.py " + " ".join(
             _megatron(strategy, spec)
         )
+        if strategy.parallelism.tensor > 1:
+            # validate_args asserts it for TP (or CP) before Blackwell (megatron/training/arguments.py); Megatron-LM's
+            # example launch scripts export it unconditionally (examples/gpt3/train_gpt3_175b_distributed.sh)
+            launch = f"export CUDA_DEVICE_MAX_CONNECTIONS=1\n{launch}"
     if alloc_conf:
         notes.append(
             f"launch.sh exports PYTORCH_CUDA_ALLOC_CONF={alloc_conf}: the plan's memory estimate simulated the caching "

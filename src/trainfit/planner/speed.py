@@ -33,7 +33,8 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   reduce-scatter (Korthikanti et al. 2022 §4.2.2). What is hidden depends on the engine
   (:func:`tp_layer_seconds`): the exported eager DTensor plan hides nothing, Megatron's linear layers hide the
   column-parallel backward's collectives behind its GEMMs, torchtitan's async TP (``async_tp``, no Strategy
-  option) pipelines the matched all-gather/reduce-scatter + GEMM pairs chunk by chunk.
+  option) pipelines the matched all-gather/reduce-scatter + GEMM pairs chunk by chunk and pays, for each fused
+  reduce-scatter, a sum of the t pulled partials over HBM that NCCL's reduce-scatter does on the wire.
   DTensor tensor parallelism (``--engine torch``; 2-D FSDP2 × TP, torchtitan's ``parallelize_llama``: TP within
   a node, FSDP2 over the data-parallel dimension — across nodes when data × tensor exceeds a node) adds its
   plan's ends (:func:`_dtensor_ends`: the vocabulary-sharded embedding, the head's input and the all-gathered
@@ -78,6 +79,7 @@ __all__ = [
     "StepTime",
     "TpBlockGemms",
     "TpComm",
+    "async_tp_reduction_bytes",
     "attention_efficiency",
     "dequant_bytes",
     "elementwise_bytes",
@@ -390,6 +392,7 @@ class _Recompute:
     memory_passes: int  # extra forward passes of the memory-bound work (the 34·h bytes)
     tp_collectives: int  # extra tensor-parallel all-reduces per layer (the forward's two)
     linears_again: bool  # the block linears run again (QLoRA dequantises again, adapters run again)
+    tp_regather: bool = False  # the forward's TP all-gathers run again, its reduce-scatters are saved (per-op SAC)
 
 
 def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
@@ -403,7 +406,13 @@ def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
     - ``sac``: torchtitan's per-op SAC (torchtitan/distributed/activation_checkpoint.py): the saved ops'
       outputs — every other ``mm``, the fused attention, ``addmm`` — are not run again; every second ``mm``
       is (:func:`_sac_params`) and so is every op outside the save list (norms, rotary, SiLU, products,
-      residual adds): one more forward pass of the memory-bound work."""
+      residual adds): one more forward pass of the memory-bound work. With tensor parallelism the save list
+      keeps ``_c10d_functional.reduce_scatter_tensor``'s output but not ``all_gather_into_tensor``'s, so each
+      block's all-gather runs again: the backward needs the gathered input (the weight gradients read it) —
+      torchtitan's ``_save_list`` (torchtitan/models/llama3/infra/parallelize.py, mid-2025; today
+      activation_checkpoint.py's ``comm_ops``), and under ``torch.compile`` the partitioner recomputes collectives
+      of a user's checkpoint region (torch/_functorch/partitioners.py ``force_save_collectives`` spares
+      ``must_recompute`` nodes)."""
     ck = x.checkpointing
     nums = _numbers(spec)
     if ck in (Checkpointing.FULL, Checkpointing.SQRT):
@@ -416,7 +425,9 @@ def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
         return _Recompute(flops=0.0, attention_flops=attn, memory_passes=0, tp_collectives=0, linears_again=False)
     if ck is Checkpointing.SAC:
         sac = 2 * nums.sac_recompute_params
-        return _Recompute(flops=sac, attention_flops=0.0, memory_passes=1, tp_collectives=0, linears_again=False)
+        return _Recompute(
+            flops=sac, attention_flops=0.0, memory_passes=1, tp_collectives=0, linears_again=False, tp_regather=True
+        )
     return _Recompute(flops=0.0, attention_flops=0.0, memory_passes=0, tp_collectives=0, linears_again=False)
 
 
@@ -593,24 +604,41 @@ class TpBlockGemms:
     column: tuple[float, float]  # (attention, MLP): the column-parallel GEMMs after the all-gather (q+k+v, gate+up)
     row: tuple[float, float]  # (attention, MLP): the row-parallel GEMMs before the reduce-scatter (o, down)
     column_fused: tuple[bool, bool]  # the column side is one ``mm`` (a non-gated MLP's up; q, k, v are three)
+    column_recomputed: tuple[float, float] = (0.0, 0.0)  # per-op SAC: the column-side ``mm``s it runs again
 
 
 def _tp_block_gemms(spec: ModelSpec, seconds_per_flop: float) -> TpBlockGemms:
     """:class:`TpBlockGemms` of a dense decoder layer (MoE layers are refused with tensor parallelism), 2·d_in·d_out
     FLOPs per token per linear, the micro-step's tokens spread over the tensor-parallel ranks (``seconds_per_flop``
-    = tokens / (t · rate)): the collectives run at the matmul rate the step uses."""
+    = tokens / (t · rate)): the collectives run at the matmul rate the step uses. ``column_recomputed``: the
+    column-side linears per-op SAC runs again (:func:`trainfit.analytic.activations.sac_recomputed_linears`; Llama:
+    k, up)."""
+    from trainfit.analytic.activations import sac_recomputed_linears
+
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
     gated = spec.mlp is MlpKind.GATED
     up = (2 if gated else 1) * h * i
+    again = [(n, d_in * d_out) for n, d_in, d_out in sac_recomputed_linears(spec) if n != "attn.o" and d_in == h]
+    attn_again = sum(w for n, w in again if n.startswith("attn."))
+    mlp_again = sum(w for n, w in again if not n.startswith("attn."))
     return TpBlockGemms(
         column=(2 * h * (q + 2 * kv) * seconds_per_flop, 2 * up * seconds_per_flop),
         row=(2 * q * h * seconds_per_flop, 2 * i * h * seconds_per_flop),
         column_fused=(False, not gated),
+        column_recomputed=(2 * attn_again * seconds_per_flop, 2 * mlp_again * seconds_per_flop),
     )
 
 
 def tp_layer_seconds(
-    mechanism: TpComm, half: float, gemms: TpBlockGemms, *, t: int, sequence_parallel: bool, recompute: bool
+    mechanism: TpComm,
+    half: float,
+    gemms: TpBlockGemms,
+    *,
+    t: int,
+    sequence_parallel: bool,
+    recompute: bool,
+    reduction: float = 0.0,
+    regather: bool = False,
 ) -> tuple[float, float]:
     """(communication, the part of it exposed) per layer and micro-step of tensor parallelism; ``half`` is the
     time of one all-gather or reduce-scatter of the b·s·h activations over the ring ((t−1)/t of the bytes), an
@@ -644,11 +672,27 @@ def tp_layer_seconds(
       copy engines while the chunks' GEMMs run: exposed max(0, half − GEMM·(t−1)/t) (the local chunk's GEMM runs
       uncovered). The backward reduce-scatter of the column side's input gradient sums several ``mm``s (q, k, v;
       gate, up) and is not matched: exposed. The weight-gradient GEMMs, whose operands are transposed, are not
-      consumers either."""
+      consumers either. A fused matmul + reduce-scatter does not reduce on the wire as NCCL's reduce-scatter
+      does: each rank pulls the t partial products of its own rows into a stacked buffer and sums them after the
+      pipeline, one ``torch.sum`` over the stack on the compute stream (torch/distributed/_symmetric_memory
+      ``_fused_matmul_reduce_scatter_impl``: ``reduce_fn(stacked_partials…)``), which the next op waits for:
+      ``reduction`` seconds (reading t partials of b·s/t·h and writing one, :func:`async_tp_reduction_bytes`,
+      over HBM), exposed once per fused reduce-scatter (o and down in each forward; a non-gated MLP's up in
+      backward).
+
+    ``regather`` (per-op SAC, :func:`_recompute`): each block's forward all-gather runs once more in backward
+    (one more half); exposed, except under async TP, where the pass fuses it into the ``mm``s SAC runs again on
+    the gathered input (``gemms.column_recomputed``: Llama's k and up) when there are any."""
     passes = 2 if recompute else 1  # forwards per micro-step
     pipelined = (t - 1) / t
     comm = exposed = 0.0
-    for col, row, col_fused in zip(gemms.column, gemms.row, gemms.column_fused, strict=True):
+    for col, row, col_fused, col_again in zip(
+        gemms.column, gemms.row, gemms.column_fused, gemms.column_recomputed, strict=True
+    ):
+        if regather:
+            comm += half
+            fused = mechanism is TpComm.ASYNC_TP and col_again > 0
+            exposed += max(0.0, half - col_again * pipelined) if fused else half
         if mechanism is TpComm.EAGER:
             comm += (passes + 1) * 2 * half
             exposed += (passes + 1) * 2 * half
@@ -659,12 +703,19 @@ def tp_layer_seconds(
             comm += passes * 2 * half + 3 * half  # + the input's re-gather in backward
             exposed += passes * 2 * half + half + 2 * max(0.0, half - col)  # re-gather behind dgrad, RS behind wgrad
         else:
-            forward = max(0.0, half - col * pipelined) + max(0.0, half - row * pipelined)
+            forward = max(0.0, half - col * pipelined) + max(0.0, half - row * pipelined) + reduction
             grad_gather = max(0.0, half - row * pipelined)  # the output gradient gathered into o/down's dgrad
-            grad_scatter = max(0.0, half - col * pipelined) if col_fused else half
+            grad_scatter = max(0.0, half - col * pipelined) + reduction if col_fused else half
             comm += (passes + 1) * 2 * half
             exposed += passes * forward + grad_gather + grad_scatter
     return comm, exposed
+
+
+def async_tp_reduction_bytes(act: float, t: int) -> float:
+    """HBM bytes of the sum that ends a fused matmul + reduce-scatter (:func:`tp_layer_seconds`, ``ASYNC_TP``): the
+    t stacked partials of this rank's b·s/t rows read (``act`` bytes in all: b·s·h in the output dtype) and the
+    reduced shard written (act/t)."""
+    return act * (1 + 1 / t)
 
 
 def _dtensor_ends(x: SpeedInputs, act: float) -> float:
@@ -797,7 +848,14 @@ def step_time_of(
         half = _ring(t) * act / tp_bw  # one all-gather or reduce-scatter of the b·s·h activations
         gemms = _tp_block_gemms(spec, tokens_micro / (t * flops_rate))
         layer_comm, layer_exposed = tp_layer_seconds(
-            tp_comm(x), half, gemms, t=t, sequence_parallel=not x.plain_tp, recompute=rc.tp_collectives > 0
+            tp_comm(x),
+            half,
+            gemms,
+            t=t,
+            sequence_parallel=not x.plain_tp,
+            recompute=rc.tp_collectives > 0,
+            reduction=async_tp_reduction_bytes(act, t) / hbm,
+            regather=rc.tp_regather,
         )
         c = layer_comm * layers_rank * accum
         e = layer_exposed * layers_rank * accum

@@ -1,5 +1,10 @@
 """Rendering of ``trainfit plan`` results: a ranked table, the top plan in two lines, or "nothing fits"
-with the closest plan and what it would need; and the JSON for scripts."""
+with the closest plan and what it would need; and the JSON for scripts.
+
+JSON (``schema_version`` :data:`PLAN_SCHEMA_VERSION`, bumped only when a key changes meaning or goes; new keys
+do not bump it): each plan's ``alloc_conf`` is the ``PYTORCH_CUDA_ALLOC_CONF`` its estimate simulated
+(:attr:`trainfit.planner.rank.Plan.alloc_conf`: the search's ``--alloc-conf``, or that plus
+``expandable_segments:True`` for a plan that fits only with it), ``null`` for PyTorch's default allocator."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ def _plan_json(p: Plan) -> dict[str, Any]:
         "margin_bytes": p.margin_bytes,
         "fits": p.fits,
         "changes": list(p.changes),
+        "alloc_conf": p.alloc_conf or None,  # the allocator the plan assumes; null: PyTorch's defaults
         "step_seconds": sp.step_seconds,
         "tokens_per_second": sp.tokens_per_second,
         "mfu": sp.mfu,

@@ -11,7 +11,7 @@ commands' JSON): one schema, one version, and no arithmetic in the browser. Endp
 ``/api/estimate``      ``trainfit estimate ... --json`` (GET: query string; POST: a JSON object)
 ``/api/infer``         ``trainfit infer ... --json``
 ``POST /api/config``   checks a pasted config.json: its row as ``/api/models`` lists it, or the error
-``/api/plan``          ``trainfit plan --json`` (ranked plans)
+``/api/plan``          ``trainfit plan --json`` (ranked plans; ``alloc_conf`` as ``--alloc-conf``)
 ``POST /api/plan/export`` the files ``trainfit plan --export DIR`` writes, for plan ``rank`` (1 = the top plan)
 ``/api/jobs``          trace runs: POST starts one, GET ``/api/jobs/ID`` polls, DELETE cancels
 =====================  =========================================================================
@@ -169,7 +169,10 @@ def _plan_export_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None
     return {
         "schema_version": 1,
         "rank": rank,
-        "files": export_files(export_plan(spec, result.plans[rank - 1].strategy)),
+        # launch.sh exports the allocator the plan's estimate simulated, as `trainfit plan --export` writes it
+        "files": export_files(
+            export_plan(spec, result.plans[rank - 1].strategy, alloc_conf=result.plans[rank - 1].alloc_conf)
+        ),
     }
 
 

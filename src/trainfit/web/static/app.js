@@ -445,13 +445,14 @@ function soon() {
 
 // ---- plans tab ----------------------------------------------------------------------------------------------------
 
-// The /api/plan request for the form's model, GPU, GPU count and sequence and the tab's global batch.
+// The /api/plan request for the form's model, GPU, GPU count, sequence and allocator and the tab's global batch.
 function planRequest() {
   const f = fields();
   const req = pastedConfig ? { config: pastedConfig } : { model: f.model };
   if (f.gpu) req.gpu = f.gpu;
   if (f.gpus) req.gpus = f.gpus;
   if (f.seq) req.seq = f.seq;
+  if (f.alloc_conf) req.alloc_conf = f.alloc_conf;
   const gb = $("#plan-batch").value.trim();
   if (gb) req.global_batch = gb;
   if ($("#plan-lora").checked) req.allow = "lora,qlora";
