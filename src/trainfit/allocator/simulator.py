@@ -64,7 +64,7 @@ from trainfit.allocator.config import AllocatorConfig, AllocatorConfigError, Bac
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_SIZE_BYTES = 1 << 20  # kSmallSize: the largest small-pool request
 SMALL_BUFFER_BYTES = 2 << 20  # kSmallBuffer: small-pool segment (and expandable page) size
-LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: segment for 1–10 MiB requests (and expandable large page)
+LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: default large_segment_size (AllocatorConfig.large_segment_size_bytes)
 MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
 
@@ -149,6 +149,10 @@ class AllocatorResult:
     num_segments_at_peak: int
     num_device_allocs: int
     num_device_frees: int
+    #: Misses that needed ``release_cached_blocks`` (every free segment freed, every free page unmapped, after a
+    #: device synchronisation) before the retry (``num_alloc_retries`` of ``torch.cuda.memory_stats``): only
+    #: under a capacity; a run that fits only this way pays for it in every step that repeats it.
+    num_alloc_retries: int = 0
     oom: OutOfMemory | None = None
     layout_at_peak: tuple[SegmentLayout, ...] | None = None
 
@@ -156,12 +160,14 @@ class AllocatorResult:
 class _Segment:
     __slots__ = ("address", "expandable", "page_bytes", "small", "stream")
 
-    def __init__(self, address: int, small: bool, stream: int, expandable: bool) -> None:
+    def __init__(
+        self, address: int, small: bool, stream: int, expandable: bool, large_page: int = LARGE_BUFFER_BYTES
+    ) -> None:
         self.address = address
         self.small = small
         self.stream = stream
         self.expandable = expandable
-        self.page_bytes = SMALL_BUFFER_BYTES if small else LARGE_BUFFER_BYTES
+        self.page_bytes = SMALL_BUFFER_BYTES if small else large_page
 
 
 class _Block:
@@ -211,20 +217,25 @@ def round_size(size_bytes: int, config: AllocatorConfig) -> int:
     return -(-size_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
 
 
-def allocation_size(size_bytes: int) -> int:
-    """``get_allocation_size``: the segment ``cudaMalloc``ed for a (rounded) request that missed the cache."""
+def allocation_size(size_bytes: int, large_segment_bytes: int = LARGE_BUFFER_BYTES) -> int:
+    """``get_allocation_size``: the segment ``cudaMalloc``ed for a (rounded) request that missed the cache
+    (``large_segment_bytes``: ``large_segment_size``, 20 MiB unless ``large_segment_size_mb`` says otherwise)."""
     if size_bytes <= SMALL_SIZE_BYTES:
         return SMALL_BUFFER_BYTES
     if size_bytes < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_BUFFER_BYTES
+        return large_segment_bytes
     return -(-size_bytes // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
 
 
 class Simulator:
     """The allocator's state. Drive it with :meth:`malloc` / :meth:`free` / ... or :func:`simulate`.
 
-    ``capacity_bytes``: what the allocator may reserve (device memory minus what lives outside it, or a
-    memory fraction); ``None`` means unlimited (no out-of-memory retries, no garbage collection).
+    ``capacity_bytes``: the device memory the allocator can get (the GPU minus what lives outside it):
+    ``cudaMalloc`` of a segment, or ``cuMemCreate`` of the pages an expandable segment maps, fails beyond it;
+    ``None`` means unlimited (no out-of-memory retries). ``memory_fraction_bytes``: the limit of
+    ``torch.cuda.set_per_process_memory_fraction`` (``allowed_memory_maximum``): ``alloc_block`` refuses a new
+    segment whose ``get_allocation_size`` would pass it — with expandable segments too, before any page is
+    mapped — and only with it does ``garbage_collection_threshold`` act (``set_fraction`` in ``malloc``).
     ``segment_address``: optional hook giving the address of a new ``cudaMalloc`` segment of a given size
     (a replay uses the real addresses so that ties in best fit break as they did); ``None`` falls back.
     """
@@ -234,16 +245,19 @@ class Simulator:
         config: AllocatorConfig | None = None,
         *,
         capacity_bytes: int | None = None,
+        memory_fraction_bytes: int | None = None,
         segment_address: Callable[[int], int | None] | None = None,
     ) -> None:
         self.config = config or AllocatorConfig()
         if self.config.backend is not Backend.NATIVE:
             raise AllocatorConfigError("only the native caching allocator is modelled (not cudaMallocAsync)")
         self.capacity_bytes = capacity_bytes
+        self.memory_fraction_bytes = memory_fraction_bytes
+        self._large_page = self.config.large_segment_size_bytes
         self._segment_address = segment_address
         self._max_split = self.config.max_split_bytes
         self._expandable = self.config.expandable_segments
-        self._gc = self.config.garbage_collection_threshold > 0.0 and capacity_bytes is not None
+        self._gc = self.config.garbage_collection_threshold > 0.0 and memory_fraction_bytes is not None
         self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
         self._pools: dict[tuple[bool, int], _Pool] = {}
         self._gc_calls = {True: 0, False: 0}
@@ -259,6 +273,7 @@ class Simulator:
         self.num_segments_at_peak = 0
         self.num_device_allocs = 0
         self.num_device_frees = 0
+        self.num_alloc_retries = 0
         self.peak_event_index = -1
         self.event_index = -1
 
@@ -416,25 +431,32 @@ class Simulator:
     def _grow(self, pool: _Pool, size: int) -> _Block:
         if self._gc:
             self._garbage_collect()
-        alloc = allocation_size(size)
+        alloc = allocation_size(size, self._large_page)
         block = self._alloc_block(pool, size, alloc)
         if block is None and self._release_available(pool, size):
             block = self._alloc_block(pool, size, alloc)
         if block is None:
             self.empty_cache()
+            self.num_alloc_retries += 1  # alloc_block(..., isRetry=true)
             block = self._alloc_block(pool, size, alloc)
         if block is None:
             raise AllocatorOutOfMemory(size)
         return block
 
     def _fits(self, nbytes: int) -> bool:
+        """Whether the device can back ``nbytes`` more (``cudaMalloc`` / ``cuMemCreate`` succeed)."""
         return self.capacity_bytes is None or self.reserved_bytes + nbytes <= self.capacity_bytes
 
     def _alloc_block(self, pool: _Pool, size: int, alloc: int) -> _Block | None:
-        if not self._fits(alloc):
+        """``alloc_block``: the memory fraction is checked against the whole ``get_allocation_size`` first; then
+        an expandable segment maps the pages it lacks (each map checks the device), or ``cudaMalloc`` the segment."""
+        fraction = self.memory_fraction_bytes
+        if fraction is not None and self.reserved_bytes + alloc > fraction:
             return None
         if self._expandable:
             return self._alloc_expandable(pool, size)
+        if not self._fits(alloc):
+            return None
         seg = _Segment(self._new_address(alloc), pool.small, pool.stream, expandable=False)
         self.reserved_bytes += alloc
         self.num_segments += 1
@@ -473,8 +495,8 @@ class Simulator:
 
     def _garbage_collect(self) -> None:
         """``garbage_collect_cached_blocks``: free unsplit large cached blocks older than the average."""
-        assert self.capacity_bytes is not None
-        threshold = int(self.config.garbage_collection_threshold * self.capacity_bytes)
+        assert self.memory_fraction_bytes is not None
+        threshold = int(self.config.garbage_collection_threshold * self.memory_fraction_bytes)
         if self.reserved_bytes <= threshold:
             return
         target = self.reserved_bytes - threshold
@@ -536,9 +558,10 @@ class Simulator:
                 x = x.next
             if room >= size:
                 return c
+        page = SMALL_BUFFER_BYTES if pool.small else self._large_page
         va = _DEFAULT_VA_BYTES if self.capacity_bytes is None else self.capacity_bytes + self.capacity_bytes // 8
-        va = -(-va // LARGE_BUFFER_BYTES) * LARGE_BUFFER_BYTES
-        seg = _Segment(self._new_address(va), pool.small, pool.stream, expandable=True)
+        va = -(-va // page) * page
+        seg = _Segment(self._new_address(va), pool.small, pool.stream, True, self._large_page)
         u = _Block(seg.address, va, seg, mapped=False)
         insort(pool.unmapped, (u.addr, u))
         self.num_segments += 1
@@ -642,7 +665,7 @@ class Simulator:
         expandable segment ``size_bytes`` is the mapped part, from ``address``; ``virtual_bytes`` the range.
         """
         pool = self._pool(small, stream)
-        seg = _Segment(address, small, stream, expandable)
+        seg = _Segment(address, small, stream, expandable, self._large_page)
         blocks: list[_Block] = []
         cursor = address
         end = address + size_bytes
@@ -732,6 +755,7 @@ class Simulator:
             num_segments_at_peak=self.num_segments_at_peak,
             num_device_allocs=self.num_device_allocs,
             num_device_frees=self.num_device_frees,
+            num_alloc_retries=self.num_alloc_retries,
             oom=oom,
         )
 
@@ -784,6 +808,7 @@ def simulate(
     config: AllocatorConfig | None = None,
     *,
     capacity_bytes: int | None = None,
+    memory_fraction_bytes: int | None = None,
     layout: bool = False,
     setup: Callable[[Simulator], None] | None = None,
 ) -> AllocatorResult:
@@ -791,11 +816,12 @@ def simulate(
 
     ``layout=True`` adds the segment layout at the reserved peak: the events are replayed a second time up
     to the peak (pass ``events`` as a list, or as a function returning a fresh iterable). ``setup`` seeds the
-    simulator (e.g. with the segments that existed before the events started).
+    simulator (e.g. with the segments that existed before the events started). ``capacity_bytes`` and
+    ``memory_fraction_bytes``: as :class:`Simulator`'s.
     """
 
     def fresh() -> Simulator:
-        sim = Simulator(config, capacity_bytes=capacity_bytes)
+        sim = Simulator(config, capacity_bytes=capacity_bytes, memory_fraction_bytes=memory_fraction_bytes)
         if setup is not None:
             setup(sim)
         return sim
