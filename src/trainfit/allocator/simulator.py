@@ -12,8 +12,8 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
 * **Pools** (``get_pool``): ≤ 1 MiB (``kSmallSize``) goes to the small pool, anything larger to the large
   pool; each pool is searched per stream (``BlockComparatorSize`` orders by stream, size, address).
 * **Segment sizes** (``get_allocation_size``): small requests get a 2 MiB segment (``kSmallBuffer``),
-  requests under 10 MiB (``kMinLargeAlloc``) a 20 MiB one (``kLargeBuffer``), larger ones their size rounded
-  up to 2 MiB (``kRoundLarge``).
+  requests under 10 MiB (``kMinLargeAlloc``) a ``large_segment_size`` one (20 MiB, the former ``kLargeBuffer``;
+  ``large_segment_size_mb``), larger ones their size rounded up to 2 MiB (``kRoundLarge``).
 * **Best fit** (``get_free_block``): the smallest cached block of the pool and stream that is large enough,
   lowest address on ties. With ``max_split_size``, a request below it never takes a block at or above it,
   and a request at or above it takes a block at most ``max_non_split_rounding`` larger.
@@ -23,16 +23,27 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
   allocated block and counts in ``allocated``.
 * **Merging** (``free_block``, ``try_merge_blocks``): a freed block merges with its free neighbours in the
   same segment; segments never merge.
-* **Growth** (``malloc``, ``alloc_block``): a miss allocates a new segment. If a capacity is given and the
-  segment does not fit, the allocator frees oversize cached blocks (``release_available_cached_blocks``,
-  only with ``max_split_size``), then every unsplit cached segment (``release_cached_blocks``) and retries;
-  a second miss is an out-of-memory error. ``garbage_collection_threshold`` (``garbage_collect_cached_blocks``)
-  runs before a new segment only when a capacity (a memory fraction, ``set_fraction``) is set.
+* **Growth** (``malloc``, ``alloc_block``): a miss allocates a new segment. If it does not fit (the device
+  capacity, or a memory fraction checked against ``get_allocation_size``), the allocator frees oversize cached
+  blocks (``release_available_cached_blocks``, only with ``max_split_size``), then every unsplit cached segment
+  and every free expandable page (``release_cached_blocks``) and retries (``num_alloc_retries``); a second miss
+  is an out-of-memory error. ``garbage_collection_threshold`` (``garbage_collect_cached_blocks``) runs before a
+  new segment only under a memory fraction (``set_fraction``), and never frees expandable blocks.
 * **Expandable segments** (``find_expandable_block``, ``try_allocate_expandable_block``, ``map_block``,
-  ``unmap_block``; Note [Expandable Segments]): one virtual range per pool and stream, mapped on demand in
-  pages of 2 MiB (small pool) or 20 MiB (large pool) at the lowest unmapped address (merged with the free
-  block before it); while searching, the free block at the mapped end counts as if it had the unmapped
-  space behind it, so other blocks are preferred to it. Free whole pages are unmapped on ``empty_cache``.
+  ``unmap_block``; Note [Expandable Segments]): one virtual range per pool and stream (the small pool too),
+  mapped on demand in pages of 2 MiB (small pool) or ``large_segment_size`` (20 MiB, large pool) at the lowest
+  unmapped address with room, merged with the free block before it: only the pages that block lacks are mapped
+  (``reserved`` counts mapped bytes). While searching, the free block at the mapped end counts as if it had the
+  unmapped space behind it, so other blocks are preferred to it. ``round_size`` still applies; any remainder
+  ≥ 512 B is split off, so ``max_split_size`` only keeps small requests off large blocks
+  (``get_free_block``), it no longer keeps large blocks whole. Free pages stay mapped until ``empty_cache`` or
+  an out-of-memory retry unmaps the whole ones; a range never shrinks otherwise. Hence a cost with no
+  counterpart in fixed segments: a request that misses grows the range from its free tail, right behind
+  older blocks, so a block freed in the middle leaves a mapped hole pinned by live neighbours, where the
+  default allocator would have given the request a segment of its own and kept the freed one whole for the
+  next request of its size (tests/allocator/test_expandable.py; llama-3.1-70b ZeRO-2 over 64 ranks reserves
+  161.9 GiB this way against 159.6 by default, docs/allocator.md). Under a capacity the holes' pages are
+  unmapped and the run fits in much less (that stream: 153.8 GiB, its allocated peak is 153.7).
 * **Release** (``release_cached_blocks``, ``release_blocks``): reserved memory only shrinks on
   ``empty_cache()`` (or an out-of-memory retry): unsplit free segments are ``cudaFree``d, free pages of
   expandable segments unmapped.
@@ -41,7 +52,12 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
   to the pool once the other stream's events have completed); the model takes both as events.
 
 What is not modelled: CUDA graph private pools, IPC, peer access, the free-memory callbacks, and the
-allocator's interaction with memory outside it (the capacity is a number we are told).
+allocator's interaction with memory outside it (the capacity is a number we are told). Known differences with
+expandable segments: the virtual range is 9/8 of the capacity (the source: of ``totalGlobalMem``), which only
+matters once unmapped gaps push the mapped end past it; newer sources' ``release_available_cached_blocks`` skips
+expandable blocks and goes on to smaller oversize ones, here it stops at the first (only with
+``max_split_size``, expandable segments and a capacity); the setting is one per run (PyTorch can switch it
+mid-run, ``_set_allocator_settings``).
 
 Speed: each pool keeps its free blocks in a list sorted by (size, address), searched and updated with
 ``bisect``; merges follow the blocks' neighbour links, so an event costs O(log n) comparisons plus a list
