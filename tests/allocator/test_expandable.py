@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import pytest
 
-from trainfit.allocator import AllocatorConfig, AllocatorConfigError, Event, Op, Simulator, simulate
+from trainfit.allocator import (
+    AllocatorConfig,
+    AllocatorConfigError,
+    Event,
+    Op,
+    Simulator,
+    least_capacity,
+    simulate,
+)
 
 MiB = 1 << 20
 EXPANDABLE = AllocatorConfig.parse("expandable_segments:True")
@@ -83,6 +91,27 @@ def test_under_pressure_expandable_segments_unmap_the_hole_and_fit() -> None:
     # the default allocator needs its 1310 MiB peak and no retry
     default = simulate(events, AllocatorConfig(), capacity_bytes=1310 * MiB)
     assert default.oom is None and default.num_alloc_retries == 0
+
+
+def test_least_capacity_finds_the_hand_worked_limits() -> None:
+    # from the test above: expandable segments fit in 1320 MiB with one flush (not in 1319); the default
+    # allocator needs its 1310 MiB peak, which is also the allocated peak, so the bisection starts there
+    cap, at = least_capacity(_stranding_events(), EXPANDABLE)
+    assert cap == 1320 * MiB
+    assert at.num_alloc_retries == 1 and at.peak_reserved_bytes == 1320 * MiB
+    cap, at = least_capacity(_stranding_events(), AllocatorConfig())
+    assert cap == 1310 * MiB and at.num_alloc_retries == 0
+
+    def drive(sim: Simulator) -> None:  # the same stream as calls, the way the synthesised streams run
+        sim.malloc(1, 1000 * MiB)
+        sim.malloc(2, 200 * MiB)
+        sim.free(2)
+        sim.malloc(3, 100 * MiB)
+        sim.malloc(4, 110 * MiB)
+        sim.free(3)
+        sim.malloc(5, 200 * MiB)
+
+    assert least_capacity(drive, EXPANDABLE)[0] == 1320 * MiB
 
 
 def test_memory_fraction_checks_the_allocation_size_but_the_device_only_new_pages() -> None:

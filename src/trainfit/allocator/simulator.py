@@ -55,9 +55,9 @@ What is not modelled: CUDA graph private pools, IPC, peer access, the free-memor
 allocator's interaction with memory outside it (the capacity is a number we are told). Known differences with
 expandable segments: the virtual range is 9/8 of the capacity (the source: of ``totalGlobalMem``), which only
 matters once unmapped gaps push the mapped end past it; newer sources' ``release_available_cached_blocks`` skips
-expandable blocks and goes on to smaller oversize ones, here it stops at the first (only with
-``max_split_size``, expandable segments and a capacity); the setting is one per run (PyTorch can switch it
-mid-run, ``_set_allocator_settings``).
+expandable blocks and goes on to smaller oversize ones, here it stops at the first (the same outcome unless
+fixed segments and expandable ones share a pool: seeded segments, or the setting switched mid-run with
+``_set_allocator_settings``, which the model does not do — one setting per run).
 
 Speed: each pool keeps its free blocks in a list sorted by (size, address), searched and updated with
 ``bisect``; merges follow the blocks' neighbour links, so an event costs O(log n) comparisons plus a list
@@ -69,7 +69,7 @@ from __future__ import annotations
 import gc
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -856,3 +856,53 @@ def simulate(
     from dataclasses import replace
 
     return replace(res, layout_at_peak=again.layout())
+
+
+def least_capacity(
+    stream: Sequence[Event] | Callable[[Simulator], object],
+    config: AllocatorConfig | None = None,
+    *,
+    resolution_bytes: int = 1 << 20,
+) -> tuple[int, AllocatorResult]:
+    """The smallest device capacity (a multiple of ``resolution_bytes``) at which ``stream`` runs without an
+    out-of-memory error, and the run at it (its ``num_alloc_retries``: the cache flushes that fitting takes).
+
+    Without a capacity the reserve is the uncapped peak, what ``max_memory_reserved`` shows with room to spare;
+    near the limit ``malloc`` frees the cache and retries (``release_cached_blocks``), so a run can fit in less:
+    with expandable segments much less, their free pages being unmapped one by one. ``stream``: the events, or a
+    function that drives a given :class:`Simulator` (``malloc``/``free_*`` calls; an out-of-memory error ends it).
+    Bisection between the allocated and the uncapped reserved peaks: it takes fitting to be monotonic in the
+    capacity, which the rules only approximately are (an earlier flush changes later placements).
+    """
+
+    def run(capacity: int | None) -> AllocatorResult:
+        sim = Simulator(config, capacity_bytes=capacity)
+        if callable(stream):
+            oom = None
+            try:
+                stream(sim)
+            except AllocatorOutOfMemory:
+                oom = OutOfMemory(
+                    event_index=sim.event_index,
+                    request_bytes=0,
+                    reserved_bytes=sim.reserved_bytes,
+                    allocated_bytes=sim.allocated_bytes,
+                )
+            return sim.result(oom=oom)
+        return sim.result(oom=sim.run(stream))
+
+    free = run(None)
+    step = resolution_bytes
+    lo = -(-free.peak_allocated_bytes // step)
+    hi = -(-free.peak_reserved_bytes // step)
+    best = run(hi * step)
+    if best.oom is not None:  # the capped virtual range (9/8 of the capacity) can be what fails
+        return free.peak_reserved_bytes, free
+    while lo < hi:
+        mid = (lo + hi) // 2
+        res = run(mid * step)
+        if res.oom is None:
+            hi, best = mid, res
+        else:
+            lo = mid + 1
+    return hi * step, best
