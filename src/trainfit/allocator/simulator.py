@@ -35,7 +35,7 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
   unmapped address with room, merged with the free block before it: only the pages that block lacks are mapped
   (``reserved`` counts mapped bytes). While searching, the free block at the mapped end counts as if it had the
   unmapped space behind it, so other blocks are preferred to it. ``round_size`` still applies; any remainder
-  ≥ 512 B is split off, so ``max_split_size`` only keeps small requests off large blocks
+  ≥ 512 B is split off, so ``max_split_size`` only limits which blocks a request may take
   (``get_free_block``), it no longer keeps large blocks whole. Free pages stay mapped until ``empty_cache`` or
   an out-of-memory retry unmaps the whole ones; a range never shrinks otherwise. Hence a cost with no
   counterpart in fixed segments: a request that misses grows the range from its free tail, right behind
