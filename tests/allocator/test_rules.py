@@ -170,14 +170,17 @@ def test_oom_retry_frees_cache_then_fails() -> None:
     assert res.oom.event_index == 1
 
 
-def test_garbage_collection_threshold_needs_capacity() -> None:
+def test_garbage_collection_threshold_needs_a_memory_fraction() -> None:
     events = [Event(Op.ALLOC, 1, 40 * MiB), Event(Op.FREE, 1), Event(Op.ALLOC, 2, 20 * MiB, stream=1)]
     # threshold 0.3 * 100 MiB = 30 MiB < 40 reserved: the 40 MiB block (age 1 = average) is freed first
-    with_gc = simulate(events, cfg("garbage_collection_threshold:0.3"), capacity_bytes=100 * MiB)
+    with_gc = simulate(events, cfg("garbage_collection_threshold:0.3"), memory_fraction_bytes=100 * MiB)
     assert with_gc.reserved_end_bytes == 20 * MiB
     assert with_gc.peak_reserved_bytes == 40 * MiB
-    without_capacity = simulate(events, cfg("garbage_collection_threshold:0.3"))
-    assert without_capacity.reserved_end_bytes == 60 * MiB
+    without_fraction = simulate(events, cfg("garbage_collection_threshold:0.3"))
+    assert without_fraction.reserved_end_bytes == 60 * MiB
+    # malloc collects only under set_fraction: a device capacity alone does not
+    device_only = simulate(events, cfg("garbage_collection_threshold:0.3"), capacity_bytes=100 * MiB)
+    assert device_only.reserved_end_bytes == 60 * MiB
 
 
 # ---------------------------------------------------------------- cross-stream frees

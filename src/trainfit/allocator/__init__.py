@@ -21,6 +21,7 @@ from trainfit.allocator.simulator import (
     SegmentLayout,
     Simulator,
     allocation_size,
+    least_capacity,
     round_size,
     simulate,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "Simulator",
     "allocation_size",
     "config_of",
+    "least_capacity",
     "replay_snapshot",
     "round_size",
     "simulate",

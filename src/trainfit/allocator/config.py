@@ -5,10 +5,14 @@ PyTorch lexes the string into tokens split at ``,``, ``:``, ``[`` and ``]`` (spa
 c10/core/AllocatorConfig.cpp). We follow the same grammar and the same validity checks, and keep only what
 changes device memory:
 
-* ``max_split_size_mb`` (≥ 20, the ``kLargeBuffer`` in MiB; ``parseMaxSplitSize``): blocks this large are
-  never split and never serve smaller requests;
-* ``max_non_split_rounding_mb`` (≥ 20; ``parseMaxNonSplitRoundingSize``): how much larger than an oversize
-  request a cached oversize block may be (default ``kLargeBuffer``, 20 MiB);
+* ``large_segment_size_mb`` (> 10, the ``kMinLargeAlloc`` in MiB; default 20; ``parseLargeSegmentSize``, torch
+  2.13's ``AcceleratorAllocatorConfig::large_segment_size``, which replaced the ``kLargeBuffer`` constant): the
+  segment a 1–10 MiB request gets (``get_allocation_size``) and the page of a large-pool expandable segment;
+* ``max_split_size_mb`` (≥ the large segment size in MiB as parsed so far, 20 by default;
+  ``parseMaxSplitSize``): blocks this large are never split and never serve smaller requests;
+* ``max_non_split_rounding_mb`` (≥ the same floor; ``parseMaxNonSplitRoundingSize``): how much larger than an
+  oversize request a cached oversize block may be (default 20 MiB: the constructor's ``large_segment_size_``,
+  which a later ``large_segment_size_mb`` does not change);
 * ``roundup_power2_divisions`` (a power of two, or ``[MiB:divisions, ..., >:divisions]``;
   ``parseRoundUpPower2Divisions``): sixteen size intervals from 1 MiB to 64 GiB, one per power of two;
 * ``garbage_collection_threshold`` (in (0, 1); ``parseGarbageCollectionThreshold``), only active together
@@ -30,8 +34,11 @@ from enum import StrEnum
 from trainfit.errors import TrainfitError
 
 MIB = 1024 * 1024
-#: ``kLargeBuffer`` (c10/cuda/CUDACachingAllocator.cpp): the floor of ``max_split_size_mb``.
+#: ``kLargeBuffer`` (c10/cuda/CUDACachingAllocator.cpp), since torch 2.13 the default ``large_segment_size_``
+#: (c10/core/AllocatorConfig.h): the default floor of ``max_split_size_mb`` and ``max_non_split_rounding_mb``.
 LARGE_BUFFER_BYTES = 20 * MIB
+#: ``kMinLargeAlloc``: ``large_segment_size_mb`` must exceed it (``parseLargeSegmentSize``).
+MIN_LARGE_ALLOC_BYTES = 10 * MIB
 #: ``kRoundUpPowerOfTwoIntervals`` (c10/core/AllocatorConfig.cpp): intervals 1 MiB, 2 MiB, ... 32 GiB+.
 ROUNDUP_INTERVALS = 16
 _ROUNDUP_START_LOG2 = 20  # kRoundUpPowerOfTwoStart = 1 MiB
@@ -59,6 +66,8 @@ _BOOL_OPTIONS = {
 class AllocatorConfig:
     """The allocator settings that shape reserved memory (defaults: PyTorch's defaults)."""
 
+    #: ``large_segment_size``: the segment of a 1–10 MiB request and the large-pool expandable page.
+    large_segment_size_bytes: int = LARGE_BUFFER_BYTES
     #: ``None``: no limit (PyTorch's ``SIZE_MAX``).
     max_split_size_bytes: int | None = None
     max_non_split_rounding_bytes: int = LARGE_BUFFER_BYTES
@@ -69,10 +78,14 @@ class AllocatorConfig:
     backend: Backend = Backend.NATIVE
 
     def __post_init__(self) -> None:
-        if self.max_split_size_bytes is not None and self.max_split_size_bytes < LARGE_BUFFER_BYTES:
-            raise AllocatorConfigError("max_split_size must be at least 20 MiB")
-        if self.max_non_split_rounding_bytes < LARGE_BUFFER_BYTES:
-            raise AllocatorConfigError("max_non_split_rounding must be at least 20 MiB")
+        # the parser applies PyTorch's order-dependent floors; here only what holds in any order
+        if self.large_segment_size_bytes <= MIN_LARGE_ALLOC_BYTES or self.large_segment_size_bytes % MIB:
+            raise AllocatorConfigError("large_segment_size must be a whole number of MiB above 10 MiB")
+        floor = min(LARGE_BUFFER_BYTES, self.large_segment_size_bytes)
+        if self.max_split_size_bytes is not None and self.max_split_size_bytes < floor:
+            raise AllocatorConfigError(f"max_split_size must be at least {floor >> 20} MiB")
+        if self.max_non_split_rounding_bytes < floor:
+            raise AllocatorConfigError(f"max_non_split_rounding must be at least {floor >> 20} MiB")
         if len(self.roundup_power2_divisions) != ROUNDUP_INTERVALS:
             raise AllocatorConfigError(f"roundup_power2_divisions needs {ROUNDUP_INTERVALS} intervals")
         for d in self.roundup_power2_divisions:
@@ -102,6 +115,14 @@ class AllocatorConfig:
         the defaults; a divisions list is abbreviated)."""
         default = AllocatorConfig()
         parts = []
+        large = ""
+        if self.large_segment_size_bytes != default.large_segment_size_bytes:
+            large = f"large_segment_size_mb:{self.large_segment_size_bytes >> 20}"
+        # the large segment size is the floor the split options are checked against once it is parsed
+        # (parseMaxSplitSize): first when they respect it, else last
+        below = min(self.max_split_bytes, self.max_non_split_rounding_bytes) < self.large_segment_size_bytes
+        if large and not below:
+            parts.append(large)
         if self.expandable_segments:
             parts.append("expandable_segments:True")
         if self.max_split_size_bytes is not None:
@@ -114,6 +135,8 @@ class AllocatorConfig:
             parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
         if self.backend is not default.backend:
             parts.append(f"backend:{self.backend.value}")
+        if large and below:
+            parts.append(large)
         return ",".join(parts)
 
     @classmethod
@@ -171,6 +194,7 @@ class _Parser:
 
     def parse(self) -> AllocatorConfig:
         max_split: int | None = None
+        large_segment = LARGE_BUFFER_BYTES
         non_split = LARGE_BUFFER_BYTES
         divisions = [0] * ROUNDUP_INTERVALS
         gc = 0.0
@@ -178,15 +202,20 @@ class _Parser:
         backend = Backend.NATIVE
         while self.i < len(self.tok):
             key = self.tok[self.i]
-            if key == "max_split_size_mb":
+            if key == "large_segment_size_mb":
                 mb = self.integer(self.value(key), key)
-                if mb < LARGE_BUFFER_BYTES // MIB:
-                    raise self.fail("max_split_size_mb too small, must be >= 20")
+                if mb <= MIN_LARGE_ALLOC_BYTES // MIB:
+                    raise self.fail("large_segment_size_mb must be > 10 MB")
+                large_segment = mb * MIB
+            elif key == "max_split_size_mb":
+                mb = self.integer(self.value(key), key)
+                if mb < large_segment // MIB:
+                    raise self.fail(f"max_split_size_mb too small, must be >= {large_segment // MIB}")
                 max_split = mb * MIB
             elif key == "max_non_split_rounding_mb":
                 mb = self.integer(self.value(key), key)
-                if mb < LARGE_BUFFER_BYTES // MIB:
-                    raise self.fail("max_non_split_rounding_mb too small, must be >= 20")
+                if mb < large_segment // MIB:
+                    raise self.fail(f"max_non_split_rounding_mb too small, must be >= {large_segment // MIB}")
                 non_split = mb * MIB
             elif key == "garbage_collection_threshold":
                 text = self.value(key)
@@ -217,6 +246,7 @@ class _Parser:
                 self.expect(",")
             self.i += 1
         return AllocatorConfig(
+            large_segment_size_bytes=large_segment,
             max_split_size_bytes=max_split,
             max_non_split_rounding_bytes=non_split,
             roundup_power2_divisions=tuple(divisions),

@@ -12,8 +12,8 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
 * **Pools** (``get_pool``): ≤ 1 MiB (``kSmallSize``) goes to the small pool, anything larger to the large
   pool; each pool is searched per stream (``BlockComparatorSize`` orders by stream, size, address).
 * **Segment sizes** (``get_allocation_size``): small requests get a 2 MiB segment (``kSmallBuffer``),
-  requests under 10 MiB (``kMinLargeAlloc``) a 20 MiB one (``kLargeBuffer``), larger ones their size rounded
-  up to 2 MiB (``kRoundLarge``).
+  requests under 10 MiB (``kMinLargeAlloc``) a ``large_segment_size`` one (20 MiB, the former ``kLargeBuffer``;
+  ``large_segment_size_mb``), larger ones their size rounded up to 2 MiB (``kRoundLarge``).
 * **Best fit** (``get_free_block``): the smallest cached block of the pool and stream that is large enough,
   lowest address on ties. With ``max_split_size``, a request below it never takes a block at or above it,
   and a request at or above it takes a block at most ``max_non_split_rounding`` larger.
@@ -23,16 +23,27 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
   allocated block and counts in ``allocated``.
 * **Merging** (``free_block``, ``try_merge_blocks``): a freed block merges with its free neighbours in the
   same segment; segments never merge.
-* **Growth** (``malloc``, ``alloc_block``): a miss allocates a new segment. If a capacity is given and the
-  segment does not fit, the allocator frees oversize cached blocks (``release_available_cached_blocks``,
-  only with ``max_split_size``), then every unsplit cached segment (``release_cached_blocks``) and retries;
-  a second miss is an out-of-memory error. ``garbage_collection_threshold`` (``garbage_collect_cached_blocks``)
-  runs before a new segment only when a capacity (a memory fraction, ``set_fraction``) is set.
+* **Growth** (``malloc``, ``alloc_block``): a miss allocates a new segment. If it does not fit (the device
+  capacity, or a memory fraction checked against ``get_allocation_size``), the allocator frees oversize cached
+  blocks (``release_available_cached_blocks``, only with ``max_split_size``), then every unsplit cached segment
+  and every free expandable page (``release_cached_blocks``) and retries (``num_alloc_retries``); a second miss
+  is an out-of-memory error. ``garbage_collection_threshold`` (``garbage_collect_cached_blocks``) runs before a
+  new segment only under a memory fraction (``set_fraction``), and never frees expandable blocks.
 * **Expandable segments** (``find_expandable_block``, ``try_allocate_expandable_block``, ``map_block``,
-  ``unmap_block``; Note [Expandable Segments]): one virtual range per pool and stream, mapped on demand in
-  pages of 2 MiB (small pool) or 20 MiB (large pool) at the lowest unmapped address (merged with the free
-  block before it); while searching, the free block at the mapped end counts as if it had the unmapped
-  space behind it, so other blocks are preferred to it. Free whole pages are unmapped on ``empty_cache``.
+  ``unmap_block``; Note [Expandable Segments]): one virtual range per pool and stream (the small pool too),
+  mapped on demand in pages of 2 MiB (small pool) or ``large_segment_size`` (20 MiB, large pool) at the lowest
+  unmapped address with room, merged with the free block before it: only the pages that block lacks are mapped
+  (``reserved`` counts mapped bytes). While searching, the free block at the mapped end counts as if it had the
+  unmapped space behind it, so other blocks are preferred to it. ``round_size`` still applies; any remainder
+  ≥ 512 B is split off, so ``max_split_size`` only limits which blocks a request may take
+  (``get_free_block``), it no longer keeps large blocks whole. Free pages stay mapped until ``empty_cache`` or
+  an out-of-memory retry unmaps the whole ones; a range never shrinks otherwise. Hence a cost with no
+  counterpart in fixed segments: a request that misses grows the range from its free tail, right behind
+  older blocks, so a block freed in the middle leaves a mapped hole pinned by live neighbours, where the
+  default allocator would have given the request a segment of its own and kept the freed one whole for the
+  next request of its size (tests/allocator/test_expandable.py; llama-3.1-70b ZeRO-2 over 64 ranks reserves
+  161.9 GiB this way against 159.6 by default, docs/allocator.md). Under a capacity the holes' pages are
+  unmapped and the run fits in much less (that stream: 153.8 GiB, its allocated peak is 153.7).
 * **Release** (``release_cached_blocks``, ``release_blocks``): reserved memory only shrinks on
   ``empty_cache()`` (or an out-of-memory retry): unsplit free segments are ``cudaFree``d, free pages of
   expandable segments unmapped.
@@ -41,7 +52,12 @@ each from the source (function names of ``DeviceCachingAllocator`` unless said o
   to the pool once the other stream's events have completed); the model takes both as events.
 
 What is not modelled: CUDA graph private pools, IPC, peer access, the free-memory callbacks, and the
-allocator's interaction with memory outside it (the capacity is a number we are told).
+allocator's interaction with memory outside it (the capacity is a number we are told). Known differences with
+expandable segments: the virtual range is 9/8 of the capacity (the source: of ``totalGlobalMem``), which only
+matters once unmapped gaps push the mapped end past it; newer sources' ``release_available_cached_blocks`` skips
+expandable blocks and goes on to smaller oversize ones, here it stops at the first (the same outcome unless
+fixed segments and expandable ones share a pool: seeded segments, or the setting switched mid-run with
+``_set_allocator_settings``, which the model does not do — one setting per run).
 
 Speed: each pool keeps its free blocks in a list sorted by (size, address), searched and updated with
 ``bisect``; merges follow the blocks' neighbour links, so an event costs O(log n) comparisons plus a list
@@ -53,7 +69,7 @@ from __future__ import annotations
 import gc
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -64,7 +80,7 @@ from trainfit.allocator.config import AllocatorConfig, AllocatorConfigError, Bac
 MIN_BLOCK_BYTES = 512  # kMinBlockSize
 SMALL_SIZE_BYTES = 1 << 20  # kSmallSize: the largest small-pool request
 SMALL_BUFFER_BYTES = 2 << 20  # kSmallBuffer: small-pool segment (and expandable page) size
-LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: segment for 1–10 MiB requests (and expandable large page)
+LARGE_BUFFER_BYTES = 20 << 20  # kLargeBuffer: default large_segment_size (AllocatorConfig.large_segment_size_bytes)
 MIN_LARGE_ALLOC_BYTES = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge
 
@@ -149,6 +165,10 @@ class AllocatorResult:
     num_segments_at_peak: int
     num_device_allocs: int
     num_device_frees: int
+    #: Misses that needed ``release_cached_blocks`` (every free segment freed, every free page unmapped, after a
+    #: device synchronisation) before the retry (``num_alloc_retries`` of ``torch.cuda.memory_stats``): only
+    #: under a capacity; a run that fits only this way pays for it in every step that repeats it.
+    num_alloc_retries: int = 0
     oom: OutOfMemory | None = None
     layout_at_peak: tuple[SegmentLayout, ...] | None = None
 
@@ -156,12 +176,14 @@ class AllocatorResult:
 class _Segment:
     __slots__ = ("address", "expandable", "page_bytes", "small", "stream")
 
-    def __init__(self, address: int, small: bool, stream: int, expandable: bool) -> None:
+    def __init__(
+        self, address: int, small: bool, stream: int, expandable: bool, large_page: int = LARGE_BUFFER_BYTES
+    ) -> None:
         self.address = address
         self.small = small
         self.stream = stream
         self.expandable = expandable
-        self.page_bytes = SMALL_BUFFER_BYTES if small else LARGE_BUFFER_BYTES
+        self.page_bytes = SMALL_BUFFER_BYTES if small else large_page
 
 
 class _Block:
@@ -211,20 +233,25 @@ def round_size(size_bytes: int, config: AllocatorConfig) -> int:
     return -(-size_bytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES
 
 
-def allocation_size(size_bytes: int) -> int:
-    """``get_allocation_size``: the segment ``cudaMalloc``ed for a (rounded) request that missed the cache."""
+def allocation_size(size_bytes: int, large_segment_bytes: int = LARGE_BUFFER_BYTES) -> int:
+    """``get_allocation_size``: the segment ``cudaMalloc``ed for a (rounded) request that missed the cache
+    (``large_segment_bytes``: ``large_segment_size``, 20 MiB unless ``large_segment_size_mb`` says otherwise)."""
     if size_bytes <= SMALL_SIZE_BYTES:
         return SMALL_BUFFER_BYTES
     if size_bytes < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_BUFFER_BYTES
+        return large_segment_bytes
     return -(-size_bytes // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
 
 
 class Simulator:
     """The allocator's state. Drive it with :meth:`malloc` / :meth:`free` / ... or :func:`simulate`.
 
-    ``capacity_bytes``: what the allocator may reserve (device memory minus what lives outside it, or a
-    memory fraction); ``None`` means unlimited (no out-of-memory retries, no garbage collection).
+    ``capacity_bytes``: the device memory the allocator can get (the GPU minus what lives outside it):
+    ``cudaMalloc`` of a segment, or ``cuMemCreate`` of the pages an expandable segment maps, fails beyond it;
+    ``None`` means unlimited (no out-of-memory retries). ``memory_fraction_bytes``: the limit of
+    ``torch.cuda.set_per_process_memory_fraction`` (``allowed_memory_maximum``): ``alloc_block`` refuses a new
+    segment whose ``get_allocation_size`` would pass it — with expandable segments too, before any page is
+    mapped — and only with it does ``garbage_collection_threshold`` act (``set_fraction`` in ``malloc``).
     ``segment_address``: optional hook giving the address of a new ``cudaMalloc`` segment of a given size
     (a replay uses the real addresses so that ties in best fit break as they did); ``None`` falls back.
     """
@@ -234,16 +261,19 @@ class Simulator:
         config: AllocatorConfig | None = None,
         *,
         capacity_bytes: int | None = None,
+        memory_fraction_bytes: int | None = None,
         segment_address: Callable[[int], int | None] | None = None,
     ) -> None:
         self.config = config or AllocatorConfig()
         if self.config.backend is not Backend.NATIVE:
             raise AllocatorConfigError("only the native caching allocator is modelled (not cudaMallocAsync)")
         self.capacity_bytes = capacity_bytes
+        self.memory_fraction_bytes = memory_fraction_bytes
+        self._large_page = self.config.large_segment_size_bytes
         self._segment_address = segment_address
         self._max_split = self.config.max_split_bytes
         self._expandable = self.config.expandable_segments
-        self._gc = self.config.garbage_collection_threshold > 0.0 and capacity_bytes is not None
+        self._gc = self.config.garbage_collection_threshold > 0.0 and memory_fraction_bytes is not None
         self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
         self._pools: dict[tuple[bool, int], _Pool] = {}
         self._gc_calls = {True: 0, False: 0}
@@ -259,6 +289,7 @@ class Simulator:
         self.num_segments_at_peak = 0
         self.num_device_allocs = 0
         self.num_device_frees = 0
+        self.num_alloc_retries = 0
         self.peak_event_index = -1
         self.event_index = -1
 
@@ -416,25 +447,32 @@ class Simulator:
     def _grow(self, pool: _Pool, size: int) -> _Block:
         if self._gc:
             self._garbage_collect()
-        alloc = allocation_size(size)
+        alloc = allocation_size(size, self._large_page)
         block = self._alloc_block(pool, size, alloc)
         if block is None and self._release_available(pool, size):
             block = self._alloc_block(pool, size, alloc)
         if block is None:
             self.empty_cache()
+            self.num_alloc_retries += 1  # alloc_block(..., isRetry=true)
             block = self._alloc_block(pool, size, alloc)
         if block is None:
             raise AllocatorOutOfMemory(size)
         return block
 
     def _fits(self, nbytes: int) -> bool:
+        """Whether the device can back ``nbytes`` more (``cudaMalloc`` / ``cuMemCreate`` succeed)."""
         return self.capacity_bytes is None or self.reserved_bytes + nbytes <= self.capacity_bytes
 
     def _alloc_block(self, pool: _Pool, size: int, alloc: int) -> _Block | None:
-        if not self._fits(alloc):
+        """``alloc_block``: the memory fraction is checked against the whole ``get_allocation_size`` first; then
+        an expandable segment maps the pages it lacks (each map checks the device), or ``cudaMalloc`` the segment."""
+        fraction = self.memory_fraction_bytes
+        if fraction is not None and self.reserved_bytes + alloc > fraction:
             return None
         if self._expandable:
             return self._alloc_expandable(pool, size)
+        if not self._fits(alloc):
+            return None
         seg = _Segment(self._new_address(alloc), pool.small, pool.stream, expandable=False)
         self.reserved_bytes += alloc
         self.num_segments += 1
@@ -473,8 +511,8 @@ class Simulator:
 
     def _garbage_collect(self) -> None:
         """``garbage_collect_cached_blocks``: free unsplit large cached blocks older than the average."""
-        assert self.capacity_bytes is not None
-        threshold = int(self.config.garbage_collection_threshold * self.capacity_bytes)
+        assert self.memory_fraction_bytes is not None
+        threshold = int(self.config.garbage_collection_threshold * self.memory_fraction_bytes)
         if self.reserved_bytes <= threshold:
             return
         target = self.reserved_bytes - threshold
@@ -536,9 +574,10 @@ class Simulator:
                 x = x.next
             if room >= size:
                 return c
+        page = SMALL_BUFFER_BYTES if pool.small else self._large_page
         va = _DEFAULT_VA_BYTES if self.capacity_bytes is None else self.capacity_bytes + self.capacity_bytes // 8
-        va = -(-va // LARGE_BUFFER_BYTES) * LARGE_BUFFER_BYTES
-        seg = _Segment(self._new_address(va), pool.small, pool.stream, expandable=True)
+        va = -(-va // page) * page
+        seg = _Segment(self._new_address(va), pool.small, pool.stream, True, self._large_page)
         u = _Block(seg.address, va, seg, mapped=False)
         insort(pool.unmapped, (u.addr, u))
         self.num_segments += 1
@@ -642,7 +681,7 @@ class Simulator:
         expandable segment ``size_bytes`` is the mapped part, from ``address``; ``virtual_bytes`` the range.
         """
         pool = self._pool(small, stream)
-        seg = _Segment(address, small, stream, expandable)
+        seg = _Segment(address, small, stream, expandable, self._large_page)
         blocks: list[_Block] = []
         cursor = address
         end = address + size_bytes
@@ -732,6 +771,7 @@ class Simulator:
             num_segments_at_peak=self.num_segments_at_peak,
             num_device_allocs=self.num_device_allocs,
             num_device_frees=self.num_device_frees,
+            num_alloc_retries=self.num_alloc_retries,
             oom=oom,
         )
 
@@ -784,6 +824,7 @@ def simulate(
     config: AllocatorConfig | None = None,
     *,
     capacity_bytes: int | None = None,
+    memory_fraction_bytes: int | None = None,
     layout: bool = False,
     setup: Callable[[Simulator], None] | None = None,
 ) -> AllocatorResult:
@@ -791,11 +832,12 @@ def simulate(
 
     ``layout=True`` adds the segment layout at the reserved peak: the events are replayed a second time up
     to the peak (pass ``events`` as a list, or as a function returning a fresh iterable). ``setup`` seeds the
-    simulator (e.g. with the segments that existed before the events started).
+    simulator (e.g. with the segments that existed before the events started). ``capacity_bytes`` and
+    ``memory_fraction_bytes``: as :class:`Simulator`'s.
     """
 
     def fresh() -> Simulator:
-        sim = Simulator(config, capacity_bytes=capacity_bytes)
+        sim = Simulator(config, capacity_bytes=capacity_bytes, memory_fraction_bytes=memory_fraction_bytes)
         if setup is not None:
             setup(sim)
         return sim
@@ -814,3 +856,53 @@ def simulate(
     from dataclasses import replace
 
     return replace(res, layout_at_peak=again.layout())
+
+
+def least_capacity(
+    stream: Sequence[Event] | Callable[[Simulator], object],
+    config: AllocatorConfig | None = None,
+    *,
+    resolution_bytes: int = 1 << 20,
+) -> tuple[int, AllocatorResult]:
+    """The smallest device capacity (a multiple of ``resolution_bytes``) at which ``stream`` runs without an
+    out-of-memory error, and the run at it (its ``num_alloc_retries``: the cache flushes that fitting takes).
+
+    Without a capacity the reserve is the uncapped peak, what ``max_memory_reserved`` shows with room to spare;
+    near the limit ``malloc`` frees the cache and retries (``release_cached_blocks``), so a run can fit in less:
+    with expandable segments much less, their free pages being unmapped one by one. ``stream``: the events, or a
+    function that drives a given :class:`Simulator` (``malloc``/``free_*`` calls; an out-of-memory error ends it).
+    Bisection between the allocated and the uncapped reserved peaks: it takes fitting to be monotonic in the
+    capacity, which the rules only approximately are (an earlier flush changes later placements).
+    """
+
+    def run(capacity: int | None) -> AllocatorResult:
+        sim = Simulator(config, capacity_bytes=capacity)
+        if callable(stream):
+            oom = None
+            try:
+                stream(sim)
+            except AllocatorOutOfMemory:
+                oom = OutOfMemory(
+                    event_index=sim.event_index,
+                    request_bytes=0,
+                    reserved_bytes=sim.reserved_bytes,
+                    allocated_bytes=sim.allocated_bytes,
+                )
+            return sim.result(oom=oom)
+        return sim.result(oom=sim.run(stream))
+
+    free = run(None)
+    step = resolution_bytes
+    lo = -(-free.peak_allocated_bytes // step)
+    hi = -(-free.peak_reserved_bytes // step)
+    best = run(hi * step)
+    if best.oom is not None:  # the capped virtual range (9/8 of the capacity) can be what fails
+        return free.peak_reserved_bytes, free
+    while lo < hi:
+        mid = (lo + hi) // 2
+        res = run(mid * step)
+        if res.oom is None:
+            hi, best = mid, res
+        else:
+            lo = mid + 1
+    return hi * step, best
