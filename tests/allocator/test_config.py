@@ -45,6 +45,23 @@ def test_divisions_list() -> None:
 @pytest.mark.parametrize(
     "conf",
     [
+        "roundup_power2_divisions:8",
+        "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+        "roundup_power2_divisions:[1:0,64:16,>:2],max_split_size_mb:256,expandable_segments:True",
+    ],
+)
+def test_to_env_reads_back_to_the_same_config(conf: str) -> None:
+    """The string the planner exports (launch.sh, plan JSON) must be one PyTorch accepts and that means the same:
+    parse(to_env(c)) == c, divisions lists included (they were once abbreviated to an unparsable ``[...]``)."""
+    c = AllocatorConfig.parse(conf)
+    text = c.to_env()
+    assert "..." not in text
+    assert AllocatorConfig.parse(text) == c
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
         "max_split_size_mb:10",  # below 20
         "max_split_size_mb:abc",
         "garbage_collection_threshold:1.5",

@@ -112,7 +112,7 @@ class AllocatorConfig:
 
     def to_env(self) -> str:
         """The settings that differ from PyTorch's defaults, as ``PYTORCH_CUDA_ALLOC_CONF`` spells them ("" for
-        the defaults; a divisions list is abbreviated)."""
+        the defaults); :meth:`parse` reads the string back to an equal config."""
         default = AllocatorConfig()
         parts = []
         large = ""
@@ -130,7 +130,7 @@ class AllocatorConfig:
         if self.max_non_split_rounding_bytes != default.max_non_split_rounding_bytes:
             parts.append(f"max_non_split_rounding_mb:{self.max_non_split_rounding_bytes >> 20}")
         if self.roundup_power2_divisions != default.roundup_power2_divisions:
-            parts.append("roundup_power2_divisions:[...]")
+            parts.append(f"roundup_power2_divisions:{_divisions_text(self.roundup_power2_divisions)}")
         if self.garbage_collection_threshold:
             parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
         if self.backend is not default.backend:
@@ -159,6 +159,15 @@ def _lex(conf: str) -> list[str]:
     if buf:
         tokens.append("".join(buf))
     return tokens
+
+
+def _divisions_text(divisions: tuple[int, ...]) -> str:
+    """``roundup_power2_divisions`` as PyTorch reads it back: one value when every interval has it, else every
+    interval spelled by its power of two in MiB (``[1:d,2:d,...,32768:d]``; a key's interval is its log2,
+    capped at the last: ``parseRoundUpPower2Divisions``)."""
+    if len(set(divisions)) == 1:
+        return str(divisions[0])
+    return "[" + ",".join(f"{1 << k}:{d}" for k, d in enumerate(divisions)) + "]"
 
 
 def _is_pow2(v: int) -> bool:
