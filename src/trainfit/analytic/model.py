@@ -844,6 +844,23 @@ def largest_grad_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     )
 
 
+def _closed_form(
+    spec: ModelSpec, strategy: Strategy, *, keep_logits: bool
+) -> tuple[Strategy, StepInputs, tuple[PhaseBreakdown, ...]]:
+    strategy, _ = effective_strategy(spec, strategy)  # Gemma-2: eager attention
+    check_savers(spec, strategy)
+    q = step_inputs(spec, strategy, keep_logits=keep_logits)
+    worst_moments = training_moments(q)
+    return strategy, q, tuple(worst_moments[ph].breakdown() for ph in Phase)
+
+
+def analytic_phases(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool = False) -> tuple[PhaseBreakdown, ...]:
+    """The closed-form phases of :func:`estimate_analytic` alone — its ``peak_bytes`` is their maximum — without
+    the allocator simulation that gives its reserve (most of its time): for callers that need allocated bytes
+    only, such as the model's invariant tests."""
+    return _closed_form(spec, strategy, keep_logits=keep_logits)[2]
+
+
 def estimate_analytic(
     spec: ModelSpec,
     strategy: Strategy,
@@ -857,11 +874,7 @@ def estimate_analytic(
     memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
     ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment), with the GPU's cuBLAS
     ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU)."""
-    strategy, _ = effective_strategy(spec, strategy)  # Gemma-2: eager attention
-    check_savers(spec, strategy)
-    q = step_inputs(spec, strategy, keep_logits=keep_logits)
-    worst_moments = training_moments(q)
-    phases = tuple(worst_moments[ph].breakdown() for ph in Phase)
+    strategy, q, phases = _closed_form(spec, strategy, keep_logits=keep_logits)
     peak = max(p.total_bytes for p in phases)
     st, stack = q.states, q.stack
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
