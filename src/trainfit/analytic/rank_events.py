@@ -75,13 +75,15 @@ from trainfit.analytic.parallel import (
     compute_strategy,
     ddp_bucket_bytes,
     deepspeed_rank0_gradients,
+    dtensor_tp_held_spec,
+    dtensor_tp_spec,
     held_tensors,
     megatron_inputs,
     shard_tensor,
     tp_local_spec,
     zero_partition,
 )
-from trainfit.analytic.states import ParamState, optimizer_state_tensors
+from trainfit.analytic.states import ParamState, model_states, optimizer_state_tensors, param_states
 from trainfit.analytic.zero3 import gathered_bytes
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
@@ -98,6 +100,7 @@ from trainfit.strategy import (
 
 __all__ = [
     "DdpHooks",
+    "DtensorTpHooks",
     "FsdpHooks",
     "MegatronStage",
     "Zero1Hooks",
@@ -124,6 +127,14 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
             and p.pp == 1
             and strategy.recipe.compute_bits == 16
             and strategy.optimizer is Optimizer.ADAMW
+            and not strategy.offload.any
+            and not finetuning(strategy)
+        )
+    if p.engine is Engine.TORCH and p.tp > 1:
+        return (
+            p.sharding is Sharding.NONE
+            and not p.sequence_parallel
+            and strategy.grad_accum == 1
             and not strategy.offload.any
             and not finetuning(strategy)
         )
@@ -319,6 +330,50 @@ class FsdpHooks(RankHooks):
         if st.optimizer is Optimizer.ADAMW and st.optimizer_impl is OptimizerImpl.FOREACH:
             return sum(g.shard_grads for g in self.layers) + self.root.shard_grads
         return 0 if st.optimizer is Optimizer.ADAMW else default
+
+
+class DtensorTpHooks(RankHooks):
+    """DTensor tensor parallelism without sequence parallelism (torchtitan's Llama plan, ``--engine torch --tp``,
+    no sharding), rank 0: the single-GPU stream of :func:`~trainfit.analytic.parallel.dtensor_tp_spec`'s model
+    (heads, k/v heads and MLP width split; hidden size and the gathered vocabulary whole) with the states of
+    the rank's shards (:func:`~trainfit.analytic.parallel.dtensor_tp_held_spec`: ⌈V/tp⌉ vocabulary rows of the
+    token table and the head), and the two DTensor facts of the closed form (``parallel._torch_tp``): the token
+    table's gradient computed whole (``embedding_dense_backward`` has no vocabulary-sharded strategy), and the
+    logits gathered whole (``_functional_collectives.all_gather_single`` into a whole-size buffer, then
+    ``_maybe_view_chunk_cat``, with the rank's own slice still referenced)."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int) -> None:
+        held = dtensor_tp_held_spec(spec, tp)
+        self.states = param_states(held, strategy)
+        self.trained = [(ps.tensor, ps.count) for ps in self.states if ps.trainable]
+        self.step_temp = model_states(held, strategy).step_temp_bytes
+        self.rows = held.vocab_size
+        self.vocab = spec.vocab_size
+        a = strategy.recipe.compute_bits
+        t = strategy.tokens_per_micro_batch
+        self.gather = (_alloc_bits(t * self.rows, a), _alloc_bits(t * self.vocab, a))
+
+    def _rank_rows(self, x: ParamTensor) -> int:
+        """Elements of the rank's shard of ``x`` (the head's ⌈V/tp⌉ rows; the rest as the stream's model)."""
+        return x.numel * self.rows // self.vocab if x.name.startswith("lm_head") else x.numel
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        super().weights(s, self.states)
+
+    def copy_bytes(self, x: ParamTensor, bits: int) -> int:
+        return _alloc_bits(self._rank_rows(x), bits)
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        return _alloc_bits(self._rank_rows(x), bits)  # the token table's: whole
+
+    def logits_gather(self, s: Stream) -> list[int]:
+        return [s.alloc(n) for n in self.gather]  # the rank's logits, the all-gather output
+
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        super().optimizer_states(s, strategy, self.trained)
+
+    def step_temp_bytes(self, default: int) -> int:
+        return self.step_temp
 
 
 #: DeepSpeed's reduction stream (stage_1_and_2.py ``__init__``: ``self.reduction_stream``): with ``overlap_comm``
@@ -836,6 +891,8 @@ def _simulate(
     elif p.engine is Engine.DEEPSPEED:
         zero = {Sharding.ZERO1: Zero1Hooks, Sharding.ZERO3: Zero3Hooks}.get(p.sharding, Zero2Hooks)
         hooks, run = zero(spec, strategy, p), compute_strategy(strategy)
+    elif p.tp > 1:
+        hooks, spec = DtensorTpHooks(spec, strategy, p.tp), dtensor_tp_spec(spec, p.tp)
     elif p.sharding is Sharding.DDP:
         hooks, run = DdpHooks(spec, strategy), strategy
     else:
