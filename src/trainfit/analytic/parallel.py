@@ -1763,8 +1763,8 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload) and Megatron TP/SP/PP ranks
-    (1F1B, the worst stage) replay their event stream
+    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (no SP) and
+    Megatron TP/SP/PP ranks (1F1B, the worst stage) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`."""

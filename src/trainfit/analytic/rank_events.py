@@ -55,9 +55,18 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   Against the real engine's events: allocated +0.1…+0.4% (tiny, W = 8), −0.002% (llama-2-7b); reserved
   −7.3…+7.3% (tiny: a 2 MiB segment is 2% there), −1.4% (llama-2-7b, 32.79 to 33.26 GiB).
 
+* **DTensor TP** without sequence parallelism or sharding (:class:`DtensorTpHooks`): the single-GPU stream of the
+  TP-local model with the rank's shard states, the whole token-table gradient and the logits' all-gather
+  (``RankHooks.copy_bytes``, ``RankHooks.logits_gather``). Against the traced ``parallelize_module`` events (tiny
+  llama, TP 2): allocated ±0.001%, reserved −1.6…0%.
+* **Megatron-LM TP (± SP) × PP** (:class:`MegatronStage`, :func:`megatron_events`): not a hooked single-GPU stream
+  but one pipeline stage's own, since the 1F1B schedule interleaves micro-batches (:func:`one_f_one_b`); the worst
+  stage's stream, sized by :func:`~trainfit.analytic.parallel.megatron_inputs` as the closed form is, peaks at
+  exactly its bytes (the schedule's in-flight count is the closed form's min(pp − s, m)). No trace of Megatron.
+
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
-fine-tuning with many GPUs.
+fp32, with other optimizers or offload, Megatron's interleaved and GPipe schedules and ``--checkpointing sqrt``,
+DTensor TP with SP and 2-D FSDP2×TP, CPU offload and fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -116,8 +125,8 @@ __all__ = [
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-1/2/3
-    with 16-bit compute and AdamW; full training, nothing offloaded, one model replica per rank); otherwise the
-    fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
+    with 16-bit compute and AdamW; DTensor TP without SP, sharding or gradient accumulation; full training,
+    nothing offloaded); otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
