@@ -15,7 +15,8 @@ also compare the host bytes per node (what DeepSpeed pins, Adam's states on the 
 ``--reshard``: FSDP2's matrix, both ``reshard_after_forward`` settings × checkpointing none/full/selective at
 W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
 ``--reserve``: no trace; the analytic rank's predicted reserved memory from its simulated allocator event stream
-(trainfit.analytic.rank_events), default allocator and ``expandable_segments:True`` — the "What it predicts" table
+(trainfit.analytic.rank_events: DDP, FSDP2, ZeRO, DTensor TP and the worst Megatron 1F1B stage), default allocator
+and ``expandable_segments:True`` — the "What it predicts" table
 of docs/accuracy.md ("Reserved memory with many GPUs").
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
 | --offload | --reshard | --reserve]
@@ -207,11 +208,46 @@ RESERVE_CASES = (
 )
 
 
+# Megatron ranks (the worst pipeline stage's stream, 1F1B): (model, tp, pp, sequence parallel, micro-batches,
+# sharding — zero1: the distributed optimizer —, world size, checkpointing)
+MEGATRON_RESERVE_CASES = (
+    ("llama-3.1-8b", 4, 1, False, 1, "ddp", 8, "none"),
+    ("llama-3.1-8b", 4, 1, True, 1, "zero1", 8, "none"),
+    ("llama-3.1-8b", 2, 2, True, 8, "zero1", 16, "full"),
+    ("llama-3.1-70b", 8, 4, True, 16, "ddp", 64, "none"),
+    ("llama-3.1-70b", 8, 4, True, 16, "zero1", 64, "selective"),
+    ("llama-3.1-70b", 8, 8, True, 32, "zero1", 128, "full"),
+)
+
+
+# DTensor TP ranks (no sequence parallelism, no sharding): (model, tp, checkpointing)
+DTENSOR_RESERVE_CASES = (("llama-3.1-8b", 4, "none"), ("llama-3.1-8b", 8, "full"), ("llama-3.1-70b", 8, "full"))
+
+
+def megatron_strategy(tp: int, pp: int, sp: bool, m: int, sharding: str, w: int, ckpt: str) -> Strategy:
+    return Strategy(
+        parallelism=Parallelism(data=w // (tp * pp), tensor=tp, pipeline=pp, sequence_parallel=sp, microbatches=m),
+        sharding=sharding,
+        checkpointing=ckpt,
+        micro_batch=1,
+        seq_len=2048,
+    )
+
+
+def _reserve_row(slug: str, setup: str, w: object, ckpt: str, s: Strategy) -> None:
+    """One row: the closed form's allocated peak, the simulated reserved memory (default allocator and
+    ``expandable_segments:True``) and its reserve over the allocated peak."""
+    from trainfit import estimate
+
+    plain, grown = (estimate(slug, s, allocator=conf) for conf in ("", "expandable_segments:True"))
+    cells = [f"{r.reserved_estimate_bytes / 2**30:.2f} ({r.reserved_estimate_bytes / r.peak_bytes - 1:+.1%})"
+             for r in (plain, grown)]  # fmt: skip
+    print(f"| {slug} | {setup} | {w} | {ckpt} | {plain.peak_bytes / 2**30:.2f} | {cells[0]} | {cells[1]} |")
+
+
 def reserve_rows() -> None:
     """The analytic rank's allocated peak and predicted reserved memory (micro-batch 1 × 2048, amp-bf16) with the
     default allocator and with expandable segments (``estimate(..., allocator=...)``)."""
-    from trainfit import estimate
-
     print("| model | setup | W | ckpt | allocated GiB | reserved GiB (reserve) | expandable |")
     print("|---|---|---:|---|---:|---:|---:|")
     for slug, sharding, w, flag, ckpt in RESERVE_CASES:
@@ -223,10 +259,14 @@ def reserve_rows() -> None:
             setup = "DDP, gradient_as_bucket_view" if flag else "DDP"
         else:
             setup = f"FSDP2, reshard_after_forward={flag}"
-        plain, grown = (estimate(str(slug), s, allocator=conf) for conf in ("", "expandable_segments:True"))
-        cells = [f"{r.reserved_estimate_bytes / 2**30:.2f} ({r.reserved_estimate_bytes / r.peak_bytes - 1:+.1%})"
-                 for r in (plain, grown)]  # fmt: skip
-        print(f"| {slug} | {setup} | {w} | {ckpt} | {plain.peak_bytes / 2**30:.2f} | {cells[0]} | {cells[1]} |")
+        _reserve_row(str(slug), setup, w, str(ckpt), s)
+    for slug, tp, ckpt in DTENSOR_RESERVE_CASES:
+        _reserve_row(str(slug), f"DTensor TP {tp}", tp, str(ckpt), tp_strategy(int(tp), False, str(ckpt)))
+    for slug, tp, pp, sp, m, sharding, w, ckpt in MEGATRON_RESERVE_CASES:
+        s = megatron_strategy(int(tp), int(pp), bool(sp), int(m), str(sharding), int(w), str(ckpt))
+        pipe = f", PP {pp} (1F1B, {m} micro-batches)" if int(pp) > 1 else ""
+        opt = "distributed optimizer" if sharding == "zero1" else "DDP"
+        _reserve_row(str(slug), f"Megatron TP {tp}{' + SP' if sp else ''}{pipe}, {opt}", w, str(ckpt), s)
 
 
 def main(argv: list[str]) -> None:

@@ -299,8 +299,8 @@ def estimate(
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    # The allocator simulation runs for one GPU and, analytic, for torch DDP/FSDP2 and ZeRO-2 ranks (rank_events;
-    # estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
+    # The allocator simulation runs for one GPU and, analytic, for the ranks rank_events.rank_simulated names
+    # (estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
     if strategy.is_distributed and method is Method.ANALYTIC:
         options.setdefault(

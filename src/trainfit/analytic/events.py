@@ -146,6 +146,14 @@ class RankHooks:
         """Bytes of the gradient autograd makes for ``x`` (0: a view of a framework's buffer)."""
         return _bytes(x.numel, bits)
 
+    def copy_bytes(self, x: ParamTensor, bits: int) -> int:
+        """Bytes of autocast's ``bits``-wide copy of ``x`` (a rank's own shard of it)."""
+        return _bytes(x.numel, bits)
+
+    def logits_gather(self, s: Stream) -> list[int]:
+        """Before the logits: what making them allocates besides them (a gather's inputs), freed after them."""
+        return []
+
     def forward_begin(self, s: Stream) -> None:
         """Before the embedding (a root's unshard)."""
 
@@ -246,7 +254,7 @@ def synthesise(
 
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
-        copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in g.tensors if x in copied]
+        copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
         saved: list[int] = []
         for term in terms_of[g.kind]:
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
@@ -283,11 +291,13 @@ def synthesise(
             s.free(residual)
             residual = nxt
             rank.layer_forward_end(s, i)
-        head_copies = [s.alloc(_bytes(x.numel, r.compute_bits)) for x in copy_model]
+        head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
         head = [s.alloc(x.bytes) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)]
         s.free(residual)
         # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
+        gather = rank.logits_gather(s)
         logits = s.alloc(a * n_logits)
+        s.free_all(gather)
         upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
         rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
         log_softmax = s.alloc(rest)

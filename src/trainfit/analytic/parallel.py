@@ -1446,32 +1446,49 @@ def in_flight_microbatches(schedule: PipelineSchedule, pp: int, stage: int, m: i
     return float(min(pp - stage, m))
 
 
-def _megatron(
-    spec: ModelSpec, strategy: Strategy, p: ParallelPlan
-) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], list[str]]:
-    par = strategy.parallelism
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronInputs:
+    """What one Megatron rank's stages are built from (bytes; shared by :func:`_megatron`'s closed form and the
+    rank's event stream, :class:`trainfit.analytic.rank_events.MegatronStage`)."""
+
+    q: StepInputs  # the TP-local model's single-GPU step inputs (compute strategy, logits not kept)
+    layers_per_stage: int
+    per_layer_params: int  # the largest layer kind's, counted for every layer of a stage
+    embed: tuple[ParamTensor, ...]  # on the first stage
+    rest: tuple[ParamTensor, ...]  # on the last stage (with the tied table's copy when pp > 1)
+    act_layer: int  # one micro-batch's saved tensors of one layer (SP: split over tp)
+    per_mb_layer: int  # what one micro-batch keeps per layer between its forward and backward
+    recompute: int  # a checkpointed segment's tensors, recomputed in backward
+    param_bytes: int  # 2 (bf16 parameters) or 4 (fp32 compute)
+    fp32: bool
+    dist_opt: bool
+
+    def stage_params(self, stage: int, pp: int) -> int:
+        """Parameters held by pipeline stage ``stage``."""
+        return (
+            self.layers_per_stage * self.per_layer_params
+            + (sum(t.numel for t in self.embed) if stage == 0 else 0)
+            + (sum(t.numel for t in self.rest) if stage == pp - 1 else 0)
+        )
+
+
+def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> MegatronInputs:
+    """Per-stage quantities of Megatron TP/SP/PP (see the module docstring); refuses optimizers other than Adam."""
     cs = compute_strategy(strategy)
     local = tp_local_spec(spec, p.tp)
     q = step_inputs(local, cs, keep_logits=False)
-    fp32 = cs.recipe.compute_bits == 32
-    dist_opt = strategy.sharding is Sharding.ZERO1
     if strategy.optimizer is not Optimizer.ADAMW:
         raise StrategyError(
             f"tensor/pipeline parallelism models Megatron's Adam (fp32 states); --optimizer {strategy.optimizer.value} "
             "is not modelled there yet"
         )
     inv = inventory(local)
-    per_layer_params = max(g.params_per_layer for g in inv.layers)
-    embed = [t for t in inv.model_tensors if t.name.startswith("embed")]
-    rest = [t for t in inv.model_tensors if not t.name.startswith("embed")]
-    embed_params = sum(t.numel for t in embed)
-    rest_params = sum(t.numel for t in rest)
+    embed = tuple(t for t in inv.model_tensors if t.name.startswith("embed"))
+    rest = tuple(t for t in inv.model_tensors if not t.name.startswith("embed"))
     if spec.tie_word_embeddings and p.pp > 1:
         # The last stage keeps its own copy of the tied token table for the head (Megatron's
         # ``share_embeddings_and_output_weights`` across the first and last stage); on one stage it is one tensor.
-        rest_params += sum(t.numel for t in embed if t.name == "embed_tokens.weight")
-    L = spec.num_layers
-    ls = L // p.pp
+        rest += tuple(t for t in embed if t.name == "embed_tokens.weight")
     # Activations of one micro-batch on one layer (SP: every tensor split; Korthikanti et al. 2022, Table 2).
     if p.sequence_parallel:
         full_q = step_inputs(spec, cs, keep_logits=False)
@@ -1481,13 +1498,33 @@ def _megatron(
         act_layer = q.stack.max_layer_bytes
         kept_layer = q.kept_inputs // max(1, q.segments) if q.segments else 0
     ckpt = q.segments > 0
-    per_mb_layer = kept_layer if ckpt else act_layer
-    recompute = act_layer * (q.segment_layers if ckpt else 0)
-    pb = 4 if fp32 else 2
+    fp32 = cs.recipe.compute_bits == 32
+    return MegatronInputs(
+        q=q,
+        layers_per_stage=spec.num_layers // p.pp,
+        per_layer_params=max(g.params_per_layer for g in inv.layers),
+        embed=embed,
+        rest=rest,
+        act_layer=act_layer,
+        per_mb_layer=kept_layer if ckpt else act_layer,
+        recompute=act_layer * (q.segment_layers if ckpt else 0),
+        param_bytes=4 if fp32 else 2,
+        fp32=fp32,
+        dist_opt=strategy.sharding is Sharding.ZERO1,
+    )
+
+
+def _megatron(
+    spec: ModelSpec, strategy: Strategy, p: ParallelPlan
+) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], list[str]]:
+    par = strategy.parallelism
+    mi = megatron_inputs(spec, strategy, p)
+    q, ls, fp32, dist_opt = mi.q, mi.layers_per_stage, mi.fp32, mi.dist_opt
+    per_mb_layer, recompute, pb = mi.per_mb_layer, mi.recompute, mi.param_bytes
 
     stages: list[RankMemory] = []
     for s in range(p.pp):
-        params = ls * per_layer_params + (embed_params if s == 0 else 0) + (rest_params if s == p.pp - 1 else 0)
+        params = mi.stage_params(s, p.pp)
         weights = params * pb
         grads = params * 4  # fp32 main-grad buffer, persistent
         if fp32:
@@ -1726,7 +1763,8 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks and DeepSpeed ZeRO ranks (16-bit AdamW, no offload) replay their event stream
+    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (no SP) and
+    Megatron TP/SP/PP ranks (1F1B, the worst stage) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`."""
@@ -1768,12 +1806,14 @@ def estimate_parallel(
         from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
 
         if rank_simulated(strategy, p):
-            sim = simulate_rank(spec, strategy, p, allocator, workspaces)
+            stage = _worst_stage(ranks) if ranks else 0
+            sim = simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage)
             held = peak + sum(w.size_bytes for w in workspaces)
             overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
             reserve_note = (
-                f"reserved: this rank's event stream through the caching-allocator simulation (peak reserved "
-                f"{fmt_gib(sim.peak_reserved_bytes)})"
+                "reserved: this rank's event stream"
+                + (f" (pipeline stage {stage}, the 1F1B order)" if ranks else "")
+                + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
             )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
@@ -1833,6 +1873,7 @@ def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
 __all__ = [
     "FsdpGroups",
     "HeldTensor",
+    "MegatronInputs",
     "ParallelPlan",
     "ShardedStates",
     "ZeroPartition",
@@ -1848,6 +1889,7 @@ __all__ = [
     "fsdp_wire_bits",
     "held_tensors",
     "in_flight_microbatches",
+    "megatron_inputs",
     "nccl_bytes",
     "plan",
     "resolve_engine",

@@ -55,19 +55,28 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   Against the real engine's events: allocated +0.1…+0.4% (tiny, W = 8), −0.002% (llama-2-7b); reserved
   −7.3…+7.3% (tiny: a 2 MiB segment is 2% there), −1.4% (llama-2-7b, 32.79 to 33.26 GiB).
 
+* **DTensor TP** without sequence parallelism or sharding (:class:`DtensorTpHooks`): the single-GPU stream of the
+  TP-local model with the rank's shard states, the whole token-table gradient and the logits' all-gather
+  (``RankHooks.copy_bytes``, ``RankHooks.logits_gather``). Against the traced ``parallelize_module`` events (tiny
+  llama, TP 2): allocated ±0.001%, reserved −1.6…0%.
+* **Megatron-LM TP (± SP) × PP** (:class:`MegatronStage`, :func:`megatron_events`): not a hooked single-GPU stream
+  but one pipeline stage's own, since the 1F1B schedule interleaves micro-batches (:func:`one_f_one_b`); the worst
+  stage's stream, sized by :func:`~trainfit.analytic.parallel.megatron_inputs` as the closed form is, peaks at
+  exactly its bytes (the schedule's in-flight count is the closed form's min(pp − s, m)). No trace of Megatron.
+
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron TP/PP, DTensor TP (also 2-D FSDP2×TP), CPU offload and
-fine-tuning with many GPUs.
+fp32, with other optimizers or offload, Megatron's interleaved and GPipe schedules and ``--checkpointing sqrt``,
+DTensor TP with SP and 2-D FSDP2×TP, CPU offload and fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from trainfit._memo import spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
-from trainfit.allocator.workspaces import Workspace
+from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.adapters import finetuning
 from trainfit.analytic.events import RankHooks, Stream, simulation_memo, synthesise
 from trainfit.analytic.parallel import (
@@ -75,24 +84,51 @@ from trainfit.analytic.parallel import (
     compute_strategy,
     ddp_bucket_bytes,
     deepspeed_rank0_gradients,
+    dtensor_tp_held_spec,
+    dtensor_tp_spec,
     held_tensors,
+    megatron_inputs,
     shard_tensor,
+    tp_local_spec,
     zero_partition,
 )
-from trainfit.analytic.states import ParamState, optimizer_state_tensors
+from trainfit.analytic.states import ParamState, model_states, optimizer_state_tensors, param_states
 from trainfit.analytic.zero3 import gathered_bytes
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes
-from trainfit.strategy import Engine, Optimizer, OptimizerImpl, Sharding, Strategy
+from trainfit.strategy import (
+    Checkpointing,
+    Engine,
+    Optimizer,
+    OptimizerImpl,
+    PipelineSchedule,
+    Sharding,
+    Strategy,
+)
 
-__all__ = ["DdpHooks", "FsdpHooks", "Zero1Hooks", "Zero2Hooks", "Zero3Hooks", "rank_simulated", "simulate_rank"]
+__all__ = [
+    "DdpHooks",
+    "DtensorTpHooks",
+    "FsdpHooks",
+    "MegatronStage",
+    "Zero1Hooks",
+    "Zero2Hooks",
+    "Zero3Hooks",
+    "megatron_events",
+    "megatron_simulated",
+    "one_f_one_b",
+    "rank_simulated",
+    "simulate_rank",
+]
 
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-1/2/3
-    with 16-bit compute and AdamW; full training, nothing offloaded, one model replica per rank); otherwise the
-    fixed fraction."""
+    with 16-bit compute and AdamW; DTensor TP without SP, sharding or gradient accumulation; full training,
+    nothing offloaded); otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
+    if p.engine is Engine.MEGATRON:
+        return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
         return (
             p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
@@ -100,6 +136,14 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
             and p.pp == 1
             and strategy.recipe.compute_bits == 16
             and strategy.optimizer is Optimizer.ADAMW
+            and not strategy.offload.any
+            and not finetuning(strategy)
+        )
+    if p.engine is Engine.TORCH and p.tp > 1:
+        return (
+            p.sharding is Sharding.NONE
+            and not p.sequence_parallel
+            and strategy.grad_accum == 1
             and not strategy.offload.any
             and not finetuning(strategy)
         )
@@ -295,6 +339,50 @@ class FsdpHooks(RankHooks):
         if st.optimizer is Optimizer.ADAMW and st.optimizer_impl is OptimizerImpl.FOREACH:
             return sum(g.shard_grads for g in self.layers) + self.root.shard_grads
         return 0 if st.optimizer is Optimizer.ADAMW else default
+
+
+class DtensorTpHooks(RankHooks):
+    """DTensor tensor parallelism without sequence parallelism (torchtitan's Llama plan, ``--engine torch --tp``,
+    no sharding), rank 0: the single-GPU stream of :func:`~trainfit.analytic.parallel.dtensor_tp_spec`'s model
+    (heads, k/v heads and MLP width split; hidden size and the gathered vocabulary whole) with the states of
+    the rank's shards (:func:`~trainfit.analytic.parallel.dtensor_tp_held_spec`: ⌈V/tp⌉ vocabulary rows of the
+    token table and the head), and the two DTensor facts of the closed form (``parallel._torch_tp``): the token
+    table's gradient computed whole (``embedding_dense_backward`` has no vocabulary-sharded strategy), and the
+    logits gathered whole (``_functional_collectives.all_gather_single`` into a whole-size buffer, then
+    ``_maybe_view_chunk_cat``, with the rank's own slice still referenced)."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int) -> None:
+        held = dtensor_tp_held_spec(spec, tp)
+        self.states = param_states(held, strategy)
+        self.trained = [(ps.tensor, ps.count) for ps in self.states if ps.trainable]
+        self.step_temp = model_states(held, strategy).step_temp_bytes
+        self.rows = held.vocab_size
+        self.vocab = spec.vocab_size
+        a = strategy.recipe.compute_bits
+        t = strategy.tokens_per_micro_batch
+        self.gather = (_alloc_bits(t * self.rows, a), _alloc_bits(t * self.vocab, a))
+
+    def _rank_rows(self, x: ParamTensor) -> int:
+        """Elements of the rank's shard of ``x`` (the head's ⌈V/tp⌉ rows; the rest as the stream's model)."""
+        return x.numel * self.rows // self.vocab if x.name.startswith("lm_head") else x.numel
+
+    def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        super().weights(s, self.states)
+
+    def copy_bytes(self, x: ParamTensor, bits: int) -> int:
+        return _alloc_bits(self._rank_rows(x), bits)
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        return _alloc_bits(self._rank_rows(x), bits)  # the token table's: whole
+
+    def logits_gather(self, s: Stream) -> list[int]:
+        return [s.alloc(n) for n in self.gather]  # the rank's logits, the all-gather output
+
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        super().optimizer_states(s, strategy, self.trained)
+
+    def step_temp_bytes(self, default: int) -> int:
+        return self.step_temp
 
 
 #: DeepSpeed's reduction stream (stage_1_and_2.py ``__init__``: ``self.reduction_stream``): with ``overlap_comm``
@@ -597,6 +685,185 @@ class Zero3Hooks(RankHooks):
         return 0
 
 
+# -- Megatron TP / SP / PP -------------------------------------------------------------------------------
+
+
+def one_f_one_b(pp: int, stage: int, microbatches: int) -> list[tuple[bool, int]]:
+    """The order of one stage's forward (True) and backward (False) passes over the micro-batches under the
+    1F1B schedule (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_without_
+    interleaving``: ``num_warmup_microbatches = min(pp − stage − 1, m)`` forwards, then one forward and one
+    backward in turn, then the warm-up's backwards; one stage, ``forward_backward_no_pipelining``, is F B F B)."""
+    warmup = min(pp - stage - 1, microbatches)
+    order = [(True, j) for j in range(warmup)]
+    for j in range(microbatches - warmup):
+        order += [(True, warmup + j), (False, j)]
+    order += [(False, j) for j in range(microbatches - warmup, microbatches)]
+    return order
+
+
+class MegatronStage:
+    """One rank of Megatron-LM TP (± SP) × PP (1F1B) × DP, one pipeline stage (the worst: the closed form's
+    headline), as events in the order Megatron makes them; the sizes are the closed form's
+    (:func:`~trainfit.analytic.parallel.megatron_inputs`), so its allocated peak is
+    :func:`~trainfit.analytic.parallel.estimate_parallel`'s:
+
+    * init: the stage's bf16 (fp32 in fp32 compute) parameters, one per tensor (``Float16Module``; with the
+      distributed optimizer one flat ``param_data`` buffer the parameters are views of), the persistent fp32
+      gradient buffer (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``:
+      ``grad_data``, one tensor; the buckets are views), the fp32 main parameters (optimizer.py
+      ``Float16OptimizerWithFloat16Params``: one clone per parameter; the distributed optimizer's shard, one
+      flat piece); gradient-accumulation fusion writes the weight gradients into ``main_grad``, so autograd
+      makes none of its own;
+    * each step: the micro-batches' forwards and backwards in the 1F1B order (:func:`one_f_one_b`); a forward
+      keeps its saved tensors (layer by layer; the first stage its embedding output; the last its head input)
+      until its own backward, which frees them layer by layer from the top; the last stage's loss chain is a
+      forward transient, its backward buffers live over the top layer's backward temporaries (the closed form's
+      backward moment); a fully checkpointed layer keeps its input and recomputes its tensors before its
+      backward (Megatron ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``);
+    * the optimizer step: Adam's two fp32 states per main parameter, made in the first step (apex/TE
+      ``FusedAdam`` initialise them lazily); the update writes in place (no temporaries).
+
+    Left out, as the closed form leaves them out: the pipeline's send/receive buffers, the input ids, and the
+    init-time copy of the parameters into the distributed optimizer's buffer."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, stage: int) -> None:
+        from trainfit.analytic.activations import layer_terms
+
+        mi = megatron_inputs(spec, strategy, p)
+        self.mi, self.stage, self.pp = mi, stage, p.pp
+        self.first, self.last = stage == 0, stage == p.pp - 1
+        cs = compute_strategy(strategy)
+        local = tp_local_spec(spec, p.tp)
+        # One micro-batch's saved tensors of one layer: the largest layer kind's terms (under SP the whole
+        # model's, split over tp), the last one taking the closed form's rounding.
+        src = spec if p.sequence_parallel else local
+        div = p.tp if p.sequence_parallel else 1
+        kinds = [layer_terms(src, cs, moe=g.kind == "moe") for g in inventory(src).layers]
+        worst = max(kinds, key=lambda ts: sum(x.bytes for x in ts))
+        terms = [n // div for x in worst for n in x.tensors()]
+        self.layer = _fit(terms, mi.act_layer)
+        self.checkpointed = mi.q.segments > 0
+        inv = inventory(local)
+        kind = max(inv.layers, key=lambda g: g.params_per_layer)
+        self.params: list[ParamTensor] = list(mi.embed) if self.first else []
+        self.params += [t for _ in range(mi.layers_per_stage) for t in kind.tensors]
+        self.params += list(mi.rest) if self.last else []
+        self.dp = p.dp if mi.dist_opt else 1
+        self.stage_params = mi.stage_params(stage, p.pp)
+        self.states: list[int] = []
+
+    def init(self, s: Stream) -> None:
+        mi, pb, n = self.mi, self.mi.param_bytes, self.stage_params
+        if mi.dist_opt:
+            s.alloc(n * pb)  # param_data
+        else:
+            for t in self.params:
+                s.alloc(t.numel * pb)
+        s.alloc(n * 4)  # grad_data
+        if mi.fp32:
+            return
+        if mi.dist_opt:
+            s.alloc(n * 4 // self.dp)
+        else:
+            for t in self.params:
+                s.alloc(t.numel * 4)
+
+    def forward(self, s: Stream) -> list[int]:
+        """One micro-batch's forward: what it keeps for its backward (embedding, per layer, head input)."""
+        mi, q = self.mi, self.mi.q
+        kept = [s.alloc(q.stack.embedding_bytes)] if self.first else []
+        for _ in range(mi.layers_per_stage):
+            if self.checkpointed:  # no grad inside the checkpoint: its tensors die with the call
+                s.free_all([s.alloc(n) for n in self.layer])
+                kept.append(s.alloc(mi.per_mb_layer))
+            else:
+                kept += [s.alloc(n) for n in self.layer]
+        if self.last:
+            kept.append(s.alloc(q.stack.head_input_bytes))
+            s.free(s.alloc(q.logits_forward))  # the loss chain
+        return kept
+
+    def backward(self, s: Stream, kept: list[int]) -> None:
+        """One micro-batch's backward: the loss's buffers (last stage), then the layers from the top."""
+        mi, q = self.mi, self.mi.q
+        loss = s.alloc(q.logits_backward) if self.last else 0
+        head = kept.pop() if self.last else 0
+        per_layer = 1 if self.checkpointed else len(self.layer)
+        for i in reversed(range(mi.layers_per_stage)):
+            mine = kept[len(kept) - per_layer :]
+            del kept[len(kept) - per_layer :]
+            again = [s.alloc(n) for n in self.layer] if self.checkpointed else []  # the recomputation
+            s.free(s.alloc(q.block_temp))
+            if i == mi.layers_per_stage - 1:
+                s.free(loss)
+                s.free(head)
+            s.free_all(again)
+            s.free_all(mine)
+        s.free_all(kept)  # the embedding's output
+
+    def step(self, s: Stream) -> None:
+        """Adam's states, made in the first step (the update is in place)."""
+        if self.states:
+            return
+        n = self.stage_params
+        if self.mi.dist_opt:
+            a = n * 4 // self.dp
+            self.states = [s.alloc(a), s.alloc(n * 8 // self.dp - a)]
+        else:
+            self.states = [s.alloc(t.numel * 4) for t in self.params for _ in range(2)]
+
+
+def _fit(sizes: list[int], total: int) -> list[int]:
+    """``sizes`` with the last one taking the difference to ``total`` (the closed form's rounding)."""
+    if not sizes:
+        return [total]
+    return [*sizes[:-1], sizes[-1] + total - sum(sizes)]
+
+
+def megatron_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
+    """Megatron ranks whose stream is written (:class:`MegatronStage`): the 1F1B schedule (or one stage), no
+    checkpointing, selective or full (one layer per segment), full training."""
+    par = strategy.parallelism
+    return (
+        p.engine is Engine.MEGATRON
+        and (p.pp == 1 or par.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B)
+        and strategy.checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
+        and not strategy.offload.any
+        and not finetuning(strategy)
+    )
+
+
+def megatron_events(
+    s: Stream,
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    stage: int,
+    workspaces: tuple[Workspace, ...] = (),
+    steps: int = MAX_STEPS,
+    stop: Callable[[int], bool] | None = None,
+) -> None:
+    """Write stage ``stage``'s stream (:class:`MegatronStage`) into ``s``: ``steps`` steps of the 1F1B order, the
+    main thread's ``workspaces`` at the first forward, the autograd thread's at the first backward."""
+    st = MegatronStage(spec, strategy, p, stage)
+    st.init(s)
+    order = one_f_one_b(p.pp, stage, strategy.parallelism.microbatches)
+    for step in range(steps):
+        live: dict[int, list[int]] = {}
+        for forward, j in order:
+            if step == 0 and j == 0:
+                for ws in workspaces:
+                    if (ws.thread is Thread.MAIN) == forward:
+                        s.alloc(ws.size_bytes)
+            if forward:
+                live[j] = st.forward(s)
+            else:
+                st.backward(s, live.pop(j))
+        st.step(s)
+        if stop is not None and stop(step):
+            break
+
+
 def _alloc_bits(numel: int, bits: int) -> int:
     return numel * bits // 8
 
@@ -607,11 +874,14 @@ def simulate_rank(
     p: ParallelPlan,
     config: AllocatorConfig | None = None,
     workspaces: tuple[Workspace, ...] = (),
+    *,
+    stage: int = 0,
 ) -> AllocatorResult:
-    """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups)."""
+    """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups; ``stage``:
+    the pipeline stage of a Megatron rank)."""
     return simulation_memo().get(
-        ("rank", spec_key(spec), strategy, p, config, workspaces),
-        lambda: _simulate(spec, strategy, p, config, workspaces),
+        ("rank", spec_key(spec), strategy, p, config, workspaces, stage),
+        lambda: _simulate(spec, strategy, p, config, workspaces, stage),
     )
 
 
@@ -621,11 +891,17 @@ def _simulate(
     p: ParallelPlan,
     config: AllocatorConfig | None,
     workspaces: tuple[Workspace, ...],
+    stage: int = 0,
 ) -> AllocatorResult:
-    hooks: RankHooks
-    if p.engine is Engine.DEEPSPEED:
+    hooks: RankHooks | None = None
+    run = strategy
+    if p.engine is Engine.MEGATRON:
+        pass
+    elif p.engine is Engine.DEEPSPEED:
         zero = {Sharding.ZERO1: Zero1Hooks, Sharding.ZERO3: Zero3Hooks}.get(p.sharding, Zero2Hooks)
         hooks, run = zero(spec, strategy, p), compute_strategy(strategy)
+    elif p.tp > 1:
+        hooks, spec = DtensorTpHooks(spec, strategy, p.tp), dtensor_tp_spec(spec, p.tp)
     elif p.sharding is Sharding.DDP:
         hooks, run = DdpHooks(spec, strategy), strategy
     else:
@@ -643,7 +919,10 @@ def _simulate(
     enabled = gc.isenabled()
     gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
     try:
-        synthesise(Stream(sim), spec, run, workspaces, hooks, steps=MAX_STEPS, stop=steady)
+        if hooks is None:
+            megatron_events(Stream(sim), spec, strategy, p, stage, workspaces, stop=steady)
+        else:
+            synthesise(Stream(sim), spec, run, workspaces, hooks, steps=MAX_STEPS, stop=steady)
     finally:
         if enabled:
             gc.enable()
