@@ -1135,6 +1135,13 @@ def moe_adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if "gate_up_proj" in params:
         released = e * big_t * (3 * i + h) + down_released
         moments.append(e * big_t * (2 * i + h) + e * params["gate_up_proj"].weight_numel - released)
+    if spec.model_type in _FP32_ROUTERS and (spec.model_type == "deepseek_v2" or not w.amp):
+        # fp32 routing weights (DeepSeek-V2's softmax(dtype=float32); V3's fp32 logits without autocast) promote the
+        # routed output ``proj_out * sample_weights`` (transformers integrations/moe.py grouped_mm_experts_forward)
+        # to fp32: its backward opens with fp32 T × h gradients (the sum's expanded copy, the un-permuting index's
+        # zeros and index_put) beside the incoming residual gradient. Net of what the analytic counts as still
+        # saved there, two of them (8·T·h) match the trace's peak (read off it, tests/trace/test_peft.py).
+        moments.append(8 * big_t * h + r * t * h)
     return r * t * h + max(0, *moments)
 
 
