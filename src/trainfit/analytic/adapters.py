@@ -30,8 +30,13 @@ stack again in the base dtype, the largest term; in backward its E × d_out × d
 Mixtral and Qwen3-MoE layouts (every layer MoE, no shared experts), and Qwen2-MoE, which PEFT does not convert
 (``qwen2_moe`` is no key of transformers' ``_MODEL_TO_CONVERSION_PATTERN``): ``all-linear`` adapts its attention,
 shared-expert linears and ``shared_expert_gate`` as ordinary layer sites, the router and experts stay frozen.
-DeepSeek's converted stacks with shared experts and leading dense layers, and multi-head latent attention, stay
-traced only (:func:`supports_adapters`).
+DeepSeek-V2/V3 are converted like Qwen3-MoE, and because ``all-linear`` is resolved to leaf names first
+(``_resolve_string_target_modules``) the names ``gate_proj``/``up_proj``/``down_proj`` leave with the experts: the
+``first_k_dense_replace`` dense MLPs and the shared experts get no adapter (:func:`_matched`), the router and expert
+pairs exist in the MoE layers only (:func:`adapter_tensor_counts`). Multi-head latent attention's linears are ordinary
+sites; q_b_proj and kv_b_proj read the normed latents (``SiteInput.Q_LATENT``/``KV_LATENT``; what the frozen latent
+norms save: :func:`trainfit.analytic.activations.frozen_latent_terms`). Other MoE families with shared experts or
+dense layers stay traced only (:func:`supports_adapters`).
 
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
 one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`):
@@ -179,8 +184,9 @@ def _short(t: ParamTensor) -> str:
 
 def supports_adapters(spec: ModelSpec) -> str | None:
     """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers dense layers
-    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel, and MoE
-    stacks of the Mixtral / Qwen3-MoE layout (every layer MoE, routed experts only)."""
+    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel, multi-head
+    latent attention, and MoE stacks of the Mixtral / Qwen3-MoE layout (every layer MoE, routed experts only) or of
+    DeepSeek's (leading dense layers, shared experts)."""
     if spec.params_override is not None:
         return "explicit --params (no tensor shapes to attach adapters to)"
     if spec.moe is not None:
