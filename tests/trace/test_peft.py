@@ -16,6 +16,8 @@ from trainfit import Strategy, estimate
 from trainfit.arch.config import spec_from_config
 from trainfit.strategy import finetune_setup
 
+from .conftest import assert_phases_agree
+
 pytest.importorskip("peft")
 
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -434,5 +436,4 @@ def test_deepseek_lora_analytic_agrees_with_the_peft_trace(
     ra = estimate(spec, s)
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
     assert ra.trainable_params == rt.trainable_params
-    for pa, pt in zip(ra.phases, rt.phases, strict=True):
-        assert abs(pa.total_bytes - pt.total_bytes) <= 0.01 * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
+    assert_phases_agree(ra, rt, 0.01)
