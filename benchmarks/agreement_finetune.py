@@ -211,7 +211,9 @@ def layout_rows() -> list[str]:
 
 MOE_BEGIN, MOE_END = "<!-- agreement-moe:begin -->", "<!-- agreement-moe:end -->"
 #: transformers 5 MoE layers under PEFT's target_parameters conversion (trainfit.analytic.activations.frozen_moe_terms)
-MOE_MODELS = ("mixtral-8x7b-v0.1", "qwen3-30b-a3b")
+MOE_MODELS = ("mixtral-8x7b-v0.1", "qwen3-30b-a3b", "deepseek-v3")
+#: DeepSeek-V3's attention is MLA (no q_proj/v_proj): its q and kv projections stand in for "q,v"
+MOE_TARGETS = {"deepseek-v3": ("q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj", "all-linear")}
 
 
 def moe_rows() -> list[str]:
@@ -221,7 +223,8 @@ def moe_rows() -> list[str]:
         "| model | targets | ckpt | analytic peak GiB | trace peak GiB | worst phase diff | without workspaces |",
         "|---|---|---|---:|---:|---:|---:|",
     ]
-    for name, targets, ckpt in itertools.product(MOE_MODELS, TARGETS, CHECKPOINTING):
+    cells = [(m, t, c) for m in MOE_MODELS for t in MOE_TARGETS.get(m, TARGETS) for c in CHECKPOINTING]
+    for name, targets, ckpt in cells:
         spec = load_model(name)
         a, b = finetune_setup("lora", rank=16, targets=targets, base_dtype="bf16")
         s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=2048)

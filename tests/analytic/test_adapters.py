@@ -251,7 +251,7 @@ def test_targets_match_as_peft_matches_module_paths() -> None:
 def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused() -> None:
     """Mixtral's v4 expert names are PEFT targets (converted to target_parameters), half of the fused gate_up is
     not (PEFT raises), ParamWrapper refuses dropout and DoRA (both methods); DeepSeek-V3 (MLA, shared experts, dense
-    layers) stays traced only."""
+    layers) is modelled over a float base, refused over a quantised one."""
     mixtral = load_model("mixtral-8x7b-v0.1")
     from trainfit.analytic.adapters import adapter_sites, check_finetune_model
 
@@ -292,8 +292,44 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     deepseek = load_model("deepseek-v3")
     mla = Adapter(targets=("q_a_proj", "kv_b_proj"))
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla), analytic=False)
-    with pytest.raises(StrategyError, match="latent attention"):
-        check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla))
+    check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla))
+    # without checkpointing an adapter must read the attention's input (the first layer's saves start there)
+    with pytest.raises(StrategyError, match="attention-input target"):
+        check_finetune_model(deepseek, dataclasses.replace(s, adapter=Adapter(targets=("kv_b_proj", "o_proj"))))
+    qa, qb = finetune_setup("qlora", targets="q_a_proj", base_dtype="nf4")
+    with pytest.raises(StrategyError, match="latent-attention layers are not modelled over a quantised base"):
+        check_finetune_model(deepseek, dataclasses.replace(s, adapter=qa, base_weights=qb))
+
+
+def test_deepseek_lora_parameters_follow_peft_conversion() -> None:
+    """all-linear on DeepSeek-V3 (transformers' conversion_mapping.py maps ``deepseek_v3`` to the Qwen2-MoE pattern,
+    so PEFT's ``_convert_peft_config_moe`` rewrites the config): every layer's MLA linears (q_a, q_b, kv_a, kv_b, o) get
+    a LoRA pair; the 58 MoE layers' router and expert stacks get ParamWrapper pairs (gate_up at twice the rank); the
+    names gate_proj/up_proj/down_proj go to the experts, so the 3 dense MLPs and the shared experts get nothing.
+    Written out from the config numbers."""
+    ds = load_model("deepseek-v3")
+    assert ds.mla is not None and ds.moe is not None and ds.mla.q_lora_rank is not None
+    m, e = ds.mla, ds.moe
+    r, h, heads = 8, ds.hidden_size, ds.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    attention = (
+        r * (h + m.q_lora_rank)
+        + r * (m.q_lora_rank + heads * qk)
+        + r * (h + m.kv_lora_rank + m.qk_rope_head_dim)
+        + r * (m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim))
+        + r * (heads * m.v_head_dim + h)
+    )
+    n_e, i = e.num_experts, e.expert_intermediate_size
+    moe = r * (h + n_e) + 2 * r * n_e * (h + 2 * i) + r * n_e * (i + h)
+    n_moe = ds.num_layers - e.num_dense_layers
+    a, b = finetune_setup("lora", rank=r, targets="all-linear", base_dtype="bf16")
+    s = Strategy(adapter=a, base_weights=b, micro_batch=1, seq_len=512, checkpointing="full")
+    assert estimate(ds, s).trainable_params == ds.num_layers * attention + n_moe * moe
+    # gate_proj names the routed experts' fused gate_up (with up_proj), never the dense or shared MLPs
+    a, b = finetune_setup("lora", rank=r, targets="q_b_proj,gate_proj,up_proj", base_dtype="bf16")
+    s = dataclasses.replace(s, adapter=a, base_weights=b)
+    want = ds.num_layers * r * (m.q_lora_rank + heads * qk) + n_moe * 2 * r * n_e * (h + 2 * i)
+    assert estimate(ds, s).trainable_params == want
 
 
 def test_moe_lora_parameters_are_peft_param_wrappers() -> None:

@@ -16,6 +16,8 @@ from trainfit import Strategy, estimate
 from trainfit.arch.config import spec_from_config
 from trainfit.strategy import finetune_setup
 
+from .conftest import assert_phases_agree
+
 pytest.importorskip("peft")
 
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -387,3 +389,51 @@ def test_lora_with_selective_recompute_agrees_as_tightly_as_without(family: str)
             pa.total_bytes,
             pt.total_bytes,
         )
+
+
+# DeepSeek (trainfit.analytic.activations.frozen_latent_terms, _fp32_router_terms): multi-head latent attention, one
+# leading dense layer and a shared expert beside the routed ones. PEFT's conversion (the Qwen2-MoE pattern) adapts the
+# MLA linears, the router and the expert stacks; the dense MLP and the shared expert stay frozen. V3 has q_a/q_b and a
+# sigmoid router (16-bit scores under autocast); V2 here takes V2-Lite's plain q_proj and a softmax router (fp32
+# routing weights, which make the routed output fp32).
+DEEPSEEK: dict[str, Any] = {
+    "model_type": "deepseek_v3", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 96,
+    "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 1024,
+    "max_position_embeddings": 512, "tie_word_embeddings": False, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True,
+}  # fmt: skip
+DEEPSEEK_V2 = DEEPSEEK | {"model_type": "deepseek_v2", "q_lora_rank": None, "norm_topk_prob": False}
+
+# (config, targets, dropout, checkpointing, precision, base dtype); fp32 adapters
+DEEPSEEK_MATRIX = [
+    (DEEPSEEK, "all-linear", 0.0, "none", "amp-bf16", "bf16"),
+    (DEEPSEEK_V2, "all-linear", 0.0, "full", "amp-bf16", "bf16"),
+    # the first layer (no input gradients): q_a's adapter makes its latent norm save, kv's latent norm saves
+    # nothing, and kv_b's adapter over it keeps no dropout mask
+    (DEEPSEEK, "q_a_proj,kv_b_proj", 0.1, "none", "amp-bf16", None),
+]
+DEEPSEEK_SLOW = [
+    (DEEPSEEK, "all-linear", 0.0, "full", "pure-bf16", "bf16"),  # fp32 logits, fp32 routing weights
+    (DEEPSEEK, "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj", 0.1, "none", "amp-bf16", "bf16"),
+    (DEEPSEEK, "all-linear", 0.0, "selective", "amp-bf16", "bf16"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "targets", "dropout", "ckpt", "precision", "base"),
+    DEEPSEEK_MATRIX + [pytest.param(*x, marks=pytest.mark.slow) for x in DEEPSEEK_SLOW],
+)
+def test_deepseek_lora_analytic_agrees_with_the_peft_trace(
+    cfg: dict[str, Any], targets: str, dropout: float, ckpt: str, precision: str, base: str | None
+) -> None:
+    """LoRA on DeepSeek's MLA and MoE layers: the same trainable tensors as PEFT builds, every phase within 1% of
+    the trace (0.4% at most when written; the forward's own transients are what is left)."""
+    spec = spec_from_config(cfg, name=f"small-{cfg['model_type']}", source="test")
+    a, b = finetune_setup("lora", rank=8, targets=targets, dropout=dropout, adapter_dtype="fp32", base_dtype=base)
+    s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=256)
+    ra = estimate(spec, s)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    assert ra.trainable_params == rt.trainable_params
+    assert_phases_agree(ra, rt, 0.01)

@@ -539,7 +539,16 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
         formula="a·t·(q_dim+2·kv_dim)",
         pieces=(a * t * qd, a * t * kd, a * t * vd),
     )
-    if not spec.fused_qkv or spec.mla is not None or spec.sdpa_kv_expanded:
+    if spec.mla is not None:
+        # MLA (modeling_deepseek_v3.py ``expand_kv``): q is ``cat(q_pass, q_rot)`` and k a ``new_empty`` filled by
+        # ``copy_`` — new tensors — but v is a view of kv_b_proj's output, which ``attn.kv_b_out`` already counts.
+        return SavedTerm(
+            name="attn.sdpa.qkv",
+            bytes=a * t * (qd + kd),
+            formula="a·t·(q_dim+k_dim) (v: a view of kv_b's output)",
+            pieces=(a * t * qd, a * t * kd),
+        )
+    if not spec.fused_qkv or spec.sdpa_kv_expanded:
         # (Falcon's new architecture copies k and v out of the fused output while expanding them.)
         return plain
     w = Widths.of(strategy)
@@ -626,7 +635,17 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
 #: output and the per-head q/k norms run before the attention interface; the core's output is o_proj's saved input
 #: (for a fused SDPA kernel the same storage as the kernel's saved ``out``: HF's ``transpose(1, 2).contiguous()`` of
 #: the kernel's b·s·heads·d output is a view).
-_OUTSIDE_CORE = frozenset({"attn.latents", "attn.kv_b_out", "attn.qk_norm", "attn.sdpa.out", "attn.eager.out"})
+_OUTSIDE_CORE = frozenset(
+    {
+        "attn.latents",
+        "attn.q_a_layernorm",
+        "attn.kv_a_layernorm",
+        "attn.kv_b_out",
+        "attn.qk_norm",
+        "attn.sdpa.out",
+        "attn.eager.out",
+    }
+)
 
 
 def _is_core(term: SavedTerm) -> bool:
@@ -842,7 +861,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     # Without an adapter: a layer --freeze freezes whole, its input requiring grad (adapters.FrozenLayers).
     sites = adapter_sites(spec, strategy.adapter) if strategy.adapter is not None else ()
     mlp_w = frozen_base_mlp_width(strategy, w)
-    widths = {SiteInput.NORM1: nb, SiteInput.NORM2: nb, SiteInput.ATTN_OUT: a, SiteInput.MLP_ACT: mlp_w}
+    widths = _site_widths(spec, strategy, w)
     saved = (
         adapter_saved(
             sites,
@@ -913,7 +932,10 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     if (strategy.attention is Attention.EAGER or math or core_out_dropped) and not int8:
         # o_proj's input: a frozen o_proj keeps none
         attn = [x for x in attn if x.name not in ("attn.eager.out", "attn.sdpa.out")]
+    if spec.mla is not None:
+        attn = [y for x in attn for y in (frozen_latent_terms(spec, t) if x.name == "attn.latents" else [x])]
     terms += attn
+    terms += adapter_terms((SiteInput.Q_LATENT, SiteInput.KV_LATENT))
     terms += adapter_terms((SiteInput.ATTN_OUT,))
     if spec.hidden_dropout > 0:
         terms.append(SavedTerm(name="dropout_masks", bytes=2 * t * h, formula="2 × 1·t·h (attention, MLP)"))
@@ -951,6 +973,47 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
 
 
+def _site_widths(spec: ModelSpec, strategy: Strategy, w: Widths) -> dict[SiteInput, int]:
+    """Bytes per element of each tensor an adapted linear reads under a frozen base: the normed inputs (the norm's
+    output width), the attention output (the compute dtype), the MLP's activation (:func:`frozen_base_mlp_width`)
+    and MLA's normed latents — HF ``DeepseekV3RMSNorm`` returns ``weight * x.to(input_dtype)``, the base weight's
+    dtype promoted with q_a's/kv_a's output (the compute dtype under autocast): the residual's width."""
+    nb = _norm_out_width(spec, w)
+    return {
+        SiteInput.NORM1: nb,
+        SiteInput.NORM2: nb,
+        SiteInput.ATTN_OUT: w.compute,
+        SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
+        SiteInput.Q_LATENT: w.residual,
+        SiteInput.KV_LATENT: w.residual,
+    }
+
+
+def frozen_latent_terms(spec: ModelSpec, t: int, *, blind: frozenset[SiteInput] = frozenset()) -> list[SavedTerm]:
+    """MLA's two latent RMSNorms with frozen weights (modeling_deepseek_v3.py ``DeepseekV3Attention.forward``:
+    ``q_a_layernorm(q_a_proj(x))``, ``kv_a_layernorm(split(kv_a_proj_with_mqa(x))[0])``): each keeps its input's fp32
+    copy (``pow`` and ``x * rsqrt``; a copy of the split's strided view) and its fp32 rsqrt — 4·t·(lat + 1) — but not
+    the normed latent (a frozen weight) nor q_b's or kv_b's input (frozen linears). A latent whose input needs no
+    gradient (``blind``: the first layer without input gradients, its q_a/kv_a not adapted) keeps nothing."""
+    assert spec.mla is not None
+    m = spec.mla
+    out: list[SavedTerm] = []
+    for site, name, lat in (
+        (SiteInput.Q_LATENT, "q_a_layernorm", m.q_lora_rank),
+        (SiteInput.KV_LATENT, "kv_a_layernorm", m.kv_lora_rank),
+    ):
+        if lat and site not in blind:
+            out.append(
+                SavedTerm(
+                    name=f"attn.{name}",
+                    bytes=4 * t * lat + 4 * t,
+                    formula="4·t·lat + 4·t (fp32 input, rsqrt)",
+                    pieces=(4 * t * lat, 4 * t),
+                )
+            )
+    return out
+
+
 def frozen_moe_terms(
     spec: ModelSpec, strategy: Strategy, t: int, w: Widths, nb: int, *, norm_out_saved: bool
 ) -> list[SavedTerm]:
@@ -974,8 +1037,12 @@ def frozen_moe_terms(
     ad = strategy.adapter.dtype.bits // 8
     k_t, i = t * m.experts_per_token, m.expert_intermediate_size
     params = {p.name: p for p in moe_param_sites(spec, strategy.adapter)}
+    router = _router_bytes(spec, t, a)
+    if spec.model_type == "deepseek_v3" and w.amp:
+        # DeepseekV3TopkRouter: sigmoid of the autocast linear's 16-bit logits keeps a 16-bit output, not fp32.
+        router -= (4 - a) * t * m.num_experts
     out = [
-        SavedTerm(name="mlp.router", bytes=_router_bytes(spec, t, a), formula="4·t·E + 4·E + 36·t·k (+renorm)"),
+        SavedTerm(name="mlp.router", bytes=router, formula="4·t·E + 4·E + 36·t·k (+renorm)"),
         SavedTerm(name="mlp.experts", bytes=e * k_t * (h + 3 * i), formula="w·t·top_k·(h + 3·moe_i) (frozen)"),
     ]
     if m.num_shared_experts:  # frozen SwiGLU (nn.Linear: the compute dtype); its adapters are layer sites
@@ -984,7 +1051,9 @@ def frozen_moe_terms(
     if m.shared_expert_gate:
         # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
         out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
-    if "router" in params:
+    if spec.model_type in _FP32_ROUTERS:
+        out += _fp32_router_terms(spec, t, w, nb, adapted="router" in params, norm_out_saved=norm_out_saved)
+    elif "router" in params:
         p = params["router"]
         if w.amp and nb != a:
             out.append(SavedTerm(name="lora.router.in", bytes=a * t * h, formula=f"{a}·t·h (autocast cast)"))
@@ -1003,6 +1072,33 @@ def frozen_moe_terms(
             out.append(
                 SavedTerm(name=f"lora.{name}.factors", bytes=e * p.adapter_numel, formula="w·rank·E·(d_in + d_out)")
             )
+    return out
+
+
+#: MoE routers that compute their logits in fp32 (modeling_deepseek_v3.py ``DeepseekV3TopkRouter.forward``, the same
+#: in modeling_deepseek_v2.py: ``F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))``).
+_FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
+
+
+def _fp32_router_terms(
+    spec: ModelSpec, t: int, w: Widths, nb: int, *, adapted: bool, norm_out_saved: bool
+) -> list[SavedTerm]:
+    """What DeepSeek's fp32 router linear saves over a frozen base (E experts, a: the compute width). Its weight
+    gradient is not needed unless PEFT adapts it, so the linear keeps the weight it multiplied by — autocast's 16-bit
+    cast of the fp32 copy under ``amp-*`` (a·E·h; casts of tensors that are no leaves requiring grad are not cached,
+    aten/src/ATen/autocast_mode.h ``cached_cast``), else the fp32 copy (4·E·h; the parameter itself over an fp32
+    base). PEFT's ``_LoraParameterProxy`` (``W + B·A·s``, a new tensor) makes it keep its input too: autocast's cast
+    of ``x.float()`` (a·t·h) or, without autocast, ``x.float()`` (4·t·h; ``x`` itself when it is fp32 already)."""
+    assert spec.moe is not None
+    h, e_n, a = spec.hidden_size, spec.moe.num_experts, w.compute
+    out: list[SavedTerm] = []
+    if adapted and w.amp:
+        out.append(SavedTerm(name="lora.router.in", bytes=a * t * h, formula=f"{a}·t·h (autocast cast of x.float())"))
+    elif adapted and (nb != 4 or not norm_out_saved):
+        out.append(SavedTerm(name="lora.router.in", bytes=4 * t * h, formula="4·t·h (x.float())"))
+    weight = a if w.amp else (4 if adapted or w.residual != 4 else 0)
+    if weight:
+        out.append(SavedTerm(name="lora.router.weight", bytes=weight * e_n * h, formula=f"{weight}·E·h (weight cast)"))
     return out
 
 
@@ -1039,6 +1135,13 @@ def moe_adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if "gate_up_proj" in params:
         released = e * big_t * (3 * i + h) + down_released
         moments.append(e * big_t * (2 * i + h) + e * params["gate_up_proj"].weight_numel - released)
+    if spec.model_type in _FP32_ROUTERS and (spec.model_type == "deepseek_v2" or not w.amp):
+        # fp32 routing weights (DeepSeek-V2's softmax(dtype=float32); V3's fp32 logits without autocast) promote the
+        # routed output ``proj_out * sample_weights`` (transformers integrations/moe.py grouped_mm_experts_forward)
+        # to fp32: its backward opens with fp32 T × h gradients (the sum's expanded copy, the un-permuting index's
+        # zeros and index_put) beside the incoming residual gradient. Net of what the analytic counts as still
+        # saved there, two of them (8·T·h) match the trace's peak (read off it, tests/trace/test_peft.py).
+        moments.append(8 * big_t * h + r * t * h)
     return r * t * h + max(0, *moments)
 
 
@@ -1100,6 +1203,17 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if spec.parallel_attn and spec.norms_per_layer >= 2:  # NeoX: the MLP's norm reads the same x
         norm += sum(x.bytes for x in _norm_terms("norm2", t, spec.hidden_size, spec, w, frozen=True))
         blind.add(SiteInput.NORM2)
+    if spec.mla is not None:
+        # MLA: a latent RMSNorm whose q_a/kv_a projection carries no adapter sees an input needing no gradient.
+        adapted = {s.name for s in adapter_sites(spec, strategy.adapter)}
+        if "q_a_proj" not in adapted:
+            blind.add(SiteInput.Q_LATENT)
+        if "kv_a_proj_with_mqa" not in adapted:
+            blind.add(SiteInput.KV_LATENT)
+        t_ = strategy.tokens_per_micro_batch
+        norm += sum(x.bytes for x in frozen_latent_terms(spec, t_)) - sum(
+            x.bytes for x in frozen_latent_terms(spec, t_, blind=frozenset(blind))
+        )
     if strategy.base_weights.quantization is Quantization.INT8:
         # ... and its LLM.int8 q/k/v keep no input (MatMul8bitLt saves A only if an input needs a gradient).
         norm += _norm_out_width(spec, w) * t * spec.hidden_size
@@ -1134,12 +1248,7 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     t = strategy.tokens_per_micro_batch
     ad = strategy.adapter.dtype.bits // 8
     mm = w.compute if w.amp else ad
-    widths = {
-        SiteInput.NORM1: _norm_out_width(spec, w),
-        SiteInput.NORM2: _norm_out_width(spec, w),
-        SiteInput.ATTN_OUT: w.compute,
-        SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
-    }
+    widths = _site_widths(spec, strategy, w)
     drop = strategy.adapter.dropout > 0
 
     def extra(site: AdapterSite) -> int:

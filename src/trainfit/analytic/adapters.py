@@ -30,8 +30,13 @@ stack again in the base dtype, the largest term; in backward its E × d_out × d
 Mixtral and Qwen3-MoE layouts (every layer MoE, no shared experts), and Qwen2-MoE, which PEFT does not convert
 (``qwen2_moe`` is no key of transformers' ``_MODEL_TO_CONVERSION_PATTERN``): ``all-linear`` adapts its attention,
 shared-expert linears and ``shared_expert_gate`` as ordinary layer sites, the router and experts stay frozen.
-DeepSeek's converted stacks with shared experts and leading dense layers, and multi-head latent attention, stay
-traced only (:func:`supports_adapters`).
+DeepSeek-V2/V3 are converted like Qwen3-MoE, and because ``all-linear`` is resolved to leaf names first
+(``_resolve_string_target_modules``) the names ``gate_proj``/``up_proj``/``down_proj`` leave with the experts: the
+``first_k_dense_replace`` dense MLPs and the shared experts get no adapter (:func:`_matched`), the router and expert
+pairs exist in the MoE layers only (:func:`adapter_tensor_counts`). Multi-head latent attention's linears are ordinary
+sites; q_b_proj and kv_b_proj read the normed latents (``SiteInput.Q_LATENT``/``KV_LATENT``; what the frozen latent
+norms save: :func:`trainfit.analytic.activations.frozen_latent_terms`). Other MoE families with shared experts or
+dense layers stay traced only (:func:`supports_adapters`).
 
 **Storage of the frozen base.** A float base may be stored in its own dtype (``--base-dtype``); a quantised
 one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_facts.quantized_weight_tensors`):
@@ -179,19 +184,22 @@ def _short(t: ParamTensor) -> str:
 
 def supports_adapters(spec: ModelSpec) -> str | None:
     """Why the analytic adapter model cannot describe ``spec`` (``None`` when it can): it covers dense layers
-    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel, and MoE
-    stacks of the Mixtral / Qwen3-MoE layout (every layer MoE, routed experts only)."""
+    (gated or fused-activation MLP) with separate or fused q/k/v projections, sequential or parallel, multi-head
+    latent attention, and MoE stacks of the Mixtral / Qwen3-MoE layout (every layer MoE, routed experts only) or of
+    DeepSeek's (leading dense layers, shared experts)."""
     if spec.params_override is not None:
         return "explicit --params (no tensor shapes to attach adapters to)"
-    if spec.mla is not None:
-        return "multi-head latent attention (its q_a/q_b/kv_a/kv_b adapters have no closed form here yet)"
     if spec.moe is not None:
         if moe_family(spec) is None and spec.model_type not in _MOE_UNCONVERTED:
             return f"mixture-of-experts layers of a {spec.model_type} model (PEFT's v5 conversion not modelled)"
-        if moe_family(spec) is not None and (spec.moe.num_shared_experts or spec.num_dense_layers):
+        if (
+            moe_family(spec) is not None
+            and spec.model_type not in _DEEPSEEK
+            and (spec.moe.num_shared_experts or spec.num_dense_layers)
+        ):
             return (
-                "shared experts or leading dense layers beside its MoE layers (PEFT's target_parameters "
-                "conversion leaves them unadapted: not modelled yet)"
+                f"shared experts or leading dense layers beside the MoE layers of a {spec.model_type} model "
+                "(modelled for DeepSeek's layout only)"
             )
     return None
 
@@ -201,7 +209,10 @@ def supports_adapters(spec: ModelSpec) -> str | None:
 #: parameter map per family (peft/utils/transformers_weight_conversion.py ``_MOE_TARGET_MODULE_MAPPING``; ``router``
 #: is ``gate.weight``). ``qwen2_moe`` itself is no key of that table: PEFT leaves a Qwen2-MoE config alone, so
 #: ``all-linear`` adapts its attention and shared-expert linears only (checked on the trace).
-_MOE_FAMILIES = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe"}
+_MOE_FAMILIES = {"mixtral": "mixtral", "qwen3_moe": "qwen2_moe", "deepseek_v2": "qwen2_moe", "deepseek_v3": "qwen2_moe"}
+#: DeepSeek-V2/V3 (conversion_mapping.py maps both to the Qwen2-MoE pattern): MLA attention, ``first_k_dense_replace``
+#: dense layers and shared experts, whose gate_proj/up_proj/down_proj PEFT's conversion sends to the routed experts.
+_DEEPSEEK = frozenset({"deepseek_v2", "deepseek_v3"})
 #: MoE model types PEFT does not convert whose layers the closed forms cover: the experts and router stay frozen.
 _MOE_UNCONVERTED = frozenset({"qwen2_moe"})
 _MOE_TARGETS: dict[str, dict[str, str]] = {
@@ -309,14 +320,17 @@ def layer_linears(spec: ModelSpec, kind: str = "dense") -> tuple[AdapterSite, ..
 
 def _matched(spec: ModelSpec, adapter: Adapter, linears: tuple[AdapterSite, ...]) -> tuple[AdapterSite, ...]:
     wanted = set(adapter.targets)
-    if ALL_LINEAR in wanted:
-        return linears
-    # Names PEFT's MoE conversion moves to target_parameters are no target_modules any more (a Qwen-MoE
-    # ``gate_proj`` names the experts, not a linear): moe_param_sites.
     family = moe_family(spec)
-    if family is not None:
-        wanted -= set(_MOE_TARGETS[family])
-    return tuple(s for s in linears if any(s.matches(x) for x in wanted))
+    if family is None:
+        return linears if ALL_LINEAR in wanted else tuple(s for s in linears if any(s.matches(x) for x in wanted))
+    # Names PEFT's MoE conversion moves to target_parameters are no target_modules any more (a Qwen-MoE
+    # ``gate_proj`` names the experts, not a linear): moe_param_sites. ``all-linear`` is resolved to leaf names
+    # first (``_resolve_string_target_modules``), so a DeepSeek dense MLP's and shared expert's gate_proj/up_proj/
+    # down_proj leave with them: only the attention linears stay adapted (checked on the trace).
+    moved = set(_MOE_TARGETS[family])
+    if ALL_LINEAR in wanted:
+        return tuple(s for s in linears if s.name not in moved)
+    return tuple(s for s in linears if any(s.matches(x) for x in wanted - moved))
 
 
 def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
@@ -386,10 +400,17 @@ def _dense_group(inv: ParamInventory) -> LayerGroup:
     return next(g for g in inv.layers if g.kind == "dense")
 
 
-def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
-    """One layer's adapter tensors (:func:`site_tensors` of :func:`adapter_sites`, then the MoE router's and expert
-    stacks' pairs of :func:`moe_param_sites`)."""
-    out = list(site_tensors(adapter_sites(spec, adapter), adapter))
+def adapter_tensor_counts(spec: ModelSpec, adapter: Adapter) -> tuple[tuple[ParamTensor, int], ...]:
+    """Each adapter tensor of the stack with the number of layers that hold it: the linears' pairs in every layer,
+    the MoE router's and expert stacks' (:func:`moe_param_sites`) in the MoE layers only (DeepSeek's leading dense
+    layers have none)."""
+    moe = set(moe_tensors(spec, adapter))
+    return tuple((t, spec.num_moe_layers if t in moe else spec.num_layers) for t in adapter_tensors(spec, adapter))
+
+
+def moe_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """One MoE layer's ``ParamWrapper`` pairs (:func:`moe_param_sites`)."""
+    out: list[ParamTensor] = []
     for p in moe_param_sites(spec, adapter):
         # The router's delta B·A is a matmul under autocast (cached 16-bit copies of A and B); an expert stack's
         # factors are cast to the weight's dtype explicitly (moe_adapter_saved), no autocast copy.
@@ -398,6 +419,12 @@ def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...
         out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_A.weight", shape=(rank, p.d_in), matmul=mm))
         out.append(ParamTensor(name=f"mlp.experts.{p.name}.lora_B.weight", shape=(p.d_out, rank), matmul=mm))
     return tuple(out)
+
+
+def adapter_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
+    """One layer's adapter tensors (:func:`site_tensors` of :func:`adapter_sites`, then the MoE router's and expert
+    stacks' pairs of :func:`moe_tensors`; :func:`adapter_tensor_counts` says how many layers hold each)."""
+    return site_tensors(adapter_sites(spec, adapter), adapter) + moe_tensors(spec, adapter)
 
 
 def is_frozen(t: ParamTensor, patterns: tuple[str, ...], layer: int | None, *, layers: int) -> bool:

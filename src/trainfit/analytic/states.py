@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.analytic.adapters import (
-    adapter_tensors,
+    adapter_tensor_counts,
     finetuning,
     frozen_layer_counts,
     head_sites,
@@ -257,9 +257,8 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
             add(t, n_frozen, trainable=False, in_layer=True)
             add(t, g.count - n_frozen, trainable=True, in_layer=True)
     if adapter is not None:
-        n = sum(g.count for g in inv.layers)
         bits = adapter.dtype.bits
-        per_layer = [(t, n) for t in adapter_tensors(spec, adapter)]
+        per_layer = list(adapter_tensor_counts(spec, adapter))
         for t, count in per_layer + [(t, 1) for t in site_tensors(head_sites(spec, adapter), adapter)]:
             out.append(
                 ParamState(

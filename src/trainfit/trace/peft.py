@@ -16,8 +16,8 @@ What PEFT does that matters for memory, and is therefore done by PEFT itself her
   ``_convert_peft_config_moe``): the experts are 3-D parameters, so ``all-linear`` (or a v4 expert name) becomes
   ``target_parameters`` on ``gate_up_proj``/``down_proj`` (``ParamWrapper``) plus LoRA on the router ``gate``;
   the names ``gate_proj``/``up_proj``/``down_proj`` go to the experts, so DeepSeek's dense MLPs and shared experts
-  get no adapter. The trace runs what PEFT builds; the analytic method covers the Mixtral and Qwen3-MoE layouts
-  (and Qwen2-MoE, which PEFT leaves unconverted) and refuses DeepSeek's.
+  get no adapter. The trace runs what PEFT builds; the analytic method covers the Mixtral, Qwen3-MoE and DeepSeek
+  layouts (and Qwen2-MoE, which PEFT leaves unconverted).
 * ``PeftModel.__init__`` calls ``_prepare_model_for_gradient_checkpointing`` (peft/peft_model.py), which for a
   non-quantised model calls ``enable_input_require_grads``: the embeddings' output requires grad, so every
   layer's hidden states do (and every layer saves the same tensors).
