@@ -11,7 +11,12 @@ tensors by :mod:`trainfit.trace.generate`):
 
 * the forward gets ``logits_to_keep=1``: the head multiplies only the last position, ``b·vocab`` logits,
   and ``generate`` copies them to fp32 (``outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)``);
-  the previous step's fp32 copy is alive through the next step's forward;
+  the previous step's fp32 copy is alive through the next step's forward, and so is the rest of what
+  ``_sample`` makes between passes — ``argmax``'s tokens, the ``input_ids``, ``position_ids`` and
+  ``attention_mask`` re-made one token longer by ``cat``, ``unfinished_sequences`` and
+  ``prepare_inputs_for_generation``'s clones of the last id and position (:func:`_step_bytes`; the trace counts
+  all of it as logits, being made after the last layer) — while ``generate``'s own frame keeps the request's
+  prompt-sized ids, mask and ``position_ids`` for the whole call (:func:`_request_bytes`);
 * ``DynamicCache`` (``cache_utils.DynamicLayer.update``) grows each layer by ``torch.cat``: during a decode
   step the new ``[b, kv_heads, T, head_dim]`` K and V exist beside the old ones until the assignment drops
   them, so the worst moment holds the cache at full length plus one layer's previous K/V;
@@ -510,20 +515,96 @@ class Moment:
 
 
 def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int) -> int:
-    """Per-pass tensors alive through the stack: token ids, the attention mask (its length grows by one
-    per step in ``_update_model_kwargs_for_generation``), position ids, the embeddings' output and
-    RoPE's cos/sin in the compute dtype."""
+    """Tensors alive through a pass's layers beside them, in the compute dtype or int64: the request's
+    (:func:`_request_bytes`), in prefill ``prepare_inputs_for_generation``'s contiguous clone of the prompt ids
+    and ``_sample``'s ``unfinished_sequences`` (``torch.ones(b)``), then per pass the embeddings' output
+    (kept by the model's ``forward``) and RoPE's cos/sin. What a decode pass also holds, made by ``_sample``
+    after the previous pass's layers, is :func:`_step_bytes` (the trace counts it with the logits)."""
     b, a = setup.batch, setup.compute_bits // 8
     h = spec.hidden_size
-    ids = 2 * allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far, and the cat making them
-    mask = allocator_bytes(8 * b * total)
-    pos = allocator_bytes(8 * b * q) + allocator_bytes(8 * q)  # position ids, cache_position
+    first = allocator_bytes(8 * b * q) + allocator_bytes(8 * b) if q == total else 0
     emb = allocator_bytes(b * q * h * a) * (2 if spec.learned_positions else 1)  # + learned position rows
     rope = 0
     if spec.rotary_dim:
         rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim  # partial RoPE: Phi, NeoX
         rope = 2 * allocator_bytes(b * q * rd * a)
-    return ids + mask + pos + emb + rope
+    return _request_bytes(setup) + first + emb + rope
+
+
+def _request_bytes(setup: InferenceSetup) -> int:
+    """The request's own tensors, alive for the whole ``generate`` call (transformers 5.24
+    ``generation/utils.py``): the caller's ``input_ids`` and ``attention_mask`` (``b·s`` int64 each; ``generate``'s
+    frame keeps them while ``_sample`` re-makes its own, one token longer, every step), the ``position_ids``
+    ``_prepare_position_ids_for_generation`` makes from the mask before the first pass (``cumsum − 1``,
+    ``masked_fill``; ``generate``'s ``model_kwargs`` keeps the prompt-sized one) and the pad token as a 0-dim
+    tensor (``_prepare_special_tokens``)."""
+    return 3 * allocator_bytes(8 * setup.batch * setup.prompt) + allocator_bytes(8)
+
+
+def _step_masks(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """A static cache's decode mask: ``prepare_inputs_for_generation`` builds ``create_masks_for_generate``'s
+    ``[b, 1, 1, kv]`` bool mask per layer kind for a compileable cache (``StaticCache``) every step and hands
+    it to the forward instead of the 2D mask; a dynamic cache's forward gets the 2D mask itself."""
+    if setup.cache is not CacheKind.STATIC:
+        return 0
+    kinds = layer_kinds(spec, setup)
+    total = setup.context
+    out = allocator_bytes(setup.batch * total) if kinds.full else 0
+    if kinds.sliding and kinds.window is not None:
+        out += allocator_bytes(setup.batch * min(kinds.window, total))
+    return out
+
+
+def _step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
+    """What a decode pass holds of ``_sample``'s bookkeeping (transformers 5.24 ``GenerationMixin._sample``),
+    all made after the previous pass's layers: the fp32 copy of the last logits
+    (``outputs.logits[:, -1].to(copy=True, dtype=torch.float32)``; with no logits processor
+    ``next_token_scores`` is the same tensor), ``argmax``'s ``next_tokens``, the ``input_ids`` ``cat`` and
+    ``_update_model_kwargs_for_generation``'s ``position_ids`` and ``attention_mask`` ``cat``s (``tokens`` long,
+    int64 each), ``unfinished_sequences & ~stopping_criteria(...)`` (int64, ``b``) and
+    ``prepare_inputs_for_generation``'s contiguous clones of the last token's id and position (``b`` int64
+    each); a static cache's mask beside them (:func:`_step_masks`)."""
+    b = setup.batch
+    return (
+        _fp32_logits(spec, setup)
+        + 3 * allocator_bytes(8 * b * tokens)
+        + 4 * allocator_bytes(8 * b)
+        + _step_masks(spec, setup)
+    )
+
+
+def _after_step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
+    """``_sample`` after decode pass that leaves ``tokens`` in ``input_ids`` (transformers 5.24): the head's
+    logits (``outputs`` is deleted only at the end of the loop body) and, when the fp32 copy is made, the
+    previous step's copy, the new ``position_ids`` and ``attention_mask`` (one token longer) beside the pass's
+    own (``model_inputs`` still holds its mask), ``input_ids``, ``next_tokens``, ``unfinished_sequences`` and the
+    clones; or, after the old copy is freed, ``argmax`` and the longer ``input_ids`` beside the old, or the
+    stopping criteria's three ``b``-sized bools (``StoppingCriteriaList.__call__``: ``torch.full``, the
+    criterion's ``is_done``, their ``|``) with the old ``input_ids`` gone — whichever is largest."""
+    b = setup.batch
+    lg32, longer, cur = (
+        _fp32_logits(spec, setup),
+        allocator_bytes(8 * b * (tokens + 1)),
+        allocator_bytes(8 * b * tokens),
+    )
+    held_mask = _step_masks(spec, setup) or cur
+    copy = _logits_bytes(spec, setup) + 2 * lg32 + 2 * longer + held_mask + cur + 4 * allocator_bytes(8 * b)
+    return copy + max(0, longer - lg32, longer - cur + 3 * allocator_bytes(b) - lg32)
+
+
+def _prefill_after_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """``_sample`` after the prefill's layers (transformers 5.24): the head's ``b·vocab`` logits, their fp32 copy,
+    the ``position_ids``, ``attention_mask`` and ``input_ids`` ``cat``s (``prompt + 1`` long; the prompt-sized
+    ones stay in ``generate``'s frame), ``next_tokens`` and the stopping criteria's three ``b``-sized bools."""
+    b = setup.batch
+    longer = allocator_bytes(8 * b * (setup.prompt + 1))
+    return (
+        _logits_bytes(spec, setup)
+        + _fp32_logits(spec, setup)
+        + 3 * longer
+        + allocator_bytes(8 * b)
+        + 3 * allocator_bytes(b)
+    )
 
 
 def _layer_moments(
@@ -873,7 +954,6 @@ def phase_estimates(
     w = weight_bytes(spec, setup) if weights is None else weights
     s, n = setup.prompt, setup.new_tokens
     kinds = layer_kinds(spec, setup)
-    lg, lg32 = _logits_bytes(spec, setup), _fp32_logits(spec, setup)
 
     def best(cands: list[tuple[str, int, int, int]], phase: InferencePhase) -> PhaseEstimate:
         name, kv, act, logit = max(cands, key=lambda c: c[1] + c[2] + c[3])
@@ -902,7 +982,14 @@ def phase_estimates(
         for name, unwritten, transient in fp8_quantise_moments(spec, setup, s):
             pre.append((f"prefill {name}", kv_pre - unwritten, resident + mask + cw + transient, 0))
     pre.append(("prefill final norm", kv_pre, resident + _norm_moment(spec, setup, s), 0))
-    pre.append(("prefill logits", kv_pre, allocator_bytes(8 * setup.batch * s) * 2, lg + lg32))
+    pre.append(
+        (
+            "prefill logits",
+            kv_pre,
+            _request_bytes(setup) + allocator_bytes(8 * setup.batch),
+            _prefill_after_bytes(spec, setup),
+        )
+    )
     out = {InferencePhase.PREFILL: best(pre, InferencePhase.PREFILL)}
     if n < 2:
         return out
@@ -911,20 +998,21 @@ def phase_estimates(
         total = s + step
         kv_after = kv_cache_bytes(spec, setup, step)
         res = _resident_inputs(spec, setup, 1, total)
+        held = _step_bytes(spec, setup, total)
         if setup.attention is Attention.EAGER:
             res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
         layer = _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash)
         for mo in layer:
             kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
-            dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
+            dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, held))
         if hf_fp8(setup):
             old, transient = fp8_dequantise_bytes(spec, setup, kv_len)
             dec.append(
-                (f"decode step {step}: fp8 dequantise", kv_after + old, res + _cache_write(layer) + transient, lg32)
+                (f"decode step {step}: fp8 dequantise", kv_after + old, res + _cache_write(layer) + transient, held)
             )
         dec.append(
-            (f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32)
+            (f"decode step {step}: logits", kv_after, _request_bytes(setup), _after_step_bytes(spec, setup, total))
         )
     out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
     return out
