@@ -30,6 +30,7 @@ from trainfit.analytic.inference import (
     Capacity,
     InferenceSetup,
     PagedCapacity,
+    WeightFormat,
 )
 from trainfit.arch import ModelSpec, load_model
 from trainfit.arch.params import count_params
@@ -163,6 +164,9 @@ def infer(
             st = dataclasses.replace(st, cache=CacheKind.PAGED)
     if not 0.0 <= headroom < 1.0:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
+    if st.dtype in (WeightFormat.NF4, WeightFormat.FP4) and gpu_spec is not None:
+        # bitsandbytes' 4-bit kernel choice for 5-1536 rows depends on the GPU (cuda_facts.bnb_gemm_4bit_fused)
+        st = dataclasses.replace(st, compute_capability=gpu_spec.compute_capability, sm_count=gpu_spec.sm_count)
     warnings = list(an.validate(spec, st, gpu_spec))
     if st.attention.value == "sdpa" and not spec.supports_sdpa:
         warnings.append(f"{spec.name} ({spec.model_type}) has no SDPA attention in transformers; estimating eager")

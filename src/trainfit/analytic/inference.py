@@ -105,9 +105,9 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import (
     BNB_4BIT_BLOCK,
-    BNB_4BIT_FUSED_MAX_ROWS,
     SdpaKernel,
     allocator_bytes,
+    bnb_gemm_4bit_fused,
     has_flash_attention,
     quantized_weight_tensors,
     sdpa_kernel_for,
@@ -743,13 +743,15 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
     ``rows`` tokens of ``k`` inputs and ``n`` outputs (the CUDA kernels of bitsandbytes 0.50,
     backends/cuda/ops.py; the trace emulates the same kernels, trainfit.trace.bnb):
 
-    * nf4/fp4 (``gemm_4bit``): up to :data:`~trainfit.cuda_facts.BNB_4BIT_FUSED_MAX_ROWS` rows the fused kernel
-      writes the output only; above, ``_dequant_linear_fallback`` dequantises the whole weight (n·k in the
-      compute dtype) beside the output, and with double quantisation first the per-block absmax and its sum
-      with the offset (two fp32 tensors of ⌈n·k/64⌉). A ``--compute-dtype`` other than the activations'
-      (transformers' default fp32) adds ``Linear4bit.forward``'s casts: the input in the compute dtype, held
-      through the matmul, and the output in it beside its cast back (``.to(inp_dtype)``); the dequantised
-      weight and the output are then in the compute dtype;
+    * nf4/fp4 (``gemm_4bit``): where bitsandbytes runs its fused kernel
+      (:func:`trainfit.cuda_facts.bnb_gemm_4bit_fused`: up to 4 rows on every CUDA GPU with a block-aligned
+      ``k``, up to 1536 rows as the GPU's architecture and SM count decide, ``setup.compute_capability`` /
+      ``setup.sm_count`` from ``--gpu``) it writes the output only; otherwise ``_dequant_linear_fallback``
+      dequantises the whole weight (n·k in the compute dtype) beside the output, and with double quantisation
+      first the per-block absmax and its sum with the offset (two fp32 tensors of ⌈n·k/64⌉). A
+      ``--compute-dtype`` other than the activations' (transformers' default fp32) adds ``Linear4bit.forward``'s
+      casts: the input in the compute dtype, held through the matmul, and the output in it beside its cast
+      back (``.to(inp_dtype)``); the dequantised weight and the output are then in the compute dtype;
     * int8 (``MatMul8bitLt``, outlier threshold 6.0): the fp16 copy of the input, the int8 rows and fp32 row
       scales, then ``A.abs()`` and its bool outlier mask (``int8_vectorwise_quant``); then, with the int8 rows
       and scales still held, the int32 product beside its fp16 dequantisation, and the fp16 beside the cast
@@ -764,7 +766,15 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
         x_c = allocator_bytes(rows * k * c) if c != a else 0  # x.to(compute_dtype), a local to the end
         out_c = allocator_bytes(rows * n * c)
         cast = x_c + out_c + out if c != a else 0  # the compute-dtype output beside its cast back
-        if rows <= BNB_4BIT_FUSED_MAX_ROWS:
+        fused = bnb_gemm_4bit_fused(
+            rows,
+            n,
+            k,
+            compute=setup.four_bit_compute.value,
+            compute_capability=setup.compute_capability,
+            sm_count=setup.sm_count,
+        )
+        if fused:
             return max(x_c + out_c, cast)
         absmax = 2 * allocator_bytes(4 * -(-(n * k) // BNB_4BIT_BLOCK)) if _double_quant(setup) else 0
         return max(x_c + absmax + allocator_bytes(n * k * c) + out_c, cast)

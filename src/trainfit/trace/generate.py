@@ -400,7 +400,7 @@ def _run_layout(
     if setup.dtype.bnb:
         from trainfit.trace.bnb import CudaBnbKernels
 
-        bnb_kernels = CudaBnbKernels()
+        bnb_kernels = CudaBnbKernels(compute_capability=setup.compute_capability, sm_count=setup.sm_count)
     b, s = setup.batch, setup.prompt
     try:
         with mode, _mask_patches(), kernels, tr, answers, bnb_kernels, torch.no_grad():
