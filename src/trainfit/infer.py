@@ -184,6 +184,14 @@ def infer(
             "attention reads a dequantised copy of the running layer's cache"
         )
     notes += an.engine_notes(spec, st)
+    if st.dtype in (WeightFormat.NF4, WeightFormat.FP4) and not an.vllm_bnb(st):
+        notes.append(
+            f"bitsandbytes 4-bit matmul: fused or dequantised per linear as bitsandbytes 0.50.2 chooses on "
+            f"sm{st.compute_capability} with {st.sm_count} SMs"
+            if st.compute_capability and st.sm_count
+            else "bitsandbytes 4-bit matmul: no --gpu, so every linear over 4 rows dequantises its weight "
+            "(an upper bound; the fused kernel's range depends on the GPU)"
+        )
     if spec.mla is not None:
         notes.append("MLA: the cache holds the compressed latent (kv_lora_rank + qk_rope_head_dim per token and layer)")
     phases: dict[InferencePhase, dict[Component, int]] = {
