@@ -12,11 +12,12 @@ tensors by :mod:`trainfit.trace.generate`):
 * the forward gets ``logits_to_keep=1``: the head multiplies only the last position, ``b·vocab`` logits,
   and ``generate`` copies them to fp32 (``outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)``);
   the previous step's fp32 copy is alive through the next step's forward, and so is the rest of what
-  ``_sample`` makes between passes — ``argmax``'s tokens, the ``input_ids``, ``position_ids`` and
-  ``attention_mask`` re-made one token longer by ``cat``, ``unfinished_sequences`` and
-  ``prepare_inputs_for_generation``'s clones of the last id and position (:func:`_step_bytes`; the trace counts
-  all of it as logits, being made after the last layer) — while ``generate``'s own frame keeps the request's
-  prompt-sized ids, mask and ``position_ids`` for the whole call (:func:`_request_bytes`);
+  ``_sample`` makes between passes — ``argmax``'s tokens, the ``input_ids`` and ``position_ids`` re-made one
+  token longer by ``cat`` (an unpadded batch's all-ones ``attention_mask`` is dropped before the first pass),
+  ``unfinished_sequences`` and ``prepare_inputs_for_generation``'s clones of the last id and position
+  (:func:`_step_bytes`; the trace counts all of it as logits, being made after the last layer) — while
+  ``generate``'s own frame keeps the request's prompt-sized ids, mask and ``position_ids`` for the whole call
+  (:func:`_request_bytes`);
 * ``DynamicCache`` (``cache_utils.DynamicLayer.update``) grows each layer by ``torch.cat``: during a decode
   step the new ``[b, kv_heads, T, head_dim]`` K and V exist beside the old ones until the assignment drops
   them, so the worst moment holds the cache at full length plus one layer's previous K/V;
@@ -518,8 +519,10 @@ def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int)
     """Tensors alive through a pass's layers beside them, in the compute dtype or int64: the request's
     (:func:`_request_bytes`), in prefill ``prepare_inputs_for_generation``'s contiguous clone of the prompt ids
     and ``_sample``'s ``unfinished_sequences`` (``torch.ones(b)``), then per pass the embeddings' output
-    (kept by the model's ``forward``) and RoPE's cos/sin. What a decode pass also holds, made by ``_sample``
-    after the previous pass's layers, is :func:`_step_bytes` (the trace counts it with the logits)."""
+    (kept by the model's ``forward``) and RoPE's cos/sin. No 2D attention mask: an unpadded batch's is all
+    ones, and transformers 5.24 ``generate`` drops it before the first pass (``attention_mask = None``).
+    What a decode pass also holds, made by ``_sample`` after the previous pass's layers, is :func:`_step_bytes`
+    (the trace counts it with the logits)."""
     b, a = setup.batch, setup.compute_bits // 8
     h = spec.hidden_size
     first = allocator_bytes(8 * b * q) + allocator_bytes(8 * b) if q == total else 0
@@ -528,7 +531,10 @@ def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int)
     if spec.rotary_dim:
         rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim  # partial RoPE: Phi, NeoX
         rope = 2 * allocator_bytes(b * q * rd * a)
-    return _request_bytes(setup) + first + emb + rope
+    # OPT (modeling_opt.OPTDecoder.forward) makes an fp32 ``torch.ones(b, past + q)`` for its positions when
+    # generate has dropped the all-ones mask, held through the pass.
+    opt = allocator_bytes(4 * b * total) if spec.model_type == "opt" else 0
+    return _request_bytes(setup) + first + emb + rope + opt
 
 
 def _request_bytes(setup: InferenceSetup) -> int:
@@ -543,8 +549,8 @@ def _request_bytes(setup: InferenceSetup) -> int:
 
 def _step_masks(spec: ModelSpec, setup: InferenceSetup) -> int:
     """A static cache's decode mask: ``prepare_inputs_for_generation`` builds ``create_masks_for_generate``'s
-    ``[b, 1, 1, kv]`` bool mask per layer kind for a compileable cache (``StaticCache``) every step and hands
-    it to the forward instead of the 2D mask; a dynamic cache's forward gets the 2D mask itself."""
+    ``[b, 1, 1, kv]`` bool mask per layer kind for a compileable cache (``StaticCache``) every step, even with
+    the 2D mask dropped; a dynamic cache's forward gets none."""
     if setup.cache is not CacheKind.STATIC:
         return 0
     kinds = layer_kinds(spec, setup)
@@ -560,14 +566,15 @@ def _step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
     all made after the previous pass's layers: the fp32 copy of the last logits
     (``outputs.logits[:, -1].to(copy=True, dtype=torch.float32)``; with no logits processor
     ``next_token_scores`` is the same tensor), ``argmax``'s ``next_tokens``, the ``input_ids`` ``cat`` and
-    ``_update_model_kwargs_for_generation``'s ``position_ids`` and ``attention_mask`` ``cat``s (``tokens`` long,
-    int64 each), ``unfinished_sequences & ~stopping_criteria(...)`` (int64, ``b``) and
+    ``_update_model_kwargs_for_generation``'s ``position_ids`` ``cat`` (``tokens`` long, int64 each; no
+    ``attention_mask`` ``cat``: ``generate`` dropped the all-ones mask, :func:`_resident_inputs`),
+    ``unfinished_sequences & ~stopping_criteria(...)`` (int64, ``b``) and
     ``prepare_inputs_for_generation``'s contiguous clones of the last token's id and position (``b`` int64
     each); a static cache's mask beside them (:func:`_step_masks`)."""
     b = setup.batch
     return (
         _fp32_logits(spec, setup)
-        + 3 * allocator_bytes(8 * b * tokens)
+        + 2 * allocator_bytes(8 * b * tokens)
         + 4 * allocator_bytes(8 * b)
         + _step_masks(spec, setup)
     )
@@ -576,32 +583,32 @@ def _step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
 def _after_step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
     """``_sample`` after decode pass that leaves ``tokens`` in ``input_ids`` (transformers 5.24): the head's
     logits (``outputs`` is deleted only at the end of the loop body) and, when the fp32 copy is made, the
-    previous step's copy, the new ``position_ids`` and ``attention_mask`` (one token longer) beside the pass's
-    own (``model_inputs`` still holds its mask), ``input_ids``, ``next_tokens``, ``unfinished_sequences`` and the
-    clones; or, after the old copy is freed, ``argmax`` and the longer ``input_ids`` beside the old, or the
-    stopping criteria's three ``b``-sized bools (``StoppingCriteriaList.__call__``: ``torch.full``, the
-    criterion's ``is_done``, their ``|``) with the old ``input_ids`` gone — whichever is largest."""
+    previous step's copy, the new ``position_ids`` (one token longer; the old one is freed as it is replaced),
+    a static cache's step mask (``model_inputs`` still holds it), ``input_ids``, ``next_tokens``,
+    ``unfinished_sequences`` and the clones; or, after the old copy is freed, ``argmax`` and the longer
+    ``input_ids`` beside the old, or the stopping criteria's three ``b``-sized bools
+    (``StoppingCriteriaList.__call__``: ``torch.full``, the criterion's ``is_done``, their ``|``) with the old
+    ``input_ids`` gone — whichever is largest."""
     b = setup.batch
     lg32, longer, cur = (
         _fp32_logits(spec, setup),
         allocator_bytes(8 * b * (tokens + 1)),
         allocator_bytes(8 * b * tokens),
     )
-    held_mask = _step_masks(spec, setup) or cur
-    copy = _logits_bytes(spec, setup) + 2 * lg32 + 2 * longer + held_mask + cur + 4 * allocator_bytes(8 * b)
+    copy = _logits_bytes(spec, setup) + 2 * lg32 + longer + _step_masks(spec, setup) + cur + 4 * allocator_bytes(8 * b)
     return copy + max(0, longer - lg32, longer - cur + 3 * allocator_bytes(b) - lg32)
 
 
 def _prefill_after_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
     """``_sample`` after the prefill's layers (transformers 5.24): the head's ``b·vocab`` logits, their fp32 copy,
-    the ``position_ids``, ``attention_mask`` and ``input_ids`` ``cat``s (``prompt + 1`` long; the prompt-sized
+    the ``position_ids`` and ``input_ids`` ``cat``s (``prompt + 1`` long; the prompt-sized
     ones stay in ``generate``'s frame), ``next_tokens`` and the stopping criteria's three ``b``-sized bools."""
     b = setup.batch
     longer = allocator_bytes(8 * b * (setup.prompt + 1))
     return (
         _logits_bytes(spec, setup)
         + _fp32_logits(spec, setup)
-        + 3 * longer
+        + 2 * longer
         + allocator_bytes(8 * b)
         + 3 * allocator_bytes(b)
     )
@@ -982,8 +989,9 @@ def phase_estimates(
     elif window_masked:
         mask = allocator_bytes(s * s)  # sdpa_mask: one bool [1, 1, s, s] broadcast over the batch
     elif spec.attention_masks > 1 and not spec.sliding_layers:
-        # Qwen2-MoE builds its sliding mask even with no window: a bool [b, 1, s, s] no layer reads.
-        mask = allocator_bytes(setup.batch * s * s)
+        # Qwen2-MoE builds its sliding mask even with no window: a bool [1, 1, s, s] (no padding mask: generate
+        # dropped the all-ones one) no layer reads.
+        mask = allocator_bytes(s * s)
     pre: list[tuple[str, int, int, int]] = []
     for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
         pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
@@ -1049,19 +1057,18 @@ class _Stream:
 
 
 def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True) -> list[Event]:
-    """The allocations and frees of one ``generate`` call, in order, from the same quantities as the moments:
-    the weights tensor by tensor (:func:`weight_allocations`); the request's ids and mask, re-made one token
-    longer after every pass (``torch.cat`` in ``_update_model_kwargs_for_generation``); per pass the position
-    ids, embeddings and RoPE tables; per layer its ``cache write``, ``attention`` and ``mlp`` moments (each one
-    block beside the layer input, freed when the next starts) and the cache's own allocations inside the
-    first — ``DynamicLayer.update`` makes a one-token-longer K, then V, and frees the old ones (the growth
-    that fragments a caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer``
-    allocates the whole context at the prefill (a full static sliding layer ``roll``s into new tensors);
-    an fp8 cache (:func:`hf_fp8`) quantises through fp32 copies and, from the first decode step, holds the
-    dequantised K/V through attention; bitsandbytes weights add the layer's worst quantised linear as one
-    block; then the final norm, the head's logits and ``generate``'s fp32 copy
-    (the previous step's freed after the next forward). The blocks are coarser than the real tensors (one
-    per moment), so its allocated peak is near the closed forms', not equal to it."""
+    """The allocations and frees of one ``generate`` call, in order, from the same quantities as the moments: the
+    weights tensor by tensor (:func:`weight_allocations`); the request's ids and position ids, re-made one token
+    longer after every pass (``torch.cat`` in ``_sample`` and ``_update_model_kwargs_for_generation``); per pass the
+    position ids, embeddings and RoPE tables; per layer its ``cache write``, ``attention`` and ``mlp`` moments (each
+    one block beside the layer input, freed when the next starts) and the cache's own allocations inside the first —
+    ``DynamicLayer.update`` makes a one-token-longer K, then V, and frees the old ones (the growth that fragments a
+    caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer`` allocates the whole context at
+    the prefill (a full static sliding layer ``roll``s into new tensors); an fp8 cache (:func:`hf_fp8`) quantises
+    through fp32 copies and, from the first decode step, holds the dequantised K/V through attention; bitsandbytes
+    weights add the layer's worst quantised linear as one block; then the final norm, the head's logits and
+    ``generate``'s fp32 copy (the previous step's freed after the next forward). The blocks are coarser than the
+    real tensors (one per moment), so its allocated peak is near the closed forms', not equal to it."""
     if setup.attention is Attention.SDPA and not spec.supports_sdpa:
         setup = dataclasses.replace(setup, attention=Attention.EAGER)
     st = _Stream()
