@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from trainfit.cuda_facts import SdpaKernel, allocator_bytes, quantized_weight_tensors, sdpa_kernel_for
@@ -58,3 +60,82 @@ def test_flash_needs_compute_capability_8() -> None:
         True,
         True,
     ]
+
+
+# -- bitsandbytes' 4-bit kernel choice --------------------------------------------------------------------
+
+#: (compute capability, SMs) of the GPUs the rule names: V100, T4, A100, A10, Jetson Orin, L4, H100, B200,
+#: RTX 5090, GB10, and a pre-Volta part.
+_ARCHS = [("7.0", 80), ("7.5", 40), ("8.0", 108), ("8.6", 72), ("8.7", 16), ("8.9", 58), ("9.0", 132),
+          ("10.0", 148), ("12.0", 170), ("12.1", 48), ("6.1", 28)]  # fmt: skip
+#: Weight shapes (n, k): small and large, short/square/tall K, a few waves of 64-column blocks.
+_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096), (512, 2048),
+           (8192, 512), (2048, 2048), (3072, 1024), (4096, 12288), (6144, 640), (2304, 9216), (256, 4096),
+           (12800, 5120), (27648, 5120), (8192, 8192), (1536, 7168)]  # fmt: skip
+_ROWS = [1, 4, 5, 6, 7, 8, 9, 12, 16, 17, 23, 24, 32, 33, 48, 49, 64, 65, 96, 97, 128, 129, 192, 256, 257, 320,
+         321, 384, 385, 512, 513, 1536, 1537]  # fmt: skip
+
+
+def _bitsandbytes_rule() -> tuple[Any, list[int]]:
+    """bitsandbytes' own ``_gemm_4bit_use_custom_cuda``, taken from the installed backends/cuda/ops.py by its
+    syntax tree (the module itself needs a CUDA build of torch to import) and run with the GPU query
+    ``_gpu_dispatch_props`` answered from a list the caller sets to [SMs, major, minor]."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is None or spec.origin is None:
+        pytest.skip("bitsandbytes is not installed")
+    path = Path(spec.origin).parent / "backends" / "cuda" / "ops.py"
+    tree = ast.parse(path.read_text())
+    fn = next((f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "_gemm_4bit_use_custom_cuda"), None)
+    floor = [
+        a for a in tree.body if isinstance(a, ast.Assign) and ast.unparse(a.targets[0]) == "_GEMM_4BIT_CUSTOM_FLOOR_M"
+    ]
+    if fn is None or not floor:
+        pytest.skip("bitsandbytes older than 0.50.2 (no per-architecture 4-bit rule)")
+    fn.decorator_list = []
+    answer: list[int] = [0, 0, 0]
+    scope: dict[str, Any] = {"torch": torch, "_gpu_dispatch_props": lambda _index: tuple(answer)}
+    exec(compile(ast.Module(body=[*floor, fn], type_ignores=[]), str(path), "exec"), scope)
+    return scope["_gemm_4bit_use_custom_cuda"], answer
+
+
+def test_bnb_4bit_rule_follows_bitsandbytes_own_table() -> None:
+    """``bnb_gemm_4bit_fused`` against bitsandbytes' own ``_gemm_4bit_use_custom_cuda`` (backends/cuda/ops.py),
+    its GPU query answered per architecture: every row count, shape, dtype and GPU above agrees."""
+    torch = pytest.importorskip("torch")
+    real, answer = _bitsandbytes_rule()
+    from trainfit.cuda_facts import BNB_4BIT_CUSTOM_MAX_ROWS, bnb_gemm_4bit_fused
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    checked = 0
+    for cc, sms in _ARCHS:
+        major, minor = (int(x) for x in cc.split("."))
+        answer[:] = [sms, major, minor]
+        for n, k in _SHAPES:
+            for compute, dt in dtypes.items():
+                for m in _ROWS:
+                    want = m <= BNB_4BIT_CUSTOM_MAX_ROWS and real(0, dt, m, n, k)
+                    got = bnb_gemm_4bit_fused(m, n, k, compute=compute, compute_capability=cc, sm_count=sms)
+                    assert got == want, (cc, sms, n, k, compute, m)
+                    checked += 1
+    assert checked == len(_ARCHS) * len(_SHAPES) * 3 * len(_ROWS)
+
+
+def test_bnb_4bit_rule_without_a_gpu_is_the_bound_every_gpu_keeps() -> None:
+    """No --gpu: fused only where every CUDA architecture fuses (the 4-row floor; fp32's SIMT range up to 7
+    rows), and never for a k that is not a multiple of the 64-element block (``gemm_4bit``'s alignment check)."""
+    from trainfit.cuda_facts import bnb_gemm_4bit_fused
+
+    assert bnb_gemm_4bit_fused(4, 4096, 4096, compute="bf16")
+    assert not bnb_gemm_4bit_fused(5, 4096, 4096, compute="bf16")
+    assert bnb_gemm_4bit_fused(7, 4096, 4096, compute="fp32")
+    assert not bnb_gemm_4bit_fused(8, 4096, 4096, compute="fp32")
+    assert not bnb_gemm_4bit_fused(1, 4096, 688, compute="bf16")  # 688 % 64 != 0
+    for cc, sms in _ARCHS:  # the bound holds on every architecture
+        for n, k in _SHAPES:
+            assert bnb_gemm_4bit_fused(4, n, k, compute="bf16", compute_capability=cc, sm_count=sms)

@@ -37,10 +37,12 @@ BNB_NESTED_BLOCK = 256
 BNB_4BIT_CODE_ENTRIES = 16  # nf4/fp4 lookup table, fp32
 BNB_NESTED_CODE_ENTRIES = 256  # the dynamic map used by double quantisation, fp32
 #: Rows (tokens × batch) up to which every CUDA architecture runs bitsandbytes' fused 4-bit matmul in
-#: inference (``_GEMM_4BIT_CUSTOM_FLOOR_M``, bitsandbytes 0.50 backends/cuda/ops.py ``gemm_4bit``); above it the
-#: weight may be dequantised whole (always above 1536 rows; between, a per-architecture table decides, and
-#: the dequantised weight is the larger memory, which both methods assume).
+#: inference (``_GEMM_4BIT_CUSTOM_FLOOR_M``, bitsandbytes 0.50 backends/cuda/ops.py ``gemm_4bit``), given a
+#: block-aligned inner dimension; between it and :data:`BNB_4BIT_CUSTOM_MAX_ROWS` the GPU decides
+#: (:func:`bnb_gemm_4bit_fused`).
 BNB_4BIT_FUSED_MAX_ROWS = 4
+#: Rows above which bitsandbytes' CUDA ``gemm_4bit`` always dequantises (``_gemm_4bit_custom_max_m``).
+BNB_4BIT_CUSTOM_MAX_ROWS = 1536
 #: bitsandbytes' LLM.int8 quantises activations with an outlier threshold (transformers'
 #: ``llm_int8_threshold`` default).
 BNB_INT8_THRESHOLD = 6.0
@@ -145,3 +147,148 @@ def quantized_weight_tensors(numel: int, rows: int, kind: str, *, double_quant: 
     nested = _blocks(blocks, BNB_NESTED_BLOCK)
     # uint8 absmax, fp32 nested absmax, fp32 nested code, fp32 offset, the 4-bit code.
     return (packed, blocks, 4 * nested, 4 * BNB_NESTED_CODE_ENTRIES, 4, code)
+
+
+def bnb_gemm_4bit_fused(
+    rows: int,
+    n: int,
+    k: int,
+    *,
+    compute: str,
+    blocksize: int = BNB_4BIT_BLOCK,
+    compute_capability: str | None = None,
+    sm_count: int | None = None,
+) -> bool:
+    """Whether bitsandbytes' CUDA ``gemm_4bit`` (every ``Linear4bit`` without grad: ``matmul_4bit``) runs its
+    fused kernel — the output only — rather than ``_dequant_linear_fallback`` (the whole ``n × k`` weight
+    dequantised, then ``F.linear``), for ``rows`` (tokens × batch) of ``k`` inputs, ``n`` outputs, in
+    ``compute`` ("fp32" | "bf16" | "fp16"). bitsandbytes 0.50.2 ``backends/cuda/ops.py``: the registered
+    ``gemm_4bit`` kernel dequantises above :data:`BNB_4BIT_CUSTOM_MAX_ROWS` rows and when ``k`` is not a
+    multiple of the block size; otherwise ``_gemm_4bit_use_custom_cuda(device, dtype, M, N, K)`` decides: up
+    to :data:`BNB_4BIT_FUSED_MAX_ROWS` rows fused on every GPU, beyond that a table calibrated per
+    architecture on the compute capability, the SM count (``multi_processor_count``) against
+    ``n_blocks = ⌈n/64⌉`` (waves of SMs), the weight's size (``n·k`` under 4 Mi) and its shape (``k`` against
+    ``n``). This function follows that table branch for branch. Without the GPU (``compute_capability`` or
+    ``sm_count`` None) it answers what holds on every CUDA GPU: fused up to 4 rows (fp32: up to 7)."""
+    if rows > BNB_4BIT_CUSTOM_MAX_ROWS or k % blocksize:
+        return False
+    if rows <= BNB_4BIT_FUSED_MAX_ROWS:
+        return True
+    fp32 = compute == "fp32"
+    if compute_capability is None or sm_count is None:
+        return fp32 and rows < 8
+    major, minor = (int(x) for x in compute_capability.split(".")[:2])
+    return _bnb_custom_by_arch(rows, n, k, major=major, minor=minor, sms=sm_count, fp32=fp32, fp16=compute == "fp16")
+
+
+def _bnb_custom_by_arch(rows: int, n: int, k: int, *, major: int, minor: int, sms: int, fp32: bool, fp16: bool) -> bool:
+    """``_gemm_4bit_use_custom_cuda`` past its 4-row floor (bitsandbytes 0.50.2 ``backends/cuda/ops.py``),
+    the branches in its order; each comment names the block it follows."""
+    nb = -(-n // 64)
+    # no MMA kernel: fp32, pre-sm75, sm70/72, sm75 without fp16 — the SIMT range only
+    if fp32 or major < 7 or (major == 7 and (minor < 5 or not fp16)):
+        return rows < 8
+    if (major, minor) == (8, 7) or major == 11:  # no calibration data
+        return False
+    if major == 10:  # sm100: dequantise + F.linear wins early
+        if nb >= 3 * sms:
+            return rows <= 32
+        if nb >= sms:
+            return k < n and rows <= 8
+        return False
+    sm75, sm80, sm86 = (major, minor) == (7, 5), (major, minor) == (8, 0), (major, minor) == (8, 6)
+    sm90, sm120, sm121 = major == 9, (major, minor) == (12, 0), (major, minor) == (12, 1)
+    hbm = sm80 or sm90
+    tall2 = k > 2 * n
+    if n * k < 4 * 1024 * 1024:  # small weight
+        if 2 * k < n:  # very short K
+            if hbm:
+                low_wave = 3 * nb < sms
+                return rows <= ((1536 if low_wave else 512) if sm80 else (512 if low_wave else 320))
+            if sm75:
+                if nb >= 3 * sms:
+                    return rows <= 320
+                return rows <= (64 if k >= 1024 else 96 if k >= 704 else 320)
+            if nb >= sms:
+                return rows <= 320
+            return rows <= (192 if nb * k > sms * 320 else 320)
+        quarter = 4 * nb <= sms
+        if sm80 and quarter:
+            if k >= n:
+                return rows <= (32 if 8 * nb <= sms else 128)
+            return rows <= 384
+        if sm75 and nb < sms and rows > 8:
+            return rows <= 64
+        if quarter:
+            return rows <= (32 if (k < n or hbm) else 23)
+        return 2 * nb <= sms and rows <= 16
+    if rows > 512:
+        return False
+    if rows < 8:  # 5-7 rows: SIMT, but for HBM tall-K / square shapes at some occupancies
+        if hbm and rows >= 6 and nb >= (36 if sm90 else 48):
+            lt75, lt60 = 4 * nb < 3 * sms, 5 * nb < 3 * sms
+            if k > n and lt75:
+                return False
+            if k == n and ((sm80 and lt60) or (sm90 and lt75 and not lt60)):
+                return False
+        return True
+    if sm75:
+        if nb >= 3 * sms:
+            return rows <= (128 if k < n else 64)
+        return rows <= (64 if nb >= sms // 2 else 32)
+    if sm80:
+        if nb >= 3 * sms:
+            return rows <= 128
+        if nb >= sms:
+            return rows <= (64 if k < n else 32)
+        if k >= 3 * n and 4 * nb > sms:
+            return False
+        if k == n and nb >= 48 and 5 * nb < 3 * sms:
+            return False
+        if 2 * nb < sms:
+            if k <= n:
+                return rows <= 128
+            if 3 * nb >= sms:
+                return False
+        if nb >= sms // 2 and k < n:
+            return rows <= 128
+        return rows <= 16
+    if sm86:
+        return rows <= (128 if nb >= sms else 64 if nb >= sms // 2 else 16)
+    if sm90:
+        for waves, cap in ((3, 64), (2, 48), (1, 32)):
+            if nb >= waves * sms:
+                return rows <= cap
+        if nb >= sms // 2:
+            return not (k >= n and 4 * nb < 3 * sms) and rows <= 16
+        return False
+    if sm121 and nb >= sms:
+        return rows <= 256
+    if sm120:
+        if nb >= 3 * sms:
+            return rows <= 256
+        if nb >= 2 * sms:
+            return rows <= 128
+        if 5 * nb >= 4 * sms:
+            return rows <= (96 if k >= n else 64)
+        if nb >= sms:
+            return rows <= 64
+        if nb >= sms // 2:
+            return rows <= (64 if (2 * k >= n and nb >= 128) else 8)
+        return rows <= (16 if tall2 and nb > 64 else 8)
+    # the fallback tiers: sm89 (L4, L40S, RTX 4090), sm121 under one wave, architectures not named
+    if nb >= 3 * sms:
+        return rows <= 256
+    if nb >= 2 * sms:
+        return rows <= 128
+    if 5 * nb >= 4 * sms:
+        if tall2 or nb >= 200:
+            return rows <= 128
+        if k >= n:
+            return rows <= (128 if sms >= 60 else 32)
+        return rows <= 64
+    if nb >= sms // 2:
+        return rows <= (64 if tall2 else 8 if nb >= 64 else 32)
+    if k > n and nb <= 48:
+        return rows <= (12 if k >= 3 * n else 10)
+    return rows <= (16 if (tall2 or nb < 48) else 8)

@@ -30,6 +30,7 @@ from trainfit.analytic.inference import (
     Capacity,
     InferenceSetup,
     PagedCapacity,
+    WeightFormat,
 )
 from trainfit.arch import ModelSpec, load_model
 from trainfit.arch.params import count_params
@@ -163,6 +164,9 @@ def infer(
             st = dataclasses.replace(st, cache=CacheKind.PAGED)
     if not 0.0 <= headroom < 1.0:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
+    if st.dtype in (WeightFormat.NF4, WeightFormat.FP4) and gpu_spec is not None:
+        # bitsandbytes' 4-bit kernel choice for 5-1536 rows depends on the GPU (cuda_facts.bnb_gemm_4bit_fused)
+        st = dataclasses.replace(st, compute_capability=gpu_spec.compute_capability, sm_count=gpu_spec.sm_count)
     warnings = list(an.validate(spec, st, gpu_spec))
     if st.attention.value == "sdpa" and not spec.supports_sdpa:
         warnings.append(f"{spec.name} ({spec.model_type}) has no SDPA attention in transformers; estimating eager")
@@ -180,6 +184,14 @@ def infer(
             "attention reads a dequantised copy of the running layer's cache"
         )
     notes += an.engine_notes(spec, st)
+    if st.dtype in (WeightFormat.NF4, WeightFormat.FP4) and not an.vllm_bnb(st):
+        notes.append(
+            f"bitsandbytes 4-bit matmul: fused or dequantised per linear as bitsandbytes 0.50.2 chooses on "
+            f"sm{st.compute_capability} with {st.sm_count} SMs"
+            if st.compute_capability and st.sm_count
+            else "bitsandbytes 4-bit matmul: no --gpu, so every linear over 4 rows dequantises its weight "
+            "(an upper bound; the fused kernel's range depends on the GPU)"
+        )
     if spec.mla is not None:
         notes.append("MLA: the cache holds the compressed latent (kv_lora_rank + qk_rope_head_dim per token and layer)")
     phases: dict[InferencePhase, dict[Component, int]] = {

@@ -253,3 +253,39 @@ def test_infer_reserve_is_simulated_and_the_capacity_search_agrees_with_the_fit(
         assert rep.fit.fits == (batch <= rep.capacity.max_batch), batch
     fixed = infer(spec, batch=8, prompt=2048, new_tokens=32, gpu="l4")  # the default: the fixed fraction
     assert fixed.overhead.allocator_reserve_bytes == int(fixed.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
+
+
+def test_4bit_kernel_rule_per_gpu_is_bounded_by_the_gpu_free_answer() -> None:
+    """``--gpu`` hands bitsandbytes' 4-bit kernel choice the GPU's compute capability and SM count; on every
+    catalog GPU the decode (batch 8: 8 rows per linear) holds at most what the GPU-free answer (dequantise
+    above 4 rows) holds. Llama-3.1-8B at 8 rows, by bitsandbytes' table (backends/cuda/ops.py
+    ``_gemm_4bit_use_custom_cuda``): an H100 (sm90, 132 SMs) fuses the 14336 × 4096 ``up_proj`` (224 blocks of
+    64 columns, at least one wave: up to 32 rows) but dequantises the 4096 × 14336 ``down_proj`` (64 blocks, under
+    half a wave: never fused); an L4 (sm89, 58 SMs) fuses both (224 blocks ≥ 3 waves: 256 rows; 64 blocks ≥ 0.8
+    wave with K > 2N: 128 rows), so its decode holds no dequantised weight."""
+    from trainfit.hardware.gpus import list_gpus
+    from trainfit.infer import infer
+
+    spec = load_model("llama-3.1-8b")
+    base = InferenceSetup(batch=8, prompt=512, new_tokens=4, dtype="nf4")
+    bound = an.phase_estimates(spec, base)[InferencePhase.DECODE].breakdown.total_bytes
+    for gpu in list_gpus():
+        if gpu.compute_capability is None:
+            continue
+        rep = infer(spec, base, gpu=gpu)
+        assert (rep.setup.compute_capability, rep.setup.sm_count) == (gpu.compute_capability, gpu.sm_count)
+        decode = next(p for p in rep.phases if p.phase is InferencePhase.DECODE).total_bytes
+        assert decode <= bound, gpu.id
+    weight = 14336 * 4096 * 2  # one dequantised bf16 up_proj or down_proj
+    h100 = an.phase_estimates(spec, dataclasses.replace(base, compute_capability="9.0", sm_count=132))
+    assert h100[InferencePhase.DECODE].moment.endswith("down_proj (nf4)")
+    l4 = an.phase_estimates(spec, dataclasses.replace(base, compute_capability="8.9", sm_count=58))
+    assert "(nf4)" not in l4[InferencePhase.DECODE].moment
+    assert l4[InferencePhase.DECODE].breakdown.components[Component.ACTIVATIONS] < weight
+
+
+def test_inference_setup_checks_the_gpu_fields() -> None:
+    with pytest.raises(StrategyError, match="compute capability"):
+        InferenceSetup(compute_capability="sm90")
+    with pytest.raises(StrategyError, match="sm count"):
+        InferenceSetup(sm_count=0)

@@ -91,7 +91,8 @@ def assert_phases_agree(closed: Any, traced: Any, tolerance: float, *, step_slac
 
 def assert_generate_agrees(name: str, spec: ModelSpec, setup: Any) -> Any:
     """``trainfit infer``'s closed forms against the traced ``generate``: each phase within 2%, the (rank's)
-    weights and cache to the byte; returns the trace."""
+    weights and cache to the byte, and the decode's logits — ``generate``'s bookkeeping between passes, which
+    the trace counts with them — to the byte; returns the trace."""
     from trainfit.analytic.inference import kv_cache_bytes, phase_estimates, weight_bytes
     from trainfit.result import InferencePhase
     from trainfit.trace.generate import trace_generate
@@ -104,4 +105,16 @@ def assert_generate_agrees(name: str, spec: ModelSpec, setup: Any) -> Any:
         assert abs(a - t) <= 0.02 * t, f"{name} {ph.value}: analytic {a} vs trace {t}"
     assert traced.weights_bytes == weight_bytes(spec, setup)
     assert traced.kv_cache_bytes == kv_cache_bytes(spec, setup)
+    assert_decode_logits_exact(name, traced, closed)
     return traced
+
+
+def assert_decode_logits_exact(name: str, traced: Any, closed: Any) -> None:
+    """The decode peak's logits component, trace against closed form, to the byte (when both have a decode)."""
+    from trainfit.result import Component, InferencePhase
+
+    ph = InferencePhase.DECODE
+    if ph in traced.phases and ph in closed:
+        t = traced.phases[ph].get(Component.LOGITS_LOSS, 0)
+        a = closed[ph].breakdown.components.get(Component.LOGITS_LOSS, 0)
+        assert a == t, f"{name} decode logits: analytic {a} vs trace {t} ({closed[ph].moment})"

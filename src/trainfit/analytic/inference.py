@@ -11,7 +11,13 @@ tensors by :mod:`trainfit.trace.generate`):
 
 * the forward gets ``logits_to_keep=1``: the head multiplies only the last position, ``b·vocab`` logits,
   and ``generate`` copies them to fp32 (``outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)``);
-  the previous step's fp32 copy is alive through the next step's forward;
+  the previous step's fp32 copy is alive through the next step's forward, and so is the rest of what
+  ``_sample`` makes between passes — ``argmax``'s tokens, the ``input_ids`` and ``position_ids`` re-made one
+  token longer by ``cat`` (an unpadded batch's all-ones ``attention_mask`` is dropped before the first pass),
+  ``unfinished_sequences`` and ``prepare_inputs_for_generation``'s clones of the last id and position
+  (:func:`_step_bytes`; the trace counts all of it as logits, being made after the last layer) — while
+  ``generate``'s own frame keeps the request's prompt-sized ids, mask and ``position_ids`` for the whole call
+  (:func:`_request_bytes`);
 * ``DynamicCache`` (``cache_utils.DynamicLayer.update``) grows each layer by ``torch.cat``: during a decode
   step the new ``[b, kv_heads, T, head_dim]`` K and V exist beside the old ones until the assignment drops
   them, so the worst moment holds the cache at full length plus one layer's previous K/V;
@@ -100,9 +106,9 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import (
     BNB_4BIT_BLOCK,
-    BNB_4BIT_FUSED_MAX_ROWS,
     SdpaKernel,
     allocator_bytes,
+    bnb_gemm_4bit_fused,
     has_flash_attention,
     quantized_weight_tensors,
     sdpa_kernel_for,
@@ -510,20 +516,102 @@ class Moment:
 
 
 def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int) -> int:
-    """Per-pass tensors alive through the stack: token ids, the attention mask (its length grows by one
-    per step in ``_update_model_kwargs_for_generation``), position ids, the embeddings' output and
-    RoPE's cos/sin in the compute dtype."""
+    """Tensors alive through a pass's layers beside them, in the compute dtype or int64: the request's
+    (:func:`_request_bytes`), in prefill ``prepare_inputs_for_generation``'s contiguous clone of the prompt ids
+    and ``_sample``'s ``unfinished_sequences`` (``torch.ones(b)``), then per pass the embeddings' output
+    (kept by the model's ``forward``) and RoPE's cos/sin. No 2D attention mask: an unpadded batch's is all
+    ones, and transformers 5.24 ``generate`` drops it before the first pass (``attention_mask = None``).
+    What a decode pass also holds, made by ``_sample`` after the previous pass's layers, is :func:`_step_bytes`
+    (the trace counts it with the logits)."""
     b, a = setup.batch, setup.compute_bits // 8
     h = spec.hidden_size
-    ids = 2 * allocator_bytes(8 * b * total)  # generate's input_ids, all tokens so far, and the cat making them
-    mask = allocator_bytes(8 * b * total)
-    pos = allocator_bytes(8 * b * q) + allocator_bytes(8 * q)  # position ids, cache_position
+    first = allocator_bytes(8 * b * q) + allocator_bytes(8 * b) if q == total else 0
     emb = allocator_bytes(b * q * h * a) * (2 if spec.learned_positions else 1)  # + learned position rows
     rope = 0
     if spec.rotary_dim:
         rd = spec.mla.qk_rope_head_dim if spec.mla else spec.rotary_dim  # partial RoPE: Phi, NeoX
         rope = 2 * allocator_bytes(b * q * rd * a)
-    return ids + mask + pos + emb + rope
+    # OPT (modeling_opt.OPTDecoder.forward) makes an fp32 ``torch.ones(b, past + q)`` for its positions when
+    # generate has dropped the all-ones mask, held through the pass.
+    opt = allocator_bytes(4 * b * total) if spec.model_type == "opt" else 0
+    return _request_bytes(setup) + first + emb + rope + opt
+
+
+def _request_bytes(setup: InferenceSetup) -> int:
+    """The request's own tensors, alive for the whole ``generate`` call (transformers 5.24
+    ``generation/utils.py``): the caller's ``input_ids`` and ``attention_mask`` (``b·s`` int64 each; ``generate``'s
+    frame keeps them while ``_sample`` re-makes its own, one token longer, every step), the ``position_ids``
+    ``_prepare_position_ids_for_generation`` makes from the mask before the first pass (``cumsum − 1``,
+    ``masked_fill``; ``generate``'s ``model_kwargs`` keeps the prompt-sized one) and the pad token as a 0-dim
+    tensor (``_prepare_special_tokens``)."""
+    return 3 * allocator_bytes(8 * setup.batch * setup.prompt) + allocator_bytes(8)
+
+
+def _step_masks(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """A static cache's decode mask: ``prepare_inputs_for_generation`` builds ``create_masks_for_generate``'s
+    ``[b, 1, 1, kv]`` bool mask per layer kind for a compileable cache (``StaticCache``) every step, even with
+    the 2D mask dropped; a dynamic cache's forward gets none."""
+    if setup.cache is not CacheKind.STATIC:
+        return 0
+    kinds = layer_kinds(spec, setup)
+    total = setup.context
+    out = allocator_bytes(setup.batch * total) if kinds.full else 0
+    if kinds.sliding and kinds.window is not None:
+        out += allocator_bytes(setup.batch * min(kinds.window, total))
+    return out
+
+
+def _step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
+    """What a decode pass holds of ``_sample``'s bookkeeping (transformers 5.24 ``GenerationMixin._sample``),
+    all made after the previous pass's layers: the fp32 copy of the last logits
+    (``outputs.logits[:, -1].to(copy=True, dtype=torch.float32)``; with no logits processor
+    ``next_token_scores`` is the same tensor), ``argmax``'s ``next_tokens``, the ``input_ids`` ``cat`` and
+    ``_update_model_kwargs_for_generation``'s ``position_ids`` ``cat`` (``tokens`` long, int64 each; no
+    ``attention_mask`` ``cat``: ``generate`` dropped the all-ones mask, :func:`_resident_inputs`),
+    ``unfinished_sequences & ~stopping_criteria(...)`` (int64, ``b``) and
+    ``prepare_inputs_for_generation``'s contiguous clones of the last token's id and position (``b`` int64
+    each); a static cache's mask beside them (:func:`_step_masks`)."""
+    b = setup.batch
+    return (
+        _fp32_logits(spec, setup)
+        + 2 * allocator_bytes(8 * b * tokens)
+        + 4 * allocator_bytes(8 * b)
+        + _step_masks(spec, setup)
+    )
+
+
+def _after_step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
+    """``_sample`` after decode pass that leaves ``tokens`` in ``input_ids`` (transformers 5.24): the head's
+    logits (``outputs`` is deleted only at the end of the loop body) and, when the fp32 copy is made, the
+    previous step's copy, the new ``position_ids`` (one token longer; the old one is freed as it is replaced),
+    a static cache's step mask (``model_inputs`` still holds it), ``input_ids``, ``next_tokens``,
+    ``unfinished_sequences`` and the clones; or, after the old copy is freed, ``argmax`` and the longer
+    ``input_ids`` beside the old, or the stopping criteria's three ``b``-sized bools
+    (``StoppingCriteriaList.__call__``: ``torch.full``, the criterion's ``is_done``, their ``|``) with the old
+    ``input_ids`` gone — whichever is largest."""
+    b = setup.batch
+    lg32, longer, cur = (
+        _fp32_logits(spec, setup),
+        allocator_bytes(8 * b * (tokens + 1)),
+        allocator_bytes(8 * b * tokens),
+    )
+    copy = _logits_bytes(spec, setup) + 2 * lg32 + longer + _step_masks(spec, setup) + cur + 4 * allocator_bytes(8 * b)
+    return copy + max(0, longer - lg32, longer - cur + 3 * allocator_bytes(b) - lg32)
+
+
+def _prefill_after_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
+    """``_sample`` after the prefill's layers (transformers 5.24): the head's ``b·vocab`` logits, their fp32 copy,
+    the ``position_ids`` and ``input_ids`` ``cat``s (``prompt + 1`` long; the prompt-sized
+    ones stay in ``generate``'s frame), ``next_tokens`` and the stopping criteria's three ``b``-sized bools."""
+    b = setup.batch
+    longer = allocator_bytes(8 * b * (setup.prompt + 1))
+    return (
+        _logits_bytes(spec, setup)
+        + _fp32_logits(spec, setup)
+        + 2 * longer
+        + allocator_bytes(8 * b)
+        + 3 * allocator_bytes(b)
+    )
 
 
 def _layer_moments(
@@ -662,13 +750,15 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
     ``rows`` tokens of ``k`` inputs and ``n`` outputs (the CUDA kernels of bitsandbytes 0.50,
     backends/cuda/ops.py; the trace emulates the same kernels, trainfit.trace.bnb):
 
-    * nf4/fp4 (``gemm_4bit``): up to :data:`~trainfit.cuda_facts.BNB_4BIT_FUSED_MAX_ROWS` rows the fused kernel
-      writes the output only; above, ``_dequant_linear_fallback`` dequantises the whole weight (n·k in the
-      compute dtype) beside the output, and with double quantisation first the per-block absmax and its sum
-      with the offset (two fp32 tensors of ⌈n·k/64⌉). A ``--compute-dtype`` other than the activations'
-      (transformers' default fp32) adds ``Linear4bit.forward``'s casts: the input in the compute dtype, held
-      through the matmul, and the output in it beside its cast back (``.to(inp_dtype)``); the dequantised
-      weight and the output are then in the compute dtype;
+    * nf4/fp4 (``gemm_4bit``): where bitsandbytes runs its fused kernel
+      (:func:`trainfit.cuda_facts.bnb_gemm_4bit_fused`: up to 4 rows on every CUDA GPU with a block-aligned
+      ``k``, up to 1536 rows as the GPU's architecture and SM count decide, ``setup.compute_capability`` /
+      ``setup.sm_count`` from ``--gpu``) it writes the output only; otherwise ``_dequant_linear_fallback``
+      dequantises the whole weight (n·k in the compute dtype) beside the output, and with double quantisation
+      first the per-block absmax and its sum with the offset (two fp32 tensors of ⌈n·k/64⌉). A
+      ``--compute-dtype`` other than the activations' (transformers' default fp32) adds ``Linear4bit.forward``'s
+      casts: the input in the compute dtype, held through the matmul, and the output in it beside its cast
+      back (``.to(inp_dtype)``); the dequantised weight and the output are then in the compute dtype;
     * int8 (``MatMul8bitLt``, outlier threshold 6.0): the fp16 copy of the input, the int8 rows and fp32 row
       scales, then ``A.abs()`` and its bool outlier mask (``int8_vectorwise_quant``); then, with the int8 rows
       and scales still held, the int32 product beside its fp16 dequantisation, and the fp16 beside the cast
@@ -683,7 +773,15 @@ def linear_transient_bytes(setup: InferenceSetup, rows: int, k: int, n: int) -> 
         x_c = allocator_bytes(rows * k * c) if c != a else 0  # x.to(compute_dtype), a local to the end
         out_c = allocator_bytes(rows * n * c)
         cast = x_c + out_c + out if c != a else 0  # the compute-dtype output beside its cast back
-        if rows <= BNB_4BIT_FUSED_MAX_ROWS:
+        fused = bnb_gemm_4bit_fused(
+            rows,
+            n,
+            k,
+            compute=setup.four_bit_compute.value,
+            compute_capability=setup.compute_capability,
+            sm_count=setup.sm_count,
+        )
+        if fused:
             return max(x_c + out_c, cast)
         absmax = 2 * allocator_bytes(4 * -(-(n * k) // BNB_4BIT_BLOCK)) if _double_quant(setup) else 0
         return max(x_c + absmax + allocator_bytes(n * k * c) + out_c, cast)
@@ -873,7 +971,6 @@ def phase_estimates(
     w = weight_bytes(spec, setup) if weights is None else weights
     s, n = setup.prompt, setup.new_tokens
     kinds = layer_kinds(spec, setup)
-    lg, lg32 = _logits_bytes(spec, setup), _fp32_logits(spec, setup)
 
     def best(cands: list[tuple[str, int, int, int]], phase: InferencePhase) -> PhaseEstimate:
         name, kv, act, logit = max(cands, key=lambda c: c[1] + c[2] + c[3])
@@ -892,8 +989,9 @@ def phase_estimates(
     elif window_masked:
         mask = allocator_bytes(s * s)  # sdpa_mask: one bool [1, 1, s, s] broadcast over the batch
     elif spec.attention_masks > 1 and not spec.sliding_layers:
-        # Qwen2-MoE builds its sliding mask even with no window: a bool [b, 1, s, s] no layer reads.
-        mask = allocator_bytes(setup.batch * s * s)
+        # Qwen2-MoE builds its sliding mask even with no window: a bool [1, 1, s, s] (no padding mask: generate
+        # dropped the all-ones one) no layer reads.
+        mask = allocator_bytes(s * s)
     pre: list[tuple[str, int, int, int]] = []
     for mo in _layer_moments(spec, setup, s, s, masked=window_masked, flash=flash):
         pre.append((f"prefill {mo.name}", kv_pre, resident + mask + mo.activations_bytes, 0))
@@ -902,7 +1000,14 @@ def phase_estimates(
         for name, unwritten, transient in fp8_quantise_moments(spec, setup, s):
             pre.append((f"prefill {name}", kv_pre - unwritten, resident + mask + cw + transient, 0))
     pre.append(("prefill final norm", kv_pre, resident + _norm_moment(spec, setup, s), 0))
-    pre.append(("prefill logits", kv_pre, allocator_bytes(8 * setup.batch * s) * 2, lg + lg32))
+    pre.append(
+        (
+            "prefill logits",
+            kv_pre,
+            _request_bytes(setup) + allocator_bytes(8 * setup.batch),
+            _prefill_after_bytes(spec, setup),
+        )
+    )
     out = {InferencePhase.PREFILL: best(pre, InferencePhase.PREFILL)}
     if n < 2:
         return out
@@ -911,20 +1016,21 @@ def phase_estimates(
         total = s + step
         kv_after = kv_cache_bytes(spec, setup, step)
         res = _resident_inputs(spec, setup, 1, total)
+        held = _step_bytes(spec, setup, total)
         if setup.attention is Attention.EAGER:
             res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
         layer = _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash)
         for mo in layer:
             kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
-            dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, lg32))
+            dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, held))
         if hf_fp8(setup):
             old, transient = fp8_dequantise_bytes(spec, setup, kv_len)
             dec.append(
-                (f"decode step {step}: fp8 dequantise", kv_after + old, res + _cache_write(layer) + transient, lg32)
+                (f"decode step {step}: fp8 dequantise", kv_after + old, res + _cache_write(layer) + transient, held)
             )
         dec.append(
-            (f"decode step {step}: logits", kv_after, allocator_bytes(8 * setup.batch * total) * 2, lg + 2 * lg32)
+            (f"decode step {step}: logits", kv_after, _request_bytes(setup), _after_step_bytes(spec, setup, total))
         )
     out[InferencePhase.DECODE] = best(dec, InferencePhase.DECODE)
     return out
@@ -951,19 +1057,18 @@ class _Stream:
 
 
 def generate_events(spec: ModelSpec, setup: InferenceSetup, *, flash: bool = True) -> list[Event]:
-    """The allocations and frees of one ``generate`` call, in order, from the same quantities as the moments:
-    the weights tensor by tensor (:func:`weight_allocations`); the request's ids and mask, re-made one token
-    longer after every pass (``torch.cat`` in ``_update_model_kwargs_for_generation``); per pass the position
-    ids, embeddings and RoPE tables; per layer its ``cache write``, ``attention`` and ``mlp`` moments (each one
-    block beside the layer input, freed when the next starts) and the cache's own allocations inside the
-    first — ``DynamicLayer.update`` makes a one-token-longer K, then V, and frees the old ones (the growth
-    that fragments a caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer``
-    allocates the whole context at the prefill (a full static sliding layer ``roll``s into new tensors);
-    an fp8 cache (:func:`hf_fp8`) quantises through fp32 copies and, from the first decode step, holds the
-    dequantised K/V through attention; bitsandbytes weights add the layer's worst quantised linear as one
-    block; then the final norm, the head's logits and ``generate``'s fp32 copy
-    (the previous step's freed after the next forward). The blocks are coarser than the real tensors (one
-    per moment), so its allocated peak is near the closed forms', not equal to it."""
+    """The allocations and frees of one ``generate`` call, in order, from the same quantities as the moments: the
+    weights tensor by tensor (:func:`weight_allocations`); the request's ids and position ids, re-made one token
+    longer after every pass (``torch.cat`` in ``_sample`` and ``_update_model_kwargs_for_generation``); per pass the
+    position ids, embeddings and RoPE tables; per layer its ``cache write``, ``attention`` and ``mlp`` moments (each
+    one block beside the layer input, freed when the next starts) and the cache's own allocations inside the first —
+    ``DynamicLayer.update`` makes a one-token-longer K, then V, and frees the old ones (the growth that fragments a
+    caching allocator); a sliding layer ``cat``s both before freeing; ``StaticLayer`` allocates the whole context at
+    the prefill (a full static sliding layer ``roll``s into new tensors); an fp8 cache (:func:`hf_fp8`) quantises
+    through fp32 copies and, from the first decode step, holds the dequantised K/V through attention; bitsandbytes
+    weights add the layer's worst quantised linear as one block; then the final norm, the head's logits and
+    ``generate``'s fp32 copy (the previous step's freed after the next forward). The blocks are coarser than the
+    real tensors (one per moment), so its allocated peak is near the closed forms', not equal to it."""
     if setup.attention is Attention.SDPA and not spec.supports_sdpa:
         setup = dataclasses.replace(setup, attention=Attention.EAGER)
     st = _Stream()

@@ -9,6 +9,7 @@ Formats are widths in bits (:class:`WeightFormat`, :class:`KVFormat`); quantised
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -84,7 +85,11 @@ class InferenceSetup:
     transformers' own default is fp32 (``BitsAndBytesConfig.__init__``: None → ``torch.float32``), and it hands
     it to every ``Linear4bit``, which then skips its switch to the input's dtype (bitsandbytes
     ``Linear4bit.compute_type_is_set``): each 4-bit linear casts its bf16 input to fp32, dequantises the weight
-    to fp32 and casts the fp32 output back. The activations between layers stay in the model's dtype."""
+    to fp32 and casts the fp32 output back. The activations between layers stay in the model's dtype.
+
+    ``compute_capability`` ("9.0") and ``sm_count``: the GPU that bitsandbytes' 4-bit matmul asks which kernel
+    to run for 5–1536 rows (``trainfit.cuda_facts.bnb_gemm_4bit_fused``); :func:`trainfit.infer.infer` takes them
+    from the ``--gpu`` catalog entry. None: the choice every CUDA GPU makes (fused up to 4 rows)."""
 
     batch: int = 1
     prompt: int = 2048
@@ -97,6 +102,8 @@ class InferenceSetup:
     tp: int = 1
     double_quant: bool = True
     compute_dtype: KVFormat | None = None
+    compute_capability: str | None = None
+    sm_count: int | None = None
 
     def __post_init__(self) -> None:
         _coerce(self, "dtype", WeightFormat)
@@ -111,8 +118,13 @@ class InferenceSetup:
                 raise StrategyError("--compute-dtype: bitsandbytes 4-bit computes in bf16, fp16 or fp32, not fp8")
         _coerce(self, "cache", CacheKind)
         _coerce(self, "attention", Attention)
-        for name in ("batch", "prompt", "new_tokens", "block_size", "tp"):
+        cc = self.compute_capability
+        if cc is not None and not re.fullmatch(r"\d+\.\d+", cc):
+            raise StrategyError(f"compute capability must look like 9.0, got {cc!r}")
+        for name in ("batch", "prompt", "new_tokens", "block_size", "tp", "sm_count"):
             v = getattr(self, name)
+            if name == "sm_count" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise StrategyError(f"{name.replace('_', ' ')} must be a positive whole number, got {v!r}")
 

@@ -19,13 +19,15 @@ custom ops run their ``register_fake`` kernels, which allocate only the output; 
 ``bitsandbytes/backends/cuda/ops.py`` (bitsandbytes 0.50), whose memory differs. A dispatch mode swaps in an
 emulation that allocates what the CUDA kernel allocates:
 
-* ``gemm_4bit`` (``matmul_4bit`` without grad, every ``Linear4bit`` in inference): for M ≤ 4 rows (tokens ×
-  batch) every CUDA architecture runs the fused kernel (``_GEMM_4BIT_CUSTOM_FLOOR_M``): the output only.
-  Above 1536 rows every architecture takes ``_dequant_linear_fallback``: with double quantisation the uint8
-  absmax is dequantised to fp32 and the offset added (two fp32 tensors, one per 64-weight block), the whole
-  weight is dequantised to the activation dtype (N × K), then ``F.linear``. Between 5 and 1536 rows the choice
-  is a per-architecture table (``_gemm_4bit_use_custom_cuda``); we take the fallback, the larger memory
-  (:data:`trainfit.cuda_facts.BNB_4BIT_FUSED_MAX_ROWS`).
+* ``gemm_4bit`` (``matmul_4bit`` without grad, every ``Linear4bit`` in inference): bitsandbytes 0.50.2 picks the
+  fused kernel — the output only — or ``_dequant_linear_fallback``: with double quantisation the uint8 absmax is
+  dequantised to fp32 and the offset added (two fp32 tensors, one per 64-weight block), the whole weight is
+  dequantised to the activation dtype (N × K), then ``F.linear``. Which one is
+  :func:`trainfit.cuda_facts.bnb_gemm_4bit_fused`, the same function the closed forms ask: fused up to 4 rows
+  (tokens × batch) on every CUDA GPU, never above 1536 rows or for a K that is not a multiple of the block,
+  and between them as ``_gemm_4bit_use_custom_cuda``'s per-architecture table decides for the GPU given
+  (:class:`CudaBnbKernels`' ``compute_capability`` / ``sm_count``, the setup's ``--gpu``); without one, the
+  4-row floor (fp32: 7).
 * LLM.int8 (``MatMul8bitLt`` in eval mode, transformers' ``llm_int8_threshold=6.0``): the input is cast to
   fp16 (a copy unless it is fp16), ``int8_vectorwise_quant`` allocates the row scales (fp32, one per row) and
   the int8 rows, then for the outlier test ``A.abs()`` (fp16) and its ``>= threshold`` bool mask; the outlier
@@ -40,6 +42,7 @@ Anything else runs unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 from collections.abc import Callable, Iterator
@@ -48,7 +51,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainfit.cuda_facts import BNB_4BIT_BLOCK, BNB_4BIT_FUSED_MAX_ROWS
+from trainfit.cuda_facts import BNB_4BIT_BLOCK, bnb_gemm_4bit_fused
 from trainfit.errors import DependencyError
 
 
@@ -253,6 +256,9 @@ def int8_weights(model: torch.nn.Module, mode: Any) -> Iterator[None]:
 # -- the CUDA kernels' memory ----------------------------------------------------------------------------
 
 
+_COMPUTE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _gemm_4bit(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -264,12 +270,19 @@ def _gemm_4bit(
     absmax_8bit: torch.Tensor | None = None,
     absmax_code: torch.Tensor | None = None,
     absmax_offset: torch.Tensor | None = None,
+    *,
+    compute_capability: str | None = None,
+    sm_count: int | None = None,
 ) -> torch.Tensor:
-    """``bitsandbytes::gemm_4bit`` on CUDA: the fused kernel's output, or ``_dequant_linear_fallback``."""
+    """``bitsandbytes::gemm_4bit`` on CUDA (backends/cuda/ops.py, the registered kernel): the fused kernel's
+    output, or ``_dequant_linear_fallback``, as :func:`trainfit.cuda_facts.bnb_gemm_4bit_fused` decides."""
     k = A.shape[-1]
     rows = A.numel() // k
     n = int(shapeB[0])
-    if rows <= BNB_4BIT_FUSED_MAX_ROWS:
+    compute = _COMPUTE_NAMES.get(A.dtype, "bf16")
+    if bnb_gemm_4bit_fused(
+        rows, n, k, compute=compute, blocksize=blocksize, compute_capability=compute_capability, sm_count=sm_count
+    ):
         return A.new_empty((*A.shape[:-1], n))
     absmax_dq = absmax_q = None
     if absmax_8bit is not None:
@@ -326,13 +339,16 @@ def _int8_mixed_scaled_mm(
 class CudaBnbKernels(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Route bitsandbytes' custom ops to the CUDA kernels' memory (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, compute_capability: str | None = None, sm_count: int | None = None) -> None:
+        """``compute_capability`` / ``sm_count``: the GPU whose 4-bit kernel choice to follow (None: the
+        choice every CUDA GPU makes)."""
         super().__init__()  # type: ignore[no-untyped-call]
         require_bnb()  # defines the ops
         ops: Any = torch.ops.bitsandbytes
+        gemm = functools.partial(_gemm_4bit, compute_capability=compute_capability, sm_count=sm_count)
         try:
             self.table: dict[Any, Callable[..., Any]] = {
-                ops.gemm_4bit.default: _gemm_4bit,
+                ops.gemm_4bit.default: gemm,
                 ops.int8_vectorwise_quant.default: _int8_vectorwise_quant,
                 ops.int8_mixed_scaled_mm.default: _int8_mixed_scaled_mm,
                 ops.int8_scaled_mm.default: _int8_scaled_mm,

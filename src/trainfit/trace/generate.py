@@ -8,7 +8,10 @@ the model's own cache classes (``DynamicCache`` with its ``DynamicLayer`` / ``Dy
 
 * data-dependent scalars (``_local_scalar_dense``) are answered: every boolean question ``generate`` asks
   (special-token checks, right padding, "are all sequences finished?") gets ``False`` until the model has
-  run ``new_tokens`` forward passes, then the stop check gets ``True``;
+  run ``new_tokens`` forward passes, then the stop check gets ``True``; but "is the attention mask all ones?"
+  (an ``all`` before the first pass) gets ``True``, so ``generate`` drops the mask as it does for an
+  unpadded batch on a GPU (transformers 5.24: ``model_kwargs["attention_mask"] = None``; no per-step
+  ``cat`` of it, and the models build batch-broadcast masks);
 * the forward wrapper that marks the cache uses ``functools.wraps``, because ``generate`` inspects
   ``forward``'s signature to pass ``logits_to_keep=1`` (only the last position's logits);
 * the batch is unpadded (an all-ones attention mask), and transformers' mask code is told so: under fake
@@ -60,6 +63,7 @@ import dataclasses
 import functools
 import re
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -184,20 +188,29 @@ class GenerateTrace:
 
 
 class _Answers(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Answer ``generate``'s data-dependent scalar questions (see the module docstring)."""
+    """Answer ``generate``'s data-dependent scalar questions (see the module docstring). Before the first pass
+    an ``all`` is ``generate``'s "is the attention mask all ones?" (transformers 5.24 ``generate``:
+    ``(model_kwargs["attention_mask"] == 1).all()``), which an unpadded batch answers yes: ``generate`` then
+    drops the mask (``attention_mask = None``) and makes no longer copy of it after each pass."""
 
     def __init__(self, passes: list[int], new_tokens: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.passes, self.new_tokens = passes, new_tokens
+        self.all_ones: list[weakref.ref[torch.Tensor]] = []  # weak: the answer must not keep them alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is torch.ops.aten._local_scalar_dense.default:
             if args[0].dtype == torch.bool:
+                if not self.passes and any(args[0] is r() for r in self.all_ones):
+                    return True
                 return len(self.passes) >= self.new_tokens
             raise TraceUnsupportedError(
                 "generate asked for a numeric value of a tensor; cannot answer it on fake tensors"
             )
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not self.passes and func in (torch.ops.aten.all.default, torch.ops.aten.all.dim):
+            self.all_ones.append(weakref.ref(out))
+        return out
 
 
 @contextlib.contextmanager
@@ -400,7 +413,7 @@ def _run_layout(
     if setup.dtype.bnb:
         from trainfit.trace.bnb import CudaBnbKernels
 
-        bnb_kernels = CudaBnbKernels()
+        bnb_kernels = CudaBnbKernels(compute_capability=setup.compute_capability, sm_count=setup.sm_count)
     b, s = setup.batch, setup.prompt
     try:
         with mode, _mask_patches(), kernels, tr, answers, bnb_kernels, torch.no_grad():
