@@ -697,6 +697,7 @@ def _dist(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str
         torch.cuda.set_device(0)
     before = dev.stats()
     dist.init_process_group("nccl" if dev.cuda else "gloo", rank=0, world_size=1)
+    model = run_model = None
     try:
         t0 = time.perf_counter()
         model = build_model(spec, st, dev)
@@ -732,6 +733,10 @@ def _dist(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str
             seconds=round(time.perf_counter() - t0, 1),
         )
     finally:
+        # DDP's Reducer holds the process group: drop it while the group lives. Freed after
+        # destroy_process_group, ~ProcessGroupGloo's thread join hung the dry run (seen in the test suite).
+        del model, run_model
+        gc.collect()
         dist.destroy_process_group()
 
 
