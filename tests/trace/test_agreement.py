@@ -1,9 +1,9 @@
 """Analytic vs trace: the closed-form model must land within 5% of the traced peak.
 
 Six architectures (Llama-3, Qwen2.5, Gemma-2, GPT-2, BERT, Mixtral-style MoE) x recipes x checkpointing
-none/full x two shapes (pairwise for the recipes beside amp-bf16), on tiny configs, plus eager attention
-(score chain, masks, dropout) for models that default to SDPA. ``python benchmarks/agreement.py`` prints the
-same comparison at catalog sizes.
+none/full x two shapes (a pairwise subset: tests/conftest.py ``pairwise``; ``TRAINFIT_FULL_MATRIX=1`` runs every
+cell), on tiny configs, plus eager attention (score chain, masks, dropout) for models that default to SDPA.
+``python benchmarks/agreement.py`` prints the same comparison at catalog sizes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import pairwise
 from trainfit.strategy import Strategy
 
 from .conftest import tiny_spec
@@ -61,14 +62,15 @@ def _check(
     assert abs(ag.peak_rel) <= PEAK_TOLERANCE, f"peak {ag.peak_rel * 100:+.1f}%: {detail}"
 
 
-@pytest.mark.parametrize(("family", "precision", "ckpt", "shape"), _cells(("amp-bf16",)))
+@pytest.mark.parametrize(("family", "precision", "ckpt", "shape"), pairwise(_cells(("amp-bf16",))))
 def test_analytic_within_5_percent_of_trace(family: str, precision: str, ckpt: str, shape: tuple[int, int]) -> None:
     _check(family, precision, ckpt, shape)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "precision", "ckpt", "shape"), _cells(("fp32", "amp-fp16", "master-bf16", "pure-bf16"), pairwise=True)
+    ("family", "precision", "ckpt", "shape"),
+    pairwise(_cells(("fp32", "amp-fp16", "master-bf16", "pure-bf16"), pairwise=True)),
 )
 def test_analytic_within_5_percent_of_trace_other_recipes(
     family: str, precision: str, ckpt: str, shape: tuple[int, int]
@@ -97,10 +99,10 @@ def test_eager_attention_within_5_percent_of_trace(family: str, precision: str, 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "ckpt", "seq"),
-    [
+    pairwise(
         pytest.param(p, c, s, id=f"{p}-{c}-s{s}")
         for p, c, s in itertools.product(("amp-bf16", "pure-bf16"), ("none", "full"), (128, 200))
-    ],
+    ),
 )
 def test_sliding_window_sdpa_within_5_percent_of_trace(precision: str, ckpt: str, seq: int) -> None:
     """Mistral-style sliding window with SDPA: below the window no mask (flash); from the window on a real

@@ -47,7 +47,8 @@ def test_sqrt_layout_covers_every_layer(layers: int, segments: list[int]) -> Non
         ("llama", 8, {}),
         ("llama", 8, {"checkpointing": "full", "precision": "fp32"}),
         ("llama", 17, {"checkpointing": "sqrt"}),  # 4 checkpointed segments of 3, then 5 plain layers
-        pytest.param("llama", 25, {"checkpointing": "sqrt", "precision": "fp32"}, marks=pytest.mark.slow),
+        # 5 segments of 5 (17 above covers a plain tail): the slowest cell of the suite, run with the full matrix
+        pytest.param("llama", 25, {"checkpointing": "sqrt", "precision": "fp32"}, marks=pytest.mark.full_matrix),
         ("qwen2", 7, {"precision": "master-bf16", "optimizer": "lion"}),
         ("gemma2", 10, {"attention": "eager"}),  # alternating sliding/global layers: a 2-layer unit
         ("deepseek_v2", 7, {}),  # one dense layer, then MoE layers

@@ -52,7 +52,7 @@ def test_gradients_resident_in_forward_and_backward_as_analytic(family: str, kw:
     assert abs(compare(analytic, acc).peak_rel) <= PEAK_TOLERANCE, (analytic.peak_bytes, acc.peak_bytes)
 
 
-@pytest.mark.parametrize(("family", "kw"), CASES[:2])
+@pytest.mark.parametrize(("family", "kw"), [CASES[0], pytest.param(*CASES[1], marks=pytest.mark.full_matrix)])
 def test_extrapolation_still_equals_full_depth(family: str, kw: dict[str, str]) -> None:
     spec = _spec(family, 7)
     st = Strategy(micro_batch=2, seq_len=64, grad_accum=4, **kw)  # type: ignore[arg-type]
