@@ -425,3 +425,25 @@ def test_tp_mechanism_follows_what_the_plan_runs() -> None:
     assert tp_comm(dataclasses.replace(x_p, async_tp=True)) is TpComm.EAGER
     with pytest.raises(StrategyError, match="async TP"):
         step_time_of(spec, dataclasses.replace(x_m, async_tp=True), get_gpu("h100-sxm-80gb"))
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "mixtral-8x7b-v0.1", "llama-3.2-1b", "bert-base-uncased"])
+def test_speed_trains_the_memory_models_adapter_parameters(name: str) -> None:
+    """What the speed model reduces and steps is the estimate's trainable parameter count: DeepSeek-V3's router and
+    expert ParamWrapper pairs sit in its 58 MoE layers, not all 61 (was counted in every layer), BERT's head
+    transform is adapted once (all-linear). Its per-token adapter GEMMs are the adapted linears' pairs: all of
+    it but the MoE layers' ParamWrapper pairs (PEFT ``ParamWrapper.update_layer``: rank·E·(d_in + d_out) each)."""
+    from trainfit.analytic.adapters import moe_param_sites
+    from trainfit.estimate import estimate
+    from trainfit.planner.speed import _adapter_numbers
+
+    spec = load_model(name)
+    adapter, base = finetune_setup("lora", rank=8, targets="all-linear", base_dtype="bf16")
+    assert adapter is not None
+    s = Strategy(adapter=adapter, base_weights=base, micro_batch=1, seq_len=256, checkpointing="full")
+    trainable = estimate(spec, s).trainable_params
+    numbers = _adapter_numbers(spec, adapter)
+    assert numbers.trained == trainable
+    moe = spec.num_moe_layers * sum(p.adapter_numel for p in moe_param_sites(spec, adapter))
+    assert (moe > 0) is (spec.moe is not None)
+    assert numbers.params == trainable - moe

@@ -320,7 +320,7 @@ def _sac_params(spec: ModelSpec) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _AdapterNumbers:
-    params: int  # adapter matmul weights, all layers: r·(d_in + d_out) per adapted linear
+    params: int  # adapter matmul weights of the adapted linears (layers and head): r·(d_in + d_out) each
     elements_fwd: int  # elementwise traffic per token, forward (PEFT lora.Linear.forward)
     elements_bwd: int  # the same, backward
     trained: int  # every adapter parameter (DoRA's magnitudes too): what is reduced and stepped
@@ -339,17 +339,24 @@ def _adapter_numbers(spec: ModelSpec, adapter: Adapter) -> _AdapterNumbers:
     reads 2·d_out and writes d_out → d_in + 6·d_out; backward: the scaling's gradient (read and write d_out),
     ``lora_B``'s input and weight gradients (read the d_out gradient twice), ``lora_A``'s (write the d_in
     input gradient, read x), and autograd's sum of the two input gradients of x (read 2·d_in, write d_in)
-    → 5·d_in + 4·d_out. The r-wide tensors are left out (r ≪ d)."""
-    from trainfit.analytic.adapters import adapter_sites, adapter_tensors
+    → 5·d_in + 4·d_out. The r-wide tensors are left out (r ≪ d). The adapted linears are every layer's
+    (:func:`trainfit.analytic.adapters.adapter_sites`) and the head's (BERT's transform, ``head_sites``, once).
+
+    ``trained`` is the memory model's count (:func:`trainfit.analytic.adapters.trainable_adapter_counts`): an MoE
+    router's and expert stacks' ``ParamWrapper`` pairs exist in the MoE layers only (DeepSeek-V3: 58 of 61). Those
+    pairs add no per-token FLOPs here: PEFT forms ``W + B·A`` once per call (``_LoraFactorsProxy``'s ``baddbmm``,
+    2·r·E·d_in·d_out per stack and micro-batch, not per token) and the grouped GEMM then runs the frozen cost —
+    not modelled (the speed model is per token)."""
+    from trainfit.analytic.adapters import adapter_sites, head_sites, trainable_adapter_counts
 
     def build() -> _AdapterNumbers:
-        sites = adapter_sites(spec, adapter)
         n = spec.num_layers
+        sites = [(x, n) for x in adapter_sites(spec, adapter)] + [(x, 1) for x in head_sites(spec, adapter)]
         return _AdapterNumbers(
-            params=n * sum(adapter.rank * (x.d_in + x.d_out) for x in sites),
-            elements_fwd=n * sum(x.d_in + 6 * x.d_out for x in sites),
-            elements_bwd=n * sum(5 * x.d_in + 4 * x.d_out for x in sites),
-            trained=n * sum(t.numel for t in adapter_tensors(spec, adapter)),
+            params=sum(c * adapter.rank * (x.d_in + x.d_out) for x, c in sites),
+            elements_fwd=sum(c * (x.d_in + 6 * x.d_out) for x, c in sites),
+            elements_bwd=sum(c * (5 * x.d_in + 4 * x.d_out) for x, c in sites),
+            trained=sum(c * t.numel for t, c in trainable_adapter_counts(spec, adapter)),
         )
 
     return _ADAPTERS.get((spec_key(spec), adapter), build)
