@@ -243,3 +243,25 @@ def test_transformers_logging_is_quiet_during_construction_and_restored() -> Non
         assert tf_logging.get_verbosity() == tf_logging.WARNING
     finally:
         tf_logging.set_verbosity(before)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_norm_topk_prob_default_is_the_config_class_default(model_type: str) -> None:
+    """A DeepSeek config.json without ``norm_topk_prob`` renormalises the top-k weights as transformers' config
+    class says (V3: ``True``, was ``False`` here); V2's modeling never reads the key, so its spec says False
+    whatever the config says."""
+    import inspect
+
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
+
+    cls = transformers.AutoConfig.for_model(model_type)
+    assert "norm_topk_prob" not in inspect.getsource(modeling_deepseek_v2)
+    cfg = catalog_config("deepseek-v3") | {"model_type": model_type, "num_hidden_layers": 4}
+    cfg.pop("norm_topk_prob")
+    spec = spec_from_config(cfg, name="x", source="test")
+    assert spec.moe is not None
+    assert spec.moe.norm_topk_prob is cls.norm_topk_prob
+    reads_it = model_type == "deepseek_v3"
+    for value in (True, False):
+        spec = spec_from_config(cfg | {"norm_topk_prob": value}, name="x", source="test")
+        assert spec.moe is not None and spec.moe.norm_topk_prob is (value and reads_it)

@@ -425,3 +425,42 @@ def test_tp_mechanism_follows_what_the_plan_runs() -> None:
     assert tp_comm(dataclasses.replace(x_p, async_tp=True)) is TpComm.EAGER
     with pytest.raises(StrategyError, match="async TP"):
         step_time_of(spec, dataclasses.replace(x_m, async_tp=True), get_gpu("h100-sxm-80gb"))
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "mixtral-8x7b-v0.1", "llama-3.2-1b", "bert-base-uncased"])
+def test_speed_trains_the_memory_models_adapter_parameters(name: str) -> None:
+    """What the speed model reduces and steps is the estimate's trainable parameter count: DeepSeek-V3's router and
+    expert ParamWrapper pairs sit in its 58 MoE layers, not all 61 (was counted in every layer), BERT's head
+    transform is adapted once (all-linear). Its per-token adapter GEMMs are the adapted linears' pairs: all of
+    it but the MoE layers' ParamWrapper pairs (PEFT ``ParamWrapper.update_layer``: rank·E·(d_in + d_out) each)."""
+    from trainfit.analytic.adapters import moe_param_sites
+    from trainfit.estimate import estimate
+    from trainfit.planner.speed import _adapter_numbers
+
+    spec = load_model(name)
+    adapter, base = finetune_setup("lora", rank=8, targets="all-linear", base_dtype="bf16")
+    assert adapter is not None
+    s = Strategy(adapter=adapter, base_weights=base, micro_batch=1, seq_len=256, checkpointing="full")
+    trainable = estimate(spec, s).trainable_params
+    numbers = _adapter_numbers(spec, adapter)
+    assert numbers.trained == trainable
+    moe = spec.num_moe_layers * sum(p.adapter_numel for p in moe_param_sites(spec, adapter))
+    assert (moe > 0) is (spec.moe is not None)
+    assert numbers.params == trainable - moe
+
+
+def test_moe_lora_forms_the_adapted_expert_weight_gradients() -> None:
+    """Mixtral-8x7B, all-linear LoRA: PEFT's ParamWrapper makes the router's and both expert stacks' weights new
+    tensors that need a gradient (``W + B·A``), so their weight-gradient GEMMs run: per token and layer 2·(h·E +
+    top_k·(h·2i + i·h)) FLOPs beyond the frozen base's 2 × 2·P, besides the attention pairs' 3 × 2·r·(d_in + d_out).
+    Written out from the config (h 4096, i 14336, kv 1024, E 8, top-2, 32 layers); attention-only targets add none."""
+    spec = load_model("mixtral-8x7b-v0.1")
+    r, e, k, h, i, kv, n = 8, 8, 2, 4096, 14336, 1024, 32
+    frozen = model_flops_per_token(spec, 2048, frozen_base=True)
+    a, _ = finetune_setup("lora", rank=r, targets="all-linear", base_dtype="bf16")
+    attention = r * (h + h) + 2 * r * (h + kv) + r * (h + h)
+    grads = h * e + k * (h * 2 * i + i * h)
+    want = frozen + n * (3 * 2 * attention + 2 * grads)
+    assert model_flops_per_token(spec, 2048, adapter=a) == pytest.approx(want, rel=1e-12)
+    q, _ = finetune_setup("lora", rank=r, targets="q_proj", base_dtype="bf16")
+    assert model_flops_per_token(spec, 2048, adapter=q) == pytest.approx(frozen + n * 3 * 2 * r * (h + h), rel=1e-12)

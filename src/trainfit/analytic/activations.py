@@ -1077,6 +1077,8 @@ def frozen_moe_terms(
 
 #: MoE routers that compute their logits in fp32 (modeling_deepseek_v3.py ``DeepseekV3TopkRouter.forward``, the same
 #: in modeling_deepseek_v2.py: ``F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))``).
+#: Mixtral's and Qwen-MoE's routers run ``F.linear`` in the input dtype (Mixtral casts only the logits, ``.float()``,
+#: for its softmax): not listed; Mixtral's fp32 routing weights: :func:`moe_adapter_backward_bytes`.
 _FP32_ROUTERS = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
@@ -1141,6 +1143,13 @@ def moe_adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         # to fp32: its backward opens with fp32 T × h gradients (the sum's expanded copy, the un-permuting index's
         # zeros and index_put) beside the incoming residual gradient. Net of what the analytic counts as still
         # saved there, two of them (8·T·h) match the trace's peak (read off it, tests/trace/test_peft.py).
+        # Mixtral's weights are fp32 too (modeling_mixtral.py MixtralTopKRouter.forward: ``softmax(router_logits
+        # .float())``, never cast back), so its routed output is promoted the same way; but with wide experts the
+        # moment never sets the peak: over frozen 16-bit experts it is below the product's w·T·(3·moe_i − h)
+        # whenever moe_i ≥ (5 + 1/top_k)·h/3, and Mixtral-8x7B (moe_i = 3.5h) stays at ≤ 0.87 of the moment taken
+        # (any targets, 512 to 512k tokens), so it is not added. No trace cell isolates it: below that width the
+        # tiny configs' forward disagrees first (an unmodelled forward transient of the routed output, ≈ 8·T·h).
+        # Qwen2-/Qwen3-MoE cast the weights back (``router_top_value.to(router_logits.dtype)``): no promotion.
         moments.append(8 * big_t * h + r * t * h)
     return r * t * h + max(0, *moments)
 

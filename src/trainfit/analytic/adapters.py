@@ -408,6 +408,15 @@ def adapter_tensor_counts(spec: ModelSpec, adapter: Adapter) -> tuple[tuple[Para
     return tuple((t, spec.num_moe_layers if t in moe else spec.num_layers) for t in adapter_tensors(spec, adapter))
 
 
+def trainable_adapter_counts(spec: ModelSpec, adapter: Adapter) -> tuple[tuple[ParamTensor, int], ...]:
+    """Every adapter tensor of the model with the number of copies: the stack's (:func:`adapter_tensor_counts`) and
+    the head's (:func:`head_sites`, once). What trains, is reduced and is stepped — the memory model's trainable
+    parameters (:func:`trainfit.analytic.states.finetune_param_states`) and the speed model's
+    (``trainfit.planner.speed._adapter_numbers``) both read it."""
+    head = site_tensors(head_sites(spec, adapter), adapter)
+    return adapter_tensor_counts(spec, adapter) + tuple((t, 1) for t in head)
+
+
 def moe_tensors(spec: ModelSpec, adapter: Adapter) -> tuple[ParamTensor, ...]:
     """One MoE layer's ``ParamWrapper`` pairs (:func:`moe_param_sites`)."""
     out: list[ParamTensor] = []

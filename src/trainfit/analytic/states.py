@@ -50,14 +50,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.analytic.adapters import (
-    adapter_tensor_counts,
     finetuning,
     frozen_layer_counts,
-    head_sites,
     is_frozen,
     packed_bias_names,
     packed_weight_bytes,
-    site_tensors,
+    trainable_adapter_counts,
 )
 from trainfit.analytic.float8 import converted_weight_names
 from trainfit.arch.params import ParamInventory, inventory
@@ -258,8 +256,7 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
             add(t, g.count - n_frozen, trainable=True, in_layer=True)
     if adapter is not None:
         bits = adapter.dtype.bits
-        per_layer = list(adapter_tensor_counts(spec, adapter))
-        for t, count in per_layer + [(t, 1) for t in site_tensors(head_sites(spec, adapter), adapter)]:
+        for t, count in trainable_adapter_counts(spec, adapter):
             out.append(
                 ParamState(
                     tensor=t,

@@ -364,7 +364,10 @@ def _deepseek(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         num_shared_experts=n_shared,
         shared_expert_intermediate_size=moe_i,
         num_dense_layers=_int(cfg, "first_k_dense_replace", 0, minimum=0),
-        norm_topk_prob=_bool(cfg, "norm_topk_prob", False),
+        # transformers 5.24 configuration_deepseek_v3.py ``norm_topk_prob: bool | None = True`` (V2's config class
+        # defaults to False, and modeling_deepseek_v2.py ``DeepseekV2TopkRouter.forward`` never renormalises: the
+        # key is ignored there).
+        norm_topk_prob=base["model_type"] == "deepseek_v3" and _bool(cfg, "norm_topk_prob", True),
     )
     return out | {
         "mla": mla,

@@ -302,10 +302,14 @@ def model_flops_per_token(
     """Training FLOPs per token without recompute: 3 × (2·P_matmul + attention) — forward, then the input and
     the weight gradients. A frozen base weight (``frozen_base``, or any ``adapter``) has no weight gradient:
     2 × 2·P_matmul. Attention has no weights: its backward (dQ, dK, dV) is 2 × its forward either way. An
-    adapter's own matmuls train: 3 × 2·P_adapter."""
+    adapter's own matmuls train: 3 × 2·P_adapter; an MoE router or expert stack under PEFT's ``ParamWrapper`` has
+    its weight gradient formed (2·P per token of the weights it reaches, :func:`_adapter_numbers`)."""
     attn = _attention_flops_per_token(spec, seq_len)
     frozen = frozen_base or adapter is not None
-    adapters = 3 * 2 * _adapter_numbers(spec, adapter).params if adapter is not None else 0
+    adapters = 0
+    if adapter is not None:
+        ad = _adapter_numbers(spec, adapter)
+        adapters = 3 * 2 * ad.params + 2 * ad.weight_grads
     return (2 if frozen else 3) * 2 * _numbers(spec).matmul_params + 3 * attn + adapters
 
 
@@ -320,10 +324,11 @@ def _sac_params(spec: ModelSpec) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _AdapterNumbers:
-    params: int  # adapter matmul weights, all layers: r·(d_in + d_out) per adapted linear
+    params: int  # adapter matmul weights of the adapted linears (layers and head): r·(d_in + d_out) each
     elements_fwd: int  # elementwise traffic per token, forward (PEFT lora.Linear.forward)
     elements_bwd: int  # the same, backward
     trained: int  # every adapter parameter (DoRA's magnitudes too): what is reduced and stepped
+    weight_grads: int  # per token: frozen weights whose gradient is formed anyway (MoE ParamWrapper; see below)
 
 
 _ADAPTERS: Memo[_AdapterNumbers] = Memo(64)
@@ -339,17 +344,33 @@ def _adapter_numbers(spec: ModelSpec, adapter: Adapter) -> _AdapterNumbers:
     reads 2·d_out and writes d_out → d_in + 6·d_out; backward: the scaling's gradient (read and write d_out),
     ``lora_B``'s input and weight gradients (read the d_out gradient twice), ``lora_A``'s (write the d_in
     input gradient, read x), and autograd's sum of the two input gradients of x (read 2·d_in, write d_in)
-    → 5·d_in + 4·d_out. The r-wide tensors are left out (r ≪ d)."""
-    from trainfit.analytic.adapters import adapter_sites, adapter_tensors
+    → 5·d_in + 4·d_out. The r-wide tensors are left out (r ≪ d). The adapted linears are every layer's
+    (:func:`trainfit.analytic.adapters.adapter_sites`) and the head's (BERT's transform, ``head_sites``, once).
+
+    ``trained`` is the memory model's count (:func:`trainfit.analytic.adapters.trainable_adapter_counts`): an MoE
+    router's and expert stacks' ``ParamWrapper`` pairs exist in the MoE layers only (DeepSeek-V3: 58 of 61). Those
+    pairs have no rank-r GEMMs per token: PEFT forms a new weight ``W + B·A`` per call (``_LoraFactorsProxy``'s
+    ``baddbmm`` for a stack, ``_LoraParameterProxy`` for the router), which needs a gradient, so the router's linear
+    and the stack's ``grouped_mm`` form their full weight gradient in backward (``weight_grads``: E·h for the router,
+    top-k·d_in·d_out for a stack, per token and MoE layer; the memory side's
+    :func:`trainfit.analytic.activations.moe_adapter_backward_bytes` holds that gradient). Forming ``W + B·A`` and
+    reducing its gradient to the factors (2·rank·E·d_in·d_out FLOPs each way per stack and micro-batch, not per
+    token) is left out: the speed model is per token."""
+    from trainfit.analytic.adapters import adapter_sites, head_sites, moe_param_sites, trainable_adapter_counts
 
     def build() -> _AdapterNumbers:
-        sites = adapter_sites(spec, adapter)
         n = spec.num_layers
+        sites = [(x, n) for x in adapter_sites(spec, adapter)] + [(x, 1) for x in head_sites(spec, adapter)]
+        top_k = spec.moe.experts_per_token if spec.moe is not None else 0
         return _AdapterNumbers(
-            params=n * sum(adapter.rank * (x.d_in + x.d_out) for x in sites),
-            elements_fwd=n * sum(x.d_in + 6 * x.d_out for x in sites),
-            elements_bwd=n * sum(5 * x.d_in + 4 * x.d_out for x in sites),
-            trained=n * sum(t.numel for t in adapter_tensors(spec, adapter)),
+            params=sum(c * adapter.rank * (x.d_in + x.d_out) for x, c in sites),
+            elements_fwd=sum(c * (x.d_in + 6 * x.d_out) for x, c in sites),
+            elements_bwd=sum(c * (5 * x.d_in + 4 * x.d_out) for x, c in sites),
+            trained=sum(c * t.numel for t, c in trainable_adapter_counts(spec, adapter)),
+            weight_grads=spec.num_moe_layers
+            * sum(
+                p.weight_numel if p.experts == 1 else top_k * p.d_in * p.d_out for p in moe_param_sites(spec, adapter)
+            ),
         )
 
     return _ADAPTERS.get((spec_key(spec), adapter), build)
