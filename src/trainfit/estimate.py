@@ -29,9 +29,11 @@ from trainfit.overhead import REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import (
     DEFAULT_HEADROOM,
     MAX_SEARCH_BATCH,
+    allocator_capacity_bytes,
     fit_verdict,
     lower_bound_bytes,
     required_bytes,
+    usable_bytes,
 )
 from trainfit.precision.advice import fp8_from_cc
 from trainfit.result import Component, FitVerdict, MemoryReport, Method, PhaseBreakdown, Suggestion, SuggestionKind
@@ -339,7 +341,17 @@ def estimate(
             "--segments shows the allocator simulation's segments: --method analytic or trace, on one GPU (a "
             "many-GPU rank's simulation does not report its layout yet)"
         )
-    report = fn(spec, strategy, **options, layout=True) if allocator_layout else with_options(spec, strategy)
+    # The borderline case of the verdict (planner.search.fit_tier): a method whose reserve comes from a simulated
+    # stream gets the allocator's share of the usable memory and, only when the uncapped reserve alone exceeds
+    # it, simulates its stream once more under it. Not for the micro-batch probes, nor the planner's
+    # search_micro_batch=False estimates: a plan must fit without cache flushes.
+    main = dict(options)
+    if gpu_spec is not None and search_micro_batch and "allocator" in options and method is not Method.MEASURE:
+        outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+        main["capacity_bytes"] = allocator_capacity_bytes(
+            usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
+        )
+    report = fn(spec, strategy, **main, layout=True) if allocator_layout else fn(spec, strategy, **main)
     warnings += list(report.warnings)
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(

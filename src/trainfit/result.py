@@ -388,6 +388,44 @@ class Suggestion:
     states_bytes: int | None = None  # the model states it is about, when it is about them
 
 
+class FitTier(StrEnum):
+    """The verdict's three answers. ``fits-with-flushes``: the uncapped reserved peak (what ``max_memory_reserved``
+    shows with room to spare) does not fit, but the allocated peak does and the same allocator stream, simulated
+    under the usable capacity, completes: when ``cudaMalloc`` fails the caching allocator frees its cached blocks
+    (``release_cached_blocks``, an implicit ``empty_cache``) and retries (c10/cuda/CUDACachingAllocator.cpp
+    ``malloc`` → ``alloc_block`` → retry; ``num_alloc_retries``). Each flush synchronises the device: slower steps,
+    and where the blocks land then varies from run to run."""
+
+    FITS = "fits"
+    FITS_WITH_FLUSHES = "fits-with-flushes"
+    DOES_NOT_FIT = "does-not-fit"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CappedRun:
+    """The report's own allocator stream simulated once more under a device capacity (the borderline case only:
+    the allocated peak fits the capacity, the uncapped reserved peak does not; :mod:`trainfit.allocator.capped`).
+
+    ``capacity_bytes`` is what the verdict compares the reserved estimate with (usable memory minus what sits
+    outside the allocator); ``stream_capacity_bytes`` the capacity the stream ran under, the same less whatever the
+    method adds above the stream's own reserved peak (zero unless the stream leaves tensors out)."""
+
+    capacity_bytes: int
+    stream_capacity_bytes: int
+    completed: bool  # no out-of-memory error even after the flush-and-retry
+    num_alloc_retries: int  # the cache flushes (release_cached_blocks + retry) over the replayed steps
+    peak_reserved_bytes: int  # the capped run's reserved peak (≤ stream_capacity_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "stream_capacity_bytes": self.stream_capacity_bytes,
+            "completed": self.completed,
+            "num_alloc_retries": self.num_alloc_retries,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+        }
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FitVerdict:
     gpu_id: str
@@ -395,7 +433,7 @@ class FitVerdict:
     headroom_fraction: float
     usable_bytes: int  # memory after the headroom
     required_bytes: int  # what we compare: the nvidia-smi estimate (allocated + overhead)
-    fits: bool
+    fits: bool  # fits without cache flushes: required_bytes <= usable_bytes (tier FITS)
     free_bytes: int  # usable - required (negative when it does not fit)
     max_micro_batch: int | None  # 0 when even batch 1 does not fit; None when not searched (trace, measure)
     max_micro_batch_capped: bool = False  # the search stopped at its cap: "at least max_micro_batch"
@@ -406,6 +444,16 @@ class FitVerdict:
     # ``fixes_searched`` says whether the planner was asked (not for trace/measure, nor with ``fixes=False``).
     fixes: tuple[Suggestion, ...] = ()
     fixes_searched: bool = False
+    # FITS iff ``fits``; FITS_WITH_FLUSHES when the capped simulation of the report's stream completed
+    # (MemoryReport.capped), with its ``cache_flushes`` (num_alloc_retries over the replayed steps; 0 otherwise).
+    tier: FitTier = FitTier.DOES_NOT_FIT
+    cache_flushes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fits != (self.tier is FitTier.FITS):
+            raise ValueError(f"fits={self.fits} contradicts tier {self.tier}")
+        if self.cache_flushes and self.tier is not FitTier.FITS_WITH_FLUSHES:
+            raise ValueError(f"cache_flushes={self.cache_flushes} without the {FitTier.FITS_WITH_FLUSHES} tier")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -433,6 +481,9 @@ class MemoryReport:
     gpu: GPUSpec | None = None
     # With a GPU: the speed model's step time for exactly this configuration (trainfit.planner.speed).
     speed: StepTime | None = None
+    # With a GPU, when the reserve was simulated and only the uncapped reserve keeps it off the GPU: the same
+    # stream under the usable capacity (FitVerdict.tier FITS_WITH_FLUSHES when it completed).
+    capped: CappedRun | None = None
 
     def __post_init__(self) -> None:
         if not self.phases:

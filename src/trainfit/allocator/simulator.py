@@ -788,6 +788,25 @@ class Simulator:
             if was_enabled:
                 gc.enable()
 
+    def drive(self, calls: Callable[[Simulator], object]) -> OutOfMemory | None:
+        """Let ``calls`` drive this simulator (``malloc``/``free_*``, e.g. a stream synthesised straight into it);
+        returns the out-of-memory error that ended it under a capacity (None: it ran through)."""
+        was_enabled = gc.isenabled()
+        gc.disable()  # as run()
+        try:
+            calls(self)
+        except AllocatorOutOfMemory as exc:
+            return OutOfMemory(
+                event_index=self.event_index,
+                request_bytes=int(exc.args[0]) if exc.args else 0,
+                reserved_bytes=self.reserved_bytes,
+                allocated_bytes=self.allocated_bytes,
+            )
+        finally:
+            if was_enabled:
+                gc.enable()
+        return None
+
     def _run(self, events: Iterable[Event], stop_after: int | None) -> OutOfMemory | None:
         alloc, free, req, done = Op.ALLOC, Op.FREE, Op.FREE_REQUESTED, Op.FREE_COMPLETED
         malloc, free_completed, free_requested = self.malloc, self.free_completed, self.free_requested
@@ -877,19 +896,7 @@ def least_capacity(
 
     def run(capacity: int | None) -> AllocatorResult:
         sim = Simulator(config, capacity_bytes=capacity)
-        if callable(stream):
-            oom = None
-            try:
-                stream(sim)
-            except AllocatorOutOfMemory:
-                oom = OutOfMemory(
-                    event_index=sim.event_index,
-                    request_bytes=0,
-                    reserved_bytes=sim.reserved_bytes,
-                    allocated_bytes=sim.allocated_bytes,
-                )
-            return sim.result(oom=oom)
-        return sim.result(oom=sim.run(stream))
+        return sim.result(oom=sim.drive(stream) if callable(stream) else sim.run(stream))
 
     free = run(None)
     step = resolution_bytes

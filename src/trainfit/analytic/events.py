@@ -26,7 +26,6 @@ this is to the trace's own events and to the H200 is in docs/accuracy.md.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterable, Sequence
 
 from trainfit._memo import Memo, spec_key
@@ -424,13 +423,16 @@ def simulate_training(
     workspaces: tuple[Workspace, ...] = (),
     *,
     layout: bool = False,
+    capacity_bytes: int | None = None,
 ) -> AllocatorResult:
     """The caching allocator's peaks over the synthesised stream of a training step (``layout``: with the
-    segments at the reserved peak). Memoised on the inputs (``ModelSpec`` holds a dict, so it is keyed by its
-    ``repr``, which shows every field)."""
+    segments at the reserved peak; ``capacity_bytes``: under that device capacity, flushing its cache and
+    retrying where a segment does not fit, :class:`~trainfit.allocator.Simulator`). Memoised on the inputs
+    (``ModelSpec`` holds a dict, so it is keyed by its ``repr``, which shows every field)."""
+    key = (spec_key(spec), strategy, config, workspaces, layout)
     return _MEMO.get(
-        (spec_key(spec), strategy, config, workspaces, layout),
-        lambda: _simulate_training(spec, strategy, config, workspaces, layout=layout),
+        key if capacity_bytes is None else (*key, capacity_bytes),
+        lambda: _simulate_training(spec, strategy, config, workspaces, layout=layout, capacity_bytes=capacity_bytes),
     )
 
 
@@ -441,15 +443,9 @@ def _simulate_training(
     workspaces: tuple[Workspace, ...],
     *,
     layout: bool,
+    capacity_bytes: int | None = None,
 ) -> AllocatorResult:
     if layout:  # replayed twice (the second time up to the peak): needs the events
-        return simulate(training_events(spec, strategy, workspaces), config, layout=True)
-    sim = Simulator(config)
-    enabled = gc.isenabled()
-    gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
-    try:
-        synthesise(Stream(sim), spec, strategy, workspaces)
-    finally:
-        if enabled:
-            gc.enable()
-    return sim.result()
+        return simulate(training_events(spec, strategy, workspaces), config, layout=True, capacity_bytes=capacity_bytes)
+    sim = Simulator(config, capacity_bytes=capacity_bytes)
+    return sim.result(oom=sim.drive(lambda x: synthesise(Stream(x), spec, strategy, workspaces)))

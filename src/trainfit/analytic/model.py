@@ -33,7 +33,7 @@ from enum import StrEnum
 
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig
-from trainfit.allocator.report import allocator_details
+from trainfit.allocator.report import allocator_details, capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import (
     SavedTerm,
@@ -869,11 +869,14 @@ def estimate_analytic(
     allocator: AllocatorConfig | None = None,
     workspaces: tuple[Workspace, ...] = (),
     layout: bool = False,
+    capacity_bytes: int | None = None,
 ) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``; reserved
     memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
     ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment), with the GPU's cuBLAS
-    ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU)."""
+    ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU).
+    ``capacity_bytes``: the allocator's share of the GPU; when only the uncapped reserve exceeds it, the stream
+    runs once more under it (``MemoryReport.capped``, :func:`trainfit.allocator.report.capped_run`)."""
     strategy, q, phases = _closed_form(spec, strategy, keep_logits=keep_logits)
     peak = max(p.total_bytes for p in phases)
     st, stack = q.states, q.stack
@@ -888,6 +891,13 @@ def estimate_analytic(
         # (analytic.events: Float8Linear's transients are not in it):
         # take the allocator's own overhead above its allocated peak rather than above this peak.
         reserve = max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
+    capped = capped_run(
+        lambda c: simulate_training(spec, strategy, config, workspaces, capacity_bytes=c),
+        sim,
+        held_bytes=held,
+        reserve_bytes=reserve,
+        capacity_bytes=capacity_bytes,
+    )
     return MemoryReport(
         method=Method.ANALYTIC,
         model_name=spec.name,
@@ -909,6 +919,7 @@ def estimate_analytic(
             activations_per_layer_bytes=stack.max_layer_bytes,
             allocator=allocator_details(sim, config),
         ),
+        capped=capped,
     )
 
 

@@ -87,6 +87,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import TermRole, Widths, effective_strategy, layer_terms
 from trainfit.analytic.adapters import check_finetune_model, finetuning
@@ -1760,6 +1761,7 @@ def estimate_parallel(
     *,
     allocator: AllocatorConfig | None = None,
     workspaces: tuple[Workspace, ...] = (),
+    capacity_bytes: int | None = None,
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
@@ -1767,7 +1769,8 @@ def estimate_parallel(
     Megatron TP/SP/PP ranks (1F1B, the worst stage) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
-    :func:`trainfit.overhead.overhead_for`."""
+    :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
+    simulated rank's uncapped reserve exceeds it, its stream runs once more under it (``MemoryReport.capped``)."""
     strategy, _ = effective_strategy(spec, strategy)
     p = plan(spec, strategy)
     ranks: tuple[RankMemory, ...] = ()
@@ -1802,6 +1805,7 @@ def estimate_parallel(
     peak = max(ph.total_bytes for ph in phases)
     overhead = overhead_for(peak)
     reserve_note = "reserved: the fixed reserve fraction of the allocated peak (docs/accuracy.md)"
+    capped = None
     if allocator is not None:
         from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
 
@@ -1810,6 +1814,13 @@ def estimate_parallel(
             sim = simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage)
             held = peak + sum(w.size_bytes for w in workspaces)
             overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
+            capped = capped_run(
+                lambda c: simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage, capacity_bytes=c),
+                sim,
+                held_bytes=held,
+                reserve_bytes=overhead.allocator_reserve_bytes,
+                capacity_bytes=capacity_bytes,
+            )
             reserve_note = (
                 "reserved: this rank's event stream"
                 + (f" (pipeline stage {stage}, the 1F1B order)" if ranks else "")
@@ -1842,6 +1853,7 @@ def estimate_parallel(
             "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
         ),
         ranks=ranks,
+        capped=capped,
     )
 
 

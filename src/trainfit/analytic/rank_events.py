@@ -71,7 +71,6 @@ DTensor TP with SP and 2-D FSDP2×TP, CPU offload and fine-tuning with many GPUs
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 
 from trainfit._memo import spec_key
@@ -876,12 +875,15 @@ def simulate_rank(
     workspaces: tuple[Workspace, ...] = (),
     *,
     stage: int = 0,
+    capacity_bytes: int | None = None,
 ) -> AllocatorResult:
     """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups; ``stage``:
-    the pipeline stage of a Megatron rank)."""
+    the pipeline stage of a Megatron rank; ``capacity_bytes``: under that device capacity, with the allocator's
+    flush-and-retry, :class:`~trainfit.allocator.Simulator`)."""
+    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage)
     return simulation_memo().get(
-        ("rank", spec_key(spec), strategy, p, config, workspaces, stage),
-        lambda: _simulate(spec, strategy, p, config, workspaces, stage),
+        key if capacity_bytes is None else (*key, capacity_bytes),
+        lambda: _simulate(spec, strategy, p, config, workspaces, stage, capacity_bytes),
     )
 
 
@@ -892,6 +894,7 @@ def _simulate(
     config: AllocatorConfig | None,
     workspaces: tuple[Workspace, ...],
     stage: int = 0,
+    capacity_bytes: int | None = None,
 ) -> AllocatorResult:
     hooks: RankHooks | None = None
     run = strategy
@@ -907,7 +910,7 @@ def _simulate(
     else:
         hooks = FsdpHooks(spec, strategy, p.shard)
         run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
-    sim = Simulator(config)
+    sim = Simulator(config, capacity_bytes=capacity_bytes)
     seen = [-1]
 
     def steady(step: int) -> bool:
@@ -916,14 +919,12 @@ def _simulate(
         seen[0] = sim.peak_reserved_bytes
         return step >= 2 and not grew
 
-    enabled = gc.isenabled()
-    gc.disable()  # as Simulator.run: the blocks' links would make the collector rescan them
-    try:
-        if hooks is None:
-            megatron_events(Stream(sim), spec, strategy, p, stage, workspaces, stop=steady)
+    rank = hooks
+
+    def write(x: Simulator) -> None:
+        if rank is None:
+            megatron_events(Stream(x), spec, strategy, p, stage, workspaces, stop=steady)
         else:
-            synthesise(Stream(sim), spec, run, workspaces, hooks, steps=MAX_STEPS, stop=steady)
-    finally:
-        if enabled:
-            gc.enable()
-    return sim.result()
+            synthesise(Stream(x), spec, run, workspaces, rank, steps=MAX_STEPS, stop=steady)
+
+    return sim.result(oom=sim.drive(write))

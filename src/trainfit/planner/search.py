@@ -24,7 +24,7 @@ from collections.abc import Callable
 from trainfit.arch.spec import ModelSpec
 from trainfit.hardware import GPUSpec
 from trainfit.overhead import overhead_for
-from trainfit.result import FitVerdict, MemoryReport, Suggestion, SuggestionKind
+from trainfit.result import FitTier, FitVerdict, MemoryReport, Suggestion, SuggestionKind
 from trainfit.strategy import Optimizer, Precision, Strategy
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "Suggestion",
     "SuggestionKind",
     "accumulation_plan",
+    "allocator_capacity_bytes",
+    "fit_tier",
     "fit_verdict",
     "largest_below",
     "lower_bound_bytes",
@@ -252,6 +254,32 @@ def suggestions(
     )
 
 
+def allocator_capacity_bytes(usable: int, outside_allocator_bytes: int) -> int:
+    """What the caching allocator may reserve: the usable memory less what sits outside it (context, kernels,
+    NCCL) — the bound :func:`fit_verdict` holds the reserved estimate to (``required_bytes`` is reserved +
+    outside)."""
+    return usable - outside_allocator_bytes
+
+
+def fit_tier(report: MemoryReport, usable: int) -> tuple[FitTier, int]:
+    """(the verdict's tier, its cache flushes). FITS: the uncapped requirement fits ``usable``. FITS_WITH_FLUSHES:
+    it does not, but the allocated peak does and ``report.capped`` (the same stream simulated under
+    :func:`allocator_capacity_bytes`, :func:`trainfit.allocator.report.capped_run`) completed. Otherwise —
+    including every fixed-fraction reserve, which has no stream to cap — DOES_NOT_FIT."""
+    if required_bytes(report) <= usable:
+        return FitTier.FITS, 0
+    capacity = allocator_capacity_bytes(usable, report.overhead.outside_allocator_bytes)
+    capped = report.capped
+    if (
+        capped is not None
+        and capped.completed
+        and capped.capacity_bytes == capacity  # capped for this GPU and headroom, not another
+        and report.peak_bytes <= capacity
+    ):
+        return FitTier.FITS_WITH_FLUSHES, capped.num_alloc_retries
+    return FitTier.DOES_NOT_FIT, 0
+
+
 def fit_verdict(
     spec: ModelSpec,
     strategy: Strategy,
@@ -271,7 +299,10 @@ def fit_verdict(
     else:
         best, capped = max_micro_batch(spec, strategy, usable, search_fn, bound)
     rank_required = tuple(r.peak_bytes + overhead_for(r.peak_bytes).total_bytes for r in report.ranks)
+    tier, flushes = fit_tier(report, usable)
     return FitVerdict(
+        tier=tier,
+        cache_flushes=flushes,
         rank_required_bytes=rank_required,
         gpu_id=gpu.id,
         gpu_memory_bytes=gpu.memory_bytes,

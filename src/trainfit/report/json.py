@@ -204,7 +204,11 @@ def report_json(
         f = report.fit
         out |= {
             "gpu": f.gpu_id,
-            "fits": f.fits,
+            "fits": f.fits,  # without cache flushes (the tier "fits")
+            "verdict": f.tier.value,  # fits | fits-with-flushes | does-not-fit
+            "cache_flushes": f.cache_flushes,  # fits-with-flushes: the simulated flush-and-retries; else 0
+            # the report's stream simulated under the allocator's share of the usable memory (borderline only)
+            "capped_run": report.capped.as_dict() if report.capped is not None else None,
             "headroom_fraction": f.headroom_fraction,
             "headroom_bytes": f.gpu_memory_bytes - f.usable_bytes,
             "usable_bytes": f.usable_bytes,

@@ -16,6 +16,7 @@ from trainfit.result import (
     AnalyticDetails,
     Component,
     Difference,
+    FitTier,
     FitVerdict,
     MeasureDetails,
     MemoryReport,
@@ -91,20 +92,31 @@ def _verdict(f: FitVerdict) -> Text:
         t.append("FITS", style="bold green")
         t.append(f" on {f.gpu_id}: needs {fmt_gib(f.required_bytes)} of {fmt_gib(f.usable_bytes)} usable, ")
         t.append(f"{fmt_gib(f.free_bytes)} free after {f.headroom_fraction:.0%} headroom. ")
+    elif f.tier is FitTier.FITS_WITH_FLUSHES:
+        t.append(flushes_headline(f), style="bold yellow")
+        t.append(
+            f" on {f.gpu_id}: the uncapped reserve needs {fmt_gib(f.required_bytes)} of {fmt_gib(f.usable_bytes)} "
+            f"usable (short by {fmt_gib(-f.free_bytes)}), but the allocated peak fits and the simulated allocator "
+            "runs the steps within it by freeing its cache when cudaMalloc fails (each flush an implicit "
+            "empty_cache: slower steps, and fragmentation may vary run to run). "
+        )
     else:
         t.append("DOES NOT FIT", style="bold red")
         t.append(f" on {f.gpu_id}: needs {fmt_gib(f.required_bytes)} of {fmt_gib(f.usable_bytes)} usable ")
         t.append(
             f"({fmt_gib(f.gpu_memory_bytes)} − {f.headroom_fraction:.0%} headroom), short by {fmt_gib(-f.free_bytes)}. "
         )
+    plain = " without cache flushes" if f.tier is FitTier.FITS_WITH_FLUSHES else ""
     if f.max_micro_batch is None:
         t.append("Largest micro-batch: not searched with this method (--method analytic searches it).")
     elif f.max_micro_batch == 0:
-        t.append("Not even micro-batch 1 fits.")
+        t.append(f"Not even micro-batch 1 fits{plain}.")
     elif f.max_micro_batch_capped:
-        t.append(f"Largest micro-batch that fits: at least {f.max_micro_batch} (the search stops there).")
+        t.append(f"Largest micro-batch that fits{plain}: at least {f.max_micro_batch} (the search stops there).")
     else:
-        t.append(f"Largest micro-batch that fits: {f.max_micro_batch}.")
+        t.append(f"Largest micro-batch that fits{plain}: {f.max_micro_batch}.")
+    if plain and (f.suggestions or f.fixes):
+        t.append(" To fit without cache flushes:")
     for s in f.suggestions:  # why it does not fit
         t.append(_suggestion(s))
     if f.fixes:  # what fits, checked by the planner with this estimate
@@ -112,6 +124,12 @@ def _verdict(f: FitVerdict) -> Text:
         for i, s in enumerate(f.fixes, 1):
             t.append(f"\n  {i}. {' '.join(s.flags) or '(as given)'}: {s.reason}")
     return t
+
+
+def flushes_headline(f: FitVerdict) -> str:
+    """The verdict's head words in the middle tier: "FITS WITH 3 CACHE FLUSHES"."""
+    n = f.cache_flushes
+    return f"FITS WITH {n} CACHE FLUSH{'' if n == 1 else 'ES'}"
 
 
 def _suggestion(s: Suggestion) -> str:

@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainfit.allocator import AllocatorConfig
-from trainfit.allocator.report import allocator_details
+from trainfit.allocator import AllocatorConfig, simulate
+from trainfit.allocator.report import allocator_details, capped_run
 from trainfit.allocator.workspaces import training_workspaces
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TrainfitError
@@ -41,6 +41,7 @@ def trace_spec(
     allocator: AllocatorConfig | None = None,
     compute_capability: tuple[int, int] = (9, 0),
     layout: bool = False,
+    capacity_bytes: int | None = None,
 ) -> MemoryReport:
     """Trace ``spec`` trained under ``strategy`` (real HF modules, fake tensors, CUDA policies).
 
@@ -50,6 +51,8 @@ def trace_spec(
     workspaces of a GPU of ``compute_capability``) are replayed through the caching-allocator simulation
     for the reserved memory (:func:`trainfit.trace.events.reserved_from_trace`: one more trace of three
     units of the layer stack); without it, reserved memory is the fixed fraction of ``trainfit.overhead``.
+    ``capacity_bytes`` (with ``allocator``): the allocator's share of the GPU; when only the uncapped reserve
+    exceeds it, the same events run once more under it (``MemoryReport.capped``).
     """
     if strategy.beyond_the_trace():
         raise StrategyError(
@@ -71,15 +74,24 @@ def trace_spec(
         return report
     if progress is not None:
         progress("simulating the caching allocator on the full-depth event stream", 1.0)
-    res = reserved_from_trace(
+    traced = reserved_from_trace(
         spec, strategy, allocator, compute_capability=compute_capability, env=os.environ, steps=steps, layout=layout
-    ).result
+    )
+    res = traced.result
     held = report.peak_bytes + sum(w.size_bytes for w in training_workspaces(compute_capability, os.environ))
+    reserve = max(0, res.peak_reserved_bytes - held)
     details = report.details
     assert isinstance(details, TraceDetails)
     return dataclasses.replace(
         report,
-        overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=max(0, res.peak_reserved_bytes - held)),
+        capped=capped_run(
+            lambda c: simulate(traced.stream, allocator, capacity_bytes=c),
+            res,
+            held_bytes=held,
+            reserve_bytes=reserve,
+            capacity_bytes=capacity_bytes,
+        ),
+        overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=reserve),
         details=dataclasses.replace(
             details,
             allocator=allocator_details(res, allocator),

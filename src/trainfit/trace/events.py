@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
 from trainfit.allocator.workspaces import Thread, WorkspaceKind, training_workspaces
@@ -120,6 +120,9 @@ class TraceReserved:
     size_mismatches: int = 0
     #: Why a stitched stream was rejected (and the full depth traced instead); None if it was not.
     stitch_problem: str | None = None
+    #: The replayed events (workspaces included), to simulate again under a capacity (the fit verdict's
+    #: borderline case, :func:`trainfit.allocator.report.capped_run`) without tracing again.
+    stream: tuple[Event, ...] = field(default=(), repr=False, compare=False)
 
 
 def reserved_from_run(
@@ -454,6 +457,7 @@ def reserved_from_trace(
         res = simulate(st.events, config, capacity_bytes=capacity_bytes, layout=layout)
         return TraceReserved(
             result=res,
+            stream=tuple(st.events),
             events=len(st.events),
             layers_traced=len(lay.layers),
             layers_full=plan.full_layers,
@@ -468,6 +472,7 @@ def reserved_from_trace(
     res = simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
     return TraceReserved(
         result=res,
+        stream=tuple(events),
         events=len(events),
         layers_traced=len(lay.layers),
         layers_full=plan.full_layers,
