@@ -3,8 +3,9 @@
 It resolves the model and GPU, refuses setups the chosen method does not model (rather than silently
 answering a different question), runs the method, adds the warnings every method shares (SDPA fallbacks,
 sequence beyond the model's context, bf16 without native support) and — with a GPU — the fit verdict from
-:mod:`trainfit.planner.search`. The report it returns echoes its inputs (model, strategy, GPU), so a
-renderer needs nothing else.
+:mod:`trainfit.planner.search` (for a simulated reserve the method is told the allocator's share of the usable
+memory, so that in the borderline case it runs its stream once more under it: the "fits with cache flushes"
+tier). The report it returns echoes its inputs (model, strategy, GPU), so a renderer needs nothing else.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainfit.errors import TrainfitError
-from trainfit.result import MemoryReport
+from trainfit.result import FitTier, MemoryReport
 
 __all__ = ["TrainfitCallback", "TrainfitMemoryWarning", "estimate_trainer_run"]
 
@@ -175,6 +175,11 @@ class TrainfitCallback(TrainerCallback):
             return
         top = (fit.fixes or fit.suggestions or (None,))[0]
         fix = f" Top fix: {' '.join(top.flags) or top.reason}" if top is not None else ""
-        message = f"{line} — DOES NOT FIT (short by {_gib(-fit.free_bytes)}).{fix}"
+        verdict = (
+            f"fits with {fit.cache_flushes} cache flush(es), each an implicit empty_cache (slower steps)"
+            if fit.tier is FitTier.FITS_WITH_FLUSHES
+            else "DOES NOT FIT"
+        )
+        message = f"{line} — {verdict} (short by {_gib(-fit.free_bytes)} without flushes).{fix}"
         logger.warning(message)
         warnings.warn(message, TrainfitMemoryWarning, stacklevel=2)

@@ -2,7 +2,8 @@
 
 Every candidate's memory is :func:`trainfit.estimate.estimate` of the very Strategy the plan prints, on the
 GPU, with the headroom (``search_micro_batch=False``: the planner bisects the micro-batch itself), so a plan
-fits exactly when ``trainfit estimate`` with those flags says it fits.
+fits exactly when ``trainfit estimate`` with those flags says it fits — without cache flushes: the estimate's
+``fits-with-flushes`` tier is not a fit here (those estimates skip the capped simulation; docs/plan.md).
 
 Speed is cheap (:mod:`trainfit.planner.speed`, microseconds) and memory is not (milliseconds), so the search
 is best-first: for each candidate, the best step time over the micro-batches that hit the global batch is a

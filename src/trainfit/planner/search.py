@@ -10,6 +10,12 @@ need one segment more at a smaller batch (llama-3.1-8b pure-bf16: 74.8 GiB at mi
 the answer is a micro-batch that fits whose successor does not. Only cheap methods are searched: one probe of the trace
 is seconds, of ``measure`` a GPU run, so for those the verdict is for the given batch only.
 
+The verdict has three tiers (:func:`fit_tier`, :class:`~trainfit.result.FitTier`): it fits; it fits with cache
+flushes — the uncapped requirement is over, the allocated peak is not, and the report's own allocator stream ran
+under the allocator's share of the usable memory (:func:`allocator_capacity_bytes`) with the flush-and-retry of
+``release_cached_blocks`` (``MemoryReport.capped``); or it does not fit. ``FitVerdict.fits`` stays "fits without
+flushes", and so do the micro-batch search, the suggestions and the planner (a plan must fit without flushes).
+
 Suggestions are typed (:class:`Suggestion`), and only cover micro-batch, precision recipe and optimizer
 for now: when the model states alone (weights, gradients, master weights, optimizer states) exceed the
 usable memory, no batch or checkpointing helps; the leanest recipe trainfit models (pure-bf16 with 8-bit

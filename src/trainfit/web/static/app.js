@@ -302,6 +302,10 @@ function verdictText(data, kind) {
   const mb = data.max_micro_batch === null || data.max_micro_batch === undefined ? "" :
     data.max_micro_batch === 0 ? " · no micro-batch fits" :
     ` · largest micro-batch ${data.max_micro_batch}${data.max_micro_batch_capped ? "+" : ""}`;
+  if (data.verdict === "fits-with-flushes") {
+    const n = data.cache_flushes;
+    return { cls: "warn", text: `Fits on ${data.gpu} with ${n} cache flush${n === 1 ? "" : "es"} (each an implicit empty_cache: slower steps): the uncapped reserve needs ${gib(data.required_bytes)}, ${gib(data.usable_bytes)} usable${mb ? mb + " without flushes" : ""}` };
+  }
   return data.fits
     ? { cls: "ok", text: `Fits on ${data.gpu}: needs ${gib(data.required_bytes)} of ${gib(data.usable_bytes)} usable (${gib(data.free_bytes)} free)${mb}` }
     : { cls: "bad", text: `Does not fit on ${data.gpu}: needs ${gib(data.required_bytes)}, ${gib(data.usable_bytes)} usable${mb}` };
