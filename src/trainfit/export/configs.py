@@ -156,19 +156,29 @@ def _deepspeed(strategy: Strategy) -> dict[str, Any]:
     return cfg
 
 
-def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
-    nodes = _nodes(strategy)
+def _accelerate_machine(strategy: Strategy, distributed_type: str) -> dict[str, Any]:
+    """The keys every accelerate config of a plan has (``accelerate config``'s LOCAL_MACHINE answers): the processes,
+    the machines and, across nodes, the main process (``MASTER_ADDR``: yours to fill in)."""
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "FSDP",
-        "mixed_precision": _mixed(strategy),
-        "num_machines": nodes,
+        "distributed_type": distributed_type,
+        "num_machines": _nodes(strategy),
         "num_processes": strategy.world_size,
         "machine_rank": 0,
         "main_training_function": "main",
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
+    }
+    if cfg["num_machines"] > 1:
+        cfg["main_process_ip"] = "MASTER_ADDR"
+        cfg["main_process_port"] = 29500
+    return cfg
+
+
+def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
+    cfg = _accelerate_machine(strategy, "FSDP") | {
+        "mixed_precision": _mixed(strategy),
         "downcast_bf16": "no",
         "fsdp_config": {
             "fsdp_version": 2,
@@ -181,9 +191,6 @@ def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
             "fsdp_activation_checkpointing": strategy.checkpointing is not Checkpointing.NONE,
         },
     }
-    if nodes > 1:
-        cfg["main_process_ip"] = "MASTER_ADDR"
-        cfg["main_process_port"] = 29500
     if strategy.sharding is Sharding.HSDP:
         cfg["parallelism_config"] = _hsdp_mesh(strategy)
     return cfg
@@ -192,28 +199,13 @@ def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
 def _accelerate_deepspeed(strategy: Strategy) -> dict[str, Any]:
     """accelerate's config for a ZeRO plan: ``ds_config.json`` by reference, nothing that duplicates it (see the
     module docstring)."""
-    nodes = _nodes(strategy)
     ds: dict[str, Any] = {
         "deepspeed_config_file": DEEPSPEED_FILE,
         "zero3_init_flag": strategy.sharding is Sharding.ZERO3,
     }
-    cfg: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "DEEPSPEED",
-        "deepspeed_config": ds,
-        "num_machines": nodes,
-        "num_processes": strategy.world_size,
-        "machine_rank": 0,
-        "main_training_function": "main",
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": False,
-    }
-    if nodes > 1:
+    if _nodes(strategy) > 1:
         ds["deepspeed_multinode_launcher"] = "standard"
-        cfg["main_process_ip"] = "MASTER_ADDR"
-        cfg["main_process_port"] = 29500
-    return cfg
+    return _accelerate_machine(strategy, "DEEPSPEED") | {"deepspeed_config": ds}
 
 
 def _hsdp_mesh(strategy: Strategy) -> dict[str, int]:
