@@ -74,6 +74,19 @@ def test_plan_without_a_batch_plans_8_sequences_per_gpu_and_exports(
     assert default["global_batch"] == 16 and default["plans"] == given["plans"]
 
 
+def test_cheapest_shows_each_plans_cost_at_the_price(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "qwen2.5-0.5b", "--gpu", "t4", "--gpus", "4", "--seq", "1024", "--objective", "cheapest"]
+    out = json.loads(run_cli(capsys, *args, "--price-per-gpu-hour", "2.5", "--top", "3", "--json").out)
+    assert out["price_per_gpu_hour"] == 2.5 and out["plans"]
+    costs = [p["cost_per_step"] for p in out["plans"]]
+    for p in out["plans"]:  # GPU-hours of one step at the price
+        assert p["cost_per_step"] == pytest.approx(p["gpus"] * p["step_seconds"] / 3600 * 2.5)
+    assert costs == sorted(costs)
+    assert "cost/step" in run_cli(capsys, *args).out
+    fastest = json.loads(run_cli(capsys, *args[:-2], "--json").out)
+    assert "price_per_gpu_hour" not in fastest and "cost_per_step" not in fastest["plans"][0]
+
+
 FIXES_CASES = [
     ["qwen2.5-1.5b", "--gpu", "t4", "--precision", "amp-fp16", "--seq", "2048", "--batch", "8"],
     # fragmentation is the difference: some fixes change the allocator (spelled --alloc-conf, replayed below)
