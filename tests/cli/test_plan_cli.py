@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -44,13 +45,46 @@ def test_plan_table_and_two_line_explanation(capsys: pytest.CaptureFixture[str])
         (["--global-batch", "8", "--objective", "quickest"], "unknown --objective"),
         (["--global-batch", "8", "--allow", "fp8"], "t4 has no fp8 tensor cores"),
         (["--global-batch", "8", "--gpus", "3", "--nodes", "1"], "--gpus-per-node"),
-        ([], "--global-batch"),
+        (["--top", "0"], "--top must be at least 1"),
+        (["--headroom", "1"], "--headroom must be in [0, 1)"),
+        (["--objective", "cheapest", "--price-per-gpu-hour", "0"], "--price-per-gpu-hour must be positive"),
+        (["--network-gbps", "-5"], "--network-gbps must be positive"),
+        (["--gpus", "2", "--global-batch", "0"], "--global-batch must be positive"),
+        (["--export", "/dev/null/plan"], "--export /dev/null/plan: cannot write there"),
     ],
 )
 def test_plan_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--seq", "1024", *args)
     assert r.code == 2
     assert message in r.err and r.err.count("\n") == 1
+
+
+def test_plan_without_a_batch_plans_8_sequences_per_gpu_and_exports(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The issue's `--export` example gives no batch: the HF Trainer's defaults (per_device_train_batch_size 8, no
+    accumulation) on every GPU given, said in a note; the same search as `--global-batch 8 × GPUs`."""
+    args = ["plan", "gpt2", "--gpu", "t4", "--gpus", "2", "--seq", "1024"]
+    r = run_cli(capsys, *args, "--export", str(tmp_path))
+    assert r.code == 0, r.err
+    assert "note: global batch 16 sequences of 1024 tokens" in r.out and "per_device_train_batch_size" in r.out
+    assert (tmp_path / "training_args.json").is_file() and (tmp_path / "launch.sh").is_file()
+    default = json.loads(run_cli(capsys, *args, "--json").out)
+    given = json.loads(run_cli(capsys, *args, "--global-batch", "16", "--json").out)
+    assert default["global_batch"] == 16 and default["plans"] == given["plans"]
+
+
+def test_cheapest_shows_each_plans_cost_at_the_price(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "qwen2.5-0.5b", "--gpu", "t4", "--gpus", "4", "--seq", "1024", "--objective", "cheapest"]
+    out = json.loads(run_cli(capsys, *args, "--price-per-gpu-hour", "2.5", "--top", "3", "--json").out)
+    assert out["price_per_gpu_hour"] == 2.5 and out["plans"]
+    costs = [p["cost_per_step"] for p in out["plans"]]
+    for p in out["plans"]:  # GPU-hours of one step at the price
+        assert p["cost_per_step"] == pytest.approx(p["gpus"] * p["step_seconds"] / 3600 * 2.5)
+    assert costs == sorted(costs)
+    assert "cost/step" in run_cli(capsys, *args).out
+    fastest = json.loads(run_cli(capsys, *args[:-2], "--json").out)
+    assert "price_per_gpu_hour" not in fastest and "cost_per_step" not in fastest["plans"][0]
 
 
 FIXES_CASES = [

@@ -4,6 +4,7 @@ accelerate's config loader → launch validation → ``FullyShardedDataParallelP
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -204,6 +205,52 @@ def test_deepspeed_config_is_accepted_at_the_plans_world_size(name: str, monkeyp
     # the parser can fail: the same config at another data-parallel size breaks the batch identity
     with pytest.raises(AssertionError):
         _deepspeed_config(ex.deepspeed_config, strategy.parallelism.data * 2, monkeypatch)
+
+
+@pytest.mark.parametrize(("name", "nodes"), [("zero3-offload", 1), ("zero3-offload", 2), ("zero2-fp16", 1)])
+def test_accelerate_deepspeed_config_loads_and_validates(
+    name: str, nodes: int, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """accelerate's own chain for a ZeRO plan: the config file through ``accelerate launch``'s parser and
+    validation, the environment its DeepSpeed launcher gives the processes, then ``DeepSpeedPlugin()`` built from
+    that environment as ``Accelerator()`` builds it — which reads the exported ds_config.json (the plan's stage,
+    batch and precision) and refuses a config that repeats one of the file's settings."""
+    pytest.importorskip("deepspeed")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    strategy = STRATEGIES[name]
+    if nodes > 1:
+        strategy = dataclasses.replace(strategy, parallelism=Parallelism.for_gpus(8 * nodes))
+    ex = export_plan(load_model("llama-3.1-8b"), strategy)
+    write_export(ex, tmp_path)
+    assert ex.deepspeed_config is not None and any("accelerate_deepspeed.yaml" in n for n in ex.notes)
+    monkeypatch.chdir(tmp_path)  # the config names ds_config.json beside it, as accelerate resolves it
+
+    def plugin(config: str) -> Any:
+        argv = ["--config_file", config, "--machine_rank", str(nodes - 1), "--main_process_ip", "10.0.0.1", "t.py"]
+        args, defaults, mp_from_config = _validate_launch_command(launch_command_parser().parse_args(argv))
+        assert args.use_deepspeed and args.num_processes == strategy.world_size and args.num_machines == nodes
+        # what launch_command hands the DeepSpeed launcher (commands/launch.py)
+        fields = [*defaults.deepspeed_config, *(["mixed_precision"] if mp_from_config else [])]
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        for key, value in prepare_deepspeed_cmd_env(args)[1].items():
+            monkeypatch.setenv(key, value)
+        return DeepSpeedPlugin()
+
+    p = plugin("accelerate_deepspeed.yaml")
+    c = p.deepspeed_config
+    assert p.zero_stage == int(strategy.sharding.value[-1]) and p.is_zero3_init_enabled() == (p.zero_stage == 3)
+    assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (
+        strategy.global_batch, strategy.micro_batch, strategy.grad_accum
+    )  # fmt: skip
+    assert c.get(strategy.recipe.compute_dtype, {}).get("enabled") is True
+    # the validation can fail: a mixed_precision beside the DeepSpeed file is refused
+    cfg = json.loads(Path("accelerate_deepspeed.yaml").read_text())
+    Path("bad.yaml").write_text(json.dumps(cfg | {"mixed_precision": strategy.recipe.compute_dtype}))
+    with pytest.raises(ValueError, match="deepspeed_config_file"):
+        plugin("bad.yaml")
 
 
 @pytest.mark.parametrize("slug", ["llama-3.1-8b", "mistral-7b-v0.1", "qwen2.5-0.5b", "gpt2", "gemma-2b"])

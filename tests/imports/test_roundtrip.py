@@ -98,6 +98,15 @@ def test_training_arguments_naming_a_deepspeed_config_round_trip(name: str, tmp_
     assert run.strategy == s
 
 
+@pytest.mark.parametrize("name", sorted(ZERO))
+def test_accelerate_deepspeed_config_round_trips(name: str, tmp_path: Path) -> None:
+    """accelerate_deepspeed.yaml names ds_config.json: read back through DeepSpeedPlugin, the same ZeRO plan."""
+    s = ZERO[name]
+    run = strategy_from_accelerate(_files(s, tmp_path) / "accelerate_deepspeed.yaml", seq_len=s.seq_len)
+    assert run.strategy == dataclasses.replace(s, checkpointing="none")  # the DeepSpeed file does not say it
+    assert (run.world_size, run.micro_batch, run.grad_accum) == (s.world_size, s.micro_batch, s.grad_accum)
+
+
 @pytest.mark.parametrize("name", sorted(FSDP))
 def test_accelerate_fsdp2_config_round_trips(name: str, tmp_path: Path) -> None:
     s = FSDP[name]

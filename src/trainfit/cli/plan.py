@@ -16,7 +16,12 @@ def plan_cmd(
     gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (where NVLink ends).")] = 8,
     seq: Annotated[int, typer.Option("--seq", "-s", help="Sequence length in tokens.")] = 2048,
     global_batch: Annotated[
-        int | None, typer.Option("--global-batch", help="Sequences per optimizer step, over all GPUs.")
+        int | None,
+        typer.Option(
+            "--global-batch",
+            help="Sequences per optimizer step, over all GPUs (default, without --tokens-per-step: 8 per GPU given, "
+            "the HF Trainer's per_device_train_batch_size).",
+        ),
     ] = None,
     tokens_per_step: Annotated[
         str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (4M, 2e6); a multiple of --seq.")
@@ -59,9 +64,12 @@ def plan_cmd(
       trainfit plan llama-3.1-70b --gpu h100-sxm-80gb --nodes 4 --gpus-per-node 8 --seq 8192 --tokens-per-step 4M
 
       trainfit plan mistral-7b-v0.1 --gpu rtx-4090 --allow lora,qlora --seq 2048 --global-batch 64
+
+      trainfit plan llama-3.1-8b --gpu a100-sxm-80gb --gpus 8 --export ./plan/
     """
     from trainfit.arch import load_model
     from trainfit.cli.common import print_json, stdout_console, warn
+    from trainfit.errors import ConfigError
     from trainfit.export import export_plan, write_export
     from trainfit.export.configs import hf_trainer_lacks
     from trainfit.planner.api import plan
@@ -87,15 +95,22 @@ def plan_cmd(
     )
     written: tuple[Path, ...] = ()
     if export is not None and result.plans:
-        written = write_export(
-            export_plan(spec, result.plans[0].strategy, alloc_conf=result.plans[0].alloc_conf), Path(export)
-        )
+        files = export_plan(spec, result.plans[0].strategy, alloc_conf=result.plans[0].alloc_conf)
+        try:
+            written = write_export(files, Path(export))
+        except OSError as exc:  # an unwritable or impossible directory: the user's input, one line
+            raise ConfigError(f"--export {export}: cannot write there ({exc.strerror or exc})") from None
     # savers only torchtune switches on: said for the top plan (the HF Trainer export cannot carry them)
     notes = hf_trainer_lacks(result.plans[0].strategy) if result.plans else ()
     if json_out:
         print_json(plan_json(result) | {"exported": [str(p) for p in written]})  # each plan's "notes" say it
         return
     render_plan(stdout_console(), result)
+    if global_batch is None and tokens_per_step is None:
+        typer.echo(
+            f"note: global batch {result.global_batch} sequences of {result.seq_len} tokens (no --global-batch or "
+            "--tokens-per-step: 8 per GPU given, the HF Trainer's default per_device_train_batch_size)"
+        )
     for note in notes:
         typer.echo(f"note: {note}")
     if export is not None and not result.plans:

@@ -1,5 +1,6 @@
 """A plan's Strategy as the engines spell it: HF ``TrainingArguments`` keyword arguments, an accelerate config
-for FSDP2, a DeepSpeed config, a Megatron argument list and the ``torchrun`` / ``accelerate launch`` command.
+for FSDP2 or DeepSpeed, a DeepSpeed config, a Megatron argument list and the ``torchrun`` / ``accelerate launch``
+command.
 
 Each mapping follows the engine's own documented keys:
 
@@ -13,6 +14,14 @@ Each mapping follows the engine's own documented keys:
   plans get none: accelerate's ``tp_size`` is the model's transformers ``tp_plan``, without sequence parallelism.
 - DeepSpeed's ``zero_optimization`` (``stage``, ``offload_optimizer`` / ``offload_param`` with ``device: cpu``)
   and its batch identity train_batch_size = micro × accumulation × data degree.
+- accelerate's DeepSpeed config for the same ZeRO plans (``accelerate_deepspeed.yaml``): ``distributed_type:
+  DEEPSPEED`` with ``deepspeed_config_file: ds_config.json`` — the form ``accelerate config`` writes when given a
+  DeepSpeed file (commands/config/cluster.py: ``mixed_precision`` left unset, precision and batch from the file;
+  ``DeepSpeedPlugin._deepspeed_config_checks`` refuses ``mixed_precision``, ``zero_stage``, accumulation or
+  offload keys beside the file), ``zero3_init_flag`` for stage 3 (the model is built sharded: a full replica per
+  GPU would not fit at load time), ``deepspeed_multinode_launcher: standard`` (torchrun on each node, no pdsh
+  hostfile) across nodes. launch.sh keeps ``torchrun``; ``accelerate launch --config_file
+  accelerate_deepspeed.yaml`` is the alternative for Accelerator-based scripts (NOTES.txt).
 - Megatron-LM: the model's shape (``--num-layers``, ``--hidden-size``, ``--num-query-groups``, ``--swiglu``, …:
   Megatron's GPT defaults are GPT-2's, so Llama-style models spell every departure) and the plan's layout
   (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
@@ -69,6 +78,7 @@ _LAYER_CLASSES = {
 
 DEEPSPEED_FILE = "ds_config.json"
 ACCELERATE_FILE = "accelerate_fsdp2.yaml"
+ACCELERATE_DEEPSPEED_FILE = "accelerate_deepspeed.yaml"
 
 #: TrainingArguments.liger_kernel_config with Liger's fused linear cross-entropy alone (the keys are
 #: ``liger_kernel.transformers.apply_liger_kernel_to_*``'s arguments; ``trainfit.imports`` reads them back).
@@ -91,6 +101,7 @@ class Export:
     script: str | None = None  # FSDP plans: train_fsdp2.py (trainfit.export.fsdp2_script)
     notes: tuple[str, ...]  # what the formats cannot express, and what the user must still do
     torchtune_overrides: tuple[str, ...] = ()  # torchtune-only savers: `tune run` key=value overrides
+    accelerate_deepspeed_config: dict[str, Any] | None = None  # ZeRO plans: accelerate's config naming ds_config.json
 
 
 def layer_class(spec: ModelSpec) -> str:
@@ -145,19 +156,29 @@ def _deepspeed(strategy: Strategy) -> dict[str, Any]:
     return cfg
 
 
-def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
-    nodes = _nodes(strategy)
+def _accelerate_machine(strategy: Strategy, distributed_type: str) -> dict[str, Any]:
+    """The keys every accelerate config of a plan has (``accelerate config``'s LOCAL_MACHINE answers): the processes,
+    the machines and, across nodes, the main process (``MASTER_ADDR``: yours to fill in)."""
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "FSDP",
-        "mixed_precision": _mixed(strategy),
-        "num_machines": nodes,
+        "distributed_type": distributed_type,
+        "num_machines": _nodes(strategy),
         "num_processes": strategy.world_size,
         "machine_rank": 0,
         "main_training_function": "main",
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
+    }
+    if cfg["num_machines"] > 1:
+        cfg["main_process_ip"] = "MASTER_ADDR"
+        cfg["main_process_port"] = 29500
+    return cfg
+
+
+def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
+    cfg = _accelerate_machine(strategy, "FSDP") | {
+        "mixed_precision": _mixed(strategy),
         "downcast_bf16": "no",
         "fsdp_config": {
             "fsdp_version": 2,
@@ -170,12 +191,21 @@ def _accelerate(spec: ModelSpec, strategy: Strategy) -> dict[str, Any]:
             "fsdp_activation_checkpointing": strategy.checkpointing is not Checkpointing.NONE,
         },
     }
-    if nodes > 1:
-        cfg["main_process_ip"] = "MASTER_ADDR"
-        cfg["main_process_port"] = 29500
     if strategy.sharding is Sharding.HSDP:
         cfg["parallelism_config"] = _hsdp_mesh(strategy)
     return cfg
+
+
+def _accelerate_deepspeed(strategy: Strategy) -> dict[str, Any]:
+    """accelerate's config for a ZeRO plan: ``ds_config.json`` by reference, nothing that duplicates it (see the
+    module docstring)."""
+    ds: dict[str, Any] = {
+        "deepspeed_config_file": DEEPSPEED_FILE,
+        "zero3_init_flag": strategy.sharding is Sharding.ZERO3,
+    }
+    if _nodes(strategy) > 1:
+        ds["deepspeed_multinode_launcher"] = "standard"
+    return _accelerate_machine(strategy, "DEEPSPEED") | {"deepspeed_config": ds}
 
 
 def _hsdp_mesh(strategy: Strategy) -> dict[str, int]:
@@ -451,6 +481,7 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     megatron = engine is Engine.MEGATRON
     two_d = strategy.parallelism.tensor > 1 and engine is Engine.TORCH  # 2-D FSDP2 × DTensor TP
     ds = _deepspeed(strategy) if strategy.sharding.value.startswith("zero") and not megatron else None
+    acc_ds = _accelerate_deepspeed(strategy) if ds is not None else None
     acc = _accelerate(spec, strategy) if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and not two_d else None
     targs = _training_arguments(spec, strategy, notes)
     if two_d:
@@ -484,6 +515,12 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
             + (" as train_fsdp2.py does" if code is not None else "")
         )
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {gpn}{rdzv} {shlex.quote(script)}"
+    if acc_ds is not None and not tune:
+        notes.append(
+            f"{ACCELERATE_DEEPSPEED_FILE}: for a script built on accelerate's Accelerator, launch with `accelerate "
+            f"launch --config_file {ACCELERATE_DEEPSPEED_FILE} {script}` instead (it reads {DEEPSPEED_FILE}; run it "
+            "where both files are)"
+        )
     if strategy.sharding is Sharding.HSDP and code is None:  # the mesh is accelerate's (parallelism_config)
         machine = " --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR" if nodes > 1 else ""
         launch = f"accelerate launch --config_file {ACCELERATE_FILE}{machine} {shlex.quote(script)}"
@@ -526,16 +563,20 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
         notes=tuple(notes),
         script=code,
         torchtune_overrides=tune,
+        accelerate_deepspeed_config=acc_ds,
     )
 
 
 def export_files(export: Export) -> dict[str, str]:
     """The files of ``export``, name → text, in the order :func:`write_export` writes them: training_args.json,
-    ds_config.json, accelerate_fsdp2.yaml, megatron_args.txt, train_fsdp2.py, launch.sh, NOTES.txt (those that
-    apply). The accelerate config is JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
+    ds_config.json, accelerate_deepspeed.yaml, accelerate_fsdp2.yaml, megatron_args.txt, train_fsdp2.py, launch.sh,
+    NOTES.txt (those that apply). The accelerate configs are JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer
+    is needed."""
     files = {"training_args.json": json.dumps(export.training_arguments, indent=2) + "\n"}
     if export.deepspeed_config is not None:
         files[DEEPSPEED_FILE] = json.dumps(export.deepspeed_config, indent=2) + "\n"
+    if export.accelerate_deepspeed_config is not None:
+        files[ACCELERATE_DEEPSPEED_FILE] = json.dumps(export.accelerate_deepspeed_config, indent=2) + "\n"
     if export.accelerate_config is not None:
         files[ACCELERATE_FILE] = json.dumps(export.accelerate_config, indent=2) + "\n"
     if export.megatron_args:

@@ -9,7 +9,7 @@ from trainfit.errors import ConfigError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.rank import PlanResult, search_plans
 from trainfit.planner.space import Objective, allows_float8, check_allow_float8, parse_allow
-from trainfit.planner.workload import resolve_world, sequences_per_step
+from trainfit.planner.workload import check_knobs, resolve_world, sequences_per_step
 
 __all__ = ["plan"]
 
@@ -32,11 +32,13 @@ def plan(
     top: int = 5,
     alloc_conf: str | None = None,
 ) -> PlanResult:
-    """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument)."""
+    """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument); with
+    neither ``global_batch`` nor ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``)."""
     if objective not in {o.value for o in Objective}:
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
+    check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
     world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
-    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq)
+    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq, world=world)
     spec = load_model(model) if isinstance(model, str) else model
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     check_allow_float8(gpu_spec, allow)

@@ -88,6 +88,7 @@ class PlanResult:
     seq_len: int
     candidates: int  # candidates in the space
     estimates: int  # memory estimates run
+    price_per_gpu_hour: float = 1.0  # what --objective cheapest ranks by (Plan.cost_per_step)
 
 
 def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
@@ -487,6 +488,7 @@ def search_plans(
         seq_len=seq_len,
         candidates=len(space),
         estimates=s.estimates,
+        price_per_gpu_hour=price_per_gpu_hour,
     )
 
 

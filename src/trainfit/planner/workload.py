@@ -1,11 +1,18 @@
 """The plan's fixed inputs as the CLI spells them: the world (``--gpus`` or ``--nodes × --gpus-per-node``)
-and the global batch (``--global-batch`` sequences or ``--tokens-per-step`` tokens)."""
+and the global batch (``--global-batch`` sequences or ``--tokens-per-step`` tokens; neither: 8 sequences per GPU
+given, with no accumulation — the HF Trainer's defaults, transformers ``TrainingArguments.per_device_train_batch_size
+= 8`` and ``gradient_accumulation_steps = 1``), and the search's numeric knobs, checked before any estimate runs
+(an estimate refuses a bad headroom, and the search would read that as "nothing fits")."""
 
 from __future__ import annotations
 
 from trainfit.errors import ConfigError
 
-__all__ = ["parse_tokens", "resolve_world", "sequences_per_step"]
+__all__ = ["DEFAULT_SEQUENCES_PER_GPU", "check_knobs", "parse_tokens", "resolve_world", "sequences_per_step"]
+
+#: Sequences per GPU and optimizer step when neither --global-batch nor --tokens-per-step is given: transformers
+#: ``TrainingArguments.per_device_train_batch_size`` defaults to 8 (training_args.py), accumulation to 1.
+DEFAULT_SEQUENCES_PER_GPU = 8
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 
@@ -43,7 +50,8 @@ def resolve_world(*, gpus: int | None, nodes: int | None, gpus_per_node: int) ->
     return gpus or 1
 
 
-def sequences_per_step(*, global_batch: int | None, tokens_per_step: str | None, seq_len: int) -> int:
+def sequences_per_step(*, global_batch: int | None, tokens_per_step: str | None, seq_len: int, world: int = 1) -> int:
+    """Sequences per optimizer step over all GPUs; neither given: ``DEFAULT_SEQUENCES_PER_GPU`` × ``world``."""
     if seq_len < 1:
         raise ConfigError("--seq must be positive")
     if global_batch is not None and tokens_per_step is not None:
@@ -51,7 +59,19 @@ def sequences_per_step(*, global_batch: int | None, tokens_per_step: str | None,
     if tokens_per_step is not None:
         return parse_tokens(tokens_per_step, multiple_of=seq_len) // seq_len
     if global_batch is None:
-        raise ConfigError("give --global-batch (sequences per step) or --tokens-per-step")
+        return DEFAULT_SEQUENCES_PER_GPU * world
     if global_batch < 1:
         raise ConfigError("--global-batch must be positive")
     return global_batch
+
+
+def check_knobs(*, headroom: float, top: int, price_per_gpu_hour: float, network_gbps: float) -> None:
+    """One-line refusals of the numeric options (the estimate's own headroom rule, ``trainfit.estimate``)."""
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"--headroom must be in [0, 1), got {headroom}")
+    if top < 1:
+        raise ConfigError(f"--top must be at least 1, got {top}")
+    if not price_per_gpu_hour > 0:
+        raise ConfigError(f"--price-per-gpu-hour must be positive, got {price_per_gpu_hour}")
+    if not network_gbps > 0:
+        raise ConfigError(f"--network-gbps must be positive, got {network_gbps}")

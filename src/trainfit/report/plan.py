@@ -4,7 +4,9 @@ with the closest plan and what it would need; and the JSON for scripts.
 JSON (``schema_version`` :data:`PLAN_SCHEMA_VERSION`, bumped only when a key changes meaning or goes; new keys
 do not bump it): each plan's ``alloc_conf`` is the ``PYTORCH_CUDA_ALLOC_CONF`` its estimate simulated
 (:attr:`trainfit.planner.rank.Plan.alloc_conf`: the search's ``--alloc-conf``, or that plus
-``expandable_segments:True`` for a plan that fits only with it), ``null`` for PyTorch's default allocator."""
+``expandable_segments:True`` for a plan that fits only with it), ``null`` for PyTorch's default allocator. Under
+``--objective cheapest`` the result carries ``price_per_gpu_hour`` and each plan its ``cost_per_step`` (GPUs × step
+seconds / 3600 × price, what that objective ranks by; the table's "cost/step" column)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ from rich.table import Table
 
 from trainfit.export.configs import hf_trainer_lacks
 from trainfit.planner.rank import Plan, PlanResult
+from trainfit.planner.space import Objective
 from trainfit.report.json import strategy_json
 from trainfit.units import fmt_gib
 
 PLAN_SCHEMA_VERSION = 1
 
 
-def _plan_json(p: Plan) -> dict[str, Any]:
+def _plan_json(p: Plan, price_per_gpu_hour: float | None = None) -> dict[str, Any]:
     sp = p.speed
+    cost = {} if price_per_gpu_hour is None else {"cost_per_step": p.cost_per_step(price_per_gpu_hour)}
     return {
         "gpus": p.gpus,
         "strategy": strategy_json(p.strategy),
@@ -42,7 +46,11 @@ def _plan_json(p: Plan) -> dict[str, Any]:
         "bubble_seconds": sp.bubble_seconds,
         "offload_seconds": sp.offload_seconds,
         "notes": list(hf_trainer_lacks(p.strategy)),  # savers the HF Trainer export cannot carry (torchtune's)
-    }
+    } | cost
+
+
+def _cheapest(result: PlanResult) -> bool:
+    return result.objective is Objective.CHEAPEST
 
 
 def plan_json(result: PlanResult) -> dict[str, Any]:
@@ -53,7 +61,9 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
         "seq_len": result.seq_len,
         "candidates": result.candidates,
         "estimates": result.estimates,
-        "plans": [_plan_json(p) for p in result.plans],
+        # --objective cheapest: each plan's cost per optimizer step at --price-per-gpu-hour (what it ranks by)
+        **({"price_per_gpu_hour": result.price_per_gpu_hour} if _cheapest(result) else {}),
+        "plans": [_plan_json(p, result.price_per_gpu_hour if _cheapest(result) else None) for p in result.plans],
         "closest": _plan_json(result.closest) if result.closest is not None else None,
         "needs": list(result.needs),
     }
@@ -82,9 +92,11 @@ def render_plan(console: Console, result: PlanResult) -> None:
     table = Table(
         title=f"plans ({result.objective.value}; {result.candidates} candidates, {result.estimates} estimates)"
     )
-    for col in ("#", "GPUs", "peak/GPU", "margin", "step s", "tokens/s", "MFU", "changes from the baseline"):
+    cost = ("cost/step",) if _cheapest(result) else ()
+    for col in ("#", "GPUs", "peak/GPU", "margin", "step s", "tokens/s", "MFU", *cost, "changes from the baseline"):
         table.add_column(col, justify="left" if col.startswith("changes") else "right")
     for i, p in enumerate(result.plans, 1):
+        costs = (f"{p.cost_per_step(result.price_per_gpu_hour):.4g}",) if cost else ()
         table.add_row(
             str(i),
             str(p.gpus),
@@ -93,6 +105,7 @@ def render_plan(console: Console, result: PlanResult) -> None:
             f"{p.speed.step_seconds:.2f}",
             f"{p.speed.tokens_per_second:,.0f}",
             f"{p.speed.mfu:.0%}",
+            *costs,
             ", ".join(p.changes) or "(baseline)",
         )
     for column in table.columns:  # never cut a cell: the table at its natural width (as cli.common.print_table)
