@@ -22,6 +22,9 @@ from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, PipelineSchedule, Strategy
 
 
+INTERLEAVED, GPIPE = PipelineSchedule.INTERLEAVED, PipelineSchedule.GPIPE
+
+
 def _s(
     tp: int,
     pp: int,
@@ -96,6 +99,15 @@ CASES = [
     ("qwen2.5-0.5b", _s(2, 2, 4)),  # tied: the last stage's own copy of the table
     ("qwen2.5-0.5b", _s(2, 1, 2, precision="fp32")),
     ("llama-3.1-8b", _s(8, 4, 16, sp=True, sharding="zero1")),
+    # interleaved: 2 layers per chunk; every forward in the warm-up (m = pp); tied, 3 chunks, SP; 70B-like shape
+    ("llama-3.2-1b", _s(2, 4, 8, schedule=INTERLEAVED, v=2)),
+    ("llama-3.2-1b", _s(1, 2, 2, ckpt="full", sharding="zero1", dp=8, schedule=INTERLEAVED, v=4)),
+    ("qwen2.5-0.5b", _s(2, 2, 6, sp=True, ckpt="selective", schedule=INTERLEAVED, v=3)),
+    ("llama-3.1-8b", _s(8, 4, 16, sp=True, sharding="zero1", schedule=INTERLEAVED, v=4)),
+    # GPipe: the last stage keeps every micro-batch's head input and loss; fewer micro-batches than stages
+    ("llama-3.2-1b", _s(2, 4, 8, schedule=GPIPE)),
+    ("qwen2.5-0.5b", _s(2, 2, 4, ckpt="full", schedule=GPIPE)),
+    ("llama-3.2-1b", _s(1, 4, 2, sharding="zero1", schedule=GPIPE)),
 ]
 
 
@@ -120,7 +132,7 @@ def test_every_stage_peaks_at_the_closed_forms_bytes(slug: str, strategy: Strate
         assert end == sum(step.get(c) for c in resident) == step.total_bytes
 
 
-@pytest.mark.parametrize(("slug", "strategy"), CASES[1:4])
+@pytest.mark.parametrize(("slug", "strategy"), [*CASES[1:4], CASES[9], CASES[13]])
 def test_the_simulated_rank_allocates_what_the_stream_does(slug: str, strategy: Strategy) -> None:
     """Through the allocator model: the allocated peak is the closed form's but for 512-byte rounding and
     unsplit remainders of large blocks (≤ 1 MiB each), and nothing is reserved below it."""
@@ -141,11 +153,10 @@ def test_estimate_reports_which_reserve_it_used() -> None:
         note = next(n for n in r.notes if n.startswith("reserved:"))
         assert "caching-allocator simulation" in note
         assert ("pipeline stage" in note) == (s.parallelism.pipeline > 1)
-    for s in (
-        _s(2, 4, 8, schedule=PipelineSchedule.GPIPE),
-        _s(1, 4, 8, schedule=PipelineSchedule.INTERLEAVED, v=2),
-        _s(2, 2, 4, ckpt="sqrt"),
-    ):
+    for s in (_s(2, 4, 8, schedule=GPIPE), _s(1, 4, 8, schedule=INTERLEAVED, v=2)):
+        note = next(n for n in estimate(spec, s).notes if n.startswith("reserved:"))
+        assert f"the {s.parallelism.pipeline_schedule.value} order" in note
+    for s in (_s(2, 2, 4, ckpt="sqrt"),):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert any("fixed reserve fraction" in n for n in r.notes)

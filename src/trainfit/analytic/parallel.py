@@ -228,6 +228,11 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"the interleaved schedule needs --microbatches a multiple of --pp {pp}")
         if spec.moe is not None and tp > 1:
             raise StrategyError("tensor parallelism of MoE layers (expert parallelism) is not modelled")
+        if par.pipeline_schedule is PipelineSchedule.GPIPE and pp > 1 and spec.kind is not ModelKind.CAUSAL_LM:
+            raise StrategyError(
+                f"--pp-schedule gpipe is modelled for causal LMs (the last stage keeps every micro-batch's loss), "
+                f"not --head {spec.kind.value}"
+            )
     if engine is Engine.DEEPSPEED:
         if sh not in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
             raise StrategyError(f"--engine deepspeed models --sharding zero1|zero2|zero3, not {sh.value}")
@@ -1434,16 +1439,47 @@ def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
 
 def in_flight_microbatches(schedule: PipelineSchedule, pp: int, stage: int, m: int, v: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at once, in units of the stage's full layer
-    set: 1F1B min(pp − s, m) (Narayanan et al. 2021, §2.2); interleaved ((pp − s − 1)·2 + (v − 1)·pp + 1)
-    chunks of 1/v of the stage, at most m·v (Megatron schedules.py ``num_warmup_microbatches``); GPipe m."""
+    set: :func:`in_flight_chunks` over ``v`` (1F1B min(pp − s, m), Narayanan et al. 2021, §2.2; interleaved
+    ((pp − s − 1)·2 + (v − 1)·pp + 1)/v, at most m; GPipe m)."""
+    return in_flight_chunks(schedule, pp, stage, m, v) / (v if schedule is PipelineSchedule.INTERLEAVED else 1)
+
+
+def in_flight_chunks(schedule: PipelineSchedule, pp: int, stage: int, m: int, v: int) -> int:
+    """Model-chunk micro-batches (each L/(pp·v) layers; v = 1 outside the interleaved schedule) whose saved
+    tensors stage ``stage`` holds at its peak: 1F1B min(pp − s, m) (``forward_backward_pipelining_without_
+    interleaving``: min(pp − s − 1, m) warm-up forwards, then one more before each backward); interleaved
+    min((pp − s − 1)·2 + (v − 1)·pp + 1, m·v) (``forward_backward_pipelining_with_interleaving``:
+    ``get_pp_rank_microbatches``' warm-up count with ``microbatch_group_size_per_vp_stage`` = pp, capped at
+    m·v, then one forward before each backward; megatron/core/pipeline_parallel/schedules.py, megatron-core
+    0.19.2); GPipe m (every forward before the first backward: torch/distributed/pipelining/schedules.py
+    ``ScheduleGPipe._step_microbatches``)."""
     if pp == 1:
-        return 1.0
+        return 1
     if schedule is PipelineSchedule.GPIPE:
-        return float(m)
+        return m
     if schedule is PipelineSchedule.INTERLEAVED:
-        chunks = min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)
-        return chunks / v
-    return float(min(pp - stage, m))
+        return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)
+    return min(pp - stage, m)
+
+
+def first_stage_embeddings(schedule: PipelineSchedule, pp: int, m: int, v: int) -> int:
+    """Embedding outputs (saved for the first layer's backward) alive on stage 0 at its peak: one per micro-batch
+    in flight under 1F1B and GPipe; interleaved, only model chunk 0 holds the embedding, and at most two groups'
+    chunk-0 micro-batches are alive, min(m, 2·pp): group g's chunk-0 backwards (positions (v − 1)·pp … v·pp − 1
+    of its pp·v backward slots, the chunk order reversed: ``get_model_chunk_id(k, forward=False)``) begin after
+    forward (g + 2)·pp·v − 2 (the warm-up is (v + 1)·pp − 2 on stage 0), after group g + 1's chunk-0 forwards and
+    before group g + 2's; with m = pp every chunk's forward is warm-up and all m are alive."""
+    if schedule is PipelineSchedule.INTERLEAVED and pp > 1:
+        return min(m, 2 * pp)
+    return in_flight_chunks(schedule, pp, 0, m, v)
+
+
+def last_stage_heads(schedule: PipelineSchedule, pp: int, m: int) -> int:
+    """Head inputs and losses alive on the last stage at its peak: GPipe m (every micro-batch's loss is computed
+    in its forward, ``_maybe_compute_loss``, and back-propagated after all forwards); 1F1B and interleaved 1 (the
+    last stage's warm-up has no forward of its last model chunk: each such forward is followed at once by the
+    same micro-batch's backward, forward k + (v − 1)·pp and backward k sitting in the same group's slots)."""
+    return m if schedule is PipelineSchedule.GPIPE and pp > 1 else 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1462,6 +1498,23 @@ class MegatronInputs:
     param_bytes: int  # 2 (bf16 parameters) or 4 (fp32 compute)
     fp32: bool
     dist_opt: bool
+    loss_kept: int  # what one micro-batch's loss keeps from its forward to its backward (last stage)
+    chunks: int  # model chunks per stage (virtual stages under the interleaved schedule; 1 otherwise)
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers of one model chunk (the stage's layers under 1F1B and GPipe)."""
+        return self.layers_per_stage // self.chunks
+
+    def chunk_params(self, stage: int, pp: int, chunk: int) -> int:
+        """Parameters of model chunk ``chunk`` of stage ``stage``: its layers, the embedding on chunk 0 of stage 0,
+        the final norm and head on the last chunk of the last stage (Megatron ``pre_process``/``post_process``
+        per virtual stage)."""
+        return (
+            self.chunk_layers * self.per_layer_params
+            + (sum(t.numel for t in self.embed) if stage == 0 and chunk == 0 else 0)
+            + (sum(t.numel for t in self.rest) if stage == pp - 1 and chunk == self.chunks - 1 else 0)
+        )
 
     def stage_params(self, stage: int, pp: int) -> int:
         """Parameters held by pipeline stage ``stage``."""
@@ -1499,6 +1552,12 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         kept_layer = q.kept_inputs // max(1, q.segments) if q.segments else 0
     ckpt = q.segments > 0
     fp32 = cs.recipe.compute_bits == 32
+    # The loss's saved tensors (the closed form's loss is the causal-LM one of trainfit.analytic.logits): the
+    # fp32 log-probabilities LogSoftmaxBackward keeps (Megatron's vocab-parallel cross-entropy likewise keeps its
+    # fp32 ``exp_logits``, tensor_parallel/cross_entropy.py ``save_for_backward``), and a soft-cap's tanh output.
+    n = strategy.tokens_per_micro_batch * local.vocab_size
+    kept = 4 * n + (cs.recipe.compute_bits // 8 * n if spec.final_logit_softcapping else 0)
+    par = strategy.parallelism
     return MegatronInputs(
         q=q,
         layers_per_stage=spec.num_layers // p.pp,
@@ -1511,6 +1570,8 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         param_bytes=4 if fp32 else 2,
         fp32=fp32,
         dist_opt=strategy.sharding is Sharding.ZERO1,
+        loss_kept=kept if spec.kind is ModelKind.CAUSAL_LM else 0,
+        chunks=par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED and p.pp > 1 else 1,
     )
 
 
@@ -1533,13 +1594,17 @@ def _megatron(
         else:
             master = params * 4 // (p.dp if dist_opt else 1)
             optim = params * 8 // (p.dp if dist_opt else 1)
-        flight = in_flight_microbatches(par.pipeline_schedule, p.pp, s, par.microbatches, par.virtual_stages)
-        acts = int(flight * ls * per_mb_layer) + recompute
+        sched, m = par.pipeline_schedule, par.microbatches
+        chunks = in_flight_chunks(sched, p.pp, s, m, mi.chunks)
+        acts = chunks * mi.chunk_layers * per_mb_layer + recompute
         if s == 0:
-            acts += int(flight * q.stack.embedding_bytes)
+            acts += first_stage_embeddings(sched, p.pp, m, mi.chunks) * q.stack.embedding_bytes
         logits_f = q.logits_forward if s == p.pp - 1 else 0
         logits_b = q.logits_backward if s == p.pp - 1 else 0
-        head_in = q.stack.head_input_bytes if s == p.pp - 1 else 0
+        head_in = 0
+        if s == p.pp - 1:  # the others' head inputs and losses, waiting for their backward (GPipe)
+            heads = last_stage_heads(sched, p.pp, m)
+            head_in = heads * q.stack.head_input_bytes + (heads - 1) * mi.loss_kept
         resident = {
             Component.WEIGHTS: weights,
             Component.GRADIENTS: grads,
@@ -1764,7 +1829,7 @@ def estimate_parallel(
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
     torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (no SP) and
-    Megatron TP/SP/PP ranks (1F1B, the worst stage) replay their event stream
+    Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`."""
@@ -1812,7 +1877,7 @@ def estimate_parallel(
             overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
             reserve_note = (
                 "reserved: this rank's event stream"
-                + (f" (pipeline stage {stage}, the 1F1B order)" if ranks else "")
+                + (f" (pipeline stage {stage}, the {strategy.parallelism.pipeline_schedule.value} order)" if ranks else "")
                 + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
             )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
@@ -1888,7 +1953,10 @@ __all__ = [
     "fsdp_states",
     "fsdp_wire_bits",
     "held_tensors",
+    "first_stage_embeddings",
+    "in_flight_chunks",
     "in_flight_microbatches",
+    "last_stage_heads",
     "megatron_inputs",
     "nccl_bytes",
     "plan",
