@@ -8,19 +8,34 @@ rank (``DtensorTpHooks``) against ``_torch_tp``'s moments (its traced events: te
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 
 import pytest
 
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event, Op
 from trainfit.analytic.events import Stream
-from trainfit.analytic.parallel import estimate_parallel, in_flight_microbatches, plan
-from trainfit.analytic.rank_events import megatron_events, one_f_one_b, rank_simulated, simulate_rank
+from trainfit.analytic.parallel import (
+    estimate_parallel,
+    first_stage_embeddings,
+    in_flight_chunks,
+    in_flight_microbatches,
+    last_stage_heads,
+    plan,
+)
+from trainfit.analytic.rank_events import (
+    interleaved_order,
+    megatron_events,
+    one_f_one_b,
+    rank_simulated,
+    simulate_rank,
+)
 from trainfit.arch import load_model
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, PipelineSchedule, Strategy
-
 
 INTERLEAVED, GPIPE = PipelineSchedule.INTERLEAVED, PipelineSchedule.GPIPE
 
@@ -74,6 +89,81 @@ def test_the_1f1b_order_holds_the_formulas_micro_batches(pp: int, m: int) -> Non
                 assert j in live
                 live.remove(j)
         assert most == in_flight_microbatches(PipelineSchedule.ONE_F_ONE_B, pp, stage, m, 1)
+
+
+@pytest.mark.parametrize(
+    ("pp", "v", "m"), [(2, 2, 2), (2, 3, 8), (4, 2, 8), (4, 4, 12), (3, 2, 9), (8, 2, 16), (8, 5, 8)]
+)
+def test_the_interleaved_order_holds_the_formulas_chunks(pp: int, v: int, m: int) -> None:
+    """Megatron's interleaved schedule run pass by pass (``interleaved_order``): every (micro-batch, chunk) runs
+    forward once and backward once after it, each micro-batch's chunks forward in order 0…v − 1 and backward in
+    the reverse order; the most alive at once on stage s is the closed form's (pp − s − 1)·2 + (v − 1)·pp + 1
+    capped at m·v (``in_flight_chunks``, from the warm-up formula); stage 0's chunk-0 micro-batches (each holding an
+    embedding output) at most ``first_stage_embeddings``' min(m, 2·pp), reached together with the most chunks; the
+    last stage's last chunk at most one (``last_stage_heads``)."""
+    for stage in range(pp):
+        order = interleaved_order(pp, stage, m, v)
+        everything = {(j, c) for j in range(m) for c in range(v)}
+        assert sorted((j, c) for f, j, c in order if f) == sorted(everything)
+        assert sorted((j, c) for f, j, c in order if not f) == sorted(everything)
+        for j in range(m):
+            assert [c for f, i, c in order if f and i == j] == list(range(v))
+            assert [c for f, i, c in order if not f and i == j] == list(reversed(range(v)))
+        live: set[tuple[int, int]] = set()
+        most = (0, 0)
+        last_chunk = 0
+        for forward, j, c in order:
+            if forward:
+                live.add((j, c))
+            else:
+                assert (j, c) in live
+                live.remove((j, c))
+            most = max(most, (len(live), sum(1 for _, k in live if k == 0)))
+            last_chunk = max(last_chunk, sum(1 for _, k in live if k == v - 1))
+        assert most[0] == in_flight_chunks(INTERLEAVED, pp, stage, m, v)
+        if stage == 0:
+            assert most[1] == first_stage_embeddings(INTERLEAVED, pp, m, v)
+        if stage == pp - 1:
+            assert last_chunk == last_stage_heads(INTERLEAVED, pp, m)
+
+
+def _megatron_python() -> str | None:
+    return os.environ.get("TRAINFIT_MEGATRON_PYTHON")
+
+
+_MEGATRON_TABLES = """
+import json, sys
+from types import SimpleNamespace as N
+from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+out = []
+for pp, stage, m, v in json.loads(sys.argv[1]):
+    comm = N(pp_group=N(size=lambda: pp, rank=lambda: stage), virtual_pipeline_model_parallel_size=v)
+    _, _, warmup, _ = get_pp_rank_microbatches(m, v, pp, p2p_communicator=comm)
+    out.append([warmup, get_schedule_table(m, v, pp)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    _megatron_python() is None, reason="point TRAINFIT_MEGATRON_PYTHON at a Python with megatron-core (>= 0.17)"
+)
+def test_the_interleaved_order_is_megatrons_table() -> None:
+    """Against Megatron's own ``get_schedule_table`` and ``get_pp_rank_microbatches`` (megatron-core, run under
+    TRAINFIT_MEGATRON_PYTHON, ``microbatch_group_size_per_vp_stage`` = pp): the warm-up's length and the
+    forwards' (micro-batch, chunk) sequence."""
+    cases = [(2, 0, 4, 2), (4, 0, 8, 2), (4, 3, 8, 2), (4, 1, 12, 3), (8, 0, 8, 4), (3, 2, 9, 2)]
+    got = subprocess.run(
+        [str(_megatron_python()), "-c", _MEGATRON_TABLES, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    for (pp, stage, m, v), (warmup, table) in zip(cases, json.loads(got.stdout.splitlines()[-1]), strict=True):
+        order = interleaved_order(pp, stage, m, v)
+        assert [(j, c) for f, j, c in order if f] == [tuple(x) for x in table]
+        assert next(i for i, (f, _, _) in enumerate(order) if not f) == min(warmup + 1, m * v)
 
 
 def _live(events: list[Event]) -> tuple[int, int]:

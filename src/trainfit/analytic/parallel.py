@@ -1875,9 +1875,10 @@ def estimate_parallel(
             sim = simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage)
             held = peak + sum(w.size_bytes for w in workspaces)
             overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
+            order = strategy.parallelism.pipeline_schedule.value
             reserve_note = (
                 "reserved: this rank's event stream"
-                + (f" (pipeline stage {stage}, the {strategy.parallelism.pipeline_schedule.value} order)" if ranks else "")
+                + (f" (pipeline stage {stage}, the {order} order)" if ranks else "")
                 + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
             )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
@@ -1949,11 +1950,11 @@ __all__ = [
     "deepspeed_partition_numel",
     "dtensor_tp_held_spec",
     "estimate_parallel",
+    "first_stage_embeddings",
     "fsdp_groups",
     "fsdp_states",
     "fsdp_wire_bits",
     "held_tensors",
-    "first_stage_embeddings",
     "in_flight_chunks",
     "in_flight_microbatches",
     "last_stage_heads",

@@ -115,9 +115,11 @@ __all__ = [
     "Zero1Hooks",
     "Zero2Hooks",
     "Zero3Hooks",
+    "interleaved_order",
     "megatron_events",
     "megatron_simulated",
     "one_f_one_b",
+    "pipeline_order",
     "rank_simulated",
     "simulate_rank",
 ]
@@ -734,9 +736,9 @@ def interleaved_order(pp: int, stage: int, microbatches: int, chunks: int) -> li
     return order
 
 
-def pipeline_order(schedule: PipelineSchedule, pp: int, stage: int, microbatches: int, chunks: int) -> list[
-    tuple[bool, int, int]
-]:
+def pipeline_order(
+    schedule: PipelineSchedule, pp: int, stage: int, microbatches: int, chunks: int
+) -> list[tuple[bool, int, int]]:
     """One stage's (forward?, micro-batch, model chunk) passes in one step: 1F1B (:func:`one_f_one_b`; one stage:
     ``forward_backward_no_pipelining``), interleaved (:func:`interleaved_order`), GPipe (every forward, then every
     backward in micro-batch order: torch/distributed/pipelining/schedules.py ``ScheduleGPipe._step_microbatches``)."""
