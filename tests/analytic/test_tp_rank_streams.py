@@ -33,6 +33,8 @@ from trainfit.analytic.rank_events import (
     simulate_rank,
 )
 from trainfit.arch import load_model
+from trainfit.arch.spec import ModelKind
+from trainfit.errors import StrategyError
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, PipelineSchedule, Strategy
@@ -300,3 +302,12 @@ def test_estimate_simulates_dtensor_tp_without_sequence_parallelism_only() -> No
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert any("fixed reserve fraction" in n for n in r.notes)
+
+
+def test_gpipe_is_refused_without_a_causal_lm_loss() -> None:
+    """The GPipe stage keeps every micro-batch's loss until its backward; the bytes it keeps are written for the
+    causal-LM loss only, so other heads get one line, not a number."""
+    spec = dataclasses.replace(load_model("llama-3.2-1b"), kind=ModelKind.TOKEN_CLS)
+    with pytest.raises(StrategyError, match="gpipe is modelled for causal LMs"):
+        plan(spec, _s(2, 4, 8, schedule=GPIPE))
+    assert plan(spec, _s(2, 4, 8)).pp == 4  # 1F1B keeps the old closed form there

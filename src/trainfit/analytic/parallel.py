@@ -50,7 +50,10 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   and logits to the last; a stage holds the activations of the micro-batches in flight: 1F1B
   min(pp − s, m), interleaved (pp − s − 1)·2 + (v − 1)·pp + 1 chunk-micro-batches of L/(pp·v) layers
   (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_with_interleaving``,
-  ``num_warmup_microbatches``), GPipe m.
+  ``num_warmup_microbatches``), GPipe m (:func:`in_flight_chunks`); the first stage min(m, 2·pp) embedding
+  outputs under interleaving (only chunk 0 has the embedding: :func:`first_stage_embeddings`), and the last
+  stage under GPipe m head inputs and m − 1 losses waiting for their backward (:func:`last_stage_heads`). Each
+  count is what the schedule, run pass by pass, holds (:mod:`trainfit.analytic.rank_events`, tested).
 
 * **torch DTensor TP** (``--engine torch --tp``, ± ``--sequence-parallel``; torchtitan's Llama plan through
   ``parallelize_module``, torch/distributed/tensor/parallel/style.py): the single-GPU recipe and step of a

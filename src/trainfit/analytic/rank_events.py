@@ -60,13 +60,16 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   (``RankHooks.copy_bytes``, ``RankHooks.logits_gather``). Against the traced ``parallelize_module`` events (tiny
   llama, TP 2): allocated ±0.001%, reserved −1.6…0%.
 * **Megatron-LM TP (± SP) × PP** (:class:`MegatronStage`, :func:`megatron_events`): not a hooked single-GPU stream
-  but one pipeline stage's own, since the 1F1B schedule interleaves micro-batches (:func:`one_f_one_b`); the worst
+  but one pipeline stage's own, since a pipeline schedule interleaves micro-batches (:func:`pipeline_order`: 1F1B
+  :func:`one_f_one_b`, Megatron's interleaved 1F1B over v model chunks :func:`interleaved_order`, GPipe); the worst
   stage's stream, sized by :func:`~trainfit.analytic.parallel.megatron_inputs` as the closed form is, peaks at
-  exactly its bytes (the schedule's in-flight count is the closed form's min(pp − s, m)). No trace of Megatron.
+  exactly its bytes on every stage: the schedules, run pass by pass, hold the closed form's counts
+  (:func:`~trainfit.analytic.parallel.in_flight_chunks`, ``first_stage_embeddings``, ``last_stage_heads``). The
+  interleaved order is checked against megatron-core's own schedule table; no trace of Megatron.
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron's interleaved and GPipe schedules and ``--checkpointing sqrt``,
-DTensor TP with SP and 2-D FSDP2×TP, CPU offload and fine-tuning with many GPUs.
+fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with SP and 2-D
+FSDP2×TP, CPU offload and fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -751,8 +754,8 @@ def pipeline_order(
 
 
 class MegatronStage:
-    """One rank of Megatron-LM TP (± SP) × PP (1F1B) × DP, one pipeline stage (the worst: the closed form's
-    headline), as events in the order Megatron makes them; the sizes are the closed form's
+    """One rank of Megatron-LM TP (± SP) × PP (1F1B, interleaved or GPipe) × DP, one pipeline stage (the worst: the
+    closed form's headline), as events in the order Megatron makes them; the sizes are the closed form's
     (:func:`~trainfit.analytic.parallel.megatron_inputs`), so its allocated peak is
     :func:`~trainfit.analytic.parallel.estimate_parallel`'s:
 
@@ -762,13 +765,16 @@ class MegatronStage:
       ``grad_data``, one tensor; the buckets are views), the fp32 main parameters (optimizer.py
       ``Float16OptimizerWithFloat16Params``: one clone per parameter; the distributed optimizer's shard, one
       flat piece); gradient-accumulation fusion writes the weight gradients into ``main_grad``, so autograd
-      makes none of its own;
-    * each step: the micro-batches' forwards and backwards in the 1F1B order (:func:`one_f_one_b`); a forward
-      keeps its saved tensors (layer by layer; the first stage its embedding output; the last its head input)
-      until its own backward, which frees them layer by layer from the top; the last stage's loss chain is a
-      forward transient, its backward buffers live over the top layer's backward temporaries (the closed form's
-      backward moment); a fully checkpointed layer keeps its input and recomputes its tensors before its
-      backward (Megatron ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``);
+      makes none of its own; under the interleaved schedule each of the v model chunks is its own DDP module
+      with its own buffers (megatron/training/training.py ``get_model``);
+    * each step: the micro-batches' forwards and backwards through the model chunks in the schedule's order
+      (:func:`pipeline_order`); a forward keeps its saved tensors (layer by layer; chunk 0 of the first stage its
+      embedding output; the last chunk of the last stage its head input and the loss's saved fp32 log-probabilities,
+      ``MegatronInputs.loss_kept``) until its own backward, which frees them layer by layer from the top; the rest
+      of the loss chain is a forward transient, the loss's backward buffers live over the top layer's backward
+      temporaries (the closed form's backward moment); a fully checkpointed layer keeps its input and recomputes
+      its tensors before its backward (Megatron ``--recompute-granularity full --recompute-method uniform
+      --recompute-num-layers 1``);
     * the optimizer step: Adam's two fp32 states per main parameter, made in the first step (apex/TE
       ``FusedAdam`` initialise them lazily); the update writes in place (no temporaries).
 
