@@ -23,7 +23,10 @@ from trainfit.analytic.parallel import (
     in_flight_chunks,
     in_flight_microbatches,
     last_stage_heads,
+    megatron_init_bytes,
+    megatron_inputs,
     plan,
+    tp_local_spec,
 )
 from trainfit.analytic.rank_events import (
     interleaved_order,
@@ -33,6 +36,7 @@ from trainfit.analytic.rank_events import (
     simulate_rank,
 )
 from trainfit.arch import load_model
+from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind
 from trainfit.errors import StrategyError
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
@@ -218,7 +222,7 @@ def test_every_stage_peaks_at_the_closed_forms_bytes(slug: str, strategy: Strate
         most, end = _live(s.events)
         # the backward is the closed form's peak phase (so the forward's recompute term is not the headline)
         assert phases[Phase.BACKWARD].total_bytes == peak
-        assert most == peak
+        assert most == max(peak, megatron_init_bytes(megatron_inputs(spec, strategy, p), stage, p.pp))
         step = phases[Phase.OPTIMIZER_STEP]
         resident = (Component.WEIGHTS, Component.GRADIENTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES)
         assert end == sum(step.get(c) for c in resident) == step.total_bytes
@@ -311,3 +315,26 @@ def test_gpipe_is_refused_without_a_causal_lm_loss() -> None:
     with pytest.raises(StrategyError, match="gpipe is modelled for causal LMs"):
         plan(spec, _s(2, 4, 8, schedule=GPIPE))
     assert plan(spec, _s(2, 4, 8)).pp == 4  # 1F1B keeps the old closed form there
+
+
+def test_the_distributed_optimizers_init_can_peak_above_the_step() -> None:
+    """With the distributed optimizer each parameter is alive twice while DDP's buffers are built (the module's own
+    and its ``param_data`` copy, plus ``grad_data``): 8 B/param in bf16 against 6 + 12/d in the step, so at a large
+    data-parallel degree with full recompute the init is the rank's highest allocation. The stream (which makes the
+    module's parameters, then the buffers, then frees the originals) peaks there, at ``megatron_init_bytes``; the
+    estimate says so, and the simulated reserve holds it; the replicated optimizer's init has no such moment."""
+    spec = load_model("llama-3.1-8b")
+    s = _s(2, 1, sharding="zero1", dp=32, ckpt="full")
+    p = plan(spec, s)
+    rep = estimate_parallel(spec, s)
+    init = megatron_init_bytes(megatron_inputs(spec, s, p), 0, 1)
+    assert init == (2 + 2 + 4) * inventory(tp_local_spec(spec, 2)).total  # one chunk: every parameter of the rank
+    assert init > rep.peak_bytes
+    st = Stream()
+    megatron_events(st, spec, s, p, 0, steps=2)
+    assert _live(st.events)[0] == init
+    assert any(n.startswith("init:") for n in rep.notes)
+    assert simulate_rank(spec, s, p, AllocatorConfig()).peak_reserved_bytes >= init
+    ddp = _s(2, 1, sharding="ddp", dp=32, ckpt="full")
+    assert megatron_init_bytes(megatron_inputs(spec, ddp, plan(spec, ddp)), 0, 1) == 0
+    assert not any(n.startswith("init:") for n in estimate_parallel(spec, ddp).notes)

@@ -53,7 +53,9 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   ``num_warmup_microbatches``), GPipe m (:func:`in_flight_chunks`); the first stage min(m, 2·pp) embedding
   outputs under interleaving (only chunk 0 has the embedding: :func:`first_stage_embeddings`), and the last
   stage under GPipe m head inputs and m − 1 losses waiting for their backward (:func:`last_stage_heads`). Each
-  count is what the schedule, run pass by pass, holds (:mod:`trainfit.analytic.rank_events`, tested).
+  count is what the schedule, run pass by pass, holds (:mod:`trainfit.analytic.rank_events`, tested). With the
+  distributed optimizer the init holds every parameter twice while DDP's buffers are built
+  (:func:`megatron_init_bytes`): said in a note when it is above the step.
 
 * **torch DTensor TP** (``--engine torch --tp``, ± ``--sequence-parallel``; torchtitan's Llama plan through
   ``parallelize_module``, torch/distributed/tensor/parallel/style.py): the single-GPU recipe and step of a
@@ -1578,6 +1580,25 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
     )
 
 
+def megatron_init_bytes(mi: MegatronInputs, stage: int, pp: int) -> int:
+    """The allocated peak of stage ``stage`` while Megatron builds it, before the first step (0 without the
+    distributed optimizer, whose init never exceeds the resident states). With it, each model chunk's DDP wrapper
+    allocates its ``_ParamAndGradBuffer``'s ``param_data`` (parameter dtype) and ``grad_data`` (fp32), then moves
+    the parameters in one by one (``param.data = <view>; copy_(old); del old``:
+    megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer.__init__``), while the module's own
+    parameters, made on the device by ``get_model`` (megatron/training/training.py: ``.cuda()`` before
+    ``wrap_model_chunks_with_ddp``, chunk by chunk), are still alive; so when chunk c's buffers exist, the
+    parameters of chunks ≥ c are held twice: max over c of pb·Σ_{≥c} P + (pb + 4)·Σ_{≤c} P — (2·pb + 4)·P with one
+    chunk, 8 B/param in bf16, against 6 + 12/d resident in training. The optimizer's fp32 main shards come after
+    (``shard_model_param.clone().float()``, one small clone at a time: distrib_optimizer.py
+    ``_build_model_and_main_param_groups``) and Adam's states at the first step. Buffer padding is left out."""
+    if not mi.dist_opt:
+        return 0
+    sizes = [mi.chunk_params(stage, pp, c) for c in range(mi.chunks)]
+    pb = mi.param_bytes
+    return max(pb * sum(sizes[c:]) + (pb + 4) * sum(sizes[: c + 1]) for c in range(len(sizes)))
+
+
 def _megatron(
     spec: ModelSpec, strategy: Strategy, p: ParallelPlan
 ) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], list[str]]:
@@ -1635,6 +1656,8 @@ def _megatron(
         group = p.tp * p.dp
         stages.append(RankMemory(ranks=tuple(range(s * group, (s + 1) * group)), phases=phases))
     worst = max(stages, key=lambda r: r.peak_bytes)
+    init = [(megatron_init_bytes(mi, s, p.pp) - stages[s].peak_bytes, s) for s in range(p.pp)]
+    over, at = max(init)
     notes = [
         f"Megatron TP {p.tp}{' + SP' if p.sequence_parallel else ''}, PP {p.pp} ({par.pipeline_schedule.value}, "
         f"{par.microbatches} micro-batches), DP {p.dp}: {ls} layers per stage; stage 0 holds the embedding and "
@@ -1646,6 +1669,14 @@ def _megatron(
         notes.append(
             f"only {par.microbatches} micro-batch(es) for {p.pp} pipeline stages: the pipeline idles most of the "
             "step (--microbatches sets how many per step; memory on stage 0 grows up to pp of them)"
+        )
+    if over > 0:
+        notes.append(
+            f"init: building the distributed optimizer's buffers (param_data, grad_data) while the module's own "
+            f"parameters still exist peaks at {fmt_gib(over + stages[at].peak_bytes)}"
+            + (f" on pipeline stage {at}" if p.pp > 1 else "")
+            + f", {fmt_gib(over)} above that stage's training step; max_memory_allocated counts it, and the caching "
+            "allocator keeps it reserved (megatron/core/distributed/param_and_grad_buffer.py)"
         )
     return worst.phases, tuple(stages) if p.pp > 1 else (), notes
 
@@ -1961,6 +1992,7 @@ __all__ = [
     "in_flight_chunks",
     "in_flight_microbatches",
     "last_stage_heads",
+    "megatron_init_bytes",
     "megatron_inputs",
     "nccl_bytes",
     "plan",

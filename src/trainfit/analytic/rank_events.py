@@ -65,7 +65,9 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   stage's stream, sized by :func:`~trainfit.analytic.parallel.megatron_inputs` as the closed form is, peaks at
   exactly its bytes on every stage: the schedules, run pass by pass, hold the closed form's counts
   (:func:`~trainfit.analytic.parallel.in_flight_chunks`, ``first_stage_embeddings``, ``last_stage_heads``). The
-  interleaved order is checked against megatron-core's own schedule table; no trace of Megatron.
+  interleaved order is checked against megatron-core's own schedule table; no trace of Megatron. The init makes
+  the module's parameters, then DDP's buffers on Megatron's init stream, and with the distributed optimizer frees
+  the module's parameters after copying them in (its allocated peak when that is above the step's).
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
 fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with SP and 2-D
@@ -753,6 +755,11 @@ def pipeline_order(
     return [(f, j, 0) for f, j in one_f_one_b(pp, stage, m)]
 
 
+#: The side stream Megatron's ``get_model`` builds the DDP wrappers on (``ddp_stream = torch.cuda.Stream()``): the
+#: param/grad buffers come from its pool, the module's freed parameters go back to the default stream's.
+DDP_INIT_STREAM = 3
+
+
 class MegatronStage:
     """One rank of Megatron-LM TP (± SP) × PP (1F1B, interleaved or GPipe) × DP, one pipeline stage (the worst: the
     closed form's headline), as events in the order Megatron makes them; the sizes are the closed form's
@@ -778,8 +785,10 @@ class MegatronStage:
     * the optimizer step: Adam's two fp32 states per main parameter, made in the first step (apex/TE
       ``FusedAdam`` initialise them lazily); the update writes in place (no temporaries).
 
-    Left out, as the closed form leaves them out: the pipeline's send/receive buffers, the input ids, and the
-    init-time copy of the parameters into the distributed optimizer's buffer."""
+    With the distributed optimizer, init moves the module's parameters into the buffer's ``param_data`` (both alive
+    until each copy: :func:`~trainfit.analytic.parallel.megatron_init_bytes`, which the stream peaks at when it is
+    above the step). Left out, as the closed form leaves them out: the pipeline's send/receive buffers, the input
+    ids, the buffers' padding."""
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, stage: int) -> None:
         from trainfit.analytic.activations import layer_terms
@@ -822,13 +831,14 @@ class MegatronStage:
 
     def init(self, s: Stream) -> None:
         mi, pb = self.mi, self.mi.param_bytes
-        for ts in self.chunk_params:
+        own = [[s.alloc(t.numel * pb) for t in ts] for ts in self.chunk_params]  # the module's, ``.cuda()``
+        for ts, mine in zip(self.chunk_params, own, strict=True):  # wrap_model_chunks_with_ddp, chunk by chunk
+            n = sum(t.numel for t in ts)
             if mi.dist_opt:
-                s.alloc(sum(t.numel for t in ts) * pb)  # param_data
-            else:
-                for t in ts:
-                    s.alloc(t.numel * pb)
-            s.alloc(sum(t.numel for t in ts) * 4)  # grad_data
+                s.alloc(n * pb, DDP_INIT_STREAM)  # param_data: each parameter is copied in, its own freed
+            s.alloc(n * 4, DDP_INIT_STREAM)  # grad_data
+            if mi.dist_opt:
+                s.free_all(mine)
         if mi.fp32:
             return
         if mi.dist_opt:
