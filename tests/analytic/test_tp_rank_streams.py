@@ -333,8 +333,8 @@ def test_the_distributed_optimizers_init_can_peak_above_the_step() -> None:
     st = Stream()
     megatron_events(st, spec, s, p, 0, steps=2)
     assert _live(st.events)[0] == init
-    assert any(n.startswith("init:") for n in rep.notes)
+    assert any(n.startswith("Megatron's init:") for n in rep.notes)
     assert simulate_rank(spec, s, p, AllocatorConfig()).peak_reserved_bytes >= init
     ddp = _s(2, 1, sharding="ddp", dp=32, ckpt="full")
     assert megatron_init_bytes(megatron_inputs(spec, ddp, plan(spec, ddp)), 0, 1) == 0
-    assert not any(n.startswith("init:") for n in estimate_parallel(spec, ddp).notes)
+    assert not any(n.startswith("Megatron's init:") for n in estimate_parallel(spec, ddp).notes)

@@ -1672,8 +1672,8 @@ def _megatron(
         )
     if over > 0:
         notes.append(
-            f"init: building the distributed optimizer's buffers (param_data, grad_data) while the module's own "
-            f"parameters still exist peaks at {fmt_gib(over + stages[at].peak_bytes)}"
+            f"Megatron's init: building the distributed optimizer's buffers (param_data, grad_data) while the "
+            f"module's own parameters still exist peaks at {fmt_gib(over + stages[at].peak_bytes)}"
             + (f" on pipeline stage {at}" if p.pp > 1 else "")
             + f", {fmt_gib(over)} above that stage's training step; max_memory_allocated counts it, and the caching "
             "allocator keeps it reserved (megatron/core/distributed/param_and_grad_buffer.py)"
