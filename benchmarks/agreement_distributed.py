@@ -15,11 +15,11 @@ also compare the host bytes per node (what DeepSpeed pins, Adam's states on the 
 ``--reshard``: FSDP2's matrix, both ``reshard_after_forward`` settings × checkpointing none/full/selective at
 W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
 ``--reserve``: no trace; the analytic rank's predicted reserved memory from its simulated allocator event stream
-(trainfit.analytic.rank_events: DDP, FSDP2, ZeRO, DTensor TP and the worst Megatron 1F1B stage), default allocator
-and ``expandable_segments:True`` — the "What it predicts" table
-of docs/accuracy.md ("Reserved memory with many GPUs").
+(trainfit.analytic.rank_events: DDP, FSDP2, ZeRO, DTensor TP and the worst Megatron stage under 1F1B, interleaved and
+GPipe), default allocator and ``expandable_segments:True`` — the "What it predicts" table
+of docs/accuracy.md ("Reserved memory with many GPUs"); ``--megatron-schedules``: its interleaved and GPipe rows only.
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
-| --offload | --reshard | --reserve]
+| --offload | --reshard | --reserve | --megatron-schedules]
 """
 
 from __future__ import annotations
@@ -220,6 +220,14 @@ MEGATRON_RESERVE_CASES = (
 )
 
 
+# Megatron's other pipeline schedules: (model, tp, pp, sp, micro-batches, virtual stages, schedule, sharding, W, ckpt)
+MEGATRON_SCHEDULE_RESERVE_CASES = (
+    ("llama-3.1-8b", 2, 2, True, 8, 2, "interleaved", "zero1", 16, "full"),
+    ("llama-3.1-70b", 8, 4, True, 16, 5, "interleaved", "zero1", 64, "selective"),
+    ("llama-3.1-8b", 2, 4, False, 8, 1, "gpipe", "ddp", 8, "none"),
+    ("llama-3.1-70b", 8, 4, True, 16, 1, "gpipe", "zero1", 64, "selective"),
+)
+
 # DTensor TP ranks (no sequence parallelism, no sharding): (model, tp, checkpointing)
 DTENSOR_RESERVE_CASES = (("llama-3.1-8b", 4, "none"), ("llama-3.1-8b", 8, "full"), ("llama-3.1-70b", 8, "full"))
 
@@ -267,11 +275,28 @@ def reserve_rows() -> None:
         pipe = f", PP {pp} (1F1B, {m} micro-batches)" if int(pp) > 1 else ""
         opt = "distributed optimizer" if sharding == "zero1" else "DDP"
         _reserve_row(str(slug), f"Megatron TP {tp}{' + SP' if sp else ''}{pipe}, {opt}", w, str(ckpt), s)
+    megatron_schedule_rows()
+
+
+def megatron_schedule_rows() -> None:
+    """The reserve rows of Megatron's interleaved and GPipe schedules (in ``--reserve``; alone:
+    ``--megatron-schedules``)."""
+    for slug, tp, pp, sp, m, v, sched, sharding, w, ckpt in MEGATRON_SCHEDULE_RESERVE_CASES:
+        s = megatron_strategy(int(tp), int(pp), bool(sp), int(m), str(sharding), int(w), str(ckpt))
+        par = dataclasses.replace(s.parallelism, pipeline_schedule=str(sched), virtual_stages=int(v))
+        s = dataclasses.replace(s, parallelism=par)
+        chunks = f", v {v}" if int(v) > 1 else ""
+        opt = "distributed optimizer" if sharding == "zero1" else "DDP"
+        setup = f"Megatron TP {tp}{' + SP' if sp else ''}, PP {pp} ({sched}{chunks}, {m} micro-batches), {opt}"
+        _reserve_row(str(slug), setup, w, str(ckpt), s)
 
 
 def main(argv: list[str]) -> None:
     if "--reserve" in argv:
         reserve_rows()
+        return
+    if "--megatron-schedules" in argv:
+        megatron_schedule_rows()
         return
     if "--offload" in argv:
         offload_rows("--quick" in argv)

@@ -228,7 +228,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         assert any("caching-allocator simulation" in n for n in r.notes)
     for s in (
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
-        Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2, pipeline_schedule="gpipe")),
+        Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)

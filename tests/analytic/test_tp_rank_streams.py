@@ -8,18 +8,42 @@ rank (``DtensorTpHooks``) against ``_torch_tp``'s moments (its traced events: te
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 
 import pytest
 
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event, Op
 from trainfit.analytic.events import Stream
-from trainfit.analytic.parallel import estimate_parallel, in_flight_microbatches, plan
-from trainfit.analytic.rank_events import megatron_events, one_f_one_b, rank_simulated, simulate_rank
+from trainfit.analytic.parallel import (
+    estimate_parallel,
+    first_stage_embeddings,
+    in_flight_chunks,
+    in_flight_microbatches,
+    last_stage_heads,
+    megatron_init_bytes,
+    megatron_inputs,
+    plan,
+    tp_local_spec,
+)
+from trainfit.analytic.rank_events import (
+    interleaved_order,
+    megatron_events,
+    one_f_one_b,
+    rank_simulated,
+    simulate_rank,
+)
 from trainfit.arch import load_model
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import ModelKind
+from trainfit.errors import StrategyError
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, PipelineSchedule, Strategy
+
+INTERLEAVED, GPIPE = PipelineSchedule.INTERLEAVED, PipelineSchedule.GPIPE
 
 
 def _s(
@@ -73,6 +97,81 @@ def test_the_1f1b_order_holds_the_formulas_micro_batches(pp: int, m: int) -> Non
         assert most == in_flight_microbatches(PipelineSchedule.ONE_F_ONE_B, pp, stage, m, 1)
 
 
+@pytest.mark.parametrize(
+    ("pp", "v", "m"), [(2, 2, 2), (2, 3, 8), (4, 2, 8), (4, 4, 12), (3, 2, 9), (8, 2, 16), (8, 5, 8)]
+)
+def test_the_interleaved_order_holds_the_formulas_chunks(pp: int, v: int, m: int) -> None:
+    """Megatron's interleaved schedule run pass by pass (``interleaved_order``): every (micro-batch, chunk) runs
+    forward once and backward once after it, each micro-batch's chunks forward in order 0…v − 1 and backward in
+    the reverse order; the most alive at once on stage s is the closed form's (pp − s − 1)·2 + (v − 1)·pp + 1
+    capped at m·v (``in_flight_chunks``, from the warm-up formula); stage 0's chunk-0 micro-batches (each holding an
+    embedding output) at most ``first_stage_embeddings``' min(m, 2·pp), reached together with the most chunks; the
+    last stage's last chunk at most one (``last_stage_heads``)."""
+    for stage in range(pp):
+        order = interleaved_order(pp, stage, m, v)
+        everything = {(j, c) for j in range(m) for c in range(v)}
+        assert sorted((j, c) for f, j, c in order if f) == sorted(everything)
+        assert sorted((j, c) for f, j, c in order if not f) == sorted(everything)
+        for j in range(m):
+            assert [c for f, i, c in order if f and i == j] == list(range(v))
+            assert [c for f, i, c in order if not f and i == j] == list(reversed(range(v)))
+        live: set[tuple[int, int]] = set()
+        most = (0, 0)
+        last_chunk = 0
+        for forward, j, c in order:
+            if forward:
+                live.add((j, c))
+            else:
+                assert (j, c) in live
+                live.remove((j, c))
+            most = max(most, (len(live), sum(1 for _, k in live if k == 0)))
+            last_chunk = max(last_chunk, sum(1 for _, k in live if k == v - 1))
+        assert most[0] == in_flight_chunks(INTERLEAVED, pp, stage, m, v)
+        if stage == 0:
+            assert most[1] == first_stage_embeddings(INTERLEAVED, pp, m, v)
+        if stage == pp - 1:
+            assert last_chunk == last_stage_heads(INTERLEAVED, pp, m)
+
+
+def _megatron_python() -> str | None:
+    return os.environ.get("TRAINFIT_MEGATRON_PYTHON")
+
+
+_MEGATRON_TABLES = """
+import json, sys
+from types import SimpleNamespace as N
+from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches, get_schedule_table
+out = []
+for pp, stage, m, v in json.loads(sys.argv[1]):
+    comm = N(pp_group=N(size=lambda: pp, rank=lambda: stage), virtual_pipeline_model_parallel_size=v)
+    _, _, warmup, _ = get_pp_rank_microbatches(m, v, pp, p2p_communicator=comm)
+    out.append([warmup, get_schedule_table(m, v, pp)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    _megatron_python() is None, reason="point TRAINFIT_MEGATRON_PYTHON at a Python with megatron-core (>= 0.17)"
+)
+def test_the_interleaved_order_is_megatrons_table() -> None:
+    """Against Megatron's own ``get_schedule_table`` and ``get_pp_rank_microbatches`` (megatron-core, run under
+    TRAINFIT_MEGATRON_PYTHON, ``microbatch_group_size_per_vp_stage`` = pp): the warm-up's length and the
+    forwards' (micro-batch, chunk) sequence."""
+    cases = [(2, 0, 4, 2), (4, 0, 8, 2), (4, 3, 8, 2), (4, 1, 12, 3), (8, 0, 8, 4), (3, 2, 9, 2)]
+    got = subprocess.run(
+        [str(_megatron_python()), "-c", _MEGATRON_TABLES, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    for (pp, stage, m, v), (warmup, table) in zip(cases, json.loads(got.stdout.splitlines()[-1]), strict=True):
+        order = interleaved_order(pp, stage, m, v)
+        assert [(j, c) for f, j, c in order if f] == [tuple(x) for x in table]
+        assert next(i for i, (f, _, _) in enumerate(order) if not f) == min(warmup + 1, m * v)
+
+
 def _live(events: list[Event]) -> tuple[int, int]:
     """(the most bytes alive at once, the bytes alive at the end), counted from the events as requested."""
     sizes: dict[int, int] = {}
@@ -96,6 +195,15 @@ CASES = [
     ("qwen2.5-0.5b", _s(2, 2, 4)),  # tied: the last stage's own copy of the table
     ("qwen2.5-0.5b", _s(2, 1, 2, precision="fp32")),
     ("llama-3.1-8b", _s(8, 4, 16, sp=True, sharding="zero1")),
+    # interleaved: 2 layers per chunk; every forward in the warm-up (m = pp); tied, 3 chunks, SP; 70B-like shape
+    ("llama-3.2-1b", _s(2, 4, 8, schedule=INTERLEAVED, v=2)),
+    ("llama-3.2-1b", _s(1, 2, 2, ckpt="full", sharding="zero1", dp=8, schedule=INTERLEAVED, v=4)),
+    ("qwen2.5-0.5b", _s(2, 2, 6, sp=True, ckpt="selective", schedule=INTERLEAVED, v=3)),
+    ("llama-3.1-8b", _s(8, 4, 16, sp=True, sharding="zero1", schedule=INTERLEAVED, v=4)),
+    # GPipe: the last stage keeps every micro-batch's head input and loss; fewer micro-batches than stages
+    ("llama-3.2-1b", _s(2, 4, 8, schedule=GPIPE)),
+    ("qwen2.5-0.5b", _s(2, 2, 4, ckpt="full", schedule=GPIPE)),
+    ("llama-3.2-1b", _s(1, 4, 2, sharding="zero1", schedule=GPIPE)),
 ]
 
 
@@ -114,13 +222,13 @@ def test_every_stage_peaks_at_the_closed_forms_bytes(slug: str, strategy: Strate
         most, end = _live(s.events)
         # the backward is the closed form's peak phase (so the forward's recompute term is not the headline)
         assert phases[Phase.BACKWARD].total_bytes == peak
-        assert most == peak
+        assert most == max(peak, megatron_init_bytes(megatron_inputs(spec, strategy, p), stage, p.pp))
         step = phases[Phase.OPTIMIZER_STEP]
         resident = (Component.WEIGHTS, Component.GRADIENTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES)
         assert end == sum(step.get(c) for c in resident) == step.total_bytes
 
 
-@pytest.mark.parametrize(("slug", "strategy"), CASES[1:4])
+@pytest.mark.parametrize(("slug", "strategy"), [*CASES[1:4], CASES[9], CASES[13]])
 def test_the_simulated_rank_allocates_what_the_stream_does(slug: str, strategy: Strategy) -> None:
     """Through the allocator model: the allocated peak is the closed form's but for 512-byte rounding and
     unsplit remainders of large blocks (≤ 1 MiB each), and nothing is reserved below it."""
@@ -141,11 +249,10 @@ def test_estimate_reports_which_reserve_it_used() -> None:
         note = next(n for n in r.notes if n.startswith("reserved:"))
         assert "caching-allocator simulation" in note
         assert ("pipeline stage" in note) == (s.parallelism.pipeline > 1)
-    for s in (
-        _s(2, 4, 8, schedule=PipelineSchedule.GPIPE),
-        _s(1, 4, 8, schedule=PipelineSchedule.INTERLEAVED, v=2),
-        _s(2, 2, 4, ckpt="sqrt"),
-    ):
+    for s in (_s(2, 4, 8, schedule=GPIPE), _s(1, 4, 8, schedule=INTERLEAVED, v=2)):
+        note = next(n for n in estimate(spec, s).notes if n.startswith("reserved:"))
+        assert f"the {s.parallelism.pipeline_schedule.value} order" in note
+    for s in (_s(2, 2, 4, ckpt="sqrt"),):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert any("fixed reserve fraction" in n for n in r.notes)
@@ -199,3 +306,35 @@ def test_estimate_simulates_dtensor_tp_without_sequence_parallelism_only() -> No
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert any("fixed reserve fraction" in n for n in r.notes)
+
+
+def test_gpipe_is_refused_without_a_causal_lm_loss() -> None:
+    """The GPipe stage keeps every micro-batch's loss until its backward; the bytes it keeps are written for the
+    causal-LM loss only, so other heads get one line, not a number."""
+    spec = dataclasses.replace(load_model("llama-3.2-1b"), kind=ModelKind.TOKEN_CLS)
+    with pytest.raises(StrategyError, match="gpipe is modelled for causal LMs"):
+        plan(spec, _s(2, 4, 8, schedule=GPIPE))
+    assert plan(spec, _s(2, 4, 8)).pp == 4  # 1F1B keeps the old closed form there
+
+
+def test_the_distributed_optimizers_init_can_peak_above_the_step() -> None:
+    """With the distributed optimizer each parameter is alive twice while DDP's buffers are built (the module's own
+    and its ``param_data`` copy, plus ``grad_data``): 8 B/param in bf16 against 6 + 12/d in the step, so at a large
+    data-parallel degree with full recompute the init is the rank's highest allocation. The stream (which makes the
+    module's parameters, then the buffers, then frees the originals) peaks there, at ``megatron_init_bytes``; the
+    estimate says so, and the simulated reserve holds it; the replicated optimizer's init has no such moment."""
+    spec = load_model("llama-3.1-8b")
+    s = _s(2, 1, sharding="zero1", dp=32, ckpt="full")
+    p = plan(spec, s)
+    rep = estimate_parallel(spec, s)
+    init = megatron_init_bytes(megatron_inputs(spec, s, p), 0, 1)
+    assert init == (2 + 2 + 4) * inventory(tp_local_spec(spec, 2)).total  # one chunk: every parameter of the rank
+    assert init > rep.peak_bytes
+    st = Stream()
+    megatron_events(st, spec, s, p, 0, steps=2)
+    assert _live(st.events)[0] == init
+    assert any(n.startswith("Megatron's init:") for n in rep.notes)
+    assert simulate_rank(spec, s, p, AllocatorConfig()).peak_reserved_bytes >= init
+    ddp = _s(2, 1, sharding="ddp", dp=32, ckpt="full")
+    assert megatron_init_bytes(megatron_inputs(spec, ddp, plan(spec, ddp)), 0, 1) == 0
+    assert not any(n.startswith("Megatron's init:") for n in estimate_parallel(spec, ddp).notes)

@@ -50,7 +50,12 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   and logits to the last; a stage holds the activations of the micro-batches in flight: 1F1B
   min(pp − s, m), interleaved (pp − s − 1)·2 + (v − 1)·pp + 1 chunk-micro-batches of L/(pp·v) layers
   (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_with_interleaving``,
-  ``num_warmup_microbatches``), GPipe m.
+  ``num_warmup_microbatches``), GPipe m (:func:`in_flight_chunks`); the first stage min(m, 2·pp) embedding
+  outputs under interleaving (only chunk 0 has the embedding: :func:`first_stage_embeddings`), and the last
+  stage under GPipe m head inputs and m − 1 losses waiting for their backward (:func:`last_stage_heads`). Each
+  count is what the schedule, run pass by pass, holds (:mod:`trainfit.analytic.rank_events`, tested). With the
+  distributed optimizer the init holds every parameter twice while DDP's buffers are built
+  (:func:`megatron_init_bytes`): said in a note when it is above the step.
 
 * **torch DTensor TP** (``--engine torch --tp``, ± ``--sequence-parallel``; torchtitan's Llama plan through
   ``parallelize_module``, torch/distributed/tensor/parallel/style.py): the single-GPU recipe and step of a
@@ -229,6 +234,11 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"the interleaved schedule needs --microbatches a multiple of --pp {pp}")
         if spec.moe is not None and tp > 1:
             raise StrategyError("tensor parallelism of MoE layers (expert parallelism) is not modelled")
+        if par.pipeline_schedule is PipelineSchedule.GPIPE and pp > 1 and spec.kind is not ModelKind.CAUSAL_LM:
+            raise StrategyError(
+                f"--pp-schedule gpipe is modelled for causal LMs (the last stage keeps every micro-batch's loss), "
+                f"not --head {spec.kind.value}"
+            )
     if engine is Engine.DEEPSPEED:
         if sh not in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
             raise StrategyError(f"--engine deepspeed models --sharding zero1|zero2|zero3, not {sh.value}")
@@ -1435,16 +1445,47 @@ def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
 
 def in_flight_microbatches(schedule: PipelineSchedule, pp: int, stage: int, m: int, v: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at once, in units of the stage's full layer
-    set: 1F1B min(pp − s, m) (Narayanan et al. 2021, §2.2); interleaved ((pp − s − 1)·2 + (v − 1)·pp + 1)
-    chunks of 1/v of the stage, at most m·v (Megatron schedules.py ``num_warmup_microbatches``); GPipe m."""
+    set: :func:`in_flight_chunks` over ``v`` (1F1B min(pp − s, m), Narayanan et al. 2021, §2.2; interleaved
+    ((pp − s − 1)·2 + (v − 1)·pp + 1)/v, at most m; GPipe m)."""
+    return in_flight_chunks(schedule, pp, stage, m, v) / (v if schedule is PipelineSchedule.INTERLEAVED else 1)
+
+
+def in_flight_chunks(schedule: PipelineSchedule, pp: int, stage: int, m: int, v: int) -> int:
+    """Model-chunk micro-batches (each L/(pp·v) layers; v = 1 outside the interleaved schedule) whose saved
+    tensors stage ``stage`` holds at its peak: 1F1B min(pp − s, m) (``forward_backward_pipelining_without_
+    interleaving``: min(pp − s − 1, m) warm-up forwards, then one more before each backward); interleaved
+    min((pp − s − 1)·2 + (v − 1)·pp + 1, m·v) (``forward_backward_pipelining_with_interleaving``:
+    ``get_pp_rank_microbatches``' warm-up count with ``microbatch_group_size_per_vp_stage`` = pp, capped at
+    m·v, then one forward before each backward; megatron/core/pipeline_parallel/schedules.py, megatron-core
+    0.19.2); GPipe m (every forward before the first backward: torch/distributed/pipelining/schedules.py
+    ``ScheduleGPipe._step_microbatches``)."""
     if pp == 1:
-        return 1.0
+        return 1
     if schedule is PipelineSchedule.GPIPE:
-        return float(m)
+        return m
     if schedule is PipelineSchedule.INTERLEAVED:
-        chunks = min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)
-        return chunks / v
-    return float(min(pp - stage, m))
+        return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)
+    return min(pp - stage, m)
+
+
+def first_stage_embeddings(schedule: PipelineSchedule, pp: int, m: int, v: int) -> int:
+    """Embedding outputs (saved for the first layer's backward) alive on stage 0 at its peak: one per micro-batch
+    in flight under 1F1B and GPipe; interleaved, only model chunk 0 holds the embedding, and at most two groups'
+    chunk-0 micro-batches are alive, min(m, 2·pp): group g's chunk-0 backwards (positions (v − 1)·pp … v·pp − 1
+    of its pp·v backward slots, the chunk order reversed: ``get_model_chunk_id(k, forward=False)``) begin after
+    forward (g + 2)·pp·v − 2 (the warm-up is (v + 1)·pp − 2 on stage 0), after group g + 1's chunk-0 forwards and
+    before group g + 2's; with m = pp every chunk's forward is warm-up and all m are alive."""
+    if schedule is PipelineSchedule.INTERLEAVED and pp > 1:
+        return min(m, 2 * pp)
+    return in_flight_chunks(schedule, pp, 0, m, v)
+
+
+def last_stage_heads(schedule: PipelineSchedule, pp: int, m: int) -> int:
+    """Head inputs and losses alive on the last stage at its peak: GPipe m (every micro-batch's loss is computed
+    in its forward, ``_maybe_compute_loss``, and back-propagated after all forwards); 1F1B and interleaved 1 (the
+    last stage's warm-up has no forward of its last model chunk: each such forward is followed at once by the
+    same micro-batch's backward, forward k + (v − 1)·pp and backward k sitting in the same group's slots)."""
+    return m if schedule is PipelineSchedule.GPIPE and pp > 1 else 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1463,6 +1504,23 @@ class MegatronInputs:
     param_bytes: int  # 2 (bf16 parameters) or 4 (fp32 compute)
     fp32: bool
     dist_opt: bool
+    loss_kept: int  # what one micro-batch's loss keeps from its forward to its backward (last stage)
+    chunks: int  # model chunks per stage (virtual stages under the interleaved schedule; 1 otherwise)
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers of one model chunk (the stage's layers under 1F1B and GPipe)."""
+        return self.layers_per_stage // self.chunks
+
+    def chunk_params(self, stage: int, pp: int, chunk: int) -> int:
+        """Parameters of model chunk ``chunk`` of stage ``stage``: its layers, the embedding on chunk 0 of stage 0,
+        the final norm and head on the last chunk of the last stage (Megatron ``pre_process``/``post_process``
+        per virtual stage)."""
+        return (
+            self.chunk_layers * self.per_layer_params
+            + (sum(t.numel for t in self.embed) if stage == 0 and chunk == 0 else 0)
+            + (sum(t.numel for t in self.rest) if stage == pp - 1 and chunk == self.chunks - 1 else 0)
+        )
 
     def stage_params(self, stage: int, pp: int) -> int:
         """Parameters held by pipeline stage ``stage``."""
@@ -1500,6 +1558,12 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         kept_layer = q.kept_inputs // max(1, q.segments) if q.segments else 0
     ckpt = q.segments > 0
     fp32 = cs.recipe.compute_bits == 32
+    # The loss's saved tensors (the closed form's loss is the causal-LM one of trainfit.analytic.logits): the
+    # fp32 log-probabilities LogSoftmaxBackward keeps (Megatron's vocab-parallel cross-entropy likewise keeps its
+    # fp32 ``exp_logits``, tensor_parallel/cross_entropy.py ``save_for_backward``), and a soft-cap's tanh output.
+    n = strategy.tokens_per_micro_batch * local.vocab_size
+    kept = 4 * n + (cs.recipe.compute_bits // 8 * n if spec.final_logit_softcapping else 0)
+    par = strategy.parallelism
     return MegatronInputs(
         q=q,
         layers_per_stage=spec.num_layers // p.pp,
@@ -1512,7 +1576,28 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         param_bytes=4 if fp32 else 2,
         fp32=fp32,
         dist_opt=strategy.sharding is Sharding.ZERO1,
+        loss_kept=kept if spec.kind is ModelKind.CAUSAL_LM else 0,
+        chunks=par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED and p.pp > 1 else 1,
     )
+
+
+def megatron_init_bytes(mi: MegatronInputs, stage: int, pp: int) -> int:
+    """The allocated peak of stage ``stage`` while Megatron builds it, before the first step (0 without the
+    distributed optimizer, whose init never exceeds the resident states). With it, each model chunk's DDP wrapper
+    allocates its ``_ParamAndGradBuffer``'s ``param_data`` (parameter dtype) and ``grad_data`` (fp32), then moves
+    the parameters in one by one (``param.data = <view>; copy_(old); del old``:
+    megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer.__init__``), while the module's own
+    parameters, made on the device by ``get_model`` (megatron/training/training.py: ``.cuda()`` before
+    ``wrap_model_chunks_with_ddp``, chunk by chunk), are still alive; so when chunk c's buffers exist, the
+    parameters of chunks ≥ c are held twice: max over c of pb·Σ_{≥c} P + (pb + 4)·Σ_{≤c} P — (2·pb + 4)·P with one
+    chunk, 8 B/param in bf16, against 6 + 12/d resident in training. The optimizer's fp32 main shards come after
+    (``shard_model_param.clone().float()``, one small clone at a time: distrib_optimizer.py
+    ``_build_model_and_main_param_groups``) and Adam's states at the first step. Buffer padding is left out."""
+    if not mi.dist_opt:
+        return 0
+    sizes = [mi.chunk_params(stage, pp, c) for c in range(mi.chunks)]
+    pb = mi.param_bytes
+    return max(pb * sum(sizes[c:]) + (pb + 4) * sum(sizes[: c + 1]) for c in range(len(sizes)))
 
 
 def _megatron(
@@ -1534,13 +1619,17 @@ def _megatron(
         else:
             master = params * 4 // (p.dp if dist_opt else 1)
             optim = params * 8 // (p.dp if dist_opt else 1)
-        flight = in_flight_microbatches(par.pipeline_schedule, p.pp, s, par.microbatches, par.virtual_stages)
-        acts = int(flight * ls * per_mb_layer) + recompute
+        sched, m = par.pipeline_schedule, par.microbatches
+        chunks = in_flight_chunks(sched, p.pp, s, m, mi.chunks)
+        acts = chunks * mi.chunk_layers * per_mb_layer + recompute
         if s == 0:
-            acts += int(flight * q.stack.embedding_bytes)
+            acts += first_stage_embeddings(sched, p.pp, m, mi.chunks) * q.stack.embedding_bytes
         logits_f = q.logits_forward if s == p.pp - 1 else 0
         logits_b = q.logits_backward if s == p.pp - 1 else 0
-        head_in = q.stack.head_input_bytes if s == p.pp - 1 else 0
+        head_in = 0
+        if s == p.pp - 1:  # the others' head inputs and losses, waiting for their backward (GPipe)
+            heads = last_stage_heads(sched, p.pp, m)
+            head_in = heads * q.stack.head_input_bytes + (heads - 1) * mi.loss_kept
         resident = {
             Component.WEIGHTS: weights,
             Component.GRADIENTS: grads,
@@ -1568,6 +1657,8 @@ def _megatron(
         group = p.tp * p.dp
         stages.append(RankMemory(ranks=tuple(range(s * group, (s + 1) * group)), phases=phases))
     worst = max(stages, key=lambda r: r.peak_bytes)
+    init = [(megatron_init_bytes(mi, s, p.pp) - stages[s].peak_bytes, s) for s in range(p.pp)]
+    over, at = max(init)
     notes = [
         f"Megatron TP {p.tp}{' + SP' if p.sequence_parallel else ''}, PP {p.pp} ({par.pipeline_schedule.value}, "
         f"{par.microbatches} micro-batches), DP {p.dp}: {ls} layers per stage; stage 0 holds the embedding and "
@@ -1579,6 +1670,14 @@ def _megatron(
         notes.append(
             f"only {par.microbatches} micro-batch(es) for {p.pp} pipeline stages: the pipeline idles most of the "
             "step (--microbatches sets how many per step; memory on stage 0 grows up to pp of them)"
+        )
+    if over > 0:
+        notes.append(
+            f"Megatron's init: building the distributed optimizer's buffers (param_data, grad_data) while the "
+            f"module's own parameters still exist peaks at {fmt_gib(over + stages[at].peak_bytes)}"
+            + (f" on pipeline stage {at}" if p.pp > 1 else "")
+            + f", {fmt_gib(over)} above that stage's training step; max_memory_allocated counts it, and the caching "
+            "allocator keeps it reserved (megatron/core/distributed/param_and_grad_buffer.py)"
         )
     return worst.phases, tuple(stages) if p.pp > 1 else (), notes
 
@@ -1766,7 +1865,7 @@ def estimate_parallel(
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
     torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (no SP) and
-    Megatron TP/SP/PP ranks (1F1B, the worst stage) replay their event stream
+    Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
@@ -1821,9 +1920,10 @@ def estimate_parallel(
                 reserve_bytes=overhead.allocator_reserve_bytes,
                 capacity_bytes=capacity_bytes,
             )
+            order = strategy.parallelism.pipeline_schedule.value
             reserve_note = (
                 "reserved: this rank's event stream"
-                + (f" (pipeline stage {stage}, the 1F1B order)" if ranks else "")
+                + (f" (pipeline stage {stage}, the {order} order)" if ranks else "")
                 + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
             )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
@@ -1896,11 +1996,15 @@ __all__ = [
     "deepspeed_partition_numel",
     "dtensor_tp_held_spec",
     "estimate_parallel",
+    "first_stage_embeddings",
     "fsdp_groups",
     "fsdp_states",
     "fsdp_wire_bits",
     "held_tensors",
+    "in_flight_chunks",
     "in_flight_microbatches",
+    "last_stage_heads",
+    "megatron_init_bytes",
     "megatron_inputs",
     "nccl_bytes",
     "plan",

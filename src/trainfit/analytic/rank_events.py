@@ -60,13 +60,18 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   (``RankHooks.copy_bytes``, ``RankHooks.logits_gather``). Against the traced ``parallelize_module`` events (tiny
   llama, TP 2): allocated ±0.001%, reserved −1.6…0%.
 * **Megatron-LM TP (± SP) × PP** (:class:`MegatronStage`, :func:`megatron_events`): not a hooked single-GPU stream
-  but one pipeline stage's own, since the 1F1B schedule interleaves micro-batches (:func:`one_f_one_b`); the worst
+  but one pipeline stage's own, since a pipeline schedule interleaves micro-batches (:func:`pipeline_order`: 1F1B
+  :func:`one_f_one_b`, Megatron's interleaved 1F1B over v model chunks :func:`interleaved_order`, GPipe); the worst
   stage's stream, sized by :func:`~trainfit.analytic.parallel.megatron_inputs` as the closed form is, peaks at
-  exactly its bytes (the schedule's in-flight count is the closed form's min(pp − s, m)). No trace of Megatron.
+  exactly its bytes on every stage: the schedules, run pass by pass, hold the closed form's counts
+  (:func:`~trainfit.analytic.parallel.in_flight_chunks`, ``first_stage_embeddings``, ``last_stage_heads``). The
+  interleaved order is checked against megatron-core's own schedule table; no trace of Megatron. The init makes
+  the module's parameters, then DDP's buffers on Megatron's init stream, and with the distributed optimizer frees
+  the module's parameters after copying them in (its allocated peak when that is above the step's).
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron's interleaved and GPipe schedules and ``--checkpointing sqrt``,
-DTensor TP with SP and 2-D FSDP2×TP, CPU offload and fine-tuning with many GPUs.
+fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with SP and 2-D
+FSDP2×TP, CPU offload and fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -114,9 +119,11 @@ __all__ = [
     "Zero1Hooks",
     "Zero2Hooks",
     "Zero3Hooks",
+    "interleaved_order",
     "megatron_events",
     "megatron_simulated",
     "one_f_one_b",
+    "pipeline_order",
     "rank_simulated",
     "simulate_rank",
 ]
@@ -700,9 +707,61 @@ def one_f_one_b(pp: int, stage: int, microbatches: int) -> list[tuple[bool, int]
     return order
 
 
+def interleaved_order(pp: int, stage: int, microbatches: int, chunks: int) -> list[tuple[bool, int, int]]:
+    """One stage's (forward?, micro-batch, model chunk) passes under Megatron's interleaved 1F1B schedule
+    (megatron/core/pipeline_parallel/schedules.py ``forward_backward_pipelining_with_interleaving``, megatron-core
+    0.19.2, without p2p overlap): ``get_schedule_table`` lists the virtual micro-batches group by group
+    (``microbatch_group_size_per_vp_stage`` = pp micro-batches, each through chunk 0, then chunk 1, …);
+    ``get_pp_rank_microbatches`` runs (pp − stage − 1)·2 + (v − 1)·pp warm-up forwards (at most m·v), then forward
+    ``k + warmup`` and backward ``k`` in turn, then the remaining backwards; backward ``k`` runs model chunk
+    v − 1 − (table chunk of k) (``get_model_chunk_id(k, forward=False)``) on that chunk's oldest outstanding
+    micro-batch (``input_tensors[chunk].pop(0)``)."""
+    m, v = microbatches, chunks
+    table = [
+        (mb, c) for lo in range(0, m, pp) for c in range(v) for mb in range(lo, min(lo + pp, m))
+    ]  # get_schedule_table; m is a multiple of pp (ParallelPlan refuses others)
+    total = m * v
+    warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total)
+    waiting: list[list[int]] = [[] for _ in range(v)]  # per chunk, its forwards not yet back-propagated
+
+    def forward(k: int) -> tuple[bool, int, int]:
+        mb, c = table[k]
+        waiting[c].append(mb)
+        return True, mb, c
+
+    def backward(k: int) -> tuple[bool, int, int]:
+        c = v - 1 - table[k][1]
+        return False, waiting[c].pop(0), c
+
+    order = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [forward(k + warmup), backward(k)]
+    order += [backward(k) for k in range(total - warmup, total)]
+    return order
+
+
+def pipeline_order(
+    schedule: PipelineSchedule, pp: int, stage: int, microbatches: int, chunks: int
+) -> list[tuple[bool, int, int]]:
+    """One stage's (forward?, micro-batch, model chunk) passes in one step: 1F1B (:func:`one_f_one_b`; one stage:
+    ``forward_backward_no_pipelining``), interleaved (:func:`interleaved_order`), GPipe (every forward, then every
+    backward in micro-batch order: torch/distributed/pipelining/schedules.py ``ScheduleGPipe._step_microbatches``)."""
+    m = microbatches
+    if pp > 1 and schedule is PipelineSchedule.INTERLEAVED:
+        return interleaved_order(pp, stage, m, chunks)
+    if pp > 1 and schedule is PipelineSchedule.GPIPE:
+        return [(True, j, 0) for j in range(m)] + [(False, j, 0) for j in range(m)]
+    return [(f, j, 0) for f, j in one_f_one_b(pp, stage, m)]
+
+
+#: The side stream Megatron's ``get_model`` builds the DDP wrappers on (``ddp_stream = torch.cuda.Stream()``): the
+#: param/grad buffers come from its pool, the module's freed parameters go back to the default stream's.
+DDP_INIT_STREAM = 3
+
+
 class MegatronStage:
-    """One rank of Megatron-LM TP (± SP) × PP (1F1B) × DP, one pipeline stage (the worst: the closed form's
-    headline), as events in the order Megatron makes them; the sizes are the closed form's
+    """One rank of Megatron-LM TP (± SP) × PP (1F1B, interleaved or GPipe) × DP, one pipeline stage (the worst: the
+    closed form's headline), as events in the order Megatron makes them; the sizes are the closed form's
     (:func:`~trainfit.analytic.parallel.megatron_inputs`), so its allocated peak is
     :func:`~trainfit.analytic.parallel.estimate_parallel`'s:
 
@@ -712,18 +771,23 @@ class MegatronStage:
       ``grad_data``, one tensor; the buckets are views), the fp32 main parameters (optimizer.py
       ``Float16OptimizerWithFloat16Params``: one clone per parameter; the distributed optimizer's shard, one
       flat piece); gradient-accumulation fusion writes the weight gradients into ``main_grad``, so autograd
-      makes none of its own;
-    * each step: the micro-batches' forwards and backwards in the 1F1B order (:func:`one_f_one_b`); a forward
-      keeps its saved tensors (layer by layer; the first stage its embedding output; the last its head input)
-      until its own backward, which frees them layer by layer from the top; the last stage's loss chain is a
-      forward transient, its backward buffers live over the top layer's backward temporaries (the closed form's
-      backward moment); a fully checkpointed layer keeps its input and recomputes its tensors before its
-      backward (Megatron ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``);
+      makes none of its own; under the interleaved schedule each of the v model chunks is its own DDP module
+      with its own buffers (megatron/training/training.py ``get_model``);
+    * each step: the micro-batches' forwards and backwards through the model chunks in the schedule's order
+      (:func:`pipeline_order`); a forward keeps its saved tensors (layer by layer; chunk 0 of the first stage its
+      embedding output; the last chunk of the last stage its head input and the loss's saved fp32 log-probabilities,
+      ``MegatronInputs.loss_kept``) until its own backward, which frees them layer by layer from the top; the rest
+      of the loss chain is a forward transient, the loss's backward buffers live over the top layer's backward
+      temporaries (the closed form's backward moment); a fully checkpointed layer keeps its input and recomputes
+      its tensors before its backward (Megatron ``--recompute-granularity full --recompute-method uniform
+      --recompute-num-layers 1``);
     * the optimizer step: Adam's two fp32 states per main parameter, made in the first step (apex/TE
       ``FusedAdam`` initialise them lazily); the update writes in place (no temporaries).
 
-    Left out, as the closed form leaves them out: the pipeline's send/receive buffers, the input ids, and the
-    init-time copy of the parameters into the distributed optimizer's buffer."""
+    With the distributed optimizer, init moves the module's parameters into the buffer's ``param_data`` (both alive
+    until each copy: :func:`~trainfit.analytic.parallel.megatron_init_bytes`, which the stream peaks at when it is
+    above the step). Left out, as the closed form leaves them out: the pipeline's send/receive buffers, the input
+    ids, the buffers' padding."""
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, stage: int) -> None:
         from trainfit.analytic.activations import layer_terms
@@ -744,58 +808,79 @@ class MegatronStage:
         self.checkpointed = mi.q.segments > 0
         inv = inventory(local)
         kind = max(inv.layers, key=lambda g: g.params_per_layer)
-        self.params: list[ParamTensor] = list(mi.embed) if self.first else []
-        self.params += [t for _ in range(mi.layers_per_stage) for t in kind.tensors]
-        self.params += list(mi.rest) if self.last else []
+        self.v = mi.chunks
+        layer = [t for _ in range(mi.chunk_layers) for t in kind.tensors]
+        # per model chunk (one DDP wrapper, so one param/grad buffer, each: megatron/training/training.py
+        # ``get_model``): chunk 0 of the first stage has the embedding, the last chunk of the last stage the head
+        self.chunk_params: list[list[ParamTensor]] = [
+            (list(mi.embed) if self.first and c == 0 else [])
+            + layer
+            + (list(mi.rest) if self.last and c == self.v - 1 else [])
+            for c in range(self.v)
+        ]
+        self.params = [t for ts in self.chunk_params for t in ts]
         self.dp = p.dp if mi.dist_opt else 1
         self.stage_params = mi.stage_params(stage, p.pp)
         self.states: list[int] = []
 
+    def _shards(self, total: int) -> list[int]:
+        """The distributed optimizer's per-chunk pieces of ``total`` bytes, the last taking the rounding."""
+        sizes = [sum(t.numel for t in ts) for ts in self.chunk_params]
+        return _fit([n * total // self.stage_params for n in sizes], total)
+
     def init(self, s: Stream) -> None:
-        mi, pb, n = self.mi, self.mi.param_bytes, self.stage_params
-        if mi.dist_opt:
-            s.alloc(n * pb)  # param_data
-        else:
-            for t in self.params:
-                s.alloc(t.numel * pb)
-        s.alloc(n * 4)  # grad_data
+        mi, pb = self.mi, self.mi.param_bytes
+        own = [[s.alloc(t.numel * pb) for t in ts] for ts in self.chunk_params]  # the module's, ``.cuda()``
+        for ts, mine in zip(self.chunk_params, own, strict=True):  # wrap_model_chunks_with_ddp, chunk by chunk
+            n = sum(t.numel for t in ts)
+            if mi.dist_opt:
+                s.alloc(n * pb, DDP_INIT_STREAM)  # param_data: each parameter is copied in, its own freed
+            s.alloc(n * 4, DDP_INIT_STREAM)  # grad_data
+            if mi.dist_opt:
+                s.free_all(mine)
         if mi.fp32:
             return
         if mi.dist_opt:
-            s.alloc(n * 4 // self.dp)
+            for n in self._shards(self.stage_params * 4 // self.dp):
+                s.alloc(n)
         else:
             for t in self.params:
                 s.alloc(t.numel * 4)
 
-    def forward(self, s: Stream) -> list[int]:
-        """One micro-batch's forward: what it keeps for its backward (embedding, per layer, head input)."""
+    def forward(self, s: Stream, chunk: int = 0) -> list[int]:
+        """One micro-batch's forward through model chunk ``chunk``: what it keeps for its backward (embedding,
+        per layer, head input and the loss's saved tensors)."""
         mi, q = self.mi, self.mi.q
-        kept = [s.alloc(q.stack.embedding_bytes)] if self.first else []
-        for _ in range(mi.layers_per_stage):
+        kept = [s.alloc(q.stack.embedding_bytes)] if self.first and chunk == 0 else []
+        for _ in range(mi.chunk_layers):
             if self.checkpointed:  # no grad inside the checkpoint: its tensors die with the call
                 s.free_all([s.alloc(n) for n in self.layer])
                 kept.append(s.alloc(mi.per_mb_layer))
             else:
                 kept += [s.alloc(n) for n in self.layer]
-        if self.last:
+        if self.last and chunk == self.v - 1:
             kept.append(s.alloc(q.stack.head_input_bytes))
-            s.free(s.alloc(q.logits_forward))  # the loss chain
+            saved = s.alloc(mi.loss_kept)  # kept for the loss's backward
+            s.free(s.alloc(q.logits_forward - mi.loss_kept))  # the rest of the loss chain
+            kept.append(saved)
         return kept
 
-    def backward(self, s: Stream, kept: list[int]) -> None:
-        """One micro-batch's backward: the loss's buffers (last stage), then the layers from the top."""
+    def backward(self, s: Stream, kept: list[int], chunk: int = 0) -> None:
+        """One micro-batch's backward through model chunk ``chunk``: the loss's buffers (the head's chunk), then
+        the layers from the top."""
         mi, q = self.mi, self.mi.q
-        loss = s.alloc(q.logits_backward) if self.last else 0
-        head = kept.pop() if self.last else 0
+        head = self.last and chunk == self.v - 1
+        loss = [kept.pop(), s.alloc(q.logits_backward - mi.loss_kept)] if head else []
+        head_in = kept.pop() if head else 0
         per_layer = 1 if self.checkpointed else len(self.layer)
-        for i in reversed(range(mi.layers_per_stage)):
+        for i in reversed(range(mi.chunk_layers)):
             mine = kept[len(kept) - per_layer :]
             del kept[len(kept) - per_layer :]
             again = [s.alloc(n) for n in self.layer] if self.checkpointed else []  # the recomputation
             s.free(s.alloc(q.block_temp))
-            if i == mi.layers_per_stage - 1:
-                s.free(loss)
-                s.free(head)
+            if i == mi.chunk_layers - 1:
+                s.free_all(loss)
+                s.free(head_in)
             s.free_all(again)
             s.free_all(mine)
         s.free_all(kept)  # the embedding's output
@@ -807,7 +892,7 @@ class MegatronStage:
         n = self.stage_params
         if self.mi.dist_opt:
             a = n * 4 // self.dp
-            self.states = [s.alloc(a), s.alloc(n * 8 // self.dp - a)]
+            self.states = [*map(s.alloc, self._shards(a)), *map(s.alloc, self._shards(n * 8 // self.dp - a))]
         else:
             self.states = [s.alloc(t.numel * 4) for t in self.params for _ in range(2)]
 
@@ -820,12 +905,10 @@ def _fit(sizes: list[int], total: int) -> list[int]:
 
 
 def megatron_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
-    """Megatron ranks whose stream is written (:class:`MegatronStage`): the 1F1B schedule (or one stage), no
-    checkpointing, selective or full (one layer per segment), full training."""
-    par = strategy.parallelism
+    """Megatron ranks whose stream is written (:class:`MegatronStage`): any schedule (1F1B, interleaved, GPipe; one
+    stage), no checkpointing, selective or full (one layer per segment), full training."""
     return (
         p.engine is Engine.MEGATRON
-        and (p.pp == 1 or par.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B)
         and strategy.checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
         and not strategy.offload.any
         and not finetuning(strategy)
@@ -846,18 +929,19 @@ def megatron_events(
     main thread's ``workspaces`` at the first forward, the autograd thread's at the first backward."""
     st = MegatronStage(spec, strategy, p, stage)
     st.init(s)
-    order = one_f_one_b(p.pp, stage, strategy.parallelism.microbatches)
+    par = strategy.parallelism
+    order = pipeline_order(par.pipeline_schedule, p.pp, stage, par.microbatches, st.v)
     for step in range(steps):
-        live: dict[int, list[int]] = {}
-        for forward, j in order:
-            if step == 0 and j == 0:
+        live: dict[tuple[int, int], list[int]] = {}
+        for forward, j, c in order:
+            if step == 0 and (j, c) == (0, 0 if forward else st.v - 1):  # the first forward, the first backward
                 for ws in workspaces:
                     if (ws.thread is Thread.MAIN) == forward:
                         s.alloc(ws.size_bytes)
             if forward:
-                live[j] = st.forward(s)
+                live[j, c] = st.forward(s, c)
             else:
-                st.backward(s, live.pop(j))
+                st.backward(s, live.pop((j, c)), c)
         st.step(s)
         if stop is not None and stop(step):
             break
