@@ -574,11 +574,12 @@ def adapter_saved(
     amp: bool,
     compute: int,
     base_width: int = 2,
+    quantised: bool = False,
 ) -> list[AdapterSaved]:
     """Per layer, what the adapters save (PEFT ``lora.Linear.forward``; DESIGN §4.4 closed forms): the input
     as ``lora_A`` sees it, the dropout mask, and ``lora_A``'s output. ``input_width``: bytes per element of
     each input tensor as the base layer receives it; ``base_width``: bytes per base weight element (DoRA with
-    dropout keeps a copy of the weight, :func:`dora_weight_copy_bytes`)."""
+    dropout keeps a copy of the weight, :func:`dora_weight_copy_bytes`); ``quantised``: a bitsandbytes base."""
     t, r = tokens, adapter.rank
     ad = adapter.dtype.bits // 8
     mm = compute if amp else ad  # the width lora_A's matmul computes (and saves its input) in
@@ -601,9 +602,12 @@ def adapter_saved(
         out.append(AdapterSaved(name=f"{s.name}.lora_A_out", bytes=mm * t * r, formula=f"{mm}·t·r"))
         if adapter.kind is AdapterKind.DORA:
             # With dropout PEFT recomputes the base output from the dropped input: F.linear in lora_A's matmul
-            # width (autocast's compute dtype, else the adapter dtype); without, it reuses the base layer's.
-            out += _dora_saved(s, tokens=t, mm=mm, base_out=mm if dropped else compute, ad=ad)
-            if dropped and (copy := dora_weight_copy_bytes(s, ad=ad, amp=amp, compute=compute, base=base_width)):
+            # width (autocast's compute dtype, else the adapter dtype); without, it reuses the base layer's — a
+            # bitsandbytes layer's in its input's dtype (Linear4bit.forward ``.to(inp_dtype)``, MatMul8bitLt).
+            base_out = mm if dropped else (w_in if quantised else compute)
+            out += _dora_saved(s, tokens=t, mm=mm, base_out=base_out, ad=ad)
+            copy = dora_weight_copy_bytes(s, ad=ad, amp=amp, compute=compute, base=base_width, quantised=quantised)
+            if dropped and copy:
                 out.append(AdapterSaved(name=f"{s.name}.dora_weight", bytes=copy, formula="d_in·d_out (weight copy)"))
     return out
 
@@ -614,15 +618,22 @@ def base_weight_width(strategy: Strategy) -> int:
     return base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
 
 
-def dora_weight_copy_bytes(s: AdapterSite, *, ad: int, amp: bool, compute: int, base: int) -> int:
+def dora_weight_copy_bytes(
+    s: AdapterSite, *, ad: int, amp: bool, compute: int, base: int, quantised: bool = False
+) -> int:
     """DoRA with dropout (PEFT ``DoraLinearVariant.forward``, peft/tuners/lora/variants.py: ``x = dropout(x)``,
     ``base_result=None``; then ``DoraLinearLayer.forward``, peft/tuners/lora/dora.py) runs the base layer a
     second time as ``F.linear(x, weight.to(x.dtype))``. The weight needs no gradient, so that linear saves only
     the weight it multiplied by (its input's gradient needs it; derivatives.yaml ``linear``/``mm``): the
     parameter itself when nothing casts it (0 bytes), else a d_in × d_out copy per adapted linear and layer —
     the ``.to(x.dtype)`` copy (adapter dtype), or autocast's cast of it to the compute dtype (not cached:
-    autocast caches casts of leaf tensors only, aten/src/ATen/autocast_mode.h ``cached_cast``)."""
+    autocast caches casts of leaf tensors only, aten/src/ATen/autocast_mode.h ``cached_cast``). Over a bitsandbytes
+    base (``quantised``) the weight is always a fresh tensor (``dequantize_module_weight``, then ``.to(x.dtype)``):
+    the saved one is autocast's compute-dtype cast, or that tensor itself — compute·d_in·d_out under autocast,
+    else (x cast to the adapter dtype by PEFT's bnb layers) ad·d_in·d_out."""
     n = s.d_in * s.d_out
+    if quantised:
+        return (compute if amp else ad) * n
     if amp and ad != compute:
         return compute * n
     return ad * n if base != ad else 0
@@ -649,13 +660,17 @@ def dora_norm_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     then ``get_weight_norm``), at its widest adapted linear, while ``weight + scaling * lora_weight`` is formed:
     ``lora_A``'s saved ``eye(d_in)`` (its matmul's dtype), ``lora_A``'s output (d_in·r), ``lora_weight`` in the
     input's dtype, the base weight cast to it (when the base dtype differs), the scaled copy and the sum — full
-    d_in × d_out matrices, freed when the call returns (nothing on that path needs a gradient). 0 without DoRA."""
+    d_in × d_out matrices, freed when the call returns (nothing on that path needs a gradient). Over a
+    bitsandbytes base the weight is dequantised first (:func:`dora_dequant_bytes`). 0 without DoRA."""
     adapter = strategy.adapter
     if adapter is None or adapter.kind is not AdapterKind.DORA:
         return 0
     amp = strategy.recipe.autocast
     ad = adapter.dtype.bits // 8
     mm = strategy.recipe.compute_bits // 8 if amp else ad
+    eye = max(s.d_in * s.d_in * mm + s.d_in * adapter.rank * mm for s in adapter_sites(spec, adapter))
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        return eye + dora_dequant_bytes(spec, strategy)
     base = strategy.base_weights.dtype
     wb = base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
     full = 3 + (1 if wb != ad else 0)
@@ -663,6 +678,41 @@ def dora_norm_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         s.d_in * s.d_in * mm + s.d_in * adapter.rank * mm + full * ad * s.d_in * s.d_out
         for s in adapter_sites(spec, adapter)
     )
+
+
+def dora_dequant_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """DoRA's weight norm over a bitsandbytes base, at its widest adapted linear: the d_in × d_out matrices alive at
+    once in ``DoraLinearLayer.forward`` (peft/tuners/lora/dora.py), in the width ``x`` has there — the adapter
+    dtype (PEFT's bnb ``Linear4bit``/``Linear8bitLt.forward`` cast it), or under autocast its own width (those
+    layers cast only without autocast, peft/tuners/lora/bnb.py ``requires_conversion``):
+
+    * ``dequantize_module_weight`` (peft/utils/integrations.py): 4-bit, ``dequantize_4bit`` — one tensor in the
+      dtype the weight was quantised from (the compute dtype here, as the trace builds it); LLM.int8,
+      ``int8_vectorwise_dequant``, whose kernel (bitsandbytes/_ops.py, ``A * stats.view(-1, 1) * (1/127)``) holds
+      two fp32 tensors at once — beside ``lora_weight`` (x's width);
+    * then ``.to(x.dtype)`` (a copy when the widths differ; the dequantised one is dropped), and
+      ``get_weight_norm``: ``weight + scaling * lora_weight`` — lora_weight, weight, the scaled copy and the sum.
+
+    The largest of those moments; unlike a float base, the weight is never the parameter itself."""
+    from trainfit.analytic.activations import Widths, _site_widths
+
+    adapter = strategy.adapter
+    assert adapter is not None
+    w = Widths.of(strategy)
+    widths = _site_widths(spec, strategy, w)
+    ad = adapter.dtype.bits // 8
+    int8 = strategy.base_weights.quantization is Quantization.INT8
+    wq = 4 if int8 else w.compute
+    out = 0
+    for s in adapter_sites(spec, adapter):
+        x = widths[s.reads] if w.amp else ad
+        moments = (
+            4 * x,  # lora_weight, weight, scaling * lora_weight, the sum
+            x + (8 if int8 else wq),  # lora_weight and the dequantisation
+            x + wq + (x if wq != x else 0),  # the cast to x's dtype
+        )
+        out = max(out, max(moments) * s.d_in * s.d_out)
+    return out
 
 
 def frozen_base(strategy: Strategy) -> bool:
@@ -807,11 +857,7 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
 
 
 def check_dora(strategy: Strategy, *, analytic: bool) -> None:
-    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) over a quantised base is refused by both methods
-    (not traced). ``analytic`` is kept for callers: the closed forms now cover DoRA with and without dropout
-    (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`)."""
-    del analytic
-    if strategy.adapter is None or strategy.adapter.kind is not AdapterKind.DORA:
-        return
-    if strategy.base_weights.quantization is not Quantization.NONE:
-        raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
+    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024): both methods cover it with and without dropout
+    (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`), over a float or a bitsandbytes base
+    (:func:`dora_dequant_bytes`); nothing is refused here any more. ``analytic`` is kept for callers."""
+    del analytic, strategy
