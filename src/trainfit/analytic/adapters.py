@@ -43,6 +43,8 @@ one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_
 transformers' ``replace_with_bnb_linear`` converts exactly ``nn.Linear`` and GPT-2's ``Conv1D`` (transposed to
 (out, in)), so GPT-2, Phi-2, Phi-3 (one packed ``gate_up_proj``, :func:`packed_weight_bytes`) and NeoX are packed
 like Llama; Falcon's ``FalconLinear`` subclass is not converted at all (refused, :func:`quantised_base_refusal`).
+In MoE models the expert stacks and routers are no ``nn.Linear``: they stay float (and QLoRA's
+``prepare_model_for_kbit_training`` makes them fp32), while MLA's linears and the shared experts are packed.
 A 4-bit layer's bias ends up in the compute dtype (``Linear4bit.forward`` recasts it on its first call).
 QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
 is not 4-bit (embeddings, norms, the LM head) to fp32.
@@ -64,7 +66,8 @@ against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
   and ``lora_A``'s output (T·r) saved by ``lora_B``. Under autocast the adapters' own 16-bit weight copies
   are cached (2·r·(d_in + d_out) per module; aten ``cached_cast`` caches leaf tensors that require grad).
   These are DESIGN §4.4's closed forms, extended to every target set. DoRA adds the base and ``lora_B`` outputs
-  and, with dropout, the weight its second base linear multiplied by (:func:`dora_weight_copy_bytes`).
+  and, with dropout, the weight its second base linear multiplied by (:func:`dora_weight_copy_bytes`); over a
+  bitsandbytes base its weight norm first dequantises the weight (:func:`dora_dequant_bytes`).
 
 Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
 call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
@@ -781,16 +784,31 @@ def quantised_base_refusal(spec: ModelSpec) -> str | None:
     """Why a bitsandbytes base of ``spec`` is not modelled (``None`` when it is). transformers converts every
     ``nn.Linear`` and GPT-2 ``Conv1D`` but the output head into ``Linear4bit``/``Linear8bitLt`` (Conv1D's weight
     transposed to (out, in)), so GPT-2, Phi-2, Phi-3 and NeoX layers are packed like Llama's; Falcon's
-    ``FalconLinear`` layers are left float (its 4- and 8-bit loads quantise nothing), and MoE/MLA layers have no
-    closed form here."""
+    ``FalconLinear`` layers are left float (its 4- and 8-bit loads quantise nothing). In MoE layers only the
+    ``nn.Linear`` modules are packed — MLA's projections, shared experts, DeepSeek's dense MLPs, Qwen2-MoE's
+    ``shared_expert_gate`` — while the fused 3-D expert stacks and the routers (``nn.Parameter`` in custom modules,
+    e.g. modeling_mixtral.py ``MixtralExperts``/``MixtralTopKRouter``) stay float, as the inventory's ``matmul``
+    flag already says; checked against the trace (tests/trace/test_peft.py). MoE families the adapter model does not
+    cover (:func:`supports_adapters`) are refused here too."""
     if spec.model_type in _BNB_UNCONVERTED:
         return (
             f"transformers' bitsandbytes integration (replace_with_bnb_linear) converts nn.Linear and Conv1D "
             f"layers only, not its {_BNB_UNCONVERTED[spec.model_type]} layers, which would stay float"
         )
-    if spec.moe is not None or spec.mla is not None or supports_adapters(spec) is not None:
-        return "MoE or latent-attention layers are not modelled over a quantised base"
+    if (why := supports_adapters(spec)) is not None:
+        return why
     return None
+
+
+#: The inventory's MoE router: a plain ``nn.Parameter`` in a router module in transformers 5 (modeling_mixtral.py
+#: ``MixtralTopKRouter``, modeling_deepseek_v3.py ``DeepseekV3TopkRouter``), not an ``nn.Linear``.
+_ROUTER = "mlp.router.weight"
+
+
+def bnb_converted(t: ParamTensor) -> bool:
+    """Whether transformers' ``replace_with_bnb_linear`` packs the layer tensor ``t``: a linear's weight (the
+    inventory's ``matmul`` flag), but not a MoE router (no ``nn.Linear``; the expert stacks are not ``matmul``)."""
+    return t.matmul and t.name != _ROUTER
 
 
 def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_quant: bool) -> int:
@@ -808,7 +826,7 @@ def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_qu
 def packed_bias_names(spec: ModelSpec) -> frozenset[str]:
     """The bias tensors (inventory names) of the layer linears bitsandbytes converts."""
     return frozenset(
-        t.name.removesuffix(".weight") + ".bias" for g in inventory(spec).layers for t in g.tensors if t.matmul
+        t.name.removesuffix(".weight") + ".bias" for g in inventory(spec).layers for t in g.tensors if bnb_converted(t)
     )
 
 
@@ -846,6 +864,15 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
             why = quantised_base_refusal(spec)
             if why is not None:
                 raise StrategyError(f"a quantised base of {spec.name} is not modelled: {why}; use a float --base-dtype")
+            int8 = strategy.base_weights.quantization is Quantization.INT8
+            if analytic and int8 and (spec.moe is not None or spec.mla is not None):
+                # Against the trace: 3-4% off on Mixtral / Qwen2-MoE / DeepSeek (the closed forms of int8_ctx_bytes
+                # and the frozen int8 layer cover the dense layouts' linears only).
+                raise StrategyError(
+                    f"an LLM.int8 base of {spec.name} is not modelled by --method analytic: MatMul8bitLt keeps every "
+                    "int8 linear's input on ctx, and which ones MoE and latent-attention layers keep is not modelled; "
+                    "use --method trace, or --base-dtype nf4"
+                )
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:
