@@ -430,6 +430,39 @@ QLORA_MOE = [
 ]
 
 
+@pytest.mark.parametrize("cfg", [MOE_FAMILIES["mixtral"], MOE_FAMILIES["qwen2_moe"], DEEPSEEK])
+def test_transformers_packs_no_expert_stack_nor_router(cfg: dict[str, Any]) -> None:
+    """transformers' own ``replace_with_bnb_linear`` on a meta MoE/MLA model: the trace's ``to_linear4bit`` converts
+    the same modules, and the weights it converts are, element for element, the layer tensors the analytic packs
+    (``analytic.adapters.bnb_converted``: the linears, not the routers nor the 3-D expert stacks)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from trainfit.analytic.adapters import bnb_converted
+    from trainfit.arch.params import inventory
+
+    bnb = pytest.importorskip("bitsandbytes")
+    from trainfit.trace.bnb import to_linear4bit
+    from trainfit.trace.hf import build_meta
+
+    spec = spec_from_config(cfg, name=f"small-{cfg['model_type']}", source="test")
+    s = Strategy(micro_batch=1, seq_len=32)
+
+    def converted(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
+        return {n: (x.in_features, x.out_features) for n, x in m.named_modules() if isinstance(x, bnb.nn.Linear4bit)}
+
+    ours, _ = build_meta(spec, s, torch.float32)
+    to_linear4bit(ours, quant_type="nf4", double_quant=True, compute=torch.bfloat16)
+    theirs, _ = build_meta(spec, s, torch.float32)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs), quantization_config=config)
+    assert converted(ours) == converted(theirs)
+    packed = sum(g.count * t.numel for g in inventory(spec).layers for t in g.tensors if bnb_converted(t))
+    assert packed == sum(i * o for i, o in converted(theirs).values())
+
+
 @pytest.mark.parametrize(("cfg", "ckpt", "rotary_blocks"), QLORA_MOE)
 def test_qlora_on_moe_and_mla_layers_agrees_with_the_trace(
     cfg: dict[str, Any], ckpt: str, rotary_blocks: int | None
