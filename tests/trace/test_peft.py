@@ -421,6 +421,69 @@ DEEPSEEK_SLOW = [
 ]
 
 
+# QLoRA on MoE and MLA layers: transformers' replace_with_bnb_linear packs every nn.Linear (attention, MLA's
+# projections, shared experts, dense MLPs) and leaves the 3-D expert stacks and the routers float, which
+# prepare_model_for_kbit_training then casts to fp32; PEFT adapts the experts through ParamWrapper as over a float base.
+QLORA_MOE = [
+    (MOE_FAMILIES["mixtral"], "full", 2),  # +0.7% in backward
+    (DEEPSEEK, "none", None),  # -0.9% in the forward, as over an fp32 base (the float experts' own terms)
+]
+
+
+@pytest.mark.parametrize("cfg", [MOE_FAMILIES["mixtral"], MOE_FAMILIES["qwen2_moe"], DEEPSEEK])
+def test_transformers_packs_no_expert_stack_nor_router(cfg: dict[str, Any]) -> None:
+    """transformers' own ``replace_with_bnb_linear`` on a meta MoE/MLA model: the trace's ``to_linear4bit`` converts
+    the same modules, and the weights it converts are, element for element, the layer tensors the analytic packs
+    (``analytic.adapters.bnb_converted``: the linears, not the routers nor the 3-D expert stacks)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from trainfit.analytic.adapters import bnb_converted
+    from trainfit.arch.params import inventory
+
+    bnb = pytest.importorskip("bitsandbytes")
+    from trainfit.trace.bnb import to_linear4bit
+    from trainfit.trace.hf import build_meta
+
+    spec = spec_from_config(cfg, name=f"small-{cfg['model_type']}", source="test")
+    s = Strategy(micro_batch=1, seq_len=32)
+
+    def converted(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
+        return {n: (x.in_features, x.out_features) for n, x in m.named_modules() if isinstance(x, bnb.nn.Linear4bit)}
+
+    ours, _ = build_meta(spec, s, torch.float32)
+    to_linear4bit(ours, quant_type="nf4", double_quant=True, compute=torch.bfloat16)
+    theirs, _ = build_meta(spec, s, torch.float32)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs), quantization_config=config)
+    assert converted(ours) == converted(theirs)
+    packed = sum(g.count * t.numel for g in inventory(spec).layers for t in g.tensors if bnb_converted(t))
+    assert packed == sum(i * o for i, o in converted(theirs).values())
+
+
+@pytest.mark.parametrize(("cfg", "ckpt", "rotary_blocks"), QLORA_MOE)
+def test_qlora_on_moe_and_mla_layers_agrees_with_the_trace(
+    cfg: dict[str, Any], ckpt: str, rotary_blocks: int | None
+) -> None:
+    """Every phase within the 3% of the QLoRA agreement matrix; on Mixtral the stored base byte-exact too (the
+    packed attention linears, the float router and experts): the analytic weights + adapter weights against the
+    trace's weights, which also hold the rotary ``inv_freq``/``original_inv_freq`` buffers (one block each)."""
+    from trainfit.result import Component
+
+    spec = spec_from_config(cfg, name=f"small-{cfg['model_type']}", source="test")
+    a, b = finetune_setup("qlora", rank=8, targets="all-linear")
+    s = Strategy(adapter=a, base_weights=b, precision="amp-bf16", checkpointing=ckpt, micro_batch=2, seq_len=256)  # type: ignore[arg-type]
+    ra = estimate(spec, s)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    assert ra.trainable_params == rt.trainable_params
+    assert_phases_agree(ra, rt, 0.03)
+    if rotary_blocks is not None:
+        stored = ra.phases[-1].get(Component.WEIGHTS) + ra.phases[-1].get(Component.ADAPTER_WEIGHTS)
+        assert rt.phases[-1].get(Component.WEIGHTS) == stored + rotary_blocks * 512
+
+
 @pytest.mark.parametrize(
     ("cfg", "targets", "dropout", "ckpt", "precision", "base"),
     DEEPSEEK_MATRIX + [pytest.param(*x, marks=pytest.mark.slow) for x in DEEPSEEK_SLOW],

@@ -871,6 +871,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
             amp=w.amp,
             compute=a,
             base_width=base_weight_width(strategy),
+            quantised=strategy.base_weights.quantization is not Quantization.NONE,
         )
         if strategy.adapter is not None
         else []
@@ -1237,7 +1238,14 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if strategy.adapter.kind is AdapterKind.DORA and strategy.adapter.dropout > 0:
         ad, bw = strategy.adapter.dtype.bits // 8, base_weight_width(strategy)
         copies = sum(
-            dora_weight_copy_bytes(s, ad=ad, amp=w.amp, compute=w.compute, base=bw)
+            dora_weight_copy_bytes(
+                s,
+                ad=ad,
+                amp=w.amp,
+                compute=w.compute,
+                base=bw,
+                quantised=strategy.base_weights.quantization is not Quantization.NONE,
+            )
             for s in adapter_sites(spec, strategy.adapter)
             if s.reads in blind
         )

@@ -43,6 +43,8 @@ one keeps every layer linear packed (bitsandbytes bytes in :func:`trainfit.cuda_
 transformers' ``replace_with_bnb_linear`` converts exactly ``nn.Linear`` and GPT-2's ``Conv1D`` (transposed to
 (out, in)), so GPT-2, Phi-2, Phi-3 (one packed ``gate_up_proj``, :func:`packed_weight_bytes`) and NeoX are packed
 like Llama; Falcon's ``FalconLinear`` subclass is not converted at all (refused, :func:`quantised_base_refusal`).
+In MoE models the expert stacks and routers are no ``nn.Linear``: they stay float (and QLoRA's
+``prepare_model_for_kbit_training`` makes them fp32), while MLA's linears and the shared experts are packed.
 A 4-bit layer's bias ends up in the compute dtype (``Linear4bit.forward`` recasts it on its first call).
 QLoRA runs PEFT's ``prepare_model_for_kbit_training`` (peft/utils/other.py), which casts every parameter that
 is not 4-bit (embeddings, norms, the LM head) to fp32.
@@ -64,7 +66,8 @@ against the fake-tensor trace of real PEFT modules, tests/trace/test_peft.py):
   and ``lora_A``'s output (T·r) saved by ``lora_B``. Under autocast the adapters' own 16-bit weight copies
   are cached (2·r·(d_in + d_out) per module; aten ``cached_cast`` caches leaf tensors that require grad).
   These are DESIGN §4.4's closed forms, extended to every target set. DoRA adds the base and ``lora_B`` outputs
-  and, with dropout, the weight its second base linear multiplied by (:func:`dora_weight_copy_bytes`).
+  and, with dropout, the weight its second base linear multiplied by (:func:`dora_weight_copy_bytes`); over a
+  bitsandbytes base its weight norm first dequantises the weight (:func:`dora_dequant_bytes`).
 
 Hidden states require grad from the embedding on: PEFT's ``PeftModel`` (and ``prepare_model_for_kbit_training``)
 call ``enable_input_require_grads`` (peft/peft_model.py ``_prepare_model_for_gradient_checkpointing``).
@@ -574,11 +577,12 @@ def adapter_saved(
     amp: bool,
     compute: int,
     base_width: int = 2,
+    quantised: bool = False,
 ) -> list[AdapterSaved]:
     """Per layer, what the adapters save (PEFT ``lora.Linear.forward``; DESIGN §4.4 closed forms): the input
     as ``lora_A`` sees it, the dropout mask, and ``lora_A``'s output. ``input_width``: bytes per element of
     each input tensor as the base layer receives it; ``base_width``: bytes per base weight element (DoRA with
-    dropout keeps a copy of the weight, :func:`dora_weight_copy_bytes`)."""
+    dropout keeps a copy of the weight, :func:`dora_weight_copy_bytes`); ``quantised``: a bitsandbytes base."""
     t, r = tokens, adapter.rank
     ad = adapter.dtype.bits // 8
     mm = compute if amp else ad  # the width lora_A's matmul computes (and saves its input) in
@@ -601,9 +605,12 @@ def adapter_saved(
         out.append(AdapterSaved(name=f"{s.name}.lora_A_out", bytes=mm * t * r, formula=f"{mm}·t·r"))
         if adapter.kind is AdapterKind.DORA:
             # With dropout PEFT recomputes the base output from the dropped input: F.linear in lora_A's matmul
-            # width (autocast's compute dtype, else the adapter dtype); without, it reuses the base layer's.
-            out += _dora_saved(s, tokens=t, mm=mm, base_out=mm if dropped else compute, ad=ad)
-            if dropped and (copy := dora_weight_copy_bytes(s, ad=ad, amp=amp, compute=compute, base=base_width)):
+            # width (autocast's compute dtype, else the adapter dtype); without, it reuses the base layer's — a
+            # bitsandbytes layer's in its input's dtype (Linear4bit.forward ``.to(inp_dtype)``, MatMul8bitLt).
+            base_out = mm if dropped else (w_in if quantised else compute)
+            out += _dora_saved(s, tokens=t, mm=mm, base_out=base_out, ad=ad)
+            copy = dora_weight_copy_bytes(s, ad=ad, amp=amp, compute=compute, base=base_width, quantised=quantised)
+            if dropped and copy:
                 out.append(AdapterSaved(name=f"{s.name}.dora_weight", bytes=copy, formula="d_in·d_out (weight copy)"))
     return out
 
@@ -614,15 +621,22 @@ def base_weight_width(strategy: Strategy) -> int:
     return base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
 
 
-def dora_weight_copy_bytes(s: AdapterSite, *, ad: int, amp: bool, compute: int, base: int) -> int:
+def dora_weight_copy_bytes(
+    s: AdapterSite, *, ad: int, amp: bool, compute: int, base: int, quantised: bool = False
+) -> int:
     """DoRA with dropout (PEFT ``DoraLinearVariant.forward``, peft/tuners/lora/variants.py: ``x = dropout(x)``,
     ``base_result=None``; then ``DoraLinearLayer.forward``, peft/tuners/lora/dora.py) runs the base layer a
     second time as ``F.linear(x, weight.to(x.dtype))``. The weight needs no gradient, so that linear saves only
     the weight it multiplied by (its input's gradient needs it; derivatives.yaml ``linear``/``mm``): the
     parameter itself when nothing casts it (0 bytes), else a d_in × d_out copy per adapted linear and layer —
     the ``.to(x.dtype)`` copy (adapter dtype), or autocast's cast of it to the compute dtype (not cached:
-    autocast caches casts of leaf tensors only, aten/src/ATen/autocast_mode.h ``cached_cast``)."""
+    autocast caches casts of leaf tensors only, aten/src/ATen/autocast_mode.h ``cached_cast``). Over a bitsandbytes
+    base (``quantised``) the weight is always a fresh tensor (``dequantize_module_weight``, then ``.to(x.dtype)``):
+    the saved one is autocast's compute-dtype cast, or that tensor itself — compute·d_in·d_out under autocast,
+    else (x cast to the adapter dtype by PEFT's bnb layers) ad·d_in·d_out."""
     n = s.d_in * s.d_out
+    if quantised:
+        return (compute if amp else ad) * n
     if amp and ad != compute:
         return compute * n
     return ad * n if base != ad else 0
@@ -649,13 +663,17 @@ def dora_norm_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     then ``get_weight_norm``), at its widest adapted linear, while ``weight + scaling * lora_weight`` is formed:
     ``lora_A``'s saved ``eye(d_in)`` (its matmul's dtype), ``lora_A``'s output (d_in·r), ``lora_weight`` in the
     input's dtype, the base weight cast to it (when the base dtype differs), the scaled copy and the sum — full
-    d_in × d_out matrices, freed when the call returns (nothing on that path needs a gradient). 0 without DoRA."""
+    d_in × d_out matrices, freed when the call returns (nothing on that path needs a gradient). Over a
+    bitsandbytes base the weight is dequantised first (:func:`dora_dequant_bytes`). 0 without DoRA."""
     adapter = strategy.adapter
     if adapter is None or adapter.kind is not AdapterKind.DORA:
         return 0
     amp = strategy.recipe.autocast
     ad = adapter.dtype.bits // 8
     mm = strategy.recipe.compute_bits // 8 if amp else ad
+    eye = max(s.d_in * s.d_in * mm + s.d_in * adapter.rank * mm for s in adapter_sites(spec, adapter))
+    if strategy.base_weights.quantization is not Quantization.NONE:
+        return eye + dora_dequant_bytes(spec, strategy)
     base = strategy.base_weights.dtype
     wb = base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
     full = 3 + (1 if wb != ad else 0)
@@ -663,6 +681,41 @@ def dora_norm_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         s.d_in * s.d_in * mm + s.d_in * adapter.rank * mm + full * ad * s.d_in * s.d_out
         for s in adapter_sites(spec, adapter)
     )
+
+
+def dora_dequant_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """DoRA's weight norm over a bitsandbytes base, at its widest adapted linear: the d_in × d_out matrices alive at
+    once in ``DoraLinearLayer.forward`` (peft/tuners/lora/dora.py), in the width ``x`` has there — the adapter
+    dtype (PEFT's bnb ``Linear4bit``/``Linear8bitLt.forward`` cast it), or under autocast its own width (those
+    layers cast only without autocast, peft/tuners/lora/bnb.py ``requires_conversion``):
+
+    * ``dequantize_module_weight`` (peft/utils/integrations.py): 4-bit, ``dequantize_4bit`` — one tensor in the
+      dtype the weight was quantised from (the compute dtype here, as the trace builds it); LLM.int8,
+      ``int8_vectorwise_dequant``, whose kernel (bitsandbytes/_ops.py, ``A * stats.view(-1, 1) * (1/127)``) holds
+      two fp32 tensors at once — beside ``lora_weight`` (x's width);
+    * then ``.to(x.dtype)`` (a copy when the widths differ; the dequantised one is dropped), and
+      ``get_weight_norm``: ``weight + scaling * lora_weight`` — lora_weight, weight, the scaled copy and the sum.
+
+    The largest of those moments; unlike a float base, the weight is never the parameter itself."""
+    from trainfit.analytic.activations import Widths, _site_widths
+
+    adapter = strategy.adapter
+    assert adapter is not None
+    w = Widths.of(strategy)
+    widths = _site_widths(spec, strategy, w)
+    ad = adapter.dtype.bits // 8
+    int8 = strategy.base_weights.quantization is Quantization.INT8
+    wq = 4 if int8 else w.compute
+    out = 0
+    for s in adapter_sites(spec, adapter):
+        x = widths[s.reads] if w.amp else ad
+        moments = (
+            4 * x,  # lora_weight, weight, scaling * lora_weight, the sum
+            x + (8 if int8 else wq),  # lora_weight and the dequantisation
+            x + wq + (x if wq != x else 0),  # the cast to x's dtype
+        )
+        out = max(out, max(moments) * s.d_in * s.d_out)
+    return out
 
 
 def frozen_base(strategy: Strategy) -> bool:
@@ -731,16 +784,31 @@ def quantised_base_refusal(spec: ModelSpec) -> str | None:
     """Why a bitsandbytes base of ``spec`` is not modelled (``None`` when it is). transformers converts every
     ``nn.Linear`` and GPT-2 ``Conv1D`` but the output head into ``Linear4bit``/``Linear8bitLt`` (Conv1D's weight
     transposed to (out, in)), so GPT-2, Phi-2, Phi-3 and NeoX layers are packed like Llama's; Falcon's
-    ``FalconLinear`` layers are left float (its 4- and 8-bit loads quantise nothing), and MoE/MLA layers have no
-    closed form here."""
+    ``FalconLinear`` layers are left float (its 4- and 8-bit loads quantise nothing). In MoE layers only the
+    ``nn.Linear`` modules are packed — MLA's projections, shared experts, DeepSeek's dense MLPs, Qwen2-MoE's
+    ``shared_expert_gate`` — while the fused 3-D expert stacks and the routers (``nn.Parameter`` in custom modules,
+    e.g. modeling_mixtral.py ``MixtralExperts``/``MixtralTopKRouter``) stay float, as the inventory's ``matmul``
+    flag already says; checked against the trace (tests/trace/test_peft.py). MoE families the adapter model does not
+    cover (:func:`supports_adapters`) are refused here too."""
     if spec.model_type in _BNB_UNCONVERTED:
         return (
             f"transformers' bitsandbytes integration (replace_with_bnb_linear) converts nn.Linear and Conv1D "
             f"layers only, not its {_BNB_UNCONVERTED[spec.model_type]} layers, which would stay float"
         )
-    if spec.moe is not None or spec.mla is not None or supports_adapters(spec) is not None:
-        return "MoE or latent-attention layers are not modelled over a quantised base"
+    if (why := supports_adapters(spec)) is not None:
+        return why
     return None
+
+
+#: The inventory's MoE router: a plain ``nn.Parameter`` in a router module in transformers 5 (modeling_mixtral.py
+#: ``MixtralTopKRouter``, modeling_deepseek_v3.py ``DeepseekV3TopkRouter``), not an ``nn.Linear``.
+_ROUTER = "mlp.router.weight"
+
+
+def bnb_converted(t: ParamTensor) -> bool:
+    """Whether transformers' ``replace_with_bnb_linear`` packs the layer tensor ``t``: a linear's weight (the
+    inventory's ``matmul`` flag), but not a MoE router (no ``nn.Linear``; the expert stacks are not ``matmul``)."""
+    return t.matmul and t.name != _ROUTER
 
 
 def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_quant: bool) -> int:
@@ -758,7 +826,7 @@ def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_qu
 def packed_bias_names(spec: ModelSpec) -> frozenset[str]:
     """The bias tensors (inventory names) of the layer linears bitsandbytes converts."""
     return frozenset(
-        t.name.removesuffix(".weight") + ".bias" for g in inventory(spec).layers for t in g.tensors if t.matmul
+        t.name.removesuffix(".weight") + ".bias" for g in inventory(spec).layers for t in g.tensors if bnb_converted(t)
     )
 
 
@@ -796,6 +864,15 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
             why = quantised_base_refusal(spec)
             if why is not None:
                 raise StrategyError(f"a quantised base of {spec.name} is not modelled: {why}; use a float --base-dtype")
+            int8 = strategy.base_weights.quantization is Quantization.INT8
+            if analytic and int8 and (spec.moe is not None or spec.mla is not None):
+                # Against the trace: 3-4% off on Mixtral / Qwen2-MoE / DeepSeek (the closed forms of int8_ctx_bytes
+                # and the frozen int8 layer cover the dense layouts' linears only).
+                raise StrategyError(
+                    f"an LLM.int8 base of {spec.name} is not modelled by --method analytic: MatMul8bitLt keeps every "
+                    "int8 linear's input on ctx, and which ones MoE and latent-attention layers keep is not modelled; "
+                    "use --method trace, or --base-dtype nf4"
+                )
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:
@@ -807,11 +884,7 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
 
 
 def check_dora(strategy: Strategy, *, analytic: bool) -> None:
-    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024) over a quantised base is refused by both methods
-    (not traced). ``analytic`` is kept for callers: the closed forms now cover DoRA with and without dropout
-    (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`)."""
-    del analytic
-    if strategy.adapter is None or strategy.adapter.kind is not AdapterKind.DORA:
-        return
-    if strategy.base_weights.quantization is not Quantization.NONE:
-        raise StrategyError("DoRA over a quantised base is not modelled yet; use LoRA, or a float base")
+    """DoRA (``LoraConfig(use_dora=True)``, Liu et al. 2024): both methods cover it with and without dropout
+    (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`), over a float or a bitsandbytes base
+    (:func:`dora_dequant_bytes`); nothing is refused here any more. ``analytic`` is kept for callers."""
+    del analytic, strategy

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.analytic.adapters import (
+    bnb_converted,
     finetuning,
     frozen_layer_counts,
     is_frozen,
@@ -178,7 +179,7 @@ def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
     fp8 = converted_weight_names(spec, strategy)
     for t, m in inv.all_tensors():
         trainable = full
-        packed = quant is not None and not trainable and t.matmul and id(t) in layer_tensors
+        packed = quant is not None and not trainable and bnb_converted(t) and id(t) in layer_tensors
         if packed:
             assert quant is not None
             pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
@@ -227,7 +228,7 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
     def add(t: ParamTensor, count: int, *, trainable: bool, in_layer: bool) -> None:
         if count == 0:
             return
-        packed = quant is not None and not trainable and t.matmul and in_layer
+        packed = quant is not None and not trainable and bnb_converted(t) and in_layer
         if packed:
             assert quant is not None
             weight = packed_weight_bytes(spec, t, quant.value, double_quant=base.double_quant)

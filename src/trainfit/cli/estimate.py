@@ -224,7 +224,7 @@ def estimate_cmd(
     dora: Annotated[
         bool,
         typer.Option(
-            "--dora", help="DoRA (PEFT use_dora=True) instead of LoRA (float base; analytic without --lora-dropout)."
+            "--dora", help="DoRA (PEFT use_dora=True) instead of LoRA (a float or bitsandbytes base; qlora: QDoRA)."
         ),
     ] = False,
     adapter_dtype: Annotated[

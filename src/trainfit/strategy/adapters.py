@@ -171,8 +171,8 @@ def finetune_setup(
             )
     if freeze and how is not Finetune.FREEZE:
         raise StrategyError(f"--freeze needs --finetune freeze (with {how.value}, the adapter decides what trains)")
-    if dora and how is not Finetune.LORA:
-        raise StrategyError(f"--dora is a LoRA variant: use it with --finetune lora, not {how.value}")
+    if dora and how not in (Finetune.LORA, Finetune.QLORA):
+        raise StrategyError(f"--dora is a LoRA variant: use it with --finetune lora or qlora, not {how.value}")
     if how is Finetune.FREEZE and not freeze:
         raise StrategyError("--finetune freeze needs --freeze PATTERNS (e.g. embeddings,layers:0-15)")
     quant = _BASE_QUANT.get(base_dtype or "")

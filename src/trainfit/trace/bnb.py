@@ -253,6 +253,45 @@ def int8_weights(model: torch.nn.Module, mode: Any) -> Iterator[None]:
     yield
 
 
+#: ``bitsandbytes::int8_vectorwise_dequant``'s one kernel (bitsandbytes/_ops.py, registered for "default": CUDA
+#: has none of its own): ``A * stats.view(-1, 1) * 7.874015718698502e-3`` — 1/127.
+_INT8_DEQUANT_SCALE = 7.874015718698502e-3
+
+
+def dequantize_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The float weight PEFT's ``dequantize_module_weight`` (peft/utils/integrations.py, via
+    ``dequantize_bnb_weight``) makes of a bitsandbytes layer built here, allocating what it allocates on a GPU; its
+    own test (``Params4bit``/``Int8Params`` by class name) does not see this module's plain parameters. ``None``:
+    not a layer of this module's making.
+
+    * 4-bit: ``bnb.functional.dequantize_4bit(weight, quant_state)`` — with double quantisation the fp32 absmax
+      blocks (dequantised, plus the offset) and the N × K weight in ``quant_state.dtype`` (the dtype the weight
+      was quantised from; here the compute dtype, :func:`four_bit_weights`).
+    * LLM.int8: ``int8_vectorwise_dequant(CB, SCB)``, whose kernel computes ``CB * SCB[:, None]`` (fp32, N × K)
+      and then scales it by 1/127 into a second fp32 N × K: two alive at once. ``SCB`` is the layer's
+      ``state.SCB`` once its first forward moved it there (``Linear8bitLt.init_8bit_state``), as PEFT reads it.
+    * On the meta model (``get_peft_model``: DoRA's ``update_layer`` takes the norm of the dequantised weight to
+      initialise the magnitude): an N × K meta tensor."""
+    bnb = require_bnb()
+    if not isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+        return None
+    weight: Any = module.weight
+    if weight.device.type == "meta":
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        return torch.empty(module.out_features, module.in_features, device="meta", dtype=dtype)
+    qs = getattr(weight, "quant_state", None)
+    if qs is not None:
+        bf: Any = importlib.import_module("bitsandbytes.functional")
+        out: torch.Tensor = bf.dequantize_4bit(weight.data, qs)
+        return out
+    state: Any = getattr(module, "state", None)
+    scb = state.SCB if state is not None and state.SCB is not None else getattr(weight, "SCB", None)
+    if scb is None:
+        return None
+    dequantised: torch.Tensor = weight.data * scb.view(-1, 1) * _INT8_DEQUANT_SCALE
+    return dequantised
+
+
 # -- the CUDA kernels' memory ----------------------------------------------------------------------------
 
 
@@ -368,6 +407,7 @@ class CudaBnbKernels(TorchDispatchMode):  # type: ignore[no-untyped-call]
 __all__ = [
     "CudaBnbKernels",
     "cuda_int8_matmul",
+    "dequantize_weight",
     "four_bit_weights",
     "int8_weights",
     "require_bnb",

@@ -111,7 +111,7 @@ def apply_finetuning(model: torch.nn.Module, strategy: Strategy) -> torch.nn.Mod
         task_type="CAUSAL_LM" if hasattr(model, "prepare_inputs_for_generation") else None,
     )
     wanted = _TORCH_DTYPES[adapter.dtype]
-    with torch.device("meta"), warnings.catch_warnings():
+    with torch.device("meta"), warnings.catch_warnings(), dora_dequantize(strategy):
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecates is_gradient_checkpointing
         wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=wanted == torch.float32)
     inner: torch.nn.Module = wrapped.base_model.model
@@ -142,17 +142,50 @@ def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> 
     ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run (trace/bnb.py)."""
     q = strategy.base_weights.quantization
     if q is Quantization.INT8:
-        with bnb.int8_weights(model, mode), bnb.cuda_int8_matmul():
+        with bnb.int8_weights(model, mode), bnb.cuda_int8_matmul(), dora_dequantize(strategy):
             yield
         return
     if q not in (Quantization.NF4, Quantization.FP4):
         yield
         return
     compute = _TORCH_DTYPES[DType(strategy.recipe.compute_dtype)]
-    with bnb.four_bit_weights(
-        model, mode, quant_type=q.value, double_quant=strategy.base_weights.double_quant, compute=compute
+    with (
+        bnb.four_bit_weights(
+            model, mode, quant_type=q.value, double_quant=strategy.base_weights.double_quant, compute=compute
+        ),
+        dora_dequantize(strategy),
     ):
         yield
+
+
+@contextlib.contextmanager
+def dora_dequantize(strategy: Strategy) -> Iterator[None]:
+    """DoRA over a bitsandbytes base: PEFT's ``DoraLinearLayer`` (peft/tuners/lora/dora.py) takes the base weight
+    from ``dequantize_module_weight`` — in ``update_layer`` (the magnitude's initial norm, on the meta model) and
+    in every ``forward`` (the weight norm, and with dropout the second base linear). That function recognises
+    bitsandbytes weights by their class (``Params4bit``, ``Int8Params``); the trace keeps plain parameters
+    (trace/bnb.py), so the name dora.py imported is pointed, for the run, at :func:`trainfit.trace.bnb.
+    dequantize_weight`, which dequantises them as bitsandbytes does on a GPU. Nothing changes otherwise."""
+    adapter = strategy.adapter
+    if (
+        adapter is None
+        or adapter.kind is not AdapterKind.DORA
+        or strategy.base_weights.quantization is Quantization.NONE
+    ):
+        yield
+        return
+    dora: Any = require_peft().tuners.lora.dora
+    original = dora.dequantize_module_weight
+
+    def dequantize_module_weight(module: torch.nn.Module) -> Any:
+        out = bnb.dequantize_weight(module)
+        return original(module) if out is None else out
+
+    dora.dequantize_module_weight = dequantize_module_weight
+    try:
+        yield
+    finally:
+        dora.dequantize_module_weight = original
 
 
 #: HF module names that differ from the inventory's (the analytic side's ``_HF_ALIASES``, both ways).
