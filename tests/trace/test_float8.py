@@ -60,7 +60,9 @@ def test_fp8_casts_raise_the_traced_backward() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+# DDP's cell is full-matrix only: a DDP rank with Float8Linear is the one-GPU fp8 model (test above) plus DDP's
+# buckets (tests/trace/test_distributed.py); FSDP2's cell is where fp8 meets sharded states.
+@pytest.mark.parametrize("sharding", ["fsdp", pytest.param("ddp", marks=pytest.mark.full_matrix)])
 def test_one_rank_of_fsdp2_and_ddp_with_float8linear(sharding: str) -> None:
     """torchtitan's order: Float8Linear swapped in, then ``fully_shard`` / DDP (trace/distributed.py) on the fake
     process group. What fp8 adds to a rank — each method's fp8 run minus its bf16 run — agrees within 3% of the
