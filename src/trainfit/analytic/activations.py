@@ -861,7 +861,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     # Without an adapter: a layer --freeze freezes whole, its input requiring grad (adapters.FrozenLayers).
     sites = adapter_sites(spec, strategy.adapter) if strategy.adapter is not None else ()
     mlp_w = frozen_base_mlp_width(strategy, w)
-    widths = _site_widths(spec, strategy, w)
+    widths = site_widths(spec, strategy, w)
     saved = (
         adapter_saved(
             sites,
@@ -974,7 +974,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
 
 
-def _site_widths(spec: ModelSpec, strategy: Strategy, w: Widths) -> dict[SiteInput, int]:
+def site_widths(spec: ModelSpec, strategy: Strategy, w: Widths) -> dict[SiteInput, int]:
     """Bytes per element of each tensor an adapted linear reads under a frozen base: the normed inputs (the norm's
     output width), the attention output (the compute dtype), the MLP's activation (:func:`frozen_base_mlp_width`)
     and MLA's normed latents — HF ``DeepseekV3RMSNorm`` returns ``weight * x.to(input_dtype)``, the base weight's
@@ -1265,7 +1265,7 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     t = strategy.tokens_per_micro_batch
     ad = strategy.adapter.dtype.bits // 8
     mm = w.compute if w.amp else ad
-    widths = _site_widths(spec, strategy, w)
+    widths = site_widths(spec, strategy, w)
     drop = strategy.adapter.dropout > 0
 
     def extra(site: AdapterSite) -> int:

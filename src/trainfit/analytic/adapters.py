@@ -697,12 +697,12 @@ def dora_dequant_bytes(spec: ModelSpec, strategy: Strategy) -> int:
       ``get_weight_norm``: ``weight + scaling * lora_weight`` — lora_weight, weight, the scaled copy and the sum.
 
     The largest of those moments; unlike a float base, the weight is never the parameter itself."""
-    from trainfit.analytic.activations import Widths, _site_widths
+    from trainfit.analytic.activations import Widths, site_widths
 
     adapter = strategy.adapter
     assert adapter is not None
     w = Widths.of(strategy)
-    widths = _site_widths(spec, strategy, w)
+    widths = site_widths(spec, strategy, w)
     ad = adapter.dtype.bits // 8
     int8 = strategy.base_weights.quantization is Quantization.INT8
     wq = 4 if int8 else w.compute
