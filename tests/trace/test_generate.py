@@ -111,6 +111,25 @@ def test_trace_refuses_what_generate_does_not_do(capsys: pytest.CaptureFixture[s
     ), res.err
 
 
+@pytest.mark.parametrize(
+    ("prompt", "moment"),
+    [(1024, "prefill attention (sdpa efficient)"), (1000, "prefill attention mask pad (sdpa efficient)")],
+    ids=["aligned-keys", "unaligned-keys"],
+)
+def test_efficient_kernel_mask_conversion_and_padding(prompt: int, moment: str) -> None:
+    """A sliding-window mask sends SDPA to the memory-efficient kernel; with the prompt long against the model
+    its additive mask is the prefill peak. torch 2.13 builds it with one ``where`` (``convert_boolean_attn_mask_``:
+    no ``logical_not`` copy of the bool mask — the trace made one, +3.2% on Mistral-7B's 32768-token prefill),
+    and an unaligned key count (1000) pads it while the unpadded one is alive (``preprocess_mask``) — a moment
+    the closed forms lacked (−5.6% at b2 × 500). Each cell fails if either side loses its fix."""
+    from trainfit.analytic.inference import phase_estimates
+
+    spec = _spec("mistral", intermediate_size=128, sliding_window=64)
+    setup = InferenceSetup(batch=1, prompt=prompt, new_tokens=3, cache="sliding")
+    assert_generate_agrees(f"mask-{prompt}", spec, setup)
+    assert phase_estimates(spec, setup)[InferencePhase.PREFILL].moment == moment
+
+
 FIXTURES = ["tiny-qwen2-moe", "tiny-deepseek-v2-lite", "tiny-gemma2", "tiny-phi3", "tiny-opt-proj"]
 
 

@@ -740,6 +740,12 @@ def _layer_moments(
             # (``convert_boolean_attn_mask``, ``preprocess_mask``; see trainfit.trace.kernels).
             bias = allocator_bytes(b * q * (-(-kv_len // 16) * 16) * a) if masked else 0
             attn = 2 * x + 2 * qb + repeat + bias + allocator_bytes(b * nh * q * 4)
+            if masked and kv_len % 16:
+                # ``preprocess_mask`` pads the converted mask while the unpadded one is alive (before the
+                # kernel's output and logsumexp exist): both beside q and the repeated k/v.
+                unpadded = allocator_bytes(b * q * kv_len * a)
+                pad = 2 * x + qb + repeat + unpadded + bias
+                out.append(Moment(name=f"attention mask pad (sdpa {kernel.value})", activations_bytes=pad))
         name = f"attention (sdpa {kernel.value})"
     out.append(Moment(name=name, activations_bytes=attn))
     return _with_dequantised(spec, setup, kv_len, out)
