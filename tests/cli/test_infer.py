@@ -101,10 +101,11 @@ def test_rule_of_thumb_is_shown_beside_ours(capsys: pytest.CaptureFixture[str]) 
     assert "Rule of thumb (weights × 1.2)" in table.out and "Peak allocated" in table.out
 
 
-def test_every_fp8_refusal_and_the_bf16_warning_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """A format the GPU cannot run (issue 12): fp8 weights or an fp8 cache below compute capability 8.9 (T4, A100)
-    is refused in one line with exit 2; bf16 on a V100 runs (emulated), so it is a one-line warning, not a refusal."""
-    for args in (("--dtype", "fp8", "--gpu", "t4"), ("--kv-dtype", "fp8", "--gpu", "a100-sxm-80gb")):
+def test_fp8_weight_refusals_and_the_bf16_warning_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A format the GPU cannot run (issue 12): fp8 weights below compute capability 8.9 (T4, A100; transformers'
+    ``FineGrainedFP8HfQuantizer`` would dequantise them to bf16) are refused in one line with exit 2; bf16 on a
+    V100 runs (emulated), so it is a one-line warning, not a refusal."""
+    for args in (("--dtype", "fp8", "--gpu", "t4"), ("--dtype", "fp8", "--gpu", "a100-sxm-80gb")):
         res = run_cli(capsys, "infer", "llama-3.2-1b", *args)
         assert res.code == 2 and "Traceback" not in res.err
         lines = res.err.strip().splitlines()
