@@ -112,3 +112,14 @@ def test_fp8_weight_refusals_and_the_bf16_warning_are_one_line(capsys: pytest.Ca
         assert len(lines) == 1 and lines[0].startswith("error:") and "fp8" in lines[0], res.err
     res = run_cli(capsys, "infer", "llama-3.2-1b", "--gpu", "v100-sxm2-32gb")
     assert res.code == 0 and "no native bf16" in " ".join(res.err.split())
+
+
+def test_padded_batch_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--padded`` reaches the estimate (the JSON echoes it; the 4-D masks and the masked kernel make the prefill
+    larger), and what it cannot describe is one line: a paged server does not pad."""
+    args = ("infer", "llama-3.2-1b", "--batch", "4", "--prompt", "4096", "--json")
+    plain, padded = (json.loads(run_cli(capsys, *args, *extra).out) for extra in ((), ("--padded",)))
+    assert padded["setup"]["padded"] is True and plain["setup"]["padded"] is False
+    assert padded["phases"]["prefill"]["total_bytes"] > plain["phases"]["prefill"]["total_bytes"]
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--padded", "--server", "paged", "--gpu", "h100-sxm-80gb")
+    assert res.code == 2 and len(res.err.strip().splitlines()) == 1 and "paged" in res.err

@@ -56,6 +56,7 @@ def infer_json(report: InferenceReport) -> dict[str, Any]:
             "cache": s.cache.value,
             "block_size": s.block_size,
             "attention": s.attention.value,
+            "padded": s.padded,
             "tp": s.tp,
             "gpus": report.gpus,
             "server": report.server.value,
@@ -132,6 +133,7 @@ def _header(report: InferenceReport) -> Text:
         f"{s.dtype.value} weights · {s.kv_format.value} cache ({s.cache.value}"
         + (f", blocks of {s.block_size}" if s.cache.value == "paged" else "")
         + f") · {s.attention.value} · batch {s.batch} × (prompt {s.prompt} + {s.new_tokens} new)"
+        + (" · left-padded" if s.padded else "")
         + (f" · tp {s.tp}" if s.tp > 1 else "")
         + (f" · {report.gpus} GPUs" if report.gpus > 1 else "")
         + f" · method {report.method.value}"
