@@ -98,6 +98,12 @@ class InferenceReport:
         return ph
 
     @property
+    def steady_state_bytes(self) -> int:
+        """What stays allocated once the cache is full, between steps: weights + the KV cache at full length
+        (the phases add the transients on top: the prefill's layer, the decode step's ``cat`` copy and logits)."""
+        return self.weights_bytes + self.kv_cache_bytes
+
+    @property
     def nvidia_smi_estimate_bytes(self) -> int:
         return self.peak_bytes + self.overhead.total_bytes
 

@@ -35,6 +35,10 @@ def test_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in doc
     assert set(doc["phases"]) == {"prefill", "decode"}
     assert doc["peak_bytes"] == max(p["total_bytes"] for p in doc["phases"].values())
+    # the steady state: weights + the full cache, which the decode phase holds beside its transients
+    decode = doc["phases"]["decode"]["components"]
+    assert doc["steady_state_bytes"] == doc["weights_bytes"] + doc["kv_cache_bytes"]
+    assert decode["weights"] + decode["kv_cache"] >= doc["steady_state_bytes"]
     for p in doc["phases"].values():
         assert sum(p["components"].values()) == p["total_bytes"]
     assert doc["fit"]["fits"] is True
