@@ -39,6 +39,14 @@ CASES: list[tuple[str, InferenceSetup]] = [
     ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=4096, new_tokens=4)),
     ("deepseek-v3", InferenceSetup(batch=1, prompt=1024, new_tokens=4)),
     ("deepseek-v3", InferenceSetup(batch=4, prompt=4096, new_tokens=4)),
+    # the issue's example: a sliding-window mask whose efficient-kernel bias is the prefill peak
+    ("mistral-7b-v0.1", InferenceSetup(batch=1, prompt=32768, new_tokens=8, dtype="nf4")),
+    # eager in fp16 (softmax's fp32 output beside its cast back) and with one k/v head (repeat_kv a view)
+    ("qwen3-8b", InferenceSetup(batch=4, prompt=1024, new_tokens=8, dtype="fp16", attention="eager")),
+    ("gemma-2b", InferenceSetup(batch=8, prompt=1024, new_tokens=8, attention="eager")),
+    # --padded: generate keeps the 2-D mask, the model builds [b, 1, q, kv] masks, the masked kernel every pass
+    ("llama-3.1-8b", InferenceSetup(batch=4, prompt=2048, new_tokens=8, padded=True)),
+    ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=1024, new_tokens=4, padded=True)),
     # --kv-dtype fp8: transformers' QuantizedCache(backend="fp8"), a dequantised copy per attention call
     ("llama-3.1-8b", InferenceSetup(batch=8, prompt=4096, new_tokens=8, kv_dtype="fp8")),
     ("qwen3-30b-a3b", InferenceSetup(batch=16, prompt=4096, new_tokens=4, kv_dtype="fp8")),
@@ -94,6 +102,7 @@ def main(argv: list[str]) -> None:
             f"{' kv-' + setup.kv_format.value if setup.kv_dtype else ''} "
             f"{setup.cache.value} {setup.attention.value} "
             f"{'tp' + str(setup.tp) + ' ' if setup.tp > 1 else ''}"
+            f"{'padded ' if setup.padded else ''}"
             f"b{setup.batch} p{setup.prompt}+{setup.new_tokens}"
         )
         for ph in InferencePhase:

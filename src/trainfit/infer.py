@@ -98,6 +98,12 @@ class InferenceReport:
         return ph
 
     @property
+    def steady_state_bytes(self) -> int:
+        """What stays allocated once the cache is full, between steps: weights + the KV cache at full length
+        (the phases add the transients on top: the prefill's layer, the decode step's ``cat`` copy and logits)."""
+        return self.weights_bytes + self.kv_cache_bytes
+
+    @property
     def nvidia_smi_estimate_bytes(self) -> int:
         return self.peak_bytes + self.overhead.total_bytes
 
@@ -135,7 +141,7 @@ def infer(
     **setup_fields: Any,
 ) -> InferenceReport:
     """Inference memory for ``model`` under ``setup`` (or its fields as keywords: ``batch``, ``prompt``,
-    ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``).
+    ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``, ``padded``).
 
     With ``simulate_allocator`` the analytic method's allocator reserve comes from replaying the ``generate``
     call's allocations through the caching-allocator simulation
@@ -157,6 +163,8 @@ def infer(
     n_gpus = st.tp if gpus is None else gpus
     if n_gpus < st.tp or n_gpus % st.tp:
         raise StrategyError(f"--gpus {n_gpus} must be a multiple of --tp {st.tp}")
+    if st.padded and (srv is Server.PAGED or st.cache is CacheKind.PAGED):
+        raise StrategyError("--padded is Hugging Face generate's batching; a paged server schedules unpadded sequences")
     if srv is Server.PAGED:
         if gpu_spec is None:
             raise StrategyError("--server paged sizes the KV pool of a GPU: give --gpu")
@@ -218,6 +226,10 @@ def infer(
     peak = max(b.total_bytes for b in breakdowns)
     overhead = overhead_for(peak, gpu_spec, inference=True)
     reserve: Fraction | None = None
+    if simulate_allocator and st.padded:
+        raise StrategyError(
+            "--simulate-allocator replays an unpadded generate call; drop it with --padded (the fixed reserve applies)"
+        )
     if m is Method.ANALYTIC and simulate_allocator and st.cache is not CacheKind.PAGED:
         config = AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         sim = an.simulate_generate(spec, st, config, flash=flash)

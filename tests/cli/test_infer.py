@@ -35,6 +35,10 @@ def test_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
         assert key in doc
     assert set(doc["phases"]) == {"prefill", "decode"}
     assert doc["peak_bytes"] == max(p["total_bytes"] for p in doc["phases"].values())
+    # the steady state: weights + the full cache, which the decode phase holds beside its transients
+    decode = doc["phases"]["decode"]["components"]
+    assert doc["steady_state_bytes"] == doc["weights_bytes"] + doc["kv_cache_bytes"]
+    assert decode["weights"] + decode["kv_cache"] >= doc["steady_state_bytes"]
     for p in doc["phases"].values():
         assert sum(p["components"].values()) == p["total_bytes"]
     assert doc["fit"]["fits"] is True
@@ -86,3 +90,40 @@ def test_bf16_without_native_support_warns(capsys: pytest.CaptureFixture[str]) -
     assert res.code == 0
     assert "bf16" in res.err and "warning" in res.err
     assert json.loads(res.out)["warnings"]
+
+
+def test_rule_of_thumb_is_shown_beside_ours(capsys: pytest.CaptureFixture[str]) -> None:
+    """The serving rule of thumb the issue asks for (weights × 1.2), from a number outside the code: Llama-3.1-8B's
+    bf16 checkpoint is 16,060,522,496 bytes (the Hub's ``model.safetensors.index.json`` ``total_size``: 8,030,261,248
+    parameters × 2); per GPU it splits over ``--tp``. The table prints it beside the peak."""
+    checkpoint_bytes = 16_060_522_496
+    for tp in (1, 2):
+        res = run_cli(capsys, "infer", "llama-3.1-8b", "--tp", str(tp), "--json")
+        assert res.code == 0, res.err
+        assert abs(json.loads(res.out)["rule_of_thumb_bytes"] - checkpoint_bytes * 1.2 / tp) <= 1
+    table = run_cli(capsys, "infer", "llama-3.1-8b")
+    assert "Rule of thumb (weights × 1.2)" in table.out and "Peak allocated" in table.out
+
+
+def test_fp8_weight_refusals_and_the_bf16_warning_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A format the GPU cannot run (issue 12): fp8 weights below compute capability 8.9 (T4, A100; transformers'
+    ``FineGrainedFP8HfQuantizer`` would dequantise them to bf16) are refused in one line with exit 2; bf16 on a
+    V100 runs (emulated), so it is a one-line warning, not a refusal."""
+    for args in (("--dtype", "fp8", "--gpu", "t4"), ("--dtype", "fp8", "--gpu", "a100-sxm-80gb")):
+        res = run_cli(capsys, "infer", "llama-3.2-1b", *args)
+        assert res.code == 2 and "Traceback" not in res.err
+        lines = res.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and "fp8" in lines[0], res.err
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--gpu", "v100-sxm2-32gb")
+    assert res.code == 0 and "no native bf16" in " ".join(res.err.split())
+
+
+def test_padded_batch_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--padded`` reaches the estimate (the JSON echoes it; the 4-D masks and the masked kernel make the prefill
+    larger), and what it cannot describe is one line: a paged server does not pad."""
+    args = ("infer", "llama-3.2-1b", "--batch", "4", "--prompt", "4096", "--json")
+    plain, padded = (json.loads(run_cli(capsys, *args, *extra).out) for extra in ((), ("--padded",)))
+    assert padded["setup"]["padded"] is True and plain["setup"]["padded"] is False
+    assert padded["phases"]["prefill"]["total_bytes"] > plain["phases"]["prefill"]["total_bytes"]
+    res = run_cli(capsys, "infer", "llama-3.2-1b", "--padded", "--server", "paged", "--gpu", "h100-sxm-80gb")
+    assert res.code == 2 and len(res.err.strip().splitlines()) == 1 and "paged" in res.err

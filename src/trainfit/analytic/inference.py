@@ -18,6 +18,10 @@ tensors by :mod:`trainfit.trace.generate`):
   (:func:`_step_bytes`; the trace counts all of it as logits, being made after the last layer) — while
   ``generate``'s own frame keeps the request's prompt-sized ids, mask and ``position_ids`` for the whole call
   (:func:`_request_bytes`);
+* a left-padded batch (``padded``, ``--padded``) keeps its 2-D mask (not all ones, so not dropped), ``cat``-grown
+  one token per pass (:func:`_padding_mask_2d`), and makes the model build a bool ``[b, 1, q, kv]`` mask per
+  pass (``sdpa_mask`` cannot skip it, :func:`_padding_mask_4d`): SDPA then runs the masked kernel in every
+  pass, prefill with k/v repeated per query head, decode with ``pack_gqa``'s view (nothing repeated);
 * ``DynamicCache`` (``cache_utils.DynamicLayer.update``) grows each layer by ``torch.cat``: during a decode
   step the new ``[b, kv_heads, T, head_dim]`` K and V exist beside the old ones until the assignment drops
   them, so the worst moment holds the cache at full length plus one layer's previous K/V;
@@ -520,7 +524,8 @@ def _resident_inputs(spec: ModelSpec, setup: InferenceSetup, q: int, total: int)
     (:func:`_request_bytes`), in prefill ``prepare_inputs_for_generation``'s contiguous clone of the prompt ids
     and ``_sample``'s ``unfinished_sequences`` (``torch.ones(b)``), then per pass the embeddings' output
     (kept by the model's ``forward``) and RoPE's cos/sin. No 2D attention mask: an unpadded batch's is all
-    ones, and transformers 5.24 ``generate`` drops it before the first pass (``attention_mask = None``).
+    ones, and transformers 5.24 ``generate`` drops it before the first pass (``attention_mask = None``); a
+    padded batch's is counted with ``_sample``'s bookkeeping (:func:`_padding_mask_2d`) and its 4-D masks apart.
     What a decode pass also holds, made by ``_sample`` after the previous pass's layers, is :func:`_step_bytes`
     (the trace counts it with the logits)."""
     b, a = setup.batch, setup.compute_bits // 8
@@ -577,7 +582,26 @@ def _step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
         + 2 * allocator_bytes(8 * b * tokens)
         + 4 * allocator_bytes(8 * b)
         + _step_masks(spec, setup)
+        + _padding_mask_2d(setup, tokens)
     )
+
+
+def _padding_mask_2d(setup: InferenceSetup, tokens: int) -> int:
+    """A left-padded batch's 2-D mask as ``generate`` keeps it: not all ones, so not dropped; after every pass
+    ``_update_model_kwargs_for_generation`` makes it one token longer (``torch.cat`` with ``new_ones``, int64
+    ``b·tokens``), right after the ``position_ids`` ``cat`` (transformers 5.24 ``generation/utils.py``)."""
+    return allocator_bytes(8 * setup.batch * tokens) if setup.padded else 0
+
+
+def _padding_mask_4d(spec: ModelSpec, setup: InferenceSetup, q: int, kv: int) -> int:
+    """The mask a left-padded batch makes the model build per pass under SDPA: ``sdpa_mask`` cannot skip it
+    (``_ignore_causal_mask_sdpa``: the padding mask is not all true), so ``and_masks(causal, padding)`` is
+    materialised as a bool ``[b, 1, q, kv]`` per mask kind (transformers 5.24 ``masking_utils``), held through
+    the pass, and attention takes the masked kernel (memory-efficient; k/v repeated per query head in prefill,
+    ``pack_gqa`` in decode). Eager builds its additive mask with or without padding (counted apart)."""
+    if not setup.padded or setup.attention is not Attention.SDPA:
+        return 0
+    return spec.attention_masks * allocator_bytes(setup.batch * q * kv)  # one per mask kind (Qwen2-MoE: two)
 
 
 def _after_step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> int:
@@ -596,7 +620,10 @@ def _after_step_bytes(spec: ModelSpec, setup: InferenceSetup, tokens: int) -> in
         allocator_bytes(8 * b * tokens),
     )
     copy = _logits_bytes(spec, setup) + 2 * lg32 + longer + _step_masks(spec, setup) + cur + 4 * allocator_bytes(8 * b)
-    return copy + max(0, longer - lg32, longer - cur + 3 * allocator_bytes(b) - lg32)
+    # Padded: the mask's ``cat`` runs before the fp32 copy, old and new mask beside the ``new_ones`` column.
+    mask_cat = _padding_mask_2d(setup, tokens) + allocator_bytes(8 * b) - lg32 if setup.padded else 0
+    copy += _padding_mask_2d(setup, tokens + 1)
+    return copy + max(0, longer - lg32, longer - cur + 3 * allocator_bytes(b) - lg32, mask_cat)
 
 
 def _prefill_after_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
@@ -611,6 +638,7 @@ def _prefill_after_bytes(spec: ModelSpec, setup: InferenceSetup) -> int:
         + 2 * longer
         + allocator_bytes(8 * b)
         + 3 * allocator_bytes(b)
+        + _padding_mask_2d(setup, setup.prompt + 1)
     )
 
 
@@ -727,19 +755,39 @@ def _layer_moments(
     if setup.attention is Attention.EAGER:
         upcast = allocator_bytes(scores * 4) if setup.dtype.compute is KVFormat.BF16 and spec.softmax_upcast else 0
         probs = allocator_bytes(scores * 4) if spec.softmax_upcast else allocator_bytes(scores * a)
-        attn = 2 * x + qb + (2 * rep if gqa else 0) + allocator_bytes(scores * a) + upcast + probs
+        # ``softmax(..., dtype=torch.float32).to(query.dtype)``: the cast back is made beside the fp32
+        # probabilities and the scores (one expression); bf16's upcast copy, freed inside softmax, is larger.
+        cast = allocator_bytes(scores * a) if spec.softmax_upcast and a < 4 else 0
+        # One k/v head (MQA, or k/v heads split down to one per rank): ``repeat_kv`` is an ``expand`` that
+        # reshapes to a view (stride 0), so nothing repeated is held; ``matmul`` copies it only transiently.
+        held_rep = 2 * rep if gqa and kvh > 1 else 0
+        attn = 2 * x + qb + held_rep + allocator_bytes(scores * a) + max(upcast, cast) + probs
         name = "attention (eager)"
+        if gqa and kvh == 1:
+            # ``probs @ v`` with a stride-0 v: ``matmul`` reshapes it for ``bmm`` into a real copy, beside the
+            # kept probabilities and the output (the larger of the two matmuls; decode's peak, where T·d > T).
+            pv = 2 * x + 2 * qb + rep + allocator_bytes(scores * a)
+            out.append(Moment(name="attention probs @ v (eager)", activations_bytes=pv))
     else:
         kernel = _kernel(spec, setup, masked=masked, flash=flash)
         if kernel is SdpaKernel.MATH:
             bias = allocator_bytes(q * kv_len * a) if q > 1 else 0
             attn = 2 * x + qb + (3 if gqa else 1) * rep + bias + (2 if q > 1 else 1) * allocator_bytes(scores * a)
         else:
-            repeat = 2 * rep if gqa and masked else 0
+            # A mask makes transformers repeat k/v per query head (``use_gqa_in_sdpa`` is false with a mask) —
+            # except for one query token, where 5.24's ``pack_gqa`` folds the query heads onto the k/v heads
+            # (a view; the mask broadcasts) and nothing is repeated (``sdpa_attention_forward``).
+            repeat = 2 * rep if gqa and masked and q > 1 else 0
             # The efficient kernel turns a bool mask into an additive one in q's dtype, columns padded to 16
             # (``convert_boolean_attn_mask``, ``preprocess_mask``; see trainfit.trace.kernels).
             bias = allocator_bytes(b * q * (-(-kv_len // 16) * 16) * a) if masked else 0
             attn = 2 * x + 2 * qb + repeat + bias + allocator_bytes(b * nh * q * 4)
+            if masked and kv_len % 16:
+                # ``preprocess_mask`` pads the converted mask while the unpadded one is alive (before the
+                # kernel's output and logsumexp exist): both beside q and the repeated k/v.
+                unpadded = allocator_bytes(b * q * kv_len * a)
+                pad = 2 * x + qb + repeat + unpadded + bias
+                out.append(Moment(name=f"attention mask pad (sdpa {kernel.value})", activations_bytes=pad))
         name = f"attention (sdpa {kernel.value})"
     out.append(Moment(name=name, activations_bytes=attn))
     return _with_dequantised(spec, setup, kv_len, out)
@@ -984,7 +1032,10 @@ def phase_estimates(
     window_masked = kinds.window is not None and s >= kinds.window and setup.attention is Attention.SDPA
     resident = _resident_inputs(spec, setup, s, s)
     mask = 0
-    if setup.attention is Attention.EAGER:
+    if setup.padded and setup.attention is Attention.SDPA:
+        mask = _padding_mask_4d(spec, setup, s, s)
+        window_masked = True  # the masked kernel, as for a window
+    elif setup.attention is Attention.EAGER:
         mask = spec.attention_masks * allocator_bytes(setup.batch * s * s * setup.compute_bits // 8)
     elif window_masked:
         mask = allocator_bytes(s * s)  # sdpa_mask: one bool [1, 1, s, s] broadcast over the batch
@@ -1020,7 +1071,8 @@ def phase_estimates(
         if setup.attention is Attention.EAGER:
             res += spec.attention_masks * allocator_bytes(setup.batch * total * setup.compute_bits // 8)
         kv_len = _stored_tokens(setup, None, step) if setup.cache is not CacheKind.STATIC else s + n
-        layer = _layer_moments(spec, setup, 1, kv_len, masked=False, flash=flash)
+        res += _padding_mask_4d(spec, setup, 1, total)
+        layer = _layer_moments(spec, setup, 1, kv_len, masked=setup.padded, flash=flash)
         for mo in layer:
             kv = _decode_kv_moment(spec, setup, step) if mo.name == "cache write" else kv_after
             dec.append((f"decode step {step}: {mo.name}", kv, res + mo.activations_bytes, held))

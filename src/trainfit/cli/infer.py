@@ -31,6 +31,13 @@ def infer_cmd(
     cache: Annotated[str, typer.Option(help="dynamic | static | sliding | paged")] = "dynamic",
     block_size: Annotated[int, typer.Option("--block-size", help="Tokens per paged KV block.")] = 16,
     attention: Annotated[str, typer.Option(help="sdpa | eager")] = "sdpa",
+    padded: Annotated[
+        bool,
+        typer.Option(
+            "--padded/--no-padded",
+            help="Prompts of unequal length, left-padded: generate keeps the 2-D mask, models build 4-D ones.",
+        ),
+    ] = False,
     gpu: Annotated[str | None, typer.Option("--gpu", help="Catalog GPU id: fit verdict and capacities.")] = None,
     gpus: Annotated[int | None, typer.Option("--gpus", help="GPUs in all (default: --tp).")] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree (default: --gpus, else 1).")] = None,
@@ -95,6 +102,7 @@ def infer_cmd(
         tp=degree,
         double_quant=double_quant,
         compute_dtype=compute_dtype,  # type: ignore[arg-type]
+        padded=padded,
     )
     report = infer(
         model,

@@ -3,9 +3,10 @@ bytes go per phase, then the terms. Formatting only: every number comes from the
 :class:`~trainfit.infer.InferenceReport`. GiB everywhere; the rule of thumb's line adds decimal GB.
 
 JSON keys (``schema_version`` is :data:`trainfit.result.SCHEMA_VERSION`): ``peak_bytes``, ``peak_phase``,
-``weights_bytes``, ``kv_cache_bytes``, ``kv_bytes_per_token``, ``phases`` (every component, zeros included,
-and the worst moment), ``overhead``, ``nvidia_smi_estimate_bytes``, ``rule_of_thumb_bytes``, and with a GPU
-``fit`` and ``capacity`` (and ``paged`` for ``--server paged``); ``null`` where not computed.
+``weights_bytes``, ``kv_cache_bytes``, ``kv_bytes_per_token``, ``steady_state_bytes``, ``phases`` (every
+component, zeros included, and the worst moment), ``overhead``, ``nvidia_smi_estimate_bytes``,
+``rule_of_thumb_bytes``, and with a GPU ``fit`` and ``capacity`` (and ``paged`` for ``--server paged``);
+``null`` where not computed.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def infer_json(report: InferenceReport) -> dict[str, Any]:
             "cache": s.cache.value,
             "block_size": s.block_size,
             "attention": s.attention.value,
+            "padded": s.padded,
             "tp": s.tp,
             "gpus": report.gpus,
             "server": report.server.value,
@@ -65,6 +67,7 @@ def infer_json(report: InferenceReport) -> dict[str, Any]:
         "weights_bytes": report.weights_bytes,
         "kv_cache_bytes": report.kv_cache_bytes,
         "kv_bytes_per_token": report.kv_bytes_per_token,
+        "steady_state_bytes": report.steady_state_bytes,
         "phases": phases,
         "overhead": {
             "cuda_context_bytes": report.overhead.cuda_context_bytes,
@@ -132,6 +135,7 @@ def _header(report: InferenceReport) -> Text:
         f"{s.dtype.value} weights · {s.kv_format.value} cache ({s.cache.value}"
         + (f", blocks of {s.block_size}" if s.cache.value == "paged" else "")
         + f") · {s.attention.value} · batch {s.batch} × (prompt {s.prompt} + {s.new_tokens} new)"
+        + (" · left-padded" if s.padded else "")
         + (f" · tp {s.tp}" if s.tp > 1 else "")
         + (f" · {report.gpus} GPUs" if report.gpus > 1 else "")
         + f" · method {report.method.value}"
@@ -157,7 +161,7 @@ def _answer(report: InferenceReport) -> Text:
     )
     t.append(
         f"Weights {fmt_gib(report.weights_bytes)} · KV cache at full length {fmt_gib(report.kv_cache_bytes)} "
-        f"({report.kv_bytes_per_token:,} B per token)\n"
+        f"({report.kv_bytes_per_token:,} B per token) · steady state {fmt_gib(report.steady_state_bytes)}\n"
     )
     rot = report.rule_of_thumb_bytes
     t.append(f"Rule of thumb (weights × 1.2): {fmt_gib(rot)} ({fmt_gb(rot)})", style="dim")

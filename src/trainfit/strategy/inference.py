@@ -104,6 +104,7 @@ class InferenceSetup:
     compute_dtype: KVFormat | None = None
     compute_capability: str | None = None
     sm_count: int | None = None
+    padded: bool = False  # prompts of unequal length, left-padded: generate keeps the 2-D mask, models build 4-D ones
 
     def __post_init__(self) -> None:
         _coerce(self, "dtype", WeightFormat)

@@ -16,7 +16,10 @@ the model's own cache classes (``DynamicCache`` with its ``DynamicLayer`` / ``Dy
   ``forward``'s signature to pass ``logits_to_keep=1`` (only the last position's logits);
 * the batch is unpadded (an all-ones attention mask), and transformers' mask code is told so: under fake
   tensors ``masking_utils.is_tracing`` is true and the mask would never be skipped (a [b, 1, q, kv] mask,
-  k/v repeated per query head), while a real GPU run skips it (``_ignore_causal_mask_sdpa``).
+  k/v repeated per query head), while a real GPU run skips it (``_ignore_causal_mask_sdpa``). A left-padded
+  batch (``InferenceSetup.padded``) gets the other answers: "all ones?" no and ``fast_all`` false, so
+  ``generate`` keeps and ``cat``-grows the 2-D mask and ``sdpa_mask`` builds the 4-D one every pass, as on a
+  GPU (the values of the fake mask do not matter, only these answers).
 
 ``--kv-dtype fp8`` runs transformers' own fp8 cache: ``cache_implementation="quantized"`` with
 ``cache_config={"backend": "fp8"}`` builds ``QuantizedCache`` of ``Fp8QuantizedLayer``s (``cache_utils``,
@@ -193,16 +196,16 @@ class _Answers(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ``(model_kwargs["attention_mask"] == 1).all()``), which an unpadded batch answers yes: ``generate`` then
     drops the mask (``attention_mask = None``) and makes no longer copy of it after each pass."""
 
-    def __init__(self, passes: list[int], new_tokens: int) -> None:
+    def __init__(self, passes: list[int], new_tokens: int, *, padded: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.passes, self.new_tokens = passes, new_tokens
+        self.passes, self.new_tokens, self.padded = passes, new_tokens, padded
         self.all_ones: list[weakref.ref[torch.Tensor]] = []  # weak: the answer must not keep them alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is torch.ops.aten._local_scalar_dense.default:
             if args[0].dtype == torch.bool:
                 if not self.passes and any(args[0] is r() for r in self.all_ones):
-                    return True
+                    return not self.padded
                 return len(self.passes) >= self.new_tokens
             raise TraceUnsupportedError(
                 "generate asked for a numeric value of a tensor; cannot answer it on fake tensors"
@@ -214,12 +217,13 @@ class _Answers(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager
-def _mask_patches() -> Iterator[None]:
-    """An unpadded batch, as a real run sees it: mask skipping allowed, the padding mask all ones."""
+def _mask_patches(padded: bool = False) -> Iterator[None]:
+    """The batch as a real run sees it: mask skipping allowed; the padding mask all ones (unpadded) or, for a
+    left-padded batch, not (``fast_all`` false: ``sdpa_mask`` then builds the 4-D mask)."""
     mu = require_transformers().masking_utils
     saved = {n: getattr(mu, n) for n in ("is_tracing", "fast_all", "find_packed_sequence_indices")}
     mu.is_tracing = lambda *_a, **_k: False
-    mu.fast_all = lambda _t: True
+    mu.fast_all = lambda _t: not padded
     mu.find_packed_sequence_indices = lambda position_ids: None
     try:
         with hf.quiet_transformers():
@@ -380,7 +384,7 @@ def _run_layout(
         tr = TPTracker()
     tr.mark(list(model.parameters()) + list(model.buffers()), tk.WEIGHTS)
     passes: list[_PassMarks] = []
-    answers = _Answers([], setup.new_tokens)
+    answers = _Answers([], setup.new_tokens, padded=setup.padded)
     firsts = set(unit_first_layer)
     handles = []
     for i, layer in enumerate(stack):
@@ -416,7 +420,7 @@ def _run_layout(
         bnb_kernels = CudaBnbKernels(compute_capability=setup.compute_capability, sm_count=setup.sm_count)
     b, s = setup.batch, setup.prompt
     try:
-        with mode, _mask_patches(), kernels, tr, answers, bnb_kernels, torch.no_grad():
+        with mode, _mask_patches(setup.padded), kernels, tr, answers, bnb_kernels, torch.no_grad():
             ids = torch.zeros((b, s), dtype=torch.long)
             mask = torch.ones((b, s), dtype=torch.long)
             tr.mark([ids, mask], tk.NONE)

@@ -145,8 +145,11 @@ def _efficient_bias(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -
     """``convert_boolean_attn_mask`` then ``preprocess_mask`` (pad the last dim to 16) as on CUDA."""
     mask = attn_mask
     if mask.dtype == torch.bool:
-        # at::where(mask.logical_not(), -inf, scalar_tensor(0.0, q.dtype)): built in q's dtype directly.
-        mask = torch.where(mask.logical_not(), float("-inf"), torch.zeros((), dtype=q.dtype))
+        # torch 2.13 ``convert_boolean_attn_mask_``: at::where(mask, scalar_tensor(0.0), scalar_tensor(-inf)) in
+        # q's dtype — two 0-dim scalars and the output, no ``logical_not`` copy of the mask (a dispatch log of
+        # the CPU composite shows scalar_tensor, scalar_tensor, where.self; older releases inverted the mask).
+        zero, neg_inf = torch.zeros((), dtype=q.dtype), torch.full((), float("-inf"), dtype=q.dtype)
+        mask = torch.where(mask, zero, neg_inf)
     elif mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
     lk = k.size(-2)
