@@ -8,7 +8,9 @@ speed model's tokens/s per GPU against figures torchtitan published for named se
 table, its sources and how each setup was matched: torchtitan's selective op AC is ``sac``; its H100s are a
 500 W HBM2e part whose peak it gives as a range, so those predictions are ranges). The third is the same against
 MosaicML llm-foundry's MPT benchmark tables (Composer FSDP, amp_bf16), whose models are built here from the
-yamls' numbers (:func:`mpt`; each one's parameter count is checked against the table's ``NumParams``).
+yamls' numbers (:func:`mpt`; each one's parameter count is checked against the table's ``NumParams``). The fourth
+is Narayanan et al. 2021's Table 1 (Megatron-LM GPT on A100s, the rows without pipeline parallelism), its teraFLOP/s
+converted to tokens/s by the paper's own FLOP count.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.rank import search_plans
 from trainfit.planner.space import parse_allow
 from trainfit.planner.speed import SpeedInputs, step_time_of
-from trainfit.strategy import Parallelism, Strategy
+from trainfit.strategy import Engine, EngineOptions, Parallelism, Strategy
 
 SEARCHES = (
     ("llama-3.1-8b", "a100-sxm-80gb", 8, 4096, 256, ""),
@@ -283,6 +285,69 @@ FOUNDRY_PUBLISHED: tuple[Published, ...] = (
 )
 
 
+#: Narayanan et al. 2021 (arXiv 2104.04473) Table 1, the rows without pipeline parallelism: (parameters in billions,
+#: attention heads, hidden size, layers, tensor-parallel size, GPUs, global batch, achieved teraFLOP/s per GPU). Read
+#: from a transcription of the table (github SotaroKaneda/MLCarbon data/megatron_table.csv @69070b2), not the paper.
+#: All: GPT, sequence 2048, vocabulary 51,200, A100 80GB (Selene: 8 × 200 Gb/s InfiniBand per node), mixed precision,
+#: activation recomputation. The PP > 1 rows are left out: the table gives no micro-batch size or interleaving.
+MEGATRON_TABLE1: tuple[tuple[float, int, int, int, int, int, int, float], ...] = (
+    (1.7, 24, 2304, 24, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 256, 1024, 135),
+)
+MEGATRON_VOCAB, MEGATRON_SEQ = 51200, 2048
+#: Selene's 8 × 200 Gb/s HDR InfiniBand per 8-GPU node: 25 GB/s per GPU and direction.
+SELENE_NETWORK_GBPS = 25.0
+
+
+def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
+    """Megatron-LM's GPT (megatron/model/gpt_model.py of 2021): LayerNorm with bias, fused QKV, GELU MLP of 4·h, biased
+    linears, learned positions, the output layer tied to the word embedding."""
+    return dataclasses.replace(
+        mpt("mpt-7b", MEGATRON_SEQ),
+        name=f"megatron-gpt-{hidden}x{layers}",
+        model_type="gpt2",
+        architecture="GPTModel",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        vocab_size=MEGATRON_VOCAB,
+    )
+
+
+def megatron_tokens_per_second(hidden: int, layers: int, tflops: float) -> float:
+    """Table 1's teraFLOP/s per GPU as tokens/s per GPU, by the paper's own count (§5.1, Eq. (3)): F = 96·B·s·l·h²·
+    (1 + s/(6h) + V/(16·l·h)) FLOPs per iteration of B sequences of s tokens — activation recomputation included."""
+    s, v = MEGATRON_SEQ, MEGATRON_VOCAB
+    return tflops * 1e12 / (96 * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden)))
+
+
+def megatron_predicted(row: tuple[float, int, int, int, int, int, int, float]) -> list[float]:
+    """Tokens/s per GPU the speed model predicts for one Table 1 row, for each micro-batch 1, 2, 4, 8 (not stated):
+    Megatron-LM TP (today's linear layers: the column-parallel backward's all-reduce overlapped), no sequence
+    parallelism (2022), data parallelism over the rest, full recomputation, master-fp16."""
+    _, heads, hidden, layers, tp, gpus, batch, _ = row
+    spec, dp = megatron_gpt(hidden, layers, heads), gpus // tp
+    out = []
+    for micro in (1, 2, 4, 8):
+        s = Strategy(
+            precision="master-fp16",
+            micro_batch=micro,
+            grad_accum=batch // (dp * micro),
+            seq_len=MEGATRON_SEQ,
+            checkpointing="full",
+            engine=EngineOptions(engine=Engine.MEGATRON),
+            parallelism=Parallelism.for_gpus(gpus, tensor=tp),
+        )
+        x = SpeedInputs.of(s, spec)
+        out.append(step_time_of(spec, x, get_gpu("a100-sxm-80gb"), network_gbps=SELENE_NETWORK_GBPS).tokens_per_second)
+    return [v / gpus for v in out]
+
+
 def predicted(p: Published) -> list[float]:
     """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100).
     TP runs are torchtitan's 2-D FSDP2 × DTensor TP with sequence parallelism (``--engine torch``, what ``auto``
@@ -364,6 +429,15 @@ def main() -> int:
         (pred,) = predicted(p)
         published = p.tokens_per_second_per_gpu
         print(f"  {p.name}: predicted {pred:,.0f}, published {published:,.0f} ({pred / published - 1:+.0%})")
+    print("\nspeed model vs Megatron-LM (Narayanan et al. 2021 Table 1, PP 1; tokens/s per GPU by the paper's Eq. 3)")
+    for row in MEGATRON_TABLE1:
+        pred, published = megatron_predicted(row), megatron_tokens_per_second(row[2], row[3], row[7])
+        spec = megatron_gpt(row[2], row[3], row[1])
+        print(
+            f"  GPT {row[0]}B ({count_params(spec) / 1e9:.2f}B), {row[5]}×A100, TP {row[4]}, batch {row[6]}: "
+            f"{row[7]:.0f} TFLOP/s = {published:,.0f} tokens/s; predicted {min(pred):,.0f} … {max(pred):,.0f} "
+            f"(over micro-batch 1, 2, 4, 8: {min(pred) / published - 1:+.0%} … {max(pred) / published - 1:+.0%})"
+        )
     print("\nasync TP speed-up (same setup without it; predicted SXM … NVL peak vs published)")
     for vanilla, fast in async_tp_pairs():
         pred = [b / a for a, b in zip(predicted(vanilla), predicted(fast), strict=True)]
