@@ -222,24 +222,22 @@ MPT_SIZES: dict[str, tuple[int, int, int, int]] = {
 }
 
 
-def mpt(slug: str, seq_len: int) -> ModelSpec:
-    """An MPT model as llm-foundry's benchmark ran it: LayerNorm with bias, fused Wqkv, GELU MLP (4·d), every
-    linear with a bias, tied embeddings, a learned position table of max_seq_len rows, ALiBi (no rotary). The
-    biases are not in today's yamls (``no_bias``) but the table's NumParams count them: 12·d² + 13·d per block
-    (4 norm vectors, 9 bias vectors) + 2·d for the final norm + (50368 + max_seq_len)·d."""
-    d, layers, heads, _ = MPT_SIZES[slug]
+def biased_gpt(name: str, model_type: str, hidden: int, layers: int, heads: int, vocab: int, seq_len: int) -> ModelSpec:
+    """A GPT-style model with every linear and norm biased: LayerNorm, fused QKV, GELU MLP of 4·h, tied embeddings,
+    a learned position table of ``seq_len`` rows (MPT's ALiBi adds none) — 12·h² + 13·h parameters per block (4 norm
+    vectors, 9 bias vectors), 2·h for the final norm, (vocab + seq_len)·h for the embeddings."""
     return ModelSpec(
-        name=slug,
+        name=name,
         source="explicit",
-        model_type="mpt",
-        architecture="MPTForCausalLM",
-        hidden_size=d,
+        model_type=model_type,
+        architecture=model_type,
+        hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=d // heads,
-        intermediate_size=4 * d,
-        vocab_size=50368,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        vocab_size=vocab,
         max_position_embeddings=seq_len,
         tie_word_embeddings=True,
         norm=NormKind.LAYERNORM,
@@ -252,6 +250,13 @@ def mpt(slug: str, seq_len: int) -> ModelSpec:
         mlp_bias=True,
         learned_positions=seq_len,
     )
+
+
+def mpt(slug: str, seq_len: int) -> ModelSpec:
+    """An MPT model as llm-foundry's benchmark ran it (:func:`biased_gpt`, vocabulary 50368, ALiBi: no rotary). The
+    biases are not in today's yamls (``no_bias``) but the table's NumParams count them."""
+    d, layers, heads, _ = MPT_SIZES[slug]
+    return biased_gpt(slug, "mpt", d, layers, heads, 50368, seq_len)
 
 
 def _foundry(slug: str, gpu: str, gpus: int, seq: int, micro: int, accum: int, ac: bool, tps: float) -> Published:
@@ -302,21 +307,9 @@ SELENE_NETWORK_GBPS = 25.0
 
 
 def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
-    """Megatron-LM's GPT (megatron/model/gpt_model.py of 2021): LayerNorm with bias, fused QKV, GELU MLP of 4·h, biased
-    linears, learned positions, the output layer tied to the word embedding."""
-    return dataclasses.replace(
-        mpt("mpt-7b", MEGATRON_SEQ),
-        name=f"megatron-gpt-{hidden}x{layers}",
-        model_type="gpt2",
-        architecture="GPTModel",
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=hidden // heads,
-        intermediate_size=4 * hidden,
-        vocab_size=MEGATRON_VOCAB,
-    )
+    """Megatron-LM's GPT (megatron/model/gpt_model.py of 2021): :func:`biased_gpt`, the output layer tied to the word
+    embedding, learned positions."""
+    return biased_gpt(f"megatron-gpt-{hidden}x{layers}", "gpt2", hidden, layers, heads, MEGATRON_VOCAB, MEGATRON_SEQ)
 
 
 def megatron_tokens_per_second(hidden: int, layers: int, tflops: float) -> float:
