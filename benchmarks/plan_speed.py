@@ -6,7 +6,11 @@ The first table is the search time of the issue's examples (the goal: under 2 s 
 on a shared machine the CPU time is the search's own — and whether torch got imported: it must not). The second is the
 speed model's tokens/s per GPU against figures torchtitan published for named setups (docs/speed.md keeps the
 table, its sources and how each setup was matched: torchtitan's selective op AC is ``sac``; its H100s are a
-500 W HBM2e part whose peak it gives as a range, so those predictions are ranges).
+500 W HBM2e part whose peak it gives as a range, so those predictions are ranges). The third is the same against
+MosaicML llm-foundry's MPT benchmark tables (Composer FSDP, amp_bf16), whose models are built here from the
+yamls' numbers (:func:`mpt`; each one's parameter count is checked against the table's ``NumParams``). The fourth
+is Narayanan et al. 2021's Table 1 (Megatron-LM GPT on A100s, the rows without pipeline parallelism), its teraFLOP/s
+converted to tokens/s by the paper's own FLOP count.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import time
 from dataclasses import dataclass
 
 from trainfit.arch import load_model
+from trainfit.arch.params import count_params
+from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.planner.rank import search_plans
 from trainfit.planner.space import parse_allow
 from trainfit.planner.speed import SpeedInputs, step_time_of
-from trainfit.strategy import Parallelism, Strategy
+from trainfit.strategy import Engine, EngineOptions, Parallelism, Strategy
 
 SEARCHES = (
     ("llama-3.1-8b", "a100-sxm-80gb", 8, 4096, 256, ""),
@@ -45,6 +51,8 @@ class Published:
     float8: bool = False  # torchao Float8Linear (the speed model's fp8 rate; the estimate refuses it with TP)
     sharding: str = "fsdp"
     async_tp: bool = False  # torchtitan's async TP (torch.compile + Inductor's micro-pipeline TP pass)
+    precision: str = "master-bf16"  # torchtitan: bf16 parameters for compute, fp32 reduce (FSDP2 mixed precision)
+    grad_accum: int = 1
 
 
 TT = "torchtitan docs/performance.md"
@@ -198,19 +206,155 @@ def torchtitan_h100() -> tuple[GPUSpec, GPUSpec]:
     return hi, lo
 
 
+#: llm-foundry scripts/train/benchmarking/README.md (mosaicml/llm-foundry @061f2c7c): "H100 80GB BF16" and "A100 80GB
+#: with 1600 Gbps node-node interconnect (RoCE)" tables; every row used: amp_bf16, MP mode DEFAULT, FULL_SHARD, no
+#: activation CPU offload.
+FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
+
+#: MPT sizes from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (d_model, n_layers, n_heads), expansion
+#: ratio 4, vocabulary 50368, and the parameter count the benchmark table gives at sequence 2048 (NumParams).
+MPT_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "mpt-3b": (2560, 32, 20, 2651837440),
+    "mpt-7b": (4096, 32, 32, 6658859008),
+    "mpt-13b": (5120, 40, 40, 12853954560),
+    "mpt-30b": (7168, 48, 64, 29975214080),
+    "mpt-70b": (8192, 80, 64, 64862437376),
+}
+
+
+def biased_gpt(name: str, model_type: str, hidden: int, layers: int, heads: int, vocab: int, seq_len: int) -> ModelSpec:
+    """A GPT-style model with every linear and norm biased: LayerNorm, fused QKV, GELU MLP of 4·h, tied embeddings,
+    a learned position table of ``seq_len`` rows (MPT's ALiBi adds none) — 12·h² + 13·h parameters per block (4 norm
+    vectors, 9 bias vectors), 2·h for the final norm, (vocab + seq_len)·h for the embeddings."""
+    return ModelSpec(
+        name=name,
+        source="explicit",
+        model_type=model_type,
+        architecture=model_type,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=4 * hidden,
+        vocab_size=vocab,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=True,
+        norm=NormKind.LAYERNORM,
+        norm_bias=True,
+        mlp=MlpKind.DENSE,
+        activation="gelu",
+        qkv_bias=True,
+        fused_qkv=True,
+        out_bias=True,
+        mlp_bias=True,
+        learned_positions=seq_len,
+    )
+
+
+def mpt(slug: str, seq_len: int) -> ModelSpec:
+    """An MPT model as llm-foundry's benchmark ran it (:func:`biased_gpt`, vocabulary 50368, ALiBi: no rotary). The
+    biases are not in today's yamls (``no_bias``) but the table's NumParams count them."""
+    d, layers, heads, _ = MPT_SIZES[slug]
+    return biased_gpt(slug, "mpt", d, layers, heads, 50368, seq_len)
+
+
+def _foundry(slug: str, gpu: str, gpus: int, seq: int, micro: int, accum: int, ac: bool, tps: float) -> Published:
+    return Published(
+        f"MPT-{slug[4:].upper()}, {gpus}×{'H100' if gpu.startswith('h100') else 'A100-80GB'}, FSDP, seq {seq}, "
+        f"micro-batch {micro} × {accum}, {'full AC' if ac else 'no AC'}",
+        f"{FOUNDRY} @061f2c7c, {'H100 80GB BF16' if gpu.startswith('h100') else 'A100 80GB'} table",
+        slug,
+        gpu,
+        gpus,
+        1,
+        micro,
+        seq,
+        "full" if ac else "none",
+        tps,
+        precision="amp-bf16",
+        grad_accum=accum,
+    )
+
+
+FOUNDRY_PUBLISHED: tuple[Published, ...] = (
+    _foundry("mpt-3b", "h100-sxm-80gb", 8, 8192, 3, 6, False, 16578),
+    _foundry("mpt-7b", "h100-sxm-80gb", 8, 2048, 6, 1, False, 10643),
+    _foundry("mpt-13b", "h100-sxm-80gb", 8, 2048, 2, 1, False, 4792),
+    _foundry("mpt-30b", "h100-sxm-80gb", 8, 2048, 3, 21, True, 2002),
+    _foundry("mpt-70b", "h100-sxm-80gb", 64, 2048, 8, 4, True, 1039),
+    _foundry("mpt-3b", "a100-sxm-80gb", 8, 8192, 3, 6, False, 7695),
+    _foundry("mpt-7b", "a100-sxm-80gb", 8, 2048, 6, 2, False, 4641),
+    _foundry("mpt-13b", "a100-sxm-80gb", 8, 2048, 2, 3, False, 2262),
+    _foundry("mpt-30b", "a100-sxm-80gb", 8, 2048, 3, 21, True, 916),
+)
+
+
+#: Narayanan et al. 2021 (arXiv 2104.04473) Table 1, the rows without pipeline parallelism: (parameters in billions,
+#: attention heads, hidden size, layers, tensor-parallel size, GPUs, global batch, achieved teraFLOP/s per GPU). Read
+#: from a transcription of the table (github SotaroKaneda/MLCarbon data/megatron_table.csv @69070b2), not the paper.
+#: All: GPT, sequence 2048, vocabulary 51,200, A100 80GB (Selene: 8 × 200 Gb/s InfiniBand per node), mixed precision,
+#: activation recomputation. The PP > 1 rows are left out: the table gives no micro-batch size or interleaving.
+MEGATRON_TABLE1: tuple[tuple[float, int, int, int, int, int, int, float], ...] = (
+    (1.7, 24, 2304, 24, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 256, 1024, 135),
+)
+MEGATRON_VOCAB, MEGATRON_SEQ = 51200, 2048
+#: Selene's 8 × 200 Gb/s HDR InfiniBand per 8-GPU node: 25 GB/s per GPU and direction.
+SELENE_NETWORK_GBPS = 25.0
+
+
+def megatron_gpt(hidden: int, layers: int, heads: int) -> ModelSpec:
+    """Megatron-LM's GPT (megatron/model/gpt_model.py of 2021): :func:`biased_gpt`, the output layer tied to the word
+    embedding, learned positions."""
+    return biased_gpt(f"megatron-gpt-{hidden}x{layers}", "gpt2", hidden, layers, heads, MEGATRON_VOCAB, MEGATRON_SEQ)
+
+
+def megatron_tokens_per_second(hidden: int, layers: int, tflops: float) -> float:
+    """Table 1's teraFLOP/s per GPU as tokens/s per GPU, by the paper's own count (§5.1, Eq. (3)): F = 96·B·s·l·h²·
+    (1 + s/(6h) + V/(16·l·h)) FLOPs per iteration of B sequences of s tokens — activation recomputation included."""
+    s, v = MEGATRON_SEQ, MEGATRON_VOCAB
+    return tflops * 1e12 / (96 * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden)))
+
+
+def megatron_predicted(row: tuple[float, int, int, int, int, int, int, float]) -> list[float]:
+    """Tokens/s per GPU the speed model predicts for one Table 1 row, for each micro-batch 1, 2, 4, 8 (not stated):
+    Megatron-LM TP (today's linear layers: the column-parallel backward's all-reduce overlapped), no sequence
+    parallelism (2022), data parallelism over the rest, full recomputation, master-fp16."""
+    _, heads, hidden, layers, tp, gpus, batch, _ = row
+    spec, dp = megatron_gpt(hidden, layers, heads), gpus // tp
+    out = []
+    for micro in (1, 2, 4, 8):
+        s = Strategy(
+            precision="master-fp16",
+            micro_batch=micro,
+            grad_accum=batch // (dp * micro),
+            seq_len=MEGATRON_SEQ,
+            checkpointing="full",
+            engine=EngineOptions(engine=Engine.MEGATRON),
+            parallelism=Parallelism.for_gpus(gpus, tensor=tp),
+        )
+        x = SpeedInputs.of(s, spec)
+        out.append(step_time_of(spec, x, get_gpu("a100-sxm-80gb"), network_gbps=SELENE_NETWORK_GBPS).tokens_per_second)
+    return [v / gpus for v in out]
+
+
 def predicted(p: Published) -> list[float]:
     """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100).
     TP runs are torchtitan's 2-D FSDP2 × DTensor TP with sequence parallelism (``--engine torch``, what ``auto``
     resolves FSDP + TP to); Float8 runs set the speed model's fp8 rate on the same inputs."""
     s = Strategy(
-        precision="master-bf16",  # torchtitan: bf16 parameters for compute, fp32 reduce (FSDP2 mixed precision)
+        precision=p.precision,
         micro_batch=p.micro_batch,
+        grad_accum=p.grad_accum,
         seq_len=p.seq_len,
         checkpointing=p.checkpointing,
         sharding=p.sharding,
         parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor, sequence_parallel=p.tensor > 1),
     )
-    spec = load_model(p.model)
+    spec = mpt(p.model, p.seq_len) if p.model in MPT_SIZES else load_model(p.model)
     x = dataclasses.replace(SpeedInputs.of(s, spec), float8=p.float8, async_tp=p.async_tp)
     gpus = torchtitan_h100() if p.gpu == "torchtitan-h100" else (get_gpu(p.gpu),)
     return [step_time_of(spec, x, g).tokens_per_second / p.gpus for g in gpus]
@@ -271,6 +415,22 @@ def main() -> int:
         values = " … ".join(f"{x:,.0f}" for x in pred)
         errors = " … ".join(f"{x / published - 1:+.0%}" for x in pred)
         print(f"  {p.name}: predicted {values}, published {published:,.0f} ({errors})")
+    print("\nspeed model vs llm-foundry's MPT benchmark (tokens/s per GPU; parameters: ours = the table's)")
+    for slug, (*_, params) in MPT_SIZES.items():
+        assert count_params(mpt(slug, 2048)) == params, slug
+    for p in FOUNDRY_PUBLISHED:
+        (pred,) = predicted(p)
+        published = p.tokens_per_second_per_gpu
+        print(f"  {p.name}: predicted {pred:,.0f}, published {published:,.0f} ({pred / published - 1:+.0%})")
+    print("\nspeed model vs Megatron-LM (Narayanan et al. 2021 Table 1, PP 1; tokens/s per GPU by the paper's Eq. 3)")
+    for row in MEGATRON_TABLE1:
+        pred, published = megatron_predicted(row), megatron_tokens_per_second(row[2], row[3], row[7])
+        spec = megatron_gpt(row[2], row[3], row[1])
+        print(
+            f"  GPT {row[0]}B ({count_params(spec) / 1e9:.2f}B), {row[5]}×A100, TP {row[4]}, batch {row[6]}: "
+            f"{row[7]:.0f} TFLOP/s = {published:,.0f} tokens/s; predicted {min(pred):,.0f} … {max(pred):,.0f} "
+            f"(over micro-batch 1, 2, 4, 8: {min(pred) / published - 1:+.0%} … {max(pred) / published - 1:+.0%})"
+        )
     print("\nasync TP speed-up (same setup without it; predicted SXM … NVL peak vs published)")
     for vanilla, fast in async_tp_pairs():
         pred = [b / a for a, b in zip(predicted(vanilla), predicted(fast), strict=True)]

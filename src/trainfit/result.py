@@ -484,6 +484,11 @@ class MemoryReport:
     # With a GPU, when the reserve was simulated and only the uncapped reserve keeps it off the GPU: the same
     # stream under the usable capacity (FitVerdict.tier FITS_WITH_FLUSHES when it completed).
     capped: CappedRun | None = None
+    # Whether ``overhead.allocator_reserve_bytes`` comes from a caching-allocator simulation of this report's own
+    # event stream (one GPU: ``details.allocator`` says which allocator; many GPUs: the rank
+    # ``analytic.rank_events.rank_simulated`` names) rather than the fixed reserve fraction: only then can an
+    # allocator setting such as expandable segments change the requirement (the planner's second chance).
+    reserve_simulated: bool = False
 
     def __post_init__(self) -> None:
         if not self.phases:

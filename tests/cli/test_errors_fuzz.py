@@ -2,9 +2,9 @@
 files: every run either succeeds (exit 0) or prints exactly one line, ``error: ...``, on stderr, nothing on
 stdout, and exits 2. Never a traceback (an exception escaping ``main``), never exit 1.
 
-Covers estimate (analytic and rule-of-thumb), models, gpus, formats and precision; not doctor, trace or
-measure (slow). Hub ids never touch the network: the reachability probe answers "offline" and the
-download finds nothing in the cache.
+Covers estimate (analytic and rule-of-thumb), plan (small models and GPU counts, so each search stays fast; not
+``--export``, which writes files), models, gpus, formats and precision; not doctor, trace or measure (slow). Hub
+ids never touch the network: the reachability probe answers "offline" and the download finds nothing in the cache.
 """
 
 from __future__ import annotations
@@ -174,6 +174,53 @@ def mangled(draw: st.DrawFn, base: st.SearchStrategy[list[str]]) -> list[str]:
 @SETTINGS
 @given(args=mangled(st.one_of(estimate_args(), other_args())))
 def test_cli_is_ok_or_one_error_line(capsys, args: list[str]) -> None:
+    check_contract(run_cli(capsys, *args), args)
+
+
+GOOD_PLAN_MODELS = st.sampled_from(["gpt2", "llama-3.2-1b", "qwen2.5-0.5b", "LLAMA-3.2-1B"])
+PLAN_MODELS = st.one_of(GOOD_PLAN_MODELS, GOOD_PLAN_MODELS, st.sampled_from(["llama-3.1-8bb", "org/model"]), WEIRD)
+# small or broken counts only (a plan over thousands of GPUs is a slow valid search, not an error path); mostly
+# plausible, so the success path is explored too
+GOOD_PLAN_INTS = st.sampled_from(["1", "2", "4", "8"])
+PLAN_INTS = st.one_of(
+    GOOD_PLAN_INTS,
+    GOOD_PLAN_INTS,
+    st.sampled_from(["0", "-1", "3", "3.0", "2e3", str(2**63), "1e400"]),
+    WEIRD,
+)
+PLAN_FLOATS = st.one_of(st.sampled_from(["0.3", "0.1", "25", "2.5"]), FLOATS)
+GOOD_PLAN_GPUS = st.sampled_from(["a100-sxm-80gb", "rtx-4090", "h100-sxm-80gb", "rtx-3090"])
+
+
+@st.composite
+def plan_args(draw: st.DrawFn) -> list[str]:
+    args = ["plan", draw(PLAN_MODELS), "--gpu", draw(st.one_of(GOOD_PLAN_GPUS, GOOD_PLAN_GPUS, GPUS))]  # required
+    options: list[tuple[str, st.SearchStrategy[str]]] = [
+        ("--gpus", PLAN_INTS),
+        ("--nodes", PLAN_INTS),
+        ("--gpus-per-node", PLAN_INTS),
+        ("--seq", st.one_of(st.sampled_from(["256", "1024"]), PLAN_INTS)),
+        ("--global-batch", PLAN_INTS),
+        ("--tokens-per-step", st.one_of(st.sampled_from(["4M", "1M", "65536", "2k"]), WEIRD)),
+        ("--allow", st.one_of(st.sampled_from(["lora", "qlora", "fp8", "lora,qlora", "lora,,", "nope"]), WEIRD)),
+        ("--objective", st.one_of(st.sampled_from(["fastest", "fewest-gpus", "cheapest", "slowest"]), WEIRD)),
+        ("--price-per-gpu-hour", PLAN_FLOATS),
+        ("--headroom", PLAN_FLOATS),
+        ("--network-gbps", PLAN_FLOATS),
+        ("--top", PLAN_INTS),
+        ("--alloc-conf", st.one_of(st.sampled_from(["", "expandable_segments:True", "expandable_segments:maybe",
+                                                    "max_split_size_mb:0", "garbage"]), WEIRD)),
+    ]  # fmt: skip
+    for flag, values in draw(st.lists(st.sampled_from(options), max_size=3, unique_by=lambda o: o[0])):
+        args += [flag, draw(values)]
+    if draw(st.booleans()):
+        args.append("--json")
+    return args
+
+
+@settings(SETTINGS, max_examples=40)
+@given(args=mangled(plan_args()))
+def test_plan_is_ok_or_one_error_line(capsys, args: list[str]) -> None:
     check_contract(run_cli(capsys, *args), args)
 
 

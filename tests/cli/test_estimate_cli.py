@@ -220,6 +220,22 @@ def test_says_when_only_sharding_would_help() -> None:
     assert code == 0 and "needs sharding" in " ".join(out.split())
 
 
+def test_checked_fixes_replace_the_unchecked_example_flags() -> None:
+    """The model-states diagnosis names example flags (unchecked) only when no checked fix is printed: with the
+    planner's fixes the example goes; with --no-fixes it stays. The JSON suggestion keeps its flags either way."""
+    args = ("estimate", "llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--batch", "4", "--precision", "amp-bf16")
+    example = "A leaner precision recipe or optimizer can (e.g. --precision pure-bf16, --optimizer adamw-8bit)."
+    code, out, _ = run(*args)
+    text = " ".join(out.split())
+    assert code == 0 and "Checked fixes" in text and "no batch size or checkpointing can help." in text
+    assert example not in text and "(e.g." not in text
+    code, out, _ = run(*args, "--no-fixes")
+    assert code == 0 and example in " ".join(out.split()) and "Checked fixes" not in out
+    code, out, _ = run(*args, "--json")
+    leaner = [s for s in json.loads(out)["suggestions"] if s["kind"] == "leaner-states"]
+    assert code == 0 and leaner and leaner[0]["flags"] == ["--precision pure-bf16", "--optimizer adamw-8bit"]
+
+
 def test_math_kernel_warning_gives_no_advice_already_taken() -> None:
     code, out, _ = run("estimate", "falcon-7b", "--checkpointing", "full", "--json")
     assert code == 0

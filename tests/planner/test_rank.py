@@ -36,8 +36,9 @@ def _search(spec_slug: str, gpu: str, gb: int, seq: int) -> _Search:
 )
 def test_plans_are_the_estimate_of_the_same_strategy(slug: str, gpu: str, seq: int, gb: int) -> None:
     spec, g = load_model(slug), get_gpu(gpu)
-    r = search_plans(spec, g, gpus=8, seq_len=seq, global_batch=gb)
-    # selective / sac plans are among them, checked like the rest
+    r = search_plans(spec, g, gpus=8, seq_len=seq, global_batch=gb, top=10)
+    # selective / sac plans are among them, checked like the rest (the top 10: since many-GPU plans get the
+    # expandable-segments second chance, checkpointing-none plans that fit with it fill the top 5 of the 1B case)
     assert {p.strategy.checkpointing.value for p in r.plans} & {"selective", "sac"}
     for p in r.plans:
         # the CLI's call, batch search included, with the plan's allocator

@@ -920,6 +920,7 @@ def estimate_analytic(
             allocator=allocator_details(sim, config),
         ),
         capped=capped,
+        reserve_simulated=True,
     )
 
 

@@ -1905,10 +1905,12 @@ def estimate_parallel(
     overhead = overhead_for(peak)
     reserve_note = "reserved: the fixed reserve fraction of the allocated peak (docs/accuracy.md)"
     capped = None
+    simulated = False
     if allocator is not None:
         from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
 
-        if rank_simulated(strategy, p):
+        simulated = rank_simulated(strategy, p)
+        if simulated:
             stage = _worst_stage(ranks) if ranks else 0
             sim = simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage)
             held = peak + sum(w.size_bytes for w in workspaces)
@@ -1954,6 +1956,7 @@ def estimate_parallel(
         ),
         ranks=ranks,
         capped=capped,
+        reserve_simulated=simulated,
     )
 
 

@@ -23,7 +23,9 @@ own, is then at least as good), so every saver a plan prints is one the plan nee
 The caching allocator is part of the plan. Every estimate simulates the allocator the search is given (``--alloc-conf``;
 default: this process's ``PYTORCH_CUDA_ALLOC_CONF``), and a strategy gets one second chance: when it does not fit
 with that allocator but its lower bound (allocated peak + workspaces + what sits outside the allocator, which no
-allocator setting can go below) does, and the report's reserve was simulated (not the fixed fraction), it is
+allocator setting can go below) does, and the report's reserve was simulated (``MemoryReport.reserve_simulated``:
+one GPU, or a many-GPU rank ``analytic.rank_events.rank_simulated`` names — DDP, FSDP2, ZeRO, Megatron; not the
+fixed fraction), it is
 re-estimated with ``expandable_segments:True`` added — the check :func:`trainfit.estimate.estimate` makes for its
 own suggestion. If that fits, the plan carries that allocator (:attr:`Plan.alloc_conf`) and its changes say
 ``PYTORCH_CUDA_ALLOC_CONF=...``. Its speed is taken as the same — an assumption: expandable segments change how
@@ -246,8 +248,7 @@ class _Search:
                 self._memory[key] = None
             else:
                 assert rep.fit is not None
-                simulated = getattr(rep.details, "allocator", None) is not None
-                self._memory[key] = (rep.fit.required_bytes, simulated)
+                self._memory[key] = (rep.fit.required_bytes, rep.reserve_simulated)
         return self._memory[key]
 
     def need(self, s: Strategy) -> tuple[int, AllocatorConfig] | None:

@@ -104,8 +104,10 @@ HBM_EFFICIENCY = 0.92
 #: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU). Override with ``network_gbps``.
 DEFAULT_NETWORK_GBPS = 50.0
 
-#: Host memory traffic a CPU Adam step can sustain per GPU, GB/s: an ASSUMPTION (no source found this
-#: session): ~200 GB/s of a two-socket server's DRAM bandwidth shared by 8 GPUs' processes = 25 GB/s each.
+#: Host memory traffic a CPU Adam step can sustain per GPU, GB/s: an ASSUMPTION (no source found; ZeRO-Offload's
+#: CPU-Adam latency table, Ren et al. 2021, was not available as text, and DeepSpeed's docs give only "5X–7X faster
+#: than the standard PyTorch implementation"): ~200 GB/s of a two-socket server's DRAM bandwidth shared by 8 GPUs'
+#: processes = 25 GB/s each.
 HOST_ADAM_GBPS = 25.0
 
 #: Bytes of host memory traffic per parameter in a CPU Adam step: read fp32 weight, gradient, m, v (16 B),

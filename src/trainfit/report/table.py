@@ -118,7 +118,7 @@ def _verdict(f: FitVerdict) -> Text:
     if plain and (f.suggestions or f.fixes):
         t.append(" To fit without cache flushes:")
     for s in f.suggestions:  # why it does not fit
-        t.append(_suggestion(s))
+        t.append(_suggestion(s, checked_fixes=bool(f.fixes)))
     if f.fixes:  # what fits, checked by the planner with this estimate
         t.append("\nChecked fixes (trainfit plan; each fits by this estimate):")
         for i, s in enumerate(f.fixes, 1):
@@ -132,7 +132,9 @@ def flushes_headline(f: FitVerdict) -> str:
     return f"FITS WITH {n} CACHE FLUSH{'' if n == 1 else 'ES'}"
 
 
-def _suggestion(s: Suggestion) -> str:
+def _suggestion(s: Suggestion, *, checked_fixes: bool) -> str:
+    """One suggestion as a sentence. The model-states diagnosis keeps its unchecked example flags (``e.g. ...``)
+    only when the planner found no checked fix: its fixes, printed below, replace them (issue 14)."""
     if s.kind in (SuggestionKind.SMALLER_MICRO_BATCH, SuggestionKind.EXPANDABLE_SEGMENTS):
         return f" Try {' '.join(s.flags)}: {s.reason}."
     assert s.states_bytes is not None
@@ -140,12 +142,13 @@ def _suggestion(s: Suggestion) -> str:
         return (
             " The model states alone (weights, gradients, master weights, optimizer states) take more than the "
             f"usable memory: no batch size or checkpointing can help. Even pure-bf16 with 8-bit AdamW needs "
-            f"{fmt_gib(s.states_bytes)} for them: this model needs sharding (e.g. --gpus 8 --sharding fsdp)."
+            f"{fmt_gib(s.states_bytes)} for them: this model needs sharding"
+            + ("." if checked_fixes else " (e.g. --gpus 8 --sharding fsdp).")
         )
     return (
         f" The model states alone (weights, gradients, master weights, optimizer states) take "
-        f"{fmt_gib(s.states_bytes)}, more than the usable memory: no batch size or checkpointing can help. "
-        f"A leaner precision recipe or optimizer can (e.g. {', '.join(s.flags)})."
+        f"{fmt_gib(s.states_bytes)}, more than the usable memory: no batch size or checkpointing can help"
+        + ("." if checked_fixes else f". A leaner precision recipe or optimizer can (e.g. {', '.join(s.flags)}).")
     )
 
 

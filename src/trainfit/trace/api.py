@@ -96,6 +96,7 @@ def trace_spec(
             details,
             allocator=allocator_details(res, allocator),
         ),
+        reserve_simulated=True,
     )
 
 
