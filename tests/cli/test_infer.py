@@ -116,6 +116,12 @@ def test_fp8_weight_refusals_and_the_bf16_warning_are_one_line(capsys: pytest.Ca
         assert len(lines) == 1 and lines[0].startswith("error:") and "fp8" in lines[0], res.err
     res = run_cli(capsys, "infer", "llama-3.2-1b", "--gpu", "v100-sxm2-32gb")
     assert res.code == 0 and "no native bf16" in " ".join(res.err.split())
+    # an fp8 KV cache is storage (software casts below sm89, as vLLM's cache kernels do): it runs, with a warning,
+    # and holds the same cache bytes as on a GPU with fp8
+    args = ("infer", "llama-3.2-1b", "--kv-dtype", "fp8", "--json", "--gpu")
+    a100, h100 = run_cli(capsys, *args, "a100-sxm-80gb"), run_cli(capsys, *args, "h100-sxm-80gb")
+    assert a100.code == 0 and "no native fp8" in " ".join(a100.err.split())
+    assert json.loads(a100.out)["kv_cache_bytes"] == json.loads(h100.out)["kv_cache_bytes"]
 
 
 def test_padded_batch_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:

@@ -184,10 +184,18 @@ def validate(spec: ModelSpec, setup: InferenceSetup, gpu: GPUSpec | None = None)
         raise StrategyError("trainfit infer needs a model's shapes, not --params")
     if gpu is not None:
         cc = gpu.compute_capability
-        if (setup.dtype is WeightFormat.FP8 or setup.kv_format is KVFormat.FP8) and not gpu.fp8:
+        if setup.dtype is WeightFormat.FP8 and not gpu.fp8:
             raise StrategyError(
-                f"{gpu.id} (compute capability {cc}) has no fp8 support (needs 8.9 or newer); "
-                "use --dtype bf16 (or int8) and --kv-dtype bf16"
+                f"{gpu.id} (compute capability {cc}) has no fp8 matmuls (needs 8.9 or newer); "
+                "use --dtype bf16 (or int8)"
+            )
+        if setup.kv_format is KVFormat.FP8 and not gpu.fp8:
+            # An fp8 cache is storage: the casts run in software below sm89 (vLLM's cache kernels "use bit
+            # operations on pre-Hopper", tested on A100: vllm-project/vllm#2279; torch's float8 casts are plain
+            # CUDA kernels), so the bytes are the same; only the speed differs.
+            warnings.append(
+                f"{gpu.id} (compute capability {cc}) has no native fp8: the fp8 cache's casts run in software "
+                "(same bytes, slower)"
             )
         if setup.dtype.compute is KVFormat.BF16 and not gpu.bf16:
             warnings.append(
