@@ -104,10 +104,11 @@ HBM_EFFICIENCY = 0.92
 #: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU). Override with ``network_gbps``.
 DEFAULT_NETWORK_GBPS = 50.0
 
-#: Host memory traffic a CPU Adam step can sustain per GPU, GB/s: an ASSUMPTION (no source found; ZeRO-Offload's
-#: CPU-Adam latency table, Ren et al. 2021, was not available as text, and DeepSpeed's docs give only "5X–7X faster
-#: than the standard PyTorch implementation"): ~200 GB/s of a two-socket server's DRAM bandwidth shared by 8 GPUs'
-#: processes = 25 GB/s each.
+#: Host memory traffic a CPU Adam step can sustain per GPU, GB/s: an ASSUMPTION (no source found): ~200 GB/s of a
+#: two-socket server's DRAM bandwidth shared by 8 GPUs' processes = 25 GB/s each. Issue 14's search (docs/speed.md
+#: lists it) found no CPU-Adam time with its CPU and process count both stated. The nearest figure, DeepSpeed PR #735
+#: (a ZeRO-Offload author: 11.6B-parameter GPT-2, CPU-Adam optimizer time 8.2 s, CPU and GPU count not stated), is
+#: 11.6e9 x 28 B / 8.2 s = 39.6 GB/s if one process stepped all of it: a cross-check of the order, not the value.
 HOST_ADAM_GBPS = 25.0
 
 #: Bytes of host memory traffic per parameter in a CPU Adam step: read fp32 weight, gradient, m, v (16 B),
