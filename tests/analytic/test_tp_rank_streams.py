@@ -277,6 +277,10 @@ def _dtensor(tp: int, *, precision: str = "amp-bf16", ckpt: str = "none", sp: bo
         _dtensor(8, ckpt="selective"),
         _dtensor(2, precision="fp32"),
         _dtensor(2, precision="master-bf16"),
+        _dtensor(4, sp=True),
+        _dtensor(2, precision="pure-bf16", ckpt="full", sp=True),
+        _dtensor(8, ckpt="selective", sp=True),
+        _dtensor(2, precision="fp32", sp=True),
     ],
 )
 def test_the_dtensor_tp_stream_peaks_where_the_closed_form_does(strategy: Strategy) -> None:
@@ -295,13 +299,14 @@ def test_the_dtensor_tp_stream_peaks_where_the_closed_form_does(strategy: Strate
     assert res.allocated_end_bytes == pytest.approx(kept, rel=2e-3)
 
 
-def test_estimate_simulates_dtensor_tp_without_sequence_parallelism_only() -> None:
+def test_estimate_simulates_dtensor_tp_without_sharding_only() -> None:
     spec = load_model("llama-3.1-8b")
-    r = estimate(spec, _dtensor(4))
-    assert any(n.startswith("reserved:") and "caching-allocator simulation" in n for n in r.notes)
+    for s in (_dtensor(4), _dtensor(4, sp=True)):
+        r = estimate(spec, s)
+        assert any(n.startswith("reserved:") and "caching-allocator simulation" in n for n in r.notes)
     for s in (
-        _dtensor(4, sp=True),
-        dataclasses.replace(_dtensor(4), sharding="fsdp", parallelism=Parallelism(data=2, tensor=4)),
+        dataclasses.replace(_dtensor(4, sp=True), sharding="fsdp", parallelism=Parallelism(data=2, tensor=4)),
+        dataclasses.replace(_dtensor(4, sp=True), grad_accum=2),
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)

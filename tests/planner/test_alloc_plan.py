@@ -86,7 +86,7 @@ def test_a_many_gpu_plan_gets_the_second_chance() -> None:
 
 
 def test_a_fixed_fraction_reserve_is_not_simulated() -> None:
-    """A many-GPU rank outside rank_simulated (DTensor TP with sequence parallelism) keeps the fixed reserve
+    """A many-GPU rank outside rank_simulated (DTensor TP with gradient accumulation) keeps the fixed reserve
     fraction, which no allocator setting changes: the report says so, and expandable segments change nothing."""
     from trainfit.strategy import Engine, EngineOptions, Parallelism, Strategy
 
@@ -96,6 +96,7 @@ def test_a_fixed_fraction_reserve_is_not_simulated() -> None:
         seq_len=4096,
         engine=EngineOptions(engine=Engine.TORCH),
         parallelism=Parallelism.for_gpus(2, tensor=2, sequence_parallel=True),
+        grad_accum=2,
     )
     kw = {"gpu": gpu, "search_micro_batch": False, "fixes": False}
     plain = estimate(spec, s, allocator="", **kw)  # type: ignore[arg-type]

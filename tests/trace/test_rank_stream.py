@@ -130,14 +130,23 @@ def test_the_zero3_stream_reaches_the_traced_peaks(prefetch: int, reuse: int, ck
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.08)
 
 
-TP_CELLS = [(2, "amp-bf16", "none"), (2, "pure-bf16", "full")]
+TP_CELLS = [
+    (2, "amp-bf16", "none", False),
+    (2, "pure-bf16", "full", False),
+    (2, "amp-bf16", "none", True),
+    (2, "pure-bf16", "full", True),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "precision", "ckpt"), [pytest.param(*c, id="-".join(map(str, c))) for c in TP_CELLS])
-def test_the_dtensor_tp_stream_reaches_the_traced_peaks(tp: int, precision: str, ckpt: str) -> None:
-    """DTensor TP without sequence parallelism (``DtensorTpHooks``: the single-GPU stream of the TP-local model
-    with the rank's shard states, the whole token-table gradient and the gathered logits) against the events of
+@pytest.mark.parametrize(
+    ("tp", "precision", "ckpt", "sp"),
+    [pytest.param(*c[:3], c[3], id="-".join(map(str, c[:3])) + ("-sp" if c[3] else "")) for c in TP_CELLS],
+)
+def test_the_dtensor_tp_stream_reaches_the_traced_peaks(tp: int, precision: str, ckpt: str, sp: bool) -> None:
+    """DTensor TP ± sequence parallelism (``DtensorTpHooks``: the single-GPU stream of the TP-local model with the
+    rank's shard states, the whole token-table gradient and the gathered logits; under SP the norms' saved
+    tensors, the residual stream and the checkpointed segments' inputs sequence-sharded) against the events of
     the real ``parallelize_module`` plan (trainfit.trace.tensor_parallel, full depth, three steps)."""
     from trainfit.analytic.parallel import dtensor_tp_spec
     from trainfit.analytic.rank_events import DtensorTpHooks
@@ -148,7 +157,7 @@ def test_the_dtensor_tp_stream_reaches_the_traced_peaks(tp: int, precision: str,
 
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     s = Strategy(
-        parallelism=Parallelism(tensor=tp),
+        parallelism=Parallelism(tensor=tp, sequence_parallel=sp),
         engine=EngineOptions(engine="torch"),
         precision=precision,
         checkpointing=ckpt,
@@ -162,7 +171,7 @@ def test_the_dtensor_tp_stream_reaches_the_traced_peaks(tp: int, precision: str,
         run = run_layout_tp(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
     traced = simulate(tracker_events(run), AllocatorConfig())
     st = Stream()
-    synthesise(st, dtensor_tp_spec(spec, tp), s, (), DtensorTpHooks(spec, s, tp), steps=3)
+    synthesise(st, dtensor_tp_spec(spec, tp), s, (), DtensorTpHooks(spec, s, tp, sequence_parallel=sp), steps=3)
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)

@@ -128,8 +128,9 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
 
 class RankHooks:
     """Where a many-GPU rank's stream departs from one GPU's (:mod:`trainfit.analytic.rank_events`): the
-    resident states it builds, what it all-gathers around each layer, how a layer's gradients are reduced.
-    This base class is one GPU: every hook does what the single-GPU stream does."""
+    resident states it builds, what it all-gathers around each layer, how a layer's gradients are reduced,
+    which activations it holds only a sequence shard of. This base class is one GPU: every hook does what the
+    single-GPU stream does."""
 
     #: AccumulateGrad adds autograd's gradient into a ``.grad`` that is a view of a framework's buffer (DDP's
     #: ``gradient_as_bucket_view``): a tied table's out-of-place sum is a tensor of its own before that.
@@ -148,6 +149,15 @@ class RankHooks:
     def copy_bytes(self, x: ParamTensor, bits: int) -> int:
         """Bytes of autocast's ``bits``-wide copy of ``x`` (a rank's own shard of it)."""
         return _bytes(x.numel, bits)
+
+    def saved_bytes(self, name: str, nbytes: int) -> int:
+        """Bytes of a saved tensor of the activation term ``name`` on this rank (a sequence-sharded one's part)."""
+        return nbytes
+
+    def residual_bytes(self, nbytes: int) -> int:
+        """Bytes of a residual-stream tensor (a hidden state, its gradient, a checkpointed segment's input, the
+        final norm's backward temporaries) on this rank: a sequence-sharded rank's part."""
+        return nbytes
 
     def logits_gather(self, s: Stream) -> list[int]:
         """Before the logits: what making them allocates besides them (a gather's inputs), freed after them."""
@@ -214,6 +224,7 @@ def synthesise(
     inv = inventory(spec)
     t = strategy.tokens_per_micro_batch
     h = spec.hidden_size
+    hidden = rank.residual_bytes(w.residual * t * h)  # one residual-stream tensor
 
     # Weights, in module order: the model-level tensors, then each layer's.
     rank.weights(s, states)
@@ -258,10 +269,10 @@ def synthesise(
         for term in terms_of[g.kind]:
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
                 transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
-                saved += [s.alloc(n) for n in term.tensors()]
+                saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                 s.free(transient)
                 continue
-            saved += [s.alloc(n) for n in term.tensors()]
+            saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
         return copies, saved
 
     for step in range(steps):
@@ -274,10 +285,10 @@ def synthesise(
         embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
         layers: list[tuple[list[int], list[int]]] = []
         kept: list[int] = []
-        residual = s.alloc(w.residual * t * h)
+        residual = s.alloc(hidden)
         for i in range(spec.num_layers):
             if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
-                kept.append(s.alloc(w.residual * t * h))  # the segment's input, kept for its recompute
+                kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
             rank.layer_forward_begin(s, i)
             copies, saved = layer_forward(i)
             if segment_of:  # no grad inside a checkpoint: nothing is saved, copies die with the call
@@ -286,12 +297,14 @@ def synthesise(
                 copies, saved = [], []
                 sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
             layers.append((copies, saved))
-            nxt = s.alloc(w.residual * t * h)
+            nxt = s.alloc(hidden)
             s.free(residual)
             residual = nxt
             rank.layer_forward_end(s, i)
         head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
-        head = [s.alloc(x.bytes) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)]
+        head = [
+            s.alloc(rank.saved_bytes(x.name, x.bytes)) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)
+        ]
         s.free(residual)
         # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
         gather = rank.logits_gather(s)
@@ -332,10 +345,10 @@ def synthesise(
                     if not table_grad and tied is not None and tied_sum_modelled(strategy):
                         waiting = s.alloc(tied.embedding_grad_bytes)
         grads += model_grads
-        g_res = s.alloc(w.residual * t * h)
+        g_res = s.alloc(hidden)
         s.free(g_logits)
         s.free_all(head_copies)
-        norm_temp = s.alloc(temps.norm_bytes)
+        norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))
         s.free(norm_temp)
         s.free_all(head)
         for i in reversed(range(spec.num_layers)):
@@ -353,7 +366,7 @@ def synthesise(
             temp = s.alloc(temps.block_bytes)
             s.free(temp)
             chain = s.alloc(chain_backward)
-            g_next = s.alloc(w.residual * t * h)
+            g_next = s.alloc(hidden)
             s.free(chain)
             s.free_all(saved)
             s.free_all(copies)

@@ -1699,7 +1699,7 @@ def dtensor_tp_spec(spec: ModelSpec, tp: int) -> ModelSpec:
 
 #: Saved-tensor names (trainfit.analytic.activations) over the residual stream: split by sequence
 #: parallelism. The matmul inputs (``attn_in``, ``mlp_in``, ``lm_head_in``) are the all-gathered tensors.
-_SP_SPLIT_PREFIXES = ("norm1.", "norm2.", "final_norm.")
+SP_SPLIT_PREFIXES = ("norm1.", "norm2.", "final_norm.")
 
 
 def _sp_saved_bytes(spec: ModelSpec, strategy: Strategy, tp: int) -> tuple[int, int]:
@@ -1711,7 +1711,7 @@ def _sp_saved_bytes(spec: ModelSpec, strategy: Strategy, tp: int) -> tuple[int, 
     from trainfit.analytic.activations import layer_terms, model_terms
 
     def cut(names: list[tuple[str, int]]) -> int:
-        return sum(b - b // tp for n, b in names if n.startswith(_SP_SPLIT_PREFIXES))
+        return sum(b - b // tp for n, b in names if n.startswith(SP_SPLIT_PREFIXES))
 
     layer = cut([(x.name, x.bytes) for x in layer_terms(spec, strategy)])
     final = cut([(x.name, x.bytes) for x in model_terms(spec, strategy)])
@@ -1864,8 +1864,8 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (no SP) and
-    Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
+    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (± SP, no
+    sharding) and Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
     through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
@@ -1986,6 +1986,7 @@ def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
 
 
 __all__ = [
+    "SP_SPLIT_PREFIXES",
     "FsdpGroups",
     "HeldTensor",
     "MegatronInputs",

@@ -55,10 +55,13 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   Against the real engine's events: allocated +0.1…+0.4% (tiny, W = 8), −0.002% (llama-2-7b); reserved
   −7.3…+7.3% (tiny: a 2 MiB segment is 2% there), −1.4% (llama-2-7b, 32.79 to 33.26 GiB).
 
-* **DTensor TP** without sequence parallelism or sharding (:class:`DtensorTpHooks`): the single-GPU stream of the
+* **DTensor TP** ± sequence parallelism, no sharding (:class:`DtensorTpHooks`): the single-GPU stream of the
   TP-local model with the rank's shard states, the whole token-table gradient and the logits' all-gather
-  (``RankHooks.copy_bytes``, ``RankHooks.logits_gather``). Against the traced ``parallelize_module`` events (tiny
-  llama, TP 2): allocated ±0.001%, reserved −1.6…0%.
+  (``RankHooks.copy_bytes``, ``RankHooks.logits_gather``); under SP the closed form's sequence-sharded tensors
+  are 1/tp (``RankHooks.saved_bytes``: the norms' saved tensors; ``RankHooks.residual_bytes``: the residual
+  stream, its gradient, a checkpointed segment's input, the final norm's backward temporaries), each matmul's
+  all-gathered input whole. Against the traced ``parallelize_module`` events (tiny llama, TP 2): allocated
+  ±0.001%, reserved −1.6…0% (no SP), 0…+2.4% (SP).
 * **Megatron-LM TP (± SP) × PP** (:class:`MegatronStage`, :func:`megatron_events`): not a hooked single-GPU stream
   but one pipeline stage's own, since a pipeline schedule interleaves micro-batches (:func:`pipeline_order`: 1F1B
   :func:`one_f_one_b`, Megatron's interleaved 1F1B over v model chunks :func:`interleaved_order`, GPipe); the worst
@@ -70,8 +73,8 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   the module's parameters after copying them in (its allocated peak when that is above the step's).
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with SP and 2-D
-FSDP2×TP, CPU offload and fine-tuning with many GPUs.
+fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with gradient
+accumulation and 2-D FSDP2×TP, CPU offload and fine-tuning with many GPUs.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.adapters import finetuning
 from trainfit.analytic.events import RankHooks, Stream, simulation_memo, synthesise
 from trainfit.analytic.parallel import (
+    SP_SPLIT_PREFIXES,
     ParallelPlan,
     compute_strategy,
     ddp_bucket_bytes,
@@ -131,7 +135,7 @@ __all__ = [
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-1/2/3
-    with 16-bit compute and AdamW; DTensor TP without SP, sharding or gradient accumulation; full training,
+    with 16-bit compute and AdamW; DTensor TP ± SP without sharding or gradient accumulation; full training,
     nothing offloaded); otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
@@ -148,7 +152,6 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     if p.engine is Engine.TORCH and p.tp > 1:
         return (
             p.sharding is Sharding.NONE
-            and not p.sequence_parallel
             and strategy.grad_accum == 1
             and not strategy.offload.any
             and not finetuning(strategy)
@@ -348,16 +351,23 @@ class FsdpHooks(RankHooks):
 
 
 class DtensorTpHooks(RankHooks):
-    """DTensor tensor parallelism without sequence parallelism (torchtitan's Llama plan, ``--engine torch --tp``,
+    """DTensor tensor parallelism ± sequence parallelism (torchtitan's Llama plan, ``--engine torch --tp``,
     no sharding), rank 0: the single-GPU stream of :func:`~trainfit.analytic.parallel.dtensor_tp_spec`'s model
     (heads, k/v heads and MLP width split; hidden size and the gathered vocabulary whole) with the states of
     the rank's shards (:func:`~trainfit.analytic.parallel.dtensor_tp_held_spec`: ⌈V/tp⌉ vocabulary rows of the
     token table and the head), and the two DTensor facts of the closed form (``parallel._torch_tp``): the token
     table's gradient computed whole (``embedding_dense_backward`` has no vocabulary-sharded strategy), and the
     logits gathered whole (``_functional_collectives.all_gather_single`` into a whole-size buffer, then
-    ``_maybe_view_chunk_cat``, with the rank's own slice still referenced)."""
+    ``_maybe_view_chunk_cat``, with the rank's own slice still referenced). With ``sequence_parallel`` the
+    sequence-sharded (``Shard(1)``) tensors are 1/tp: the norms' saved tensors (``SequenceParallel``:
+    :data:`~trainfit.analytic.parallel.SP_SPLIT_PREFIXES`), a checkpointed segment's input and the final norm's
+    backward temporaries (as ``parallel._tp_inputs`` splits them), and the residual stream and its gradient
+    between layers (o_proj and down_proj return ``Shard(1)``; with these and the segment inputs left whole
+    the full-checkpointing trace cell's allocated peak is 0.75% over the traced one); each matmul's input is the
+    all-gathered whole (``PrepareModuleInput``: ``Shard(1)`` → ``Replicate()``)."""
 
-    def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int) -> None:
+    def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int, *, sequence_parallel: bool = False) -> None:
+        self.seq = tp if sequence_parallel else 1
         held = dtensor_tp_held_spec(spec, tp)
         self.states = param_states(held, strategy)
         self.trained = [(ps.tensor, ps.count) for ps in self.states if ps.trainable]
@@ -374,6 +384,12 @@ class DtensorTpHooks(RankHooks):
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         super().weights(s, self.states)
+
+    def saved_bytes(self, name: str, nbytes: int) -> int:
+        return nbytes // self.seq if name.startswith(SP_SPLIT_PREFIXES) else nbytes
+
+    def residual_bytes(self, nbytes: int) -> int:
+        return nbytes // self.seq
 
     def copy_bytes(self, x: ParamTensor, bits: int) -> int:
         return _alloc_bits(self._rank_rows(x), bits)
@@ -988,7 +1004,8 @@ def _simulate(
         zero = {Sharding.ZERO1: Zero1Hooks, Sharding.ZERO3: Zero3Hooks}.get(p.sharding, Zero2Hooks)
         hooks, run = zero(spec, strategy, p), compute_strategy(strategy)
     elif p.tp > 1:
-        hooks, spec = DtensorTpHooks(spec, strategy, p.tp), dtensor_tp_spec(spec, p.tp)
+        hooks = DtensorTpHooks(spec, strategy, p.tp, sequence_parallel=p.sequence_parallel)
+        spec = dtensor_tp_spec(spec, p.tp)
     elif p.sharding is Sharding.DDP:
         hooks, run = DdpHooks(spec, strategy), strategy
     else:
