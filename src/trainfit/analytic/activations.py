@@ -14,6 +14,9 @@ Transformer Models", Table 2): per GPT-2-era layer with 16-bit activations and n
   return fp32), and every ``Linear`` casts its fp32 input *separately* — autocast caches casts of leaf
   weights only (aten/src/ATen/autocast_mode.cpp, ``cached_cast``) — so q, k and v each save their own
   16-bit copy of the normed input, and gate/up do too.
+* **A bitsandbytes base without autocast** (QLoRA under ``pure-*``): the 4-bit q/k/v return their fp32
+  input's dtype, so the attention runs in fp32 — no FlashAttention, the math kernel with grouped k/v heads
+  (:func:`attention_width`).
 * **RMSNorm** (HF ``LlamaRMSNorm``) upcasts to fp32 and saves the fp32 input and the normed tensor;
   **LayerNorm** saves its input plus fp32 mean and rstd (``native_layer_norm``); under autocast
   ``layer_norm`` runs in fp32 (CUDA autocast fp32 list).
