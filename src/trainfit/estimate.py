@@ -18,7 +18,14 @@ from importlib import import_module
 from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.workspaces import Workspace, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
-from trainfit.analytic.activations import MATH, effective_strategy, sdpa_kernel, sdpa_kv_heads
+from trainfit.analytic.activations import (
+    MATH,
+    Widths,
+    attention_width,
+    effective_strategy,
+    sdpa_kernel,
+    sdpa_kv_heads,
+)
 from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
@@ -118,6 +125,13 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     elif grouped and strategy.recipe.compute_bits == 32:
         why = "fp32 inputs rule out FlashAttention and the memory-efficient kernel takes no grouped k/v heads"
         fix = "; a 16-bit recipe such as amp-bf16 gets a fused kernel"
+    elif grouped and attention_width(strategy, Widths.of(strategy)) == 4:
+        why = (
+            "the 4-bit base's q/k/v come out fp32 over prepare_model_for_kbit_training's fp32 residual stream and "
+            "nothing casts them without autocast: no FlashAttention, and the memory-efficient kernel takes no "
+            "grouped k/v heads"
+        )
+        fix = "; --precision amp-bf16 casts them to bf16 and gets a fused kernel"
     else:
         why = f"head dim {spec.head_dim} suits neither fused kernel"
     window = spec.sliding_window

@@ -365,3 +365,24 @@ def test_moe_lora_never_needs_more_gradient_or_optimizer_memory_than_full_finetu
     for comp in (Component.GRADIENTS, Component.OPTIMIZER_STATES):
         assert step_l.get(comp) <= step_f.get(comp), comp
     assert lora.trainable_params < full.trainable_params
+
+
+def test_qlora_without_autocast_feeds_sdpa_fp32() -> None:
+    """A 4-bit q/k/v returns its input's dtype (bitsandbytes ``Linear4bit.forward``), fp32 over QLoRA's fp32
+    residual: under pure bf16 a grouped-query Llama gets SDPA's math kernel and a warning that says why; under
+    amp-bf16 autocast casts q/k/v and flash runs; LoRA over a bf16 base keeps flash under pure bf16 too."""
+    from trainfit.analytic.activations import MATH, sdpa_kernel
+    from trainfit.cuda_facts import SdpaKernel
+    from trainfit.estimate import attention_warnings
+    from trainfit.strategy import finetune_setup
+
+    spec = load_model("llama-3.2-1b")
+    a, b = finetune_setup("qlora", rank=16, targets="all-linear")
+    pure = Strategy(adapter=a, base_weights=b, precision="pure-bf16", seq_len=512)
+    assert sdpa_kernel(spec, pure) is MATH
+    (warning,) = attention_warnings(spec, pure)
+    assert "4-bit base's q/k/v come out fp32" in warning
+    amp = dataclasses.replace(pure, precision="amp-bf16")
+    assert sdpa_kernel(spec, amp) is SdpaKernel.FLASH and attention_warnings(spec, amp) == []
+    la, lb = finetune_setup("lora", rank=16, targets="all-linear", base_dtype="bf16")
+    assert sdpa_kernel(spec, Strategy(adapter=la, base_weights=lb, precision="pure-bf16")) is SdpaKernel.FLASH

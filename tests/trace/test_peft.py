@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from trainfit import Strategy, estimate
+from trainfit.analytic.activations import sdpa_kernel
 from trainfit.arch.config import spec_from_config
+from trainfit.result import TraceDetails
 from trainfit.strategy import finetune_setup
 
 from .conftest import assert_phases_agree
@@ -84,6 +86,9 @@ MATRIX = [
     ("qwen2", "all-linear", 0.1, "full", "fp32", "amp-bf16", "bf16"),
     ("gemma", "all-linear", 0.1, "none", "fp32", "amp-bf16", "bf16"),
     ("qwen3", "all-linear", 0.0, "full", "fp32", "pure-bf16", "bf16"),
+    # QLoRA without autocast: the 4-bit q/k/v return their fp32 input's dtype (prepare_model_for_kbit_training's
+    # fp32 residual), so SDPA gets fp32 q/k/v and, with grouped k/v heads, runs its math kernel.
+    ("llama", "all-linear", 0.0, "none", "fp32", "pure-bf16", "nf4"),
 ]
 
 # Fused qkv and parallel blocks (trainfit.analytic.adapters.layer_linears): a LayerNorm over a 16-bit residual
@@ -139,6 +144,8 @@ def test_lora_analytic_agrees_with_the_peft_trace(
     ra = estimate(spec, s)
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
     assert ra.trainable_params == rt.trainable_params
+    assert isinstance(rt.details, TraceDetails)
+    assert set(rt.details.sdpa_backends) == {sdpa_kernel(spec, s)}  # the kernel the traced q/k/v dtypes got
     for pa, pt in zip(ra.phases, rt.phases, strict=True):
         assert abs(pa.total_bytes - pt.total_bytes) <= 0.03 * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
 

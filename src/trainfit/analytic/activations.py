@@ -14,6 +14,9 @@ Transformer Models", Table 2): per GPT-2-era layer with 16-bit activations and n
   return fp32), and every ``Linear`` casts its fp32 input *separately* — autocast caches casts of leaf
   weights only (aten/src/ATen/autocast_mode.cpp, ``cached_cast``) — so q, k and v each save their own
   16-bit copy of the normed input, and gate/up do too.
+* **A bitsandbytes base without autocast** (QLoRA under ``pure-*``): the 4-bit q/k/v return their fp32
+  input's dtype, so the attention runs in fp32 — no FlashAttention, the math kernel with grouped k/v heads
+  (:func:`attention_width`).
 * **RMSNorm** (HF ``LlamaRMSNorm``) upcasts to fp32 and saves the fp32 input and the normed tensor;
   **LayerNorm** saves its input plus fp32 mean and rstd (``native_layer_norm``); under autocast
   ``layer_norm`` runs in fp32 (CUDA autocast fp32 list).
@@ -318,7 +321,7 @@ def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> SdpaKernel:
     masked = _sdpa_masked(spec, strategy)
     d, dv = _attention_head_dims(spec)
     return sdpa_kernel_for(
-        half=strategy.recipe.compute_bits == 16,
+        half=attention_width(strategy, Widths.of(strategy)) == 2,
         masked=masked,
         same_heads=sdpa_kv_heads(spec, strategy) == spec.num_heads,
         gqa_ok=spec.sdpa_gqa and not masked,
@@ -337,7 +340,7 @@ def sdpa_bias_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if sdpa_kernel(spec, strategy) != EFFICIENT:
         return 0
     s = strategy.seq_len
-    return Widths.of(strategy).compute * strategy.micro_batch * s * (-(-s // 16) * 16)
+    return attention_width(strategy, Widths.of(strategy)) * strategy.micro_batch * s * (-(-s // 16) * 16)
 
 
 def attention_mask_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
@@ -355,7 +358,7 @@ def attention_mask_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
 
 
 def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> list[SavedTerm]:
-    a = w.compute
+    a = attention_width(strategy, w)
     b, s = strategy.micro_batch, strategy.seq_len
     nh = spec.num_heads
     out: list[SavedTerm] = []
@@ -509,20 +512,21 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         if not (quantised and w.amp and width != w.compute):
             return 0
         return (max(width, w.residual) if spec.rotary_dim else width) * t * kd + width * t * kd
-    k_width = max(w.compute, w.residual) if spec.rotary_dim else w.compute
+    a = attention_width(strategy, w)
+    k_width = max(a, w.residual) if spec.rotary_dim else a
     gqa = spec.num_kv_heads < spec.num_heads
     if strategy.attention is Attention.EAGER:
         repeated, math = gqa, False
     else:
         repeated, math = sdpa_kv_heads(spec, strategy) != spec.num_kv_heads, sdpa_kernel(spec, strategy) == MATH
     # The math kernel saves scaled (new) k and fp32 or broadcast v; the others save what they are given.
-    k_extra = k_width * t * kd if (repeated or math or k_width != w.compute) else 0
-    v_extra = w.compute * t * kd if (repeated or (math and (gqa or w.compute != 4))) else 0
+    k_extra = k_width * t * kd if (repeated or math or k_width != a) else 0
+    v_extra = a * t * kd if (repeated or (math and (gqa or a != 4))) else 0
     if strategy.base_weights.quantization is not Quantization.NONE:
         # A bitsandbytes v_proj returns its input's dtype (fp32 over QLoRA's fp32 residual stream): the cache
-        # keeps that v while the attention kernel saves its own autocast copy.
+        # keeps that v while the attention kernel saves its own autocast copy (without autocast, that v itself).
         v_width = frozen_base_mlp_width(strategy, w)
-        if v_width != w.compute:
+        if v_width != a:
             v_extra = v_width * t * kd
     return k_extra + v_extra
 
@@ -840,6 +844,21 @@ def _layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> l
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
 
 
+def attention_width(strategy: Strategy, w: Widths) -> int:
+    """Bytes per element of q, k and v as they reach the attention kernel, and of its output: the compute dtype,
+    except over a quantised base without autocast. A bitsandbytes q/k/v projection returns its *input's* dtype
+    (bitsandbytes/nn/modules.py ``Linear4bit.forward``: ``matmul_4bit(x.to(compute_dtype), …).to(inp_dtype)``)
+    and PEFT's LoRA sum keeps it (peft/tuners/lora/bnb.py ``Linear4bit.forward``: with autocast off the adapter
+    output is cast to ``expected_dtype = result.dtype``), so over QLoRA's fp32 residual
+    (``prepare_model_for_kbit_training``) a pure-16-bit recipe feeds SDPA fp32 q, k and v: no FlashAttention, the
+    memory-efficient kernel only with equal head counts, else the math kernel (its b·heads·s² fp32 scores), and an
+    fp32 attention output for o_proj. Under autocast SDPA casts them to the compute dtype (found by the trace:
+    tests/trace/test_peft.py, QLoRA under pure-bf16 without checkpointing)."""
+    if strategy.adapter is not None and strategy.base_weights.quantization is not Quantization.NONE and not w.amp:
+        return frozen_base_mlp_width(strategy, w)
+    return w.compute
+
+
 def frozen_base_mlp_width(strategy: Strategy, w: Widths) -> int:
     """Width of a frozen MLP's intermediate tensors: the compute dtype, except that a bitsandbytes linear
     returns its *input's* dtype (``Linear4bit.forward``: ``out.to(inp_dtype)``), so a quantised base over an
@@ -983,7 +1002,7 @@ def site_widths(spec: ModelSpec, strategy: Strategy, w: Widths) -> dict[SiteInpu
     return {
         SiteInput.NORM1: nb,
         SiteInput.NORM2: nb,
-        SiteInput.ATTN_OUT: w.compute,
+        SiteInput.ATTN_OUT: attention_width(strategy, w),
         SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
         SiteInput.Q_LATENT: w.residual,
         SiteInput.KV_LATENT: w.residual,
