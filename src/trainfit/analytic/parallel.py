@@ -95,7 +95,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import TermRole, Widths, effective_strategy, layer_terms
-from trainfit.analytic.adapters import check_finetune_model, finetuning
+from trainfit.analytic.adapters import bnb_converted, check_finetune_model, finetuning
 from trainfit.analytic.model import (
     Moment,
     MomentName,
@@ -420,16 +420,29 @@ def _single(m: Moment) -> dict[Component, int]:
 QUANT_STORAGE_BITS = 16
 
 
+#: The data-parallel setups whose rank is checked against the trace with adapters on MoE layers.
+_MOE_ADAPTER_SHARDINGS = (Sharding.NONE, Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
+
+
 def check_parallel_finetune(spec: ModelSpec, strategy: Strategy, engine: Engine) -> None:
     """Refuse, in one line, a fine-tuning setup the many-GPU model does not cover (and whatever the single-GPU
     fine-tuning model refuses: targets the model lacks, layer layouts the adapter closed forms do not cover)."""
     check_finetune_model(spec, strategy)
     if strategy.adapter is not None and spec.moe is not None:
-        # The MoE closed forms (analytic.activations.frozen_moe_terms) are checked against one-GPU traces only.
-        raise StrategyError(
-            f"adapters on {spec.name}'s MoE layers are modelled for one GPU without sharding or offload only "
-            "(checked against one-GPU traces)"
-        )
+        # The MoE closed forms (analytic.adapters.moe_param_sites, activations.frozen_moe_terms) are checked
+        # against the traced DDP and FSDP2 rank (tests/trace/test_distributed_finetune.py), not ZeRO's partitions
+        # or an offloaded step.
+        if engine is not Engine.TORCH or strategy.sharding not in _MOE_ADAPTER_SHARDINGS or strategy.offload.any:
+            raise StrategyError(
+                f"adapters on {spec.name}'s MoE layers with many GPUs are modelled for --sharding ddp|fsdp|hsdp "
+                "without offload only"
+            )
+        if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and len(inventory(spec).layers) > 1:
+            # held_tensors places every adapter in one layer group: FSDP2's per-layer groups of a model with
+            # dense and MoE layers (DeepSeek's first_k_dense_replace) would be mis-sized.
+            raise StrategyError(
+                f"adapters on {spec.name}'s mixed dense and MoE layers under FSDP2 are not modelled; use --sharding ddp"
+            )
     quant = strategy.base_weights.quantization
     if engine is Engine.MEGATRON:
         raise StrategyError(
@@ -511,7 +524,7 @@ def held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool = Fals
         if x.trainable:
             out.append(HeldTensor(**common, bits=32 if fsdp_mixed else r.weight_bits))  # type: ignore[arg-type]
             continue
-        if quant is not None and t.matmul and not root:
+        if quant is not None and bnb_converted(t) and not root:
             pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
             out.append(
                 HeldTensor(
@@ -832,6 +845,10 @@ def _fsdp(
         comm = 0
         if m.phase is Phase.FORWARD:
             unsharded = root + (0 if raf else layers_all)
+            if raf and m.name is MomentName.FORWARD_LAST_MOE_EXPERTS:
+                # inside the top layer's experts: that layer is unsharded (its pre-forward all-gather) besides
+                # its all-gather output, while PEFT's ParamWrapper forms W + B·A from the unsharded stacks
+                unsharded += layer
             comm = ag if p.shard > 1 else 0
         elif m.name in (MomentName.BACKWARD_START, MomentName.BACKWARD_FINAL_NORM):
             unsharded = root + (layers_all if not raf else 0)
