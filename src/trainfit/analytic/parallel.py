@@ -72,8 +72,12 @@ reduce-scatters, and keeps gradients and optimizer states for, only the trainabl
 PEFT's fp32 adapters in bf16; a QLoRA weight's packed storage shards like any tensor while its quant state is
 whole on every rank; ZeRO keeps every parameter in 16 bits (partitioned in stage 3) and partitions only the
 trainable ones' gradients, masters and optimizer states (:func:`held_tensors`, :func:`fsdp_groups`,
-:func:`zero_partition`; docs/distributed.md "Many GPUs with adapters"). Megatron with adapters, int8 bases
-and QLoRA with ZeRO are refused (:func:`check_parallel_finetune`).
+:func:`zero_partition`; docs/distributed.md "Many GPUs with adapters"). LoRA on MoE layers (PEFT's ``ParamWrapper``)
+runs under DDP and FSDP2: its lora_A/B are ordinary layer parameters, and it forms ``W + B·A`` from the all-gathered
+expert stack inside the layer's forward, so the one-GPU MoE terms hold per rank, with the top layer unsharded in the
+checkpointed forward's in-experts moment; a 4-bit base packs what ``bnb_converted`` says (not the router).
+Megatron with adapters, int8 bases, QLoRA with ZeRO, and MoE adapters with ZeRO, offload or FSDP2 over mixed
+dense and MoE layers are refused (:func:`check_parallel_finetune`).
 
 Offload (``--offload optimizer`` for ZeRO-Offload, ``optimizer+params`` for ZeRO-Infinity and FSDP2's
 ``CPUOffloadPolicy``) moves the fp32 master weights, optimizer states and fp32 gradient partition (and
