@@ -277,9 +277,11 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("q_proj",), dropout=0.05)))
     from trainfit.analytic.parallel import check_parallel_finetune, resolve_engine
 
-    sharded = dataclasses.replace(s, parallelism=Parallelism(data=8), sharding="fsdp")
-    with pytest.raises(StrategyError, match="modelled for one GPU without sharding or offload only"):
+    sharded = dataclasses.replace(s, parallelism=Parallelism(data=8), sharding="zero3")
+    with pytest.raises(StrategyError, match=r"modelled for --sharding ddp\|fsdp\|hsdp without offload only"):
         check_parallel_finetune(mixtral, sharded, resolve_engine(sharded))
+    fsdp = dataclasses.replace(sharded, sharding="fsdp")
+    check_parallel_finetune(mixtral, fsdp, resolve_engine(fsdp))  # checked against the trace of one FSDP2 rank
     # PEFT leaves Qwen2-MoE's config alone: no ParamWrapper, so dropout is fine; its shared expert is a layer site
     qwen2_moe = spec_from_config(
         {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,

@@ -18,7 +18,7 @@ from trainfit.arch import load_model
 from trainfit.arch.params import inventory
 from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
-from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
+from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy, finetune_setup
 
 SLUG = "llama-3.1-8b"
 #: DeepSpeed ``stage3_param_persistence_threshold`` (zero/config.py default 1e5).
@@ -203,3 +203,47 @@ def test_unmodelled_layouts_are_refused_in_one_line(how: str, kw: dict[str, obje
     with pytest.raises(StrategyError, match=needle) as exc:
         estimate(SLUG, Strategy(adapter=adapter, base_weights=base, **kw))  # type: ignore[arg-type]
     assert "\n" not in str(exc.value)
+
+
+def test_fsdp_qlora_on_mixtral_packs_only_the_attention_linears() -> None:
+    """transformers' ``replace_with_bnb_linear`` converts ``nn.Linear`` modules only: Mixtral's attention q/k/v/o.
+    The router (a plain ``nn.Parameter`` of ``MixtralTopKRouter``) and the 3-D expert stacks stay float, fp32 after
+    ``prepare_model_for_kbit_training``, and shard like any fp32 tensor."""
+    spec = load_model("mixtral-8x7b-v0.1")
+    inv = inventory(spec)
+    packed = sum(x.numel * g.count for g in inv.layers for x in g.tensors if x.name.startswith("attn."))
+    rest = inv.total - packed
+    w = 8
+    adapter, base = finetune_setup("qlora", rank=16, targets="q_proj,v_proj")
+    s = Strategy(adapter=adapter, base_weights=base, parallelism=Parallelism(data=w), sharding="fsdp")
+    c = _step(s, spec.name)
+    expected = packed / 2 / w + packed / 64 + 4 * packed / 64 / 256 + 4 * rest / w
+    assert c[Component.WEIGHTS] == pytest.approx(expected, rel=0.001)
+    # the router on its own (a few MB against the experts' 23 GB per rank): an fp32 tensor, not packed storage
+    from trainfit.analytic.parallel import held_tensors
+
+    router = [h for h in held_tensors(spec, s, fsdp_mixed=True) if h.tensor.name == "mlp.router.weight"]
+    assert router and all(h.packed_bytes == 0 and h.quant_state_bytes == 0 and h.bits == 32 for h in router)
+
+
+_CPU = Offload.parse("optimizer+params")
+
+
+@pytest.mark.parametrize(
+    ("slug", "kw", "needle"),
+    [
+        ("mixtral-8x7b-v0.1", {"sharding": "zero2"}, "MoE layers with many GPUs"),
+        ("mixtral-8x7b-v0.1", {"sharding": "fsdp", "offload": _CPU}, "MoE layers with many GPUs"),
+        ("deepseek-v3", {"sharding": "fsdp"}, "mixed dense and MoE layers under FSDP2"),
+    ],
+)
+def test_adapters_on_moe_layers_outside_ddp_and_fsdp2_are_refused(
+    slug: str, kw: dict[str, object], needle: str
+) -> None:
+    adapter, base = finetune_setup("lora", targets="all-linear")
+    s = Strategy(adapter=adapter, base_weights=base, parallelism=Parallelism(data=8), checkpointing="full", **kw)  # type: ignore[arg-type]
+    with pytest.raises(StrategyError, match=needle) as exc:
+        estimate(slug, s)
+    assert "\n" not in str(exc.value)
+    # DDP holds whole replicas (no layer groups): the one-GPU closed forms plus the buckets of the trainable gradients
+    estimate(slug, dataclasses.replace(s, sharding="ddp", offload=Offload()))

@@ -72,8 +72,12 @@ reduce-scatters, and keeps gradients and optimizer states for, only the trainabl
 PEFT's fp32 adapters in bf16; a QLoRA weight's packed storage shards like any tensor while its quant state is
 whole on every rank; ZeRO keeps every parameter in 16 bits (partitioned in stage 3) and partitions only the
 trainable ones' gradients, masters and optimizer states (:func:`held_tensors`, :func:`fsdp_groups`,
-:func:`zero_partition`; docs/distributed.md "Many GPUs with adapters"). Megatron with adapters, int8 bases
-and QLoRA with ZeRO are refused (:func:`check_parallel_finetune`).
+:func:`zero_partition`; docs/distributed.md "Many GPUs with adapters"). LoRA on MoE layers (PEFT's ``ParamWrapper``)
+runs under DDP and FSDP2: its lora_A/B are ordinary layer parameters, and it forms ``W + B·A`` from the all-gathered
+expert stack inside the layer's forward, so the one-GPU MoE terms hold per rank, with the top layer unsharded in the
+checkpointed forward's in-experts moment; a 4-bit base packs what ``bnb_converted`` says (not the router).
+Megatron with adapters, int8 bases, QLoRA with ZeRO, and MoE adapters with ZeRO, offload or FSDP2 over mixed
+dense and MoE layers are refused (:func:`check_parallel_finetune`).
 
 Offload (``--offload optimizer`` for ZeRO-Offload, ``optimizer+params`` for ZeRO-Infinity and FSDP2's
 ``CPUOffloadPolicy``) moves the fp32 master weights, optimizer states and fp32 gradient partition (and
@@ -95,7 +99,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import TermRole, Widths, effective_strategy, layer_terms
-from trainfit.analytic.adapters import check_finetune_model, finetuning
+from trainfit.analytic.adapters import bnb_converted, check_finetune_model, finetuning
 from trainfit.analytic.model import (
     Moment,
     MomentName,
@@ -420,16 +424,29 @@ def _single(m: Moment) -> dict[Component, int]:
 QUANT_STORAGE_BITS = 16
 
 
+#: The data-parallel setups whose rank is checked against the trace with adapters on MoE layers.
+_MOE_ADAPTER_SHARDINGS = (Sharding.NONE, Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
+
+
 def check_parallel_finetune(spec: ModelSpec, strategy: Strategy, engine: Engine) -> None:
     """Refuse, in one line, a fine-tuning setup the many-GPU model does not cover (and whatever the single-GPU
     fine-tuning model refuses: targets the model lacks, layer layouts the adapter closed forms do not cover)."""
     check_finetune_model(spec, strategy)
     if strategy.adapter is not None and spec.moe is not None:
-        # The MoE closed forms (analytic.activations.frozen_moe_terms) are checked against one-GPU traces only.
-        raise StrategyError(
-            f"adapters on {spec.name}'s MoE layers are modelled for one GPU without sharding or offload only "
-            "(checked against one-GPU traces)"
-        )
+        # The MoE closed forms (analytic.adapters.moe_param_sites, activations.frozen_moe_terms) are checked
+        # against the traced DDP and FSDP2 rank (tests/trace/test_distributed_finetune.py), not ZeRO's partitions
+        # or an offloaded step.
+        if engine is not Engine.TORCH or strategy.sharding not in _MOE_ADAPTER_SHARDINGS or strategy.offload.any:
+            raise StrategyError(
+                f"adapters on {spec.name}'s MoE layers with many GPUs are modelled for --sharding ddp|fsdp|hsdp "
+                "without offload only"
+            )
+        if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and len(inventory(spec).layers) > 1:
+            # held_tensors places every adapter in one layer group: FSDP2's per-layer groups of a model with
+            # dense and MoE layers (DeepSeek's first_k_dense_replace) would be mis-sized.
+            raise StrategyError(
+                f"adapters on {spec.name}'s mixed dense and MoE layers under FSDP2 are not modelled; use --sharding ddp"
+            )
     quant = strategy.base_weights.quantization
     if engine is Engine.MEGATRON:
         raise StrategyError(
@@ -511,7 +528,7 @@ def held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool = Fals
         if x.trainable:
             out.append(HeldTensor(**common, bits=32 if fsdp_mixed else r.weight_bits))  # type: ignore[arg-type]
             continue
-        if quant is not None and t.matmul and not root:
+        if quant is not None and bnb_converted(t) and not root:
             pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
             out.append(
                 HeldTensor(
@@ -832,6 +849,10 @@ def _fsdp(
         comm = 0
         if m.phase is Phase.FORWARD:
             unsharded = root + (0 if raf else layers_all)
+            if raf and m.name is MomentName.FORWARD_LAST_MOE_EXPERTS:
+                # inside the top layer's experts: that layer is unsharded (its pre-forward all-gather) besides
+                # its all-gather output, while PEFT's ParamWrapper forms W + B·A from the unsharded stacks
+                unsharded += layer
             comm = ag if p.shard > 1 else 0
         elif m.name in (MomentName.BACKWARD_START, MomentName.BACKWARD_FINAL_NORM):
             unsharded = root + (layers_all if not raf else 0)
