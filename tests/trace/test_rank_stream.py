@@ -4,6 +4,8 @@ one CUDA stream (the CPU trace has no streams), the synthesised stream reaches t
 reserved bytes are lower than the traced events' (it leaves out short-lived element-wise outputs, as one GPU's
 stream does): the numbers are in docs/accuracy.md ("Reserved memory with many GPUs").
 
+FSDP2 with CPUOffloadPolicy: allocated and reserved peaks, on one cell.
+
 DeepSpeed ZeRO-1 and ZeRO-2 likewise: the real ``DeepSpeedEngine`` (trainfit.trace.deepspeed, full depth, three
 steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA stream."""
 
@@ -41,6 +43,43 @@ def test_the_rank_stream_reaches_the_traced_allocated_peak() -> None:
     synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 4), steps=3)
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+
+
+@pytest.mark.slow
+def test_the_cpu_offload_stream_reaches_the_traced_peaks() -> None:
+    """FSDP2 with ``CPUOffloadPolicy`` (``FsdpHooks`` with the shards, gradients and optimizer on the host) against
+    the events of the real ``fully_shard(offload_policy=CPUOffloadPolicy())`` run, which the tracker files the host
+    states of (trainfit.trace.distributed ``DistTracker``), over 4 ranks at full depth, three steps. A short
+    sequence under a wide vocabulary puts the peak in the root's post-backward (its fp32 reduce-scatter input
+    beside the head's and the token table's bf16 gradients), where the closed form is held too. On the CPU mesh
+    each shard's copy to the device is a no-op (``.to("cpu")``): the trace sees its bf16 cast, not the fp32 copy
+    the stream makes before it, a transient below these peaks."""
+    from trainfit.analytic.parallel import estimate_parallel
+    from trainfit.strategy import Offload
+    from trainfit.trace import depth
+    from trainfit.trace.distributed import fake_world, fsdp_run_strategy, run_layout_distributed
+    from trainfit.trace.events import tracker_events
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(
+        parallelism=Parallelism(data=4),
+        sharding="fsdp",
+        micro_batch=1,
+        seq_len=64,
+        offload=Offload.parse("optimizer+params"),
+    )
+    built, _ = fsdp_run_strategy(s)
+    plan = depth.plan_depth(spec, built, extrapolate=False)
+    _, layout = plan.layouts[0]
+    with fake_world(4) as mesh:
+        run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
+    traced = simulate(tracker_events(run), AllocatorConfig())
+    st = Stream()
+    synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 4), steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+    assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
 
 
 ZERO_CELLS = [

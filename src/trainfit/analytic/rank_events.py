@@ -130,9 +130,10 @@ __all__ = [
 
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
-    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP; DeepSpeed ZeRO-1/2/3
-    with 16-bit compute and AdamW; DTensor TP without SP, sharding or gradient accumulation; full training,
-    nothing offloaded); otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
+    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, FSDP2 with
+    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW; DTensor TP without SP, sharding or
+    gradient accumulation; full training, nothing else offloaded); otherwise the fixed fraction. Megatron
+    TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
@@ -158,7 +159,7 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         and p.tp == 1
         and p.pp == 1
         and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
-        and not strategy.offload.any
+        and (not strategy.offload.any or p.sharding is Sharding.FSDP)
         and not finetuning(strategy)
     )
 
@@ -198,13 +199,14 @@ REDUCE_SCATTER_STREAM = 2
 class _Group:
     """One ``fully_shard`` group's sizes in bytes (FSDP2, rank 0)."""
 
-    __slots__ = ("all_gather", "reduce_scatter", "shard_grads", "shards", "unsharded")
+    __slots__ = ("all_gather", "casts", "reduce_scatter", "shard_grads", "shards", "unsharded")
 
     def __init__(
         self, tensors: Sequence[ParamTensor], shards: int, bits: int, gather_bits: int, reduce_bits: int
     ) -> None:
         local = [shard_tensor(t, shards).numel for t in tensors]
         self.shards = [n * bits // 8 for n in local]
+        self.casts = [n * gather_bits // 8 for n in local]  # each shard's all-gather input in ``param_dtype``
         # views of each parameter's padded all-gather output (_fsdp_param.py ``init_unsharded_param``)
         self.unsharded = [n * shards * gather_bits // 8 for n in local]
         self.all_gather = sum(local) * shards * gather_bits // 8
@@ -226,6 +228,8 @@ class FsdpHooks(RankHooks):
         self.bits = bits
         self.raf = strategy.engine.reshard_after_forward
         self.cast_inputs = mixed
+        # CPUOffloadPolicy: the shards, their gradients, the optimizer and its step live on the host
+        self.offload = strategy.offload.parameters_on_host
         self.root = _Group(inv.model_tensors, shards, bits, gather, reduce)
         by_kind = {g.kind: _Group(g.tensors, shards, bits, gather, reduce) for g in inv.layers}
         self.layers = [by_kind[g.kind] for g in inv.layers for _ in range(g.count)]
@@ -236,6 +240,8 @@ class FsdpHooks(RankHooks):
         self.rs_pending = 0  # the reduce-scatter input in flight
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        if self.offload:
+            return  # the shards are host memory (_fsdp_param.py ``_init_sharded_param``: ``.cpu()``)
         for h in self.held:
             n = _alloc_bits(h.shard_numel(self.shards), h.bits)
             for _ in range(h.count):
@@ -252,14 +258,49 @@ class FsdpHooks(RankHooks):
         if self.shards == 1:
             return 0
         g = self._group(i)
-        cast = s.alloc(g.all_gather // self.shards, ALL_GATHER_STREAM) if self.cast_inputs else 0
+        if self.offload:
+            inputs = self._offloaded_inputs(s, g)
+        else:
+            inputs = [s.alloc(g.all_gather // self.shards, ALL_GATHER_STREAM) if self.cast_inputs else 0]
         out = s.alloc(g.all_gather, ALL_GATHER_STREAM)
-        s.free(cast)
+        s.free_all(inputs)
         return out
 
+    def _offloaded_input(self, s: Stream, g: _Group, k: int) -> int:
+        """CPUOffloadPolicy: parameter ``k``'s all-gather input (_fsdp_param.py ``FSDPParam.all_gather_inputs``,
+        on the all-gather copy-in stream): its host shard copied to the device (``.to(device,
+        non_blocking=True)``, the shard's own dtype), then under the mixed-precision policy cast to
+        ``param_dtype`` (``_to_dtype_if_needed``), which frees the copy when the property returns."""
+        copy = s.alloc(g.shards[k], ALL_GATHER_STREAM)
+        if not self.cast_inputs:
+            return copy
+        cast = s.alloc(g.casts[k], ALL_GATHER_STREAM)
+        s.free(copy)
+        return cast
+
+    def _offloaded_inputs(self, s: Stream, g: _Group) -> list[int]:
+        """Every parameter's all-gather input, one by one: offloaded parameters take no foreach copy into one flat
+        buffer (_fsdp_collectives.py ``_get_param_all_gather_inputs``: ``use_foreach_copy`` is false), and
+        ``foreach_all_gather`` holds them (``all_gather_inputs``) until it returns, after the copy-in."""
+        return [self._offloaded_input(s, g, k) for k in range(len(g.shards))]
+
     def _copy_out(self, s: Stream, i: int) -> None:
-        """``wait_for_unshard``: the unsharded parameters (``init_unsharded_param``)."""
-        self.unsharded[i] = [s.alloc(n) for n in self._group(i).unsharded]
+        """``wait_for_unshard``: the unsharded parameters (``init_unsharded_param``). On one rank with
+        CPUOffloadPolicy each is copied from its all-gather input (the host shard on the device), made just before
+        it; the loop's variable keeps the previous one until the next is made (_fsdp_param_group.py
+        ``wait_for_unshard``, ``world_size == 1``)."""
+        g = self._group(i)
+        if not (self.offload and self.shards == 1):
+            self.unsharded[i] = [s.alloc(n) for n in g.unsharded]
+            return
+        out, prev = [], 0
+        for k, n in enumerate(g.unsharded):
+            cur = self._offloaded_input(s, g, k)
+            s.free(prev)
+            out.append(s.alloc(n))
+            prev = cur
+        s.free(prev)
+        self.unsharded[i] = out
 
     def _reshard(self, s: Stream, i: int) -> None:
         s.free_all(self.unsharded.pop(i, []))
@@ -312,6 +353,11 @@ class FsdpHooks(RankHooks):
         self.rs_pending = s.alloc(g.reduce_scatter)
         s.free_all(grads)
         out = [s.alloc(g.shard_grads, REDUCE_SCATTER_STREAM)]
+        if self.offload:
+            # CPUOffloadPolicy: each sharded gradient is copied to the host (``new_sharded_grad.to("cpu")``) and
+            # the device's reduce output is dropped when ``foreach_reduce`` returns
+            s.free_all(out)
+            out = []
         s.free_all(held)
         return out
 
@@ -330,6 +376,8 @@ class FsdpHooks(RankHooks):
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         st = self.strategy
+        if self.offload:
+            return  # on the host, like the step that makes them
         for h in self.held:
             if not h.trainable:
                 continue
@@ -342,6 +390,8 @@ class FsdpHooks(RankHooks):
 
     def step_temp_bytes(self, default: int) -> int:
         st = self.strategy
+        if self.offload:
+            return 0  # the step runs on the host
         if st.optimizer is Optimizer.ADAMW and st.optimizer_impl is OptimizerImpl.FOREACH:
             return sum(g.shard_grads for g in self.layers) + self.root.shard_grads
         return 0 if st.optimizer is Optimizer.ADAMW else default
