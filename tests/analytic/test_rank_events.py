@@ -65,6 +65,7 @@ CASES = [
     ("llama-3.2-1b", _s("fsdp", 8, flag=False)),
     ("llama-3.2-1b", _s("fsdp", 64, ckpt="full")),
     ("llama-3.2-1b", _s("fsdp", 1)),
+    ("llama-3.1-70b", _s("fsdp", 64, ckpt="full")),  # a layer's gradients at its end (FsdpHooks): was +2.3%
     ("qwen2.5-0.5b", _s("hsdp", 16)),
     ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16")),
     ("llama-3.2-1b", _s("ddp", 8)),
@@ -83,9 +84,9 @@ CASES = [
     ("llama-3.2-1b", _s("fsdp", 8, flag=False, ckpt="full", offload=OFFLOAD)),
     ("llama-3.2-1b", _s("fsdp", 1, offload=OFFLOAD)),
     ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16", offload=OFFLOAD)),
-    # its peak in the top layers' backward, where the stream makes a layer's gradients all before its block's
-    # temporaries, 1.8% above the closed form's (the root's post-backward, which the trace confirms: docs/accuracy.md)
+    # the layers' gradients made with their block's temporaries put these 1.8% and 3.8% above (FsdpHooks)
     ("llama-3.1-8b", _s("fsdp", 8, ckpt="full", offload=OFFLOAD)),
+    ("llama-3.1-70b", _s("fsdp", 16, ckpt="full", offload=OFFLOAD)),
 ]
 
 
