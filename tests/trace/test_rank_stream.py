@@ -4,6 +4,8 @@ one CUDA stream (the CPU trace has no streams), the synthesised stream reaches t
 reserved bytes are lower than the traced events' (it leaves out short-lived element-wise outputs, as one GPU's
 stream does): the numbers are in docs/accuracy.md ("Reserved memory with many GPUs").
 
+FSDP2 with CPUOffloadPolicy: allocated and reserved peaks, on one cell.
+
 DeepSpeed ZeRO-1 and ZeRO-2 likewise: the real ``DeepSpeedEngine`` (trainfit.trace.deepspeed, full depth, three
 steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA stream."""
 
@@ -11,36 +13,69 @@ from __future__ import annotations
 
 import pytest
 
-from trainfit.allocator import AllocatorConfig, Event, simulate
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, simulate
 from trainfit.analytic.events import Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.analytic.rank_events import FsdpHooks, Zero1Hooks, Zero2Hooks, Zero3Hooks
-from trainfit.strategy import EngineOptions, Parallelism, Strategy
+from trainfit.arch.spec import ModelSpec
+from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
 
 from .conftest import tiny_spec
 
 pytest.importorskip("torch")
 
 
-@pytest.mark.slow
-def test_the_rank_stream_reaches_the_traced_allocated_peak() -> None:
+def _fsdp_peaks(spec: ModelSpec, s: Strategy) -> tuple[AllocatorResult, AllocatorResult]:
+    """The real FSDP2 run's events (full depth, three steps) and ``FsdpHooks``' stream, each replayed on one CUDA
+    stream (the CPU trace has none): (traced, synthesised)."""
     from trainfit.trace import depth
     from trainfit.trace.distributed import fake_world, fsdp_run_strategy, run_layout_distributed
     from trainfit.trace.events import tracker_events
 
-    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    s = Strategy(parallelism=Parallelism(data=4), sharding="fsdp", micro_batch=2, seq_len=256)
+    w = s.parallelism.data
     built, _ = fsdp_run_strategy(s)
     plan = depth.plan_depth(spec, built, extrapolate=False)
     _, layout = plan.layouts[0]
-    with fake_world(4) as mesh:
+    with fake_world(w) as mesh:
         run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
     traced = simulate(tracker_events(run), AllocatorConfig())
     st = Stream()
-    synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 4), steps=3)
-    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, w), steps=3)
+    return traced, simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+
+
+@pytest.mark.slow
+def test_the_rank_stream_reaches_the_traced_allocated_peak() -> None:
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(parallelism=Parallelism(data=4), sharding="fsdp", micro_batch=2, seq_len=256)
+    traced, mine = _fsdp_peaks(spec, s)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+
+
+@pytest.mark.slow
+def test_the_cpu_offload_stream_reaches_the_traced_peaks() -> None:
+    """FSDP2 with ``CPUOffloadPolicy`` (``FsdpHooks`` with the shards, gradients and optimizer on the host) against
+    the events of the real ``fully_shard(offload_policy=CPUOffloadPolicy())`` run, which the tracker files the host
+    states of (trainfit.trace.distributed ``DistTracker``), over 4 ranks. A short sequence under a wide vocabulary
+    puts the peak in the root's post-backward (its fp32 reduce-scatter input beside the head's and the token
+    table's bf16 gradients), where the closed form is held too. On the CPU mesh each shard's copy to the device is
+    a no-op (``.to("cpu")``): the trace sees its bf16 cast, not the fp32 copy the stream makes before it, a
+    transient below these peaks."""
+    from trainfit.analytic.parallel import estimate_parallel
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(
+        parallelism=Parallelism(data=4),
+        sharding="fsdp",
+        micro_batch=1,
+        seq_len=64,
+        offload=Offload.parse("optimizer+params"),
+    )
+    traced, mine = _fsdp_peaks(spec, s)
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+    assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
 
 
 ZERO_CELLS = [

@@ -888,16 +888,30 @@ def _fsdp(
             # are still referenced (``post_backward`` holds ``unsharded_grads`` across ``foreach_reduce``), the
             # root's shards not yet made (the trace: llama-3.1-8b over 8 ranks with full recompute, 501 MiB more).
             copy_in = q.grad_head + q.grad_late
-            if rs_root + copy_in - root_shard_grads > rs_root + post_temp - post_grads:
-                post_temp, post_grads = copy_in, root_shard_grads
-            if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
-                unsharded, comm = root, rs
-                c[Component.TEMPORARIES] += during_temp
-                c[Component.GRADIENTS] -= root_shard_grads
+            if offload:
+                # CPUOffloadPolicy: no sharded gradient is on the device to subtract; the root's reduce output is
+                # made after the table's gradient goes and dropped once copied to the host (_fsdp_collectives.py
+                # ``foreach_reduce``: ``new_sharded_grad.to("cpu")``), the head's still referenced. The trace of
+                # an 8b-shaped 4-layer llama over 8 ranks with full recompute peaks at the copy-in (the root's
+                # shards subtracted from no gradients had put it 7.6% low).
+                post_temp = max(copy_in, q.grad_head + root_shard_grads)
+                if root + rs + during_temp > rs_root + post_temp:
+                    unsharded, comm = root, rs
+                    c[Component.TEMPORARIES] += during_temp
+                else:
+                    comm = rs_root
+                    c[Component.TEMPORARIES] += post_temp
             else:
-                comm = rs_root
-                c[Component.TEMPORARIES] += post_temp
-                c[Component.GRADIENTS] -= post_grads
+                if rs_root + copy_in - root_shard_grads > rs_root + post_temp - post_grads:
+                    post_temp, post_grads = copy_in, root_shard_grads
+                if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
+                    unsharded, comm = root, rs
+                    c[Component.TEMPORARIES] += during_temp
+                    c[Component.GRADIENTS] -= root_shard_grads
+                else:
+                    comm = rs_root
+                    c[Component.TEMPORARIES] += post_temp
+                    c[Component.GRADIENTS] -= post_grads
         if m.name in (
             MomentName.BACKWARD_FINAL_NORM,
             MomentName.BACKWARD_TOP_BLOCK,
