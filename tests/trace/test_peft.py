@@ -201,12 +201,10 @@ def test_qlora_trace_stores_other_layouts_byte_exact(family: str, rotary_blocks:
     assert rt.phases[-1].get(Component.AUTOCAST_COPIES) == 0  # no bias recast in the forward
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "phi3", "neox", "falcon"])
-def test_the_trace_converts_the_linears_transformers_converts(family: str) -> None:
-    """trainfit.trace.bnb against transformers' own ``replace_with_bnb_linear`` (with
-    ``get_keys_to_not_convert``, as ``from_pretrained`` calls it) on the same meta model: the same modules become
-    ``Linear4bit``, with the same (in, out) features — GPT-2's Conv1D included, Falcon's FalconLinear (an
-    ``nn.Linear`` subclass) left alone by both."""
+def _bnb_conversions(cfg: dict[str, Any]) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    """(in, out) features of each module turned ``Linear4bit`` on the same meta model by trace.bnb's
+    ``to_linear4bit`` and by transformers' own ``replace_with_bnb_linear`` (with ``get_keys_to_not_convert``, as
+    ``from_pretrained`` calls it)."""
     import torch
     from transformers import BitsAndBytesConfig
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
@@ -216,7 +214,7 @@ def test_the_trace_converts_the_linears_transformers_converts(family: str) -> No
     from trainfit.trace.bnb import to_linear4bit
     from trainfit.trace.hf import build_meta
 
-    spec = spec_from_config(FAMILIES[family], name=f"small-{family}", source="test")
+    spec = spec_from_config(cfg, name=f"small-{cfg['model_type']}", source="test")
     s = Strategy(micro_batch=1, seq_len=32)
 
     def converted(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -227,8 +225,18 @@ def test_the_trace_converts_the_linears_transformers_converts(family: str) -> No
     theirs, _ = build_meta(spec, s, torch.float32)
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
     replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs), quantization_config=config)
-    assert converted(ours) == converted(theirs)
-    assert (len(converted(ours)) == 0) == (family == "falcon")
+    return converted(ours), converted(theirs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "phi3", "neox", "falcon"])
+def test_the_trace_converts_the_linears_transformers_converts(family: str) -> None:
+    """trainfit.trace.bnb against transformers' own ``replace_with_bnb_linear`` (with
+    ``get_keys_to_not_convert``, as ``from_pretrained`` calls it) on the same meta model: the same modules become
+    ``Linear4bit``, with the same (in, out) features — GPT-2's Conv1D included, Falcon's FalconLinear (an
+    ``nn.Linear`` subclass) left alone by both."""
+    ours, theirs = _bnb_conversions(FAMILIES[family])
+    assert ours == theirs
+    assert (len(ours) == 0) == (family == "falcon")
 
 
 def test_falcon_quantised_base_is_refused_by_both_methods() -> None:
@@ -442,32 +450,14 @@ def test_transformers_packs_no_expert_stack_nor_router(cfg: dict[str, Any]) -> N
     """transformers' own ``replace_with_bnb_linear`` on a meta MoE/MLA model: the trace's ``to_linear4bit`` converts
     the same modules, and the weights it converts are, element for element, the layer tensors the analytic packs
     (``analytic.adapters.bnb_converted``: the linears, not the routers nor the 3-D expert stacks)."""
-    import torch
-    from transformers import BitsAndBytesConfig
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
-
     from trainfit.analytic.adapters import bnb_converted
     from trainfit.arch.params import inventory
 
-    bnb = pytest.importorskip("bitsandbytes")
-    from trainfit.trace.bnb import to_linear4bit
-    from trainfit.trace.hf import build_meta
-
+    ours, theirs = _bnb_conversions(cfg)
+    assert ours == theirs
     spec = spec_from_config(cfg, name=f"small-{cfg['model_type']}", source="test")
-    s = Strategy(micro_batch=1, seq_len=32)
-
-    def converted(m: torch.nn.Module) -> dict[str, tuple[int, int]]:
-        return {n: (x.in_features, x.out_features) for n, x in m.named_modules() if isinstance(x, bnb.nn.Linear4bit)}
-
-    ours, _ = build_meta(spec, s, torch.float32)
-    to_linear4bit(ours, quant_type="nf4", double_quant=True, compute=torch.bfloat16)
-    theirs, _ = build_meta(spec, s, torch.float32)
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
-    replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs), quantization_config=config)
-    assert converted(ours) == converted(theirs)
     packed = sum(g.count * t.numel for g in inventory(spec).layers for t in g.tensors if bnb_converted(t))
-    assert packed == sum(i * o for i, o in converted(theirs).values())
+    assert packed == sum(i * o for i, o in theirs.values())
 
 
 @pytest.mark.parametrize(("cfg", "ckpt", "rotary_blocks"), QLORA_MOE)
