@@ -35,6 +35,20 @@ class Memo(Generic[V]):
             data.popitem(last=False)
         return value
 
+    def peek(self, key: Hashable) -> V | None:
+        """The value kept for ``key`` (None: none), without computing one."""
+        data = self._data
+        if key in data:
+            data.move_to_end(key)
+            return data[key]
+        return None
+
+    def put(self, key: Hashable, value: V) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        if len(self._data) > self.size:
+            self._data.popitem(last=False)
+
     def clear(self) -> None:
         self._data.clear()
 

@@ -280,6 +280,7 @@ def estimate(
     simulate_allocator: bool = True,
     search_micro_batch: bool = True,
     fixes: bool = True,
+    verdict_only: bool = False,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -288,7 +289,10 @@ def estimate(
     the allocator simulation (one trace fewer) and reports the fixed reserve fraction — for callers that only
     need the allocated phases. ``search_micro_batch``: with a GPU, search the largest micro-batch that fits
     (False: the verdict for this micro-batch only; what the planner asks). ``fixes``: when it does not fit on the
-    GPU, search the planner's top three checked fixes (False: ``FitVerdict.fixes_searched`` stays False)."""
+    GPU, search the planner's top three checked fixes (False: ``FitVerdict.fixes_searched`` stays False).
+    ``verdict_only`` (with a GPU and ``search_micro_batch=False``; the planner's probes): a simulated reserve stops
+    once it passes the allocator's share of the usable memory — the verdict is the same, the requirement of a
+    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -364,6 +368,11 @@ def estimate(
     if gpu_spec is not None and search_micro_batch and "allocator" in options and method is not Method.MEASURE:
         outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
         main["capacity_bytes"] = allocator_capacity_bytes(
+            usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
+        )
+    elif gpu_spec is not None and verdict_only and "allocator" in options and method is Method.ANALYTIC:
+        outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+        main["stop_above_bytes"] = allocator_capacity_bytes(
             usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
         )
     report = fn(spec, strategy, **main, layout=True) if allocator_layout else fn(spec, strategy, **main)

@@ -489,6 +489,10 @@ class MemoryReport:
     # ``analytic.rank_events.rank_simulated`` names) rather than the fixed reserve fraction: only then can an
     # allocator setting such as expandable segments change the requirement (the planner's second chance).
     reserve_simulated: bool = False
+    # The simulation stopped once its reserve passed the allocator's share of the usable memory
+    # (``trainfit.estimate(..., verdict_only=True)``, the planner's probes): the reserve, and so the requirement,
+    # is a lower bound, already above the usable memory — the verdict (does not fit) is exact, the number is not.
+    reserve_stopped: bool = False
 
     def __post_init__(self) -> None:
         if not self.phases:

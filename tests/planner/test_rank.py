@@ -3,6 +3,7 @@ batch exactly, and more GPUs never make the best plan slower."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -206,3 +207,56 @@ def test_adapters_are_planned_on_many_gpus_and_checked_by_the_estimate() -> None
         assert p.strategy.parallelism.tensor == p.strategy.parallelism.pipeline == 1
         rep = estimate(spec, p.strategy, gpu=gpu, headroom=0.3, search_micro_batch=False, allocator=p.alloc_conf)
         assert rep.fit is not None and rep.fit.fits and rep.fit.required_bytes == p.required_bytes
+
+
+@pytest.mark.parametrize(
+    ("slug", "gpu", "gpus", "seq", "gb"),
+    [("llama-3.1-8b", "a100-sxm-40gb", 8, 4096, 64), ("qwen2.5-1.5b", "t4", 2, 2048, 16)],
+)
+def test_the_search_shortcuts_do_not_change_the_answer(
+    monkeypatch: pytest.MonkeyPatch, slug: str, gpu: str, gpus: int, seq: int, gb: int
+) -> None:
+    """The cheap ordering bound, the micro-batches left out once the ranking is full, and the simulations that
+    stop once they pass the usable memory give the plans a search without any of them gives."""
+    spec, g = load_model(slug), get_gpu(gpu)
+    fast = search_plans(spec, g, gpus=gpus, seq_len=seq, global_batch=gb, top=4)
+    from trainfit.planner import rank
+
+    plain_estimate = rank._Search._estimate
+    monkeypatch.setattr(rank._Search, "cheap_key", rank._Search.bound)
+    monkeypatch.setattr(rank._Search, "contenders", lambda self, c, limit: self.micro_options(c))
+    monkeypatch.setattr(rank._Search, "_estimate", lambda self, s, a, exact=False: plain_estimate(self, s, a, True))
+    slow = search_plans(spec, g, gpus=gpus, seq_len=seq, global_batch=gb, top=4)
+    assert fast.plans
+    assert [(p.strategy, p.required_bytes, p.alloc_conf) for p in fast.plans] == [
+        (p.strategy, p.required_bytes, p.alloc_conf) for p in slow.plans
+    ]
+    assert fast.estimates <= slow.estimates
+
+
+def test_a_stopped_estimate_has_the_same_verdict_and_a_lower_requirement() -> None:
+    """estimate(verdict_only=True): a setup that does not fit stops its simulation above the usable memory (the
+    requirement a lower bound above it); one that fits is the whole estimate."""
+    from trainfit.analytic.events import forget_simulations
+    from trainfit.strategy import Parallelism, Sharding
+
+    g = get_gpu("a100-sxm-80gb")
+    one = Strategy(seq_len=2048, checkpointing=Checkpointing.FULL)
+    fsdp = dataclasses.replace(one, parallelism=Parallelism(data=8), sharding=Sharding.FSDP)
+    for slug, base, micro, fits in (
+        ("llama-3.2-1b", one, 1, True),
+        ("llama-3.2-1b", one, 64, False),
+        ("llama-3.1-8b", fsdp, 1, True),
+        ("llama-3.1-8b", fsdp, 32, False),
+    ):
+        spec, s = load_model(slug), dataclasses.replace(base, micro_batch=micro)
+        forget_simulations()  # (a whole run kept in the memo answers a verdict-only one)
+        stopped = estimate(spec, s, gpu=g, search_micro_batch=False, allocator="", verdict_only=True)
+        whole = estimate(spec, s, gpu=g, search_micro_batch=False, allocator="")
+        assert whole.fit is not None and stopped.fit is not None
+        assert whole.fit.fits is stopped.fit.fits is fits
+        assert stopped.reserve_stopped is not fits and not whole.reserve_stopped
+        if fits:
+            assert stopped.fit.required_bytes == whole.fit.required_bytes
+        else:
+            assert whole.fit.usable_bytes < stopped.fit.required_bytes <= whole.fit.required_bytes

@@ -464,3 +464,38 @@ def test_moe_lora_forms_the_adapted_expert_weight_gradients() -> None:
     assert model_flops_per_token(spec, 2048, adapter=a) == pytest.approx(want, rel=1e-12)
     q, _ = finetune_setup("lora", rank=r, targets="q_proj", base_dtype="bf16")
     assert model_flops_per_token(spec, 2048, adapter=q) == pytest.approx(frozen + n * 3 * 2 * r * (h + h), rel=1e-12)
+
+
+def test_the_step_floor_bounds_every_micro_batch() -> None:
+    """``step_floor_seconds`` at the largest micro-batch (the planner's cheap ordering bound) is at most the step
+    time, and the compute + optimizer step, of every micro-batch of the candidate; QLoRA's per-micro-step
+    dequantisation is the one part of compute that changes with the split."""
+    from trainfit.errors import StrategyError
+    from trainfit.planner.speed import step_floor_seconds, step_time_of
+
+    rng = random.Random(5)
+    varies = 0
+    for slug, gpu_id, gpus, allow in (
+        ("llama-3.1-8b", "h100-sxm-80gb", 16, ()),
+        ("mixtral-8x7b-v0.1", "a100-sxm-80gb", 8, ()),
+        ("mistral-7b-v0.1", "rtx-4090", 1, (Finetune.LORA, Finetune.QLORA)),
+    ):
+        spec, gpu = load_model(slug), get_gpu(gpu_id)
+        space = candidates(spec, gpu, gpus=gpus, gpus_per_node=8, global_batch=64, allow=allow)
+        for c in rng.sample(space, 60):
+            per_rank = 64 // c.data
+            micros = [per_rank] if c.optimizer_in_backward else [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+            times = []
+            for m in micros:
+                x = c.speed_inputs(micro_batch=m, grad_accum=per_rank // m, seq_len=2048, gpus_per_node=8, spec=spec)
+                try:
+                    times.append(step_time_of(spec, x, gpu))
+                except StrategyError:  # no peak for this dtype
+                    break
+            if not times:
+                continue
+            floor = step_floor_seconds(times[-1])
+            for t in times:
+                assert floor * (1 - 1e-9) <= step_floor_seconds(t) <= t.step_seconds
+            varies += step_floor_seconds(times[0]) > floor * (1 + 1e-9)
+    assert varies  # the QLoRA candidates: the test sees the part that depends on the split

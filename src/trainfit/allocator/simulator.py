@@ -171,6 +171,9 @@ class AllocatorResult:
     num_alloc_retries: int = 0
     oom: OutOfMemory | None = None
     layout_at_peak: tuple[SegmentLayout, ...] | None = None
+    #: The run stopped when its reserved bytes first passed ``Simulator(stop_above_bytes=...)``: every peak here is
+    #: the one at that moment (a lower bound of the whole run's), ``peak_reserved_bytes`` above that limit.
+    stopped: bool = False
 
 
 class _Segment:
@@ -215,6 +218,10 @@ class AllocatorOutOfMemory(Exception):
     """Internal: raised by ``malloc`` and turned into :class:`OutOfMemory` by :func:`simulate`."""
 
 
+class _PassedLimit(Exception):
+    """Internal: raised by ``malloc`` when reserved passes ``stop_above_bytes``; :meth:`Simulator.drive` stops."""
+
+
 def round_size(size_bytes: int, config: AllocatorConfig) -> int:
     """``round_size``: 512 B granularity, or ``roundup_power2_divisions`` steps."""
     if size_bytes < MIN_BLOCK_BYTES:
@@ -254,6 +261,8 @@ class Simulator:
     mapped — and only with it does ``garbage_collection_threshold`` act (``set_fraction`` in ``malloc``).
     ``segment_address``: optional hook giving the address of a new ``cudaMalloc`` segment of a given size
     (a replay uses the real addresses so that ties in best fit break as they did); ``None`` falls back.
+    ``stop_above_bytes``: for a caller that only asks whether the reserved peak passes this many bytes — a
+    run stops the moment it does (``AllocatorResult.stopped``); not a device limit.
     """
 
     def __init__(
@@ -263,6 +272,7 @@ class Simulator:
         capacity_bytes: int | None = None,
         memory_fraction_bytes: int | None = None,
         segment_address: Callable[[int], int | None] | None = None,
+        stop_above_bytes: int | None = None,
     ) -> None:
         self.config = config or AllocatorConfig()
         if self.config.backend is not Backend.NATIVE:
@@ -292,6 +302,8 @@ class Simulator:
         self.num_alloc_retries = 0
         self.peak_event_index = -1
         self.event_index = -1
+        self.stop_above_bytes = stop_above_bytes
+        self.stopped = False
 
     # ---------------------------------------------------------------- pools and free lists
     def _pool(self, small: bool, stream: int) -> _Pool:
@@ -363,6 +375,8 @@ class Simulator:
             self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
             self.num_segments_at_peak = self.num_segments
             self.peak_event_index = self.event_index
+            if self.stop_above_bytes is not None and self.reserved_bytes > self.stop_above_bytes:
+                raise _PassedLimit
         return block.addr
 
     def free_requested(self, key: int) -> None:
@@ -773,6 +787,7 @@ class Simulator:
             num_device_frees=self.num_device_frees,
             num_alloc_retries=self.num_alloc_retries,
             oom=oom,
+            stopped=self.stopped,
         )
 
     # ---------------------------------------------------------------- driving
@@ -784,6 +799,9 @@ class Simulator:
         gc.disable()
         try:
             return self._run(events, stop_after)
+        except _PassedLimit:
+            self.stopped = True
+            return None
         finally:
             if was_enabled:
                 gc.enable()
@@ -795,6 +813,8 @@ class Simulator:
         gc.disable()  # as run()
         try:
             calls(self)
+        except _PassedLimit:
+            self.stopped = True
         except AllocatorOutOfMemory as exc:
             return OutOfMemory(
                 event_index=self.event_index,

@@ -59,6 +59,7 @@ __all__ = [
     "RankHooks",
     "Stream",
     "forget_simulations",
+    "memo_stoppable",
     "simulate_training",
     "simulation_memo",
     "synthesise",
@@ -429,6 +430,23 @@ def forget_simulations() -> None:
     _MEMO.clear()
 
 
+def memo_stoppable(
+    key: tuple[object, ...], stop_above_bytes: int | None, run: Callable[[int | None], AllocatorResult]
+) -> AllocatorResult:
+    """``run(stop_above_bytes)`` through the simulation memo. A run that may stop early
+    (``Simulator(stop_above_bytes=...)``) is answered by the whole run when one is kept; when it did not stop it
+    *is* the whole run, and is kept as that."""
+    if stop_above_bytes is None:
+        return _MEMO.get(key, lambda: run(None))
+    whole = _MEMO.peek(key)
+    if whole is not None:
+        return whole
+    result = _MEMO.get((*key, "stop above", stop_above_bytes), lambda: run(stop_above_bytes))
+    if not result.stopped:
+        _MEMO.put(key, result)
+    return result
+
+
 def simulate_training(
     spec: ModelSpec,
     strategy: Strategy,
@@ -437,15 +455,22 @@ def simulate_training(
     *,
     layout: bool = False,
     capacity_bytes: int | None = None,
+    stop_above_bytes: int | None = None,
 ) -> AllocatorResult:
     """The caching allocator's peaks over the synthesised stream of a training step (``layout``: with the
     segments at the reserved peak; ``capacity_bytes``: under that device capacity, flushing its cache and
-    retrying where a segment does not fit, :class:`~trainfit.allocator.Simulator`). Memoised on the inputs
-    (``ModelSpec`` holds a dict, so it is keyed by its ``repr``, which shows every field)."""
+    retrying where a segment does not fit, :class:`~trainfit.allocator.Simulator`; ``stop_above_bytes``: stop
+    once reserved passes it, ``AllocatorResult.stopped``). Memoised on the inputs (``ModelSpec`` holds a dict,
+    so it is keyed by its ``repr``, which shows every field)."""
     key = (spec_key(spec), strategy, config, workspaces, layout)
-    return _MEMO.get(
+    if layout or capacity_bytes is not None:
+        stop_above_bytes = None
+    return memo_stoppable(
         key if capacity_bytes is None else (*key, capacity_bytes),
-        lambda: _simulate_training(spec, strategy, config, workspaces, layout=layout, capacity_bytes=capacity_bytes),
+        stop_above_bytes,
+        lambda stop: _simulate_training(
+            spec, strategy, config, workspaces, layout=layout, capacity_bytes=capacity_bytes, stop_above_bytes=stop
+        ),
     )
 
 
@@ -457,8 +482,9 @@ def _simulate_training(
     *,
     layout: bool,
     capacity_bytes: int | None = None,
+    stop_above_bytes: int | None = None,
 ) -> AllocatorResult:
     if layout:  # replayed twice (the second time up to the peak): needs the events
         return simulate(training_events(spec, strategy, workspaces), config, layout=True, capacity_bytes=capacity_bytes)
-    sim = Simulator(config, capacity_bytes=capacity_bytes)
+    sim = Simulator(config, capacity_bytes=capacity_bytes, stop_above_bytes=stop_above_bytes)
     return sim.result(oom=sim.drive(lambda x: synthesise(Stream(x), spec, strategy, workspaces)))

@@ -870,23 +870,29 @@ def estimate_analytic(
     workspaces: tuple[Workspace, ...] = (),
     layout: bool = False,
     capacity_bytes: int | None = None,
+    stop_above_bytes: int | None = None,
 ) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``; reserved
     memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
     ``allocator`` (default: ``PYTORCH_CUDA_ALLOC_CONF`` from the environment), with the GPU's cuBLAS
     ``workspaces`` in the stream (the phases leave them out: :func:`trainfit.estimate` adds them per GPU).
     ``capacity_bytes``: the allocator's share of the GPU; when only the uncapped reserve exceeds it, the stream
-    runs once more under it (``MemoryReport.capped``, :func:`trainfit.allocator.report.capped_run`)."""
+    runs once more under it (``MemoryReport.capped``, :func:`trainfit.allocator.report.capped_run`).
+    ``stop_above_bytes``: the stream stops once reserved passes it (``MemoryReport.reserve_stopped``: a lower bound
+    of the reserve; for callers that only ask whether it fits) — not with the savers or fp8, whose reserve is taken
+    above the simulation's own allocated peak, which a stopped run does not bound."""
     strategy, q, phases = _closed_form(spec, strategy, keep_logits=keep_logits)
     peak = max(p.total_bytes for p in phases)
     st, stack = q.states, q.stack
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
     coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
     config = allocator if allocator is not None else AllocatorConfig.from_env()
-    sim = simulate_training(spec, strategy, config, workspaces, layout=layout)
+    own_peak = strategy.savers.any or float8_enabled(strategy)
+    stop = None if own_peak else stop_above_bytes
+    sim = simulate_training(spec, strategy, config, workspaces, layout=layout, stop_above_bytes=stop)
     held = peak + sum(w.size_bytes for w in workspaces)
     reserve = max(0, sim.peak_reserved_bytes - held)
-    if strategy.savers.any or float8_enabled(strategy):
+    if own_peak:
         # The synthesised stream replays the paged optimizer, the loss savers and fp8's casts only partly
         # (analytic.events: Float8Linear's transients are not in it):
         # take the allocator's own overhead above its allocated peak rather than above this peak.
@@ -921,6 +927,7 @@ def estimate_analytic(
         ),
         capped=capped,
         reserve_simulated=True,
+        reserve_stopped=sim.stopped,
     )
 
 

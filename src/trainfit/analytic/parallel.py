@@ -95,6 +95,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
@@ -1886,26 +1887,23 @@ def _fsdp_tp(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tupl
     return phases, notes
 
 
-# -- the entry point -------------------------------------------------------------------------------------
+#: The closed forms of recent (spec, effective strategy) pairs: the planner asks for a candidate's lower bound
+#: (:func:`trainfit.planner.search.lower_bound_bytes`, no allocator) and then its estimate (with one, sometimes two
+#: allocators) — the same phases each time.
+_CLOSED: Memo[tuple[ParallelPlan, tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], tuple[str, ...], str]] = Memo(512)
 
 
-def estimate_parallel(
-    spec: ModelSpec,
-    strategy: Strategy,
-    *,
-    allocator: AllocatorConfig | None = None,
-    workspaces: tuple[Workspace, ...] = (),
-    capacity_bytes: int | None = None,
-) -> MemoryReport:
-    """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
-    and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (± SP, no
-    sharding) and Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
-    through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
-    ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
-    :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
-    simulated rank's uncapped reserve exceeds it, its stream runs once more under it (``MemoryReport.capped``)."""
-    strategy, _ = effective_strategy(spec, strategy)
+def _closed_form(
+    spec: ModelSpec, strategy: Strategy
+) -> tuple[ParallelPlan, tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], tuple[str, ...], str]:
+    """(the plan, the worst rank's phases, every stage's memory when they differ, notes, why that rank) of
+    ``strategy`` (already :func:`~trainfit.analytic.activations.effective_strategy`'s), memoized."""
+    return _CLOSED.get((spec_key(spec), strategy), lambda: _closed_form_of(spec, strategy))
+
+
+def _closed_form_of(
+    spec: ModelSpec, strategy: Strategy
+) -> tuple[ParallelPlan, tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], tuple[str, ...], str]:
     p = plan(spec, strategy)
     ranks: tuple[RankMemory, ...] = ()
     if p.engine is Engine.MEGATRON:
@@ -1936,18 +1934,48 @@ def estimate_parallel(
     else:
         phases, notes = _ddp(spec, strategy)
         why = "every rank holds a full replica"
+    return p, tuple(phases), ranks, tuple(notes), why
+
+
+# -- the entry point -------------------------------------------------------------------------------------
+
+
+def estimate_parallel(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    allocator: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+    capacity_bytes: int | None = None,
+    stop_above_bytes: int | None = None,
+) -> MemoryReport:
+    """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
+    and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
+    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (± SP, no
+    sharding) and Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
+    through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
+    ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
+    :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
+    simulated rank's uncapped reserve exceeds it, its stream runs once more under it (``MemoryReport.capped``).
+    ``stop_above_bytes``: a simulated stream stops once its reserved bytes pass it (``MemoryReport.reserve_stopped``:
+    the reserve is then a lower bound; for callers that only ask whether it fits)."""
+    strategy, _ = effective_strategy(spec, strategy)
+    p, phases, ranks, notes, why = _closed_form(spec, strategy)
     peak = max(ph.total_bytes for ph in phases)
     overhead = overhead_for(peak)
     reserve_note = "reserved: the fixed reserve fraction of the allocated peak (docs/accuracy.md)"
     capped = None
-    simulated = False
+    simulated = stopped = False
     if allocator is not None:
         from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
 
         simulated = rank_simulated(strategy, p)
         if simulated:
             stage = _worst_stage(ranks) if ranks else 0
-            sim = simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage)
+            sim = simulate_rank(
+                spec, strategy, p, allocator, workspaces, stage=stage, stop_above_bytes=stop_above_bytes
+            )
+            stopped = sim.stopped
             held = peak + sum(w.size_bytes for w in workspaces)
             overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
             capped = capped_run(
@@ -1992,6 +2020,7 @@ def estimate_parallel(
         ranks=ranks,
         capped=capped,
         reserve_simulated=simulated,
+        reserve_stopped=stopped,
     )
 
 

@@ -102,7 +102,7 @@ from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import backward_temp_bytes
 from trainfit.analytic.adapters import finetuning
-from trainfit.analytic.events import RankHooks, Stream, simulation_memo, synthesise
+from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, synthesise
 from trainfit.analytic.parallel import (
     SP_SPLIT_PREFIXES,
     ParallelPlan,
@@ -1062,14 +1062,19 @@ def simulate_rank(
     *,
     stage: int = 0,
     capacity_bytes: int | None = None,
+    stop_above_bytes: int | None = None,
 ) -> AllocatorResult:
     """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups; ``stage``:
     the pipeline stage of a Megatron rank; ``capacity_bytes``: under that device capacity, with the allocator's
-    flush-and-retry, :class:`~trainfit.allocator.Simulator`)."""
+    flush-and-retry, :class:`~trainfit.allocator.Simulator`; ``stop_above_bytes``: stop once reserved passes it,
+    ``AllocatorResult.stopped``)."""
     key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage)
-    return simulation_memo().get(
-        key if capacity_bytes is None else (*key, capacity_bytes),
-        lambda: _simulate(spec, strategy, p, config, workspaces, stage, capacity_bytes),
+    if capacity_bytes is not None:
+        return simulation_memo().get(
+            (*key, capacity_bytes), lambda: _simulate(spec, strategy, p, config, workspaces, stage, capacity_bytes)
+        )
+    return memo_stoppable(
+        key, stop_above_bytes, lambda stop: _simulate(spec, strategy, p, config, workspaces, stage, stop_above=stop)
     )
 
 
@@ -1081,6 +1086,7 @@ def _simulate(
     workspaces: tuple[Workspace, ...],
     stage: int = 0,
     capacity_bytes: int | None = None,
+    stop_above: int | None = None,
 ) -> AllocatorResult:
     hooks: RankHooks | None = None
     run = strategy
@@ -1097,7 +1103,7 @@ def _simulate(
     else:
         hooks = FsdpHooks(spec, strategy, p.shard)
         run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
-    sim = Simulator(config, capacity_bytes=capacity_bytes)
+    sim = Simulator(config, capacity_bytes=capacity_bytes, stop_above_bytes=stop_above)
     seen = [-1]
 
     def steady(step: int) -> bool:

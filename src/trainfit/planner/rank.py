@@ -39,6 +39,7 @@ segment grows are not modelled.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
 from trainfit.planner.search import largest_below, lower_bound_bytes
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
-from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_time, step_time_of
+from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_floor_seconds, step_time, step_time_of
 from trainfit.strategy import Parallelism, Sharding, Strategy
 
 __all__ = ["Plan", "PlanResult", "describe_changes", "search_plans"]
@@ -149,6 +150,24 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
     )
 
 
+def _speed_signature(c: Candidate) -> tuple[object, ...]:
+    """What the speed model reads of a candidate: all but the optimizer (one bound per candidate without it)."""
+    return (
+        c.world,
+        c.tensor,
+        c.pipeline,
+        c.sharding,
+        c.offload,
+        c.engine,
+        c.precision,
+        c.checkpointing,
+        c.finetune,
+        c.float8,
+        c.activation_offload,  # its PCIe traffic
+        c.optimizer_in_backward,  # its micro-batches (no accumulation)
+    )
+
+
 def _layout(p: Plan) -> tuple[object, ...]:
     c = p.candidate
     return (
@@ -221,17 +240,24 @@ class _Search:
         self.baseline = baseline
         self.usable = int(gpu.memory_bytes * (1 - headroom))
         self.estimates = 0
-        self._memory: dict[tuple[Strategy, AllocatorConfig], tuple[int, bool] | None] = {}
+        self._memory: dict[tuple[Strategy, AllocatorConfig], tuple[int, bool, bool] | None] = {}
+        self._speed_keys: dict[tuple[tuple[object, ...], int], tuple[float, ...]] = {}
+        self._cheap: dict[tuple[object, ...], tuple[float, ...] | None] = {}
+        self._bounds: dict[tuple[object, ...], tuple[float, ...] | None] = {}
 
     def strategy(self, c: Candidate, micro: int) -> Strategy:
         accum = self.global_batch // (c.data * micro)
         return c.strategy(micro_batch=micro, grad_accum=accum, seq_len=self.seq_len, gpus_per_node=self.gpn)
 
-    def _estimate(self, s: Strategy, allocator: AllocatorConfig) -> tuple[int, bool] | None:
+    def _estimate(self, s: Strategy, allocator: AllocatorConfig, exact: bool = False) -> tuple[int, bool] | None:
         """(the estimate's per-GPU requirement with ``allocator``, whether its reserve was simulated); None: no
-        framework runs this strategy."""
+        framework runs this strategy. The estimates are ``verdict_only``: one that does not fit may stop its
+        simulation early, and its requirement is then a lower bound above the usable bytes (all the search
+        needs to know of it); ``exact``: the whole requirement (the closest candidate when nothing fits)."""
         key = (s, allocator)
-        if key not in self._memory:
+        known = key in self._memory
+        hit = self._memory.get(key)
+        if not known or (exact and hit is not None and hit[2]):
             from trainfit.estimate import estimate  # trainfit.estimate imports this package
 
             self.estimates += 1
@@ -243,42 +269,57 @@ class _Search:
                     headroom=self.headroom,
                     search_micro_batch=False,
                     allocator=allocator.to_env(),
+                    verdict_only=not exact,
                 )
             except StrategyError:
-                self._memory[key] = None
+                hit = self._memory[key] = None
             else:
                 assert rep.fit is not None
-                self._memory[key] = (rep.fit.required_bytes, rep.reserve_simulated)
-        return self._memory[key]
+                hit = self._memory[key] = (rep.fit.required_bytes, rep.reserve_simulated, rep.reserve_stopped)
+        return None if hit is None else hit[:2]
 
-    def need(self, s: Strategy) -> tuple[int, AllocatorConfig] | None:
+    def need(self, s: Strategy, missed: bool = False, exact: bool = False) -> tuple[int, AllocatorConfig] | None:
         """(the per-GPU requirement, the allocator it holds for): the search's allocator, or — when that does not
         fit, the lower bound does and the reserve was simulated — with expandable segments if that fits
-        (the module docstring's second chance). None: no framework runs this strategy."""
+        (the module docstring's second chance). None: no framework runs this strategy. ``missed``: the search's
+        allocator is known not to fit (a smaller micro-batch of the same candidate did not: memory grows with
+        the micro-batch), so only the second chance is estimated; when it misses too, its requirement is
+        returned (a lower bound of nothing else: callers only compare it with the usable bytes). ``exact``: the
+        requirement of a setup that does not fit in full (:meth:`_estimate`)."""
+        if missed and not exact and self.expandable is not None and (s, self.allocator) not in self._memory:
+            second = self._estimate(s, self.expandable)
+            if second is None or not second[1]:  # not simulated: no second chance, ask the first allocator
+                return self.need(s)
+            return second[0], self.expandable
         first = self._estimate(s, self.allocator)
         if first is None:
             return None
         need, simulated = first
         if need <= self.usable or self.expandable is None or not simulated or self.lower_bound(s) > self.usable:
-            return need, self.allocator
+            return (need if need <= self.usable or not exact else self._exact(s, self.allocator)), self.allocator
         second = self._estimate(s, self.expandable)
         if second is not None and second[0] <= self.usable:
             return second[0], self.expandable
-        return need, self.allocator
+        return (self._exact(s, self.allocator) if exact else need), self.allocator
 
-    def required(self, s: Strategy) -> int | None:
+    def _exact(self, s: Strategy, allocator: AllocatorConfig) -> int:
+        whole = self._estimate(s, allocator, exact=True)
+        assert whole is not None  # the same strategy estimated before
+        return whole[0]
+
+    def required(self, s: Strategy, missed: bool = False) -> int | None:
         """The per-GPU requirement of :meth:`need` (None: no framework runs this strategy)."""
-        n = self.need(s)
+        n = self.need(s, missed)
         return None if n is None else n[0]
 
     def lower_bound(self, s: Strategy) -> int:
         """:func:`trainfit.planner.search.lower_bound_bytes`: no allocator simulation."""
         return lower_bound_bytes(self.spec, s, self.gpu)
 
-    def fits(self, s: Strategy) -> bool:
+    def fits(self, s: Strategy, missed: bool = False) -> bool:
         if self.lower_bound(s) > self.usable:
             return False
-        r = self.required(s)
+        r = self.required(s, missed)
         return r is not None and r <= self.usable
 
     def speed(self, s: Strategy) -> StepTime:
@@ -294,6 +335,38 @@ class _Search:
         )
         return step_time_of(self.spec, x, self.gpu, network_gbps=self.network)
 
+    def cheap_key(self, c: Candidate) -> tuple[float, ...] | None:
+        """A lower bound of :meth:`bound` from one timing (:func:`~trainfit.planner.speed.step_floor_seconds`
+        at the largest micro-batch, a billionth under for rounding); None: no peak for this dtype in the catalog."""
+        k = _speed_signature(c)
+        if k not in self._cheap:
+            try:
+                t = self.fast_speed(c, self.micro_options(c)[-1])
+            except StrategyError:
+                self._cheap[k] = None
+            else:
+                key = self.key(c.world, dataclasses.replace(t, step_seconds=step_floor_seconds(t)))
+                self._cheap[k] = tuple(v * (1 - 1e-9) for v in key)
+        return self._cheap[k]
+
+    def bound(self, c: Candidate) -> tuple[float, ...] | None:
+        """The best :meth:`key` over the candidate's micro-batches (None: no peak for this dtype)."""
+        k = _speed_signature(c)
+        if k not in self._bounds:
+            try:
+                self._bounds[k] = min(self.speed_key(c, m) for m in self.micro_options(c))
+            except StrategyError:
+                self._bounds[k] = None
+        return self._bounds[k]
+
+    def speed_key(self, c: Candidate, micro: int) -> tuple[float, ...]:
+        """:meth:`key` of :meth:`fast_speed`, kept per speed signature and micro-batch."""
+        k = (_speed_signature(c), micro)
+        hit = self._speed_keys.get(k)
+        if hit is None:
+            hit = self._speed_keys[k] = self.key(c.world, self.fast_speed(c, micro))
+        return hit
+
     def key(self, gpus: int, t: StepTime) -> tuple[float, ...]:
         if self.objective is Objective.FEWEST_GPUS:
             return (gpus, t.step_seconds)
@@ -305,6 +378,15 @@ class _Search:
         """The micro-batches that hit the global batch; optimizer-in-backward only without accumulation."""
         per_rank = self.global_batch // c.data
         return [per_rank] if c.optimizer_in_backward else _divisors(per_rank)
+
+    def contenders(self, c: Candidate, limit: tuple[float, ...] | None) -> list[int]:
+        """:meth:`micro_options` whose step time can still enter the ranking: with ``top`` plans found, the
+        micro-batches no faster than the last of them (``limit``) are left out — whether they fit cannot change
+        the result, and each costs an estimate (ties kept: fewer changes may rank a tie ahead)."""
+        micros = self.micro_options(c)
+        if limit is None:
+            return micros
+        return [m for m in micros if self.speed_key(c, m) <= limit]
 
     def plan(self, c: Candidate, micro: int, required: int, allocator: AllocatorConfig) -> Plan:
         s = self.strategy(c, micro)
@@ -320,13 +402,16 @@ class _Search:
             alloc_conf=env,
         )
 
-    def evaluate(self, c: Candidate) -> tuple[Plan | None, _Near | None]:
-        """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit).
+    def evaluate(self, c: Candidate, limit: tuple[float, ...] | None = None) -> tuple[Plan | None, _Near | None]:
+        """(the best fitting plan of ``c``, or None; ``c`` at micro-batch 1 when even that does not fit), over the
+        micro-batches that can beat ``limit`` (:meth:`contenders`; None: all of them).
 
         On one GPU the largest micro-batch the lower bound allows is found first (no estimate); when the estimate
         says it fits, every larger one is ruled out by the bound, otherwise the micro-batch is bisected below it.
         Many GPUs have no bound: bisected from micro-batch 1 up."""
-        micros = self.micro_options(c)
+        micros = self.contenders(c, limit)
+        if not micros:
+            return None, None
         try:
             first = self.strategy(c, micros[0])
         except StrategyError:
@@ -351,24 +436,25 @@ class _Search:
 
     def _bisect_from_smallest(self, c: Candidate, micros: list[int], hi: int) -> tuple[Plan | None, _Near | None]:
         """Whether ``micros[0]`` fits, then the largest that fits below ``micros[hi]`` (known not to fit)."""
-        need = self.required(self.strategy(c, micros[0]))
-        if need is None:
+        first = self.need(self.strategy(c, micros[0]))
+        if first is None:
             return None, None
-        if need > self.usable:
-            return None, _Near(candidate=c, micro=micros[0], bytes=need)
+        if first[0] > self.usable:
+            return None, _Near(candidate=c, micro=micros[0], bytes=first[0])
+        missed = first[1] != self.allocator  # the search's allocator misses here, so at every larger micro-batch
         lo = 0
         while hi - lo > 1:  # micros[lo] fits; micros[hi] (if any) does not
             mid = (lo + hi) // 2
-            if self.fits(self.strategy(c, micros[mid])):
+            if self.fits(self.strategy(c, micros[mid]), missed):
                 lo = mid
             else:
                 hi = mid
-        return self._best(c, micros[: lo + 1]), None
+        return self._best(c, micros[: lo + 1], missed), None
 
-    def _best(self, c: Candidate, fitting: list[int]) -> Plan:
-        """The plan of the fastest micro-batch among ``fitting`` (ties: the larger)."""
+    def _best(self, c: Candidate, fitting: list[int], missed: bool = False) -> Plan:
+        """The plan of the fastest micro-batch among ``fitting`` (ties: the larger; ``missed``: :meth:`need`'s)."""
         best = min(fitting, key=lambda m: (self.key(c.world, self.speed(self.strategy(c, m))), -m))
-        need = self.need(self.strategy(c, best))
+        need = self.need(self.strategy(c, best), missed and best != fitting[0])
         assert need is not None
         return self.plan(c, best, *need)
 
@@ -429,42 +515,32 @@ def search_plans(
     space = candidates(
         spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow, fp8=fp8
     )
-    bounded: list[tuple[tuple[float, ...], int, int, Candidate]] = []
-    speed_cache: dict[tuple[object, ...], tuple[float, ...] | None] = {}
+    # Best-first by each candidate's bound, (bound, kind, changes from the baseline, index): a candidate enters with
+    # the cheap bound (kind 0: one timing, :func:`step_floor_seconds`) and goes back in with its exact one
+    # (kind 1: the best over its micro-batches) when it comes up, so the exact bounds leave the heap in the order
+    # of a sort of all of them — at equal values every cheap entry first — and most are never computed.
+    heap: list[tuple[tuple[float, ...], int, int, int, Candidate]] = []
     for i, c in enumerate(space):
-        # Speed does not depend on the optimizer: one bound per candidate without it.
-        skey = (
-            c.world,
-            c.tensor,
-            c.pipeline,
-            c.sharding,
-            c.offload,
-            c.engine,
-            c.precision,
-            c.checkpointing,
-            c.finetune,
-            c.float8,
-            c.activation_offload,  # its PCIe traffic
-            c.optimizer_in_backward,  # its micro-batches (no accumulation)
-        )
-        if skey not in speed_cache:
-            try:
-                speed_cache[skey] = min(s.key(c.world, s.fast_speed(c, m)) for m in s.micro_options(c))
-            except StrategyError:  # no peak for this dtype in the catalog
-                speed_cache[skey] = None
-        bound = speed_cache[skey]
-        if bound is not None:
-            bounded.append((bound, _distance(c, baseline), i, c))
-    bounded.sort(key=lambda x: (x[0], x[1], x[2]))
+        cheap = s.cheap_key(c)
+        if cheap is not None:  # None: no peak for this dtype in the catalog
+            heap.append((cheap, 0, _distance(c, baseline), i, c))
+    heapq.heapify(heap)
     found: list[Plan] = []
     nears: list[_Near] = []
-    for bound, _changes, _i, c in bounded:
+    while heap:
+        bound, kind, changes, i, c = heapq.heappop(heap)
         if len(found) >= top and bound >= s.key(found[-1].gpus, found[-1].speed):
             break
+        if kind == 0:
+            exact = s.bound(c)
+            if exact is not None:
+                heapq.heappush(heap, (exact, 1, changes, i, c))
+            continue
         same = (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, c.float8)
         if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
             continue  # a plan of this layout already reaches this candidate's best time: it could only tie
-        plan, near = s.evaluate(c)
+        limit = s.key(found[-1].gpus, found[-1].speed) if len(found) >= top else None
+        plan, near = s.evaluate(c, limit)
         if plan is not None and any(s.fits(s.strategy(f, plan.strategy.micro_batch)) for f in c.fewer_savers()):
             # A saver is never faster than the same plan without it at the same micro-batch: where the twin, or a
             # combination's subset, fits there, its own plan is at least as good (each is a candidate of its own).
@@ -502,7 +578,7 @@ def _closest(s: _Search, nears: list[_Near]) -> Plan | None:
     for near in sorted(nears, key=lambda n: n.bytes):
         if best is not None and near.bytes >= best[0]:
             break
-        need = s.need(s.strategy(near.candidate, near.micro))
+        need = s.need(s.strategy(near.candidate, near.micro), exact=True)
         if need is not None and (best is None or need[0] < best[0]):
             best = (*need, near)
     if best is None:

@@ -310,11 +310,18 @@ CHECKPOINTING = (
 )
 
 
-def _optimizers(ft: Finetune) -> tuple[Optimizer, ...]:
+def _optimizers(ft: Finetune, offload: str, engine: Engine) -> tuple[Optimizer, ...]:
     """AdamW and 8-bit AdamW; adapters only AdamW: the optimizer holds the adapters' states alone (rank 16 on all
     linears: 42M of Mistral 7B's 7.2B parameters), so 8-bit states save 0.25 GB there and the speed model cannot
-    tell the two apart — a second candidate per layout that can only tie."""
-    return (Optimizer.ADAMW,) if ft is not Finetune.FULL else (Optimizer.ADAMW, Optimizer.ADAMW_8BIT)
+    tell the two apart — a second candidate per layout that can only tie. With the optimizer offloaded, AdamW only
+    too: its states are host memory, so the device's stream is the same for both (and the speed model the same);
+    DeepSpeed refuses a client optimizer under ZeRO-Offload besides (deepspeed/runtime/engine.py
+    ``_configure_optimizer``: ``ZeRORuntimeException`` unless ``zero_force_ds_cpu_optimizer`` is false, its
+    default true, runtime/constants.py). Megatron: its own Adam (``--optimizer adam``; the estimate models no other
+    there, :func:`trainfit.analytic.parallel.megatron_inputs`)."""
+    if ft is not Finetune.FULL or offload != "none" or engine is Engine.MEGATRON:
+        return (Optimizer.ADAMW,)
+    return (Optimizer.ADAMW, Optimizer.ADAMW_8BIT)
 
 
 def native_precisions(gpu: GPUSpec) -> tuple[Precision, ...]:
@@ -422,7 +429,7 @@ def candidates(
                 if ft is not Finetune.FULL and (t > 1 or p > 1 or off != "none"):
                     continue  # adapters: data parallel only (Megatron with adapters is refused; so is offload here)
                 for prec in native_precisions(gpu):
-                    for opt in _optimizers(ft):
+                    for opt in _optimizers(ft, off, engine):
                         for ck in CHECKPOINTING:
                             if ck is Checkpointing.SAC and (t > 1 or p > 1):
                                 continue  # the estimate refuses sac with TP/PP (analytic.parallel.plan): no need to ask

@@ -788,6 +788,16 @@ def step_time(
     return step_time_of(spec, SpeedInputs.of(strategy, spec), gpu, network_gbps=network_gbps)
 
 
+def step_floor_seconds(t: StepTime) -> float:
+    """A step's compute and optimizer step. Of the same setup's micro-batch splits, the one with the fewest
+    micro-steps (the largest micro-batch) has the least of both — compute counts the rank's token-passes, the
+    same for every split, plus a frozen quantised base's dequantisation once per micro-step
+    (:func:`_frozen_base_seconds`); the optimizer step does not depend on the split — and every other term is
+    ≥ 0, so its value bounds ``step_seconds`` at every micro-batch from below: the planner orders its search by it
+    before it times every micro-batch (tests/planner/test_speed.py holds it)."""
+    return t.compute_seconds + t.optimizer_seconds
+
+
 def step_time_of(
     spec: ModelSpec, x: SpeedInputs, gpu: GPUSpec, *, network_gbps: float = DEFAULT_NETWORK_GBPS
 ) -> StepTime:
