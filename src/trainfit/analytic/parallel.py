@@ -496,12 +496,22 @@ class HeldTensor:
         return shard_tensor(self.tensor, shards).numel
 
 
+#: :func:`held_tensors` of recent (spec, strategy, fsdp_mixed): one estimate asks for them several times.
+_HELD: Memo[tuple[HeldTensor, ...]] = Memo(256)
+
+
 def held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool = False) -> tuple[HeldTensor, ...]:
     """Every parameter tensor of ``spec`` under ``strategy``'s trainable mask (``param_states``) with the
     width a data-parallel rank stores it in. ``fsdp_mixed``: FSDP2 under a mixed-precision policy, whose
     model is built in fp32 (a base without ``--base-dtype`` and every trainable tensor but a 16-bit adapter
     is fp32); a QLoRA base's packed weights are stored as bf16 elements (:data:`QUANT_STORAGE_BITS`) and
-    its other frozen tensors in fp32 (``prepare_model_for_kbit_training``)."""
+    its other frozen tensors in fp32 (``prepare_model_for_kbit_training``). Memoized."""
+    return _HELD.get(
+        (spec_key(spec), strategy, fsdp_mixed), lambda: _held_tensors(spec, strategy, fsdp_mixed=fsdp_mixed)
+    )
+
+
+def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> tuple[HeldTensor, ...]:
     r, base = strategy.recipe, strategy.base_weights
     quant = base.quantization.dtype
     inv = inventory(spec)

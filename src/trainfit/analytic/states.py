@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainfit._memo import Memo, spec_key
 from trainfit.analytic.adapters import (
     bnb_converted,
     finetuning,
@@ -164,8 +165,16 @@ class ParamState:
     adapter: bool = False  # an adapter tensor (LoRA A/B, DoRA magnitude)
 
 
+#: :func:`param_states` of recent (spec, strategy) pairs: one estimate asks for them several times.
+_PARAM_STATES: Memo[tuple[ParamState, ...]] = Memo(256)
+
+
 def param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
-    """Every parameter tensor of ``spec`` under ``strategy``'s trainable mask and per-tensor formats."""
+    """Every parameter tensor of ``spec`` under ``strategy``'s trainable mask and per-tensor formats (memoized)."""
+    return _PARAM_STATES.get((spec_key(spec), strategy), lambda: _param_states(spec, strategy))
+
+
+def _param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]:
     if finetuning(strategy):
         return finetune_param_states(spec, strategy)
     r = strategy.recipe

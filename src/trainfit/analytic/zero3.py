@@ -314,9 +314,13 @@ def _replay(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Z
                 events.append((st.where, copy_id.pop(p), 0))
         moments.append((st.where, live()))
 
+    by_where: dict[str, int] = {}  # the most live bytes at each step (many moments per step)
+    for w, b in moments:
+        if b > by_where.get(w, -1):
+            by_where[w] = b
+
     def worst(pred: str) -> int:
-        vals = [b for w, b in moments if w.startswith(pred)]
-        return max(vals, default=0)
+        return max((b for w, b in by_where.items() if w.startswith(pred)), default=0)
 
     layers = sum(g.count for g in inventory(spec).layers)
     top, bottom = f"L{layers - 1}", "L0"
