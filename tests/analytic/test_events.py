@@ -28,6 +28,9 @@ CASES = [
     ("gpt2", Strategy(precision="amp-fp16", optimizer_impl="foreach", micro_batch=4, seq_len=1024)),
     ("llama-3.2-1b", Strategy(precision="pure-bf16", checkpointing="full", micro_batch=2, seq_len=2048)),
     ("bert-base-uncased", Strategy(precision="fp32", attention="eager", micro_batch=4, seq_len=512)),
+    # Gradient accumulation: the second micro-step runs with every .grad resident (a tied table's sum included)
+    ("qwen2.5-0.5b", Strategy(micro_batch=2, seq_len=1024, grad_accum=4)),
+    ("llama-3.2-1b", Strategy(precision="pure-bf16", checkpointing="full", micro_batch=2, seq_len=2048, grad_accum=2)),
     # Fine-tuning: frozen or quantised bases get no gradients and no autocast copies in the stream either.
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("qlora", "nf4", "q_proj,v_proj"))),
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("lora", "bf16", "all-linear"))),

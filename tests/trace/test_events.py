@@ -70,3 +70,18 @@ def test_trace_method_reports_the_simulated_reserved_memory() -> None:
         simulated.peak_bytes, details.allocator.reserved_peak_bytes - workspaces
     )
     assert details.allocator.reserved_peak_bytes >= simulated.peak_bytes + workspaces
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_gradient_accumulation_reserve_follows_the_trace(checkpointing: str) -> None:
+    """With accumulation the second micro-step runs with every .grad resident and adds each new gradient into it:
+    the analytic stream replays that micro-step (it used to replay one, leaving a reserve of 0 under the closed
+    form's accumulation peak: −5.4…−5.8% of the trace's reserved on this model)."""
+    from trainfit import estimate
+
+    spec = tiny_spec("llama", num_hidden_layers=4, hidden_size=512, intermediate_size=1536, vocab_size=8192)
+    s = Strategy(precision="amp-bf16", checkpointing=checkpointing, micro_batch=2, seq_len=256, grad_accum=2)
+    analytic = estimate(spec, s, gpu="h100-sxm-80gb", fixes=False)
+    traced = estimate(spec, s, method="trace", gpu="h100-sxm-80gb", fixes=False)
+    assert analytic.overhead.allocator_reserve_bytes > 0
+    assert analytic.reserved_estimate_bytes == pytest.approx(traced.reserved_estimate_bytes, rel=0.02)

@@ -276,131 +276,160 @@ def synthesise(
             saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
         return copies, saved
 
+    # Gradient accumulation on one GPU: the first micro-step makes each .grad, the next ones add into them
+    # (resident through their forward and backward); the micro-steps after the second repeat it, and are not
+    # replayed. A many-GPU rank's hooks model one micro-step.
+    micro_steps = min(strategy.grad_accum, 2) if rank is _ONE_GPU else 1
     for step in range(steps):
-        inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
-        if step == 0:
-            for ws in workspaces:
-                if ws.thread is Thread.MAIN:
-                    s.alloc(ws.size_bytes)
-        rank.forward_begin(s)
-        embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
-        layers: list[tuple[list[int], list[int]]] = []
-        kept: list[int] = []
-        residual = s.alloc(hidden)
-        for i in range(spec.num_layers):
-            if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
-                kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
-            rank.layer_forward_begin(s, i)
-            copies, saved = layer_forward(i)
-            if segment_of:  # no grad inside a checkpoint: nothing is saved, copies die with the call
+        grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
+        for micro in range(micro_steps):
+            inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
+            if step == 0 and micro == 0:
+                for ws in workspaces:
+                    if ws.thread is Thread.MAIN:
+                        s.alloc(ws.size_bytes)
+            rank.forward_begin(s)
+            embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
+            layers: list[tuple[list[int], list[int]]] = []
+            kept: list[int] = []
+            residual = s.alloc(hidden)
+            for i in range(spec.num_layers):
+                if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
+                    kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
+                rank.layer_forward_begin(s, i)
+                copies, saved = layer_forward(i)
+                if segment_of:  # no grad inside a checkpoint: nothing is saved, copies die with the call
+                    s.free_all(saved)
+                    s.free_all(copies)
+                    copies, saved = [], []
+                    sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
+                layers.append((copies, saved))
+                nxt = s.alloc(hidden)
+                s.free(residual)
+                residual = nxt
+                rank.layer_forward_end(s, i)
+            head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
+            head = [
+                s.alloc(rank.saved_bytes(x.name, x.bytes)) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)
+            ]
+            s.free(residual)
+            # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
+            gather = rank.logits_gather(s)
+            logits = s.alloc(a * n_logits)
+            s.free_all(gather)
+            upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
+            rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
+            log_softmax = s.alloc(rest)
+            s.free(upcast)
+            s.free(logits)  # the HF Trainer drops the outputs before backward
+            rank.backward_begin(s)
+
+            # Backward: the loss gradients, then the head.
+            if step == 0 and micro == 0:
+                for ws in workspaces:
+                    if ws.thread is Thread.AUTOGRAD:
+                        s.alloc(ws.size_bytes)
+            # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
+            # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
+            g_nll = s.alloc(4 * n_logits)
+            mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
+            g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
+            s.free(g_nll)
+            s.free(log_softmax)
+            g_logits = g_lsm
+            if upcast:
+                g_logits = s.alloc(a * n_logits)
+                s.free(g_lsm)
+            model_grads: list[int] = []
+            table_grad = 0  # the tied table's gradient, allocated with the head's backward
+            waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
+            for x in model_trained:
+                if _head_tensor(spec, x) and micro:
+                    # Accumulating: each new gradient is added into the resident .grad and dropped
+                    # (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad +=
+                    # new_grad`` with grad mode off); a tied table's waits for the embedding's, summed first.
+                    new = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    if x.name == "embed_tokens.weight" and tied is not None:
+                        waiting = new
+                    else:
+                        s.free(new)
+                elif _head_tensor(spec, x):
+                    model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                    if x.name == "embed_tokens.weight":
+                        table_grad = model_grads[-1]
+                        if not table_grad and tied is not None and tied_sum_modelled(strategy):
+                            waiting = s.alloc(tied.embedding_grad_bytes)
+            grads += model_grads
+            g_res = s.alloc(hidden)
+            s.free(g_logits)
+            s.free_all(head_copies)
+            norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))
+            s.free(norm_temp)
+            s.free_all(head)
+            for i in reversed(range(spec.num_layers)):
+                g = kinds[i]
+                copies, saved = layers[i]
+                if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
+                    # Recompute the segment that ends here: every layer of it saves again.
+                    seg = segment_of[i]
+                    for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
+                        s.free_all(sac_kept.pop(j, []))  # the recomputation takes them over (no new allocation)
+                        layers[j] = layer_forward(j)
+                    copies, saved = layers[i]
+                rank.layer_backward_begin(s, i)
+                layer_grads = (
+                    [] if micro else [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in trainable]
+                )
+                for x in g.tensors if micro else ():
+                    if x in trainable:  # accumulating: added into the resident .grad, dropped
+                        s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                temp = s.alloc(temps.block_bytes)
+                s.free(temp)
+                chain = s.alloc(chain_backward)
+                g_next = s.alloc(hidden)
+                s.free(chain)
                 s.free_all(saved)
                 s.free_all(copies)
-                copies, saved = [], []
-                sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
-            layers.append((copies, saved))
-            nxt = s.alloc(hidden)
-            s.free(residual)
-            residual = nxt
-            rank.layer_forward_end(s, i)
-        head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
-        head = [
-            s.alloc(rank.saved_bytes(x.name, x.bytes)) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)
-        ]
-        s.free(residual)
-        # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
-        gather = rank.logits_gather(s)
-        logits = s.alloc(a * n_logits)
-        s.free_all(gather)
-        upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
-        rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
-        log_softmax = s.alloc(rest)
-        s.free(upcast)
-        s.free(logits)  # the HF Trainer drops the outputs before backward
-        rank.backward_begin(s)
-
-        # Backward: the loss gradients, then the head.
-        if step == 0:
-            for ws in workspaces:
-                if ws.thread is Thread.AUTOGRAD:
-                    s.alloc(ws.size_bytes)
-        grads: list[int] = []
-        # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
-        # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
-        g_nll = s.alloc(4 * n_logits)
-        mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
-        g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
-        s.free(g_nll)
-        s.free(log_softmax)
-        g_logits = g_lsm
-        if upcast:
-            g_logits = s.alloc(a * n_logits)
-            s.free(g_lsm)
-        model_grads: list[int] = []
-        table_grad = 0  # the tied table's gradient, allocated with the head's backward
-        waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
-        for x in model_trained:
-            if _head_tensor(spec, x):
-                model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
-                if x.name == "embed_tokens.weight":
-                    table_grad = model_grads[-1]
-                    if not table_grad and tied is not None and tied_sum_modelled(strategy):
-                        waiting = s.alloc(tied.embedding_grad_bytes)
-        grads += model_grads
-        g_res = s.alloc(hidden)
-        s.free(g_logits)
-        s.free_all(head_copies)
-        norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))
-        s.free(norm_temp)
-        s.free_all(head)
-        for i in reversed(range(spec.num_layers)):
-            g = kinds[i]
-            copies, saved = layers[i]
-            if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
-                # Recompute the segment that ends here: every layer of it saves again.
-                seg = segment_of[i]
-                for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
-                    s.free_all(sac_kept.pop(j, []))  # the recomputation takes them over (no new allocation)
-                    layers[j] = layer_forward(j)
-                copies, saved = layers[i]
-            rank.layer_backward_begin(s, i)
-            layer_grads = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in trainable]
-            temp = s.alloc(temps.block_bytes)
-            s.free(temp)
-            chain = s.alloc(chain_backward)
-            g_next = s.alloc(hidden)
-            s.free(chain)
-            s.free_all(saved)
-            s.free_all(copies)
+                s.free(g_res)
+                g_res = g_next
+                if not micro:
+                    grads += rank.layer_backward_end(s, i, layer_grads)
+                if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
+                    s.free(kept.pop())
+            if tied is not None:
+                # A tied table: the embedding's dense gradient meets the head's (states.tied_gradient_sum); out of
+                # place, the sum takes the head's gradient's place and both inputs are released. A rank whose hooks
+                # copy each gradient at once (ZeRO-2/3's IPG bucket, DDP's bucket view) stands the copy for the sum;
+                # the head's gradient waited for the embedding's beside it (the hooks fire on AccumulateGrad, after
+                # autograd's sum: the closed form's BACKWARD_EMBEDDING moment).
+                emb_grad = s.alloc(tied.embedding_grad_bytes)
+                if micro:  # accumulating: the out-of-place sum is transient too, added into the .grad
+                    total = s.alloc(tied_sum)
+                    s.free_all((waiting, emb_grad, total))
+                elif tied_sum and table_grad:
+                    total = s.alloc(tied_sum)
+                    s.free(table_grad)
+                    model_grads[model_grads.index(table_grad)] = total
+                    grads[grads.index(table_grad)] = total
+                if not micro:
+                    total = s.alloc(tied_sum) if waiting and rank.adds_into_view else 0
+                    s.free(waiting)
+                    s.free(emb_grad)
+                    s.free(total)
+            late_tensors = [x for x in model_trained if not _head_tensor(spec, x)]
+            if micro:
+                for x in late_tensors:
+                    s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+            else:
+                late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in late_tensors]
+                grads += late
+                kept_grads = rank.backward_end(s, model_grads, late)
+                if kept_grads is not None:
+                    dropped = set(model_grads + late)
+                    grads = [k for k in grads if k not in dropped] + kept_grads
             s.free(g_res)
-            g_res = g_next
-            grads += rank.layer_backward_end(s, i, layer_grads)
-            if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
-                s.free(kept.pop())
-        if tied is not None:
-            # A tied table: the embedding's dense gradient meets the head's (states.tied_gradient_sum); out of
-            # place, the sum takes the head's gradient's place and both inputs are released. A rank whose hooks
-            # copy each gradient at once (ZeRO-2/3's IPG bucket, DDP's bucket view) stands the copy for the sum;
-            # the head's gradient waited for the embedding's beside it (the hooks fire on AccumulateGrad, after
-            # autograd's sum: the closed form's BACKWARD_EMBEDDING moment).
-            emb_grad = s.alloc(tied.embedding_grad_bytes)
-            if tied_sum and table_grad:
-                total = s.alloc(tied_sum)
-                s.free(table_grad)
-                model_grads[model_grads.index(table_grad)] = total
-                grads[grads.index(table_grad)] = total
-            total = s.alloc(tied_sum) if waiting and rank.adds_into_view else 0
-            s.free(waiting)
-            s.free(emb_grad)
-            s.free(total)
-        late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in model_trained if not _head_tensor(spec, x)]
-        grads += late
-        kept_grads = rank.backward_end(s, model_grads, late)
-        if kept_grads is not None:
-            dropped = set(model_grads + late)
-            grads = [k for k in grads if k not in dropped] + kept_grads
-        s.free(g_res)
-        s.free_all(embedding)
-        s.free_all(inputs)
+            s.free_all(embedding)
+            s.free_all(inputs)
 
         # The optimizer step: states created in the first step, then its temporaries.
         if not optimizer_created and not strategy.savers.paged_optimizer:  # paged: cudaMallocManaged, not here
