@@ -136,6 +136,10 @@ class RankHooks:
     #: AccumulateGrad adds autograd's gradient into a ``.grad`` that is a view of a framework's buffer (DDP's
     #: ``gradient_as_bucket_view``): a tied table's out-of-place sum is a tensor of its own before that.
     adds_into_view = False
+    #: Whether the stream replays gradient accumulation for this rank (:func:`synthesise`: two micro-steps, the
+    #: second with every ``.grad`` resident); False: one micro-step (the framework hooks whose accumulation is not
+    #: modelled yet: DDP, FSDP2, ZeRO).
+    replays_accumulation = True
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         """The resident parameters (and a framework's persistent buffers), before the first step."""
@@ -276,10 +280,10 @@ def synthesise(
             saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
         return copies, saved
 
-    # Gradient accumulation on one GPU: the first micro-step makes each .grad, the next ones add into them
-    # (resident through their forward and backward); the micro-steps after the second repeat it, and are not
-    # replayed. A many-GPU rank's hooks model one micro-step.
-    micro_steps = min(strategy.grad_accum, 2) if rank is _ONE_GPU else 1
+    # Gradient accumulation (one GPU, a DTensor TP rank): the first micro-step makes each .grad, the next ones add
+    # into them (resident through their forward and backward); the micro-steps after the second repeat it, and
+    # are not replayed. DDP, FSDP2 and ZeRO ranks' hooks model one micro-step (RankHooks.replays_accumulation).
+    micro_steps = min(strategy.grad_accum, 2) if rank.replays_accumulation else 1
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
         for micro in range(micro_steps):
