@@ -150,37 +150,25 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
     )
 
 
+def _candidate_layout(c: Candidate) -> tuple[object, ...]:
+    """The layout a plan table tells apart: GPUs, parallel degrees, sharding, offload, checkpointing, method, fp8
+    linears (fp8 changes the speed: not the same layout)."""
+    return (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, c.float8)
+
+
 def _speed_signature(c: Candidate) -> tuple[object, ...]:
     """What the speed model reads of a candidate: all but the optimizer (one bound per candidate without it)."""
     return (
-        c.world,
-        c.tensor,
-        c.pipeline,
-        c.sharding,
-        c.offload,
+        *_candidate_layout(c),
         c.engine,
         c.precision,
-        c.checkpointing,
-        c.finetune,
-        c.float8,
         c.activation_offload,  # its PCIe traffic
         c.optimizer_in_backward,  # its micro-batches (no accumulation)
     )
 
 
 def _layout(p: Plan) -> tuple[object, ...]:
-    c = p.candidate
-    return (
-        c.world,
-        c.tensor,
-        c.pipeline,
-        c.sharding,
-        c.offload,
-        c.checkpointing,
-        c.finetune,
-        c.float8,  # fp8 linears change the speed: not the same layout
-        p.strategy.micro_batch,
-    )
+    return (*_candidate_layout(p.candidate), p.strategy.micro_batch)
 
 
 def _distinct(ranked: list[Plan], s: _Search) -> list[Plan]:
@@ -536,7 +524,7 @@ def search_plans(
             if exact is not None:
                 heapq.heappush(heap, (exact, 1, changes, i, c))
             continue
-        same = (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, c.float8)
+        same = _candidate_layout(c)
         if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
             continue  # a plan of this layout already reaches this candidate's best time: it could only tie
         limit = s.key(found[-1].gpus, found[-1].speed) if len(found) >= top else None
