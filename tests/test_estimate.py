@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trainfit import Strategy, estimate, load_model
@@ -99,3 +101,15 @@ def test_default_sequence_is_the_models_context_when_shorter() -> None:
     res = CliRunner().invoke(app, ["estimate", "gpt2", "--json"])
     assert res.exit_code == 0 and "max_position_embeddings" not in res.output
     assert '"seq_len": 1024' in res.stdout and '"optimizer_impl": "fused"' in res.stdout
+
+
+def test_deepspeed_optimizer_offload_with_a_client_optimizer_is_warned() -> None:
+    """DeepSpeed refuses a client optimizer under ZeRO-Offload unless ``zero_force_ds_cpu_optimizer`` is false."""
+    from trainfit.strategy import Offload, Parallelism
+
+    base = Strategy(parallelism=Parallelism(data=8), sharding="zero2", offload=Offload.parse("optimizer"))
+    said = [w for w in estimate("llama-3.2-1b", dataclasses.replace(base, optimizer="adamw-8bit")).warnings]
+    assert any("zero_force_ds_cpu_optimizer" in w for w in said)
+    assert not any("zero_force_ds_cpu_optimizer" in w for w in estimate("llama-3.2-1b", base).warnings)
+    fsdp = dataclasses.replace(base, sharding="fsdp", offload=Offload.parse("optimizer+params"), optimizer="adamw-8bit")
+    assert not any("zero_force_ds_cpu_optimizer" in w for w in estimate("llama-3.2-1b", fsdp).warnings)

@@ -28,7 +28,7 @@ from trainfit.analytic.activations import (
 )
 from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.explain import compare_with_rule_of_thumb
-from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
+from trainfit.analytic.parallel import estimate_parallel, nccl_bytes, resolve_engine
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
 from trainfit.errors import DependencyError, StrategyError
@@ -45,7 +45,7 @@ from trainfit.planner.search import (
 )
 from trainfit.precision.advice import fp8_from_cc
 from trainfit.result import Component, FitVerdict, MemoryReport, Method, PhaseBreakdown, Suggestion, SuggestionKind
-from trainfit.strategy import Attention, Checkpointing, Strategy
+from trainfit.strategy import Attention, Checkpointing, Engine, OffloadTarget, Optimizer, Strategy
 
 __all__ = [
     "DEFAULT_HEADROOM",
@@ -107,6 +107,21 @@ def precision_warnings(strategy: Strategy, gpu: GPUSpec) -> list[str]:
             f"bf16 would be emulated and slow — use --precision {alt} (fp16 with dynamic loss scaling)"
         ]
     return []
+
+
+def offload_optimizer_warnings(strategy: Strategy) -> list[str]:
+    """DeepSpeed's optimizer offload runs its own CPU Adam: a client optimizer (8-bit AdamW, SGD, ...) under
+    ZeRO-Offload raises ``ZeRORuntimeException`` unless ``zero_force_ds_cpu_optimizer`` is false
+    (deepspeed/runtime/engine.py ``_configure_optimizer``; the default is true, runtime/constants.py)."""
+    if strategy.offload.optimizer is OffloadTarget.NONE or strategy.optimizer is Optimizer.ADAMW:
+        return []
+    if resolve_engine(strategy) is not Engine.DEEPSPEED:
+        return []
+    return [
+        f"DeepSpeed runs its own CPU Adam when it offloads the optimizer: with --optimizer "
+        f"{strategy.optimizer.value} it stops at initialisation unless the config sets "
+        '"zero_force_ds_cpu_optimizer": false (the estimate assumes it does)'
+    ]
 
 
 def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
@@ -386,6 +401,7 @@ def estimate(
         warnings += rule_of_thumb_warnings(asked)
     else:
         warnings += attention_warnings(spec, strategy)
+    warnings += offload_optimizer_warnings(strategy)
     fit = None
     notes = list(report.notes) + gpu_notes
     if gpu_spec is not None:
