@@ -113,3 +113,21 @@ def test_deepspeed_optimizer_offload_with_a_client_optimizer_is_warned() -> None
     assert not any("zero_force_ds_cpu_optimizer" in w for w in estimate("llama-3.2-1b", base).warnings)
     fsdp = dataclasses.replace(base, sharding="fsdp", offload=Offload.parse("optimizer+params"), optimizer="adamw-8bit")
     assert not any("zero_force_ds_cpu_optimizer" in w for w in estimate("llama-3.2-1b", fsdp).warnings)
+
+
+def test_fsdp2_accumulation_warns_what_the_trainers_default_would_add() -> None:
+    """FSDP2 with accumulation: the estimate reduce-scatters every micro-step; the HF Trainer's default (accelerate's
+    no_sync) keeps every trainable parameter's unsharded gradient in the reduce dtype (fp32 under the policy) — the
+    whole model's, less the 1/8 shards the estimate already holds."""
+    from trainfit.analytic.parallel import fsdp_no_sync_grad_bytes
+    from trainfit.strategy import Parallelism
+
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(parallelism=Parallelism(data=8), sharding="fsdp", checkpointing="full", grad_accum=4)
+    said = [w for w in estimate(spec, s).warnings if "accumulation steps" in w]
+    assert len(said) == 1 and "sync_each_batch" in said[0]
+    extra = fsdp_no_sync_grad_bytes(spec, s, 8)
+    assert extra == pytest.approx(estimate(spec, s).trainable_params * 4 * 7 / 8, rel=0.01)
+    assert not [w for w in estimate(spec, dataclasses.replace(s, grad_accum=1)).warnings if "accumulation steps" in w]
+    zero = dataclasses.replace(s, sharding="zero3")  # DeepSpeed accumulates its own way
+    assert not [w for w in estimate(spec, zero).warnings if "accumulation steps" in w]

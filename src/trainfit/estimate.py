@@ -28,7 +28,8 @@ from trainfit.analytic.activations import (
 )
 from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.explain import compare_with_rule_of_thumb
-from trainfit.analytic.parallel import estimate_parallel, nccl_bytes, resolve_engine
+from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
+from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
 from trainfit.errors import DependencyError, StrategyError
@@ -45,7 +46,8 @@ from trainfit.planner.search import (
 )
 from trainfit.precision.advice import fp8_from_cc
 from trainfit.result import Component, FitVerdict, MemoryReport, Method, PhaseBreakdown, Suggestion, SuggestionKind
-from trainfit.strategy import Attention, Checkpointing, Engine, OffloadTarget, Optimizer, Strategy
+from trainfit.strategy import Attention, Checkpointing, Engine, OffloadTarget, Optimizer, Sharding, Strategy
+from trainfit.units import fmt_gib
 
 __all__ = [
     "DEFAULT_HEADROOM",
@@ -121,6 +123,25 @@ def offload_optimizer_warnings(strategy: Strategy) -> list[str]:
         f"DeepSpeed runs its own CPU Adam when it offloads the optimizer: with --optimizer "
         f"{strategy.optimizer.value} it stops at initialisation unless the config sets "
         '"zero_force_ds_cpu_optimizer": false (the estimate assumes it does)'
+    ]
+
+
+def fsdp_accumulation_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
+    """FSDP2 with gradient accumulation: the estimate reduce-scatters every micro-step; the HF Trainer's default
+    (accelerate's ``no_sync``) keeps unsharded gradients between micro-steps (:func:`fsdp_no_sync_grad_bytes`)."""
+    if strategy.grad_accum < 2 or strategy.sharding not in (Sharding.FSDP, Sharding.HSDP):
+        return []
+    try:
+        p = parallel_plan(spec, strategy)
+    except StrategyError:
+        return []
+    if p.engine is not Engine.TORCH or p.tp > 1:
+        return []
+    extra = fsdp_no_sync_grad_bytes(spec, strategy, p.shard)
+    return [
+        f"FSDP2 with {strategy.grad_accum} accumulation steps: this estimate reduce-scatters the gradients after every "
+        "micro-step (accelerate's sync_each_batch=True; trainfit plan's exports set it). The HF Trainer's default "
+        f"skips that until the last micro-step and keeps every unsharded gradient meanwhile: +{fmt_gib(extra)} per GPU"
     ]
 
 
@@ -402,6 +423,8 @@ def estimate(
     else:
         warnings += attention_warnings(spec, strategy)
     warnings += offload_optimizer_warnings(strategy)
+    if strategy.is_distributed and method is not Method.RULE_OF_THUMB:
+        warnings += fsdp_accumulation_warnings(spec, strategy)
     fit = None
     notes = list(report.notes) + gpu_notes
     if gpu_spec is not None:

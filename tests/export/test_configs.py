@@ -78,6 +78,16 @@ def test_training_arguments_are_accepted(name: str, tmp_path: Path, bf16_gpu: No
         assert bool(args.fsdp) and isinstance(fsdp_config, dict) and fsdp_config["version"] == 2
         assert fsdp_config["reshard_after_forward"] is True
         assert fsdp_config["cpu_offload"] == strategy.offload.parameters_on_host
+        # every micro-step reduce-scatters, as the plan's memory assumes: the Trainer's accelerator gets the kwarg
+        assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+        from accelerate.utils import GradientAccumulationPlugin
+
+        plugin = GradientAccumulationPlugin(
+            num_steps=strategy.grad_accum, **args.accelerator_config.gradient_accumulation_kwargs
+        )
+        assert plugin.sync_each_batch is True
+    else:
+        assert "accelerator_config" not in kwargs
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp-offload"])

@@ -792,6 +792,27 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     )
 
 
+def fsdp_no_sync_grad_bytes(spec: ModelSpec, strategy: Strategy, shards: int) -> int:
+    """What a rank holds more when FSDP2 skips the reduce-scatter between micro-steps — the HF Trainer's default
+    under gradient accumulation: accelerate's ``no_sync`` is ``set_requires_gradient_sync(False)`` for FSDP2
+    (accelerate/accelerator.py ``no_sync``, used by transformers' Trainer for every micro-step but the last unless
+    ``sync_each_batch``), and each parameter then keeps its *unsharded* gradient, upcast to ``reduce_dtype``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``to_accumulated_grad_if_needed``), to the last micro-step:
+    every trainable parameter's full gradient in the reduce dtype, less the sharded gradients the estimate
+    already holds (``shards``: the sharding group's size). trainfit's FSDP2 estimate reduce-scatters every
+    micro-step (``sync_each_batch=True``, which its exports set)."""
+    mixed = strategy.recipe.mixed
+    cbits = strategy.recipe.compute_bits
+    held = held_tensors(spec, strategy, fsdp_mixed=mixed)
+    full = sum(
+        h.tensor.numel * h.count * fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=cbits, packed=False)[1] // 8
+        for h in held
+        if h.trainable
+    )
+    sharded = sum(_alloc(h.shard_numel(shards), h.bits) * h.count for h in held if h.trainable)
+    return max(0, full - sharded)
+
+
 def _fsdp(
     spec: ModelSpec,
     strategy: Strategy,
@@ -2076,6 +2097,7 @@ __all__ = [
     "estimate_parallel",
     "first_stage_embeddings",
     "fsdp_groups",
+    "fsdp_no_sync_grad_bytes",
     "fsdp_states",
     "fsdp_wire_bits",
     "held_tensors",

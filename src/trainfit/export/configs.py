@@ -253,6 +253,16 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
             "cpu_offload": strategy.offload.parameters_on_host,
             "transformer_layer_cls_to_wrap": [layer_class(spec)],
         }
+        if strategy.grad_accum > 1:
+            # The plan's memory reduce-scatters the gradients after every micro-step; the Trainer's default
+            # (accelerate's no_sync: FSDP2 set_requires_gradient_sync(False)) would keep every unsharded gradient
+            # until the last one (analytic.parallel.fsdp_no_sync_grad_bytes).
+            args["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+            notes.append(
+                "accelerator_config gradient_accumulation_kwargs sync_each_batch=True: FSDP2 reduce-scatters after "
+                "every micro-step, as the plan's memory assumes (the Trainer's default keeps unsharded gradients "
+                "between micro-steps)"
+            )
         if strategy.sharding is Sharding.HSDP:
             mesh = _hsdp_mesh(strategy)
             notes.append(
