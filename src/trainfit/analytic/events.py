@@ -138,7 +138,7 @@ class RankHooks:
     adds_into_view = False
     #: Whether the stream replays gradient accumulation for this rank (:func:`synthesise`: two micro-steps, the
     #: second with every ``.grad`` resident); False: one micro-step (the framework hooks whose accumulation is not
-    #: modelled yet: DDP, FSDP2, ZeRO).
+    #: modelled yet: FSDP2, ZeRO).
     replays_accumulation = True
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
@@ -280,9 +280,9 @@ def synthesise(
             saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
         return copies, saved
 
-    # Gradient accumulation (one GPU, a DTensor TP rank): the first micro-step makes each .grad, the next ones add
-    # into them (resident through their forward and backward); the micro-steps after the second repeat it, and
-    # are not replayed. DDP, FSDP2 and ZeRO ranks' hooks model one micro-step (RankHooks.replays_accumulation).
+    # Gradient accumulation (one GPU, a DDP or DTensor TP rank): the first micro-step makes each .grad, the next
+    # ones add into them (resident through their forward and backward); the micro-steps after the second repeat
+    # it, and are not replayed. FSDP2 and ZeRO ranks' hooks model one micro-step (RankHooks.replays_accumulation).
     micro_steps = min(strategy.grad_accum, 2) if rank.replays_accumulation else 1
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step

@@ -191,8 +191,6 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
 class DdpHooks(RankHooks):
     """DDP: the buckets after the weights; with ``gradient_as_bucket_view`` no separate gradients."""
 
-    replays_accumulation = False  # its micro-steps' gradient handling is not modelled: one micro-step
-
     def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
         eo = strategy.engine
         self.buckets = ddp_bucket_bytes(
