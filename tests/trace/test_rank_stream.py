@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, simulate
-from trainfit.analytic.events import Stream, synthesise
+from trainfit.analytic.events import RankHooks, Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.analytic.rank_events import FsdpHooks, Zero1Hooks, Zero2Hooks, Zero3Hooks
@@ -26,23 +26,30 @@ from .conftest import tiny_spec
 pytest.importorskip("torch")
 
 
-def _fsdp_peaks(spec: ModelSpec, s: Strategy) -> tuple[AllocatorResult, AllocatorResult]:
-    """The real FSDP2 run's events (full depth, three steps) and ``FsdpHooks``' stream, each replayed on one CUDA
-    stream (the CPU trace has none): (traced, synthesised)."""
+def _rank_peaks(
+    spec: ModelSpec, s: Strategy, stream_strategy: Strategy, hooks: RankHooks
+) -> tuple[AllocatorResult, AllocatorResult]:
+    """The real run's events on the fake process group (full depth, three steps) and ``hooks``' stream of
+    ``stream_strategy``, each replayed on one CUDA stream (the CPU trace has none): (traced, synthesised)."""
     from trainfit.trace import depth
     from trainfit.trace.distributed import fake_world, fsdp_run_strategy, run_layout_distributed
     from trainfit.trace.events import tracker_events
 
-    w = s.parallelism.data
     built, _ = fsdp_run_strategy(s)
     plan = depth.plan_depth(spec, built, extrapolate=False)
     _, layout = plan.layouts[0]
-    with fake_world(w) as mesh:
+    with fake_world(s.parallelism.data) as mesh:
         run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
     traced = simulate(tracker_events(run), AllocatorConfig())
     st = Stream()
-    synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, w), steps=3)
+    synthesise(st, spec, stream_strategy, (), hooks, steps=3)
     return traced, simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+
+
+def _fsdp_peaks(spec: ModelSpec, s: Strategy) -> tuple[AllocatorResult, AllocatorResult]:
+    """The real FSDP2 run and ``FsdpHooks``' stream (:func:`_rank_peaks`)."""
+    stream_strategy = compute_strategy(s, casts_every_param=True)
+    return _rank_peaks(spec, s, stream_strategy, FsdpHooks(spec, s, s.parallelism.data))
 
 
 @pytest.mark.slow
@@ -219,9 +226,6 @@ def test_the_ddp_stream_accumulates_like_the_traced_run(view: bool, accum: int) 
     beside the buckets) against the real DDP run's events: with one micro-step the stream was 11.8% under the
     traced allocated peak (gradient_as_bucket_view off, 2 steps) and its reserve 9% under."""
     from trainfit.analytic.rank_events import DdpHooks
-    from trainfit.trace import depth
-    from trainfit.trace.distributed import fake_world, fsdp_run_strategy, run_layout_distributed
-    from trainfit.trace.events import tracker_events
 
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     s = Strategy(
@@ -232,14 +236,6 @@ def test_the_ddp_stream_accumulates_like_the_traced_run(view: bool, accum: int) 
         grad_accum=accum,
         engine=EngineOptions(gradient_as_bucket_view=view),
     )
-    built, _ = fsdp_run_strategy(s)
-    plan = depth.plan_depth(spec, built, extrapolate=False)
-    _, layout = plan.layouts[0]
-    with fake_world(4) as mesh:
-        run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
-    traced = simulate(tracker_events(run), AllocatorConfig())
-    st = Stream()
-    synthesise(st, spec, s, (), DdpHooks(spec, s), steps=3)
-    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    traced, mine = _rank_peaks(spec, s, s, DdpHooks(spec, s))
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)

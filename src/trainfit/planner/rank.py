@@ -283,17 +283,15 @@ class _Search:
         if first is None:
             return None
         need, simulated = first
-        if need <= self.usable or self.expandable is None or not simulated or self.lower_bound(s) > self.usable:
-            return (need if need <= self.usable or not exact else self._exact(s, self.allocator)), self.allocator
-        second = self._estimate(s, self.expandable)
-        if second is not None and second[0] <= self.usable:
-            return second[0], self.expandable
-        return (self._exact(s, self.allocator) if exact else need), self.allocator
-
-    def _exact(self, s: Strategy, allocator: AllocatorConfig) -> int:
-        whole = self._estimate(s, allocator, exact=True)
-        assert whole is not None  # the same strategy estimated before
-        return whole[0]
+        if need > self.usable and self.expandable is not None and simulated and self.lower_bound(s) <= self.usable:
+            second = self._estimate(s, self.expandable)
+            if second is not None and second[0] <= self.usable:
+                return second[0], self.expandable
+        if exact and need > self.usable:
+            whole = self._estimate(s, self.allocator, exact=True)
+            assert whole is not None  # the same strategy, estimated before
+            need = whole[0]
+        return need, self.allocator
 
     def required(self, s: Strategy, missed: bool = False) -> int | None:
         """The per-GPU requirement of :meth:`need` (None: no framework runs this strategy)."""
