@@ -138,8 +138,16 @@ class RankHooks:
     adds_into_view = False
     #: Whether the stream replays gradient accumulation for this rank (:func:`synthesise`: two micro-steps, the
     #: second with every ``.grad`` resident); False: one micro-step (the framework hooks whose accumulation is not
-    #: modelled yet: FSDP2, ZeRO).
+    #: modelled yet: ZeRO).
     replays_accumulation = True
+    #: The framework's hooks take every micro-step's gradients from autograd and reduce them (FSDP2's
+    #: post-backward reduce-scatters each micro-step's unsharded gradients and adds the result into the sharded
+    #: ``.grad``): autograd accumulates nothing, so each replayed micro-step's backward is the first's, and the
+    #: hooks learn which micro-step it is from :meth:`micro_step_begin`.
+    reduces_each_micro_step = False
+
+    def micro_step_begin(self, s: Stream, micro: int) -> None:
+        """Before micro-step ``micro``'s inputs (0: the first of the step)."""
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         """The resident parameters (and a framework's persistent buffers), before the first step."""
@@ -282,13 +290,16 @@ def synthesise(
 
     # Gradient accumulation (one GPU, a DDP or DTensor TP rank): the first micro-step makes each .grad, the next
     # ones add into them (resident through their forward and backward); the micro-steps after the second repeat
-    # it, and are not replayed. FSDP2 and ZeRO ranks' hooks model one micro-step (RankHooks.replays_accumulation).
+    # it, and are not replayed. An FSDP2 rank's hooks take each micro-step's gradients as the first's
+    # (RankHooks.reduces_each_micro_step); ZeRO ranks' model one micro-step (RankHooks.replays_accumulation).
     micro_steps = min(strategy.grad_accum, 2) if rank.replays_accumulation else 1
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
-        for micro in range(micro_steps):
+        for micro_step in range(micro_steps):
+            rank.micro_step_begin(s, micro_step)
+            micro = 0 if rank.reduces_each_micro_step else micro_step  # autograd adds into a resident .grad
             inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
-            if step == 0 and micro == 0:
+            if step == 0 and micro_step == 0:
                 for ws in workspaces:
                     if ws.thread is Thread.MAIN:
                         s.alloc(ws.size_bytes)
@@ -329,7 +340,7 @@ def synthesise(
             rank.backward_begin(s)
 
             # Backward: the loss gradients, then the head.
-            if step == 0 and micro == 0:
+            if step == 0 and micro_step == 0:
                 for ws in workspaces:
                     if ws.thread is Thread.AUTOGRAD:
                         s.alloc(ws.size_bytes)

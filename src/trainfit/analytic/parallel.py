@@ -857,9 +857,22 @@ def _fsdp(
     seg = q.segment_layers if q.segments else 1
     bottom_held = min(seg, 2) if raf else seg
 
-    def adjust(m: Moment, inner: tuple[int, bool] | None = None) -> dict[Component, int]:
-        """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held) for the
-        moments of :func:`_fsdp_inner_moments`."""
+    # HSDP accumulating (a micro-step after the first): each group's reduce output, added into its sharded .grad,
+    # is also the all-reduce's input, which the group holds to the end of backward (_fsdp_param_group.py
+    # ``_all_reduce_state``, dropped in ``finalize_backward``): one sharded gradient per layer done. (FSDP frees it
+    # when ``foreach_reduce`` returns; CPUOffloadPolicy keeps the fixed reserve, and its reduce outputs go to the host.)
+    hold = p.dp > p.shard and q.grads_resident > 0 and not offload
+    layer_shard_grads = (st.grads_bytes - root_shard_grads) // max(1, n_layers)
+
+    def layers_done(m: Moment) -> int:
+        """Layers whose post-backward has run at the single-GPU moment ``m`` (the bottom one: all but it)."""
+        if m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
+            return n_layers - 1
+        return n_layers if m.name is MomentName.BACKWARD_EMBEDDING else 0
+
+    def adjust(m: Moment, inner: tuple[int, bool, int] | None = None) -> dict[Component, int]:
+        """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held, the
+        layers done) for the moments of :func:`_fsdp_inner_moments`."""
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
         if offload:
@@ -907,6 +920,11 @@ def _fsdp(
             # worse when the root's shards outweigh the table's gradient (small W).
             post_temp = q.grad_head + max(0, q.grad_late - root_shard_grads)
             post_grads = root_shard_grads if q.grad_late > root_shard_grads else 0
+            # Accumulating, the root's sharded gradients exist already: its reduce output is a new tensor beside
+            # them (added into them, then freed; under HSDP held, the same bytes), made after the late ones go.
+            resident = root_shard_grads if q.grads_resident else 0
+            if resident:
+                post_temp, post_grads = q.grad_head + max(q.grad_late, root_shard_grads), 0
             # Or the embedding's own backward, before that: the root still unsharded, the last layer's
             # reduce-scatter input still in flight (one kept: ``reduce_scatter_max_input_buffers`` = 1,
             # _fsdp_param_group.py ``post_backward``), the table's gradient just computed (under TP whole,
@@ -920,6 +938,10 @@ def _fsdp(
             # are still referenced (``post_backward`` holds ``unsharded_grads`` across ``foreach_reduce``), the
             # root's shards not yet made (the trace: llama-3.1-8b over 8 ranks with full recompute, 501 MiB more).
             copy_in = q.grad_head + q.grad_late
+            # The moment's own temporaries (a tied table's embedding gradient, and accumulating its out-of-place
+            # sum) are alive in the embedding's backward only: by the root's post-backward they are summed into the
+            # table's gradient (the head's, ``q.grad_head``).
+            during_temp += c[Component.TEMPORARIES]
             if offload:
                 # CPUOffloadPolicy: no sharded gradient is on the device to subtract; the root's reduce output is
                 # made after the table's gradient goes and dropped once copied to the host (_fsdp_collectives.py
@@ -929,20 +951,20 @@ def _fsdp(
                 post_temp = max(copy_in, q.grad_head + root_shard_grads)
                 if root + rs + during_temp > rs_root + post_temp:
                     unsharded, comm = root, rs
-                    c[Component.TEMPORARIES] += during_temp
+                    c[Component.TEMPORARIES] = during_temp
                 else:
                     comm = rs_root
-                    c[Component.TEMPORARIES] += post_temp
+                    c[Component.TEMPORARIES] = post_temp
             else:
-                if rs_root + copy_in - root_shard_grads > rs_root + post_temp - post_grads:
-                    post_temp, post_grads = copy_in, root_shard_grads
-                if root + rs + during_temp - root_shard_grads > rs_root + post_temp - post_grads:
+                if rs_root + copy_in - root_shard_grads + resident > rs_root + post_temp - post_grads:
+                    post_temp, post_grads = copy_in, root_shard_grads - resident
+                if root + rs + during_temp - root_shard_grads + resident > rs_root + post_temp - post_grads:
                     unsharded, comm = root, rs
-                    c[Component.TEMPORARIES] += during_temp
-                    c[Component.GRADIENTS] -= root_shard_grads
+                    c[Component.TEMPORARIES] = during_temp
+                    c[Component.GRADIENTS] -= root_shard_grads - resident
                 else:
                     comm = rs_root
-                    c[Component.TEMPORARIES] += post_temp
+                    c[Component.TEMPORARIES] = post_temp
                     c[Component.GRADIENTS] -= post_grads
         if m.name in (
             MomentName.BACKWARD_FINAL_NORM,
@@ -959,6 +981,8 @@ def _fsdp(
             c[Component.TEMPORARIES] = st.step_temp_bytes
         if inner is not None:
             unsharded, comm = root + inner[0] * layer, rs if inner[1] else 0
+        if hold and m.phase is Phase.BACKWARD:
+            comm += layer_shard_grads * (layers_done(m) if inner is None else inner[2])
         c[Component.UNSHARDED_PARAMS] = unsharded
         c[Component.COMM_BUFFERS] = comm
         return c
@@ -988,7 +1012,7 @@ def _fsdp(
     if finetuning(strategy):
         notes.append(_fsdp_finetune_note(strategy, mixed))
     phases = _worst(q, adjust, host)
-    inner = [adjust(m, (held, in_flight)) for m, held, in_flight in _fsdp_inner_moments(q, raf, n_layers)]
+    inner = [adjust(m, (held, in_flight, n)) for m, held, in_flight, n in _fsdp_inner_moments(q, raf, n_layers)]
     # one rank alone keeps no all-gather output (``wait_for_unshard`` copies from the shards directly)
     copy_out = (
         [
@@ -1046,9 +1070,10 @@ def _fsdp_forward_moments(q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: in
     return out
 
 
-def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool]]:
+def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool, int]]:
     """FSDP2's backward moments besides the single-GPU ones, as (the single-GPU moment shifted, the layers
-    unsharded then, whether a reduce-scatter input is held). Per layer, top down (_fsdp_param_group.py
+    unsharded then, whether a reduce-scatter input is held, the layers whose post-backward has made their reduce
+    output). Per layer, top down (_fsdp_param_group.py
     ``pre_backward``, ``post_backward``; _fsdp_collectives.py ``foreach_reduce``): its pre-backward unshards it
     (a no-op without ``reshard_after_forward``: every layer stays unsharded from its forward) and prefetches the
     next; its backward (and, checkpointed, its recomputation: the recompute's pre-forward finds it unsharded,
@@ -1081,33 +1106,33 @@ def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[M
     bottom_held = min(seg, 2) if raf else seg
     tops = (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX)
     bottoms = (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX)
-    inside: list[tuple[Moment, int, bool]] = []
-    out: list[tuple[Moment, int, bool]] = []
+    inside: list[tuple[Moment, int, bool, int]] = []
+    out: list[tuple[Moment, int, bool, int]] = []
     for m in backward_moments(q):
         if m.name is MomentName.BACKWARD_TOP_BLOCK:
-            inside.append((m, top_held, False))
+            inside.append((m, top_held, False, 0))
             post = dataclasses.replace(
                 m,
                 activations=max(0, m.activations - own - (released if one_segment else 0)),
                 temporaries=q.grad_layer,  # the layer's bf16 gradients, copied into the reduce-scatter input
             )
-            out.append((post, top_held - 1, True))
+            out.append((post, top_held - 1, True, 0))  # before its reduce output
         elif m.name is MomentName.BACKWARD_BOTTOM_BLOCK:
-            inside.append((m, bottom_held, True))
+            inside.append((m, bottom_held, True, n_layers - 1))
         if n_layers < 3:
             continue
         if m.name in tops:
             below_top = dataclasses.replace(
                 m, gradients=m.gradients + q.grad_layer, activations=max(0, m.activations - released)
             )
-            inside.append((below_top, 2 if raf else n_layers - 1, True))
+            inside.append((below_top, 2 if raf else n_layers - 1, True, 1))
         elif m.name in bottoms and (q.segments == 0 or one_segment):
             above_bottom = dataclasses.replace(
                 m, gradients=max(q.grads_resident, m.gradients - q.grad_layer), activations=m.activations + released
             )
-            inside.append((above_bottom, 2, True))
-    for m, held, in_flight in inside:
-        out += [(m, held, in_flight), *((n, held, in_flight) for n in _fsdp_norm_moments(q, m, own))]
+            inside.append((above_bottom, 2, True, n_layers - 2))
+    for m, held, in_flight, done in inside:
+        out += [(m, held, in_flight, done), *((n, held, in_flight, done) for n in _fsdp_norm_moments(q, m, own))]
     return out
 
 
