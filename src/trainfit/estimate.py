@@ -129,7 +129,11 @@ def offload_optimizer_warnings(strategy: Strategy) -> list[str]:
 def fsdp_accumulation_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     """FSDP2 with gradient accumulation: the estimate reduce-scatters every micro-step; the HF Trainer's default
     (accelerate's ``no_sync``) keeps unsharded gradients between micro-steps (:func:`fsdp_no_sync_grad_bytes`)."""
-    if strategy.grad_accum < 2 or strategy.sharding not in (Sharding.FSDP, Sharding.HSDP):
+    if (
+        strategy.grad_accum < 2
+        or strategy.sharding not in (Sharding.FSDP, Sharding.HSDP)
+        or not strategy.engine.sync_each_batch  # the no-sync layout is the estimate's own
+    ):
         return []
     try:
         p = parallel_plan(spec, strategy)

@@ -282,3 +282,17 @@ def test_accelerate_plain_configs(
     path.write_text(text + f"mixed_precision: {mp}\nnum_machines: 1\nnum_processes: {procs}\n")
     s = strategy_from_accelerate(path).strategy
     assert (s.sharding.value, s.precision.value, s.world_size) == expected
+
+
+def test_training_args_fsdp_accumulation_reads_sync_each_batch() -> None:
+    """The Trainer's default under accumulation is accelerate's no_sync (``sync_each_batch`` False), which the
+    estimate then models (the unsharded gradients between micro-steps); the config can ask for a reduce-scatter
+    every micro-step instead, as trainfit's exports do."""
+    base = {"output_dir": "x", "fsdp": "full_shard", "gradient_accumulation_steps": 4}
+    run = strategy_from_training_args(base, gpus=8)
+    assert run.strategy.engine.sync_each_batch is False
+    assert "accelerator_config.gradient_accumulation_kwargs.sync_each_batch" in {i.key for i in run.used}
+    synced = {**base, "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
+    assert strategy_from_training_args(synced, gpus=8).strategy.engine.sync_each_batch is True
+    one = strategy_from_training_args({**base, "gradient_accumulation_steps": 1}, gpus=8)
+    assert one.strategy.engine.sync_each_batch is True  # nothing to accumulate: the default stands

@@ -802,15 +802,24 @@ def fsdp_no_sync_grad_bytes(spec: ModelSpec, strategy: Strategy, shards: int) ->
     already holds (``shards``: the sharding group's size). trainfit's FSDP2 estimate reduce-scatters every
     micro-step (``sync_each_batch=True``, which its exports set)."""
     mixed = strategy.recipe.mixed
-    cbits = strategy.recipe.compute_bits
     held = held_tensors(spec, strategy, fsdp_mixed=mixed)
-    full = sum(
-        h.tensor.numel * h.count * fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=cbits, packed=False)[1] // 8
-        for h in held
-        if h.trainable
-    )
+    root, layers = fsdp_unsharded_grad_bytes(spec, strategy)
     sharded = sum(_alloc(h.shard_numel(shards), h.bits) * h.count for h in held if h.trainable)
-    return max(0, full - sharded)
+    return max(0, root + layers - sharded)
+
+
+def fsdp_unsharded_grad_bytes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(the root's, the layers') unsharded gradients in FSDP2's reduce dtype, one allocation per parameter:
+    what accelerate's ``no_sync`` accumulates between micro-steps (``to_accumulated_grad_if_needed``:
+    ``unsharded_grad.to(reduce_dtype)`` under the policy; without one autograd's own ``.grad`` stays)."""
+    mixed = strategy.recipe.mixed
+    cbits = strategy.recipe.compute_bits
+    out = [0, 0]
+    for h in held_tensors(spec, strategy, fsdp_mixed=mixed):
+        if h.trainable:
+            bits = fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=cbits, packed=False)[1]
+            out[0 if h.root else 1] += _alloc(h.tensor.numel, bits) * h.count
+    return out[0], out[1]
 
 
 def _fsdp(
@@ -861,8 +870,19 @@ def _fsdp(
     # is also the all-reduce's input, which the group holds to the end of backward (_fsdp_param_group.py
     # ``_all_reduce_state``, dropped in ``finalize_backward``): one sharded gradient per layer done. (FSDP frees it
     # when ``foreach_reduce`` returns; CPUOffloadPolicy keeps the fixed reserve, and its reduce outputs go to the host.)
-    hold = p.dp > p.shard and q.grads_resident > 0 and not offload
+    # accelerate's no_sync (the HF Trainer's default, ``EngineOptions.sync_each_batch`` False): the micro-steps
+    # before the last keep each parameter's unsharded gradient in the reduce dtype (fsdp_unsharded_grad_bytes) and
+    # no sharded one; the last adds into them and reduce-scatters layer by layer, so a layer done holds its shards
+    # (its reduce outputs are the sharded gradients: nothing to hold under HSDP).
+    no_sync = not strategy.engine.sync_each_batch and strategy.grad_accum > 1
+    hold = p.dp > p.shard and q.grads_resident > 0 and not offload and not no_sync
     layer_shard_grads = (st.grads_bytes - root_shard_grads) // max(1, n_layers)
+    acc_root, acc_layers = fsdp_unsharded_grad_bytes(held_spec, strategy) if no_sync else (0, 0)
+    acc_layer = acc_layers // max(1, n_layers)
+
+    def no_sync_grads(done: int) -> int:
+        """The gradients held with ``done`` layers reduced in the last micro-step (the root's not yet)."""
+        return acc_root + (acc_layer * (n_layers - done) + layer_shard_grads * done) * (not offload)
 
     def layers_done(m: Moment) -> int:
         """Layers whose post-backward has run at the single-GPU moment ``m`` (the bottom one: all but it)."""
@@ -942,7 +962,22 @@ def _fsdp(
             # sum) are alive in the embedding's backward only: by the root's post-backward they are summed into the
             # table's gradient (the head's, ``q.grad_head``).
             during_temp += c[Component.TEMPORARIES]
-            if offload:
+            if no_sync and not offload:
+                # The last micro-step: the root's accumulated gradients take this one's at its post-backward
+                # (``accumulate_unsharded_grad_if_needed``, in place), are copied into its reduce-scatter input and
+                # freed; its reduce output is its sharded gradients.
+                c[Component.GRADIENTS] = no_sync_grads(n_layers)
+                during = root + rs + during_temp
+                copy_in_grads = rs_root + q.grad_head
+                after = rs_root + q.grad_head + root_shard_grads - acc_root
+                if during >= max(copy_in_grads, after):
+                    unsharded, comm = root, rs
+                    c[Component.TEMPORARIES] = during_temp
+                else:
+                    comm = rs_root
+                    c[Component.TEMPORARIES] = q.grad_head + max(0, root_shard_grads - acc_root)
+                    c[Component.GRADIENTS] -= min(acc_root, root_shard_grads) if after > copy_in_grads else 0
+            elif offload:
                 # CPUOffloadPolicy: no sharded gradient is on the device to subtract; the root's reduce output is
                 # made after the table's gradient goes and dropped once copied to the host (_fsdp_collectives.py
                 # ``foreach_reduce``: ``new_sharded_grad.to("cpu")``), the head's still referenced. The trace of
@@ -983,6 +1018,10 @@ def _fsdp(
             unsharded, comm = root + inner[0] * layer, rs if inner[1] else 0
         if hold and m.phase is Phase.BACKWARD:
             comm += layer_shard_grads * (layers_done(m) if inner is None else inner[2])
+        if no_sync and m.phase is Phase.FORWARD:
+            c[Component.GRADIENTS] = no_sync_grads(0)
+        elif no_sync and m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_EMBEDDING:
+            c[Component.GRADIENTS] = no_sync_grads(layers_done(m) if inner is None else inner[2])
         c[Component.UNSHARDED_PARAMS] = unsharded
         c[Component.COMM_BUFFERS] = comm
         return c

@@ -192,6 +192,8 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
         and (not strategy.offload.any or p.sharding is Sharding.FSDP)
         and not finetuning(strategy)
+        # accelerate's no_sync (the closed form's, not in FsdpHooks): the fixed fraction
+        and (strategy.engine.sync_each_batch or strategy.grad_accum == 1 or p.sharding is Sharding.DDP)
     )
 
 

@@ -178,6 +178,10 @@ class EngineOptions:
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    #: FSDP2 under gradient accumulation: reduce-scatter after every micro-step (accelerate's ``sync_each_batch``,
+    #: trainfit's exports); False: the HF Trainer's default, accelerate's ``no_sync`` on every micro-step but the
+    #: last, which keeps each parameter's unsharded gradient (in the reduce dtype) until then.
+    sync_each_batch: bool = True
 
     def __post_init__(self) -> None:
         coerce_enum(self, "engine", Engine)

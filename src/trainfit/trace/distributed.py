@@ -254,6 +254,21 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
 
+def _no_sync_passes(model: torch.nn.Module, strategy: Strategy) -> Callable[[int, int], None] | None:
+    """accelerate's ``no_sync`` for FSDP2 (``EngineOptions.sync_each_batch`` False, the HF Trainer's default under
+    accumulation): every micro-step but the step's last runs with ``set_requires_gradient_sync(False)``
+    (accelerate/accelerator.py ``no_sync``, transformers/trainer.py's inner loop)."""
+    if strategy.engine.sync_each_batch or strategy.grad_accum < 2 or not hasattr(model, "set_requires_gradient_sync"):
+        return None
+
+    switch: Callable[[bool], None] = model.set_requires_gradient_sync  # type: ignore[assignment]
+
+    def before(micro: int, passes: int) -> None:
+        switch(micro == passes - 1)
+
+    return before
+
+
 def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -408,6 +423,7 @@ def run_layout_distributed(
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
         progress=progress,
         flash_sdp=strategy.flash_sdp,
+        before_pass=_no_sync_passes(run_model, strategy),
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
     selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

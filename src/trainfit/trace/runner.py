@@ -140,6 +140,9 @@ class RunOptions:
     progress: Progress | None = None
     prepare: Callable[[tk.Tracker], None] | None = None
     flash_sdp: bool = True  # the emulated GPU has FlashAttention (Strategy.flash_sdp)
+    #: Called before each pass with (pass, passes in the step): a framework's per-micro-step switch (FSDP2's
+    #: ``set_requires_gradient_sync`` under accelerate's ``no_sync``).
+    before_pass: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 2:
@@ -484,6 +487,8 @@ class _StepLoop:
                         tr.step = self.passes
                         tr.phase = tk.SETUP
                         batch = self.fns.make_batch()
+                        if self.opts.before_pass is not None:
+                            self.opts.before_pass(micro, n)
                         self._say(step, micro, n, "forward", 0.8 * micro / n)
                         self.forward(batch, m, label)
                         self._say(step, micro, n, "backward", 0.8 * (micro + 0.5) / n)
