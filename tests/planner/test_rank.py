@@ -260,3 +260,20 @@ def test_a_stopped_estimate_has_the_same_verdict_and_a_lower_requirement() -> No
             assert stopped.fit.required_bytes == whole.fit.required_bytes
         else:
             assert whole.fit.usable_bytes < stopped.fit.required_bytes <= whole.fit.required_bytes
+
+
+def test_a_plan_says_when_it_reduce_scatters_where_the_baseline_did_not() -> None:
+    """A no-sync baseline (an HF Trainer config under accumulation): an FSDP2 plan with accumulation is estimated
+    with a reduce-scatter every micro-step, so its changes say to set ``sync_each_batch``."""
+    from trainfit.planner.rank import describe_changes
+    from trainfit.strategy import EngineOptions, Parallelism
+
+    par = Parallelism(data=8)
+    trainer = Strategy(
+        parallelism=par, sharding="fsdp", micro_batch=2, grad_accum=4, engine=EngineOptions(sync_each_batch=False)
+    )
+    plan = Strategy(parallelism=par, sharding="fsdp", micro_batch=1, grad_accum=8)
+    flag = "accelerator_config.gradient_accumulation_kwargs.sync_each_batch=true"
+    assert flag in describe_changes(plan, trainer)
+    assert flag not in describe_changes(plan, dataclasses.replace(trainer, engine=EngineOptions()))
+    assert flag not in describe_changes(dataclasses.replace(plan, grad_accum=1, micro_batch=8), trainer)

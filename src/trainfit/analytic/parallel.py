@@ -1048,6 +1048,12 @@ def _fsdp(
         )
     if offload:
         notes.append("CPUOffloadPolicy: shards, gradients and optimizer states in pinned host memory (per node)")
+    if no_sync:
+        notes.append(
+            f"accelerate's no_sync between micro-steps (sync_each_batch=False, the HF Trainer's default): every "
+            f"unsharded gradient held in the reduce dtype, {fmt_gib(acc_root + acc_layers)}, until the last "
+            "micro-step reduce-scatters them"
+        )
     if finetuning(strategy):
         notes.append(_fsdp_finetune_note(strategy, mixed))
     phases = _worst(q, adjust, host)

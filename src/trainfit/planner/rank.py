@@ -126,6 +126,15 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
         accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
         out.append(f"--batch {strategy.micro_batch}{accum}")
+    fsdp = (Sharding.FSDP, Sharding.HSDP)
+    if (
+        strategy.sharding in fsdp
+        and strategy.grad_accum > 1
+        and strategy.engine.sync_each_batch
+        and not baseline.engine.sync_each_batch
+    ):
+        # the baseline's no_sync (an HF Trainer config, trainfit.imports): the plan reduce-scatters every micro-step
+        out.append("accelerator_config.gradient_accumulation_kwargs.sync_each_batch=true")
     return tuple(out)
 
 
