@@ -145,7 +145,8 @@ def fsdp_accumulation_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]
     return [
         f"FSDP2 with {strategy.grad_accum} accumulation steps: this estimate reduce-scatters the gradients after every "
         "micro-step (accelerate's sync_each_batch=True; trainfit plan's exports set it). The HF Trainer's default "
-        f"skips that until the last micro-step and keeps every unsharded gradient meanwhile: +{fmt_gib(extra)} per GPU"
+        f"skips that until the last micro-step and keeps every unsharded gradient meanwhile: +{fmt_gib(extra)} per GPU "
+        "(--no-sync-each-batch estimates that)"
     ]
 
 

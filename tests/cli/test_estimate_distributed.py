@@ -152,3 +152,20 @@ def test_trace_of_tensor_parallelism_from_the_cli(capsys: pytest.CaptureFixture[
     assert res.code == 0, res.err
     closed = json.loads(res.out)
     assert abs(closed["peak_bytes"] - traced["peak_bytes"]) <= 0.03 * traced["peak_bytes"]
+
+
+def test_no_sync_each_batch_holds_the_unsharded_gradients(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--no-sync-each-batch`` (the HF Trainer's default no_sync under accumulation) holds every unsharded fp32
+    gradient between micro-steps: the forward's gradients are the whole model's in fp32 (the JSON's ``params``),
+    where the default (a reduce-scatter every micro-step) holds the rank's shards and warns about the Trainer's
+    default instead."""
+    line = "llama-3.1-8b --gpus 8 --sharding fsdp --batch 1 --seq 2048 --grad-accum 4 --checkpointing full --json"
+    synced = json.loads(run_cli(capsys, "estimate", *line.split()).out)
+    res = run_cli(capsys, "estimate", *line.split(), "--no-sync-each-batch")
+    assert res.code == 0, res.err
+    held = json.loads(res.out)
+    assert held["phases"]["forward"]["components"]["gradients"] == pytest.approx(4 * held["params"], rel=0.001)
+    assert synced["phases"]["forward"]["components"]["gradients"] < held["params"]
+    assert held["peak_bytes"] > synced["peak_bytes"]
+    assert any("no-sync-each-batch" in w for w in synced["warnings"])
+    assert not any("no-sync-each-batch" in w for w in held["warnings"])

@@ -273,7 +273,7 @@ def test_a_plan_says_when_it_reduce_scatters_where_the_baseline_did_not() -> Non
         parallelism=par, sharding="fsdp", micro_batch=2, grad_accum=4, engine=EngineOptions(sync_each_batch=False)
     )
     plan = Strategy(parallelism=par, sharding="fsdp", micro_batch=1, grad_accum=8)
-    flag = "accelerator_config.gradient_accumulation_kwargs.sync_each_batch=true"
+    flag = "--sync-each-batch"
     assert flag in describe_changes(plan, trainer)
     assert flag not in describe_changes(plan, dataclasses.replace(trainer, engine=EngineOptions()))
     assert flag not in describe_changes(dataclasses.replace(plan, grad_accum=1, micro_batch=8), trainer)

@@ -35,7 +35,8 @@ def parse_count(text: str | None, flag: str) -> int | None:
 STRATEGY_FLAGS: tuple[str, ...] = (
     "precision", "optimizer", "checkpointing", "attention", "optimizer_impl", "batch", "seq", "grad_accum",
     "gpus", "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel", "gpus_per_node",
-    "sharding", "offload", "engine", "reshard_after_forward", "bucket_cap_mb", "gradient_as_bucket_view",
+    "sharding", "offload", "engine", "reshard_after_forward", "sync_each_batch", "bucket_cap_mb",
+    "gradient_as_bucket_view",
     "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
     "adapter_dtype", "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
     "paged_optimizer", "head", "num_labels", "fp8",
@@ -92,6 +93,7 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
         "engine": EngineOptions(
             engine=f["engine"],  # a string, validated and coerced by EngineOptions
             reshard_after_forward=f["reshard_after_forward"],
+            sync_each_batch=f["sync_each_batch"],
             bucket_cap_mb=f["bucket_cap_mb"],
             gradient_as_bucket_view=f["gradient_as_bucket_view"],
             reduce_bucket_size=parse_count(str(f["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
@@ -177,6 +179,14 @@ def estimate_cmd(
     reshard_after_forward: Annotated[
         bool,
         typer.Option("--reshard-after-forward/--no-reshard-after-forward", help="FSDP2: free layers after forward."),
+    ] = True,
+    sync_each_batch: Annotated[
+        bool,
+        typer.Option(
+            "--sync-each-batch/--no-sync-each-batch",
+            help="FSDP2 with --grad-accum: reduce-scatter every micro-step (accelerate's sync_each_batch); "
+            "--no-sync-each-batch: the HF Trainer's default no_sync, unsharded gradients held to the last.",
+        ),
     ] = True,
     offload: Annotated[str, typer.Option(help="CPU offload: none | optimizer | optimizer+params")] = "none",
     engine: Annotated[

@@ -154,6 +154,7 @@ class Draft:
             engine=EngineOptions(
                 engine=f.get("engine", "auto"),
                 reshard_after_forward=f.get("reshard_after_forward", True),
+                sync_each_batch=f.get("sync_each_batch", True),
                 bucket_cap_mb=f.get("bucket_cap_mb", 25),
                 reduce_bucket_size=int(f.get("reduce_bucket_size", 5e8)),
                 **self.engine_extras,
@@ -179,7 +180,7 @@ class Draft:
 _BUILDABLE = frozenset(
     {
         "precision", "optimizer", "optimizer_impl", "checkpointing", "batch", "grad_accum", "seq", "gpus",
-        "gpus_per_node", "sharding", "offload", "engine", "reshard_after_forward", "bucket_cap_mb",
+        "gpus_per_node", "sharding", "offload", "engine", "reshard_after_forward", "sync_each_batch", "bucket_cap_mb",
         "reduce_bucket_size", "loss",
     }
 )  # fmt: skip

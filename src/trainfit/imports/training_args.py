@@ -235,7 +235,7 @@ def _fsdp(args: Any, d: Draft) -> None:
         # (transformers/trainer.py; accelerate/accelerator.py ``no_sync``: ``set_requires_gradient_sync(False)``)
         kwargs = dict(getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {})
         sync = bool(kwargs.get("sync_each_batch", False))
-        d.use_extra("accelerator_config.gradient_accumulation_kwargs.sync_each_batch", sync, "sync_each_batch", sync)
+        d.use("accelerator_config.gradient_accumulation_kwargs.sync_each_batch", sync, "sync_each_batch", sync)
     for key, value in cfg.items():
         if key in ("version", "reshard_after_forward", "cpu_offload", "activation_checkpointing", "min_num_params",
                    "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt"):  # fmt: skip

@@ -133,8 +133,8 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         and strategy.engine.sync_each_batch
         and not baseline.engine.sync_each_batch
     ):
-        # the baseline's no_sync (an HF Trainer config, trainfit.imports): the plan reduce-scatters every micro-step
-        out.append("accelerator_config.gradient_accumulation_kwargs.sync_each_batch=true")
+        # the baseline's no_sync (the HF Trainer's default): the plan reduce-scatters every micro-step
+        out.append("--sync-each-batch")
     return tuple(out)
 
 
