@@ -40,6 +40,7 @@ def _s(
     ckpt: str = "none",
     overlap_comm: bool | None = None,
     reduce_bucket_size: int = 500_000_000,
+    sync: bool = True,
     **kw: object,
 ) -> Strategy:
     return Strategy(
@@ -53,6 +54,7 @@ def _s(
             gradient_as_bucket_view=flag if sharding == "ddp" else False,
             overlap_comm=overlap_comm,
             reduce_bucket_size=reduce_bucket_size,
+            sync_each_batch=sync,
         ),
         **kw,  # type: ignore[arg-type]
     )
@@ -87,6 +89,13 @@ CASES = [
     # the layers' gradients made with their block's temporaries put these 1.8% and 3.8% above (FsdpHooks)
     ("llama-3.1-8b", _s("fsdp", 8, ckpt="full", offload=OFFLOAD)),
     ("llama-3.1-70b", _s("fsdp", 16, ckpt="full", offload=OFFLOAD)),
+    # gradient accumulation: a reduce-scatter every micro-step (HSDP holds the later ones' reduce outputs), and
+    # accelerate's no_sync (the unsharded gradients kept, upcast under the policy, to the last micro-step)
+    ("llama-3.2-1b", _s("fsdp", 8, grad_accum=2)),
+    ("qwen2.5-0.5b", _s("hsdp", 16, grad_accum=2)),
+    ("llama-3.2-1b", _s("fsdp", 8, grad_accum=3, sync=False)),
+    ("qwen2.5-0.5b", _s("hsdp", 16, ckpt="full", grad_accum=2, sync=False)),
+    ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16", grad_accum=3, sync=False)),
 ]
 
 

@@ -149,6 +149,10 @@ class RankHooks:
     def micro_step_begin(self, s: Stream, micro: int) -> None:
         """Before micro-step ``micro``'s inputs (0: the first of the step)."""
 
+    def micro_steps(self, grad_accum: int) -> int:
+        """Micro-steps replayed per step: two where accumulation is replayed (the later ones repeat the second)."""
+        return min(grad_accum, 2) if self.replays_accumulation else 1
+
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         """The resident parameters (and a framework's persistent buffers), before the first step."""
         for ps in states:
@@ -292,7 +296,7 @@ def synthesise(
     # ones add into them (resident through their forward and backward); the micro-steps after the second repeat
     # it, and are not replayed. An FSDP2 rank's hooks take each micro-step's gradients as the first's
     # (RankHooks.reduces_each_micro_step); ZeRO ranks' model one micro-step (RankHooks.replays_accumulation).
-    micro_steps = min(strategy.grad_accum, 2) if rank.replays_accumulation else 1
+    micro_steps = rank.micro_steps(strategy.grad_accum)
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
         for micro_step in range(micro_steps):

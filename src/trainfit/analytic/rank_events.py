@@ -35,7 +35,11 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   ``foreach_reduce`` returns (``sharded_param.grad._local_tensor += new_sharded_grad``); under HSDP the group
   holds it as its all-reduce input to the end of backward (``_all_reduce_state``, dropped in
   ``finalize_backward``). Against the traced runs (tests/trace/test_rank_stream.py, two accumulation steps):
-  allocated +0.00…+0.06% (one micro-step: −5.8%).
+  allocated +0.00…+0.06% (one micro-step: −5.8%). Under accelerate's ``no_sync`` (``sync_each_batch`` False, the
+  HF Trainer's default) up to three micro-steps are replayed: each post-backward but the last micro-step's keeps
+  the group's unsharded gradients (after the reshard, upcast to the reduce dtype under the policy:
+  ``to_accumulated_grad_if_needed``), a later one adds into them (``accumulate_unsharded_grad_if_needed``), and
+  the last reduce-scatters what was kept (``FsdpHooks._accumulate``); traced: −3.3…+0.0% allocated.
 * **torch FSDP2 with CPUOffloadPolicy** (``--sharding fsdp --offload optimizer+params``; the same hooks with
   ``offload``): the shards, their gradients, the optimizer states and the step are host memory, so the device
   holds nothing between steps; each unshard copies every parameter's padded host shard to the device one by one
@@ -192,8 +196,6 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
         and (not strategy.offload.any or p.sharding is Sharding.FSDP)
         and not finetuning(strategy)
-        # accelerate's no_sync (the closed form's, not in FsdpHooks): the fixed fraction
-        and (strategy.engine.sync_each_batch or strategy.grad_accum == 1 or p.sharding is Sharding.DDP)
     )
 
 
@@ -250,7 +252,7 @@ class _Group:
 class FsdpHooks(RankHooks):
     """FSDP2 per layer + root (see the module docstring); the stream is the compute strategy's."""
 
-    reduces_each_micro_step = True  # every micro-step reduce-scatters (the Trainer's no_sync is not modelled)
+    reduces_each_micro_step = True  # every micro-step's gradients go through the post-backward (no_sync too)
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, shards: int, *, replicated: bool = False) -> None:
         mixed = strategy.recipe.mixed
@@ -278,11 +280,20 @@ class FsdpHooks(RankHooks):
         self.replicated = replicated
         self.accumulating = False  # a micro-step after the first: the sharded gradients exist
         self.all_reduce_held: list[int] = []
+        # accelerate's no_sync (``sync_each_batch`` False): every micro-step but the last keeps each group's unsharded
+        # gradients (upcast to the reduce dtype under the policy, ``to_accumulated_grad_if_needed``; else autograd's
+        # own .grad), and the next ones add into them (``accumulate_unsharded_grad_if_needed``)
+        self.no_sync = not strategy.engine.sync_each_batch and strategy.grad_accum > 1
+        self.syncing = True  # this micro-step reduce-scatters
+        self.kept: dict[int, list[int]] = {}  # group → its accumulated unsharded gradients
+        self.upcast = reduce != strategy.recipe.compute_bits if mixed else False
         cs = compute_strategy(strategy, casts_every_param=mixed)
         self.grad_bits = cs.recipe.grad_bits
         self.norm_temp = backward_temp_bytes(spec, cs).norm_bytes
         self.layer_tensors = [list(g.tensors) for g in inv.layers for _ in range(g.count)]
         self.in_layers = {t for g in inv.layers for t in g.tensors}
+        self.reduce_bits = reduce
+        self.root_tensors = list(inv.model_tensors)
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         """A layer's weight gradients are made at the end of its backward (:meth:`layer_backward_end`)."""
@@ -395,7 +406,12 @@ class FsdpHooks(RankHooks):
         """``FSDPParamGroup.post_backward``: reshard, release the previous reduce-scatter input (one in flight,
         ``reduce_scatter_max_input_buffers``), then ``foreach_reduce``: the input, the copy-in that frees the
         unsharded gradients (but ``held``, still referenced elsewhere), the reduce output the sharded gradients
-        are views of; then ``held`` goes."""
+        are views of; then ``held`` goes. Under no_sync (:attr:`no_sync`) the group's accumulated gradients take
+        this micro-step's first, and only the last micro-step reduces them."""
+        if self.no_sync:
+            grads, held = self._accumulate(s, i, [*grads, *held]), ()
+            if not self.syncing:
+                return []
         self._reshard(s, i)
         s.free(self.rs_pending)
         g = self._group(i)
@@ -420,7 +436,34 @@ class FsdpHooks(RankHooks):
         return out
 
     def micro_step_begin(self, s: Stream, micro: int) -> None:
-        self.accumulating = micro > 0
+        self.accumulating = micro > 0 and not self.no_sync
+        self.syncing = not self.no_sync or micro == self.micro_steps(self.strategy.grad_accum) - 1
+
+    def micro_steps(self, grad_accum: int) -> int:
+        """Under no_sync three with 3 or more accumulation steps: the first (nothing accumulated yet), one that adds
+        into the accumulated gradients without reducing, and the last, which reduces them."""
+        return min(grad_accum, 3 if self.no_sync else 2)
+
+    def _accumulate(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        """No_sync, ``post_backward``'s first part: a later micro-step adds this one's gradients into the kept ones
+        in place and drops them (``accumulate_unsharded_grad_if_needed``). A micro-step that does not reduce then
+        reshards and, the first time, keeps autograd's gradients, upcast to the reduce dtype under the policy
+        (``to_accumulated_grad_if_needed``: after the reshard, one ``.to(reduce_dtype)`` per parameter, then
+        autograd's go). The last micro-step reduces what was kept: returned, forgotten here."""
+        kept = self.kept.pop(i, None)
+        if kept is not None:
+            s.free_all(grads)
+            grads = kept
+        if self.syncing:
+            return grads
+        self._reshard(s, i)
+        if kept is None and self.upcast:
+            tensors = self.root_tensors if i < 0 else self.layer_tensors[i]
+            upcast = [s.alloc(_alloc_bits(x.numel, self.reduce_bits)) for x in tensors]
+            s.free_all(grads)
+            grads = upcast
+        self.kept[i] = grads
+        return grads
 
     def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
         """The layer's bf16 weight gradients, held unsharded to its post-backward, which runs after the whole
