@@ -96,6 +96,11 @@ CASES = [
     ("llama-3.2-1b", _s("fsdp", 8, grad_accum=3, sync=False)),
     ("qwen2.5-0.5b", _s("hsdp", 16, ckpt="full", grad_accum=2, sync=False)),
     ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16", grad_accum=3, sync=False)),
+    # DeepSpeed with accumulation: stage 2 reduces every micro-step; stage 1 keeps autograd's gradients and the
+    # bucket(s) to the boundary, where it reduces (with overlap_comm from the hooks, as stage 2)
+    ("qwen2.5-0.5b", _s("zero2", 4, reduce_bucket_size=50_000_000, grad_accum=2)),
+    ("llama-3.2-1b", _s("zero1", 8, grad_accum=2)),
+    ("qwen2.5-0.5b", _s("zero1", 2, reduce_bucket_size=50_000_000, overlap_comm=True, grad_accum=3)),
 ]
 
 

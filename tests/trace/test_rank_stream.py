@@ -333,3 +333,48 @@ def test_the_no_sync_accumulation_follows_the_trace(sharding: str, family: str, 
     assert stream.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
     if sharding == "fsdp":  # HSDP's synced micro-steps hold their reduce outputs: on this cell, more
         assert mine > synced
+
+
+ZERO_ACCUMULATION_CELLS = [("zero2", 4, 200_000, None), ("zero1", 8, 500_000_000, None), ("zero1", 4, 200_000, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sharding", "w", "bucket", "overlap"),
+    [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO_ACCUMULATION_CELLS],
+)
+def test_the_zero_streams_accumulate_like_the_traced_engine(
+    sharding: str, w: int, bucket: int, overlap: bool | None
+) -> None:
+    """DeepSpeed with two accumulation steps (the trace tells the engine which pass is the boundary,
+    ``set_gradient_accumulation_boundary``): stage 2 reduces every micro-step (``Zero2Hooks`` replays two alike);
+    stage 1 reduces nothing before the boundary, with or without ``overlap_comm``, so autograd's gradients stay whole
+    and the bucket(s) made at the first gradient stay to the boundary's reduction (``Zero1Hooks``; the closed form's
+    ``zero1_accumulating``). With one micro-step replayed the ZeRO-1 streams were 4.4–10.8% under the traced
+    allocated peak, the closed form 4.5% and 8.2% under it on the last two cells."""
+    pytest.importorskip("deepspeed")
+    from trainfit.analytic.parallel import estimate_parallel
+    from trainfit.trace import depth
+    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
+    from trainfit.trace.events import tracker_events
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(
+        parallelism=Parallelism(data=w),
+        sharding=sharding,
+        micro_batch=2,
+        seq_len=256,
+        grad_accum=2,
+        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
+    )
+    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
+    _, layout = plan.layouts[0]
+    with _quiet_deepspeed(), _deepspeed_world(w):
+        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
+    traced = simulate(tracker_events(run), AllocatorConfig())
+    st = Stream()
+    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s))
+    synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)

@@ -295,7 +295,8 @@ def synthesise(
     # Gradient accumulation (one GPU, a DDP or DTensor TP rank): the first micro-step makes each .grad, the next
     # ones add into them (resident through their forward and backward); the micro-steps after the second repeat
     # it, and are not replayed. An FSDP2 rank's hooks take each micro-step's gradients as the first's
-    # (RankHooks.reduces_each_micro_step); ZeRO ranks' model one micro-step (RankHooks.replays_accumulation).
+    # (RankHooks.reduces_each_micro_step), as do ZeRO-2's and ZeRO-1's; ZeRO-3's model one (its persistent
+    # gradient partition makes a later micro-step the first's: RankHooks.replays_accumulation).
     micro_steps = rank.micro_steps(strategy.grad_accum)
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step

@@ -1442,6 +1442,13 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # ZeRO-Infinity keeps the persistent parameters whole on the device; only their partitions go to the host.
     whole_on_device = sum(m * _alloc(t.numel, pb * 8) for t, m in zp.stage3_whole_tensors)
 
+    # Stage 1 under accumulation: a micro-step before the boundary reduces nothing, with or without overlap_comm
+    # (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``: only ``partition_gradients`` or the boundary),
+    # so autograd's gradients stay whole and accumulate; the hooks' ``setup_buckets`` makes the bucket(s) at the
+    # first gradient of the step's first micro-step, released only by the boundary's reduction
+    # (``_release_ipg_buffers``): whole gradients and bucket(s) through every later micro-step, from its forward.
+    zero1_accumulating = stage == 1 and strategy.grad_accum > 1 and not off_opt
+
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
@@ -1469,6 +1476,9 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
             if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
                 comm = bucket * (2 if overlap and stage < 3 else 1)
+        if zero1_accumulating and m.phase is not Phase.OPTIMIZER_STEP and m.name is not MomentName.BACKWARD_REDUCE:
+            grads = allocator_bytes(total * pb)
+            comm = bucket * (2 if overlap else 1)
         if stage == 3:
             comm = bucket  # persistent __ipg_bucket_flat_buffer
             # The gradient partition is one buffer made at init (stage3.py ``_setup_for_real_optimizer``:

@@ -65,7 +65,9 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   before the first step; the bucket(s) from the first gradient to the end of backward; rank 0's
   ``grads_in_partition`` made at the first flush that reaches its partition, on DeepSpeed's reduction stream
   under ``overlap_comm``; the optimizer step's own buffers (written from ``step_temp_bytes``, the one per-step
-  hook after backward). Its allocated peak is :func:`~trainfit.analytic.parallel.estimate_parallel`'s.
+  hook after backward). Its allocated peak is :func:`~trainfit.analytic.parallel.estimate_parallel`'s. With
+  accumulation every micro-step reduces (``partition_gradients``), so two alike are replayed
+  (``reduces_each_micro_step``; ``grads_in_partition`` made once per step).
 * **DeepSpeed ZeRO-1** (:class:`Zero1Hooks`, the same file with ``partition_gradients`` False): with
   ``overlap_comm`` the ZeRO-2 stream; without it (stage 1's default) autograd's gradients stay whole through
   backward, the bucket is made at the first gradient (``reduce_bucket_size`` elements, however small the
@@ -73,7 +75,13 @@ replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The opt
   a tiny model), and the engine's reduction after backward copies them into it in flat order, making
   ``grads_in_partition`` at the first flush (``zero1_reduce_gradients``, the closed form's
   ``BACKWARD_REDUCE`` moment); a tied table's two gradients are summed before it (``events.synthesise``). Against the
-  real engine's events (tests/trace/test_rank_stream.py): allocated +0.65–0.71%, reserved −0.2…+1.8%.
+  real engine's events (tests/trace/test_rank_stream.py): allocated +0.65–0.71%, reserved −0.2…+1.8%. With
+  accumulation stage 1 reduces nothing before the boundary, with or without ``overlap_comm``
+  (``reduce_ready_partitions_and_remove_grads``: ``partition_gradients`` or the boundary): autograd's gradients
+  stay whole and add in place, the bucket(s) ``setup_buckets`` made at the first gradient stay to the boundary's
+  reduction, which is the reduction above (with ``overlap_comm`` the hooks', each accumulated gradient into the
+  bucket as its hook fires). Against the traced engine, two accumulation steps: allocated +0.08…+0.58%, reserved
+  −1.9…+1.5% (one micro-step replayed: −4.4…−10.8%, −3.5…−13.9%).
 * **DeepSpeed ZeRO-3** (:class:`Zero3Hooks`, stage3.py): the persistent buffers at init, the parameter
   coordinator's gathers, copies and releases from :mod:`trainfit.analytic.zero3`'s replay (which records them
   as events) at the layer hooks, a layer's releases held to its end (the closed form counts the worst over the
@@ -599,7 +607,9 @@ class Zero2Hooks(RankHooks):
     The step's events are written from :meth:`step_temp_bytes` (the one per-step hook after backward), on the
     stream the hooks keep from :meth:`weights`."""
 
-    replays_accumulation = False  # its micro-steps' gradient handling is not modelled: one micro-step
+    # Accumulation: every micro-step's gradients go through the bucket (``partition_gradients``); rank 0's keep
+    # their views into ``grads_in_partition``, made once per step, so a later micro-step is the first's
+    reduces_each_micro_step = True
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
         self.pb = 2  # 16-bit parameters and gradients (rank_simulated)
@@ -646,18 +656,30 @@ class Zero2Hooks(RankHooks):
         s.free(s.alloc(self.part * 4))  # initialize_optimizer_states: a zero fp32 grad partition, dropped
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        self._into_bucket(x)
+        return 0  # copied into the bucket: autograd's gradient goes at once
+
+    def _setup_buckets(self) -> None:
+        """``setup_buckets``, at the first gradient: ``reduce_bucket_size`` elements, two with ``overlap_comm``."""
+        if not self.buckets:
+            self.buckets = [self.s.alloc(self.bucket_numel * self.pb) for _ in range(2 if self.overlap else 1)]
+
+    def _into_bucket(self, x: ParamTensor, own: int | None = None) -> None:
+        """``reduce_independent_p_g_buckets_and_remove_grads`` for ``x``'s gradient (``own``: the key of a
+        gradient that already exists, None: autograd's, never allocated): copied into the bucket and gone, a
+        full bucket reduced first; one larger than the bucket keeps its own, reduced at the next flush."""
         s = self.s
         off = (self.model_offset if self.layer is None else self.layer_offset[self.layer]).get(x.name, 0)
-        if not self.buckets:  # setup_buckets, at the first gradient
-            self.buckets = [s.alloc(self.bucket_numel * self.pb) for _ in range(2 if self.overlap else 1)]
+        self._setup_buckets()
         if self.elements + x.numel > self.bucket_numel:
             self._reduce()
         if x.numel > self.bucket_numel:  # extra_large_param_to_reduce: its own gradient, reduced next time
-            self.pending.append(s.alloc(x.numel * self.pb))
+            self.pending.append(own if own is not None else s.alloc(x.numel * self.pb))
+        elif own is not None:
+            s.free(own)
         self.elements += x.numel
         if off < self.part:
             self.pending_part += x.numel
-        return 0  # copied into the bucket: autograd's gradient goes at once
 
     def _reduce(self) -> None:
         s = self.s
@@ -715,13 +737,33 @@ class Zero1Hooks(Zero2Hooks):
     def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
         super().__init__(spec, strategy, p)
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
-        self.kept: list[tuple[int, ParamTensor, int]] = []  # (flat offset, tensor, its gradient's key)
+        # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
+        # reduction
+        self.kept: dict[tuple[int | None, str], tuple[int, ParamTensor, int]] = {}
+        self.n_micro = self.micro_steps(strategy.grad_accum)
+        self.micro = 0
+        self.boundary = True  # the step's last micro-step: the one that reduces
+
+    def micro_step_begin(self, s: Stream, micro: int) -> None:
+        self.micro, self.boundary = micro, micro == self.n_micro - 1
+
+    def _reduces_now(self) -> bool:
+        """The hooks reduce as stage 2's (``overlap_comm``), which stage 1 does at the boundary only
+        (``reduce_ready_partitions_and_remove_grads``: ``partition_gradients`` or the boundary)."""
+        return self.overlap and self.boundary
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
-        if self.overlap:
+        s = self.s
+        if self.micro:
+            # A later micro-step: AccumulateGrad adds autograd's gradient into the kept .grad in place; at the
+            # boundary with overlap_comm the hook then takes the accumulated one into the bucket
+            s.free(s.alloc(x.numel * self.pb))
+            if self._reduces_now():
+                self._into_bucket(x, self.kept.pop((self.layer, x.name))[2])
+            return 0
+        if self._reduces_now():
             return super().grad_bytes(x, bits)
-        if not self.buckets:  # setup_buckets, from the first gradient hook
-            self.buckets = [self.s.alloc(self.bucket_numel * self.pb)]
+        self._setup_buckets()  # process_gradients → setup_buckets, whether or not it reduces
         self.made.append((self.layer, x))
         return x.numel * self.pb
 
@@ -730,21 +772,23 @@ class Zero1Hooks(Zero2Hooks):
         offsets = self.model_offset if layer is None else self.layer_offset[layer]
         mine = [x for at, x in self.made if at == layer]
         for x, key in zip(mine, grads, strict=True):
-            self.kept.append((offsets.get(x.name, 0), x, key))
+            self.kept[(layer, x.name)] = (offsets.get(x.name, 0), x, key)
         self.made = [(at, x) for at, x in self.made if at != layer]
 
     def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
-        if self.overlap:
-            return super().layer_backward_end(s, i, grads)
-        self._keep(i, grads)
+        if not self.micro and not self._reduces_now():
+            self._keep(i, grads)
         self.layer = None
-        return []  # freed by the reduction after backward
+        return []  # kept to the reduction (or, reduced at once, never made)
 
     def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        if not self.micro and not self._reduces_now():
+            self._keep(None, head + late)
+        if not self.boundary:
+            return []  # before the boundary: nothing reduced, the gradients and the bucket stay
         if self.overlap:
             return super().backward_end(s, head, late)
-        self._keep(None, head + late)
-        for off, x, key in sorted(self.kept, key=lambda k: k[0]):  # reduce_gradients, in flat order
+        for off, x, key in sorted(self.kept.values(), key=lambda k: k[0]):  # reduce_gradients, in flat order
             if self.elements + x.numel > self.bucket_numel:
                 self._reduce()
             if x.numel > self.bucket_numel:
@@ -754,7 +798,7 @@ class Zero1Hooks(Zero2Hooks):
             self.elements += x.numel
             if off < self.part:
                 self.pending_part += x.numel
-        self.kept = []
+        self.kept = {}
         self._reduce()  # the epilogue's reduce_ipg_grads
         s.free_all(self.buckets)  # _release_ipg_buffers
         self.buckets = []
@@ -777,7 +821,10 @@ class Zero3Hooks(RankHooks):
       gradient partition flattened and cast to fp32 (``_prepare_fp32_grad_for_sub_group``), AdamW's states in
       the first step, then the persistent parameters gathered again (``_post_step``)."""
 
-    replays_accumulation = False  # its micro-steps' gradient handling is not modelled: one micro-step
+    # Accumulation: each micro-step reduces into the persistent gradient partition (stage3.py
+    # ``__reduce_and_partition_ipg_grads``): a later micro-step's events are the first's; one is replayed (the
+    # traced engine with two steps: allocated +0.03%, reserved +0.75% on a tiny llama over 8)
+    replays_accumulation = False
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
         self.pb = 2

@@ -121,8 +121,6 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError("--method trace runs DeepSpeed's offload to CPU memory, not NVMe")
     if off.parameters_on_host and (strategy.sharding is not Sharding.ZERO3 or not off.optimizer_on_host):
         raise StrategyError("parameter offload (ZeRO-Infinity) needs --sharding zero3 --offload optimizer+params")
-    if strategy.grad_accum > 1:
-        raise StrategyError("--method trace runs DeepSpeed with one micro-batch per step; use --method analytic")
     if not strategy.trains_every_weight or not strategy.base_weights.is_default:
         raise StrategyError(
             "--method trace does not run DeepSpeed ZeRO with adapters, frozen or quantised base weights yet; "
@@ -461,8 +459,12 @@ def run_layout_deepspeed(
     options = rn.RunOptions(
         recipe=built.recipe,
         steps=steps,
-        grad_accum=1,
+        grad_accum=1 if stand_in else strategy.grad_accum,
         max_grad_norm=None,  # DeepSpeed clips inside engine.step (gradient_clipping 1.0)
+        # accumulation: the engine is told which pass ends the step (``set_gradient_accumulation_boundary``, the
+        # documented way to call ``engine.step()`` once after the step's passes), as its micro-step counter
+        # would at every pass with ``step()`` after each
+        before_pass=lambda micro, passes: loop_box[0].engine.set_gradient_accumulation_boundary(micro == passes - 1),
         head_module=None if stand_in else hf.head_of(model),
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last)
         if plan.ext and not stand_in
