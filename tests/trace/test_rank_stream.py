@@ -85,6 +85,38 @@ def test_the_cpu_offload_stream_reaches_the_traced_peaks() -> None:
     assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
 
 
+def _zero_peaks(
+    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int = 1
+) -> tuple[AllocatorResult, AllocatorResult, float]:
+    """The real DeepSpeed engine's events (full depth, three steps) and ``Zero1Hooks``'/``Zero2Hooks``' stream, on
+    one CUDA stream: (traced, synthesised, the closed form's peak over the traced allocated peak)."""
+    pytest.importorskip("deepspeed")
+    from trainfit.analytic.parallel import estimate_parallel
+    from trainfit.trace import depth
+    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
+    from trainfit.trace.events import tracker_events
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(
+        parallelism=Parallelism(data=w),
+        sharding=sharding,
+        micro_batch=2,
+        seq_len=256,
+        grad_accum=accum,
+        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
+    )
+    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
+    _, layout = plan.layouts[0]
+    with _quiet_deepspeed(), _deepspeed_world(w):
+        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
+    traced = simulate(tracker_events(run), AllocatorConfig())
+    st = Stream()
+    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s))
+    synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    return traced, mine, estimate_parallel(spec, s).peak_bytes / traced.peak_allocated_bytes
+
+
 ZERO_CELLS = [
     ("zero2", 4, 200_000, None),
     ("zero2", 8, 500_000_000, None),
@@ -103,28 +135,7 @@ def test_the_zero_stream_reaches_the_traced_peaks(sharding: str, w: int, bucket:
     head (DeepSpeed's ``extra_large_param_to_reduce`` path); DeepSpeed's default (5e8) holds every gradient.
     ZeRO-1 keeps autograd's gradients until the reduction after backward (with ``overlap_comm``, stage 2's
     stream)."""
-    pytest.importorskip("deepspeed")
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-    from trainfit.trace.events import tracker_events
-
-    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    s = Strategy(
-        parallelism=Parallelism(data=w),
-        sharding=sharding,
-        micro_batch=2,
-        seq_len=256,
-        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
-    )
-    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
-    _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(w):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
-    traced = simulate(tracker_events(run), AllocatorConfig())
-    st = Stream()
-    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s))
-    synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
-    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    traced, mine, _ = _zero_peaks(sharding, w, bucket, overlap)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
@@ -352,29 +363,6 @@ def test_the_zero_streams_accumulate_like_the_traced_engine(
     and the bucket(s) made at the first gradient stay to the boundary's reduction (``Zero1Hooks``; the closed form's
     ``zero1_accumulating``). With one micro-step replayed the ZeRO-1 streams were 4.4–10.8% under the traced
     allocated peak, the closed form 4.5% and 8.2% under it on the last two cells."""
-    pytest.importorskip("deepspeed")
-    from trainfit.analytic.parallel import estimate_parallel
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-    from trainfit.trace.events import tracker_events
-
-    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    s = Strategy(
-        parallelism=Parallelism(data=w),
-        sharding=sharding,
-        micro_batch=2,
-        seq_len=256,
-        grad_accum=2,
-        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
-    )
-    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
-    _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(w):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
-    traced = simulate(tracker_events(run), AllocatorConfig())
-    st = Stream()
-    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s))
-    synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
-    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    traced, mine, closed = _zero_peaks(sharding, w, bucket, overlap, accum=2)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
-    assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert closed == pytest.approx(1, rel=0.01)
