@@ -252,14 +252,14 @@ def test_the_ddp_stream_accumulates_like_the_traced_run(view: bool, accum: int) 
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
-def _accumulating(sharding: str, micro_batch: int, seq_len: int, *, sync: bool = True) -> Strategy:
-    """Two accumulation steps over 4 ranks (HSDP: 2 × 2); ``sync``: ``EngineOptions.sync_each_batch``."""
+def _accumulating(sharding: str, micro_batch: int, seq_len: int, *, sync: bool = True, accum: int = 2) -> Strategy:
+    """``accum`` accumulation steps over 4 ranks (HSDP: 2 × 2); ``sync``: ``EngineOptions.sync_each_batch``."""
     return Strategy(
         parallelism=Parallelism(data=4, gpus_per_node=2 if sharding == "hsdp" else 8),
         sharding=sharding,
         micro_batch=micro_batch,
         seq_len=seq_len,
-        grad_accum=2,
+        grad_accum=accum,
         engine=EngineOptions(sync_each_batch=sync),
     )
 
@@ -317,24 +317,32 @@ def test_the_fsdp2_stream_accumulates_like_the_traced_run(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sharding", "family", "micro_batch", "seq_len"),
+    ("sharding", "family", "micro_batch", "seq_len", "accum"),
     [
         pytest.param(*c, id="-".join(map(str, c)))
-        for c in [("fsdp", "llama", 2, 256), ("fsdp", "llama", 1, 32), *FSDP_ACCUMULATION_CELLS[1:]]
+        for c in [
+            ("fsdp", "llama", 2, 256, 2),
+            ("fsdp", "llama", 1, 32, 2),
+            ("fsdp", "llama", 1, 32, 3),
+            *((*x, 2) for x in FSDP_ACCUMULATION_CELLS[1:]),
+        ]
     ],
 )
-def test_the_no_sync_accumulation_follows_the_trace(sharding: str, family: str, micro_batch: int, seq_len: int) -> None:
-    """accelerate's ``no_sync`` (the HF Trainer's default; ``sync_each_batch=False``): the trace runs the first
-    micro-step under ``set_requires_gradient_sync(False)``, so each parameter keeps its unsharded fp32 gradient to
-    the last, which reduce-scatters layer by layer. The closed form holds those instead of the sharded gradients
+def test_the_no_sync_accumulation_follows_the_trace(
+    sharding: str, family: str, micro_batch: int, seq_len: int, accum: int
+) -> None:
+    """accelerate's ``no_sync`` (the HF Trainer's default; ``sync_each_batch=False``): the trace runs every
+    micro-step but the last under ``set_requires_gradient_sync(False)`` (three with 3 or more steps: a middle one
+    adds into the kept gradients and reduces nothing), so each parameter keeps its unsharded fp32 gradient to the
+    last, which reduce-scatters layer by layer. The closed form holds those instead of the sharded gradients
     (``parallel.fsdp_unsharded_grad_bytes``) — 14.9% and 19.3% under the trace on the first two cells before — and
     the stream keeps them in ``FsdpHooks`` (``_accumulate``); both within 2% of the traced peak."""
     from trainfit.analytic.parallel import estimate_parallel
 
     spec = tiny_spec(family, hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    s = _accumulating(sharding, micro_batch, seq_len, sync=False)
+    s = _accumulating(sharding, micro_batch, seq_len, sync=False, accum=accum)
     traced = _traced_fsdp(spec, s)
-    synced = estimate_parallel(spec, _accumulating(sharding, micro_batch, seq_len)).peak_bytes
+    synced = estimate_parallel(spec, _accumulating(sharding, micro_batch, seq_len, accum=accum)).peak_bytes
     mine = estimate_parallel(spec, s).peak_bytes
     assert mine == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
     st = Stream()

@@ -143,6 +143,9 @@ class RunOptions:
     #: Called before each pass with (pass, passes in the step): a framework's per-micro-step switch (FSDP2's
     #: ``set_requires_gradient_sync`` under accelerate's ``no_sync``).
     before_pass: Callable[[int, int], None] | None = None
+    #: Passes per step under accumulation (after the first step): :data:`ACCUMULATION_PASSES`, or three where the
+    #: passes between the first and the last differ from both (FSDP2 under accelerate's ``no_sync``).
+    accumulation_passes: int = ACCUMULATION_PASSES
 
     def __post_init__(self) -> None:
         if self.steps < 2:
@@ -152,7 +155,7 @@ class RunOptions:
 
     def passes(self, step: int) -> int:
         """Forward/backward passes run in ``step`` (see the module docstring)."""
-        return 1 if step == 0 else min(self.grad_accum, ACCUMULATION_PASSES)
+        return 1 if step == 0 else min(self.grad_accum, self.accumulation_passes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
