@@ -1016,12 +1016,13 @@ def _fsdp(
             c[Component.TEMPORARIES] = st.step_temp_bytes
         if inner is not None:
             unsharded, comm = root + inner[0] * layer, rs if inner[1] else 0
+        n_done = layers_done(m) if inner is None else inner[2]
         if hold and m.phase is Phase.BACKWARD:
-            comm += layer_shard_grads * (layers_done(m) if inner is None else inner[2])
+            comm += layer_shard_grads * n_done
         if no_sync and m.phase is Phase.FORWARD:
             c[Component.GRADIENTS] = no_sync_grads(0)
         elif no_sync and m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_EMBEDDING:
-            c[Component.GRADIENTS] = no_sync_grads(layers_done(m) if inner is None else inner[2])
+            c[Component.GRADIENTS] = no_sync_grads(n_done)
         c[Component.UNSHARDED_PARAMS] = unsharded
         c[Component.COMM_BUFFERS] = comm
         return c

@@ -788,16 +788,11 @@ class Zero1Hooks(Zero2Hooks):
             return []  # before the boundary: nothing reduced, the gradients and the bucket stay
         if self.overlap:
             return super().backward_end(s, head, late)
-        for off, x, key in sorted(self.kept.values(), key=lambda k: k[0]):  # reduce_gradients, in flat order
-            if self.elements + x.numel > self.bucket_numel:
-                self._reduce()
-            if x.numel > self.bucket_numel:
-                self.pending.append(key)  # extra_large_param_to_reduce: reduced in place at the next flush
-            else:
-                s.free(key)  # copied into the bucket: the gradient is a view of it
-            self.elements += x.numel
-            if off < self.part:
-                self.pending_part += x.numel
+        # reduce_gradients, in flat order: each kept gradient through the hooks' own path into the bucket
+        for (layer, _name), (_off, x, key) in sorted(self.kept.items(), key=lambda kv: kv[1][0]):
+            self.layer = layer
+            self._into_bucket(x, key)
+        self.layer = None
         self.kept = {}
         self._reduce()  # the epilogue's reduce_ipg_grads
         s.free_all(self.buckets)  # _release_ipg_buffers
