@@ -33,6 +33,7 @@ def _defaults() -> dict[str, Any]:
     ("name", "hints"),
     [
         ("accelerate_fsdp2.yaml", {}),
+        ("accelerate_fsdp2.yaml", {"grad_accum": 4}),  # accelerate's no_sync between micro-steps
         ("accelerate_deepspeed.yaml", {"batch": 2}),
         ("training_args.json", {"seq": 1024}),
         ("training_args_deepspeed.json", {"gpus": 8}),
@@ -121,3 +122,16 @@ def test_errors_are_one_line_exit_2(
     lines = [x for x in r.err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and match in lines[0], r.err
     assert "Traceback" not in r.err
+
+
+def test_accumulating_accelerate_fsdp_runs_no_sync_unless_the_flag_says(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("estimate", "llama-3.1-8b", "--from", str(DATA / "accelerate_fsdp2.yaml"), "--grad-accum", "4")
+    text = run_cli(capsys, *args)
+    assert text.code == 0, text.err
+    assert "used    GradientAccumulationPlugin.sync_each_batch=false → --no-sync-each-batch" in text.out
+    synced = run_cli(capsys, *args, "--sync-each-batch", "--json")
+    no_sync = run_cli(capsys, *args, "--json")
+    assert json.loads(synced.out)["strategy"]["sync_each_batch"] is True
+    assert json.loads(no_sync.out)["strategy"]["sync_each_batch"] is False
+    # the kept unsharded gradients between micro-steps cost memory that a reduce-scatter every micro-step frees
+    assert json.loads(no_sync.out)["peak_bytes"] > json.loads(synced.out)["peak_bytes"]

@@ -296,3 +296,17 @@ def test_training_args_fsdp_accumulation_reads_sync_each_batch() -> None:
     assert strategy_from_training_args(synced, gpus=8).strategy.engine.sync_each_batch is True
     one = strategy_from_training_args({**base, "gradient_accumulation_steps": 1}, gpus=8)
     assert one.strategy.engine.sync_each_batch is True  # nothing to accumulate: the default stands
+
+
+def test_accelerate_fsdp_accumulation_is_no_sync_as_accelerate_accumulates() -> None:
+    """An accelerate config has no key for it: ``accelerator.accumulate()`` runs every micro-step but the last
+    under ``no_sync`` unless the script's GradientAccumulationPlugin sets ``sync_each_batch``."""
+    path = DATA / "accelerate_fsdp2.yaml"
+    run = strategy_from_accelerate(path, grad_accum=4)
+    assert run.strategy.engine.sync_each_batch is False
+    setting = next(i for i in run.used if i.key == "GradientAccumulationPlugin.sync_each_batch")
+    assert "--no-sync-each-batch" in setting.meaning and "not in the file" in setting.meaning
+    for accum in (None, 1):  # nothing accumulated: the default stands, and nothing is said of it
+        one = strategy_from_accelerate(path, grad_accum=accum)
+        assert one.strategy.engine.sync_each_batch is True
+        assert "GradientAccumulationPlugin.sync_each_batch" not in {i.key for i in one.used}

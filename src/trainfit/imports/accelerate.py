@@ -9,6 +9,9 @@ read by accelerate's own loader (``accelerate.commands.config.config_args.load_c
   reads the environment; the environment is restored afterwards); ``DEEPSPEED`` → ``DeepSpeedPlugin`` (its
   ``deepspeed_config``, from ``zero_stage``/``offload_*_device`` or the nested ``deepspeed_config_file``, with
   ``set_mixed_precision``) read by :func:`trainfit.imports.deepspeed.strategy_from_deepspeed`; others refused.
+  With ``grad_accum`` > 1 an FSDP run takes ``--no-sync-each-batch``: no config key says whether micro-steps
+  reduce (the script's ``GradientAccumulationPlugin`` does), and its default under ``accelerator.accumulate()`` is
+  ``no_sync`` between them, as the HF Trainer's.
 - ``mixed_precision``: ``no`` → ``fp32``, ``bf16`` → ``amp-bf16``, ``fp16`` → ``amp-fp16`` (autocast over fp32
   parameters; under FSDP2 the plugin's MixedPrecisionPolicy, which trainfit's FSDP model applies to any 16-bit
   recipe); ``fp8`` is refused.
@@ -80,7 +83,8 @@ def strategy_from_accelerate(
     label: str | None = None,
 ) -> ImportedRun:
     """The run the accelerate config at ``source`` describes (see the module docstring). ``micro_batch`` and
-    ``grad_accum`` answer a nested DeepSpeed config's ``"auto"`` values."""
+    ``grad_accum`` answer a nested DeepSpeed config's ``"auto"`` values, and are the run's otherwise (an accelerate
+    config has neither)."""
     path = Path(source)
     name = label or path.name
     if not path.is_file():
@@ -115,7 +119,7 @@ def strategy_from_accelerate(
         elif dist == "MULTI_GPU":
             d.use("distributed_type", dist, "sharding", "ddp", note="torch DistributedDataParallel")
         elif dist == "FSDP":
-            _fsdp(cfg, d, path)
+            _fsdp(cfg, d, path, grad_accum)
         else:
             raise refuse(name, f"distributed_type {dist} is not modelled (NO, MULTI_GPU, FSDP, DEEPSPEED are)")
     if (dist != "NO" or procs > 1) and "gpus" not in d.flags:
@@ -128,10 +132,10 @@ def strategy_from_accelerate(
         value = getattr(cfg, key)
         if key in _IGNORED_NOTE and value not in (None, False, {}, [], "NO"):
             d.ignore(key, getattr(value, "value", value), _IGNORED_NOTE[key])
-    return d.finish(seq_len=seq_len)
+    return d.finish(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum)
 
 
-def _fsdp(cfg: Any, d: Draft, path: Path) -> None:
+def _fsdp(cfg: Any, d: Draft, path: Path, grad_accum: int | None) -> None:
     raw = {k.removeprefix("fsdp_"): v for k, v in (cfg.fsdp_config or {}).items()}
     version = int(raw.get("version", 1))
     if version != 2:
@@ -150,6 +154,13 @@ def _fsdp(cfg: Any, d: Draft, path: Path) -> None:
               note="CPUOffloadPolicy: parameters, gradients and optimizer states on the host")  # fmt: skip
     if plugin.activation_checkpointing:
         d.use("fsdp_config.fsdp_activation_checkpointing", True, "checkpointing", "full")
+    if grad_accum is not None and grad_accum > 1:
+        # No config key says whether micro-steps reduce: the script's GradientAccumulationPlugin does, and its
+        # default (``sync_each_batch=False``) runs every micro-step but the last of ``accelerator.accumulate()``
+        # under ``no_sync`` (accelerate/utils/dataclasses.py ``GradientAccumulationPlugin``; accelerator.py
+        # ``accumulate``).
+        note = "not in the file: accelerator.accumulate()'s default; --sync-each-batch if the script sets it"
+        d.use("GradientAccumulationPlugin.sync_each_batch", False, "sync_each_batch", False, note=note)
     read = {"version", "reshard_after_forward", "offload_params", "activation_checkpointing"}
     for key, value in raw.items():
         if key in read:

@@ -128,9 +128,12 @@ class Draft:
         for s in other.ignored:
             self.ignored.append(ImportedSetting(key=f"{prefix}{s.key}", value=s.value, meaning=s.meaning))
 
-    def finish(self, *, seq_len: int | None = None) -> ImportedRun:
+    def finish(
+        self, *, seq_len: int | None = None, micro_batch: int | None = None, grad_accum: int | None = None
+    ) -> ImportedRun:
         """The Strategy these flags stand for (the flags the file left unset at ``trainfit estimate``'s
-        defaults; the sequence length ``seq_len`` or the Strategy's default)."""
+        defaults; the sequence length, micro-batch and accumulation steps the keywords give, where the file
+        has none, or the Strategy's defaults)."""
         f = self.flags
         unknown = set(f) - _BUILDABLE
         if unknown:  # a programming error in an importer, not a user's
@@ -145,8 +148,8 @@ class Draft:
             optimizer=optimizer,
             optimizer_impl=f.get("optimizer_impl", "fused"),
             checkpointing=f.get("checkpointing", "none"),
-            micro_batch=f.get("batch", 1),
-            grad_accum=f.get("grad_accum", 1),
+            micro_batch=f.get("batch", micro_batch or 1),
+            grad_accum=f.get("grad_accum", grad_accum or 1),
             **({"seq_len": seq} if seq is not None else {}),
             parallelism=Parallelism.for_gpus(f.get("gpus", 1), gpus_per_node=f.get("gpus_per_node", 8)),
             sharding=f.get("sharding", "none"),

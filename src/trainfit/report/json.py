@@ -99,6 +99,7 @@ def parallel_json(strategy: Strategy) -> dict[str, Any]:
         "sharding": strategy.sharding.value,
         "engine": strategy.engine.engine.value,
         "reshard_after_forward": strategy.engine.reshard_after_forward,
+        "sync_each_batch": strategy.engine.sync_each_batch,  # FSDP2 with accumulation: reduce every micro-step
         "offload": strategy.offload.flag,
     }
 
