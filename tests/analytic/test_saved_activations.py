@@ -383,3 +383,40 @@ def test_sdpa_math_kernel_matches_autograd(family: str, precision: str, dtype: s
     with mock.patch.object(act, "sdpa_kernel", return_value=act.MATH):
         analytic = analytic_saved_bytes(cfg, precision, batch=batch)
     assert analytic + cpu_artefacts(cfg, precision, batch, cpu_math_kernel=True) == measured
+
+
+@pytest.mark.parametrize(
+    ("family", "term"), [("llama", "mlp.swiglu"), ("gpt2", "mlp.gelu_python"), ("opt", "mlp.relu")]
+)
+def test_the_mlp_activation_terms_are_the_tensors_autograd_saves(family: str, term: str) -> None:
+    """The stream allocates a term's ``tensors()`` one by one (trainfit.analytic.events), so they must be the
+    storages autograd keeps, not their sum: SwiGLU keeps four intermediate-wide tensors (gate, act, up, product),
+    GPT-2's tanh GELU five, ReLU one. Counted from the first layer's MLP alone (its saved storages that are
+    intermediate-wide), fp32."""
+    cfg = CONFIGS[family]
+    spec = spec_from_config(cfg, name="t", source="test")
+    st = Strategy(precision="fp32", micro_batch=B, seq_len=S, attention=_attention(cfg))  # type: ignore[arg-type]
+    (analytic,) = [x for x in layer_terms(spec, st) if x.name == term]
+    hf = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(hf).float().train()
+    base = model.base_model
+    layer = {"llama": lambda: base.layers[0], "gpt2": lambda: base.h[0], "opt": lambda: base.decoder.layers[0]}[
+        family
+    ]()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st_ = t.untyped_storage()
+        if st_.data_ptr() not in params:
+            seen[st_.data_ptr()] = st_.nbytes()
+        return t
+
+    width = 4 * B * S * spec.intermediate_size
+    x = torch.randn(B, S, spec.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if family == "opt":  # OPT's MLP is fc1 → relu → fc2 inside the decoder layer
+            layer.fc2(layer.activation_fn(layer.fc1(x)))
+        else:
+            layer.mlp(x)
+    assert sorted(n for n in seen.values() if n == width) == sorted(analytic.tensors())

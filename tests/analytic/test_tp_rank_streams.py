@@ -286,14 +286,15 @@ def _dtensor(tp: int, *, precision: str = "amp-bf16", ckpt: str = "none", sp: bo
 def test_the_dtensor_tp_stream_peaks_where_the_closed_form_does(strategy: Strategy) -> None:
     """DTensor TP (``DtensorTpHooks``) against ``parallel._torch_tp``: the closed form builds the rank's peak from
     moments over the TP-local model; the stream writes the same tensors in order. The allocated peak agrees
-    within 0.2% (the simulator's block rounding and the stream's transients), and after ``zero_grad`` the rank
+    within 0.3% (the simulator's block rounding — a large-pool block keeps a remainder of up to 1 MiB unsplit, and
+    SwiGLU's four saved tensors are four blocks — and the stream's transients), and after ``zero_grad`` the rank
     holds its shard states: weights, master weights and optimizer states of ⌈V/tp⌉ vocabulary rows."""
     spec = load_model("llama-3.1-8b")
     p = plan(spec, strategy)
     assert rank_simulated(strategy, p)
     rep = estimate_parallel(spec, strategy)
     res = simulate_rank(spec, strategy, p, AllocatorConfig())
-    assert res.peak_allocated_bytes == pytest.approx(rep.peak_bytes, rel=2e-3)
+    assert res.peak_allocated_bytes == pytest.approx(rep.peak_bytes, rel=3e-3)
     step = rep.phase(Phase.OPTIMIZER_STEP)
     kept = sum(step.get(c) for c in (Component.WEIGHTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES))
     assert res.allocated_end_bytes == pytest.approx(kept, rel=2e-3)

@@ -110,8 +110,13 @@ def _zero_peaks(
     with _quiet_deepspeed(), _deepspeed_world(w):
         run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
     traced = simulate(tracker_events(run), AllocatorConfig())
+    # DeepSpeed flattens its 16-bit groups on the device when the accelerator's free memory holds them: the traced
+    # engine runs on DeepSpeed's CPU accelerator, whose free memory is the host's, so the stream is given that
+    from deepspeed.accelerator import get_accelerator
+
+    free = int(get_accelerator().available_memory())
     st = Stream()
-    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s))
+    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s), free_device_bytes=free)
     synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     return traced, mine, estimate_parallel(spec, s).peak_bytes / traced.peak_allocated_bytes

@@ -581,16 +581,34 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
 def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[SavedTerm]:
     a = w.compute
     if spec.mlp is MlpKind.GATED:
-        return [SavedTerm(name=f"{name}.swiglu", bytes=4 * a * t * i, formula="4·a·t·i (gate, act, up, product)")]
+        return [
+            SavedTerm(
+                name=f"{name}.swiglu",
+                bytes=4 * a * t * i,
+                formula="4·a·t·i (gate, act, up, product)",
+                pieces=(a * t * i,) * 4,
+            )
+        ]
     if spec.activation in PYTHON_GELUS:
         if w.amp:
             # pow runs in fp32 under CUDA autocast: x32, tanh out, 1+tanh (fp32), 0.5·x (16-bit), fc2 cast.
-            return [SavedTerm(name=f"{name}.gelu_python", bytes=(4 + 4 + 4 + a + a) * t * i, formula="(12+2a)·t·i")]
-        return [SavedTerm(name=f"{name}.gelu_python", bytes=5 * a * t * i, formula="5·a·t·i")]
+            return [
+                SavedTerm(
+                    name=f"{name}.gelu_python",
+                    bytes=(4 + 4 + 4 + a + a) * t * i,
+                    formula="(12+2a)·t·i",
+                    pieces=(4 * t * i,) * 3 + (a * t * i,) * 2,
+                )
+            ]
+        return [SavedTerm(name=f"{name}.gelu_python", bytes=5 * a * t * i, formula="5·a·t·i", pieces=(a * t * i,) * 5)]
     if spec.activation == "relu":
         # ReLU's backward uses its output, which is also fc2's saved input: one tensor.
         return [SavedTerm(name=f"{name}.relu", bytes=a * t * i, formula="a·t·i (relu out)")]
-    return [SavedTerm(name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)")]
+    return [
+        SavedTerm(
+            name=f"{name}.act", bytes=2 * a * t * i, formula="2·a·t·i (fc1 out, act out)", pieces=(a * t * i,) * 2
+        )
+    ]
 
 
 def _router_bytes(spec: ModelSpec, t: int, a: int) -> int:
@@ -628,7 +646,11 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
     ]
     if m.num_shared_experts:
         si = m.num_shared_experts * m.shared_expert_intermediate_size
-        out.append(SavedTerm(name="mlp.shared.swiglu", bytes=4 * a * t * si, formula="4·a·t·shared_i"))
+        out.append(
+            SavedTerm(
+                name="mlp.shared.swiglu", bytes=4 * a * t * si, formula="4·a·t·shared_i", pieces=(a * t * si,) * 4
+            )
+        )
     if m.shared_expert_gate:
         # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
         out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
@@ -972,7 +994,14 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
         mlp += adapter_terms((SiteInput.MLP_ACT,))  # a shared expert's down_proj (Qwen2-MoE)
         return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
     if spec.mlp is MlpKind.GATED:
-        mlp.append(SavedTerm(name="mlp.swiglu", bytes=3 * mlp_w * t * i, formula="3·a·t·i (gate, act, up)"))
+        mlp.append(
+            SavedTerm(
+                name="mlp.swiglu",
+                bytes=3 * mlp_w * t * i,
+                formula="3·a·t·i (gate, act, up)",
+                pieces=(mlp_w * t * i,) * 3,
+            )
+        )
     elif spec.activation == "relu":
         mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
     elif spec.activation in PYTHON_GELUS and mlp_w != a:
@@ -1067,7 +1096,14 @@ def frozen_moe_terms(
     ]
     if m.num_shared_experts:  # frozen SwiGLU (nn.Linear: the compute dtype); its adapters are layer sites
         si = m.num_shared_experts * m.shared_expert_intermediate_size
-        out.append(SavedTerm(name="mlp.shared.swiglu", bytes=3 * a * t * si, formula="3·a·t·shared_i (gate, act, up)"))
+        out.append(
+            SavedTerm(
+                name="mlp.shared.swiglu",
+                bytes=3 * a * t * si,
+                formula="3·a·t·shared_i (gate, act, up)",
+                pieces=(a * t * si,) * 3,
+            )
+        )
     if m.shared_expert_gate:
         # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
         out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))

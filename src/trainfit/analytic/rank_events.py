@@ -611,8 +611,11 @@ class Zero2Hooks(RankHooks):
     # their views into ``grads_in_partition``, made once per step, so a later micro-step is the first's
     reduces_each_micro_step = True
 
-    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
+    def __init__(
+        self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
+    ) -> None:
         self.pb = 2  # 16-bit parameters and gradients (rank_simulated)
+        self.free_device_bytes = free_device_bytes
         zp = zero_partition(spec, strategy, 2, p.dp)
         self.total, self.part = zp.trainable_numel, zp.part_numel
         whole, self.largest_slice = deepspeed_rank0_gradients(spec, self.part)
@@ -640,6 +643,10 @@ class Zero2Hooks(RankHooks):
         for t in rest:
             self.model_offset[t.name] = off
             off += t.numel
+        # The model's own 16-bit parameter tensors, in module order, before the engine flattens them
+        self.param_numels = [t.numel for t in emb]
+        self.param_numels += [t.numel for g in inv.layers for _ in range(g.count) for t in g.tensors]
+        self.param_numels += [t.numel for t in rest]
         self.s = Stream()  # replaced by the replayed stream in weights()
         self.layer: int | None = None  # the layer whose gradients autograd is making (None: model-level)
         self.buckets: list[int] = []
@@ -650,9 +657,24 @@ class Zero2Hooks(RankHooks):
         self.states: list[int] = []
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+        """The flat 16-bit groups as ``DeepSpeedZeroOptimizer.__init__`` makes them: on the device, while the
+        model's own parameter tensors are still there, when ``accelerator.available_memory()`` (``free_device_bytes``
+        after the model is loaded) holds the flat buffer (``flatten_on_accelerator``, DeepSpeed ≥ 0.16); otherwise
+        the parameters go to the host and ``empty_cache()`` releases their segments before the flat buffer is
+        copied in — as if they had never been on the device (the default: the free memory is not known)."""
         self.s = s
-        s.alloc(allocator_bytes(self.total * self.pb))  # bit16_groups_flat
-        s.alloc(self.part * 4)  # single_partition_of_fp32_groups
+        flat = allocator_bytes(self.total * self.pb)
+        free = self.free_device_bytes
+        model: list[int] = []
+        if free is not None and free >= flat:
+            model = [s.alloc(allocator_bytes(n * self.pb)) for n in self.param_numels]
+        s.alloc(flat)  # bit16_groups_flat
+        s.free_all(model)  # _update_model_bit16_weights: the parameters become views of it
+        # single_partition_of_fp32_groups: the rank's 16-bit partition ``.detach().clone().to(fp32)``, the clone
+        # dropped
+        clone = s.alloc(self.part * self.pb)
+        s.alloc(self.part * 4)
+        s.free(clone)
         s.free(s.alloc(self.part * 4))  # initialize_optimizer_states: a zero fp32 grad partition, dropped
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
@@ -734,8 +756,10 @@ class Zero1Hooks(Zero2Hooks):
     (``overlapping_partition_gradients_reduce_epilogue``) flushes the rest and frees the bucket. The step is
     stage 2's (``averaged_gradients`` over ``grads_in_partition``)."""
 
-    def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
-        super().__init__(spec, strategy, p)
+    def __init__(
+        self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
+    ) -> None:
+        super().__init__(spec, strategy, p, free_device_bytes=free_device_bytes)
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
         # reduction
