@@ -578,6 +578,12 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
     return SavedTerm(name="attn.sdpa.qkv", bytes=fused, formula="fused qkv output (q, k, v views)")
 
 
+def _frozen_swiglu(name: str, each: int, formula: str) -> SavedTerm:
+    """A SwiGLU whose down projection is frozen (it keeps no input, so the product is not saved): the gate, act and
+    up outputs, ``each`` bytes apiece, three tensors."""
+    return SavedTerm(name=name, bytes=3 * each, formula=formula, pieces=(each,) * 3)
+
+
 def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[SavedTerm]:
     a = w.compute
     if spec.mlp is MlpKind.GATED:
@@ -994,14 +1000,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
         mlp += adapter_terms((SiteInput.MLP_ACT,))  # a shared expert's down_proj (Qwen2-MoE)
         return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
     if spec.mlp is MlpKind.GATED:
-        mlp.append(
-            SavedTerm(
-                name="mlp.swiglu",
-                bytes=3 * mlp_w * t * i,
-                formula="3·a·t·i (gate, act, up)",
-                pieces=(mlp_w * t * i,) * 3,
-            )
-        )
+        mlp.append(_frozen_swiglu("mlp.swiglu", mlp_w * t * i, "3·a·t·i (gate, act, up)"))
     elif spec.activation == "relu":
         mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
     elif spec.activation in PYTHON_GELUS and mlp_w != a:
@@ -1096,14 +1095,7 @@ def frozen_moe_terms(
     ]
     if m.num_shared_experts:  # frozen SwiGLU (nn.Linear: the compute dtype); its adapters are layer sites
         si = m.num_shared_experts * m.shared_expert_intermediate_size
-        out.append(
-            SavedTerm(
-                name="mlp.shared.swiglu",
-                bytes=3 * a * t * si,
-                formula="3·a·t·shared_i (gate, act, up)",
-                pieces=(a * t * si,) * 3,
-            )
-        )
+        out.append(_frozen_swiglu("mlp.shared.swiglu", a * t * si, "3·a·t·shared_i (gate, act, up)"))
     if m.shared_expert_gate:
         # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
         out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
