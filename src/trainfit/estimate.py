@@ -369,6 +369,9 @@ def estimate(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )
         options.setdefault("workspaces", workspaces)
+        if gpu_spec is not None:  # DeepSpeed ZeRO-1/2 tests the GPU's free memory at init (rank_events.Zero2Hooks)
+            outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+            options.setdefault("device_bytes", gpu_spec.memory_bytes - outside.outside_allocator_bytes)
     if simulated and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from trainfit import estimate
-from trainfit.allocator import AllocatorConfig, Op
+from trainfit.allocator import AllocatorConfig, Op, simulate
 from trainfit.analytic.events import Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy, estimate_parallel, plan
 from trainfit.analytic.rank_events import (
@@ -317,3 +317,39 @@ def test_expandable_segments_fragment_less_on_a_rank() -> None:
     # (allocated differs by the unsplit remainders, which expandable segments round differently)
     assert expandable.peak_allocated_bytes == pytest.approx(default.peak_allocated_bytes, rel=1e-3)
     assert expandable.peak_reserved_bytes < default.peak_reserved_bytes
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "zero2"])
+def test_deepspeed_flattens_on_the_device_only_when_the_free_memory_holds_the_flat_buffer(sharding: str) -> None:
+    """DeepSpeed ≥ 0.16 (stage_1_and_2.py ``flatten_on_accelerator``): with room on the GPU the flat 16-bit groups
+    are made beside the model's own parameter tensors, which are then freed into the cache — both at once at init,
+    twice the 16-bit weights; without room, or when the free memory is not known, the parameters go to the host
+    first and the flat buffer is the only copy on the device."""
+    spec = load_model("llama-3.2-1b")
+    s = _s(sharding, 64, ckpt="full")
+    p = plan(spec, s)
+    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, p)
+    model, flat = hooks.model_bytes(), hooks.total * 2
+    assert model >= flat * 0.99  # the same parameters, one tensor each (rounded) against one flat buffer
+
+    def init_peak(free: int | None) -> int:
+        hooks.free_device_bytes = free
+        st = Stream()
+        hooks.weights(st, ())
+        return simulate(st.events, AllocatorConfig()).peak_allocated_bytes
+
+    assert init_peak(None) == init_peak(flat - (1 << 20)) < flat + model  # the host path: the flat buffer alone
+    assert init_peak(flat) >= flat + model  # room for it: both at once
+    # the whole stream: the estimate's simulation is given the GPU's memory and subtracts the model from it
+    unknown = simulate_rank(spec, s, p, AllocatorConfig())
+    assert simulate_rank(spec, s, p, AllocatorConfig(), device_bytes=model + flat - (1 << 20)) == unknown
+    room = simulate_rank(spec, s, p, AllocatorConfig(), device_bytes=model + flat)
+    # here the training step peaks above the init (both paths reach it), but the model's freed tensors stay cached
+    assert room.peak_allocated_bytes == pytest.approx(unknown.peak_allocated_bytes, rel=1e-3)
+    assert room.peak_reserved_bytes > unknown.peak_reserved_bytes
+    # the estimate tests the GPU it is given, and says which path it took
+    on_gpu = estimate(spec, s, gpu="h100-sxm-80gb")
+    without = estimate(spec, s)
+    note = next(n for n in on_gpu.notes if n.startswith("reserved:"))
+    assert "flattens the 16-bit groups on the GPU" in note
+    assert "not known: give --gpu" in next(n for n in without.notes if n.startswith("reserved:"))

@@ -2049,6 +2049,27 @@ def _closed_form_of(
     return p, tuple(phases), ranks, tuple(notes), why
 
 
+def _flatten_note(spec: ModelSpec, strategy: Strategy, p: ParallelPlan, device_bytes: int | None) -> str:
+    """Where DeepSpeed ZeRO-1/2 makes its flat 16-bit groups at init, for the reserve note ('' for the others)."""
+    if p.engine is not Engine.DEEPSPEED or p.sharding is Sharding.ZERO3:
+        return ""
+    from trainfit.analytic.rank_events import Zero2Hooks  # imports this module
+
+    z = Zero2Hooks(spec, strategy, p)
+    if device_bytes is None:
+        return (
+            "; DeepSpeed's flat 16-bit groups made from host copies (the GPU's free memory at init is not known: "
+            "give --gpu)"
+        )
+    z.free_device_bytes = device_bytes - z.model_bytes()
+    if z.flattens_on_device():
+        return (
+            "; DeepSpeed flattens the 16-bit groups on the GPU, beside the model's own parameter tensors "
+            f"({fmt_gib(z.free_device_bytes)} free after the model)"
+        )
+    return f"; DeepSpeed flattens the 16-bit groups from host copies (only {fmt_gib(z.free_device_bytes)} free)"
+
+
 # -- the entry point -------------------------------------------------------------------------------------
 
 
@@ -2060,6 +2081,7 @@ def estimate_parallel(
     workspaces: tuple[Workspace, ...] = (),
     capacity_bytes: int | None = None,
     stop_above_bytes: int | None = None,
+    device_bytes: int | None = None,
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
@@ -2070,7 +2092,9 @@ def estimate_parallel(
     :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
     simulated rank's uncapped reserve exceeds it, its stream runs once more under it (``MemoryReport.capped``).
     ``stop_above_bytes``: a simulated stream stops once its reserved bytes pass it (``MemoryReport.reserve_stopped``:
-    the reserve is then a lower bound; for callers that only ask whether it fits)."""
+    the reserve is then a lower bound; for callers that only ask whether it fits). ``device_bytes``: the GPU's memory
+    less what is used outside the allocator — whether DeepSpeed ZeRO-1/2 flattens its 16-bit groups on the device at
+    init depends on it (:meth:`~trainfit.analytic.rank_events.Zero2Hooks.weights`; None: not known, the host path)."""
     strategy, _ = effective_strategy(spec, strategy)
     p, phases, ranks, notes, why = _closed_form(spec, strategy)
     peak = max(ph.total_bytes for ph in phases)
@@ -2085,13 +2109,22 @@ def estimate_parallel(
         if simulated:
             stage = _worst_stage(ranks) if ranks else 0
             sim = simulate_rank(
-                spec, strategy, p, allocator, workspaces, stage=stage, stop_above_bytes=stop_above_bytes
+                spec,
+                strategy,
+                p,
+                allocator,
+                workspaces,
+                stage=stage,
+                stop_above_bytes=stop_above_bytes,
+                device_bytes=device_bytes,
             )
             stopped = sim.stopped
             held = peak + sum(w.size_bytes for w in workspaces)
             overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
             capped = capped_run(
-                lambda c: simulate_rank(spec, strategy, p, allocator, workspaces, stage=stage, capacity_bytes=c),
+                lambda c: simulate_rank(
+                    spec, strategy, p, allocator, workspaces, stage=stage, capacity_bytes=c, device_bytes=device_bytes
+                ),
                 sim,
                 held_bytes=held,
                 reserve_bytes=overhead.allocator_reserve_bytes,
@@ -2102,6 +2135,7 @@ def estimate_parallel(
                 "reserved: this rank's event stream"
                 + (f" (pipeline stage {stage}, the {order} order)" if ranks else "")
                 + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
+                + _flatten_note(spec, strategy, p, device_bytes)
             )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total

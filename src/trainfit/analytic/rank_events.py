@@ -656,6 +656,15 @@ class Zero2Hooks(RankHooks):
         self.grads_in_partition = 0
         self.states: list[int] = []
 
+    def model_bytes(self) -> int:
+        """The model's own 16-bit parameter tensors on the device, as the allocator rounds them."""
+        return sum(allocator_bytes(n * self.pb) for n in self.param_numels)
+
+    def flattens_on_device(self) -> bool:
+        """DeepSpeed's test (stage_1_and_2.py ``flatten_on_accelerator``): the free memory holds the flat buffer."""
+        free = self.free_device_bytes
+        return free is not None and free >= allocator_bytes(self.total * self.pb)
+
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         """The flat 16-bit groups as ``DeepSpeedZeroOptimizer.__init__`` makes them: on the device, while the
         model's own parameter tensors are still there, when ``accelerator.available_memory()`` (``free_device_bytes``
@@ -663,12 +672,10 @@ class Zero2Hooks(RankHooks):
         the parameters go to the host and ``empty_cache()`` releases their segments before the flat buffer is
         copied in — as if they had never been on the device (the default: the free memory is not known)."""
         self.s = s
-        flat = allocator_bytes(self.total * self.pb)
-        free = self.free_device_bytes
         model: list[int] = []
-        if free is not None and free >= flat:
+        if self.flattens_on_device():
             model = [s.alloc(allocator_bytes(n * self.pb)) for n in self.param_numels]
-        s.alloc(flat)  # bit16_groups_flat
+        s.alloc(allocator_bytes(self.total * self.pb))  # bit16_groups_flat
         s.free_all(model)  # _update_model_bit16_weights: the parameters become views of it
         # single_partition_of_fp32_groups: the rank's 16-bit partition ``.detach().clone().to(fp32)``, the clone
         # dropped
@@ -1210,18 +1217,25 @@ def simulate_rank(
     stage: int = 0,
     capacity_bytes: int | None = None,
     stop_above_bytes: int | None = None,
+    device_bytes: int | None = None,
 ) -> AllocatorResult:
     """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups; ``stage``:
     the pipeline stage of a Megatron rank; ``capacity_bytes``: under that device capacity, with the allocator's
     flush-and-retry, :class:`~trainfit.allocator.Simulator`; ``stop_above_bytes``: stop once reserved passes it,
-    ``AllocatorResult.stopped``)."""
-    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage)
+    ``AllocatorResult.stopped``; ``device_bytes``: the GPU's memory less what is used outside the allocator, for
+    DeepSpeed's free-memory test at init, :meth:`Zero2Hooks.weights`; None: not known)."""
+    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes)
     if capacity_bytes is not None:
         return simulation_memo().get(
-            (*key, capacity_bytes), lambda: _simulate(spec, strategy, p, config, workspaces, stage, capacity_bytes)
+            (*key, capacity_bytes),
+            lambda: _simulate(spec, strategy, p, config, workspaces, stage, capacity_bytes, device_bytes=device_bytes),
         )
     return memo_stoppable(
-        key, stop_above_bytes, lambda stop: _simulate(spec, strategy, p, config, workspaces, stage, stop_above=stop)
+        key,
+        stop_above_bytes,
+        lambda stop: _simulate(
+            spec, strategy, p, config, workspaces, stage, stop_above=stop, device_bytes=device_bytes
+        ),
     )
 
 
@@ -1234,14 +1248,20 @@ def _simulate(
     stage: int = 0,
     capacity_bytes: int | None = None,
     stop_above: int | None = None,
+    device_bytes: int | None = None,
 ) -> AllocatorResult:
     hooks: RankHooks | None = None
     run = strategy
     if p.engine is Engine.MEGATRON:
         pass
+    elif p.engine is Engine.DEEPSPEED and p.sharding is Sharding.ZERO3:
+        hooks, run = Zero3Hooks(spec, strategy, p), compute_strategy(strategy)
     elif p.engine is Engine.DEEPSPEED:
-        zero = {Sharding.ZERO1: Zero1Hooks, Sharding.ZERO3: Zero3Hooks}.get(p.sharding, Zero2Hooks)
-        hooks, run = zero(spec, strategy, p), compute_strategy(strategy)
+        zero = Zero1Hooks if p.sharding is Sharding.ZERO1 else Zero2Hooks
+        z = zero(spec, strategy, p)
+        if device_bytes is not None:
+            z.free_device_bytes = device_bytes - z.model_bytes()
+        hooks, run = z, compute_strategy(strategy)
     elif p.tp > 1:
         hooks = DtensorTpHooks(spec, strategy, p.tp, sequence_parallel=p.sequence_parallel)
         spec = dtensor_tp_spec(spec, p.tp)
