@@ -734,6 +734,31 @@ class Simulator:
         self.num_segments_at_peak = self.num_segments
         self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
 
+    def state_key(self) -> tuple[object, ...] | None:
+        """Everything the allocator's next decisions depend on, but the allocation keys: every block (live, free,
+        unmapped) with its segment, the address the next segment gets and the counters; equal keys, fed the same
+        calls (keys renamed alike), make the same decisions and reach the same state. None where the garbage
+        collector's call counters also decide (``garbage_collection_threshold``), which this does not compare, or where
+        segment addresses come from outside (``segment_address``)."""
+        if self._gc or self._segment_address is not None:
+            return None
+        blocks = list(self._live.values())
+        for pool in self._pools.values():
+            blocks += [b for _, _, b in pool.free]
+            blocks += [b for _, b in pool.unmapped]
+        return (
+            self.reserved_bytes,
+            self.allocated_bytes,
+            self.num_segments,
+            self._next_address,
+            tuple(
+                sorted(
+                    (b.addr, b.size, b.in_use, b.pending, b.mapped, b.seg.address, b.seg.small, b.seg.stream)
+                    for b in blocks
+                )
+            ),
+        )
+
     def address_of(self, key: int) -> int:
         return self._live[key].addr
 

@@ -62,6 +62,7 @@ __all__ = [
     "memo_stoppable",
     "simulate_training",
     "simulation_memo",
+    "steady_state",
     "synthesise",
     "training_events",
 ]
@@ -523,6 +524,24 @@ def simulate_training(
     )
 
 
+def steady_state(sim: Simulator, capacity_bytes: int | None) -> Callable[[int], bool]:
+    """A stream's ``stop``: True after a step (≥ 1: the optimizer's states exist) that left ``sim`` in the state the
+    step before it did (:meth:`~trainfit.allocator.Simulator.state_key`). The steps after the first repeat the same
+    calls, so the next would repeat this one exactly and add nothing. Never under a capacity (each repeated cache flush
+    counts in ``num_alloc_retries``) nor where the simulator has no key."""
+    before: list[object] = [None]
+
+    def ended(step: int) -> bool:
+        if capacity_bytes is not None:
+            return False
+        now = sim.state_key()
+        same = step >= 1 and now is not None and now == before[0]
+        before[0] = now
+        return same
+
+    return ended
+
+
 def _simulate_training(
     spec: ModelSpec,
     strategy: Strategy,
@@ -536,4 +555,5 @@ def _simulate_training(
     if layout:  # replayed twice (the second time up to the peak): needs the events
         return simulate(training_events(spec, strategy, workspaces), config, layout=True, capacity_bytes=capacity_bytes)
     sim = Simulator(config, capacity_bytes=capacity_bytes, stop_above_bytes=stop_above_bytes)
-    return sim.result(oom=sim.drive(lambda x: synthesise(Stream(x), spec, strategy, workspaces)))
+    stop = steady_state(sim, capacity_bytes)
+    return sim.result(oom=sim.drive(lambda x: synthesise(Stream(x), spec, strategy, workspaces, stop=stop)))

@@ -121,7 +121,7 @@ from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import backward_temp_bytes
 from trainfit.analytic.adapters import finetuning
-from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, synthesise
+from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, steady_state, synthesise
 from trainfit.analytic.parallel import (
     SP_SPLIT_PREFIXES,
     ParallelPlan,
@@ -1272,12 +1272,14 @@ def _simulate(
         run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     sim = Simulator(config, capacity_bytes=capacity_bytes, stop_above_bytes=stop_above)
     seen = [-1]
+    ended = steady_state(sim, capacity_bytes)
 
     def steady(step: int) -> bool:
-        """A step that raised no reserved peak, after the states exist (step ≥ 1), ends the stream."""
+        """A step that raised no reserved peak, after the states exist (step ≥ 2), ends the stream; so does one that
+        left the allocator as the step before it did (:func:`~trainfit.analytic.events.steady_state`)."""
         grew = sim.peak_reserved_bytes > seen[0]
         seen[0] = sim.peak_reserved_bytes
-        return step >= 2 and not grew
+        return ended(step) or (step >= 2 and not grew)
 
     rank = hooks
 
