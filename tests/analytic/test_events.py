@@ -12,7 +12,7 @@ from trainfit import Strategy, estimate, load_model
 from trainfit.allocator import AllocatorConfig, Op, simulate
 from trainfit.allocator.workspaces import training_workspaces
 from trainfit.analytic.events import forget_simulations, simulate_training, training_events
-from trainfit.strategy import finetune_setup
+from trainfit.strategy import EngineOptions, Parallelism, finetune_setup
 
 _CANDIDATES = (Path(__file__).resolve().parents[3] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
 TRUTH = next((p for p in _CANDIDATES if p.is_dir()), None)
@@ -145,3 +145,50 @@ def test_simulations_are_memoised_on_their_inputs() -> None:
     assert simulate_training(load_model("gpt2"), Strategy(micro_batch=2), AllocatorConfig()) is first
     other = simulate_training(spec, Strategy(micro_batch=3), AllocatorConfig())
     assert other is not first and other.peak_reserved_bytes > first.peak_reserved_bytes
+
+
+def test_the_state_key_ignores_allocation_keys_and_nothing_else() -> None:
+    """``Simulator.state_key``: equal for the same calls under other keys, different when a block differs, and
+    absent where the garbage collector's counters also decide."""
+    from trainfit.allocator import Simulator
+
+    def fed(keys: list[int], sizes: list[int], config: AllocatorConfig | None = None) -> Simulator:
+        sim = Simulator(config)
+        for k, n in zip(keys, sizes, strict=True):
+            sim.malloc(k, n)
+        sim.free(keys[1])
+        return sim
+
+    sizes = [3 << 20, 5 << 20, 700, 1 << 20]
+    assert fed([1, 2, 3, 4], sizes).state_key() == fed([40, 30, 20, 10], sizes).state_key()
+    assert fed([1, 2, 3, 4], sizes).state_key() != fed([1, 2, 3, 4], [*sizes[:3], 2 << 20]).state_key()
+    gc = AllocatorConfig.parse("garbage_collection_threshold:0.6")
+    assert Simulator(gc, memory_fraction_bytes=80 << 30).state_key() is None
+
+
+@pytest.mark.parametrize(
+    ("slug", "strategy"),
+    [
+        ("llama-3.2-1b", Strategy(parallelism=Parallelism(data=8), sharding="fsdp", seq_len=1024, grad_accum=2)),
+        ("llama-3.2-1b", Strategy(parallelism=Parallelism(data=8), sharding="zero2", micro_batch=1, seq_len=1024)),
+        ("llama-3.2-1b", Strategy(parallelism=Parallelism(data=4), sharding="ddp", micro_batch=2, grad_accum=2)),
+        ("llama-3.1-8b", Strategy(parallelism=Parallelism(tensor=2), engine=EngineOptions(engine="torch"))),
+    ],
+)
+def test_a_rank_stream_stopped_at_its_steady_state_peaks_as_the_longer_replay(
+    slug: str, strategy: Strategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream ends after a step that leaves the allocator as the step before it (``steady_state``): the steps after
+    the first repeat the same calls, so replaying on to the other rule's end (no new reserved peak after step 2)
+    changes nothing the estimate reads."""
+    import trainfit.analytic.rank_events as rank_events
+    from trainfit.analytic.parallel import plan
+
+    spec = load_model(slug)
+    p = plan(spec, strategy)
+    forget_simulations()
+    stopped = rank_events.simulate_rank(spec, strategy, p, AllocatorConfig())
+    monkeypatch.setattr(rank_events, "steady_state", lambda _sim, _cap: lambda _step: False)
+    forget_simulations()
+    longer = rank_events.simulate_rank(spec, strategy, p, AllocatorConfig())
+    assert stopped == longer

@@ -19,9 +19,10 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   tensors before releasing them.
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
-second). The stream has fewer transient tensors than a real step (element-wise outputs freed at once are
-left out); they reuse blocks of their own size and matter little for the peak of reserved memory. How close
-this is to the trace's own events and to the H200 is in docs/accuracy.md.
+second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
+makes the same calls, so it would repeat the second). The stream has fewer transient tensors than a real step
+(element-wise outputs freed at once are left out); they reuse blocks of their own size and matter little for the
+peak of reserved memory. How close this is to the trace's own events and to the H200 is in docs/accuracy.md.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   stream nor the closed form has.
 
 Reserved memory can keep growing for a few steps (one GPU's stream settles by its second): steps are
-replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most). The optimizer
+replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most), or until one leaves the allocator exactly as
+the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next would repeat it). The optimizer
   states are made on the shards in the first step.
 
 * **DeepSpeed ZeRO-2** (16-bit compute, AdamW; :class:`Zero2Hooks`, deepspeed/runtime/zero/stage_1_and_2.py):
