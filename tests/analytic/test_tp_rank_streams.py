@@ -281,6 +281,9 @@ def _dtensor(tp: int, *, precision: str = "amp-bf16", ckpt: str = "none", sp: bo
         _dtensor(2, precision="pure-bf16", ckpt="full", sp=True),
         _dtensor(8, ckpt="selective", sp=True),
         _dtensor(2, precision="fp32", sp=True),
+        dataclasses.replace(_dtensor(4), grad_accum=2),  # the second micro-step adds into the resident .grad
+        dataclasses.replace(_dtensor(8, ckpt="selective", sp=True), grad_accum=3),
+        dataclasses.replace(_dtensor(2, precision="master-bf16"), grad_accum=2),
     ],
 )
 def test_the_dtensor_tp_stream_peaks_where_the_closed_form_does(strategy: Strategy) -> None:
@@ -302,13 +305,10 @@ def test_the_dtensor_tp_stream_peaks_where_the_closed_form_does(strategy: Strate
 
 def test_estimate_simulates_dtensor_tp_without_sharding_only() -> None:
     spec = load_model("llama-3.1-8b")
-    for s in (_dtensor(4), _dtensor(4, sp=True)):
+    for s in (_dtensor(4), _dtensor(4, sp=True), dataclasses.replace(_dtensor(4, sp=True), grad_accum=2)):
         r = estimate(spec, s)
         assert any(n.startswith("reserved:") and "caching-allocator simulation" in n for n in r.notes)
-    for s in (
-        dataclasses.replace(_dtensor(4, sp=True), sharding="fsdp", parallelism=Parallelism(data=2, tensor=4)),
-        dataclasses.replace(_dtensor(4, sp=True), grad_accum=2),
-    ):
+    for s in (dataclasses.replace(_dtensor(4, sp=True), sharding="fsdp", parallelism=Parallelism(data=2, tensor=4)),):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert any("fixed reserve fraction" in n for n in r.notes)

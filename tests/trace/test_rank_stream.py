@@ -236,6 +236,47 @@ def test_the_dtensor_tp_stream_reaches_the_traced_peaks(tp: int, precision: str,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "ckpt", "micro", "accum", "sp"),
+    [("amp-bf16", "full", 4, 2, False), ("amp-bf16", "none", 4, 2, True), ("pure-bf16", "full", 2, 3, False)],
+)
+def test_the_dtensor_tp_stream_accumulates_like_the_traced_run(
+    precision: str, ckpt: str, micro: int, accum: int, sp: bool
+) -> None:
+    """DTensor TP 2 with accumulation: the stream's second micro-step adds into the resident ``.grad`` (one GPU's
+    replay, ``RankHooks.replays_accumulation``); against the real ``parallelize_module`` run, full depth, three
+    steps."""
+    from trainfit.analytic.parallel import dtensor_tp_spec
+    from trainfit.analytic.rank_events import DtensorTpHooks
+    from trainfit.trace import depth
+    from trainfit.trace.distributed import fsdp_run_strategy
+    from trainfit.trace.events import tracker_events
+    from trainfit.trace.tensor_parallel import fake_mesh, run_layout_tp
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    s = Strategy(
+        parallelism=Parallelism(tensor=2, sequence_parallel=sp),
+        engine=EngineOptions(engine="torch"),
+        precision=precision,
+        checkpointing=ckpt,
+        micro_batch=micro,
+        seq_len=512,
+        grad_accum=accum,
+    )
+    built, _ = fsdp_run_strategy(s)
+    plan = depth.plan_depth(spec, built, extrapolate=False)
+    _, layout = plan.layouts[0]
+    with fake_mesh(1, 2) as mesh:
+        run = run_layout_tp(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
+    traced = simulate(tracker_events(run), AllocatorConfig())
+    st = Stream()
+    synthesise(st, dtensor_tp_spec(spec, 2), s, (), DtensorTpHooks(spec, s, 2, sequence_parallel=sp), steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("view", "accum"), [(False, 2), (True, 2), (False, 3)])
 def test_the_ddp_stream_accumulates_like_the_traced_run(view: bool, accum: int) -> None:
     """DDP with gradient accumulation (``DdpHooks`` replays two micro-steps, the second with every .grad resident
