@@ -101,6 +101,13 @@ CASES = [
     ("qwen2.5-0.5b", _s("zero2", 4, reduce_bucket_size=50_000_000, grad_accum=2)),
     ("llama-3.2-1b", _s("zero1", 8, grad_accum=2)),
     ("qwen2.5-0.5b", _s("zero1", 2, reduce_bucket_size=50_000_000, overlap_comm=True, grad_accum=3)),
+    # ZeRO-Offload, stage 2: the partition's gradient slices go to the host through fp64 and fp32 device copies
+    ("llama-3.2-1b", _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU))),
+    ("qwen2.5-0.5b", _s("zero2", 2, ckpt="full", offload=Offload(optimizer=OffloadTarget.CPU))),
+    (
+        "llama-3.1-8b",
+        _s("zero2", 64, ckpt="full", reduce_bucket_size=50_000_000, offload=Offload(optimizer=OffloadTarget.CPU)),
+    ),
 ]
 
 
@@ -290,13 +297,16 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero1", 8),
         _s("zero2", 8),
         _s("zero3", 8),
+        _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),  # ZeRO-Offload, stage 2
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
         assert r.overhead.allocator_reserve_bytes != int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
         assert any("caching-allocator simulation" in n for n in r.notes)
     for s in (
-        _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
+        _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # staged through the device
+        _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
+        _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("hsdp", 16, offload=OFFLOAD),
         Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
     ):

@@ -91,12 +91,12 @@ def test_a_fixed_fraction_reserve_is_not_simulated() -> None:
     from trainfit.strategy import Engine, EngineOptions, Parallelism, Strategy
 
     spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
-    s = Strategy(
+    s = Strategy(  # 2-D FSDP2 × TP: not simulated
         precision="master-bf16",
         seq_len=4096,
         engine=EngineOptions(engine=Engine.TORCH),
-        parallelism=Parallelism.for_gpus(2, tensor=2, sequence_parallel=True),
-        grad_accum=2,
+        parallelism=Parallelism.for_gpus(4, tensor=2, sequence_parallel=True),
+        sharding="fsdp",
     )
     kw = {"gpu": gpu, "search_micro_batch": False, "fixes": False}
     plain = estimate(spec, s, allocator="", **kw)  # type: ignore[arg-type]

@@ -1380,6 +1380,20 @@ def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     return whole, largest
 
 
+def _largest_slice_owner(spec: ModelSpec, part: int) -> int:
+    """Stages 1–2, rank 0: the elements of the parameter whose slice of the partition [0, part) is the largest (the
+    first of equals), :func:`deepspeed_rank0_gradients`' ``largest``."""
+    offset = best = owner = 0
+    for t in _flat_order(spec):
+        if offset >= part:
+            break
+        n = min(offset + t.numel, part) - offset
+        if n > best:
+            best, owner = n, t.numel
+        offset += t.numel
+    return owner
+
+
 def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     fp32 = strategy.recipe.compute_bits == 32
     cs = compute_strategy(strategy)
@@ -1449,6 +1463,17 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # first gradient of the step's first micro-step, released only by the boundary's reduction
     # (``_release_ipg_buffers``): whole gradients and bucket(s) through every later micro-step, from its forward.
     zero1_accumulating = stage == 1 and strategy.grad_accum > 1 and not off_opt
+    # ZeRO-Offload, stage 2: each reduction copies the gradients of the partition's parameters to the host one by one
+    # (stage_1_and_2.py ``copy_grads_in_partition``): the slice's norm in fp64 (``set_norm_for_param_grad_in_gpu``),
+    # then the slice in fp32 for the copy (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), each dropped before
+    # the next. Rank 0's largest slice is reduced at the flush of its parameter's gradient — the token table's, the
+    # last one backward makes (model order) — with the bucket, and that gradient itself when it is larger than the
+    # bucket (``extra_large_param_to_reduce``, kept until the flush): the end of backward, every activation gone.
+    offload_reduce = stage == 2 and off_opt and not finetuning(strategy)
+    if offload_reduce:
+        owner = _largest_slice_owner(spec, part)
+        reduce_temp = allocator_bytes(8 * deepspeed_rank0_gradients(spec, part)[1])
+        reduce_grad = allocator_bytes(owner * pb) if owner > eo.reduce_bucket_size else 0
 
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
@@ -1477,6 +1502,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
             if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
                 comm = bucket * (2 if overlap and stage < 3 else 1)
+        if offload_reduce and m.name is MomentName.BACKWARD_REDUCE:
+            c[Component.TEMPORARIES] = reduce_temp
+            grads = reduce_grad
+            comm = bucket * (2 if overlap else 1)
         if zero1_accumulating and m.phase is not Phase.OPTIMIZER_STEP and m.name is not MomentName.BACKWARD_REDUCE:
             grads = allocator_bytes(total * pb)
             comm = bucket * (2 if overlap else 1)
@@ -1540,9 +1569,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "(host bytes per node)"
         )
     extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
-    if zero1_reduced:
+    if zero1_reduced or offload_reduce:
         # ZeRO-1 without overlap_comm: the engine reduces after backward (engine.py ``allreduce_gradients`` →
-        # ``reduce_gradients``), every gradient still there, the bucket and the partition's buffer made.
+        # ``reduce_gradients``), every gradient still there, the bucket and the partition's buffer made; ZeRO-2
+        # offloaded: the last flush's copies to the host (``offload_reduce``).
         extra.append(Moment(name=MomentName.BACKWARD_REDUCE, phase=Phase.BACKWARD, resident=q.resident))
     return _worst(q, adjust, host, extra), notes + notes_ft
 

@@ -145,6 +145,8 @@ from trainfit.cuda_facts import allocator_bytes
 from trainfit.strategy import (
     Checkpointing,
     Engine,
+    Offload,
+    OffloadTarget,
     Optimizer,
     OptimizerImpl,
     PipelineSchedule,
@@ -172,19 +174,26 @@ __all__ = [
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, FSDP2 with
-    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW; DTensor TP ± SP without sharding (gradient
+    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, ZeRO-2 with ZeRO-Offload without
+    accumulation; DTensor TP ± SP without sharding (gradient
     accumulation too); full training, nothing else offloaded); otherwise the fixed fraction. Megatron
     TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
+        # ZeRO-Offload is written for stage 2 without accumulation (Zero2Hooks.offload); its accumulation stages
+        # gradients through a device buffer to the host (``async_accumulate_grad_in_cpu_via_gpu``), not written
+        off = strategy.offload
+        offloaded = off.any and not (
+            p.sharding is Sharding.ZERO2 and off == Offload(optimizer=OffloadTarget.CPU) and strategy.grad_accum == 1
+        )
         return (
             p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
             and p.tp == 1
             and p.pp == 1
             and strategy.recipe.compute_bits == 16
             and strategy.optimizer is Optimizer.ADAMW
-            and not strategy.offload.any
+            and not offloaded
             and not finetuning(strategy)
         )
     if p.engine is Engine.TORCH and p.tp > 1:
@@ -619,6 +628,8 @@ class Zero2Hooks(RankHooks):
         eo = strategy.engine
         self.bucket_numel = eo.reduce_bucket_size
         self.overlap = bool(eo.overlap_comm)  # DeepSpeed's default for stages 1–2: False
+        # ZeRO-Offload (stage 2): the fp32 partition, its gradient and Adam's states are the host's
+        self.offload = strategy.offload.optimizer_on_host
         # Offsets in the flat buffer (``model.parameters()`` order: embeddings, layers, final norm and head).
         inv = inventory(spec)
         emb = [t for t in inv.model_tensors if t.name.startswith("embed")]
@@ -648,6 +659,7 @@ class Zero2Hooks(RankHooks):
         self.buckets: list[int] = []
         self.elements = 0
         self.pending_part = 0  # elements in the bucket of parameters rank 0's partition meets
+        self.pending_slices: list[int] = []  # each such parameter's elements inside the partition
         self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
         self.grads_in_partition = 0
         self.states: list[int] = []
@@ -674,11 +686,16 @@ class Zero2Hooks(RankHooks):
         s.alloc(allocator_bytes(self.total * self.pb))  # bit16_groups_flat
         s.free_all(model)  # _update_model_bit16_weights: the parameters become views of it
         # single_partition_of_fp32_groups: the rank's 16-bit partition ``.detach().clone().to(fp32)``, the clone
-        # dropped
+        # dropped (under offload ``.to(device=cpu)``: the fp32 copy is the host's)
         clone = s.alloc(self.part * self.pb)
-        s.alloc(self.part * 4)
+        if not self.offload:
+            s.alloc(self.part * 4)
         s.free(clone)
-        s.free(s.alloc(self.part * 4))  # initialize_optimizer_states: a zero fp32 grad partition, dropped
+        if self.offload:
+            # ``temp_grad_buffer_for_gpu_offload``: a 16-bit device buffer of the largest parameter, held all run
+            s.alloc(allocator_bytes(max(self.param_numels) * self.pb))
+        else:
+            s.free(s.alloc(self.part * 4))  # initialize_optimizer_states: a zero fp32 grad partition, dropped
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         self._into_bucket(x)
@@ -705,13 +722,21 @@ class Zero2Hooks(RankHooks):
         self.elements += x.numel
         if off < self.part:
             self.pending_part += x.numel
+            self.pending_slices.append(min(x.numel, self.part - off))
 
     def _reduce(self) -> None:
         s = self.s
-        if self.pending_part and not self.grads_in_partition:
+        if self.offload:
+            # copy_grads_in_partition under offload: per parameter its slice's norm in fp64
+            # (``set_norm_for_param_grad_in_gpu``: ``.to(float64).norm(2)``), then the slice cast to fp32 for the
+            # copy to the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); no device partition buffer
+            for n in self.pending_slices:
+                s.free(s.alloc(allocator_bytes(8 * n)))
+                s.free(s.alloc(allocator_bytes(4 * n)))
+        elif self.pending_part and not self.grads_in_partition:
             self.grads_in_partition = s.alloc(self.partition_grads, DS_REDUCTION_STREAM if self.overlap else 0)
         s.free_all(self.pending)
-        self.pending, self.elements, self.pending_part = [], 0, 0
+        self.pending, self.elements, self.pending_part, self.pending_slices = [], 0, 0, []
 
     def backward_begin(self, s: Stream) -> None:
         self.layer = None
@@ -734,6 +759,8 @@ class Zero2Hooks(RankHooks):
 
     def step_temp_bytes(self, default: int) -> int:
         s = self.s
+        if self.offload:
+            return 0  # DeepSpeedCPUAdam on the host; the 16-bit partition is copied back into the flat group in place
         s.free(s.alloc(allocator_bytes(8 * self.largest_slice)))  # the norm's fp64 slices, one at a time
         flat = s.alloc(self.part * self.pb)  # self.flatten(self.averaged_gradients[i])
         fp32 = s.alloc(self.part * 4)  # .to(fp32)
