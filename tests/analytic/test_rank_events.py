@@ -101,7 +101,10 @@ CASES = [
     ("qwen2.5-0.5b", _s("zero2", 4, reduce_bucket_size=50_000_000, grad_accum=2)),
     ("llama-3.2-1b", _s("zero1", 8, grad_accum=2)),
     ("qwen2.5-0.5b", _s("zero1", 2, reduce_bucket_size=50_000_000, overlap_comm=True, grad_accum=3)),
-    # ZeRO-Offload, stage 2: the partition's gradient slices go to the host through fp64 and fp32 device copies
+    # ZeRO-Offload: stage 2's partition gradient slices go to the host through fp64 and fp32 device copies; stage 3
+    # keeps only its parameters, bucket and gathers on the device
+    ("llama-3.2-1b", _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU))),
+    ("qwen2.5-0.5b", _s("zero3", 64, ckpt="full", offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2)),
     ("llama-3.2-1b", _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU))),
     ("qwen2.5-0.5b", _s("zero2", 2, ckpt="full", offload=Offload(optimizer=OffloadTarget.CPU))),
     (
@@ -298,6 +301,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero2", 8),
         _s("zero3", 8),
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),  # ZeRO-Offload, stage 2
+        _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # and stage 3
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -306,7 +310,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     for s in (
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # staged through the device
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
-        _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
+        _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
         _s("hsdp", 16, offload=OFFLOAD),
         Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
     ):

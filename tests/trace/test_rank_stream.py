@@ -11,6 +11,9 @@ steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA st
 
 from __future__ import annotations
 
+from collections.abc import Container
+from typing import Any
+
 import pytest
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
@@ -145,6 +148,21 @@ def test_the_zero_stream_reaches_the_traced_peaks(sharding: str, w: int, bucket:
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
+def _device_events(run: Any, host_kinds: Container[int]) -> list[Event]:
+    """A traced DeepSpeed run's events without its host storages (``trace.deepspeed_offload.HOST_KINDS``): what the
+    device's allocator sees (``trace.events.tracker_events`` keeps every tracked storage)."""
+    tr = run.tracker
+    tr.merge_inplace_accumulations()
+    slots: list[Event | None] = [None] * (tr.t + 2)
+    for idx, rec in enumerate(tr.records):
+        if tr.component(rec) is None or rec.kind in host_kinds:
+            continue
+        slots[rec.alloc_t] = Event(Op.ALLOC, idx, rec.nbytes)
+        if rec.free_t is not None:
+            slots[rec.free_t] = Event(Op.FREE, idx)
+    return [e for e in slots if e is not None]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("w", "bucket", "micro", "seq"), [(4, 200_000, 2, 256), (8, 500_000_000, 2, 256), (2, 200_000, 1, 64)]
@@ -177,16 +195,7 @@ def test_the_zero_offload_stream_reaches_the_traced_device_peaks(w: int, bucket:
     _, layout = plan.layouts[0]
     with _quiet_deepspeed(), _deepspeed_world(w):
         run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
-    tr = run.tracker
-    tr.merge_inplace_accumulations()
-    slots: list[Event | None] = [None] * (tr.t + 2)
-    for idx, rec in enumerate(tr.records):
-        if tr.component(rec) is None or rec.kind in HOST_KINDS:
-            continue
-        slots[rec.alloc_t] = Event(Op.ALLOC, idx, rec.nbytes)
-        if rec.free_t is not None:
-            slots[rec.free_t] = Event(Op.FREE, idx)
-    traced = simulate([e for e in slots if e is not None], AllocatorConfig())
+    traced = simulate(_device_events(run, HOST_KINDS), AllocatorConfig())
     free = int(get_accelerator().available_memory())  # what the traced engine's flatten test read
     st = Stream()
     synthesise(st, spec, compute_strategy(s), (), Zero2Hooks(spec, s, parallel_plan(spec, s), free_device_bytes=free))
@@ -194,6 +203,51 @@ def test_the_zero_offload_stream_reaches_the_traced_device_peaks(w: int, bucket:
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
     assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("prefetch", "ckpt", "micro", "seq", "accum"),
+    [(50_000, "none", 2, 256, 1), (150_000, "full", 2, 256, 1), (50_000_000, "none", 1, 64, 2)],
+)
+def test_the_zero3_offload_stream_reaches_the_traced_device_peaks(
+    prefetch: int, ckpt: str, micro: int, seq: int, accum: int
+) -> None:
+    """ZeRO-3 with ZeRO-Offload (``Zero3Hooks`` with ``offload``): the fp32 partition and a zero gradient made on the
+    device and moved to the host at init, the gradient partitions on the host, the step the host's; against the
+    traced engine's device events over 8 ranks (4 on the last cell, with two accumulation steps)."""
+    pytest.importorskip("deepspeed")
+    from trainfit.trace import depth
+    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
+    from trainfit.trace.deepspeed_offload import HOST_KINDS
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    w = 8 if accum == 1 else 4
+    s = Strategy(
+        parallelism=Parallelism(data=w),
+        sharding="zero3",
+        checkpointing=ckpt,
+        micro_batch=micro,
+        seq_len=seq,
+        grad_accum=accum,
+        offload=Offload.parse("optimizer"),
+        engine=EngineOptions(
+            reduce_bucket_size=50_000,
+            allgather_bucket_size=50_000,
+            prefetch_bucket_size=prefetch,
+            max_reuse_distance=300_000 if ckpt == "full" else 1_000_000_000,
+        ),
+    )
+    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
+    _, layout = plan.layouts[0]
+    with _quiet_deepspeed(), _deepspeed_world(w):
+        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
+    traced = simulate(_device_events(run, HOST_KINDS), AllocatorConfig())
+    st = Stream()
+    synthesise(st, spec, compute_strategy(s), (), Zero3Hooks(spec, s, parallel_plan(spec, s)), steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
 ZERO3_CELLS = [(50_000, 1_000_000_000, "none"), (150_000, 300_000, "full"), (50_000_000, 1_000_000_000, "none")]

@@ -174,18 +174,20 @@ __all__ = [
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, FSDP2 with
-    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, ZeRO-2 with ZeRO-Offload without
-    accumulation; DTensor TP ± SP without sharding (gradient
+    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stage 3 and at
+    stage 2 without accumulation; DTensor TP ± SP without sharding (gradient
     accumulation too); full training, nothing else offloaded); otherwise the fixed fraction. Megatron
     TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
-        # ZeRO-Offload is written for stage 2 without accumulation (Zero2Hooks.offload); its accumulation stages
-        # gradients through a device buffer to the host (``async_accumulate_grad_in_cpu_via_gpu``), not written
+        # ZeRO-Offload is written for stage 3 and for stage 2 without accumulation (Zero2Hooks.offload,
+        # Zero3Hooks.offload); stage 2's accumulation stages gradients through a device buffer to the host
+        # (``async_accumulate_grad_in_cpu_via_gpu``), not written, nor stage 1's offload or ZeRO-Infinity
         off = strategy.offload
         offloaded = off.any and not (
-            p.sharding is Sharding.ZERO2 and off == Offload(optimizer=OffloadTarget.CPU) and strategy.grad_accum == 1
+            off == Offload(optimizer=OffloadTarget.CPU)
+            and (p.sharding is Sharding.ZERO3 or (p.sharding is Sharding.ZERO2 and strategy.grad_accum == 1))
         )
         return (
             p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
@@ -855,7 +857,7 @@ class Zero1Hooks(Zero2Hooks):
 
 
 class Zero3Hooks(RankHooks):
-    """DeepSpeed ZeRO-3 (stage3.py ``DeepSpeedZeroOptimizer_Stage3``, no offload, full training), rank 0:
+    """DeepSpeed ZeRO-3 (stage3.py ``DeepSpeedZeroOptimizer_Stage3``, full training), rank 0:
 
     * init: the flat buffer of every parameter's 16-bit partition (``lp_param_buffer``) and each persistent
       parameter whole (``ds_persist``), the fp32 partition, the gradient partition (``grad_partitions_flat_buffer``,
@@ -868,7 +870,13 @@ class Zero3Hooks(RankHooks):
       bucket as autograd makes it (none of its own);
     * step (``step``): the persistent parameters' whole copies go (``_partition_all_parameters``), the
       gradient partition flattened and cast to fp32 (``_prepare_fp32_grad_for_sub_group``), AdamW's states in
-      the first step, then the persistent parameters gathered again (``_post_step``)."""
+      the first step, then the persistent parameters gathered again (``_post_step``).
+
+    With ZeRO-Offload (``offload_optimizer`` to the CPU) the fp32 partition and a zero fp32 gradient are made on the
+    device and moved to the host at init, the gradient partitions are pinned host buffers, and the step is the
+    host's (the 16-bit partition written back in place): on the device only the parameters, the bucket and the
+    gathers (against the traced engine's device events on tiny llama cells: allocated −0.69…+0.00%, reserved
+    +0.0…+2.5%, with accumulation too)."""
 
     # Accumulation: each micro-step reduces into the persistent gradient partition (stage3.py
     # ``__reduce_and_partition_ipg_grads``): a later micro-step's events are the first's; one is replayed (the
@@ -884,6 +892,8 @@ class Zero3Hooks(RankHooks):
         self.bucket = allocator_bytes(strategy.engine.reduce_bucket_size * self.pb)
         self.replay = gathered_bytes(spec, strategy, p.dp, self.pb).events
         self.layers = spec.num_layers
+        # ZeRO-Offload: the fp32 partition, the gradient partitions and Adam's states are the host's
+        self.offload = strategy.offload.optimizer_on_host
         self.s = Stream()
         self.cursor = 0
         self.keys: dict[int, int] = {}  # replay allocation id -> stream key
@@ -895,8 +905,15 @@ class Zero3Hooks(RankHooks):
         self.s = s
         s.alloc(self.lp)
         self.whole = [s.alloc(n) for n in self.persistent]
-        s.alloc(self.part * 4)  # fp32_partitioned_groups_flat
-        s.alloc(allocator_bytes(self.part * self.pb))  # grad_partitions_flat_buffer
+        if self.offload:
+            # the fp32 partition made on the device and moved to the host, then a zero fp32 gradient likewise
+            # (``_create_fp32_partitions``, ``initialize_optimizer_states``); the gradient partitions are pinned host
+            # buffers (``_setup_for_real_optimizer``)
+            s.free(s.alloc(self.part * 4))
+            s.free(s.alloc(self.part * 4))
+        else:
+            s.alloc(self.part * 4)  # fp32_partitioned_groups_flat
+            s.alloc(allocator_bytes(self.part * self.pb))  # grad_partitions_flat_buffer
         s.alloc(self.bucket)  # __ipg_bucket_flat_buffer
 
     def _play(self, *where: str, defer: bool = False) -> None:
@@ -960,6 +977,9 @@ class Zero3Hooks(RankHooks):
     def step_temp_bytes(self, default: int) -> int:
         s = self.s
         s.free_all(self.whole)  # _partition_all_parameters
+        if self.offload:  # the step is the host's; the updated 16-bit partition is copied back in place
+            self.whole = [s.alloc(n) for n in self.persistent]
+            return 0
         flat = s.alloc(allocator_bytes(self.part * self.pb))  # self.flatten(self.averaged_gradients[i])
         fp32 = s.alloc(self.part * 4)  # .to(fp32)
         if not self.states:
