@@ -106,6 +106,7 @@ CASES = [
     ("llama-3.2-1b", _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU))),
     ("qwen2.5-0.5b", _s("zero3", 64, ckpt="full", offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2)),
     ("llama-3.2-1b", _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU))),
+    ("llama-3.2-1b", _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=3)),
     ("qwen2.5-0.5b", _s("zero2", 2, ckpt="full", offload=Offload(optimizer=OffloadTarget.CPU))),
     (
         "llama-3.1-8b",
@@ -301,6 +302,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero2", 8),
         _s("zero3", 8),
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),  # ZeRO-Offload, stage 2
+        _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),
         _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # and stage 3
     ):
         assert rank_simulated(s, plan(spec, s))
@@ -308,7 +310,6 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         assert r.overhead.allocator_reserve_bytes != int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
         assert any("caching-allocator simulation" in n for n in r.notes)
     for s in (
-        _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # staged through the device
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
         _s("hsdp", 16, offload=OFFLOAD),

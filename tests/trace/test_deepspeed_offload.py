@@ -12,6 +12,8 @@ slack (a few kilobytes of tens of GiB at catalog sizes, ``benchmarks/agreement_d
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trainfit.errors import StrategyError
@@ -34,25 +36,27 @@ BUCKET = 50_000
 SLACK = 32 * 1024
 
 CELLS = [
-    ("zero1", 2, "optimizer", "amp-fp16"),
-    ("zero2", 64, "optimizer", "amp-bf16"),
-    ("zero3", 8, "optimizer", "master-bf16"),
-    ("zero3", 2, "optimizer+params", "amp-fp16"),
+    ("zero1", 2, "optimizer", "amp-fp16", 1),
+    ("zero2", 64, "optimizer", "amp-bf16", 1),
+    ("zero3", 8, "optimizer", "master-bf16", 1),
+    ("zero3", 2, "optimizer+params", "amp-fp16", 1),
 ]
 #: every stage, world size, offload and recipe above already meets the others; these run with TRAINFIT_FULL_MATRIX=1
 MORE_CELLS = [
-    ("zero2", 8, "optimizer", "master-bf16"),
-    ("zero3", 64, "optimizer+params", "amp-bf16"),
+    ("zero2", 8, "optimizer", "master-bf16", 1),
+    ("zero3", 64, "optimizer+params", "amp-bf16", 1),
+    ("zero3", 8, "optimizer", "amp-bf16", 2),
 ]
 
 
-def _strategy(sharding: str, w: int, offload: str, precision: str) -> Strategy:
+def _strategy(sharding: str, w: int, offload: str, precision: str, accum: int = 1) -> Strategy:
     return Strategy(
         precision=precision,
         parallelism=Parallelism(data=w),
         sharding=sharding,
         micro_batch=2,
         seq_len=128,
+        grad_accum=accum,
         offload=Offload.parse(offload),
         engine=EngineOptions(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET, prefetch_bucket_size=BUCKET),
     )
@@ -60,13 +64,13 @@ def _strategy(sharding: str, w: int, offload: str, precision: str) -> Strategy:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sharding", "w", "offload", "precision"),
+    ("sharding", "w", "offload", "precision", "accum"),
     [pytest.param(*c, id="-".join(map(str, c))) for c in CELLS]
     + [pytest.param(*c, id="-".join(map(str, c)), marks=pytest.mark.full_matrix) for c in MORE_CELLS],
 )
-def test_offloaded_rank_agrees_with_trace(sharding: str, w: int, offload: str, precision: str) -> None:
+def test_offloaded_rank_agrees_with_trace(sharding: str, w: int, offload: str, precision: str, accum: int) -> None:
     spec = tiny_spec("llama", **(ZERO3 if sharding == "zero3" else WIDER))
-    s = _strategy(sharding, w, offload, precision)
+    s = _strategy(sharding, w, offload, precision, accum)
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import cpu_adam
 
@@ -129,3 +133,28 @@ def test_offload_refusals_are_one_line(sharding: str, offload: Offload, words: s
     s = Strategy(parallelism=Parallelism(data=8), sharding=sharding, offload=offload)
     with pytest.raises(StrategyError, match=words):
         trace_distributed(tiny_spec("llama", **WIDER), s)
+
+
+def test_accumulating_zero2_offload_pins_a_copy_of_each_partition_gradient() -> None:
+    """ZeRO-2 offload under accumulation adds each micro-step's gradients into a pinned 16-bit host copy of every
+    parameter its partition meets (stage_1_and_2.py ``async_accumulate_grad_in_cpu_via_gpu``:
+    ``accumulated_grads_in_cpu``, made by the first micro-step that accumulates, kept for the run); the device side is
+    the first micro-step's. The trace files them as host memory because DeepSpeed pins them (they used to count as
+    the device's gradients: made inside ``copy_grads_in_partition``). Full depth, so that the phase peaks are the
+    steady state's."""
+    from trainfit.trace.deepspeed import trace_deepspeed
+
+    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
+    peaks = {}
+    for accum in (1, 2):
+        s = dataclasses.replace(
+            _strategy("zero2", 4, "optimizer", "amp-bf16", accum), parallelism=Parallelism(data=4, gpus_per_node=4)
+        )
+        traced = trace_deepspeed(spec, s, extrapolate=False)
+        closed = estimate_parallel(spec, s)
+        host = max(traced.phases, key=lambda p: p.host_bytes)
+        assert max(p.host_bytes for p in closed.phases) == pytest.approx(host.host_bytes, abs=64 * 1024)
+        assert closed.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.01)
+        peaks[accum] = (traced.peak_bytes, host.host_components.get(Component.COMM_BUFFERS, 0))
+    assert peaks[2][0] == peaks[1][0]  # the device: as without accumulation
+    assert peaks[2][1] > peaks[1][1]  # the host: the pinned copies

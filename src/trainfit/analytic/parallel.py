@@ -1541,8 +1541,11 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         }
         if stage < 3:
             # Pinned 16-bit staging: the partition's copy-back buffer and one parameter's gradient
-            # (stage_1_and_2.py ``param_buffer_of_bit16_for_cpu_offload_groups``, ``temp_grad_buffer_for_cpu_offload``).
-            host[Component.COMM_BUFFERS] = (part + largest) * pb * per_node
+            # (stage_1_and_2.py ``param_buffer_of_bit16_for_cpu_offload_groups``, ``temp_grad_buffer_for_cpu_offload``);
+            # under accumulation also a pinned 16-bit copy of each partition parameter's whole gradient, which the
+            # micro-steps add into (``async_accumulate_grad_in_cpu_via_gpu``: ``accumulated_grads_in_cpu``).
+            accumulated = deepspeed_rank0_gradients(spec, part)[0] if strategy.grad_accum > 1 else 0
+            host[Component.COMM_BUFFERS] = (part + largest + accumulated) * pb * per_node
         else:
             # Stage 3 moves its 16-bit gradient partition to the host too, besides the fp32 one (stage3.py
             # ``_setup_for_real_optimizer``: ``grad_partitions_flat_buffer`` on ``self.device``, pinned).

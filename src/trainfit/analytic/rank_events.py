@@ -174,20 +174,18 @@ __all__ = [
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, FSDP2 with
-    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stage 3 and at
-    stage 2 without accumulation; DTensor TP ± SP without sharding (gradient
+    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
+    DTensor TP ± SP without sharding (gradient
     accumulation too); full training, nothing else offloaded); otherwise the fixed fraction. Megatron
     TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
-        # ZeRO-Offload is written for stage 3 and for stage 2 without accumulation (Zero2Hooks.offload,
-        # Zero3Hooks.offload); stage 2's accumulation stages gradients through a device buffer to the host
-        # (``async_accumulate_grad_in_cpu_via_gpu``), not written, nor stage 1's offload or ZeRO-Infinity
+        # ZeRO-Offload is written for stages 2 and 3 (Zero2Hooks.offload, Zero3Hooks.offload), not stage 1's
+        # offload nor ZeRO-Infinity
         off = strategy.offload
         offloaded = off.any and not (
-            off == Offload(optimizer=OffloadTarget.CPU)
-            and (p.sharding is Sharding.ZERO3 or (p.sharding is Sharding.ZERO2 and strategy.grad_accum == 1))
+            off == Offload(optimizer=OffloadTarget.CPU) and p.sharding in (Sharding.ZERO2, Sharding.ZERO3)
         )
         return (
             p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
@@ -665,6 +663,12 @@ class Zero2Hooks(RankHooks):
         self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
         self.grads_in_partition = 0
         self.states: list[int] = []
+        self.n_micro = self.micro_steps(strategy.grad_accum)
+        self.micro = 0
+        self.boundary = True  # the step's last micro-step (``is_gradient_accumulation_boundary``)
+
+    def micro_step_begin(self, s: Stream, micro: int) -> None:
+        self.micro, self.boundary = micro, micro == self.n_micro - 1
 
     def model_bytes(self) -> int:
         """The model's own 16-bit parameter tensors on the device, as the allocator rounds them."""
@@ -729,10 +733,12 @@ class Zero2Hooks(RankHooks):
     def _reduce(self) -> None:
         s = self.s
         if self.offload:
-            # copy_grads_in_partition under offload: per parameter its slice's norm in fp64
-            # (``set_norm_for_param_grad_in_gpu``: ``.to(float64).norm(2)``), then the slice cast to fp32 for the
-            # copy to the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); no device partition buffer
-            for n in self.pending_slices:
+            # copy_grads_in_partition under offload: at the accumulation boundary, per parameter its slice's norm in
+            # fp64 (``set_norm_for_param_grad_in_gpu``: ``.to(float64).norm(2)``), then the slice cast to fp32 for the
+            # copy to the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); no device partition buffer.
+            # Before the boundary each gradient is added to its host copy through the 16-bit staging buffer
+            # (``async_accumulate_grad_in_cpu_via_gpu``): nothing allocated on the device
+            for n in self.pending_slices if self.boundary else ():
                 s.free(s.alloc(allocator_bytes(8 * n)))
                 s.free(s.alloc(allocator_bytes(4 * n)))
         elif self.pending_part and not self.grads_in_partition:
@@ -796,12 +802,6 @@ class Zero1Hooks(Zero2Hooks):
         # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
         # reduction
         self.kept: dict[tuple[int | None, str], tuple[int, ParamTensor, int]] = {}
-        self.n_micro = self.micro_steps(strategy.grad_accum)
-        self.micro = 0
-        self.boundary = True  # the step's last micro-step: the one that reduces
-
-    def micro_step_begin(self, s: Stream, micro: int) -> None:
-        self.micro, self.boundary = micro, micro == self.n_micro - 1
 
     def _reduces_now(self) -> bool:
         """The hooks reduce as stage 2's (``overlap_comm``), which stage 1 does at the boundary only

@@ -178,7 +178,14 @@ def offload_patches(tr: Any) -> Iterator[None]:
 
     def pin_memory(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
         out = orig_pin(tensor, *a, **k)
-        tr.mark([out], H_BUF, only_unmarked=True)  # refined by attribute in mark_offload_states
+        # Page-locked memory is the host's, whatever region made it: ZeRO-2's per-parameter accumulation buffers
+        # (``async_accumulate_grad_in_cpu_via_gpu``: ``torch.zeros(..., device=self.device)`` on the host, pinned) are
+        # made inside ``copy_grads_in_partition``, whose allocations are otherwise the device's gradients
+        # (trace.deepspeed ``_buffer_methods``). Host kinds already given stay (refined by attribute in
+        # mark_offload_states).
+        rec = tr.record_of(out)
+        if rec is None or rec.kind not in HOST_KINDS:
+            tr.mark([out], H_BUF)
         return out
 
     def step(self: Any, *a: Any, **k: Any) -> Any:
