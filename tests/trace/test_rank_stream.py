@@ -11,9 +11,6 @@ steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA st
 
 from __future__ import annotations
 
-from collections.abc import Container
-from typing import Any
-
 import pytest
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
@@ -148,19 +145,28 @@ def test_the_zero_stream_reaches_the_traced_peaks(sharding: str, w: int, bucket:
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
-def _device_events(run: Any, host_kinds: Container[int]) -> list[Event]:
-    """A traced DeepSpeed run's events without its host storages (``trace.deepspeed_offload.HOST_KINDS``): what the
-    device's allocator sees (``trace.events.tracker_events`` keeps every tracked storage)."""
+def _traced_device_peaks(spec: ModelSpec, s: Strategy) -> AllocatorResult:
+    """The real DeepSpeed engine with ZeRO-Offload (full depth, three steps), its events without its host storages
+    (``trace.deepspeed_offload.HOST_KINDS``; ``trace.events.tracker_events`` keeps every tracked storage) replayed
+    on one CUDA stream: what the device's allocator sees."""
+    from trainfit.trace import depth
+    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
+    from trainfit.trace.deepspeed_offload import HOST_KINDS
+
+    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
+    _, layout = plan.layouts[0]
+    with _quiet_deepspeed(), _deepspeed_world(s.parallelism.data):
+        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
     tr = run.tracker
     tr.merge_inplace_accumulations()
     slots: list[Event | None] = [None] * (tr.t + 2)
     for idx, rec in enumerate(tr.records):
-        if tr.component(rec) is None or rec.kind in host_kinds:
+        if tr.component(rec) is None or rec.kind in HOST_KINDS:
             continue
         slots[rec.alloc_t] = Event(Op.ALLOC, idx, rec.nbytes)
         if rec.free_t is not None:
             slots[rec.free_t] = Event(Op.FREE, idx)
-    return [e for e in slots if e is not None]
+    return simulate([e for e in slots if e is not None], AllocatorConfig())
 
 
 @pytest.mark.slow
@@ -182,9 +188,6 @@ def test_the_zero_offload_stream_reaches_the_traced_device_peaks(
     from deepspeed.accelerator import get_accelerator
 
     from trainfit.analytic.parallel import estimate_parallel
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-    from trainfit.trace.deepspeed_offload import HOST_KINDS
 
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     s = Strategy(
@@ -196,11 +199,7 @@ def test_the_zero_offload_stream_reaches_the_traced_device_peaks(
         offload=Offload.parse("optimizer"),
         engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket),
     )
-    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
-    _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(w):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
-    traced = simulate(_device_events(run, HOST_KINDS), AllocatorConfig())
+    traced = _traced_device_peaks(spec, s)
     free = int(get_accelerator().available_memory())  # what the traced engine's flatten test read
     st = Stream()
     synthesise(st, spec, compute_strategy(s), (), Zero2Hooks(spec, s, parallel_plan(spec, s), free_device_bytes=free))
@@ -222,10 +221,6 @@ def test_the_zero3_offload_stream_reaches_the_traced_device_peaks(
     device and moved to the host at init, the gradient partitions on the host, the step the host's; against the
     traced engine's device events over 8 ranks (4 on the last cell, with two accumulation steps)."""
     pytest.importorskip("deepspeed")
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-    from trainfit.trace.deepspeed_offload import HOST_KINDS
-
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     w = 8 if accum == 1 else 4
     s = Strategy(
@@ -243,11 +238,7 @@ def test_the_zero3_offload_stream_reaches_the_traced_device_peaks(
             max_reuse_distance=300_000 if ckpt == "full" else 1_000_000_000,
         ),
     )
-    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
-    _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(w):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
-    traced = simulate(_device_events(run, HOST_KINDS), AllocatorConfig())
+    traced = _traced_device_peaks(spec, s)
     st = Stream()
     synthesise(st, spec, compute_strategy(s), (), Zero3Hooks(spec, s, parallel_plan(spec, s)), steps=3)
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
