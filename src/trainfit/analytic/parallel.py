@@ -1463,13 +1463,13 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # first gradient of the step's first micro-step, released only by the boundary's reduction
     # (``_release_ipg_buffers``): whole gradients and bucket(s) through every later micro-step, from its forward.
     zero1_accumulating = stage == 1 and strategy.grad_accum > 1 and not off_opt
-    # ZeRO-Offload, stage 2: each reduction copies the gradients of the partition's parameters to the host one by one
+    # ZeRO-Offload, stages 1–2: each reduction copies the gradients of the partition's parameters to the host one by one
     # (stage_1_and_2.py ``copy_grads_in_partition``): the slice's norm in fp64 (``set_norm_for_param_grad_in_gpu``),
     # then the slice in fp32 for the copy (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), each dropped before
     # the next. Rank 0's largest slice is reduced at the flush of its parameter's gradient — the token table's, the
     # last one backward makes (model order) — with the bucket, and that gradient itself when it is larger than the
     # bucket (``extra_large_param_to_reduce``, kept until the flush): the end of backward, every activation gone.
-    offload_reduce = stage == 2 and off_opt and not finetuning(strategy)
+    offload_reduce = stage < 3 and off_opt and not finetuning(strategy)
     if offload_reduce:
         owner = _largest_slice_owner(spec, part)
         reduce_temp = allocator_bytes(8 * deepspeed_rank0_gradients(spec, part)[1])
@@ -1487,8 +1487,14 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         if stage == 1 and not (overlap and not off_opt):
             grads = int(allocator_bytes(total * pb) * frac)
             if off_opt:
+                # The hooks make the IPG bucket at the first gradient here too (``process_gradients`` →
+                # ``setup_buckets``: reduce_bucket_size elements, whatever the model's size — DeepSpeed's default
+                # 5e8 is 954 MiB in 16 bits), freed at the end of backward; the reduction adds its flattened allreduce
+                # bucket (``buffered_reduce_fallback``: the gradients ``flatten``ed, at most reduce_bucket_size)
+                if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+                    comm = bucket
                 if m.name is MomentName.BACKWARD_EMBEDDING:
-                    comm = allocator_bytes(min(total, eo.reduce_bucket_size) * pb)  # the flattened allreduce bucket
+                    comm = bucket + allocator_bytes(min(total, eo.reduce_bucket_size) * pb)
             elif m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
                 # Autograd's gradients stay whole through backward; the gradient hooks only make the bucket,
                 # at the first parameter gradient (``process_gradients`` → ``setup_buckets``: reduce_bucket_size
@@ -1504,8 +1510,9 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
                 comm = bucket * (2 if overlap and stage < 3 else 1)
         if offload_reduce and m.name is MomentName.BACKWARD_REDUCE:
             c[Component.TEMPORARIES] = reduce_temp
-            grads = reduce_grad
-            comm = bucket * (2 if overlap else 1)
+            # stage 1 reduces after backward (``reduce_gradients``), autograd's gradients all still whole
+            grads = allocator_bytes(total * pb) if stage == 1 else reduce_grad
+            comm = bucket * (2 if overlap and stage == 2 else 1)
         if zero1_accumulating and m.phase is not Phase.OPTIMIZER_STEP and m.name is not MomentName.BACKWARD_REDUCE:
             grads = allocator_bytes(total * pb)
             comm = bucket * (2 if overlap else 1)
