@@ -1363,6 +1363,19 @@ def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_b
     return live + allocator_bytes(whole * grad_bytes)
 
 
+def _rank0_slices(spec: ModelSpec, part: int) -> list[tuple[int, int]]:
+    """Stages 1–2, rank 0: (elements, elements inside the partition [0, part)) of each parameter the partition meets,
+    in flat-buffer order (:func:`_flat_order`)."""
+    out: list[tuple[int, int]] = []
+    offset = 0
+    for t in _flat_order(spec):
+        if offset >= part:
+            break
+        out.append((t.numel, min(offset + t.numel, part) - offset))
+        offset += t.numel
+    return out
+
+
 def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     """Stages 1–2, rank 0: (elements of every parameter whose slice of the flat buffer meets the rank's
     partition [0, part), the largest such slice). Parameters are flattened in ``model.parameters()`` order
@@ -1370,28 +1383,15 @@ def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
     gradient whole (stage_1_and_2.py ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over
     ``params_in_partition``), and the step's norm reads each slice of ``averaged_gradients`` cast to fp64
     (``get_grad_norm_direct``: ``g.data.to(get_norm_dtype())``)."""
-    offset = whole = largest = 0
-    for t in _flat_order(spec):
-        if offset >= part:
-            break
-        whole += t.numel
-        largest = max(largest, min(offset + t.numel, part) - offset)
-        offset += t.numel
-    return whole, largest
+    slices = _rank0_slices(spec, part)
+    return sum(n for n, _ in slices), max((k for _, k in slices), default=0)
 
 
 def _largest_slice_owner(spec: ModelSpec, part: int) -> int:
-    """Stages 1–2, rank 0: the elements of the parameter whose slice of the partition [0, part) is the largest (the
-    first of equals), :func:`deepspeed_rank0_gradients`' ``largest``."""
-    offset = best = owner = 0
-    for t in _flat_order(spec):
-        if offset >= part:
-            break
-        n = min(offset + t.numel, part) - offset
-        if n > best:
-            best, owner = n, t.numel
-        offset += t.numel
-    return owner
+    """Stages 1–2, rank 0: the elements of the parameter whose slice of the partition is the largest (the first of
+    equals), :func:`deepspeed_rank0_gradients`' ``largest``."""
+    slices = _rank0_slices(spec, part)
+    return max(slices, key=lambda nk: nk[1])[0] if slices else 0
 
 
 def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:

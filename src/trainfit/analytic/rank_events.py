@@ -175,9 +175,8 @@ __all__ = [
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, FSDP2 with
     CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
-    DTensor TP ± SP without sharding (gradient
-    accumulation too); full training, nothing else offloaded); otherwise the fixed fraction. Megatron
-    TP/SP/PP: :func:`megatron_simulated`."""
+    DTensor TP ± SP without sharding, with gradient accumulation too; full training, nothing else offloaded);
+    otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
