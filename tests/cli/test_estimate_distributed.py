@@ -168,3 +168,19 @@ def test_no_sync_each_batch_holds_the_unsharded_gradients(capsys: pytest.Capture
     assert held["peak_bytes"] > synced["peak_bytes"]
     assert any("no-sync-each-batch" in w for w in synced["warnings"])
     assert not any("no-sync-each-batch" in w for w in held["warnings"])
+
+
+def test_sharded_init_moves_the_reserve_not_the_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sharded-init`` (built on meta, torchtitan) leaves the training step's bytes as they are; only what the
+    caching allocator keeps from wrapping a loaded model (each call's whole weights) changes. It is an FSDP2
+    setting: with another sharding it is refused in one line."""
+    line = "llama-3.2-1b --gpus 8 --sharding fsdp --batch 1 --seq 1024 --json"
+    loaded = json.loads(run_cli(capsys, "estimate", *line.split()).out)
+    res = run_cli(capsys, "estimate", *line.split(), "--sharded-init")
+    assert res.code == 0, res.err
+    meta = json.loads(res.out)
+    assert (loaded["strategy"]["sharded_init"], meta["strategy"]["sharded_init"]) == (False, True)
+    assert meta["peak_bytes"] == loaded["peak_bytes"]
+    assert meta["reserved_estimate_bytes"] != loaded["reserved_estimate_bytes"]
+    bad = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "ddp", "--sharded-init")
+    assert bad.code == 2 and "--sharded-init" in bad.err and len(bad.err.strip().splitlines()) == 1

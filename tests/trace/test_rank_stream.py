@@ -521,3 +521,51 @@ def test_the_zero_streams_accumulate_like_the_traced_engine(
     traced, mine, closed = _zero_peaks(sharding, w, bucket, overlap, accum=2)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert closed == pytest.approx(1, rel=0.01)
+
+
+@pytest.mark.slow
+def test_the_fsdp2_stream_wraps_a_loaded_model_as_the_traced_run_does() -> None:
+    """A model loaded before ``fully_shard`` has each call's whole weights on the device while the call makes the
+    shards (_fsdp_init.py ``_move_states_to_device``); they leave cached segments, the root's tied table among
+    them, that the run then fills. Built on meta (``sharded_init``) only the shards exist. On a tied table of
+    32 MiB (fp32) the two reserve differently, and the stream follows the traced run in each; the wrapping's own
+    allocated peak (the trace's set-up events) is the stream's before its first step."""
+    from trainfit.trace import depth
+    from trainfit.trace.distributed import fake_world, fsdp_run_strategy, run_layout_distributed
+    from trainfit.trace.events import tracker_events
+    from trainfit.trace.tracker import SETUP
+
+    spec = tiny_spec(
+        "llama", hidden_size=256, intermediate_size=512, vocab_size=32768, num_hidden_layers=4, tie_word_embeddings=True
+    )
+    reserved = {}
+    for sharded_init in (False, True):
+        s = Strategy(
+            parallelism=Parallelism(data=4),
+            sharding="fsdp",
+            micro_batch=1,
+            seq_len=256,
+            engine=EngineOptions(sharded_init=sharded_init),
+        )
+        built, _ = fsdp_run_strategy(s)
+        plan = depth.plan_depth(spec, built, extrapolate=False)
+        _, layout = plan.layouts[0]
+        with fake_world(4) as mesh:
+            run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
+        events = tracker_events(run)
+        traced = simulate(events, AllocatorConfig())
+        st = Stream()
+        synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), FsdpHooks(spec, s, 4), steps=3)
+        mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+        assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.005)
+        assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.01)
+        reserved[sharded_init] = traced.peak_reserved_bytes
+        records = run.tracker.records
+        traced_setup = [e for e in events if records[e.key].phase == SETUP]
+        wrap = Stream()
+        FsdpHooks(spec, s, 4).weights(wrap, ())
+        wrapped = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in wrap.events], AllocatorConfig())
+        assert wrapped.peak_allocated_bytes == pytest.approx(
+            simulate(traced_setup, AllocatorConfig()).peak_allocated_bytes, rel=0.005
+        )
+    assert abs(reserved[False] / reserved[True] - 1) > 0.05  # the cell tells the two apart

@@ -12,7 +12,9 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   Every framework's hooks fire after autograd has summed a tied table's two gradients: a hook that takes a
   gradient at once (bucket views, ZeRO-2/3's IPG bucket) leaves the head's waiting in autograd's buffer.
 * **torch FSDP2** (``fully_shard`` per layer + root, :func:`~trainfit.analytic.parallel.held_tensors` for the
-  widths): the stream of the compute strategy (bf16 layers, no autocast) over the rank's padded shards; per
+  widths): first the wrapping (:meth:`FsdpHooks.weights`: each call's whole weights on the device for a loaded
+  model, only the shards for one built on meta, ``sharded_init``), then the stream of the compute strategy (bf16
+  layers, no autocast) over the rank's padded shards; per
   group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank; under the
   policy after the flat bf16 copy of the rank's shards, freed at once) and its copy-out one unsharded tensor
   per parameter, W padded shards long (``FSDPParam.init_unsharded_param``); in forward the output is kept until
@@ -125,6 +127,7 @@ from trainfit.analytic.adapters import finetuning
 from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, steady_state, synthesise
 from trainfit.analytic.parallel import (
     SP_SPLIT_PREFIXES,
+    HeldTensor,
     ParallelPlan,
     compute_strategy,
     ddp_bucket_bytes,
@@ -261,6 +264,25 @@ class _Group:
         self.shard_grads = sum(self.shards)
 
 
+def _fully_shard_calls(held: Sequence[HeldTensor], layer_counts: Sequence[int]) -> list[list[HeldTensor]]:
+    """Each ``fully_shard`` call's parameters, in call order: every decoder layer's (model order), then the root's.
+    A tensor of a layer group held two ways (frozen in some layers, trainable in others) covers its layers in
+    :func:`~trainfit.analytic.parallel.held_tensors`' order; adapters belong to their layers."""
+    layers: list[list[list[HeldTensor]]] = [[[] for _ in range(c)] for c in layer_counts]
+    root: list[HeldTensor] = []
+    cursor: dict[tuple[int, ParamTensor], int] = {}
+    for h in held:
+        if h.root:
+            root.extend([h] * h.count)
+            continue
+        group = layers[h.group]
+        start = cursor.get((h.group, h.tensor), 0)
+        for j in range(start, start + h.count):
+            group[min(j, len(group) - 1)].append(h)
+        cursor[(h.group, h.tensor)] = start + h.count
+    return [one for group in layers for one in group] + [root]
+
+
 class FsdpHooks(RankHooks):
     """FSDP2 per layer + root (see the module docstring); the stream is the compute strategy's."""
 
@@ -283,6 +305,7 @@ class FsdpHooks(RankHooks):
         by_kind = {g.kind: _Group(g.tensors, shards, bits, gather, reduce) for g in inv.layers}
         self.layers = [by_kind[g.kind] for g in inv.layers for _ in range(g.count)]
         self.held = held_tensors(spec, strategy, fsdp_mixed=mixed)
+        self.layer_counts = [g.count for g in inv.layers]
         self.unsharded: dict[int, list[int]] = {}  # group (-1: root) → its unsharded parameters
         self.gather_out = 0  # the forward's last all-gather output, kept until the next copy-out
         self.prefetched: dict[int, int] = {}  # backward: layer → its all-gather output, not yet copied out
@@ -312,12 +335,28 @@ class FsdpHooks(RankHooks):
         return 0 if x in self.in_layers else super().grad_bytes(x, bits)
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
-        if self.offload:
-            return  # the shards are host memory (_fsdp_param.py ``_init_sharded_param``: ``.cpu()``)
-        for h in self.held:
-            n = _alloc_bits(h.shard_numel(self.shards), h.bits)
-            for _ in range(h.count):
-                s.alloc(n)
+        """``fully_shard`` per layer and then on the root. Each parameter's padded shard is a new tensor
+        (_fsdp_param.py ``_init_sharded_param``: ``new_zeros``, then a copy of the rank's chunk; under
+        CPUOffloadPolicy moved to the host at once). A model loaded before it is wrapped (accelerate, the HF
+        Trainer: the default) has each group's whole parameters on the device for the call
+        (_fsdp_init.py ``_move_states_to_device``), gone when it returns: they leave cached segments — the root's
+        table among them — that the run then fills. Built on the meta device (``sharded_init``, torchtitan),
+        only the shards ever exist (``to_empty`` after wrapping)."""
+        if self.strategy.engine.sharded_init:
+            if not self.offload:  # else the shards are host memory
+                for h in self.held:
+                    n = _alloc_bits(h.shard_numel(self.shards), h.bits)
+                    for _ in range(h.count):
+                        s.alloc(n)
+            return
+        for group in _fully_shard_calls(self.held, self.layer_counts):
+            whole = []
+            for h in group:
+                whole.append(s.alloc(_alloc_bits(h.storage_numel, h.bits)))
+                shard = s.alloc(_alloc_bits(h.shard_numel(self.shards), h.bits))
+                if self.offload:
+                    s.free(shard)  # ``padded_sharded_param.cpu()``
+            s.free_all(whole)
 
     def _group(self, i: int) -> _Group:
         return self.root if i < 0 else self.layers[i]

@@ -35,7 +35,7 @@ def parse_count(text: str | None, flag: str) -> int | None:
 STRATEGY_FLAGS: tuple[str, ...] = (
     "precision", "optimizer", "checkpointing", "attention", "optimizer_impl", "batch", "seq", "grad_accum",
     "gpus", "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel", "gpus_per_node",
-    "sharding", "offload", "engine", "reshard_after_forward", "sync_each_batch", "bucket_cap_mb",
+    "sharding", "offload", "engine", "reshard_after_forward", "sync_each_batch", "sharded_init", "bucket_cap_mb",
     "gradient_as_bucket_view",
     "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
     "adapter_dtype", "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
@@ -94,6 +94,7 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
             engine=f["engine"],  # a string, validated and coerced by EngineOptions
             reshard_after_forward=f["reshard_after_forward"],
             sync_each_batch=f["sync_each_batch"],
+            sharded_init=f["sharded_init"],
             bucket_cap_mb=f["bucket_cap_mb"],
             gradient_as_bucket_view=f["gradient_as_bucket_view"],
             reduce_bucket_size=parse_count(str(f["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
@@ -188,6 +189,15 @@ def estimate_cmd(
             "--no-sync-each-batch: the HF Trainer's default no_sync, unsharded gradients held to the last.",
         ),
     ] = True,
+    sharded_init: Annotated[
+        bool,
+        typer.Option(
+            "--sharded-init",
+            help="FSDP2: the model is built on the meta device and sharded before its weights exist (torchtitan); "
+            "default: wrapped after loading (accelerate, the HF Trainer), each group's whole weights on the GPU "
+            "while fully_shard splits them.",
+        ),
+    ] = False,
     offload: Annotated[str, typer.Option(help="CPU offload: none | optimizer | optimizer+params")] = "none",
     engine: Annotated[
         str, typer.Option(help="auto | torch (ddp, fsdp) | deepspeed (zero*) | megatron (tp, pp, zero1)")

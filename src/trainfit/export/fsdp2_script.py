@@ -1,9 +1,10 @@
-"""The ``train_fsdp2.py`` a FSDP plan exports: PyTorch FSDP2 (``fully_shard`` per transformer block, then the
-root — the wrapping trainfit's memory model assumes, DESIGN §4.3), the plan's micro-batch, accumulation,
-checkpointing, mixed precision, offload, optimizer (and AdamW's fused/foreach implementation) and ``--fp8``
-(torchao's ``convert_to_float8_training`` before the wrapping, torchtitan's order). It trains on random tokens
-so it runs as it is; replace the batch with your data loader. ``tests/export`` runs it for real on a tiny model
-across CPU processes with gloo (DESIGN §4: FSDP2 runs on the CPU).
+"""The ``train_fsdp2.py`` a FSDP plan exports: PyTorch FSDP2 (``fully_shard`` per transformer block, then the root with
+torch's own ``reshard_after_forward`` — the wrapping trainfit's memory model assumes, DESIGN §4.3; the model is not
+moved to the GPU first, so each call brings only its own group's whole weights there), the plan's micro-batch,
+accumulation, checkpointing, mixed precision, offload, optimizer (and AdamW's fused/foreach implementation) and
+``--fp8`` (torchao's ``convert_to_float8_training`` before the wrapping, torchtitan's order). It trains on random
+tokens so it runs as it is; replace the batch with your data loader. ``tests/export`` runs it for real on a tiny
+model across CPU processes with gloo (DESIGN §4: FSDP2 runs on the CPU).
 
 2-D plans (``--tp N --sharding fsdp --engine torch``): a ``("dp", "tp")`` device mesh (TP innermost, within a
 node), DTensor ``parallelize_module`` with the Llama plan the estimate models and
@@ -136,8 +137,8 @@ def main() -> None:
         kw["mp_policy"] = mp
     if OFFLOAD:
         kw["offload_policy"] = CPUOffloadPolicy()
-    elif cuda:
-        model.to(device)
+    # No model.to(device): each fully_shard call moves its own group to the GPU and shards it, so only one group's
+    # whole weights are there at a time (what trainfit's estimate assumes for a loaded model).
     dp_rank = rank
     if TP > 1:  # 2-D: tensor parallelism first, then FSDP2 over the data-parallel dimension
         from torch.distributed.device_mesh import init_device_mesh
@@ -149,7 +150,8 @@ def main() -> None:
     for module in model.modules():
         if type(module).__name__ == LAYER_CLASS:
             fully_shard(module, **kw)
-    fully_shard(model, **kw)
+    # the root keeps torch's default (not resharded after forward), as the estimate models
+    fully_shard(model, **{{k: v for k, v in kw.items() if k != "reshard_after_forward"}})
     opt = build_optimizer(model.parameters(), cuda)
     gen = torch.Generator().manual_seed(dp_rank)  # the ranks of a TP group see the same batch
     for step in range(STEPS):

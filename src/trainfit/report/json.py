@@ -100,6 +100,7 @@ def parallel_json(strategy: Strategy) -> dict[str, Any]:
         "engine": strategy.engine.engine.value,
         "reshard_after_forward": strategy.engine.reshard_after_forward,
         "sync_each_batch": strategy.engine.sync_each_batch,  # FSDP2 with accumulation: reduce every micro-step
+        "sharded_init": strategy.engine.sharded_init,  # FSDP2: built on meta, no whole weights at wrap time
         "offload": strategy.offload.flag,
     }
 

@@ -95,6 +95,11 @@ class Strategy:
                 "--engine torch on one GPU without --sharding is plain single-GPU training: drop --engine, or add "
                 "--sharding ddp|fsdp to model that wrapper"
             )
+        if self.engine.sharded_init and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
+            raise StrategyError(
+                f"--sharded-init is how an FSDP2 model is built (on the meta device, sharded before its weights "
+                f"exist); it needs --sharding fsdp|hsdp, not {self.sharding.value}"
+            )
         if self.parallelism.pipeline > 1 and self.grad_accum > 1:
             raise StrategyError(
                 "with pipeline parallelism the micro-batches of a step are --microbatches; --grad-accum is for "

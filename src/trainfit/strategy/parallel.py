@@ -182,6 +182,10 @@ class EngineOptions:
     #: trainfit's exports); False: the HF Trainer's default, accelerate's ``no_sync`` on every micro-step but the
     #: last, which keeps each parameter's unsharded gradient (in the reduce dtype) until then.
     sync_each_batch: bool = True
+    #: FSDP2: the model is built on the meta device and wrapped before its weights exist, then materialised
+    #: shard by shard (``to_empty``: torchtitan). False: wrapped after it was loaded (accelerate, the HF Trainer),
+    #: so each ``fully_shard`` call has its group's whole weights on the device, which leaves cached segments.
+    sharded_init: bool = False
 
     def __post_init__(self) -> None:
         coerce_enum(self, "engine", Engine)

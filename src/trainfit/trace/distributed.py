@@ -12,7 +12,11 @@ peaks are exactly linear in the number of layers, DESIGN §4.3). The cost of a s
 * **FSDP2** (``--sharding fsdp``): ``fully_shard`` on every decoder layer, then on the root — the
   per-layer-plus-root policy of torchtitan and of accelerate's ``fsdp2_prepare_model`` with a
   transformer-layer auto-wrap — with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over
-  fp32 parameters for the 16-bit recipes, and ``reshard_after_forward`` as asked.
+  fp32 parameters for the 16-bit recipes, and ``reshard_after_forward`` as asked for the layers; the root
+  keeps torch's own choice (``None``: not resharded after forward, as accelerate and the FSDP2 tutorial call it;
+  passing the flag to the root too, as torchtitan does, frees and re-gathers the root's table around the loss).
+  The model is on the device when it is wrapped (a loaded model), so each call splits its group's whole
+  weights there; under ``sharded_init`` (built on meta, torchtitan) those are not device memory.
 * **DDP** (``--sharding ddp``): ``DistributedDataParallel`` with the asked ``bucket_cap_mb`` and
   ``gradient_as_bucket_view``; its parameter-shape check across ranks is skipped (a collective on
   real data) and a communication hook returns a completed future.
@@ -289,7 +293,7 @@ def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any,
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **kw)
 
 
 def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> torch.nn.Module:
@@ -401,6 +405,10 @@ def run_layout_distributed(
     try:
         with mode, tr, patched_resize(tr):
             if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
+                if strategy.engine.sharded_init:
+                    # Built on meta and materialised shard by shard after wrapping (torchtitan): the whole
+                    # weights ``fully_shard`` splits here never exist on the device; only its shards do.
+                    tr.mark(model.parameters(), tk.HOST)
                 _wrap_fsdp(model, layers, mesh, strategy)
                 run_model: torch.nn.Module = model
             else:
