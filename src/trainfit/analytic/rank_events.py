@@ -635,7 +635,8 @@ class Zero2Hooks(RankHooks):
     * backward: each gradient, as autograd makes it, goes into the IPG bucket (``process_gradients`` →
       ``setup_buckets`` makes ``reduce_bucket_size`` 16-bit elements, twice with ``overlap_comm``, at the first
       gradient; ``reduce_independent_p_g_buckets_and_remove_grads`` copies it in, so autograd's tensor goes);
-      a full bucket is reduced (``reduce_ipg_grads``) and the gradients of the parameters rank 0's partition
+      a full bucket is reduced (``reduce_ipg_grads``; one spanning a partition edge is first copied into one
+      tensor for the collective, :meth:`_flatten_chunks`) and the gradients of the parameters rank 0's partition
       meets are copied into ``grads_in_partition`` (``copy_grads_in_partition``, made at the first such copy,
       on the reduction stream with ``overlap_comm``); a parameter larger than the bucket keeps its own gradient
       until the next reduction; the epilogue reduces the rest and frees the buckets
@@ -699,6 +700,7 @@ class Zero2Hooks(RankHooks):
         self.pending_part = 0  # elements in the bucket of parameters rank 0's partition meets
         self.pending_slices: list[int] = []  # each such parameter's elements inside the partition
         self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
+        self.contents: list[tuple[int, int]] = []  # (flat offset, elements) of what the next reduction reduces
         self.grads_in_partition = 0
         self.states: list[int] = []
         self.n_micro = self.micro_steps(strategy.grad_accum)
@@ -764,12 +766,42 @@ class Zero2Hooks(RankHooks):
         elif own is not None:
             s.free(own)
         self.elements += x.numel
+        self.contents.append((off, x.numel))
         if off < self.part:
             self.pending_part += x.numel
             self.pending_slices.append(min(x.numel, self.part - off))
 
+    def _flatten_chunks(self) -> list[int]:
+        """Elements of each copy ``average_tensor`` makes to reduce the bucket's contents. It cuts them at the
+        partitions' edges, merging consecutive pieces of one partition into one range, and hands the ranges to
+        ``allreduce_and_scatter`` (``use_multi_rank_bucket_allreduce``, the default), which gathers ranges until they
+        pass ``reduce_bucket_size`` and flattens each group for the collective (``allreduce_bucket``:
+        ``self.flatten(bucket)``): a new tensor (``torch.cat``) for two ranges or more, freed when it returns; one
+        range is flattened as a view (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``). So only a
+        reduction across a partition edge copies."""
+        ranges: list[tuple[int, int]] = []  # (partition, elements)
+        for off, n in self.contents:
+            while n > 0:
+                piece = min(n, self.part - off % self.part)
+                if ranges and ranges[-1][0] == off // self.part:
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + piece)
+                else:
+                    ranges.append((off // self.part, piece))
+                off, n = off + piece, n - piece
+        copies, group = [], []
+        for _, n in ranges:
+            group.append(n)
+            if sum(group) > self.bucket_numel:
+                copies.append(group)
+                group = []
+        copies.append(group)
+        return [sum(g) for g in copies if len(g) > 1]
+
     def _reduce(self) -> None:
         s = self.s
+        stream = DS_REDUCTION_STREAM if self.overlap else 0
+        for n in self._flatten_chunks():
+            s.free(s.alloc(n * self.pb, stream))
         if self.offload:
             # copy_grads_in_partition under offload: at the accumulation boundary, per parameter its slice's norm in
             # fp64 (``set_norm_for_param_grad_in_gpu``: ``.to(float64).norm(2)``), then the slice cast to fp32 for the
@@ -782,7 +814,7 @@ class Zero2Hooks(RankHooks):
         elif self.pending_part and not self.grads_in_partition:
             self.grads_in_partition = s.alloc(self.partition_grads, DS_REDUCTION_STREAM if self.overlap else 0)
         s.free_all(self.pending)
-        self.pending, self.elements, self.pending_part, self.pending_slices = [], 0, 0, []
+        self.pending, self.elements, self.pending_part, self.pending_slices, self.contents = [], 0, 0, [], []
 
     def backward_begin(self, s: Stream) -> None:
         self.layer = None
