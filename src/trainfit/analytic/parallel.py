@@ -869,13 +869,14 @@ def _fsdp(
     # HSDP accumulating (a micro-step after the first): each group's reduce output, added into its sharded .grad,
     # is also the all-reduce's input, which the group holds to the end of backward (_fsdp_param_group.py
     # ``_all_reduce_state``, dropped in ``finalize_backward``): one sharded gradient per layer done. (FSDP frees it
-    # when ``foreach_reduce`` returns; CPUOffloadPolicy keeps the fixed reserve, and its reduce outputs go to the host.)
+    # when ``foreach_reduce`` returns.) Under CPUOffloadPolicy in every micro-step: the gradient is copied to the host
+    # but the device's reduce output stays held.
     # accelerate's no_sync (the HF Trainer's default, ``EngineOptions.sync_each_batch`` False): the micro-steps
     # before the last keep each parameter's unsharded gradient in the reduce dtype (fsdp_unsharded_grad_bytes) and
     # no sharded one; the last adds into them and reduce-scatters layer by layer, so a layer done holds its shards
     # (its reduce outputs are the sharded gradients: nothing to hold under HSDP).
     no_sync = not strategy.engine.sync_each_batch and strategy.grad_accum > 1
-    hold = p.dp > p.shard and q.grads_resident > 0 and not offload and not no_sync
+    hold = p.dp > p.shard and (offload or (q.grads_resident > 0 and not no_sync))
     layer_shard_grads = (st.grads_bytes - root_shard_grads) // max(1, n_layers)
     acc_root, acc_layers = fsdp_unsharded_grad_bytes(held_spec, strategy) if no_sync else (0, 0)
     acc_layer = acc_layers // max(1, n_layers)
@@ -1042,6 +1043,11 @@ def _fsdp(
         f"{fmt_gib(layer, 3)} in {'bf16' if cbits == 16 else 'fp32'}"
         + ("" if raf else "; reshard_after_forward=False keeps each layer unsharded until its post-backward"),
     ]
+    notes.append(
+        "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head; "
+        "torchtitan and accelerate (1.15; PR #4015) also shard the token embedding and [final norm, head] as units "
+        "of their own, which is not modelled yet: on llama-3.1-8b over 8 ranks their traced peak is ~5% lower"
+    )
     if mixed:
         notes.append(
             "FSDP2 mixed precision: fp32 sharded parameters (the master weights), bf16 compute, fp32 reductions; "
@@ -1336,31 +1342,79 @@ def _flat_order(spec: ModelSpec) -> Iterator[ParamTensor]:
     yield from (t for t in inv.model_tensors if not t.name.startswith("embed"))
 
 
-def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int) -> int:
-    """ZeRO-1 without ``overlap_comm``, rank 0: the gradient bytes live when ``grads_in_partition`` is made,
-    the worst moment of the reduction after backward (stage_1_and_2.py ``reduce_gradients`` →
-    ``reduce_independent_p_g_buckets_and_remove_grads``, in flat order: each gradient no larger than the bucket
-    is copied into it and freed; a larger one is reduced in place at the next flush; the first flush that
-    meets the partition [0, part) makes the buffer of the whole gradients it meets, ``copy_grads_in_partition``,
-    before the larger gradient it flushes is freed). Every gradient (``grad_bytes`` each element, allocator
-    rounding per tensor) less those already copied into the bucket, plus the buffer; after it, gradients only
-    go."""
+def deepspeed_flatten_copies(contents: Sequence[tuple[int, int]], part: int, bucket_numel: int) -> list[int]:
+    """Elements of each copy DeepSpeed stages 1–2 make to reduce a bucket holding ``contents`` ((flat offset,
+    elements) of each gradient, in the order they entered it). ``average_tensor`` cuts them at the partitions'
+    edges (``part`` elements each), merging consecutive pieces of one partition into one range, and hands the ranges
+    to ``allreduce_and_scatter`` (``use_multi_rank_bucket_allreduce``, the default), which gathers ranges until they
+    pass ``reduce_bucket_size`` and flattens each group for the collective (``allreduce_bucket``:
+    ``self.flatten(bucket)``, freed when it returns): a new tensor (``torch.cat``) for two ranges or more, a view for
+    one (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``). So only a reduction across a partition edge
+    copies: at llama-2-7b over 8 ranks with the default bucket, seven copies of ~940 MiB per step."""
+    ranges: list[tuple[int, int]] = []  # (partition, elements)
+    for off, n in contents:
+        while n > 0:
+            piece = min(n, part - off % part)
+            if ranges and ranges[-1][0] == off // part:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + piece)
+            else:
+                ranges.append((off // part, piece))
+            off, n = off + piece, n - piece
+    groups: list[list[int]] = [[]]
+    for _, n in ranges:
+        groups[-1].append(n)
+        if sum(groups[-1]) > bucket_numel:
+            groups.append([])
+    return [sum(g) for g in groups if len(g) > 1]
+
+
+def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int) -> tuple[int, int]:
+    """ZeRO-1 without ``overlap_comm``, rank 0: (gradient bytes, the flush's copy) at the worst moment of the reduction
+    after backward (stage_1_and_2.py ``reduce_gradients`` → ``reduce_independent_p_g_buckets_and_remove_grads``, in
+    flat order: each gradient no larger than the bucket is copied into it and freed; a larger one is reduced in
+    place at the next flush and freed after it). Each flush first reduces the bucket, copying it when it spans a
+    partition edge (:func:`deepspeed_flatten_copies`, beside the gradients still live); the first flush that meets
+    the partition [0, part) then makes the buffer of the whole gradients it meets (``copy_grads_in_partition``),
+    held from then on. Gradients are counted with ``grad_bytes`` per element and the allocator's rounding per
+    tensor.
+    """
     whole, _ = deepspeed_rank0_gradients(spec, part)
+    buffer = allocator_bytes(whole * grad_bytes)
     tensors = list(_flat_order(spec))
     live = sum(allocator_bytes(t.numel * grad_bytes) for t in tensors)
+    worst = (0, 0)
+    made = False
+    contents: list[tuple[int, int]] = []
+    pending: list[int] = []
     elements = in_part = offset = 0
+
+    def flush() -> None:
+        nonlocal worst, made, live, contents, pending, elements, in_part
+        copies = deepspeed_flatten_copies(contents, part, bucket_numel)
+        copy = max((allocator_bytes(n * grad_bytes) for n in copies), default=0)
+        held = live + (buffer if made else 0)
+        worst = max(worst, (held, copy), key=sum)
+        if in_part and not made:
+            made = True
+            worst = max(worst, (live + buffer, 0), key=sum)
+        live -= sum(pending)
+        contents, pending, elements, in_part = [], [], 0, 0
+
     for t in tensors:
-        if elements + t.numel > bucket_numel and in_part:
-            break  # this flush makes grads_in_partition
         if elements + t.numel > bucket_numel:
-            elements = 0  # an empty flush (only a larger gradient before it, outside the partition)
+            flush()
+        size = allocator_bytes(t.numel * grad_bytes)
         if t.numel <= bucket_numel:
-            live -= allocator_bytes(t.numel * grad_bytes)
+            live -= size
+        else:
+            pending.append(size)
+        contents.append((offset, t.numel))
         elements += t.numel
         if offset < part:
             in_part += t.numel
         offset += t.numel
-    return live + allocator_bytes(whole * grad_bytes)
+    flush()  # the epilogue's (``overlapping_partition_gradients_reduce_epilogue``)
+    return worst
 
 
 def _rank0_slices(spec: ModelSpec, part: int) -> list[tuple[int, int]]:
@@ -1443,7 +1497,7 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     else:  # fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over them is not
         # derived yet: ZeRO with adapters is not traced)
         step_temp = fp32_grad
-    zero1_reduced = 0
+    zero1_reduced: tuple[int, int] | None = None  # (gradients, the flush's copy) at the reduction's worst moment
     if stage == 1 and not overlap and not off_opt and not finetuning(strategy):
         zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb)
     fetch = None
@@ -1500,8 +1554,9 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
                 # at the first parameter gradient (``process_gradients`` → ``setup_buckets``: reduce_bucket_size
                 # elements whatever the model's size), freed after the reduction (``_release_ipg_buffers``).
                 comm = bucket
-                if m.name is MomentName.BACKWARD_REDUCE:
-                    grads = zero1_reduced
+                if m.name is MomentName.BACKWARD_REDUCE and zero1_reduced is not None:
+                    grads = zero1_reduced[0]
+                    c[Component.TEMPORARIES] = zero1_reduced[1]
         else:  # stage 2, and stage 1 with overlap_comm (whose hooks reduce as stage 2's do: ``process_gradients``)
             grads = 0 if off_opt else int(grad_part * frac)
             # The bucket is made at the first parameter gradient (``process_gradients`` → ``setup_buckets``),
@@ -1579,7 +1634,7 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "(host bytes per node)"
         )
     extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
-    if zero1_reduced or offload_reduce:
+    if zero1_reduced is not None or offload_reduce:
         # ZeRO-1 without overlap_comm: the engine reduces after backward (engine.py ``allreduce_gradients`` →
         # ``reduce_gradients``), every gradient still there, the bucket and the partition's buffer made; ZeRO-2
         # offloaded: the last flush's copies to the host (``offload_reduce``).
@@ -2247,6 +2302,7 @@ __all__ = [
     "compute_strategy",
     "data_parallel_degree",
     "ddp_bucket_bytes",
+    "deepspeed_flatten_copies",
     "deepspeed_partition_numel",
     "dtensor_tp_held_spec",
     "estimate_parallel",

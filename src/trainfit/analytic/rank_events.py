@@ -52,10 +52,10 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   (``foreach_reduce``: ``new_sharded_grad.to("cpu")``). Against the traced ``CPUOffloadPolicy`` run's events
   (tests/trace/test_rank_stream.py): allocated +0.15%, reserved equal; at llama-3.1-8b's width (W = 8, full
   recompute, 32 layers) allocated +0.28%, reserved −15% on one stream (as without offload: the short-lived
-  element-wise outputs it leaves out). HSDP with offload keeps
-  the fixed fraction: each group keeps its reduce output, the all-reduce's input, on the device until the end of
-  backward (_fsdp_param_group.py ``_all_reduce_state``, dropped in ``finalize_backward``), which neither this
-  stream nor the closed form has.
+  element-wise outputs it leaves out). HSDP with offload: each group keeps its reduce output, the all-reduce's
+  input, on the device until the end of backward (_fsdp_param_group.py ``_all_reduce_state``, dropped in
+  ``finalize_backward``), in every micro-step, though its gradients went to the host; the closed form holds them
+  too. Read from the source: the CPU mesh's trace cannot show it (there the reduce output *is* the host gradient).
 
 Reserved memory can keep growing for a few steps (one GPU's stream settles by its second): steps are
 replayed until one adds nothing to the peak (:data:`MAX_STEPS` at most), or until one leaves the allocator exactly as
@@ -131,6 +131,7 @@ from trainfit.analytic.parallel import (
     ParallelPlan,
     compute_strategy,
     ddp_bucket_bytes,
+    deepspeed_flatten_copies,
     deepspeed_rank0_gradients,
     dtensor_tp_held_spec,
     dtensor_tp_spec,
@@ -176,8 +177,8 @@ __all__ = [
 
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
-    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, FSDP2 with
-    CPUOffloadPolicy too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
+    """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, with CPUOffloadPolicy
+    too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
     DTensor TP ± SP without sharding, with gradient accumulation too; full training, nothing else offloaded);
     otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
@@ -209,7 +210,7 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         and p.tp == 1
         and p.pp == 1
         and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
-        and (not strategy.offload.any or p.sharding is Sharding.FSDP)
+        and (not strategy.offload.any or strategy.offload.parameters_on_host)
         and not finetuning(strategy)
     )
 
@@ -471,8 +472,12 @@ class FsdpHooks(RankHooks):
         out = [s.alloc(g.shard_grads, REDUCE_SCATTER_STREAM)]
         if self.offload:
             # CPUOffloadPolicy: each sharded gradient is copied to the host (``new_sharded_grad.to("cpu")``) and
-            # the device's reduce output is dropped when ``foreach_reduce`` returns
-            s.free_all(out)
+            # the device's reduce output is dropped when ``foreach_reduce`` returns; under HSDP it is the all-reduce's
+            # input, which the group holds to the end of backward (``_all_reduce_state``) in every micro-step
+            if self.replicated:
+                self.all_reduce_held += out
+            else:
+                s.free_all(out)
             out = []
         elif self.accumulating:
             # A later micro-step: the reduce output is added into the existing sharded .grad
@@ -636,10 +641,10 @@ class Zero2Hooks(RankHooks):
       ``setup_buckets`` makes ``reduce_bucket_size`` 16-bit elements, twice with ``overlap_comm``, at the first
       gradient; ``reduce_independent_p_g_buckets_and_remove_grads`` copies it in, so autograd's tensor goes);
       a full bucket is reduced (``reduce_ipg_grads``; one spanning a partition edge is first copied into one
-      tensor for the collective, :meth:`_flatten_chunks`) and the gradients of the parameters rank 0's partition
-      meets are copied into ``grads_in_partition`` (``copy_grads_in_partition``, made at the first such copy,
-      on the reduction stream with ``overlap_comm``); a parameter larger than the bucket keeps its own gradient
-      until the next reduction; the epilogue reduces the rest and frees the buckets
+      tensor for the collective, :meth:`_flatten_chunks`, written for ZeRO-1's reduction only) and the gradients
+      of the parameters rank 0's partition meets are copied into ``grads_in_partition`` (``copy_grads_in_partition``,
+      made at the first such copy, on the reduction stream with ``overlap_comm``); a parameter larger than the bucket
+      keeps its own gradient until the next reduction; the epilogue reduces the rest and frees the buckets
       (``independent_gradient_partition_epilogue`` → ``_release_ipg_buffers``);
     * step (``step``): the fp64 norm of each slice (``get_grad_norm_direct``), the flattened 16-bit partition and
       its fp32 copy, then the 16-bit one and ``grads_in_partition`` go (``free_grad_in_param_list``); AdamW's
@@ -701,6 +706,11 @@ class Zero2Hooks(RankHooks):
         self.pending_slices: list[int] = []  # each such parameter's elements inside the partition
         self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
         self.contents: list[tuple[int, int]] = []  # (flat offset, elements) of what the next reduction reduces
+        # The copy of a bucket spanning a partition edge (:meth:`_flatten_chunks`) is written where its moment is
+        # known: ZeRO-1's reduction after backward, in flat order (:class:`Zero1Hooks`). In backward (stage 2, and
+        # stage 1 with overlap_comm) the flushes fall where autograd's order within a layer puts them, which the
+        # stream does not follow yet: left out there (docs/distributed.md).
+        self.copies_flushes = False
         self.grads_in_partition = 0
         self.states: list[int] = []
         self.n_micro = self.micro_steps(strategy.grad_accum)
@@ -772,36 +782,14 @@ class Zero2Hooks(RankHooks):
             self.pending_slices.append(min(x.numel, self.part - off))
 
     def _flatten_chunks(self) -> list[int]:
-        """Elements of each copy ``average_tensor`` makes to reduce the bucket's contents. It cuts them at the
-        partitions' edges, merging consecutive pieces of one partition into one range, and hands the ranges to
-        ``allreduce_and_scatter`` (``use_multi_rank_bucket_allreduce``, the default), which gathers ranges until they
-        pass ``reduce_bucket_size`` and flattens each group for the collective (``allreduce_bucket``:
-        ``self.flatten(bucket)``): a new tensor (``torch.cat``) for two ranges or more, freed when it returns; one
-        range is flattened as a view (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``). So only a
-        reduction across a partition edge copies."""
-        ranges: list[tuple[int, int]] = []  # (partition, elements)
-        for off, n in self.contents:
-            while n > 0:
-                piece = min(n, self.part - off % self.part)
-                if ranges and ranges[-1][0] == off // self.part:
-                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + piece)
-                else:
-                    ranges.append((off // self.part, piece))
-                off, n = off + piece, n - piece
-        copies, group = [], []
-        for _, n in ranges:
-            group.append(n)
-            if sum(group) > self.bucket_numel:
-                copies.append(group)
-                group = []
-        copies.append(group)
-        return [sum(g) for g in copies if len(g) > 1]
+        """Elements of each copy this flush makes (:func:`~trainfit.analytic.parallel.deepspeed_flatten_copies`)."""
+        return deepspeed_flatten_copies(self.contents, self.part, self.bucket_numel)
 
     def _reduce(self) -> None:
         s = self.s
-        stream = DS_REDUCTION_STREAM if self.overlap else 0
-        for n in self._flatten_chunks():
-            s.free(s.alloc(n * self.pb, stream))
+        if self.copies_flushes:
+            for n in self._flatten_chunks():
+                s.free(s.alloc(n * self.pb))
         if self.offload:
             # copy_grads_in_partition under offload: at the accumulation boundary, per parameter its slice's norm in
             # fp64 (``set_norm_for_param_grad_in_gpu``: ``.to(float64).norm(2)``), then the slice cast to fp32 for the
@@ -868,6 +856,7 @@ class Zero1Hooks(Zero2Hooks):
         self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
     ) -> None:
         super().__init__(spec, strategy, p, free_device_bytes=free_device_bytes)
+        self.copies_flushes = not self.overlap
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
         # reduction
