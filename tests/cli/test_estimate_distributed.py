@@ -184,3 +184,14 @@ def test_sharded_init_moves_the_reserve_not_the_step(capsys: pytest.CaptureFixtu
     assert meta["reserved_estimate_bytes"] != loaded["reserved_estimate_bytes"]
     bad = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "ddp", "--sharded-init")
     assert bad.code == 2 and "--sharded-init" in bad.err and len(bad.err.strip().splitlines()) == 1
+
+
+def test_fsdp_wrap_units_is_traced_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fsdp-wrap units`` (torchtitan's and accelerate 1.15's FSDP2 units) is refused by the analytic model in one
+    line that says how to get it (the trace); with another sharding it is refused too."""
+    res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "units")
+    assert res.code == 2 and "--method trace" in res.err and len(res.err.strip().splitlines()) == 1
+    res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "ddp", "--fsdp-wrap", "units")
+    assert res.code == 2 and "--sharding fsdp|hsdp" in res.err
+    res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "layers")
+    assert res.code == 2 and len(res.err.strip().splitlines()) == 1

@@ -129,6 +129,7 @@ from trainfit.result import (
 from trainfit.strategy import (
     Checkpointing,
     Engine,
+    FsdpWrap,
     OffloadTarget,
     Optimizer,
     OptimizerImpl,
@@ -190,6 +191,12 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     if strategy.workload.value != "training" or strategy.savers.any:
         raise StrategyError(
             "many GPUs are modelled for a training step without memory savers; this setup: trainfit does not model yet"
+        )
+    if strategy.engine.fsdp_wrap is FsdpWrap.UNITS:
+        raise StrategyError(
+            "--fsdp-wrap units (the embedding and [final norm, head] as FSDP2 units of their own, as torchtitan and "
+            "accelerate 1.15 wrap) is traced only for now: add --method trace, or drop --fsdp-wrap for the "
+            "layers-plus-root wrapping"
         )
     if finetuning(strategy):
         check_parallel_finetune(spec, strategy, engine)
@@ -1046,7 +1053,8 @@ def _fsdp(
     notes.append(
         "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head; "
         "torchtitan and accelerate (1.15; PR #4015) also shard the token embedding and [final norm, head] as units "
-        "of their own, which is not modelled yet: on llama-3.1-8b over 8 ranks their traced peak is ~5% lower"
+        "of their own, which the analytic model does not have yet (--fsdp-wrap units --method trace traces it): on "
+        "llama-3.1-8b over 8 ranks their peak is ~5% lower"
     )
     if mixed:
         notes.append(

@@ -35,7 +35,8 @@ def parse_count(text: str | None, flag: str) -> int | None:
 STRATEGY_FLAGS: tuple[str, ...] = (
     "precision", "optimizer", "checkpointing", "attention", "optimizer_impl", "batch", "seq", "grad_accum",
     "gpus", "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel", "gpus_per_node",
-    "sharding", "offload", "engine", "reshard_after_forward", "sync_each_batch", "sharded_init", "bucket_cap_mb",
+    "sharding", "offload", "engine", "reshard_after_forward", "sync_each_batch", "sharded_init", "fsdp_wrap",
+    "bucket_cap_mb",
     "gradient_as_bucket_view",
     "reduce_bucket_size", "finetune", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora",
     "adapter_dtype", "base_dtype", "double_quant", "freeze", "loss", "optimizer_in_backward", "activation_offload",
@@ -95,6 +96,7 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
             reshard_after_forward=f["reshard_after_forward"],
             sync_each_batch=f["sync_each_batch"],
             sharded_init=f["sharded_init"],
+            fsdp_wrap=f["fsdp_wrap"],  # a string, validated and coerced by EngineOptions
             bucket_cap_mb=f["bucket_cap_mb"],
             gradient_as_bucket_view=f["gradient_as_bucket_view"],
             reduce_bucket_size=parse_count(str(f["reduce_bucket_size"]), "--reduce-bucket-size") or 0,
@@ -198,6 +200,15 @@ def estimate_cmd(
             "while fully_shard splits them.",
         ),
     ] = False,
+    fsdp_wrap: Annotated[
+        str,
+        typer.Option(
+            "--fsdp-wrap",
+            help="FSDP2's units: root (each layer, then the root holding embeddings, final norm and head) | units "
+            "(also the embedding and [final norm, head] as units, as torchtitan and accelerate 1.15 wrap; "
+            "--method trace only for now).",
+        ),
+    ] = "root",
     offload: Annotated[str, typer.Option(help="CPU offload: none | optimizer | optimizer+params")] = "none",
     engine: Annotated[
         str, typer.Option(help="auto | torch (ddp, fsdp) | deepspeed (zero*) | megatron (tp, pp, zero1)")

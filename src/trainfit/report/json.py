@@ -101,6 +101,7 @@ def parallel_json(strategy: Strategy) -> dict[str, Any]:
         "reshard_after_forward": strategy.engine.reshard_after_forward,
         "sync_each_batch": strategy.engine.sync_each_batch,  # FSDP2 with accumulation: reduce every micro-step
         "sharded_init": strategy.engine.sharded_init,  # FSDP2: built on meta, no whole weights at wrap time
+        "fsdp_wrap": strategy.engine.fsdp_wrap.value,  # FSDP2's units: root | units
         "offload": strategy.offload.flag,
     }
 

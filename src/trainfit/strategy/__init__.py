@@ -20,6 +20,7 @@ from trainfit.strategy.dtypes import DType
 from trainfit.strategy.parallel import (
     Engine,
     EngineOptions,
+    FsdpWrap,
     Offload,
     OffloadTarget,
     Parallelism,
@@ -52,6 +53,7 @@ __all__ = [
     "EngineOptions",
     "Finetune",
     "Float8",
+    "FsdpWrap",
     "Generation",
     "LossImpl",
     "MemorySavers",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from trainfit.errors import StrategyError
 from trainfit.strategy._validate import coerce_enum, positive_int
 from trainfit.strategy.adapters import Adapter, BaseWeights, check_finetune
-from trainfit.strategy.parallel import Engine, EngineOptions, Offload, Parallelism, Sharding
+from trainfit.strategy.parallel import Engine, EngineOptions, FsdpWrap, Offload, Parallelism, Sharding
 from trainfit.strategy.recipe import FLOAT8_RECIPES, RECIPES, Float8, Precision, Recipe
 from trainfit.strategy.training import (
     Attention,
@@ -94,6 +94,10 @@ class Strategy:
             raise StrategyError(
                 "--engine torch on one GPU without --sharding is plain single-GPU training: drop --engine, or add "
                 "--sharding ddp|fsdp to model that wrapper"
+            )
+        if self.engine.fsdp_wrap is not FsdpWrap.ROOT and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
+            raise StrategyError(
+                f"--fsdp-wrap chooses FSDP2's units; it needs --sharding fsdp|hsdp, not {self.sharding.value}"
             )
         if self.engine.sharded_init and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
             raise StrategyError(

@@ -58,6 +58,17 @@ class Engine(StrEnum):
     MEGATRON = "megatron"
 
 
+class FsdpWrap(StrEnum):
+    """Which modules FSDP2 shards as units. ``root``: each decoder layer, then the root, which holds the embeddings,
+    the final norm and the head (torchtitan's earlier ``apply_fsdp``, accelerate before PR #4015). ``units``: also the
+    token embedding (``reshard_after_forward`` as set) and [final norm, head] (not resharded after forward; a tied
+    table inside it) as units of their own before the root (torchtitan's ``apply_fsdp`` now; accelerate's
+    ``fsdp2_prepare_model`` since PR #4015, 1.15)."""
+
+    ROOT = "root"
+    UNITS = "units"
+
+
 class OffloadTarget(StrEnum):
     NONE = "none"
     CPU = "cpu"
@@ -186,9 +197,12 @@ class EngineOptions:
     #: shard by shard (``to_empty``: torchtitan). False: wrapped after it was loaded (accelerate, the HF Trainer),
     #: so each ``fully_shard`` call has its group's whole weights on the device, which leaves cached segments.
     sharded_init: bool = False
+    #: FSDP2's units (:class:`FsdpWrap`); ``units`` is traced only (``--method trace``) until the analytic model has it.
+    fsdp_wrap: FsdpWrap = FsdpWrap.ROOT
 
     def __post_init__(self) -> None:
         coerce_enum(self, "engine", Engine)
+        coerce_enum(self, "fsdp_wrap", FsdpWrap)
         for name in ("bucket_cap_mb", "first_bucket_bytes", "reduce_bucket_size", "allgather_bucket_size"):
             positive_int(name.replace("_", "-"), getattr(self, name))
         for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):

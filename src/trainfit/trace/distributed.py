@@ -60,7 +60,7 @@ from trainfit.result import (
     RepeatedRun,
     TraceDetails,
 )
-from trainfit.strategy import Checkpointing, Engine, Float8, Precision, Quantization, Sharding, Strategy
+from trainfit.strategy import Checkpointing, Engine, Float8, FsdpWrap, Precision, Quantization, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -293,7 +293,33 @@ def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any,
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
+    if strategy.engine.fsdp_wrap is FsdpWrap.UNITS:
+        # accelerate's fsdp2_prepare_model (1.15) and torchtitan's apply_fsdp: an untied token embedding as a unit
+        # (resharded after forward as asked), then [final norm, head] — the tied table in it — kept unsharded after
+        # forward (its backward follows at once); the root holds what is left
+        hf_model: Any = model
+        inp, out = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+        tied = out is not None and inp.weight is out.weight
+        if not tied:
+            fully_shard(inp, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
+        norm = _final_norm(model)
+        tail = [m for m in (norm, inp if tied else None, out) if m is not None]
+        fully_shard(tail, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **kw)
     fully_shard(model, mesh=mesh, mp_policy=mp, **kw)
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The last direct child of the base model whose class name says norm (accelerate's ``_find_final_norm``:
+    ``model.norm`` for Llama, ``transformer.ln_f`` for GPT-2)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else model
+    if not isinstance(base, torch.nn.Module):
+        return None
+    found = None
+    for child in base.children():
+        if "Norm" in type(child).__name__:
+            found = child
+    return found
 
 
 def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> torch.nn.Module:
@@ -557,7 +583,12 @@ def trace_distributed(
             plan.runs[r].count - results[0][0][r]
         )
     what = (
-        f"FSDP2 fully_shard per layer + root, reshard_after_forward={strategy.engine.reshard_after_forward}"
+        (
+            "FSDP2 fully_shard per layer, the embedding, [final norm, head] and the root"
+            if strategy.engine.fsdp_wrap is FsdpWrap.UNITS
+            else "FSDP2 fully_shard per layer + root"
+        )
+        + f", reshard_after_forward={strategy.engine.reshard_after_forward}"
         + (f", MixedPrecisionPolicy({strategy.recipe.compute_dtype}, fp32)" if strategy.recipe.mixed else "")
         if fsdp
         else f"DDP bucket_cap_mb={strategy.engine.bucket_cap_mb}, "
