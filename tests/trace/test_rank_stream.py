@@ -11,6 +11,8 @@ steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA st
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
@@ -85,17 +87,11 @@ def test_the_cpu_offload_stream_reaches_the_traced_peaks() -> None:
     assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
 
 
-def _zero_peaks(
-    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int = 1
-) -> tuple[AllocatorResult, AllocatorResult, float]:
-    """The real DeepSpeed engine's events (full depth, three steps) and ``Zero1Hooks``'/``Zero2Hooks``' stream, on
-    one CUDA stream: (traced, synthesised, the closed form's peak over the traced allocated peak)."""
-    pytest.importorskip("deepspeed")
-    from trainfit.analytic.parallel import estimate_parallel
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-    from trainfit.trace.events import tracker_events
-
+def _zero_cell(
+    sharding: str, w: int, bucket: int, overlap: bool | None = None, accum: int = 1
+) -> tuple[ModelSpec, Strategy]:
+    """The tiny llama (4 layers, hidden 256, vocabulary 8192) at 2 × 256 under DeepSpeed ZeRO over ``w`` ranks with a
+    reduce and all-gather bucket of ``bucket`` elements."""
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     s = Strategy(
         parallelism=Parallelism(data=w),
@@ -105,10 +101,31 @@ def _zero_peaks(
         grad_accum=accum,
         engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
     )
+    return spec, s
+
+
+def _deepspeed_run(spec: ModelSpec, s: Strategy) -> Any:
+    """The real ``DeepSpeedEngine`` of ``s`` at full depth, three steps, under the tracker (a ``TraceRun``)."""
+    pytest.importorskip("deepspeed")
+    from trainfit.trace import depth
+    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
+
     plan = depth.plan_depth(spec, _built(s), extrapolate=False)
     _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(w):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
+    with _quiet_deepspeed(), _deepspeed_world(s.parallelism.data):
+        return run_layout_deepspeed(spec, s, plan, layout, steps=3)
+
+
+def _zero_peaks(
+    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int = 1
+) -> tuple[AllocatorResult, AllocatorResult, float]:
+    """The real DeepSpeed engine's events (full depth, three steps) and ``Zero1Hooks``'/``Zero2Hooks``' stream, on
+    one CUDA stream: (traced, synthesised, the closed form's peak over the traced allocated peak)."""
+    from trainfit.analytic.parallel import estimate_parallel
+    from trainfit.trace.events import tracker_events
+
+    spec, s = _zero_cell(sharding, w, bucket, overlap, accum)
+    run = _deepspeed_run(spec, s)
     traced = simulate(tracker_events(run), AllocatorConfig())
     # DeepSpeed flattens its 16-bit groups on the device when the accelerator's free memory holds them: the traced
     # engine runs on DeepSpeed's CPU accelerator, whose free memory is the host's, so the stream is given that
@@ -577,32 +594,16 @@ def test_the_zero1_stream_flattens_the_buckets_the_engine_copies() -> None:
     ranges or more: ``self.flatten(bucket)``), and flattens one range as a view. ZeRO-1 reduces in the flat order
     after backward, so its copies are the engine's, size for size: at llama-2-7b over 8 ranks seven of ~940 MiB per
     step, 4% of the reserve (docs/accuracy.md)."""
-    pytest.importorskip("deepspeed")
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-
-    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    s = Strategy(
-        parallelism=Parallelism(data=4),
-        sharding="zero1",
-        micro_batch=2,
-        seq_len=256,
-        engine=EngineOptions(reduce_bucket_size=200_000, allgather_bucket_size=200_000),
-    )
-    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
-    _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(4):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
+    spec, s = _zero_cell("zero1", 4, 200_000)
+    run = _deepspeed_run(spec, s)
     traced = [r.nbytes for r in run.tracker.records if r.op == "cat.default" and r.phase == "backward"]
-    hooks = Zero1Hooks(spec, s, parallel_plan(spec, s))
     copies: list[int] = []
-    chunks = hooks._flatten_chunks
 
-    def recorded() -> list[int]:
-        out = chunks()
-        copies.extend(n * hooks.pb for n in out)
-        return out
+    class Recording(Zero1Hooks):
+        def _flatten_chunks(self) -> list[int]:
+            out = super()._flatten_chunks()
+            copies.extend(n * self.pb for n in out)
+            return out
 
-    hooks._flatten_chunks = recorded  # type: ignore[method-assign]
-    synthesise(Stream(), spec, compute_strategy(s), (), hooks, steps=3)
+    synthesise(Stream(), spec, compute_strategy(s), (), Recording(spec, s, parallel_plan(spec, s)), steps=3)
     assert traced and copies == traced
