@@ -514,6 +514,8 @@ def test_the_no_sync_accumulation_follows_the_trace(
     synthesise(st, spec, compute_strategy(s, casts_every_param=True), (), hooks, steps=3)
     stream = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     assert stream.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+    # (the trace runs the first step's micro-steps too: a single synced first pass put HSDP's at −11.7%)
+    assert stream.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
     if sharding == "fsdp":  # HSDP's synced micro-steps hold their reduce outputs: on this cell, more
         assert mine > synced
 

@@ -11,7 +11,10 @@ With gradient accumulation (``grad_accum > 1``) a step is several forward/backwa
 divided by ``grad_accum`` and whose gradients autograd adds into the existing ``.grad`` tensors in place
 (``AccumulateGrad``), then one optimizer step. Every pass after the first of a step runs with all the
 gradients resident, and passes 3, 4, ... are the same as pass 2, so steps from the second on run two
-passes (the first step only creates optimizer states and runs one).
+passes (the first step only creates optimizer states and runs one). A run with a per-pass switch
+(:attr:`RunOptions.before_pass`: FSDP2 under accelerate's ``no_sync``) runs its passes in the first step too: there a
+single pass would be a synced one, whose reduce-scatters fall where no real micro-step has them (the HSDP no_sync
+cell of tests/trace/test_rank_stream.py reserved 13% more so).
 
 What a run needs comes in three values: :class:`StepFns` (how to build a batch, run the model, take the
 loss, build the optimizer), :class:`RunOptions` (recipe, steps, accumulation, clipping, the modules whose
@@ -154,8 +157,11 @@ class RunOptions:
             raise TrainfitError(f"grad_accum must be a positive integer, got {self.grad_accum}")
 
     def passes(self, step: int) -> int:
-        """Forward/backward passes run in ``step`` (see the module docstring)."""
-        return 1 if step == 0 else min(self.grad_accum, self.accumulation_passes)
+        """Forward/backward passes run in ``step`` (see the module docstring: a run with a per-pass switch runs all
+        of them in the first step too)."""
+        if step == 0 and self.before_pass is None:
+            return 1
+        return min(self.grad_accum, self.accumulation_passes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
