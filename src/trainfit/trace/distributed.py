@@ -460,6 +460,7 @@ def run_layout_distributed(
         before_pass=_no_sync_passes(run_model, strategy),
         # no_sync: a middle micro-step adds into the kept gradients without reducing (neither the first nor the last)
         accumulation_passes=rn.ACCUMULATION_PASSES if strategy.engine.sync_each_batch else 3,
+        accumulate_first_step=not strategy.engine.sync_each_batch,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
     selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
