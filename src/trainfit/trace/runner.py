@@ -11,10 +11,10 @@ With gradient accumulation (``grad_accum > 1``) a step is several forward/backwa
 divided by ``grad_accum`` and whose gradients autograd adds into the existing ``.grad`` tensors in place
 (``AccumulateGrad``), then one optimizer step. Every pass after the first of a step runs with all the
 gradients resident, and passes 3, 4, ... are the same as pass 2, so steps from the second on run two
-passes (the first step only creates optimizer states and runs one). FSDP2 under accelerate's ``no_sync``
-(:attr:`RunOptions.accumulate_first_step`) runs its passes in the first step too: there a single pass would be a
-synced one, whose reduce-scatters fall where no real micro-step has them (the HSDP no_sync cell of
-tests/trace/test_rank_stream.py reserved 13% more so).
+passes (the first step only creates optimizer states and runs one). FSDP2/HSDP
+(:attr:`RunOptions.accumulate_first_step`) runs its passes in the first step too: there a single pass reduce-scatters
+where no real micro-step does (under accelerate's ``no_sync`` a synced pass where none is synced; the HSDP cells of
+tests/trace/test_rank_stream.py reserved 13% more so under no_sync, 2% synced).
 
 What a run needs comes in three values: :class:`StepFns` (how to build a batch, run the model, take the
 loss, build the optimizer), :class:`RunOptions` (recipe, steps, accumulation, clipping, the modules whose
@@ -149,7 +149,7 @@ class RunOptions:
     #: Passes per step under accumulation (after the first step): :data:`ACCUMULATION_PASSES`, or three where the
     #: passes between the first and the last differ from both (FSDP2 under accelerate's ``no_sync``).
     accumulation_passes: int = ACCUMULATION_PASSES
-    #: Run the accumulation passes in the first step too (FSDP2 under ``no_sync``; see the module docstring).
+    #: Run the accumulation passes in the first step too (FSDP2/HSDP; see the module docstring).
     accumulate_first_step: bool = False
 
     def __post_init__(self) -> None:
