@@ -1368,12 +1368,14 @@ def deepspeed_flatten_copies(contents: Sequence[tuple[int, int]], part: int, buc
             else:
                 ranges.append((off // part, piece))
             off, n = off + piece, n - piece
-    groups: list[list[int]] = [[]]
+    copies: list[int] = []
+    count = total = 0  # ranges and elements in the group being gathered
     for _, n in ranges:
-        groups[-1].append(n)
-        if sum(groups[-1]) > bucket_numel:
-            groups.append([])
-    return [sum(g) for g in groups if len(g) > 1]
+        count, total = count + 1, total + n
+        if total > bucket_numel:
+            copies += [total] if count > 1 else []
+            count = total = 0
+    return [*copies, total] if count > 1 else copies
 
 
 def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int) -> tuple[int, int]:

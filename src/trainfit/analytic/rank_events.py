@@ -776,7 +776,8 @@ class Zero2Hooks(RankHooks):
         elif own is not None:
             s.free(own)
         self.elements += x.numel
-        self.contents.append((off, x.numel))
+        if self.copies_flushes:
+            self.contents.append((off, x.numel))
         if off < self.part:
             self.pending_part += x.numel
             self.pending_slices.append(min(x.numel, self.part - off))
