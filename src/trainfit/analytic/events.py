@@ -185,6 +185,12 @@ class RankHooks:
     def forward_begin(self, s: Stream) -> None:
         """Before the embedding (a root's unshard)."""
 
+    def embedding_forward_end(self, s: Stream) -> None:
+        """After the embedding's output (an embedding unit's reshard)."""
+
+    def head_forward_begin(self, s: Stream) -> None:
+        """After the last layer, before the final norm and the head (a [final norm, head] unit's unshard)."""
+
     def layer_forward_begin(self, s: Stream, i: int) -> None:
         """Before layer ``i``'s forward (its unshard)."""
 
@@ -194,12 +200,28 @@ class RankHooks:
     def backward_begin(self, s: Stream) -> None:
         """After the loss, before its backward (the root's post-forward)."""
 
+    def head_backward_begin(self, s: Stream) -> None:
+        """The logits' gradient made, before the head's backward (hooks on the model's output: a pre-backward)."""
+
+    def early_grad(self, spec: ModelSpec, x: ParamTensor) -> bool:
+        """Whether the model-level tensor ``x``'s gradient is made with the head's backward (passed to
+        :meth:`head_backward_end`) rather than at the end of backward (``late`` in :meth:`backward_end`)."""
+        return _head_tensor(spec, x)
+
+    def head_backward_end(self, s: Stream, grads: list[int]) -> list[int]:
+        """After the final norm's backward: what replaces the early gradients (a [final norm, head] unit's
+        post-backward reduces them)."""
+        return grads
+
     def layer_backward_begin(self, s: Stream, i: int) -> None:
         """Before layer ``i``'s gradients (its unshard, the next one's prefetch)."""
 
     def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
         """After layer ``i``'s backward: the gradients that stay (a reduction may replace them)."""
         return grads
+
+    def embedding_backward_begin(self, s: Stream) -> None:
+        """After the layers' backward, before the late gradients (an embedding unit's unshard)."""
 
     def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
         """After the model-level gradients (``head``: those made with the head's backward, ``late``: at the end
@@ -312,6 +334,7 @@ def synthesise(
                         s.alloc(ws.size_bytes)
             rank.forward_begin(s)
             embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
+            rank.embedding_forward_end(s)
             layers: list[tuple[list[int], list[int]]] = []
             kept: list[int] = []
             residual = s.alloc(hidden)
@@ -330,6 +353,7 @@ def synthesise(
                 s.free(residual)
                 residual = nxt
                 rank.layer_forward_end(s, i)
+            rank.head_forward_begin(s)
             head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
             head = [
                 s.alloc(rank.saved_bytes(x.name, x.bytes)) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)
@@ -362,11 +386,12 @@ def synthesise(
             if upcast:
                 g_logits = s.alloc(a * n_logits)
                 s.free(g_lsm)
+            rank.head_backward_begin(s)
             model_grads: list[int] = []
             table_grad = 0  # the tied table's gradient, allocated with the head's backward
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
             for x in model_trained:
-                if _head_tensor(spec, x) and micro:
+                if rank.early_grad(spec, x) and micro:
                     # Accumulating: each new gradient is added into the resident .grad and dropped
                     # (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad +=
                     # new_grad`` with grad mode off); a tied table's waits for the embedding's, summed first.
@@ -375,19 +400,21 @@ def synthesise(
                         waiting = new
                     else:
                         s.free(new)
-                elif _head_tensor(spec, x):
+                elif rank.early_grad(spec, x):
                     model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
                     if x.name == "embed_tokens.weight":
                         table_grad = model_grads[-1]
                         if not table_grad and tied is not None and tied_sum_modelled(strategy):
                             waiting = s.alloc(tied.embedding_grad_bytes)
-            grads += model_grads
             g_res = s.alloc(hidden)
             s.free(g_logits)
             s.free_all(head_copies)
             norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))
             s.free(norm_temp)
             s.free_all(head)
+            if not micro:
+                model_grads = rank.head_backward_end(s, model_grads)
+            grads += model_grads
             for i in reversed(range(spec.num_layers)):
                 g = kinds[i]
                 copies, saved = layers[i]
@@ -438,7 +465,8 @@ def synthesise(
                     s.free(waiting)
                     s.free(emb_grad)
                     s.free(total)
-            late_tensors = [x for x in model_trained if not _head_tensor(spec, x)]
+            rank.embedding_backward_begin(s)
+            late_tensors = [x for x in model_trained if not rank.early_grad(spec, x)]
             if micro:
                 for x in late_tensors:
                     s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))

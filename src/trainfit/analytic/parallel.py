@@ -193,11 +193,7 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             "many GPUs are modelled for a training step without memory savers; this setup: trainfit does not model yet"
         )
     if strategy.engine.fsdp_wrap is FsdpWrap.UNITS:
-        raise StrategyError(
-            "--fsdp-wrap units (the embedding and [final norm, head] as FSDP2 units of their own, as torchtitan and "
-            "accelerate 1.15 wrap) is traced only for now: add --method trace, or drop --fsdp-wrap for the "
-            "layers-plus-root wrapping"
-        )
+        _check_units(spec, strategy)
     if finetuning(strategy):
         check_parallel_finetune(spec, strategy, engine)
     if strategy.checkpointing is Checkpointing.SAC and (tp > 1 or pp > 1):
@@ -282,6 +278,29 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
         sequence_parallel=par.sequence_parallel,
         defaults=_defaults(engine, strategy),
     )
+
+
+def _check_units(spec: ModelSpec, strategy: Strategy) -> None:
+    """``--fsdp-wrap units`` as the analytic model has it: a causal LM on FSDP2 alone, and with an untied table
+    neither CPU offload nor accelerate's no_sync (the trace has them all)."""
+    why = ""
+    if spec.kind is not ModelKind.CAUSAL_LM:
+        why = f"a {spec.kind.value} model"
+    elif strategy.parallelism.tensor > 1:
+        why = "tensor parallelism"
+    elif untied_units(spec, strategy) and strategy.offload.parameters_on_host:
+        why = "CPU offload of an untied table's unit"
+    elif untied_units(spec, strategy) and not strategy.engine.sync_each_batch and strategy.grad_accum > 1:
+        why = "accelerate's no_sync of an untied table's unit (add --sync-each-batch)"
+    elif untied_units(spec, strategy) and any(
+        fsdp_unit(spec, strategy, x) == ROOT_UNIT for x in inventory(spec).model_tensors
+    ):
+        why = "model-level tensors left in the root beside an untied table's unit"
+    if why:
+        raise StrategyError(
+            f"--fsdp-wrap units (the embedding and [final norm, head] as FSDP2 units of their own) with {why} is "
+            "traced only for now: add --method trace, or drop --fsdp-wrap for the layers-plus-root wrapping"
+        )
 
 
 def _check_torch_tp(spec: ModelSpec, strategy: Strategy) -> None:
@@ -564,6 +583,33 @@ def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> t
     return tuple(out)
 
 
+#: FSDP2's groups of the model-level tensors (:func:`fsdp_unit`); a decoder layer's group is its index.
+ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT = -1, -2, -3
+
+
+def untied_units(spec: ModelSpec, strategy: Strategy) -> bool:
+    """Whether ``--fsdp-wrap units`` gives the token table a unit of its own: an untied table (a tied one is in
+    the [final norm, head] unit, which is then what the root was: unsharded from the embedding's forward to the
+    end of backward)."""
+    return strategy.engine.fsdp_wrap is FsdpWrap.UNITS and not (
+        spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    )
+
+
+def fsdp_unit(spec: ModelSpec, strategy: Strategy, x: ParamTensor) -> int:
+    """The FSDP2 group of the model-level tensor ``x``. ``--fsdp-wrap root``: the root. ``units`` (accelerate 1.15's
+    ``fsdp2_prepare_model``, torchtitan's ``apply_fsdp``; trainfit.trace.distributed ``_wrap_fsdp``): the input
+    embedding's table, untied, in a unit of its own; the final norm, the output embedding (``lm_head``; the table
+    when tied to it) in one more; the rest (position embeddings, a classification head) in the root."""
+    if strategy.engine.fsdp_wrap is not FsdpWrap.UNITS:
+        return ROOT_UNIT
+    if x.name == "embed_tokens.weight":
+        return EMBEDDING_UNIT if untied_units(spec, strategy) else TAIL_UNIT
+    if x.name.startswith("final_norm.") or (spec.kind.has_vocab_logits and x.name.startswith("lm_head.")):
+        return TAIL_UNIT
+    return ROOT_UNIT
+
+
 # -- sharded states --------------------------------------------------------------------------------------
 
 
@@ -605,7 +651,7 @@ def fsdp_states(spec: ModelSpec, strategy: Strategy, shards: int) -> ShardedStat
             o += m * optimizer_state_bytes(shard_tensor(h.tensor, shards), strategy.optimizer, h.bits, impl)
             if n > largest:
                 largest, largest_bits = n, h.bits
-    g = _fsdp_sharded_grads(spec, held, shards)
+    g = _fsdp_sharded_grads(spec, strategy, held, shards)
     temp = 0
     if strategy.optimizer is Optimizer.ADAMW and impl is OptimizerImpl.FOREACH:
         temp = g
@@ -708,12 +754,21 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
 # -- torch FSDP2 -----------------------------------------------------------------------------------------
 
 
-def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int) -> int:
+def _fsdp_sharded_grads(spec: ModelSpec, strategy: Strategy, held: Sequence[HeldTensor], shards: int) -> int:
     """The sharded gradients: views into each group's flat reduce-scatter output, one allocation per group
     of the padded shards of its trainable parameters in their dtype (_fsdp_collectives.py ``foreach_reduce``:
-    ``torch.as_strided(reduce_output, ...)``). A tensor trainable in c of a group's layers is taken to be
-    trainable in the same c layers as the others (exact for layer ranges and module names)."""
-    out = allocator_bytes(sum(h.shard_numel(shards) * h.bits // 8 for h in held if h.root and h.trainable))
+    ``torch.as_strided(reduce_output, ...)``); the model-level tensors in the root's group or their units
+    (:func:`fsdp_unit`). A tensor trainable in c of a group's layers is taken to be trainable in the same c layers
+    as the others (exact for layer ranges and module names)."""
+    out = 0
+    for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT):
+        out += allocator_bytes(
+            sum(
+                h.shard_numel(shards) * h.bits // 8
+                for h in held
+                if h.root and h.trainable and fsdp_unit(spec, strategy, h.tensor) == u
+            )
+        )
     for i, g in enumerate(inventory(spec).layers):
         layer = [(h.count, h.shard_numel(shards) * h.bits // 8) for h in held if h.group == i and h.trainable]
         for k in range(g.count):
@@ -722,9 +777,21 @@ def _fsdp_sharded_grads(spec: ModelSpec, held: Sequence[HeldTensor], shards: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FsdpUnitBytes:
+    """One model-level FSDP2 group's bytes (``--fsdp-wrap units``: the untied table's, [final norm, head]'s)."""
+
+    unsharded: int = 0  # its unsharded parameters
+    all_gather: int = 0  # its padded all-gather output
+    reduce_scatter: int = 0  # its padded reduce-scatter input (trainable parameters only)
+    shard_grads: int = 0  # its sharded gradients (one reduce output)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FsdpGroups:
     """What FSDP2's groups move: the unsharded parameters (per tensor, padded to W shards, in the all-gather dtype),
-    the padded all-gather output and reduce-scatter input of one layer group, the root's."""
+    the padded all-gather output and reduce-scatter input of one layer group, the root's; under ``--fsdp-wrap
+    units`` with an untied table the root's are what is left of the model-level tensors (nothing for a Llama), the
+    table's and [final norm, head]'s are ``embedding`` and ``tail`` (else empty)."""
 
     root_bytes: int  # the root's unsharded parameters
     layer_bytes: int  # the largest layer's unsharded parameters
@@ -734,6 +801,8 @@ class FsdpGroups:
     reduce_scatter_bytes: int  # one layer's padded reduce-scatter input (its trainable parameters only)
     root_reduce_scatter_bytes: int
     root_shard_grads_bytes: int  # the root's sharded gradients
+    embedding: FsdpUnitBytes = FsdpUnitBytes()
+    tail: FsdpUnitBytes = FsdpUnitBytes()
 
 
 def fsdp_wire_bits(held_bits: int, *, mixed: bool, compute_bits: int, packed: bool = False) -> tuple[int, int]:
@@ -775,7 +844,9 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
                 seen[k] = h
         return list(seen.values())
 
-    root = unique([h for h in held if h.root])
+    split = untied_units(spec, strategy)
+    unit = {h.tensor: fsdp_unit(spec, strategy, h.tensor) if split else ROOT_UNIT for h in held if h.root}
+    root = unique([h for h in held if h.root and unit[h.tensor] == ROOT_UNIT])
     inv = inventory(spec)
     layers = [unique([h for h in held if h.group == i]) for i in range(len(inv.layers))]
 
@@ -787,7 +858,18 @@ def fsdp_groups(spec: ModelSpec, strategy: Strategy, shards: int) -> FsdpGroups:
     def padded(hs: Sequence[HeldTensor], bits: Callable[[HeldTensor], int]) -> int:
         return allocator_bytes(sum(h.shard_numel(shards) * shards * bits(h) // 8 for h in hs))
 
+    def of(u: int) -> FsdpUnitBytes:
+        hs = unique([h for h in held if h.root and unit[h.tensor] == u])
+        return FsdpUnitBytes(
+            unsharded=unsharded(hs),
+            all_gather=padded(hs, gather_bits),
+            reduce_scatter=padded([h for h in hs if h.trainable], reduce_bits),
+            shard_grads=sum(_alloc(h.shard_numel(shards), h.bits) for h in hs if h.trainable),
+        )
+
     return FsdpGroups(
+        embedding=of(EMBEDDING_UNIT),
+        tail=of(TAIL_UNIT),
         root_bytes=unsharded(root),
         layer_bytes=max(unsharded(hs) for hs in layers),
         layers_all_bytes=sum(g.count * unsharded(hs) for g, hs in zip(inv.layers, layers, strict=True)),
@@ -884,7 +966,12 @@ def _fsdp(
     # (its reduce outputs are the sharded gradients: nothing to hold under HSDP).
     no_sync = not strategy.engine.sync_each_batch and strategy.grad_accum > 1
     hold = p.dp > p.shard and (offload or (q.grads_resident > 0 and not no_sync))
-    layer_shard_grads = (st.grads_bytes - root_shard_grads) // max(1, n_layers)
+    # --fsdp-wrap units with an untied table: the table and [final norm, head] are groups of their own
+    untied = untied_units(held_spec, strategy)
+    emb, tail = fg.embedding, fg.tail
+    layer_shard_grads = (st.grads_bytes - root_shard_grads - emb.shard_grads - tail.shard_grads) // max(1, n_layers)
+    # the model-level groups unsharded through the layers: the root's, and (units) the table's without raf
+    through = root + (0 if raf else emb.unsharded)
     acc_root, acc_layers = fsdp_unsharded_grad_bytes(held_spec, strategy) if no_sync else (0, 0)
     acc_layer = acc_layers // max(1, n_layers)
 
@@ -898,9 +985,8 @@ def _fsdp(
             return n_layers - 1
         return n_layers if m.name is MomentName.BACKWARD_EMBEDDING else 0
 
-    def adjust(m: Moment, inner: tuple[int, bool, int] | None = None) -> dict[Component, int]:
-        """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held, the
-        layers done) for the moments of :func:`_fsdp_inner_moments`."""
+    def with_shards(m: Moment) -> dict[Component, int]:
+        """``m``'s single-GPU components with this rank's shards, optimizer states and no autocast copies."""
         c = _single(m)
         c[Component.AUTOCAST_COPIES] = 0
         if offload:
@@ -910,6 +996,99 @@ def _fsdp(
             c[Component.WEIGHTS], c[Component.MASTER_WEIGHTS] = st.weights_bytes, 0
             c[Component.ADAPTER_WEIGHTS] = st.adapter_bytes
             c[Component.OPTIMIZER_STATES] = st.optimizer_bytes
+        return c
+
+    def units(m: Moment, inner: tuple[int, bool, int] | None = None, *, tail_post: bool = False) -> dict[Component, int]:
+        """``adjust`` for ``--fsdp-wrap units`` with an untied table (:func:`_fsdp_units_note`). The table's unit is
+        unsharded in its forward (then resharded, with ``reshard_after_forward``), prefetched by layer 0's
+        pre-backward and unsharded again for its own backward, whose post-backward (the root's final callback, as
+        its input, the token ids, has no gradient) reduces its gradient last. [final norm, head] is unsharded from
+        the final norm's forward, not resharded after it (``reshard_after_forward=False``: accelerate, torchtitan),
+        and its post-backward runs right after the final norm's backward (``RegisterPostBackwardFunction`` on the
+        norm's input): the head's bf16 gradient, freed after the reduce output, and the fp32 reduce-scatter input,
+        in flight through the top layer's backward (``tail_post``: that moment). The trace of llama-3.1-8b over 8
+        ranks at 1 × 1024: the root wrapping's peak (the root's whole table and head, the head's gradient waiting
+        to the end) 5.4% above."""
+        c = with_shards(m)
+        bwd = m.phase is Phase.BACKWARD
+        tail_done = tail_post or (bwd and m.name not in (MomentName.BACKWARD_START, MomentName.BACKWARD_FINAL_NORM))
+        every_layer = 0 if raf else layers_all
+        gathers = p.shard > 1
+        if offload:
+            c[Component.GRADIENTS] = 0
+        elif q.grads_resident:
+            c[Component.GRADIENTS] = st.grads_bytes  # accumulating: every shard exists; reduce outputs are new
+        elif bwd or tail_post:
+            done = max(0, m.gradients - q.grad_head) / max(1, g_full - q.grad_head - q.grad_late)
+            c[Component.GRADIENTS] = int(layer_shard_grads * n_layers * min(1.0, done)) + (
+                tail.shard_grads if tail_done else 0
+            )
+            if m.name is MomentName.BACKWARD_EMBEDDING:
+                c[Component.GRADIENTS] = st.grads_bytes - emb.shard_grads - root_shard_grads
+        else:
+            c[Component.GRADIENTS] = int(st.grads_bytes * min(1.0, m.gradients / g_full))
+        # a new reduce output beside the shards (accumulating) or dropped once on the host (CPUOffloadPolicy)
+        transient = q.grads_resident > 0 or offload
+        unsharded = comm = 0
+        if tail_post:
+            unsharded = through + every_layer
+            comm = tail.reduce_scatter + (ag if gathers and raf else 0)
+            c[Component.TEMPORARIES] = q.grad_head + (tail.shard_grads if transient else 0)
+            c[Component.TEMPORARIES] += Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * (
+                q.spec.hidden_size
+            )
+        elif m.phase is Phase.FORWARD:
+            if m.name is MomentName.FORWARD_END:
+                unsharded, comm = through + tail.unsharded + every_layer, tail.all_gather if gathers else 0
+            else:
+                unsharded, comm = through + every_layer, ag if gathers else 0
+                if raf and m.name is MomentName.FORWARD_LAST_MOE_EXPERTS:
+                    unsharded += layer
+        elif m.name is MomentName.BACKWARD_START:
+            unsharded = through + tail.unsharded + every_layer  # the last layer's prefetch is not issued yet
+        elif m.name is MomentName.BACKWARD_FINAL_NORM:
+            unsharded = through + tail.unsharded + every_layer
+            comm = ag if gathers and raf else 0
+            c[Component.TEMPORARIES] += q.grad_head  # reduced by [final norm, head]'s post-backward, next
+        elif m.name in (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX):
+            unsharded = through + (layers_all if not raf else min(2, n_layers) * layer)
+            comm = tail.reduce_scatter
+        elif m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
+            unsharded = through + bottom_held * layer
+            comm = (rs if n_layers > 1 else tail.reduce_scatter) + (emb.all_gather if gathers and raf else 0)
+        elif m.name is MomentName.BACKWARD_EMBEDDING:
+            c[Component.LOGITS_LOSS] = 0
+            # inside the embedding's backward: the table unsharded, layer 0's reduce-scatter input in flight;
+            # or its post-backward's reduce output: resharded, its own input, the table's bf16 gradient held
+            own = c[Component.TEMPORARIES] + table_copy
+            if emb.unsharded + rs + own >= emb.reduce_scatter + emb.shard_grads:
+                unsharded, comm = root + emb.unsharded, rs
+                c[Component.TEMPORARIES] = q.grad_late + own
+            else:
+                unsharded, comm = root, emb.reduce_scatter
+                c[Component.TEMPORARIES] = q.grad_late + (emb.shard_grads if transient else 0)
+                if not transient:
+                    c[Component.GRADIENTS] += emb.shard_grads
+        elif m.phase is Phase.OPTIMIZER_STEP:
+            c[Component.TEMPORARIES] = 0 if offload else st.step_temp_bytes
+        if inner is not None:
+            unsharded = through + inner[0] * layer
+            comm = rs if inner[1] else tail.reduce_scatter
+            if inner[2] == n_layers - 1 and gathers and raf:
+                comm += emb.all_gather  # the bottom layer's backward: the table's prefetched all-gather output
+        n_done = layers_done(m) if inner is None else inner[2]
+        if hold and bwd:
+            comm += layer_shard_grads * n_done + (tail.shard_grads if tail_done else 0)
+        c[Component.UNSHARDED_PARAMS] = unsharded
+        c[Component.COMM_BUFFERS] = comm
+        return c
+
+    def adjust(m: Moment, inner: tuple[int, bool, int] | None = None) -> dict[Component, int]:
+        """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held, the
+        layers done) for the moments of :func:`_fsdp_inner_moments`."""
+        if untied:
+            return units(m, inner)
+        c = with_shards(m)
         frac = min(1.0, m.gradients / g_full)
         c[Component.GRADIENTS] = 0 if offload else int(st.grads_bytes * frac)
         if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_EMBEDDING and not q.grads_resident:
@@ -929,7 +1108,10 @@ def _fsdp(
             comm = ag if p.shard > 1 else 0
         elif m.name in (MomentName.BACKWARD_START, MomentName.BACKWARD_FINAL_NORM):
             unsharded = root + (layers_all if not raf else 0)
-            comm = ag if p.shard > 1 and raf else 0
+            # the last layer's prefetch: by the root's pre-backward, on the model's output, the loss, so before the
+            # loss's backward; under --fsdp-wrap units by [final norm, head]'s, on the logits, after it
+            late_prefetch = m.name is MomentName.BACKWARD_START and strategy.engine.fsdp_wrap is FsdpWrap.UNITS
+            comm = ag if p.shard > 1 and raf and not late_prefetch else 0
         elif m.name in (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX):
             # the current layer and the one prefetched (every layer without reshard_after_forward); no
             # reduce-scatter input yet: the top layer's is made in its post-backward (_fsdp_inner_moments)
@@ -1073,11 +1255,13 @@ def _fsdp(
         notes.append(_fsdp_finetune_note(strategy, mixed))
     phases = _worst(q, adjust, host)
     inner = [adjust(m, (held, in_flight, n)) for m, held, in_flight, n in _fsdp_inner_moments(q, raf, n_layers)]
+    if untied:
+        inner.append(units(_fsdp_tail_post_moment(q), tail_post=True))
     # one rank alone keeps no all-gather output (``wait_for_unshard`` copies from the shards directly)
     copy_out = (
         [
-            adjust(m) | {Component.UNSHARDED_PARAMS: root + held, Component.COMM_BUFFERS: comm}
-            for m, held, comm in _fsdp_forward_moments(q, fg, raf, n_layers)
+            adjust(m) | {Component.UNSHARDED_PARAMS: through + held, Component.COMM_BUFFERS: comm}
+            for m, held, comm in _fsdp_forward_moments(q, fg, raf, n_layers, untied=untied)
         ]
         if p.shard > 1
         else []
@@ -1093,9 +1277,11 @@ def _fsdp(
     return phases, notes
 
 
-def _fsdp_forward_moments(q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: int) -> list[tuple[Moment, int, int]]:
-    """FSDP2's forward moments besides the single-GPU ones, as (the moment, the layer bytes unsharded then besides
-    the root, the all-gather outputs alive). In the forward FSDP2 prefetches implicitly: ``wait_for_unshard`` keeps
+def _fsdp_forward_moments(
+    q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: int, *, untied: bool = False
+) -> list[tuple[Moment, int, int]]:
+    """FSDP2's forward moments besides the single-GPU ones, as (the moment, the bytes unsharded then besides the
+    root's (and the table's unit's, when not resharded), the all-gather outputs alive). In the forward FSDP2 prefetches implicitly: ``wait_for_unshard`` keeps
     each group's flat all-gather output in ``comm_ctx.all_gather_state`` to free it after the *next* group's copy-out
     (_fsdp_param_group.py ``wait_for_unshard``, training state ``FORWARD``). It drops that state before copying out,
     but through the local ``prev_all_gather_state`` bound by its walrus test, which holds it until the method returns:
@@ -1105,7 +1291,11 @@ def _fsdp_forward_moments(q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: in
     saved its tensors, or its checkpoint input) or the bottom layer's, whose previous group is the root, whose
     all-gather output (embeddings, head) can outweigh a layer's. The trace: llama-3.1-70b over 64 ranks, full
     recompute, the forward's peak is the top layer's copy-out (2 × 1.59 GiB of all-gather outputs and its 1.59 GiB of
-    unsharded parameters over the 80 kept inputs)."""
+    unsharded parameters over the 80 kept inputs).
+
+    ``untied`` (``--fsdp-wrap units``, an untied table): the bottom layer's previous group is the table's unit, and
+    [final norm, head]'s copy-out, over every layer's saved tensors and the top layer's output, has the top layer's
+    all-gather output beside its own."""
     a = q.stack
     s = q.strategy
     base = forward_moments(q)[0]
@@ -1118,7 +1308,11 @@ def _fsdp_forward_moments(q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: in
         return dataclasses.replace(base, activations=activations, autocast_copies=0, logits_loss=0, temporaries=0)
 
     # the bottom layer: only the root and itself unsharded, whatever reshard_after_forward says
-    out = [(at(below + entering), fg.layer_bytes, fg.root_all_gather_bytes + ag)]
+    out = [(at(below + entering), fg.layer_bytes, (fg.embedding.all_gather if untied else fg.root_all_gather_bytes) + ag)]
+    if untied:
+        kept = a.all_layers_bytes if q.segments == 0 else q.kept_inputs
+        every = 0 if raf else fg.layers_all_bytes
+        out.append((at(below + kept + entering), every + fg.tail.unsharded, ag + fg.tail.all_gather))
     if n_layers >= 2:
         if q.segments == 0:
             saved = a.all_layers_bytes - a.max_layer_bytes + entering
@@ -1128,6 +1322,16 @@ def _fsdp_forward_moments(q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: in
         # backward that resharded them all: each is unsharded again in its own forward)
         out.append((at(below + saved), fg.layer_bytes if raf else fg.layers_all_bytes, 2 * ag))
     return out
+
+
+def _fsdp_tail_post_moment(q: StepInputs) -> Moment:
+    """``--fsdp-wrap units`` with an untied table: [final norm, head]'s post-backward, right after the final norm's
+    backward — the single-GPU final-norm moment without the norm's saved tensors and temporaries (what this rank
+    holds then: :func:`_fsdp`'s ``units``)."""
+    m = next(x for x in backward_moments(q) if x.name is MomentName.BACKWARD_FINAL_NORM)
+    a = q.stack
+    norm_saved = a.model_bytes - a.head_input_bytes - a.embedding_bytes
+    return dataclasses.replace(m, activations=max(0, m.activations - norm_saved), temporaries=0, logits_loss=0)
 
 
 def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool, int]]:

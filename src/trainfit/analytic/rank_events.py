@@ -126,7 +126,10 @@ from trainfit.analytic.activations import backward_temp_bytes
 from trainfit.analytic.adapters import finetuning
 from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, steady_state, synthesise
 from trainfit.analytic.parallel import (
+    EMBEDDING_UNIT,
+    ROOT_UNIT,
     SP_SPLIT_PREFIXES,
+    TAIL_UNIT,
     HeldTensor,
     ParallelPlan,
     compute_strategy,
@@ -135,10 +138,12 @@ from trainfit.analytic.parallel import (
     deepspeed_rank0_gradients,
     dtensor_tp_held_spec,
     dtensor_tp_spec,
+    fsdp_unit,
     held_tensors,
     megatron_inputs,
     shard_tensor,
     tp_local_spec,
+    untied_units,
     zero_partition,
 )
 from trainfit.analytic.states import ParamState, model_states, optimizer_state_tensors, param_states
@@ -149,6 +154,7 @@ from trainfit.cuda_facts import allocator_bytes
 from trainfit.strategy import (
     Checkpointing,
     Engine,
+    FsdpWrap,
     Offload,
     OffloadTarget,
     Optimizer,
@@ -250,11 +256,12 @@ REDUCE_SCATTER_STREAM = 2
 class _Group:
     """One ``fully_shard`` group's sizes in bytes (FSDP2, rank 0)."""
 
-    __slots__ = ("all_gather", "casts", "reduce_scatter", "shard_grads", "shards", "unsharded")
+    __slots__ = ("all_gather", "casts", "reduce_scatter", "shard_grads", "shards", "tensors", "unsharded")
 
     def __init__(
         self, tensors: Sequence[ParamTensor], shards: int, bits: int, gather_bits: int, reduce_bits: int
     ) -> None:
+        self.tensors = list(tensors)
         local = [shard_tensor(t, shards).numel for t in tensors]
         self.shards = [n * bits // 8 for n in local]
         self.casts = [n * gather_bits // 8 for n in local]  # each shard's all-gather input in ``param_dtype``
@@ -265,27 +272,33 @@ class _Group:
         self.shard_grads = sum(self.shards)
 
 
-def _fully_shard_calls(held: Sequence[HeldTensor], layer_counts: Sequence[int]) -> list[list[HeldTensor]]:
-    """Each ``fully_shard`` call's parameters, in call order: every decoder layer's (model order), then the root's.
-    A tensor of a layer group held two ways (frozen in some layers, trainable in others) covers its layers in
-    :func:`~trainfit.analytic.parallel.held_tensors`' order; adapters belong to their layers."""
+def _fully_shard_calls(
+    held: Sequence[HeldTensor], layer_counts: Sequence[int], unit: Callable[[ParamTensor], int] = lambda _: ROOT_UNIT
+) -> list[list[HeldTensor]]:
+    """Each ``fully_shard`` call's parameters, in call order: every decoder layer's (model order), then under
+    ``--fsdp-wrap units`` the token embedding's and [final norm, head]'s (``unit``: a model-level tensor's group,
+    :func:`~trainfit.analytic.parallel.fsdp_unit`), then the root's. A tensor of a layer group held two ways (frozen
+    in some layers, trainable in others) covers its layers in :func:`~trainfit.analytic.parallel.held_tensors`'
+    order; adapters belong to their layers."""
     layers: list[list[list[HeldTensor]]] = [[[] for _ in range(c)] for c in layer_counts]
-    root: list[HeldTensor] = []
+    model: dict[int, list[HeldTensor]] = {EMBEDDING_UNIT: [], TAIL_UNIT: [], ROOT_UNIT: []}
     cursor: dict[tuple[int, ParamTensor], int] = {}
     for h in held:
         if h.root:
-            root.extend([h] * h.count)
+            model[unit(h.tensor)].extend([h] * h.count)
             continue
         group = layers[h.group]
         start = cursor.get((h.group, h.tensor), 0)
         for j in range(start, start + h.count):
             group[min(j, len(group) - 1)].append(h)
         cursor[(h.group, h.tensor)] = start + h.count
-    return [one for group in layers for one in group] + [root]
+    return [one for group in layers for one in group] + [g for g in model.values() if g]
 
 
 class FsdpHooks(RankHooks):
-    """FSDP2 per layer + root (see the module docstring); the stream is the compute strategy's."""
+    """FSDP2 per layer + root, or with ``--fsdp-wrap units`` the embedding and [final norm, head] as units of their
+    own (see the module docstring); the stream is the compute strategy's. Groups are keyed by layer index, or
+    :data:`~trainfit.analytic.parallel.ROOT_UNIT`, ``EMBEDDING_UNIT``, ``TAIL_UNIT``."""
 
     reduces_each_micro_step = True  # every micro-step's gradients go through the post-backward (no_sync too)
 
@@ -302,7 +315,14 @@ class FsdpHooks(RankHooks):
         self.cast_inputs = mixed
         # CPUOffloadPolicy: the shards, their gradients, the optimizer and its step live on the host
         self.offload = strategy.offload.parameters_on_host
-        self.root = _Group(inv.model_tensors, shards, bits, gather, reduce)
+        # the model-level groups: the root alone, or (units) the untied table, [final norm, head], what is left
+        self.units = strategy.engine.fsdp_wrap is FsdpWrap.UNITS
+        self.untied = untied_units(spec, strategy)
+        self.unit_of = {x: fsdp_unit(spec, strategy, x) for x in inv.model_tensors}
+        self.model_groups = {
+            u: _Group([x for x in inv.model_tensors if self.unit_of[x] == u], shards, bits, gather, reduce)
+            for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT)
+        }
         by_kind = {g.kind: _Group(g.tensors, shards, bits, gather, reduce) for g in inv.layers}
         self.layers = [by_kind[g.kind] for g in inv.layers for _ in range(g.count)]
         self.held = held_tensors(spec, strategy, fsdp_mixed=mixed)
@@ -329,7 +349,12 @@ class FsdpHooks(RankHooks):
         self.layer_tensors = [list(g.tensors) for g in inv.layers for _ in range(g.count)]
         self.in_layers = {t for g in inv.layers for t in g.tensors}
         self.reduce_bits = reduce
-        self.root_tensors = list(inv.model_tensors)
+        # the late gradients' tensors (``backward_end``), in the order the stream makes them
+        self.late_order = [
+            ps.tensor
+            for ps in param_states(spec, strategy)
+            if ps.trainable and ps.tensor not in self.in_layers and not self.early_grad(spec, ps.tensor)
+        ]
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         """A layer's weight gradients are made at the end of its backward (:meth:`layer_backward_end`)."""
@@ -350,7 +375,7 @@ class FsdpHooks(RankHooks):
                     for _ in range(h.count):
                         s.alloc(n)
             return
-        for group in _fully_shard_calls(self.held, self.layer_counts):
+        for group in _fully_shard_calls(self.held, self.layer_counts, self.unit_of.__getitem__):
             whole = []
             for h in group:
                 whole.append(s.alloc(_alloc_bits(h.storage_numel, h.bits)))
@@ -360,7 +385,7 @@ class FsdpHooks(RankHooks):
             s.free_all(whole)
 
     def _group(self, i: int) -> _Group:
-        return self.root if i < 0 else self.layers[i]
+        return self.layers[i] if i >= 0 else self.model_groups[i]
 
     def _all_gather(self, s: Stream, i: int) -> int:
         """``unshard``: the all-gather output, made on the all-gather copy-in stream (forward and pre-backward:
@@ -418,11 +443,24 @@ class FsdpHooks(RankHooks):
         s.free_all(self.unsharded.pop(i, []))
 
     def forward_begin(self, s: Stream) -> None:
-        self.layer_forward_begin(s, -1)
+        # the root's pre-forward, then (units) the group of the table: its own, or [final norm, head] when tied
+        self.layer_forward_begin(s, ROOT_UNIT)
+        if self.units:
+            self.layer_forward_begin(s, EMBEDDING_UNIT if self.untied else TAIL_UNIT)
+
+    def embedding_forward_end(self, s: Stream) -> None:
+        if self.untied and self.raf:
+            self._reshard(s, EMBEDDING_UNIT)
+
+    def head_forward_begin(self, s: Stream) -> None:
+        # the final norm's pre-forward unshards [final norm, head], kept to its post-backward (accelerate and
+        # torchtitan pass reshard_after_forward=False: its backward follows at once)
+        if self.untied:
+            self.layer_forward_begin(s, TAIL_UNIT)
 
     def layer_forward_begin(self, s: Stream, i: int) -> None:
         # In forward the all-gather output is kept (``comm_ctx.all_gather_state``) until the next copy-out.
-        if i in self.unsharded:
+        if i in self.unsharded or not self._group(i).tensors:
             return
         out = self._all_gather(s, i)
         s.free(self.gather_out)
@@ -436,8 +474,18 @@ class FsdpHooks(RankHooks):
     def backward_begin(self, s: Stream) -> None:
         s.free(self.gather_out)  # the root's post-forward
         self.gather_out = 0
-        # The root's pre-backward (the loss's gradient reaching the model's output) prefetches the first
-        # layer to run backward, the last (``FSDPState._pre_backward`` → ``_backward_prefetch``).
+        if not self.units:
+            self._prefetch_last(s)
+
+    def head_backward_begin(self, s: Stream) -> None:
+        if self.units:
+            self._prefetch_last(s)
+
+    def _prefetch_last(self, s: Stream) -> None:
+        """The pre-backward of the group whose forward ran last prefetches the first layer to run backward, the last
+        (``FSDPState._pre_backward`` → ``_backward_prefetch``). It is registered on that group's output: the root's
+        is the model's, whose loss (computed inside the HF model's forward) starts the backward; [final norm,
+        head]'s (units) is the logits, reached after the loss's backward."""
         last = len(self.layers) - 1
         if last >= 0 and last not in self.unsharded:
             self.prefetched[last] = self._all_gather(s, last)
@@ -451,8 +499,31 @@ class FsdpHooks(RankHooks):
                 out = self._all_gather(s, i)
             self._copy_out(s, i)
             s.free(out)
-        if i >= 1 and i - 1 not in self.unsharded and i - 1 not in self.prefetched:
-            self.prefetched[i - 1] = self._all_gather(s, i - 1)
+        nxt = i - 1 if i >= 1 else EMBEDDING_UNIT if self.untied else None  # the table's unit runs after layer 0
+        if nxt is not None and nxt not in self.unsharded and nxt not in self.prefetched:
+            self.prefetched[nxt] = self._all_gather(s, nxt)
+
+    def early_grad(self, spec: ModelSpec, x: ParamTensor) -> bool:
+        # units, untied: [final norm, head] reduces its gradients right after the final norm's backward
+        return super().early_grad(spec, x) or (self.untied and self.unit_of.get(x) == TAIL_UNIT)
+
+    def head_backward_end(self, s: Stream, grads: list[int]) -> list[int]:
+        """Units, untied: [final norm, head]'s post-backward, which ``RegisterPostBackwardFunction`` on the final
+        norm's input runs after its backward: the head's gradient is reduced early, freed after the reduce output
+        (as the trace frees it), its reduce-scatter input in flight through the top layer's backward."""
+        if not self.untied:
+            return grads
+        return self._post_backward(s, TAIL_UNIT, [], held=grads)
+
+    def embedding_backward_begin(self, s: Stream) -> None:
+        """Units, untied: the table's pre-backward copies out its all-gather, prefetched by layer 0's."""
+        if not self.untied or EMBEDDING_UNIT in self.unsharded:
+            return
+        out = self.prefetched.pop(EMBEDDING_UNIT, None)
+        if out is None:
+            out = self._all_gather(s, EMBEDDING_UNIT)
+        self._copy_out(s, EMBEDDING_UNIT)
+        s.free(out)
 
     def _post_backward(self, s: Stream, i: int, grads: list[int], held: Sequence[int] = ()) -> list[int]:
         """``FSDPParamGroup.post_backward``: reshard, release the previous reduce-scatter input (one in flight,
@@ -514,7 +585,7 @@ class FsdpHooks(RankHooks):
             return grads
         self._reshard(s, i)
         if kept is None and self.upcast:
-            tensors = self.root_tensors if i < 0 else self.layer_tensors[i]
+            tensors = self._group(i).tensors if i < 0 else self.layer_tensors[i]
             upcast = [s.alloc(_alloc_bits(x.numel, self.reduce_bits)) for x in tensors]
             s.free_all(grads)
             grads = upcast
@@ -535,15 +606,36 @@ class FsdpHooks(RankHooks):
         return self._post_backward(s, i, grads)
 
     def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
-        # The LM head's 16-bit gradient outlives the root's copy-in (the trace: it is freed after the root's
-        # reduce output is made; analytic.parallel ``_fsdp``'s embedding moment).
-        out = self._post_backward(s, -1, late, held=head)
+        if self.units:
+            out = self._units_post_backward(s, head, late)
+        else:
+            # The LM head's 16-bit gradient outlives the root's copy-in (the trace: it is freed after the root's
+            # reduce output is made; analytic.parallel ``_fsdp``'s embedding moment).
+            out = self._post_backward(s, ROOT_UNIT, late, held=head)
         s.free(self.rs_pending)
         self.rs_pending = 0
         s.free_all(self.all_reduce_held)  # ``finalize_backward``
         self.all_reduce_held = []
         s.free(self.gather_out)
         self.gather_out = 0
+        return out
+
+    def _units_post_backward(self, s: Stream, head: list[int], late: list[int]) -> list[int]:
+        """Units: the post-backward of each model-level group still to reduce, from the root's final callback, in the
+        order of the FSDP states (the root's first; _fsdp_state.py ``_root_post_backward_final_callback``). Untied,
+        ``head`` is [final norm, head]'s reduce output already; each group's gradients are freed after its reduce
+        output (the trace)."""
+        by_unit: dict[int, list[int]] = {ROOT_UNIT: [], EMBEDDING_UNIT: [], TAIL_UNIT: []}
+        for x, key in zip(self.late_order, late, strict=True):
+            by_unit[self.unit_of[x]].append(key)
+        out = list(head) if self.untied else []
+        if not self.untied:
+            by_unit[TAIL_UNIT] += head
+        for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT):
+            if by_unit[u]:
+                out += self._post_backward(s, u, [], held=by_unit[u])
+            else:  # no gradient to reduce: only the reshard
+                self._reshard(s, u)
         return out
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
@@ -565,7 +657,7 @@ class FsdpHooks(RankHooks):
         if self.offload:
             return 0  # the step runs on the host
         if st.optimizer is Optimizer.ADAMW and st.optimizer_impl is OptimizerImpl.FOREACH:
-            return sum(g.shard_grads for g in self.layers) + self.root.shard_grads
+            return sum(g.shard_grads for g in self.layers) + sum(g.shard_grads for g in self.model_groups.values())
         return 0 if st.optimizer is Optimizer.ADAMW else default
 
 
