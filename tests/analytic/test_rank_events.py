@@ -42,6 +42,7 @@ def _s(
     overlap_comm: bool | None = None,
     reduce_bucket_size: int = 500_000_000,
     sync: bool = True,
+    wrap: str = "root",
     **kw: object,
 ) -> Strategy:
     return Strategy(
@@ -56,6 +57,7 @@ def _s(
             overlap_comm=overlap_comm,
             reduce_bucket_size=reduce_bucket_size,
             sync_each_batch=sync,
+            fsdp_wrap=wrap,
         ),
         **kw,  # type: ignore[arg-type]
     )
@@ -97,6 +99,14 @@ CASES = [
     ("llama-3.2-1b", _s("fsdp", 8, grad_accum=3, sync=False)),
     ("qwen2.5-0.5b", _s("hsdp", 16, ckpt="full", grad_accum=2, sync=False)),
     ("qwen2.5-0.5b", _s("fsdp", 4, precision="pure-bf16", grad_accum=3, sync=False)),
+    # --fsdp-wrap units (torchtitan, accelerate 1.15): an untied table's unit and [final norm, head]'s; tied, the table
+    # in [final norm, head]
+    ("llama-3.1-8b", _s("fsdp", 8, wrap="units")),
+    ("llama-3.1-8b", _s("fsdp", 8, flag=False, ckpt="full", wrap="units")),
+    ("llama-3.1-8b", _s("fsdp", 2, ckpt="full", offload=OFFLOAD, wrap="units")),
+    ("qwen2.5-7b", _s("hsdp", 16, ckpt="full", grad_accum=2, wrap="units")),
+    ("llama-3.1-8b", _s("fsdp", 8, ckpt="full", grad_accum=3, sync=False, wrap="units")),
+    ("llama-3.2-1b", _s("fsdp", 8, wrap="units")),
     # DeepSpeed with accumulation: stage 2 reduces every micro-step; stage 1 keeps autograd's gradients and the
     # bucket(s) to the boundary, where it reduces (with overlap_comm from the hooks, as stage 2)
     ("qwen2.5-0.5b", _s("zero2", 4, reduce_bucket_size=50_000_000, grad_accum=2)),

@@ -186,12 +186,23 @@ def test_sharded_init_moves_the_reserve_not_the_step(capsys: pytest.CaptureFixtu
     assert bad.code == 2 and "--sharded-init" in bad.err and len(bad.err.strip().splitlines()) == 1
 
 
-def test_fsdp_wrap_units_is_traced_only(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--fsdp-wrap units`` (torchtitan's and accelerate 1.15's FSDP2 units) is refused by the analytic model in one
-    line that says how to get it (the trace); with another sharding it is refused too."""
-    res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "units")
+def test_fsdp_wrap_units(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fsdp-wrap units`` (torchtitan's and accelerate 1.15's FSDP2 units): analytic for a causal LM — an untied
+    8B's peak lower than with the layers-plus-root wrapping, said in a note — and refused in one line (exit 2) where
+    the analytic model does not have it (another model kind, tensor parallelism) or with another sharding."""
+    base = ["estimate", "llama-3.1-8b", "--gpus", "8", "--sharding", "fsdp", "--json"]
+    root = json.loads(run_cli(capsys, *base).out)
+    res = run_cli(capsys, *base, "--fsdp-wrap", "units")
+    assert res.code == 0, res.err
+    units = json.loads(res.out)
+    assert units["strategy"]["fsdp_wrap"] == "units"
+    assert units["peak_bytes"] < 0.97 * root["peak_bytes"]
+    assert any("[final norm, head]" in n for n in units["notes"])
+    res = run_cli(capsys, "estimate", "bert-base-uncased", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "units")
     assert res.code == 2 and "--method trace" in res.err and len(res.err.strip().splitlines()) == 1
     res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "ddp", "--fsdp-wrap", "units")
     assert res.code == 2 and "--sharding fsdp|hsdp" in res.err
     res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "layers")
     assert res.code == 2 and len(res.err.strip().splitlines()) == 1
+
+

@@ -288,10 +288,6 @@ def _check_units(spec: ModelSpec, strategy: Strategy) -> None:
         why = f"a {spec.kind.value} model"
     elif strategy.parallelism.tensor > 1:
         why = "tensor parallelism"
-    elif untied_units(spec, strategy) and strategy.offload.parameters_on_host:
-        why = "CPU offload of an untied table's unit"
-    elif untied_units(spec, strategy) and not strategy.engine.sync_each_batch and strategy.grad_accum > 1:
-        why = "accelerate's no_sync of an untied table's unit (add --sync-each-batch)"
     elif untied_units(spec, strategy) and any(
         fsdp_unit(spec, strategy, x) == ROOT_UNIT for x in inventory(spec).model_tensors
     ):
@@ -897,14 +893,17 @@ def fsdp_no_sync_grad_bytes(spec: ModelSpec, strategy: Strategy, shards: int) ->
     return max(0, root + layers - sharded)
 
 
-def fsdp_unsharded_grad_bytes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+def fsdp_unsharded_grad_bytes(spec: ModelSpec, strategy: Strategy, unit: int | None = None) -> tuple[int, int]:
     """(the root's, the layers') unsharded gradients in FSDP2's reduce dtype, one allocation per parameter:
     what accelerate's ``no_sync`` accumulates between micro-steps (``to_accumulated_grad_if_needed``:
-    ``unsharded_grad.to(reduce_dtype)`` under the policy; without one autograd's own ``.grad`` stays)."""
+    ``unsharded_grad.to(reduce_dtype)`` under the policy; without one autograd's own ``.grad`` stays). ``unit``:
+    the model-level tensors of that group only (:func:`fsdp_unit`) as the first."""
     mixed = strategy.recipe.mixed
     cbits = strategy.recipe.compute_bits
     out = [0, 0]
     for h in held_tensors(spec, strategy, fsdp_mixed=mixed):
+        if h.root and unit is not None and fsdp_unit(spec, strategy, h.tensor) != unit:
+            continue
         if h.trainable:
             bits = fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=cbits, packed=False)[1]
             out[0 if h.root else 1] += _alloc(h.tensor.numel, bits) * h.count
@@ -974,10 +973,31 @@ def _fsdp(
     through = root + (0 if raf else emb.unsharded)
     acc_root, acc_layers = fsdp_unsharded_grad_bytes(held_spec, strategy) if no_sync else (0, 0)
     acc_layer = acc_layers // max(1, n_layers)
+    # units, untied, no_sync: the accumulated gradients of the table's unit and [final norm, head]'s (the root's
+    # are then what is left)
+    acc_emb = acc_tail = 0
+    if no_sync and untied:
+        acc_emb = fsdp_unsharded_grad_bytes(held_spec, strategy, EMBEDDING_UNIT)[0]
+        acc_tail = fsdp_unsharded_grad_bytes(held_spec, strategy, TAIL_UNIT)[0]
+        acc_root -= acc_emb + acc_tail
+
+    def units_no_sync(done: int, tail_done: bool, emb_done: bool = False) -> int:
+        """Units, no_sync, the last micro-step: the gradients held with ``done`` layers and the [final norm, head]
+        and table units reduced or not (a reduced group's shards go to the host under CPUOffloadPolicy)."""
+        shards = not offload
+        return (
+            acc_root
+            + (emb.shard_grads * shards if emb_done else acc_emb)
+            + (tail.shard_grads * shards if tail_done else acc_tail)
+            + acc_layer * (n_layers - done)
+            + layer_shard_grads * done * shards
+        )
 
     def no_sync_grads(done: int) -> int:
-        """The gradients held with ``done`` layers reduced in the last micro-step (the root's not yet)."""
-        return acc_root + (acc_layer * (n_layers - done) + layer_shard_grads * done) * (not offload)
+        """The gradients held with ``done`` layers reduced in the last micro-step (the root's not yet). Under
+        CPUOffloadPolicy the accumulated unsharded gradients are on the device too (only reduced shards go to the
+        host): leaving the layers' out put the trace of a tiny llama 4.2–6.6% above this."""
+        return acc_root + acc_layer * (n_layers - done) + layer_shard_grads * done * (not offload)
 
     def layers_done(m: Moment) -> int:
         """Layers whose post-backward has run at the single-GPU moment ``m`` (the bottom one: all but it)."""
@@ -1027,13 +1047,21 @@ def _fsdp(
                 c[Component.GRADIENTS] = st.grads_bytes - emb.shard_grads - root_shard_grads
         else:
             c[Component.GRADIENTS] = int(st.grads_bytes * min(1.0, m.gradients / g_full))
+        n_done = layers_done(m) if inner is None else inner[2]
+        if no_sync and m.phase is not Phase.OPTIMIZER_STEP:
+            c[Component.GRADIENTS] = units_no_sync(n_done if bwd else 0, tail_done)
         # a new reduce output beside the shards (accumulating) or dropped once on the host (CPUOffloadPolicy)
-        transient = q.grads_resident > 0 or offload
+        transient = (q.grads_resident > 0 and not no_sync) or offload
         unsharded = comm = 0
         if tail_post:
             unsharded = through + every_layer
             comm = tail.reduce_scatter + (ag if gathers and raf else 0)
             c[Component.TEMPORARIES] = q.grad_head + (tail.shard_grads if transient else 0)
+            if no_sync:
+                # the head's gradient added into the accumulated one and freed; at the copy-in that one is still
+                # held beside the reduce-scatter input (more than the reduce output, its 1/W)
+                c[Component.GRADIENTS] = units_no_sync(0, False)
+                c[Component.TEMPORARIES] = 0
             c[Component.TEMPORARIES] += Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * (
                 q.spec.hidden_size
             )
@@ -1061,7 +1089,18 @@ def _fsdp(
             # inside the embedding's backward: the table unsharded, layer 0's reduce-scatter input in flight;
             # or its post-backward's reduce output: resharded, its own input, the table's bf16 gradient held
             own = c[Component.TEMPORARIES] + table_copy
-            if emb.unsharded + rs + own >= emb.reduce_scatter + emb.shard_grads:
+            if no_sync:
+                # the table's gradient added into the accumulated one and freed; the copy-in holds that one beside
+                # the reduce-scatter input, then the reduce output replaces it
+                c[Component.GRADIENTS] = units_no_sync(n_layers, True)
+                after = emb.shard_grads * (not offload) - acc_emb
+                if emb.unsharded + rs + q.grad_late + own >= emb.reduce_scatter + max(0, after):
+                    unsharded, comm = root + emb.unsharded, rs
+                    c[Component.TEMPORARIES] = q.grad_late + own
+                else:
+                    unsharded, comm = root, emb.reduce_scatter
+                    c[Component.TEMPORARIES] = max(0, after) + (emb.shard_grads if offload else 0)
+            elif emb.unsharded + rs + own >= emb.reduce_scatter + emb.shard_grads:
                 unsharded, comm = root + emb.unsharded, rs
                 c[Component.TEMPORARIES] = q.grad_late + own
             else:
@@ -1076,7 +1115,6 @@ def _fsdp(
             comm = rs if inner[1] else tail.reduce_scatter
             if inner[2] == n_layers - 1 and gathers and raf:
                 comm += emb.all_gather  # the bottom layer's backward: the table's prefetched all-gather output
-        n_done = layers_done(m) if inner is None else inner[2]
         if hold and bwd:
             comm += layer_shard_grads * n_done + (tail.shard_grads if tail_done else 0)
         c[Component.UNSHARDED_PARAMS] = unsharded
@@ -1225,19 +1263,20 @@ def _fsdp(
             Component.GRADIENTS: st.grads_bytes * per_node,
             Component.OPTIMIZER_STATES: st.optimizer_bytes * per_node,
         }
+    groups = (
+        f"+ the table {fmt_gib(emb.unsharded)} and [final norm, head] {fmt_gib(tail.unsharded)} as units"
+        + (f" + root {fmt_gib(root)}" if root else "")
+        if untied
+        else f"+ {'[final norm, head]' if strategy.engine.fsdp_wrap is FsdpWrap.UNITS else 'root'} {fmt_gib(root)}"
+    )
     notes = [
         f"FSDP2 over {p.shard} ranks"
         + (f" (HSDP: replicated over {p.dp // p.shard} nodes)" if p.sharding is Sharding.HSDP else "")
-        + f": {n_layers} layer groups + root; unsharded root {fmt_gib(root)}, one layer "
-        f"{fmt_gib(layer, 3)} in {'bf16' if cbits == 16 else 'fp32'}"
+        + f": {n_layers} layer groups of {fmt_gib(layer, 3)} {groups}, unsharded in "
+        f"{'bf16' if cbits == 16 else 'fp32'}"
         + ("" if raf else "; reshard_after_forward=False keeps each layer unsharded until its post-backward"),
+        _fsdp_wrap_note(strategy, untied),
     ]
-    notes.append(
-        "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head; "
-        "torchtitan and accelerate (1.15; PR #4015) also shard the token embedding and [final norm, head] as units "
-        "of their own, which the analytic model does not have yet (--fsdp-wrap units --method trace traces it): on "
-        "llama-3.1-8b over 8 ranks their peak is ~5% lower"
-    )
     if mixed:
         notes.append(
             "FSDP2 mixed precision: fp32 sharded parameters (the master weights), bf16 compute, fp32 reductions; "
@@ -1449,6 +1488,27 @@ def _mlp_grad_bytes(q: StepInputs) -> int:
                 n += _alloc(x.tensor.numel, x.bits or gb)
         best = max(best, n)
     return best
+
+
+def _fsdp_wrap_note(strategy: Strategy, untied: bool) -> str:
+    if strategy.engine.fsdp_wrap is FsdpWrap.ROOT:
+        return (
+            "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head (accelerate "
+            "before 1.15); torchtitan and accelerate 1.15 (PR #4015) also shard the token embedding and [final norm, "
+            "head] as units of their own (--fsdp-wrap units): with an untied table, ~5% lower on llama-3.1-8b over 8 "
+            "ranks"
+        )
+    if untied:
+        return (
+            "wrapping modelled: each decoder layer, the token embedding and [final norm, head] as units of their own, "
+            "then the root (torchtitan's apply_fsdp, accelerate 1.15's fsdp2_prepare_model): the table resharded "
+            "after its forward, [final norm, head] kept to its backward and its gradients reduce-scattered right after "
+            "it"
+        )
+    return (
+        "wrapping modelled: each decoder layer, then [final norm, head] holding the tied table (torchtitan, accelerate "
+        "1.15): unsharded from the embedding's forward to the end of backward, as the root would be"
+    )
 
 
 def _fsdp_finetune_note(strategy: Strategy, mixed: bool) -> str:

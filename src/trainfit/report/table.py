@@ -320,7 +320,7 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
     else:
         console.print(_phases(report))
         for line in _distributed_notes(report):
-            console.print(f"[dim]{line}[/dim]")
+            console.print(Text(line, style="dim"))  # notes are plain text: "[final norm, head]" is no markup
         for extra_table in (_ranks(report), _measured_vs_trace(report), _modules(report), _segments(report)):
             if extra_table is not None:
                 console.print(extra_table)
@@ -338,6 +338,6 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
     if differences:
         console.print(_differences(differences, report.peak_phase.value))
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(Text(f"note: {note}", style="dim"))
     if report.overhead.basis and report.method is not Method.RULE_OF_THUMB:
-        console.print(f"[dim]outside the allocator: {report.overhead.basis}[/dim]")
+        console.print(Text(f"outside the allocator: {report.overhead.basis}", style="dim"))
