@@ -12,6 +12,8 @@ real DeepSpeed engine (trainfit.trace.deepspeed); ZeRO-3 rows trace the whole de
 ``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.
 DeepSpeed's CPU offload rows (``--offload``: ZeRO-Offload, ZeRO-Infinity to CPU; trainfit.trace.deepspeed_offload)
 also compare the host bytes per node (what DeepSpeed pins, Adam's states on the host).
+``--units``: FSDP2 rows with ``--fsdp-wrap units`` (the token embedding and [final norm, head] as units of their
+own, torchtitan and accelerate 1.15).
 ``--reshard``: FSDP2's matrix, both ``reshard_after_forward`` settings × checkpointing none/full/selective at
 W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
 ``--reserve``: no trace; the analytic rank's predicted reserved memory from its simulated allocator event stream
@@ -19,7 +21,7 @@ W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
 GPipe), default allocator and ``expandable_segments:True`` — the "What it predicts" table
 of docs/accuracy.md ("Reserved memory with many GPUs"); ``--megatron-schedules``: its interleaved and GPipe rows only.
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
-| --offload | --reshard | --reserve | --megatron-schedules]
+| --offload | --reshard | --units | --reserve | --megatron-schedules]
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def strategy(sharding: str, w: int, flag: bool, ckpt: str, how: str = "full", targets: str = "all-linear") -> Strategy:
+def strategy(
+    sharding: str, w: int, flag: bool, ckpt: str, how: str = "full", targets: str = "all-linear", wrap: str = "root"
+) -> Strategy:
     adapter, base = finetune_setup(how, rank=16, targets=targets) if how != "full" else (None, None)
     extra = {"adapter": adapter, "base_weights": base} if adapter is not None else {}
     return Strategy(
@@ -106,8 +110,20 @@ def strategy(sharding: str, w: int, flag: bool, ckpt: str, how: str = "full", ta
         engine=EngineOptions(
             reshard_after_forward=flag if sharding in ("fsdp", "hsdp") else True,
             gradient_as_bucket_view=flag if sharding == "ddp" else False,
+            fsdp_wrap=wrap if sharding in ("fsdp", "hsdp") else "root",
         ),
     )
+
+
+#: ``--units``: (model, W, reshard_after_forward, checkpointing); llama-3.2-1b's table is tied (in [final norm, head])
+UNITS_CASES = (
+    ("llama-3.1-8b", 8, True, "none"),
+    ("llama-3.1-8b", 8, False, "none"),
+    ("llama-3.1-8b", 64, True, "full"),
+    ("qwen2.5-7b", 2, True, "none"),
+    ("llama-3.2-1b", 8, True, "none"),
+    ("llama-3.1-70b", 64, True, "full"),
+)
 
 
 def tp_strategy(tp: int, sp: bool, ckpt: str, dp: int = 1) -> Strategy:
@@ -303,6 +319,12 @@ def main(argv: list[str]) -> None:
         return
     if "--reshard" in argv:
         reshard_matrix("--quick" in argv)
+        return
+    if "--units" in argv:
+        _header()
+        for slug, w, flag, ckpt in UNITS_CASES[:1] if "--quick" in argv else UNITS_CASES:
+            s = strategy("fsdp", w, flag, ckpt, wrap="units")
+            row(slug, f"FSDP2 units, reshard_after_forward={flag}", w, ckpt, s)
         return
     if "--fsdp-tp" in argv:
         _header()

@@ -204,5 +204,3 @@ def test_fsdp_wrap_units(capsys: pytest.CaptureFixture[str]) -> None:
     assert res.code == 2 and "--sharding fsdp|hsdp" in res.err
     res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "layers")
     assert res.code == 2 and len(res.err.strip().splitlines()) == 1
-
-

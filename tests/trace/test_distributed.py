@@ -220,3 +220,25 @@ def test_the_embedding_and_head_as_units_of_their_own() -> None:
     assert estimate_parallel(spec, units).peak_bytes < estimate_parallel(spec, root).peak_bytes - table // 2
 
 
+@pytest.mark.parametrize("wrap", ["root", "units"])
+def test_no_sync_under_cpu_offload_keeps_the_accumulated_gradients_on_the_device(wrap: str) -> None:
+    """accelerate's ``no_sync`` with ``CPUOffloadPolicy``: the micro-steps before the last keep each parameter's
+    unsharded fp32 gradient on the device (only the reduced shards go to the host), so the last micro-step's forward
+    holds every layer's. The closed form had dropped the layers' (4.2–6.6% under the traced phases on this cell);
+    within 2% with either wrapping."""
+    spec = tiny_spec("llama", num_hidden_layers=5, tie_word_embeddings=False, **{**WIDER, "vocab_size": 8192})
+    s = Strategy(
+        precision="amp-bf16",
+        parallelism=Parallelism(data=4),
+        sharding="fsdp",
+        micro_batch=2,
+        seq_len=128,
+        checkpointing="full",
+        grad_accum=3,
+        offload=Offload.parse("optimizer+params"),
+        engine=EngineOptions(fsdp_wrap=wrap, sync_each_batch=False),
+    )
+    a, t = estimate_parallel(spec, s), trace_distributed(spec, s)
+    for ph in (Phase.FORWARD, Phase.BACKWARD):
+        x, y = a.phase(ph).total_bytes, t.phase(ph).total_bytes
+        assert abs(x - y) <= 0.02 * y, (ph, x, y)

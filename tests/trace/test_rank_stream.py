@@ -624,7 +624,10 @@ def test_the_fsdp2_units_stream_follows_the_traced_run(tied: bool, w: int) -> No
         "llama", hidden_size=512, intermediate_size=2048, vocab_size=2048, num_hidden_layers=4, tie_word_embeddings=tied
     )
     s = Strategy(
-        parallelism=Parallelism(data=w), sharding="fsdp", micro_batch=1, seq_len=1024,
+        parallelism=Parallelism(data=w),
+        sharding="fsdp",
+        micro_batch=1,
+        seq_len=1024,
         engine=EngineOptions(fsdp_wrap="units"),
     )
     traced, mine = _fsdp_peaks(spec, s)

@@ -25,7 +25,10 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   gradients are reduced through an fp32 reduce-scatter input of its padded size (``_fsdp_collectives.py``
   ``foreach_reduce``) in its post-backward, after its whole backward: its norms back-propagate over them
   (:func:`_fsdp_norm_moments`); the root's gradient shards are made only in the root's post-backward.
-  HSDP shards within ``gpus_per_node`` ranks and replicates across nodes.
+  HSDP shards within ``gpus_per_node`` ranks and replicates across nodes. ``--fsdp-wrap units`` (torchtitan,
+  accelerate 1.15) makes an untied token table and [final norm, head] groups of their own (:func:`fsdp_unit`; the
+  closed form's ``units``: the table resharded after its forward, the head's gradient reduce-scattered right after
+  the final norm's backward); a tied table sits in [final norm, head], which is then what the root was.
 * **DeepSpeed ZeRO** (``--sharding zero1|zero2|zero3``): 16-bit parameters and gradients, fp32 master
   weights and Adam states partitioned over the data-parallel group (Rajbhandari et al. 2020, §5). Stages
   1–2 flatten all parameters into one buffer padded to a multiple of 2·W elements and give each rank a
@@ -587,9 +590,7 @@ def untied_units(spec: ModelSpec, strategy: Strategy) -> bool:
     """Whether ``--fsdp-wrap units`` gives the token table a unit of its own: an untied table (a tied one is in
     the [final norm, head] unit, which is then what the root was: unsharded from the embedding's forward to the
     end of backward)."""
-    return strategy.engine.fsdp_wrap is FsdpWrap.UNITS and not (
-        spec.tie_word_embeddings and spec.kind.has_vocab_logits
-    )
+    return strategy.engine.fsdp_wrap is FsdpWrap.UNITS and not (spec.tie_word_embeddings and spec.kind.has_vocab_logits)
 
 
 def fsdp_unit(spec: ModelSpec, strategy: Strategy, x: ParamTensor) -> int:
@@ -1018,7 +1019,9 @@ def _fsdp(
             c[Component.OPTIMIZER_STATES] = st.optimizer_bytes
         return c
 
-    def units(m: Moment, inner: tuple[int, bool, int] | None = None, *, tail_post: bool = False) -> dict[Component, int]:
+    def units(
+        m: Moment, inner: tuple[int, bool, int] | None = None, *, tail_post: bool = False
+    ) -> dict[Component, int]:
         """``adjust`` for ``--fsdp-wrap units`` with an untied table (:func:`_fsdp_units_note`). The table's unit is
         unsharded in its forward (then resharded, with ``reshard_after_forward``), prefetched by layer 0's
         pre-backward and unsharded again for its own backward, whose post-backward (the root's final callback, as
@@ -1062,8 +1065,8 @@ def _fsdp(
                 # held beside the reduce-scatter input (more than the reduce output, its 1/W)
                 c[Component.GRADIENTS] = units_no_sync(0, False)
                 c[Component.TEMPORARIES] = 0
-            c[Component.TEMPORARIES] += Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * (
-                q.spec.hidden_size
+            c[Component.TEMPORARIES] += (
+                Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * (q.spec.hidden_size)
             )
         elif m.phase is Phase.FORWARD:
             if m.name is MomentName.FORWARD_END:
@@ -1320,9 +1323,9 @@ def _fsdp_forward_moments(
     q: StepInputs, fg: FsdpGroups, raf: bool, n_layers: int, *, untied: bool = False
 ) -> list[tuple[Moment, int, int]]:
     """FSDP2's forward moments besides the single-GPU ones, as (the moment, the bytes unsharded then besides the
-    root's (and the table's unit's, when not resharded), the all-gather outputs alive). In the forward FSDP2 prefetches implicitly: ``wait_for_unshard`` keeps
-    each group's flat all-gather output in ``comm_ctx.all_gather_state`` to free it after the *next* group's copy-out
-    (_fsdp_param_group.py ``wait_for_unshard``, training state ``FORWARD``). It drops that state before copying out,
+    root's (and the table's unit's, when not resharded), the all-gather outputs alive). In the forward FSDP2
+    prefetches implicitly: ``wait_for_unshard`` keeps each group's flat all-gather output in
+    ``comm_ctx.all_gather_state`` to free it after the *next* group's copy-out (_fsdp_param_group.py ``wait_for_unshard``, training state ``FORWARD``). It drops that state before copying out,
     but through the local ``prev_all_gather_state`` bound by its walrus test, which holds it until the method returns:
     during a layer's copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` into the parameters' own
     ``all_gather_outputs``, _fsdp_collectives.py) the previous group's all-gather output, this layer's and this
@@ -1347,7 +1350,9 @@ def _fsdp_forward_moments(
         return dataclasses.replace(base, activations=activations, autocast_copies=0, logits_loss=0, temporaries=0)
 
     # the bottom layer: only the root and itself unsharded, whatever reshard_after_forward says
-    out = [(at(below + entering), fg.layer_bytes, (fg.embedding.all_gather if untied else fg.root_all_gather_bytes) + ag)]
+    out = [
+        (at(below + entering), fg.layer_bytes, (fg.embedding.all_gather if untied else fg.root_all_gather_bytes) + ag)
+    ]
     if untied:
         kept = a.all_layers_bytes if q.segments == 0 else q.kept_inputs
         every = 0 if raf else fg.layers_all_bytes
@@ -1493,10 +1498,10 @@ def _mlp_grad_bytes(q: StepInputs) -> int:
 def _fsdp_wrap_note(strategy: Strategy, untied: bool) -> str:
     if strategy.engine.fsdp_wrap is FsdpWrap.ROOT:
         return (
-            "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head (accelerate "
-            "before 1.15); torchtitan and accelerate 1.15 (PR #4015) also shard the token embedding and [final norm, "
-            "head] as units of their own (--fsdp-wrap units): with an untied table, ~5% lower on llama-3.1-8b over 8 "
-            "ranks"
+            "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head "
+            "(accelerate before 1.15); torchtitan and accelerate 1.15 (PR #4015) also shard the token embedding and "
+            "[final norm, head] as units of their own (--fsdp-wrap units): with an untied table, ~5% lower on "
+            "llama-3.1-8b over 8 ranks"
         )
     if untied:
         return (

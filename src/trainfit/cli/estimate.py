@@ -204,9 +204,9 @@ def estimate_cmd(
         str,
         typer.Option(
             "--fsdp-wrap",
-            help="FSDP2's units: root (each layer, then the root holding embeddings, final norm and head) | units "
-            "(also the embedding and [final norm, head] as units, as torchtitan and accelerate 1.15 wrap; "
-            "--method trace only for now).",
+            help="FSDP2's units: root (each layer, then the root holding embeddings, final norm and head; "
+            "accelerate before 1.15) | units (also the embedding and [final norm, head] as units, as torchtitan and "
+            "accelerate 1.15 wrap).",
         ),
     ] = "root",
     offload: Annotated[str, typer.Option(help="CPU offload: none | optimizer | optimizer+params")] = "none",

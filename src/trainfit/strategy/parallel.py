@@ -197,7 +197,7 @@ class EngineOptions:
     #: shard by shard (``to_empty``: torchtitan). False: wrapped after it was loaded (accelerate, the HF Trainer),
     #: so each ``fully_shard`` call has its group's whole weights on the device, which leaves cached segments.
     sharded_init: bool = False
-    #: FSDP2's units (:class:`FsdpWrap`); ``units`` is traced only (``--method trace``) until the analytic model has it.
+    #: FSDP2's units (:class:`FsdpWrap`).
     fsdp_wrap: FsdpWrap = FsdpWrap.ROOT
 
     def __post_init__(self) -> None:
