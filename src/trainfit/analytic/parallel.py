@@ -1325,15 +1325,16 @@ def _fsdp_forward_moments(
     """FSDP2's forward moments besides the single-GPU ones, as (the moment, the bytes unsharded then besides the
     root's (and the table's unit's, when not resharded), the all-gather outputs alive). In the forward FSDP2
     prefetches implicitly: ``wait_for_unshard`` keeps each group's flat all-gather output in
-    ``comm_ctx.all_gather_state`` to free it after the *next* group's copy-out (_fsdp_param_group.py ``wait_for_unshard``, training state ``FORWARD``). It drops that state before copying out,
-    but through the local ``prev_all_gather_state`` bound by its walrus test, which holds it until the method returns:
-    during a layer's copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` into the parameters' own
+    ``comm_ctx.all_gather_state`` to free it after the *next* group's copy-out (_fsdp_param_group.py
+    ``wait_for_unshard``, training state ``FORWARD``). It drops that state before copying out, but through the local
+    ``prev_all_gather_state`` bound by its walrus test, which holds it until the method returns: during a layer's
+    copy-out (``foreach_all_gather_copy_out``: ``split_with_sizes_copy`` into the parameters' own
     ``all_gather_outputs``, _fsdp_collectives.py) the previous group's all-gather output, this layer's and this
     layer's unsharded parameters are all alive. The worst such moment is the top layer's (every layer below has
     saved its tensors, or its checkpoint input) or the bottom layer's, whose previous group is the root, whose
     all-gather output (embeddings, head) can outweigh a layer's. The trace: llama-3.1-70b over 64 ranks, full
-    recompute, the forward's peak is the top layer's copy-out (2 × 1.59 GiB of all-gather outputs and its 1.59 GiB of
-    unsharded parameters over the 80 kept inputs).
+    recompute, the forward's peak is the top layer's copy-out (2 × 1.59 GiB of all-gather outputs and its 1.59 GiB
+    of unsharded parameters over the 80 kept inputs).
 
     ``untied`` (``--fsdp-wrap units``, an untied table): the bottom layer's previous group is the table's unit, and
     [final norm, head]'s copy-out, over every layer's saved tensors and the top layer's output, has the top layer's
