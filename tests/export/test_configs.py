@@ -441,7 +441,7 @@ def test_plan_cli_says_the_trainer_lacks_the_top_plans_saver(
     assert "note: --optimizer-in-backward" in text.out
 
 
-def _tiny_llama(folder: Path) -> Path:
+def _tiny_llama(folder: Path, *, tied: bool = False) -> Path:
     tiny = folder / "tiny"
     tiny.mkdir()
     (tiny / "config.json").write_text(
@@ -456,6 +456,7 @@ def _tiny_llama(folder: Path) -> Path:
                 "num_key_value_heads": 2,
                 "vocab_size": 256,
                 "max_position_embeddings": 64,
+                "tie_word_embeddings": tied,
             }
         )
     )
@@ -467,11 +468,13 @@ def _tiny_llama(folder: Path) -> Path:
     os.environ.get("TRAINFIT_TORCHRUN_TESTS") != "1",
     reason="2 or 4 torch+transformers processes take ~35 s on 2 cores: TRAINFIT_TORCHRUN_TESTS=1 runs it",
 )
-@pytest.mark.parametrize("fp8", ["none", "tensorwise", "2d"])
+@pytest.mark.parametrize("fp8", ["none", "tied", "tensorwise", "2d"])
 def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
-    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 (with
-    ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel; ``2d``: 4 processes, FSDP2 over
-    2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's collectives run on gloo)."""
+    """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 — its
+    token embedding and [final norm, head] as units of their own (``UNITS``; ``tied``: the table tied to the head,
+    inside that tail unit) — (with ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel;
+    ``2d``: 4 processes, FSDP2 over 2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's
+    collectives run on gloo; layers and root)."""
     import dataclasses
     import subprocess
     import sys
@@ -482,9 +485,11 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     if fp8 == "2d":
         strategy, procs = _two_d(world=4, tensor=2), 4
     else:
-        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8), 2  # type: ignore[arg-type]
-    write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
-    tiny = _tiny_llama(tmp_path)
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8.replace("tied", "none")), 2  # type: ignore[arg-type]
+    plan = export_plan(load_model("llama-3.1-8b"), strategy)
+    assert plan.script is not None and ("UNITS = False" if fp8 == "2d" else "UNITS = True") in plan.script
+    write_export(plan, tmp_path)
+    tiny = _tiny_llama(tmp_path, tied=fp8 == "tied")
     env = {**os.environ, "TRAINFIT_MODEL": str(tiny), "TRAINFIT_SEQ": "16", "TRAINFIT_STEPS": "2",
            "TRAINFIT_ACCUM": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),

@@ -284,21 +284,18 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
 
 
 def _check_units(spec: ModelSpec, strategy: Strategy) -> None:
-    """``--fsdp-wrap units`` as the analytic model has it: a causal LM on FSDP2 alone, and with an untied table
-    neither CPU offload nor accelerate's no_sync (the trace has them all)."""
-    why = ""
-    if spec.kind is not ModelKind.CAUSAL_LM:
-        why = f"a {spec.kind.value} model"
-    elif strategy.parallelism.tensor > 1:
-        why = "tensor parallelism"
-    elif untied_units(spec, strategy) and any(
-        fsdp_unit(spec, strategy, x) == ROOT_UNIT for x in inventory(spec).model_tensors
-    ):
-        why = "model-level tensors left in the root beside an untied table's unit"
+    """``--fsdp-wrap units`` as asked: refused in one line where the analytic model does not have it (the trace
+    has it)."""
+    why = units_unmodelled(spec, strategy)
     if why:
+        how = (
+            "not modelled yet (nor traced):"
+            if strategy.parallelism.tensor > 1
+            else "traced only for now: add --method trace, or"
+        )
         raise StrategyError(
             f"--fsdp-wrap units (the embedding and [final norm, head] as FSDP2 units of their own) with {why} is "
-            "traced only for now: add --method trace, or drop --fsdp-wrap for the layers-plus-root wrapping"
+            f"{how} drop --fsdp-wrap for the layers-plus-root wrapping"
         )
 
 
@@ -586,11 +583,37 @@ def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> t
 ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT = -1, -2, -3
 
 
+def resolved_fsdp_wrap(spec: ModelSpec, strategy: Strategy) -> FsdpWrap:
+    """The FSDP2 wrapping modelled: ``--fsdp-wrap root|units`` as asked; ``auto`` (the default) ``units`` — torchtitan's
+    and accelerate 1.15's — where the analytic model has it (:func:`units_unmodelled`), else ``root``. The trace
+    resolves it the same way, so that the two methods model the same run."""
+    w = strategy.engine.fsdp_wrap
+    if w is not FsdpWrap.AUTO:
+        return w
+    return FsdpWrap.ROOT if units_unmodelled(spec, strategy) else FsdpWrap.UNITS
+
+
+def units_unmodelled(spec: ModelSpec, strategy: Strategy) -> str:
+    """Why the analytic model does not have ``--fsdp-wrap units`` for this setup ("": it has it): a model other than a
+    causal LM (whose head the units would not group as the trace does), tensor parallelism (2-D FSDP2×TP), or
+    model-level tensors left in the root beside an untied table's unit."""
+    if spec.kind is not ModelKind.CAUSAL_LM:
+        return f"a {spec.kind.value} model"
+    if strategy.parallelism.tensor > 1:
+        return "tensor parallelism"
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    names = [x.name for x in inventory(spec).model_tensors]
+    if not tied and any(n != "embed_tokens.weight" and not n.startswith(("final_norm.", "lm_head.")) for n in names):
+        return "model-level tensors left in the root beside an untied table's unit"
+    return ""
+
+
 def untied_units(spec: ModelSpec, strategy: Strategy) -> bool:
     """Whether ``--fsdp-wrap units`` gives the token table a unit of its own: an untied table (a tied one is in
     the [final norm, head] unit, which is then what the root was: unsharded from the embedding's forward to the
     end of backward)."""
-    return strategy.engine.fsdp_wrap is FsdpWrap.UNITS and not (spec.tie_word_embeddings and spec.kind.has_vocab_logits)
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    return resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS and not tied
 
 
 def fsdp_unit(spec: ModelSpec, strategy: Strategy, x: ParamTensor) -> int:
@@ -598,7 +621,7 @@ def fsdp_unit(spec: ModelSpec, strategy: Strategy, x: ParamTensor) -> int:
     ``fsdp2_prepare_model``, torchtitan's ``apply_fsdp``; trainfit.trace.distributed ``_wrap_fsdp``): the input
     embedding's table, untied, in a unit of its own; the final norm, the output embedding (``lm_head``; the table
     when tied to it) in one more; the rest (position embeddings, a classification head) in the root."""
-    if strategy.engine.fsdp_wrap is not FsdpWrap.UNITS:
+    if resolved_fsdp_wrap(spec, strategy) is not FsdpWrap.UNITS:
         return ROOT_UNIT
     if x.name == "embed_tokens.weight":
         return EMBEDDING_UNIT if untied_units(spec, strategy) else TAIL_UNIT
@@ -967,6 +990,7 @@ def _fsdp(
     no_sync = not strategy.engine.sync_each_batch and strategy.grad_accum > 1
     hold = p.dp > p.shard and (offload or (q.grads_resident > 0 and not no_sync))
     # --fsdp-wrap units with an untied table: the table and [final norm, head] are groups of their own
+    wrap = resolved_fsdp_wrap(held_spec, strategy)
     untied = untied_units(held_spec, strategy)
     emb, tail = fg.embedding, fg.tail
     layer_shard_grads = (st.grads_bytes - root_shard_grads - emb.shard_grads - tail.shard_grads) // max(1, n_layers)
@@ -1151,7 +1175,7 @@ def _fsdp(
             unsharded = root + (layers_all if not raf else 0)
             # the last layer's prefetch: by the root's pre-backward, on the model's output, the loss, so before the
             # loss's backward; under --fsdp-wrap units by [final norm, head]'s, on the logits, after it
-            late_prefetch = m.name is MomentName.BACKWARD_START and strategy.engine.fsdp_wrap is FsdpWrap.UNITS
+            late_prefetch = m.name is MomentName.BACKWARD_START and wrap is FsdpWrap.UNITS
             comm = ag if p.shard > 1 and raf and not late_prefetch else 0
         elif m.name in (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX):
             # the current layer and the one prefetched (every layer without reshard_after_forward); no
@@ -1270,7 +1294,7 @@ def _fsdp(
         f"+ the table {fmt_gib(emb.unsharded)} and [final norm, head] {fmt_gib(tail.unsharded)} as units"
         + (f" + root {fmt_gib(root)}" if root else "")
         if untied
-        else f"+ {'[final norm, head]' if strategy.engine.fsdp_wrap is FsdpWrap.UNITS else 'root'} {fmt_gib(root)}"
+        else f"+ {'[final norm, head]' if wrap is FsdpWrap.UNITS else 'root'} {fmt_gib(root)}"
     )
     notes = [
         f"FSDP2 over {p.shard} ranks"
@@ -1278,7 +1302,7 @@ def _fsdp(
         + f": {n_layers} layer groups of {fmt_gib(layer, 3)} {groups}, unsharded in "
         f"{'bf16' if cbits == 16 else 'fp32'}"
         + ("" if raf else "; reshard_after_forward=False keeps each layer unsharded until its post-backward"),
-        _fsdp_wrap_note(strategy, untied),
+        _fsdp_wrap_note(held_spec, strategy, untied),
     ]
     if mixed:
         notes.append(
@@ -1496,8 +1520,15 @@ def _mlp_grad_bytes(q: StepInputs) -> int:
     return best
 
 
-def _fsdp_wrap_note(strategy: Strategy, untied: bool) -> str:
-    if strategy.engine.fsdp_wrap is FsdpWrap.ROOT:
+def _fsdp_wrap_note(spec: ModelSpec, strategy: Strategy, untied: bool) -> str:
+    if strategy.engine.fsdp_wrap is FsdpWrap.AUTO and resolved_fsdp_wrap(spec, strategy) is FsdpWrap.ROOT:
+        return (
+            "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head; "
+            "torchtitan and accelerate 1.15 also shard the token embedding and [final norm, head] as units of their "
+            f"own, which the analytic model does not have with {units_unmodelled(spec, strategy)} "
+            "(--fsdp-wrap units --method trace traces it)"
+        )
+    if resolved_fsdp_wrap(spec, strategy) is FsdpWrap.ROOT:
         return (
             "wrapping modelled: each decoder layer, then the root holding the embeddings, final norm and head "
             "(accelerate before 1.15); torchtitan and accelerate 1.15 (PR #4015) also shard the token embedding and "

@@ -147,6 +147,7 @@ from trainfit.analytic.parallel import (
     fsdp_unit,
     held_tensors,
     megatron_inputs,
+    resolved_fsdp_wrap,
     shard_tensor,
     tp_local_spec,
     untied_units,
@@ -322,7 +323,7 @@ class FsdpHooks(RankHooks):
         # CPUOffloadPolicy: the shards, their gradients, the optimizer and its step live on the host
         self.offload = strategy.offload.parameters_on_host
         # the model-level groups: the root alone, or (units) the untied table, [final norm, head], what is left
-        self.units = strategy.engine.fsdp_wrap is FsdpWrap.UNITS
+        self.units = resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS
         self.untied = untied_units(spec, strategy)
         self.unit_of = {x: fsdp_unit(spec, strategy, x) for x in inv.model_tensors}
         self.model_groups = {

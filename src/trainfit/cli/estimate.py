@@ -204,11 +204,11 @@ def estimate_cmd(
         str,
         typer.Option(
             "--fsdp-wrap",
-            help="FSDP2's units: root (each layer, then the root holding embeddings, final norm and head; "
-            "accelerate before 1.15) | units (also the embedding and [final norm, head] as units, as torchtitan and "
-            "accelerate 1.15 wrap).",
+            help="FSDP2's units: auto (units where the analytic model has them, else root; a note says which) | "
+            "units (each layer, the embedding and [final norm, head] as units, then the root: torchtitan, accelerate "
+            "1.15) | root (each layer, then the root holding embeddings, final norm and head: accelerate before 1.15).",
         ),
-    ] = "root",
+    ] = "auto",
     offload: Annotated[str, typer.Option(help="CPU offload: none | optimizer | optimizer+params")] = "none",
     engine: Annotated[
         str, typer.Option(help="auto | torch (ddp, fsdp) | deepspeed (zero*) | megatron (tp, pp, zero1)")

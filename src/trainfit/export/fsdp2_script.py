@@ -1,5 +1,6 @@
-"""The ``train_fsdp2.py`` a FSDP plan exports: PyTorch FSDP2 (``fully_shard`` per transformer block, then the root with
-torch's own ``reshard_after_forward`` — the wrapping trainfit's memory model assumes, DESIGN §4.3; the model is not
+"""The ``train_fsdp2.py`` a FSDP plan exports: PyTorch FSDP2 (``fully_shard`` per transformer block, with the plan's
+units wrapping the token embedding and [final norm, head] — torchtitan's ``apply_fsdp``, accelerate 1.15 —, then the
+root with torch's own ``reshard_after_forward`` — the wrapping trainfit's memory model assumes; the model is not
 moved to the GPU first, so each call brings only its own group's whole weights there), the plan's micro-batch,
 accumulation, checkpointing, mixed precision, offload, optimizer (and AdamW's fused/foreach implementation) and
 ``--fp8`` (torchao's ``convert_to_float8_training`` before the wrapping, torchtitan's order). It trains on random
@@ -15,9 +16,10 @@ of a TP group draws the same batch (seeded by its dp rank)."""
 
 from __future__ import annotations
 
+from trainfit.analytic.parallel import resolved_fsdp_wrap
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
-from trainfit.strategy import Checkpointing, OptimizerImpl, Strategy
+from trainfit.strategy import Checkpointing, FsdpWrap, OptimizerImpl, Strategy
 
 __all__ = ["fsdp2_script"]
 
@@ -41,6 +43,7 @@ LAYER_CLASS = {layer!r}
 CHECKPOINTING = {checkpointing}
 BF16 = {bf16}
 RESHARD_AFTER_FORWARD = {reshard}
+UNITS = {units}  # the token embedding and [final norm, head] as units of their own (torchtitan, accelerate 1.15)
 OFFLOAD = {offload}
 FLOAT8 = {float8}  # torchao Float8Linear on the blocks' linears (pip install torchao)
 TP = {tp}  # DTensor tensor-parallel degree (within a node); the data-parallel degree is WORLD_SIZE / TP
@@ -150,6 +153,15 @@ def main() -> None:
     for module in model.modules():
         if type(module).__name__ == LAYER_CLASS:
             fully_shard(module, **kw)
+    if UNITS:  # torchtitan's apply_fsdp, accelerate 1.15's fsdp2_prepare_model
+        emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = out is not None and emb.weight is out.weight
+        if not tied:
+            fully_shard(emb, **kw)
+        base = getattr(model, model.base_model_prefix, model)
+        norms = [m for m in base.children() if "Norm" in type(m).__name__]  # the final norm: its last norm child
+        tail = [m for m in (norms[-1] if norms else None, emb if tied else None, out) if m is not None]
+        fully_shard(tail, **{{**kw, "reshard_after_forward": False}})  # its backward follows its forward at once
     # the root keeps torch's default (not resharded after forward), as the estimate models
     fully_shard(model, **{{k: v for k, v in kw.items() if k != "reshard_after_forward"}})
     opt = build_optimizer(model.parameters(), cuda)
@@ -194,6 +206,7 @@ def fsdp2_script(spec: ModelSpec, strategy: Strategy, layer: str) -> str:
         checkpointing=strategy.checkpointing is not Checkpointing.NONE,
         bf16=strategy.recipe.compute_dtype == "bf16",
         reshard=strategy.engine.reshard_after_forward,
+        units=resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS,
         offload=strategy.offload.parameters_on_host,
         float8=strategy.float8.value != "none",
         tp=par.tensor,

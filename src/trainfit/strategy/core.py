@@ -95,7 +95,7 @@ class Strategy:
                 "--engine torch on one GPU without --sharding is plain single-GPU training: drop --engine, or add "
                 "--sharding ddp|fsdp to model that wrapper"
             )
-        if self.engine.fsdp_wrap is not FsdpWrap.ROOT and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
+        if self.engine.fsdp_wrap is FsdpWrap.UNITS and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
             raise StrategyError(
                 f"--fsdp-wrap chooses FSDP2's units; it needs --sharding fsdp|hsdp, not {self.sharding.value}"
             )

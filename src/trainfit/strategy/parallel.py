@@ -67,6 +67,9 @@ class FsdpWrap(StrEnum):
 
     ROOT = "root"
     UNITS = "units"
+    #: the default: ``units`` (what current frameworks do) where trainfit's analytic model has it, ``root`` elsewhere
+    #: (a note says so; :func:`trainfit.analytic.parallel.resolved_fsdp_wrap`)
+    AUTO = "auto"
 
 
 class OffloadTarget(StrEnum):
@@ -198,7 +201,7 @@ class EngineOptions:
     #: so each ``fully_shard`` call has its group's whole weights on the device, which leaves cached segments.
     sharded_init: bool = False
     #: FSDP2's units (:class:`FsdpWrap`).
-    fsdp_wrap: FsdpWrap = FsdpWrap.ROOT
+    fsdp_wrap: FsdpWrap = FsdpWrap.AUTO
 
     def __post_init__(self) -> None:
         coerce_enum(self, "engine", Engine)

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from trainfit.analytic.parallel import resolved_fsdp_wrap
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
 from trainfit.result import (
@@ -273,7 +274,9 @@ def _no_sync_passes(model: torch.nn.Module, strategy: Strategy) -> Callable[[int
     return before
 
 
-def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy) -> None:
+def _wrap_fsdp(
+    model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any, strategy: Strategy, *, units: bool
+) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
@@ -293,7 +296,7 @@ def _wrap_fsdp(model: torch.nn.Module, layers: list[torch.nn.Module], mesh: Any,
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=raf, **kw)
-    if strategy.engine.fsdp_wrap is FsdpWrap.UNITS:
+    if units:
         # accelerate's fsdp2_prepare_model (1.15) and torchtitan's apply_fsdp: an untied token embedding as a unit
         # (resharded after forward as asked), then [final norm, head] — the tied table in it — kept unsharded after
         # forward (its backward follows at once); the root holds what is left
@@ -435,7 +438,9 @@ def run_layout_distributed(
                     # Built on meta and materialised shard by shard after wrapping (torchtitan): the whole
                     # weights ``fully_shard`` splits here never exist on the device; only its shards do.
                     tr.mark(model.parameters(), tk.HOST)
-                _wrap_fsdp(model, layers, mesh, strategy)
+                # --fsdp-wrap auto resolves as the analytic model does (units where it has them)
+                units = resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS
+                _wrap_fsdp(model, layers, mesh, strategy, units=units)
                 run_model: torch.nn.Module = model
             else:
                 with tr.comm_region():
@@ -588,7 +593,7 @@ def trace_distributed(
     what = (
         (
             "FSDP2 fully_shard per layer, the embedding, [final norm, head] and the root"
-            if strategy.engine.fsdp_wrap is FsdpWrap.UNITS
+            if resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS
             else "FSDP2 fully_shard per layer + root"
         )
         + f", reshard_after_forward={strategy.engine.reshard_after_forward}"

@@ -260,7 +260,9 @@ def run_layout_tp(
         # torchtitan's apply_fsdp after apply_tp: FSDP2 shards each DTensor's local (TP) tensor on dim 0
         # over the dp mesh dimension (_fsdp_param.py ``_init_sharding_spec_tp``); resize_ frees are tracked.
         with _mesh_tensor_outside_modes(), mode, tr, patched_resize(tr):
-            wrap_fsdp(model, layers, mesh["dp"], strategy)
+            # 2-D: the layers-plus-root wrapping (--fsdp-wrap units with tensor parallelism is not modelled;
+            # analytic.parallel.resolved_fsdp_wrap resolves auto to root here too)
+            wrap_fsdp(model, layers, mesh["dp"], strategy, units=False)
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
         forward=lambda m, batch: m(**batch),
