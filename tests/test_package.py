@@ -136,7 +136,7 @@ def test_no_private_names_imported_across_modules() -> None:
 
 
 def test_trace_and_measure_do_not_import_the_analytic_model() -> None:
-    """What the two methods share lives in cuda_facts, overhead and strategy (docs/architecture.md)."""
+    """What the two methods share lives in cuda_facts, fsdp_units, overhead and strategy (docs/architecture.md)."""
     graph = _graph()
     offenders = [
         (m, n)

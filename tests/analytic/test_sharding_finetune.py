@@ -170,10 +170,15 @@ def test_more_ranks_never_add_per_rank_memory_with_adapters(
 
 def test_fsdp_all_gather_grows_past_the_lora_rank() -> None:
     """W·⌈r/W⌉ padded rows of each A in one layer's all-gather output: from W = r on, doubling W adds
-    W·d_in more rows per A of the layer (bf16 under the policy)."""
+    W·d_in more rows per A of the layer (bf16 under the policy). Per layer + root: under FSDP2's units the forward
+    peaks at the loss, with [final norm, head]'s all-gather output alive instead of a layer's."""
     w = 32
-    a = estimate(SLUG, _ft("lora", w, "fsdp")).phase(Phase.FORWARD).get(Component.COMM_BUFFERS)
-    b = estimate(SLUG, _ft("lora", 2 * w, "fsdp")).phase(Phase.FORWARD).get(Component.COMM_BUFFERS)
+
+    def root(s: Strategy) -> Strategy:
+        return dataclasses.replace(s, engine=dataclasses.replace(s.engine, fsdp_wrap="root"))
+
+    a = estimate(SLUG, root(_ft("lora", w, "fsdp"))).phase(Phase.FORWARD).get(Component.COMM_BUFFERS)
+    b = estimate(SLUG, root(_ft("lora", 2 * w, "fsdp"))).phase(Phase.FORWARD).get(Component.COMM_BUFFERS)
     h, inter = 4096, 14336
     d_ins = [h] * 6 + [inter]  # q, k, v, o, gate, up read h; down reads the MLP width
     # ⌈16/W⌉ = 1 row per rank for A; B (d_out × 16) pads dim 0 by < W rows

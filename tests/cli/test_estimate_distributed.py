@@ -191,13 +191,21 @@ def test_fsdp_wrap_units(capsys: pytest.CaptureFixture[str]) -> None:
     8B's peak lower than with the layers-plus-root wrapping, said in a note — and refused in one line (exit 2) where
     the analytic model does not have it (another model kind, tensor parallelism) or with another sharding."""
     base = ["estimate", "llama-3.1-8b", "--gpus", "8", "--sharding", "fsdp", "--json"]
-    root = json.loads(run_cli(capsys, *base).out)
+    root = json.loads(run_cli(capsys, *base, "--fsdp-wrap", "root").out)
     res = run_cli(capsys, *base, "--fsdp-wrap", "units")
     assert res.code == 0, res.err
     units = json.loads(res.out)
-    assert units["strategy"]["fsdp_wrap"] == "units"
-    assert units["peak_bytes"] < 0.97 * root["peak_bytes"]
-    assert any("[final norm, head]" in n for n in units["notes"])
+    assert units["strategy"]["fsdp_wrap"] == units["strategy"]["fsdp_wrap_modelled"] == "units"
+    assert units["peak_bytes"] < 0.98 * root["peak_bytes"]
+    assert any("[final norm, head] as units of their own" in n for n in units["notes"])
+    # the default (auto) is units where the analytic model has them, root elsewhere, said in a note
+    auto = json.loads(run_cli(capsys, *base).out)
+    assert auto["strategy"]["fsdp_wrap"] == "auto" and auto["peak_bytes"] == units["peak_bytes"]
+    bert = json.loads(
+        run_cli(capsys, "estimate", "bert-base-uncased", "--gpus", "8", "--sharding", "fsdp", "--json").out
+    )
+    assert bert["strategy"]["fsdp_wrap_modelled"] == "root"
+    assert any("does not have with a masked-lm model" in n for n in bert["notes"])
     res = run_cli(capsys, "estimate", "bert-base-uncased", "--gpus", "8", "--sharding", "fsdp", "--fsdp-wrap", "units")
     assert res.code == 2 and "--method trace" in res.err and len(res.err.strip().splitlines()) == 1
     res = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "ddp", "--fsdp-wrap", "units")

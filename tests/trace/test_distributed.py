@@ -8,6 +8,8 @@ prints the same at catalog sizes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trainfit.arch.params import inventory
@@ -197,6 +199,7 @@ def test_the_embedding_and_head_as_units_of_their_own() -> None:
     backward before)."""
     spec = tiny_spec("llama", num_hidden_layers=5, tie_word_embeddings=False, **{**WIDER, "vocab_size": 8192})
     root = _strategy("fsdp", 4, True, "amp-bf16")
+    root = dataclasses.replace(root, engine=dataclasses.replace(root.engine, fsdp_wrap="root"))
     units = Strategy(
         precision="amp-bf16",
         parallelism=Parallelism(data=4),

@@ -119,6 +119,15 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import allocator_bytes, quantized_weight_tensors
 from trainfit.errors import StrategyError
+from trainfit.fsdp_units import (
+    EMBEDDING_UNIT,
+    ROOT_UNIT,
+    TAIL_UNIT,
+    fsdp_unit,
+    resolved_fsdp_wrap,
+    units_unmodelled,
+    untied_units,
+)
 from trainfit.overhead import overhead_for
 from trainfit.result import (
     BytesPerParam,
@@ -579,57 +588,6 @@ def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> t
     return tuple(out)
 
 
-#: FSDP2's groups of the model-level tensors (:func:`fsdp_unit`); a decoder layer's group is its index.
-ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT = -1, -2, -3
-
-
-def resolved_fsdp_wrap(spec: ModelSpec, strategy: Strategy) -> FsdpWrap:
-    """The FSDP2 wrapping modelled: ``--fsdp-wrap root|units`` as asked; ``auto`` (the default) ``units`` — torchtitan's
-    and accelerate 1.15's — where the analytic model has it (:func:`units_unmodelled`), else ``root``. The trace
-    resolves it the same way, so that the two methods model the same run."""
-    w = strategy.engine.fsdp_wrap
-    if w is not FsdpWrap.AUTO:
-        return w
-    return FsdpWrap.ROOT if units_unmodelled(spec, strategy) else FsdpWrap.UNITS
-
-
-def units_unmodelled(spec: ModelSpec, strategy: Strategy) -> str:
-    """Why the analytic model does not have ``--fsdp-wrap units`` for this setup ("": it has it): a model other than a
-    causal LM (whose head the units would not group as the trace does), tensor parallelism (2-D FSDP2×TP), or
-    model-level tensors left in the root beside an untied table's unit."""
-    if spec.kind is not ModelKind.CAUSAL_LM:
-        return f"a {spec.kind.value} model"
-    if strategy.parallelism.tensor > 1:
-        return "tensor parallelism"
-    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
-    names = [x.name for x in inventory(spec).model_tensors]
-    if not tied and any(n != "embed_tokens.weight" and not n.startswith(("final_norm.", "lm_head.")) for n in names):
-        return "model-level tensors left in the root beside an untied table's unit"
-    return ""
-
-
-def untied_units(spec: ModelSpec, strategy: Strategy) -> bool:
-    """Whether ``--fsdp-wrap units`` gives the token table a unit of its own: an untied table (a tied one is in
-    the [final norm, head] unit, which is then what the root was: unsharded from the embedding's forward to the
-    end of backward)."""
-    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
-    return resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS and not tied
-
-
-def fsdp_unit(spec: ModelSpec, strategy: Strategy, x: ParamTensor) -> int:
-    """The FSDP2 group of the model-level tensor ``x``. ``--fsdp-wrap root``: the root. ``units`` (accelerate 1.15's
-    ``fsdp2_prepare_model``, torchtitan's ``apply_fsdp``; trainfit.trace.distributed ``_wrap_fsdp``): the input
-    embedding's table, untied, in a unit of its own; the final norm, the output embedding (``lm_head``; the table
-    when tied to it) in one more; the rest (position embeddings, a classification head) in the root."""
-    if resolved_fsdp_wrap(spec, strategy) is not FsdpWrap.UNITS:
-        return ROOT_UNIT
-    if x.name == "embed_tokens.weight":
-        return EMBEDDING_UNIT if untied_units(spec, strategy) else TAIL_UNIT
-    if x.name.startswith("final_norm.") or (spec.kind.has_vocab_logits and x.name.startswith("lm_head.")):
-        return TAIL_UNIT
-    return ROOT_UNIT
-
-
 # -- sharded states --------------------------------------------------------------------------------------
 
 
@@ -1085,10 +1043,10 @@ def _fsdp(
             comm = tail.reduce_scatter + (ag if gathers and raf else 0)
             c[Component.TEMPORARIES] = q.grad_head + (tail.shard_grads if transient else 0)
             if no_sync:
-                # the head's gradient added into the accumulated one and freed; at the copy-in that one is still
-                # held beside the reduce-scatter input (more than the reduce output, its 1/W)
+                # the head's gradient added into the accumulated one and freed; that one (the group's last) is held
+                # beside the reduce-scatter input until after the reduce output (the trace of HSDP with units)
                 c[Component.GRADIENTS] = units_no_sync(0, False)
-                c[Component.TEMPORARIES] = 0
+                c[Component.TEMPORARIES] = tail.shard_grads
             c[Component.TEMPORARIES] += (
                 Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * (q.spec.hidden_size)
             )
@@ -1117,16 +1075,15 @@ def _fsdp(
             # or its post-backward's reduce output: resharded, its own input, the table's bf16 gradient held
             own = c[Component.TEMPORARIES] + table_copy
             if no_sync:
-                # the table's gradient added into the accumulated one and freed; the copy-in holds that one beside
-                # the reduce-scatter input, then the reduce output replaces it
+                # the table's gradient added into the accumulated one and freed; that one is held beside the
+                # reduce-scatter input until after the reduce output, as [final norm, head]'s
                 c[Component.GRADIENTS] = units_no_sync(n_layers, True)
-                after = emb.shard_grads * (not offload) - acc_emb
-                if emb.unsharded + rs + q.grad_late + own >= emb.reduce_scatter + max(0, after):
+                if emb.unsharded + rs + q.grad_late + own >= emb.reduce_scatter + emb.shard_grads:
                     unsharded, comm = root + emb.unsharded, rs
                     c[Component.TEMPORARIES] = q.grad_late + own
                 else:
                     unsharded, comm = root, emb.reduce_scatter
-                    c[Component.TEMPORARIES] = max(0, after) + (emb.shard_grads if offload else 0)
+                    c[Component.TEMPORARIES] = emb.shard_grads
             elif emb.unsharded + rs + own >= emb.reduce_scatter + emb.shard_grads:
                 unsharded, comm = root + emb.unsharded, rs
                 c[Component.TEMPORARIES] = q.grad_late + own

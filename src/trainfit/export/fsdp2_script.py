@@ -16,9 +16,9 @@ of a TP group draws the same batch (seeded by its dp rank)."""
 
 from __future__ import annotations
 
-from trainfit.analytic.parallel import resolved_fsdp_wrap
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
+from trainfit.fsdp_units import resolved_fsdp_wrap
 from trainfit.strategy import Checkpointing, FsdpWrap, OptimizerImpl, Strategy
 
 __all__ = ["fsdp2_script"]

@@ -101,7 +101,7 @@ def parallel_json(strategy: Strategy) -> dict[str, Any]:
         "reshard_after_forward": strategy.engine.reshard_after_forward,
         "sync_each_batch": strategy.engine.sync_each_batch,  # FSDP2 with accumulation: reduce every micro-step
         "sharded_init": strategy.engine.sharded_init,  # FSDP2: built on meta, no whole weights at wrap time
-        "fsdp_wrap": strategy.engine.fsdp_wrap.value,  # FSDP2's units: root | units
+        "fsdp_wrap": strategy.engine.fsdp_wrap.value,  # FSDP2's units: auto | root | units (as asked)
         "offload": strategy.offload.flag,
     }
 
@@ -187,6 +187,10 @@ def report_json(
         "warnings": list(report.warnings),
         "extra": dict(report.extra),
     }
+    if strategy.sharding.value in ("fsdp", "hsdp"):  # --fsdp-wrap auto: the wrapping modelled, root | units
+        from trainfit.fsdp_units import resolved_fsdp_wrap
+
+        out["strategy"]["fsdp_wrap_modelled"] = resolved_fsdp_wrap(spec, strategy).value
     if report.comparison:  # the article's rule of thumb beside this estimate, term by term, and why they differ
         out["comparison"] = [
             {

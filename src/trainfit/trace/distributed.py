@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from trainfit.analytic.parallel import resolved_fsdp_wrap
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
+from trainfit.fsdp_units import resolved_fsdp_wrap
 from trainfit.result import (
     Component,
     MemoryReport,

@@ -1,0 +1,75 @@
+"""Which FSDP2 wrapping a setup gets, read by the analytic model (:mod:`trainfit.analytic.parallel`,
+:mod:`trainfit.analytic.rank_events`), the trace (:mod:`trainfit.trace.distributed`) and the FSDP2 export alike, so
+that they model, trace and write the same run.
+
+``--fsdp-wrap root``: ``fully_shard`` per decoder layer, then the root (the embeddings, final norm and head).
+``units`` (torchtitan's ``apply_fsdp``; accelerate's ``fsdp2_prepare_model`` since PR #4015, 1.15): also the untied
+token table, then [final norm, output embedding] (the tied table inside it), as units of their own before the root,
+which keeps what is left. ``auto`` (the default): ``units`` where the analytic model has them
+(:func:`units_unmodelled`), ``root`` elsewhere."""
+
+from __future__ import annotations
+
+from trainfit.arch.params import inventory
+from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
+from trainfit.strategy import FsdpWrap, Strategy
+
+__all__ = [
+    "EMBEDDING_UNIT",
+    "ROOT_UNIT",
+    "TAIL_UNIT",
+    "fsdp_unit",
+    "resolved_fsdp_wrap",
+    "units_unmodelled",
+    "untied_units",
+]
+
+
+def resolved_fsdp_wrap(spec: ModelSpec, strategy: Strategy) -> FsdpWrap:
+    """The FSDP2 wrapping modelled: ``--fsdp-wrap root|units`` as asked; ``auto`` (the default) ``units`` —
+    torchtitan's and accelerate 1.15's — where the analytic model has it (:func:`units_unmodelled`), else ``root``."""
+    w = strategy.engine.fsdp_wrap
+    if w is not FsdpWrap.AUTO:
+        return w
+    return FsdpWrap.ROOT if units_unmodelled(spec, strategy) else FsdpWrap.UNITS
+
+
+def units_unmodelled(spec: ModelSpec, strategy: Strategy) -> str:
+    """Why the analytic model does not have ``--fsdp-wrap units`` for this setup ("": it has it): a model other than a
+    causal LM (whose head the units would not group as the trace does), tensor parallelism (2-D FSDP2×TP), or
+    model-level tensors left in the root beside an untied table's unit."""
+    if spec.kind is not ModelKind.CAUSAL_LM:
+        return f"a {spec.kind.value} model"
+    if strategy.parallelism.tensor > 1:
+        return "tensor parallelism"
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    names = [x.name for x in inventory(spec).model_tensors]
+    if not tied and any(n != "embed_tokens.weight" and not n.startswith(("final_norm.", "lm_head.")) for n in names):
+        return "model-level tensors left in the root beside an untied table's unit"
+    return ""
+
+
+#: FSDP2's groups of the model-level tensors (:func:`fsdp_unit`); a decoder layer's group is its index.
+ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT = -1, -2, -3
+
+
+def untied_units(spec: ModelSpec, strategy: Strategy) -> bool:
+    """Whether ``--fsdp-wrap units`` gives the token table a unit of its own: an untied table (a tied one is in
+    the [final norm, head] unit, which is then what the root was: unsharded from the embedding's forward to the
+    end of backward)."""
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    return resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS and not tied
+
+
+def fsdp_unit(spec: ModelSpec, strategy: Strategy, x: ParamTensor) -> int:
+    """The FSDP2 group of the model-level tensor ``x``. ``--fsdp-wrap root``: the root. ``units`` (accelerate 1.15's
+    ``fsdp2_prepare_model``, torchtitan's ``apply_fsdp``; trainfit.trace.distributed ``_wrap_fsdp``): the input
+    embedding's table, untied, in a unit of its own; the final norm, the output embedding (``lm_head``; the table
+    when tied to it) in one more; the rest (position embeddings, a classification head) in the root."""
+    if resolved_fsdp_wrap(spec, strategy) is not FsdpWrap.UNITS:
+        return ROOT_UNIT
+    if x.name == "embed_tokens.weight":
+        return EMBEDDING_UNIT if untied_units(spec, strategy) else TAIL_UNIT
+    if x.name.startswith("final_norm.") or (spec.kind.has_vocab_logits and x.name.startswith("lm_head.")):
+        return TAIL_UNIT
+    return ROOT_UNIT
