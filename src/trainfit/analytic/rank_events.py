@@ -464,9 +464,11 @@ class FsdpHooks(RankHooks):
         # In forward the all-gather output is kept (``comm_ctx.all_gather_state``) until the next copy-out.
         if i in self.unsharded or not self._group(i).tensors:
             return
+        # ``wait_for_unshard`` drops the previous group's output from ``all_gather_state`` but its local
+        # ``prev_all_gather_state`` holds it until the copy-out is done (the closed form's copy-out moments)
         out = self._all_gather(s, i)
-        s.free(self.gather_out)
         self._copy_out(s, i)
+        s.free(self.gather_out)
         self.gather_out = out
 
     def layer_forward_end(self, s: Stream, i: int) -> None:
