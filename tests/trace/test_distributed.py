@@ -54,6 +54,11 @@ def _strategy(sharding: str, w: int, flag: bool, precision: str, checkpointing: 
     )
 
 
+def _engine(s: Strategy, **options: object) -> Strategy:
+    """``s`` with these ``EngineOptions`` changed."""
+    return dataclasses.replace(s, engine=dataclasses.replace(s.engine, **options))
+
+
 @pytest.mark.parametrize(
     ("family", "sharding", "w", "flag", "precision"),
     [pytest.param(*c, id="-".join(map(str, c))) for c in CELLS],
@@ -198,16 +203,8 @@ def test_the_embedding_and_head_as_units_of_their_own() -> None:
     root was, but for the last layer's prefetch, issued on the logits after the loss's backward: +0.6% on the
     backward before)."""
     spec = tiny_spec("llama", num_hidden_layers=5, tie_word_embeddings=False, **{**WIDER, "vocab_size": 8192})
-    root = _strategy("fsdp", 4, True, "amp-bf16")
-    root = dataclasses.replace(root, engine=dataclasses.replace(root.engine, fsdp_wrap="root"))
-    units = Strategy(
-        precision="amp-bf16",
-        parallelism=Parallelism(data=4),
-        sharding="fsdp",
-        micro_batch=2,
-        seq_len=128,
-        engine=EngineOptions(fsdp_wrap="units"),
-    )
+    root = _engine(_strategy("fsdp", 4, True, "amp-bf16"), fsdp_wrap="root")
+    units = _engine(_strategy("fsdp", 4, True, "amp-bf16"), fsdp_wrap="units")
     table = spec.vocab_size * spec.hidden_size * 2  # unsharded, bf16
     a, b = trace_distributed(spec, root), trace_distributed(spec, units)
     assert a.peak_bytes - b.peak_bytes >= table
@@ -230,16 +227,10 @@ def test_no_sync_under_cpu_offload_keeps_the_accumulated_gradients_on_the_device
     holds every layer's. The closed form had dropped the layers' (4.2–6.6% under the traced phases on this cell);
     within 2% with either wrapping."""
     spec = tiny_spec("llama", num_hidden_layers=5, tie_word_embeddings=False, **{**WIDER, "vocab_size": 8192})
-    s = Strategy(
-        precision="amp-bf16",
-        parallelism=Parallelism(data=4),
-        sharding="fsdp",
-        micro_batch=2,
-        seq_len=128,
-        checkpointing="full",
+    s = dataclasses.replace(
+        _engine(_strategy("fsdp", 4, True, "amp-bf16", "full"), fsdp_wrap=wrap, sync_each_batch=False),
         grad_accum=3,
         offload=Offload.parse("optimizer+params"),
-        engine=EngineOptions(fsdp_wrap=wrap, sync_each_batch=False),
     )
     a, t = estimate_parallel(spec, s), trace_distributed(spec, s)
     for ph in (Phase.FORWARD, Phase.BACKWARD):
