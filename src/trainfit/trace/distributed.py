@@ -263,9 +263,7 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
 
-def _no_sync_passes(
-    model: torch.nn.Module, strategy: Strategy, tr: DistTracker
-) -> Callable[[int, int], None] | None:
+def _no_sync_passes(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> Callable[[int, int], None] | None:
     """accelerate's ``no_sync`` for FSDP2 (``EngineOptions.sync_each_batch`` False, the HF Trainer's default under
     accumulation): every micro-step but the step's last runs with ``set_requires_gradient_sync(False)``
     (accelerate/accelerator.py ``no_sync``, transformers/trainer.py's inner loop). The unsharded gradients kept
