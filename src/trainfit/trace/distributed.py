@@ -371,7 +371,12 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     ddp.register_comm_hook(None, done)
     # After the first step the reducer rebuilds its buckets in the order gradients arrived
     # (``Reducer::rebuild_buckets``), which reads tensor data and fails on fake tensors: keep the buckets
-    # built at construction (same sizes, parameters in reverse registration order).
+    # built at construction. Those are not the rebuilt sizes: without ``find_unused_parameters`` DDP builds one
+    # bucket of every gradient for the first iteration (``BucketCapacityConfig.compute_bucket_size_limits``:
+    # ``[sys.maxsize]``) and buckets by ``bucket_cap_mb`` only when it rebuilds, at the second forward (real DDP on
+    # gloo: 8404992 bytes, then 1050624 + 7354368). So this trace keeps the first iteration's single bucket in every
+    # step, and the rank stream (analytic.rank_events.DdpHooks) the rebuilt ones in every step: the same bytes,
+    # other segments (docs/distributed.md "How the trace works").
     ddp.reducer = _NoRebuild(ddp.reducer)  # type: ignore[assignment]
     return ddp
 
