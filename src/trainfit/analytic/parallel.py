@@ -738,15 +738,12 @@ def _fsdp_sharded_grads(spec: ModelSpec, strategy: Strategy, held: Sequence[Held
     ``torch.as_strided(reduce_output, ...)``); the model-level tensors in the root's group or their units
     (:func:`fsdp_unit`). A tensor trainable in c of a group's layers is taken to be trainable in the same c layers
     as the others (exact for layer ranges and module names)."""
-    out = 0
-    for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT):
-        out += allocator_bytes(
-            sum(
-                h.shard_numel(shards) * h.bits // 8
-                for h in held
-                if h.root and h.trainable and fsdp_unit(spec, strategy, h.tensor) == u
-            )
-        )
+    by_unit: dict[int, int] = {}
+    for h in held:
+        if h.root and h.trainable:
+            u = fsdp_unit(spec, strategy, h.tensor)
+            by_unit[u] = by_unit.get(u, 0) + h.shard_numel(shards) * h.bits // 8
+    out = sum(allocator_bytes(n) for n in by_unit.values())
     for i, g in enumerate(inventory(spec).layers):
         layer = [(h.count, h.shard_numel(shards) * h.bits // 8) for h in held if h.group == i and h.trainable]
         for k in range(g.count):
@@ -1004,7 +1001,7 @@ def _fsdp(
     def units(
         m: Moment, inner: tuple[int, bool, int] | None = None, *, tail_post: bool = False
     ) -> dict[Component, int]:
-        """``adjust`` for ``--fsdp-wrap units`` with an untied table (:func:`_fsdp_units_note`). The table's unit is
+        """``adjust`` for ``--fsdp-wrap units`` with an untied table (:func:`_fsdp_wrap_note`). The table's unit is
         unsharded in its forward (then resharded, with ``reshard_after_forward``), prefetched by layer 0's
         pre-backward and unsharded again for its own backward, whose post-backward (the root's final callback, as
         its input, the token ids, has no gradient) reduces its gradient last. [final norm, head] is unsharded from

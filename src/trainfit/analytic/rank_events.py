@@ -279,7 +279,7 @@ def _fully_shard_calls(
 ) -> list[list[HeldTensor]]:
     """Each ``fully_shard`` call's parameters, in call order: every decoder layer's (model order), then under
     ``--fsdp-wrap units`` the token embedding's and [final norm, head]'s (``unit``: a model-level tensor's group,
-    :func:`~trainfit.analytic.parallel.fsdp_unit`), then the root's. A tensor of a layer group held two ways (frozen
+    :func:`~trainfit.fsdp_units.fsdp_unit`), then the root's. A tensor of a layer group held two ways (frozen
     in some layers, trainable in others) covers its layers in :func:`~trainfit.analytic.parallel.held_tensors`'
     order; adapters belong to their layers."""
     layers: list[list[list[HeldTensor]]] = [[[] for _ in range(c)] for c in layer_counts]
