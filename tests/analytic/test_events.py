@@ -31,6 +31,14 @@ CASES = [
     # Gradient accumulation: the second micro-step runs with every .grad resident (a tied table's sum included)
     ("qwen2.5-0.5b", Strategy(micro_batch=2, seq_len=1024, grad_accum=4)),
     ("llama-3.2-1b", Strategy(precision="pure-bf16", checkpointing="full", micro_batch=2, seq_len=2048, grad_accum=2)),
+    # A checkpointed forward under autocast saves nothing, but autocast's cache keeps every trainable weight's
+    # 16-bit copy to the end of the loss (the whole model's at 2 × 2048: the forward peak); with an adapter, the
+    # adapters' copies only.
+    ("llama-3.2-1b", Strategy(checkpointing="full", micro_batch=2, seq_len=2048)),
+    (
+        "llama-3.2-1b",
+        Strategy(checkpointing="full", micro_batch=1, seq_len=512, **_finetune("lora", "fp32", "all-linear")),
+    ),  # noqa: E501
     # Fine-tuning: frozen or quantised bases get no gradients and no autocast copies in the stream either.
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("qlora", "nf4", "q_proj,v_proj"))),
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("lora", "bf16", "all-linear"))),

@@ -303,6 +303,15 @@ def synthesise(
     sac_sizes = [x.bytes for x in sac_saved_terms(spec, strategy)]
     sac_kept: dict[int, list[int]] = {}
 
+    # Autocast caches the cast of a leaf that requires grad, whatever the grad mode, until the outermost autocast
+    # region exits (aten/src/ATen/autocast_mode.cpp ``cached_cast``; torch/amp/autocast_mode.py ``__exit__`` clears
+    # the cache at nesting level 0): a checkpointed forward saves nothing, but its layers' cached copies of
+    # trainable weights live on to the end of the loss. A frozen weight's cast (no grad) and a transposed view's
+    # (FalconLinear: not a leaf) are per call and die with it. A recomputation runs in an autocast region of its
+    # own (torch/utils/checkpoint.py), so its copies are held by the saves only.
+    def cached_in_forward(x: ParamTensor) -> bool:
+        return spec.autocast_weight_cache and x in trainable
+
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
@@ -337,15 +346,18 @@ def synthesise(
             rank.embedding_forward_end(s)
             layers: list[tuple[list[int], list[int]]] = []
             kept: list[int] = []
+            forward_cache: list[int] = []  # checkpointed layers' cached autocast copies, freed after the loss
             residual = s.alloc(hidden)
             for i in range(spec.num_layers):
                 if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                     kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
                 rank.layer_forward_begin(s, i)
                 copies, saved = layer_forward(i)
-                if segment_of:  # no grad inside a checkpoint: nothing is saved, copies die with the call
+                if segment_of:  # a checkpointed call saves nothing; only autocast's cache holds copies
                     s.free_all(saved)
-                    s.free_all(copies)
+                    cast = [x for x in kinds[i].tensors if x in copied]
+                    forward_cache += [c for c, x in zip(copies, cast, strict=True) if cached_in_forward(x)]
+                    s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x))
                     copies, saved = [], []
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
@@ -367,6 +379,7 @@ def synthesise(
             rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
             log_softmax = s.alloc(rest)
             s.free(upcast)
+            s.free_all(forward_cache)  # the autocast region exits
             s.free(logits)  # the HF Trainer drops the outputs before backward
             rank.backward_begin(s)
 

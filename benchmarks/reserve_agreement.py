@@ -1,0 +1,67 @@
+"""One GPU: the analytic method's reserved memory against the trace method's (docs/allocator.md, "Where it is used").
+
+Both replay an allocator event stream through the same caching-allocator simulation; the analytic one is synthesised
+from the closed form's tensors (trainfit.analytic.events), the trace one recorded from real transformers modules on
+fake tensors and stitched to full depth (trainfit.trace.events). Per case: the closed form's allocated peak, the
+analytic stream's own allocated peak (no workspaces), each method's ``reserved_estimate_bytes`` and their ratio.
+The default cases are amp recipes with full checkpointing (autocast's weight cache across checkpointed layers).
+
+Usage: python benchmarks/reserve_agreement.py [MODEL RECIPE CKPT BATCH SEQ ...]   (five at a time, e.g.
+       python benchmarks/reserve_agreement.py llama-3.2-3b amp-bf16 full 1 4096)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from trainfit import Strategy, estimate
+from trainfit.allocator import simulate
+from trainfit.analytic.events import training_events
+from trainfit.arch import load_model
+from trainfit.strategy import Checkpointing, Precision
+
+CASES: tuple[tuple[str, str, str, int, int], ...] = (
+    ("llama-3.2-1b", "amp-bf16", "full", 1, 1024),
+    ("llama-3.2-1b", "amp-bf16", "full", 2, 2048),
+    ("qwen2.5-0.5b", "amp-bf16", "full", 4, 2048),
+    ("gpt2", "amp-fp16", "full", 8, 1024),
+    ("llama-3.2-3b", "amp-bf16", "full", 1, 4096),
+)
+GIB = 2**30
+
+
+def main(argv: list[str]) -> None:
+    cases = CASES
+    if argv:
+        if len(argv) % 5:
+            sys.exit("give cases as MODEL RECIPE CKPT BATCH SEQ, five values each")
+        cases = tuple(
+            (argv[i], argv[i + 1], argv[i + 2], int(argv[i + 3]), int(argv[i + 4])) for i in range(0, len(argv), 5)
+        )
+    print(
+        "| model | recipe | ckpt | b×s | allocated GiB | stream allocated GiB | analytic reserved GiB "
+        "| trace reserved GiB "
+        "| diff |"
+    )
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    for slug, recipe, ckpt, batch, seq in cases:
+        t0 = time.perf_counter()
+        spec = load_model(slug)
+        s = Strategy(precision=Precision(recipe), checkpointing=Checkpointing(ckpt), micro_batch=batch, seq_len=seq)
+        ra = estimate(spec, s, gpu="h100-sxm-80gb")
+        rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
+        stream = simulate(training_events(spec, s))
+        assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
+        print(
+            f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {ra.peak_bytes / GIB:.2f} | "
+            f"{stream.peak_allocated_bytes / GIB:.2f} | {ra.reserved_estimate_bytes / GIB:.2f} | "
+            f"{rt.reserved_estimate_bytes / GIB:.2f} | "
+            f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} |"
+            f"  ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
