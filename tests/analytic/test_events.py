@@ -38,7 +38,7 @@ CASES = [
     (
         "llama-3.2-1b",
         Strategy(checkpointing="full", micro_batch=1, seq_len=512, **_finetune("lora", "fp32", "all-linear")),
-    ),  # noqa: E501
+    ),
     # Fine-tuning: frozen or quantised bases get no gradients and no autocast copies in the stream either.
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("qlora", "nf4", "q_proj,v_proj"))),
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("lora", "bf16", "all-linear"))),
