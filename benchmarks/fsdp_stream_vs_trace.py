@@ -1,8 +1,8 @@
 """One FSDP2 rank's synthesised allocator stream (trainfit.analytic.rank_events.FsdpHooks) against the real
 ``fully_shard`` run's events on the fake process group at full depth, both replayed through the allocator model on one
 CUDA stream: allocated and reserved peaks (the figures of docs/distributed.md "The embedding and the head as FSDP2
-units"). ``--ddp-buckets``: real DDP on gloo over 2 CPU processes, its bucket sizes before and after the reducer's
-rebuild (docs/distributed.md "How the trace works").
+units"). ``--ddp-buckets``: real DDP on gloo over 2 CPU processes, its buckets (bytes, first parameters) after each
+step's forward, before and after the reducer's rebuild (docs/distributed.md "How the trace works").
 
 Usage: python benchmarks/fsdp_stream_vs_trace.py [MODEL] [SEQ] [W] [--wrap root|units|auto] [--ckpt none|full]
        python benchmarks/fsdp_stream_vs_trace.py --ddp-buckets
@@ -21,14 +21,18 @@ from pathlib import Path
 _DDP = """import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
-d = DDP(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]))
+m = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+names = {id(p): n for n, p in m.named_parameters()}
+d = DDP(m)
 opt = torch.optim.SGD(d.parameters(), lr=0.1)
 for step in range(3):
-    d(torch.randn(4, 512)).sum().backward()
+    out = d(torch.randn(4, 512))
+    if dist.get_rank() == 0:  # the reducer's buckets after this forward (its _pre_forward rebuilds them)
+        got = [(b.buffer().numel() * 4, [names[id(p)] for p in b.parameters()][:2])
+               for b in d.reducer._get_zeros_like_grad_buckets()]
+        print("step", step, "forward: buckets", got)
+    out.sum().backward()
     opt.step(); opt.zero_grad(set_to_none=True)
-    data = d._get_ddp_logging_data()
-    if dist.get_rank() == 0:
-        print("step", step, "buckets", data.get("bucket_sizes"), "rebuilt", data.get("rebuilt_bucket_sizes"))
 dist.destroy_process_group()
 """
 

@@ -7,24 +7,27 @@ FSDP2 ranks only."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 
 from trainfit import estimate
-from trainfit.allocator import AllocatorConfig, Op, simulate
+from trainfit.allocator import AllocatorConfig, Event, Op, simulate
 from trainfit.analytic.events import Stream, synthesise
 from trainfit.analytic.parallel import compute_strategy, estimate_parallel, fsdp_groups, fsdp_states, plan
 from trainfit.analytic.rank_events import (
     ALL_GATHER_STREAM,
     DS_REDUCTION_STREAM,
     REDUCE_SCATTER_STREAM,
+    DdpHooks,
     FsdpHooks,
     Zero1Hooks,
     Zero2Hooks,
     rank_simulated,
     simulate_rank,
 )
+from trainfit.analytic.states import ParamState
 from trainfit.arch import load_model
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ParamTensor
@@ -170,6 +173,60 @@ def test_a_ddp_rank_is_one_gpu_plus_its_buckets() -> None:
     buckets = sum(ddp_bucket_bytes(spec, 32, 25 * 2**20, 2**20))
     assert buckets >= 4 * inventory(spec).total  # fp32, every parameter's gradient
     assert rank.peak_allocated_bytes == pytest.approx(one.peak_allocated_bytes + buckets, rel=0.002)
+
+
+@pytest.mark.parametrize(("view", "accum"), [(False, 1), (True, 1), (True, 2)])
+def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum: int) -> None:
+    """Real DDP (no ``find_unused_parameters``) builds one bucket of every gradient for the first iteration and
+    rebuilds ``bucket_cap_mb`` buckets at the second forward (distributed.py ``_pre_forward`` →
+    ``Reducer::rebuild_buckets``; gloo: one 8404992-byte bucket, then 1050624 + 7354368): the stream allocates the
+    whole bucket after the weights; its second forward makes ``sync_bucket_indices``' two int32 tensors and frees
+    them, then frees the old bucket before the new ones (``initialize_buckets``) — after them with bucket views
+    that hold resident gradients (``initialize_bucket_views``: the first step's second micro-step); no other
+    forward touches them."""
+    from trainfit.analytic.parallel import ddp_bucket_bytes
+    from trainfit.cuda_facts import allocator_bytes
+
+    spec = load_model("llama-3.2-1b")
+    s = replace(_s("ddp", 8, flag=view), grad_accum=accum)
+    st = Stream()
+    seen: list[tuple[int, int]] = []  # the events of each forward_begin
+    first: list[Event] = []  # the last event of the weights hook
+
+    class Spy(DdpHooks):
+        def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
+            super().weights(s, states)
+            first.append(st.events[-1])
+
+        def forward_begin(self, s: Stream) -> None:
+            n = len(st.events)
+            super().forward_begin(s)
+            seen.append((n, len(st.events)))
+
+    hooks = Spy(spec, s)
+    synthesise(st, spec, s, (), hooks, steps=3)
+    rebuilt = ddp_bucket_bytes(spec, 32, 25 * 2**20, 2**20)
+    assert len(rebuilt) > 2
+    grads = sum(x.numel * m for x, m in inventory(spec).all_tensors()) * 4
+    # the weights, then the first iteration's bucket
+    assert (first[0].op, first[0].size_bytes) == (Op.ALLOC, grads)
+    assert hooks.first_buckets == [allocator_bytes(grads)]
+    old = first[0].key
+    assert [b - a for a, b in seen] == [0, 4 + 1 + len(rebuilt)] + [0] * (len(seen) - 2)
+    made = st.events[seen[1][0] : seen[1][1]]
+    n_params = sum(m for _, m in inventory(spec).all_tensors())
+    assert [(e.op, e.size_bytes) for e in made[:4]] == [
+        (Op.ALLOC, 4 * (n_params + 1)),
+        (Op.ALLOC, 4 * len(rebuilt)),
+        (Op.FREE, 0),
+        (Op.FREE, 0),
+    ]
+    rest = made[4:]
+    frees_first = not (view and accum > 1)
+    free_old, allocs = (rest[0], rest[1:]) if frees_first else (rest[-1], rest[:-1])
+    assert (free_old.op, free_old.key) == (Op.FREE, old)
+    assert [e.size_bytes for e in allocs if e.op is Op.ALLOC] == rebuilt
+    assert sum(rebuilt) == pytest.approx(grads, abs=512 * len(rebuilt))
 
 
 def test_fsdp_collectives_allocate_on_their_own_streams() -> None:

@@ -183,7 +183,7 @@ class RankHooks:
         return []
 
     def forward_begin(self, s: Stream) -> None:
-        """Before the embedding (a root's unshard)."""
+        """Before the embedding (a root's unshard; DDP's bucket rebuild at the second one)."""
 
     def embedding_forward_end(self, s: Stream) -> None:
         """After the embedding's output (an embedding unit's reshard)."""

@@ -4,9 +4,10 @@ The single-GPU stream (:mod:`trainfit.analytic.events`) with :class:`~trainfit.a
 that make it one rank's, in the order the framework runs, then replayed through the caching-allocator
 simulation (:mod:`trainfit.allocator`) like one GPU's:
 
-* **torch DDP**: the single-GPU stream of the rank's recipe plus the reducer's gradient buckets, made when
-  ``DistributedDataParallel`` is built (after the weights) and never freed (c10d/reducer.cpp
-  ``initialize_buckets``; sizes: :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`); with
+* **torch DDP**: the single-GPU stream of the rank's recipe plus the reducer's gradient buckets: one of every
+  gradient when ``DistributedDataParallel`` is built (after the weights), replaced at the second forward by the
+  rebuilt ones, never freed after (c10d/reducer.cpp ``rebuild_buckets``, ``initialize_buckets``; sizes:
+  :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`; :class:`DdpHooks`); with
   ``gradient_as_bucket_view`` the gradients are views of them and allocate nothing (a tied table's
   out-of-place sum is a tensor of its own until ``accumulateGrad`` adds it into the view: ``adds_into_view``).
   Every framework's hooks fire after autograd has summed a tied table's two gradients: a hook that takes a
@@ -123,6 +124,7 @@ accumulation and 2-D FSDP2×TP, HSDP with CPU offload, DeepSpeed's CPU offload a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 from trainfit._memo import spec_key
@@ -224,20 +226,49 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
 
 
 class DdpHooks(RankHooks):
-    """DDP: the buckets after the weights; with ``gradient_as_bucket_view`` no separate gradients."""
+    """DDP: after the weights, the first iteration's bucket — without ``find_unused_parameters`` one of every gradient
+    (one per gradient dtype; distributed.py ``BucketCapacityConfig.compute_bucket_size_limits``: ``[sys.maxsize]``)
+    — and at the second forward the rebuilt ones (distributed.py ``_pre_forward`` → c10d/reducer.cpp
+    ``Reducer::rebuild_buckets``, once a backward has recorded the gradients' ready order; every micro-step of the
+    stream reduces, so with accumulation that is the first step's second micro-step): ``sync_bucket_indices``' two
+    int32 device tensors (every index and the bucket count; each bucket's length), freed on return, then
+    ``initialize_buckets`` frees the old bucket and allocates the ``bucket_cap_mb`` ones, first bucket first (sizes:
+    :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`, reverse module order standing for the ready order). With
+    ``gradient_as_bucket_view`` there are no separate gradients, and a resident gradient (a micro-step after the
+    first) is a view that holds the old bucket until ``initialize_bucket_views`` has copied it into the new one's
+    view: the old bucket then goes after the new ones are made."""
 
     def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
         eo = strategy.engine
-        self.buckets = ddp_bucket_bytes(
-            spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
-        )
+        bits = strategy.recipe.grad_bits
+        self.buckets = ddp_bucket_bytes(spec, bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy)
+        self.first_buckets = ddp_bucket_bytes(spec, bits, sys.maxsize, sys.maxsize, strategy)
         self.view = eo.gradient_as_bucket_view
         self.adds_into_view = self.view
+        self.params = 0  # tensors in the reducer (its trainable parameters, a tied one once)
+        self.held: list[int] = []  # the live buckets' keys
+        self.forwards = 0
+        self.micro = 0
 
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         super().weights(s, states)
-        for b in self.buckets:
-            s.alloc(b)
+        self.params = sum(ps.count for ps in states if ps.trainable)
+        self.held = [s.alloc(b) for b in self.first_buckets]
+
+    def micro_step_begin(self, s: Stream, micro: int) -> None:
+        self.micro = micro
+
+    def forward_begin(self, s: Stream) -> None:
+        self.forwards += 1
+        if self.forwards != 2:
+            return
+        s.free_all([s.alloc(4 * (self.params + 1)), s.alloc(4 * len(self.buckets))])  # sync_bucket_indices
+        old, viewed = self.held, self.view and self.micro > 0
+        if not viewed:
+            s.free_all(old)
+        self.held = [s.alloc(b) for b in self.buckets]
+        if viewed:
+            s.free_all(old)
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         return 0 if self.view else super().grad_bytes(x, bits)

@@ -19,7 +19,8 @@ peaks are exactly linear in the number of layers, DESIGN §4.3). The cost of a s
   weights there; under ``sharded_init`` (built on meta, torchtitan) those are not device memory.
 * **DDP** (``--sharding ddp``): ``DistributedDataParallel`` with the asked ``bucket_cap_mb`` and
   ``gradient_as_bucket_view``; its parameter-shape check across ranks is skipped (a collective on
-  real data) and a communication hook returns a completed future.
+  real data), a communication hook returns a completed future, and the reducer's bucket rebuild at the second
+  forward, which reads tensor data, is done in Python as the C++ one does it (:class:`_RebuildingReducer`).
 
 Fine-tuning: the reduced model gets real PEFT adapters on the meta device
 (:func:`trainfit.trace.peft.apply_finetuning`) before it is materialised; QLoRA's 4-bit weights are quantised
@@ -43,7 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -80,6 +83,7 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
     def __init__(self, *, host_states: bool = False) -> None:
         super().__init__()
         self.comm_depth = 0
+        self.comm_records: list[tk.Record] = []  # made in a comm region, in order (DDP's buckets and the rebuild's)
         # FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and the optimizer states live in
         # host memory and the step runs there; on the CPU mesh they are ordinary tensors, filed as host here.
         self.host_states = host_states
@@ -93,6 +97,7 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
         rec = super()._record(st, op)
         if rec is not None and rec.kind == tk.NONE and self.comm_depth > 0 and rec.alloc_t == self.t:
             rec.kind = COMM
+            self.comm_records.append(rec)
         return rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -364,31 +369,127 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     bucket_type = dist.GradBucket  # type: ignore[attr-defined]
     done.__annotations__ = {"_state": object, "bucket": bucket_type, "return": torch.futures.Future[torch.Tensor]}
     eo = strategy.engine
+    # torch's default cap is passed as None, as accelerate does (``KwargsHandler.to_kwargs`` drops a default
+    # ``bucket_cap_mb``; the HF Trainer passes it only when set): torch 2.13 gives an explicit cap to the first
+    # bucket too, the default 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) only to None
+    # (distributed.py ``_BucketCapacityConfig.create``).
+    cap_mb = None if eo.bucket_cap_mb == _TORCH_BUCKET_CAP_MB else eo.bucket_cap_mb
+    first = len(tr.records)
     with _no_shape_check():
-        ddp = DistributedDataParallel(
-            model, bucket_cap_mb=eo.bucket_cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view
-        )
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view)
+    # The reducer's buckets: what DDP made and kept, less the model's own tensors (first seen by the tracker here)
+    own = {id(tr.record_of(t)) for t in (*model.parameters(), *model.buffers())}
+    buckets = [r for r in tr.records[first:] if r.free_t is None and id(r) not in own]
     ddp.register_comm_hook(None, done)
-    # After the first step the reducer rebuilds its buckets in the order gradients arrived
-    # (``Reducer::rebuild_buckets``), which reads tensor data and fails on fake tensors: keep the buckets
-    # built at construction. Those are not the rebuilt sizes: without ``find_unused_parameters`` DDP builds one
-    # bucket of every gradient for the first iteration (``BucketCapacityConfig.compute_bucket_size_limits``:
-    # ``[sys.maxsize]``) and buckets by ``bucket_cap_mb`` only when it rebuilds, at the second forward (real DDP on
-    # gloo: 8404992 bytes, then 1050624 + 7354368). So this trace keeps the first iteration's single bucket in every
-    # step, and the rank stream (analytic.rank_events.DdpHooks) the rebuilt ones in every step: the same bytes,
-    # other segments (docs/distributed.md "How the trace works").
-    ddp.reducer = _NoRebuild(ddp.reducer)  # type: ignore[assignment]
+    # Without ``find_unused_parameters`` DDP builds one bucket of every gradient for the first iteration
+    # (``BucketCapacityConfig.compute_bucket_size_limits``: ``[sys.maxsize]``) and buckets by ``bucket_cap_mb``
+    # only when the reducer rebuilds them in the order the gradients arrived, at the second forward
+    # (``_pre_forward`` → ``Reducer::rebuild_buckets``; real DDP on gloo: 8404992 bytes, then 1050624 + 7354368).
+    # The C++ rebuild reads tensor data (``sync_bucket_indices``), which fake tensors have not: it is emulated
+    # (:class:`_RebuildingReducer`).
+    ddp.reducer = _RebuildingReducer(ddp, tr, buckets)  # type: ignore[assignment]
     return ddp
 
 
-class _NoRebuild:
-    """The DDP reducer, except that ``_rebuild_buckets`` is a no-op (see :func:`_wrap_ddp`)."""
+#: torch's ``bucket_cap_mb`` when none is given (torch/nn/parallel/distributed.py ``_DEFAULT_BUCKET_CAP_MB``).
+_TORCH_BUCKET_CAP_MB = 25
 
-    def __init__(self, reducer: Any) -> None:
-        self._reducer = reducer
+
+class _RebuildingReducer:
+    """DDP's reducer, whose bucket rebuild is done in Python as ``Reducer::rebuild_buckets`` (c10d/reducer.cpp)
+    does it. ``_pre_forward`` asks before every forward; the C++ rebuild acts once, at the first forward after a
+    backward has filled ``rebuilt_params_`` in the order the gradients became ready (``autograd_hook`` →
+    ``push_rebuilt_params``; recorded here by post-accumulate-grad hooks, which ``AccumulateGrad`` runs just
+    before the reducer's post hook). The parameters in that order get torch's own
+    ``dist._compute_bucket_assignment_by_size`` with ``[first bucket cap, bucket cap]``, unsorted (ready order);
+    ``sync_bucket_indices`` makes two int32 device tensors (every index and the bucket count; each bucket's length),
+    freed on return (the broadcast is the fake group's no-op); ``initialize_buckets`` clears the old buckets, then
+    allocates the new ones. The old ones live in the C++ reducer, which cannot drop them alone: it is released with
+    the ``Logger`` that owns it, and a new ``dist.Reducer`` with the rebuilt indices (its constructor runs
+    ``initialize_buckets``, in the tracker's comm region as DDP's construction is) gets DDP's comm hooks and a new
+    ``Logger``, as ``_ddp_init_helper`` does. With ``gradient_as_bucket_view`` resident gradients (a micro-step
+    after the first) are views of the old bucket: the new reducer's ``initialize_bucket_views`` copies them into
+    its views and lets them go, so the old bucket is freed after the new ones are made, as on a real reducer.
+    Not reproduced: the new reducer's bookkeeping starts afresh (``prepare_for_forward`` counts this iteration;
+    its own ``rebuilt_params_`` go unused, this wrapper answering every later call), and
+    ``DDP_SET_LAST_BUCKET_CAP`` is ignored."""
+
+    def __init__(self, ddp: Any, tr: DistTracker, buckets: list[tk.Record]) -> None:
+        """``buckets``: the tracker's records of the first iteration's buckets."""
+        if ddp.static_graph or ddp.find_unused_parameters or ddp._use_python_reducer:
+            raise TraceUnsupportedError("the DDP trace runs the reducer without static_graph or unused parameters")
+        self._ddp = weakref.ref(ddp)  # DDP holds this wrapper
+        self._reducer: Any = ddp.reducer
+        self._tr = tr
+        self._buckets = buckets
+        self._params, self._sparse = ddp._build_params_for_reducer()
+        self._ready: list[int] = []
+        self._rebuilt = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_ready, i))
+            for i, p in enumerate(self._params)
+        ]
+
+    def _on_ready(self, index: int, _param: torch.Tensor) -> None:
+        if len(self._ready) < len(self._params):
+            self._ready.append(index)
 
     def _rebuild_buckets(self) -> bool:
-        return False
+        if self._rebuilt or len(self._ready) < len(self._params):
+            return False
+        import torch.distributed as dist
+
+        ddp: Any = self._ddp()
+        tr, order = self._tr, self._ready
+        config = ddp._bucket_config
+        limits = config.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)[1]
+        indices, per_bucket = dist._compute_bucket_assignment_by_size(  # type: ignore[attr-defined]
+            [self._params[i] for i in order],
+            limits or [config.first_bucket_bytes_cap, config.bucket_bytes_cap],
+            self._sparse,
+            order,
+        )
+        with tr.comm_region():
+            # sync_bucket_indices: every index and the bucket count, then each bucket's length, on the device
+            sync = [torch.empty(len(order) + 1, dtype=torch.int32), torch.empty(len(indices), dtype=torch.int32)]
+        del sync
+        self._reducer = None
+        ddp.logger = None  # it holds the reducer (c10d/logger.hpp ``reducer_``)
+        # Only gradients that are views of the old bucket may hold it now; the new reducer copies them into its own
+        # views and lets them go (``initialize_bucket_views``), after it has allocated the new buckets.
+        viewed = ddp.gradient_as_bucket_view and any(p.grad is not None for p in self._params)
+        if not viewed and any(r.free_t is None for r in self._buckets):
+            raise TraceUnsupportedError("the DDP trace could not free the first iteration's bucket before the rebuild")
+        with tr.comm_region():
+            reducer = dist.Reducer(  # type: ignore[attr-defined]
+                self._params,
+                indices,
+                per_bucket,
+                ddp.process_group,
+                self._sparse,
+                ddp.bucket_bytes_cap,
+                ddp.find_unused_parameters,
+                ddp.gradient_as_bucket_view,
+                ddp._build_debug_param_to_name_mapping(self._params),
+                config.first_bucket_bytes_cap,
+                ddp.skip_all_reduce_unused_params,
+                ddp._use_python_reducer,
+                limits,
+                ddp.batched_grad_copy,
+            )
+        ddp.logger = dist.Logger(reducer)  # type: ignore[attr-defined]
+        reducer.set_logger(ddp.logger)
+        for hook, state in ddp._comm_hooks:
+            ddp.logger._set_comm_hook_name(hook.__qualname__)
+            dist._register_comm_hook(reducer, state, hook)  # type: ignore[attr-defined]
+        if any(r.free_t is None for r in self._buckets):
+            raise TraceUnsupportedError("the DDP trace could not free the first iteration's bucket at the rebuild")
+        reducer.prepare_for_forward()  # this iteration, which the old reducer had counted
+        self._reducer, self._buckets = reducer, []
+        self._rebuilt = True
+        for h in self._hooks:
+            h.remove()
+        return True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reducer, name)
@@ -496,9 +597,10 @@ def run_layout_distributed(
         before_pass=_no_sync_passes(run_model, strategy, tr),
         # no_sync: a middle micro-step adds into the kept gradients without reducing (neither the first nor the last)
         accumulation_passes=rn.ACCUMULATION_PASSES if strategy.engine.sync_each_batch else 3,
-        # FSDP2/HSDP: the first step's micro-steps as a real run has them (a single first pass reduce-scatters where
-        # no real micro-step does: HSDP's reserve was 4–13% off on tiny cells)
-        accumulate_first_step=strategy.sharding in (Sharding.FSDP, Sharding.HSDP),
+        # The first step's micro-steps as a real run has them: under FSDP2/HSDP a single first pass reduce-scatters
+        # where no real micro-step does (HSDP's reserve was 4–13% off on tiny cells); DDP, reducing each micro-step,
+        # rebuilds its buckets at the second forward, the first step's second micro-step (_RebuildingReducer)
+        accumulate_first_step=True,
     )
     execution = rn.Execution(mode=mode, tracker=lambda: tr)
     selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

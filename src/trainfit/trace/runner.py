@@ -14,7 +14,8 @@ gradients resident, and passes 3, 4, ... are the same as pass 2, so steps from t
 passes (the first step only creates optimizer states and runs one). FSDP2/HSDP
 (:attr:`RunOptions.accumulate_first_step`) runs its passes in the first step too: there a single pass reduce-scatters
 where no real micro-step does (under accelerate's ``no_sync`` a synced pass where none is synced; the HSDP cells of
-tests/trace/test_rank_stream.py reserved 13% more so under no_sync, 2% synced).
+tests/trace/test_rank_stream.py reserved 13% more so under no_sync, 2% synced); so does DDP, whose reducer rebuilds
+its buckets at the second forward, in a real run the first step's second micro-step (trace/distributed.py).
 
 What a run needs comes in three values: :class:`StepFns` (how to build a batch, run the model, take the
 loss, build the optimizer), :class:`RunOptions` (recipe, steps, accumulation, clipping, the modules whose
@@ -149,7 +150,7 @@ class RunOptions:
     #: Passes per step under accumulation (after the first step): :data:`ACCUMULATION_PASSES`, or three where the
     #: passes between the first and the last differ from both (FSDP2 under accelerate's ``no_sync``).
     accumulation_passes: int = ACCUMULATION_PASSES
-    #: Run the accumulation passes in the first step too (FSDP2/HSDP; see the module docstring).
+    #: Run the accumulation passes in the first step too (FSDP2/HSDP, DDP; see the module docstring).
     accumulate_first_step: bool = False
 
     def __post_init__(self) -> None:
