@@ -35,6 +35,7 @@ Everything is in bytes for one micro-batch; ``t = batch·seq`` tokens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -1330,6 +1331,125 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return max((t * s.d_in * extra(s) for s in adapter_sites(spec, strategy.adapter)), default=0)
 
 
+def lora_chain_peak(widths: list[int]) -> int:
+    """Bytes per element at the worst moment of a LoRA input gradient's chain of casts: each step (autocast's cast
+    back from lora_A's matmul, dropout's backward, PEFT's ``_cast_input_dtype`` back to the input's dtype) makes a new
+    tensor from the previous one, which autograd frees once the step has run — so two neighbours at most are alive
+    (checked against the trace: lora_A's mm output is gone when dropout's backward allocates)."""
+    if len(widths) == 1:
+        return widths[0]
+    return max(a + b for a, b in itertools.pairwise(widths))
+
+
+def lora_input_grad_chain(strategy: Strategy, input_width: int) -> list[int]:
+    """The widths of an adapted linear's input gradient along the adapter branch (PEFT ``lora.Linear.forward``:
+    ``lora_B(lora_A(dropout(x.to(adapter dtype))))``): lora_A's matmul (the compute dtype under autocast, else the
+    adapter's), autocast's cast back to the adapter dtype, dropout's backward, the cast back to ``input_width``."""
+    assert strategy.adapter is not None
+    w = Widths.of(strategy)
+    ad = strategy.adapter.dtype.bits // 8
+    mm = w.compute if w.amp else ad
+    chain = [mm]
+    if w.amp and ad != mm:
+        chain.append(ad)
+    if strategy.adapter.dropout > 0:
+        chain.append(ad)
+    if input_width != ad:
+        chain.append(input_width)
+    return chain
+
+
+def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
+    """In flight at the worst moment of a frozen gated MLP's backward under an adapter, over the incoming residual
+    gradient r·t·h and net of the MLP's saved tensors (gate, act(gate) and up, :func:`frozen_layer_terms`: a
+    frozen down projection saves no input, so nothing is released before the product's backward). Op by op
+    (HF ``LlamaMLP``: ``down(act(gate(x)) * up(x))``; m = the MLP's width, :func:`frozen_base_mlp_width`; c = the
+    compute width), each moment over t·i unless said:
+
+    * the product's backward: its gradient, act(gate)'s and up's — 3·m;
+    * an adapted down projection (PEFT adds ``lora_B(lora_A(...))`` after the base output, so autograd runs the
+      adapter branch first): the input gradient's cast chain (:func:`lora_chain_peak`); then, its result (m)
+      alive, the base's: over a float base the matmul's input gradient (c) and autocast's cast back to m when
+      m ≠ c; over a 4-bit base (bitsandbytes ``Linear4bit.forward``: ``x.to(compute_dtype)``, ``matmul_4bit``,
+      ``.to(inp_dtype)``; ``MatMul4Bit.backward``: ``grad_output @ dequantize_4bit(W).t()``) the incoming gradient
+      cast to c (c·t·h when m ≠ c), the dequantised weight (c·h·i) and the matmul's c·t·i, then, those freed, the
+      cast back to m; then the sum of the two (3·m, as the product's moment);
+    * a frozen down projection's backward needs no saved tensor, so under checkpointing it runs before the
+      layer is recomputed (the non-reentrant checkpoint recomputes at the first unpack): its product gradient
+      (m) waits through the recomputation — the product's moment again — and its own moments are outside the
+      saved set; without checkpointing they are the base's moments above without the adapter's result.
+
+    ``None`` where this is not derived (other MLP forms, MoE layers, LLM.int8 and DoRA bases): the caller keeps
+    the older sum of :func:`backward_temp_bytes`, the dequantised weight and the adapter chain. Checked against
+    the trace's live tensors at its peak (tests/trace/test_peft.py, wide-MLP cells)."""
+    adapter = strategy.adapter
+    if adapter is None or adapter.kind is AdapterKind.DORA or spec.mlp is not MlpKind.GATED:
+        return None
+    if spec.moe is not None and spec.num_moe_layers:
+        return None
+    quant = strategy.base_weights.quantization
+    if quant is Quantization.INT8:
+        return None
+    w = Widths.of(strategy)
+    t, h, i = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size
+    m, c = frozen_base_mlp_width(strategy, w), w.compute
+    down = [x for x in adapter_sites(spec, adapter) if x.reads is SiteInput.MLP_ACT]
+    # What the adapted down projection saved (its lora_A's input, dropout mask, lora_A's output) is released as its
+    # backward runs: lora_A's input once lora_A's matmul has run (before the chain), all of it before the base's.
+    saved = {
+        x.name.rsplit(".", 1)[-1]: x.bytes
+        for x in adapter_saved(
+            tuple(down),
+            adapter,
+            tokens=t,
+            input_width={SiteInput.MLP_ACT: m},
+            amp=w.amp,
+            compute=c,
+            base_width=base_weight_width(strategy),
+            quantised=quant is not Quantization.NONE,
+        )
+    }
+    released = sum(saved.values())
+    moments = [3 * m * t * i - released]
+    g_lora = 0
+    if down:
+        moments.append(lora_chain_peak(lora_input_grad_chain(strategy, m)) * t * i - saved.get("lora_in", 0))
+        g_lora = m * t * i
+    checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
+    if down and checkpointed:
+        # The recomputation runs the adapted down projection's forward again inside the backward, with the MLP's
+        # saves alive: the product (saved by nothing), then the base output (c·t·h; a 4-bit layer's ``.to(inp_dtype)``
+        # makes it m wide), then PEFT's ``x.to(adapter dtype)`` and dropout's output, both held by ``forward``'s
+        # locals while lora_A casts and saves its input. Over a 4-bit base, its own forward first: the input cast to
+        # c, the dequantised weight (``matmul_4bit`` above the fused kernel's token count) and the output.
+        ad = adapter.dtype.bits // 8
+        out_w = m if quant is not Quantization.NONE else c
+        branch = (ad if m != ad else 0) + (ad if adapter.dropout > 0 else 0)
+        # The adapter output's scaling (``* scaling``) needs no saved tensor: its backward runs before the
+        # recomputation, and its c·t·h gradient waits for lora_B's. The layer's forward also holds, as locals, the
+        # post-attention residual (``residual`` in HF's decoder layer; saved as itself only by a LayerNorm or an fp32
+        # RMSNorm input) and the MLP's input (norm2's output: a frozen norm saves none, an adapter reading it saves
+        # it as itself only with no cast, no dropout and no autocast copy).
+        nb = _norm_out_width(spec, w)
+        residual_held = spec.norm is NormKind.LAYERNORM or w.residual == 4
+        ad_in = adapter.dtype.bits // 8
+        norm2_shared = any(x.reads is SiteInput.NORM2 for x in adapter_sites(spec, adapter)) and (
+            nb == ad_in and adapter.dropout == 0 and not (w.amp and nb != c)
+        )
+        locals_ = (0 if residual_held else w.residual) + (0 if norm2_shared else nb)
+        moments.append((m + branch) * t * i + (out_w + c + locals_) * t * h - saved.get("lora_A_out", 0))
+        if quant is not Quantization.NONE:
+            moments.append(m * t * i + (c * t * i if m != c else 0) + c * h * i + c * t * h - released)
+    if down or not checkpointed:
+        if quant is Quantization.NONE:
+            moments.append(g_lora + c * t * i + (m * t * i if m != c else 0) - released)
+        else:
+            g_cast = c * t * h if m != c else 0
+            moments.append(g_lora + g_cast + c * h * i + c * t * i - released)
+            moments.append(g_lora + c * t * i + (m * t * i if m != c else 0) - released)
+    return w.residual * t * h + max(moments)
+
+
 def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """A frozen LM head saves no input, but the final norm's output is still referenced while the logits and
     the loss are computed (the HF forward's ``hidden_states``): a transient at the forward's end. A decoder's
@@ -1528,6 +1648,9 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
         in_flight = a
     mask = t * h if spec.hidden_dropout > 0 else 0
     mlp = w.residual * t * h + in_flight * t * i - mask
+    frozen_mlp = frozen_mlp_backward_bytes(spec, strategy)
+    if frozen_mlp is not None:
+        mlp = frozen_mlp - mask
     if spec.moe is not None and spec.num_moe_layers:
         # Experts run in the weight dtype. With 16-bit weights transformers uses grouped_mm over all
         # routed rows at once, and the fused gate_up output's gradient is concatenated back from its two

@@ -52,6 +52,7 @@ from trainfit.analytic.activations import (
     first_layer_unsaved_bytes,
     frozen_head_input_bytes,
     frozen_layer_terms,
+    frozen_mlp_backward_bytes,
     int8_ctx_bytes,
     kv_cache_held_bytes,
     layer_terms,
@@ -513,9 +514,14 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
+        # A frozen gated MLP's moments are derived op by op in backward_temp_bytes (frozen_mlp_backward_bytes, its
+        # dequantised weight and adapter chain included); elsewhere the older sum of the worst of each.
         block_temp=q.block_temp
-        + dequant_transient_bytes(spec, strategy)
-        + adapter_backward_bytes(spec, strategy)
+        + (
+            0
+            if frozen_mlp_backward_bytes(spec, strategy) is not None
+            else dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy)
+        )
         # a checkpointed layer's recomputation computes DoRA's weight norm again
         + (dora_norm_transient_bytes(spec, strategy) if q.segments else 0),
         # A checkpointed forward keeps autocast's cached copies (trainable leaves: the adapters); a frozen
