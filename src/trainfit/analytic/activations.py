@@ -1359,6 +1359,17 @@ def lora_input_grad_chain(strategy: Strategy, input_width: int) -> list[int]:
     return chain
 
 
+def _frozen_mlp_derived(spec: ModelSpec, strategy: Strategy) -> bool:
+    """Whether :func:`frozen_mlp_backward_bytes` derives this layer's MLP: a dense gated MLP under a LoRA adapter
+    over a float or 4-bit base."""
+    adapter = strategy.adapter
+    if adapter is None or adapter.kind is AdapterKind.DORA or spec.mlp is not MlpKind.GATED:
+        return False
+    if spec.moe is not None and spec.num_moe_layers:
+        return False
+    return strategy.base_weights.quantization is not Quantization.INT8
+
+
 def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
     """In flight at the worst moment of a frozen gated MLP's backward under an adapter, over the incoming residual
     gradient r·t·h and net of the MLP's saved tensors (gate, act(gate) and up, :func:`frozen_layer_terms`: a
@@ -1383,13 +1394,10 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
     the older sum of :func:`backward_temp_bytes`, the dequantised weight and the adapter chain. Checked against
     the trace's live tensors at its peak (tests/trace/test_peft.py, wide-MLP cells)."""
     adapter = strategy.adapter
-    if adapter is None or adapter.kind is AdapterKind.DORA or spec.mlp is not MlpKind.GATED:
+    if not _frozen_mlp_derived(spec, strategy):
         return None
-    if spec.moe is not None and spec.num_moe_layers:
-        return None
+    assert adapter is not None
     quant = strategy.base_weights.quantization
-    if quant is Quantization.INT8:
-        return None
     w = Widths.of(strategy)
     t, h, i = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size
     m, c = frozen_base_mlp_width(strategy, w), w.compute
@@ -1417,29 +1425,12 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
         g_lora = m * t * i
     checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
     if down and checkpointed:
-        # The recomputation runs the adapted down projection's forward again inside the backward, with the MLP's
-        # saves alive: the product (saved by nothing), then the base output (c·t·h; a 4-bit layer's ``.to(inp_dtype)``
-        # makes it m wide), then PEFT's ``x.to(adapter dtype)`` and dropout's output, both held by ``forward``'s
-        # locals while lora_A casts and saves its input. Over a 4-bit base, its own forward first: the input cast to
-        # c, the dequantised weight (``matmul_4bit`` above the fused kernel's token count) and the output.
-        ad = adapter.dtype.bits // 8
-        out_w = m if quant is not Quantization.NONE else c
-        branch = (ad if m != ad else 0) + (ad if adapter.dropout > 0 else 0)
-        # The adapter output's scaling (``* scaling``) needs no saved tensor: its backward runs before the
-        # recomputation, and its c·t·h gradient waits for lora_B's. The layer's forward also holds, as locals, the
-        # post-attention residual (``residual`` in HF's decoder layer; saved as itself only by a LayerNorm or an fp32
-        # RMSNorm input) and the MLP's input (norm2's output: a frozen norm saves none, an adapter reading it saves
-        # it as itself only with no cast, no dropout and no autocast copy).
-        nb = _norm_out_width(spec, w)
-        residual_held = spec.norm is NormKind.LAYERNORM or w.residual == 4
-        ad_in = adapter.dtype.bits // 8
-        norm2_shared = any(x.reads is SiteInput.NORM2 for x in adapter_sites(spec, adapter)) and (
-            nb == ad_in and adapter.dropout == 0 and not (w.amp and nb != c)
-        )
-        locals_ = (0 if residual_held else w.residual) + (0 if norm2_shared else nb)
-        moments.append((m + branch) * t * i + (out_w + c + locals_) * t * h - saved.get("lora_A_out", 0))
-        if quant is not Quantization.NONE:
-            moments.append(m * t * i + (c * t * i if m != c else 0) + c * h * i + c * t * h - released)
+        # The recomputation runs the adapted down projection's forward again (frozen_down_forward_bytes) with the
+        # MLP's saves alive; the adapter output's scaling (``* scaling``) needs no saved tensor, so its backward ran
+        # before the recomputation and its c·t·h gradient waits for lora_B's.
+        forward = frozen_down_forward_bytes(spec, strategy, checkpointed=False)
+        assert forward is not None
+        moments.append(c * t * h + forward)
     if down or not checkpointed:
         if quant is Quantization.NONE:
             moments.append(g_lora + c * t * i + (m * t * i if m != c else 0) - released)
@@ -1448,6 +1439,87 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
             moments.append(g_lora + g_cast + c * h * i + c * t * i - released)
             moments.append(g_lora + c * t * i + (m * t * i if m != c else 0) - released)
     return w.residual * t * h + max(moments)
+
+
+def frozen_down_forward_bytes(spec: ModelSpec, strategy: Strategy, *, checkpointed: bool) -> int | None:
+    """What a frozen gated MLP holds at its forward's worst moment (the cases of :func:`frozen_mlp_backward_bytes`;
+    ``None`` elsewhere) beyond what its layer saves — or, in a ``checkpointed`` forward, which saves nothing, all of
+    it. Always the layer's locals: the post-attention residual (``residual`` in HF's decoder layer; saved as itself
+    only by a LayerNorm or an fp32 RMSNorm input) and the MLP's input (norm2's output: a frozen norm saves none, an
+    adapter reading it saves it as itself only with no cast, no dropout and no autocast copy). Then, at the down
+    projection, the product (saved by nothing) and the worse of
+
+    * the base layer's forward: over a float base autocast's cast of the input (c·t·i when m ≠ c) and the output
+      (c·t·h), and where nothing is saved the per-call cast of a weight wider than c (c·h·i); over a 4-bit base
+      (``Linear4bit.forward``) the input cast to c, the dequantised weight (``matmul_4bit`` above the fused kernel's
+      token count) and the output;
+    * an adapted down projection's branch (PEFT ``lora.Linear.forward``), the base output (c·t·h; a 4-bit layer's
+      ``.to(inp_dtype)`` makes it m wide) alive: ``x.to(adapter dtype)`` and dropout's output, held by
+      ``forward``'s locals, and lora_A's input as autocast casts it (saved with the layer; where nothing is saved,
+      a transient of its own).
+
+    In a checkpointed forward gate's output dies once act(gate) is made, act(gate) and up once the product is, so
+    an adapted up projection's branch can be worse: act(gate), up's base output, the branch's casts of its t·h input
+    and lora_B's output and its scaled copy (the branch's width, t·i each) before the sum. What the down projection's
+    adapter saves is counted with the layer; the parts not yet made at each moment are taken off."""
+    adapter = strategy.adapter
+    if not _frozen_mlp_derived(spec, strategy):
+        return None
+    assert adapter is not None
+    quant = strategy.base_weights.quantization
+    w = Widths.of(strategy)
+    t, h, i = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size
+    m, c = frozen_base_mlp_width(strategy, w), w.compute
+    sites = adapter_sites(spec, adapter)
+    down = tuple(x for x in sites if x.reads is SiteInput.MLP_ACT)
+    saved = {
+        x.name.rsplit(".", 1)[-1]: x.bytes
+        for x in adapter_saved(
+            down,
+            adapter,
+            tokens=t,
+            input_width={SiteInput.MLP_ACT: m},
+            amp=w.amp,
+            compute=c,
+            base_width=base_weight_width(strategy),
+            quantised=quant is not Quantization.NONE,
+        )
+    }
+    ad = adapter.dtype.bits // 8
+    mm = c if w.amp else ad
+    nb = _norm_out_width(spec, w)
+    residual_held = spec.norm is NormKind.LAYERNORM or w.residual == 4
+    norm2_shared = any(x.reads is SiteInput.NORM2 for x in sites) and (
+        nb == ad and adapter.dropout == 0 and not (w.amp and nb != c)
+    )
+    # where nothing is saved, both are plain locals
+    locals_ = (
+        ((0 if residual_held and not checkpointed else w.residual) + (0 if norm2_shared and not checkpointed else nb))
+        * t
+        * h
+    )
+    input_cast = c * t * i if m != c else 0
+    if quant is Quantization.NONE:
+        weight_cast = c * h * i if checkpointed and w.amp and base_weight_width(strategy) != c else 0
+        base = input_cast + weight_cast + c * t * h
+    else:
+        base = input_cast + c * h * i + c * t * h
+    branch = (ad if m != ad else 0) + (ad if adapter.dropout > 0 else 0)
+    if checkpointed:  # nothing saved, nothing to take off; lora_A's input, when a copy, is a transient of its own
+        copy = branch > 0 or (w.amp and (ad if branch else m) != c)
+        not_yet, branch_extra = 0, (mm * t * i if copy else 0)
+    else:
+        not_yet, branch_extra = sum(saved.values()), -saved.get("lora_A_out", 0)
+    moments = [m * t * i + base - not_yet]
+    if down:
+        out_w = m if quant is not Quantization.NONE else c
+        moments.append((m + branch) * t * i + out_w * t * h + branch_extra)
+    if checkpointed:
+        moments.append(3 * m * t * i)  # the product made, act(gate) and up still alive
+    if checkpointed and any(x.reads is SiteInput.NORM2 for x in sites):
+        casts = (ad if nb != ad else 0) + (ad if adapter.dropout > 0 else 0)
+        moments.append(2 * m * t * i + 2 * mm * t * i + casts * t * h)
+    return locals_ + max(moments)
 
 
 def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:

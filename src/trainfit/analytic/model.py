@@ -50,6 +50,7 @@ from trainfit.analytic.activations import (
     eager_nograd_inputs_bytes,
     effective_strategy,
     first_layer_unsaved_bytes,
+    frozen_down_forward_bytes,
     frozen_head_input_bytes,
     frozen_layer_terms,
     frozen_mlp_backward_bytes,
@@ -130,6 +131,7 @@ class MomentName(StrEnum):
     FORWARD_FP8_CAST = "forward-fp8-cast"  # --fp8: inside the last block's worst Float8Linear cast
     FORWARD_LAST_DORA_NORM = "forward-last-dora-norm"  # the last block's DoRA weight norm (full-size matrices)
     FORWARD_LAST_MOE_EXPERTS = "forward-last-moe-experts"  # checkpointed: PEFT's parametrized expert weights
+    FORWARD_LAST_DOWN_PROJ = "forward-last-down-proj"  # a frozen gated MLP's down projection in the last layer
     FORWARD_FINAL_NORM = "forward-final-norm"  # ZeRO-3: inside the final norm, before the head's parameter fetch
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
@@ -365,6 +367,9 @@ class StepInputs:
     float8_forward: int = 0  # --fp8: the worst Float8Linear cast transient of a block's forward
     dora_norm: int = 0  # DoRA: the weight norm's full-size transients, inside a layer's forward (or recompute)
     moe_experts: int = 0  # LoRA on MoE experts, checkpointed: the last layer's expert working set (new weights)
+    #: An adapter's frozen gated MLP: its forward's worst moment beyond the layer's saves (checkpointed: all of it;
+    #: activations.frozen_down_forward_bytes).
+    down_forward: int = 0
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -530,6 +535,7 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         forward_transient=frozen_head_input_bytes(spec, strategy) + head_copy,
         dora_norm=dora_norm_transient_bytes(spec, strategy),
         moe_experts=moe_adapter_forward_bytes(spec, strategy) if q.segments else 0,
+        down_forward=frozen_down_forward_bytes(spec, strategy, checkpointed=bool(q.segments)) or 0,
     )
 
 
@@ -660,6 +666,18 @@ def forward_moments(q: StepInputs) -> list[Moment]:
                 activations=q.kept_inputs + q.masks + a.embedding_bytes,
                 autocast_copies=q.copies_fwd_ckpt - q.copies_head,
                 temporaries=q.moe_experts + q.cache_held,
+            )
+        )
+    if q.down_forward:
+        # Inside the last layer's MLP: every layer's saves (the last one's nearly all), or the kept inputs of a
+        # checkpointed forward and the MLP's working set.
+        moments.append(
+            Moment(
+                name=MomentName.FORWARD_LAST_DOWN_PROJ,
+                **base,  # type: ignore[arg-type]
+                activations=(a.all_layers_bytes if q.segments == 0 else q.kept_inputs + q.masks) + a.embedding_bytes,
+                autocast_copies=q.copies_all - q.copies_head if q.segments == 0 else q.copies_fwd_ckpt - q.copies_head,
+                temporaries=q.down_forward + q.cache_held,
             )
         )
     for v in a.variants:
