@@ -1306,7 +1306,9 @@ def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     backward and PEFT's cast back to the input dtype (``_cast_input_dtype``): every gradient of that chain but
     the last is alive at its worst moment (amp, fp32 adapters, 16-bit input: (2 + 4)·t·d_in; with dropout
     (2 + 4 + 4)·t·d_in; no autocast: 4·t·d_in); mm·t·d_in when nothing is cast. Matched against the trace of
-    real PEFT modules (tests/trace/test_peft.py), not derived op by op."""
+    real PEFT modules (tests/trace/test_peft.py), not derived op by op — and an over-count where derived: each step
+    frees the one before (:func:`lora_chain_peak`). Used only where :func:`frozen_mlp_backward_bytes` is not (other
+    MLP forms, MoE, DoRA, LLM.int8)."""
     if strategy.adapter is None:
         return 0
     w = Widths.of(strategy)

@@ -748,7 +748,8 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
     # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
     # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
-    # the trace of real bitsandbytes layers, tests/trace/test_peft.py; fitted, not derived op by op).
+    # the trace of real bitsandbytes layers, tests/trace/test_peft.py; fitted, not derived op by op). A gated MLP's
+    # moments are derived instead (activations.frozen_mlp_backward_bytes; model.py adds this sum only elsewhere).
     if strategy.base_weights.kbit_prepared and strategy.recipe.compute_bits < 32:
         widest = max(linears, key=lambda s: s.d_in)
         adapted = strategy.adapter is not None and widest in adapter_sites(spec, strategy.adapter)
