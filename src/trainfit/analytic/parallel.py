@@ -1052,7 +1052,7 @@ def _fsdp(
                 unsharded, comm = through + tail.unsharded + every_layer, tail.all_gather if gathers else 0
             else:
                 unsharded, comm = through + every_layer, ag if gathers else 0
-                if raf and m.name is MomentName.FORWARD_LAST_MOE_EXPERTS:
+                if raf and m.name in (MomentName.FORWARD_LAST_MOE_EXPERTS, MomentName.FORWARD_LAST_DOWN_PROJ):
                     unsharded += layer
         elif m.name is MomentName.BACKWARD_START:
             unsharded = through + tail.unsharded + every_layer  # the last layer's prefetch is not issued yet
@@ -1120,7 +1120,7 @@ def _fsdp(
         comm = 0
         if m.phase is Phase.FORWARD:
             unsharded = root + (0 if raf else layers_all)
-            if raf and m.name is MomentName.FORWARD_LAST_MOE_EXPERTS:
+            if raf and m.name in (MomentName.FORWARD_LAST_MOE_EXPERTS, MomentName.FORWARD_LAST_DOWN_PROJ):
                 # inside the top layer's experts: that layer is unsharded (its pre-forward all-gather) besides
                 # its all-gather output, while PEFT's ParamWrapper forms W + B·A from the unsharded stacks
                 unsharded += layer
