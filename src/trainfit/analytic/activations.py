@@ -56,7 +56,7 @@ from trainfit.analytic.adapters import (
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 from trainfit.errors import StrategyError
-from trainfit.strategy import AdapterKind, Attention, Checkpointing, Quantization, Strategy
+from trainfit.strategy import Adapter, AdapterKind, Attention, Checkpointing, Quantization, Strategy
 
 #: HF activations implemented in Python (several saved intermediates) rather than one fused kernel.
 PYTHON_GELUS = frozenset({"gelu_new", "gelu_fast", "gelu_python"})
@@ -1361,6 +1361,60 @@ def lora_input_grad_chain(strategy: Strategy, input_width: int) -> list[int]:
     return chain
 
 
+@dataclass(frozen=True, slots=True)
+class _FrozenMlp:
+    """What :func:`frozen_mlp_backward_bytes` and :func:`frozen_down_forward_bytes` read: the widths (m: the MLP's,
+    c: the compute dtype's), the adapted sites and what the down projection's adapter saves, by kind (``lora_in``,
+    ``dropout_mask``, ``lora_A_out``)."""
+
+    adapter: Adapter
+    quant: Quantization
+    w: Widths
+    t: int
+    h: int
+    i: int
+    m: int
+    c: int
+    sites: tuple[AdapterSite, ...]
+    down: tuple[AdapterSite, ...]
+    down_saved: dict[str, int]
+
+    @classmethod
+    def of(cls, spec: ModelSpec, strategy: Strategy) -> _FrozenMlp | None:
+        adapter = strategy.adapter
+        if adapter is None or not _frozen_mlp_derived(spec, strategy):
+            return None
+        quant = strategy.base_weights.quantization
+        w = Widths.of(strategy)
+        t = strategy.tokens_per_micro_batch
+        m = frozen_base_mlp_width(strategy, w)
+        sites = adapter_sites(spec, adapter)
+        down = tuple(x for x in sites if x.reads is SiteInput.MLP_ACT)
+        saved = adapter_saved(
+            down,
+            adapter,
+            tokens=t,
+            input_width={SiteInput.MLP_ACT: m},
+            amp=w.amp,
+            compute=w.compute,
+            base_width=base_weight_width(strategy),
+            quantised=quant is not Quantization.NONE,
+        )
+        return cls(
+            adapter=adapter,
+            quant=quant,
+            w=w,
+            t=t,
+            h=spec.hidden_size,
+            i=spec.intermediate_size,
+            m=m,
+            c=w.compute,
+            sites=sites,
+            down=down,
+            down_saved={x.name.rsplit(".", 1)[-1]: x.bytes for x in saved},
+        )
+
+
 def _frozen_mlp_derived(spec: ModelSpec, strategy: Strategy) -> bool:
     """Whether :func:`frozen_mlp_backward_bytes` derives this layer's MLP: a dense gated MLP under a LoRA adapter
     over a float or 4-bit base."""
@@ -1395,30 +1449,11 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
     ``None`` where this is not derived (other MLP forms, MoE layers, LLM.int8 and DoRA bases): the caller keeps
     the older sum of :func:`backward_temp_bytes`, the dequantised weight and the adapter chain. Checked against
     the trace's live tensors at its peak (tests/trace/test_peft.py, wide-MLP cells)."""
-    adapter = strategy.adapter
-    if not _frozen_mlp_derived(spec, strategy):
+    mlp = _FrozenMlp.of(spec, strategy)
+    if mlp is None:
         return None
-    assert adapter is not None
-    quant = strategy.base_weights.quantization
-    w = Widths.of(strategy)
-    t, h, i = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size
-    m, c = frozen_base_mlp_width(strategy, w), w.compute
-    down = [x for x in adapter_sites(spec, adapter) if x.reads is SiteInput.MLP_ACT]
-    # What the adapted down projection saved (its lora_A's input, dropout mask, lora_A's output) is released as its
-    # backward runs: lora_A's input once lora_A's matmul has run (before the chain), all of it before the base's.
-    saved = {
-        x.name.rsplit(".", 1)[-1]: x.bytes
-        for x in adapter_saved(
-            tuple(down),
-            adapter,
-            tokens=t,
-            input_width={SiteInput.MLP_ACT: m},
-            amp=w.amp,
-            compute=c,
-            base_width=base_weight_width(strategy),
-            quantised=quant is not Quantization.NONE,
-        )
-    }
+    quant, w, saved = mlp.quant, mlp.w, mlp.down_saved
+    t, h, i, m, c, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.c, mlp.down
     released = sum(saved.values())
     moments = [3 * m * t * i - released]
     g_lora = 0
@@ -1464,29 +1499,11 @@ def frozen_down_forward_bytes(spec: ModelSpec, strategy: Strategy, *, checkpoint
     an adapted up projection's branch can be worse: act(gate), up's base output, the branch's casts of its t·h input
     and lora_B's output and its scaled copy (the branch's width, t·i each) before the sum. What the down projection's
     adapter saves is counted with the layer; the parts not yet made at each moment are taken off."""
-    adapter = strategy.adapter
-    if not _frozen_mlp_derived(spec, strategy):
+    mlp = _FrozenMlp.of(spec, strategy)
+    if mlp is None:
         return None
-    assert adapter is not None
-    quant = strategy.base_weights.quantization
-    w = Widths.of(strategy)
-    t, h, i = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size
-    m, c = frozen_base_mlp_width(strategy, w), w.compute
-    sites = adapter_sites(spec, adapter)
-    down = tuple(x for x in sites if x.reads is SiteInput.MLP_ACT)
-    saved = {
-        x.name.rsplit(".", 1)[-1]: x.bytes
-        for x in adapter_saved(
-            down,
-            adapter,
-            tokens=t,
-            input_width={SiteInput.MLP_ACT: m},
-            amp=w.amp,
-            compute=c,
-            base_width=base_weight_width(strategy),
-            quantised=quant is not Quantization.NONE,
-        )
-    }
+    adapter, quant, w, saved, sites = mlp.adapter, mlp.quant, mlp.w, mlp.down_saved, mlp.sites
+    t, h, i, m, c, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.c, mlp.down
     ad = adapter.dtype.bits // 8
     mm = c if w.amp else ad
     nb = _norm_out_width(spec, w)
