@@ -11,9 +11,10 @@ cross-entropy, torchtune's activation offloading), full fine-tuning (their own m
 ``--layouts``: LoRA on fused-qkv and parallel-block layouts (GPT-2's Conv1D, Phi-2, Falcon, NeoX) and DoRA with
 dropout (their own marked section); ``--layouts-qlora``: QLoRA on those layouts (its own marked section).
 ``--moe``: LoRA on transformers 5 MoE models (Mixtral, Qwen3-MoE; PEFT's target_parameters on the experts).
-Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts | --layouts-qlora | --moe]
-[--write] (--write replaces the marked section of
-docs/accuracy.md)
+``--moe-int8``: LoRA over an LLM.int8 base on those MoE models and DeepSeek-V3's MLA + MoE layers (real bitsandbytes
+Linear8bitLt on the attention and shared-expert linears, float experts and routers).
+Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts | --layouts-qlora | --moe |
+--moe-int8] [--write] (--write replaces the marked section of docs/accuracy.md)
 """
 
 from __future__ import annotations
@@ -216,9 +217,10 @@ MOE_MODELS = ("mixtral-8x7b-v0.1", "qwen3-30b-a3b", "deepseek-v3")
 MOE_TARGETS = {"deepseek-v3": ("q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj", "all-linear")}
 
 
-def moe_rows() -> list[str]:
-    """LoRA on MoE models, no dropout (PEFT's ParamWrapper refuses it): amp-bf16 over a bf16 base, PEFT's fp32
-    adapters, rank 16, micro-batch 1 x 2048 tokens; the worst phase also without the cuBLAS workspaces."""
+def moe_rows(*, base: str = "bf16") -> list[str]:
+    """LoRA on MoE models, no dropout (PEFT's ParamWrapper refuses it): amp-bf16 over a ``base`` base (bf16; or
+    ``int8``: LLM.int8 linears, the experts and routers in the recipe's fp32), PEFT's fp32 adapters, rank 16,
+    micro-batch 1 x 2048 tokens; the worst phase also without the cuBLAS workspaces."""
     out = [
         "| model | targets | ckpt | analytic peak GiB | trace peak GiB | worst phase diff | without workspaces |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -226,7 +228,7 @@ def moe_rows() -> list[str]:
     cells = [(m, t, c) for m in MOE_MODELS for t in MOE_TARGETS.get(m, TARGETS) for c in CHECKPOINTING]
     for name, targets, ckpt in cells:
         spec = load_model(name)
-        a, b = finetune_setup("lora", rank=16, targets=targets, base_dtype="bf16")
+        a, b = finetune_setup("lora", rank=16, targets=targets, base_dtype=base)
         s = Strategy(adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=1, seq_len=2048)
         t0 = time.perf_counter()
         ra, rt = estimate(spec, s), estimate(spec, s, method="trace")
@@ -241,6 +243,14 @@ def moe_rows() -> list[str]:
         )
         print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     return out
+
+
+MOE_INT8_BEGIN, MOE_INT8_END = "<!-- agreement-moe-int8:begin -->", "<!-- agreement-moe-int8:end -->"
+
+
+def moe_int8_rows() -> list[str]:
+    """``--moe-int8``: the MoE rows over an LLM.int8 base (trainfit.analytic.activations.int8_layer_inputs)."""
+    return moe_rows(base="int8")
 
 
 QLAYOUTS_BEGIN, QLAYOUTS_END = "<!-- agreement-layouts-qlora:begin -->", "<!-- agreement-layouts-qlora:end -->"
@@ -271,9 +281,10 @@ def _write(begin: str, end: str, table: str) -> None:
 
 
 def main() -> None:
-    """``--freeze-int8`` / ``--savers`` / ``--layouts`` / ``--layouts-qlora`` / ``--moe`` run only their own table
-    (each its own marked section)."""
+    """``--freeze-int8`` / ``--savers`` / ``--layouts`` / ``--layouts-qlora`` / ``--moe`` / ``--moe-int8`` run only
+    their own table (each its own marked section)."""
     sections = {
+        "--moe-int8": (moe_int8_rows, MOE_INT8_BEGIN, MOE_INT8_END),
         "--savers": (saver_rows, SAVERS_BEGIN, SAVERS_END),
         "--freeze-int8": (freeze_int8_rows, FREEZE_BEGIN, FREEZE_END),
         "--layouts": (layout_rows, LAYOUTS_BEGIN, LAYOUTS_END),

@@ -251,7 +251,7 @@ def test_targets_match_as_peft_matches_module_paths() -> None:
 def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused() -> None:
     """Mixtral's v4 expert names are PEFT targets (converted to target_parameters), half of the fused gate_up is
     not (PEFT raises), ParamWrapper refuses dropout and DoRA (both methods); DeepSeek-V3 (MLA, shared experts, dense
-    layers) is modelled over a float base, refused over a quantised one."""
+    layers) is modelled over a float, a 4-bit and an LLM.int8 base."""
     mixtral = load_model("mixtral-8x7b-v0.1")
     from trainfit.analytic.adapters import adapter_sites, check_finetune_model
 
@@ -301,11 +301,10 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     # a 4-bit base: the MLA linears and shared experts packed, the experts and router float (both methods)
     qa, qb = finetune_setup("qlora", targets="q_a_proj", base_dtype="nf4")
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=qa, base_weights=qb))
-    # LLM.int8: traced, not modelled in closed form (which inputs MatMul8bitLt keeps on ctx in MoE/MLA layers)
+    # LLM.int8: both methods (the inputs MatMul8bitLt keeps on ctx in MoE/MLA layers: activations.int8_layer_inputs)
     ia, ib = finetune_setup("lora", targets="q_a_proj", base_dtype="int8")
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=ia, base_weights=ib), analytic=False)
-    with pytest.raises(StrategyError, match="int8 base of deepseek-v3 is not modelled by --method analytic"):
-        check_finetune_model(deepseek, dataclasses.replace(s, adapter=ia, base_weights=ib))
+    check_finetune_model(deepseek, dataclasses.replace(s, adapter=ia, base_weights=ib))
 
 
 def test_deepseek_lora_parameters_follow_peft_conversion() -> None:

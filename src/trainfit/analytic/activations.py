@@ -51,8 +51,10 @@ from trainfit.analytic.adapters import (
     frozen_base,
     frozen_layers,
     head_sites,
+    layer_linears,
     moe_param_sites,
 )
+from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 from trainfit.errors import StrategyError
@@ -499,11 +501,13 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     the residual stream's by cos/sin, fp32 under autocast — and v. The attention kernel saves a copy itself
     when it needs a cast (autocast), repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
     loses ``enable_gqa``) or the math kernel's scaled/upcast copies; then the cache's copy is extra. 0 without
-    the cache and for MLA; for a fused qkv (k and v views of one output that SDPA keeps), 0 unless a
-    bitsandbytes qkv returns its input's dtype (``Linear4bit.forward``: ``.to(inp_dtype)``, fp32 over QLoRA's
+    the cache (MLA: :func:`_mla_cache_held_bytes`); for a fused qkv (k and v views of one output that SDPA keeps),
+    0 unless a bitsandbytes qkv returns its input's dtype (``Linear4bit.forward``: ``.to(inp_dtype)``, fp32 over QLoRA's
     fp32 residual): under autocast SDPA then saves its own 16-bit copies and the cache's fp32 k and v are extra."""
-    if not _kv_cache_active(spec, strategy) or spec.mla is not None:
+    if not _kv_cache_active(spec, strategy):
         return 0
+    if spec.mla is not None:
+        return _mla_cache_held_bytes(spec, strategy)
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     kd = spec.kv_dim
@@ -530,6 +534,36 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         if v_width != a:
             v_extra = v_width * t * kd
     return k_extra + v_extra
+
+
+def _mla_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """MLA's DynamicCache (modeling_deepseek_v3.py ``DeepseekV3Attention.forward``: ``cache.update(kv_nope, k_rot)``
+    before ``expand_kv``) ``torch.cat``s the normed latent kv_nope (the residual's width: ``DeepseekV3RMSNorm``
+    returns ``weight * x.to(input_dtype)``) and the RoPE'd shared key k_rot (kv_a's output promoted by cos/sin,
+    which carry the residual's dtype) into new tensors, and ``expand_kv`` reads those. k_rot's copy is saved by
+    nothing (``key_states[...].copy_(k_rot)`` needs no input in backward); kv_nope's is kv_b_proj's input, kept
+    by an LLM.int8 kv_b_proj (``MatMul8bitLt`` ctx, in place of the norm's output) or by its adapter when that reads
+    it uncast (:func:`trainfit.analytic.adapters.adapter_saved`). Both held until the forward's outputs are
+    dropped (found by the trace). Modelled under a frozen base (adapters); full fine-tuning: 0 (not modelled)."""
+    if not frozen_base(strategy) or strategy.adapter is None:
+        return 0
+    assert spec.mla is not None
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    m = spec.mla
+    k_rot = max(frozen_base_mlp_width(strategy, w), w.residual) * t * m.qk_rope_head_dim
+    kept = strategy.base_weights.quantization is Quantization.INT8
+    if not kept:
+        saved = adapter_saved(
+            adapter_sites(spec, strategy.adapter),
+            strategy.adapter,
+            tokens=t,
+            input_width=site_widths(spec, strategy, w),
+            amp=w.amp,
+            compute=w.compute,
+        )
+        kept = any(x.reads is SiteInput.KV_LATENT for x in saved)
+    return k_rot + (0 if kept else w.residual * t * m.kv_lora_rank)
 
 
 def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, kd: int, vd: int) -> SavedTerm:
@@ -704,7 +738,11 @@ def _core_inputs(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> Save
         base = _sdpa_inputs(spec, strategy, t, a, qd, kd, vd)  # the kernel's own inputs (views of a fused qkv)
         return SavedTerm(name="attn.core_inputs", bytes=base.bytes, formula=base.formula, pieces=base.pieces)
     qk = rope * t * (qd + kd)
-    if spec.fused_qkv and spec.mla is None and not spec.sdpa_kv_expanded and not _kv_cache_active(spec, strategy):
+    if spec.mla is not None:
+        # MLA's v is a view of kv_b_proj's output (modeling_deepseek_v3.py ``expand_kv``), which ``attn.kv_b_out``
+        # keeps outside the core (in kv_b's output width: fp32 from an LLM.int8/4-bit kv_b over an fp32 residual).
+        return SavedTerm(name="attn.core_inputs", bytes=qk, formula="r·t·(q_dim+k_dim) (v: a view of kv_b's output)")
+    if spec.fused_qkv and not spec.sdpa_kv_expanded and not _kv_cache_active(spec, strategy):
         v, vf = a * t * (qd + kd + vd), "fused qkv (v view)"
     else:
         v, vf = a * t * vd, "a·t·kv_dim"
@@ -938,20 +976,13 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
         already.add(SiteInput.MLP_ACT)
     # An LLM.int8 linear is no frozen nn.Linear: bitsandbytes' MatMul8bitLt.forward keeps its input A in
     # ``ctx.tensors = (CAt, subA, A)`` whenever the input requires grad (bitsandbytes/autograd/_functions.py),
-    # so every linear's input stays saved (shared inputs once): norm1's and norm2's outputs, the attention
-    # output, the MLP's activation product (matched against the trace of real Linear8bitLt layers).
+    # so every int8 linear's input stays saved, shared inputs once (:func:`int8_layer_inputs`; the attention
+    # output is the fused kernel's saved output, kept below).
     int8_in: dict[SiteInput, list[SavedTerm]] = {}
     if int8:
-        int8_in = {
-            SiteInput.NORM1: [SavedTerm(name="int8.norm1_out", bytes=nb * t * h, formula=f"{nb}·t·h (int8 A)")],
-            SiteInput.NORM2: [SavedTerm(name="int8.norm2_out", bytes=nb * t * h, formula=f"{nb}·t·h (int8 A)")],
-        }
-        if SiteInput.MLP_ACT not in already:
-            i_ = spec.intermediate_size
-            int8_in[SiteInput.MLP_ACT] = [
-                SavedTerm(name="int8.mlp_act", bytes=mlp_w * t * i_, formula=f"{mlp_w}·t·i (int8 A)")
-            ]
-        already |= {SiteInput.NORM1, SiteInput.NORM2, SiteInput.MLP_ACT}
+        skip = {SiteInput.ATTN_OUT} | (already & {SiteInput.MLP_ACT})  # ReLU's output is saved already
+        int8_in = {k: [v] for k, v in int8_layer_inputs(spec, strategy, moe=moe).items() if k not in skip}
+        already |= set(int8_in)
     seen: set[SiteInput] = set()
 
     def adapter_terms(reads: tuple[SiteInput, ...]) -> list[SavedTerm]:
@@ -982,8 +1013,23 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
         # o_proj's input: a frozen o_proj keeps none
         attn = [x for x in attn if x.name not in ("attn.eager.out", "attn.sdpa.out")]
     if spec.mla is not None:
-        attn = [y for x in attn for y in (frozen_latent_terms(spec, t) if x.name == "attn.latents" else [x])]
+        latents = frozen_latent_terms(spec, t, fp32_latents=mla_latents_fp32(strategy, w))
+        attn = [y for x in attn for y in (latents if x.name == "attn.latents" else [x])]
+        if w.amp and mlp_w != a:
+            # kv_b_proj returns fp32 (a bitsandbytes linear over an fp32 residual): v, a view of its output, reaches
+            # SDPA in fp32 and autocast casts it to a new 16-bit tensor, which the kernel saves instead (the trace);
+            # with the core checkpointed (selective) the checkpoint keeps v itself, so all of kv_b's fp32 output.
+            m = spec.mla
+            v = a * t * spec.num_heads * m.v_head_dim
+            out_b = mlp_w * t * spec.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+            kept = (
+                SavedTerm(name="attn.kv_b_out", bytes=out_b, formula=f"{mlp_w}·t·heads·(nope+v) (v's base, fp32)")
+                if strategy.checkpointing is Checkpointing.SELECTIVE
+                else SavedTerm(name="attn.sdpa.v_cast", bytes=v, formula="a·t·heads·v_head_dim (autocast cast of v)")
+            )
+            attn = [kept if x.name == "attn.kv_b_out" else x for x in attn]
     terms += attn
+    terms += int8_in.get(SiteInput.Q_LATENT, []) + int8_in.get(SiteInput.KV_LATENT, [])
     terms += adapter_terms((SiteInput.Q_LATENT, SiteInput.KV_LATENT))
     terms += adapter_terms((SiteInput.ATTN_OUT,))
     if spec.hidden_dropout > 0:
@@ -998,6 +1044,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     if moe:
         shared = SiteInput.NORM2 in seen or SiteInput.NORM2 in already
         mlp += frozen_moe_terms(spec, strategy, t, w, nb, norm_out_saved=shared)
+        mlp += int8_in.get(SiteInput.MLP_ACT, [])  # an LLM.int8 shared expert's down_proj input
         mlp += adapter_terms((SiteInput.MLP_ACT,))  # a shared expert's down_proj (Qwen2-MoE)
         return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
     if spec.mlp is MlpKind.GATED:
@@ -1038,12 +1085,17 @@ def site_widths(spec: ModelSpec, strategy: Strategy, w: Widths) -> dict[SiteInpu
     }
 
 
-def frozen_latent_terms(spec: ModelSpec, t: int, *, blind: frozenset[SiteInput] = frozenset()) -> list[SavedTerm]:
+def frozen_latent_terms(
+    spec: ModelSpec, t: int, *, blind: frozenset[SiteInput] = frozenset(), fp32_latents: bool = False
+) -> list[SavedTerm]:
     """MLA's two latent RMSNorms with frozen weights (modeling_deepseek_v3.py ``DeepseekV3Attention.forward``:
     ``q_a_layernorm(q_a_proj(x))``, ``kv_a_layernorm(split(kv_a_proj_with_mqa(x))[0])``): each keeps its input's fp32
     copy (``pow`` and ``x * rsqrt``; a copy of the split's strided view) and its fp32 rsqrt — 4·t·(lat + 1) — but not
-    the normed latent (a frozen weight) nor q_b's or kv_b's input (frozen linears). A latent whose input needs no
-    gradient (``blind``: the first layer without input gradients, its q_a/kv_a not adapted) keeps nothing."""
+    the normed latent (a frozen weight) nor q_b's or kv_b's input (frozen linears). ``fp32_latents``: q_a and kv_a
+    return fp32 already (a bitsandbytes linear over an fp32 residual returns its input's dtype), so ``.to(float32)``
+    is no copy: kv_a_layernorm saves the split's view itself, which keeps kv_a's whole output, 4·t·(kv_lora + rope)
+    (found by the trace of LLM.int8 layers). A latent whose input needs no gradient (``blind``: the first layer
+    without input gradients, its q_a/kv_a not adapted) keeps nothing."""
     assert spec.mla is not None
     m = spec.mla
     out: list[SavedTerm] = []
@@ -1052,15 +1104,22 @@ def frozen_latent_terms(spec: ModelSpec, t: int, *, blind: frozenset[SiteInput] 
         (SiteInput.KV_LATENT, "kv_a_layernorm", m.kv_lora_rank),
     ):
         if lat and site not in blind:
+            whole = lat + (m.qk_rope_head_dim if fp32_latents and site is SiteInput.KV_LATENT else 0)
             out.append(
                 SavedTerm(
                     name=f"attn.{name}",
-                    bytes=4 * t * lat + 4 * t,
-                    formula="4·t·lat + 4·t (fp32 input, rsqrt)",
-                    pieces=(4 * t * lat, 4 * t),
+                    bytes=4 * t * whole + 4 * t,
+                    formula="4·t·lat + 4·t (fp32 input, rsqrt)" if whole == lat else "4·t·(lat + rope) + 4·t",
+                    pieces=(4 * t * whole, 4 * t),
                 )
             )
     return out
+
+
+def mla_latents_fp32(strategy: Strategy, w: Widths) -> bool:
+    """Whether MLA's frozen q_a/kv_a projections return fp32 (:func:`frozen_latent_terms`): the width of a frozen
+    linear's output (:func:`frozen_base_mlp_width`) is 4."""
+    return frozen_base_mlp_width(strategy, w) == 4
 
 
 def frozen_moe_terms(
@@ -1094,12 +1153,17 @@ def frozen_moe_terms(
         SavedTerm(name="mlp.router", bytes=router, formula="4·t·E + 4·E + 36·t·k (+renorm)"),
         SavedTerm(name="mlp.experts", bytes=e * k_t * (h + 3 * i), formula="w·t·top_k·(h + 3·moe_i) (frozen)"),
     ]
-    if m.num_shared_experts:  # frozen SwiGLU (nn.Linear: the compute dtype); its adapters are layer sites
+    # The shared experts are nn.Linear modules: the compute dtype, or over a bitsandbytes base their input's dtype
+    # (an int8/4-bit linear returns it, frozen_base_mlp_width: fp32 over an fp32 residual stream).
+    sw = frozen_base_mlp_width(strategy, w)
+    if m.num_shared_experts:  # frozen SwiGLU; its adapters are layer sites
         si = m.num_shared_experts * m.shared_expert_intermediate_size
-        out.append(_frozen_swiglu("mlp.shared.swiglu", a * t * si, "3·a·t·shared_i (gate, act, up)"))
+        out.append(_frozen_swiglu("mlp.shared.swiglu", sw * t * si, f"3·{sw}·t·shared_i (gate, act, up)"))
     if m.shared_expert_gate:
-        # sigmoid(gate(x)) * shared_out: saves the sigmoid output and the shared experts' output.
-        out.append(SavedTerm(name="mlp.shared_gate", bytes=a * t * (h + 1), formula="a·t·(h+1)"))
+        # sigmoid(gate(x)) * shared_out: saves the shared expert's output (made before the routed experts run) and
+        # the sigmoid output (after them, modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock.forward).
+        out.append(SavedTerm(name="mlp.shared_out", bytes=sw * t * h, formula=f"{sw}·t·h"))
+        out.append(SavedTerm(name="mlp.shared_gate", bytes=sw * t, formula=f"{sw}·t (sigmoid)"))
     if spec.model_type in _FP32_ROUTERS:
         out += _fp32_router_terms(spec, t, w, nb, adapted="router" in params, norm_out_saved=norm_out_saved)
     elif "router" in params:
@@ -1200,7 +1264,32 @@ def moe_adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         # tiny configs' forward disagrees first (an unmodelled forward transient of the routed output, ≈ 8·T·h).
         # Qwen2-/Qwen3-MoE cast the weights back (``router_top_value.to(router_logits.dtype)``): no promotion.
         moments.append(8 * big_t * h + r * t * h)
-    return r * t * h + max(0, *moments)
+    shared = _quantised_shared_branch_bytes(spec, strategy)
+    return r * t * h + max(0, *(x + shared for x in moments))
+
+
+def _quantised_shared_branch_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Over a bitsandbytes base, what DeepSeek's shared experts (:data:`_SHARED_AFTER_EXPERTS`: added after the
+    routed ones) change in the routed experts' backward moments (:func:`moe_adapter_backward_bytes`): their branch
+    back-propagates first — its down projection needs no saved tensor (``MatMul8bitLt`` reads only ``ctx``,
+    ``MatMul4Bit`` saves nothing), so it runs before the layer's recomputation — and by the routed experts' backward
+    their SwiGLU's saves (gate, act(gate), up: 3·w·t·shared_i in their input's width, :func:`frozen_moe_terms`) are
+    released, while their input gradient waits to be summed with the routed branch's in the input's dtype
+    (``MatMul8bitLt.backward``: ``grad_output.to(ctx.dtype_A)``; ``Linear4bit``'s ``x.to(compute_dtype)`` casts its
+    gradient back): norm2's output width · t·h. Read off the trace's records at its backward peak (DeepSeek-V2,
+    LLM.int8: +2.0% → +1.2% of the trace without workspaces; QLoRA +5.3% → +4.4%). 0 otherwise."""
+    m = spec.moe
+    if (
+        strategy.base_weights.quantization is Quantization.NONE
+        or m is None
+        or not m.num_shared_experts
+        or spec.model_type not in _SHARED_AFTER_EXPERTS
+    ):
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    si = m.num_shared_experts * m.shared_expert_intermediate_size
+    return _norm_out_width(spec, w) * t * spec.hidden_size - 3 * frozen_base_mlp_width(strategy, w) * t * si
 
 
 def moe_adapter_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -1226,7 +1315,34 @@ def moe_adapter_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     new = {n: e * p.weight_numel for n, p in params.items()}
     at_act = new.get("gate_up_proj", 0) + e * big_t * (h + 4 * i)
     at_down = sum(new.values()) + e * big_t * (2 * h + i)
-    return factors + max(at_act, at_down) + (_norm_out_width(spec, w) + w.residual) * t * h
+    p = max(e, _routing_weight_width(spec, w))
+    at_unpermute = sum(new.values()) + 2 * e * big_t * h + 2 * p * big_t * h
+    held = (_norm_out_width(spec, w) + w.residual) * t * h - _int8_kept_early(spec, strategy)
+    return factors + max(at_act, at_down, at_unpermute) + held
+
+
+def _routing_weight_width(spec: ModelSpec, w: Widths) -> int:
+    """Bytes per routing weight as the experts multiply by them: fp32 for Mixtral (``softmax(router_logits.float())``,
+    never cast back) and DeepSeek-V2 (``softmax(dtype=float32)``); the compute dtype for Qwen-MoE
+    (``.to(router_logits.dtype)``, :attr:`MoESpec.weights_in_compute_dtype`) and for DeepSeek-V3 under autocast (the
+    sigmoid of the autocast linear's 16-bit logits), fp32 without (modeling_deepseek_v3.py ``DeepseekV3TopkRouter``)."""
+    assert spec.moe is not None
+    if spec.model_type == "deepseek_v3":
+        return w.compute if w.amp else 4
+    return w.compute if spec.moe.weights_in_compute_dtype else 4
+
+
+def _int8_kept_early(spec: ModelSpec, strategy: Strategy) -> int:
+    """What the checkpointed forward's kept inputs (:func:`int8_ctx_bytes`) count of the last MoE layer that is not
+    there, or is there already, while its routed experts run (:func:`moe_adapter_forward_bytes`): the normed input,
+    which an LLM.int8 shared expert (or ``shared_expert_gate``) keeps on ctx — counted there, not again — and the
+    shared experts' product (down_proj's int8 input), not made yet: the routed experts run first
+    (modeling_deepseek_v3.py ``DeepseekV3MoE.forward``: ``self.experts(...)``, then ``+ self.shared_experts(...)``).
+    0 without an LLM.int8 base."""
+    if strategy.base_weights.quantization is not Quantization.INT8:
+        return 0
+    ins = int8_layer_inputs(spec, strategy, moe=True)
+    return sum(ins[k].bytes for k in (SiteInput.NORM2, SiteInput.MLP_ACT) if k in ins)
 
 
 def _site_of(saved: list[AdapterSaved], sites: tuple[AdapterSite, ...]) -> list[AdapterSite]:
@@ -1268,9 +1384,9 @@ def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
             blind.add(SiteInput.Q_LATENT)
         if "kv_a_proj_with_mqa" not in adapted:
             blind.add(SiteInput.KV_LATENT)
-        t_ = strategy.tokens_per_micro_batch
-        norm += sum(x.bytes for x in frozen_latent_terms(spec, t_)) - sum(
-            x.bytes for x in frozen_latent_terms(spec, t_, blind=frozenset(blind))
+        t_, f32 = strategy.tokens_per_micro_batch, mla_latents_fp32(strategy, w)
+        norm += sum(x.bytes for x in frozen_latent_terms(spec, t_, fp32_latents=f32)) - sum(
+            x.bytes for x in frozen_latent_terms(spec, t_, blind=frozenset(blind), fp32_latents=f32)
         )
     if strategy.base_weights.quantization is Quantization.INT8:
         # ... and its LLM.int8 q/k/v keep no input (MatMul8bitLt saves A only if an input needs a gradient).
@@ -1667,20 +1783,139 @@ def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     return []
 
 
-def int8_ctx_bytes(spec: ModelSpec, strategy: Strategy) -> int:
-    """Per layer, the inputs that LLM.int8 linears keep through a *checkpointed* forward. ``MatMul8bitLt``
-    (bitsandbytes/autograd/_functions.py) stores its input on ``ctx.tensors``, not through
-    ``save_for_backward``, so the saved-tensor hooks of non-reentrant checkpointing never see it: every
-    linear's input stays alive from the forward until that node's backward, checkpointing or not. Distinct
-    tensors: norm1's and norm2's outputs, the attention output (o_proj's input), the MLP's activation product
-    (down_proj's input). Found in the trace of real ``Linear8bitLt`` layers; 0 for other bases."""
-    if strategy.base_weights.quantization is not Quantization.INT8 or strategy.adapter is None:
-        return 0
+_INT8_INPUT_NAMES = {
+    SiteInput.NORM1: ("int8.norm1_out", "t·h"),
+    SiteInput.NORM2: ("int8.norm2_out", "t·h"),
+    SiteInput.ATTN_OUT: ("int8.attn_out", "t·d_in(o_proj)"),
+    SiteInput.MLP_ACT: ("int8.mlp_act", "t·d_in(down_proj)"),
+    SiteInput.Q_LATENT: ("int8.q_latent", "t·q_lora_rank"),
+    SiteInput.KV_LATENT: ("int8.kv_latent", "t·kv_lora_rank"),
+}
+
+
+def int8_layer_inputs(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> dict[SiteInput, SavedTerm]:
+    """The distinct inputs of one layer's LLM.int8 linears (``moe``: an MoE layer's, else a dense one's), which
+    ``MatMul8bitLt.forward`` keeps on ``ctx.tensors`` (bitsandbytes/autograd/_functions.py: ``(CAt, subA, A)``,
+    ``A`` a view of the input) whenever an input requires grad. The int8 linears are exactly the layer's
+    ``nn.Linear`` modules (transformers' ``replace_with_bnb_linear``; :func:`trainfit.analytic.adapters.layer_linears`
+    lists them, :func:`trainfit.analytic.adapters.bnb_converted` packs them): the attention's projections (MLA:
+    ``q_a_proj``/``kv_a_proj_with_mqa`` over norm1's output, ``q_b_proj``/``kv_b_proj`` over the normed latents,
+    modeling_deepseek_v3.py ``DeepseekV3Attention.forward``), a dense MLP's or the shared experts' gate/up over
+    norm2's output and down over their activation product, Qwen2-MoE's ``shared_expert_gate`` over norm2's output.
+    The routers and the 3-D expert stacks are no ``nn.Linear`` and keep nothing here, so a Mixtral layer's norm2
+    output is not held. Widths: what each tensor is in the trace (:func:`site_widths`: an int8 linear returns its
+    input's dtype, ``int8_scaled_mm(..., dtype=A.dtype)``, and a latent norm returns the base weight's dtype
+    promoted with it)."""
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
-    nb = _norm_out_width(spec, w)
-    mlp_in = spec.intermediate_size * frozen_base_mlp_width(strategy, w)
-    return t * (2 * nb * spec.hidden_size + w.compute * spec.q_dim + mlp_in)
+    widths = site_widths(spec, strategy, w)
+    out: dict[SiteInput, SavedTerm] = {}
+    for site in layer_linears(spec, "moe" if moe else "dense"):
+        if site.reads in out:
+            continue
+        name, what = _INT8_INPUT_NAMES[site.reads]
+        width = widths[site.reads]
+        out[site.reads] = SavedTerm(name=name, bytes=width * t * site.d_in, formula=f"{width}·{what} (int8 A)")
+    return out
+
+
+def int8_ctx_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """The whole stack's inputs that LLM.int8 linears keep on ``ctx``, a checkpointed forward's too. ``MatMul8bitLt``
+    (bitsandbytes/autograd/_functions.py) stores its input on ``ctx.tensors``, not through
+    ``save_for_backward``, so the saved-tensor hooks of non-reentrant checkpointing never see it, and the engine's
+    release of a node's saved variables after it runs does not free it either: every int8 linear's input stays
+    alive from the forward until the graph is freed after the whole backward, checkpointing or not. Per layer
+    kind the distinct tensors of :func:`int8_layer_inputs` — a Llama layer's norm1 and norm2 outputs, the
+    attention output (o_proj's input), the MLP's activation product (down_proj's input); an MoE layer's
+    attention inputs and its shared experts'; MLA's normed latents too. Found in the trace of real
+    ``Linear8bitLt`` layers; 0 for other bases."""
+    if strategy.base_weights.quantization is not Quantization.INT8 or strategy.adapter is None:
+        return 0
+    return sum(
+        g.count * sum(x.bytes for x in int8_layer_inputs(spec, strategy, moe=g.kind == "moe").values())
+        for g in inventory(spec).layers
+    )
+
+
+def int8_layer_bytes(spec: ModelSpec, strategy: Strategy, *, all_inputs: bool = False) -> int:
+    """The LLM.int8 inputs of the layer that saves the most (the one the moments count). Two moments need them
+    apart. A checkpointed layer's recomputation makes them again on its recomputed ``MatMul8bitLt`` nodes' own
+    ``ctx.tensors`` (outside the saved-tensor hooks that hand the recomputed saves to the original graph), and those
+    go with the recomputed graph when the recomputation stops (torch/utils/checkpoint.py, non-reentrant:
+    ``_StopRecomputationError`` once every save is back); the original forward's, in the kept inputs
+    (:func:`int8_ctx_bytes`), serve the backward — so the recomputed layer keeps none of the inputs only ``ctx``
+    holds (its ``int8.*`` terms in :func:`layer_terms`; a fused kernel's output or a ReLU output the recomputation
+    saves anyway). And without checkpointing the bottom layer's backward holds every layer's inputs
+    (:func:`int8_ctx_bytes`: a ``ctx`` attribute lives as long as its node, the nodes as long as the graph, freed
+    after the whole backward), of which the bottom layer's own (``all_inputs``: every one of
+    :func:`int8_layer_inputs`) are among its saves already. Both found in the trace's records. 0 for other bases."""
+    if strategy.base_weights.quantization is not Quantization.INT8 or strategy.adapter is None:
+        return 0
+    kinds = [g.kind == "moe" for g in inventory(spec).layers]
+    most = max(kinds, key=lambda moe: _sum_bytes(layer_terms(spec, strategy, moe=moe)))
+    if all_inputs:
+        return sum(x.bytes for x in int8_layer_inputs(spec, strategy, moe=most).values())
+    return sum(x.bytes for x in layer_terms(spec, strategy, moe=most) if x.name.startswith("int8."))
+
+
+#: MoE blocks that run their shared experts after the routed ones (modeling_deepseek_v3.py ``DeepseekV3MoE.forward``:
+#: ``self.experts(...)`` then ``+ self.shared_experts(residuals)``; the same in modeling_deepseek_v2.py). Qwen2-MoE runs
+#: its shared expert first and its ``shared_expert_gate`` after (modeling_qwen2_moe.py ``Qwen2MoeSparseMoeBlock``).
+_SHARED_AFTER_EXPERTS = frozenset({"deepseek_v2", "deepseek_v3"})
+
+
+def int8_moe_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(saved, in flight) inside the top MoE layer's *recomputation* under an LLM.int8 base, at the un-permute of its
+    routed experts (transformers integrations/moe.py ``grouped_mm_experts_forward``: ``weighted_out[inv_perm]``) —
+    the most the recomputed layer holds at once, since its int8 inputs are dropped with its graph when the
+    recomputation stops (:func:`int8_layer_bytes`), so afterwards the layer's backward holds less.
+
+    Saved: what the layer saves (:func:`layer_terms`, its int8 inputs included) but for what its forward makes
+    after the routed experts — DeepSeek's shared experts (:data:`_SHARED_AFTER_EXPERTS`: their SwiGLU and int8
+    product), Qwen2-MoE's ``shared_expert_gate`` (its sigmoid, the shared output it multiplies, its adapter). In
+    flight: the layer output's gradient (r·t·h); the gathered rows (w·T·h, w the experts' width, ``T = t·top_k``)
+    unless an adapted gate_up keeps them; the routed output weighted and put back in token order (2·p·T·h, p the
+    wider of w and the routing weights', :func:`_routing_weight_width`); where the shared experts come after the
+    routed ones, their down projection's input gradient (its input's width · t·shared_i), computed before the
+    recomputation starts (an int8 ``MatMul8bitLt`` backward reads only ``ctx``, no saved-tensor hook); and the block's
+    locals that nothing saves: the 16-bit residual (r·t·h; an fp32 one is norm2's saved input) and the normed input
+    where no int8 linear reads it. Checked against the trace's records at its backward peak (Qwen2-MoE under amp and
+    pure bf16, DeepSeek-V3). (0, 0) for other bases and dense stacks."""
+    if (
+        strategy.base_weights.quantization is not Quantization.INT8
+        or strategy.adapter is None
+        or spec.moe is None
+        or not spec.num_moe_layers
+        or strategy.checkpoint_segments(spec.num_layers) == 0
+    ):
+        return 0, 0
+    m, w = spec.moe, Widths.of(strategy)
+    t, h = strategy.tokens_per_micro_batch, spec.hidden_size
+    big_t = t * m.experts_per_token
+    e = w.residual  # grouped_mm has no autocast policy: the experts' weight dtype
+    if spec.model_type in _SHARED_AFTER_EXPERTS:
+        after = {"mlp.shared.swiglu", "int8.mlp_act"}
+    else:
+        gate_lora = ("lora_in", "lora_A_out", "dropout_mask")
+        after = {"mlp.shared_gate"} | {f"lora.shared_expert_gate.{x}" for x in gate_lora}
+    terms = layer_terms(spec, strategy, moe=True)
+    saved = sum(x.bytes for x in terms if x.name not in after)
+    gathered = 0 if any(x.name == "lora.gate_up_proj.in" for x in terms) else e * big_t * h
+    p = max(e, _routing_weight_width(spec, w))
+    shared_grad = 0
+    if spec.model_type in _SHARED_AFTER_EXPERTS and m.num_shared_experts:
+        si = m.num_shared_experts * m.shared_expert_intermediate_size
+        shared_grad = frozen_base_mlp_width(strategy, w) * t * si
+    # The block's locals while its experts run: the residual (saved as norm2's input only when that is fp32 already,
+    # else norm2 saves its own fp32 cast) and the normed input (saved when an int8 linear reads it).
+    locals_ = (0 if w.residual == 4 else w.residual * t * h) + (
+        0 if SiteInput.NORM2 in int8_layer_inputs(spec, strategy, moe=True) else _norm_out_width(spec, w) * t * h
+    )
+    return saved, w.residual * t * h + gathered + 2 * p * big_t * h + shared_grad + locals_
+
+
+def _sum_bytes(terms: list[SavedTerm]) -> int:
+    return sum(x.bytes for x in terms)
 
 
 def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int]:

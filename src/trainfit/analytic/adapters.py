@@ -77,9 +77,11 @@ gradient: one N·K tensor in the compute dtype per linear, alive during that mat
 makes it in the *input's* dtype (``CB.to(ctx.dtype_A)``; no autocast inside the Function).
 
 **LLM.int8 saves what a frozen linear does not.** ``MatMul8bitLt.forward`` keeps its input on ``ctx.tensors``
-whenever an input requires grad, outside ``save_for_backward``: every int8 linear's input is saved, and
-non-reentrant checkpointing (saved-tensor hooks) cannot drop it
-(:func:`trainfit.analytic.activations.int8_ctx_bytes`).
+whenever an input requires grad, outside ``save_for_backward``: every int8 linear's input is saved — per layer kind
+the distinct inputs of its ``nn.Linear`` modules, MoE and MLA layers included
+(:func:`trainfit.analytic.activations.int8_layer_inputs`) — until the graph is freed after the backward, and
+non-reentrant checkpointing (saved-tensor hooks) cannot drop it (:func:`trainfit.analytic.activations.int8_ctx_bytes`);
+a recomputation's copies go with the recomputed graph (:func:`trainfit.analytic.activations.int8_layer_bytes`).
 
 **``--freeze``** (:class:`FrozenLayers`): a wholly frozen layer saves nothing when no gradient flows into it
 (frozen embeddings, no layer checkpointing — selective recompute counts as none — no trainable layer below),
@@ -733,18 +735,7 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     largest = max(s.d_in * s.d_out for s in linears)
     out = largest * strategy.recipe.compute_bits // 8
     if strategy.base_weights.quantization is Quantization.INT8:
-        # MatMul8bitLt.backward: ``CB.to(ctx.dtype_A, copy=True)`` — the weight in its *input's* dtype (no
-        # autocast inside the Function), not the compute dtype: fp32 over an fp32 residual stream.
-        from trainfit.analytic.activations import Widths, frozen_base_mlp_width, norm_out_width
-
-        w = Widths.of(strategy)
-        width = {
-            SiteInput.NORM1: norm_out_width(spec, w),
-            SiteInput.NORM2: norm_out_width(spec, w),
-            SiteInput.ATTN_OUT: w.compute,
-            SiteInput.MLP_ACT: frozen_base_mlp_width(strategy, w),
-        }
-        out = max(s.d_in * s.d_out * width[s.reads] for s in linears)
+        out = int8_dequant_bytes(spec, strategy)
     # Linear4bit.forward casts its input to the compute dtype (x.to(compute_dtype)); over an fp32 residual
     # stream (prepare_model_for_kbit_training) that cast's backward makes an fp32 copy of the input gradient
     # of the widest input (down_proj's): 4·t·d_in, alive with the rest of the MLP's backward (matched against
@@ -756,6 +747,19 @@ def dequant_transient_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         # An adapter on that linear already holds part of it (its own gradient chain): 2·t·d_in more, not 4.
         out += (2 if adapted else 4) * strategy.tokens_per_micro_batch * widest.d_in
     return out
+
+
+def int8_dequant_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """LLM.int8's dequantised weight in backward, at the widest int8 linear of any layer kind (a DeepSeek dense
+    layer's MLP, an MoE layer's attention or shared experts — :func:`layer_linears` per kind): ``MatMul8bitLt.backward``
+    (bitsandbytes/autograd/_functions.py) computes ``CB.to(ctx.dtype_A, copy=True).mul_(SCB·1/127)`` — one N·K
+    tensor in its *input's* dtype (no autocast inside the Function; fp32 over an fp32 residual stream, and MLA's
+    normed latents in the residual's dtype, :func:`trainfit.analytic.activations.site_widths`), alive while
+    ``grad_output @ CB`` runs."""
+    from trainfit.analytic.activations import Widths, site_widths
+
+    width = site_widths(spec, strategy, Widths.of(strategy))
+    return max(s.d_in * s.d_out * width[s.reads] for g in inventory(spec).layers for s in layer_linears(spec, g.kind))
 
 
 def mlp_frozen(spec: ModelSpec) -> bool:
@@ -865,15 +869,6 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
             why = quantised_base_refusal(spec)
             if why is not None:
                 raise StrategyError(f"a quantised base of {spec.name} is not modelled: {why}; use a float --base-dtype")
-            int8 = strategy.base_weights.quantization is Quantization.INT8
-            if analytic and int8 and (spec.moe is not None or spec.mla is not None):
-                # Against the trace: 3-4% off on Mixtral / Qwen2-MoE / DeepSeek (the closed forms of int8_ctx_bytes
-                # and the frozen int8 layer cover the dense layouts' linears only).
-                raise StrategyError(
-                    f"an LLM.int8 base of {spec.name} is not modelled by --method analytic: MatMul8bitLt keeps every "
-                    "int8 linear's input on ctx, and which ones MoE and latent-attention layers keep is not modelled; "
-                    "use --method trace, or --base-dtype nf4"
-                )
     if strategy.base_weights.frozen:
         check_freeze_patterns(spec, strategy.base_weights.frozen)
         for p in strategy.base_weights.frozen:

@@ -55,6 +55,8 @@ from trainfit.analytic.activations import (
     frozen_layer_terms,
     frozen_mlp_backward_bytes,
     int8_ctx_bytes,
+    int8_layer_bytes,
+    int8_moe_recompute_bytes,
     kv_cache_held_bytes,
     layer_terms,
     model_terms,
@@ -136,6 +138,8 @@ class MomentName(StrEnum):
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
+    BACKWARD_TOP_RECOMPUTE = "backward-top-recompute"  # LLM.int8 MoE: inside the top layer's recomputed experts
+    BACKWARD_BOTTOM_RECOMPUTE = "backward-bottom-recompute"  # LLM.int8 MoE: the same in the bottom layer
     BACKWARD_BOTTOM_BLOCK = "backward-bottom-block"  # inside the bottom block's (segment's) backward
     BACKWARD_TOP_SOFTMAX = "backward-top-softmax"  # inside the top block's softmax backward
     BACKWARD_BOTTOM_SOFTMAX = "backward-bottom-softmax"
@@ -370,6 +374,10 @@ class StepInputs:
     #: An adapter's frozen gated MLP: its forward's worst moment beyond the layer's saves (checkpointed: all of it;
     #: activations.frozen_down_forward_bytes).
     down_forward: int = 0
+    int8_layer: int = 0  # LLM.int8: the largest layer's inputs only ctx holds (activations.int8_layer_bytes)
+    int8_held: int = 0  # LLM.int8: every layer's ctx-held inputs, alive until the graph goes after backward
+    int8_bottom: int = 0  # LLM.int8: what of them the bottom layer's backward moment does not count otherwise
+    recompute_moe: tuple[int, int] = (0, 0)  # LLM.int8 MoE, checkpointed: (saved, in flight) inside the recomputation
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -513,7 +521,12 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         copies_all=q.copies_all - dead * parts.copies_layer_bytes - head_copy,
         copies_max_layer=q.copies_max_layer if fz is None or fz.dead < spec.num_layers else 0,
         # LLM.int8 inputs held on ctx escape checkpointing (activations.int8_ctx_bytes): kept like its inputs.
-        kept_inputs=q.kept_inputs + (spec.num_layers * int8_ctx_bytes(spec, strategy) if q.segments else 0),
+        kept_inputs=q.kept_inputs + (int8_ctx_bytes(spec, strategy) if q.segments else 0),
+        int8_held=int8_ctx_bytes(spec, strategy),
+        int8_layer=int8_layer_bytes(spec, strategy),
+        # without checkpointing the bottom layer's own are among its saves already
+        int8_bottom=int8_ctx_bytes(spec, strategy)
+        - (0 if q.segments else int8_layer_bytes(spec, strategy, all_inputs=True)),
         resident=dataclasses.replace(q.resident, adapter_weights=q.states.adapter_weights_bytes),
         # A frozen bottom layer adds no gradient: every trainable one is there during its backward.
         grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
@@ -536,6 +549,7 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         dora_norm=dora_norm_transient_bytes(spec, strategy),
         moe_experts=moe_adapter_forward_bytes(spec, strategy) if q.segments else 0,
         down_forward=frozen_down_forward_bytes(spec, strategy, checkpointed=bool(q.segments)) or 0,
+        recompute_moe=int8_moe_recompute_bytes(spec, strategy),
     )
 
 
@@ -601,13 +615,21 @@ def _recompute_bytes(q: StepInputs, *, bottom: bool = False) -> tuple[int, int]:
     """(what the recomputed segment saves, the segment's input). The recomputed segment saves its own input
     again; when the first norm saves the residual tensor itself (fp32 residual, or LayerNorm), that is the
     kept checkpoint — count it once. ``bottom``: the first segment, counted layer by layer under --freeze."""
-    w = Widths.of(q.strategy)
-    shared_input = w.residual == 4 or q.spec.norm is NormKind.LAYERNORM
-    input_bytes = w.residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size
-    saved = q.segment_layers * q.stack.max_layer_bytes
+    input_bytes = Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size
+    # LLM.int8: a recomputed layer's int8 inputs go with the recomputed graph (activations.int8_layer_bytes).
+    saved = q.segment_layers * (q.stack.max_layer_bytes - q.int8_layer)
     if bottom and q.stack.bottom_segment_bytes is not None:
         saved = q.stack.bottom_segment_bytes
-    return saved - (input_bytes if shared_input else 0), input_bytes
+    return saved - _shared_input_bytes(q), input_bytes
+
+
+def _shared_input_bytes(q: StepInputs) -> int:
+    """The segment's input when the recomputed first norm saves that very tensor (fp32 residual, or LayerNorm):
+    already counted as the kept checkpoint."""
+    w = Widths.of(q.strategy)
+    if w.residual == 4 or q.spec.norm is NormKind.LAYERNORM:
+        return w.residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size
+    return 0
 
 
 def forward_moments(q: StepInputs) -> list[Moment]:
@@ -726,6 +748,7 @@ def backward_moments(q: StepInputs) -> list[Moment]:
     g_head = max(gr, q.grad_head)
     model_norm = a.model_bytes - a.head_input_bytes  # after the LM head's backward, inside the final norm's
     base = {"phase": Phase.BACKWARD, "resident": q.resident}
+    recomputing: list[Moment] = []
     if q.segments == 0:
         saved = a.all_layers_bytes + a.model_bytes
         start = Moment(
@@ -756,8 +779,10 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             name=MomentName.BACKWARD_BOTTOM_BLOCK,
             **base,  # type: ignore[arg-type]
             gradients=max(gr, g_all - q.grad_layer - q.grad_late),
+            # LLM.int8: the layers above keep their ctx-held inputs until the graph goes (activations.int8_ctx_bytes)
             activations=(a.max_layer_bytes if a.layer_on_device_bytes is None else a.layer_on_device_bytes)
-            + a.embedding_bytes,
+            + a.embedding_bytes
+            + q.int8_bottom,
             autocast_copies=q.copies_max_layer,
             temporaries=q.block_temp,
         )
@@ -789,13 +814,51 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )
+        if q.recompute_moe[0]:
+            # LLM.int8 MoE: inside the top layer's recomputed routed experts, before its graph (and its int8 inputs)
+            # is dropped (activations.int8_moe_recompute_bytes).
+            saved, in_flight = q.recompute_moe
+            recomputing.append(
+                Moment(
+                    name=MomentName.BACKWARD_TOP_RECOMPUTE,
+                    **base,  # type: ignore[arg-type]
+                    gradients=g_head,
+                    activations=q.kept_inputs + saved - _shared_input_bytes(q) + a.embedding_bytes + q.masks,
+                    autocast_copies=q.segment_layers * q.copies_max_layer,
+                    temporaries=in_flight,
+                )
+            )
         # Entering the first segment's backward: its layers' and the token table's grads are not there yet.
         recompute_bottom, _ = _recompute_bytes(q, bottom=True)
+        g_bottom = max(gr, g_all - q.segment_layers * q.grad_layer - q.grad_late)
+        if q.recompute_moe[0]:
+            # ... and inside the bottom layer's recomputed experts, every gradient above there (counted at the largest
+            # layer's size, as the bottom moment is).
+            saved, in_flight = q.recompute_moe
+            recomputing.append(
+                Moment(
+                    name=MomentName.BACKWARD_BOTTOM_RECOMPUTE,
+                    **base,  # type: ignore[arg-type]
+                    gradients=g_bottom,
+                    activations=a.bottom_kept_segments * segment_input
+                    + saved
+                    - _shared_input_bytes(q)
+                    + a.embedding_bytes
+                    + q.masks
+                    + q.int8_bottom,
+                    autocast_copies=q.segment_layers * q.copies_max_layer,
+                    temporaries=in_flight,
+                )
+            )
         bottom = Moment(
             name=MomentName.BACKWARD_BOTTOM_BLOCK,
             **base,  # type: ignore[arg-type]
-            gradients=max(gr, g_all - q.segment_layers * q.grad_layer - q.grad_late),
-            activations=a.bottom_kept_segments * segment_input + recompute_bottom + a.embedding_bytes + q.masks,
+            gradients=g_bottom,
+            activations=a.bottom_kept_segments * segment_input
+            + recompute_bottom
+            + a.embedding_bytes
+            + q.masks
+            + q.int8_bottom,  # LLM.int8: every layer's ctx-held inputs (activations.int8_ctx_bytes)
             autocast_copies=q.segment_layers * q.copies_max_layer,
             temporaries=q.block_temp,
         )
@@ -811,11 +874,11 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         name=MomentName.BACKWARD_EMBEDDING,
         **base,  # type: ignore[arg-type]
         gradients=g_all,
-        activations=a.embedding_bytes,
+        activations=a.embedding_bytes + q.int8_held,
         logits_loss=q.grad_head if held_apart else 0,
         temporaries=(tied.embedding_grad_bytes + (tied.out_of_place_bytes if gr and single else 0)) if tied else 0,
     )
-    moments = [start, norm, top, bottom, embedding]
+    moments = [start, norm, top, *recomputing, bottom, embedding]
     for v in a.variants:
         if v.kind != a.top_kind:
             continue
