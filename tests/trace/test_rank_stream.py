@@ -464,6 +464,39 @@ def test_the_traced_ddp_rebuilds_its_buckets_at_the_second_forward(view: bool, a
     assert hooks.first_buckets == [first.nbytes] and hooks.buckets == [r.nbytes for r in rebuilt]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cap_mb", [25, 2])
+def test_an_explicit_bucket_cap_also_caps_ddps_first_bucket(cap_mb: int) -> None:
+    """torch 2.13 gives an explicit ``bucket_cap_mb`` to the first rebuilt bucket too (``_BucketCapacityConfig``);
+    only torch's default (none passed, the trace's ``bucket_cap_mb=None``) keeps the 1 MiB first bucket. With a tied
+    table the first gradients ready are the top layer's, so the first bucket's cap shows (``DdpHooks`` closed it at
+    1 MiB for any cap)."""
+    from trainfit.analytic.rank_events import DdpHooks
+    from trainfit.trace import depth
+    from trainfit.trace.distributed import fake_world, run_layout_distributed
+
+    spec = tiny_spec(
+        "llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4, tie_word_embeddings=True
+    )
+    s = Strategy(
+        parallelism=Parallelism(data=4),
+        sharding="ddp",
+        micro_batch=2,
+        seq_len=64,
+        engine=EngineOptions(bucket_cap_mb=cap_mb),
+    )
+    plan = depth.plan_depth(spec, s, extrapolate=False)
+    _, layout = plan.layouts[0]
+    with fake_world(4) as mesh:
+        run = run_layout_distributed(spec, s, plan, layout, mesh, steps=2, adamw_impl="fused")
+    rebuilt = [r.nbytes for r in run.tracker.comm_records if r.op == "empty.memory_format"][3:]
+    mine = DdpHooks(spec, s).buckets
+    # The stream takes reverse module order for the gradients' ready order: an edge may move by a norm weight or two.
+    assert len(mine) == len(rebuilt) and sum(mine) == sum(rebuilt)
+    assert all(abs(a - b) <= 2 * 4 * 256 for a, b in zip(mine, rebuilt, strict=True))
+    assert rebuilt[0] > (2 * 1024 * 1024 if cap_mb == 2 else 1024 * 1024)  # the first bucket's cap, not 1 MiB
+
+
 def _accumulating(sharding: str, micro_batch: int, seq_len: int, *, sync: bool = True, accum: int = 2) -> Strategy:
     """``accum`` accumulation steps over 4 ranks (HSDP: 2 × 2); ``sync``: ``EngineOptions.sync_each_batch``."""
     return Strategy(

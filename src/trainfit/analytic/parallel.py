@@ -355,7 +355,7 @@ def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
         return (f"FSDP2 fully_shard per decoder layer + root, reshard_after_forward={eo.reshard_after_forward}, {mp}",)
     if engine is Engine.TORCH:
         return (
-            f"torch DDP: bucket_cap_mb={eo.bucket_cap_mb}, first bucket {eo.first_bucket_bytes // 1024} KiB, "
+            f"torch DDP: bucket_cap_mb={eo.bucket_cap_mb}, first bucket {eo.ddp_first_bucket_bytes // 1024} KiB, "
             f"gradient_as_bucket_view={eo.gradient_as_bucket_view}",
         )
     if engine is Engine.DEEPSPEED:
@@ -697,7 +697,7 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
     q = step_inputs(spec, strategy, keep_logits=False)
     eo = strategy.engine
     buckets = ddp_bucket_bytes(
-        spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy
+        spec, strategy.recipe.grad_bits, eo.bucket_cap_mb * 1024 * 1024, eo.ddp_first_bucket_bytes, strategy
     )
     total = sum(buckets)
     # A tied table's out-of-place sum (states.tied_gradient_sum), which the one-GPU moment files as the

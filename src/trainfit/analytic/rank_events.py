@@ -241,7 +241,7 @@ class DdpHooks(RankHooks):
     def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
         eo = strategy.engine
         bits = strategy.recipe.grad_bits
-        self.buckets = ddp_bucket_bytes(spec, bits, eo.bucket_cap_mb * 1024 * 1024, eo.first_bucket_bytes, strategy)
+        self.buckets = ddp_bucket_bytes(spec, bits, eo.bucket_cap_mb * 1024 * 1024, eo.ddp_first_bucket_bytes, strategy)
         self.first_buckets = ddp_bucket_bytes(spec, bits, sys.maxsize, sys.maxsize, strategy)
         self.view = eo.gradient_as_bucket_view
         self.adds_into_view = self.view

@@ -168,6 +168,10 @@ class Offload:
         return self.optimizer is not OffloadTarget.NONE or self.parameters is not OffloadTarget.NONE or self.activations
 
 
+#: torch DDP's ``bucket_cap_mb`` when none is passed (torch/nn/parallel/distributed.py ``_DEFAULT_BUCKET_CAP_MB``).
+TORCH_BUCKET_CAP_MB = 25
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineOptions:
     """The framework and the settings of it that move memory, at each framework's documented default.
@@ -183,7 +187,7 @@ class EngineOptions:
 
     engine: Engine = Engine.AUTO
     reshard_after_forward: bool = True
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: int = TORCH_BUCKET_CAP_MB
     first_bucket_bytes: int = 1024 * 1024
     gradient_as_bucket_view: bool = False
     reduce_bucket_size: int = 500_000_000
@@ -202,6 +206,16 @@ class EngineOptions:
     sharded_init: bool = False
     #: FSDP2's units (:class:`FsdpWrap`).
     fsdp_wrap: FsdpWrap = FsdpWrap.AUTO
+
+    @property
+    def ddp_first_bucket_bytes(self) -> int:
+        """The cap of DDP's first rebuilt bucket: ``first_bucket_bytes`` under torch's default ``bucket_cap_mb`` (the
+        HF Trainer and accelerate pass none), the cap itself when one is given — torch 2.13 gives an explicit
+        ``bucket_cap_mb`` to the first bucket too (torch/nn/parallel/distributed.py ``_BucketCapacityConfig.create``:
+        ``dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else bucket_bytes_cap``)."""
+        return (
+            self.first_bucket_bytes if self.bucket_cap_mb == TORCH_BUCKET_CAP_MB else self.bucket_cap_mb * 1024 * 1024
+        )
 
     def __post_init__(self) -> None:
         coerce_enum(self, "engine", Engine)

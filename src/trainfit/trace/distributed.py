@@ -65,6 +65,7 @@ from trainfit.result import (
     TraceDetails,
 )
 from trainfit.strategy import Checkpointing, Engine, Float8, FsdpWrap, Precision, Quantization, Sharding, Strategy
+from trainfit.strategy.parallel import TORCH_BUCKET_CAP_MB
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -373,7 +374,7 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     # ``bucket_cap_mb``; the HF Trainer passes it only when set): torch 2.13 gives an explicit cap to the first
     # bucket too, the default 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) only to None
     # (distributed.py ``_BucketCapacityConfig.create``).
-    cap_mb = None if eo.bucket_cap_mb == _TORCH_BUCKET_CAP_MB else eo.bucket_cap_mb
+    cap_mb = None if eo.bucket_cap_mb == TORCH_BUCKET_CAP_MB else eo.bucket_cap_mb
     first = len(tr.records)
     with _no_shape_check():
         ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view)
@@ -389,10 +390,6 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     # (:class:`_RebuildingReducer`).
     ddp.reducer = _RebuildingReducer(ddp, tr, buckets)  # type: ignore[assignment]
     return ddp
-
-
-#: torch's ``bucket_cap_mb`` when none is given (torch/nn/parallel/distributed.py ``_DEFAULT_BUCKET_CAP_MB``).
-_TORCH_BUCKET_CAP_MB = 25
 
 
 class _RebuildingReducer:
