@@ -10,6 +10,7 @@ which keeps what is left. ``auto`` (the default): ``units`` where the analytic m
 
 from __future__ import annotations
 
+from trainfit._memo import Memo, spec_key
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
 from trainfit.strategy import FsdpWrap, Strategy
@@ -19,6 +20,7 @@ __all__ = [
     "ROOT_UNIT",
     "TAIL_UNIT",
     "fsdp_unit",
+    "gathered_once_fraction",
     "resolved_fsdp_wrap",
     "units_unmodelled",
     "untied_units",
@@ -38,9 +40,42 @@ def units_unmodelled(spec: ModelSpec, strategy: Strategy) -> str:
     """Why the analytic model does not have ``--fsdp-wrap units`` for this setup ("": it has it): a model other than a
     causal LM (whose head the units would not group as the trace does), tensor parallelism (2-D FSDP2×TP), or
     model-level tensors left in the root beside an untied table's unit."""
+    return _units_unmodelled(spec, strategy.parallelism.tensor)
+
+
+def gathered_once_fraction(spec: ModelSpec, wrap: FsdpWrap, tensor: int, *, reshard_after_forward: bool) -> float:
+    """The share of the parameters (by elements) an FSDP2 micro-step all-gathers once, in forward only: every group
+    without ``reshard_after_forward``; with it, the root's — FSDP2 never reshards the root after forward
+    (torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_lazy_init``: the root's ``post_forward_mesh_info`` is
+    None) — and under ``units`` the [final norm, head] unit's (built with ``reshard_after_forward=False``); the
+    decoder layers and an untied table's unit are gathered again for backward. ``wrap``: ``--fsdp-wrap`` as asked
+    (``auto`` resolved here as :func:`resolved_fsdp_wrap` does)."""
+    if not reshard_after_forward:
+        return 1.0
+    return _ONCE.get((spec_key(spec), wrap, tensor), lambda: _gathered_once(spec, wrap, tensor))
+
+
+#: The planner asks for every candidate's speed (the model's inventory summed each time otherwise).
+_ONCE: Memo[float] = Memo(64)
+
+
+def _gathered_once(spec: ModelSpec, wrap: FsdpWrap, tensor: int) -> float:
+    if wrap is FsdpWrap.AUTO:
+        wrap = FsdpWrap.ROOT if _units_unmodelled(spec, tensor) else FsdpWrap.UNITS
+    inv = inventory(spec)
+    total = sum(x.numel for x in inv.model_tensors) + sum(g.count * x.numel for g in inv.layers for x in g.tensors)
+    if wrap is FsdpWrap.ROOT:
+        once = sum(x.numel for x in inv.model_tensors)
+    else:
+        tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+        once = sum(x.numel for x in inv.model_tensors if tied or x.name != "embed_tokens.weight")
+    return once / total if total else 0.0
+
+
+def _units_unmodelled(spec: ModelSpec, tensor: int) -> str:
     if spec.kind is not ModelKind.CAUSAL_LM:
         return f"a {spec.kind.value} model"
-    if strategy.parallelism.tensor > 1:
+    if tensor > 1:
         return "tensor parallelism"
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
     names = [x.name for x in inventory(spec).model_tensors]

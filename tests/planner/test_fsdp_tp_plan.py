@@ -107,9 +107,12 @@ def test_2d_fsdp_traffic_crosses_nodes_only_when_dp_does() -> None:
     from trainfit.arch.params import count_params
 
     # pure-bf16 FSDP2 (no mixed-precision policy: bf16 gathers in forward and backward, bf16 reduce-scatter) over
-    # a ring of 2, each rank holding P/8: the 1-D volume over the TP-local parameters
+    # a ring of 2, each rank holding P/8: the 1-D volume over the TP-local parameters; under TP the root (token
+    # table, final norm, head) is gathered once, in forward only (fsdp_units.gathered_once_fraction)
     p8 = count_params(spec) / 8
-    volume = 2 * (1 / 2) * p8 * 2 + (1 / 2) * p8 * 2
+    once = x_net.fsdp_gathered_once
+    assert once == pytest.approx(2 * spec.vocab_size * spec.hidden_size / count_params(spec), rel=1e-3)
+    volume = (2 - once) * (1 / 2) * p8 * 2 + (1 / 2) * p8 * 2
     for x, link in ((x_net, 50e9), (x_nvl, gpu.nvlink_gbps * 1e9)):
         tp_only = dataclasses.replace(x, data=1, sharding=Sharding.NONE)
         fsdp = step_time_of(spec, x, gpu).comm_seconds - step_time_of(spec, tp_only, gpu).comm_seconds

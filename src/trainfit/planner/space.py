@@ -48,6 +48,7 @@ from itertools import product
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
+from trainfit.fsdp_units import gathered_once_fraction
 from trainfit.hardware import GPUSpec
 from trainfit.planner.speed import SpeedInputs, offloaded_activation_bytes
 from trainfit.strategy import (
@@ -58,6 +59,7 @@ from trainfit.strategy import (
     Engine,
     EngineOptions,
     Float8,
+    FsdpWrap,
     LossImpl,
     MemorySavers,
     Offload,
@@ -251,6 +253,9 @@ class Candidate:
             mixed=r.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded,
+            fsdp_gathered_once=gathered_once_fraction(spec, FsdpWrap.AUTO, self.tensor, reshard_after_forward=True)
+            if spec is not None and self.sharding in (Sharding.FSDP, Sharding.HSDP)
+            else 0.0,
         )
 
     def _finetune(self) -> tuple[Adapter | None, BaseWeights]:

@@ -65,6 +65,7 @@ from trainfit.arch.params import active_params_per_token, count_params, inventor
 from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
 from trainfit.cuda_facts import BNB_4BIT_BLOCK, quantized_weight_tensors
 from trainfit.errors import StrategyError
+from trainfit.fsdp_units import gathered_once_fraction
 from trainfit.hardware import GPUSpec
 from trainfit.strategy import Adapter, Checkpointing, PipelineSchedule, Quantization, Sharding, Strategy
 
@@ -84,6 +85,7 @@ __all__ = [
     "dequant_bytes",
     "elementwise_bytes",
     "fsdp_collective_bytes",
+    "fsdp_gathered_once",
     "model_flops_per_token",
     "step_time",
     "step_time_of",
@@ -178,6 +180,9 @@ class SpeedInputs:
     mixed: bool = False  # Recipe.mixed: FSDP2 runs MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)
     vocab_size: int = 0  # the gathered logits' width (dtensor_tp)
     offload_activation_bytes: int = 0  # --activation-offload: saved bytes copied to the host per micro-step
+    #: FSDP2/HSDP: the share of the parameters gathered once per micro-step, not again for backward
+    #: (:func:`trainfit.fsdp_units.gathered_once_fraction`; 0 without the model: every one twice).
+    fsdp_gathered_once: float = 0.0
 
     @property
     def frozen_base(self) -> bool:
@@ -217,6 +222,7 @@ class SpeedInputs:
             mixed=r.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
+            fsdp_gathered_once=fsdp_gathered_once(spec, strategy) if spec is not None else 0.0,
         )
 
 
@@ -578,6 +584,16 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def fsdp_gathered_once(spec: ModelSpec, strategy: Strategy) -> float:
+    """:attr:`SpeedInputs.fsdp_gathered_once` of ``strategy`` (0 unless FSDP2/HSDP)."""
+    if strategy.sharding not in (Sharding.FSDP, Sharding.HSDP):
+        return 0.0
+    eo = strategy.engine
+    return gathered_once_fraction(
+        spec, eo.fsdp_wrap, strategy.parallelism.tensor, reshard_after_forward=eo.reshard_after_forward
+    )
+
+
 def fsdp_collective_bytes(x: SpeedInputs, params: float, adapters: float) -> tuple[float, float]:
     """(bytes one all-gather of ``params`` base parameters and ``adapters`` adapter parameters moves, bytes one
     reduce-scatter of the trained ones' gradients moves) under FSDP2 (``--sharding fsdp|hsdp``), at the widths
@@ -866,14 +882,16 @@ def step_time_of(
         exposed += accum * max(0.0, per_micro - compute_micro)
     elif d > 1 and sh is Sharding.FSDP:
         ag, rs = fsdp_collective_bytes(x, local_params, local_trained if x.adapter is not None else 0.0)
-        per_micro = (2 * _ring(d) * ag + _ring(d) * rs) / dp_bw
+        ag2 = 2 * ag - x.fsdp_gathered_once * fsdp_collective_bytes(x, local_params, 0.0)[0]  # adapters: in layers
+        per_micro = (_ring(d) * ag2 + _ring(d) * rs) / dp_bw
         comm += per_micro * accum
         exposed += accum * max(0.0, per_micro - compute_micro)
     elif d > 1 and sh is Sharding.HSDP:
         ag, rs = fsdp_collective_bytes(x, local_params, local_trained if x.adapter is not None else 0.0)
         shard = min(gpn, d)
         replicas = d // shard
-        per_micro = (2 * _ring(shard) * ag + _ring(shard) * rs) / intra
+        ag2 = 2 * ag - x.fsdp_gathered_once * fsdp_collective_bytes(x, local_params, 0.0)[0]
+        per_micro = (_ring(shard) * ag2 + _ring(shard) * rs) / intra
         across = 2 * _ring(replicas) * rs / shard / net if replicas > 1 else 0.0
         comm += per_micro * accum + across
         exposed += accum * max(0.0, per_micro - compute_micro) + max(0.0, across - compute_micro * 2 / 3)
