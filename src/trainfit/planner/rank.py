@@ -111,6 +111,11 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         out.append(f"--offload {strategy.offload.flag}")
     if strategy.engine.engine != baseline.engine.engine:
         out.append(f"--engine {strategy.engine.engine.value}")
+    fsdp = (Sharding.FSDP, Sharding.HSDP)
+    raf = strategy.engine.reshard_after_forward
+    if strategy.sharding in fsdp and raf != baseline.engine.reshard_after_forward:
+        # FSDP2 only (the setting means nothing to other layouts): False keeps each layer unsharded to its backward
+        out.append("--reshard-after-forward" if raf else "--no-reshard-after-forward")
     if (strategy.adapter is None) != (baseline.adapter is None) or strategy.base_weights != baseline.base_weights:
         q = strategy.base_weights.quantization.value
         out.append("--finetune " + ("qlora" if q == "nf4" else "lora" if strategy.adapter is not None else "full"))
@@ -126,7 +131,6 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
         accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
         out.append(f"--batch {strategy.micro_batch}{accum}")
-    fsdp = (Sharding.FSDP, Sharding.HSDP)
     if (
         strategy.sharding in fsdp
         and strategy.grad_accum > 1
@@ -155,13 +159,16 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
             c.loss != baseline.savers.loss,
             c.activation_offload != baseline.savers.activation_offload,
             c.optimizer_in_backward != baseline.savers.optimizer_in_backward,
+            c.reshard_after_forward != baseline.engine.reshard_after_forward,
         )
     )
 
 
 def _candidate_layout(c: Candidate) -> tuple[object, ...]:
     """The layout a plan table tells apart: GPUs, parallel degrees, sharding, offload, checkpointing, method, fp8
-    linears (fp8 changes the speed: not the same layout)."""
+    linears (fp8 changes the speed: not the same layout). Not FSDP2's ``reshard_after_forward``: like the recipe
+    and the optimizer, a variant within the layout (its plan is skipped where one of the layout's is already at
+    least as fast)."""
     return (c.world, c.tensor, c.pipeline, c.sharding, c.offload, c.checkpointing, c.finetune, c.float8)
 
 
@@ -173,6 +180,7 @@ def _speed_signature(c: Candidate) -> tuple[object, ...]:
         c.precision,
         c.activation_offload,  # its PCIe traffic
         c.optimizer_in_backward,  # its micro-batches (no accumulation)
+        c.reshard_after_forward,  # FSDP2's all-gathers per micro-step
     )
 
 
@@ -182,8 +190,9 @@ def _layout(p: Plan) -> tuple[object, ...]:
 
 def _distinct(ranked: list[Plan], s: _Search) -> list[Plan]:
     """``ranked`` without plans that repeat an earlier one's layout at the same speed (they differ only in the
-    precision recipe or optimizer, which the speed model does not tell apart): the first — fewest changes,
-    then most margin — stands for them."""
+    precision recipe, the optimizer or FSDP2's ``reshard_after_forward`` — the speed model does not tell the first
+    two apart, nor the last where the all-gathers hide behind compute): the first — fewest changes, then most
+    margin — stands for them."""
     seen: set[tuple[object, ...]] = set()
     out: list[Plan] = []
     for p in ranked:
@@ -241,6 +250,7 @@ class _Search:
         self._speed_keys: dict[tuple[tuple[object, ...], int], tuple[float, ...]] = {}
         self._cheap: dict[tuple[object, ...], tuple[float, ...] | None] = {}
         self._bounds: dict[tuple[object, ...], tuple[float, ...] | None] = {}
+        self._lower: dict[Strategy, int] = {}
 
     def strategy(self, c: Candidate, micro: int) -> Strategy:
         accum = self.global_batch // (c.data * micro)
@@ -308,8 +318,12 @@ class _Search:
         return None if n is None else n[0]
 
     def lower_bound(self, s: Strategy) -> int:
-        """:func:`trainfit.planner.search.lower_bound_bytes`: no allocator simulation."""
-        return lower_bound_bytes(self.spec, s, self.gpu)
+        """:func:`trainfit.planner.search.lower_bound_bytes`: no allocator simulation (kept per strategy: a kept
+        candidate asks for its resharding twin's, :meth:`evaluate`)."""
+        hit = self._lower.get(s)
+        if hit is None:
+            hit = self._lower[s] = lower_bound_bytes(self.spec, s, self.gpu)
+        return hit
 
     def fits(self, s: Strategy, missed: bool = False) -> bool:
         if self.lower_bound(s) > self.usable:
@@ -332,8 +346,10 @@ class _Search:
 
     def cheap_key(self, c: Candidate) -> tuple[float, ...] | None:
         """A lower bound of :meth:`bound` from one timing (:func:`~trainfit.planner.speed.step_floor_seconds`
-        at the largest micro-batch, a billionth under for rounding); None: no peak for this dtype in the catalog."""
-        k = _speed_signature(c)
+        at the largest micro-batch, a billionth under for rounding); None: no peak for this dtype in the catalog.
+        The floor is compute and the optimizer step, no communication: FSDP2's two ``reshard_after_forward``
+        settings share one (kept under the resharding twin's signature)."""
+        k = _speed_signature(dataclasses.replace(c, reshard_after_forward=True))
         if k not in self._cheap:
             try:
                 t = self.fast_speed(c, self.micro_options(c)[-1])
@@ -411,6 +427,16 @@ class _Search:
             first = self.strategy(c, micros[0])
         except StrategyError:
             return None, None
+        if not c.reshard_after_forward:
+            # Without reshard_after_forward no moment of the closed form holds fewer unsharded layers (the forward:
+            # every layer, not the current one; the backward: every layer above, not two), so the resharding twin's
+            # lower bound is below this one's (tests/planner/test_reshard_plan.py holds it on random setups): where
+            # it rules the twin out, it rules this candidate out — one closed form for the pair, as the twin's own
+            # visit (usually later: its bound is no better) reuses it. Not its estimate: the simulated reserve is
+            # not monotonic in the setting (planner.space's docstring).
+            twin = self.lower_bound(self.strategy(dataclasses.replace(c, reshard_after_forward=True), micros[0]))
+            if twin > self.usable:
+                return None, _Near(candidate=c, micro=micros[0], bytes=twin)
         bound = self.lower_bound(first)
         if bound > self.usable:
             return None, _Near(candidate=c, micro=micros[0], bytes=bound)

@@ -28,6 +28,18 @@ bisects, since memory grows with it). What the space contains, and why:
   Megatron without the distributed optimizer.
   Whether a framework supports a combination is the estimate's call: it raises ``StrategyError`` for what
   no framework runs, and such candidates are dropped.
+- **FSDP2's ``reshard_after_forward``** (:data:`RESHARD_AFTER_FORWARD`): every FSDP2/HSDP candidate — offloaded,
+  2-D, fp8 and adapter ones too — with torch's default (True) and without (``--no-reshard-after-forward``: each layer
+  stays unsharded from its forward to its post-backward; one all-gather per layer and micro-step instead of two,
+  more memory). The search treats it as a variant within a layout, like the recipe (:mod:`trainfit.planner.rank`).
+  Not pruned to the candidates whose resharding twin fits, although False never needed less *allocated* memory in
+  the model (checked on 904 random FSDP2/HSDP setups, two samples over six models, micro-batches 1 and 2): its
+  *requirement* — the allocator simulation's reserve plus what sits outside it, which the plan compares — was
+  lower in 9 of them, by up to 116 MiB (all GPT-2 on 2 T4s, checkpointed, micro-batch 1: the layers True gathers
+  again in backward fragment the cache), so such a pruning would not be exact. The best-first order keeps the cost
+  small: a kept candidate is estimated only when its bound comes up, is skipped where its layout already has a plan
+  as fast, and is ruled out by its twin's closed-form lower bound, never above its own (``rank._Search.evaluate``;
+  docs/plan.md).
 - **World sizes**: the powers of two up to the GPUs given, the whole nodes up to them, and the GPUs given
   (using fewer GPUs is a plan too; nested for powers of two, so more GPUs never make the best plan worse).
 - **Memory savers** (one GPU, :func:`saver_candidates`): Liger's fused linear cross-entropy alone; torchtune's
@@ -75,6 +87,7 @@ from trainfit.strategy.recipe import RECIPES
 
 __all__ = [
     "CHECKPOINTING",
+    "RESHARD_AFTER_FORWARD",
     "Candidate",
     "Finetune",
     "Objective",
@@ -178,6 +191,12 @@ class Candidate:
     loss: LossImpl = LossImpl.STANDARD  # --loss fused-linear | chunked (:func:`saver_candidates`)
     activation_offload: bool = False  # --activation-offload (torchtune)
     optimizer_in_backward: bool = False  # --optimizer-in-backward (torchtune; accumulation 1 only)
+    #: FSDP2/HSDP only: False is ``--no-reshard-after-forward`` (:data:`RESHARD_AFTER_FORWARD`).
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.reshard_after_forward and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
+            raise StrategyError(f"reshard_after_forward=False is an FSDP2 setting, not {self.sharding.value}'s")
 
     @property
     def data(self) -> int:
@@ -253,7 +272,9 @@ class Candidate:
             mixed=r.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded,
-            fsdp_gathered_once=gathered_once_fraction(spec, FsdpWrap.AUTO, self.tensor, reshard_after_forward=True)
+            fsdp_gathered_once=gathered_once_fraction(
+                spec, FsdpWrap.AUTO, self.tensor, reshard_after_forward=self.reshard_after_forward
+            )
             if spec is not None and self.sharding in (Sharding.FSDP, Sharding.HSDP)
             else 0.0,
         )
@@ -288,7 +309,7 @@ class Candidate:
             ),
             sharding=self.sharding,
             offload=Offload.parse(self.offload),
-            engine=EngineOptions(engine=self.engine),
+            engine=EngineOptions(engine=self.engine, reshard_after_forward=self.reshard_after_forward),
             adapter=adapter,
             float8=self.float8,
             savers=self.savers,
@@ -313,6 +334,15 @@ CHECKPOINTING = (
     Checkpointing.SQRT,
     Checkpointing.FULL,
 )
+
+
+#: FSDP2's ``reshard_after_forward`` settings searched for FSDP2/HSDP candidates (``--reshard-after-forward`` /
+#: ``--no-reshard-after-forward``; torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard``). True (torch's
+#: default) frees each layer's unsharded parameters after its forward
+#: and all-gathers them again for its backward; False keeps them to the layer's post-backward: one all-gather per
+#: layer and micro-step instead of two (the speed model, ``fsdp_units.gathered_once_fraction``) for up to the whole
+#: model unsharded (the memory model, ``analytic.parallel._fsdp``).
+RESHARD_AFTER_FORWARD = (True, False)
 
 
 def _optimizers(ft: Finetune, offload: str, engine: Engine) -> tuple[Optimizer, ...]:
@@ -438,7 +468,7 @@ def candidates(
                         for ck in CHECKPOINTING:
                             if ck is Checkpointing.SAC and (t > 1 or p > 1):
                                 continue  # the estimate refuses sac with TP/PP (analytic.parallel.plan): no need to ask
-                            out.append(
+                            out += [
                                 Candidate(
                                     world=world,
                                     tensor=t,
@@ -450,8 +480,11 @@ def candidates(
                                     optimizer=opt,
                                     checkpointing=ck,
                                     finetune=ft,
+                                    reshard_after_forward=raf,
                                 )
-                            )
+                                # FSDP2/HSDP both ways, unpruned (module docstring); the rest do not read it
+                                for raf in (RESHARD_AFTER_FORWARD if sh in (Sharding.FSDP, Sharding.HSDP) else (True,))
+                            ]
     out += saver_candidates(out)
     return out + (float8_candidates(gpu, out) if fp8 else [])
 

@@ -1,5 +1,7 @@
-"""Rendering of ``trainfit plan`` results: a ranked table, the top plan in two lines, or "nothing fits"
-with the closest plan and what it would need; and the JSON for scripts.
+"""Rendering of ``trainfit plan`` results: a ranked table, the top plan in two lines (a third says why where it keeps
+FSDP2's layers unsharded after forward), or "nothing fits" with the closest plan and what it would need; and the JSON
+for scripts (each plan's ``strategy.reshard_after_forward``, and ``--no-reshard-after-forward`` in its ``changes``
+where it differs from the baseline).
 
 JSON (``schema_version`` :data:`PLAN_SCHEMA_VERSION`, bumped only when a key changes meaning or goes; new keys
 do not bump it): each plan's ``alloc_conf`` is the ``PYTORCH_CUDA_ALLOC_CONF`` its estimate simulated
@@ -20,6 +22,7 @@ from trainfit.export.configs import hf_trainer_lacks
 from trainfit.planner.rank import Plan, PlanResult
 from trainfit.planner.space import Objective
 from trainfit.report.json import strategy_json
+from trainfit.strategy import Sharding
 from trainfit.units import fmt_gib
 
 PLAN_SCHEMA_VERSION = 1
@@ -70,13 +73,20 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
 
 
 def explain_top(p: Plan) -> str:
-    """The top plan in two lines."""
+    """The top plan in two lines (three when it keeps FSDP2's layers unsharded after forward: why)."""
     sp = p.speed
     what = ", ".join(p.changes) if p.changes else "the baseline as given"
+    s = p.strategy
+    why = ""
+    if s.sharding in (Sharding.FSDP, Sharding.HSDP) and not s.engine.reshard_after_forward:
+        why = (
+            "\nno reshard after forward: FSDP2 keeps each layer unsharded from its forward to its backward — one "
+            "all-gather per layer and micro-step instead of two, for more memory."
+        )
     return (
         f"{p.gpus} GPU(s): {what}.\n"
         f"peak {fmt_gib(p.required_bytes)} of {fmt_gib(p.usable_bytes)} usable; "
-        f"{sp.step_seconds:.2f} s/step, {sp.tokens_per_second:,.0f} tokens/s, MFU {sp.mfu:.0%} (speed model)."
+        f"{sp.step_seconds:.2f} s/step, {sp.tokens_per_second:,.0f} tokens/s, MFU {sp.mfu:.0%} (speed model)." + why
     )
 
 
