@@ -37,6 +37,10 @@ STRATEGIES = {
         micro_batch=1, grad_accum=8, sharding="fsdp", offload=Offload.parse("optimizer+params"),
         parallelism=Parallelism.for_gpus(8),
     ),
+    "fsdp-no-reshard": Strategy(
+        precision="pure-bf16", micro_batch=1, grad_accum=2, checkpointing="sac", sharding="fsdp",
+        parallelism=Parallelism.for_gpus(8), engine=EngineOptions(reshard_after_forward=False),
+    ),
     "zero3-offload": Strategy(
         precision="master-bf16", micro_batch=2, grad_accum=4, sharding="zero3",
         offload=Offload.parse("optimizer+params"), parallelism=Parallelism.for_gpus(8),
@@ -76,7 +80,7 @@ def test_training_arguments_are_accepted(name: str, tmp_path: Path, bf16_gpu: No
     if strategy.sharding.value == "fsdp":
         fsdp_config = args.fsdp_config
         assert bool(args.fsdp) and isinstance(fsdp_config, dict) and fsdp_config["version"] == 2
-        assert fsdp_config["reshard_after_forward"] is True
+        assert fsdp_config["reshard_after_forward"] is strategy.engine.reshard_after_forward
         assert fsdp_config["cpu_offload"] == strategy.offload.parameters_on_host
         # every micro-step reduce-scatters, as the plan's memory assumes: the Trainer's accelerator gets the kwarg
         assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
@@ -90,11 +94,24 @@ def test_training_arguments_are_accepted(name: str, tmp_path: Path, bf16_gpu: No
         assert "accelerator_config" not in kwargs
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp-offload"])
-def test_accelerate_fsdp2_config_loads_and_validates(name: str, tmp_path: Path, monkeypatch: Any) -> None:
+def _fsdp_plugin(path: Path, monkeypatch: Any) -> Any:
+    """The ``FullyShardedDataParallelPlugin`` an accelerate config gives: accelerate's loader, ``accelerate launch``'s
+    parser and validation, the environment it hands the processes, the plugin built from it (as ``Accelerator()``)."""
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import FullyShardedDataParallelPlugin, prepare_multi_gpu_env
+
+    assert load_config_from_file(str(path)).fsdp_config["fsdp_version"] == 2
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    return FullyShardedDataParallelPlugin()
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-offload", "fsdp-no-reshard"])
+def test_accelerate_fsdp2_config_loads_and_validates(name: str, tmp_path: Path, monkeypatch: Any) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
 
     strategy = STRATEGIES[name]
     spec = load_model("llama-3.1-8b")
@@ -102,16 +119,39 @@ def test_accelerate_fsdp2_config_loads_and_validates(name: str, tmp_path: Path, 
     path = tmp_path / "accelerate_fsdp2.yaml"
     cfg = load_config_from_file(str(path))
     assert cfg.num_processes == strategy.world_size and cfg.fsdp_config["fsdp_version"] == 2
-    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
-    args, _, _ = _validate_launch_command(args)
-    for key, value in prepare_multi_gpu_env(args).items():
-        monkeypatch.setenv(key, value)
-    plugin = FullyShardedDataParallelPlugin()
+    plugin = _fsdp_plugin(path, monkeypatch)
     assert plugin.fsdp_version == 2
     assert plugin.transformer_cls_names_to_wrap == [layer_class(spec)]
     assert plugin.activation_checkpointing == (strategy.checkpointing.value != "none")
-    assert plugin.reshard_after_forward is True
+    assert plugin.reshard_after_forward is strategy.engine.reshard_after_forward
     assert (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") == strategy.offload.parameters_on_host
+
+
+def test_a_plan_without_reshard_exports_it_everywhere(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, bf16_gpu: None, monkeypatch: Any
+) -> None:
+    """``trainfit plan --export`` for a plan that keeps FSDP2's layers unsharded after forward (Llama 3.2 3B on 8
+    RTX 4090s: tests/planner/test_reshard_plan.py): accelerate's plugin, TrainingArguments' ``fsdp_config`` and
+    train_fsdp2.py's ``fully_shard`` calls all get ``reshard_after_forward=False``."""
+    from transformers import TrainingArguments
+
+    from tests.cli._cli_helper import run_cli
+
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--gpus", "8", "--seq", "2048",
+                "--global-batch", "8", "--export", str(tmp_path), "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    top = json.loads(r.out)["plans"][0]
+    assert top["strategy"]["reshard_after_forward"] is False and "--no-reshard-after-forward" in top["changes"]
+    cfg = json.loads((tmp_path / "accelerate_fsdp2.yaml").read_text())  # (JSON: a YAML accelerate loads)
+    assert cfg["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    assert _fsdp_plugin(tmp_path / "accelerate_fsdp2.yaml", monkeypatch).reshard_after_forward is False
+    kwargs = json.loads((tmp_path / "training_args.json").read_text())
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), **kwargs)
+    assert isinstance(args.fsdp_config, dict) and args.fsdp_config["reshard_after_forward"] is False
+    script = (tmp_path / "train_fsdp2.py").read_text()
+    compile(script, "train_fsdp2.py", "exec")
+    assert "RESHARD_AFTER_FORWARD = False" in script
+    assert 'kw = {"reshard_after_forward": RESHARD_AFTER_FORWARD}' in script  # every layer's fully_shard
 
 
 def _hsdp(world: int = 16) -> Strategy:
@@ -468,13 +508,13 @@ def _tiny_llama(folder: Path, *, tied: bool = False) -> Path:
     os.environ.get("TRAINFIT_TORCHRUN_TESTS") != "1",
     reason="2 or 4 torch+transformers processes take ~35 s on 2 cores: TRAINFIT_TORCHRUN_TESTS=1 runs it",
 )
-@pytest.mark.parametrize("fp8", ["none", "tied", "tensorwise", "2d"])
+@pytest.mark.parametrize("fp8", ["none", "tied", "tensorwise", "2d", "no-reshard"])
 def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
     """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 — its
     token embedding and [final norm, head] as units of their own (``UNITS``; ``tied``: the table tied to the head,
     inside that tail unit) — (with ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel;
     ``2d``: 4 processes, FSDP2 over 2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's
-    collectives run on gloo; layers and root)."""
+    collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward)."""
     import dataclasses
     import subprocess
     import sys
@@ -484,10 +524,13 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
         pytest.importorskip("torchao.float8")
     if fp8 == "2d":
         strategy, procs = _two_d(world=4, tensor=2), 4
+    elif fp8 == "no-reshard":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp-no-reshard"], parallelism=Parallelism.for_gpus(2)), 2
     else:
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8.replace("tied", "none")), 2  # type: ignore[arg-type]
     plan = export_plan(load_model("llama-3.1-8b"), strategy)
     assert plan.script is not None and ("UNITS = False" if fp8 == "2d" else "UNITS = True") in plan.script
+    assert f"RESHARD_AFTER_FORWARD = {fp8 != 'no-reshard'}" in plan.script
     write_export(plan, tmp_path)
     tiny = _tiny_llama(tmp_path, tied=fp8 == "tied")
     env = {**os.environ, "TRAINFIT_MODEL": str(tiny), "TRAINFIT_SEQ": "16", "TRAINFIT_STEPS": "2",

@@ -99,6 +99,31 @@ def test_explicit_flags_override_the_file(capsys: pytest.CaptureFixture[str]) ->
     assert "overridden by flags: --checkpointing none" in text.out
 
 
+def test_accelerate_fsdp2_without_reshard_is_estimated_as_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``fsdp_reshard_after_forward: false`` (as ``accelerate config`` writes it) is FSDP2's setting kept off: the run
+    is ``--no-reshard-after-forward``'s, byte for byte, and needs more than the same file with ``true``."""
+    path = tmp_path / "kept.yaml"
+    text = (DATA / "accelerate_fsdp2.yaml").read_text()
+    assert "fsdp_reshard_after_forward: true" in text
+    path.write_text(text.replace("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false"))
+    gpu = ("--gpu", "a100-sxm-80gb")
+    kept = json.loads(run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(path), *gpu, "--json").out)
+    assert kept["strategy"]["reshard_after_forward"] is False
+    used = {"key": "fsdp_config.fsdp_reshard_after_forward", "value": "false", "meaning": "--no-reshard-after-forward"}
+    assert used in kept["imported"]["used"]
+    # the file's settings as flags: 8 GPUs, FSDP2, amp-bf16, full checkpointing (accelerate_fsdp2.yaml)
+    flags = ("--gpus", "8", "--sharding", "fsdp", "--precision", "amp-bf16", "--checkpointing", "full")
+    plain = json.loads(run_cli(capsys, "estimate", "llama-3.1-8b", *flags, "--no-reshard-after-forward", *gpu,
+                               "--json").out)  # fmt: skip
+    assert kept["required_bytes"] == plain["required_bytes"] and kept["peak_bytes"] == plain["peak_bytes"]
+    resharded = json.loads(run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(DATA / "accelerate_fsdp2.yaml"),
+                                   *gpu, "--json").out)  # fmt: skip
+    assert resharded["strategy"]["reshard_after_forward"] is True
+    assert kept["peak_bytes"] > resharded["peak_bytes"]
+
+
 @pytest.mark.parametrize(
     ("content", "suffix", "match"),
     [
