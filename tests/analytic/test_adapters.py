@@ -246,6 +246,20 @@ def test_targets_match_as_peft_matches_module_paths() -> None:
     assert reads["dense_h_to_4h"] is SiteInput.NORM1 and reads["query_key_value"] is SiteInput.NORM1
     with pytest.raises(StrategyError, match="no module named q_proj in tiny-falcon; its linears are query_key_value"):
         adapter_sites(falcon, Adapter(targets=("q_proj",)))
+    # BERT: ``output.dense`` ends both outputs' paths (attention.output.dense, layer.N.output.dense); the longer
+    # ``attention.output.dense`` ends only the attention's (it once adapted both); a target on one layer's module
+    # is PEFT's to run (the trace), not the closed forms'
+    bert = load_model("bert-base-uncased")
+    names = [s.name for s in adapter_sites(bert, Adapter(targets=("output.dense",)))]
+    assert names == ["attention.output.dense", "output.dense"]
+    assert [s.name for s in adapter_sites(bert, Adapter(targets=("attention.output.dense",)))] == names[:1]
+    assert [s.name for s in adapter_sites(bert, Adapter(targets=("intermediate.dense",)))] == ["intermediate.dense"]
+    from trainfit.analytic.adapters import check_finetune_model
+
+    one_layer = Strategy(adapter=Adapter(targets=("layer.0.output.dense",)), base_weights=BaseWeights())
+    with pytest.raises(StrategyError, match=r"on some layers only \(layer.0.output.dense\)"):
+        check_finetune_model(bert, one_layer)
+    check_finetune_model(bert, one_layer, analytic=False)
 
 
 def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused() -> None:
@@ -267,10 +281,13 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
         for analytic in (True, False):
             with pytest.raises(StrategyError, match="ParamWrapper"):
                 check_finetune_model(mixtral, dataclasses.replace(s, adapter=bad), analytic=analytic)
-    # without checkpointing the first layer's saves depend on which adapter comes first: q/k/v only
+    # without checkpointing the first layer saves from its first adapter on (BlindLayer): not derived for adapted
+    # experts over an input that needs no gradient; an attention target (o_proj included) makes that input need one
     experts_only = dataclasses.replace(s, adapter=Adapter(targets=("w1", "w3", "w2")))
-    with pytest.raises(StrategyError, match="attention-input target"):
+    with pytest.raises(StrategyError, match="only with an attention target"):
         check_finetune_model(mixtral, experts_only)
+    check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("w2", "o_proj"))))
+    check_finetune_model(mixtral, dataclasses.replace(s, adapter=Adapter(targets=("o_proj",))))
     check_finetune_model(mixtral, experts_only, analytic=False)
     check_finetune_model(mixtral, dataclasses.replace(experts_only, checkpointing="full"))
     # attention-only targets never reach a ParamWrapper: dropout is fine there
@@ -295,9 +312,9 @@ def test_moe_targets_are_checked_and_the_layouts_beyond_routed_experts_refused()
     mla = Adapter(targets=("q_a_proj", "kv_b_proj"))
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla), analytic=False)
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=mla))
-    # without checkpointing an adapter must read the attention's input (the first layer's saves start there)
-    with pytest.raises(StrategyError, match="attention-input target"):
-        check_finetune_model(deepseek, dataclasses.replace(s, adapter=Adapter(targets=("kv_b_proj", "o_proj"))))
+    # without checkpointing: DeepSeek's first layer is dense (first_k_dense_replace), its MoE layers all see inputs
+    # that need a gradient, so any attention target will do (against the trace: tests/trace/test_peft.py)
+    check_finetune_model(deepseek, dataclasses.replace(s, adapter=Adapter(targets=("kv_b_proj", "o_proj"))))
     # a 4-bit base: the MLA linears and shared experts packed, the experts and router float (both methods)
     qa, qb = finetune_setup("qlora", targets="q_a_proj", base_dtype="nf4")
     check_finetune_model(deepseek, dataclasses.replace(s, adapter=qa, base_weights=qb))

@@ -536,3 +536,57 @@ def test_deepseek_lora_analytic_agrees_with_the_peft_trace(
     rt = estimate(spec, s, method="trace", simulate_allocator=False)
     assert ra.trainable_params == rt.trainable_params
     assert_phases_agree(ra, rt, 0.01)
+
+
+# The first layer when the embeddings' output needs no gradient (no layer checkpointing): nothing is saved before its
+# first adapter (trainfit.analytic.adapters.BlindLayer), and its KV cache holds k and v that no kernel saves
+# (activations.first_layer_cache_bytes). (config, targets, attention, precision, base dtype, checkpointing)
+FIRST_LAYER = [
+    ("llama", "o_proj", "sdpa", "amp-bf16", "bf16", "none"),  # the whole attention unsaved
+    ("llama", "gate_proj,up_proj,down_proj", "sdpa", "amp-bf16", "bf16", "none"),
+    ("qwen2_moe", "down_proj", "sdpa", "amp-bf16", "bf16", "none"),  # router and routed experts save nothing
+    ("mixtral", "o_proj", "sdpa", "amp-bf16", "bf16", "none"),  # once refused
+    # a parallel block's MLP over the unsaved input; Phi-2's backward peaks in its logits' backward, −1.8% here with
+    # any target (not this mechanism: the head's moment), so only its forward is held to 0.15%
+    ("phi", "q_proj", "sdpa", "amp-bf16", "bf16", "none"),
+    ("qwen3", "q_proj,v_proj", "sdpa", "amp-bf16", "bf16", "none"),  # k's norm keeps nothing
+]
+FIRST_LAYER_SLOW = [
+    ("llama", "q_proj,v_proj", "eager", "amp-bf16", "bf16", "none"),  # q·kᵀ keeps k, not q
+    ("llama", "v_proj", "sdpa", "fp32", None, "none"),  # the math kernel, in part
+    ("llama", "up_proj", "sdpa", "amp-bf16", "nf4", "none"),  # act kept, gate and up not
+    ("llama", "down_proj", "sdpa", "amp-bf16", "int8", "none"),
+    ("qwen2_moe", "shared_expert_gate", "sdpa", "amp-bf16", "bf16", "none"),
+    ("neox", "dense", "sdpa", "amp-bf16", "bf16", "none"),  # the cache's copies of a fused qkv's views
+    ("phi3", "down_proj", "sdpa", "amp-bf16", "bf16", "none"),
+    ("gemma", "v_proj", "eager", "amp-bf16", "bf16", "none"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "attention", "precision", "base", "ckpt"),
+    FIRST_LAYER + [pytest.param(*x, marks=pytest.mark.slow) for x in FIRST_LAYER_SLOW],
+)
+def test_the_first_layer_saves_from_its_first_adapter_on(
+    family: str, targets: str, attention: str, precision: str, base: str | None, ckpt: str
+) -> None:
+    """Forward and backward within 0.15% of the trace, without the cuBLAS workspaces (the 2-layer configs make the
+    first layer half the stack: before, an MLP or o_proj target was +2…+22% over, a q/k/v subset under eager
+    attention +3…+8%); the optimizer step, which the first layer does not reach, within 2% as elsewhere here."""
+    from trainfit.result import Component, Phase
+
+    cfg = (FAMILIES | MOE_FAMILIES)[family]
+    spec = spec_from_config(cfg, name=f"small-{family}", source="test")
+    how = "qlora" if base == "nf4" else "lora"
+    a, b = finetune_setup(how, rank=8, targets=targets, adapter_dtype="fp32", base_dtype=base)
+    s = Strategy(
+        adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, attention=attention, micro_batch=2,
+        seq_len=256,
+    )  # fmt: skip
+    ra = estimate(spec, s)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    for pa, pt in zip(ra.phases, rt.phases, strict=True):
+        ref = pt.total_bytes - pt.get(Component.WORKSPACES)
+        loose = pa.phase is Phase.OPTIMIZER_STEP or (family == "phi" and pa.phase is Phase.BACKWARD)
+        tol = 0.02 if loose else 0.0015
+        assert abs(pa.total_bytes - pt.total_bytes) <= tol * ref, (pa.phase, pa.total_bytes, pt.total_bytes)

@@ -42,11 +42,11 @@ from enum import StrEnum
 from trainfit.analytic.adapters import (
     AdapterSaved,
     AdapterSite,
+    BlindLayer,
     SiteInput,
     adapter_saved,
     adapter_sites,
     base_weight_width,
-    dora_weight_copy_bytes,
     finetuning,
     frozen_base,
     frozen_layers,
@@ -536,6 +536,28 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return k_extra + v_extra
 
 
+def first_layer_cache_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """What the first layer's KV cache holds beyond :func:`kv_cache_held_bytes` when that layer's attention saves
+    nothing (a first layer whose input needs no gradient and whose q/k/v carry no adapter:
+    :class:`~trainfit.analytic.adapters.BlindLayer`): the cache's k (after RoPE, promoted to the residual's dtype by
+    cos/sin) and v — its own ``torch.cat`` copies, a fused projection's views included — which no kernel saves, to
+    the forward's end; MLA's cache holds k_rot and the normed latent. Found by the trace (tests/trace/test_peft.py)."""
+    if strategy.adapter is None or not _kv_cache_active(spec, strategy) or not frozen_base(strategy):
+        return 0
+    if input_grads_enabled(strategy) or BlindLayer.of(spec, strategy.adapter).attention:
+        return 0
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    out = frozen_base_mlp_width(strategy, w)  # a frozen projection's output: autocast's, or a bitsandbytes input's
+    if spec.mla is not None:
+        m = spec.mla
+        full = max(out, w.residual) * t * m.qk_rope_head_dim + w.residual * t * m.kv_lora_rank
+    else:
+        k_width = max(out, w.residual) if spec.rotary_dim else out
+        full = (k_width + out) * t * spec.kv_dim
+    return full - kv_cache_held_bytes(spec, strategy)
+
+
 def _mla_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """MLA's DynamicCache (modeling_deepseek_v3.py ``DeepseekV3Attention.forward``: ``cache.update(kv_nope, k_rot)``
     before ``expand_kv``) ``torch.cat``s the normed latent kv_nope (the residual's width: ``DeepseekV3RMSNorm``
@@ -613,10 +635,18 @@ def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, k
     return SavedTerm(name="attn.sdpa.qkv", bytes=fused, formula="fused qkv output (q, k, v views)")
 
 
-def _frozen_swiglu(name: str, each: int, formula: str) -> SavedTerm:
+def _frozen_swiglu(name: str, each: int, formula: str, blind: BlindLayer | None = None) -> list[SavedTerm]:
     """A SwiGLU whose down projection is frozen (it keeps no input, so the product is not saved): the gate, act and
-    up outputs, ``each`` bytes apiece, three tensors."""
-    return SavedTerm(name=name, bytes=3 * each, formula=formula, pieces=(each,) * 3)
+    up outputs, ``each`` bytes apiece, three tensors. In a layer whose input needs no gradient (``blind``) each is
+    kept only for an input that needs one (derivatives.yaml: ``silu`` keeps its input for the gate's gradient;
+    ``mul`` keeps up for act's and act for up's): the gate and up when the gate needs a gradient, act when up does."""
+    if blind is None:
+        return [SavedTerm(name=name, bytes=3 * each, formula=formula, pieces=(each,) * 3)]
+    n = 2 * blind.gate + blind.up
+    kept = SavedTerm(
+        name=name, bytes=n * each, formula=f"{n} of {formula} (input needs no gradient)", pieces=(each,) * n
+    )
+    return [kept] if n else []
 
 
 def _act_terms(name: str, spec: ModelSpec, t: int, i: int, w: Widths) -> list[SavedTerm]:
@@ -749,13 +779,16 @@ def _core_inputs(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> Save
     return SavedTerm(name="attn.core_inputs", bytes=qk + v, formula=f"r·t·(q_dim+kv_dim) + {vf}", pieces=(qk, v))
 
 
-def layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
+def layer_terms(
+    spec: ModelSpec, strategy: Strategy, *, moe: bool = False, blind: BlindLayer | None = None
+) -> list[SavedTerm]:
     """Saved activation tensors of one transformer layer. Under ``--checkpointing selective`` (Megatron's
     ``recompute_granularity="selective"``, ``core_attn``; Korthikanti et al. 2022 §5) the attention core is one
     non-reentrant checkpoint: its saved tensors are replaced by its inputs (:func:`_core_inputs`) and come back
-    while the layer's backward runs (:func:`selective_recompute_bytes`)."""
-    terms = _layer_terms(spec, strategy, moe=moe)
-    if strategy.checkpointing is not Checkpointing.SELECTIVE:
+    while the layer's backward runs (:func:`selective_recompute_bytes`) — unless none of them needs a gradient
+    (``blind``, :func:`frozen_layer_terms`): then nothing is recorded for backward."""
+    terms = frozen_layer_terms(spec, strategy, moe=moe, blind=blind) if blind else _layer_terms(spec, strategy, moe=moe)
+    if strategy.checkpointing is not Checkpointing.SELECTIVE or not any(_is_core(x) for x in terms):
         return terms
     kept = [x for x in terms if not _is_core(x)]
     at = next((i for i, x in enumerate(terms) if _is_core(x)), len(kept))
@@ -935,11 +968,16 @@ def frozen_base_mlp_width(strategy: Strategy, w: Widths) -> int:
     return w.compute
 
 
-def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False) -> list[SavedTerm]:
+def frozen_layer_terms(
+    spec: ModelSpec, strategy: Strategy, *, moe: bool = False, blind: BlindLayer | None = None
+) -> list[SavedTerm]:
     """Saved tensors of one layer whose base weights are all frozen, with the adapters' own (module docstring
     of :mod:`trainfit.analytic.adapters`): norms keep no normed output, frozen linears keep no input, a
     SwiGLU keeps gate, act(gate) and up (not the product), a fused GeLU MLP keeps fc1's output; attention
-    saves what it saves under full fine-tuning; the adapters add their inputs, masks and rank-r outputs."""
+    saves what it saves under full fine-tuning; the adapters add their inputs, masks and rank-r outputs.
+    ``blind``: the layer's input needs no gradient (:class:`~trainfit.analytic.adapters.BlindLayer`): each part
+    saves only where a tensor it reads needs one; a dropout over an input that needs none keeps no mask, nor DoRA's
+    second base linear a weight copy."""
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     h, a = spec.hidden_size, w.compute
@@ -962,6 +1000,14 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
         if strategy.adapter is not None
         else []
     )
+    if blind is not None:
+        saved = [
+            x
+            for x, site in zip(saved, _site_of(saved, sites), strict=True)
+            if site.reads in blind.live or not x.name.endswith((".dropout_mask", ".dora_weight"))
+        ]
+    # Whether each input of the layer's linears needs a gradient (all do, but in a blind layer).
+    live = set(SiteInput) if blind is None else set(blind.live)
     # A shared input is saved once; the attention output is already saved by SDPA, ReLU's output by ReLU. SDPA's
     # math kernel (Falcon's masked multi-query attention) saves its inputs and probabilities, not its output.
     math = strategy.attention is Attention.SDPA and sdpa_kernel(spec, strategy) == MATH
@@ -971,8 +1017,8 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     # output is saved only by a reader outside — a frozen o_proj is none (an LLM.int8 one is).
     core_out_dropped = strategy.checkpointing is Checkpointing.SELECTIVE and not int8
     fused_keeps_out = strategy.attention is Attention.SDPA and not math and not core_out_dropped
-    already = {SiteInput.ATTN_OUT} if fused_keeps_out else set()
-    if spec.mlp is MlpKind.DENSE and spec.activation == "relu":
+    already = {SiteInput.ATTN_OUT} if fused_keeps_out and SiteInput.ATTN_OUT in live else set()
+    if spec.mlp is MlpKind.DENSE and spec.activation == "relu" and SiteInput.MLP_ACT in live:
         already.add(SiteInput.MLP_ACT)
     # An LLM.int8 linear is no frozen nn.Linear: bitsandbytes' MatMul8bitLt.forward keeps its input A in
     # ``ctx.tensors = (CAt, subA, A)`` whenever the input requires grad (bitsandbytes/autograd/_functions.py),
@@ -981,7 +1027,7 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     int8_in: dict[SiteInput, list[SavedTerm]] = {}
     if int8:
         skip = {SiteInput.ATTN_OUT} | (already & {SiteInput.MLP_ACT})  # ReLU's output is saved already
-        int8_in = {k: [v] for k, v in int8_layer_inputs(spec, strategy, moe=moe).items() if k not in skip}
+        int8_in = {k: [v] for k, v in int8_layer_inputs(spec, strategy, moe=moe).items() if k not in skip and k in live}
         already |= set(int8_in)
     seen: set[SiteInput] = set()
 
@@ -997,23 +1043,26 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
             out.append(SavedTerm(name=f"lora.{x.name}", bytes=x.bytes, formula=x.formula))
         return out
 
-    terms = _norm_terms("norm1", t, h, spec, w, frozen=True)
+    # A blind layer's first norm reads an input that needs no gradient (and has a frozen weight): it saves nothing.
+    terms = _norm_terms("norm1", t, h, spec, w, frozen=True) if blind is None else []
     terms += int8_in.get(SiteInput.NORM1, [])
     terms += adapter_terms((SiteInput.NORM1,))
-    attn = _attention_terms(spec, strategy, t, w)
+    attn = _attention_terms(spec, strategy, t, w) if blind is None or blind.attention else []
     if spec.qk_norm:
-        qd, kd = spec.q_dim, spec.kv_dim
-        attn = [
-            dataclasses.replace(x, bytes=4 * t * (qd + kd) + 4 * t * (spec.num_heads + spec.num_kv_heads))
-            if x.name == "attn.qk_norm"
-            else x
-            for x in attn
-        ]
+        # frozen per-head norms: each keeps its fp32 input and rsqrt — the q norm only if q needs a gradient, the k
+        # norm only if k does (a blind layer with q or k unadapted)
+        q_on, k_on = (True, True) if blind is None else (blind.q, blind.k)
+        qk = q_on * 4 * t * (spec.q_dim + spec.num_heads) + k_on * 4 * t * (spec.kv_dim + spec.num_kv_heads)
+        attn = [dataclasses.replace(x, bytes=qk) if x.name == "attn.qk_norm" else x for x in attn]
+    if blind is not None and blind.attention and (strategy.attention is Attention.EAGER or math):
+        attn = _blind_eager_terms(attn, blind)
     if (strategy.attention is Attention.EAGER or math or core_out_dropped) and not int8:
         # o_proj's input: a frozen o_proj keeps none
         attn = [x for x in attn if x.name not in ("attn.eager.out", "attn.sdpa.out")]
     if spec.mla is not None:
-        latents = frozen_latent_terms(spec, t, fp32_latents=mla_latents_fp32(strategy, w))
+        # A latent RMSNorm whose q_a/kv_a projection carries no adapter sees an input needing no gradient (blind).
+        unlit = frozenset({SiteInput.NORM1, SiteInput.Q_LATENT, SiteInput.KV_LATENT} - live) if blind else frozenset()
+        latents = frozen_latent_terms(spec, t, blind=unlit, fp32_latents=mla_latents_fp32(strategy, w))
         attn = [y for x in attn for y in (latents if x.name == "attn.latents" else [x])]
         if w.amp and mlp_w != a:
             # kv_b_proj returns fp32 (a bitsandbytes linear over an fp32 residual): v, a view of its output, reaches
@@ -1032,23 +1081,28 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     terms += int8_in.get(SiteInput.Q_LATENT, []) + int8_in.get(SiteInput.KV_LATENT, [])
     terms += adapter_terms((SiteInput.Q_LATENT, SiteInput.KV_LATENT))
     terms += adapter_terms((SiteInput.ATTN_OUT,))
-    if spec.hidden_dropout > 0:
-        terms.append(SavedTerm(name="dropout_masks", bytes=2 * t * h, formula="2 × 1·t·h (attention, MLP)"))
-    if not (spec.parallel_attn and spec.norms_per_layer == 1):  # one norm feeds a parallel block's MLP too
+    masks = 2 if blind is None else blind.residual + blind.mlp_out
+    if spec.hidden_dropout > 0 and masks:
+        terms.append(SavedTerm(name="dropout_masks", bytes=masks * t * h, formula=f"{masks} × 1·t·h (attention, MLP)"))
+    # one norm feeds a parallel block's MLP too; a blind layer's second norm saves only over a live residual
+    if not (spec.parallel_attn and spec.norms_per_layer == 1) and (blind is None or blind.mlp_in):
         terms += _norm_terms("norm2", t, h, spec, w, frozen=True, input_saved=not spec.parallel_attn)
     if spec.norms_per_layer > 2:
-        for k in range(3, spec.norms_per_layer + 1):
-            terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
+        for k in range(3, spec.norms_per_layer + 1):  # Gemma-2: post-attention (3), post-feed-forward (4)
+            if blind is None or (blind.residual if k == 3 else blind.mlp_out):
+                terms += _norm_terms(f"norm{k}", t, h, spec, w, frozen=True)
     i = spec.intermediate_size
     mlp = int8_in.get(SiteInput.NORM2, []) + adapter_terms((SiteInput.NORM2,))
     if moe:
         shared = SiteInput.NORM2 in seen or SiteInput.NORM2 in already
-        mlp += frozen_moe_terms(spec, strategy, t, w, nb, norm_out_saved=shared)
+        mlp += frozen_moe_terms(spec, strategy, t, w, nb, norm_out_saved=shared, blind=blind)
         mlp += int8_in.get(SiteInput.MLP_ACT, [])  # an LLM.int8 shared expert's down_proj input
         mlp += adapter_terms((SiteInput.MLP_ACT,))  # a shared expert's down_proj (Qwen2-MoE)
         return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
     if spec.mlp is MlpKind.GATED:
-        mlp.append(_frozen_swiglu("mlp.swiglu", mlp_w * t * i, "3·a·t·i (gate, act, up)"))
+        mlp += _frozen_swiglu("mlp.swiglu", mlp_w * t * i, "3·a·t·i (gate, act, up)", blind)
+    elif blind is not None and not blind.gate:
+        pass  # a blind layer's activation over an fc1 output that needs no gradient saves nothing
     elif spec.activation == "relu":
         mlp.append(SavedTerm(name="mlp.relu", bytes=mlp_w * t * i, formula="a·t·i (relu out)"))
     elif spec.activation in PYTHON_GELUS and mlp_w != a:
@@ -1067,6 +1121,33 @@ def frozen_layer_terms(spec: ModelSpec, strategy: Strategy, *, moe: bool = False
     mlp += int8_in.get(SiteInput.MLP_ACT, [])
     mlp += adapter_terms((SiteInput.MLP_ACT,))
     return terms + [dataclasses.replace(x, role=TermRole.MLP) for x in mlp]
+
+
+def _blind_eager_terms(attn: list[SavedTerm], blind: BlindLayer) -> list[SavedTerm]:
+    """Eager attention's (and SDPA's math kernel's) saves when only some of q, k, v need a gradient (a blind first
+    layer with q and v adapted, PEFT's default): ``q·kᵀ`` keeps q for k's gradient and k for q's; the softmax (and a
+    soft-cap's tanh, a dropout's mask) keeps its output only if the scores need a gradient (q or k does); ``probs·v``
+    keeps v for the probabilities' gradient and the probabilities for v's (derivatives.yaml ``mm``/``bmm``,
+    ``_softmax``, ``native_dropout``)."""
+    qk = blind.q or blind.k
+    out: list[SavedTerm] = []
+    for x in attn:
+        if x.name in ("attn.eager.q_k_v", "attn.sdpa_math.qkv") and x.pieces:
+            keep = (blind.k, blind.q, qk)
+            pieces = tuple(p for p, on in zip(x.pieces, keep, strict=True) if on)
+            out.append(dataclasses.replace(x, bytes=sum(pieces), pieces=pieces, formula=f"{x.formula}, in part"))
+        elif x.name in ("attn.eager.dropout", "attn.sdpa_math.dropout") and x.pieces:
+            pieces = tuple(p for p, on in zip(x.pieces, (qk, blind.v), strict=True) if on)
+            out.append(dataclasses.replace(x, bytes=sum(pieces), pieces=pieces, formula=f"{x.formula}, in part"))
+        elif x.name in ("attn.eager.softcap_tanh", "attn.softmax") and not qk:
+            separate = ("attn.eager.probs", "attn.eager.dropout", "attn.sdpa_math.dropout")
+            if x.name == "attn.softmax" and blind.v and not any(y.name in separate for y in attn):
+                out.append(x)  # the probabilities are the softmax's output: probs·v keeps them for v's gradient
+        elif x.name == "attn.eager.probs" and not blind.v:
+            continue
+        else:
+            out.append(x)
+    return [x for x in out if x.bytes]
 
 
 def site_widths(spec: ModelSpec, strategy: Strategy, w: Widths) -> dict[SiteInput, int]:
@@ -1123,7 +1204,14 @@ def mla_latents_fp32(strategy: Strategy, w: Widths) -> bool:
 
 
 def frozen_moe_terms(
-    spec: ModelSpec, strategy: Strategy, t: int, w: Widths, nb: int, *, norm_out_saved: bool
+    spec: ModelSpec,
+    strategy: Strategy,
+    t: int,
+    w: Widths,
+    nb: int,
+    *,
+    norm_out_saved: bool,
+    blind: BlindLayer | None = None,
 ) -> list[SavedTerm]:
     """A frozen transformers 5 MoE block (Mixtral / Qwen3-MoE layout) with PEFT's ``ParamWrapper`` adapters
     (:func:`trainfit.analytic.adapters.moe_param_sites`; module docstring of :mod:`trainfit.analytic.adapters`).
@@ -1138,8 +1226,15 @@ def frozen_moe_terms(
       weight dtype when the adapter dtype differs (``.to(param.dtype)``: w·rank·E·(d_in + d_out));
     * an adapted router (``_LoraParameterProxy``: ``W + B·A·s``) makes its linear save its input (the normed
       tensor, or autocast's cast of it) and the new E × h weight;
-    * the router's softmax/top-k bookkeeping as in full fine-tuning (:func:`_router_bytes`)."""
+    * the router's softmax/top-k bookkeeping as in full fine-tuning (:func:`_router_bytes`).
+
+    ``blind`` (the block's input needs no gradient; its router and experts carry no adapter, else refused by
+    :func:`trainfit.analytic.adapters.validate`): the router and the routed experts save nothing, the shared
+    experts as a blind SwiGLU, and Qwen2-MoE's ``sigmoid(gate) * shared_out`` keeps shared_out for the gate's
+    gradient and the sigmoid output for its own and shared_out's."""
     assert spec.moe is not None and strategy.adapter is not None
+    if blind is not None and not blind.mlp_in:
+        return _blind_moe_terms(spec, strategy, t, w, blind)
     m, h, a = spec.moe, spec.hidden_size, w.compute
     e = w.residual  # the base's bytes: grouped_mm has no autocast policy
     ad = strategy.adapter.dtype.bits // 8
@@ -1158,7 +1253,7 @@ def frozen_moe_terms(
     sw = frozen_base_mlp_width(strategy, w)
     if m.num_shared_experts:  # frozen SwiGLU; its adapters are layer sites
         si = m.num_shared_experts * m.shared_expert_intermediate_size
-        out.append(_frozen_swiglu("mlp.shared.swiglu", sw * t * si, f"3·{sw}·t·shared_i (gate, act, up)"))
+        out += _frozen_swiglu("mlp.shared.swiglu", sw * t * si, f"3·{sw}·t·shared_i (gate, act, up)")
     if m.shared_expert_gate:
         # sigmoid(gate(x)) * shared_out: saves the shared expert's output (made before the routed experts run) and
         # the sigmoid output (after them, modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock.forward).
@@ -1185,6 +1280,23 @@ def frozen_moe_terms(
             out.append(
                 SavedTerm(name=f"lora.{name}.factors", bytes=e * p.adapter_numel, formula="w·rank·E·(d_in + d_out)")
             )
+    return out
+
+
+def _blind_moe_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths, blind: BlindLayer) -> list[SavedTerm]:
+    """:func:`frozen_moe_terms` of a block whose input needs no gradient."""
+    assert spec.moe is not None
+    m, h = spec.moe, spec.hidden_size
+    sw = frozen_base_mlp_width(strategy, w)
+    out: list[SavedTerm] = []
+    if m.num_shared_experts:
+        si = m.num_shared_experts * m.shared_expert_intermediate_size
+        out += _frozen_swiglu("mlp.shared.swiglu", sw * t * si, f"3·{sw}·t·shared_i (gate, act, up)", blind)
+    if m.shared_expert_gate:
+        if blind.shared_gate:
+            out.append(SavedTerm(name="mlp.shared_out", bytes=sw * t * h, formula=f"{sw}·t·h"))
+        if blind.shared_gate or blind.mlp_out:
+            out.append(SavedTerm(name="mlp.shared_gate", bytes=sw * t, formula=f"{sw}·t (sigmoid)"))
     return out
 
 
@@ -1364,56 +1476,23 @@ def input_grads_enabled(strategy: Strategy) -> bool:
 
 def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """What the first layer does *not* save under an adapter when the embeddings' output does not require
-    grad: its first norm sees an input that needs no gradient (and has a frozen weight), so it saves nothing;
-    the adapters make the attention's outputs require grad from there on. Assumes a target reads the
-    attention's input (q, k or v), as ``all-linear`` and the usual q,v do."""
-    if not frozen_base(strategy) or input_grads_enabled(strategy):
+    grad: nothing before its first adapter (:class:`~trainfit.analytic.adapters.BlindLayer`) — its first norm
+    with an attention-input target (q, k or v, as ``all-linear`` and the usual q,v), its whole attention with
+    MLP-only targets."""
+    first = first_layer_terms(spec, strategy)
+    if first is None:
         return 0
+    return _sum_bytes(layer_terms(spec, strategy, moe=inventory(spec).layers[0].kind == "moe")) - _sum_bytes(first)
+
+
+def first_layer_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm] | None:
+    """The first layer's saved tensors when its input needs no gradient (:func:`first_layer_unsaved_bytes`), else
+    None (it saves as every layer of its kind)."""
+    if not frozen_base(strategy) or input_grads_enabled(strategy):
+        return None
     assert strategy.adapter is not None
-    w = Widths.of(strategy)
-    t = strategy.tokens_per_micro_batch
-    norm = sum(x.bytes for x in _norm_terms("norm1", t, spec.hidden_size, spec, w, frozen=True))
-    blind = {SiteInput.NORM1}
-    if spec.parallel_attn and spec.norms_per_layer >= 2:  # NeoX: the MLP's norm reads the same x
-        norm += sum(x.bytes for x in _norm_terms("norm2", t, spec.hidden_size, spec, w, frozen=True))
-        blind.add(SiteInput.NORM2)
-    if spec.mla is not None:
-        # MLA: a latent RMSNorm whose q_a/kv_a projection carries no adapter sees an input needing no gradient.
-        adapted = {s.name for s in adapter_sites(spec, strategy.adapter)}
-        if "q_a_proj" not in adapted:
-            blind.add(SiteInput.Q_LATENT)
-        if "kv_a_proj_with_mqa" not in adapted:
-            blind.add(SiteInput.KV_LATENT)
-        t_, f32 = strategy.tokens_per_micro_batch, mla_latents_fp32(strategy, w)
-        norm += sum(x.bytes for x in frozen_latent_terms(spec, t_, fp32_latents=f32)) - sum(
-            x.bytes for x in frozen_latent_terms(spec, t_, blind=frozenset(blind), fp32_latents=f32)
-        )
-    if strategy.base_weights.quantization is Quantization.INT8:
-        # ... and its LLM.int8 q/k/v keep no input (MatMul8bitLt saves A only if an input needs a gradient).
-        norm += _norm_out_width(spec, w) * t * spec.hidden_size
-    # Dropout over an input that needs no gradient keeps no mask (native_dropout's backward is not needed).
-    masks = (
-        sum(t * s.d_in for s in adapter_sites(spec, strategy.adapter) if s.reads in blind)
-        if strategy.adapter.dropout > 0
-        else 0
-    )
-    # DoRA with dropout: the second base linear over an input that needs no gradient saves no weight copy.
-    copies = 0
-    if strategy.adapter.kind is AdapterKind.DORA and strategy.adapter.dropout > 0:
-        ad, bw = strategy.adapter.dtype.bits // 8, base_weight_width(strategy)
-        copies = sum(
-            dora_weight_copy_bytes(
-                s,
-                ad=ad,
-                amp=w.amp,
-                compute=w.compute,
-                base=bw,
-                quantised=strategy.base_weights.quantization is not Quantization.NONE,
-            )
-            for s in adapter_sites(spec, strategy.adapter)
-            if s.reads in blind
-        )
-    return norm + masks + copies
+    moe = inventory(spec).layers[0].kind == "moe"
+    return layer_terms(spec, strategy, moe=moe, blind=BlindLayer.of(spec, strategy.adapter))
 
 
 def adapter_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int:

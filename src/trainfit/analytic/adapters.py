@@ -169,6 +169,9 @@ class AdapterSite:
     d_in: int
     d_out: int
     reads: SiteInput
+    # The inventory's (Llama) name of the linear: q_proj, o_proj, gate_proj, fc1, down_proj, shared_expert_gate,
+    # gate_up_proj for Phi-3's fused one; empty for a head linear.
+    short: str = ""
 
     def matches(self, target: str) -> bool:
         """PEFT's ``target_modules`` test for a module name: the full name or a ``.``-separated suffix of it
@@ -315,19 +318,36 @@ def layer_linears(spec: ModelSpec, kind: str = "dense") -> tuple[AdapterSite, ..
         if not t.matmul or short not in _INPUT_OF:
             continue
         reads = mlp_in if _INPUT_OF[short] is SiteInput.NORM2 else _INPUT_OF[short]
-        out.append(AdapterSite(name=names.get(short, short), d_in=t.shape[1], d_out=t.shape[0], reads=reads))
+        out.append(
+            AdapterSite(name=names.get(short, short), d_in=t.shape[1], d_out=t.shape[0], reads=reads, short=short)
+        )
     if spec.model_type == "phi3":  # modeling_phi3.py Phi3MLP: gate_up_proj (h → 2·i), then chunk(2)
         gate, up = (next(s for s in out if s.name == n) for n in ("gate_proj", "up_proj"))
-        fused = AdapterSite(name="gate_up_proj", d_in=gate.d_in, d_out=gate.d_out + up.d_out, reads=gate.reads)
+        fused = AdapterSite(
+            name="gate_up_proj", d_in=gate.d_in, d_out=gate.d_out + up.d_out, reads=gate.reads, short="gate_up_proj"
+        )
         out = [fused if s is gate else s for s in out if s is not up]
     return tuple(out)
+
+
+def _names(site: AdapterSite, target: str, linears: tuple[AdapterSite, ...]) -> bool:
+    """:meth:`AdapterSite.matches`, where a target longer than the site's name (``self_attn.q_proj``) names it only if
+    no other linear of the layer is named by a longer part of the target: BERT's ``attention.output.dense`` is the
+    attention's output, not the MLP's ``output.dense`` (whose full name, ``layer.N.output.dense``, it does not end)."""
+    if not site.matches(target):
+        return False
+    if site.name == target or site.name.endswith("." + target):
+        return True
+    return not any(len(o.name) > len(site.name) and o.matches(target) for o in linears)
 
 
 def _matched(spec: ModelSpec, adapter: Adapter, linears: tuple[AdapterSite, ...]) -> tuple[AdapterSite, ...]:
     wanted = set(adapter.targets)
     family = moe_family(spec)
     if family is None:
-        return linears if ALL_LINEAR in wanted else tuple(s for s in linears if any(s.matches(x) for x in wanted))
+        return (
+            linears if ALL_LINEAR in wanted else tuple(s for s in linears if any(_names(s, x, linears) for x in wanted))
+        )
     # Names PEFT's MoE conversion moves to target_parameters are no target_modules any more (a Qwen-MoE
     # ``gate_proj`` names the experts, not a linear): moe_param_sites. ``all-linear`` is resolved to leaf names
     # first (``_resolve_string_target_modules``), so a DeepSeek dense MLP's and shared expert's gate_proj/up_proj/
@@ -335,7 +355,7 @@ def _matched(spec: ModelSpec, adapter: Adapter, linears: tuple[AdapterSite, ...]
     moved = set(_MOE_TARGETS[family])
     if ALL_LINEAR in wanted:
         return tuple(s for s in linears if s.name not in moved)
-    return tuple(s for s in linears if any(s.matches(x) for x in wanted - moved))
+    return tuple(s for s in linears if any(_names(s, x, linears) for x in wanted - moved))
 
 
 def check_targets(spec: ModelSpec, adapter: Adapter) -> None:
@@ -371,6 +391,74 @@ def adapter_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
             f"the analytic adapter model does not cover {spec.name} yet: it has {why}; use --method trace"
         )
     return _matched(spec, adapter, layer_linears(spec))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlindLayer:
+    """Which tensors of a layer need a gradient when the layer's input does not: the first layer under an adapter
+    when the embeddings' output needs none (:func:`trainfit.analytic.activations.input_grads_enabled`). A tensor
+    needs one once an adapter's output flows into it, and an op saves only what the gradients of its inputs that
+    need one use (torch's generated autograd nodes guard each save with ``should_compute_output``,
+    tools/autograd/gen_variable_type.py; a frozen op over tensors that need none makes no node at all). So the
+    first layer saves nothing before its first adapter: with an attention-input target only its first norm is
+    lost, with MLP-only targets its whole attention, with ``down_proj`` alone everything but the adapter and what
+    follows the MLP (found against the trace of real PEFT modules, tests/trace/test_peft.py)."""
+
+    attention: bool  # the attention core's inputs: some q/k/v (or an MLA latent's) projection carries an adapter
+    q: bool  # q needs a gradient (its projection, a fused qkv or an MLA latent's carries an adapter)
+    k: bool
+    v: bool
+    residual: bool  # the attention's output added to the residual stream (an adapted o_proj, or the above)
+    mlp_in: bool  # the MLP's normed input (the residual stream, unless the block is parallel)
+    gate: bool  # a gated MLP's gate output (a dense MLP's fc1 output)
+    up: bool  # a gated MLP's up output (a dense MLP: = gate)
+    product: bool  # the MLP's activation, the down projection's input
+    mlp_out: bool  # the MLP's (or MoE block's) output
+    shared_gate: bool  # Qwen2-MoE's sigmoid(shared_expert_gate(x))
+    live: frozenset[SiteInput]  # the adapted linears' inputs that need a gradient
+
+    @classmethod
+    def of(cls, spec: ModelSpec, adapter: Adapter) -> BlindLayer:
+        sites = adapter_sites(spec, adapter)
+        shorts = {s.short for s in sites}
+        names = {s.name for s in sites}
+        in_mlp = {s.name for s in sites if _INPUT_OF.get(s.short) in (SiteInput.NORM2, SiteInput.MLP_ACT)}
+        q_lat, kv_lat = "q_a_proj" in shorts, "kv_a_proj_with_mqa" in shorts
+        attention = any(
+            s.reads in (SiteInput.NORM1, SiteInput.Q_LATENT, SiteInput.KV_LATENT) and s.name not in in_mlp
+            for s in sites
+        )
+        residual = attention or any(s.reads is SiteInput.ATTN_OUT for s in sites)
+        fused = spec.mla is not None or bool(shorts & {"qkv_proj"})  # MLA: taken whole
+        q, k, v = (attention and (fused or x in shorts) for x in ("q_proj", "k_proj", "v_proj"))
+        mlp_in = residual and not spec.parallel_attn
+        if spec.mlp is MlpKind.GATED:
+            gate = mlp_in or bool(shorts & {"gate_proj", "gate_up_proj"})
+            up = mlp_in or bool(shorts & {"up_proj", "gate_up_proj"})
+        else:
+            gate = up = mlp_in or "fc1" in shorts
+        product = gate or up
+        shared_gate = mlp_in or "shared_expert_gate" in shorts
+        mlp_out = mlp_in or bool(in_mlp & names)
+        live = {SiteInput.ATTN_OUT} if attention else set()
+        live |= {SiteInput.Q_LATENT} if q_lat else set()
+        live |= {SiteInput.KV_LATENT} if kv_lat else set()
+        live |= {SiteInput.NORM2} if mlp_in else set()
+        live |= {SiteInput.MLP_ACT} if product else set()
+        return cls(
+            attention=attention,
+            q=q,
+            k=k,
+            v=v,
+            residual=residual,
+            mlp_in=mlp_in,
+            gate=gate,
+            up=up,
+            product=product,
+            mlp_out=mlp_out,
+            shared_gate=shared_gate,
+            live=frozenset(live),
+        )
 
 
 def head_sites(spec: ModelSpec, adapter: Adapter) -> tuple[AdapterSite, ...]:
@@ -850,19 +938,27 @@ def check_finetune_model(spec: ModelSpec, strategy: Strategy, *, analytic: bool 
                 f"PEFT's ParamWrapper (LoRA on {spec.name}'s MoE router and experts) does not work with {what}; "
                 "drop it, or target only attention linears"
             )
+        indexed = sorted(x for x in strategy.adapter.targets if any(p.isdigit() for p in x.split(".")))
+        if analytic and indexed:
+            raise StrategyError(
+                f"LoRA targets on some layers only ({', '.join(indexed)}) are not modelled analytically: the "
+                "closed forms adapt every layer alike; name the module (e.g. o_proj), or use --method trace"
+            )
         if analytic or spec.params_override is not None:
-            sites = adapter_sites(spec, strategy.adapter)
+            adapter_sites(spec, strategy.adapter)  # a layout the closed forms do not cover: one line
             if (
                 analytic
-                and moe_family(spec) is not None
                 and strategy.checkpointing.value in ("none", "selective")  # activations.input_grads_enabled
-                and not any(x.reads is SiteInput.NORM1 for x in sites)
+                and inventory(spec).layers[0].kind == "moe"
+                and moe_param_sites(spec, strategy.adapter)
+                and not BlindLayer.of(spec, strategy.adapter).mlp_in
             ):
                 # Without checkpointing the embeddings' output needs no gradient (activations.input_grads_enabled),
-                # so the first layer saves only from its first adapter on: modelled when that is q/k/v.
+                # so the first layer saves only from its first adapter on (BlindLayer): not derived for adapted
+                # experts or routers over an input that needs none.
                 raise StrategyError(
                     f"the analytic model covers LoRA on {spec.name}'s experts without (or with selective) "
-                    "checkpointing only with an attention-input target (q_proj, k_proj or v_proj); add one, use "
+                    "checkpointing only with an attention target (q_proj, k_proj, v_proj or o_proj); add one, use "
                     "--checkpointing full, or --method trace"
                 )
         if strategy.base_weights.quantization is not Quantization.NONE:

@@ -38,6 +38,7 @@ from trainfit.analytic.activations import (
     backward_temp_bytes,
     eager_backward_moment,
     eager_forward_moment,
+    first_layer_terms,
     layer_terms,
     model_terms,
     sac_saved_terms,
@@ -287,6 +288,7 @@ def synthesise(
         segment_of += [i] * n
     kinds = [g for g in inv.layers for _ in range(g.count)]
     terms_of = {g.kind: layer_terms(spec, strategy, moe=g.kind == "moe") for g in inv.layers}
+    first_terms = first_layer_terms(spec, strategy)  # an input that needs no gradient: saves from its first adapter
     mt = model_terms(spec, strategy)
     lg = logits_memory(spec, strategy)
     # Classification heads: num_labels-wide logits (their small row-pick tensors folded into the same shape).
@@ -316,7 +318,7 @@ def synthesise(
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
         saved: list[int] = []
-        for term in terms_of[g.kind]:
+        for term in first_terms if i == 0 and first_terms is not None else terms_of[g.kind]:
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
                 transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
                 saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]

@@ -49,6 +49,7 @@ from trainfit.analytic.activations import (
     eager_forward_moment,
     eager_nograd_inputs_bytes,
     effective_strategy,
+    first_layer_cache_bytes,
     first_layer_unsaved_bytes,
     frozen_down_forward_bytes,
     frozen_head_input_bytes,
@@ -596,7 +597,8 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         # checkpointed layer, so with checkpointing they stay until the first layer's backward; without, they
         # die with the decoder's forward.
         masks=sum(allocator_bytes(m) for m in attention_mask_bytes(spec, strategy)),
-        cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants),
+        cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants)
+        + allocator_bytes(first_layer_cache_bytes(spec, strategy)),
         forward_transient=frozen_head_input_bytes(spec, strategy),  # 0 for a trainable LM head
     )
 
