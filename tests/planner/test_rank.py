@@ -56,8 +56,7 @@ def test_random_candidates_memory_equals_estimate() -> None:
     # FSDP2/HSDP without reshard_after_forward are in the space the sample draws from, and a few always checked
     kept = [c for c in space if not c.reshard_after_forward]
     assert kept
-    # (not optimizer-in-backward: it cannot accumulate, so micro-batch 1 is no strategy of it, and estimate's
-    # micro-batch-with-accumulation suggestion refuses it where it does not fit)
+    # (not optimizer-in-backward: it cannot accumulate, so micro-batch 1 with this global batch is no strategy of it)
     others = [c for c in space if not c.optimizer_in_backward]
     for c in rng.sample(others, 25) + rng.sample(kept, 5):
         strategy = s.strategy(c, 1)

@@ -143,3 +143,19 @@ def test_expandable_segments_are_suggested_exactly_when_they_make_it_fit(seq: in
         assert hinted[0].flags == ("--alloc-conf expandable_segments:True",)
         assert f"{grown.fit.required_bytes / 2**30:.2f} GiB" in hinted[0].reason
     assert not [x for x in grown.fit.suggestions if x.kind is SuggestionKind.EXPANDABLE_SEGMENTS]
+
+
+def test_no_accumulation_is_suggested_under_optimizer_in_backward() -> None:
+    """--optimizer-in-backward steps each parameter as its gradient arrives, so it cannot accumulate (torchtune
+    refuses): a setup that does not fit gets no --grad-accum suggestion — it once raised that very refusal in place of
+    the estimate — and a checked fix that drops the saver says so."""
+    from trainfit.planner.rank import describe_changes
+    from trainfit.strategy import MemorySavers
+
+    s = Strategy(micro_batch=32, seq_len=1024, savers=MemorySavers(optimizer_in_backward=True))
+    r = estimate("qwen2.5-0.5b", s, gpu="rtx-4090")
+    assert r.fit is not None and not r.fit.fits
+    assert all(x.kind is not SuggestionKind.SMALLER_MICRO_BATCH for x in r.fit.suggestions)
+    plain = dataclasses.replace(s, savers=MemorySavers(), grad_accum=32, micro_batch=1)
+    assert "without --optimizer-in-backward" in describe_changes(plain, s)
+    assert "without --optimizer-in-backward" not in describe_changes(s, s)

@@ -128,6 +128,11 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         out.append("--activation-offload")
     if sv.optimizer_in_backward and not bsv.optimizer_in_backward:
         out.append("--optimizer-in-backward")
+    # a saver the baseline turned on and the plan does not use (there is no --no-… flag: drop it from the command)
+    if bsv.activation_offload and not sv.activation_offload:
+        out.append("without --activation-offload")
+    if bsv.optimizer_in_backward and not sv.optimizer_in_backward:
+        out.append("without --optimizer-in-backward")
     if strategy.micro_batch != baseline.micro_batch or strategy.grad_accum != baseline.grad_accum:
         accum = f" --grad-accum {strategy.grad_accum}" if strategy.parallelism.pipeline == 1 else ""
         out.append(f"--batch {strategy.micro_batch}{accum}")

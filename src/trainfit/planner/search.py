@@ -195,6 +195,8 @@ def accumulation_plan(
     effective = strategy.effective_batch
     if effective < 2 or strategy.parallelism.pipeline > 1:  # a pipeline's micro-batches are --microbatches
         return None
+    if strategy.savers.optimizer_in_backward:  # it steps as gradients arrive: nothing to accumulate (torchtune refuses)
+        return None
     largest, _ = max_micro_batch(
         spec, dataclasses.replace(strategy, grad_accum=max(2, strategy.grad_accum)), usable, fn, bound
     )
