@@ -1673,6 +1673,87 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
     return w.residual * t * h + max(moments)
 
 
+#: Decoder layers that keep the attention's output in a local of their own while the MLP runs (modeling_gpt2.py
+#: ``GPT2Block.forward``: ``attn_output, ... = self.attn(...)``, then ``hidden_states = attn_output + residual``).
+_ATTN_OUTPUT_LOCAL = frozenset({"gpt2"})
+
+
+def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
+    """What a frozen non-gated MLP (fc1 → activation → fc2: GPT-2, Phi-2, NeoX, Falcon, BERT, StarCoder2) holds at the
+    worst moment of a checkpointed forward, which saves nothing, under a LoRA adapter over a float or 4-bit base;
+    ``None`` elsewhere. The layer's locals (found by the trace, in each model's code): a sequential block keeps the
+    post-attention residual and norm2's output (GPT-2 its attention output too); a parallel block (Phi-2, Falcon,
+    NeoX) the normed input its MLP reads and the attention's output, which it adds after the MLP; BERT the attention
+    block's output, the MLP output's residual. Then the worst of
+
+    * fc1: the base output (m·t·i: the compute dtype, or a bitsandbytes layer's input dtype) and, adapted, PEFT's
+      branch — lora_B's output and its scaled copy (lora_A's matmul width each; over a 4-bit base the result's clone
+      and the branch converted to m first) — over the input's cast to the adapter dtype (t·h);
+    * the activation: ``F.gelu``/ReLU its input and output (2m·t·i); HF's Python GeLU (``NewGELUActivation``:
+      ``0.5 * x * (1 + tanh(√(2/π)·(x + 0.044715·x³)))``) keeps x and 0.5·x while its chain runs, two neighbours
+      at a time, in fp32 under autocast (``pow`` is on CUDA autocast's fp32 list; the rest follows by type
+      promotion): (2m + 2·4)·t·i, else 4m·t·i — and its output is fp32 then;
+    * fc2 over the activation's output g: autocast's cast of it (c·t·i when g ≠ c), the base output, and, adapted,
+      ``x.to(adapter dtype)`` (a copy when g differs) with lora_A's autocast cast of that (mm·t·i) — as
+      :func:`frozen_down_forward_bytes` reads a gated MLP's down projection."""
+    adapter = strategy.adapter
+    if (
+        adapter is None
+        or adapter.kind is AdapterKind.DORA
+        or spec.mlp is not MlpKind.DENSE
+        or spec.moe is not None
+        or strategy.base_weights.quantization is Quantization.INT8
+    ):
+        return None
+    w = Widths.of(strategy)
+    t, h, i, c = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size, w.compute
+    ad = adapter.dtype.bits // 8
+    mm = c if w.amp else ad
+    m = frozen_base_mlp_width(strategy, w)
+    nb = _norm_out_width(spec, w)
+    sites = adapter_sites(spec, adapter)
+    fc1 = any(x.reads in (SiteInput.NORM2, SiteInput.NORM1) and _is_mlp_site(x) for x in sites)
+    fc2 = any(x.reads is SiteInput.MLP_ACT for x in sites)
+    r = w.residual
+    if spec.model_type == "bert":
+        held = r * t * h  # the attention block's (post-norm) output
+    elif spec.parallel_attn:
+        held = nb * t * h + c * t * h  # the normed input the MLP reads, and the attention's output
+    else:
+        held = r * t * h + nb * t * h
+    if spec.model_type in _ATTN_OUTPUT_LOCAL:
+        # and GPT2Model.forward's ``position_embeds`` (1 × s × h, the table's dtype), a local to the forward's end
+        held += c * t * h + r * strategy.seq_len * h
+    # fc1: its input as PEFT's branch casts it to the adapter dtype (``_cast_input_dtype``: a local of ``forward``,
+    # alive to the sum; dropout's output and autocast's copy for lora_A die with lora_A's call)
+    in_casts = (ad if nb != ad else 0) * t * h if fc1 else 0
+    quantised = strategy.base_weights.quantization is not Quantization.NONE
+    if fc1 and quantised:
+        # peft/tuners/lora/bnb.py Linear4bit.forward: the base result cloned, lora_B's output converted to the
+        # result's dtype, then scaled: three m-wide tensors at the add (two and lora_B's own at the conversion)
+        first = max(3 * m, 2 * m + mm) * t * i + in_casts
+    else:
+        first = m * t * i + (2 * mm * t * i if fc1 else 0) + in_casts
+    python = spec.activation in PYTHON_GELUS
+    if python:
+        act = (2 * m + 2 * (4 if w.amp else m)) * t * i
+        g = 4 if w.amp else m
+    else:
+        act, g = 2 * m * t * i, m
+    cast = c * t * i if g != c else 0
+    out_w = m if quantised else c
+    second = g * t * i + cast + out_w * t * h
+    if fc2:
+        copy = ad if g != ad else 0
+        second = max(second, (g + copy + mm) * t * i + out_w * t * h)
+    return held + max(first, act, second)
+
+
+def _is_mlp_site(site: AdapterSite) -> bool:
+    """An adapted linear of the MLP (fc1/fc2, gate/up/down), as opposed to the attention's."""
+    return site.short in ("fc1", "fc2", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
 def frozen_down_forward_bytes(spec: ModelSpec, strategy: Strategy, *, checkpointed: bool) -> int | None:
     """What a frozen gated MLP holds at its forward's worst moment (the cases of :func:`frozen_mlp_backward_bytes`;
     ``None`` elsewhere) beyond what its layer saves — or, in a ``checkpointed`` forward, which saves nothing, all of
@@ -1696,7 +1777,7 @@ def frozen_down_forward_bytes(spec: ModelSpec, strategy: Strategy, *, checkpoint
     adapter saves is counted with the layer; the parts not yet made at each moment are taken off."""
     mlp = _FrozenMlp.of(spec, strategy)
     if mlp is None:
-        return None
+        return _frozen_dense_forward_bytes(spec, strategy) if checkpointed else None
     adapter, quant, w, saved, sites = mlp.adapter, mlp.quant, mlp.w, mlp.down_saved, mlp.sites
     t, h, i, m, c, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.c, mlp.down
     ad = adapter.dtype.bits // 8
@@ -1782,6 +1863,13 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         out += _norm_terms("embed_norm", t, h, spec, w)
     if spec.embedding_dropout > 0 and not blind:
         out.append(SavedTerm(name="embed.dropout_mask", bytes=t * h, formula="1·t·h"))
+    if frozen_base(strategy) and input_grads_enabled(strategy) and _embedding_output_transformed(spec):
+        # ``enable_input_require_grads`` makes the frozen token embedding's output a leaf that requires grad
+        # (transformers modeling_utils ``make_inputs_require_grads``: ``output.requires_grad_(True)``); its
+        # AccumulateGrad node holds it until the graph is freed. Where the first layer reads it as itself that is the
+        # checkpoint's kept input; where positions, a norm or dropout come between, it is a tensor of its own (GPT-2,
+        # BERT: found by the trace).
+        out.append(SavedTerm(name="embed.leaf_output", bytes=w.residual * t * h, formula="r·t·h (grad-requiring leaf)"))
     embedding = [dataclasses.replace(x, role=TermRole.EMBEDDING) for x in out]
     out = []
     nb = _norm_out_width(spec, w)
@@ -1815,6 +1903,12 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
     if frozen or not spec.kind.has_vocab_logits:  # a frozen LM head keeps no input; a classifier's is above
         head_input = dataclasses.replace(head_input, bytes=0, formula="0 (frozen or no LM head)")
     return [*embedding, *head, head_input]
+
+
+def _embedding_output_transformed(spec: ModelSpec) -> bool:
+    """Whether anything comes between the token embedding's output and the first layer's input (not Gemma's scale:
+    transformers 5's ``GemmaScaledWordEmbedding`` applies it inside the module whose output is made a leaf)."""
+    return bool(spec.learned_positions or spec.embedding_norm or spec.embedding_dropout > 0)
 
 
 def classifier_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
