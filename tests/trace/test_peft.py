@@ -631,3 +631,38 @@ def test_a_checkpointed_dense_mlps_forward_agrees_with_the_trace(
     pt = estimate(spec, s, method="trace", simulate_allocator=False).phases[0]
     ref = pt.total_bytes - pt.get(Component.WORKSPACES)
     assert abs(pa.total_bytes - pt.total_bytes) <= 0.002 * ref, (pa.total_bytes, pt.total_bytes)
+
+
+# A frozen non-gated MLP's backward (trainfit.analytic.activations.frozen_dense_backward_bytes): the activation's
+# chain (Python GeLU: three fp32 t·i gradients under autocast), an adapted fc2's input gradients and their sum.
+# (config, targets, base dtype, checkpointing)
+DENSE_BACKWARD = [
+    ("gpt2", "all-linear", "bf16", "none"),  # was +2.7%
+    ("neox", "all-linear", "nf4", "none"),
+    ("gpt2", "all-linear", "nf4", "full"),  # was +6.1%
+]
+DENSE_BACKWARD_SLOW = [
+    ("gpt2", "mlp.c_proj", "bf16", "none"),
+    ("phi", "all-linear", "nf4", "none"),
+    ("neox", "all-linear", "bf16", "none"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "base", "ckpt"),
+    DENSE_BACKWARD + [pytest.param(*x, marks=pytest.mark.slow) for x in DENSE_BACKWARD_SLOW],
+)
+def test_a_dense_mlps_backward_agrees_with_the_trace(family: str, targets: str, base: str, ckpt: str) -> None:
+    """The backward within 0.2% of the trace without the workspaces. Not held here: a checkpointed float base's
+    recomputation moments (GPT-2/Phi-2 −1.0%, NeoX −1.4%, Falcon −1.4%, BERT −2.5%; NeoX QLoRA +4.3%: the trace's
+    peak inside fc2's input-gradient sum, not fully accounted for yet — docs/finetuning.md)."""
+    from trainfit.result import Component
+
+    spec = spec_from_config(FAMILIES[family], name=f"small-{family}", source="test")
+    how = "qlora" if base == "nf4" else "lora"
+    a, b = finetune_setup(how, rank=8, targets=targets, adapter_dtype="fp32", base_dtype=base)
+    s = Strategy(adapter=a, base_weights=b, precision="amp-bf16", checkpointing=ckpt, micro_batch=2, seq_len=256)
+    pa = estimate(spec, s).phases[1]
+    pt = estimate(spec, s, method="trace", simulate_allocator=False).phases[1]
+    ref = pt.total_bytes - pt.get(Component.WORKSPACES)
+    assert abs(pa.total_bytes - pt.total_bytes) <= 0.002 * ref, (pa.total_bytes, pt.total_bytes)

@@ -1673,6 +1673,90 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
     return w.residual * t * h + max(moments)
 
 
+def _dense_mlp_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, int] | None:
+    """(m, g): a frozen non-gated MLP's fc1 output width and its activation's output width (HF's Python GeLU returns
+    fp32 under autocast: ``pow`` is on CUDA autocast's fp32 list and the rest follows by promotion); None where
+    :func:`_frozen_dense_forward_bytes` and :func:`frozen_dense_backward_bytes` do not derive the MLP."""
+    adapter = strategy.adapter
+    if (
+        adapter is None
+        or adapter.kind is AdapterKind.DORA
+        or spec.mlp is not MlpKind.DENSE
+        or spec.moe is not None
+        or strategy.base_weights.quantization is Quantization.INT8
+    ):
+        return None
+    w = Widths.of(strategy)
+    m = frozen_base_mlp_width(strategy, w)
+    return m, (4 if w.amp else m) if spec.activation in PYTHON_GELUS else m
+
+
+def frozen_dense_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
+    """In flight at the worst moment of a frozen non-gated MLP's backward under an adapter (fc1 → activation → fc2;
+    the cases of :func:`_dense_mlp_widths`), over the incoming residual gradient r·t·h and net of what the MLP's
+    saves have released by then — the mirror of :func:`frozen_mlp_backward_bytes` (m: fc1's output width, g: the
+    activation's output, fc2's input; each over t·i unless said):
+
+    * an adapted fc2: the input gradient's cast chain (:func:`lora_chain_peak`), its saved input released; then,
+      the branch's result (g) alive, the base's: over a float base the matmul's input gradient (c) and autocast's
+      cast back to g when g ≠ c; over a 4-bit base the incoming gradient cast to c, the dequantised weight (c·h·i),
+      the matmul's c·t·i; then the two input gradients and their sum (3g), fc2's saves released (a frozen fc2
+      saves none: under checkpointing its backward runs before the layer is recomputed, the gradient g waiting);
+    * the activation's backward, fc2's saves gone: ``F.gelu``/ReLU the output's gradient and the input's (2m); HF's
+      Python GeLU its output's gradient and two neighbours of its chain in fp32 under autocast (3·4), else 3m.
+
+    The layer's MLP dropout mask is released before any of it. Checked against the trace's live tensors at its peak
+    (tests/trace/test_peft.py)."""
+    widths = _dense_mlp_widths(spec, strategy)
+    if widths is None:
+        return None
+    m, g = widths
+    assert strategy.adapter is not None
+    w = Widths.of(strategy)
+    t, h, i, c = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size, w.compute
+    quant = strategy.base_weights.quantization
+    down = tuple(x for x in adapter_sites(spec, strategy.adapter) if x.reads is SiteInput.MLP_ACT)
+    saved = {
+        x.name.rsplit(".", 1)[-1]: x.bytes
+        for x in adapter_saved(
+            down,
+            strategy.adapter,
+            tokens=t,
+            input_width={SiteInput.MLP_ACT: g},
+            amp=w.amp,
+            compute=c,
+            base_width=base_weight_width(strategy),
+            quantised=quant is not Quantization.NONE,
+        )
+    }
+    released = sum(saved.values())
+    python = spec.activation in PYTHON_GELUS
+    act = (3 * 4 if w.amp else 3 * m) if python else 2 * m
+    moments = [act * t * i - released]
+    checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
+    g_lora = 0
+    if down:
+        moments.append(lora_chain_peak(lora_input_grad_chain(strategy, g)) * t * i - saved.get("lora_in", 0))
+        g_lora = g * t * i
+        moments.append(3 * g * t * i - released)  # the branch's and the base's input gradients, and their sum
+    if down or not checkpointed:
+        if quant is Quantization.NONE:
+            moments.append(g_lora + c * t * i + (g * t * i if g != c else 0))
+        else:
+            moments.append(g_lora + (c * t * h if m != c else 0) + c * h * i + c * t * i)
+    if down and checkpointed:
+        # The recomputation runs the adapted fc2's forward again, the layer's saves made so far alive (all but
+        # lora_A's output): the layer's locals, the activation's output g, ``x.to(adapter dtype)`` (a copy when g
+        # differs), the base output; the scaling's c·t·h gradient waits (:func:`frozen_mlp_backward_bytes`).
+        ad = strategy.adapter.dtype.bits // 8
+        out_w = m if quant is not Quantization.NONE else c
+        copy = ad if g != ad else 0
+        forward = _dense_layer_locals(spec, strategy) + (g + copy) * t * i + out_w * t * h - saved.get("lora_A_out", 0)
+        moments.append(c * t * h + forward)
+    mask = t * h if spec.hidden_dropout > 0 else 0
+    return w.residual * t * h + max(moments) - mask
+
+
 #: Decoder layers that keep the attention's output in a local of their own while the MLP runs (modeling_gpt2.py
 #: ``GPT2Block.forward``: ``attn_output, ... = self.attn(...)``, then ``hidden_states = attn_output + residual``).
 _ATTN_OUTPUT_LOCAL = frozenset({"gpt2"})
@@ -1696,34 +1780,20 @@ def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
     * fc2 over the activation's output g: autocast's cast of it (c·t·i when g ≠ c), the base output, and, adapted,
       ``x.to(adapter dtype)`` (a copy when g differs) with lora_A's autocast cast of that (mm·t·i) — as
       :func:`frozen_down_forward_bytes` reads a gated MLP's down projection."""
-    adapter = strategy.adapter
-    if (
-        adapter is None
-        or adapter.kind is AdapterKind.DORA
-        or spec.mlp is not MlpKind.DENSE
-        or spec.moe is not None
-        or strategy.base_weights.quantization is Quantization.INT8
-    ):
+    widths = _dense_mlp_widths(spec, strategy)
+    if widths is None or strategy.adapter is None:
         return None
+    m, g = widths
+    adapter = strategy.adapter
     w = Widths.of(strategy)
     t, h, i, c = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size, w.compute
     ad = adapter.dtype.bits // 8
     mm = c if w.amp else ad
-    m = frozen_base_mlp_width(strategy, w)
     nb = _norm_out_width(spec, w)
     sites = adapter_sites(spec, adapter)
     fc1 = any(x.reads in (SiteInput.NORM2, SiteInput.NORM1) and _is_mlp_site(x) for x in sites)
     fc2 = any(x.reads is SiteInput.MLP_ACT for x in sites)
-    r = w.residual
-    if spec.model_type == "bert":
-        held = r * t * h  # the attention block's (post-norm) output
-    elif spec.parallel_attn:
-        held = nb * t * h + c * t * h  # the normed input the MLP reads, and the attention's output
-    else:
-        held = r * t * h + nb * t * h
-    if spec.model_type in _ATTN_OUTPUT_LOCAL:
-        # and GPT2Model.forward's ``position_embeds`` (1 × s × h, the table's dtype), a local to the forward's end
-        held += c * t * h + r * strategy.seq_len * h
+    held = _dense_layer_locals(spec, strategy)
     # fc1: its input as PEFT's branch casts it to the adapter dtype (``_cast_input_dtype``: a local of ``forward``,
     # alive to the sum; dropout's output and autocast's copy for lora_A die with lora_A's call)
     in_casts = (ad if nb != ad else 0) * t * h if fc1 else 0
@@ -1734,12 +1804,7 @@ def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
         first = max(3 * m, 2 * m + mm) * t * i + in_casts
     else:
         first = m * t * i + (2 * mm * t * i if fc1 else 0) + in_casts
-    python = spec.activation in PYTHON_GELUS
-    if python:
-        act = (2 * m + 2 * (4 if w.amp else m)) * t * i
-        g = 4 if w.amp else m
-    else:
-        act, g = 2 * m * t * i, m
+    act = (2 * m + 2 * g) * t * i if spec.activation in PYTHON_GELUS else 2 * m * t * i
     cast = c * t * i if g != c else 0
     out_w = m if quantised else c
     second = g * t * i + cast + out_w * t * h
@@ -1747,6 +1812,22 @@ def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
         copy = ad if g != ad else 0
         second = max(second, (g + copy + mm) * t * i + out_w * t * h)
     return held + max(first, act, second)
+
+
+def _dense_layer_locals(spec: ModelSpec, strategy: Strategy) -> int:
+    """What a layer with a non-gated MLP holds in locals while its MLP runs (:func:`_frozen_dense_forward_bytes`)."""
+    w = Widths.of(strategy)
+    t, h, r, c, nb = strategy.tokens_per_micro_batch, spec.hidden_size, w.residual, w.compute, _norm_out_width(spec, w)
+    if spec.model_type == "bert":
+        held = r * t * h  # the attention block's (post-norm) output
+    elif spec.parallel_attn:
+        held = nb * t * h + c * t * h  # the normed input the MLP reads, and the attention's output
+    else:
+        held = r * t * h + nb * t * h
+    if spec.model_type in _ATTN_OUTPUT_LOCAL:
+        # and GPT2Model.forward's ``position_embeds`` (1 × s × h, the table's dtype), a local to the forward's end
+        held += c * t * h + r * strategy.seq_len * h
+    return held
 
 
 def _is_mlp_site(site: AdapterSite) -> bool:
@@ -2150,6 +2231,9 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
     frozen_mlp = frozen_mlp_backward_bytes(spec, strategy)
     if frozen_mlp is not None:
         mlp = frozen_mlp - mask
+    frozen_dense = frozen_dense_backward_bytes(spec, strategy)
+    if frozen_dense is not None:
+        mlp = frozen_dense
     if spec.moe is not None and spec.num_moe_layers:
         # Experts run in the weight dtype. With 16-bit weights transformers uses grouped_mm over all
         # routed rows at once, and the fused gate_up output's gradient is concatenated back from its two

@@ -51,6 +51,7 @@ from trainfit.analytic.activations import (
     effective_strategy,
     first_layer_cache_bytes,
     first_layer_unsaved_bytes,
+    frozen_dense_backward_bytes,
     frozen_down_forward_bytes,
     frozen_head_input_bytes,
     frozen_layer_terms,
@@ -539,6 +540,7 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         + (
             0
             if frozen_mlp_backward_bytes(spec, strategy) is not None
+            or frozen_dense_backward_bytes(spec, strategy) is not None
             else dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy)
         )
         # a checkpointed layer's recomputation computes DoRA's weight norm again
