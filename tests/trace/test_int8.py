@@ -146,3 +146,43 @@ def test_int8_on_moe_and_mla_layers_agrees_with_the_trace(
     if rotary_blocks is not None:
         stored = ra.phases[-1].get(Component.WEIGHTS) + ra.phases[-1].get(Component.ADAPTER_WEIGHTS)
         assert rt.phases[-1].get(Component.WEIGHTS) == stored + rotary_blocks * 512
+
+
+# A dense gated MLP of LLM.int8 linears, its backward derived op by op (analytic.activations.int8_mlp_backward_bytes:
+# the product's three gradients, MatMul8bitLt.backward's dequantised weight in the input's dtype; and
+# int8_dense_recompute_bytes: inside a checkpointed layer's recomputation, whose int8 inputs are alive until it stops,
+# at an adapted down, gate or up projection's forward). The fitted sum these replaced (the dequantised weight plus the
+# adapter chain over 2·a·t·i) was off by the figure noted per cell, of the trace without workspaces.
+# (targets, dropout, checkpointing, precision, intermediate size, micro-batch, seq)
+INT8_MLP = [
+    ("q_proj", 0.0, "full", "amp-bf16", 512, 2, 128),  # was -1.93%: the product's third gradient
+    ("all-linear", 0.1, "full", "amp-bf16", 512, 2, 128),  # was -0.73%: inside the recomputed down projection
+    ("all-linear", 0.0, "full", "pure-bf16", 512, 2, 128),  # was +2.96%: the recomputed up projection's branch
+    ("q_proj,v_proj", 0.1, "full", "pure-bf16", 512, 2, 128),  # was +3.94%
+]
+INT8_MLP_SLOW = [
+    ("all-linear", 0.0, "full", "amp-bf16", 512, 2, 128),  # was +1.49% with the recomputation's int8 base transients
+    ("down_proj", 0.0, "full", "amp-bf16", 512, 2, 128),
+    ("all-linear", 0.1, "full", "pure-bf16", 4096, 2, 128),
+    ("q_proj", 0.0, "none", "pure-bf16", 8192, 1, 32),  # was +1.34%: the dequantised weight is the peak
+]
+
+
+@pytest.mark.parametrize(
+    ("targets", "dropout", "ckpt", "precision", "inter", "batch", "seq"),
+    INT8_MLP + [pytest.param(*x, marks=pytest.mark.slow) for x in INT8_MLP_SLOW],
+)
+def test_int8_gated_mlp_backward_agrees_with_the_trace(
+    targets: str, dropout: float, ckpt: str, precision: str, inter: int, batch: int, seq: int
+) -> None:
+    """The backward phase within 0.3% of the trace without its workspaces (0.11% at most when written). The forward of
+    a checkpointed wide int8 MLP is not derived yet (docs/finetuning.md), so only the backward is held here."""
+    spec = spec_from_config({**LLAMA, "intermediate_size": inter}, name="small-llama", source="test")
+    a, b = finetune_setup("lora", rank=8, targets=targets, dropout=dropout, base_dtype="int8")
+    s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=batch, seq_len=seq)
+    ra = estimate(spec, s)
+    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    pa, pt = ra.phases[1], rt.phases[1]
+    assert pa.phase == pt.phase and pa.phase.value == "backward"
+    ref = pt.total_bytes - pt.get(Component.WORKSPACES)
+    assert abs(pa.total_bytes - pt.total_bytes) <= 0.003 * ref, (pa.total_bytes, pt.total_bytes)

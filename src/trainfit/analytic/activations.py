@@ -2112,6 +2112,137 @@ def int8_layer_bytes(spec: ModelSpec, strategy: Strategy, *, all_inputs: bool = 
     return sum(x.bytes for x in layer_terms(spec, strategy, moe=most) if x.name.startswith("int8."))
 
 
+def _int8_mlp(spec: ModelSpec, strategy: Strategy) -> _FrozenMlp | None:
+    """The widths and down-projection saves of a dense gated MLP of LLM.int8 linears under a LoRA adapter (the
+    :class:`_FrozenMlp` of :func:`int8_mlp_backward_bytes`), else None (other MLP forms, MoE layers, DoRA, other
+    bases)."""
+    adapter = strategy.adapter
+    if (
+        adapter is None
+        or adapter.kind is AdapterKind.DORA
+        or strategy.base_weights.quantization is not Quantization.INT8
+        or spec.mlp is not MlpKind.GATED
+        or (spec.moe is not None and spec.num_moe_layers)
+    ):
+        return None
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    m = frozen_base_mlp_width(strategy, w)
+    sites = adapter_sites(spec, adapter)
+    down = tuple(x for x in sites if x.reads is SiteInput.MLP_ACT)
+    saved = adapter_saved(
+        down, adapter, tokens=t, input_width={SiteInput.MLP_ACT: m}, amp=w.amp, compute=w.compute, quantised=True
+    )
+    return _FrozenMlp(
+        adapter=adapter,
+        quant=Quantization.INT8,
+        w=w,
+        t=t,
+        h=spec.hidden_size,
+        i=spec.intermediate_size,
+        m=m,
+        c=w.compute,
+        sites=sites,
+        down=down,
+        down_saved={x.name.rsplit(".", 1)[-1]: x.bytes for x in saved},
+    )
+
+
+def int8_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
+    """In flight at the worst moment of a dense gated MLP's backward over LLM.int8 linears under LoRA, over the
+    incoming residual gradient r·t·h and net of the saved tensors released by then — after a checkpointed layer's
+    recomputation has stopped (the moments inside it: :func:`int8_dense_recompute_bytes`). As
+    :func:`frozen_mlp_backward_bytes`, with bitsandbytes' ``MatMul8bitLt`` (bitsandbytes/autograd/_functions.py) for
+    the base linears (m: the MLP's width, the int8 linears' input dtype, since ``int8_scaled_mm(..., dtype=A.dtype)``
+    returns it; c: the compute width), each moment over t·i unless said:
+
+    * the product's backward: its gradient, act(gate)'s and up's — 3·m (the product itself is down_proj's ``ctx.A``,
+      held to the graph's end: nothing of the MLP is released but the down adapter's saves);
+    * an adapted down projection's adapter branch (PEFT ``Linear8bitLt.forward`` adds it after the base output, so it
+      back-propagates first): the input gradient's cast chain (:func:`lora_chain_peak`);
+    * the base's ``MatMul8bitLt.backward``, the adapter's result (m) alive: ``grad_output.to(ctx.dtype_A)`` (m·t·h
+      when the incoming gradient is not m wide), ``CB.to(ctx.dtype_A, copy=True)`` — the whole weight, m·h·i — and
+      ``grad_output @ CB``, m·t·i; a frozen down projection reads only ``ctx`` (no saved-tensor hook), so under
+      checkpointing it runs before the recomputation and only its result waits (the product's moment, or
+      :func:`int8_dense_recompute_bytes`'s).
+
+    Read off the trace's live tensors at its peak (tests/trace/test_int8.py); ``None`` where not derived."""
+    mlp = _int8_mlp(spec, strategy)
+    if mlp is None:
+        return None
+    w, saved = mlp.w, mlp.down_saved
+    t, h, i, m, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.down
+    released = sum(saved.values())
+    moments = [3 * m * t * i - released]
+    g_lora = 0
+    if down:
+        moments.append(lora_chain_peak(lora_input_grad_chain(strategy, m)) * t * i - saved.get("lora_in", 0))
+        g_lora = m * t * i
+    checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
+    if down or not checkpointed:
+        g_cast = m * t * h if m != w.residual else 0
+        moments.append(g_lora + g_cast + m * h * i + m * t * i - released)
+    return w.residual * t * h + max(moments)
+
+
+def int8_dense_recompute_bytes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(saved, in flight) inside the top dense layer's *recomputation* under an LLM.int8 base with an adapted down
+    projection (a gated MLP, :func:`_int8_mlp`), at that projection's recomputed forward: the last save of the layer
+    is lora_B's input, so the recomputation (torch/utils/checkpoint.py, non-reentrant: ``_StopRecomputationError``
+    once every save is back) is still running, and the recomputed layer's int8 inputs — its ``MatMul8bitLt`` nodes'
+    own ``ctx.tensors`` (:func:`int8_layer_bytes`), the product among them — are alive beside the original forward's.
+
+    Saved: everything the layer saves (:func:`layer_terms`, its int8 inputs included). In flight: the layer output's
+    gradient (r·t·h); the adapter output's scaled gradient, made before the recomputation because ``* scaling``
+    saves nothing (lora_B's output width: the compute dtype under autocast, else the adapter's); the post-attention
+    residual where no norm saves it (a 16-bit RMSNorm input). Then the worse of
+
+    * the branch at lora_A's output (the layer's saves all made): the base output (``int8_scaled_mm(...,
+      dtype=A.dtype)``: m·t·h), held by PEFT ``Linear8bitLt.forward`` while the branch runs, and with dropout what
+      dropout read or made that lora_A does not save — under autocast dropout's output (m wide; lora_A saves its
+      cast), without it ``x.to(adapter dtype)`` when m is not the adapter's width (lora_A saves dropout's output);
+    * the base forward (the down adapter's saves not made yet, nor the base output): ``A.to(torch.float16)`` (2·t·i,
+      a copy unless A is fp16) beside its int8 rows ``CA`` (t·i) and their fp32 row scales (4·t), then the output
+      beside ``CA`` and the scales. The trace runs bitsandbytes' fake ``int8_scaled_mm`` (``register_fake``: the
+      output only); the CUDA kernel's int32 product and fp16 dequantisation are in neither method.
+
+    Read off the trace's records at its backward peak (tests/trace/test_int8.py). (0, 0) without checkpointing, an
+    adapted down projection or a derived MLP."""
+    mlp = _int8_mlp(spec, strategy)
+    if mlp is None or strategy.checkpoint_segments(spec.num_layers) == 0:
+        return 0, 0
+    w, adapter = mlp.w, mlp.adapter
+    t, h, i, m = mlp.t, mlp.h, mlp.i, mlp.m
+    ad = adapter.dtype.bits // 8
+    mm = w.compute if w.amp else ad
+    terms = layer_terms(spec, strategy)
+    lora = {x.name.removeprefix("lora."): x.bytes for x in terms if x.name.startswith("lora.")}
+    down_saved = sum(mlp.down_saved.values())
+    residual_held = spec.norm is NormKind.LAYERNORM or w.residual == 4
+    # what the backward holds while the layer is recomputed: a frozen down projection's input gradient, else the
+    # adapter output's scaled gradient
+    waiting = mm * t * h if mlp.down else m * t * i
+    held = w.residual * t * h + waiting + (0 if residual_held else w.residual * t * h)
+    # Without an adapted down projection the recomputation stops at the product's saves, before the product is made.
+    moments = [-m * t * i]
+    if mlp.down:
+        # with dropout, lora_A saves dropout's output (its autocast cast under amp): what it read is a local
+        local = (m if w.amp else (ad if m != ad else 0)) if adapter.dropout > 0 else 0
+        branch = m * t * h + local * t * i
+        fp16_copy = 0 if m == 2 and strategy.recipe.compute_dtype == "fp16" else 2 * t * i
+        moments += [branch, t * i + 4 * t + max(fp16_copy, m * t * h) - down_saved]
+    adapted = {x.name for x in mlp.sites if x.reads is SiteInput.NORM2}
+    # (site, what of the layer's saves is not made yet at its branch's output) in forward order
+    for name, not_yet in (
+        ("gate_proj", 3 * m * t * i + sum(b for k, b in lora.items() if k.startswith("up_proj."))),
+        ("up_proj", m * t * i),
+    ):
+        if name in adapted:
+            sums = [m + 2 * mm, 2 * m + mm] + ([3 * m] if not w.amp else [])
+            moments.append(max(sums) * t * i - not_yet - m * t * i - down_saved)
+    return _sum_bytes(terms), held + max(moments)
+
+
 #: MoE blocks that run their shared experts after the routed ones (modeling_deepseek_v3.py ``DeepseekV3MoE.forward``:
 #: ``self.experts(...)`` then ``+ self.shared_experts(residuals)``; the same in modeling_deepseek_v2.py). Qwen2-MoE runs
 #: its shared expert first and its ``shared_expert_gate`` after (modeling_qwen2_moe.py ``Qwen2MoeSparseMoeBlock``).
@@ -2197,6 +2328,20 @@ class BackwardTemps:
     block_bytes: int  # inside a block's backward (max of its norm and MLP moments)
 
 
+def derived_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
+    """A frozen MLP's backward moments where they are derived op by op — a gated MLP over a float or 4-bit base
+    (:func:`frozen_mlp_backward_bytes`) or an LLM.int8 one (:func:`int8_mlp_backward_bytes`), a non-gated MLP
+    (:func:`frozen_dense_backward_bytes`) — over the incoming residual gradient and net of the MLP's dropout mask,
+    released before them; None elsewhere (the older sum of :func:`backward_temp_bytes`, the dequantised weight and the
+    adapter chain)."""
+    mask = strategy.tokens_per_micro_batch * spec.hidden_size if spec.hidden_dropout > 0 else 0
+    for derive in (frozen_mlp_backward_bytes, int8_mlp_backward_bytes):
+        value = derive(spec, strategy)
+        if value is not None:
+            return value - mask
+    return frozen_dense_backward_bytes(spec, strategy)  # its mask taken off already
+
+
 def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
     """Transient gradients at the worst moment of one block's backward, net of the saved tensors
     already released by then (calibrated against the fake-tensor trace, which is itself checked
@@ -2228,12 +2373,9 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
         in_flight = a
     mask = t * h if spec.hidden_dropout > 0 else 0
     mlp = w.residual * t * h + in_flight * t * i - mask
-    frozen_mlp = frozen_mlp_backward_bytes(spec, strategy)
-    if frozen_mlp is not None:
-        mlp = frozen_mlp - mask
-    frozen_dense = frozen_dense_backward_bytes(spec, strategy)
-    if frozen_dense is not None:
-        mlp = frozen_dense
+    derived = derived_mlp_backward_bytes(spec, strategy)
+    if derived is not None:
+        mlp = derived
     if spec.moe is not None and spec.num_moe_layers:
         # Experts run in the weight dtype. With 16-bit weights transformers uses grouped_mm over all
         # routed rows at once, and the fused gate_up output's gradient is concatenated back from its two

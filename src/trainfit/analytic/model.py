@@ -45,18 +45,18 @@ from trainfit.analytic.activations import (
     backward_temp_bytes,
     check_sac,
     checkpoint_terms,
+    derived_mlp_backward_bytes,
     eager_backward_moment,
     eager_forward_moment,
     eager_nograd_inputs_bytes,
     effective_strategy,
     first_layer_cache_bytes,
     first_layer_unsaved_bytes,
-    frozen_dense_backward_bytes,
     frozen_down_forward_bytes,
     frozen_head_input_bytes,
     frozen_layer_terms,
-    frozen_mlp_backward_bytes,
     int8_ctx_bytes,
+    int8_dense_recompute_bytes,
     int8_layer_bytes,
     int8_moe_recompute_bytes,
     kv_cache_held_bytes,
@@ -534,13 +534,12 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         grad_layer=0 if fz is not None and fz.bottom_frozen else parts.grad_layer_bytes,
         grad_head=parts.grad_head_bytes,
         grad_late=parts.grad_late_bytes,
-        # A frozen gated MLP's moments are derived op by op in backward_temp_bytes (frozen_mlp_backward_bytes, its
-        # dequantised weight and adapter chain included); elsewhere the older sum of the worst of each.
+        # A frozen MLP's moments derived op by op in backward_temp_bytes (derived_mlp_backward_bytes, the dequantised
+        # weight and adapter chain included); elsewhere the older sum of the worst of each.
         block_temp=q.block_temp
         + (
             0
-            if frozen_mlp_backward_bytes(spec, strategy) is not None
-            or frozen_dense_backward_bytes(spec, strategy) is not None
+            if derived_mlp_backward_bytes(spec, strategy) is not None
             else dequant_transient_bytes(spec, strategy) + adapter_backward_bytes(spec, strategy)
         )
         # a checkpointed layer's recomputation computes DoRA's weight norm again
@@ -552,7 +551,10 @@ def _finetune_inputs(q: StepInputs) -> StepInputs:
         dora_norm=dora_norm_transient_bytes(spec, strategy),
         moe_experts=moe_adapter_forward_bytes(spec, strategy) if q.segments else 0,
         down_forward=frozen_down_forward_bytes(spec, strategy, checkpointed=bool(q.segments)) or 0,
-        recompute_moe=int8_moe_recompute_bytes(spec, strategy),
+        # LLM.int8 inside a recomputation: the MoE experts' moment, else a dense MLP's adapted down projection
+        recompute_moe=int8_moe_recompute_bytes(spec, strategy)
+        if spec.num_moe_layers
+        else int8_dense_recompute_bytes(spec, strategy),
     )
 
 
