@@ -1576,9 +1576,15 @@ class _FrozenMlp:
 
     @classmethod
     def of(cls, spec: ModelSpec, strategy: Strategy) -> _FrozenMlp | None:
-        adapter = strategy.adapter
-        if adapter is None or not _frozen_mlp_derived(spec, strategy):
+        if strategy.adapter is None or not _frozen_mlp_derived(spec, strategy):
             return None
+        return cls.build(spec, strategy)
+
+    @classmethod
+    def build(cls, spec: ModelSpec, strategy: Strategy) -> _FrozenMlp:
+        """The record of a gated MLP under an adapter, whatever its base (the callers decide what they derive)."""
+        adapter = strategy.adapter
+        assert adapter is not None
         quant = strategy.base_weights.quantization
         w = Widths.of(strategy)
         t = strategy.tokens_per_micro_batch
@@ -2125,27 +2131,7 @@ def _int8_mlp(spec: ModelSpec, strategy: Strategy) -> _FrozenMlp | None:
         or (spec.moe is not None and spec.num_moe_layers)
     ):
         return None
-    w = Widths.of(strategy)
-    t = strategy.tokens_per_micro_batch
-    m = frozen_base_mlp_width(strategy, w)
-    sites = adapter_sites(spec, adapter)
-    down = tuple(x for x in sites if x.reads is SiteInput.MLP_ACT)
-    saved = adapter_saved(
-        down, adapter, tokens=t, input_width={SiteInput.MLP_ACT: m}, amp=w.amp, compute=w.compute, quantised=True
-    )
-    return _FrozenMlp(
-        adapter=adapter,
-        quant=Quantization.INT8,
-        w=w,
-        t=t,
-        h=spec.hidden_size,
-        i=spec.intermediate_size,
-        m=m,
-        c=w.compute,
-        sites=sites,
-        down=down,
-        down_saved={x.name.rsplit(".", 1)[-1]: x.bytes for x in saved},
-    )
+    return _FrozenMlp.build(spec, strategy)
 
 
 def int8_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
