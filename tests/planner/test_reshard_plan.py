@@ -13,34 +13,19 @@ import pytest
 
 from tests.cli._cli_helper import run_cli
 from trainfit import get_gpu, load_model
-from trainfit.allocator import AllocatorConfig
 from trainfit.errors import StrategyError
-from trainfit.planner.rank import _distance, _Search, describe_changes
-from trainfit.planner.space import Candidate, Finetune, Objective, candidates
+from trainfit.planner.rank import _distance, describe_changes
+from trainfit.planner.space import Candidate, Finetune, candidates
 from trainfit.planner.speed import SpeedInputs, step_time_of
 from trainfit.strategy import EngineOptions, Parallelism, Precision, Sharding, Strategy
+
+from .test_rank import _search
 
 FSDP = (Sharding.FSDP, Sharding.HSDP)
 
 #: Llama 3.2 3B on 8 RTX 4090s (no NVLink: FSDP2's all-gathers cross PCIe and are not hidden behind the short
 #: compute of one 2048-token sequence per GPU), global batch 8: the fastest plan gathers each layer once.
 PCIE = ("llama-3.2-3b", "rtx-4090", 8, 2048, 8)
-
-
-def _search(slug: str, gpu: str, gb: int, seq: int) -> _Search:
-    return _Search(
-        load_model(slug),
-        get_gpu(gpu),
-        seq_len=seq,
-        global_batch=gb,
-        gpus_per_node=8,
-        headroom=0.3,
-        network_gbps=50.0,
-        objective=Objective.FASTEST,
-        price=1.0,
-        baseline=Strategy(seq_len=seq),
-        allocator=AllocatorConfig(),
-    )
 
 
 def test_every_fsdp_candidate_comes_with_and_without_reshard_after_forward() -> None:
