@@ -1044,7 +1044,10 @@ def frozen_layer_terms(
         return out
 
     # A blind layer's first norm reads an input that needs no gradient (and has a frozen weight): it saves nothing.
-    terms = _norm_terms("norm1", t, h, spec, w, frozen=True) if blind is None else []
+    # A post-norm layer's (BERT: LayerNorm(attention output + input)) reads the attention's output: live with it.
+    post_norm = _post_norm(spec)
+    first_norm_live = blind is None or (post_norm and blind.residual)
+    terms = _norm_terms("norm1", t, h, spec, w, frozen=True) if first_norm_live else []
     terms += int8_in.get(SiteInput.NORM1, [])
     terms += adapter_terms((SiteInput.NORM1,))
     attn = _attention_terms(spec, strategy, t, w) if blind is None or blind.attention else []
@@ -1084,8 +1087,10 @@ def frozen_layer_terms(
     masks = 2 if blind is None else blind.residual + blind.mlp_out
     if spec.hidden_dropout > 0 and masks:
         terms.append(SavedTerm(name="dropout_masks", bytes=masks * t * h, formula=f"{masks} × 1·t·h (attention, MLP)"))
-    # one norm feeds a parallel block's MLP too; a blind layer's second norm saves only over a live residual
-    if not (spec.parallel_attn and spec.norms_per_layer == 1) and (blind is None or blind.mlp_in):
+    # one norm feeds a parallel block's MLP too; a blind layer's second norm saves only over a live residual (a
+    # post-norm one, LayerNorm(MLP output + attention output), over either)
+    second_norm_live = blind is None or blind.mlp_in or (post_norm and blind.mlp_out)
+    if not (spec.parallel_attn and spec.norms_per_layer == 1) and second_norm_live:
         terms += _norm_terms("norm2", t, h, spec, w, frozen=True, input_saved=not spec.parallel_attn)
     if spec.norms_per_layer > 2:
         for k in range(3, spec.norms_per_layer + 1):  # Gemma-2: post-attention (3), post-feed-forward (4)
@@ -1836,6 +1841,11 @@ def _dense_layer_locals(spec: ModelSpec, strategy: Strategy) -> int:
     return held
 
 
+def _post_norm(spec: ModelSpec) -> bool:
+    """A post-norm encoder (BERT): every layer ends in a LayerNorm, the embeddings are normed, no final norm."""
+    return spec.embedding_norm and not spec.final_norm and spec.norm is NormKind.LAYERNORM
+
+
 def _is_mlp_site(site: AdapterSite) -> bool:
     """An adapted linear of the MLP (fc1/fc2, gate/up/down), as opposed to the attention's."""
     return site.short in ("fc1", "fc2", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
@@ -2300,8 +2310,7 @@ def checkpoint_terms(spec: ModelSpec, strategy: Strategy) -> tuple[int, int, int
     # A post-norm encoder (BERT: every layer ends in a LayerNorm, no final norm) hands each layer the LayerNorm's
     # output, fp32 under CUDA autocast (layer_norm is on its fp32 list) whatever the base weights' dtype: a 16-bit
     # base under an adapter still keeps 4·t·h per segment (matched against the trace, tests/trace/test_peft.py).
-    post_norm = spec.embedding_norm and not spec.final_norm and spec.norm is NormKind.LAYERNORM
-    width = max(w.residual, 4) if post_norm and w.amp else w.residual
+    width = max(w.residual, 4) if _post_norm(spec) and w.amp else w.residual
     kept = segments * width * strategy.tokens_per_micro_batch * spec.hidden_size
     # --checkpointing sac: each layer also keeps its save-list outputs until its backward
     kept += spec.num_layers * sum(x.bytes for x in sac_saved_terms(spec, strategy))
