@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 
 from trainfit.arch.config import spec_from_config
 from trainfit.arch.spec import ModelSpec
+from trainfit.strategy import Strategy
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -68,6 +70,22 @@ TINY: dict[str, dict[str, Any]] = {
         "topk_group": 1, "topk_method": "greedy", "moe_layer_freq": 1,
     },
 }  # fmt: skip
+
+
+R = TypeVar("R")
+
+_REPORTS: dict[tuple[str, str, str, str], Any] = {}
+
+
+def traced_once(fn: Callable[..., R], spec: ModelSpec, strategy: Strategy, **kwargs: Any) -> R:
+    """``fn(spec, strategy, **kwargs)``, computed once per test process for equal arguments (keyed by ``repr``, every
+    field). Only for the entry points whose result is a pure function of those arguments and a frozen
+    ``MemoryReport`` (``trace_spec``, ``trace_distributed``, ``estimate``): several tests check different things of
+    the same traced cell, and each trace is seconds. A failure is not kept: the next caller traces again."""
+    key = (f"{fn.__module__}.{fn.__qualname__}", repr(spec), repr(strategy), repr(sorted(kwargs.items())))
+    if key not in _REPORTS:
+        _REPORTS[key] = fn(spec, strategy, **kwargs)
+    return _REPORTS[key]  # type: ignore[no-any-return]
 
 
 def tiny_spec(family: str, **overrides: Any) -> ModelSpec:

@@ -12,6 +12,8 @@ from trainfit.arch.config import spec_from_config
 from trainfit.errors import StrategyError
 from trainfit.strategy import finetune_setup
 
+from .conftest import traced_once
+
 pytest.importorskip("peft")
 
 LLAMA = {
@@ -28,8 +30,8 @@ def _strategy(kind: str, base: str = "bf16") -> Strategy:
 
 def test_dora_is_traced_with_its_magnitude_vectors() -> None:
     spec = spec_from_config(LLAMA, name="small-llama", source="test")
-    lora = estimate(spec, _strategy("lora"), method="trace", simulate_allocator=False)
-    dora = estimate(spec, _strategy("dora"), method="trace", simulate_allocator=False)
+    lora = traced_once(estimate, spec, _strategy("lora"), method="trace", simulate_allocator=False)
+    dora = traced_once(estimate, spec, _strategy("dora"), method="trace", simulate_allocator=False)
     # PEFT's lora_magnitude_vector: one d_out vector per adapted linear (q: 256, v: 128), 4 layers.
     assert dora.trainable_params - lora.trainable_params == 4 * (256 + 128)
     # DoRA's forward saves more than LoRA's (the identity through lora_A, a second base output).
@@ -64,15 +66,15 @@ def test_dora_analytic_agrees_with_the_peft_trace(
     )
     s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)  # type: ignore[arg-type]
     ra = estimate(spec, s, simulate_allocator=False)
-    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
     for pa, pt in zip(ra.phases, rt.phases, strict=True):
         assert abs(pa.total_bytes - pt.total_bytes) <= tol * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
 
 
 def test_dora_saves_the_two_outputs_beyond_lora() -> None:
     spec = spec_from_config(LLAMA, name="small-llama", source="test")
-    lora = estimate(spec, _strategy("lora"), method="trace", simulate_allocator=False)
-    dora = estimate(spec, _strategy("dora"), method="trace", simulate_allocator=False)
+    lora = traced_once(estimate, spec, _strategy("lora"), method="trace", simulate_allocator=False)
+    dora = traced_once(estimate, spec, _strategy("dora"), method="trace", simulate_allocator=False)
     t = 256
     extra = 4 * sum(2 * 2 * t * d + 3 * max(512, 4 * d) for d in (256, 128))  # q: d_out 256, v: 128; 4 layers
     from trainfit.result import Component
@@ -95,7 +97,11 @@ def test_dora_dropout_keeps_a_weight_copy_per_adapted_linear() -> None:
     def act(dropout: float, method: str) -> int:
         a, b = finetune_setup("lora", rank=8, targets="q_proj,v_proj", base_dtype="bf16", dora=True, dropout=dropout)
         s = Strategy(adapter=a, base_weights=b, micro_batch=2, seq_len=128)
-        r = estimate(spec, s, method=method, simulate_allocator=False)
+        r = (
+            traced_once(estimate, spec, s, method=method, simulate_allocator=False)
+            if method == "trace"
+            else estimate(spec, s, method=method, simulate_allocator=False)
+        )
         from trainfit.result import Component
 
         return r.phases[0].components[Component.ACTIVATIONS]
@@ -132,7 +138,7 @@ def test_dora_over_a_quantised_base_agrees_with_the_peft_trace(
     a, b = finetune_setup(how, rank=8, targets=targets, base_dtype=base, dora=True, dropout=dropout)
     s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)  # type: ignore[arg-type]
     ra = estimate(spec, s, simulate_allocator=False)
-    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
     assert ra.trainable_params == rt.trainable_params
     for pa, pt in zip(ra.phases, rt.phases, strict=True):
         assert abs(pa.total_bytes - pt.total_bytes) <= tol * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)

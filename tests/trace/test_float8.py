@@ -12,7 +12,7 @@ import pytest
 
 from trainfit.strategy import Strategy
 
-from .conftest import tiny_spec
+from .conftest import tiny_spec, traced_once
 
 pytest.importorskip("torch")
 pytest.importorskip("torchao.float8")
@@ -30,7 +30,7 @@ WIDE = {"hidden_size": 128, "intermediate_size": 1024, "vocab_size": 64, "head_d
 def test_analytic_within_tolerance_of_traced_float8linear(precision: str) -> None:
     spec = tiny_spec("llama", **WIDE)
     s = Strategy(precision=precision, micro_batch=2, seq_len=256, float8="tensorwise")  # type: ignore[arg-type]
-    traced = trace_spec(spec, s)
+    traced = traced_once(trace_spec, spec, s)
     analytic = estimate_analytic(spec, s)
     ag = compare(analytic, traced)
     detail = "; ".join(f"{g.phase.value} {g.rel * 100:+.1f}% ({g.largest_component_gap()})" for g in ag.phases)
@@ -51,7 +51,7 @@ def test_fp8_casts_raise_the_traced_backward() -> None:
     spec = tiny_spec("llama", **WIDE)
     plain = Strategy(precision="pure-bf16", micro_batch=2, seq_len=256)
     fp8 = Strategy(precision="pure-bf16", micro_batch=2, seq_len=256, float8="tensorwise")
-    a, b = trace_spec(spec, plain), trace_spec(spec, fp8)
+    a, b = trace_spec(spec, plain), traced_once(trace_spec, spec, fp8)
     grown = b.phase(Phase.BACKWARD).total_bytes - a.phase(Phase.BACKWARD).total_bytes
     analytic = estimate_analytic(spec, fp8).phase(Phase.BACKWARD).total_bytes
     assert grown > 0

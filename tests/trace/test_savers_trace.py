@@ -14,7 +14,7 @@ from trainfit.arch.config import spec_from_config
 from trainfit.result import Component, Phase
 from trainfit.strategy import MemorySavers
 
-from .conftest import tiny_spec
+from .conftest import tiny_spec, traced_once
 
 pytest.importorskip("transformers")
 from trainfit.analytic import estimate_analytic
@@ -48,7 +48,7 @@ def test_selective_recompute_analytic_agrees_with_the_trace(
 ) -> None:
     spec = tiny_spec(family)
     s = Strategy(precision=precision, checkpointing="selective", attention=attention, micro_batch=2, seq_len=256)  # type: ignore[arg-type]
-    _within(estimate_analytic(spec, s), trace_spec(spec, s), tol, phases=2)
+    _within(estimate_analytic(spec, s), traced_once(trace_spec, spec, s), tol, phases=2)
 
 
 @pytest.mark.slow
@@ -62,13 +62,13 @@ def test_selective_recompute_in_the_trace_drops_the_eager_chain_and_keeps_fp32_r
     b, s_len, t = 2, 256, 512
     eager = Strategy(precision="pure-bf16", attention="eager", micro_batch=b, seq_len=s_len)
     fwd = [
-        trace_spec(spec, dataclasses.replace(eager, checkpointing=ck)).phase(Phase.FORWARD).total_bytes
+        traced_once(trace_spec, spec, dataclasses.replace(eager, checkpointing=ck)).phase(Phase.FORWARD).total_bytes
         for ck in ("none", "selective")
     ]
     assert fwd[0] - fwd[1] >= 4 * 4 * b * 4 * s_len * s_len
     flash = Strategy(precision="amp-bf16", micro_batch=b, seq_len=s_len)
     acts = [
-        trace_spec(spec, dataclasses.replace(flash, checkpointing=ck)).phase(Phase.FORWARD).components
+        traced_once(trace_spec, spec, dataclasses.replace(flash, checkpointing=ck)).phase(Phase.FORWARD).components
         for ck in ("none", "selective")
     ]
     grew = acts[1][Component.ACTIVATIONS] - acts[0][Component.ACTIVATIONS]
@@ -130,7 +130,7 @@ def test_activation_offload_analytic_agrees_with_the_trace(precision: str, ckpt:
         savers=MemorySavers(activation_offload=True),
     )
     ra = estimate(spec, s, simulate_allocator=False)
-    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
     _within(ra, rt, 0.02)
     host = rt.phases[0].host_bytes
     assert host > 0 and abs(ra.phases[0].host_bytes - host) <= 0.001 * host
@@ -143,7 +143,8 @@ def test_activation_offload_never_raises_the_traced_peak(ckpt: str) -> None:
     spec = spec_from_config(OFFLOAD_LLAMA, name="small-llama", source="test")
     s = Strategy(precision="pure-bf16", checkpointing=ckpt, micro_batch=2, seq_len=128)  # type: ignore[arg-type]
     plain = estimate(spec, s, method="trace", simulate_allocator=False)
-    off = estimate(
+    off = traced_once(
+        estimate,
         spec,
         dataclasses.replace(s, savers=MemorySavers(activation_offload=True)),
         method="trace",

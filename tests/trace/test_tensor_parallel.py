@@ -18,7 +18,7 @@ from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, Parallelism, Sharding, Strategy
 
-from .conftest import tiny_spec
+from .conftest import tiny_spec, traced_once
 
 pytest.importorskip("torch")
 from trainfit.analytic.parallel import estimate_parallel
@@ -73,7 +73,7 @@ def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precisi
 def _agrees(spec: ModelSpec, s: Strategy, tolerance: float, step_slack: int = 0) -> None:
     """Each phase of the closed form within ``tolerance`` of the trace (+ ``step_slack`` bytes in the optimizer
     step), the step's states within 1%."""
-    traced = trace_distributed(spec, s)
+    traced = traced_once(trace_distributed, spec, s)
     closed = estimate_parallel(spec, s)
     for a, t in zip(closed.phases, traced.phases, strict=True):
         slack = step_slack if a.phase is Phase.OPTIMIZER_STEP else 0
@@ -94,7 +94,7 @@ def test_selective_recompute_applies_under_tp() -> None:
     1% (the run without recompute is 1.7% below the analytic selective backward, so an ignored flag fails)."""
     spec = tiny_spec("llama", **WIDER, tie_word_embeddings=False)
     sel, none = _strategy(2, 1, True, "amp-bf16", "selective"), _strategy(2, 1, True, "amp-bf16", "none")
-    traced, plain = trace_distributed(spec, sel), trace_distributed(spec, none)
+    traced, plain = traced_once(trace_distributed, spec, sel), traced_once(trace_distributed, spec, none)
     assert traced.phase(Phase.BACKWARD).get(Component.ACTIVATIONS) != plain.phase(Phase.BACKWARD).get(
         Component.ACTIVATIONS
     )
@@ -194,7 +194,7 @@ def test_sequence_parallel_splits_the_norms_not_the_matmul_inputs() -> None:
     """SP removes from each layer what the traced norms saved, (1 − 1/tp) of it, and nothing else: the trace's
     activation saving from SP equals the analytic model's, which counts the norms alone."""
     spec = tiny_spec("llama", **WIDER)
-    t = {sp: trace_distributed(spec, _strategy(2, 1, sp, "amp-bf16")) for sp in (False, True)}
+    t = {sp: traced_once(trace_distributed, spec, _strategy(2, 1, sp, "amp-bf16")) for sp in (False, True)}
     a = {sp: estimate_parallel(spec, _strategy(2, 1, sp, "amp-bf16")) for sp in (False, True)}
     saved_t = t[False].phase(Phase.FORWARD).get(Component.ACTIVATIONS) - t[True].phase(Phase.FORWARD).get(
         Component.ACTIVATIONS
