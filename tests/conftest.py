@@ -15,8 +15,6 @@ suite must stay under ~10 minutes on two cores (CI); the full products are what 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import itertools
 import os
 import sys
@@ -34,58 +32,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
-
-
-class _ShmOpUncompiled(importlib.abc.MetaPathFinder):
-    """DeepSpeed's ``TorchBackend`` (deepspeed/comm/torch.py ``build_shm_op``) JIT-compiles its CPU shared-memory
-    all-reduce op (csrc/cpu/comm/shm*.cpp, ninja and c++) the first time a DeepSpeed trace sets up its
-    communication layer. Only ``inference_all_reduce`` (DeepSpeed's inference TP layers) ever calls it: the traced
-    ZeRO engines on the fake process group do not, so the traces are the same without it. The build is keyed by
-    the sources' paths, so every fresh clone (CI) compiled it again: 1-2 minutes of one xdist worker (the first
-    DeepSpeed test, ``tests/cli/test_estimate_distributed.py::test_trace_of_deepspeed_from_the_cli``, took 125 s).
-    Here the builder's ``load`` returns None (DeepSpeed's own "no shm op" path) and nothing is compiled; the rest
-    of ``build_shm_op`` runs as shipped, its probe of the compatible ops and the "built successfully" line it prints
-    to stdout included (which the CLI test checks that ``--json`` keeps out of its output).
-
-    Installed as an import hook, not by importing DeepSpeed here: the tests of its quiet import need it unimported
-    (and importing it costs every worker seconds)."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "deepspeed.comm.torch":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: Any) -> None:
-            exec_module(module)
-            module.build_shm_op = _without_compiling(module.build_shm_op)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
-
-def _without_compiling(build_shm_op: Any) -> Any:
-    def build() -> Any:
-        from deepspeed.accelerator import get_accelerator
-
-        builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
-        if getattr(builder, "__name__", None) != "ShareMemCommBuilder":  # an accelerator without it
-            return build_shm_op()
-        load = builder.load
-        builder.load = lambda self, verbose=False: None
-        try:
-            return build_shm_op()
-        finally:
-            builder.load = load
-
-    return build
-
-
-if not any(isinstance(f, _ShmOpUncompiled) for f in sys.meta_path):
-    sys.meta_path.insert(0, _ShmOpUncompiled())
 
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)

@@ -78,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
 import os
 import sys
 import time
@@ -205,8 +206,15 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     ]
     from deepspeed.accelerator import get_accelerator
 
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
+
     # DeepSpeed's CPU accelerator refuses fp16 (``CPU_Accelerator.is_fp16_supported``); the traced GPU has it.
     patches.append((get_accelerator(), "is_fp16_supported", lambda: True))
+    # ``TorchBackend.__init__`` JIT-compiles DeepSpeed's CPU shared-memory all-reduce op (deepspeed/comm/torch.py
+    # ``build_shm_op``: csrc/cpu/comm/shm*.cpp with ninja and c++, 45 s to 2 min, again for every install path).
+    # Only ``inference_all_reduce`` (DeepSpeed's inference TP layers) calls it, never the traced ZeRO engines on the
+    # fake process group: DeepSpeed's own "no shm op" result (None), without compiling.
+    patches.append((ds_comm_torch, "build_shm_op", lambda: None))
     for mod in (s12, s3, ds_engine):
         if hasattr(mod, "is_invalid_grad_norm"):
             patches.append((mod, "is_invalid_grad_norm", lambda _norm: False))
