@@ -515,7 +515,13 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         quantised = strategy.base_weights.quantization is not Quantization.NONE
         width = frozen_base_mlp_width(strategy, w)
         if not (quantised and w.amp and width != w.compute):
-            return 0
+            # RoPE promotes k to cos/sin's dtype, the residual's: over an fp32 residual under autocast (full
+            # fine-tuning's fp32 weights) the cache keeps that fp32 k while SDPA saves its own 16-bit cast (NeoX,
+            # found by the trace); the math kernel's copies are its own case
+            a = attention_width(strategy, w)
+            k_width = max(a, w.residual) if spec.rotary_dim else a
+            extra = k_width != a and strategy.attention is Attention.SDPA and sdpa_kernel(spec, strategy) != MATH
+            return k_width * t * kd if extra else 0
         return (max(width, w.residual) if spec.rotary_dim else width) * t * kd + width * t * kd
     a = attention_width(strategy, w)
     k_width = max(a, w.residual) if spec.rotary_dim else a
@@ -1920,10 +1926,14 @@ def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     classification head holds it too (``last_hidden_state`` while ``score`` and the loss run; matched to the
     trace, tests/trace/test_heads.py)."""
     classifier = spec.kind in (ModelKind.SEQ_CLS, ModelKind.TOKEN_CLS) and spec.model_type != "bert"
-    if not frozen_base(strategy) and not classifier:
-        return 0
     w = Widths.of(strategy)
-    return _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
+    held = _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
+    if frozen_base(strategy) or classifier:
+        return held
+    # A trainable LM head saves its input — autocast's 16-bit cast of it when the norm's output is wider (an fp32
+    # residual under autocast): the norm's own output is then still referenced, as above (NeoX, Llama; the trace).
+    causal = spec.kind is ModelKind.CAUSAL_LM
+    return held if causal and w.amp and _norm_out_width(spec, w) != w.compute else 0
 
 
 def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
