@@ -1696,8 +1696,8 @@ def _dense_mlp_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, int] | 
     :func:`_frozen_dense_forward_bytes` and :func:`frozen_dense_backward_bytes` do not derive the MLP."""
     adapter = strategy.adapter
     if (
-        adapter is None
-        or adapter.kind is AdapterKind.DORA
+        (adapter is None and finetuning(strategy))  # --freeze patterns: not derived
+        or (adapter is not None and adapter.kind is AdapterKind.DORA)
         or spec.mlp is not MlpKind.DENSE
         or spec.moe is not None
         or strategy.base_weights.quantization is Quantization.INT8
@@ -1706,6 +1706,15 @@ def _dense_mlp_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, int] | 
     w = Widths.of(strategy)
     m = frozen_base_mlp_width(strategy, w)
     return m, (4 if w.amp else m) if spec.activation in PYTHON_GELUS else m
+
+
+def dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """A non-gated MLP's working set at the worst moment of a checkpointed forward, with the layer's locals
+    (:func:`_frozen_dense_forward_bytes`; full fine-tuning too, whose linears carry no adapter branch): 0 without
+    checkpointing or where not derived."""
+    if strategy.checkpoint_segments(spec.num_layers) == 0:
+        return 0
+    return _frozen_dense_forward_bytes(spec, strategy) or 0
 
 
 def frozen_dense_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
@@ -1725,10 +1734,9 @@ def frozen_dense_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
     The layer's MLP dropout mask is released before any of it. Checked against the trace's live tensors at its peak
     (tests/trace/test_peft.py)."""
     widths = _dense_mlp_widths(spec, strategy)
-    if widths is None:
+    if widths is None or strategy.adapter is None:
         return None
     m, g = widths
-    assert strategy.adapter is not None
     w = Widths.of(strategy)
     t, h, i, c = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size, w.compute
     quant = strategy.base_weights.quantization
@@ -1798,16 +1806,16 @@ def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
       ``x.to(adapter dtype)`` (a copy when g differs) with lora_A's autocast cast of that (mm·t·i) — as
       :func:`frozen_down_forward_bytes` reads a gated MLP's down projection."""
     widths = _dense_mlp_widths(spec, strategy)
-    if widths is None or strategy.adapter is None:
+    if widths is None:
         return None
     m, g = widths
     adapter = strategy.adapter
     w = Widths.of(strategy)
     t, h, i, c = strategy.tokens_per_micro_batch, spec.hidden_size, spec.intermediate_size, w.compute
-    ad = adapter.dtype.bits // 8
+    ad = adapter.dtype.bits // 8 if adapter is not None else c
     mm = c if w.amp else ad
     nb = _norm_out_width(spec, w)
-    sites = adapter_sites(spec, adapter)
+    sites = adapter_sites(spec, adapter) if adapter is not None else ()
     fc1 = any(x.reads in (SiteInput.NORM2, SiteInput.NORM1) and _is_mlp_site(x) for x in sites)
     fc2 = any(x.reads is SiteInput.MLP_ACT for x in sites)
     held = _dense_layer_locals(spec, strategy)

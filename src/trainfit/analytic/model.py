@@ -45,6 +45,7 @@ from trainfit.analytic.activations import (
     backward_temp_bytes,
     check_sac,
     checkpoint_terms,
+    dense_forward_bytes,
     derived_mlp_backward_bytes,
     eager_backward_moment,
     eager_forward_moment,
@@ -604,6 +605,7 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants)
         + allocator_bytes(first_layer_cache_bytes(spec, strategy)),
         forward_transient=frozen_head_input_bytes(spec, strategy),  # 0 for a trainable LM head
+        down_forward=dense_forward_bytes(spec, strategy),  # a checkpointed non-gated MLP's working set
     )
 
 
