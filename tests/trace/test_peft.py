@@ -593,7 +593,7 @@ def test_the_first_layer_saves_from_its_first_adapter_on(
         assert abs(pa.total_bytes - pt.total_bytes) <= tol * ref, (pa.phase, pa.total_bytes, pt.total_bytes)
 
 
-# A frozen non-gated MLP in a checkpointed forward (trainfit.analytic.activations._frozen_dense_forward_bytes): the
+# A frozen non-gated MLP in a checkpointed forward (trainfit.analytic.activations._dense_mlp_forward_bytes): the
 # layer's locals and the worst of fc1's branch, the activation's chain (HF's Python GeLU in fp32 under autocast) and
 # fc2; with Liger's fused linear cross-entropy no logits hide it. (config, targets, base dtype, dropout, loss)
 DENSE_FORWARD = [

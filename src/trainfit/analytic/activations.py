@@ -1638,6 +1638,18 @@ def _frozen_mlp_derived(spec: ModelSpec, strategy: Strategy) -> bool:
     return strategy.base_weights.quantization is not Quantization.INT8
 
 
+def _down_adapter_moments(
+    strategy: Strategy, saved: dict[str, int], width: int, t: int, i: int, down: tuple[AdapterSite, ...]
+) -> tuple[list[int], int]:
+    """An adapted down projection's (fc2's) backward, as every derived MLP form has it: the input gradient's cast
+    chain (:func:`lora_chain_peak`), lora_A's saved input released, and the branch's result (width·t·i) that waits
+    while the base back-propagates; ``([], 0)`` without an adapter there."""
+    if not down:
+        return [], 0
+    chain = lora_chain_peak(lora_input_grad_chain(strategy, width)) * t * i - saved.get("lora_in", 0)
+    return [chain], width * t * i
+
+
 def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
     """In flight at the worst moment of a frozen gated MLP's backward under an adapter, over the incoming residual
     gradient r·t·h and net of the MLP's saved tensors (gate, act(gate) and up, :func:`frozen_layer_terms`: a
@@ -1667,11 +1679,8 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
     quant, w, saved = mlp.quant, mlp.w, mlp.down_saved
     t, h, i, m, c, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.c, mlp.down
     released = sum(saved.values())
-    moments = [3 * m * t * i - released]
-    g_lora = 0
-    if down:
-        moments.append(lora_chain_peak(lora_input_grad_chain(strategy, m)) * t * i - saved.get("lora_in", 0))
-        g_lora = m * t * i
+    branch, g_lora = _down_adapter_moments(strategy, saved, m, t, i, down)
+    moments = [3 * m * t * i - released, *branch]
     checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
     if down and checkpointed:
         # The recomputation runs the adapted down projection's forward again (frozen_down_forward_bytes) with the
@@ -1693,7 +1702,7 @@ def frozen_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None
 def _dense_mlp_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, int] | None:
     """(m, g): a frozen non-gated MLP's fc1 output width and its activation's output width (HF's Python GeLU returns
     fp32 under autocast: ``pow`` is on CUDA autocast's fp32 list and the rest follows by promotion); None where
-    :func:`_frozen_dense_forward_bytes` and :func:`frozen_dense_backward_bytes` do not derive the MLP."""
+    :func:`_dense_mlp_forward_bytes` and :func:`frozen_dense_backward_bytes` do not derive the MLP."""
     adapter = strategy.adapter
     if (
         (adapter is None and finetuning(strategy))  # --freeze patterns: not derived
@@ -1710,11 +1719,11 @@ def _dense_mlp_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, int] | 
 
 def dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """A non-gated MLP's working set at the worst moment of a checkpointed forward, with the layer's locals
-    (:func:`_frozen_dense_forward_bytes`; full fine-tuning too, whose linears carry no adapter branch): 0 without
+    (:func:`_dense_mlp_forward_bytes`; full fine-tuning too, whose linears carry no adapter branch): 0 without
     checkpointing or where not derived."""
     if strategy.checkpoint_segments(spec.num_layers) == 0:
         return 0
-    return _frozen_dense_forward_bytes(spec, strategy) or 0
+    return _dense_mlp_forward_bytes(spec, strategy) or 0
 
 
 def frozen_dense_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
@@ -1757,12 +1766,10 @@ def frozen_dense_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
     released = sum(saved.values())
     python = spec.activation in PYTHON_GELUS
     act = (3 * 4 if w.amp else 3 * m) if python else 2 * m
-    moments = [act * t * i - released]
     checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
-    g_lora = 0
+    branch, g_lora = _down_adapter_moments(strategy, saved, g, t, i, down)
+    moments = [act * t * i - released, *branch]
     if down:
-        moments.append(lora_chain_peak(lora_input_grad_chain(strategy, g)) * t * i - saved.get("lora_in", 0))
-        g_lora = g * t * i
         moments.append(3 * g * t * i - released)  # the branch's and the base's input gradients, and their sum
     if down or not checkpointed:
         if quant is Quantization.NONE:
@@ -1787,13 +1794,13 @@ def frozen_dense_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
 _ATTN_OUTPUT_LOCAL = frozenset({"gpt2"})
 
 
-def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
-    """What a frozen non-gated MLP (fc1 → activation → fc2: GPT-2, Phi-2, NeoX, Falcon, BERT, StarCoder2) holds at the
-    worst moment of a checkpointed forward, which saves nothing, under a LoRA adapter over a float or 4-bit base;
-    ``None`` elsewhere. The layer's locals (found by the trace, in each model's code): a sequential block keeps the
-    post-attention residual and norm2's output (GPT-2 its attention output too); a parallel block (Phi-2, Falcon,
-    NeoX) the normed input its MLP reads and the attention's output, which it adds after the MLP; BERT the attention
-    block's output, the MLP output's residual. Then the worst of
+def _dense_mlp_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
+    """What a non-gated MLP (fc1 → activation → fc2: GPT-2, Phi-2, NeoX, Falcon, BERT, StarCoder2) holds at the
+    worst moment of a checkpointed forward, which saves nothing, under a LoRA adapter over a float or 4-bit base or
+    in full fine-tuning (no adapter branches); ``None`` elsewhere. The layer's locals (found by the trace, in each
+    model's code): a sequential block keeps the post-attention residual and norm2's output (GPT-2 its attention
+    output too); a parallel block (Phi-2, Falcon, NeoX) the normed input its MLP reads and the attention's output,
+    which it adds after the MLP; BERT the attention block's output, the MLP output's residual. Then the worst of
 
     * fc1: the base output (m·t·i: the compute dtype, or a bitsandbytes layer's input dtype) and, adapted, PEFT's
       branch — lora_B's output and its scaled copy (lora_A's matmul width each; over a 4-bit base the result's clone
@@ -1840,7 +1847,7 @@ def _frozen_dense_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | No
 
 
 def _dense_layer_locals(spec: ModelSpec, strategy: Strategy) -> int:
-    """What a layer with a non-gated MLP holds in locals while its MLP runs (:func:`_frozen_dense_forward_bytes`)."""
+    """What a layer with a non-gated MLP holds in locals while its MLP runs (:func:`_dense_mlp_forward_bytes`)."""
     w = Widths.of(strategy)
     t, h, r, c, nb = strategy.tokens_per_micro_batch, spec.hidden_size, w.residual, w.compute, _norm_out_width(spec, w)
     if spec.model_type == "bert":
@@ -1888,7 +1895,7 @@ def frozen_down_forward_bytes(spec: ModelSpec, strategy: Strategy, *, checkpoint
     adapter saves is counted with the layer; the parts not yet made at each moment are taken off."""
     mlp = _FrozenMlp.of(spec, strategy)
     if mlp is None:
-        return _frozen_dense_forward_bytes(spec, strategy) if checkpointed else None
+        return _dense_mlp_forward_bytes(spec, strategy) if checkpointed else None
     adapter, quant, w, saved, sites = mlp.adapter, mlp.quant, mlp.w, mlp.down_saved, mlp.sites
     t, h, i, m, c, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.c, mlp.down
     ad = adapter.dtype.bits // 8
@@ -2187,11 +2194,8 @@ def int8_mlp_backward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
     w, saved = mlp.w, mlp.down_saved
     t, h, i, m, down = mlp.t, mlp.h, mlp.i, mlp.m, mlp.down
     released = sum(saved.values())
-    moments = [3 * m * t * i - released]
-    g_lora = 0
-    if down:
-        moments.append(lora_chain_peak(lora_input_grad_chain(strategy, m)) * t * i - saved.get("lora_in", 0))
-        g_lora = m * t * i
+    branch, g_lora = _down_adapter_moments(strategy, saved, m, t, i, down)
+    moments = [3 * m * t * i - released, *branch]
     checkpointed = bool(strategy.checkpoint_layout(spec.num_layers).segment_sizes)
     if down or not checkpointed:
         g_cast = m * t * h if m != w.residual else 0
