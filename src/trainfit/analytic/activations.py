@@ -1823,7 +1823,7 @@ def _dense_mlp_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
     mm = c if w.amp else ad
     nb = _norm_out_width(spec, w)
     sites = adapter_sites(spec, adapter) if adapter is not None else ()
-    fc1 = any(x.reads in (SiteInput.NORM2, SiteInput.NORM1) and _is_mlp_site(x) for x in sites)
+    fc1 = any(x.in_mlp and x.reads is not SiteInput.MLP_ACT for x in sites)
     fc2 = any(x.reads is SiteInput.MLP_ACT for x in sites)
     held = _dense_layer_locals(spec, strategy)
     # fc1: its input as PEFT's branch casts it to the adapter dtype (``_cast_input_dtype``: a local of ``forward``,
@@ -1865,11 +1865,6 @@ def _dense_layer_locals(spec: ModelSpec, strategy: Strategy) -> int:
 def _post_norm(spec: ModelSpec) -> bool:
     """A post-norm encoder (BERT): every layer ends in a LayerNorm, the embeddings are normed, no final norm."""
     return spec.embedding_norm and not spec.final_norm and spec.norm is NormKind.LAYERNORM
-
-
-def _is_mlp_site(site: AdapterSite) -> bool:
-    """An adapted linear of the MLP (fc1/fc2, gate/up/down), as opposed to the attention's."""
-    return site.short in ("fc1", "fc2", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 def frozen_down_forward_bytes(spec: ModelSpec, strategy: Strategy, *, checkpointed: bool) -> int | None:

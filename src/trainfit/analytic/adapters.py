@@ -173,6 +173,12 @@ class AdapterSite:
     # gate_up_proj for Phi-3's fused one; empty for a head linear.
     short: str = ""
 
+    @property
+    def in_mlp(self) -> bool:
+        """A linear of the MLP (fc1/fc2, gate/up/down, Phi-3's gate_up_proj, Qwen2-MoE's shared_expert_gate), not of
+        the attention — whatever tensor it reads (a parallel block's fc1 reads the attention's normed input)."""
+        return self.short == "gate_up_proj" or _INPUT_OF.get(self.short) in (SiteInput.NORM2, SiteInput.MLP_ACT)
+
     def matches(self, target: str) -> bool:
         """PEFT's ``target_modules`` test for a module name: the full name or a ``.``-separated suffix of it
         (peft/tuners/tuners_utils.py ``check_target_module_exists``)."""
@@ -421,12 +427,9 @@ class BlindLayer:
     def of(cls, spec: ModelSpec, adapter: Adapter) -> BlindLayer:
         sites = adapter_sites(spec, adapter)
         shorts = {s.short for s in sites}
-        names = {s.name for s in sites}
-        in_mlp = {s.name for s in sites if _INPUT_OF.get(s.short) in (SiteInput.NORM2, SiteInput.MLP_ACT)}
         q_lat, kv_lat = "q_a_proj" in shorts, "kv_a_proj_with_mqa" in shorts
         attention = any(
-            s.reads in (SiteInput.NORM1, SiteInput.Q_LATENT, SiteInput.KV_LATENT) and s.name not in in_mlp
-            for s in sites
+            s.reads in (SiteInput.NORM1, SiteInput.Q_LATENT, SiteInput.KV_LATENT) and not s.in_mlp for s in sites
         )
         residual = attention or any(s.reads is SiteInput.ATTN_OUT for s in sites)
         fused = spec.mla is not None or bool(shorts & {"qkv_proj"})  # MLA: taken whole
@@ -439,7 +442,7 @@ class BlindLayer:
             gate = up = mlp_in or "fc1" in shorts
         product = gate or up
         shared_gate = mlp_in or "shared_expert_gate" in shorts
-        mlp_out = mlp_in or bool(in_mlp & names)
+        mlp_out = mlp_in or any(s.in_mlp for s in sites)
         live = {SiteInput.ATTN_OUT} if attention else set()
         live |= {SiteInput.Q_LATENT} if q_lat else set()
         live |= {SiteInput.KV_LATENT} if kv_lat else set()
