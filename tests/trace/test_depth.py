@@ -70,6 +70,19 @@ def test_extrapolation_equals_full_depth(family: str, layers: int, kw: dict[str,
             assert abs(pe.components[c] - v) <= TOL_BYTES, (pe.phase, c)
 
 
+def test_a_forward_peak_inside_the_top_layer_is_traced_at_two_and_three_units() -> None:
+    """Eager attention's score chain sets the forward peak inside the top layer; over a 16-bit residual the model's
+    ``inputs_embeds`` and the layer's ``residual`` are one tensor at one unit and two from two on, so a 1→2 slope
+    would carry one t·h too many per layer: the trace runs 2 and 3 units instead and stays exact."""
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    s = Strategy(precision="pure-bf16", attention="eager", micro_batch=2, seq_len=256)
+    ext = trace_spec(spec, s)
+    full = trace_spec(spec, s, extrapolate=False)
+    assert ext.extra["layers_traced"] == [2, 3]
+    for pe, pf in zip(ext.phases, full.phases, strict=True):
+        assert abs(pe.total_bytes - pf.total_bytes) <= TOL_BYTES, (pe.phase, pe.total_bytes, pf.total_bytes)
+
+
 def test_sqrt_checkpointing_keeps_fewer_inputs_than_full() -> None:
     spec = tiny_spec("llama", num_hidden_layers=4)  # sqrt: two checkpointed segments of 2 layers
     peaks = {

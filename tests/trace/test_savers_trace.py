@@ -11,6 +11,7 @@ import pytest
 
 from trainfit import Strategy, estimate
 from trainfit.arch.config import spec_from_config
+from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
 from trainfit.strategy import MemorySavers
 
@@ -28,17 +29,21 @@ def _within(ra: object, rt: object, tol: float, phases: int = 3) -> None:
         assert abs(pa.total_bytes - pt.total_bytes) <= tol * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
 
 
-# (family, precision, attention, tolerance) of the forward and backward: SDPA within 1.2%; eager's recomputed
-# score chain within 2% (the backward within 0.01% since the checkpointed cores keep the mask: docs/accuracy.md)
+# (family, precision, attention, tolerance) of the forward and backward: within 0.6% (docs/accuracy.md). Falcon
+# calls SDPA itself (the trace checkpoints that call) and gets the math kernel, whose forward chain is 3% short
+# without recompute too; DeepSeek-V2 under autocast has the same unmodelled forward transients as without it.
 SELECTIVE = [
-    ("llama", "amp-bf16", "sdpa", 0.012),
-    ("qwen2", "pure-bf16", "sdpa", 0.012),
-    ("gpt2", "amp-bf16", "sdpa", 0.012),
-    ("mixtral", "pure-bf16", "sdpa", 0.012),
-    ("llama", "pure-bf16", "eager", 0.015),
-    ("gemma2", "pure-bf16", "eager", 0.015),
-    ("llama", "amp-bf16", "eager", 0.015),
-    pytest.param("gemma2", "amp-bf16", "eager", 0.02, marks=pytest.mark.slow),
+    ("llama", "amp-bf16", "sdpa", 0.006),
+    ("qwen2", "pure-bf16", "sdpa", 0.006),
+    ("gpt2", "amp-bf16", "sdpa", 0.006),
+    ("mixtral", "pure-bf16", "sdpa", 0.006),
+    ("llama", "pure-bf16", "eager", 0.006),
+    ("gemma2", "pure-bf16", "eager", 0.006),
+    ("llama", "amp-bf16", "eager", 0.006),
+    ("deepseek_v2", "pure-bf16", "sdpa", 0.008),
+    pytest.param("gemma2", "amp-bf16", "eager", 0.006, marks=pytest.mark.slow),
+    pytest.param("falcon", "pure-bf16", "sdpa", 0.04, marks=pytest.mark.slow),
+    pytest.param("deepseek_v2", "amp-bf16", "sdpa", 0.025, marks=pytest.mark.slow),
 ]
 
 
@@ -49,6 +54,24 @@ def test_selective_recompute_analytic_agrees_with_the_trace(
     spec = tiny_spec(family)
     s = Strategy(precision=precision, checkpointing="selective", attention=attention, micro_batch=2, seq_len=256)  # type: ignore[arg-type]
     _within(estimate_analytic(spec, s), traced_once(trace_spec, spec, s), tol, phases=2)
+
+
+def test_selective_recompute_checkpoints_an_sdpa_call_of_the_modeling_code_and_refuses_inline_attention() -> None:
+    """Falcon calls ``torch.nn.functional.scaled_dot_product_attention`` itself, outside transformers' attention
+    interface: the trace checkpoints that call (the forward keeps less than without recompute: the math kernel's fp32
+    softmax output alone is 4·b·heads·s² per layer below the top one, where the forward peaks). Its eager attention
+    is inline code: refused in one line."""
+    spec = tiny_spec("falcon")  # 4 layers, 4 heads, multi-query: SDPA's math kernel
+    b, s_len = 2, 256
+    sdpa = Strategy(precision="pure-bf16", micro_batch=b, seq_len=s_len)
+    fwd = [
+        traced_once(trace_spec, spec, dataclasses.replace(sdpa, checkpointing=ck)).phase(Phase.FORWARD).components
+        for ck in ("none", "selective")
+    ]
+    assert fwd[0][Component.ACTIVATIONS] - fwd[1][Component.ACTIVATIONS] >= 3 * 4 * b * 4 * s_len * s_len
+    eager = dataclasses.replace(sdpa, attention="eager", checkpointing="selective")
+    with pytest.raises(StrategyError, match="inline code"):
+        trace_spec(spec, eager)
 
 
 @pytest.mark.slow

@@ -508,6 +508,10 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         return 0
     if spec.mla is not None:
         return _mla_cache_held_bytes(spec, strategy)
+    if strategy.checkpointing is Checkpointing.SELECTIVE:
+        # The checkpointed attention core gets the cache's k and v (``cache.update`` returns its ``torch.cat``
+        # copies) and saves them as its inputs (:func:`_core_inputs`): nothing extra (found by the trace).
+        return 0
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     kd = spec.kv_dim
@@ -721,6 +725,11 @@ def _moe_terms(spec: ModelSpec, t: int, w: Widths, norm_bytes: int) -> list[Save
             formula="w·t·top_k·(2h + 4·moe_i), w = weight bytes",
         ),
     ]
+    if spec.model_type in _FP32_ROUTERS and not w.amp and norm_bytes != 4:
+        # DeepSeek's router linear runs on ``hidden_states.type(torch.float32)``: over a 16-bit normed input (no
+        # autocast to cast it back) a new fp32 tensor, which the linear saves for its weight gradient (found by the
+        # trace: DeepSeek-V2 pure-bf16, 4·t·h per MoE layer).
+        out.append(SavedTerm(name="mlp.router_in", bytes=4 * t * h, formula="4·t·h (x.float())"))
     if m.num_shared_experts:
         si = m.num_shared_experts * m.shared_expert_intermediate_size
         out.append(
@@ -769,7 +778,10 @@ def _core_inputs(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> Save
     else:
         qd, kd, vd = spec.q_dim, spec.kv_dim, spec.kv_dim
     a = w.compute
-    rope = w.residual if spec.rotary_dim or spec.mla is not None else a
+    # RoPE's cos/sin promote q and k to the residual's dtype; DeepSeek-V2's complex rotation casts back
+    # (modeling_deepseek_v2.py ``apply_rotary_emb``: ``.type_as(xq)``), V3's cos/sin interleave does not.
+    promotes = bool(spec.rotary_dim or spec.mla is not None) and spec.model_type != "deepseek_v2"
+    rope = w.residual if promotes else a
     if rope == a:
         base = _sdpa_inputs(spec, strategy, t, a, qd, kd, vd)  # the kernel's own inputs (views of a fused qkv)
         return SavedTerm(name="attn.core_inputs", bytes=base.bytes, formula=base.formula, pieces=base.pieces)
@@ -827,6 +839,25 @@ def selective_core_before_softmax_bytes(spec: ModelSpec, strategy: Strategy, *, 
     terms = _layer_terms(spec, strategy, moe=moe)
     cut = next((i for i, x in enumerate(terms) if x.role is TermRole.SOFTMAX_OUTPUT), 0)
     return sum(x.bytes for x in terms[:cut] if _is_core(x))
+
+
+def selective_core_locals_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Selective recompute's checkpointed forward with a score chain (eager, SDPA's math kernel): the attention
+    function's own locals beyond its inputs, alive while the chain runs. The checkpoint's saved-tensor hooks drop
+    what autograd would save (the casts autocast makes for the matmuls die with them), so what stays is what a
+    Python name holds: ``repeat_kv``'s expanded k and v (eager attention with fewer k/v heads, SDPA given a mask;
+    transformers' ``eager_attention_forward``/``sdpa_attention_forward``), k at RoPE's width. Found by the trace."""
+    if strategy.checkpointing is not Checkpointing.SELECTIVE or spec.mla is not None:
+        return 0
+    if score_chain(spec, strategy) is None:
+        return 0
+    heads = spec.num_kv_heads if strategy.attention is Attention.EAGER else sdpa_kv_heads(spec, strategy)
+    if heads == spec.num_heads or spec.sdpa_kv_expanded:  # nothing repeated inside the core
+        return 0
+    w = Widths.of(strategy)
+    a = attention_width(strategy, w)
+    k_width = max(a, w.residual) if spec.rotary_dim else a
+    return (k_width + a) * strategy.tokens_per_micro_batch * spec.num_heads * spec.head_dim
 
 
 def check_sac(spec: ModelSpec, strategy: Strategy) -> None:
@@ -1936,14 +1967,14 @@ def frozen_head_input_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     classification head holds it too (``last_hidden_state`` while ``score`` and the loss run; matched to the
     trace, tests/trace/test_heads.py)."""
     classifier = spec.kind in (ModelKind.SEQ_CLS, ModelKind.TOKEN_CLS) and spec.model_type != "bert"
-    if not frozen_base(strategy) and not classifier:
-        # A trainable LM head under autocast over an fp32 residual saves a 16-bit cast of the norm's output, and the
-        # trace of full fine-tuning without checkpointing (NeoX, Llama) still holds the fp32 output itself at the
-        # loss — but not under --checkpointing selective (tests/trace/test_savers_trace.py): not modelled until
-        # that difference is understood.
-        return 0
     w = Widths.of(strategy)
-    return _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
+    held = _norm_out_width(spec, w) * strategy.tokens_per_micro_batch * spec.hidden_size
+    if frozen_base(strategy) or classifier:
+        return held
+    # A trainable LM head saves its input — autocast's 16-bit cast of it when the norm's output is wider (an fp32
+    # residual under autocast): the norm's own output is then still referenced, as above (NeoX, Llama; the trace).
+    causal = spec.kind is ModelKind.CAUSAL_LM
+    return held if causal and w.amp and _norm_out_width(spec, w) != w.compute else 0
 
 
 def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
@@ -2447,6 +2478,20 @@ def eager_backward_moment(spec: ModelSpec, strategy: Strategy) -> tuple[int, int
         # Inside dropout's backward: its mask, the incoming gradient and its output, all in its dtype.
         saved, transient = ch.softmax_out + 1, 2 * ch.dropout
     return saved * ch.scores, transient * ch.scores + in_flight
+
+
+def unsaved_stack_locals_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Inside the top layer of a forward that is not checkpointed, what the model's and the layer's Python locals
+    hold that no backward saves: the layer's input (the decoder layer's ``residual``) and the embedding output (the
+    model's ``inputs_embeds``), where the layer's norm saves a copy of its input instead of the input (RMSNorm over a
+    16-bit residual upcasts it to fp32 first: transformers ``LlamaRMSNorm.forward``) — one tensor in a one-layer
+    model. Found by the trace (Llama pure-bf16 eager, tests/trace/test_savers_trace.py)."""
+    if strategy.checkpoint_segments(spec.num_layers) != 0:
+        return 0
+    w = Widths.of(strategy)
+    if spec.norm is NormKind.LAYERNORM or w.residual == 4 or _embedding_output_transformed(spec):
+        return 0
+    return min(2, spec.num_layers) * w.residual * strategy.tokens_per_micro_batch * spec.hidden_size
 
 
 def eager_nograd_inputs_bytes(spec: ModelSpec, strategy: Strategy) -> int:

@@ -67,7 +67,9 @@ from trainfit.analytic.activations import (
     sac_saved_terms,
     score_chain,
     selective_core_before_softmax_bytes,
+    selective_core_locals_bytes,
     selective_recompute_bytes,
+    unsaved_stack_locals_bytes,
 )
 from trainfit.analytic.adapters import (
     dequant_transient_bytes,
@@ -729,7 +731,11 @@ def forward_moments(q: StepInputs) -> list[Moment]:
                     + chain_saved
                     + a.embedding_bytes,
                     autocast_copies=q.copies_all,
-                    temporaries=chain_transient + q.masks + q.cache_held,
+                    temporaries=chain_transient
+                    + selective_core_locals_bytes(v.spec, q.strategy)
+                    + unsaved_stack_locals_bytes(v.spec, q.strategy)
+                    + q.masks
+                    + q.cache_held,
                 )
             )
         else:

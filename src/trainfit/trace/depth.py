@@ -21,7 +21,10 @@ The line needs its base points to be alike. When the hidden states entering the 
 token table without checkpointing: LoRA, ``--freeze embeddings``), the lowest layer computes no input gradient and,
 frozen, saves less than the others; at ``k = 1`` it is also the top layer, so the one-unit trace is off the line
 (Falcon-7B LoRA: the 1→2 slope 44 MiB per layer high). Such plans trace ``k = 2`` and ``k = 3``
-(:func:`stack_input_requires_grad`), as FSDP2 (3 and 4) and DeepSpeed (2 and 3) do for their own reasons.
+(:func:`stack_input_requires_grad`), as FSDP2 (3 and 4) and DeepSpeed (2 and 3) do for their own reasons. So does
+a trace whose forward peaks inside the top unit of a stack that is not checkpointed (eager attention's score
+chain): the model's ``inputs_embeds`` and the top layer's ``residual``, held unsaved over a 16-bit residual, are
+one tensor at ``k = 1`` — found only after the run, so such a trace runs again (:func:`_forward_peak_off_line`).
 
 Which parameters train is part of a layer's signature: ``--freeze layers:0-15`` makes the frozen and the
 trainable layers two runs, each varied in its own trace (frozen layers save and hold different things). The
@@ -407,30 +410,46 @@ def trace_hf(
     say = progress or (lambda _msg, _frac: None)
     say("building the model on the meta device", 0.0)
     plan = plan_depth(spec, strategy, extrapolate=extrapolate)
-    notes, runs, ext = plan.notes, plan.runs, plan.ext
-    n_layouts = len(plan.layouts)
 
-    results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
-    host: list[int] = []
-    for i, (counts, layout) in enumerate(plan.layouts):
+    def run_plan(plan: DepthPlan) -> tuple[list[tuple[list[int], hf.Layout, rn.TraceRun]], list[int]]:
+        results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+        host: list[int] = []
+        n_layouts = len(plan.layouts)
+        for i, (counts, layout) in enumerate(plan.layouts):
 
-        def sub(msg: str, frac: float, i: int = i, n: int = len(layout.layers)) -> None:
-            say(f"trace {i + 1}/{n_layouts} ({n} layers): {msg}", (i + frac) / n_layouts)
+            def sub(msg: str, frac: float, i: int = i, n: int = len(layout.layers)) -> None:
+                say(f"trace {i + 1}/{n_layouts} ({n} layers): {msg}", (i + frac) / n_layouts)
 
-        done = run_layout(spec, strategy, plan, layout, steps=steps, adamw_impl=adamw_impl, progress=sub)
-        results.append((counts, layout, done.run))
-        host.append(done.host_activation_bytes)
-    say("extrapolating", 1.0)
+            done = run_layout(spec, strategy, plan, layout, steps=steps, adamw_impl=adamw_impl, progress=sub)
+            results.append((counts, layout, done.run))
+            host.append(done.host_activation_bytes)
+        return results, host
 
-    warnings: list[str] = []
-    base_run = results[0][2]
-    if ext:
+    def extrapolated(
+        plan: DepthPlan, results: list[tuple[list[int], hf.Layout, rn.TraceRun]], chosen: dict[Phase, Place]
+    ) -> dict[Phase, PhaseBreakdown]:
         keyed = [
             keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
             for counts, layout, run in results
         ]
-        phases = extrapolate_phases(keyed, ext, runs, warnings, base_units=plan.base_units)
-    else:
+        return extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units, chosen=chosen)
+
+    warnings: list[str] = []
+    results, host = run_plan(plan)
+    chosen: dict[Phase, Place] = {}
+    if plan.ext:
+        phases = extrapolated(plan, results, chosen)
+        if _forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
+            say("the forward peaks inside a layer: tracing 2 and 3 units instead", 0.0)
+            plan = plan_depth(spec, strategy, extrapolate=extrapolate, base_units=2)
+            results, host = run_plan(plan)
+            warnings.clear()
+            if plan.ext:
+                phases = extrapolated(plan, results, chosen)
+    say("extrapolating", 1.0)
+    notes, runs, ext = plan.notes, plan.runs, plan.ext
+    base_run = results[0][2]
+    if not ext:
         pk = readout.phase_peaks(base_run)
         phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
 
@@ -492,6 +511,17 @@ def trace_hf(
     )
 
 
+def _forward_peak_off_line(plan: DepthPlan, place: Place, spec: ModelSpec, strategy: Strategy) -> bool:
+    """Whether the one-unit base trace is off the line for the forward's worst moment: inside the top layer of a
+    stack that is not checkpointed, where the model's own locals hold the embedding output (``inputs_embeds``) and
+    the layer's input (``residual``) unsaved where its norm saves a copy (RMSNorm over a 16-bit residual) — one
+    tensor at one unit, two from two on (Llama pure-bf16 eager: the 1→2 slope one t·h too high per layer, +1.2% at
+    four layers). Such traces are run again at 2 and 3 units."""
+    if plan.base_units != 1 or place.span is not Span.UNIT:
+        return False
+    return strategy.checkpoint_segments(spec.num_layers) == 0
+
+
 def _trainable_params(
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]], ext: list[int], runs: list[hf.Run]
 ) -> int:
@@ -522,9 +552,11 @@ def extrapolate_phases(
     runs: list[hf.Run],
     warnings: list[str],
     base_units: int = BASE_UNITS,
+    chosen: dict[Phase, Place] | None = None,
 ) -> dict[Phase, PhaseBreakdown]:
-    """Each place of the base layout extrapolated to the full run counts, then each phase's largest place.
-    ``keyed[0]`` is the base layout, ``keyed[n]`` the layout with one more unit of run ``ext[n - 1]``."""
+    """Each place of the base layout extrapolated to the full run counts, then each phase's largest place
+    (recorded in ``chosen`` when given). ``keyed[0]`` is the base layout, ``keyed[n]`` the layout with one more
+    unit of run ``ext[n - 1]``."""
     base = keyed[0]
     full: dict[Key, dict[Component, int]] = {}
     for key, comps in base.items():
@@ -550,8 +582,10 @@ def extrapolate_phases(
                     warnings.append(f"{phase.value}: a middle unit peaks above the ends; extrapolation may be low")
     phases: dict[Phase, PhaseBreakdown] = {}
     for ph in Phase:
-        cands = [(sum(v.values()), v) for k, v in full.items() if k[0] == ph]
-        _, comps = max(cands, key=lambda x: x[0])
+        cands = [(sum(v.values()), k[1], v) for k, v in full.items() if k[0] == ph]
+        _, place, comps = max(cands, key=lambda x: x[0])
+        if chosen is not None:
+            chosen[ph] = place
         if any(v < 0 for v in comps.values()):
             warnings.append(f"{ph.value}: extrapolation produced a negative component; clamped to 0")
             comps = {c: max(0, v) for c, v in comps.items()}

@@ -45,6 +45,8 @@ from trainfit.cuda_facts import SdpaKernel, sdpa_kernel_for
 FLASH, EFFICIENT, MATH = SdpaKernel.FLASH, SdpaKernel.EFFICIENT, SdpaKernel.MATH
 
 _HALF = (torch.float16, torch.bfloat16)
+#: The builtin itself: the selective-recompute trace (trace/savers.py) may wrap the module attribute for a run.
+SDPA = F.scaled_dot_product_attention
 
 
 def cuda_softmax(x: Any, dim: Any, dtype: Any) -> torch.Tensor | None:
@@ -227,7 +229,7 @@ class CudaKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is SDPA:
             return emulated_sdpa(*args, **kwargs, calls=self.sdpa_calls, flash=self.flash)
         if func is F.softmax:
             dim = args[1] if len(args) > 1 else kwargs.get("dim")

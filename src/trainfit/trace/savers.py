@@ -41,7 +41,9 @@
   ``tensor_parallel.checkpoint``; Korthikanti et al. 2022 §5): the attention core — from q, k, v to the attention
   output — is a non-reentrant ``torch.utils.checkpoint`` region, everything else in the layer saves as usual.
   On the HF model the core is the attention-interface call (transformers ``ALL_ATTENTION_FUNCTIONS["sdpa"]``,
-  or the modeling module's ``eager_attention_forward``), wrapped for the run by :func:`selective_recompute`
+  or the modeling module's ``eager_attention_forward``) — or, in a modeling file that calls
+  ``torch.nn.functional.scaled_dot_product_attention`` itself (Falcon), that call; wrapped for the run by
+  :func:`selective_recompute`, which refuses a model whose core ran as inline code (Falcon's eager attention)
   (Megatron's ``CheckpointWithoutOutput``, tensor_parallel/random.py, is the variant that also drops the
   region's output, used for its other selective modules — layernorm, moe_act; not for ``core_attn``).
 """
@@ -240,17 +242,28 @@ def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Itera
     """Run every attention core of ``model`` (the attention-interface call: transformers' registered ``sdpa``
     function and each modeling module's ``eager_attention_forward``) inside a non-reentrant checkpoint, its
     backward recomputation marked for the tracker (module docstring). Restores both on exit."""
+    import torch.nn.functional as F
     from transformers.modeling_utils import AttentionInterface
 
     from trainfit.trace.hf import in_recompute
 
+    depth = [0]  # inside a checkpointed core: the interface's own SDPA call is not wrapped again
+    calls = [0]
+
     def core(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                return in_recompute(tracker_box, fn, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+
         @functools.wraps(fn)
-        def checkpointed(module: Any, *args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return fn(module, *args, **kwargs)
-            run = functools.partial(in_recompute, tracker_box, fn)
-            return torch.utils.checkpoint.checkpoint(run, module, *args, use_reentrant=False, **kwargs)
+        def checkpointed(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled() or depth[0]:
+                return fn(*args, **kwargs)
+            calls[0] += 1
+            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
         return checkpointed
 
@@ -259,6 +272,9 @@ def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Itera
     sdpa = mapping["sdpa"]
     mapping["sdpa"] = core(sdpa)
     restore.append(lambda: mapping.__setitem__("sdpa", sdpa))
+    functional = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = core(functional)
+    restore.append(functools.partial(setattr, F, "scaled_dot_product_attention", functional))
     for name in {type(m).__module__ for m in model.modules()}:
         mod = sys.modules.get(name)
         eager = getattr(mod, "eager_attention_forward", None)
@@ -270,6 +286,11 @@ def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Itera
     finally:
         for undo in restore:
             undo()
+    if not calls[0]:
+        raise StrategyError(
+            f"--method trace cannot run --checkpointing selective on {type(model).__name__} with this attention: "
+            "its attention core is inline code, not a function to checkpoint; use --attention sdpa or --method analytic"
+        )
 
 
 class OffloadActivations:
