@@ -184,3 +184,22 @@ def test_sac_with_dropout_agrees_within_3_percent(precision: str) -> None:
     ag = compare(estimate_analytic(spec, sac), trace_spec(spec, sac))
     # the peak, as the other agreement tests: fp32 GPT-2's forward phase is as far off under full checkpointing
     assert abs(ag.peak_rel) <= 0.03, ag
+
+
+@pytest.mark.parametrize(
+    ("precision", "ckpt"), [("pure-bf16", "none"), ("pure-bf16", "sqrt"), ("amp-bf16", "full")], ids=lambda x: x
+)
+def test_deepseek_fp32_router_agrees_per_phase(precision: str, ckpt: str) -> None:
+    """DeepSeek-V2's router linear runs on ``hidden_states.type(float32)`` (a new fp32 tensor it saves over a 16-bit
+    normed input) and its fp32 routing weights promote the routed output, whose backward opens with fp32 routed-row
+    gradients: forward and backward within 0.8% of the trace (before: pure-bf16 −5.0%, sqrt backward −7.1%, amp
+    full backward −2.8%)."""
+    spec = tiny_spec("deepseek_v2")
+    s = Strategy(precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=256)  # type: ignore[arg-type]
+    closed, traced = estimate_analytic(spec, s), trace_spec(spec, s)
+    for pa, pt in zip(closed.phases[:2], traced.phases[:2], strict=True):
+        assert abs(pa.total_bytes - pt.total_bytes) <= 0.008 * pt.total_bytes, (
+            pa.phase,
+            pa.total_bytes,
+            pt.total_bytes,
+        )

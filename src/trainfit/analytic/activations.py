@@ -2428,6 +2428,10 @@ def backward_temp_bytes(spec: ModelSpec, strategy: Strategy) -> BackwardTemps:
         routed_i = t * spec.moe.experts_per_token * spec.moe.expert_intermediate_size
         per_routed = 5 * e - e if e == 2 else 3 * e - e
         moe = w.residual * t * h + per_routed * routed_i
+        if spec.model_type in _FP32_ROUTERS and (spec.model_type == "deepseek_v2" or not w.amp):
+            # DeepSeek's fp32 routing weights promote the routed output: its backward opens with fp32 T × h
+            # gradients, as over a frozen base (moe_adapter_backward_bytes)
+            moe = max(moe, 8 * t * spec.moe.experts_per_token * h + w.residual * t * h)
         if frozen_base(strategy):
             moe = moe_adapter_backward_bytes(spec, strategy)
         mlp = max(mlp if spec.num_dense_layers else 0, moe)
