@@ -200,3 +200,24 @@ def test_a_rank_stream_stopped_at_its_steady_state_peaks_as_the_longer_replay(
     forget_simulations()
     longer = rank_events.simulate_rank(spec, strategy, p, AllocatorConfig())
     assert stopped == longer
+
+
+def test_the_stream_holds_the_kv_cache_copies_to_the_outputs() -> None:
+    """Training with ``use_cache`` (no checkpointing), each layer's KV cache keeps its own fp32 k under autocast
+    (``kv_cache_held_tensors``): the stream allocates them per layer and frees them with the outputs, so its forward
+    peaks that much above the same model without the cache."""
+    import dataclasses
+
+    from trainfit.analytic.activations import kv_cache_held_tensors
+
+    spec = load_model("llama-3.2-1b")
+    s = Strategy(micro_batch=2, seq_len=1024)
+    held = kv_cache_held_tensors(spec, s)
+    assert held  # RoPE promotes k to fp32 beside SDPA's 16-bit cast
+    without = dataclasses.replace(spec, use_cache=False)
+    sizes = [e.size_bytes for e in training_events(spec, s) if e.op is Op.ALLOC]
+    others = [e.size_bytes for e in training_events(without, s) if e.op is Op.ALLOC]
+    extra = list(sizes)
+    for n in others:
+        extra.remove(n)
+    assert sorted(extra) == sorted(list(held) * spec.num_layers * 3)  # three steps replayed

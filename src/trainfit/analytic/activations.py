@@ -496,22 +496,28 @@ def _kv_cache_active(spec: ModelSpec, strategy: Strategy) -> bool:
 
 
 def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """Per layer, the bytes of :func:`kv_cache_held_tensors`."""
+    return sum(kv_cache_held_tensors(spec, strategy))
+
+
+def kv_cache_held_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...]:
     """Per layer, the KV cache's copies of k and v that no backward saves, held until the model's outputs
     are dropped (the end of the forward). The cache ``torch.cat``s k after RoPE — whose dtype is promoted to
     the residual stream's by cos/sin, fp32 under autocast — and v. The attention kernel saves a copy itself
     when it needs a cast (autocast), repeat_kv's expansion (eager with GQA, or SDPA given a mask, which
-    loses ``enable_gqa``) or the math kernel's scaled/upcast copies; then the cache's copy is extra. 0 without
-    the cache (MLA: :func:`_mla_cache_held_bytes`); for a fused qkv (k and v views of one output that SDPA keeps),
-    0 unless a bitsandbytes qkv returns its input's dtype (``Linear4bit.forward``: ``.to(inp_dtype)``, fp32 over QLoRA's
-    fp32 residual): under autocast SDPA then saves its own 16-bit copies and the cache's fp32 k and v are extra."""
+    loses ``enable_gqa``) or the math kernel's scaled/upcast copies; then the cache's copy is extra. None without
+    the cache (MLA: :func:`_mla_cache_held_tensors`); for a fused qkv (k and v views of one output that SDPA keeps),
+    none unless a bitsandbytes qkv returns its input's dtype (``Linear4bit.forward``: ``.to(inp_dtype)``, fp32 over
+    QLoRA's fp32 residual): under autocast SDPA then saves its own 16-bit copies and the cache's fp32 k and v are
+    extra."""
     if not _kv_cache_active(spec, strategy):
-        return 0
+        return ()
     if spec.mla is not None:
-        return _mla_cache_held_bytes(spec, strategy)
+        return _mla_cache_held_tensors(spec, strategy)
     if strategy.checkpointing is Checkpointing.SELECTIVE:
         # The checkpointed attention core gets the cache's k and v (``cache.update`` returns its ``torch.cat``
         # copies) and saves them as its inputs (:func:`_core_inputs`): nothing extra (found by the trace).
-        return 0
+        return ()
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
     kd = spec.kv_dim
@@ -525,8 +531,8 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
             a = attention_width(strategy, w)
             k_width = max(a, w.residual) if spec.rotary_dim else a
             extra = k_width != a and strategy.attention is Attention.SDPA and sdpa_kernel(spec, strategy) != MATH
-            return k_width * t * kd if extra else 0
-        return (max(width, w.residual) if spec.rotary_dim else width) * t * kd + width * t * kd
+            return (k_width * t * kd,) if extra else ()
+        return ((max(width, w.residual) if spec.rotary_dim else width) * t * kd, width * t * kd)
     a = attention_width(strategy, w)
     k_width = max(a, w.residual) if spec.rotary_dim else a
     gqa = spec.num_kv_heads < spec.num_heads
@@ -543,7 +549,7 @@ def kv_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
         v_width = frozen_base_mlp_width(strategy, w)
         if v_width != a:
             v_extra = v_width * t * kd
-    return k_extra + v_extra
+    return tuple(x for x in (k_extra, v_extra) if x)
 
 
 def first_layer_cache_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -568,7 +574,7 @@ def first_layer_cache_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     return full - kv_cache_held_bytes(spec, strategy)
 
 
-def _mla_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+def _mla_cache_held_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...]:
     """MLA's DynamicCache (modeling_deepseek_v3.py ``DeepseekV3Attention.forward``: ``cache.update(kv_nope, k_rot)``
     before ``expand_kv``) ``torch.cat``s the normed latent kv_nope (the residual's width: ``DeepseekV3RMSNorm``
     returns ``weight * x.to(input_dtype)``) and the RoPE'd shared key k_rot (kv_a's output promoted by cos/sin,
@@ -578,7 +584,7 @@ def _mla_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     it uncast (:func:`trainfit.analytic.adapters.adapter_saved`). Both held until the forward's outputs are
     dropped (found by the trace). Modelled under a frozen base (adapters); full fine-tuning: 0 (not modelled)."""
     if not frozen_base(strategy) or strategy.adapter is None:
-        return 0
+        return ()
     assert spec.mla is not None
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
@@ -595,7 +601,7 @@ def _mla_cache_held_bytes(spec: ModelSpec, strategy: Strategy) -> int:
             compute=w.compute,
         )
         kept = any(x.reads is SiteInput.KV_LATENT for x in saved)
-    return k_rot + (0 if kept else w.residual * t * m.kv_lora_rank)
+    return (k_rot,) if kept else (k_rot, w.residual * t * m.kv_lora_rank)
 
 
 def _sdpa_inputs(spec: ModelSpec, strategy: Strategy, t: int, a: int, qd: int, kd: int, vd: int) -> SavedTerm:

@@ -7,7 +7,9 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
 
 * before the recorded steps: the weights (``model.to("cuda")``), parameter by parameter;
 * each step: the input ids and labels; per layer, the autocast weight copies and the saved tensors of
-  :func:`~trainfit.analytic.activations.layer_terms`; the head's saved tensors and the loss chain of
+  :func:`~trainfit.analytic.activations.layer_terms` and the KV cache's own copies of k and v
+  (:func:`~trainfit.analytic.activations.kv_cache_held_tensors`, held until the outputs are dropped); the head's
+  saved tensors and the loss chain of
   :mod:`~trainfit.analytic.logits` (16-bit logits, the fp32 copy, the log-softmax output), the outputs
   dropped before backward; backward in reverse: the loss gradients, each layer's parameter gradients and
   its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released; a tied
@@ -38,7 +40,9 @@ from trainfit.analytic.activations import (
     backward_temp_bytes,
     eager_backward_moment,
     eager_forward_moment,
+    first_layer_cache_bytes,
     first_layer_terms,
+    kv_cache_held_tensors,
     layer_terms,
     model_terms,
     sac_saved_terms,
@@ -289,6 +293,9 @@ def synthesise(
     kinds = [g for g in inv.layers for _ in range(g.count)]
     terms_of = {g.kind: layer_terms(spec, strategy, moe=g.kind == "moe") for g in inv.layers}
     first_terms = first_layer_terms(spec, strategy)  # an input that needs no gradient: saves from its first adapter
+    # The KV cache's own k/v copies (training with use_cache), each layer's held until the outputs are dropped.
+    cache_tensors = kv_cache_held_tensors(spec, strategy)
+    first_cache = first_layer_cache_bytes(spec, strategy)
     mt = model_terms(spec, strategy)
     lg = logits_memory(spec, strategy)
     # Classification heads: num_labels-wide logits (their small row-pick tensors folded into the same shape).
@@ -349,12 +356,16 @@ def synthesise(
             layers: list[tuple[list[int], list[int]]] = []
             kept: list[int] = []
             forward_cache: list[int] = []  # checkpointed layers' cached autocast copies, freed after the loss
+            kv_cache: list[int] = []
             residual = s.alloc(hidden)
             for i in range(spec.num_layers):
                 if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                     kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
                 rank.layer_forward_begin(s, i)
                 copies, saved = layer_forward(i)
+                kv_cache += [s.alloc(rank.saved_bytes("attn.kv_cache", n)) for n in cache_tensors]
+                if i == 0 and first_cache:
+                    kv_cache.append(s.alloc(rank.saved_bytes("attn.kv_cache", first_cache)))
                 if segment_of:  # a checkpointed call saves nothing; only autocast's cache holds copies
                     s.free_all(saved)
                     cast = [x for x in kinds[i].tensors if x in copied]
@@ -383,6 +394,7 @@ def synthesise(
             s.free(upcast)
             s.free_all(forward_cache)  # the autocast region exits
             s.free(logits)  # the HF Trainer drops the outputs before backward
+            s.free_all(kv_cache)  # with them the cache
             rank.backward_begin(s)
 
             # Backward: the loss gradients, then the head.

@@ -60,7 +60,7 @@ from trainfit.analytic.activations import (
     int8_dense_recompute_bytes,
     int8_layer_bytes,
     int8_moe_recompute_bytes,
-    kv_cache_held_bytes,
+    kv_cache_held_tensors,
     layer_terms,
     model_terms,
     moe_adapter_forward_bytes,
@@ -604,7 +604,7 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         # checkpointed layer, so with checkpointing they stay until the first layer's backward; without, they
         # die with the decoder's forward.
         masks=sum(allocator_bytes(m) for m in attention_mask_bytes(spec, strategy)),
-        cache_held=sum(n * allocator_bytes(kv_cache_held_bytes(v, strategy)) for v, n in variants)
+        cache_held=sum(n * sum(map(allocator_bytes, kv_cache_held_tensors(v, strategy))) for v, n in variants)
         + allocator_bytes(first_layer_cache_bytes(spec, strategy)),
         forward_transient=frozen_head_input_bytes(spec, strategy),  # 0 for a trainable LM head
         down_forward=dense_forward_bytes(spec, strategy),  # a checkpointed non-gated MLP's working set
