@@ -201,3 +201,21 @@ def test_a_run_that_leaks_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     # the two-layer run, which extrapolation multiplies by the 5 layers it adds.
     excess = leaked.phase(Phase.FORWARD).total_bytes - clean.phase(Phase.FORWARD).total_bytes
     assert 5 * 7 * 2**20 < excess < 5 * 8 * 2**20, excess
+
+
+def test_a_forward_peak_inside_the_top_layer_is_measured_at_two_and_three_units() -> None:
+    """As the trace (tests/trace/test_depth.py): where eager attention's chain puts the forward peak inside the top
+    layer over a 16-bit residual, the one-unit run is off the line; the measurement runs 2 and 3 units and its
+    extrapolation equals the full-depth measurement."""
+    spec = tiny_spec("llama", num_hidden_layers=6)  # a 256-token vocabulary: the loss stays below the chain
+    st = Strategy(precision="pure-bf16", attention="eager", micro_batch=2, seq_len=512)
+
+    def measure(**kw: Any):  # type: ignore[no-untyped-def]
+        with (dev := CpuStandIn()):
+            return measure_spec(spec, st, memory=dev, with_trace=False, **kw)
+
+    ext = measure()
+    assert ext.extra["layers_traced"] == [2, 3]
+    full = measure(extrapolate=False)
+    for pe, pf in zip(ext.phases, full.phases, strict=True):
+        assert abs(pe.total_bytes - pf.total_bytes) <= 4096, (pe.phase, pe.total_bytes, pf.total_bytes)

@@ -235,3 +235,23 @@ def test_pipeline_is_refused() -> None:
     spec = tiny_spec("llama", **WIDER)
     with pytest.raises(StrategyError, match="pipeline"):
         trace_distributed(spec, Strategy(parallelism=Parallelism(tensor=2, pipeline=2)))
+
+
+def test_a_forward_peak_inside_the_top_layer_is_traced_at_two_and_three_units_on_a_tp_rank() -> None:
+    """As on one GPU (tests/trace/test_depth.py): eager attention's chain sets the forward peak inside the top layer,
+    where the one-unit trace holds the embedding output and the layer's input as one tensor; the TP trace re-runs at
+    2 and 3 units and equals the full-depth trace."""
+    from trainfit.trace.tensor_parallel import trace_tensor_parallel
+
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    s = Strategy(
+        precision="pure-bf16",
+        attention="eager",
+        micro_batch=2,
+        seq_len=1024,
+        parallelism=Parallelism(tensor=2),
+        engine=EngineOptions(engine="torch"),
+    )
+    ext, full = trace_tensor_parallel(spec, s), trace_tensor_parallel(spec, s, extrapolate=False)
+    assert ext.extra["layers_traced"] == [2, 3]
+    assert [p.total_bytes for p in ext.phases] == [p.total_bytes for p in full.phases]

@@ -244,24 +244,38 @@ def measure_spec(
     say = progress or (lambda _m, _f: None)
     plan = depth.plan_depth(spec, strategy, extrapolate=extrapolate)
     warm_up(memory, strategy)
-    keyed: list[dict[depth.Key, dict[Component, int]]] = []
-    measured: list[_LayoutMeasurement] = []
-    baselines: list[int] = []
-    n = len(plan.layouts)
-    for i, (counts, layout) in enumerate(plan.layouts):
 
-        def sub(msg: str, frac: float, i: int = i, layers: int = len(layout.layers)) -> None:
-            say(f"measure {i + 1}/{n} ({layers} layers): {msg}", (i + frac) / n)
+    def measure_plan(
+        plan: depth.DepthPlan, memory: DeviceMemory
+    ) -> tuple[list[dict[depth.Key, dict[Component, int]]], list[_LayoutMeasurement], list[int]]:
+        keyed: list[dict[depth.Key, dict[Component, int]]] = []
+        measured: list[_LayoutMeasurement] = []
+        baselines: list[int] = []
+        n = len(plan.layouts)
+        for i, (counts, layout) in enumerate(plan.layouts):
 
+            def sub(msg: str, frac: float, i: int = i, layers: int = len(layout.layers)) -> None:
+                say(f"measure {i + 1}/{n} ({layers} layers): {msg}", (i + frac) / n)
+
+            gc.collect()
+            memory.empty_cache()
+            baselines.append(memory.memory_allocated())
+            m = _measure_layout(spec, strategy, plan, layout, memory, steps=steps, adamw_impl=adamw_impl, progress=sub)
+            measured.append(m)
+            keyed.append(depth.keyed_regions(m.regions, layout, counts))
         gc.collect()
         memory.empty_cache()
         baselines.append(memory.memory_allocated())
-        m = _measure_layout(spec, strategy, plan, layout, memory, steps=steps, adamw_impl=adamw_impl, progress=sub)
-        measured.append(m)
-        keyed.append(depth.keyed_regions(m.regions, layout, counts))
-    gc.collect()
-    memory.empty_cache()
-    baselines.append(memory.memory_allocated())
+        return keyed, measured, baselines
+
+    keyed, measured, baselines = measure_plan(plan, memory)
+    chosen: dict[Phase, depth.Place] = {}
+    if plan.ext:
+        depth.extrapolate_phases(keyed, plan.ext, plan.runs, [], base_units=plan.base_units, chosen=chosen)
+        if depth.forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
+            # a forward peak inside the top layer: measure 2 and 3 units, as the trace does (trace/depth.py)
+            plan = depth.plan_depth(spec, strategy, extrapolate=extrapolate, base_units=2)
+            keyed, measured, baselines = measure_plan(plan, memory)
     say("extrapolating", 1.0)
 
     warnings: list[str] = []

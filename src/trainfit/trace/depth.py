@@ -24,7 +24,7 @@ frozen, saves less than the others; at ``k = 1`` it is also the top layer, so th
 (:func:`stack_input_requires_grad`), as FSDP2 (3 and 4) and DeepSpeed (2 and 3) do for their own reasons. So does
 a trace whose forward peaks inside the top unit of a stack that is not checkpointed (eager attention's score
 chain): the model's ``inputs_embeds`` and the top layer's ``residual``, held unsaved over a 16-bit residual, are
-one tensor at ``k = 1`` — found only after the run, so such a trace runs again (:func:`_forward_peak_off_line`).
+one tensor at ``k = 1`` — found only after the run, so such a trace runs again (:func:`forward_peak_off_line`).
 
 Which parameters train is part of a layer's signature: ``--freeze layers:0-15`` makes the frozen and the
 trainable layers two runs, each varied in its own trace (frozen layers save and hold different things). The
@@ -439,7 +439,7 @@ def trace_hf(
     chosen: dict[Phase, Place] = {}
     if plan.ext:
         phases = extrapolated(plan, results, chosen)
-        if _forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
+        if forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
             say("the forward peaks inside a layer: tracing 2 and 3 units instead", 0.0)
             plan = plan_depth(spec, strategy, extrapolate=extrapolate, base_units=2)
             results, host = run_plan(plan)
@@ -511,7 +511,7 @@ def trace_hf(
     )
 
 
-def _forward_peak_off_line(plan: DepthPlan, place: Place, spec: ModelSpec, strategy: Strategy) -> bool:
+def forward_peak_off_line(plan: DepthPlan, place: Place, spec: ModelSpec, strategy: Strategy) -> bool:
     """Whether the one-unit base trace is off the line for the forward's worst moment: inside the top layer of a
     stack that is not checkpointed, where the model's own locals hold the embedding output (``inputs_embeds``) and
     the layer's input (``residual``) unsaved where its norm saves a copy (RMSNorm over a 16-bit residual) — one
