@@ -207,7 +207,7 @@ def test_a_forward_peak_inside_the_top_layer_is_measured_at_two_and_three_units(
     """As the trace (tests/trace/test_depth.py): where eager attention's chain puts the forward peak inside the top
     layer over a 16-bit residual, the one-unit run is off the line; the measurement runs 2 and 3 units and its
     extrapolation equals the full-depth measurement."""
-    spec = tiny_spec("llama", num_hidden_layers=6)  # a 256-token vocabulary: the loss stays below the chain
+    spec = tiny_spec("llama", num_hidden_layers=4)  # a 256-token vocabulary: the loss stays below the chain
     st = Strategy(precision="pure-bf16", attention="eager", micro_batch=2, seq_len=512)
 
     def measure(**kw: Any):  # type: ignore[no-untyped-def]

@@ -74,7 +74,7 @@ def test_a_forward_peak_inside_the_top_layer_is_traced_at_two_and_three_units() 
     """Eager attention's score chain sets the forward peak inside the top layer; over a 16-bit residual the model's
     ``inputs_embeds`` and the layer's ``residual`` are one tensor at one unit and two from two on, so a 1→2 slope
     would carry one t·h too many per layer: the trace runs 2 and 3 units instead and stays exact."""
-    spec = tiny_spec("llama", num_hidden_layers=6)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     s = Strategy(precision="pure-bf16", attention="eager", micro_batch=2, seq_len=256)
     ext = trace_spec(spec, s)
     full = trace_spec(spec, s, extrapolate=False)

@@ -243,7 +243,7 @@ def test_a_forward_peak_inside_the_top_layer_is_traced_at_two_and_three_units_on
     2 and 3 units and equals the full-depth trace."""
     from trainfit.trace.tensor_parallel import trace_tensor_parallel
 
-    spec = tiny_spec("llama", num_hidden_layers=6)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     s = Strategy(
         precision="pure-bf16",
         attention="eager",
