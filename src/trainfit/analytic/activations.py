@@ -798,6 +798,10 @@ def _core_inputs(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> Save
         return SavedTerm(name="attn.core_inputs", bytes=qk, formula="r·t·(q_dim+k_dim) (v: a view of kv_b's output)")
     if spec.fused_qkv and not spec.sdpa_kv_expanded and not _kv_cache_active(spec, strategy):
         v, vf = a * t * (qd + kd + vd), "fused qkv (v view)"
+    elif strategy.base_weights.quantization is not Quantization.NONE:
+        # a bitsandbytes v_proj returns its input's dtype (fp32 over QLoRA's fp32 residual): the checkpoint keeps it
+        vw = frozen_base_mlp_width(strategy, w)
+        v, vf = vw * t * vd, f"{vw}·t·kv_dim (bitsandbytes v)"
     else:
         v, vf = a * t * vd, "a·t·kv_dim"
     return SavedTerm(name="attn.core_inputs", bytes=qk + v, formula=f"r·t·(q_dim+kv_dim) + {vf}", pieces=(qk, v))
@@ -851,8 +855,9 @@ def selective_core_locals_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """Selective recompute's checkpointed forward with a score chain (eager, SDPA's math kernel): the attention
     function's own locals beyond its inputs, alive while the chain runs. The checkpoint's saved-tensor hooks drop
     what autograd would save (the casts autocast makes for the matmuls die with them), so what stays is what a
-    Python name holds: ``repeat_kv``'s expanded k and v (eager attention with fewer k/v heads, SDPA given a mask;
-    transformers' ``eager_attention_forward``/``sdpa_attention_forward``), k at RoPE's width. Found by the trace."""
+    Python name holds: ``repeat_kv``'s expanded k and v (eager attention with fewer k/v heads:
+    transformers' ``eager_attention_forward``; SDPA's math kernel handed fewer k/v heads, whose ``enable_gqa``
+    expansion is its own), k at RoPE's width. Found by the trace."""
     if strategy.checkpointing is not Checkpointing.SELECTIVE or spec.mla is not None:
         return 0
     if score_chain(spec, strategy) is None:

@@ -516,7 +516,9 @@ def forward_peak_off_line(plan: DepthPlan, place: Place, spec: ModelSpec, strate
     stack that is not checkpointed, where the model's own locals hold the embedding output (``inputs_embeds``) and
     the layer's input (``residual``) unsaved where its norm saves a copy (RMSNorm over a 16-bit residual) — one
     tensor at one unit, two from two on (Llama pure-bf16 eager: the 1→2 slope one t·h too high per layer, +1.2% at
-    four layers). Such traces are run again at 2 and 3 units."""
+    four layers). Such traces are run again at 2 and 3 units. Checked by where the peak is, not by the norm or the
+    residual's width: a LayerNorm or fp32 model whose forward peaks inside a layer is traced twice too (right,
+    only slower)."""
     if plan.base_units != 1 or place.span is not Span.UNIT:
         return False
     return strategy.checkpoint_segments(spec.num_layers) == 0

@@ -240,8 +240,11 @@ def sac_context_fn() -> Callable[[], Any]:
 @contextlib.contextmanager
 def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Iterator[None]:
     """Run every attention core of ``model`` (the attention-interface call: transformers' registered ``sdpa``
-    function and each modeling module's ``eager_attention_forward``) inside a non-reentrant checkpoint, its
-    backward recomputation marked for the tracker (module docstring). Restores both on exit."""
+    function and each modeling module's ``eager_attention_forward``; and ``torch.nn.functional.
+    scaled_dot_product_attention`` where a modeling file calls it itself — wrapped globally for the run, which would
+    also catch torch's own callers such as ``F.multi_head_attention_forward``, in no supported model) inside a
+    non-reentrant checkpoint, its backward recomputation marked for the tracker (module docstring). Restores all
+    of them on exit; refuses a run in which no core was checkpointed (attention as inline code)."""
     import torch.nn.functional as F
     from transformers.modeling_utils import AttentionInterface
 
@@ -268,20 +271,20 @@ def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Itera
         return checkpointed
 
     restore: list[Callable[[], None]] = []
-    mapping: dict[str, Any] = AttentionInterface._global_mapping
-    sdpa = mapping["sdpa"]
-    mapping["sdpa"] = core(sdpa)
-    restore.append(lambda: mapping.__setitem__("sdpa", sdpa))
-    functional = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = core(functional)
-    restore.append(functools.partial(setattr, F, "scaled_dot_product_attention", functional))
-    for name in {type(m).__module__ for m in model.modules()}:
-        mod = sys.modules.get(name)
-        eager = getattr(mod, "eager_attention_forward", None)
-        if mod is not None and callable(eager):
-            setattr(mod, "eager_attention_forward", core(eager))  # noqa: B010
-            restore.append(functools.partial(setattr, mod, "eager_attention_forward", eager))
     try:
+        mapping: dict[str, Any] = AttentionInterface._global_mapping
+        sdpa = mapping["sdpa"]
+        mapping["sdpa"] = core(sdpa)
+        restore.append(lambda: mapping.__setitem__("sdpa", sdpa))
+        functional = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = core(functional)
+        restore.append(functools.partial(setattr, F, "scaled_dot_product_attention", functional))
+        for name in {type(m).__module__ for m in model.modules()}:
+            mod = sys.modules.get(name)
+            eager = getattr(mod, "eager_attention_forward", None)
+            if mod is not None and callable(eager):
+                setattr(mod, "eager_attention_forward", core(eager))  # noqa: B010
+                restore.append(functools.partial(setattr, mod, "eager_attention_forward", eager))
         yield
     finally:
         for undo in restore:
@@ -289,7 +292,8 @@ def selective_recompute(model: torch.nn.Module, tracker_box: list[Any]) -> Itera
     if not calls[0]:
         raise StrategyError(
             f"--method trace cannot run --checkpointing selective on {type(model).__name__} with this attention: "
-            "its attention core is inline code, not a function to checkpoint; use --attention sdpa or --method analytic"
+            "its attention core is inline code, not a function to checkpoint; use --method analytic "
+            "(or SDPA attention where the model has it)"
         )
 
 
