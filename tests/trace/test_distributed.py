@@ -90,6 +90,26 @@ def test_fsdp_depth_extrapolation_matches_full_depth() -> None:
         assert abs(a.total_bytes - t.total_bytes) <= 0.01 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
 
 
+def test_ddp_forward_peak_inside_the_top_layer_is_traced_at_two_and_three_units() -> None:
+    """As on one GPU (tests/trace/test_depth.py): eager attention's chain puts a DDP rank's forward peak inside the
+    top layer, where the one-unit trace holds the embedding output and the layer's input as one tensor (+0.62%
+    forward over the full depth when the DDP trace kept the 1→2 slope); it re-runs at 2 and 3 units and equals the
+    full-depth trace within a block of the allocator."""
+    spec = tiny_spec("llama", num_hidden_layers=4)
+    s = Strategy(
+        precision="pure-bf16",
+        attention="eager",
+        micro_batch=2,
+        seq_len=256,
+        parallelism=Parallelism(data=2),
+        sharding="ddp",
+    )
+    ext, full = trace_distributed(spec, s), trace_distributed(spec, s, extrapolate=False)
+    assert ext.extra["layers_traced"] == [2, 3]
+    for a, t in zip(ext.phases, full.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= 1024, (a.phase, a.total_bytes, t.total_bytes)
+
+
 #: (W, reshard_after_forward, checkpointing): the cell of the issue (W = 2, no reshard, full recompute: the
 #: analytic was 11% high, keeping every layer unsharded through the backward) and a pairwise cover of the rest:
 #: every reshard setting × checkpointing mode once, every world size with both settings (the 18-cell product at

@@ -247,8 +247,8 @@ def measure_spec(
 
     def measure_plan(
         plan: depth.DepthPlan, memory: DeviceMemory
-    ) -> tuple[list[dict[depth.Key, dict[Component, int]]], list[_LayoutMeasurement], list[int]]:
-        keyed: list[dict[depth.Key, dict[Component, int]]] = []
+    ) -> tuple[depth.Keyed, list[_LayoutMeasurement], list[int]]:
+        keyed: depth.Keyed = []
         measured: list[_LayoutMeasurement] = []
         baselines: list[int] = []
         n = len(plan.layouts)
@@ -268,17 +268,19 @@ def measure_spec(
         baselines.append(memory.memory_allocated())
         return keyed, measured, baselines
 
-    keyed, measured, baselines = measure_plan(plan, memory)
-    chosen: dict[Phase, depth.Place] = {}
-    if plan.ext:
-        depth.extrapolate_phases(keyed, plan.ext, plan.runs, [], base_units=plan.base_units, chosen=chosen)
-        if depth.forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
-            # a forward peak inside the top layer: measure 2 and 3 units, as the trace does (trace/depth.py)
-            plan = depth.plan_depth(spec, strategy, extrapolate=extrapolate, base_units=2)
-            keyed, measured, baselines = measure_plan(plan, memory)
+    outcome = depth.extrapolated_depth(
+        spec,
+        strategy,
+        plan,
+        lambda plan: measure_plan(plan, memory),
+        lambda done: done[0],
+        lambda done: {ph: readout.breakdown(ph, done[1][0].phases[ph]) for ph in Phase},
+        replan=lambda base: depth.plan_depth(spec, strategy, extrapolate=extrapolate, base_units=base),
+        say=say,
+    )
+    plan, (_, measured, baselines), warnings, phases = outcome.plan, outcome.results, outcome.warnings, outcome.phases
     say("extrapolating", 1.0)
 
-    warnings: list[str] = []
     drift = [b - baselines[0] for b in baselines]
     if any(abs(d) > BASELINE_DRIFT_BYTES for d in drift):
         warnings.append(
@@ -286,10 +288,6 @@ def measure_spec(
             + ", ".join(f"{d / 2**20:+.1f}" for d in drift)
             + "; what one run leaves behind is counted in the next and multiplied by extrapolation"
         )
-    if plan.ext:
-        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
-    else:
-        phases = {ph: readout.breakdown(ph, measured[0].phases[ph]) for ph in Phase}
     trace_totals: dict[Phase, int] | None = None
     gap: dict[Phase, int] | None = None
     rows: tuple[ModuleRow, ...] = ()

@@ -526,13 +526,8 @@ def trace_deepspeed(
             step_run = run_layout_deepspeed(spec, strategy, plan, full, steps=steps, stand_in=True)
     warnings: list[str] = []
     if plan.ext:
-        keyed = [
-            depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
-            for counts, layout, run in results
-        ]
-        phases = depth.extrapolate_phases(
-            _hold_transients(keyed), plan.ext, plan.runs, warnings, base_units=plan.base_units
-        )
+        keyed = _hold_transients(depth.keyed_traces(results))
+        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
         if step_run is not None:
             # Rank 0's gradient partition holds whole the parameters its slice of the flat buffer meets, and
             # the slice moves with the depth: not linear in it. The step is taken from the full depth, and

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -411,8 +411,8 @@ def trace_hf(
     say("building the model on the meta device", 0.0)
     plan = plan_depth(spec, strategy, extrapolate=extrapolate)
 
-    def run_plan(plan: DepthPlan) -> tuple[list[tuple[list[int], hf.Layout, rn.TraceRun]], list[int]]:
-        results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+    def run_plan(plan: DepthPlan) -> tuple[Traced, list[int]]:
+        results: Traced = []
         host: list[int] = []
         n_layouts = len(plan.layouts)
         for i, (counts, layout) in enumerate(plan.layouts):
@@ -425,33 +425,20 @@ def trace_hf(
             host.append(done.host_activation_bytes)
         return results, host
 
-    def extrapolated(
-        plan: DepthPlan, results: list[tuple[list[int], hf.Layout, rn.TraceRun]], chosen: dict[Phase, Place]
-    ) -> dict[Phase, PhaseBreakdown]:
-        keyed = [
-            keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
-            for counts, layout, run in results
-        ]
-        return extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units, chosen=chosen)
-
-    warnings: list[str] = []
-    results, host = run_plan(plan)
-    chosen: dict[Phase, Place] = {}
-    if plan.ext:
-        phases = extrapolated(plan, results, chosen)
-        if forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
-            say("the forward peaks inside a layer: tracing 2 and 3 units instead", 0.0)
-            plan = plan_depth(spec, strategy, extrapolate=extrapolate, base_units=2)
-            results, host = run_plan(plan)
-            warnings.clear()
-            if plan.ext:
-                phases = extrapolated(plan, results, chosen)
+    outcome = extrapolated_depth(
+        spec,
+        strategy,
+        plan,
+        run_plan,
+        lambda done: keyed_traces(done[0]),
+        lambda done: whole_phases(done[0]),
+        replan=lambda base: plan_depth(spec, strategy, extrapolate=extrapolate, base_units=base),
+        say=say,
+    )
+    plan, (results, host), warnings, phases = outcome.plan, outcome.results, outcome.warnings, outcome.phases
     say("extrapolating", 1.0)
     notes, runs, ext = plan.notes, plan.runs, plan.ext
     base_run = results[0][2]
-    if not ext:
-        pk = readout.phase_peaks(base_run)
-        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
 
     if strategy.savers.activation_offload:
         # The offloaded bytes grow by the same amount per repeated unit (runs as the device regions).
@@ -522,6 +509,74 @@ def forward_peak_off_line(plan: DepthPlan, place: Place, spec: ModelSpec, strate
     if plan.base_units != 1 or place.span is not Span.UNIT:
         return False
     return strategy.checkpoint_segments(spec.num_layers) == 0
+
+
+Keyed = list[dict[Key, dict[Component, int]]]
+
+
+R = TypeVar("R")
+#: Each traced layout: its unit counts per run, the layout and the run.
+Traced = list[tuple[list[int], hf.Layout, rn.TraceRun]]
+
+
+def keyed_traces(results: Traced, *, inner: bool = False) -> Keyed:
+    """Each traced layout's region peaks keyed by place (:func:`keyed_regions`)."""
+    return [
+        keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts, inner=inner)
+        for counts, layout, run in results
+    ]
+
+
+def whole_phases(results: Traced) -> dict[Phase, PhaseBreakdown]:
+    """The phases of a plan that traced the full depth: read off its one run."""
+    pk = readout.phase_peaks(results[0][2])
+    return {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+
+
+@dataclass
+class DepthOutcome(Generic[R]):
+    """What :func:`extrapolated_depth` settled on: the plan it ran last, that plan's per-layout results, the
+    full-depth phases and the warnings of the extrapolation that counts."""
+
+    plan: DepthPlan
+    results: R
+    phases: dict[Phase, PhaseBreakdown]
+    warnings: list[str]
+
+
+def extrapolated_depth(
+    spec: ModelSpec,
+    strategy: Strategy,
+    plan: DepthPlan,
+    run: Callable[[DepthPlan], R],
+    keyed: Callable[[R], Keyed],
+    whole: Callable[[R], dict[Phase, PhaseBreakdown]],
+    *,
+    replan: Callable[[int], DepthPlan],
+    say: Callable[[str, float], None] | None = None,
+) -> DepthOutcome[R]:
+    """Run ``plan``'s layouts (``run``), key and extrapolate them (``whole`` when the plan runs the full depth);
+    when the forward's worst moment is off the line of a one-unit base (:func:`forward_peak_off_line`), run
+    ``replan(2)`` instead. One place for the single-GPU trace, the DDP and TP ranks and ``--method measure``, so
+    that none of them forgets the re-run (DDP did: tiny Llama pure-bf16 eager, forward +0.62% over the full
+    depth)."""
+    results = run(plan)
+    if not plan.ext:
+        return DepthOutcome(plan, results, whole(results), [])
+    warnings: list[str] = []
+    chosen: dict[Phase, Place] = {}
+    phases = extrapolate_phases(keyed(results), plan.ext, plan.runs, warnings, plan.base_units, chosen)
+    if not forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
+        return DepthOutcome(plan, results, phases, warnings)
+    if say is not None:
+        say("the forward peaks inside a layer: running 2 and 3 units instead", 0.0)
+    plan = replan(2)
+    results = run(plan)
+    if not plan.ext:
+        return DepthOutcome(plan, results, whole(results), [])
+    warnings = []
+    phases = extrapolate_phases(keyed(results), plan.ext, plan.runs, warnings, plan.base_units)
+    return DepthOutcome(plan, results, phases, warnings)
 
 
 def _trainable_params(

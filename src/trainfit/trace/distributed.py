@@ -624,6 +624,13 @@ def _hold_transients(
     return hold_at_max(keyed, held)
 
 
+def keyed_rank(results: depth.Traced, strategy: Strategy, *, fsdp: bool, inner: bool = False) -> depth.Keyed:
+    """A rank's traced layouts keyed by place (:func:`trainfit.trace.depth.keyed_traces`), FSDP2's transients held
+    at their largest traced value (:func:`_hold_transients`)."""
+    keyed = depth.keyed_traces(results, inner=inner)
+    return _hold_transients(keyed, strategy) if fsdp else keyed
+
+
 def hold_at_max(
     keyed: list[dict[Any, dict[Component, int]]], held: Iterable[Component]
 ) -> list[dict[Any, dict[Component, int]]]:
@@ -637,6 +644,32 @@ def hold_at_max(
                 if key in d:
                     d[key][c] = top
     return out
+
+
+def run_layouts(
+    plan: depth.DepthPlan,
+    run_one: Callable[[hf.Layout], rn.TraceRun],
+    *,
+    say: Progress,
+    rank: str,
+    failure: str,
+    errors: tuple[type[Exception], ...] = (RuntimeError, NotImplementedError, AssertionError),
+) -> list[tuple[list[int], hf.Layout, rn.TraceRun]]:
+    """Each layout of ``plan`` run by ``run_one`` (a rank's trace on the fake process group), with progress; a
+    framework's failure becomes one line (``failure: its first line``) unless ``TRAINFIT_DEBUG`` is set."""
+    import os
+
+    results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+    for i, (counts, layout) in enumerate(plan.layouts):
+        say(f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), {rank}", i / len(plan.layouts))
+        try:
+            run = run_one(layout)
+        except errors as exc:
+            if os.environ.get("TRAINFIT_DEBUG"):
+                raise
+            raise TraceUnsupportedError(f"{failure}: {str(exc).splitlines()[0][:200]}") from None
+        results.append((counts, layout, run))
+    return results
 
 
 def trace_distributed(
@@ -676,44 +709,37 @@ def trace_distributed(
     fsdp = strategy.sharding in (Sharding.FSDP, Sharding.HSDP)
     base = 3 if fsdp else depth.BASE_UNITS
     plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base)
-    results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
     world = strategy.parallelism.world_size
     par = strategy.parallelism
     shard = min(world, par.gpus_per_node) if strategy.sharding is Sharding.HSDP else None
-    with fake_world(world, shard) as mesh:
-        for i, (counts, layout) in enumerate(plan.layouts):
-            say(
-                f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}",
-                i / len(plan.layouts),
-            )
-            try:
-                run = run_layout_distributed(spec, strategy, plan, layout, mesh, steps=steps, adamw_impl=adamw_impl)
-            except (RuntimeError, NotImplementedError, AssertionError) as exc:
-                import os
 
-                if os.environ.get("TRAINFIT_DEBUG"):
-                    raise
-                raise TraceUnsupportedError(
-                    f"the {strategy.sharding.value} trace failed: {str(exc).splitlines()[0][:200]}"
-                ) from None
-            results.append((counts, layout, run))
-    warnings: list[str] = []
-    if plan.ext:
-        # FSDP2: each post-backward reshards its layer and leaves its reduce-scatter input in flight, so the worst
-        # backward moment can be the layer below the top or above the bottom at any depth (analytic.parallel
-        # ``_fsdp_inner_moments``): key those units too, so that they are extrapolated, not dropped as middle ones.
-        keyed = [
-            depth.keyed_regions(
-                {k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts, inner=fsdp
+    def run_plan(plan: depth.DepthPlan) -> depth.Traced:
+        with fake_world(world, shard) as mesh:
+            return run_layouts(
+                plan,
+                lambda layout: run_layout_distributed(
+                    spec, strategy, plan, layout, mesh, steps=steps, adamw_impl=adamw_impl
+                ),
+                say=say,
+                rank=f"rank 0 of {world}",
+                failure=f"the {strategy.sharding.value} trace failed",
             )
-            for counts, layout, run in results
-        ]
-        if fsdp:
-            keyed = _hold_transients(keyed, strategy)
-        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
-    else:
-        pk = readout.phase_peaks(results[0][2])
-        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+
+    # FSDP2: each post-backward reshards its layer and leaves its reduce-scatter input in flight, so the worst
+    # backward moment can be the layer below the top or above the bottom at any depth (analytic.parallel
+    # ``_fsdp_inner_moments``): key those units too (``inner``), so that they are extrapolated, not dropped as
+    # middle ones.
+    outcome = depth.extrapolated_depth(
+        spec,
+        strategy,
+        plan,
+        run_plan,
+        lambda results: keyed_rank(results, strategy, fsdp=fsdp, inner=fsdp),
+        depth.whole_phases,
+        replan=lambda base: depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base),
+        say=say,
+    )
+    plan, results, warnings, phases = outcome.plan, outcome.results, outcome.warnings, outcome.phases
     traced = [len(layout.layers) for _, layout, _ in results]
     trainable = results[0][2].trainable_params
     for k, r in enumerate(plan.ext):  # each extrapolated run's per-unit increment times its missing units
@@ -794,7 +820,6 @@ def rank_report(
 #: FSDP2 wrapping, build strategy and depth rule over the ``dp`` mesh dimension of a TP-parallelised model.
 wrap_fsdp = _wrap_fsdp
 fsdp_run_strategy = _run_strategy
-hold_fsdp_transients = _hold_transients
 
 __all__ = [
     "DistTracker",
@@ -802,9 +827,10 @@ __all__ = [
     "fake_world",
     "fsdp_run_strategy",
     "hold_at_max",
-    "hold_fsdp_transients",
+    "keyed_rank",
     "rank_report",
     "run_layout_distributed",
+    "run_layouts",
     "trace_distributed",
     "wrap_fsdp",
 ]

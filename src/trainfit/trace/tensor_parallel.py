@@ -39,17 +39,18 @@ from typing import Any
 import torch
 
 from trainfit.arch.spec import ModelSpec
-from trainfit.errors import StrategyError, TraceUnsupportedError
-from trainfit.result import MemoryReport, Phase, PhaseBreakdown
+from trainfit.errors import StrategyError
+from trainfit.result import MemoryReport
 from trainfit.strategy import Checkpointing, Engine, Sharding, Strategy
-from trainfit.trace import depth, hf, readout
+from trainfit.trace import depth, hf
 from trainfit.trace import runner as rn
 from trainfit.trace.distributed import (
     DistTracker,
     fsdp_run_strategy,
-    hold_fsdp_transients,
+    keyed_rank,
     patched_resize,
     rank_report,
+    run_layouts,
     wrap_fsdp,
 )
 from trainfit.trace.optim import make_optimizer
@@ -313,53 +314,28 @@ def trace_tensor_parallel(
     # FSDP2 prefetches the next layer: its pattern is periodic from two layers on (trace/distributed.py).
     plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=2 if fsdp else depth.BASE_UNITS)
 
-    def run_plan(plan: depth.DepthPlan) -> list[tuple[list[int], hf.Layout, rn.TraceRun]]:
-        results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
+    def run_plan(plan: depth.DepthPlan) -> depth.Traced:
         with fake_mesh(dp, tp) as mesh:
-            for i, (counts, layout) in enumerate(plan.layouts):
-                say(
-                    f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of TP {tp}",
-                    i / len(plan.layouts),
-                )
-                try:
-                    run = run_layout_tp(spec, strategy, plan, layout, mesh, steps=steps, adamw_impl=adamw_impl)
-                except (RuntimeError, NotImplementedError, AssertionError, ValueError) as exc:
-                    import os
+            return run_layouts(
+                plan,
+                lambda layout: run_layout_tp(spec, strategy, plan, layout, mesh, steps=steps, adamw_impl=adamw_impl),
+                say=say,
+                rank=f"rank 0 of TP {tp}",
+                failure="the tensor-parallel trace failed",
+                errors=(RuntimeError, NotImplementedError, AssertionError, ValueError),
+            )
 
-                    if os.environ.get("TRAINFIT_DEBUG"):
-                        raise
-                    raise TraceUnsupportedError(
-                        f"the tensor-parallel trace failed: {str(exc).splitlines()[0][:200]}"
-                    ) from None
-                results.append((counts, layout, run))
-        return results
-
-    def extrapolated(
-        plan: depth.DepthPlan, results: list[tuple[list[int], hf.Layout, rn.TraceRun]], chosen: dict[Phase, depth.Place]
-    ) -> dict[Phase, PhaseBreakdown]:
-        keyed = [
-            depth.keyed_regions({k: pk.components for k, pk in readout.region_peaks(run).items()}, layout, counts)
-            for counts, layout, run in results
-        ]
-        if fsdp:
-            keyed = hold_fsdp_transients(keyed, strategy)
-        return depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units, chosen=chosen)
-
-    warnings: list[str] = []
-    results = run_plan(plan)
-    if plan.ext:
-        chosen: dict[Phase, depth.Place] = {}
-        phases = extrapolated(plan, results, chosen)
-        if depth.forward_peak_off_line(plan, chosen[Phase.FORWARD], spec, strategy):
-            # a forward peak inside the top layer: trace 2 and 3 units (trace/depth.py)
-            plan = depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=2)
-            results = run_plan(plan)
-            warnings.clear()
-            if plan.ext:
-                phases = extrapolated(plan, results, chosen)
-    if not plan.ext:
-        pk = readout.phase_peaks(results[0][2])
-        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+    outcome = depth.extrapolated_depth(
+        spec,
+        strategy,
+        plan,
+        run_plan,
+        lambda results: keyed_rank(results, strategy, fsdp=fsdp),
+        depth.whole_phases,
+        replan=lambda base: depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base),
+        say=say,
+    )
+    plan, results, warnings, phases = outcome.plan, outcome.results, outcome.warnings, outcome.phases
     traced = [len(layout.layers) for _, layout, _ in results]
     sp = par.sequence_parallel
     notes = [
