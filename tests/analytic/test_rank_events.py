@@ -33,7 +33,7 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ParamTensor
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
 from trainfit.result import Component, Phase
-from trainfit.strategy import EngineOptions, Parallelism, Strategy
+from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
 from trainfit.strategy.parallel import Offload, OffloadTarget
 
 
@@ -184,7 +184,7 @@ def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum
     them, then frees the old bucket before the new ones (``initialize_buckets``) — after them with bucket views
     that hold resident gradients (``initialize_bucket_views``: the first step's second micro-step); no other
     forward touches them."""
-    from trainfit.analytic.parallel import ddp_bucket_bytes
+    from trainfit.analytic.parallel import ddp_bucket_bytes, ddp_buffer_sync_bytes
     from trainfit.cuda_facts import allocator_bytes
 
     spec = load_model("llama-3.2-1b")
@@ -212,8 +212,13 @@ def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum
     assert (first[0].op, first[0].size_bytes) == (Op.ALLOC, grads)
     assert hooks.first_buckets == [allocator_bytes(grads)]
     old = first[0].key
-    assert [b - a for a, b in seen] == [0, 4 + 1 + len(rebuilt)] + [0] * (len(seen) - 2)
-    made = st.events[seen[1][0] : seen[1][1]]
+    # each forward first syncs the buffers (RoPE's two fp32 tables: one flat, made and freed)
+    sync = [n for n in ddp_buffer_sync_bytes(spec) if n]
+    assert len(sync) == 1
+    for a, _ in seen:
+        assert [(e.op, e.size_bytes) for e in st.events[a : a + 2]] == [(Op.ALLOC, sync[0]), (Op.FREE, 0)]
+    assert [b - a for a, b in seen] == [2, 2 + 4 + 1 + len(rebuilt)] + [2] * (len(seen) - 2)
+    made = st.events[seen[1][0] + 2 : seen[1][1]]
     n_params = sum(m for _, m in inventory(spec).all_tensors())
     assert [(e.op, e.size_bytes) for e in made[:4]] == [
         (Op.ALLOC, 4 * (n_params + 1)),
@@ -370,6 +375,10 @@ def test_zero1_keeps_autograds_gradients_until_the_reduction(bucket: int) -> Non
         assert worst == grads > every and copy == 0
 
 
+LORA = finetune_setup("lora", rank=16, targets="all-linear")
+QLORA = finetune_setup("qlora", rank=16, targets="all-linear", base_dtype="nf4")
+
+
 def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     spec = load_model("llama-3.2-1b")
     for s in (
@@ -383,6 +392,8 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),  # ZeRO-Offload, stage 2
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),
         _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # and stage 3
+        replace(_s("ddp", 8), adapter=LORA[0], base_weights=LORA[1]),  # DDP fine-tunes as one GPU does
+        replace(_s("ddp", 8, grad_accum=2), adapter=QLORA[0], base_weights=QLORA[1]),
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -392,6 +403,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
         Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
+        replace(_s("fsdp", 8), adapter=LORA[0], base_weights=LORA[1]),  # FSDP2's frozen groups: not written
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -482,3 +494,45 @@ def test_hsdp_with_cpu_offload_holds_each_reduce_output_to_the_end_of_backward()
     # (max_memory_allocated counts a held block whole: a remainder of its 2 MiB-rounded segment is split off only
     # above 1 MiB, so each of the 16 layers' outputs may count up to 2 MiB more)
     assert layer_shards <= streams[1] - streams[0] <= layer_shards + spec.num_layers * 2 * 2**20
+
+
+def test_coalesced_flats_follow_c10ds_bucket_rule() -> None:
+    """``compute_bucket_assignment_by_size`` with one limit, worked by hand: per dtype a bucket closes once it holds
+    ≥ 250 MiB; buckets are ordered by their first tensor; a bucket of one tensor is broadcast as a view (0)."""
+    from trainfit.analytic.parallel import coalesced_flats
+
+    mib = 1024 * 1024
+    order = [(32, 300 * mib), (16, 10), (32, 100 * mib), (32, 200 * mib), (16, 20), (32, 5)]
+    # fp32: [300 MiB] closes alone; [100, 200 MiB] closes at 300; [5] left open; bf16: [10, 20] left open
+    assert coalesced_flats(order) == [0, 512, 300 * mib, 0]
+
+
+@pytest.mark.parametrize(
+    ("model", "precision", "finetune"),
+    [("llama-3.2-1b", "amp-bf16", None), ("llama-3.1-8b", "pure-bf16", LORA), ("llama-3.1-8b", "amp-bf16", QLORA)],
+)
+def test_ddps_construction_broadcast_carries_every_parameter_in_250_mib_flats(
+    model: str, precision: str, finetune: tuple[object, object] | None
+) -> None:
+    """``_broadcast_coalesced`` at DDP's construction: every parameter (frozen and packed ones too) and buffer, per
+    dtype in buckets that close at ≥ 250 MiB. The token table (≥ 250 MiB, first) is a bucket of its own, broadcast as
+    a view; every other flat but each dtype's last holds 250 MiB up to one tensor more; together with the table they
+    hold every parameter's own bytes."""
+    from trainfit.analytic.parallel import DDP_BROADCAST_BUCKET_BYTES, ddp_broadcast_bytes, module_buffers
+    from trainfit.analytic.states import param_states
+
+    spec = load_model(model)
+    s = _s("ddp", 8, precision=precision)
+    if finetune is not None:
+        s = replace(s, adapter=finetune[0], base_weights=finetune[1])
+    flats = ddp_broadcast_bytes(spec, s)
+    states = param_states(spec, s)
+    table = next(ps for ps in states if ps.tensor is inventory(spec).model_tensors[0])
+    assert table.param_bytes >= DDP_BROADCAST_BUCKET_BYTES and flats[0] == 0
+    own = sum(ps.param_bytes * ps.count for ps in states) + sum(n for _, n in module_buffers(spec))
+    assert 0 <= sum(flats) + table.param_bytes - own < 512 * len(flats)  # each flat allocator-rounded
+    dtypes = {ps.param_bits for ps in states} | {b for b, _ in module_buffers(spec)}
+    largest = max(ps.param_bytes for ps in states)
+    full = [n for n in flats[1:] if n >= DDP_BROADCAST_BUCKET_BYTES]
+    assert len(flats) - 1 - len(full) <= len(dtypes)  # only each dtype's last bucket is short
+    assert all(n < DDP_BROADCAST_BUCKET_BYTES + largest + 512 for n in full)

@@ -911,12 +911,23 @@ def packed_weight_bytes(spec: ModelSpec, t: ParamTensor, kind: str, *, double_qu
     """Device bytes of the bitsandbytes layer holding the layer linear weight ``t`` (allocator-rounded pieces of
     :func:`trainfit.cuda_facts.quantized_weight_tensors`). Phi-3's gate and up are one ``gate_up_proj`` (2·i × h,
     modeling_phi3.py ``Phi3MLP``), quantised as one tensor: its bytes go to ``gate_proj``, none to ``up_proj``."""
+    return sum(allocator_bytes(n) for n in _packed_pieces(spec, t, kind, double_quant=double_quant))
+
+
+def packed_param_bytes(spec: ModelSpec, t: ParamTensor, kind: str) -> int:
+    """Unrounded bytes of the parameter itself (``Params4bit``' packed uint8 data, ``Int8Params``' int8 data) of
+    :func:`packed_weight_bytes`' layer: what ``named_parameters`` yields; the quantisation state is an attribute."""
+    pieces = _packed_pieces(spec, t, kind, double_quant=False)
+    return pieces[0] if pieces else 0
+
+
+def _packed_pieces(spec: ModelSpec, t: ParamTensor, kind: str, *, double_quant: bool) -> tuple[int, ...]:
     numel, rows = t.numel, t.shape[0]
     if spec.model_type == "phi3" and t.name.endswith("mlp.up_proj.weight"):
-        return 0
+        return ()
     if spec.model_type == "phi3" and t.name.endswith("mlp.gate_proj.weight"):
         numel, rows = 2 * numel, 2 * rows
-    return sum(allocator_bytes(n) for n in quantized_weight_tensors(numel, rows, kind, double_quant=double_quant))
+    return quantized_weight_tensors(numel, rows, kind, double_quant=double_quant)
 
 
 def packed_bias_names(spec: ModelSpec) -> frozenset[str]:

@@ -693,6 +693,77 @@ def ddp_bucket_bytes(
     return [allocator_bytes(b) for b in buckets]
 
 
+#: ``DistributedDataParallel.broadcast_bucket_size`` (torch/nn/parallel/distributed.py: ``int(250 * 1024 * 1024)``).
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def module_buffers(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(element bits, bytes) of the model's registered buffers, as ``named_buffers`` yields them: RoPE's
+    ``inv_freq`` and ``original_inv_freq`` (fp32, rotary_dim/2 each; modeling_llama.py ``LlamaRotaryEmbedding``),
+    Gemma's 0-dim ``embed_scale``, DeepSeek-V3's per-MoE-layer fp32 ``e_score_correction_bias``, BERT's int64
+    ``position_ids`` and ``token_type_ids`` (1 × max positions each; modeling_bert.py ``BertEmbeddings``). Checked
+    against transformers 5.24's ``named_buffers`` on Llama, Qwen2, Gemma2, GPT-2 (none) and BERT."""
+    out: list[tuple[int, int]] = []
+    if spec.embedding_scale:
+        out.append((32, 4))
+    if spec.rotary_dim:
+        out += [(32, 4 * (spec.rotary_dim // 2))] * 2
+    if spec.moe is not None and spec.model_type == "deepseek_v3":
+        out += [(32, 4 * spec.moe.num_experts)] * spec.num_moe_layers
+    if spec.model_type == "bert" and spec.max_position_embeddings:
+        out += [(64, 8 * spec.max_position_embeddings)] * 2
+    return out
+
+
+def ddp_broadcast_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
+    """The flat buffers of DDP's construction-time broadcast, in the order they are made: ``_sync_module_states``
+    (torch/distributed/utils.py) broadcasts every parameter — frozen ones too — then every buffer from rank 0
+    through ``dist._broadcast_coalesced`` (c10d/comm.cpp ``broadcast_coalesced``), which groups them by dtype in
+    ``broadcast_bucket_size`` buckets (reducer.cpp ``compute_bucket_assignment_by_size`` with one limit: a bucket
+    closes once it holds ≥ the limit; buckets ordered by their first tensor) and flattens each into one new tensor
+    (tensor_flatten.h ``flatten_dense_tensors``: a ``cat``, a lone tensor's view when a bucket holds one), at most two
+    in flight (``max_in_flight``). Each flat is freed when its broadcast is finished (0: a bucket of one tensor,
+    broadcast as a view of it). Parameters in model order
+    (the token table, each layer's, the rest; an adapter after its layer's base tensors)."""
+    inv = inventory(spec)
+    roots = {id(t) for t in inv.model_tensors}
+    first = inv.model_tensors[:1]
+    states = param_states(spec, strategy)
+    layer_states = [ps for ps in states if id(ps.tensor) not in roots]
+    order: list[tuple[int, int]] = [(ps.param_bits, ps.param_bytes) for ps in states if ps.tensor in first]
+    for k in range(spec.num_layers):
+        order += [(ps.param_bits, ps.param_bytes) for ps in layer_states if k < ps.count]
+    order += [(ps.param_bits, ps.param_bytes) for ps in states if id(ps.tensor) in roots and ps.tensor not in first]
+    return coalesced_flats(order + module_buffers(spec))
+
+
+def ddp_buffer_sync_bytes(spec: ModelSpec) -> list[int]:
+    """The flat buffers of the broadcast DDP runs before each forward that syncs (``broadcast_buffers``, the
+    default: distributed.py ``_sync_buffers`` → ``_default_broadcast_coalesced`` over the module's buffers): the
+    buffers alone, coalesced as :func:`ddp_broadcast_bytes` has it."""
+    return coalesced_flats(module_buffers(spec))
+
+
+def coalesced_flats(order: Sequence[tuple[int, int]]) -> list[int]:
+    """``dist._broadcast_coalesced``' flat tensors for tensors given as (element bits, bytes) in order: grouped by
+    dtype into buckets that close once they hold ≥ ``broadcast_bucket_size``, ordered by their first tensor, each
+    flattened (allocator-rounded; 0 for a bucket of one tensor, broadcast as a view of it)."""
+    buckets: list[tuple[int, int, int]] = []  # (first index, bytes, tensors)
+    open_: dict[int, list[int]] = {}  # dtype -> [first index, bytes, tensors]
+    for i, (bits, nbytes) in enumerate(order):
+        if nbytes == 0:
+            continue
+        b = open_.setdefault(bits, [i, 0, 0])
+        b[1] += nbytes
+        b[2] += 1
+        if b[1] >= DDP_BROADCAST_BUCKET_BYTES:
+            buckets.append((b[0], b[1], b[2]))
+            del open_[bits]
+    buckets += [(b[0], b[1], b[2]) for b in open_.values()]
+    buckets.sort()
+    return [allocator_bytes(nbytes) if n > 1 else 0 for _, nbytes, n in buckets]
+
+
 def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     q = step_inputs(spec, strategy, keep_logits=False)
     eo = strategy.engine

@@ -138,7 +138,9 @@ from trainfit.analytic.parallel import (
     HeldTensor,
     ParallelPlan,
     compute_strategy,
+    ddp_broadcast_bytes,
     ddp_bucket_bytes,
+    ddp_buffer_sync_bytes,
     deepspeed_flatten_copies,
     deepspeed_rank0_gradients,
     dtensor_tp_held_spec,
@@ -189,8 +191,8 @@ __all__ = [
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, with CPUOffloadPolicy
     too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
-    DTensor TP ± SP without sharding, with gradient accumulation too; full training, nothing else offloaded);
-    otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
+    DTensor TP ± SP without sharding, with gradient accumulation too; full training — DDP fine-tuning too —,
+    nothing else offloaded); otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
@@ -221,12 +223,17 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         and p.pp == 1
         and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
         and (not strategy.offload.any or strategy.offload.parameters_on_host)
-        and not finetuning(strategy)
+        # DDP fine-tunes as one GPU does, with the trainable gradients' buckets and the whole model's broadcast
+        and (p.sharding is Sharding.DDP or not finetuning(strategy))
     )
 
 
 class DdpHooks(RankHooks):
-    """DDP: after the weights, the first iteration's bucket — without ``find_unused_parameters`` one of every gradient
+    """DDP: after the weights, the construction's broadcast of every parameter and buffer from rank 0 (flat
+    per-dtype copies of up to 250 MiB, two at a time, freed at once: :func:`~trainfit.analytic.parallel.
+    ddp_broadcast_bytes`; the frozen base of a fine-tuned model too; before each forward the buffers' alone:
+    :func:`~trainfit.analytic.parallel.ddp_buffer_sync_bytes`), then the first iteration's bucket — without
+    ``find_unused_parameters`` one of every gradient
     (one per gradient dtype; distributed.py ``BucketCapacityConfig.compute_bucket_size_limits``: ``[sys.maxsize]``)
     — and at the second forward the rebuilt ones (distributed.py ``_pre_forward`` → c10d/reducer.cpp
     ``Reducer::rebuild_buckets``, once a backward has recorded the gradients' ready order; every micro-step of the
@@ -243,6 +250,8 @@ class DdpHooks(RankHooks):
         bits = strategy.recipe.grad_bits
         self.buckets = ddp_bucket_bytes(spec, bits, eo.bucket_cap_mb * 1024 * 1024, eo.ddp_first_bucket_bytes, strategy)
         self.first_buckets = ddp_bucket_bytes(spec, bits, sys.maxsize, sys.maxsize, strategy)
+        self.broadcast = ddp_broadcast_bytes(spec, strategy)
+        self.buffer_sync = ddp_buffer_sync_bytes(spec)
         self.view = eo.gradient_as_bucket_view
         self.adds_into_view = self.view
         self.params = 0  # tensors in the reducer (its trainable parameters, a tied one once)
@@ -253,6 +262,7 @@ class DdpHooks(RankHooks):
     def weights(self, s: Stream, states: Sequence[ParamState]) -> None:
         super().weights(s, states)
         self.params = sum(ps.count for ps in states if ps.trainable)
+        _broadcast(s, self.broadcast)
         self.held = [s.alloc(b) for b in self.first_buckets]
 
     def micro_step_begin(self, s: Stream, micro: int) -> None:
@@ -260,6 +270,7 @@ class DdpHooks(RankHooks):
 
     def forward_begin(self, s: Stream) -> None:
         self.forwards += 1
+        _broadcast(s, self.buffer_sync)
         if self.forwards != 2:
             return
         s.free_all([s.alloc(4 * (self.params + 1)), s.alloc(4 * len(self.buckets))])  # sync_bucket_indices
@@ -272,6 +283,17 @@ class DdpHooks(RankHooks):
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         return 0 if self.view else super().grad_bytes(x, bits)
+
+
+def _broadcast(s: Stream, flats: Sequence[int]) -> None:
+    """``dist._broadcast_coalesced``' flat tensors (c10d/comm.cpp ``broadcast_coalesced``): at most two in flight,
+    each freed when its broadcast is finished."""
+    in_flight: list[int] = []
+    for nbytes in flats:
+        if len(in_flight) == 2:
+            s.free(in_flight.pop(0))
+        in_flight.append(s.alloc(nbytes))
+    s.free_all(in_flight)
 
 
 #: Steps replayed at most. A rank's reserved memory can grow for a few steps before it settles (FSDP2's

@@ -56,6 +56,7 @@ from trainfit.analytic.adapters import (
     frozen_layer_counts,
     is_frozen,
     packed_bias_names,
+    packed_param_bytes,
     packed_weight_bytes,
     trainable_adapter_counts,
 )
@@ -163,6 +164,11 @@ class ParamState:
     autocast_copy: bool  # autocast caches a 16-bit copy of it
     bits: int = 0  # its own dtype width when it differs from the recipe's (adapters); 0: the recipe's
     adapter: bool = False  # an adapter tensor (LoRA A/B, DoRA magnitude)
+    #: The parameter's own storage as ``named_parameters`` holds it, unrounded (a packed 4-bit or LLM.int8 weight:
+    #: its uint8/int8 data alone; the quantisation state is not a parameter), and its element width in bits (what
+    #: groups it by dtype in a coalesced collective: :func:`trainfit.analytic.parallel.ddp_broadcast_bytes`).
+    param_bytes: int
+    param_bits: int
 
 
 #: :func:`param_states` of recent (spec, strategy) pairs: one estimate asks for them several times.
@@ -192,10 +198,10 @@ def _param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]
         if packed:
             assert quant is not None
             pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
-            weight = sum(allocator_bytes(n) for n in pieces)
+            weight, own, bits = sum(allocator_bytes(n) for n in pieces), pieces[0], 8
         else:
             bits = r.weight_bits if trainable or base.dtype is None else base.dtype.bits
-            weight = _alloc(t.numel, bits)
+            weight, own = _alloc(t.numel, bits), t.numel * bits // 8
         out.append(
             ParamState(
                 tensor=t,
@@ -203,6 +209,8 @@ def _param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamState, ...]
                 weight_bytes=weight,
                 trainable=trainable,
                 autocast_copy=r.autocast and t.matmul and not packed and not (id(t) in layer_tensors and t.name in fp8),
+                param_bytes=own,
+                param_bits=bits,
             )
         )
     return tuple(out)
@@ -241,10 +249,11 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
         if packed:
             assert quant is not None
             weight = packed_weight_bytes(spec, t, quant.value, double_quant=base.double_quant)
+            own = packed_param_bytes(spec, t, quant.value)
             bits = quant.bits
         else:
             bits = r.weight_bits if trainable else frozen_bits(t)
-            weight = _alloc(t.numel, bits)
+            weight, own = _alloc(t.numel, bits), t.numel * bits // 8
         out.append(
             ParamState(
                 tensor=t,
@@ -252,6 +261,8 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
                 weight_bytes=weight,
                 trainable=trainable,
                 autocast_copy=r.autocast and t.matmul and not packed and bits > r.compute_bits,
+                param_bytes=own,
+                param_bits=8 if packed else bits,
             )
         )
 
@@ -276,6 +287,8 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
                     autocast_copy=r.autocast and t.matmul and bits > r.compute_bits,
                     bits=bits,
                     adapter=True,
+                    param_bytes=t.numel * bits // 8,
+                    param_bits=bits,
                 )
             )
     return tuple(out)

@@ -54,6 +54,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainfit.cuda_facts import BNB_4BIT_BLOCK, bnb_gemm_4bit_fused
 from trainfit.errors import DependencyError
 
+#: Name prefix of the quantisation state's tensors, registered on each bitsandbytes layer as non-persistent buffers so
+#: that the tracker and ``.to`` see them (the real layer holds them as attributes of its ``QuantState``).
+QUANT_BUFFER_PREFIX = "_trainfit_quant_"
+
 
 def require_bnb() -> Any:
     try:
@@ -212,7 +216,7 @@ def four_bit_weights(
                 if qs.nested:
                     parts += [qs.offset, qs.state2.absmax, qs.state2.code]
                 for k, t in enumerate(parts):
-                    mod.register_buffer(f"_trainfit_quant_{k}", t, persistent=False)
+                    mod.register_buffer(f"{QUANT_BUFFER_PREFIX}{k}", t, persistent=False)
                 if mod.bias is not None and mod.bias.dtype != compute:
                     # ``Linear4bit.forward`` casts its input to ``compute_dtype`` and then, on the first call,
                     # the bias to it for good (``bias.data = bias.data.to(x.dtype)``): after one step the bias
@@ -249,7 +253,7 @@ def int8_weights(model: torch.nn.Module, mode: Any) -> Iterator[None]:
             weight.CB = cb  # type: ignore[attr-defined]
             weight.SCB = scb  # type: ignore[attr-defined]
             mod.weight = weight
-            mod.register_buffer("_trainfit_quant_0", scb, persistent=False)
+            mod.register_buffer(f"{QUANT_BUFFER_PREFIX}0", scb, persistent=False)
     yield
 
 

@@ -66,7 +66,7 @@ from trainfit.result import (
 )
 from trainfit.strategy import Checkpointing, Engine, Float8, FsdpWrap, Precision, Quantization, Sharding, Strategy
 from trainfit.strategy.parallel import TORCH_BUCKET_CAP_MB
-from trainfit.trace import depth, hf, readout
+from trainfit.trace import bnb, depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.float8 import inner_ops_tracked
@@ -375,6 +375,11 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     # bucket too, the default 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) only to None
     # (distributed.py ``_BucketCapacityConfig.create``).
     cap_mb = None if eo.bucket_cap_mb == TORCH_BUCKET_CAP_MB else eo.bucket_cap_mb
+    # The quantisation state trace.bnb registers as buffers (to track and move it) is an attribute of the real
+    # bitsandbytes weight, which DDP neither broadcasts at construction nor syncs before each forward.
+    quant = [n for n, _ in model.named_buffers() if n.rsplit(".", 1)[-1].startswith(bnb.QUANT_BUFFER_PREFIX)]
+    if quant:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quant)  # type: ignore[no-untyped-call]
     first = len(tr.records)
     with _no_shape_check():
         ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view)
