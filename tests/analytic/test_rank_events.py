@@ -394,6 +394,8 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # and stage 3
         replace(_s("ddp", 8), adapter=LORA[0], base_weights=LORA[1]),  # DDP fine-tunes as one GPU does
         replace(_s("ddp", 8, grad_accum=2), adapter=QLORA[0], base_weights=QLORA[1]),
+        replace(_s("fsdp", 8), adapter=LORA[0], base_weights=LORA[1]),  # FSDP2's groups of held tensors
+        replace(_s("hsdp", 16), adapter=QLORA[0], base_weights=QLORA[1]),
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -403,7 +405,6 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
         Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
-        replace(_s("fsdp", 8), adapter=LORA[0], base_weights=LORA[1]),  # FSDP2's frozen groups: not written
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)

@@ -13,11 +13,12 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
   Every framework's hooks fire after autograd has summed a tied table's two gradients: a hook that takes a
   gradient at once (bucket views, ZeRO-2/3's IPG bucket) leaves the head's waiting in autograd's buffer.
 * **torch FSDP2** (``fully_shard`` per layer + root, :func:`~trainfit.analytic.parallel.held_tensors` for the
-  widths): first the wrapping (:meth:`FsdpHooks.weights`: each call's whole weights on the device for a loaded
-  model, only the shards for one built on meta, ``sharded_init``), then the stream of the compute strategy (bf16
-  layers, no autocast) over the rank's padded shards; per
-  group, its unshard allocates the flat all-gather output (padded, ``param_dtype``; none on one rank; under the
-  policy after the flat bf16 copy of the rank's shards, freed at once) and its copy-out one unsharded tensor
+  widths; fine-tuning: each group of its frozen, adapter and packed 4-bit parameters, :class:`_Group`): first the
+  wrapping (:meth:`FsdpHooks.weights`: each call's whole weights on the device for a loaded model, only the shards
+  for one built on meta, ``sharded_init``), then the stream of the compute strategy (bf16 layers, no autocast) over
+  the rank's padded shards; per group, its unshard allocates the flat all-gather output (padded, ``param_dtype``;
+  none on one rank; under the policy after the flat bf16 copy of the rank's shards, freed at once) and its copy-out
+  one unsharded tensor
   per parameter, W padded shards long (``FSDPParam.init_unsharded_param``); in forward the output is kept until
   the next group's copy-out (``comm_ctx.all_gather_state``), in backward it is freed at its own
   (_fsdp_param_group.py ``wait_for_unshard``); the forward reshards each layer after it
@@ -191,8 +192,9 @@ __all__ = [
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, with CPUOffloadPolicy
     too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
-    DTensor TP ± SP without sharding, with gradient accumulation too; full training — DDP fine-tuning too —,
-    nothing else offloaded); otherwise the fixed fraction. Megatron TP/SP/PP: :func:`megatron_simulated`."""
+    DTensor TP ± SP without sharding, with gradient accumulation too; full training — DDP's and FSDP2/HSDP's
+    fine-tuning too —, nothing else offloaded); otherwise the fixed fraction. Megatron TP/SP/PP:
+    :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
@@ -223,8 +225,8 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         and p.pp == 1
         and p.sharding in (Sharding.DDP, Sharding.FSDP, Sharding.HSDP)
         and (not strategy.offload.any or strategy.offload.parameters_on_host)
-        # DDP fine-tunes as one GPU does, with the trainable gradients' buckets and the whole model's broadcast
-        and (p.sharding is Sharding.DDP or not finetuning(strategy))
+        # fine-tuning: DDP as one GPU does, with the trainable gradients' buckets and the whole model's broadcast;
+        # FSDP2/HSDP with frozen, adapter and packed 4-bit parameters in their groups (_Group)
     )
 
 
@@ -309,22 +311,34 @@ REDUCE_SCATTER_STREAM = 2
 
 
 class _Group:
-    """One ``fully_shard`` group's sizes in bytes (FSDP2, rank 0)."""
+    """One ``fully_shard`` group's sizes in bytes (FSDP2, rank 0), from its parameters as the rank holds them
+    (:class:`~trainfit.analytic.parallel.HeldTensor`: frozen ones, adapters and packed 4-bit weights too). Every
+    parameter is sharded and all-gathered — under the mixed-precision policy in ``param_dtype``, which applies to
+    every floating parameter (_fsdp_param.py ``init_dtype_attrs``), else in its own dtype; only those that train
+    are reduce-scattered (fp32 under the policy, else their own dtype) and get a sharded gradient (the reduce
+    output, in the parameter's dtype)."""
 
-    __slots__ = ("all_gather", "casts", "reduce_scatter", "shard_grads", "shards", "tensors", "unsharded")
+    __slots__ = ("all_gather", "casts", "reduce_scatter", "shard_grads", "shards", "tensors", "trainable", "unsharded")
 
     def __init__(
-        self, tensors: Sequence[ParamTensor], shards: int, bits: int, gather_bits: int, reduce_bits: int
+        self, held: Sequence[HeldTensor], shards: int, gather_bits: int | None, reduce_bits: int | None
     ) -> None:
-        self.tensors = list(tensors)
-        local = [shard_tensor(t, shards).numel for t in tensors]
-        self.shards = [n * bits // 8 for n in local]
-        self.casts = [n * gather_bits // 8 for n in local]  # each shard's all-gather input in ``param_dtype``
+        """``gather_bits``/``reduce_bits``: the policy's ``param_dtype``/``reduce_dtype`` widths (None: none)."""
+        self.tensors = [h.tensor for h in held]
+        self.trainable = [h.tensor for h in held if h.trainable]
+        local = [h.shard_numel(shards) for h in held]
+        gather = [h.bits if gather_bits is None else gather_bits for h in held]
+        self.shards = [n * h.bits // 8 for n, h in zip(local, held, strict=True)]
+        self.casts = [n * b // 8 for n, b in zip(local, gather, strict=True)]  # each all-gather input in param_dtype
         # views of each parameter's padded all-gather output (_fsdp_param.py ``init_unsharded_param``)
-        self.unsharded = [n * shards * gather_bits // 8 for n in local]
-        self.all_gather = sum(local) * shards * gather_bits // 8
-        self.reduce_scatter = sum(local) * shards * reduce_bits // 8
-        self.shard_grads = sum(self.shards)
+        self.unsharded = [n * shards * b // 8 for n, b in zip(local, gather, strict=True)]
+        self.all_gather = sum(self.unsharded)
+        self.reduce_scatter = sum(
+            n * shards * (h.bits if reduce_bits is None else reduce_bits) // 8
+            for n, h in zip(local, held, strict=True)
+            if h.trainable
+        )
+        self.shard_grads = sum(b for b, h in zip(self.shards, held, strict=True) if h.trainable)
 
 
 def _fully_shard_calls(
@@ -374,14 +388,19 @@ class FsdpHooks(RankHooks):
         self.units = resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS
         self.untied = untied_units(spec, strategy)
         self.unit_of = {x: fsdp_unit(spec, strategy, x) for x in inv.model_tensors}
-        self.model_groups = {
-            u: _Group([x for x in inv.model_tensors if self.unit_of[x] == u], shards, bits, gather, reduce)
-            for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT)
-        }
-        by_kind = {g.kind: _Group(g.tensors, shards, bits, gather, reduce) for g in inv.layers}
-        self.layers = [by_kind[g.kind] for g in inv.layers for _ in range(g.count)]
         self.held = held_tensors(spec, strategy, fsdp_mixed=mixed)
         self.layer_counts = [g.count for g in inv.layers]
+        policy = (gather, reduce) if mixed else (None, None)
+        self.model_groups = {
+            u: _Group([h for h in self.held if h.root and self.unit_of[h.tensor] == u], shards, *policy)
+            for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT)
+        }
+        calls = _fully_shard_calls(self.held, self.layer_counts)[: sum(self.layer_counts)]
+        made: dict[tuple[int, ...], _Group] = {}  # layers alike share one
+        self.layers = [made.setdefault(tuple(map(id, c)), _Group(c, shards, *policy)) for c in calls]
+        # each layer's gradients, made at the end of its backward: the trainable tensors, in param_dtype under the
+        # policy (the unsharded parameters' dtype), else in their own
+        self.layer_grads = [[(h.tensor.numel, gather if mixed else h.bits) for h in c if h.trainable] for c in calls]
         self.unsharded: dict[int, list[int]] = {}  # group (-1: root) → its unsharded parameters
         self.gather_out = 0  # the forward's last all-gather output, kept until the next copy-out
         self.prefetched: dict[int, int] = {}  # backward: layer → its all-gather output, not yet copied out
@@ -401,14 +420,15 @@ class FsdpHooks(RankHooks):
         cs = compute_strategy(strategy, casts_every_param=mixed)
         self.grad_bits = cs.recipe.grad_bits
         self.norm_temp = backward_temp_bytes(spec, cs).norm_bytes
-        self.layer_tensors = [list(g.tensors) for g in inv.layers for _ in range(g.count)]
-        self.in_layers = {t for g in inv.layers for t in g.tensors}
+        self.in_layers = {h.tensor for h in self.held if not h.root}  # adapters too
         self.reduce_bits = reduce
         # the late gradients' tensors (``backward_end``), in the order the stream makes them
+        # (the stream makes an adapter's gradient among them too, as nothing here: grad_bytes, layer_backward_end)
+        inv_layers = {t for g in inv.layers for t in g.tensors}
         self.late_order = [
             ps.tensor
             for ps in param_states(spec, strategy)
-            if ps.trainable and ps.tensor not in self.in_layers and not self.early_grad(spec, ps.tensor)
+            if ps.trainable and ps.tensor not in inv_layers and not self.early_grad(spec, ps.tensor)
         ]
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
@@ -423,6 +443,10 @@ class FsdpHooks(RankHooks):
         (_fsdp_init.py ``_move_states_to_device``), gone when it returns: they leave cached segments — the root's
         table among them — that the run then fills. Built on the meta device (``sharded_init``, torchtitan),
         only the shards ever exist (``to_empty`` after wrapping)."""
+        for h in self.held:  # a 4-bit weight's quantisation state: whole on every rank, never sharded
+            if h.quant_state_bytes:
+                for _ in range(h.count):
+                    s.alloc(h.quant_state_bytes)
         if self.strategy.engine.sharded_init:
             if not self.offload:  # else the shards are host memory
                 for h in self.held:
@@ -646,8 +670,8 @@ class FsdpHooks(RankHooks):
             return grads
         self._reshard(s, i)
         if kept is None and self.upcast:
-            tensors = self._group(i).tensors if i < 0 else self.layer_tensors[i]
-            upcast = [s.alloc(_alloc_bits(x.numel, self.reduce_bits)) for x in tensors]
+            numels = [x.numel for x in self._group(i).trainable] if i < 0 else [n for n, _ in self.layer_grads[i]]
+            upcast = [s.alloc(_alloc_bits(n, self.reduce_bits)) for n in numels]
             s.free_all(grads)
             grads = upcast
         self.kept[i] = grads
@@ -662,7 +686,7 @@ class FsdpHooks(RankHooks):
         the closed form for llama-3.1-70b over 64 ranks with full recompute, whose trace peaks at the input-norm
         moment, 3.8% with CPU offload); the MLP's gradients beside the attention's saved tensors (the
         post-attention norm's moment) are left out."""
-        grads = [s.alloc(_alloc_bits(x.numel, self.grad_bits)) for x in self.layer_tensors[i]]
+        grads = [s.alloc(_alloc_bits(n, bits)) for n, bits in self.layer_grads[i]]
         s.free(s.alloc(self.norm_temp))
         return self._post_backward(s, i, grads)
 
@@ -688,7 +712,8 @@ class FsdpHooks(RankHooks):
         output (the trace)."""
         by_unit: dict[int, list[int]] = {ROOT_UNIT: [], EMBEDDING_UNIT: [], TAIL_UNIT: []}
         for x, key in zip(self.late_order, late, strict=True):
-            by_unit[self.unit_of[x]].append(key)
+            if x not in self.in_layers:  # an adapter's: made with its layer's (0 here)
+                by_unit[self.unit_of[x]].append(key)
         out = list(head) if self.untied else []
         if not self.untied:
             by_unit[TAIL_UNIT] += head
