@@ -212,13 +212,14 @@ def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum
     assert (first[0].op, first[0].size_bytes) == (Op.ALLOC, grads)
     assert hooks.first_buckets == [allocator_bytes(grads)]
     old = first[0].key
-    # each forward first syncs the buffers (RoPE's two fp32 tables: one flat, made and freed)
+    # each forward then syncs the buffers (RoPE's two fp32 tables: one flat, made and freed), after any rebuild
+    # (distributed.py ``_pre_forward``: ``_rebuild_buckets`` before ``_sync_buffers``)
     sync = [n for n in ddp_buffer_sync_bytes(spec) if n]
     assert len(sync) == 1
-    for a, _ in seen:
-        assert [(e.op, e.size_bytes) for e in st.events[a : a + 2]] == [(Op.ALLOC, sync[0]), (Op.FREE, 0)]
-    assert [b - a for a, b in seen] == [2, 2 + 4 + 1 + len(rebuilt)] + [2] * (len(seen) - 2)
-    made = st.events[seen[1][0] + 2 : seen[1][1]]
+    for _, b in seen:
+        assert [(e.op, e.size_bytes) for e in st.events[b - 2 : b]] == [(Op.ALLOC, sync[0]), (Op.FREE, 0)]
+    assert [b - a for a, b in seen] == [2, 4 + 1 + len(rebuilt) + 2] + [2] * (len(seen) - 2)
+    made = st.events[seen[1][0] : seen[1][1] - 2]
     n_params = sum(m for _, m in inventory(spec).all_tensors())
     assert [(e.op, e.size_bytes) for e in made[:4]] == [
         (Op.ALLOC, 4 * (n_params + 1)),
@@ -506,6 +507,8 @@ def test_coalesced_flats_follow_c10ds_bucket_rule() -> None:
     order = [(32, 300 * mib), (16, 10), (32, 100 * mib), (32, 200 * mib), (16, 20), (32, 5)]
     # fp32: [300 MiB] closes alone; [100, 200 MiB] closes at 300; [5] left open; bf16: [10, 20] left open
     assert coalesced_flats(order) == [0, 512, 300 * mib, 0]
+    # a bucket closes at exactly the limit: [150, 100 MiB] is full, [1 MiB, 2 MiB] a bucket of its own
+    assert coalesced_flats([(32, 150 * mib), (32, 100 * mib), (32, mib), (32, 2 * mib)]) == [250 * mib, 3 * mib]
 
 
 @pytest.mark.parametrize(

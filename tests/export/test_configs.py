@@ -92,6 +92,15 @@ def test_training_arguments_are_accepted(name: str, tmp_path: Path, bf16_gpu: No
         assert plugin.sync_each_batch is True
     else:
         assert "accelerator_config" not in kwargs
+    if strategy.sharding.value == "ddp":
+        # The Trainer's DDP kwargs for a model that is not a checkpointing PreTrainedModel (a PeftModel, or no
+        # checkpointing): find_unused_parameters=True unless the arguments say otherwise; the plan's memory is False
+        from types import SimpleNamespace
+
+        from transformers import Trainer
+
+        handlers = Trainer._build_accelerator_args(SimpleNamespace(args=args, model=object()))["kwargs_handlers"]
+        assert [h.find_unused_parameters for h in handlers] == [False]
 
 
 def _fsdp_plugin(path: Path, monkeypatch: Any) -> Any:

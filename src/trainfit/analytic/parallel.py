@@ -724,23 +724,27 @@ def ddp_broadcast_bytes(spec: ModelSpec, strategy: Strategy) -> list[int]:
     (tensor_flatten.h ``flatten_dense_tensors``: a ``cat``, a lone tensor's view when a bucket holds one), at most two
     in flight (``max_in_flight``). Each flat is freed when its broadcast is finished (0: a bucket of one tensor,
     broadcast as a view of it). Parameters in model order
-    (the token table, each layer's, the rest; an adapter after its layer's base tensors)."""
+    (the token table, each layer's, the rest; an adapter after its layer's base tensors) — approximately: BERT's
+    position tables, a layer group's frozen/trainable split and DeepSeek's dense layers may sit a few tensors off,
+    which moves where a 250 MiB bucket closes, not the total. Dtypes are keyed by width (bf16 and fp16, int8 and
+    uint8 never meet in one model here)."""
     inv = inventory(spec)
-    roots = {id(t) for t in inv.model_tensors}
+    roots = set(inv.model_tensors)  # by value: the inventory and param_states are memoised apart
     first = inv.model_tensors[:1]
     states = param_states(spec, strategy)
-    layer_states = [ps for ps in states if id(ps.tensor) not in roots]
+    layer_states = [ps for ps in states if ps.tensor not in roots]
     order: list[tuple[int, int]] = [(ps.param_bits, ps.param_bytes) for ps in states if ps.tensor in first]
     for k in range(spec.num_layers):
         order += [(ps.param_bits, ps.param_bytes) for ps in layer_states if k < ps.count]
-    order += [(ps.param_bits, ps.param_bytes) for ps in states if id(ps.tensor) in roots and ps.tensor not in first]
+    order += [(ps.param_bits, ps.param_bytes) for ps in states if ps.tensor in roots and ps.tensor not in first]
     return coalesced_flats(order + module_buffers(spec))
 
 
 def ddp_buffer_sync_bytes(spec: ModelSpec) -> list[int]:
-    """The flat buffers of the broadcast DDP runs before each forward that syncs (``broadcast_buffers``, the
-    default: distributed.py ``_sync_buffers`` → ``_default_broadcast_coalesced`` over the module's buffers): the
-    buffers alone, coalesced as :func:`ddp_broadcast_bytes` has it."""
+    """The flat buffers of the broadcast DDP runs before a forward (``broadcast_buffers``, the default:
+    distributed.py ``_sync_buffers`` → ``_default_broadcast_coalesced`` over the module's buffers), after a rebuild of
+    its buckets: the buffers alone, coalesced as :func:`ddp_broadcast_bytes` has it. The stream syncs before every
+    forward, as every micro-step of it reduces (under ``no_sync`` only the forward after a syncing one would)."""
     return coalesced_flats(module_buffers(spec))
 
 

@@ -120,7 +120,8 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
 fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with gradient
-accumulation and 2-D FSDP2×TP, HSDP with CPU offload, DeepSpeed's CPU offload and fine-tuning with many GPUs.
+accumulation and 2-D FSDP2×TP, HSDP with CPU offload, DeepSpeed's CPU offload and DeepSpeed with adapters or
+frozen layers.
 """
 
 from __future__ import annotations
@@ -272,16 +273,16 @@ class DdpHooks(RankHooks):
 
     def forward_begin(self, s: Stream) -> None:
         self.forwards += 1
+        if self.forwards == 2:
+            s.free_all([s.alloc(4 * (self.params + 1)), s.alloc(4 * len(self.buckets))])  # sync_bucket_indices
+            old, viewed = self.held, self.view and self.micro > 0
+            if not viewed:
+                s.free_all(old)
+            self.held = [s.alloc(b) for b in self.buckets]
+            if viewed:
+                s.free_all(old)
+        # then the buffers (distributed.py ``_pre_forward``: ``_rebuild_buckets`` before ``_sync_buffers``)
         _broadcast(s, self.buffer_sync)
-        if self.forwards != 2:
-            return
-        s.free_all([s.alloc(4 * (self.params + 1)), s.alloc(4 * len(self.buckets))])  # sync_bucket_indices
-        old, viewed = self.held, self.view and self.micro > 0
-        if not viewed:
-            s.free_all(old)
-        self.held = [s.alloc(b) for b in self.buckets]
-        if viewed:
-            s.free_all(old)
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         return 0 if self.view else super().grad_bytes(x, bits)

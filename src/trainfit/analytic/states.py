@@ -236,8 +236,8 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
     # ``bias.data = bias.data.to(x.dtype)`` after ``x.to(compute_dtype)``): a 4-bit layer's bias is that wide.
     bias_4bit = packed_bias_names(spec) if quant is not None and quant.bits == 4 else frozenset()
 
-    def frozen_bits(t: ParamTensor) -> int:
-        if t.name in bias_4bit:
+    def frozen_bits(t: ParamTensor, *, after_first_call: bool = True) -> int:
+        if after_first_call and t.name in bias_4bit:
             return r.compute_bits
         bits = r.weight_bits if base.dtype is None else base.dtype.bits
         return 32 if base.kbit_prepared and bits == 16 else bits
@@ -249,11 +249,15 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
         if packed:
             assert quant is not None
             weight = packed_weight_bytes(spec, t, quant.value, double_quant=base.double_quant)
-            own = packed_param_bytes(spec, t, quant.value)
+            own, own_bits = packed_param_bytes(spec, t, quant.value), 8
             bits = quant.bits
         else:
             bits = r.weight_bits if trainable else frozen_bits(t)
-            weight, own = _alloc(t.numel, bits), t.numel * bits // 8
+            weight = _alloc(t.numel, bits)
+            # before the first forward (DDP's construction broadcast) a 4-bit layer's bias still has the width
+            # prepare_model_for_kbit_training left it
+            own_bits = bits if trainable or t.name not in bias_4bit else frozen_bits(t, after_first_call=False)
+            own = t.numel * own_bits // 8
         out.append(
             ParamState(
                 tensor=t,
@@ -262,7 +266,7 @@ def finetune_param_states(spec: ModelSpec, strategy: Strategy) -> tuple[ParamSta
                 trainable=trainable,
                 autocast_copy=r.autocast and t.matmul and not packed and bits > r.compute_bits,
                 param_bytes=own,
-                param_bits=8 if packed else bits,
+                param_bits=own_bits,
             )
         )
 

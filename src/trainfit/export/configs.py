@@ -272,6 +272,16 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
             )
     elif strategy.sharding.value.startswith("zero"):
         args["deepspeed"] = DEEPSPEED_FILE
+    elif strategy.sharding is Sharding.DDP:
+        # The Trainer passes find_unused_parameters=True unless told otherwise whenever the model is not a
+        # checkpointing PreTrainedModel (a PeftModel, or any model without checkpointing: trainer.py
+        # ``_build_accelerator_args``): DDP then buckets by bucket_cap_mb from the start, never rebuilds, and walks
+        # the graph every step. The plan's memory is DDP's default (False).
+        args["ddp_find_unused_parameters"] = False
+        notes.append(
+            "ddp_find_unused_parameters=False: DDP's default, which the plan's memory assumes (the Trainer would "
+            "set True for a PEFT model or a model without gradient checkpointing)"
+        )
     if strategy.checkpointing is Checkpointing.SQRT:
         notes.append(
             "sqrt checkpointing (segments of ⌈L/⌈√L⌉⌉ blocks) has no TrainingArguments switch: gradient_checkpointing"
