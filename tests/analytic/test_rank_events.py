@@ -540,3 +540,53 @@ def test_ddps_construction_broadcast_carries_every_parameter_in_250_mib_flats(
     full = [n for n in flats[1:] if n >= DDP_BROADCAST_BUCKET_BYTES]
     assert len(flats) - 1 - len(full) <= len(dtypes)  # only each dtype's last bucket is short
     assert all(n < DDP_BROADCAST_BUCKET_BYTES + largest + 512 for n in full)
+
+
+@pytest.mark.parametrize("freeze", ["layers:1-3", "layers:0-1", "layers:1-2"])
+def test_fully_shard_groups_give_gradients_to_the_layers_freeze_leaves(freeze: str) -> None:
+    """Each ``fully_shard`` layer group's trainable tensors are the layers ``--freeze`` leaves trainable, wherever
+    in the stack the range is (the groups once took the frozen counts as a bottom prefix: ``layers:1-3`` trained
+    layers 3's tensors instead of layer 0's)."""
+    from trainfit.analytic.adapters import layer_range
+    from trainfit.analytic.rank_events import _fully_shard_calls
+
+    spec = load_model("tinyllama-1.1b")
+    frozen = layer_range(freeze)
+    assert frozen is not None
+    adapter, base = finetune_setup("freeze", freeze=freeze)
+    s = Strategy(parallelism=Parallelism(data=4), sharding="fsdp", adapter=adapter, base_weights=base)
+    hooks = FsdpHooks(spec, s, 4)
+    calls = _fully_shard_calls(spec, s, hooks.held)[: spec.num_layers]
+    layer_tensors = inventory(spec).layers[0].tensors
+    for i, call in enumerate(calls):
+        assert [h.tensor for h in call] == list(layer_tensors)
+        assert {h.trainable for h in call} == {i not in frozen}, i
+        assert bool(hooks.layer_grads[i]) is (i not in frozen)
+
+
+def test_fully_shard_groups_place_each_adapter_in_its_layers() -> None:
+    """LoRA over an MoE stack with leading dense layers: every layer holds its linears' adapters once, the MoE layers
+    the router's and expert stacks' too; a masked-LM head transform's adapter is in the root's group."""
+    from trainfit.analytic.adapters import adapter_tensors, moe_tensors
+    from trainfit.analytic.rank_events import _fully_shard_calls
+
+    spec = replace(load_model("deepseek-v3"), num_layers=5)  # 3 dense, 2 MoE
+    adapter, base = finetune_setup("lora", rank=8, targets="all-linear")
+    s = Strategy(parallelism=Parallelism(data=4), sharding="fsdp", adapter=adapter, base_weights=base)
+    hooks = FsdpHooks(spec, s, 4)
+    calls = _fully_shard_calls(spec, s, hooks.held)
+    moe = set(moe_tensors(spec, adapter))
+    linear = [t for t in adapter_tensors(spec, adapter) if t not in moe]
+    kinds = [g.kind for g in inventory(spec).layers for _ in range(g.count)]
+    assert "dense" in kinds and "moe" in kinds
+    for kind, call in zip(kinds, calls, strict=False):
+        mine = [h.tensor for h in call if h.adapter]
+        assert mine == linear + ([t for t in adapter_tensors(spec, adapter) if t in moe] if kind == "moe" else [])
+    bert = load_model("bert-base-uncased")
+    s = replace(s, precision="amp-bf16")
+    held = FsdpHooks(bert, s, 4).held
+    head = [h for h in held if h.adapter and h.tensor.name.startswith("cls.")]
+    assert head and all(h.root for h in head)
+    bert_calls = _fully_shard_calls(bert, s, held)
+    assert set(head) <= set(bert_calls[-1])  # the root's
+    assert not any(h in call for h in head for call in bert_calls[:-1])

@@ -584,6 +584,10 @@ FSDP_FINETUNE_CELLS = [
     ("lora", "all-linear", "pure-bf16", "none", True, 1, "root"),  # no policy: fp32 adapters gathered as fp32
     ("qlora", "all-linear", "amp-bf16", "full", False, 1, "auto"),  # packed bf16-stored shards, whole quant state
     ("freeze", "layers:0-1", "amp-bf16", "full", True, 2, "units"),
+    ("freeze", "layers:2-3", "amp-bf16", "none", True, 1, "auto"),  # the top frozen: the bottom's gradients
+    # dead layers: no backward, layer 2's prefetch of layer 1 dropped unread by the final callback, layer 2's first
+    # norm without its input-gradient saves (+3.6%, +1.9%, +0.6% before each)
+    ("freeze", "embeddings,layers:0-1", "amp-bf16", "none", True, 1, "root"),
 ]
 
 

@@ -576,8 +576,16 @@ class FrozenLayers:
     trainable: int
     bottom_frozen: bool  # the lowest layer that runs a backward is wholly frozen: it adds no gradient
     frozen_at: tuple[bool, ...] = ()  # per layer of the stack: wholly frozen (dead or frozen)
+    stack_input_grad: bool = True  # the first layer's input (the embeddings' output) requires grad
     stack_output_grad: bool = True  # the last layer's output requires grad
     final_norm_frozen: bool = False  # every final-norm tensor frozen (``norm``)
+
+    @property
+    def input_grad_from(self) -> int:
+        """The lowest layer whose input requires grad (0: every layer's): the one above the dead layers, and the
+        lowest live layer itself only when the embeddings' output requires grad. Below it autograd runs no
+        backward, and the lowest live layer's ``RegisterPostBackwardFunction`` (FSDP2) never fires."""
+        return self.dead + 1 if self.dead or not self.stack_input_grad else 0
 
 
 def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
@@ -597,6 +605,7 @@ def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
     grad = strategy.checkpointing.value not in ("none", "selective") or any(
         not is_frozen(t, patterns, None, layers=n) for t in embeds
     )
+    stack_input_grad = grad
     dead = frozen = trainable = 0
     bottom_frozen = False
     frozen_at = tuple(all(is_frozen(t, patterns, i, layers=n) for t in ts) for i, ts in enumerate(per_layer))
@@ -617,6 +626,7 @@ def frozen_layers(spec: ModelSpec, strategy: Strategy) -> FrozenLayers | None:
         trainable=trainable,
         bottom_frozen=bottom_frozen,
         frozen_at=frozen_at,
+        stack_input_grad=stack_input_grad,
         stack_output_grad=grad,
         final_norm_frozen=bool(final) and all(is_frozen(t, patterns, None, layers=n) for t in final),
     )

@@ -38,15 +38,18 @@ from trainfit.analytic.activations import (
     TermRole,
     Widths,
     backward_temp_bytes,
+    blind_layer_unsaved,
     eager_backward_moment,
     eager_forward_moment,
     first_layer_cache_bytes,
     first_layer_terms,
+    frozen_layer_terms,
     kv_cache_held_tensors,
     layer_terms,
     model_terms,
     sac_saved_terms,
 )
+from trainfit.analytic.adapters import frozen_forms_known, frozen_layers, is_frozen
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.states import (
     ParamState,
@@ -292,6 +295,21 @@ def synthesise(
         segment_of += [i] * n
     kinds = [g for g in inv.layers for _ in range(g.count)]
     terms_of = {g.kind: layer_terms(spec, strategy, moe=g.kind == "moe") for g in inv.layers}
+    # --freeze (adapters.FrozenLayers): each layer's own trainable tensors (a layer range freezes some layers
+    # only); a dead layer saves nothing and runs no backward, a wholly frozen one saves the frozen forms (where
+    # they are known, as the closed form: model.stack_activations), and the lowest layer whose input needs no
+    # gradient makes no input gradient.
+    patterns = strategy.base_weights.frozen if strategy.adapter is None else ()
+    layer_trainable = [
+        {x for x in g.tensors if x in trainable and not is_frozen(x, patterns, i, layers=spec.num_layers)}
+        for i, g in enumerate(kinds)
+    ]
+    fz = frozen_layers(spec, strategy) if patterns else None
+    forms = fz is not None and frozen_forms_known(spec) and len(inv.layers) == 1
+    dead = fz.dead if fz is not None else 0
+    frozen_terms = frozen_layer_terms(spec, strategy) if forms else []
+    input_grad_from = fz.input_grad_from if fz is not None else 0
+    blind_at, blind_unsaved = blind_layer_unsaved(spec, strategy)
     first_terms = first_layer_terms(spec, strategy)  # an input that needs no gradient: saves from its first adapter
     # The KV cache's own k/v copies (training with use_cache), each layer's held until the outputs are dropped.
     cache_tensors = kv_cache_held_tensors(spec, strategy)
@@ -318,14 +336,25 @@ def synthesise(
     # trainable weights live on to the end of the loss. A frozen weight's cast (no grad) and a transposed view's
     # (FalconLinear: not a leaf) are per call and die with it. A recomputation runs in an autocast region of its
     # own (torch/utils/checkpoint.py), so its copies are held by the saves only.
-    def cached_in_forward(x: ParamTensor) -> bool:
-        return spec.autocast_weight_cache and x in trainable
+    def cached_in_forward(x: ParamTensor, i: int) -> bool:
+        return spec.autocast_weight_cache and x in layer_trainable[i]
 
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
+        if i < dead:  # nothing records a node: every cast dies with its call
+            s.free_all(copies)
+            return [], []
         saved: list[int] = []
-        for term in first_terms if i == 0 and first_terms is not None else terms_of[g.kind]:
+        if i == 0 and first_terms is not None:
+            terms = first_terms
+        elif forms and fz is not None and fz.frozen_at[i]:
+            terms = frozen_terms
+        elif blind_unsaved and i == blind_at:
+            terms = [x for x in terms_of[g.kind] if x not in blind_unsaved]
+        else:
+            terms = terms_of[g.kind]
+        for term in terms:
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
                 transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
                 saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
@@ -368,9 +397,9 @@ def synthesise(
                     kv_cache.append(s.alloc(rank.saved_bytes("attn.kv_cache", first_cache)))
                 if segment_of:  # a checkpointed call saves nothing; only autocast's cache holds copies
                     s.free_all(saved)
-                    cast = [x for x in kinds[i].tensors if x in copied]
-                    forward_cache += [c for c, x in zip(copies, cast, strict=True) if cached_in_forward(x)]
-                    s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x))
+                    cast = [x for x in kinds[i].tensors if x in copied] if copies else []
+                    forward_cache += [c for c, x in zip(copies, cast, strict=True) if cached_in_forward(x, i)]
+                    s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x, i))
                     copies, saved = [], []
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
@@ -442,7 +471,7 @@ def synthesise(
             if not micro:
                 model_grads = rank.head_backward_end(s, model_grads)
             grads += model_grads
-            for i in reversed(range(spec.num_layers)):
+            for i in reversed(range(dead, spec.num_layers)):  # a dead layer has no backward
                 g = kinds[i]
                 copies, saved = layers[i]
                 if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
@@ -453,16 +482,15 @@ def synthesise(
                         layers[j] = layer_forward(j)
                     copies, saved = layers[i]
                 rank.layer_backward_begin(s, i)
-                layer_grads = (
-                    [] if micro else [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in trainable]
-                )
+                own = layer_trainable[i]
+                layer_grads = [] if micro else [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in own]
                 for x in g.tensors if micro else ():
-                    if x in trainable:  # accumulating: added into the resident .grad, dropped
+                    if x in own:  # accumulating: added into the resident .grad, dropped
                         s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))
                 temp = s.alloc(temps.block_bytes)
                 s.free(temp)
                 chain = s.alloc(chain_backward)
-                g_next = s.alloc(hidden)
+                g_next = s.alloc(hidden) if i >= input_grad_from else 0
                 s.free(chain)
                 s.free_all(saved)
                 s.free_all(copies)

@@ -43,6 +43,7 @@ from trainfit.analytic.activations import (
     attention_mask_bytes,
     attention_variants,
     backward_temp_bytes,
+    blind_layer_unsaved,
     check_sac,
     checkpoint_terms,
     dense_forward_bytes,
@@ -312,6 +313,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
         normal, still = rows[0].saved_bytes, _sum(frozen_layer_terms(spec, strategy))
         all_layers -= fz.dead * normal + fz.frozen * (normal - still)
+        all_layers -= _sum(list(blind_layer_unsaved(spec, strategy)[1]))
         per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
         if strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.SELECTIVE):  # input grads on: no dead
             # Below the lowest trainable layer every gradient exists, so the worst moment there is entering

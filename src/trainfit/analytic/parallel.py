@@ -103,7 +103,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import TermRole, Widths, effective_strategy, layer_terms
-from trainfit.analytic.adapters import bnb_converted, check_finetune_model, finetuning
+from trainfit.analytic.adapters import adapter_tensors, bnb_converted, check_finetune_model, finetuning
 from trainfit.analytic.model import (
     Moment,
     MomentName,
@@ -550,12 +550,14 @@ def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> t
     # some layers and trainable in others twice in a row), then the adapters: follow it to place each tensor.
     seq = [(t, -1) for t in inv.model_tensors] + [(t, i) for i, g in enumerate(inv.layers) for t in g.tensors]
     dense = next((i for i, g in enumerate(inv.layers) if g.kind == "dense"), 0)
+    # adapters outside the stack (a head transform's, :func:`~trainfit.analytic.adapters.head_sites`) are model-level
+    stacked = set(adapter_tensors(spec, strategy.adapter)) if strategy.adapter is not None else set()
     out: list[HeldTensor] = []
     at = -1
     for x in param_states(spec, strategy):
         t = x.tensor
         if x.adapter:
-            group = dense
+            group = dense if t in stacked else -1
         else:
             if at < 0 or seq[at][0] != t:
                 at += 1

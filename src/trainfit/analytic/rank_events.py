@@ -133,7 +133,7 @@ from trainfit._memo import spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Thread, Workspace
 from trainfit.analytic.activations import backward_temp_bytes
-from trainfit.analytic.adapters import finetuning
+from trainfit.analytic.adapters import finetuning, frozen_layers, is_frozen, moe_tensors
 from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, steady_state, synthesise
 from trainfit.analytic.parallel import (
     SP_SPLIT_PREFIXES,
@@ -330,7 +330,13 @@ class _Group:
         local = [h.shard_numel(shards) for h in held]
         gather = [h.bits if gather_bits is None else gather_bits for h in held]
         self.shards = [n * h.bits // 8 for n, h in zip(local, held, strict=True)]
-        self.casts = [n * b // 8 for n, b in zip(local, gather, strict=True)]  # each all-gather input in param_dtype
+        # each all-gather input cast to param_dtype: only a parameter of another dtype has one (_fsdp_param.py
+        # ``init_dtype_attrs`` clamps its ``param_dtype`` to None otherwise: a 16-bit base or adapter, packed 4-bit
+        # storage; the shard itself is then the input)
+        self.casts = [
+            n * b // 8 if gather_bits is not None and h.bits != gather_bits else 0
+            for n, b, h in zip(local, gather, held, strict=True)
+        ]
         # views of each parameter's padded all-gather output (_fsdp_param.py ``init_unsharded_param``)
         self.unsharded = [n * shards * b // 8 for n, b in zip(local, gather, strict=True)]
         self.all_gather = sum(self.unsharded)
@@ -343,26 +349,42 @@ class _Group:
 
 
 def _fully_shard_calls(
-    held: Sequence[HeldTensor], layer_counts: Sequence[int], unit: Callable[[ParamTensor], int] = lambda _: ROOT_UNIT
+    spec: ModelSpec,
+    strategy: Strategy,
+    held: Sequence[HeldTensor],
+    unit: Callable[[ParamTensor], int] = lambda _: ROOT_UNIT,
 ) -> list[list[HeldTensor]]:
     """Each ``fully_shard`` call's parameters, in call order: every decoder layer's (model order), then under
     ``--fsdp-wrap units`` the token embedding's and [final norm, head]'s (``unit``: a model-level tensor's group,
-    :func:`~trainfit.fsdp_units.fsdp_unit`), then the root's. A tensor of a layer group held two ways (frozen
-    in some layers, trainable in others) covers its layers in :func:`~trainfit.analytic.parallel.held_tensors`'
-    order; adapters belong to their layers."""
-    layers: list[list[list[HeldTensor]]] = [[[] for _ in range(c)] for c in layer_counts]
+    :func:`~trainfit.fsdp_units.fsdp_unit`), then the root's. A layer's tensor held two ways (frozen in some
+    layers, trainable in others: :func:`~trainfit.analytic.parallel.held_tensors`) is frozen in the layers that
+    ``--freeze`` names (:func:`~trainfit.analytic.adapters.is_frozen`, wherever in the stack they are); the
+    stack's adapters are in every layer, an MoE router's or expert stack's only in the MoE layers."""
+    inv = inventory(spec)
+    patterns, adapter = strategy.base_weights.frozen, strategy.adapter
+    moe = set(moe_tensors(spec, adapter)) if adapter is not None else set()
     model: dict[int, list[HeldTensor]] = {EMBEDDING_UNIT: [], TAIL_UNIT: [], ROOT_UNIT: []}
-    cursor: dict[tuple[int, ParamTensor], int] = {}
+    ways: dict[tuple[int, ParamTensor], dict[bool, HeldTensor]] = {}
+    adapters: list[HeldTensor] = []
     for h in held:
         if h.root:
             model[unit(h.tensor)].extend([h] * h.count)
-            continue
-        group = layers[h.group]
-        start = cursor.get((h.group, h.tensor), 0)
-        for j in range(start, start + h.count):
-            group[min(j, len(group) - 1)].append(h)
-        cursor[(h.group, h.tensor)] = start + h.count
-    return [one for group in layers for one in group] + [g for g in model.values() if g]
+        elif h.adapter:
+            adapters.append(h)
+        else:
+            ways.setdefault((h.group, h.tensor), {})[h.trainable] = h
+    calls: list[list[HeldTensor]] = []
+    layer = 0
+    for i, g in enumerate(inv.layers):
+        mine = [h for h in adapters if g.kind != "dense" or h.tensor not in moe]
+        for _ in range(g.count):
+            one = []
+            for t in g.tensors:
+                trainable = adapter is None and not is_frozen(t, patterns, layer, layers=spec.num_layers)
+                one.append(ways[(i, t)][trainable])
+            calls.append(one + mine)
+            layer += 1
+    return calls + [g for g in model.values() if g]
 
 
 class FsdpHooks(RankHooks):
@@ -378,25 +400,25 @@ class FsdpHooks(RankHooks):
         gather = strategy.recipe.compute_bits if mixed else bits
         reduce = 32 if mixed else bits
         inv = inventory(spec)
+        self.spec = spec
         self.strategy = strategy
         self.shards = shards
         self.bits = bits
         self.raf = strategy.engine.reshard_after_forward
-        self.cast_inputs = mixed
         # CPUOffloadPolicy: the shards, their gradients, the optimizer and its step live on the host
         self.offload = strategy.offload.parameters_on_host
         # the model-level groups: the root alone, or (units) the untied table, [final norm, head], what is left
         self.units = resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS
         self.untied = untied_units(spec, strategy)
-        self.unit_of = {x: fsdp_unit(spec, strategy, x) for x in inv.model_tensors}
         self.held = held_tensors(spec, strategy, fsdp_mixed=mixed)
+        self.unit_of = {h.tensor: fsdp_unit(spec, strategy, h.tensor) for h in self.held if h.root}
         self.layer_counts = [g.count for g in inv.layers]
         policy = (gather, reduce) if mixed else (None, None)
         self.model_groups = {
             u: _Group([h for h in self.held if h.root and self.unit_of[h.tensor] == u], shards, *policy)
             for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT)
         }
-        calls = _fully_shard_calls(self.held, self.layer_counts)[: sum(self.layer_counts)]
+        calls = _fully_shard_calls(spec, strategy, self.held)[: sum(self.layer_counts)]
         made: dict[tuple[int, ...], _Group] = {}  # layers alike share one
         self.layers = [made.setdefault(tuple(map(id, c)), _Group(c, shards, *policy)) for c in calls]
         # each layer's gradients, made at the end of its backward: the trainable tensors, in param_dtype under the
@@ -422,6 +444,9 @@ class FsdpHooks(RankHooks):
         self.grad_bits = cs.recipe.grad_bits
         self.norm_temp = backward_temp_bytes(spec, cs).norm_bytes
         self.in_layers = {h.tensor for h in self.held if not h.root}  # adapters too
+        # --freeze: below input_grad_from autograd runs no backward (adapters.FrozenLayers)
+        fz = frozen_layers(spec, strategy)
+        self.blind_from = fz.input_grad_from if fz is not None else 0
         self.reduce_bits = reduce
         # the late gradients' tensors (``backward_end``), in the order the stream makes them
         # (the stream makes an adapter's gradient among them too, as nothing here: grad_bytes, layer_backward_end)
@@ -455,7 +480,7 @@ class FsdpHooks(RankHooks):
                     for _ in range(h.count):
                         s.alloc(n)
             return
-        for group in _fully_shard_calls(self.held, self.layer_counts, self.unit_of.__getitem__):
+        for group in _fully_shard_calls(self.spec, self.strategy, self.held, self.unit_of.__getitem__):
             whole = []
             for h in group:
                 whole.append(s.alloc(_alloc_bits(h.storage_numel, h.bits)))
@@ -471,14 +496,13 @@ class FsdpHooks(RankHooks):
         """``unshard``: the all-gather output, made on the all-gather copy-in stream (forward and pre-backward:
         ``get_all_gather_streams``) after the flat ``param_dtype`` copy of the rank's shards that it copies in
         (_fsdp_collectives.py ``_get_param_all_gather_inputs``: one ``torch.empty`` under a mixed-precision
-        policy, freed after ``all_gather_copy_in``); none on one rank (copied straight from the shard)."""
+        policy, freed after ``all_gather_copy_in``, of the parameters whose dtype is not ``param_dtype``); none on one
+        rank (copied straight from the shard)."""
         if self.shards == 1:
             return 0
         g = self._group(i)
-        if self.offload:
-            inputs = self._offloaded_inputs(s, g)
-        else:
-            inputs = [s.alloc(g.all_gather // self.shards, ALL_GATHER_STREAM) if self.cast_inputs else 0]
+        # offloaded: one input per parameter; else the foreach copy's flat buffer of those cast to param_dtype
+        inputs = self._offloaded_inputs(s, g) if self.offload else [s.alloc(sum(g.casts), ALL_GATHER_STREAM)]
         out = s.alloc(g.all_gather, ALL_GATHER_STREAM)
         s.free_all(inputs)
         return out
@@ -489,7 +513,7 @@ class FsdpHooks(RankHooks):
         (``.to(device, non_blocking=True)``, the shard's own dtype), then under the mixed-precision policy cast to
         ``param_dtype`` (``_to_dtype_if_needed``), which frees the copy when the property returns."""
         copy = s.alloc(g.shards[k], stream)
-        if not self.cast_inputs:
+        if not g.casts[k]:
             return copy
         cast = s.alloc(g.casts[k], stream)
         s.free(copy)
@@ -599,8 +623,8 @@ class FsdpHooks(RankHooks):
 
     def embedding_backward_begin(self, s: Stream) -> None:
         """Units, untied: the table's pre-backward copies out its all-gather, prefetched by layer 0's."""
-        if not self.untied or EMBEDDING_UNIT in self.unsharded:
-            return
+        if not self.untied or EMBEDDING_UNIT in self.unsharded or self.blind_from:
+            return  # (no backward reaches the table: its prefetch was dropped, layer_backward_end)
         out = self.prefetched.pop(EMBEDDING_UNIT, None)
         if out is None:
             out = self._all_gather(s, EMBEDDING_UNIT)
@@ -689,6 +713,12 @@ class FsdpHooks(RankHooks):
         post-attention norm's moment) are left out."""
         grads = [s.alloc(_alloc_bits(n, bits)) for n, bits in self.layer_grads[i]]
         s.free(s.alloc(self.norm_temp))
+        if self.blind_from and i == self.blind_from - 1:
+            # The lowest layer to run backward, its input needing no gradient: no autograd hook runs its
+            # post-backward; the root's final callback does, for every group in module order
+            # (_fsdp_state.py ``_root_post_backward_final_callback``): first the dead layers' (and the table's unit),
+            # whose reshard drops the all-gather output this layer's pre-backward prefetched for them, unread.
+            s.free_all(self.prefetched.pop(k) for k in list(self.prefetched))
         return self._post_backward(s, i, grads)
 
     def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
