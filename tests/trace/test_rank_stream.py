@@ -588,6 +588,8 @@ FSDP_FINETUNE_CELLS = [
     # dead layers: no backward, layer 2's prefetch of layer 1 dropped unread by the final callback, layer 2's first
     # norm without its input-gradient saves (+3.6%, +1.9%, +0.6% before each)
     ("freeze", "embeddings,layers:0-1", "amp-bf16", "none", True, 1, "root"),
+    ("dora", "all-linear", "amp-bf16", "full", True, 1, "auto"),  # the magnitude vectors in their layers' groups
+    ("lora-bf16", "all-linear", "amp-bf16", "none", True, 1, "auto"),  # bf16 base and adapters: no cast to gather
 ]
 
 
@@ -609,6 +611,10 @@ def test_the_fsdp_stream_fine_tunes_like_the_traced_run(
     kw: dict[str, Any] = {"freeze": targets} if how == "freeze" else {"rank": 16, "targets": targets}
     if how == "qlora":
         kw["base_dtype"] = "nf4"
+    elif how == "dora":
+        how, kw["dora"] = "lora", True
+    elif how == "lora-bf16":
+        how, kw["base_dtype"], kw["adapter_dtype"] = "lora", "bf16", "bf16"
     adapter, base = finetune_setup(how, **kw)
     s = Strategy(
         parallelism=Parallelism(data=4),

@@ -553,6 +553,24 @@ def kv_cache_held_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...
     return tuple(x for x in (k_extra, v_extra) if x)
 
 
+def dead_layer_cache_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...]:
+    """``--freeze``: what the KV cache holds for each dead layer (adapters.FrozenLayers: frozen, below every gradient,
+    so its attention saves nothing) — its own ``torch.cat`` copies of k (after RoPE, promoted to the residual's dtype
+    by cos/sin) and v, to the forward's end, where a live layer's kernel saves them and the cache adds only
+    :func:`kv_cache_held_tensors`. Llama-style layers (``frozen_forms_known``); else ``()``. Found by the trace: a
+    tiny Llama over 4 FSDP2 ranks with three dead layers, forward −1.4% without them."""
+    fz = frozen_layers(spec, strategy)
+    if fz is None or not fz.dead or not _kv_cache_active(spec, strategy) or spec.mla is not None:
+        return ()
+    if not frozen_forms_known(spec) or spec.fused_qkv:
+        return ()
+    w = Widths.of(strategy)
+    t = strategy.tokens_per_micro_batch
+    a = attention_width(strategy, w)
+    k_width = max(a, w.residual) if spec.rotary_dim else a
+    return (k_width * t * spec.kv_dim, a * t * spec.kv_dim)
+
+
 def first_layer_cache_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """What the first layer's KV cache holds beyond :func:`kv_cache_held_bytes` when that layer's attention saves
     nothing (a first layer whose input needs no gradient and whose q/k/v carry no adapter:

@@ -39,6 +39,7 @@ from trainfit.analytic.activations import (
     Widths,
     backward_temp_bytes,
     blind_layer_unsaved,
+    dead_layer_cache_tensors,
     eager_backward_moment,
     eager_forward_moment,
     first_layer_cache_bytes,
@@ -313,6 +314,7 @@ def synthesise(
     first_terms = first_layer_terms(spec, strategy)  # an input that needs no gradient: saves from its first adapter
     # The KV cache's own k/v copies (training with use_cache), each layer's held until the outputs are dropped.
     cache_tensors = kv_cache_held_tensors(spec, strategy)
+    dead_cache = dead_layer_cache_tensors(spec, strategy) or cache_tensors  # a dead layer's cache: its own k and v
     first_cache = first_layer_cache_bytes(spec, strategy)
     mt = model_terms(spec, strategy)
     lg = logits_memory(spec, strategy)
@@ -392,7 +394,8 @@ def synthesise(
                     kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
                 rank.layer_forward_begin(s, i)
                 copies, saved = layer_forward(i)
-                kv_cache += [s.alloc(rank.saved_bytes("attn.kv_cache", n)) for n in cache_tensors]
+                cached = dead_cache if i < dead else cache_tensors
+                kv_cache += [s.alloc(rank.saved_bytes("attn.kv_cache", n)) for n in cached]
                 if i == 0 and first_cache:
                     kv_cache.append(s.alloc(rank.saved_bytes("attn.kv_cache", first_cache)))
                 if segment_of:  # a checkpointed call saves nothing; only autocast's cache holds copies

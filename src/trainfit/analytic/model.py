@@ -46,6 +46,7 @@ from trainfit.analytic.activations import (
     blind_layer_unsaved,
     check_sac,
     checkpoint_terms,
+    dead_layer_cache_tensors,
     dense_forward_bytes,
     derived_mlp_backward_bytes,
     eager_backward_moment,
@@ -257,6 +258,7 @@ class StackActivations:
     layer_counts: dict[str, int]
     bottom_segment_bytes: int | None = None  # --freeze: what the bottom checkpointed segment's layers save
     bottom_kept_segments: int = 1  # --freeze: segments whose inputs are kept at the bottom moment
+    bottom_layer: int | None = None  # --freeze: the layer whose backward is the bottom moment
     layer_on_device_bytes: int | None = None  # --activation-offload: a layer's saves on the GPU in its backward
 
 
@@ -308,6 +310,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
     fz = frozen_layers(spec, strategy)
     bottom_segment: int | None = None
     kept_segments = 1
+    bottom_layer: int | None = None
     known = frozen_forms_known(spec)  # the frozen-layer forms are known
     if fz is not None and known and len(rows) == 1:
         # --freeze: dead layers save nothing, wholly frozen ones the frozen forms (adapters.FrozenLayers).
@@ -315,6 +318,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         all_layers -= fz.dead * normal + fz.frozen * (normal - still)
         all_layers -= _sum(list(blind_layer_unsaved(spec, strategy)[1]))
         per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
+        bottom_layer = fz.dead  # the lowest layer to run backward
         if strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.SELECTIVE):  # input grads on: no dead
             # Below the lowest trainable layer every gradient exists, so the worst moment there is entering
             # the topmost wholly frozen segment of the bottom: all their inputs kept, its frozen layers
@@ -328,6 +332,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
             lo = start - sizes[n - 1] if n else 0
             hi = lo + sizes[kept_segments - 1]
             bottom_segment = sum(still if f else normal for f in fz.frozen_at[lo:hi])
+            bottom_layer = hi - 1
     mt = model_terms(spec, strategy)
     return StackActivations(
         variants=tuple(rows),
@@ -342,7 +347,20 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         layer_counts=counts,
         bottom_segment_bytes=bottom_segment,
         bottom_kept_segments=kept_segments,
+        bottom_layer=bottom_layer,
     )
+
+
+def _dead_cache_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """What the KV cache holds for the dead layers beyond what every layer's cache adds
+    (:func:`~trainfit.analytic.activations.dead_layer_cache_tensors`)."""
+    full = dead_layer_cache_tensors(spec, strategy)
+    if not full:
+        return 0
+    fz = frozen_layers(spec, strategy)
+    assert fz is not None
+    held = sum(map(allocator_bytes, kv_cache_held_tensors(spec, strategy)))
+    return fz.dead * (sum(map(allocator_bytes, full)) - held)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -607,7 +625,8 @@ def _step_inputs(spec: ModelSpec, strategy: Strategy, *, keep_logits: bool) -> S
         # die with the decoder's forward.
         masks=sum(allocator_bytes(m) for m in attention_mask_bytes(spec, strategy)),
         cache_held=sum(n * sum(map(allocator_bytes, kv_cache_held_tensors(v, strategy))) for v, n in variants)
-        + allocator_bytes(first_layer_cache_bytes(spec, strategy)),
+        + allocator_bytes(first_layer_cache_bytes(spec, strategy))
+        + _dead_cache_bytes(spec, strategy),
         forward_transient=frozen_head_input_bytes(spec, strategy),  # 0 for a trainable LM head
         down_forward=dense_forward_bytes(spec, strategy),  # a checkpointed non-gated MLP's working set
     )

@@ -103,7 +103,7 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import TermRole, Widths, effective_strategy, layer_terms
-from trainfit.analytic.adapters import adapter_tensors, bnb_converted, check_finetune_model, finetuning
+from trainfit.analytic.adapters import adapter_tensors, bnb_converted, check_finetune_model, finetuning, frozen_layers
 from trainfit.analytic.model import (
     Moment,
     MomentName,
@@ -1009,6 +1009,14 @@ def _fsdp(
     # prefetched (``_backward_prefetch``). The bottom moment is the bottom segment's top layer.
     seg = q.segment_layers if q.segments else 1
     bottom_held = min(seg, 2) if raf else seg
+    # The reduce-scatter input in flight at the bottom moment: the layer above's, freed by the next post-backward
+    # (``reduce_scatter_max_input_buffers`` = 1) — none when that layer is wholly frozen (--freeze: its post-backward
+    # freed the one before and reduced nothing, ``len(fsdp_params_with_grad) == 0``).
+    fz = frozen_layers(spec, strategy)
+    above = q.stack.bottom_layer + 1 if q.stack.bottom_layer is not None else n_layers
+    rs_bottom = 0 if fz is not None and above < n_layers and fz.frozen_at[above] else rs
+    # the layers that run a backward (--freeze: none below the dead ones)
+    n_back = n_layers - (fz.dead if fz is not None else 0)
 
     # HSDP accumulating (a micro-step after the first): each group's reduce output, added into its sharded .grad,
     # is also the all-reduce's input, which the group holds to the end of backward (_fsdp_param_group.py
@@ -1142,7 +1150,10 @@ def _fsdp(
             comm = tail.reduce_scatter
         elif m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
             unsharded = through + bottom_held * layer
-            comm = (rs if n_layers > 1 else tail.reduce_scatter) + (emb.all_gather if gathers and raf else 0)
+            # the table's all-gather output: prefetched by layer 0's pre-backward (not yet when --freeze puts the
+            # bottom moment in a higher layer: the topmost frozen one of a frozen bottom)
+            table = emb.all_gather if gathers and raf and not q.stack.bottom_layer else 0
+            comm = (rs_bottom if n_layers > 1 else tail.reduce_scatter) + table
         elif m.name is MomentName.BACKWARD_EMBEDDING:
             c[Component.LOGITS_LOSS] = 0
             # inside the embedding's backward: the table unsharded, layer 0's reduce-scatter input in flight;
@@ -1170,8 +1181,8 @@ def _fsdp(
             c[Component.TEMPORARIES] = 0 if offload else st.step_temp_bytes
         if inner is not None:
             unsharded = through + inner[0] * layer
-            comm = rs if inner[1] else tail.reduce_scatter
-            if inner[2] == n_layers - 1 and gathers and raf:
+            comm = (rs_bottom if inner[2] == n_back - 1 else rs) if inner[1] else tail.reduce_scatter
+            if inner[2] == n_back - 1 and gathers and raf and not q.stack.bottom_layer:
                 comm += emb.all_gather  # the bottom layer's backward: the table's prefetched all-gather output
         if hold and bwd:
             comm += layer_shard_grads * n_done + (tail.shard_grads if tail_done else 0)
@@ -1215,7 +1226,7 @@ def _fsdp(
         elif m.name in (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX):
             # the layers above are resharded by their post-backward, whatever reshard_after_forward says
             unsharded = root + bottom_held * layer
-            comm = rs
+            comm = rs_bottom
         elif m.name is MomentName.BACKWARD_EMBEDDING:
             # The head's waiting gradient is ``q.grad_head`` below (a tied table's: states.tied_gradient_sum,
             # whose out-of-place sum stays in the temporaries); not the moment's own count of it as well.
@@ -1301,7 +1312,8 @@ def _fsdp(
         elif m.phase is Phase.OPTIMIZER_STEP:
             c[Component.TEMPORARIES] = st.step_temp_bytes
         if inner is not None:
-            unsharded, comm = root + inner[0] * layer, rs if inner[1] else 0
+            unsharded = root + inner[0] * layer
+            comm = (rs_bottom if inner[2] == n_back - 1 else rs) if inner[1] else 0
         n_done = layers_done(m) if inner is None else inner[2]
         if hold and m.phase is Phase.BACKWARD:
             comm += layer_shard_grads * n_done
@@ -1351,7 +1363,7 @@ def _fsdp(
     if finetuning(strategy):
         notes.append(_fsdp_finetune_note(strategy, mixed))
     phases = _worst(q, adjust, host)
-    inner = [adjust(m, (held, in_flight, n)) for m, held, in_flight, n in _fsdp_inner_moments(q, raf, n_layers)]
+    inner = [adjust(m, (held, in_flight, n)) for m, held, in_flight, n in _fsdp_inner_moments(q, raf, n_back)]
     if untied:
         inner.append(units(_fsdp_tail_post_moment(q), tail_post=True))
     # one rank alone keeps no all-gather output (``wait_for_unshard`` copies from the shards directly)

@@ -263,8 +263,6 @@ def check_traceable(strategy: Strategy) -> None:
     if strategy.offload.any and not (sh in (Sharding.FSDP, Sharding.HSDP) and strategy.offload.parameters_on_host):
         raise StrategyError("--method trace runs CPU offload only as FSDP2's CPUOffloadPolicy; use --method analytic")
     base = strategy.base_weights
-    if base.frozen:
-        raise StrategyError("--method trace does not run --freeze with many GPUs yet; use --method analytic")
     if base.quantization is Quantization.INT8:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
@@ -537,6 +535,7 @@ def run_layout_distributed(
     built, rec = _run_strategy(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    depth.renumber_layers(model, plan.stack_path)  # a freeze range's two runs keep layers that are no prefix
     if strategy.float8 is not Float8.NONE:
         from trainfit.trace.float8 import apply_float8
 
