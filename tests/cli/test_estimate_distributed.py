@@ -57,7 +57,6 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --engine torch", "plain single-GPU"),
         ("llama-3.1-8b --gpus 8 --tp 2 --optimizer sgd", "Adam"),
         ("llama-3.1-8b --gpus 8 --pp-schedule interleaved --virtual-stages 2", "--pp > 1"),
-        ("llama-3.1-8b --gpus 2 --sharding fsdp --method trace --finetune freeze --freeze embeddings", "--freeze"),
         ("llama-3.1-8b --gpus 4 --tp 2 --sharding zero1 --finetune lora", "Megatron"),
         ("llama-3.1-8b --gpus 8 --sharding zero3 --finetune qlora", "QLoRA with DeepSpeed"),
         ("llama-3.1-8b --gpus 8 --sharding fsdp --finetune lora --base-dtype int8", "int8"),
@@ -89,6 +88,28 @@ def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path:
     out = json.loads(res.out)
     assert out["method"] == "trace"
     assert out["phases"]["forward"]["components"]["comm_buffers"] > 0
+
+
+def test_trace_of_freeze_on_fsdp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--freeze`` with many GPUs is traced (it was refused): a range that is not the bottom of the stack, the
+    same trainable parameters as the analytic estimate."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    cfg = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    args = ("--gpus", "4", "--sharding", "fsdp", "--finetune", "freeze", "--freeze", "layers:2-3", "--seq", "128")
+    traced = run_cli(capsys, "estimate", str(path), *args, "--method", "trace", "--json")
+    assert traced.code == 0, traced.err
+    analytic = run_cli(capsys, "estimate", str(path), *args, "--json")
+    assert analytic.code == 0, analytic.err
+    t, a = json.loads(traced.out), json.loads(analytic.out)
+    assert t["method"] == "trace"
+    assert t["trainable_params"] == a["trainable_params"] < a["params"]
 
 
 @pytest.mark.slow
