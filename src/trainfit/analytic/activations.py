@@ -557,12 +557,11 @@ def dead_layer_cache_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, 
     """``--freeze``: what the KV cache holds for each dead layer (adapters.FrozenLayers: frozen, below every gradient,
     so its attention saves nothing) — its own ``torch.cat`` copies of k (after RoPE, promoted to the residual's dtype
     by cos/sin) and v, to the forward's end, where a live layer's kernel saves them and the cache adds only
-    :func:`kv_cache_held_tensors`. Llama-style layers (``frozen_forms_known``); else ``()``. Found by the trace: a
-    tiny Llama over 4 FSDP2 ranks with three dead layers, forward −1.4% without them."""
+    :func:`kv_cache_held_tensors` (a fused projection's k and v are views, the cache's copies new tensors all the
+    same). Not for MLA (its cache holds other tensors). Found by the trace: a tiny Llama over 4 FSDP2 ranks with three
+    dead layers, forward −1.4% without them."""
     fz = frozen_layers(spec, strategy)
     if fz is None or not fz.dead or not _kv_cache_active(spec, strategy) or spec.mla is not None:
-        return ()
-    if not frozen_forms_known(spec) or spec.fused_qkv:
         return ()
     w = Widths.of(strategy)
     t = strategy.tokens_per_micro_batch
@@ -2076,7 +2075,12 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         # (every layer dead) it saves nothing at all.
         out += _norm_terms("final_norm", t, h, spec, w, frozen=True) if fz.stack_output_grad else []
     elif spec.final_norm:
-        out += _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
+        final = _norm_terms("final_norm", t, h, spec, w, frozen=frozen)
+        if fz is not None and not fz.stack_output_grad and spec.norm is NormKind.RMSNORM and not spec.norm_unit_offset:
+            # every layer dead: the final RMSNorm's input needs no gradient, so it keeps only ``normed`` for its
+            # weight's (as :func:`blind_layer_unsaved`; found by the trace, FSDP2 forward +2.4% before)
+            final = [x for x in final if x.name not in ("final_norm.rsqrt", "final_norm.input_fp32")]
+        out += final
     if spec.kind is ModelKind.MASKED_LM:
         # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP). Under an
         # adapter the dense is frozen (saves no input); LoRA on it (all-linear, adapters.head_sites) saves its own.

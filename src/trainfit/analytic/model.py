@@ -333,6 +333,12 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
             hi = lo + sizes[kept_segments - 1]
             bottom_segment = sum(still if f else normal for f in fz.frozen_at[lo:hi])
             bottom_layer = hi - 1
+    elif fz is not None and fz.dead:
+        # Dead layers save nothing whatever their layout (no autograd node at all); the frozen forms of the others
+        # are known only for Llama-style layers of one kind. Per dead layer its kind's smaller variant.
+        kind_at = [g.kind for g in inv.layers for _ in range(g.count)]
+        least = {r.kind: min(x.saved_bytes for x in rows if x.kind == r.kind) for r in rows}
+        all_layers -= sum(least[kind_at[i]] for i in range(fz.dead))
     mt = model_terms(spec, strategy)
     return StackActivations(
         variants=tuple(rows),

@@ -966,6 +966,15 @@ def fsdp_unsharded_grad_bytes(spec: ModelSpec, strategy: Strategy, unit: int | N
     return out[0], out[1]
 
 
+#: The single-GPU moments inside a layer's backward.
+_LAYER_BACKWARD = (
+    MomentName.BACKWARD_TOP_BLOCK,
+    MomentName.BACKWARD_TOP_SOFTMAX,
+    MomentName.BACKWARD_BOTTOM_BLOCK,
+    MomentName.BACKWARD_BOTTOM_SOFTMAX,
+)
+
+
 def _fsdp(
     spec: ModelSpec,
     strategy: Strategy,
@@ -1014,9 +1023,14 @@ def _fsdp(
     # freed the one before and reduced nothing, ``len(fsdp_params_with_grad) == 0``).
     fz = frozen_layers(spec, strategy)
     above = q.stack.bottom_layer + 1 if q.stack.bottom_layer is not None else n_layers
-    rs_bottom = 0 if fz is not None and above < n_layers and fz.frozen_at[above] else rs
+    dead = fz.dead if fz is not None else 0
     # the layers that run a backward (--freeze: none below the dead ones)
-    n_back = n_layers - (fz.dead if fz is not None else 0)
+    n_back = n_layers - dead
+    rs_bottom = 0 if fz is not None and (not n_back or (above < n_layers and fz.frozen_at[above])) else rs
+    if dead:
+        # with reshard_after_forward the dead layer below the bottom one, prefetched by its pre-backward (or the top
+        # one by the root's, every layer dead); without, every dead layer, unsharded until the final callback
+        bottom_held = bottom_held + (1 if raf else dead) if n_back else (1 if raf else n_layers)
 
     # HSDP accumulating (a micro-step after the first): each group's reduce output, added into its sharded .grad,
     # is also the all-reduce's input, which the group holds to the end of backward (_fsdp_param_group.py
@@ -1193,6 +1207,10 @@ def _fsdp(
     def adjust(m: Moment, inner: tuple[int, bool, int] | None = None) -> dict[Component, int]:
         """``m`` as this rank's components; ``inner``: (the layers unsharded, a reduce-scatter input held, the
         layers done) for the moments of :func:`_fsdp_inner_moments`."""
+        if not n_back and m.name in _LAYER_BACKWARD:
+            # every layer dead (--freeze): no layer runs a backward; the root's (or [final norm, head]'s)
+            # pre-backward prefetched the top one, dropped by the final callback
+            m = dataclasses.replace(m, name=MomentName.BACKWARD_FINAL_NORM)
         if untied:
             return units(m, inner)
         c = with_shards(m)
@@ -1363,7 +1381,9 @@ def _fsdp(
     if finetuning(strategy):
         notes.append(_fsdp_finetune_note(strategy, mixed))
     phases = _worst(q, adjust, host)
-    inner = [adjust(m, (held, in_flight, n)) for m, held, in_flight, n in _fsdp_inner_moments(q, raf, n_back)]
+    inner = [
+        adjust(m, (held, in_flight, n)) for m, held, in_flight, n in _fsdp_inner_moments(q, raf, n_back, dead=dead)
+    ]
     if untied:
         inner.append(units(_fsdp_tail_post_moment(q), tail_post=True))
     # one rank alone keeps no all-gather output (``wait_for_unshard`` copies from the shards directly)
@@ -1446,7 +1466,9 @@ def _fsdp_tail_post_moment(q: StepInputs) -> Moment:
     return dataclasses.replace(m, activations=max(0, m.activations - norm_saved), temporaries=0, logits_loss=0)
 
 
-def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[Moment, int, bool, int]]:
+def _fsdp_inner_moments(
+    q: StepInputs, raf: bool, n_layers: int, *, dead: int = 0
+) -> list[tuple[Moment, int, bool, int]]:
     """FSDP2's backward moments besides the single-GPU ones, as (the single-GPU moment shifted, the layers
     unsharded then, whether a reduce-scatter input is held, the layers whose post-backward has made their reduce
     output). Per layer, top down (_fsdp_param_group.py
@@ -1467,7 +1489,11 @@ def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[M
     with recompute the layer below the top is the backward's worst moment.
 
     Checkpointed segments of several layers (``sqrt``) are entered at their top layer: there only the top's
-    moments and the layer below the top are shifted (by one layer's recomputed tensors)."""
+    moments and the layer below the top are shifted (by one layer's recomputed tensors).
+
+    ``n_layers``: the layers that run a backward; ``dead`` more below them run none (``--freeze``,
+    :class:`~trainfit.analytic.adapters.FrozenLayers`) and stay unsharded from their forward without
+    ``reshard_after_forward`` (the root's final callback reshards them), the one below the bottom prefetched with it."""
     if n_layers < 2:
         return []
     a = q.stack
@@ -1478,8 +1504,8 @@ def _fsdp_inner_moments(q: StepInputs, raf: bool, n_layers: int) -> list[tuple[M
     # What the current layer holds only during its backward: its recomputed tensors, or its saved ones.
     own = q.segment_layers * a.max_layer_bytes if q.segments else a.max_layer_bytes
     seg = q.segment_layers if q.segments else 1
-    top_held = min(2, n_layers) if raf else n_layers
-    bottom_held = min(seg, 2) if raf else seg
+    top_held = min(2, n_layers) if raf else n_layers + dead
+    bottom_held = (min(seg, 2) if raf else seg) + (1 if raf else dead) * bool(dead)
     tops = (MomentName.BACKWARD_TOP_BLOCK, MomentName.BACKWARD_TOP_SOFTMAX)
     bottoms = (MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_BOTTOM_SOFTMAX)
     inside: list[tuple[Moment, int, bool, int]] = []

@@ -447,6 +447,10 @@ class FsdpHooks(RankHooks):
         # --freeze: below input_grad_from autograd runs no backward (adapters.FrozenLayers)
         fz = frozen_layers(spec, strategy)
         self.blind_from = fz.input_grad_from if fz is not None else 0
+        # Untied units: [final norm, head] reduces right after the final norm's backward — when its input, the
+        # stack's output, needs a gradient (every layer dead: no hook fires, the final callback reduces it)
+        self.tail_early = self.untied and (fz is None or fz.stack_output_grad)
+        self.pending: tuple[int, list[int]] | None = None  # that layer's gradients, waiting for the final callback
         self.reduce_bits = reduce
         # the late gradients' tensors (``backward_end``), in the order the stream makes them
         # (the stream makes an adapter's gradient among them too, as nothing here: grad_bytes, layer_backward_end)
@@ -616,8 +620,9 @@ class FsdpHooks(RankHooks):
     def head_backward_end(self, s: Stream, grads: list[int]) -> list[int]:
         """Units, untied: [final norm, head]'s post-backward, which ``RegisterPostBackwardFunction`` on the final
         norm's input runs after its backward: the head's gradient is reduced early, freed after the reduce output
-        (as the trace frees it), its reduce-scatter input in flight through the top layer's backward."""
-        if not self.untied:
+        (as the trace frees it), its reduce-scatter input in flight through the top layer's backward. Not when every
+        layer is dead (:attr:`tail_early`)."""
+        if not self.tail_early:
             return grads
         return self._post_backward(s, TAIL_UNIT, [], held=grads)
 
@@ -715,10 +720,27 @@ class FsdpHooks(RankHooks):
         s.free(s.alloc(self.norm_temp))
         if self.blind_from and i == self.blind_from - 1:
             # The lowest layer to run backward, its input needing no gradient: no autograd hook runs its
-            # post-backward; the root's final callback does, for every group in module order
-            # (_fsdp_state.py ``_root_post_backward_final_callback``): first the dead layers' (and the table's unit),
-            # whose reshard drops the all-gather output this layer's pre-backward prefetched for them, unread.
-            s.free_all(self.prefetched.pop(k) for k in list(self.prefetched))
+            # post-backward (``_register_post_backward_hook`` finds no input that requires grad); the root's final
+            # callback does (:meth:`_final_callback`), its unsharded gradients held until then.
+            self.pending = (i, grads)
+            return []
+        return self._post_backward(s, i, grads)
+
+    def _final_callback(self, s: Stream) -> list[int]:
+        """After the root's (and the table unit's) post-backward, the rest of the root's final callback
+        (_fsdp_state.py ``_root_post_backward_final_callback``: every state in module order, each group's
+        ``post_backward`` unless it ran, then ``finalize_backward``): the dead layers' groups are resharded (still
+        unsharded from their forward without ``reshard_after_forward``), the all-gather output the lowest live
+        layer's pre-backward prefetched for the dead layer below it (or the root's for the top layer when every
+        layer is dead) is dropped unread (``finalize_backward``: a mistargeted unshard), then the lowest live layer's
+        post-backward reshards it and reduces its gradients."""
+        for i in sorted(k for k in self.unsharded if 0 <= k < self.blind_from - 1):
+            self._reshard(s, i)
+        s.free_all(self.prefetched.pop(k) for k in list(self.prefetched))
+        if self.pending is None:
+            return []
+        i, grads = self.pending
+        self.pending = None
         return self._post_backward(s, i, grads)
 
     def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
@@ -728,6 +750,7 @@ class FsdpHooks(RankHooks):
             # The LM head's 16-bit gradient outlives the root's copy-in (the trace: it is freed after the root's
             # reduce output is made; analytic.parallel ``_fsdp``'s embedding moment).
             out = self._post_backward(s, ROOT_UNIT, late, held=head)
+            out += self._final_callback(s)
         s.free(self.rs_pending)
         self.rs_pending = 0
         s.free_all(self.all_reduce_held)  # ``finalize_backward``
@@ -745,14 +768,18 @@ class FsdpHooks(RankHooks):
         for x, key in zip(self.late_order, late, strict=True):
             if x not in self.in_layers:  # an adapter's: made with its layer's (0 here)
                 by_unit[self.unit_of[x]].append(key)
-        out = list(head) if self.untied else []
-        if not self.untied:
+        out = list(head) if self.tail_early else []
+        if not self.tail_early:
             by_unit[TAIL_UNIT] += head
         for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT):
             if by_unit[u]:
                 out += self._post_backward(s, u, [], held=by_unit[u])
             else:  # no gradient to reduce: only the reshard
                 self._reshard(s, u)
+            if u == EMBEDDING_UNIT and self.untied:  # the layers come before [final norm, head] in module order
+                out += self._final_callback(s)
+        if not self.untied:  # tied, [final norm, head] holds the table, whose module comes first: the layers after
+            out += self._final_callback(s)
         return out
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
