@@ -71,16 +71,22 @@ def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: s
     assert "Traceback" not in res.err
 
 
-def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+def _tiny_config(tmp_path: Path, model_type: str, *, tied: bool) -> Path:
+    """A 4-layer, 64-wide config.json of ``model_type`` in ``tmp_path``."""
     cfg = {
-        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "model_type": model_type, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "tie_word_embeddings": True,
+        "max_position_embeddings": 512, "tie_word_embeddings": tied,
     }  # fmt: skip
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_trace_of_ddp_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = _tiny_config(tmp_path, "qwen2", tied=True)
     res = run_cli(
         capsys, "estimate", str(path), "--gpus", "4", "--sharding", "ddp", "--method", "trace", "--seq", "128", "--json"
     )
@@ -95,13 +101,7 @@ def test_trace_of_freeze_on_fsdp_from_the_cli(capsys: pytest.CaptureFixture[str]
     same trainable parameters as the analytic estimate."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    cfg = {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "tie_word_embeddings": False,
-    }  # fmt: skip
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _tiny_config(tmp_path, "llama", tied=False)
     args = ("--gpus", "4", "--sharding", "fsdp", "--finetune", "freeze", "--freeze", "layers:2-3", "--seq", "128")
     traced = run_cli(capsys, "estimate", str(path), *args, "--method", "trace", "--json")
     assert traced.code == 0, traced.err
@@ -120,13 +120,7 @@ def test_trace_of_deepspeed_from_the_cli(capsys: pytest.CaptureFixture[str], tmp
     pytest.importorskip("transformers")
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed")
-    cfg = {
-        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "tie_word_embeddings": True,
-    }  # fmt: skip
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = _tiny_config(tmp_path, "qwen2", tied=True)
     args = ("--gpus", "8", "--sharding", "zero2", "--method", "trace", "--seq", "128", "--json")
     res = run_cli(capsys, "estimate", str(path), *args)
     assert res.code == 0, res.err
