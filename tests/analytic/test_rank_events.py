@@ -590,3 +590,22 @@ def test_fully_shard_groups_place_each_adapter_in_its_layers() -> None:
     bert_calls = _fully_shard_calls(bert, s, held)
     assert set(head) <= set(bert_calls[-1])  # the root's
     assert not any(h in call for h in head for call in bert_calls[:-1])
+
+
+@pytest.mark.parametrize(("base", "cast"), [("bf16", False), ("fp16", True), (None, True)])
+def test_fsdp_all_gather_copies_in_only_what_the_policy_casts(base: str | None, cast: bool) -> None:
+    """The foreach copy-in's flat buffer holds the parameters whose dtype is not the policy's ``param_dtype``
+    (_fsdp_param.py ``init_dtype_attrs`` clamps it to None otherwise): a bf16 base under amp-bf16 is its own input,
+    an fp16 one (same width) is cast, and so is the fp32 base the policy's model is built in by default."""
+    from trainfit.analytic.rank_events import _fully_shard_calls
+
+    spec = load_model("tinyllama-1.1b")
+    adapter, base_weights = finetune_setup("lora", rank=8, targets="q_proj,v_proj", base_dtype=base)
+    s = Strategy(parallelism=Parallelism(data=4), sharding="fsdp", adapter=adapter, base_weights=base_weights)
+    hooks = FsdpHooks(spec, s, 4)
+    group = hooks.layers[0]
+    call = _fully_shard_calls(spec, s, hooks.held)[0]
+    frozen = [c for c, h in zip(group.casts, call, strict=True) if not h.adapter]
+    adapters = [c for c, h in zip(group.casts, call, strict=True) if h.adapter]
+    assert all(c > 0 for c in frozen) is cast and any(c > 0 for c in frozen) is cast
+    assert adapters and all(c > 0 for c in adapters)  # PEFT's fp32 adapters, cast to bf16

@@ -140,6 +140,7 @@ from trainfit.result import (
 )
 from trainfit.strategy import (
     Checkpointing,
+    DType,
     Engine,
     FsdpWrap,
     OffloadTarget,
@@ -512,6 +513,7 @@ class HeldTensor:
     group: int = -1  # the inventory's layer group it belongs to (-1: root)
     packed_bytes: int = 0  # a bitsandbytes 4-bit weight: its packed data, sharded as storage elements
     quant_state_bytes: int = 0  # its quant state (absmax, codes, offset): allocator-rounded, whole per rank
+    dtype: DType = DType.FP32  # its stored dtype (``bits`` wide; a packed 4-bit weight: its storage dtype)
 
     @property
     def storage_numel(self) -> int:
@@ -567,10 +569,13 @@ def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> t
         root = group < 0
         common = {"tensor": t, "count": x.count, "trainable": x.trainable, "root": root, "group": group}
         if x.adapter:
-            out.append(HeldTensor(**common, bits=x.bits, adapter=True))  # type: ignore[arg-type]
+            assert strategy.adapter is not None
+            dt = strategy.adapter.dtype
+            out.append(HeldTensor(**common, bits=x.bits, adapter=True, dtype=dt))  # type: ignore[arg-type]
             continue
         if x.trainable:
-            out.append(HeldTensor(**common, bits=32 if fsdp_mixed else r.weight_bits))  # type: ignore[arg-type]
+            dt = DType.FP32 if fsdp_mixed else r.weight_dtype
+            out.append(HeldTensor(**common, bits=dt.bits, dtype=dt))  # type: ignore[arg-type]
             continue
         if quant is not None and bnb_converted(t) and not root:
             pieces = quantized_weight_tensors(t.numel, t.shape[0], quant.value, double_quant=base.double_quant)
@@ -578,15 +583,16 @@ def _held_tensors(spec: ModelSpec, strategy: Strategy, *, fsdp_mixed: bool) -> t
                 HeldTensor(
                     **common,  # type: ignore[arg-type]
                     bits=QUANT_STORAGE_BITS,
+                    dtype=DType.BF16,  # bnb_4bit_quant_storage=bfloat16
                     packed_bytes=pieces[0],
                     quant_state_bytes=sum(allocator_bytes(n) for n in pieces[1:]),
                 )
             )
             continue
-        bits = base.dtype.bits if base.dtype is not None else (32 if fsdp_mixed else r.weight_bits)
-        if base.kbit_prepared and bits == 16:
-            bits = 32
-        out.append(HeldTensor(**common, bits=bits))  # type: ignore[arg-type]
+        dt = base.dtype if base.dtype is not None else (DType.FP32 if fsdp_mixed else r.weight_dtype)
+        if base.kbit_prepared and dt.bits == 16:
+            dt = DType.FP32
+        out.append(HeldTensor(**common, bits=dt.bits, dtype=dt))  # type: ignore[arg-type]
     return tuple(out)
 
 

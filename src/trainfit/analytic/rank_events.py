@@ -161,6 +161,7 @@ from trainfit.cuda_facts import allocator_bytes
 from trainfit.fsdp_units import EMBEDDING_UNIT, ROOT_UNIT, TAIL_UNIT, fsdp_unit, resolved_fsdp_wrap, untied_units
 from trainfit.strategy import (
     Checkpointing,
+    DType,
     Engine,
     FsdpWrap,
     Offload,
@@ -322,9 +323,15 @@ class _Group:
     __slots__ = ("all_gather", "casts", "reduce_scatter", "shard_grads", "shards", "tensors", "trainable", "unsharded")
 
     def __init__(
-        self, held: Sequence[HeldTensor], shards: int, gather_bits: int | None, reduce_bits: int | None
+        self,
+        held: Sequence[HeldTensor],
+        shards: int,
+        gather_bits: int | None,
+        reduce_bits: int | None,
+        gather_dtype: DType | None = None,
     ) -> None:
-        """``gather_bits``/``reduce_bits``: the policy's ``param_dtype``/``reduce_dtype`` widths (None: none)."""
+        """``gather_bits``/``reduce_bits``: the policy's ``param_dtype``/``reduce_dtype`` widths (None: none);
+        ``gather_dtype``: its ``param_dtype``."""
         self.tensors = [h.tensor for h in held]
         self.trainable = [h.tensor for h in held if h.trainable]
         local = [h.shard_numel(shards) for h in held]
@@ -334,7 +341,7 @@ class _Group:
         # ``init_dtype_attrs`` clamps its ``param_dtype`` to None otherwise: a 16-bit base or adapter, packed 4-bit
         # storage; the shard itself is then the input)
         self.casts = [
-            n * b // 8 if gather_bits is not None and h.bits != gather_bits else 0
+            n * b // 8 if gather_dtype is not None and h.dtype != gather_dtype else 0
             for n, b, h in zip(local, gather, held, strict=True)
         ]
         # views of each parameter's padded all-gather output (_fsdp_param.py ``init_unsharded_param``)
@@ -413,7 +420,7 @@ class FsdpHooks(RankHooks):
         self.held = held_tensors(spec, strategy, fsdp_mixed=mixed)
         self.unit_of = {h.tensor: fsdp_unit(spec, strategy, h.tensor) for h in self.held if h.root}
         self.layer_counts = [g.count for g in inv.layers]
-        policy = (gather, reduce) if mixed else (None, None)
+        policy = (gather, reduce, strategy.recipe.compute) if mixed else (None, None, None)
         self.model_groups = {
             u: _Group([h for h in self.held if h.root and self.unit_of[h.tensor] == u], shards, *policy)
             for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT)
