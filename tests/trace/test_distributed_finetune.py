@@ -178,6 +178,18 @@ def test_dead_layers_on_an_fsdp2_rank_agree_with_the_trace(freeze: str, raf: boo
     assert_phases_agree(closed, traced, 0.01, step_slack=512 * (len(_trainable_tensors(spec, s)) + 2))
 
 
+def test_an_fsdp2_trace_extrapolates_the_kv_copies_of_dead_layers() -> None:
+    """Seven dead layers of eight: the KV cache's copies of the untraced dead layers are in the extrapolated forward
+    (filed apart from FSDP2's temporaries, which are held at their largest traced value: −2.7% before)."""
+    spec = spec_from_config({**SMALL, "num_hidden_layers": 8}, name="small-llama-8", source="test")
+    _, base = finetune_setup("freeze", freeze="embeddings,layers:0-6")
+    s = Strategy(base_weights=base, parallelism=Parallelism(data=4), sharding="fsdp", micro_batch=2, seq_len=128)
+    ext, full = trace_distributed(spec, s), trace_distributed(spec, s, extrapolate=False)
+    fe, ff = ext.phase(Phase.FORWARD), full.phase(Phase.FORWARD)
+    assert fe.total_bytes == pytest.approx(ff.total_bytes, rel=0.001)
+    assert fe.get(Component.KV_CACHE) == 0  # filed back among the temporaries
+
+
 # LoRA on a transformers 5 MoE (PEFT's ParamWrapper on the router and the 3-D expert stacks): experts large enough
 # against the vocabulary that the parametrized expert weights (W + B·A, one baddbmm per stack) dominate, as at
 # catalog sizes. FSDP2 shards lora_A/lora_B as ordinary parameters of their layer; ParamWrapper's

@@ -1028,11 +1028,12 @@ def _fsdp(
     # (``reduce_scatter_max_input_buffers`` = 1) — none when that layer is wholly frozen (--freeze: its post-backward
     # freed the one before and reduced nothing, ``len(fsdp_params_with_grad) == 0``).
     fz = frozen_layers(spec, strategy)
-    above = q.stack.bottom_layer + 1 if q.stack.bottom_layer is not None else n_layers
     dead = fz.dead if fz is not None else 0
     # the layers that run a backward (--freeze: none below the dead ones)
     n_back = n_layers - dead
-    rs_bottom = 0 if fz is not None and (not n_back or (above < n_layers and fz.frozen_at[above])) else rs
+    bottom = q.stack.bottom_layer if q.stack.bottom_layer is not None else dead + seg - 1
+    above = bottom + 1  # none above the top layer: its own is made in its post-backward
+    rs_bottom = rs if above < n_layers and not (fz is not None and fz.frozen_at[above]) else 0
     if dead:
         # with reshard_after_forward the dead layer below the bottom one, prefetched by its pre-backward (or the top
         # one by the root's, every layer dead); without, every dead layer, unsharded until the final callback
@@ -1500,7 +1501,7 @@ def _fsdp_inner_moments(
     ``n_layers``: the layers that run a backward; ``dead`` more below them run none (``--freeze``,
     :class:`~trainfit.analytic.adapters.FrozenLayers`) and stay unsharded from their forward without
     ``reshard_after_forward`` (the root's final callback reshards them), the one below the bottom prefetched with it."""
-    if n_layers < 2:
+    if n_layers < 1 or n_layers + dead < 2:
         return []
     a = q.stack
     one_segment = q.segments > 0 and q.segment_layers == 1
@@ -1525,7 +1526,7 @@ def _fsdp_inner_moments(
                 temporaries=q.grad_layer,  # the layer's bf16 gradients, copied into the reduce-scatter input
             )
             out.append((post, top_held - 1, True, 0))  # before its reduce output
-        elif m.name is MomentName.BACKWARD_BOTTOM_BLOCK:
+        elif m.name is MomentName.BACKWARD_BOTTOM_BLOCK and n_layers > 1:  # one layer: the top's moments
             inside.append((m, bottom_held, True, n_layers - 1))
         if n_layers < 3:
             continue

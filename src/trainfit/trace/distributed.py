@@ -29,9 +29,10 @@ it saw), and under FSDP2 bitsandbytes' recovery of the ``quant_state`` that the 
 on the fake tensor itself. ``--freeze`` freezes the reduced model's parameters (``freeze_patterns`` on the full-depth
 meta model); a freeze range makes frozen and trainable layers two runs, whose reduced model keeps layers that are no
 prefix of the stack: they are renumbered as on one GPU (:func:`trainfit.trace.depth.renumber_layers`). Under FSDP2
-the extrapolation holds the temporaries at their largest traced value (:func:`_hold_transients`), which leaves out
-the KV cache copies of dead layers beyond the traced units (a run of 7 dead layers of 8: forward −2.7% against the
-full depth).
+the extrapolation holds the temporaries at their largest traced value (:func:`_hold_transients`); the KV cache's
+copies that die with the outputs (a dead layer's: no kernel saves them) are filed apart (:data:`CACHE`) so that
+they are extrapolated, then folded back (:func:`fold_cache`; a run of 7 dead layers of 8: forward −2.7% against the
+full depth before).
 
 DeepSpeed ZeRO-1/2/3 (``--sharding zero1|zero2|zero3``) is traced by :mod:`trainfit.trace.deepspeed`, which
 :func:`trace_distributed` hands it to.
@@ -79,6 +80,8 @@ from trainfit.trace.optim import make_optimizer
 
 #: Record kinds beyond the tracker's own.
 UNSHARDED, COMM = 20, 21
+#: The KV cache's ``torch.cat`` copies of k and v (training with ``use_cache``): alive to the forward's end, or saved.
+CACHE = 22
 
 Progress = Callable[[str, float], None]
 
@@ -176,7 +179,38 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
             return Component.UNSHARDED_PARAMS
         if rec.kind == COMM:
             return Component.COMM_BUFFERS
+        if rec.kind == CACHE:
+            # what an attention kernel saves is an activation; what only the cache holds dies with the outputs, a
+            # forward temporary filed apart so that depth extrapolates it (:func:`_hold_transients` holds FSDP2's
+            # temporaries at their largest traced value; :func:`fold_cache` files it back)
+            end = self.forward_end.get(rec.step)
+            if end is None or rec.free_t is None or rec.free_t > end:
+                return Component.ACTIVATIONS
+            return Component.KV_CACHE
         return super().component(rec)
+
+
+def _mark_cache(tr: DistTracker, out: Any) -> Any:
+    """The forward's outputs, with the KV cache's tensors marked (:data:`CACHE`)."""
+    from trainfit.trace.generate import _cache_tensors
+
+    tr.mark(_cache_tensors(getattr(out, "past_key_values", None)), CACHE, only_unmarked=True)
+    return out
+
+
+def fold_cache(phases: dict[Phase, PhaseBreakdown]) -> dict[Phase, PhaseBreakdown]:
+    """The cache's forward copies (:data:`CACHE`, extrapolated on their own) back among the temporaries, where the
+    analytic model and the one-GPU trace count them."""
+    out = {}
+    for ph, b in phases.items():
+        kv = b.components.get(Component.KV_CACHE, 0)
+        if kv:
+            c = dict(b.components)
+            c[Component.KV_CACHE] = 0
+            c[Component.TEMPORARIES] = c.get(Component.TEMPORARIES, 0) + kv
+            b = dataclasses.replace(b, components=c)
+        out[ph] = b
+    return out
 
 
 @contextlib.contextmanager
@@ -588,7 +622,7 @@ def run_layout_distributed(
         raise
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
-        forward=lambda m, batch: m(**batch),
+        forward=lambda m, batch: _mark_cache(tr, m(**batch)),
         loss_of=hf.loss_of(spec),
         make_optimizer=lambda params: make_optimizer(strategy.optimizer, params, adamw_impl=adamw_impl),
     )
@@ -748,7 +782,7 @@ def trace_distributed(
         replan=lambda base: depth.plan_depth(spec, built, extrapolate=extrapolate, base_units=base),
         say=say,
     )
-    plan, results, warnings, phases = outcome.plan, outcome.results, outcome.warnings, outcome.phases
+    plan, results, warnings, phases = outcome.plan, outcome.results, outcome.warnings, fold_cache(outcome.phases)
     traced = [len(layout.layers) for _, layout, _ in results]
     trainable = results[0][2].trainable_params
     for k, r in enumerate(plan.ext):  # each extrapolated run's per-unit increment times its missing units
