@@ -192,9 +192,9 @@ class DistTracker(tk.Tracker):  # type: ignore[no-untyped-call]
 
 def _mark_cache(tr: DistTracker, out: Any) -> Any:
     """The forward's outputs, with the KV cache's tensors marked (:data:`CACHE`)."""
-    from trainfit.trace.generate import _cache_tensors
+    from trainfit.trace.generate import cache_tensors
 
-    tr.mark(_cache_tensors(getattr(out, "past_key_values", None)), CACHE, only_unmarked=True)
+    tr.mark(cache_tensors(getattr(out, "past_key_values", None)), CACHE, only_unmarked=True)
     return out
 
 

@@ -233,7 +233,7 @@ def _mask_patches(padded: bool = False) -> Iterator[None]:
             setattr(mu, n, f)
 
 
-def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
     """What a cache object holds: each layer's ``keys``/``values``, and for transformers' quantised layers
     (``BaseQuantizedLayer``: ``Fp8QuantizedLayer``) the ``(fp8 tensor, scale)`` pairs ``_quantized_keys`` /
     ``_quantized_values`` (their ``keys``/``values`` are empty tensors that only carry the dtype)."""
@@ -406,7 +406,7 @@ def _run_layout(
     def traced_forward(*args: Any, **kwargs: Any) -> Any:
         passes.append(_PassMarks(start=tr.t, unit_starts=[]))
         out = forward(*args, **kwargs)
-        tr.mark(_cache_tensors(getattr(out, "past_key_values", None) or kwargs.get("past_key_values")), _KV)
+        tr.mark(cache_tensors(getattr(out, "past_key_values", None) or kwargs.get("past_key_values")), _KV)
         passes[-1].end = tr.t
         answers.passes.append(tr.t)
         return out
