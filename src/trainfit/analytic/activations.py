@@ -1560,7 +1560,12 @@ def blind_layer_unsaved(spec: ModelSpec, strategy: Strategy) -> tuple[int, tuple
     if not frozen_forms_known(spec) or spec.norm is not NormKind.RMSNORM or spec.norm_unit_offset:
         return 0, ()
     terms = layer_terms(spec, strategy, moe=inv.layers[0].kind == "moe")
-    return fz.dead, tuple(x for x in terms if x.name in ("norm1.rsqrt", "norm1.input_fp32"))
+    return fz.dead, tuple(x for x in terms if x.name in _input_grad_saves("norm1"))
+
+
+def _input_grad_saves(norm: str) -> tuple[str, str]:
+    """The terms of an RMSNorm (:func:`_norm_terms`) saved only for its input's gradient: the fp32 input and rsqrt."""
+    return f"{norm}.rsqrt", f"{norm}.input_fp32"
 
 
 def first_layer_unsaved_bytes(spec: ModelSpec, strategy: Strategy) -> int:
@@ -2079,7 +2084,7 @@ def model_terms(spec: ModelSpec, strategy: Strategy) -> list[SavedTerm]:
         if fz is not None and not fz.stack_output_grad and spec.norm is NormKind.RMSNORM and not spec.norm_unit_offset:
             # every layer dead: the final RMSNorm's input needs no gradient, so it keeps only ``normed`` for its
             # weight's (as :func:`blind_layer_unsaved`; found by the trace, FSDP2 forward +2.4% before)
-            final = [x for x in final if x.name not in ("final_norm.rsqrt", "final_norm.input_fp32")]
+            final = [x for x in final if x.name not in _input_grad_saves("final_norm")]
         out += final
     if spec.kind is ModelKind.MASKED_LM:
         # BERT MLM head: dense (reads the last LayerNorm output) → GeLU → LayerNorm(fp32 under AMP). Under an

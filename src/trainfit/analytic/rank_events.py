@@ -407,7 +407,6 @@ class FsdpHooks(RankHooks):
         gather = strategy.recipe.compute_bits if mixed else bits
         reduce = 32 if mixed else bits
         inv = inventory(spec)
-        self.spec = spec
         self.strategy = strategy
         self.shards = shards
         self.bits = bits
@@ -425,7 +424,8 @@ class FsdpHooks(RankHooks):
             u: _Group([h for h in self.held if h.root and self.unit_of[h.tensor] == u], shards, *policy)
             for u in (ROOT_UNIT, EMBEDDING_UNIT, TAIL_UNIT)
         }
-        calls = _fully_shard_calls(spec, strategy, self.held)[: sum(self.layer_counts)]
+        self.calls = _fully_shard_calls(spec, strategy, self.held, self.unit_of.__getitem__)
+        calls = self.calls[: sum(self.layer_counts)]
         made: dict[tuple[int, ...], _Group] = {}  # layers alike share one
         self.layers = [made.setdefault(tuple(map(id, c)), _Group(c, shards, *policy)) for c in calls]
         # each layer's gradients, made at the end of its backward: the trainable tensors, in param_dtype under the
@@ -491,7 +491,7 @@ class FsdpHooks(RankHooks):
                     for _ in range(h.count):
                         s.alloc(n)
             return
-        for group in _fully_shard_calls(self.spec, self.strategy, self.held, self.unit_of.__getitem__):
+        for group in self.calls:
             whole = []
             for h in group:
                 whole.append(s.alloc(_alloc_bits(h.storage_numel, h.bits)))
