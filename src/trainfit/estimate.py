@@ -361,10 +361,11 @@ def estimate(
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
-    # The allocator simulation runs for one GPU and, analytic, for the ranks rank_events.rank_simulated names
-    # (estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
+    # The allocator simulation runs for one GPU and for the ranks rank_events.rank_simulated names (the analytic
+    # stream's; estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
-    if strategy.is_distributed and method is Method.ANALYTIC:
+    if strategy.is_distributed and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
+        # a traced rank takes the reserve of its analytic stream (trainfit.trace.distributed.with_rank_reserve)
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )

@@ -131,6 +131,7 @@ from trainfit.fsdp_units import (
 from trainfit.overhead import overhead_for
 from trainfit.result import (
     BytesPerParam,
+    CappedRun,
     Component,
     MemoryReport,
     Method,
@@ -2584,41 +2585,25 @@ def estimate_parallel(
     reserve_note = "reserved: the fixed reserve fraction of the allocated peak (docs/accuracy.md)"
     capped = None
     simulated = stopped = False
-    if allocator is not None:
-        from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
-
-        simulated = rank_simulated(strategy, p)
-        if simulated:
-            stage = _worst_stage(ranks) if ranks else 0
-            sim = simulate_rank(
-                spec,
-                strategy,
-                p,
-                allocator,
-                workspaces,
-                stage=stage,
-                stop_above_bytes=stop_above_bytes,
-                device_bytes=device_bytes,
-            )
-            stopped = sim.stopped
-            held = peak + sum(w.size_bytes for w in workspaces)
-            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=max(0, sim.peak_reserved_bytes - held))
-            capped = capped_run(
-                lambda c: simulate_rank(
-                    spec, strategy, p, allocator, workspaces, stage=stage, capacity_bytes=c, device_bytes=device_bytes
-                ),
-                sim,
-                held_bytes=held,
-                reserve_bytes=overhead.allocator_reserve_bytes,
-                capacity_bytes=capacity_bytes,
-            )
-            order = strategy.parallelism.pipeline_schedule.value
-            reserve_note = (
-                "reserved: this rank's event stream"
-                + (f" (pipeline stage {stage}, the {order} order)" if ranks else "")
-                + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
-                + _flatten_note(spec, strategy, p, device_bytes)
-            )
+    sim = (
+        simulated_reserve(
+            spec,
+            strategy,
+            peak + sum(w.size_bytes for w in workspaces),
+            allocator,
+            workspaces,
+            p=p,
+            ranks=ranks,
+            capacity_bytes=capacity_bytes,
+            stop_above_bytes=stop_above_bytes,
+            device_bytes=device_bytes,
+        )
+        if allocator is not None
+        else None
+    )
+    if sim is not None:
+        simulated, stopped, capped, reserve_note = True, sim.stopped, sim.capped, sim.note
+        overhead = dataclasses.replace(overhead, allocator_reserve_bytes=sim.reserve_bytes)
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
     trainable = sum(h.tensor.numel * h.count for h in held_tensors(spec, strategy) if h.trainable)
@@ -2649,6 +2634,80 @@ def estimate_parallel(
         capped=capped,
         reserve_simulated=simulated,
         reserve_stopped=stopped,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulatedReserve:
+    """A rank's reserve from the caching-allocator simulation of its synthesised event stream."""
+
+    reserve_bytes: int  # the stream's reserved peak above ``held_bytes`` (≥ 0)
+    peak_reserved_bytes: int  # the stream's own reserved peak
+    stream_peak_allocated_bytes: int  # the stream's own allocated peak (workspaces included)
+    stopped: bool  # the stream stopped above ``stop_above_bytes``: the reserve is a lower bound
+    capped: CappedRun | None  # the same stream under ``capacity_bytes`` when borderline (capped_run)
+    note: str  # where the reserve comes from, for the report's notes
+
+
+def simulated_reserve(
+    spec: ModelSpec,
+    strategy: Strategy,
+    held_bytes: int,
+    allocator: AllocatorConfig,
+    workspaces: tuple[Workspace, ...] = (),
+    *,
+    p: ParallelPlan | None = None,
+    ranks: tuple[RankMemory, ...] = (),
+    capacity_bytes: int | None = None,
+    stop_above_bytes: int | None = None,
+    device_bytes: int | None = None,
+) -> SimulatedReserve | None:
+    """The reserve above ``held_bytes`` (an allocated peak, workspaces included: this module's closed form or a
+    traced rank's) of the rank that :func:`~trainfit.analytic.rank_events.rank_simulated` names, from its event
+    stream through the caching-allocator simulation; None for the setups that keep the fixed fraction.
+    ``p``, ``ranks``: the closed form's plan and per-stage ranks (the worst stage's stream is simulated; None:
+    computed here); the other arguments as :func:`estimate_parallel`'s."""
+    from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
+
+    if p is None:
+        strategy, _ = effective_strategy(spec, strategy)
+        p, _, ranks, _, _ = _closed_form(spec, strategy)
+    if not rank_simulated(strategy, p):
+        return None
+    stage = _worst_stage(ranks) if ranks else 0
+    sim = simulate_rank(
+        spec,
+        strategy,
+        p,
+        allocator,
+        workspaces,
+        stage=stage,
+        stop_above_bytes=stop_above_bytes,
+        device_bytes=device_bytes,
+    )
+    reserve = max(0, sim.peak_reserved_bytes - held_bytes)
+    capped = capped_run(
+        lambda c: simulate_rank(
+            spec, strategy, p, allocator, workspaces, stage=stage, capacity_bytes=c, device_bytes=device_bytes
+        ),
+        sim,
+        held_bytes=held_bytes,
+        reserve_bytes=reserve,
+        capacity_bytes=capacity_bytes,
+    )
+    order = strategy.parallelism.pipeline_schedule.value
+    return SimulatedReserve(
+        reserve_bytes=reserve,
+        peak_reserved_bytes=sim.peak_reserved_bytes,
+        stream_peak_allocated_bytes=sim.peak_allocated_bytes,
+        stopped=sim.stopped,
+        capped=capped,
+        note=(
+            "reserved: this rank's event stream"
+            + (f" (pipeline stage {stage}, the {order} order)" if ranks else "")
+            + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
+            + _flatten_note(spec, strategy, p, device_bytes)
+        ),
     )
 
 
@@ -2684,6 +2743,7 @@ __all__ = [
     "MegatronInputs",
     "ParallelPlan",
     "ShardedStates",
+    "SimulatedReserve",
     "ZeroPartition",
     "check_parallel_finetune",
     "compute_strategy",
@@ -2708,6 +2768,7 @@ __all__ = [
     "plan",
     "resolve_engine",
     "shard_tensor",
+    "simulated_reserve",
     "tp_local_spec",
     "zero_partition",
 ]

@@ -869,6 +869,58 @@ class DtensorTpHooks(RankHooks):
         return self.step_temp
 
 
+class FsdpTpHooks(FsdpHooks):
+    """2-D FSDP2 × DTensor TP (± SP; torchtitan's ``parallelize_llama``: ``apply_tp``, then ``fully_shard`` per layer
+    and root over the ``dp`` mesh dimension), rank 0: FSDP2's groups of the TP-local tensors
+    (:func:`~trainfit.analytic.parallel.dtensor_tp_held_spec`, each sharded on dim 0 of its local tensor over the dp
+    ranks, as the closed form ``parallel._fsdp_tp``), over the stream of the TP-local model
+    (:func:`~trainfit.analytic.parallel.dtensor_tp_spec`) with DTensor TP's departures (:class:`DtensorTpHooks`:
+    the rank's vocabulary rows of the head, the gathered logits, SP's sequence-sharded tensors). The token table's
+    gradient is computed whole (``embedding_dense_backward`` has no vocabulary-sharded strategy), then redistributed
+    ``Replicate`` → ``Shard(0)`` into a copy of the rank's ⌈V/tp⌉ rows, the whole one freed, before the root's
+    post-backward reduce-scatters it."""
+
+    def __init__(
+        self, spec: ModelSpec, strategy: Strategy, tp: int, dp: int, *, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__(dtensor_tp_held_spec(spec, tp), strategy, dp)
+        self.tp = DtensorTpHooks(spec, strategy, tp, sequence_parallel=sequence_parallel)
+        stream = dtensor_tp_spec(spec, tp)
+        run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
+        layers = {x for g in inventory(stream).layers for x in g.tensors}
+        # the gradients synthesise makes at the end of backward, in its order
+        self.late_stream = [
+            ps.tensor
+            for ps in param_states(stream, run)
+            if ps.trainable and ps.tensor not in layers and not self.early_grad(stream, ps.tensor)
+        ]
+        self.table_rows = _alloc_bits(self.tp.rows * spec.hidden_size, run.recipe.grad_bits)
+
+    def saved_bytes(self, name: str, nbytes: int) -> int:
+        return self.tp.saved_bytes(name, nbytes)
+
+    def residual_bytes(self, nbytes: int) -> int:
+        return self.tp.residual_bytes(nbytes)
+
+    def copy_bytes(self, x: ParamTensor, bits: int) -> int:
+        return self.tp.copy_bytes(x, bits)
+
+    def grad_bytes(self, x: ParamTensor, bits: int) -> int:
+        return 0 if x in self.in_layers else self.tp.grad_bytes(x, bits)
+
+    def logits_gather(self, s: Stream) -> list[int]:
+        return self.tp.logits_gather(s)
+
+    def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
+        late = list(late)
+        for k, x in enumerate(self.late_stream):
+            if x.name == "embed_tokens.weight":  # the rank's rows copied out of the whole gradient
+                rows = s.alloc(self.table_rows)
+                s.free(late[k])
+                late[k] = rows
+        return super().backward_end(s, head, late)
+
+
 #: DeepSpeed's reduction stream (stage_1_and_2.py ``__init__``: ``self.reduction_stream``): with ``overlap_comm``
 #: the reduced gradients are copied into the partition's buffer under it (``reduce_ipg_grads``).
 DS_REDUCTION_STREAM = 3

@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Workspace
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TraceUnsupportedError
 from trainfit.fsdp_units import resolved_fsdp_wrap
@@ -77,6 +79,7 @@ from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
 from trainfit.trace.float8 import inner_ops_tracked
 from trainfit.trace.optim import make_optimizer
+from trainfit.units import fmt_gib
 
 #: Record kinds beyond the tracker's own.
 UNSHARDED, COMM = 20, 21
@@ -724,10 +727,79 @@ def trace_distributed(
     steps: int = 2,
     adamw_impl: str | None = None,
     extrapolate: bool = True,
+    allocator: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+    capacity_bytes: int | None = None,
+    device_bytes: int | None = None,
 ) -> MemoryReport:
-    """Rank 0 of ``strategy``'s DDP or FSDP2 run, traced on the fake process group and extrapolated in depth.
-    The allocator replay of the single-GPU trace is not run for many GPUs yet."""
+    """Rank 0 of ``strategy``'s run (DDP, FSDP2/HSDP, DeepSpeed ZeRO, DTensor TP), traced on the fake process group
+    and extrapolated in depth. Reserved memory: the traced events are not replayed (the CPU trace has no CUDA
+    streams, and FSDP2 and DeepSpeed allocate on several); with ``allocator`` it is the traced allocated peak plus
+    the reserve of the analytic rank stream through the caching-allocator simulation where that stream is
+    simulated (:func:`trainfit.analytic.parallel.simulated_reserve`; within −4.6…+1.3% of the traced events'
+    own replay on one stream, docs/accuracy.md), else the fixed fraction. ``workspaces``, ``capacity_bytes`` and
+    ``device_bytes`` as :func:`trainfit.analytic.parallel.estimate_parallel`'s."""
     del modules
+    report = _traced_rank(
+        spec, strategy, progress=progress, steps=steps, adamw_impl=adamw_impl, extrapolate=extrapolate
+    )
+    return with_rank_reserve(
+        report, spec, strategy, allocator, workspaces, capacity_bytes=capacity_bytes, device_bytes=device_bytes
+    )
+
+
+def with_rank_reserve(
+    report: MemoryReport,
+    spec: ModelSpec,
+    strategy: Strategy,
+    allocator: AllocatorConfig | None,
+    workspaces: tuple[Workspace, ...] = (),
+    *,
+    capacity_bytes: int | None = None,
+    device_bytes: int | None = None,
+) -> MemoryReport:
+    """``report`` (a traced rank, workspaces not yet added) with the simulated reserve of the same rank's analytic
+    event stream above its traced allocated peak, or the fixed fraction where the stream is not simulated (or
+    no ``allocator``); a note says which."""
+    from trainfit.analytic.parallel import simulated_reserve
+
+    held = report.peak_bytes + sum(w.size_bytes for w in workspaces)
+    sim = None
+    if allocator is not None:
+        sim = simulated_reserve(
+            spec, strategy, held, allocator, workspaces, capacity_bytes=capacity_bytes, device_bytes=device_bytes
+        )
+    if sim is None:
+        note = (
+            "reserved: the fixed reserve fraction of the traced allocated peak (this setup's rank stream is not "
+            "simulated; docs/accuracy.md)"
+        )
+        return dataclasses.replace(report, notes=(*report.notes, note))
+    note = (
+        f"{sim.note}, its reserve added above the traced allocated peak (the stream's allocated peak "
+        f"{fmt_gib(sim.stream_peak_allocated_bytes)}, the trace's {fmt_gib(held)}; the CPU trace has no CUDA streams "
+        "to replay)"
+    )
+    return dataclasses.replace(
+        report,
+        overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=sim.reserve_bytes),
+        notes=(*report.notes, note),
+        capped=sim.capped,
+        reserve_simulated=True,
+        reserve_stopped=sim.stopped,
+    )
+
+
+def _traced_rank(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    progress: Progress | None,
+    steps: int,
+    adamw_impl: str | None,
+    extrapolate: bool,
+) -> MemoryReport:
+    """The traced rank's phases (:func:`trace_distributed`), its reserve the fixed fraction."""
     if strategy.parallelism.tensor > 1:  # DTensor TP (± SP): trainfit.trace.tensor_parallel
         from trainfit.trace.tensor_parallel import trace_tensor_parallel
 
