@@ -973,6 +973,21 @@ def fsdp_unsharded_grad_bytes(spec: ModelSpec, strategy: Strategy, unit: int | N
     return out[0], out[1]
 
 
+def tp_kept_table_grad_bytes(spec: ModelSpec, held_spec: ModelSpec, strategy: Strategy) -> int:
+    """2-D FSDP2 × DTensor TP under accelerate's ``no_sync``: what the token table's kept unsharded gradient holds
+    beyond the rank's ⌈V/tp⌉ rows. The embedding's backward computes the whole table's gradient
+    (``embedding_dense_backward`` has no vocabulary-sharded strategy); in a micro-step that does not reduce,
+    ``to_accumulated_grad_if_needed`` upcasts that whole gradient to the reduce dtype and keeps it — only the
+    reducing post-backward copies the rank's rows out of it (``Replicate`` → ``Shard(0)``). The trace of a tiny
+    llama at TP 2 × dp 2 keeps 8 MiB for the table (8192 × 256 in fp32), not the rows' 4 MiB."""
+    mixed = strategy.recipe.mixed
+    for h in held_tensors(held_spec, strategy, fsdp_mixed=mixed):
+        if h.tensor.name == "embed_tokens.weight" and h.trainable:
+            bits = fsdp_wire_bits(h.bits, mixed=mixed, compute_bits=strategy.recipe.compute_bits, packed=False)[1]
+            return _alloc(spec.vocab_size * spec.hidden_size, bits) - _alloc(h.tensor.numel, bits)
+    return 0
+
+
 #: The single-GPU moments inside a layer's backward.
 _LAYER_BACKWARD = (
     MomentName.BACKWARD_TOP_BLOCK,
@@ -1059,6 +1074,8 @@ def _fsdp(
     # the model-level groups unsharded through the layers: the root's, and (units) the table's without raf
     through = root + (0 if raf else emb.unsharded)
     acc_root, acc_layers = fsdp_unsharded_grad_bytes(held_spec, strategy) if no_sync else (0, 0)
+    if no_sync and table_copy:  # 2-D: the token table's is kept whole (tp_kept_table_grad_bytes)
+        acc_root += tp_kept_table_grad_bytes(spec, held_spec, strategy)
     acc_layer = acc_layers // max(1, n_layers)
     # units, untied, no_sync: the accumulated gradients of the table's unit and [final norm, head]'s (the root's
     # are then what is left)

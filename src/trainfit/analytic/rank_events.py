@@ -108,6 +108,16 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
   stream, its gradient, a checkpointed segment's input, the final norm's backward temporaries), each matmul's
   all-gathered input whole. Against the traced ``parallelize_module`` events (tiny llama, TP 2): allocated
   ±0.001%, reserved −1.6…0% (no SP), 0…+2.4% (SP).
+* **2-D FSDP2 × DTensor TP** (:class:`FsdpTpHooks`): FSDP2's groups of the TP-local tensors (each sharded on dim 0
+  of its local tensor over the dp ranks) over the TP-local stream with DTensor TP's departures; the token table's
+  whole gradient copied to the rank's rows before the root reduces it, and under ``no_sync`` kept whole in the
+  reduce dtype (:func:`~trainfit.analytic.parallel.tp_kept_table_grad_bytes`). Against the traced
+  ``parallelize_module`` + ``fully_shard`` events (tiny llama, TP 2 × dp 2, one CUDA stream): hidden 256 allocated
+  +0.00…+0.05%, reserved −4.0…0% without accumulation (one 2 MiB segment at this size), +10…+15% with it (one
+  20 MiB segment of 114; likely because the stream's per-layer temporaries are single allocations of 1–2.25 MiB
+  in the large pool where the trace's are pieces under 1 MiB in the small one); hidden 1024 allocated
+  −0.3…+0.7%, reserved −5.5…+2.4% (no_sync and synced accumulation, short and long sequences, fp32,
+  checkpointing).
 * **Megatron-LM TP (± SP) × PP** (:class:`MegatronStage`, :func:`megatron_events`): not a hooked single-GPU stream
   but one pipeline stage's own, since a pipeline schedule interleaves micro-batches (:func:`pipeline_order`: 1F1B
   :func:`one_f_one_b`, Megatron's interleaved 1F1B over v model chunks :func:`interleaved_order`, GPipe); the worst
@@ -119,9 +129,8 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
   the module's parameters after copying them in (its allocated peak when that is above the step's).
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, DTensor TP with gradient
-accumulation and 2-D FSDP2×TP, HSDP with CPU offload, DeepSpeed's CPU offload and DeepSpeed with adapters or
-frozen layers.
+fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, ZeRO-1's offload and
+ZeRO-Infinity, DeepSpeed with adapters or frozen layers, and TP with fine-tuning.
 """
 
 from __future__ import annotations
@@ -220,7 +229,9 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         # +8.4% on a tiny cell (amp-bf16, full checkpointing) while SwiGLU's saved tensors were one allocation; as
         # four (SavedTerm.pieces) the tiny llama cells (TP 2, 2–3 accumulation steps, ± SP) reserve −1.9…+7.2% of
         # the traced run's, as without accumulation (−1.9…+6.3%), allocated +0.0…+0.9%.
-        return p.sharding is Sharding.NONE and not strategy.offload.any and not finetuning(strategy)
+        # 2-D FSDP2×TP (FsdpTpHooks) since 2026-12-03: allocated −0.3…+0.7%, reserved −5.5…+2.4% of the traced run's
+        # on hidden-1024 cells, tiny ones −1.8…0% without accumulation (docs/distributed.md)
+        return p.sharding in (Sharding.NONE, Sharding.FSDP) and not strategy.offload.any and not finetuning(strategy)
     return (
         p.engine is Engine.TORCH
         and p.tp == 1
@@ -707,12 +718,15 @@ class FsdpHooks(RankHooks):
             return grads
         self._reshard(s, i)
         if kept is None and self.upcast:
-            numels = [x.numel for x in self._group(i).trainable] if i < 0 else [n for n, _ in self.layer_grads[i]]
-            upcast = [s.alloc(_alloc_bits(n, self.reduce_bits)) for n in numels]
+            upcast = [s.alloc(_alloc_bits(n, self.reduce_bits)) for n in self._kept_numels(i)]
             s.free_all(grads)
             grads = upcast
         self.kept[i] = grads
         return grads
+
+    def _kept_numels(self, i: int) -> list[int]:
+        """Elements of each gradient group ``i`` keeps under no_sync, in the order of its trainable tensors."""
+        return [x.numel for x in self._group(i).trainable] if i < 0 else [n for n, _ in self.layer_grads[i]]
 
     def layer_backward_end(self, s: Stream, i: int, grads: list[int]) -> list[int]:
         """The layer's bf16 weight gradients, held unsharded to its post-backward, which runs after the whole
@@ -895,6 +909,11 @@ class FsdpTpHooks(FsdpHooks):
             if ps.trainable and ps.tensor not in layers and not self.early_grad(stream, ps.tensor)
         ]
         self.table_rows = _alloc_bits(self.tp.rows * spec.hidden_size, run.recipe.grad_bits)
+        # no_sync: the table's gradient is kept whole (parallel.tp_kept_table_grad_bytes); the reducing micro-step's
+        # post-backward copies the rank's rows, in the reduce dtype, out of the accumulated whole one
+        self.whole_table = spec.vocab_size * spec.hidden_size
+        self.kept_rows = _alloc_bits(self.tp.rows * spec.hidden_size, self.reduce_bits)
+        self.kept_table = 0  # the key of the kept whole gradient
 
     def saved_bytes(self, name: str, nbytes: int) -> int:
         return self.tp.saved_bytes(name, nbytes)
@@ -911,10 +930,31 @@ class FsdpTpHooks(FsdpHooks):
     def logits_gather(self, s: Stream) -> list[int]:
         return self.tp.logits_gather(s)
 
+    def _kept_numels(self, i: int) -> list[int]:
+        if i != ROOT_UNIT:
+            return super()._kept_numels(i)
+        return [self.whole_table if x.name == "embed_tokens.weight" else x.numel for x in self._group(i).trainable]
+
+    def _accumulate(self, s: Stream, i: int, grads: list[int]) -> list[int]:
+        if i != ROOT_UNIT:
+            return super()._accumulate(s, i, grads)
+        first = ROOT_UNIT not in self.kept
+        out = super()._accumulate(s, i, grads)
+        if first and not self.syncing:  # the kept gradients: upcast ones in _kept_numels' order, or autograd's own
+            order = self._group(i).trainable if self.upcast else self.late_stream
+            at = [k for k, x in enumerate(order) if x.name == "embed_tokens.weight"]
+            self.kept_table = out[at[0]] if at else 0
+        if self.syncing and self.kept_table in out:
+            rows = s.alloc(self.kept_rows)
+            s.free(self.kept_table)
+            out[out.index(self.kept_table)] = rows
+            self.kept_table = 0
+        return out
+
     def backward_end(self, s: Stream, head: list[int], late: list[int]) -> list[int] | None:
         late = list(late)
         for k, x in enumerate(self.late_stream):
-            if x.name == "embed_tokens.weight":  # the rank's rows copied out of the whole gradient
+            if x.name == "embed_tokens.weight" and not self.no_sync:  # the rank's rows copied out of the whole one
                 rows = s.alloc(self.table_rows)
                 s.free(late[k])
                 late[k] = rows
@@ -1660,6 +1700,10 @@ def _simulate(
         if device_bytes is not None:
             z.free_device_bytes = device_bytes - z.model_bytes()
         hooks, run = z, compute_strategy(strategy)
+    elif p.tp > 1 and p.sharding is Sharding.FSDP:
+        hooks = FsdpTpHooks(spec, strategy, p.tp, p.shard, sequence_parallel=p.sequence_parallel)
+        run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
+        spec = dtensor_tp_spec(spec, p.tp)
     elif p.tp > 1:
         hooks = DtensorTpHooks(spec, strategy, p.tp, sequence_parallel=p.sequence_parallel)
         spec = dtensor_tp_spec(spec, p.tp)

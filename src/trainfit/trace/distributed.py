@@ -309,7 +309,7 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError("--method trace does not run LLM.int8 layers yet; use --method analytic")
 
 
-def _no_sync_passes(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> Callable[[int, int], None] | None:
+def no_sync_passes(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> Callable[[int, int], None] | None:
     """accelerate's ``no_sync`` for FSDP2 (``EngineOptions.sync_each_batch`` False, the HF Trainer's default under
     accumulation): every micro-step but the step's last runs with ``set_requires_gradient_sync(False)``
     (accelerate/accelerator.py ``no_sync``, transformers/trainer.py's inner loop). The unsharded gradients kept
@@ -637,7 +637,7 @@ def run_layout_distributed(
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
         progress=progress,
         flash_sdp=strategy.flash_sdp,
-        before_pass=_no_sync_passes(run_model, strategy, tr),
+        before_pass=no_sync_passes(run_model, strategy, tr),
         # no_sync: a middle micro-step adds into the kept gradients without reducing (neither the first nor the last)
         accumulation_passes=rn.ACCUMULATION_PASSES if strategy.engine.sync_each_batch else 3,
         # The first step's micro-steps as a real run has them: under FSDP2/HSDP a single first pass reduce-scatters

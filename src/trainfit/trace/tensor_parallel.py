@@ -48,6 +48,7 @@ from trainfit.trace.distributed import (
     DistTracker,
     fsdp_run_strategy,
     keyed_rank,
+    no_sync_passes,
     patched_resize,
     rank_report,
     run_layouts,
@@ -277,6 +278,10 @@ def run_layout_tp(
         head_module=hf.head_of(model),
         stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last) if plan.ext else rn.StackHooks(),
         flash_sdp=strategy.flash_sdp,
+        # 2-D: accelerate's no_sync and the first step's micro-steps, as FSDP2 alone runs them (trace.distributed)
+        before_pass=no_sync_passes(model, strategy, tr) if fsdp else None,
+        accumulation_passes=rn.ACCUMULATION_PASSES if strategy.engine.sync_each_batch or not fsdp else 3,
+        accumulate_first_step=fsdp,
     )
     meshes = _mesh_tensor_outside_modes() if fsdp else contextlib.nullcontext()
     selective: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
