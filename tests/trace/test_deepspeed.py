@@ -10,7 +10,7 @@ import pytest
 
 from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
-from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
+from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy, finetune_setup
 
 from .conftest import tiny_spec
 
@@ -190,3 +190,96 @@ def test_an_accumulating_rank_agrees_with_trace(sharding: str) -> None:
     closed = estimate_parallel(spec, s)
     for a, t in zip(closed.phases, traced.phases, strict=True):
         assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+
+
+#: (sharding, what trains, precision, checkpointing, accumulation steps)
+FINETUNE_CELLS = [
+    ("zero1", "lora", "amp-bf16", "none", 1),
+    ("zero2", "freeze", "amp-bf16", "none", 1),
+    ("zero2", "dora", "amp-fp16", "none", 2),
+    ("zero1", "freeze", "amp-bf16", "full", 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sharding", "what", "precision", "ckpt", "accum"),
+    [pytest.param(*c, id="-".join(map(str, c))) for c in FINETUNE_CELLS],
+)
+def test_a_fine_tuning_rank_agrees_with_trace(sharding: str, what: str, precision: str, ckpt: str, accum: int) -> None:
+    """ZeRO-1/2 with real PEFT adapters (LoRA all-linear, DoRA) or ``--freeze embeddings,layers:0-1`` under the real
+    engine: the client optimizer gets the trainable parameters only, so the flat 16-bit groups, the fp32 partition,
+    Adam's states and the gradient partition are the trainable ones'; the frozen parameters (adapted bases too) stay
+    16-bit module parameters (DeepSpeed's bf16/fp16 block casts the whole module, adapters included). The step
+    flattens the gradient partition and casts it to fp32 (the closed form kept only the cast before it was traced:
+    −5.7% in the step of the freeze cell), and rank 0's gradient partition holds whole the trainable tensors its
+    slice meets (−0.8% in that step without). Every phase within 1% (−0.34…+0.2% measured). Not here: DoRA with full
+    checkpointing, +9% in backward at this size (the one-GPU closed form is −6.8% in forward for DoRA with full
+    checkpointing under pure bf16 at this size too; at catalog size DoRA agrees within 0.01%, docs/accuracy.md)."""
+    spec = tiny_spec("llama", **WIDER)
+    if what == "freeze":
+        adapter, base = finetune_setup("freeze", freeze="embeddings,layers:0-1")
+    else:
+        adapter, base = finetune_setup("lora", rank=16, dora=what == "dora")
+    s = _strategy(sharding, 4, precision, adapter=adapter, base_weights=base, checkpointing=ckpt, grad_accum=accum)
+    traced = trace_distributed(spec, s)
+    closed = estimate_parallel(spec, s)
+    assert traced.trainable_params == closed.trainable_params < traced.params
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= 0.01 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+    step_a, step_t = closed.phase(Phase.OPTIMIZER_STEP), traced.phase(Phase.OPTIMIZER_STEP)
+    for c in (Component.WEIGHTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES, Component.GRADIENTS):
+        assert abs(step_a.get(c) - step_t.get(c)) <= 0.01 * step_t.get(c) + 4096, c
+
+
+#: (what trains, W, precision, checkpointing, stage3_prefetch_bucket_size, stage3_max_reuse_distance)
+ZERO3_FINETUNE_CELLS = [
+    ("lora", 8, "amp-bf16", "none", 50_000, 1_000_000_000),
+    ("freeze", 8, "amp-bf16", "none", 50_000, 1_000_000_000),
+    ("lora", 8, "amp-bf16", "full", 150_000, 300_000),
+    ("freeze", 8, "amp-bf16", "none", 50_000_000, 1_000_000_000),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("what", "w", "precision", "ckpt", "prefetch", "reuse"),
+    [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO3_FINETUNE_CELLS],
+)
+def test_a_zero3_fine_tuning_rank_agrees_with_trace(
+    what: str, w: int, precision: str, ckpt: str, prefetch: int, reuse: int
+) -> None:
+    """ZeRO-3 with real PEFT LoRA adapters or ``--freeze embeddings,layers:0-1``: every parameter is partitioned, the
+    frozen ones with their own ``ds_tensor`` beside the optimizer's flat buffer; the coordinator's replay has no
+    backward fetch where no output requires grad (the dead layers, a frozen table: +12% in forward before), and the
+    step's peak is at its start when the persistent parameters, still whole, outweigh its own temporaries (LoRA:
+    −29% before). Every phase within 2% (−0.7…+1.5% measured), the states within 1%."""
+    spec = tiny_spec("llama", **ZERO3)
+    if what == "freeze":
+        adapter, base = finetune_setup("freeze", freeze="embeddings,layers:0-1")
+    else:
+        adapter, base = finetune_setup("lora", rank=16)
+    s = Strategy(
+        precision=precision,
+        parallelism=Parallelism(data=w),
+        sharding="zero3",
+        checkpointing=ckpt,
+        micro_batch=2,
+        seq_len=128,
+        adapter=adapter,
+        base_weights=base,
+        engine=EngineOptions(
+            reduce_bucket_size=BUCKET,
+            allgather_bucket_size=BUCKET,
+            prefetch_bucket_size=prefetch,
+            max_reuse_distance=reuse,
+        ),
+    )
+    traced = trace_distributed(spec, s)
+    closed = estimate_parallel(spec, s)
+    assert traced.trainable_params == closed.trainable_params < traced.params
+    for a, t in zip(closed.phases, traced.phases, strict=True):
+        assert abs(a.total_bytes - t.total_bytes) <= 0.02 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+    step_a, step_t = closed.phase(Phase.OPTIMIZER_STEP), traced.phase(Phase.OPTIMIZER_STEP)
+    for c in (Component.WEIGHTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES, Component.GRADIENTS):
+        assert abs(step_a.get(c) - step_t.get(c)) <= 0.01 * step_t.get(c) + 4096, c

@@ -103,7 +103,15 @@ from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.report import capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import TermRole, Widths, effective_strategy, layer_terms
-from trainfit.analytic.adapters import adapter_tensors, bnb_converted, check_finetune_model, finetuning, frozen_layers
+from trainfit.analytic.adapters import (
+    adapter_tensors,
+    bnb_converted,
+    check_finetune_model,
+    finetuning,
+    frozen_layers,
+    is_frozen,
+    moe_tensors,
+)
 from trainfit.analytic.model import (
     Moment,
     MomentName,
@@ -1734,15 +1742,34 @@ def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[
     return part, whole
 
 
-def _flat_order(spec: ModelSpec) -> Iterator[ParamTensor]:
+def _flat_order(spec: ModelSpec, strategy: Strategy | None = None) -> Iterator[ParamTensor]:
     """The parameters in ``model.parameters()`` order, the order of stages 1–2's flat buffer and of
-    ``reduce_gradients``: embeddings, the layers, the final norm and head."""
+    ``reduce_gradients``: embeddings, the layers, the final norm and head. Fine-tuning (``strategy``): the trainable
+    ones only, which are the optimizer's (the flat groups hold nothing else) — each layer's unfrozen tensors under
+    ``--freeze``, or each layer's adapters (an MoE router's or expert stack's in the MoE layers only)."""
     inv = inventory(spec)
-    yield from (t for t in inv.model_tensors if t.name.startswith("embed"))
+    if strategy is None or not finetuning(strategy):
+        yield from (t for t in inv.model_tensors if t.name.startswith("embed"))
+        for g in inv.layers:
+            for _ in range(g.count):
+                yield from g.tensors
+        yield from (t for t in inv.model_tensors if not t.name.startswith("embed"))
+        return
+    held = held_tensors(spec, strategy)
+    model = [h.tensor for h in held if h.root and h.trainable]
+    adapter, patterns = strategy.adapter, strategy.base_weights.frozen
+    adapters = [h.tensor for h in held if h.adapter and not h.root]
+    moe = set(moe_tensors(spec, adapter)) if adapter is not None else set()
+    yield from (t for t in model if t.name.startswith("embed"))
+    layer = 0
     for g in inv.layers:
         for _ in range(g.count):
-            yield from g.tensors
-    yield from (t for t in inv.model_tensors if not t.name.startswith("embed"))
+            if adapter is None:
+                yield from (t for t in g.tensors if not is_frozen(t, patterns, layer, layers=spec.num_layers))
+            else:
+                yield from (t for t in adapters if g.kind != "dense" or t not in moe)
+            layer += 1
+    yield from (t for t in model if not t.name.startswith("embed"))
 
 
 def deepspeed_flatten_copies(contents: Sequence[tuple[int, int]], part: int, bucket_numel: int) -> list[int]:
@@ -1822,12 +1849,12 @@ def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_b
     return worst
 
 
-def _rank0_slices(spec: ModelSpec, part: int) -> list[tuple[int, int]]:
+def _rank0_slices(spec: ModelSpec, part: int, strategy: Strategy | None = None) -> list[tuple[int, int]]:
     """Stages 1–2, rank 0: (elements, elements inside the partition [0, part)) of each parameter the partition meets,
-    in flat-buffer order (:func:`_flat_order`)."""
+    in flat-buffer order (:func:`_flat_order`; fine-tuning with ``strategy``: the trainable ones')."""
     out: list[tuple[int, int]] = []
     offset = 0
-    for t in _flat_order(spec):
+    for t in _flat_order(spec, strategy):
         if offset >= part:
             break
         out.append((t.numel, min(offset + t.numel, part) - offset))
@@ -1835,14 +1862,15 @@ def _rank0_slices(spec: ModelSpec, part: int) -> list[tuple[int, int]]:
     return out
 
 
-def deepspeed_rank0_gradients(spec: ModelSpec, part: int) -> tuple[int, int]:
+def deepspeed_rank0_gradients(spec: ModelSpec, part: int, strategy: Strategy | None = None) -> tuple[int, int]:
     """Stages 1–2, rank 0: (elements of every parameter whose slice of the flat buffer meets the rank's
     partition [0, part), the largest such slice). Parameters are flattened in ``model.parameters()`` order
-    (embeddings, the layers, the final norm and head); ``grads_in_partition`` holds each meeting parameter's
-    gradient whole (stage_1_and_2.py ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over
-    ``params_in_partition``), and the step's norm reads each slice of ``averaged_gradients`` cast to fp64
-    (``get_grad_norm_direct``: ``g.data.to(get_norm_dtype())``)."""
-    slices = _rank0_slices(spec, part)
+    (embeddings, the layers, the final norm and head; fine-tuning with ``strategy``: the trainable ones only);
+    ``grads_in_partition`` holds each meeting parameter's gradient whole (stage_1_and_2.py
+    ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over ``params_in_partition``), and the step's norm
+    reads each slice of ``averaged_gradients`` cast to fp64 (``get_grad_norm_direct``:
+    ``g.data.to(get_norm_dtype())``)."""
+    slices = _rank0_slices(spec, part, strategy)
     return sum(n for n, _ in slices), max((k for _, k in slices), default=0)
 
 
@@ -1888,20 +1916,19 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     overlap = _overlap(strategy)
     grad_part = allocator_bytes(part * pb)
     fp32_grad = 0 if fp32 else allocator_bytes(part * 4)  # the step's fp32 gradient partition
-    if stage < 3 and not finetuning(strategy):
+    if stage < 3:
         # Rank 0 (the trace's): the gradients of the parameters its partition meets, whole; the step first
         # takes the norm of each slice in fp64, then flattens the slices (``self.flatten``) and casts the
-        # flat partition to fp32 (stage_1_and_2.py ``DeepSpeedZeroOptimizer.step``).
-        whole_numel, largest_slice = deepspeed_rank0_gradients(spec, part)
+        # flat partition to fp32 (stage_1_and_2.py ``DeepSpeedZeroOptimizer.step``). Fine-tuning: over the
+        # trainable tensors, the optimizer's and so the flat groups' only ones (the traced engine with real PEFT
+        # adapters or --freeze, tests/trace/test_deepspeed.py; the step kept only the cast before: −5.7%).
+        whole_numel, largest_slice = deepspeed_rank0_gradients(spec, part, strategy)
         grad_part = allocator_bytes(whole_numel * pb)
         step_temp = max(allocator_bytes(8 * largest_slice), allocator_bytes(part * pb) + fp32_grad)
-    elif stage == 3:
+    else:
         # The gradient partition flattened, then cast to fp32 (stage3.py ``_prepare_fp32_grad_for_sub_group``:
         # ``self.flatten(self.averaged_gradients[i]).to(fp32)``).
         step_temp = allocator_bytes(part * pb) + fp32_grad
-    else:  # fine-tuning, whose flat groups hold only the trainable tensors (rank 0's rule over them is not
-        # derived yet: ZeRO with adapters is not traced)
-        step_temp = fp32_grad
     zero1_reduced: tuple[int, int] | None = None  # (gradients, the flush's copy) at the reduction's worst moment
     if stage == 1 and not overlap and not off_opt and not finetuning(strategy):
         zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb)
@@ -1989,10 +2016,13 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # ``grads_in_partition`` (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``).
             grads = 0 if off_opt else grad_part
             c[Component.TEMPORARIES] = 0 if off_opt else step_temp
-            if stage == 3 and not off_opt:
+            if stage == 3 and not off_opt and weights_step + step_temp > weights:
                 # (offloaded, the device's step is the copy back of the partition: its peak is at the start,
-                # the persistent parameters still whole)
+                # the persistent parameters still whole; so it is when the persistent ones outweigh the step's own
+                # temporaries — LoRA, whose adapters' gradient partition is small, the traced engine)
                 c[Component.WEIGHTS] = weights_step
+            elif stage == 3 and not off_opt:
+                c[Component.TEMPORARIES] = 0
         c[Component.GRADIENTS] = grads
         c[Component.COMM_BUFFERS] = comm + off_staging
         c[Component.UNSHARDED_PARAMS] = unsharded

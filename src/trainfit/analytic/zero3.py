@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainfit._memo import Memo, spec_key
+from trainfit.analytic.activations import input_grads_enabled
+from trainfit.analytic.adapters import frozen_layers
 from trainfit.analytic.model import MomentName
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec
@@ -84,6 +86,18 @@ def _layer_rank(key: str) -> int:
         if key.startswith(prefix):
             return i
     return 4
+
+
+def _backward_reach(spec: ModelSpec, strategy: Strategy) -> tuple[int, bool]:
+    """(the layers at the bottom that run no backward, whether the embedding does). Fine-tuning: a module runs a
+    backward (and DeepSpeed's pre-backward hook fetches it) only where its output requires grad
+    (``_post_forward_module_hook`` wraps only such outputs): not the dead layers below the lowest trainable one under
+    --freeze (adapters.FrozenLayers), nor a frozen embedding whose output needs no gradient (under an adapter, unless
+    checkpointing turns input gradients on: activations.input_grads_enabled)."""
+    fz = frozen_layers(spec, strategy)
+    if fz is not None:
+        return fz.dead, fz.stack_input_grad
+    return 0, strategy.adapter is None or input_grads_enabled(strategy)
 
 
 def module_order(spec: ModelSpec, strategy: Strategy) -> tuple[list[_Param], list[_Step]]:
@@ -164,12 +178,13 @@ def module_order(spec: ModelSpec, strategy: Strategy) -> tuple[list[_Param], lis
     # layer from the top — the layer, then its units in reverse, a block's container before its children.
     order += [_Step((), "bwd-head", False)] + [_Step(m, "bwd-head", False) for m in reversed(head_mods)]
     order += [_Step((), "bwd-norm", False)] + [_Step(m, "bwd-norm", False) for m in reversed(norm_mods)]
+    dead, embed_backward = _backward_reach(spec, strategy)
     segments = strategy.checkpoint_layout(len(layers)).segment_sizes
     if segments:
         bounds = []
         start = 0
         for size in segments:
-            bounds.append((start, start + size))
+            bounds.append((max(start, dead), start + size))
             start += size
         for lo, hi in reversed(bounds):
             for i in range(lo, hi):
@@ -177,9 +192,10 @@ def module_order(spec: ModelSpec, strategy: Strategy) -> tuple[list[_Param], lis
             for i in reversed(range(lo, hi)):
                 order += [_Step(m, f"bwd-L{i}", False) for m in backward_of(layers[i])]
     else:
-        for i in reversed(range(len(layers))):
+        for i in reversed(range(dead, len(layers))):
             order += [_Step(m, f"bwd-L{i}", False) for m in backward_of(layers[i])]
-    order += [_Step(m, "bwd-embed", False) for m in reversed(embed_mods)]
+    if embed_backward:
+        order += [_Step(m, "bwd-embed", False) for m in reversed(embed_mods)]
     return params, order
 
 
@@ -201,7 +217,14 @@ def gathered_bytes(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: in
     """Replay the coordinator over one steady-state step (the trace is complete) and read what is gathered."""
     eo = strategy.engine
     segments = strategy.checkpoint_layout(spec.num_layers).segment_sizes
-    key = (spec_key(spec), segments, eo.prefetch_bucket_size, eo.max_live_parameters, eo.max_reuse_distance)
+    key = (
+        spec_key(spec),
+        segments,
+        eo.prefetch_bucket_size,
+        eo.max_live_parameters,
+        eo.max_reuse_distance,
+        _backward_reach(spec, strategy),
+    )
     return _REPLAYS.get((*key, dp, param_bytes), lambda: _replay(spec, strategy, dp, param_bytes))
 
 

@@ -69,8 +69,12 @@ allocates is filed as host memory and reported per node in ``host_components``
 it (stage3.py ``grad_buffer.to(grad_partition.device)``; the offloaded parameter partition before its
 all-gather) are not seen.
 
-Refused in one line: NVMe and activation offload, optimizers other than AdamW, gradient accumulation (the
-runner's passes per step do not follow DeepSpeed's accumulation boundary).
+Fine-tuning: real PEFT adapters (LoRA, DoRA) on the meta model before it is materialised in the recipe's dtype —
+DeepSpeed's bf16/fp16 block casts the whole module, adapters too — and ``--freeze``'s frozen parameters; the client
+optimizer gets the trainable parameters only (as the HF Trainer's), so the flat groups hold only those, and under
+ZeRO-3 a frozen parameter's partition is its own ``ds_tensor`` (filed as weights).
+
+Refused in one line: NVMe and activation offload, optimizers other than AdamW, quantised or recast base weights.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ import torch
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError, StrategyError, TraceUnsupportedError
 from trainfit.result import Component, MemoryReport, Phase, PhaseBreakdown
-from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision, Sharding, Strategy
+from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision, Quantization, Sharding, Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
@@ -100,6 +104,7 @@ from trainfit.trace.distributed import (
     COMM,
     UNSHARDED,
     DistTracker,
+    extrapolated_trainable,
     fake_world,
     hold_at_max,
     patched_resize,
@@ -122,10 +127,10 @@ def check_traceable(strategy: Strategy) -> None:
         raise StrategyError("--method trace runs DeepSpeed's offload to CPU memory, not NVMe")
     if off.parameters_on_host and (strategy.sharding is not Sharding.ZERO3 or not off.optimizer_on_host):
         raise StrategyError("parameter offload (ZeRO-Infinity) needs --sharding zero3 --offload optimizer+params")
-    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
+    base = strategy.base_weights
+    if base.quantization is not Quantization.NONE or base.dtype is not None:
         raise StrategyError(
-            "--method trace does not run DeepSpeed ZeRO with adapters, frozen or quantised base weights yet; "
-            "use --method analytic"
+            "--method trace does not run DeepSpeed ZeRO with quantised or recast base weights; use --method analytic"
         )
     if strategy.checkpointing is Checkpointing.SAC:
         raise StrategyError("--method trace does not run --checkpointing sac under DeepSpeed; use --method analytic")
@@ -392,6 +397,10 @@ class _EngineLoop(rn._StepLoop):
         o, tr = self.engine.optimizer, self.tr
         tr.mark(_tensors(getattr(o, "lp_param_buffer", None)), tk.WEIGHTS)
         tr.mark([p.data for p in self.model.parameters() if getattr(p, "ds_persist", False)], tk.WEIGHTS)
+        # a frozen parameter's partition (adapters, --freeze) is no part of the optimizer's flat buffer: its own
+        # ``ds_tensor`` (partition_parameters.py ``_partition_param``)
+        frozen = [getattr(p, "ds_tensor", None) for p in self.model.parameters() if not p.requires_grad]
+        tr.mark([t for t in frozen if t is not None], tk.WEIGHTS)
         tr.mark(_tensors(o.fp32_partitioned_groups_flat), tk.MASTER)
         tr.mark(_tensors(getattr(o, "grad_partitions_flat_buffer", None)), tk.GRAD)
         tr.mark([b.buffer for b in o.ipg_buckets.values() if b.buffer is not None], COMM)
@@ -438,6 +447,14 @@ def run_layout_deepspeed(
     built = _built(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
+    depth.renumber_layers(model, plan.stack_path)  # a freeze range's two runs keep layers that are no prefix
+    if strategy.adapter is not None:
+        from trainfit.trace.peft import apply_finetuning
+
+        # Real PEFT adapters on the meta model (trace/peft.py); DeepSpeed's bf16/fp16 block casts the whole module,
+        # adapters too (``DeepSpeedEngine._configure_distributed_model``: ``module.bfloat16()``), as materialising
+        # it in the recipe's dtype does here
+        model = apply_finetuning(model, built)
     rn.materialize(model, mode, _dtype(strategy))
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
@@ -483,8 +500,11 @@ def run_layout_deepspeed(
     loop = _EngineLoop(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr), ds_config(spec, strategy))
     loop_box.append(loop)
     offload = offload_patches(tr) if loop.offload else contextlib.nullcontext()
+    # counted before the engine runs: ZeRO-3 empties each partitioned parameter's ``.data`` (its numel is 0 after)
+    counts = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in params)
     with hf.runtime_patches(), patched_resize(tr), _allocations_as(tr, _buffer_methods(loop.stage)), offload:
-        return loop.run()
+        run = loop.run()
+    return dataclasses.replace(run, params=counts[0], trainable_params=counts[1])
 
 
 def trace_deepspeed(
@@ -563,7 +583,7 @@ def trace_deepspeed(
         plan,
         phases,
         results,
-        trainable_params=plan.params,
+        trainable_params=extrapolated_trainable(plan, results),
         optimizer_impl="fused",
         notes=notes,
         warnings=warnings,

@@ -856,11 +856,7 @@ def _traced_rank(
     )
     plan, results, warnings, phases = outcome.plan, outcome.results, outcome.warnings, fold_cache(outcome.phases)
     traced = [len(layout.layers) for _, layout, _ in results]
-    trainable = results[0][2].trainable_params
-    for k, r in enumerate(plan.ext):  # each extrapolated run's per-unit increment times its missing units
-        trainable += (results[k + 1][2].trainable_params - results[0][2].trainable_params) * (
-            plan.runs[r].count - results[0][0][r]
-        )
+    trainable = extrapolated_trainable(plan, results)
     what = (
         (
             "FSDP2 fully_shard per layer, the embedding, [final norm, head] and the root"
@@ -894,6 +890,17 @@ def _traced_rank(
         warnings=warnings,
         started=t0,
     )
+
+
+def extrapolated_trainable(plan: depth.DepthPlan, results: list[tuple[list[int], hf.Layout, rn.TraceRun]]) -> int:
+    """The full-depth model's trainable parameters from the traced runs: each extrapolated run's per-unit
+    increment times its missing units (the first run's count when nothing is extrapolated)."""
+    trainable = results[0][2].trainable_params
+    for k, r in enumerate(plan.ext):
+        trainable += (results[k + 1][2].trainable_params - results[0][2].trainable_params) * (
+            plan.runs[r].count - results[0][0][r]
+        )
+    return trainable
 
 
 def rank_report(
