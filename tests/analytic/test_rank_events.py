@@ -380,6 +380,39 @@ LORA = finetune_setup("lora", rank=16, targets="all-linear")
 QLORA = finetune_setup("qlora", rank=16, targets="all-linear", base_dtype="nf4")
 
 
+def _tuned(s: Strategy, how: tuple[object, object]) -> Strategy:
+    return replace(s, adapter=how[0], base_weights=how[1])
+
+
+#: DeepSpeed ZeRO-1/2 fine-tuning ranks: the flat groups of the trainable tensors (in module order: each layer's
+#: adapters, or its unfrozen tensors) beside the frozen module parameters; stage 1 with accumulation keeps autograd's
+#: gradients to the boundary, stage 2 reduces every micro-step.
+ZERO_FINETUNE_CASES = [
+    _tuned(_s("zero1", 8), LORA),
+    _tuned(_s("zero2", 8, ckpt="full"), finetune_setup("lora", rank=16, targets="q_proj,v_proj")),
+    _tuned(_s("zero1", 8, ckpt="full", grad_accum=2), finetune_setup("freeze", freeze="embeddings,layers:0-15")),
+    _tuned(_s("zero2", 8), finetune_setup("freeze", freeze="layers:16-31")),
+    _tuned(_s("zero2", 8, reduce_bucket_size=200_000_000, overlap_comm=True), LORA),
+    _tuned(_s("zero1", 64, grad_accum=4), LORA),
+]
+
+
+@pytest.mark.parametrize("strategy", ZERO_FINETUNE_CASES)
+def test_a_zero_fine_tuning_rank_stream_peaks_where_the_closed_form_does(strategy: Strategy) -> None:
+    """``Zero2Hooks``/``Zero1Hooks`` over a fine-tuned llama-3.1-8b: the allocated peak within 0.3% of the closed
+    form's (+0.00…+0.02%; −0.25% with four accumulation steps at W = 64), the resident states after ``zero_grad``
+    within 0.1%; the traced engine's events: tests/trace/test_rank_stream.py."""
+    spec = load_model("llama-3.1-8b")
+    p = plan(spec, strategy)
+    assert rank_simulated(strategy, p)
+    res = simulate_rank(spec, strategy, p, AllocatorConfig())
+    closed = estimate_parallel(spec, strategy)
+    assert res.peak_allocated_bytes == pytest.approx(closed.peak_bytes, rel=3e-3)
+    step = closed.phase(Phase.OPTIMIZER_STEP)
+    kept = sum(step.get(c) for c in (Component.WEIGHTS, Component.MASTER_WEIGHTS, Component.OPTIMIZER_STATES))
+    assert res.allocated_end_bytes == pytest.approx(kept, rel=1e-3)
+
+
 def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     spec = load_model("llama-3.2-1b")
     for s in (
@@ -397,6 +430,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         replace(_s("ddp", 8, grad_accum=2), adapter=QLORA[0], base_weights=QLORA[1]),
         replace(_s("fsdp", 8), adapter=LORA[0], base_weights=LORA[1]),  # FSDP2's groups of held tensors
         replace(_s("hsdp", 16), adapter=QLORA[0], base_weights=QLORA[1]),
+        _tuned(_s("zero2", 8), LORA),  # ZeRO-1/2's flat groups of the trainable tensors
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -405,6 +439,8 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     for s in (
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
+        _tuned(_s("zero3", 8), LORA),  # ZeRO-3 with adapters: no stream for the frozen partitions yet
+        _tuned(_s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)), LORA),
         Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
     ):
         assert not rank_simulated(s, plan(spec, s))

@@ -165,6 +165,51 @@ def test_the_zero_stream_reaches_the_traced_peaks(sharding: str, w: int, bucket:
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
+#: (sharding, W, bucket, what trains, checkpointing, accumulation steps)
+ZERO_FINETUNE_CELLS = [
+    ("zero2", 4, 200_000, "lora", "none", 1),
+    ("zero1", 4, 200_000, "lora", "none", 2),
+    ("zero2", 4, 200_000, "freeze", "full", 2),
+    ("zero1", 8, 500_000_000, "freeze", "none", 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sharding", "w", "bucket", "what", "ckpt", "accum"),
+    [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO_FINETUNE_CELLS],
+)
+def test_the_zero_stream_fine_tunes_like_the_traced_engine(
+    sharding: str, w: int, bucket: int, what: str, ckpt: str, accum: int
+) -> None:
+    """ZeRO-1/2 with real PEFT LoRA (all-linear) or ``--freeze embeddings,layers:0-1``: the streams' flat groups hold
+    the trainable tensors in module order, the frozen parameters stay module parameters (they had none of them:
+    −15% allocated, −24% reserved on the LoRA cell), rank 0's gradient partition is its trainable slice's. Against
+    the real engine's events (full depth, three steps, one CUDA stream): allocated within 1% (−0.4…+0.6%), reserved
+    within 5% (−4.3…−0.2%)."""
+    import dataclasses
+
+    from deepspeed.accelerator import get_accelerator
+
+    from trainfit.strategy import finetune_setup
+    from trainfit.trace.events import tracker_events
+
+    spec, s = _zero_cell(sharding, w, bucket, None, accum)
+    if what == "freeze":
+        adapter, base = finetune_setup("freeze", freeze="embeddings,layers:0-1")
+    else:
+        adapter, base = finetune_setup("lora", rank=16)
+    s = dataclasses.replace(s, adapter=adapter, base_weights=base, checkpointing=ckpt)
+    traced = simulate(tracker_events(_deepspeed_run(spec, s)), AllocatorConfig())
+    free = int(get_accelerator().available_memory())  # as _zero_peaks: the engine's free-memory test
+    st = Stream()
+    hooks = (Zero1Hooks if sharding == "zero1" else Zero2Hooks)(spec, s, parallel_plan(spec, s), free_device_bytes=free)
+    synthesise(st, spec, compute_strategy(s), (), hooks, steps=3)
+    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+
+
 def _traced_device_peaks(spec: ModelSpec, s: Strategy) -> AllocatorResult:
     """The real DeepSpeed engine with ZeRO-Offload (full depth, three steps), its events without its host storages
     (``trace.deepspeed_offload.HOST_KINDS``; ``trace.events.tracker_events`` keeps every tracked storage) replayed

@@ -1742,34 +1742,44 @@ def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[
     return part, whole
 
 
-def _flat_order(spec: ModelSpec, strategy: Strategy | None = None) -> Iterator[ParamTensor]:
-    """The parameters in ``model.parameters()`` order, the order of stages 1–2's flat buffer and of
-    ``reduce_gradients``: embeddings, the layers, the final norm and head. Fine-tuning (``strategy``): the trainable
-    ones only, which are the optimizer's (the flat groups hold nothing else) — each layer's unfrozen tensors under
-    ``--freeze``, or each layer's adapters (an MoE router's or expert stack's in the MoE layers only)."""
+def deepspeed_flat_layout(spec: ModelSpec, strategy: Strategy | None = None) -> list[tuple[int | None, ParamTensor]]:
+    """(layer, or None for a model-level tensor; the tensor) of each parameter of stages 1–2's flat buffer, in its
+    order: ``model.parameters()`` order (embeddings, the layers, the final norm and head), which is that of
+    ``reduce_gradients`` too. Fine-tuning (``strategy``): the trainable ones only, which are the optimizer's (the
+    flat groups hold nothing else) — each layer's unfrozen tensors under ``--freeze``, or each layer's adapters (an
+    MoE router's or expert stack's in the MoE layers only)."""
     inv = inventory(spec)
+    out: list[tuple[int | None, ParamTensor]] = []
     if strategy is None or not finetuning(strategy):
-        yield from (t for t in inv.model_tensors if t.name.startswith("embed"))
+        out += [(None, t) for t in inv.model_tensors if t.name.startswith("embed")]
+        layer = 0
         for g in inv.layers:
             for _ in range(g.count):
-                yield from g.tensors
-        yield from (t for t in inv.model_tensors if not t.name.startswith("embed"))
-        return
+                out += [(layer, t) for t in g.tensors]
+                layer += 1
+        out += [(None, t) for t in inv.model_tensors if not t.name.startswith("embed")]
+        return out
     held = held_tensors(spec, strategy)
     model = [h.tensor for h in held if h.root and h.trainable]
     adapter, patterns = strategy.adapter, strategy.base_weights.frozen
     adapters = [h.tensor for h in held if h.adapter and not h.root]
     moe = set(moe_tensors(spec, adapter)) if adapter is not None else set()
-    yield from (t for t in model if t.name.startswith("embed"))
+    out += [(None, t) for t in model if t.name.startswith("embed")]
     layer = 0
     for g in inv.layers:
         for _ in range(g.count):
             if adapter is None:
-                yield from (t for t in g.tensors if not is_frozen(t, patterns, layer, layers=spec.num_layers))
+                out += [(layer, t) for t in g.tensors if not is_frozen(t, patterns, layer, layers=spec.num_layers)]
             else:
-                yield from (t for t in adapters if g.kind != "dense" or t not in moe)
+                out += [(layer, t) for t in adapters if g.kind != "dense" or t not in moe]
             layer += 1
-    yield from (t for t in model if not t.name.startswith("embed"))
+    out += [(None, t) for t in model if not t.name.startswith("embed")]
+    return out
+
+
+def _flat_order(spec: ModelSpec, strategy: Strategy | None = None) -> Iterator[ParamTensor]:
+    """The tensors of :func:`deepspeed_flat_layout`, in order."""
+    return (t for _, t in deepspeed_flat_layout(spec, strategy))
 
 
 def deepspeed_flatten_copies(contents: Sequence[tuple[int, int]], part: int, bucket_numel: int) -> list[int]:
@@ -2796,6 +2806,7 @@ __all__ = [
     "compute_strategy",
     "data_parallel_degree",
     "ddp_bucket_bytes",
+    "deepspeed_flat_layout",
     "deepspeed_flatten_copies",
     "deepspeed_partition_numel",
     "dtensor_tp_held_spec",
