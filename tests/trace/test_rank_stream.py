@@ -21,7 +21,7 @@ from trainfit.analytic.parallel import compute_strategy
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.analytic.rank_events import FsdpHooks, Zero1Hooks, Zero2Hooks, Zero3Hooks
 from trainfit.arch.spec import ModelSpec
-from trainfit.strategy import EngineOptions, Offload, Parallelism, Strategy
+from trainfit.strategy import BaseWeights, EngineOptions, Offload, Parallelism, Strategy
 
 from .conftest import tiny_spec
 
@@ -210,35 +210,18 @@ def test_the_zero_stream_fine_tunes_like_the_traced_engine(
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
-#: (what trains, stage3_prefetch_bucket_size, stage3_max_reuse_distance, checkpointing)
-ZERO3_FINETUNE_CELLS = [
-    ("lora", 50_000, 1_000_000_000, "none"),
-    ("freeze", 50_000, 1_000_000_000, "none"),
-    ("lora", 150_000, 300_000, "full"),
-    ("freeze", 50_000_000, 1_000_000_000, "none"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("what", "prefetch", "reuse", "ckpt"), [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO3_FINETUNE_CELLS]
-)
-def test_the_zero3_stream_fine_tunes_like_the_traced_engine(what: str, prefetch: int, reuse: int, ckpt: str) -> None:
-    """ZeRO-3 with real PEFT LoRA or ``--freeze embeddings,layers:0-1`` over 8 ranks (``Zero3Hooks``: the flat buffer
-    of the trainable partitions, each frozen partition its own, the coordinator's replay without backward fetches
-    where no output requires grad) against the real engine's events: allocated within 1% (−0.4…0%), reserved within
-    5% (−4.7…0%). Not held: LoRA with the default prefetch bucket (5e7) reserves +8.5% (one 8 MiB segment of 94)."""
+def _zero3_peaks(
+    prefetch: int, reuse: int, ckpt: str, tuned: tuple[Any, Any] | None = None
+) -> tuple[AllocatorResult, AllocatorResult]:
+    """The real ZeRO-3 engine's events over 8 ranks (the tiny llama, 2 × 256, full depth, three steps; ``tuned``:
+    the adapter and base weights of a fine-tuning run) and ``Zero3Hooks``' stream, on one CUDA stream."""
     pytest.importorskip("deepspeed")
-    from trainfit.strategy import finetune_setup
     from trainfit.trace import depth
     from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
     from trainfit.trace.events import tracker_events
 
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    if what == "freeze":
-        adapter, base = finetune_setup("freeze", freeze="embeddings,layers:0-1")
-    else:
-        adapter, base = finetune_setup("lora", rank=16)
+    adapter, base = tuned if tuned is not None else (None, BaseWeights())
     s = Strategy(
         parallelism=Parallelism(data=8),
         sharding="zero3",
@@ -261,7 +244,34 @@ def test_the_zero3_stream_fine_tunes_like_the_traced_engine(what: str, prefetch:
     traced = simulate(tracker_events(run), AllocatorConfig())
     st = Stream()
     synthesise(st, spec, compute_strategy(s), (), Zero3Hooks(spec, s, parallel_plan(spec, s)), steps=3)
-    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    return traced, simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+
+
+#: (what trains, stage3_prefetch_bucket_size, stage3_max_reuse_distance, checkpointing)
+ZERO3_FINETUNE_CELLS = [
+    ("lora", 50_000, 1_000_000_000, "none"),
+    ("freeze", 50_000, 1_000_000_000, "none"),
+    ("lora", 150_000, 300_000, "full"),
+    ("freeze", 50_000_000, 1_000_000_000, "none"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("what", "prefetch", "reuse", "ckpt"), [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO3_FINETUNE_CELLS]
+)
+def test_the_zero3_stream_fine_tunes_like_the_traced_engine(what: str, prefetch: int, reuse: int, ckpt: str) -> None:
+    """ZeRO-3 with real PEFT LoRA or ``--freeze embeddings,layers:0-1`` over 8 ranks (``Zero3Hooks``: the flat buffer
+    of the trainable partitions, each frozen partition its own, the coordinator's replay without backward fetches
+    where no output requires grad) against the real engine's events: allocated within 1% (−0.4…0%), reserved within
+    5% (−4.7…0%). Not held: LoRA with the default prefetch bucket (5e7) reserves +8.5% (one 8 MiB segment of 94)."""
+    from trainfit.strategy import finetune_setup
+
+    if what == "freeze":
+        tuned = finetune_setup("freeze", freeze="embeddings,layers:0-1")
+    else:
+        tuned = finetune_setup("lora", rank=16)
+    traced, mine = _zero3_peaks(prefetch, reuse, ckpt, tuned)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
@@ -380,32 +390,8 @@ def test_the_zero3_stream_reaches_the_traced_peaks(prefetch: int, reuse: int, ck
     distance, and DeepSpeed's default 5e7 bucket (the whole model gathered in one handle). The reserve is held
     to 8%: on a model this small one 2 MiB small-pool segment is 2% of it."""
     pytest.importorskip("deepspeed")
-    from trainfit.trace import depth
-    from trainfit.trace.deepspeed import _built, _deepspeed_world, _quiet_deepspeed, run_layout_deepspeed
-    from trainfit.trace.events import tracker_events
 
-    spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
-    s = Strategy(
-        parallelism=Parallelism(data=8),
-        sharding="zero3",
-        checkpointing=ckpt,
-        micro_batch=2,
-        seq_len=256,
-        engine=EngineOptions(
-            reduce_bucket_size=50_000,
-            allgather_bucket_size=50_000,
-            prefetch_bucket_size=prefetch,
-            max_reuse_distance=reuse,
-        ),
-    )
-    plan = depth.plan_depth(spec, _built(s), extrapolate=False)
-    _, layout = plan.layouts[0]
-    with _quiet_deepspeed(), _deepspeed_world(8):
-        run = run_layout_deepspeed(spec, s, plan, layout, steps=3)
-    traced = simulate(tracker_events(run), AllocatorConfig())
-    st = Stream()
-    synthesise(st, spec, compute_strategy(s), (), Zero3Hooks(spec, s, parallel_plan(spec, s)), steps=3)
-    mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+    traced, mine = _zero3_peaks(prefetch, reuse, ckpt)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.08)
 
