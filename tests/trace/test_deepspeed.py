@@ -118,17 +118,9 @@ ZERO3_CELLS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("w", "precision", "ckpt", "prefetch", "reuse"), [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO3_CELLS]
-)
-def test_zero3_rank_agrees_with_trace(w: int, precision: str, ckpt: str, prefetch: int, reuse: int) -> None:
-    """Rank 0 of the real ZeRO-3 engine (parameters partitioned at ``deepspeed.initialize``, the coordinator's
-    fetch, prefetch and release in the second step, whose module order is recorded in the first) against the
-    closed form with its replay of the coordinator (analytic/zero3.py): every phase within 2%, and the
-    gathered parameters, the gradient partition and the states within 1%."""
-    spec = tiny_spec("llama", **ZERO3)
-    s = Strategy(
+def _zero3(w: int, precision: str, ckpt: str, prefetch: int, reuse: int, **kw: object) -> Strategy:
+    """ZeRO-3 over ``w`` ranks, 2 × 128, with these prefetch bucket and reuse distance (``kw``: more fields)."""
+    return Strategy(
         precision=precision,
         parallelism=Parallelism(data=w),
         sharding="zero3",
@@ -141,7 +133,21 @@ def test_zero3_rank_agrees_with_trace(w: int, precision: str, ckpt: str, prefetc
             prefetch_bucket_size=prefetch,
             max_reuse_distance=reuse,
         ),
+        **kw,  # type: ignore[arg-type]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("w", "precision", "ckpt", "prefetch", "reuse"), [pytest.param(*c, id="-".join(map(str, c))) for c in ZERO3_CELLS]
+)
+def test_zero3_rank_agrees_with_trace(w: int, precision: str, ckpt: str, prefetch: int, reuse: int) -> None:
+    """Rank 0 of the real ZeRO-3 engine (parameters partitioned at ``deepspeed.initialize``, the coordinator's
+    fetch, prefetch and release in the second step, whose module order is recorded in the first) against the
+    closed form with its replay of the coordinator (analytic/zero3.py): every phase within 2%, and the
+    gathered parameters, the gradient partition and the states within 1%."""
+    spec = tiny_spec("llama", **ZERO3)
+    s = _zero3(w, precision, ckpt, prefetch, reuse)
     import torch
 
     linear = torch.nn.functional.linear
@@ -265,19 +271,6 @@ def test_a_zero3_fine_tuning_rank_agrees_with_trace(
     backward fetch where no output requires grad (the dead layers, a frozen table: +12% in forward before), and the
     step's peak is at its start when the persistent parameters, still whole, outweigh its own temporaries (LoRA:
     −29% before). Every phase within 2% (−0.7…+1.5% measured), the states within 1%."""
-    s = Strategy(
-        precision=precision,
-        parallelism=Parallelism(data=w),
-        sharding="zero3",
-        checkpointing=ckpt,
-        micro_batch=2,
-        seq_len=128,
-        engine=EngineOptions(
-            reduce_bucket_size=BUCKET,
-            allgather_bucket_size=BUCKET,
-            prefetch_bucket_size=prefetch,
-            max_reuse_distance=reuse,
-        ),
-        **_finetune(what),  # type: ignore[arg-type]
+    _fine_tuning_agrees(
+        tiny_spec("llama", **ZERO3), _zero3(w, precision, ckpt, prefetch, reuse, **_finetune(what)), 0.02
     )
-    _fine_tuning_agrees(tiny_spec("llama", **ZERO3), s, 0.02)
