@@ -400,6 +400,11 @@ ZERO_FINETUNE_CASES = [
     _tuned(_s("zero3", 8, ckpt="full"), finetune_setup("freeze", freeze="embeddings,layers:0-15")),
     _tuned(_s("zero3", 8), finetune_setup("freeze", freeze="layers:0-15")),
     _tuned(_s("zero3", 64, grad_accum=2), LORA),
+    # ZeRO-Offload: the host holds the trainable partitions' fp32 states and gradients
+    _tuned(_s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)), LORA),
+    _tuned(
+        _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU)), finetune_setup("freeze", freeze="layers:0-15")
+    ),
 ]
 
 
@@ -445,6 +450,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         replace(_s("hsdp", 16), adapter=QLORA[0], base_weights=QLORA[1]),
         _tuned(_s("zero2", 8), LORA),  # ZeRO-1/2's flat groups of the trainable tensors
         _tuned(_s("zero3", 8), LORA),  # ZeRO-3's frozen partitions of their own
+        _tuned(_s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)), LORA),  # ZeRO-Offload with adapters
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -453,7 +459,6 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     for s in (
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
-        _tuned(_s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)), LORA),  # ZeRO-Offload with adapters
         Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
     ):
         assert not rank_simulated(s, plan(spec, s))

@@ -130,9 +130,9 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
 fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, ZeRO-1's offload and
-ZeRO-Infinity, ZeRO-Offload with adapters or frozen layers (ZeRO fine-tuning otherwise: :class:`Zero2Hooks`' flat
-groups hold the trainable tensors, ``parallel.deepspeed_flat_layout``, beside the frozen module parameters;
-:class:`Zero3Hooks`' frozen partitions are their own), and TP with fine-tuning.
+ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is simulated: :class:`Zero2Hooks`' flat groups hold the
+trainable tensors, ``parallel.deepspeed_flat_layout``, beside the frozen module parameters; :class:`Zero3Hooks`'
+frozen partitions are their own).
 """
 
 from __future__ import annotations
@@ -218,11 +218,10 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         offloaded = off.any and not (
             off == Offload(optimizer=OffloadTarget.CPU) and p.sharding in (Sharding.ZERO2, Sharding.ZERO3)
         )
-        # fine-tuning (adapters, --freeze) without offload since 2026-12-03: stages 1–2's flat groups of the trainable
-        # tensors beside the frozen module parameters (Zero2Hooks), stage 3's frozen partitions of their own
-        # (Zero3Hooks); against the traced engine with real PEFT (tiny llama over 4–8): allocated −0.6…+0.6%,
+        # fine-tuning (adapters, --freeze) since 2026-12-03, ZeRO-Offload at stages 2–3 too: stages 1–2's flat groups of
+        # the trainable tensors beside the frozen module parameters (Zero2Hooks), stage 3's frozen partitions of their
+        # own (Zero3Hooks); against the traced engine with real PEFT (tiny llama over 2–8): allocated −0.6…+0.6%,
         # reserved −4.7…−0.2% (+8.5% on a ZeRO-3 LoRA cell with the default prefetch bucket)
-        tuned = finetuning(strategy) and off.any
         return (
             p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
             and p.tp == 1
@@ -230,7 +229,6 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
             and strategy.recipe.compute_bits == 16
             and strategy.optimizer is Optimizer.ADAMW
             and not offloaded
-            and not tuned
         )
     if p.engine is Engine.TORCH and p.tp > 1:
         # With accumulation the stream replays two micro-steps (RankHooks.replays_accumulation). Its reserve was
