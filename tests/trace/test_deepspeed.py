@@ -173,6 +173,9 @@ def test_zero3_rank_agrees_with_trace(w: int, precision: str, ckpt: str, prefetc
     [
         ({"offload": Offload.parse("optimizer+params")}, "zero3"),
         ({"optimizer": "sgd"}, "AdamW"),
+        # what no one models is refused as the analytic model refuses it
+        (dict(zip(("adapter", "base_weights"), finetune_setup("qlora", base_dtype="nf4"), strict=True)), "QLoRA"),
+        (dict(zip(("adapter", "base_weights"), finetune_setup("lora", base_dtype="fp32"), strict=True)), "recast"),
     ],
 )
 def test_refusals_are_one_line(kw: dict[str, object], words: str) -> None:

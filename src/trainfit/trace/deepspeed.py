@@ -128,9 +128,14 @@ def check_traceable(strategy: Strategy) -> None:
     if off.parameters_on_host and (strategy.sharding is not Sharding.ZERO3 or not off.optimizer_on_host):
         raise StrategyError("parameter offload (ZeRO-Infinity) needs --sharding zero3 --offload optimizer+params")
     base = strategy.base_weights
-    if base.quantization is not Quantization.NONE or base.dtype is not None:
+    if base.quantization is not Quantization.NONE:  # as analytic.parallel.check_parallel_finetune
         raise StrategyError(
-            "--method trace does not run DeepSpeed ZeRO with quantised or recast base weights; use --method analytic"
+            "QLoRA with DeepSpeed ZeRO is not modelled (4-bit weights inside ZeRO partitions); "
+            "use --sharding fsdp|hsdp|ddp"
+        )
+    if base.dtype is not None:
+        raise StrategyError(
+            "--method trace does not run DeepSpeed ZeRO with a recast base (--base-dtype); use --method analytic"
         )
     if strategy.checkpointing is Checkpointing.SAC:
         raise StrategyError("--method trace does not run --checkpointing sac under DeepSpeed; use --method analytic")
@@ -517,6 +522,9 @@ def trace_deepspeed(
 ) -> MemoryReport:
     """Rank 0 of ``strategy``'s DeepSpeed ZeRO run, traced on the fake process group and extrapolated in
     depth."""
+    from trainfit.analytic.parallel import plan as parallel_plan
+
+    parallel_plan(spec, strategy)  # what no one models is refused first (QLoRA with ZeRO, adapters on MoE layers)
     check_traceable(strategy)
     from trainfit.trace._deps import require_torch, require_transformers
 
@@ -573,6 +581,11 @@ def trace_deepspeed(
             "on the host tensors; host bytes per node"
             if strategy.offload.any
             else "with a client torch AdamW in place of FusedAdam"
+        )
+        + (
+            f"; real PEFT {strategy.adapter.kind.value} adapters on the frozen base, the optimizer's parameters"
+            if strategy.adapter is not None
+            else ""
         ),
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + (" and extrapolated each region linearly" if plan.ext else ""),
