@@ -21,7 +21,7 @@ W ∈ {2, 8, 64} (llama-3.1-8b; ``--quick``: W = 2 only).
 GPipe), default allocator and ``expandable_segments:True`` — the "What it predicts" table
 of docs/accuracy.md ("Reserved memory with many GPUs"); ``--megatron-schedules``: its interleaved and GPipe rows only.
 Usage: python benchmarks/agreement_distributed.py [--quick] [--tp-only | --fsdp-tp | --deepspeed | --zero3 | --finetune
-| --offload | --reshard | --units | --reserve | --megatron-schedules]
+| --finetune-zero | --offload | --reshard | --units | --reserve | --megatron-schedules]
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ FINETUNE = (
     ("llama-3.1-8b", "fsdp", 8, True, "full", "qlora", "all-linear"),
     ("llama-3.1-8b", "ddp", 8, False, "full", "lora", "all-linear"),
     ("qwen2.5-7b", "hsdp", 16, True, "none", "lora", "q_proj,v_proj"),
+    # DeepSpeed ZeRO with real PEFT (traced since 2026-12-03; --finetune-zero runs only these)
+    ("llama-3.1-8b", "zero2", 8, True, "full", "lora", "all-linear"),
+    ("llama-3.1-8b", "zero1", 8, True, "full", "lora", "q_proj,v_proj"),
+    ("llama-3.1-8b", "zero3", 8, True, "full", "lora", "all-linear"),
 )
 
 # (model, sharding, world size, --offload, checkpointing): DeepSpeed with the exported offload blocks, master-bf16
@@ -332,10 +336,12 @@ def main(argv: list[str]) -> None:
             setup = f"FSDP2 {dp} × DTensor TP {tp}{' + SP' if sp else ''}"
             row(str(slug), setup, int(tp) * int(dp), str(ckpt), tp_strategy(int(tp), bool(sp), str(ckpt), int(dp)))
         return
-    finetune = "--finetune" in argv
+    finetune = "--finetune" in argv or "--finetune-zero" in argv
     cases: tuple[tuple[object, ...], ...] = (
         FINETUNE if finetune else () if "--tp-only" in argv else QUICK if "--quick" in argv else CASES
     )
+    if "--finetune-zero" in argv:
+        cases = tuple(c for c in FINETUNE if str(c[1]).startswith("zero"))
     if "--deepspeed" in argv:
         cases = tuple(c for c in CASES if str(c[1]).startswith("zero"))
     if "--zero3" in argv:
