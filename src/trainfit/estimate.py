@@ -364,19 +364,16 @@ def estimate(
     # The allocator simulation runs for one GPU and for the ranks rank_events.rank_simulated names (the analytic
     # stream's; estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
-    if strategy.is_distributed and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
-        # a traced rank takes the reserve of its analytic stream (trainfit.trace.distributed.with_rank_reserve)
+    if method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator):
+        # (many GPUs: a traced rank takes its analytic stream's reserve, trace.distributed.with_rank_reserve)
         options.setdefault(
             "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
         )
+    if strategy.is_distributed and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault("workspaces", workspaces)
         if gpu_spec is not None:  # DeepSpeed ZeRO-1/2 tests the GPU's free memory at init (rank_events.Zero2Hooks)
             outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
             options.setdefault("device_bytes", gpu_spec.memory_bytes - outside.outside_allocator_bytes)
-    if simulated and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
-        options.setdefault(
-            "allocator", AllocatorConfig.parse(allocator) if allocator is not None else AllocatorConfig.from_env()
-        )
     if simulated and method is Method.ANALYTIC:
         options.setdefault("workspaces", workspaces)
     if simulated and method is Method.TRACE:

@@ -2625,9 +2625,9 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW, no offload), DTensor TP ranks (± SP, no
-    sharding) and Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their event stream
-    through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
+    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW; ZeRO-Offload at stages 2–3), DTensor TP ranks
+    (± SP; 2-D FSDP2×TP too) and Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their
+    event stream through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of
     :func:`trainfit.overhead.overhead_for`. ``capacity_bytes``: the allocator's share of the GPU; when only a
     simulated rank's uncapped reserve exceeds it, its stream runs once more under it (``MemoryReport.capped``).

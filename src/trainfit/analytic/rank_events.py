@@ -905,6 +905,8 @@ class FsdpTpHooks(FsdpHooks):
     ) -> None:
         super().__init__(dtensor_tp_held_spec(spec, tp), strategy, dp)
         self.tp = DtensorTpHooks(spec, strategy, tp, sequence_parallel=sequence_parallel)
+        # the input norm's backward temporaries are sequence-sharded under SP (as parallel._tp_inputs splits them)
+        self.norm_temp = self.tp.residual_bytes(self.norm_temp)
         stream = dtensor_tp_spec(spec, tp)
         run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
         layers = {x for g in inventory(stream).layers for x in g.tensors}

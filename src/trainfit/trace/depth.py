@@ -196,6 +196,9 @@ class LayoutRun:
     run: rn.TraceRun
     resident: ResidentBytes
     host_activation_bytes: int = 0  # --activation-offload: the most saved-tensor bytes on the host at once
+    #: (parameters, trainable ones) of each traced layer of the stack, adapters included: the per-parameter blocks
+    #: the event stitching repeats (trace/events.py)
+    layer_params: tuple[tuple[int, int], ...] = ()
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -300,7 +303,15 @@ def run_layout(
     with hf.runtime_patches(), quantised, float8_inner_ops(box, strategy), selective:
         run = rn.run_steps(model, fns, options, execution)
         resident = resident_bytes(model, optimizers[0], master=bool(rec.master_bits), device=device)
-    return LayoutRun(run=run, resident=resident, host_activation_bytes=offload.host_peak_bytes if offload else 0)
+    counts = tuple(
+        (len(list(layer.parameters())), sum(p.requires_grad for p in layer.parameters())) for layer in layers
+    )
+    return LayoutRun(
+        run=run,
+        resident=resident,
+        host_activation_bytes=offload.host_peak_bytes if offload else 0,
+        layer_params=counts,
+    )
 
 
 def renumber_layers(model: torch.nn.Module, stack_path: str) -> None:

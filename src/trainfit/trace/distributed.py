@@ -736,8 +736,8 @@ def trace_distributed(
     and extrapolated in depth. Reserved memory: the traced events are not replayed (the CPU trace has no CUDA
     streams, and FSDP2 and DeepSpeed allocate on several); with ``allocator`` it is the traced allocated peak plus
     the reserve of the analytic rank stream through the caching-allocator simulation where that stream is
-    simulated (:func:`trainfit.analytic.parallel.simulated_reserve`; within −4.6…+1.3% of the traced events'
-    own replay on one stream, docs/accuracy.md), else the fixed fraction. ``workspaces``, ``capacity_bytes`` and
+    simulated (:func:`trainfit.analytic.parallel.simulated_reserve`; how close each stream is to the traced
+    events' own replay on one stream: docs/accuracy.md), else the fixed fraction. ``workspaces``, ``capacity_bytes`` and
     ``device_bytes`` as :func:`trainfit.analytic.parallel.estimate_parallel`'s."""
     del modules
     report = _traced_rank(
@@ -764,16 +764,18 @@ def with_rank_reserve(
     from trainfit.analytic.parallel import simulated_reserve
 
     held = report.peak_bytes + sum(w.size_bytes for w in workspaces)
-    sim = None
-    if allocator is not None:
+    fixed = "reserved: the fixed reserve fraction of the traced allocated peak"
+    if allocator is None:
+        return dataclasses.replace(report, notes=(*report.notes, f"{fixed} (the allocator simulation is off)"))
+    try:
         sim = simulated_reserve(
             spec, strategy, held, allocator, workspaces, capacity_bytes=capacity_bytes, device_bytes=device_bytes
         )
+    except StrategyError:  # a setup the trace runs and the analytic model refuses: no stream to take a reserve from
+        why = "the analytic model, whose stream it would take, does not cover this setup"
+        return dataclasses.replace(report, notes=(*report.notes, f"{fixed} ({why})"))
     if sim is None:
-        note = (
-            "reserved: the fixed reserve fraction of the traced allocated peak (this setup's rank stream is not "
-            "simulated; docs/accuracy.md)"
-        )
+        note = f"{fixed} (this setup's rank stream is not simulated; docs/accuracy.md)"
         return dataclasses.replace(report, notes=(*report.notes, note))
     note = (
         f"{sim.note}, its reserve added above the traced allocated peak (the stream's allocated peak "

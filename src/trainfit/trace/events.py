@@ -193,17 +193,18 @@ def _tokens(evs: list[_Ev]) -> list[tuple[bool, int]]:
     return [(e.alloc, e.size) for e in evs]
 
 
-def _mark_repeats(evs: list[_Ev], lo: int, hi: int, period: int, next_group: int) -> int:
-    """In ``evs[lo:hi]`` (outside the unit regions), find three equal consecutive blocks of a multiple of
-    ``period`` events (the per-parameter work of a foreach op, the weights, the optimizer states: one block
-    per unit) and label them units 0, 1, 2."""
+def _mark_repeats(evs: list[_Ev], lo: int, hi: int, periods: tuple[int, ...], next_group: int) -> int:
+    """In ``evs[lo:hi]`` (outside the unit regions), find three equal consecutive blocks of a multiple of one of
+    ``periods`` events (the per-parameter work of a foreach op, the weights, the optimizer states: one block
+    per unit; a unit's parameters, or under an adapter or --freeze its trainable ones) and label them units 0, 1,
+    2."""
     toks = _tokens(evs[lo:hi])
     n = len(toks)
+    lengths = sorted({p * mult for p in periods if p > 0 for mult in (4, 3, 2, 1)}, reverse=True)
     i = 0
     while i < n:
         found = 0
-        for mult in (4, 3, 2, 1):
-            L = period * mult
+        for L in lengths:
             if i + 3 * L <= n and toks[i : i + L] == toks[i + L : i + 2 * L] == toks[i + 2 * L : i + 3 * L]:
                 found = L
                 break
@@ -231,7 +232,7 @@ def stitch_events(
     *,
     units: tuple[int, int, int],
     full_units: int,
-    params_per_unit: int,
+    params_per_unit: int | tuple[int, ...],
     inserts: Mapping[int, list[Event]] | None = None,
 ) -> Stitched:
     """The event stream of the model with ``full_units`` units, from a run whose ``units`` (indices in the
@@ -267,7 +268,8 @@ def stitch_events(
         j = i
         while j < len(evs) and not covered[j]:
             j += 1
-        group = _mark_repeats(evs, i, j, params_per_unit, group)
+        periods = params_per_unit if isinstance(params_per_unit, tuple) else (params_per_unit,)
+        group = _mark_repeats(evs, i, j, periods, group)
         i = j
     # 3. which unit each storage belongs to, and the unit-0 -> unit-1 -> unit-2 correspondence
     rec_unit: dict[int, int] = {}
@@ -431,11 +433,15 @@ def reserved_from_trace(
         run = plan.runs[r]
         unit_layers = [i for b in blocks[run.start : run.start + run.period] for i in b.layers]
         per_unit = sum(len(list(plan.stack[i].parameters())) for i in unit_layers)
+        # with adapters or --freeze a unit's parameters (its adapters too) and its trainable ones make blocks of
+        # their own (the weights; the optimizer states): the traced unit's counts, its last layer's being alike
+        n = len(unit_layers)
+        every, trainable = done.layer_params[-1] if done.layer_params else (0, 0)
         st = stitch_events(
             done.run,
             units=(unit_ids[0], unit_ids[1], unit_ids[2]),
             full_units=run.count,
-            params_per_unit=per_unit,
+            params_per_unit=(per_unit, every * n, trainable * n),
             inserts=_workspace_inserts(done.run, compute_capability, env),
         )
         problem = check_stream(st.events)
