@@ -136,7 +136,7 @@ def _trace_case(row: dict[str, object]) -> None:
     alloc_sim, alloc_real = tr.result.peak_allocated_bytes, int(str(row["peak_allocated"]))
     print(
         f"{'trace ' + str(row['id']):<40} {kind:<11} {sim / GiB:>8.3f} G {real / GiB:>8.3f} G "
-        f"{(sim - real) / real:>+8.3%}   (allocated {(alloc_sim - alloc_real) / alloc_real:+.2%}; "
+        f"{(sim - real) / real:>+8.3%}   ({sim:,} B; allocated {(alloc_sim - alloc_real) / alloc_real:+.2%}; "
         f"{tr.layers_traced}/{tr.layers_full} layers{' stitched' if tr.stitched else ''}, "
         f"{tr.events} events, {dt:.1f} s)",
         flush=True,

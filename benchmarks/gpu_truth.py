@@ -9,6 +9,13 @@ line per run, then one line per case with ``model``, ``recipe``, ``optimizer_imp
 ``attention``, ``batch``, ``seq``, ``phases`` (peak allocated per phase), ``max_reserved`` and
 ``device_used_end``. Prints markdown tables; ratios, not absolute timings. ``--trace`` adds the trace method's
 reserved and nvidia-smi estimates (a fake-tensor trace per case: minutes).
+
+The reserved figures come twice: ``fresh`` is what ``trainfit estimate`` reports (the run alone in a new process,
+what a user's job is); ``in process`` simulates the measuring process as it ran
+(:func:`trainfit.allocator.process.simulate_process`): the warm-up matmul, then the cases of each ``meta`` block
+in the file's order, each one's tensors freed and ``empty_cache()`` called before the next, the cuBLAS workspaces
+kept — so a later case starts with whatever segment a workspace pinned. ``data`` may be the folder holding
+``h200-training.jsonl``.
 """
 
 from __future__ import annotations
@@ -18,58 +25,94 @@ import json
 from pathlib import Path
 
 from trainfit import Strategy, estimate
-from trainfit.result import Phase
+from trainfit.allocator import AllocatorConfig, Event
+from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.analytic.activations import effective_strategy
+from trainfit.analytic.events import training_events
+from trainfit.arch import load_model
+from trainfit.estimate import gpu_workspaces
+from trainfit.hardware import get_gpu
+from trainfit.result import MemoryReport, Phase
+
+GPU = "h200-sxm-141gb"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("data", type=Path, help="a JSON-lines file of measured cases")
+    ap.add_argument("data", type=Path, help="a JSON-lines file of measured cases (or the folder holding one)")
     ap.add_argument("--trace", action="store_true", help="also run the trace method on every case")
     args = ap.parse_args()
-    allocator = "default"
+    data = args.data / "h200-training.jsonl" if args.data.is_dir() else args.data
+    if not data.is_file():
+        raise SystemExit(f"gpu_truth.py: no such file: {data}")
+    workspaces = gpu_workspaces(get_gpu(GPU))
     print("| case | allocator | phase | measured GiB | analytic GiB | analytic/measured − 1 |")
     print("|---|---|---|---:|---:|---:|")
     worst = 0.0
-    reserved_rows = []
-    for line in args.data.read_text().splitlines():
+    # per measuring process (a meta line): its allocator setting and its cases in order
+    processes: list[tuple[str, list[dict[str, object]]]] = []
+    for line in data.read_text().splitlines():
         row = json.loads(line)
         if "meta" in row:
-            allocator = row.get("allocator", "default")
-            continue
-        s = Strategy(
-            precision=row["recipe"],
-            optimizer_impl=row["optimizer_impl"],
-            checkpointing=row["checkpointing"],
-            attention=row["attention"],
-            micro_batch=row["batch"],
-            seq_len=row["seq"],
-        )
+            processes.append((row.get("allocator", "default"), []))
+        elif "phases" in row:
+            processes[-1][1].append(row)
+    rows: list[tuple[str, str, str, int, int, MemoryReport, int]] = []
+    for allocator, cases in processes:
         conf = "" if allocator == "default" else allocator
-        r = estimate(row["model"], s, gpu="h200-sxm-141gb", allocator=conf)
-        for ph in Phase:
-            measured = row["phases"][ph.value]
-            ours = r.phase(ph).total_bytes
-            rel = ours / measured - 1
-            worst = max(worst, abs(rel))
-            print(
-                f"| {row['id']} | {allocator} | {ph.value} | {measured / 2**30:.2f} | {ours / 2**30:.2f} | {rel:+.2%} |"
+        streams: dict[str, list[list[Event]]] = {"analytic": [], "trace": []}
+        reports: list[tuple[int, dict[str, object], str, MemoryReport]] = []
+        for k, row in enumerate(cases):
+            s = Strategy(
+                precision=row["recipe"],
+                optimizer_impl=row["optimizer_impl"],
+                checkpointing=row["checkpointing"],
+                attention=row["attention"],
+                micro_batch=row["batch"],
+                seq_len=row["seq"],
             )
-        measured = (row["max_reserved"], row["device_used_end"])
-        reserved_rows.append((row["id"], allocator, "analytic", *measured, r))
-        if args.trace:
-            t = estimate(row["model"], s, gpu="h200-sxm-141gb", allocator=conf, method="trace")
-            reserved_rows.append((row["id"], allocator, "trace", *measured, t))
+            r = estimate(row["model"], s, gpu=GPU, allocator=conf)
+            for ph in Phase:
+                measured = row["phases"][ph.value]
+                ours = r.phase(ph).total_bytes
+                rel = ours / measured - 1
+                worst = max(worst, abs(rel))
+                print(
+                    f"| {row['id']} | {allocator} | {ph.value} | {measured / 2**30:.2f} | {ours / 2**30:.2f} "
+                    f"| {rel:+.2%} |"
+                )
+            spec = load_model(row["model"])
+            effective, _ = effective_strategy(spec, s)
+            streams["analytic"].append(training_events(spec, effective, workspaces))
+            reports.append((k, row, "analytic", r))
+            if args.trace:
+                from trainfit.trace.events import reserved_from_trace
+
+                t = estimate(row["model"], s, gpu=GPU, allocator=conf, method="trace")
+                reports.append((k, row, "trace", t))
+                traced = reserved_from_trace(spec, effective, AllocatorConfig.parse(conf), compute_capability=(9, 0))
+                streams["trace"].append(list(traced.stream))
+        in_process = {
+            method: simulate_process(evs, AllocatorConfig.parse(conf), warm_up=matmul_warm_up(workspaces))
+            for method, evs in streams.items()
+            if evs
+        }
+        for k, row, method, rep in reports:
+            run = in_process[method][k].peak_reserved_bytes
+            rows.append((str(row["id"]), allocator, method, row["max_reserved"], row["device_used_end"], rep, run))
     print(f"\nworst |analytic/measured − 1| over every phase: {worst:.2%}\n")
     print(
-        "| case | allocator | method | max_memory_reserved GiB | reserved estimate GiB | error | device used GiB "
-        "| nvidia-smi estimate GiB | error |"
+        "| case | allocator | method | max_memory_reserved GiB | fresh estimate GiB | error | in process GiB | error "
+        "| device used GiB | nvidia-smi estimate GiB (in process) | error |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for case, alloc, method, res, used, rep in reserved_rows:
-        res_est, est = rep.reserved_estimate_bytes, rep.nvidia_smi_estimate_bytes
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for case, alloc, method, res, used, rep, run in rows:
+        fresh = rep.reserved_estimate_bytes
+        smi = rep.nvidia_smi_estimate_bytes - fresh + run
         print(
-            f"| {case} | {alloc} | {method} | {res / 2**30:.2f} | {res_est / 2**30:.2f} | {res_est / res - 1:+.1%} "
-            f"| {used / 2**30:.2f} | {est / 2**30:.2f} | {est / used - 1:+.1%} |"
+            f"| {case} | {alloc} | {method} | {res / 2**30:.2f} | {fresh / 2**30:.2f} | {fresh / res - 1:+.1%} "
+            f"| {run / 2**30:.2f} | {run / res - 1:+.1%} | {used / 2**30:.2f} | {smi / 2**30:.2f} "
+            f"| {smi / used - 1:+.1%} |"
         )
 
 

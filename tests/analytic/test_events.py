@@ -10,7 +10,8 @@ import pytest
 
 from trainfit import Strategy, estimate, load_model
 from trainfit.allocator import AllocatorConfig, Op, simulate
-from trainfit.allocator.workspaces import training_workspaces
+from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.workspaces import training_workspaces, workspace_key
 from trainfit.analytic.events import forget_simulations, simulate_training, training_events
 from trainfit.analytic.model import estimate_analytic
 from trainfit.strategy import EngineOptions, Parallelism, finetune_setup
@@ -136,31 +137,62 @@ def test_a_bad_allocator_setting_is_one_line() -> None:
         estimate("gpt2", allocator="expandable_segments:maybe")
 
 
-def _h200_cases() -> list[tuple[str, dict[str, object]]]:
+def _h200_processes() -> list[tuple[str, list[dict[str, Any]]]]:
+    """The measuring processes of the calibration file: each one's allocator setting and its cases, in order."""
     if TRUTH is None:
         return []
-    out, alloc = [], "default"
+    out: list[tuple[str, list[dict[str, Any]]]] = []
     for line in (TRUTH / "h200-training.jsonl").read_text().splitlines():
         row = json.loads(line)
         if "meta" in row:
-            alloc = row["allocator"]
-            continue
-        out.append((alloc, row))
+            out.append((row["allocator"], []))
+        elif "phases" in row:
+            out[-1][1].append(row)
     return out
 
 
-@pytest.mark.parametrize(("alloc", "row"), [pytest.param(a, r, id=f"{r['id']}-{a[:10]}") for a, r in _h200_cases()])
-def test_reserved_within_5_percent_of_the_h200(alloc: str, row: dict[str, object]) -> None:
-    s = Strategy(
-        precision=row["recipe"],  # type: ignore[arg-type]
-        optimizer_impl=row["optimizer_impl"],  # type: ignore[arg-type]
-        checkpointing=row["checkpointing"],  # type: ignore[arg-type]
-        attention=row["attention"],  # type: ignore[arg-type]
-        micro_batch=row["batch"],  # type: ignore[arg-type]
-        seq_len=row["seq"],  # type: ignore[arg-type]
+def _measured_strategy(row: dict[str, Any]) -> Strategy:
+    return Strategy(
+        precision=row["recipe"],
+        optimizer_impl=row["optimizer_impl"],
+        checkpointing=row["checkpointing"],
+        attention=row["attention"],
+        micro_batch=row["batch"],
+        seq_len=row["seq"],
     )
-    r = estimate(str(row["model"]), s, allocator="" if alloc == "default" else alloc)
+
+
+@pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in _h200_processes()])
+def test_reserved_of_a_fresh_process_within_1_percent_of_the_h200(alloc: str, cases: list[dict[str, Any]]) -> None:
+    """The estimate is a run in a fresh process: the first case each measuring process ran."""
+    row = cases[0]
+    r = estimate(str(row["model"]), _measured_strategy(row), allocator="" if alloc == "default" else alloc)
+    assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("alloc", "row"), [pytest.param(a, r, id=f"{r['id']}-{a[:10]}") for a, c in _h200_processes() for r in c]
+)
+def test_every_case_as_a_fresh_process_within_5_percent_of_the_h200(alloc: str, row: dict[str, Any]) -> None:
+    """The estimate as a user gets it, for every published case, though the later cases were measured after others in
+    the same process (the gaps that leaves, −4.0% … +4.8%, are explained by the test below)."""
+    r = estimate(str(row["model"]), _measured_strategy(row), allocator="" if alloc == "default" else alloc)
     assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.05)
+
+
+@pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in _h200_processes()])
+def test_the_measuring_process_simulated_within_2_percent_of_the_h200(alloc: str, cases: list[dict[str, Any]]) -> None:
+    """Every case as measured: after the earlier cases of its process, whose autograd cuBLAS workspace pinned a
+    logits-sized segment that ``empty_cache`` cannot release (llama-3.2-1b: −4.0% fresh, the real process held
+    4.7 GiB more before it started; bert-large +4.8%)."""
+    ws = training_workspaces((9, 0))
+    streams = [training_events(load_model(str(row["model"])), _measured_strategy(row), ws) for row in cases]
+    conf = AllocatorConfig.parse("" if alloc == "default" else alloc)
+    runs = simulate_process(streams, conf, warm_up=matmul_warm_up(ws))
+    for row, run in zip(cases, runs, strict=True):
+        assert run.peak_reserved_bytes == pytest.approx(row["max_reserved"], rel=0.02), row["id"]
+    if alloc == "default" and len(cases) > 1:  # the segment the first case's backward workspace pinned
+        assert runs[1].start_reserved_bytes > runs[0].start_reserved_bytes + (1 << 30)
 
 
 @pytest.mark.parametrize(("slug", "strategy"), CASES)
@@ -251,3 +283,31 @@ def test_the_stream_holds_the_kv_cache_copies_to_the_outputs() -> None:
     for n in others:
         extra.remove(n)
     assert sorted(extra) == sorted(list(held) * spec.num_layers * 3)  # three steps replayed
+
+
+@pytest.mark.parametrize(
+    ("slug", "strategy", "first", "bytes_per"),
+    [
+        ("qwen2.5-0.5b", Strategy(micro_batch=2, seq_len=256), "table", 4),  # tied: the fp32 table's gradient
+        ("llama-3.1-8b", Strategy(precision="pure-bf16", micro_batch=1, seq_len=256), "head", 2),  # untied lm_head
+        # a frozen head: its first matmul makes the input gradient (a bf16 base: a bf16 residual stream)
+        ("llama-3.2-1b", Strategy(micro_batch=1, seq_len=256, **_finetune("lora", "bf16", "q_proj")), "input", 2),
+    ],
+)
+def test_the_autograd_workspace_follows_the_first_backward_matmul(
+    slug: str, strategy: Strategy, first: str, bytes_per: int
+) -> None:
+    """The backward thread's cuBLAS workspace is made by its first matmul, right after that matmul's output (the H200
+    trace: the tied table's gradient, then the workspace, then the hidden-sized input gradient)."""
+    spec = load_model(slug)
+    ws = training_workspaces((9, 0))
+    events = training_events(spec, strategy, ws)
+    autograd = [e.key for e in events].index(workspace_key(len(ws) - 1))
+    before = events[autograd - 1]
+    assert before.op is Op.ALLOC
+    elements = (
+        strategy.tokens_per_micro_batch * spec.hidden_size if first == "input" else spec.vocab_size * spec.hidden_size
+    )
+    assert before.size_bytes == elements * bytes_per
+    # the logits' gradients come before it
+    assert max(e.size_bytes for e in events[:autograd]) >= 2 * strategy.tokens_per_micro_batch * spec.vocab_size

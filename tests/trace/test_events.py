@@ -66,8 +66,9 @@ def test_stitched_equals_full_depth_when_fine_tuning(how: str, checkpointing: st
 
 
 def test_workspaces_are_in_the_stream() -> None:
+    from trainfit.allocator.workspaces import workspace_key
     from trainfit.trace import depth
-    from trainfit.trace.events import tracker_events, with_workspaces
+    from trainfit.trace.events import BLAS_OPS, tracker_events, with_workspaces
 
     spec = tiny_spec("llama")
     st = Strategy(precision="amp-bf16", optimizer_impl="foreach", micro_batch=1, seq_len=32)
@@ -80,6 +81,16 @@ def test_workspaces_are_in_the_stream() -> None:
         e.size_bytes for e in plain if e.op is Op.ALLOC
     )
     assert added == Counter({32 << 20: 2, 1 << 20: 1})  # two cuBLAS handles (main, autograd), one cuBLASLt
+    # the autograd thread's comes right after its first matmul's output (the head's, in the first backward)
+    autograd = [e.key for e in hopper].index(workspace_key(2))
+    before = hopper[autograd - 1]
+    rec = run.tracker.records[before.key]
+    first = run.timeline.steps[0].passes[0]
+    assert before.op is Op.ALLOC and rec.op.partition(".")[0] in BLAS_OPS
+    assert first.bwd_start <= rec.alloc_t <= first.bwd_end
+    assert not any(
+        r.op.partition(".")[0] in BLAS_OPS and first.bwd_start <= r.alloc_t < rec.alloc_t for r in run.tracker.records
+    )
     ampere = with_workspaces(plain, run, (8, 0))
     assert len(ampere) == len(plain) + 3
     assert AllocatorConfig() == AllocatorConfig.parse("")

@@ -3,7 +3,8 @@
 * :mod:`.config` — ``PYTORCH_CUDA_ALLOC_CONF`` parsed into a typed :class:`AllocatorConfig`;
 * :mod:`.simulator` — the event-driven model (:func:`simulate`, :class:`Simulator`);
 * :mod:`.replay` — replay of a real ``torch.cuda.memory._snapshot()`` (:func:`replay_snapshot`);
-* :mod:`.workspaces` — the cuBLAS/cuBLASLt workspaces, allocations of the same allocator.
+* :mod:`.workspaces` — the cuBLAS/cuBLASLt workspaces, allocations of the same allocator;
+* :mod:`.process` — several runs in one process: what the workspaces pin between them.
 
 See ``docs/allocator.md`` for the rules, their sources and the measured agreement.
 """

@@ -762,6 +762,19 @@ class Simulator:
     def address_of(self, key: int) -> int:
         return self._live[key].addr
 
+    def live_keys(self) -> list[int]:
+        """The keys of the blocks allocated now (freed or not yet completed included)."""
+        return list(self._live)
+
+    def reset_peak_stats(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats()``: the peaks start again from the current figures."""
+        self.peak_reserved_bytes = self.reserved_bytes
+        self.peak_allocated_bytes = self.allocated_bytes
+        self.reserved_at_peak_allocated_bytes = self.reserved_bytes
+        self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
+        self.num_segments_at_peak = self.num_segments
+        self.peak_event_index = self.event_index
+
     def layout(self) -> tuple[SegmentLayout, ...]:
         """Every segment (expandable: every mapped run) with its blocks, by address."""
         blocks: dict[int, _Block] = {}

@@ -19,8 +19,10 @@ engine's device thread (backward, ``torch/csrc/autograd/engine.cpp`` runs each d
 thread). Checked on the H200 traces in ``shared/gpu-truth`` (torch 2.11, CUDA 13): the main thread's
 32 MiB cuBLAS workspace predates the recording (the measuring script's warm-up matmul); the trace then
 allocates a 1 MiB block never freed at the first forward matmuls (the cuBLASLt workspace, event 43) and a
-32 MiB block never freed at the very first backward matmul (event 3254, right after the logits' gradient:
-the backward thread's cuBLAS workspace). No second Lt workspace appears in backward: that thread's matmuls
+32 MiB block never freed at the very first backward matmul (event 3254: right after that matmul's output, the
+tied table's gradient, and before the next one's, the hidden-sized input gradient — the backward thread's cuBLAS
+workspace). Where it lands outlives the run: ``empty_cache`` cannot release the segment it sits in
+(:mod:`trainfit.allocator.process`). No second Lt workspace appears in backward: that thread's matmuls
 went through plain cuBLAS. These are 33 MiB of reserved memory that no tensor explains.
 """
 
@@ -112,3 +114,9 @@ def training_workspaces(
     if lt and backward_lt:
         out.append(Workspace(kind=WorkspaceKind.CUBLASLT, thread=Thread.AUTOGRAD, stream=stream, size_bytes=lt))
     return tuple(out)
+
+
+def workspace_key(index: int) -> int:
+    """The event key of the ``index``-th of a stream's workspaces (in :func:`training_workspaces`' order): negative,
+    as no tensor's is, so that a process simulation (:mod:`trainfit.allocator.process`) can keep them between runs."""
+    return -1 - index

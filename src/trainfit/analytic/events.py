@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
-from trainfit.allocator.workspaces import Thread, Workspace
+from trainfit.allocator.workspaces import Thread, Workspace, workspace_key
 from trainfit.analytic.activations import (
     TermRole,
     Widths,
@@ -104,6 +104,20 @@ class Stream:
                 sim.malloc(self._next, nbytes, stream)
         return self._next if nbytes > 0 else 0
 
+    def workspace(self, nbytes: int, key: int, stream: int = 0) -> None:
+        """A cuBLAS/cuBLASLt workspace: an allocation for the life of the process, under the negative ``key``
+        the stream gives it (:func:`trainfit.allocator.process.simulate_process` keeps these between runs).
+        A zero-byte workspace (``CUBLAS_WORKSPACE_CONFIG=:0:0``) allocates nothing."""
+        self._next += 1
+        if nbytes <= 0:
+            return
+        sim = self._sim
+        if sim is None:
+            self.events.append(Event(Op.ALLOC, key, nbytes, stream))
+        else:
+            sim.event_index += 1
+            sim.malloc(key, nbytes, stream)
+
     def free(self, key: int) -> None:
         if key:
             sim = self._sim
@@ -132,7 +146,8 @@ def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
 
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
     """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
-    thread's ``workspaces`` appear at the first forward, the autograd thread's at the first backward."""
+    thread's ``workspaces`` appear at the first forward, the autograd thread's after the first backward matmul's
+    output."""
     s = Stream()
     synthesise(s, spec, strategy, workspaces)
     return s.events
@@ -371,6 +386,15 @@ def synthesise(
     # (RankHooks.reduces_each_micro_step), as do ZeRO-2's and ZeRO-1's; ZeRO-3's model one (its persistent
     # gradient partition makes a later micro-step the first's: RankHooks.replays_accumulation).
     micro_steps = rank.micro_steps(strategy.grad_accum)
+    # The autograd thread's workspaces come with its first cuBLAS call, the head's first matmul in the first
+    # backward: right after that matmul's output (the H200 trace; trainfit.allocator.process on why it matters).
+    autograd_ws = [(k, ws) for k, ws in enumerate(workspaces) if ws.thread is Thread.AUTOGRAD]
+
+    def first_matmul_done() -> None:
+        while autograd_ws:
+            k, ws = autograd_ws.pop(0)
+            s.workspace(ws.size_bytes, workspace_key(k), ws.stream)
+
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
         for micro_step in range(micro_steps):
@@ -378,9 +402,9 @@ def synthesise(
             micro = 0 if rank.reduces_each_micro_step else micro_step  # autograd adds into a resident .grad
             inputs = [s.alloc(8 * t), s.alloc(8 * t)]  # input ids, labels
             if step == 0 and micro_step == 0:
-                for ws in workspaces:
+                for k, ws in enumerate(workspaces):
                     if ws.thread is Thread.MAIN:
-                        s.alloc(ws.size_bytes)
+                        s.workspace(ws.size_bytes, workspace_key(k), ws.stream)
             rank.forward_begin(s)
             embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
             rank.embedding_forward_end(s)
@@ -429,11 +453,7 @@ def synthesise(
             s.free_all(kv_cache)  # with them the cache
             rank.backward_begin(s)
 
-            # Backward: the loss gradients, then the head.
-            if step == 0 and micro_step == 0:
-                for ws in workspaces:
-                    if ws.thread is Thread.AUTOGRAD:
-                        s.alloc(ws.size_bytes)
+            # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
             # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
             # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
             g_nll = s.alloc(4 * n_logits)
@@ -455,17 +475,20 @@ def synthesise(
                     # (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad +=
                     # new_grad`` with grad mode off); a tied table's waits for the embedding's, summed first.
                     new = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    first_matmul_done()
                     if x.name == "embed_tokens.weight" and tied is not None:
                         waiting = new
                     else:
                         s.free(new)
                 elif rank.early_grad(spec, x):
                     model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                    first_matmul_done()
                     if x.name == "embed_tokens.weight":
                         table_grad = model_grads[-1]
                         if not table_grad and tied is not None and tied_sum_modelled(strategy):
                             waiting = s.alloc(tied.embedding_grad_bytes)
             g_res = s.alloc(hidden)
+            first_matmul_done()
             s.free(g_logits)
             s.free_all(head_copies)
             norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))

@@ -142,7 +142,7 @@ from collections.abc import Callable, Sequence
 
 from trainfit._memo import spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
-from trainfit.allocator.workspaces import Thread, Workspace
+from trainfit.allocator.workspaces import Thread, Workspace, workspace_key
 from trainfit.analytic.activations import backward_temp_bytes
 from trainfit.analytic.adapters import finetuning, frozen_layers, is_frozen, moe_tensors
 from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, steady_state, synthesise
@@ -1639,7 +1639,8 @@ def megatron_events(
     stop: Callable[[int], bool] | None = None,
 ) -> None:
     """Write stage ``stage``'s stream (:class:`MegatronStage`) into ``s``: ``steps`` steps of the 1F1B order, the
-    main thread's ``workspaces`` at the first forward, the autograd thread's at the first backward."""
+    main thread's ``workspaces`` at the first forward, the autograd thread's at the first backward (its start: the
+    one-GPU stream's placement after the head's first matmul is not carried over to the pipeline order)."""
     st = MegatronStage(spec, strategy, p, stage)
     st.init(s)
     par = strategy.parallelism
@@ -1648,9 +1649,9 @@ def megatron_events(
         live: dict[tuple[int, int], list[int]] = {}
         for forward, j, c in order:
             if step == 0 and (j, c) == (0, 0 if forward else st.v - 1):  # the first forward, the first backward
-                for ws in workspaces:
+                for k, ws in enumerate(workspaces):
                     if (ws.thread is Thread.MAIN) == forward:
-                        s.alloc(ws.size_bytes)
+                        s.workspace(ws.size_bytes, workspace_key(k), ws.stream)
             if forward:
                 live[j, c] = st.forward(s, c)
             else:

@@ -5,8 +5,10 @@ each, so its records *are* the ordered sequence of ``malloc`` / ``free`` calls a
 already rounded to 512 B, which the allocator's own rounding leaves unchanged by default). What the trace
 cannot see are the allocations no tensor owns: the cuBLAS and cuBLASLt workspaces
 (:mod:`trainfit.allocator.workspaces`). We add them where the H200 trace shows them: the main thread's
-cuBLAS and cuBLASLt workspaces at the first forward pass, the autograd thread's cuBLAS workspace at the
-first backward pass.
+cuBLAS and cuBLASLt workspaces at the first forward pass, the autograd thread's cuBLAS workspace right after
+the output of the first backward matmul (the head's: the real trace has it between the head's weight-gradient
+and input-gradient matmuls). Where it lands matters beyond its 32 MiB: it is never freed, so ``empty_cache``
+cannot release the segment it sits in (on the H200 a 4.6 GiB logits segment after the first case of a process).
 
 Full depth by stitching. Fragmentation is not linear in depth, so we do not extrapolate reserved bytes; we
 rebuild the *event stream* of the full model from a trace with three units of the repeated layer run
@@ -37,13 +39,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
-from trainfit.allocator.workspaces import Thread, WorkspaceKind, training_workspaces
+from trainfit.allocator.workspaces import Thread, training_workspaces, workspace_key
 from trainfit.arch.spec import ModelSpec
 from trainfit.strategy import Strategy
 from trainfit.trace import runner as rn
 
-#: Keys of workspace allocations (tracker records use their index, ≥ 0).
-_WORKSPACE_KEY = -1
+#: aten ops that call cuBLAS/cuBLASLt on CUDA (aten/src/ATen/native/cuda/Blas.cpp): the first one a thread runs
+#: creates its handle's workspace (``getCurrentCUDABlasHandle`` → ``setWorkspaceForHandle``), after the op has
+#: allocated its output.
+BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_scaled_mm", "_int_mm"})
 
 
 def tracker_events(run: rn.TraceRun) -> list[Event]:
@@ -85,19 +89,10 @@ def with_workspaces(
     env: Mapping[str, str] | None = None,
 ) -> list[Event]:
     """Insert the cuBLAS/cuBLASLt workspace allocations (never freed) at the first forward and backward."""
-    steps = run.timeline.steps
-    if not steps or not steps[0].passes:
-        return list(events)
-    first = steps[0].passes[0]
     index = _tick_index(run)
     at: dict[int, list[Event]] = {}
-    key = _WORKSPACE_KEY
-    for ws in training_workspaces(compute_capability, env):
-        tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start
-        pos = index[min(tick, len(index) - 1)]
-        at.setdefault(pos, []).append(Event(Op.ALLOC, key, ws.size_bytes))
-        key -= 1
-        assert ws.kind in WorkspaceKind
+    for tick, inserted in workspace_inserts(run, compute_capability, env).items():
+        at.setdefault(index[min(tick, len(index) - 1)], []).extend(inserted)
     out: list[Event] = []
     for i, e in enumerate(events):
         out.extend(at.pop(i, ()))
@@ -387,19 +382,34 @@ def check_stream(events: list[Event]) -> str | None:
     return None
 
 
-def _workspace_inserts(
+def first_blas_output(run: rn.TraceRun, start: int, end: int) -> int | None:
+    """The tick of the first device storage an op that runs on cuBLAS (:data:`BLAS_OPS`) makes between ticks
+    ``start`` and ``end``; None if there is none."""
+    tr = run.tracker
+    for rec in tr.records:  # in the order they were made
+        if rec.alloc_t < start:
+            continue
+        if rec.alloc_t > end:
+            return None
+        if rec.op.partition(".")[0] in BLAS_OPS and tr.component(rec) is not None:
+            return rec.alloc_t
+    return None
+
+
+def workspace_inserts(
     run: rn.TraceRun, compute_capability: tuple[int, int], env: Mapping[str, str] | None
 ) -> dict[int, list[Event]]:
+    """The workspace allocations to emit after a tick of ``run``: the main thread's at the first forward, the
+    autograd thread's right after the first backward matmul's output (where the H200 trace has it)."""
     steps = run.timeline.steps
     if not steps or not steps[0].passes:
         return {}
     first = steps[0].passes[0]
+    bwd = first_blas_output(run, first.bwd_start, first.bwd_end)
     at: dict[int, list[Event]] = {}
-    key = _WORKSPACE_KEY
-    for ws in training_workspaces(compute_capability, env):
-        tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start
-        at.setdefault(tick, []).append(Event(Op.ALLOC, key, ws.size_bytes))
-        key -= 1
+    for k, ws in enumerate(training_workspaces(compute_capability, env)):  # keys: workspace_key (records' are ≥ 0)
+        tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start if bwd is None else bwd
+        at.setdefault(tick, []).append(Event(Op.ALLOC, workspace_key(k), ws.size_bytes))
     return at
 
 
@@ -442,7 +452,7 @@ def reserved_from_trace(
             units=(unit_ids[0], unit_ids[1], unit_ids[2]),
             full_units=run.count,
             params_per_unit=(per_unit, every * n, trainable * n),
-            inserts=_workspace_inserts(done.run, compute_capability, env),
+            inserts=workspace_inserts(done.run, compute_capability, env),
         )
         problem = check_stream(st.events)
         if problem is not None:  # the units are not alike enough to stitch: trace the full depth

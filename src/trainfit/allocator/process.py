@@ -1,0 +1,116 @@
+"""Several training runs in one process: what an earlier run leaves reserved for the next.
+
+A run that ends (its tensors freed, then ``torch.cuda.empty_cache()``) does not give all its memory back. The
+cuBLAS and cuBLASLt workspaces belong to the thread's handle, not to the run (``CublasHandlePool.cpp`` keeps them
+for the life of the process), so ``empty_cache`` — which releases only segments with no block in use
+(``release_cached_blocks``) — cannot release the segment a workspace was carved from. The autograd thread's
+cuBLAS workspace is made at the first backward matmul, when the cache is full of logits-sized blocks: on the
+H200 (``shared/gpu-truth``: qwen2.5-0.5b, the first case of the measuring process) it sits 259 MiB into a
+4748 MiB segment, and every later case of that process starts with that segment reserved, part of its free
+space usable. Later runs make no new workspaces (the same threads, the same handles).
+
+:func:`simulate_process` replays that: each run's events in turn through one :class:`Simulator`, the keys a
+stream gives its workspaces (negative, :func:`trainfit.allocator.workspaces.workspace_key`) allocated once per
+process, everything else freed at the end of a run, then ``empty_cache``; each run's peaks counted from its
+start (the measuring script resets the peak statistics per phase). A user's own job is one run in a fresh
+process, which is what ``trainfit estimate`` predicts; this module is for comparing with measurements taken the
+way ``measure_training.py`` takes them, and for notebooks that train one model after another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from trainfit.allocator.config import AllocatorConfig
+from trainfit.allocator.simulator import Event, Op, Simulator
+from trainfit.allocator.workspaces import Thread, Workspace, WorkspaceKind, workspace_key
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessRun:
+    """One run of a process simulation (bytes)."""
+
+    #: Reserved when the run started: what the runs before it (and the warm-up) left.
+    start_reserved_bytes: int
+    #: ``max_memory_reserved`` / ``max_memory_allocated`` over the run.
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    #: Reserved after the run's teardown and ``empty_cache``: what the next run starts from.
+    end_reserved_bytes: int
+
+
+def simulate_process(
+    runs: Sequence[Iterable[Event]],
+    config: AllocatorConfig | None = None,
+    *,
+    warm_up: Iterable[Event] = (),
+) -> tuple[ProcessRun, ...]:
+    """Simulate ``runs`` one after another in one process (see the module docstring). ``warm_up``: events
+    before the first run (the measuring script's first matmul makes the main thread's cuBLAS workspace: a
+    workspace key's allocation there is the one the runs then skip). A run's non-negative keys are its own
+    (renamed per run); a negative key is a workspace, allocated once."""
+    sim = Simulator(config)
+    kept: set[int] = set()
+
+    def apply(events: Iterable[Event], base: int) -> None:
+        for e in events:
+            if e.key < 0:
+                if e.op is Op.ALLOC:
+                    if e.key in kept:  # the handle's workspace exists already
+                        continue
+                    kept.add(e.key)
+                    sim.malloc(e.key, e.size_bytes, e.stream)
+                    continue
+                raise ValueError(f"workspace key {e.key} freed: workspaces live as long as the process")
+            key = e.key + base
+            if e.op is Op.ALLOC:
+                sim.malloc(key, e.size_bytes, e.stream)
+            elif e.op is Op.FREE:
+                sim.free(key)
+            elif e.op is Op.FREE_REQUESTED:
+                sim.free_requested(key)
+            elif e.op is Op.FREE_COMPLETED:
+                sim.free_completed(key)
+            else:
+                sim.empty_cache()
+
+    def teardown() -> None:
+        for k in sim.live_keys():
+            if k >= 0:
+                sim.free(k)
+        sim.empty_cache()
+
+    apply(warm_up, 0)
+    out: list[ProcessRun] = []
+    base = 0
+    for run in runs:
+        base += 1 << 40  # no run's keys collide with an earlier one's
+        start = sim.reserved_bytes
+        sim.reset_peak_stats()
+        apply(run, base)
+        peak_reserved, peak_allocated = sim.peak_reserved_bytes, sim.peak_allocated_bytes
+        teardown()
+        out.append(
+            ProcessRun(
+                start_reserved_bytes=start,
+                peak_reserved_bytes=peak_reserved,
+                peak_allocated_bytes=peak_allocated,
+                end_reserved_bytes=sim.reserved_bytes,
+            )
+        )
+    return tuple(out)
+
+
+def matmul_warm_up(workspaces: Sequence[Workspace], n: int = 256) -> list[Event]:
+    """The events of a first ``torch.ones(n, n) @ torch.ones(n, n)`` in fp32 (the measuring script's warm-up):
+    its two inputs and its output, then — the first cuBLAS call of the main thread — that thread's cuBLAS
+    workspace (keyed as in ``workspaces``), then the three tensors freed."""
+    nbytes = 4 * n * n
+    out = [Event(Op.ALLOC, k, nbytes) for k in range(3)]
+    for k, ws in enumerate(workspaces):
+        if ws.thread is Thread.MAIN and ws.kind is WorkspaceKind.CUBLAS:
+            out.append(Event(Op.ALLOC, workspace_key(k), ws.size_bytes, ws.stream))
+            break
+    out += [Event(Op.FREE, k) for k in range(3)]
+    return out

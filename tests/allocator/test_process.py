@@ -1,0 +1,74 @@
+"""Runs one after another in one process (:mod:`trainfit.allocator.process`); expected values worked out by hand
+from the allocator's rules (c10/cuda/CUDACachingAllocator.cpp: ``get_allocation_size``, ``should_split``,
+``release_cached_blocks``), not by running the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainfit.allocator import AllocatorConfig, Event, Op
+from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.workspaces import Thread, WorkspaceKind, training_workspaces, workspace_key
+
+MiB = 1 << 20
+WS = workspace_key(0)
+
+
+def _run(big: int, ws: bool) -> list[Event]:
+    """A run that makes and frees a ``big`` MiB tensor, then (``ws``) a 32 MiB workspace, then a 10 MiB one."""
+    out = [Event(Op.ALLOC, 0, big * MiB), Event(Op.FREE, 0)]
+    if ws:
+        out.append(Event(Op.ALLOC, WS, 32 * MiB))
+    return [*out, Event(Op.ALLOC, 1, 10 * MiB), Event(Op.FREE, 1)]
+
+
+def test_a_workspace_pins_the_segment_it_was_carved_from() -> None:
+    """Run 1's workspace takes the low 32 MiB of its freed 100 MiB segment (best fit, split: 68 MiB left > 1 MiB);
+    ``empty_cache`` cannot release that segment, so run 2 starts with 100 MiB reserved and its 60 MiB tensor fits
+    in the 68 MiB free behind the workspace: no new segment. Its workspace exists already: not made again."""
+    first, second = simulate_process([_run(100, True), _run(60, True)], AllocatorConfig())
+    assert first.start_reserved_bytes == 0
+    assert first.peak_reserved_bytes == 100 * MiB  # the 10 MiB tensor fits in the free 68 MiB too
+    assert first.end_reserved_bytes == 100 * MiB
+    assert second.start_reserved_bytes == 100 * MiB
+    assert second.peak_reserved_bytes == 100 * MiB
+    assert second.peak_allocated_bytes == 32 * MiB + 60 * MiB
+
+
+def test_a_larger_tensor_than_the_pinned_segment_s_free_part_needs_its_own() -> None:
+    """Run 2's 80 MiB tensor does not fit the 68 MiB free part: a new 80 MiB segment beside the pinned one."""
+    _, second = simulate_process([_run(100, True), _run(80, True)], AllocatorConfig())
+    assert second.peak_reserved_bytes == 180 * MiB
+    assert second.end_reserved_bytes == 100 * MiB
+
+
+def test_without_workspaces_every_run_starts_empty() -> None:
+    runs = simulate_process([_run(100, False), _run(60, False)], AllocatorConfig())
+    assert [r.start_reserved_bytes for r in runs] == [0, 0]
+    assert [r.peak_reserved_bytes for r in runs] == [100 * MiB, 60 * MiB]
+
+
+def test_expandable_segments_unmap_all_but_the_workspace_pages() -> None:
+    """With expandable segments ``empty_cache`` unmaps every free page: the workspace keeps its 32 MiB, which
+    spans two 20 MiB pages of the large pool's range (``map_block``), so 40 MiB stay mapped."""
+    first, second = simulate_process(
+        [_run(100, True), _run(60, True)], AllocatorConfig.parse("expandable_segments:True")
+    )
+    assert first.end_reserved_bytes == 40 * MiB
+    assert second.start_reserved_bytes == 40 * MiB
+
+
+def test_a_workspace_is_never_freed() -> None:
+    with pytest.raises(ValueError, match="workspace"):
+        simulate_process([[Event(Op.ALLOC, WS, MiB), Event(Op.FREE, WS)]])
+
+
+def test_the_warm_up_matmul_makes_the_main_thread_s_cublas_workspace() -> None:
+    ws = training_workspaces((9, 0))
+    events = matmul_warm_up(ws)
+    made = [e for e in events if e.op is Op.ALLOC and e.key < 0]
+    main = [k for k, w in enumerate(ws) if w.thread is Thread.MAIN and w.kind is WorkspaceKind.CUBLAS]
+    assert [e.key for e in made] == [workspace_key(main[0])] and made[0].size_bytes == 32 * MiB
+    # three 256 KiB fp32 tensors in one 2 MiB small segment, kept cached: 34 MiB reserved (the H200's meta line)
+    (run,) = simulate_process([[]], AllocatorConfig(), warm_up=events)
+    assert run.start_reserved_bytes == 34 * MiB
