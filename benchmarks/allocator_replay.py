@@ -75,7 +75,8 @@ def main() -> int:
     return 0
 
 
-def _strategy(row: dict[str, object]) -> Strategy:
+def measured_strategy(row: dict[str, object]) -> Strategy:
+    """The strategy of one case of ``h200-training.jsonl`` (also used by ``gpu_truth.py``)."""
     return Strategy(
         precision=str(row["recipe"]),
         optimizer_impl=str(row["optimizer_impl"]),
@@ -93,7 +94,7 @@ def _phases(row: dict[str, object]) -> None:
     from trainfit.trace.events import tracker_events, with_workspaces
 
     spec = load_model(str(row["model"]))
-    st = _strategy(row)
+    st = measured_strategy(row)
     plan = depth.plan_depth(spec, st, extrapolate=False)
     _, lay = plan.layouts[0]
     run = depth.run_layout(spec, st, plan, lay, steps=3, adamw_impl=str(row["optimizer_impl"])).run
@@ -124,7 +125,7 @@ def _trace_case(row: dict[str, object]) -> None:
     from trainfit.trace.events import reserved_from_trace
 
     spec = load_model(str(row["model"]))
-    st = _strategy(row)
+    st = measured_strategy(row)
     conf = str(row.get("allocator", ""))
     kind = "default" if conf in ("", "default") else "expandable"
     t = time.perf_counter()

@@ -24,7 +24,9 @@ import argparse
 import json
 from pathlib import Path
 
-from trainfit import Strategy, estimate
+from allocator_replay import measured_strategy
+
+from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event
 from trainfit.allocator.process import matmul_warm_up, simulate_process
 from trainfit.analytic.activations import effective_strategy
@@ -63,14 +65,7 @@ def main() -> None:
         streams: dict[str, list[list[Event]]] = {"analytic": [], "trace": []}
         reports: list[tuple[int, dict[str, object], str, MemoryReport]] = []
         for k, row in enumerate(cases):
-            s = Strategy(
-                precision=row["recipe"],
-                optimizer_impl=row["optimizer_impl"],
-                checkpointing=row["checkpointing"],
-                attention=row["attention"],
-                micro_batch=row["batch"],
-                seq_len=row["seq"],
-            )
+            s = measured_strategy(row)
             r = estimate(row["model"], s, gpu=GPU, allocator=conf)
             for ph in Phase:
                 measured = row["phases"][ph.value]
