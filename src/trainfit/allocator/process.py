@@ -63,17 +63,7 @@ def simulate_process(
                     sim.malloc(e.key, e.size_bytes, e.stream)
                     continue
                 raise ValueError(f"workspace key {e.key} freed: workspaces live as long as the process")
-            key = e.key + base
-            if e.op is Op.ALLOC:
-                sim.malloc(key, e.size_bytes, e.stream)
-            elif e.op is Op.FREE:
-                sim.free(key)
-            elif e.op is Op.FREE_REQUESTED:
-                sim.free_requested(key)
-            elif e.op is Op.FREE_COMPLETED:
-                sim.free_completed(key)
-            else:
-                sim.empty_cache()
+            sim.apply(e.op, e.key + base, e.size_bytes, e.stream)
 
     def teardown() -> None:
         for k in sim.live_keys():
