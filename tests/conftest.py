@@ -65,3 +65,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("full_matrix") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def transformers_release(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Pin the transformers release that version-dependent modelling reads (``arch.config.installed_transformers``):
+    ``transformers_release((5, 24))``; ``None`` models an environment without transformers. Specs built afterwards
+    follow it (the catalog caches configs, not specs)."""
+
+    def pin(release: tuple[int, int] | None) -> None:
+        monkeypatch.setattr("trainfit.arch.config.installed_transformers", lambda: release)
+
+    return pin

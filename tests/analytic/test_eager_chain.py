@@ -4,6 +4,8 @@ the byte totals they lead to are checked against the trace in tests/trace/test_a
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from trainfit.analytic.activations import attention_mask_bytes, eager_chain
@@ -124,6 +126,19 @@ def test_sdpa_kernel_choice() -> None:
     # fp32 rules out flash; the memory-efficient kernel takes no GQA: math.
     assert sdpa_kernel(llama, _s("fp32", attention="sdpa")) == MATH
     assert sdpa_kernel(load_model("gpt2"), _s("fp32", attention="sdpa")) == EFFICIENT  # same heads
-    falcon = load_model("falcon-7b")  # multi-query, called without enable_gqa, mask always built
-    assert (falcon.num_kv_heads, falcon.sdpa_gqa, falcon.sdpa_mask_always) == (1, False, True)
-    assert sdpa_kernel(falcon, _s("amp-bf16", attention="sdpa")) == MATH
+
+
+@pytest.mark.parametrize("release", [(5, 24), (5, 25), None])
+def test_falcon_sdpa_kernel_follows_the_transformers_release(release: Any, transformers_release: Any) -> None:
+    """Multi-query Falcon-7B, its mask always built: before transformers 5.25 FalconAttention calls SDPA itself
+    with one k/v head and no enable_gqa (the math kernel); from 5.25 (or without transformers: the current code)
+    the shared interface repeats k/v to every head — stride-0 views — and the memory-efficient kernel runs."""
+    from trainfit.analytic.activations import EFFICIENT, MATH, sdpa_kernel, sdpa_kv_heads
+
+    transformers_release(release)
+    falcon = load_model("falcon-7b")
+    old = release is not None and release < (5, 25)
+    assert (falcon.num_kv_heads, falcon.sdpa_gqa, falcon.sdpa_mask_always) == (1, not old, True)
+    amp = _s("amp-bf16", attention="sdpa")
+    assert sdpa_kernel(falcon, amp) == (MATH if old else EFFICIENT)
+    assert sdpa_kv_heads(falcon, amp) == (1 if old else falcon.num_heads)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -189,10 +190,19 @@ def test_models_and_gpus_json() -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "precision", "warned"),
-    [("llama-3.2-1b", "fp32", True), ("llama-3.2-1b", "amp-bf16", False), ("falcon-7b", "amp-bf16", True)],
+    ("model", "precision", "release", "warned"),
+    [
+        ("llama-3.2-1b", "fp32", None, True),
+        ("llama-3.2-1b", "amp-bf16", None, False),
+        ("falcon-7b", "amp-bf16", (5, 24), True),  # FalconAttention called SDPA itself (one k/v head)
+        ("falcon-7b", "amp-bf16", (5, 25), False),  # the shared interface repeats k/v: memory-efficient
+    ],
 )
-def test_warns_when_sdpa_falls_back_to_the_math_kernel(model: str, precision: str, warned: bool) -> None:
+def test_warns_when_sdpa_falls_back_to_the_math_kernel(
+    model: str, precision: str, release: Any, warned: bool, transformers_release: Any
+) -> None:
+    if release is not None:
+        transformers_release(release)
     code, out, _ = run("estimate", model, "--precision", precision, "--json")
     assert code == 0
     warnings = json.loads(out)["warnings"]
@@ -236,7 +246,8 @@ def test_checked_fixes_replace_the_unchecked_example_flags() -> None:
     assert code == 0 and leaner and leaner[0]["flags"] == ["--precision pure-bf16", "--optimizer adamw-8bit"]
 
 
-def test_math_kernel_warning_gives_no_advice_already_taken() -> None:
+def test_math_kernel_warning_gives_no_advice_already_taken(transformers_release: Any) -> None:
+    transformers_release((5, 24))  # Falcon's own SDPA call, before transformers 5.25
     code, out, _ = run("estimate", "falcon-7b", "--checkpointing", "full", "--json")
     assert code == 0
     (warning,) = [w for w in json.loads(out)["warnings"] if "math kernel" in w]

@@ -44,7 +44,8 @@ TINY: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
         "max_position_embeddings": 512, "sliding_window": 160,
     },
-    # Multi-query: one k/v head handed to SDPA without enable_gqa, a mask always built (math kernel).
+    # Multi-query, a mask always built: before transformers 5.25 one k/v head handed to SDPA without enable_gqa
+    # (math kernel); from 5.25 repeat_kv's stride-0 views of it (memory-efficient kernel).
     "falcon": {
         "model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
         "vocab_size": 256, "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,

@@ -122,9 +122,11 @@ def test_sliding_window_sdpa_within_5_percent_of_trace(precision: str, ckpt: str
     + [pytest.param("falcon", "amp-bf16", "none", 1, id="falcon-amp-bf16-none-b1")],
 )
 def test_falcon_sdpa_kernels_within_5_percent_of_trace(family: str, precision: str, ckpt: str, batch: int) -> None:
-    """HF Falcon calls SDPA itself: multi-query without enable_gqa takes the math kernel (fp32 scores; its
-    broadcast k/v are copied per head unless the batch is 1), the new architecture the memory-efficient
-    kernel with a saved bias. (GQA in fp32, also math: the llama and qwen2 fp32 cells above.)"""
+    """HF Falcon before transformers 5.25 calls SDPA itself: multi-query without enable_gqa takes the math kernel
+    (fp32 scores; its broadcast k/v are copied per head unless the batch is 1), the new architecture the
+    memory-efficient kernel with a saved bias. From 5.25 both go through transformers' interface, whose
+    ``repeat_kv`` (the mask is always materialised) gives the memory-efficient kernel every head — as stride-0
+    views of the one k/v head of multi-query Falcon. (GQA in fp32, also math: the llama and qwen2 fp32 cells above.)"""
     _check(family, precision, ckpt, (batch, 512))
 
 

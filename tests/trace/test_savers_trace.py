@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from trainfit import Strategy, estimate
-from trainfit.arch.config import spec_from_config
+from trainfit.arch.config import FALCON_INTERFACE_RELEASE, installed_transformers, spec_from_config
 from trainfit.errors import StrategyError
 from trainfit.result import Component, Phase
 from trainfit.strategy import MemorySavers
@@ -30,8 +30,9 @@ def _within(ra: object, rt: object, tol: float, phases: int = 3) -> None:
 
 
 # (family, precision, attention, tolerance) of the forward and backward: within 0.6% (docs/accuracy.md). Falcon
-# calls SDPA itself (the trace checkpoints that call) and gets the math kernel, whose forward chain is 3% short
-# without recompute too; DeepSeek-V2 under autocast has the same unmodelled forward transients as without it.
+# before transformers 5.25 calls SDPA itself (the trace checkpoints that call) and gets the math kernel, whose
+# forward chain is 3% short without recompute too; DeepSeek-V2 under autocast has the same unmodelled forward
+# transients as without it.
 SELECTIVE = [
     ("llama", "amp-bf16", "sdpa", 0.006),
     ("qwen2", "pure-bf16", "sdpa", 0.006),
@@ -56,22 +57,34 @@ def test_selective_recompute_analytic_agrees_with_the_trace(
     _within(estimate_analytic(spec, s), traced_once(trace_spec, spec, s), tol, phases=2)
 
 
-def test_selective_recompute_checkpoints_an_sdpa_call_of_the_modeling_code_and_refuses_inline_attention() -> None:
-    """Falcon calls ``torch.nn.functional.scaled_dot_product_attention`` itself, outside transformers' attention
-    interface: the trace checkpoints that call (the forward keeps less than without recompute: the math kernel's fp32
-    softmax output alone is 4·b·heads·s² per layer below the top one, where the forward peaks). Its eager attention
-    is inline code: refused in one line."""
-    spec = tiny_spec("falcon")  # 4 layers, 4 heads, multi-query: SDPA's math kernel
+def test_selective_recompute_follows_falcons_attention_code() -> None:
+    """Falcon's attention code changed in transformers 5.25 (``arch.config.FALCON_INTERFACE_RELEASE``). Before, it
+    called ``torch.nn.functional.scaled_dot_product_attention`` itself, outside transformers' attention interface:
+    the trace checkpoints that call (the forward keeps less than without recompute: the math kernel's fp32 softmax
+    output alone is 4·b·heads·s² per layer below the top one, where the forward peaks), and its inline eager
+    attention is refused in one line. From 5.25 both go through the interface: the checkpointed SDPA core drops the
+    memory-efficient kernel's saved bias (2·b·s² per layer in bf16, the mask always materialised), the eager core
+    its fp32 softmax output."""
+    spec = tiny_spec("falcon")  # 4 layers, 4 heads, multi-query
     b, s_len = 2, 256
     sdpa = Strategy(precision="pure-bf16", micro_batch=b, seq_len=s_len)
-    fwd = [
-        traced_once(trace_spec, spec, dataclasses.replace(sdpa, checkpointing=ck)).phase(Phase.FORWARD).components
-        for ck in ("none", "selective")
-    ]
-    assert fwd[0][Component.ACTIVATIONS] - fwd[1][Component.ACTIVATIONS] >= 3 * 4 * b * 4 * s_len * s_len
-    eager = dataclasses.replace(sdpa, attention="eager", checkpointing="selective")
-    with pytest.raises(StrategyError, match="inline code"):
-        trace_spec(spec, eager)
+
+    def dropped(base: Strategy) -> int:
+        fwd = [
+            traced_once(trace_spec, spec, dataclasses.replace(base, checkpointing=ck)).phase(Phase.FORWARD).components
+            for ck in ("none", "selective")
+        ]
+        return fwd[0][Component.ACTIVATIONS] - fwd[1][Component.ACTIVATIONS]
+
+    eager = dataclasses.replace(sdpa, attention="eager")
+    installed = installed_transformers()
+    if installed is not None and installed < FALCON_INTERFACE_RELEASE:
+        assert dropped(sdpa) >= 3 * 4 * b * 4 * s_len * s_len
+        with pytest.raises(StrategyError, match="inline code"):
+            trace_spec(spec, dataclasses.replace(eager, checkpointing="selective"))
+        return
+    assert dropped(sdpa) >= 3 * 2 * b * s_len * s_len
+    assert dropped(eager) >= 3 * 4 * b * 4 * s_len * s_len
 
 
 @pytest.mark.slow

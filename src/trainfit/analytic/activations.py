@@ -316,6 +316,14 @@ def _attention_head_dims(spec: ModelSpec) -> tuple[int, int]:
     return spec.head_dim, spec.head_dim
 
 
+def repeat_kv_copies(spec: ModelSpec) -> bool:
+    """Whether transformers' ``repeat_kv`` (``expand`` then ``reshape`` to every head) makes new k and v: with
+    a single k/v head (multi-query: Falcon-7B, Gemma-2B) the reshape folds the size-1 head dim into a stride-0
+    view, and what the kernel saves is the un-repeated k and v (found by the trace: ``ReshapeAliasBackward0``
+    over the fused qkv output, transformers 5.25 Falcon)."""
+    return 1 < spec.num_kv_heads < spec.num_heads
+
+
 def sdpa_kernel(spec: ModelSpec, strategy: Strategy) -> SdpaKernel:
     """The CUDA kernel SDPA picks (``select_sdp_backend`` on sm80+, default priority flash > memory-efficient
     > math; mirrored by ``trainfit.trace.kernels.sdpa_backend``). Flash needs 16-bit inputs, no mask, equal
@@ -395,7 +403,7 @@ def _attention_terms(spec: ModelSpec, strategy: Strategy, t: int, w: Widths) -> 
         )
     if strategy.attention is Attention.SDPA:
         kernel = sdpa_kernel(spec, strategy)
-        if spec.mla is None and sdpa_kv_heads(spec, strategy) != spec.num_kv_heads:
+        if spec.mla is None and sdpa_kv_heads(spec, strategy) != spec.num_kv_heads and repeat_kv_copies(spec):
             # k and v reach SDPA expanded to every head (repeat_kv when a mask rules out enable_gqa).
             kd = vd = nh * spec.head_dim
         if kernel == MATH:
@@ -540,7 +548,8 @@ def kv_cache_held_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...
     if strategy.attention is Attention.EAGER:
         repeated, math = gqa, False
     else:
-        repeated, math = sdpa_kv_heads(spec, strategy) != spec.num_kv_heads, sdpa_kernel(spec, strategy) == MATH
+        repeated = sdpa_kv_heads(spec, strategy) != spec.num_kv_heads and repeat_kv_copies(spec)
+        math = sdpa_kernel(spec, strategy) == MATH
     # The math kernel saves scaled (new) k and fp32 or broadcast v; the others save what they are given.
     k_extra = k_width * t * kd if (repeated or math or k_width != a) else 0
     v_extra = a * t * kd if (repeated or (math and (gqa or a != 4))) else 0
@@ -881,8 +890,8 @@ def selective_core_locals_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     if score_chain(spec, strategy) is None:
         return 0
     heads = spec.num_kv_heads if strategy.attention is Attention.EAGER else sdpa_kv_heads(spec, strategy)
-    if heads == spec.num_heads or spec.sdpa_kv_expanded:  # nothing repeated inside the core
-        return 0
+    if heads == spec.num_heads or spec.sdpa_kv_expanded or not repeat_kv_copies(spec):
+        return 0  # nothing repeated inside the core, or views of one k/v head
     w = Widths.of(strategy)
     a = attention_width(strategy, w)
     k_width = max(a, w.residual) if spec.rotary_dim else a
@@ -2564,6 +2573,6 @@ def eager_nograd_inputs_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     qk = w.residual if spec.rotary_dim else w.compute
     qd, kd = spec.q_dim, spec.kv_dim
     out = w.residual * t * spec.hidden_size + qk * t * (qd + kd) + w.compute * t * kd
-    if spec.num_kv_heads < spec.num_heads:
+    if repeat_kv_copies(spec):
         out += (qk + w.compute) * t * spec.num_heads * spec.head_dim
     return out

@@ -8,6 +8,7 @@ absent. Nothing here executes remote code: configs with ``auto_map`` are read as
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -521,19 +522,46 @@ def _falcon(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:
         "rotary_dim": base["head_dim"],
         "attention_dropout": _dropout(cfg, "attention_dropout"),
         "hidden_dropout": _dropout(cfg, "hidden_dropout"),
-        # Eager: softmax(scores + mask, dtype=hidden_states.dtype) — no upcast beyond the residual dtype, no
-        # cast of the probabilities (probs·v casts under autocast), no dropout without ALiBi.
-        "softmax_upcast": False,
-        "eager_casts_probs": False,
         # FalconModel's loop holds the previous block's outputs, its attention probabilities included, until
-        # the next block returns.
+        # the next block returns; it builds its mask with allow_is_causal_skip=False (always materialised).
         "eager_probs_outlive_layer": True,
-        # FalconModel builds its mask with allow_is_causal_skip=False and FalconAttention calls SDPA itself.
-        "sdpa_gqa": False,
-        "sdpa_kv_expanded": new_arch,
         "sdpa_mask_always": True,
+        **_falcon_attention(new_arch),
         "autocast_weight_cache": False,  # FalconLinear: input @ self.weight.T
     }
+
+
+#: The transformers release whose FalconAttention goes through the shared attention interface
+#: (``ALL_ATTENTION_FUNCTIONS``: ``eager_attention_forward`` / ``sdpa_attention_forward``, transformers 5.25
+#: modeling_falcon.py) instead of calling SDPA or its own eager softmax itself (5.24 and earlier).
+FALCON_INTERFACE_RELEASE = (5, 25)
+
+
+@functools.cache
+def installed_transformers() -> tuple[int, int] | None:
+    """(major, minor) of the installed transformers, or None when it is not installed (read from the package
+    metadata: nothing is imported)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    parts = [int(p) if p.isdigit() else 0 for p in version.split(".")[:2]]
+    return (parts[0], parts[1] if len(parts) > 1 else 0)
+
+
+def _falcon_attention(new_arch: bool) -> dict[str, Any]:
+    """How HF Falcon's attention runs, which changed in transformers 5.25; without transformers installed,
+    the current code. From 5.25 it is the shared interface's: eager softmax in fp32 cast back to q's dtype;
+    SDPA through ``sdpa_attention_forward``, which (the mask being always materialised) repeats k/v to every
+    head (``repeat_kv``). Before: eager ``softmax(scores + mask, dtype=hidden_states.dtype)`` — no upcast, no
+    cast of the probabilities; SDPA called directly, multi-query with one k/v head and no ``enable_gqa`` (the
+    math kernel), the new architecture with k/v already expanded to every head by its own ``flatten``."""
+    installed = installed_transformers()
+    if installed is None or installed >= FALCON_INTERFACE_RELEASE:
+        return {}
+    return {"softmax_upcast": False, "eager_casts_probs": False, "sdpa_gqa": False, "sdpa_kv_expanded": new_arch}
 
 
 def _phi(cfg: Config, base: dict[str, Any]) -> dict[str, Any]:

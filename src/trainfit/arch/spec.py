@@ -171,8 +171,9 @@ class ModelSpec:
     eager_casts_probs: bool = True  # eager casts the probabilities to q's/v's dtype before dropout (not BERT)
     eager_probs_outlive_layer: bool = False  # HF Falcon's stack loop keeps the last layer's probabilities
     # How the model calls SDPA. transformers' integration (``sdpa_attention_forward``) passes ``enable_gqa``
-    # without a mask and repeats k/v with one; HF Falcon calls SDPA itself, always with a materialised mask,
-    # with one k/v head (multi-query, no enable_gqa) or k/v already expanded to every head (new arch).
+    # without a mask and repeats k/v with one; HF Falcon before transformers 5.25 calls SDPA itself, always with
+    # a materialised mask, with one k/v head (multi-query, no enable_gqa) or k/v already expanded to every head
+    # (new arch): ``arch.config._falcon_attention``.
     sdpa_gqa: bool = True
     # Autocast caches a cast only of a leaf weight; HF Falcon's Linear multiplies by ``weight.T`` (a view),
     # so its casts are per call: saved for backward without checkpointing, transient with it.

@@ -655,11 +655,21 @@ def _tp_notes(model: torch.nn.Module, tp: int) -> tuple[str, ...]:
     def wild(name: str) -> str:
         return re.sub(r"\.\d+\.", ".*.", name)
 
+    def fused_experts(name: str, module: torch.nn.Module) -> bool:
+        # transformers 5's fused experts (``mlp.experts``: 3-D gate_up_proj/down_proj parameters, no Linear), which
+        # transformers 5.25 shards only under its expert-parallel plan (``ep_size``), not its TP plan
+        return name.endswith(".experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))
+
     unplanned = sorted(
         {
             wild(n).rsplit(".*.", 1)[-1]
             for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and ".layers." in n and wild(n) not in plan and m.out_features > 1
+            if ".layers." in n
+            and wild(n) not in plan
+            and (
+                (isinstance(m, torch.nn.Linear) and m.out_features > 1)
+                or (fused_experts(n, m) and not any(k.startswith(wild(n) + ".") for k in plan))
+            )
         }
     )
     if unplanned:

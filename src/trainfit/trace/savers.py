@@ -42,8 +42,9 @@
   output — is a non-reentrant ``torch.utils.checkpoint`` region, everything else in the layer saves as usual.
   On the HF model the core is the attention-interface call (transformers ``ALL_ATTENTION_FUNCTIONS["sdpa"]``,
   or the modeling module's ``eager_attention_forward``) — or, in a modeling file that calls
-  ``torch.nn.functional.scaled_dot_product_attention`` itself (Falcon), that call; wrapped for the run by
-  :func:`selective_recompute`, which refuses a model whose core ran as inline code (Falcon's eager attention)
+  ``torch.nn.functional.scaled_dot_product_attention`` itself (Falcon before transformers 5.25), that call;
+  wrapped for the run by :func:`selective_recompute`, which refuses a model whose core ran as inline code (that
+  Falcon's eager attention)
   (Megatron's ``CheckpointWithoutOutput``, tensor_parallel/random.py, is the variant that also drops the
   region's output, used for its other selective modules — layernorm, moe_act; not for ``core_attn``).
 """
