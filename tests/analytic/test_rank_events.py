@@ -459,7 +459,6 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     for s in (
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
-        Strategy(parallelism=Parallelism(data=2, tensor=2, pipeline=2, microbatches=2), checkpointing="sqrt"),
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)

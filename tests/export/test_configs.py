@@ -334,6 +334,35 @@ def test_megatron_plan_exports_its_arguments() -> None:
     assert ex.deepspeed_config is None and "--nnodes 2" in ex.launch
 
 
+@pytest.mark.parametrize(
+    ("ckpt", "schedule", "v", "k"),
+    [
+        ("full", "1f1b", 1, 1),
+        ("sqrt", "1f1b", 1, 4),  # 32 layers over 2 stages: 16 per stage, groups of ⌈16/⌈√16⌉⌉
+        ("sqrt", "interleaved", 2, 3),  # 8 layers per model chunk: groups of ⌈8/3⌉ (3, 3, 2)
+    ],
+)
+def test_megatron_recompute_groups_are_the_estimates_segments(ckpt: str, schedule: str, v: int, k: int) -> None:
+    """``--recompute-method uniform --recompute-num-layers k`` per model chunk: the segments the estimate holds
+    (``analytic.parallel.megatron_chunk_segments``), not every layer on its own for sqrt."""
+    spec = load_model("llama-3.1-8b")
+    s = Strategy(
+        micro_batch=1,
+        checkpointing=ckpt,  # type: ignore[arg-type]
+        engine=EngineOptions(engine=Engine.MEGATRON),
+        parallelism=Parallelism.for_gpus(
+            8,
+            tensor=2,
+            pipeline=2,
+            microbatches=4,
+            pipeline_schedule=schedule,
+            virtual_stages=v,  # type: ignore[arg-type]
+        ),
+    )
+    args = " ".join(export_plan(spec, s).megatron_args)
+    assert f"--recompute-granularity full --recompute-method uniform --recompute-num-layers {k}" in args
+
+
 def test_selective_and_sac_plans_say_what_the_formats_cannot_express() -> None:
     """Megatron has selective recompute; the Trainer, accelerate and DeepSpeed only checkpoint whole blocks (a
     plan with selective or per-op SAC is exported with full checkpointing, and NOTES.txt says so)."""

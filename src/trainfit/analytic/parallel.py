@@ -2187,7 +2187,8 @@ class MegatronInputs:
     embed: tuple[ParamTensor, ...]  # on the first stage
     rest: tuple[ParamTensor, ...]  # on the last stage (with the tied table's copy when pp > 1)
     act_layer: int  # one micro-batch's saved tensors of one layer (SP: split over tp)
-    per_mb_layer: int  # what one micro-batch keeps per layer between its forward and backward
+    per_mb_layer: int  # what one micro-batch keeps between its forward and backward per layer, or per segment
+    chunk_segments: tuple[int, ...]  # the checkpointed segments of one model chunk, in layers (empty: none)
     recompute: int  # a checkpointed segment's tensors, recomputed in backward
     param_bytes: int  # 2 (bf16 parameters) or 4 (fp32 compute)
     fp32: bool
@@ -2199,6 +2200,12 @@ class MegatronInputs:
     def chunk_layers(self) -> int:
         """Layers of one model chunk (the stage's layers under 1F1B and GPipe)."""
         return self.layers_per_stage // self.chunks
+
+    @property
+    def kept_per_chunk(self) -> int:
+        """What one micro-batch keeps in one model chunk from its forward to its backward: each layer's saved
+        tensors, or each checkpointed segment's input."""
+        return self.per_mb_layer * (len(self.chunk_segments) if self.chunk_segments else self.chunk_layers)
 
     def chunk_params(self, stage: int, pp: int, chunk: int) -> int:
         """Parameters of model chunk ``chunk`` of stage ``stage``: its layers, the embedding on chunk 0 of stage 0,
@@ -2245,13 +2252,13 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         act_layer = q.stack.max_layer_bytes
         kept_layer = q.kept_inputs // max(1, q.segments) if q.segments else 0
     ckpt = q.segments > 0
+    segments = megatron_chunk_segments(spec, strategy)
     fp32 = cs.recipe.compute_bits == 32
     # The loss's saved tensors (the closed form's loss is the causal-LM one of trainfit.analytic.logits): the
     # fp32 log-probabilities LogSoftmaxBackward keeps (Megatron's vocab-parallel cross-entropy likewise keeps its
     # fp32 ``exp_logits``, tensor_parallel/cross_entropy.py ``save_for_backward``), and a soft-cap's tanh output.
     n = strategy.tokens_per_micro_batch * local.vocab_size
     kept = 4 * n + (cs.recipe.compute_bits // 8 * n if spec.final_logit_softcapping else 0)
-    par = strategy.parallelism
     return MegatronInputs(
         q=q,
         layers_per_stage=spec.num_layers // p.pp,
@@ -2260,13 +2267,31 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         rest=rest,
         act_layer=act_layer,
         per_mb_layer=kept_layer if ckpt else act_layer,
-        recompute=act_layer * (q.segment_layers if ckpt else 0),
+        chunk_segments=segments,
+        recompute=act_layer * (segments[-1] if segments else 0),  # the top segment's (the shortest)
         param_bytes=4 if fp32 else 2,
         fp32=fp32,
         dist_opt=strategy.sharding is Sharding.ZERO1,
         loss_kept=kept if spec.kind is ModelKind.CAUSAL_LM else 0,
-        chunks=par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED and p.pp > 1 else 1,
+        chunks=_megatron_chunks(strategy),
     )
+
+
+def _megatron_chunks(strategy: Strategy) -> int:
+    """Model chunks per pipeline stage: the interleaved schedule's virtual stages, else one."""
+    par = strategy.parallelism
+    return par.virtual_stages if par.pipeline_schedule is PipelineSchedule.INTERLEAVED and par.pipeline > 1 else 1
+
+
+def megatron_chunk_segments(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...]:
+    """The checkpointed segments of one Megatron model chunk, in layers (empty without recompute or with selective
+    recompute). Megatron checkpoints each chunk's TransformerBlock on its own: ``--recompute-method uniform
+    --recompute-num-layers k`` keeps the input of each group of k layers from the chunk's bottom, the last group
+    clamped to the chunk (megatron/core/transformer/transformer_block.py ``_checkpointed_forward``; with pipeline
+    parallelism k counts the layers of a stage, with virtual stages those of a chunk) — the chunk's
+    :func:`~trainfit.strategy.training.checkpoint_layout`: one layer per segment for full, ⌈c/⌈√c⌉⌉ for sqrt."""
+    par = strategy.parallelism
+    return strategy.checkpoint_layout(spec.num_layers // par.pipeline // _megatron_chunks(strategy)).segment_sizes
 
 
 def megatron_init_bytes(mi: MegatronInputs, stage: int, pp: int) -> int:
@@ -2288,13 +2313,25 @@ def megatron_init_bytes(mi: MegatronInputs, stage: int, pp: int) -> int:
     return max(pb * sum(sizes[c:]) + (pb + 4) * sum(sizes[: c + 1]) for c in range(len(sizes)))
 
 
+def _megatron_lower_segment(mi: MegatronInputs) -> int:
+    """Checkpointed segments of several layers (``sqrt``), whose top one is the shortest (Megatron's uniform groups
+    start at the chunk's bottom layer): the most a lower segment's backward holds beyond the micro-batch's inputs
+    still kept — its recomputed layers less the inputs of the segments above it, freed by their backwards — when
+    that exceeds the top segment's recomputation (the closed form's ``recompute``, the top one's size); else 0."""
+    sizes = mi.chunk_segments
+    if len(sizes) < 2:
+        return 0
+    lower = max(mi.act_layer * sizes[-1 - i] - i * mi.per_mb_layer for i in range(1, len(sizes)))
+    return lower if lower > mi.act_layer * sizes[-1] else 0
+
+
 def _megatron(
     spec: ModelSpec, strategy: Strategy, p: ParallelPlan
 ) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], list[str]]:
     par = strategy.parallelism
     mi = megatron_inputs(spec, strategy, p)
     q, ls, fp32, dist_opt = mi.q, mi.layers_per_stage, mi.fp32, mi.dist_opt
-    per_mb_layer, recompute, pb = mi.per_mb_layer, mi.recompute, mi.param_bytes
+    recompute, pb = mi.recompute, mi.param_bytes
 
     stages: list[RankMemory] = []
     for s in range(p.pp):
@@ -2309,7 +2346,7 @@ def _megatron(
             optim = params * 8 // (p.dp if dist_opt else 1)
         sched, m = par.pipeline_schedule, par.microbatches
         chunks = in_flight_chunks(sched, p.pp, s, m, mi.chunks)
-        acts = chunks * mi.chunk_layers * per_mb_layer + recompute
+        acts = chunks * mi.kept_per_chunk + recompute
         if s == 0:
             acts += first_stage_embeddings(sched, p.pp, m, mi.chunks) * q.stack.embedding_bytes
         logits_f = q.logits_forward if s == p.pp - 1 else 0
@@ -2324,6 +2361,13 @@ def _megatron(
             Component.MASTER_WEIGHTS: master,
             Component.OPTIMIZER_STATES: optim,
         }
+        bwd_acts, bwd_logits = acts + head_in, logits_b
+        if lower := _megatron_lower_segment(mi):
+            # a larger segment below the top one, recomputed once the segments above have freed their inputs and,
+            # on the last stage, the micro-batch's head input and loss buffers are gone (the top one's moment)
+            mine = q.stack.head_input_bytes if s == p.pp - 1 else 0
+            if acts - recompute + lower + head_in - mine > bwd_acts + bwd_logits:
+                bwd_acts, bwd_logits = acts - recompute + lower + head_in - mine, 0
         phases = (
             PhaseBreakdown(
                 phase=Phase.FORWARD,
@@ -2334,8 +2378,8 @@ def _megatron(
                 components=_full(
                     resident
                     | {
-                        Component.ACTIVATIONS: acts + head_in,
-                        Component.LOGITS_LOSS: logits_b,
+                        Component.ACTIVATIONS: bwd_acts,
+                        Component.LOGITS_LOSS: bwd_logits,
                         Component.TEMPORARIES: q.block_temp,
                     }
                 ),

@@ -128,11 +128,10 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
   the module's parameters, then DDP's buffers on Megatron's init stream, and with the distributed optimizer frees
   the module's parameters after copying them in (its allocated peak when that is above the step's).
 
-What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in
-fp32, with other optimizers or offload, Megatron with ``--checkpointing sqrt``, ZeRO-1's offload and
-ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is simulated: :class:`Zero2Hooks`' flat groups hold the
-trainable tensors, ``parallel.deepspeed_flat_layout``, beside the frozen module parameters; :class:`Zero3Hooks`'
-frozen partitions are their own).
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in fp32,
+with other optimizers or offload, ZeRO-1's offload and ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is
+simulated: :class:`Zero2Hooks`' flat groups hold the trainable tensors, ``parallel.deepspeed_flat_layout``, beside
+the frozen module parameters; :class:`Zero3Hooks`' frozen partitions are their own).
 """
 
 from __future__ import annotations
@@ -1491,9 +1490,10 @@ class MegatronStage:
       embedding output; the last chunk of the last stage its head input and the loss's saved fp32 log-probabilities,
       ``MegatronInputs.loss_kept``) until its own backward, which frees them layer by layer from the top; the rest
       of the loss chain is a forward transient, the loss's backward buffers live over the top layer's backward
-      temporaries (the closed form's backward moment); a fully checkpointed layer keeps its input and recomputes
-      its tensors before its backward (Megatron ``--recompute-granularity full --recompute-method uniform
-      --recompute-num-layers 1``);
+      temporaries (the closed form's backward moment); a checkpointed segment keeps its input and recomputes all
+      its layers' tensors before their backwards, which free them from the top (Megatron
+      ``--recompute-granularity full --recompute-method uniform --recompute-num-layers k``: k = 1 for full, the
+      model chunk's ⌈c/⌈√c⌉⌉ for sqrt, ``MegatronInputs.chunk_segments``);
     * the optimizer step: Adam's two fp32 states per main parameter, made in the first step (apex/TE
       ``FusedAdam`` initialise them lazily); the update writes in place (no temporaries).
 
@@ -1565,11 +1565,13 @@ class MegatronStage:
         per layer, head input and the loss's saved tensors)."""
         mi, q = self.mi, self.mi.q
         kept = [s.alloc(q.stack.embedding_bytes)] if self.first and chunk == 0 else []
-        for _ in range(mi.chunk_layers):
-            if self.checkpointed:  # no grad inside the checkpoint: its tensors die with the call
-                s.free_all([s.alloc(n) for n in self.layer])
-                kept.append(s.alloc(mi.per_mb_layer))
-            else:
+        if self.checkpointed:
+            for size in mi.chunk_segments:
+                for _ in range(size):  # no grad inside the checkpoint: each layer's tensors die with it
+                    s.free_all([s.alloc(n) for n in self.layer])
+                kept.append(s.alloc(mi.per_mb_layer))  # the segment's input
+        else:
+            for _ in range(mi.chunk_layers):
                 kept += [s.alloc(n) for n in self.layer]
         if self.last and chunk == self.v - 1:
             kept.append(s.alloc(q.stack.head_input_bytes))
@@ -1585,16 +1587,23 @@ class MegatronStage:
         head = self.last and chunk == self.v - 1
         loss = [kept.pop(), s.alloc(q.logits_backward - mi.loss_kept)] if head else []
         head_in = kept.pop() if head else 0
-        per_layer = 1 if self.checkpointed else len(self.layer)
-        for i in reversed(range(mi.chunk_layers)):
-            mine = kept[len(kept) - per_layer :]
-            del kept[len(kept) - per_layer :]
-            again = [s.alloc(n) for n in self.layer] if self.checkpointed else []  # the recomputation
-            s.free(s.alloc(q.block_temp))
-            if i == mi.chunk_layers - 1:
-                s.free_all(loss)
-                s.free(head_in)
-            s.free_all(again)
+        # per checkpointed segment (one layer each without checkpointing) from the top: what its forward kept —
+        # the segment's input, or the layer's saved tensors — and the recomputation of all its layers at once
+        groups = list(mi.chunk_segments) if self.checkpointed else [1] * mi.chunk_layers
+        per = 1 if self.checkpointed else len(self.layer)
+        top = True
+        for size in reversed(groups):
+            mine = kept[len(kept) - per :]
+            del kept[len(kept) - per :]
+            again = [[s.alloc(x) for x in self.layer] for _ in range(size)] if self.checkpointed else []
+            for j in reversed(range(size)):
+                s.free(s.alloc(q.block_temp))
+                if top:
+                    s.free_all(loss)
+                    s.free(head_in)
+                    top = False
+                if again:
+                    s.free_all(again[j])
             s.free_all(mine)
         s.free_all(kept)  # the embedding's output
 
@@ -1619,10 +1628,12 @@ def _fit(sizes: list[int], total: int) -> list[int]:
 
 def megatron_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Megatron ranks whose stream is written (:class:`MegatronStage`): any schedule (1F1B, interleaved, GPipe; one
-    stage), no checkpointing, selective or full (one layer per segment), full training."""
+    stage), no checkpointing, selective, full (one layer per segment) or sqrt (each model chunk's layers in
+    segments of ⌈c/⌈√c⌉⌉), full training."""
     return (
         p.engine is Engine.MEGATRON
-        and strategy.checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
+        and strategy.checkpointing
+        in (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL, Checkpointing.SQRT)
         and not strategy.offload.any
         and not finetuning(strategy)
     )

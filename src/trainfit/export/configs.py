@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainfit.analytic.parallel import megatron_chunk_segments
 from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
 from trainfit.errors import StrategyError
 from trainfit.export.fsdp2_script import fsdp2_script
@@ -485,7 +486,9 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
     if strategy.checkpointing is Checkpointing.SELECTIVE:
         args.append("--recompute-granularity selective")
     elif strategy.checkpointing is not Checkpointing.NONE:
-        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+        # full: every layer its own group; sqrt: each model chunk's ⌈c/⌈√c⌉⌉ (the analytic model's segments)
+        k = max(megatron_chunk_segments(spec, strategy))
+        args.append(f"--recompute-granularity full --recompute-method uniform --recompute-num-layers {k}")
     if strategy.recipe.compute_dtype in ("bf16", "fp16"):
         args.append(f"--{strategy.recipe.compute_dtype}")
     return tuple(args)
