@@ -11,6 +11,7 @@ steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA st
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def test_the_cpu_offload_stream_reaches_the_traced_peaks() -> None:
 
 
 def _zero_cell(
-    sharding: str, w: int, bucket: int, overlap: bool | None = None, accum: int = 1
+    sharding: str, w: int, bucket: int, overlap: bool | None = None, accum: int = 1, precision: str | None = None
 ) -> tuple[ModelSpec, Strategy]:
     """The tiny llama (4 layers, hidden 256, vocabulary 8192) at 2 × 256 under DeepSpeed ZeRO over ``w`` ranks with a
     reduce and all-gather bucket of ``bucket`` elements."""
@@ -104,7 +105,7 @@ def _zero_cell(
         grad_accum=accum,
         engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
     )
-    return spec, s
+    return spec, s if precision is None else dataclasses.replace(s, precision=precision)  # type: ignore[arg-type]
 
 
 def _deepspeed_run(spec: ModelSpec, s: Strategy) -> Any:
@@ -120,14 +121,14 @@ def _deepspeed_run(spec: ModelSpec, s: Strategy) -> Any:
 
 
 def _zero_peaks(
-    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int = 1
+    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int = 1, precision: str | None = None
 ) -> tuple[AllocatorResult, AllocatorResult, float]:
     """The real DeepSpeed engine's events (full depth, three steps) and ``Zero1Hooks``'/``Zero2Hooks``' stream, on
     one CUDA stream: (traced, synthesised, the closed form's peak over the traced allocated peak)."""
     from trainfit.analytic.parallel import estimate_parallel
     from trainfit.trace.events import tracker_events
 
-    spec, s = _zero_cell(sharding, w, bucket, overlap, accum)
+    spec, s = _zero_cell(sharding, w, bucket, overlap, accum, precision)
     run = _deepspeed_run(spec, s)
     traced = simulate(tracker_events(run), AllocatorConfig())
     # DeepSpeed flattens its 16-bit groups on the device when the accelerator's free memory holds them: the traced
@@ -211,7 +212,7 @@ def test_the_zero_stream_fine_tunes_like_the_traced_engine(
 
 
 def _zero3_peaks(
-    prefetch: int, reuse: int, ckpt: str, tuned: tuple[Any, Any] | None = None
+    prefetch: int, reuse: int, ckpt: str, tuned: tuple[Any, Any] | None = None, precision: str = "amp-bf16"
 ) -> tuple[AllocatorResult, AllocatorResult]:
     """The real ZeRO-3 engine's events over 8 ranks (the tiny llama, 2 × 256, full depth, three steps; ``tuned``:
     the adapter and base weights of a fine-tuning run) and ``Zero3Hooks``' stream, on one CUDA stream."""
@@ -226,6 +227,7 @@ def _zero3_peaks(
         parallelism=Parallelism(data=8),
         sharding="zero3",
         checkpointing=ckpt,
+        precision=precision,  # type: ignore[arg-type]
         micro_batch=2,
         seq_len=256,
         adapter=adapter,
@@ -438,6 +440,21 @@ def test_the_zero3_stream_reaches_the_traced_peaks(prefetch: int, reuse: int, ck
     traced, mine = _zero3_peaks(prefetch, reuse, ckpt)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.08)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
+def test_the_zero_stream_reaches_the_traced_peaks_in_fp32(sharding: str) -> None:
+    """fp32 ZeRO: the parameters, gradients and bucket in fp32; the optimizer's fp32 master partition is a copy of
+    the fp32 partition all the same (stage 1–2's ``clone``; stage 3's sharing branch compares a ``torch.device``
+    with a string and never shares), and the step's ``.to(fp32)`` of the flat gradient is no copy."""
+    if sharding == "zero3":
+        traced, mine = _zero3_peaks(50_000, 1_000_000_000, "none", precision="fp32")
+    else:
+        traced, mine, closed = _zero_peaks(sharding, 4, 200_000, None, precision="fp32")
+        assert closed == pytest.approx(1.0, abs=0.01)  # the closed form's peak over the traced one
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 
 
 TP_CELLS = [

@@ -128,8 +128,8 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
   the module's parameters, then DDP's buffers on Megatron's init stream, and with the distributed optimizer frees
   the module's parameters after copying them in (its allocated peak when that is above the step's).
 
-What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO in fp32,
-with other optimizers or offload, ZeRO-1's offload and ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is
+What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO with other
+optimizers than AdamW, ZeRO-1's offload and ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is
 simulated: :class:`Zero2Hooks`' flat groups hold the trainable tensors, ``parallel.deepspeed_flat_layout``, beside
 the frozen module parameters; :class:`Zero3Hooks`' frozen partitions are their own).
 """
@@ -204,7 +204,7 @@ __all__ = [
 
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, with CPUOffloadPolicy
-    too; DeepSpeed ZeRO-1/2/3 with 16-bit compute and AdamW, with ZeRO-Offload at stages 2 and 3;
+    too; DeepSpeed ZeRO-1/2/3 with AdamW (16-bit or fp32), with ZeRO-Offload at stages 2 and 3;
     DTensor TP ± SP without sharding, with gradient accumulation too; full training — DDP's and FSDP2/HSDP's
     fine-tuning too —, nothing else offloaded); otherwise the fixed fraction. Megatron TP/SP/PP:
     :func:`megatron_simulated`."""
@@ -225,7 +225,6 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
             p.sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
             and p.tp == 1
             and p.pp == 1
-            and strategy.recipe.compute_bits == 16
             and strategy.optimizer is Optimizer.ADAMW
             and not offloaded
         )
@@ -1006,7 +1005,7 @@ class Zero2Hooks(RankHooks):
     def __init__(
         self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
     ) -> None:
-        self.pb = 2  # 16-bit parameters and gradients (rank_simulated)
+        self.pb = 4 if strategy.recipe.compute_bits == 32 else 2  # parameter and gradient bytes
         self.free_device_bytes = free_device_bytes
         zp = zero_partition(spec, strategy, 2, p.dp)
         self.total, self.part = zp.trainable_numel, zp.part_numel
@@ -1081,11 +1080,14 @@ class Zero2Hooks(RankHooks):
         s.alloc(allocator_bytes(self.total * self.pb))  # bit16_groups_flat
         s.free_all(model)  # _update_model_bit16_weights: the parameters become views of it
         # single_partition_of_fp32_groups: the rank's 16-bit partition ``.detach().clone().to(fp32)``, the clone
-        # dropped (under offload ``.to(device=cpu)``: the fp32 copy is the host's)
+        # dropped (under offload ``.to(device=cpu)``: the fp32 copy is the host's); an fp32 partition's ``.to``
+        # returns the clone itself, which stays as the master
         clone = s.alloc(self.part * self.pb)
-        if not self.offload:
+        if self.offload:
+            s.free(clone)
+        elif self.pb != 4:
             s.alloc(self.part * 4)
-        s.free(clone)
+            s.free(clone)
         if self.offload:
             # ``temp_grad_buffer_for_gpu_offload``: a 16-bit device buffer of the largest parameter, held all run
             s.alloc(allocator_bytes(max(self.param_numels) * self.pb))
@@ -1169,8 +1171,9 @@ class Zero2Hooks(RankHooks):
             return 0  # DeepSpeedCPUAdam on the host; the 16-bit partition is copied back into the flat group in place
         s.free(s.alloc(allocator_bytes(8 * self.largest_slice)))  # the norm's fp64 slices, one at a time
         flat = s.alloc(self.part * self.pb)  # self.flatten(self.averaged_gradients[i])
-        fp32 = s.alloc(self.part * 4)  # .to(fp32)
-        s.free(flat)
+        fp32 = flat if self.pb == 4 else s.alloc(self.part * 4)  # .to(fp32): a no-op on fp32 gradients
+        if fp32 != flat:
+            s.free(flat)
         s.free(self.grads_in_partition)  # free_grad_in_param_list(params_in_partition)
         self.grads_in_partition = 0
         if not self.states:
@@ -1284,7 +1287,7 @@ class Zero3Hooks(RankHooks):
     replays_accumulation = False
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> None:
-        self.pb = 2
+        self.pb = 4 if strategy.recipe.compute_bits == 32 else 2  # parameter and gradient bytes
         zp = zero_partition(spec, strategy, 3, p.dp)
         self.part = zp.part_numel
         self.lp = allocator_bytes(zp.stage3_part_numel * self.pb)
@@ -1394,11 +1397,12 @@ class Zero3Hooks(RankHooks):
             self.whole = [s.alloc(n) for n in self.persistent]
             return 0
         flat = s.alloc(allocator_bytes(self.part * self.pb))  # self.flatten(self.averaged_gradients[i])
-        fp32 = s.alloc(self.part * 4)  # .to(fp32)
+        fp32 = flat if self.pb == 4 else s.alloc(self.part * 4)  # .to(fp32): a no-op on fp32 gradients
         if not self.states:
             self.states = [s.alloc(self.part * 4), s.alloc(self.part * 4)]
         s.free(flat)
-        s.free(fp32)
+        if fp32 != flat:
+            s.free(fp32)
         self.whole = [s.alloc(n) for n in self.persistent]  # _post_step: gathered again
         return 0
 
