@@ -266,6 +266,40 @@ def test_deepspeed_config_is_accepted_at_the_plans_world_size(name: str, monkeyp
         _deepspeed_config(ex.deepspeed_config, strategy.parallelism.data * 2, monkeypatch)
 
 
+@pytest.mark.parametrize(("optimizer", "allowed"), [("sgd-momentum", True), ("adamw", False)])
+def test_deepspeed_engine_takes_the_trainers_own_optimizer(optimizer: str, allowed: bool) -> None:
+    """A plan with another optimizer than AdamW hands the Trainer's (here torch's SGD) to DeepSpeed as a client
+    optimizer: the real ``deepspeed.initialize`` (its CPU accelerator, a 4-rank fake process group) builds the ZeRO
+    optimizer around it only because the export allows untested optimizers; without the key it refuses. AdamW
+    plans name DeepSpeed's own AdamW and need no such key."""
+    pytest.importorskip("deepspeed")
+    import deepspeed
+    import torch
+
+    from trainfit.trace.deepspeed import _deepspeed_world, _quiet_deepspeed
+
+    s = dataclasses.replace(STRATEGIES["zero2-fp16"], optimizer=optimizer)  # type: ignore[arg-type]
+    cfg = export_plan(load_model("llama-3.1-8b"), s).deepspeed_config
+    assert cfg is not None and cfg.get("zero_allow_untested_optimizer", False) is allowed
+    if not allowed:
+        assert cfg["optimizer"]["type"] == "AdamW"
+        return
+    # the exported ZeRO and precision settings at a batch a 4-rank world of a tiny model takes
+    cfg |= {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    results = []
+    for c in (cfg, {k: v for k, v in cfg.items() if k != "zero_allow_untested_optimizer"}):
+        model = torch.nn.Linear(64, 64).to(torch.float16)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with _quiet_deepspeed(), _deepspeed_world(4):
+            try:
+                engine, *_ = deepspeed.initialize(model=model, optimizer=sgd, config=c)
+                results.append(type(engine.optimizer).__name__)
+            except AssertionError as exc:
+                results.append(str(exc))
+    assert results[0] == "DeepSpeedZeroOptimizer"
+    assert "zero_allow_untested_optimizer" in results[1]  # the key is what makes it pass
+
+
 @pytest.mark.parametrize(("name", "nodes"), [("zero3-offload", 1), ("zero3-offload", 2), ("zero2-fp16", 1)])
 def test_accelerate_deepspeed_config_loads_and_validates(
     name: str, nodes: int, tmp_path: Path, monkeypatch: Any

@@ -277,3 +277,40 @@ def test_a_zero3_fine_tuning_rank_agrees_with_trace(
     _fine_tuning_agrees(
         tiny_spec("llama", **ZERO3), _zero3(w, precision, ckpt, prefetch, reuse, **_finetune(what)), 0.02
     )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_zero_optimizer_steps_one_flat_partition(stage: int) -> None:
+    """What a client optimizer (the Trainer's own: here transformers' Adafactor) steps under ZeRO is the rank's flat
+    1-D fp32 partition, not the model's tensors: the real engine (CPU accelerator, a 4-rank fake process group,
+    one real step) leaves one state of a quarter of the model's elements, Adafactor's second moment unfactored —
+    what the closed form's optimizer states hold (``_deepspeed``: ``optimizer_state_bytes`` of the flat partition)."""
+    import deepspeed
+    import torch
+    from transformers.optimization import Adafactor
+
+    from trainfit.trace.deepspeed import _deepspeed_world, _quiet_deepspeed
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)).to(torch.bfloat16)
+    numel = sum(p.numel() for p in model.parameters())
+    cfg = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": True},
+        "zero_allow_untested_optimizer": True,
+    }
+    opt = Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
+    with _quiet_deepspeed(), _deepspeed_world(4):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        engine.backward(engine(torch.randn(1, 64, dtype=torch.bfloat16)).float().sum())
+        engine.step()
+        states = list(engine.optimizer.optimizer.state.items())
+    ((flat, state),) = states
+    assert flat.dim() == 1 and flat.numel() == -(-numel // 4) and flat.dtype == torch.float32
+    assert state["exp_avg_sq"].shape == flat.shape  # a 1-D parameter: nothing factored
+    closed = estimate_parallel(
+        tiny_spec("llama"), Strategy(parallelism=Parallelism(data=4), sharding=f"zero{stage}", optimizer="adafactor")
+    )
+    per_param = closed.phases[-1].get(Component.OPTIMIZER_STATES) / closed.trainable_params
+    assert per_param == pytest.approx(4 / 4, rel=0.05)  # 4 bytes per element of a 1/4 partition

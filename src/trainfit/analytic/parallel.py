@@ -1912,10 +1912,12 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     opt_bits = 32
     optim = 2 * part * opt_bits // 8 if strategy.optimizer is Optimizer.ADAMW else 0
     if strategy.optimizer is not Optimizer.ADAMW:
-        optim = sum(
-            m * optimizer_state_bytes(shard_tensor(t, p.dp), strategy.optimizer, 32, strategy.optimizer_impl)
-            for t, m in zp.trainable_tensors
-        )
+        # The optimizer steps the rank's flat 1-D fp32 partition (stage_1_and_2.py: its param groups point at
+        # ``single_partition_of_fp32_groups``; stage3.py at ``fp32_partitioned_groups_flat``), not the model's
+        # tensors: Adafactor factors no second moment there (a full fp32 one, where per-tensor shards would be
+        # factored to almost nothing), 8-bit AdamW quantises one long tensor.
+        flat = ParamTensor(name="fp32_partition", shape=(part,), matmul=False)
+        optim = optimizer_state_bytes(flat, strategy.optimizer, 32, strategy.optimizer_impl)
     weights_step = 0
     if stage < 3:
         weights = allocator_bytes(total * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)

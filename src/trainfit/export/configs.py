@@ -154,6 +154,11 @@ def _deepspeed(strategy: Strategy) -> dict[str, Any]:
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     if strategy.optimizer is Optimizer.ADAMW:  # DeepSpeed's own (CPU Adam under offload); lr is the user's choice
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8}}
+    else:
+        # The Trainer's own optimizer (SGD, Lion, Adafactor, 8-bit AdamW) goes to DeepSpeed as a client optimizer,
+        # which ZeRO refuses unless allowed: runtime/engine.py ``_do_optimizer_sanity_check`` asserts
+        # ``zero_allow_untested_optimizer`` for any type outside runtime/zero/utils.py ``ZERO_SUPPORTED_OPTIMIZERS``
+        cfg["zero_allow_untested_optimizer"] = True
     return cfg
 
 
