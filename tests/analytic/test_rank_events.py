@@ -33,7 +33,7 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ParamTensor
 from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
 from trainfit.result import Component, Phase
-from trainfit.strategy import EngineOptions, Parallelism, Strategy, finetune_setup
+from trainfit.strategy import EngineOptions, Optimizer, Parallelism, Precision, Strategy, finetune_setup
 from trainfit.strategy.parallel import Offload, OffloadTarget
 
 
@@ -451,6 +451,8 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _tuned(_s("zero2", 8), LORA),  # ZeRO-1/2's flat groups of the trainable tensors
         _tuned(_s("zero3", 8), LORA),  # ZeRO-3's frozen partitions of their own
         _tuned(_s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)), LORA),  # ZeRO-Offload with adapters
+        replace(_s("zero2", 8), optimizer=Optimizer.ADAFACTOR),  # the Trainer's optimizer as DeepSpeed's client
+        replace(_s("zero1", 8), precision=Precision.FP32),  # fp32 ZeRO
     ):
         assert rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)
@@ -459,6 +461,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
     for s in (
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
+        replace(_s("zero3", 8), optimizer=Optimizer.LION),  # stage 3's client optimizers: the reserve is not followed
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)

@@ -137,16 +137,17 @@ def test_a_traced_rank_reserves_what_its_simulated_stream_does(sharding: str) ->
 
 
 def test_with_rank_reserve_keeps_the_fixed_fraction_where_no_stream_is_simulated() -> None:
-    """``with_rank_reserve`` on a rank report (any method's: the analytic one here, nothing traced): DeepSpeed ZeRO-2
-    in fp32 has no rank stream (``rank_simulated``), a setup the analytic model refuses has none either (the trace
-    failed after running before: the refusal came from the stream's plan), and without an allocator nothing is
-    simulated: the reserve stays the fixed fraction, and the note says why."""
+    """``with_rank_reserve`` on a rank report (any method's: the analytic one here, nothing traced): DeepSpeed ZeRO-3
+    with Lion (the Trainer's optimizer as DeepSpeed's client) has no rank stream (``rank_simulated``), a setup the
+    analytic model refuses has none either (the trace failed after running before: the refusal came from the
+    stream's plan), and without an allocator nothing is simulated: the reserve stays the fixed fraction, and the
+    note says why."""
     from trainfit.allocator import AllocatorConfig
     from trainfit.strategy import finetune_setup
     from trainfit.trace.distributed import with_rank_reserve
 
     spec = tiny_spec("llama", **WIDER)
-    s = _strategy("zero2", 4, True, "fp32")
+    s = dataclasses.replace(_strategy("zero3", 4, True, "amp-bf16"), optimizer="lion")  # type: ignore[arg-type]
     report = estimate_parallel(spec, s)
     out = with_rank_reserve(report, spec, s, AllocatorConfig())
     assert not out.reserve_simulated and out.overhead == report.overhead

@@ -92,7 +92,13 @@ def test_the_cpu_offload_stream_reaches_the_traced_peaks() -> None:
 
 
 def _zero_cell(
-    sharding: str, w: int, bucket: int, overlap: bool | None = None, accum: int = 1, precision: str | None = None
+    sharding: str,
+    w: int,
+    bucket: int,
+    overlap: bool | None = None,
+    accum: int = 1,
+    precision: str | None = None,
+    optimizer: str = "adamw",
 ) -> tuple[ModelSpec, Strategy]:
     """The tiny llama (4 layers, hidden 256, vocabulary 8192) at 2 × 256 under DeepSpeed ZeRO over ``w`` ranks with a
     reduce and all-gather bucket of ``bucket`` elements."""
@@ -103,6 +109,7 @@ def _zero_cell(
         micro_batch=2,
         seq_len=256,
         grad_accum=accum,
+        optimizer=optimizer,  # type: ignore[arg-type]
         engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
     )
     return spec, s if precision is None else dataclasses.replace(s, precision=precision)  # type: ignore[arg-type]
@@ -121,14 +128,20 @@ def _deepspeed_run(spec: ModelSpec, s: Strategy) -> Any:
 
 
 def _zero_peaks(
-    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int = 1, precision: str | None = None
+    sharding: str,
+    w: int,
+    bucket: int,
+    overlap: bool | None,
+    accum: int = 1,
+    precision: str | None = None,
+    optimizer: str = "adamw",
 ) -> tuple[AllocatorResult, AllocatorResult, float]:
     """The real DeepSpeed engine's events (full depth, three steps) and ``Zero1Hooks``'/``Zero2Hooks``' stream, on
     one CUDA stream: (traced, synthesised, the closed form's peak over the traced allocated peak)."""
     from trainfit.analytic.parallel import estimate_parallel
     from trainfit.trace.events import tracker_events
 
-    spec, s = _zero_cell(sharding, w, bucket, overlap, accum, precision)
+    spec, s = _zero_cell(sharding, w, bucket, overlap, accum, precision, optimizer)
     run = _deepspeed_run(spec, s)
     traced = simulate(tracker_events(run), AllocatorConfig())
     # DeepSpeed flattens its 16-bit groups on the device when the accelerator's free memory holds them: the traced
@@ -212,7 +225,12 @@ def test_the_zero_stream_fine_tunes_like_the_traced_engine(
 
 
 def _zero3_peaks(
-    prefetch: int, reuse: int, ckpt: str, tuned: tuple[Any, Any] | None = None, precision: str = "amp-bf16"
+    prefetch: int,
+    reuse: int,
+    ckpt: str,
+    tuned: tuple[Any, Any] | None = None,
+    precision: str = "amp-bf16",
+    optimizer: str = "adamw",
 ) -> tuple[AllocatorResult, AllocatorResult]:
     """The real ZeRO-3 engine's events over 8 ranks (the tiny llama, 2 × 256, full depth, three steps; ``tuned``:
     the adapter and base weights of a fine-tuning run) and ``Zero3Hooks``' stream, on one CUDA stream."""
@@ -228,6 +246,7 @@ def _zero3_peaks(
         sharding="zero3",
         checkpointing=ckpt,
         precision=precision,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
         micro_batch=2,
         seq_len=256,
         adapter=adapter,
@@ -453,6 +472,23 @@ def test_the_zero_stream_reaches_the_traced_peaks_in_fp32(sharding: str) -> None
     else:
         traced, mine, closed = _zero_peaks(sharding, 4, 200_000, None, precision="fp32")
         assert closed == pytest.approx(1.0, abs=0.01)  # the closed form's peak over the traced one
+    assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sharding", "optimizer"), [("zero1", "adafactor"), ("zero2", "lion"), ("zero3", "adafactor")])
+def test_the_zero_stream_reaches_the_traced_peaks_with_other_optimizers(sharding: str, optimizer: str) -> None:
+    """The Trainer's optimizer as DeepSpeed's client: one flat partition's states, made at the first step, and the
+    update temporaries over it after the 16-bit gradients are gone. At stage 3 the allocated peak agrees but the
+    traced engine reserves 16 MiB less than the stream (and than itself with AdamW): that reserve is not simulated
+    (``rank_simulated``), and this test says so until it is."""
+    if sharding == "zero3":
+        traced, mine = _zero3_peaks(50_000, 1_000_000_000, "none", optimizer=optimizer)
+        assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
+        assert mine.peak_reserved_bytes > 1.1 * traced.peak_reserved_bytes
+        return
+    traced, mine, _ = _zero_peaks(sharding, 4, 200_000, None, optimizer=optimizer)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
 

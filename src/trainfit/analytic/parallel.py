@@ -1918,6 +1918,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         # factored to almost nothing), 8-bit AdamW quantises one long tensor.
         flat = ParamTensor(name="fp32_partition", shape=(part,), matmul=False)
         optim = optimizer_state_bytes(flat, strategy.optimizer, 32, strategy.optimizer_impl)
+    # The client optimizer's own temporaries over the fp32 partition (trace/optim.py's forms, states.py
+    # ``_step_temp_bytes`` for an fp32 tensor): Lion's ``exp_avg.clone()`` and out-of-place add, Adafactor's two
+    # update tensors; AdamW (DeepSpeed's fused kernel), SGD and 8-bit AdamW update in place
+    client_temp = 2 * allocator_bytes(part * 4) if strategy.optimizer in (Optimizer.LION, Optimizer.ADAFACTOR) else 0
     weights_step = 0
     if stage < 3:
         weights = allocator_bytes(total * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)
@@ -2040,6 +2044,20 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
                 c[Component.WEIGHTS] = weights_step
             elif stage == 3 and not off_opt:
                 c[Component.TEMPORARIES] = 0
+            if client_temp and not off_opt:
+                # inside the client optimizer's step: the fp32 gradient of the partition and the optimizer's own
+                # temporaries over it; stages 1–2 have freed the 16-bit gradients (``free_grad_in_param_list``),
+                # stage 3 its flattened copy (its gradient partition is a persistent buffer), the persistent
+                # parameters partitioned
+                inside = {
+                    Component.GRADIENTS: grad_part if stage == 3 else 0,
+                    Component.TEMPORARIES: allocator_bytes(part * 4) + client_temp,
+                    Component.WEIGHTS: weights_step if stage == 3 else c[Component.WEIGHTS],
+                }
+                now = {k: grads if k is Component.GRADIENTS else c[k] for k in inside}
+                if sum(inside.values()) > sum(now.values()):
+                    grads = inside.pop(Component.GRADIENTS)
+                    c.update(inside)
         c[Component.GRADIENTS] = grads
         c[Component.COMM_BUFFERS] = comm + off_staging
         c[Component.UNSHARDED_PARAMS] = unsharded

@@ -110,7 +110,7 @@ from trainfit.trace.distributed import (
     patched_resize,
     rank_report,
 )
-from trainfit.trace.optim import state_tensors
+from trainfit.trace.optim import make_optimizer, state_tensors
 from trainfit.trace.timeline import Mark, PassMarks, StepMarks
 
 Progress = Callable[[str, float], None]
@@ -139,10 +139,10 @@ def check_traceable(strategy: Strategy) -> None:
         )
     if strategy.checkpointing is Checkpointing.SAC:
         raise StrategyError("--method trace does not run --checkpointing sac under DeepSpeed; use --method analytic")
-    if strategy.optimizer is not Optimizer.ADAMW:
+    if strategy.optimizer is not Optimizer.ADAMW and off.optimizer_on_host:
         raise StrategyError(
-            f"--method trace runs DeepSpeed ZeRO with AdamW; for --optimizer {strategy.optimizer.value} "
-            "use --method analytic"
+            f"--method trace runs DeepSpeed's CPU offload with its CPU AdamW; for --optimizer "
+            f"{strategy.optimizer.value} with --offload use --method analytic"
         )
 
 
@@ -357,9 +357,18 @@ def _buffer_methods(stage: int) -> list[tuple[Any, str, int]]:
 class _EngineLoop(rn._StepLoop):
     """The runner's step loop with DeepSpeed's engine doing the backward, the reduction and the step."""
 
-    def __init__(self, model: torch.nn.Module, fns: rn.StepFns, options: rn.RunOptions, ex: rn.Execution, cfg: Any):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fns: rn.StepFns,
+        options: rn.RunOptions,
+        ex: rn.Execution,
+        cfg: Any,
+        optimizer: Optimizer = Optimizer.ADAMW,
+    ):
         super().__init__(model, fns, options, ex)
         self.cfg = cfg
+        self.optimizer = optimizer
         self.engine: Any = None
         self.stage = int(cfg["zero_optimization"]["stage"])
         self.offload = "offload_optimizer" in cfg["zero_optimization"]
@@ -367,8 +376,16 @@ class _EngineLoop(rn._StepLoop):
     def build_optimizer(self) -> rn._Optim:
         import deepspeed
 
-        # With offload the config's optimizer block makes the engine build DeepSpeedCPUAdam itself.
-        client = None if self.offload else torch.optim.AdamW(self.trainable, lr=2e-5, weight_decay=0.0, fused=True)
+        # With offload the config's optimizer block makes the engine build DeepSpeedCPUAdam itself; otherwise the
+        # Trainer's optimizer is the client (AdamW fused, the others as trace.optim builds them for one GPU), which
+        # ZeRO then steps on the rank's flat fp32 partition
+        client = None
+        if not self.offload:
+            client = (
+                torch.optim.AdamW(self.trainable, lr=2e-5, weight_decay=0.0, fused=True)
+                if self.optimizer is Optimizer.ADAMW
+                else make_optimizer(self.optimizer, self.trainable)
+            )
         params = self.trainable if self.offload else None
         engine, optimizer, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=params, optimizer=client, config=self.cfg
@@ -502,7 +519,9 @@ def run_layout_deepspeed(
         progress=progress,
         flash_sdp=strategy.flash_sdp,
     )
-    loop = _EngineLoop(model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr), ds_config(spec, strategy))
+    loop = _EngineLoop(
+        model, fns, options, rn.Execution(mode=mode, tracker=lambda: tr), ds_config(spec, strategy), strategy.optimizer
+    )
     loop_box.append(loop)
     offload = offload_patches(tr) if loop.offload else contextlib.nullcontext()
     # counted before the engine runs: ZeRO-3 empties each partitioned parameter's ``.data`` (its numel is 0 after)
