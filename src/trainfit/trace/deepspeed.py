@@ -17,7 +17,10 @@ its ``optimizer`` block (DeepSpeed's FusedAdam, a CUDA op) is replaced by a clie
 ``torch.optim.AdamW(fused=True)``, which ZeRO wraps exactly as it wraps FusedAdam — ``torch.optim.AdamW``
 is in ``ZERO_SUPPORTED_OPTIMIZERS`` (deepspeed/runtime/zero/utils.py), ``DeepSpeedEngine.
 _configure_optimizer`` hands it to the ZeRO optimizer, which points its parameter groups at the fp32
-partitions — and which, like FusedAdam, steps without full-size temporaries.
+partitions — and which, like FusedAdam, steps without full-size temporaries. Another optimizer (SGD, Lion,
+Adafactor, 8-bit AdamW) has no ``optimizer`` block in the exported config: the Trainer hands its own to DeepSpeed
+as the client, built here as for one GPU (:func:`trainfit.trace.optim.make_optimizer`), which the config allows
+(``zero_allow_untested_optimizer``) and which steps the flat fp32 partition as AdamW does.
 
 Six patches make the engine run on fake tensors (DESIGN §4.3); none changes what is allocated:
 
@@ -119,7 +122,8 @@ ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}
 
 
 def check_traceable(strategy: Strategy) -> None:
-    """What this trace runs: ZeRO-1/2/3, data parallel only, on the device, full training with AdamW."""
+    """What this trace runs: ZeRO-1/2/3, data parallel only, on the device or with the optimizer offloaded (then
+    DeepSpeed's CPU AdamW); fine-tuning with LoRA or --freeze."""
     off = strategy.offload
     if off.activations:
         raise StrategyError("--method trace does not run activation offload under DeepSpeed; use --method analytic")
