@@ -2393,10 +2393,12 @@ def _megatron(
             mine = q.stack.head_input_bytes if s == p.pp - 1 else 0
             if acts - recompute + lower + head_in - mine > bwd_acts + bwd_logits:
                 bwd_acts, bwd_logits = acts - recompute + lower + head_in - mine, 0
+        # a checkpointed forward runs one layer at a time without grad: one layer's tensors, not a segment's
+        fwd_acts = acts - recompute + (mi.act_layer if mi.chunk_segments else 0) + head_in
         phases = (
             PhaseBreakdown(
                 phase=Phase.FORWARD,
-                components=_full(resident | {Component.ACTIVATIONS: acts + head_in, Component.LOGITS_LOSS: logits_f}),
+                components=_full(resident | {Component.ACTIVATIONS: fwd_acts, Component.LOGITS_LOSS: logits_f}),
             ),
             PhaseBreakdown(
                 phase=Phase.BACKWARD,
