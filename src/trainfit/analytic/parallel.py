@@ -121,7 +121,13 @@ from trainfit.analytic.model import (
     optimizer_step_moment,
     step_inputs,
 )
-from trainfit.analytic.states import optimizer_state_bytes, param_states, tied_gradient_sum, tied_sum_modelled
+from trainfit.analytic.states import (
+    optimizer_state_bytes,
+    optimizer_state_tensors,
+    param_states,
+    tied_gradient_sum,
+    tied_sum_modelled,
+)
 from trainfit.analytic.zero3 import PERSISTENCE_THRESHOLD, gathered_bytes
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
@@ -1911,17 +1917,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     master = 4 * part
     opt_bits = 32
     optim = 2 * part * opt_bits // 8 if strategy.optimizer is Optimizer.ADAMW else 0
+    client_states, client_temps = zero_client_step(strategy, part)
     if strategy.optimizer is not Optimizer.ADAMW:
-        # The optimizer steps the rank's flat 1-D fp32 partition (stage_1_and_2.py: its param groups point at
-        # ``single_partition_of_fp32_groups``; stage3.py at ``fp32_partitioned_groups_flat``), not the model's
-        # tensors: Adafactor factors no second moment there (a full fp32 one, where per-tensor shards would be
-        # factored to almost nothing), 8-bit AdamW quantises one long tensor.
-        flat = ParamTensor(name="fp32_partition", shape=(part,), matmul=False)
-        optim = optimizer_state_bytes(flat, strategy.optimizer, 32, strategy.optimizer_impl)
-    # The client optimizer's own temporaries over the fp32 partition (trace/optim.py's forms, states.py
-    # ``_step_temp_bytes`` for an fp32 tensor): Lion's ``exp_avg.clone()`` and out-of-place add, Adafactor's two
-    # update tensors; AdamW (DeepSpeed's fused kernel), SGD and 8-bit AdamW update in place
-    client_temp = 2 * allocator_bytes(part * 4) if strategy.optimizer in (Optimizer.LION, Optimizer.ADAFACTOR) else 0
+        optim = sum(client_states)
+    client_temp = sum(client_temps)
     weights_step = 0
     if stage < 3:
         weights = allocator_bytes(total * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)
@@ -2302,6 +2301,23 @@ def megatron_inputs(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> Meg
         loss_kept=kept if spec.kind is ModelKind.CAUSAL_LM else 0,
         chunks=_megatron_chunks(strategy),
     )
+
+
+def zero_client_step(strategy: Strategy, part: int) -> tuple[list[int], list[int]]:
+    """(the optimizer's state tensors, its update temporaries) over a ZeRO rank's flat fp32 partition of ``part``
+    elements, shared by the closed form (:func:`_deepspeed`) and the rank streams (``rank_events.Zero2Hooks``,
+    ``Zero3Hooks``). The optimizer steps that flat 1-D partition (stage_1_and_2.py: its param groups point at
+    ``single_partition_of_fp32_groups``; stage3.py at ``fp32_partitioned_groups_flat``), not the model's tensors:
+    AdamW keeps two fp32 moments; another optimizer (the Trainer's, DeepSpeed's client) the states of one 1-D tensor
+    (:func:`~trainfit.analytic.states.optimizer_state_tensors`: Adafactor's second moment unfactored, 8-bit AdamW one
+    long quantised tensor). Temporaries (trace/optim.py's forms; states.py ``_step_temp_bytes`` for an fp32 tensor):
+    Lion's ``exp_avg.clone()`` and out-of-place add, Adafactor's two update tensors; AdamW (DeepSpeed's fused
+    kernel), SGD and 8-bit AdamW update in place. Shown on the traced engine (tests/trace/test_deepspeed.py)."""
+    temps = [allocator_bytes(part * 4)] * 2 if strategy.optimizer in (Optimizer.LION, Optimizer.ADAFACTOR) else []
+    if strategy.optimizer is Optimizer.ADAMW:
+        return [part * 4, part * 4], temps
+    flat = ParamTensor(name="fp32_partition", shape=(part,), matmul=False)
+    return list(optimizer_state_tensors(flat, strategy.optimizer, 32, strategy.optimizer_impl)), temps
 
 
 def _megatron_chunks(strategy: Strategy) -> int:

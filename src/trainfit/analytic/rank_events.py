@@ -162,6 +162,7 @@ from trainfit.analytic.parallel import (
     megatron_inputs,
     shard_tensor,
     tp_local_spec,
+    zero_client_step,
     zero_partition,
 )
 from trainfit.analytic.states import ParamState, model_states, optimizer_state_tensors, param_states
@@ -1013,7 +1014,7 @@ class Zero2Hooks(RankHooks):
         self.free_device_bytes = free_device_bytes
         zp = zero_partition(spec, strategy, 2, p.dp)
         self.total, self.part = zp.trainable_numel, zp.part_numel
-        self.state_sizes, self.client_temps = _client_step(strategy, self.part)
+        self.state_sizes, self.client_temps = zero_client_step(strategy, self.part)
         whole, self.largest_slice = deepspeed_rank0_gradients(spec, self.part, strategy)
         self.partition_grads = allocator_bytes(whole * self.pb)
         eo = strategy.engine
@@ -1188,19 +1189,6 @@ class Zero2Hooks(RankHooks):
         return 0
 
 
-def _client_step(strategy: Strategy, part: int) -> tuple[list[int], list[int]]:
-    """(the optimizer's state tensors, its update temporaries) over a ZeRO rank's flat fp32 partition of ``part``
-    elements: AdamW's two fp32 moments; another optimizer's states as those of one 1-D tensor
-    (:func:`~trainfit.analytic.states.optimizer_state_tensors`), Lion's and Adafactor's two fp32 update temporaries
-    (the closed form's ``client_temp``, parallel.py ``_deepspeed``; the traced engine)."""
-    if strategy.optimizer is Optimizer.ADAMW:
-        return [part * 4, part * 4], []
-    flat = ParamTensor(name="fp32_partition", shape=(part,), matmul=False)
-    states = list(optimizer_state_tensors(flat, strategy.optimizer, 32, strategy.optimizer_impl))
-    temps = [part * 4, part * 4] if strategy.optimizer in (Optimizer.LION, Optimizer.ADAFACTOR) else []
-    return states, temps
-
-
 class Zero1Hooks(Zero2Hooks):
     """DeepSpeed ZeRO-1 (stage_1_and_2.py with ``partition_gradients`` False), rank 0. With ``overlap_comm`` its
     gradient hooks reduce as stage 2's do (``process_gradients``: ``partition_gradients or overlap_comm``), and
@@ -1309,7 +1297,7 @@ class Zero3Hooks(RankHooks):
         self.pb = 4 if strategy.recipe.compute_bits == 32 else 2  # parameter and gradient bytes
         zp = zero_partition(spec, strategy, 3, p.dp)
         self.part = zp.part_numel
-        self.state_sizes, self.client_temps = _client_step(strategy, self.part)
+        self.state_sizes, self.client_temps = zero_client_step(strategy, self.part)
         self.lp = allocator_bytes(zp.stage3_part_numel * self.pb)
         # fine-tuning: the flat buffer holds the optimizer's (trainable) partitions; each frozen parameter's
         # partition is its own ``ds_tensor`` (partition_parameters.py ``_partition_param``; the traced engine)
