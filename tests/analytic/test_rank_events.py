@@ -322,6 +322,27 @@ def test_zero2_reduces_bucket_by_bucket(overlap: bool) -> None:
     assert sizes.count(part * 4) == 2 + 2 + 2
 
 
+@pytest.mark.parametrize("w", [1, 2, 4, 8, 64])
+def test_the_zero_step_flattens_a_partition_inside_one_parameter_as_a_view(w: int) -> None:
+    """``self.flatten(self.averaged_gradients[i])`` of one tensor is a view (torch's ``flatten_dense_tensors``):
+    llama-3.2-1b's token table (128256 × 2048, a fifth of the model) holds rank 0's whole partition from 8 ranks
+    on, and the step then makes no 16-bit flat partition; below that it does, and so does the last partition
+    (rank 0 alone) whatever its contents. The 16-bit partition's size appears once more: the init's clone."""
+    from trainfit.analytic.parallel import deepspeed_step_copies_partition, zero_partition
+
+    spec = load_model("llama-3.2-1b")
+    table = spec.vocab_size * spec.hidden_size
+    s = _s("zero2", w)
+    part = zero_partition(spec, s, 2, w).part_numel
+    copies = deepspeed_step_copies_partition(spec, part, w)
+    assert copies is (w == 1 or part > table)
+    st = Stream()
+    synthesise(st, spec, compute_strategy(s), (), Zero2Hooks(spec, s, plan(spec, s)), steps=2)
+    sizes = [e.size_bytes for e in st.events if e.op is Op.ALLOC]
+    if w > 1:  # one rank's partition is the model: the flat groups and the parameters have its size too
+        assert sizes.count(part * 2) == 1 + (2 if copies else 0)
+
+
 @pytest.mark.parametrize("bucket", [500_000_000, 50_000_000])
 def test_zero1_keeps_autograds_gradients_until_the_reduction(bucket: int) -> None:
     """ZeRO-1 without ``overlap_comm`` (stage_1_and_2.py, ``partition_gradients`` False): every 16-bit gradient
@@ -442,6 +463,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero2", 8),
         _s("zero3", 8),
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU)),  # ZeRO-Offload, stage 2
+        _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # stage 1
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),
         _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # and stage 3
         replace(_s("ddp", 8), adapter=LORA[0], base_weights=LORA[1]),  # DDP fine-tunes as one GPU does
@@ -459,7 +481,6 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         assert r.overhead.allocator_reserve_bytes != int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
         assert any("caching-allocator simulation" in n for n in r.notes)
     for s in (
-        _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU)),
         _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
         replace(_s("zero3", 8), optimizer=Optimizer.LION),  # stage 3's client optimizers: the reserve is not followed
     ):

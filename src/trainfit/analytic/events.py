@@ -227,6 +227,15 @@ class RankHooks:
     def head_backward_begin(self, s: Stream) -> None:
         """The logits' gradient made, before the head's backward (hooks on the model's output: a pre-backward)."""
 
+    def defers_tied_table(self) -> bool:
+        """Whether this micro-step's hooks take a tied table's gradient when autograd has summed it, after the
+        embedding's backward (:meth:`tied_table_grad`), rather than with the head's (:meth:`grad_bytes`)."""
+        return False
+
+    def tied_table_grad(self, s: Stream, x: ParamTensor, key: int) -> None:
+        """A deferred tied table's gradient ``key``, autograd's sum, handed to the hooks (who free it or keep it)."""
+        raise NotImplementedError  # only hooks that defer the table (defers_tied_table) are called
+
     def early_grad(self, spec: ModelSpec, x: ParamTensor) -> bool:
         """Whether the model-level tensor ``x``'s gradient is made with the head's backward (passed to
         :meth:`head_backward_end`) rather than at the end of backward (``late`` in :meth:`backward_end`)."""
@@ -469,8 +478,15 @@ def synthesise(
             model_grads: list[int] = []
             table_grad = 0  # the tied table's gradient, allocated with the head's backward
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
+            deferred: ParamTensor | None = None  # a tied table the hooks take after autograd's sum
             for x in model_trained:
-                if rank.early_grad(spec, x) and micro:
+                if not micro and x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
+                    # The hooks fire on the table's AccumulateGrad, after the embedding's gradient is added to the
+                    # head's, which waits in autograd's input buffer until then
+                    waiting = s.alloc(tied.embedding_grad_bytes)
+                    first_matmul_done()
+                    deferred = x
+                elif rank.early_grad(spec, x) and micro:
                     # Accumulating: each new gradient is added into the resident .grad and dropped
                     # (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad +=
                     # new_grad`` with grad mode off); a tied table's waits for the embedding's, summed first.
@@ -528,12 +544,21 @@ def synthesise(
                     s.free(kept.pop())
             if tied is not None:
                 # A tied table: the embedding's dense gradient meets the head's (states.tied_gradient_sum); out of
-                # place, the sum takes the head's gradient's place and both inputs are released. A rank whose hooks
-                # copy each gradient at once (ZeRO-2/3's IPG bucket, DDP's bucket view) stands the copy for the sum;
-                # the head's gradient waited for the embedding's beside it (the hooks fire on AccumulateGrad, after
-                # autograd's sum: the closed form's BACKWARD_EMBEDDING moment).
+                # place, the sum takes the head's gradient's place and both inputs are released. ZeRO-1/2's hooks
+                # (RankHooks.defers_tied_table) take the sum then, into their bucket, as the traced engine shows (the
+                # stream took it with the head's: +22% allocated under ZeRO-Offload, where the table's fp64 norm copy
+                # then met the top layers' activations). Other hooks that copy each gradient at once (ZeRO-3's IPG
+                # bucket, DDP's bucket view) stand their copy for the sum; the head's gradient waited for the
+                # embedding's beside it (the closed form's BACKWARD_EMBEDDING moment).
                 emb_grad = s.alloc(tied.embedding_grad_bytes)
-                if micro:  # accumulating: the out-of-place sum is transient too, added into the .grad
+                if deferred is not None:
+                    # autograd's sum (out of place: a third table, then both inputs go; in place: into the head's)
+                    summed = s.alloc(tied_sum) if tied_sum else waiting
+                    if tied_sum:
+                        s.free(waiting)
+                    s.free(emb_grad)
+                    rank.tied_table_grad(s, deferred, summed)
+                elif micro:  # accumulating: the out-of-place sum is transient too, added into the .grad
                     total = s.alloc(tied_sum)
                     s.free_all((waiting, emb_grad, total))
                 elif tied_sum and table_grad:
@@ -541,7 +566,7 @@ def synthesise(
                     s.free(table_grad)
                     model_grads[model_grads.index(table_grad)] = total
                     grads[grads.index(table_grad)] = total
-                if not micro:
+                if not micro and deferred is None:
                     total = s.alloc(tied_sum) if waiting and rank.adds_into_view else 0
                     s.free(waiting)
                     s.free(emb_grad)

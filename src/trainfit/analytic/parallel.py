@@ -1890,6 +1890,16 @@ def deepspeed_rank0_gradients(spec: ModelSpec, part: int, strategy: Strategy | N
     return sum(n for n, _ in slices), max((k for _, k in slices), default=0)
 
 
+def deepspeed_step_copies_partition(spec: ModelSpec, part: int, dp: int, strategy: Strategy | None = None) -> bool:
+    """Stages 1–2, rank 0: whether the step's ``self.flatten(self.averaged_gradients[i])`` (stage_1_and_2.py
+    ``step``) makes a new flat gradient partition. ``_flatten_dense_tensors`` of one tensor returns a view of it
+    (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``: ``tensors.size() == 1``, no ``cat``): when the
+    partition lies inside one parameter (a token table wider than the partition) nothing is copied. The last
+    partition (rank 0 when ``dp`` is 1) goes through ``flatten_dense_tensors_aligned``, which pads: taken as a
+    copy."""
+    return dp == 1 or len(_rank0_slices(spec, part, strategy)) > 1
+
+
 def _largest_slice_owner(spec: ModelSpec, part: int) -> int:
     """Stages 1–2, rank 0: the elements of the parameter whose slice of the partition is the largest (the first of
     equals), :func:`deepspeed_rank0_gradients`' ``largest``."""
@@ -1944,7 +1954,8 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         # adapters or --freeze, tests/trace/test_deepspeed.py; the step kept only the cast before: −5.7%).
         whole_numel, largest_slice = deepspeed_rank0_gradients(spec, part, strategy)
         grad_part = allocator_bytes(whole_numel * pb)
-        step_temp = max(allocator_bytes(8 * largest_slice), allocator_bytes(part * pb) + fp32_grad)
+        flat = allocator_bytes(part * pb) if deepspeed_step_copies_partition(spec, part, p.dp, strategy) else 0
+        step_temp = max(allocator_bytes(8 * largest_slice), flat + fp32_grad)
     else:
         # The gradient partition flattened, then cast to fp32 (stage3.py ``_prepare_fp32_grad_for_sub_group``:
         # ``self.flatten(self.averaged_gradients[i]).to(fp32)``).
@@ -2714,7 +2725,7 @@ def estimate_parallel(
 ) -> MemoryReport:
     """Per-rank peak allocated memory (the worst rank's phases; every stage in ``ranks`` when they differ)
     and host memory per node, for ``strategy``'s parallel setup. Reserved memory: with ``allocator`` given,
-    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW; ZeRO-Offload at stages 2–3), DTensor TP ranks
+    torch DDP and FSDP2 ranks, DeepSpeed ZeRO ranks (16-bit AdamW; ZeRO-Offload at stages 1–3), DTensor TP ranks
     (± SP; 2-D FSDP2×TP too) and Megatron TP/SP/PP ranks (1F1B, interleaved or GPipe; the worst stage) replay their
     event stream through the caching-allocator simulation (:mod:`trainfit.analytic.rank_events`, with the GPU's cuBLAS
     ``workspaces``); other setups, and calls without ``allocator``, keep the fixed fraction of

@@ -129,7 +129,7 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
   the module's parameters after copying them in (its allocated peak when that is above the step's).
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-3 with other
-optimizers than AdamW, ZeRO-1's offload and ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is
+optimizers than AdamW, ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is
 simulated: :class:`Zero2Hooks`' flat groups hold the trainable tensors, ``parallel.deepspeed_flat_layout``, beside
 the frozen module parameters; :class:`Zero3Hooks`' frozen partitions are their own).
 """
@@ -156,6 +156,7 @@ from trainfit.analytic.parallel import (
     deepspeed_flat_layout,
     deepspeed_flatten_copies,
     deepspeed_rank0_gradients,
+    deepspeed_step_copies_partition,
     dtensor_tp_held_spec,
     dtensor_tp_spec,
     held_tensors,
@@ -206,20 +207,18 @@ __all__ = [
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, with CPUOffloadPolicy
     too; DeepSpeed ZeRO-1/2/3 (16-bit or fp32; another optimizer than AdamW at stages 1–2), with ZeRO-Offload
-    (AdamW) at stages 2 and 3;
+    (AdamW) at every stage;
     DTensor TP ± SP without sharding, with gradient accumulation too; full training — DDP's and FSDP2/HSDP's
     fine-tuning too —, nothing else offloaded); otherwise the fixed fraction. Megatron TP/SP/PP:
     :func:`megatron_simulated`."""
     if p.engine is Engine.MEGATRON:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
-        # ZeRO-Offload is written for stages 2 and 3 (Zero2Hooks.offload, Zero3Hooks.offload), not stage 1's
-        # offload nor ZeRO-Infinity
+        # ZeRO-Offload is written for stages 1–3 (Zero2Hooks.offload, which Zero1Hooks inherits; Zero3Hooks.offload),
+        # not ZeRO-Infinity
         off = strategy.offload
-        offloaded = off.any and not (
-            off == Offload(optimizer=OffloadTarget.CPU) and p.sharding in (Sharding.ZERO2, Sharding.ZERO3)
-        )
-        # fine-tuning (adapters, --freeze) since 2026-12-03, ZeRO-Offload at stages 2–3 too: stages 1–2's flat groups of
+        offloaded = off.any and off != Offload(optimizer=OffloadTarget.CPU)
+        # fine-tuning (adapters, --freeze) since 2026-12-03, ZeRO-Offload at stages 1–3 too: stages 1–2's flat groups of
         # the trainable tensors beside the frozen module parameters (Zero2Hooks), stage 3's frozen partitions of their
         # own (Zero3Hooks); against the traced engine with real PEFT (tiny llama over 2–8): allocated −0.6…+0.6%,
         # reserved −4.7…−0.2% (+8.5% on a ZeRO-3 LoRA cell with the default prefetch bucket)
@@ -1016,11 +1015,12 @@ class Zero2Hooks(RankHooks):
         self.total, self.part = zp.trainable_numel, zp.part_numel
         self.state_sizes, self.client_temps = zero_client_step(strategy, self.part)
         whole, self.largest_slice = deepspeed_rank0_gradients(spec, self.part, strategy)
+        self.step_copies = deepspeed_step_copies_partition(spec, self.part, p.dp, strategy)
         self.partition_grads = allocator_bytes(whole * self.pb)
         eo = strategy.engine
         self.bucket_numel = eo.reduce_bucket_size
         self.overlap = bool(eo.overlap_comm)  # DeepSpeed's default for stages 1–2: False
-        # ZeRO-Offload (stage 2): the fp32 partition, its gradient and Adam's states are the host's
+        # ZeRO-Offload (stages 1–2): the fp32 partition, its gradient and Adam's states are the host's
         self.offload = strategy.offload.optimizer_on_host
         # Offsets in the flat buffer (``model.parameters()`` order: embeddings, layers, final norm and head; fine-
         # tuning: the trainable tensors only, the optimizer's)
@@ -1104,6 +1104,13 @@ class Zero2Hooks(RankHooks):
         self._into_bucket(x)
         return 0  # copied into the bucket: autograd's gradient goes at once
 
+    def defers_tied_table(self) -> bool:
+        return True  # the gradient hooks (process_gradients) fire on AccumulateGrad, after autograd's sum
+
+    def tied_table_grad(self, s: Stream, x: ParamTensor, key: int) -> None:
+        self.layer = None
+        self._into_bucket(x, key)
+
     def _setup_buckets(self) -> None:
         """``setup_buckets``, at the first gradient: ``reduce_bucket_size`` elements, two with ``overlap_comm``."""
         if not self.buckets:
@@ -1119,7 +1126,14 @@ class Zero2Hooks(RankHooks):
         if self.elements + x.numel > self.bucket_numel:
             self._reduce()
         if x.numel > self.bucket_numel:  # extra_large_param_to_reduce: its own gradient, reduced next time
-            self.pending.append(own if own is not None else s.alloc(x.numel * self.pb))
+            grad = own if own is not None else s.alloc(x.numel * self.pb)
+            if self.offload:
+                # ``_offload_gradient_safety_enabled`` (ZeRO-Offload, DeepSpeed 0.19): the gradient is cloned into
+                # storage of its own (``grad_reduc.data = grad_reduc.detach().clone()``) and the original goes
+                clone = s.alloc(x.numel * self.pb)
+                s.free(grad)
+                grad = clone
+            self.pending.append(grad)
         elif own is not None:
             s.free(own)
         self.elements += x.numel
@@ -1176,16 +1190,19 @@ class Zero2Hooks(RankHooks):
         if self.offload:
             return 0  # DeepSpeedCPUAdam on the host; the 16-bit partition is copied back into the flat group in place
         s.free(s.alloc(allocator_bytes(8 * self.largest_slice)))  # the norm's fp64 slices, one at a time
-        flat = s.alloc(self.part * self.pb)  # self.flatten(self.averaged_gradients[i])
+        # self.flatten(self.averaged_gradients[i]): a view of the one parameter's slice when the partition lies in one
+        flat = s.alloc(self.part * self.pb) if self.step_copies else 0
         fp32 = flat if self.pb == 4 else s.alloc(self.part * 4)  # .to(fp32): a no-op on fp32 gradients
         if fp32 != flat:
             s.free(flat)
-        s.free(self.grads_in_partition)  # free_grad_in_param_list(params_in_partition)
+        # free_grad_in_param_list(params_in_partition); an fp32 view of it keeps its storage to the step's end
+        viewed = self.grads_in_partition if fp32 == 0 else 0
+        s.free(self.grads_in_partition if not viewed else 0)
         self.grads_in_partition = 0
         if not self.states:
             self.states = [s.alloc(n) for n in self.state_sizes]
         s.free_all([s.alloc(n) for n in self.client_temps])  # the client optimizer's update temporaries
-        s.free(fp32)
+        s.free(fp32 or viewed)
         return 0
 
 
@@ -1216,6 +1233,10 @@ class Zero1Hooks(Zero2Hooks):
         """The hooks reduce as stage 2's (``overlap_comm``), which stage 1 does at the boundary only
         (``reduce_ready_partitions_and_remove_grads``: ``partition_gradients`` or the boundary)."""
         return self.overlap and self.boundary
+
+    def defers_tied_table(self) -> bool:
+        # the first micro-step's hooks reducing at once; otherwise autograd's gradients are kept (one GPU's path)
+        return self._reduces_now() and not self.micro
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         s = self.s
