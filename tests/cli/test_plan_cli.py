@@ -94,10 +94,13 @@ FIXES_CASES = [
         *("llama-3.1-8b", "--gpu", "a100-sxm-80gb", "--precision", "pure-bf16", "--optimizer", "adamw-8bit"),
         *("--checkpointing", "full", "--batch", "1", "--seq", "8192", "--alloc-conf", ""),
     ],
+    # what the planner does not search is the command's: eager attention stays (the plans were SDPA's, and one
+    # said --checkpointing sac, which the estimate refuses with eager attention)
+    ["gemma-2b", "--gpu", "l4", "--attention", "eager", "--optimizer", "adafactor", "--batch", "2", "--seq", "1024"],
 ]
 
 
-@pytest.mark.parametrize("case", FIXES_CASES, ids=["qwen-t4", "llama-8b-fragmented"])
+@pytest.mark.parametrize("case", FIXES_CASES, ids=["qwen-t4", "llama-8b-fragmented", "gemma-eager"])
 def test_estimate_that_does_not_fit_lists_checked_fixes_that_fit(
     case: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

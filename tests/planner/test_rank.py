@@ -289,3 +289,33 @@ def test_a_plan_says_when_it_reduce_scatters_where_the_baseline_did_not() -> Non
     assert flag in describe_changes(plan, trainer)
     assert flag not in describe_changes(plan, dataclasses.replace(trainer, engine=EngineOptions()))
     assert flag not in describe_changes(dataclasses.replace(plan, grad_accum=1, micro_batch=8), trainer)
+
+
+def test_what_the_search_does_not_choose_is_the_baselines() -> None:
+    """The attention implementation, FlashAttention's permission, the optimizer's implementation and the adapter's
+    shape are the command's: a plan for an eager-attention, foreach-AdamW, rank-128 all-linear LoRA run is
+    estimated as that run (the search used SDPA, fused AdamW and a rank-16 LoRA, and so another run's memory), and
+    ``--checkpointing sac``, which the estimate refuses with eager attention, drops out."""
+    from trainfit.strategy import Attention, OptimizerImpl, finetune_setup
+
+    spec, g = load_model("llama-3.2-1b"), get_gpu("t4")
+    adapter, base = finetune_setup("lora", rank=128, targets="all-linear")
+    baseline = Strategy(
+        attention=Attention.EAGER,
+        optimizer_impl=OptimizerImpl.FOREACH,
+        flash_sdp=False,
+        adapter=adapter,
+        base_weights=base,
+        micro_batch=4,
+        seq_len=2048,
+    )
+    r = search_plans(
+        spec, g, gpus=1, seq_len=2048, global_batch=4, baseline=baseline, allow=(Finetune.LORA, Finetune.QLORA), top=5
+    )
+    assert r.plans
+    for p in r.plans:
+        s = p.strategy
+        assert (s.attention, s.optimizer_impl, s.flash_sdp) == (Attention.EAGER, OptimizerImpl.FOREACH, False)
+        assert s.adapter is None or s.adapter == adapter
+        assert s.checkpointing is not Checkpointing.SAC
+    assert any(p.strategy.adapter == adapter for p in r.plans)

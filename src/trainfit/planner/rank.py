@@ -258,8 +258,21 @@ class _Search:
         self._lower: dict[Strategy, int] = {}
 
     def strategy(self, c: Candidate, micro: int) -> Strategy:
+        """The candidate at ``micro``, with what the search does not choose taken from the baseline (the command
+        the fixes are for): the attention implementation, whether SDPA may pick FlashAttention, the optimizer's
+        implementation and, when both fine-tune, the adapter's shape (rank, targets, DoRA). A plan evaluated with
+        another attention than the user's had a memory figure for another run, and flags that omitted the
+        difference (``--checkpointing sac`` for an eager-attention command, which the estimate refuses)."""
         accum = self.global_batch // (c.data * micro)
-        return c.strategy(micro_batch=micro, grad_accum=accum, seq_len=self.seq_len, gpus_per_node=self.gpn)
+        s = c.strategy(micro_batch=micro, grad_accum=accum, seq_len=self.seq_len, gpus_per_node=self.gpn)
+        b = self.baseline
+        return dataclasses.replace(
+            s,
+            attention=b.attention,
+            flash_sdp=b.flash_sdp,
+            optimizer_impl=b.optimizer_impl,
+            adapter=b.adapter if s.adapter is not None and b.adapter is not None else s.adapter,
+        )
 
     def _estimate(self, s: Strategy, allocator: AllocatorConfig, exact: bool = False) -> tuple[int, bool] | None:
         """(the estimate's per-GPU requirement with ``allocator``, whether its reserve was simulated); None: no
