@@ -466,6 +466,8 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         _s("zero1", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # stage 1
         _s("zero2", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),
         _s("zero3", 8, offload=Offload(optimizer=OffloadTarget.CPU), grad_accum=2),  # and stage 3
+        _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
+        _tuned(_s("zero3", 8, offload=OFFLOAD), LORA),
         replace(_s("ddp", 8), adapter=LORA[0], base_weights=LORA[1]),  # DDP fine-tunes as one GPU does
         replace(_s("ddp", 8, grad_accum=2), adapter=QLORA[0], base_weights=QLORA[1]),
         replace(_s("fsdp", 8), adapter=LORA[0], base_weights=LORA[1]),  # FSDP2's groups of held tensors
@@ -481,7 +483,6 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         assert r.overhead.allocator_reserve_bytes != int(r.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
         assert any("caching-allocator simulation" in n for n in r.notes)
     for s in (
-        _s("zero3", 8, offload=OFFLOAD),  # ZeRO-Infinity
         replace(_s("zero3", 8), optimizer=Optimizer.LION),  # stage 3's client optimizers: the reserve is not followed
     ):
         assert not rank_simulated(s, plan(spec, s))

@@ -183,18 +183,23 @@ def test_zero1_offload_holds_the_ipg_bucket_and_the_slice_copies(w: int, bucket:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sharding", "what"), [("zero2", "lora"), ("zero3", "freeze")])
-def test_an_offloaded_fine_tuning_rank_agrees_with_trace(sharding: str, what: str) -> None:
+@pytest.mark.parametrize(
+    ("sharding", "what", "offload"),
+    [("zero2", "lora", "optimizer"), ("zero3", "freeze", "optimizer"), ("zero3", "lora", "optimizer+params")],
+)
+def test_an_offloaded_fine_tuning_rank_agrees_with_trace(sharding: str, what: str, offload: str) -> None:
     """ZeRO-Offload with real PEFT LoRA or ``--freeze embeddings,layers:0-1``: DeepSpeedCPUAdam gets the trainable
     parameters only, so the host holds their fp32 partition, Adam's states and the pinned staging; the frozen ones
     stay 16-bit on the device (ZeRO-3: partitioned). Device phases within 3% (−1.9…−0.1% measured, the step's
-    fp64 norm scalars of the slack above), host components within 1%."""
+    fp64 norm scalars of the slack above), host components within 1%. ZeRO-Infinity: each frozen partition is made
+    on the host too (``remote_device``; the trace filed them as the device's until 2026-12-04), a persistent one's
+    on the device."""
     spec = tiny_spec("llama", **WIDER)
     if what == "freeze":
         adapter, base = finetune_setup("freeze", freeze="embeddings,layers:0-1")
     else:
         adapter, base = finetune_setup("lora", rank=16)
-    s = dataclasses.replace(_strategy(sharding, 4, "optimizer", "amp-bf16"), adapter=adapter, base_weights=base)
+    s = dataclasses.replace(_strategy(sharding, 4, offload, "amp-bf16"), adapter=adapter, base_weights=base)
     traced = trace_distributed(spec, s)
     closed = estimate_parallel(spec, s)
     assert traced.trainable_params == closed.trainable_params < traced.params

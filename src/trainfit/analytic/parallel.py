@@ -1748,6 +1748,22 @@ def _stage3_numel(tensors: Sequence[tuple[ParamTensor, int]], dp: int) -> tuple[
     return part, whole
 
 
+def zero3_frozen_partitions(spec: ModelSpec, strategy: Strategy, dp: int) -> list[tuple[int, bool]]:
+    """Stage 3 fine-tuning: (elements, persistent?) of each frozen parameter's own partition (``ds_tensor``, no part of
+    the optimizer's flat buffer: partition_parameters.py ``_partition_param``), one per instance. It is made on the
+    ``remote_device``: the device, or with ``offload_param`` the host (parameter_offload.py
+    ``_convert_to_zero_parameters`` passes ``remote_device=self.offload_device``) — except a persistent parameter's
+    (at most the persistence threshold), which stays on the device (``ds_persist`` → ``local_device``)."""
+    if not finetuning(strategy):
+        return []
+    return [
+        (-(-h.tensor.numel // dp), h.tensor.numel <= DS_PERSISTENCE_THRESHOLD)
+        for h in held_tensors(spec, strategy)
+        if not h.trainable
+        for _ in range(h.count)
+    ]
+
+
 def deepspeed_flat_layout(spec: ModelSpec, strategy: Strategy | None = None) -> list[tuple[int | None, ParamTensor]]:
     """(layer, or None for a model-level tensor; the tensor) of each parameter of stages 1–2's flat buffer, in its
     order: ``model.parameters()`` order (embeddings, the layers, the final norm and head), which is that of
@@ -1972,7 +1988,11 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # staged for the host (stage_1_and_2.py ``__init__``: ``temp_grad_buffer_for_gpu_offload``), held all run.
     off_staging = allocator_bytes(largest * pb) if off_opt and stage < 3 else 0
     # ZeRO-Infinity keeps the persistent parameters whole on the device; only their partitions go to the host.
-    whole_on_device = sum(m * _alloc(t.numel, pb * 8) for t, m in zp.stage3_whole_tensors)
+    # A frozen persistent parameter's own partition stays on the device too (zero3_frozen_partitions); the
+    # optimizer's are in the host's flat buffer.
+    whole_on_device = sum(m * _alloc(t.numel, pb * 8) for t, m in zp.stage3_whole_tensors) + sum(
+        allocator_bytes(n * pb) for n, persist in zero3_frozen_partitions(spec, strategy, p.dp) if persist
+    )
 
     # Stage 1 under accumulation: a micro-step before the boundary reduces nothing, with or without overlap_comm
     # (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``: only ``partition_gradients`` or the boundary),
@@ -2095,7 +2115,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # ``_setup_for_real_optimizer``: ``grad_partitions_flat_buffer`` on ``self.device``, pinned).
             host[Component.GRADIENTS] = part * (4 + pb) * per_node
         if off_par:
-            host[Component.WEIGHTS] = part * pb * per_node
+            # the optimizer's 16-bit partition and each frozen parameter's own (made on the ``remote_device``, the
+            # host; a persistent one's on the device): parameter_offload.py ``_convert_to_zero_parameters``
+            frozen_part = sum(n for n, persist in zero3_frozen_partitions(spec, strategy, p.dp) if not persist)
+            host[Component.WEIGHTS] = (part + frozen_part) * pb * per_node
     if finetuning(strategy):
         frozen_numel = sum(t.numel * m for t, m in zp.frozen_tensors)
         notes_ft = [

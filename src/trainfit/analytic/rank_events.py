@@ -129,7 +129,7 @@ the step before it did (:func:`~trainfit.analytic.events.steady_state`: the next
   the module's parameters after copying them in (its allocated peak when that is above the step's).
 
 What keeps the fixed reserve fraction (docs/accuracy.md "Reserved memory with many GPUs"): DeepSpeed ZeRO-3 with other
-optimizers than AdamW, ZeRO-Infinity, and TP with fine-tuning (ZeRO fine-tuning is
+optimizers than AdamW, NVMe offload, and TP with fine-tuning (ZeRO fine-tuning is
 simulated: :class:`Zero2Hooks`' flat groups hold the trainable tensors, ``parallel.deepspeed_flat_layout``, beside
 the frozen module parameters; :class:`Zero3Hooks`' frozen partitions are their own).
 """
@@ -163,6 +163,7 @@ from trainfit.analytic.parallel import (
     megatron_inputs,
     shard_tensor,
     tp_local_spec,
+    zero3_frozen_partitions,
     zero_client_step,
     zero_partition,
 )
@@ -207,7 +208,7 @@ __all__ = [
 def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
     """Whether this rank's reserve comes from the simulation (torch DDP and FSDP2/HSDP, with CPUOffloadPolicy
     too; DeepSpeed ZeRO-1/2/3 (16-bit or fp32; another optimizer than AdamW at stages 1–2), with ZeRO-Offload
-    (AdamW) at every stage;
+    (AdamW) at every stage and ZeRO-Infinity to the CPU;
     DTensor TP ± SP without sharding, with gradient accumulation too; full training — DDP's and FSDP2/HSDP's
     fine-tuning too —, nothing else offloaded); otherwise the fixed fraction. Megatron TP/SP/PP:
     :func:`megatron_simulated`."""
@@ -215,9 +216,11 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
         return megatron_simulated(strategy, p)
     if p.engine is Engine.DEEPSPEED:
         # ZeRO-Offload is written for stages 1–3 (Zero2Hooks.offload, which Zero1Hooks inherits; Zero3Hooks.offload),
-        # not ZeRO-Infinity
+        # ZeRO-Infinity's parameters on the host for stage 3 (Zero3Hooks.params_on_host; stages 1–2 refuse it); not
+        # NVMe, nor activation offload
         off = strategy.offload
-        offloaded = off.any and off != Offload(optimizer=OffloadTarget.CPU)
+        host = OffloadTarget.CPU
+        offloaded = off.any and off not in (Offload(optimizer=host), Offload(optimizer=host, parameters=host))
         # fine-tuning (adapters, --freeze) since 2026-12-03, ZeRO-Offload at stages 1–3 too: stages 1–2's flat groups of
         # the trainable tensors beside the frozen module parameters (Zero2Hooks), stage 3's frozen partitions of their
         # own (Zero3Hooks); against the traced engine with real PEFT (tiny llama over 2–8): allocated −0.6…+0.6%,
@@ -1303,11 +1306,13 @@ class Zero3Hooks(RankHooks):
       gradient partition flattened and cast to fp32 (``_prepare_fp32_grad_for_sub_group``), AdamW's states in
       the first step, then the persistent parameters gathered again (``_post_step``).
 
-    With ZeRO-Offload (``offload_optimizer`` to the CPU) the fp32 partition and a zero fp32 gradient are made on the
-    device and moved to the host at init, the gradient partitions are pinned host buffers, and the step is the
-    host's (the 16-bit partition written back in place): on the device only the parameters, the bucket and the
-    gathers (against the traced engine's device events on tiny llama cells: allocated −0.69…+0.00%, reserved
-    +0.0…+2.5%, with accumulation too)."""
+    With ZeRO-Offload (``offload_optimizer`` to the CPU) the fp32 partition, its zero gradient and the gradient
+    partitions are host buffers (``self.device`` is ``cpu``; the 16-bit partition's blocking ``.to(cpu, fp32)``
+    converts on the CPU, aten/src/ATen/native/cuda/Copy.cu — the stream made both fp32 buffers on the device until
+    2026-12-04, after the trace, which filed them so), and the step is the host's (the 16-bit partition written back
+    in place): on the device only the parameters, the bucket and the gathers. ZeRO-Infinity (``offload_param``)
+    moves the 16-bit partitions to the host too (a frozen persistent parameter's stays). Against the traced engine's
+    device events on tiny llama cells: allocated −0.74…+0.00%, reserved −4.3…+2.5%, with accumulation too."""
 
     # Accumulation: each micro-step reduces into the persistent gradient partition (stage3.py
     # ``__reduce_and_partition_ipg_grads``): a later micro-step's events are the first's; one is replayed (the
@@ -1325,11 +1330,12 @@ class Zero3Hooks(RankHooks):
         self.frozen_parts: list[int] = []
         if finetuning(strategy):
             self.lp = allocator_bytes(zp.part_numel * self.pb)
+            # ZeRO-Infinity makes them on the host, a persistent one's on the device (zero3_frozen_partitions)
+            host = strategy.offload.parameters_on_host
             self.frozen_parts = [
-                allocator_bytes(-(-h.tensor.numel // p.dp) * self.pb)
-                for h in held_tensors(spec, strategy)
-                if not h.trainable
-                for _ in range(h.count)
+                allocator_bytes(n * self.pb)
+                for n, persist in zero3_frozen_partitions(spec, strategy, p.dp)
+                if persist or not host
             ]
         self.persistent = [allocator_bytes(t.numel * self.pb) for t, m in zp.stage3_whole_tensors for _ in range(m)]
         self.bucket = allocator_bytes(strategy.engine.reduce_bucket_size * self.pb)
@@ -1337,6 +1343,8 @@ class Zero3Hooks(RankHooks):
         self.layers = spec.num_layers
         # ZeRO-Offload: the fp32 partition, the gradient partitions and Adam's states are the host's
         self.offload = strategy.offload.optimizer_on_host
+        # ZeRO-Infinity (``offload_param``): the 16-bit partitions are the host's too
+        self.params_on_host = strategy.offload.parameters_on_host
         self.s = Stream()
         self.cursor = 0
         self.keys: dict[int, int] = {}  # replay allocation id -> stream key
@@ -1348,15 +1356,10 @@ class Zero3Hooks(RankHooks):
         self.s = s
         for n in self.frozen_parts:
             s.alloc(n)
-        s.alloc(self.lp)
+        if not self.params_on_host:
+            s.alloc(self.lp)
         self.whole = [s.alloc(n) for n in self.persistent]
-        if self.offload:
-            # the fp32 partition made on the device and moved to the host, then a zero fp32 gradient likewise
-            # (``_create_fp32_partitions``, ``initialize_optimizer_states``); the gradient partitions are pinned host
-            # buffers (``_setup_for_real_optimizer``)
-            s.free(s.alloc(self.part * 4))
-            s.free(s.alloc(self.part * 4))
-        else:
+        if not self.offload:
             s.alloc(self.part * 4)  # fp32_partitioned_groups_flat
             s.alloc(allocator_bytes(self.part * self.pb))  # grad_partitions_flat_buffer
         s.alloc(self.bucket)  # __ipg_bucket_flat_buffer

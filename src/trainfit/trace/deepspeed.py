@@ -101,7 +101,7 @@ from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
-from trainfit.trace.deepspeed_offload import HOST_KINDS, host_live, mark_offload_states, offload_patches
+from trainfit.trace.deepspeed_offload import H_WEIGHTS, HOST_KINDS, host_live, mark_offload_states, offload_patches
 from trainfit.trace.deepspeed_offload import tensors_in as _tensors
 from trainfit.trace.distributed import (
     COMM,
@@ -424,9 +424,17 @@ class _EngineLoop(rn._StepLoop):
         tr.mark(_tensors(getattr(o, "lp_param_buffer", None)), tk.WEIGHTS)
         tr.mark([p.data for p in self.model.parameters() if getattr(p, "ds_persist", False)], tk.WEIGHTS)
         # a frozen parameter's partition (adapters, --freeze) is no part of the optimizer's flat buffer: its own
-        # ``ds_tensor`` (partition_parameters.py ``_partition_param``)
-        frozen = [getattr(p, "ds_tensor", None) for p in self.model.parameters() if not p.requires_grad]
-        tr.mark([t for t in frozen if t is not None], tk.WEIGHTS)
+        # ``ds_tensor`` (partition_parameters.py ``_partition_param``), made on the ``remote_device`` — with
+        # ``offload_param`` the host, pinned (parameter_offload.py ``_convert_to_zero_parameters`` passes
+        # ``remote_device=self.offload_device``); a persistent one's stays on the device
+        host = "offload_param" in self.cfg["zero_optimization"]
+        frozen = [
+            (getattr(p, "ds_tensor", None), bool(getattr(p, "ds_persist", False)))
+            for p in self.model.parameters()
+            if not p.requires_grad
+        ]
+        tr.mark([t for t, persist in frozen if not host or persist], tk.WEIGHTS)
+        tr.mark([t for t, persist in frozen if host and not persist], H_WEIGHTS)
         tr.mark(_tensors(o.fp32_partitioned_groups_flat), tk.MASTER)
         tr.mark(_tensors(getattr(o, "grad_partitions_flat_buffer", None)), tk.GRAD)
         tr.mark([b.buffer for b in o.ipg_buckets.values() if b.buffer is not None], COMM)

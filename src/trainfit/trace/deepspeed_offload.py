@@ -210,6 +210,19 @@ def offload_patches(tr: Any) -> Iterator[None]:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
         return torch.tensor(1.0)  # ``total_norm.cpu()``
 
+    def on_host(orig: Any) -> Any:
+        """Stage 3 with ``offload_optimizer``: ``self.device`` is ``cpu`` (stage3.py ``__init__``), and what these
+        make is the host's — the fp32 partition ``.to(cpu, dtype=fp32)`` of the 16-bit one, whose blocking
+        device-to-host copy converts on the CPU "to avoid allocating extra GPU memory" (aten/src/ATen/native/cuda/
+        Copy.cu ``copy_kernel_cuda``), its clone, the zero gradient buffers. On the CPU accelerator they would read
+        as the device's."""
+
+        def run(self: Any, *a: Any, **k: Any) -> Any:
+            with tr.kind_region(tk.HOST) if self.offload_optimizer else contextlib.nullcontext():
+                return orig(self, *a, **k)
+
+        return run
+
     s3_overflow = s3.DeepSpeedZeroOptimizer_Stage3.has_overflow
 
     def has_overflow_stage3(self: Any, *a: Any, **k: Any) -> Any:
@@ -229,6 +242,16 @@ def offload_patches(tr: Any) -> Iterator[None]:
         ),
         (s3.DeepSpeedZeroOptimizer_Stage3, "complete_grad_norm_calculation_for_cpu_offload", complete_grad_norm_stage3),
         (s3.DeepSpeedZeroOptimizer_Stage3, "has_overflow", has_overflow_stage3),
+        (
+            s3.DeepSpeedZeroOptimizer_Stage3,
+            "_create_fp32_partitions",
+            on_host(s3.DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions),
+        ),
+        (
+            s3.DeepSpeedZeroOptimizer_Stage3,
+            "initialize_optimizer_states",
+            on_host(s3.DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states),
+        ),
     ]
     # (object, name, what its own __dict__ held: None where the attribute came from its class)
     saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in patches]
