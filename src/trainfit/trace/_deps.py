@@ -6,7 +6,8 @@ install command, never an ``ImportError`` traceback.
 torchao (the ``fp8`` extra) is imported by transformers' quantizer registry whenever it is installed, and its
 import logs warnings that are not the user's business on a CPU build (its CUDA extensions fail to load; torch
 deprecates its enum registrations). :func:`require_torch` imports it first with those two loggers silenced,
-so a trace prints only trainfit's output.
+so a trace prints only trainfit's output. bitsandbytes is imported first too, without the Hugging Face kernel hub
+(:func:`import_bitsandbytes_offline`): its import would otherwise fetch a CPU kernel over the network.
 """
 
 from __future__ import annotations
@@ -51,12 +52,48 @@ def import_torchao_quietly() -> None:
             lg.setLevel(level)
 
 
+def import_bitsandbytes_offline() -> None:
+    """Import bitsandbytes (when installed) without fetching a kernel from the Hugging Face Hub. On a CPU with
+    AVX512-BF16 its CPU backend asks the kernel hub for a 4-bit GEMM at import (bitsandbytes 0.50
+    ``backends/cpu/ops.py``: ``kernels.get_kernel("kernels-community/quantization-bitsandbytes")``): a network
+    request and a download that trainfit must not make outside the ``--hf`` config path, and, refused, a warning
+    on the user's terminal. The trace runs bitsandbytes' layers on fake tensors and needs no CPU kernel, so the
+    import runs with ``kernels.get_kernel`` refusing (bitsandbytes falls back, as it does without ``kernels``) and
+    bitsandbytes' loggers silenced; both are restored after. PEFT and transformers import bitsandbytes when it is
+    installed, so every trace imports it here first."""
+    if "bitsandbytes" in sys.modules or importlib.util.find_spec("bitsandbytes") is None:
+        return
+    try:
+        import kernels
+    except Exception:  # not installed (or broken): bitsandbytes cannot ask the hub either
+        kernels = None
+    saved = getattr(kernels, "get_kernel", None)
+
+    def refuse(*_a: object, **_k: object) -> ModuleType:
+        raise RuntimeError("trainfit imports bitsandbytes without Hub kernels")
+
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    if saved is not None:
+        kernels.get_kernel = refuse
+    try:
+        importlib.import_module("bitsandbytes")
+    except Exception:  # a broken optional install must not break the trace (QLoRA then says what is missing)
+        pass
+    finally:
+        if saved is not None:
+            kernels.get_kernel = saved
+        logger.setLevel(level)
+
+
 def require_torch() -> ModuleType:
     try:
         import torch
     except ImportError:
         raise DependencyError(_TORCH_HINT) from None
     import_torchao_quietly()
+    import_bitsandbytes_offline()
     return torch
 
 
