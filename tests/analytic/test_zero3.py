@@ -104,3 +104,35 @@ def test_dead_layers_and_a_frozen_embedding_run_no_backward_fetch() -> None:
     assert layer > 0 and table > 0
     assert g == every - 2 * layer - table  # the dead layers' and the table's gathered copies released
     assert gathered_bytes(spec, full, W, 2).at[MomentName.FORWARD_END] == every  # not the freeze replay's
+
+
+def test_zero_infinity_copies_each_fetched_partition_to_the_device_first() -> None:
+    """ZeRO-Infinity: the all-gather's input is each fetched parameter's partition copied from the host
+    (partition_parameters.py ``_all_gather_dtype``: ``torch.cat([p.ds_tensor.to(device) ...])``), freed once in the
+    flat buffer: one module's worst moment is its flat buffer, its partitions' copies and nothing else yet, then the
+    flat buffer and its whole copy as on the device."""
+    from trainfit.strategy import Offload
+
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    s = dataclasses.replace(_strategy(0, 0), offload=Offload.parse("optimizer+params"))
+    g = gathered_bytes(spec, s, W, 2)
+    largest = max(_partitioned())
+    flat = allocator_bytes(-(-largest // W) * W * 2)
+    assert g.peak_bytes == flat + max(allocator_bytes(largest * 2), allocator_bytes(-(-largest // W) * 2))
+    on_device = gathered_bytes(spec, _strategy(0, 0), W, 2)
+    copies = [n for _, _, n in g.events if 0 < n == allocator_bytes(-(-largest // W) * 2)]
+    assert len(copies) > len([n for _, _, n in on_device.events if 0 < n == allocator_bytes(-(-largest // W) * 2)])
+
+
+def test_one_rank_gathers_nothing_but_zero_infinity_copies_each_parameter_in() -> None:
+    """A partition world of 1: ``all_gather_coalesced`` returns ``_no_gather_coalesced`` (``NoGatherHandle``:
+    ``param.data = ds_tensor.to(device)``): with the partitions on the device nothing is allocated (the traced engine
+    at one rank: no gathered parameters); under ZeRO-Infinity each parameter is copied in whole, no flat buffer."""
+    from trainfit.strategy import Offload
+
+    spec = spec_from_config(CONFIG, name="t", source="test")
+    one = dataclasses.replace(_strategy(0, 10**12), parallelism=Parallelism(data=1))
+    assert gathered_bytes(spec, one, 1, 2).peak_bytes == 0
+    inf = gathered_bytes(spec, dataclasses.replace(one, offload=Offload.parse("optimizer+params")), 1, 2)
+    assert inf.at[MomentName.FORWARD_END] == sum(allocator_bytes(n * 2) for n in _partitioned())
+    assert sorted(n for _, _, n in inf.events if n) == sorted(allocator_bytes(n * 2) for n in _partitioned())

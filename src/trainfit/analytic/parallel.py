@@ -1728,14 +1728,19 @@ def zero_partition(spec: ModelSpec, strategy: Strategy, stage: int, dp: int) -> 
     # partition and the fp32 partition count every parameter's ``partition_numel()`` (stage3.py
     # ``_create_fp16_partitions_with_defragmentation``, ``_setup_for_real_optimizer``).
     part = s3_part if full else sum(m * -(-t.numel // dp) for t, m in trainable)
+    # One rank: a persistent parameter's data is its partition (``NoGatherHandle`` points ``param.data`` at
+    # ``ds_tensor``), no second copy — unless ZeRO-Infinity keeps the partitions on the host
+    whole_kept = dp > 1 or strategy.offload.parameters_on_host
     return ZeroPartition(
         trainable_numel=n_train,
         part_numel=part,
         trainable_tensors=trainable,
         frozen_tensors=(),
         stage3_part_numel=s3_part,
-        stage3_whole_numel=s3_whole,
-        stage3_whole_tensors=tuple((t, m) for t, m in [*trainable, *frozen] if t.numel <= DS_PERSISTENCE_THRESHOLD),
+        stage3_whole_numel=s3_whole if whole_kept else 0,
+        stage3_whole_tensors=tuple(
+            (t, m) for t, m in [*trainable, *frozen] if whole_kept and t.numel <= DS_PERSISTENCE_THRESHOLD
+        ),
     )
 
 

@@ -24,6 +24,11 @@ and its flat buffer stays until the last of them (the LM head) is fetched, so th
 until the head (``FORWARD_FINAL_NORM``, the analytic model's moment inside the final norm; −5.7% in forward
 against the trace before that moment existed, −0.3% with it).
 
+With ZeRO-Infinity (``offload_param``) the partitions are the host's, and each fetch first copies the fetched
+parameters' partitions to the device (the all-gather's input), freed once they are in the flat buffer: a
+transient of 1/W of the flat buffer — as much again at one rank. The trace cannot show it (on DeepSpeed's CPU
+accelerator ``.to(device)`` of a host tensor returns it); the replay follows DeepSpeed's source.
+
 This module replays that algorithm on the module order of a Hugging Face decoder built from the parameter
 inventory (embedding; per layer the input norm, q/k/v/o, the second norm, the MLP; final norm; head; the
 backward in reverse, a checkpointed segment recomputed before its backward) and reads the gathered bytes at
@@ -224,6 +229,7 @@ def gathered_bytes(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: in
         eo.max_live_parameters,
         eo.max_reuse_distance,
         _backward_reach(spec, strategy),
+        strategy.offload.parameters_on_host,
     )
     return _REPLAYS.get((*key, dp, param_bytes), lambda: _replay(spec, strategy, dp, param_bytes))
 
@@ -251,6 +257,11 @@ def _replay(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Z
     copy_id: dict[int, int] = {}  # param -> allocation id of its whole copy
     flat_id: dict[int, int] = {}  # handle -> allocation id of its flat buffer
     here = [""]  # the step being replayed
+    # ZeRO-Infinity: the partitions are the host's; each fetch copies every parameter's partition to the device for
+    # the all-gather's input (partition_parameters.py ``_all_gather_dtype``: ``torch.cat([p.ds_tensor.to(device)
+    # ...], out=partitions[rank])``; one parameter: ``_allgather_param``, ``param.ds_tensor.to(device)``), freed once
+    # it is in the flat buffer
+    host_partitions = strategy.offload.parameters_on_host
 
     def whole(p: int) -> int:
         return allocator_bytes(params[p].numel * param_bytes)
@@ -258,10 +269,15 @@ def _replay(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Z
     def live() -> int:
         return held[0] + sum(flats.values())
 
+    # One rank (a partition world of 1): ``all_gather_coalesced`` gathers nothing (``_no_gather_coalesced``:
+    # ``NoGatherHandle`` sets ``param.data = ds_tensor.to(device)``), so no flat buffer and no copy out of it — the
+    # partition itself on the device, or under ZeRO-Infinity its copy from the host, held until the release
+    single = dp == 1
+
     def make_available(p: int) -> None:
         if p not in avail:
             avail.add(p)
-            if not params[p].persist:
+            if not params[p].persist and (host_partitions or not single):
                 held[0] += whole(p)
                 copy_id[p] = next(ids)
                 events.append((here[0], copy_id[p], whole(p)))
@@ -271,11 +287,21 @@ def _replay(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Z
         ps = [p for p in ps if p not in avail and p not in registry]
         if not ps:
             return
+        if single:
+            for p in ps:
+                make_available(p)
+            live_numel += sum(params[p].numel for p in ps)
+            return
         hid = next(handles)
         part = sum(-(-params[p].numel // dp) for p in ps)
         flats[hid] = allocator_bytes(part * dp * param_bytes)
         flat_id[hid] = next(ids)
         events.append((here[0], flat_id[hid], flats[hid]))
+        if host_partitions:
+            copies = [(next(ids), allocator_bytes(-(-params[p].numel // dp) * param_bytes)) for p in ps]
+            events.extend((here[0], i, n) for i, n in copies)
+            moments.append((here[0], live() + sum(n for _, n in copies)))
+            events.extend((here[0], i, 0) for i, _ in copies)
         for p in ps:
             registry[p] = hid
         live_numel += sum(params[p].numel for p in ps)
@@ -332,9 +358,10 @@ def _replay(spec: ModelSpec, strategy: Strategy, dp: int, param_bytes: int) -> Z
         for p in release:
             if p in avail:
                 avail.discard(p)
-                held[0] -= whole(p)
                 live_numel -= params[p].numel
-                events.append((st.where, copy_id.pop(p), 0))
+                if p in copy_id:
+                    held[0] -= whole(p)
+                    events.append((st.where, copy_id.pop(p), 0))
         moments.append((st.where, live()))
 
     by_where: dict[str, int] = {}  # the most live bytes at each step (many moments per step)
