@@ -354,3 +354,22 @@ def test_fsdp_tp_unshards_one_tp_local_layer_at_a_time() -> None:
         pytest.approx(2 * root, rel=1e-3),  # the embedding's moment: only the root
     )
     assert L > 2
+
+
+def test_zero3_says_it_assumes_zero_init_and_what_a_wrapped_model_needs_at_init() -> None:
+    """ZeRO-3's figures are those of a model built under ``deepspeed.zero.Init`` (the HF Trainer's way); the
+    estimate says so, with the 16-bit model a rank holds at init when the model is built first and wrapped."""
+    from trainfit.analytic.parallel import estimate_parallel
+    from trainfit.arch import load_model
+    from trainfit.arch.params import inventory
+    from trainfit.cuda_facts import allocator_bytes
+    from trainfit.strategy import Parallelism, Strategy
+    from trainfit.units import fmt_gib
+
+    spec = load_model("llama-3.1-8b")
+    r = estimate_parallel(spec, Strategy(parallelism=Parallelism(data=8), sharding="zero3"))
+    note = next(n for n in r.notes if "zero.Init" in n)
+    assert fmt_gib(allocator_bytes(inventory(spec).total * 2)) in note
+    for sharding in ("zero1", "zero2"):
+        r = estimate_parallel(spec, Strategy(parallelism=Parallelism(data=8), sharding=sharding))
+        assert not any("zero.Init" in n for n in r.notes)

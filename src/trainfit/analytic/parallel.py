@@ -2143,6 +2143,16 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             "ZeRO-Offload: fp32 master weights, Adam states and the fp32 gradient partition in pinned host memory "
             "(host bytes per node)"
         )
+    if stage == 3:
+        # The HF Trainer and accelerate build the model under ``deepspeed.zero.Init`` (from_pretrained with ZeRO-3
+        # enabled): every parameter is partitioned as it is made. A model built first and handed to
+        # ``deepspeed.initialize`` is whole on the device until the engine partitions it (the trace's way,
+        # trace/deepspeed.py; its init then needs the 16-bit model besides the partitions).
+        notes.append(
+            "DeepSpeed ZeRO-3: the model built under deepspeed.zero.Init (the HF Trainer's and accelerate's way); "
+            "one built before deepspeed.initialize is whole on each GPU first: "
+            f"{fmt_gib(allocator_bytes(inv.total * pb))} of {8 * pb}-bit parameters at init"
+        )
     extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
     if zero1_reduced is not None or offload_reduce:
         # ZeRO-1 without overlap_comm: the engine reduces after backward (engine.py ``allreduce_gradients`` →
