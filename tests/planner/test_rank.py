@@ -319,3 +319,10 @@ def test_what_the_search_does_not_choose_is_the_baselines() -> None:
         assert s.adapter is None or s.adapter == adapter
         assert s.checkpointing is not Checkpointing.SAC
     assert any(p.strategy.adapter == adapter for p in r.plans)
+    # the speed model reads the adapter: a candidate's speed inputs are its strategy's (the search's bounds)
+    from trainfit.planner.speed import SpeedInputs
+
+    for p in r.plans:
+        s = p.strategy
+        kw = {"micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "seq_len": 2048}
+        assert p.candidate.speed_inputs(**kw, gpus_per_node=8, spec=spec) == SpeedInputs.of(s, spec)

@@ -321,9 +321,10 @@ def _traced_device_peaks(spec: ModelSpec, s: Strategy) -> AllocatorResult:
     return simulate([e for e in slots if e is not None], AllocatorConfig())
 
 
-def _assert_zero12_device_peaks(spec: ModelSpec, s: Strategy) -> None:
+def _assert_zero12_device_peaks(spec: ModelSpec, s: Strategy, closed_rel: float = 0.02) -> None:
     """ZeRO-1/2's stream against the traced engine's device events (three steps): allocated within 1%, reserved
-    within 5%, the closed form's peak within 2% of the traced allocated one."""
+    within 5%, the closed form's peak within ``closed_rel`` of the traced allocated one (2%; the issue's 3% per rank
+    where a cell says so)."""
     from deepspeed.accelerator import get_accelerator
 
     from trainfit.analytic.parallel import estimate_parallel
@@ -338,7 +339,7 @@ def _assert_zero12_device_peaks(spec: ModelSpec, s: Strategy) -> None:
     mine = simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
-    assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.02)
+    assert estimate_parallel(spec, s).peak_bytes == pytest.approx(traced.peak_allocated_bytes, rel=closed_rel)
 
 
 @pytest.mark.slow
@@ -358,9 +359,10 @@ def _assert_zero12_device_peaks(spec: ModelSpec, s: Strategy) -> None:
 def test_the_zero_offload_stream_fine_tunes_like_the_traced_engine(
     sharding: str, what: str, w: int, accum: int, offload: str
 ) -> None:
-    """ZeRO-Offload (stages 2 and 3) with real PEFT LoRA or ``--freeze embeddings,layers:0-1``: the device keeps the
-    frozen parameters (ZeRO-3: their partitions) besides what it keeps in full training; against the traced engine's
-    device events: allocated within 1% (−0.34…0%), reserved within 5% (−4.4…−2.3%)."""
+    """ZeRO-Offload (stages 1–3) and ZeRO-Infinity with real PEFT LoRA or ``--freeze embeddings,layers:0-1``: the
+    device keeps the frozen parameters (ZeRO-3: their partitions; ZeRO-Infinity: only the persistent ones') besides
+    what it keeps in full training; against the traced engine's device events: allocated within 1% (−0.34…0%),
+    reserved within 5% (−4.4…−2.3%)."""
     pytest.importorskip("deepspeed")
     from deepspeed.accelerator import get_accelerator
 
@@ -409,6 +411,7 @@ def test_the_zero_offload_stream_fine_tunes_like_the_traced_engine(
         ("zero1", 4, 200_000, 2, 256, 1),
         ("zero1", 2, 200_000, 1, 64, 1),
         ("zero1", 2, 200_000, 1, 64, 2),
+        ("zero1-overlap", 2, 200_000, 1, 64, 2),
     ],
 )
 def test_the_zero_offload_stream_reaches_the_traced_device_peaks(
@@ -422,20 +425,25 @@ def test_the_zero_offload_stream_reaches_the_traced_device_peaks(
     ``offload_reduce``). With accumulation a micro-step before the boundary adds its gradients into their pinned
     host copies through the staging buffer: nothing more on the device. ZeRO-1 (``Zero1Hooks``) keeps autograd's
     gradients to the boundary and reduces them in flat order; a gradient larger than the bucket is cloned first
-    (``_offload_gradient_safety_enabled``): without the clone the one-row cells reserved 25% less."""
+    (``_offload_gradient_safety_enabled``): without the clone the one-row cells reserved 25% less. With
+    ``overlap_comm`` its hooks reduce at the boundary as stage 2's but clear no gradient: the head's (larger than the
+    bucket, outside the partition) stays to the epilogue (stream −9.8%, closed form −12.3% without it; now +0.06% and
+    −2.5%, held to the issue's 3% per rank)."""
     pytest.importorskip("deepspeed")
 
     spec = tiny_spec("llama", hidden_size=256, intermediate_size=512, vocab_size=8192, num_hidden_layers=4)
     s = Strategy(
         parallelism=Parallelism(data=w),
-        sharding=sharding,
+        sharding=sharding.removesuffix("-overlap"),
         micro_batch=micro,
         seq_len=seq,
         grad_accum=accum,
         offload=Offload.parse("optimizer"),
-        engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+        engine=EngineOptions(
+            reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=sharding.endswith("-overlap") or None
+        ),
     )
-    _assert_zero12_device_peaks(spec, s)
+    _assert_zero12_device_peaks(spec, s, closed_rel=0.03 if sharding.endswith("-overlap") else 0.02)
 
 
 @pytest.mark.slow
@@ -446,6 +454,8 @@ def test_the_zero_offload_stream_reaches_the_traced_device_peaks(
         ("zero2", 4, 2, 256, 2, "none", None),
         ("zero1", 4, 2, 256, 1, "none", True),
         ("zero1", 4, 2, 256, 1, "none", None),
+        ("zero1", 4, 2, 256, 2, "none", True),
+        ("zero1", 2, 1, 64, 2, "optimizer", True),
     ],
 )
 def test_the_zero_stream_takes_a_tied_table_after_autograds_sum(
@@ -472,7 +482,8 @@ def test_the_zero_stream_takes_a_tied_table_after_autograds_sum(
         offload=Offload.parse(offload),
         engine=EngineOptions(reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap),
     )
-    _assert_zero12_device_peaks(spec, s)
+    # the issue's 3% per rank for the closed form (ZeRO-1 with overlap_comm, offload and accumulation: +2.0%)
+    _assert_zero12_device_peaks(spec, s, closed_rel=0.03)
 
 
 @pytest.mark.slow

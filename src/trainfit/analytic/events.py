@@ -480,7 +480,7 @@ def synthesise(
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
             deferred: ParamTensor | None = None  # a tied table the hooks take after autograd's sum
             for x in model_trained:
-                if not micro and x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
+                if x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
                     # The hooks fire on the table's AccumulateGrad, after the embedding's gradient is added to the
                     # head's, which waits in autograd's input buffer until then
                     waiting = s.alloc(tied.embedding_grad_bytes)

@@ -1687,7 +1687,8 @@ def deepspeed_partition_numel(spec: ModelSpec, stage: int, dp: int) -> tuple[int
     if stage < 3:
         align = DS_ALIGNMENT_FACTOR * dp
         return -(-total // align) * align // dp, 0
-    return _stage3_numel(inv.all_tensors(), dp)
+    part, whole = _stage3_numel(inv.all_tensors(), dp)
+    return part, whole if dp > 1 else 0  # one rank: a persistent parameter's data is its partition
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1921,6 +1922,19 @@ def deepspeed_step_copies_partition(spec: ModelSpec, part: int, dp: int, strateg
     return dp == 1 or len(_rank0_slices(spec, part, strategy)) > 1
 
 
+def deepspeed_large_outside(
+    spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int, strategy: Strategy | None = None
+) -> int:
+    """Stages 1–2, rank 0: allocator bytes of the gradients of parameters larger than the bucket
+    (``extra_large_param_to_reduce``) that lie wholly outside the partition [0, part) of the flat buffer."""
+    out, offset = 0, 0
+    for t in _flat_order(spec, strategy):
+        if offset >= part and t.numel > bucket_numel:
+            out += allocator_bytes(t.numel * grad_bytes)
+        offset += t.numel
+    return out
+
+
 def _largest_slice_owner(spec: ModelSpec, part: int) -> int:
     """Stages 1–2, rank 0: the elements of the parameter whose slice of the partition is the largest (the first of
     equals), :func:`deepspeed_rank0_gradients`' ``largest``."""
@@ -1996,8 +2010,8 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # A frozen persistent parameter's own partition stays on the device too (zero3_frozen_partitions); the
     # optimizer's are in the host's flat buffer.
     whole_on_device = sum(m * _alloc(t.numel, pb * 8) for t, m in zp.stage3_whole_tensors) + sum(
-        allocator_bytes(n * pb) for n, persist in zero3_frozen_partitions(spec, strategy, p.dp) if persist
-    )
+        allocator_bytes(n * pb) for n, persist in zero3_frozen_partitions(spec, strategy, p.dp) if persist and p.dp > 1
+    )  # (one rank: the persistent parameter's data is that partition, counted among the wholes)
 
     # Stage 1 under accumulation: a micro-step before the boundary reduces nothing, with or without overlap_comm
     # (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``: only ``partition_gradients`` or the boundary),
@@ -2014,6 +2028,11 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # last one backward makes (model order) — with the bucket, and that gradient itself when it is larger than the
     # bucket (``extra_large_param_to_reduce``, kept until the flush): the end of backward, every activation gone.
     offload_reduce = stage < 3 and off_opt and not finetuning(strategy)
+    # Stage 1's hooks clear no gradient (stage 2's ``clear_grad_attribute`` is for ``partition_gradients``): one
+    # larger than the bucket, of a parameter outside the rank's partition, keeps its own storage from its reduction
+    # to the epilogue's ``_clear_param_grad_only`` — the untied LM head's, made first, through the whole backward
+    # (the traced engine with overlap_comm: −12% without it on a one-row cell)
+    kept_outside = deepspeed_large_outside(spec, part, eo.reduce_bucket_size, pb, strategy) if stage == 1 else 0
     if offload_reduce:
         owner = _largest_slice_owner(spec, part)
         reduce_temp = allocator_bytes(8 * deepspeed_rank0_gradients(spec, part)[1])
@@ -2028,7 +2047,10 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
         frac = min(1.0, m.gradients / g_full)
         comm = unsharded = 0
-        if stage == 1 and not (overlap and not off_opt):
+        # Stage 1 with overlap_comm: its hooks reduce as stage 2's at the boundary (``process_gradients`` →
+        # ``reduce_ready_partitions_and_remove_grads``), with ZeRO-Offload too (the traced engine, a tied one-row cell
+        # with two accumulation steps: this path kept every gradient whole beside the table's fp64 copy, +9.7%)
+        if stage == 1 and not overlap:
             grads = int(allocator_bytes(total * pb) * frac)
             if off_opt:
                 # The hooks make the IPG bucket at the first gradient here too (``process_gradients`` →
@@ -2053,10 +2075,12 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
             if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
                 comm = bucket * (2 if overlap and stage < 3 else 1)
+                grads += kept_outside
         if offload_reduce and m.name is MomentName.BACKWARD_REDUCE:
             c[Component.TEMPORARIES] = reduce_temp
-            # stage 1 reduces after backward (``reduce_gradients``), autograd's gradients all still whole
-            grads = allocator_bytes(total * pb) if stage == 1 else reduce_grad
+            # stage 1 reduces after backward (``reduce_gradients``), autograd's gradients all still whole (with
+            # overlap_comm its hooks reduce as stage 2's)
+            grads = allocator_bytes(total * pb) if stage == 1 and not overlap else reduce_grad + kept_outside
             comm = bucket * (2 if overlap and stage == 2 else 1)
         if zero1_accumulating and m.phase is not Phase.OPTIMIZER_STEP and m.name is not MomentName.BACKWARD_REDUCE:
             grads = allocator_bytes(total * pb)

@@ -995,7 +995,8 @@ class Zero2Hooks(RankHooks):
       made at the first such copy, on the reduction stream with ``overlap_comm``); a parameter larger than the bucket
       keeps its own gradient until the next reduction; the epilogue reduces the rest and frees the buckets
       (``independent_gradient_partition_epilogue`` → ``_release_ipg_buffers``);
-    * step (``step``): the fp64 norm of each slice (``get_grad_norm_direct``), the flattened 16-bit partition and
+    * step (``step``): the fp64 norm of each slice (``get_grad_norm_direct``), the flattened 16-bit partition (a
+      view when the partition lies in one parameter: ``parallel.deepspeed_step_copies_partition``) and
       its fp32 copy, then the 16-bit one and ``grads_in_partition`` go (``free_grad_in_param_list``); AdamW's
       states are made in the first step; the fp32 gradient goes after it; the updated partitions are
       all-gathered in place into the flat 16-bit groups (runtime/utils.py ``all_gather_dp_groups``: one
@@ -1050,6 +1051,13 @@ class Zero2Hooks(RankHooks):
         self.pending_part = 0  # elements in the bucket of parameters rank 0's partition meets
         self.pending_slices: list[int] = []  # each such parameter's elements inside the partition
         self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
+        # ... and those of them the reduction leaves as the parameter's .grad, to the epilogue's
+        # ``_clear_param_grad_only``: under offload a gradient of the partition (``copy_grads_in_partition`` copies it
+        # to the host and returns), at stage 1 one outside it (stage 2's ``clear_grad_attribute`` frees it; stage 1
+        # clears nothing in its hooks: the traced engine keeps the untied head's 4 MiB gradient to the epilogue)
+        self.pending_kept: set[int] = set()
+        self.epilogue: list[int] = []
+        self.stage1 = False
         self.contents: list[tuple[int, int]] = []  # (flat offset, elements) of what the next reduction reduces
         # The copy of a bucket spanning a partition edge (:meth:`_flatten_chunks`) is written where its moment is
         # known: ZeRO-1's reduction after backward, in flat order (:class:`Zero1Hooks`). In backward (stage 2, and
@@ -1137,6 +1145,8 @@ class Zero2Hooks(RankHooks):
                 s.free(grad)
                 grad = clone
             self.pending.append(grad)
+            if (self.offload and off < self.part) or (self.stage1 and off >= self.part):
+                self.pending_kept.add(grad)
         elif own is not None:
             s.free(own)
         self.elements += x.numel
@@ -1166,7 +1176,9 @@ class Zero2Hooks(RankHooks):
                 s.free(s.alloc(allocator_bytes(4 * n)))
         elif self.pending_part and not self.grads_in_partition:
             self.grads_in_partition = s.alloc(self.partition_grads, DS_REDUCTION_STREAM if self.overlap else 0)
-        s.free_all(self.pending)
+        s.free_all(k for k in self.pending if k not in self.pending_kept)
+        self.epilogue += [k for k in self.pending if k in self.pending_kept]
+        self.pending_kept = set()
         self.pending, self.elements, self.pending_part, self.pending_slices, self.contents = [], 0, 0, [], []
 
     def backward_begin(self, s: Stream) -> None:
@@ -1183,7 +1195,13 @@ class Zero2Hooks(RankHooks):
         self._reduce()  # independent_gradient_partition_epilogue
         s.free_all(self.buckets)  # _release_ipg_buffers
         self.buckets = []
+        self._clear_grads()
         return None
+
+    def _clear_grads(self) -> None:
+        """The epilogue's ``_clear_param_grad_only``: the gradients the reductions left as ``.grad`` go."""
+        self.s.free_all(self.epilogue)
+        self.epilogue = []
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         pass  # made by the step (torch.optim.AdamW's lazy state), after the gradients are flattened
@@ -1226,6 +1244,7 @@ class Zero1Hooks(Zero2Hooks):
         self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
     ) -> None:
         super().__init__(spec, strategy, p, free_device_bytes=free_device_bytes)
+        self.stage1 = True
         self.copies_flushes = not self.overlap
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
@@ -1238,8 +1257,15 @@ class Zero1Hooks(Zero2Hooks):
         return self.overlap and self.boundary
 
     def defers_tied_table(self) -> bool:
-        # the first micro-step's hooks reducing at once; otherwise autograd's gradients are kept (one GPU's path)
-        return self._reduces_now() and not self.micro
+        # the hooks reduce this micro-step (overlap_comm at the boundary): they take the table after autograd's sum;
+        # otherwise autograd's gradients are kept (one GPU's path)
+        return self._reduces_now()
+
+    def tied_table_grad(self, s: Stream, x: ParamTensor, key: int) -> None:
+        if self.micro:  # a later micro-step: AccumulateGrad adds the sum into the kept .grad, which the hook takes
+            s.free(key)
+            key = self.kept.pop((None, x.name))[2]
+        super().tied_table_grad(s, x, key)
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         s = self.s
@@ -1286,6 +1312,7 @@ class Zero1Hooks(Zero2Hooks):
         self._reduce()  # the epilogue's reduce_ipg_grads
         s.free_all(self.buckets)  # _release_ipg_buffers
         self.buckets = []
+        self._clear_grads()
         return []
 
 
@@ -1335,7 +1362,7 @@ class Zero3Hooks(RankHooks):
             self.frozen_parts = [
                 allocator_bytes(n * self.pb)
                 for n, persist in zero3_frozen_partitions(spec, strategy, p.dp)
-                if persist or not host
+                if (persist and p.dp > 1) or not host  # one rank: a persistent one's data is its partition
             ]
         self.persistent = [allocator_bytes(t.numel * self.pb) for t, m in zp.stage3_whole_tensors for _ in range(m)]
         self.bucket = allocator_bytes(strategy.engine.reduce_bucket_size * self.pb)

@@ -259,20 +259,15 @@ class _Search:
 
     def strategy(self, c: Candidate, micro: int) -> Strategy:
         """The candidate at ``micro``, with what the search does not choose taken from the baseline (the command
-        the fixes are for): the attention implementation, whether SDPA may pick FlashAttention, the optimizer's
-        implementation and, when both fine-tune, the adapter's shape (rank, targets, DoRA). A plan evaluated with
-        another attention than the user's had a memory figure for another run, and flags that omitted the
-        difference (``--checkpointing sac`` for an eager-attention command, which the estimate refuses)."""
+        the fixes are for): the attention implementation, whether SDPA may pick FlashAttention and the optimizer's
+        implementation (none of which the speed model reads; the adapter's shape, which it does, is the candidate's
+        own, :attr:`Candidate.adapter`). A plan evaluated with another attention than the user's had a memory figure
+        for another run, and flags that omitted the difference (``--checkpointing sac`` for an eager-attention
+        command, which the estimate refuses)."""
         accum = self.global_batch // (c.data * micro)
         s = c.strategy(micro_batch=micro, grad_accum=accum, seq_len=self.seq_len, gpus_per_node=self.gpn)
         b = self.baseline
-        return dataclasses.replace(
-            s,
-            attention=b.attention,
-            flash_sdp=b.flash_sdp,
-            optimizer_impl=b.optimizer_impl,
-            adapter=b.adapter if s.adapter is not None and b.adapter is not None else s.adapter,
-        )
+        return dataclasses.replace(s, attention=b.attention, flash_sdp=b.flash_sdp, optimizer_impl=b.optimizer_impl)
 
     def _estimate(self, s: Strategy, allocator: AllocatorConfig, exact: bool = False) -> tuple[int, bool] | None:
         """(the estimate's per-GPU requirement with ``allocator``, whether its reserve was simulated); None: no
@@ -552,7 +547,14 @@ def search_plans(
         retry_expandable=retry_expandable,
     )
     space = candidates(
-        spec, gpu, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch, allow=allow, fp8=fp8
+        spec,
+        gpu,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        global_batch=global_batch,
+        allow=allow,
+        fp8=fp8,
+        adapter=baseline.adapter,
     )
     # Best-first by each candidate's bound, (bound, kind, changes from the baseline, index): a candidate enters with
     # the cheap bound (kind 0: one timing, :func:`step_floor_seconds`) and goes back in with its exact one

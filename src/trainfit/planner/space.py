@@ -46,7 +46,8 @@ bisects, since memory grows with it). What the space contains, and why:
   chunked loss, activation offloading (full checkpointing only) and optimizer-in-backward (accumulation 1), alone
   and combined, on the recipes torchtune runs. A saver's plan is kept only where no candidate with fewer of its
   savers fits at the same micro-batch (:mod:`trainfit.planner.rank`).
-- **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears) when ``--allow`` has them, on
+- **Fine-tuning**: full, and LoRA / QLoRA (PEFT defaults, rank 16 on all linears, or the command's own adapter
+  when it fine-tunes: :attr:`Candidate.adapter`) when ``--allow`` has them, on
   one GPU or data parallel (DDP, FSDP2/HSDP, ZeRO; what the estimate refuses — QLoRA with ZeRO — drops out),
   not with tensor/pipeline parallelism or offload. Their exports are the Trainer's (with PEFT), not the
   torchrun FSDP2 script.
@@ -193,6 +194,9 @@ class Candidate:
     optimizer_in_backward: bool = False  # --optimizer-in-backward (torchtune; accumulation 1 only)
     #: FSDP2/HSDP only: False is ``--no-reshard-after-forward`` (:data:`RESHARD_AFTER_FORWARD`).
     reshard_after_forward: bool = True
+    #: The adapter a LoRA/QLoRA candidate trains (None: PEFT's defaults, :data:`_FINETUNE`): the baseline's, when the
+    #: command already fine-tunes — its rank, targets and DoRA are not the search's to choose.
+    adapter: Adapter | None = None
 
     def __post_init__(self) -> None:
         if not self.reshard_after_forward and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
@@ -280,9 +284,10 @@ class Candidate:
         )
 
     def _finetune(self) -> tuple[Adapter | None, BaseWeights]:
-        """The adapter and base weights of the fine-tuning method (PEFT defaults; the Strategy's own default base
-        under full fine-tuning)."""
-        return _FINETUNE[self.finetune]
+        """The adapter and base weights of the fine-tuning method (PEFT defaults, or :attr:`adapter`; the Strategy's
+        own default base under full fine-tuning)."""
+        adapter, base = _FINETUNE[self.finetune]
+        return (self.adapter if adapter is not None and self.adapter is not None else adapter), base
 
     def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
         """The Strategy this candidate runs at ``micro_batch`` × ``grad_accum`` (the pipeline's micro-batches
@@ -451,9 +456,11 @@ def candidates(
     global_batch: int,
     allow: tuple[Finetune, ...] = (),
     fp8: bool = False,
+    adapter: Adapter | None = None,
 ) -> list[Candidate]:
     """Every candidate whose data degree divides the global batch (so micro × accumulation × data hits it);
-    with ``fp8``, their :func:`float8_candidates` too."""
+    with ``fp8``, their :func:`float8_candidates` too. ``adapter``: what the LoRA/QLoRA candidates train (None:
+    PEFT's defaults)."""
     out: list[Candidate] = []
     methods = (Finetune.FULL, *allow)
     for world in world_sizes(gpus, gpus_per_node):
@@ -481,6 +488,7 @@ def candidates(
                                     checkpointing=ck,
                                     finetune=ft,
                                     reshard_after_forward=raf,
+                                    adapter=adapter if ft is not Finetune.FULL else None,
                                 )
                                 # FSDP2/HSDP both ways, unpruned (module docstring); the rest do not read it
                                 for raf in (RESHARD_AFTER_FORWARD if sh in (Sharding.FSDP, Sharding.HSDP) else (True,))
