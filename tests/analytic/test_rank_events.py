@@ -484,6 +484,7 @@ def test_estimate_simulates_torch_data_parallel_ranks_only() -> None:
         assert any("caching-allocator simulation" in n for n in r.notes)
     for s in (
         replace(_s("zero3", 8), optimizer=Optimizer.LION),  # stage 3's client optimizers: the reserve is not followed
+        replace(_s("zero1", 8), optimizer=Optimizer.LION, precision=Precision.FP32),  # nor fp32 ZeRO-1's
     ):
         assert not rank_simulated(s, plan(spec, s))
         r = estimate(spec, s)

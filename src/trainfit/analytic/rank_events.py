@@ -231,8 +231,16 @@ def rank_simulated(strategy: Strategy, p: ParallelPlan) -> bool:
             and p.pp == 1
             # another optimizer than AdamW (the Trainer's, DeepSpeed's client): stages 1–2 against the traced engine
             # allocated ±0.00%, reserved −1.8%; at stage 3 the traced engine reserves 16 MiB less than with AdamW on
-            # a tiny llama (98.6 vs 115.3 MiB) while the stream reserves the AdamW figure: not understood yet
-            and (strategy.optimizer is Optimizer.ADAMW or (not off.any and p.sharding is not Sharding.ZERO3))
+            # a tiny llama (98.6 vs 115.3 MiB) while the stream reserves the AdamW figure: not understood yet — and so
+            # does fp32 ZeRO-1 (128 vs 144 MiB; the stream 142; fp32 ZeRO-2 with Lion or Adafactor −1.4%)
+            and (
+                strategy.optimizer is Optimizer.ADAMW
+                or (
+                    not off.any
+                    and p.sharding is not Sharding.ZERO3
+                    and not (p.sharding is Sharding.ZERO1 and strategy.recipe.compute_bits == 32)
+                )
+            )
             and not offloaded
         )
     if p.engine is Engine.TORCH and p.tp > 1:
