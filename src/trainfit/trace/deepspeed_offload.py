@@ -211,24 +211,18 @@ def offload_patches(tr: Any) -> Iterator[None]:
         return torch.tensor(1.0)  # ``total_norm.cpu()``
 
     def on_host(orig: Any) -> Any:
-        """Stage 3 with ``offload_optimizer``: ``self.device`` is ``cpu`` (stage3.py ``__init__``), and what these
-        make is the host's — the fp32 partition ``.to(cpu, dtype=fp32)`` of the 16-bit one, whose blocking
+        """Stage 3 with ``offload_optimizer``: ``self.device`` is ``cpu`` (stage3.py ``__init__``), and what ``orig``
+        makes is the host's — in ``has_overflow`` the ``isinf``/``isnan`` over the host gradient partition; in
+        ``_create_fp32_partitions`` the fp32 partition ``.to(cpu, dtype=fp32)`` of the 16-bit one, whose blocking
         device-to-host copy converts on the CPU "to avoid allocating extra GPU memory" (aten/src/ATen/native/cuda/
-        Copy.cu ``copy_kernel_cuda``), its clone, the zero gradient buffers. On the CPU accelerator they would read
-        as the device's."""
+        Copy.cu ``copy_kernel_cuda``), and its clone; in ``initialize_optimizer_states`` the zero gradient buffers.
+        On the CPU accelerator they would read as the device's."""
 
         def run(self: Any, *a: Any, **k: Any) -> Any:
             with tr.kind_region(tk.HOST) if self.offload_optimizer else contextlib.nullcontext():
                 return orig(self, *a, **k)
 
         return run
-
-    s3_overflow = s3.DeepSpeedZeroOptimizer_Stage3.has_overflow
-
-    def has_overflow_stage3(self: Any, *a: Any, **k: Any) -> Any:
-        # with offload its ``isinf``/``isnan`` run over the host gradient partition: host temporaries
-        with tr.kind_region(tk.HOST) if self.offload_optimizer else contextlib.nullcontext():
-            return s3_overflow(self, *a, **k)
 
     patches: list[tuple[Any, str, Any]] = [
         (acc, "pin_memory", pin_memory),
@@ -241,7 +235,7 @@ def offload_patches(tr: Any) -> Iterator[None]:
             complete_grad_norm_calculation_for_cpu_offload,
         ),
         (s3.DeepSpeedZeroOptimizer_Stage3, "complete_grad_norm_calculation_for_cpu_offload", complete_grad_norm_stage3),
-        (s3.DeepSpeedZeroOptimizer_Stage3, "has_overflow", has_overflow_stage3),
+        (s3.DeepSpeedZeroOptimizer_Stage3, "has_overflow", on_host(s3.DeepSpeedZeroOptimizer_Stage3.has_overflow)),
         (
             s3.DeepSpeedZeroOptimizer_Stage3,
             "_create_fp32_partitions",
