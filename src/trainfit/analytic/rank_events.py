@@ -1017,6 +1017,9 @@ class Zero2Hooks(RankHooks):
     # Accumulation: every micro-step's gradients go through the bucket (``partition_gradients``); rank 0's keep
     # their views into ``grads_in_partition``, made once per step, so a later micro-step is the first's
     reduces_each_micro_step = True
+    #: Whether a reduced gradient larger than the bucket, of a parameter outside the partition, stays as ``.grad``
+    #: to the epilogue (stage 1's hooks clear nothing; stage 2's ``clear_grad_attribute`` frees it)
+    keeps_outside_grads = False
 
     def __init__(
         self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
@@ -1058,14 +1061,13 @@ class Zero2Hooks(RankHooks):
         self.elements = 0
         self.pending_part = 0  # elements in the bucket of parameters rank 0's partition meets
         self.pending_slices: list[int] = []  # each such parameter's elements inside the partition
-        self.pending: list[int] = []  # gradients larger than the bucket, kept until the next reduction
-        # ... and those of them the reduction leaves as the parameter's .grad, to the epilogue's
-        # ``_clear_param_grad_only``: under offload a gradient of the partition (``copy_grads_in_partition`` copies it
-        # to the host and returns), at stage 1 one outside it (stage 2's ``clear_grad_attribute`` frees it; stage 1
-        # clears nothing in its hooks: the traced engine keeps the untied head's 4 MiB gradient to the epilogue)
-        self.pending_kept: set[int] = set()
+        # gradients larger than the bucket, kept until the next reduction: (key, whether the reduction leaves it as the
+        # parameter's .grad to the epilogue's ``_clear_param_grad_only``) — under offload one of the partition
+        # (``copy_grads_in_partition`` copies it to the host and returns), at stage 1 one outside it (stage 2's
+        # ``clear_grad_attribute`` frees it; stage 1 clears nothing in its hooks: the traced engine keeps the untied
+        # head's 4 MiB gradient to the epilogue)
+        self.pending: list[tuple[int, bool]] = []
         self.epilogue: list[int] = []
-        self.stage1 = False
         self.contents: list[tuple[int, int]] = []  # (flat offset, elements) of what the next reduction reduces
         # The copy of a bucket spanning a partition edge (:meth:`_flatten_chunks`) is written where its moment is
         # known: ZeRO-1's reduction after backward, in flat order (:class:`Zero1Hooks`). In backward (stage 2, and
@@ -1152,9 +1154,8 @@ class Zero2Hooks(RankHooks):
                 clone = s.alloc(x.numel * self.pb)
                 s.free(grad)
                 grad = clone
-            self.pending.append(grad)
-            if (self.offload and off < self.part) or (self.stage1 and off >= self.part):
-                self.pending_kept.add(grad)
+            in_part = off < self.part
+            self.pending.append((grad, (self.offload and in_part) or (self.keeps_outside_grads and not in_part)))
         elif own is not None:
             s.free(own)
         self.elements += x.numel
@@ -1184,9 +1185,8 @@ class Zero2Hooks(RankHooks):
                 s.free(s.alloc(allocator_bytes(4 * n)))
         elif self.pending_part and not self.grads_in_partition:
             self.grads_in_partition = s.alloc(self.partition_grads, DS_REDUCTION_STREAM if self.overlap else 0)
-        s.free_all(k for k in self.pending if k not in self.pending_kept)
-        self.epilogue += [k for k in self.pending if k in self.pending_kept]
-        self.pending_kept = set()
+        s.free_all(k for k, kept in self.pending if not kept)
+        self.epilogue += [k for k, kept in self.pending if kept]
         self.pending, self.elements, self.pending_part, self.pending_slices, self.contents = [], 0, 0, [], []
 
     def backward_begin(self, s: Stream) -> None:
@@ -1248,11 +1248,12 @@ class Zero1Hooks(Zero2Hooks):
     (``overlapping_partition_gradients_reduce_epilogue``) flushes the rest and frees the bucket. The step is
     stage 2's (``averaged_gradients`` over ``grads_in_partition``)."""
 
+    keeps_outside_grads = True
+
     def __init__(
         self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
     ) -> None:
         super().__init__(spec, strategy, p, free_device_bytes=free_device_bytes)
-        self.stage1 = True
         self.copies_flushes = not self.overlap
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
