@@ -132,6 +132,12 @@ class RankMemory:
     def peak_bytes(self) -> int:
         return max(p.total_bytes for p in self.phases)
 
+    def phase(self, phase: AnyPhase) -> PhaseBreakdown:
+        for p in self.phases:
+            if p.phase == phase:
+                return p
+        raise KeyError(phase)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overhead:
@@ -539,6 +545,16 @@ class MemoryReport:
             if p.phase == phase:
                 return p
         raise KeyError(phase)
+
+    def rank(self, rank: int) -> RankMemory:
+        """The entry of :attr:`ranks` that holds ``rank`` (every rank's, :attr:`phases`, when all hold the same)."""
+        for r in self.ranks:
+            if rank in r.ranks:
+                return r
+        if self.ranks or rank < 0 or (self.strategy is not None and rank >= self.world_size):
+            raise KeyError(rank)
+        every = range(self.world_size) if self.strategy is not None else (rank,)  # (a report without its strategy)
+        return RankMemory(ranks=tuple(every), phases=self.phases)
 
     def states_bytes(self) -> int | None:
         """The model states held through the optimizer step (None for a method with no such phase)."""

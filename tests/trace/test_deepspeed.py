@@ -6,6 +6,8 @@ and flush in each backward. ``python benchmarks/agreement_distributed.py`` print
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trainfit.errors import StrategyError
@@ -217,6 +219,59 @@ def test_zero3_on_one_rank_gathers_nothing(offload: str) -> None:
     for a, t in zip(closed.phases, traced.phases, strict=True):
         assert abs(a.total_bytes - t.total_bytes) <= 0.01 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
         assert a.get(Component.UNSHARDED_PARAMS) == t.get(Component.UNSHARDED_PARAMS) == 0
+
+
+RANK_CELLS = [
+    ("zero2", 8, "none"),
+    ("zero2", 4, "optimizer"),
+    ("zero1", 4, "none"),
+    ("zero1", 4, "optimizer"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sharding", "w", "offload"), RANK_CELLS, ids=["-".join(map(str, c)) for c in RANK_CELLS])
+def test_every_rank_agrees_with_its_trace(sharding: str, w: int, offload: str) -> None:
+    """ZeRO-1/2 ranks differ by the parameters their partitions meet (parallel.ZeroRank): each rank of the real
+    engine, traced at full depth, against the closed form's entry for it, each phase within 3%; the last rank (the LM
+    head's slice) is 16% above rank 0 in the offloaded ZeRO-2 backward, which the closed form once gave every rank."""
+    from trainfit.trace.deepspeed import trace_deepspeed
+
+    spec = tiny_spec("llama", **WIDER)
+    s = Strategy(
+        precision="amp-bf16",
+        parallelism=Parallelism(data=w),
+        sharding=sharding,  # type: ignore[arg-type]
+        micro_batch=1,
+        seq_len=32,
+        engine=EngineOptions(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET),
+        offload=Offload.parse(offload),
+    )
+    closed = estimate_parallel(spec, s)
+    assert closed.ranks
+    for r in range(w):
+        traced = trace_deepspeed(spec, s, rank=r, extrapolate=False)
+        for a, t in zip(closed.rank(r).phases, traced.phases, strict=True):
+            assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (r, a.phase, a.total_bytes, t)
+
+
+def test_the_trace_takes_the_closed_forms_worst_rank() -> None:
+    """``--method trace`` traces the rank the closed form finds the worst (the last here: it holds the LM head's slice,
+    reduced as backward begins), at full depth, and says which."""
+    from trainfit.trace.deepspeed import trace_deepspeed
+
+    spec = tiny_spec("llama", **WIDER)
+    s = dataclasses.replace(
+        _strategy("zero2", 4, "amp-bf16", offload=Offload.parse("optimizer")), micro_batch=1, seq_len=32
+    )
+    closed = estimate_parallel(spec, s)
+    worst = max(closed.ranks, key=lambda e: e.peak_bytes).ranks[0]
+    assert worst != 0
+    traced = trace_deepspeed(spec, s)
+    assert any(n.startswith(f"rank {worst} of 4 (the closed form's worst") for n in traced.notes)
+    assert traced.peak_bytes == pytest.approx(closed.peak_bytes, rel=TOLERANCE)
+    with pytest.raises(StrategyError, match="not one of the 4 ranks"):
+        trace_deepspeed(spec, s, rank=4)
 
 
 @pytest.mark.parametrize(

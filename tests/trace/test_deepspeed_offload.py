@@ -150,11 +150,16 @@ def test_accumulating_zero2_offload_pins_a_copy_of_each_partition_gradient() -> 
         s = dataclasses.replace(
             _strategy("zero2", 4, "optimizer", "amp-bf16", accum), parallelism=Parallelism(data=4, gpus_per_node=4)
         )
-        traced = trace_deepspeed(spec, s, extrapolate=False)
+        # the node's four ranks, each traced (a trace reports its rank's host bytes times the ranks of a node); their
+        # partitions meet different parameters, whose pinned copies differ
+        ranks = [trace_deepspeed(spec, s, extrapolate=False, rank=r) for r in range(4)]
         closed = estimate_parallel(spec, s)
+        node = sum(max(p.host_bytes for p in t.phases) for t in ranks) / 4
+        assert max(p.host_bytes for p in closed.phases) == pytest.approx(node, abs=64 * 1024)
+        for r, traced in enumerate(ranks):
+            assert closed.rank(r).peak_bytes == pytest.approx(traced.peak_bytes, rel=0.01), r
+        traced = ranks[0]
         host = max(traced.phases, key=lambda p: p.host_bytes)
-        assert max(p.host_bytes for p in closed.phases) == pytest.approx(host.host_bytes, abs=64 * 1024)
-        assert closed.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.01)
         peaks[accum] = (traced.peak_bytes, host.host_components.get(Component.COMM_BUFFERS, 0))
     assert peaks[2][0] == peaks[1][0]  # the device: as without accumulation
     assert peaks[2][1] > peaks[1][1]  # the host: the pinned copies

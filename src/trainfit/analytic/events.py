@@ -68,6 +68,7 @@ __all__ = [
     "STEPS",
     "RankHooks",
     "Stream",
+    "early_model_grad",
     "forget_simulations",
     "memo_stoppable",
     "simulate_training",
@@ -136,9 +137,9 @@ def _bytes(numel: int, bits: int) -> int:
     return numel * bits // 8
 
 
-def _head_tensor(spec: ModelSpec, x: ParamTensor) -> bool:
+def early_model_grad(spec: ModelSpec, x: ParamTensor) -> bool:
     """Whether a model-level tensor's gradient appears with the head's backward (the LM head, or the token
-    table tied to it), not at the end of backward."""
+    table tied to it), not at the end of backward (the final norm's and an untied table's: the traced runs)."""
     if not spec.kind.has_vocab_logits:  # a classification head's own tensors (trainfit.arch.heads)
         return x.name.startswith(("score.", "classifier.", "pooler."))
     return x.name.startswith("lm_head") or (spec.tie_word_embeddings and x.name == "embed_tokens.weight")
@@ -239,7 +240,7 @@ class RankHooks:
     def early_grad(self, spec: ModelSpec, x: ParamTensor) -> bool:
         """Whether the model-level tensor ``x``'s gradient is made with the head's backward (passed to
         :meth:`head_backward_end`) rather than at the end of backward (``late`` in :meth:`backward_end`)."""
-        return _head_tensor(spec, x)
+        return early_model_grad(spec, x)
 
     def head_backward_end(self, s: Stream, grads: list[int]) -> list[int]:
         """After the final norm's backward: what replaces the early gradients (a [final norm, head] unit's

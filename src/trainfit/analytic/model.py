@@ -147,6 +147,8 @@ class MomentName(StrEnum):
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
     BACKWARD_TOP_RECOMPUTE = "backward-top-recompute"  # LLM.int8 MoE: inside the top layer's recomputed experts
     BACKWARD_BOTTOM_RECOMPUTE = "backward-bottom-recompute"  # LLM.int8 MoE: the same in the bottom layer
+    BACKWARD_MIDDLE_BLOCK = "backward-middle-block"  # ZeRO-1/2: inside the layer where a rank's gradient buffer is made
+    BACKWARD_REDUCTION = "backward-reduction"  # ZeRO-1/2: a reduction set off as a layer's backward begins
     BACKWARD_BOTTOM_BLOCK = "backward-bottom-block"  # inside the bottom block's (segment's) backward
     BACKWARD_TOP_SOFTMAX = "backward-top-softmax"  # inside the top block's softmax backward
     BACKWARD_BOTTOM_SOFTMAX = "backward-bottom-softmax"

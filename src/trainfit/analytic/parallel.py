@@ -1838,111 +1838,258 @@ def deepspeed_flatten_copies(contents: Sequence[tuple[int, int]], part: int, buc
     return [*copies, total] if count > 1 else copies
 
 
-def zero1_reduce_gradients(spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int) -> tuple[int, int]:
-    """ZeRO-1 without ``overlap_comm``, rank 0: (gradient bytes, the flush's copy) at the worst moment of the reduction
-    after backward (stage_1_and_2.py ``reduce_gradients`` → ``reduce_independent_p_g_buckets_and_remove_grads``, in
-    flat order: each gradient no larger than the bucket is copied into it and freed; a larger one is reduced in
-    place at the next flush and freed after it). Each flush first reduces the bucket, copying it when it spans a
-    partition edge (:func:`deepspeed_flatten_copies`, beside the gradients still live); the first flush that meets
-    the partition [0, part) then makes the buffer of the whole gradients it meets (``copy_grads_in_partition``),
-    held from then on. Gradients are counted with ``grad_bytes`` per element and the allocator's rounding per
-    tensor.
+def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> tuple[tuple[int, int, int], ...]:
+    """(flat offset, elements, backward position) of each parameter of :func:`deepspeed_flat_layout`, in flat order.
+    The backward position orders when autograd makes a gradient: 0 for the untied LM head's (made with the head's
+    backward), ``1 + (L − 1 − j)`` = ``L − j`` for layer ``j``'s, ``L + 1`` for the other model-level ones (the final
+    norm's and the token table's come at the end of backward, :func:`~trainfit.analytic.events.early_model_grad`; a
+    tied table's after autograd's sum, ``RankHooks.defers_tied_table``)."""
+    from trainfit.analytic.events import early_model_grad
+
+    n = spec.num_layers
+    out: list[tuple[int, int, int]] = []
+    offset = 0
+    for layer, t in deepspeed_flat_layout(spec, strategy):
+        model_level = 0 if early_model_grad(spec, t) and not t.name.startswith("embed") else n + 1
+        out.append((offset, t.numel, model_level if layer is None else n - layer))
+        offset += t.numel
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroRank:
+    """Stages 1–2: what data-parallel rank ``rank``'s partition ``[lo, lo + part)`` of the flat 16-bit buffer meets.
+    Every partition has the same size, but what a rank holds besides depends on where its edges fall: the gradient
+    buffer ``grads_in_partition`` holds whole every parameter the partition meets (stage_1_and_2.py
+    ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over ``params_in_partition``) and is made at the
+    first reduction of the IPG bucket that holds one of their gradients — near the start of backward for the rank of
+    the LM head, after it for rank 0's token table; the step's norm reads each slice in fp64
+    (``get_grad_norm_direct``) and flattens the slices (a view when there is one)."""
+
+    rank: int
+    lo: int
+    part: int
+    #: (flat offset, elements, elements inside the partition, the reduction that takes its gradient) of each parameter
+    #: the partition meets, in flat order (:func:`deepspeed_reductions`)
+    slices: tuple[tuple[int, int, int, int], ...]
+    padded: bool  # the partition runs past the flat buffer's end (the last rank's, zero-padded)
+    positions: tuple[int, ...]  # the backward position of each reduction (:func:`deepspeed_reductions`)
+
+    @property
+    def whole_numel(self) -> int:
+        """Elements of every parameter the partition meets (``grads_in_partition``'s size)."""
+        return sum(n for _, n, _, _ in self.slices)
+
+    @property
+    def largest_slice(self) -> int:
+        """Elements of the largest slice (the norm's fp64 copy, one slice at a time)."""
+        return max((k for _, _, k, _ in self.slices), default=0)
+
+    @property
+    def largest_owner(self) -> tuple[int, int]:
+        """(elements, the reduction that takes its gradient) of the parameter with the largest slice (the first of
+        equals)."""
+        if not self.slices:
+            return 0, 0
+        _, n, _, f = max(self.slices, key=lambda s: s[2])
+        return n, f
+
+    @property
+    def buffer_flush(self) -> int:
+        """The first reduction that copies a gradient of the partition's parameters (the one that makes
+        ``grads_in_partition``)."""
+        return min((f for _, _, _, f in self.slices), default=0)
+
+    @property
+    def buffer_at(self) -> int:
+        """The backward position of :attr:`buffer_flush`."""
+        return self.positions[self.buffer_flush] if self.positions else 0
+
+    @property
+    def step_copies(self) -> bool:
+        """Whether the step's ``self.flatten(self.averaged_gradients[i])`` (stage_1_and_2.py ``step``) makes a new
+        flat partition. ``_flatten_dense_tensors`` of one tensor returns a view of it
+        (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``: ``tensors.size() == 1``, no ``cat``): a
+        partition inside one parameter (a token table wider than it) copies nothing. ``get_flat_partition`` appends
+        a zero tensor for the padding of the last partition, which then always copies."""
+        return len(self.slices) + self.padded > 1
+
+
+def deepspeed_reductions(
+    spec: ModelSpec, bucket_numel: int, strategy: Strategy | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Stages 1–2 (stage 2, and stage 1 with ``overlap_comm``): (the reduction that takes each parameter's gradient,
+    in flat order; the backward position, :func:`deepspeed_made_order`, of each reduction, in the order they happen,
+    the epilogue's last). The hooks take gradients in the order
+    autograd makes them — the reverse of the flat order, layer by layer from the top, the token table last — into
+    the IPG bucket; one that would overflow it first reduces what it holds (stage_1_and_2.py
+    ``reduce_independent_p_g_buckets_and_remove_grads``), a gradient larger than the bucket waits for the next such
+    reduction; what is left goes in the epilogue after backward (position ``L + 2``). The order: by backward position,
+    each layer's gradients in reverse flat order, the late model-level ones in model order (the stream's,
+    ``events.synthesise``), a tied table's after them all (after autograd's sum)."""
+    order = deepspeed_made_order(spec, strategy)
+    n_layers = spec.num_layers
+    tied = spec.tie_word_embeddings
+
+    def when(i: int) -> tuple[int, int]:
+        made = order[i][2]
+        if made <= n_layers:
+            return made, -i
+        return made, len(order) if tied and i == 0 else i  # (a tied table is the flat buffer's first tensor)
+
+    flush = [0] * len(order)
+    positions: list[int] = []
+    contents: list[int] = []
+    elements = 0
+    for i in sorted(range(len(order)), key=when):
+        _, n, made = order[i]
+        if elements + n > bucket_numel:
+            for k in contents:
+                flush[k] = len(positions)
+            positions.append(made)
+            contents, elements = [], 0
+        contents.append(i)
+        elements += n
+    for k in contents:
+        flush[k] = len(positions)
+    positions.append(n_layers + 2)  # the epilogue's
+    return tuple(flush), tuple(positions)
+
+
+#: The ranks of recent (spec, strategy, partition, ranks, bucket): the closed form, the stream and the planner ask.
+_RANKS: Memo[tuple[ZeroRank, ...]] = Memo(256)
+
+
+def deepspeed_ranks(
+    spec: ModelSpec, part: int, dp: int, bucket_numel: int, strategy: Strategy | None = None
+) -> tuple[ZeroRank, ...]:
+    """:class:`ZeroRank` of each of the ``dp`` ranks (flat order :func:`deepspeed_made_order`; fine-tuning with
+    ``strategy``: the trainable tensors only, the optimizer's), memoized."""
+    layout = strategy if strategy is not None and finetuning(strategy) else None  # (the full model's: any strategy)
+    return _RANKS.get(
+        (spec_key(spec), layout, part, dp, bucket_numel), lambda: _deepspeed_ranks(spec, part, dp, bucket_numel, layout)
+    )
+
+
+def _deepspeed_ranks(
+    spec: ModelSpec, part: int, dp: int, bucket_numel: int, strategy: Strategy | None
+) -> tuple[ZeroRank, ...]:
+    order = deepspeed_made_order(spec, strategy)
+    flush, positions = deepspeed_reductions(spec, bucket_numel, strategy)
+    total = sum(n for _, n, _ in order)
+    out: list[ZeroRank] = []
+    i = 0  # the first parameter that ends after the current rank's start
+    for rank in range(dp):
+        lo, hi = rank * part, (rank + 1) * part
+        while i < len(order) and order[i][0] + order[i][1] <= lo:
+            i += 1
+        slices: list[tuple[int, int, int, int]] = []
+        j = i
+        while j < len(order) and order[j][0] < hi:
+            off, n, _ = order[j]
+            slices.append((off, n, min(off + n, hi) - max(off, lo), flush[j]))
+            j += 1
+        out.append(ZeroRank(rank=rank, lo=lo, part=part, slices=tuple(slices), padded=hi > total, positions=positions))
+    return tuple(out)
+
+
+def deepspeed_rank(
+    spec: ModelSpec, part: int, bucket_numel: int, rank: int = 0, strategy: Strategy | None = None
+) -> ZeroRank:
+    """One rank's :class:`ZeroRank` (:func:`deepspeed_ranks`)."""
+    return deepspeed_ranks(spec, part, rank + 1, bucket_numel, strategy)[rank]
+
+
+#: ZeRO-1's flushes of recent (spec, partition, bucket, gradient bytes).
+_FLUSHES: Memo[tuple[tuple[int, int, int, int], ...]] = Memo(64)
+
+
+def _zero1_flushes(
+    spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """(first flat offset, end offset, gradient bytes live, the largest copy) of each flush of ZeRO-1's reduction
+    (:func:`zero1_reduce_gradients`), the gradients still live counted before the flush frees the large ones."""
+
+    def compute() -> tuple[tuple[int, int, int, int], ...]:
+        tensors = list(_flat_order(spec))
+        live = sum(allocator_bytes(t.numel * grad_bytes) for t in tensors)
+        out: list[tuple[int, int, int, int]] = []
+        contents: list[tuple[int, int]] = []
+        pending: list[int] = []
+        elements = offset = 0
+
+        def flush() -> None:
+            nonlocal live, contents, pending, elements
+            copies = deepspeed_flatten_copies(contents, part, bucket_numel)
+            copy = max((allocator_bytes(n * grad_bytes) for n in copies), default=0)
+            start, end = (contents[0][0], sum(contents[-1])) if contents else (0, 0)
+            out.append((start, end, live, copy))
+            live -= sum(pending)
+            contents, pending, elements = [], [], 0
+
+        for t in tensors:
+            if elements + t.numel > bucket_numel:
+                flush()
+            size = allocator_bytes(t.numel * grad_bytes)
+            if t.numel <= bucket_numel:
+                live -= size
+            else:
+                pending.append(size)
+            contents.append((offset, t.numel))
+            elements += t.numel
+            offset += t.numel
+        flush()  # the epilogue's (``overlapping_partition_gradients_reduce_epilogue``)
+        return tuple(out)
+
+    return _FLUSHES.get((spec_key(spec), part, bucket_numel, grad_bytes), compute)
+
+
+def zero1_reduce_gradients(
+    spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int, zr: ZeroRank | None = None
+) -> tuple[int, int]:
+    """ZeRO-1 without ``overlap_comm``, rank ``zr`` (None: rank 0): (gradient bytes, the flush's copy) at the worst
+    moment of the reduction after backward (stage_1_and_2.py ``reduce_gradients`` →
+    ``reduce_independent_p_g_buckets_and_remove_grads``, in flat order: each gradient no larger than the bucket is
+    copied into it and freed; a larger one is reduced in place at the next flush and freed after it). Each flush first
+    reduces the bucket, copying it when it spans a partition edge (:func:`deepspeed_flatten_copies`, beside the
+    gradients still live); the first flush that meets the rank's partition then makes the buffer of the whole
+    gradients it meets (``copy_grads_in_partition``), held from then on. Gradients are counted with ``grad_bytes``
+    per element and the allocator's rounding per tensor.
     """
-    whole, _ = deepspeed_rank0_gradients(spec, part)
-    buffer = allocator_bytes(whole * grad_bytes)
-    tensors = list(_flat_order(spec))
-    live = sum(allocator_bytes(t.numel * grad_bytes) for t in tensors)
+    zr = zr if zr is not None else deepspeed_rank(spec, part, bucket_numel)
+    lo, hi = zr.lo, zr.lo + part
+    buffer = allocator_bytes(zr.whole_numel * grad_bytes)
     worst = (0, 0)
     made = False
-    contents: list[tuple[int, int]] = []
-    pending: list[int] = []
-    elements = in_part = offset = 0
-
-    def flush() -> None:
-        nonlocal worst, made, live, contents, pending, elements, in_part
-        copies = deepspeed_flatten_copies(contents, part, bucket_numel)
-        copy = max((allocator_bytes(n * grad_bytes) for n in copies), default=0)
-        held = live + (buffer if made else 0)
-        worst = max(worst, (held, copy), key=sum)
-        if in_part and not made:
+    for start, end, live, copy in _zero1_flushes(spec, part, bucket_numel, grad_bytes):
+        worst = max(worst, (live + (buffer if made else 0), copy), key=sum)
+        if not made and start < hi and end > lo:
             made = True
             worst = max(worst, (live + buffer, 0), key=sum)
-        live -= sum(pending)
-        contents, pending, elements, in_part = [], [], 0, 0
-
-    for t in tensors:
-        if elements + t.numel > bucket_numel:
-            flush()
-        size = allocator_bytes(t.numel * grad_bytes)
-        if t.numel <= bucket_numel:
-            live -= size
-        else:
-            pending.append(size)
-        contents.append((offset, t.numel))
-        elements += t.numel
-        if offset < part:
-            in_part += t.numel
-        offset += t.numel
-    flush()  # the epilogue's (``overlapping_partition_gradients_reduce_epilogue``)
     return worst
 
 
-def _rank0_slices(spec: ModelSpec, part: int, strategy: Strategy | None = None) -> list[tuple[int, int]]:
-    """Stages 1–2, rank 0: (elements, elements inside the partition [0, part)) of each parameter the partition meets,
-    in flat-buffer order (:func:`_flat_order`; fine-tuning with ``strategy``: the trainable ones')."""
-    out: list[tuple[int, int]] = []
-    offset = 0
-    for t in _flat_order(spec, strategy):
-        if offset >= part:
-            break
-        out.append((t.numel, min(offset + t.numel, part) - offset))
-        offset += t.numel
-    return out
+def zero1_offload_reduce(
+    spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int, zr: ZeroRank
+) -> tuple[int, int]:
+    """ZeRO-1 without ``overlap_comm`` under ZeRO-Offload, rank ``zr``: (gradient bytes still live, the fp64 copy) at
+    the worst slice's copy to the host. The reduction after backward walks the gradients in flat order as
+    :func:`zero1_reduce_gradients` does, each flush copying the partition's slices of the bucket's gradients one by
+    one, its norm in fp64 first (stage_1_and_2.py ``copy_grads_in_partition`` → ``set_norm_for_param_grad_in_gpu``):
+    a slice late in the flat order meets fewer gradients still live (the last rank's LM head: the traced engine)."""
+    flushes = _zero1_flushes(spec, part, bucket_numel, grad_bytes)
+    best = (0, 0)
+    for off, _, inside, _ in zr.slices:
+        live = next((lv for start, end, lv, _ in flushes if start <= off < end), flushes[-1][2] if flushes else 0)
+        best = max(best, (live, allocator_bytes(8 * inside)), key=sum)
+    return best
 
 
-def deepspeed_rank0_gradients(spec: ModelSpec, part: int, strategy: Strategy | None = None) -> tuple[int, int]:
-    """Stages 1–2, rank 0: (elements of every parameter whose slice of the flat buffer meets the rank's
-    partition [0, part), the largest such slice). Parameters are flattened in ``model.parameters()`` order
-    (embeddings, the layers, the final norm and head; fine-tuning with ``strategy``: the trainable ones only);
-    ``grads_in_partition`` holds each meeting parameter's gradient whole (stage_1_and_2.py
-    ``copy_grads_in_partition``: ``total_size`` sums ``numel()`` over ``params_in_partition``), and the step's norm
-    reads each slice of ``averaged_gradients`` cast to fp64 (``get_grad_norm_direct``:
-    ``g.data.to(get_norm_dtype())``)."""
-    slices = _rank0_slices(spec, part, strategy)
-    return sum(n for n, _ in slices), max((k for _, k in slices), default=0)
-
-
-def deepspeed_step_copies_partition(spec: ModelSpec, part: int, dp: int, strategy: Strategy | None = None) -> bool:
-    """Stages 1–2, rank 0: whether the step's ``self.flatten(self.averaged_gradients[i])`` (stage_1_and_2.py
-    ``step``) makes a new flat gradient partition. ``_flatten_dense_tensors`` of one tensor returns a view of it
-    (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``: ``tensors.size() == 1``, no ``cat``): when the
-    partition lies inside one parameter (a token table wider than the partition) nothing is copied. The last
-    partition (rank 0 when ``dp`` is 1) goes through ``flatten_dense_tensors_aligned``, which pads: taken as a
-    copy."""
-    return dp == 1 or len(_rank0_slices(spec, part, strategy)) > 1
-
-
-def deepspeed_large_outside(
-    spec: ModelSpec, part: int, bucket_numel: int, grad_bytes: int, strategy: Strategy | None = None
-) -> int:
-    """Stages 1–2, rank 0: allocator bytes of the gradients of parameters larger than the bucket
-    (``extra_large_param_to_reduce``) that lie wholly outside the partition [0, part) of the flat buffer."""
-    out, offset = 0, 0
-    for t in _flat_order(spec, strategy):
-        if offset >= part and t.numel > bucket_numel:
-            out += allocator_bytes(t.numel * grad_bytes)
-        offset += t.numel
-    return out
-
-
-def _largest_slice_owner(spec: ModelSpec, part: int) -> int:
-    """Stages 1–2, rank 0: the elements of the parameter whose slice of the partition is the largest (the first of
-    equals), :func:`deepspeed_rank0_gradients`' ``largest``."""
-    slices = _rank0_slices(spec, part)
-    return max(slices, key=lambda nk: nk[1])[0] if slices else 0
-
-
-def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
+def _deepspeed(
+    spec: ModelSpec, strategy: Strategy, p: ParallelPlan
+) -> tuple[tuple[PhaseBreakdown, ...], list[str], tuple[RankMemory, ...], ZeroRank | None]:
+    """(the worst rank's phases, notes, each distinct rank's phases when they differ, the worst rank of stages 1–2:
+    None at stage 3, whose ranks hold the same)."""
     fp32 = strategy.recipe.compute_bits == 32
     cs = compute_strategy(strategy)
     q = step_inputs(spec, cs, keep_logits=False)
@@ -1979,25 +2126,11 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
         weights_step = allocator_bytes(zp.stage3_part_numel * pb)
     bucket = allocator_bytes(eo.reduce_bucket_size * pb)
     overlap = _overlap(strategy)
-    grad_part = allocator_bytes(part * pb)
     fp32_grad = 0 if fp32 else allocator_bytes(part * 4)  # the step's fp32 gradient partition
-    if stage < 3:
-        # Rank 0 (the trace's): the gradients of the parameters its partition meets, whole; the step first
-        # takes the norm of each slice in fp64, then flattens the slices (``self.flatten``) and casts the
-        # flat partition to fp32 (stage_1_and_2.py ``DeepSpeedZeroOptimizer.step``). Fine-tuning: over the
-        # trainable tensors, the optimizer's and so the flat groups' only ones (the traced engine with real PEFT
-        # adapters or --freeze, tests/trace/test_deepspeed.py; the step kept only the cast before: −5.7%).
-        whole_numel, largest_slice = deepspeed_rank0_gradients(spec, part, strategy)
-        grad_part = allocator_bytes(whole_numel * pb)
-        flat = allocator_bytes(part * pb) if deepspeed_step_copies_partition(spec, part, p.dp, strategy) else 0
-        step_temp = max(allocator_bytes(8 * largest_slice), flat + fp32_grad)
-    else:
-        # The gradient partition flattened, then cast to fp32 (stage3.py ``_prepare_fp32_grad_for_sub_group``:
-        # ``self.flatten(self.averaged_gradients[i]).to(fp32)``).
-        step_temp = allocator_bytes(part * pb) + fp32_grad
-    zero1_reduced: tuple[int, int] | None = None  # (gradients, the flush's copy) at the reduction's worst moment
-    if stage == 1 and not overlap and not off_opt and not finetuning(strategy):
-        zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb)
+    # Stage 3: the gradient partition flattened, then cast to fp32 (stage3.py ``_prepare_fp32_grad_for_sub_group``:
+    # ``self.flatten(self.averaged_gradients[i]).to(fp32)``); stages 1–2: per rank (``rank_phases``)
+    step_temp = allocator_bytes(part * pb) + fp32_grad
+    zero1_path = stage == 1 and not overlap and not off_opt and not finetuning(strategy)
     fetch = None
     if stage == 3:  # the gathered parameters, replaying DeepSpeed's parameter coordinator (analytic/zero3.py)
         fetch = gathered_bytes(spec, strategy, p.dp, pb)
@@ -2032,97 +2165,230 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
     # larger than the bucket, of a parameter outside the rank's partition, keeps its own storage from its reduction
     # to the epilogue's ``_clear_param_grad_only`` — the untied LM head's, made first, through the whole backward
     # (the traced engine with overlap_comm: −12% without it on a one-row cell)
-    kept_outside = deepspeed_large_outside(spec, part, eo.reduce_bucket_size, pb, strategy) if stage == 1 else 0
-    if offload_reduce:
-        owner = _largest_slice_owner(spec, part)
-        reduce_temp = allocator_bytes(8 * deepspeed_rank0_gradients(spec, part)[1])
-        reduce_grad = allocator_bytes(owner * pb) if owner > eo.reduce_bucket_size else 0
+    n_layers = spec.num_layers
+    backward = {m.name: m for m in _moments(q)[Phase.BACKWARD]}
 
-    def adjust(m: Moment) -> dict[Component, int]:
-        c = _single(m)
-        c[Component.AUTOCAST_COPIES] = 0
-        c[Component.ADAPTER_WEIGHTS] = 0  # cast to 16 bits with the rest, in the flat groups (WEIGHTS)
-        c[Component.WEIGHTS] = whole_on_device if off_par else weights
-        c[Component.MASTER_WEIGHTS] = 0 if off_opt else allocator_bytes(master)
-        c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
-        frac = min(1.0, m.gradients / g_full)
-        comm = unsharded = 0
-        # Stage 1 with overlap_comm: its hooks reduce as stage 2's at the boundary (``process_gradients`` →
-        # ``reduce_ready_partitions_and_remove_grads``), with ZeRO-Offload too (the traced engine, a tied one-row cell
-        # with two accumulation steps: this path kept every gradient whole beside the table's fp64 copy, +9.7%)
-        if stage == 1 and not overlap:
-            grads = int(allocator_bytes(total * pb) * frac)
-            if off_opt:
-                # The hooks make the IPG bucket at the first gradient here too (``process_gradients`` →
-                # ``setup_buckets``: reduce_bucket_size elements, whatever the model's size — DeepSpeed's default
-                # 5e8 is 954 MiB in 16 bits), freed at the end of backward; the reduction adds its flattened allreduce
-                # bucket (``buffered_reduce_fallback``: the gradients ``flatten``ed, at most reduce_bucket_size)
-                if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+    def made_by(m: Moment, middle: int) -> int:
+        """The backward position (:func:`deepspeed_made_order`) whose gradients exist at ``m`` (``middle``: the
+        position of :data:`MomentName.BACKWARD_MIDDLE_BLOCK`'s layer; an entry moment's, :func:`layer_moment`: the
+        ``entry`` map's); −1 before backward makes any."""
+        return {
+            MomentName.BACKWARD_FINAL_NORM: 0,
+            MomentName.BACKWARD_TOP_BLOCK: 1,
+            MomentName.BACKWARD_TOP_SOFTMAX: 1,
+            MomentName.BACKWARD_TOP_RECOMPUTE: 1,
+            MomentName.BACKWARD_MIDDLE_BLOCK: middle,
+            MomentName.BACKWARD_BOTTOM_BLOCK: n_layers,
+            MomentName.BACKWARD_BOTTOM_SOFTMAX: n_layers,
+            MomentName.BACKWARD_BOTTOM_RECOMPUTE: n_layers,
+            MomentName.BACKWARD_EMBEDDING: n_layers + 1,
+            MomentName.BACKWARD_REDUCE: n_layers + 2,
+            MomentName.OPTIMIZER_STEP: n_layers + 2,
+        }.get(m.name, -1)
+
+    def layer_moment(made: int, *, entry: bool) -> Moment | None:
+        """The backward of the layer at backward position ``made`` (1 … L): inside it (``entry`` False; only for a
+        layer neither the top nor the bottom one, whose moments exist) or as it begins (``entry``: every tensor it
+        saved still there, none of its transients — where a reduction its first gradients set off falls; the stream
+        makes a layer's gradients before its transients, rank_events). A middle layer's activations, copies and
+        transients lie between the top and bottom blocks' by the layers still saved below it (uniform layers)."""
+        top, bottom = backward.get(MomentName.BACKWARD_TOP_BLOCK), backward.get(MomentName.BACKWARD_BOTTOM_BLOCK)
+        if not 1 <= made <= n_layers or top is None or bottom is None or (not entry and made in (1, n_layers)):
+            return None
+        below = n_layers - made  # the layer's index: layers 0..below-1 still hold what they saved
+
+        def at(a: int, b: int) -> int:
+            return b + (a - b) * below // max(1, n_layers - 1)
+
+        return dataclasses.replace(
+            top,
+            name=MomentName.BACKWARD_REDUCTION if entry else MomentName.BACKWARD_MIDDLE_BLOCK,
+            gradients=at(top.gradients, bottom.gradients),
+            activations=at(top.activations, bottom.activations),
+            autocast_copies=at(top.autocast_copies, bottom.autocast_copies),
+            temporaries=0 if entry else at(top.temporaries, bottom.temporaries),
+        )
+
+    # Stages 1–2: gradients that stay outside the IPG bucket for a while. A tied table's: autograd keeps the head's
+    # in the table's input buffer until the embedding's is added to it (states.tied_gradient_sum), and the hooks take
+    # the sum only then (RankHooks.defers_tied_table). A parameter larger than the bucket keeps its own gradient until
+    # the next reduction (``extra_large_param_to_reduce``); stage 1's hooks clear nothing, so one outside the
+    # partition stays to the epilogue (``_clear_param_grad_only``), and under ZeRO-Offload one inside it is cloned and
+    # kept too (``_offload_gradient_safety_enabled``; rank_events.Zero2Hooks).
+    order = deepspeed_made_order(spec, strategy) if stage < 3 else ()
+    flush_of, positions = deepspeed_reductions(spec, eo.reduce_bucket_size, strategy) if stage < 3 else ((), ())
+    large = [(off, n, made, f) for (off, n, made), f in zip(order, flush_of, strict=True) if n > eo.reduce_bucket_size]
+    tied_grad = q.grad_head if stage < 3 and tied_gradient_sum(spec, cs) is not None else 0
+
+    def held(zr: ZeroRank, at: int, *, flush: int | None, clones: bool = True) -> int:
+        """Those of rank ``zr`` alive at backward position ``at`` (:func:`deepspeed_made_order`): at reduction
+        ``flush`` (the gradients it takes still there), or (None) after every reduction the gradients made there set
+        off — inside a layer's backward; elsewhere (the final norm's, the embedding's, after backward) counted as
+        still there; ``clones``: with the offload clones made there."""
+        out = tied_grad if 0 <= at <= n_layers + 1 else 0
+        lo, hi = zr.lo, zr.lo + part
+        for off, n, made, f in large:
+            if at < (n_layers + 2 if tied_grad and made == n_layers + 1 else made):  # (the tied sum: counted above)
+                continue
+            inside = off < hi and off + n > lo
+            if flush is not None:
+                alive = f >= flush
+            else:
+                alive = positions[f] > at or (positions[f] == at and not 1 <= at <= n_layers)
+            if (off_opt and inside) or (stage == 1 and not inside) or alive:
+                out += allocator_bytes(n * pb)
+            if off_opt and clones and flush is None and at == made:  # the offload clone, beside autograd's gradient
+                out += allocator_bytes(n * pb)
+        return out
+
+    def rank_phases(zr: ZeroRank | None) -> tuple[PhaseBreakdown, ...]:
+        """The phases of rank ``zr`` (stages 1–2; None: stage 3's, every rank's)."""
+        grad_part = allocator_bytes(part * pb)
+        step_tmp = step_temp
+        zero1_reduced: tuple[int, int] | None = None  # (gradients, the flush's copy) at the reduction's worst moment
+        first = middle = owner_flush = -1
+        reduce_temp = reduce_live = 0
+        entry: dict[int, int] = {}  # id of an entry moment (layer_moment) → the reduction it stands for
+        if zr is not None:
+            # The gradients of the parameters the rank's partition meets, whole, from the first reduction that copies
+            # one of them; the step first takes the norm of each slice in fp64, then flattens the slices
+            # (``self.flatten``) and casts the flat partition to fp32 (stage_1_and_2.py ``DeepSpeedZeroOptimizer.
+            # step``). Fine-tuning: over the trainable tensors, the optimizer's and so the flat groups' only ones (the
+            # traced engine with real PEFT adapters or --freeze, tests/trace/test_deepspeed.py; the step kept only
+            # the cast before: −5.7%).
+            grad_part = allocator_bytes(zr.whole_numel * pb)
+            flat = allocator_bytes(part * pb) if zr.step_copies else 0
+            step_tmp = max(allocator_bytes(8 * zr.largest_slice), flat + fp32_grad)
+            first = middle = zr.buffer_at
+            if zero1_path:
+                zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb, zr)
+            if offload_reduce and stage == 1 and not overlap:
+                # after backward, in flat order: the worst slice's fp64 copy beside the gradients not yet reduced
+                reduce_live, reduce_temp = zero1_offload_reduce(spec, part, eo.reduce_bucket_size, pb, zr)
+            elif offload_reduce:
+                # the reduction that copies the largest slice: set off by a gradient of a layer as its backward
+                # begins (an entry moment), or by a late one, or after backward
+                owner_flush = zr.largest_owner[1]
+                reduce_temp = allocator_bytes(8 * zr.largest_slice)
+        extra_rank: list[Moment] = []
+        if zr is not None:
+            for f in sorted({zr.buffer_flush, owner_flush, *(f for *_, f in large)} - {-1}):
+                if (m := layer_moment(positions[f], entry=True)) is not None:
+                    entry[id(m)] = f
+                    extra_rank.append(m)
+            if (m := layer_moment(first, entry=False)) is not None:
+                extra_rank.append(m)
+
+        def adjust(m: Moment) -> dict[Component, int]:
+            f = entry.get(id(m))
+            return _adjust(m, made_by(m, middle) if f is None else positions[f], f)
+
+        def _adjust(m: Moment, made: int, flush: int | None) -> dict[Component, int]:
+            """``m`` at backward position ``made``; ``flush``: an entry moment's reduction."""
+            c = _single(m)
+            c[Component.AUTOCAST_COPIES] = 0
+            c[Component.ADAPTER_WEIGHTS] = 0  # cast to 16 bits with the rest, in the flat groups (WEIGHTS)
+            c[Component.WEIGHTS] = whole_on_device if off_par else weights
+            c[Component.MASTER_WEIGHTS] = 0 if off_opt else allocator_bytes(master)
+            c[Component.OPTIMIZER_STATES] = 0 if off_opt else allocator_bytes(optim)
+            frac = min(1.0, m.gradients / g_full)
+            comm = unsharded = 0
+            kept = held(zr, made, flush=flush, clones=flush is None) if zr is not None and made >= 0 else 0
+            # Stage 1 with overlap_comm: its hooks reduce as stage 2's at the boundary (``process_gradients`` →
+            # ``reduce_ready_partitions_and_remove_grads``), with ZeRO-Offload too (the traced engine, a tied one-row
+            # cell with two accumulation steps: this path kept every gradient whole beside the table's fp64 copy,
+            # +9.7%)
+            if stage == 1 and not overlap:
+                grads = int(allocator_bytes(total * pb) * frac)
+                if off_opt:
+                    # The hooks make the IPG bucket at the first gradient here too (``process_gradients`` →
+                    # ``setup_buckets``: reduce_bucket_size elements, whatever the model's size — DeepSpeed's
+                    # default 5e8 is 954 MiB in 16 bits), freed at the end of backward; the reduction adds its
+                    # flattened allreduce bucket (``buffered_reduce_fallback``: the gradients ``flatten``ed, at most
+                    # reduce_bucket_size)
+                    if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+                        comm = bucket
+                    if m.name is MomentName.BACKWARD_EMBEDDING:
+                        comm = bucket + allocator_bytes(min(total, eo.reduce_bucket_size) * pb)
+                elif m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+                    # Autograd's gradients stay whole through backward; the gradient hooks only make the bucket,
+                    # at the first parameter gradient (``process_gradients`` → ``setup_buckets``: reduce_bucket_size
+                    # elements whatever the model's size), freed after the reduction (``_release_ipg_buffers``).
                     comm = bucket
-                if m.name is MomentName.BACKWARD_EMBEDDING:
-                    comm = bucket + allocator_bytes(min(total, eo.reduce_bucket_size) * pb)
-            elif m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
-                # Autograd's gradients stay whole through backward; the gradient hooks only make the bucket,
-                # at the first parameter gradient (``process_gradients`` → ``setup_buckets``: reduce_bucket_size
-                # elements whatever the model's size), freed after the reduction (``_release_ipg_buffers``).
-                comm = bucket
-                if m.name is MomentName.BACKWARD_REDUCE and zero1_reduced is not None:
-                    grads = zero1_reduced[0]
-                    c[Component.TEMPORARIES] = zero1_reduced[1]
-        else:  # stage 2, and stage 1 with overlap_comm (whose hooks reduce as stage 2's do: ``process_gradients``)
-            grads = 0 if off_opt else int(grad_part * frac)
-            # The bucket is made at the first parameter gradient (``process_gradients`` → ``setup_buckets``),
-            # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
-            if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
-                comm = bucket * (2 if overlap and stage < 3 else 1)
-                grads += kept_outside
-        if offload_reduce and m.name is MomentName.BACKWARD_REDUCE:
-            c[Component.TEMPORARIES] = reduce_temp
-            # stage 1 reduces after backward (``reduce_gradients``), autograd's gradients all still whole (with
-            # overlap_comm its hooks reduce as stage 2's)
-            grads = allocator_bytes(total * pb) if stage == 1 and not overlap else reduce_grad + kept_outside
-            comm = bucket * (2 if overlap and stage == 2 else 1)
-        if zero1_accumulating and m.phase is not Phase.OPTIMIZER_STEP and m.name is not MomentName.BACKWARD_REDUCE:
-            grads = allocator_bytes(total * pb)
-            comm = bucket * (2 if overlap else 1)
-        if stage == 3:
-            comm = bucket  # persistent __ipg_bucket_flat_buffer
-            # The gradient partition is one buffer made at init (stage3.py ``_setup_for_real_optimizer``:
-            # ``grad_partitions_flat_buffer``), held through the step.
-            grads = 0 if off_opt else grad_part
-            if m.phase is not Phase.OPTIMIZER_STEP and fetch is not None:
-                unsharded = fetch.at.get(m.name, fetch.peak_bytes)
-        if m.phase is Phase.OPTIMIZER_STEP:
-            # Stage 1 too keeps only its partition's gradients after backward: at the accumulation boundary
-            # ``reduce_gradients`` reduces every gradient and copies the partition's into
-            # ``grads_in_partition`` (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``).
-            grads = 0 if off_opt else grad_part
-            c[Component.TEMPORARIES] = 0 if off_opt else step_temp
-            if stage == 3 and not off_opt and weights_step + step_temp > weights:
-                # (offloaded, the device's step is the copy back of the partition: its peak is at the start,
-                # the persistent parameters still whole; so it is when the persistent ones outweigh the step's own
-                # temporaries — LoRA, whose adapters' gradient partition is small, the traced engine)
-                c[Component.WEIGHTS] = weights_step
-            elif stage == 3 and not off_opt:
-                c[Component.TEMPORARIES] = 0
-            if client_temp and not off_opt:
-                # inside the client optimizer's step: the fp32 gradient of the partition and the optimizer's own
-                # temporaries over it; stages 1–2 have freed the 16-bit gradients (``free_grad_in_param_list``),
-                # stage 3 its flattened copy (its gradient partition is a persistent buffer), the persistent
-                # parameters partitioned
-                inside = {
-                    Component.GRADIENTS: grad_part if stage == 3 else 0,
-                    Component.TEMPORARIES: allocator_bytes(part * 4) + client_temp,
-                    Component.WEIGHTS: weights_step if stage == 3 else c[Component.WEIGHTS],
-                }
-                now = {k: grads if k is Component.GRADIENTS else c[k] for k in inside}
-                if sum(inside.values()) > sum(now.values()):
-                    grads = inside.pop(Component.GRADIENTS)
-                    c.update(inside)
-        c[Component.GRADIENTS] = grads
-        c[Component.COMM_BUFFERS] = comm + off_staging
-        c[Component.UNSHARDED_PARAMS] = unsharded
-        return c
+                    if m.name is MomentName.BACKWARD_REDUCE and zero1_reduced is not None:
+                        grads = zero1_reduced[0]
+                        c[Component.TEMPORARIES] = zero1_reduced[1]
+            else:  # stage 2, and stage 1 with overlap_comm (whose hooks reduce as stage 2's do: ``process_gradients``)
+                # ``grads_in_partition`` from the first reduction that copies a gradient of the partition's parameters:
+                # once backward has reached that reduction (under accumulation, from the first micro-step on: the
+                # moments are a later micro-step's, autograd's gradients resident)
+                # (a reduction the token table's gradient sets off comes after autograd's sum of a tied one)
+                there = made > first or (made == first and first <= n_layers)
+                if flush is not None and zr is not None:  # as the reduction ``flush`` runs
+                    there = zr.buffer_flush <= flush
+                grads = 0 if off_opt or not (q.grads_resident or there) else grad_part
+                # The bucket is made at the first parameter gradient (``process_gradients`` → ``setup_buckets``),
+                # after the loss's backward, and released at the end of backward (``_release_ipg_buffers``).
+                if m.phase is Phase.BACKWARD and m.name is not MomentName.BACKWARD_START:
+                    comm = bucket * (2 if overlap and stage < 3 else 1)
+                    grads += kept
+            if stage == 1 and not overlap:
+                at_reduction = m.name is MomentName.BACKWARD_REDUCE
+            elif owner_flush >= 0 and made == positions[owner_flush]:
+                at_reduction = flush == owner_flush or (flush is None and not 1 <= made <= n_layers)
+            else:
+                at_reduction = False
+            if offload_reduce and zr is not None and m.phase is Phase.BACKWARD and at_reduction:
+                c[Component.TEMPORARIES] = reduce_temp
+                # stage 1 reduces after backward (``reduce_gradients``), autograd's gradients not yet reduced still
+                # whole (with overlap_comm its hooks reduce as stage 2's)
+                after = stage == 1 and not overlap
+                grads = reduce_live if after else held(zr, made, flush=owner_flush, clones=False)
+                comm = bucket * (2 if overlap and stage == 2 else 1)
+            reducing = (offload_reduce and at_reduction) or m.name is MomentName.BACKWARD_REDUCE  # (the boundary's)
+            if zero1_accumulating and m.phase is not Phase.OPTIMIZER_STEP and not reducing:
+                grads = allocator_bytes(total * pb)
+                comm = bucket * (2 if overlap else 1)
+            if stage == 3:
+                comm = bucket  # persistent __ipg_bucket_flat_buffer
+                # The gradient partition is one buffer made at init (stage3.py ``_setup_for_real_optimizer``:
+                # ``grad_partitions_flat_buffer``), held through the step.
+                grads = 0 if off_opt else grad_part
+                if m.phase is not Phase.OPTIMIZER_STEP and fetch is not None:
+                    unsharded = fetch.at.get(m.name, fetch.peak_bytes)
+            if m.phase is Phase.OPTIMIZER_STEP:
+                # Stage 1 too keeps only its partition's gradients after backward: at the accumulation boundary
+                # ``reduce_gradients`` reduces every gradient and copies the partition's into
+                # ``grads_in_partition`` (stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads``).
+                grads = 0 if off_opt else grad_part
+                c[Component.TEMPORARIES] = 0 if off_opt else step_tmp
+                if stage == 3 and not off_opt and weights_step + step_temp > weights:
+                    # (offloaded, the device's step is the copy back of the partition: its peak is at the start,
+                    # the persistent parameters still whole; so it is when the persistent ones outweigh the step's own
+                    # temporaries — LoRA, whose adapters' gradient partition is small, the traced engine)
+                    c[Component.WEIGHTS] = weights_step
+                elif stage == 3 and not off_opt:
+                    c[Component.TEMPORARIES] = 0
+                if client_temp and not off_opt:
+                    # inside the client optimizer's step: the fp32 gradient of the partition and the optimizer's own
+                    # temporaries over it; stages 1–2 have freed the 16-bit gradients (``free_grad_in_param_list``),
+                    # stage 3 its flattened copy (its gradient partition is a persistent buffer), the persistent
+                    # parameters partitioned
+                    inside = {
+                        Component.GRADIENTS: grad_part if stage == 3 else 0,
+                        Component.TEMPORARIES: allocator_bytes(part * 4) + client_temp,
+                        Component.WEIGHTS: weights_step if stage == 3 else c[Component.WEIGHTS],
+                    }
+                    now = {k: grads if k is Component.GRADIENTS else c[k] for k in inside}
+                    if sum(inside.values()) > sum(now.values()):
+                        grads = inside.pop(Component.GRADIENTS)
+                        c.update(inside)
+            c[Component.GRADIENTS] = grads
+            c[Component.COMM_BUFFERS] = comm + off_staging
+            c[Component.UNSHARDED_PARAMS] = unsharded
+            return c
+
+        return _worst(q, adjust, host, [*extra, *extra_rank])
 
     host: dict[Component, int] = {}
     if off_opt:
@@ -2137,8 +2403,12 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             # (stage_1_and_2.py ``param_buffer_of_bit16_for_cpu_offload_groups``, ``temp_grad_buffer_for_cpu_offload``);
             # under accumulation also a pinned 16-bit copy of each partition parameter's whole gradient, which the
             # micro-steps add into (``async_accumulate_grad_in_cpu_via_gpu``: ``accumulated_grads_in_cpu``).
-            accumulated = deepspeed_rank0_gradients(spec, part)[0] if strategy.grad_accum > 1 else 0
-            host[Component.COMM_BUFFERS] = (part + largest + accumulated) * pb * per_node
+            # The heaviest node's ranks.
+            accumulated = 0
+            if strategy.grad_accum > 1:
+                wholes = [zr.whole_numel for zr in deepspeed_ranks(spec, part, p.dp, eo.reduce_bucket_size, strategy)]
+                accumulated = max(sum(wholes[i : i + per_node]) for i in range(0, len(wholes), per_node))
+            host[Component.COMM_BUFFERS] = (part + largest) * pb * per_node + accumulated * pb
         else:
             # Stage 3 moves its 16-bit gradient partition to the host too, besides the fp32 one (stage3.py
             # ``_setup_for_real_optimizer``: ``grad_partitions_flat_buffer`` on ``self.device``, pinned).
@@ -2178,12 +2448,32 @@ def _deepspeed(spec: ModelSpec, strategy: Strategy, p: ParallelPlan) -> tuple[tu
             f"{fmt_gib(allocator_bytes(inv.total * pb))} of {8 * pb}-bit parameters at init"
         )
     extra = [_zero3_final_norm_moment(q)] if stage == 3 and fetch is not None else []
-    if zero1_reduced is not None or offload_reduce:
+    if stage < 3:
         # ZeRO-1 without overlap_comm: the engine reduces after backward (engine.py ``allreduce_gradients`` →
         # ``reduce_gradients``), every gradient still there, the bucket and the partition's buffer made; ZeRO-2
-        # offloaded: the last flush's copies to the host (``offload_reduce``).
+        # offloaded: the last flush's copies to the host (``offload_reduce``); otherwise the epilogue's reduction
+        # (``independent_gradient_partition_epilogue``), with the gradients it takes.
         extra.append(Moment(name=MomentName.BACKWARD_REDUCE, phase=Phase.BACKWARD, resident=q.resident))
-    return _worst(q, adjust, host, extra), notes + notes_ft
+    if stage == 3:
+        return rank_phases(None), notes + notes_ft, (), None
+    # Stages 1–2: every rank's partition meets other parameters; ranks whose rank-dependent inputs agree share phases.
+    by_inputs: dict[tuple[object, ...], list[ZeroRank]] = {}
+    for zr in deepspeed_ranks(spec, part, p.dp, eo.reduce_bucket_size, strategy):
+        inside = tuple(off < zr.lo + part and off + n > zr.lo for off, n, _, _ in large)
+        reduction = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb, zr) if zero1_path else None
+        key = (zr.whole_numel, zr.largest_slice, zr.largest_owner, zr.buffer_at, zr.step_copies, inside, reduction)
+        by_inputs.setdefault(key, []).append(zr)
+    # ... and ranks whose phases agree are one entry of the per-rank table
+    Seen = tuple[tuple[tuple[Component, int], ...], ...]
+    by_phases: dict[Seen, tuple[tuple[PhaseBreakdown, ...], list[ZeroRank]]] = {}
+    for group in by_inputs.values():
+        phases = rank_phases(group[0])
+        seen = tuple(tuple(sorted(ph.components.items())) for ph in phases)
+        by_phases.setdefault(seen, (phases, []))[1].extend(group)
+    entries = sorted(by_phases.values(), key=lambda e: min(zr.rank for zr in e[1]))
+    ranks = tuple(RankMemory(ranks=tuple(sorted(zr.rank for zr in rs)), phases=ph) for ph, rs in entries)
+    phases, members = max(entries, key=lambda e: max(x.total_bytes for x in e[0]))  # (the lowest rank of equals)
+    return phases, notes + notes_ft, ranks if len(ranks) > 1 else (), min(members, key=lambda zr: zr.rank)
 
 
 def _zero3_final_norm_moment(q: StepInputs) -> Moment:
@@ -2740,8 +3030,8 @@ def _closed_form_of(
         phases, notes = _torch_tp(spec, strategy, p)
         why = "every rank of the tensor-parallel group holds the same (rank 0 has the largest vocabulary shard)"
     elif p.engine is Engine.DEEPSPEED:
-        phases, notes = _deepspeed(spec, strategy, p)
-        why = "every rank holds the same partition size (rank 0's, the largest with padding)"
+        phases, notes, ranks, zr = _deepspeed(spec, strategy, p)
+        why = _zero_why(spec, strategy, p, ranks, zr)
     elif p.sharding in (Sharding.FSDP, Sharding.HSDP):
         phases, notes = _fsdp(spec, strategy, p)
         why = "every rank holds the same; uneven shards are padded to rank 0's ⌈dim0/W⌉ rows"
@@ -2749,6 +3039,40 @@ def _closed_form_of(
         phases, notes = _ddp(spec, strategy)
         why = "every rank holds a full replica"
     return p, tuple(phases), ranks, tuple(notes), why
+
+
+def _zero_why(
+    spec: ModelSpec, strategy: Strategy, p: ParallelPlan, ranks: tuple[RankMemory, ...], zr: ZeroRank | None
+) -> str:
+    """Which DeepSpeed rank is the worst, and why (``zr``: the worst rank of stages 1–2; None at stage 3)."""
+    if zr is None:
+        return "every rank holds the same partition size (rank 0's, the largest with padding)"
+    if not ranks:
+        return "every rank holds the same (equal partitions of the flat buffer, and what they meet weighs alike)"
+    n = spec.num_layers
+    lightest = min(r.peak_bytes for r in ranks)
+    worst = max(r.peak_bytes for r in ranks)
+    head = (
+        f"worst rank: {zr.rank} of {p.dp} ({fmt_gib(worst)} against {fmt_gib(lightest)} on the lightest): ZeRO "
+        "partitions are equal, but what a rank holds besides depends on the parameters its partition meets"
+    )
+    if strategy.offload.optimizer_on_host:
+        return (
+            head + f" — its largest slice ({zr.largest_slice:,} elements) goes to the host through an fp64 norm copy "
+            "when the reduction reaches it"
+        )
+    at = zr.buffer_at
+    if at == 0:
+        when = "at the start of backward (the LM head's reduction)"
+    elif at > n:
+        when = "after the layers' backward"
+    else:
+        when = f"in layer {n - at}'s backward"
+    return (
+        head
+        + f" — its gradient buffer holds all {len(zr.slices)} whole ({zr.whole_numel:,} elements), made {when}"
+        + ("; its step flattens the slices into a copy" if zr.step_copies else "")
+    )
 
 
 def _flatten_note(spec: ModelSpec, strategy: Strategy, p: ParallelPlan, device_bytes: int | None) -> str:
@@ -2894,6 +3218,9 @@ def simulated_reserve(
     if not rank_simulated(strategy, p):
         return None
     stage = _worst_stage(ranks) if ranks else 0
+    dp_rank = 0
+    if p.engine is Engine.DEEPSPEED:  # ranks: ZeRO-1/2's distinct data-parallel ranks, not pipeline stages
+        stage, dp_rank = 0, ranks[stage].ranks[0] if ranks else 0
     sim = simulate_rank(
         spec,
         strategy,
@@ -2903,11 +3230,20 @@ def simulated_reserve(
         stage=stage,
         stop_above_bytes=stop_above_bytes,
         device_bytes=device_bytes,
+        dp_rank=dp_rank,
     )
     reserve = max(0, sim.peak_reserved_bytes - held_bytes)
     capped = capped_run(
         lambda c: simulate_rank(
-            spec, strategy, p, allocator, workspaces, stage=stage, capacity_bytes=c, device_bytes=device_bytes
+            spec,
+            strategy,
+            p,
+            allocator,
+            workspaces,
+            stage=stage,
+            capacity_bytes=c,
+            device_bytes=device_bytes,
+            dp_rank=dp_rank,
         ),
         sim,
         held_bytes=held_bytes,
@@ -2923,7 +3259,8 @@ def simulated_reserve(
         capped=capped,
         note=(
             "reserved: this rank's event stream"
-            + (f" (pipeline stage {stage}, the {order} order)" if ranks else "")
+            + (f" (pipeline stage {stage}, the {order} order)" if ranks and p.engine is Engine.MEGATRON else "")
+            + (f" (rank {dp_rank})" if ranks and p.engine is Engine.DEEPSPEED else "")
             + f" through the caching-allocator simulation (peak reserved {fmt_gib(sim.peak_reserved_bytes)})"
             + _flatten_note(spec, strategy, p, device_bytes)
         ),

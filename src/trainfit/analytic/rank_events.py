@@ -155,8 +155,7 @@ from trainfit.analytic.parallel import (
     ddp_buffer_sync_bytes,
     deepspeed_flat_layout,
     deepspeed_flatten_copies,
-    deepspeed_rank0_gradients,
-    deepspeed_step_copies_partition,
+    deepspeed_rank,
     dtensor_tp_held_spec,
     dtensor_tp_spec,
     held_tensors,
@@ -989,7 +988,8 @@ DS_REDUCTION_STREAM = 3
 
 class Zero2Hooks(RankHooks):
     """DeepSpeed ZeRO-2 (stage_1_and_2.py ``DeepSpeedZeroOptimizer``; fine-tuning without offload too: the optimizer's,
-    and so the flat groups', tensors are the trainable ones, the frozen ones stay module parameters), rank 0:
+    and so the flat groups', tensors are the trainable ones, the frozen ones stay module parameters), data-parallel rank
+    ``rank`` (0 unless asked; its partition ``[lo, hi)``, :class:`~trainfit.analytic.parallel.ZeroRank`):
 
     * init: the flat 16-bit parameters (``bit16_groups_flat``), the fp32 partition
       (``single_partition_of_fp32_groups``), a zero fp32 gradient partition made and dropped
@@ -999,7 +999,7 @@ class Zero2Hooks(RankHooks):
       gradient; ``reduce_independent_p_g_buckets_and_remove_grads`` copies it in, so autograd's tensor goes);
       a full bucket is reduced (``reduce_ipg_grads``; one spanning a partition edge is first copied into one
       tensor for the collective, :meth:`_flatten_chunks`, written for ZeRO-1's reduction only) and the gradients
-      of the parameters rank 0's partition meets are copied into ``grads_in_partition`` (``copy_grads_in_partition``,
+      of the parameters the rank's partition meets are copied into ``grads_in_partition`` (``copy_grads_in_partition``,
       made at the first such copy, on the reduction stream with ``overlap_comm``); a parameter larger than the bucket
       keeps its own gradient until the next reduction; the epilogue reduces the rest and frees the buckets
       (``independent_gradient_partition_epilogue`` → ``_release_ipg_buffers``);
@@ -1014,7 +1014,7 @@ class Zero2Hooks(RankHooks):
     The step's events are written from :meth:`step_temp_bytes` (the one per-step hook after backward), on the
     stream the hooks keep from :meth:`weights`."""
 
-    # Accumulation: every micro-step's gradients go through the bucket (``partition_gradients``); rank 0's keep
+    # Accumulation: every micro-step's gradients go through the bucket (``partition_gradients``); the rank's keep
     # their views into ``grads_in_partition``, made once per step, so a later micro-step is the first's
     reduces_each_micro_step = True
     #: Whether a reduced gradient larger than the bucket, of a parameter outside the partition, stays as ``.grad``
@@ -1022,16 +1022,24 @@ class Zero2Hooks(RankHooks):
     keeps_outside_grads = False
 
     def __init__(
-        self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
+        self,
+        spec: ModelSpec,
+        strategy: Strategy,
+        p: ParallelPlan,
+        *,
+        free_device_bytes: int | None = None,
+        rank: int = 0,
     ) -> None:
         self.pb = 4 if strategy.recipe.compute_bits == 32 else 2  # parameter and gradient bytes
         self.free_device_bytes = free_device_bytes
         zp = zero_partition(spec, strategy, 2, p.dp)
         self.total, self.part = zp.trainable_numel, zp.part_numel
         self.state_sizes, self.client_temps = zero_client_step(strategy, self.part)
-        whole, self.largest_slice = deepspeed_rank0_gradients(spec, self.part, strategy)
-        self.step_copies = deepspeed_step_copies_partition(spec, self.part, p.dp, strategy)
-        self.partition_grads = allocator_bytes(whole * self.pb)
+        # the data-parallel rank's partition [lo, hi) of the flat buffer (parallel.ZeroRank)
+        zr = deepspeed_rank(spec, self.part, strategy.engine.reduce_bucket_size, rank, strategy)
+        self.lo, self.hi = zr.lo, zr.lo + self.part
+        self.largest_slice, self.step_copies = zr.largest_slice, zr.step_copies
+        self.partition_grads = allocator_bytes(zr.whole_numel * self.pb)
         eo = strategy.engine
         self.bucket_numel = eo.reduce_bucket_size
         self.overlap = bool(eo.overlap_comm)  # DeepSpeed's default for stages 1–2: False
@@ -1059,7 +1067,7 @@ class Zero2Hooks(RankHooks):
         self.layer: int | None = None  # the layer whose gradients autograd is making (None: model-level)
         self.buckets: list[int] = []
         self.elements = 0
-        self.pending_part = 0  # elements in the bucket of parameters rank 0's partition meets
+        self.pending_part = 0  # elements in the bucket of parameters the rank's partition meets
         self.pending_slices: list[int] = []  # each such parameter's elements inside the partition
         # gradients larger than the bucket, kept until the next reduction: (key, whether the reduction leaves it as the
         # parameter's .grad to the epilogue's ``_clear_param_grad_only``) — under offload one of the partition
@@ -1154,16 +1162,20 @@ class Zero2Hooks(RankHooks):
                 clone = s.alloc(x.numel * self.pb)
                 s.free(grad)
                 grad = clone
-            in_part = off < self.part
+            in_part = self._meets(off, x.numel)
             self.pending.append((grad, (self.offload and in_part) or (self.keeps_outside_grads and not in_part)))
         elif own is not None:
             s.free(own)
         self.elements += x.numel
         if self.copies_flushes:
             self.contents.append((off, x.numel))
-        if off < self.part:
+        if self._meets(off, x.numel):
             self.pending_part += x.numel
-            self.pending_slices.append(min(x.numel, self.part - off))
+            self.pending_slices.append(min(off + x.numel, self.hi) - max(off, self.lo))
+
+    def _meets(self, off: int, numel: int) -> bool:
+        """Whether the parameter at flat offset ``off`` meets the rank's partition."""
+        return off < self.hi and off + numel > self.lo
 
     def _flatten_chunks(self) -> list[int]:
         """Elements of each copy this flush makes (:func:`~trainfit.analytic.parallel.deepspeed_flatten_copies`)."""
@@ -1236,14 +1248,14 @@ class Zero2Hooks(RankHooks):
 
 
 class Zero1Hooks(Zero2Hooks):
-    """DeepSpeed ZeRO-1 (stage_1_and_2.py with ``partition_gradients`` False), rank 0. With ``overlap_comm`` its
+    """DeepSpeed ZeRO-1 (stage_1_and_2.py with ``partition_gradients`` False), rank ``rank``. With ``overlap_comm`` its
     gradient hooks reduce as stage 2's do (``process_gradients``: ``partition_gradients or overlap_comm``), and
     the stream is :class:`Zero2Hooks`'. Without it (stage 1's default) the hooks only make the IPG bucket at
     the first gradient (``setup_buckets``); autograd's 16-bit gradients all stay until backward ends; then the
     engine's ``allreduce_gradients`` → ``reduce_gradients`` walks the parameters in ``bit16_groups`` order
     (``model.parameters()``) through ``reduce_independent_p_g_buckets_and_remove_grads``: each gradient is
     copied into the bucket and becomes a view of it (its own storage goes), one larger than the bucket is
-    reduced on its own at the next flush; a full bucket is reduced and the gradients of the parameters rank 0's
+    reduced on its own at the next flush; a full bucket is reduced and the gradients of the parameters the rank's
     partition meets are copied into ``grads_in_partition`` (made at the first such copy); the epilogue
     (``overlapping_partition_gradients_reduce_epilogue``) flushes the rest and frees the bucket. The step is
     stage 2's (``averaged_gradients`` over ``grads_in_partition``)."""
@@ -1251,9 +1263,15 @@ class Zero1Hooks(Zero2Hooks):
     keeps_outside_grads = True
 
     def __init__(
-        self, spec: ModelSpec, strategy: Strategy, p: ParallelPlan, *, free_device_bytes: int | None = None
+        self,
+        spec: ModelSpec,
+        strategy: Strategy,
+        p: ParallelPlan,
+        *,
+        free_device_bytes: int | None = None,
+        rank: int = 0,
     ) -> None:
-        super().__init__(spec, strategy, p, free_device_bytes=free_device_bytes)
+        super().__init__(spec, strategy, p, free_device_bytes=free_device_bytes, rank=rank)
         self.copies_flushes = not self.overlap
         self.made: list[tuple[int | None, ParamTensor]] = []  # (layer or None, tensor) of autograd's gradients
         # (layer or None, name) → (flat offset, tensor, its gradient's key): autograd's gradients, kept to the
@@ -1760,23 +1778,27 @@ def simulate_rank(
     capacity_bytes: int | None = None,
     stop_above_bytes: int | None = None,
     device_bytes: int | None = None,
+    dp_rank: int = 0,
 ) -> AllocatorResult:
     """The caching allocator's peaks over one rank's synthesised stream (``rank_simulated`` setups; ``stage``:
-    the pipeline stage of a Megatron rank; ``capacity_bytes``: under that device capacity, with the allocator's
+    the pipeline stage of a Megatron rank; ``dp_rank``: the data-parallel rank of a DeepSpeed ZeRO-1/2 one, whose
+    partition decides what it holds; ``capacity_bytes``: under that device capacity, with the allocator's
     flush-and-retry, :class:`~trainfit.allocator.Simulator`; ``stop_above_bytes``: stop once reserved passes it,
     ``AllocatorResult.stopped``; ``device_bytes``: the GPU's memory less what is used outside the allocator, for
     DeepSpeed's free-memory test at init, :meth:`Zero2Hooks.weights`; None: not known)."""
-    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes)
+    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes, dp_rank)
     if capacity_bytes is not None:
         return simulation_memo().get(
             (*key, capacity_bytes),
-            lambda: _simulate(spec, strategy, p, config, workspaces, stage, capacity_bytes, device_bytes=device_bytes),
+            lambda: _simulate(
+                spec, strategy, p, config, workspaces, stage, capacity_bytes, device_bytes=device_bytes, dp_rank=dp_rank
+            ),
         )
     return memo_stoppable(
         key,
         stop_above_bytes,
         lambda stop: _simulate(
-            spec, strategy, p, config, workspaces, stage, stop_above=stop, device_bytes=device_bytes
+            spec, strategy, p, config, workspaces, stage, stop_above=stop, device_bytes=device_bytes, dp_rank=dp_rank
         ),
     )
 
@@ -1791,6 +1813,7 @@ def _simulate(
     capacity_bytes: int | None = None,
     stop_above: int | None = None,
     device_bytes: int | None = None,
+    dp_rank: int = 0,
 ) -> AllocatorResult:
     hooks: RankHooks | None = None
     run = strategy
@@ -1800,7 +1823,7 @@ def _simulate(
         hooks, run = Zero3Hooks(spec, strategy, p), compute_strategy(strategy)
     elif p.engine is Engine.DEEPSPEED:
         zero = Zero1Hooks if p.sharding is Sharding.ZERO1 else Zero2Hooks
-        z = zero(spec, strategy, p)
+        z = zero(spec, strategy, p, rank=dp_rank)
         if device_bytes is not None:
             z.free_device_bytes = device_bytes - z.model_bytes()
         hooks, run = z, compute_strategy(strategy)

@@ -187,8 +187,20 @@ def _phases(report: MemoryReport) -> Table:
     return table
 
 
+def rank_ranges(ranks: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 4, 6, 7)`` → ``0–2, 4, 6–7``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
 def _ranks(report: MemoryReport) -> Table | None:
-    """One row per distinct rank (pipeline stage): its peak and, with a GPU, whether it fits."""
+    """One row per distinct rank (pipeline stage, ZeRO-1/2 partition): its peak and, with a GPU, whether it fits.
+    Ranks whose peak phase, peak and verdict agree share a row (``--json`` keeps each entry's phases)."""
     if not report.ranks:
         return None
     fit = report.fit
@@ -196,14 +208,20 @@ def _ranks(report: MemoryReport) -> Table | None:
     for col in ("ranks", "peak phase", "peak allocated", "fits"):
         table.add_column(col, justify="left" if col in ("ranks", "peak phase") else "right")
     worst = max(r.peak_bytes for r in report.ranks)
+    rows: dict[tuple[str, int, str], list[int]] = {}
     for i, r in enumerate(report.ranks):
         peak = max(r.phases, key=lambda p: p.total_bytes)
-        names = f"{r.ranks[0]}–{r.ranks[-1]}" if len(r.ranks) > 1 else str(r.ranks[0])
         fits = ""
         if fit is not None and i < len(fit.rank_required_bytes):
             fits = "yes" if fit.rank_required_bytes[i] <= fit.usable_bytes else "NO"
+        rows.setdefault((peak.phase.value, r.peak_bytes, fits), []).extend(r.ranks)
+    for (phase, peak_bytes, fits), ranks in rows.items():
         table.add_row(
-            names, peak.phase.value, f"{gib(r.peak_bytes):.2f}", fits, style="bold" if r.peak_bytes == worst else None
+            rank_ranges(tuple(ranks)),
+            phase,
+            f"{gib(peak_bytes):.2f}",
+            fits,
+            style="bold" if peak_bytes == worst else None,
         )
     return table
 

@@ -1,8 +1,10 @@
 """One rank of a DeepSpeed ZeRO run, traced: the real ``DeepSpeedEngine`` on PyTorch's fake process group.
 
-The reference for the ZeRO part of :mod:`trainfit.analytic.parallel`. Rank 0 of W ranks on the fake
-process group (:func:`trainfit.trace.distributed.fake_world`), ``deepspeed.init_distributed(dist_backend=
-"fake")`` on top of it, and DeepSpeed's CPU accelerator (``get_accelerator()`` on a box without CUDA), so
+The reference for the ZeRO part of :mod:`trainfit.analytic.parallel`. One rank of W on the fake process group
+(:func:`trainfit.trace.distributed.fake_world`) — at stages 1–2 the closed form's worst (ranks differ by the
+parameters their partitions meet, ``parallel.ZeroRank``; another rank than 0 runs at full depth, see
+:func:`trace_deepspeed`), rank 0 at stage 3 — ``deepspeed.init_distributed(dist_backend="fake")`` on top of it,
+and DeepSpeed's CPU accelerator (``get_accelerator()`` on a box without CUDA), so
 every buffer DeepSpeed makes with ``torch.empty(..., device=get_accelerator().current_device_name())`` is a
 fake ``cpu`` tensor of its real size, seen by the same storage tracker as the model's own tensors
 (:class:`~trainfit.trace.distributed.DistTracker`). The model is the reduced-depth Hugging Face model of
@@ -179,7 +181,7 @@ def _dtype(strategy: Strategy) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _deepspeed_world(world: int) -> Iterator[None]:
+def _deepspeed_world(world: int, rank: int = 0) -> Iterator[None]:
     """DeepSpeed's launcher variables, its communication layer on the fake process group, and the four
     patches of the module docstring; everything restored on exit."""
     import deepspeed
@@ -189,7 +191,7 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     from deepspeed.runtime.zero import stage3 as s3
     from deepspeed.runtime.zero import stage_1_and_2 as s12
 
-    env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    env = {"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
 
@@ -253,7 +255,7 @@ def _deepspeed_world(world: int) -> Iterator[None]:
     for obj, name, new in patches:
         setattr(obj, name, new)
     try:
-        with fake_world(world):
+        with fake_world(world, rank=rank):
             deepspeed.init_distributed(dist_backend="fake", verbose=False)
             yield
     finally:
@@ -550,13 +552,24 @@ def trace_deepspeed(
     progress: Progress | None = None,
     steps: int = 2,
     extrapolate: bool = True,
+    rank: int | None = None,
 ) -> MemoryReport:
-    """Rank 0 of ``strategy``'s DeepSpeed ZeRO run, traced on the fake process group and extrapolated in
-    depth."""
+    """Rank ``rank`` of ``strategy``'s DeepSpeed ZeRO run, traced on the fake process group and extrapolated in
+    depth. None: stages 1–2's worst rank by the closed form (:class:`~trainfit.analytic.parallel.ZeroRank`: ranks
+    differ by what their partitions meet), rank 0 at stage 3. Another rank than 0 is traced at full depth: its
+    partition of a shallower model meets other parameters (llama-3.2-1b over 8 ranks, rank 6: −1.1% extrapolated,
+    −0.01% at full depth against the closed form)."""
+    from trainfit.analytic.parallel import estimate_parallel
     from trainfit.analytic.parallel import plan as parallel_plan
 
     parallel_plan(spec, strategy)  # what no one models is refused first (QLoRA with ZeRO, adapters on MoE layers)
     check_traceable(strategy)
+    chosen = rank is None
+    if rank is None:
+        closed = estimate_parallel(spec, strategy)
+        rank = max(closed.ranks, key=lambda e: e.peak_bytes).ranks[0] if closed.ranks else 0
+    if not 0 <= rank < strategy.parallelism.world_size:
+        raise StrategyError(f"rank {rank} is not one of the {strategy.parallelism.world_size} ranks")
     from trainfit.trace._deps import require_torch, require_transformers
 
     require_torch()
@@ -570,11 +583,11 @@ def trace_deepspeed(
     # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
     # Stage 3 runs at full depth: which parameters stay gathered depends on where each module is in the
     # recorded order (``stage3_max_reuse_distance``, the prefetch window), not linearly on the depth.
-    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate and stage < 3, base_units=2)
-    with _quiet_deepspeed(), _deepspeed_world(world), _one_line_failure(stage):
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate and stage < 3 and rank == 0, base_units=2)
+    with _quiet_deepspeed(), _deepspeed_world(world, rank), _one_line_failure(stage):
         for i, (counts, layout) in enumerate(plan.layouts):
             say(
-                f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank 0 of {world}",
+                f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank {rank} of {world}",
                 i / len(plan.layouts),
             )
             results.append((counts, layout, run_layout_deepspeed(spec, strategy, plan, layout, steps=steps)))
@@ -603,8 +616,10 @@ def trace_deepspeed(
         phases = _with_host(phases, step_run or results[-1][2], min(world, strategy.parallelism.gpus_per_node))
     traced = [len(layout.layers) for _, layout, _ in results]
     zero = ds_config(spec, strategy)["zero_optimization"]
+    which = " (the closed form's worst: ZeRO partitions meet different parameters)" if chosen and rank else ""
     notes = [
-        f"rank 0 of {world} on PyTorch's fake process group: DeepSpeed ZeRO-{stage} engine, the exported config "
+        f"rank {rank} of {world}{which} on PyTorch's fake process group: DeepSpeed ZeRO-{stage} engine, the exported "
+        "config "
         f"(reduce_bucket_size {zero['reduce_bucket_size']:.0e}, overlap_comm {zero['overlap_comm']}, "
         f"{strategy.recipe.compute_dtype}) "
         + (

@@ -259,16 +259,16 @@ def _quant_state_on_unsharded(strategy: Strategy) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, shard: int | None = None) -> Iterator[Any]:
-    """Rank 0 of ``world_size`` on the fake process group, and its CPU device mesh: 1-D, or 2-D
-    (replicate × shard) for HSDP when ``shard`` < ``world_size``."""
+def fake_world(world_size: int, shard: int | None = None, rank: int = 0) -> Iterator[Any]:
+    """Rank ``rank`` (0 unless asked) of ``world_size`` on the fake process group, and its CPU device mesh: 1-D, or
+    2-D (replicate × shard) for HSDP when ``shard`` < ``world_size``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         if shard is None or shard >= world_size:
             yield init_device_mesh("cpu", (world_size,))
