@@ -114,9 +114,14 @@ def chart(page: Any) -> dict[str, Any]:
             """() => { const gd = document.getElementById('chart');
             return { traces: (gd.data || []).map(t => ({meta: t.meta, x: t.x, ids: t.ids || null, y: t.y,
                                                        customdata: t.customdata})),
-                     lines: ((gd.layout || {}).shapes || []).map(s => ({name: s.name, y: s.y0})) }; }"""
+                     lines: ((gd.layout || {}).shapes || []).map(s => ({name: s.name, y: s.y0})),
+                     notes: ((gd.layout || {}).annotations || []).map(a => a.text) }; }"""
         )
     )
+
+
+#: app.js ``MAX_RANK_ENTRIES``: more rank entries than this and the chart draws three
+MAX_RANK_ENTRIES = 6
 
 
 def gib(n: int) -> str:
@@ -137,6 +142,10 @@ def assert_chart_is(page: Any, want: dict[str, Any], kind: str = "estimate") -> 
             elif b:
                 bars.append((t["meta"], b))
     ranks = want.get("ranks") or []
+    if len(ranks) > MAX_RANK_ENTRIES:  # app.js shownRanks: rank 0's, the worst and the lightest (first of equals)
+        worst = max(ranks, key=lambda r: r["peak_bytes"])
+        light = min(ranks, key=lambda r: r["peak_bytes"])
+        ranks = [r for r in ranks if r is worst or r is light or 0 in r["ranks"]]
     if len(ranks) > 1:
         groups = [r["phases"] for r in ranks]
         required = [r["required_bytes"] for r in ranks if "required_bytes" in r]
@@ -289,6 +298,17 @@ def test_inference_and_the_formats_tab(page: Any, base_url: str) -> None:
     page.wait_for_selector("#advice b")
     assert page.inner_text("#advice b") == advice["precision"]
     assert "tab=formats" in page.url
+
+
+def test_zero_ranks_beyond_six_show_rank_0_the_worst_and_the_lightest(page: Any, base_url: str) -> None:
+    """DeepSpeed ZeRO-2 over 64 ranks: an entry per partition layout in the JSON, three drawn, and the chart says so."""
+    query = {"model": "llama-3.1-8b", "gpu": "h100-sxm-80gb", "gpus": "64", "sharding": "zero2"}
+    goto(page, base_url + "/?" + urllib.parse.urlencode(query))
+    want = api(base_url, "/api/estimate", query)
+    assert len(want["ranks"]) > MAX_RANK_ENTRIES
+    assert_chart_is(page, want)
+    notes = chart(page)["notes"]
+    assert f"rank 0, the worst and the lightest of {len(want['ranks'])} rank groups (all in the JSON)" in notes
 
 
 def test_pipeline_ranks(page: Any, base_url: str) -> None:

@@ -188,6 +188,29 @@ function phaseLabel(phase) {
   return window.innerWidth < 600 ? SHORT[phase] || phase : phase;
 }
 
+// The rank entries a chart draws: all of them when few; else (DeepSpeed ZeRO-1/2 over many ranks, an entry per
+// partition layout) rank 0's, the worst and the lightest — the JSON keeps them all.
+const MAX_RANK_ENTRIES = 6;
+function shownRanks(ranks) {
+  if (ranks.length <= MAX_RANK_ENTRIES) return ranks;
+  const worst = ranks.reduce((a, b) => (b.peak_bytes > a.peak_bytes ? b : a));
+  const light = ranks.reduce((a, b) => (b.peak_bytes < a.peak_bytes ? b : a));
+  const zero = ranks.find((r) => r.ranks.includes(0));
+  return ranks.filter((r) => r === zero || r === worst || r === light);
+}
+
+// [0, 1, 2, 4, 6, 7] → "0–2, 4, 6–7" (more than three runs: "n ranks").
+function rankRanges(list) {
+  const runs = [];
+  for (const r of [...list].sort((a, b) => a - b)) {
+    const last = runs[runs.length - 1];
+    if (last && r === last[1] + 1) last[1] = r;
+    else runs.push([r, r]);
+  }
+  if (runs.length > 3) return `${list.length} ranks`;
+  return runs.map(([a, b]) => (a === b ? `${a}` : `${a}–${b}`)).join(", ");
+}
+
 // Bars: one per phase (per rank and phase when ranks differ), stacked by component, plus the bytes that must
 // fit (the JSON's required bytes: per rank when ranks differ).
 function bars(data, kind) {
@@ -195,11 +218,11 @@ function bars(data, kind) {
   const required = []; // {x, bytes}
   const must = window.innerWidth < 600 ? "must fit" : "must fit<br>(reserved + outside)";
   if (kind === "estimate" && data.ranks && data.ranks.length > 1) {
-    for (const r of data.ranks) {
+    for (const r of shownRanks(data.ranks)) {
       const first = r.ranks[0];
-      const last = r.ranks[r.ranks.length - 1];
       const narrow = window.innerWidth < 600;
-      const who = r.ranks.length > 1 ? `${narrow ? "r" : "ranks "}${first}–${last}` : `${narrow ? "r" : "rank "}${first}`;
+      const names = rankRanges(r.ranks);
+      const who = narrow ? `r${names}` : names.endsWith("ranks") ? names : `${r.ranks.length === 1 ? "rank" : "ranks"} ${names}`;
       for (const [phase, p] of Object.entries(r.phases)) {
         stacks.push({ x: `${who}<br>${phaseLabel(phase)}`, id: `${first}:${phase}`, components: p.components });
       }
@@ -262,6 +285,12 @@ function lines(data, kind) {
 function drawChart(data, kind) {
   const traces = bars(data, kind);
   const l = lines(data, kind);
+  if (kind === "estimate" && data.ranks && data.ranks.length > MAX_RANK_ENTRIES) {
+    l.annotations.push({
+      xref: "paper", yref: "paper", x: 1, y: 1, xanchor: "right", yanchor: "top", showarrow: false, font: { size: 11 },
+      text: `rank 0, the worst and the lightest of ${data.ranks.length} rank groups (all in the JSON)`,
+    });
+  }
   const fg = cssVar("--fg") || "#222";
   const layout = {
     barmode: "stack", colorway: COLORS, shapes: l.shapes, annotations: l.annotations,
