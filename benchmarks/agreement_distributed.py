@@ -6,8 +6,8 @@ Each row traces rank 0 of the real FSDP2 ``fully_shard``, torch DDP or DTensor t
 on PyTorch's fake process group (trainfit.trace.distributed; 1–2 layers, extrapolated in depth) and
 compares every phase with the closed-form model (trainfit.analytic.parallel). The trace time is the wall
 time of the whole trace; it does not grow with the world size. DeepSpeed ZeRO-1/2 rows run the closed form's worst
-rank of the real DeepSpeed engine (trainfit.trace.deepspeed; at full depth when it is not rank 0), whose phases the
-analytic column gives; ZeRO-3 rows trace the whole depth. The fine-tuning rows
+rank of the real DeepSpeed engine (trainfit.trace.deepspeed, at its whole depth), whose phases the analytic column
+gives; ZeRO-3 rows trace the whole depth too. The fine-tuning rows
 (``--finetune``) wrap real PEFT LoRA models (QLoRA: bitsandbytes 4-bit layers) before the framework does.
 2-D FSDP2 × TP rows (``--fsdp-tp``) run ``parallelize_module`` then ``fully_shard`` per layer and root on the
 ``dp`` mesh dimension, as torchtitan's ``parallelize_llama`` does.

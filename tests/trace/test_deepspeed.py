@@ -107,17 +107,14 @@ def test_zero1_at_the_default_bucket_agrees_with_trace() -> None:
         assert abs(a.total_bytes - t.total_bytes) <= TOLERANCE * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
 
 
-@pytest.mark.slow
-def test_step_at_full_depth_matches_the_full_trace() -> None:
-    """The extrapolated trace (2 and 3 layers, the step from the full-depth stand-in run) = the trace at
-    full depth (5 layers), every phase within 1%."""
+def test_the_trace_runs_the_whole_depth() -> None:
+    """What a ZeRO rank holds is not linear in the depth (its partition's edges, where the reductions fall): the
+    trace runs every layer, whatever ``extrapolate`` says."""
     spec = tiny_spec("llama", num_hidden_layers=5, **WIDER)
     s = _strategy("zero2", 4, "amp-bf16")
-    ext = trace_distributed(spec, s)
-    full = trace_distributed(spec, s, extrapolate=False)
-    assert ext.details is not None and ext.details.extrapolated
-    for a, t in zip(ext.phases, full.phases, strict=True):
-        assert abs(a.total_bytes - t.total_bytes) <= 0.01 * t.total_bytes, (a.phase, a.total_bytes, t.total_bytes)
+    traced = trace_distributed(spec, s)
+    assert traced.details is not None and not traced.details.extrapolated
+    assert any(n.startswith("traced 5 of 5 layers") for n in traced.notes)
 
 
 def test_the_trace_runs_the_exported_config() -> None:

@@ -2,15 +2,14 @@
 
 The reference for the ZeRO part of :mod:`trainfit.analytic.parallel`. One rank of W on the fake process group
 (:func:`trainfit.trace.distributed.fake_world`) — at stages 1–2 the closed form's worst (ranks differ by the
-parameters their partitions meet, ``parallel.ZeroRank``; another rank than 0 runs at full depth, see
-:func:`trace_deepspeed`), rank 0 at stage 3 — ``deepspeed.init_distributed(dist_backend="fake")`` on top of it,
-and DeepSpeed's CPU accelerator (``get_accelerator()`` on a box without CUDA), so
-every buffer DeepSpeed makes with ``torch.empty(..., device=get_accelerator().current_device_name())`` is a
-fake ``cpu`` tensor of its real size, seen by the same storage tracker as the model's own tensors
-(:class:`~trainfit.trace.distributed.DistTracker`). The model is the reduced-depth Hugging Face model of
-the single-GPU trace, built in the recipe's 16-bit dtype (what DeepSpeed's ``bf16``/``fp16`` blocks make
-of a model); two steps run through ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``, and the
-regions are extrapolated in depth as for one GPU.
+parameters their partitions meet, ``parallel.ZeroRank``; :func:`trace_deepspeed`), rank 0 at stage 3 —
+``deepspeed.init_distributed(dist_backend="fake")`` on top of it, and DeepSpeed's CPU accelerator
+(``get_accelerator()`` on a box without CUDA), so every buffer DeepSpeed makes with ``torch.empty(...,
+device=get_accelerator().current_device_name())`` is a fake ``cpu`` tensor of its real size, seen by the same
+storage tracker as the model's own tensors
+(:class:`~trainfit.trace.distributed.DistTracker`). The model is the single-GPU trace's Hugging Face model at its
+whole depth (below), built in the recipe's 16-bit dtype (what DeepSpeed's ``bf16``/``fp16`` blocks make of a
+model); two steps run through ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
 
 The configuration is the one ``trainfit export`` writes for the strategy
 (:func:`trainfit.export.configs.export_plan`: stage, ``contiguous_gradients``, ``overlap_comm``,
@@ -45,14 +44,12 @@ in); the gradients — autograd's ``.grad`` until the reduction, then ``grads_in
 norms, flattened and fp32 gradient partitions). Meta tensors (DeepSpeed keeps a ``zeros_like(p,
 device="meta")`` per parameter) are not memory and are not recorded.
 
-Depth: forward and backward are traced at 2 and 3 layers and extrapolated per region, with the reduction's
-transients (gradients waiting for the bucket, the bucket, its copies, the loss's tensors) held at the larger
-traced value rather than extrapolated — they are bounded by the bucket, and where a bucket fills shifts with
-the depth. Rank 0's gradient partition is not linear in the depth at all (it holds whole every parameter its
-slice of the flat buffer meets, and the slice moves with the depth), so the optimizer step is traced once
-more at full depth with a stand-in loss, the sum of every parameter's sum: one cheap backward that hands
-DeepSpeed's hooks every gradient, then the real ``engine.step()``. That run's backward (every gradient
-reduced, no activations) is also a floor for the backward phase.
+Depth: the whole depth, never extrapolated (since 2026-12-04). What a rank holds depends on where its partition's
+edges fall among the parameters and where the bucket's reductions fall among the layers, neither linear in the
+depth: a 2–3-layer model's partitions meet other parameters (llama-3.2-1b over 8 ranks, rank 6: −1.1% extrapolated)
+and its reductions copy other buckets (rank 0: −1.5%, the 928 MiB copy of a bucket spanning a partition edge).
+Fake tensors make the whole depth cheap: llama-3.1-70b over 64 ranks in 23 s (16 s extrapolated, which took two
+reduced-depth runs and the optimizer step once more at full depth behind a stand-in loss).
 
 ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, parameters partitioned by ``deepspeed.initialize``, not
 ``zero.Init``): the config adds ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
@@ -111,7 +108,6 @@ from trainfit.trace.distributed import (
     DistTracker,
     extrapolated_trainable,
     fake_world,
-    hold_at_max,
     patched_resize,
     rank_report,
 )
@@ -474,12 +470,9 @@ def run_layout_deepspeed(
     layout: hf.Layout,
     *,
     steps: int,
-    stand_in: bool = False,
     progress: Progress | None = None,
 ) -> rn.TraceRun:
-    """Build the reduced model of ``layout`` in the recipe's dtype and run it through DeepSpeed's engine.
-    ``stand_in``: instead of the model's forward, the loss is the sum of every parameter's sum — one
-    cheap backward that hands DeepSpeed's hooks every gradient, for the optimizer step at full depth."""
+    """Build the model of ``layout`` in the recipe's dtype and run it through DeepSpeed's engine."""
     built = _built(strategy)
     mode = rn.fake_mode()
     model = hf.reduced_model(plan.meta, plan.stack_path, layout.layers, plan.full_layers)
@@ -495,21 +488,16 @@ def run_layout_deepspeed(
     stack: Any = model.get_submodule(plan.stack_path)
     layers: list[torch.nn.Module] = list(stack)
     box: list[tk.Tracker] = []
-    if not stand_in:
-        hf.install_checkpointing(model, layers, layout.blocks, box)  # (sac is refused: check_traceable)
-    first, last = depth.layer_positions(layout)
+    hf.install_checkpointing(model, layers, layout.blocks, box)  # (sac is refused: check_traceable)
     tr = DeepSpeedTracker()
     box.append(tr)
     loop_box: list[_EngineLoop] = []
     params = [p for p in model.parameters() if p.requires_grad]
 
     def forward(_m: torch.nn.Module, batch: Any) -> Any:
-        return None if stand_in else loop_box[0].engine(**batch)
+        return loop_box[0].engine(**batch)
 
-    def loss_of(out: Any, batch: Any) -> torch.Tensor:
-        if stand_in:
-            return torch.stack([p.sum() for p in params]).sum()
-        return hf.loss_of(spec)(out, batch)
+    loss_of = hf.loss_of(spec)
 
     fns = rn.StepFns(
         make_batch=hf.batch_fn(spec, strategy.micro_batch, strategy.seq_len, device="cpu"),
@@ -520,16 +508,14 @@ def run_layout_deepspeed(
     options = rn.RunOptions(
         recipe=built.recipe,
         steps=steps,
-        grad_accum=1 if stand_in else strategy.grad_accum,
+        grad_accum=strategy.grad_accum,
         max_grad_norm=None,  # DeepSpeed clips inside engine.step (gradient_clipping 1.0)
         # accumulation: the engine is told which pass ends the step (``set_gradient_accumulation_boundary``, the
         # documented way to call ``engine.step()`` once after the step's passes), as its micro-step counter
         # would at every pass with ``step()`` after each
         before_pass=lambda micro, passes: loop_box[0].engine.set_gradient_accumulation_boundary(micro == passes - 1),
-        head_module=None if stand_in else hf.head_of(model),
-        stack=rn.StackHooks(layers=layers, unit_first=first, unit_last=last)
-        if plan.ext and not stand_in
-        else rn.StackHooks(),
+        head_module=hf.head_of(model),
+        stack=rn.StackHooks(),
         progress=progress,
         flash_sdp=strategy.flash_sdp,
     )
@@ -554,11 +540,10 @@ def trace_deepspeed(
     extrapolate: bool = True,
     rank: int | None = None,
 ) -> MemoryReport:
-    """Rank ``rank`` of ``strategy``'s DeepSpeed ZeRO run, traced on the fake process group and extrapolated in
-    depth. None: stages 1–2's worst rank by the closed form (:class:`~trainfit.analytic.parallel.ZeroRank`: ranks
-    differ by what their partitions meet), rank 0 at stage 3. Another rank than 0 is traced at full depth: its
-    partition of a shallower model meets other parameters (llama-3.2-1b over 8 ranks, rank 6: −1.1% extrapolated,
-    −0.01% at full depth against the closed form)."""
+    """Rank ``rank`` of ``strategy``'s DeepSpeed ZeRO run, traced at full depth on the fake process group (the
+    module docstring says why not extrapolated; ``extrapolate`` is accepted for the other traces' signature).
+    None: stages 1–2's worst rank by the closed form (:class:`~trainfit.analytic.parallel.ZeroRank`: ranks differ by
+    what their partitions meet), rank 0 at stage 3."""
     from trainfit.analytic.parallel import estimate_parallel
     from trainfit.analytic.parallel import plan as parallel_plan
 
@@ -579,41 +564,16 @@ def trace_deepspeed(
     stage = ZERO_STAGES[strategy.sharding]
     world = strategy.parallelism.world_size
     results: list[tuple[list[int], hf.Layout, rn.TraceRun]] = []
-    step_run: rn.TraceRun | None = None
-    # Two and three layers, so that the bottom and top layers' backward are different layers (as for FSDP2).
-    # Stage 3 runs at full depth: which parameters stay gathered depends on where each module is in the
-    # recorded order (``stage3_max_reuse_distance``, the prefetch window), not linearly on the depth.
-    plan = depth.plan_depth(spec, _built(strategy), extrapolate=extrapolate and stage < 3 and rank == 0, base_units=2)
+    plan = depth.plan_depth(spec, _built(strategy), extrapolate=False)
     with _quiet_deepspeed(), _deepspeed_world(world, rank), _one_line_failure(stage):
-        for i, (counts, layout) in enumerate(plan.layouts):
-            say(
-                f"trace {i + 1}/{len(plan.layouts)} ({len(layout.layers)} layers), rank {rank} of {world}",
-                i / len(plan.layouts),
-            )
-            results.append((counts, layout, run_layout_deepspeed(spec, strategy, plan, layout, steps=steps)))
-        if plan.ext and stage < 3:
-            say("the optimizer step at full depth", 0.95)
-            blocks = hf.blocks_for(plan.full_layers, strategy.checkpointing)
-            full = hf.layout_for(blocks, plan.runs, [r.count for r in plan.runs])
-            step_run = run_layout_deepspeed(spec, strategy, plan, full, steps=steps, stand_in=True)
+        (counts, layout) = plan.layouts[0]
+        say(f"trace ({len(layout.layers)} layers), rank {rank} of {world}", 0.0)
+        results.append((counts, layout, run_layout_deepspeed(spec, strategy, plan, layout, steps=steps)))
     warnings: list[str] = []
-    if plan.ext:
-        keyed = _hold_transients(depth.keyed_traces(results))
-        phases = depth.extrapolate_phases(keyed, plan.ext, plan.runs, warnings, base_units=plan.base_units)
-        if step_run is not None:
-            # Rank 0's gradient partition holds whole the parameters its slice of the flat buffer meets, and
-            # the slice moves with the depth: not linear in it. The step is taken from the full depth, and
-            # the backward is at least what the full depth holds while the gradients are reduced.
-            at_depth = readout.phase_peaks(step_run)
-            step_pk, bwd_pk = at_depth[Phase.OPTIMIZER_STEP], at_depth[Phase.BACKWARD]
-            phases[Phase.OPTIMIZER_STEP] = readout.breakdown(Phase.OPTIMIZER_STEP, step_pk.components)
-            if bwd_pk.total_bytes > phases[Phase.BACKWARD].total_bytes:
-                phases[Phase.BACKWARD] = readout.breakdown(Phase.BACKWARD, bwd_pk.components)
-    else:
-        pk = readout.phase_peaks(results[0][2])
-        phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
+    pk = readout.phase_peaks(results[0][2])
+    phases = {ph: readout.breakdown(ph, pk[ph].components) for ph in Phase}
     if strategy.offload.any:
-        phases = _with_host(phases, step_run or results[-1][2], min(world, strategy.parallelism.gpus_per_node))
+        phases = _with_host(phases, results[0][2], min(world, strategy.parallelism.gpus_per_node))
     traced = [len(layout.layers) for _, layout, _ in results]
     zero = ds_config(spec, strategy)["zero_optimization"]
     which = " (the closed form's worst: ZeRO partitions meet different parameters)" if chosen and rank else ""
@@ -634,7 +594,7 @@ def trace_deepspeed(
             else ""
         ),
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
-        + (" and extrapolated each region linearly" if plan.ext else ""),
+        + " (the whole depth: what a rank holds is not linear in it)",
         "NCCL's own buffers are outside the allocator",
     ]
     return rank_report(
@@ -659,18 +619,6 @@ def _with_host(phases: dict[Phase, PhaseBreakdown], run: rn.TraceRun, per_node: 
         host = host_live(run.tracker, peaks[ph].event)
         out[ph] = dataclasses.replace(b, host_components={c: n * per_node for c, n in host.items()})
     return out
-
-
-def _hold_transients(
-    keyed: list[dict[Any, dict[Component, int]]],
-) -> list[dict[Any, dict[Component, int]]]:
-    """What the reduction holds in backward — the autograd gradients waiting for the bucket, the bucket, the
-    copies made when it is reduced, the loss's tensors — is bounded by the bucket, not by the depth, and
-    where in the stack a bucket fills shifts with the depth: each place keeps the larger of the traced values
-    for them, and only the states and the saved activations are extrapolated (cf. FSDP2's
-    ``trace.distributed._hold_transients``)."""
-    held = (Component.TEMPORARIES, Component.LOGITS_LOSS, Component.COMM_BUFFERS, Component.GRADIENTS)
-    return hold_at_max(keyed, held)
 
 
 @contextlib.contextmanager
