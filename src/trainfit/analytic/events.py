@@ -237,6 +237,19 @@ class RankHooks:
         """A deferred tied table's gradient ``key``, autograd's sum, handed to the hooks (who free it or keep it)."""
         raise NotImplementedError  # only hooks that defer the table (defers_tied_table) are called
 
+    def defers_head_grads(self) -> bool:
+        """Whether this micro-step's hooks take the head's gradients once its backward has released the logits'
+        gradient (:meth:`head_grads_taken`) rather than as autograd makes them (:meth:`grad_bytes`): gradient hooks on
+        a parameter's ``AccumulateGrad`` run when that node does, after the head's ``MmBackward`` returned (DeepSpeed
+        ZeRO-1/2: its offload clone of a head larger than the bucket then no longer meets the logits' gradient, as
+        in the traced engine)."""
+        return False
+
+    def head_grads_taken(self, s: Stream, grads: list[tuple[ParamTensor, int]]) -> None:
+        """The head's gradients (``(tensor, key)`` of autograd's, :meth:`defers_head_grads`) handed to the hooks, who
+        free or keep them."""
+        raise NotImplementedError  # only hooks that defer them are called
+
     def early_grad(self, spec: ModelSpec, x: ParamTensor) -> bool:
         """Whether the model-level tensor ``x``'s gradient is made with the head's backward (passed to
         :meth:`head_backward_end`) rather than at the end of backward (``late`` in :meth:`backward_end`)."""
@@ -480,6 +493,7 @@ def synthesise(
             table_grad = 0  # the tied table's gradient, allocated with the head's backward
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
             deferred: ParamTensor | None = None  # a tied table the hooks take after autograd's sum
+            head_grads: list[tuple[ParamTensor, int]] = []  # the head's, for hooks that take them after its backward
             for x in model_trained:
                 if x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
                     # The hooks fire on the table's AccumulateGrad, after the embedding's gradient is added to the
@@ -497,6 +511,9 @@ def synthesise(
                         waiting = new
                     else:
                         s.free(new)
+                elif rank.early_grad(spec, x) and rank.defers_head_grads():
+                    head_grads.append((x, s.alloc(x.numel * r.grad_bits // 8)))
+                    first_matmul_done()
                 elif rank.early_grad(spec, x):
                     model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
                     first_matmul_done()
@@ -507,6 +524,8 @@ def synthesise(
             g_res = s.alloc(hidden)
             first_matmul_done()
             s.free(g_logits)
+            if head_grads:
+                rank.head_grads_taken(s, head_grads)
             s.free_all(head_copies)
             norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))
             s.free(norm_temp)

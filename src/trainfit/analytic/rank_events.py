@@ -1131,6 +1131,14 @@ class Zero2Hooks(RankHooks):
     def defers_tied_table(self) -> bool:
         return True  # the gradient hooks (process_gradients) fire on AccumulateGrad, after autograd's sum
 
+    def defers_head_grads(self) -> bool:
+        return True  # ... after the head's MmBackward has returned and dropped the logits' gradient
+
+    def head_grads_taken(self, s: Stream, grads: list[tuple[ParamTensor, int]]) -> None:
+        self.layer = None
+        for x, key in grads:
+            self._into_bucket(x, key)
+
     def tied_table_grad(self, s: Stream, x: ParamTensor, key: int) -> None:
         self.layer = None
         self._into_bucket(x, key)
@@ -1283,6 +1291,9 @@ class Zero1Hooks(Zero2Hooks):
         # the hooks reduce this micro-step (overlap_comm at the boundary): they take the table after autograd's sum;
         # otherwise autograd's gradients are kept (one GPU's path)
         return self._reduces_now()
+
+    def defers_head_grads(self) -> bool:
+        return self._reduces_now() and not self.micro  # (a later micro-step adds into the kept .grad: grad_bytes)
 
     def tied_table_grad(self, s: Stream, x: ParamTensor, key: int) -> None:
         if self.micro:  # a later micro-step: AccumulateGrad adds the sum into the kept .grad, which the hook takes
