@@ -235,15 +235,8 @@ def test_every_rank_agrees_with_its_trace(sharding: str, w: int, offload: str) -
     from trainfit.trace.deepspeed import trace_deepspeed
 
     spec = tiny_spec("llama", **WIDER)
-    s = Strategy(
-        precision="amp-bf16",
-        parallelism=Parallelism(data=w),
-        sharding=sharding,  # type: ignore[arg-type]
-        micro_batch=1,
-        seq_len=32,
-        engine=EngineOptions(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET),
-        offload=Offload.parse(offload),
-    )
+    s = _strategy(sharding, w, "amp-bf16", offload=Offload.parse(offload))
+    s = dataclasses.replace(s, micro_batch=1, seq_len=32)
     closed = estimate_parallel(spec, s)
     assert closed.ranks
     for r in range(w):

@@ -1838,6 +1838,18 @@ def deepspeed_flatten_copies(contents: Sequence[tuple[int, int]], part: int, buc
     return [*copies, total] if count > 1 else copies
 
 
+def _layout_of(strategy: Strategy | None) -> Strategy | None:
+    """The strategy that decides the flat layout: a fine-tuning one (its trainable tensors); None for full training,
+    whatever the strategy (every tensor), so that memo keys do not split on batch sizes."""
+    return strategy if strategy is not None and finetuning(strategy) else None
+
+
+#: The flat layouts and reductions of recent (spec, layout strategy[, bucket]): each rank, the closed form and the
+#: stream ask for them again.
+_MADE: Memo[tuple[tuple[int, int, int], ...]] = Memo(64)
+_REDUCTIONS: Memo[tuple[tuple[int, ...], tuple[int, ...]]] = Memo(64)
+
+
 def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> tuple[tuple[int, int, int], ...]:
     """(flat offset, elements, backward position) of each parameter of :func:`deepspeed_flat_layout`, in flat order.
     The backward position orders when autograd makes a gradient: 0 for the untied LM head's (made with the head's
@@ -1846,14 +1858,19 @@ def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> t
     tied table's after autograd's sum, ``RankHooks.defers_tied_table``)."""
     from trainfit.analytic.events import early_model_grad
 
-    n = spec.num_layers
-    out: list[tuple[int, int, int]] = []
-    offset = 0
-    for layer, t in deepspeed_flat_layout(spec, strategy):
-        model_level = 0 if early_model_grad(spec, t) and not t.name.startswith("embed") else n + 1
-        out.append((offset, t.numel, model_level if layer is None else n - layer))
-        offset += t.numel
-    return tuple(out)
+    layout = _layout_of(strategy)
+
+    def compute() -> tuple[tuple[int, int, int], ...]:
+        n = spec.num_layers
+        out: list[tuple[int, int, int]] = []
+        offset = 0
+        for layer, t in deepspeed_flat_layout(spec, layout):
+            model_level = 0 if early_model_grad(spec, t) and not t.name.startswith("embed") else n + 1
+            out.append((offset, t.numel, model_level if layer is None else n - layer))
+            offset += t.numel
+        return tuple(out)
+
+    return _MADE.get((spec_key(spec), layout), compute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1927,6 +1944,13 @@ def deepspeed_reductions(
     reduction; what is left goes in the epilogue after backward (position ``L + 2``). The order: by backward position,
     each layer's gradients in reverse flat order, the late model-level ones in model order (the stream's,
     ``events.synthesise``), a tied table's after them all (after autograd's sum)."""
+    layout = _layout_of(strategy)
+    return _REDUCTIONS.get((spec_key(spec), layout, bucket_numel), lambda: _reductions(spec, bucket_numel, layout))
+
+
+def _reductions(
+    spec: ModelSpec, bucket_numel: int, strategy: Strategy | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     order = deepspeed_made_order(spec, strategy)
     n_layers = spec.num_layers
     flush = [0] * len(order)
@@ -1987,7 +2011,7 @@ def deepspeed_ranks(
 ) -> tuple[ZeroRank, ...]:
     """:class:`ZeroRank` of each of the ``dp`` ranks (flat order :func:`deepspeed_made_order`; fine-tuning with
     ``strategy``: the trainable tensors only, the optimizer's), memoized."""
-    layout = strategy if strategy is not None and finetuning(strategy) else None  # (the full model's: any strategy)
+    layout = _layout_of(strategy)
     return _RANKS.get(
         (spec_key(spec), layout, part, dp, bucket_numel), lambda: _deepspeed_ranks(spec, part, dp, bucket_numel, layout)
     )
@@ -2190,23 +2214,20 @@ def _deepspeed(
     n_layers = spec.num_layers
     backward = {m.name: m for m in _moments(q)[Phase.BACKWARD]}
 
-    def made_by(m: Moment, middle: int) -> int:
-        """The backward position (:func:`deepspeed_made_order`) whose gradients exist at ``m`` (``middle``: the
-        position of :data:`MomentName.BACKWARD_MIDDLE_BLOCK`'s layer; an entry moment's, :func:`layer_moment`: the
-        ``entry`` map's); −1 before backward makes any."""
-        return {
-            MomentName.BACKWARD_FINAL_NORM: 0,
-            MomentName.BACKWARD_TOP_BLOCK: 1,
-            MomentName.BACKWARD_TOP_SOFTMAX: 1,
-            MomentName.BACKWARD_TOP_RECOMPUTE: 1,
-            MomentName.BACKWARD_MIDDLE_BLOCK: middle,
-            MomentName.BACKWARD_BOTTOM_BLOCK: n_layers,
-            MomentName.BACKWARD_BOTTOM_SOFTMAX: n_layers,
-            MomentName.BACKWARD_BOTTOM_RECOMPUTE: n_layers,
-            MomentName.BACKWARD_EMBEDDING: n_layers + 1,
-            MomentName.BACKWARD_REDUCE: n_layers + 2,
-            MomentName.OPTIMIZER_STEP: n_layers + 2,
-        }.get(m.name, -1)
+    # The backward position (:func:`deepspeed_made_order`) whose gradients exist at each moment (−1: before backward
+    # makes any; the middle block's is its layer's, an entry moment's its reduction's: ``rank_phases``)
+    made_at = {
+        MomentName.BACKWARD_FINAL_NORM: 0,
+        MomentName.BACKWARD_TOP_BLOCK: 1,
+        MomentName.BACKWARD_TOP_SOFTMAX: 1,
+        MomentName.BACKWARD_TOP_RECOMPUTE: 1,
+        MomentName.BACKWARD_BOTTOM_BLOCK: n_layers,
+        MomentName.BACKWARD_BOTTOM_SOFTMAX: n_layers,
+        MomentName.BACKWARD_BOTTOM_RECOMPUTE: n_layers,
+        MomentName.BACKWARD_EMBEDDING: n_layers + 1,
+        MomentName.BACKWARD_REDUCE: n_layers + 2,
+        MomentName.OPTIMIZER_STEP: n_layers + 2,
+    }
 
     def layer_moment(made: int, *, entry: bool) -> Moment | None:
         """The backward of the layer at backward position ``made`` (1 … L): inside it (``entry`` False; only for a
@@ -2278,7 +2299,7 @@ def _deepspeed(
         grad_part = allocator_bytes(part * pb)
         step_tmp = step_temp
         zero1_reduced: tuple[int, int] | None = None  # (gradients, the flush's copy) at the reduction's worst moment
-        first = middle = owner_flush = -1
+        first = owner_flush = -1
         reduce_temp = reduce_live = 0
         entry: dict[int, int] = {}  # id of an entry moment (layer_moment) → the reduction it stands for
         if zr is not None:
@@ -2291,7 +2312,7 @@ def _deepspeed(
             grad_part = allocator_bytes(zr.whole_numel * pb)
             flat = allocator_bytes(part * pb) if zr.step_copies else 0
             step_tmp = max(allocator_bytes(8 * zr.largest_slice), flat + fp32_grad)
-            first = middle = zr.buffer_at
+            first = zr.buffer_at
             if zero1_path:
                 zero1_reduced = zero1_reduce_gradients(spec, part, eo.reduce_bucket_size, pb, zr)
             if offload_reduce and stage == 1 and not overlap:
@@ -2314,7 +2335,9 @@ def _deepspeed(
 
         def adjust(m: Moment) -> dict[Component, int]:
             f = entry.get(id(m))
-            return _adjust(m, made_by(m, middle) if f is None else positions[f], f)
+            if f is not None:
+                return _adjust(m, positions[f], f)
+            return _adjust(m, first if m.name is MomentName.BACKWARD_MIDDLE_BLOCK else made_at.get(m.name, -1), None)
 
         def _adjust(m: Moment, made: int, flush: int | None) -> dict[Component, int]:
             """``m`` at backward position ``made``; ``flush``: an entry moment's reduction."""
