@@ -58,6 +58,8 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 8 --tp 2 --optimizer sgd", "Adam"),
         ("llama-3.1-8b --gpus 8 --pp-schedule interleaved --virtual-stages 2", "--pp > 1"),
         ("llama-3.1-8b --gpus 4 --tp 2 --sharding zero1 --finetune lora", "Megatron"),
+        ("llama-3.1-8b --gpus 2 --tp 2 --engine torch --finetune lora", "DTensor tensor parallelism"),
+        ("llama-3.1-8b --gpus 8 --tp 2 --sharding fsdp --freeze embeddings", "DTensor tensor parallelism"),
         ("llama-3.1-8b --gpus 8 --sharding zero3 --finetune qlora", "QLoRA with DeepSpeed"),
         ("llama-3.1-8b --gpus 8 --sharding fsdp --finetune lora --base-dtype int8", "int8"),
         ("llama-3.1-8b --gpus 8 --sharding zero2 --offload optimizer+params --method trace", "zero3"),

@@ -86,17 +86,18 @@ def test_a_many_gpu_plan_gets_the_second_chance() -> None:
 
 
 def test_a_fixed_fraction_reserve_is_not_simulated() -> None:
-    """A many-GPU rank outside rank_simulated (DTensor TP with LoRA adapters) keeps the fixed reserve fraction, which
-    no allocator setting changes: the report says so, and expandable segments change nothing."""
-    from trainfit.strategy import Engine, EngineOptions, Parallelism, Strategy, finetune_setup
+    """A many-GPU rank outside rank_simulated (ZeRO-3 with a client optimizer other than AdamW) keeps the fixed reserve
+    fraction, which no allocator setting changes: the report says so, and expandable segments change nothing."""
+    from trainfit.strategy import Engine, EngineOptions, Parallelism, Strategy
 
     spec, gpu = load_model("llama-3.1-8b"), get_gpu("h100-sxm-80gb")
-    s = Strategy(  # TP with adapters: not simulated
+    s = Strategy(  # ZeRO-3 with SGD: not simulated
         precision="master-bf16",
         seq_len=4096,
-        engine=EngineOptions(engine=Engine.TORCH),
-        parallelism=Parallelism.for_gpus(4, tensor=2, sequence_parallel=True),
-        adapter=finetune_setup("lora")[0],
+        engine=EngineOptions(engine=Engine.DEEPSPEED),
+        parallelism=Parallelism.for_gpus(4),
+        sharding="zero3",  # type: ignore[arg-type]
+        optimizer="sgd",  # type: ignore[arg-type]
     )
     kw = {"gpu": gpu, "search_micro_batch": False, "fixes": False}
     plain = estimate(spec, s, allocator="", **kw)  # type: ignore[arg-type]

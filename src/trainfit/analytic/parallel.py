@@ -339,6 +339,15 @@ def _check_torch_tp(spec: ModelSpec, strategy: Strategy) -> None:
         )
     if strategy.offload.any:
         raise StrategyError("offload with DTensor tensor parallelism is not modelled")
+    if not strategy.trains_every_weight or not strategy.base_weights.is_default:
+        # The model is torchtitan's plan over the model's own linears; PEFT's LoRA layers take tensor parallelism
+        # only from transformers' ``tp_plan`` (peft/tuners/lora/model.py ``get_tp_plan_and_mesh``: lora_A
+        # replicated beside a colwise base, row-sharded beside a rowwise one), a different plan (whole vocabulary
+        # embedding) that neither the closed form nor the trace runs (trace/tensor_parallel.py refuses it too).
+        raise StrategyError(
+            "adapters, --freeze and --base-dtype with DTensor tensor parallelism (--engine torch --tp) are not "
+            "modelled; use --tp 1 with --sharding fsdp|hsdp|ddp|zero1|zero2|zero3"
+        )
     if spec.moe is not None or spec.mla is not None or spec.kind is not ModelKind.CAUSAL_LM:
         raise StrategyError("DTensor tensor parallelism is modelled for dense causal LMs (the Llama plan)")
     if spec.tie_word_embeddings:
