@@ -1861,12 +1861,12 @@ _REDUCTIONS: Memo[tuple[tuple[int, ...], tuple[int, ...]]] = Memo(64)
 
 def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> tuple[tuple[int, int, int], ...]:
     """(flat offset, elements, backward position) of each parameter of :func:`deepspeed_flat_layout`, in flat order.
-    The backward position orders when autograd makes a gradient: 0 for the untied LM head's (made with the head's
-    backward), ``1 + (L − 1 − j)`` = ``L − j`` for layer ``j``'s, ``L + 1`` for the other model-level ones (the final
-    norm's and the token table's come at the end of backward, :func:`~trainfit.analytic.events.early_model_grad`; a
-    tied table's after autograd's sum, ``RankHooks.defers_tied_table``)."""
-    from trainfit.analytic.events import early_model_grad
-
+    The backward position orders when the gradient hooks take a gradient: 0 for the head side's (the untied LM head's
+    and the final norm's — an ``AccumulateGrad`` node runs as soon as it is ready, before any other ready node:
+    torch/csrc/autograd/engine.cpp ``CompareNodeTaskTime`` orders by sequence number, and an ``AccumulateGrad``'s is
+    UINT64_MAX; the traced engine reduces a waiting head at the final norm's hook, before the top layer's
+    recomputation), ``1 + (L − 1 − j)`` = ``L − j`` for layer ``j``'s, ``L + 1`` for the embeddings' (the token
+    table's at the end of backward; a tied table's after autograd's sum, ``RankHooks.defers_tied_table``)."""
     layout = _layout_of(strategy)
 
     def compute() -> tuple[tuple[int, int, int], ...]:
@@ -1874,7 +1874,7 @@ def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> t
         out: list[tuple[int, int, int]] = []
         offset = 0
         for layer, t in deepspeed_flat_layout(spec, layout):
-            model_level = 0 if early_model_grad(spec, t) and not t.name.startswith("embed") else n + 1
+            model_level = n + 1 if t.name.startswith("embed") else 0
             out.append((offset, t.numel, model_level if layer is None else n - layer))
             offset += t.numel
         return tuple(out)
@@ -2244,6 +2244,12 @@ def _deepspeed(
         saved still there, none of its transients — where a reduction its first gradients set off falls; the stream
         makes a layer's gradients before its transients, rank_events). A middle layer's activations, copies and
         transients lie between the top and bottom blocks' by the layers still saved below it (uniform layers)."""
+        norm = backward.get(MomentName.BACKWARD_FINAL_NORM)
+        if made == 0 and entry and norm is not None:
+            # the final norm's hook: after its weight's gradient, before the rest of its backward (an
+            # ``AccumulateGrad`` runs as soon as it is ready: deepspeed_made_order); the traced engine makes a rank's
+            # gradient buffer there with 16 MiB of the norm's temporaries alive (llama-3.1-8b over 8)
+            return dataclasses.replace(norm, name=MomentName.BACKWARD_REDUCTION, temporaries=0)
         top, bottom = backward.get(MomentName.BACKWARD_TOP_BLOCK), backward.get(MomentName.BACKWARD_BOTTOM_BLOCK)
         if not 1 <= made <= n_layers or top is None or bottom is None or (not entry and made in (1, n_layers)):
             return None
@@ -2295,7 +2301,9 @@ def _deepspeed(
             inside = off < hi and off + n > lo
             if flush is not None:
                 alive = f >= flush
-            else:
+            elif at == 0 and not off_opt:  # after the final norm's hook (its reductions: an entry moment)
+                alive = positions[f] > 0
+            else:  # (ZeRO-Offload at 0: as the head's hook clones it, the head's gradient is still there)
                 alive = positions[f] > at or (positions[f] == at and not 1 <= at <= n_layers)
             if (off_opt and inside) or (stage == 1 and not inside) or alive:
                 out += allocator_bytes(n * pb)
@@ -2359,6 +2367,11 @@ def _deepspeed(
             frac = min(1.0, m.gradients / g_full)
             comm = unsharded = 0
             kept = held(zr, made, flush=flush, clones=flush is None) if zr is not None and made >= 0 else 0
+            # ZeRO-Offload clones a head larger than the bucket at the head's own hook, before the final norm's
+            # backward makes its temporaries (the traced engine; with them llama-3.1-8b's ranks 1–6 over 8 were +0.40%)
+            head_clone = off_opt and flush is None and made == 0 and any(mm == 0 for _, _, mm, _ in large)
+            if kept and head_clone and m.name is MomentName.BACKWARD_FINAL_NORM:
+                c[Component.TEMPORARIES] = 0
             # Stage 1 with overlap_comm: its hooks reduce as stage 2's at the boundary (``process_gradients`` →
             # ``reduce_ready_partitions_and_remove_grads``), with ZeRO-Offload too (the traced engine, a tied one-row
             # cell with two accumulation steps: this path kept every gradient whole beside the table's fp64 copy,
@@ -2408,7 +2421,7 @@ def _deepspeed(
             if stage == 1 and not overlap:
                 at_reduction = m.name is MomentName.BACKWARD_REDUCE
             elif owner_flush >= 0 and made == positions[owner_flush]:
-                at_reduction = flush == owner_flush or (flush is None and not 1 <= made <= n_layers)
+                at_reduction = flush == owner_flush or (flush is None and not 0 <= made <= n_layers)
             else:
                 at_reduction = False
             if offload_reduce and zr is not None and m.phase is Phase.BACKWARD and at_reduction:
