@@ -30,14 +30,35 @@ def test_report_echoes_its_inputs_and_renders_alone() -> None:
     ],
 )
 def test_unmodelled_setups_are_refused_not_ignored(strategy: Strategy) -> None:
-    with pytest.raises(StrategyError, match=r"does not model yet|are not modelled"):
+    with pytest.raises(StrategyError, match=r"use trainfit.infer|are not modelled"):
         estimate("llama-3.1-8b" if strategy.adapter is not None else "gpt2", strategy)
 
 
 def test_many_gpus_are_modelled_by_the_analytic_method_only() -> None:
     assert estimate("gpt2", Strategy(parallelism=Parallelism(data=2), sharding="ddp")).peak_bytes > 0
-    with pytest.raises(StrategyError, match="does not model yet"):
+    with pytest.raises(StrategyError, match=r"models one GPU and full training only; .*2 GPUs: use --method analytic"):
         estimate("gpt2", Strategy(parallelism=Parallelism(data=2)), method="rule-of-thumb")
+
+
+@pytest.mark.parametrize(("gpus", "sharding"), [(4, "ddp"), (4, "fsdp"), (1, "zero2")])
+def test_memory_savers_beyond_one_plain_gpu_are_refused_saying_where_they_are_modelled(
+    gpus: int, sharding: str
+) -> None:
+    """Each saver is modelled on one GPU without a sharding framework (analytic/savers.py): over many GPUs, or under
+    ZeRO on one, the refusal names the savers and what to drop, by either method (it once said that the analytic
+    method modelled one GPU and full fine-tuning only, and that trainfit did not model the rest)."""
+    s = Strategy(
+        parallelism=Parallelism(data=gpus),
+        sharding=sharding,  # type: ignore[arg-type]
+        savers=MemorySavers(loss="chunked", optimizer_in_backward=True),  # type: ignore[arg-type]
+    )
+    for method in ("analytic", "trace"):
+        with pytest.raises(
+            StrategyError,
+            match=r"^the memory savers \(--loss chunked:\d+, --optimizer-in-backward\) are modelled on one GPU",
+        ):
+            estimate("gpt2", s, method=method)
+    assert estimate("gpt2", dataclasses.replace(s, parallelism=Parallelism(), sharding="none")).peak_bytes > 0  # type: ignore[arg-type]
 
 
 def test_adapters_on_a_layout_without_closed_forms_are_refused_in_one_line() -> None:
@@ -47,7 +68,7 @@ def test_adapters_on_a_layout_without_closed_forms_are_refused_in_one_line() -> 
     assert estimate("gpt2", Strategy(adapter=Adapter(), base_weights=BaseWeights(quantization="nf4"))).peak_bytes > 0
     with pytest.raises(StrategyError, match="not its FalconLinear layers, which would stay float"):
         estimate("falcon-7b", Strategy(adapter=Adapter(), base_weights=BaseWeights(quantization="nf4")))
-    with pytest.raises(StrategyError, match="--method rule-of-thumb models one GPU, full fine-tuning"):
+    with pytest.raises(StrategyError, match="--method rule-of-thumb models one GPU and full training only"):
         estimate("gpt2", Strategy(adapter=Adapter()), method="rule-of-thumb")
 
 

@@ -46,7 +46,16 @@ from trainfit.planner.search import (
 )
 from trainfit.precision.advice import fp8_from_cc
 from trainfit.result import Component, FitVerdict, MemoryReport, Method, PhaseBreakdown, Suggestion, SuggestionKind
-from trainfit.strategy import Attention, Checkpointing, Engine, OffloadTarget, Optimizer, Sharding, Strategy
+from trainfit.strategy import (
+    Attention,
+    Checkpointing,
+    Engine,
+    OffloadTarget,
+    Optimizer,
+    Sharding,
+    Strategy,
+    Workload,
+)
 from trainfit.units import fmt_gib
 
 __all__ = [
@@ -301,11 +310,23 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
     if finetunes and spec is not None and not beyond and not strategy.is_distributed:
         check_finetune_model(spec, strategy, analytic=method is Method.ANALYTIC)
         check_dora(strategy, analytic=method is Method.ANALYTIC)
-    if beyond:
+    if not beyond:
+        return
+    if strategy.workload is not Workload.TRAINING:
         raise StrategyError(
-            f"--method {method.value} models one GPU, full fine-tuning, a training step; "
-            f"this strategy asks for {', '.join(beyond)}, which trainfit does not model yet"
+            f"estimate models a training step; for {strategy.workload.value} use trainfit.infer "
+            "(on the command line: trainfit infer)"
         )
+    if method in (Method.ANALYTIC, Method.TRACE):
+        # what the many-GPU paths leave: the memory savers, each modelled on one GPU only (analytic/savers.py)
+        raise StrategyError(
+            f"the memory savers ({', '.join(strategy.savers.names())}) are modelled on one GPU, not over "
+            f"{strategy.world_size} GPUs; drop them or use --gpus 1"
+        )
+    raise StrategyError(
+        f"--method {method.value} models one GPU and full training only; this strategy asks for "
+        f"{', '.join(beyond)}: use --method analytic (or trace)"
+    )
 
 
 def estimate(

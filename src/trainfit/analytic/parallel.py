@@ -216,9 +216,12 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     par, sh, _eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
     tp, pp, dp = par.tensor, par.pipeline, par.data
     engine = resolve_engine(strategy)
-    if strategy.workload.value != "training" or strategy.savers.any:
+    if strategy.workload.value != "training":
+        raise StrategyError(f"sharded and many-GPU setups are modelled for training, not {strategy.workload.value}")
+    if strategy.savers.any:
         raise StrategyError(
-            "many GPUs are modelled for a training step without memory savers; this setup: trainfit does not model yet"
+            f"the memory savers ({', '.join(strategy.savers.names())}) are modelled on one GPU without a sharding "
+            "framework or offload; drop them, or drop --gpus/--sharding/--offload/--engine"
         )
     if strategy.engine.fsdp_wrap is FsdpWrap.UNITS:
         _check_units(spec, strategy)
