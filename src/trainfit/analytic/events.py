@@ -138,8 +138,21 @@ def _bytes(numel: int, bits: int) -> int:
 
 
 def early_model_grad(spec: ModelSpec, x: ParamTensor) -> bool:
-    """Whether a model-level tensor's gradient appears with the head's backward (the LM head, or the token
-    table tied to it), not at the end of backward (the final norm's and an untied table's: the traced runs)."""
+    """Whether a model-level tensor's gradient appears with the head's backward, not at the end of backward: every
+    one but the embeddings' (the head's, a head transform's, the final norm's — made by the node after the head's,
+    and its ``AccumulateGrad`` runs at once: torch/csrc/autograd/engine.cpp ``CompareNodeTaskTime`` puts it ahead of
+    every other ready node; the traced runs, one GPU and DeepSpeed's engine) and a token table tied to the head (its
+    head gradient; autograd adds the embedding's at the end, states.tied_gradient_sum). An untied table's, a position
+    table's and an embedding norm's come at the end."""
+    if x.name.startswith("embed"):
+        return spec.kind.has_vocab_logits and spec.tie_word_embeddings and x.name == "embed_tokens.weight"
+    return True
+
+
+def head_matmul_grad(spec: ModelSpec, x: ParamTensor) -> bool:
+    """Whether a model-level tensor's gradient is made by the head's own backward, before the head's input gradient
+    (the LM head's, a tied table's head gradient, a classification head's); the other early ones
+    (:func:`early_model_grad`: the final norm's, a head transform's) come after it, from the nodes that follow."""
     if not spec.kind.has_vocab_logits:  # a classification head's own tensors (trainfit.arch.heads)
         return x.name.startswith(("score.", "classifier.", "pooler."))
     return x.name.startswith("lm_head") or (spec.tie_word_embeddings and x.name == "embed_tokens.weight")
@@ -494,8 +507,24 @@ def synthesise(
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
             deferred: ParamTensor | None = None  # a tied table the hooks take after autograd's sum
             head_grads: list[tuple[ParamTensor, int]] = []  # the head's, for hooks that take them after its backward
-            for x in model_trained:
-                if x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
+            # The head's own gradients first (its matmul's weight gradient, then its input gradient, ``None`` here);
+            # the final norm's, a head transform's, after it, from the nodes that follow (head_matmul_grad), each
+            # hook at once
+            after_head = [
+                x
+                for x in model_trained
+                if rank.early_grad(spec, x) and not head_matmul_grad(spec, x) and not x.name.startswith("embed")
+            ]
+            g_res = 0
+            for x in [*(x for x in model_trained if x not in after_head), None, *after_head]:
+                if x is None:
+                    g_res = s.alloc(hidden)
+                    first_matmul_done()
+                    s.free(g_logits)
+                    if head_grads:
+                        rank.head_grads_taken(s, head_grads)
+                        head_grads.clear()
+                elif x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
                     # The hooks fire on the table's AccumulateGrad, after the embedding's gradient is added to the
                     # head's, which waits in autograd's input buffer until then
                     waiting = s.alloc(tied.embedding_grad_bytes)
@@ -521,9 +550,6 @@ def synthesise(
                         table_grad = model_grads[-1]
                         if not table_grad and tied is not None and tied_sum_modelled(strategy):
                             waiting = s.alloc(tied.embedding_grad_bytes)
-            g_res = s.alloc(hidden)
-            first_matmul_done()
-            s.free(g_logits)
             if head_grads:
                 rank.head_grads_taken(s, head_grads)
             s.free_all(head_copies)

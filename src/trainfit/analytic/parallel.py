@@ -1869,7 +1869,10 @@ def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> t
     torch/csrc/autograd/engine.cpp ``CompareNodeTaskTime`` orders by sequence number, and an ``AccumulateGrad``'s is
     UINT64_MAX; the traced engine reduces a waiting head at the final norm's hook, before the top layer's
     recomputation), ``1 + (L − 1 − j)`` = ``L − j`` for layer ``j``'s, ``L + 1`` for the embeddings' (the token
-    table's at the end of backward; a tied table's after autograd's sum, ``RankHooks.defers_tied_table``)."""
+    table's at the end of backward; a tied table's after autograd's sum, ``RankHooks.defers_tied_table``):
+    :func:`~trainfit.analytic.events.early_model_grad`."""
+    from trainfit.analytic.events import early_model_grad
+
     layout = _layout_of(strategy)
 
     def compute() -> tuple[tuple[int, int, int], ...]:
@@ -1877,7 +1880,7 @@ def deepspeed_made_order(spec: ModelSpec, strategy: Strategy | None = None) -> t
         out: list[tuple[int, int, int]] = []
         offset = 0
         for layer, t in deepspeed_flat_layout(spec, layout):
-            model_level = n + 1 if t.name.startswith("embed") else 0
+            model_level = 0 if early_model_grad(spec, t) and not t.name.startswith("embed") else n + 1
             out.append((offset, t.numel, model_level if layer is None else n - layer))
             offset += t.numel
         return tuple(out)

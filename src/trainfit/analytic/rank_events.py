@@ -1134,14 +1134,9 @@ class Zero2Hooks(RankHooks):
     def defers_head_grads(self) -> bool:
         return True  # ... after the head's MmBackward has returned and dropped the logits' gradient
 
-    def early_grad(self, spec: ModelSpec, x: ParamTensor) -> bool:
-        # the final norm's hook too runs right after the head's (parallel.deepspeed_made_order): it sets off the
-        # reduction of a head larger than the bucket before the top layer's backward
-        return not x.name.startswith("embed") or super().early_grad(spec, x)
-
     def head_grads_taken(self, s: Stream, grads: list[tuple[ParamTensor, int]]) -> None:
         self.layer = None
-        for x, key in reversed(grads):  # the hooks' order: the head's first, then the final norm's
+        for x, key in reversed(grads):  # the hooks' order: the reverse of the flat buffer's (a head's bias first)
             self._into_bucket(x, key)
 
     def tied_table_grad(self, s: Stream, x: ParamTensor, key: int) -> None:
