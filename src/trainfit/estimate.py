@@ -317,12 +317,14 @@ def _require_modelled(strategy: Strategy, method: Method, spec: ModelSpec | None
             f"estimate models a training step; for {strategy.workload.value} use trainfit.infer "
             "(on the command line: trainfit infer)"
         )
-    if method in (Method.ANALYTIC, Method.TRACE):
+    if method in (Method.ANALYTIC, Method.TRACE) and "memory savers" in beyond:
         # what the many-GPU paths leave: the memory savers, each modelled on one GPU only (analytic/savers.py)
         raise StrategyError(
             f"the memory savers ({', '.join(strategy.savers.names())}) are modelled on one GPU, not over "
             f"{strategy.world_size} GPUs; drop them or use --gpus 1"
         )
+    if method in (Method.ANALYTIC, Method.TRACE):
+        raise StrategyError(f"--method {method.value} does not model {', '.join(beyond)}")
     raise StrategyError(
         f"--method {method.value} models one GPU and full training only; this strategy asks for "
         f"{', '.join(beyond)}: use --method analytic (or trace)"
