@@ -21,6 +21,7 @@ kept — so a later case starts with whatever segment a workspace pinned. ``data
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -28,9 +29,9 @@ from allocator_replay import measured_strategy
 
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event
-from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
 from trainfit.analytic.activations import effective_strategy
-from trainfit.analytic.events import training_events
+from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.arch import load_model
 from trainfit.estimate import gpu_workspaces
 from trainfit.hardware import get_gpu
@@ -78,7 +79,11 @@ def main() -> None:
                 )
             spec = load_model(row["model"])
             effective, _ = effective_strategy(spec, s)
-            streams["analytic"].append(training_events(spec, effective, workspaces))
+            # measure_training.py builds each model with from_config on the GPU: a tied head's own weight is made
+            # and freed before training (trainfit.allocator.process.built_on_device)
+            n_weights, head_bytes = built_on_device_sizes(spec, effective)
+            built = functools.partial(built_on_device, weights=n_weights, transient_bytes=head_bytes)
+            streams["analytic"].append(built(training_events(spec, effective, workspaces)))
             reports.append((k, row, "analytic", r))
             if args.trace:
                 from trainfit.trace.events import reserved_from_trace
@@ -86,7 +91,7 @@ def main() -> None:
                 t = estimate(row["model"], s, gpu=GPU, allocator=conf, method="trace")
                 reports.append((k, row, "trace", t))
                 traced = reserved_from_trace(spec, effective, AllocatorConfig.parse(conf), compute_capability=(9, 0))
-                streams["trace"].append(list(traced.stream))
+                streams["trace"].append(built(list(traced.stream)))
         in_process = {
             method: simulate_process(evs, AllocatorConfig.parse(conf), warm_up=matmul_warm_up(workspaces))
             for method, evs in streams.items()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trainfit.allocator import AllocatorConfig, Event, Op
-from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
 from trainfit.allocator.workspaces import Thread, WorkspaceKind, training_workspaces, workspace_key
 
 MiB = 1 << 20
@@ -72,3 +72,26 @@ def test_the_warm_up_matmul_makes_the_main_thread_s_cublas_workspace() -> None:
     # three 256 KiB fp32 tensors in one 2 MiB small segment, kept cached: 34 MiB reserved (the H200's meta line)
     (run,) = simulate_process([[]], AllocatorConfig(), warm_up=events)
     assert run.start_reserved_bytes == 34 * MiB
+
+
+def test_a_head_built_then_tied_goes_in_right_after_the_parameters() -> None:
+    weights = [Event(Op.ALLOC, WS, 32 * MiB), Event(Op.ALLOC, 0, 4 * MiB), Event(Op.ALLOC, 1, 4 * MiB)]
+    step = [Event(Op.ALLOC, 2, 60 * MiB), Event(Op.ALLOC, 3, 100 * MiB)]
+    out = built_on_device([*weights, *step], weights=2, transient_bytes=50 * MiB)
+    assert out[:3] == weights and out[5:] == step
+    assert out[3].op is Op.ALLOC and out[3].size_bytes == 50 * MiB and out[4] == Event(Op.FREE, out[3].key)
+    assert out[3].key not in {e.key for e in weights + step}
+    assert built_on_device(step, weights=2, transient_bytes=0) == step
+    with pytest.raises(ValueError, match="fewer than the 3 parameters"):
+        built_on_device(step, weights=3, transient_bytes=MiB)
+
+
+def test_the_freed_head_takes_a_tensor_that_would_have_had_a_segment_of_its_own() -> None:
+    # weights: one 4 MiB tensor (a 20 MiB segment); the head's 100 MiB, freed, stays cached. The step's 60 MiB
+    # tensor best-fits into it (split: 40 MiB left), so the 100 MiB one needs a new segment: 20 + 100 + 100.
+    # Without the head: 20 + 60 + 100 (each large request > 10 MiB gets a segment of its own size).
+    run = [Event(Op.ALLOC, 0, 4 * MiB), Event(Op.ALLOC, 1, 60 * MiB), Event(Op.ALLOC, 2, 100 * MiB)]
+    (plain,) = simulate_process([run])
+    (built,) = simulate_process([built_on_device(run, weights=1, transient_bytes=100 * MiB)])
+    assert plain.peak_reserved_bytes == 180 * MiB
+    assert built.peak_reserved_bytes == 220 * MiB

@@ -10,9 +10,14 @@ import pytest
 
 from trainfit import Strategy, estimate, load_model
 from trainfit.allocator import AllocatorConfig, Op, simulate
-from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
 from trainfit.allocator.workspaces import training_workspaces, workspace_key
-from trainfit.analytic.events import forget_simulations, simulate_training, training_events
+from trainfit.analytic.events import (
+    built_on_device_sizes,
+    forget_simulations,
+    simulate_training,
+    training_events,
+)
 from trainfit.analytic.model import estimate_analytic
 from trainfit.strategy import EngineOptions, Parallelism, finetune_setup
 
@@ -186,7 +191,11 @@ def test_the_measuring_process_simulated_within_2_percent_of_the_h200(alloc: str
     logits-sized segment that ``empty_cache`` cannot release (llama-3.2-1b: −4.0% fresh, the real process held
     4.7 GiB more before it started; bert-large +4.8%)."""
     ws = training_workspaces((9, 0))
-    streams = [training_events(load_model(str(row["model"])), _measured_strategy(row), ws) for row in cases]
+    streams = []
+    for row in cases:  # measure_training.py builds each model with from_config on the GPU
+        spec, strategy = load_model(str(row["model"])), _measured_strategy(row)
+        n, head = built_on_device_sizes(spec, strategy)
+        streams.append(built_on_device(training_events(spec, strategy, ws), weights=n, transient_bytes=head))
     conf = AllocatorConfig.parse("" if alloc == "default" else alloc)
     runs = simulate_process(streams, conf, warm_up=matmul_warm_up(ws))
     for row, run in zip(cases, runs, strict=True):
@@ -311,3 +320,16 @@ def test_the_autograd_workspace_follows_the_first_backward_matmul(
     assert before.size_bytes == elements * bytes_per
     # the logits' gradients come before it
     assert max(e.size_bytes for e in events[:autograd]) >= 2 * strategy.tokens_per_micro_batch * spec.vocab_size
+
+
+def test_built_on_device_the_parameters_come_first_and_a_tied_head_is_made_once_more() -> None:
+    tied, untied = load_model("llama-3.2-1b"), load_model("llama-3.1-8b")
+    st = Strategy(precision="pure-bf16", micro_batch=1, seq_len=128)
+    n, head = built_on_device_sizes(tied, st)
+    assert n == 1 + 16 * 9 + 1  # token table, 16 layers of 7 linears and 2 norms, the final norm
+    assert head == 128256 * 2048 * 2  # the head's own bf16 weight, before tie_weights replaces it
+    ev = [e for e in training_events(tied, st) if e.op is Op.ALLOC and e.key >= 0]
+    assert ev[0].size_bytes == head and ev[n].size_bytes != ev[n - 1].size_bytes  # the inputs follow the weights
+    assert built_on_device_sizes(untied, st)[1] == 0
+    amp = Strategy(precision="amp-bf16", micro_batch=1, seq_len=128)
+    assert built_on_device_sizes(tied, amp)[1] == 2 * head  # amp keeps fp32 weights

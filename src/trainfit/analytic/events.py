@@ -167,6 +167,16 @@ def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Works
     return s.events
 
 
+def built_on_device_sizes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(the parameters' allocations, the tied head's own weight in bytes) for
+    :func:`trainfit.allocator.process.built_on_device`: a model built by ``from_config`` on the GPU allocates its
+    LM head before tying it to the token table (0 bytes where the head is not tied)."""
+    states = param_states(spec, strategy)
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    table = next((ps.weight_bytes for ps in states if ps.tensor.name == "embed_tokens.weight"), 0)
+    return sum(ps.count for ps in states), table if tied else 0
+
+
 class RankHooks:
     """Where a many-GPU rank's stream departs from one GPU's (:mod:`trainfit.analytic.rank_events`): the
     resident states it builds, what it all-gathers around each layer, how a layer's gradients are reduced,
