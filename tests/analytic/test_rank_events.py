@@ -162,7 +162,10 @@ def test_the_rank_stream_leaves_the_resident_states(slug: str, strategy: Strateg
 
 def test_a_ddp_rank_is_one_gpu_plus_its_buckets() -> None:
     """DDP's stream (without ``gradient_as_bucket_view``) is the single-GPU stream plus the reducer's buckets,
-    resident from construction (``ddp_bucket_bytes``, c10d/reducer.cpp): its peak is one GPU's plus them."""
+    resident from construction (``ddp_bucket_bytes``, c10d/reducer.cpp), and the first iteration's bucket that NCCL's
+    stash holds from the rebuild into the next backward (``ddp_stashed_first_bucket``): its peak is one GPU's plus
+    the buckets, and at most the stashed one more (full checkpointing: the peak inside a layer's backward, past the
+    first reduction; it was one GPU's plus the buckets exactly before the stash)."""
     from trainfit.analytic.events import simulate_training
     from trainfit.analytic.parallel import ddp_bucket_bytes
 
@@ -172,7 +175,8 @@ def test_a_ddp_rank_is_one_gpu_plus_its_buckets() -> None:
     rank = simulate_rank(spec, s, plan(spec, s), AllocatorConfig())
     buckets = sum(ddp_bucket_bytes(spec, 32, 25 * 2**20, 2**20))
     assert buckets >= 4 * inventory(spec).total  # fp32, every parameter's gradient
-    assert rank.peak_allocated_bytes == pytest.approx(one.peak_allocated_bytes + buckets, rel=0.002)
+    stash = sum(ddp_bucket_bytes(spec, 32, 2**62, 2**62))
+    assert one.peak_allocated_bytes + buckets < rank.peak_allocated_bytes <= one.peak_allocated_bytes + buckets + stash
 
 
 @pytest.mark.parametrize(("view", "accum"), [(False, 1), (True, 1), (True, 2)])
@@ -181,9 +185,9 @@ def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum
     rebuilds ``bucket_cap_mb`` buckets at the second forward (distributed.py ``_pre_forward`` →
     ``Reducer::rebuild_buckets``; gloo: one 8404992-byte bucket, then 1050624 + 7354368): the stream allocates the
     whole bucket after the weights; its second forward makes ``sync_bucket_indices``' two int32 tensors and frees
-    them, then frees the old bucket before the new ones (``initialize_buckets``) — after them with bucket views
-    that hold resident gradients (``initialize_bucket_views``: the first step's second micro-step); no other
-    forward touches them."""
+    them, then the new ones (``initialize_buckets``); the old bucket, on NCCL's stash of its all-reduce, is freed in
+    the next backward, before the top layer's gradients (it was freed before the new ones were made: the H200's
+    second step held it through forward and backward); no other forward touches them."""
     from trainfit.analytic.parallel import ddp_bucket_bytes, ddp_buffer_sync_bytes
     from trainfit.cuda_facts import allocator_bytes
 
@@ -218,7 +222,7 @@ def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum
     assert len(sync) == 1
     for _, b in seen:
         assert [(e.op, e.size_bytes) for e in st.events[b - 2 : b]] == [(Op.ALLOC, sync[0]), (Op.FREE, 0)]
-    assert [b - a for a, b in seen] == [2, 4 + 1 + len(rebuilt) + 2] + [2] * (len(seen) - 2)
+    assert [b - a for a, b in seen] == [2, 4 + len(rebuilt) + 2] + [2] * (len(seen) - 2)
     made = st.events[seen[1][0] : seen[1][1] - 2]
     n_params = sum(m for _, m in inventory(spec).all_tensors())
     assert [(e.op, e.size_bytes) for e in made[:4]] == [
@@ -227,11 +231,10 @@ def test_a_ddp_rank_rebuilds_its_buckets_at_the_second_forward(view: bool, accum
         (Op.FREE, 0),
         (Op.FREE, 0),
     ]
-    rest = made[4:]
-    frees_first = not (view and accum > 1)
-    free_old, allocs = (rest[0], rest[1:]) if frees_first else (rest[-1], rest[:-1])
-    assert (free_old.op, free_old.key) == (Op.FREE, old)
-    assert [e.size_bytes for e in allocs if e.op is Op.ALLOC] == rebuilt
+    allocs = made[4:]
+    assert [(e.op, e.size_bytes) for e in allocs] == [(Op.ALLOC, b) for b in rebuilt]
+    freed = [i for i, e in enumerate(st.events) if e.op is Op.FREE and e.key == old]
+    assert len(freed) == 1 and seen[1][1] < freed[0] < seen[2][0]  # in the rebuilding pass's backward
     assert sum(rebuilt) == pytest.approx(grads, abs=512 * len(rebuilt))
 
 

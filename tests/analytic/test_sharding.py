@@ -161,7 +161,9 @@ def test_ddp_is_the_single_gpu_model_plus_its_buckets() -> None:
     ddp = estimate(spec, _dp(4, sharding="ddp"))
     view = estimate(spec, _dp(4, sharding="ddp", engine=EngineOptions(gradient_as_bucket_view=True)))
     for p1, p2, p3 in zip(single.phases, ddp.phases, view.phases, strict=True):
-        assert abs(p2.total_bytes - p1.total_bytes - 4 * psi) < 0.001 * psi
+        # the forward's and the backward's start also hold the first iteration's bucket, on NCCL's stash
+        stash = 0 if p1.phase is Phase.OPTIMIZER_STEP else 4 * psi
+        assert abs(p2.total_bytes - p1.total_bytes - 4 * psi - stash) < 0.001 * psi
         assert p3.total_bytes <= p2.total_bytes
     # with bucket views the gradients are there from the first forward on
     assert view.phase(Phase.FORWARD).get(Component.GRADIENTS) == pytest.approx(4 * psi, rel=1e-3)
@@ -373,3 +375,29 @@ def test_zero3_says_it_assumes_zero_init_and_what_a_wrapped_model_needs_at_init(
     for sharding in ("zero1", "zero2"):
         r = estimate_parallel(spec, Strategy(parallelism=Parallelism(data=8), sharding=sharding))
         assert not any("zero.Init" in n for n in r.notes)
+
+
+def test_ddp_over_nccl_holds_the_first_iterations_bucket_into_the_next_backward() -> None:
+    """The H200 (torch 2.11, one NCCL rank, qwen2.5-0.5b pure bf16, 2 × 1024, bucket_cap_mb=25): the second step's
+    forward and backward peaks were 988065792 bytes over the third's — the first iteration's single bucket of every
+    bf16 gradient, rounded to 512 — which NCCL's stash of its all-reduce kept past the rebuild
+    (``ddp_stashed_first_bucket``); the optimizer step and later steps hold none. With accumulation the rebuild
+    comes in the first step's second micro-step, before the optimizer has made its states (Adam's two bf16 states
+    outweigh the bucket). The closed form was 9.5% under the forward's peak and 9.0% under the backward's."""
+    from trainfit.analytic.model import step_inputs
+    from trainfit.analytic.parallel import ddp_stashed_first_bucket
+
+    spec = load_model("qwen2.5-0.5b")
+    eo = EngineOptions(bucket_cap_mb=25)
+    s = Strategy(precision="pure-bf16", sharding="ddp", micro_batch=2, seq_len=1024, engine=eo)
+    psi = inventory(spec).total
+    stash = ddp_stashed_first_bucket(spec, s, step_inputs(spec, s, keep_logits=False))
+    assert stash == 988065792 == -(-2 * psi // 512) * 512
+    r = estimate(spec, s)
+    for phase, measured in ((Phase.FORWARD, 11013449216), (Phase.BACKWARD, 11636794368)):
+        assert r.phase(phase).total_bytes == pytest.approx(measured, rel=0.01)
+        assert r.phase(phase).get(Component.COMM_BUFFERS) == pytest.approx(2 * 2 * psi, rel=1e-4)
+    assert r.phase(Phase.OPTIMIZER_STEP).get(Component.COMM_BUFFERS) == pytest.approx(2 * psi, rel=1e-4)
+    accum = dataclasses.replace(s, grad_accum=2)
+    assert ddp_stashed_first_bucket(spec, accum, step_inputs(spec, accum, keep_logits=False)) == 0
+    assert estimate(spec, accum).phase(Phase.FORWARD).get(Component.COMM_BUFFERS) == pytest.approx(2 * psi, rel=1e-4)

@@ -127,8 +127,16 @@ def test_ddp_with_lora_adds_buckets_of_the_adapter_gradients_only() -> None:
     single = estimate(SLUG, Strategy(adapter=adapter, base_weights=base))
     ddp = estimate(SLUG, _ft("lora", 4, "ddp"))
     for p1, p2 in zip(single.phases, ddp.phases, strict=True):
-        # fp32 gradient buckets of the adapters (c10d reducer: requires_grad parameters only)
-        assert p2.total_bytes - p1.total_bytes == pytest.approx(4 * t, abs=512 * 64), p1.phase
+        # fp32 gradient buckets of the adapters (c10d reducer: requires_grad parameters only); the forward also holds
+        # the first iteration's bucket of them, on NCCL's stash (parallel.ddp_stashed_first_bucket), and the backward
+        # until its first reduction
+        extra = p2.total_bytes - p1.total_bytes
+        if p1.phase is Phase.FORWARD:
+            assert extra == pytest.approx(8 * t, abs=512 * 65), p1.phase
+        elif p1.phase is Phase.BACKWARD:
+            assert 4 * t - 512 * 64 <= extra <= 8 * t + 512 * 65, p1.phase
+        else:
+            assert extra == pytest.approx(4 * t, abs=512 * 64), p1.phase
 
 
 def test_fsdp_freeze_gives_frozen_layers_no_gradients() -> None:

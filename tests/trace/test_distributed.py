@@ -325,3 +325,60 @@ def test_no_sync_under_cpu_offload_keeps_the_accumulated_gradients_on_the_device
     for ph in (Phase.FORWARD, Phase.BACKWARD):
         x, y = a.phase(ph).total_bytes, t.phase(ph).total_bytes
         assert abs(x - y) <= 0.003 * y, (ph, x, y)
+
+
+def _rebuilt_ddp_buckets(s: Strategy, monkeypatch: pytest.MonkeyPatch | None = None) -> list[int]:
+    """The traced DDP's comm records (construction, ``sync_bucket_indices``, the rebuilt buckets) on a tiny llama;
+    with ``monkeypatch``, every ``DistributedDataParallel`` loses ``_bucket_config`` after its construction, as
+    torch 2.11's has none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainfit.trace import depth
+    from trainfit.trace.distributed import fake_world, run_layout_distributed
+
+    if monkeypatch is not None:
+        init = DistributedDataParallel.__init__
+
+        def init_211(self: DistributedDataParallel, *args: object, **kwargs: object) -> None:
+            init(self, *args, **kwargs)
+            del self._bucket_config
+
+        monkeypatch.setattr(DistributedDataParallel, "__init__", init_211)
+    spec = tiny_spec("llama", hidden_size=128, intermediate_size=256, vocab_size=4096, num_hidden_layers=2)
+    plan = depth.plan_depth(spec, s, extrapolate=False)
+    _, layout = plan.layouts[0]
+    with fake_world(2) as mesh:
+        run = run_layout_distributed(spec, s, plan, layout, mesh, steps=2, adamw_impl="fused")
+    return [r.nbytes for r in run.tracker.comm_records if r.op == "empty.memory_format"]
+
+
+@pytest.mark.parametrize("cap_mb", [25, 1])
+def test_the_ddp_rebuild_runs_without_torch_213s_bucket_config(cap_mb: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's ``DistributedDataParallel`` has no ``_bucket_config`` (2.13's ``_BucketCapacityConfig``): the
+    H200 session's DDP trace failed with ``AttributeError`` at the rebuild. Its caps come from the
+    ``bucket_bytes_cap``/``bucket_bytes_cap_default`` attributes both versions set (``trace.distributed.bucket_caps``)
+    and the rebuilt reducer takes only the keywords this torch's ``Reducer`` names (``reducer_kwargs``): the same
+    buckets either way, the first capped at 1 MiB under torch's default cap only."""
+    s = Strategy(
+        parallelism=Parallelism(data=2),
+        sharding="ddp",
+        micro_batch=1,
+        seq_len=32,
+        engine=EngineOptions(bucket_cap_mb=cap_mb),
+    )
+    with_config = _rebuilt_ddp_buckets(s)
+    assert len(with_config) > 4  # the first iteration's bucket, the two sync tensors, rebuilt ones
+    assert _rebuilt_ddp_buckets(s, monkeypatch) == with_config
+
+
+def test_the_rebuilt_reducer_takes_the_keywords_this_torch_names() -> None:
+    """``reducer_kwargs`` drops what ``Reducer.__init__`` does not name (2.11 lacks 2.13's ``bucket_bytes_cap_list``
+    and ``batched_grad_copy``) when it holds that keyword's default, and refuses it otherwise."""
+    from trainfit.errors import TraceUnsupportedError
+    from trainfit.trace.distributed import reducer_kwargs
+
+    args = {"params": [], "bucket_bytes_cap": 1, "batched_grad_copy": False, "bucket_bytes_cap_list": []}
+    assert reducer_kwargs(args) == args  # torch 2.13 names them all
+    assert reducer_kwargs({**args, "not_in_211": []}) == args
+    with pytest.raises(TraceUnsupportedError, match="no 'no_such_flag'"):
+        reducer_kwargs({**args, "no_such_flag": True})

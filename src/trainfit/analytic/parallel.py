@@ -95,6 +95,7 @@ padding beyond ``make_vocab_size_divisible_by`` = 128·tp, MoE expert parallelis
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -803,6 +804,37 @@ def coalesced_flats(order: Sequence[tuple[int, int]]) -> list[int]:
     return [allocator_bytes(nbytes) if n > 1 else 0 for _, nbytes, n in buckets]
 
 
+def ddp_stashed_first_bucket(spec: ModelSpec, strategy: Strategy, q: StepInputs) -> int:
+    """Bytes of DDP's first-iteration bucket that NCCL's stash keeps alive past the rebuild, above what the worst
+    step holds anyway. Without ``find_unused_parameters`` the first iteration reduces one bucket of every gradient
+    (one per gradient dtype; distributed.py ``compute_bucket_size_limits``: ``[sys.maxsize]``); at the next forward
+    the reducer rebuilds its buckets and drops it (reducer.cpp ``initialize_buckets``: ``buckets_.clear()``, then
+    the new ones), but ProcessGroupNCCL still holds it: an asynchronous collective stashes its tensors on its work's
+    ``TensorShelf`` (ProcessGroupNCCL.cpp ``collective``), released by ``Work::wait``, which the reducer never calls
+    (it waits on the work's future, ``finalize_backward``), or by the next collective's ``workEnqueue`` once the
+    watchdog (every 100 ms, ``kWatchdogThreadSleepMillis``) has seen the work complete. The rebuild's and the
+    buffers' broadcasts follow the optimizer step too closely for that: the bucket goes at an all-reduce of the next
+    backward (H200, torch 2.11, qwen2.5-0.5b on one NCCL rank: the second step's forward and backward peaks
+    +988065792 bytes, the third's none). With one micro-step that is the second step's; under accumulation (DDP
+    reduces every micro-step) the first step's second micro-step, before the optimizer has made its states: it is
+    then the worst only by what the bucket exceeds them by."""
+    bucket = sum(ddp_bucket_bytes(spec, strategy.recipe.grad_bits, sys.maxsize, sys.maxsize, strategy))
+    if strategy.grad_accum > 1:
+        return max(0, bucket - q.resident.optimizer_states)
+    return bucket
+
+
+def _ddp_stash_moments(spec: ModelSpec, strategy: Strategy, q: StepInputs) -> frozenset[MomentName]:
+    """The backward moments before DDP's first reduction of a step, at which the stashed first bucket
+    (:func:`ddp_stashed_first_bucket`) is still held — the earliest the stash can let it go is that reduction:
+    the logits' gradient, and the final norm's backward unless an untied head's own gradient, ready before it,
+    fills the first bucket (bucket 0 closes once it holds ≥ its cap, ``compute_bucket_assignment_by_size``)."""
+    held = {MomentName.BACKWARD_START}
+    if spec.tie_word_embeddings or q.grad_head < strategy.engine.ddp_first_bucket_bytes:
+        held.add(MomentName.BACKWARD_FINAL_NORM)
+    return frozenset(held)
+
+
 def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...], list[str]]:
     q = step_inputs(spec, strategy, keep_logits=False)
     eo = strategy.engine
@@ -817,6 +849,9 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
     tied = tied_gradient_sum(spec, strategy) if q.grad_head and not q.grads_resident else None
     tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
 
+    stash = ddp_stashed_first_bucket(spec, strategy, q)
+    held_at = _ddp_stash_moments(spec, strategy, q)
+
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
         if eo.gradient_as_bucket_view:
@@ -825,12 +860,19 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
                 c[Component.TEMPORARIES] += tied_sum
         else:
             c[Component.COMM_BUFFERS] = total
+        if m.phase is Phase.FORWARD or m.name in held_at:
+            c[Component.COMM_BUFFERS] += stash
         return c
 
     notes = [
         f"DDP: {len(buckets)} gradient buckets of {fmt_gib(total)} in all, resident from construction"
         + (" (the gradients are views of them)" if eo.gradient_as_bucket_view else " on top of the gradients")
     ]
+    if stash:
+        notes.append(
+            f"DDP over NCCL: the first iteration's single bucket ({fmt_gib(stash)}) outlives the rebuild of the "
+            "buckets, held by the stash of its all-reduce until the next backward's first reduction"
+        )
     if finetuning(strategy):
         notes.append(
             "fine-tuning under DDP: every rank holds the single-GPU fine-tuning states; the buckets hold only the "

@@ -6,7 +6,8 @@ simulation (:mod:`trainfit.allocator`) like one GPU's:
 
 * **torch DDP**: the single-GPU stream of the rank's recipe plus the reducer's gradient buckets: one of every
   gradient when ``DistributedDataParallel`` is built (after the weights), replaced at the second forward by the
-  rebuilt ones, never freed after (c10d/reducer.cpp ``rebuild_buckets``, ``initialize_buckets``; sizes:
+  rebuilt ones, never freed after (c10d/reducer.cpp ``rebuild_buckets``, ``initialize_buckets``; the old one held
+  by NCCL's stash into the next backward; sizes:
   :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`; :class:`DdpHooks`); with
   ``gradient_as_bucket_view`` the gradients are views of them and allocate nothing (a tied table's
   out-of-place sum is a tensor of its own until ``accumulateGrad`` adds it into the view: ``adds_into_view``).
@@ -272,11 +273,12 @@ class DdpHooks(RankHooks):
     ``Reducer::rebuild_buckets``, once a backward has recorded the gradients' ready order; every micro-step of the
     stream reduces, so with accumulation that is the first step's second micro-step): ``sync_bucket_indices``' two
     int32 device tensors (every index and the bucket count; each bucket's length), freed on return, then
-    ``initialize_buckets`` frees the old bucket and allocates the ``bucket_cap_mb`` ones, first bucket first (sizes:
-    :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`, reverse module order standing for the ready order). With
-    ``gradient_as_bucket_view`` there are no separate gradients, and a resident gradient (a micro-step after the
-    first) is a view that holds the old bucket until ``initialize_bucket_views`` has copied it into the new one's
-    view: the old bucket then goes after the new ones are made."""
+    ``initialize_buckets`` drops the old bucket and allocates the ``bucket_cap_mb`` ones, first bucket first (sizes:
+    :func:`~trainfit.analytic.parallel.ddp_bucket_bytes`, reverse module order standing for the ready order). The
+    old bucket is not freed there: NCCL's stash of its all-reduce holds it until the next backward's first reduction
+    (:func:`~trainfit.analytic.parallel.ddp_stashed_first_bucket`), taken to be as the top layer's backward begins.
+    With ``gradient_as_bucket_view`` there are no separate gradients (a resident one, a micro-step after the first,
+    is a view of the old bucket until ``initialize_bucket_views`` has copied it into the new one's view)."""
 
     def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
         eo = strategy.engine
@@ -289,6 +291,7 @@ class DdpHooks(RankHooks):
         self.adds_into_view = self.view
         self.params = 0  # tensors in the reducer (its trainable parameters, a tied one once)
         self.held: list[int] = []  # the live buckets' keys
+        self.shelved: list[int] = []  # the first iteration's, on NCCL's stash after the rebuild
         self.forwards = 0
         self.micro = 0
 
@@ -305,17 +308,23 @@ class DdpHooks(RankHooks):
         self.forwards += 1
         if self.forwards == 2:
             s.free_all([s.alloc(4 * (self.params + 1)), s.alloc(4 * len(self.buckets))])  # sync_bucket_indices
-            old, viewed = self.held, self.view and self.micro > 0
-            if not viewed:
-                s.free_all(old)
-            self.held = [s.alloc(b) for b in self.buckets]
-            if viewed:
-                s.free_all(old)
+            # NCCL's stash of the old bucket's all-reduce holds it past the rebuild, to the next backward's first
+            # reduction (parallel.ddp_stashed_first_bucket), after the new ones are made
+            self.shelved, self.held = self.held, [s.alloc(b) for b in self.buckets]
         # then the buffers (distributed.py ``_pre_forward``: ``_rebuild_buckets`` before ``_sync_buffers``)
         _broadcast(s, self.buffer_sync)
 
     def grad_bytes(self, x: ParamTensor, bits: int) -> int:
         return 0 if self.view else super().grad_bytes(x, bits)
+
+    def layer_backward_begin(self, s: Stream, i: int) -> None:
+        """The first reduction after the rebuild unstashes the first iteration's bucket (its ``workEnqueue``): an
+        untied head's gradient fills the first bucket before the final norm's backward, the top layer's in its own
+        backward otherwise — taken here, as the top layer's backward begins, in every micro-step (a later one
+        reduces too, and the replay calls no gradient hook there)."""
+        s.free_all(self.shelved)
+        self.shelved = []
+        super().layer_backward_begin(s, i)
 
 
 def _broadcast(s: Stream, flats: Sequence[int]) -> None:

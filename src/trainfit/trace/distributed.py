@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -401,7 +402,10 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    shelf = _NcclShelf()
+
     def done(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        shelf.stash(bucket)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
@@ -433,8 +437,33 @@ def _wrap_ddp(model: torch.nn.Module, strategy: Strategy, tr: DistTracker) -> to
     # (``_pre_forward`` → ``Reducer::rebuild_buckets``; real DDP on gloo: 8404992 bytes, then 1050624 + 7354368).
     # The C++ rebuild reads tensor data (``sync_bucket_indices``), which fake tensors have not: it is emulated
     # (:class:`_RebuildingReducer`).
-    ddp.reducer = _RebuildingReducer(ddp, tr, buckets)  # type: ignore[assignment]
+    ddp.reducer = _RebuildingReducer(ddp, tr, buckets, shelf)  # type: ignore[assignment]
     return ddp
+
+
+class _NcclShelf:
+    """ProcessGroupNCCL's stash of the reducer's all-reduces, which keeps the first iteration's bucket alive past
+    the rebuild. An asynchronous collective puts its input and output tensors on its work's ``TensorShelf``
+    (c10d/ProcessGroupNCCL.cpp ``collective``); ``Work::wait`` releases them (``synchronizeStream`` →
+    ``unstash``), but the reducer never waits on the work, only on its future (reducer.cpp ``finalize_backward``:
+    ``bucket.future_work->wait()``). A work nobody waits on keeps its shelf until the watchdog, polling every
+    ``kWatchdogThreadSleepMillis`` (100 ms), has seen it complete and handed the shelf to ``shelvesToUnstash_``,
+    which the next collective's ``workEnqueue`` empties. In steady state that holds nothing extra (the buckets
+    live on in the reducer), but the first iteration's bucket, dropped by ``initialize_buckets`` at the rebuild,
+    stays on the shelf of its all-reduce: the broadcasts of the rebuild and of the buffers come right after the
+    optimizer step, before the watchdog has looked, so it goes only at an all-reduce of the next backward
+    (H200, torch 2.11, qwen2.5-0.5b on one NCCL rank: the second step's forward and backward peaks held one more
+    all-gradient bucket, 988065792 bytes, gone by its end). Emulated: a backward's buckets are held until the
+    next backward's first all-reduce (bucket 0), the earliest the watchdog can have let them go; the fake
+    process group itself stashes nothing."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def stash(self, bucket: Any) -> None:
+        if bucket.index() == 0:
+            self.tensors.clear()  # the next collective's ``workEnqueue`` unstashes the completed works' shelves
+        self.tensors.append(bucket.buffer())
 
 
 class _RebuildingReducer:
@@ -456,14 +485,16 @@ class _RebuildingReducer:
     its own ``rebuilt_params_`` go unused, this wrapper answering every later call), and
     ``DDP_SET_LAST_BUCKET_CAP`` is ignored."""
 
-    def __init__(self, ddp: Any, tr: DistTracker, buckets: list[tk.Record]) -> None:
-        """``buckets``: the tracker's records of the first iteration's buckets."""
-        if ddp.static_graph or ddp.find_unused_parameters or ddp._use_python_reducer:
+    def __init__(self, ddp: Any, tr: DistTracker, buckets: list[tk.Record], shelf: _NcclShelf) -> None:
+        """``buckets``: the tracker's records of the first iteration's buckets; ``shelf``: the comm hook's
+        emulation of NCCL's stash, which may still hold them at the rebuild."""
+        if ddp.static_graph or ddp.find_unused_parameters or getattr(ddp, "_use_python_reducer", False):
             raise TraceUnsupportedError("the DDP trace runs the reducer without static_graph or unused parameters")
         self._ddp = weakref.ref(ddp)  # DDP holds this wrapper
         self._reducer: Any = ddp.reducer
         self._tr = tr
         self._buckets = buckets
+        self._shelf = shelf
         self._params, self._sparse = ddp._build_params_for_reducer()
         self._ready: list[int] = []
         self._rebuilt = False
@@ -483,13 +514,9 @@ class _RebuildingReducer:
 
         ddp: Any = self._ddp()
         tr, order = self._tr, self._ready
-        config = ddp._bucket_config
-        limits = config.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)[1]
+        first_cap, cap, rebuild_caps = bucket_caps(ddp)
         indices, per_bucket = dist._compute_bucket_assignment_by_size(  # type: ignore[attr-defined]
-            [self._params[i] for i in order],
-            limits or [config.first_bucket_bytes_cap, config.bucket_bytes_cap],
-            self._sparse,
-            order,
+            [self._params[i] for i in order], rebuild_caps or [first_cap, cap], self._sparse, order
         )
         with tr.comm_region():
             # sync_bucket_indices: every index and the bucket count, then each bucket's length, on the device
@@ -497,34 +524,36 @@ class _RebuildingReducer:
         del sync
         self._reducer = None
         ddp.logger = None  # it holds the reducer (c10d/logger.hpp ``reducer_``)
-        # Only gradients that are views of the old bucket may hold it now; the new reducer copies them into its own
-        # views and lets them go (``initialize_bucket_views``), after it has allocated the new buckets.
+        # Only gradients that are views of the old bucket, and NCCL's stash of its all-reduce (_NcclShelf), may hold
+        # it now; the new reducer copies such gradients into its own views and lets them go
+        # (``initialize_bucket_views``), after it has allocated the new buckets.
         viewed = ddp.gradient_as_bucket_view and any(p.grad is not None for p in self._params)
-        if not viewed and any(r.free_t is None for r in self._buckets):
+        if not viewed and self._unshelved():
             raise TraceUnsupportedError("the DDP trace could not free the first iteration's bucket before the rebuild")
+        args = {
+            "params": self._params,
+            "bucket_indices": indices,
+            "per_bucket_size_limits": per_bucket,
+            "process_group": ddp.process_group,
+            "expect_sparse_gradients": self._sparse,
+            "bucket_bytes_cap": cap,
+            "find_unused_parameters": ddp.find_unused_parameters,
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "param_to_name_mapping": ddp._build_debug_param_to_name_mapping(self._params),
+            "first_bucket_bytes_cap": first_cap,
+            "skip_all_reduce_unused_params": getattr(ddp, "skip_all_reduce_unused_params", False),
+            "use_python_reducer": getattr(ddp, "_use_python_reducer", False),
+            "bucket_bytes_cap_list": rebuild_caps,
+            "batched_grad_copy": getattr(ddp, "batched_grad_copy", False),
+        }
         with tr.comm_region():
-            reducer = dist.Reducer(  # type: ignore[attr-defined]
-                self._params,
-                indices,
-                per_bucket,
-                ddp.process_group,
-                self._sparse,
-                ddp.bucket_bytes_cap,
-                ddp.find_unused_parameters,
-                ddp.gradient_as_bucket_view,
-                ddp._build_debug_param_to_name_mapping(self._params),
-                config.first_bucket_bytes_cap,
-                ddp.skip_all_reduce_unused_params,
-                ddp._use_python_reducer,
-                limits,
-                ddp.batched_grad_copy,
-            )
+            reducer = dist.Reducer(**reducer_kwargs(args))  # type: ignore[attr-defined]
         ddp.logger = dist.Logger(reducer)  # type: ignore[attr-defined]
         reducer.set_logger(ddp.logger)
         for hook, state in ddp._comm_hooks:
             ddp.logger._set_comm_hook_name(hook.__qualname__)
             dist._register_comm_hook(reducer, state, hook)  # type: ignore[attr-defined]
-        if any(r.free_t is None for r in self._buckets):
+        if self._unshelved():
             raise TraceUnsupportedError("the DDP trace could not free the first iteration's bucket at the rebuild")
         reducer.prepare_for_forward()  # this iteration, which the old reducer had counted
         self._reducer, self._buckets = reducer, []
@@ -533,8 +562,50 @@ class _RebuildingReducer:
             h.remove()
         return True
 
+    def _unshelved(self) -> bool:
+        """Whether an old bucket is alive other than on NCCL's stash of its all-reduce."""
+        shelved = {id(self._tr.record_of(t)) for t in self._shelf.tensors}
+        return any(r.free_t is None and id(r) not in shelved for r in self._buckets)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reducer, name)
+
+
+def bucket_caps(ddp: Any) -> tuple[int, int, list[int]]:
+    """(first bucket's cap, the others' cap, per-bucket caps of a rebuild — empty: the two caps) of a
+    ``DistributedDataParallel``. torch 2.13 keeps them in ``_bucket_config`` (distributed.py
+    ``_BucketCapacityConfig``: the first bucket 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``, only when
+    ``bucket_cap_mb`` is None; ``compute_bucket_size_limits``' second item for a rebuild); torch 2.11 has no such
+    attribute (the H200 session: ``AttributeError``) but the ``bucket_bytes_cap`` and ``bucket_bytes_cap_default``
+    attributes, which 2.13 still sets from the config for backward compatibility, with the same first-bucket rule
+    (``_ddp_init_helper`` passes ``dist._DEFAULT_FIRST_BUCKET_BYTES if self.bucket_bytes_cap_default else
+    self.bucket_bytes_cap`` to the ``Reducer``)."""
+    import torch.distributed as dist
+
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:
+        caps = config.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)[1]
+        return int(config.first_bucket_bytes_cap), int(config.bucket_bytes_cap), list(caps)
+    cap = int(ddp.bucket_bytes_cap)
+    first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if ddp.bucket_bytes_cap_default else cap  # type: ignore[attr-defined]
+    return first, cap, list(getattr(ddp, "bucket_bytes_cap_list", None) or [])
+
+
+def reducer_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` less the keywords this torch's ``dist.Reducer`` does not take: its pybind11 signature
+    (torch/csrc/distributed/c10d/init.cpp, every argument named) grows between releases — 2.13 added
+    ``bucket_bytes_cap_list`` and ``batched_grad_copy`` — so the rebuilt reducer is built by keyword from the names
+    in ``Reducer.__init__.__doc__``; a name it lacks must hold an empty or false value, which is what that keyword's
+    default is where it exists (refused otherwise)."""
+    import torch.distributed as dist
+
+    doc = dist.Reducer.__init__.__doc__ or ""  # type: ignore[attr-defined]
+    names = set(re.findall(r"(\w+): ", doc.split("->", 1)[0]))
+    kept = {k: v for k, v in args.items() if k in names}
+    for k in args.keys() - kept.keys():
+        if args[k] not in ([], False, None):  # not the default the missing keyword would have had
+            raise TraceUnsupportedError(f"this torch's DDP Reducer takes no {k!r}; the DDP trace cannot rebuild it")
+    return kept
 
 
 @contextlib.contextmanager
