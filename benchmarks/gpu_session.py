@@ -94,6 +94,9 @@ class Case:
     batch: int = 0
     #: (model, Strategy keywords) trained first in the same process, as the published figures were taken.
     preceded_by: tuple[tuple[str, dict[str, Any]], ...] = ()
+    #: seconds to sleep after each optimizer step (the DDP check: NCCL's watchdog, every 100 ms, must see the
+    #: first iteration's all-reduce complete before the next collective can release its stashed bucket)
+    pause_s: float = 0.0
 
 
 #: (name, issue, share of the budget), in priority order.
@@ -166,6 +169,15 @@ CASES = (
             strategy={"precision": "pure-bf16", "sharding": sh, "micro_batch": 2, "seq_len": 1024},
         )
         for sh in ("fsdp", "ddp")
+    ),
+    Case(
+        id="q05-ddp-w1-pure-b2s1024-pause300ms",
+        section="distributed",
+        kind="dist",
+        model="qwen2.5-0.5b",
+        strategy={"precision": "pure-bf16", "sharding": "ddp", "micro_batch": 2, "seq_len": 1024},
+        trace=False,
+        pause_s=0.3,
     ),
     Case(
         id="q05-lora-r16-all-linear-pure-b4s1024",
@@ -520,10 +532,11 @@ def prepare(spec: Any, st: Any, model: Any, dev: _Dev) -> tuple[Any, ...]:
     return params, opt, scaler, make_batch, hf.loss_of(spec), autocast
 
 
-def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> dict[str, Any]:
+def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3, pause_s: float = 0.0) -> dict[str, Any]:
     """The trace's training step on real tensors, measured per phase like ../shared/gpu-truth's
     measure_training.py: the peak counter is reset before forward, backward and the optimizer step; the
-    phases' peaks are the maxima of steps 1.. (optimizer states resident)."""
+    phases' peaks are the maxima of steps 1.. (optimizer states resident). ``pause_s``: a sleep after each
+    step (outside its timing)."""
     torch = dev.torch
     params, opt, scaler, make_batch, loss_of, autocast = prepare(spec, st, model, dev)
     phases = dict.fromkeys(PHASES, 0)
@@ -552,6 +565,8 @@ def train_loop(spec: Any, st: Any, model: Any, dev: _Dev, *, steps: int = 3) -> 
         dev.sync()
         seconds.append(round(time.perf_counter() - t0, 4))
         rows.append({"forward": f, "backward": b, "optimizer-step": o})
+        if pause_s:
+            time.sleep(pause_s)
         if step >= 1 and dev.cuda:
             for ph, s in zip(PHASES, (f, b, o), strict=True):
                 phases[ph] = max(phases[ph], s["max_allocated"])
@@ -751,7 +766,9 @@ def _dist(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str
                 model, bucket_cap_mb=eo.bucket_cap_mb, gradient_as_bucket_view=eo.gradient_as_bucket_view
             )
             how = f"DDP bucket_cap_mb={eo.bucket_cap_mb}, gradient_as_bucket_view={eo.gradient_as_bucket_view}"
-        row = train_loop(spec, st, run_model, dev)
+        row = train_loop(spec, st, run_model, dev, pause_s=case.pause_s)
+        if case.pause_s:
+            how += f", {case.pause_s:g} s pause after each optimizer step"
         sink.write(
             "measured",
             how=how + ", world size 1, fresh process",
