@@ -355,6 +355,9 @@ class MeasureDetails:
     modules: tuple[ModuleRow, ...] = ()
     trace: Mapping[Phase, int] | None = None  # the trace's phase totals, for comparison
     measured_minus_trace: Mapping[Phase, int] | None = None
+    #: depth-extrapolated only: the allocator's rounding (allocated minus requested peak) per phase of the
+    #: deepest measured run, added unscaled (measure/gpu.py)
+    allocator_rounding: Mapping[Phase, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -369,6 +372,8 @@ class MeasureDetails:
             out["trace"] = {ph.value: n for ph, n in self.trace.items()}
         if self.measured_minus_trace is not None:
             out["measured_minus_trace"] = {ph.value: n for ph, n in self.measured_minus_trace.items()}
+        if self.allocator_rounding is not None:
+            out["allocator_rounding"] = {ph.value: n for ph, n in self.allocator_rounding.items()}
         return out
 
 

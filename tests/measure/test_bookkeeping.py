@@ -10,6 +10,7 @@ next run starts, every run starts from the same allocation, and extrapolated equ
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 from tests.trace.conftest import tiny_spec  # noqa: E402
+from trainfit.allocator.simulator import Simulator  # noqa: E402
 from trainfit.cuda_facts import allocator_bytes  # noqa: E402
 from trainfit.measure.gpu import DeviceProbe, measure_spec  # noqa: E402
 from trainfit.trace import depth, hf  # noqa: E402
@@ -61,6 +63,8 @@ class CountingMemory:
 
     memory_reserved = memory_allocated
     max_memory_reserved = max_memory_allocated
+    memory_requested = memory_allocated  # no block rounding beyond the 512 B the counts already have
+    max_memory_requested = max_memory_allocated
 
     def reset_peak_memory_stats(self) -> None:
         self.top = self.now
@@ -219,3 +223,87 @@ def test_a_forward_peak_inside_the_top_layer_is_measured_at_two_and_three_units(
     full = measure(extrapolate=False)
     for pe, pf in zip(ext.phases, full.phases, strict=True):
         assert abs(pe.total_bytes - pf.total_bytes) <= 4096, (pe.phase, pe.total_bytes, pf.total_bytes)
+
+
+class SimulatedCaching(CpuStandIn):
+    """The stand-in with the caching allocator's blocks: every CPU storage an operator creates is a request to
+    :class:`trainfit.allocator.simulator.Simulator` (best fit among cached free blocks, a large-pool block split
+    only when more than 1 MiB is left), so ``allocated`` counts the blocks as ``max_memory_allocated`` does and
+    ``requested`` the tensors' bytes as ``memory_stats()["requested_bytes.all.*"]`` do."""
+
+    label = "simulated caching allocator"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = Simulator()
+        self.req = self.req_top = 0
+        self._keys = itertools.count()
+
+    def memory_allocated(self) -> int:
+        return self.sim.allocated_bytes
+
+    def memory_reserved(self) -> int:
+        return self.sim.reserved_bytes
+
+    def max_memory_reserved(self) -> int:
+        return self.sim.peak_reserved_bytes
+
+    def memory_requested(self) -> int:
+        return self.req
+
+    def max_memory_requested(self) -> int:
+        return self.req_top
+
+    def empty_cache(self) -> None:
+        self.sim.empty_cache()
+
+    def reset_peak_memory_stats(self) -> None:
+        self.top, self.req_top = self.sim.allocated_bytes, self.req
+
+    def _release(self, key: int, n: int, _ref: object) -> None:
+        self.sim.free(key)
+        self.req -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                n = st.nbytes()
+                if n and st not in self._seen:
+                    key = next(self._keys)
+                    self._seen[st] = weakref.ref(st, functools.partial(self._release, key, n))
+                    self.sim.malloc(key, n)
+                    self.top = max(self.top, self.sim.allocated_bytes)
+                    self.req += n
+                    self.req_top = max(self.req_top, self.req)
+        return out
+
+
+#: Extrapolated vs full depth under the simulated allocator: the deepest measured run's rounding stands for the
+#: full depth's, which may hold a few more unsplit blocks (2.5 MiB here in backward; 3 MiB on the H200).
+ROUNDING_SLACK_BYTES = 4 * 2**20
+
+
+def test_the_allocators_rounding_is_not_extrapolated_in_depth() -> None:
+    """The H200 failure of tests/measure/test_measure.py[master-bf16, sgd-momentum], on the CPU: the fp32 master
+    gradients (3 MiB for each MLP matrix) are served at the optimizer step from cached blocks the backward freed,
+    some of them unsplit and so counted larger than asked; how many depends on the cached blocks, not linearly on
+    the layers. Extrapolating ``max_memory_allocated`` put the optimizer step 10.5 MiB over the full-depth
+    measurement here (the H200: 1.0, 10.0 and 13.0 MiB of rounding at 1, 2 and 6 layers, +33 MiB extrapolated).
+    Extrapolating the requested bytes and adding the deepest run's rounding keeps to the full depth."""
+    spec = tiny_spec("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=6, vocab_size=8192)
+    st = Strategy(micro_batch=1, seq_len=128, precision="master-bf16", optimizer="sgd-momentum")
+
+    def measure(**kw: Any):  # type: ignore[no-untyped-def]
+        with (dev := SimulatedCaching()):
+            return measure_spec(spec, st, memory=dev, with_trace=False, **kw)
+
+    ext, full = measure(), measure(extrapolate=False)
+    assert ext.extra["layers_traced"] == [1, 2] and full.extra["layers_traced"] == [6]
+    for ph in (Phase.OPTIMIZER_STEP, Phase.FORWARD, Phase.BACKWARD):
+        e, f = ext.phase(ph).total_bytes, full.phase(ph).total_bytes
+        assert abs(e - f) <= ROUNDING_SLACK_BYTES, (ph, e, f)
+    rounding = ext.extra["allocator_rounding"]
+    assert rounding["optimizer-step"] > 2**20  # the mechanism is there to be carried
+    assert "allocator_rounding" not in full.extra  # a full-depth measurement is its allocated peak as it is

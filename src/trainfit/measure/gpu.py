@@ -17,9 +17,23 @@ first run a small matmul forward and backward creates the cuBLAS handles and wor
 main and the autograd thread, which the caching allocator serves and keeps, so every run starts from the
 same baseline.
 
+The allocator counts two totals, and only one of them is linear in depth. ``requested_bytes`` (in
+``torch.cuda.memory_stats()``) sums what the tensors asked for; ``allocated_bytes`` (what
+``max_memory_allocated`` reads) sums the blocks handed out, and a block can be larger than its request: a
+large-pool request served from a cached free block keeps the whole block when the remainder is not over
+1 MiB (``should_split`` in c10/cuda/CUDACachingAllocator.cpp; :mod:`trainfit.allocator.simulator`). Which
+cached blocks are free when a request comes depends on everything freed before it, not on the number of
+layers: on the H200 the fp32 master gradients of the master-bf16 tiny Llama (3 MiB each for the MLP
+matrices, made at the optimizer step from cached 4 MiB activation blocks) were allocated 1.0, 10.0 and
+13.0 MiB over their request at 1, 2 and 6 layers. Extrapolating ``allocated`` multiplied that step of 9 MiB
+by the five missing layers (+45 MiB at the optimizer step). So the regions are read and extrapolated in
+requested bytes, and each phase then gets the rounding of the deepest run measured (allocated peak minus
+requested peak, under temporaries) unscaled; a full-depth measurement is its allocated peak as it is.
+
 The device reports totals only. Weights, master weights and optimizer states are sized from the live
-tensors (512-byte blocks); the rest of each total — gradients, activations, logits, temporaries and the
-cuBLAS workspace, which the caching allocator also serves — is reported as temporaries.
+tensors (512-byte blocks); the rest of each total — gradients, activations, logits, temporaries, the
+allocator's rounding and the cuBLAS workspace, which the caching allocator also serves — is reported as
+temporaries.
 
 The device is a :class:`DeviceMemory`: :class:`CudaMemory` by default; tests pass a stand-in that counts
 real CPU storages, so the bookkeeping runs in CI without a GPU.
@@ -38,7 +52,16 @@ import torch
 
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError
-from trainfit.result import Component, MeasureDetails, MemoryReport, Method, ModuleRow, Phase, TraceDetails
+from trainfit.result import (
+    Component,
+    MeasureDetails,
+    MemoryReport,
+    Method,
+    ModuleRow,
+    Phase,
+    PhaseBreakdown,
+    TraceDetails,
+)
 from trainfit.strategy import Strategy
 from trainfit.trace import depth, hf, readout
 from trainfit.trace.api import trace_spec
@@ -66,6 +89,11 @@ class DeviceMemory(Protocol):
     def max_memory_allocated(self) -> int: ...
     def memory_reserved(self) -> int: ...
     def max_memory_reserved(self) -> int: ...
+    def memory_requested(self) -> int:
+        """The bytes the live tensors requested (``allocated`` less the blocks' rounding)."""
+        ...
+
+    def max_memory_requested(self) -> int: ...
     def reset_peak_memory_stats(self) -> None: ...
 
 
@@ -95,6 +123,12 @@ class CudaMemory:
     def max_memory_reserved(self) -> int:
         return int(torch.cuda.max_memory_reserved())
 
+    def memory_requested(self) -> int:
+        return int(torch.cuda.memory_stats().get("requested_bytes.all.current", 0))
+
+    def max_memory_requested(self) -> int:
+        return int(torch.cuda.memory_stats().get("requested_bytes.all.peak", 0))
+
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
 
@@ -104,51 +138,73 @@ class DeviceProbe:
 
     Reading ``i`` holds the largest allocation between mark ``i - 1`` and mark ``i`` (the peak counters
     are reset at every mark, which sets them to the level at that moment) and the allocation at mark
-    ``i``. Reading 0 is taken when the probe is made."""
+    ``i``, each as allocated, requested and reserved bytes. Reading 0 is taken when the probe is made."""
 
     def __init__(self, memory: DeviceMemory) -> None:
         self.memory = memory
         memory.synchronize()
         memory.reset_peak_memory_stats()
         self.level = [memory.memory_allocated()]
+        self.level_requested = [memory.memory_requested()]
         self.level_reserved = [memory.memory_reserved()]
         self.peaks = list(self.level)
+        self.peaks_requested = list(self.level_requested)
         self.peaks_reserved = list(self.level_reserved)
         self.marks: list[Mark | None] = [None]
 
     def __call__(self, mark: Mark) -> int:
         mem = self.memory
         self.peaks.append(mem.max_memory_allocated())
+        self.peaks_requested.append(mem.max_memory_requested())
         self.peaks_reserved.append(mem.max_memory_reserved())
         self.level.append(mem.memory_allocated())
+        self.level_requested.append(mem.memory_requested())
         self.level_reserved.append(mem.memory_reserved())
         self.marks.append(mark)
         mem.reset_peak_memory_stats()
         return len(self.peaks) - 1
 
-    def peak(self, start: int, end: int, reserved: bool = False) -> int:
+    def peak(self, start: int, end: int, reserved: bool = False, *, requested: bool = False) -> int:
         """The largest allocation from mark ``start`` to mark ``end`` (inclusive): the level at ``start``
-        and the peaks of the stretches after it up to ``end``."""
+        and the peaks of the stretches after it up to ``end`` (in requested bytes with ``requested``)."""
         if not 0 <= start <= end < len(self.peaks):
             raise ValueError(f"no readings for marks {start}..{end} ({len(self.peaks)} readings)")
-        level, peaks = (self.level_reserved, self.peaks_reserved) if reserved else (self.level, self.peaks)
+        level, peaks = (
+            (self.level_reserved, self.peaks_reserved)
+            if reserved
+            else (self.level_requested, self.peaks_requested)
+            if requested
+            else (self.level, self.peaks)
+        )
         return max([level[start], *peaks[start + 1 : end + 1]])
 
 
 @dataclass
 class _LayoutMeasurement:
-    """One layout run's numbers (no tensors): region and phase breakdowns, reserved peaks per phase."""
+    """One layout run's numbers (no tensors): region breakdowns in requested bytes (what extrapolation
+    takes), phase breakdowns in allocated bytes, the allocator's rounding per phase (allocated peak minus
+    requested peak) and the reserved peaks per phase."""
 
     regions: dict[tuple[Phase, Region], dict[Component, int]]
     phases: dict[Phase, dict[Component, int]]
+    rounding: dict[Phase, int] = field(default_factory=dict)
     reserved: dict[Phase, int] = field(default_factory=dict)
 
 
 def _worst(
-    intervals: list[Interval[Label]], probe: DeviceProbe, split: Callable[[int], dict[Component, int]]
+    intervals: list[Interval[Label]],
+    probe: DeviceProbe,
+    split: Callable[[int], dict[Component, int]],
+    *,
+    requested: bool = False,
 ) -> list[Peak[Label]]:
     return [
-        Peak(label=iv.label, event=iv.end, total_bytes=(t := probe.peak(iv.start, iv.end)), components=split(t))
+        Peak(
+            label=iv.label,
+            event=iv.end,
+            total_bytes=(t := probe.peak(iv.start, iv.end, requested=requested)),
+            components=split(t),
+        )
         for iv in intervals
     ]
 
@@ -183,10 +239,12 @@ def _measure_layout(
 
     timeline = done.run.timeline
     regions = readout.worst_by(
-        ((pk.label.phase, pk.label.region), pk) for pk in _worst(timeline.region_intervals(), probe, split)
+        ((pk.label.phase, pk.label.region), pk)
+        for pk in _worst(timeline.region_intervals(), probe, split, requested=True)
     )
     phase_intervals = timeline.phase_intervals()
     phases = readout.worst_by((pk.label.phase, pk) for pk in _worst(phase_intervals, probe, split))
+    requested = readout.worst_by((pk.label.phase, pk) for pk in _worst(phase_intervals, probe, split, requested=True))
     reserved: dict[Phase, int] = {}
     for iv in phase_intervals:
         ph = iv.label.phase
@@ -194,6 +252,7 @@ def _measure_layout(
     return _LayoutMeasurement(
         regions={k: pk.components for k, pk in regions.items()},
         phases={k: pk.components for k, pk in phases.items()},
+        rounding={ph: max(0, phases[ph].total_bytes - requested[ph].total_bytes) for ph in phases},
         reserved=reserved,
     )
 
@@ -280,6 +339,9 @@ def measure_spec(
     )
     plan, (_, measured, baselines), warnings, phases = outcome.plan, outcome.results, outcome.warnings, outcome.phases
     say("extrapolating", 1.0)
+    rounding: dict[Phase, int] = {}
+    if plan.ext:
+        phases, rounding = _with_rounding(phases, measured, plan)
 
     drift = [b - baselines[0] for b in baselines]
     if any(abs(d) > BASELINE_DRIFT_BYTES for d in drift):
@@ -305,6 +367,7 @@ def measure_spec(
         modules=rows,
         trace=trace_totals,
         measured_minus_trace=gap,
+        allocator_rounding=rounding or None,
     )
     peak = max(p.total_bytes for p in phases.values())
     return MemoryReport(
@@ -317,13 +380,38 @@ def measure_spec(
         bytes_per_param=readout.bytes_per_param(phases, plan.params),
         notes=(
             "measured with torch.cuda.max_memory_allocated between the trace's marks, step 2 onwards",
+            *(
+                [
+                    "extrapolated in depth from the allocator's requested bytes; the blocks' rounding "
+                    "(allocated minus requested) is the deepest measured run's, not extrapolated: "
+                    + ", ".join(f"{ph.value} {n / 2**20:.1f} MiB" for ph, n in rounding.items())
+                ]
+                if plan.ext
+                else []
+            ),
             "the device reports totals: weights, master weights and optimizer states are sized from the live "
-            "tensors; gradients, activations, logits and temporaries (and the cuBLAS workspace) are under "
-            "temporaries",
+            "tensors; gradients, activations, logits and temporaries (and the cuBLAS workspace and the allocator's "
+            "block rounding) are under temporaries",
         ),
         warnings=tuple(warnings),
         details=details,
     )
+
+
+def _with_rounding(
+    phases: dict[Phase, PhaseBreakdown], measured: list[_LayoutMeasurement], plan: depth.DepthPlan
+) -> tuple[dict[Phase, PhaseBreakdown], dict[Phase, int]]:
+    """The extrapolated phases (requested bytes) plus the allocator's rounding of the deepest layout run,
+    under temporaries (module docstring): the rounding depends on which cached blocks are free, not on the
+    number of units, so it is carried as measured rather than extrapolated."""
+    deepest = max(range(len(measured)), key=lambda i: len(plan.layouts[i][1].layers))
+    rounding = dict(measured[deepest].rounding)
+    out = {}
+    for ph, b in phases.items():
+        comps = dict(b.components)
+        comps[C.TEMPORARIES] = comps.get(C.TEMPORARIES, 0) + rounding.get(ph, 0)
+        out[ph] = readout.breakdown(ph, comps)
+    return out, rounding
 
 
 def _reserved(measured: list[_LayoutMeasurement], ext: list[int]) -> Mapping[Phase, int]:
