@@ -22,6 +22,7 @@ from importlib import import_module
 from typing import Any
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import Thread
 from trainfit.analytic import inference as an
 from trainfit.analytic.inference import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -125,6 +126,16 @@ def _setup(setup: InferenceSetup | None, fields: Mapping[str, Any]) -> Inference
     return setup if setup is not None else InferenceSetup(**fields)
 
 
+def generate_workspaces_bytes(gpu: GPUSpec | None) -> int:
+    """The workspaces a ``generate`` call allocates on ``gpu`` (its compute capability; none given: the H200's): the
+    main thread's cuBLAS workspace and its separate cuBLASLt one, made at the first matmul and kept by the handle
+    (``CublasHandlePool.cpp``); no backward, so no autograd thread's. Blocks no tensor owns: the trace cannot see
+    them (H200, 2026-12-04: every ``generate`` peak 30–50 MB over both methods, 33 MiB of it these)."""
+    from trainfit.estimate import gpu_workspaces
+
+    return sum(w.size_bytes for w in gpu_workspaces(gpu) if w.thread is Thread.MAIN)
+
+
 def infer(
     model: str | ModelSpec,
     setup: InferenceSetup | None = None,
@@ -222,6 +233,8 @@ def infer(
         kv_full, weights = tr.kv_cache_bytes, tr.weights_bytes
         trace_seconds, layers = tr.seconds, tr.layers_traced
         notes += list(tr.notes)
+    workspaces = generate_workspaces_bytes(gpu_spec)
+    phases = {ph: {**c, Component.WORKSPACES: workspaces} for ph, c in phases.items()}
     breakdowns = tuple(PhaseBreakdown(phase=ph, components=c) for ph, c in phases.items())
     peak = max(b.total_bytes for b in breakdowns)
     overhead = overhead_for(peak, gpu_spec, inference=True)
@@ -255,7 +268,7 @@ def infer(
             fits=required <= usable,
             free_bytes=usable - required,
         )
-        cap = an.capacity(spec, st, usable, flash=flash, gpu=gpu_spec, reserve=reserve)
+        cap = an.capacity(spec, st, usable, flash=flash, gpu=gpu_spec, reserve=reserve, extra_bytes=workspaces)
         if srv is Server.PAGED:
             paged = an.paged_capacity(
                 spec, st, gpu_spec.memory_bytes, gpu_memory_utilization, flash=flash, gpu=gpu_spec

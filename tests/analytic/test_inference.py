@@ -274,7 +274,8 @@ def test_4bit_kernel_rule_per_gpu_is_bounded_by_the_gpu_free_answer() -> None:
             continue
         rep = infer(spec, base, gpu=gpu)
         assert (rep.setup.compute_capability, rep.setup.sm_count) == (gpu.compute_capability, gpu.sm_count)
-        decode = next(p for p in rep.phases if p.phase is InferencePhase.DECODE).total_bytes
+        phase = next(p for p in rep.phases if p.phase is InferencePhase.DECODE)
+        decode = phase.total_bytes - phase.get(Component.WORKSPACES)  # the closed form's part (infer adds cuBLAS's)
         assert decode <= bound, gpu.id
     weight = 14336 * 4096 * 2  # one dequantised bf16 up_proj or down_proj
     h100 = an.phase_estimates(spec, dataclasses.replace(base, compute_capability="9.0", sm_count=132))

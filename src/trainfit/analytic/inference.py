@@ -1301,14 +1301,16 @@ def capacity(
     flash: bool = True,
     gpu: GPUSpec | None = None,
     reserve: Fraction | None = None,
+    extra_bytes: int = 0,
 ) -> Capacity:
     """Search batch and context with the closed forms (memory is monotone in both). ``reserve``: the
     allocator reserve as a fraction of each probe's peak (the request's simulated fraction; one simulation
-    per probe would take minutes), else the fixed fraction."""
+    per probe would take minutes), else the fixed fraction. ``extra_bytes``: held in every probe besides its
+    closed form (the cuBLAS workspaces)."""
     w = weight_bytes(spec, setup)
 
     def fits(s: InferenceSetup) -> bool:
-        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w), gpu, reserve) <= usable
+        return required_bytes(peak_bytes(spec, s, flash=flash, weights=w) + extra_bytes, gpu, reserve) <= usable
 
     def fits_batch(b: int) -> bool:
         return fits(dataclasses.replace(setup, batch=b))

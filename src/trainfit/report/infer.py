@@ -27,6 +27,7 @@ INFER_COMPONENTS: tuple[Component, ...] = (
     Component.KV_CACHE,
     Component.ACTIVATIONS,
     Component.LOGITS_LOSS,
+    Component.WORKSPACES,
 )
 
 
