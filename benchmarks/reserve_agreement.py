@@ -11,13 +11,16 @@ reserved memory".
 
 Usage: python benchmarks/reserve_agreement.py [MODEL RECIPE CKPT BATCH SEQ ...]   (five at a time, e.g.
        python benchmarks/reserve_agreement.py llama-3.2-3b amp-bf16 full 1 4096)
-       python benchmarks/reserve_agreement.py --finetune
+       python benchmarks/reserve_agreement.py --finetune [--write]   (--write replaces the marked table of
+       docs/accuracy.md)
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+from pathlib import Path
 
 from trainfit import Strategy, estimate
 from trainfit.allocator import simulate
@@ -44,14 +47,16 @@ FINETUNE: tuple[tuple[str, str, str, int, int, str, str, float, str | None], ...
     ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "qlora", "all-linear", 0.0, "nf4"),
 )
 GIB = 2**30
+BEGIN, END = "<!-- reserve-finetune:begin -->", "<!-- reserve-finetune:end -->"
 
 
-def finetune_main() -> None:
-    print(
+def finetune_main(write: bool) -> None:
+    rows = [
         "| model | recipe | ckpt | b×s | adapter | analytic reserved GiB | trace reserved GiB | diff | "
-        "allocated GiB (analytic / trace) |"
-    )
-    print("|---|---|---|---|---|---:|---:|---:|---:|")
+        "allocated GiB (analytic / trace) |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    print("\n".join(rows))
     for slug, recipe, ckpt, batch, seq, how, targets, dropout, base in FINETUNE:
         t0 = time.perf_counter()
         spec = load_model(slug)
@@ -75,19 +80,23 @@ def finetune_main() -> None:
         rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
         assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
         setup = f"{how} r16 {targets}" + (f" dropout {dropout}" if dropout else "") + (f" {base} base" if base else "")
-        print(
+        rows.append(
             f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {setup} | {ra.reserved_estimate_bytes / GIB:.2f} | "
             f"{rt.reserved_estimate_bytes / GIB:.2f} | "
             f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
             f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
-            f"  ({time.perf_counter() - t0:.0f} s)",
-            flush=True,
         )
+        print(f"{rows[-1]}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if write:
+        doc = Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"
+        text = doc.read_text()
+        new = BEGIN + "\n" + "\n".join(rows) + "\n" + END
+        doc.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: new, text, flags=re.S))
 
 
 def main(argv: list[str]) -> None:
-    if argv == ["--finetune"]:
-        finetune_main()
+    if argv and argv[0] == "--finetune":
+        finetune_main("--write" in argv[1:])
         return
     cases = CASES
     if argv:

@@ -534,6 +534,7 @@ def synthesise(
         own: dict[str, list[int]] = {}
         flow_saved[i] = own
         open_flow: tuple[LoraFlow, int, list[int]] | None = None
+        product = 0  # a frozen SwiGLU's product, the down projection's input: saved by nothing, held through it
         if i == 0 and first_terms is not None:
             terms = first_terms
         elif forms and fz is not None and fz.frozen_at[i]:
@@ -558,6 +559,20 @@ def synthesise(
                 if term.name.endswith(".lora_A_out") and open_flow is not None:
                     lora_flow_forward_end(*open_flow)
                     open_flow = None
+                    if f.site.reads is SiteInput.MLP_ACT:
+                        s.free(product)
+                        product = 0
+            elif flows and term.name == "mlp.swiglu" and term.pieces:
+                # act(gate) * up: a frozen down projection keeps no input (LlamaMLP.forward
+                # ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``); an unadapted one's output is the residual
+                # stream's next input, a tensor the stream does not hold
+                product = s.alloc(rank.saved_bytes(term.name, term.pieces[0]))
+                if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
+                    out = s.alloc(hidden)
+                    s.free(product)
+                    s.free(out)
+                    product = 0
+        s.free(product)
         return copies, saved
 
     def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
