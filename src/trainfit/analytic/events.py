@@ -18,7 +18,9 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   activations left cached, as on a real GPU), its temporaries (``step_temp_bytes``); ``zero_grad`` frees the
   gradients;
 * checkpointing: the forward keeps each segment's input, and the backward recomputes one segment's saved
-  tensors before releasing them.
+  tensors before releasing them;
+* plain LoRA over a float base (one GPU): each adapted linear as PEFT's ``lora.Linear.forward`` runs it, its
+  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward.
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
