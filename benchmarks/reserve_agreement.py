@@ -5,21 +5,28 @@ from the closed form's tensors (trainfit.analytic.events), the trace one recorde
 fake tensors and stitched to full depth (trainfit.trace.events). Per case: the closed form's allocated peak, the
 analytic stream's own allocated peak (no workspaces), each method's ``reserved_estimate_bytes`` and their ratio.
 The default cases are amp recipes with full checkpointing (autocast's weight cache across checkpointed layers).
+``--finetune``: PEFT adapters instead (rank 16, PEFT's fp32 adapters over the recipe's base; the first is the
+H200 case of issue 11, qwen2.5-0.5b pure-bf16 LoRA on all linears, 4 × 1024), docs/accuracy.md "Fine-tuning:
+reserved memory".
 
 Usage: python benchmarks/reserve_agreement.py [MODEL RECIPE CKPT BATCH SEQ ...]   (five at a time, e.g.
        python benchmarks/reserve_agreement.py llama-3.2-3b amp-bf16 full 1 4096)
+       python benchmarks/reserve_agreement.py --finetune [--write]   (--write replaces the marked table of
+       docs/accuracy.md)
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+from pathlib import Path
 
 from trainfit import Strategy, estimate
 from trainfit.allocator import simulate
 from trainfit.analytic.events import training_events
 from trainfit.arch import load_model
-from trainfit.strategy import Checkpointing, Precision
+from trainfit.strategy import Checkpointing, Precision, finetune_setup
 
 CASES: tuple[tuple[str, str, str, int, int], ...] = (
     ("llama-3.2-1b", "amp-bf16", "full", 1, 1024),
@@ -28,10 +35,69 @@ CASES: tuple[tuple[str, str, str, int, int], ...] = (
     ("gpt2", "amp-fp16", "full", 8, 1024),
     ("llama-3.2-3b", "amp-bf16", "full", 1, 4096),
 )
+#: (model, recipe, checkpointing, batch, seq, method, targets, dropout, base dtype)
+FINETUNE: tuple[tuple[str, str, str, int, int, str, str, float, str | None], ...] = (
+    ("qwen2.5-0.5b", "pure-bf16", "none", 4, 1024, "lora", "all-linear", 0.0, None),
+    ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "lora", "all-linear", 0.0, None),
+    ("qwen2.5-0.5b", "pure-bf16", "none", 4, 1024, "lora", "q_proj,v_proj", 0.0, None),
+    ("qwen2.5-0.5b", "pure-bf16", "full", 4, 1024, "lora", "all-linear", 0.0, None),
+    ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "lora", "all-linear", 0.05, "bf16"),
+    ("llama-3.2-1b", "amp-bf16", "full", 2, 2048, "lora", "all-linear", 0.0, "bf16"),
+    ("llama-3.2-1b", "pure-bf16", "none", 2, 1024, "dora", "q_proj,v_proj", 0.0, None),
+    ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "qlora", "all-linear", 0.0, "nf4"),
+)
 GIB = 2**30
+BEGIN, END = "<!-- reserve-finetune:begin -->", "<!-- reserve-finetune:end -->"
+
+
+def finetune_main(write: bool) -> None:
+    rows = [
+        "| model | recipe | ckpt | b×s | adapter | analytic reserved GiB | trace reserved GiB | diff | "
+        "allocated GiB (analytic / trace) |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    print("\n".join(rows))
+    for slug, recipe, ckpt, batch, seq, how, targets, dropout, base in FINETUNE:
+        t0 = time.perf_counter()
+        spec = load_model(slug)
+        adapter, base_weights = finetune_setup(
+            "qlora" if how == "qlora" else "lora",
+            rank=16,
+            targets=targets,
+            dropout=dropout,
+            dora=how == "dora",
+            base_dtype=base,
+        )
+        s = Strategy(
+            precision=Precision(recipe),
+            checkpointing=Checkpointing(ckpt),
+            micro_batch=batch,
+            seq_len=seq,
+            adapter=adapter,
+            base_weights=base_weights,
+        )
+        ra = estimate(spec, s, gpu="h100-sxm-80gb")
+        rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
+        assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
+        setup = f"{how} r16 {targets}" + (f" dropout {dropout}" if dropout else "") + (f" {base} base" if base else "")
+        rows.append(
+            f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {setup} | {ra.reserved_estimate_bytes / GIB:.2f} | "
+            f"{rt.reserved_estimate_bytes / GIB:.2f} | "
+            f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
+            f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
+        )
+        print(f"{rows[-1]}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if write:
+        doc = Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"
+        text = doc.read_text()
+        new = BEGIN + "\n" + "\n".join(rows) + "\n" + END
+        doc.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: new, text, flags=re.S))
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--finetune":
+        finetune_main("--write" in argv[1:])
+        return
     cases = CASES
     if argv:
         if len(argv) % 5:

@@ -18,7 +18,9 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   activations left cached, as on a real GPU), its temporaries (``step_temp_bytes``); ``zero_grad`` frees the
   gradients;
 * checkpointing: the forward keeps each segment's input, and the backward recomputes one segment's saved
-  tensors before releasing them.
+  tensors before releasing them;
+* plain LoRA over a float base (one GPU): each adapted linear as PEFT's ``lora.Linear.forward`` runs it, its
+  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward.
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
@@ -30,6 +32,7 @@ peak of reserved memory. How close this is to the trace's own events and to the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
@@ -49,8 +52,18 @@ from trainfit.analytic.activations import (
     layer_terms,
     model_terms,
     sac_saved_terms,
+    site_widths,
 )
-from trainfit.analytic.adapters import frozen_forms_known, frozen_layers, is_frozen
+from trainfit.analytic.adapters import (
+    AdapterSite,
+    BlindLayer,
+    SiteInput,
+    adapter_sites,
+    frozen_forms_known,
+    frozen_layers,
+    is_frozen,
+    site_tensors,
+)
 from trainfit.analytic.logits import logits_memory
 from trainfit.analytic.states import (
     ParamState,
@@ -62,7 +75,7 @@ from trainfit.analytic.states import (
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
-from trainfit.strategy import Strategy
+from trainfit.strategy import AdapterKind, Quantization, Strategy
 
 __all__ = [
     "STEPS",
@@ -158,6 +171,85 @@ def head_matmul_grad(spec: ModelSpec, x: ParamTensor) -> bool:
     return x.name.startswith("lm_head") or (spec.tie_word_embeddings and x.name == "embed_tokens.weight")
 
 
+@dataclass(frozen=True, slots=True)
+class LoraFlow:
+    """What one adapted linear allocates and frees around its saved tensors, in PEFT's order (widths in bytes per
+    element): ``lora.Linear.forward`` (peft/tuners/lora/layer.py) runs ``result = self.base_layer(x)``, then
+    ``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` (a copy when the dtypes differ), ``result = result +
+    lora_B(lora_A(dropout(x))) * scaling`` and ``result.to(torch_result_dtype)``: the base output (``c``), lora_B's
+    output and its scaled copy (``mm``, lora_A/lora_B's matmul width), their sum with the base output in the promoted
+    dtype (``p``: torch's type promotion, fp32 over a 16-bit base with fp32 adapters without autocast) and, when that
+    differs from the base output's, the cast back. The saved tensors (``lora_in``, the dropout mask, ``lora_A_out``)
+    are the layer's terms (:func:`~trainfit.analytic.adapters.adapter_saved`); ``forward_temps``: the input copies
+    that are not saved (PEFT's cast when dropout or autocast copies it again, dropout's output under autocast)."""
+
+    site: AdapterSite
+    lora_a: ParamTensor
+    lora_b: ParamTensor
+    t: int  # tokens
+    w_in: int  # x as the base layer receives it
+    c: int  # the base output (torch_result_dtype)
+    mm: int
+    p: int
+    ad: int  # the adapter dtype
+    rank: int
+    forward_temps: tuple[int, ...]  # widths, alive to the end of the call
+    #: The input gradient's chain after lora_A's matmul (autocast's cast back, dropout's mask, PEFT's cast back):
+    #: each step a new tensor from the previous one, which autograd then frees.
+    grad_chain: tuple[int, ...]
+
+
+def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
+    """Each adapted linear's :class:`LoraFlow` by its name, for plain LoRA over a float base on a dense stack (empty
+    otherwise: DoRA, bitsandbytes layers and MoE stacks keep their saved tensors only)."""
+    adapter = strategy.adapter
+    if (
+        adapter is None
+        or adapter.kind is not AdapterKind.LORA
+        or strategy.base_weights.quantization is not Quantization.NONE
+        or spec.moe is not None
+        or spec.mla is not None
+    ):
+        return {}
+    w = Widths.of(strategy)
+    widths = site_widths(spec, strategy, w)
+    t = strategy.tokens_per_micro_batch
+    ad = adapter.dtype.bits // 8
+    mm = w.compute if w.amp else ad
+    dropped = adapter.dropout > 0
+    out: dict[str, LoraFlow] = {}
+    for site in adapter_sites(spec, adapter):
+        w_in = widths[site.reads]
+        c = w.compute if w.amp else w_in
+        cast = w_in != ad  # PEFT's _cast_input_dtype copies
+        autocast_cast = w.amp and (ad if (cast or dropped) else w_in) != w.compute
+        temps: list[int] = []
+        if cast and (dropped or autocast_cast):
+            temps.append(ad)  # PEFT's copy, not the saved one: held by ``x`` to the end of the call
+        if dropped and autocast_cast:
+            temps.append(ad)  # dropout's output, cast again by autocast for lora_A
+        # autocast's cast back (to the dropout's or PEFT's copy, else to x itself), dropout's mask, PEFT's cast back
+        chain = [ad if (cast or dropped) else w_in] if autocast_cast else []
+        chain += [ad] if dropped else []
+        chain += [w_in] if cast else []
+        a, b = site_tensors((site,), adapter)[:2]
+        out[site.name] = LoraFlow(
+            site=site,
+            lora_a=a,
+            lora_b=b,
+            t=t,
+            w_in=w_in,
+            c=c,
+            mm=mm,
+            p=max(c, mm),
+            ad=ad,
+            rank=adapter.rank,
+            forward_temps=tuple(temps),
+            grad_chain=tuple(chain),
+        )
+    return out
+
+
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
     """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
     thread's ``workspaces`` appear at the first forward, the autograd thread's after the first backward matmul's
@@ -183,6 +275,10 @@ class RankHooks:
     which activations it holds only a sequence shard of. This base class is one GPU: every hook does what the
     single-GPU stream does."""
 
+    #: Plain LoRA's adapted linears run as PEFT runs them, their adapters' gradients in their layer's backward
+    #: (:class:`LoraFlow`); the many-GPU hooks keep the saved tensors only, the adapters' gradients with the head's
+    #: (their streams were checked against traced ranks that way).
+    adapter_flow = True
     #: AccumulateGrad adds autograd's gradient into a ``.grad`` that is a view of a framework's buffer (DDP's
     #: ``gradient_as_bucket_view``): a tied table's out-of-place sum is a tensor of its own before that.
     adds_into_view = False
@@ -348,7 +444,12 @@ def synthesise(
     # Tensors compare by value (name, shape): the inventory is rebuilt per call, so identities differ.
     layer_tensors = {x for g in inv.layers for x in g.tensors}
     trainable = {x for x, _ in trained}
-    model_trained = [x for x, _ in trained if x not in layer_tensors]
+    # Plain LoRA over a float base: each adapted linear's forward and backward as PEFT runs it (LoraFlow), its
+    # adapters' gradients made in its layer's backward; other adapters keep the saved tensors only, their gradients
+    # made with the head's
+    flows = lora_flows(spec, strategy) if rank.adapter_flow else {}
+    flow_tensors = {x for f in flows.values() for x in (f.lora_a, f.lora_b)}
+    model_trained = [x for x, _ in trained if x not in layer_tensors and x not in flow_tensors]
     copy_model = [ps.tensor for ps in states if ps.autocast_copy and ps.tensor not in layer_tensors]
     copied = {ps.tensor for ps in states if ps.autocast_copy}  # autocast caches a 16-bit copy of these
     layout = strategy.checkpoint_layout(spec.num_layers)
@@ -402,6 +503,39 @@ def synthesise(
     def cached_in_forward(x: ParamTensor, i: int) -> bool:
         return spec.autocast_weight_cache and x in layer_trainable[i]
 
+    blind_live = (
+        BlindLayer.of(spec, strategy.adapter).live if flows and first_terms is not None and strategy.adapter else None
+    )
+    # Each layer's adapted linears' own saved tensors (by term name), freed by their backward (lora_flow_backward)
+    flow_saved: dict[int, dict[str, list[int]]] = {}
+
+    def flow_site(term_name: str) -> LoraFlow | None:
+        if not term_name.startswith("lora."):
+            return None
+        return flows.get(term_name.removeprefix("lora.").rpartition(".")[0])
+
+    def lora_flow_forward(f: LoraFlow) -> tuple[int, list[int]]:
+        """Before the site's saved tensors: the base layer's output, PEFT's unsaved input copies."""
+        d_in, d_out = f.site.d_in, f.site.d_out
+        return s.alloc(f.c * f.t * d_out), [s.alloc(w_ * f.t * d_in) for w_ in f.forward_temps]
+
+    def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int]) -> None:
+        """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
+        module's output then goes to its reader (kept only where a saved term says so)."""
+        n = f.t * f.site.d_out
+        b = s.alloc(f.mm * n)
+        scaled = s.alloc(f.mm * n)
+        s.free(b)
+        total = s.alloc(f.p * n)
+        s.free(scaled)
+        s.free(base)
+        out = total
+        if f.p != f.c:
+            out = s.alloc(f.c * n)
+            s.free(total)
+        s.free_all(temps)
+        s.free(out)
+
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
@@ -409,6 +543,10 @@ def synthesise(
             s.free_all(copies)
             return [], []
         saved: list[int] = []
+        own: dict[str, list[int]] = {}
+        flow_saved[i] = own
+        open_flow: tuple[LoraFlow, int, list[int]] | None = None
+        product = 0  # a frozen SwiGLU's product, the down projection's input: saved by nothing, held through it
         if i == 0 and first_terms is not None:
             terms = first_terms
         elif forms and fz is not None and fz.frozen_at[i]:
@@ -418,13 +556,96 @@ def synthesise(
         else:
             terms = terms_of[g.kind]
         for term in terms:
+            f = flow_site(term.name)
+            if f is not None and (open_flow is None or open_flow[0] is not f):
+                open_flow = (f, *lora_flow_forward(f))
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
                 transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
                 saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                 s.free(transient)
                 continue
-            saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+            keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+            saved += keys
+            if f is not None:
+                own[term.name] = keys
+                if term.name.endswith(".lora_A_out") and open_flow is not None:
+                    lora_flow_forward_end(*open_flow)
+                    open_flow = None
+                    if f.site.reads is SiteInput.MLP_ACT:
+                        s.free(product)
+                        product = 0
+            elif flows and term.name == "mlp.swiglu" and term.pieces:
+                # act(gate) * up: a frozen down projection keeps no input (LlamaMLP.forward
+                # ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``); an unadapted one's output is the residual
+                # stream's next input, a tensor the stream does not hold
+                product = s.alloc(rank.saved_bytes(term.name, term.pieces[0]))
+                if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
+                    out = s.alloc(hidden)
+                    s.free(product)
+                    s.free(out)
+                    product = 0
+        s.free(product)
         return copies, saved
+
+    def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
+        """One adapted linear's backward, the reverse of :func:`lora_flow_forward`'s ops (derivatives.yaml: ``_to_copy``
+        casts the gradient back, ``add`` hands it to both branches in each one's dtype, ``mul`` by the scaling makes a
+        new one, ``mm`` its weight's and input's gradients): lora_B's weight gradient and lora_A's output gradient, then
+        lora_A's, its input gradient back through the casts, the base layer's input gradient and their sum. The
+        incoming gradient of a linear whose output joins the residual stream (o_proj, down_proj) is the residual
+        gradient, held by the stream; of the others it is made by the reader's backward and freed once consumed."""
+        n_out, n_in = f.t * f.site.d_out, f.t * f.site.d_in
+        own = flow_saved.get(i, {})
+
+        def release(suffix: str) -> None:
+            for k in own.pop(f"lora.{f.site.name}.{suffix}", []):
+                if k in saved:
+                    saved.remove(k)
+                    s.free(k)
+
+        def grad(x: ParamTensor) -> None:
+            key = s.alloc(rank.grad_bytes(x, 8 * f.ad))
+            if micro:  # accumulating: added into the resident .grad, dropped
+                s.free(key)
+            else:
+                layer_grads.append(key)
+
+        needs_input = blind_live is None or i > 0 or f.site.reads in blind_live
+        g_in = 0 if f.site.reads in (SiteInput.ATTN_OUT, SiteInput.MLP_ACT) else s.alloc(f.c * n_out)
+        g_base = 0
+        g = s.alloc(f.p * n_out) if f.p != f.c else 0  # the cast back's gradient
+        if g:
+            s.free(g_in)
+            g_in = 0
+            g_base = s.alloc(f.c * n_out)  # the base branch's, in the base output's dtype
+        scaled = s.alloc(f.p * n_out)
+        s.free(g)
+        if f.mm != f.p:
+            narrowed = s.alloc(f.mm * n_out)
+            s.free(scaled)
+            scaled = narrowed
+        grad(f.lora_b)
+        g_a_out = s.alloc(f.mm * f.t * f.rank)
+        s.free(scaled)
+        release("lora_A_out")
+        grad(f.lora_a)
+        g_x = s.alloc(f.mm * n_in) if needs_input else 0
+        s.free(g_a_out)
+        release("lora_in")
+        release("dropout_mask")
+        if needs_input:
+            for width in f.grad_chain:
+                nxt = s.alloc(width * n_in)
+                s.free(g_x)
+                g_x = nxt
+            g_x_base = s.alloc(f.w_in * n_in)
+            s.free(g_base)
+            s.free(g_in)
+            total = s.alloc(f.w_in * n_in)
+            s.free_all((g_x, g_x_base, total))
+        else:
+            s.free(g_base)
+            s.free(g_in)
 
     # Gradient accumulation (one GPU, a DDP or DTensor TP rank): the first micro-step makes each .grad, the next
     # ones add into them (resident through their forward and backward); the micro-steps after the second repeat
@@ -585,8 +806,13 @@ def synthesise(
                 for x in g.tensors if micro else ():
                     if x in own:  # accumulating: added into the resident .grad, dropped
                         s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                layer_flows = list(flows.values()) if i >= dead else []
+                for f in reversed([f for f in layer_flows if f.site.in_mlp]):
+                    lora_flow_backward(f, i, saved, layer_grads, micro)
                 temp = s.alloc(temps.block_bytes)
                 s.free(temp)
+                for f in reversed([f for f in layer_flows if not f.site.in_mlp]):
+                    lora_flow_backward(f, i, saved, layer_grads, micro)
                 chain = s.alloc(chain_backward)
                 g_next = s.alloc(hidden) if i >= input_grad_from else 0
                 s.free(chain)

@@ -280,6 +280,8 @@ class DdpHooks(RankHooks):
     With ``gradient_as_bucket_view`` there are no separate gradients (a resident one, a micro-step after the first,
     is a view of the old bucket until ``initialize_bucket_views`` has copied it into the new one's view)."""
 
+    adapter_flow = False  # events.LoraFlow: one GPU only
+
     def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
         eo = strategy.engine
         bits = strategy.recipe.grad_bits
@@ -436,6 +438,8 @@ class FsdpHooks(RankHooks):
     """FSDP2 per layer + root, or with ``--fsdp-wrap units`` the embedding and [final norm, head] as units of their
     own (see the module docstring); the stream is the compute strategy's. Groups are keyed by layer index, or
     :data:`~trainfit.analytic.parallel.ROOT_UNIT`, ``EMBEDDING_UNIT``, ``TAIL_UNIT``."""
+
+    adapter_flow = False  # events.LoraFlow: one GPU only
 
     reduces_each_micro_step = True  # every micro-step's gradients go through the post-backward (no_sync too)
 
@@ -869,6 +873,8 @@ class DtensorTpHooks(RankHooks):
     the full-checkpointing trace cell's allocated peak is 0.75% over the traced one); each matmul's input is the
     all-gathered whole (``PrepareModuleInput``: ``Shard(1)`` → ``Replicate()``)."""
 
+    adapter_flow = False  # events.LoraFlow: one GPU only
+
     def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int, *, sequence_parallel: bool = False) -> None:
         self.seq = tp if sequence_parallel else 1
         held = dtensor_tp_held_spec(spec, tp)
@@ -1022,6 +1028,8 @@ class Zero2Hooks(RankHooks):
 
     The step's events are written from :meth:`step_temp_bytes` (the one per-step hook after backward), on the
     stream the hooks keep from :meth:`weights`."""
+
+    adapter_flow = False  # events.LoraFlow: one GPU only
 
     # Accumulation: every micro-step's gradients go through the bucket (``partition_gradients``); the rank's keep
     # their views into ``grads_in_partition``, made once per step, so a later micro-step is the first's
@@ -1383,6 +1391,8 @@ class Zero3Hooks(RankHooks):
     in place): on the device only the parameters, the bucket and the gathers. ZeRO-Infinity (``offload_param``)
     moves the 16-bit partitions to the host too (a frozen persistent parameter's stays). Against the traced engine's
     device events on tiny llama cells: allocated −0.74…+0.00%, reserved −4.3…+2.5%, with accumulation too."""
+
+    adapter_flow = False  # events.LoraFlow: one GPU only
 
     # Accumulation: each micro-step reduces into the persistent gradient partition (stage3.py
     # ``__reduce_and_partition_ipg_grads``): a later micro-step's events are the first's; one is replayed (the
