@@ -17,9 +17,9 @@ allocates exactly what the CUDA kernel allocates (values are irrelevant under fa
   (``convert_boolean_attn_mask``) and padded to a multiple of 16 columns (``preprocess_mask``), and it is
   that tensor the kernel saves. cuDNN attention (preferred on sm90 by recent builds) saves the same bytes
   as flash.
-* ``dropout``: on CUDA ``aten::dropout`` takes the fused ``native_dropout`` path, which saves a bool mask
-  (1 byte/element); the CPU path multiplies by a noise tensor of the input dtype and saves that
-  (``is_fused_kernel_acceptable`` in aten/src/ATen/native/Dropout.cpp).
+* ``dropout``: on CUDA ``aten::dropout`` takes the fused ``native_dropout`` path, which allocates a bool mask
+  (1 byte/element), then its output, and saves the mask; the CPU path multiplies by a noise tensor of the
+  input dtype and saves that (``is_fused_kernel_acceptable`` in aten/src/ATen/native/Dropout.cpp).
 * ``softmax(x, dim, dtype=float32)`` on an fp16 ``x``: CUDA runs the fused ``_softmax(x, dim,
   half_to_float=True)``, while every other device and dtype (bf16 included) first converts ``x`` to fp32 — a
   full-size copy (``softmax`` in aten/src/ATen/native/SoftMax.cpp). :func:`cuda_softmax` emulates the fused
@@ -143,6 +143,27 @@ class _FusedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class _CudaDropout(torch.autograd.Function):
+    """``native_dropout`` as CUDA allocates it: the bool mask first, then the output (``dropout_cuda`` in
+    aten/src/ATen/native/cuda/Dropout.cu); the meta kernel fake tensors run makes them the other way round, which
+    moved a 16 MiB mask and a 64 MiB output of bert-large's attention into each other's blocks (H200 allocator
+    snapshot, 2026-12-04). Saves the mask, as ``NativeDropoutBackward0`` does, and backward is
+    ``native_dropout_backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:
+        mask = torch.empty_like(x, dtype=torch.bool)
+        out = torch.empty_like(x)
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None
+
+
 def _efficient_bias(attn_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``convert_boolean_attn_mask`` then ``preprocess_mask`` (pad the last dim to 16) as on CUDA."""
     mask = attn_mask
@@ -244,7 +265,13 @@ class CudaKernels(TorchFunctionMode):
             training = args[2] if len(args) > 2 else kwargs.get("training", True)
             inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
             if training and 0.0 < p < 1.0 and x.numel() > 0 and not inplace:
-                return torch.ops.aten.native_dropout(x, p, True)[0]
+                from torch._subclasses.fake_tensor import is_fake
+
+                if not (is_fake(x) and x.requires_grad and torch.is_grad_enabled()):  # values matter off fake tensors
+                    return torch.ops.aten.native_dropout(x, p, True)[0]
+                dropout: Any = _CudaDropout.apply
+                out: torch.Tensor = dropout(x, p)
+                return out
             return func(*args, **kwargs)
         if func in self._grouped:
             a, b = args[0], args[1]
