@@ -23,9 +23,10 @@ next ones); docs/accuracy.md "How to run the GPU checks" says what each records:
    ``pytest -m gpu tests/measure tests/train`` with what time is left.
 2. ``distributed`` (issue 10): FSDP2 ``fully_shard`` (per decoder layer, then the root, as the trace wraps) and
    DDP at world size 1 on a one-GPU NCCL process group, qwen2.5-0.5b pure-bf16, against
-   ``estimate(--gpus 1 --sharding fsdp|ddp)`` analytic and trace; device used shows NCCL's buffers.
-3. ``lora`` (issue 11): a PEFT LoRA step (rank 16, all-linear) on qwen2.5-0.5b; QLoRA is recorded as skipped
-   when bitsandbytes does not import.
+   ``estimate(--gpus 1 --sharding fsdp|ddp)`` analytic and trace; device used shows NCCL's buffers; DDP once
+   more with a 0.3 s pause after each optimizer step (does NCCL's stash then let the first bucket go?).
+3. ``lora`` (issue 11): a PEFT LoRA step (rank 16, all-linear) on qwen2.5-0.5b; QLoRA (nf4, loaded by
+   ``from_pretrained`` from a random checkpoint on local disk), recorded as skipped without bitsandbytes.
 4. ``generate`` (issue 12): Hugging Face ``generate`` (greedy, a fixed number of new tokens) for three models ×
    dynamic and static cache, peak allocated in prefill and decode against ``infer`` analytic and trace.
 5. ``speed`` (issue 14): wall time of training steps (after warm-up, synchronised) of three single-GPU setups
@@ -186,7 +187,13 @@ CASES = (
         model="qwen2.5-0.5b",
         strategy={"precision": "pure-bf16", "micro_batch": 4, "seq_len": 1024, "lora": 16},
     ),
-    Case(id="qlora", section="lora", kind="qlora", trace=False),
+    Case(
+        id="q05-qlora-nf4-r16-all-linear-amp-b4s1024",
+        section="lora",
+        kind="qlora",
+        model="qwen2.5-0.5b",
+        strategy={"precision": "amp-bf16", "micro_batch": 4, "seq_len": 1024, "qlora": 16},
+    ),
     *(
         Case(
             id=f"gen-{m}",
@@ -280,6 +287,11 @@ def strategy_of(case: Case, dry: bool, kw: dict[str, Any] | None = None) -> Any:
     rank = kw.pop("lora", None)
     if rank:
         kw["adapter"] = Adapter(rank=rank, alpha=2 * rank)
+    qrank = kw.pop("qlora", None)
+    if qrank:
+        from trainfit.strategy import finetune_setup
+
+        kw["adapter"], kw["base_weights"] = finetune_setup("qlora", rank=qrank)
     if dry:
         kw["micro_batch"], kw["seq_len"] = min(kw.get("micro_batch", 1), 2), 32
     return Strategy(**kw)
@@ -331,7 +343,7 @@ class Sink:
 
 
 def predict(case: Case, sink: Sink, dry: bool) -> None:
-    if case.kind in ("pytest", "qlora"):
+    if case.kind == "pytest":
         return
     from trainfit import estimate
     from trainfit.hardware import get_gpu
@@ -598,11 +610,11 @@ def _free(dev: _Dev) -> None:
 
 
 def measure_case(case: Case, sink: Sink, out: Path, dry: bool) -> None:
-    if case.kind == "qlora":  # looked up, not imported: importing bitsandbytes takes seconds
-        if importlib.util.find_spec("bitsandbytes") is None:
-            sink.write("skipped", reason="no bitsandbytes")
-        else:
-            sink.write("skipped", reason="bitsandbytes is installed, but this script has no QLoRA measurement yet")
+    if case.kind == "qlora" and importlib.util.find_spec("bitsandbytes") is None:  # looked up, not imported
+        sink.write("skipped", reason="no bitsandbytes (carry its wheel: docs/accuracy.md, How to run the GPU checks)")
+        return
+    if case.kind == "qlora" and dry:
+        sink.write("skipped", reason="dry run: bitsandbytes quantises on CUDA")
         return
     dev = _Dev(dry)
     env = dev.env()
@@ -612,6 +624,7 @@ def measure_case(case: Case, sink: Sink, out: Path, dry: bool) -> None:
         "train": _train,
         "dist": _dist,
         "lora": _lora,
+        "qlora": _qlora,
         "generate": _generate,
         "speed": _speed,
         "tied": _tied,
@@ -665,7 +678,9 @@ class _CpuMemory:
     def memory_allocated(self) -> int:
         return 0
 
-    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
+    max_memory_allocated = memory_reserved = max_memory_reserved = memory_requested = max_memory_requested = (
+        memory_allocated
+    )
 
     def reset_peak_memory_stats(self) -> None:
         pass
@@ -806,6 +821,58 @@ def _lora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str
     inner = wrapped.base_model.model
     row = train_loop(spec, st, inner, dev)
     sink.write("measured", how="PEFT LoRA, fresh process", **row, env=env, seconds=round(time.perf_counter() - t0, 1))
+
+
+def _qlora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
+    """QLoRA as a user runs it: a checkpoint (random bf16 weights, saved to local disk) loaded by
+    ``from_pretrained`` with ``BitsAndBytesConfig`` (4-bit, the strategy's quant type and double quantisation,
+    bf16 compute) onto the GPU, ``prepare_model_for_kbit_training`` (fp32 for every tensor not in 4 bits, no
+    checkpointing), then PEFT LoRA with fp32 adapters — what the trace applies (trainfit.trace.peft
+    ``apply_finetuning``: ``Linear4bit`` layers, ``kbit_prepared``)."""
+    import shutil
+    import tempfile
+
+    import peft
+    import transformers
+
+    from trainfit.trace import hf
+
+    torch = dev.torch
+    st = strategy_of(case, dry)
+    a, bw = st.adapter, st.base_weights
+    t0 = time.perf_counter()
+    ckpt = Path(tempfile.mkdtemp(prefix="trainfit-qlora-"))
+    try:
+        model = build_model(spec, st, dev, dtype=torch.bfloat16)
+        model.save_pretrained(ckpt)
+        del model
+        _free(dev)
+        quant = transformers.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=bw.quantization.value,
+            bnb_4bit_use_double_quant=bw.double_quant,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        with hf.quiet_transformers():
+            model = hf.auto_class(spec).from_pretrained(
+                ckpt, quantization_config=quant, device_map={"": 0 if dev.cuda else "cpu"}, attn_implementation="sdpa"
+            )
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    targets: Any = "all-linear" if a.targets == ("all-linear",) else list(a.targets)
+    config = peft.LoraConfig(
+        r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+    )
+    wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=a.dtype.value == "fp32")
+    row = train_loop(spec, st, wrapped.base_model.model, dev)
+    sink.write(
+        "measured",
+        how=f"QLoRA ({bw.quantization.value}, double quant {bw.double_quant}), from_pretrained, fresh process",
+        **row,
+        env=env,
+        seconds=round(time.perf_counter() - t0, 1),
+    )
 
 
 def tied_probe(dev: _Dev, variant: str, *, vocab: int, hidden: int, tokens: int = 8) -> float | None:

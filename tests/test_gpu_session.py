@@ -56,8 +56,11 @@ def test_dry_run_of_each_section(section: str, tmp_path: Path) -> None:
     assert not errors, errors
     for case in (c for c in gs.CASES if c.section == section):
         got = {r["record"] for r in rows if r.get("case") == case.id}
-        if case.kind in ("pytest", "qlora"):
+        if case.kind == "pytest":
             assert got == {"skipped"}, (case.id, got)
+            continue
+        if case.kind == "qlora":  # predicted here; measured only on CUDA with bitsandbytes
+            assert got == {"predicted", "skipped"}, (case.id, got)
             continue
         assert {"measured", "predicted", "comparison"} <= got, (case.id, got)
         methods = {r.get("method") for r in rows if r.get("case") == case.id and r["record"] == "predicted"}
