@@ -9,19 +9,22 @@ import pytest
 
 from trainfit import Strategy, get_gpu, load_model
 from trainfit.arch.params import count_params
-from trainfit.arch.spec import ModelSpec
+from trainfit.arch.spec import ModelKind, ModelSpec
 from trainfit.planner.space import CHECKPOINTING, Candidate, Finetune, candidates
 from trainfit.planner.speed import (
     HBM_EFFICIENCY,
     MATMUL_EFFICIENCY,
     SpeedInputs,
+    autocast_cast_bytes,
     dequant_bytes,
+    elementwise_backward_bytes,
     elementwise_bytes,
+    loss_bytes_per_token,
     model_flops_per_token,
     step_time,
     step_time_of,
 )
-from trainfit.strategy import Checkpointing, Parallelism, Sharding, finetune_setup
+from trainfit.strategy import Checkpointing, LossImpl, MemorySavers, Parallelism, Sharding, finetune_setup
 
 
 def test_flops_per_token_is_six_n_plus_attention() -> None:
@@ -55,14 +58,81 @@ def test_elementwise_bytes_of_a_llama_layer() -> None:
     LlamaDecoderLayer: two RMSNorms at 36 B/element (to fp32 2+4, pow 4+4, mean 4, ·rsqrt 4+4, to bf16 4+2,
     ·weight 2+2), rotary on q and k at 20 B, the attention output's contiguous copy 4 B per q element, SiLU·up
     10 B per intermediate element, two residual adds at 6 B. Under autocast over fp32 weights the norms and
-    residual adds work on an fp32 stream: 44 B and 12 B."""
+    residual adds work on an fp32 stream — the norm's casts are no-ops (28 B) and the adds 12 B — and q, k, v,
+    gate and up each cast the fp32 normed stream to bf16 (4 + 2 B per element, five times)."""
     spec = load_model("llama-3.2-1b")
     assert (spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size) == (2048, 2048, 512, 8192)
     assert spec.rotary_dim == spec.head_dim
     by_hand = 2 * 36 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 6 * 2048
     assert elementwise_bytes(spec, 16) == by_hand == 313344
-    amp = 2 * 44 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 12 * 2048
+    amp = 2 * 28 * 2048 + 5 * 6 * 2048 + 20 * (2048 + 512) + 4 * 2048 + 10 * 8192 + 2 * 12 * 2048
     assert elementwise_bytes(spec, 16, 32) == amp
+
+
+def test_elementwise_backward_bytes_of_a_llama_layer() -> None:
+    """The backward of the same layer op by op (autograd's derivative formulas), bf16: each RMSNorm 84 B per
+    element (weight product and its reduced gradient 12, rsqrt branch 24, mean 4, pow 20, the two fp32 gradients
+    summed 12, the casts back 12); q, k, v's input gradients summed (two adds) and gate, up's (one), 6 B each;
+    rotary 30 B per q/k element; the output gradient made contiguous (4 B per q element) and dq, dk, dv
+    reshaped (4 B per element); SiLU·up 36 B per intermediate element; the two residual gradient sums 6 B. More
+    than the 2 × forward the model took before."""
+    spec = load_model("llama-3.2-1b")
+    h, i, q, kv = _llama_dims(spec)
+    by_hand = 2 * 84 * h + 3 * 6 * h + 30 * (q + kv) + 4 * q + 4 * (q + 2 * kv) + 36 * i + 2 * 6 * h
+    assert elementwise_backward_bytes(spec, 16) == by_hand
+    assert by_hand > 2 * elementwise_bytes(spec, 16)
+    # amp: fp32 stream — no norm casts (6r + 60 = 84 at r = 4), five casts' backward (2 + 4 B), the input
+    # gradients summed in fp32 (12 B per add), residual sums 12 B
+    amp = 2 * 84 * h + 5 * 6 * h + 3 * 12 * h + 30 * (q + kv) + 4 * q + 4 * (q + 2 * kv) + 36 * i + 2 * 12 * h
+    assert elementwise_backward_bytes(spec, 16, 32) == amp
+
+
+def test_loss_traffic_scales_with_vocabulary_times_tokens() -> None:
+    """The eager loss over the logits is memory-bound: per logit element, ``.float()`` and its backward
+    (2 + 4 and 4 + 2 B), log_softmax forward (three reads and a write of fp32: 16 B), nll_loss's dense zero-filled
+    gradient (4 B) and log_softmax's backward (16 B) — 48 B in bf16, 36 B for fp32 logits (no casts); the same
+    chunked; a classifier has no vocabulary logits."""
+    q05, l1b = load_model("qwen2.5-0.5b"), load_model("llama-3.2-1b")
+    bf16 = SpeedInputs.of(Strategy(seq_len=2048, micro_batch=4, precision="pure-bf16"), q05)
+    assert loss_bytes_per_token(q05, bf16) == 48 * 151936
+    assert loss_bytes_per_token(l1b, bf16) == 48 * 128256
+    fp32 = dataclasses.replace(bf16, compute_bits=32, weight_bits=32, compute_dtype="fp32")
+    assert loss_bytes_per_token(q05, fp32) == 36 * 151936
+    chunked = dataclasses.replace(bf16, loss=LossImpl.CHUNKED)
+    assert loss_bytes_per_token(q05, chunked) == loss_bytes_per_token(q05, bf16)
+    assert loss_bytes_per_token(q05, dataclasses.replace(bf16, loss=LossImpl.FUSED_LINEAR)) == 6 * 151936
+    cls = dataclasses.replace(l1b, kind=ModelKind.SEQ_CLS, num_labels=2)
+    assert loss_bytes_per_token(cls, bf16) == 0
+    # in the step: the loss adds vocabulary × tokens × 48 B over HBM, once per micro-step's tokens
+    gpu = get_gpu("h200-sxm-141gb")
+    st = Strategy(seq_len=2048, micro_batch=4, grad_accum=2, precision="pure-bf16")
+    with_loss = step_time(q05, st, gpu)
+    without = step_time(q05, dataclasses.replace(st, savers=MemorySavers(loss=LossImpl.FUSED_LINEAR)), gpu)
+    hbm = gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    assert with_loss.step_seconds - without.step_seconds == pytest.approx((48 - 6) * 151936 * 4 * 2048 * 2 / hbm)
+
+
+def test_amp_adds_the_weight_casts() -> None:
+    """Autocast over fp32 weights casts every matmul weight to bf16 once per micro-step (read 4, write 2 B) and its
+    gradient back (2 + 4 B); a recomputed forward casts again; pure bf16 casts nothing, a frozen base has no
+    gradient to cast back."""
+    spec = load_model("llama-3.2-1b")
+    amp = SpeedInputs.of(Strategy(seq_len=2048, micro_batch=4, precision="amp-bf16"), spec)
+    pure = SpeedInputs.of(Strategy(seq_len=2048, micro_batch=4, precision="pure-bf16"), spec)
+    n = count_params(spec)  # tied: the head is the one matmul over the table; norm weights < 0.01%
+    fwd, bwd = autocast_cast_bytes(spec, amp)
+    assert fwd == bwd == pytest.approx(6 * n, rel=1e-4)
+    assert autocast_cast_bytes(spec, pure) == (0.0, 0.0)
+    adapter, _ = finetune_setup("lora")
+    assert autocast_cast_bytes(spec, dataclasses.replace(amp, adapter=adapter))[1] == 0.0
+    gpu = get_gpu("h200-sxm-141gb")
+    hbm = gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    one, two = (step_time_of(spec, dataclasses.replace(amp, grad_accum=k), gpu) for k in (1, 2))
+    assert two.compute_seconds - 2 * one.compute_seconds == pytest.approx(0.0, abs=1e-12)  # per micro-step
+    full = step_time_of(spec, dataclasses.replace(amp, checkpointing=Checkpointing.FULL), gpu)
+    uncast = dataclasses.replace(amp, checkpointing=Checkpointing.FULL, autocast=False)
+    assert full.recompute_seconds - step_time_of(spec, uncast, gpu).recompute_seconds == pytest.approx(fwd / hbm)
+    assert full.compute_seconds - step_time_of(spec, uncast, gpu).compute_seconds == pytest.approx(3 * fwd / hbm)
 
 
 def test_one_gpu_step_is_flops_over_peak_plus_memory_traffic() -> None:
@@ -74,7 +144,8 @@ def test_one_gpu_step_is_flops_over_peak_plus_memory_traffic() -> None:
     matmul = model_flops_per_token(spec, 2048) * tokens - 3 * attn_fwd * tokens
     # FlashAttention's backward recomputes QKᵀ: 3.5 forwards of attention run, at FlashAttention-2's A100 rate
     attention = 3.5 * attn_fwd * tokens
-    traffic = 3 * 313344 * spec.num_layers * tokens  # forward + backward (2×), bf16 (test above)
+    # forward + backward op by op, bf16 (tests above), and the loss over the logits (48 B per element)
+    traffic = (313344 + elementwise_backward_bytes(spec, 16)) * spec.num_layers * tokens + 48 * 128256 * tokens
     adam = 28 * count_params(spec)  # fused AdamW: read w, g, m, v and write w, m, v in fp32, once per step
     hbm = 2039e9 * HBM_EFFICIENCY
     expected = matmul / (312e12 * MATMUL_EFFICIENCY) + attention / (312e12 * 0.50) + (traffic + adam) / hbm
@@ -96,7 +167,11 @@ def test_checkpointing_modes_recompute_what_they_drop() -> None:
     tokens = 2 * 2048
     rate, attn_rate = 989e12 * MATMUL_EFFICIENCY, 989e12 * 0.35  # FlashAttention-2 on an H100
     # amp-bf16 (the default): bf16 matmul outputs over an fp32 residual stream
-    traffic = elementwise_bytes(spec, 16, 32) * spec.num_layers * tokens / (3350e9 * HBM_EFFICIENCY)
+    # (and autocast casts every weight again in the recomputed forward: read 4, write 2 B)
+    amp = SpeedInputs.of(base, spec)
+    traffic = (elementwise_bytes(spec, 16, 32) * spec.num_layers * tokens + autocast_cast_bytes(spec, amp)[0]) / (
+        3350e9 * HBM_EFFICIENCY
+    )
     h, i, q, kv = _llama_dims(spec)
     attn = 2 * 2048 * q * spec.num_layers  # forward attention per token (causal half of 2·2·s·q per layer)
     blocks = spec.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)

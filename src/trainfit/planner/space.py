@@ -281,6 +281,8 @@ class Candidate:
             )
             if spec is not None and self.sharding in (Sharding.FSDP, Sharding.HSDP)
             else 0.0,
+            autocast=bool(r.autocast),
+            loss=self.loss,
         )
 
     def _finetune(self) -> tuple[Adapter | None, BaseWeights]:

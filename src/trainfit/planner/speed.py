@@ -14,8 +14,11 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   :data:`MATMUL_EFFICIENCY`, attention at × :data:`ATTENTION_EFFICIENCY` (FlashAttention-2's measured
   utilisation by GPU generation).
 - **Memory-bound work**: the eager elementwise kernels of a layer (:func:`elementwise_bytes`, op by op from
-  transformers' Llama layer: the fp32 RMSNorm chain, rotary, SiLU·up, residual adds) forward, about twice that
-  backward, once more under full/sqrt/sac; LoRA's own elementwise traffic (PEFT ``lora.Linear.forward``);
+  transformers' Llama layer: the fp32 RMSNorm chain, rotary, SiLU·up, residual adds, autocast's activation
+  casts) forward, their backward op by op from autograd's formulas (:func:`elementwise_backward_bytes`), the
+  forward once more under full/sqrt/sac; the loss over the vocabulary-sized logits (:func:`loss_bytes_per_token`:
+  ``logits.float()``, log-softmax and NLL, 48 B per bf16 logit); autocast's cast of every weight each micro-step
+  and of its gradient back (:func:`autocast_cast_bytes`); LoRA's own elementwise traffic (PEFT ``lora.Linear.forward``);
   QLoRA's dequantisation of every 4-bit weight in forward and backward (:func:`dequant_bytes`, bitsandbytes
   ``MatMul4Bit``); the optimizer step (fused AdamW, 28 B per stepped parameter: the adapters only under
   LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
@@ -49,7 +52,9 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
   same optimizer traffic as their twins: no term.
 
-What it does not model (stated in docs/speed.md): kernel-launch gaps, GEMM shape efficiency (small hidden
+What it does not model (stated in docs/speed.md, with an H200 profile): eager elementwise kernels running below
+the copy bandwidth (the non-vectorised broadcast/strided path), the attention rate by head dim and backend
+(cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape efficiency (small hidden
 sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
 overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
 bases, ``--freeze`` patterns (run as full training).
@@ -62,12 +67,20 @@ from enum import StrEnum
 
 from trainfit._memo import Memo, spec_key
 from trainfit.arch.params import active_params_per_token, count_params, inventory
-from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import BNB_4BIT_BLOCK, quantized_weight_tensors
 from trainfit.errors import StrategyError
 from trainfit.fsdp_units import gathered_once_fraction
 from trainfit.hardware import GPUSpec
-from trainfit.strategy import Adapter, Checkpointing, PipelineSchedule, Quantization, Sharding, Strategy
+from trainfit.strategy import (
+    Adapter,
+    Checkpointing,
+    LossImpl,
+    PipelineSchedule,
+    Quantization,
+    Sharding,
+    Strategy,
+)
 
 __all__ = [
     "ATTENTION_EFFICIENCY",
@@ -82,10 +95,13 @@ __all__ = [
     "TpComm",
     "async_tp_reduction_bytes",
     "attention_efficiency",
+    "autocast_cast_bytes",
     "dequant_bytes",
+    "elementwise_backward_bytes",
     "elementwise_bytes",
     "fsdp_collective_bytes",
     "fsdp_gathered_once",
+    "loss_bytes_per_token",
     "model_flops_per_token",
     "step_time",
     "step_time_of",
@@ -183,6 +199,8 @@ class SpeedInputs:
     #: FSDP2/HSDP: the share of the parameters gathered once per micro-step, not again for backward
     #: (:func:`trainfit.fsdp_units.gathered_once_fraction`; 0 without the model: every one twice).
     fsdp_gathered_once: float = 0.0
+    autocast: bool = False  # Recipe.autocast: torch.autocast over the weights (amp-*: casts each step)
+    loss: LossImpl = LossImpl.STANDARD  # how the loss meets the logits (--loss): its memory traffic
 
     @property
     def frozen_base(self) -> bool:
@@ -223,6 +241,8 @@ class SpeedInputs:
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
             fsdp_gathered_once=fsdp_gathered_once(spec, strategy) if spec is not None else 0.0,
+            autocast=bool(r.autocast),
+            loss=strategy.savers.loss,
         )
 
 
@@ -461,21 +481,22 @@ def _recompute(spec: ModelSpec, x: SpeedInputs, attn: float) -> _Recompute:
     return _Recompute(flops=0.0, attention_flops=0.0, memory_passes=0, tp_collectives=0, linears_again=False)
 
 
-_PER_TOKEN: Memo[tuple[float, float, _Recompute, float]] = Memo(256)
+_PER_TOKEN: Memo[tuple[float, float, _Recompute, float, float]] = Memo(256)
 
 
-def _per_token(spec: ModelSpec, x: SpeedInputs) -> tuple[float, float, _Recompute, float]:
-    """(forward attention FLOPs, model FLOPs, the recompute, elementwise bytes per layer) per token: what
-    depends on the model, the sequence, checkpointing, the adapter and the dtypes, not on the layout (the
-    planner asks for thousands of layouts)."""
+def _per_token(spec: ModelSpec, x: SpeedInputs) -> tuple[float, float, _Recompute, float, float]:
+    """(forward attention FLOPs, model FLOPs, the recompute, elementwise bytes per layer forward, and backward)
+    per token: what depends on the model, the sequence, checkpointing, the adapter and the dtypes, not on the
+    layout (the planner asks for thousands of layouts)."""
 
-    def build() -> tuple[float, float, _Recompute, float]:
+    def build() -> tuple[float, float, _Recompute, float, float]:
         attn = _attention_flops_per_token(spec, x.seq_len)
         return (
             attn,
             model_flops_per_token(spec, x.seq_len, adapter=x.adapter),
             _recompute(spec, x, attn),
             elementwise_bytes(spec, x.compute_bits, x.weight_bits),
+            elementwise_backward_bytes(spec, x.compute_bits, x.weight_bits),
         )
 
     key = (spec_key(spec), x.seq_len, x.checkpointing, x.adapter, x.compute_bits, x.weight_bits)
@@ -510,18 +531,53 @@ def attention_efficiency(gpu: GPUSpec) -> float:
 
 _ELEMENTWISE: Memo[float] = Memo(64)
 
+#: Bytes per element of the fp32 intermediates of the eager RMSNorm chain (``LlamaRMSNorm`` upcasts to fp32).
+_F32 = 4
+
+
+def _norm_forward(spec: ModelSpec, r: float) -> float:
+    """Forward bytes per element of one norm over an ``r``-byte input (:func:`elementwise_bytes`)."""
+    if spec.norm is not NormKind.RMSNORM:
+        return 2 * r  # a fused LayerNorm kernel: read x, write y
+    casts = 2 * (r + _F32) if r != _F32 else 0.0  # .to(fp32) and back; no kernel when already fp32 (to() returns self)
+    return casts + 2 * _F32 + _F32 + 2 * _F32 + 2 * r  # pow(2), mean, · rsqrt, · weight
+
+
+def _norm_backward(spec: ModelSpec, r: float) -> float:
+    """Backward bytes per element of one norm over an ``r``-byte input (:func:`elementwise_backward_bytes`)."""
+    if spec.norm is not NormKind.RMSNORM:
+        return 4 * r  # native_layer_norm_backward: read the gradient and x, write the input gradient; the weight's
+    f = _F32
+    casts = 2 * (r + f) if r != f else 0.0  # ToCopyBackward0 of both casts
+    weight = 2 * r + 3 * r + r  # grad · weight; grad · normed, reduced over tokens (the weight's gradient)
+    rsqrt = 2 * f + 3 * f + f  # grad · rsqrt; grad · x reduced (the rsqrt branch)
+    mean = f  # MeanBackward0: the expanded gradient / n, written in full
+    power = 2 * f + 3 * f  # PowBackward0: grad · (2 · x)
+    accumulate = 3 * f  # the two gradients of the fp32 x summed by autograd
+    return casts + weight + rsqrt + mean + power + accumulate
+
+
+def _input_fanout(spec: ModelSpec) -> tuple[int, int]:
+    """(linears reading the attention norm's output, linears reading the MLP norm's output): q, k, v (one fused
+    linear for fused-QKV models) and gate, up (one up for a plain MLP)."""
+    return (1 if spec.fused_qkv else 3), (2 if spec.mlp is MlpKind.GATED else 1)
+
 
 def elementwise_bytes(spec: ModelSpec, bits: int, stream_bits: int | None = None) -> float:
     """HBM bytes the forward's elementwise (memory-bound) kernels move per layer and token, eager PyTorch, op by
     op as transformers' Llama-style layer runs them (``a`` = ``bits``/8 bytes per element of what the matmuls
     write; ``r`` = ``stream_bits``/8 of the residual stream, which the norms and residual adds work on — the
-    weights' dtype: fp32 under autocast over fp32 weights; default ``bits``); the backward moves about twice
-    that (each op reads its output gradient and saved input and writes its input gradient), a recomputed
-    forward once more:
+    weights' dtype: fp32 under autocast over fp32 weights; default ``bits``). The backward is
+    :func:`elementwise_backward_bytes`; a recomputed forward moves this once more:
 
     - RMSNorm (``LlamaRMSNorm.forward``: to fp32, ``pow(2)``, ``mean``, ``* rsqrt``, back to the input dtype,
-      ``weight *``): (r + 4) + 8 + 4 + 8 + (4 + r) + 2r = 28 + 4r bytes per element; a fused LayerNorm 2r;
-      per norm of the layer, and over q and k under per-head q/k norms (on ``a``-wide q and k);
+      ``weight *``): (r + 4) + 8 + 4 + 8 + (4 + r) + 2r = 28 + 4r bytes per element, 28 when the stream is
+      already fp32 (``Tensor.to`` returns the tensor itself: no kernel); a fused LayerNorm 2r; per norm of the
+      layer, and over q and k under per-head q/k norms (on ``a``-wide q and k);
+    - autocast's casts of the activations (only when r ≠ a, autocast over fp32 weights): each linear that reads
+      the fp32 normed stream casts it to the compute dtype itself (autocast caches only leaf weights,
+      aten/src/ATen/autocast_mode.cpp ``cached_cast``): (r + a) per element for q, k, v and gate, up
+      (:func:`_input_fanout`);
     - rotary (``apply_rotary_pos_emb``: ``rotate_half``'s neg and cat, two products, a sum) on the rotated
       part of q and k: 10a per element;
     - the attention output's ``transpose(1, 2).contiguous()``: 2a per element of q;
@@ -529,20 +585,19 @@ def elementwise_bytes(spec: ModelSpec, bits: int, stream_bits: int | None = None
       activation alone (2a) otherwise;
     - two residual adds: 3r per element each.
 
-    Leaves out dropout (0 in the catalog's decoders) and the embedding and head's own elementwise work. This
-    replaces the 34·h bytes of *saved* activations (Korthikanti et al. 2022) the model used before: eager
-    kernels move each tensor several times (the fp32 norm chain alone is 36 bytes per element in bf16)."""
+    Leaves out dropout (0 in the catalog's decoders) and the embedding and head's own elementwise work (the loss
+    is :func:`loss_bytes_per_token`). This replaces the 34·h bytes of *saved* activations (Korthikanti et al.
+    2022) the model used before: eager kernels move each tensor several times (the fp32 norm chain alone is 36
+    bytes per element in bf16)."""
 
     def build() -> float:
         a, r = bits / 8, (stream_bits or bits) / 8
-
-        def norm(x: float) -> float:
-            return 28 + 4 * x if spec.norm is NormKind.RMSNORM else 2 * x
-
         h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-        out = spec.norms_per_layer * h * norm(r)
+        out = spec.norms_per_layer * h * _norm_forward(spec, r)
         if spec.qk_norm:
-            out += (q + kv) * norm(a)
+            out += (q + kv) * _norm_forward(spec, a)
+        if r != a:
+            out += sum(_input_fanout(spec)) * h * (r + a)
         if spec.rotary_dim:
             out += 10 * a * (q + kv) * spec.rotary_dim / spec.head_dim
         out += 2 * a * q
@@ -551,6 +606,104 @@ def elementwise_bytes(spec: ModelSpec, bits: int, stream_bits: int | None = None
         return out
 
     return _ELEMENTWISE.get((spec_key(spec), bits, stream_bits), build)
+
+
+_ELEMENTWISE_BWD: Memo[float] = Memo(64)
+
+
+def elementwise_backward_bytes(spec: ModelSpec, bits: int, stream_bits: int | None = None) -> float:
+    """HBM bytes the backward of :func:`elementwise_bytes`' ops moves per layer and token, op by op from autograd's
+    derivative formulas (tools/autograd/derivatives.yaml: ``mul`` → grad·other for each input, ``pow`` →
+    grad·2·x, ``mean`` → the gradient expanded / n, ``_to_copy`` → a cast back, ``neg``, ``cat`` → slices,
+    ``slice_backward`` → zeros + a copy, ``silu_backward``) and autograd's sum of the gradients of a tensor read
+    twice (torch/csrc/autograd/input_buffer.cpp ``accumulate``: an add per extra gradient). Per element, ``a``
+    and ``r`` as there:
+
+    - RMSNorm: the weight's product (grad·w 2r; grad·normed 3r reduced over tokens r), the fp32 product with
+      rsqrt (grad·rsqrt 8, grad·x 12 reduced 4), ``mean``'s expanded gradient 4, ``pow``'s 2·x and its product
+      20, the sum of the two fp32 gradients of x 12, the two casts back 2·(r + 4) (none over an fp32 stream):
+      6r + 60 + 2(r + 4), 84 in bf16; a fused LayerNorm's backward 4r;
+    - autocast's activation casts (r ≠ a): each cast's backward (a + r), their gradients summed in r;
+    - the input gradients of the linears that read one tensor (q, k, v; gate, up) summed: an add (3 bytes of
+      the gradient's width) per extra linear;
+    - rotary: grad·cos and grad·sin (2a each; cos and sin broadcast), ``neg``'s gradient on half a, each half's
+      ``slice_backward`` (a zero-filled tensor, then the half copied: 2a), and the three gradients of q summed
+      (two adds, 6a): 15a per rotated element (forward 10a);
+    - attention layout: the output gradient made contiguous for the fused kernel (2a per q element) and dq, dk,
+      dv reshaped from the kernel's (b, heads, s, d) layout back to (b, s, heads·d) (2a per element of each);
+    - the gated MLP: the product's two gradients (6a + 6a) and ``silu_backward`` (read the gradient and the
+      input, write: 6a) = 18a per intermediate element; a plain activation's backward 3a;
+    - two residual branch points, the stream's two gradients summed: 3r each.
+
+    About 2.2× the forward for a bf16 Llama layer (the model took 2× before)."""
+
+    def build() -> float:
+        a, r = bits / 8, (stream_bits or bits) / 8
+        h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+        out = spec.norms_per_layer * h * _norm_backward(spec, r)
+        if spec.qk_norm:
+            out += (q + kv) * _norm_backward(spec, a)
+        attn_in, mlp_in = _input_fanout(spec)
+        grad = r if r != a else a  # the width the linears' input gradients are summed in
+        if r != a:
+            out += (attn_in + mlp_in) * h * (a + r)
+        out += (attn_in - 1 + mlp_in - 1) * 3 * grad * h
+        if spec.rotary_dim:
+            out += 15 * a * (q + kv) * spec.rotary_dim / spec.head_dim
+        out += 2 * a * q + 2 * a * (q + 2 * kv)
+        out += (18 if spec.mlp is MlpKind.GATED else 3) * a * i
+        out += 2 * 3 * r * h
+        return out
+
+    return _ELEMENTWISE_BWD.get((spec_key(spec), bits, stream_bits), build)
+
+
+def loss_bytes_per_token(spec: ModelSpec, x: SpeedInputs) -> float:
+    """HBM bytes the loss moves per token over the vocabulary-sized logits (0 without them: classifiers, a
+    headless model), eager CUDA kernels, per logit element; the head's GEMM itself is in the matmul FLOPs:
+
+    - causal LM, transformers ``ForCausalLMLoss`` (``logits.float()``, then ``cross_entropy`` =
+      ``log_softmax`` + ``nll_loss``; :mod:`trainfit.analytic.logits` holds the same tensors): the upcast
+      (a + 4; none for fp32 logits) and its backward (4 + a); ``log_softmax`` forward 16 — a 150k-wide fp32 row
+      (600 KB) is larger than shared memory, so ``cunn_SoftMaxForward`` (aten/src/ATen/native/cuda/SoftMax.cu)
+      reads the row three times (max, sum of exp, the write pass) and writes it once; ``nll_loss``'s backward
+      writes a dense zero-filled fp32 gradient (4; LossNLL.cu ``grad_input.zero_()``) and
+      ``cunn_SoftMaxBackward`` reads that gradient twice and the saved output once and writes (16): 36 + 2(a + 4)
+      per element, 48 in bf16 — of the order of a layer of Qwen2.5-0.5B (vocabulary 151,936, h 896) per token;
+    - masked LM (BERT, ``CrossEntropyLoss`` on the logits as they are): ``log_softmax`` in the logits' dtype
+      (4a forward, 4a backward); under autocast ``nll_loss`` reads an fp32 copy (a + 4, back 4 + a) and its
+      gradient is fp32 (4): 10a + 12; else 9a;
+    - ``--loss chunked`` (torchtune ``CEWithChunkedOutputLoss``: the same ``.float()`` and ``cross_entropy`` per
+      chunk) moves the same; ``--loss fused-linear`` (Liger ``LigerFusedLinearCrossEntropyLoss``) never
+      materialises the full logits: per chunk its Triton kernel reads each 16-bit row twice (online max and
+      sum, then the gradient) and writes the gradient in place, 3a.
+
+    A final logit soft-cap (Gemma-2) is left out."""
+    if not spec.kind.has_vocab_logits:
+        return 0.0
+    a = x.compute_bits / 8
+    if x.loss is LossImpl.FUSED_LINEAR:
+        per = 3 * a
+    elif spec.kind is ModelKind.MASKED_LM:
+        per = 10 * a + 12 if x.autocast and a != 4 else 9 * a
+    else:
+        per = 36 + (2 * (a + 4) if a != 4 else 0.0)
+    return per * spec.vocab_size
+
+
+def autocast_cast_bytes(spec: ModelSpec, x: SpeedInputs) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per micro-step of autocast's weight casts (0 unless autocast runs over
+    weights wider than the compute dtype: amp-*): each matmul weight is cast once per autocast region (read 4,
+    write a: aten/src/ATen/autocast_mode.cpp ``cached_cast`` caches the cast of a leaf fp32 weight until the
+    region ends, so a tied head is cast once), and its gradient is cast back in backward (``ToCopyBackward0``:
+    read a, write 4) when the weight is trained. A recomputed forward casts again (:func:`step_time_of`). Per
+    rank: the weights of its tensor and pipeline shard. Sharded data parallelism gathers and casts the same
+    weights (FSDP2's ``MixedPrecisionPolicy`` casts at the gather instead: counted the same)."""
+    if not x.autocast or x.weight_bits <= x.compute_bits:
+        return 0.0, 0.0
+    a, w = x.compute_bits / 8, x.weight_bits / 8
+    matmul = _numbers(spec).matmul_params / (x.tensor * x.pipeline)
+    return matmul * (w + a), (matmul * (a + w) if x.adapter is None else 0.0)
 
 
 def float8_flops_fraction(spec: ModelSpec) -> float:
@@ -826,7 +979,7 @@ def step_time_of(
     nums = _numbers(spec)
 
     peak = _peak_flops(gpu, x.compute_dtype)
-    attn, model_flops, rc, elementwise = _per_token(spec, x)
+    attn, model_flops, rc, elementwise, elementwise_bwd = _per_token(spec, x)
     tokens_rank = tokens_micro * accum / (t * p)  # token-passes of the whole model per rank and step
     model_flops_rank = model_flops * tokens_rank
     # Attention-core FLOPs, executed: the 3 × forward of the model count, FlashAttention's backward recompute
@@ -840,11 +993,22 @@ def step_time_of(
     hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
     layers_rank = spec.num_layers / p
     act_traffic = elementwise * layers_rank * tokens_micro * accum / t / hbm
-    mem_time = (3 + rc.memory_passes) * act_traffic
+    cast_fwd, cast_bwd = autocast_cast_bytes(spec, x)
+    cast_fwd, cast_bwd = cast_fwd * accum / hbm, cast_bwd * accum / hbm  # once per micro-step (autocast region)
+    # The loss runs on the last pipeline stage, averaged over the stages like the layers; DTensor TP gathers the
+    # logits and every tensor-parallel rank runs the whole loss, Megatron's vocabulary-parallel loss its shard.
+    loss_time = loss_bytes_per_token(spec, x) * tokens_micro * accum / (p * (1 if x.dtensor_tp else t)) / hbm
+    mem_time = (
+        (1 + rc.memory_passes) * act_traffic
+        + act_traffic * elementwise_bwd / elementwise
+        + loss_time
+        + cast_fwd * (1 + rc.memory_passes)
+        + cast_bwd
+    )
     recompute_time = (
         rc.flops * tokens_rank / flops_rate
         + rc.attention_flops * tokens_rank / attn_rate
-        + rc.memory_passes * act_traffic
+        + rc.memory_passes * (act_traffic + cast_fwd)
     )
     frozen_time, frozen_again = _frozen_base_seconds(spec, x, tokens_rank, hbm, linears_again=rc.linears_again)
     if rc.linears_again:
