@@ -683,6 +683,39 @@ def _unsharded_bytes(tensors: Sequence[tuple[ParamTensor, int]], bits: int) -> i
 # -- torch DDP -------------------------------------------------------------------------------------------
 
 
+def ddp_module_order(spec: ModelSpec, grad_bits: int, strategy: Strategy | None = None) -> list[tuple[int, int, int]]:
+    """(elements, gradient bits, layer) of every parameter in the reducer, in module registration order; layer -1:
+    the token table (first), ``num_layers``: the model-level tensors after the layers (final norm, an untied head).
+    Reversed, it is the order the gradients become ready in a backward (a tied table's last). With ``strategy``
+    fine-tuning, its trainable tensors only, each in its own gradient dtype (:func:`ddp_bucket_bytes`)."""
+    inv = inventory(spec)
+    n_layers = sum(g.count for g in inv.layers)
+    order: list[tuple[int, int, int]] = []
+    if strategy is None or not finetuning(strategy):
+        order = [(t.numel, grad_bits, -1) for t in inv.model_tensors[:1]]  # the token table comes first
+        k = 0
+        for g in inv.layers:
+            for _ in range(g.count):
+                order += [(t.numel, grad_bits, k) for t in g.tensors]
+                k += 1
+        order += [(t.numel, grad_bits, n_layers) for t in inv.model_tensors[1:]]
+        return order
+    held = [h for h in held_tensors(spec, strategy) if h.trainable]
+    gb = strategy.recipe.grad_bits
+
+    def bits(h: HeldTensor) -> int:
+        return h.bits if h.adapter else gb
+
+    first = inv.model_tensors[:1]
+    order += [(h.tensor.numel, bits(h), -1) for h in held if h.root and h.tensor in first]
+    per_layer = [h for h in held if not h.root]
+    for k in range(n_layers):
+        # a tensor trainable in c of the layers: in the first c (the order only moves bucket edges)
+        order += [(h.tensor.numel, bits(h), k) for h in per_layer if k < h.count]
+    order += [(h.tensor.numel, bits(h), n_layers) for h in held if h.root and h.tensor not in first]
+    return order
+
+
 def ddp_bucket_bytes(
     spec: ModelSpec, grad_bits: int, cap_bytes: int, first_bytes: int, strategy: Strategy | None = None
 ) -> list[int]:
@@ -694,33 +727,10 @@ def ddp_bucket_bytes(
     ``_build_params_for_reducer`` keeps ``p.requires_grad``), each in its own gradient dtype (an fp32
     adapter's gradient is fp32), and the buckets are assigned per dtype (the reducer keys its size limits by
     dtype and device)."""
-    inv = inventory(spec)
-    order: list[tuple[int, int]] = []  # (elements, gradient bits) in module registration order
-    if strategy is None or not finetuning(strategy):
-        tensors: list[ParamTensor] = list(inv.model_tensors[:1])  # the token table comes first in module order
-        for g in inv.layers:
-            tensors += [t for _ in range(g.count) for t in g.tensors]
-        tensors += list(inv.model_tensors[1:])
-        order = [(t.numel, grad_bits) for t in tensors]
-    else:
-        held = [h for h in held_tensors(spec, strategy) if h.trainable]
-        gb = strategy.recipe.grad_bits
-
-        def bits(h: HeldTensor) -> int:
-            return h.bits if h.adapter else gb
-
-        first = inv.model_tensors[:1]
-        order += [(h.tensor.numel, bits(h)) for h in held if h.root and h.tensor in first]
-        n_layers = sum(g.count for g in inv.layers)
-        per_layer = [h for h in held if not h.root]
-        for k in range(n_layers):
-            # a tensor trainable in c of the layers: in the first c (the order only moves bucket edges)
-            order += [(h.tensor.numel, bits(h)) for h in per_layer if k < h.count]
-        order += [(h.tensor.numel, bits(h)) for h in held if h.root and h.tensor not in first]
     buckets: list[int] = []
     size: dict[int, int] = {}
     limit: dict[int, int] = {}
-    for numel, b in reversed(order):
+    for numel, b, _ in reversed(ddp_module_order(spec, grad_bits, strategy)):
         size[b] = size.get(b, 0) + numel * b // 8
         if size[b] >= limit.get(b, first_bytes):
             buckets.append(size[b])
@@ -824,14 +834,30 @@ def ddp_stashed_first_bucket(spec: ModelSpec, strategy: Strategy, q: StepInputs)
     return bucket
 
 
-def _ddp_stash_moments(spec: ModelSpec, strategy: Strategy, q: StepInputs) -> frozenset[MomentName]:
+def _ddp_stash_moments(spec: ModelSpec, strategy: Strategy) -> frozenset[MomentName]:
     """The backward moments before DDP's first reduction of a step, at which the stashed first bucket
-    (:func:`ddp_stashed_first_bucket`) is still held — the earliest the stash can let it go is that reduction:
-    the logits' gradient, and the final norm's backward unless an untied head's own gradient, ready before it,
-    fills the first bucket (bucket 0 closes once it holds ≥ its cap, ``compute_bucket_assignment_by_size``)."""
+    (:func:`ddp_stashed_first_bucket`) is still held — the earliest the stash can let it go is that reduction, set
+    off when bucket 0 (the first ``ddp_first_bucket_bytes`` of gradients in the order they became ready, per
+    gradient dtype; it closes once it holds ≥ its cap, ``compute_bucket_assignment_by_size``) is full: after the
+    model-level tensors behind the layers (final norm, an untied head), inside the top layer (its first weight
+    gradient: released inside the top block), in a lower layer, or — on a small model whose layers together hold
+    less than the cap — only with the token table, at the end of backward."""
+    cap = strategy.engine.ddp_first_bucket_bytes
+    n_layers = spec.num_layers
+    filled: dict[int, int] = {}
+    closes_at = -1  # the table's: every backward moment holds it
+    for numel, bits, layer in reversed(ddp_module_order(spec, strategy.recipe.grad_bits, strategy)):
+        filled[bits] = filled.get(bits, 0) + numel * bits // 8
+        if filled[bits] >= cap:
+            closes_at = layer
+            break
     held = {MomentName.BACKWARD_START}
-    if spec.tie_word_embeddings or q.grad_head < strategy.engine.ddp_first_bucket_bytes:
+    if closes_at < n_layers:  # not filled by the final norm and an untied head alone
         held.add(MomentName.BACKWARD_FINAL_NORM)
+    if closes_at < n_layers - 1:  # not by the top layer either: held inside it
+        held.add(MomentName.BACKWARD_TOP_BLOCK)
+    if closes_at < 0:  # the layers together hold less than the cap: only the token table fills it
+        held |= {MomentName.BACKWARD_BOTTOM_BLOCK, MomentName.BACKWARD_EMBEDDING}
     return frozenset(held)
 
 
@@ -850,7 +876,7 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
     tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
 
     stash = ddp_stashed_first_bucket(spec, strategy, q)
-    held_at = _ddp_stash_moments(spec, strategy, q)
+    held_at = _ddp_stash_moments(spec, strategy)
 
     def adjust(m: Moment) -> dict[Component, int]:
         c = _single(m)
