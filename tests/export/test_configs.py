@@ -146,8 +146,8 @@ def test_a_plan_without_reshard_exports_it_everywhere(
 
     from tests.cli._cli_helper import run_cli
 
-    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--gpus", "8", "--seq", "2048",
-                "--global-batch", "8", "--export", str(tmp_path), "--json")  # fmt: skip
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--gpus", "8", "--seq", "1024",
+                "--global-batch", "16", "--export", str(tmp_path), "--json")  # fmt: skip
     assert r.code == 0, r.err
     top = json.loads(r.out)["plans"][0]
     assert top["strategy"]["reshard_after_forward"] is False and "--no-reshard-after-forward" in top["changes"]
