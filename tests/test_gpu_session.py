@@ -66,6 +66,9 @@ def test_dry_run_of_each_section(section: str, tmp_path: Path) -> None:
         methods = {r.get("method") for r in rows if r.get("case") == case.id and r["record"] == "predicted"}
         want = {"speed-model"} if case.kind == "speed" else {"analytic", "trace"} if case.trace else {"analytic"}
         assert methods == want, (case.id, methods)
+        if case.kind in ("train", "lora", "tied") and not case.preceded_by:  # reserved as the child measures it
+            predicted = [r for r in rows if r.get("case") == case.id and r["record"] == "predicted"]
+            assert all(r["reserved_as_measured_bytes"] > 0 for r in predicted), case.id
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) <= 8, files  # the device tool brings back at most 8 files
     assert f"## {section}" in (tmp_path / "summary.md").read_text()
