@@ -108,3 +108,47 @@ def test_rank_ranges() -> None:
     assert rank_ranges((0, 1, 2, 4, 6, 7)) == "0–2, 4, 6–7"
     assert rank_ranges((5,)) == "5"
     assert rank_ranges((3, 1, 2)) == "1–3"
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    slug=st.sampled_from(["llama-3.2-1b", "qwen2.5-0.5b", "gpt2", "llama-3.1-8b"]),
+    sharding=st.sampled_from(["zero1", "zero2", "zero3", "fsdp", "ddp"]),
+    w=st.sampled_from([2, 3, 8, 64]),
+    precision=st.sampled_from(["amp-bf16", "master-bf16", "fp32"]),
+    offload=st.sampled_from(["none", "optimizer"]),
+    lora=st.booleans(),
+)
+def test_the_resident_floor_is_what_every_moment_holds(
+    slug: str, sharding: str, w: int, precision: str, offload: str, lora: bool
+) -> None:
+    """parallel.resident_floor_bytes (the planner's looser bound): ZeRO-1/2's whole 16-bit weights, the WEIGHTS of
+    every phase of the closed form, so never above its peak; 0 for the setups it does not bound."""
+    from trainfit.analytic.parallel import resident_floor_bytes
+    from trainfit.errors import StrategyError
+    from trainfit.result import Component
+    from trainfit.strategy.adapters import Adapter
+
+    spec = load_model(slug)
+    s = Strategy(
+        precision=precision,  # type: ignore[arg-type]
+        parallelism=Parallelism(data=w),
+        sharding=sharding,  # type: ignore[arg-type]
+        micro_batch=1,
+        seq_len=512,
+        offload=Offload.parse(offload) if sharding.startswith("zero") else Offload(),
+        adapter=Adapter(rank=8) if lora else None,
+    )
+    try:
+        rep = estimate_parallel(spec, s)
+    except StrategyError:
+        with pytest.raises(StrategyError):
+            resident_floor_bytes(spec, s)
+        return
+    floor = resident_floor_bytes(spec, s)
+    if sharding in ("zero1", "zero2"):
+        assert floor > 0
+        assert floor == min(ph.get(Component.WEIGHTS) for ph in rep.phases)
+    else:
+        assert floor == 0
+    assert floor <= rep.peak_bytes

@@ -136,6 +136,35 @@ def test_nothing_fits_reports_the_closest_plan_and_what_it_needs() -> None:
     assert r.needs and "GiB" in r.needs[0]
 
 
+def test_the_loosened_bound_finds_the_same_closest_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing fits: the closest candidate and what it needs are the same whether the search's bounds were the
+    resident floor (ZeRO-1/2's whole weights, far over two RTX 4090s for a 70B model) or the closed form
+    (16k tokens: not even ZeRO-Infinity fits)."""
+    from trainfit.planner import rank
+    from trainfit.planner.search import lower_bound_bytes
+
+    spec, g = load_model("llama-3.1-70b"), get_gpu("rtx-4090")
+    asked: list[tuple[Strategy, int]] = []
+    loosened = rank._Search.lower_bound
+
+    def record(self: _Search, s: Strategy) -> int:
+        asked.append((s, loosened(self, s)))
+        return asked[-1][1]
+
+    monkeypatch.setattr(rank._Search, "lower_bound", record)
+    loose = search_plans(spec, g, gpus=2, seq_len=16384, global_batch=2, top=1)
+    assert any(b < lower_bound_bytes(spec, st, g) for st, b in asked)  # the floor was used
+    monkeypatch.setattr(rank._Search, "lower_bound", rank._Search.closed_bound)
+    tight = search_plans(spec, g, gpus=2, seq_len=16384, global_batch=2, top=1)
+    assert loose.plans == tight.plans == ()
+    assert loose.closest is not None and tight.closest is not None
+    assert (loose.closest.strategy, loose.closest.required_bytes) == (
+        tight.closest.strategy,
+        tight.closest.required_bytes,
+    )
+    assert loose.needs == tight.needs
+
+
 def test_fewest_gpus_is_the_smallest_world_that_fits() -> None:
     spec, gpu = load_model("llama-3.1-8b"), get_gpu("a100-sxm-40gb")
     r = search_plans(spec, gpu, gpus=8, seq_len=2048, global_batch=16, objective=Objective.FEWEST_GPUS, top=1)
@@ -222,18 +251,23 @@ def test_adapters_are_planned_on_many_gpus_and_checked_by_the_estimate() -> None
         ("qwen2.5-1.5b", "t4", 2, 2048, 16),
         # PCIe GPUs: plans with and without FSDP2's reshard_after_forward (tests/planner/test_reshard_plan.py)
         ("llama-3.2-3b", "rtx-4090", 8, 1024, 16),
+        # ZeRO-1/2's whole 16-bit weights (24 GiB) alone pass the usable 16.8 GiB:
+        # their bounds are the looser resident floor (parallel.resident_floor_bytes)
+        ("llama-2-13b", "rtx-4090", 8, 1024, 16),
     ],
 )
 def test_the_search_shortcuts_do_not_change_the_answer(
     monkeypatch: pytest.MonkeyPatch, slug: str, gpu: str, gpus: int, seq: int, gb: int
 ) -> None:
-    """The cheap ordering bound, the micro-batches left out once the ranking is full, and the simulations that
-    stop once they pass the usable memory give the plans a search without any of them gives."""
+    """The cheap ordering bound, the micro-batches left out once the ranking is full, the memory bound loosened
+    above the usable bytes and the simulations that stop once they pass them give the plans a search without any
+    of them gives."""
     spec, g = load_model(slug), get_gpu(gpu)
     fast = search_plans(spec, g, gpus=gpus, seq_len=seq, global_batch=gb, top=4)
     from trainfit.planner import rank
 
     plain_estimate = rank._Search._estimate
+    monkeypatch.setattr(rank._Search, "lower_bound", rank._Search.closed_bound)
     monkeypatch.setattr(rank._Search, "cheap_key", rank._Search.bound)
     monkeypatch.setattr(rank._Search, "contenders", lambda self, c, limit: self.micro_options(c))
     monkeypatch.setattr(rank._Search, "_estimate", lambda self, s, a, exact=False: plain_estimate(self, s, a, True))

@@ -2214,6 +2214,28 @@ def zero1_offload_reduce(
     return best
 
 
+def _zero12_weights_bytes(zp: ZeroPartition, pb: int) -> int:
+    """ZeRO-1/2's 16-bit parameters, whole on every rank at every moment: the flat groups of the trainable ones
+    and each frozen one (the engine casts all: ``zero_partition``)."""
+    return allocator_bytes(zp.trainable_numel * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)
+
+
+def resident_floor_bytes(spec: ModelSpec, strategy: Strategy) -> int:
+    """A cheap lower bound of :func:`estimate_parallel`'s allocated peak: what a rank holds at every moment of the
+    closed form, where it is cheaper to know than the closed form — DeepSpeed ZeRO-1/2's whole 16-bit parameters
+    (their closed form builds each distinct rank's phases, tens of milliseconds for a 70B model; the planner asks
+    for hundreds of bounds, most of them of setups far over the GPU: ``planner.search.lower_bound_bytes``). 0
+    elsewhere (no cheaper bound than the closed form). Raises what the closed form raises for a setup no
+    framework runs (``plan``)."""
+    strategy, _ = effective_strategy(spec, strategy)
+    p = plan(spec, strategy)
+    if p.engine is not Engine.DEEPSPEED or p.sharding is Sharding.ZERO3 or strategy.offload.parameters_on_host:
+        return 0
+    stage = int(strategy.sharding.value[-1])
+    pb = 4 if strategy.recipe.compute_bits == 32 else 2
+    return _zero12_weights_bytes(zero_partition(spec, strategy, stage, p.dp), pb)
+
+
 def _deepspeed(
     spec: ModelSpec, strategy: Strategy, p: ParallelPlan
 ) -> tuple[tuple[PhaseBreakdown, ...], list[str], tuple[RankMemory, ...], ZeroRank | None]:
@@ -2244,7 +2266,7 @@ def _deepspeed(
     client_temp = sum(client_temps)
     weights_step = 0
     if stage < 3:
-        weights = allocator_bytes(total * pb) + sum(m * _alloc(t.numel, pb * 8) for t, m in zp.frozen_tensors)
+        weights = _zero12_weights_bytes(zp, pb)
     else:
         # The flat buffer of every parameter's partition (``lp_param_buffer``) and each persistent parameter
         # whole; the step partitions the persistent ones too and re-gathers them after it (stage3.py ``step``:
@@ -3484,6 +3506,7 @@ __all__ = [
     "megatron_inputs",
     "nccl_bytes",
     "plan",
+    "resident_floor_bytes",
     "resolve_engine",
     "shard_tensor",
     "simulated_reserve",

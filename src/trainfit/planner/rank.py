@@ -256,6 +256,7 @@ class _Search:
         self._cheap: dict[tuple[object, ...], tuple[float, ...] | None] = {}
         self._bounds: dict[tuple[object, ...], tuple[float, ...] | None] = {}
         self._lower: dict[Strategy, int] = {}
+        self._closed: dict[Strategy, int] = {}
 
     def strategy(self, c: Candidate, micro: int) -> Strategy:
         """The candidate at ``micro``, with what the search does not choose taken from the baseline (the command
@@ -332,10 +333,18 @@ class _Search:
 
     def lower_bound(self, s: Strategy) -> int:
         """:func:`trainfit.planner.search.lower_bound_bytes`: no allocator simulation (kept per strategy: a kept
-        candidate asks for its resharding twin's, :meth:`evaluate`)."""
+        candidate asks for its resharding twin's, :meth:`evaluate`). Looser above the usable bytes (its ``above``):
+        the search only compares it with them."""
         hit = self._lower.get(s)
         if hit is None:
-            hit = self._lower[s] = lower_bound_bytes(self.spec, s, self.gpu)
+            hit = self._lower[s] = lower_bound_bytes(self.spec, s, self.gpu, above=self.usable)
+        return hit
+
+    def closed_bound(self, s: Strategy) -> int:
+        """:meth:`lower_bound` without the looser form: the closed form's own (what :func:`_closest` ranks by)."""
+        hit = self._closed.get(s)
+        if hit is None:
+            hit = self._closed[s] = lower_bound_bytes(self.spec, s, self.gpu)
         return hit
 
     def fits(self, s: Strategy, missed: bool = False) -> bool:
@@ -616,10 +625,19 @@ def _closest(s: _Search, nears: list[_Near]) -> Plan | None:
     the estimate), so they are visited smallest first and estimated until the next one's bytes cannot beat
     the best estimate found."""
     best: tuple[int, AllocatorConfig, _Near] | None = None
-    for near in sorted(nears, key=lambda n: n.bytes):
-        if best is not None and near.bytes >= best[0]:
+    # (bytes, tightened, index, near): a bound the search loosened (:meth:`_Search.lower_bound`) is tightened to the
+    # closed form's before its candidate is estimated, and goes back in with it
+    heap = [(n.bytes, False, i, n) for i, n in enumerate(nears)]
+    heapq.heapify(heap)
+    while heap:
+        bytes_, tight, i, near = heapq.heappop(heap)
+        if best is not None and bytes_ >= best[0]:
             break
-        need = s.need(s.strategy(near.candidate, near.micro), exact=True)
+        strategy = s.strategy(near.candidate, near.micro)
+        if not tight and (closed := s.closed_bound(strategy)) > bytes_:
+            heapq.heappush(heap, (closed, True, i, near))
+            continue
+        need = s.need(strategy, exact=True)
         if need is not None and (best is None or need[0] < best[0]):
             best = (*need, near)
     if best is None:

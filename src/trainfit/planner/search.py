@@ -132,14 +132,17 @@ def max_micro_batch(
     return (largest_below(fits, top, 1) or 0), False
 
 
-def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
+def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, *, above: int | None = None) -> int:
     """A cheap bound below the analytic estimate's requirement: the closed-form allocated peak (the moments
     :func:`trainfit.analytic.estimate_analytic` reports; many GPUs: :func:`trainfit.analytic.parallel.
     estimate_parallel`'s, without its allocator simulation) + the GPU's cuBLAS workspaces + the memory
     outside the allocator (with NCCL's buffers), without the allocator's reserve (which is ≥ 0: the simulated
-    reserved bytes are taken above this peak, never below; the fixed fraction is ≥ 0)."""
+    reserved bytes are taken above this peak, never below; the fixed fraction is ≥ 0). ``above``: a caller that
+    only asks whether the bound passes it (the planner, against the usable bytes) may get a looser bound that
+    already does — many GPUs: what a rank holds at every moment (:func:`trainfit.analytic.parallel.
+    resident_floor_bytes`) in place of the closed form."""
     if strategy.is_distributed:
-        return _parallel_lower_bound(spec, strategy, gpu)
+        return _parallel_lower_bound(spec, strategy, gpu, above)
     from trainfit.analytic.model import step_inputs, training_moments
     from trainfit.errors import StrategyError
     from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
@@ -166,8 +169,8 @@ def _on_gpu(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> Strategy:
     return eff
 
 
-def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> int:
-    from trainfit.analytic.parallel import estimate_parallel, nccl_bytes
+def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, above: int | None) -> int:
+    from trainfit.analytic.parallel import estimate_parallel, nccl_bytes, resident_floor_bytes
     from trainfit.cuda_facts import has_flash_attention
     from trainfit.errors import StrategyError
     from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
@@ -175,13 +178,16 @@ def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> 
 
     if strategy.flash_sdp and not has_flash_attention(gpu.compute_capability):
         strategy = dataclasses.replace(strategy, flash_sdp=False)
+    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
+    outside = outside_allocator(gpu, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+    fixed = work + outside.outside_allocator_bytes
     try:
+        if above is not None and (floor := resident_floor_bytes(spec, strategy) + fixed) > above:
+            return floor
         peak = estimate_parallel(spec, strategy).peak_bytes  # no allocator: the fixed fraction, not simulated
     except StrategyError:
         return 0
-    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
-    outside = outside_allocator(gpu, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
-    return peak + work + outside.outside_allocator_bytes
+    return peak + fixed
 
 
 def accumulation_plan(
