@@ -5,14 +5,19 @@ analytic method does what the trace does with its recorded events: it replays a 
 allocator simulation (:mod:`trainfit.allocator`). The stream is synthesised from the same quantities the
 moments are built from, tensor by tensor, in the order a Hugging Face training step runs them:
 
-* before the recorded steps: the weights (``model.to("cuda")``), parameter by parameter;
+* before the recorded steps: the weights (``model.to("cuda")``), parameter by parameter in module order
+  (:func:`module_order`: embeddings, layer 0's tensors, layer 1's..., the final norm and head), as are AdamW's
+  states (``_init_group``), on one GPU and under DDP;
 * each step: the input ids and labels; per layer, the autocast weight copies and the saved tensors of
   :func:`~trainfit.analytic.activations.layer_terms` and the KV cache's own copies of k and v
   (:func:`~trainfit.analytic.activations.kv_cache_held_tensors`, held until the outputs are dropped); the head's
   saved tensors and the loss chain of
   :mod:`~trainfit.analytic.logits` (16-bit logits, the fp32 copy, the log-softmax output), the outputs
   dropped before backward; backward in reverse: the loss gradients, each layer's parameter gradients and
-  its transient backward tensors (``backward_temp_bytes``) while its saved tensors and copies are released; a tied
+  its transient backward tensors (``backward_temp_bytes``, as the tensors they are: :class:`BackwardPieces`; one
+  GPU: each weight gradient beside its node's transients, the MLP's first) while its saved tensors and copies are
+  released; Llama-style layers' forward also makes RMSNorm's fp32 ``pow`` and ``x * rsqrt`` and the rotary
+  embedding's ``mul``/``neg``/``cat`` transients (freed in the layer; the peaks stay the closed form's); a tied
   table's second dense gradient (the embedding's) and, out of place, their sum (``states.tied_gradient_sum``);
   the optimizer step: states created lazily in the first step (so they land in blocks the first step's
   activations left cached, as on a real GPU), its temporaries (``step_temp_bytes``); ``zero_grad`` frees the
@@ -32,7 +37,7 @@ peak of reserved memory. How close this is to the trace's own events and to the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
@@ -74,7 +79,7 @@ from trainfit.analytic.states import (
     tied_sum_modelled,
 )
 from trainfit.arch.params import inventory
-from trainfit.arch.spec import ModelKind, ModelSpec, ParamTensor
+from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.strategy import AdapterKind, Quantization, Strategy
 
 __all__ = [
@@ -160,6 +165,79 @@ def early_model_grad(spec: ModelSpec, x: ParamTensor) -> bool:
     if x.name.startswith("embed"):
         return spec.kind.has_vocab_logits and spec.tie_word_embeddings and x.name == "embed_tokens.weight"
     return True
+
+
+def module_order(spec: ModelSpec, states: Sequence[ParamState]) -> list[ParamState] | None:
+    """``states`` one tensor each (``count`` 1) in the order the model's modules register their parameters, which is
+    the order ``model.to("cuda")`` moves them and ``from_config`` builds them on the GPU (``nn.Module._apply`` walks
+    ``children()`` depth first; each HF model's ``__init__`` makes the embeddings, then ``layers[0]``'s attention
+    (q, k, v, o), MLP (gate, up, down) and norms, ``layers[1]``'s..., then the final norm and the head), and the order
+    AdamW's ``_init_group`` (torch/optim/adamw.py) makes each parameter's ``exp_avg`` and ``exp_avg_sq`` in:
+    ``for p in group["params"]`` over ``model.parameters()``. The embeddings' tensors first, each layer's
+    (:func:`~trainfit.arch.params.inventory` lists a layer's in module order) layer by layer, the other model-level
+    ones last. None where a state is not the inventory's (adapters: PEFT adds them after the base model is built) or
+    a tensor's layers are held in several states (a frozen layer range)."""
+    inv = inventory(spec)
+    by = {ps.tensor: ps for ps in states}
+    known = set(inv.model_tensors) | {x for g in inv.layers for x in g.tensors}
+    if len(by) != len(states) or any(ps.tensor not in known for ps in states):
+        return None  # a tensor in several states (--freeze of a layer range) or one the inventory does not list
+    pre = [x for x in inv.model_tensors if x.name.startswith("embed") and x in by]
+    post = [x for x in inv.model_tensors if not x.name.startswith("embed") and x in by]
+    out = [replace(by[x], count=1) for x in pre for _ in range(by[x].count)]
+    for g in inv.layers:
+        own = [x for x in g.tensors if x in by]
+        out += [replace(by[x], count=1) for _ in range(g.count) for x in own]
+    out += [replace(by[x], count=1) for x in post for _ in range(by[x].count)]
+    if len(out) != sum(ps.count for ps in states):  # a count the inventory does not explain: leave the order
+        return None
+    return out
+
+
+def split_bytes(total: int, unit: int, first: int = 0) -> list[int]:
+    """``total`` bytes as the tensors that make them up: ``first`` (when it fits), then as many ``unit``-sized ones as
+    fit, then what remains (one tensor of ``total`` where ``unit`` is 0)."""
+    out = [first] if 0 < first <= total else []
+    rest = total - sum(out)
+    if unit <= 0:
+        return [*out, rest] if rest > 0 else out
+    out += [unit] * (rest // unit)
+    return [*out, rest % unit] if rest % unit else out
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardPieces:
+    """A layer's backward transients (:func:`~trainfit.analytic.activations.backward_temp_bytes`) as the tensors the
+    closed form counts, each one its own allocation (a single block of their sum would need a hole of that size the
+    real tensors never ask for). ``mlp``: the MLP's (the residual gradient, then ``a·t·i``-wide gradients of the
+    intermediate tensors: ``mul``'s two and ``silu_backward``'s, derivatives.yaml); ``norm``: a norm's backward
+    (HF ``LlamaRMSNorm`` in fp32: ``t·h`` fp32 tensors, the ``_to_copy``/``pow``/``mul``/``div`` outputs of its
+    autograd graph; LayerNorm: residual-width ones), ``in_block_norm``: the same net of the MLP's released saved
+    tensors (the block's own norms); the model's final norm takes ``norm``."""
+
+    mlp: tuple[int, ...]
+    in_block_norm: tuple[int, ...]
+    norm: tuple[int, ...]
+
+    @staticmethod
+    def of(spec: ModelSpec, strategy: Strategy, block_bytes: int, norm_bytes: int) -> BackwardPieces:
+        w = Widths.of(strategy)
+        t, h = strategy.tokens_per_micro_batch, spec.hidden_size
+        norm_unit = 4 * t * h if spec.norm is NormKind.RMSNORM else w.residual * t * h
+        mlp_saved = sum(
+            x.bytes for x in layer_terms(spec, strategy, moe=spec.num_moe_layers > 0) if x.role is TermRole.MLP
+        )
+        in_block = max(0, norm_bytes - mlp_saved)
+        plain = spec.moe is None and spec.mlp is MlpKind.GATED
+        unit = w.compute * t * spec.intermediate_size if plain else 0
+        mlp = split_bytes(block_bytes, unit, first=w.residual * t * h if plain else 0)
+        if block_bytes == in_block and not plain:
+            mlp = split_bytes(block_bytes, norm_unit)
+        return BackwardPieces(
+            mlp=tuple(mlp),
+            in_block_norm=tuple(split_bytes(min(in_block, block_bytes), norm_unit)),
+            norm=tuple(split_bytes(norm_bytes, norm_unit)),
+        )
 
 
 def head_matmul_grad(spec: ModelSpec, x: ParamTensor) -> bool:
@@ -274,6 +352,11 @@ class RankHooks:
     resident states it builds, what it all-gathers around each layer, how a layer's gradients are reduced,
     which activations it holds only a sequence shard of. This base class is one GPU: every hook does what the
     single-GPU stream does."""
+
+    #: :meth:`weights` and :meth:`optimizer_states` receive the parameters one by one in module order
+    #: (:func:`module_order`) rather than grouped by kind with their counts (hooks that build their own flat
+    #: parameters or shards from the counts keep the grouped lists).
+    module_order = True
 
     #: Plain LoRA's adapted linears run as PEFT runs them, their adapters' gradients in their layer's backward
     #: (:class:`LoraFlow`); the many-GPU hooks keep the saved tensors only, the adapters' gradients with the head's
@@ -433,9 +516,12 @@ def synthesise(
     h = spec.hidden_size
     hidden = rank.residual_bytes(w.residual * t * h)  # one residual-stream tensor
 
-    # Weights, in module order: the model-level tensors, then each layer's.
-    rank.weights(s, states)
+    # Weights, in module order (one GPU: parameter by parameter, module_order).
+    ordered = module_order(spec, states) if rank.module_order else None
+    rank.weights(s, states if ordered is None else ordered)
     trained = [(ps.tensor, ps.count) for ps in states if ps.trainable]
+    # AdamW's _init_group makes each trained parameter's states in module order too
+    trained_ordered = trained if ordered is None else [(ps.tensor, 1) for ps in ordered if ps.trainable]
     trained_numel = sum(x.numel * m for x, m in trained) or 1
 
     def per_tensor(total: int, x: ParamTensor) -> int:
@@ -483,6 +569,11 @@ def synthesise(
     # Classification heads: num_labels-wide logits (their small row-pick tensors folded into the same shape).
     n_logits = t * spec.vocab_size if spec.kind.has_vocab_logits else lg.logits_bytes // (w.compute or 1)
     temps = backward_temp_bytes(spec, strategy)
+    pieces = (
+        BackwardPieces.of(spec, strategy, temps.block_bytes, temps.norm_bytes)
+        if rank.module_order
+        else BackwardPieces((temps.block_bytes,), (), (temps.norm_bytes,))
+    )
     a = w.compute
     # Materialised attention scores (eager, SDPA's math kernel): their transients around the softmax.
     chain_forward = eager_forward_moment(spec, strategy)[1]
@@ -536,6 +627,43 @@ def synthesise(
         s.free_all(temps)
         s.free(out)
 
+    # Dense Llama-style layers (no adapter flows): the forward's own fp32 RMSNorm transients and the rotary
+    # embedding's, which the saved terms leave out; they are freed within the layer, so the peaks stay the closed
+    # form's, but they make and reuse the 64 and 32 MiB blocks a real forward does (the H200 trace, llama-3.2-1b).
+    # One GPU and DDP (rank.module_order); the other ranks' streams were checked against traced ranks as they are.
+    rotary = rank.module_order and not flows and any(x.name == "rope.cos_sin" for x in mt)
+    rms_transients = rank.module_order and not flows and spec.norm is NormKind.RMSNORM
+    pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
+
+    def release_pending() -> None:
+        for p in list(pending):
+            p[1] -= 1
+            if p[1] <= 0:
+                s.free(p[0])
+                pending.remove(p)
+
+    def rotary_qkv(sizes: list[int]) -> list[int]:
+        """q, k and v as LlamaAttention.forward makes them: the three projections' outputs, then
+        ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q) * sin``; ``rotate_half`` is ``cat(-x2, x1)``: ``neg``
+        of a half, ``cat``) on q, then k, each projection's output freed once both are embedded; the saved
+        q_embed, k_embed and v (transformers models/llama/modeling_llama.py)."""
+        q_n, k_n, v_n = sizes
+        raw = [s.alloc(q_n), s.alloc(k_n)]
+        v = s.alloc(v_n)
+        out = []
+        for n in (q_n, k_n):
+            m1 = s.alloc(n)
+            neg = s.alloc(n // 2)
+            cat = s.alloc(n)
+            s.free(neg)
+            m2 = s.alloc(n)
+            s.free(cat)
+            out.append(s.alloc(n))
+            s.free(m1)
+            s.free(m2)
+        s.free_all(raw)
+        return [*out, v]
+
     def layer_forward(i: int) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
@@ -564,8 +692,20 @@ def synthesise(
                 saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                 s.free(transient)
                 continue
+            if rotary and term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
+                saved += rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
+                release_pending()
+                continue
             keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
             saved += keys
+            release_pending()
+            if rms_transients and term.name.endswith(".input_fp32") and len(keys) == 1:
+                # LlamaRMSNorm.forward: ``hidden_states.to(torch.float32)`` (the saved input), ``.pow(2)`` (freed
+                # by ``mean``), ``hidden_states * torch.rsqrt(variance + eps)`` (fp32, held until the weight's
+                # product of its 16-bit cast, the next two tensors, is made)
+                n = rank.saved_bytes(term.name, term.bytes)
+                s.free(s.alloc(n))
+                pending.append([s.alloc(n), 2])
             if f is not None:
                 own[term.name] = keys
                 if term.name.endswith(".lora_A_out") and open_flow is not None:
@@ -585,6 +725,9 @@ def synthesise(
                     s.free(out)
                     product = 0
         s.free(product)
+        for k, _ in pending:
+            s.free(k)
+        pending.clear()
         return copies, saved
 
     def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
@@ -784,8 +927,7 @@ def synthesise(
             if head_grads:
                 rank.head_grads_taken(s, head_grads)
             s.free_all(head_copies)
-            norm_temp = s.alloc(rank.residual_bytes(temps.norm_bytes))
-            s.free(norm_temp)
+            s.free_all([s.alloc(rank.residual_bytes(n)) for n in pieces.norm])  # the final norm's backward
             s.free_all(head)
             if not micro:
                 model_grads = rank.head_backward_end(s, model_grads)
@@ -802,15 +944,33 @@ def synthesise(
                     copies, saved = layers[i]
                 rank.layer_backward_begin(s, i)
                 own = layer_trainable[i]
-                layer_grads = [] if micro else [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in own]
+                # Each weight's gradient as its node runs (one GPU, DDP: rank.module_order; no adapter flows, not
+                # accumulating): the MLP's in reverse (down, up, gate: their MmBackward nodes, each weight gradient
+                # made beside the MLP's transients), then the rest of the layer's in reverse module order (the
+                # post-attention norm's, o, v, k, q, the input norm's); the others at the layer's start.
+                staged = rank.module_order and not micro and not flows and bool(pieces.mlp)
+                mlp_own = [x for x in g.tensors if x in own and x.name.startswith("mlp.")] if staged else []
+                grad_key: dict[ParamTensor, int] = {}
+                for x in reversed(mlp_own[-1:]):
+                    grad_key[x] = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                layer_grads = (
+                    [] if micro or staged else [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in own]
+                )
                 for x in g.tensors if micro else ():
                     if x in own:  # accumulating: added into the resident .grad, dropped
                         s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))
                 layer_flows = list(flows.values()) if i >= dead else []
                 for f in reversed([f for f in layer_flows if f.site.in_mlp]):
                     lora_flow_backward(f, i, saved, layer_grads, micro)
-                temp = s.alloc(temps.block_bytes)
-                s.free(temp)
+                mlp_temps = [s.alloc(n) for n in pieces.mlp]  # the MLP's backward
+                for x in reversed(mlp_own[:-1]):
+                    grad_key[x] = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                s.free_all(mlp_temps)
+                if staged:
+                    for x in reversed([x for x in g.tensors if x in own and x not in grad_key]):
+                        grad_key[x] = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    layer_grads = [grad_key[x] for x in g.tensors if x in own]
+                s.free_all([s.alloc(n) for n in pieces.in_block_norm])  # the norm after it (pre-norm: its input's)
                 for f in reversed([f for f in layer_flows if not f.site.in_mlp]):
                     lora_flow_backward(f, i, saved, layer_grads, micro)
                 chain = s.alloc(chain_backward)
@@ -871,7 +1031,7 @@ def synthesise(
 
         # The optimizer step: states created in the first step, then its temporaries.
         if not optimizer_created and not strategy.savers.paged_optimizer:  # paged: cudaMallocManaged, not here
-            rank.optimizer_states(s, strategy, trained)
+            rank.optimizer_states(s, strategy, trained_ordered)
             optimizer_created = True
         step_temp = rank.step_temp_bytes(st.step_temp_bytes)
         step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)]

@@ -439,6 +439,8 @@ class FsdpHooks(RankHooks):
     own (see the module docstring); the stream is the compute strategy's. Groups are keyed by layer index, or
     :data:`~trainfit.analytic.parallel.ROOT_UNIT`, ``EMBEDDING_UNIT``, ``TAIL_UNIT``."""
 
+    module_order = False  # its states come from the grouped counts
+
     adapter_flow = False  # events.LoraFlow: one GPU only
 
     reduces_each_micro_step = True  # every micro-step's gradients go through the post-backward (no_sync too)
@@ -873,6 +875,8 @@ class DtensorTpHooks(RankHooks):
     the full-checkpointing trace cell's allocated peak is 0.75% over the traced one); each matmul's input is the
     all-gathered whole (``PrepareModuleInput``: ``Shard(1)`` → ``Replicate()``)."""
 
+    module_order = False  # its states come from the grouped counts
+
     adapter_flow = False  # events.LoraFlow: one GPU only
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -1028,6 +1032,8 @@ class Zero2Hooks(RankHooks):
 
     The step's events are written from :meth:`step_temp_bytes` (the one per-step hook after backward), on the
     stream the hooks keep from :meth:`weights`."""
+
+    module_order = False  # its states come from the grouped counts
 
     adapter_flow = False  # events.LoraFlow: one GPU only
 
@@ -1391,6 +1397,8 @@ class Zero3Hooks(RankHooks):
     in place): on the device only the parameters, the bucket and the gathers. ZeRO-Infinity (``offload_param``)
     moves the 16-bit partitions to the host too (a frozen persistent parameter's stays). Against the traced engine's
     device events on tiny llama cells: allocated −0.74…+0.00%, reserved −4.3…+2.5%, with accumulation too."""
+
+    module_order = False  # its states come from the grouped counts
 
     adapter_flow = False  # events.LoraFlow: one GPU only
 
