@@ -12,8 +12,8 @@ from trainfit.planner.rank import search_plans
 
 
 def test_launch_exports_the_plans_allocator_and_the_estimate_with_it_fits() -> None:
-    spec, gpu = load_model("llama-3.1-8b"), get_gpu("a100-sxm-80gb")
-    plans = search_plans(spec, gpu, gpus=1, seq_len=8192, global_batch=1, top=5, alloc_conf="").plans
+    spec, gpu = load_model("qwen3-8b"), get_gpu("a100-sxm-80gb")  # tests/planner/test_alloc_plan.py's search
+    plans = search_plans(spec, gpu, gpus=1, seq_len=6144, global_batch=1, top=5, alloc_conf="").plans
     grown = [p for p in plans if p.alloc_conf]
     plain = [p for p in plans if not p.alloc_conf]
     assert grown and plain

@@ -115,13 +115,13 @@ def test_infer_equals_the_cli_json(
     assert got.json() == expected
 
 
-# Llama 3.1 8B on one A100 80GB, one 8192-token sequence: by default one plan fits only with expandable segments
+# Qwen3 8B on one A100 80GB, one 6144-token sequence: by default one plan fits only with expandable segments
 # (tests/planner/test_alloc_plan.py); given the setting, every estimate simulates it.
 PLAN_ALLOC = {
-    "model": "llama-3.1-8b",
+    "model": "qwen3-8b",
     "gpu": "a100-sxm-80gb",
     "gpus": 1,
-    "seq": 8192,
+    "seq": 6144,
     "global_batch": 1,
     "top": 3,
     "alloc_conf": "expandable_segments:True",
