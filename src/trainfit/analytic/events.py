@@ -627,12 +627,16 @@ def synthesise(
         s.free_all(temps)
         s.free(out)
 
-    # Dense Llama-style layers (no adapter flows): the forward's own fp32 RMSNorm transients and the rotary
-    # embedding's, which the saved terms leave out; they are freed within the layer, so the peaks stay the closed
-    # form's, but they make and reuse the 64 and 32 MiB blocks a real forward does (the H200 trace, llama-3.2-1b).
-    # One GPU and DDP (rank.module_order); the other ranks' streams were checked against traced ranks as they are.
-    rotary = rank.module_order and not flows and any(x.name == "rope.cos_sin" for x in mt)
-    rms_transients = rank.module_order and not flows and spec.norm is NormKind.RMSNORM
+    # Dense Llama-style layers: the forward's own fp32 RMSNorm transients and the rotary embedding's, which the
+    # saved terms leave out; they are freed within the layer, so the peaks stay the closed form's, but they make and
+    # reuse the 64 and 32 MiB blocks a real forward does (the H200 trace, llama-3.2-1b). With adapter flows too: a
+    # q,v-only LoRA without the norm's transients left no free 14 MiB block for the final norm's fp32 input, which
+    # then split the block the autograd workspace needed, and that workspace pinned a logits segment (+16.8% reserved
+    # against the trace, +0.1% with them; benchmarks/reserve_agreement.py --finetune). An adapted q or v projection's
+    # output is the flow's, freed at its end; rotary_qkv then makes the raw q, k, v it embeds. One GPU and DDP
+    # (rank.module_order); the other ranks' streams were checked against traced ranks as they are.
+    rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
+    rms_transients = rank.module_order and spec.norm is NormKind.RMSNORM
     pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
 
     def release_pending() -> None:
