@@ -626,6 +626,7 @@ def _mla_cache_held_tensors(spec: ModelSpec, strategy: Strategy) -> tuple[int, .
             input_width=site_widths(spec, strategy, w),
             amp=w.amp,
             compute=w.compute,
+            quantised=strategy.base_weights.quantization is not Quantization.NONE,
         )
         kept = any(x.reads is SiteInput.KV_LATENT for x in saved)
     return (k_rot,) if kept else (k_rot, w.residual * t * m.kv_lora_rank)
@@ -1895,8 +1896,9 @@ def _dense_mlp_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
     which it adds after the MLP; BERT the attention block's output, the MLP output's residual. Then the worst of
 
     * fc1: the base output (m·t·i: the compute dtype, or a bitsandbytes layer's input dtype) and, adapted, PEFT's
-      branch — lora_B's output and its scaled copy (lora_A's matmul width each; over a 4-bit base the result's clone
-      and the branch converted to m first) — over the input's cast to the adapter dtype (t·h);
+      branch — lora_B's output and its scaled copy (lora_A's matmul width each; over a 4-bit base the result's clone,
+      and without autocast the branch converted to m) — over the input's cast to the adapter dtype (t·h; none over
+      a 4-bit base under autocast);
     * the activation: ``F.gelu``/ReLU its input and output (2m·t·i); HF's Python GeLU (``NewGELUActivation``:
       ``0.5 * x * (1 + tanh(√(2/π)·(x + 0.044715·x³)))``) keeps x and 0.5·x while its chain runs, two neighbours
       at a time, in fp32 under autocast (``pow`` is on CUDA autocast's fp32 list; the rest follows by type
@@ -1920,11 +1922,16 @@ def _dense_mlp_forward_bytes(spec: ModelSpec, strategy: Strategy) -> int | None:
     held = _dense_layer_locals(spec, strategy)
     # fc1: its input as PEFT's branch casts it to the adapter dtype (``_cast_input_dtype``: a local of ``forward``,
     # alive to the sum; dropout's output and autocast's copy for lora_A die with lora_A's call)
-    in_casts = (ad if nb != ad else 0) * t * h if fc1 else 0
     quantised = strategy.base_weights.quantization is not Quantization.NONE
-    if fc1 and quantised:
-        # peft/tuners/lora/bnb.py Linear4bit.forward: the base result cloned, lora_B's output converted to the
-        # result's dtype, then scaled: three m-wide tensors at the add (two and lora_B's own at the conversion)
+    # (PEFT's bitsandbytes layers cast only without autocast: ``requires_conversion``, adapters.adapter_saved)
+    in_casts = (ad if nb != ad else 0) * t * h if fc1 and not (quantised and w.amp) else 0
+    if fc1 and quantised and w.amp:
+        # peft/tuners/lora/bnb.py Linear4bit.forward under autocast: the base result and its clone, then the clone,
+        # lora_B's output scaled and their sum: two m-wide tensors and one of lora_A's matmul width at the add
+        first = max(2 * m, m + 2 * mm, 2 * m + mm) * t * i
+    elif fc1 and quantised:
+        # without autocast: the clone, the scaled branch converted to the result's dtype (``output.to(
+        # expected_dtype)``) and the sum: three m-wide tensors at the add (two and the scaled one at the conversion)
         first = max(3 * m, 2 * m + mm) * t * i + in_casts
     else:
         first = m * t * i + (2 * mm * t * i if fc1 else 0) + in_casts

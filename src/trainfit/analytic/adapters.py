@@ -692,7 +692,9 @@ def adapter_saved(
     out: list[AdapterSaved] = []
     for s in sites:
         w_in = input_width[s.reads]
-        cast = w_in != ad  # PEFT _cast_input_dtype: x.to(lora_A.weight.dtype) when the dtypes differ
+        # PEFT _cast_input_dtype: x.to(lora_A.weight.dtype) when the dtypes differ — over a bitsandbytes base only
+        # without autocast (peft/tuners/lora/bnb.py: ``requires_conversion = not torch.is_autocast_enabled()``)
+        cast = w_in != ad and not (quantised and amp)
         dropped = adapter.dropout > 0
         autocast_cast = amp and (ad if (cast or dropped) else w_in) != compute
         if not cast and not dropped and not autocast_cast:

@@ -142,7 +142,7 @@ def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> 
     ``FakeTensorMode``, or ``None`` for real tensors), for the duration of the run (trace/bnb.py)."""
     q = strategy.base_weights.quantization
     if q is Quantization.INT8:
-        with bnb.int8_weights(model, mode), bnb.cuda_int8_matmul(), dora_dequantize(strategy):
+        with bnb.int8_weights(model, mode), bnb.cuda_int8_matmul(), dora_dequantize(strategy), cuda_autocast_query():
             yield
         return
     if q not in (Quantization.NF4, Quantization.FP4):
@@ -154,8 +154,30 @@ def quantised_weights(model: torch.nn.Module, mode: Any, strategy: Strategy) -> 
             model, mode, quant_type=q.value, double_quant=strategy.base_weights.double_quant, compute=compute
         ),
         dora_dequantize(strategy),
+        cuda_autocast_query(),
     ):
         yield
+
+
+@contextlib.contextmanager
+def cuda_autocast_query() -> Iterator[None]:
+    """PEFT's LoRA layers over a bitsandbytes base (peft/tuners/lora/bnb.py ``Linear4bit.forward`` and
+    ``Linear8bitLt.forward``) ask ``torch.is_autocast_enabled()`` — without a device: CUDA's autocast — whether to
+    cast x to the adapter's dtype and the adapter's output back to the base output's (``requires_conversion``). The
+    trace runs CPU autocast under CUDA's policy (trace/autocast.py), where that call says False, so every adapted
+    layer made a cast copy of its LoRA output that a CUDA run under autocast does not (a 64 MiB fp32 copy per MLP
+    projection of llama-3.2-1b at 2048 tokens). For the run, the no-device form reports CPU autocast's state, as
+    on a GPU it reports CUDA's."""
+    original = torch.is_autocast_enabled
+
+    def is_autocast_enabled(device_type: str | None = None) -> bool:
+        return bool(original("cpu" if device_type is None else device_type))
+
+    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = original
 
 
 @contextlib.contextmanager
