@@ -173,7 +173,7 @@ def cuda_autocast_query() -> Iterator[None]:
     def is_autocast_enabled(device_type: str | None = None) -> bool:
         return bool(original("cpu" if device_type is None else device_type))
 
-    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
+    torch.is_autocast_enabled = is_autocast_enabled
     try:
         yield
     finally:
