@@ -275,16 +275,35 @@ class LoraFlow:
     #: The input gradient's chain after lora_A's matmul (autocast's cast back, dropout's mask, PEFT's cast back):
     #: each step a new tensor from the previous one, which autograd then frees.
     grad_chain: tuple[int, ...]
+    #: A bitsandbytes 4-bit base (:class:`Bnb4bitBase`); None: a float base.
+    bnb: Bnb4bitBase | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Bnb4bitBase:
+    """PEFT's LoRA over a bitsandbytes 4-bit base (peft/tuners/lora/bnb.py ``Linear4bit.forward``): the base layer
+    (bitsandbytes/nn/modules.py ``Linear4bit.forward``) casts x to the compute dtype, multiplies (``matmul_4bit``,
+    ``compute``-wide output) and casts the output back to x's dtype (``.to(inp_dtype)``); PEFT clones that result
+    (the flow's base output, ``LoraFlow.c`` = x's width) and adds the branch to the clone — under autocast as it is
+    (``requires_conversion`` False: no ``_cast_input_dtype``, the sum promoted), without autocast converted first to
+    the result's dtype (``converts``). Backward (``MatMul4Bit.backward``, bitsandbytes/autograd/_functions.py): the
+    incoming gradient cast to the compute dtype, the dequantised weight (``dequantize_4bit``, d_in × d_out), the
+    input gradient in the compute dtype, then cast to x's dtype. The layers of the trace with real bitsandbytes
+    layers (tests/trace/test_peft.py)."""
+
+    compute: int
+    converts: bool
 
 
 def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
     """Each adapted linear's :class:`LoraFlow` by its name, for plain LoRA over a float base on a dense stack (empty
     otherwise: DoRA, bitsandbytes layers and MoE stacks keep their saved tensors only)."""
     adapter = strategy.adapter
+    quant = strategy.base_weights.quantization
     if (
         adapter is None
         or adapter.kind is not AdapterKind.LORA
-        or strategy.base_weights.quantization is not Quantization.NONE
+        or quant not in (Quantization.NONE, Quantization.NF4, Quantization.FP4)
         or spec.moe is not None
         or spec.mla is not None
     ):
@@ -295,11 +314,13 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
     ad = adapter.dtype.bits // 8
     mm = w.compute if w.amp else ad
     dropped = adapter.dropout > 0
+    bnb = Bnb4bitBase(compute=w.compute, converts=not w.amp) if quant is not Quantization.NONE else None
     out: dict[str, LoraFlow] = {}
     for site in adapter_sites(spec, adapter):
         w_in = widths[site.reads]
-        c = w.compute if w.amp else w_in
-        cast = w_in != ad  # PEFT's _cast_input_dtype copies
+        c = w_in if bnb is not None or not w.amp else w.compute
+        # PEFT's _cast_input_dtype copies (over a bitsandbytes base only without autocast: adapters.adapter_saved)
+        cast = w_in != ad and not (bnb is not None and w.amp)
         autocast_cast = w.amp and (ad if (cast or dropped) else w_in) != w.compute
         temps: list[int] = []
         if cast and (dropped or autocast_cast):
@@ -319,11 +340,12 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
             w_in=w_in,
             c=c,
             mm=mm,
-            p=max(c, mm),
+            p=c if bnb is not None and bnb.converts else max(c, mm),
             ad=ad,
             rank=adapter.rank,
             forward_temps=tuple(temps),
             grad_chain=tuple(chain),
+            bnb=bnb,
         )
     return out
 
@@ -575,6 +597,8 @@ def synthesise(
         else BackwardPieces((temps.block_bytes,), (), (temps.norm_bytes,))
     )
     a = w.compute
+    # the LM head's output width (logits.logits_width: fp32 logits over a kbit-prepared head without autocast)
+    la = lg.logits_bytes // n_logits if spec.kind.has_vocab_logits and n_logits else a
     # Materialised attention scores (eager, SDPA's math kernel): their transients around the softmax.
     chain_forward = eager_forward_moment(spec, strategy)[1]
     chain_backward = eager_backward_moment(spec, strategy)[1]
@@ -606,9 +630,21 @@ def synthesise(
         return flows.get(term_name.removeprefix("lora.").rpartition(".")[0])
 
     def lora_flow_forward(f: LoraFlow) -> tuple[int, list[int]]:
-        """Before the site's saved tensors: the base layer's output, PEFT's unsaved input copies."""
+        """Before the site's saved tensors: the base layer's output (a bitsandbytes base's chain, then PEFT's clone
+        of its result: :class:`Bnb4bitBase`), PEFT's unsaved input copies."""
         d_in, d_out = f.site.d_in, f.site.d_out
-        return s.alloc(f.c * f.t * d_out), [s.alloc(w_ * f.t * d_in) for w_ in f.forward_temps]
+        if f.bnb is None:
+            base = s.alloc(f.c * f.t * d_out)
+        else:
+            x_cast = s.alloc(f.bnb.compute * f.t * d_in) if f.w_in != f.bnb.compute else 0
+            product = s.alloc(f.bnb.compute * f.t * d_out)
+            result = s.alloc(f.c * f.t * d_out) if f.c != f.bnb.compute else product
+            if result != product:
+                s.free(product)
+            s.free(x_cast)
+            base = s.alloc(f.c * f.t * d_out)  # result.clone()
+            s.free(result)
+        return base, [s.alloc(w_ * f.t * d_in) for w_ in f.forward_temps]
 
     def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int]) -> None:
         """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
@@ -617,6 +653,10 @@ def synthesise(
         b = s.alloc(f.mm * n)
         scaled = s.alloc(f.mm * n)
         s.free(b)
+        if f.bnb is not None and f.bnb.converts and f.mm != f.c:  # output.to(expected_dtype), before the sum
+            converted = s.alloc(f.c * n)
+            s.free(scaled)
+            scaled = converted
         total = s.alloc(f.p * n)
         s.free(scaled)
         s.free(base)
@@ -765,12 +805,18 @@ def synthesise(
             s.free(g_in)
             g_in = 0
             g_base = s.alloc(f.c * n_out)  # the base branch's, in the base output's dtype
-        scaled = s.alloc(f.p * n_out)
-        s.free(g)
-        if f.mm != f.p:
-            narrowed = s.alloc(f.mm * n_out)
-            s.free(scaled)
-            scaled = narrowed
+        if f.bnb is not None:
+            # the branch's gradient in its own dtype (the sum's backward, or the conversion's), then ``* scaling``
+            cast = s.alloc(f.mm * n_out) if f.mm != f.c else 0
+            scaled = s.alloc(f.mm * n_out)
+            s.free(cast)
+        else:
+            scaled = s.alloc(f.p * n_out)
+            s.free(g)
+            if f.mm != f.p:
+                narrowed = s.alloc(f.mm * n_out)
+                s.free(scaled)
+                scaled = narrowed
         grad(f.lora_b)
         g_a_out = s.alloc(f.mm * f.t * f.rank)
         s.free(scaled)
@@ -785,7 +831,18 @@ def synthesise(
                 nxt = s.alloc(width * n_in)
                 s.free(g_x)
                 g_x = nxt
-            g_x_base = s.alloc(f.w_in * n_in)
+            if f.bnb is None:
+                g_x_base = s.alloc(f.w_in * n_in)
+            else:  # MatMul4Bit.backward: the gradient cast, the dequantised weight, the input's gradient, its cast
+                wide = f.bnb.compute
+                g_cast = s.alloc(wide * n_out) if f.c != wide else 0
+                weight = s.alloc(wide * f.site.d_in * f.site.d_out)
+                g_a = s.alloc(wide * n_in)
+                s.free(weight)
+                s.free(g_cast)
+                g_x_base = s.alloc(f.w_in * n_in) if f.w_in != wide else g_a
+                if g_x_base != g_a:
+                    s.free(g_a)
             s.free(g_base)
             s.free(g_in)
             total = s.alloc(f.w_in * n_in)
@@ -856,10 +913,10 @@ def synthesise(
             s.free(residual)
             # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
             gather = rank.logits_gather(s)
-            logits = s.alloc(a * n_logits)
+            logits = s.alloc(la * n_logits)
             s.free_all(gather)
-            upcast = s.alloc(4 * n_logits) if a != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
-            rest = max(0, lg.forward_peak_bytes - a * n_logits - (4 * n_logits if upcast else 0))
+            upcast = s.alloc(4 * n_logits) if la != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
+            rest = max(0, lg.forward_peak_bytes - la * n_logits - (4 * n_logits if upcast else 0))
             log_softmax = s.alloc(rest)
             s.free(upcast)
             s.free_all(forward_cache)  # the autocast region exits
@@ -877,7 +934,7 @@ def synthesise(
             s.free(log_softmax)
             g_logits = g_lsm
             if upcast:
-                g_logits = s.alloc(a * n_logits)
+                g_logits = s.alloc(la * n_logits)
                 s.free(g_lsm)
             rank.head_backward_begin(s)
             model_grads: list[int] = []
