@@ -277,6 +277,27 @@ class LoraFlow:
     grad_chain: tuple[int, ...]
     #: A bitsandbytes 4-bit base (:class:`Bnb4bitBase`); None: a float base.
     bnb: Bnb4bitBase | None = None
+    #: DoRA's weight norm and rescaling (:class:`DoraCall`); None: plain LoRA.
+    dora: DoraCall | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DoraCall:
+    """DoRA over a float base without dropout (PEFT ``DoraLinearVariant.forward`` → ``DoraLinearLayer.forward``,
+    peft/tuners/lora/dora.py): the base output is kept (DoRA saves it: the ``dora_base_out`` term is the flow's base
+    output); the weight norm makes ``eye(d_in)`` and lora_A's product of it (``eye``-wide), ``lora_weight``, the base
+    weight cast to x's dtype (when it differs) — locals alive to the call's end — and ``weight + scaling *
+    lora_weight`` (the scaled copy and the sum, freed by the norm), the ``full`` widths over d_in × d_out as
+    :func:`~trainfit.analytic.adapters.dora_norm_transient_bytes` counts them; then ``(mag_norm_scale - 1) *
+    base_result``, ``mag_norm_scale * lora_result``, ``* scaling`` and their sum (``out``-wide: promoted by the
+    adapter-dtype magnitude), and the layer's ``result + result_dora`` (the trace of real PEFT modules,
+    tests/trace/test_dora.py)."""
+
+    eye: int
+    lora_weight: int
+    weight_copy: int  # 0: the base weight already has x's dtype
+    full: int  # the scaled copy's and the sum's width
+    out: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,9 +321,10 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
     otherwise: DoRA, bitsandbytes layers and MoE stacks keep their saved tensors only)."""
     adapter = strategy.adapter
     quant = strategy.base_weights.quantization
+    dora = adapter is not None and adapter.kind is AdapterKind.DORA
     if (
         adapter is None
-        or adapter.kind is not AdapterKind.LORA
+        or (dora and (quant is not Quantization.NONE or adapter.dropout > 0))
         or quant not in (Quantization.NONE, Quantization.NF4, Quantization.FP4)
         or spec.moe is not None
         or spec.mla is not None
@@ -346,8 +368,15 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
             forward_temps=tuple(temps),
             grad_chain=tuple(chain),
             bnb=bnb,
+            dora=_dora_call(strategy, ad=ad, mm=mm, c=c) if dora else None,
         )
     return out
+
+
+def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int) -> DoraCall:
+    base = strategy.base_weights.dtype
+    wb = base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
+    return DoraCall(eye=mm, lora_weight=ad, weight_copy=ad if wb != ad else 0, full=ad, out=max(ad, mm, c))
 
 
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
@@ -646,10 +675,42 @@ def synthesise(
             s.free(result)
         return base, [s.alloc(w_ * f.t * d_in) for w_ in f.forward_temps]
 
+    def dora_weight_norm(f: LoraFlow, temps: list[int]) -> None:
+        """DoRA's weight norm (:class:`DoraCall`): its locals join ``temps``, alive to the call's end."""
+        assert f.dora is not None
+        d = f.dora
+        d_in, d_out = f.site.d_in, f.site.d_out
+        temps += [s.alloc(d.eye * d_in * d_in), s.alloc(d.eye * d_in * f.rank), s.alloc(d.lora_weight * d_in * d_out)]
+        if d.weight_copy:
+            temps.append(s.alloc(d.weight_copy * d_in * d_out))
+        scaled = s.alloc(d.full * d_in * d_out)
+        total = s.alloc(d.full * d_in * d_out)
+        s.free(scaled)
+        s.free(total)
+
     def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int]) -> None:
         """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
-        module's output then goes to its reader (kept only where a saved term says so)."""
+        module's output then goes to its reader (kept only where a saved term says so). DoRA: after its saved
+        tensors, the rescaling's products, their sum and the layer's sum with the base output (kept as a saved term)."""
         n = f.t * f.site.d_out
+        if f.dora is not None:
+            w = f.dora.out
+            by_base = s.alloc(w * n)  # (mag_norm_scale - 1) * base_result
+            by_lora = s.alloc(w * n)  # mag_norm_scale * lora_result
+            scaled_lora = s.alloc(w * n)  # * scaling
+            s.free(by_lora)
+            result_dora = s.alloc(w * n)
+            s.free(by_base)
+            s.free(scaled_lora)
+            s.free_all(temps)
+            total = s.alloc(w * n)  # result + result_dora
+            s.free(result_dora)
+            out = total
+            if w != f.c:
+                out = s.alloc(f.c * n)
+                s.free(total)
+            s.free(out)
+            return
         b = s.alloc(f.mm * n)
         scaled = s.alloc(f.mm * n)
         s.free(b)
@@ -740,7 +801,10 @@ def synthesise(
                 saved += rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
                 release_pending()
                 continue
-            keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+            if f is not None and f.dora is not None and open_flow is not None and term.name.endswith(".dora_base_out"):
+                keys = [open_flow[1]]  # DoRA keeps the base output the flow made first
+            else:
+                keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
             saved += keys
             release_pending()
             if rms_transients and term.name.endswith(".input_fp32") and len(keys) == 1:
@@ -752,7 +816,10 @@ def synthesise(
                 pending.append([s.alloc(n), 2])
             if f is not None:
                 own[term.name] = keys
-                if term.name.endswith(".lora_A_out") and open_flow is not None:
+                if f.dora is not None and term.name.endswith(".lora_A_out") and open_flow is not None:
+                    dora_weight_norm(f, open_flow[2])
+                end = ".dora_scales" if f.dora is not None else ".lora_A_out"
+                if term.name.endswith(end) and open_flow is not None:
                     lora_flow_forward_end(*open_flow)
                     open_flow = None
                     if f.site.reads is SiteInput.MLP_ACT:
