@@ -280,7 +280,7 @@ class DdpHooks(RankHooks):
     With ``gradient_as_bucket_view`` there are no separate gradients (a resident one, a micro-step after the first,
     is a view of the old bucket until ``initialize_bucket_views`` has copied it into the new one's view)."""
 
-    adapter_flow = False  # events.LoraFlow: one GPU only
+    adapter_flow = True  # events.LoraFlow: the one-GPU stream with the bucket hooks
 
     def __init__(self, spec: ModelSpec, strategy: Strategy) -> None:
         eo = strategy.engine
