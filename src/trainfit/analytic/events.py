@@ -309,16 +309,17 @@ class Bnb4bitBase:
     (``requires_conversion`` False: no ``_cast_input_dtype``, the sum promoted), without autocast converted first to
     the result's dtype (``converts``). Backward (``MatMul4Bit.backward``, bitsandbytes/autograd/_functions.py): the
     incoming gradient cast to the compute dtype, the dequantised weight (``dequantize_4bit``, d_in × d_out), the
-    input gradient in the compute dtype, then cast to x's dtype. The layers of the trace with real bitsandbytes
-    layers (tests/trace/test_peft.py)."""
+    input gradient in the compute dtype, then cast to x's dtype. Read off the trace of real bitsandbytes layers
+    (trainfit.trace.peft)."""
 
     compute: int
     converts: bool
 
 
 def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
-    """Each adapted linear's :class:`LoraFlow` by its name, for plain LoRA over a float base on a dense stack (empty
-    otherwise: DoRA, bitsandbytes layers and MoE stacks keep their saved tensors only)."""
+    """Each adapted linear's :class:`LoraFlow` by its name, on a dense stack: plain LoRA over a float or bitsandbytes
+    4-bit base, DoRA over a float base without dropout (empty otherwise: DoRA with dropout or over a quantised base,
+    LoRA over LLM.int8, MoE and MLA stacks keep their saved tensors only)."""
     adapter = strategy.adapter
     quant = strategy.base_weights.quantization
     dora = adapter is not None and adapter.kind is AdapterKind.DORA
@@ -733,7 +734,7 @@ def synthesise(
     # reuse the 64 and 32 MiB blocks a real forward does (the H200 trace, llama-3.2-1b). With adapter flows too: a
     # q,v-only LoRA without the norm's transients left no free 14 MiB block for the final norm's fp32 input, which
     # then split the block the autograd workspace needed, and that workspace pinned a logits segment (+16.8% reserved
-    # against the trace, +0.1% with them; benchmarks/reserve_agreement.py --finetune). An adapted q or v projection's
+    # against the trace, −0.4% with them; benchmarks/reserve_agreement.py --finetune). An adapted q or v projection's
     # output is the flow's, freed at its end; rotary_qkv then makes the raw q, k, v it embeds. One GPU and DDP
     # (rank.module_order); the other ranks' streams were checked against traced ranks as they are.
     rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
@@ -877,6 +878,7 @@ def synthesise(
             cast = s.alloc(f.mm * n_out) if f.mm != f.c else 0
             scaled = s.alloc(f.mm * n_out)
             s.free(cast)
+            s.free(g)
         else:
             scaled = s.alloc(f.p * n_out)
             s.free(g)
