@@ -12,6 +12,7 @@ steps) against the ZeRO-1/2 streams, allocated and reserved peaks on one CUDA st
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -127,6 +128,21 @@ def _deepspeed_run(spec: ModelSpec, s: Strategy) -> Any:
         return run_layout_deepspeed(spec, s, plan, layout, steps=3)
 
 
+@functools.cache
+def _zero_traced(
+    sharding: str, w: int, bucket: int, overlap: bool | None, accum: int, precision: str | None, optimizer: str
+) -> tuple[ModelSpec, Strategy, Any, AllocatorResult]:
+    """:func:`_zero_cell`'s cell, its real engine's run (:func:`_deepspeed_run`, its accumulations merged) and that
+    run's events on one CUDA stream, once per test process (every argument positional, so equal cells share a key):
+    ``_zero_peaks`` and the ZeRO-1 flatten test read the same traced cell. The ``TraceRun`` holds no tensors; the
+    callers only read it."""
+    from trainfit.trace.events import tracker_events
+
+    spec, s = _zero_cell(sharding, w, bucket, overlap, accum, precision, optimizer)
+    run = _deepspeed_run(spec, s)
+    return spec, s, run, simulate(tracker_events(run), AllocatorConfig())
+
+
 def _zero_peaks(
     sharding: str,
     w: int,
@@ -139,11 +155,8 @@ def _zero_peaks(
     """The real DeepSpeed engine's events (full depth, three steps) and ``Zero1Hooks``'/``Zero2Hooks``' stream, on
     one CUDA stream: (traced, synthesised, the closed form's peak over the traced allocated peak)."""
     from trainfit.analytic.parallel import estimate_parallel
-    from trainfit.trace.events import tracker_events
 
-    spec, s = _zero_cell(sharding, w, bucket, overlap, accum, precision, optimizer)
-    run = _deepspeed_run(spec, s)
-    traced = simulate(tracker_events(run), AllocatorConfig())
+    spec, s, _, traced = _zero_traced(sharding, w, bucket, overlap, accum, precision, optimizer)
     # DeepSpeed flattens its 16-bit groups on the device when the accelerator's free memory holds them: the traced
     # engine runs on DeepSpeed's CPU accelerator, whose free memory is the host's, so the stream is given that
     from deepspeed.accelerator import get_accelerator
@@ -748,6 +761,30 @@ def _ddp_cell(view: bool, accum: int) -> tuple[ModelSpec, Strategy]:
     return spec, s
 
 
+@functools.cache
+def _ddp_traced(view: bool, accum: int) -> tuple[ModelSpec, Strategy, Any, AllocatorResult]:
+    """:func:`_ddp_cell`'s real DDP run on the fake process group (full depth, three steps; its accumulations
+    merged) and its events on one CUDA stream, once per test process: the accumulation and bucket-rebuild tests read
+    the same traced cells. The ``TraceRun`` holds no tensors; the callers only read it."""
+    from trainfit.trace import depth
+    from trainfit.trace.distributed import fake_world, run_layout_distributed
+    from trainfit.trace.events import tracker_events
+
+    spec, s = _ddp_cell(view, accum)
+    plan = depth.plan_depth(spec, s, extrapolate=False)  # DDP builds under ``s`` itself (fsdp_run_strategy)
+    _, layout = plan.layouts[0]
+    with fake_world(4) as mesh:
+        run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
+    return spec, s, run, simulate(tracker_events(run), AllocatorConfig())
+
+
+def _stream_peaks(spec: ModelSpec, stream_strategy: Strategy, hooks: RankHooks) -> AllocatorResult:
+    """``hooks``' stream of ``stream_strategy`` (three steps) on one CUDA stream, as :func:`_rank_peaks` makes it."""
+    st = Stream()
+    synthesise(st, spec, stream_strategy, (), hooks, steps=3)
+    return simulate([Event(e.op, e.key, e.size_bytes, 0) for e in st.events], AllocatorConfig())
+
+
 DDP_CELLS = [(False, 1), (True, 1), (False, 2), (True, 2), (False, 3)]
 
 
@@ -761,8 +798,8 @@ def test_the_ddp_stream_accumulates_like_the_traced_run(view: bool, accum: int) 
     with the rebuilt buckets in every step the stream reserved +3.4…+4.5% over the trace's single bucket."""
     from trainfit.analytic.rank_events import DdpHooks
 
-    spec, s = _ddp_cell(view, accum)
-    traced, mine = _rank_peaks(spec, s, s, DdpHooks(spec, s))
+    spec, s, _, traced = _ddp_traced(view, accum)
+    mine = _stream_peaks(spec, s, DdpHooks(spec, s))
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
     assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.02)
 
@@ -778,15 +815,9 @@ def test_the_traced_ddp_rebuilds_its_buckets_at_the_second_forward(view: bool, a
     reduction, the head's bucket: it was freed before them (the H200's second step held it through forward and
     backward, +988065792 bytes on qwen2.5-0.5b). It was the single bucket in every step before that."""
     from trainfit.analytic.rank_events import DdpHooks
-    from trainfit.trace import depth
-    from trainfit.trace.distributed import fake_world, run_layout_distributed
     from trainfit.trace.tracker import BACKWARD, FORWARD
 
-    spec, s = _ddp_cell(view, accum)
-    plan = depth.plan_depth(spec, s, extrapolate=False)
-    _, layout = plan.layouts[0]
-    with fake_world(4) as mesh:
-        run = run_layout_distributed(spec, s, plan, layout, mesh, steps=3, adamw_impl="fused")
+    spec, s, run, _ = _ddp_traced(view, accum)  # the accumulation test's run of the same cell
     made = [r for r in run.tracker.comm_records if r.op == "empty.memory_format"]  # DDP's and the rebuild's
     first, sync, rebuilt = made[0], made[1:3], made[3:]
     head = 8192 * 256 * 4  # the LM head's gradient, ready first
@@ -1154,8 +1185,7 @@ def test_the_zero1_stream_flattens_the_buckets_the_engine_copies() -> None:
     ranges or more: ``self.flatten(bucket)``), and flattens one range as a view. ZeRO-1 reduces in the flat order
     after backward, so its copies are the engine's, size for size: at llama-2-7b over 8 ranks seven of ~940 MiB per
     step, 4% of the reserve (docs/accuracy.md)."""
-    spec, s = _zero_cell("zero1", 4, 200_000)
-    run = _deepspeed_run(spec, s)
+    spec, s, run, _ = _zero_traced("zero1", 4, 200_000, None, 1, None, "adamw")  # the zero1-4-200000-None cell's run
     traced = [r.nbytes for r in run.tracker.records if r.op == "cat.default" and r.phase == "backward"]
     copies: list[int] = []
 
