@@ -64,6 +64,7 @@ from trainfit.analytic.adapters import (
     BlindLayer,
     SiteInput,
     adapter_sites,
+    base_weight_width,
     frozen_forms_known,
     frozen_layers,
     is_frozen,
@@ -375,9 +376,8 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
 
 
 def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int) -> DoraCall:
-    base = strategy.base_weights.dtype
-    wb = base.bits // 8 if base is not None else strategy.recipe.weight_bits // 8
-    return DoraCall(eye=mm, lora_weight=ad, weight_copy=ad if wb != ad else 0, full=ad, out=max(ad, mm, c))
+    copy = ad if base_weight_width(strategy) != ad else 0
+    return DoraCall(eye=mm, lora_weight=ad, weight_copy=copy, full=ad, out=max(ad, mm, c))
 
 
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
