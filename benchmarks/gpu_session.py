@@ -194,6 +194,59 @@ CASES = (
         model="qwen2.5-0.5b",
         strategy={"precision": "amp-bf16", "micro_batch": 4, "seq_len": 1024, "qlora": 16},
     ),
+    # The cells of benchmarks/reserve_agreement.py --finetune whose base is the recipe's weights (the
+    # analytic stream's adapter flows against the trace there; here both against the GPU's reserved memory).
+    *(
+        Case(
+            id=cid,
+            section="lora",
+            kind="qlora" if ft["how"] == "qlora" else "lora",
+            model=m,
+            strategy={"precision": p, "checkpointing": ck, "micro_batch": b, "seq_len": s, "finetune": ft},
+        )
+        for cid, m, p, ck, b, s, ft in (
+            (
+                "q05-lora-qv-pure-b4s1024",
+                "qwen2.5-0.5b",
+                "pure-bf16",
+                "none",
+                4,
+                1024,
+                {"how": "lora", "targets": "q_proj,v_proj"},
+            ),
+            ("q05-lora-full-ckpt-pure-b4s1024", "qwen2.5-0.5b", "pure-bf16", "full", 4, 1024, {"how": "lora"}),
+            (
+                "l1b-dora-qv-pure-b2s1024",
+                "llama-3.2-1b",
+                "pure-bf16",
+                "none",
+                2,
+                1024,
+                {"how": "lora", "dora": True, "targets": "q_proj,v_proj"},
+            ),
+            ("l1b-dora-all-amp-b2s1024", "llama-3.2-1b", "amp-bf16", "none", 2, 1024, {"how": "lora", "dora": True}),
+            (
+                "l1b-dora-qv-drop05-pure-b2s1024",
+                "llama-3.2-1b",
+                "pure-bf16",
+                "none",
+                2,
+                1024,
+                {"how": "lora", "dora": True, "targets": "q_proj,v_proj", "dropout": 0.05},
+            ),
+            ("l1b-qlora-all-amp-b2s1024", "llama-3.2-1b", "amp-bf16", "none", 2, 1024, {"how": "qlora"}),
+            ("l1b-qlora-all-amp-full-ckpt-b2s1024", "llama-3.2-1b", "amp-bf16", "full", 2, 1024, {"how": "qlora"}),
+            (
+                "q05-qlora-all-drop05-amp-b4s1024",
+                "qwen2.5-0.5b",
+                "amp-bf16",
+                "none",
+                4,
+                1024,
+                {"how": "qlora", "dropout": 0.05},
+            ),
+        )
+    ),
     *(
         Case(
             id=f"gen-{m}",
@@ -288,10 +341,13 @@ def strategy_of(case: Case, dry: bool, kw: dict[str, Any] | None = None) -> Any:
     if rank:
         kw["adapter"] = Adapter(rank=rank, alpha=2 * rank)
     qrank = kw.pop("qlora", None)
+    finetune = dict(kw.pop("finetune", None) or {})  # finetune_setup's keywords, the method under "how"
     if qrank:
+        finetune = {"how": "qlora", "rank": qrank}
+    if finetune:
         from trainfit.strategy import finetune_setup
 
-        kw["adapter"], kw["base_weights"] = finetune_setup("qlora", rank=qrank)
+        kw["adapter"], kw["base_weights"] = finetune_setup(finetune.pop("how"), **finetune)
     if dry:
         kw["micro_batch"], kw["seq_len"] = min(kw.get("micro_batch", 1), 2), 32
     return Strategy(**kw)
@@ -821,25 +877,42 @@ def _lora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str
         sink.write("skipped", reason="no peft")
         return
     st = strategy_of(case, dry)
-    a = st.adapter
     t0 = time.perf_counter()
-    model = build_model(spec, st, dev)
+    inner = wrap_peft(peft, build_model(spec, st, dev), st)
+    row = train_loop(spec, st, inner, dev)
+    how = "PEFT DoRA" if st.adapter.kind.value == "dora" else "PEFT LoRA"
+    sink.write("measured", how=f"{how}, fresh process", **row, env=env, seconds=round(time.perf_counter() - t0, 1))
+
+
+def wrap_peft(peft: Any, model: Any, st: Any) -> Any:
+    """``get_peft_model`` as the trace applies it (trainfit.trace.peft ``apply_finetuning``): LoraConfig with the
+    adapter's rank, alpha, dropout, targets and DoRA switch, fp32 adapters (``autocast_adapter_dtype``), after
+    checkpointing is on when asked (the trace's model has it on before PEFT wraps it, so PeftModel's
+    ``_prepare_model_for_gradient_checkpointing`` sees it); the inner transformers model, to be trained."""
+    from trainfit.strategy import Checkpointing
+
+    a = st.adapter
+    if st.checkpointing is Checkpointing.FULL:
+        enable_checkpointing(model)
     targets: Any = "all-linear" if a.targets == ("all-linear",) else list(a.targets)
     config = peft.LoraConfig(
-        r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+        r=a.rank,
+        lora_alpha=a.alpha,
+        lora_dropout=a.dropout,
+        target_modules=targets,
+        bias="none",
+        use_dora=a.kind.value == "dora",
+        task_type="CAUSAL_LM",
     )
-    wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=a.dtype.value == "fp32")
-    inner = wrapped.base_model.model
-    row = train_loop(spec, st, inner, dev)
-    sink.write("measured", how="PEFT LoRA, fresh process", **row, env=env, seconds=round(time.perf_counter() - t0, 1))
+    return peft.get_peft_model(model, config, autocast_adapter_dtype=a.dtype.value == "fp32").base_model.model
 
 
 def _qlora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[str, Any], dry: bool) -> None:
     """QLoRA as a user runs it: a checkpoint (random bf16 weights, saved to local disk) loaded by
     ``from_pretrained`` with ``BitsAndBytesConfig`` (4-bit, the strategy's quant type and double quantisation,
-    bf16 compute) onto the GPU, ``prepare_model_for_kbit_training`` (fp32 for every tensor not in 4 bits, no
-    checkpointing), then PEFT LoRA with fp32 adapters — what the trace applies (trainfit.trace.peft
-    ``apply_finetuning``: ``Linear4bit`` layers, ``kbit_prepared``)."""
+    bf16 compute) onto the GPU, ``prepare_model_for_kbit_training`` (fp32 for every tensor not in 4 bits; its own
+    checkpointing off: :func:`wrap_peft` turns on the trace's when asked), then PEFT LoRA with fp32 adapters —
+    what the trace applies (trainfit.trace.peft ``apply_finetuning``: ``Linear4bit`` layers, ``kbit_prepared``)."""
     import shutil
     import tempfile
 
@@ -850,7 +923,7 @@ def _qlora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[st
 
     torch = dev.torch
     st = strategy_of(case, dry)
-    a, bw = st.adapter, st.base_weights
+    bw = st.base_weights
     t0 = time.perf_counter()
     ckpt = Path(tempfile.mkdtemp(prefix="trainfit-qlora-"))
     try:
@@ -871,12 +944,7 @@ def _qlora(case: Case, spec: Any, dev: _Dev, sink: Sink, out: Path, env: dict[st
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
     peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    targets: Any = "all-linear" if a.targets == ("all-linear",) else list(a.targets)
-    config = peft.LoraConfig(
-        r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM"
-    )
-    wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=a.dtype.value == "fp32")
-    row = train_loop(spec, st, wrapped.base_model.model, dev)
+    row = train_loop(spec, st, wrap_peft(peft, model, st), dev)
     sink.write(
         "measured",
         how=f"QLoRA ({bw.quantization.value}, double quant {bw.double_quant}), from_pretrained, fresh process",
@@ -1339,12 +1407,13 @@ def main(argv: list[str] | None = None) -> int:
     with sink_path.open("a") as fh:
         fh.write(json.dumps({"record": "meta", **meta}) + "\n")
     section_end = start
+    chosen = sum(share for name, _, share in SECTIONS if name in wanted)  # the shares of the sections run
     with (a.out / "log.txt").open("a") as log:
         for name, _, share in SECTIONS:
             if name not in wanted:
                 continue
-            # A section's share of the budget, plus what earlier sections left unused.
-            section_end = min(end, max(section_end, time.monotonic()) + share * a.budget)
+            # A section's share of the budget (of the sections run), plus what earlier sections left unused.
+            section_end = min(end, max(section_end, time.monotonic()) + share / chosen * a.budget)
             for case in (c for c in CASES if c.section == name):
                 left = section_end - time.monotonic()
                 if left < 5 and not a.inline:
