@@ -822,12 +822,13 @@ def ddp_stashed_first_bucket(spec: ModelSpec, strategy: Strategy, q: StepInputs)
     the new ones), but ProcessGroupNCCL still holds it: an asynchronous collective stashes its tensors on its work's
     ``TensorShelf`` (ProcessGroupNCCL.cpp ``collective``), released by ``Work::wait``, which the reducer never calls
     (it waits on the work's future, ``finalize_backward``), or by the next collective's ``workEnqueue`` once the
-    watchdog (every 100 ms, ``kWatchdogThreadSleepMillis``) has seen the work complete. The rebuild's and the
-    buffers' broadcasts follow the optimizer step too closely for that: the bucket goes at an all-reduce of the next
-    backward (H200, torch 2.11, qwen2.5-0.5b on one NCCL rank: the second step's forward and backward peaks
-    +988065792 bytes, the third's none). With one micro-step that is the second step's; under accumulation (DDP
-    reduces every micro-step) the first step's second micro-step, before the optimizer has made its states: it is
-    then the worst only by what the bucket exceeds them by."""
+    watchdog (every 100 ms, ``kWatchdogThreadSleepMillis``) has seen the work complete. Whether it has by the
+    rebuild's and the buffers' broadcasts is timing: H200, torch 2.11, qwen2.5-0.5b on one NCCL rank, the second
+    step's forward and backward peaks were +988065792 bytes in 2 of 3 runs, never with a 0.3 s pause after the
+    optimizer step (benchmarks/h200/2026-12-04b). Counted here: a plan must fit when it stays. With one
+    micro-step that is the second step's; under accumulation (DDP reduces every micro-step) the first step's second
+    micro-step, before the optimizer has made its states: it is then the worst only by what the bucket exceeds them
+    by."""
     bucket = sum(ddp_bucket_bytes(spec, strategy.recipe.grad_bits, sys.maxsize, sys.maxsize, strategy))
     if strategy.grad_accum > 1:
         return max(0, bucket - q.resident.optimizer_states)
@@ -897,7 +898,8 @@ def _ddp(spec: ModelSpec, strategy: Strategy) -> tuple[tuple[PhaseBreakdown, ...
     if stash:
         notes.append(
             f"DDP over NCCL: the first iteration's single bucket ({fmt_gib(stash)}) outlives the rebuild of the "
-            "buckets, held by the stash of its all-reduce until the next backward's first reduction"
+            "buckets, held by the stash of its all-reduce until the next backward's first reduction (counted; whether "
+            "it stays depends on timing: NCCL's watchdog, every 100 ms, may have released it)"
         )
     if finetuning(strategy):
         notes.append(
