@@ -47,11 +47,13 @@ FINETUNE: tuple[tuple[str, str, str, int, int, str, str, float, str | None], ...
     ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "qlora", "all-linear", 0.0, "nf4"),
     # added in session 29 with the DoRA and bitsandbytes flows: cells the flows were not built on
     ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "dora", "all-linear", 0.0, None),
-    ("llama-3.2-1b", "pure-bf16", "none", 2, 1024, "dora", "q_proj,v_proj", 0.05, None),  # dropout: no flow
+    ("llama-3.2-1b", "pure-bf16", "none", 2, 1024, "dora", "q_proj,v_proj", 0.05, None),  # dropout: a flow since s30
     ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "qlora", "q_proj,v_proj", 0.0, "nf4"),
     ("llama-3.2-1b", "pure-bf16", "none", 2, 1024, "qlora", "all-linear", 0.0, "nf4"),
     ("llama-3.2-1b", "amp-bf16", "full", 2, 1024, "qlora", "all-linear", 0.0, "nf4"),
     ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "qlora", "all-linear", 0.05, "nf4"),
+    # added in session 30 with the DoRA-with-dropout flow: under autocast (its casts of x and of the weight)
+    ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "dora", "q_proj,v_proj", 0.05, None),
 )
 GIB = 2**30
 BEGIN, END = "<!-- reserve-finetune:begin -->", "<!-- reserve-finetune:end -->"

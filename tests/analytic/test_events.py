@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ def _finetune(how: str, base: str, targets: str) -> dict[str, Any]:
     return {"adapter": adapter, "base_weights": base_weights}
 
 
+def _dora(dropout: float, targets: str) -> dict[str, Any]:
+    adapter, base_weights = finetune_setup("lora", rank=16, targets=targets, dropout=dropout, dora=True)
+    return {"adapter": adapter, "base_weights": base_weights}
+
+
 def _freeze(patterns: str) -> dict[str, Any]:
     adapter, base_weights = finetune_setup("freeze", freeze=patterns)
     return {"adapter": adapter, "base_weights": base_weights}
@@ -54,6 +60,10 @@ CASES = [
     # Fine-tuning: frozen or quantised bases get no gradients and no autocast copies in the stream either.
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("qlora", "nf4", "q_proj,v_proj"))),
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_finetune("lora", "bf16", "all-linear"))),
+    # DoRA with dropout runs as a flow: the second base linear, the weight it saves (pure: the fp32 copy; amp:
+    # autocast's cast) and the layer's base output freed after the sum
+    ("llama-3.2-1b", Strategy(precision="pure-bf16", micro_batch=2, seq_len=1024, **_dora(0.05, "q_proj,v_proj"))),
+    ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_dora(0.05, "all-linear"))),
     # --freeze: each layer's own gradients and forms — dead layers save nothing, frozen ones the frozen forms, the
     # lowest live one over a dead bottom no input-gradient saves (+19.2% and +4.0% over the closed form before)
     ("llama-3.2-1b", Strategy(micro_batch=2, seq_len=1024, **_freeze("embeddings,layers:0-7"))),
@@ -369,3 +379,23 @@ def test_bert_large_as_measured_within_3_percent_of_the_h200() -> None:
     events = built_on_device(training_events(spec, st, ws), weights=n, transient_bytes=table)
     run = simulate_process([events], warm_up=matmul_warm_up(ws))[0]
     assert run.peak_reserved_bytes == pytest.approx(measured["max_reserved"], rel=0.03)
+
+
+@pytest.mark.parametrize(("precision", "targets"), [("pure-bf16", "q_proj,v_proj"), ("amp-bf16", "all-linear")])
+def test_dora_dropout_leaves_nothing_more_alive_than_dora_without(precision: str, targets: str) -> None:
+    """Dropout adds no persistent memory: at the stream's end the same tensors are alive with and without it. The
+    DoRA-with-dropout flow once left the lowest layer's weight copies alive (its linear saves nothing there, so no
+    ``dora_weight`` term took them) and opened a second flow for the ``dora_weight`` term after the first closed."""
+    spec = load_model("llama-3.2-1b")
+
+    def alive(dropout: float) -> Counter[int]:
+        st = Strategy(precision=precision, micro_batch=2, seq_len=1024, **_dora(dropout, targets))
+        live: dict[int, int] = {}
+        for e in training_events(spec, st):
+            if e.op is Op.ALLOC:
+                live[e.key] = e.size_bytes
+            elif e.op is Op.FREE:
+                live.pop(e.key, None)
+        return Counter(live.values())
+
+    assert alive(0.05) == alive(0.0)

@@ -284,9 +284,14 @@ class LoraFlow:
 
 @dataclass(frozen=True, slots=True)
 class DoraCall:
-    """DoRA over a float base without dropout (PEFT ``DoraLinearVariant.forward`` → ``DoraLinearLayer.forward``,
-    peft/tuners/lora/dora.py): the base output is kept (DoRA saves it: the ``dora_base_out`` term is the flow's base
-    output); the weight norm makes ``eye(d_in)`` and lora_A's product of it (``eye``-wide), ``lora_weight``, the base
+    """DoRA over a float base (PEFT ``DoraLinearVariant.forward`` → ``DoraLinearLayer.forward``,
+    peft/tuners/lora/dora.py). Without dropout the base output is kept (DoRA saves it: the ``dora_base_out`` term is
+    the flow's base output); with dropout (``dropped``) the variant passes ``base_result=None`` and DoRA runs the base
+    layer again on the dropped input, ``F.linear(x, weight.to(x.dtype))``: its output is the ``dora_base_out`` term,
+    the weight it multiplied by the ``dora_weight`` term (the norm's cast copy, or autocast's cast made for this
+    linear, :func:`~trainfit.analytic.adapters.dora_weight_copy_bytes`), autocast's cast of x (``x_cast``-wide, not
+    cached: not a leaf) a transient, and the layer's own base output is freed once ``result + result_dora`` is made.
+    The weight norm makes ``eye(d_in)`` and lora_A's product of it (``eye``-wide), ``lora_weight``, the base
     weight cast to x's dtype (when it differs) — locals alive to the call's end — and ``weight + scaling *
     lora_weight`` (the scaled copy and the sum, freed by the norm), the ``full`` widths over d_in × d_out as
     :func:`~trainfit.analytic.adapters.dora_norm_transient_bytes` counts them; then ``(mag_norm_scale - 1) *
@@ -299,6 +304,9 @@ class DoraCall:
     weight_copy: int  # 0: the base weight already has x's dtype
     full: int  # the scaled copy's and the sum's width
     out: int
+    dropped: bool = False
+    x_cast: int = 0  # with dropout under autocast: the second base linear's cast of the dropped input
+    weight_cast: int = 0  # with dropout under autocast: that linear's cast of the weight (saved), else the norm's
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,14 +327,14 @@ class Bnb4bitBase:
 
 def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
     """Each adapted linear's :class:`LoraFlow` by its name, on a dense stack: plain LoRA over a float or bitsandbytes
-    4-bit base, DoRA over a float base without dropout (empty otherwise: DoRA with dropout or over a quantised base,
-    LoRA over LLM.int8, MoE and MLA stacks keep their saved tensors only)."""
+    4-bit base, DoRA over a float base (empty otherwise: DoRA over a quantised base, LoRA over LLM.int8, MoE and MLA
+    stacks keep their saved tensors only)."""
     adapter = strategy.adapter
     quant = strategy.base_weights.quantization
     dora = adapter is not None and adapter.kind is AdapterKind.DORA
     if (
         adapter is None
-        or (dora and (quant is not Quantization.NONE or adapter.dropout > 0))
+        or (dora and quant is not Quantization.NONE)
         or quant not in (Quantization.NONE, Quantization.NF4, Quantization.FP4)
         or spec.moe is not None
         or spec.mla is not None
@@ -370,14 +378,26 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
             forward_temps=tuple(temps),
             grad_chain=tuple(chain),
             bnb=bnb,
-            dora=_dora_call(strategy, ad=ad, mm=mm, c=c) if dora else None,
+            dora=_dora_call(strategy, ad=ad, mm=mm, c=c, dropped=dropped, amp=w.amp, compute=w.compute)
+            if dora
+            else None,
         )
     return out
 
 
-def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int) -> DoraCall:
+def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int, dropped: bool, amp: bool, compute: int) -> DoraCall:
     copy = ad if base_weight_width(strategy) != ad else 0
-    return DoraCall(eye=mm, lora_weight=ad, weight_copy=copy, full=ad, out=max(ad, mm, c))
+    cast = compute if dropped and amp and ad != compute else 0  # x and the weight are in the adapter dtype there
+    return DoraCall(
+        eye=mm,
+        lora_weight=ad,
+        weight_copy=copy,
+        full=ad,
+        out=max(ad, mm, c),
+        dropped=dropped,
+        x_cast=cast,
+        weight_cast=cast,
+    )
 
 
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
@@ -653,6 +673,8 @@ def synthesise(
     )
     # Each layer's adapted linears' own saved tensors (by term name), freed by their backward (lora_flow_backward)
     flow_saved: dict[int, dict[str, list[int]]] = {}
+    # DoRA with dropout: the weight its second base linear saved, made before the ``dora_weight`` term comes
+    dora_weights: dict[str, int] = {}
 
     def flow_site(term_name: str) -> LoraFlow | None:
         if not term_name.startswith("lora."):
@@ -683,19 +705,41 @@ def synthesise(
         d_in, d_out = f.site.d_in, f.site.d_out
         temps += [s.alloc(d.eye * d_in * d_in), s.alloc(d.eye * d_in * f.rank), s.alloc(d.lora_weight * d_in * d_out)]
         if d.weight_copy:
-            temps.append(s.alloc(d.weight_copy * d_in * d_out))
+            copy = s.alloc(d.weight_copy * d_in * d_out)
+            if d.dropped and not d.weight_cast:  # the weight the second base linear multiplies by, and saves
+                dora_weights[f.site.name] = copy
+            else:
+                temps.append(copy)
         scaled = s.alloc(d.full * d_in * d_out)
         total = s.alloc(d.full * d_in * d_out)
         s.free(scaled)
         s.free(total)
 
+    def dora_base_out(f: LoraFlow, base: int, nbytes: int) -> int:
+        """The base output DoRA's rescaling saves: the flow's own without dropout; with dropout the second base
+        linear's, ``F.linear(x, weight)`` on the dropped input (under autocast after its casts of the weight, saved,
+        and of x, freed with the call)."""
+        assert f.dora is not None
+        d = f.dora
+        if not d.dropped:
+            return base
+        if d.weight_cast:
+            dora_weights[f.site.name] = s.alloc(d.weight_cast * f.site.d_in * f.site.d_out)
+        x_cast = s.alloc(d.x_cast * f.t * f.site.d_in) if d.x_cast else 0
+        out = s.alloc(nbytes)
+        s.free(x_cast)
+        return out
+
     def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int]) -> None:
         """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
         module's output then goes to its reader (kept only where a saved term says so). DoRA: after its saved
-        tensors, the rescaling's products, their sum and the layer's sum with the base output (kept as a saved term)."""
+        tensors, the rescaling's products, their sum (DoRA's locals freed as ``DoraLinearLayer.forward`` returns) and
+        the layer's sum with the base output (kept as a saved term without dropout, freed after it with dropout);
+        PEFT's input copies go as ``lora.Linear.forward`` returns."""
         n = f.t * f.site.d_out
         if f.dora is not None:
             w = f.dora.out
+            peft_temps = len(f.forward_temps)
             by_base = s.alloc(w * n)  # (mag_norm_scale - 1) * base_result
             by_lora = s.alloc(w * n)  # mag_norm_scale * lora_result
             scaled_lora = s.alloc(w * n)  # * scaling
@@ -703,13 +747,19 @@ def synthesise(
             result_dora = s.alloc(w * n)
             s.free(by_base)
             s.free(scaled_lora)
-            s.free_all(temps)
+            s.free_all(temps[peft_temps:])
+            # with dropout, a weight copy no ``dora_weight`` term took: its linear saved nothing (the lowest adapted
+            # layer's input needs no gradient), so it is one of the call's locals
+            s.free(dora_weights.pop(f.site.name, 0))
             total = s.alloc(w * n)  # result + result_dora
             s.free(result_dora)
+            if f.dora.dropped:
+                s.free(base)
             out = total
             if w != f.c:
                 out = s.alloc(f.c * n)
                 s.free(total)
+            s.free_all(temps[:peft_temps])
             s.free(out)
             return
         b = s.alloc(f.mm * n)
@@ -789,7 +839,9 @@ def synthesise(
             terms = [x for x in terms_of[g.kind] if x not in blind_unsaved]
         else:
             terms = terms_of[g.kind]
-        for term in terms:
+        # each flow closes after its site's last saved term (lora_A_out; DoRA's scales, or with dropout its weight)
+        closing = {f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None}
+        for k, term in enumerate(terms):
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
@@ -803,7 +855,9 @@ def synthesise(
                 release_pending()
                 continue
             if f is not None and f.dora is not None and open_flow is not None and term.name.endswith(".dora_base_out"):
-                keys = [open_flow[1]]  # DoRA keeps the base output the flow made first
+                keys = [dora_base_out(f, open_flow[1], rank.saved_bytes(term.name, term.bytes))]
+            elif f is not None and term.name.endswith(".dora_weight") and f.site.name in dora_weights:
+                keys = [dora_weights.pop(f.site.name)]
             else:
                 keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
             saved += keys
@@ -819,8 +873,7 @@ def synthesise(
                 own[term.name] = keys
                 if f.dora is not None and term.name.endswith(".lora_A_out") and open_flow is not None:
                     dora_weight_norm(f, open_flow[2])
-                end = ".dora_scales" if f.dora is not None else ".lora_A_out"
-                if term.name.endswith(end) and open_flow is not None:
+                if closing[f.site.name] == k and open_flow is not None:
                     lora_flow_forward_end(*open_flow)
                     open_flow = None
                     if f.site.reads is SiteInput.MLP_ACT:
