@@ -675,11 +675,17 @@ def synthesise(
     flow_saved: dict[int, dict[str, list[int]]] = {}
     # DoRA with dropout: the weight its second base linear saved, made before the ``dora_weight`` term comes
     dora_weights: dict[str, int] = {}
+    # each term list's flow-closing indices (by which list: the first layer's, the frozen, the blind, a kind's)
+    closing_of: dict[tuple[str, object], dict[str, int]] = {}
+
+    flow_of_term: dict[str, LoraFlow | None] = {}
 
     def flow_site(term_name: str) -> LoraFlow | None:
-        if not term_name.startswith("lora."):
-            return None
-        return flows.get(term_name.removeprefix("lora.").rpartition(".")[0])
+        hit = flow_of_term.get(term_name, flows)  # ``flows``: not looked up yet
+        if hit is flows:
+            name = term_name.removeprefix("lora.").rpartition(".")[0] if term_name.startswith("lora.") else None
+            hit = flow_of_term[term_name] = flows.get(name) if name is not None else None
+        return hit  # type: ignore[return-value]
 
     def lora_flow_forward(f: LoraFlow) -> tuple[int, list[int]]:
         """Before the site's saved tensors: the base layer's output (a bitsandbytes base's chain, then PEFT's clone
@@ -831,16 +837,21 @@ def synthesise(
         flow_saved[i] = own
         open_flow: tuple[LoraFlow, int, list[int]] | None = None
         product = 0  # a frozen SwiGLU's product, the down projection's input: saved by nothing, held through it
+        terms_key: tuple[str, object]
         if i == 0 and first_terms is not None:
-            terms = first_terms
+            terms, terms_key = first_terms, ("first", None)
         elif forms and fz is not None and fz.frozen_at[i]:
-            terms = frozen_terms
+            terms, terms_key = frozen_terms, ("frozen", None)
         elif blind_unsaved and i == blind_at:
-            terms = [x for x in terms_of[g.kind] if x not in blind_unsaved]
+            terms, terms_key = [x for x in terms_of[g.kind] if x not in blind_unsaved], ("blind", g.kind)
         else:
-            terms = terms_of[g.kind]
+            terms, terms_key = terms_of[g.kind], ("kind", g.kind)
         # each flow closes after its site's last saved term (lora_A_out; DoRA's scales, or with dropout its weight)
-        closing = {f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None}
+        closing = closing_of.get(terms_key)
+        if closing is None:
+            closing = closing_of[terms_key] = {
+                f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None
+            }
         for k, term in enumerate(terms):
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
