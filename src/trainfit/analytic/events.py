@@ -826,7 +826,7 @@ def synthesise(
         s.free_all(raw)
         return [*out, v]
 
-    def layer_forward(i: int) -> tuple[list[int], list[int]]:
+    def layer_forward(i: int, discard: bool = False) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
         if i < dead:  # nothing records a node: every cast dies with its call
@@ -887,6 +887,15 @@ def synthesise(
                 if closing[f.site.name] == k and open_flow is not None:
                     lora_flow_forward_end(*open_flow)
                     open_flow = None
+                    if discard:
+                        # a checkpointed forward saves nothing: what the flow would save are locals of PEFT's
+                        # forward (its input copy, the dropout's output and mask, lora_A's, DoRA's), gone when
+                        # it returns, not at the layer's end (the module's result is the flow's own output)
+                        prefix = f"lora.{f.site.name}."
+                        for name in [x for x in own if x.startswith(prefix)]:
+                            for key in own.pop(name):
+                                saved.remove(key)
+                                s.free(key)
                     if f.site.reads is SiteInput.MLP_ACT:
                         s.free(product)
                         product = 0
@@ -1021,7 +1030,7 @@ def synthesise(
                 if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                     kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
                 rank.layer_forward_begin(s, i)
-                copies, saved = layer_forward(i)
+                copies, saved = layer_forward(i, discard=bool(segment_of))
                 cached = dead_cache if i < dead else cache_tensors
                 kv_cache += [s.alloc(rank.saved_bytes("attn.kv_cache", n)) for n in cached]
                 if i == 0 and first_cache:
