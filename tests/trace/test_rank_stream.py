@@ -307,7 +307,9 @@ def test_the_zero3_stream_fine_tunes_like_the_traced_engine(what: str, prefetch:
         tuned = finetune_setup("lora", rank=16)
     traced, mine = _zero3_peaks(prefetch, reuse, ckpt, tuned)
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
-    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+    # LoRA with checkpointing: the traced reserve since ZeRO-3 ranks run the adapters as PEFT does (−2.4% before)
+    tight = what == "lora" and ckpt == "full"
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.005 if tight else 0.05)
 
 
 def _traced_device_peaks(spec: ModelSpec, s: Strategy) -> AllocatorResult:
@@ -1002,7 +1004,9 @@ def test_the_fsdp_stream_fine_tunes_like_the_traced_run(
     stream_strategy = compute_strategy(s, casts_every_param=s.recipe.mixed)  # as simulate_rank runs it
     traced, mine = _rank_peaks(spec, s, stream_strategy, FsdpHooks(spec, s, 4))
     assert mine.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.01)
-    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.05)
+    # QLoRA with checkpointing: since FSDP2 ranks run the adapters as PEFT does (events.LoraFlow) the reserve is the
+    # traced run's (it was −2.4% with the saved tensors only)
+    assert mine.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.005 if how == "qlora" else 0.05)
 
 
 def _accumulating(sharding: str, micro_batch: int, seq_len: int, *, sync: bool = True, accum: int = 2) -> Strategy:

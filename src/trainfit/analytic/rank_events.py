@@ -441,7 +441,7 @@ class FsdpHooks(RankHooks):
 
     module_order = False  # its states come from the grouped counts
 
-    adapter_flow = False  # events.LoraFlow: one GPU only
+    adapter_flow = True  # events.LoraFlow: a data-parallel rank's activations are one GPU's
 
     reduces_each_micro_step = True  # every micro-step's gradients go through the post-backward (no_sync too)
 
@@ -877,7 +877,7 @@ class DtensorTpHooks(RankHooks):
 
     module_order = False  # its states come from the grouped counts
 
-    adapter_flow = False  # events.LoraFlow: one GPU only
+    adapter_flow = False  # events.LoraFlow: its linears are sharded (the flows are whole-layer shapes)
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, tp: int, *, sequence_parallel: bool = False) -> None:
         self.seq = tp if sequence_parallel else 1
@@ -1035,7 +1035,7 @@ class Zero2Hooks(RankHooks):
 
     module_order = False  # its states come from the grouped counts
 
-    adapter_flow = False  # events.LoraFlow: one GPU only
+    adapter_flow = True  # events.LoraFlow: a data-parallel rank's activations are one GPU's
 
     # Accumulation: every micro-step's gradients go through the bucket (``partition_gradients``); the rank's keep
     # their views into ``grads_in_partition``, made once per step, so a later micro-step is the first's
@@ -1400,7 +1400,7 @@ class Zero3Hooks(RankHooks):
 
     module_order = False  # its states come from the grouped counts
 
-    adapter_flow = False  # events.LoraFlow: one GPU only
+    adapter_flow = True  # events.LoraFlow: a data-parallel rank's activations are one GPU's
 
     # Accumulation: each micro-step reduces into the persistent gradient partition (stage3.py
     # ``__reduce_and_partition_ipg_grads``): a later micro-step's events are the first's; one is replayed (the
