@@ -1029,8 +1029,9 @@ def synthesise(
             kv_cache: list[int] = []
             residual = s.alloc(hidden)
             for i in range(spec.num_layers):
-                if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
-                    kept.append(s.alloc(hidden))  # the segment's input, kept for its recompute
+                kept_input = bool(segment_of) and (i == 0 or segment_of[i] != segment_of[i - 1])
+                if kept_input:  # the segment's input, kept for its recompute: the residual tensor itself
+                    kept.append(residual)
                 rank.layer_forward_begin(s, i)
                 copies, saved = layer_forward(i, discard=bool(segment_of))
                 cached = dead_cache if i < dead else cache_tensors
@@ -1046,7 +1047,8 @@ def synthesise(
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
-                s.free(residual)
+                if not kept_input:
+                    s.free(residual)
                 residual = nxt
                 rank.layer_forward_end(s, i)
             rank.head_forward_begin(s)
