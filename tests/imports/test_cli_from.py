@@ -160,3 +160,33 @@ def test_accumulating_accelerate_fsdp_runs_no_sync_unless_the_flag_says(capsys: 
     assert json.loads(no_sync.out)["strategy"]["sync_each_batch"] is False
     # the kept unsharded gradients between micro-steps cost memory that a reduce-scatter every micro-step frees
     assert json.loads(no_sync.out)["peak_bytes"] > json.loads(synced.out)["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("name", "answers"),
+    [
+        ("ds_config_zero2.json", ANSWERS),
+        ("training_args_deepspeed.json", ("--gpus", "8")),  # names ds_config_zero3.json
+        ("accelerate_deepspeed.yaml", ("--batch", "2")),
+    ],
+)
+def test_json_mode_stdout_is_only_the_json(name: str, answers: tuple[str, ...]) -> None:
+    """``--from`` a DeepSpeed config in a fresh process: DeepSpeed's logger, made at its import with a handler on
+    the stdout of that moment (deepspeed/utils/logging.py ``LoggerFactory.create_logger``), warns "Setting
+    accelerator to CPU" on a machine without a GPU; with ``--json`` that line went before the JSON. The libraries'
+    output goes to stderr, and stdout parses as JSON."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run(
+        [sys.executable, "-m", "trainfit.cli.app", "estimate", "llama-3.1-8b", "--from", str(DATA / name),
+         *answers, "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["imported"]["source"] == name
+    assert "Setting accelerator to CPU" not in res.stdout
