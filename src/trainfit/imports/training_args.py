@@ -95,8 +95,8 @@ def strategy_from_training_args(
     try:
         from trainfit.trace._deps import import_bitsandbytes_offline, import_torchao_quietly
 
+        import_bitsandbytes_offline()  # transformers (and torchao) import bitsandbytes: without the kernel hub
         import_torchao_quietly()  # transformers imports torchao when it is installed; its import logs noise
-        import_bitsandbytes_offline()  # and bitsandbytes, whose import asks the Hugging Face kernel hub otherwise
         from transformers import TrainingArguments
     except ImportError:
         raise DependencyError("reading TrainingArguments needs transformers: pip install transformers") from None
