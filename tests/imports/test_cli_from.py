@@ -160,3 +160,73 @@ def test_accumulating_accelerate_fsdp_runs_no_sync_unless_the_flag_says(capsys: 
     assert json.loads(no_sync.out)["strategy"]["sync_each_batch"] is False
     # the kept unsharded gradients between micro-steps cost memory that a reduce-scatter every micro-step frees
     assert json.loads(no_sync.out)["peak_bytes"] > json.loads(synced.out)["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("name", "answers"),
+    [
+        ("ds_config_zero2.json", ANSWERS),
+        ("training_args_deepspeed.json", ("--gpus", "8")),  # names ds_config_zero3.json
+        ("accelerate_deepspeed.yaml", ("--batch", "2")),
+    ],
+)
+def test_json_mode_stdout_is_only_the_json(name: str, answers: tuple[str, ...]) -> None:
+    """``--from`` a DeepSpeed config in a fresh process: DeepSpeed's logger, made at its import with a handler on
+    the stdout of that moment (deepspeed/utils/logging.py ``LoggerFactory.create_logger``), warns "Setting
+    accelerator to CPU" on a machine without a GPU; with ``--json`` that line went before the JSON. The libraries'
+    output goes to stderr, and stdout parses as JSON."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run(
+        [sys.executable, "-m", "trainfit.cli.app", "estimate", "llama-3.1-8b", "--from", str(DATA / name),
+         *answers, "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["imported"]["source"] == name
+    assert "Setting accelerator to CPU" not in res.stdout
+    # bitsandbytes is imported before transformers/torchao, without the Hugging Face kernel hub (trace/_deps.py
+    # import_bitsandbytes_offline; on a CPU with AVX512-BF16 its import otherwise asks the hub and logs the refusal)
+    assert "kernels-community" not in res.stderr, res.stderr
+
+
+def _documented_commands() -> list[list[str]]:
+    """The ``trainfit estimate`` lines of docs/imports.md's first code block, as argument lists."""
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "imports.md").read_text()
+    block = doc.split("```", 2)[1]
+    return [shlex.split(line)[1:] for line in block.splitlines() if line.startswith("trainfit estimate ")]
+
+
+@pytest.mark.parametrize("argv", _documented_commands(), ids=lambda a: a[a.index("--from") + 1])
+def test_documented_commands_run_on_the_test_data(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/imports.md's commands, as written, in tests/imports/data (the files they name): each exits 0 and
+    ``--json`` prints JSON naming the file."""
+    monkeypatch.chdir(DATA)
+    r = run_cli(capsys, *argv)
+    assert r.code == 0, r.err
+    name = argv[argv.index("--from") + 1]
+    if "--json" in argv:
+        assert json.loads(r.out)["imported"]["source"] == name
+    else:
+        assert f"from {name} (" in r.out
+
+
+def test_documented_commands_cover_each_kind_and_the_paged_optimizer_refusal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The doc shows a DeepSpeed, an accelerate and two TrainingArguments files, and says why training_args.json
+    (paged 8-bit AdamW, modelled on one GPU) takes no ``--gpus``: with ``--gpus 4`` it is one line, exit 2."""
+    names = [a[a.index("--from") + 1] for a in _documented_commands()]
+    assert names == ["ds_config_zero3.json", "accelerate_fsdp2.yaml", "training_args.json",
+                     "training_args_deepspeed.json"]  # fmt: skip
+    r = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(DATA / "training_args.json"), "--gpus", "4")
+    assert r.code == 2 and "--paged-optimizer" in r.err and r.err.count("\n") == 1

@@ -27,6 +27,8 @@ Each mapping follows the engine's own documented keys:
   (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--sequence-parallel``,
   ``--use-distributed-optimizer``, batch sizes, recompute, precision) for plans whose engine resolves to Megatron;
   launch.sh exports ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP (``validate_args`` asserts it before Blackwell).
+  Such plans get no ``TrainingArguments``: the HF Trainer runs data parallelism over every process, not TP × PP,
+  and its batch would be micro × accumulation × world size, not Megatron's micro × micro-batches × data size.
   Checked by Megatron's own ``parse_args`` + ``validate_args`` (megatron-core ≥ 0.17 ships
   ``megatron/training/arguments.py``; Python ≥ 3.12) where it is installed (tests/export/test_megatron_args.py).
   2-D FSDP2 × DTensor TP plans get ``train_fsdp2.py`` with the TP plan instead (:mod:`trainfit.export.fsdp2_script`).
@@ -94,7 +96,7 @@ LIGER_LOSS_ONLY = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Export:
-    training_arguments: dict[str, Any]  # transformers.TrainingArguments(**this, output_dir=...)
+    training_arguments: dict[str, Any] | None  # transformers.TrainingArguments(**this, output_dir=...); None: Megatron
     accelerate_config: dict[str, Any] | None  # FSDP / HSDP plans: accelerate's config YAML (as a mapping)
     deepspeed_config: dict[str, Any] | None  # ZeRO plans: DeepSpeed's config JSON
     megatron_args: tuple[str, ...]  # tensor/pipeline plans: Megatron-LM's pretrain_gpt.py arguments
@@ -511,7 +513,10 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     ds = _deepspeed(strategy) if strategy.sharding.value.startswith("zero") and not megatron else None
     acc_ds = _accelerate_deepspeed(strategy) if ds is not None else None
     acc = _accelerate(spec, strategy) if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and not two_d else None
-    targs = _training_arguments(spec, strategy, notes)
+    # The HF Trainer runs data parallelism only (DDP, FSDP, DeepSpeed ZeRO over every process): a Megatron plan's
+    # TP × PP layout, and its batch (Megatron's micro-batches per step × the data-parallel size, not the world size),
+    # has no TrainingArguments form, so none is written (NOTES.txt says what runs it).
+    targs = None if megatron else _training_arguments(spec, strategy, notes)
     if two_d:
         tp = strategy.parallelism.tensor
         notes.append(
@@ -560,6 +565,14 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
             "shape and the plan's layout; add your data and tokenizer: --data-path or --mock-data, --tokenizer-type "
             "…, and the schedule)"
         )
+        par = strategy.parallelism
+        notes.append(
+            f"no training_args.json: the HF Trainer runs data parallelism over every process (DDP, FSDP or DeepSpeed "
+            f"ZeRO), not this plan's tensor {par.tensor} × pipeline {par.pipeline} × data {par.data} layout; launch.sh "
+            f"runs it with Megatron-LM: --global-batch-size {strategy.global_batch} = --micro-batch-size "
+            f"{strategy.micro_batch} × {strategy.effective_batch // strategy.micro_batch} micro-batches per step × "
+            f"data-parallel size {par.data} (Megatron derives the micro-batches from the three)"
+        )
         lacks = _megatron_model(spec, strategy.seq_len)[1]
         if lacks:
             notes.append(f"megatron_args.txt cannot say {', '.join(lacks)}: Megatron's GPT model would differ there")
@@ -598,9 +611,11 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
 def export_files(export: Export) -> dict[str, str]:
     """The files of ``export``, name → text, in the order :func:`write_export` writes them: training_args.json,
     ds_config.json, accelerate_deepspeed.yaml, accelerate_fsdp2.yaml, megatron_args.txt, train_fsdp2.py, launch.sh,
-    NOTES.txt (those that apply). The accelerate configs are JSON, which is YAML (YAML 1.2 §1.3), so no YAML writer
-    is needed."""
-    files = {"training_args.json": json.dumps(export.training_arguments, indent=2) + "\n"}
+    NOTES.txt (those that apply: Megatron plans get no training_args.json). The accelerate configs are JSON, which
+    is YAML (YAML 1.2 §1.3), so no YAML writer is needed."""
+    files: dict[str, str] = {}
+    if export.training_arguments is not None:
+        files["training_args.json"] = json.dumps(export.training_arguments, indent=2) + "\n"
     if export.deepspeed_config is not None:
         files[DEEPSPEED_FILE] = json.dumps(export.deepspeed_config, indent=2) + "\n"
     if export.accelerate_deepspeed_config is not None:

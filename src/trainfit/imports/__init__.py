@@ -9,7 +9,8 @@ Strategy, the batch shape the file fixes, and every setting it used (with the fl
 (``StrategyError``); settings that do not change memory are listed as ignored. The tables of what maps to
 what are in docs/imports.md and in each module's docstring.
 
-Modules: ``result`` (the typed result and its builder), ``deepspeed``, ``accelerate``, ``training_args``.
+Modules: ``result`` (the typed result and its builder), ``deepspeed``, ``accelerate``, ``training_args``;
+``_quiet`` keeps the engines' logging off stdout while they read the file (``--json`` prints only the JSON).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainfit.errors import ConfigError
+from trainfit.imports._quiet import library_output_to_stderr
 from trainfit.imports.accelerate import strategy_from_accelerate
 from trainfit.imports.deepspeed import strategy_from_deepspeed
 from trainfit.imports.result import ConfigKind, ImportedRun, ImportedSetting
@@ -78,10 +80,11 @@ def import_config(
     p = Path(path)
     kind = detect_kind(p)
     kw: dict[str, Any] = {"seq_len": seq_len, "hidden_size": hidden_size}
-    if kind is ConfigKind.DEEPSPEED:
-        return strategy_from_deepspeed(
-            p, gpus=gpus, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, **kw
-        )
-    if kind is ConfigKind.ACCELERATE:
-        return strategy_from_accelerate(p, micro_batch=micro_batch, grad_accum=grad_accum, **kw)
-    return strategy_from_training_args(p, gpus=gpus, **kw)
+    with library_output_to_stderr():  # the engines' import-time logging is not stdout's (``--json``): see _quiet
+        if kind is ConfigKind.DEEPSPEED:
+            return strategy_from_deepspeed(
+                p, gpus=gpus, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, **kw
+            )
+        if kind is ConfigKind.ACCELERATE:
+            return strategy_from_accelerate(p, micro_batch=micro_batch, grad_accum=grad_accum, **kw)
+        return strategy_from_training_args(p, gpus=gpus, **kw)

@@ -93,8 +93,9 @@ def strategy_from_training_args(
         return _from_args(source, {}, Draft(source=label or "TrainingArguments", kind=ConfigKind.TRAINING_ARGS),
                           gpus, seq_len, hidden_size, Path.cwd())  # fmt: skip
     try:
-        from trainfit.trace._deps import import_torchao_quietly
+        from trainfit.trace._deps import import_bitsandbytes_offline, import_torchao_quietly
 
+        import_bitsandbytes_offline()  # transformers (and torchao) import bitsandbytes: without the kernel hub
         import_torchao_quietly()  # transformers imports torchao when it is installed; its import logs noise
         from transformers import TrainingArguments
     except ImportError:
