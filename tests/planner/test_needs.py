@@ -87,15 +87,9 @@ def test_when_neither_more_gpus_nor_the_adapters_fit_only_a_bigger_gpu_is_named(
     assert search_plans(spec, gpu, gpus=8, explain_needs=False, **kw).plans == ()  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank._needs rounds the GiB to the nearest (f'{gib:.0f}'): 29.48 GiB is stated as 'at least 29 GiB', "
-    "whose 70% (20.3 GiB) is less than the 20.6 GiB the closest plan needs (also 48.26 -> 48 for the 8B at 16384 "
-    "tokens with adapters); reported, not fixed (planner/ is the lead's)",
-)
 def test_the_stated_gpu_memory_is_enough_for_the_closest_plan() -> None:
     """Llama 3.1 8B at 8192 tokens on one RTX 4090: the closest plan needs 20.6 GiB, 29.48 GiB of GPU at 30%
-    headroom; "a GPU with at least N GiB" must give N ≥ that (rounded up), not the nearest integer."""
+    headroom; "a GPU with at least N GiB" must give N ≥ that (rounded up: it said 29 GiB, whose 70% is 20.3)."""
     r = search_plans(load_model("llama-3.1-8b"), get_gpu("rtx-4090"), gpus=1, seq_len=8192, global_batch=4, top=1)
     assert r.plans == () and r.closest is not None
     assert _stated_gib(r.needs[0]) * 2**30 * (1 - HEADROOM) >= r.closest.required_bytes

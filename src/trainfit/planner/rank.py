@@ -659,10 +659,9 @@ def _needs(
     """What would make it fit: a GPU with enough memory, more GPUs (checked), LoRA/QLoRA (checked)."""
     out: list[str] = []
     if closest is not None:
-        gib = closest.required_bytes / (1 - s.headroom) / 2**30
-        out.append(
-            f"a GPU with at least {gib:.0f} GiB (the closest plan needs {closest.required_bytes / 2**30:.1f} GiB)"
-        )
+        # rounded up: a GPU of the stated size must hold the plan with the headroom kept free
+        gib = math.ceil(closest.required_bytes / (1 - s.headroom) / 2**30)
+        out.append(f"a GPU with at least {gib} GiB (the closest plan needs {closest.required_bytes / 2**30:.1f} GiB)")
     common = {
         "seq_len": seq_len,
         "global_batch": global_batch,
