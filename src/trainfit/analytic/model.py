@@ -94,6 +94,7 @@ from trainfit.analytic.savers import (
     check_savers,
     checkpoint_input_bytes,
     checkpoint_inputs_on_gpu,
+    chunked_head_copy_bytes,
     chunked_loss_memory,
     fused_linear_head_input_bytes,
     fused_linear_loss_memory,
@@ -471,7 +472,15 @@ def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
             q = dataclasses.replace(q, stack=stack, masks=0)
     if sv.loss is LossImpl.CHUNKED:
         lg = chunked_loss_memory(spec, strategy, keep_logits=keep_logits, head_trainable=q.grad_head > 0)
-        q = dataclasses.replace(q, logits_forward=lg.forward_peak_bytes, logits_backward=lg.backward_peak_bytes)
+        per_chunk = chunked_head_copy_bytes(spec, strategy)  # a frozen head's uncached cast, once per chunk
+        q = dataclasses.replace(
+            q,
+            logits_forward=lg.forward_peak_bytes,
+            logits_backward=lg.backward_peak_bytes,
+            copies_all=q.copies_all + per_chunk,
+            copies_head=q.copies_head + per_chunk,
+            copies_fwd_ckpt=q.copies_fwd_ckpt + per_chunk,
+        )
     elif sv.loss is LossImpl.FUSED_LINEAR:
         # Under autocast the head's 16-bit weight copy is saved by nothing (Liger's node saves grad_input and
         # grad_weight): autocast's cached copy dies with the forward's autocast region, and each chunk's
