@@ -226,8 +226,9 @@ def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
 
 def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
     """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu``, sized by this process's
-    ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE``."""
-    return training_workspaces(gpu_compute_capability(gpu), os.environ)
+    ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` (an AMD part: hipBLAS/hipBLASLt's sizes)."""
+    rocm_arch = gpu.rocm_arch if gpu is not None else None
+    return training_workspaces(gpu_compute_capability(gpu), os.environ, rocm_arch=rocm_arch)
 
 
 def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
@@ -401,6 +402,8 @@ def estimate(
         options.setdefault("workspaces", workspaces)
     if simulated and method is Method.TRACE:
         options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
+        if gpu_spec is not None and gpu_spec.rocm_arch is not None:
+            options.setdefault("rocm_arch", gpu_spec.rocm_arch)
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
         """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the

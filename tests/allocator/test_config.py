@@ -33,13 +33,31 @@ def test_all_options() -> None:
 
 
 def test_divisions_list() -> None:
-    # 256 MiB -> interval 8: the first entry also fills 0..7; '>' fills from the last index (10) on,
-    # overwriting 1024's 4 as parseRoundUpPower2Divisions does (std::fill from last_index).
+    # 256 MiB -> interval 8: the first entry also fills 0..7; '>' fills the intervals after the last one named
+    # (11 on), keeping 1024's 4 for 1-2 GiB requests: torch 2.13's AcceleratorAllocatorConfig::
+    # parseRoundUpPower2Divisions (std::fill from last_index + 1; torch 2.13.0's libc10 parses this string to
+    # 1 x9, 2, 4, 8 x5). torch <= 2.9's CUDAAllocatorConfig filled from last_index and gave 8 there.
     c = AllocatorConfig.parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]")
-    assert c.roundup_power2_divisions == (1,) * 9 + (2,) + (8,) * 6
+    assert c.roundup_power2_divisions == (1,) * 9 + (2,) + (4,) + (8,) * 5
     assert c.divisions_for(300 * MiB) == 1  # log2 = 28 -> index 8
     assert c.divisions_for(600 * MiB) == 2  # index 9
+    assert c.divisions_for(1536 * MiB) == 4  # index 10: 1024's, not '>''s
+    assert c.divisions_for(3 << 30) == 8  # index 11
     assert c.divisions_for(100 << 30) == 8  # clamped to 15
+
+
+def test_divisions_list_edge_cases_as_torch_2_13_parses_them() -> None:
+    # each string parsed by torch 2.13.0's libc10 (AcceleratorAllocatorConfig::parseArgs) for these vectors
+    parse = AllocatorConfig.parse
+    # '>' alone: last_index starts at 0, so interval 0 (1-2 MiB) keeps the default 0
+    assert parse("roundup_power2_divisions:[>:4]").roundup_power2_divisions == (0,) + (4,) * 15
+    # a key past 32 GiB is capped at interval 15, leaving '>' nothing to fill
+    assert parse("roundup_power2_divisions:[65536:2,>:4]").roundup_power2_divisions == (2,) * 16
+    # keys skipped between named ones keep 0; '>' starts after the last named key
+    conf = "roundup_power2_divisions:[128:8,256:16,512:1,2048:8,>:2]"
+    assert parse(conf).roundup_power2_divisions == (8,) * 8 + (16, 1, 0, 8) + (2,) * 4
+    conf = "roundup_power2_divisions:[1:0,64:16,>:2]"
+    assert parse(conf).roundup_power2_divisions == (0,) * 6 + (16,) + (2,) * 9
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,40 @@ def test_round_size_power2_divisions() -> None:
     assert round_size(1200, c) == 1536
 
 
+# roundup_power2_next_division(size, d): not a power of two -> floor = the power of two below size,
+# step = floor >> log2(d), and size rounds up to a multiple of step. Worked by hand; each case names what a step
+# of half or twice the size (an off-by-one in the shift) would give instead.
+@pytest.mark.parametrize(
+    ("conf", "size", "expected"),
+    [
+        # d = 2, 4 MiB + 1: step 2 MiB -> 6 MiB (step 1 MiB: 5 MiB; step 4 MiB: 8 MiB)
+        ("roundup_power2_divisions:2", 4 * MiB + 1, 6 * MiB),
+        # d = 4, 1 MiB + 1: step 256 KiB -> 1.25 MiB (128 KiB: 1.125 MiB; 512 KiB: 1.5 MiB)
+        ("roundup_power2_divisions:4", MiB + 1, 1310720),
+        # d = 4, 1.3 MiB (1363149 B): step 256 KiB -> 1.5 MiB (128 KiB: 1.375 MiB; 512 KiB: 1.5 MiB)
+        ("roundup_power2_divisions:4", 1363149, 1572864),
+        # d = 4, a multiple of the step stays: 1.75 MiB
+        ("roundup_power2_divisions:4", 1835008, 1835008),
+        # d = 4, 2049 B (just above 512 * 4): floor 2048, step 512 -> 2560 (256: 2304; 1024: 3072)
+        ("roundup_power2_divisions:4", 2049, 2560),
+        # d = 8, 300 MiB: floor 256 MiB, step 32 MiB -> 320 MiB (16 MiB: 304 MiB)
+        ("roundup_power2_divisions:8", 300 * MiB, 320 * MiB),
+        # d = 8, 257 MiB: step 32 MiB -> 288 MiB (16 MiB: 272 MiB; 64 MiB: 320 MiB)
+        ("roundup_power2_divisions:8", 257 * MiB, 288 * MiB),
+        # d = 16, 513 MiB: floor 512 MiB, step 32 MiB -> 544 MiB (16 MiB: 528 MiB; 64 MiB: 576 MiB)
+        ("roundup_power2_divisions:16", 513 * MiB, 544 * MiB),
+        # per interval: [1:2,>:8] -> 1-2 MiB get 2 (step 512 KiB), 2 MiB and up 8 (step 256 KiB at 2 MiB)
+        ("roundup_power2_divisions:[1:2,>:8]", MiB + 1, 1536 * 1024),
+        ("roundup_power2_divisions:[1:2,>:8]", 2 * MiB + 1, 2304 * 1024),
+        # 0 or 1 divisions in an interval: plain 512 B rounding ([1:8,2:1,>:0] -> 1, then 0 from 4 MiB)
+        ("roundup_power2_divisions:[1:8,2:1,>:0]", 3 * MiB + 1, 3 * MiB + 512),
+        ("roundup_power2_divisions:[1:8,2:1,>:0]", 5 * MiB + 1, 5 * MiB + 512),
+    ],
+)
+def test_round_size_power2_division_step(conf: str, size: int, expected: int) -> None:
+    assert round_size(size, cfg(conf)) == expected
+
+
 # ---------------------------------------------------------------- pools, segment sizes, splitting
 def test_small_requests_share_a_2mib_segment() -> None:
     sim = Simulator(cfg())

@@ -14,7 +14,15 @@ changes device memory:
   oversize request a cached oversize block may be (default 20 MiB: the constructor's ``large_segment_size_``,
   which a later ``large_segment_size_mb`` does not change);
 * ``roundup_power2_divisions`` (a power of two, or ``[MiB:divisions, ..., >:divisions]``;
-  ``parseRoundUpPower2Divisions``): sixteen size intervals from 1 MiB to 64 GiB, one per power of two;
+  ``parseRoundUpPower2Divisions``): sixteen size intervals from 1 MiB to 64 GiB, one per power of two. In a
+  list, a key of k MiB sets interval log2(k) (capped at 15), the first key also every interval below it, and
+  ``>`` every interval *after* the last key (``last_index + 1`` onwards: ``[256:1,512:2,1024:4,>:8]`` gives
+  1–2 GiB requests 4 divisions and 8 from 2 GiB). That is torch 2.13's ``AcceleratorAllocatorConfig``
+  (c10/core/AllocatorConfig.cpp; checked by parsing strings with torch 2.13.0's own libc10, git cf30153c);
+  ``CUDAAllocatorConfig::parseRoundUpPower2Divisions`` in c10/cuda/CUDAAllocatorConfig.cpp of torch <= 2.9
+  filled from ``last_index`` itself, so there ``>:8`` overwrote the 1024 MiB entry. The change probably came with
+  pytorch/pytorch#165304 ("Fix AllocatorConfig parse roundup division bug", Oct 2025: torch 2.10); we model
+  the new rule, which torch 2.11 (the measuring device) and 2.13 share if so;
 * ``garbage_collection_threshold`` (in (0, 1); ``parseGarbageCollectionThreshold``), only active together
   with a memory fraction (``set_fraction`` in ``DeviceCachingAllocator::malloc``);
 * ``expandable_segments`` (``True``/``False``);
@@ -295,7 +303,8 @@ class _Parser:
             if d != 0 and not _is_pow2(d):
                 raise self.fail("roundup_power2_divisions must be 0 or a power of 2")
             if interval == ">":
-                for k in range(last_index, ROUNDUP_INTERVALS):
+                # the intervals after the last one named (torch 2.13; torch <= 2.9 began at it: module doc)
+                for k in range(last_index + 1, ROUNDUP_INTERVALS):
                     out[k] = d
             else:
                 mb = self.integer(interval, name)

@@ -7,12 +7,27 @@ pool window (``getCurrentCUDABlasHandle``), so each CPU thread that runs a matmu
 handle and therefore its own workspace:
 
 * **cuBLAS** (``parseChosenWorkspaceSize``): ``CUBLAS_WORKSPACE_CONFIG`` as ``:SIZE:COUNT`` pairs, SIZE in
-  KiB, summed; without it 32 MiB (``4096 * 8 * 1024``) on compute capability 9.0 exactly (Hopper) and
-  ``:4096:2:16:8`` = 8 MiB + 128 KiB elsewhere. An unparsable value falls back to the default.
+  KiB, summed; without it 32 MiB (``:4096:8``, ``4096 * 8 * 1024``) on compute-capability majors 9, 10 and 12
+  (Hopper and Blackwell) and ``:4096:2:16:8`` = 8 MiB + 128 KiB elsewhere. An unparsable value falls back to the
+  default. The Blackwell majors are torch 2.13's rule (pytorch/pytorch#175344, merged 2026-02-19, before the
+  2.12 and 2.13 branch cuts of April and June 2026); torch <= 2.11 (pytorch/pytorch@26a39059; the 2.11 release
+  branch was probably cut before that merge: unchecked) gave 32 MiB to 9.0 exactly and 8 MiB + 128 KiB to
+  Blackwell. Major 11 (Thor) joined in July 2026 (#189312: torch 2.14), so it keeps 8 MiB + 128 KiB here.
+  Hopper is 32 MiB in every version trainfit supports.
 * **cuBLASLt** (``parseCUDABlasLtWorkspaceSize``, ``getCUDABlasLtWorkspaceSize``): ``CUBLASLT_WORKSPACE_SIZE``
   in KiB, default 1024 (1 MiB), capped at the cuBLAS size unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set
   false. A separate Lt workspace is allocated per handle and stream unless that variable is set *true*, in
-  which case Lt borrows the cuBLAS workspace (``getCUDABlasLtWorkspace``).
+  which case Lt borrows the cuBLAS workspace (``getCUDABlasLtWorkspace``). That is torch 2.11's behaviour, seen
+  on the H200 below; later versions (#175879, March 2026) share the cuBLAS workspace unless the variable is
+  false, which this module does not model yet. A later ``main`` (with #189312) also keeps CUDA workspaces in
+  the caching allocator only under ``TORCH_CUBLAS_WORKSPACE_CACHE=1``; whether torch 2.13 does is unchecked.
+* **ROCm** (the ``USE_ROCM`` branches of the same functions, at 26a39059; ``rocm_arch``: the gfx name): the
+  hipBLAS workspace reads ``CUBLAS_WORKSPACE_CONFIG``, then ``HIPBLAS_WORKSPACE_CONFIG``, then
+  ``ROCBLAS_WORKSPACE_CONFIG``, default 128 MiB on an arch matching ``gfx94`` or ``gfx95`` (``isGPUArch``, a
+  substring test: MI300X/MI325X are gfx942) and 32 MiB otherwise (MI250X, gfx90a); hipBLASLt reads
+  ``CUBLASLT_WORKSPACE_SIZE``, then ``HIPBLASLT_WORKSPACE_SIZE``, default 76 MiB (``76*1024`` KiB), never
+  capped or unified (a separate Lt handle pool, Note [hipblaslt handles]). Which threads touch which handle in
+  a training step is the CUDA layout below: no ROCm trace has checked it.
 
 In a training step two threads run matmuls: the Python thread (forward, optimizer) and the autograd
 engine's device thread (backward, ``torch/csrc/autograd/engine.cpp`` runs each device's work on its own
@@ -59,10 +74,32 @@ class Workspace:
     size_bytes: int
 
 
-def cublas_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
-    """Bytes of one cuBLAS workspace (``parseChosenWorkspaceSize``)."""
-    default = 4096 * 8 * KIB if compute_capability == (9, 0) else 4096 * KIB * 2 + 16 * KIB * 8
-    conf = (env or {}).get("CUBLAS_WORKSPACE_CONFIG")
+#: Compute-capability majors with the 32 MiB cuBLAS default (torch 2.13: Hopper and Blackwell).
+_CUBLAS_32MIB_MAJORS = frozenset({9, 10, 12})
+#: ``isGPUArch`` substrings with the 128 MiB hipBLAS default (MI300 series and later).
+_HIPBLAS_128MIB_ARCHS = ("gfx94", "gfx95")
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    for name in names:
+        if name in env:
+            return env[name]
+    return None
+
+
+def cublas_workspace_bytes(
+    compute_capability: tuple[int, int], env: Mapping[str, str] | None = None, *, rocm_arch: str | None = None
+) -> int:
+    """Bytes of one cuBLAS (or, with ``rocm_arch``, hipBLAS) workspace (``parseChosenWorkspaceSize``)."""
+    env = env or {}
+    if rocm_arch is not None:
+        big = any(a in rocm_arch for a in _HIPBLAS_128MIB_ARCHS)
+        default = (128 if big else 32) * MIB
+        conf = _first(env, "CUBLAS_WORKSPACE_CONFIG", "HIPBLAS_WORKSPACE_CONFIG", "ROCBLAS_WORKSPACE_CONFIG")
+    else:
+        big = compute_capability[0] in _CUBLAS_32MIB_MAJORS
+        default = 4096 * 8 * KIB if big else 4096 * KIB * 2 + 16 * KIB * 8
+        conf = env.get("CUBLAS_WORKSPACE_CONFIG")
     if conf is None:
         return default
     pairs = _PAIR.findall(conf)
@@ -78,9 +115,19 @@ def _unified(env: Mapping[str, str]) -> bool | None:
     return raw.strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-def cublaslt_workspace_bytes(compute_capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
-    """Bytes of one separate cuBLASLt workspace; 0 when Lt shares the cuBLAS one (unified, opt-in)."""
+def cublaslt_workspace_bytes(
+    compute_capability: tuple[int, int], env: Mapping[str, str] | None = None, *, rocm_arch: str | None = None
+) -> int:
+    """Bytes of one separate cuBLASLt (hipBLASLt) workspace; 0 when Lt shares the cuBLAS one (unified, opt-in,
+    CUDA only)."""
     env = env or {}
+    if rocm_arch is not None:
+        size = 76 * MIB
+        raw = _first(env, "CUBLASLT_WORKSPACE_SIZE", "HIPBLASLT_WORKSPACE_SIZE")
+        if raw is not None:
+            with contextlib.suppress(ValueError):
+                size = int(raw) * KIB
+        return size
     if _unified(env) is True:
         return 0
     size = 1024 * KIB
@@ -99,14 +146,16 @@ def training_workspaces(
     *,
     stream: int = 0,
     backward_lt: bool = False,
+    rocm_arch: str | None = None,
 ) -> tuple[Workspace, ...]:
     """The workspaces a single-stream training step creates, in the order they appear.
 
     Main thread: cuBLAS (first matmul) and cuBLASLt (first Lt matmul, in the forward); autograd thread:
     cuBLAS at the first backward matmul, plus cuBLASLt if ``backward_lt`` (not seen on the H200 trace).
+    ``rocm_arch``: an AMD GPU's gfx name, for the hipBLAS/hipBLASLt sizes (same layout, unchecked on ROCm).
     """
-    cublas = cublas_workspace_bytes(compute_capability, env)
-    lt = cublaslt_workspace_bytes(compute_capability, env)
+    cublas = cublas_workspace_bytes(compute_capability, env, rocm_arch=rocm_arch)
+    lt = cublaslt_workspace_bytes(compute_capability, env, rocm_arch=rocm_arch)
     out = [Workspace(kind=WorkspaceKind.CUBLAS, thread=Thread.MAIN, stream=stream, size_bytes=cublas)]
     if lt:
         out.append(Workspace(kind=WorkspaceKind.CUBLASLT, thread=Thread.MAIN, stream=stream, size_bytes=lt))

@@ -18,6 +18,7 @@ devices of 64 GiB each, so its entry describes one GCD (memory, TFLOPS and bandw
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -55,6 +56,16 @@ class GPUSpec:
     # of an 8-GPU node (None: none that spans the node) and the PCIe link to the host. trainfit.planner.speed.
     nvlink_gbps: float | None = None
     pcie_gbps: float | None = None
+    # The catalog's architecture note (AMD: "CDNA3 (gfx942)"): its gfx name picks ROCm's hipBLAS workspace sizes.
+    arch: str | None = None
+
+    @property
+    def rocm_arch(self) -> str | None:
+        """The gfx name of an AMD part ("gfx942"), "" for an AMD part without one, None for NVIDIA."""
+        if self.vendor.upper() != "AMD":
+            return None
+        m = re.search(r"gfx[0-9a-z]+", self.arch or "")
+        return m.group(0) if m else ""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -93,6 +104,7 @@ def _catalog() -> dict[str, GPUSpec]:
             memory_bytes=int(row["memory_bytes"]),
             memory_bandwidth_gbps=row.get("memory_bandwidth_gbps"),
             compute_capability=row.get("compute_capability"),
+            arch=row.get("arch"),
             bf16=bool(row["bf16"]),
             fp8=bool(row["fp8"]),
             tf32=bool(row.get("tf32", False)),

@@ -40,6 +40,7 @@ def trace_spec(
     extrapolate: bool = True,
     allocator: AllocatorConfig | None = None,
     compute_capability: tuple[int, int] = (9, 0),
+    rocm_arch: str | None = None,
     layout: bool = False,
     capacity_bytes: int | None = None,
 ) -> MemoryReport:
@@ -48,9 +49,10 @@ def trace_spec(
     ``extrapolate=False`` traces the full depth. ``adamw_impl`` overrides ``strategy.optimizer_impl``:
     ``foreach`` (``torch.optim.AdamW``'s default on CUDA) or ``fused`` (the HF Trainer's default on
     torch >= 2.8). With ``allocator``, the trace's events (stitched to full depth, with the cuBLAS
-    workspaces of a GPU of ``compute_capability``) are replayed through the caching-allocator simulation
-    for the reserved memory (:func:`trainfit.trace.events.reserved_from_trace`: one more trace of three
-    units of the layer stack); without it, reserved memory is the fixed fraction of ``trainfit.overhead``.
+    workspaces of a GPU of ``compute_capability``, or of ``rocm_arch`` for an AMD one) are replayed through the
+    caching-allocator simulation for the reserved memory (:func:`trainfit.trace.events.reserved_from_trace`: one
+    more trace of three units of the layer stack); without it, reserved memory is the fixed fraction of
+    ``trainfit.overhead``.
     ``capacity_bytes`` (with ``allocator``): the allocator's share of the GPU; when only the uncapped reserve
     exceeds it, the same events run once more under it (``MemoryReport.capped``).
     """
@@ -75,10 +77,18 @@ def trace_spec(
     if progress is not None:
         progress("simulating the caching allocator on the full-depth event stream", 1.0)
     traced = reserved_from_trace(
-        spec, strategy, allocator, compute_capability=compute_capability, env=os.environ, steps=steps, layout=layout
+        spec,
+        strategy,
+        allocator,
+        compute_capability=compute_capability,
+        rocm_arch=rocm_arch,
+        env=os.environ,
+        steps=steps,
+        layout=layout,
     )
     res = traced.result
-    held = report.peak_bytes + sum(w.size_bytes for w in training_workspaces(compute_capability, os.environ))
+    workspaces = training_workspaces(compute_capability, os.environ, rocm_arch=rocm_arch)
+    held = report.peak_bytes + sum(w.size_bytes for w in workspaces)
     reserve = max(0, res.peak_reserved_bytes - held)
     details = report.details
     assert isinstance(details, TraceDetails)

@@ -87,11 +87,14 @@ def with_workspaces(
     run: rn.TraceRun,
     compute_capability: tuple[int, int],
     env: Mapping[str, str] | None = None,
+    *,
+    rocm_arch: str | None = None,
 ) -> list[Event]:
-    """Insert the cuBLAS/cuBLASLt workspace allocations (never freed) at the first forward and backward."""
+    """Insert the cuBLAS/cuBLASLt workspace allocations (never freed) at the first forward and backward
+    (``rocm_arch``: an AMD GPU's, sized as hipBLAS/hipBLASLt's: :mod:`trainfit.allocator.workspaces`)."""
     index = _tick_index(run)
     at: dict[int, list[Event]] = {}
-    for tick, inserted in workspace_inserts(run, compute_capability, env).items():
+    for tick, inserted in workspace_inserts(run, compute_capability, env, rocm_arch=rocm_arch).items():
         at.setdefault(index[min(tick, len(index) - 1)], []).extend(inserted)
     out: list[Event] = []
     for i, e in enumerate(events):
@@ -125,12 +128,13 @@ def reserved_from_run(
     config: AllocatorConfig | None = None,
     *,
     compute_capability: tuple[int, int] = (9, 0),
+    rocm_arch: str | None = None,
     env: Mapping[str, str] | None = None,
     capacity_bytes: int | None = None,
     layout: bool = False,
 ) -> AllocatorResult:
     """Replay a (full-depth) run's events plus the workspaces through the allocator model."""
-    events = with_workspaces(tracker_events(run), run, compute_capability, env)
+    events = with_workspaces(tracker_events(run), run, compute_capability, env, rocm_arch=rocm_arch)
     return simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
 
 
@@ -397,7 +401,11 @@ def first_blas_output(run: rn.TraceRun, start: int, end: int) -> int | None:
 
 
 def workspace_inserts(
-    run: rn.TraceRun, compute_capability: tuple[int, int], env: Mapping[str, str] | None
+    run: rn.TraceRun,
+    compute_capability: tuple[int, int],
+    env: Mapping[str, str] | None,
+    *,
+    rocm_arch: str | None = None,
 ) -> dict[int, list[Event]]:
     """The workspace allocations to emit after a tick of ``run``: the main thread's at the first forward, the
     autograd thread's right after the first backward matmul's output (where the H200 trace has it)."""
@@ -407,7 +415,8 @@ def workspace_inserts(
     first = steps[0].passes[0]
     bwd = first_blas_output(run, first.bwd_start, first.bwd_end)
     at: dict[int, list[Event]] = {}
-    for k, ws in enumerate(training_workspaces(compute_capability, env)):  # keys: workspace_key (records' are ≥ 0)
+    workspaces = training_workspaces(compute_capability, env, rocm_arch=rocm_arch)
+    for k, ws in enumerate(workspaces):  # keys: workspace_key (records' are ≥ 0)
         tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start if bwd is None else bwd
         at.setdefault(tick, []).append(Event(Op.ALLOC, workspace_key(k), ws.size_bytes))
     return at
@@ -419,6 +428,7 @@ def reserved_from_trace(
     config: AllocatorConfig | None = None,
     *,
     compute_capability: tuple[int, int] = (9, 0),
+    rocm_arch: str | None = None,
     env: Mapping[str, str] | None = None,
     capacity_bytes: int | None = None,
     stitch: bool = True,
@@ -452,7 +462,7 @@ def reserved_from_trace(
             units=(unit_ids[0], unit_ids[1], unit_ids[2]),
             full_units=run.count,
             params_per_unit=(per_unit, every * n, trainable * n),
-            inserts=workspace_inserts(done.run, compute_capability, env),
+            inserts=workspace_inserts(done.run, compute_capability, env, rocm_arch=rocm_arch),
         )
         problem = check_stream(st.events)
         if problem is not None:  # the units are not alike enough to stitch: trace the full depth
@@ -462,6 +472,7 @@ def reserved_from_trace(
                     strategy,
                     config,
                     compute_capability=compute_capability,
+                    rocm_arch=rocm_arch,
                     env=env,
                     capacity_bytes=capacity_bytes,
                     stitch=False,
@@ -484,7 +495,7 @@ def reserved_from_trace(
         plan = depth.plan_depth(spec, strategy, extrapolate=False)
     counts, lay = plan.layouts[0]
     done = depth.run_layout(spec, strategy, plan, lay, steps=steps, adamw_impl=adamw_impl)
-    events = with_workspaces(tracker_events(done.run), done.run, compute_capability, env)
+    events = with_workspaces(tracker_events(done.run), done.run, compute_capability, env, rocm_arch=rocm_arch)
     res = simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
     return TraceReserved(
         result=res,
