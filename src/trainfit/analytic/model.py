@@ -500,7 +500,9 @@ def _saver_inputs(q: StepInputs, *, keep_logits: bool) -> StepInputs:
             copies_all=q.copies_all - ch,
             copies_head=0,
             copies_fwd_ckpt=q.copies_fwd_ckpt - ch,
-            forward_transient=q.forward_transient + ch,
+            # a trainable head's weight, a leaf that requires grad, is cast once and cached for ``grad_logits @
+            # weight``; a frozen head's casts are per call, one at a time (the per-chunk one above): no second copy
+            forward_transient=q.forward_transient + (ch if q.grad_head else 0),
         )
     if sv.activation_offload:
         q = _offload_inputs(q)
