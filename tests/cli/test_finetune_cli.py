@@ -58,3 +58,20 @@ def test_full_fine_tuning_json_has_no_finetune_key(capsys: pytest.CaptureFixture
 def test_bad_fine_tuning_flags_exit_2_with_one_line(args: str, capsys: pytest.CaptureFixture[str]) -> None:
     r = run_cli(capsys, "estimate", "llama-3.2-1b", *args.split())
     assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and r.err.startswith("error:")
+
+
+@pytest.mark.parametrize("saver", ["--activation-offload", "--optimizer paged-adamw-8bit"])
+def test_one_gpu_text_report_shows_the_host_memory(saver: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Offloaded activations and paged optimizer states live outside the device peak: the table says how much (it
+    printed host memory for many GPUs only), the largest of JSON's per-phase ``host_bytes``."""
+    args = ["estimate", "llama-3.2-1b", "--seq", "256", *saver.split()]
+    r = run_cli(capsys, *args, "--json")
+    assert r.code == 0, r.err
+    host = max(p.get("host_bytes", 0) for p in json.loads(r.out)["phases"].values())
+    text = run_cli(capsys, *args)
+    assert text.code == 0, text.err
+    shown = re.search(r"host memory: ([\d.]+) GiB", " ".join(text.out.split()))
+    assert host > 0 and shown is not None
+    assert float(shown.group(1)) == pytest.approx(host / 2**30, abs=0.006)
+    plain = run_cli(capsys, "estimate", "llama-3.2-1b", "--seq", "256")
+    assert "host memory" not in plain.out

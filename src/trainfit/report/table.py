@@ -227,9 +227,12 @@ def _ranks(report: MemoryReport) -> Table | None:
 
 
 def _distributed_notes(report: MemoryReport) -> list[str]:
-    """The engine defaults and the worst-rank reason (always shown for many GPUs)."""
+    """The engine defaults and the worst-rank reason (always shown for many GPUs); on one GPU, the host memory
+    (offloaded activations, paged optimizer states) when there is any."""
     s = report.strategy
     if s is None or not s.is_distributed:
+        if report.host_peak_bytes:
+            return [f"host memory: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)"]
         return []
     keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank")
     out = [n for n in report.notes if any(k in n for k in keys)]
