@@ -225,11 +225,16 @@ def test_selective_recompute_over_a_4bit_base_keeps_the_fp32_v_it_is_given() -> 
 
 
 @pytest.mark.parametrize("how", ["lora", "qlora"])
-def test_fused_linear_loss_over_a_frozen_fp32_head_has_no_cached_cast(how: str) -> None:
-    """Liger's fused linear CE under autocast over a frozen fp32 head: a trainable head's weight is cast once and
-    cached for ``grad_logits @ weight`` beside each chunk's uncached cast of ``weight.t()``; a frozen head's casts are
-    all per call, one at a time. The closed form counted the cached copy too: llama-3.2-1b QLoRA at 1 × 256 +18% over
-    the trace, LoRA +7%; every phase within 1% here."""
+@pytest.mark.parametrize("loss", ["chunked", "fused-linear"])
+def test_a_loss_saver_over_a_frozen_fp32_head_casts_it_per_call(loss: str, how: str) -> None:
+    """Under autocast over a frozen fp32 head (LoRA's default amp base; QLoRA's head after
+    ``prepare_model_for_kbit_training``) autocast caches no cast — it caches leaves that require grad only
+    (aten/src/ATen/autocast_mode.cpp ``cached_cast``). Chunked CE: each chunk's head matmul casts the weight again and
+    saves its copy (analytic.savers.chunked_head_copy_bytes; the closed form counted one: llama-3.2-1b QLoRA at
+    1 × 256 −53% under the trace, LoRA −30%). Liger's fused linear CE: a trainable head's weight is cast once and
+    cached for ``grad_logits @ weight`` beside each chunk's cast of ``weight.t()``; a frozen head's casts come one at a
+    time (the closed form counted the cached one too: QLoRA +18%, LoRA +7%). Every phase within 1% here; each cell
+    fails on the old closed form."""
     pytest.importorskip("peft")
     if how == "qlora":
         pytest.importorskip("bitsandbytes")
@@ -237,41 +242,8 @@ def test_fused_linear_loss_over_a_frozen_fp32_head_has_no_cached_cast(how: str) 
 
     spec = spec_from_config(LIGER_LLAMA, name="small-llama", source="test")
     adapter, base = finetune_setup(how, rank=8)
-    s = Strategy(
-        precision="amp-bf16",
-        micro_batch=2,
-        seq_len=128,
-        adapter=adapter,
-        base_weights=base,
-        savers=MemorySavers(loss="fused-linear"),
-    )
-    ra = estimate(spec, s, simulate_allocator=False)
-    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
-    _within(ra, rt, 0.01)
-
-
-@pytest.mark.parametrize("how", ["lora", "qlora"])
-def test_chunked_loss_over_a_frozen_fp32_head_keeps_one_cast_per_chunk(how: str) -> None:
-    """Chunked CE under autocast over a frozen fp32 head (LoRA's default amp base; QLoRA's head after
-    ``prepare_model_for_kbit_training``): autocast caches no cast of a leaf without grad, so each chunk's head matmul
-    casts the weight again and saves its copy (analytic.savers.chunked_head_copy_bytes). The closed form counted one
-    copy: llama-3.2-1b QLoRA at 1 × 256 was −53% under the trace (2.98 vs 6.39 GiB), LoRA −30%; now every phase within
-    1% (both fail on the old closed form here)."""
-    pytest.importorskip("peft")
-    if how == "qlora":
-        pytest.importorskip("bitsandbytes")
-    from trainfit.strategy import finetune_setup
-
-    spec = spec_from_config(LIGER_LLAMA, name="small-llama", source="test")
-    adapter, base = finetune_setup(how, rank=8)
-    s = Strategy(
-        precision="amp-bf16",
-        micro_batch=2,
-        seq_len=128,
-        adapter=adapter,
-        base_weights=base,
-        savers=MemorySavers(loss="chunked", loss_chunks=8),
-    )
+    savers = MemorySavers(loss="chunked", loss_chunks=8) if loss == "chunked" else MemorySavers(loss="fused-linear")
+    s = Strategy(precision="amp-bf16", micro_batch=2, seq_len=128, adapter=adapter, base_weights=base, savers=savers)
     ra = estimate(spec, s, simulate_allocator=False)
     rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
     _within(ra, rt, 0.01)
