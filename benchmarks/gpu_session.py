@@ -1387,6 +1387,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no CUDA numbers")
     ap.add_argument("--sections", default=",".join(s for s, _, _ in SECTIONS))
+    ap.add_argument("--cases", default="", help="only these case ids (comma-separated; default: every case)")
     ap.add_argument("--inline", action="store_true", help="run cases in this process (tests; no time limits)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -1399,6 +1400,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in wanted if s not in ISSUE]
     if unknown:
         print(f"unknown section(s) {unknown}; choose from {list(ISSUE)}", file=sys.stderr)
+        return 2
+    only = set(filter(None, a.cases.split(",")))
+    if only - set(BY_ID):
+        print(f"unknown case(s) {sorted(only - set(BY_ID))}; see CASES in {Path(__file__).name}", file=sys.stderr)
         return 2
     start = time.monotonic()
     end = start + a.budget
@@ -1414,7 +1419,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             # A section's share of the budget (of the sections run), plus what earlier sections left unused.
             section_end = min(end, max(section_end, time.monotonic()) + share / chosen * a.budget)
-            for case in (c for c in CASES if c.section == name):
+            for case in (c for c in CASES if c.section == name and (not only or c.id in only)):
                 left = section_end - time.monotonic()
                 if left < 5 and not a.inline:
                     Sink(sink_path, case).write("skipped", reason=f"no time left in section {name}")

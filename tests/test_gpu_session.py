@@ -43,18 +43,33 @@ def test_sections_and_cases_are_consistent() -> None:
     assert len(gs.BY_ID) == len(gs.CASES)  # ids are unique
 
 
+#: The lora section's cases the dry run covers: the paths its other cases share.
+LORA_PATHS = (
+    "q05-lora-r16-all-linear-pure-b4s1024",
+    "q05-qlora-nf4-r16-all-linear-amp-b4s1024",
+    "q05-lora-full-ckpt-pure-b4s1024",
+    "l1b-dora-qv-drop05-pure-b2s1024",
+)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("section", [name for name, _, _ in gs.SECTIONS])
 def test_dry_run_of_each_section(section: str, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    args = ["--dry-run", "--inline", "--sections", section, "--out", str(tmp_path)]
+    cases = [c for c in gs.CASES if c.section == section]
     if section == "lora":
         pytest.importorskip("peft")
-    assert gs.main(["--dry-run", "--inline", "--sections", section, "--out", str(tmp_path)]) == 0
+        # one case per code path (plain LoRA, QLoRA, checkpointing, DoRA with dropout): each runs ~10 s here
+        cases = [c for c in cases if c.id in LORA_PATHS]
+        args += ["--cases", ",".join(LORA_PATHS)]
+    assert gs.main(args) == 0
     rows = _rows(tmp_path)
     errors = [r for r in rows if r.get("record") == "error"]
     assert not errors, errors
-    for case in (c for c in gs.CASES if c.section == section):
+    assert {r["case"] for r in rows if r.get("case")} == {c.id for c in cases}
+    for case in cases:
         got = {r["record"] for r in rows if r.get("case") == case.id}
         if case.kind == "pytest":
             assert got == {"skipped"}, (case.id, got)
@@ -104,3 +119,8 @@ def test_a_child_past_its_deadline_is_killed(tmp_path: Path) -> None:
     assert err is not None and err.startswith("timeout")
     assert time.monotonic() - t0 < 20
     assert proc.poll() is not None
+
+
+def test_an_unknown_case_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert gs.main(["--dry-run", "--cases", "no-such-case", "--out", str(tmp_path)]) == 2
+    assert "unknown case(s) ['no-such-case']" in capsys.readouterr().err
