@@ -23,6 +23,7 @@ CUDA-only lower-precision ops (einsum, mv, addmv, ...) use a Python cache cleare
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -129,6 +130,15 @@ def registered_ops(dispatch_key: str) -> set[str]:
         if full.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(full, dispatch_key):
             out.add(full[len("aten::") :])
     return out
+
+
+@functools.cache
+def _autocast_cpu_ops() -> frozenset[str]:
+    """``registered_ops("AutocastCPU")``, read once per process: a read asks the dispatcher about every aten op
+    (~50 ms, once per traced layout before). PyTorch's own ``AutocastCPU`` kernels are fixed once torch is loaded;
+    the only ones added later are :func:`cuda_autocast_policy`'s, for ops of the CUDA table, and dropped on exit —
+    a read taken while a policy is installed differs only by those, which the pass-through set leaves out."""
+    return frozenset(registered_ops("AutocastCPU"))
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -253,7 +263,7 @@ def _cast_tree_kw(kwargs: dict[str, Any], to: torch.dtype, cache: _PyCastCache) 
 @contextlib.contextmanager
 def cuda_autocast_policy() -> Iterator[dict[str, str]]:
     """Within this context, CPU autocast follows CUDA's op lists and policies. Yields what was installed."""
-    cpu_ops = registered_ops("AutocastCPU")
+    cpu_ops = _autocast_cpu_ops()
     cpu_lower = {
         "conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", "conv3d.padding", "bmm", "mm",
         "linalg_vecdot", "baddbmm", "addmm", "addbmm", "linear", "_convolution.deprecated", "matmul",

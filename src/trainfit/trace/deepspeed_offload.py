@@ -36,6 +36,10 @@ config's ``optimizer`` block (engine.py ``get_optimizer_configuration``), its la
 optimizer's copies between device and host — is DeepSpeed's own code. Host memory is not the device's, so
 what the stand-in allocates does not change the device result.
 
+``cpuinfo.get_cpu_info``, which ``DeepSpeedCPUAdam.__init__`` asks for the CPU vendor, runs a Python subprocess on
+every call (a second or so, once per traced layout); for the run it answers from the first call of the process
+(:func:`_host_cpu_info`: the same dictionary).
+
 Data-dependent reads under fake tensors, patched for the run (each computes what the original allocates,
 then answers without reading a value):
 
@@ -52,6 +56,7 @@ then answers without reading a value):
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,6 +120,22 @@ class _HostAdamOp:
         return 0
 
 
+@functools.cache
+def _host_cpu_info() -> dict[str, Any]:
+    """``cpuinfo.get_cpu_info()``, asked once per process: it starts a Python subprocess (py-cpuinfo's
+    ``get_cpu_info_json``: ``python cpuinfo.py --json``), a second or so, and ``DeepSpeedCPUAdam.__init__`` asks it
+    for every optimizer it builds (one per traced layout) only to read the CPU vendor. The machine's CPU does not
+    change within a process; each caller gets its own copy of the same answer."""
+    import importlib
+
+    impl = importlib.import_module("cpuinfo.cpuinfo")  # the module itself: the package's name is what is patched
+    return dict(impl.get_cpu_info())
+
+
+def _cpu_info_once() -> dict[str, Any]:
+    return dict(_host_cpu_info())
+
+
 class HostAdamBuilder:
     """In place of ``deepspeed.ops.op_builder.CPUAdamBuilder``: ``load()`` returns :class:`_HostAdamOp`."""
 
@@ -171,6 +192,11 @@ def offload_patches(tr: Any) -> Iterator[None]:
     from deepspeed.ops.adam import cpu_adam
     from deepspeed.runtime.zero import stage3 as s3
     from deepspeed.runtime.zero import stage_1_and_2 as s12
+
+    try:
+        import cpuinfo  # DeepSpeed's dependency (py-cpuinfo), read by DeepSpeedCPUAdam.__init__
+    except ImportError:  # pragma: no cover - DeepSpeed requires it
+        cpuinfo = None
 
     acc = get_accelerator()
     orig_pin = acc.pin_memory
@@ -247,6 +273,8 @@ def offload_patches(tr: Any) -> Iterator[None]:
             on_host(s3.DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states),
         ),
     ]
+    if cpuinfo is not None:
+        patches.append((cpuinfo, "get_cpu_info", _cpu_info_once))  # the same answer, one subprocess per process
     # (object, name, what its own __dict__ held: None where the attribute came from its class)
     saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in patches]
     for obj, name, new in patches:
