@@ -132,14 +132,15 @@ def chunked_head_copy_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     copies where one call keeps one — (N − 1) × the copy, beside the one the step's copies count already. 0 for a
     trainable head (one cached copy), a head already in the compute dtype, or without chunked CE. Found by the trace
     of llama-3.2-1b QLoRA with ``--loss chunked`` (8 chunks: 3.94 GiB of copies, the closed form had 0.51)."""
-    from trainfit.analytic.states import _alloc, param_states
+    from trainfit.analytic.states import param_states
+    from trainfit.cuda_facts import allocator_bytes
 
     chunks = strategy.savers.loss_chunks if strategy.savers.loss is LossImpl.CHUNKED else 1
     if chunks <= 1:
         return 0
     head = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     copy = sum(
-        _alloc(x.tensor.numel, strategy.recipe.compute_bits)
+        allocator_bytes(x.tensor.numel * strategy.recipe.compute_bits // 8)
         for x in param_states(spec, strategy)
         if x.tensor.name == head and x.autocast_copy and not x.trainable
     )
