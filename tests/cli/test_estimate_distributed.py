@@ -65,6 +65,8 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 8 --sharding zero3 --finetune qlora", "QLoRA with DeepSpeed"),
         ("llama-3.1-8b --gpus 8 --sharding fsdp --finetune lora --base-dtype int8", "int8"),
         ("llama-3.1-8b --gpus 8 --sharding zero2 --offload optimizer+params --method trace", "zero3"),
+        ("llama-3.1-8b --gpus 8 --tp 2 --engine megatron --gradient-as-bucket-view", "torch DDP's option"),
+        ("llama-3.1-8b --gpus 8 --sharding ddp --engine megatron --gradient-as-bucket-view", "torch DDP's option"),
     ],
 )
 def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:

@@ -254,6 +254,14 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"--sharding {sh.value} with --engine megatron is not modelled (use zero1 or ddp)")
         if off.any:
             raise StrategyError("offload with --engine megatron is not modelled")
+        if strategy.engine.gradient_as_bucket_view:
+            # Megatron's DDP always points each parameter's main_grad into its contiguous gradient buffer
+            # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's flag has
+            # no counterpart there, and accepting it silently suggested it changed the figure.
+            raise StrategyError(
+                "--gradient-as-bucket-view is torch DDP's option; Megatron's gradients always live in its "
+                "contiguous gradient buffer: drop it with --engine megatron"
+            )
         if spec.num_heads % tp or spec.num_kv_heads % tp:
             raise StrategyError(
                 f"--tp {tp} must divide the attention heads ({spec.num_heads}) and k/v heads ({spec.num_kv_heads})"
