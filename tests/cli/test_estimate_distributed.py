@@ -252,3 +252,26 @@ def test_the_zero2_worst_rank_note_agrees_with_the_per_rank_table() -> None:
     note = next(n for n in r.notes if n.startswith("worst rank:"))
     gib = [float(x) for x in re.findall(r"(\d+\.\d\d) GiB", note.split(":")[1])]
     assert gib == [round((max(peaks) - min(peaks)) / 2**30, 2)], note
+
+
+def test_docs_python_example(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ```python block of docs/distributed.md's tested examples runs, and prints the figures the CLI gives
+    for the same flags (``--json``: the worst rank's peak, each distinct rank's, the host per node)."""
+    text = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text()
+    code = text.split("## Tested examples", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/distributed.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    flags = "llama-2-7b --gpus 8 --sharding zero2 --precision master-bf16 --offload optimizer --json"
+    res = run_cli(capsys, "estimate", *flags.split())
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    assert printed[0] == f"Peak allocated {gib(out['peak_bytes'])}"
+    ranks = [f"ranks {r['ranks'][0]}-{r['ranks'][-1]}: {gib(r['peak_bytes'])}" for r in out["ranks"]]
+    assert len(ranks) >= 2 and printed[1 : 1 + len(ranks)] == ranks
+    worst = next(r for r in out["ranks"] if 7 in r["ranks"])
+    assert printed[1 + len(ranks)] == f"rank 7: {gib(worst['peak_bytes'])}"
+    assert printed[-1] == f"host per node {gib(out['host_peak_bytes'])}"
