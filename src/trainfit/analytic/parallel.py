@@ -254,6 +254,14 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"--sharding {sh.value} with --engine megatron is not modelled (use zero1 or ddp)")
         if off.any:
             raise StrategyError("offload with --engine megatron is not modelled")
+        if strategy.engine.gradient_as_bucket_view:
+            # Megatron's DDP always points each parameter's main_grad into its contiguous gradient buffer
+            # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's flag has
+            # no counterpart there, and accepting it silently suggested it changed the figure.
+            raise StrategyError(
+                "--gradient-as-bucket-view is torch DDP's option; Megatron's gradients always live in its "
+                "contiguous gradient buffer: drop it with --engine megatron"
+            )
         if spec.num_heads % tp or spec.num_kv_heads % tp:
             raise StrategyError(
                 f"--tp {tp} must divide the attention heads ({spec.num_heads}) and k/v heads ({spec.num_kv_heads})"
@@ -3238,7 +3246,9 @@ def _zero_why(
     lightest = min(r.peak_bytes for r in ranks)
     worst = max(r.peak_bytes for r in ranks)
     head = (
-        f"worst rank: {zr.rank} of {p.dp} ({fmt_gib(worst)} against {fmt_gib(lightest)} on the lightest): ZeRO "
+        # the difference, not the two peaks: these are before the cuBLAS workspaces estimate() adds to every rank
+        # (with_workspaces), so peaks here read 0.06 GiB under the per-rank table; a difference is unchanged by them
+        f"worst rank: {zr.rank} of {p.dp} ({fmt_gib(worst - lightest)} more than the lightest): ZeRO "
         "partitions are equal, but what a rank holds besides depends on the parameters its partition meets"
     )
     if strategy.offload.optimizer_on_host:

@@ -476,18 +476,25 @@ def render_imported(imported: ImportedRun, flags: dict[str, Any], explicit: froz
 
 @contextmanager
 def _progress(*, enabled: bool) -> Iterator[Callable[[str, float], None] | None]:
-    """A rich progress bar on stderr for trace/measure runs (transient: gone once the report prints)."""
+    """A rich progress bar on stderr for trace/measure runs (transient: gone once the report prints).
+
+    Only on a terminal: off one, rich's transient bar still writes a newline when it stops, so a refusal
+    raised inside the run printed a blank line before its one-line error."""
     if not enabled:
         yield None
         return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=console,
         transient=True,
     ) as bar:
         task = bar.add_task("starting", total=1.0)
