@@ -16,7 +16,7 @@ from collections.abc import Callable
 from importlib import import_module
 
 from trainfit.allocator import AllocatorConfig
-from trainfit.allocator.workspaces import Workspace, training_workspaces
+from trainfit.allocator.workspaces import TARGET_TORCH, Workspace, parse_torch_version, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import (
     MATH,
@@ -217,6 +217,17 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
 _DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload", "engine")
 
 
+def _torch_release(torch_version: str | tuple[int, int] | None) -> tuple[int, int]:
+    if torch_version is None:
+        return TARGET_TORCH
+    if isinstance(torch_version, tuple):
+        return torch_version
+    try:
+        return parse_torch_version(torch_version)
+    except ValueError as exc:
+        raise StrategyError(f"--torch-version: {exc}") from None
+
+
 def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
     """``gpu``'s compute capability (no GPU: the H200 the context figures come from; AMD: (0, 0))."""
     if gpu is None:
@@ -224,11 +235,14 @@ def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
     return parse_compute_capability(gpu.compute_capability) if gpu.compute_capability else (0, 0)
 
 
-def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
-    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu``, sized by this process's
-    ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` (an AMD part: hipBLAS/hipBLASLt's sizes)."""
+def gpu_workspaces(gpu: GPUSpec | None, torch_version: tuple[int, int] = TARGET_TORCH) -> tuple[Workspace, ...]:
+    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu`` under ``torch_version``, sized by this
+    process's ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` / ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` (an
+    AMD part: hipBLAS/hipBLASLt's sizes)."""
     rocm_arch = gpu.rocm_arch if gpu is not None else None
-    return training_workspaces(gpu_compute_capability(gpu), os.environ, rocm_arch=rocm_arch)
+    return training_workspaces(
+        gpu_compute_capability(gpu), os.environ, rocm_arch=rocm_arch, torch_version=torch_version
+    )
 
 
 def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
@@ -346,6 +360,7 @@ def estimate(
     search_micro_batch: bool = True,
     fixes: bool = True,
     verdict_only: bool = False,
+    torch_version: str | tuple[int, int] | None = None,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -357,8 +372,11 @@ def estimate(
     GPU, search the planner's top three checked fixes (False: ``FitVerdict.fixes_searched`` stays False).
     ``verdict_only`` (with a GPU and ``search_micro_batch=False``; the planner's probes): a simulated reserve stops
     once it passes the allocator's share of the usable memory — the verdict is the same, the requirement of a
-    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``)."""
+    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``torch_version``: the torch
+    release on the GPU machine (``"2.11"``; None: :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides
+    the cuBLAS/cuBLASLt workspaces (:mod:`trainfit.allocator.workspaces`)."""
     spec = load_model(model) if isinstance(model, str) else model
+    release = _torch_release(torch_version)
     asked = strategy or Strategy()
     try:
         method = Method(method)
@@ -384,7 +402,7 @@ def estimate(
             )
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
-    workspaces = gpu_workspaces(gpu_spec)
+    workspaces = gpu_workspaces(gpu_spec, release)
     # The allocator simulation runs for one GPU and for the ranks rank_events.rank_simulated names (the analytic
     # stream's; estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
@@ -402,6 +420,7 @@ def estimate(
         options.setdefault("workspaces", workspaces)
     if simulated and method is Method.TRACE:
         options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
+        options.setdefault("torch_version", release)
         if gpu_spec is not None and gpu_spec.rocm_arch is not None:
             options.setdefault("rocm_arch", gpu_spec.rocm_arch)
 
@@ -415,6 +434,7 @@ def estimate(
             rep = with_workspaces(rep, sum(w.size_bytes for w in workspaces))
         return dataclasses.replace(
             rep,
+            torch_version=f"{release[0]}.{release[1]}",
             overhead=outside_allocator(
                 gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes, nccl_bytes=nccl_bytes(strategy)
             ),

@@ -232,6 +232,14 @@ def estimate_cmd(
     segments: Annotated[
         bool, typer.Option("--segments", help="Show the simulated allocator segments at the reserved peak.")
     ] = False,
+    torch_version: Annotated[
+        str | None,
+        typer.Option(
+            "--torch-version",
+            help="The torch release on the GPU machine, e.g. 2.11: it decides the cuBLAS/cuBLASLt workspaces "
+            "(default: 2.13, the release trainfit is tested with).",
+        ),
+    ] = None,
     fixes: Annotated[
         bool,
         typer.Option(
@@ -381,6 +389,7 @@ def estimate_cmd(
             method_options=options or None,
             allocator=alloc_conf,
             allocator_layout=segments,
+            torch_version=torch_version,
             fixes=fixes,
         )
     for w in report.warnings:
