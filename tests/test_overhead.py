@@ -11,6 +11,8 @@ from trainfit import estimate
 from trainfit.hardware import get_gpu, list_gpus
 from trainfit.overhead import (
     CONTEXT_MEASURED,
+    DEFAULT_CUDA,
+    EAGER_MODULES_BYTES,
     TRAINING_KERNEL_IMAGES_BYTES,
     context_bytes,
     local_memory_bytes,
@@ -46,6 +48,7 @@ def test_h200_context_is_the_measured_one() -> None:
     meta = [line["meta"] for line in _truth_lines() if "meta" in line]
     outside_at_init = {int(m["used_after_init"]) - int(m["reserved_after_init"]) for m in meta}  # type: ignore[index]
     assert outside_at_init == {context_bytes(get_gpu("h200-sxm-141gb"))[0]}
+    assert {str(m["cuda"]) for m in meta} == {".".join(map(str, CONTEXT_MEASURED["h200-sxm-141gb"][1]))}  # type: ignore[index]
     assert "measured" in context_bytes(get_gpu("h200-sxm-141gb"))[1]
 
 
@@ -60,6 +63,7 @@ def test_kernel_images_lie_in_the_measured_range() -> None:
 def test_other_gpus_keep_the_runtime_part_and_scale_the_local_memory() -> None:
     h200 = get_gpu("h200-sxm-141gb")
     runtime = CONTEXT_MEASURED[h200.id][0] - local_memory_bytes(h200)
+    assert CONTEXT_MEASURED[h200.id][1] == DEFAULT_CUDA  # the default CUDA release is the measurement's
     for gpu_id in ("a100-sxm-80gb", "rtx-4090", "l4", "t4"):
         g = get_gpu(gpu_id)
         got, basis = context_bytes(g)
@@ -92,3 +96,53 @@ def test_the_gpu_changes_its_workspaces_and_what_is_outside_the_allocator() -> N
 def test_nccl_buffers_are_outside_the_allocator() -> None:
     o = outside_allocator(get_gpu("h100-sxm-80gb"), allocator_reserve_bytes=0, nccl_bytes=5)
     assert o.outside_allocator_bytes == o.cuda_context_bytes + o.kernel_images_bytes + 5
+
+
+def test_eager_loading_before_cuda_11_7_adds_pytorchs_published_difference() -> None:
+    # pytorch/pytorch#86509: the same command used 666,632,192 B with CUDA_MODULE_LOADING=DEFAULT (eager under
+    # CUDA 11.7) and 287,047,680 B with LAZY.
+    assert EAGER_MODULES_BYTES == 666_632_192 - 287_047_680
+    for gpu in (None, get_gpu("a100-sxm-80gb"), get_gpu("h200-sxm-141gb")):
+        lazy, _ = context_bytes(gpu, (11, 7))
+        eager, basis = context_bytes(gpu, (11, 6))
+        assert eager - lazy == EAGER_MODULES_BYTES
+        assert "eagerly" in basis and "lower bound" in basis and "#86509" in basis
+
+
+def test_cuda_12_and_13_share_the_figures_and_say_so() -> None:
+    for gpu in (None, get_gpu("h200-sxm-141gb"), get_gpu("rtx-4090")):
+        at_13, basis_13 = context_bytes(gpu, (13, 0))
+        at_12, basis_12 = context_bytes(gpu, (12, 8))
+        assert at_12 == at_13 == context_bytes(gpu, (11, 8))[0]
+        assert "CUDA 13.0 figure used for CUDA 12.8" in basis_12 and "used for" not in basis_13
+    assert context_bytes(get_gpu("mi300x"), (11, 0)) == context_bytes(get_gpu("mi300x"))  # ROCm: no CUDA term
+
+
+def test_estimate_records_the_cuda_release_and_its_context() -> None:
+    default = estimate("gpt2", gpu="a100-sxm-80gb")
+    old = estimate("gpt2", gpu="a100-sxm-80gb", cuda_version="11.6")
+    assert (default.cuda_version, old.cuda_version) == ("13.0", "11.6")
+    assert old.overhead.cuda_context_bytes - default.overhead.cuda_context_bytes == EAGER_MODULES_BYTES
+    assert old.nvidia_smi_estimate_bytes - default.nvidia_smi_estimate_bytes == EAGER_MODULES_BYTES
+    assert "eagerly" in old.overhead.basis
+    assert estimate("gpt2", gpu="a100-sxm-80gb", cuda_version="12.4").overhead.cuda_context_bytes == (
+        default.overhead.cuda_context_bytes
+    )
+
+
+@pytest.mark.parametrize(
+    ("gpu", "cuda", "needle"),
+    [
+        ("h100-sxm-80gb", "11.7", "needs CUDA 11.8"),
+        ("rtx-4090", "11.6", "needs CUDA 11.8"),
+        ("b200-sxm-180gb", "12.6", "needs CUDA 12.8"),
+        ("rtx-5090", "12.4", "needs CUDA 12.8"),
+        ("v100-sxm2-16gb", "13.0", "Turing"),
+        ("mi300x", "12.8", "AMD"),
+    ],
+)
+def test_a_cuda_release_that_cannot_run_the_gpu_is_refused(gpu: str, cuda: str, needle: str) -> None:
+    from trainfit.errors import StrategyError
+
+    with pytest.raises(StrategyError, match=needle):
+        estimate("gpt2", gpu=gpu, cuda_version=cuda)
