@@ -146,3 +146,31 @@ def test_a_cuda_release_that_cannot_run_the_gpu_is_refused(gpu: str, cuda: str, 
 
     with pytest.raises(StrategyError, match=needle):
         estimate("gpt2", gpu=gpu, cuda_version=cuda)
+
+
+def test_every_nvidia_catalog_gpu_has_what_the_rescaling_needs() -> None:
+    # SM count (cited per entry) and a compute capability with its own resident-threads row (no fall-back), and a
+    # CUDA release of the known range that runs it.
+    from trainfit.cuda_facts import MAX_THREADS_PER_SM, cuda_supports, parse_compute_capability
+
+    for g in list_gpus():
+        if g.compute_capability is None:
+            continue
+        assert g.sm_count, g.id
+        assert parse_compute_capability(g.compute_capability) in MAX_THREADS_PER_SM, g.id
+        assert cuda_supports(g.compute_capability, (12, 8)) is None, g.id
+
+
+@pytest.mark.parametrize(
+    ("gpu_id", "bare_context_mib", "source"),
+    [
+        ("rtx-3090", 256, "invoke-ai/InvokeAI#9413: torch 2.7.1+cu128, driver 610.43.03, a context made at start-up"),
+        ("b200-sxm-180gb", 612, "unslothai/unsloth#8669: after torch.cuda.mem_get_info(0)"),
+    ],
+)
+def test_public_bare_contexts_stay_below_the_context_after_cublas(
+    gpu_id: str, bare_context_mib: int, source: str
+) -> None:
+    # A context with no cuBLAS initialised (and no kernels run) cannot be larger than ours after cuBLAS
+    # initialisation; docs/accuracy.md, "The CUDA context", lists these figures.
+    assert bare_context_mib * 2**20 < context_bytes(get_gpu(gpu_id))[0], source
