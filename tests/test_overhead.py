@@ -10,12 +10,12 @@ import pytest
 from trainfit import estimate
 from trainfit.hardware import get_gpu, list_gpus
 from trainfit.overhead import (
-    CONTEXT_MEASURED,
     DEFAULT_CUDA,
     EAGER_MODULES_BYTES,
     TRAINING_KERNEL_IMAGES_BYTES,
     context_bytes,
     local_memory_bytes,
+    measured_context,
     outside_allocator,
 )
 
@@ -48,7 +48,10 @@ def test_h200_context_is_the_measured_one() -> None:
     meta = [line["meta"] for line in _truth_lines() if "meta" in line]
     outside_at_init = {int(m["used_after_init"]) - int(m["reserved_after_init"]) for m in meta}  # type: ignore[index]
     assert outside_at_init == {context_bytes(get_gpu("h200-sxm-141gb"))[0]}
-    assert {str(m["cuda"]) for m in meta} == {".".join(map(str, CONTEXT_MEASURED["h200-sxm-141gb"][1]))}  # type: ignore[index]
+    (measured,) = get_gpu("h200-sxm-141gb").cuda_contexts  # the catalog's entry, with its software
+    assert {str(m["cuda"]) for m in meta} == {measured.cuda}  # type: ignore[index]
+    assert {str(m["torch"]) for m in meta} == {measured.torch}  # type: ignore[index]
+    assert measured.bytes_ in outside_at_init
     assert "measured" in context_bytes(get_gpu("h200-sxm-141gb"))[1]
 
 
@@ -62,8 +65,9 @@ def test_kernel_images_lie_in_the_measured_range() -> None:
 
 def test_other_gpus_keep_the_runtime_part_and_scale_the_local_memory() -> None:
     h200 = get_gpu("h200-sxm-141gb")
-    runtime = CONTEXT_MEASURED[h200.id][0] - local_memory_bytes(h200)
-    assert CONTEXT_MEASURED[h200.id][1] == DEFAULT_CUDA  # the default CUDA release is the measurement's
+    measured = measured_context(h200)
+    assert measured is not None and measured.cuda_release == DEFAULT_CUDA  # the default is the measurement's
+    runtime = measured.bytes_ - local_memory_bytes(h200)
     for gpu_id in ("a100-sxm-80gb", "rtx-4090", "l4", "t4"):
         g = get_gpu(gpu_id)
         got, basis = context_bytes(g)
@@ -174,3 +178,29 @@ def test_public_bare_contexts_stay_below_the_context_after_cublas(
     # A context with no cuBLAS initialised (and no kernels run) cannot be larger than ours after cuBLAS
     # initialisation; docs/accuracy.md, "The CUDA context", lists these figures.
     assert bare_context_mib * 2**20 < context_bytes(get_gpu(gpu_id))[0], source
+
+
+def test_a_gpu_with_a_catalog_measurement_gets_its_own_context() -> None:
+    import dataclasses
+
+    from trainfit.hardware.gpus import ContextMeasurement
+
+    a100 = get_gpu("a100-sxm-80gb")
+    assert not a100.cuda_contexts and "estimated" in context_bytes(a100)[1]
+    m12 = ContextMeasurement(bytes_=600 * 2**20, cuda="12.8", torch="2.9.0+cu128", driver="570", source="a test")
+    m13 = dataclasses.replace(m12, bytes_=610 * 2**20, cuda="13.0", torch="2.11.0+cu130")
+    measured = dataclasses.replace(a100, cuda_contexts=(m12, m13))
+    assert context_bytes(measured, (12, 4)) == (600 * 2**20, context_bytes(measured, (12, 4))[1])
+    assert context_bytes(measured, (13, 0))[0] == 610 * 2**20
+    assert "CUDA 12.8" in context_bytes(measured, (12, 4))[1] and "a test" in context_bytes(measured, (12, 4))[1]
+    assert context_bytes(measured, (11, 6))[0] == 600 * 2**20 + EAGER_MODULES_BYTES  # nearest: 12.8, then eager
+
+
+def test_catalog_context_measurements_are_lazy_loading_ones() -> None:
+    # The eager-loading term is added on top of a lazy measurement; a catalog measurement under CUDA < 11.7 would
+    # need the opposite correction, which trainfit does not model.
+    from trainfit.overhead import LAZY_LOADING_CUDA
+
+    for g in list_gpus():
+        for m in g.cuda_contexts:
+            assert m.cuda_release >= LAZY_LOADING_CUDA and m.source, g.id

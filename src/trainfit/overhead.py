@@ -17,10 +17,11 @@ Two parts, decided by different things:
      default per-thread stack is
      ``cudaLimitStackSize`` = 1 KiB). On our H200 (torch 2.11 + CUDA 13.0, driver 580) the context measured
      718,077,952 B (``../shared/gpu-truth``: used after init − reserved after init, the same with either
-     allocator setting); 132 SMs × 2048 threads × 1 KiB = 264 MiB of it is local memory, the remaining
-     420.8 MiB the driver, runtime and library modules. For another NVIDIA GPU we keep those 420.8 MiB and
-     recompute the local memory from its SM count and compute capability: an *estimate*, not a
-     measurement, and every report says which it is.
+     allocator setting; the catalog keeps it as the H200's ``cuda_context``, with its software and source, and
+     any GPU with such an entry gets its own figure); 132 SMs × 2048 threads × 1 KiB = 264 MiB of it is local
+     memory, the remaining 420.8 MiB the driver, runtime and library modules. For another NVIDIA GPU we keep
+     those 420.8 MiB and recompute the local memory from its SM count and compute capability: an *estimate*,
+     not a measurement, and every report says which it is.
 
      *By CUDA release* (``cuda_version``; default 13.0, the measurement's). Kernels load lazily from CUDA 11.7 on
      (NVIDIA CUDA Programming Guide, "Lazy Loading": introduced in 11.7, the Linux default from 12.2, everywhere
@@ -48,14 +49,13 @@ its context was found, so the driver/runtime term alone is assumed and the basis
 from __future__ import annotations
 
 from trainfit.cuda_facts import ALLOCATOR_BLOCK_BYTES, max_threads_per_sm
-from trainfit.hardware.gpus import GPUSpec, get_gpu
+from trainfit.hardware.gpus import ContextMeasurement, GPUSpec, get_gpu
 from trainfit.result import Overhead
 from trainfit.units import MiB
 
 __all__ = [
     "ALLOCATOR_BLOCK_BYTES",
     "ALLOCATOR_RESERVE_FRACTION",
-    "CONTEXT_MEASURED",
     "DEFAULT_CUDA",
     "EAGER_MODULES_BYTES",
     "LAZY_LOADING_CUDA",
@@ -63,6 +63,7 @@ __all__ = [
     "TRAINING_KERNEL_IMAGES_BYTES",
     "context_bytes",
     "local_memory_bytes",
+    "measured_context",
     "outside_allocator",
     "overhead_for",
 ]
@@ -71,15 +72,6 @@ ALLOCATOR_RESERVE_FRACTION = 0.10
 
 #: Default per-thread stack (``cudaLimitStackSize``), the local memory a fresh context reserves per thread.
 LOCAL_MEMORY_PER_THREAD_BYTES = 1024
-
-#: Contexts measured after CUDA + cuBLAS initialisation, outside the allocator: GPU id → (bytes, CUDA release, how).
-CONTEXT_MEASURED: dict[str, tuple[int, tuple[int, int], str]] = {
-    "h200-sxm-141gb": (
-        718_077_952,
-        (13, 0),
-        "measured on an H200 with torch 2.11 + CUDA 13.0, driver 580 (../shared/gpu-truth)",
-    ),
-}
 
 #: The CUDA release assumed when none is named: the reference measurement's.
 DEFAULT_CUDA = (13, 0)
@@ -103,10 +95,28 @@ def local_memory_bytes(gpu: GPUSpec) -> int:
     return gpu.sm_count * max_threads_per_sm(gpu.compute_capability) * LOCAL_MEMORY_PER_THREAD_BYTES
 
 
-def _reference() -> tuple[GPUSpec, int, tuple[int, int]]:
+def measured_context(gpu: GPUSpec, cuda_version: tuple[int, int] = DEFAULT_CUDA) -> ContextMeasurement | None:
+    """The catalog's measurement of ``gpu``'s context for ``cuda_version``: the newest of the nearest CUDA major
+    (None: the catalog has none for this GPU)."""
+    if not gpu.cuda_contexts:
+        return None
+    nearest = min(abs(c.cuda_release[0] - cuda_version[0]) for c in gpu.cuda_contexts)
+    return max(
+        (c for c in gpu.cuda_contexts if abs(c.cuda_release[0] - cuda_version[0]) == nearest),
+        key=lambda c: c.cuda_release,
+    )
+
+
+def _reference(cuda_version: tuple[int, int]) -> tuple[GPUSpec, ContextMeasurement]:
     ref = get_gpu(REFERENCE_GPU)
-    measured, cuda, _ = CONTEXT_MEASURED[REFERENCE_GPU]
-    return ref, measured, cuda
+    measured = measured_context(ref, cuda_version)
+    if measured is None:  # the catalog's reference entry lost its measurement
+        raise ValueError(f"the GPU catalog has no measured CUDA context for {REFERENCE_GPU}")
+    return ref, measured
+
+
+def _how(m: ContextMeasurement, gpu: GPUSpec) -> str:
+    return f"measured on the {gpu.name} with torch {m.torch} + CUDA {m.cuda}, driver {m.driver}"
 
 
 def _cuda_note(cuda: tuple[int, int], measured_cuda: tuple[int, int]) -> tuple[int, str]:
@@ -127,24 +137,25 @@ def _cuda_note(cuda: tuple[int, int], measured_cuda: tuple[int, int]) -> tuple[i
 
 def context_bytes(gpu: GPUSpec | None, cuda_version: tuple[int, int] = DEFAULT_CUDA) -> tuple[int, str]:
     """(bytes of the CUDA context after CUDA + cuBLAS initialisation under ``cuda_version``, where the figure
-    comes from)."""
-    ref, measured, measured_cuda = _reference()
-    extra, cuda_note = _cuda_note(cuda_version, measured_cuda)
-    if gpu is None:
-        return measured + extra, f"no --gpu: the CUDA context {CONTEXT_MEASURED[ref.id][2]}{cuda_note}"
-    if gpu.id in CONTEXT_MEASURED:
-        own, own_cuda, how = CONTEXT_MEASURED[gpu.id]
-        extra, cuda_note = _cuda_note(cuda_version, own_cuda)
-        return own + extra, f"the CUDA context {how}{cuda_note}"
-    runtime = measured - local_memory_bytes(ref)
+    comes from). A GPU the catalog has a measurement for gets it; another NVIDIA GPU the reference's
+    driver/runtime part plus its own local memory; all of them the eager modules before CUDA 11.7."""
+    ref, reference = _reference(cuda_version)
+    own = measured_context(gpu, cuda_version) if gpu is not None else None
+    if gpu is None or own is not None:
+        m, on = (reference, ref) if own is None or gpu is None else (own, gpu)
+        extra, cuda_note = _cuda_note(cuda_version, m.cuda_release)
+        prefix = "no --gpu: " if gpu is None else ""
+        return m.bytes_ + extra, f"{prefix}the CUDA context {_how(m, on)} ({m.source}){cuda_note}"
+    runtime = reference.bytes_ - local_memory_bytes(ref)
     if gpu.compute_capability is None:
         return runtime, (
-            f"the CUDA context assumed: the driver/runtime part measured on the {ref.name}, no local-memory term "
+            f"the CUDA context assumed: the driver/runtime part {_how(reference, ref)}, no local-memory term "
             "(ROCm allocates scratch on demand; no public figure for a ROCm context)"
         )
+    extra, cuda_note = _cuda_note(cuda_version, reference.cuda_release)
     local = local_memory_bytes(gpu)
     return runtime + local + extra, (
-        f"the CUDA context estimated: the driver/runtime part measured on the {ref.name} plus this GPU's "
+        f"the CUDA context estimated: the driver/runtime part {_how(reference, ref)} plus this GPU's "
         f"local memory ({gpu.sm_count} SMs × {max_threads_per_sm(gpu.compute_capability)} threads × 1 KiB)"
         f"{cuda_note}"
     )

@@ -32,6 +32,31 @@ MEMORY_BASES: tuple[str, ...] = ("driver", "nominal")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ContextMeasurement:
+    """A CUDA context measured on this GPU after CUDA + cuBLAS initialisation, outside the caching allocator
+    (``mem_get_info`` used − ``memory_reserved``), with the software it was measured under and where the figure
+    comes from (the catalog's ``cuda_context`` list; :mod:`trainfit.overhead` uses it)."""
+
+    bytes_: int
+    cuda: str  # "13.0"
+    torch: str  # "2.11.0+cu130"
+    driver: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes_ <= 0:
+            raise ValueError("a measured CUDA context must be positive")
+        major, _, minor = self.cuda.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise ValueError(f"CUDA release '{self.cuda}' is not MAJOR.MINOR")
+
+    @property
+    def cuda_release(self) -> tuple[int, int]:
+        major, _, minor = self.cuda.partition(".")
+        return int(major), int(minor)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GPUSpec:
     """One accelerator model. ``compute_capability`` is None for non-NVIDIA parts."""
 
@@ -58,6 +83,9 @@ class GPUSpec:
     pcie_gbps: float | None = None
     # The catalog's architecture note (AMD: "CDNA3 (gfx942)"): its gfx name picks ROCm's hipBLAS workspace sizes.
     arch: str | None = None
+    # CUDA contexts measured on this GPU, one per software stack (``cuda_context`` in the catalog, each with its
+    # source); empty where none was measured (trainfit.overhead then estimates it).
+    cuda_contexts: tuple[ContextMeasurement, ...] = ()
 
     @property
     def rocm_arch(self) -> str | None:
@@ -116,6 +144,12 @@ def _catalog() -> dict[str, GPUSpec]:
             sm_count=row.get("sm_count"),
             nvlink_gbps=row.get("nvlink_gbps"),
             pcie_gbps=row.get("pcie_gbps"),
+            cuda_contexts=tuple(
+                ContextMeasurement(
+                    bytes_=int(c["bytes"]), cuda=c["cuda"], torch=c["torch"], driver=c["driver"], source=c["source"]
+                )
+                for c in row.get("cuda_context") or ()
+            ),
         )
         out[spec.id] = spec
     return out
