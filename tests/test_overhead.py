@@ -128,6 +128,8 @@ def test_estimate_records_the_cuda_release_and_its_context() -> None:
     assert (default.cuda_version, old.cuda_version) == ("13.0", "11.6")
     assert old.overhead.cuda_context_bytes - default.overhead.cuda_context_bytes == EAGER_MODULES_BYTES
     assert old.nvidia_smi_estimate_bytes - default.nvidia_smi_estimate_bytes == EAGER_MODULES_BYTES
+    assert old.fit is not None and default.fit is not None
+    assert old.fit.required_bytes - default.fit.required_bytes == EAGER_MODULES_BYTES  # the verdict sees it too
     assert "eagerly" in old.overhead.basis
     assert estimate("gpt2", gpu="a100-sxm-80gb", cuda_version="12.4").overhead.cuda_context_bytes == (
         default.overhead.cuda_context_bytes

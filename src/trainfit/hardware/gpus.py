@@ -13,6 +13,10 @@ devices of 64 GiB each, so its entry describes one GCD (memory, TFLOPS and bandw
   Each such figure cites the deviceQuery/nvidia-smi/PyTorch report it comes from.
 - ``"nominal"``: the vendor's capacity as binary units (80 GB HBM = 80 GiB) where no driver report was
   found; the real total is somewhat lower (an A100 80GB gives CUDA about 79.2 GiB).
+
+``cuda_context`` lists CUDA contexts measured on the GPU after CUDA + cuBLAS initialisation (outside the caching
+allocator), each with the CUDA, torch and driver it was measured under and its source; :mod:`trainfit.overhead`
+uses the entry of the nearest CUDA major and estimates the context of a GPU without one.
 """
 
 from __future__ import annotations
