@@ -30,11 +30,12 @@ Two parts, decided by different things:
      figures: no public measurement separates a CUDA 12 context from a CUDA 13 one (the table in
      ``docs/accuracy.md``, "The CUDA context"). Before 11.7 every module of every library loads when the context
      starts. The one like-for-like public figure is PyTorch's own (pytorch/pytorch#86509: 666,632,192 B with
-     eager loading against 287,047,680 B lazy, the same command, torch 1.13 with CUDA 11.7, GPU not named):
-     :data:`EAGER_MODULES_BYTES` = 379,584,512 B more, which we add below 11.7. Other reports are larger (ptrblck
-     in pytorch/pytorch#107667: "> 1000MB" before 11.7; 1,687 MB on an RTX 3090 with torch 1.8 + CUDA 11.1 in
-     pytorch/pytorch#55277), and the size depends on the torch build and the GPU, so the basis calls it a
-     lower bound. A CUDA release that cannot run the GPU at all is refused (:func:`trainfit.cuda_facts.cuda_supports`).
+     eager loading against 287,047,680 B lazy, the same command, torch 1.13 on a CUDA ≥ 11.7 runtime — the lazy
+     run shrank —, GPU and CUDA release not named): :data:`EAGER_MODULES_BYTES` = 379,584,512 B more, which we
+     add below 11.7. Other reports are larger (ptrblck in pytorch/pytorch#107667: "> 1000MB" before 11.7;
+     1,687 MB on an RTX 3090 with torch 1.8 + CUDA 11.1 in pytorch/pytorch#55277), that run initialised no
+     cuBLAS, and the size depends on the torch build and the GPU, so the basis calls it a lower bound. A CUDA
+     release that cannot run the GPU at all is refused (:func:`trainfit.cuda_facts.cuda_supports`).
   2. *Kernel images loaded lazily* as a training step first runs each kernel: 82–88 MiB more after training
      steps than after initialisation on the H200 (seven cases, 2 MiB steps); we count their middle, 86 MiB.
      Inference runs fewer distinct kernels; we count the same figure, an upper bound there.
@@ -78,7 +79,7 @@ DEFAULT_CUDA = (13, 0)
 #: First CUDA release with lazy module loading (NVIDIA CUDA C++ Programming Guide, "Lazy Loading").
 LAZY_LOADING_CUDA = (11, 7)
 #: Modules loaded eagerly on top of a lazy context: 666,632,192 − 287,047,680 B (pytorch/pytorch#86509, torch 1.13
-#: + CUDA 11.7, the same command with ``CUDA_MODULE_LOADING`` DEFAULT vs LAZY; GPU not named). A lower bound.
+#: on a CUDA ≥ 11.7 runtime, the same command with ``CUDA_MODULE_LOADING`` DEFAULT vs LAZY; GPU not named). A lower bound.
 EAGER_MODULES_BYTES = 666_632_192 - 287_047_680
 
 #: The GPU the reference figures were measured on (and the assumption when no GPU is named).
