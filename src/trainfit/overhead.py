@@ -79,7 +79,8 @@ DEFAULT_CUDA = (13, 0)
 #: First CUDA release with lazy module loading (NVIDIA CUDA C++ Programming Guide, "Lazy Loading").
 LAZY_LOADING_CUDA = (11, 7)
 #: Modules loaded eagerly on top of a lazy context: 666,632,192 − 287,047,680 B (pytorch/pytorch#86509, torch 1.13
-#: on a CUDA ≥ 11.7 runtime, the same command with ``CUDA_MODULE_LOADING`` DEFAULT vs LAZY; GPU not named). A lower bound.
+#: on a CUDA ≥ 11.7 runtime, the same command with ``CUDA_MODULE_LOADING`` DEFAULT vs LAZY; GPU not named).
+#: A lower bound.
 EAGER_MODULES_BYTES = 666_632_192 - 287_047_680
 
 #: The GPU the reference figures were measured on (and the assumption when no GPU is named).
