@@ -206,3 +206,13 @@ def test_catalog_context_measurements_are_lazy_loading_ones() -> None:
     for g in list_gpus():
         for m in g.cuda_contexts:
             assert m.cuda_release >= LAZY_LOADING_CUDA and m.source, g.id
+
+
+def test_the_default_cuda_release_on_a_gpu_it_cannot_run_is_noted() -> None:
+    # CUDA 13 runs Turing onwards; a V100 estimate without --cuda-version keeps the (shared) 11.7-13.x figures and
+    # says so, where naming 12.8 is silent and gives the same context.
+    v100 = estimate("gpt2", gpu="v100-sxm2-16gb")
+    named = estimate("gpt2", gpu="v100-sxm2-16gb", cuda_version="12.8")
+    assert any("cannot run" in n and "--cuda-version" in n for n in v100.notes)
+    assert not any("cannot run" in n for n in named.notes)
+    assert v100.overhead.cuda_context_bytes == named.overhead.cuda_context_bytes

@@ -414,6 +414,13 @@ def estimate(
     strategy, fallback = effective_strategy(spec, asked)
     warnings = [fallback] if fallback else []
     gpu_notes: list[str] = []
+    if cuda_version is None and gpu_spec is not None and gpu_spec.compute_capability is not None:
+        why_not = cuda_supports(gpu_spec.compute_capability, cuda)
+        if why_not is not None:  # a V100 under the default 13.0: 12.x has the same context figures
+            gpu_notes.append(
+                f"the CUDA context is counted as for CUDA {cuda[0]}.{cuda[1]}, which {gpu_spec.id} cannot run "
+                f"({why_not}); CUDA 11.7 to 13.x share the figures, --cuda-version names the release"
+            )
     if gpu_spec is not None and strategy.flash_sdp and not has_flash_attention(gpu_spec.compute_capability):
         # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
         strategy = dataclasses.replace(strategy, flash_sdp=False)
