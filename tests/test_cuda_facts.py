@@ -162,3 +162,13 @@ def test_cuda_supports_follows_nvidias_architecture_tables() -> None:
     assert cuda_supports("12.0", (12, 6)) is not None and cuda_supports("12.0", (13, 0)) is None
     assert cuda_supports("7.0", (12, 9)) is None and "Turing" in (cuda_supports("7.0", (13, 0)) or "")
     assert cuda_supports("7.5", (13, 0)) is None
+
+
+def test_resident_threads_per_sm_follow_nvidias_arch_traits() -> None:
+    # NVIDIA CCCL libcudacxx/include/cuda/__device/arch_traits.h (max_threads_per_multiprocessor); 8.8 and 11.0
+    # are 1536 although their majors' first rows (8.0, none) would say 2048.
+    from trainfit.cuda_facts import max_threads_per_sm
+
+    expected = {"7.0": 2048, "7.5": 1024, "8.0": 2048, "8.6": 1536, "8.7": 1536, "8.8": 1536, "8.9": 1536}
+    expected |= {"9.0": 2048, "10.0": 2048, "10.3": 2048, "11.0": 1536, "12.0": 1536, "12.1": 1536}
+    assert {cc: max_threads_per_sm(cc) for cc in expected} == expected

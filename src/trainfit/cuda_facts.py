@@ -17,7 +17,9 @@ place so the two methods cannot drift apart.
   LLM.int8 stores int8 weights plus one fp32 scale per output row (``Int8Params``).
 * The most threads an SM keeps resident, by compute capability (CUDA C++ Programming Guide, "Technical
   Specifications per Compute Capability": 2048 on 7.0, 8.0, 9.0 and 10.0; 1024 on 7.5; 1536 on 8.6, 8.7,
-  8.9 and 12.x). The driver sizes the context's local memory (thread stacks) by it.
+  8.9 and 12.x; NVIDIA's CCCL, libcudacxx/include/cuda/__device/arch_traits.h, ``max_threads_per_multiprocessor``,
+  agrees and adds 1536 on 8.8 and 11.0 (Thor), 2048 on 10.3, 1536 on 12.1). The driver sizes the context's local
+  memory (thread stacks) by it.
 * Which CUDA releases run which GPUs (:func:`cuda_supports`): compute capability 8.0 from CUDA 11.0 and 8.6 from
   11.1 (PyTorch's nvrtc table, pytorch/pytorch#87611: "11.0 supports 3-8.0", 11.1–11.7 "only up to sm_86");
   8.9 (Ada) and 9.0 (Hopper) from 11.8 (the same thread; GROMACS merge request 3180, "Ada (89) and Hopper (90)
@@ -68,10 +70,14 @@ MAX_THREADS_PER_SM: dict[tuple[int, int], int] = {
     (8, 0): 2048,
     (8, 6): 1536,
     (8, 7): 1536,
+    (8, 8): 1536,
     (8, 9): 1536,
     (9, 0): 2048,
     (10, 0): 2048,
+    (10, 3): 2048,
+    (11, 0): 1536,
     (12, 0): 1536,
+    (12, 1): 1536,
 }
 
 
