@@ -31,10 +31,10 @@ from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.arch import ModelSpec, load_model
-from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
+from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
-from trainfit.overhead import REFERENCE_GPU, outside_allocator
+from trainfit.overhead import DEFAULT_CUDA, REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import (
     DEFAULT_HEADROOM,
     MAX_SEARCH_BATCH,
@@ -228,6 +228,24 @@ def _torch_release(torch_version: str | tuple[int, int] | None) -> tuple[int, in
         raise StrategyError(f"--torch-version: {exc}") from None
 
 
+def _cuda_release(cuda_version: str | tuple[int, int] | None, gpu: GPUSpec | None) -> tuple[int, int]:
+    """The CUDA release the context figures are for (None: the reference measurement's); a named release must be
+    able to run ``gpu`` (:func:`trainfit.cuda_facts.cuda_supports`)."""
+    if cuda_version is None:
+        return DEFAULT_CUDA
+    try:
+        release = cuda_version if isinstance(cuda_version, tuple) else parse_cuda_version(cuda_version)
+    except ValueError as exc:
+        raise StrategyError(f"--cuda-version: {exc}") from None
+    if gpu is not None and gpu.compute_capability is None:
+        raise StrategyError(f"--cuda-version: {gpu.id} is an AMD GPU (ROCm, not CUDA)")
+    if gpu is not None and gpu.compute_capability is not None:
+        why_not = cuda_supports(gpu.compute_capability, release)
+        if why_not is not None:
+            raise StrategyError(f"--cuda-version: {gpu.id}: {why_not}")
+    return release
+
+
 def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
     """``gpu``'s compute capability (no GPU: the H200 the context figures come from; AMD: (0, 0))."""
     if gpu is None:
@@ -361,6 +379,7 @@ def estimate(
     fixes: bool = True,
     verdict_only: bool = False,
     torch_version: str | tuple[int, int] | None = None,
+    cuda_version: str | tuple[int, int] | None = None,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -374,7 +393,9 @@ def estimate(
     once it passes the allocator's share of the usable memory — the verdict is the same, the requirement of a
     setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``torch_version``: the torch
     release on the GPU machine (``"2.11"``; None: :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides
-    the cuBLAS/cuBLASLt workspaces (:mod:`trainfit.allocator.workspaces`)."""
+    the cuBLAS/cuBLASLt workspaces (:mod:`trainfit.allocator.workspaces`). ``cuda_version``: the CUDA release
+    (``"12.8"``; None: 13.0, the reference measurement's), which decides the CUDA context (eager module loading
+    before 11.7, :mod:`trainfit.overhead`) and must run the GPU."""
     spec = load_model(model) if isinstance(model, str) else model
     release = _torch_release(torch_version)
     asked = strategy or Strategy()
@@ -389,9 +410,17 @@ def estimate(
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     check_float8_gpu(asked, gpu_spec)
+    cuda = _cuda_release(cuda_version, gpu_spec)
     strategy, fallback = effective_strategy(spec, asked)
     warnings = [fallback] if fallback else []
     gpu_notes: list[str] = []
+    if cuda_version is None and gpu_spec is not None and gpu_spec.compute_capability is not None:
+        why_not = cuda_supports(gpu_spec.compute_capability, cuda)
+        if why_not is not None:  # a V100 under the default 13.0: 12.x has the same context figures
+            gpu_notes.append(
+                f"the CUDA context is counted as for CUDA {cuda[0]}.{cuda[1]}, which {gpu_spec.id} cannot run "
+                f"({why_not}); CUDA 11.7 to 13.x share the figures, --cuda-version names the release"
+            )
     if gpu_spec is not None and strategy.flash_sdp and not has_flash_attention(gpu_spec.compute_capability):
         # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
         strategy = dataclasses.replace(strategy, flash_sdp=False)
@@ -414,7 +443,9 @@ def estimate(
     if strategy.is_distributed and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault("workspaces", workspaces)
         if gpu_spec is not None:  # DeepSpeed ZeRO-1/2 tests the GPU's free memory at init (rank_events.Zero2Hooks)
-            outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+            outside = outside_allocator(
+                gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda
+            )
             options.setdefault("device_bytes", gpu_spec.memory_bytes - outside.outside_allocator_bytes)
     if simulated and method is Method.ANALYTIC:
         options.setdefault("workspaces", workspaces)
@@ -435,8 +466,12 @@ def estimate(
         return dataclasses.replace(
             rep,
             torch_version=f"{release[0]}.{release[1]}",
+            cuda_version=f"{cuda[0]}.{cuda[1]}",
             overhead=outside_allocator(
-                gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes, nccl_bytes=nccl_bytes(strategy)
+                gpu_spec,
+                allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes,
+                nccl_bytes=nccl_bytes(strategy),
+                cuda_version=cuda,
             ),
         )
 
@@ -454,12 +489,16 @@ def estimate(
     # search_micro_batch=False estimates: a plan must fit without cache flushes.
     main = dict(options)
     if gpu_spec is not None and search_micro_batch and "allocator" in options and method is not Method.MEASURE:
-        outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+        outside = outside_allocator(
+            gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda
+        )
         main["capacity_bytes"] = allocator_capacity_bytes(
             usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
         )
     elif gpu_spec is not None and verdict_only and "allocator" in options and method is Method.ANALYTIC:
-        outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+        outside = outside_allocator(
+            gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda
+        )
         main["stop_above_bytes"] = allocator_capacity_bytes(
             usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
         )

@@ -507,6 +507,8 @@ class MemoryReport:
     # The torch release on the GPU machine whose cuBLAS/cuBLASLt workspaces the report counts ("2.13"; set by
     # trainfit.estimate, "" elsewhere: trainfit.allocator.workspaces).
     torch_version: str = ""
+    # The CUDA release whose context the overhead counts ("13.0"; set by trainfit.estimate: trainfit.overhead).
+    cuda_version: str = ""
 
     def __post_init__(self) -> None:
         if not self.phases:

@@ -240,6 +240,14 @@ def estimate_cmd(
             "(default: 2.13, the release trainfit is tested with).",
         ),
     ] = None,
+    cuda_version: Annotated[
+        str | None,
+        typer.Option(
+            "--cuda-version",
+            help="The CUDA release torch was built with, e.g. 12.8: before 11.7 every kernel module loads at "
+            "start-up (a larger CUDA context); it must run the --gpu (default: 13.0, the H200 measurement's).",
+        ),
+    ] = None,
     fixes: Annotated[
         bool,
         typer.Option(
@@ -390,6 +398,7 @@ def estimate_cmd(
             allocator=alloc_conf,
             allocator_layout=segments,
             torch_version=torch_version,
+            cuda_version=cuda_version,
             fixes=fixes,
         )
     for w in report.warnings:
