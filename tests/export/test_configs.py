@@ -276,6 +276,11 @@ def test_2d_plan_writes_no_training_arguments() -> None:
     assert ex.training_arguments is None and ex.script is not None
     notes = "\n".join(ex.notes)
     assert "no training_args.json" in notes and f"= {strategy.global_batch}" in notes
+    # what the Trainer's notes said of checkpointing and precision is said of the script instead
+    pure = dataclasses.replace(strategy, precision="pure-bf16", checkpointing="selective")
+    notes = "\n".join(export_plan(load_model("llama-3.1-8b"), pure).notes)
+    assert "--checkpointing selective: train_fsdp2.py checkpoints every block" in notes
+    assert "pure-bf16: train_fsdp2.py builds the model in fp32" in notes
 
 
 class _DataParallel:

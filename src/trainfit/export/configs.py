@@ -329,6 +329,25 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
     return args
 
 
+def _script_notes(strategy: Strategy) -> list[str]:
+    """What train_fsdp2.py does not carry of a plan that has no training_args.json (2-D FSDP2 × TP): the notes
+    :func:`_training_arguments` gives the Trainer's plans about checkpointing and precision, for the script."""
+    notes: list[str] = []
+    if strategy.checkpointing in (Checkpointing.SQRT, Checkpointing.SELECTIVE, Checkpointing.SAC):
+        notes.append(
+            f"--checkpointing {strategy.checkpointing.value}: train_fsdp2.py checkpoints every block "
+            "(gradient_checkpointing_enable) — less memory than the plan's, more recompute: --checkpointing full's "
+            "step time"
+        )
+    if strategy.precision is Precision.PURE_BF16:
+        notes.append(
+            "pure-bf16: train_fsdp2.py builds the model in fp32 under MixedPrecisionPolicy(param_dtype=bf16, "
+            "reduce_dtype=fp32); for the plan's bf16 weights and Adam states build or load it with "
+            "dtype=torch.bfloat16 and leave the policy out"
+        )
+    return notes
+
+
 #: torchtune's single-device full fine-tuning recipe, and the config to start from (the user's model's).
 TORCHTUNE_RECIPE = "full_finetune_single_device"
 TORCHTUNE_CONFIG = '"${TORCHTUNE_CONFIG:?set TORCHTUNE_CONFIG, e.g. llama3_1/8B_full_single_device}"'
@@ -540,6 +559,7 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
             "DistributedConfig.enable_sequence_parallel is not wired up) and keeps the embedding whole on each TP "
             "rank — not the plan whose memory trainfit estimated"
         )
+        notes.extend(_script_notes(strategy))
     tune = torchtune_overrides(strategy)
     if tune:
         notes.append(
