@@ -276,11 +276,26 @@ def test_2d_plan_writes_no_training_arguments() -> None:
     assert ex.training_arguments is None and ex.script is not None
     notes = "\n".join(ex.notes)
     assert "no training_args.json" in notes and f"= {strategy.global_batch}" in notes
-    # what the Trainer's notes said of checkpointing and precision is said of the script instead
-    pure = dataclasses.replace(strategy, precision="pure-bf16", checkpointing="selective")
-    notes = "\n".join(export_plan(load_model("llama-3.1-8b"), pure).notes)
+    # what the Trainer's notes said of checkpointing is said of the script instead
+    selective = dataclasses.replace(strategy, checkpointing="selective")
+    notes = "\n".join(export_plan(load_model("llama-3.1-8b"), selective).notes)
     assert "--checkpointing selective: train_fsdp2.py checkpoints every block" in notes
-    assert "pure-bf16: train_fsdp2.py builds the model in fp32" in notes
+
+
+@pytest.mark.parametrize("precision", ["pure-bf16", "master-bf16"])
+def test_fsdp2_script_builds_a_pure_bf16_plan_in_bf16(precision: str) -> None:
+    """A pure-bf16 plan's memory has bf16 weights, gradients and optimizer states, and FSDP2 moving bf16 both ways
+    (``analytic.parallel.fsdp_wire_bits``): train_fsdp2.py builds the model in bf16 and sets no MixedPrecisionPolicy.
+    master-bf16 keeps fp32 parameters under the policy (bf16 gathers, fp32 reduce-scatters). Until 2026-12-04 the
+    script built every plan in fp32 under the policy: a pure-bf16 plan ran with twice its weights and Adam states."""
+    for strategy in (_two_d(), STRATEGIES["fsdp"]):
+        s = dataclasses.replace(strategy, precision=precision)
+        script = export_plan(load_model("llama-3.1-8b"), s).script
+        assert script is not None
+        assert re.search(rf"^PURE_BF16 = {precision == 'pure-bf16'}\b", script, re.M)
+        assert "from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)" in script
+        assert "mixed = BF16 and not PURE_BF16 and cuda" in script
+        compile(script, "train_fsdp2.py", "exec")
 
 
 class _DataParallel:
@@ -715,14 +730,19 @@ _TORCHRUN_OPT_IN = pytest.mark.skipif(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fp8", ["none", *(pytest.param(v, marks=_TORCHRUN_OPT_IN) for v in ("tied", "tensorwise", "2d", "no-reshard"))]
+    "fp8",
+    [
+        "none",
+        *(pytest.param(v, marks=_TORCHRUN_OPT_IN) for v in ("tied", "tensorwise", "2d", "no-reshard", "pure-bf16")),
+    ],
 )
 def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
     """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 — its
     token embedding and [final norm, head] as units of their own (``UNITS``; ``tied``: the table tied to the head,
     inside that tail unit) — (with ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel;
     ``2d``: 4 processes, FSDP2 over 2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's
-    collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward)."""
+    collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward;
+    ``pure-bf16``: the model built in bf16, no MixedPrecisionPolicy)."""
     import dataclasses
     import subprocess
     import sys
@@ -732,6 +752,8 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
         pytest.importorskip("torchao.float8")
     if fp8 == "2d":
         strategy, procs = _two_d(world=4, tensor=2), 4
+    elif fp8 == "pure-bf16":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], precision="pure-bf16"), 2
     elif fp8 == "no-reshard":
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp-no-reshard"], parallelism=Parallelism.for_gpus(2)), 2
     else:

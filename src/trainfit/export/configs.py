@@ -330,20 +330,15 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
 
 
 def _script_notes(strategy: Strategy) -> list[str]:
-    """What train_fsdp2.py does not carry of a plan that has no training_args.json (2-D FSDP2 × TP): the notes
-    :func:`_training_arguments` gives the Trainer's plans about checkpointing and precision, for the script."""
+    """What train_fsdp2.py does not carry of a plan that has no training_args.json (2-D FSDP2 × TP): the note
+    :func:`_training_arguments` gives the Trainer's plans about checkpointing modes, for the script (which builds a
+    pure-bf16 plan's model in bf16 itself)."""
     notes: list[str] = []
     if strategy.checkpointing in (Checkpointing.SQRT, Checkpointing.SELECTIVE, Checkpointing.SAC):
         notes.append(
             f"--checkpointing {strategy.checkpointing.value}: train_fsdp2.py checkpoints every block "
             "(gradient_checkpointing_enable) — less memory than the plan's, more recompute: --checkpointing full's "
             "step time"
-        )
-    if strategy.precision is Precision.PURE_BF16:
-        notes.append(
-            "pure-bf16: train_fsdp2.py builds the model in fp32 under MixedPrecisionPolicy(param_dtype=bf16, "
-            "reduce_dtype=fp32); for the plan's bf16 weights and Adam states build or load it with "
-            "dtype=torch.bfloat16 and leave the policy out"
         )
     return notes
 
