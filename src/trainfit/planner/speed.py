@@ -58,7 +58,8 @@ the copy bandwidth (the non-vectorised broadcast/strided path), the attention ra
 (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape efficiency (small hidden
 sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
 overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
-bases, ``--freeze`` patterns (run as full training).
+bases, ``--freeze`` patterns (run as full training), ZeRO-Offload's gradient copies over PCIe on every micro-step
+(DeepSpeed's ``partition_grads`` / ``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
 """
 
 from __future__ import annotations
