@@ -10,7 +10,8 @@ table, its sources and how each setup was matched: torchtitan's selective op AC 
 MosaicML llm-foundry's MPT benchmark tables (Composer FSDP, amp_bf16), whose models are built here from the
 yamls' numbers (:func:`mpt`; each one's parameter count is checked against the table's ``NumParams``). The fourth
 is Narayanan et al. 2021's Table 1 (Megatron-LM GPT on A100s, the rows without pipeline parallelism), its teraFLOP/s
-converted to tokens/s by the paper's own FLOP count.
+converted to tokens/s by the paper's own FLOP count. The fifth is DeepSpeed's: Megatron-DeepSpeed 3D runs (BLOOM-176B,
+MT-NLG 530B) whose sources state the layout and the measured step time (:data:`DEEPSPEED_PUBLISHED`).
 """
 
 from __future__ import annotations
@@ -341,6 +342,110 @@ def megatron_predicted(row: tuple[float, int, int, int, int, int, int, float]) -
     return [v / gpus for v in out]
 
 
+@dataclass(frozen=True)
+class DeepSpeedRun:
+    """A published DeepSpeed (Megatron-DeepSpeed 3D: Megatron TP, DeepSpeed's pipeline engine, ZeRO-1 data
+    parallelism) training run: its setup and measured step time."""
+
+    name: str
+    source: str
+    model: ModelSpec
+    gpu: str
+    gpus: int
+    tensor: int
+    pipeline: int
+    global_batch: int
+    micro_batches: tuple[int, ...]  # the micro-batch size; several where the source does not state it
+    network_gbps: float  # across nodes, per GPU and direction
+    precision: str
+    step_seconds: float  # measured, per optimizer step
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.global_batch * self.model.max_position_embeddings / self.step_seconds / self.gpus
+
+
+def bloom_176b() -> ModelSpec:
+    """BLOOM-176B as bigscience trained it (bigscience-workshop/bigscience train/tr11-176B-ml/README.md @9e64ede:
+    NHIDDEN 14336, NLAYERS 70, NHEADS 112, sequence 2048, vocabulary 250,680 padded to 250,880 — its "embedding
+    size: v*h: 250880*14336"): :func:`biased_gpt` with ALiBi (no position table) and a LayerNorm after the embedding
+    (bloom's ``word_embeddings_layernorm``)."""
+    return dataclasses.replace(
+        biased_gpt("bloom-176b", "bloom", 14336, 70, 112, 250880, 2048), learned_positions=0, embedding_norm=True
+    )
+
+
+def mt_nlg_530b() -> ModelSpec:
+    """Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990; 105 layers, hidden 20480, 128 heads, sequence
+    2048 — the paper's configuration as llm-analysis transcribes it, cli99/llm-analysis examples/megatron-turing-nlg):
+    Megatron's GPT (:func:`megatron_gpt`'s block), GPT-2's vocabulary 50,257 padded to 51,200 as Megatron pads it for
+    TP 8 (a multiple of 128 × 8)."""
+    return biased_gpt("mt-nlg-530b", "gpt2", 20480, 105, 128, 51200, 2048)
+
+
+#: Jean Zay's A100 nodes (BLOOM's README: "8 GPUs per node", "4 OmniPath links"): Omni-Path is 100 Gb/s per link, so
+#: 4 × 100 Gb/s per 8 GPUs = 6.25 GB/s per GPU and direction.
+JEAN_ZAY_NETWORK_GBPS = 4 * 100 / 8 / 8
+
+DEEPSPEED_PUBLISHED: tuple[DeepSpeedRun, ...] = (
+    DeepSpeedRun(
+        "BLOOM-176B, 384×A100-80GB, TP 4 × PP 12 × DP 8 (ZeRO-1), micro-batch 2, global 2048, full AC, bf16",
+        "bigscience train/tr11-176B-ml/README.md: iteration 85376, 104.70 s per iteration, 19.561 samples/s",
+        bloom_176b(),
+        "a100-sxm-80gb",
+        384,
+        4,
+        12,
+        2048,
+        (2,),
+        JEAN_ZAY_NETWORK_GBPS,
+        "master-bf16",  # DeepSpeed's BF16_Optimizer: bf16 weights, fp32 master and gradient accumulation, ZeRO-1
+        104.70,
+    ),
+    *(
+        DeepSpeedRun(
+            f"MT-NLG 530B, {nodes * 8}×A100-80GB, TP 8 × PP 35 × DP {nodes // 35} (ZeRO-1), global 1920, full AC",
+            f"Smith et al. 2022 (arXiv 2201.11990) §2.4: {seconds} s per iteration on {nodes} DGX A100 nodes",
+            mt_nlg_530b(),
+            "a100-sxm-80gb",  # Selene's DGX A100s, "each with an 80GB Tensor Core GPU" (Microsoft's MT-NLG blog)
+            nodes * 8,
+            8,
+            35,
+            1920,
+            (1, 2, 4),  # not stated
+            SELENE_NETWORK_GBPS,
+            "master-fp16",
+            seconds,
+        )
+        for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4))
+    ),
+)
+
+
+def deepspeed_predicted(run: DeepSpeedRun) -> list[float]:
+    """Tokens/s per GPU the speed model predicts for ``run``, one per micro-batch size: Megatron TP (no sequence
+    parallelism in 2021–2022), DeepSpeed's 1F1B pipeline (no interleaving: ``PipelineEngine``), ZeRO-1 data
+    parallelism, full recomputation."""
+    out = []
+    for micro in run.micro_batches:
+        dp = run.gpus // (run.tensor * run.pipeline)
+        s = Strategy(
+            precision=run.precision,
+            micro_batch=micro,
+            seq_len=run.model.max_position_embeddings,
+            checkpointing="full",
+            sharding="zero1",
+            engine=EngineOptions(engine=Engine.MEGATRON),
+            parallelism=Parallelism.for_gpus(
+                run.gpus, tensor=run.tensor, pipeline=run.pipeline, microbatches=run.global_batch // (micro * dp)
+            ),
+        )
+        x = SpeedInputs.of(s, run.model)
+        t = step_time_of(run.model, x, get_gpu(run.gpu), network_gbps=run.network_gbps)
+        out.append(t.tokens_per_second / run.gpus)
+    return out
+
+
 def predicted(p: Published) -> list[float]:
     """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100).
     TP runs are torchtitan's 2-D FSDP2 × DTensor TP with sequence parallelism (``--engine torch``, what ``auto``
@@ -431,6 +536,19 @@ def main() -> int:
             f"{row[7]:.0f} TFLOP/s = {published:,.0f} tokens/s; predicted {min(pred):,.0f} … {max(pred):,.0f} "
             f"(over micro-batch 1, 2, 4, 8: {min(pred) / published - 1:+.0%} … {max(pred) / published - 1:+.0%})"
         )
+    print("\nspeed model vs DeepSpeed (Megatron-DeepSpeed 3D runs; tokens/s per GPU from the measured step time)")
+    for run in DEEPSPEED_PUBLISHED:
+        pred, published = deepspeed_predicted(run), run.tokens_per_second_per_gpu
+        if len(pred) == 1:
+            what = f"{pred[0]:,.1f} ({pred[0] / published - 1:+.0%})"
+        else:  # one per micro-batch size, in the order given
+            what = (
+                " … ".join(f"{v:,.1f}" for v in pred)
+                + f" (micro-batch {', '.join(map(str, run.micro_batches))}: "
+                + " … ".join(f"{v / published - 1:+.0%}" for v in pred)
+                + ")"
+            )
+        print(f"  {run.name} ({count_params(run.model) / 1e9:.1f}B): {published:,.1f} tokens/s; predicted {what}")
     print("\nasync TP speed-up (same setup without it; predicted SXM … NVL peak vs published)")
     for vanilla, fast in async_tp_pairs():
         pred = [b / a for a, b in zip(predicted(vanilla), predicted(fast), strict=True)]

@@ -17,10 +17,11 @@ from trainfit.analytic.events import (
     built_on_device_sizes,
     forget_simulations,
     simulate_training,
+    stream_strategy,
     training_events,
 )
 from trainfit.analytic.model import estimate_analytic
-from trainfit.strategy import EngineOptions, Parallelism, finetune_setup
+from trainfit.strategy import EngineOptions, MemorySavers, Parallelism, finetune_setup
 
 _CANDIDATES = (Path(__file__).resolve().parents[3] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
 TRUTH = next((p for p in _CANDIDATES if p.is_dir()), None)
@@ -239,6 +240,46 @@ def test_simulations_are_memoised_on_their_inputs() -> None:
     assert simulate_training(load_model("gpt2"), Strategy(micro_batch=2), AllocatorConfig()) is first
     other = simulate_training(spec, Strategy(micro_batch=3), AllocatorConfig())
     assert other is not first and other.peak_reserved_bytes > first.peak_reserved_bytes
+
+
+@pytest.mark.parametrize(
+    "savers",
+    [
+        MemorySavers(loss="fused-linear"),
+        MemorySavers(loss="chunked", loss_chunks=4),
+        MemorySavers(activation_offload=True),
+        MemorySavers(optimizer_in_backward=True),
+        MemorySavers(loss="fused-linear", activation_offload=True),
+    ],
+    ids=["fused-linear", "chunked", "activation-offload", "optimizer-in-backward", "fused+offload"],
+)
+def test_savers_the_stream_does_not_read_share_its_simulation(savers: MemorySavers) -> None:
+    """``stream_strategy`` drops the savers :func:`synthesise` does not read: the same events, so one simulation
+    serves both (the planner times each candidate with and without ``--loss fused-linear``). On an untied model the
+    loss goes too; on a tied table in pure bf16 a fused loss sums the table's gradient in place
+    (``states.tied_gradient_sum``): the stream differs, and the loss is kept."""
+    untied = load_model("llama-3.1-8b")
+    plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16")
+    s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", savers=savers)
+    assert stream_strategy(untied, s) == plain and stream_strategy(untied, plain) is plain
+    assert training_events(untied, s) == training_events(untied, plain)
+    forget_simulations()
+    assert simulate_training(untied, s, AllocatorConfig()) is simulate_training(untied, plain, AllocatorConfig())
+    tied = load_model("gpt2")
+    kept = stream_strategy(tied, s)
+    assert (kept.savers.loss, kept.savers.loss_chunks) == (savers.loss, savers.loss_chunks)
+    assert training_events(tied, s) == training_events(tied, kept)
+    if savers.loss.value == "fused-linear":
+        assert training_events(tied, s) != training_events(tied, stream_strategy(tied, plain))
+
+
+def test_the_paged_optimizer_stays_in_the_stream_key() -> None:
+    """Paged optimizer states live in unified memory, outside the stream: it is read, so it is kept."""
+    spec = load_model("llama-3.1-8b")
+    plain = Strategy(micro_batch=1, seq_len=512, optimizer="adamw-8bit")
+    paged = Strategy(micro_batch=1, seq_len=512, optimizer="adamw-8bit", savers=MemorySavers(paged_optimizer=True))
+    assert stream_strategy(spec, paged) == paged
+    assert training_events(spec, paged) != training_events(spec, plain)
 
 
 def test_the_state_key_ignores_allocation_keys_and_nothing_else() -> None:

@@ -27,6 +27,18 @@ def _qlora() -> Strategy:
     return Strategy(checkpointing="full", micro_batch=2, grad_accum=32, adapter=adapter, base_weights=base)
 
 
+def _two_d(world: int = 16, tensor: int = 8, sp: bool = True) -> Strategy:
+    return Strategy(
+        precision="master-bf16",
+        micro_batch=2,
+        grad_accum=2,
+        checkpointing="full",
+        sharding="fsdp",
+        engine=EngineOptions(engine=Engine.TORCH),
+        parallelism=Parallelism.for_gpus(world, tensor=tensor, sequence_parallel=sp),
+    )
+
+
 STRATEGIES = {
     "ddp": Strategy(micro_batch=4, grad_accum=2, sharding="ddp", parallelism=Parallelism.for_gpus(8)),
     "fsdp": Strategy(
@@ -231,6 +243,61 @@ def test_2d_plan_says_why_accelerate_cannot_carry_it() -> None:
     assert any("no sequence parallelism" in n and "tp_size=8" in n and "dp_shard_size=2" in n for n in ex.notes)
 
 
+def test_2d_plan_writes_no_training_arguments() -> None:
+    """The HF Trainer could carry a 2-D plan's batch — ``TrainingArguments(parallelism_config=ParallelismConfig(
+    dp_shard_size=2, tp_size=8))`` is accepted, and the Trainer's total batch is then micro × accumulation × world /
+    tp — but not its tensor parallelism: the Trainer's TP is the model's transformers ``tp_plan``, whose row-parallel
+    styles all return a replicated output (an all-reduce; none reduce-scatters into sequence shards, as the plan's
+    sequence parallelism does). So no training_args.json is written for such plans (as for Megatron's), and
+    NOTES.txt says why and what gives the batch. If transformers gains a sequence-sharded row-parallel style, the
+    assertion on the styles fails: revisit the export."""
+    from accelerate import ParallelismConfig
+    from torch.distributed.tensor import Shard
+    from transformers import TrainingArguments
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, RowwiseParallel
+
+    strategy = _two_d()
+    tp, dp = strategy.parallelism.tensor, strategy.parallelism.data
+    pc = ParallelismConfig(dp_shard_size=dp, tp_size=tp)
+    args = TrainingArguments(
+        output_dir="unused", per_device_train_batch_size=strategy.micro_batch,
+        gradient_accumulation_steps=strategy.grad_accum, parallelism_config=pc,
+    )  # fmt: skip
+    assert args.parallelism_config is pc and pc.total_size == strategy.world_size
+    # Trainer._get_total_train_batch_size: micro × accumulation × world // tp — the plan's batch
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps * (pc.total_size // tp) == (
+        strategy.global_batch
+    )
+    rowwise = [v for v in ALL_PARALLEL_STYLES.values() if isinstance(v, RowwiseParallel)]
+    outputs = [getattr(v, "output_layouts", None) for v in rowwise]
+    layouts = [x for o in outputs for x in (o if isinstance(o, tuple) else (o,))]
+    assert rowwise and not any(isinstance(x, Shard) for x in layouts), "a row-parallel style reduce-scatters now"
+    ex = export_plan(load_model("llama-3.1-8b"), strategy)
+    assert ex.training_arguments is None and ex.script is not None
+    notes = "\n".join(ex.notes)
+    assert "no training_args.json" in notes and f"= {strategy.global_batch}" in notes
+    # what the Trainer's notes said of checkpointing is said of the script instead
+    selective = dataclasses.replace(strategy, checkpointing="selective")
+    notes = "\n".join(export_plan(load_model("llama-3.1-8b"), selective).notes)
+    assert "--checkpointing selective: train_fsdp2.py checkpoints every block" in notes
+
+
+@pytest.mark.parametrize("precision", ["pure-bf16", "master-bf16"])
+def test_fsdp2_script_builds_a_pure_bf16_plan_in_bf16(precision: str) -> None:
+    """A pure-bf16 plan's memory has bf16 weights, gradients and optimizer states, and FSDP2 moving bf16 both ways
+    (``analytic.parallel.fsdp_wire_bits``): train_fsdp2.py builds the model in bf16 and sets no MixedPrecisionPolicy.
+    master-bf16 keeps fp32 parameters under the policy (bf16 gathers, fp32 reduce-scatters). Until 2026-12-04 the
+    script built every plan in fp32 under the policy: a pure-bf16 plan ran with twice its weights and Adam states."""
+    for strategy in (_two_d(), STRATEGIES["fsdp"]):
+        s = dataclasses.replace(strategy, precision=precision)
+        script = export_plan(load_model("llama-3.1-8b"), s).script
+        assert script is not None
+        assert re.search(rf"^PURE_BF16 = {precision == 'pure-bf16'}\b", script, re.M)
+        assert "from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)" in script
+        assert "mixed = BF16 and not PURE_BF16 and cuda" in script
+        compile(script, "train_fsdp2.py", "exec")
+
+
 class _DataParallel:
     """A stand-in for Megatron's ``mpu``: DeepSpeedConfig asks it for the data-parallel size."""
 
@@ -423,15 +490,25 @@ def test_megatron_plan_from_the_cli_exports_what_megatron_runs(
             micro_batch=1, sharding="ddp", engine=EngineOptions(engine=Engine.MEGATRON),
             parallelism=Parallelism.for_gpus(16, tensor=4, pipeline=2, microbatches=16),
         ),
+        _two_d(),  # 2-D FSDP2 × DTensor TP: train_fsdp2.py's micro-batch × accumulation × dp size
     ],
-    ids=[*sorted(STRATEGIES), "megatron-tp8", "megatron-tp4-pp2-ddp"],
+    ids=[*sorted(STRATEGIES), "megatron-tp8", "megatron-tp4-pp2-ddp", "fsdp2-tp8"],
 )  # fmt: skip
 def test_exported_batch_is_the_plans(strategy: Strategy, tmp_path: Path) -> None:
     """The plan's global batch is what the exported files give: the Trainer's per-device batch × accumulation ×
     every process (its data-parallel size), or Megatron's ``--global-batch-size`` with its micro-batch at the plan's
-    data-parallel size; a Megatron plan gets no training_args.json (the Trainer runs no TP/PP)."""
+    data-parallel size, or train_fsdp2.py's micro-batch × accumulation × data-parallel size; a Megatron or 2-D
+    FSDP2 × TP plan gets no training_args.json (the Trainer runs no TP/PP, and its TP is not the plan's)."""
     ex = export_plan(load_model("llama-3.1-8b"), strategy)
     names = {p.name for p in write_export(ex, tmp_path)}
+    if strategy.engine.engine is Engine.TORCH and strategy.parallelism.tensor > 1:
+        assert ex.training_arguments is None and "training_args.json" not in names, names
+        assert ex.script is not None and "train_fsdp2.py" in names
+        micro = int(re.search(r"^MICRO_BATCH = .*, (\d+)\)\)$", ex.script, re.M).group(1))  # type: ignore[union-attr]
+        accum = int(re.search(r"^ACCUM = .*, (\d+)\)\)$", ex.script, re.M).group(1))  # type: ignore[union-attr]
+        assert micro * accum * strategy.parallelism.data == strategy.global_batch
+        assert "no training_args.json" in (tmp_path / "NOTES.txt").read_text()
+        return
     if strategy.parallelism.tensor > 1 or strategy.parallelism.pipeline > 1:
         assert ex.training_arguments is None and "training_args.json" not in names and "ds_config.json" not in names
         args = _flags(" ".join(ex.megatron_args))
@@ -509,18 +586,6 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
     kwargs = json.loads((tmp_path / "training_args.json").read_text())
     assert kwargs["per_device_train_batch_size"] == top["micro_batch"]
     assert str(tmp_path / "launch.sh") in out["exported"]
-
-
-def _two_d(world: int = 16, tensor: int = 8, sp: bool = True) -> Strategy:
-    return Strategy(
-        precision="master-bf16",
-        micro_batch=2,
-        grad_accum=2,
-        checkpointing="full",
-        sharding="fsdp",
-        engine=EngineOptions(engine=Engine.TORCH),
-        parallelism=Parallelism.for_gpus(world, tensor=tensor, sequence_parallel=sp),
-    )
 
 
 def test_2d_plan_exports_a_tp_then_fsdp2_script() -> None:
@@ -665,14 +730,19 @@ _TORCHRUN_OPT_IN = pytest.mark.skipif(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fp8", ["none", *(pytest.param(v, marks=_TORCHRUN_OPT_IN) for v in ("tied", "tensorwise", "2d", "no-reshard"))]
+    "fp8",
+    [
+        "none",
+        *(pytest.param(v, marks=_TORCHRUN_OPT_IN) for v in ("tied", "tensorwise", "2d", "no-reshard", "pure-bf16")),
+    ],
 )
 def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
     """The exported train_fsdp2.py, run for real by torchrun: 2 processes, gloo, a 2-layer Llama of width 64 — its
     token embedding and [final norm, head] as units of their own (``UNITS``; ``tied``: the table tied to the head,
     inside that tail unit) — (with ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel;
     ``2d``: 4 processes, FSDP2 over 2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's
-    collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward)."""
+    collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward;
+    ``pure-bf16``: the model built in bf16, no MixedPrecisionPolicy)."""
     import dataclasses
     import subprocess
     import sys
@@ -682,6 +752,8 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
         pytest.importorskip("torchao.float8")
     if fp8 == "2d":
         strategy, procs = _two_d(world=4, tensor=2), 4
+    elif fp8 == "pure-bf16":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], precision="pure-bf16"), 2
     elif fp8 == "no-reshard":
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp-no-reshard"], parallelism=Parallelism.for_gpus(2)), 2
     else:

@@ -81,7 +81,7 @@ from trainfit.analytic.states import (
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
-from trainfit.strategy import AdapterKind, Quantization, Strategy
+from trainfit.strategy import AdapterKind, MemorySavers, Quantization, Strategy
 
 __all__ = [
     "STEPS",
@@ -93,6 +93,7 @@ __all__ = [
     "simulate_training",
     "simulation_memo",
     "steady_state",
+    "stream_strategy",
     "synthesise",
     "training_events",
 ]
@@ -1281,6 +1282,25 @@ def memo_stoppable(
     return result
 
 
+def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
+    """``strategy`` less the memory savers its synthesised stream does not read, so that setups with the same stream
+    share one simulation (the planner estimates each candidate with and without ``--loss fused-linear``, and the
+    analytic estimate takes a saver's reserve above the stream's own peak, ``estimate_analytic``). :func:`synthesise`
+    reads two of them: ``paged_optimizer`` (no optimizer states in the stream) and, only for a trainable token table
+    tied to the head, the loss (:func:`~trainfit.analytic.states.tied_gradient_sum`: a fused or chunked loss makes
+    the table's gradient sum in place); ``optimizer_in_backward`` and ``activation_offload`` not at all."""
+    sv = strategy.savers
+    if not sv.any:
+        return strategy
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    kept = (
+        MemorySavers(loss=sv.loss, loss_chunks=sv.loss_chunks, paged_optimizer=sv.paged_optimizer)
+        if tied
+        else MemorySavers(paged_optimizer=sv.paged_optimizer)
+    )
+    return strategy if kept == sv else replace(strategy, savers=kept)
+
+
 def simulate_training(
     spec: ModelSpec,
     strategy: Strategy,
@@ -1296,6 +1316,7 @@ def simulate_training(
     retrying where a segment does not fit, :class:`~trainfit.allocator.Simulator`; ``stop_above_bytes``: stop
     once reserved passes it, ``AllocatorResult.stopped``). Memoised on the inputs (``ModelSpec`` holds a dict,
     so it is keyed by its ``repr``, which shows every field)."""
+    strategy = stream_strategy(spec, strategy)
     key = (spec_key(spec), strategy, config, workspaces, layout)
     if layout or capacity_bytes is not None:
         stop_above_bytes = None

@@ -31,7 +31,9 @@ Each mapping follows the engine's own documented keys:
   and its batch would be micro × accumulation × world size, not Megatron's micro × micro-batches × data size.
   Checked by Megatron's own ``parse_args`` + ``validate_args`` (megatron-core ≥ 0.17 ships
   ``megatron/training/arguments.py``; Python ≥ 3.12) where it is installed (tests/export/test_megatron_args.py).
-  2-D FSDP2 × DTensor TP plans get ``train_fsdp2.py`` with the TP plan instead (:mod:`trainfit.export.fsdp2_script`).
+  2-D FSDP2 × DTensor TP plans get ``train_fsdp2.py`` with the TP plan instead (:mod:`trainfit.export.fsdp2_script`),
+  and no ``TrainingArguments`` either: the Trainer's ``parallelism_config`` would give their batch, but its TP is the
+  model's transformers ``tp_plan`` (no sequence parallelism, the embedding whole), not the plan's.
 - torchtune's ``full_finetune_single_device`` recipe overrides (``torchtune_overrides.txt``, ``tune run`` in
   launch.sh) for the one-GPU savers only torchtune has: ``loss._component_=...CEWithChunkedOutputLoss``,
   ``enable_activation_offloading``, ``optimizer_in_bwd``, alone or combined (:func:`torchtune_overrides`; the
@@ -327,6 +329,20 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
     return args
 
 
+def _script_notes(strategy: Strategy) -> list[str]:
+    """What train_fsdp2.py does not carry of a plan that has no training_args.json (2-D FSDP2 × TP): the note
+    :func:`_training_arguments` gives the Trainer's plans about checkpointing modes, for the script (which builds a
+    pure-bf16 plan's model in bf16 itself)."""
+    notes: list[str] = []
+    if strategy.checkpointing in (Checkpointing.SQRT, Checkpointing.SELECTIVE, Checkpointing.SAC):
+        notes.append(
+            f"--checkpointing {strategy.checkpointing.value}: train_fsdp2.py checkpoints every block "
+            "(gradient_checkpointing_enable) — less memory than the plan's, more recompute: --checkpointing full's "
+            "step time"
+        )
+    return notes
+
+
 #: torchtune's single-device full fine-tuning recipe, and the config to start from (the user's model's).
 TORCHTUNE_RECIPE = "full_finetune_single_device"
 TORCHTUNE_CONFIG = '"${TORCHTUNE_CONFIG:?set TORCHTUNE_CONFIG, e.g. llama3_1/8B_full_single_device}"'
@@ -515,19 +531,30 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     acc = _accelerate(spec, strategy) if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) and not two_d else None
     # The HF Trainer runs data parallelism only (DDP, FSDP, DeepSpeed ZeRO over every process): a Megatron plan's
     # TP × PP layout, and its batch (Megatron's micro-batches per step × the data-parallel size, not the world size),
-    # has no TrainingArguments form, so none is written (NOTES.txt says what runs it).
-    targs = None if megatron else _training_arguments(spec, strategy, notes)
+    # has no TrainingArguments form, so none is written (NOTES.txt says what runs it). Nor for 2-D FSDP2 × DTensor
+    # TP: TrainingArguments.parallelism_config (accelerate's ParallelismConfig(dp_shard_size, tp_size)) would give
+    # the plan's batch, micro × accumulation × world / tp (Trainer._get_total_train_batch_size), but its TP is the
+    # model's transformers tp_plan applied at load time — rowwise outputs replicated (all-reduce, no sequence-sharded
+    # reduce-scatter), DistributedConfig.enable_sequence_parallel "not wired up yet", the embedding whole and the
+    # logits gathered — not the sequence-parallel plan whose memory trainfit estimated; train_fsdp2.py runs that one.
+    targs = None if megatron or two_d else _training_arguments(spec, strategy, notes)
     if two_d:
         tp = strategy.parallelism.tensor
+        dp = strategy.world_size // tp
         notes.append(
             f"2-D FSDP2 × tensor parallel {tp}: run train_fsdp2.py (DTensor parallelize_module with sequence "
-            "parallelism, then fully_shard over the dp mesh dimension); training_args.json carries no tensor "
-            "parallelism, and no accelerate config is written: accelerate's parallelism_config (dp_shard_size="
-            f"{strategy.world_size // tp}, tp_size={tp}) runs the model's transformers tp_plan (from_pretrained "
-            "with tp_plan/DistributedConfig), which has no sequence parallelism (DistributedConfig."
-            "enable_sequence_parallel is not wired up) and keeps the embedding whole on each TP rank — not the "
-            "plan whose memory trainfit estimated"
+            "parallelism, then fully_shard over the dp mesh dimension); its global batch is MICRO_BATCH "
+            f"{strategy.micro_batch} × ACCUM {strategy.grad_accum} × data-parallel size {dp} = {strategy.global_batch}"
         )
+        notes.append(
+            "no training_args.json and no accelerate config: the HF Trainer's and accelerate's tensor parallelism "
+            f"(TrainingArguments.parallelism_config / accelerate's parallelism_config, dp_shard_size={dp}, "
+            f"tp_size={tp}) is the model's transformers tp_plan (from_pretrained with tp_plan/DistributedConfig), "
+            "which has no sequence parallelism (its row-parallel outputs are all-reduced and replicated; "
+            "DistributedConfig.enable_sequence_parallel is not wired up) and keeps the embedding whole on each TP "
+            "rank — not the plan whose memory trainfit estimated"
+        )
+        notes.extend(_script_notes(strategy))
     tune = torchtune_overrides(strategy)
     if tune:
         notes.append(

@@ -2,10 +2,10 @@
 units wrapping the token embedding and [final norm, head] — torchtitan's ``apply_fsdp``, accelerate 1.15 —, then the
 root with torch's own ``reshard_after_forward`` — the wrapping trainfit's memory model assumes; the model is not
 moved to the GPU first, so each call brings only its own group's whole weights there), the plan's micro-batch,
-accumulation, checkpointing, mixed precision, offload, optimizer (and AdamW's fused/foreach implementation) and
-``--fp8`` (torchao's ``convert_to_float8_training`` before the wrapping, torchtitan's order). It trains on random
-tokens so it runs as it is; replace the batch with your data loader. ``tests/export`` runs it for real on a tiny
-model across CPU processes with gloo (DESIGN §4: FSDP2 runs on the CPU).
+accumulation, checkpointing, mixed precision (pure-bf16: built in bf16, no policy), offload, optimizer (and AdamW's
+fused/foreach implementation) and ``--fp8`` (torchao's ``convert_to_float8_training`` before the wrapping,
+torchtitan's order). It trains on random tokens so it runs as it is; replace the batch with your data loader.
+``tests/export`` runs it for real on a tiny model across CPU processes with gloo (DESIGN §4: FSDP2 runs on the CPU).
 
 2-D plans (``--tp N --sharding fsdp --engine torch``): a ``("dp", "tp")`` device mesh (TP innermost, within a
 node), DTensor ``parallelize_module`` with the Llama plan the estimate models and
@@ -19,7 +19,7 @@ from __future__ import annotations
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.fsdp_units import resolved_fsdp_wrap
-from trainfit.strategy import Checkpointing, FsdpWrap, OptimizerImpl, Strategy
+from trainfit.strategy import Checkpointing, FsdpWrap, OptimizerImpl, Precision, Strategy
 
 __all__ = ["fsdp2_script"]
 
@@ -42,6 +42,7 @@ STEPS = int(os.environ.get("TRAINFIT_STEPS", 10))
 LAYER_CLASS = {layer!r}
 CHECKPOINTING = {checkpointing}
 BF16 = {bf16}
+PURE_BF16 = {pure_bf16}  # weights, gradients and optimizer states in bf16: built in bf16, no MixedPrecisionPolicy
 RESHARD_AFTER_FORWARD = {reshard}
 UNITS = {units}  # the token embedding and [final norm, head] as units of their own (torchtitan, accelerate 1.15)
 OFFLOAD = {offload}
@@ -123,7 +124,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     config = AutoConfig.from_pretrained(MODEL)
     config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config)  # real runs: from_pretrained (weights), same wrapping
+    # real runs: from_pretrained (weights, the same dtype), same wrapping
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)
     if FLOAT8:  # torchtitan's float8 converter: block linears whose dims divide by 16, before fully_shard
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -134,7 +136,9 @@ def main() -> None:
         convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
     if CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if BF16 and cuda else None
+    # bf16 compute over fp32 parameters (master-bf16, amp-bf16): gathered in bf16, reduced in fp32
+    mixed = BF16 and not PURE_BF16 and cuda
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
     kw = {{"reshard_after_forward": RESHARD_AFTER_FORWARD}}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -205,6 +209,7 @@ def fsdp2_script(spec: ModelSpec, strategy: Strategy, layer: str) -> str:
         layer=layer,
         checkpointing=strategy.checkpointing is not Checkpointing.NONE,
         bf16=strategy.recipe.compute_dtype == "bf16",
+        pure_bf16=strategy.precision is Precision.PURE_BF16,
         reshard=strategy.engine.reshard_after_forward,
         units=resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS,
         offload=strategy.offload.parameters_on_host,

@@ -45,8 +45,9 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
 - **Pipeline bubble**: (p − 1)/(v·m) of the ideal time for m micro-batches and v virtual stages (Narayanan
   et al. 2021, §2.2.1 and §2.2.2); GPipe has the same bubble (Huang et al. 2019).
 - **Offload**: each step moves the gradient shard to the host and the updated 16-bit weights back over PCIe
-  and runs Adam on the CPU (:data:`HOST_ADAM_GBPS`); parameter offload also uploads each weight shard for the
-  forward and the backward gather of every micro-step. Not overlapped (DeepSpeed's default, no delayed
+  and runs Adam on the CPU (:func:`host_adam_seconds`: ZeRO-Offload's Table 4 host rate, shared by the node's
+  ranks); parameter offload also uploads each weight shard for the forward and the backward gather of every
+  micro-step. Not overlapped (DeepSpeed's default, no delayed
   parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune ``OffloadActivations``) copies
   the saved tensors down in forward and up in backward on a side stream: only what a pass does not hide counts
   (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
@@ -57,7 +58,8 @@ the copy bandwidth (the non-vectorised broadcast/strided path), the attention ra
 (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape efficiency (small hidden
 sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
 overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
-bases, ``--freeze`` patterns (run as full training).
+bases, ``--freeze`` patterns (run as full training), ZeRO-Offload's gradient copies over PCIe on every micro-step
+(DeepSpeed's ``partition_grads`` / ``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ __all__ = [
     "DEFAULT_NETWORK_GBPS",
     "FLASH_BACKWARD_RECOMPUTE",
     "HBM_EFFICIENCY",
-    "HOST_ADAM_GBPS",
+    "HOST_ADAM_BYTES_PER_PARAM",
+    "HOST_ADAM_NODE_GBPS",
     "MATMUL_EFFICIENCY",
     "SpeedInputs",
     "StepTime",
@@ -101,6 +104,7 @@ __all__ = [
     "elementwise_bytes",
     "fsdp_collective_bytes",
     "fsdp_gathered_once",
+    "host_adam_seconds",
     "loss_bytes_per_token",
     "model_flops_per_token",
     "step_time",
@@ -122,16 +126,28 @@ HBM_EFFICIENCY = 0.92
 #: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU). Override with ``network_gbps``.
 DEFAULT_NETWORK_GBPS = 50.0
 
-#: Host memory traffic a CPU Adam step can sustain per GPU, GB/s: an ASSUMPTION (no source found): ~200 GB/s of a
-#: two-socket server's DRAM bandwidth shared by 8 GPUs' processes = 25 GB/s each. Issue 14's search (docs/speed.md
-#: lists it) found no CPU-Adam time with its CPU and process count both stated. The nearest figure, DeepSpeed PR #735
-#: (a ZeRO-Offload author: 11.6B-parameter GPT-2, CPU-Adam optimizer time 8.2 s, CPU and GPU count not stated), is
-#: 11.6e9 x 28 B / 8.2 s = 39.6 GB/s if one process stepped all of it: a cross-check of the order, not the value.
-HOST_ADAM_GBPS = 25.0
-
 #: Bytes of host memory traffic per parameter in a CPU Adam step: read fp32 weight, gradient, m, v (16 B),
 #: write weight, m, v (12 B) — the fp32 states of Rajbhandari et al. 2020's 16Ψ recipe.
 HOST_ADAM_BYTES_PER_PARAM = 28
+
+#: Seconds DeepSpeed's CPU-Adam took to step 10 billion parameters in one process on a DGX-2's host (2 × Intel Xeon
+#: Platinum 8168, 1.5 TB DDR4-2666): Ren et al. 2021, ZeRO-Offload (USENIX ATC '21, arXiv 2101.06840), Table 4
+#: "Adam latency (s) for PyTorch (PT) and CPU-Adam" (hardware: its Table 2). Its other rows, 1/2/4/8 billion in
+#: 0.22/0.51/1.03/2.41 s, give 127/110/109/93 GB/s by the same count (median 109, as this row).
+ZERO_OFFLOAD_CPU_ADAM_10B_SECONDS = 2.57
+
+#: A host's CPU-Adam throughput in GB/s of :data:`HOST_ADAM_BYTES_PER_PARAM` traffic, shared by the GPU processes
+#: of its node that step their shards at the same time: 10e9 × 28 B / 2.57 s = 108.9 GB/s (the Table 4 row above; 43%
+#: of the two sockets' 12 × DDR4-2666 channels, 256 GB/s: Adam is bound by DRAM bandwidth, not by the cores). A
+#: host of today has 2–4× that DRAM bandwidth; the model keeps the published host's figure (docs/speed.md).
+HOST_ADAM_NODE_GBPS = 10e9 * HOST_ADAM_BYTES_PER_PARAM / ZERO_OFFLOAD_CPU_ADAM_10B_SECONDS / 1e9
+
+
+def host_adam_seconds(shard_params: float, processes_per_node: int) -> float:
+    """Seconds of one rank's CPU Adam step over ``shard_params`` parameters while ``processes_per_node`` ranks of
+    its node step theirs on the same host (:data:`HOST_ADAM_NODE_GBPS` split between them)."""
+    return shard_params * HOST_ADAM_BYTES_PER_PARAM * processes_per_node / (HOST_ADAM_NODE_GBPS * 1e9)
+
 
 #: Attention FLOPs a fused kernel's backward runs beyond the 2 × forward it is credited with, per forward: the
 #: FlashAttention backward recomputes S = QKᵀ (one of the forward's two matmuls) from the saved logsumexp
@@ -1090,7 +1106,7 @@ def step_time_of(
     offload = 0.0
     if x.offload_optimizer:
         shard_params = local_trained / d
-        offload += shard_params * (gb + 2) / pcie + shard_params * HOST_ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBPS * 1e9)
+        offload += shard_params * (gb + 2) / pcie + host_adam_seconds(shard_params, min(world, gpn))
     if x.offload_parameters:
         offload += accum * 2 * local_params / d * 2 / pcie
     if x.offload_activation_bytes:
