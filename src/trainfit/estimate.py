@@ -15,7 +15,8 @@ import os
 from collections.abc import Callable
 from importlib import import_module
 
-from trainfit.allocator import AllocatorConfig
+from trainfit.allocator import AllocatorConfig, Event
+from trainfit.allocator.process import ProcessStart, built_on_device, matmul_warm_up
 from trainfit.allocator.workspaces import Workspace, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import (
@@ -27,6 +28,7 @@ from trainfit.analytic.activations import (
     sdpa_kv_heads,
 )
 from trainfit.analytic.adapters import check_dora, check_finetune_model
+from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
 from trainfit.analytic.parallel import plan as parallel_plan
@@ -34,6 +36,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
+from trainfit.history import Build, ProcessHistory
 from trainfit.overhead import REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import (
     DEFAULT_HEADROOM,
@@ -231,6 +234,96 @@ def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
     return training_workspaces(gpu_compute_capability(gpu), os.environ, rocm_arch=rocm_arch)
 
 
+def resolved_strategy(spec: ModelSpec, asked: Strategy, gpu: GPUSpec | None) -> tuple[Strategy, list[str], list[str]]:
+    """(the strategy the methods run, its warning, its notes): the model's attention fallbacks
+    (``effective_strategy``), and no FlashAttention on a GPU that has none."""
+    strategy, fallback = effective_strategy(spec, asked)
+    warnings = [fallback] if fallback else []
+    notes: list[str] = []
+    if gpu is not None and strategy.flash_sdp and not has_flash_attention(gpu.compute_capability):
+        # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
+        strategy = dataclasses.replace(strategy, flash_sdp=False)
+        if strategy.attention is Attention.SDPA:
+            notes.append(
+                f"{gpu.id} (compute capability {gpu.compute_capability}) has no FlashAttention kernel in "
+                "PyTorch: SDPA runs the memory-efficient or the math kernel"
+            )
+    return strategy, warnings, notes
+
+
+def run_events(
+    spec: ModelSpec, strategy: Strategy, method: Method, gpu: GPUSpec | None, config: AllocatorConfig
+) -> list[Event]:
+    """One GPU's training run (``strategy`` as :func:`resolved_strategy` gives it) as the allocator event stream
+    ``method`` replays for reserved memory, alone in a fresh process: the analytic method's synthesised stream
+    (:func:`trainfit.analytic.events.training_events`) or the trace's, stitched to full depth
+    (:func:`trainfit.trace.events.reserved_from_trace`: a trace of the model, seconds to minutes)."""
+    if method is Method.ANALYTIC:
+        return training_events(spec, strategy, gpu_workspaces(gpu))
+    if method is not Method.TRACE:
+        raise StrategyError(f"--method {method.value} has no allocator event stream: --method analytic or trace")
+    reserved_from_trace = import_module("trainfit.trace.events").reserved_from_trace  # lazy: torch
+    traced = reserved_from_trace(
+        spec,
+        strategy,
+        config,
+        compute_capability=gpu_compute_capability(gpu),
+        rocm_arch=gpu.rocm_arch if gpu is not None else None,
+        env=os.environ,
+    )
+    return list(traced.stream)
+
+
+def built_events(spec: ModelSpec, strategy: Strategy, build: Build, events: list[Event]) -> list[Event]:
+    """``events`` of a run whose model was built as ``build`` says (``Build.ON_DEVICE``: a tied head's own weight
+    made and freed after the parameters, :func:`trainfit.allocator.process.built_on_device`)."""
+    if build is Build.FROM_PRETRAINED:
+        return events
+    weights, transient = built_on_device_sizes(spec, strategy)
+    return built_on_device(events, weights=weights, transient_bytes=transient)
+
+
+def process_start(
+    spec: ModelSpec,
+    strategy: Strategy,
+    history: ProcessHistory,
+    method: Method,
+    gpu: GPUSpec | None,
+    config: AllocatorConfig,
+) -> ProcessStart:
+    """``history`` as the allocator's starting state for a run of ``spec`` under ``strategy`` (resolved): the
+    warm-up matmul's events (:func:`trainfit.allocator.process.matmul_warm_up`, with ``gpu``'s workspaces), each
+    earlier run's events by the same ``method`` (one GPU each), and the run's own build."""
+    earlier: list[tuple[Event, ...]] = []
+    for run in history.after:
+        st, _, _ = resolved_strategy(run.model, run.strategy, gpu)
+        if st.is_distributed:
+            raise StrategyError("--after: an earlier run in the process is one GPU's (no --gpus, sharding or offload)")
+        _require_modelled(run.strategy, method, run.model)
+        earlier.append(tuple(built_events(run.model, st, run.build, run_events(run.model, st, method, gpu, config))))
+    weights, transient = built_on_device_sizes(spec, strategy) if history.build is Build.ON_DEVICE else (0, 0)
+    return ProcessStart(
+        warm_up=tuple(matmul_warm_up(gpu_workspaces(gpu))) if history.warm_up else (),
+        earlier=tuple(earlier),
+        weights=weights,
+        transient_bytes=transient,
+    )
+
+
+def _require_history_modelled(strategy: Strategy, method: Method, simulate_allocator: bool) -> None:
+    """The process history moves the simulated reserve of one GPU: refuse what would ignore it."""
+    if method not in (Method.ANALYTIC, Method.TRACE) or (method is Method.TRACE and not simulate_allocator):
+        raise StrategyError(
+            "--build, --warm-up and --after change the caching allocator's simulated reserve: use --method analytic "
+            "or trace"
+        )
+    if strategy.is_distributed:
+        raise StrategyError(
+            "--build, --warm-up and --after are modelled for one GPU only (a many-GPU rank's stream does not take "
+            "a process history yet)"
+        )
+
+
 def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
     """``report`` with the workspaces in every phase (allocated in step 1, held from then on), of every rank."""
 
@@ -346,6 +439,7 @@ def estimate(
     search_micro_batch: bool = True,
     fixes: bool = True,
     verdict_only: bool = False,
+    history: ProcessHistory | None = None,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -357,7 +451,10 @@ def estimate(
     GPU, search the planner's top three checked fixes (False: ``FitVerdict.fixes_searched`` stays False).
     ``verdict_only`` (with a GPU and ``search_micro_batch=False``; the planner's probes): a simulated reserve stops
     once it passes the allocator's share of the usable memory — the verdict is the same, the requirement of a
-    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``)."""
+    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``history``: the process the
+    run starts in (:mod:`trainfit.history`; None: a fresh one, the model from ``from_pretrained``) — how its model
+    was built, a warm-up matmul, earlier runs; it moves the simulated reserve (analytic and trace, one GPU; the
+    micro-batch search probes each batch after the same history, the fixes are searched for a fresh process)."""
     spec = load_model(model) if isinstance(model, str) else model
     asked = strategy or Strategy()
     try:
@@ -371,17 +468,7 @@ def estimate(
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     check_float8_gpu(asked, gpu_spec)
-    strategy, fallback = effective_strategy(spec, asked)
-    warnings = [fallback] if fallback else []
-    gpu_notes: list[str] = []
-    if gpu_spec is not None and strategy.flash_sdp and not has_flash_attention(gpu_spec.compute_capability):
-        # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
-        strategy = dataclasses.replace(strategy, flash_sdp=False)
-        if strategy.attention is Attention.SDPA:
-            gpu_notes.append(
-                f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
-                "PyTorch: SDPA runs the memory-efficient or the math kernel"
-            )
+    strategy, warnings, gpu_notes = resolved_strategy(spec, asked, gpu_spec)
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
     workspaces = gpu_workspaces(gpu_spec)
@@ -404,6 +491,11 @@ def estimate(
         options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
         if gpu_spec is not None and gpu_spec.rocm_arch is not None:
             options.setdefault("rocm_arch", gpu_spec.rocm_arch)
+    if history is not None and not history.fresh:
+        _require_history_modelled(strategy, method, simulate_allocator)
+        config = options["allocator"]
+        assert isinstance(config, AllocatorConfig)  # set above for both methods
+        options["start"] = process_start(spec, strategy, history, method, gpu_spec, config)
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
         """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the
@@ -507,4 +599,5 @@ def estimate(
         gpu=gpu_spec,
         comparison=comparison,
         speed=speed,
+        history=history or ProcessHistory(),
     )
