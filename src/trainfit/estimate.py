@@ -310,6 +310,18 @@ def process_start(
     )
 
 
+def history_note(history: ProcessHistory) -> str:
+    """The report's note on a process history: what the simulated reserve ran after."""
+    parts = [
+        f"the model built {'by from_config on the GPU' if history.build is Build.ON_DEVICE else 'from_pretrained'}"
+    ]
+    if history.warm_up:
+        parts.append("a warm-up matmul before it")
+    if history.after:
+        parts.append("after " + ", then ".join(r.model.name for r in history.after) + " in the same process")
+    return "reserved memory simulated for " + "; ".join(parts) + " (a fresh process may reserve differently)"
+
+
 def _require_history_modelled(strategy: Strategy, method: Method, simulate_allocator: bool) -> None:
     """The process history moves the simulated reserve of one GPU: refuse what would ignore it."""
     if method not in (Method.ANALYTIC, Method.TRACE) or (method is Method.TRACE and not simulate_allocator):
@@ -551,6 +563,8 @@ def estimate(
         warnings += fsdp_accumulation_warnings(spec, strategy)
     fit = None
     notes = list(report.notes) + gpu_notes
+    if history is not None and not history.fresh:
+        notes.append(history_note(history))
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.

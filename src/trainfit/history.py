@@ -41,6 +41,14 @@ class Build(StrEnum):
     #: parameters and freed when ``post_init`` ties it (``trainfit.allocator.process.built_on_device``).
     ON_DEVICE = "on-device"
 
+    @classmethod
+    def parse(cls, value: Build | str) -> Build:
+        """A Build from its name (the CLI's ``--build``); an unknown one is a one-line error."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise StrategyError(f"unknown build '{value}'; choose one of: {', '.join(b.value for b in cls)}") from None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EarlierRun:
@@ -52,7 +60,7 @@ class EarlierRun:
     build: Build = Build.FROM_PRETRAINED
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "build", _build(self.build))
+        object.__setattr__(self, "build", Build.parse(self.build))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,17 +75,10 @@ class ProcessHistory:
     after: tuple[EarlierRun, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "build", _build(self.build))
+        object.__setattr__(self, "build", Build.parse(self.build))
         object.__setattr__(self, "after", tuple(self.after))
 
     @property
     def fresh(self) -> bool:
         """Nothing before the run: the allocator starts empty and the parameters are its first allocations."""
         return self.build is Build.FROM_PRETRAINED and not self.warm_up and not self.after
-
-
-def _build(value: Build | str) -> Build:
-    try:
-        return Build(value)
-    except ValueError:
-        raise StrategyError(f"unknown build '{value}'; choose one of: {', '.join(b.value for b in Build)}") from None
