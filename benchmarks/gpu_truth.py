@@ -62,6 +62,7 @@ def phase_rows(procs: list[tuple[str, list[dict[str, object]]]], trace: bool) ->
     repeated cases differ by a few blocks of rounding), so each run of the file is a row of its own."""
     head = "| case | allocator | phase | measured GiB | analytic GiB | analytic | trace GiB | trace |"
     rows = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    traced: dict[str, MemoryReport] = {}  # a case's phases do not depend on its allocator: traced once
     for allocator, cases in procs:
         conf = "" if allocator == "default" else allocator
         for row in cases:
@@ -69,7 +70,11 @@ def phase_rows(procs: list[tuple[str, list[dict[str, object]]]], trace: bool) ->
             ra = estimate(str(row["model"]), s, gpu=GPU, allocator=conf, search_micro_batch=False)
             rt = None
             if trace:
-                rt = estimate(str(row["model"]), s, gpu=GPU, allocator=conf, method="trace", simulate_allocator=False)
+                if str(row["id"]) not in traced:
+                    traced[str(row["id"])] = estimate(
+                        str(row["model"]), s, gpu=GPU, allocator=conf, method="trace", simulate_allocator=False
+                    )
+                rt = traced[str(row["id"])]
             phases = row["phases"]
             assert isinstance(phases, dict)
             for ph in Phase:
