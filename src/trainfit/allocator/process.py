@@ -27,7 +27,13 @@ the first forward's 128 MiB activations that would otherwise have had segments o
 states made in step 1 then find fewer small holes, spill into a second logits segment and step 2 needs a fifth.
 :func:`built_on_device` inserts that block into a run's events. ``from_pretrained`` (weights materialised from
 a checkpoint, the tie made before) and a model moved with ``.to("cuda")`` allocate no such block, which is why
-``trainfit estimate`` leaves it out.
+``trainfit estimate`` leaves it out unless told otherwise.
+
+:class:`ProcessStart` is the same history for one run at a time: it seeds a fresh :class:`Simulator` with the
+warm-up and the earlier runs (torn down, ``empty_cache``, peaks reset) and gives the run's own events as they then
+run (the tied head's block inserted, the workspaces already made left out), so ``simulate(..., setup=)`` answers
+with everything a fresh run's simulation has (a capacity, the layout at the peak). ``trainfit estimate --build
+on-device --warm-up --after ...`` (:mod:`trainfit.history`) replays its run that way.
 """
 
 from __future__ import annotations
