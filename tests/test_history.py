@@ -10,54 +10,28 @@ The trace cases after the first of a process trace every earlier case too (tens 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._gpu_truth import h200_processes, measured_strategy
 from trainfit import Strategy, estimate, load_model
 from trainfit.errors import StrategyError
 from trainfit.history import Build, EarlierRun, ProcessHistory
 from trainfit.strategy import Parallelism
 
-_CANDIDATES = (Path(__file__).resolve().parents[2] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
 GPU = "h200-sxm-141gb"
 #: docs/accuracy.md, "Against a real GPU": the published max_memory_reserved, in process, per method.
 TOLERANCE = {"trace": 0.005, "analytic": 0.015}
 
 
-def _data() -> Path | None:
-    return next((p / "h200-training.jsonl" for p in _CANDIDATES if (p / "h200-training.jsonl").is_file()), None)
-
-
 def _cases() -> list[tuple[str, dict[str, Any], tuple[dict[str, Any], ...]]]:
     """(allocator, case, the cases before it in its process), in the file's order."""
-    data = _data()
-    if data is None:
-        return []
-    out: list[tuple[str, dict[str, Any], tuple[dict[str, Any], ...]]] = []
-    before: list[dict[str, Any]] = []
-    allocator = ""
-    for line in data.read_text().splitlines():
-        row = json.loads(line)
-        if "meta" in row:
-            allocator, before = row["meta"]["alloc_conf"], []
-        elif "phases" in row:
-            out.append((allocator, row, tuple(before)))
-            before.append(row)
-    return out
-
-
-def _strategy(row: dict[str, Any]) -> Strategy:
-    return Strategy(
-        precision=row["recipe"],
-        optimizer_impl=row["optimizer_impl"],
-        checkpointing=row["checkpointing"],
-        attention=row["attention"],
-        micro_batch=row["batch"],
-        seq_len=row["seq"],
-    )
+    return [
+        ("" if alloc == "default" else alloc, row, tuple(cases[:k]))
+        for alloc, cases in h200_processes()
+        for k, row in enumerate(cases)
+    ]
 
 
 def _as_measured(before: tuple[dict[str, Any], ...]) -> ProcessHistory:
@@ -66,7 +40,8 @@ def _as_measured(before: tuple[dict[str, Any], ...]) -> ProcessHistory:
         build=Build.ON_DEVICE,
         warm_up=True,
         after=tuple(
-            EarlierRun(model=load_model(r["model"]), strategy=_strategy(r), build=Build.ON_DEVICE) for r in before
+            EarlierRun(model=load_model(r["model"]), strategy=measured_strategy(r), build=Build.ON_DEVICE)
+            for r in before
         ),
     )
 
@@ -86,7 +61,7 @@ def test_the_analytic_method_with_the_measuring_process_history(
     allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
 ) -> None:
     report = estimate(
-        row["model"], _strategy(row), gpu=GPU, allocator=allocator, history=_as_measured(before), fixes=False
+        row["model"], measured_strategy(row), gpu=GPU, allocator=allocator, history=_as_measured(before), fixes=False
     )
     assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE["analytic"]
 
@@ -101,7 +76,7 @@ def test_the_trace_with_the_measuring_process_history(
     allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
 ) -> None:
     report = estimate(
-        row["model"], _strategy(row), gpu=GPU, allocator=allocator, history=_as_measured(before), method="trace"
+        row["model"], measured_strategy(row), gpu=GPU, allocator=allocator, history=_as_measured(before), method="trace"
     )
     assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE["trace"]
     used = report.nvidia_smi_estimate_bytes / row["device_used_end"] - 1

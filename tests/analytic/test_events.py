@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests._gpu_truth import h200_processes, measured_strategy
 from trainfit import Strategy, estimate, load_model
 from trainfit.allocator import AllocatorConfig, Op, simulate
 from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
@@ -21,9 +22,6 @@ from trainfit.analytic.events import (
 )
 from trainfit.analytic.model import estimate_analytic
 from trainfit.strategy import EngineOptions, Parallelism, finetune_setup
-
-_CANDIDATES = (Path(__file__).resolve().parents[3] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
-TRUTH = next((p for p in _CANDIDATES if p.is_dir()), None)
 
 
 def _finetune(how: str, base: str, targets: str) -> dict[str, Any]:
@@ -152,50 +150,25 @@ def test_a_bad_allocator_setting_is_one_line() -> None:
         estimate("gpt2", allocator="expandable_segments:maybe")
 
 
-def _h200_processes() -> list[tuple[str, list[dict[str, Any]]]]:
-    """The measuring processes of the calibration file: each one's allocator setting and its cases, in order."""
-    if TRUTH is None:
-        return []
-    out: list[tuple[str, list[dict[str, Any]]]] = []
-    for line in (TRUTH / "h200-training.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "meta" in row:
-            out.append((row["allocator"], []))
-        elif "phases" in row:
-            out[-1][1].append(row)
-    return out
-
-
-def _measured_strategy(row: dict[str, Any]) -> Strategy:
-    return Strategy(
-        precision=row["recipe"],
-        optimizer_impl=row["optimizer_impl"],
-        checkpointing=row["checkpointing"],
-        attention=row["attention"],
-        micro_batch=row["batch"],
-        seq_len=row["seq"],
-    )
-
-
-@pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in _h200_processes()])
+@pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in h200_processes()])
 def test_reserved_of_a_fresh_process_within_1_percent_of_the_h200(alloc: str, cases: list[dict[str, Any]]) -> None:
     """The estimate is a run in a fresh process: the first case each measuring process ran."""
     row = cases[0]
-    r = estimate(str(row["model"]), _measured_strategy(row), allocator="" if alloc == "default" else alloc)
+    r = estimate(str(row["model"]), measured_strategy(row), allocator="" if alloc == "default" else alloc)
     assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.01)
 
 
 @pytest.mark.parametrize(
-    ("alloc", "row"), [pytest.param(a, r, id=f"{r['id']}-{a[:10]}") for a, c in _h200_processes() for r in c]
+    ("alloc", "row"), [pytest.param(a, r, id=f"{r['id']}-{a[:10]}") for a, c in h200_processes() for r in c]
 )
 def test_every_case_as_a_fresh_process_within_5_percent_of_the_h200(alloc: str, row: dict[str, Any]) -> None:
     """The estimate as a user gets it, for every published case, though the later cases were measured after others in
     the same process (the gaps that leaves, −4.0% … +4.8%, are explained by the test below)."""
-    r = estimate(str(row["model"]), _measured_strategy(row), allocator="" if alloc == "default" else alloc)
+    r = estimate(str(row["model"]), measured_strategy(row), allocator="" if alloc == "default" else alloc)
     assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.05)
 
 
-@pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in _h200_processes()])
+@pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in h200_processes()])
 def test_the_measuring_process_simulated_within_2_percent_of_the_h200(alloc: str, cases: list[dict[str, Any]]) -> None:
     """Every case as measured: after the earlier cases of its process, whose autograd cuBLAS workspace pinned a
     logits-sized segment that ``empty_cache`` cannot release (llama-3.2-1b: −4.0% fresh, the real process held
@@ -203,7 +176,7 @@ def test_the_measuring_process_simulated_within_2_percent_of_the_h200(alloc: str
     ws = training_workspaces((9, 0))
     streams = []
     for row in cases:  # measure_training.py builds each model with from_config on the GPU
-        spec, strategy = load_model(str(row["model"])), _measured_strategy(row)
+        spec, strategy = load_model(str(row["model"])), measured_strategy(row)
         n, head = built_on_device_sizes(spec, strategy)
         streams.append(built_on_device(training_events(spec, strategy, ws), weights=n, transient_bytes=head))
     conf = AllocatorConfig.parse("" if alloc == "default" else alloc)
