@@ -53,7 +53,7 @@ def test_the_published_l1b_case_from_the_command_line(capsys: pytest.CaptureFixt
     [
         (("--after", "qwen2.5-0.5b --gpu h100-sxm-80gb"), "--gpu belongs to the whole process"),
         (("--after", "-b 2"), "give the earlier run's MODEL"),
-        (("--after", "gpt2 --no-such-flag"), "no such option"),
+        (("--after", "gpt2 --no-such-flag"), "no such option: --no-such-flag"),
         (("--after", "gpt2 --after gpt2"), "repeat --after"),
         (("--after", "gpt2 'unclosed"), "no closing quotation"),
         (("--after", "gpt2 --gpus 2"), "one GPU"),
