@@ -21,6 +21,7 @@ from trainfit.analytic.events import (
     training_events,
 )
 from trainfit.analytic.model import estimate_analytic
+from trainfit.history import Build, ProcessHistory
 from trainfit.strategy import EngineOptions, Parallelism, finetune_setup
 
 
@@ -156,16 +157,6 @@ def test_reserved_of_a_fresh_process_within_1_percent_of_the_h200(alloc: str, ca
     row = cases[0]
     r = estimate(str(row["model"]), measured_strategy(row), allocator="" if alloc == "default" else alloc)
     assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.01)
-
-
-@pytest.mark.parametrize(
-    ("alloc", "row"), [pytest.param(a, r, id=f"{r['id']}-{a[:10]}") for a, c in h200_processes() for r in c]
-)
-def test_every_case_as_a_fresh_process_within_5_percent_of_the_h200(alloc: str, row: dict[str, Any]) -> None:
-    """The estimate as a user gets it, for every published case, though the later cases were measured after others in
-    the same process (the gaps that leaves, −4.0% … +4.8%, are explained by the test below)."""
-    r = estimate(str(row["model"]), measured_strategy(row), allocator="" if alloc == "default" else alloc)
-    assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.05)
 
 
 @pytest.mark.parametrize(("alloc", "cases"), [pytest.param(a, c, id=a[:10]) for a, c in h200_processes()])
@@ -352,6 +343,48 @@ def test_bert_large_as_measured_within_3_percent_of_the_h200() -> None:
     events = built_on_device(training_events(spec, st, ws), weights=n, transient_bytes=table)
     run = simulate_process([events], warm_up=matmul_warm_up(ws))[0]
     assert run.peak_reserved_bytes == pytest.approx(measured["max_reserved"], rel=0.03)
+
+
+L1B_FULL = Strategy(precision="pure-bf16", optimizer_impl="foreach", checkpointing="full", micro_batch=4, seq_len=2048)
+
+
+def test_llama_as_measured_with_full_checkpointing_within_half_a_percent_of_the_h200() -> None:
+    """llama-3.2-1b pure bf16, full checkpointing, 4 × 2048, alone in a fresh process on the H200, its model built by
+    ``from_config`` on the GPU after a warm-up matmul (``--build on-device --warm-up``): 24.855 GiB reserved. The
+    stream kept each checkpointed layer's would-be saved tensors to the layer's end although the checkpointed forward
+    runs under no_grad; the freed head's 501 MiB block then took different tensors than on the GPU, and the stream
+    needed four logits segments where the H200 (and the trace) needed five: 21.57 GiB (−13.2%). With the no-grad
+    forward's lifetimes (events.NO_GRAD_TERMS): within 0.5%."""
+    rows = [json.loads(line) for line in _SESSION.read_text().splitlines() if line.strip()]
+    case = "l1b-pure-foreach-full-b4s2048"
+    measured = next(r for r in rows if r.get("case") == case and r.get("record") == "measured")
+    history = ProcessHistory(build=Build.ON_DEVICE, warm_up=True)
+    r = estimate("llama-3.2-1b", L1B_FULL, gpu="h200-sxm-141gb", history=history, fixes=False)
+    assert r.reserved_estimate_bytes == pytest.approx(measured["max_reserved"], rel=0.005)
+
+
+def test_a_checkpointed_swiglu_forward_holds_what_no_grad_holds() -> None:
+    """Under no_grad ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers' LlamaMLP) holds at most three
+    intermediate-sized tensors (the activation and up while their product is made; the gate is freed once activated),
+    and the layer's fp32 RMSNorm input is gone before its 16-bit output is made: in the first forward (before the
+    logits) of a fully checkpointed llama-3.2-1b no more than three t × intermediate bf16 tensors are ever alive, and
+    no two fp32 t × hidden ones outside the first layer's recompute-free path."""
+    spec = load_model("llama-3.2-1b")
+    t = L1B_FULL.micro_batch * L1B_FULL.seq_len
+    inter, fp32_hidden = 2 * t * spec.intermediate_size, 4 * t * spec.hidden_size
+    live: dict[int, int] = {}
+    most = {inter: 0, fp32_hidden: 0}
+    for e in training_events(spec, L1B_FULL, training_workspaces((9, 0))):
+        if e.op is Op.ALLOC:
+            if e.size_bytes >= 2 * t * spec.vocab_size:  # the logits: the forward's layers are done
+                break
+            live[e.key] = e.size_bytes
+        elif e.key in live:
+            del live[e.key]
+        for size in most:
+            most[size] = max(most[size], sum(1 for n in live.values() if n == size))
+    assert most[inter] == 3
+    assert most[fp32_hidden] == 2  # RMSNorm's fp32 input and its ``x * rsqrt`` (pow is freed before)
 
 
 @pytest.mark.parametrize(("precision", "targets"), [("pure-bf16", "q_proj,v_proj"), ("amp-bf16", "all-linear")])
