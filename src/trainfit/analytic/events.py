@@ -882,9 +882,7 @@ def synthesise(
             closing = closing_of[terms_key] = {
                 f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None
             }
-        nograd = (
-            discard and rms_transients and rotary and not flows and all(t.name in NO_GRAD_TERMS for t in terms)
-        )
+        nograd = discard and rms_transients and rotary and not flows and all(t.name in NO_GRAD_TERMS for t in terms)
         by_name: dict[str, list[int]] = {}
 
         def drop(*names: str) -> None:
@@ -901,14 +899,14 @@ def synthesise(
                 s.free(o_proj)
             if nograd and term.name == "mlp.swiglu" and len(term.pieces) == 4:
                 n_gate, n_act, n_up, n_prod = (rank.saved_bytes(term.name, n) for n in term.pieces)
-                g = s.alloc(n_gate)
-                a = s.alloc(n_act)
-                s.free(g)
-                u = s.alloc(n_up)
+                gate_out = s.alloc(n_gate)
+                act_out = s.alloc(n_act)
+                s.free(gate_out)
+                up_out = s.alloc(n_up)
                 by_name[term.name] = [s.alloc(n_prod)]
                 saved += by_name[term.name]
-                s.free(a)
-                s.free(u)
+                s.free(act_out)
+                s.free(up_out)
                 release_pending()
                 continue
             f = flow_site(term.name)
