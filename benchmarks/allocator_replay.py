@@ -130,7 +130,11 @@ def _trace_case(row: dict[str, object]) -> None:
     kind = "default" if conf in ("", "default") else "expandable"
     t = time.perf_counter()
     tr = reserved_from_trace(
-        spec, st, AllocatorConfig.parse("" if kind == "default" else conf), compute_capability=(9, 0)
+        spec,
+        st,
+        AllocatorConfig.parse("" if kind == "default" else conf),
+        compute_capability=(9, 0),
+        torch_version=(2, 11),  # the measurements' torch (shared/gpu-truth): a cuBLASLt workspace of its own
     )
     dt = time.perf_counter() - t
     sim, real = tr.result.peak_reserved_bytes, int(str(row["max_reserved"]))

@@ -34,6 +34,7 @@ from allocator_replay import measured_strategy
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event
 from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.workspaces import parse_torch_version
 from trainfit.arch import load_model
 from trainfit.estimate import built_events, gpu_workspaces, resolved_strategy, run_events
 from trainfit.hardware import get_gpu
@@ -44,35 +45,44 @@ GPU = "h200-sxm-141gb"
 BEGIN, END = "<!-- gpu-truth-phases:begin -->", "<!-- gpu-truth-phases:end -->"
 
 
-def processes(data: Path) -> list[tuple[str, list[dict[str, object]]]]:
-    """Per measuring process (a ``meta`` line): its allocator setting and its cases in order."""
-    out: list[tuple[str, list[dict[str, object]]]] = []
+Process = tuple[str, tuple[int, int], list[dict[str, object]]]
+
+
+def processes(data: Path) -> list[Process]:
+    """Per measuring process (a ``meta`` line): its allocator setting, its torch release (which decides the cuBLAS
+    and cuBLASLt workspaces, ``trainfit.allocator.workspaces``) and its cases in order."""
+    out: list[Process] = []
     for line in data.read_text().splitlines():
         row = json.loads(line)
         if "meta" in row:
-            out.append((row.get("allocator", "default"), []))
+            out.append((row.get("allocator", "default"), parse_torch_version(row["meta"]["torch"]), []))
         elif "phases" in row:
-            out[-1][1].append(row)
+            out[-1][2].append(row)
     return out
 
 
-def phase_rows(procs: list[tuple[str, list[dict[str, object]]]], trace: bool) -> list[str]:
+def phase_rows(procs: list[Process], trace: bool) -> list[str]:
     """The per-phase allocated table: each case × phase, measured, analytic and (``trace``) trace, with errors.
     The allocated phases do not depend on the allocator setting or the process history (the measured ones of the
     repeated cases differ by a few blocks of rounding), so each run of the file is a row of its own."""
     head = "| case | allocator | phase | measured GiB | analytic GiB | analytic | trace GiB | trace |"
     rows = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
     traced: dict[str, MemoryReport] = {}  # a case's phases do not depend on its allocator: traced once
-    for allocator, cases in procs:
+    for allocator, torch, cases in procs:
         conf = "" if allocator == "default" else allocator
         for row in cases:
             s = measured_strategy(row)
-            ra = estimate(str(row["model"]), s, gpu=GPU, allocator=conf, search_micro_batch=False)
+            kw = {"gpu": GPU, "allocator": conf, "torch_version": torch}
+            ra = estimate(str(row["model"]), s, search_micro_batch=False, **kw)  # type: ignore[arg-type]
             rt = None
             if trace:
                 if str(row["id"]) not in traced:
                     traced[str(row["id"])] = estimate(
-                        str(row["model"]), s, gpu=GPU, allocator=conf, method="trace", simulate_allocator=False
+                        str(row["model"]),
+                        s,
+                        method="trace",
+                        simulate_allocator=False,
+                        **kw,  # type: ignore[arg-type]
                     )
                 rt = traced[str(row["id"])]
             phases = row["phases"]
@@ -117,19 +127,19 @@ def main() -> None:
             doc.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: new, text, flags=re.S))
         return
     gpu = get_gpu(GPU)
-    workspaces = gpu_workspaces(gpu)
     print("| case | allocator | phase | measured GiB | analytic GiB | analytic/measured − 1 |")
     print("|---|---|---|---:|---:|---:|")
     worst = 0.0
     rows: list[tuple[str, str, str, int, int, MemoryReport, int]] = []
-    for allocator, cases in procs:
+    for allocator, torch, cases in procs:
         conf = "" if allocator == "default" else allocator
         config = AllocatorConfig.parse(conf)
+        workspaces = gpu_workspaces(gpu, torch)
         streams: dict[str, list[list[Event]]] = {"analytic": [], "trace": []}
         reports: list[tuple[int, dict[str, object], str, MemoryReport]] = []
         for k, row in enumerate(cases):
             s = measured_strategy(row)
-            r = estimate(str(row["model"]), s, gpu=GPU, allocator=conf)
+            r = estimate(str(row["model"]), s, gpu=GPU, allocator=conf, torch_version=torch)
             phases = row["phases"]
             assert isinstance(phases, dict)
             for ph in Phase:
@@ -146,11 +156,12 @@ def main() -> None:
             methods = (Method.ANALYTIC, Method.TRACE) if args.trace else (Method.ANALYTIC,)
             for method in methods:
                 if method is Method.TRACE:
-                    reports.append((k, row, "trace", estimate(spec, s, gpu=GPU, allocator=conf, method="trace")))
+                    t = estimate(spec, s, gpu=GPU, allocator=conf, method="trace", torch_version=torch)
+                    reports.append((k, row, "trace", t))
                 else:
                     reports.append((k, row, "analytic", r))
                 # measure_training.py builds each model with from_config on the GPU (trainfit.history.Build)
-                own = run_events(spec, effective, method, gpu, config)
+                own = run_events(spec, effective, method, gpu, config, torch)
                 streams[method.value].append(built_events(spec, effective, Build.ON_DEVICE, own))
         in_process = {
             method: simulate_process(evs, config, warm_up=matmul_warm_up(workspaces))

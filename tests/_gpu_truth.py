@@ -11,6 +11,9 @@ from typing import Any
 from trainfit import Strategy
 
 _CANDIDATES = (Path(__file__).resolve().parents[2] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
+#: The torch release of the H200 measurements (the files' ``meta`` lines: 2.11.0+cu130): it decides the cuBLAS and
+#: cuBLASLt workspaces (``trainfit.allocator.workspaces``; a separate Lt workspace up to 2.11).
+H200_TORCH = (2, 11)
 TRUTH = next((p for p in _CANDIDATES if (p / "h200-training.jsonl").is_file()), None)
 
 

@@ -139,3 +139,36 @@ def test_bnb_4bit_rule_without_a_gpu_is_the_bound_every_gpu_keeps() -> None:
     for cc, sms in _ARCHS:  # the bound holds on every architecture
         for n, k in _SHAPES:
             assert bnb_gemm_4bit_fused(4, n, k, compute="bf16", compute_capability=cc, sm_count=sms)
+
+
+def test_cuda_versions_parse_and_stay_in_the_known_range() -> None:
+    from trainfit.cuda_facts import parse_cuda_version
+
+    assert parse_cuda_version("12.8") == (12, 8)
+    assert parse_cuda_version("13.0.2") == (13, 0)
+    for bad in ("12", "cu128", "10.2", "14.0", ""):
+        with pytest.raises(ValueError):
+            parse_cuda_version(bad)
+
+
+def test_cuda_supports_follows_nvidias_architecture_tables() -> None:
+    from trainfit.cuda_facts import cuda_supports
+
+    assert cuda_supports("8.0", (11, 0)) is None
+    assert cuda_supports("8.6", (11, 0)) is not None and cuda_supports("8.6", (11, 1)) is None
+    assert cuda_supports("9.0", (11, 7)) is not None and cuda_supports("9.0", (11, 8)) is None
+    assert cuda_supports("8.9", (11, 7)) is not None and cuda_supports("8.9", (11, 8)) is None
+    assert cuda_supports("10.0", (12, 6)) is not None and cuda_supports("10.0", (12, 8)) is None
+    assert cuda_supports("12.0", (12, 6)) is not None and cuda_supports("12.0", (13, 0)) is None
+    assert cuda_supports("7.0", (12, 9)) is None and "Turing" in (cuda_supports("7.0", (13, 0)) or "")
+    assert cuda_supports("7.5", (13, 0)) is None
+
+
+def test_resident_threads_per_sm_follow_nvidias_arch_traits() -> None:
+    # NVIDIA CCCL libcudacxx/include/cuda/__device/arch_traits.h (max_threads_per_multiprocessor); 8.8 and 11.0
+    # are 1536 although their majors' first rows (8.0, none) would say 2048.
+    from trainfit.cuda_facts import max_threads_per_sm
+
+    expected = {"7.0": 2048, "7.5": 1024, "8.0": 2048, "8.6": 1536, "8.7": 1536, "8.8": 1536, "8.9": 1536}
+    expected |= {"9.0": 2048, "10.0": 2048, "10.3": 2048, "11.0": 1536, "12.0": 1536, "12.1": 1536}
+    assert {cc: max_threads_per_sm(cc) for cc in expected} == expected

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests._gpu_truth import h200_processes, measured_strategy
+from tests._gpu_truth import H200_TORCH, h200_processes, measured_strategy
 from trainfit import Strategy, estimate, load_model
 from trainfit.errors import StrategyError
 from trainfit.history import Build, EarlierRun, ProcessHistory
@@ -61,7 +61,13 @@ def test_the_analytic_method_with_the_measuring_process_history(
     allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
 ) -> None:
     report = estimate(
-        row["model"], measured_strategy(row), gpu=GPU, allocator=allocator, history=_as_measured(before), fixes=False
+        row["model"],
+        measured_strategy(row),
+        gpu=GPU,
+        allocator=allocator,
+        history=_as_measured(before),
+        fixes=False,
+        torch_version=H200_TORCH,
     )
     assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE["analytic"]
 
@@ -76,7 +82,13 @@ def test_the_trace_with_the_measuring_process_history(
     allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
 ) -> None:
     report = estimate(
-        row["model"], measured_strategy(row), gpu=GPU, allocator=allocator, history=_as_measured(before), method="trace"
+        row["model"],
+        measured_strategy(row),
+        gpu=GPU,
+        allocator=allocator,
+        history=_as_measured(before),
+        method="trace",
+        torch_version=H200_TORCH,
     )
     assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE["trace"]
     used = report.nvidia_smi_estimate_bytes / row["device_used_end"] - 1

@@ -17,11 +17,21 @@ place so the two methods cannot drift apart.
   LLM.int8 stores int8 weights plus one fp32 scale per output row (``Int8Params``).
 * The most threads an SM keeps resident, by compute capability (CUDA C++ Programming Guide, "Technical
   Specifications per Compute Capability": 2048 on 7.0, 8.0, 9.0 and 10.0; 1024 on 7.5; 1536 on 8.6, 8.7,
-  8.9 and 12.x). The driver sizes the context's local memory (thread stacks) by it.
+  8.9 and 12.x; NVIDIA's CCCL, libcudacxx/include/cuda/__device/arch_traits.h, ``max_threads_per_multiprocessor``,
+  agrees and adds 1536 on 8.8 and 11.0 (Thor), 2048 on 10.3, 1536 on 12.1). The driver sizes the context's local
+  memory (thread stacks) by it.
+* Which CUDA releases run which GPUs (:func:`cuda_supports`): compute capability 8.0 from CUDA 11.0 and 8.6 from
+  11.1 (PyTorch's nvrtc table, pytorch/pytorch#87611: "11.0 supports 3-8.0", 11.1–11.7 "only up to sm_86");
+  8.9 (Ada) and 9.0 (Hopper) from 11.8 (the same thread; GROMACS merge request 3180, "Ada (89) and Hopper (90)
+  support now exists in CUDA 11.8"); Blackwell 10.0 and 12.0 from 12.8 (NVIDIA Blackwell Compatibility Guide,
+  "Building Applications Using CUDA Toolkit 12.8"); CUDA 13.0 "supports all NVIDIA architectures from Turing
+  through Grace Blackwell" (CUDA Features Archive, docs.nvidia.com/cuda/cuda-features-archive), so Volta (7.0,
+  7.2) stops at 12.x.
 """
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 #: Allocation granularity of the CUDA caching allocator.
@@ -60,10 +70,14 @@ MAX_THREADS_PER_SM: dict[tuple[int, int], int] = {
     (8, 0): 2048,
     (8, 6): 1536,
     (8, 7): 1536,
+    (8, 8): 1536,
     (8, 9): 1536,
     (9, 0): 2048,
     (10, 0): 2048,
+    (10, 3): 2048,
+    (11, 0): 1536,
     (12, 0): 1536,
+    (12, 1): 1536,
 }
 
 
@@ -80,6 +94,53 @@ def max_threads_per_sm(compute_capability: str) -> int:
         return MAX_THREADS_PER_SM[cc]
     same_major = [v for (major, _), v in sorted(MAX_THREADS_PER_SM.items()) if major == cc[0]]
     return same_major[0] if same_major else 2048
+
+
+#: The CUDA releases trainfit knows (:func:`parse_cuda_version` refuses others).
+OLDEST_CUDA = (11, 0)
+NEWEST_CUDA_MAJOR = 13
+#: First CUDA release that runs each compute capability newer than CUDA 11.0's (see the module docstring).
+MIN_CUDA_FOR_CAPABILITY: dict[tuple[int, int], tuple[int, int]] = {
+    (8, 6): (11, 1),
+    (8, 9): (11, 8),
+    (9, 0): (11, 8),
+    (10, 0): (12, 8),
+    (12, 0): (12, 8),
+}
+#: Oldest compute capability a CUDA major still runs (13.x: Turing onwards).
+MIN_CAPABILITY_FOR_CUDA_MAJOR: dict[int, tuple[int, int]] = {13: (7, 5)}
+
+
+def parse_cuda_version(text: str) -> tuple[int, int]:
+    """``"12.8"`` / ``"13.0.2"`` → ``(12, 8)``; a ``ValueError`` saying what is accepted otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+)\.([0-9]+)(?:\.[0-9]+)?\s*", text)
+    if match is None:
+        raise ValueError(f"CUDA version '{text}' is not MAJOR.MINOR (e.g. 12.8)")
+    version = (int(match.group(1)), int(match.group(2)))
+    if version < OLDEST_CUDA or version[0] > NEWEST_CUDA_MAJOR:
+        raise ValueError(
+            f"CUDA {version[0]}.{version[1]}: trainfit knows CUDA {OLDEST_CUDA[0]}.{OLDEST_CUDA[1]} to "
+            f"{NEWEST_CUDA_MAJOR}.x"
+        )
+    return version
+
+
+def cuda_supports(compute_capability: str, cuda: tuple[int, int]) -> str | None:
+    """None when CUDA ``cuda`` runs a GPU of ``compute_capability``, else why not (one sentence)."""
+    cc = parse_compute_capability(compute_capability)
+    first = MIN_CUDA_FOR_CAPABILITY.get(cc)
+    if first is not None and cuda < first:
+        return (
+            f"compute capability {compute_capability} needs CUDA {first[0]}.{first[1]} or newer, "
+            f"not {cuda[0]}.{cuda[1]}"
+        )
+    oldest = MIN_CAPABILITY_FOR_CUDA_MAJOR.get(cuda[0])
+    if oldest is not None and cc < oldest:
+        return (
+            f"CUDA {cuda[0]}.x runs compute capability {oldest[0]}.{oldest[1]} (Turing) and newer, not "
+            f"{compute_capability}: use CUDA 12.x"
+        )
+    return None
 
 
 def allocator_bytes(nbytes: int) -> int:

@@ -18,7 +18,7 @@ from importlib import import_module
 from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, Event
 from trainfit.allocator.process import ProcessStart, built_on_device, matmul_warm_up
-from trainfit.allocator.workspaces import Workspace, training_workspaces
+from trainfit.allocator.workspaces import TARGET_TORCH, Workspace, parse_torch_version, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import (
     MATH,
@@ -34,11 +34,11 @@ from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.arch import ModelSpec, load_model
-from trainfit.cuda_facts import has_flash_attention, parse_compute_capability
+from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.history import Build, ProcessHistory
-from trainfit.overhead import REFERENCE_GPU, outside_allocator
+from trainfit.overhead import DEFAULT_CUDA, REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import (
     DEFAULT_HEADROOM,
     MAX_SEARCH_BATCH,
@@ -221,6 +221,35 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
 _DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload", "engine")
 
 
+def _torch_release(torch_version: str | tuple[int, int] | None) -> tuple[int, int]:
+    if torch_version is None:
+        return TARGET_TORCH
+    if isinstance(torch_version, tuple):
+        return torch_version
+    try:
+        return parse_torch_version(torch_version)
+    except ValueError as exc:
+        raise StrategyError(f"--torch-version: {exc}") from None
+
+
+def _cuda_release(cuda_version: str | tuple[int, int] | None, gpu: GPUSpec | None) -> tuple[int, int]:
+    """The CUDA release the context figures are for (None: the reference measurement's); a named release must be
+    able to run ``gpu`` (:func:`trainfit.cuda_facts.cuda_supports`)."""
+    if cuda_version is None:
+        return DEFAULT_CUDA
+    try:
+        release = cuda_version if isinstance(cuda_version, tuple) else parse_cuda_version(cuda_version)
+    except ValueError as exc:
+        raise StrategyError(f"--cuda-version: {exc}") from None
+    if gpu is not None and gpu.compute_capability is None:
+        raise StrategyError(f"--cuda-version: {gpu.id} is an AMD GPU (ROCm, not CUDA)")
+    if gpu is not None and gpu.compute_capability is not None:
+        why_not = cuda_supports(gpu.compute_capability, release)
+        if why_not is not None:
+            raise StrategyError(f"--cuda-version: {gpu.id}: {why_not}")
+    return release
+
+
 def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
     """``gpu``'s compute capability (no GPU: the H200 the context figures come from; AMD: (0, 0))."""
     if gpu is None:
@@ -228,11 +257,14 @@ def gpu_compute_capability(gpu: GPUSpec | None) -> tuple[int, int]:
     return parse_compute_capability(gpu.compute_capability) if gpu.compute_capability else (0, 0)
 
 
-def gpu_workspaces(gpu: GPUSpec | None) -> tuple[Workspace, ...]:
-    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu``, sized by this process's
-    ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` (an AMD part: hipBLAS/hipBLASLt's sizes)."""
+def gpu_workspaces(gpu: GPUSpec | None, torch_version: tuple[int, int] = TARGET_TORCH) -> tuple[Workspace, ...]:
+    """The cuBLAS/cuBLASLt workspaces a training step allocates on ``gpu`` under ``torch_version``, sized by this
+    process's ``CUBLAS_WORKSPACE_CONFIG`` / ``CUBLASLT_WORKSPACE_SIZE`` / ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` (an
+    AMD part: hipBLAS/hipBLASLt's sizes)."""
     rocm_arch = gpu.rocm_arch if gpu is not None else None
-    return training_workspaces(gpu_compute_capability(gpu), os.environ, rocm_arch=rocm_arch)
+    return training_workspaces(
+        gpu_compute_capability(gpu), os.environ, rocm_arch=rocm_arch, torch_version=torch_version
+    )
 
 
 def resolved_strategy(spec: ModelSpec, asked: Strategy, gpu: GPUSpec | None) -> tuple[Strategy, list[str], list[str]]:
@@ -257,14 +289,20 @@ _TRACED: Memo[tuple[Event, ...]] = Memo(4)
 
 
 def run_events(
-    spec: ModelSpec, strategy: Strategy, method: Method, gpu: GPUSpec | None, config: AllocatorConfig
+    spec: ModelSpec,
+    strategy: Strategy,
+    method: Method,
+    gpu: GPUSpec | None,
+    config: AllocatorConfig,
+    torch_version: tuple[int, int] = TARGET_TORCH,
 ) -> list[Event]:
     """One GPU's training run (``strategy`` as :func:`resolved_strategy` gives it) as the allocator event stream
     ``method`` replays for reserved memory, alone in a fresh process: the analytic method's synthesised stream
     (:func:`trainfit.analytic.events.training_events`) or the trace's, stitched to full depth
-    (:func:`trainfit.trace.events.reserved_from_trace`: a trace of the model, seconds to minutes)."""
+    (:func:`trainfit.trace.events.reserved_from_trace`: a trace of the model, seconds to minutes), with ``gpu``'s
+    workspaces under ``torch_version``."""
     if method is Method.ANALYTIC:
-        return training_events(spec, strategy, gpu_workspaces(gpu))
+        return training_events(spec, strategy, gpu_workspaces(gpu, torch_version))
     if method is not Method.TRACE:
         raise StrategyError(f"--method {method.value} has no allocator event stream: --method analytic or trace")
     reserved_from_trace = import_module("trainfit.trace.events").reserved_from_trace  # lazy: torch
@@ -272,11 +310,20 @@ def run_events(
     cc = gpu_compute_capability(gpu)
 
     def traced() -> tuple[Event, ...]:
-        run = reserved_from_trace(spec, strategy, config, compute_capability=cc, rocm_arch=rocm_arch, env=os.environ)
+        run = reserved_from_trace(
+            spec,
+            strategy,
+            config,
+            compute_capability=cc,
+            rocm_arch=rocm_arch,
+            env=os.environ,
+            torch_version=torch_version,
+        )
         return tuple(run.stream)
 
     # a process's earlier runs are traced again for every later run asked about (benchmarks, tests): keep a few
-    return list(_TRACED.get((spec_key(spec), strategy, config, cc, rocm_arch, gpu_workspaces(gpu)), traced))
+    key = (spec_key(spec), strategy, config, cc, rocm_arch, gpu_workspaces(gpu, torch_version))
+    return list(_TRACED.get(key, traced))
 
 
 def built_events(spec: ModelSpec, strategy: Strategy, build: Build, events: list[Event]) -> list[Event]:
@@ -295,6 +342,7 @@ def process_start(
     method: Method,
     gpu: GPUSpec | None,
     config: AllocatorConfig,
+    torch_version: tuple[int, int] = TARGET_TORCH,
 ) -> ProcessStart:
     """``history`` as the allocator's starting state for a run of ``spec`` under ``strategy`` (resolved): the
     warm-up matmul's events (:func:`trainfit.allocator.process.matmul_warm_up`, with ``gpu``'s workspaces), each
@@ -305,10 +353,11 @@ def process_start(
         if st.is_distributed:
             raise StrategyError("--after: an earlier run in the process is one GPU's (no --gpus, sharding or offload)")
         _require_modelled(run.strategy, method, run.model)
-        earlier.append(tuple(built_events(run.model, st, run.build, run_events(run.model, st, method, gpu, config))))
+        events = run_events(run.model, st, method, gpu, config, torch_version)
+        earlier.append(tuple(built_events(run.model, st, run.build, events)))
     weights, transient = built_on_device_sizes(spec, strategy) if history.build is Build.ON_DEVICE else (0, 0)
     return ProcessStart(
-        warm_up=tuple(matmul_warm_up(gpu_workspaces(gpu))) if history.warm_up else (),
+        warm_up=tuple(matmul_warm_up(gpu_workspaces(gpu, torch_version))) if history.warm_up else (),
         earlier=tuple(earlier),
         weights=weights,
         transient_bytes=transient,
@@ -457,6 +506,8 @@ def estimate(
     fixes: bool = True,
     verdict_only: bool = False,
     history: ProcessHistory | None = None,
+    torch_version: str | tuple[int, int] | None = None,
+    cuda_version: str | tuple[int, int] | None = None,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -471,8 +522,14 @@ def estimate(
     setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``history``: the process the
     run starts in (:mod:`trainfit.history`; None: a fresh one, the model from ``from_pretrained``) — how its model
     was built, a warm-up matmul, earlier runs; it moves the simulated reserve (analytic and trace, one GPU; the
-    micro-batch search probes each batch after the same history, the fixes are searched for a fresh process)."""
+    micro-batch search probes each batch after the same history, the fixes are searched for a fresh process).
+    ``torch_version``: the torch release on the GPU machine (``"2.11"``; None:
+    :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides the cuBLAS/cuBLASLt workspaces
+    (:mod:`trainfit.allocator.workspaces`). ``cuda_version``: the CUDA release (``"12.8"``; None: 13.0, the reference
+    measurement's), which decides the CUDA context (eager module loading before 11.7, :mod:`trainfit.overhead`) and
+    must run the GPU."""
     spec = load_model(model) if isinstance(model, str) else model
+    release = _torch_release(torch_version)
     asked = strategy or Strategy()
     try:
         method = Method(method)
@@ -485,10 +542,19 @@ def estimate(
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     check_float8_gpu(asked, gpu_spec)
+    cuda = _cuda_release(cuda_version, gpu_spec)
     strategy, warnings, gpu_notes = resolved_strategy(spec, asked, gpu_spec)
+    if cuda_version is None and gpu_spec is not None and gpu_spec.compute_capability is not None:
+        why_not = cuda_supports(gpu_spec.compute_capability, cuda)
+        if why_not is not None:  # a V100 under the default 13.0: 12.x has the same context figures
+            gpu_notes.insert(
+                0,
+                f"the CUDA context is counted as for CUDA {cuda[0]}.{cuda[1]}, which {gpu_spec.id} cannot run "
+                f"({why_not}); CUDA 11.7 to 13.x share the figures, --cuda-version names the release",
+            )
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
-    workspaces = gpu_workspaces(gpu_spec)
+    workspaces = gpu_workspaces(gpu_spec, release)
     # The allocator simulation runs for one GPU and for the ranks rank_events.rank_simulated names (the analytic
     # stream's; estimate_parallel keeps the fixed reserve fraction for the other many-GPU setups).
     simulated = not strategy.is_distributed
@@ -500,19 +566,22 @@ def estimate(
     if strategy.is_distributed and (method is Method.ANALYTIC or (method is Method.TRACE and simulate_allocator)):
         options.setdefault("workspaces", workspaces)
         if gpu_spec is not None:  # DeepSpeed ZeRO-1/2 tests the GPU's free memory at init (rank_events.Zero2Hooks)
-            outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+            outside = outside_allocator(
+                gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda
+            )
             options.setdefault("device_bytes", gpu_spec.memory_bytes - outside.outside_allocator_bytes)
     if simulated and method is Method.ANALYTIC:
         options.setdefault("workspaces", workspaces)
     if simulated and method is Method.TRACE:
         options.setdefault("compute_capability", gpu_compute_capability(gpu_spec))
+        options.setdefault("torch_version", release)
         if gpu_spec is not None and gpu_spec.rocm_arch is not None:
             options.setdefault("rocm_arch", gpu_spec.rocm_arch)
     if history is not None and not history.fresh:
         _require_history_modelled(strategy, method, simulate_allocator)
         config = options["allocator"]
         assert isinstance(config, AllocatorConfig)  # set above for both methods
-        options["start"] = process_start(spec, strategy, history, method, gpu_spec, config)
+        options["start"] = process_start(spec, strategy, history, method, gpu_spec, config, release)
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
         """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the
@@ -524,8 +593,13 @@ def estimate(
             rep = with_workspaces(rep, sum(w.size_bytes for w in workspaces))
         return dataclasses.replace(
             rep,
+            torch_version=f"{release[0]}.{release[1]}",
+            cuda_version=f"{cuda[0]}.{cuda[1]}",
             overhead=outside_allocator(
-                gpu_spec, allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes, nccl_bytes=nccl_bytes(strategy)
+                gpu_spec,
+                allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes,
+                nccl_bytes=nccl_bytes(strategy),
+                cuda_version=cuda,
             ),
         )
 
@@ -543,12 +617,16 @@ def estimate(
     # search_micro_batch=False estimates: a plan must fit without cache flushes.
     main = dict(options)
     if gpu_spec is not None and search_micro_batch and "allocator" in options and method is not Method.MEASURE:
-        outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+        outside = outside_allocator(
+            gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda
+        )
         main["capacity_bytes"] = allocator_capacity_bytes(
             usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
         )
     elif gpu_spec is not None and verdict_only and "allocator" in options and method is Method.ANALYTIC:
-        outside = outside_allocator(gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+        outside = outside_allocator(
+            gpu_spec, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda
+        )
         main["stop_above_bytes"] = allocator_capacity_bytes(
             usable_bytes(gpu_spec, headroom), outside.outside_allocator_bytes
         )

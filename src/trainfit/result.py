@@ -507,6 +507,11 @@ class MemoryReport:
     # (``trainfit.estimate(..., verdict_only=True)``, the planner's probes): the reserve, and so the requirement,
     # is a lower bound, already above the usable memory — the verdict (does not fit) is exact, the number is not.
     reserve_stopped: bool = False
+    # The torch release on the GPU machine whose cuBLAS/cuBLASLt workspaces the report counts ("2.13"; set by
+    # trainfit.estimate, "" elsewhere: trainfit.allocator.workspaces).
+    torch_version: str = ""
+    # The CUDA release whose context the overhead counts ("13.0"; set by trainfit.estimate: trainfit.overhead).
+    cuda_version: str = ""
 
     def __post_init__(self) -> None:
         if not self.phases:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests._gpu_truth import h200_processes, measured_strategy
+from tests._gpu_truth import H200_TORCH, h200_processes, measured_strategy
 from trainfit import Strategy, estimate, load_model
 from trainfit.allocator import AllocatorConfig, Op, simulate
 from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
@@ -155,7 +155,8 @@ def test_a_bad_allocator_setting_is_one_line() -> None:
 def test_reserved_of_a_fresh_process_within_1_percent_of_the_h200(alloc: str, cases: list[dict[str, Any]]) -> None:
     """The estimate is a run in a fresh process: the first case each measuring process ran."""
     row = cases[0]
-    r = estimate(str(row["model"]), measured_strategy(row), allocator="" if alloc == "default" else alloc)
+    conf = "" if alloc == "default" else alloc
+    r = estimate(str(row["model"]), measured_strategy(row), allocator=conf, torch_version=H200_TORCH)
     assert r.reserved_estimate_bytes == pytest.approx(row["max_reserved"], rel=0.01)
 
 
@@ -164,7 +165,7 @@ def test_the_measuring_process_simulated_within_2_percent_of_the_h200(alloc: str
     """Every case as measured: after the earlier cases of its process, whose autograd cuBLAS workspace pinned a
     logits-sized segment that ``empty_cache`` cannot release (llama-3.2-1b: −4.0% fresh, the real process held
     4.7 GiB more before it started; bert-large +4.8%)."""
-    ws = training_workspaces((9, 0))
+    ws = training_workspaces((9, 0), torch_version=H200_TORCH)
     streams = []
     for row in cases:  # measure_training.py builds each model with from_config on the GPU
         spec, strategy = load_model(str(row["model"])), measured_strategy(row)
@@ -338,7 +339,7 @@ def test_bert_large_as_measured_within_3_percent_of_the_h200() -> None:
     measured = next(r for r in rows if r.get("case") == case and r.get("record") == "measured")
     spec = load_model("bert-large-uncased")
     st = Strategy(precision="fp32", optimizer_impl="foreach", attention="eager", micro_batch=4, seq_len=512)
-    ws = training_workspaces((9, 0))
+    ws = training_workspaces((9, 0), torch_version=H200_TORCH)
     n, table = built_on_device_sizes(spec, st)
     events = built_on_device(training_events(spec, st, ws), weights=n, transient_bytes=table)
     run = simulate_process([events], warm_up=matmul_warm_up(ws))[0]
@@ -359,7 +360,7 @@ def test_llama_as_measured_with_full_checkpointing_within_half_a_percent_of_the_
     case = "l1b-pure-foreach-full-b4s2048"
     measured = next(r for r in rows if r.get("case") == case and r.get("record") == "measured")
     history = ProcessHistory(build=Build.ON_DEVICE, warm_up=True)
-    r = estimate("llama-3.2-1b", L1B_FULL, gpu="h200-sxm-141gb", history=history, fixes=False)
+    r = estimate("llama-3.2-1b", L1B_FULL, gpu="h200-sxm-141gb", history=history, fixes=False, torch_version=H200_TORCH)
     assert r.reserved_estimate_bytes == pytest.approx(measured["max_reserved"], rel=0.005)
 
 

@@ -142,6 +142,11 @@ def test_local_config_path(tmp_path: Path) -> None:
         (["estimate", "--params", "abc", "--hidden-size", "64", "--num-layers", "2"], "--params"),
         (["estimate"], "MODEL"),
         (["estimate", "./nope/config.json"], "no such file"),
+        (["estimate", "gpt2", "--torch-version", "latest"], "--torch-version"),
+        (["estimate", "gpt2", "--torch-version", "2.4"], "from torch 2.9 on"),
+        (["estimate", "gpt2", "--cuda-version", "latest"], "--cuda-version"),
+        (["estimate", "gpt2", "--cuda-version", "10.2"], "11.0 to 13.x"),
+        (["estimate", "gpt2", "--gpu", "h100-sxm-80gb", "--cuda-version", "11.6"], "needs CUDA 11.8"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
@@ -252,3 +257,37 @@ def test_math_kernel_warning_gives_no_advice_already_taken(transformers_release:
     assert code == 0
     (warning,) = [w for w in json.loads(out)["warnings"] if "math kernel" in w]
     assert "without enable_gqa" in warning and "--checkpointing full" not in warning
+
+
+def test_torch_version_decides_the_workspaces() -> None:
+    """torch 2.13 shares the cuBLAS workspace with cuBLASLt and gives Blackwell 32 MiB; 2.11 keeps a separate 1 MiB
+    Lt workspace and gave Blackwell 8 MiB + 128 KiB (trainfit.allocator.workspaces). The JSON says which release."""
+    from trainfit.allocator.workspaces import training_workspaces
+
+    def workspaces(*extra: str) -> tuple[str, int]:
+        code, out, err = run("estimate", "qwen2.5-0.5b", "--gpu", "b200-sxm-180gb", "--json", *extra)
+        assert code == 0, err
+        data = json.loads(out)
+        return data["torch_version"], data["components"]["workspaces"]
+
+    for version in ("2.11", "2.13"):
+        expected = sum(w.size_bytes for w in training_workspaces((10, 0), torch_version=(2, int(version[2:]))))
+        assert workspaces("--torch-version", version) == (version, expected)
+    assert workspaces() == workspaces("--torch-version", "2.13")
+    assert workspaces("--torch-version", "2.11")[1] == 2 * (8 * 2**20 + 128 * 1024) + 2**20
+
+
+def test_cuda_version_decides_the_context_and_is_recorded() -> None:
+    """Before CUDA 11.7 every module loads eagerly (trainfit.overhead.EAGER_MODULES_BYTES more); the JSON says
+    which release was assumed and the basis why."""
+    from trainfit.overhead import EAGER_MODULES_BYTES
+
+    def context(*extra: str) -> tuple[str, int, str]:
+        code, out, err = run("estimate", "gpt2", "--gpu", "a100-sxm-80gb", "--json", *extra)
+        assert code == 0, err
+        data = json.loads(out)
+        return data["cuda_version"], data["overhead"]["cuda_context_bytes"], data["overhead"]["basis"]
+
+    default, new, old = context(), context("--cuda-version", "13.0"), context("--cuda-version", "11.6")
+    assert default == new and default[0] == "13.0"
+    assert old[0] == "11.6" and old[1] - default[1] == EAGER_MODULES_BYTES and "eagerly" in old[2]

@@ -34,7 +34,19 @@ def test_the_published_l1b_case_from_the_command_line(capsys: pytest.CaptureFixt
     row = _measured("l1b-pure-foreach-full-b4s2048")
     if row is None:
         pytest.skip("the H200 calibration data (../shared/gpu-truth) is not here")
-    common = (*L1B, "-b", "4", "-s", "2048", "--gpu", "h200-sxm-141gb", "--no-fixes", "--json")
+    common = (
+        *L1B,
+        "-b",
+        "4",
+        "-s",
+        "2048",
+        "--gpu",
+        "h200-sxm-141gb",
+        "--torch-version",
+        "2.11",
+        "--no-fixes",
+        "--json",
+    )
     r = run_cli(capsys, "estimate", *common, "--build", "on-device", "--warm-up", "--after", Q05)
     assert r.code == 0, r.err
     out = json.loads(r.out)
@@ -52,6 +64,7 @@ def test_the_published_l1b_case_from_the_command_line(capsys: pytest.CaptureFixt
     ("args", "message"),
     [
         (("--after", "qwen2.5-0.5b --gpu h100-sxm-80gb"), "--gpu belongs to the whole process"),
+        (("--after", "qwen2.5-0.5b --torch-version 2.11"), "--torch-version belongs to the whole process"),
         (("--after", "-b 2"), "give the earlier run's MODEL"),
         (("--after", "gpt2 --no-such-flag"), "no such option: --no-such-flag"),
         (("--after", "gpt2 --after gpt2"), "repeat --after"),

@@ -1,6 +1,7 @@
 """``--method measure`` on a real GPU, held tightly (issue 9 part 1): the depth-extrapolated measurement
 equals a full-depth measurement, every layout run starts from the same allocation, and the measurement
-agrees with the trace up to the cuBLAS workspaces the trace does not model. Skipped without CUDA."""
+agrees with the trace plus the cuBLAS workspaces (which the trace's own report leaves to ``estimate``). Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -17,10 +18,25 @@ from trainfit.measure import measure_spec  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-#: cuBLAS/cuBLASLt workspaces (up to 32 MiB per handle and stream on Hopper; the main thread and
-#: autograd's device thread each have one) are caching-allocator memory the trace does not model. On the
-#: H200 they were the 75-95 MB left of the old gap once the leaked first run is taken out.
-WORKSPACE_SLACK_BYTES = 128 * 2**20
+#: The measurement holds the cuBLAS/cuBLASLt workspaces (``measure.gpu.warm_up`` makes them before the first run;
+#: the caching allocator serves them, so ``max_memory_allocated`` counts them) and the trace does not: they are
+#: subtracted exactly, for this device's compute capability and this torch's release
+#: (:func:`trainfit.allocator.workspaces.training_workspaces`). What may remain is the allocator's rounding the
+#: measurement carries (unsplit cached blocks: up to 13 MiB per phase on the H200, ``DEPTH_SLACK_BYTES``). The
+#: old allowance (128 MiB) predated the workspaces being modelled and let them go missing unnoticed (65 MiB on the
+#: H200 under torch 2.11); not yet run on a GPU at this bound.
+ROUNDING_SLACK_BYTES = 32 * 2**20
+
+
+def _workspace_bytes() -> int:
+    import os
+
+    from trainfit.allocator.workspaces import parse_torch_version, training_workspaces
+
+    cc = torch.cuda.get_device_capability()
+    release = parse_torch_version(torch.__version__)
+    return sum(w.size_bytes for w in training_workspaces(cc, os.environ, torch_version=release))
+
 
 #: Extrapolated vs full depth, both measured: the allocator may hand out an unsplit cached block a little
 #: larger than the request (counted whole by max_memory_allocated), which does not repeat per layer; the
@@ -50,5 +66,5 @@ def test_extrapolated_measurement_equals_full_depth(kw: dict[str, object]) -> No
     for ph in Phase:
         e, f = ext.phase(ph).total_bytes, full.phase(ph).total_bytes
         assert abs(e - f) <= max(DEPTH_SLACK_BYTES, 0.01 * f), (ph, e, f)
-        traced = int(ext.extra["trace"][ph.value])
-        assert abs(e - traced) <= max(WORKSPACE_SLACK_BYTES, 0.02 * traced), (ph, e, traced)
+        traced = int(ext.extra["trace"][ph.value]) + _workspace_bytes()
+        assert abs(e - traced) <= max(ROUNDING_SLACK_BYTES, 0.02 * traced), (ph, e, traced)

@@ -259,6 +259,22 @@ def estimate_cmd(
             show_default=False,
         ),
     ] = None,
+    torch_version: Annotated[
+        str | None,
+        typer.Option(
+            "--torch-version",
+            help="The torch release on the GPU machine, e.g. 2.11: it decides the cuBLAS/cuBLASLt workspaces "
+            "(default: 2.13, the release trainfit is tested with).",
+        ),
+    ] = None,
+    cuda_version: Annotated[
+        str | None,
+        typer.Option(
+            "--cuda-version",
+            help="The CUDA release torch was built with, e.g. 12.8: before 11.7 every kernel module loads at "
+            "start-up (a larger CUDA context); it must run the --gpu (default: 13.0, the H200 measurement's).",
+        ),
+    ] = None,
     fixes: Annotated[
         bool,
         typer.Option(
@@ -413,6 +429,8 @@ def estimate_cmd(
             method_options=options or None,
             allocator=alloc_conf,
             allocator_layout=segments,
+            torch_version=torch_version,
+            cuda_version=cuda_version,
             fixes=fixes,
         )
     for w in report.warnings:

@@ -13,6 +13,10 @@ devices of 64 GiB each, so its entry describes one GCD (memory, TFLOPS and bandw
   Each such figure cites the deviceQuery/nvidia-smi/PyTorch report it comes from.
 - ``"nominal"``: the vendor's capacity as binary units (80 GB HBM = 80 GiB) where no driver report was
   found; the real total is somewhat lower (an A100 80GB gives CUDA about 79.2 GiB).
+
+``cuda_context`` lists CUDA contexts measured on the GPU after CUDA + cuBLAS initialisation (outside the caching
+allocator), each with the CUDA, torch and driver it was measured under and its source; :mod:`trainfit.overhead`
+uses the entry of the nearest CUDA major and estimates the context of a GPU without one.
 """
 
 from __future__ import annotations
@@ -29,6 +33,31 @@ from trainfit.errors import UnknownGPUError
 
 #: What ``GPUSpec.memory_bytes`` measures (see the module docstring).
 MEMORY_BASES: tuple[str, ...] = ("driver", "nominal")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextMeasurement:
+    """A CUDA context measured on this GPU after CUDA + cuBLAS initialisation, outside the caching allocator
+    (``mem_get_info`` used − ``memory_reserved``), with the software it was measured under and where the figure
+    comes from (the catalog's ``cuda_context`` list; :mod:`trainfit.overhead` uses it)."""
+
+    bytes_: int
+    cuda: str  # "13.0"
+    torch: str  # "2.11.0+cu130"
+    driver: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes_ <= 0:
+            raise ValueError("a measured CUDA context must be positive")
+        major, _, minor = self.cuda.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise ValueError(f"CUDA release '{self.cuda}' is not MAJOR.MINOR")
+
+    @property
+    def cuda_release(self) -> tuple[int, int]:
+        major, _, minor = self.cuda.partition(".")
+        return int(major), int(minor)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +87,9 @@ class GPUSpec:
     pcie_gbps: float | None = None
     # The catalog's architecture note (AMD: "CDNA3 (gfx942)"): its gfx name picks ROCm's hipBLAS workspace sizes.
     arch: str | None = None
+    # CUDA contexts measured on this GPU, one per software stack (``cuda_context`` in the catalog, each with its
+    # source); empty where none was measured (trainfit.overhead then estimates it).
+    cuda_contexts: tuple[ContextMeasurement, ...] = ()
 
     @property
     def rocm_arch(self) -> str | None:
@@ -116,6 +148,12 @@ def _catalog() -> dict[str, GPUSpec]:
             sm_count=row.get("sm_count"),
             nvlink_gbps=row.get("nvlink_gbps"),
             pcie_gbps=row.get("pcie_gbps"),
+            cuda_contexts=tuple(
+                ContextMeasurement(
+                    bytes_=int(c["bytes"]), cuda=c["cuda"], torch=c["torch"], driver=c["driver"], source=c["source"]
+                )
+                for c in row.get("cuda_context") or ()
+            ),
         )
         out[spec.id] = spec
     return out

@@ -194,6 +194,8 @@ def report_json(
             "basis": report.overhead.basis,
         },
         "reserved_estimate_bytes": report.reserved_estimate_bytes,
+        "torch_version": report.torch_version or None,  # the release whose cuBLAS workspaces are counted
+        "cuda_version": report.cuda_version or None,  # the release whose CUDA context is counted
         "nvidia_smi_estimate_bytes": report.nvidia_smi_estimate_bytes,
         "bytes_per_param": report.bytes_per_param.as_dict(),
         "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "source": t.source} for t in report.terms],

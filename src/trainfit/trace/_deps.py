@@ -92,8 +92,8 @@ def require_torch() -> ModuleType:
         import torch
     except ImportError:
         raise DependencyError(_TORCH_HINT) from None
+    import_bitsandbytes_offline()  # first: anything imported after it (torchao, transformers, PEFT) finds it loaded
     import_torchao_quietly()
-    import_bitsandbytes_offline()
     return torch
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from trainfit.allocator import AllocatorConfig, simulate
 from trainfit.allocator.process import ProcessStart
 from trainfit.allocator.report import allocator_details, capped_run
-from trainfit.allocator.workspaces import training_workspaces
+from trainfit.allocator.workspaces import TARGET_TORCH, training_workspaces
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TrainfitError
 from trainfit.result import MemoryReport, Method, Phase, TraceDetails
@@ -42,6 +42,7 @@ def trace_spec(
     allocator: AllocatorConfig | None = None,
     compute_capability: tuple[int, int] = (9, 0),
     rocm_arch: str | None = None,
+    torch_version: tuple[int, int] = TARGET_TORCH,
     layout: bool = False,
     capacity_bytes: int | None = None,
     start: ProcessStart | None = None,
@@ -50,11 +51,11 @@ def trace_spec(
 
     ``extrapolate=False`` traces the full depth. ``adamw_impl`` overrides ``strategy.optimizer_impl``:
     ``foreach`` (``torch.optim.AdamW``'s default on CUDA) or ``fused`` (the HF Trainer's default on
-    torch >= 2.8). With ``allocator``, the trace's events (stitched to full depth, with the cuBLAS
-    workspaces of a GPU of ``compute_capability``, or of ``rocm_arch`` for an AMD one) are replayed through the
-    caching-allocator simulation for the reserved memory (:func:`trainfit.trace.events.reserved_from_trace`: one
-    more trace of three units of the layer stack); without it, reserved memory is the fixed fraction of
-    ``trainfit.overhead``.
+    torch >= 2.8). With ``allocator``, the trace's events (stitched to full depth, with the cuBLAS workspaces of
+    a GPU of ``compute_capability``, or of ``rocm_arch`` for an AMD one, under ``torch_version``) are replayed
+    through the caching-allocator simulation for the reserved memory
+    (:func:`trainfit.trace.events.reserved_from_trace`: one more trace of three units of the layer stack); without
+    it, reserved memory is the fixed fraction of ``trainfit.overhead``.
     ``capacity_bytes`` (with ``allocator``): the allocator's share of the GPU; when only the uncapped reserve
     exceeds it, the same events run once more under it (``MemoryReport.capped``).
     ``start`` (with ``allocator``): the process the run starts in (``trainfit.history``): the traced events run
@@ -87,13 +88,14 @@ def trace_spec(
         compute_capability=compute_capability,
         rocm_arch=rocm_arch,
         env=os.environ,
+        torch_version=torch_version,
         steps=steps,
         layout=layout,
     )
     res = traced.result
     if start is not None:
         res = simulate(start.events(traced.stream), allocator, layout=layout, setup=start.setup)
-    workspaces = training_workspaces(compute_capability, os.environ, rocm_arch=rocm_arch)
+    workspaces = training_workspaces(compute_capability, os.environ, rocm_arch=rocm_arch, torch_version=torch_version)
     held = report.peak_bytes + sum(w.size_bytes for w in workspaces)
     reserve = max(0, res.peak_reserved_bytes - held)
     details = report.details

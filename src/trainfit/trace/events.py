@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
-from trainfit.allocator.workspaces import Thread, training_workspaces, workspace_key
+from trainfit.allocator.workspaces import TARGET_TORCH, Thread, training_workspaces, workspace_key
 from trainfit.arch.spec import ModelSpec
 from trainfit.strategy import Strategy
 from trainfit.trace import runner as rn
@@ -89,12 +89,14 @@ def with_workspaces(
     env: Mapping[str, str] | None = None,
     *,
     rocm_arch: str | None = None,
+    torch_version: tuple[int, int] = TARGET_TORCH,
 ) -> list[Event]:
     """Insert the cuBLAS/cuBLASLt workspace allocations (never freed) at the first forward and backward
     (``rocm_arch``: an AMD GPU's, sized as hipBLAS/hipBLASLt's: :mod:`trainfit.allocator.workspaces`)."""
     index = _tick_index(run)
     at: dict[int, list[Event]] = {}
-    for tick, inserted in workspace_inserts(run, compute_capability, env, rocm_arch=rocm_arch).items():
+    inserts = workspace_inserts(run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version)
+    for tick, inserted in inserts.items():
         at.setdefault(index[min(tick, len(index) - 1)], []).extend(inserted)
     out: list[Event] = []
     for i, e in enumerate(events):
@@ -130,11 +132,14 @@ def reserved_from_run(
     compute_capability: tuple[int, int] = (9, 0),
     rocm_arch: str | None = None,
     env: Mapping[str, str] | None = None,
+    torch_version: tuple[int, int] = TARGET_TORCH,
     capacity_bytes: int | None = None,
     layout: bool = False,
 ) -> AllocatorResult:
     """Replay a (full-depth) run's events plus the workspaces through the allocator model."""
-    events = with_workspaces(tracker_events(run), run, compute_capability, env, rocm_arch=rocm_arch)
+    events = with_workspaces(
+        tracker_events(run), run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version
+    )
     return simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
 
 
@@ -406,6 +411,7 @@ def workspace_inserts(
     env: Mapping[str, str] | None,
     *,
     rocm_arch: str | None = None,
+    torch_version: tuple[int, int] = TARGET_TORCH,
 ) -> dict[int, list[Event]]:
     """The workspace allocations to emit after a tick of ``run``: the main thread's at the first forward, the
     autograd thread's right after the first backward matmul's output (where the H200 trace has it)."""
@@ -415,7 +421,7 @@ def workspace_inserts(
     first = steps[0].passes[0]
     bwd = first_blas_output(run, first.bwd_start, first.bwd_end)
     at: dict[int, list[Event]] = {}
-    workspaces = training_workspaces(compute_capability, env, rocm_arch=rocm_arch)
+    workspaces = training_workspaces(compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version)
     for k, ws in enumerate(workspaces):  # keys: workspace_key (records' are ≥ 0)
         tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start if bwd is None else bwd
         at.setdefault(tick, []).append(Event(Op.ALLOC, workspace_key(k), ws.size_bytes))
@@ -430,6 +436,7 @@ def reserved_from_trace(
     compute_capability: tuple[int, int] = (9, 0),
     rocm_arch: str | None = None,
     env: Mapping[str, str] | None = None,
+    torch_version: tuple[int, int] = TARGET_TORCH,
     capacity_bytes: int | None = None,
     stitch: bool = True,
     steps: int = 2,
@@ -462,7 +469,9 @@ def reserved_from_trace(
             units=(unit_ids[0], unit_ids[1], unit_ids[2]),
             full_units=run.count,
             params_per_unit=(per_unit, every * n, trainable * n),
-            inserts=workspace_inserts(done.run, compute_capability, env, rocm_arch=rocm_arch),
+            inserts=workspace_inserts(
+                done.run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version
+            ),
         )
         problem = check_stream(st.events)
         if problem is not None:  # the units are not alike enough to stitch: trace the full depth
@@ -474,6 +483,7 @@ def reserved_from_trace(
                     compute_capability=compute_capability,
                     rocm_arch=rocm_arch,
                     env=env,
+                    torch_version=torch_version,
                     capacity_bytes=capacity_bytes,
                     stitch=False,
                     steps=steps,
@@ -495,7 +505,9 @@ def reserved_from_trace(
         plan = depth.plan_depth(spec, strategy, extrapolate=False)
     counts, lay = plan.layouts[0]
     done = depth.run_layout(spec, strategy, plan, lay, steps=steps, adamw_impl=adamw_impl)
-    events = with_workspaces(tracker_events(done.run), done.run, compute_capability, env, rocm_arch=rocm_arch)
+    events = with_workspaces(
+        tracker_events(done.run), done.run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version
+    )
     res = simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
     return TraceReserved(
         result=res,

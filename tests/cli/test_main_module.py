@@ -1,0 +1,26 @@
+"""``python -m trainfit`` is the console script: same version line, same one-line errors and exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from trainfit import __version__
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainfit", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version() -> None:
+    done = _run("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"trainfit {__version__}"
+
+
+def test_bad_input_is_one_line_and_exit_2() -> None:
+    done = _run("estimate", "no-such-model-xyz")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
