@@ -55,21 +55,28 @@ CASES = _cases()
 needs_data = pytest.mark.skipif(not CASES, reason="the H200 calibration data (../shared/gpu-truth) is not here")
 
 
-@needs_data
-@pytest.mark.parametrize(("allocator", "row", "before"), [_param(*c, slow=False) for c in CASES])
-def test_the_analytic_method_with_the_measuring_process_history(
-    allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
-) -> None:
+def _as_measured_within_tolerance(method: str, allocator: str, row: dict[str, Any], before: tuple[Any, ...]) -> None:
+    """``max_memory_reserved`` and the device's used memory at the end, with the measuring process's history."""
     report = estimate(
         row["model"],
         measured_strategy(row),
+        method=method,
         gpu=GPU,
         allocator=allocator,
         history=_as_measured(before),
         fixes=False,
         torch_version=H200_TORCH,
     )
-    assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE["analytic"]
+    assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE[method]
+    assert abs(report.nvidia_smi_estimate_bytes / row["device_used_end"] - 1) <= TOLERANCE[method]
+
+
+@needs_data
+@pytest.mark.parametrize(("allocator", "row", "before"), [_param(*c, slow=False) for c in CASES])
+def test_the_analytic_method_with_the_measuring_process_history(
+    allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
+) -> None:
+    _as_measured_within_tolerance("analytic", allocator, row, before)
 
 
 @needs_data
@@ -81,18 +88,7 @@ def test_the_analytic_method_with_the_measuring_process_history(
 def test_the_trace_with_the_measuring_process_history(
     allocator: str, row: dict[str, Any], before: tuple[dict[str, Any], ...]
 ) -> None:
-    report = estimate(
-        row["model"],
-        measured_strategy(row),
-        gpu=GPU,
-        allocator=allocator,
-        history=_as_measured(before),
-        method="trace",
-        torch_version=H200_TORCH,
-    )
-    assert abs(report.reserved_estimate_bytes / row["max_reserved"] - 1) <= TOLERANCE["trace"]
-    used = report.nvidia_smi_estimate_bytes / row["device_used_end"] - 1
-    assert abs(used) <= TOLERANCE["trace"]
+    _as_measured_within_tolerance("trace", allocator, row, before)
 
 
 def test_the_default_history_is_a_fresh_process() -> None:
