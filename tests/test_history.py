@@ -16,6 +16,7 @@ import pytest
 
 from tests._gpu_truth import H200_TORCH, h200_processes, measured_strategy
 from trainfit import Strategy, estimate, load_model
+from trainfit.arch import explicit_model
 from trainfit.errors import StrategyError
 from trainfit.history import Build, EarlierRun, ProcessHistory
 from trainfit.strategy import Parallelism
@@ -122,3 +123,7 @@ def test_a_history_the_method_cannot_honour_is_refused() -> None:
         estimate("gpt2", Strategy(micro_batch=1, seq_len=512, parallelism=Parallelism.for_gpus(2)), history=on_device)
     with pytest.raises(StrategyError, match="unknown build"):
         ProcessHistory(build="from-the-moon")
+    numbers = explicit_model(params=10**8, hidden_size=512, num_layers=4)
+    after_numbers = ProcessHistory(after=(EarlierRun(model=numbers, strategy=s),))
+    with pytest.raises(StrategyError, match="needs a real model config"):
+        estimate("gpt2", s, method="trace", history=after_numbers)

@@ -353,6 +353,10 @@ def process_start(
         if st.is_distributed:
             raise StrategyError("--after: an earlier run in the process is one GPU's (no --gpus, sharding or offload)")
         _require_modelled(run.strategy, method, run.model)
+        if method is Method.TRACE and run.model.source == "explicit":
+            raise StrategyError(
+                "--after with --method trace needs a real model config; use a catalog slug or config.json"
+            )
         events = run_events(run.model, st, method, gpu, config, torch_version)
         earlier.append(tuple(built_events(run.model, st, run.build, events)))
     weights, transient = built_on_device_sizes(spec, strategy) if history.build is Build.ON_DEVICE else (0, 0)
