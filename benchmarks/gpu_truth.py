@@ -2,74 +2,148 @@
 against ``torch.cuda.max_memory_allocated``, and the reserved/nvidia-smi estimates against
 ``max_memory_reserved`` and the device's used memory.
 
-    python benchmarks/gpu_truth.py ../shared/gpu-truth/h200-training.jsonl [--trace]
+    python benchmarks/gpu_truth.py ../shared/gpu-truth/h200-training.jsonl [--trace] [--phases [--write]]
 
-The file holds lines from ``measure_training.py`` (a plain PyTorch loop, independent of trainfit): a ``meta``
-line per run, then one line per case with ``model``, ``recipe``, ``optimizer_impl``, ``checkpointing``,
-``attention``, ``batch``, ``seq``, ``phases`` (peak allocated per phase), ``max_reserved`` and
-``device_used_end``. Prints markdown tables; ratios, not absolute timings. ``--trace`` adds the trace method's
-reserved and nvidia-smi estimates (a fake-tensor trace per case: minutes).
+The file holds lines from ``measure_training.py`` (a plain PyTorch loop, independent of trainfit): a ``meta`` line
+per run, then one line per case with ``model``, ``recipe``, ``optimizer_impl``, ``checkpointing``, ``attention``,
+``batch``, ``seq``, ``phases`` (peak allocated per phase), ``max_reserved`` and ``device_used_end``. Prints markdown
+tables; ratios, not absolute timings. ``--trace`` adds the trace method (a fake-tensor trace per case: minutes).
+``--phases``: only the allocated table, per case and phase, measured against the analytic method (and the trace's,
+with ``--trace``); ``--write`` puts it between the ``gpu-truth-phases`` markers of docs/accuracy.md.
 
 The reserved figures come twice: ``fresh`` is what ``trainfit estimate`` reports (the run alone in a new process,
 what a user's job is); ``in process`` simulates the measuring process as it ran
 (:func:`trainfit.allocator.process.simulate_process`): the warm-up matmul, then the cases of each ``meta`` block
-in the file's order, each one's tensors freed and ``empty_cache()`` called before the next, the cuBLAS workspaces
-kept — so a later case starts with whatever segment a workspace pinned. ``data`` may be the folder holding
+in the file's order, each model built by ``from_config`` on the GPU (``trainfit.history.Build.ON_DEVICE``), its
+tensors freed and ``empty_cache()`` called before the next, the cuBLAS workspaces kept — so a later case starts with
+whatever segment a workspace pinned. Each case's stream is the library's (``trainfit.estimate.run_events``,
+``built_events``), the one ``trainfit estimate --build on-device --warm-up --after ...`` replays; the whole process
+is simulated once rather than each case after its predecessors. ``data`` may be the folder holding
 ``h200-training.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import re
 from pathlib import Path
 
 from allocator_replay import measured_strategy
 
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event
-from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
-from trainfit.analytic.activations import effective_strategy
-from trainfit.analytic.events import built_on_device_sizes, training_events
+from trainfit.allocator.process import matmul_warm_up, simulate_process
+from trainfit.allocator.workspaces import parse_torch_version
 from trainfit.arch import load_model
-from trainfit.estimate import gpu_workspaces
+from trainfit.estimate import built_events, gpu_workspaces, resolved_strategy, run_events
 from trainfit.hardware import get_gpu
-from trainfit.result import MemoryReport, Phase
+from trainfit.history import Build
+from trainfit.result import MemoryReport, Method, Phase
 
 GPU = "h200-sxm-141gb"
+BEGIN, END = "<!-- gpu-truth-phases:begin -->", "<!-- gpu-truth-phases:end -->"
+
+
+Process = tuple[str, tuple[int, int], list[dict[str, object]]]
+
+
+def processes(data: Path) -> list[Process]:
+    """Per measuring process (a ``meta`` line): its allocator setting, its torch release (which decides the cuBLAS
+    and cuBLASLt workspaces, ``trainfit.allocator.workspaces``) and its cases in order."""
+    out: list[Process] = []
+    for line in data.read_text().splitlines():
+        row = json.loads(line)
+        if "meta" in row:
+            out.append((row.get("allocator", "default"), parse_torch_version(row["meta"]["torch"]), []))
+        elif "phases" in row:
+            out[-1][2].append(row)
+    return out
+
+
+def phase_rows(procs: list[Process], trace: bool) -> list[str]:
+    """The per-phase allocated table: each case × phase, measured, analytic and (``trace``) trace, with errors.
+    The allocated phases do not depend on the allocator setting or the process history (the measured ones of the
+    repeated cases differ by a few blocks of rounding), so each run of the file is a row of its own."""
+    head = "| case | allocator | phase | measured GiB | analytic GiB | analytic | trace GiB | trace |"
+    rows = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    traced: dict[str, MemoryReport] = {}  # a case's phases do not depend on its allocator: traced once
+    for allocator, torch, cases in procs:
+        conf = "" if allocator == "default" else allocator
+        for row in cases:
+            s = measured_strategy(row)
+            kw = {"gpu": GPU, "allocator": conf, "torch_version": torch}
+            ra = estimate(str(row["model"]), s, search_micro_batch=False, **kw)  # type: ignore[arg-type]
+            rt = None
+            if trace:
+                if str(row["id"]) not in traced:
+                    traced[str(row["id"])] = estimate(
+                        str(row["model"]),
+                        s,
+                        method="trace",
+                        simulate_allocator=False,
+                        **kw,  # type: ignore[arg-type]
+                    )
+                rt = traced[str(row["id"])]
+            phases = row["phases"]
+            assert isinstance(phases, dict)
+            for ph in Phase:
+                measured = int(phases[ph.value])
+                a = ra.phase(ph).total_bytes
+                t = (
+                    f"{rt.phase(ph).total_bytes / 2**30:.3f} | {rt.phase(ph).total_bytes / measured - 1:+.2%}"
+                    if rt
+                    else "— | —"
+                )
+                rows.append(
+                    f"| {row['id']} | {allocator} | {ph.value} | {measured / 2**30:.3f} | {a / 2**30:.3f} "
+                    f"| {a / measured - 1:+.2%} | {t} |"
+                )
+            print(rows[-3], rows[-2], rows[-1], sep="\n", flush=True)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("data", type=Path, help="a JSON-lines file of measured cases (or the folder holding one)")
     ap.add_argument("--trace", action="store_true", help="also run the trace method on every case")
+    ap.add_argument("--phases", action="store_true", help="only the per-phase allocated table")
+    ap.add_argument("--write", action="store_true", help="with --phases: replace the table in docs/accuracy.md")
     args = ap.parse_args()
     data = args.data / "h200-training.jsonl" if args.data.is_dir() else args.data
     if not data.is_file():
         raise SystemExit(f"gpu_truth.py: no such file: {data}")
-    workspaces = gpu_workspaces(get_gpu(GPU))
+    if args.write and not args.phases:
+        raise SystemExit("gpu_truth.py: --write writes the --phases table")
+    procs = processes(data)
+    if args.phases:
+        table = phase_rows(procs, args.trace)
+        if args.write:
+            doc = Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"
+            new = BEGIN + "\n" + "\n".join(table) + "\n" + END
+            text = doc.read_text()
+            if BEGIN not in text:
+                raise SystemExit(f"gpu_truth.py: no {BEGIN} marker in {doc}")
+            doc.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: new, text, flags=re.S))
+        return
+    gpu = get_gpu(GPU)
     print("| case | allocator | phase | measured GiB | analytic GiB | analytic/measured − 1 |")
     print("|---|---|---|---:|---:|---:|")
     worst = 0.0
-    # per measuring process (a meta line): its allocator setting and its cases in order
-    processes: list[tuple[str, list[dict[str, object]]]] = []
-    for line in data.read_text().splitlines():
-        row = json.loads(line)
-        if "meta" in row:
-            processes.append((row.get("allocator", "default"), []))
-        elif "phases" in row:
-            processes[-1][1].append(row)
     rows: list[tuple[str, str, str, int, int, MemoryReport, int]] = []
-    for allocator, cases in processes:
+    for allocator, torch, cases in procs:
         conf = "" if allocator == "default" else allocator
+        config = AllocatorConfig.parse(conf)
+        workspaces = gpu_workspaces(gpu, torch)
         streams: dict[str, list[list[Event]]] = {"analytic": [], "trace": []}
         reports: list[tuple[int, dict[str, object], str, MemoryReport]] = []
         for k, row in enumerate(cases):
             s = measured_strategy(row)
-            r = estimate(row["model"], s, gpu=GPU, allocator=conf)
+            r = estimate(str(row["model"]), s, gpu=GPU, allocator=conf, torch_version=torch)
+            phases = row["phases"]
+            assert isinstance(phases, dict)
             for ph in Phase:
-                measured = row["phases"][ph.value]
+                measured = int(phases[ph.value])
                 ours = r.phase(ph).total_bytes
                 rel = ours / measured - 1
                 worst = max(worst, abs(rel))
@@ -77,29 +151,36 @@ def main() -> None:
                     f"| {row['id']} | {allocator} | {ph.value} | {measured / 2**30:.2f} | {ours / 2**30:.2f} "
                     f"| {rel:+.2%} |"
                 )
-            spec = load_model(row["model"])
-            effective, _ = effective_strategy(spec, s)
-            # measure_training.py builds each model with from_config on the GPU: a tied head's own weight is made
-            # and freed before training (trainfit.allocator.process.built_on_device)
-            n_weights, head_bytes = built_on_device_sizes(spec, effective)
-            built = functools.partial(built_on_device, weights=n_weights, transient_bytes=head_bytes)
-            streams["analytic"].append(built(training_events(spec, effective, workspaces)))
-            reports.append((k, row, "analytic", r))
-            if args.trace:
-                from trainfit.trace.events import reserved_from_trace
-
-                t = estimate(row["model"], s, gpu=GPU, allocator=conf, method="trace")
-                reports.append((k, row, "trace", t))
-                traced = reserved_from_trace(spec, effective, AllocatorConfig.parse(conf), compute_capability=(9, 0))
-                streams["trace"].append(built(list(traced.stream)))
+            spec = load_model(str(row["model"]))
+            effective, _, _ = resolved_strategy(spec, s, gpu)
+            methods = (Method.ANALYTIC, Method.TRACE) if args.trace else (Method.ANALYTIC,)
+            for method in methods:
+                if method is Method.TRACE:
+                    t = estimate(spec, s, gpu=GPU, allocator=conf, method="trace", torch_version=torch)
+                    reports.append((k, row, "trace", t))
+                else:
+                    reports.append((k, row, "analytic", r))
+                # measure_training.py builds each model with from_config on the GPU (trainfit.history.Build)
+                own = run_events(spec, effective, method, gpu, config, torch)
+                streams[method.value].append(built_events(spec, effective, Build.ON_DEVICE, own))
         in_process = {
-            method: simulate_process(evs, AllocatorConfig.parse(conf), warm_up=matmul_warm_up(workspaces))
+            method: simulate_process(evs, config, warm_up=matmul_warm_up(workspaces))
             for method, evs in streams.items()
             if evs
         }
         for k, row, method, rep in reports:
             run = in_process[method][k].peak_reserved_bytes
-            rows.append((str(row["id"]), allocator, method, row["max_reserved"], row["device_used_end"], rep, run))
+            rows.append(
+                (
+                    str(row["id"]),
+                    allocator,
+                    method,
+                    int(str(row["max_reserved"])),
+                    int(str(row["device_used_end"])),
+                    rep,
+                    run,
+                )
+            )
     print(f"\nworst |analytic/measured − 1| over every phase: {worst:.2%}\n")
     print(
         "| case | allocator | method | max_memory_reserved GiB | fresh estimate GiB | error | in process GiB | error "

@@ -15,7 +15,9 @@ import os
 from collections.abc import Callable
 from importlib import import_module
 
-from trainfit.allocator import AllocatorConfig
+from trainfit._memo import Memo, spec_key
+from trainfit.allocator import AllocatorConfig, Event
+from trainfit.allocator.process import ProcessStart, built_on_device, matmul_warm_up
 from trainfit.allocator.workspaces import TARGET_TORCH, Workspace, parse_torch_version, training_workspaces
 from trainfit.analytic import estimate_analytic, estimate_rule_of_thumb
 from trainfit.analytic.activations import (
@@ -27,6 +29,7 @@ from trainfit.analytic.activations import (
     sdpa_kv_heads,
 )
 from trainfit.analytic.adapters import check_dora, check_finetune_model
+from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
 from trainfit.analytic.parallel import plan as parallel_plan
@@ -34,6 +37,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
+from trainfit.history import Build, ProcessHistory
 from trainfit.overhead import DEFAULT_CUDA, REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import (
     DEFAULT_HEADROOM,
@@ -263,6 +267,133 @@ def gpu_workspaces(gpu: GPUSpec | None, torch_version: tuple[int, int] = TARGET_
     )
 
 
+def resolved_strategy(spec: ModelSpec, asked: Strategy, gpu: GPUSpec | None) -> tuple[Strategy, list[str], list[str]]:
+    """(the strategy the methods run, its warning, its notes): the model's attention fallbacks
+    (``effective_strategy``), and no FlashAttention on a GPU that has none."""
+    strategy, fallback = effective_strategy(spec, asked)
+    warnings = [fallback] if fallback else []
+    notes: list[str] = []
+    if gpu is not None and strategy.flash_sdp and not has_flash_attention(gpu.compute_capability):
+        # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
+        strategy = dataclasses.replace(strategy, flash_sdp=False)
+        if strategy.attention is Attention.SDPA:
+            notes.append(
+                f"{gpu.id} (compute capability {gpu.compute_capability}) has no FlashAttention kernel in "
+                "PyTorch: SDPA runs the memory-efficient or the math kernel"
+            )
+    return strategy, warnings, notes
+
+
+#: The traced streams of :func:`run_events` (each a few hundred thousand events: a handful kept).
+_TRACED: Memo[tuple[Event, ...]] = Memo(4)
+
+
+def run_events(
+    spec: ModelSpec,
+    strategy: Strategy,
+    method: Method,
+    gpu: GPUSpec | None,
+    config: AllocatorConfig,
+    torch_version: tuple[int, int] = TARGET_TORCH,
+) -> list[Event]:
+    """One GPU's training run (``strategy`` as :func:`resolved_strategy` gives it) as the allocator event stream
+    ``method`` replays for reserved memory, alone in a fresh process: the analytic method's synthesised stream
+    (:func:`trainfit.analytic.events.training_events`) or the trace's, stitched to full depth
+    (:func:`trainfit.trace.events.reserved_from_trace`: a trace of the model, seconds to minutes), with ``gpu``'s
+    workspaces under ``torch_version``."""
+    if method is Method.ANALYTIC:
+        return training_events(spec, strategy, gpu_workspaces(gpu, torch_version))
+    if method is not Method.TRACE:
+        raise StrategyError(f"--method {method.value} has no allocator event stream: --method analytic or trace")
+    reserved_from_trace = import_module("trainfit.trace.events").reserved_from_trace  # lazy: torch
+    rocm_arch = gpu.rocm_arch if gpu is not None else None
+    cc = gpu_compute_capability(gpu)
+
+    def traced() -> tuple[Event, ...]:
+        run = reserved_from_trace(
+            spec,
+            strategy,
+            config,
+            compute_capability=cc,
+            rocm_arch=rocm_arch,
+            env=os.environ,
+            torch_version=torch_version,
+        )
+        return tuple(run.stream)
+
+    # a process's earlier runs are traced again for every later run asked about (benchmarks, tests): keep a few
+    key = (spec_key(spec), strategy, config, cc, rocm_arch, gpu_workspaces(gpu, torch_version))
+    return list(_TRACED.get(key, traced))
+
+
+def built_events(spec: ModelSpec, strategy: Strategy, build: Build, events: list[Event]) -> list[Event]:
+    """``events`` of a run whose model was built as ``build`` says (``Build.ON_DEVICE``: a tied head's own weight
+    made and freed after the parameters, :func:`trainfit.allocator.process.built_on_device`)."""
+    if build is Build.FROM_PRETRAINED:
+        return events
+    weights, transient = built_on_device_sizes(spec, strategy)
+    return built_on_device(events, weights=weights, transient_bytes=transient)
+
+
+def process_start(
+    spec: ModelSpec,
+    strategy: Strategy,
+    history: ProcessHistory,
+    method: Method,
+    gpu: GPUSpec | None,
+    config: AllocatorConfig,
+    torch_version: tuple[int, int] = TARGET_TORCH,
+) -> ProcessStart:
+    """``history`` as the allocator's starting state for a run of ``spec`` under ``strategy`` (resolved): the
+    warm-up matmul's events (:func:`trainfit.allocator.process.matmul_warm_up`, with ``gpu``'s workspaces), each
+    earlier run's events by the same ``method`` (one GPU each), and the run's own build."""
+    earlier: list[tuple[Event, ...]] = []
+    for run in history.after:
+        st, _, _ = resolved_strategy(run.model, run.strategy, gpu)
+        if st.is_distributed:
+            raise StrategyError("--after: an earlier run in the process is one GPU's (no --gpus, sharding or offload)")
+        _require_modelled(run.strategy, method, run.model)
+        if method is Method.TRACE and run.model.source == "explicit":
+            raise StrategyError(
+                "--after with --method trace needs a real model config; use a catalog slug or config.json"
+            )
+        events = run_events(run.model, st, method, gpu, config, torch_version)
+        earlier.append(tuple(built_events(run.model, st, run.build, events)))
+    weights, transient = built_on_device_sizes(spec, strategy) if history.build is Build.ON_DEVICE else (0, 0)
+    return ProcessStart(
+        warm_up=tuple(matmul_warm_up(gpu_workspaces(gpu, torch_version))) if history.warm_up else (),
+        earlier=tuple(earlier),
+        weights=weights,
+        transient_bytes=transient,
+    )
+
+
+def history_note(history: ProcessHistory) -> str:
+    """The report's note on a process history: what the simulated reserve ran after."""
+    parts = [
+        f"the model built {'by from_config on the GPU' if history.build is Build.ON_DEVICE else 'from_pretrained'}"
+    ]
+    if history.warm_up:
+        parts.append("a warm-up matmul before it")
+    if history.after:
+        parts.append("after " + ", then ".join(r.model.name for r in history.after) + " in the same process")
+    return "reserved memory simulated for " + "; ".join(parts) + " (a fresh process may reserve differently)"
+
+
+def _require_history_modelled(strategy: Strategy, method: Method, simulate_allocator: bool) -> None:
+    """The process history moves the simulated reserve of one GPU: refuse what would ignore it."""
+    if method not in (Method.ANALYTIC, Method.TRACE) or (method is Method.TRACE and not simulate_allocator):
+        raise StrategyError(
+            "--build, --warm-up and --after change the caching allocator's simulated reserve: use --method analytic "
+            "or trace"
+        )
+    if strategy.is_distributed:
+        raise StrategyError(
+            "--build, --warm-up and --after are modelled for one GPU only (a many-GPU rank's stream does not take "
+            "a process history yet)"
+        )
+
+
 def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
     """``report`` with the workspaces in every phase (allocated in step 1, held from then on), of every rank."""
 
@@ -378,6 +509,7 @@ def estimate(
     search_micro_batch: bool = True,
     fixes: bool = True,
     verdict_only: bool = False,
+    history: ProcessHistory | None = None,
     torch_version: str | tuple[int, int] | None = None,
     cuda_version: str | tuple[int, int] | None = None,
 ) -> MemoryReport:
@@ -391,11 +523,15 @@ def estimate(
     GPU, search the planner's top three checked fixes (False: ``FitVerdict.fixes_searched`` stays False).
     ``verdict_only`` (with a GPU and ``search_micro_batch=False``; the planner's probes): a simulated reserve stops
     once it passes the allocator's share of the usable memory — the verdict is the same, the requirement of a
-    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``torch_version``: the torch
-    release on the GPU machine (``"2.11"``; None: :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides
-    the cuBLAS/cuBLASLt workspaces (:mod:`trainfit.allocator.workspaces`). ``cuda_version``: the CUDA release
-    (``"12.8"``; None: 13.0, the reference measurement's), which decides the CUDA context (eager module loading
-    before 11.7, :mod:`trainfit.overhead`) and must run the GPU."""
+    setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``history``: the process the
+    run starts in (:mod:`trainfit.history`; None: a fresh one, the model from ``from_pretrained``) — how its model
+    was built, a warm-up matmul, earlier runs; it moves the simulated reserve (analytic and trace, one GPU; the
+    micro-batch search probes each batch after the same history, the fixes are searched for a fresh process).
+    ``torch_version``: the torch release on the GPU machine (``"2.11"``; None:
+    :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides the cuBLAS/cuBLASLt workspaces
+    (:mod:`trainfit.allocator.workspaces`). ``cuda_version``: the CUDA release (``"12.8"``; None: 13.0, the reference
+    measurement's), which decides the CUDA context (eager module loading before 11.7, :mod:`trainfit.overhead`) and
+    must run the GPU."""
     spec = load_model(model) if isinstance(model, str) else model
     release = _torch_release(torch_version)
     asked = strategy or Strategy()
@@ -411,23 +547,14 @@ def estimate(
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     check_float8_gpu(asked, gpu_spec)
     cuda = _cuda_release(cuda_version, gpu_spec)
-    strategy, fallback = effective_strategy(spec, asked)
-    warnings = [fallback] if fallback else []
-    gpu_notes: list[str] = []
+    strategy, warnings, gpu_notes = resolved_strategy(spec, asked, gpu_spec)
     if cuda_version is None and gpu_spec is not None and gpu_spec.compute_capability is not None:
         why_not = cuda_supports(gpu_spec.compute_capability, cuda)
         if why_not is not None:  # a V100 under the default 13.0: 12.x has the same context figures
-            gpu_notes.append(
+            gpu_notes.insert(
+                0,
                 f"the CUDA context is counted as for CUDA {cuda[0]}.{cuda[1]}, which {gpu_spec.id} cannot run "
-                f"({why_not}); CUDA 11.7 to 13.x share the figures, --cuda-version names the release"
-            )
-    if gpu_spec is not None and strategy.flash_sdp and not has_flash_attention(gpu_spec.compute_capability):
-        # A note: where it matters (a fall-back to the math kernel) the attention warning says it again.
-        strategy = dataclasses.replace(strategy, flash_sdp=False)
-        if strategy.attention is Attention.SDPA:
-            gpu_notes.append(
-                f"{gpu_spec.id} (compute capability {gpu_spec.compute_capability}) has no FlashAttention kernel in "
-                "PyTorch: SDPA runs the memory-efficient or the math kernel"
+                f"({why_not}); CUDA 11.7 to 13.x share the figures, --cuda-version names the release",
             )
     method_fn = _method_fn(method, strategy)
     options = dict(method_options or {})
@@ -454,6 +581,11 @@ def estimate(
         options.setdefault("torch_version", release)
         if gpu_spec is not None and gpu_spec.rocm_arch is not None:
             options.setdefault("rocm_arch", gpu_spec.rocm_arch)
+    if history is not None and not history.fresh:
+        _require_history_modelled(strategy, method, simulate_allocator)
+        config = options["allocator"]
+        assert isinstance(config, AllocatorConfig)  # set above for both methods
+        options["start"] = process_start(spec, strategy, history, method, gpu_spec, config, release)
 
     def fn(spec: ModelSpec, strategy: Strategy, **kw: object) -> MemoryReport:
         """The method, with this GPU's cuBLAS workspaces (a real run's measurement has them already) and the
@@ -518,6 +650,8 @@ def estimate(
         warnings += fsdp_accumulation_warnings(spec, strategy)
     fit = None
     notes = list(report.notes) + gpu_notes
+    if history is not None and not history.fresh:
+        notes.append(history_note(history))
     if gpu_spec is not None:
         warnings += precision_warnings(strategy, gpu_spec)
         # The batch search re-runs cheap methods only; trace/measure report the verdict for this batch.
@@ -566,4 +700,5 @@ def estimate(
         gpu=gpu_spec,
         comparison=comparison,
         speed=speed,
+        history=history or ProcessHistory(),
     )

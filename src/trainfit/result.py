@@ -34,6 +34,7 @@ from trainfit.cuda_facts import SdpaKernel
 if TYPE_CHECKING:
     from trainfit.arch.spec import ModelSpec
     from trainfit.hardware.gpus import GPUSpec
+    from trainfit.history import ProcessHistory
     from trainfit.planner.speed import StepTime
     from trainfit.strategy import Strategy
 
@@ -492,6 +493,8 @@ class MemoryReport:
     gpu: GPUSpec | None = None
     # With a GPU: the speed model's step time for exactly this configuration (trainfit.planner.speed).
     speed: StepTime | None = None
+    # The process the run starts in (``trainfit.history``; set by ``trainfit.estimate``, a fresh one by default).
+    history: ProcessHistory | None = None
     # With a GPU, when the reserve was simulated and only the uncapped reserve keeps it off the GPU: the same
     # stream under the usable capacity (FitVerdict.tier FITS_WITH_FLUSHES when it completed).
     capped: CappedRun | None = None

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainfit.allocator import AllocatorConfig, Event, Op
-from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
+from trainfit.allocator import AllocatorConfig, Event, Op, simulate
+from trainfit.allocator.process import ProcessStart, built_on_device, matmul_warm_up, simulate_process
 from trainfit.allocator.workspaces import Thread, WorkspaceKind, training_workspaces, workspace_key
 
 MiB = 1 << 20
@@ -95,3 +95,32 @@ def test_the_freed_head_takes_a_tensor_that_would_have_had_a_segment_of_its_own(
     (built,) = simulate_process([built_on_device(run, weights=1, transient_bytes=100 * MiB)])
     assert plain.peak_reserved_bytes == 180 * MiB
     assert built.peak_reserved_bytes == 220 * MiB
+
+
+def test_a_process_start_puts_one_run_where_the_process_simulation_has_it() -> None:
+    """ProcessStart (what ``trainfit estimate --warm-up --after ... --build on-device`` replays): run 1 of
+    the first test above, then run 2 alone from that state — 100 MiB reserved at its start (the pinned segment),
+    its 60 MiB tensor in the 68 MiB behind the workspace, the workspace not made again; its peaks its own."""
+    start = ProcessStart(earlier=(tuple(_run(100, True)),))
+    assert start.workspaces_made() == {WS}
+    second = _run(60, True)
+    res = simulate(start.events(second), AllocatorConfig(), setup=start.setup)
+    assert res.peak_reserved_bytes == 100 * MiB
+    assert res.peak_allocated_bytes == 32 * MiB + 60 * MiB
+    (_, in_process) = simulate_process([_run(100, True), second], AllocatorConfig())
+    assert (res.peak_reserved_bytes, res.peak_allocated_bytes) == (
+        in_process.peak_reserved_bytes,
+        in_process.peak_allocated_bytes,
+    )
+
+
+def test_a_process_start_builds_the_run_s_model_on_the_device() -> None:
+    """The freed head of the test above, through ProcessStart: 20 + 100 + 100 MiB; with a warm-up, its three
+    256×256 fp32 tensors (256 KiB each, the small pool: one 2 MiB segment) come first and stay reserved."""
+    run = [Event(Op.ALLOC, 0, 4 * MiB), Event(Op.ALLOC, 1, 60 * MiB), Event(Op.ALLOC, 2, 100 * MiB)]
+    built = ProcessStart(weights=1, transient_bytes=100 * MiB)
+    assert not built.fresh and ProcessStart().fresh
+    assert simulate(built.events(run), AllocatorConfig(), setup=built.setup).peak_reserved_bytes == 220 * MiB
+    warm = ProcessStart(warm_up=tuple(matmul_warm_up(())), weights=1, transient_bytes=100 * MiB)
+    res = simulate(warm.events(run), AllocatorConfig(), setup=warm.setup)
+    assert res.peak_reserved_bytes == 2 * MiB + 220 * MiB

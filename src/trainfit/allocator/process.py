@@ -27,7 +27,13 @@ the first forward's 128 MiB activations that would otherwise have had segments o
 states made in step 1 then find fewer small holes, spill into a second logits segment and step 2 needs a fifth.
 :func:`built_on_device` inserts that block into a run's events. ``from_pretrained`` (weights materialised from
 a checkpoint, the tie made before) and a model moved with ``.to("cuda")`` allocate no such block, which is why
-``trainfit estimate`` leaves it out.
+``trainfit estimate`` leaves it out unless told otherwise.
+
+:class:`ProcessStart` is the same history for one run at a time: it seeds a fresh :class:`Simulator` with the
+warm-up and the earlier runs (torn down, ``empty_cache``, peaks reset) and gives the run's own events as they then
+run (the tied head's block inserted, the workspaces already made left out), so ``simulate(..., setup=)`` answers
+with everything a fresh run's simulation has (a capacity, the layout at the peak). ``trainfit estimate --build
+on-device --warm-up --after ...`` (:mod:`trainfit.history`) replays its run that way.
 """
 
 from __future__ import annotations
@@ -53,6 +59,40 @@ class ProcessRun:
     end_reserved_bytes: int
 
 
+class _Process:
+    """One process's allocator and the workspaces its threads have made (the replay both
+    :func:`simulate_process` and :class:`ProcessStart` use)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.kept: set[int] = set()
+        self.base = 0
+
+    def apply(self, events: Iterable[Event], base: int) -> None:
+        sim = self.sim
+        for e in events:
+            if e.key < 0:
+                if e.op is Op.ALLOC:
+                    if e.key in self.kept:  # the handle's workspace exists already
+                        continue
+                    self.kept.add(e.key)
+                    sim.malloc(e.key, e.size_bytes, e.stream)
+                    continue
+                raise ValueError(f"workspace key {e.key} freed: workspaces live as long as the process")
+            sim.apply(e.op, e.key + base, e.size_bytes, e.stream)
+
+    def next_base(self) -> int:
+        self.base += 1 << 40  # no run's keys collide with an earlier one's
+        return self.base
+
+    def teardown(self) -> None:
+        """The run's tensors freed, then ``empty_cache``: what the next run starts from."""
+        for k in self.sim.live_keys():
+            if k >= 0:
+                self.sim.free(k)
+        self.sim.empty_cache()
+
+
 def simulate_process(
     runs: Sequence[Iterable[Event]],
     config: AllocatorConfig | None = None,
@@ -64,36 +104,16 @@ def simulate_process(
     workspace key's allocation there is the one the runs then skip). A run's non-negative keys are its own
     (renamed per run); a negative key is a workspace, allocated once."""
     sim = Simulator(config)
-    kept: set[int] = set()
-
-    def apply(events: Iterable[Event], base: int) -> None:
-        for e in events:
-            if e.key < 0:
-                if e.op is Op.ALLOC:
-                    if e.key in kept:  # the handle's workspace exists already
-                        continue
-                    kept.add(e.key)
-                    sim.malloc(e.key, e.size_bytes, e.stream)
-                    continue
-                raise ValueError(f"workspace key {e.key} freed: workspaces live as long as the process")
-            sim.apply(e.op, e.key + base, e.size_bytes, e.stream)
-
-    def teardown() -> None:
-        for k in sim.live_keys():
-            if k >= 0:
-                sim.free(k)
-        sim.empty_cache()
-
-    apply(warm_up, 0)
+    proc = _Process(sim)
+    proc.apply(warm_up, 0)
     out: list[ProcessRun] = []
-    base = 0
     for run in runs:
-        base += 1 << 40  # no run's keys collide with an earlier one's
+        base = proc.next_base()
         start = sim.reserved_bytes
         sim.reset_peak_stats()
-        apply(run, base)
+        proc.apply(run, base)
         peak_reserved, peak_allocated = sim.peak_reserved_bytes, sim.peak_allocated_bytes
-        teardown()
+        proc.teardown()
         out.append(
             ProcessRun(
                 start_reserved_bytes=start,
@@ -103,6 +123,44 @@ def simulate_process(
             )
         )
     return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessStart:
+    """Where one run starts in its process (``trainfit.history.ProcessHistory`` resolved into events): the
+    ``warm_up``'s events, the ``earlier`` runs' (each torn down and followed by ``empty_cache``, as
+    :func:`simulate_process` runs them), and how the run's own model was built (``weights``, ``transient_bytes``:
+    :func:`built_on_device`'s). :meth:`setup` puts a fresh :class:`Simulator` in that state with its peaks reset;
+    :meth:`events` is the run's own stream as it then runs — the tied head's block inserted, the workspaces the
+    process made already left out. ``simulate(start.events(run), config, setup=start.setup)`` is then the run's
+    figures as :func:`simulate_process` gives them, with everything :func:`~trainfit.allocator.simulate` adds
+    (a capacity, the layout at the peak)."""
+
+    warm_up: tuple[Event, ...] = ()
+    earlier: tuple[tuple[Event, ...], ...] = ()
+    weights: int = 0
+    transient_bytes: int = 0
+
+    @property
+    def fresh(self) -> bool:
+        return not self.warm_up and not self.earlier and self.transient_bytes <= 0
+
+    def setup(self, sim: Simulator) -> None:
+        proc = _Process(sim)
+        proc.apply(self.warm_up, 0)
+        for run in self.earlier:
+            proc.apply(run, proc.next_base())
+            proc.teardown()
+        sim.reset_peak_stats()
+
+    def workspaces_made(self) -> frozenset[int]:
+        """The workspace keys the process allocated before the run (its threads' handles keep them)."""
+        return frozenset(e.key for evs in (self.warm_up, *self.earlier) for e in evs if e.key < 0 and e.op is Op.ALLOC)
+
+    def events(self, run: Sequence[Event]) -> list[Event]:
+        made = self.workspaces_made()
+        built = built_on_device(run, weights=self.weights, transient_bytes=self.transient_bytes)
+        return [e for e in built if not (e.key < 0 and e.key in made)]
 
 
 def built_on_device(events: Sequence[Event], *, weights: int, transient_bytes: int) -> list[Event]:

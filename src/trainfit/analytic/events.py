@@ -401,6 +401,26 @@ def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int, dropped: bool, a
     )
 
 
+#: The saved terms of a 16-bit pre-norm decoder layer whose lifetimes in a no-grad (checkpointed) forward the
+#: stream models (``synthesise``: ``nograd``).
+NO_GRAD_TERMS = frozenset(
+    {
+        "norm1.rsqrt",
+        "norm1.input_fp32",
+        "norm1.normed",
+        "attn_in.input",
+        "attn.sdpa.qkv",
+        "attn.sdpa.out",
+        "attn.sdpa.lse",
+        "norm2.rsqrt",
+        "norm2.input_fp32",
+        "norm2.normed",
+        "mlp_in.input",
+        "mlp.swiglu",
+    }
+)
+
+
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
     """The synthesised event stream of :data:`STEPS` training steps (see the module docstring); the main
     thread's ``workspaces`` appear at the first forward, the autograd thread's after the first backward matmul's
@@ -799,6 +819,14 @@ def synthesise(
     rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
     rms_transients = rank.module_order and spec.norm is NormKind.RMSNORM
     pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
+    # A checkpointed forward runs under no_grad (torch.utils.checkpoint): nothing is saved, each tensor dies with its
+    # last Python reference. For a 16-bit pre-norm decoder layer (NO_GRAD_TERMS) the stream frees them where
+    # transformers' modules drop them (models/llama/modeling_llama.py): RMSNorm's fp32 input once ``x * rsqrt`` is
+    # made, its cast and rsqrt when it returns its output; attention's q, k, v, output and the norm's output when
+    # it returns o_proj's; SwiGLU's gate once activated, the activation and up once multiplied, the product when
+    # down_proj's output exists; the residual adds as tensors of their own. Other layers keep their would-be saved
+    # tensors to the layer's end. Keys to free once the caller has made the layer's output: ``after_output``.
+    after_output: list[int] = []
 
     def release_pending() -> None:
         for p in list(pending):
@@ -855,7 +883,33 @@ def synthesise(
             closing = closing_of[terms_key] = {
                 f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None
             }
+        nograd = discard and rms_transients and rotary and not flows and all(t.name in NO_GRAD_TERMS for t in terms)
+        by_name: dict[str, list[int]] = {}
+
+        def drop(*names: str) -> None:
+            for name in names:
+                for key in by_name.pop(name, []):
+                    saved.remove(key)
+                    s.free(key)
+
         for k, term in enumerate(terms):
+            if nograd and term.name == "norm2.rsqrt":  # attention has returned o_proj's output: the residual add
+                o_proj = s.alloc(hidden)
+                drop("attn.sdpa.qkv", "attn.sdpa.out", "attn.sdpa.lse", "attn_in.input")
+                after_output.append(s.alloc(hidden))
+                s.free(o_proj)
+            if nograd and term.name == "mlp.swiglu" and len(term.pieces) == 4:
+                n_gate, n_act, n_up, n_prod = (rank.saved_bytes(term.name, n) for n in term.pieces)
+                gate_out = s.alloc(n_gate)
+                act_out = s.alloc(n_act)
+                s.free(gate_out)
+                up_out = s.alloc(n_up)
+                by_name[term.name] = [s.alloc(n_prod)]
+                saved += by_name[term.name]
+                s.free(act_out)
+                s.free(up_out)
+                release_pending()
+                continue
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
@@ -865,7 +919,8 @@ def synthesise(
                 s.free(transient)
                 continue
             if rotary and term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
-                saved += rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
+                by_name[term.name] = rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
+                saved += by_name[term.name]
                 release_pending()
                 continue
             if f is not None and f.dora is not None and open_flow is not None and term.name.endswith(".dora_base_out"):
@@ -875,6 +930,7 @@ def synthesise(
             else:
                 keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
             saved += keys
+            by_name[term.name] = list(keys)
             release_pending()
             if rms_transients and term.name.endswith(".input_fp32") and len(keys) == 1:
                 # LlamaRMSNorm.forward: ``hidden_states.to(torch.float32)`` (the saved input), ``.pow(2)`` (freed
@@ -883,6 +939,11 @@ def synthesise(
                 n = rank.saved_bytes(term.name, term.bytes)
                 s.free(s.alloc(n))
                 pending.append([s.alloc(n), 2])
+                if nograd:
+                    drop(term.name)
+            if nograd and term.name in ("attn_in.input", "mlp_in.input"):  # the norm has returned its output
+                norm = "norm1" if term.name == "attn_in.input" else "norm2"
+                drop(f"{norm}.rsqrt", f"{norm}.normed")
             if f is not None:
                 own[term.name] = keys
                 if f.dora is not None and term.name.endswith(".lora_A_out") and open_flow is not None:
@@ -916,6 +977,9 @@ def synthesise(
         for k, _ in pending:
             s.free(k)
         pending.clear()
+        if nograd:  # the MLP has returned down_proj's output
+            after_output.insert(0, s.alloc(hidden))
+            drop("mlp.swiglu", "mlp_in.input")
         return copies, saved
 
     def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
@@ -1048,6 +1112,8 @@ def synthesise(
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
+                s.free_all(after_output)  # the no-grad forward's down_proj output and first residual add
+                after_output.clear()
                 if not kept_input:
                     s.free(residual)
                 residual = nxt

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from trainfit._memo import Memo, spec_key
-from trainfit.allocator import AllocatorConfig
+from trainfit.allocator import AllocatorConfig, AllocatorResult, simulate
+from trainfit.allocator.process import ProcessStart
 from trainfit.allocator.report import allocator_details, capped_run
 from trainfit.allocator.workspaces import Workspace
 from trainfit.analytic.activations import (
@@ -80,7 +81,7 @@ from trainfit.analytic.adapters import (
     frozen_forms_known,
     frozen_layers,
 )
-from trainfit.analytic.events import simulate_training
+from trainfit.analytic.events import simulate_training, training_events
 from trainfit.analytic.float8 import (
     block_linears,
     check_float8,
@@ -1016,6 +1017,7 @@ def estimate_analytic(
     layout: bool = False,
     capacity_bytes: int | None = None,
     stop_above_bytes: int | None = None,
+    start: ProcessStart | None = None,
 ) -> MemoryReport:
     """Closed-form per-GPU peak allocated memory for one training step of ``spec`` under ``strategy``; reserved
     memory from the caching-allocator simulation of the same tensors (:mod:`trainfit.analytic.events`) under
@@ -1025,7 +1027,9 @@ def estimate_analytic(
     runs once more under it (``MemoryReport.capped``, :func:`trainfit.allocator.report.capped_run`).
     ``stop_above_bytes``: the stream stops once reserved passes it (``MemoryReport.reserve_stopped``: a lower bound
     of the reserve; for callers that only ask whether it fits) — not with the savers or fp8, whose reserve is taken
-    above the simulation's own allocated peak, which a stopped run does not bound."""
+    above the simulation's own allocated peak, which a stopped run does not bound.
+    ``start``: the process the run starts in (``trainfit.history``): the whole synthesised stream runs after its
+    history (:class:`~trainfit.allocator.process.ProcessStart`; not memoised, never stopped early)."""
     strategy, q, phases = _closed_form(spec, strategy, keep_logits=keep_logits)
     peak = max(p.total_bytes for p in phases)
     st, stack = q.states, q.stack
@@ -1034,7 +1038,24 @@ def estimate_analytic(
     config = allocator if allocator is not None else AllocatorConfig.from_env()
     own_peak = strategy.savers.any or float8_enabled(strategy)
     stop = None if own_peak else stop_above_bytes
-    sim = simulate_training(spec, strategy, config, workspaces, layout=layout, stop_above_bytes=stop)
+
+    def simulated(
+        capacity: int | None = None, *, with_layout: bool = False, stop_at: int | None = None
+    ) -> AllocatorResult:
+        if start is None:
+            return simulate_training(
+                spec,
+                strategy,
+                config,
+                workspaces,
+                layout=with_layout,
+                capacity_bytes=capacity,
+                stop_above_bytes=stop_at,
+            )
+        events = start.events(training_events(spec, strategy, workspaces))
+        return simulate(events, config, layout=with_layout, capacity_bytes=capacity, setup=start.setup)
+
+    sim = simulated(with_layout=layout, stop_at=stop)
     held = peak + sum(w.size_bytes for w in workspaces)
     reserve = max(0, sim.peak_reserved_bytes - held)
     if own_peak:
@@ -1043,7 +1064,7 @@ def estimate_analytic(
         # take the allocator's own overhead above its allocated peak rather than above this peak.
         reserve = max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
     capped = capped_run(
-        lambda c: simulate_training(spec, strategy, config, workspaces, capacity_bytes=c),
+        simulated,
         sim,
         held_bytes=held,
         reserve_bytes=reserve,

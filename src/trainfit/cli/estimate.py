@@ -13,6 +13,7 @@ from trainfit.errors import ConfigError, StrategyError
 from trainfit.strategy import Strategy
 
 if TYPE_CHECKING:
+    from trainfit.history import EarlierRun
     from trainfit.imports import ImportedRun
 
 
@@ -232,6 +233,32 @@ def estimate_cmd(
     segments: Annotated[
         bool, typer.Option("--segments", help="Show the simulated allocator segments at the reserved peak.")
     ] = False,
+    build: Annotated[
+        str,
+        typer.Option(
+            "--build",
+            help="How the model gets onto the GPU: from-pretrained (from_pretrained, or built on the CPU and moved "
+            "with .to('cuda')) | on-device (from_config under torch.device('cuda'): a tied LM head's own weight is "
+            "made and freed before training, which can change reserved memory).",
+        ),
+    ] = "from-pretrained",
+    warm_up: Annotated[
+        bool,
+        typer.Option(
+            "--warm-up",
+            help="The process ran a small matmul before building the model (its cuBLAS workspace is made then).",
+        ),
+    ] = False,
+    after: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--after",
+            help="An earlier training run in the same process (ended, then torch.cuda.empty_cache()), as MODEL and its "
+            "run flags in quotes; repeat in the order they ran. Its cuBLAS workspaces stay and pin their segments. "
+            "E.g. --after 'qwen2.5-0.5b --precision amp-bf16 --optimizer-impl foreach -b 4 -s 2048 --build on-device'",
+            show_default=False,
+        ),
+    ] = None,
     torch_version: Annotated[
         str | None,
         typer.Option(
@@ -341,10 +368,14 @@ def estimate_cmd(
       trainfit estimate mistral-7b-v0.1 --finetune qlora --lora-rank 64 --lora-targets q_proj,v_proj --gpu rtx-4090
 
       trainfit estimate llama-3.1-8b --from ds_config.json --gpus 8 --batch 4 --grad-accum 2 --gpu h100-sxm-80gb
+
+      trainfit estimate llama-3.2-1b --precision pure-bf16 --checkpointing full -b 4 -s 2048 --gpu h200-sxm-141gb
+      --build on-device --warm-up --after 'qwen2.5-0.5b --optimizer-impl foreach -b 4 -s 2048 --build on-device'
     """
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.estimate import estimate
+    from trainfit.history import Build, ProcessHistory
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
@@ -391,6 +422,7 @@ def estimate_cmd(
         report = estimate(
             spec,
             strategy,
+            history=ProcessHistory(build=Build.parse(build), warm_up=warm_up, after=earlier_runs(after or [])),
             method=m,
             gpu=gpu,
             headroom=headroom,
@@ -412,6 +444,61 @@ def estimate_cmd(
     if imported is not None:
         render_imported(imported, {name: flags[name] for name in STRATEGY_FLAGS}, explicit_flags(), strategy)
     render(stdout_console(), report, verbose=explain)
+
+
+#: What ``--after`` takes besides :data:`STRATEGY_FLAGS`: the earlier run's model and how it was built. The GPU,
+#: the allocator setting and the method are the process's (this command's own flags).
+AFTER_FLAGS: frozenset[str] = frozenset({"model", "build", *STRATEGY_FLAGS})
+
+
+def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
+    """``--after`` values: each a run's MODEL and flags as ``trainfit estimate`` takes them, parsed by this
+    command's own parser (its defaults included) and built by :func:`strategy_from_flags`."""
+    import shlex
+
+    from trainfit.arch import load_model
+    from trainfit.history import Build, EarlierRun
+
+    try:
+        from typer._click import exceptions as click_errors
+        from typer._click.globals import get_current_context
+    except ImportError:  # pragma: no cover - older typer re-exports click's
+        from click import exceptions as click_errors  # type: ignore[no-redef]
+        from click import get_current_context  # type: ignore[no-redef]
+
+    if not values:
+        return ()
+    command = get_current_context().command
+    out: list[EarlierRun] = []
+    for value in values:
+        try:
+            args = shlex.split(value)
+            ctx = command.make_context("--after", args)
+        except ValueError as exc:
+            raise ConfigError(f"--after '{value}': {exc}") from None
+        except click_errors.ClickException as exc:
+            raise ConfigError(f"--after '{value}': {' '.join(exc.format_message().split())}") from None
+        given = {
+            name
+            for name in ctx.params
+            if (src := ctx.get_parameter_source(name)) is not None and src.name == "COMMANDLINE"
+        }
+        if "after" in given:
+            raise ConfigError(f"--after '{value}': repeat --after for each earlier run, in order, not inside another")
+        other = sorted(given - AFTER_FLAGS)
+        if other:
+            flags = ", ".join("--" + n.replace("_", "-") for n in other)
+            raise ConfigError(
+                f"--after '{value}': {flags} belongs to the whole process; give it outside --after "
+                "(--after takes a model and its run flags)"
+            )
+        if ctx.params["model"] is None:
+            raise ConfigError(f"--after '{value}': give the earlier run's MODEL first, e.g. --after 'gpt2 -b 8'")
+        spec, strategy = strategy_from_flags(
+            load_model(ctx.params["model"]), **{name: ctx.params[name] for name in STRATEGY_FLAGS}
+        )
+        out.append(EarlierRun(model=spec, strategy=strategy, build=Build.parse(ctx.params["build"])))
+    return tuple(out)
 
 
 def explicit_flags() -> frozenset[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainfit.arch.spec import ModelSpec
+from trainfit.history import ProcessHistory
 from trainfit.result import SCHEMA_VERSION, Component, MemoryReport, PhaseBreakdown, RankMemory
 from trainfit.strategy import Strategy
 
@@ -64,6 +65,18 @@ def strategy_json(strategy: Strategy) -> dict[str, Any]:
             "paged_optimizer": sv.paged_optimizer,
         }
     return out
+
+
+def history_json(history: ProcessHistory) -> dict[str, Any]:
+    """The process the run starts in (``trainfit.history``): how its model was built, the warm-up, earlier runs."""
+    return {
+        "build": history.build.value,
+        "warm_up": history.warm_up,
+        "after": [
+            {"model": r.model.name, "build": r.build.value, "strategy": strategy_json(r.strategy)}
+            for r in history.after
+        ],
+    }
 
 
 def _strategy_core(strategy: Strategy) -> dict[str, Any]:
@@ -167,6 +180,7 @@ def report_json(
         "params": report.params,
         "trainable_params": report.trainable_params,
         "strategy": strategy_json(strategy),
+        "history": history_json(report.history or ProcessHistory()),
         "peak_bytes": report.peak_bytes,
         "phase": report.peak_phase.value,
         "components": _components(peak),

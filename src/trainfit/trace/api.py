@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainfit.allocator import AllocatorConfig, simulate
+from trainfit.allocator.process import ProcessStart
 from trainfit.allocator.report import allocator_details, capped_run
 from trainfit.allocator.workspaces import TARGET_TORCH, training_workspaces
 from trainfit.arch.spec import ModelSpec
@@ -44,6 +45,7 @@ def trace_spec(
     torch_version: tuple[int, int] = TARGET_TORCH,
     layout: bool = False,
     capacity_bytes: int | None = None,
+    start: ProcessStart | None = None,
 ) -> MemoryReport:
     """Trace ``spec`` trained under ``strategy`` (real HF modules, fake tensors, CUDA policies).
 
@@ -56,6 +58,8 @@ def trace_spec(
     it, reserved memory is the fixed fraction of ``trainfit.overhead``.
     ``capacity_bytes`` (with ``allocator``): the allocator's share of the GPU; when only the uncapped reserve
     exceeds it, the same events run once more under it (``MemoryReport.capped``).
+    ``start`` (with ``allocator``): the process the run starts in (``trainfit.history``): the traced events run
+    after its history (:class:`~trainfit.allocator.process.ProcessStart`) rather than in a fresh allocator.
     """
     if strategy.beyond_the_trace():
         raise StrategyError(
@@ -89,6 +93,8 @@ def trace_spec(
         layout=layout,
     )
     res = traced.result
+    if start is not None:
+        res = simulate(start.events(traced.stream), allocator, layout=layout, setup=start.setup)
     workspaces = training_workspaces(compute_capability, os.environ, rocm_arch=rocm_arch, torch_version=torch_version)
     held = report.peak_bytes + sum(w.size_bytes for w in workspaces)
     reserve = max(0, res.peak_reserved_bytes - held)
@@ -97,7 +103,12 @@ def trace_spec(
     return dataclasses.replace(
         report,
         capped=capped_run(
-            lambda c: simulate(traced.stream, allocator, capacity_bytes=c),
+            lambda c: simulate(
+                traced.stream if start is None else start.events(traced.stream),
+                allocator,
+                capacity_bytes=c,
+                setup=None if start is None else start.setup,
+            ),
             res,
             held_bytes=held,
             reserve_bytes=reserve,
