@@ -25,7 +25,12 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
 * checkpointing: the forward keeps each segment's input, and the backward recomputes one segment's saved
   tensors before releasing them;
 * plain LoRA over a float base (one GPU): each adapted linear as PEFT's ``lora.Linear.forward`` runs it, its
-  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward.
+  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward;
+* a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
+  ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
+  norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
+  product, each adapter's output to its reader (``lean_forward``; the same tensors as the trace's layer,
+  tests/trace/test_events.py).
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
@@ -738,12 +743,13 @@ def synthesise(
         s.free(x_cast)
         return out
 
-    def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int]) -> None:
+    def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int], keep: bool = False) -> int:
         """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
         module's output then goes to its reader (kept only where a saved term says so). DoRA: after its saved
         tensors, the rescaling's products, their sum (DoRA's locals freed as ``DoraLinearLayer.forward`` returns) and
         the layer's sum with the base output (kept as a saved term without dropout, freed after it with dropout);
-        PEFT's input copies go as ``lora.Linear.forward`` returns."""
+        PEFT's input copies go as ``lora.Linear.forward`` returns. ``keep``: the module's output is returned (its key)
+        for the caller to free when its reader is done, else freed at once (0)."""
         n = f.t * f.site.d_out
         if f.dora is not None:
             w = f.dora.out
@@ -768,8 +774,10 @@ def synthesise(
                 out = s.alloc(f.c * n)
                 s.free(total)
             s.free_all(temps[:peft_temps])
+            if keep:
+                return out
             s.free(out)
-            return
+            return 0
         b = s.alloc(f.mm * n)
         scaled = s.alloc(f.mm * n)
         s.free(b)
@@ -785,7 +793,10 @@ def synthesise(
             out = s.alloc(f.c * n)
             s.free(total)
         s.free_all(temps)
+        if keep:
+            return out
         s.free(out)
+        return 0
 
     # Dense Llama-style layers: the forward's own fp32 RMSNorm transients and the rotary embedding's, which the
     # saved terms leave out; they are freed within the layer, so the peaks stay the closed form's, but they make and
@@ -798,6 +809,68 @@ def synthesise(
     rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
     rms_transients = rank.module_order and spec.norm is NormKind.RMSNORM
     pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
+    # A checkpointed forward of a Llama-style layer with adapter flows: torch.utils.checkpoint's non-reentrant forward
+    # runs under ``saved_tensors_hooks`` whose pack hook keeps an empty ``_Holder`` (torch/utils/checkpoint.py
+    # ``_checkpoint_hook``: the recomputation fills it), so each tensor lives as long as the module's Python forward
+    # holds it, not to the layer's end: :func:`lean_norm`, :func:`lean_attention` (its locals to its return),
+    # SwiGLU's operands to their product, each adapter's output to its reader. The layer's ``residual +
+    # hidden_states`` after the attention is made there too, held to the layer's output (``after_layer``). Read off
+    # the trace's events of llama-3.2-1b QLoRA with full checkpointing (the stream held every base save to the
+    # layer's end: +2.29% reserved against the trace, benchmarks/reserve_agreement.py --finetune).
+    lean_forward = rms_transients and rotary and bool(flows)
+    dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
+    after_layer: list[int] = []  # lean: freed by the caller once the layer's output exists
+
+    def lean_norm(n: int, locals_: list[int]) -> int:
+        """LlamaRMSNorm.forward in a checkpointed forward: ``hidden_states.to(torch.float32)`` (a copy of ``n``
+        bytes unless the residual stream is fp32 already: the residual itself), ``pow(2)`` (freed by ``mean``),
+        ``hidden_states * torch.rsqrt(...)`` (the fp32 copy then dropped), ``.to(input_dtype)`` when the residual is
+        narrower, ``self.weight * ...``: the norm's output, which is returned (the key); ``locals_`` (rsqrt's
+        small tensors) go as it returns."""
+        copy = s.alloc(n) if n != hidden else 0
+        s.free(s.alloc(n))
+        normed = s.alloc(n)
+        s.free(copy)
+        cast = s.alloc(hidden) if n != hidden else 0
+        out = s.alloc(hidden)
+        s.free(cast)
+        s.free(normed)
+        s.free_all(locals_)
+        locals_.clear()
+        return out
+
+    def lean_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
+        """LlamaAttention.forward in a checkpointed forward, to SDPA: q, k and v as the projections returned them (an
+        adapted one's output kept by its flow, ``kept``; an unadapted one's made here) in the projections' output
+        dtype, the rotary embedding on q and k (:func:`rotary_qkv`'s ops) there, q's and k's projections dropped, then
+        SDPA's casts of q, k and v to the saved tensors' dtype where it differs (autocast: the fp32 projections of a
+        kbit-prepared model). Returns (what is held to the attention's return: the embedded q and k, v; SDPA's casts,
+        freed once its output exists)."""
+        names = ("q_proj", "k_proj", "v_proj")
+        adapted = [flows[x] for x in names if x in flows]
+        if not adapted:  # nothing says the projections' dtype: the saved tensors' own
+            return rotary_qkv(saved_sizes), []
+        f0 = adapted[0]
+        d_out = {x: flows[x].site.d_out for x in names if x in flows}
+        saved_width = max(1, saved_sizes[names.index(f0.site.name)] // max(1, f0.t * d_out[f0.site.name]))
+        wide = [n * f0.c // saved_width for n in saved_sizes]
+        raw = [kept.pop(x, 0) or s.alloc(wide[j]) for j, x in enumerate(names)]
+        out = []
+        for j in (0, 1):
+            n = wide[j]
+            m1 = s.alloc(n)
+            neg = s.alloc(n // 2)
+            cat = s.alloc(n)
+            s.free(neg)
+            m2 = s.alloc(n)
+            s.free(cat)
+            out.append(s.alloc(n))
+            s.free(m1)
+            s.free(m2)
+        s.free(raw[0])
+        s.free(raw[1])
+        casts = [s.alloc(n) for n in saved_sizes] if f0.c != saved_width else []
+        return [*out, raw[2]], casts
 
     def release_pending() -> None:
         for p in list(pending):
@@ -854,10 +927,64 @@ def synthesise(
             closing = closing_of[terms_key] = {
                 f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None
             }
+        lean = discard and lean_forward
+        norm_locals: list[int] = []  # lean: a norm's rsqrt, to its return
+        attention: list[int] = []  # lean: the attention's input (the norm's output) and locals, to its return
+        block_input = 0  # lean: the MLP's input (the post-attention norm's output), to the layer's end
+        kept: dict[str, int] = {}  # lean: adapted linears' outputs by site, to their readers
+        sdpa_casts: list[int] = []  # lean: SDPA's input casts, to its output
         for k, term in enumerate(terms):
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
+            if lean and f is None and term.name.startswith("norm"):
+                if term.name.endswith(".rsqrt"):
+                    norm_locals += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+                    continue
+                if term.name.endswith(".input_fp32") and len(term.tensors()) == 1:
+                    if attention:  # the post-attention norm: the attention has returned, its output is added
+                        s.free_all(attention[:0:-1])  # SDPA's output, v, k and q, then the attention's input
+                        s.free(attention[0])
+                        attention.clear()
+                        after_layer.append(s.alloc(hidden))  # residual + hidden_states
+                        s.free(kept.pop("o_proj", 0))
+                        out = lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
+                        s.free(block_input)
+                        block_input = out
+                    else:
+                        attention.append(lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
+                    continue
+            if lean and term.name == "attn.sdpa.lse":
+                s.free_all([s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()])
+                s.free_all(sdpa_casts)
+                sdpa_casts.clear()
+                continue
+            if lean and term.name in ("attn.sdpa.qkv", "attn.sdpa.out") and attention:
+                if term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
+                    held, sdpa_casts = lean_attention([rank.saved_bytes(term.name, n) for n in term.pieces], kept)
+                    attention += held
+                else:
+                    attention += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+                continue
+            if lean and term.name == "mlp.swiglu" and len(term.pieces) == 3:
+                # ``act_fn(gate_proj(x)) * up_proj(x)``: the gate's output goes once the activation is made, the
+                # activation and the up projection's output once their product is (LlamaMLP.forward)
+                gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces)
+                a_key = kept.pop("act", 0)  # an adapted gate's activation, made as its flow returned
+                if not a_key:
+                    g_key = s.alloc(gate)
+                    a_key = s.alloc(act_n)
+                    s.free(g_key)
+                u_key = kept.pop("up_proj", 0) or s.alloc(up)
+                product = s.alloc(gate)
+                s.free(a_key)
+                s.free(u_key)
+                if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
+                    out = s.alloc(hidden)
+                    s.free(product)
+                    s.free(out)
+                    product = 0
+                continue
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
                 transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
                 saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
@@ -884,11 +1011,25 @@ def synthesise(
                 pending.append([s.alloc(n), 2])
             if f is not None:
                 own[term.name] = keys
+                if lean and f.dora is None and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
+                    # lora_A's input under autocast (its cast) or after dropout (the dropped copy) is a temporary of
+                    # ``lora_A(dropout(x))``, gone once lora_A's output exists; PEFT's own cast is ``x``, to the
+                    # call's end
+                    for key in own.pop(f"lora.{f.site.name}.lora_in", []):
+                        saved.remove(key)
+                        s.free(key)
                 if f.dora is not None and term.name.endswith(".lora_A_out") and open_flow is not None:
                     dora_weight_norm(f, open_flow[2])
                 if closing[f.site.name] == k and open_flow is not None:
-                    lora_flow_forward_end(*open_flow)
+                    result = lora_flow_forward_end(*open_flow, keep=lean)
                     open_flow = None
+                    if f.site.name == "down_proj":  # the MLP's output: to the layer's ``residual + hidden_states``
+                        after_layer.append(result)
+                    elif f.site.name == "gate_proj" and spec.mlp is MlpKind.GATED and result:
+                        kept["act"] = s.alloc(f.c * f.t * f.site.d_out)  # act_fn(gate_proj(x)), then the gate's goes
+                        s.free(result)
+                    elif result:
+                        kept[f.site.name] = result
                     if discard:
                         # a checkpointed forward saves nothing: what the flow would save are locals of PEFT's
                         # forward (its input copy, the dropout's output and mask, lora_A's, DoRA's), gone when
@@ -912,6 +1053,11 @@ def synthesise(
                     s.free(out)
                     product = 0
         s.free(product)
+        s.free_all(attention)
+        s.free_all(norm_locals)
+        s.free_all(sdpa_casts)
+        s.free_all(kept.values())
+        s.free(block_input)
         for k, _ in pending:
             s.free(k)
         pending.clear()
@@ -1047,6 +1193,8 @@ def synthesise(
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
+                s.free_all(after_layer)  # a lean checkpointed forward's post-attention residual
+                after_layer.clear()
                 if not kept_input:
                     s.free(residual)
                 residual = nxt
