@@ -25,7 +25,9 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
 * checkpointing: the forward keeps each segment's input, and the backward recomputes one segment's saved
   tensors before releasing them;
 * plain LoRA over a float base (one GPU): each adapted linear as PEFT's ``lora.Linear.forward`` runs it, its
-  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward;
+  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward; over a
+  bitsandbytes 4-bit base (:class:`Bnb4bitBase`) and DoRA over either (:class:`DoraCall`, over a 4-bit base its
+  dequantising weight norm :class:`DoraBnbNorm`);
 * a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
   ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
   norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
@@ -86,6 +88,7 @@ from trainfit.analytic.states import (
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
+from trainfit.cuda_facts import BNB_4BIT_BLOCK
 from trainfit.strategy import AdapterKind, Quantization, Strategy
 
 __all__ = [
@@ -312,6 +315,28 @@ class DoraCall:
     dropped: bool = False
     x_cast: int = 0  # with dropout under autocast: the second base linear's cast of the dropped input
     weight_cast: int = 0  # with dropout under autocast: that linear's cast of the weight (saved), else the norm's
+    #: Over a bitsandbytes 4-bit base (:class:`DoraBnbNorm`); None: a float base.
+    bnb: DoraBnbNorm | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DoraBnbNorm:
+    """DoRA's weight norm over a bitsandbytes 4-bit base, as the trace of real PEFT and bitsandbytes modules makes it
+    (``DoraLinearLayer.forward``, peft/tuners/lora/dora.py, before ``lora_B(lora_A(x))``): ``get_lora_weight``'s
+    ``torch.eye`` in lora_A's dtype (``eye``), autocast's cast of it for lora_A (``eye_cast``; 0 without autocast),
+    lora_A's and lora_B's outputs (``mm``), ``.to(x.dtype)`` (``x``: a copy where the widths differ) — the cast eye,
+    lora_A's output and ``lora_weight`` held to the call's end by ``lora_weight``'s graph, the eye freed once lora_B's
+    output exists; ``dequantize_module_weight`` (peft/utils/integrations.py → ``bnb.functional.dequantize_4bit``:
+    with double quantisation the fp32 absmax first, ``absmax`` bytes a weight element, then the weight in the
+    quantisation's dtype, ``dequant``), its ``.to(x.dtype)`` (kept to the call's end), ``get_weight_norm``'s
+    ``scaling * lora_weight`` and sum (``x``-wide, freed by the norm)."""
+
+    eye: int
+    eye_cast: int
+    mm: int
+    x: int
+    dequant: int
+    absmax_block: int  # elements per fp32 absmax (double quantisation); 0: none made
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,15 +356,15 @@ class Bnb4bitBase:
 
 
 def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
-    """Each adapted linear's :class:`LoraFlow` by its name, on a dense stack: plain LoRA over a float or bitsandbytes
-    4-bit base, DoRA over a float base (empty otherwise: DoRA over a quantised base, LoRA over LLM.int8, MoE and MLA
-    stacks keep their saved tensors only)."""
+    """Each adapted linear's :class:`LoraFlow` by its name, on a dense stack: plain LoRA and DoRA (without dropout) over
+    a float or bitsandbytes 4-bit base (empty otherwise: DoRA with dropout over a 4-bit base, LoRA over LLM.int8,
+    MoE and MLA stacks keep their saved tensors only)."""
     adapter = strategy.adapter
     quant = strategy.base_weights.quantization
     dora = adapter is not None and adapter.kind is AdapterKind.DORA
     if (
         adapter is None
-        or (dora and quant is not Quantization.NONE)
+        or (dora and quant is not Quantization.NONE and adapter.dropout > 0)
         or quant not in (Quantization.NONE, Quantization.NF4, Quantization.FP4)
         or spec.moe is not None
         or spec.mla is not None
@@ -383,14 +408,27 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
             forward_temps=tuple(temps),
             grad_chain=tuple(chain),
             bnb=bnb,
-            dora=_dora_call(strategy, ad=ad, mm=mm, c=c, dropped=dropped, amp=w.amp, compute=w.compute)
+            dora=_dora_call(strategy, ad=ad, mm=mm, c=c, dropped=dropped, amp=w.amp, compute=w.compute, w_in=w_in)
             if dora
             else None,
         )
     return out
 
 
-def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int, dropped: bool, amp: bool, compute: int) -> DoraCall:
+def _dora_call(
+    strategy: Strategy, *, ad: int, mm: int, c: int, dropped: bool, amp: bool, compute: int, w_in: int
+) -> DoraCall:
+    if strategy.base_weights.quantization is not Quantization.NONE:  # a 4-bit base (lora_flows): DoraBnbNorm
+        x = w_in if amp else ad  # PEFT's bnb layers cast x to the adapters' dtype only without autocast
+        norm = DoraBnbNorm(
+            eye=ad,
+            eye_cast=mm if amp and mm != ad else 0,
+            mm=mm,
+            x=x,
+            dequant=compute,
+            absmax_block=BNB_4BIT_BLOCK if strategy.base_weights.double_quant else 0,
+        )
+        return DoraCall(eye=0, lora_weight=0, weight_copy=0, full=x, out=max(ad, mm, c), bnb=norm)
     copy = ad if base_weight_width(strategy) != ad else 0
     cast = compute if dropped and amp and ad != compute else 0  # x and the weight are in the adapter dtype there
     return DoraCall(
@@ -711,11 +749,44 @@ def synthesise(
             s.free(result)
         return base, [s.alloc(w_ * f.t * d_in) for w_ in f.forward_temps]
 
-    def dora_weight_norm(f: LoraFlow, temps: list[int]) -> None:
-        """DoRA's weight norm (:class:`DoraCall`): its locals join ``temps``, alive to the call's end."""
+    def dora_weight_norm(f: LoraFlow, temps: list[int], graphless: bool = False) -> None:
+        """DoRA's weight norm (:class:`DoraCall`, :class:`DoraBnbNorm`): its locals join ``temps``, alive to the
+        call's end. ``graphless``: a checkpointed forward, whose autograd nodes keep nothing (``lora_weight``'s graph
+        then holds neither the cast eye nor lora_A's output: each goes once its reader's output exists)."""
         assert f.dora is not None
         d = f.dora
         d_in, d_out = f.site.d_in, f.site.d_out
+        if d.bnb is not None:
+            b, n = d.bnb, d_in * d_out
+            eye = s.alloc(b.eye * d_in * d_in)
+            eye_cast = s.alloc(b.eye_cast * d_in * d_in)
+            a_out = s.alloc(b.mm * d_in * f.rank)
+            if graphless:
+                s.free(eye_cast)
+            lora_weight = s.alloc(b.mm * n)
+            s.free(eye)
+            if graphless:
+                s.free(a_out)
+            else:
+                temps += [eye_cast, a_out]
+            if b.x != b.mm:
+                cast = s.alloc(b.x * n)
+                s.free(lora_weight)
+                lora_weight = cast
+            temps.append(lora_weight)
+            absmax = s.alloc(4 * -(-n // b.absmax_block)) if b.absmax_block else 0
+            weight = s.alloc(b.dequant * n)
+            s.free(absmax)
+            if b.x != b.dequant:
+                cast = s.alloc(b.x * n)
+                s.free(weight)
+                weight = cast
+            temps.append(weight)
+            scaled = s.alloc(d.full * n)
+            total = s.alloc(d.full * n)
+            s.free(scaled)
+            s.free(total)
+            return
         temps += [s.alloc(d.eye * d_in * d_in), s.alloc(d.eye * d_in * f.rank), s.alloc(d.lora_weight * d_in * d_out)]
         if d.weight_copy:
             copy = s.alloc(d.weight_copy * d_in * d_out)
@@ -743,13 +814,16 @@ def synthesise(
         s.free(x_cast)
         return out
 
-    def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int], keep: bool = False) -> int:
+    def lora_flow_forward_end(
+        f: LoraFlow, base: int, temps: list[int], keep: bool = False, read: Sequence[int] = ()
+    ) -> int:
         """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
         module's output then goes to its reader (kept only where a saved term says so). DoRA: after its saved
         tensors, the rescaling's products, their sum (DoRA's locals freed as ``DoraLinearLayer.forward`` returns) and
         the layer's sum with the base output (kept as a saved term without dropout, freed after it with dropout);
         PEFT's input copies go as ``lora.Linear.forward`` returns. ``keep``: the module's output is returned (its key)
-        for the caller to free when its reader is done, else freed at once (0)."""
+        for the caller to free when its reader is done, else freed at once (0). ``read``: DoRA's lora_B output when
+        nothing saves it (a checkpointed forward), freed with DoRA's locals as its forward returns."""
         n = f.t * f.site.d_out
         if f.dora is not None:
             w = f.dora.out
@@ -762,6 +836,7 @@ def synthesise(
             s.free(by_base)
             s.free(scaled_lora)
             s.free_all(temps[peft_temps:])
+            s.free_all(read)  # lora_result, a local of DoraLinearLayer.forward
             # with dropout, a weight copy no ``dora_weight`` term took: its linear saved nothing (the lowest adapted
             # layer's input needs no gradient), so it is one of the call's locals
             s.free(dora_weights.pop(f.site.name, 0))
@@ -770,7 +845,9 @@ def synthesise(
             if f.dora.dropped:
                 s.free(base)
             out = total
-            if w != f.c:
+            # lora.Linear.forward casts back to the base output's dtype; PEFT's bnb layers only without autocast
+            # (peft/tuners/lora/bnb.py ``requires_conversion``): under autocast a 4-bit base's DoRA output stays wide
+            if w != f.c and (f.bnb is None or f.bnb.converts):
                 out = s.alloc(f.c * n)
                 s.free(total)
             s.free_all(temps[:peft_temps])
@@ -937,6 +1014,8 @@ def synthesise(
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
+                if f.dora is not None and f.dora.bnb is not None:  # DoRA's norm before lora_A(x) over a 4-bit base
+                    dora_weight_norm(f, open_flow[2], graphless=discard)
             if lean and f is None and term.name.startswith("norm"):
                 if term.name.endswith(".rsqrt"):
                     norm_locals += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
@@ -1011,17 +1090,23 @@ def synthesise(
                 pending.append([s.alloc(n), 2])
             if f is not None:
                 own[term.name] = keys
-                if lean and f.dora is None and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
+                plain = f.dora is None or f.dora.bnb is not None  # DoRA over a 4-bit base: its x is the caller's
+                if lean and plain and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
                     # lora_A's input under autocast (its cast) or after dropout (the dropped copy) is a temporary of
                     # ``lora_A(dropout(x))``, gone once lora_A's output exists; PEFT's own cast is ``x``, to the
                     # call's end
                     for key in own.pop(f"lora.{f.site.name}.lora_in", []):
                         saved.remove(key)
                         s.free(key)
-                if f.dora is not None and term.name.endswith(".lora_A_out") and open_flow is not None:
+                if f.dora is not None and f.dora.bnb is None and term.name.endswith(".lora_A_out") and open_flow:
                     dora_weight_norm(f, open_flow[2])
                 if closing[f.site.name] == k and open_flow is not None:
-                    result = lora_flow_forward_end(*open_flow, keep=lean)
+                    read: list[int] = []
+                    if lean and f.dora is not None and f.dora.bnb is not None:
+                        read = own.pop(f"lora.{f.site.name}.dora_lora_out", [])
+                        for key in read:
+                            saved.remove(key)
+                    result = lora_flow_forward_end(*open_flow, keep=lean, read=read)
                     open_flow = None
                     if f.site.name == "down_proj":  # the MLP's output: to the layer's ``residual + hidden_states``
                         after_layer.append(result)
