@@ -198,10 +198,16 @@ def test_a_checkpointed_lora_forward_frees_the_adapters_locals_as_peft_returns()
 
 
 @pytest.mark.parametrize(
-    ("how", "base", "dora"), [("qlora", None, False), ("lora", "bf16", False), ("qlora", None, True)]
+    ("how", "base", "dora", "targets"),
+    [
+        ("qlora", None, False, "all-linear"),
+        ("lora", "bf16", False, "all-linear"),
+        ("qlora", None, True, "all-linear"),
+        ("qlora", None, False, "q_proj,v_proj"),
+    ],
 )
 def test_a_checkpointed_frozen_layer_forward_allocates_what_the_traced_one_does(
-    how: str, base: str | None, dora: bool
+    how: str, base: str | None, dora: bool, targets: str
 ) -> None:
     """Under full checkpointing a frozen-base layer's first forward (torch.utils.checkpoint, non-reentrant) keeps no
     saves: each tensor lives as long as the module's Python forward holds it (the RMSNorms' fp32 copies and outputs,
@@ -211,7 +217,8 @@ def test_a_checkpointed_frozen_layer_forward_allocates_what_the_traced_one_does(
     trace's 1306 and 256 MiB (llama-3.2-1b QLoRA, 2 × 1024; reserved +2.29% → +1.21% against the trace,
     benchmarks/reserve_agreement.py --finetune). Now the same tensors, and the same high-water mark; with DoRA over
     the 4-bit base too (events.DoraBnbNorm: the dequantised weight and its cast, lora_weight's cast eye and lora_A
-    output, which a checkpointed forward's graph does not keep)."""
+    output, which a checkpointed forward's graph does not keep), and with q and v only (the unadapted 4-bit linears'
+    own chains: ``Linear4bit.forward``'s cast, ``matmul_4bit``'s output and its cast back)."""
     from trainfit.allocator import Event
     from trainfit.analytic.events import RankHooks, Stream, synthesise
     from trainfit.strategy import finetune_setup
@@ -228,7 +235,7 @@ def test_a_checkpointed_frozen_layer_forward_allocates_what_the_traced_one_does(
         head_dim=64,
         vocab_size=1024,
     )
-    adapter, bw = finetune_setup(how, rank=16, targets="all-linear", base_dtype=base, dora=dora)
+    adapter, bw = finetune_setup(how, rank=16, targets=targets, base_dtype=base, dora=dora)
     st = Strategy(
         precision="amp-bf16", checkpointing="full", micro_batch=2, seq_len=512, adapter=adapter, base_weights=bw
     )

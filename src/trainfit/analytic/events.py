@@ -916,6 +916,24 @@ def synthesise(
         locals_.clear()
         return out
 
+    # An unadapted linear of a bitsandbytes 4-bit base in a lean forward runs its own chain (bitsandbytes/nn/modules.py
+    # ``Linear4bit.forward``: x cast to the compute dtype, ``matmul_4bit``'s output, ``.to(inp_dtype)``), as the trace
+    # shows it; a float base's is its output alone.
+    unadapted_4bit = strategy.base_weights.quantization in (Quantization.NF4, Quantization.FP4)
+    compute_w = w.compute
+
+    def bnb4_linear(cast_bytes: int, product_bytes: int, out_bytes: int) -> int:
+        """An unadapted 4-bit linear: its input's cast (0: none), the product, its cast back (when the widths differ);
+        the output's key."""
+        cast = s.alloc(cast_bytes)
+        product = s.alloc(product_bytes)
+        out = product
+        if out_bytes != product_bytes:
+            out = s.alloc(out_bytes)
+            s.free(product)
+        s.free(cast)
+        return out
+
     def lean_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
         """LlamaAttention.forward in a checkpointed forward, to SDPA: q, k and v as the projections returned them (an
         adapted one's output kept by its flow, ``kept``; an unadapted one's made here) in the projections' output
@@ -931,7 +949,14 @@ def synthesise(
         d_out = {x: flows[x].site.d_out for x in names if x in flows}
         saved_width = max(1, saved_sizes[names.index(f0.site.name)] // max(1, f0.t * d_out[f0.site.name]))
         wide = [n * f0.c // saved_width for n in saved_sizes]
-        raw = [kept.pop(x, 0) or s.alloc(wide[j]) for j, x in enumerate(names)]
+        cast = compute_w * f0.t * f0.site.d_in if f0.w_in != compute_w else 0
+
+        def projection(j: int) -> int:
+            if unadapted_4bit:
+                return bnb4_linear(cast, wide[j] * compute_w // f0.c, wide[j])
+            return s.alloc(wide[j])
+
+        raw = [kept.pop(x, 0) or projection(j) for j, x in enumerate(names)]
         out = []
         for j in (0, 1):
             n = wide[j]
@@ -1032,11 +1057,15 @@ def synthesise(
                     continue
                 if term.name.endswith(".input_fp32") and len(term.tensors()) == 1:
                     if attention:  # the post-attention norm: the attention has returned, its output is added
+                        o_out = 0
+                        if unadapted_4bit and "o_proj" not in flows:  # its input is SDPA's, in the compute dtype
+                            o_out = bnb4_linear(0, compute_w * strategy.tokens_per_micro_batch * h, 0)
                         s.free_all(attention[:0:-1])  # SDPA's output, v, k and q, then the attention's input
                         s.free(attention[0])
                         attention.clear()
                         after_layer.append(s.alloc(hidden))  # residual + hidden_states
                         s.free(kept.pop("o_proj", 0))
+                        s.free(o_out)
                         out = lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
                         s.free(block_input)
                         block_input = out
@@ -1059,19 +1088,34 @@ def synthesise(
                 # ``act_fn(gate_proj(x)) * up_proj(x)``: the gate's output goes once the activation is made, the
                 # activation and the up projection's output once their product is (LlamaMLP.forward)
                 gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces)
+                t_i = strategy.tokens_per_micro_batch * spec.intermediate_size
+                w_mlp = max(1, gate // t_i)  # the projections' output width
+                x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
+
+                def mlp_in(n: int, x_cast: int = x_cast, w_mlp: int = w_mlp) -> int:
+                    return bnb4_linear(x_cast, n * compute_w // w_mlp, n) if unadapted_4bit else s.alloc(n)
+
                 a_key = kept.pop("act", 0)  # an adapted gate's activation, made as its flow returned
                 if not a_key:
-                    g_key = s.alloc(gate)
+                    g_key = mlp_in(gate)
                     a_key = s.alloc(act_n)
                     s.free(g_key)
-                u_key = kept.pop("up_proj", 0) or s.alloc(up)
+                u_key = kept.pop("up_proj", 0) or mlp_in(up)
                 product = s.alloc(gate)
                 s.free(a_key)
                 s.free(u_key)
                 if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
-                    out = s.alloc(hidden)
-                    s.free(product)
-                    s.free(out)
+                    if unadapted_4bit:  # down_proj over the product: its chain, its output to the layer's sum
+                        t_h = strategy.tokens_per_micro_batch * h
+                        out = bnb4_linear(
+                            gate * compute_w // w_mlp if w_mlp != compute_w else 0, compute_w * t_h, w_mlp * t_h
+                        )
+                        s.free(product)
+                        after_layer.append(out)
+                    else:
+                        out = s.alloc(hidden)
+                        s.free(product)
+                        s.free(out)
                     product = 0
                 continue
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
