@@ -35,7 +35,7 @@ CASES: tuple[tuple[str, str, str, int, int], ...] = (
     ("gpt2", "amp-fp16", "full", 8, 1024),
     ("llama-3.2-3b", "amp-bf16", "full", 1, 4096),
 )
-#: (model, recipe, checkpointing, batch, seq, method, targets, dropout, base dtype)
+#: (model, recipe, checkpointing, batch, seq, method, targets, dropout, base dtype); method qdora: QLoRA's DoRA
 FINETUNE: tuple[tuple[str, str, str, int, int, str, str, float, str | None], ...] = (
     ("qwen2.5-0.5b", "pure-bf16", "none", 4, 1024, "lora", "all-linear", 0.0, None),
     ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "lora", "all-linear", 0.0, None),
@@ -54,6 +54,13 @@ FINETUNE: tuple[tuple[str, str, str, int, int, str, str, float, str | None], ...
     ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "qlora", "all-linear", 0.05, "nf4"),
     # added in session 30 with the DoRA-with-dropout flow: under autocast (its casts of x and of the weight)
     ("qwen2.5-0.5b", "amp-bf16", "none", 4, 1024, "dora", "q_proj,v_proj", 0.05, None),
+    # added in session 31 (issue 11's gaps): DoRA over a 4-bit base (a flow since), LLM.int8 bases (its ctx-held
+    # inputs kept to the end of backward since; no flow yet)
+    ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "qdora", "q_proj,v_proj", 0.0, "nf4"),
+    ("llama-3.2-1b", "amp-bf16", "full", 2, 1024, "qdora", "all-linear", 0.0, "nf4"),
+    ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "lora", "all-linear", 0.0, "int8"),
+    ("llama-3.2-1b", "amp-bf16", "full", 2, 1024, "lora", "all-linear", 0.0, "int8"),
+    ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "dora", "q_proj,v_proj", 0.0, "int8"),
 )
 GIB = 2**30
 BEGIN, END = "<!-- reserve-finetune:begin -->", "<!-- reserve-finetune:end -->"
@@ -70,11 +77,11 @@ def finetune_main(write: bool) -> None:
         t0 = time.perf_counter()
         spec = load_model(slug)
         adapter, base_weights = finetune_setup(
-            "qlora" if how == "qlora" else "lora",
+            "qlora" if how in ("qlora", "qdora") else "lora",
             rank=16,
             targets=targets,
             dropout=dropout,
-            dora=how == "dora",
+            dora=how in ("dora", "qdora"),
             base_dtype=base,
         )
         s = Strategy(

@@ -3,10 +3,12 @@ flags reach the Strategy (JSON echo)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,14 +18,119 @@ DOC = (Path(__file__).parents[2] / "docs" / "finetuning.md").read_text()
 EXAMPLES = re.findall(r"^\$ trainfit (.+)$", DOC, re.M)
 
 
+def _library_report(line: str, **changes: Any) -> Any:
+    """The documented command's setup through the library's public API (``finetune_setup``, ``with_head``,
+    ``MemorySavers``, ``Strategy``, ``estimate``), its flags read here rather than by the CLI: the CLI has to reach
+    the same figures through its own parsing. ``changes`` replaces flag values (another ``base_dtype``)."""
+    from trainfit import Strategy, estimate, load_model
+    from trainfit.arch.heads import with_head
+    from trainfit.estimate import default_seq_len
+    from trainfit.strategy import MemorySavers, finetune_setup
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    p.add_argument("command", choices=["estimate"])
+    p.add_argument("model")
+    for flag, default in (
+        ("--finetune", "full"),
+        ("--lora-targets", "all-linear"),
+        ("--base-dtype", None),
+        ("--freeze", None),
+        ("--checkpointing", "none"),
+        ("--gpu", None),
+        ("--head", None),
+        ("--precision", "amp-bf16"),
+        ("--loss", "standard"),
+        ("--attention", "sdpa"),
+        ("--optimizer", "adamw"),
+    ):
+        p.add_argument(flag, default=default)
+    for flag, default in (("--lora-rank", 16), ("--batch", 1), ("--seq", None), ("--num-labels", None)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    for flag in ("--dora", "--optimizer-in-backward", "--activation-offload"):
+        p.add_argument(flag, action="store_true")
+    ns = vars(p.parse_args(shlex.split(line)))  # a flag this list does not know fails here: teach it the flag
+    ns.update(changes)
+    spec = load_model(ns["model"])
+    if ns["head"] is not None or ns["num_labels"] is not None:
+        spec = with_head(spec, ns["head"], ns["num_labels"])
+    fields: dict[str, Any] = {}
+    if ns["finetune"] != "full" or ns["freeze"] is not None or ns["base_dtype"] is not None:
+        finetune = "freeze" if ns["freeze"] is not None and ns["finetune"] == "full" else ns["finetune"]
+        fields["adapter"], fields["base_weights"] = finetune_setup(
+            finetune,
+            rank=ns["lora_rank"],
+            targets=ns["lora_targets"],
+            dropout=ns["lora_dropout"],
+            dora=ns["dora"],
+            base_dtype=ns["base_dtype"],
+            freeze=ns["freeze"] or (),
+        )
+    loss, chunks = MemorySavers.parse_loss(ns["loss"])
+    paged = ns["optimizer"].startswith("paged-")
+    strategy = Strategy(
+        precision=ns["precision"],
+        optimizer=ns["optimizer"].removeprefix("paged-"),
+        attention=ns["attention"],
+        micro_batch=ns["batch"],
+        seq_len=ns["seq"] or default_seq_len(spec),
+        checkpointing=ns["checkpointing"],
+        savers=MemorySavers(
+            loss=loss,
+            loss_chunks=chunks,
+            optimizer_in_backward=ns["optimizer_in_backward"],
+            activation_offload=ns["activation_offload"],
+            paged_optimizer=paged,
+        ),
+        **fields,
+    )
+    return estimate(spec, strategy, gpu=ns["gpu"])
+
+
 @pytest.mark.parametrize("line", [x for x in EXAMPLES if "--method trace" not in x])
 def test_documented_examples(line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each documented command runs (or fails with the documented line); one that runs gives, in its JSON, the
+    library API's report for the same arguments, and its key components are there with plausible bytes: the
+    adapters' fp32 tensors (4 bytes per trainable parameter and their allocator rounding), a quantised base smaller
+    than the same base in bf16, a frozen range's gradients fewer than full fine-tuning's, activations and the
+    adapters' optimizer states non-zero."""
+    from trainfit import load_model
+    from trainfit.report.json import report_json
+
     r = run_cli(capsys, *shlex.split(line))
     after = DOC.split(f"$ trainfit {line}\n", 1)[1].split("\n", 1)[0]
     if after.startswith("error:"):
         assert r.code == 2 and " ".join(r.err.split()) == " ".join(after.split())
+        return
+    assert r.code == 0, r.err
+    r = run_cli(capsys, *shlex.split(line), "--json")
+    assert r.code == 0, r.err
+    cli = json.loads(r.out)
+    library = _library_report(line)
+    assert cli == json.loads(json.dumps(report_json(library)))  # every figure, and the strategy echoed
+
+    peak = cli["components"]
+    most = {k: max(ph["components"][k] for ph in cli["phases"].values()) for k in peak}  # each one's largest
+    trainable, params = cli["trainable_params"], cli["params"]
+    assert cli["peak_bytes"] == sum(peak.values()) > 0
+    assert 0 < trainable <= params
+    assert most["weights"] > 0 and most["activations"] > 0
+    ft = cli["strategy"].get("finetune")
+    if ft is None:
+        return
+    assert trainable < params and most["optimizer_states"] > 0
+    if ft.get("adapter"):
+        # PEFT's fp32 adapters: 4 bytes a trainable parameter, each tensor rounded up to 512 bytes
+        assert 4 * trainable <= most["adapter_weights"] <= 4 * trainable * 1.05 + (1 << 20)
     else:
-        assert r.code == 0, r.err
+        assert most["adapter_weights"] == 0
+        full = report_json(_library_report(line, finetune="full", freeze=None))["phases"]
+        assert 0 < most["gradients"] < max(ph["components"]["gradients"] for ph in full.values())
+    quant = ft.get("base_quantization")
+    if quant not in (None, "none") and load_model(cli["model"]["name"]).moe is None:
+        # packed layer linears (a MoE stack's experts are not bitsandbytes layers: adapters.bnb_converted)
+        bf16 = report_json(_library_report(line, finetune="lora", base_dtype="bf16"))["components"]["weights"]
+        assert peak["weights"] < (0.75 if quant in ("nf4", "fp4") else 1.0) * bf16, (peak["weights"], bf16)
 
 
 def test_flags_reach_the_strategy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,14 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
 * checkpointing: the forward keeps each segment's input, and the backward recomputes one segment's saved
   tensors before releasing them;
 * plain LoRA over a float base (one GPU): each adapted linear as PEFT's ``lora.Linear.forward`` runs it, its
-  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward.
+  transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward; over a
+  bitsandbytes 4-bit base (:class:`Bnb4bitBase`) and DoRA over either (:class:`DoraCall`, over a 4-bit base its
+  dequantising weight norm :class:`DoraBnbNorm`);
+* a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
+  ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
+  norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
+  product, each adapter's output to its reader (``lean_forward``; the same tensors as the trace's layer,
+  tests/trace/test_events.py).
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
@@ -81,6 +88,7 @@ from trainfit.analytic.states import (
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
+from trainfit.cuda_facts import BNB_4BIT_BLOCK
 from trainfit.strategy import AdapterKind, MemorySavers, Quantization, Strategy
 
 __all__ = [
@@ -308,6 +316,28 @@ class DoraCall:
     dropped: bool = False
     x_cast: int = 0  # with dropout under autocast: the second base linear's cast of the dropped input
     weight_cast: int = 0  # with dropout under autocast: that linear's cast of the weight (saved), else the norm's
+    #: Over a bitsandbytes 4-bit base (:class:`DoraBnbNorm`); None: a float base.
+    bnb: DoraBnbNorm | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DoraBnbNorm:
+    """DoRA's weight norm over a bitsandbytes 4-bit base, as the trace of real PEFT and bitsandbytes modules makes it
+    (``DoraLinearLayer.forward``, peft/tuners/lora/dora.py, before ``lora_B(lora_A(x))``): ``get_lora_weight``'s
+    ``torch.eye`` in lora_A's dtype (``eye``), autocast's cast of it for lora_A (``eye_cast``; 0 without autocast),
+    lora_A's and lora_B's outputs (``mm``), ``.to(x.dtype)`` (``x``: a copy where the widths differ) — the cast eye,
+    lora_A's output and ``lora_weight`` held to the call's end by ``lora_weight``'s graph, the eye freed once lora_B's
+    output exists; ``dequantize_module_weight`` (peft/utils/integrations.py → ``bnb.functional.dequantize_4bit``:
+    with double quantisation the fp32 absmax first, ``absmax`` bytes a weight element, then the weight in the
+    quantisation's dtype, ``dequant``), its ``.to(x.dtype)`` (kept to the call's end), ``get_weight_norm``'s
+    ``scaling * lora_weight`` and sum (``x``-wide, freed by the norm)."""
+
+    eye: int
+    eye_cast: int
+    mm: int
+    x: int
+    dequant: int
+    absmax_block: int  # elements per fp32 absmax (double quantisation); 0: none made
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,15 +357,15 @@ class Bnb4bitBase:
 
 
 def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
-    """Each adapted linear's :class:`LoraFlow` by its name, on a dense stack: plain LoRA over a float or bitsandbytes
-    4-bit base, DoRA over a float base (empty otherwise: DoRA over a quantised base, LoRA over LLM.int8, MoE and MLA
-    stacks keep their saved tensors only)."""
+    """Each adapted linear's :class:`LoraFlow` by its name, on a dense stack: plain LoRA and DoRA (without dropout) over
+    a float or bitsandbytes 4-bit base (empty otherwise: DoRA with dropout over a 4-bit base, LoRA over LLM.int8,
+    MoE and MLA stacks keep their saved tensors only)."""
     adapter = strategy.adapter
     quant = strategy.base_weights.quantization
     dora = adapter is not None and adapter.kind is AdapterKind.DORA
     if (
         adapter is None
-        or (dora and quant is not Quantization.NONE)
+        or (dora and quant is not Quantization.NONE and adapter.dropout > 0)
         or quant not in (Quantization.NONE, Quantization.NF4, Quantization.FP4)
         or spec.moe is not None
         or spec.mla is not None
@@ -379,14 +409,27 @@ def lora_flows(spec: ModelSpec, strategy: Strategy) -> dict[str, LoraFlow]:
             forward_temps=tuple(temps),
             grad_chain=tuple(chain),
             bnb=bnb,
-            dora=_dora_call(strategy, ad=ad, mm=mm, c=c, dropped=dropped, amp=w.amp, compute=w.compute)
+            dora=_dora_call(strategy, ad=ad, mm=mm, c=c, dropped=dropped, amp=w.amp, compute=w.compute, w_in=w_in)
             if dora
             else None,
         )
     return out
 
 
-def _dora_call(strategy: Strategy, *, ad: int, mm: int, c: int, dropped: bool, amp: bool, compute: int) -> DoraCall:
+def _dora_call(
+    strategy: Strategy, *, ad: int, mm: int, c: int, dropped: bool, amp: bool, compute: int, w_in: int
+) -> DoraCall:
+    if strategy.base_weights.quantization is not Quantization.NONE:  # a 4-bit base (lora_flows): DoraBnbNorm
+        x = w_in if amp else ad  # PEFT's bnb layers cast x to the adapters' dtype only without autocast
+        norm = DoraBnbNorm(
+            eye=ad,
+            eye_cast=mm if amp and mm != ad else 0,
+            mm=mm,
+            x=x,
+            dequant=compute,
+            absmax_block=BNB_4BIT_BLOCK if strategy.base_weights.double_quant else 0,
+        )
+        return DoraCall(eye=0, lora_weight=0, weight_copy=0, full=x, out=max(ad, mm, c), bnb=norm)
     copy = ad if base_weight_width(strategy) != ad else 0
     cast = compute if dropped and amp and ad != compute else 0  # x and the weight are in the adapter dtype there
     return DoraCall(
@@ -727,11 +770,44 @@ def synthesise(
             s.free(result)
         return base, [s.alloc(w_ * f.t * d_in) for w_ in f.forward_temps]
 
-    def dora_weight_norm(f: LoraFlow, temps: list[int]) -> None:
-        """DoRA's weight norm (:class:`DoraCall`): its locals join ``temps``, alive to the call's end."""
+    def dora_weight_norm(f: LoraFlow, temps: list[int], graphless: bool = False) -> None:
+        """DoRA's weight norm (:class:`DoraCall`, :class:`DoraBnbNorm`): its locals join ``temps``, alive to the
+        call's end. ``graphless``: a checkpointed forward, whose autograd nodes keep nothing (``lora_weight``'s graph
+        then holds neither the cast eye nor lora_A's output: each goes once its reader's output exists)."""
         assert f.dora is not None
         d = f.dora
         d_in, d_out = f.site.d_in, f.site.d_out
+        if d.bnb is not None:
+            b, n = d.bnb, d_in * d_out
+            eye = s.alloc(b.eye * d_in * d_in)
+            eye_cast = s.alloc(b.eye_cast * d_in * d_in)
+            a_out = s.alloc(b.mm * d_in * f.rank)
+            if graphless:
+                s.free(eye_cast)
+            lora_weight = s.alloc(b.mm * n)
+            s.free(eye)
+            if graphless:
+                s.free(a_out)
+            else:
+                temps += [eye_cast, a_out]
+            if b.x != b.mm:
+                cast = s.alloc(b.x * n)
+                s.free(lora_weight)
+                lora_weight = cast
+            temps.append(lora_weight)
+            absmax = s.alloc(4 * -(-n // b.absmax_block)) if b.absmax_block else 0
+            weight = s.alloc(b.dequant * n)
+            s.free(absmax)
+            if b.x != b.dequant:
+                cast = s.alloc(b.x * n)
+                s.free(weight)
+                weight = cast
+            temps.append(weight)
+            scaled = s.alloc(d.full * n)
+            total = s.alloc(d.full * n)
+            s.free(scaled)
+            s.free(total)
+            return
         temps += [s.alloc(d.eye * d_in * d_in), s.alloc(d.eye * d_in * f.rank), s.alloc(d.lora_weight * d_in * d_out)]
         if d.weight_copy:
             copy = s.alloc(d.weight_copy * d_in * d_out)
@@ -759,12 +835,16 @@ def synthesise(
         s.free(x_cast)
         return out
 
-    def lora_flow_forward_end(f: LoraFlow, base: int, temps: list[int]) -> None:
+    def lora_flow_forward_end(
+        f: LoraFlow, base: int, temps: list[int], keep: bool = False, read: Sequence[int] = ()
+    ) -> int:
         """After lora_A's output: lora_B's, ``* scaling``, ``result + ...`` and ``.to(torch_result_dtype)``; the
         module's output then goes to its reader (kept only where a saved term says so). DoRA: after its saved
         tensors, the rescaling's products, their sum (DoRA's locals freed as ``DoraLinearLayer.forward`` returns) and
         the layer's sum with the base output (kept as a saved term without dropout, freed after it with dropout);
-        PEFT's input copies go as ``lora.Linear.forward`` returns."""
+        PEFT's input copies go as ``lora.Linear.forward`` returns. ``keep``: the module's output is returned (its key)
+        for the caller to free when its reader is done, else freed at once (0). ``read``: DoRA's lora_B output when
+        nothing saves it (a checkpointed forward), freed with DoRA's locals as its forward returns."""
         n = f.t * f.site.d_out
         if f.dora is not None:
             w = f.dora.out
@@ -777,6 +857,7 @@ def synthesise(
             s.free(by_base)
             s.free(scaled_lora)
             s.free_all(temps[peft_temps:])
+            s.free_all(read)  # lora_result, a local of DoraLinearLayer.forward
             # with dropout, a weight copy no ``dora_weight`` term took: its linear saved nothing (the lowest adapted
             # layer's input needs no gradient), so it is one of the call's locals
             s.free(dora_weights.pop(f.site.name, 0))
@@ -785,12 +866,16 @@ def synthesise(
             if f.dora.dropped:
                 s.free(base)
             out = total
-            if w != f.c:
+            # lora.Linear.forward casts back to the base output's dtype; PEFT's bnb layers only without autocast
+            # (peft/tuners/lora/bnb.py ``requires_conversion``): under autocast a 4-bit base's DoRA output stays wide
+            if w != f.c and (f.bnb is None or f.bnb.converts):
                 out = s.alloc(f.c * n)
                 s.free(total)
             s.free_all(temps[:peft_temps])
+            if keep:
+                return out
             s.free(out)
-            return
+            return 0
         b = s.alloc(f.mm * n)
         scaled = s.alloc(f.mm * n)
         s.free(b)
@@ -806,7 +891,10 @@ def synthesise(
             out = s.alloc(f.c * n)
             s.free(total)
         s.free_all(temps)
+        if keep:
+            return out
         s.free(out)
+        return 0
 
     # Dense Llama-style layers: the forward's own fp32 RMSNorm transients and the rotary embedding's, which the
     # saved terms leave out; they are freed within the layer, so the peaks stay the closed form's, but they make and
@@ -824,9 +912,97 @@ def synthesise(
     # transformers' modules drop them (models/llama/modeling_llama.py): RMSNorm's fp32 input once ``x * rsqrt`` is
     # made, its cast and rsqrt when it returns its output; attention's q, k, v, output and the norm's output when
     # it returns o_proj's; SwiGLU's gate once activated, the activation and up once multiplied, the product when
-    # down_proj's output exists; the residual adds as tensors of their own. Other layers keep their would-be saved
-    # tensors to the layer's end. Keys to free once the caller has made the layer's output: ``after_output``.
+    # down_proj's output exists; the residual adds as tensors of their own. A layer with adapter flows takes the
+    # ``lean_forward`` path below instead; other layers keep their would-be saved tensors to the layer's end. Keys to
+    # free once the caller has made the layer's output: ``after_output``.
     after_output: list[int] = []
+    # A checkpointed forward of a Llama-style layer with adapter flows: torch.utils.checkpoint's non-reentrant forward
+    # runs under ``saved_tensors_hooks`` whose pack hook keeps an empty ``_Holder`` (torch/utils/checkpoint.py
+    # ``_checkpoint_hook``: the recomputation fills it), so each tensor lives as long as the module's Python forward
+    # holds it, not to the layer's end: :func:`lean_norm`, :func:`lean_attention` (its locals to its return),
+    # SwiGLU's operands to their product, each adapter's output to its reader. The layer's ``residual +
+    # hidden_states`` after the attention is made there too, held to the layer's output (``after_layer``). Read off
+    # the trace's events of llama-3.2-1b QLoRA with full checkpointing (the stream held every base save to the
+    # layer's end: +2.29% reserved against the trace, benchmarks/reserve_agreement.py --finetune).
+    lean_forward = rms_transients and rotary and bool(flows)
+    dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
+    after_layer: list[int] = []  # lean: freed by the caller once the layer's output exists
+
+    def lean_norm(n: int, locals_: list[int]) -> int:
+        """LlamaRMSNorm.forward in a checkpointed forward: ``hidden_states.to(torch.float32)`` (a copy of ``n``
+        bytes unless the residual stream is fp32 already: the residual itself), ``pow(2)`` (freed by ``mean``),
+        ``hidden_states * torch.rsqrt(...)`` (the fp32 copy then dropped), ``.to(input_dtype)`` when the residual is
+        narrower, ``self.weight * ...``: the norm's output, which is returned (the key); ``locals_`` (rsqrt's
+        small tensors) go as it returns."""
+        copy = s.alloc(n) if n != hidden else 0
+        s.free(s.alloc(n))
+        normed = s.alloc(n)
+        s.free(copy)
+        cast = s.alloc(hidden) if n != hidden else 0
+        out = s.alloc(hidden)
+        s.free(cast)
+        s.free(normed)
+        s.free_all(locals_)
+        locals_.clear()
+        return out
+
+    # An unadapted linear of a bitsandbytes 4-bit base in a lean forward runs its own chain (bitsandbytes/nn/modules.py
+    # ``Linear4bit.forward``: x cast to the compute dtype, ``matmul_4bit``'s output, ``.to(inp_dtype)``), as the trace
+    # shows it; a float base's is its output alone.
+    unadapted_4bit = strategy.base_weights.quantization in (Quantization.NF4, Quantization.FP4)
+    compute_w = w.compute
+
+    def bnb4_linear(cast_bytes: int, product_bytes: int, out_bytes: int) -> int:
+        """An unadapted 4-bit linear: its input's cast (0: none), the product, its cast back (when the widths differ);
+        the output's key."""
+        cast = s.alloc(cast_bytes)
+        product = s.alloc(product_bytes)
+        out = product
+        if out_bytes != product_bytes:
+            out = s.alloc(out_bytes)
+            s.free(product)
+        s.free(cast)
+        return out
+
+    def lean_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
+        """LlamaAttention.forward in a checkpointed forward, to SDPA: q, k and v as the projections returned them (an
+        adapted one's output kept by its flow, ``kept``; an unadapted one's made here) in the projections' output
+        dtype, the rotary embedding on q and k (:func:`rotary_qkv`'s ops) there, q's and k's projections dropped, then
+        SDPA's casts of q, k and v to the saved tensors' dtype where it differs (autocast: the fp32 projections of a
+        kbit-prepared model). Returns (what is held to the attention's return: the embedded q and k, v; SDPA's casts,
+        freed once its output exists)."""
+        names = ("q_proj", "k_proj", "v_proj")
+        adapted = [flows[x] for x in names if x in flows]
+        if not adapted:  # nothing says the projections' dtype: the saved tensors' own
+            return rotary_qkv(saved_sizes), []
+        f0 = adapted[0]
+        d_out = {x: flows[x].site.d_out for x in names if x in flows}
+        saved_width = max(1, saved_sizes[names.index(f0.site.name)] // max(1, f0.t * d_out[f0.site.name]))
+        wide = [n * f0.c // saved_width for n in saved_sizes]
+        cast = compute_w * f0.t * f0.site.d_in if f0.w_in != compute_w else 0
+
+        def projection(j: int) -> int:
+            if unadapted_4bit:
+                return bnb4_linear(cast, wide[j] * compute_w // f0.c, wide[j])
+            return s.alloc(wide[j])
+
+        raw = [kept.pop(x, 0) or projection(j) for j, x in enumerate(names)]
+        out = []
+        for j in (0, 1):
+            n = wide[j]
+            m1 = s.alloc(n)
+            neg = s.alloc(n // 2)
+            cat = s.alloc(n)
+            s.free(neg)
+            m2 = s.alloc(n)
+            s.free(cat)
+            out.append(s.alloc(n))
+            s.free(m1)
+            s.free(m2)
+        s.free(raw[0])
+        s.free(raw[1])
+        casts = [s.alloc(n) for n in saved_sizes] if f0.c != saved_width else []
+        return [*out, raw[2]], casts
 
     def release_pending() -> None:
         for p in list(pending):
@@ -857,7 +1033,17 @@ def synthesise(
         s.free_all(raw)
         return [*out, v]
 
-    def layer_forward(i: int, discard: bool = False) -> tuple[list[int], list[int]]:
+    # LLM.int8: MatMul8bitLt.forward keeps its input on ``ctx.tensors`` (bitsandbytes/autograd/_functions.py), outside
+    # save_for_backward, so neither checkpointing's saved-tensor hooks nor the engine's release of a node's saves
+    # after it runs frees it: each layer's ``int8.*`` terms live until the graph goes after the whole backward, a
+    # checkpointed forward's too; a recomputation's own go with the recomputed graph when it stops
+    # (activations.int8_ctx_bytes / int8_layer_bytes, the closed form's ``int8_held``). The stream freed them with
+    # each layer's saves (in a checkpointed forward at the layer's end): LoRA over LLM.int8 with full
+    # checkpointing then reserved no more than the closed form's allocated peak, −9.7% against the trace.
+    int8_ctx: list[int] = []  # the step's ctx-held inputs, freed after its backward
+    int8_recomputed: list[int] = []  # a recomputation's, freed when it stops
+
+    def layer_forward(i: int, discard: bool = False, recompute: bool = False) -> tuple[list[int], list[int]]:
         g = kinds[i]
         copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
         if i < dead:  # nothing records a node: every cast dies with its call
@@ -892,6 +1078,12 @@ def synthesise(
                     saved.remove(key)
                     s.free(key)
 
+        lean = discard and lean_forward
+        norm_locals: list[int] = []  # lean: a norm's rsqrt, to its return
+        attention: list[int] = []  # lean: the attention's input (the norm's output) and locals, to its return
+        block_input = 0  # lean: the MLP's input (the post-attention norm's output), to the layer's end
+        kept: dict[str, int] = {}  # lean: adapted linears' outputs by site, to their readers
+        sdpa_casts: list[int] = []  # lean: SDPA's input casts, to its output
         for k, term in enumerate(terms):
             if nograd and term.name == "norm2.rsqrt":  # attention has returned o_proj's output: the residual add
                 o_proj = s.alloc(hidden)
@@ -913,6 +1105,75 @@ def synthesise(
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
+                if f.dora is not None and f.dora.bnb is not None:  # DoRA's norm before lora_A(x) over a 4-bit base
+                    dora_weight_norm(f, open_flow[2], graphless=discard)
+            if lean and f is None and term.name.startswith("norm"):
+                if term.name.endswith(".rsqrt"):
+                    norm_locals += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+                    continue
+                if term.name.endswith(".input_fp32") and len(term.tensors()) == 1:
+                    if attention:  # the post-attention norm: the attention has returned, its output is added
+                        o_out = 0
+                        if unadapted_4bit and "o_proj" not in flows:  # its input is SDPA's, in the compute dtype
+                            o_out = bnb4_linear(0, compute_w * strategy.tokens_per_micro_batch * h, 0)
+                        s.free_all(attention[:0:-1])  # SDPA's output, v, k and q, then the attention's input
+                        s.free(attention[0])
+                        attention.clear()
+                        after_layer.append(s.alloc(hidden))  # residual + hidden_states
+                        s.free(kept.pop("o_proj", 0))
+                        s.free(o_out)
+                        out = lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
+                        s.free(block_input)
+                        block_input = out
+                    else:
+                        attention.append(lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
+                    continue
+            if lean and term.name == "attn.sdpa.lse":
+                s.free_all([s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()])
+                s.free_all(sdpa_casts)
+                sdpa_casts.clear()
+                continue
+            if lean and term.name in ("attn.sdpa.qkv", "attn.sdpa.out") and attention:
+                if term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
+                    held, sdpa_casts = lean_attention([rank.saved_bytes(term.name, n) for n in term.pieces], kept)
+                    attention += held
+                else:
+                    attention += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+                continue
+            if lean and term.name == "mlp.swiglu" and len(term.pieces) == 3:
+                # ``act_fn(gate_proj(x)) * up_proj(x)``: the gate's output goes once the activation is made, the
+                # activation and the up projection's output once their product is (LlamaMLP.forward)
+                gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces)
+                t_i = strategy.tokens_per_micro_batch * spec.intermediate_size
+                w_mlp = max(1, gate // t_i)  # the projections' output width
+                x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
+
+                def mlp_in(n: int, x_cast: int = x_cast, w_mlp: int = w_mlp) -> int:
+                    return bnb4_linear(x_cast, n * compute_w // w_mlp, n) if unadapted_4bit else s.alloc(n)
+
+                a_key = kept.pop("act", 0)  # an adapted gate's activation, made as its flow returned
+                if not a_key:
+                    g_key = mlp_in(gate)
+                    a_key = s.alloc(act_n)
+                    s.free(g_key)
+                u_key = kept.pop("up_proj", 0) or mlp_in(up)
+                product = s.alloc(gate)
+                s.free(a_key)
+                s.free(u_key)
+                if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
+                    if unadapted_4bit:  # down_proj over the product: its chain, its output to the layer's sum
+                        t_h = strategy.tokens_per_micro_batch * h
+                        out = bnb4_linear(
+                            gate * compute_w // w_mlp if w_mlp != compute_w else 0, compute_w * t_h, w_mlp * t_h
+                        )
+                        s.free(product)
+                        after_layer.append(out)
+                    else:
+                        out = s.alloc(hidden)
+                        s.free(product)
+                        s.free(out)
+                    product = 0
+                continue
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
                 transient = s.alloc(chain_forward)  # the score chain's input and copies around the softmax
                 saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
@@ -929,6 +1190,9 @@ def synthesise(
                 keys = [dora_weights.pop(f.site.name)]
             else:
                 keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+            if term.name.startswith("int8.") and f is None:
+                (int8_recomputed if recompute else int8_ctx).extend(keys)
+                keys = []
             saved += keys
             by_name[term.name] = list(keys)
             release_pending()
@@ -946,11 +1210,31 @@ def synthesise(
                 drop(f"{norm}.rsqrt", f"{norm}.normed")
             if f is not None:
                 own[term.name] = keys
-                if f.dora is not None and term.name.endswith(".lora_A_out") and open_flow is not None:
+                plain = f.dora is None or f.dora.bnb is not None  # DoRA over a 4-bit base: its x is the caller's
+                if lean and plain and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
+                    # lora_A's input under autocast (its cast) or after dropout (the dropped copy) is a temporary of
+                    # ``lora_A(dropout(x))``, gone once lora_A's output exists; PEFT's own cast is ``x``, to the
+                    # call's end
+                    for key in own.pop(f"lora.{f.site.name}.lora_in", []):
+                        saved.remove(key)
+                        s.free(key)
+                if f.dora is not None and f.dora.bnb is None and term.name.endswith(".lora_A_out") and open_flow:
                     dora_weight_norm(f, open_flow[2])
                 if closing[f.site.name] == k and open_flow is not None:
-                    lora_flow_forward_end(*open_flow)
+                    read: list[int] = []
+                    if lean and f.dora is not None and f.dora.bnb is not None:
+                        read = own.pop(f"lora.{f.site.name}.dora_lora_out", [])
+                        for key in read:
+                            saved.remove(key)
+                    result = lora_flow_forward_end(*open_flow, keep=lean, read=read)
                     open_flow = None
+                    if f.site.name == "down_proj":  # the MLP's output: to the layer's ``residual + hidden_states``
+                        after_layer.append(result)
+                    elif f.site.name == "gate_proj" and spec.mlp is MlpKind.GATED and result:
+                        kept["act"] = s.alloc(f.c * f.t * f.site.d_out)  # act_fn(gate_proj(x)), then the gate's goes
+                        s.free(result)
+                    elif result:
+                        kept[f.site.name] = result
                     if discard:
                         # a checkpointed forward saves nothing: what the flow would save are locals of PEFT's
                         # forward (its input copy, the dropout's output and mask, lora_A's, DoRA's), gone when
@@ -974,6 +1258,11 @@ def synthesise(
                     s.free(out)
                     product = 0
         s.free(product)
+        s.free_all(attention)
+        s.free_all(norm_locals)
+        s.free_all(sdpa_casts)
+        s.free_all(kept.values())
+        s.free(block_input)
         for k, _ in pending:
             s.free(k)
         pending.clear()
@@ -1114,6 +1403,8 @@ def synthesise(
                 nxt = s.alloc(hidden)
                 s.free_all(after_output)  # the no-grad forward's down_proj output and first residual add
                 after_output.clear()
+                s.free_all(after_layer)  # a lean checkpointed forward's post-attention residual
+                after_layer.clear()
                 if not kept_input:
                     s.free(residual)
                 residual = nxt
@@ -1214,7 +1505,9 @@ def synthesise(
                     seg = segment_of[i]
                     for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
                         s.free_all(sac_kept.pop(j, []))  # the recomputation takes them over (no new allocation)
-                        layers[j] = layer_forward(j)
+                        layers[j] = layer_forward(j, recompute=True)
+                    s.free_all(int8_recomputed)  # the recomputation stops: its graph's ctx-held inputs go
+                    int8_recomputed.clear()
                     copies, saved = layers[i]
                 rank.layer_backward_begin(s, i)
                 own = layer_trainable[i]
@@ -1300,6 +1593,8 @@ def synthesise(
                     dropped = set(model_grads + late)
                     grads = [k for k in grads if k not in dropped] + kept_grads
             s.free(g_res)
+            s.free_all(int8_ctx)  # the graph goes with the backward's end
+            int8_ctx.clear()
             s.free_all(embedding)
             s.free_all(inputs)
 
