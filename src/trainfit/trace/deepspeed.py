@@ -100,6 +100,7 @@ from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.deepspeed_comm import world_flat_collectives
 from trainfit.trace.deepspeed_offload import H_WEIGHTS, HOST_KINDS, host_live, mark_offload_states, offload_patches
 from trainfit.trace.deepspeed_offload import tensors_in as _tensors
 from trainfit.trace.distributed import (
@@ -524,9 +525,12 @@ def run_layout_deepspeed(
     )
     loop_box.append(loop)
     offload = offload_patches(tr) if loop.offload else contextlib.nullcontext()
+    # stage 3's reduce-scatter and all-gather without a Python loop over the ranks (the same allocations)
+    collectives = world_flat_collectives() if loop.stage == 3 else contextlib.nullcontext()
     # counted before the engine runs: ZeRO-3 empties each partitioned parameter's ``.data`` (its numel is 0 after)
     counts = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in params)
-    with hf.runtime_patches(), patched_resize(tr), _allocations_as(tr, _buffer_methods(loop.stage)), offload:
+    allocations = _allocations_as(tr, _buffer_methods(loop.stage))
+    with hf.runtime_patches(), patched_resize(tr), allocations, offload, collectives:
         run = loop.run()
     return dataclasses.replace(run, params=counts[0], trainable_params=counts[1])
 

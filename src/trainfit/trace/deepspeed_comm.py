@@ -1,0 +1,172 @@
+"""DeepSpeed ZeRO-3's two coalesced collectives without a Python loop over the ranks (issue 10).
+
+The traced rank runs DeepSpeed's own code, and two of its functions build one tensor view per rank in Python: stage
+3's gradient reduction (deepspeed/runtime/comm/coalesced_collectives.py ``reduce_scatter_coalesced``, called by
+stage3.py ``__avg_scatter_grads``) slices every gradient of the bucket into W chunks and interleaves them, rank by
+rank, into the list it hands to one ``torch.cat``; and the all-gather's handle
+(deepspeed/runtime/zero/partition_parameters.py ``AllGatherCoalescedHandle.wait``) narrows each gathered parameter's
+piece out of each of the W rank partitions and concatenates the W pieces. On a GPU those views cost nothing; under
+fake tensors each is an op through the fake-tensor dispatcher, the trace's tracker and its CUDA-kernel mode, about
+0.2 ms apiece, so the ZeRO-3 trace of llama-3.2-1b (1 × 512) took 1.8× as long at W = 64 as at W = 2, 80% of the
+difference in those two loops (cProfile, DeepSpeed 0.19.8): the per-step cost grew with W while FSDP2's and
+ZeRO-1/2's did not.
+
+:func:`world_flat_collectives` replaces both, for the trace, by the same computation over a ``(W, chunk)`` view of the
+flat buffer: the same tensors are allocated, with the same sizes and dtypes, in the same order and freed in the same
+order, so the tracker's events and every reported byte are unchanged (checked on full ``--json`` reports at W = 2, 8
+and 64); only the number of view ops stops depending on W. What is W-sized on the device stays: the reduction's
+interleaved buffer and the all-gather's flat buffer hold W partitions, and the reduction still allocates one padding
+tensor for each rank whose chunk of a gradient is short (``numel`` not a multiple of W; a gradient smaller than W pads
+W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it:
+
+* ``reduce_scatter_coalesced``: the chunk of a gradient for rank r is ``flat[r·c : r·c + c]`` with
+  ``c = ceil(numel / W)``, padded with ``torch.empty`` to c elements; the paddings are made rank by rank, gradient by
+  gradient within a rank, and die with the list that holds them when the function returns (a list frees its items
+  last first); one buffer of ``W · Σc`` elements in the type ``torch.cat`` promotes them to (a single gradient whose
+  numel W divides is its own buffer, DeepSpeed's shortcut), divided by W in place, reduce-scattered into this rank's
+  chunk, and each gradient's output a view of that chunk. The buffer is made by ``torch.empty`` and filled by two
+  strided copies per gradient instead of ``torch.cat`` (the tracker files both alike: the op's name matters only for
+  cuBLAS outputs, ``trace.events.BLAS_OPS``); the paddings' values are not copied: they are never read (each rank
+  keeps only its chunk's first ``numel`` elements), and an empty tensor has none.
+* ``AllGatherCoalescedHandle.wait``: each parameter's whole copy is the first ``ds_numel`` elements of its column
+  block of the ``(W, partition)`` flat buffer, ``ds_numel`` elements made by ``torch.empty`` and filled by two
+  copies, then ``.view(ds_shape).to(ds_tensor.dtype)`` as DeepSpeed does. A quantized gather, a device that is not
+  synchronised (the handle records streams there) or partitions that are not consecutive pieces of one buffer take
+  DeepSpeed's own ``wait``.
+
+Both are patched only while a trace runs (:func:`trainfit.trace.deepspeed.run_layout_deepspeed`) and restored after.
+``tests/trace/test_deepspeed.py::test_zero3_collectives_do_not_loop_over_the_ranks`` counts the ops they dispatch at
+W = 2 and 64, and ``python benchmarks/trace_speed_distributed.py --zero3`` times the trace over W.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+
+@torch.no_grad()
+def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+    """DeepSpeed 0.19.8's ``reduce_scatter_coalesced`` (deepspeed/runtime/comm/coalesced_collectives.py) with the
+    same allocations and results and no per-rank views (the module docstring)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.comm import coalesced_collectives as cc
+
+    this_rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    flat = [t.view(-1) for t in tensors]
+    chunk = [math.ceil(t.numel() / world) for t in tensors]  # DeepSpeed's chunk_sz and padded_partition_sz
+
+    def held(i: int, rank: int) -> int:
+        """Elements of tensor ``i`` in rank ``rank``'s chunk (``flat[i][rank·c : rank·c + c].numel()``)."""
+        return int(max(0, min(chunk[i], flat[i].numel() - rank * chunk[i])))
+
+    paddings: list[torch.Tensor] = []  # held to the return, as DeepSpeed's list of chunks holds them
+    if len(tensors) == 1 and tensors[0].numel() % world == 0:
+        buffer = tensors[0].view(-1)
+    else:
+        # the ranks whose chunk is short: rank ≥ numel // c (none for an empty tensor), in DeepSpeed's order
+        short = sorted((r, i) for i, c in enumerate(chunk) if c > 0 for r in range(flat[i].numel() // c, world))
+        for r, i in short:
+            paddings.append(torch.empty(chunk[i] - held(i, r), dtype=flat[i].dtype, device=flat[i].device))
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in flat))
+        width = sum(chunk)
+        buffer = torch.empty(world * width, dtype=dtype, device=flat[0].device)
+        rows = buffer.view(world, width)
+        col = 0
+        for f, c in zip(flat, chunk, strict=True):
+            whole, rest = divmod(f.numel(), c) if c else (0, 0)
+            if whole:
+                rows[:whole, col : col + c].copy_(f[: whole * c].view(whole, c))
+            if rest:
+                rows[whole, col : col + rest].copy_(f[whole * c :])
+            col += c
+    buffer.div_(world)  # pre-divide
+    mine = buffer.narrow(0, this_rank * sum(chunk), sum(chunk))  # ``torch.chunk(buffer, world)[this_rank]``
+    cc._torch_reduce_scatter_fn(buffer, mine, group=group)
+    out: list[torch.Tensor] = []
+    offset = 0
+    for i, c in enumerate(chunk):
+        out.append(mine.narrow(0, offset, held(i, this_rank)))
+        offset += c
+    return out
+
+
+def _gathered_rows(handle: Any) -> torch.Tensor | None:
+    """The ``(W, partition)`` view of the flat buffer whose consecutive pieces are ``handle.partitions``
+    (partition_parameters.py ``_all_gather_dtype``), or None where they are not that."""
+    parts = handle.partitions
+    world = handle.world_size
+    if not parts or len(parts) != world:
+        return None
+    first, last = parts[0], parts[-1]
+    base: torch.Tensor | None = first._base
+    size = first.numel()
+    if base is None or last._base is not base or base.dim() != 1 or not base.is_contiguous():
+        return None
+    if base.numel() != world * size or first.storage_offset() != base.storage_offset():
+        return None
+    if last.numel() != size or last.storage_offset() != base.storage_offset() + (world - 1) * size:
+        return None
+    return base.view(world, size)
+
+
+def _wait(orig: Any, self: Any, handle_dependency: bool = True) -> None:
+    """``AllGatherCoalescedHandle.wait`` (DeepSpeed 0.19.8) without per-rank views (the module docstring)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if self.complete:
+        return
+    rows = None if self.quantization or not get_accelerator().is_synchronized_device() else _gathered_rows(self)
+    if rows is None or any(p.ds_numel == 0 for p in self.params):
+        orig(self, handle_dependency)
+        return
+    self.allgather_handle.wait()
+    col = 0
+    for param in self.params:
+        assert param.ds_status == ZeroParamStatus.INFLIGHT, f"expected param {param.ds_summary()} to be inflight"
+        width = param.ds_tensor.ds_numel
+        if self.use_secondary_tensor:
+            width *= param.ds_secondary_tensor_num_of_groups
+        whole, rest = divmod(param.ds_numel, width)
+        gathered = torch.empty(param.ds_numel, dtype=rows.dtype, device=rows.device)
+        if whole:
+            gathered[: whole * width].view(whole, width).copy_(rows[:whole, col : col + width])
+        if rest:
+            gathered[whole * width :].copy_(rows[whole, col : col + rest])
+        param.data = gathered.view(param.ds_shape).to(param.ds_tensor.dtype)
+        param.ds_status = ZeroParamStatus.AVAILABLE
+        col += width
+    self.complete = True
+
+
+@contextlib.contextmanager
+def world_flat_collectives() -> Iterator[None]:
+    """Stage 3's ``reduce_scatter_coalesced`` and ``AllGatherCoalescedHandle.wait`` replaced by the versions above
+    while the context is active; DeepSpeed's restored on exit."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.runtime.zero import stage3 as s3
+
+    handle = pp.AllGatherCoalescedHandle
+    saved = [(s3, "reduce_scatter_coalesced", s3.reduce_scatter_coalesced), (handle, "wait", handle.wait)]
+    orig_wait = handle.wait
+
+    def wait(self: Any, handle_dependency: bool = True) -> None:
+        _wait(orig_wait, self, handle_dependency)
+
+    s3.reduce_scatter_coalesced = reduce_scatter_coalesced
+    handle.wait = wait
+    try:
+        yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+
+
+__all__ = ["reduce_scatter_coalesced", "world_flat_collectives"]
