@@ -45,7 +45,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -97,11 +97,96 @@ def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], group: Any = None)
     return out
 
 
+class Partitions(Sequence[torch.Tensor]):
+    """The W consecutive pieces of the all-gather's flat buffer, each narrowed when it is asked for: DeepSpeed's
+    ``_all_gather_dtype`` makes a list of all W views, of which it reads its own rank's and the handle the rest."""
+
+    def __init__(self, flat: torch.Tensor, size: int, world: int) -> None:
+        self.flat, self.size, self.world = flat, size, world
+
+    def __len__(self) -> int:
+        return self.world
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.world))]
+        r = i + self.world if i < 0 else i
+        if not 0 <= r < self.world:
+            raise IndexError(i)
+        return self.flat.narrow(0, self.size * r, self.size)
+
+
+def all_gather_dtype(
+    params: list[Any], world_size: int, rank_in_group: int, ds_process_group: Any, allgather_dtype: torch.dtype
+) -> Any:
+    """DeepSpeed 0.19.8's ``_all_gather_dtype`` (a function partition_parameters.py ``Init.
+    _convert_to_deepspeed_param`` defines for each parameter) with :class:`Partitions` for its list of W views."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.utils import instrument_w_nvtx
+
+    comm_dtypes = [pp.get_allgather_dtype(p, p.ds_tensor) for p in params]
+    assert all(dtype == allgather_dtype for dtype in comm_dtypes), (
+        "all params in a coalesced bucket must have the same communication dtype; "
+        f"expected {allgather_dtype}, got {comm_dtypes}"
+    )
+    use_secondary_tensor = params[0].ds_secondary_tensor is not None
+    if use_secondary_tensor:
+        partition_sz = sum(p.ds_tensor.ds_numel * p.ds_secondary_tensor_num_of_groups for p in params)
+    else:
+        partition_sz = sum(p.ds_tensor.ds_numel for p in params)
+    device = get_accelerator().current_device_name()
+    flat_tensor = torch.empty(partition_sz * world_size, dtype=allgather_dtype, device=device, requires_grad=False)
+    partitions = Partitions(flat_tensor, partition_sz, world_size)
+    mine = partitions[rank_in_group]
+    local = [p.ds_secondary_tensor if use_secondary_tensor else p.ds_tensor for p in params]
+    instrument_w_nvtx(torch.cat)([t.to(device).to(allgather_dtype) for t in local], out=mine)
+    handle = pp._dist_allgather_fn(mine, flat_tensor, ds_process_group)
+    return pp.AllGatherCoalescedHandle(
+        allgather_handle=handle,
+        params=params,
+        partitions=partitions,
+        world_size=world_size,
+        use_secondary_tensor=use_secondary_tensor,
+    )
+
+
+def _cell(fn: Any, name: str) -> Any:
+    """The closure cell of ``fn``'s free variable ``name``, or None."""
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if code is None or closure is None or name not in code.co_freevars:
+        return None
+    return closure[code.co_freevars.index(name)]
+
+
+def _all_gather_dtype_cell(param: Any) -> Any:
+    """The cell holding the ``_all_gather_dtype`` that ``param.all_gather_coalesced`` calls (DeepSpeed 0.19.8:
+    ``instrument_w_nvtx``'s wrapper around ``all_gather_coalesced``, which calls ``_all_gather_coalesced``, which
+    calls ``_all_gather_dtype``, each a closure made for this parameter), or None where the chain differs."""
+    fn = getattr(param, "all_gather_coalesced", None)
+    for name in ("func", "_all_gather_coalesced"):
+        cell = _cell(fn, name)
+        if cell is None:
+            return None
+        fn = cell.cell_contents
+    cell = _cell(fn, "_all_gather_dtype")
+    if cell is None or getattr(cell.cell_contents, "__code__", None) is None:
+        return None
+    return cell if not cell.cell_contents.__code__.co_freevars else None  # DeepSpeed's reads no closure variable
+
+
 def _gathered_rows(handle: Any) -> torch.Tensor | None:
     """The ``(W, partition)`` view of the flat buffer whose consecutive pieces are ``handle.partitions``
     (partition_parameters.py ``_all_gather_dtype``), or None where they are not that."""
     parts = handle.partitions
     world = handle.world_size
+    if isinstance(parts, Partitions):
+        return parts.flat.view(world, parts.size)
     if not parts or len(parts) != world:
         return None
     first, last = parts[0], parts[-1]
@@ -154,19 +239,36 @@ def world_flat_collectives() -> Iterator[None]:
     from deepspeed.runtime.zero import stage3 as s3
 
     handle = pp.AllGatherCoalescedHandle
-    saved = [(s3, "reduce_scatter_coalesced", s3.reduce_scatter_coalesced), (handle, "wait", handle.wait)]
+    saved = [
+        (s3, "reduce_scatter_coalesced", s3.reduce_scatter_coalesced),
+        (handle, "wait", handle.wait),
+        (pp.Init, "_convert_to_deepspeed_param", pp.Init._convert_to_deepspeed_param),
+    ]
     orig_wait = handle.wait
+    orig_convert = pp.Init._convert_to_deepspeed_param
+    cells: list[tuple[Any, Any]] = []
 
     def wait(self: Any, handle_dependency: bool = True) -> None:
         _wait(orig_wait, self, handle_dependency)
 
+    def convert(self: Any, param: Any) -> Any:
+        out = orig_convert(self, param)
+        cell = _all_gather_dtype_cell(param)
+        if cell is not None:
+            cells.append((cell, cell.cell_contents))
+            cell.cell_contents = all_gather_dtype
+        return out
+
     s3.reduce_scatter_coalesced = reduce_scatter_coalesced
     handle.wait = wait
+    pp.Init._convert_to_deepspeed_param = convert
     try:
         yield
     finally:
         for obj, name, old in saved:
             setattr(obj, name, old)
+        for cell, old in cells:
+            cell.cell_contents = old
 
 
-__all__ = ["reduce_scatter_coalesced", "world_flat_collectives"]
+__all__ = ["Partitions", "all_gather_dtype", "reduce_scatter_coalesced", "world_flat_collectives"]
