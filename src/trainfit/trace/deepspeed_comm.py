@@ -1,23 +1,24 @@
-"""DeepSpeed ZeRO-3's two coalesced collectives without a Python loop over the ranks (issue 10).
+"""DeepSpeed ZeRO-3's coalesced collectives without a Python loop over the ranks (issue 10).
 
-The traced rank runs DeepSpeed's own code, and two of its functions build one tensor view per rank in Python: stage
-3's gradient reduction (deepspeed/runtime/comm/coalesced_collectives.py ``reduce_scatter_coalesced``, called by
-stage3.py ``__avg_scatter_grads``) slices every gradient of the bucket into W chunks and interleaves them, rank by
-rank, into the list it hands to one ``torch.cat``; and the all-gather's handle
-(deepspeed/runtime/zero/partition_parameters.py ``AllGatherCoalescedHandle.wait``) narrows each gathered parameter's
-piece out of each of the W rank partitions and concatenates the W pieces. On a GPU those views cost nothing; under
-fake tensors each is an op through the fake-tensor dispatcher, the trace's tracker and its CUDA-kernel mode, about
-0.2 ms apiece, so the ZeRO-3 trace of llama-3.2-1b (1 × 512) took 1.8× as long at W = 64 as at W = 2, 80% of the
-difference in those two loops (cProfile, DeepSpeed 0.19.8): the per-step cost grew with W while FSDP2's and
-ZeRO-1/2's did not.
+The traced rank runs DeepSpeed's own code, and three of its functions build one tensor view per rank in Python
+(DeepSpeed 0.19.8): stage 3's gradient reduction (deepspeed/runtime/comm/coalesced_collectives.py
+``reduce_scatter_coalesced``, called by stage3.py ``__avg_scatter_grads``) slices every gradient of the bucket into
+W chunks and interleaves them, rank by rank, into the list it hands to one ``torch.cat``; the coalesced all-gather
+(deepspeed/runtime/zero/partition_parameters.py ``_all_gather_dtype``) makes a list of the W partitions of its flat
+buffer; and its handle (``AllGatherCoalescedHandle.wait``) narrows each gathered parameter's piece out of each of
+the W partitions and concatenates them. On a GPU those views cost nothing; under fake tensors each is an op through
+the fake-tensor dispatcher, the trace's tracker and its CUDA-kernel mode (a fraction of a millisecond), so the ZeRO-3
+trace of llama-3.2-1b (1 × 512) took 1.8× as long at W = 64 as at W = 2 (cProfile: of the 29 s more, 22 s in the
+reduction, 5 s in the handle's ``wait``, 0.7 s in ``_all_gather_dtype``; 142,507 ops dispatched against 52,731):
+the per-step cost grew with W while FSDP2's and ZeRO-1/2's did not.
 
-:func:`world_flat_collectives` replaces both, for the trace, by the same computation over a ``(W, chunk)`` view of the
-flat buffer: the same tensors are allocated, with the same sizes and dtypes, in the same order and freed in the same
-order, so the tracker's events and every reported byte are unchanged (checked on full ``--json`` reports at W = 2, 8
-and 64); only the number of view ops stops depending on W. What is W-sized on the device stays: the reduction's
-interleaved buffer and the all-gather's flat buffer hold W partitions, and the reduction still allocates one padding
-tensor for each rank whose chunk of a gradient is short (``numel`` not a multiple of W; a gradient smaller than W pads
-W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it:
+:func:`world_flat_collectives` replaces the three, for the trace, by the same computation over a ``(W, chunk)`` view
+of the flat buffer: the same tensors are allocated, with the same sizes and dtypes, in the same order and freed in
+the same order, so the tracker's events and every reported byte are unchanged (checked on full ``--json`` reports at
+W = 2, 8 and 64); only the number of view ops stops depending on W. What is W-sized on the device stays: the
+reduction's interleaved buffer and the all-gather's flat buffer hold W partitions, and the reduction still allocates
+one padding tensor for each rank whose chunk of a gradient is short (``numel`` not a multiple of W; a gradient smaller
+than W pads W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it:
 
 * ``reduce_scatter_coalesced``: the chunk of a gradient for rank r is ``flat[r·c : r·c + c]`` with
   ``c = ceil(numel / W)``, padded with ``torch.empty`` to c elements; the paddings are made rank by rank, gradient by
@@ -28,15 +29,22 @@ W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it:
   strided copies per gradient instead of ``torch.cat`` (the tracker files both alike: the op's name matters only for
   cuBLAS outputs, ``trace.events.BLAS_OPS``); the paddings' values are not copied: they are never read (each rank
   keeps only its chunk's first ``numel`` elements), and an empty tensor has none.
+* ``_all_gather_dtype``: the same flat buffer, this rank's partition filled by ``torch.cat(..., out=)`` and handed
+  to the all-gather; the handle gets :class:`Partitions`, which narrows a partition when it is asked for. DeepSpeed
+  defines the function inside ``Init._convert_to_deepspeed_param``, once per parameter, so no attribute can be
+  patched: while the trace runs, each parameter converted has the closure cell its ``all_gather_coalesced`` reads it
+  from pointed at :func:`all_gather_dtype` (where the chain of closures is not DeepSpeed 0.19.8's, nothing is
+  changed), and the cells are restored after.
 * ``AllGatherCoalescedHandle.wait``: each parameter's whole copy is the first ``ds_numel`` elements of its column
   block of the ``(W, partition)`` flat buffer, ``ds_numel`` elements made by ``torch.empty`` and filled by two
   copies, then ``.view(ds_shape).to(ds_tensor.dtype)`` as DeepSpeed does. A quantized gather, a device that is not
   synchronised (the handle records streams there) or partitions that are not consecutive pieces of one buffer take
   DeepSpeed's own ``wait``.
 
-Both are patched only while a trace runs (:func:`trainfit.trace.deepspeed.run_layout_deepspeed`) and restored after.
-``tests/trace/test_deepspeed.py::test_zero3_collectives_do_not_loop_over_the_ranks`` counts the ops they dispatch at
-W = 2 and 64, and ``python benchmarks/trace_speed_distributed.py --zero3`` times the trace over W.
+All three are patched only while a trace runs (:func:`trainfit.trace.deepspeed.run_layout_deepspeed`) and restored
+after. ``tests/trace/test_deepspeed_comm.py`` checks their values against DeepSpeed's functions on real tensors and
+that a traced ZeRO-3 rank dispatches the same ops, phase by phase, at W = 2 and 64;
+``python benchmarks/trace_speed_distributed.py --zero3`` times the trace over W.
 """
 
 from __future__ import annotations
