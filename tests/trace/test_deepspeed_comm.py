@@ -28,6 +28,7 @@ from trainfit.trace.distributed import trace_distributed
         ((5, 8, 1, 13), 4, 1),  # short chunks, a gradient smaller than W (three paddings), mixed
         ((5, 8, 1, 13), 4, 3),
         ((8,), 4, 2),  # one gradient W divides: DeepSpeed's shortcut, its own buffer
+        ((8, 12, 4), 4, 1),  # several, W divides each: no padding
         ((7,), 4, 0),
         ((130, 64), 64, 63),
     ],
@@ -72,8 +73,8 @@ def test_reduce_scatter_matches_deepspeeds(sizes: tuple[int, ...], world: int, r
         col += c
     mask = filled.view(-1)
     assert torch.equal(buf[mask], ref_buf[mask])
-    if len(sizes) == 1 and sizes[0] % world == 0:  # DeepSpeed's shortcut: the gradient is its own buffer
-        assert pads == ref_pads == []
+    if not ref_pads:  # W divides every gradient: no padding (one gradient: DeepSpeed's shortcut, its own buffer)
+        assert pads == []
     else:  # the same paddings in the same order, then the buffer (``torch.cat``'s output in DeepSpeed's)
         assert pads == [*ref_pads, world * width]
     assert [t.shape for t in out] == [t.shape for t in ref_out]

@@ -36,6 +36,10 @@ Six patches make the engine run on fake tensors (DESIGN §4.3); none changes wha
 * ``assert_ints_same_as_other_ranks`` (ZeRO-3's check that all ranks trace the same module order; it reads
   rank 0's list) is skipped.
 
+Three more, at stage 3, make the trace's cost per step independent of W without changing what is allocated
+(:mod:`trainfit.trace.deepspeed_comm`): the coalesced reduce-scatter, all-gather and the all-gather handle's ``wait``
+run over a ``(W, chunk)`` view of their flat buffers instead of a Python list of W views.
+
 What is counted (components filed by the tracker, :class:`DeepSpeedTracker`): the flat 16-bit parameter
 buffer, the fp32 master partition and Adam's states (marked by the attributes the ZeRO optimizer keeps them
 in); the gradients — autograd's ``.grad`` until the reduction, then ``grads_in_partition`` (what

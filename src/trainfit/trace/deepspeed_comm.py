@@ -25,10 +25,11 @@ than W pads W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it
   gradient within a rank, and die with the list that holds them when the function returns (a list frees its items
   last first); one buffer of ``W · Σc`` elements in the type ``torch.cat`` promotes them to (a single gradient whose
   numel W divides is its own buffer, DeepSpeed's shortcut), divided by W in place, reduce-scattered into this rank's
-  chunk, and each gradient's output a view of that chunk. The buffer is made by ``torch.empty`` and filled by two
-  strided copies per gradient instead of ``torch.cat`` (the tracker files both alike: the op's name matters only for
-  cuBLAS outputs, ``trace.events.BLAS_OPS``); the paddings' values are not copied: they are never read (each rank
-  keeps only its chunk's first ``numel`` elements), and an empty tensor has none.
+  chunk, and each gradient's output a view of that chunk. Where no chunk is short the buffer is one ``torch.cat`` of
+  the gradients viewed as ``(W, c)``, along the columns; otherwise it is made by ``torch.empty`` and filled by two
+  strided copies per gradient (the tracker files both alike: the op's name matters only for cuBLAS outputs,
+  ``trace.events.BLAS_OPS``), the paddings' values not copied: they are never read (each rank keeps only its chunk's
+  first ``numel`` elements), and an empty tensor has none.
 * ``_all_gather_dtype``: the same flat buffer, this rank's partition filled by ``torch.cat(..., out=)`` and handed
   to the all-gather; the handle gets :class:`Partitions`, which narrows a partition when it is asked for. DeepSpeed
   defines the function inside ``Init._convert_to_deepspeed_param``, once per parameter, so no attribute can be
@@ -36,8 +37,9 @@ than W pads W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it
   from pointed at :func:`all_gather_dtype` (where the chain of closures is not DeepSpeed 0.19.8's, nothing is
   changed), and the cells are restored after.
 * ``AllGatherCoalescedHandle.wait``: each parameter's whole copy is the first ``ds_numel`` elements of its column
-  block of the ``(W, partition)`` flat buffer, ``ds_numel`` elements made by ``torch.empty`` and filled by two
-  copies, then ``.view(ds_shape).to(ds_tensor.dtype)`` as DeepSpeed does. A quantized gather, a device that is not
+  block of the ``(W, partition)`` flat buffer: the block's ``clone`` where W divides ``ds_numel``, else
+  ``ds_numel`` elements made by ``torch.empty`` and filled by two copies; then ``.view(ds_shape).to(ds_tensor.
+  dtype)`` as DeepSpeed does. A quantized gather, a device that is not
   synchronised (the handle records streams there) or partitions that are not consecutive pieces of one buffer take
   DeepSpeed's own ``wait``.
 
@@ -75,11 +77,13 @@ def reduce_scatter_coalesced(tensors: Sequence[torch.Tensor], group: Any = None)
         return int(max(0, min(chunk[i], flat[i].numel() - rank * chunk[i])))
 
     paddings: list[torch.Tensor] = []  # held to the return, as DeepSpeed's list of chunks holds them
+    # the ranks whose chunk is short: rank ≥ numel // c (none for an empty tensor), in DeepSpeed's order
+    short = sorted((r, i) for i, c in enumerate(chunk) if c > 0 for r in range(flat[i].numel() // c, world))
     if len(tensors) == 1 and tensors[0].numel() % world == 0:
         buffer = tensors[0].view(-1)
+    elif not short:  # every gradient fills its W chunks: DeepSpeed's interleaving is one concatenation of the rows
+        buffer = torch.cat([f.view(world, c) for f, c in zip(flat, chunk, strict=True)], dim=1).view(-1)
     else:
-        # the ranks whose chunk is short: rank ≥ numel // c (none for an empty tensor), in DeepSpeed's order
-        short = sorted((r, i) for i, c in enumerate(chunk) if c > 0 for r in range(flat[i].numel() // c, world))
         for r, i in short:
             paddings.append(torch.empty(chunk[i] - held(i, r), dtype=flat[i].dtype, device=flat[i].device))
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in flat))
@@ -228,11 +232,14 @@ def _wait(orig: Any, self: Any, handle_dependency: bool = True) -> None:
         if self.use_secondary_tensor:
             width *= param.ds_secondary_tensor_num_of_groups
         whole, rest = divmod(param.ds_numel, width)
-        gathered = torch.empty(param.ds_numel, dtype=rows.dtype, device=rows.device)
-        if whole:
-            gathered[: whole * width].view(whole, width).copy_(rows[:whole, col : col + width])
-        if rest:
-            gathered[whole * width :].copy_(rows[whole, col : col + rest])
+        if whole == self.world_size:  # in every partition whole: its column block, copied (DeepSpeed's cat copies)
+            gathered = rows.narrow(1, col, width).clone(memory_format=torch.contiguous_format)
+        else:
+            gathered = torch.empty(param.ds_numel, dtype=rows.dtype, device=rows.device)
+            if whole:
+                gathered[: whole * width].view(whole, width).copy_(rows[:whole, col : col + width])
+            if rest:
+                gathered[whole * width :].copy_(rows[whole, col : col + rest])
         param.data = gathered.view(param.ds_shape).to(param.ds_tensor.dtype)
         param.ds_status = ZeroParamStatus.AVAILABLE
         col += width
