@@ -33,7 +33,9 @@ from trainfit.trace.distributed import trace_distributed
         ((130, 64), 64, 63),
     ],
 )
-def test_reduce_scatter_matches_deepspeeds(sizes: tuple[int, ...], world: int, rank: int) -> None:
+def test_reduce_scatter_matches_deepspeeds(
+    sizes: tuple[int, ...], world: int, rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On real tensors: the buffer handed to the reduce-scatter holds DeepSpeed's values wherever they are a
     gradient's (the paddings are ``torch.empty`` in both), the same padding tensors are allocated in the same order,
     and the outputs are the same views of this rank's chunk."""
@@ -42,7 +44,7 @@ def test_reduce_scatter_matches_deepspeeds(sizes: tuple[int, ...], world: int, r
     def grads() -> list[torch.Tensor]:
         return [torch.arange(1, n + 1, dtype=torch.float32) * (i + 1) for i, n in enumerate(sizes)]
 
-    def run(fn: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    def run(fn: Any) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
         seen: list[torch.Tensor] = []
         pads: list[int] = []
         empty = torch.empty
@@ -58,10 +60,9 @@ def test_reduce_scatter_matches_deepspeeds(sizes: tuple[int, ...], world: int, r
             out = fn(grads())
         return seen[0], out, pads
 
-    mp = pytest.MonkeyPatch()
     with _quiet_deepspeed(), _deepspeed_world(world, rank):
-        ref_buf, ref_out, ref_pads = run(cc.reduce_scatter_coalesced, mp)
-        buf, out, pads = run(dc.reduce_scatter_coalesced, mp)
+        ref_buf, ref_out, ref_pads = run(cc.reduce_scatter_coalesced)
+        buf, out, pads = run(dc.reduce_scatter_coalesced)
     width = sum(-(-n // world) for n in sizes)
     assert buf.shape == ref_buf.shape == (world * width,) and buf.dtype == ref_buf.dtype
     filled = torch.zeros(world, width, dtype=torch.bool)
