@@ -14,11 +14,12 @@ the per-step cost grew with W while FSDP2's and ZeRO-1/2's did not.
 
 :func:`world_flat_collectives` replaces the three, for the trace, by the same computation over a ``(W, chunk)`` view
 of the flat buffer: the same tensors are allocated, with the same sizes and dtypes, in the same order and freed in
-the same order, so the tracker's events and every reported byte are unchanged (checked on full ``--json`` reports at
-W = 2, 8 and 64); only the number of view ops stops depending on W. What is W-sized on the device stays: the
-reduction's interleaved buffer and the all-gather's flat buffer hold W partitions, and the reduction still allocates
-one padding tensor for each rank whose chunk of a gradient is short (``numel`` not a multiple of W; a gradient smaller
-than W pads W − numel ranks), because DeepSpeed does. Kept as DeepSpeed has it:
+the same order, so the tracker's events and every reported byte are unchanged (checked on full ``--json`` reports and
+on the tracker's records at W = 2 to 64, docs/distributed.md); only the number of view ops stops depending on W.
+What is W-sized on the device stays: the reduction's interleaved buffer and the all-gather's flat buffer hold W
+partitions, and the reduction still allocates one padding tensor for each rank whose chunk of a gradient is short
+(``numel`` not a multiple of W; a gradient smaller than W pads W − numel ranks), because DeepSpeed does. Kept as
+DeepSpeed has it:
 
 * ``reduce_scatter_coalesced``: the chunk of a gradient for rank r is ``flat[r·c : r·c + c]`` with
   ``c = ceil(numel / W)``, padded with ``torch.empty`` to c elements; the paddings are made rank by rank, gradient by
