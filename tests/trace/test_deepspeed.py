@@ -33,6 +33,7 @@ CELLS = [
     ("zero2", 2, "amp-fp16"),
     ("zero2", 8, "amp-bf16"),
     ("zero2", 64, "amp-bf16"),
+    ("zero1", 64, "amp-bf16"),
 ]
 
 
@@ -141,6 +142,7 @@ ZERO3_CELLS = [
     # DeepSpeed's default prefetch bucket (5e7 elements) is larger than this model: the first module's prefetch
     # gathers every parameter in one coalesced handle, whose flat buffer lives until the head's fetch
     (8, "amp-bf16", "none", 50_000_000, 1_000_000_000),
+    (64, "amp-bf16", "none", 50_000, 1_000_000_000),
 ]
 
 

@@ -70,6 +70,12 @@ def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precisi
     _agrees(spec, s, TOLERANCE)
 
 
+def test_tp8_rank_agrees_with_trace() -> None:
+    """TP 8 (heads and k/v heads that 8 divides): each shard of a projection is 1/8 of it."""
+    spec = tiny_spec("llama", **{**WIDER, "num_key_value_heads": 8}, tie_word_embeddings=False)
+    _agrees(spec, _strategy(8, 1, True, "amp-bf16"), TOLERANCE)
+
+
 def _agrees(spec: ModelSpec, s: Strategy, tolerance: float, step_slack: int = 0) -> None:
     """Each phase of the closed form within ``tolerance`` of the trace (+ ``step_slack`` bytes in the optimizer
     step), the step's states within 1%."""

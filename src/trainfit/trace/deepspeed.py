@@ -36,6 +36,10 @@ Six patches make the engine run on fake tensors (DESIGN §4.3); none changes wha
 * ``assert_ints_same_as_other_ranks`` (ZeRO-3's check that all ranks trace the same module order; it reads
   rank 0's list) is skipped.
 
+Three more, at stage 3, make the trace's cost per step independent of W without changing what is allocated
+(:mod:`trainfit.trace.deepspeed_comm`): the coalesced reduce-scatter, all-gather and the all-gather handle's ``wait``
+run over a ``(W, chunk)`` view of their flat buffers instead of a Python list of W views.
+
 What is counted (components filed by the tracker, :class:`DeepSpeedTracker`): the flat 16-bit parameter
 buffer, the fp32 master partition and Adam's states (marked by the attributes the ZeRO optimizer keeps them
 in); the gradients — autograd's ``.grad`` until the reduction, then ``grads_in_partition`` (what
@@ -100,6 +104,7 @@ from trainfit.strategy import Checkpointing, OffloadTarget, Optimizer, Precision
 from trainfit.trace import depth, hf, readout
 from trainfit.trace import runner as rn
 from trainfit.trace import tracker as tk
+from trainfit.trace.deepspeed_comm import world_flat_collectives
 from trainfit.trace.deepspeed_offload import H_WEIGHTS, HOST_KINDS, host_live, mark_offload_states, offload_patches
 from trainfit.trace.deepspeed_offload import tensors_in as _tensors
 from trainfit.trace.distributed import (
@@ -524,9 +529,12 @@ def run_layout_deepspeed(
     )
     loop_box.append(loop)
     offload = offload_patches(tr) if loop.offload else contextlib.nullcontext()
+    # stage 3's reduce-scatter and all-gather without a Python loop over the ranks (the same allocations)
+    collectives = world_flat_collectives() if loop.stage == 3 else contextlib.nullcontext()
     # counted before the engine runs: ZeRO-3 empties each partitioned parameter's ``.data`` (its numel is 0 after)
     counts = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in params)
-    with hf.runtime_patches(), patched_resize(tr), _allocations_as(tr, _buffer_methods(loop.stage)), offload:
+    allocations = _allocations_as(tr, _buffer_methods(loop.stage))
+    with hf.runtime_patches(), patched_resize(tr), allocations, offload, collectives:
         run = loop.run()
     return dataclasses.replace(run, params=counts[0], trainable_params=counts[1])
 
