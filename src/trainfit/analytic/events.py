@@ -928,6 +928,20 @@ def synthesise(
     dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
     after_layer: list[int] = []  # lean: freed by the caller once the layer's output exists
 
+    def rotary_embed(n: int) -> int:
+        """``apply_rotary_pos_emb`` on one of q, k (``n`` bytes): ``x * cos``, ``rotate_half(x)`` (``neg`` of a half,
+        ``cat``), ``* sin``, their sum, the embedded tensor kept (transformers models/llama/modeling_llama.py)."""
+        m1 = s.alloc(n)
+        neg = s.alloc(n // 2)
+        cat = s.alloc(n)
+        s.free(neg)
+        m2 = s.alloc(n)
+        s.free(cat)
+        out = s.alloc(n)
+        s.free(m1)
+        s.free(m2)
+        return out
+
     def lean_norm(n: int, locals_: list[int]) -> int:
         """LlamaRMSNorm.forward in a checkpointed forward: ``hidden_states.to(torch.float32)`` (a copy of ``n``
         bytes unless the residual stream is fp32 already: the residual itself), ``pow(2)`` (freed by ``mean``),
@@ -987,18 +1001,7 @@ def synthesise(
             return s.alloc(wide[j])
 
         raw = [kept.pop(x, 0) or projection(j) for j, x in enumerate(names)]
-        out = []
-        for j in (0, 1):
-            n = wide[j]
-            m1 = s.alloc(n)
-            neg = s.alloc(n // 2)
-            cat = s.alloc(n)
-            s.free(neg)
-            m2 = s.alloc(n)
-            s.free(cat)
-            out.append(s.alloc(n))
-            s.free(m1)
-            s.free(m2)
+        out = [rotary_embed(wide[0]), rotary_embed(wide[1])]
         s.free(raw[0])
         s.free(raw[1])
         casts = [s.alloc(n) for n in saved_sizes] if f0.c != saved_width else []
@@ -1019,17 +1022,7 @@ def synthesise(
         q_n, k_n, v_n = sizes
         raw = [s.alloc(q_n), s.alloc(k_n)]
         v = s.alloc(v_n)
-        out = []
-        for n in (q_n, k_n):
-            m1 = s.alloc(n)
-            neg = s.alloc(n // 2)
-            cat = s.alloc(n)
-            s.free(neg)
-            m2 = s.alloc(n)
-            s.free(cat)
-            out.append(s.alloc(n))
-            s.free(m1)
-            s.free(m2)
+        out = [rotary_embed(q_n), rotary_embed(k_n)]
         s.free_all(raw)
         return [*out, v]
 
