@@ -294,8 +294,83 @@ def test_fsdp2_script_builds_a_pure_bf16_plan_in_bf16(precision: str) -> None:
         assert script is not None
         assert re.search(rf"^PURE_BF16 = {precision == 'pure-bf16'}\b", script, re.M)
         assert "from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)" in script
-        assert "mixed = BF16 and not PURE_BF16 and cuda" in script
         compile(script, "train_fsdp2.py", "exec")
+
+
+def _script_module(script: str, folder: Path) -> Any:
+    """The generated train_fsdp2.py imported as a module (``main()`` runs only under ``__main__``): its parts."""
+    import importlib.util
+
+    pytest.importorskip("torch")
+    path = folder / f"train_fsdp2_{abs(hash(script))}.py"
+    path.write_text(script)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "master-bf16", "pure-bf16", "amp-fp16", "master-fp16"])
+def test_fsdp2_script_trains_each_recipe_as_the_estimate_models_it(precision: str, tmp_path: Path) -> None:
+    """The estimate models FSDP2 under every mixed recipe (amp-*, master-*: ``Recipe.mixed``) as fp32 shards with
+    ``MixedPrecisionPolicy(param_dtype=<compute>, reduce_dtype=fp32)`` and no autocast (``analytic.parallel
+    .fsdp_wire_bits``, ``trace.distributed._wrap_fsdp``); train_fsdp2.py's ``mixed_precision`` returns that policy on
+    a GPU, and fp16 recipes scale the loss with ``torch.amp.GradScaler``. Until 2026-12-04 an amp-/master-fp16 plan
+    got no policy and no scaler: it trained in fp32. (bf16 keeps no policy on the CPU, as before: the CPU runs of the
+    tests; fp16 keeps its policy there.)"""
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for strategy in (_two_d(), STRATEGIES["fsdp"], STRATEGIES["fsdp-offload"]):
+        s = dataclasses.replace(strategy, precision=precision)
+        script = export_plan(load_model("llama-3.1-8b"), s).script
+        assert script is not None
+        module = _script_module(script, tmp_path)
+        fp16 = s.recipe.compute_dtype == "fp16"
+        assert module.FP16 is fp16 and module.PURE_BF16 is (precision == "pure-bf16")
+        for cuda in (True, False):
+            policy = module.mixed_precision(cuda)
+            if s.recipe.mixed and (cuda or fp16):
+                assert policy.param_dtype is dtypes[s.recipe.compute_dtype], (precision, cuda)
+                assert policy.reduce_dtype is torch.float32 and policy.output_dtype is None
+            else:
+                assert policy is None, (precision, cuda)
+        assert "scaler = torch.amp.GradScaler(device.type, enabled=FP16)" in script
+        scaled = "scaler.scale(loss).backward()"
+        assert scaled in script and "loss.backward()" not in script.replace(scaled, "")
+        assert "scaler.step(opt)" in script and "scaler.update()" in script and "opt.step()" not in script
+
+
+@pytest.mark.parametrize(("precision", "offload", "backend"), [
+    ("master-fp16", True, "cuda:nccl,cpu:gloo"),
+    ("master-fp16", False, "nccl"),
+    ("master-bf16", True, "nccl"),
+])  # fmt: skip
+def test_fsdp2_script_gives_offloaded_fp16_a_cpu_backend(
+    precision: str, offload: bool, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With offloaded shards the fp16 scaler's found_inf reduction (DTensor's handler, over the shards' mesh) runs on
+    CPU tensors: the script initialises NCCL with a gloo backend for the CPU (torchtitan's ``init_distributed`` for
+    its CPU offload). Shown by the backend main() asks for on a (patched) GPU machine."""
+    base = STRATEGIES["fsdp-offload"] if offload else STRATEGIES["fsdp"]
+    script = export_plan(load_model("llama-3.1-8b"), dataclasses.replace(base, precision=precision)).script
+    assert script is not None
+    module = _script_module(script, tmp_path)
+    asked: list[str] = []
+
+    class _Stop(Exception):
+        pass
+
+    def init(name: str) -> None:
+        asked.append(name)
+        raise _Stop
+
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module.dist, "init_process_group", init)
+    with pytest.raises(_Stop):
+        module.main()
+    assert asked == [backend]
 
 
 class _DataParallel:
@@ -733,7 +808,10 @@ _TORCHRUN_OPT_IN = pytest.mark.skipif(
     "fp8",
     [
         "none",
-        *(pytest.param(v, marks=_TORCHRUN_OPT_IN) for v in ("tied", "tensorwise", "2d", "no-reshard", "pure-bf16")),
+        *(
+            pytest.param(v, marks=_TORCHRUN_OPT_IN)
+            for v in ("tied", "tensorwise", "2d", "no-reshard", "pure-bf16", "fp16", "fp16-2d", "fp16-offload")
+        ),
     ],
 )
 def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
@@ -742,7 +820,9 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     inside that tail unit) — (with ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel;
     ``2d``: 4 processes, FSDP2 over 2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's
     collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward;
-    ``pure-bf16``: the model built in bf16, no MixedPrecisionPolicy)."""
+    ``pure-bf16``: the model built in bf16, no MixedPrecisionPolicy; ``fp16``: master-fp16, fp32 shards gathered in
+    fp16 with fp32 reduce-scatters and torch.amp.GradScaler over the DTensor gradients — the CPU wheel runs every op of
+    the fp16 step —, also over the 2-D mesh and with amp-fp16 and offloaded parameters and optimizer, unpinned)."""
     import dataclasses
     import subprocess
     import sys
@@ -752,6 +832,12 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
         pytest.importorskip("torchao.float8")
     if fp8 == "2d":
         strategy, procs = _two_d(world=4, tensor=2), 4
+    elif fp8 == "fp16":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], precision="master-fp16"), 2
+    elif fp8 == "fp16-2d":
+        strategy, procs = dataclasses.replace(_two_d(world=4, tensor=2), precision="master-fp16"), 4
+    elif fp8 == "fp16-offload":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp-offload"], precision="amp-fp16"), 2
     elif fp8 == "pure-bf16":
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], precision="pure-bf16"), 2
     elif fp8 == "no-reshard":
@@ -759,7 +845,7 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     else:
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8.replace("tied", "none")), 2  # type: ignore[arg-type]
     plan = export_plan(load_model("llama-3.1-8b"), strategy)
-    assert plan.script is not None and ("UNITS = False" if fp8 == "2d" else "UNITS = True") in plan.script
+    assert plan.script is not None and ("UNITS = False" if fp8.endswith("2d") else "UNITS = True") in plan.script
     assert f"RESHARD_AFTER_FORWARD = {fp8 != 'no-reshard'}" in plan.script
     write_export(plan, tmp_path)
     tiny = _tiny_llama(tmp_path, tied=fp8 == "tied")
@@ -770,6 +856,11 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "step 1 loss" in res.stdout
+    if fp8.startswith("fp16"):  # gathered in fp16, reduced in fp32, the loss scaled (no overflow: 2**16 kept)
+        assert "param_dtype=torch.float16, reduce_dtype=torch.float32" in res.stdout
+        assert " scale 65536" in res.stdout
+    else:
+        assert " scale " not in res.stdout
 
 
 @pytest.mark.parametrize(
