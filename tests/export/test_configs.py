@@ -863,6 +863,71 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
         assert " scale " not in res.stdout
 
 
+_SCALER_CHECK = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, ".")
+import train_fsdp2 as script  # the exported script's own policy and recipe switches
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for fused in (False, True):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for module in (*model, model):
+        fully_shard(module, mp_policy=script.mixed_precision(False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
+    scaler = torch.amp.GradScaler("cpu", enabled=script.FP16)
+    x = torch.randn(4, 8)
+    for step, inf in ((0, True), (1, False)):
+        before = [p.to_local().clone() for p in model.parameters()]
+        out = model(x)
+        scaler.scale(out.float().mean()).backward()
+        grad = next(model.parameters()).grad
+        if inf and rank == 1:  # one rank's shard only
+            grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        moved = any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        print(f"rank {rank} fused {fused} step {step} {out.dtype} {type(grad).__name__} {grad.dtype} "
+              f"moved {moved} scale {scaler.get_scale():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@_TORCHRUN_OPT_IN
+def test_fsdp2_grad_scaler_skips_an_inf_on_every_rank(tmp_path: Path) -> None:
+    """What the fp16 script relies on, shown on torch's own code over 2 gloo processes: under the script's policy the
+    outputs are fp16 and the gradients fp32 DTensor shards; an inf in one rank's shard makes *every* rank skip the
+    step and halve the scale (DTensor's ``found_inf_reduce_handler`` max-reduces found_inf over the mesh), and the
+    next clean step is taken everywhere — with AdamW's foreach and fused kernels (the fused one reads the scaler's
+    ``found_inf`` itself)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    strategy = dataclasses.replace(STRATEGIES["fsdp"], precision="master-fp16")
+    write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
+    (tmp_path / "check.py").write_text(_SCALER_CHECK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "check.py"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank "))
+    assert lines == sorted(
+        f"rank {r} fused {f} step {s} torch.float16 DTensor torch.float32 moved {s == 1} scale 32768"
+        for r in (0, 1)
+        for f in (False, True)
+        for s in (0, 1)
+    ), res.stdout
+
+
 @pytest.mark.parametrize(
     ("optimizer", "impl", "builds"),
     [
