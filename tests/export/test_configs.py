@@ -663,6 +663,23 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
     assert str(tmp_path / "launch.sh") in out["exported"]
 
 
+def test_plan_cli_exports_an_fp16_fsdp_plan_that_trains_in_fp16(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A V100 has no bf16: the planner's top plan for Llama 3.2 3B on 8 of them is master-fp16 under FSDP2, and the
+    exported train_fsdp2.py gathers in fp16 over fp32 shards and scales the loss (before 2026-12-04 it trained fp32)."""
+    from tests.cli._cli_helper import run_cli
+
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "v100-sxm2-32gb", "--gpus", "8", "--seq", "2048",
+                "--global-batch", "64", "--export", str(tmp_path), "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    top = json.loads(r.out)["plans"][0]["strategy"]
+    assert (top["precision"], top["sharding"]) == ("master-fp16", "fsdp"), top
+    script = (tmp_path / "train_fsdp2.py").read_text()
+    assert re.search(r"^FP16 = True\b", script, re.M) and re.search(r"^BF16 = False\b", script, re.M)
+    assert "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)" in script
+
+
 def test_2d_plan_exports_a_tp_then_fsdp2_script() -> None:
     """2-D FSDP2 × DTensor TP: train_fsdp2.py builds the ("dp", "tp") mesh, applies ``parallelize_module`` (the
     estimate's Llama plan with SP) and only then ``fully_shard`` over the dp dimension; no Megatron arguments and no
