@@ -293,7 +293,10 @@ def test_fsdp2_script_builds_a_pure_bf16_plan_in_bf16(precision: str) -> None:
         script = export_plan(load_model("llama-3.1-8b"), s).script
         assert script is not None
         assert re.search(rf"^PURE_BF16 = {precision == 'pure-bf16'}\b", script, re.M)
-        assert "from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)" in script
+        assert (
+            "from_config(config, dtype=DTYPE)" in script
+            and "from_pretrained(MODEL, config=config, dtype=DTYPE)" in script
+        )
         compile(script, "train_fsdp2.py", "exec")
 
 
@@ -329,6 +332,9 @@ def test_fsdp2_script_trains_each_recipe_as_the_estimate_models_it(precision: st
         module = _script_module(script, tmp_path)
         fp16 = s.recipe.compute_dtype == "fp16"
         assert module.FP16 is fp16 and module.PURE_BF16 is (precision == "pure-bf16")
+        # built in the dtype of the estimate's shards (fp32 under every recipe but pure-bf16), explicitly: the
+        # from_pretrained the script points real runs to would otherwise load the checkpoint's dtype ("auto")
+        assert module.DTYPE is (torch.bfloat16 if precision == "pure-bf16" else torch.float32)
         for cuda in (True, False):
             policy = module.mixed_precision(cuda)
             if s.recipe.mixed and (cuda or fp16):

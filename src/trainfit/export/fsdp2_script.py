@@ -58,6 +58,7 @@ CHECKPOINTING = {checkpointing}
 BF16 = {bf16}
 PURE_BF16 = {pure_bf16}  # weights, gradients and optimizer states in bf16: built in bf16, no MixedPrecisionPolicy
 FP16 = {fp16}  # amp-/master-fp16: fp16 compute over fp32 shards (MixedPrecisionPolicy) and dynamic loss scaling
+DTYPE = torch.bfloat16 if PURE_BF16 else torch.float32  # the parameters' dtype as built (FSDP2's shards)
 RESHARD_AFTER_FORWARD = {reshard}
 UNITS = {units}  # the token embedding and [final norm, head] as units of their own (torchtitan, accelerate 1.15)
 OFFLOAD = {offload}
@@ -152,8 +153,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     config = AutoConfig.from_pretrained(MODEL)
     config.use_cache = False
-    # real runs: from_pretrained (weights, the same dtype), same wrapping
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)
+    # real runs: AutoModelForCausalLM.from_pretrained(MODEL, config=config, dtype=DTYPE), same wrapping. Pass DTYPE:
+    # transformers 5's from_pretrained defaults to dtype="auto", the checkpoint's (bf16 for Llama 3), not the fp32
+    # shards (master weights) whose memory the plan counts for fp32, amp-* and master-* recipes
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPE)
     if FLOAT8:  # torchtitan's float8 converter: block linears whose dims divide by 16, before fully_shard
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
