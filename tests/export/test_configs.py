@@ -293,9 +293,90 @@ def test_fsdp2_script_builds_a_pure_bf16_plan_in_bf16(precision: str) -> None:
         script = export_plan(load_model("llama-3.1-8b"), s).script
         assert script is not None
         assert re.search(rf"^PURE_BF16 = {precision == 'pure-bf16'}\b", script, re.M)
-        assert "from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)" in script
-        assert "mixed = BF16 and not PURE_BF16 and cuda" in script
+        assert (
+            "from_config(config, dtype=DTYPE)" in script
+            and "from_pretrained(MODEL, config=config, dtype=DTYPE)" in script
+        )
         compile(script, "train_fsdp2.py", "exec")
+
+
+def _script_module(script: str, folder: Path) -> Any:
+    """The generated train_fsdp2.py imported as a module (``main()`` runs only under ``__main__``): its parts."""
+    import importlib.util
+
+    pytest.importorskip("torch")
+    path = folder / f"train_fsdp2_{abs(hash(script))}.py"
+    path.write_text(script)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "master-bf16", "pure-bf16", "amp-fp16", "master-fp16"])
+def test_fsdp2_script_trains_each_recipe_as_the_estimate_models_it(precision: str, tmp_path: Path) -> None:
+    """The estimate models FSDP2 under every mixed recipe (amp-*, master-*: ``Recipe.mixed``) as fp32 shards with
+    ``MixedPrecisionPolicy(param_dtype=<compute>, reduce_dtype=fp32)`` and no autocast (``analytic.parallel
+    .fsdp_wire_bits``, ``trace.distributed._wrap_fsdp``); train_fsdp2.py's ``mixed_precision`` returns that policy on
+    a GPU, and fp16 recipes scale the loss with ``torch.amp.GradScaler``. Until 2026-12-04 an amp-/master-fp16 plan
+    got no policy and no scaler: it trained in fp32. (bf16 keeps no policy on the CPU, as before: the CPU runs of the
+    tests; fp16 keeps its policy there.)"""
+    import torch
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for strategy in (_two_d(), STRATEGIES["fsdp"], STRATEGIES["fsdp-offload"]):
+        s = dataclasses.replace(strategy, precision=precision)
+        script = export_plan(load_model("llama-3.1-8b"), s).script
+        assert script is not None
+        module = _script_module(script, tmp_path)
+        fp16 = s.recipe.compute_dtype == "fp16"
+        assert module.FP16 is fp16 and module.PURE_BF16 is (precision == "pure-bf16")
+        # built in the dtype of the estimate's shards (fp32 under every recipe but pure-bf16), explicitly: the
+        # from_pretrained the script points real runs to would otherwise load the checkpoint's dtype ("auto")
+        assert module.DTYPE is (torch.bfloat16 if precision == "pure-bf16" else torch.float32)
+        for cuda in (True, False):
+            policy = module.mixed_precision(cuda)
+            if s.recipe.mixed and (cuda or fp16):
+                assert policy.param_dtype is dtypes[s.recipe.compute_dtype], (precision, cuda)
+                assert policy.reduce_dtype is torch.float32 and policy.output_dtype is None
+            else:
+                assert policy is None, (precision, cuda)
+        assert "scaler = torch.amp.GradScaler(device.type, enabled=FP16)" in script
+        scaled = "scaler.scale(loss).backward()"
+        assert scaled in script and "loss.backward()" not in script.replace(scaled, "")
+        assert "scaler.step(opt)" in script and "scaler.update()" in script and "opt.step()" not in script
+
+
+@pytest.mark.parametrize(("precision", "offload", "backend"), [
+    ("master-fp16", True, "cuda:nccl,cpu:gloo"),
+    ("master-fp16", False, "nccl"),
+    ("master-bf16", True, "nccl"),
+])  # fmt: skip
+def test_fsdp2_script_gives_offloaded_fp16_a_cpu_backend(
+    precision: str, offload: bool, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With offloaded shards the fp16 scaler's found_inf reduction (DTensor's handler, over the shards' mesh) runs on
+    CPU tensors: the script initialises NCCL with a gloo backend for the CPU (torchtitan's ``init_distributed`` for
+    its CPU offload). Shown by the backend main() asks for on a (patched) GPU machine."""
+    base = STRATEGIES["fsdp-offload"] if offload else STRATEGIES["fsdp"]
+    script = export_plan(load_model("llama-3.1-8b"), dataclasses.replace(base, precision=precision)).script
+    assert script is not None
+    module = _script_module(script, tmp_path)
+    asked: list[str] = []
+
+    class _Stop(Exception):
+        pass
+
+    def init(name: str) -> None:
+        asked.append(name)
+        raise _Stop
+
+    monkeypatch.setattr(module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module.dist, "init_process_group", init)
+    with pytest.raises(_Stop):
+        module.main()
+    assert asked == [backend]
 
 
 class _DataParallel:
@@ -588,6 +669,23 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
     assert str(tmp_path / "launch.sh") in out["exported"]
 
 
+def test_plan_cli_exports_an_fp16_fsdp_plan_that_trains_in_fp16(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A V100 has no bf16: the planner's top plan for Llama 3.2 3B on 8 of them is master-fp16 under FSDP2, and the
+    exported train_fsdp2.py gathers in fp16 over fp32 shards and scales the loss (before 2026-12-04 it trained fp32)."""
+    from tests.cli._cli_helper import run_cli
+
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "v100-sxm2-32gb", "--gpus", "8", "--seq", "2048",
+                "--global-batch", "64", "--export", str(tmp_path), "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    top = json.loads(r.out)["plans"][0]["strategy"]
+    assert (top["precision"], top["sharding"]) == ("master-fp16", "fsdp"), top
+    script = (tmp_path / "train_fsdp2.py").read_text()
+    assert re.search(r"^FP16 = True\b", script, re.M) and re.search(r"^BF16 = False\b", script, re.M)
+    assert "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)" in script
+
+
 def test_2d_plan_exports_a_tp_then_fsdp2_script() -> None:
     """2-D FSDP2 × DTensor TP: train_fsdp2.py builds the ("dp", "tp") mesh, applies ``parallelize_module`` (the
     estimate's Llama plan with SP) and only then ``fully_shard`` over the dp dimension; no Megatron arguments and no
@@ -733,7 +831,10 @@ _TORCHRUN_OPT_IN = pytest.mark.skipif(
     "fp8",
     [
         "none",
-        *(pytest.param(v, marks=_TORCHRUN_OPT_IN) for v in ("tied", "tensorwise", "2d", "no-reshard", "pure-bf16")),
+        *(
+            pytest.param(v, marks=_TORCHRUN_OPT_IN)
+            for v in ("tied", "tensorwise", "2d", "no-reshard", "pure-bf16", "fp16", "fp16-2d", "fp16-offload")
+        ),
     ],
 )
 def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> None:
@@ -742,7 +843,9 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     inside that tail unit) — (with ``--fp8``: torchao's Float8Linear, whose ``torch._scaled_mm`` has a CPU kernel;
     ``2d``: 4 processes, FSDP2 over 2 data-parallel ranks × DTensor TP 2 with sequence parallelism — DTensor's
     collectives run on gloo; layers and root; ``no-reshard``: the layers kept unsharded after forward;
-    ``pure-bf16``: the model built in bf16, no MixedPrecisionPolicy)."""
+    ``pure-bf16``: the model built in bf16, no MixedPrecisionPolicy; ``fp16``: master-fp16, fp32 shards gathered in
+    fp16 with fp32 reduce-scatters and torch.amp.GradScaler over the DTensor gradients — the CPU wheel runs every op of
+    the fp16 step —, also over the 2-D mesh and with amp-fp16 and offloaded parameters and optimizer, unpinned)."""
     import dataclasses
     import subprocess
     import sys
@@ -752,6 +855,12 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
         pytest.importorskip("torchao.float8")
     if fp8 == "2d":
         strategy, procs = _two_d(world=4, tensor=2), 4
+    elif fp8 == "fp16":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], precision="master-fp16"), 2
+    elif fp8 == "fp16-2d":
+        strategy, procs = dataclasses.replace(_two_d(world=4, tensor=2), precision="master-fp16"), 4
+    elif fp8 == "fp16-offload":
+        strategy, procs = dataclasses.replace(STRATEGIES["fsdp-offload"], precision="amp-fp16"), 2
     elif fp8 == "pure-bf16":
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], precision="pure-bf16"), 2
     elif fp8 == "no-reshard":
@@ -759,7 +868,7 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     else:
         strategy, procs = dataclasses.replace(STRATEGIES["fsdp"], float8=fp8.replace("tied", "none")), 2  # type: ignore[arg-type]
     plan = export_plan(load_model("llama-3.1-8b"), strategy)
-    assert plan.script is not None and ("UNITS = False" if fp8 == "2d" else "UNITS = True") in plan.script
+    assert plan.script is not None and ("UNITS = False" if fp8.endswith("2d") else "UNITS = True") in plan.script
     assert f"RESHARD_AFTER_FORWARD = {fp8 != 'no-reshard'}" in plan.script
     write_export(plan, tmp_path)
     tiny = _tiny_llama(tmp_path, tied=fp8 == "tied")
@@ -770,6 +879,76 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "step 1 loss" in res.stdout
+    if fp8.startswith("fp16"):  # gathered in fp16, reduced in fp32, the loss scaled (no overflow: 2**16 kept)
+        assert "param_dtype=torch.float16, reduce_dtype=torch.float32" in res.stdout
+        assert " scale 65536" in res.stdout
+    else:
+        assert " scale " not in res.stdout
+
+
+_SCALER_CHECK = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, ".")
+import train_fsdp2 as script  # the exported script's own policy and recipe switches
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for fused in (False, True):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for module in (*model, model):
+        fully_shard(module, mp_policy=script.mixed_precision(False))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
+    scaler = torch.amp.GradScaler("cpu", enabled=script.FP16)
+    x = torch.randn(4, 8)
+    for step, inf in ((0, True), (1, False)):
+        before = [p.to_local().clone() for p in model.parameters()]
+        out = model(x)
+        scaler.scale(out.float().mean()).backward()
+        grad = next(model.parameters()).grad
+        if inf and rank == 1:  # one rank's shard only
+            grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        moved = any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        print(f"rank {rank} fused {fused} step {step} {out.dtype} {type(grad).__name__} {grad.dtype} "
+              f"moved {moved} scale {scaler.get_scale():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@_TORCHRUN_OPT_IN
+def test_fsdp2_grad_scaler_skips_an_inf_on_every_rank(tmp_path: Path) -> None:
+    """What the fp16 script relies on, shown on torch's own code over 2 gloo processes: under the script's policy the
+    outputs are fp16 and the gradients fp32 DTensor shards; an inf in one rank's shard makes *every* rank skip the
+    step and halve the scale (DTensor's ``found_inf_reduce_handler`` max-reduces found_inf over the mesh), and the
+    next clean step is taken everywhere — with AdamW's foreach and fused kernels (the fused one reads the scaler's
+    ``found_inf`` itself)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    strategy = dataclasses.replace(STRATEGIES["fsdp"], precision="master-fp16")
+    write_export(export_plan(load_model("llama-3.1-8b"), strategy), tmp_path)
+    (tmp_path / "check.py").write_text(_SCALER_CHECK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "check.py"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("rank "))
+    assert lines == sorted(
+        f"rank {r} fused {f} step {s} torch.float16 DTensor torch.float32 moved {s == 1} scale 32768"
+        for r in (0, 1)
+        for f in (False, True)
+        for s in (0, 1)
+    ), res.stdout
 
 
 @pytest.mark.parametrize(

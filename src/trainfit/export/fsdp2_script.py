@@ -2,17 +2,31 @@
 units wrapping the token embedding and [final norm, head] — torchtitan's ``apply_fsdp``, accelerate 1.15 —, then the
 root with torch's own ``reshard_after_forward`` — the wrapping trainfit's memory model assumes; the model is not
 moved to the GPU first, so each call brings only its own group's whole weights there), the plan's micro-batch,
-accumulation, checkpointing, mixed precision (pure-bf16: built in bf16, no policy), offload, optimizer (and AdamW's
-fused/foreach implementation) and ``--fp8`` (torchao's ``convert_to_float8_training`` before the wrapping,
-torchtitan's order). It trains on random tokens so it runs as it is; replace the batch with your data loader.
-``tests/export`` runs it for real on a tiny model across CPU processes with gloo (DESIGN §4: FSDP2 runs on the CPU).
+accumulation, checkpointing, mixed precision (pure-bf16: built in bf16, no policy; amp-/master-bf16 and -fp16: fp32
+shards under ``MixedPrecisionPolicy(param_dtype=<16-bit>, reduce_dtype=fp32)``, no autocast — the model that
+:func:`trainfit.analytic.parallel.fsdp_wire_bits` and ``trace.distributed._wrap_fsdp`` estimate —; fp16 with dynamic
+loss scaling, below), offload, optimizer (and AdamW's fused/foreach implementation) and ``--fp8`` (torchao's
+``convert_to_float8_training`` before the wrapping, torchtitan's order). It trains on random tokens so it runs as it
+is; replace the batch with your data loader. ``tests/export`` runs it for real on a tiny model across CPU processes
+with gloo (DESIGN §4: FSDP2 runs on the CPU; fp16 too: the CPU wheel has fp16 kernels for every op the step runs).
 
 2-D plans (``--tp N --sharding fsdp --engine torch``): a ``("dp", "tp")`` device mesh (TP innermost, within a
 node), DTensor ``parallelize_module`` with the Llama plan the estimate models and
 :mod:`trainfit.trace.tensor_parallel` traces (torchtitan's ``apply_tp`` with sequence parallelism, on
 transformers' module names, logits all-gathered for the model's own loss), *then* ``fully_shard`` over the
 ``dp`` mesh dimension (torchtitan's ``parallelize_llama`` order: FSDP2 shards the TP-local tensors). Every rank
-of a TP group draws the same batch (seeded by its dp rank)."""
+of a TP group draws the same batch (seeded by its dp rank).
+
+fp16 loss scaling: ``torch.amp.GradScaler`` itself, not FSDP1's ``ShardedGradScaler``. FSDP2's gradients are
+DTensors, and DTensor dispatches the scaler's ``_amp_foreach_non_finite_check_and_unscale_`` to a handler of its own
+(``torch/distributed/tensor/_dispatch.py`` ``found_inf_reduce_handler``, torch 2.13; pytorch#132816 "Gradient scaler
+for DTensor"): it unscales the local shards, then max-reduces ``found_inf`` over the mesh dimensions on which the
+first gradient of each (device, dtype) group is not replicated — the whole mesh in 1-D, and in 2-D too, the first
+being the vocabulary-sharded embedding's —, so every rank skips the same steps (torch's
+``test_fully_shard_grad_scaler.py`` runs it over 1-D and (dp, tp) meshes; torchtitan's docs/fsdp.md: FSDP2 uses the
+plain GradScaler). Its state is a few 4-byte tensors, which the estimate does not count. With offloaded shards that
+reduction runs on CPU tensors, so the process group gets a gloo backend for the CPU beside NCCL (torchtitan's
+``init_distributed(enable_cpu_backend=...)``, ``"cuda:nccl,cpu:gloo"``)."""
 
 from __future__ import annotations
 
@@ -43,6 +57,8 @@ LAYER_CLASS = {layer!r}
 CHECKPOINTING = {checkpointing}
 BF16 = {bf16}
 PURE_BF16 = {pure_bf16}  # weights, gradients and optimizer states in bf16: built in bf16, no MixedPrecisionPolicy
+FP16 = {fp16}  # amp-/master-fp16: fp16 compute over fp32 shards (MixedPrecisionPolicy) and dynamic loss scaling
+DTYPE = torch.bfloat16 if PURE_BF16 else torch.float32  # the parameters' dtype as built (FSDP2's shards)
 RESHARD_AFTER_FORWARD = {reshard}
 UNITS = {units}  # the token embedding and [final norm, head] as units of their own (torchtitan, accelerate 1.15)
 OFFLOAD = {offload}
@@ -115,17 +131,32 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
             parallelize_module(module, tp_mesh, plan)
 
 
+def mixed_precision(cuda: bool) -> MixedPrecisionPolicy | None:
+    """16-bit compute over fp32 sharded parameters (amp-/master-bf16 and -fp16, as trainfit's estimate models FSDP2
+    mixed precision): the shards stay fp32 (the master weights), each unit's all-gather casts them to param_dtype and
+    the gradients are reduce-scattered in fp32; no autocast. None: the parameters' own dtype (fp32, pure-bf16)."""
+    if FP16:
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    if BF16 and not PURE_BF16 and cuda:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # fp16 with offloaded shards: the scaler's found_inf all-reduce runs on CPU tensors, so a gloo backend for the CPU
+    # beside NCCL (torchtitan's init_distributed with enable_cpu_backend, used for its CPU offload)
+    dist.init_process_group(("cuda:nccl,cpu:gloo" if FP16 and OFFLOAD else "nccl") if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     config = AutoConfig.from_pretrained(MODEL)
     config.use_cache = False
-    # real runs: from_pretrained (weights, the same dtype), same wrapping
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if PURE_BF16 else None)
+    # real runs: AutoModelForCausalLM.from_pretrained(MODEL, config=config, dtype=DTYPE), same wrapping. Pass DTYPE:
+    # transformers 5's from_pretrained defaults to dtype="auto", the checkpoint's (bf16 for Llama 3), not the fp32
+    # shards (master weights) whose memory the plan counts for fp32, amp-* and master-* recipes
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPE)
     if FLOAT8:  # torchtitan's float8 converter: block linears whose dims divide by 16, before fully_shard
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -136,14 +167,14 @@ def main() -> None:
         convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
     if CHECKPOINTING:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
-    # bf16 compute over fp32 parameters (master-bf16, amp-bf16): gathered in bf16, reduced in fp32
-    mixed = BF16 and not PURE_BF16 and cuda
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    mp = mixed_precision(cuda)
+    if rank == 0:
+        print(f"mixed precision: {{mp}}", flush=True)
     kw = {{"reshard_after_forward": RESHARD_AFTER_FORWARD}}
     if mp is not None:
         kw["mp_policy"] = mp
     if OFFLOAD:
-        kw["offload_policy"] = CPUOffloadPolicy()
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)  # pinning needs an accelerator (a CPU run: unpinned)
     # No model.to(device): each fully_shard call moves its own group to the GPU and shards it, so only one group's
     # whole weights are there at a time (what trainfit's estimate assumes for a loaded model).
     dp_rank = rank
@@ -169,18 +200,24 @@ def main() -> None:
     # the root keeps torch's default (not resharded after forward), as the estimate models
     fully_shard(model, **{{k: v for k, v in kw.items() if k != "reshard_after_forward"}})
     opt = build_optimizer(model.parameters(), cuda)
+    # fp16: torch.amp.GradScaler (init 2**16, x0.5 on inf/NaN, x2 after 2000 clean steps) over FSDP2's DTensor
+    # gradients; DTensor's handler of its unscale op max-reduces found_inf over the gradients' mesh, so every rank
+    # skips the same steps (torch/distributed/tensor/_dispatch.py found_inf_reduce_handler, pytorch#132816)
+    scaler = torch.amp.GradScaler(device.type, enabled=FP16)
     gen = torch.Generator().manual_seed(dp_rank)  # the ranks of a TP group see the same batch
     for step in range(STEPS):
         total = 0.0
         for _ in range(ACCUM):
             ids = torch.randint(0, config.vocab_size, (MICRO_BATCH, SEQ), generator=gen).to(device)
             loss = model(input_ids=ids, labels=ids).loss / ACCUM
-            loss.backward()
+            scaler.scale(loss).backward()
             total += loss.item()
-        opt.step()
+        scaler.step(opt)  # skipped when a gradient is inf/NaN (fp16)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         if rank == 0:
-            print(f"step {{step}} loss {{total:.4f}}", flush=True)
+            scale = f" scale {{scaler.get_scale():g}}" if FP16 else ""
+            print(f"step {{step}} loss {{total:.4f}}{{scale}}", flush=True)
     dist.destroy_process_group()
 
 
@@ -210,6 +247,7 @@ def fsdp2_script(spec: ModelSpec, strategy: Strategy, layer: str) -> str:
         checkpointing=strategy.checkpointing is not Checkpointing.NONE,
         bf16=strategy.recipe.compute_dtype == "bf16",
         pure_bf16=strategy.precision is Precision.PURE_BF16,
+        fp16=strategy.recipe.compute_dtype == "fp16",
         reshard=strategy.engine.reshard_after_forward,
         units=resolved_fsdp_wrap(spec, strategy) is FsdpWrap.UNITS,
         offload=strategy.offload.parameters_on_host,
