@@ -282,6 +282,19 @@ def test_2d_plan_writes_no_training_arguments() -> None:
     assert "--checkpointing selective: train_fsdp2.py checkpoints every block" in notes
 
 
+@pytest.mark.parametrize("checkpointing", ["sqrt", "selective"])
+def test_a_1d_fsdp_plan_s_notes_say_what_the_script_checkpoints(checkpointing: str) -> None:
+    """A 1-D FSDP2 plan exports train_fsdp2.py beside training_args.json; the script checkpoints every block whatever
+    the plan's mode, and NOTES.txt says so for the script as it does for the Trainer (it said it only for 2-D plans)."""
+    strategy = Strategy(
+        sharding="fsdp", parallelism=Parallelism.for_gpus(8), checkpointing=checkpointing, micro_batch=1
+    )  # type: ignore[arg-type]
+    ex = export_plan(load_model("llama-3.1-8b"), strategy)
+    assert ex.training_arguments is not None and ex.script is not None
+    notes = "\n".join(ex.notes)
+    assert f"--checkpointing {checkpointing}: train_fsdp2.py checkpoints every block" in notes
+
+
 @pytest.mark.parametrize("precision", ["pure-bf16", "master-bf16"])
 def test_fsdp2_script_builds_a_pure_bf16_plan_in_bf16(precision: str) -> None:
     """A pure-bf16 plan's memory has bf16 weights, gradients and optimizer states, and FSDP2 moving bf16 both ways

@@ -330,7 +330,7 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
 
 
 def _script_notes(strategy: Strategy) -> list[str]:
-    """What train_fsdp2.py does not carry of a plan that has no training_args.json (2-D FSDP2 × TP): the note
+    """What train_fsdp2.py does not carry of an FSDP2 plan (1-D beside training_args.json, 2-D alone): the note
     :func:`_training_arguments` gives the Trainer's plans about checkpointing modes, for the script (which builds a
     pure-bf16 plan's model in bf16 itself)."""
     notes: list[str] = []
@@ -568,6 +568,8 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     code = None
     if strategy.sharding is Sharding.FSDP and strategy.adapter is None:  # with adapters: the Trainer and PEFT
         code, script = fsdp2_script(spec, strategy, layer_class(spec)), "train_fsdp2.py"
+        if not two_d:  # (2-D plans said it above, with their batch)
+            notes.extend(_script_notes(strategy))
     if strategy.float8.value != "none":
         notes.append(
             "--fp8: the Trainer, accelerate and DeepSpeed configs do not carry it; swap the blocks' linears with "
