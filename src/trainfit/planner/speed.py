@@ -21,7 +21,9 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   and of its gradient back (:func:`autocast_cast_bytes`); LoRA's own elementwise traffic (PEFT ``lora.Linear.forward``);
   QLoRA's dequantisation of every 4-bit weight in forward and backward (:func:`dequant_bytes`, bitsandbytes
   ``MatMul4Bit``); the optimizer step (fused AdamW, 28 B per stepped parameter: the adapters only under
-  LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
+  LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`, except the layers' elementwise kernels and
+  LoRA's, which run at :data:`EAGER_ELEMENTWISE_EFFICIENCY` where the engine is eager (:func:`elementwise_efficiency`:
+  the torch engine and DeepSpeed; Megatron-LM and ``torch.compile`` fuse them).
 - **Communication** (ring collectives: each rank sends and receives (n−1)/n of the buffer per reduce-scatter
   or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
   within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
@@ -53,13 +55,13 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
   same optimizer traffic as their twins: no term.
 
-What it does not model (stated in docs/speed.md, with an H200 profile): eager elementwise kernels running below
-the copy bandwidth (the non-vectorised broadcast/strided path), the attention rate by head dim and backend
-(cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape efficiency (small hidden
-sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
-overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
-bases, ``--freeze`` patterns (run as full training), ZeRO-Offload's gradient copies over PCIe on every micro-step
-(DeepSpeed's ``partition_grads`` / ``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
+What it does not model (stated in docs/speed.md, with an H200 profile): the elementwise bandwidth by op and tensor
+size (one eager rate for every op), a fused byte count for compiled or Megatron kernels, the attention rate by head
+dim and backend (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape
+efficiency (small hidden sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol
+efficiency and the SMs overlapped collectives take, power caps, LLM.int8 bases, ``--freeze`` patterns (run as full
+training), ZeRO-Offload's gradient copies over PCIe on every micro-step (DeepSpeed's ``partition_grads`` /
+``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
 """
 
 from __future__ import annotations
@@ -283,10 +285,11 @@ class SpeedInputs:
 
 
 def fused_elementwise_engine(strategy: Strategy) -> bool:
-    """Whether ``strategy``'s engine runs the layers' elementwise work in fused kernels: Megatron-LM (its
-    ``TransformerEngine``/apex fused LayerNorm/RMSNorm, ``--bias-gelu-fusion``/``--bias-swiglu-fusion``,
-    ``--apply-rope-fusion``, the bias-dropout-add fusion and the fused masked softmax: megatron/core/transformer/
-    ``transformer_config.py`` defaults) — as :func:`trainfit.analytic.parallel.resolve_engine` decides for the memory
+    """Whether ``strategy``'s engine runs the layers' elementwise work in fused kernels: Megatron-LM
+    (TransformerEngine's or apex's fused LayerNorm/RMSNorm, and the bias-GeLU/SwiGLU, rope, bias-dropout-add and
+    masked-softmax fusions, each on unless switched off: megatron/training/arguments.py ``--no-bias-gelu-fusion``,
+    ``--no-bias-swiglu-fusion``, ``--no-rope-fusion``, ``--no-bias-dropout-fusion``, ``--no-masked-softmax-fusion``
+    are ``store_false``) — the engine :func:`trainfit.analytic.parallel.resolve_engine` decides for the memory
     estimate. The torch engine (DDP, FSDP2, the HF Trainer, accelerate) and DeepSpeed run the model's own eager
     modules: False."""
     from trainfit.analytic.parallel import resolve_engine
