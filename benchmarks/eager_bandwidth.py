@@ -20,7 +20,8 @@ into the bytes the op moves by the speed model's op-by-op rules (``elementwise_b
   q and k forward, 15·2 backward (``elementwise_bytes``' rotary rule; cos and sin broadcast, counted as cached).
 
 The fraction is bytes / time / 2039 GB/s (the catalog's A100-SXM4-80GB). Forward + backward of both ops together is
-the constant; each row is printed too. Launch overheads are not in these rows' sizes (0.5–8 ms per call).
+the constant; each row is printed too. The rows are the sweeps' largest (1.9–8.4 ms per call), where launch overheads
+weigh least.
 """
 
 from __future__ import annotations
