@@ -54,6 +54,10 @@ class Published:
     async_tp: bool = False  # torchtitan's async TP (torch.compile + Inductor's micro-pipeline TP pass)
     precision: str = "master-bf16"  # torchtitan: bf16 parameters for compute, fp32 reduce (FSDP2 mixed precision)
     grad_accum: int = 1
+    #: ``torch.compile`` ran (the row says so, or async TP, which needs it, ran): Inductor fuses the
+    #: layers' elementwise kernels — ``SpeedInputs.fused_elementwise``, a property of how the engine runs, set for
+    #: every compiled row alike
+    compiled: bool = False
 
 
 TT = "torchtitan docs/performance.md"
@@ -133,6 +137,7 @@ PUBLISHED: tuple[Published, ...] = (
         "full",
         829,
         float8=True,
+        compiled=True,
     ),
     Published(
         "Llama 3.1 405B, 128×H100, FSDP 16 × TP 8, local batch 2, full AC, Float8",
@@ -158,6 +163,7 @@ PUBLISHED: tuple[Published, ...] = (
         8192,
         "full",
         597.3,
+        compiled=True,
     ),
     Published(
         "Llama 3.1 8B, 64×H100, FSDP 8 × TP 8, local batch 12, per-op SAC, bf16, compile",
@@ -170,6 +176,7 @@ PUBLISHED: tuple[Published, ...] = (
         8192,
         "sac",
         4378,
+        compiled=True,
     ),
 )
 
@@ -182,6 +189,7 @@ def _async_twin(vanilla: Published, tokens_per_second_per_gpu: float, source: st
         source=source,
         tokens_per_second_per_gpu=tokens_per_second_per_gpu,
         async_tp=True,
+        compiled=True,
     )
 
 
@@ -449,7 +457,8 @@ def deepspeed_predicted(run: DeepSpeedRun) -> list[float]:
 def predicted(p: Published) -> list[float]:
     """Tokens/s per GPU the speed model predicts for ``p`` (two values — SXM and NVL peak — on torchtitan's H100).
     TP runs are torchtitan's 2-D FSDP2 × DTensor TP with sequence parallelism (``--engine torch``, what ``auto``
-    resolves FSDP + TP to); Float8 runs set the speed model's fp8 rate on the same inputs."""
+    resolves FSDP + TP to); Float8 runs set the speed model's fp8 rate on the same inputs; compiled runs fuse the
+    elementwise kernels (``fused_elementwise``)."""
     s = Strategy(
         precision=p.precision,
         micro_batch=p.micro_batch,
@@ -460,7 +469,10 @@ def predicted(p: Published) -> list[float]:
         parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor, sequence_parallel=p.tensor > 1),
     )
     spec = mpt(p.model, p.seq_len) if p.model in MPT_SIZES else load_model(p.model)
-    x = dataclasses.replace(SpeedInputs.of(s, spec), float8=p.float8, async_tp=p.async_tp)
+    x = SpeedInputs.of(s, spec)
+    x = dataclasses.replace(
+        x, float8=p.float8, async_tp=p.async_tp, fused_elementwise=x.fused_elementwise or p.compiled
+    )
     gpus = torchtitan_h100() if p.gpu == "torchtitan-h100" else (get_gpu(p.gpu),)
     return [step_time_of(spec, x, g).tokens_per_second / p.gpus for g in gpus]
 
@@ -483,7 +495,8 @@ def float8_ratio() -> list[float]:
         sharding="fsdp",
         parallelism=Parallelism.for_gpus(p.gpus, tensor=p.tensor),
     )
-    spec, x = load_model(p.model), SpeedInputs.of(s)
+    spec = load_model(p.model)
+    x = dataclasses.replace(SpeedInputs.of(s), fused_elementwise=True)  # both published runs: torch.compile
     fp8 = dataclasses.replace(x, float8=True)
     return [step_time_of(spec, x, g).step_seconds / step_time_of(spec, fp8, g).step_seconds for g in torchtitan_h100()]
 
@@ -551,7 +564,9 @@ def main() -> int:
         print(f"  {run.name} ({count_params(run.model) / 1e9:.1f}B): {published:,.1f} tokens/s; predicted {what}")
     print("\nasync TP speed-up (same setup without it; predicted SXM … NVL peak vs published)")
     for vanilla, fast in async_tp_pairs():
-        pred = [b / a for a, b in zip(predicted(vanilla), predicted(fast), strict=True)]
+        # the same setup but async TP: compiled like its twin (async TP needs torch.compile)
+        same = dataclasses.replace(vanilla, compiled=fast.compiled)
+        pred = [b / a for a, b in zip(predicted(same), predicted(fast), strict=True)]
         published = fast.tokens_per_second_per_gpu / vanilla.tokens_per_second_per_gpu
         print(f"  {fast.name}: predicted " + " … ".join(f"×{r:.3f}" for r in pred) + f", published ×{published:.3f}")
     ratios = float8_ratio()

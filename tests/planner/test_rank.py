@@ -250,7 +250,7 @@ def test_adapters_are_planned_on_many_gpus_and_checked_by_the_estimate() -> None
         ("llama-3.1-8b", "a100-sxm-40gb", 8, 4096, 64),
         ("qwen2.5-1.5b", "t4", 2, 2048, 16),
         # PCIe GPUs: plans with and without FSDP2's reshard_after_forward (tests/planner/test_reshard_plan.py)
-        ("llama-3.2-3b", "rtx-4090", 8, 1024, 16),
+        ("llama-3.2-3b", "rtx-4090", 8, 768, 16),
         # ZeRO-1/2's whole 16-bit weights (24 GiB) alone pass the usable 16.8 GiB:
         # their bounds are the looser resident floor (parallel.resident_floor_bytes)
         ("llama-2-13b", "rtx-4090", 8, 1024, 16),
@@ -360,3 +360,25 @@ def test_what_the_search_does_not_choose_is_the_baselines() -> None:
         s = p.strategy
         kw = {"micro_batch": s.micro_batch, "grad_accum": s.grad_accum, "seq_len": 2048}
         assert p.candidate.speed_inputs(**kw, gpus_per_node=8, spec=spec) == SpeedInputs.of(s, spec)
+
+
+def test_plans_are_timed_with_their_engines_elementwise_kernels() -> None:
+    """The ranking times each plan's elementwise work at its engine's rate: eager for the torch engine (FSDP2, DDP,
+    2-D FSDP2 × DTensor TP), fused for Megatron-LM. Each plan's step time is the speed model's for its strategy, and
+    the same plan with the other kind of kernels would have timed differently."""
+    from trainfit.analytic.parallel import resolve_engine
+    from trainfit.planner.speed import SpeedInputs, step_time_of
+    from trainfit.strategy import Engine
+
+    spec, g = load_model("llama-3.2-1b"), get_gpu("a100-sxm-40gb")
+    r = search_plans(spec, g, gpus=8, seq_len=4096, global_batch=64, top=30)
+    engines = set()
+    for p in r.plans:
+        x = SpeedInputs.of(p.strategy, spec)
+        megatron = resolve_engine(p.strategy) is Engine.MEGATRON
+        engines.add(megatron)
+        assert x.fused_elementwise == megatron
+        assert p.speed.step_seconds == pytest.approx(step_time_of(spec, x, g).step_seconds, rel=1e-12)
+        other = dataclasses.replace(x, fused_elementwise=not megatron)
+        assert step_time_of(spec, other, g).compute_seconds != pytest.approx(p.speed.compute_seconds, rel=1e-6)
+    assert engines == {True, False}  # both kinds of plan were ranked

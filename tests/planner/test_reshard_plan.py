@@ -24,10 +24,11 @@ from .test_rank import _search
 FSDP = (Sharding.FSDP, Sharding.HSDP)
 
 #: Llama 3.2 3B on 8 RTX 4090s (no NVLink: FSDP2's all-gathers cross PCIe and are not hidden behind the short
-#: compute of one 1024-token sequence per GPU), global batch 16: the fastest plan gathers each layer once. (Until
+#: compute of two 768-token sequences per GPU), global batch 16: the fastest plan gathers each layer once. (Until
 #: 2026-12-04 one 2048-token sequence at global batch 8; since the loss and the op-by-op elementwise backward were
-#: counted, that micro-step's compute hides the second gather.)
-PCIE = ("llama-3.2-3b", "rtx-4090", 8, 1024, 16)
+#: counted, that micro-step's compute hides the second gather; then 1024-token sequences, until the eager
+#: elementwise kernels ran at EAGER_ELEMENTWISE_EFFICIENCY and that compute hid it too.)
+PCIE = ("llama-3.2-3b", "rtx-4090", 8, 768, 16)
 
 
 def test_every_fsdp_candidate_comes_with_and_without_reshard_after_forward() -> None:

@@ -12,6 +12,7 @@ from trainfit.arch.params import count_params
 from trainfit.arch.spec import ModelKind, ModelSpec
 from trainfit.planner.space import CHECKPOINTING, Candidate, Finetune, candidates
 from trainfit.planner.speed import (
+    EAGER_ELEMENTWISE_EFFICIENCY,
     HBM_EFFICIENCY,
     HOST_ADAM_NODE_GBPS,
     MATMUL_EFFICIENCY,
@@ -20,6 +21,7 @@ from trainfit.planner.speed import (
     dequant_bytes,
     elementwise_backward_bytes,
     elementwise_bytes,
+    elementwise_efficiency,
     host_adam_seconds,
     loss_bytes_per_token,
     model_flops_per_token,
@@ -147,10 +149,17 @@ def test_one_gpu_step_is_flops_over_peak_plus_memory_traffic() -> None:
     # FlashAttention's backward recomputes QKᵀ: 3.5 forwards of attention run, at FlashAttention-2's A100 rate
     attention = 3.5 * attn_fwd * tokens
     # forward + backward op by op, bf16 (tests above), and the loss over the logits (48 B per element)
-    traffic = (313344 + elementwise_backward_bytes(spec, 16)) * spec.num_layers * tokens + 48 * 128256 * tokens
+    # the layers' eager kernels run at EAGER_ELEMENTWISE_EFFICIENCY, the loss's softmax kernels at the copy rate
+    layers = (313344 + elementwise_backward_bytes(spec, 16)) * spec.num_layers * tokens
+    loss = 48 * 128256 * tokens
     adam = 28 * count_params(spec)  # fused AdamW: read w, g, m, v and write w, m, v in fp32, once per step
     hbm = 2039e9 * HBM_EFFICIENCY
-    expected = matmul / (312e12 * MATMUL_EFFICIENCY) + attention / (312e12 * 0.50) + (traffic + adam) / hbm
+    expected = (
+        matmul / (312e12 * MATMUL_EFFICIENCY)
+        + attention / (312e12 * 0.50)
+        + layers / (2039e9 * EAGER_ELEMENTWISE_EFFICIENCY)
+        + (loss + adam) / hbm
+    )
     assert gpu.memory_bandwidth_gbps == 2039 and gpu.compute_capability == "8.0"
     assert t.step_seconds == pytest.approx(expected, rel=1e-9)
     assert t.optimizer_seconds == pytest.approx(adam / hbm)
@@ -171,9 +180,9 @@ def test_checkpointing_modes_recompute_what_they_drop() -> None:
     # amp-bf16 (the default): bf16 matmul outputs over an fp32 residual stream
     # (and autocast casts every weight again in the recomputed forward: read 4, write 2 B)
     amp = SpeedInputs.of(base, spec)
-    traffic = (elementwise_bytes(spec, 16, 32) * spec.num_layers * tokens + autocast_cast_bytes(spec, amp)[0]) / (
-        3350e9 * HBM_EFFICIENCY
-    )
+    # (the layers' eager kernels at EAGER_ELEMENTWISE_EFFICIENCY, the weight casts' vectorised copies at HBM_EFFICIENCY)
+    traffic = elementwise_bytes(spec, 16, 32) * spec.num_layers * tokens / (3350e9 * EAGER_ELEMENTWISE_EFFICIENCY)
+    traffic += autocast_cast_bytes(spec, amp)[0] / (3350e9 * HBM_EFFICIENCY)
     h, i, q, kv = _llama_dims(spec)
     attn = 2 * 2048 * q * spec.num_layers  # forward attention per token (causal half of 2·2·s·q per layer)
     blocks = spec.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
@@ -218,7 +227,7 @@ def test_lora_and_qlora_step() -> None:
     expected = (
         t_full.step_seconds
         + extra
-        + 2 * elements * tokens / hbm
+        + 2 * elements * tokens / (1008e9 * EAGER_ELEMENTWISE_EFFICIENCY)  # PEFT's eager code
         - 28 * (count_params(spec) - adapter_params) / hbm  # the optimizer steps the adapters only
     )
     assert t_lora.step_seconds == pytest.approx(expected, rel=1e-9)
@@ -609,3 +618,81 @@ def test_the_step_floor_bounds_every_micro_batch() -> None:
                 assert floor * (1 - 1e-9) <= step_floor_seconds(t) <= t.step_seconds
             varies += step_floor_seconds(times[0]) > floor * (1 + 1e-9)
     assert varies  # the QLoRA candidates: the test sees the part that depends on the split
+
+
+def test_eager_elementwise_term_is_the_layers_bytes_over_the_eager_bandwidth() -> None:
+    """The layers' elementwise traffic of an eager step runs at EAGER_ELEMENTWISE_EFFICIENCY of the catalog bandwidth,
+    a fused engine's at HBM_EFFICIENCY. The bytes are counted here from llama-3.2-1b's shapes (h 2048, q 2048, kv 512,
+    intermediate 8192, 16 layers), bf16 throughout, op by op as transformers' Llama layer runs them."""
+    spec, gpu = load_model("llama-3.2-1b"), get_gpu("h200-sxm-141gb")
+    h, q, kv, i, layers = 2048, 2048, 512, 8192, 16
+    assert (spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size, spec.num_layers) == (h, q, kv, i, layers)
+    norm_fwd = (2 + 4) + 8 + 4 + 8 + (4 + 2) + 2 * 2  # to fp32, pow, mean, · rsqrt, to bf16, · weight
+    norm_bwd = (2 * 2 + 3 * 2 + 2) + (8 + 12 + 4) + 4 + 20 + 12 + 2 * (2 + 4)  # weight, rsqrt, mean, pow, sum, casts
+    forward = (
+        2 * h * norm_fwd  # two RMSNorms
+        + 10 * 2 * (q + kv)  # rotary on q and k: neg, cat, two products, a sum
+        + 2 * 2 * q  # the attention output made contiguous
+        + 5 * 2 * i  # SiLU, · up
+        + 2 * 3 * 2 * h  # two residual adds
+    )
+    backward = (
+        2 * h * norm_bwd
+        + (2 + 1) * 3 * 2 * h  # the input gradients of q, k, v and of gate, up summed
+        + 15 * 2 * (q + kv)  # rotary
+        + 2 * 2 * q
+        + 2 * 2 * (q + 2 * kv)  # the output gradient made contiguous; dq, dk, dv reshaped
+        + 18 * 2 * i  # SiLU · up
+        + 2 * 3 * 2 * h  # the residual stream's gradients summed
+    )
+    assert (forward, backward) == (313344, 797696)
+    s = Strategy(seq_len=2048, micro_batch=4, grad_accum=2, precision="pure-bf16")
+    eager = SpeedInputs.of(s, spec)
+    assert not eager.fused_elementwise  # the torch engine runs transformers' eager modules
+    fused = dataclasses.replace(eager, fused_elementwise=True)
+    tokens = 2048 * 4 * 2
+    moved = (forward + backward) * layers * tokens
+    bandwidth = 4800e9
+    assert gpu.memory_bandwidth_gbps == 4800
+    gap = step_time_of(spec, eager, gpu).compute_seconds - step_time_of(spec, fused, gpu).compute_seconds
+    assert gap == pytest.approx(
+        moved / (bandwidth * EAGER_ELEMENTWISE_EFFICIENCY) - moved / (bandwidth * HBM_EFFICIENCY), rel=1e-9
+    )
+    # full checkpointing runs the forward's kernels once more, at the same rate
+    ck = dataclasses.replace(eager, checkpointing=Checkpointing.FULL)
+    ck_fused = dataclasses.replace(ck, fused_elementwise=True)
+    gap_ck = step_time_of(spec, ck, gpu).compute_seconds - step_time_of(spec, ck_fused, gpu).compute_seconds
+    again = forward * layers * tokens
+    assert gap_ck - gap == pytest.approx(
+        again / (bandwidth * EAGER_ELEMENTWISE_EFFICIENCY) - again / (bandwidth * HBM_EFFICIENCY), rel=1e-9
+    )
+
+
+def test_fused_elementwise_is_a_property_of_the_engine() -> None:
+    """Megatron-LM runs fused norm, activation, rotary and softmax kernels; the torch engine (DDP, FSDP2, 2-D FSDP2 ×
+    DTensor TP) and DeepSpeed run the model's eager modules."""
+    spec = load_model("llama-3.2-1b")
+    base = Strategy(seq_len=2048, micro_batch=2, precision="pure-bf16")
+    megatron = dataclasses.replace(base, parallelism=Parallelism.for_gpus(8, tensor=2))  # auto: Megatron-LM
+    fsdp_tp = dataclasses.replace(
+        base, sharding=Sharding.FSDP, parallelism=Parallelism.for_gpus(8, tensor=2, sequence_parallel=True)
+    )
+    ddp = dataclasses.replace(base, sharding=Sharding.DDP, parallelism=Parallelism.for_gpus(8))
+    zero3 = dataclasses.replace(base, sharding=Sharding.ZERO3, parallelism=Parallelism.for_gpus(8))
+    assert SpeedInputs.of(megatron, spec).fused_elementwise
+    for s in (base, fsdp_tp, ddp, zero3):
+        assert not SpeedInputs.of(s, spec).fused_elementwise
+    assert elementwise_efficiency(SpeedInputs.of(megatron, spec)) == HBM_EFFICIENCY
+    assert elementwise_efficiency(SpeedInputs.of(base, spec)) == EAGER_ELEMENTWISE_EFFICIENCY
+
+
+def test_eager_elementwise_efficiency_is_liger_kernels_published_hf_timings() -> None:
+    """EAGER_ELEMENTWISE_EFFICIENCY is what Liger-Kernel's published A100 timings of Hugging Face's eager
+    ``LlamaRMSNorm`` (2048 × 32768, bf16 input, fp32 weight: 38 B per element forward, 106 backward) and
+    ``apply_rotary_pos_emb`` (16384 tokens, 32 + 8 heads of 256, bf16: 20 B forward, 30 backward) give: forward +
+    backward of both, bytes over time, over 2039 GB/s (benchmarks/eager_bandwidth.py prints each row)."""
+    rms = 2048 * 32768 * (38 + 106)
+    rope = 16384 * (32 + 8) * 256 * (20 + 30)
+    achieved = (rms + rope) / ((6.910431861877441 + 8.365951538085938) * 1e-3) / 2039e9
+    assert achieved == pytest.approx(EAGER_ELEMENTWISE_EFFICIENCY, abs=0.005)
+    assert EAGER_ELEMENTWISE_EFFICIENCY < HBM_EFFICIENCY

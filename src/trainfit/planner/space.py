@@ -283,6 +283,7 @@ class Candidate:
             else 0.0,
             autocast=bool(r.autocast),
             loss=self.loss,
+            fused_elementwise=self.engine is Engine.MEGATRON,  # speed.fused_elementwise_engine
         )
 
     def _finetune(self) -> tuple[Adapter | None, BaseWeights]:

@@ -21,7 +21,9 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   and of its gradient back (:func:`autocast_cast_bytes`); LoRA's own elementwise traffic (PEFT ``lora.Linear.forward``);
   QLoRA's dequantisation of every 4-bit weight in forward and backward (:func:`dequant_bytes`, bitsandbytes
   ``MatMul4Bit``); the optimizer step (fused AdamW, 28 B per stepped parameter: the adapters only under
-  LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`.
+  LoRA) — over the catalog HBM bandwidth × :data:`HBM_EFFICIENCY`, except the layers' elementwise kernels and
+  LoRA's, which run at :data:`EAGER_ELEMENTWISE_EFFICIENCY` where the engine is eager (:func:`elementwise_efficiency`:
+  the torch engine and DeepSpeed; Megatron-LM and ``torch.compile`` fuse them).
 - **Communication** (ring collectives: each rank sends and receives (n−1)/n of the buffer per reduce-scatter
   or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
   within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
@@ -53,13 +55,13 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
   same optimizer traffic as their twins: no term.
 
-What it does not model (stated in docs/speed.md, with an H200 profile): eager elementwise kernels running below
-the copy bandwidth (the non-vectorised broadcast/strided path), the attention rate by head dim and backend
-(cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape efficiency (small hidden
-sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol efficiency and the SMs
-overlapped collectives take, power caps, ``torch.compile``'s fusion of the elementwise kernels, LLM.int8
-bases, ``--freeze`` patterns (run as full training), ZeRO-Offload's gradient copies over PCIe on every micro-step
-(DeepSpeed's ``partition_grads`` / ``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
+What it does not model (stated in docs/speed.md, with an H200 profile): the elementwise bandwidth by op and tensor
+size (one eager rate for every op), a fused byte count for compiled or Megatron kernels, the attention rate by head
+dim and backend (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape
+efficiency (small hidden sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol
+efficiency and the SMs overlapped collectives take, power caps, LLM.int8 bases, ``--freeze`` patterns (run as full
+training), ZeRO-Offload's gradient copies over PCIe on every micro-step (DeepSpeed's ``partition_grads`` /
+``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ from trainfit.strategy import (
 __all__ = [
     "ATTENTION_EFFICIENCY",
     "DEFAULT_NETWORK_GBPS",
+    "EAGER_ELEMENTWISE_EFFICIENCY",
     "FLASH_BACKWARD_RECOMPUTE",
     "HBM_EFFICIENCY",
     "HOST_ADAM_BYTES_PER_PARAM",
@@ -102,6 +105,7 @@ __all__ = [
     "dequant_bytes",
     "elementwise_backward_bytes",
     "elementwise_bytes",
+    "elementwise_efficiency",
     "fsdp_collective_bytes",
     "fsdp_gathered_once",
     "host_adam_seconds",
@@ -120,6 +124,20 @@ MATMUL_EFFICIENCY = 0.72
 #: Sustained fraction of the catalog HBM bandwidth: an H100 80GB HBM3 D2D copy / STREAM triad measured
 #: 3089 GB/s of the 3350 GB/s spec = 0.92 (fate-oracle.com trace of an H100 bandwidth probe, "peak_bandwidth").
 HBM_EFFICIENCY = 0.92
+
+#: Sustained fraction of the catalog HBM bandwidth that PyTorch's *eager* elementwise kernels reach on the
+#: transformer layer's ops (the fp32 RMSNorm chain, rotary on transposed q/k views, broadcast products: much of it
+#: the non-vectorised ``elementwise_kernel`` path and short-row reductions), measured on their own by Liger-Kernel's
+#: published benchmark of Hugging Face's eager modules (linkedin/Liger-Kernel ``benchmark/data/all_benchmark_data.csv``,
+#: provider ``huggingface``, NVIDIA A100-SXM4-80GB, liger 0.2.1, 2024-09-03; ``benchmark/scripts/benchmark_rms_norm.py``
+#: and ``benchmark_rope.py`` at 26a578e): ``LlamaRMSNorm`` forward + backward over 2048 × 32768 bf16 (fp32 weight)
+#: 6.910 ms, ``apply_rotary_pos_emb`` forward + backward on 16384 tokens, 32 q and 8 kv heads of 256 (h 8192)
+#: 8.366 ms. By this module's op-by-op counts (144 and 50 bytes per element: ``benchmarks/eager_bandwidth.py``
+#: derives them for the benchmark's dtypes and prints the fraction) the two moved 18.05 GB in 15.28 ms: 1.18 TB/s,
+#: 0.58 of the A100's 2039 GB/s — against :data:`HBM_EFFICIENCY`'s 0.92 for a copy. Taken as a fraction of the
+#: catalog bandwidth on every GPU (the H200 profile of docs/speed.md, a calibration case not used here, gave 0.56).
+#: Fused kernels (Megatron-LM's, ``torch.compile``'s) run at :data:`HBM_EFFICIENCY` (:func:`elementwise_efficiency`).
+EAGER_ELEMENTWISE_EFFICIENCY = 0.58
 
 #: Network bandwidth per GPU across nodes, GB/s per direction: 400 Gb/s RDMA per GPU (torchtitan's benchmark
 #: platform, docs/performance.md "Hosts are inter-connected with backend RDMA network with 400 Gb/s per GPU";
@@ -217,6 +235,9 @@ class SpeedInputs:
     fsdp_gathered_once: float = 0.0
     autocast: bool = False  # Recipe.autocast: torch.autocast over the weights (amp-*: casts each step)
     loss: LossImpl = LossImpl.STANDARD  # how the loss meets the logits (--loss): its memory traffic
+    #: The layers' elementwise work runs in fused kernels (:func:`elementwise_efficiency`): Megatron-LM's engine, or
+    #: ``torch.compile`` (no Strategy option: the speed model alone, like ``async_tp``). False: eager PyTorch.
+    fused_elementwise: bool = False
 
     @property
     def frozen_base(self) -> bool:
@@ -259,7 +280,31 @@ class SpeedInputs:
             fsdp_gathered_once=fsdp_gathered_once(spec, strategy) if spec is not None else 0.0,
             autocast=bool(r.autocast),
             loss=strategy.savers.loss,
+            fused_elementwise=fused_elementwise_engine(strategy),
         )
+
+
+def fused_elementwise_engine(strategy: Strategy) -> bool:
+    """Whether ``strategy``'s engine runs the layers' elementwise work in fused kernels: Megatron-LM
+    (TransformerEngine's or apex's fused LayerNorm/RMSNorm, and the bias-GeLU/SwiGLU, rope, bias-dropout-add and
+    masked-softmax fusions, each on unless switched off: megatron/training/arguments.py ``--no-bias-gelu-fusion``,
+    ``--no-bias-swiglu-fusion``, ``--no-rope-fusion``, ``--no-bias-dropout-fusion``, ``--no-masked-softmax-fusion``
+    are ``store_false``) — the engine :func:`trainfit.analytic.parallel.resolve_engine` decides for the memory
+    estimate. The torch engine (DDP, FSDP2, the HF Trainer, accelerate) and DeepSpeed run the model's own eager
+    modules: False."""
+    from trainfit.analytic.parallel import resolve_engine
+    from trainfit.strategy import Engine
+
+    return resolve_engine(strategy) is Engine.MEGATRON
+
+
+def elementwise_efficiency(x: SpeedInputs) -> float:
+    """Fraction of the catalog HBM bandwidth the layers' elementwise work (:func:`elementwise_bytes`,
+    :func:`elementwise_backward_bytes`, LoRA's adapter traffic) runs at: :data:`EAGER_ELEMENTWISE_EFFICIENCY` for
+    eager PyTorch, :data:`HBM_EFFICIENCY` where the engine fuses them (``x.fused_elementwise``; the byte count stays
+    the eager one, an upper bound there). The loss's softmax kernels, autocast's weight casts (contiguous,
+    vectorised copies), QLoRA's dequantisation and the fused optimizer step keep :data:`HBM_EFFICIENCY`."""
+    return HBM_EFFICIENCY if x.fused_elementwise else EAGER_ELEMENTWISE_EFFICIENCY
 
 
 def dtensor_tensor_parallel(strategy: Strategy) -> bool:
@@ -520,13 +565,14 @@ def _per_token(spec: ModelSpec, x: SpeedInputs) -> tuple[float, float, _Recomput
 
 
 def _frozen_base_seconds(
-    spec: ModelSpec, x: SpeedInputs, tokens_rank: float, hbm: float, *, linears_again: bool
+    spec: ModelSpec, x: SpeedInputs, tokens_rank: float, hbm: float, ew_hbm: float, *, linears_again: bool
 ) -> tuple[float, float]:
     """(seconds per step, the part a recomputed forward repeats) of the memory-bound work a frozen base adds:
     the adapters' elementwise traffic (:func:`_adapter_numbers`, compute-dtype elements) and QLoRA's
     dequantisation of every 4-bit weight (:func:`dequant_bytes`) in forward and in backward of each
     micro-step, once more when checkpointing runs the linears again. Their FLOPs are in
-    :func:`model_flops_per_token`."""
+    :func:`model_flops_per_token`. The adapters' traffic is PEFT's eager code (``ew_hbm``, bytes per second:
+    :func:`elementwise_efficiency`), the dequantisation bitsandbytes' kernels (``hbm``)."""
     if x.adapter is None:
         return 0.0, 0.0
     ad = _adapter_numbers(spec, x.adapter)
@@ -534,8 +580,8 @@ def _frozen_base_seconds(
     rank_share = 1 / (x.tensor * x.pipeline)
     dq = dequant_bytes(spec, x.base_quantization, double_quant=x.double_quant, out_bits=x.compute_bits)
     micro_steps = x.grad_accum
-    fwd = (ad.elements_fwd * a * tokens_rank + dq * rank_share * micro_steps) / hbm
-    bwd = (ad.elements_bwd * a * tokens_rank + dq * rank_share * micro_steps) / hbm
+    fwd = ad.elements_fwd * a * tokens_rank / ew_hbm + dq * rank_share * micro_steps / hbm
+    bwd = ad.elements_bwd * a * tokens_rank / ew_hbm + dq * rank_share * micro_steps / hbm
     again = fwd if linears_again else 0.0
     return fwd + bwd + again, again
 
@@ -1006,9 +1052,11 @@ def step_time_of(
     if x.float8:
         flops_rate = float8_rate(spec, gpu, flops_rate, peak)
     attn_rate = peak * attention_efficiency(gpu)
-    hbm = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9 * HBM_EFFICIENCY
+    bandwidth = (gpu.memory_bandwidth_gbps or 1000.0) * 1e9
+    hbm = bandwidth * HBM_EFFICIENCY
+    ew_hbm = bandwidth * elementwise_efficiency(x)  # the layers' elementwise kernels: eager or fused
     layers_rank = spec.num_layers / p
-    act_traffic = elementwise * layers_rank * tokens_micro * accum / t / hbm
+    act_traffic = elementwise * layers_rank * tokens_micro * accum / t / ew_hbm
     cast_fwd, cast_bwd = autocast_cast_bytes(spec, x)
     cast_fwd, cast_bwd = cast_fwd * accum / hbm, cast_bwd * accum / hbm  # once per micro-step (autocast region)
     # The loss runs on the last pipeline stage, averaged over the stages like the layers; DTensor TP gathers the
@@ -1026,7 +1074,7 @@ def step_time_of(
         + rc.attention_flops * tokens_rank / attn_rate
         + rc.memory_passes * (act_traffic + cast_fwd)
     )
-    frozen_time, frozen_again = _frozen_base_seconds(spec, x, tokens_rank, hbm, linears_again=rc.linears_again)
+    frozen_time, frozen_again = _frozen_base_seconds(spec, x, tokens_rank, hbm, ew_hbm, linears_again=rc.linears_again)
     if rc.linears_again:
         recompute_time += frozen_again
     compute = (
