@@ -686,11 +686,12 @@ def test_plan_cli_exports_the_top_plan(capsys: pytest.CaptureFixture[str], tmp_p
 def test_plan_cli_exports_an_fp16_fsdp_plan_that_trains_in_fp16(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """A V100 has no bf16: the planner's top plan for Llama 3.2 3B on 8 of them is master-fp16 under FSDP2, and the
-    exported train_fsdp2.py gathers in fp16 over fp32 shards and scales the loss (before 2026-12-04 it trained fp32)."""
+    """A T4 has no bf16: the planner's top plan for Llama 3.2 3B on 2 of them is master-fp16 under FSDP2, and the
+    exported train_fsdp2.py gathers in fp16 over fp32 shards and scales the loss (before 2026-12-04 it trained fp32).
+    (On 8 V100s, the first setting of this test, Megatron's fused kernels now rank first: planner/speed.py.)"""
     from tests.cli._cli_helper import run_cli
 
-    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "v100-sxm2-32gb", "--gpus", "8", "--seq", "2048",
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "t4", "--gpus", "2", "--seq", "2048",
                 "--global-batch", "64", "--export", str(tmp_path), "--json")  # fmt: skip
     assert r.code == 0, r.err
     top = json.loads(r.out)["plans"][0]["strategy"]
