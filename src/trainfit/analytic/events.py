@@ -89,7 +89,7 @@ from trainfit.analytic.states import (
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import BNB_4BIT_BLOCK
-from trainfit.strategy import AdapterKind, MemorySavers, Quantization, Strategy
+from trainfit.strategy import AdapterKind, LossImpl, MemorySavers, Quantization, Strategy
 
 __all__ = [
     "STEPS",
@@ -724,6 +724,26 @@ def synthesise(
     tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
     sac_sizes = [x.bytes for x in sac_saved_terms(spec, strategy)]
     sac_kept: dict[int, list[int]] = {}
+    # torchtune's chunked cross-entropy: the tokens of each chunk (torch.chunk along the sequence), the head input's
+    # saved cast per chunk, a frozen head's per-chunk weight cast (savers.chunked_head_copy_bytes)
+    chunk_tokens: list[int] = []
+    chunk_copied: set[ParamTensor] = set()
+    chunk_copy_bytes = head_in_bytes = 0
+    chunk_head_trained = head_in_cast = False
+    if strategy.savers.loss is LossImpl.CHUNKED and spec.kind is ModelKind.CAUSAL_LM:
+        step_len = -(-strategy.seq_len // strategy.savers.loss_chunks)
+        chunk_tokens = [
+            strategy.micro_batch * min(step_len, strategy.seq_len - start)
+            for start in range(0, strategy.seq_len, step_len)
+        ]
+        head_name = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        chunk_copied = {
+            ps.tensor for ps in states if ps.tensor.name == head_name and ps.autocast_copy and not ps.trainable
+        }
+        chunk_copy_bytes = sum(rank.copy_bytes(x, r.compute_bits) for x in chunk_copied)
+        head_in_bytes = sum(rank.saved_bytes(x.name, x.bytes) for x in mt if x.role is TermRole.HEAD_INPUT)
+        head_in_cast = any(x.name.endswith(".casts") for x in mt if x.role is TermRole.HEAD_INPUT)
+        chunk_head_trained = any(head_matmul_grad(spec, x) for x in model_trained)
 
     # Autocast caches the cast of a leaf that requires grad, whatever the grad mode, until the outermost autocast
     # region exits (aten/src/ATen/autocast_mode.cpp ``cached_cast``; torch/amp/autocast_mode.py ``__exit__`` clears
@@ -1357,6 +1377,115 @@ def synthesise(
             k, ws = autograd_ws.pop(0)
             s.workspace(ws.size_bytes, workspace_key(k), ws.stream)
 
+    def loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
+        """The standard loss, forward and backward, to the head's backward: the logits' gradient (its key)."""
+        # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
+        gather = rank.logits_gather(s)
+        logits = s.alloc(la * n_logits)
+        s.free_all(gather)
+        upcast = s.alloc(4 * n_logits) if la != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
+        rest = max(0, lg.forward_peak_bytes - la * n_logits - (4 * n_logits if upcast else 0))
+        log_softmax = s.alloc(rest)
+        s.free(upcast)
+        s.free_all(forward_cache)  # the autocast region exits
+        s.free(logits)  # the HF Trainer drops the outputs before backward
+        s.free_all(kv_cache)  # with them the cache
+        rank.backward_begin(s)
+
+        # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
+        # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
+        # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
+        g_nll = s.alloc(4 * n_logits)
+        mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
+        g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
+        s.free(g_nll)
+        s.free(log_softmax)
+        g_logits = g_lsm
+        if upcast:
+            g_logits = s.alloc(la * n_logits)
+            s.free(g_lsm)
+        rank.head_backward_begin(s)
+        return g_logits, [], 0
+
+    def chunked_loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
+        """torchtune's chunked cross-entropy (``TransformerDecoder`` with ``num_output_chunks``: ``[self.output(c) for
+        c in h.chunk(N, dim=1)]``; ``CEWithChunkedOutputLoss``: each chunk ``.float()`` and ``cross_entropy`` on its
+        own, torchtune/modules/loss/ce_chunked_output_loss.py) as the trace runs it, to the head's per-chunk matmul
+        backwards: per chunk the head input's cast (autocast; a frozen head's weight cast too, not cached) and its
+        logits; per chunk the fp32 copy, freed, and the log-softmax output, kept; the logits dropped. Backward:
+        every chunk's loss backward first, last chunk first (each loss node is younger than every head matmul), its
+        logits gradient kept; then each chunk's head matmul backward, last chunk first: the weight's gradient (the
+        first two summed out of place, the first being a view, input_buffer.cpp ``accumulate``; the later ones in
+        place), the input's gradient (cast to the residual dtype), the chunk's saved casts and logits gradient
+        freed. Returns no logits gradient, the input gradient's pieces (SplitBackward cats them) and the summed
+        16-bit weight gradient (under autocast, ``ToCopyBackward0`` casts it into the .grad)."""
+        gather = rank.logits_gather(s)
+        s.free_all(gather)
+        vocab = spec.vocab_size
+        ins, casts, chunk_logits, saved = [], [], [], []
+        # The head's input: under autocast a cast per chunk; else the final norm's output, whose sequence chunks are
+        # views, copied by ``F.linear``'s reshape when not contiguous (micro-batch > 1), the copies saved.
+        whole = s.alloc(head_in_bytes) if head_in_bytes and not head_in_cast else 0
+        per_chunk = head_in_cast or strategy.micro_batch > 1
+        for ct in chunk_tokens:
+            casts.append(s.alloc(chunk_copy_bytes) if chunk_copy_bytes else 0)
+            ins.append(s.alloc(head_in_bytes * ct // t) if head_in_bytes and per_chunk else 0)
+            chunk_logits.append(s.alloc(la * ct * vocab))
+        if per_chunk:
+            s.free(whole)
+            whole = 0
+        for ct in chunk_tokens:
+            upcast = s.alloc(4 * ct * vocab) if la != 4 else 0
+            saved.append(s.alloc(4 * ct * vocab))
+            s.free(upcast)
+        s.free_all(forward_cache)  # the autocast region exits
+        s.free_all(reversed(chunk_logits))  # the outputs are dropped before backward
+        s.free_all(kv_cache)
+        rank.backward_begin(s)
+        g_chunks = [0] * len(chunk_tokens)
+        for k in reversed(range(len(chunk_tokens))):
+            ct = chunk_tokens[k]
+            g_nll = s.alloc(4 * ct * vocab)
+            g_lsm = s.alloc(4 * ct * vocab)
+            s.free(g_nll)
+            s.free(saved[k])
+            g_chunks[k] = g_lsm
+            if la != 4:
+                g_chunks[k] = s.alloc(la * ct * vocab)
+                s.free(g_lsm)
+        rank.head_backward_begin(s)
+        table = a * vocab * h
+        wsum = 0
+        pieces_: list[int] = []
+        for j, k in enumerate(reversed(range(len(chunk_tokens)))):
+            ct = chunk_tokens[k]
+            wg = s.alloc(table) if chunk_head_trained else 0
+            first_matmul_done()
+            g_in = s.alloc(a * ct * h)
+            s.free(g_chunks[k])
+            s.free(casts[k])
+            s.free(ins[k])
+            if k == 0:
+                s.free(whole)  # the last chunk's backward releases the saved views' storage
+            if j == 0:
+                wsum = wg
+            elif j == 1 and wg:
+                total = s.alloc(table)
+                s.free(wsum)
+                s.free(wg)
+                wsum = total
+            else:
+                s.free(wg)
+            if w.residual != a:
+                piece = s.alloc(rank.residual_bytes(w.residual * ct * h))
+                s.free(g_in)
+                g_in = piece
+            pieces_.append(g_in)
+        if wsum and r.grad_bits // 8 == a:
+            s.free(wsum)  # the summed gradient becomes the .grad itself (AccumulateGrad steals it)
+            wsum = 0
+        return 0, pieces_, wsum
+
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
         for micro_step in range(micro_steps):
@@ -1403,37 +1532,17 @@ def synthesise(
                 residual = nxt
                 rank.layer_forward_end(s, i)
             rank.head_forward_begin(s)
-            head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
+            head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model if x not in chunk_copied]
             head = [
-                s.alloc(rank.saved_bytes(x.name, x.bytes)) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)
+                s.alloc(rank.saved_bytes(x.name, x.bytes))
+                for x in mt
+                if x.role is TermRole.HEAD or (x.role is TermRole.HEAD_INPUT and not chunk_tokens)
             ]
             s.free(residual)
-            # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
-            gather = rank.logits_gather(s)
-            logits = s.alloc(la * n_logits)
-            s.free_all(gather)
-            upcast = s.alloc(4 * n_logits) if la != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
-            rest = max(0, lg.forward_peak_bytes - la * n_logits - (4 * n_logits if upcast else 0))
-            log_softmax = s.alloc(rest)
-            s.free(upcast)
-            s.free_all(forward_cache)  # the autocast region exits
-            s.free(logits)  # the HF Trainer drops the outputs before backward
-            s.free_all(kv_cache)  # with them the cache
-            rank.backward_begin(s)
-
-            # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
-            # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
-            # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
-            g_nll = s.alloc(4 * n_logits)
-            mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
-            g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
-            s.free(g_nll)
-            s.free(log_softmax)
-            g_logits = g_lsm
-            if upcast:
-                g_logits = s.alloc(la * n_logits)
-                s.free(g_lsm)
-            rank.head_backward_begin(s)
+            if chunk_tokens:
+                g_logits, g_chunks, wsum = chunked_loss(forward_cache, kv_cache)
+            else:
+                g_logits, g_chunks, wsum = loss(forward_cache, kv_cache)
             model_grads: list[int] = []
             table_grad = 0  # the tied table's gradient, allocated with the head's backward
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
@@ -1450,9 +1559,11 @@ def synthesise(
             g_res = 0
             for x in [*(x for x in model_trained if x not in after_head), None, *after_head]:
                 if x is None:
+                    s.free(wsum)  # chunked: the summed 16-bit head gradient, cast into the .grad
                     g_res = s.alloc(hidden)
                     first_matmul_done()
                     s.free(g_logits)
+                    s.free_all(g_chunks)  # chunked: the input gradient's pieces, now concatenated
                     if head_grads:
                         rank.head_grads_taken(s, head_grads)
                         head_grads.clear()
@@ -1640,16 +1751,18 @@ def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
     """``strategy`` less the memory savers its synthesised stream does not read, so that setups with the same stream
     share one simulation (the planner estimates each candidate with and without ``--loss fused-linear``, and the
     analytic estimate takes a saver's reserve above the stream's own peak, ``estimate_analytic``). :func:`synthesise`
-    reads two of them: ``paged_optimizer`` (no optimizer states in the stream) and, only for a trainable token table
-    tied to the head, the loss (:func:`~trainfit.analytic.states.tied_gradient_sum`: a fused or chunked loss makes
-    the table's gradient sum in place); ``optimizer_in_backward`` and ``activation_offload`` not at all."""
+    reads: ``paged_optimizer`` (no optimizer states in the stream), a causal LM's chunked loss (replayed chunk by
+    chunk, ``chunked_loss`` in :func:`synthesise`) and, only for a trainable token table tied to the head, the
+    fused loss (:func:`~trainfit.analytic.states.tied_gradient_sum`: a fused or chunked loss makes the table's
+    gradient sum in place); ``optimizer_in_backward`` and ``activation_offload`` not at all."""
     sv = strategy.savers
     if not sv.any:
         return strategy
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    replayed = sv.loss is LossImpl.CHUNKED and spec.kind is ModelKind.CAUSAL_LM
     kept = (
         MemorySavers(loss=sv.loss, loss_chunks=sv.loss_chunks, paged_optimizer=sv.paged_optimizer)
-        if tied
+        if tied or replayed
         else MemorySavers(paged_optimizer=sv.paged_optimizer)
     )
     return strategy if kept == sv else replace(strategy, savers=kept)

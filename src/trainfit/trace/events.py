@@ -263,14 +263,17 @@ def stitch_events(
         for i in range(lo, hi):
             evs[i].unit, evs[i].group, evs[i].backward = which, by_pass[key], backward
             covered[i] = True
-    # 2. per-parameter repeats outside them
+    # 2. per-parameter repeats outside them; never in the head's region, whose ops may repeat per chunk of a chunked
+    # loss (torchtune's) in blocks as long as a unit's parameter count — no unit's work
+    recs = run.tracker.records
+    barrier = [c or recs[e.rec].head for c, e in zip(covered, evs, strict=True)]
     i = 0
     while i < len(evs):
-        if covered[i]:
+        if barrier[i]:
             i += 1
             continue
         j = i
-        while j < len(evs) and not covered[j]:
+        while j < len(evs) and not barrier[j]:
             j += 1
         periods = params_per_unit if isinstance(params_per_unit, tuple) else (params_per_unit,)
         group = _mark_repeats(evs, i, j, periods, group)
