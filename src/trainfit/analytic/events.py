@@ -78,6 +78,7 @@ from trainfit.analytic.adapters import (
     site_tensors,
 )
 from trainfit.analytic.logits import logits_memory
+from trainfit.analytic.savers import liger_chunk_tokens
 from trainfit.analytic.states import (
     ParamState,
     model_states,
@@ -730,6 +731,17 @@ def synthesise(
     chunk_copied: set[ParamTensor] = set()
     chunk_copy_bytes = head_in_bytes = 0
     chunk_head_trained = head_in_cast = False
+    # Liger's fused linear cross-entropy: its chunks of tokens, the head weight's casts (autocast)
+    fused = strategy.savers.loss is LossImpl.FUSED_LINEAR and spec.kind is ModelKind.CAUSAL_LM
+    fused_chunks: list[int] = []
+    fused_cast = fused_grad = 0
+    if fused:
+        c = liger_chunk_tokens(t, spec.vocab_size, h)
+        fused_chunks = [min(c, t - start) for start in range(0, t, c)]
+        head_name = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        head_states = [ps for ps in states if ps.tensor.name == head_name]
+        fused_cast = sum(rank.copy_bytes(ps.tensor, r.compute_bits) for ps in head_states if ps.autocast_copy)
+        fused_grad = sum(_bytes(ps.tensor.numel, r.grad_bits) for ps in head_states if ps.trainable)
     if strategy.savers.loss is LossImpl.CHUNKED and spec.kind is ModelKind.CAUSAL_LM:
         step_len = -(-strategy.seq_len // strategy.savers.loss_chunks)
         chunk_tokens = [
@@ -1407,6 +1419,48 @@ def synthesise(
         rank.head_backward_begin(s)
         return g_logits, [], 0
 
+    def fused_loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
+        """Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py
+        ``fused_linear_cross_entropy_forward``) as the trace runs it (trace.savers ``FusedLinearCrossEntropy``): in the
+        head's forward ``grad_input = zeros_like(x)``, ``grad_weight = zeros_like(weight)`` (a trainable head) and the
+        fp32 per-token loss; per chunk of tokens (savers.liger_chunk_tokens) ``x_c @ weight.t()`` — under autocast a
+        cast of the weight (a transposed view: not cached) and of ``x_c`` — into the chunk's logits, overwritten in
+        place by their gradient; ``logits @ weight`` (under autocast the weight's cast, cached for a trainable leaf to
+        the end of the forward, else made per call) copied into ``grad_input``'s rows; ``x_c``'s cast for the in-place
+        ``addmm`` into ``grad_weight``. No logits are kept and the backward makes nothing: ``grad_input`` (saved) is the
+        head input's gradient, ``grad_weight`` the head's. Returns no logits gradient, ``grad_input`` as the one piece
+        of the input's gradient and ``grad_weight``."""
+        gather = rank.logits_gather(s)
+        s.free_all(gather)
+        vocab = spec.vocab_size
+        g_in = s.alloc(hidden)
+        g_w = s.alloc(fused_grad)
+        loss_1d = s.alloc(4 * t)
+        cached = 0
+        for c in fused_chunks:
+            w_cast = s.alloc(fused_cast)
+            x_cast = s.alloc(a * c * h) if fused_cast else 0
+            logits = s.alloc(la * c * vocab)
+            s.free(x_cast)
+            s.free(w_cast)
+            if fused_cast and not cached:
+                cached = s.alloc(fused_cast)  # ``logits @ weight``: autocast's cast (per call when frozen)
+            rows = s.alloc(a * c * h)
+            s.free(rows)  # copied into grad_input
+            if not fused_grad:
+                s.free(cached)
+                cached = 0
+            else:
+                s.free(s.alloc(a * c * h if fused_cast else 0))  # x_c's cast for the addmm into grad_weight
+            s.free(logits)
+        s.free(loss_1d)
+        s.free(cached)  # the autocast region exits
+        s.free_all(forward_cache)
+        s.free_all(kv_cache)
+        rank.backward_begin(s)
+        rank.head_backward_begin(s)
+        return 0, [g_in], g_w
+
     def chunked_loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
         """torchtune's chunked cross-entropy (``TransformerDecoder`` with ``num_output_chunks``: ``[self.output(c) for
         c in h.chunk(N, dim=1)]``; ``CEWithChunkedOutputLoss``: each chunk ``.float()`` and ``cross_entropy`` on its
@@ -1532,15 +1586,19 @@ def synthesise(
                 residual = nxt
                 rank.layer_forward_end(s, i)
             rank.head_forward_begin(s)
-            head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model if x not in chunk_copied]
+            head_copies = [
+                s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model if x not in chunk_copied and not fused
+            ]
             head = [
                 s.alloc(rank.saved_bytes(x.name, x.bytes))
                 for x in mt
-                if x.role is TermRole.HEAD or (x.role is TermRole.HEAD_INPUT and not chunk_tokens)
+                if x.role is TermRole.HEAD or (x.role is TermRole.HEAD_INPUT and not (chunk_tokens or fused))
             ]
             s.free(residual)
             if chunk_tokens:
                 g_logits, g_chunks, wsum = chunked_loss(forward_cache, kv_cache)
+            elif fused:
+                g_logits, g_chunks, wsum = fused_loss(forward_cache, kv_cache)
             else:
                 g_logits, g_chunks, wsum = loss(forward_cache, kv_cache)
             model_grads: list[int] = []
@@ -1557,9 +1615,17 @@ def synthesise(
                 if rank.early_grad(spec, x) and not head_matmul_grad(spec, x) and not x.name.startswith("embed")
             ]
             g_res = 0
+            if fused:
+                # Liger's grad_weight and grad_input *are* the .grad and the head input's gradient: their blocks
+                # go to the tensors the loop below makes in their place (the same sizes)
+                s.free(wsum)
+                wsum = 0
             for x in [*(x for x in model_trained if x not in after_head), None, *after_head]:
                 if x is None:
                     s.free(wsum)  # chunked: the summed 16-bit head gradient, cast into the .grad
+                    if fused:  # grad_input's block, for the gradient below
+                        s.free_all(g_chunks)
+                        g_chunks = []
                     g_res = s.alloc(hidden)
                     first_matmul_done()
                     s.free(g_logits)
@@ -1751,17 +1817,19 @@ def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
     """``strategy`` less the memory savers its synthesised stream does not read, so that setups with the same stream
     share one simulation (the planner estimates each candidate with and without ``--loss fused-linear``, and the
     analytic estimate takes a saver's reserve above the stream's own peak, ``estimate_analytic``). :func:`synthesise`
-    reads: ``paged_optimizer`` (no optimizer states in the stream), a causal LM's chunked loss (replayed chunk by
-    chunk, ``chunked_loss`` in :func:`synthesise`) and, only for a trainable token table tied to the head, the
-    fused loss (:func:`~trainfit.analytic.states.tied_gradient_sum`: a fused or chunked loss makes the table's
-    gradient sum in place); ``optimizer_in_backward`` and ``activation_offload`` not at all."""
+    reads: ``paged_optimizer`` (no optimizer states in the stream), a causal LM's chunked loss and its chunk count
+    and the fused linear loss (replayed chunk by chunk, ``chunked_loss`` and ``fused_loss`` in :func:`synthesise`;
+    the chunk count only under the chunked loss), and for a token table tied to another head the loss too
+    (:func:`~trainfit.analytic.states.tied_gradient_sum`); ``optimizer_in_backward`` and ``activation_offload`` not
+    at all."""
     sv = strategy.savers
     if not sv.any:
         return strategy
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
-    replayed = sv.loss is LossImpl.CHUNKED and spec.kind is ModelKind.CAUSAL_LM
+    replayed = sv.loss is not LossImpl.STANDARD and spec.kind is ModelKind.CAUSAL_LM
+    chunks = sv.loss_chunks if sv.loss is LossImpl.CHUNKED else MemorySavers().loss_chunks
     kept = (
-        MemorySavers(loss=sv.loss, loss_chunks=sv.loss_chunks, paged_optimizer=sv.paged_optimizer)
+        MemorySavers(loss=sv.loss, loss_chunks=chunks, paged_optimizer=sv.paged_optimizer)
         if tied or replayed
         else MemorySavers(paged_optimizer=sv.paged_optimizer)
     )
