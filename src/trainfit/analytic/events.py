@@ -1535,9 +1535,6 @@ def synthesise(
                 s.free(g_in)
                 g_in = piece
             pieces_.append(g_in)
-        if wsum and r.grad_bits // 8 == a:
-            s.free(wsum)  # the summed gradient becomes the .grad itself (AccumulateGrad steals it)
-            wsum = 0
         return 0, pieces_, wsum
 
     for step in range(steps):
@@ -1615,18 +1612,22 @@ def synthesise(
                 if rank.early_grad(spec, x) and not head_matmul_grad(spec, x) and not x.name.startswith("embed")
             ]
             g_res = 0
-            if fused:
-                # Liger's grad_weight and grad_input *are* the .grad and the head input's gradient: their blocks
-                # go to the tensors the loop below makes in their place (the same sizes)
-                s.free(wsum)
-                wsum = 0
+            # Liger's grad_weight, and a chunked loss's summed head gradient in the gradient's dtype, *are* the .grad
+            # (AccumulateGrad steals a gradient it can; under autocast a chunked sum is cast into it, then freed)
+            carried = wsum if fused or r.grad_bits // 8 == a else 0
+
+            def head_grad(x: ParamTensor, nbytes: int) -> int:
+                nonlocal carried, wsum
+                if carried and head_matmul_grad(spec, x):
+                    key, carried, wsum = carried, 0, 0
+                    return key
+                return s.alloc(nbytes)
+
             for x in [*(x for x in model_trained if x not in after_head), None, *after_head]:
                 if x is None:
                     s.free(wsum)  # chunked: the summed 16-bit head gradient, cast into the .grad
-                    if fused:  # grad_input's block, for the gradient below
-                        s.free_all(g_chunks)
-                        g_chunks = []
-                    g_res = s.alloc(hidden)
+                    # Liger's grad_input is the head input's gradient; a chunked loss's pieces are concatenated
+                    g_res = g_chunks.pop() if fused else s.alloc(hidden)
                     first_matmul_done()
                     s.free(g_logits)
                     s.free_all(g_chunks)  # chunked: the input gradient's pieces, now concatenated
@@ -1643,17 +1644,17 @@ def synthesise(
                     # Accumulating: each new gradient is added into the resident .grad and dropped
                     # (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad +=
                     # new_grad`` with grad mode off); a tied table's waits for the embedding's, summed first.
-                    new = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    new = head_grad(x, rank.grad_bytes(x, r.grad_bits))
                     first_matmul_done()
                     if x.name == "embed_tokens.weight" and tied is not None:
                         waiting = new
                     else:
                         s.free(new)
                 elif rank.early_grad(spec, x) and rank.defers_head_grads():
-                    head_grads.append((x, s.alloc(x.numel * r.grad_bits // 8)))
+                    head_grads.append((x, head_grad(x, x.numel * r.grad_bits // 8)))
                     first_matmul_done()
                 elif rank.early_grad(spec, x):
-                    model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                    model_grads.append(head_grad(x, rank.grad_bytes(x, r.grad_bits)))
                     first_matmul_done()
                     if x.name == "embed_tokens.weight":
                         table_grad = model_grads[-1]
