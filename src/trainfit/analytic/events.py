@@ -28,6 +28,12 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward; over a
   bitsandbytes 4-bit base (:class:`Bnb4bitBase`) and DoRA over either (:class:`DoraCall`, over a 4-bit base its
   dequantising weight norm :class:`DoraBnbNorm`);
+* the loss savers as the traced code runs them: torchtune's chunked cross-entropy chunk by chunk (each chunk's head
+  matmul, fp32 copy and log-softmax output; every chunk's loss backward before the head's per-chunk matmul
+  backwards; the head's chunk gradients summed, the first sum out of place) and Liger's fused linear cross-entropy
+  chunk of tokens by chunk (no logits kept; ``grad_input`` and ``grad_weight`` made in the forward and handed to
+  the backward as the input's gradient and the ``.grad``); activation offloading and optimizer-in-backward are not
+  in the stream (:func:`stream_strategy`);
 * a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
   ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
   norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
@@ -1461,7 +1467,9 @@ def synthesise(
         rank.head_backward_begin(s)
         return 0, [g_in], g_w
 
-    def chunked_loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
+    def chunked_loss(
+        forward_cache: list[int], kv_cache: list[int], head_copies: list[int]
+    ) -> tuple[int, list[int], int]:
         """torchtune's chunked cross-entropy (``TransformerDecoder`` with ``num_output_chunks``: ``[self.output(c) for
         c in h.chunk(N, dim=1)]``; ``CEWithChunkedOutputLoss``: each chunk ``.float()`` and ``cross_entropy`` on its
         own, torchtune/modules/loss/ce_chunked_output_loss.py) as the trace runs it, to the head's per-chunk matmul
@@ -1521,6 +1529,8 @@ def synthesise(
             s.free(ins[k])
             if k == 0:
                 s.free(whole)  # the last chunk's backward releases the saved views' storage
+                s.free_all(head_copies)  # and autocast's cached head copy, saved by every chunk's matmul
+                head_copies.clear()
             if j == 0:
                 wsum = wg
             elif j == 1 and wg:
@@ -1593,7 +1603,7 @@ def synthesise(
             ]
             s.free(residual)
             if chunk_tokens:
-                g_logits, g_chunks, wsum = chunked_loss(forward_cache, kv_cache)
+                g_logits, g_chunks, wsum = chunked_loss(forward_cache, kv_cache, head_copies)
             elif fused:
                 g_logits, g_chunks, wsum = fused_loss(forward_cache, kv_cache)
             else:

@@ -24,7 +24,8 @@ rebuild the *event stream* of the full model from a trace with three units of th
   outside the units (``zero_grad``, the end of the stack) every copy's that is still live;
 * outside the units' regions, the per-parameter work (weights at setup, optimizer states, each foreach
   op's outputs) shows up as three equal consecutive blocks of allocations, one per unit
-  (``_mark_repeats``); the middle block is repeated like a unit.
+  (``_mark_repeats``); the middle block is repeated like a unit. Never inside the head's region: a chunked
+  loss repeats its ops per chunk in blocks as long as a unit's parameter count (tests/trace/test_events.py).
 
 The stitched stream is checked (:func:`check_stream`: every free names a live allocation); if the units
 are not alike enough for that, or the model has several repeated runs, :func:`reserved_from_trace` traces
