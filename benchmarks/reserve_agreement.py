@@ -28,7 +28,7 @@ from pathlib import Path
 from trainfit import Strategy, estimate
 from trainfit.allocator import simulate
 from trainfit.analytic.events import training_events
-from trainfit.arch import load_model
+from trainfit.arch import ModelSpec, load_model
 from trainfit.strategy import Checkpointing, LossImpl, MemorySavers, Precision, finetune_setup
 
 CASES: tuple[tuple[str, str, str, int, int], ...] = (
@@ -85,6 +85,18 @@ BEGIN, END = "<!-- reserve-finetune:begin -->", "<!-- reserve-finetune:end -->"
 SAVERS_BEGIN, SAVERS_END = "<!-- reserve-savers:begin -->", "<!-- reserve-savers:end -->"
 
 
+def _both(spec: ModelSpec, s: Strategy) -> str:
+    """The row's tail: each method's reserved GiB, their difference, the allocated peaks (an H100's workspaces)."""
+    ra = estimate(spec, s, gpu="h100-sxm-80gb")
+    rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
+    assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
+    return (
+        f"{ra.reserved_estimate_bytes / GIB:.2f} | {rt.reserved_estimate_bytes / GIB:.2f} | "
+        f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
+        f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
+    )
+
+
 def _write(rows: list[str], begin: str, end: str) -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"
     text = doc.read_text()
@@ -109,15 +121,7 @@ def savers_main(write: bool) -> None:
             s = Strategy(precision=Precision(recipe), micro_batch=batch, seq_len=seq, savers=savers)
             if adapter is not None and base_weights is not None:
                 s = replace(s, adapter=adapter, base_weights=base_weights)
-            ra = estimate(spec, s, gpu="h100-sxm-80gb")
-            rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
-            assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
-            rows.append(
-                f"| {slug} | {recipe} | {batch}×{seq} | {how} | `{flag}` | {ra.reserved_estimate_bytes / GIB:.2f} | "
-                f"{rt.reserved_estimate_bytes / GIB:.2f} | "
-                f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
-                f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
-            )
+            rows.append(f"| {slug} | {recipe} | {batch}×{seq} | {how} | `{flag}` | {_both(spec, s)}")
             print(f"{rows[-1]}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if write:
         _write(rows, SAVERS_BEGIN, SAVERS_END)
@@ -149,16 +153,8 @@ def finetune_main(write: bool) -> None:
             adapter=adapter,
             base_weights=base_weights,
         )
-        ra = estimate(spec, s, gpu="h100-sxm-80gb")
-        rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
-        assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
         setup = f"{how} r16 {targets}" + (f" dropout {dropout}" if dropout else "") + (f" {base} base" if base else "")
-        rows.append(
-            f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {setup} | {ra.reserved_estimate_bytes / GIB:.2f} | "
-            f"{rt.reserved_estimate_bytes / GIB:.2f} | "
-            f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
-            f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
-        )
+        rows.append(f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {setup} | {_both(spec, s)}")
         print(f"{rows[-1]}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if write:
         _write(rows, BEGIN, END)
