@@ -14,7 +14,7 @@ Usage: python benchmarks/reserve_agreement.py [MODEL RECIPE CKPT BATCH SEQ ...] 
        python benchmarks/reserve_agreement.py --finetune [--write]   (--write replaces the marked table of
        docs/accuracy.md)
        python benchmarks/reserve_agreement.py --savers [--write]   (the memory savers on llama-3.2-1b, 2 × 1024:
-       full amp-bf16 and pure-bf16, LoRA and QLoRA under amp-bf16)
+       full amp-bf16 and pure-bf16, LoRA and QLoRA under amp-bf16; 1 × 512: full and QLoRA)
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ SAVER_SETUPS: tuple[tuple[str, str, int, int, str], ...] = (
     ("llama-3.2-1b", "pure-bf16", 2, 1024, "full"),
     ("llama-3.2-1b", "amp-bf16", 2, 1024, "lora"),
     ("llama-3.2-1b", "amp-bf16", 2, 1024, "qlora"),
+    ("llama-3.2-1b", "amp-bf16", 1, 512, "full"),
+    ("llama-3.2-1b", "pure-bf16", 1, 512, "full"),
+    ("llama-3.2-1b", "amp-bf16", 1, 512, "qlora"),
 )
 #: --savers: the savers, as the CLI spells them
 SAVERS: tuple[tuple[str, MemorySavers], ...] = (
