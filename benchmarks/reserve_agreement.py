@@ -13,6 +13,8 @@ Usage: python benchmarks/reserve_agreement.py [MODEL RECIPE CKPT BATCH SEQ ...] 
        python benchmarks/reserve_agreement.py llama-3.2-3b amp-bf16 full 1 4096)
        python benchmarks/reserve_agreement.py --finetune [--write]   (--write replaces the marked table of
        docs/accuracy.md)
+       python benchmarks/reserve_agreement.py --savers [--write]   (the memory savers on llama-3.2-1b, 2 × 1024:
+       full amp-bf16 and pure-bf16, LoRA and QLoRA under amp-bf16; 1 × 512: full and QLoRA)
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from __future__ import annotations
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from trainfit import Strategy, estimate
 from trainfit.allocator import simulate
 from trainfit.analytic.events import training_events
-from trainfit.arch import load_model
-from trainfit.strategy import Checkpointing, Precision, finetune_setup
+from trainfit.arch import ModelSpec, load_model
+from trainfit.strategy import Checkpointing, LossImpl, MemorySavers, Precision, finetune_setup
 
 CASES: tuple[tuple[str, str, str, int, int], ...] = (
     ("llama-3.2-1b", "amp-bf16", "full", 1, 1024),
@@ -62,8 +65,69 @@ FINETUNE: tuple[tuple[str, str, str, int, int, str, str, float, str | None], ...
     ("llama-3.2-1b", "amp-bf16", "full", 2, 1024, "lora", "all-linear", 0.0, "int8"),
     ("llama-3.2-1b", "amp-bf16", "none", 2, 1024, "dora", "q_proj,v_proj", 0.0, "int8"),
 )
+#: --savers: (model, recipe, batch, seq, what trains: full | lora | qlora (all linears, rank 16, PEFT's base))
+SAVER_SETUPS: tuple[tuple[str, str, int, int, str], ...] = (
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "full"),
+    ("llama-3.2-1b", "pure-bf16", 2, 1024, "full"),
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "lora"),
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "qlora"),
+    ("llama-3.2-1b", "amp-bf16", 1, 512, "full"),
+    ("llama-3.2-1b", "pure-bf16", 1, 512, "full"),
+    ("llama-3.2-1b", "amp-bf16", 1, 512, "qlora"),
+)
+#: --savers: the savers, as the CLI spells them
+SAVERS: tuple[tuple[str, MemorySavers], ...] = (
+    ("--loss chunked", MemorySavers(loss=LossImpl.CHUNKED)),
+    ("--loss chunked:4", MemorySavers(loss=LossImpl.CHUNKED, loss_chunks=4)),
+    ("--loss fused-linear", MemorySavers(loss=LossImpl.FUSED_LINEAR)),
+    ("--activation-offload", MemorySavers(activation_offload=True)),
+    ("--optimizer-in-backward", MemorySavers(optimizer_in_backward=True)),
+)
 GIB = 2**30
 BEGIN, END = "<!-- reserve-finetune:begin -->", "<!-- reserve-finetune:end -->"
+SAVERS_BEGIN, SAVERS_END = "<!-- reserve-savers:begin -->", "<!-- reserve-savers:end -->"
+
+
+def _both(spec: ModelSpec, s: Strategy) -> str:
+    """The row's tail: each method's reserved GiB, their difference, the allocated peaks (an H100's workspaces)."""
+    ra = estimate(spec, s, gpu="h100-sxm-80gb")
+    rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
+    assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
+    return (
+        f"{ra.reserved_estimate_bytes / GIB:.2f} | {rt.reserved_estimate_bytes / GIB:.2f} | "
+        f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
+        f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
+    )
+
+
+def _write(rows: list[str], begin: str, end: str) -> None:
+    doc = Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"
+    text = doc.read_text()
+    new = begin + "\n" + "\n".join(rows) + "\n" + end
+    doc.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: new, text, flags=re.S))
+
+
+def savers_main(write: bool) -> None:
+    """The memory savers' reserved memory, analytic against the trace (docs/accuracy.md, "Memory savers: reserved
+    memory")."""
+    rows = [
+        "| model | recipe | b×s | trains | saver | analytic reserved GiB | trace reserved GiB | diff | "
+        "allocated GiB (analytic / trace) |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    print("\n".join(rows))
+    for slug, recipe, batch, seq, how in SAVER_SETUPS:
+        spec = load_model(slug)
+        adapter, base_weights = finetune_setup(how, rank=16, targets="all-linear") if how != "full" else (None, None)
+        for flag, savers in SAVERS:
+            t0 = time.perf_counter()
+            s = Strategy(precision=Precision(recipe), micro_batch=batch, seq_len=seq, savers=savers)
+            if adapter is not None and base_weights is not None:
+                s = replace(s, adapter=adapter, base_weights=base_weights)
+            rows.append(f"| {slug} | {recipe} | {batch}×{seq} | {how} | `{flag}` | {_both(spec, s)}")
+            print(f"{rows[-1]}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if write:
+        _write(rows, SAVERS_BEGIN, SAVERS_END)
 
 
 def finetune_main(write: bool) -> None:
@@ -92,27 +156,19 @@ def finetune_main(write: bool) -> None:
             adapter=adapter,
             base_weights=base_weights,
         )
-        ra = estimate(spec, s, gpu="h100-sxm-80gb")
-        rt = estimate(spec, s, gpu="h100-sxm-80gb", method="trace")
-        assert ra.reserved_estimate_bytes is not None and rt.reserved_estimate_bytes is not None
         setup = f"{how} r16 {targets}" + (f" dropout {dropout}" if dropout else "") + (f" {base} base" if base else "")
-        rows.append(
-            f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {setup} | {ra.reserved_estimate_bytes / GIB:.2f} | "
-            f"{rt.reserved_estimate_bytes / GIB:.2f} | "
-            f"{ra.reserved_estimate_bytes / rt.reserved_estimate_bytes - 1:+.2%} | "
-            f"{ra.peak_bytes / GIB:.2f} / {rt.peak_bytes / GIB:.2f} |"
-        )
+        rows.append(f"| {slug} | {recipe} | {ckpt} | {batch}×{seq} | {setup} | {_both(spec, s)}")
         print(f"{rows[-1]}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if write:
-        doc = Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"
-        text = doc.read_text()
-        new = BEGIN + "\n" + "\n".join(rows) + "\n" + END
-        doc.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: new, text, flags=re.S))
+        _write(rows, BEGIN, END)
 
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--finetune":
         finetune_main("--write" in argv[1:])
+        return
+    if argv and argv[0] == "--savers":
+        savers_main("--write" in argv[1:])
         return
     cases = CASES
     if argv:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -204,33 +205,49 @@ def test_simulations_are_memoised_on_their_inputs() -> None:
 
 @pytest.mark.parametrize(
     "savers",
-    [
-        MemorySavers(loss="fused-linear"),
-        MemorySavers(loss="chunked", loss_chunks=4),
-        MemorySavers(activation_offload=True),
-        MemorySavers(optimizer_in_backward=True),
-        MemorySavers(loss="fused-linear", activation_offload=True),
-    ],
-    ids=["fused-linear", "chunked", "activation-offload", "optimizer-in-backward", "fused+offload"],
+    [MemorySavers(activation_offload=True), MemorySavers(optimizer_in_backward=True)],
+    ids=["activation-offload", "optimizer-in-backward"],
 )
 def test_savers_the_stream_does_not_read_share_its_simulation(savers: MemorySavers) -> None:
     """``stream_strategy`` drops the savers :func:`synthesise` does not read: the same events, so one simulation
-    serves both (the planner times each candidate with and without ``--loss fused-linear``). On an untied model the
-    loss goes too; on a tied table in pure bf16 a fused loss sums the table's gradient in place
-    (``states.tied_gradient_sum``): the stream differs, and the loss is kept."""
-    untied = load_model("llama-3.1-8b")
+    serves both, on a tied and an untied model."""
     plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16")
     s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", savers=savers)
-    assert stream_strategy(untied, s) == plain and stream_strategy(untied, plain) is plain
-    assert training_events(untied, s) == training_events(untied, plain)
-    forget_simulations()
-    assert simulate_training(untied, s, AllocatorConfig()) is simulate_training(untied, plain, AllocatorConfig())
-    tied = load_model("gpt2")
-    kept = stream_strategy(tied, s)
-    assert (kept.savers.loss, kept.savers.loss_chunks) == (savers.loss, savers.loss_chunks)
-    assert training_events(tied, s) == training_events(tied, kept)
-    if savers.loss.value == "fused-linear":
-        assert training_events(tied, s) != training_events(tied, stream_strategy(tied, plain))
+    for slug in ("llama-3.1-8b", "gpt2"):
+        spec = load_model(slug)
+        assert stream_strategy(spec, s) == plain and stream_strategy(spec, plain) is plain
+        assert training_events(spec, s) == training_events(spec, plain)
+        forget_simulations()
+        assert simulate_training(spec, s, AllocatorConfig()) is simulate_training(spec, plain, AllocatorConfig())
+
+
+@pytest.mark.parametrize(
+    "savers",
+    [
+        MemorySavers(loss="chunked", loss_chunks=8),
+        MemorySavers(loss="chunked", loss_chunks=4),
+        MemorySavers(loss="fused-linear"),
+        MemorySavers(loss="fused-linear", activation_offload=True),
+    ],
+    ids=["chunked", "chunked:4", "fused-linear", "fused+offload"],
+)
+def test_the_loss_savers_are_replayed_and_stay_in_the_stream_key(savers: MemorySavers) -> None:
+    """torchtune's chunked loss and Liger's fused linear loss are replayed (``chunked_loss``/``fused_loss`` in
+    ``synthesise``): the stream reads them, on a tied and an untied model alike (offloading is still dropped); each
+    chunk count is its own stream, and the fused loss's key does not depend on the chunk count it does not read."""
+    plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16")
+    s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", savers=savers)
+    loss_only = replace(savers, activation_offload=False)
+    for slug in ("llama-3.1-8b", "gpt2"):
+        spec = load_model(slug)
+        assert stream_strategy(spec, s).savers == loss_only
+        assert training_events(spec, s) != training_events(spec, plain)
+    untied = load_model("llama-3.1-8b")
+    other = replace(s, savers=replace(savers, loss_chunks=savers.loss_chunks + 1))
+    if savers.loss.value == "chunked":
+        assert training_events(untied, s) != training_events(untied, other)
+    else:
+        assert stream_strategy(untied, other) == stream_strategy(untied, s)
 
 
 def test_the_paged_optimizer_stays_in_the_stream_key() -> None:

@@ -28,6 +28,12 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   transients and its backward's (:class:`LoraFlow`), the adapters' gradients in their layer's backward; over a
   bitsandbytes 4-bit base (:class:`Bnb4bitBase`) and DoRA over either (:class:`DoraCall`, over a 4-bit base its
   dequantising weight norm :class:`DoraBnbNorm`);
+* the loss savers as the traced code runs them: torchtune's chunked cross-entropy chunk by chunk (each chunk's head
+  matmul, fp32 copy and log-softmax output; every chunk's loss backward before the head's per-chunk matmul
+  backwards; the head's chunk gradients summed, the first sum out of place) and Liger's fused linear cross-entropy
+  chunk of tokens by chunk (no logits kept; ``grad_input`` and ``grad_weight`` made in the forward and handed to
+  the backward as the input's gradient and the ``.grad``); activation offloading and optimizer-in-backward are not
+  in the stream (:func:`stream_strategy`);
 * a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
   ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
   norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
@@ -78,6 +84,7 @@ from trainfit.analytic.adapters import (
     site_tensors,
 )
 from trainfit.analytic.logits import logits_memory
+from trainfit.analytic.savers import liger_chunk_tokens
 from trainfit.analytic.states import (
     ParamState,
     model_states,
@@ -89,7 +96,7 @@ from trainfit.analytic.states import (
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import BNB_4BIT_BLOCK
-from trainfit.strategy import AdapterKind, MemorySavers, Quantization, Strategy
+from trainfit.strategy import AdapterKind, LossImpl, MemorySavers, Quantization, Strategy
 
 __all__ = [
     "STEPS",
@@ -724,6 +731,37 @@ def synthesise(
     tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
     sac_sizes = [x.bytes for x in sac_saved_terms(spec, strategy)]
     sac_kept: dict[int, list[int]] = {}
+    # torchtune's chunked cross-entropy: the tokens of each chunk (torch.chunk along the sequence), the head input's
+    # saved cast per chunk, a frozen head's per-chunk weight cast (savers.chunked_head_copy_bytes)
+    chunk_tokens: list[int] = []
+    chunk_copied: set[ParamTensor] = set()
+    chunk_copy_bytes = head_in_bytes = 0
+    chunk_head_trained = head_in_cast = False
+    # Liger's fused linear cross-entropy: its chunks of tokens, the head weight's casts (autocast)
+    fused = strategy.savers.loss is LossImpl.FUSED_LINEAR and spec.kind is ModelKind.CAUSAL_LM
+    fused_chunks: list[int] = []
+    fused_cast = fused_grad = 0
+    if fused:
+        c = liger_chunk_tokens(t, spec.vocab_size, h)
+        fused_chunks = [min(c, t - start) for start in range(0, t, c)]
+        head_name = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        head_states = [ps for ps in states if ps.tensor.name == head_name]
+        fused_cast = sum(rank.copy_bytes(ps.tensor, r.compute_bits) for ps in head_states if ps.autocast_copy)
+        fused_grad = sum(_bytes(ps.tensor.numel, r.grad_bits) for ps in head_states if ps.trainable)
+    if strategy.savers.loss is LossImpl.CHUNKED and spec.kind is ModelKind.CAUSAL_LM:
+        step_len = -(-strategy.seq_len // strategy.savers.loss_chunks)
+        chunk_tokens = [
+            strategy.micro_batch * min(step_len, strategy.seq_len - start)
+            for start in range(0, strategy.seq_len, step_len)
+        ]
+        head_name = "embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        chunk_copied = {
+            ps.tensor for ps in states if ps.tensor.name == head_name and ps.autocast_copy and not ps.trainable
+        }
+        chunk_copy_bytes = sum(rank.copy_bytes(x, r.compute_bits) for x in chunk_copied)
+        head_in_bytes = sum(rank.saved_bytes(x.name, x.bytes) for x in mt if x.role is TermRole.HEAD_INPUT)
+        head_in_cast = any(x.name.endswith(".casts") for x in mt if x.role is TermRole.HEAD_INPUT)
+        chunk_head_trained = any(head_matmul_grad(spec, x) for x in model_trained)
 
     # Autocast caches the cast of a leaf that requires grad, whatever the grad mode, until the outermost autocast
     # region exits (aten/src/ATen/autocast_mode.cpp ``cached_cast``; torch/amp/autocast_mode.py ``__exit__`` clears
@@ -1357,6 +1395,158 @@ def synthesise(
             k, ws = autograd_ws.pop(0)
             s.workspace(ws.size_bytes, workspace_key(k), ws.stream)
 
+    def loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
+        """The standard loss, forward and backward, to the head's backward: the logits' gradient (its key)."""
+        # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
+        gather = rank.logits_gather(s)
+        logits = s.alloc(la * n_logits)
+        s.free_all(gather)
+        upcast = s.alloc(4 * n_logits) if la != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
+        rest = max(0, lg.forward_peak_bytes - la * n_logits - (4 * n_logits if upcast else 0))
+        log_softmax = s.alloc(rest)
+        s.free(upcast)
+        s.free_all(forward_cache)  # the autocast region exits
+        s.free(logits)  # the HF Trainer drops the outputs before backward
+        s.free_all(kv_cache)  # with them the cache
+        rank.backward_begin(s)
+
+        # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
+        # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
+        # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
+        g_nll = s.alloc(4 * n_logits)
+        mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
+        g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
+        s.free(g_nll)
+        s.free(log_softmax)
+        g_logits = g_lsm
+        if upcast:
+            g_logits = s.alloc(la * n_logits)
+            s.free(g_lsm)
+        rank.head_backward_begin(s)
+        return g_logits, [], 0
+
+    def fused_loss(forward_cache: list[int], kv_cache: list[int]) -> tuple[int, list[int], int]:
+        """Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py
+        ``fused_linear_cross_entropy_forward``) as the trace runs it (trace.savers ``FusedLinearCrossEntropy``): in the
+        head's forward ``grad_input = zeros_like(x)``, ``grad_weight = zeros_like(weight)`` (a trainable head) and the
+        fp32 per-token loss; per chunk of tokens (savers.liger_chunk_tokens) ``x_c @ weight.t()`` — under autocast a
+        cast of the weight (a transposed view: not cached) and of ``x_c`` — into the chunk's logits, overwritten in
+        place by their gradient; ``logits @ weight`` (under autocast the weight's cast, cached for a trainable leaf to
+        the end of the forward, else made per call) copied into ``grad_input``'s rows; ``x_c``'s cast for the in-place
+        ``addmm`` into ``grad_weight``. No logits are kept and the backward makes nothing: ``grad_input`` (saved) is the
+        head input's gradient, ``grad_weight`` the head's. Returns no logits gradient, ``grad_input`` as the one piece
+        of the input's gradient and ``grad_weight``."""
+        gather = rank.logits_gather(s)
+        s.free_all(gather)
+        vocab = spec.vocab_size
+        g_in = s.alloc(hidden)
+        g_w = s.alloc(fused_grad)
+        loss_1d = s.alloc(4 * t)
+        cached = 0
+        for c in fused_chunks:
+            w_cast = s.alloc(fused_cast)
+            x_cast = s.alloc(a * c * h) if fused_cast else 0
+            logits = s.alloc(la * c * vocab)
+            s.free(x_cast)
+            s.free(w_cast)
+            if fused_cast and not cached:
+                cached = s.alloc(fused_cast)  # ``logits @ weight``: autocast's cast (per call when frozen)
+            rows = s.alloc(a * c * h)
+            s.free(rows)  # copied into grad_input
+            if not fused_grad:
+                s.free(cached)
+                cached = 0
+            else:
+                s.free(s.alloc(a * c * h if fused_cast else 0))  # x_c's cast for the addmm into grad_weight
+            s.free(logits)
+        s.free(loss_1d)
+        s.free(cached)  # the autocast region exits
+        s.free_all(forward_cache)
+        s.free_all(kv_cache)
+        rank.backward_begin(s)
+        rank.head_backward_begin(s)
+        return 0, [g_in], g_w
+
+    def chunked_loss(
+        forward_cache: list[int], kv_cache: list[int], head_copies: list[int]
+    ) -> tuple[int, list[int], int]:
+        """torchtune's chunked cross-entropy (``TransformerDecoder`` with ``num_output_chunks``: ``[self.output(c) for
+        c in h.chunk(N, dim=1)]``; ``CEWithChunkedOutputLoss``: each chunk ``.float()`` and ``cross_entropy`` on its
+        own, torchtune/modules/loss/ce_chunked_output_loss.py) as the trace runs it, to the head's per-chunk matmul
+        backwards: per chunk the head input's cast (autocast; a frozen head's weight cast too, not cached) and its
+        logits; per chunk the fp32 copy, freed, and the log-softmax output, kept; the logits dropped. Backward:
+        every chunk's loss backward first, last chunk first (each loss node is younger than every head matmul), its
+        logits gradient kept; then each chunk's head matmul backward, last chunk first: the weight's gradient (the
+        first two summed out of place, the first being a view, input_buffer.cpp ``accumulate``; the later ones in
+        place), the input's gradient (cast to the residual dtype), the chunk's saved casts and logits gradient
+        freed. Returns no logits gradient, the input gradient's pieces (SplitBackward cats them) and the summed
+        16-bit weight gradient (under autocast, ``ToCopyBackward0`` casts it into the .grad)."""
+        gather = rank.logits_gather(s)
+        s.free_all(gather)
+        vocab = spec.vocab_size
+        ins, casts, chunk_logits, saved = [], [], [], []
+        # The head's input: under autocast a cast per chunk; else the final norm's output, whose sequence chunks are
+        # views, copied by ``F.linear``'s reshape when not contiguous (micro-batch > 1), the copies saved.
+        whole = s.alloc(head_in_bytes) if head_in_bytes and not head_in_cast else 0
+        per_chunk = head_in_cast or strategy.micro_batch > 1
+        for ct in chunk_tokens:
+            casts.append(s.alloc(chunk_copy_bytes) if chunk_copy_bytes else 0)
+            ins.append(s.alloc(head_in_bytes * ct // t) if head_in_bytes and per_chunk else 0)
+            chunk_logits.append(s.alloc(la * ct * vocab))
+        if per_chunk:
+            s.free(whole)
+            whole = 0
+        for ct in chunk_tokens:
+            upcast = s.alloc(4 * ct * vocab) if la != 4 else 0
+            saved.append(s.alloc(4 * ct * vocab))
+            s.free(upcast)
+        s.free_all(forward_cache)  # the autocast region exits
+        s.free_all(reversed(chunk_logits))  # the outputs are dropped before backward
+        s.free_all(kv_cache)
+        rank.backward_begin(s)
+        g_chunks = [0] * len(chunk_tokens)
+        for k in reversed(range(len(chunk_tokens))):
+            ct = chunk_tokens[k]
+            g_nll = s.alloc(4 * ct * vocab)
+            g_lsm = s.alloc(4 * ct * vocab)
+            s.free(g_nll)
+            s.free(saved[k])
+            g_chunks[k] = g_lsm
+            if la != 4:
+                g_chunks[k] = s.alloc(la * ct * vocab)
+                s.free(g_lsm)
+        rank.head_backward_begin(s)
+        table = a * vocab * h
+        wsum = 0
+        pieces_: list[int] = []
+        for j, k in enumerate(reversed(range(len(chunk_tokens)))):
+            ct = chunk_tokens[k]
+            wg = s.alloc(table) if chunk_head_trained else 0
+            first_matmul_done()
+            g_in = s.alloc(a * ct * h)
+            s.free(g_chunks[k])
+            s.free(casts[k])
+            s.free(ins[k])
+            if k == 0:
+                s.free(whole)  # the last chunk's backward releases the saved views' storage
+                s.free_all(head_copies)  # and autocast's cached head copy, saved by every chunk's matmul
+                head_copies.clear()
+            if j == 0:
+                wsum = wg
+            elif j == 1 and wg:
+                total = s.alloc(table)
+                s.free(wsum)
+                s.free(wg)
+                wsum = total
+            else:
+                s.free(wg)
+            if w.residual != a:
+                piece = s.alloc(rank.residual_bytes(w.residual * ct * h))
+                s.free(g_in)
+                g_in = piece
+            pieces_.append(g_in)
+        return 0, pieces_, wsum
+
     for step in range(steps):
         grads: list[int] = []  # each trained tensor's .grad: made in the first micro-step, kept to the step
         for micro_step in range(micro_steps):
@@ -1403,37 +1593,21 @@ def synthesise(
                 residual = nxt
                 rank.layer_forward_end(s, i)
             rank.head_forward_begin(s)
-            head_copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model]
+            head_copies = [
+                s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in copy_model if x not in chunk_copied and not fused
+            ]
             head = [
-                s.alloc(rank.saved_bytes(x.name, x.bytes)) for x in mt if x.role in (TermRole.HEAD, TermRole.HEAD_INPUT)
+                s.alloc(rank.saved_bytes(x.name, x.bytes))
+                for x in mt
+                if x.role is TermRole.HEAD or (x.role is TermRole.HEAD_INPUT and not (chunk_tokens or fused))
             ]
             s.free(residual)
-            # The loss: 16-bit logits, their fp32 copy, the log-softmax output kept for backward.
-            gather = rank.logits_gather(s)
-            logits = s.alloc(la * n_logits)
-            s.free_all(gather)
-            upcast = s.alloc(4 * n_logits) if la != 4 and spec.kind in (ModelKind.CAUSAL_LM, ModelKind.TOKEN_CLS) else 0
-            rest = max(0, lg.forward_peak_bytes - la * n_logits - (4 * n_logits if upcast else 0))
-            log_softmax = s.alloc(rest)
-            s.free(upcast)
-            s.free_all(forward_cache)  # the autocast region exits
-            s.free(logits)  # the HF Trainer drops the outputs before backward
-            s.free_all(kv_cache)  # with them the cache
-            rank.backward_begin(s)
-
-            # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
-            # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
-            # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
-            g_nll = s.alloc(4 * n_logits)
-            mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
-            g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
-            s.free(g_nll)
-            s.free(log_softmax)
-            g_logits = g_lsm
-            if upcast:
-                g_logits = s.alloc(la * n_logits)
-                s.free(g_lsm)
-            rank.head_backward_begin(s)
+            if chunk_tokens:
+                g_logits, g_chunks, wsum = chunked_loss(forward_cache, kv_cache, head_copies)
+            elif fused:
+                g_logits, g_chunks, wsum = fused_loss(forward_cache, kv_cache)
+            else:
+                g_logits, g_chunks, wsum = loss(forward_cache, kv_cache)
             model_grads: list[int] = []
             table_grad = 0  # the tied table's gradient, allocated with the head's backward
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
@@ -1448,11 +1622,25 @@ def synthesise(
                 if rank.early_grad(spec, x) and not head_matmul_grad(spec, x) and not x.name.startswith("embed")
             ]
             g_res = 0
+            # Liger's grad_weight, and a chunked loss's summed head gradient in the gradient's dtype, *are* the .grad
+            # (AccumulateGrad steals a gradient it can; under autocast a chunked sum is cast into it, then freed)
+            carried = wsum if fused or r.grad_bits // 8 == a else 0
+
+            def head_grad(x: ParamTensor, nbytes: int) -> int:
+                nonlocal carried, wsum
+                if carried and head_matmul_grad(spec, x):
+                    key, carried, wsum = carried, 0, 0
+                    return key
+                return s.alloc(nbytes)
+
             for x in [*(x for x in model_trained if x not in after_head), None, *after_head]:
                 if x is None:
-                    g_res = s.alloc(hidden)
+                    s.free(wsum)  # chunked: the summed 16-bit head gradient, cast into the .grad
+                    # Liger's grad_input is the head input's gradient; a chunked loss's pieces are concatenated
+                    g_res = g_chunks.pop() if fused else s.alloc(hidden)
                     first_matmul_done()
                     s.free(g_logits)
+                    s.free_all(g_chunks)  # chunked: the input gradient's pieces, now concatenated
                     if head_grads:
                         rank.head_grads_taken(s, head_grads)
                         head_grads.clear()
@@ -1466,17 +1654,17 @@ def synthesise(
                     # Accumulating: each new gradient is added into the resident .grad and dropped
                     # (AccumulateGrad, torch/csrc/autograd/functions/accumulate_grad.h: ``variable_grad +=
                     # new_grad`` with grad mode off); a tied table's waits for the embedding's, summed first.
-                    new = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    new = head_grad(x, rank.grad_bytes(x, r.grad_bits))
                     first_matmul_done()
                     if x.name == "embed_tokens.weight" and tied is not None:
                         waiting = new
                     else:
                         s.free(new)
                 elif rank.early_grad(spec, x) and rank.defers_head_grads():
-                    head_grads.append((x, s.alloc(x.numel * r.grad_bits // 8)))
+                    head_grads.append((x, head_grad(x, x.numel * r.grad_bits // 8)))
                     first_matmul_done()
                 elif rank.early_grad(spec, x):
-                    model_grads.append(s.alloc(rank.grad_bytes(x, r.grad_bits)))
+                    model_grads.append(head_grad(x, rank.grad_bytes(x, r.grad_bits)))
                     first_matmul_done()
                     if x.name == "embed_tokens.weight":
                         table_grad = model_grads[-1]
@@ -1640,16 +1828,20 @@ def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
     """``strategy`` less the memory savers its synthesised stream does not read, so that setups with the same stream
     share one simulation (the planner estimates each candidate with and without ``--loss fused-linear``, and the
     analytic estimate takes a saver's reserve above the stream's own peak, ``estimate_analytic``). :func:`synthesise`
-    reads two of them: ``paged_optimizer`` (no optimizer states in the stream) and, only for a trainable token table
-    tied to the head, the loss (:func:`~trainfit.analytic.states.tied_gradient_sum`: a fused or chunked loss makes
-    the table's gradient sum in place); ``optimizer_in_backward`` and ``activation_offload`` not at all."""
+    reads: ``paged_optimizer`` (no optimizer states in the stream), a causal LM's chunked loss and its chunk count
+    and the fused linear loss (replayed chunk by chunk, ``chunked_loss`` and ``fused_loss`` in :func:`synthesise`;
+    the chunk count only under the chunked loss), and for a token table tied to another head the loss too
+    (:func:`~trainfit.analytic.states.tied_gradient_sum`); ``optimizer_in_backward`` and ``activation_offload`` not
+    at all."""
     sv = strategy.savers
     if not sv.any:
         return strategy
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    replayed = sv.loss is not LossImpl.STANDARD and spec.kind is ModelKind.CAUSAL_LM
+    chunks = sv.loss_chunks if sv.loss is LossImpl.CHUNKED else MemorySavers().loss_chunks
     kept = (
-        MemorySavers(loss=sv.loss, loss_chunks=sv.loss_chunks, paged_optimizer=sv.paged_optimizer)
-        if tied
+        MemorySavers(loss=sv.loss, loss_chunks=chunks, paged_optimizer=sv.paged_optimizer)
+        if tied or replayed
         else MemorySavers(paged_optimizer=sv.paged_optimizer)
     )
     return strategy if kept == sv else replace(strategy, savers=kept)

@@ -24,7 +24,8 @@ rebuild the *event stream* of the full model from a trace with three units of th
   outside the units (``zero_grad``, the end of the stack) every copy's that is still live;
 * outside the units' regions, the per-parameter work (weights at setup, optimizer states, each foreach
   op's outputs) shows up as three equal consecutive blocks of allocations, one per unit
-  (``_mark_repeats``); the middle block is repeated like a unit.
+  (``_mark_repeats``); the middle block is repeated like a unit. Never inside the head's region: a chunked
+  loss repeats its ops per chunk in blocks as long as a unit's parameter count (tests/trace/test_events.py).
 
 The stitched stream is checked (:func:`check_stream`: every free names a live allocation); if the units
 are not alike enough for that, or the model has several repeated runs, :func:`reserved_from_trace` traces
@@ -263,14 +264,17 @@ def stitch_events(
         for i in range(lo, hi):
             evs[i].unit, evs[i].group, evs[i].backward = which, by_pass[key], backward
             covered[i] = True
-    # 2. per-parameter repeats outside them
+    # 2. per-parameter repeats outside them; never in the head's region, whose ops may repeat per chunk of a chunked
+    # loss (torchtune's) in blocks as long as a unit's parameter count — no unit's work
+    recs = run.tracker.records
+    barrier = [c or recs[e.rec].head for c, e in zip(covered, evs, strict=True)]
     i = 0
     while i < len(evs):
-        if covered[i]:
+        if barrier[i]:
             i += 1
             continue
         j = i
-        while j < len(evs) and not covered[j]:
+        while j < len(evs) and not barrier[j]:
             j += 1
         periods = params_per_unit if isinstance(params_per_unit, tuple) else (params_per_unit,)
         group = _mark_repeats(evs, i, j, periods, group)
