@@ -32,8 +32,9 @@ def _stated_gib(need: str) -> int:
 def test_one_a100_at_16k_tokens_needs_8_gpus_or_qlora(capsys: pytest.CaptureFixture[str]) -> None:
     """Llama 3.1 8B at 16384 tokens on one A100-40GB: no full fine-tuning plan fits. The three needs, in order: a
     bigger GPU (the closest plan's bytes over the usable fraction), 8 GPUs (Megatron TP 8: 2 and 4 GPUs have no
-    plan, so 8 is the first multiple that does), and ``--allow lora,qlora`` (QLoRA with the fused loss on the one
-    GPU) — each the plan a search with that change finds."""
+    plan, so 8 is the first multiple that does), and ``--allow lora,qlora`` (an adapter with the fused loss on the
+    one GPU: LoRA since the stream replays Liger's loss, QLoRA before) — each the plan a search with that change
+    finds."""
     r = run_cli(capsys, "plan", "llama-3.1-8b", "--gpu", "a100-sxm-40gb", "--seq", "16384", "--global-batch", "4",
                 "--json")  # fmt: skip
     assert r.code == 0, r.err
@@ -54,7 +55,7 @@ def test_one_a100_at_16k_tokens_needs_8_gpus_or_qlora(capsys: pytest.CaptureFixt
     assert allow.startswith("--allow lora,qlora (")
     adapters = search_plans(spec, gpu, gpus=1, allow=(Finetune.LORA, Finetune.QLORA), **kw).plans  # type: ignore[arg-type]
     assert adapters and _changes(allow) == ", ".join(adapters[0].changes)
-    assert "--finetune qlora" in adapters[0].changes
+    assert any(c in adapters[0].changes for c in ("--finetune lora", "--finetune qlora"))
 
 
 def test_with_the_adapters_allowed_and_no_more_gpus_helping_only_a_bigger_gpu_is_named() -> None:
@@ -74,10 +75,11 @@ def test_with_the_adapters_allowed_and_no_more_gpus_helping_only_a_bigger_gpu_is
 
 
 def test_when_neither_more_gpus_nor_the_adapters_fit_only_a_bigger_gpu_is_named() -> None:
-    """Llama 3.1 8B at 8192 tokens on one RTX 4090, full fine-tuning only: 2, 4 and 8 of them have no plan and
-    neither has LoRA/QLoRA on the one GPU (the re-searches _needs runs), so no such need is stated."""
+    """Llama 3.1 8B at 12288 tokens on one RTX 4090, full fine-tuning only: 2, 4 and 8 of them have no plan and
+    neither has LoRA/QLoRA on the one GPU (the re-searches _needs runs), so no such need is stated. (At 8192 tokens
+    QLoRA with the fused loss fits since the stream replays Liger's loss.)"""
     spec, gpu = load_model("llama-3.1-8b"), get_gpu("rtx-4090")
-    kw = {"seq_len": 8192, "global_batch": 4, "top": 1}
+    kw = {"seq_len": 12288, "global_batch": 4, "top": 1}
     r = search_plans(spec, gpu, gpus=1, **kw)  # type: ignore[arg-type]
     assert r.plans == () and r.closest is not None
     (gib,) = r.needs
