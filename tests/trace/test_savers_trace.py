@@ -12,7 +12,7 @@ import pytest
 from trainfit import Strategy, estimate
 from trainfit.arch.config import FALCON_INTERFACE_RELEASE, installed_transformers, spec_from_config
 from trainfit.errors import StrategyError
-from trainfit.result import Component, Phase
+from trainfit.result import Component, MemoryReport, Phase
 from trainfit.strategy import MemorySavers
 
 from .conftest import tiny_spec, traced_once
@@ -249,18 +249,15 @@ def test_a_loss_saver_over_a_frozen_fp32_head_casts_it_per_call(loss: str, how: 
     _within(ra, rt, 0.01)
 
 
-def test_activation_offload_packs_a_frozen_weights_per_call_casts() -> None:
-    """LoRA over an fp32 base under amp with activation offloading: a frozen weight's 16-bit cast is per call (autocast
-    caches only leaves that require grad), saved by its matmul and so packed to the host with the activations; the
-    closed form held every layer's casts on the GPU to the forward's end (llama-3.2-1b at 1 × 256: +32% over the
-    trace). Every phase within 2% here, as the full-training cells above."""
-    pytest.importorskip("peft")
+def _offloaded_lora(*, checkpointing: str = "none", **setup: str) -> tuple[MemoryReport, MemoryReport]:
+    """LoRA rank 8 on the small Llama (2 × 128, amp-bf16) with activation offloading: (analytic, trace)."""
     from trainfit.strategy import finetune_setup
 
     spec = spec_from_config(OFFLOAD_LLAMA, name="small-llama", source="test")
-    adapter, base = finetune_setup("lora", rank=8)
-    s = Strategy(
+    adapter, base = finetune_setup("lora", rank=8, **setup)  # type: ignore[arg-type]
+    s = Strategy(  # type: ignore[arg-type]
         precision="amp-bf16",
+        checkpointing=checkpointing,
         micro_batch=2,
         seq_len=128,
         adapter=adapter,
@@ -269,7 +266,16 @@ def test_activation_offload_packs_a_frozen_weights_per_call_casts() -> None:
     )
     ra = estimate(spec, s, simulate_allocator=False)
     rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
-    _within(ra, rt, 0.02)
+    return ra, rt
+
+
+def test_activation_offload_packs_a_frozen_weights_per_call_casts() -> None:
+    """LoRA over an fp32 base under amp with activation offloading: a frozen weight's 16-bit cast is per call (autocast
+    caches only leaves that require grad), saved by its matmul and so packed to the host with the activations; the
+    closed form held every layer's casts on the GPU to the forward's end (llama-3.2-1b at 1 × 256: +32% over the
+    trace). Every phase within 2% here, as the full-training cells above."""
+    pytest.importorskip("peft")
+    _within(*_offloaded_lora(), 0.02)
 
 
 @pytest.mark.parametrize(("ckpt", "tol"), [("none", 0.02), ("full", 0.025)])
@@ -279,19 +285,4 @@ def test_activation_offload_keeps_llm_int8_inputs_on_the_device(ckpt: str, tol: 
     the end of backward. The closed form offloaded them with the other saves: here −5.4% (forward, no checkpointing)
     and −7.6% (forward, full checkpointing); on llama-3.2-1b (2 × 1024) −23.7% and −27.3%. Now +0.3% and −2.0% here
     (the checkpointed forward's is what is left: −4.1% on llama-3.2-1b)."""
-    from trainfit.strategy import finetune_setup
-
-    spec = spec_from_config(OFFLOAD_LLAMA, name="small-llama", source="test")
-    adapter, base = finetune_setup("lora", rank=8, targets="all-linear", base_dtype="int8")
-    s = Strategy(  # type: ignore[arg-type]
-        precision="amp-bf16",
-        checkpointing=ckpt,
-        micro_batch=2,
-        seq_len=128,
-        adapter=adapter,
-        base_weights=base,
-        savers=MemorySavers(activation_offload=True),
-    )
-    ra = estimate(spec, s, simulate_allocator=False)
-    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
-    _within(ra, rt, tol)
+    _within(*_offloaded_lora(targets="all-linear", base_dtype="int8", checkpointing=ckpt), tol)
