@@ -4,6 +4,7 @@ as DeepSpeed's own functions on real tensors, and a traced rank whose dispatched
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from typing import Any
 
@@ -140,14 +141,8 @@ def _ops_per_phase(world: int, monkeypatch: pytest.MonkeyPatch) -> collections.C
 
     # a 2-layer llama whose every tensor W = 64 divides (DeepSpeed allocates a padding per short rank: W-sized by
     # right); DeepSpeed's default prefetch bucket gathers every partitioned parameter in one coalesced handle
-    spec = tiny_spec("llama", hidden_size=128, intermediate_size=1024, vocab_size=1024, num_hidden_layers=2)
-    s = Strategy(
-        parallelism=Parallelism(data=world),
-        sharding="zero3",
-        micro_batch=1,
-        seq_len=32,
-        engine=EngineOptions(reduce_bucket_size=50_000, allgather_bucket_size=50_000),
-    )
+    spec, s = _tiny_zero3(world)
+    s = dataclasses.replace(s, engine=EngineOptions(reduce_bucket_size=50_000, allgather_bucket_size=50_000))
     with monkeypatch.context() as m:
         m.setattr(DeepSpeedTracker, "__torch_dispatch__", counted)
         trace_distributed(spec, s)
@@ -164,3 +159,48 @@ def test_zero3_trace_ops_do_not_depend_on_the_world_size(monkeypatch: pytest.Mon
     :mod:`trainfit.trace.deepspeed_comm`'s equivalents (what they allocate is checked byte for byte by
     ``test_deepspeed.py``'s ZeRO-3 cells, and against DeepSpeed's values above)."""
     assert _ops_per_phase(2, monkeypatch) == _ops_per_phase(64, monkeypatch)
+
+
+def test_installed_deepspeed_is_the_verified_code() -> None:
+    """A tripwire for DeepSpeed upgrades: the functions the stand-ins replace are, source for source, those they were
+    checked against. Where this fails, run this file's value tests on the new release and, if they pass, add its
+    digests to ``VERIFIED_SOURCES`` (until then the trace runs DeepSpeed's own functions, slower but right)."""
+    digests = dc.source_digests()
+    unverified = {k: d for k, d in digests.items() if d not in dc.VERIFIED_SOURCES[k]}
+    assert not unverified, f"DeepSpeed's code changed; unverified digests: {unverified}"
+
+
+def _tiny_zero3(world: int) -> tuple[Any, Strategy]:
+    spec = tiny_spec("llama", hidden_size=128, intermediate_size=1024, vocab_size=1024, num_hidden_layers=2)
+    s = Strategy(parallelism=Parallelism(data=world), sharding="zero3", micro_batch=1, seq_len=32)
+    return spec, s
+
+
+def test_unverified_deepspeed_keeps_its_own_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the installed DeepSpeed's code is not the verified one, nothing is replaced: its own functions run."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from deepspeed.runtime.zero import stage3 as s3
+
+    def current() -> tuple[Any, ...]:
+        return s3.reduce_scatter_coalesced, pp.AllGatherCoalescedHandle.wait, pp.Init._convert_to_deepspeed_param
+
+    own = current()
+    with dc.world_flat_collectives() as replaced:
+        assert replaced and s3.reduce_scatter_coalesced is dc.reduce_scatter_coalesced
+    monkeypatch.setattr(dc, "VERIFIED_SOURCES", {k: frozenset() for k in dc.VERIFIED_SOURCES})
+    with dc.world_flat_collectives() as replaced:
+        assert not replaced and current() == own
+    assert current() == own
+
+
+@pytest.mark.slow
+def test_unverified_deepspeed_traces_the_same_bytes_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ZeRO-3 trace with DeepSpeed's own collectives (as on an unverified release) reports the same bytes in every
+    phase as with the stand-ins, and its notes say which ran."""
+    spec, s = _tiny_zero3(4)
+    fast = trace_distributed(spec, s)
+    assert not any("not the code" in n for n in fast.notes)
+    monkeypatch.setattr(dc, "VERIFIED_SOURCES", {k: frozenset() for k in dc.VERIFIED_SOURCES})
+    own = trace_distributed(spec, s)
+    assert [(p.phase, dict(p.components)) for p in own.phases] == [(p.phase, dict(p.components)) for p in fast.phases]
+    assert any("not the code trainfit's loop-free stand-ins were checked against" in n for n in own.notes)

@@ -44,6 +44,14 @@ DeepSpeed has it:
   synchronised (the handle records streams there) or partitions that are not consecutive pieces of one buffer take
   DeepSpeed's own ``wait``.
 
+The replacements are only as right as their match with DeepSpeed's code, and the installed DeepSpeed may not be
+0.19.8 (the ``deepspeed`` extra admits any release below 1): :func:`matches_verified` compares the source of the three
+functions replaced (the undecorated ``reduce_scatter_coalesced``, the handle's ``wait`` and
+``Init._convert_to_deepspeed_param``, which holds ``_all_gather_dtype``) with their SHA-256 in DeepSpeed 0.19.8
+(:data:`VERIFIED_SOURCES`). Where one differs the trace runs DeepSpeed's own functions — the same bytes by
+construction, only slower at large W — and says so in its notes; a new release is verified by
+``tests/trace/test_deepspeed_comm.py`` before its digests are added.
+
 All three are patched only while a trace runs (:func:`trainfit.trace.deepspeed.run_layout_deepspeed`) and restored
 after. ``tests/trace/test_deepspeed_comm.py`` checks their values against DeepSpeed's functions on real tensors and
 that a traced ZeRO-3 rank dispatches the same ops, phase by phase, at W = 2 and 64;
@@ -54,6 +62,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
@@ -247,10 +257,67 @@ def _wait(orig: Any, self: Any, handle_dependency: bool = True) -> None:
     self.complete = True
 
 
+#: The SHA-256 of the source of each DeepSpeed function :func:`world_flat_collectives` stands in for, in the
+#: releases whose code the replacements were checked against (module, qualified name) → digests. DeepSpeed 0.19.8.
+VERIFIED_SOURCES: dict[tuple[str, str], frozenset[str]] = {
+    ("deepspeed.runtime.comm.coalesced_collectives", "reduce_scatter_coalesced"): frozenset(
+        {"d05c7b944514f710d32f74ef474522992b1dc9d334de78e511af810b5e4e6cc5"}
+    ),
+    ("deepspeed.runtime.zero.partition_parameters", "AllGatherCoalescedHandle.wait"): frozenset(
+        {"66e20af5df511a69fb0d9a53dc67213e0416f40d9b077c4b5ffaf163892fee53"}
+    ),
+    ("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param"): frozenset(
+        {"77281d2526a148fbbfe302d6073636b10fceddd4e97c99e1f1f88ae880add886"}
+    ),
+}
+
+
+def _undecorated(fn: Any) -> Any:
+    """``fn`` without DeepSpeed's ``instrument_w_nvtx`` (deepspeed/utils/nvtx.py), which wraps without
+    ``functools.wraps``: the function is its closure's ``func``."""
+    code = getattr(fn, "__code__", None)
+    if code is not None and "func" in code.co_freevars and fn.__closure__:
+        return _undecorated(fn.__closure__[code.co_freevars.index("func")].cell_contents)
+    return inspect.unwrap(fn)
+
+
+def source_digests() -> dict[tuple[str, str], str | None]:
+    """The installed DeepSpeed's digest of each function of :data:`VERIFIED_SOURCES` (None: its source is not
+    readable, e.g. a byte-compiled install)."""
+    from deepspeed.runtime.comm import coalesced_collectives as cc
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    fns = {
+        ("deepspeed.runtime.comm.coalesced_collectives", "reduce_scatter_coalesced"): cc.reduce_scatter_coalesced,
+        ("deepspeed.runtime.zero.partition_parameters", "AllGatherCoalescedHandle.wait"): (
+            pp.AllGatherCoalescedHandle.wait
+        ),
+        ("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param"): (
+            pp.Init._convert_to_deepspeed_param
+        ),
+    }
+    out: dict[tuple[str, str], str | None] = {}
+    for key, fn in fns.items():
+        try:
+            out[key] = hashlib.sha256(inspect.getsource(_undecorated(fn)).encode()).hexdigest()
+        except (OSError, TypeError):
+            out[key] = None
+    return out
+
+
+def matches_verified() -> bool:
+    """Whether the installed DeepSpeed's functions are those the replacements were checked against."""
+    return all(d is not None and d in VERIFIED_SOURCES[k] for k, d in source_digests().items())
+
+
 @contextlib.contextmanager
-def world_flat_collectives() -> Iterator[None]:
+def world_flat_collectives() -> Iterator[bool]:
     """Stage 3's ``reduce_scatter_coalesced`` and ``AllGatherCoalescedHandle.wait`` replaced by the versions above
-    while the context is active; DeepSpeed's restored on exit."""
+    while the context is active; DeepSpeed's restored on exit. Yields whether it replaced them: not where the
+    installed DeepSpeed's code is not the verified one (:func:`matches_verified`; then its own functions run)."""
+    if not matches_verified():
+        yield False
+        return
     from deepspeed.runtime.zero import partition_parameters as pp
     from deepspeed.runtime.zero import stage3 as s3
 
@@ -279,7 +346,7 @@ def world_flat_collectives() -> Iterator[None]:
     handle.wait = wait
     pp.Init._convert_to_deepspeed_param = convert
     try:
-        yield
+        yield True
     finally:
         for obj, name, old in saved:
             setattr(obj, name, old)
@@ -287,4 +354,12 @@ def world_flat_collectives() -> Iterator[None]:
             cell.cell_contents = old
 
 
-__all__ = ["Partitions", "all_gather_dtype", "reduce_scatter_coalesced", "world_flat_collectives"]
+__all__ = [
+    "VERIFIED_SOURCES",
+    "Partitions",
+    "all_gather_dtype",
+    "matches_verified",
+    "reduce_scatter_coalesced",
+    "source_digests",
+    "world_flat_collectives",
+]
