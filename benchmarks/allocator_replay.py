@@ -15,25 +15,26 @@ Usage: python benchmarks/allocator_replay.py [--trace [--all-cases]] [--phases C
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from h200_data import Process, case, find_truth, measured_strategy, processes
 
 from trainfit.allocator import AllocatorConfig, replay_snapshot
-from trainfit.strategy import Strategy
 
 CASE = "q05-amp-foreach-b4s2048"
+KINDS = ("default", "expandable")
 GiB = 2**30
 
 
 def _truth(arg: str | None) -> Path:
-    repo = Path(__file__).resolve().parents[1]
-    for d in ([Path(arg)] if arg else []) + [repo.parent / "shared" / "gpu-truth", Path("/work/shared/gpu-truth")]:
-        if (d / "h200-training.jsonl").is_file():
-            return d
-    sys.exit("gpu-truth data not found (pass --truth DIR)")
+    found = find_truth(arg)
+    if found is None:
+        sys.exit("gpu-truth data not found (pass --truth DIR)")
+    return found
 
 
 def main() -> int:
@@ -44,13 +45,9 @@ def main() -> int:
     ap.add_argument("--truth")
     a = ap.parse_args()
     truth = _truth(a.truth)
-    measured = {}
-    for line in (truth / "h200-training.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("id") == CASE:
-            measured["expandable" if "expandable" in row.get("allocator", "") else "default"] = row["max_reserved"]
+    measured = {kind: case(truth, CASE, expandable=kind == "expandable")[1]["max_reserved"] for kind in KINDS}
     print(f"{'input':<28} {'allocator':<11} {'simulated':>12} {'real':>12} {'error':>8}")
-    for kind in ("default", "expandable"):
+    for kind in KINDS:
         with open(truth / f"allocator-trace-{CASE}-{kind}.pickle", "rb") as fh:
             snap = pickle.load(fh)
         for real_addr in (True, False):
@@ -64,30 +61,16 @@ def main() -> int:
                 f"   addresses {r.address_matches}/{r.alloc_events}, {dt:.2f} s"
             )
     if a.trace:
-        rows = [json.loads(line) for line in (truth / "h200-training.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "id" in r and "max_reserved" in r and (a.all_cases or r["id"] == CASE)]
-        for row in rows:
-            _trace_case(row)
+        for p in processes(truth):
+            for row in p.cases:
+                if a.all_cases or row["id"] == CASE:
+                    _trace_case(row, p)
     if a.phases:
-        rows = [json.loads(line) for line in (truth / "h200-training.jsonl").read_text().splitlines()]
-        row = next(r for r in rows if r.get("id") == a.phases and r.get("allocator") == "default")
-        _phases(row)
+        _phases(*case(truth, a.phases))
     return 0
 
 
-def measured_strategy(row: dict[str, object]) -> Strategy:
-    """The strategy of one case of ``h200-training.jsonl`` (also used by ``gpu_truth.py``)."""
-    return Strategy(
-        precision=str(row["recipe"]),
-        optimizer_impl=str(row["optimizer_impl"]),
-        checkpointing=str(row["checkpointing"]),
-        attention=str(row["attention"]),
-        micro_batch=int(str(row["batch"])),
-        seq_len=int(str(row["seq"])),
-    )
-
-
-def _phases(row: dict[str, object]) -> None:
+def _phases(process: Process, row: dict[str, Any]) -> None:
     from trainfit.allocator import Simulator
     from trainfit.arch import load_model
     from trainfit.trace import depth
@@ -99,7 +82,7 @@ def _phases(row: dict[str, object]) -> None:
     _, lay = plan.layouts[0]
     run = depth.run_layout(spec, st, plan, lay, steps=3, adamw_impl=str(row["optimizer_impl"])).run
     plain = tracker_events(run)
-    events = with_workspaces(plain, run, (9, 0))
+    events = with_workspaces(plain, run, (9, 0), torch_version=process.torch_version)
     tr = run.tracker
     kept = sorted({t for rec in tr.records if tr.component(rec) is not None for t in (rec.alloc_t, rec.free_t) if t})
     sim = Simulator(AllocatorConfig())
@@ -120,21 +103,20 @@ def _phases(row: dict[str, object]) -> None:
             )
 
 
-def _trace_case(row: dict[str, object]) -> None:
+def _trace_case(row: dict[str, Any], process: Process) -> None:
     from trainfit.arch import load_model
     from trainfit.trace.events import reserved_from_trace
 
     spec = load_model(str(row["model"]))
     st = measured_strategy(row)
-    conf = str(row.get("allocator", ""))
-    kind = "default" if conf in ("", "default") else "expandable"
+    kind = "expandable" if "expandable" in process.allocator else "default"
     t = time.perf_counter()
     tr = reserved_from_trace(
         spec,
         st,
-        AllocatorConfig.parse("" if kind == "default" else conf),
+        AllocatorConfig.parse(process.alloc_conf),
         compute_capability=(9, 0),
-        torch_version=(2, 11),  # the measurements' torch (shared/gpu-truth): a cuBLASLt workspace of its own
+        torch_version=process.torch_version,  # the measurements' torch: up to 2.11 a cuBLASLt workspace of its own
     )
     dt = time.perf_counter() - t
     sim, real = tr.result.peak_reserved_bytes, int(str(row["max_reserved"]))

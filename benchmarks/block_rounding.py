@@ -16,12 +16,11 @@ requests and blocks the snapshot's segments list (``requested_size``, ``size``).
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import sys
 from pathlib import Path
 
-from allocator_replay import measured_strategy
+from h200_data import case, find_truth, measured_strategy
 
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Simulator
@@ -33,18 +32,16 @@ MARKER = range(123457, 123461)  # measure_training.py's step marker: an allocati
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--truth", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "gpu-truth")
+    ap.add_argument("--truth", type=Path, default=find_truth())
     a = ap.parse_args()
+    if a.truth is None:
+        sys.exit("block_rounding.py: the H200 calibration data is not here (pass --truth DIR)")
     pickled = a.truth / f"allocator-trace-{CASE}-default.pickle"
     if not pickled.is_file():
         sys.exit(f"block_rounding.py: no such file: {pickled} (pass --truth DIR)")
     with pickled.open("rb") as fh:
         snap = pickle.load(fh)
-    row = next(
-        r
-        for r in map(json.loads, (a.truth / "h200-training.jsonl").read_text().splitlines())
-        if r.get("id") == CASE and r.get("allocator") == "default"
-    )
+    process, row = case(a.truth, CASE)
     blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     end_requested, end_blocks = sum(b["requested_size"] for b in blocks), sum(b["size"] for b in blocks)
 
@@ -69,7 +66,9 @@ def main() -> int:
         series.append((requested, sim.allocated_bytes))
     r_off, b_off = end_requested - series[-1][0], end_blocks - series[-1][1]
 
-    rep = estimate(row["model"], measured_strategy(row), gpu="h200-sxm-141gb", allocator="")
+    rep = estimate(
+        row["model"], measured_strategy(row), gpu="h200-sxm-141gb", allocator="", torch_version=process.torch_version
+    )
     analytic = {ph: rep.phase(ph).total_bytes for ph in (Phase.BACKWARD, Phase.OPTIMIZER_STEP)}
     print(f"{CASE}, default allocator (MB = 10^6 B; the steps' peaks, requested and in blocks)")
     print(

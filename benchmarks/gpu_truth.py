@@ -25,16 +25,14 @@ is simulated once rather than each case after its predecessors. ``data`` may be 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
-from allocator_replay import measured_strategy
+from h200_data import Process, measured_strategy, processes
 
 from trainfit import estimate
 from trainfit.allocator import AllocatorConfig, Event
 from trainfit.allocator.process import matmul_warm_up, simulate_process
-from trainfit.allocator.workspaces import parse_torch_version
 from trainfit.arch import load_model
 from trainfit.estimate import built_events, gpu_workspaces, resolved_strategy, run_events
 from trainfit.hardware import get_gpu
@@ -45,22 +43,6 @@ GPU = "h200-sxm-141gb"
 BEGIN, END = "<!-- gpu-truth-phases:begin -->", "<!-- gpu-truth-phases:end -->"
 
 
-Process = tuple[str, tuple[int, int], list[dict[str, object]]]
-
-
-def processes(data: Path) -> list[Process]:
-    """Per measuring process (a ``meta`` line): its allocator setting, its torch release (which decides the cuBLAS
-    and cuBLASLt workspaces, ``trainfit.allocator.workspaces``) and its cases in order."""
-    out: list[Process] = []
-    for line in data.read_text().splitlines():
-        row = json.loads(line)
-        if "meta" in row:
-            out.append((row.get("allocator", "default"), parse_torch_version(row["meta"]["torch"]), []))
-        elif "phases" in row:
-            out[-1][2].append(row)
-    return out
-
-
 def phase_rows(procs: list[Process], trace: bool) -> list[str]:
     """The per-phase allocated table: each case × phase, measured, analytic and (``trace``) trace, with errors.
     The allocated phases do not depend on the allocator setting or the process history (the measured ones of the
@@ -68,9 +50,9 @@ def phase_rows(procs: list[Process], trace: bool) -> list[str]:
     head = "| case | allocator | phase | measured GiB | analytic GiB | analytic | trace GiB | trace |"
     rows = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
     traced: dict[str, MemoryReport] = {}  # a case's phases do not depend on its allocator: traced once
-    for allocator, torch, cases in procs:
-        conf = "" if allocator == "default" else allocator
-        for row in cases:
+    for proc in procs:
+        allocator, conf, torch = proc.allocator, proc.alloc_conf, proc.torch_version
+        for row in proc.cases:
             s = measured_strategy(row)
             kw = {"gpu": GPU, "allocator": conf, "torch_version": torch}
             ra = estimate(str(row["model"]), s, search_micro_batch=False, **kw)  # type: ignore[arg-type]
@@ -131,8 +113,8 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|")
     worst = 0.0
     rows: list[tuple[str, str, str, int, int, MemoryReport, int]] = []
-    for allocator, torch, cases in procs:
-        conf = "" if allocator == "default" else allocator
+    for proc in procs:
+        allocator, conf, torch, cases = proc.allocator, proc.alloc_conf, proc.torch_version, proc.cases
         config = AllocatorConfig.parse(conf)
         workspaces = gpu_workspaces(gpu, torch)
         streams: dict[str, list[list[Event]]] = {"analytic": [], "trace": []}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests._gpu_truth import TRUTH, data
 from trainfit import estimate
 from trainfit.hardware import get_gpu, list_gpus
 from trainfit.overhead import (
@@ -19,14 +21,12 @@ from trainfit.overhead import (
     outside_allocator,
 )
 
-_CANDIDATES = (Path(__file__).resolve().parents[2] / "shared" / "gpu-truth", Path("/work/shared/gpu-truth"))
-TRUTH = next((p for p in _CANDIDATES if p.is_dir()), None)
 
-
-def _truth_lines() -> list[dict[str, object]]:
+def _truth_lines() -> list[dict[str, Any]]:
     if TRUTH is None:
         pytest.skip("the H200 calibration data (../shared/gpu-truth) is not here")
-    return [json.loads(line) for line in (TRUTH / "h200-training.jsonl").read_text().splitlines() if line.strip()]
+    lines: list[dict[str, Any]] = data.rows(TRUTH)
+    return lines
 
 
 def test_every_catalog_gpu_has_a_cited_sm_count() -> None:

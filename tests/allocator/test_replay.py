@@ -7,31 +7,15 @@ The expected figures come from the measurement itself: the trace's own segment e
 from __future__ import annotations
 
 import functools
-import json
 import pickle
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._gpu_truth import TRUTH, data
 from trainfit.allocator import config_of, replay_snapshot
 
 CASE = "q05-amp-foreach-b4s2048"
-_REPO = Path(__file__).resolve().parents[2]
-
-
-def _truth_dir() -> Path | None:
-    for d in (
-        _REPO.parent / "shared" / "gpu-truth",
-        _REPO.parent.parent / "shared" / "gpu-truth",
-        Path("/work/shared/gpu-truth"),
-    ):
-        if (d / "h200-training.jsonl").is_file():
-            return d
-    return None
-
-
-TRUTH = _truth_dir()
 pytestmark = pytest.mark.skipif(TRUTH is None, reason="gpu-truth calibration data not available")
 
 
@@ -45,11 +29,7 @@ def _snapshot(kind: str) -> dict[str, Any]:
 
 def _measured_max_reserved(expandable: bool) -> int:
     assert TRUTH is not None
-    for line in (TRUTH / "h200-training.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("id") == CASE and ("expandable" in row.get("allocator", "")) == expandable:
-            return int(row["max_reserved"])
-    raise AssertionError("case not in h200-training.jsonl")
+    return int(data.case(TRUTH, CASE, expandable=expandable)[1]["max_reserved"])
 
 
 @pytest.mark.parametrize("kind", ["default", "expandable"])
