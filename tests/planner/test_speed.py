@@ -17,6 +17,7 @@ from trainfit.planner.speed import (
     HOST_ADAM_NODE_GBPS,
     MATMUL_EFFICIENCY,
     SpeedInputs,
+    StepTime,
     autocast_cast_bytes,
     dequant_bytes,
     elementwise_backward_bytes,
@@ -28,7 +29,7 @@ from trainfit.planner.speed import (
     step_time,
     step_time_of,
 )
-from trainfit.strategy import Checkpointing, LossImpl, MemorySavers, Parallelism, Sharding, finetune_setup
+from trainfit.strategy import Checkpointing, LossImpl, MemorySavers, Offload, Parallelism, Sharding, finetune_setup
 
 
 def test_flops_per_token_is_six_n_plus_attention() -> None:
@@ -114,6 +115,29 @@ def test_loss_traffic_scales_with_vocabulary_times_tokens() -> None:
     without = step_time(q05, dataclasses.replace(st, savers=MemorySavers(loss=LossImpl.FUSED_LINEAR)), gpu)
     hbm = gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
     assert with_loss.step_seconds - without.step_seconds == pytest.approx((48 - 6) * 151936 * 4 * 2048 * 2 / hbm)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("offload", ["none", "optimizer+params"])
+def test_fsdp2_mixed_recipes_are_one_run(sharding: str, offload: str) -> None:
+    """Under FSDP2's MixedPrecisionPolicy every mixed recipe (amp-*, master-*) is the same run — fp32 shards gathered
+    in the compute dtype, fp32 gradients, no autocast casts — so it has one step time (the memory model already gives
+    it one memory); pure-bf16 moves 16-bit shards instead but computes the same layers. Without sharding amp keeps
+    autocast's casts (the rule is FSDP2's, not the recipe's)."""
+    spec = load_model("llama-3.2-3b")
+    gpu = get_gpu("a100-sxm-80gb")
+
+    def step(precision: str, sh: str = sharding) -> StepTime:
+        s = Strategy(precision=precision, micro_batch=2, grad_accum=4, seq_len=2048, sharding=sh,  # type: ignore[arg-type]
+                     offload=Offload.parse(offload), parallelism=Parallelism.for_gpus(16))  # fmt: skip
+        return step_time(spec, s, gpu)
+
+    for compute in ("bf16", "fp16"):
+        assert step(f"amp-{compute}") == step(f"master-{compute}")
+    pure, amp = step("pure-bf16"), step("amp-bf16")
+    assert pure.compute_seconds == amp.compute_seconds and pure.recompute_seconds == amp.recompute_seconds
+    if offload == "none":
+        assert step("amp-bf16", "ddp").compute_seconds > step("master-bf16", "ddp").compute_seconds
 
 
 def test_amp_adds_the_weight_casts() -> None:

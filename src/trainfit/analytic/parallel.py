@@ -1496,8 +1496,8 @@ def _fsdp(
     ]
     if mixed:
         notes.append(
-            "FSDP2 mixed precision: fp32 sharded parameters (the master weights), bf16 compute, fp32 reductions; "
-            "no autocast weight copies"
+            "FSDP2 mixed precision: fp32 sharded parameters (the master weights), "
+            f"{strategy.recipe.compute_dtype} compute, fp32 reductions; no autocast weight copies"
         )
     if offload:
         notes.append("CPUOffloadPolicy: shards, gradients and optimizer states in pinned host memory (per node)")

@@ -63,7 +63,7 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.fsdp_units import gathered_once_fraction
 from trainfit.hardware import GPUSpec
-from trainfit.planner.speed import SpeedInputs, offloaded_activation_bytes
+from trainfit.planner.speed import SpeedInputs, layer_bits, offloaded_activation_bytes
 from trainfit.strategy import (
     FLOAT8_RECIPES,
     Adapter,
@@ -244,6 +244,7 @@ class Candidate:
         spec)`` (a test holds them together) without building and validating a Strategy, except under activation
         offload, whose bytes are the memory model's (``spec`` is needed then, and for 2-D FSDP2 × TP)."""
         r = RECIPES[self.precision]
+        weight_bits, grad_bits, autocast = layer_bits(r, self.sharding)
         adapter, base = self._finetune()
         dtensor = self.tensor > 1 and self.engine is Engine.TORCH
         if spec is None and (dtensor or self.activation_offload):
@@ -265,8 +266,8 @@ class Candidate:
             double_quant=base.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
-            grad_bits=r.grad_bits,
-            weight_bits=r.weight_bits,
+            grad_bits=grad_bits,
+            weight_bits=weight_bits,
             checkpointing=self.checkpointing,
             sharding=self.sharding,
             offload_optimizer=self.offload != "none",
@@ -281,7 +282,7 @@ class Candidate:
             )
             if spec is not None and self.sharding in (Sharding.FSDP, Sharding.HSDP)
             else 0.0,
-            autocast=bool(r.autocast),
+            autocast=autocast,
             loss=self.loss,
             fused_elementwise=self.engine is Engine.MEGATRON,  # speed.fused_elementwise_engine
         )

@@ -82,6 +82,7 @@ from trainfit.strategy import (
     LossImpl,
     PipelineSchedule,
     Quantization,
+    Recipe,
     Sharding,
     Strategy,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "fsdp_collective_bytes",
     "fsdp_gathered_once",
     "host_adam_seconds",
+    "layer_bits",
     "loss_bytes_per_token",
     "model_flops_per_token",
     "step_time",
@@ -218,7 +220,7 @@ class SpeedInputs:
     compute_dtype: str = "bf16"
     compute_bits: int = 16
     grad_bits: int = 32
-    weight_bits: int = 32
+    weight_bits: int = 32  # the weights the layers compute with (:func:`layer_bits`)
     checkpointing: Checkpointing = Checkpointing.NONE
     sharding: Sharding = Sharding.NONE
     offload_optimizer: bool = False
@@ -233,7 +235,7 @@ class SpeedInputs:
     #: FSDP2/HSDP: the share of the parameters gathered once per micro-step, not again for backward
     #: (:func:`trainfit.fsdp_units.gathered_once_fraction`; 0 without the model: every one twice).
     fsdp_gathered_once: float = 0.0
-    autocast: bool = False  # Recipe.autocast: torch.autocast over the weights (amp-*: casts each step)
+    autocast: bool = False  # torch.autocast over wider weights (amp-*: casts each step; :func:`layer_bits`)
     loss: LossImpl = LossImpl.STANDARD  # how the loss meets the logits (--loss): its memory traffic
     #: The layers' elementwise work runs in fused kernels (:func:`elementwise_efficiency`): Megatron-LM's engine, or
     #: ``torch.compile`` (no Strategy option: the speed model alone, like ``async_tp``). False: eager PyTorch.
@@ -249,6 +251,7 @@ class SpeedInputs:
         DTensor tensor parallelism (the vocabulary of the gathered logits)."""
         par, r = strategy.parallelism, strategy.recipe
         dtensor = dtensor_tensor_parallel(strategy)
+        weight_bits, grad_bits, autocast = layer_bits(r, strategy.sharding)
         if spec is None and (dtensor or strategy.savers.activation_offload):
             raise ValueError("SpeedInputs.of needs the model for activation offload or DTensor tensor parallelism")
         return cls(
@@ -265,8 +268,8 @@ class SpeedInputs:
             double_quant=strategy.base_weights.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
-            grad_bits=r.grad_bits,
-            weight_bits=r.weight_bits,
+            grad_bits=grad_bits,
+            weight_bits=weight_bits,
             checkpointing=strategy.checkpointing,
             sharding=strategy.sharding,
             offload_optimizer=strategy.offload.optimizer_on_host,
@@ -278,10 +281,26 @@ class SpeedInputs:
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
             fsdp_gathered_once=fsdp_gathered_once(spec, strategy) if spec is not None else 0.0,
-            autocast=bool(r.autocast),
+            autocast=autocast,
             loss=strategy.savers.loss,
             fused_elementwise=fused_elementwise_engine(strategy),
         )
+
+
+def layer_bits(recipe: Recipe, sharding: Sharding) -> tuple[int, int, bool]:
+    """(bits of the weights the layers compute with, bits of the gradients the optimizer steps, whether autocast
+    casts the weights each micro-step) under ``recipe`` and ``sharding``: the recipe's own, except FSDP2/HSDP under a
+    mixed recipe (amp-*, master-*). There ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)`` over fp32
+    shards unshards every parameter in the compute dtype — the layers see compute-dtype weights, the residual stream
+    is in it, and autocast (if any runs) has nothing to cast — and leaves fp32 gradients on the shards: the run the
+    trace makes (trainfit.trace.distributed ``_run_strategy``: no autocast, the recipe's amp-* twin) and the memory
+    model holds (the same activations for amp-*, master-* and pure-* under FSDP2, no autocast copies). Before
+    2026-12-04 the speed model charged an amp-* FSDP2 plan autocast's weight casts and an fp32 stream, and a master-*
+    one 16-bit gradients to offload: the same run 14% slower spelt amp-fp16 than master-fp16 (llama-3.2-3b on 2 T4s,
+    offloaded), which is how ``estimate --from training_args.json`` reads the plan back."""
+    if sharding in (Sharding.FSDP, Sharding.HSDP) and recipe.mixed:
+        return recipe.compute_bits, 32, False
+    return recipe.weight_bits, recipe.grad_bits, bool(recipe.autocast)
 
 
 def fused_elementwise_engine(strategy: Strategy) -> bool:
