@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from trainfit.arch.spec import ModelSpec
     from trainfit.strategy import Strategy
 
-__all__ = ["Build", "EarlierRun", "ProcessHistory"]
+__all__ = ["Build", "EarlierRun", "ProcessHistory", "history_note"]
 
 
 class Build(StrEnum):
@@ -82,3 +82,15 @@ class ProcessHistory:
     def fresh(self) -> bool:
         """Nothing before the run: the allocator starts empty and the parameters are its first allocations."""
         return self.build is Build.FROM_PRETRAINED and not self.warm_up and not self.after
+
+
+def history_note(history: ProcessHistory) -> str:
+    """The note of a report or a plan on a process history: what the simulated reserve ran after."""
+    parts = [
+        f"the model built {'by from_config on the GPU' if history.build is Build.ON_DEVICE else 'from_pretrained'}"
+    ]
+    if history.warm_up:
+        parts.append("a warm-up matmul before it")
+    if history.after:
+        parts.append("after " + ", then ".join(r.model.name for r in history.after) + " in the same process")
+    return "reserved memory simulated for " + "; ".join(parts) + " (a fresh process may reserve differently)"
