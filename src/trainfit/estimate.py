@@ -698,6 +698,12 @@ def estimate(
                 history=history,
             )
             fit = dataclasses.replace(fit, fixes=fixes_found, fixes_searched=True)
+            if history is not None and not history.fresh:
+                from trainfit.planner.rank import HISTORY_SCOPE
+
+                notes.append(
+                    f"the fixes were searched after the same process history, among one-GPU runs: {HISTORY_SCOPE}"
+                )
     comparison = (
         ()
         if method is Method.RULE_OF_THUMB or strategy.is_distributed

@@ -472,7 +472,7 @@ def process_history(build: str, warm_up: bool, after: list[str] | None) -> Proce
 def _estimate_command() -> Any:
     """``trainfit estimate``'s click command: what parses an ``--after`` value, whichever command (or the web API)
     was given it."""
-    app = typer.Typer()
+    app = typer.Typer(add_completion=False)
     app.command("estimate")(estimate_cmd)
     return typer.main.get_command(app)
 
@@ -497,6 +497,8 @@ def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
     for value in values:
         try:
             args = shlex.split(value)
+            if "--help" in args or "-h" in args:  # click would print the help and exit mid-command
+                raise ConfigError(f"--after '{value}': --help is not a run flag (see 'trainfit estimate --help')")
             ctx = command.make_context("--after", args)
         except ValueError as exc:
             raise ConfigError(f"--after '{value}': {exc}") from None

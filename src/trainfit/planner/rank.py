@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainfit.allocator import AllocatorConfig
 from trainfit.allocator.workspaces import TARGET_TORCH
@@ -55,7 +55,14 @@ from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_floor_seconds, step_time, step_time_of
 from trainfit.strategy import Parallelism, Sharding, Strategy
 
-__all__ = ["Plan", "PlanResult", "describe_changes", "search_plans"]
+__all__ = ["HISTORY_SCOPE", "Plan", "PlanResult", "check_plan_history", "describe_changes", "search_plans"]
+
+#: What a process history is modelled for (``trainfit.estimate._require_history_modelled``), as the planner says it
+#: when it leaves the other candidates out.
+HISTORY_SCOPE = (
+    "a process history is modelled for a plain one-GPU run (ZeRO, FSDP, offload and DeepSpeed run a rank's stream, "
+    "which does not take one yet)"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +104,7 @@ class PlanResult:
     price_per_gpu_hour: float = 1.0  # what --objective cheapest ranks by (Plan.cost_per_step)
     torch_version: tuple[int, int] = TARGET_TORCH  # the release whose cuBLAS/cuBLASLt workspaces every plan counts
     cuda_version: tuple[int, int] = DEFAULT_CUDA  # the release whose CUDA context every plan counts
-    history: ProcessHistory = ProcessHistory()  # the process every (one-GPU) plan starts in
+    history: ProcessHistory = field(default_factory=ProcessHistory)  # the process every (one-GPU) plan starts in
     notes: tuple[str, ...] = ()  # what the search assumed (the process history it simulated)
 
 
@@ -354,19 +361,32 @@ class _Search:
         the search only compares it with them."""
         hit = self._lower.get(s)
         if hit is None:
-            hit = self._lower[s] = lower_bound_bytes(self.spec, s, self.gpu, above=self.usable, **self._releases())
+            hit = self._lower[s] = lower_bound_bytes(
+                self.spec,
+                s,
+                self.gpu,
+                above=self.usable,
+                torch_version=self.torch_version,
+                cuda_version=self.cuda_version or DEFAULT_CUDA,
+            )
         return hit
 
     def closed_bound(self, s: Strategy) -> int:
         """:meth:`lower_bound` without the looser form: the closed form's own (what :func:`_closest` ranks by)."""
         hit = self._closed.get(s)
         if hit is None:
-            hit = self._closed[s] = lower_bound_bytes(self.spec, s, self.gpu, **self._releases())
+            hit = self._closed[s] = lower_bound_bytes(
+                self.spec, s, self.gpu, torch_version=self.torch_version, cuda_version=self.cuda_version or DEFAULT_CUDA
+            )
         return hit
 
-    def _releases(self) -> dict[str, tuple[int, int]]:
-        """The releases the lower bounds count (the estimate's: its workspaces and context)."""
-        return {"torch_version": self.torch_version, "cuda_version": self.cuda_version or DEFAULT_CUDA}
+    def takes_history(self, c: Candidate) -> bool:
+        """Whether the estimate models a process history for ``c``: a plain one-GPU run, not a rank's stream (ZeRO,
+        FSDP, offload or a named engine, even on one GPU: ``Strategy.is_distributed``)."""
+        try:
+            return not self.strategy(c, self.micro_options(c)[0]).is_distributed
+        except StrategyError:  # not a runnable strategy: the search skips it anyway
+            return True
 
     def fits(self, s: Strategy, missed: bool = False) -> bool:
         if self.lower_bound(s) > self.usable:
@@ -601,8 +621,15 @@ def search_plans(
     # the cheap bound (kind 0: one timing, :func:`step_floor_seconds`) and goes back in with its exact one
     # (kind 1: the best over its micro-batches) when it comes up, so the exact bounds leave the heap in the order
     # of a sort of all of them — at equal values every cheap entry first — and most are never computed.
+    searched = space if history is None else [c for c in space if s.takes_history(c)]
+    notes: list[str] = [] if history is None else [history_note(history)]
+    if len(searched) < len(space):
+        notes.append(
+            f"{len(space) - len(searched)} of {len(space)} candidates not searched: {HISTORY_SCOPE}; without "
+            "--build/--warm-up/--after they are planned for a fresh process"
+        )
     heap: list[tuple[tuple[float, ...], int, int, int, Candidate]] = []
-    for i, c in enumerate(space):
+    for i, c in enumerate(searched):
         cheap = s.cheap_key(c)
         if cheap is not None:  # None: no peak for this dtype in the catalog
             heap.append((cheap, 0, _distance(c, baseline), i, c))
@@ -651,7 +678,7 @@ def search_plans(
         torch_version=torch_version,
         cuda_version=cuda_version or DEFAULT_CUDA,
         history=history or ProcessHistory(),
-        notes=(history_note(history),) if history is not None else (),
+        notes=tuple(notes),
     )
 
 
