@@ -13,7 +13,9 @@ process of the 2026-12-04 session, by 15% (llama-3.2-1b built on the GPU: docs/a
 and a user's job usually is: a fresh process, the model loaded by ``from_pretrained`` (or moved with
 ``.to("cuda")``), no warm-up. ``trainfit.estimate`` turns a history into the allocator's starting state
 (``trainfit.allocator.process.ProcessStart``) for the methods that simulate the allocator on one GPU (analytic and
-trace), each earlier run's events made by the same method as the run's own.
+trace), each earlier run's events made by the same method as the run's own. The planner (``trainfit plan``, and the
+checked fixes of ``trainfit estimate``) passes a history to every estimate it runs, for the one-GPU candidates that
+take one (``trainfit.planner.rank.check_plan_history``: a search over more GPUs is refused).
 """
 
 from __future__ import annotations

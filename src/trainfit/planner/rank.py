@@ -34,6 +34,16 @@ the allocator maps memory (cuMemCreate/cuMemMap of 2 MiB pages, c10/cuda/CUDACac
 ``expandable_segments``) present it as a fragmentation fix and state no cost either way, NVIDIA's NeMo
 Megatron-Bridge memory-tuning guide calls it a fix "with zero performance cost"; the driver calls when a
 segment grows are not modelled.
+
+The GPU machine's software and the process are the estimate's too (``trainfit estimate --torch-version/--cuda-version/
+--build/--warm-up/--after``): every estimate of a search gets its torch release (the cuBLAS/cuBLASLt workspaces,
+:mod:`trainfit.allocator.workspaces`), its CUDA release (the context, :mod:`trainfit.overhead`) and its process
+history (:mod:`trainfit.history`), and every lower bound counts the same workspaces and context (a bound for other
+releases could pass the estimate it bounds). They are fixed for a search, so the search's memos, keyed by strategy
+and allocator, never mix releases; the allocator simulations' own memo is keyed by the workspaces. A process history
+is modelled for a plain one-GPU run only: a search over more GPUs with one is refused in one line, and on one GPU
+the candidates that run a rank's stream (ZeRO, FSDP2, offload, a DeepSpeed engine) are left out with a note
+(:attr:`PlanResult.notes`) — never estimated for a fresh process among plans estimated after the history.
 """
 
 from __future__ import annotations
