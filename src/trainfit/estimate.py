@@ -37,7 +37,7 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
 from trainfit.errors import DependencyError, StrategyError
 from trainfit.hardware import GPUSpec, get_gpu
-from trainfit.history import Build, ProcessHistory
+from trainfit.history import Build, ProcessHistory, history_note
 from trainfit.overhead import DEFAULT_CUDA, REFERENCE_GPU, outside_allocator
 from trainfit.planner.search import (
     DEFAULT_HEADROOM,
@@ -67,11 +67,13 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "MAX_SEARCH_BATCH",
     "attention_warnings",
+    "cuda_release",
     "default_seq_len",
     "effective_strategy",
     "estimate",
     "precision_warnings",
     "required_bytes",
+    "torch_release",
 ]
 
 
@@ -221,7 +223,9 @@ def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
 _DISTRIBUTED_ITEMS = ("GPUs", "sharding", "offload", "engine")
 
 
-def _torch_release(torch_version: str | tuple[int, int] | None) -> tuple[int, int]:
+def torch_release(torch_version: str | tuple[int, int] | None) -> tuple[int, int]:
+    """The torch release ``torch_version`` names (``"2.11"``, ``(2, 11)``; None:
+    :data:`~trainfit.allocator.workspaces.TARGET_TORCH`); a bad one is a one-line ``--torch-version`` error."""
     if torch_version is None:
         return TARGET_TORCH
     if isinstance(torch_version, tuple):
@@ -232,7 +236,7 @@ def _torch_release(torch_version: str | tuple[int, int] | None) -> tuple[int, in
         raise StrategyError(f"--torch-version: {exc}") from None
 
 
-def _cuda_release(cuda_version: str | tuple[int, int] | None, gpu: GPUSpec | None) -> tuple[int, int]:
+def cuda_release(cuda_version: str | tuple[int, int] | None, gpu: GPUSpec | None) -> tuple[int, int]:
     """The CUDA release the context figures are for (None: the reference measurement's); a named release must be
     able to run ``gpu`` (:func:`trainfit.cuda_facts.cuda_supports`)."""
     if cuda_version is None:
@@ -335,6 +339,26 @@ def built_events(spec: ModelSpec, strategy: Strategy, build: Build, events: list
     return built_on_device(events, weights=weights, transient_bytes=transient)
 
 
+def check_earlier_runs(
+    history: ProcessHistory, gpu: GPUSpec | None, method: Method = Method.ANALYTIC
+) -> tuple[Strategy, ...]:
+    """The resolved strategy of each of ``history``'s earlier runs (:func:`resolved_strategy`), or a one-line error
+    for one that ``method`` cannot replay: one GPU's runs only, each modelled by ``method`` (the planner checks a
+    history with it before its search, so that a bad earlier run is not every candidate's failure)."""
+    out: list[Strategy] = []
+    for run in history.after:
+        st, _, _ = resolved_strategy(run.model, run.strategy, gpu)
+        if st.is_distributed:
+            raise StrategyError("--after: an earlier run in the process is one GPU's (no --gpus, sharding or offload)")
+        _require_modelled(run.strategy, method, run.model)
+        if method is Method.TRACE and run.model.source == "explicit":
+            raise StrategyError(
+                "--after with --method trace needs a real model config; use a catalog slug or config.json"
+            )
+        out.append(st)
+    return tuple(out)
+
+
 def process_start(
     spec: ModelSpec,
     strategy: Strategy,
@@ -348,15 +372,7 @@ def process_start(
     warm-up matmul's events (:func:`trainfit.allocator.process.matmul_warm_up`, with ``gpu``'s workspaces), each
     earlier run's events by the same ``method`` (one GPU each), and the run's own build."""
     earlier: list[tuple[Event, ...]] = []
-    for run in history.after:
-        st, _, _ = resolved_strategy(run.model, run.strategy, gpu)
-        if st.is_distributed:
-            raise StrategyError("--after: an earlier run in the process is one GPU's (no --gpus, sharding or offload)")
-        _require_modelled(run.strategy, method, run.model)
-        if method is Method.TRACE and run.model.source == "explicit":
-            raise StrategyError(
-                "--after with --method trace needs a real model config; use a catalog slug or config.json"
-            )
+    for run, st in zip(history.after, check_earlier_runs(history, gpu, method), strict=True):
         events = run_events(run.model, st, method, gpu, config, torch_version)
         earlier.append(tuple(built_events(run.model, st, run.build, events)))
     weights, transient = built_on_device_sizes(spec, strategy) if history.build is Build.ON_DEVICE else (0, 0)
@@ -366,18 +382,6 @@ def process_start(
         weights=weights,
         transient_bytes=transient,
     )
-
-
-def history_note(history: ProcessHistory) -> str:
-    """The report's note on a process history: what the simulated reserve ran after."""
-    parts = [
-        f"the model built {'by from_config on the GPU' if history.build is Build.ON_DEVICE else 'from_pretrained'}"
-    ]
-    if history.warm_up:
-        parts.append("a warm-up matmul before it")
-    if history.after:
-        parts.append("after " + ", then ".join(r.model.name for r in history.after) + " in the same process")
-    return "reserved memory simulated for " + "; ".join(parts) + " (a fresh process may reserve differently)"
 
 
 def _require_history_modelled(strategy: Strategy, method: Method, simulate_allocator: bool) -> None:
@@ -526,14 +530,14 @@ def estimate(
     setup that does not fit is then a lower bound (``MemoryReport.reserve_stopped``). ``history``: the process the
     run starts in (:mod:`trainfit.history`; None: a fresh one, the model from ``from_pretrained``) — how its model
     was built, a warm-up matmul, earlier runs; it moves the simulated reserve (analytic and trace, one GPU; the
-    micro-batch search probes each batch after the same history, the fixes are searched for a fresh process).
+    micro-batch search probes each batch after the same history, and so do the fixes: one GPU's plans).
     ``torch_version``: the torch release on the GPU machine (``"2.11"``; None:
     :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides the cuBLAS/cuBLASLt workspaces
     (:mod:`trainfit.allocator.workspaces`). ``cuda_version``: the CUDA release (``"12.8"``; None: 13.0, the reference
     measurement's), which decides the CUDA context (eager module loading before 11.7, :mod:`trainfit.overhead`) and
-    must run the GPU."""
+    must run the GPU. The fixes are searched under the same torch and CUDA releases."""
     spec = load_model(model) if isinstance(model, str) else model
-    release = _torch_release(torch_version)
+    release = torch_release(torch_version)
     asked = strategy or Strategy()
     try:
         method = Method(method)
@@ -546,7 +550,7 @@ def estimate(
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
     check_float8_gpu(asked, gpu_spec)
-    cuda = _cuda_release(cuda_version, gpu_spec)
+    cuda = cuda_release(cuda_version, gpu_spec)
     strategy, warnings, gpu_notes = resolved_strategy(spec, asked, gpu_spec)
     if cuda_version is None and gpu_spec is not None and gpu_spec.compute_capability is not None:
         why_not = cuda_supports(gpu_spec.compute_capability, cuda)
@@ -659,7 +663,7 @@ def estimate(
         gpu_for_bound = gpu_spec  # the analytic requirement is at least its allocated peak + what is outside
 
         def bound(sp: ModelSpec, st: Strategy) -> int:
-            return lower_bound_bytes(sp, st, gpu_for_bound)
+            return lower_bound_bytes(sp, st, gpu_for_bound, torch_version=release, cuda_version=cuda)
 
         fit = fit_verdict(
             spec,
@@ -683,8 +687,23 @@ def estimate(
 
         speed = speed_of(spec, strategy, gpu_spec)
         if not fit.fits and method is Method.ANALYTIC and fixes:
-            fixes_found = checked_fixes(spec, asked, gpu_spec, headroom, alloc_conf=allocator)
+            fixes_found = checked_fixes(
+                spec,
+                asked,
+                gpu_spec,
+                headroom,
+                alloc_conf=allocator,
+                torch_version=release,
+                cuda_version=None if cuda_version is None else cuda,  # None: the default, noted where it cannot run
+                history=history,
+            )
             fit = dataclasses.replace(fit, fixes=fixes_found, fixes_searched=True)
+            if history is not None and not history.fresh:
+                from trainfit.planner.rank import HISTORY_SCOPE
+
+                notes.append(
+                    f"the fixes were searched after the same process history, among one-GPU runs: {HISTORY_SCOPE}"
+                )
     comparison = (
         ()
         if method is Method.RULE_OF_THUMB or strategy.is_distributed

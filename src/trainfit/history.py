@@ -13,7 +13,9 @@ process of the 2026-12-04 session, by 15% (llama-3.2-1b built on the GPU: docs/a
 and a user's job usually is: a fresh process, the model loaded by ``from_pretrained`` (or moved with
 ``.to("cuda")``), no warm-up. ``trainfit.estimate`` turns a history into the allocator's starting state
 (``trainfit.allocator.process.ProcessStart``) for the methods that simulate the allocator on one GPU (analytic and
-trace), each earlier run's events made by the same method as the run's own.
+trace), each earlier run's events made by the same method as the run's own. The planner (``trainfit plan``, and the
+checked fixes of ``trainfit estimate``) passes a history to every estimate it runs, for the one-GPU candidates that
+take one (``trainfit.planner.rank.check_plan_history``: a search over more GPUs is refused).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from trainfit.arch.spec import ModelSpec
     from trainfit.strategy import Strategy
 
-__all__ = ["Build", "EarlierRun", "ProcessHistory"]
+__all__ = ["Build", "EarlierRun", "ProcessHistory", "history_note"]
 
 
 class Build(StrEnum):
@@ -82,3 +84,15 @@ class ProcessHistory:
     def fresh(self) -> bool:
         """Nothing before the run: the allocator starts empty and the parameters are its first allocations."""
         return self.build is Build.FROM_PRETRAINED and not self.warm_up and not self.after
+
+
+def history_note(history: ProcessHistory) -> str:
+    """The note of a report or a plan on a process history: what the simulated reserve ran after."""
+    parts = [
+        f"the model built {'by from_config on the GPU' if history.build is Build.ON_DEVICE else 'from_pretrained'}"
+    ]
+    if history.warm_up:
+        parts.append("a warm-up matmul before it")
+    if history.after:
+        parts.append("after " + ", then ".join(r.model.name for r in history.after) + " in the same process")
+    return "reserved memory simulated for " + "; ".join(parts) + " (a fresh process may reserve differently)"

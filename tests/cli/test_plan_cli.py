@@ -122,3 +122,64 @@ def test_no_fixes_leaves_the_planner_out(capsys: pytest.CaptureFixture[str]) -> 
     quick = json.loads(run_cli(capsys, *base, "--no-fixes", "--json").out)
     assert quick["fixes"] is None and full["fixes"]
     assert {k: v for k, v in quick.items() if k != "fixes"} == {k: v for k, v in full.items() if k != "fixes"}
+
+
+def test_plan_records_the_releases_and_the_process_in_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "llama-3.2-1b", "--gpu", "a100-sxm-80gb", "--gpus", "1", "--global-batch", "8", "--top", "2"]
+    default = json.loads(run_cli(capsys, *base, "--json").out)
+    assert default["torch_version"] == "2.13" and default["cuda_version"] == "13.0"
+    assert default["history"] == {"build": "from-pretrained", "warm_up": False, "after": []} and not default["notes"]
+    given = ["--torch-version", "2.11", "--cuda-version", "11.6", "--warm-up", "--after", "qwen2.5-0.5b -b 4"]
+    r = run_cli(capsys, *base, *given, "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert out["torch_version"] == "2.11" and out["cuda_version"] == "11.6"
+    assert out["history"]["warm_up"] and [a["model"] for a in out["history"]["after"]] == ["qwen2.5-0.5b"]
+    assert "warm-up matmul" in out["notes"][0]
+    table = run_cli(capsys, *base, *given).out
+    assert "torch 2.11, CUDA 11.6" in table and "note: reserved memory simulated" in table
+    # each plan is what `trainfit estimate` says with its flags and the same releases and process
+    top = out["plans"][0]
+    flags = ["--batch", "8", *(f for change in top["changes"] for f in shlex.split(change))]
+    e = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpu", "a100-sxm-80gb", *flags, *given, "--json")
+    assert e.code == 0, e.err
+    assert json.loads(e.out)["required_bytes"] == top["required_bytes"]
+
+
+def test_estimate_fixes_are_checked_under_its_releases(capsys: pytest.CaptureFixture[str]) -> None:
+    """``estimate --fixes`` searches under the estimate's --torch-version/--cuda-version: each fix's required bytes
+    are what `trainfit estimate` with the fix's flags and the same releases says (CUDA 11.6 loads every module
+    eagerly, a larger context: the fixes' bytes move with it)."""
+    base = ["estimate", *FIXES_CASES[0]]
+    releases = ["--torch-version", "2.11", "--cuda-version", "11.6"]
+    out = json.loads(run_cli(capsys, *base, *releases, "--json").out)
+    assert out["torch_version"] == "2.11" and out["cuda_version"] == "11.6"
+    assert not out["fits"] and out["fixes"]
+    for fix in out["fixes"]:
+        flags = [f for change in fix["flags"] for f in shlex.split(change)]
+        fixed = json.loads(run_cli(capsys, *base, *flags, *releases, "--json").out)
+        fresh = json.loads(run_cli(capsys, *base, *flags, "--json").out)
+        assert fixed["fits"]
+        assert f"fits with {fixed['required_bytes'] / 2**30:.1f} GiB" in fix["reason"], fix
+        assert f"{fixed['required_bytes'] / 2**30:.1f}" != f"{fresh['required_bytes'] / 2**30:.1f}"  # it moved
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--torch-version", "2.5"], "--torch-version: torch 2.5: the workspace rules are known from torch 2.9 on"),
+        (["--torch-version", "latest"], "--torch-version: torch version 'latest' is not MAJOR.MINOR"),
+        (["--cuda-version", "11.6", "--gpu", "h100-sxm-80gb"], "--cuda-version: h100-sxm-80gb"),
+        (["--cuda-version", "13"], "--cuda-version"),
+        (["--gpus", "2", "--warm-up"], "modelled for one GPU only"),
+        (["--build", "sideways"], "unknown build 'sideways'"),
+        (["--after", "gpt2 --gpus 2"], "--after: an earlier run in the process is one GPU's"),
+        (["--after", "gpt2 --alloc-conf x"], "--alloc-conf belongs to the whole process"),
+    ],
+)
+def test_plan_release_and_history_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--seq", "1024", "--global-batch", "8", *args)
+    assert r.code == 2, r.out
+    assert message in r.err and r.err.count("\n") == 1, r.err

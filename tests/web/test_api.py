@@ -27,7 +27,7 @@ from trainfit.cli.app import main
 from trainfit.web import app as web_app
 from trainfit.web.app import MAX_BODY_BYTES, create_app
 from trainfit.web.jobs import JobCancelled, Jobs, JobState
-from trainfit.web.options import MAX_CONFIG_BYTES, estimate_options, infer_options
+from trainfit.web.options import MAX_CONFIG_BYTES, estimate_options, infer_options, plan_options
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,25 @@ ESTIMATES: list[dict[str, Any]] = [
     {"model": "bert-base-uncased", "head": "seq-cls", "num_labels": 3, "precision": "fp32"},
     {"model": "llama-3.2-1b", "finetune": "freeze", "freeze": "embeddings,layers:0-7", "optimizer_in_backward": True},
     {"model": "qwen2.5-1.5b", "gpu": "t4", "precision": "amp-fp16", "seq": 2048, "batch": 8, "fixes": False},
+    # the releases on the GPU machine and the process the run starts in (the CLI's --torch-version ... --after)
+    {
+        "model": "llama-3.2-1b",
+        "gpu": "h100-sxm-80gb",
+        "torch_version": "2.11",
+        "cuda_version": "12.8",
+        "build": "on-device",
+        "warm_up": True,
+        "after": "qwen2.5-0.5b -b 4",
+    },
+    # fixes searched under the releases (CUDA 11.6: the eager-loading context)
+    {
+        "model": "qwen2.5-1.5b",
+        "gpu": "t4",
+        "precision": "amp-fp16",
+        "batch": 8,
+        "torch_version": "2.11",
+        "cuda_version": "11.6",
+    },
 ]
 
 
@@ -134,8 +153,12 @@ PLAN_ALLOC = {
         {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "seq": 1024, "global_batch": 8},
         {"model": "mistral-7b-v0.1", "gpu": "rtx-4090", "allow": "lora,qlora", "global_batch": 16, "top": 3},
         PLAN_ALLOC,
+        {
+            **{"model": "llama-3.2-1b", "gpu": "a100-sxm-80gb", "gpus": 1, "global_batch": 8, "top": 2},
+            **{"torch_version": "2.11", "cuda_version": "11.6", "warm_up": True, "after": "qwen2.5-0.5b -b 4"},
+        },
     ],
-    ids=["full", "lora", "alloc-conf"],
+    ids=["full", "lora", "alloc-conf", "releases-history"],
 )
 def test_plan_equals_the_cli_json(
     client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
@@ -413,12 +436,57 @@ def test_the_api_speaks_every_cli_flag() -> None:
     from trainfit.cli.app import app
 
     command = get_command(app)
-    for name, options in (("estimate", estimate_options()), ("infer", infer_options())):
+    for name, options in (("estimate", estimate_options()), ("infer", infer_options()), ("plan", plan_options())):
         sub = command.commands[name]  # type: ignore[attr-defined]
         flags = {opt for p in sub.params for opt in p.opts if opt.startswith("--")}
         assert {o.flag for o in options.values()} <= flags
-        skipped = {"--json", "--explain", "--modules", "--max-batch", "--help", "--from"}  # --from: no local files
+        # --from: no local files; --export: plan's files come from /api/plan/export
+        skipped = {"--json", "--explain", "--modules", "--max-batch", "--help", "--from", "--export"}
         assert flags - {o.flag for o in options.values()} <= skipped
+
+
+@pytest.mark.parametrize("kind", ["estimate", "plan"])
+def test_after_takes_a_list_of_earlier_runs_in_order(
+    client: TestClient, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--after`` repeats on the command line; the API takes the runs as a list (a single text is one run)."""
+    base = {"model": "llama-3.2-1b", "gpu": "h100-sxm-80gb", "warm_up": True}
+    if kind == "plan":
+        base |= {"gpus": 1, "global_batch": 8, "top": 1}
+    runs = ["qwen2.5-0.5b -b 4 --build on-device", "gpt2 -b 2"]
+    expected = cli_json([kind, *to_args(base), "--after", runs[0], "--after", runs[1]], capsys)
+    got = client.post(f"/api/{kind}", json={**base, "after": runs})
+    assert got.status_code == 200, got.text
+    assert got.json() == expected
+    assert [a["model"] for a in got.json()["history"]["after"]] == ["qwen2.5-0.5b", "gpt2"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"torch_version": "2.5"},
+        {"cuda_version": "11.6"},
+        {"after": "gpt2 --help"},
+        {"after": "gpt2 --gpus 2"},
+        {"build": "sideways"},
+    ],
+    ids=lambda o: " ".join(to_args(o)),
+)
+@pytest.mark.parametrize("kind", ["estimate", "plan"])
+def test_release_and_history_errors_are_the_cli_line(
+    client: TestClient, kind: str, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = {"model": "gpt2", "gpu": "h100-sxm-80gb", "global_batch": 8, **options}
+    if kind == "estimate":
+        body.pop("global_batch")
+    expected = cli_error([kind, *to_args(body)], capsys)
+    got = client.post(f"/api/{kind}", json=body)
+    assert got.status_code == 400 and got.json() == {"error": expected}
+
+
+def test_a_history_over_many_gpus_is_refused_by_the_plan_api(client: TestClient) -> None:
+    got = client.post("/api/plan", json={"model": "gpt2", "gpu": "t4", "gpus": 2, "global_batch": 8, "warm_up": True})
+    assert got.status_code == 400 and "modelled for one GPU only" in got.json()["error"]
 
 
 def test_the_page_and_its_assets_are_served(client: TestClient) -> None:

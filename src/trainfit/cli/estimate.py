@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -13,7 +14,7 @@ from trainfit.errors import ConfigError, StrategyError
 from trainfit.strategy import Strategy
 
 if TYPE_CHECKING:
-    from trainfit.history import EarlierRun
+    from trainfit.history import EarlierRun, ProcessHistory
     from trainfit.imports import ImportedRun
 
 
@@ -120,6 +121,52 @@ def strategy_from_flags(spec: ModelSpec, **flags: Any) -> tuple[ModelSpec, Strat
         )
     strategy = Strategy(**fields)
     return spec, strategy
+
+
+#: The options of the process a run starts in and the releases on the GPU machine, shared by ``trainfit estimate``
+#: and ``trainfit plan`` (one help text; the web API reads both commands' signatures, trainfit.web.options).
+BuildOption = Annotated[
+    str,
+    typer.Option(
+        "--build",
+        help="How the model gets onto the GPU: from-pretrained (from_pretrained, or built on the CPU and moved "
+        "with .to('cuda')) | on-device (from_config under torch.device('cuda'): a tied LM head's own weight is "
+        "made and freed before training, which can change reserved memory).",
+    ),
+]
+WarmUpOption = Annotated[
+    bool,
+    typer.Option(
+        "--warm-up",
+        help="The process ran a small matmul before building the model (its cuBLAS workspace is made then).",
+    ),
+]
+AfterOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--after",
+        help="An earlier training run in the same process (ended, then torch.cuda.empty_cache()), as MODEL and its "
+        "run flags in quotes; repeat in the order they ran. Its cuBLAS workspaces stay and pin their segments. "
+        "E.g. --after 'qwen2.5-0.5b --precision amp-bf16 --optimizer-impl foreach -b 4 -s 2048 --build on-device'",
+        show_default=False,
+    ),
+]
+TorchVersionOption = Annotated[
+    str | None,
+    typer.Option(
+        "--torch-version",
+        help="The torch release on the GPU machine, e.g. 2.11: it decides the cuBLAS/cuBLASLt workspaces "
+        "(default: 2.13, the release trainfit is tested with).",
+    ),
+]
+CudaVersionOption = Annotated[
+    str | None,
+    typer.Option(
+        "--cuda-version",
+        help="The CUDA release torch was built with, e.g. 12.8: before 11.7 every kernel module loads at "
+        "start-up (a larger CUDA context); it must run the --gpu (default: 13.0, the H200 measurement's).",
+    ),
+]
 
 
 def estimate_cmd(
@@ -233,48 +280,11 @@ def estimate_cmd(
     segments: Annotated[
         bool, typer.Option("--segments", help="Show the simulated allocator segments at the reserved peak.")
     ] = False,
-    build: Annotated[
-        str,
-        typer.Option(
-            "--build",
-            help="How the model gets onto the GPU: from-pretrained (from_pretrained, or built on the CPU and moved "
-            "with .to('cuda')) | on-device (from_config under torch.device('cuda'): a tied LM head's own weight is "
-            "made and freed before training, which can change reserved memory).",
-        ),
-    ] = "from-pretrained",
-    warm_up: Annotated[
-        bool,
-        typer.Option(
-            "--warm-up",
-            help="The process ran a small matmul before building the model (its cuBLAS workspace is made then).",
-        ),
-    ] = False,
-    after: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--after",
-            help="An earlier training run in the same process (ended, then torch.cuda.empty_cache()), as MODEL and its "
-            "run flags in quotes; repeat in the order they ran. Its cuBLAS workspaces stay and pin their segments. "
-            "E.g. --after 'qwen2.5-0.5b --precision amp-bf16 --optimizer-impl foreach -b 4 -s 2048 --build on-device'",
-            show_default=False,
-        ),
-    ] = None,
-    torch_version: Annotated[
-        str | None,
-        typer.Option(
-            "--torch-version",
-            help="The torch release on the GPU machine, e.g. 2.11: it decides the cuBLAS/cuBLASLt workspaces "
-            "(default: 2.13, the release trainfit is tested with).",
-        ),
-    ] = None,
-    cuda_version: Annotated[
-        str | None,
-        typer.Option(
-            "--cuda-version",
-            help="The CUDA release torch was built with, e.g. 12.8: before 11.7 every kernel module loads at "
-            "start-up (a larger CUDA context); it must run the --gpu (default: 13.0, the H200 measurement's).",
-        ),
-    ] = None,
+    build: BuildOption = "from-pretrained",
+    warm_up: WarmUpOption = False,
+    after: AfterOption = None,
+    torch_version: TorchVersionOption = None,
+    cuda_version: CudaVersionOption = None,
     fixes: Annotated[
         bool,
         typer.Option(
@@ -375,7 +385,6 @@ def estimate_cmd(
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.estimate import estimate
-    from trainfit.history import Build, ProcessHistory
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
@@ -422,7 +431,7 @@ def estimate_cmd(
         report = estimate(
             spec,
             strategy,
-            history=ProcessHistory(build=Build.parse(build), warm_up=warm_up, after=earlier_runs(after or [])),
+            history=process_history(build, warm_up, after),
             method=m,
             gpu=gpu,
             headroom=headroom,
@@ -451,8 +460,25 @@ def estimate_cmd(
 AFTER_FLAGS: frozenset[str] = frozenset({"model", "build", *STRATEGY_FLAGS})
 
 
+def process_history(build: str, warm_up: bool, after: list[str] | None) -> ProcessHistory:
+    """``--build``, ``--warm-up`` and ``--after`` as a :class:`~trainfit.history.ProcessHistory` (``trainfit estimate``,
+    ``trainfit plan`` and the web API build it the same way)."""
+    from trainfit.history import Build, ProcessHistory
+
+    return ProcessHistory(build=Build.parse(build), warm_up=warm_up, after=earlier_runs(after or []))
+
+
+@cache
+def _estimate_command() -> Any:
+    """``trainfit estimate``'s click command: what parses an ``--after`` value, whichever command (or the web API)
+    was given it."""
+    app = typer.Typer(add_completion=False)
+    app.command("estimate")(estimate_cmd)
+    return typer.main.get_command(app)
+
+
 def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
-    """``--after`` values: each a run's MODEL and flags as ``trainfit estimate`` takes them, parsed by this
+    """``--after`` values: each a run's MODEL and flags as ``trainfit estimate`` takes them, parsed by that
     command's own parser (its defaults included) and built by :func:`strategy_from_flags`."""
     import shlex
 
@@ -461,18 +487,18 @@ def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
 
     try:
         from typer._click import exceptions as click_errors
-        from typer._click.globals import get_current_context
     except ImportError:  # pragma: no cover - older typer re-exports click's
         from click import exceptions as click_errors  # type: ignore[no-redef]
-        from click import get_current_context  # type: ignore[no-redef]
 
     if not values:
         return ()
-    command = get_current_context().command
+    command = _estimate_command()
     out: list[EarlierRun] = []
     for value in values:
         try:
             args = shlex.split(value)
+            if "--help" in args or "-h" in args:  # click would print the help and exit mid-command
+                raise ConfigError(f"--after '{value}': --help is not a run flag (see 'trainfit estimate --help')")
             ctx = command.make_context("--after", args)
         except ValueError as exc:
             raise ConfigError(f"--after '{value}': {exc}") from None

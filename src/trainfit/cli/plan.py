@@ -1,4 +1,6 @@
-"""``trainfit plan``: parse, call :func:`trainfit.planner.rank.search_plans`, render. No arithmetic here."""
+"""``trainfit plan``: parse, call :func:`trainfit.planner.api.plan`, render. No arithmetic here. The release and
+process options (``--torch-version``, ``--cuda-version``, ``--build``, ``--warm-up``, ``--after``) are
+``trainfit estimate``'s own (:mod:`trainfit.cli.estimate`), so the two commands read them alike."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from trainfit.cli.estimate import AfterOption, BuildOption, CudaVersionOption, TorchVersionOption, WarmUpOption
 
 
 def plan_cmd(
@@ -44,6 +48,11 @@ def plan_cmd(
             "only with expandable_segments:True says so.",
         ),
     ] = None,
+    torch_version: TorchVersionOption = None,
+    cuda_version: CudaVersionOption = None,
+    build: BuildOption = "from-pretrained",
+    warm_up: WarmUpOption = False,
+    after: AfterOption = None,
     export: Annotated[
         str | None,
         typer.Option(
@@ -57,6 +66,10 @@ def plan_cmd(
     """What to change to make MODEL's training fit, fastest first: ranked plans with per-GPU peak, margin,
     step time, tokens/s and MFU, each checked by the same estimate as 'trainfit estimate'.
 
+    --torch-version and --cuda-version decide every plan's cuBLAS workspaces and CUDA context, as they do the
+    estimate's. --build, --warm-up and --after describe the process the run starts in (modelled on one GPU: with
+    them, plan with --gpus 1).
+
     Examples:
 
       trainfit plan llama-3.1-8b --gpu a100-sxm-80gb --gpus 8 --seq 4096 --global-batch 256
@@ -66,9 +79,13 @@ def plan_cmd(
       trainfit plan mistral-7b-v0.1 --gpu rtx-4090 --allow lora,qlora --seq 2048 --global-batch 64
 
       trainfit plan llama-3.1-8b --gpu a100-sxm-80gb --gpus 8 --export ./plan/
+
+      trainfit plan llama-3.2-1b --gpu h200-sxm-141gb --gpus 1 --seq 4096 --global-batch 16 --torch-version 2.11
+      --warm-up
     """
     from trainfit.arch import load_model
     from trainfit.cli.common import print_json, stdout_console, warn
+    from trainfit.cli.estimate import process_history
     from trainfit.errors import ConfigError
     from trainfit.export import export_plan, write_export
     from trainfit.export.configs import hf_trainer_lacks
@@ -92,6 +109,9 @@ def plan_cmd(
         network_gbps=network_gbps,
         top=top,
         alloc_conf=alloc_conf,
+        torch_version=torch_version,
+        cuda_version=cuda_version,
+        history=process_history(build, warm_up, after),
     )
     written: tuple[Path, ...] = ()
     if export is not None and result.plans:
@@ -111,7 +131,7 @@ def plan_cmd(
             f"note: global batch {result.global_batch} sequences of {result.seq_len} tokens (no --global-batch or "
             "--tokens-per-step: 8 per GPU given, the HF Trainer's default per_device_train_batch_size)"
         )
-    for note in notes:
+    for note in (*result.notes, *notes):
         typer.echo(f"note: {note}")
     if export is not None and not result.plans:
         warn("nothing fits: no configuration exported")

@@ -1,11 +1,16 @@
 """What ``trainfit estimate`` adds from the planner: the speed of exactly the configuration asked, and — when
-it does not fit — the planner's top three checked plans for the same GPUs, global batch and sequence length."""
+it does not fit — the planner's top three checked plans for the same GPUs, global batch and sequence length,
+searched under the estimate's torch and CUDA releases and in its process history (each fix's required bytes are
+then what ``trainfit estimate`` with the fix's flags and the same ``--torch-version``, ``--cuda-version``,
+``--build``, ``--warm-up`` and ``--after`` reports)."""
 
 from __future__ import annotations
 
+from trainfit.allocator.workspaces import TARGET_TORCH
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
+from trainfit.history import ProcessHistory
 from trainfit.planner.speed import StepTime, step_time
 from trainfit.result import Suggestion, SuggestionKind
 from trainfit.strategy import Strategy
@@ -25,12 +30,23 @@ def speed_of(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> StepTime | No
 
 
 def checked_fixes(
-    spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, headroom: float, alloc_conf: str | None = None
+    spec: ModelSpec,
+    strategy: Strategy,
+    gpu: GPUSpec,
+    headroom: float,
+    alloc_conf: str | None = None,
+    *,
+    torch_version: tuple[int, int] = TARGET_TORCH,
+    cuda_version: tuple[int, int] | None = None,
+    history: ProcessHistory | None = None,
 ) -> tuple[Suggestion, ...]:
     """The planner's top plans for ``strategy``'s GPUs, global batch and sequence, as suggestions whose flags
     are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning).
     ``alloc_conf``: the allocator the estimate simulated (None: the environment's); a plan that needs another one
-    says so as ``--alloc-conf`` (the estimate's flag that reproduces it)."""
+    says so as ``--alloc-conf`` (the estimate's flag that reproduces it). ``torch_version``, ``cuda_version`` (None:
+    the default) and ``history``: the estimate's own, so that each fix is checked against the same workspaces,
+    CUDA context and process as the estimate that did not fit (a history only comes with one GPU: the estimate
+    refuses it for more)."""
     from trainfit.planner.rank import search_plans
     from trainfit.planner.space import Finetune
 
@@ -49,6 +65,9 @@ def checked_fixes(
             top=FIXES,
             explain_needs=False,
             alloc_conf=alloc_conf,
+            torch_version=torch_version,
+            cuda_version=cuda_version,
+            history=history,
         )
     except StrategyError:
         return ()

@@ -34,6 +34,16 @@ the allocator maps memory (cuMemCreate/cuMemMap of 2 MiB pages, c10/cuda/CUDACac
 ``expandable_segments``) present it as a fragmentation fix and state no cost either way, NVIDIA's NeMo
 Megatron-Bridge memory-tuning guide calls it a fix "with zero performance cost"; the driver calls when a
 segment grows are not modelled.
+
+The GPU machine's software and the process are the estimate's too (``trainfit estimate --torch-version/--cuda-version/
+--build/--warm-up/--after``): every estimate of a search gets its torch release (the cuBLAS/cuBLASLt workspaces,
+:mod:`trainfit.allocator.workspaces`), its CUDA release (the context, :mod:`trainfit.overhead`) and its process
+history (:mod:`trainfit.history`), and every lower bound counts the same workspaces and context (a bound for other
+releases could pass the estimate it bounds). They are fixed for a search, so the search's memos, keyed by strategy
+and allocator, never mix releases; the allocator simulations' own memo is keyed by the workspaces. A process history
+is modelled for a plain one-GPU run only: a search over more GPUs with one is refused in one line, and on one GPU
+the candidates that run a rank's stream (ZeRO, FSDP2, offload, a DeepSpeed engine) are left out with a note
+(:attr:`PlanResult.notes`) — never estimated for a fresh process among plans estimated after the history.
 """
 
 from __future__ import annotations
@@ -41,18 +51,28 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import TARGET_TORCH
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.hardware import GPUSpec
+from trainfit.history import ProcessHistory, history_note
+from trainfit.overhead import DEFAULT_CUDA
 from trainfit.planner.search import largest_below, lower_bound_bytes
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_floor_seconds, step_time, step_time_of
 from trainfit.strategy import Parallelism, Sharding, Strategy
 
-__all__ = ["Plan", "PlanResult", "describe_changes", "search_plans"]
+__all__ = ["HISTORY_SCOPE", "Plan", "PlanResult", "check_plan_history", "describe_changes", "search_plans"]
+
+#: What a process history is modelled for (``trainfit.estimate._require_history_modelled``), as the planner says it
+#: when it leaves the other candidates out.
+HISTORY_SCOPE = (
+    "a process history is modelled for a plain one-GPU run (ZeRO, FSDP, offload and DeepSpeed run a rank's stream, "
+    "which does not take one yet)"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +112,10 @@ class PlanResult:
     candidates: int  # candidates in the space
     estimates: int  # memory estimates run
     price_per_gpu_hour: float = 1.0  # what --objective cheapest ranks by (Plan.cost_per_step)
+    torch_version: tuple[int, int] = TARGET_TORCH  # the release whose cuBLAS/cuBLASLt workspaces every plan counts
+    cuda_version: tuple[int, int] = DEFAULT_CUDA  # the release whose CUDA context every plan counts
+    history: ProcessHistory = field(default_factory=ProcessHistory)  # the process every (one-GPU) plan starts in
+    notes: tuple[str, ...] = ()  # what the search assumed (the process history it simulated)
 
 
 def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
@@ -237,9 +261,16 @@ class _Search:
         baseline: Strategy,
         allocator: AllocatorConfig,
         retry_expandable: bool = True,
+        torch_version: tuple[int, int] = TARGET_TORCH,
+        cuda_version: tuple[int, int] | None = None,
+        history: ProcessHistory | None = None,
     ) -> None:
         self.spec, self.gpu = spec, gpu
         self.allocator = allocator
+        # What every estimate and bound of this search is for besides the strategy and the allocator: the torch
+        # release (workspaces), the CUDA release (context; None: the estimate's default) and the process history.
+        # They are fixed for a search, so the memos below (keyed by strategy and allocator) cannot mix releases.
+        self.torch_version, self.cuda_version, self.history = torch_version, cuda_version, history
         # The second chance (module docstring): None when the allocator already has expandable segments.
         self.expandable = (
             None
@@ -291,6 +322,9 @@ class _Search:
                     search_micro_batch=False,
                     allocator=allocator.to_env(),
                     verdict_only=not exact,
+                    torch_version=self.torch_version,
+                    cuda_version=self.cuda_version,
+                    history=self.history,
                 )
             except StrategyError:
                 hit = self._memory[key] = None
@@ -337,15 +371,32 @@ class _Search:
         the search only compares it with them."""
         hit = self._lower.get(s)
         if hit is None:
-            hit = self._lower[s] = lower_bound_bytes(self.spec, s, self.gpu, above=self.usable)
+            hit = self._lower[s] = lower_bound_bytes(
+                self.spec,
+                s,
+                self.gpu,
+                above=self.usable,
+                torch_version=self.torch_version,
+                cuda_version=self.cuda_version or DEFAULT_CUDA,
+            )
         return hit
 
     def closed_bound(self, s: Strategy) -> int:
         """:meth:`lower_bound` without the looser form: the closed form's own (what :func:`_closest` ranks by)."""
         hit = self._closed.get(s)
         if hit is None:
-            hit = self._closed[s] = lower_bound_bytes(self.spec, s, self.gpu)
+            hit = self._closed[s] = lower_bound_bytes(
+                self.spec, s, self.gpu, torch_version=self.torch_version, cuda_version=self.cuda_version or DEFAULT_CUDA
+            )
         return hit
+
+    def takes_history(self, c: Candidate) -> bool:
+        """Whether the estimate models a process history for ``c``: a plain one-GPU run, not a rank's stream (ZeRO,
+        FSDP, offload or a named engine, even on one GPU: ``Strategy.is_distributed``)."""
+        try:
+            return not self.strategy(c, self.micro_options(c)[0]).is_distributed
+        except StrategyError:  # not a runnable strategy: the search skips it anyway
+            return True
 
     def fits(self, s: Strategy, missed: bool = False) -> bool:
         if self.lower_bound(s) > self.usable:
@@ -521,14 +572,22 @@ def search_plans(
     explain_needs: bool = True,
     alloc_conf: str | None = None,
     retry_expandable: bool = True,
+    torch_version: tuple[int, int] = TARGET_TORCH,
+    cuda_version: tuple[int, int] | None = None,
+    history: ProcessHistory | None = None,
 ) -> PlanResult:
     """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``.
     ``explain_needs``: when nothing fits, find the closest candidate and what it would need (False: plans only).
     ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` every estimate simulates (None: this process's environment
     variable, else PyTorch's defaults); ``retry_expandable``: a candidate that misses may still fit with expandable
-    segments (module docstring; False: that allocator only)."""
+    segments (module docstring; False: that allocator only). ``torch_version``, ``cuda_version`` (None: the
+    estimate's default, 13.0) and ``history``: passed to every estimate and counted by every lower bound, as
+    ``trainfit estimate --torch-version/--cuda-version/--build/--warm-up/--after`` take them. A process history is
+    modelled for one GPU only (a many-GPU rank's stream does not take one): with more than one GPU it is refused
+    (:func:`check_plan_history`), rather than applied to some plans and not to others."""
     if global_batch < 1 or gpus < 1 or gpus_per_node < 1:
         raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
+    history = check_plan_history(history, gpu, gpus=gpus)
     allocator = AllocatorConfig.parse(alloc_conf) if alloc_conf is not None else AllocatorConfig.from_env()
     objective = Objective(objective)
     if baseline is None:
@@ -554,6 +613,9 @@ def search_plans(
         baseline=baseline,
         allocator=allocator,
         retry_expandable=retry_expandable,
+        torch_version=torch_version,
+        cuda_version=cuda_version,
+        history=history,
     )
     space = candidates(
         spec,
@@ -569,8 +631,15 @@ def search_plans(
     # the cheap bound (kind 0: one timing, :func:`step_floor_seconds`) and goes back in with its exact one
     # (kind 1: the best over its micro-batches) when it comes up, so the exact bounds leave the heap in the order
     # of a sort of all of them — at equal values every cheap entry first — and most are never computed.
+    searched = space if history is None else [c for c in space if s.takes_history(c)]
+    notes: list[str] = [] if history is None else [history_note(history)]
+    if len(searched) < len(space):
+        notes.append(
+            f"{len(space) - len(searched)} of {len(space)} candidates not searched: {HISTORY_SCOPE}; without "
+            "--build/--warm-up/--after they are planned for a fresh process"
+        )
     heap: list[tuple[tuple[float, ...], int, int, int, Candidate]] = []
-    for i, c in enumerate(space):
+    for i, c in enumerate(searched):
         cheap = s.cheap_key(c)
         if cheap is not None:  # None: no peak for this dtype in the catalog
             heap.append((cheap, 0, _distance(c, baseline), i, c))
@@ -616,7 +685,31 @@ def search_plans(
         candidates=len(space),
         estimates=s.estimates,
         price_per_gpu_hour=price_per_gpu_hour,
+        torch_version=torch_version,
+        cuda_version=cuda_version or DEFAULT_CUDA,
+        history=history or ProcessHistory(),
+        notes=tuple(notes),
     )
+
+
+def check_plan_history(history: ProcessHistory | None, gpu: GPUSpec, *, gpus: int) -> ProcessHistory | None:
+    """``history`` as the search uses it: None for a fresh process (nothing to simulate); refused with one line
+    when the search may use more than one GPU (the estimate models a process history for one GPU only,
+    ``trainfit.estimate._require_history_modelled``: skipping it for the many-GPU candidates would rank plans
+    estimated for different processes against each other) or when an earlier run is not one the estimate can
+    replay (:func:`trainfit.estimate.check_earlier_runs` — otherwise every candidate's estimate would fail and the
+    search would say that nothing fits)."""
+    if history is None or history.fresh:
+        return None
+    if gpus > 1:
+        raise StrategyError(
+            f"--build, --warm-up and --after are modelled for one GPU only (a many-GPU rank's stream does not take a "
+            f"process history yet): plan with --gpus 1, or drop them to plan over {gpus} GPUs"
+        )
+    from trainfit.estimate import check_earlier_runs  # trainfit.estimate imports this package
+
+    check_earlier_runs(history, gpu)
+    return history
 
 
 def _closest(s: _Search, nears: list[_Near]) -> Plan | None:
@@ -672,15 +765,26 @@ def _needs(
         "explain_needs": False,
         "alloc_conf": s.allocator.to_env(),
         "retry_expandable": s.expandable is not None,
+        "torch_version": s.torch_version,
+        "cuda_version": s.cuda_version,
     }
+    # more GPUs: fresh processes (a process history is one GPU's, check_plan_history), and said so where one was given
+    fresh = " in fresh processes: the process history is modelled for one GPU" if s.history is not None else ""
     for more in (2 * gpus, 4 * gpus, 8 * gpus):
         r = search_plans(spec, gpu, gpus=more, allow=allow, **common)  # type: ignore[arg-type]
         if r.plans:
-            out.append(f"{r.plans[0].gpus} GPUs ({', '.join(r.plans[0].changes)})")
+            out.append(f"{r.plans[0].gpus} GPUs ({', '.join(r.plans[0].changes)}){fresh}")
             break
     missing = tuple(f for f in (Finetune.LORA, Finetune.QLORA) if f not in allow)
     if missing:
-        r = search_plans(spec, gpu, gpus=gpus, allow=allow + missing, **common)  # type: ignore[arg-type]
+        r = search_plans(
+            spec,
+            gpu,
+            gpus=gpus,
+            allow=allow + missing,
+            history=s.history,
+            **common,  # type: ignore[arg-type]
+        )
         if r.plans:
             out.append(f"--allow {','.join(m.value for m in missing)} ({', '.join(r.plans[0].changes)})")
     return tuple(out)

@@ -27,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from trainfit.allocator.workspaces import TARGET_TORCH
 from trainfit.arch.spec import ModelSpec
 from trainfit.hardware import GPUSpec
-from trainfit.overhead import overhead_for
+from trainfit.overhead import DEFAULT_CUDA, overhead_for
 from trainfit.result import FitTier, FitVerdict, MemoryReport, Suggestion, SuggestionKind
 from trainfit.strategy import Optimizer, Precision, Strategy
 
@@ -132,7 +133,15 @@ def max_micro_batch(
     return (largest_below(fits, top, 1) or 0), False
 
 
-def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, *, above: int | None = None) -> int:
+def lower_bound_bytes(
+    spec: ModelSpec,
+    strategy: Strategy,
+    gpu: GPUSpec,
+    *,
+    above: int | None = None,
+    torch_version: tuple[int, int] = TARGET_TORCH,
+    cuda_version: tuple[int, int] = DEFAULT_CUDA,
+) -> int:
     """A cheap bound below the analytic estimate's requirement: the closed-form allocated peak (the moments
     :func:`trainfit.analytic.estimate_analytic` reports; many GPUs: :func:`trainfit.analytic.parallel.
     estimate_parallel`'s, without its allocator simulation) + the GPU's cuBLAS workspaces + the memory
@@ -140,9 +149,12 @@ def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, *, abov
     reserved bytes are taken above this peak, never below; the fixed fraction is ≥ 0). ``above``: a caller that
     only asks whether the bound passes it (the planner, against the usable bytes) may get a looser bound that
     already does — many GPUs: what a rank holds at every moment (:func:`trainfit.analytic.parallel.
-    resident_floor_bytes`) in place of the closed form."""
+    resident_floor_bytes`) in place of the closed form. ``torch_version`` and ``cuda_version``: the releases whose
+    workspaces (:func:`trainfit.allocator.workspaces.training_workspaces`) and CUDA context
+    (:func:`trainfit.overhead.outside_allocator`) the estimate counts — the bound must use the same ones, or a
+    release with smaller workspaces or context than the default would put the bound above the estimate."""
     if strategy.is_distributed:
-        return _parallel_lower_bound(spec, strategy, gpu, above)
+        return _parallel_lower_bound(spec, strategy, gpu, above, torch_version, cuda_version)
     from trainfit.analytic.model import step_inputs, training_moments
     from trainfit.errors import StrategyError
     from trainfit.estimate import gpu_workspaces  # trainfit.estimate imports this module
@@ -153,8 +165,9 @@ def lower_bound_bytes(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, *, abov
     except StrategyError:
         return 0
     peak = max(m.breakdown().total_bytes for m in moments.values())
-    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
-    return peak + work + outside_allocator(gpu, allocator_reserve_bytes=0).outside_allocator_bytes
+    work = sum(w.size_bytes for w in gpu_workspaces(gpu, torch_version))
+    outside = outside_allocator(gpu, allocator_reserve_bytes=0, cuda_version=cuda_version)
+    return peak + work + outside.outside_allocator_bytes
 
 
 def _on_gpu(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> Strategy:
@@ -169,7 +182,14 @@ def _on_gpu(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec) -> Strategy:
     return eff
 
 
-def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, above: int | None) -> int:
+def _parallel_lower_bound(
+    spec: ModelSpec,
+    strategy: Strategy,
+    gpu: GPUSpec,
+    above: int | None,
+    torch_version: tuple[int, int],
+    cuda_version: tuple[int, int],
+) -> int:
     from trainfit.analytic.parallel import estimate_parallel, nccl_bytes, resident_floor_bytes
     from trainfit.cuda_facts import has_flash_attention
     from trainfit.errors import StrategyError
@@ -178,8 +198,10 @@ def _parallel_lower_bound(spec: ModelSpec, strategy: Strategy, gpu: GPUSpec, abo
 
     if strategy.flash_sdp and not has_flash_attention(gpu.compute_capability):
         strategy = dataclasses.replace(strategy, flash_sdp=False)
-    work = sum(w.size_bytes for w in gpu_workspaces(gpu))
-    outside = outside_allocator(gpu, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy))
+    work = sum(w.size_bytes for w in gpu_workspaces(gpu, torch_version))
+    outside = outside_allocator(
+        gpu, allocator_reserve_bytes=0, nccl_bytes=nccl_bytes(strategy), cuda_version=cuda_version
+    )
     fixed = work + outside.outside_allocator_bytes
     try:
         if above is not None and (floor := resident_floor_bytes(spec, strategy) + fixed) > above:

@@ -8,7 +8,10 @@ do not bump it): each plan's ``alloc_conf`` is the ``PYTORCH_CUDA_ALLOC_CONF`` i
 (:attr:`trainfit.planner.rank.Plan.alloc_conf`: the search's ``--alloc-conf``, or that plus
 ``expandable_segments:True`` for a plan that fits only with it), ``null`` for PyTorch's default allocator. Under
 ``--objective cheapest`` the result carries ``price_per_gpu_hour`` and each plan its ``cost_per_step`` (GPUs × step
-seconds / 3600 × price, what that objective ranks by; the table's "cost/step" column)."""
+seconds / 3600 × price, what that objective ranks by; the table's "cost/step" column). Like ``trainfit estimate
+--json``, the result records ``torch_version`` and ``cuda_version`` (the releases whose workspaces and CUDA context
+every plan counts; the table's title says them too), the process ``history`` (``--build``, ``--warm-up``,
+``--after``) and the search's ``notes``."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from rich.table import Table
 from trainfit.export.configs import hf_trainer_lacks
 from trainfit.planner.rank import Plan, PlanResult
 from trainfit.planner.space import Objective
-from trainfit.report.json import strategy_json
+from trainfit.report.json import history_json, strategy_json
 from trainfit.strategy import Sharding
 from trainfit.units import fmt_gib
 
@@ -69,7 +72,16 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
         "plans": [_plan_json(p, result.price_per_gpu_hour if _cheapest(result) else None) for p in result.plans],
         "closest": _plan_json(result.closest) if result.closest is not None else None,
         "needs": list(result.needs),
+        # what every plan's estimate counted, as `trainfit estimate --json` records them
+        "torch_version": _release(result.torch_version),  # the release whose cuBLAS workspaces are counted
+        "cuda_version": _release(result.cuda_version),  # the release whose CUDA context is counted
+        "history": history_json(result.history),  # the process each plan starts in (one GPU)
+        "notes": list(result.notes),
     }
+
+
+def _release(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
 
 
 def explain_top(p: Plan) -> str:
@@ -100,7 +112,8 @@ def render_plan(console: Console, result: PlanResult) -> None:
             console.print(f"  would fit with {need}")
         return
     table = Table(
-        title=f"plans ({result.objective.value}; {result.candidates} candidates, {result.estimates} estimates)"
+        title=f"plans ({result.objective.value}; {result.candidates} candidates, {result.estimates} estimates; "
+        f"torch {_release(result.torch_version)}, CUDA {_release(result.cuda_version)})"
     )
     cost = ("cost/step",) if _cheapest(result) else ()
     for col in ("#", "GPUs", "peak/GPU", "margin", "step s", "tokens/s", "MFU", *cost, "changes from the baseline"):

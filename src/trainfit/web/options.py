@@ -7,7 +7,8 @@ is a field of the API without a second list to keep in step. What a command does
 ``Strategy`` or an ``InferenceSetup``) is mirrored here line for line; ``tests/web`` holds the two to the same
 JSON for the same inputs, so a drift fails a test.
 
-Values arrive as strings (a query string) or JSON scalars (a request body). Bad values raise
+Values arrive as strings (a query string) or JSON scalars (a request body); a repeatable flag (``--after``) takes
+a list of strings, or one string. Bad values raise
 :class:`~trainfit.errors.ConfigError` with one line that names the flag as the CLI spells it, which the page
 uses to show the message next to that field.
 
@@ -97,12 +98,16 @@ def plan_options() -> dict[str, Option]:
 
 
 def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
-    """The model and the keyword arguments of :func:`trainfit.planner.api.plan` for a request."""
+    """The model and the keyword arguments of :func:`trainfit.planner.api.plan` for a request (``build``,
+    ``warm_up`` and ``after`` become its ``history``, as ``trainfit plan`` builds it)."""
+    from trainfit.cli.estimate import process_history
+
     o = parse_options(raw, plan_options())
     spec = resolve_model(raw, allow_hub=allow_hub)
     assert spec is not None
     if not o.get("gpu"):
         raise ConfigError("--gpu is required: the GPU to plan for (see /api/gpus)")
+    o["history"] = process_history(o.pop("build"), o.pop("warm_up"), o.pop("after"))
     return spec, o
 
 
@@ -147,6 +152,11 @@ def _coerce(opt: Option, value: Any) -> Any:
             return float(str(value).strip())
         except ValueError:
             raise ConfigError(f"invalid value for '{opt.flag}': '{shown}' is not a valid float") from None
+    if typing.get_origin(opt.kind) is list:  # a repeatable flag (--after): a list of texts, or one text
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, dict | list | bool) or v is None for v in values):
+            raise ConfigError(f"invalid value for '{opt.flag}': expected a text or a list of texts")
+        return [str(v) for v in values]
     if isinstance(value, dict | list):
         raise ConfigError(f"invalid value for '{opt.flag}': expected text")
     return str(value)
@@ -219,7 +229,7 @@ def resolve_model(raw: Mapping[str, Any], *, allow_hub: bool, required: bool = T
 def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.estimate.estimate` for a request, as
     ``trainfit estimate`` builds them from its flags (``method_options`` excluded)."""
-    from trainfit.cli.estimate import STRATEGY_FLAGS, parse_count, strategy_from_flags
+    from trainfit.cli.estimate import STRATEGY_FLAGS, parse_count, process_history, strategy_from_flags
     from trainfit.result import Method
 
     o = parse_options(raw, estimate_options())
@@ -257,6 +267,9 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
         "allocator": o["alloc_conf"],
         "allocator_layout": o["segments"],
         "fixes": o["fixes"],
+        "torch_version": o["torch_version"],
+        "cuda_version": o["cuda_version"],
+        "history": process_history(o["build"], o["warm_up"], o["after"]),
     }
 
 
