@@ -424,3 +424,30 @@ def test_savers_sac_and_adapter_knobs_reach_the_api(page: Any, base_url: str) ->
             break
         page.wait_for_timeout(100)
     assert page.evaluate("window.trainfit.last") == want
+
+
+def test_software_and_process_reach_the_estimate_and_the_plans(page: Any, base_url: str) -> None:
+    """The Software and process fields (``--torch-version``, ``--cuda-version``, ``--build``, ``--warm-up``,
+    ``--after``, several earlier runs separated by ";") reach /api/estimate and /api/plan; the chart and the table
+    are those answers, and the answer is another than a fresh process's on the default releases."""
+    after = "qwen2.5-0.5b --batch 2 --seq 512; gpt2 --batch 2 --seq 512"
+    form = {"model": "llama-3.2-1b", "gpu": "h200-sxm-141gb", "seq": "1024"}
+    process = {"torch_version": "2.11", "cuda_version": "12.8", "build": "on-device", "warm_up": "true"}
+    goto(page, f"{base_url}/?{urllib.parse.urlencode({**form, **process, 'after': after})}")
+    sent = page.evaluate("window.trainfit.lastRequest.body")
+    assert {k: str(sent[k]).lower() for k in process} == process
+    assert sent["after"] == [r.strip() for r in after.split(";")]
+    want = api(base_url, "/api/estimate", sent)
+    assert want["torch_version"] == "2.11" and len(want["history"]["after"]) == 2
+    assert_chart_is(page, want)
+    fresh = api(base_url, "/api/estimate", form)
+    assert fresh["reserved_estimate_bytes"] != want["reserved_estimate_bytes"]
+    page.click("[role=tab][data-tab=plans]")
+    page.wait_for_function("() => window.trainfit.plansUpdates > 0 && !window.trainfit.plansBusy", timeout=60_000)
+    body = page.evaluate("window.trainfit.plansRequest")
+    assert {k: body[k] for k in ("torch_version", "cuda_version", "build", "warm_up", "after")} == {
+        k: sent[k] for k in ("torch_version", "cuda_version", "build", "warm_up", "after")
+    }
+    plans = api(base_url, "/api/plan", body)
+    assert plans["torch_version"] == "2.11" and plans["history"]["build"] == "on-device"
+    assert page.locator("#plans-table tbody tr").count() == len(plans["plans"]) >= 1

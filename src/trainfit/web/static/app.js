@@ -67,6 +67,7 @@ function request() {
   for (const k of ["sequence_parallel", "optimizer_in_backward", "activation_offload", "paged_optimizer"]) {
     if (f[k] === "true") req[k] = true;
   }
+  Object.assign(req, software(f));
   if (f.workload === "finetune") {
     req.finetune = f.finetune;
     for (const k of ["lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "adapter_dtype", "base_dtype", "freeze"]) {
@@ -476,9 +477,22 @@ function soon() {
   timer = setTimeout(update, 200);
 }
 
+// The software and the process the run starts in (--torch-version, --cuda-version, --build, --warm-up, --after):
+// the same fields for an estimate and for the plans. Several earlier runs are separated by ";".
+function software(f) {
+  const req = {};
+  for (const k of ["torch_version", "cuda_version"]) if (f[k]) req[k] = f[k];
+  if (f.build && f.build !== DEFAULTS.build) req.build = f.build;
+  if (f.warm_up === "true") req.warm_up = true;
+  const after = (f.after || "").split(";").map((r) => r.trim()).filter((r) => r);
+  if (after.length) req.after = after;
+  return req;
+}
+
 // ---- plans tab ----------------------------------------------------------------------------------------------------
 
-// The /api/plan request for the form's model, GPU, GPU count, sequence and allocator and the tab's global batch.
+// The /api/plan request for the form's model, GPU, GPU count, sequence, allocator, software and process, and the
+// tab's global batch.
 function planRequest() {
   const f = fields();
   const req = pastedConfig ? { config: pastedConfig } : { model: f.model };
@@ -486,6 +500,7 @@ function planRequest() {
   if (f.gpus) req.gpus = f.gpus;
   if (f.seq) req.seq = f.seq;
   if (f.alloc_conf) req.alloc_conf = f.alloc_conf;
+  Object.assign(req, software(f));
   const gb = $("#plan-batch").value.trim();
   if (gb) req.global_batch = gb;
   if ($("#plan-lora").checked) req.allow = "lora,qlora";
