@@ -28,8 +28,11 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
   within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
   DDP and ZeRO-1/2 all-reduce the gradients once per step, overlapped with the last micro-step's backward
-  (Li et al. 2020, PyTorch DDP §3.2.3 bucketing); ZeRO-3/FSDP all-gather the weights in forward and backward
-  and reduce-scatter gradients every micro-step, prefetched so they overlap that micro-step's compute
+  (Li et al. 2020, PyTorch DDP §3.2.3 bucketing) — a sharded optimizer as a reduce-scatter of the gradients and an
+  all-gather of the parameters, each in its width: Megatron-LM's are its engine's, not the recipe's
+  (:func:`engine_widths`: fp32 main gradients under ``--bf16``, 16-bit parameters, no autocast); ZeRO-3/FSDP
+  all-gather the weights in forward and backward and reduce-scatter gradients every micro-step, prefetched so they
+  overlap that micro-step's compute
   (Rajbhandari et al. 2020 §7; FSDP2 prefetching); HSDP does so within a node and all-reduces the shards
   across nodes once per step. FSDP2 moves the widths of its ``MixedPrecisionPolicy``, the memory model's
   (:func:`fsdp_collective_bytes`: bf16 gathers and fp32 reduce-scatters under amp-*/master-*). Tensor
@@ -50,10 +53,10 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   and runs Adam on the CPU (:func:`host_adam_seconds`: ZeRO-Offload's Table 4 host rate, shared by the node's
   ranks); parameter offload also uploads each weight shard for the forward and the backward gather of every
   micro-step. Not overlapped (DeepSpeed's default, no delayed
-  parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune ``OffloadActivations``) copies
-  the saved tensors down in forward and up in backward on a side stream: only what a pass does not hide counts
-  (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
-  same optimizer traffic as their twins: no term.
+  parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune
+  ``OffloadActivations``) copies the saved tensors down in forward and up in backward on a side stream: only what a
+  pass does not hide counts (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run
+  the same FLOPs and the same optimizer traffic as their twins: no term.
 
 What it does not model (stated in docs/speed.md, with an H200 profile): the elementwise bandwidth by op and tensor
 size (one eager rate for every op), a fused byte count for compiled or Megatron kernels, the attention rate by head
@@ -82,6 +85,7 @@ from trainfit.strategy import (
     LossImpl,
     PipelineSchedule,
     Quantization,
+    Recipe,
     Sharding,
     Strategy,
 )
@@ -95,6 +99,7 @@ __all__ = [
     "HOST_ADAM_BYTES_PER_PARAM",
     "HOST_ADAM_NODE_GBPS",
     "MATMUL_EFFICIENCY",
+    "EngineWidths",
     "SpeedInputs",
     "StepTime",
     "TpBlockGemms",
@@ -106,6 +111,7 @@ __all__ = [
     "elementwise_backward_bytes",
     "elementwise_bytes",
     "elementwise_efficiency",
+    "engine_widths",
     "fsdp_collective_bytes",
     "fsdp_gathered_once",
     "host_adam_seconds",
@@ -251,6 +257,8 @@ class SpeedInputs:
         dtensor = dtensor_tensor_parallel(strategy)
         if spec is None and (dtensor or strategy.savers.activation_offload):
             raise ValueError("SpeedInputs.of needs the model for activation offload or DTensor tensor parallelism")
+        megatron = fused_elementwise_engine(strategy)
+        widths = engine_widths(r, megatron=megatron)
         return cls(
             data=par.data,
             tensor=par.tensor,
@@ -265,8 +273,8 @@ class SpeedInputs:
             double_quant=strategy.base_weights.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
-            grad_bits=r.grad_bits,
-            weight_bits=r.weight_bits,
+            grad_bits=widths.grad_bits,
+            weight_bits=widths.weight_bits,
             checkpointing=strategy.checkpointing,
             sharding=strategy.sharding,
             offload_optimizer=strategy.offload.optimizer_on_host,
@@ -274,14 +282,45 @@ class SpeedInputs:
             float8=strategy.float8.value != "none",
             dtensor_tp=dtensor,
             plain_tp=par.tensor > 1 and not par.sequence_parallel,
-            mixed=r.mixed,
+            mixed=widths.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
             fsdp_gathered_once=fsdp_gathered_once(spec, strategy) if spec is not None else 0.0,
-            autocast=bool(r.autocast),
+            autocast=widths.autocast,
             loss=strategy.savers.loss,
-            fused_elementwise=fused_elementwise_engine(strategy),
+            fused_elementwise=megatron,
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineWidths:
+    """The widths the engine really runs a recipe with (:func:`engine_widths`)."""
+
+    weight_bits: int  # the parameters the model computes with (and the data-parallel all-gather moves)
+    grad_bits: int  # the gradients the data-parallel reduction moves
+    autocast: bool  # torch.autocast over wider weights (amp-*): a cast of every weight each micro-step
+    mixed: bool  # FSDP2's MixedPrecisionPolicy (Recipe.mixed); an FSDP2 setting, not Megatron's
+
+
+def engine_widths(recipe: Recipe, *, megatron: bool) -> EngineWidths:
+    """The recipe's own widths, except under Megatron-LM, whose precision is its engine's, not the recipe's: ``--bf16``
+    / ``--fp16`` cast the model to 16-bit parameters (``args.params_dtype``; Float16Module, no torch.autocast) and
+    keep the main gradients in a buffer of ``torch.float if grad_reduce_in_fp32 else param.dtype``
+    (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``), ``grad_reduce_in_fp32`` being
+    ``accumulate_allreduce_grads_in_fp32``, which ``validate_args`` turns on for bf16 (megatron/training/arguments.py:
+    "bfloat16 requires gradient accumulation and all-reduce to be done in fp32") and leaves off for fp16 — so the
+    data-parallel reduction moves fp32 gradients under bf16, fp16 ones under fp16, and the distributed optimizer's
+    all-gather 16-bit parameters, whatever 16-bit recipe the Strategy names."""
+    if not megatron:
+        return EngineWidths(
+            weight_bits=recipe.weight_bits,
+            grad_bits=recipe.grad_bits,
+            autocast=bool(recipe.autocast),
+            mixed=recipe.mixed,
+        )
+    bits = recipe.compute_bits
+    grad = 32 if recipe.compute_dtype == "bf16" else bits
+    return EngineWidths(weight_bits=bits, grad_bits=grad, autocast=False, mixed=False)
 
 
 def fused_elementwise_engine(strategy: Strategy) -> bool:
@@ -1101,7 +1140,12 @@ def step_time_of(
 
     comm = exposed = 0.0
     if d > 1 and sh in (Sharding.DDP, Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2):
-        c = 2 * _ring(d) * local_trained * gb / dp_bw
+        # An all-reduce is a reduce-scatter and an all-gather of the same buffer; a sharded optimizer (ZeRO-1/2,
+        # Megatron's distributed optimizer) reduce-scatters the gradients and all-gathers the updated parameters in
+        # their own width (Megatron: fp32 gradients, 16-bit parameters — engine_widths; every recipe's weights and
+        # gradients are equally wide otherwise).
+        sharded = sh in (Sharding.ZERO1, Sharding.ZERO2) and x.adapter is None
+        c = _ring(d) * local_trained * (gb + (x.weight_bits / 8 if sharded else gb)) / dp_bw
         comm += c
         exposed += max(0.0, c - compute_micro * 2 / 3)  # hidden behind the last micro-step's backward (2/3)
     elif d > 1 and sh is Sharding.ZERO3:
