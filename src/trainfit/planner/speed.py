@@ -49,11 +49,12 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   logits); its FSDP2 collectives are the 1-D ones over the TP-local parameters (P/t per rank).
 - **Pipeline bubble**: (p − 1)/(v·m) of the ideal time for m micro-batches and v virtual stages (Narayanan
   et al. 2021, §2.2.1 and §2.2.2); GPipe has the same bubble (Huang et al. 2019).
-- **Offload**: each step moves the gradient shard to the host and the updated 16-bit weights back over PCIe
-  and runs Adam on the CPU (:func:`host_adam_seconds`: ZeRO-Offload's Table 4 host rate, shared by the node's
-  ranks); parameter offload also uploads each weight shard for the forward and the backward gather of every
-  micro-step. Not overlapped (DeepSpeed's default, no delayed
-  parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune
+- **Offload**: each step moves the gradient shard to the host (DeepSpeed: cast to fp32 first) and the updated
+  16-bit weights back over PCIe and runs Adam on the CPU (:func:`host_adam_seconds`: ZeRO-Offload's Table 4 host
+  rate, shared by the node's ranks); with gradient accumulation DeepSpeed ZeRO-1/2 also round-trip the gradient
+  partition through the host, ZeRO-2 every micro-step (:func:`zero_offload_gradient_copies`); parameter offload also
+  uploads each weight shard for the forward and the backward gather of every micro-step. Not overlapped
+  (DeepSpeed's default, no delayed parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune
   ``OffloadActivations``) copies the saved tensors down in forward and up in backward on a side stream: only what a
   pass does not hide counts (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run
   the same FLOPs and the same optimizer traffic as their twins: no term.
@@ -63,8 +64,8 @@ size (one eager rate for every op), a fused byte count for compiled or Megatron 
 dim and backend (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape
 efficiency (small hidden sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol
 efficiency and the SMs overlapped collectives take, power caps, LLM.int8 bases, ``--freeze`` patterns (run as full
-training), ZeRO-Offload's gradient copies over PCIe on every micro-step (DeepSpeed's ``partition_grads`` /
-``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
+training), ZeRO-3 Offload's gradient copies over PCIe on every micro-step (stage3.py ``partition_grads``: the offload
+term moves them once per step there; stages 1–2 are modelled).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ __all__ = [
     "step_time_of",
     "tp_comm",
     "tp_layer_seconds",
+    "zero_offload_gradient_copies",
 ]
 
 #: Sustained fraction of the dense tensor-core peak for large GEMMs: cuBLAS bf16 8192³ on a B200 ran at 1610 of
@@ -1044,6 +1046,35 @@ def _activation_offload_exposed(transfer: float, compute_micro: float, recompute
     return max(0.0, transfer - forward) + max(0.0, transfer - backward)
 
 
+def zero_offload_gradient_copies(sharding: Sharding, grad_accum: int) -> tuple[int, int]:
+    """(device-to-host, host-to-device) copies per optimizer step of a rank's gradient partition, in the model's
+    16-bit dtype (fp32 under the fp32 recipe), that DeepSpeed ZeRO-Offload (``offload_optimizer``) makes with
+    ``grad_accum`` micro-steps besides the accumulation boundary's copy into the fp32 gradients of the CPU optimizer
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: cast to fp32 on the GPU, then copied — 4 B per element; the
+    boundary term of :func:`step_time_of`). deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeed edaa722)
+    ``copy_grads_in_partition``: with ``cpu_offload``, each time the partition's gradients are reduced and it is not
+    the step's lone backward (``micro_step_id > 0 or not is_gradient_accumulation_boundary()``) it calls
+    ``async_accumulate_grad_in_cpu_via_gpu``, which keeps the running sum in host memory and adds on the GPU: after
+    the first micro-step it copies the host sum up into ``temp_grad_buffer_for_gpu_offload`` and adds it to the new
+    gradient (``accumulate_gradients``), then copies the result back down (``copy_gradients_to_cpu``). ZeRO-2
+    (``partition_gradients``) reduces every micro-step (``reduce_ready_partitions_and_remove_grads``): k copies down
+    and k − 1 up. ZeRO-1 reduces only at the boundary (the gradients accumulate in the parameters' ``.grad`` on the
+    GPU), where ``micro_step_id`` is k − 1 > 0: one copy down and one up. One micro-step: none.
+
+    Not overlapped with compute: without ``overlap_comm`` — stages 1–2's default (zero/config.py
+    ``overlap_comm_valid``) and what the DeepSpeed export writes for them — ``reduce_ipg_grads`` issues the copies on
+    the current stream (the offload's ``copy_grad_stream`` is disabled there: "race with reduce"), so the backward's
+    kernels queue behind them. ZeRO-3 is not modelled here: stage3.py ``partition_grads`` also round-trips its host
+    gradient buffer every micro-step, on its reduce-and-partition stream (docs/speed.md)."""
+    if grad_accum <= 1:
+        return 0, 0
+    if sharding is Sharding.ZERO2:
+        return grad_accum, grad_accum - 1
+    if sharding is Sharding.ZERO1:
+        return 1, 1
+    return 0, 0
+
+
 def step_time(
     spec: ModelSpec,
     strategy: Strategy,
@@ -1198,7 +1229,10 @@ def step_time_of(
     offload = 0.0
     if x.offload_optimizer:
         shard_params = local_trained / d
-        offload += shard_params * (gb + 2) / pcie + host_adam_seconds(shard_params, min(world, gpn))
+        down, up = zero_offload_gradient_copies(sh, accum)
+        boundary = 4 if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) else gb  # DeepSpeed: fp32 (below)
+        offload += shard_params * (boundary + 2) / pcie + host_adam_seconds(shard_params, min(world, gpn))
+        offload += (down + up) * shard_params * x.compute_bits / 8 / pcie  # not overlapped (the function's note)
     if x.offload_parameters:
         offload += accum * 2 * local_params / d * 2 / pcie
     if x.offload_activation_bytes:
