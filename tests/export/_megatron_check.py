@@ -23,7 +23,8 @@ KEYS = (
     "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "swiglu",
     "normalization", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
     "add_qkv_bias", "attention_dropout", "hidden_dropout", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-    "openai_gelu", "max_position_embeddings", "group_query_attention",
+    "openai_gelu", "max_position_embeddings", "group_query_attention", "overlap_grad_reduce", "overlap_param_gather",
+    "accumulate_allreduce_grads_in_fp32",
 )  # fmt: skip
 
 with open(sys.argv[1], encoding="utf-8") as f:

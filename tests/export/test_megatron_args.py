@@ -91,6 +91,15 @@ CASES: list[tuple[str, Strategy, int]] = [
         ),
         9,
     ),
+    (  # pure data parallelism: the distributed optimizer over 8 data-parallel ranks, no TP/PP (no
+        # CUDA_DEVICE_MAX_CONNECTIONS needed), the overlapped reduction the speed model assumes
+        "llama-3.2-1b",
+        Strategy(
+            micro_batch=1, grad_accum=8, seq_len=4096, sharding="zero1", engine=EngineOptions(engine=Engine.MEGATRON),
+            parallelism=_mega(8),
+        ),
+        8,
+    ),
     (  # GPT-2: Megatron's own defaults (biases, LayerNorm, learned positions, tied), tanh GeLU
         "gpt2",
         Strategy(
@@ -130,6 +139,11 @@ def _expected(spec: ModelSpec, s: Strategy) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": par.virtual_stages if par.virtual_stages > 1 else None,
         "sequence_parallel": par.sequence_parallel,
         "use_distributed_optimizer": s.sharding.value == "zero1",
+        # the data-parallel reduction overlapped with the backward, as the speed model times it
+        "overlap_grad_reduce": par.data > 1,
+        "overlap_param_gather": par.data > 1 and s.sharding.value == "zero1",
+        # fp32 main gradients under bf16 (the memory model's gradient buffer, the speed model's reduction width)
+        "accumulate_allreduce_grads_in_fp32": s.recipe.compute_dtype == "bf16",
         "micro_batch_size": s.micro_batch,
         "global_batch_size": s.global_batch,
         # Megatron's micro-batches per step and replica: our accumulation × the pipeline's micro-batches

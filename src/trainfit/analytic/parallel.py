@@ -232,6 +232,13 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
         raise StrategyError(
             "--checkpointing sac with tensor/pipeline parallelism is not modelled yet; use --checkpointing full"
         )
+    if strategy.checkpointing is Checkpointing.SAC and engine is Engine.MEGATRON:
+        # Megatron-LM recomputes whole layers (--recompute-granularity full) or the attention core (selective):
+        # torchtitan's per-op SAC policy is no Megatron option, and its export could only say full recompute
+        raise StrategyError(
+            "--checkpointing sac is torchtitan's per-op SAC; Megatron-LM recomputes full layers or the attention "
+            "core: use --checkpointing full or selective with --engine megatron"
+        )
     if off.activations:
         raise StrategyError("activation offload is not modelled; use --offload none|optimizer|optimizer+params")
     if off.optimizer is OffloadTarget.NVME or off.parameters is OffloadTarget.NVME:

@@ -101,7 +101,7 @@ class Export:
     training_arguments: dict[str, Any] | None  # transformers.TrainingArguments(**this, output_dir=...); None: Megatron
     accelerate_config: dict[str, Any] | None  # FSDP / HSDP plans: accelerate's config YAML (as a mapping)
     deepspeed_config: dict[str, Any] | None  # ZeRO plans: DeepSpeed's config JSON
-    megatron_args: tuple[str, ...]  # tensor/pipeline plans: Megatron-LM's pretrain_gpt.py arguments
+    megatron_args: tuple[str, ...]  # Megatron-LM plans: its pretrain_gpt.py arguments
     launch: str  # the command that starts the job on one node (run it on each node with its --node-rank)
     script: str | None = None  # FSDP plans: train_fsdp2.py (trainfit.export.fsdp2_script)
     notes: tuple[str, ...]  # what the formats cannot express, and what the user must still do
@@ -506,6 +506,16 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
         args.append(f"--num-layers-per-virtual-pipeline-stage {spec.num_layers // (par.pipeline * par.virtual_stages)}")
     if strategy.sharding is Sharding.ZERO1:
         args.append("--use-distributed-optimizer")
+    if par.data > 1:
+        # The speed model hides the data-parallel gradient reduction behind the last micro-batch's backward
+        # (planner.speed.step_time_of); Megatron overlaps it only when asked (--overlap-grad-reduce, default off:
+        # megatron/training/arguments.py), and the distributed optimizer's parameter all-gather with the next forward
+        # with --overlap-param-gather, which validate_args accepts only with both of the others. Megatron-LM's own
+        # recipe sets all three (examples/llama/train_llama3_8b_h100_fp8.sh). Neither changes what is allocated: the
+        # gradients and parameters already live in the contiguous buffers (param_and_grad_buffer.py).
+        args.append("--overlap-grad-reduce")
+        if strategy.sharding is Sharding.ZERO1:
+            args.append("--overlap-param-gather")
     if strategy.checkpointing is Checkpointing.SELECTIVE:
         args.append("--recompute-granularity selective")
     elif strategy.checkpointing is not Checkpointing.NONE:
@@ -589,15 +599,24 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
     if tune:
         launch = f"tune run {TORCHTUNE_RECIPE} --config {TORCHTUNE_CONFIG} " + " ".join(shlex.quote(a) for a in tune)
     if megatron:
+        par = strategy.parallelism
+        layout = f"tensor {par.tensor} × pipeline {par.pipeline} × data {par.data}"
         notes.append(
-            "tensor/pipeline parallelism: run Megatron-LM's pretrain_gpt.py with megatron_args.txt (the model's "
+            f"Megatron-LM ({layout}): run its pretrain_gpt.py with megatron_args.txt (the model's "
             "shape and the plan's layout; add your data and tokenizer: --data-path or --mock-data, --tokenizer-type "
             "…, and the schedule)"
         )
-        par = strategy.parallelism
+        why = (
+            f"not this plan's {layout} layout"
+            if par.tensor > 1 or par.pipeline > 1
+            # pure data parallelism: the Trainer runs that layout, but not the engine whose memory and speed were
+            # estimated (Megatron's fp32 main-gradient buffer and distributed optimizer, its fused kernels)
+            else "not Megatron-LM, whose fp32 main-gradient buffer, distributed optimizer and fused kernels this "
+            "plan's memory and speed are"
+        )
         notes.append(
             f"no training_args.json: the HF Trainer runs data parallelism over every process (DDP, FSDP or DeepSpeed "
-            f"ZeRO), not this plan's tensor {par.tensor} × pipeline {par.pipeline} × data {par.data} layout; launch.sh "
+            f"ZeRO), {why}; launch.sh "
             f"runs it with Megatron-LM: --global-batch-size {strategy.global_batch} = --micro-batch-size "
             f"{strategy.micro_batch} × {strategy.effective_batch // strategy.micro_batch} micro-batches per step × "
             f"data-parallel size {par.data} (Megatron derives the micro-batches from the three)"

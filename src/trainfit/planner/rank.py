@@ -514,7 +514,11 @@ class _Search:
         if bound > self.usable:
             return None, _Near(candidate=c, micro=micros[0], bytes=bound)
         if first.is_distributed:  # many GPUs: no bound (0), bisect with estimates
-            return self._bisect_from_smallest(c, micros, len(micros))
+            # Up to the fastest micro-batch only (ties: the largest): a larger one is slower, and fits only where
+            # that one does (memory grows with the micro-batch) — a pipeline's bubble shrinks with more, smaller
+            # micro-batches, so its fastest is often not the largest. The answer is the same, with fewer estimates.
+            top = min(range(len(micros)), key=lambda i: (self.speed_key(c, micros[i]), -micros[i])) + 1
+            return self._bisect_from_smallest(c, micros[:top], top)
         lo, hi = 0, len(micros)  # the bound allows micros[lo]; it rules out micros[hi] (if any)
         while hi - lo > 1:
             mid = (lo + hi) // 2

@@ -13,19 +13,22 @@ bisects, since memory grows with it). What the space contains, and why:
   their states are a few hundred MB, and the speed model cannot tell the two apart).
 - **Checkpointing**: none, selective (Megatron: the attention core recomputed), sac (torchtitan's per-op
   selective AC), sqrt, full (:func:`trainfit.strategy.checkpoint_layout`); the estimate refuses sac where it is
-  not modelled (MoE, MLA, eager attention, adapters, tensor/pipeline parallelism, fp8) and such candidates drop
-  out.
+  not modelled (MoE, MLA, eager attention, adapters, tensor/pipeline parallelism, Megatron-LM, fp8) and such
+  candidates drop out.
 - **Layouts**: one GPU; DDP, ZeRO-2/3 (DeepSpeed), FSDP2, HSDP (more than one node); ZeRO-2/3 and FSDP2 with
-  CPU offload; Megatron tensor parallelism (with sequence parallelism) of degree 2, 4, 8 that divides the
-  heads, k/v heads and MLP width and stays within a node, and pipeline degree 2, 4, 8 up to the depth, with
-  the distributed optimizer (ZeRO-1); 2-D FSDP2 × DTensor tensor parallelism (``--engine torch --tp N
+  CPU offload; Megatron-LM with its distributed optimizer (ZeRO-1) at tensor parallelism (with sequence
+  parallelism) of degree 1, 2, 4, 8 that divides the heads, k/v heads and MLP width and stays within a node, and
+  pipeline degree 1, 2, 4, 8 up to the depth — 1 × 1 being its pure data parallelism (``--sharding zero1 --engine
+  megatron``: the fp32 main-gradient buffer in the memory model, fused kernels in the speed model, which make it a
+  different plan from DeepSpeed's ZeRO-1/2 rather than one they dominate), in one recipe per compute dtype
+  (:data:`_MEGATRON_RECIPES`); 2-D FSDP2 × DTensor tensor parallelism (``--engine torch --tp N
   --sharding fsdp`` with sequence parallelism, torchtitan's ``parallelize_llama``) of the same degrees where the
   estimate's DTensor check accepts the model (:func:`_fsdp_tp_degrees`: dense, untied, Llama-style blocks), data
-  degree world / t. Per-op SAC is not generated with TP or PP (the estimate refuses it). Left out because
+  degree world / t. Per-op SAC is not generated with TP, PP or Megatron (the estimate refuses it). Left out because
   another layout dominates them — the same
   communication volume (the speed model cannot tell them apart) and no more memory: ZeRO-1 without tensor or
-  pipeline parallelism (ZeRO-2 reduce-scatters what ZeRO-1 all-reduces; Rajbhandari et al. 2020 §5) and
-  Megatron without the distributed optimizer.
+  pipeline parallelism under DeepSpeed (ZeRO-2 reduce-scatters what ZeRO-1 all-reduces; Rajbhandari et al. 2020
+  §5) and Megatron without the distributed optimizer.
   Whether a framework supports a combination is the estimate's call: it raises ``StrategyError`` for what
   no framework runs, and such candidates are dropped.
 - **FSDP2's ``reshard_after_forward``** (:data:`RESHARD_AFTER_FORWARD`): every FSDP2/HSDP candidate — offloaded,
@@ -63,7 +66,7 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError
 from trainfit.fsdp_units import gathered_once_fraction
 from trainfit.hardware import GPUSpec
-from trainfit.planner.speed import SpeedInputs, layer_bits, offloaded_activation_bytes
+from trainfit.planner.speed import SpeedInputs, engine_widths, offloaded_activation_bytes
 from trainfit.strategy import (
     FLOAT8_RECIPES,
     Adapter,
@@ -244,9 +247,10 @@ class Candidate:
         spec)`` (a test holds them together) without building and validating a Strategy, except under activation
         offload, whose bytes are the memory model's (``spec`` is needed then, and for 2-D FSDP2 × TP)."""
         r = RECIPES[self.precision]
-        weight_bits, grad_bits, autocast = layer_bits(r, self.sharding)
         adapter, base = self._finetune()
         dtensor = self.tensor > 1 and self.engine is Engine.TORCH
+        megatron = self.engine is Engine.MEGATRON  # speed.fused_elementwise_engine
+        widths = engine_widths(r, megatron=megatron, sharding=self.sharding)
         if spec is None and (dtensor or self.activation_offload):
             raise ValueError("Candidate.speed_inputs needs the model for activation offload or DTensor TP")
         offloaded = 0
@@ -266,15 +270,15 @@ class Candidate:
             double_quant=base.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
-            grad_bits=grad_bits,
-            weight_bits=weight_bits,
+            grad_bits=widths.grad_bits,
+            weight_bits=widths.weight_bits,
             checkpointing=self.checkpointing,
             sharding=self.sharding,
             offload_optimizer=self.offload != "none",
             offload_parameters=self.offload == "optimizer+params",
             float8=self.float8 is not Float8.NONE,
             dtensor_tp=dtensor,
-            mixed=r.mixed,
+            mixed=widths.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded,
             fsdp_gathered_once=gathered_once_fraction(
@@ -282,9 +286,9 @@ class Candidate:
             )
             if spec is not None and self.sharding in (Sharding.FSDP, Sharding.HSDP)
             else 0.0,
-            autocast=autocast,
+            autocast=widths.autocast,
             loss=self.loss,
-            fused_elementwise=self.engine is Engine.MEGATRON,  # speed.fused_elementwise_engine
+            fused_elementwise=megatron,
         )
 
     def _finetune(self) -> tuple[Adapter | None, BaseWeights]:
@@ -377,6 +381,27 @@ def native_precisions(gpu: GPUSpec) -> tuple[Precision, ...]:
     return (Precision.FP32,)
 
 
+#: The one recipe per compute dtype that says what Megatron-LM runs: ``--bf16`` / ``--fp16`` cast the model to 16-bit
+#: parameters (``args.params_dtype``), keep fp32 main gradients and an fp32 copy of the parameters in its optimizer
+#: (megatron/training/arguments.py ``validate_args``; ``Float16OptimizerWithFloat16Params``) — trainfit's master-*;
+#: neither flag is fp32. The memory model counts the same bytes for every 16-bit recipe there
+#: (:func:`trainfit.analytic.parallel.megatron_inputs`: ``param_bytes`` 2, an fp32 gradient buffer and master) and
+#: the export writes the same ``--bf16`` for each, so amp-*/pure-* candidates would only repeat master-*.
+_MEGATRON_RECIPES = {
+    Precision.AMP_BF16: Precision.MASTER_BF16,
+    Precision.PURE_BF16: Precision.MASTER_BF16,
+    Precision.AMP_FP16: Precision.MASTER_FP16,
+}
+
+
+def _precisions(gpu: GPUSpec, engine: Engine) -> tuple[Precision, ...]:
+    """:func:`native_precisions`, for Megatron-LM one per compute dtype (:data:`_MEGATRON_RECIPES`)."""
+    native = native_precisions(gpu)
+    if engine is not Engine.MEGATRON:
+        return native
+    return tuple(dict.fromkeys(_MEGATRON_RECIPES.get(p, p) for p in native))
+
+
 def world_sizes(gpus: int, gpus_per_node: int) -> tuple[int, ...]:
     """Powers of two up to ``gpus``, whole nodes up to ``gpus``, and ``gpus`` itself (ascending)."""
     out = {gpus}
@@ -445,8 +470,9 @@ def _layouts(spec: ModelSpec, world: int, gpus_per_node: int) -> list[tuple[int,
     out += [(t, 1, Sharding.FSDP, "none", Engine.TORCH) for t in _fsdp_tp_degrees(spec, world, gpus_per_node)]
     for t in _tp_degrees(spec, world, gpus_per_node):
         for p in (1, 2, 4, 8):
-            if (t, p) == (1, 1) or p > spec.num_layers or world % (t * p):
+            if p > spec.num_layers or world % (t * p):
                 continue
+            # (1, 1): pure data parallelism with Megatron's distributed optimizer (module docstring)
             out.append((t, p, Sharding.ZERO1, "none", Engine.MEGATRON))
     return out
 
@@ -474,11 +500,11 @@ def candidates(
             for ft in methods:
                 if ft is not Finetune.FULL and (t > 1 or p > 1 or off != "none"):
                     continue  # adapters: data parallel only (Megatron with adapters is refused; so is offload here)
-                for prec in native_precisions(gpu):
+                for prec in _precisions(gpu, engine):
                     for opt in _optimizers(ft, off, engine):
                         for ck in CHECKPOINTING:
-                            if ck is Checkpointing.SAC and (t > 1 or p > 1):
-                                continue  # the estimate refuses sac with TP/PP (analytic.parallel.plan): no need to ask
+                            if ck is Checkpointing.SAC and (t > 1 or p > 1 or engine is Engine.MEGATRON):
+                                continue  # the estimate refuses sac with TP/PP or Megatron (analytic.parallel.plan)
                             out += [
                                 Candidate(
                                     world=world,

@@ -28,8 +28,11 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
   within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
   DDP and ZeRO-1/2 all-reduce the gradients once per step, overlapped with the last micro-step's backward
-  (Li et al. 2020, PyTorch DDP §3.2.3 bucketing); ZeRO-3/FSDP all-gather the weights in forward and backward
-  and reduce-scatter gradients every micro-step, prefetched so they overlap that micro-step's compute
+  (Li et al. 2020, PyTorch DDP §3.2.3 bucketing) — a sharded optimizer as a reduce-scatter of the gradients and an
+  all-gather of the parameters, each in its width: Megatron-LM's are its engine's, not the recipe's
+  (:func:`engine_widths`: fp32 main gradients under ``--bf16``, 16-bit parameters, no autocast); ZeRO-3/FSDP
+  all-gather the weights in forward and backward and reduce-scatter gradients every micro-step, prefetched so they
+  overlap that micro-step's compute
   (Rajbhandari et al. 2020 §7; FSDP2 prefetching); HSDP does so within a node and all-reduces the shards
   across nodes once per step. FSDP2 moves the widths of its ``MixedPrecisionPolicy``, the memory model's
   (:func:`fsdp_collective_bytes`: bf16 gathers and fp32 reduce-scatters under amp-*/master-*). Tensor
@@ -46,22 +49,23 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   logits); its FSDP2 collectives are the 1-D ones over the TP-local parameters (P/t per rank).
 - **Pipeline bubble**: (p − 1)/(v·m) of the ideal time for m micro-batches and v virtual stages (Narayanan
   et al. 2021, §2.2.1 and §2.2.2); GPipe has the same bubble (Huang et al. 2019).
-- **Offload**: each step moves the gradient shard to the host and the updated 16-bit weights back over PCIe
-  and runs Adam on the CPU (:func:`host_adam_seconds`: ZeRO-Offload's Table 4 host rate, shared by the node's
-  ranks); parameter offload also uploads each weight shard for the forward and the backward gather of every
-  micro-step. Not overlapped (DeepSpeed's default, no delayed
-  parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune ``OffloadActivations``) copies
-  the saved tensors down in forward and up in backward on a side stream: only what a pass does not hide counts
-  (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run the same FLOPs and the
-  same optimizer traffic as their twins: no term.
+- **Offload**: each step moves the gradient shard to the host (DeepSpeed: cast to fp32 first) and the updated
+  16-bit weights back over PCIe and runs Adam on the CPU (:func:`host_adam_seconds`: ZeRO-Offload's Table 4 host
+  rate, shared by the node's ranks); with gradient accumulation DeepSpeed ZeRO-1/2 also round-trip the gradient
+  partition through the host, ZeRO-2 every micro-step (:func:`zero_offload_gradient_copies`); parameter offload also
+  uploads each weight shard for the forward and the backward gather of every micro-step. Not overlapped
+  (DeepSpeed's default, no delayed parameter update; Ren et al. 2021 §4.2). ``--activation-offload`` (torchtune
+  ``OffloadActivations``) copies the saved tensors down in forward and up in backward on a side stream: only what a
+  pass does not hide counts (:func:`_activation_offload_exposed`). The chunked loss and optimizer-in-backward run
+  the same FLOPs and the same optimizer traffic as their twins: no term.
 
 What it does not model (stated in docs/speed.md, with an H200 profile): the elementwise bandwidth by op and tensor
 size (one eager rate for every op), a fused byte count for compiled or Megatron kernels, the attention rate by head
 dim and backend (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape
 efficiency (small hidden sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol
 efficiency and the SMs overlapped collectives take, power caps, LLM.int8 bases, ``--freeze`` patterns (run as full
-training), ZeRO-Offload's gradient copies over PCIe on every micro-step (DeepSpeed's ``partition_grads`` /
-``async_accumulate_grad_in_cpu_via_gpu``: the offload term moves them once per step).
+training), ZeRO-3 Offload's gradient copies over PCIe on every micro-step (stage3.py ``partition_grads``: the offload
+term moves them once per step there; stages 1–2 are modelled).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ __all__ = [
     "HOST_ADAM_BYTES_PER_PARAM",
     "HOST_ADAM_NODE_GBPS",
     "MATMUL_EFFICIENCY",
+    "EngineWidths",
     "SpeedInputs",
     "StepTime",
     "TpBlockGemms",
@@ -107,16 +112,17 @@ __all__ = [
     "elementwise_backward_bytes",
     "elementwise_bytes",
     "elementwise_efficiency",
+    "engine_widths",
     "fsdp_collective_bytes",
     "fsdp_gathered_once",
     "host_adam_seconds",
-    "layer_bits",
     "loss_bytes_per_token",
     "model_flops_per_token",
     "step_time",
     "step_time_of",
     "tp_comm",
     "tp_layer_seconds",
+    "zero_offload_gradient_copies",
 ]
 
 #: Sustained fraction of the dense tensor-core peak for large GEMMs: cuBLAS bf16 8192³ on a B200 ran at 1610 of
@@ -220,7 +226,7 @@ class SpeedInputs:
     compute_dtype: str = "bf16"
     compute_bits: int = 16
     grad_bits: int = 32
-    weight_bits: int = 32  # the weights the layers compute with (:func:`layer_bits`)
+    weight_bits: int = 32  # the weights the layers compute with (:func:`engine_widths`)
     checkpointing: Checkpointing = Checkpointing.NONE
     sharding: Sharding = Sharding.NONE
     offload_optimizer: bool = False
@@ -235,7 +241,7 @@ class SpeedInputs:
     #: FSDP2/HSDP: the share of the parameters gathered once per micro-step, not again for backward
     #: (:func:`trainfit.fsdp_units.gathered_once_fraction`; 0 without the model: every one twice).
     fsdp_gathered_once: float = 0.0
-    autocast: bool = False  # torch.autocast over wider weights (amp-*: casts each step; :func:`layer_bits`)
+    autocast: bool = False  # torch.autocast over wider weights (amp-*: casts each step; :func:`engine_widths`)
     loss: LossImpl = LossImpl.STANDARD  # how the loss meets the logits (--loss): its memory traffic
     #: The layers' elementwise work runs in fused kernels (:func:`elementwise_efficiency`): Megatron-LM's engine, or
     #: ``torch.compile`` (no Strategy option: the speed model alone, like ``async_tp``). False: eager PyTorch.
@@ -251,9 +257,10 @@ class SpeedInputs:
         DTensor tensor parallelism (the vocabulary of the gathered logits)."""
         par, r = strategy.parallelism, strategy.recipe
         dtensor = dtensor_tensor_parallel(strategy)
-        weight_bits, grad_bits, autocast = layer_bits(r, strategy.sharding)
         if spec is None and (dtensor or strategy.savers.activation_offload):
             raise ValueError("SpeedInputs.of needs the model for activation offload or DTensor tensor parallelism")
+        megatron = fused_elementwise_engine(strategy)
+        widths = engine_widths(r, megatron=megatron, sharding=strategy.sharding)
         return cls(
             data=par.data,
             tensor=par.tensor,
@@ -268,8 +275,8 @@ class SpeedInputs:
             double_quant=strategy.base_weights.double_quant,
             compute_dtype=r.compute_dtype,
             compute_bits=r.compute_bits,
-            grad_bits=grad_bits,
-            weight_bits=weight_bits,
+            grad_bits=widths.grad_bits,
+            weight_bits=widths.weight_bits,
             checkpointing=strategy.checkpointing,
             sharding=strategy.sharding,
             offload_optimizer=strategy.offload.optimizer_on_host,
@@ -277,30 +284,60 @@ class SpeedInputs:
             float8=strategy.float8.value != "none",
             dtensor_tp=dtensor,
             plain_tp=par.tensor > 1 and not par.sequence_parallel,
-            mixed=r.mixed,
+            mixed=widths.mixed,
             vocab_size=spec.vocab_size if dtensor and spec is not None else 0,
             offload_activation_bytes=offloaded_activation_bytes(spec, strategy) if spec is not None else 0,
             fsdp_gathered_once=fsdp_gathered_once(spec, strategy) if spec is not None else 0.0,
-            autocast=autocast,
+            autocast=widths.autocast,
             loss=strategy.savers.loss,
-            fused_elementwise=fused_elementwise_engine(strategy),
+            fused_elementwise=megatron,
         )
 
 
-def layer_bits(recipe: Recipe, sharding: Sharding) -> tuple[int, int, bool]:
-    """(bits of the weights the layers compute with, bits of the gradients the optimizer steps, whether autocast
-    casts the weights each micro-step) under ``recipe`` and ``sharding``: the recipe's own, except FSDP2/HSDP under a
-    mixed recipe (amp-*, master-*). There ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)`` over fp32
-    shards unshards every parameter in the compute dtype — the layers see compute-dtype weights, the residual stream
-    is in it, and autocast (if any runs) has nothing to cast — and leaves fp32 gradients on the shards: the run the
-    trace makes (trainfit.trace.distributed ``_run_strategy``: no autocast, the recipe's amp-* twin) and the memory
-    model holds (the same activations for amp-*, master-* and pure-* under FSDP2, no autocast copies). Before
-    2026-12-04 the speed model charged an amp-* FSDP2 plan autocast's weight casts and an fp32 stream, and a master-*
-    one 16-bit gradients to offload: the same run 14% slower spelt amp-fp16 than master-fp16 (llama-3.2-3b on 2 T4s,
-    offloaded), which is how ``estimate --from training_args.json`` reads the plan back."""
-    if sharding in (Sharding.FSDP, Sharding.HSDP) and recipe.mixed:
-        return recipe.compute_bits, 32, False
-    return recipe.weight_bits, recipe.grad_bits, bool(recipe.autocast)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineWidths:
+    """The widths the engine really runs a recipe with (:func:`engine_widths`)."""
+
+    weight_bits: int  # the parameters the model computes with (and the data-parallel all-gather moves)
+    grad_bits: int  # the gradients the data-parallel reduction moves
+    autocast: bool  # torch.autocast over wider weights (amp-*): a cast of every weight each micro-step
+    mixed: bool  # FSDP2's MixedPrecisionPolicy (Recipe.mixed); an FSDP2 setting, not Megatron's
+
+
+def engine_widths(recipe: Recipe, *, megatron: bool, sharding: Sharding = Sharding.NONE) -> EngineWidths:
+    """The recipe's own widths, except under FSDP2 with a mixed recipe and under Megatron-LM.
+
+    FSDP2/HSDP under a mixed recipe (amp-*, master-*): ``MixedPrecisionPolicy(param_dtype=compute,
+    reduce_dtype=fp32)`` over fp32 shards unshards every parameter in the compute dtype — the layers see compute-dtype
+    weights, the residual stream is in it, and autocast (if any runs) has nothing to cast — and leaves fp32 gradients
+    on the shards: the run the trace makes (trainfit.trace.distributed ``_run_strategy``: no autocast, the recipe's
+    amp-* twin) and the memory model holds (the same activations for amp-*, master-* and pure-* under FSDP2, no
+    autocast copies). Before 2026-12-04 the speed model charged an amp-* FSDP2 plan autocast's weight casts and an
+    fp32 stream, and a master-* one 16-bit gradients to offload: the same run 14% slower spelt amp-fp16 than
+    master-fp16 (llama-3.2-3b on 2 T4s, offloaded), which is how ``estimate --from training_args.json`` reads the plan
+    back. (``weight_bits`` here is what the layers compute with; the gathers' widths are
+    :func:`fsdp_collective_bytes`'s, from ``mixed``.)
+
+    Megatron-LM, whose precision is its engine's, not the recipe's: ``--bf16``
+    / ``--fp16`` cast the model to 16-bit parameters (``args.params_dtype``; Float16Module, no torch.autocast) and
+    keep the main gradients in a buffer of ``torch.float if grad_reduce_in_fp32 else param.dtype``
+    (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``), ``grad_reduce_in_fp32`` being
+    ``accumulate_allreduce_grads_in_fp32``, which ``validate_args`` turns on for bf16 (megatron/training/arguments.py:
+    "bfloat16 requires gradient accumulation and all-reduce to be done in fp32") and leaves off for fp16 — so the
+    data-parallel reduction moves fp32 gradients under bf16, fp16 ones under fp16, and the distributed optimizer's
+    all-gather 16-bit parameters, whatever 16-bit recipe the Strategy names."""
+    if not megatron and sharding in (Sharding.FSDP, Sharding.HSDP) and recipe.mixed:
+        return EngineWidths(weight_bits=recipe.compute_bits, grad_bits=32, autocast=False, mixed=True)
+    if not megatron:
+        return EngineWidths(
+            weight_bits=recipe.weight_bits,
+            grad_bits=recipe.grad_bits,
+            autocast=bool(recipe.autocast),
+            mixed=recipe.mixed,
+        )
+    bits = recipe.compute_bits
+    grad = 32 if recipe.compute_dtype == "bf16" else bits
+    return EngineWidths(weight_bits=bits, grad_bits=grad, autocast=False, mixed=False)
 
 
 def fused_elementwise_engine(strategy: Strategy) -> bool:
@@ -1024,6 +1061,35 @@ def _activation_offload_exposed(transfer: float, compute_micro: float, recompute
     return max(0.0, transfer - forward) + max(0.0, transfer - backward)
 
 
+def zero_offload_gradient_copies(sharding: Sharding, grad_accum: int) -> tuple[int, int]:
+    """(device-to-host, host-to-device) copies per optimizer step of a rank's gradient partition, in the model's
+    16-bit dtype (fp32 under the fp32 recipe), that DeepSpeed ZeRO-Offload (``offload_optimizer``) makes with
+    ``grad_accum`` micro-steps besides the accumulation boundary's copy into the fp32 gradients of the CPU optimizer
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: cast to fp32 on the GPU, then copied — 4 B per element; the
+    boundary term of :func:`step_time_of`). deepspeed/runtime/zero/stage_1_and_2.py (DeepSpeed edaa722)
+    ``copy_grads_in_partition``: with ``cpu_offload``, each time the partition's gradients are reduced and it is not
+    the step's lone backward (``micro_step_id > 0 or not is_gradient_accumulation_boundary()``) it calls
+    ``async_accumulate_grad_in_cpu_via_gpu``, which keeps the running sum in host memory and adds on the GPU: after
+    the first micro-step it copies the host sum up into ``temp_grad_buffer_for_gpu_offload`` and adds it to the new
+    gradient (``accumulate_gradients``), then copies the result back down (``copy_gradients_to_cpu``). ZeRO-2
+    (``partition_gradients``) reduces every micro-step (``reduce_ready_partitions_and_remove_grads``): k copies down
+    and k − 1 up. ZeRO-1 reduces only at the boundary (the gradients accumulate in the parameters' ``.grad`` on the
+    GPU), where ``micro_step_id`` is k − 1 > 0: one copy down and one up. One micro-step: none.
+
+    Not overlapped with compute: without ``overlap_comm`` — stages 1–2's default (zero/config.py
+    ``overlap_comm_valid``) and what the DeepSpeed export writes for them — ``reduce_ipg_grads`` issues the copies on
+    the current stream (the offload's ``copy_grad_stream`` is disabled there: "race with reduce"), so the backward's
+    kernels queue behind them. ZeRO-3 is not modelled here: stage3.py ``partition_grads`` also round-trips its host
+    gradient buffer every micro-step, on its reduce-and-partition stream (docs/speed.md)."""
+    if grad_accum <= 1:
+        return 0, 0
+    if sharding is Sharding.ZERO2:
+        return grad_accum, grad_accum - 1
+    if sharding is Sharding.ZERO1:
+        return 1, 1
+    return 0, 0
+
+
 def step_time(
     spec: ModelSpec,
     strategy: Strategy,
@@ -1120,7 +1186,12 @@ def step_time_of(
 
     comm = exposed = 0.0
     if d > 1 and sh in (Sharding.DDP, Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2):
-        c = 2 * _ring(d) * local_trained * gb / dp_bw
+        # An all-reduce is a reduce-scatter and an all-gather of the same buffer; a sharded optimizer (ZeRO-1/2,
+        # Megatron's distributed optimizer) reduce-scatters the gradients and all-gathers the updated parameters in
+        # their own width (Megatron: fp32 gradients, 16-bit parameters — engine_widths; every recipe's weights and
+        # gradients are equally wide otherwise).
+        sharded = sh in (Sharding.ZERO1, Sharding.ZERO2) and x.adapter is None
+        c = _ring(d) * local_trained * (gb + (x.weight_bits / 8 if sharded else gb)) / dp_bw
         comm += c
         exposed += max(0.0, c - compute_micro * 2 / 3)  # hidden behind the last micro-step's backward (2/3)
     elif d > 1 and sh is Sharding.ZERO3:
@@ -1173,7 +1244,10 @@ def step_time_of(
     offload = 0.0
     if x.offload_optimizer:
         shard_params = local_trained / d
-        offload += shard_params * (gb + 2) / pcie + host_adam_seconds(shard_params, min(world, gpn))
+        down, up = zero_offload_gradient_copies(sh, accum)
+        boundary = 4 if sh in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3) else gb  # DeepSpeed: fp32 (below)
+        offload += shard_params * (boundary + 2) / pcie + host_adam_seconds(shard_params, min(world, gpn))
+        offload += (down + up) * shard_params * x.compute_bits / 8 / pcie  # not overlapped (the function's note)
     if x.offload_parameters:
         offload += accum * 2 * local_params / d * 2 / pcie
     if x.offload_activation_bytes:
