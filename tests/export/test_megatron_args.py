@@ -100,6 +100,14 @@ CASES: list[tuple[str, Strategy, int]] = [
         ),
         8,
     ),
+    (  # V100: fp16 (dynamic loss scaling), the distributed optimizer over 4 data-parallel ranks with TP 2
+        "llama-3.2-1b",
+        Strategy(
+            precision="master-fp16", micro_batch=1, grad_accum=4, seq_len=2048, sharding="zero1",
+            engine=EngineOptions(engine=Engine.MEGATRON), parallelism=_mega(8, tensor=2),
+        ),
+        7,
+    ),
     (  # GPT-2: Megatron's own defaults (biases, LayerNorm, learned positions, tied), tanh GeLU
         "gpt2",
         Strategy(
@@ -142,8 +150,9 @@ def _expected(spec: ModelSpec, s: Strategy) -> dict[str, Any]:
         # the data-parallel reduction overlapped with the backward, as the speed model times it
         "overlap_grad_reduce": par.data > 1,
         "overlap_param_gather": par.data > 1 and s.sharding.value == "zero1",
-        # fp32 main gradients under bf16 (the memory model's gradient buffer, the speed model's reduction width)
-        "accumulate_allreduce_grads_in_fp32": s.recipe.compute_dtype == "bf16",
+        # fp32 main gradients under bf16 and fp16 (the memory model's gradient buffer, the speed model's reduction
+        # width): Megatron's own choice for bf16, the export's flag for fp16
+        "accumulate_allreduce_grads_in_fp32": s.recipe.compute_dtype in ("bf16", "fp16"),
         "micro_batch_size": s.micro_batch,
         "global_batch_size": s.global_batch,
         # Megatron's micro-batches per step and replica: our accumulation × the pipeline's micro-batches

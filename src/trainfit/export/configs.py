@@ -524,6 +524,11 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
         args.append(f"--recompute-granularity full --recompute-method uniform --recompute-num-layers {k}")
     if strategy.recipe.compute_dtype in ("bf16", "fp16"):
         args.append(f"--{strategy.recipe.compute_dtype}")
+    if strategy.recipe.compute_dtype == "fp16":
+        # fp32 main gradients, as the memory model holds them (4 B/param) and as Megatron sets itself for bf16
+        # (megatron/training/arguments.py validate_args); under --fp16 alone they would be fp16, and the optimizer
+        # would make an fp32 copy of each at the step (Float16OptimizerWithFloat16Params, main_grad.float())
+        args.append("--accumulate-allreduce-grads-in-fp32")
     return tuple(args)
 
 

@@ -323,9 +323,11 @@ def engine_widths(recipe: Recipe, *, megatron: bool, sharding: Sharding = Shardi
     keep the main gradients in a buffer of ``torch.float if grad_reduce_in_fp32 else param.dtype``
     (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``), ``grad_reduce_in_fp32`` being
     ``accumulate_allreduce_grads_in_fp32``, which ``validate_args`` turns on for bf16 (megatron/training/arguments.py:
-    "bfloat16 requires gradient accumulation and all-reduce to be done in fp32") and leaves off for fp16 — so the
-    data-parallel reduction moves fp32 gradients under bf16, fp16 ones under fp16, and the distributed optimizer's
-    all-gather 16-bit parameters, whatever 16-bit recipe the Strategy names."""
+    "bfloat16 requires gradient accumulation and all-reduce to be done in fp32") and leaves off for fp16, where
+    trainfit's export asks for it (``--accumulate-allreduce-grads-in-fp32``: the memory model's 4 B/param gradient
+    buffer, and no fp32 copy of every gradient at the step, which ``Float16OptimizerWithFloat16Params`` makes of fp16
+    main grads) — so the data-parallel reduction moves fp32 gradients and the distributed optimizer's all-gather
+    16-bit parameters, whatever 16-bit recipe the Strategy names."""
     if not megatron and sharding in (Sharding.FSDP, Sharding.HSDP) and recipe.mixed:
         return EngineWidths(weight_bits=recipe.compute_bits, grad_bits=32, autocast=False, mixed=True)
     if not megatron:
@@ -335,9 +337,7 @@ def engine_widths(recipe: Recipe, *, megatron: bool, sharding: Sharding = Shardi
             autocast=bool(recipe.autocast),
             mixed=recipe.mixed,
         )
-    bits = recipe.compute_bits
-    grad = 32 if recipe.compute_dtype == "bf16" else bits
-    return EngineWidths(weight_bits=bits, grad_bits=grad, autocast=False, mixed=False)
+    return EngineWidths(weight_bits=recipe.compute_bits, grad_bits=32, autocast=False, mixed=False)
 
 
 def fused_elementwise_engine(strategy: Strategy) -> bool:
