@@ -44,8 +44,9 @@ frameworks add. One set of rules per engine (:class:`~trainfit.strategy.Engine`)
   the module order by :mod:`trainfit.analytic.zero3` (checked against the traced engine).
 * **Megatron-LM** (``--tp``, ``--pp``, ``--sharding zero1`` = the distributed optimizer): bf16 parameters,
   fp32 main gradients in the persistent contiguous grad buffer (``accumulate_allreduce_grads_in_fp32`` is
-  forced for bf16), fp32 master weights and Adam states: 18 B/param, or 6 + 12/d with the distributed
-  optimizer (megatron/training/theoretical_memory_usage.py ``compute_weight_and_optimizer_memory``).
+  forced for bf16; for fp16 the note and the export ask for it), fp32 master weights and Adam states: 18 B/param,
+  or 6 + 12/d with the distributed optimizer (megatron/training/theoretical_memory_usage.py
+  ``compute_weight_and_optimizer_memory``).
   Tensor parallelism splits attention heads, k/v groups, the MLP width and the (padded) vocabulary over
   ``tp`` ranks; without sequence parallelism the norm and residual activations stay replicated, with it
   every activation is divided by ``tp`` (Korthikanti et al. 2022, Table 2: sbh(10 + 24/t) vs sbh·34/t).
@@ -410,8 +411,14 @@ def _defaults(engine: Engine, strategy: Strategy) -> tuple[str, ...]:
             + (f", stage3_prefetch_bucket_size={eo.prefetch_bucket_size:.0e}" if sh is Sharding.ZERO3 else ""),
         )
     par = strategy.parallelism
+    half = strategy.recipe.compute_dtype
+    grads = (
+        "fp32 main grads (--accumulate-allreduce-grads-in-fp32: set it; --fp16 alone keeps fp16 ones)"
+        if half == "fp16"
+        else "fp32 main grads (accumulate_allreduce_grads_in_fp32)"
+    )
     return (
-        f"Megatron-LM: bf16 params, fp32 main grads (accumulate_allreduce_grads_in_fp32), "
+        f"Megatron-LM: {half if half in ('bf16', 'fp16') else 'fp32'} params, {grads}, "
         f"{'distributed optimizer' if sh is Sharding.ZERO1 else 'replicated optimizer'}, "
         f"{par.pipeline_schedule.value} schedule, {par.microbatches} micro-batches"
         + (f", {par.virtual_stages} virtual stages" if par.virtual_stages > 1 else ""),
