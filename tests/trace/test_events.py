@@ -234,6 +234,7 @@ def test_a_checkpointed_lora_forward_frees_the_adapters_locals_as_peft_returns()
         ("lora", "bf16", False, "all-linear"),
         ("qlora", None, True, "all-linear"),
         ("qlora", None, False, "q_proj,v_proj"),
+        ("lora", "bf16", False, "q_proj,v_proj"),
     ],
 )
 def test_a_checkpointed_frozen_layer_forward_allocates_what_the_traced_one_does(

@@ -34,11 +34,12 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   chunk of tokens by chunk (no logits kept; ``grad_input`` and ``grad_weight`` made in the forward and handed to
   the backward as the input's gradient and the ``.grad``); activation offloading and optimizer-in-backward are not
   in the stream (:func:`stream_strategy`);
-* a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
-  ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
-  norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
-  product, each adapter's output to its reader (``lean_forward``; the same tensors as the trace's layer,
-  tests/trace/test_events.py).
+* a checkpointed forward of a Llama-style layer keeps no saves (non-reentrant ``torch.utils.checkpoint`` packs
+  nothing): each tensor lives as long as the module's Python forward holds it — the norms' outputs to their
+  sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their product, the residual adds
+  and the MLP's output to the layer's output; one path for 16-bit layers and for layers with adapter flows, whose
+  parts (each adapter's output to its reader, a 4-bit base's own chains) are hooks in it (``nograd`` in
+  ``synthesise``; the same tensors as the trace's layer, tests/trace/test_events.py).
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
@@ -452,7 +453,7 @@ def _dora_call(
 
 
 #: The saved terms of a 16-bit pre-norm decoder layer whose lifetimes in a no-grad (checkpointed) forward the
-#: stream models (``synthesise``: ``nograd``).
+#: stream models (``synthesise``: ``nograd``); a layer with adapter flows takes the same path.
 NO_GRAD_TERMS = frozenset(
     {
         "norm1.rsqrt",
@@ -469,6 +470,8 @@ NO_GRAD_TERMS = frozenset(
         "mlp.swiglu",
     }
 )
+#: Of those, a norm's cast and output (its reader's input): the no-grad norm makes them (``nograd_norm``).
+NORM_OUTPUT_TERMS = frozenset({"norm1.normed", "attn_in.input", "norm2.normed", "mlp_in.input"})
 
 
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
@@ -945,26 +948,25 @@ def synthesise(
     rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
     rms_transients = rank.module_order and spec.norm is NormKind.RMSNORM
     pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
-    # A checkpointed forward runs under no_grad (torch.utils.checkpoint): nothing is saved, each tensor dies with its
-    # last Python reference. For a 16-bit pre-norm decoder layer (NO_GRAD_TERMS) the stream frees them where
-    # transformers' modules drop them (models/llama/modeling_llama.py): RMSNorm's fp32 input once ``x * rsqrt`` is
-    # made, its cast and rsqrt when it returns its output; attention's q, k, v, output and the norm's output when
-    # it returns o_proj's; SwiGLU's gate once activated, the activation and up once multiplied, the product when
-    # down_proj's output exists; the residual adds as tensors of their own. A layer with adapter flows takes the
-    # ``lean_forward`` path below instead; other layers keep their would-be saved tensors to the layer's end. Keys to
-    # free once the caller has made the layer's output: ``after_output``.
-    after_output: list[int] = []
-    # A checkpointed forward of a Llama-style layer with adapter flows: torch.utils.checkpoint's non-reentrant forward
-    # runs under ``saved_tensors_hooks`` whose pack hook keeps an empty ``_Holder`` (torch/utils/checkpoint.py
-    # ``_checkpoint_hook``: the recomputation fills it), so each tensor lives as long as the module's Python forward
-    # holds it, not to the layer's end: :func:`lean_norm`, :func:`lean_attention` (its locals to its return),
-    # SwiGLU's operands to their product, each adapter's output to its reader. The layer's ``residual +
-    # hidden_states`` after the attention is made there too, held to the layer's output (``after_layer``). Read off
-    # the trace's events of llama-3.2-1b QLoRA with full checkpointing (the stream held every base save to the
-    # layer's end: +2.29% reserved against the trace, benchmarks/reserve_agreement.py --finetune).
-    lean_forward = rms_transients and rotary and bool(flows)
+    # A checkpointed forward runs under no_grad: torch.utils.checkpoint's non-reentrant forward runs under
+    # ``saved_tensors_hooks`` whose pack hook keeps an empty ``_Holder`` (torch/utils/checkpoint.py
+    # ``_checkpoint_hook``: the recomputation fills it), so nothing is saved and each tensor lives as long as the
+    # module's Python forward holds it, not to the layer's end. For a Llama-style layer (RMSNorm, rotary; a 16-bit
+    # one's saved terms NO_GRAD_TERMS, or any with adapter flows) the stream frees them where transformers' modules
+    # drop them (models/llama/modeling_llama.py), one path (``nograd`` in ``layer_forward``): :func:`nograd_norm`
+    # (the fp32 input once ``x * rsqrt`` is made, the cast and the locals as it returns its output),
+    # :func:`nograd_attention` (q, k, v to SDPA; they, SDPA's output and the norm's output go when the attention
+    # returns o_proj's), SwiGLU's gate once activated, the activation and up once multiplied, the product once
+    # down_proj's output exists; the residual adds as tensors of their own, the post-attention one and the MLP's output
+    # held to the layer's output (``after_layer``, freed by the caller). The adapter flows are the hooks: an adapted
+    # linear's output is its flow's (``kept``, to its reader; the flow's would-be saves are PEFT's locals, gone as it
+    # returns), an unadapted linear of a bitsandbytes 4-bit base runs its own chain (:func:`bnb4_linear`). Checked
+    # against the trace's layer (tests/trace/test_events.py); the 16-bit layers took l1b on the H200 −13.2% → +0.00%,
+    # llama-3.2-1b QLoRA +2.29% → +1.21% against the trace (benchmarks/reserve_agreement.py --finetune). Other layers
+    # keep their would-be saved tensors to the layer's end.
+    nograd_layers = rms_transients and rotary
     dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
-    after_layer: list[int] = []  # lean: freed by the caller once the layer's output exists
+    after_layer: list[int] = []  # nograd: freed by the caller once the layer's output exists
 
     def rotary_embed(n: int) -> int:
         """``apply_rotary_pos_emb`` on one of q, k (``n`` bytes): ``x * cos``, ``rotate_half(x)`` (``neg`` of a half,
@@ -980,7 +982,7 @@ def synthesise(
         s.free(m2)
         return out
 
-    def lean_norm(n: int, locals_: list[int]) -> int:
+    def nograd_norm(n: int, locals_: list[int]) -> int:
         """LlamaRMSNorm.forward in a checkpointed forward: ``hidden_states.to(torch.float32)`` (a copy of ``n``
         bytes unless the residual stream is fp32 already: the residual itself), ``pow(2)`` (freed by ``mean``),
         ``hidden_states * torch.rsqrt(...)`` (the fp32 copy then dropped), ``.to(input_dtype)`` when the residual is
@@ -998,9 +1000,9 @@ def synthesise(
         locals_.clear()
         return out
 
-    # An unadapted linear of a bitsandbytes 4-bit base in a lean forward runs its own chain (bitsandbytes/nn/modules.py
-    # ``Linear4bit.forward``: x cast to the compute dtype, ``matmul_4bit``'s output, ``.to(inp_dtype)``), as the trace
-    # shows it; a float base's is its output alone.
+    # An unadapted linear of a bitsandbytes 4-bit base in a no-grad forward runs its own chain
+    # (bitsandbytes/nn/modules.py ``Linear4bit.forward``: x cast to the compute dtype, ``matmul_4bit``'s output,
+    # ``.to(inp_dtype)``), as the trace shows it; a float base's is its output alone.
     unadapted_4bit = strategy.base_weights.quantization in (Quantization.NF4, Quantization.FP4)
     compute_w = w.compute
 
@@ -1016,7 +1018,7 @@ def synthesise(
         s.free(cast)
         return out
 
-    def lean_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
+    def nograd_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
         """LlamaAttention.forward in a checkpointed forward, to SDPA: q, k and v as the projections returned them (an
         adapted one's output kept by its flow, ``kept``; an unadapted one's made here) in the projections' output
         dtype, the rotary embedding on q and k (:func:`rotary_qkv`'s ops) there, q's and k's projections dropped, then
@@ -1100,81 +1102,63 @@ def synthesise(
             closing = closing_of[terms_key] = {
                 f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None
             }
-        nograd = discard and rms_transients and rotary and not flows and all(t.name in NO_GRAD_TERMS for t in terms)
-        by_name: dict[str, list[int]] = {}
-
-        def drop(*names: str) -> None:
-            for name in names:
-                for key in by_name.pop(name, []):
-                    saved.remove(key)
-                    s.free(key)
-
-        lean = discard and lean_forward
-        norm_locals: list[int] = []  # lean: a norm's rsqrt, to its return
-        attention: list[int] = []  # lean: the attention's input (the norm's output) and locals, to its return
-        block_input = 0  # lean: the MLP's input (the post-attention norm's output), to the layer's end
-        kept: dict[str, int] = {}  # lean: adapted linears' outputs by site, to their readers
-        sdpa_casts: list[int] = []  # lean: SDPA's input casts, to its output
+        # A checkpointed forward of a Llama-style layer: its tensors' lifetimes in a no-grad forward (see
+        # ``nograd_layers`` above); the adapter flows' parts are the flows' own (``kept``, ``lora_flow_forward_end``).
+        nograd = discard and nograd_layers and (bool(flows) or all(t.name in NO_GRAD_TERMS for t in terms))
+        norm_locals: list[int] = []  # nograd: a norm's rsqrt, to its return
+        attention: list[int] = []  # nograd: the attention's input (the norm's output) and locals, to its return
+        block_input = 0  # nograd: the MLP's input (the post-attention norm's output), to the layer's end
+        kept: dict[str, int] = {}  # nograd: adapted linears' outputs by site, to their readers
+        sdpa_casts: list[int] = []  # nograd: SDPA's input casts, to its output
         for k, term in enumerate(terms):
-            if nograd and term.name == "norm2.rsqrt":  # attention has returned o_proj's output: the residual add
-                o_proj = s.alloc(hidden)
-                drop("attn.sdpa.qkv", "attn.sdpa.out", "attn.sdpa.lse", "attn_in.input")
-                after_output.append(s.alloc(hidden))
-                s.free(o_proj)
-            if nograd and term.name == "mlp.swiglu" and len(term.pieces) == 4:
-                n_gate, n_act, n_up, n_prod = (rank.saved_bytes(term.name, n) for n in term.pieces)
-                gate_out = s.alloc(n_gate)
-                act_out = s.alloc(n_act)
-                s.free(gate_out)
-                up_out = s.alloc(n_up)
-                by_name[term.name] = [s.alloc(n_prod)]
-                saved += by_name[term.name]
-                s.free(act_out)
-                s.free(up_out)
-                release_pending()
-                continue
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
                 if f.dora is not None and f.dora.bnb is not None:  # DoRA's norm before lora_A(x) over a 4-bit base
                     dora_weight_norm(f, open_flow[2], graphless=discard)
-            if lean and f is None and term.name.startswith("norm"):
+            if nograd and f is None and term.name in NORM_OUTPUT_TERMS:
+                continue  # the norm's cast and output: nograd_norm made them
+            if nograd and f is None and term.name.startswith("norm"):
                 if term.name.endswith(".rsqrt"):
                     norm_locals += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                     continue
                 if term.name.endswith(".input_fp32") and len(term.tensors()) == 1:
                     if attention:  # the post-attention norm: the attention has returned, its output is added
                         o_out = 0
-                        if unadapted_4bit and "o_proj" not in flows:  # its input is SDPA's, in the compute dtype
-                            o_out = bnb4_linear(0, compute_w * strategy.tokens_per_micro_batch * h, 0)
+                        if "o_proj" not in flows:  # unadapted: o_proj over SDPA's output (in the compute dtype)
+                            t_h = strategy.tokens_per_micro_batch * h
+                            o_out = bnb4_linear(0, compute_w * t_h, 0) if unadapted_4bit else s.alloc(hidden)
                         s.free_all(attention[:0:-1])  # SDPA's output, v, k and q, then the attention's input
                         s.free(attention[0])
                         attention.clear()
                         after_layer.append(s.alloc(hidden))  # residual + hidden_states
                         s.free(kept.pop("o_proj", 0))
                         s.free(o_out)
-                        out = lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
+                        out = nograd_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
                         s.free(block_input)
                         block_input = out
                     else:
-                        attention.append(lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
+                        attention.append(nograd_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
                     continue
-            if lean and term.name == "attn.sdpa.lse":
+            if nograd and term.name == "attn.sdpa.lse":
                 s.free_all([s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()])
                 s.free_all(sdpa_casts)
                 sdpa_casts.clear()
                 continue
-            if lean and term.name in ("attn.sdpa.qkv", "attn.sdpa.out") and attention:
+            if nograd and term.name in ("attn.sdpa.qkv", "attn.sdpa.out") and attention:
                 if term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
-                    held, sdpa_casts = lean_attention([rank.saved_bytes(term.name, n) for n in term.pieces], kept)
+                    held, sdpa_casts = nograd_attention([rank.saved_bytes(term.name, n) for n in term.pieces], kept)
                     attention += held
                 else:
                     attention += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                 continue
-            if lean and term.name == "mlp.swiglu" and len(term.pieces) == 3:
-                # ``act_fn(gate_proj(x)) * up_proj(x)``: the gate's output goes once the activation is made, the
-                # activation and the up projection's output once their product is (LlamaMLP.forward)
-                gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces)
+            if nograd and term.name == "mlp.swiglu" and len(term.pieces) in (3, 4):
+                # ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the gate's output goes once the activation is
+                # made, the activation and the up projection's output once their product is, the product once
+                # down_proj's output exists (LlamaMLP.forward); the pieces: gate, act, up (and the product, which a
+                # trained down projection would save)
+                gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces[:3])
+                prod_n = rank.saved_bytes(term.name, term.pieces[3]) if len(term.pieces) == 4 else gate
                 t_i = strategy.tokens_per_micro_batch * spec.intermediate_size
                 w_mlp = max(1, gate // t_i)  # the projections' output width
                 x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
@@ -1188,21 +1172,20 @@ def synthesise(
                     a_key = s.alloc(act_n)
                     s.free(g_key)
                 u_key = kept.pop("up_proj", 0) or mlp_in(up)
-                product = s.alloc(gate)
+                product = s.alloc(prod_n)
                 s.free(a_key)
                 s.free(u_key)
                 if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
-                    if unadapted_4bit:  # down_proj over the product: its chain, its output to the layer's sum
-                        t_h = strategy.tokens_per_micro_batch * h
+                    # down_proj over the product (a 4-bit base: its chain), its output to the layer's sum
+                    t_h = strategy.tokens_per_micro_batch * h
+                    if unadapted_4bit:
                         out = bnb4_linear(
                             gate * compute_w // w_mlp if w_mlp != compute_w else 0, compute_w * t_h, w_mlp * t_h
                         )
-                        s.free(product)
-                        after_layer.append(out)
                     else:
                         out = s.alloc(hidden)
-                        s.free(product)
-                        s.free(out)
+                    s.free(product)
+                    after_layer.append(out)
                     product = 0
                 continue
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
@@ -1211,8 +1194,7 @@ def synthesise(
                 s.free(transient)
                 continue
             if rotary and term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
-                by_name[term.name] = rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
-                saved += by_name[term.name]
+                saved += rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
                 release_pending()
                 continue
             if f is not None and f.dora is not None and open_flow is not None and term.name.endswith(".dora_base_out"):
@@ -1225,7 +1207,6 @@ def synthesise(
                 (int8_recomputed if recompute else int8_ctx).extend(keys)
                 keys = []
             saved += keys
-            by_name[term.name] = list(keys)
             release_pending()
             if rms_transients and term.name.endswith(".input_fp32") and len(keys) == 1:
                 # LlamaRMSNorm.forward: ``hidden_states.to(torch.float32)`` (the saved input), ``.pow(2)`` (freed
@@ -1234,15 +1215,10 @@ def synthesise(
                 n = rank.saved_bytes(term.name, term.bytes)
                 s.free(s.alloc(n))
                 pending.append([s.alloc(n), 2])
-                if nograd:
-                    drop(term.name)
-            if nograd and term.name in ("attn_in.input", "mlp_in.input"):  # the norm has returned its output
-                norm = "norm1" if term.name == "attn_in.input" else "norm2"
-                drop(f"{norm}.rsqrt", f"{norm}.normed")
             if f is not None:
                 own[term.name] = keys
                 plain = f.dora is None or f.dora.bnb is not None  # DoRA over a 4-bit base: its x is the caller's
-                if lean and plain and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
+                if nograd and plain and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
                     # lora_A's input under autocast (its cast) or after dropout (the dropped copy) is a temporary of
                     # ``lora_A(dropout(x))``, gone once lora_A's output exists; PEFT's own cast is ``x``, to the
                     # call's end
@@ -1253,11 +1229,11 @@ def synthesise(
                     dora_weight_norm(f, open_flow[2])
                 if closing[f.site.name] == k and open_flow is not None:
                     read: list[int] = []
-                    if lean and f.dora is not None and f.dora.bnb is not None:
+                    if nograd and f.dora is not None and f.dora.bnb is not None:
                         read = own.pop(f"lora.{f.site.name}.dora_lora_out", [])
                         for key in read:
                             saved.remove(key)
-                    result = lora_flow_forward_end(*open_flow, keep=lean, read=read)
+                    result = lora_flow_forward_end(*open_flow, keep=nograd, read=read)
                     open_flow = None
                     if f.site.name == "down_proj":  # the MLP's output: to the layer's ``residual + hidden_states``
                         after_layer.append(result)
@@ -1297,9 +1273,6 @@ def synthesise(
         for k, _ in pending:
             s.free(k)
         pending.clear()
-        if nograd:  # the MLP has returned down_proj's output
-            after_output.insert(0, s.alloc(hidden))
-            drop("mlp.swiglu", "mlp_in.input")
         return copies, saved
 
     def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
@@ -1584,9 +1557,7 @@ def synthesise(
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
-                s.free_all(after_output)  # the no-grad forward's down_proj output and first residual add
-                after_output.clear()
-                s.free_all(after_layer)  # a lean checkpointed forward's post-attention residual
+                s.free_all(after_layer)  # a no-grad forward's post-attention residual and MLP output
                 after_layer.clear()
                 if not kept_input:
                     s.free(residual)
