@@ -468,10 +468,16 @@ NO_GRAD_TERMS = frozenset(
         "norm2.normed",
         "mlp_in.input",
         "mlp.swiglu",
+        # autocast over fp32 weights: each projection's cast of its input
+        "attn_in.casts",
+        "mlp_in.casts",
     }
 )
-#: Of those, a norm's cast and output (its reader's input): the no-grad norm makes them (``nograd_norm``).
-NORM_OUTPUT_TERMS = frozenset({"norm1.normed", "attn_in.input", "norm2.normed", "mlp_in.input"})
+#: Of those, a norm's cast and output (its reader's input) and autocast's casts of it for the projections: the
+#: no-grad forward makes them where the modules do (``nograd_norm``, ``linear``).
+NORM_OUTPUT_TERMS = frozenset(
+    {"norm1.normed", "attn_in.input", "norm2.normed", "mlp_in.input", "attn_in.casts", "mlp_in.casts"}
+)
 
 
 def training_events(spec: ModelSpec, strategy: Strategy, workspaces: tuple[Workspace, ...] = ()) -> list[Event]:
@@ -968,16 +974,20 @@ def synthesise(
     dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
     after_layer: list[int] = []  # nograd: freed by the caller once the layer's output exists
 
-    def rotary_embed(n: int) -> int:
+    def rotary_embed(n: int, wide: int = 0) -> int:
         """``apply_rotary_pos_emb`` on one of q, k (``n`` bytes): ``x * cos``, ``rotate_half(x)`` (``neg`` of a half,
-        ``cat``), ``* sin``, their sum, the embedded tensor kept (transformers models/llama/modeling_llama.py)."""
-        m1 = s.alloc(n)
+        ``cat``), ``* sin``, their sum, the embedded tensor kept (transformers models/llama/modeling_llama.py).
+        ``wide``: the products' and the sum's bytes where cos and sin are wider than x (they are made in the residual
+        stream's dtype, ``cos.to(x.dtype)`` in LlamaRotaryEmbedding.forward: fp32 under autocast over fp32 weights, so
+        ``q * cos`` is promoted to fp32 while ``rotate_half(q)`` stays in q's dtype)."""
+        wide = wide or n
+        m1 = s.alloc(wide)
         neg = s.alloc(n // 2)
         cat = s.alloc(n)
         s.free(neg)
-        m2 = s.alloc(n)
+        m2 = s.alloc(wide)
         s.free(cat)
-        out = s.alloc(n)
+        out = s.alloc(wide)
         s.free(m1)
         s.free(m2)
         return out
@@ -1018,17 +1028,53 @@ def synthesise(
         s.free(cast)
         return out
 
+    # Autocast casts each fp32 weight as its module first runs (``cached_cast``), interleaved with the input casts: the
+    # stream allocates a layer's copies at its start, except in the no-grad forward of a layer without adapter flows,
+    # where the layer's other tensors are the module's own too (tests/trace/test_events.py: then the layer's
+    # allocations and their high-water mark are the trace's). ``uncast``: a layer's weights by module, not cast yet;
+    # ``made_casts``: their copies, by tensor.
+    uncast: dict[str, list[ParamTensor]] = {}
+    made_casts: dict[ParamTensor, int] = {}
+
+    def lazy_copies(i: int, discard: bool) -> bool:
+        return discard and nograd_layers and not flows and i >= dead and spec.autocast_weight_cache
+
+    def weight_copy(module: str) -> None:
+        """The cached casts of ``module``'s weights (``attn.q_proj``: its weight and bias) before its first call."""
+        for x in uncast.pop(module, []):
+            made_casts[x] = s.alloc(rank.copy_bytes(x, r.compute_bits))
+
+    def linear(cast_bytes: int, out_bytes: int) -> int:
+        """A float linear under autocast (``F.linear`` is on its lower-precision list): its input's cast (0: none, the
+        input already in the compute dtype), the output, the cast freed as the call returns; the output's key."""
+        cast = s.alloc(cast_bytes) if cast_bytes else 0
+        out = s.alloc(out_bytes)
+        s.free(cast)
+        return out
+
     def nograd_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
         """LlamaAttention.forward in a checkpointed forward, to SDPA: q, k and v as the projections returned them (an
         adapted one's output kept by its flow, ``kept``; an unadapted one's made here) in the projections' output
         dtype, the rotary embedding on q and k (:func:`rotary_qkv`'s ops) there, q's and k's projections dropped, then
         SDPA's casts of q, k and v to the saved tensors' dtype where it differs (autocast: the fp32 projections of a
         kbit-prepared model). Returns (what is held to the attention's return: the embedded q and k, v; SDPA's casts,
-        freed once its output exists)."""
+        freed once its output exists). Without adapters the projections return the compute dtype (the saved tensors'
+        own), each after its cast of the input under autocast over fp32 weights (:func:`linear`), and the rotary
+        embedding promotes q and k to the residual stream's dtype where it is wider (:func:`rotary_embed`), which SDPA
+        casts back."""
         names = ("q_proj", "k_proj", "v_proj")
         adapted = [flows[x] for x in names if x in flows]
-        if not adapted:  # nothing says the projections' dtype: the saved tensors' own
-            return rotary_qkv(saved_sizes), []
+        if not adapted:
+            x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
+            raw = []
+            for name, n in zip(names, saved_sizes, strict=True):
+                weight_copy(f"attn.{name}")
+                raw.append(linear(x_cast, n))
+            rope = max(compute_w, w.residual)
+            out = [rotary_embed(n, n * rope // compute_w) for n in saved_sizes[:2]]
+            s.free(raw[0])
+            s.free(raw[1])
+            return [*out, raw[2]], [s.alloc(n) for n in saved_sizes[:2]] if rope != compute_w else []
         f0 = adapted[0]
         d_out = {x: flows[x].site.d_out for x in names if x in flows}
         saved_width = max(1, saved_sizes[names.index(f0.site.name)] // max(1, f0.t * d_out[f0.site.name]))
@@ -1078,7 +1124,8 @@ def synthesise(
 
     def layer_forward(i: int, discard: bool = False, recompute: bool = False) -> tuple[list[int], list[int]]:
         g = kinds[i]
-        copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
+        cast_tensors = [x for x in g.tensors if x in copied]
+        copies = [] if lazy_copies(i, discard) else [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
         if i < dead:  # nothing records a node: every cast dies with its call
             s.free_all(copies)
             return [], []
@@ -1105,6 +1152,12 @@ def synthesise(
         # A checkpointed forward of a Llama-style layer: its tensors' lifetimes in a no-grad forward (see
         # ``nograd_layers`` above); the adapter flows' parts are the flows' own (``kept``, ``lora_flow_forward_end``).
         nograd = discard and nograd_layers and (bool(flows) or all(t.name in NO_GRAD_TERMS for t in terms))
+        if lazy_copies(i, discard):  # each weight's cast as its module runs (weight_copy), in a no-grad forward
+            if nograd:
+                for x in cast_tensors:
+                    uncast.setdefault(x.name.rpartition(".")[0], []).append(x)
+            else:
+                copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
         norm_locals: list[int] = []  # nograd: a norm's rsqrt, to its return
         attention: list[int] = []  # nograd: the attention's input (the norm's output) and locals, to its return
         block_input = 0  # nograd: the MLP's input (the post-attention norm's output), to the layer's end
@@ -1127,7 +1180,8 @@ def synthesise(
                         o_out = 0
                         if "o_proj" not in flows:  # unadapted: o_proj over SDPA's output (in the compute dtype)
                             t_h = strategy.tokens_per_micro_batch * h
-                            o_out = bnb4_linear(0, compute_w * t_h, 0) if unadapted_4bit else s.alloc(hidden)
+                            weight_copy("attn.o_proj")
+                            o_out = bnb4_linear(0, compute_w * t_h, 0) if unadapted_4bit else s.alloc(compute_w * t_h)
                         s.free_all(attention[:0:-1])  # SDPA's output, v, k and q, then the attention's input
                         s.free(attention[0])
                         attention.clear()
@@ -1163,27 +1217,29 @@ def synthesise(
                 w_mlp = max(1, gate // t_i)  # the projections' output width
                 x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
 
-                def mlp_in(n: int, x_cast: int = x_cast, w_mlp: int = w_mlp) -> int:
-                    return bnb4_linear(x_cast, n * compute_w // w_mlp, n) if unadapted_4bit else s.alloc(n)
+                def mlp_in(n: int, module: str, x_cast: int = x_cast, w_mlp: int = w_mlp) -> int:
+                    weight_copy(f"mlp.{module}")
+                    return bnb4_linear(x_cast, n * compute_w // w_mlp, n) if unadapted_4bit else linear(x_cast, n)
 
                 a_key = kept.pop("act", 0)  # an adapted gate's activation, made as its flow returned
                 if not a_key:
-                    g_key = mlp_in(gate)
+                    g_key = mlp_in(gate, "gate_proj")
                     a_key = s.alloc(act_n)
                     s.free(g_key)
-                u_key = kept.pop("up_proj", 0) or mlp_in(up)
+                u_key = kept.pop("up_proj", 0) or mlp_in(up, "up_proj")
                 product = s.alloc(prod_n)
                 s.free(a_key)
                 s.free(u_key)
                 if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
                     # down_proj over the product (a 4-bit base: its chain), its output to the layer's sum
                     t_h = strategy.tokens_per_micro_batch * h
+                    weight_copy("mlp.down_proj")
                     if unadapted_4bit:
                         out = bnb4_linear(
                             gate * compute_w // w_mlp if w_mlp != compute_w else 0, compute_w * t_h, w_mlp * t_h
                         )
                     else:
-                        out = s.alloc(hidden)
+                        out = s.alloc(w_mlp * t_h)
                     s.free(product)
                     after_layer.append(out)
                     product = 0
@@ -1273,6 +1329,9 @@ def synthesise(
         for k, _ in pending:
             s.free(k)
         pending.clear()
+        if uncast or made_casts:  # the casts made by the modules, in the layer's tensor order (the caller's)
+            copies = [made_casts.pop(x, 0) or s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
+            uncast.clear()
         return copies, saved
 
     def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
