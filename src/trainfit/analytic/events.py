@@ -57,6 +57,7 @@ from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
 from trainfit.allocator.workspaces import Thread, Workspace, workspace_key
 from trainfit.analytic.activations import (
+    SavedTerm,
     TermRole,
     Widths,
     backward_temp_bytes,
@@ -473,6 +474,27 @@ NO_GRAD_TERMS = frozenset(
         "mlp_in.casts",
     }
 )
+#: The saved terms of a GPT-2 or BERT layer (LayerNorm, dense GELU MLP, SDPA's fused kernels) whose no-grad forward
+#: the stream models (``synthesise``: ``nograd_ln``), and the model types it was checked for against the trace.
+NO_GRAD_LAYERNORM_TERMS = frozenset(
+    {
+        "norm1.mean_rstd",
+        "norm1.input",
+        "attn_in.input",
+        "attn_in.casts",
+        "attn.sdpa.qkv",
+        "attn.sdpa.out",
+        "attn.sdpa.lse",
+        "dropout_masks",
+        "norm2.mean_rstd",
+        "norm2.input",
+        "mlp_in.input",
+        "mlp_in.casts",
+        "mlp.gelu_python",
+        "mlp.act",
+    }
+)
+NO_GRAD_LAYERNORM_TYPES = frozenset({"gpt2", "bert"})
 #: Of those, a norm's cast and output (its reader's input) and autocast's casts of it for the projections: the
 #: no-grad forward makes them where the modules do (``nograd_norm``, ``linear``).
 NORM_OUTPUT_TERMS = frozenset(
@@ -1037,7 +1059,7 @@ def synthesise(
     made_casts: dict[ParamTensor, int] = {}
 
     def lazy_copies(i: int, discard: bool) -> bool:
-        return discard and nograd_layers and not flows and i >= dead and spec.autocast_weight_cache
+        return discard and (nograd_layers or nograd_ln) and not flows and i >= dead and spec.autocast_weight_cache
 
     def weight_copy(module: str) -> None:
         """The cached casts of ``module``'s weights (``attn.q_proj``: its weight and bias) before its first call."""
@@ -1122,6 +1144,118 @@ def synthesise(
     int8_ctx: list[int] = []  # the step's ctx-held inputs, freed after its backward
     int8_recomputed: list[int] = []  # a recomputation's, freed when it stops
 
+    # The no-grad (checkpointed) forward of a GPT-2 or BERT layer (LayerNorm, a dense GELU MLP, SDPA's fused kernels;
+    # no adapter flows), as transformers' modules run it (models/gpt2/modeling_gpt2.py GPT2Block / GPT2Attention /
+    # GPT2MLP; models/bert/modeling_bert.py BertLayer / BertSelfAttention / BertSelfOutput / BertIntermediate /
+    # BertOutput), each tensor freed with its last Python reference: LayerNorm's output (and its mean and rstd, dropped
+    # at once), each linear's output after autocast's casts of its input and weights (:func:`linear`,
+    # :func:`weight_copy`), q/k/v to the attention's return (GPT-2: views of c_attn's output; BERT: three outputs,
+    # gone when BertSelfAttention returns, SDPA's output kept to BertAttention's), the residual dropout's mask and
+    # output (``native_dropout`` under ``p > 0``), GELU (one op, or gelu_new's Python chain: ``0.5 * x``, ``pow``
+    # — fp32 under autocast —, four element-wise steps and ``tanh``, each freeing the last, the product), the residual
+    # adds; a pre-norm block's norm output, attention output and residual lives to the block's output (GPT2Block keeps
+    # ``attn_output``), a post-norm layer's last LayerNorm is the layer's output (the caller's ``nxt``). Checked
+    # against the trace's layer (tests/trace/test_events.py).
+    nograd_ln = (
+        rank.module_order
+        and spec.model_type in NO_GRAD_LAYERNORM_TYPES
+        and spec.norm is NormKind.LAYERNORM
+        and spec.mlp is MlpKind.DENSE
+        and not spec.rotary_dim
+        and not spec.parallel_attn
+        and not flows
+    )
+    post_norm = spec.embedding_norm and not spec.final_norm
+
+    def nograd_ln_layer(terms: Sequence[SavedTerm]) -> None:
+        """One GPT-2 / BERT layer's no-grad forward (above); what outlives it goes to ``after_layer``."""
+        by = {x.name: x for x in terms}
+        t_ = strategy.tokens_per_micro_batch
+        i_ = spec.intermediate_size
+        a_ = compute_w
+        ln_w = 4 if w.amp else w.residual  # LayerNorm runs in fp32 under autocast
+        x_cast = a_ * t_ * h if ln_w != a_ else 0
+        dropout = spec.hidden_dropout > 0
+
+        def layer_norm(out_bytes: int) -> int:
+            out = s.alloc(out_bytes)
+            s.free_all([s.alloc(4 * t_), s.alloc(4 * t_)])  # mean, rstd
+            return out
+
+        def residual_dropout(x: int) -> int:
+            """``nn.Dropout`` over a linear's output ``x`` (compute dtype): the bool mask and the output, the mask
+            and ``x`` dropped; without dropout the module returns ``x`` itself."""
+            if not dropout:
+                return x
+            mask = s.alloc(t_ * h)
+            out = s.alloc(a_ * t_ * h)
+            s.free(mask)
+            s.free(x)
+            return out
+
+        qkv = by["attn.sdpa.qkv"]
+        qkv_sizes = [rank.saved_bytes(qkv.name, n) for n in qkv.tensors()]
+        # the attention, from its input ``x_in`` (held by the caller)
+        x_in = 0 if post_norm else layer_norm(hidden)  # GPT-2's ln_1; BERT's input is the caller's
+        if spec.fused_qkv:
+            weight_copy("attn.qkv_proj")
+            projections = [linear(x_cast, sum(qkv_sizes))]
+        else:
+            projections = []
+            for name, n in zip(("q_proj", "k_proj", "v_proj"), qkv_sizes, strict=True):
+                weight_copy(f"attn.{name}")
+                projections.append(linear(x_cast, n))
+        sdpa_out = s.alloc(rank.saved_bytes("attn.sdpa.out", by["attn.sdpa.out"].bytes))
+        s.free_all([s.alloc(rank.saved_bytes("attn.sdpa.lse", n)) for n in by["attn.sdpa.lse"].tensors()])
+        if post_norm:
+            s.free_all(projections)  # BertSelfAttention returns its context
+        weight_copy("attn.o_proj")
+        o_out = linear(0, a_ * t_ * h)
+        if not post_norm:
+            s.free(sdpa_out)
+        attn_out = residual_dropout(o_out)
+        if post_norm:  # BertSelfOutput: LayerNorm(dropout(dense(x)) + input)
+            added = s.alloc(hidden)
+            mid = layer_norm(hidden)
+            s.free(added)
+            s.free(attn_out)
+            s.free(sdpa_out)  # BertAttention returns
+        else:  # GPT2Block: attention returns (c_attn's output goes), ``attn_output + residual``, ln_1's output goes
+            s.free_all(projections)
+            mid = s.alloc(hidden)
+            s.free(x_in)
+            x_in = layer_norm(hidden)  # ln_2
+        # the MLP, from ``x_in`` (GPT-2) or ``mid`` (BERT)
+        weight_copy("mlp.fc1")
+        fc = linear(x_cast, a_ * t_ * i_)
+        n = a_ * t_ * i_
+        if spec.activation == "gelu_new":
+            f = 4 * t_ * i_ if w.amp else n  # pow's fp32 result, and what it promotes
+            half = s.alloc(n)  # 0.5 * x
+            cast = s.alloc(f) if f != n else 0
+            cur = s.alloc(f)  # pow
+            s.free(cast)
+            for _ in range(5):  # * 0.044715, x + , * sqrt(2/pi), tanh, 1.0 +
+                nxt = s.alloc(f)
+                s.free(cur)
+                cur = nxt
+            act = s.alloc(f)
+            s.free(half)
+            s.free(cur)
+        else:
+            f = n
+            act = s.alloc(n)
+        s.free(fc)
+        weight_copy("mlp.fc2")
+        down = linear(n if f != n else 0, a_ * t_ * h)
+        if not post_norm:  # GPT2MLP: c_proj's output replaces the activation
+            s.free(act)
+        ff = residual_dropout(down)
+        if post_norm:  # BertOutput: LayerNorm(dropout(dense(x)) + input): the LayerNorm is the caller's output
+            after_layer.extend([s.alloc(hidden), ff, act, mid])
+        else:
+            after_layer.extend([x_in, mid, attn_out, ff])
+
     def layer_forward(i: int, discard: bool = False, recompute: bool = False) -> tuple[list[int], list[int]]:
         g = kinds[i]
         cast_tensors = [x for x in g.tensors if x in copied]
@@ -1152,12 +1286,26 @@ def synthesise(
         # A checkpointed forward of a Llama-style layer: its tensors' lifetimes in a no-grad forward (see
         # ``nograd_layers`` above); the adapter flows' parts are the flows' own (``kept``, ``lora_flow_forward_end``).
         nograd = discard and nograd_layers and (bool(flows) or all(t.name in NO_GRAD_TERMS for t in terms))
+        names = {x.name for x in terms}
+        ln_layer = (
+            discard
+            and nograd_ln
+            and names <= NO_GRAD_LAYERNORM_TERMS
+            and "attn.sdpa.lse" in names
+            and ("mlp.act" in names or ("mlp.gelu_python" in names and spec.activation == "gelu_new"))
+        )
         if lazy_copies(i, discard):  # each weight's cast as its module runs (weight_copy), in a no-grad forward
-            if nograd:
+            if nograd or ln_layer:
                 for x in cast_tensors:
                     uncast.setdefault(x.name.rpartition(".")[0], []).append(x)
             else:
                 copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
+        if ln_layer:
+            nograd_ln_layer(terms)
+            if uncast or made_casts:
+                copies = [made_casts.pop(x, 0) or s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
+                uncast.clear()
+            return copies, saved
         norm_locals: list[int] = []  # nograd: a norm's rsqrt, to its return
         attention: list[int] = []  # nograd: the attention's input (the norm's output) and locals, to its return
         block_input = 0  # nograd: the MLP's input (the post-attention norm's output), to the layer's end
@@ -1445,9 +1593,13 @@ def synthesise(
         # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
         # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
         # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
-        g_nll = s.alloc(4 * n_logits)
+        # Without the upcast or autocast (a masked LM's cross-entropy over 16-bit logits: BertForMaskedLM calls
+        # CrossEntropyLoss on them as they are) log_softmax and both gradients are in the logits' dtype
+        # (derivatives.yaml: ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s outputs take their input's).
+        lp = 4 if upcast or w.amp else la
+        g_nll = s.alloc(lp * n_logits)
         mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
-        g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
+        g_lsm = s.alloc((a if mlm_amp else lp) * n_logits)
         s.free(g_nll)
         s.free(log_softmax)
         g_logits = g_lsm
