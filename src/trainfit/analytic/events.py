@@ -34,12 +34,15 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   chunk of tokens by chunk (no logits kept; ``grad_input`` and ``grad_weight`` made in the forward and handed to
   the backward as the input's gradient and the ``.grad``); activation offloading and optimizer-in-backward are not
   in the stream (:func:`stream_strategy`);
-* a checkpointed forward of a Llama-style layer keeps no saves (non-reentrant ``torch.utils.checkpoint`` packs
-  nothing): each tensor lives as long as the module's Python forward holds it — the norms' outputs to their
-  sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their product, the residual adds
-  and the MLP's output to the layer's output; one path for 16-bit layers and for layers with adapter flows, whose
-  parts (each adapter's output to its reader, a 4-bit base's own chains) are hooks in it (``nograd`` in
-  ``synthesise``; the same tensors as the trace's layer, tests/trace/test_events.py).
+* a checkpointed forward keeps no saves (non-reentrant ``torch.utils.checkpoint`` packs nothing): each tensor lives
+  as long as the module's Python forward holds it. For Llama-style layers one path (``nograd`` in ``synthesise``),
+  16-bit or under autocast over fp32 weights, with or without adapter flows (whose parts — each adapter's output to
+  its reader, a 4-bit base's own chains — are hooks in it): the norms' outputs to their sub-block's return, each
+  projection's input cast to its call's end, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
+  product, the residual adds and the MLP's output to the layer's output; for GPT-2 and BERT layers
+  (:func:`nograd_ln_layer` inside ``synthesise``) LayerNorm, the residual dropouts, GELU and the post- or pre-norm
+  adds likewise; there the weights' autocast copies are made as each module first runs (the same tensors as the
+  trace's layer, tests/trace/test_events.py). Other layers keep their would-be saved tensors to the layer's end.
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
@@ -990,8 +993,13 @@ def synthesise(
     # linear's output is its flow's (``kept``, to its reader; the flow's would-be saves are PEFT's locals, gone as it
     # returns), an unadapted linear of a bitsandbytes 4-bit base runs its own chain (:func:`bnb4_linear`). Checked
     # against the trace's layer (tests/trace/test_events.py); the 16-bit layers took l1b on the H200 −13.2% → +0.00%,
-    # llama-3.2-1b QLoRA +2.29% → +1.21% against the trace (benchmarks/reserve_agreement.py --finetune). Other layers
-    # keep their would-be saved tensors to the layer's end.
+    # llama-3.2-1b QLoRA +2.29% → +1.21% against the trace (benchmarks/reserve_agreement.py --finetune). Under autocast
+    # over fp32 weights (``attn_in.casts``, ``mlp_in.casts``) each projection casts the fp32 norm output for its call
+    # (:func:`linear`), RoPE promotes q and k to fp32 and SDPA casts them back, and the weights' cached copies are made
+    # as each module first runs (:func:`weight_copy`): against the trace, amp with full checkpointing, six of nine
+    # cells within 0.1% (were up to +3.4% off), one llama-3.2-3b cell +0.21% → +3.65% (a logits-segment placement;
+    # docs/accuracy.md). GPT-2 and BERT layers: ``nograd_ln_layer`` below. Other layers keep their would-be saved
+    # tensors to the layer's end.
     nograd_layers = rms_transients and rotary
     dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
     after_layer: list[int] = []  # nograd: freed by the caller once the layer's output exists
