@@ -34,11 +34,15 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   chunk of tokens by chunk (no logits kept; ``grad_input`` and ``grad_weight`` made in the forward and handed to
   the backward as the input's gradient and the ``.grad``); activation offloading and optimizer-in-backward are not
   in the stream (:func:`stream_strategy`);
-* a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
-  ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
-  norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
-  product, each adapter's output to its reader (``lean_forward``; the same tensors as the trace's layer,
-  tests/trace/test_events.py).
+* a checkpointed forward keeps no saves (non-reentrant ``torch.utils.checkpoint`` packs nothing): each tensor lives
+  as long as the module's Python forward holds it. For Llama-style layers one path (``nograd`` in ``synthesise``),
+  16-bit or under autocast over fp32 weights, with or without adapter flows (whose parts — each adapter's output to
+  its reader, a 4-bit base's own chains — are hooks in it): the norms' outputs to their sub-block's return, each
+  projection's input cast to its call's end, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
+  product, the residual adds and the MLP's output to the layer's output; for GPT-2 and BERT layers
+  (:func:`nograd_ln_layer` inside ``synthesise``) LayerNorm, the residual dropouts, GELU and the post- or pre-norm
+  adds likewise; there the weights' autocast copies are made as each module first runs (the same tensors as the
+  trace's layer, tests/trace/test_events.py). Other layers keep their would-be saved tensors to the layer's end.
 
 Three steps are replayed (the first allocates the optimizer states; the steady state is reached by the
 second), two when the second leaves the allocator exactly as the first did (:func:`steady_state`: every later step
@@ -56,6 +60,7 @@ from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
 from trainfit.allocator.workspaces import Thread, Workspace, workspace_key
 from trainfit.analytic.activations import (
+    SavedTerm,
     TermRole,
     Widths,
     backward_temp_bytes,
@@ -452,7 +457,7 @@ def _dora_call(
 
 
 #: The saved terms of a 16-bit pre-norm decoder layer whose lifetimes in a no-grad (checkpointed) forward the
-#: stream models (``synthesise``: ``nograd``).
+#: stream models (``synthesise``: ``nograd``); a layer with adapter flows takes the same path.
 NO_GRAD_TERMS = frozenset(
     {
         "norm1.rsqrt",
@@ -467,7 +472,36 @@ NO_GRAD_TERMS = frozenset(
         "norm2.normed",
         "mlp_in.input",
         "mlp.swiglu",
+        # autocast over fp32 weights: each projection's cast of its input
+        "attn_in.casts",
+        "mlp_in.casts",
     }
+)
+#: The saved terms of a GPT-2 or BERT layer (LayerNorm, dense GELU MLP, SDPA's fused kernels) whose no-grad forward
+#: the stream models (``synthesise``: ``nograd_ln``), and the model types it was checked for against the trace.
+NO_GRAD_LAYERNORM_TERMS = frozenset(
+    {
+        "norm1.mean_rstd",
+        "norm1.input",
+        "attn_in.input",
+        "attn_in.casts",
+        "attn.sdpa.qkv",
+        "attn.sdpa.out",
+        "attn.sdpa.lse",
+        "dropout_masks",
+        "norm2.mean_rstd",
+        "norm2.input",
+        "mlp_in.input",
+        "mlp_in.casts",
+        "mlp.gelu_python",
+        "mlp.act",
+    }
+)
+NO_GRAD_LAYERNORM_TYPES = frozenset({"gpt2", "bert"})
+#: Of those, a norm's cast and output (its reader's input) and autocast's casts of it for the projections: the
+#: no-grad forward makes them where the modules do (``nograd_norm``, ``linear``).
+NORM_OUTPUT_TERMS = frozenset(
+    {"norm1.normed", "attn_in.input", "norm2.normed", "mlp_in.input", "attn_in.casts", "mlp_in.casts"}
 )
 
 
@@ -945,42 +979,50 @@ def synthesise(
     rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
     rms_transients = rank.module_order and spec.norm is NormKind.RMSNORM
     pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
-    # A checkpointed forward runs under no_grad (torch.utils.checkpoint): nothing is saved, each tensor dies with its
-    # last Python reference. For a 16-bit pre-norm decoder layer (NO_GRAD_TERMS) the stream frees them where
-    # transformers' modules drop them (models/llama/modeling_llama.py): RMSNorm's fp32 input once ``x * rsqrt`` is
-    # made, its cast and rsqrt when it returns its output; attention's q, k, v, output and the norm's output when
-    # it returns o_proj's; SwiGLU's gate once activated, the activation and up once multiplied, the product when
-    # down_proj's output exists; the residual adds as tensors of their own. A layer with adapter flows takes the
-    # ``lean_forward`` path below instead; other layers keep their would-be saved tensors to the layer's end. Keys to
-    # free once the caller has made the layer's output: ``after_output``.
-    after_output: list[int] = []
-    # A checkpointed forward of a Llama-style layer with adapter flows: torch.utils.checkpoint's non-reentrant forward
-    # runs under ``saved_tensors_hooks`` whose pack hook keeps an empty ``_Holder`` (torch/utils/checkpoint.py
-    # ``_checkpoint_hook``: the recomputation fills it), so each tensor lives as long as the module's Python forward
-    # holds it, not to the layer's end: :func:`lean_norm`, :func:`lean_attention` (its locals to its return),
-    # SwiGLU's operands to their product, each adapter's output to its reader. The layer's ``residual +
-    # hidden_states`` after the attention is made there too, held to the layer's output (``after_layer``). Read off
-    # the trace's events of llama-3.2-1b QLoRA with full checkpointing (the stream held every base save to the
-    # layer's end: +2.29% reserved against the trace, benchmarks/reserve_agreement.py --finetune).
-    lean_forward = rms_transients and rotary and bool(flows)
+    # A checkpointed forward runs under no_grad: torch.utils.checkpoint's non-reentrant forward runs under
+    # ``saved_tensors_hooks`` whose pack hook keeps an empty ``_Holder`` (torch/utils/checkpoint.py
+    # ``_checkpoint_hook``: the recomputation fills it), so nothing is saved and each tensor lives as long as the
+    # module's Python forward holds it, not to the layer's end. For a Llama-style layer (RMSNorm, rotary; a 16-bit
+    # one's saved terms NO_GRAD_TERMS, or any with adapter flows) the stream frees them where transformers' modules
+    # drop them (models/llama/modeling_llama.py), one path (``nograd`` in ``layer_forward``): :func:`nograd_norm`
+    # (the fp32 input once ``x * rsqrt`` is made, the cast and the locals as it returns its output),
+    # :func:`nograd_attention` (q, k, v to SDPA; they, SDPA's output and the norm's output go when the attention
+    # returns o_proj's), SwiGLU's gate once activated, the activation and up once multiplied, the product once
+    # down_proj's output exists; the residual adds as tensors of their own, the post-attention one and the MLP's output
+    # held to the layer's output (``after_layer``, freed by the caller). The adapter flows are the hooks: an adapted
+    # linear's output is its flow's (``kept``, to its reader; the flow's would-be saves are PEFT's locals, gone as it
+    # returns), an unadapted linear of a bitsandbytes 4-bit base runs its own chain (:func:`bnb4_linear`). Checked
+    # against the trace's layer (tests/trace/test_events.py); the 16-bit layers took l1b on the H200 −13.2% → +0.00%,
+    # llama-3.2-1b QLoRA +2.29% → +1.21% against the trace (benchmarks/reserve_agreement.py --finetune). Under autocast
+    # over fp32 weights (``attn_in.casts``, ``mlp_in.casts``) each projection casts the fp32 norm output for its call
+    # (:func:`linear`), RoPE promotes q and k to fp32 and SDPA casts them back, and the weights' cached copies are made
+    # as each module first runs (:func:`weight_copy`): against the trace, amp with full checkpointing, six of nine
+    # cells within 0.1% (were up to +3.4% off), one llama-3.2-3b cell +0.21% → +3.65% (a logits-segment placement;
+    # docs/accuracy.md). GPT-2 and BERT layers: ``nograd_ln_layer`` below. Other layers keep their would-be saved
+    # tensors to the layer's end.
+    nograd_layers = rms_transients and rotary
     dropout_on = strategy.adapter is not None and strategy.adapter.dropout > 0
-    after_layer: list[int] = []  # lean: freed by the caller once the layer's output exists
+    after_layer: list[int] = []  # nograd: freed by the caller once the layer's output exists
 
-    def rotary_embed(n: int) -> int:
+    def rotary_embed(n: int, wide: int = 0) -> int:
         """``apply_rotary_pos_emb`` on one of q, k (``n`` bytes): ``x * cos``, ``rotate_half(x)`` (``neg`` of a half,
-        ``cat``), ``* sin``, their sum, the embedded tensor kept (transformers models/llama/modeling_llama.py)."""
-        m1 = s.alloc(n)
+        ``cat``), ``* sin``, their sum, the embedded tensor kept (transformers models/llama/modeling_llama.py).
+        ``wide``: the products' and the sum's bytes where cos and sin are wider than x (they are made in the residual
+        stream's dtype, ``cos.to(x.dtype)`` in LlamaRotaryEmbedding.forward: fp32 under autocast over fp32 weights, so
+        ``q * cos`` is promoted to fp32 while ``rotate_half(q)`` stays in q's dtype)."""
+        wide = wide or n
+        m1 = s.alloc(wide)
         neg = s.alloc(n // 2)
         cat = s.alloc(n)
         s.free(neg)
-        m2 = s.alloc(n)
+        m2 = s.alloc(wide)
         s.free(cat)
-        out = s.alloc(n)
+        out = s.alloc(wide)
         s.free(m1)
         s.free(m2)
         return out
 
-    def lean_norm(n: int, locals_: list[int]) -> int:
+    def nograd_norm(n: int, locals_: list[int]) -> int:
         """LlamaRMSNorm.forward in a checkpointed forward: ``hidden_states.to(torch.float32)`` (a copy of ``n``
         bytes unless the residual stream is fp32 already: the residual itself), ``pow(2)`` (freed by ``mean``),
         ``hidden_states * torch.rsqrt(...)`` (the fp32 copy then dropped), ``.to(input_dtype)`` when the residual is
@@ -998,9 +1040,9 @@ def synthesise(
         locals_.clear()
         return out
 
-    # An unadapted linear of a bitsandbytes 4-bit base in a lean forward runs its own chain (bitsandbytes/nn/modules.py
-    # ``Linear4bit.forward``: x cast to the compute dtype, ``matmul_4bit``'s output, ``.to(inp_dtype)``), as the trace
-    # shows it; a float base's is its output alone.
+    # An unadapted linear of a bitsandbytes 4-bit base in a no-grad forward runs its own chain
+    # (bitsandbytes/nn/modules.py ``Linear4bit.forward``: x cast to the compute dtype, ``matmul_4bit``'s output,
+    # ``.to(inp_dtype)``), as the trace shows it; a float base's is its output alone.
     unadapted_4bit = strategy.base_weights.quantization in (Quantization.NF4, Quantization.FP4)
     compute_w = w.compute
 
@@ -1016,17 +1058,53 @@ def synthesise(
         s.free(cast)
         return out
 
-    def lean_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
+    # Autocast casts each fp32 weight as its module first runs (``cached_cast``), interleaved with the input casts: the
+    # stream allocates a layer's copies at its start, except in the no-grad forward of a layer without adapter flows,
+    # where the layer's other tensors are the module's own too (tests/trace/test_events.py: then the layer's
+    # allocations and their high-water mark are the trace's). ``uncast``: a layer's weights by module, not cast yet;
+    # ``made_casts``: their copies, by tensor.
+    uncast: dict[str, list[ParamTensor]] = {}
+    made_casts: dict[ParamTensor, int] = {}
+
+    def lazy_copies(i: int, discard: bool) -> bool:
+        return discard and (nograd_layers or nograd_ln) and not flows and i >= dead and spec.autocast_weight_cache
+
+    def weight_copy(module: str) -> None:
+        """The cached casts of ``module``'s weights (``attn.q_proj``: its weight and bias) before its first call."""
+        for x in uncast.pop(module, []):
+            made_casts[x] = s.alloc(rank.copy_bytes(x, r.compute_bits))
+
+    def linear(cast_bytes: int, out_bytes: int) -> int:
+        """A float linear under autocast (``F.linear`` is on its lower-precision list): its input's cast (0: none, the
+        input already in the compute dtype), the output, the cast freed as the call returns; the output's key."""
+        cast = s.alloc(cast_bytes) if cast_bytes else 0
+        out = s.alloc(out_bytes)
+        s.free(cast)
+        return out
+
+    def nograd_attention(saved_sizes: list[int], kept: dict[str, int]) -> tuple[list[int], list[int]]:
         """LlamaAttention.forward in a checkpointed forward, to SDPA: q, k and v as the projections returned them (an
         adapted one's output kept by its flow, ``kept``; an unadapted one's made here) in the projections' output
         dtype, the rotary embedding on q and k (:func:`rotary_qkv`'s ops) there, q's and k's projections dropped, then
         SDPA's casts of q, k and v to the saved tensors' dtype where it differs (autocast: the fp32 projections of a
         kbit-prepared model). Returns (what is held to the attention's return: the embedded q and k, v; SDPA's casts,
-        freed once its output exists)."""
+        freed once its output exists). Without adapters the projections return the compute dtype (the saved tensors'
+        own), each after its cast of the input under autocast over fp32 weights (:func:`linear`), and the rotary
+        embedding promotes q and k to the residual stream's dtype where it is wider (:func:`rotary_embed`), which SDPA
+        casts back."""
         names = ("q_proj", "k_proj", "v_proj")
         adapted = [flows[x] for x in names if x in flows]
-        if not adapted:  # nothing says the projections' dtype: the saved tensors' own
-            return rotary_qkv(saved_sizes), []
+        if not adapted:
+            x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
+            raw = []
+            for name, n in zip(names, saved_sizes, strict=True):
+                weight_copy(f"attn.{name}")
+                raw.append(linear(x_cast, n))
+            rope = max(compute_w, w.residual)
+            out = [rotary_embed(n, n * rope // compute_w) for n in saved_sizes[:2]]
+            s.free(raw[0])
+            s.free(raw[1])
+            return [*out, raw[2]], [s.alloc(n) for n in saved_sizes[:2]] if rope != compute_w else []
         f0 = adapted[0]
         d_out = {x: flows[x].site.d_out for x in names if x in flows}
         saved_width = max(1, saved_sizes[names.index(f0.site.name)] // max(1, f0.t * d_out[f0.site.name]))
@@ -1074,9 +1152,122 @@ def synthesise(
     int8_ctx: list[int] = []  # the step's ctx-held inputs, freed after its backward
     int8_recomputed: list[int] = []  # a recomputation's, freed when it stops
 
+    # The no-grad (checkpointed) forward of a GPT-2 or BERT layer (LayerNorm, a dense GELU MLP, SDPA's fused kernels;
+    # no adapter flows), as transformers' modules run it (models/gpt2/modeling_gpt2.py GPT2Block / GPT2Attention /
+    # GPT2MLP; models/bert/modeling_bert.py BertLayer / BertSelfAttention / BertSelfOutput / BertIntermediate /
+    # BertOutput), each tensor freed with its last Python reference: LayerNorm's output (and its mean and rstd, dropped
+    # at once), each linear's output after autocast's casts of its input and weights (:func:`linear`,
+    # :func:`weight_copy`), q/k/v to the attention's return (GPT-2: views of c_attn's output; BERT: three outputs,
+    # gone when BertSelfAttention returns, SDPA's output kept to BertAttention's), the residual dropout's mask and
+    # output (``native_dropout`` under ``p > 0``), GELU (one op, or gelu_new's Python chain: ``0.5 * x``, ``pow``
+    # — fp32 under autocast —, four element-wise steps and ``tanh``, each freeing the last, the product), the residual
+    # adds; a pre-norm block's norm output, attention output and residual lives to the block's output (GPT2Block keeps
+    # ``attn_output``), a post-norm layer's last LayerNorm is the layer's output (the caller's ``nxt``). Checked
+    # against the trace's layer (tests/trace/test_events.py).
+    nograd_ln = (
+        rank.module_order
+        and spec.model_type in NO_GRAD_LAYERNORM_TYPES
+        and spec.norm is NormKind.LAYERNORM
+        and spec.mlp is MlpKind.DENSE
+        and not spec.rotary_dim
+        and not spec.parallel_attn
+        and not flows
+    )
+    post_norm = spec.embedding_norm and not spec.final_norm
+
+    def nograd_ln_layer(terms: Sequence[SavedTerm]) -> None:
+        """One GPT-2 / BERT layer's no-grad forward (above); what outlives it goes to ``after_layer``."""
+        by = {x.name: x for x in terms}
+        t_ = strategy.tokens_per_micro_batch
+        i_ = spec.intermediate_size
+        a_ = compute_w
+        ln_w = 4 if w.amp else w.residual  # LayerNorm runs in fp32 under autocast
+        x_cast = a_ * t_ * h if ln_w != a_ else 0
+        dropout = spec.hidden_dropout > 0
+
+        def layer_norm(out_bytes: int) -> int:
+            out = s.alloc(out_bytes)
+            s.free_all([s.alloc(4 * t_), s.alloc(4 * t_)])  # mean, rstd
+            return out
+
+        def residual_dropout(x: int) -> int:
+            """``nn.Dropout`` over a linear's output ``x`` (compute dtype): the bool mask and the output, the mask
+            and ``x`` dropped; without dropout the module returns ``x`` itself."""
+            if not dropout:
+                return x
+            mask = s.alloc(t_ * h)
+            out = s.alloc(a_ * t_ * h)
+            s.free(mask)
+            s.free(x)
+            return out
+
+        qkv = by["attn.sdpa.qkv"]
+        qkv_sizes = [rank.saved_bytes(qkv.name, n) for n in qkv.tensors()]
+        # the attention, from its input ``x_in`` (held by the caller)
+        x_in = 0 if post_norm else layer_norm(hidden)  # GPT-2's ln_1; BERT's input is the caller's
+        if spec.fused_qkv:
+            weight_copy("attn.qkv_proj")
+            projections = [linear(x_cast, sum(qkv_sizes))]
+        else:
+            projections = []
+            for name, n in zip(("q_proj", "k_proj", "v_proj"), qkv_sizes, strict=True):
+                weight_copy(f"attn.{name}")
+                projections.append(linear(x_cast, n))
+        sdpa_out = s.alloc(rank.saved_bytes("attn.sdpa.out", by["attn.sdpa.out"].bytes))
+        s.free_all([s.alloc(rank.saved_bytes("attn.sdpa.lse", n)) for n in by["attn.sdpa.lse"].tensors()])
+        if post_norm:
+            s.free_all(projections)  # BertSelfAttention returns its context
+        weight_copy("attn.o_proj")
+        o_out = linear(0, a_ * t_ * h)
+        if not post_norm:
+            s.free(sdpa_out)
+        attn_out = residual_dropout(o_out)
+        if post_norm:  # BertSelfOutput: LayerNorm(dropout(dense(x)) + input)
+            added = s.alloc(hidden)
+            mid = layer_norm(hidden)
+            s.free(added)
+            s.free(attn_out)
+            s.free(sdpa_out)  # BertAttention returns
+        else:  # GPT2Block: attention returns (c_attn's output goes), ``attn_output + residual``, ln_1's output goes
+            s.free_all(projections)
+            mid = s.alloc(hidden)
+            s.free(x_in)
+            x_in = layer_norm(hidden)  # ln_2
+        # the MLP, from ``x_in`` (GPT-2) or ``mid`` (BERT)
+        weight_copy("mlp.fc1")
+        fc = linear(x_cast, a_ * t_ * i_)
+        n = a_ * t_ * i_
+        if spec.activation == "gelu_new":
+            f = 4 * t_ * i_ if w.amp else n  # pow's fp32 result, and what it promotes
+            half = s.alloc(n)  # 0.5 * x
+            cast = s.alloc(f) if f != n else 0
+            cur = s.alloc(f)  # pow
+            s.free(cast)
+            for _ in range(5):  # * 0.044715, x + , * sqrt(2/pi), tanh, 1.0 +
+                nxt = s.alloc(f)
+                s.free(cur)
+                cur = nxt
+            act = s.alloc(f)
+            s.free(half)
+            s.free(cur)
+        else:
+            f = n
+            act = s.alloc(n)
+        s.free(fc)
+        weight_copy("mlp.fc2")
+        down = linear(n if f != n else 0, a_ * t_ * h)
+        if not post_norm:  # GPT2MLP: c_proj's output replaces the activation
+            s.free(act)
+        ff = residual_dropout(down)
+        if post_norm:  # BertOutput: LayerNorm(dropout(dense(x)) + input): the LayerNorm is the caller's output
+            after_layer.extend([s.alloc(hidden), ff, act, mid])
+        else:
+            after_layer.extend([x_in, mid, attn_out, ff])
+
     def layer_forward(i: int, discard: bool = False, recompute: bool = False) -> tuple[list[int], list[int]]:
         g = kinds[i]
-        copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in g.tensors if x in copied]
+        cast_tensors = [x for x in g.tensors if x in copied]
+        copies = [] if lazy_copies(i, discard) else [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
         if i < dead:  # nothing records a node: every cast dies with its call
             s.free_all(copies)
             return [], []
@@ -1100,109 +1291,113 @@ def synthesise(
             closing = closing_of[terms_key] = {
                 f.site.name: k for k, f in enumerate(map(flow_site, (t.name for t in terms))) if f is not None
             }
-        nograd = discard and rms_transients and rotary and not flows and all(t.name in NO_GRAD_TERMS for t in terms)
-        by_name: dict[str, list[int]] = {}
-
-        def drop(*names: str) -> None:
-            for name in names:
-                for key in by_name.pop(name, []):
-                    saved.remove(key)
-                    s.free(key)
-
-        lean = discard and lean_forward
-        norm_locals: list[int] = []  # lean: a norm's rsqrt, to its return
-        attention: list[int] = []  # lean: the attention's input (the norm's output) and locals, to its return
-        block_input = 0  # lean: the MLP's input (the post-attention norm's output), to the layer's end
-        kept: dict[str, int] = {}  # lean: adapted linears' outputs by site, to their readers
-        sdpa_casts: list[int] = []  # lean: SDPA's input casts, to its output
+        # A checkpointed forward of a Llama-style layer: its tensors' lifetimes in a no-grad forward (see
+        # ``nograd_layers`` above); the adapter flows' parts are the flows' own (``kept``, ``lora_flow_forward_end``).
+        nograd = discard and nograd_layers and (bool(flows) or all(t.name in NO_GRAD_TERMS for t in terms))
+        names = {x.name for x in terms}
+        ln_layer = (
+            discard
+            and nograd_ln
+            and names <= NO_GRAD_LAYERNORM_TERMS
+            and "attn.sdpa.lse" in names
+            and ("mlp.act" in names or ("mlp.gelu_python" in names and spec.activation == "gelu_new"))
+        )
+        if lazy_copies(i, discard):  # each weight's cast as its module runs (weight_copy), in a no-grad forward
+            if nograd or ln_layer:
+                for x in cast_tensors:
+                    uncast.setdefault(x.name.rpartition(".")[0], []).append(x)
+            else:
+                copies = [s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
+        if ln_layer:
+            nograd_ln_layer(terms)
+            if uncast or made_casts:
+                copies = [made_casts.pop(x, 0) or s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
+                uncast.clear()
+            return copies, saved
+        norm_locals: list[int] = []  # nograd: a norm's rsqrt, to its return
+        attention: list[int] = []  # nograd: the attention's input (the norm's output) and locals, to its return
+        block_input = 0  # nograd: the MLP's input (the post-attention norm's output), to the layer's end
+        kept: dict[str, int] = {}  # nograd: adapted linears' outputs by site, to their readers
+        sdpa_casts: list[int] = []  # nograd: SDPA's input casts, to its output
         for k, term in enumerate(terms):
-            if nograd and term.name == "norm2.rsqrt":  # attention has returned o_proj's output: the residual add
-                o_proj = s.alloc(hidden)
-                drop("attn.sdpa.qkv", "attn.sdpa.out", "attn.sdpa.lse", "attn_in.input")
-                after_output.append(s.alloc(hidden))
-                s.free(o_proj)
-            if nograd and term.name == "mlp.swiglu" and len(term.pieces) == 4:
-                n_gate, n_act, n_up, n_prod = (rank.saved_bytes(term.name, n) for n in term.pieces)
-                gate_out = s.alloc(n_gate)
-                act_out = s.alloc(n_act)
-                s.free(gate_out)
-                up_out = s.alloc(n_up)
-                by_name[term.name] = [s.alloc(n_prod)]
-                saved += by_name[term.name]
-                s.free(act_out)
-                s.free(up_out)
-                release_pending()
-                continue
             f = flow_site(term.name)
             if f is not None and (open_flow is None or open_flow[0] is not f):
                 open_flow = (f, *lora_flow_forward(f))
                 if f.dora is not None and f.dora.bnb is not None:  # DoRA's norm before lora_A(x) over a 4-bit base
                     dora_weight_norm(f, open_flow[2], graphless=discard)
-            if lean and f is None and term.name.startswith("norm"):
+            if nograd and f is None and term.name in NORM_OUTPUT_TERMS:
+                continue  # the norm's cast and output: nograd_norm made them
+            if nograd and f is None and term.name.startswith("norm"):
                 if term.name.endswith(".rsqrt"):
                     norm_locals += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                     continue
                 if term.name.endswith(".input_fp32") and len(term.tensors()) == 1:
                     if attention:  # the post-attention norm: the attention has returned, its output is added
                         o_out = 0
-                        if unadapted_4bit and "o_proj" not in flows:  # its input is SDPA's, in the compute dtype
-                            o_out = bnb4_linear(0, compute_w * strategy.tokens_per_micro_batch * h, 0)
+                        if "o_proj" not in flows:  # unadapted: o_proj over SDPA's output (in the compute dtype)
+                            t_h = strategy.tokens_per_micro_batch * h
+                            weight_copy("attn.o_proj")
+                            o_out = bnb4_linear(0, compute_w * t_h, 0) if unadapted_4bit else s.alloc(compute_w * t_h)
                         s.free_all(attention[:0:-1])  # SDPA's output, v, k and q, then the attention's input
                         s.free(attention[0])
                         attention.clear()
                         after_layer.append(s.alloc(hidden))  # residual + hidden_states
                         s.free(kept.pop("o_proj", 0))
                         s.free(o_out)
-                        out = lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
+                        out = nograd_norm(rank.saved_bytes(term.name, term.bytes), norm_locals)
                         s.free(block_input)
                         block_input = out
                     else:
-                        attention.append(lean_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
+                        attention.append(nograd_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
                     continue
-            if lean and term.name == "attn.sdpa.lse":
+            if nograd and term.name == "attn.sdpa.lse":
                 s.free_all([s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()])
                 s.free_all(sdpa_casts)
                 sdpa_casts.clear()
                 continue
-            if lean and term.name in ("attn.sdpa.qkv", "attn.sdpa.out") and attention:
+            if nograd and term.name in ("attn.sdpa.qkv", "attn.sdpa.out") and attention:
                 if term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
-                    held, sdpa_casts = lean_attention([rank.saved_bytes(term.name, n) for n in term.pieces], kept)
+                    held, sdpa_casts = nograd_attention([rank.saved_bytes(term.name, n) for n in term.pieces], kept)
                     attention += held
                 else:
                     attention += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
                 continue
-            if lean and term.name == "mlp.swiglu" and len(term.pieces) == 3:
-                # ``act_fn(gate_proj(x)) * up_proj(x)``: the gate's output goes once the activation is made, the
-                # activation and the up projection's output once their product is (LlamaMLP.forward)
-                gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces)
+            if nograd and term.name == "mlp.swiglu" and len(term.pieces) in (3, 4):
+                # ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: the gate's output goes once the activation is
+                # made, the activation and the up projection's output once their product is, the product once
+                # down_proj's output exists (LlamaMLP.forward); the pieces: gate, act, up (and the product, which a
+                # trained down projection would save)
+                gate, act_n, up = (rank.saved_bytes(term.name, n) for n in term.pieces[:3])
+                prod_n = rank.saved_bytes(term.name, term.pieces[3]) if len(term.pieces) == 4 else gate
                 t_i = strategy.tokens_per_micro_batch * spec.intermediate_size
                 w_mlp = max(1, gate // t_i)  # the projections' output width
                 x_cast = compute_w * strategy.tokens_per_micro_batch * h if w.residual != compute_w else 0
 
-                def mlp_in(n: int, x_cast: int = x_cast, w_mlp: int = w_mlp) -> int:
-                    return bnb4_linear(x_cast, n * compute_w // w_mlp, n) if unadapted_4bit else s.alloc(n)
+                def mlp_in(n: int, module: str, x_cast: int = x_cast, w_mlp: int = w_mlp) -> int:
+                    weight_copy(f"mlp.{module}")
+                    return bnb4_linear(x_cast, n * compute_w // w_mlp, n) if unadapted_4bit else linear(x_cast, n)
 
                 a_key = kept.pop("act", 0)  # an adapted gate's activation, made as its flow returned
                 if not a_key:
-                    g_key = mlp_in(gate)
+                    g_key = mlp_in(gate, "gate_proj")
                     a_key = s.alloc(act_n)
                     s.free(g_key)
-                u_key = kept.pop("up_proj", 0) or mlp_in(up)
-                product = s.alloc(gate)
+                u_key = kept.pop("up_proj", 0) or mlp_in(up, "up_proj")
+                product = s.alloc(prod_n)
                 s.free(a_key)
                 s.free(u_key)
                 if not any(x.site.reads is SiteInput.MLP_ACT for x in flows.values()):
-                    if unadapted_4bit:  # down_proj over the product: its chain, its output to the layer's sum
-                        t_h = strategy.tokens_per_micro_batch * h
+                    # down_proj over the product (a 4-bit base: its chain), its output to the layer's sum
+                    t_h = strategy.tokens_per_micro_batch * h
+                    weight_copy("mlp.down_proj")
+                    if unadapted_4bit:
                         out = bnb4_linear(
                             gate * compute_w // w_mlp if w_mlp != compute_w else 0, compute_w * t_h, w_mlp * t_h
                         )
-                        s.free(product)
-                        after_layer.append(out)
                     else:
-                        out = s.alloc(hidden)
-                        s.free(product)
-                        s.free(out)
+                        out = s.alloc(w_mlp * t_h)
+                    s.free(product)
+                    after_layer.append(out)
                     product = 0
                 continue
             if term.role is TermRole.SOFTMAX_OUTPUT and chain_forward:
@@ -1211,8 +1406,7 @@ def synthesise(
                 s.free(transient)
                 continue
             if rotary and term.name == "attn.sdpa.qkv" and len(term.pieces) == 3:
-                by_name[term.name] = rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
-                saved += by_name[term.name]
+                saved += rotary_qkv([rank.saved_bytes(term.name, n) for n in term.pieces])
                 release_pending()
                 continue
             if f is not None and f.dora is not None and open_flow is not None and term.name.endswith(".dora_base_out"):
@@ -1225,7 +1419,6 @@ def synthesise(
                 (int8_recomputed if recompute else int8_ctx).extend(keys)
                 keys = []
             saved += keys
-            by_name[term.name] = list(keys)
             release_pending()
             if rms_transients and term.name.endswith(".input_fp32") and len(keys) == 1:
                 # LlamaRMSNorm.forward: ``hidden_states.to(torch.float32)`` (the saved input), ``.pow(2)`` (freed
@@ -1234,15 +1427,10 @@ def synthesise(
                 n = rank.saved_bytes(term.name, term.bytes)
                 s.free(s.alloc(n))
                 pending.append([s.alloc(n), 2])
-                if nograd:
-                    drop(term.name)
-            if nograd and term.name in ("attn_in.input", "mlp_in.input"):  # the norm has returned its output
-                norm = "norm1" if term.name == "attn_in.input" else "norm2"
-                drop(f"{norm}.rsqrt", f"{norm}.normed")
             if f is not None:
                 own[term.name] = keys
                 plain = f.dora is None or f.dora.bnb is not None  # DoRA over a 4-bit base: its x is the caller's
-                if lean and plain and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
+                if nograd and plain and term.name.endswith(".lora_A_out") and (w.amp or dropout_on):
                     # lora_A's input under autocast (its cast) or after dropout (the dropped copy) is a temporary of
                     # ``lora_A(dropout(x))``, gone once lora_A's output exists; PEFT's own cast is ``x``, to the
                     # call's end
@@ -1253,11 +1441,11 @@ def synthesise(
                     dora_weight_norm(f, open_flow[2])
                 if closing[f.site.name] == k and open_flow is not None:
                     read: list[int] = []
-                    if lean and f.dora is not None and f.dora.bnb is not None:
+                    if nograd and f.dora is not None and f.dora.bnb is not None:
                         read = own.pop(f"lora.{f.site.name}.dora_lora_out", [])
                         for key in read:
                             saved.remove(key)
-                    result = lora_flow_forward_end(*open_flow, keep=lean, read=read)
+                    result = lora_flow_forward_end(*open_flow, keep=nograd, read=read)
                     open_flow = None
                     if f.site.name == "down_proj":  # the MLP's output: to the layer's ``residual + hidden_states``
                         after_layer.append(result)
@@ -1297,9 +1485,9 @@ def synthesise(
         for k, _ in pending:
             s.free(k)
         pending.clear()
-        if nograd:  # the MLP has returned down_proj's output
-            after_output.insert(0, s.alloc(hidden))
-            drop("mlp.swiglu", "mlp_in.input")
+        if uncast or made_casts:  # the casts made by the modules, in the layer's tensor order (the caller's)
+            copies = [made_casts.pop(x, 0) or s.alloc(rank.copy_bytes(x, r.compute_bits)) for x in cast_tensors]
+            uncast.clear()
         return copies, saved
 
     def lora_flow_backward(f: LoraFlow, i: int, saved: list[int], layer_grads: list[int], micro: int) -> None:
@@ -1413,9 +1601,13 @@ def synthesise(
         # Backward: the loss gradients, then the head (the autograd thread's workspaces after its first matmul).
         # nll_loss's dense gradient, then log_softmax's (fp32; a masked-LM's autocast log_softmax returns the
         # 16-bit input's dtype), then the fp32 copy's backward casts it back to the logits' dtype.
-        g_nll = s.alloc(4 * n_logits)
+        # Without the upcast or autocast (a masked LM's cross-entropy over 16-bit logits: BertForMaskedLM calls
+        # CrossEntropyLoss on them as they are) log_softmax and both gradients are in the logits' dtype
+        # (derivatives.yaml: ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s outputs take their input's).
+        lp = 4 if upcast or w.amp else la
+        g_nll = s.alloc(lp * n_logits)
         mlm_amp = spec.kind is ModelKind.MASKED_LM and w.amp
-        g_lsm = s.alloc((a if mlm_amp else 4) * n_logits)
+        g_lsm = s.alloc((a if mlm_amp else lp) * n_logits)
         s.free(g_nll)
         s.free(log_softmax)
         g_logits = g_lsm
@@ -1584,9 +1776,7 @@ def synthesise(
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
-                s.free_all(after_output)  # the no-grad forward's down_proj output and first residual add
-                after_output.clear()
-                s.free_all(after_layer)  # a lean checkpointed forward's post-attention residual
+                s.free_all(after_layer)  # a no-grad forward's post-attention residual and MLP output
                 after_layer.clear()
                 if not kept_input:
                     s.free(residual)
