@@ -307,3 +307,83 @@ def test_the_allocators_rounding_is_not_extrapolated_in_depth() -> None:
     rounding = ext.extra["allocator_rounding"]
     assert rounding["optimizer-step"] > 2**20  # the mechanism is there to be carried
     assert "allocator_rounding" not in full.extra  # a full-depth measurement is its allocated peak as it is
+
+
+class ReservingStandIn(CpuStandIn):
+    """The stand-in whose caching allocator keeps a fixed ``EXTRA`` bytes of free segments above what is allocated
+    (reserved = allocated + EXTRA at every moment)."""
+
+    EXTRA = 6 * 2**20
+    label = "cpu stand-in, reserving"
+
+    def memory_reserved(self) -> int:
+        return self.now + self.EXTRA
+
+    def max_memory_reserved(self) -> int:
+        return self.top + self.EXTRA
+
+
+def test_the_reserve_is_the_devices_at_full_depth_and_the_traces_when_extrapolated() -> None:
+    """The fit verdict adds the allocator's reserve to the allocated peak. At full depth it is the device's own
+    (max reserved − max allocated: exactly the stand-in's EXTRA); extrapolated, reserved bytes are not linear in
+    depth, so it is the trace's simulated reserve (what ``--method trace`` reports for the same run); without the
+    trace, the fixed fraction. Before 2026-12-04 it was the fixed fraction always."""
+    from trainfit.allocator import AllocatorConfig
+    from trainfit.allocator.workspaces import parse_torch_version
+    from trainfit.overhead import ALLOCATOR_RESERVE_FRACTION
+    from trainfit.trace.api import trace_spec
+
+    spec = tiny_spec("llama", **SPEC)
+    st = Strategy(micro_batch=2, seq_len=64, precision="amp-bf16")
+
+    def measured(**kw: Any) -> Any:
+        dev = ReservingStandIn()
+        with dev:
+            return measure_spec(spec, st, memory=dev, **kw)
+
+    full = measured(extrapolate=False, with_trace=False)
+    assert full.overhead.allocator_reserve_bytes == ReservingStandIn.EXTRA
+    assert any("reserved memory as measured" in n for n in full.notes)
+    conf = AllocatorConfig.parse("expandable_segments:True")
+    ext = measured(allocator=conf, compute_capability=(8, 0))
+    traced = trace_spec(
+        spec, st, allocator=conf, compute_capability=(8, 0), torch_version=parse_torch_version(torch.__version__)
+    )
+    assert ext.overhead.allocator_reserve_bytes == traced.overhead.allocator_reserve_bytes
+    assert ext.overhead.allocator_reserve_bytes != int(ext.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
+    assert any("simulated allocator" in n for n in ext.notes)
+    bare = measured(with_trace=False)
+    assert bare.overhead.allocator_reserve_bytes == int(bare.peak_bytes * ALLOCATOR_RESERVE_FRACTION)
+    assert any("fixed fraction" in n for n in bare.notes)
+
+
+def test_estimate_with_method_measure_adds_the_gpus_outside_and_no_second_workspace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``estimate(method="measure")`` on the stand-in device: the measured phases as measured (the device's
+    allocations already hold the cuBLAS workspaces: none is added), the device's reserve, the catalog GPU's memory
+    outside the allocator, and a fit verdict on exactly reserved + outside."""
+    import trainfit.measure as measure_pkg
+    from trainfit import estimate
+
+    spec = tiny_spec("llama", **SPEC)
+    st = Strategy(micro_batch=2, seq_len=64, precision="amp-bf16")
+    real = measure_pkg.measure_spec
+
+    def on_stand_in(*a: Any, **k: Any) -> Any:
+        dev = ReservingStandIn()
+        with dev:
+            return real(*a, memory=dev, extrapolate=False, with_trace=False, **k)
+
+    monkeypatch.setattr(measure_pkg, "measure_spec", on_stand_in)
+    direct = on_stand_in(spec, st)
+    r = estimate(spec, st, method="measure", gpu="h100-sxm-80gb", fixes=False)
+    for a, b in zip(r.phases, direct.phases, strict=True):  # two runs of the stand-in: a few blocks may differ
+        assert abs(a.total_bytes - b.total_bytes) <= 4096, (a.phase, a.total_bytes, b.total_bytes)
+    assert all(p.components.get(Component.WORKSPACES, 0) == 0 for p in r.phases)
+    assert r.overhead.allocator_reserve_bytes == ReservingStandIn.EXTRA
+    analytic = estimate(spec, st, gpu="h100-sxm-80gb", fixes=False)  # the same GPU's context and kernels
+    assert r.overhead.outside_allocator_bytes == analytic.overhead.outside_allocator_bytes > 0
+    assert r.fit is not None and r.fit.required_bytes == r.peak_bytes + ReservingStandIn.EXTRA + (
+        r.overhead.outside_allocator_bytes
+    )

@@ -68,3 +68,20 @@ def test_extrapolated_measurement_equals_full_depth(kw: dict[str, object]) -> No
         assert abs(e - f) <= max(DEPTH_SLACK_BYTES, 0.01 * f), (ph, e, f)
         traced = int(ext.extra["trace"][ph.value]) + _workspace_bytes()
         assert abs(e - traced) <= max(ROUNDING_SLACK_BYTES, 0.02 * traced), (ph, e, traced)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_catalog_model_is_measured_within_two_percent_of_the_trace() -> None:
+    """Issue 9's bound at a realistic size, where the tiny model's 32 MiB floor (about 9% of its phases) cannot hide
+    a miss: qwen2.5-0.5b amp-bf16 2 × 1024, extrapolated as the CLI does, against the trace plus the workspaces, per
+    phase within 2%; the reserve is the trace's simulated one (measure/gpu.py), so the verdict's reserved figure is
+    ``--method trace``'s above the measured peak. About 6 s on an H200 plus a 15 s trace."""
+    from trainfit.arch import load_model
+
+    r = measure_spec(load_model("qwen2.5-0.5b"), Strategy(micro_batch=2, seq_len=1024))
+    assert r.extra["extrapolated"] and not r.warnings, r.warnings
+    for ph in Phase:
+        measured, traced = r.phase(ph).total_bytes, int(r.extra["trace"][ph.value]) + _workspace_bytes()
+        assert abs(measured / traced - 1) <= 0.02, (ph, measured, traced)
+    assert any("simulated allocator" in n for n in r.notes), r.notes

@@ -35,6 +35,15 @@ tensors (512-byte blocks); the rest of each total — gradients, activations, lo
 allocator's rounding and the cuBLAS workspace, which the caching allocator also serves — is reported as
 temporaries.
 
+The reserve (``max_memory_reserved`` − ``max_memory_allocated``, what the fit verdict adds to the allocated
+peak) is the device's own at full depth: the largest reserved reading over the measured phases less the allocated
+peak. Extrapolated, the reserved bytes are not linear in depth (they depend on which segments the allocator made and
+kept), so the reserve is the trace's: its events, stitched to full depth with this device's cuBLAS workspaces,
+replayed through the caching-allocator simulation under this process's ``PYTORCH_CUDA_ALLOC_CONF``
+(:func:`trainfit.trace.events.reserved_from_trace`, what ``--method trace`` reports) — the measurement runs that
+trace anyway. Only without the trace (``with_trace=False``) does it fall back to the fixed fraction of
+:mod:`trainfit.overhead`; the report's notes say which (before 2026-12-04 it was always the fixed fraction).
+
 The device is a :class:`DeviceMemory`: :class:`CudaMemory` by default; tests pass a stand-in that counts
 real CPU storages, so the bookkeeping runs in CI without a GPU.
 """
@@ -42,6 +51,7 @@ real CPU storages, so the bookkeeping runs in CI without a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Mapping
@@ -50,6 +60,8 @@ from typing import Protocol
 
 import torch
 
+from trainfit.allocator import AllocatorConfig
+from trainfit.allocator.workspaces import parse_torch_version
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import DependencyError
 from trainfit.result import (
@@ -58,6 +70,7 @@ from trainfit.result import (
     MemoryReport,
     Method,
     ModuleRow,
+    Overhead,
     Phase,
     PhaseBreakdown,
     TraceDetails,
@@ -288,9 +301,13 @@ def measure_spec(
     with_trace: bool = True,
     modules: bool = False,
     memory: DeviceMemory | None = None,
+    allocator: AllocatorConfig | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> MemoryReport:
     """Run ``spec`` under ``strategy`` on the current CUDA device (or ``memory``'s) and report measured
-    peaks per phase."""
+    peaks per phase. ``allocator`` and ``compute_capability``: what the trace's simulated reserve assumes when the
+    measurement is extrapolated (module docstring; None: this process's ``PYTORCH_CUDA_ALLOC_CONF`` and the CUDA
+    device's capability, 9.0 for a stand-in device)."""
     if memory is None:
         if not torch.cuda.is_available():
             raise DependencyError(
@@ -353,16 +370,33 @@ def measure_spec(
     trace_totals: dict[Phase, int] | None = None
     gap: dict[Phase, int] | None = None
     rows: tuple[ModuleRow, ...] = ()
+    tr: MemoryReport | None = None
     if with_trace:
-        tr = trace_spec(spec, strategy, steps=steps, adamw_impl=adamw_impl, extrapolate=extrapolate, modules=modules)
+        simulated = None
+        if plan.ext:  # the reserve from the trace's simulated allocator (module docstring)
+            simulated = {
+                "allocator": allocator if allocator is not None else AllocatorConfig.from_env(),
+                "compute_capability": compute_capability or _capability(memory),
+                "torch_version": parse_torch_version(torch.__version__),
+            }
+        tr = trace_spec(
+            spec,
+            strategy,
+            steps=steps,
+            adamw_impl=adamw_impl,
+            extrapolate=extrapolate,
+            modules=modules,
+            **simulated or {},  # type: ignore[arg-type]
+        )
         trace_totals = {ph: tr.phase(ph).total_bytes for ph in Phase}
         gap = {ph: phases[ph].total_bytes - trace_totals[ph] for ph in Phase}
         rows = tr.details.modules if isinstance(tr.details, TraceDetails) else ()
+    reserved = _reserved(measured, plan.ext)
     details = MeasureDetails(
         layers_traced=tuple(len(layout.layers) for _, layout in plan.layouts),
         extrapolated=bool(plan.ext),
         device=memory.name(),
-        max_memory_reserved=_reserved(measured, plan.ext),
+        max_memory_reserved=reserved,
         measure_seconds=round(time.perf_counter() - t0, 2),
         modules=rows,
         trace=trace_totals,
@@ -370,13 +404,14 @@ def measure_spec(
         allocator_rounding=rounding or None,
     )
     peak = max(p.total_bytes for p in phases.values())
+    overhead, reserve_note = _reserve(peak, reserved, tr)
     return MemoryReport(
         method=Method.MEASURE,
         model_name=spec.name,
         params=plan.params,
         trainable_params=plan.params,
         phases=tuple(phases[ph] for ph in Phase),
-        overhead=readout.overhead(peak),
+        overhead=overhead,
         bytes_per_param=readout.bytes_per_param(phases, plan.params),
         notes=(
             "measured with torch.cuda.max_memory_allocated between the trace's marks, step 2 onwards",
@@ -392,6 +427,7 @@ def measure_spec(
             "the device reports totals: weights, master weights and optimizer states are sized from the live "
             "tensors; gradients, activations, logits and temporaries (and the cuBLAS workspace and the allocator's "
             "block rounding) are under temporaries",
+            reserve_note,
         ),
         warnings=tuple(warnings),
         details=details,
@@ -412,6 +448,36 @@ def _with_rounding(
         comps[C.TEMPORARIES] = comps.get(C.TEMPORARIES, 0) + rounding.get(ph, 0)
         out[ph] = readout.breakdown(ph, comps)
     return out, rounding
+
+
+def _reserve(peak: int, reserved: Mapping[Phase, int], trace: MemoryReport | None) -> tuple[Overhead, str]:
+    """The report's overhead and the note on where its allocator reserve comes from (module docstring): the
+    device's own reserved peak at full depth, else the trace's simulated reserve, else the fixed fraction."""
+    fixed = readout.overhead(peak)
+    if reserved:
+        top = max(reserved.values())
+        return dataclasses.replace(fixed, allocator_reserve_bytes=max(0, top - peak)), (
+            f"reserved memory as measured: max_memory_reserved {top / 2**30:.2f} GiB at full depth"
+        )
+    if trace is not None and isinstance(trace.details, TraceDetails) and trace.details.allocator is not None:
+        reserve = trace.overhead.allocator_reserve_bytes
+        return dataclasses.replace(fixed, allocator_reserve_bytes=reserve), (
+            f"reserved memory: extrapolated runs do not measure it; the trace's simulated allocator reserves "
+            f"{reserve / 2**30:.2f} GiB above its allocated peak (--method trace's figure), added to the measured peak"
+        )
+    return fixed, (
+        "reserved memory: the fixed fraction of the allocated peak (an extrapolated measurement without the trace "
+        "measures no reserve)"
+    )
+
+
+def _capability(memory: DeviceMemory) -> tuple[int, int]:
+    """The compute capability whose cuBLAS workspaces the trace's simulated reserve counts: the CUDA device's, or
+    an H100/H200's (9.0) for a stand-in device."""
+    if isinstance(memory, CudaMemory):
+        major, minor = torch.cuda.get_device_capability()
+        return int(major), int(minor)
+    return (9, 0)
 
 
 def _reserved(measured: list[_LayoutMeasurement], ext: list[int]) -> Mapping[Phase, int]:
