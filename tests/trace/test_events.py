@@ -427,3 +427,35 @@ def test_the_analytic_stream_replays_the_loss_savers(loss: str, chunks: int, pre
     traced_change = traced.peak_reserved_bytes - traced_plain.peak_reserved_bytes
     assert abs(change - traced_change) <= 0.01 * traced.peak_reserved_bytes
     assert analytic.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.04)
+
+
+@pytest.mark.parametrize(
+    ("model", "precision", "batch", "seq"),
+    [
+        ("llama", "amp-bf16", 1, 128),
+        ("llama", "pure-bf16", 1, 128),
+        ("llama", "pure-bf16", 2, 256),
+        ("qwen2", "pure-bf16", 1, 128),
+    ],
+)
+def test_the_analytic_stream_replays_the_optimizer_in_backward(
+    model: str, precision: str, batch: int, seq: int
+) -> None:
+    """torchtune's optimizer in backward (trace.savers ``OptimizerInBackward``): each parameter's gradient stepped and
+    freed by its post-accumulate-grad hook, its states made there in the first step, the optimizer step empty. The
+    stream replays it (``accumulated`` in ``events.synthesise``; under autocast the head's 16-bit weight gradient cast
+    into the .grad once the head's node has released its weight copy, as the trace orders it). Reserved within 1% of
+    the traced run (one 2 MiB segment is 0.6–1% of these 200–360 MiB runs), allocated within 0.5%. Before, the stream
+    ran the plain step (every gradient held to the optimizer step): allocated −0.8…+7.8%, reserved +5.8…+10.1% on
+    these cells (untied llama amp 1 × 128 +10.1%, pure 1 × 128 +10.0%, pure 2 × 256 +5.8%; tied qwen2 pure 1 × 128
+    +9.3%)."""
+    from trainfit.allocator.workspaces import training_workspaces
+    from trainfit.analytic.events import simulate_training
+    from trainfit.strategy import MemorySavers
+
+    spec = tiny_spec(model, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, vocab_size=8192)
+    st = Strategy(precision=precision, micro_batch=batch, seq_len=seq, savers=MemorySavers(optimizer_in_backward=True))
+    traced = reserved_from_trace(spec, st, AllocatorConfig()).result
+    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0)))
+    assert analytic.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.005)
+    assert analytic.peak_reserved_bytes == pytest.approx(traced.peak_reserved_bytes, rel=0.01)
