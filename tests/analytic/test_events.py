@@ -205,10 +205,10 @@ def test_simulations_are_memoised_on_their_inputs() -> None:
 
 @pytest.mark.parametrize("savers", [MemorySavers(activation_offload=True)], ids=["activation-offload"])
 def test_savers_the_stream_does_not_read_share_its_simulation(savers: MemorySavers) -> None:
-    """``stream_strategy`` drops the savers :func:`synthesise` does not read: the same events, so one simulation
-    serves both, on a tied and an untied model."""
-    plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16")
-    s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", savers=savers)
+    """``stream_strategy`` drops the savers :func:`synthesise` does not read (activation offloading under
+    checkpointing): the same events, so one simulation serves both, on a tied and an untied model."""
+    plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="full")
+    s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="full", savers=savers)
     for slug in ("llama-3.1-8b", "gpt2"):
         spec = load_model(slug)
         assert stream_strategy(spec, s) == plain and stream_strategy(spec, plain) is plain
@@ -229,14 +229,14 @@ def test_savers_the_stream_does_not_read_share_its_simulation(savers: MemorySave
 )
 def test_the_loss_savers_are_replayed_and_stay_in_the_stream_key(savers: MemorySavers) -> None:
     """torchtune's chunked loss and Liger's fused linear loss are replayed (``chunked_loss``/``fused_loss`` in
-    ``synthesise``): the stream reads them, on a tied and an untied model alike (offloading is still dropped); each
+    ``synthesise``): the stream reads them, on a tied and an untied model alike (offloading too, without
+    checkpointing: ``offloaded`` in ``synthesise``); each
     chunk count is its own stream, and the fused loss's key does not depend on the chunk count it does not read."""
     plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16")
     s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", savers=savers)
-    loss_only = replace(savers, activation_offload=False)
     for slug in ("llama-3.1-8b", "gpt2"):
         spec = load_model(slug)
-        assert stream_strategy(spec, s).savers == loss_only
+        assert stream_strategy(spec, s).savers == savers
         assert training_events(spec, s) != training_events(spec, plain)
     untied = load_model("llama-3.1-8b")
     other = replace(s, savers=replace(savers, loss_chunks=savers.loss_chunks + 1))

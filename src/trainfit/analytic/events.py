@@ -35,7 +35,11 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   the backward as the input's gradient and the ``.grad``); torchtune's optimizer in backward: each trained tensor's
   ``.grad`` stepped and freed by its post-accumulate-grad hook as AccumulateGrad makes it (its states made there in
   the first step; a tied table's once autograd has summed it; the head's after its matmul's node), the optimizer step
-  empty; activation offloading is not in the stream (:func:`stream_strategy`);
+  empty; torchtune's activation offloading without checkpointing, coarsely: a layer's saves of >= 1 KiB freed on the
+  device at the layer's end (the trace frees each once out of its stash of 5 packs), autocast's cached copies held
+  to the forward's end, and the whole layer's saves back as new device copies from its backward's start to its end
+  (the trace holds two autograd nodes' copies at a time, weight views included); with checkpointing it is not in the
+  stream (:func:`stream_strategy`);
 * a checkpointed forward of a Llama-style layer with adapter flows keeps no saves (non-reentrant
   ``torch.utils.checkpoint`` packs nothing): each tensor lives as long as the module's Python forward holds it — the
   norms' outputs to their sub-block's return, q/k/v to the rotary embedding and SDPA, SwiGLU's operands to their
@@ -86,7 +90,7 @@ from trainfit.analytic.adapters import (
     site_tensors,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.savers import liger_chunk_tokens
+from trainfit.analytic.savers import MIN_OFFLOAD_BYTES, liger_chunk_tokens
 from trainfit.analytic.states import (
     ParamState,
     model_states,
@@ -99,7 +103,7 @@ from trainfit.analytic.states import (
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import BNB_4BIT_BLOCK
-from trainfit.strategy import AdapterKind, LossImpl, MemorySavers, Quantization, Strategy
+from trainfit.strategy import AdapterKind, Checkpointing, LossImpl, MemorySavers, Quantization, Strategy
 
 __all__ = [
     "STEPS",
@@ -129,12 +133,21 @@ class Stream:
         self.events: list[Event] = []
         self._next = 0
         self._sim = sim
+        #: Each live-or-dead allocation's bytes by key, when a caller asks for them (``track_sizes``).
+        self.sizes: dict[int, int] | None = None
+
+    def track_sizes(self) -> None:
+        """Record every later allocation's bytes in :attr:`sizes` (activation offloading reads its saves' sizes)."""
+        if self.sizes is None:
+            self.sizes = {}
 
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         """A new allocation's key (0 for nothing); ``stream``: the CUDA stream it is made on (the caching
         allocator keeps each stream's freed blocks for that stream)."""
         self._next += 1
         if nbytes > 0:
+            if self.sizes is not None:
+                self.sizes[self._next] = nbytes
             sim = self._sim
             if sim is None:
                 self.events.append(Event(Op.ALLOC, self._next, nbytes, stream))
@@ -733,6 +746,10 @@ def synthesise(
     # post-accumulate-grad hook steps its own optimizer and drops the .grad as soon as AccumulateGrad has made it —
     # in the first step the optimizer's states for it are made there, inside the first backward
     in_bwd = strategy.savers.optimizer_in_backward
+    # torchtune's activation offloading, replayed without checkpointing (stream_strategy)
+    offload = strategy.savers.activation_offload and not segment_of
+    if offload:
+        s.track_sizes()
     state_bits = 32 if r.master_bits else r.state_bits
 
     # Optimizer in backward under autocast: the head matmul's 16-bit weight gradient (of autocast's copy) is cast into
@@ -1591,6 +1608,7 @@ def synthesise(
             forward_cache: list[int] = []  # checkpointed layers' cached autocast copies, freed after the loss
             kv_cache: list[int] = []
             residual = s.alloc(hidden)
+            offloaded: dict[int, list[int]] = {}  # activation offloading: each layer's offloaded saves' bytes
             for i in range(spec.num_layers):
                 kept_input = bool(segment_of) and (i == 0 or segment_of[i] != segment_of[i - 1])
                 if kept_input:  # the segment's input, kept for its recompute: the residual tensor itself
@@ -1608,6 +1626,19 @@ def synthesise(
                     s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x, i))
                     copies, saved = [], []
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
+                if offload:
+                    # torchtune's OffloadActivations: the layer's saves of >= 1 KiB go to pinned host memory, their
+                    # device tensors freed once out of the forward stash (here at the layer's end); autocast's cached
+                    # copies live to the autocast region's exit, a frozen weight's per-call cast dies with its call
+                    sizes = s.sizes if s.sizes is not None else {}
+                    big = [k for k in saved if sizes.get(k, 0) >= MIN_OFFLOAD_BYTES]
+                    offloaded[i] = [sizes[k] for k in big]
+                    s.free_all(big)
+                    saved = [k for k in saved if sizes.get(k, 0) < MIN_OFFLOAD_BYTES]
+                    cast = [x for x in kinds[i].tensors if x in copied] if copies else []
+                    forward_cache += [c for c, x in zip(copies, cast, strict=True) if cached_in_forward(x, i)]
+                    s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x, i))
+                    copies = []
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
                 s.free_all(after_output)  # the no-grad forward's down_proj output and first residual add
@@ -1733,6 +1764,8 @@ def synthesise(
             for i in reversed(range(dead, spec.num_layers)):  # a dead layer has no backward
                 g = kinds[i]
                 copies, saved = layers[i]
+                if i in offloaded:  # unpacked: a new device copy of each offloaded save, to the layer's end
+                    saved = saved + [s.alloc(n) for n in offloaded.pop(i)]
                 if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
                     # Recompute the segment that ends here: every layer of it saves again.
                     seg = segment_of[i]
@@ -1893,15 +1926,19 @@ def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
     reads: ``paged_optimizer`` (no optimizer states in the stream), a causal LM's chunked loss and its chunk count
     and the fused linear loss (replayed chunk by chunk, ``chunked_loss`` and ``fused_loss`` in :func:`synthesise`;
     the chunk count only under the chunked loss), ``optimizer_in_backward`` (each gradient stepped and freed by its
-    hook), and for a token table tied to another head the loss too
-    (:func:`~trainfit.analytic.states.tied_gradient_sum`); ``activation_offload`` not at all."""
+    hook), ``activation_offload`` without checkpointing (the layers' saves off the device between their forward and
+    backward), and for a token table tied to another head the loss too
+    (:func:`~trainfit.analytic.states.tied_gradient_sum`); offloading under checkpointing not at all."""
     sv = strategy.savers
     if not sv.any:
         return strategy
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
     replayed = sv.loss is not LossImpl.STANDARD and spec.kind is ModelKind.CAUSAL_LM
     chunks = sv.loss_chunks if sv.loss is LossImpl.CHUNKED else MemorySavers().loss_chunks
-    read = MemorySavers(paged_optimizer=sv.paged_optimizer, optimizer_in_backward=sv.optimizer_in_backward)
+    offload = sv.activation_offload and strategy.checkpointing is Checkpointing.NONE
+    read = MemorySavers(
+        paged_optimizer=sv.paged_optimizer, optimizer_in_backward=sv.optimizer_in_backward, activation_offload=offload
+    )
     kept = replace(read, loss=sv.loss, loss_chunks=chunks) if tied or replayed else read
     return strategy if kept == sv else replace(strategy, savers=kept)
 

@@ -40,7 +40,8 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   saves, the layers keep nothing, autocast's layer copies die with the forward, a layer's backward holds two nodes'
   unpacked copies (bounded by twice the largest linear's input and weight). With checkpointing: two checkpoint
   inputs. torchtune keeps the output projection's tensors on the GPU (``NoOpManager``), so the head and the logits
-  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py).
+  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py). The reserved memory's stream
+  replays it layer by layer without checkpointing (trainfit.analytic.events ``offloaded``).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -292,7 +293,8 @@ def saver_notes(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
         out.append("selective recompute (Korthikanti et al. 2022 §5): only the attention core is recomputed")
     if sv.any:
         out.append(
-            "reserved memory: the allocator simulation replays the loss savers and the optimizer in backward, not "
-            "activation offloading; its overhead above its own allocated peak is added to this peak"
+            "reserved memory: the allocator simulation replays the loss savers, the optimizer in backward and, "
+            "without checkpointing, activation offloading (layer by layer); its overhead above its own allocated "
+            "peak is added to this peak"
         )
     return tuple(out)
