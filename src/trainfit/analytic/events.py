@@ -32,8 +32,14 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   matmul, fp32 copy and log-softmax output; every chunk's loss backward before the head's per-chunk matmul
   backwards; the head's chunk gradients summed, the first sum out of place) and Liger's fused linear cross-entropy
   chunk of tokens by chunk (no logits kept; ``grad_input`` and ``grad_weight`` made in the forward and handed to
-  the backward as the input's gradient and the ``.grad``); activation offloading and optimizer-in-backward are not
-  in the stream (:func:`stream_strategy`);
+  the backward as the input's gradient and the ``.grad``); torchtune's optimizer in backward: each trained tensor's
+  ``.grad`` stepped and freed by its post-accumulate-grad hook as AccumulateGrad makes it (its states made there in
+  the first step; a tied table's once autograd has summed it; the head's after its matmul's node), the optimizer step
+  empty; torchtune's activation offloading without checkpointing, coarsely: a layer's saves of >= 1 KiB freed on the
+  device at the layer's end (the trace frees each once out of its stash of 5 packs), autocast's cached copies held
+  to the forward's end, and the whole layer's saves back as new device copies from its backward's start to its end
+  (the trace holds two autograd nodes' copies at a time, weight views included); with checkpointing it is not in the
+  stream (:func:`stream_strategy`);
 * a checkpointed forward keeps no saves (non-reentrant ``torch.utils.checkpoint`` packs nothing): each tensor lives
   as long as the module's Python forward holds it. For Llama-style layers one path (``nograd`` in ``synthesise``),
   16-bit or under autocast over fp32 weights, with or without adapter flows (whose parts — each adapter's output to
@@ -89,19 +95,20 @@ from trainfit.analytic.adapters import (
     site_tensors,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.savers import liger_chunk_tokens
+from trainfit.analytic.savers import MIN_OFFLOAD_BYTES, liger_chunk_tokens
 from trainfit.analytic.states import (
     ParamState,
     model_states,
     optimizer_state_tensors,
     param_states,
+    tensor_step_temp_bytes,
     tied_gradient_sum,
     tied_sum_modelled,
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
 from trainfit.cuda_facts import BNB_4BIT_BLOCK
-from trainfit.strategy import AdapterKind, LossImpl, MemorySavers, Quantization, Strategy
+from trainfit.strategy import AdapterKind, Checkpointing, LossImpl, MemorySavers, Quantization, Strategy
 
 __all__ = [
     "STEPS",
@@ -131,12 +138,21 @@ class Stream:
         self.events: list[Event] = []
         self._next = 0
         self._sim = sim
+        #: Each live-or-dead allocation's bytes by key, when a caller asks for them (``track_sizes``).
+        self.sizes: dict[int, int] | None = None
+
+    def track_sizes(self) -> None:
+        """Record every later allocation's bytes in :attr:`sizes` (activation offloading reads its saves' sizes)."""
+        if self.sizes is None:
+            self.sizes = {}
 
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         """A new allocation's key (0 for nothing); ``stream``: the CUDA stream it is made on (the caching
         allocator keeps each stream's freed blocks for that stream)."""
         self._next += 1
         if nbytes > 0:
+            if self.sizes is not None:
+                self.sizes[self._next] = nbytes
             sim = self._sim
             if sim is None:
                 self.events.append(Event(Op.ALLOC, self._next, nbytes, stream))
@@ -760,6 +776,33 @@ def synthesise(
     chain_forward = eager_forward_moment(spec, strategy)[1]
     chain_backward = eager_backward_moment(spec, strategy)[1]
     optimizer_created = False
+    # torchtune's optimizer in backward (torchtune/training/memory.py ``register_optim_in_bwd_hooks``): a parameter's
+    # post-accumulate-grad hook steps its own optimizer and drops the .grad as soon as AccumulateGrad has made it —
+    # in the first step the optimizer's states for it are made there, inside the first backward
+    in_bwd = strategy.savers.optimizer_in_backward
+    # torchtune's activation offloading, replayed without checkpointing (stream_strategy)
+    offload = strategy.savers.activation_offload and not segment_of
+    if offload:
+        s.track_sizes()
+    state_bits = 32 if r.master_bits else r.state_bits
+
+    # Optimizer in backward under autocast: the head matmul's 16-bit weight gradient (of autocast's copy) is cast into
+    # the .grad by ToCopyBackward0 once the matmul's node has released the copy, and the hook steps that .grad (the
+    # trace's order): (the 16-bit gradient's key, the .grad's bytes) until the head's node returns
+    casts: list[tuple[int, int]] = []
+
+    def accumulated(x: ParamTensor, key: int) -> int:
+        """The .grad ``key`` of one ``x`` as AccumulateGrad leaves it: kept to ``zero_grad`` (returned), or under the
+        optimizer in backward stepped by the hook — the tensor's states in the first step, its step's temporaries —
+        and freed (0), as the traced hook (trace.savers ``OptimizerInBackward``) runs it."""
+        if not in_bwd:
+            return key
+        if not optimizer_created and not strategy.savers.paged_optimizer:
+            rank.optimizer_states(s, strategy, [(x, 1)])
+        s.free(s.alloc(tensor_step_temp_bytes(strategy, x, state_bits)))
+        s.free(key)
+        return 0
+
     tied = tied_gradient_sum(spec, strategy)
     # The out-of-place sum on one GPU and under data parallelism (states.tied_sum_modelled).
     tied_sum = tied.out_of_place_bytes if tied is not None and tied_sum_modelled(strategy) else 0
@@ -1511,7 +1554,7 @@ def synthesise(
             if micro:  # accumulating: added into the resident .grad, dropped
                 s.free(key)
             else:
-                layer_grads.append(key)
+                layer_grads.append(accumulated(x, key))
 
         needs_input = blind_live is None or i > 0 or f.site.reads in blind_live
         g_in = 0 if f.site.reads in (SiteInput.ATTN_OUT, SiteInput.MLP_ACT) else s.alloc(f.c * n_out)
@@ -1757,6 +1800,7 @@ def synthesise(
             forward_cache: list[int] = []  # checkpointed layers' cached autocast copies, freed after the loss
             kv_cache: list[int] = []
             residual = s.alloc(hidden)
+            offloaded: dict[int, list[int]] = {}  # activation offloading: each layer's offloaded saves' bytes
             for i in range(spec.num_layers):
                 kept_input = bool(segment_of) and (i == 0 or segment_of[i] != segment_of[i - 1])
                 if kept_input:  # the segment's input, kept for its recompute: the residual tensor itself
@@ -1774,6 +1818,19 @@ def synthesise(
                     s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x, i))
                     copies, saved = [], []
                     sac_kept[i] = [s.alloc(n) for n in sac_sizes]  # sac: the save list's outputs, cached
+                if offload:
+                    # torchtune's OffloadActivations: the layer's saves of >= 1 KiB go to pinned host memory, their
+                    # device tensors freed once out of the forward stash (here at the layer's end); autocast's cached
+                    # copies live to the autocast region's exit, a frozen weight's per-call cast dies with its call
+                    sizes = s.sizes if s.sizes is not None else {}
+                    big = [k for k in saved if sizes.get(k, 0) >= MIN_OFFLOAD_BYTES]
+                    offloaded[i] = [sizes[k] for k in big]
+                    s.free_all(big)
+                    saved = [k for k in saved if sizes.get(k, 0) < MIN_OFFLOAD_BYTES]
+                    cast = [x for x in kinds[i].tensors if x in copied] if copies else []
+                    forward_cache += [c for c, x in zip(copies, cast, strict=True) if cached_in_forward(x, i)]
+                    s.free_all(c for c, x in zip(copies, cast, strict=True) if not cached_in_forward(x, i))
+                    copies = []
                 layers.append((copies, saved))
                 nxt = s.alloc(hidden)
                 s.free_all(after_layer)  # a no-grad forward's post-attention residual and MLP output
@@ -1803,6 +1860,8 @@ def synthesise(
             waiting = 0  # the head's gradient of a tied table, in autograd's input buffer, when the hooks hold none
             deferred: ParamTensor | None = None  # a tied table the hooks take after autograd's sum
             head_grads: list[tuple[ParamTensor, int]] = []  # the head's, for hooks that take them after its backward
+            # optimizer in backward: the head matmul's gradients, stepped once its node has returned
+            in_node: list[tuple[ParamTensor, int]] = []
             # The head's own gradients first (its matmul's weight gradient, then its input gradient, ``None`` here);
             # the final norm's, a head transform's, after it, from the nodes that follow (head_matmul_grad), each
             # hook at once
@@ -1821,6 +1880,9 @@ def synthesise(
                 if carried and head_matmul_grad(spec, x):
                     key, carried, wsum = carried, 0, 0
                     return key
+                if in_bwd and head_matmul_grad(spec, x) and x in copied and a != r.grad_bits // 8:
+                    casts.append((s.alloc(rank.copy_bytes(x, r.compute_bits)), nbytes))
+                    return casts[-1][0]
                 return s.alloc(nbytes)
 
             for x in [*(x for x in model_trained if x not in after_head), None, *after_head]:
@@ -1831,9 +1893,22 @@ def synthesise(
                     first_matmul_done()
                     s.free(g_logits)
                     s.free_all(g_chunks)  # chunked: the input gradient's pieces, now concatenated
+                    if casts:
+                        s.free_all(head_copies)  # the matmul's saved copy goes with its node
+                        head_copies.clear()
+                    for g16, nbytes in casts:
+                        key = s.alloc(nbytes)
+                        s.free(g16)
+                        model_grads = [key if k == g16 else k for k in model_grads]
+                        in_node = [(y, key if k == g16 else k) for y, k in in_node]
+                        table_grad = key if table_grad == g16 else table_grad
+                    casts.clear()
                     if head_grads:
                         rank.head_grads_taken(s, head_grads)
                         head_grads.clear()
+                    for y, key in in_node:  # their AccumulateGrad nodes run next
+                        accumulated(y, key)
+                    in_node.clear()
                 elif x.name == "embed_tokens.weight" and tied is not None and rank.defers_tied_table():
                     # The hooks fire on the table's AccumulateGrad, after the embedding's gradient is added to the
                     # head's, which waits in autograd's input buffer until then
@@ -1853,6 +1928,14 @@ def synthesise(
                 elif rank.early_grad(spec, x) and rank.defers_head_grads():
                     head_grads.append((x, head_grad(x, x.numel * r.grad_bits // 8)))
                     first_matmul_done()
+                elif rank.early_grad(spec, x) and in_bwd and x.name != "embed_tokens.weight":
+                    # optimizer in backward (a tied table's waits for the embedding's gradient, below)
+                    key = head_grad(x, rank.grad_bytes(x, r.grad_bits))
+                    first_matmul_done()
+                    if head_matmul_grad(spec, x):
+                        in_node.append((x, key))
+                    else:
+                        accumulated(x, key)
                 elif rank.early_grad(spec, x):
                     model_grads.append(head_grad(x, rank.grad_bytes(x, r.grad_bits)))
                     first_matmul_done()
@@ -1871,6 +1954,8 @@ def synthesise(
             for i in reversed(range(dead, spec.num_layers)):  # a dead layer has no backward
                 g = kinds[i]
                 copies, saved = layers[i]
+                if i in offloaded:  # unpacked: a new device copy of each offloaded save, to the layer's end
+                    saved = saved + [s.alloc(n) for n in offloaded.pop(i)]
                 if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
                     # Recompute the segment that ends here: every layer of it saves again.
                     seg = segment_of[i]
@@ -1890,9 +1975,11 @@ def synthesise(
                 mlp_own = [x for x in g.tensors if x in own and x.name.startswith("mlp.")] if staged else []
                 grad_key: dict[ParamTensor, int] = {}
                 for x in reversed(mlp_own[-1:]):
-                    grad_key[x] = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    grad_key[x] = accumulated(x, s.alloc(rank.grad_bytes(x, r.grad_bits)))
                 layer_grads = (
-                    [] if micro or staged else [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in g.tensors if x in own]
+                    []
+                    if micro or staged
+                    else [accumulated(x, s.alloc(rank.grad_bytes(x, r.grad_bits))) for x in g.tensors if x in own]
                 )
                 for x in g.tensors if micro else ():
                     if x in own:  # accumulating: added into the resident .grad, dropped
@@ -1902,11 +1989,11 @@ def synthesise(
                     lora_flow_backward(f, i, saved, layer_grads, micro)
                 mlp_temps = [s.alloc(n) for n in pieces.mlp]  # the MLP's backward
                 for x in reversed(mlp_own[:-1]):
-                    grad_key[x] = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                    grad_key[x] = accumulated(x, s.alloc(rank.grad_bytes(x, r.grad_bits)))
                 s.free_all(mlp_temps)
                 if staged:
                     for x in reversed([x for x in g.tensors if x in own and x not in grad_key]):
-                        grad_key[x] = s.alloc(rank.grad_bytes(x, r.grad_bits))
+                        grad_key[x] = accumulated(x, s.alloc(rank.grad_bytes(x, r.grad_bits)))
                     layer_grads = [grad_key[x] for x in g.tensors if x in own]
                 s.free_all([s.alloc(n) for n in pieces.in_block_norm])  # the norm after it (pre-norm: its input's)
                 for f in reversed([f for f in layer_flows if not f.site.in_mlp]):
@@ -1919,7 +2006,7 @@ def synthesise(
                 s.free(g_res)
                 g_res = g_next
                 if not micro:
-                    grads += rank.layer_backward_end(s, i, layer_grads)
+                    grads += [k for k in rank.layer_backward_end(s, i, layer_grads) if k]
                 if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
                     s.free(kept.pop())
             if tied is not None:
@@ -1931,6 +2018,7 @@ def synthesise(
                 # bucket, DDP's bucket view) stand their copy for the sum; the head's gradient waited for the
                 # embedding's beside it (the closed form's BACKWARD_EMBEDDING moment).
                 emb_grad = s.alloc(tied.embedding_grad_bytes)
+                table_now = table_grad  # the table's .grad after the sum
                 if deferred is not None:
                     # autograd's sum (out of place: a third table, then both inputs go; in place: into the head's)
                     summed = s.alloc(tied_sum) if tied_sum else waiting
@@ -1946,18 +2034,24 @@ def synthesise(
                     s.free(table_grad)
                     model_grads[model_grads.index(table_grad)] = total
                     grads[grads.index(table_grad)] = total
+                    table_now = total
                 if not micro and deferred is None:
                     total = s.alloc(tied_sum) if waiting and rank.adds_into_view else 0
                     s.free(waiting)
                     s.free(emb_grad)
                     s.free(total)
+                if in_bwd and table_now:  # optimizer in backward: the table's one AccumulateGrad, on autograd's sum
+                    model_grads.remove(table_now)
+                    grads.remove(table_now)
+                    accumulated(next(x for x in model_trained if x.name == "embed_tokens.weight"), table_now)
             rank.embedding_backward_begin(s)
             late_tensors = [x for x in model_trained if not rank.early_grad(spec, x)]
             if micro:
                 for x in late_tensors:
                     s.free(s.alloc(rank.grad_bytes(x, r.grad_bits)))
             else:
-                late = [s.alloc(rank.grad_bytes(x, r.grad_bits)) for x in late_tensors]
+                late = [accumulated(x, s.alloc(rank.grad_bytes(x, r.grad_bits))) for x in late_tensors]
+                late = [k for k in late if k]
                 grads += late
                 kept_grads = rank.backward_end(s, model_grads, late)
                 if kept_grads is not None:
@@ -1970,10 +2064,11 @@ def synthesise(
             s.free_all(inputs)
 
         # The optimizer step: states created in the first step, then its temporaries.
-        if not optimizer_created and not strategy.savers.paged_optimizer:  # paged: cudaMallocManaged, not here
+        # (optimizer in backward: the states were made by the hooks, nothing is left to step)
+        if not optimizer_created and not strategy.savers.paged_optimizer and not in_bwd:  # paged: cudaMallocManaged
             rank.optimizer_states(s, strategy, trained_ordered)
-            optimizer_created = True
-        step_temp = rank.step_temp_bytes(st.step_temp_bytes)
+        optimizer_created = True
+        step_temp = 0 if in_bwd else rank.step_temp_bytes(st.step_temp_bytes)
         step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)]
         s.free_all(step_temps)
         s.free_all(grads)  # zero_grad(set_to_none=True)
@@ -2020,20 +2115,21 @@ def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
     analytic estimate takes a saver's reserve above the stream's own peak, ``estimate_analytic``). :func:`synthesise`
     reads: ``paged_optimizer`` (no optimizer states in the stream), a causal LM's chunked loss and its chunk count
     and the fused linear loss (replayed chunk by chunk, ``chunked_loss`` and ``fused_loss`` in :func:`synthesise`;
-    the chunk count only under the chunked loss), and for a token table tied to another head the loss too
-    (:func:`~trainfit.analytic.states.tied_gradient_sum`); ``optimizer_in_backward`` and ``activation_offload`` not
-    at all."""
+    the chunk count only under the chunked loss), ``optimizer_in_backward`` (each gradient stepped and freed by its
+    hook), ``activation_offload`` without checkpointing (the layers' saves off the device between their forward and
+    backward), and for a token table tied to another head the loss too
+    (:func:`~trainfit.analytic.states.tied_gradient_sum`); offloading under checkpointing not at all."""
     sv = strategy.savers
     if not sv.any:
         return strategy
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
     replayed = sv.loss is not LossImpl.STANDARD and spec.kind is ModelKind.CAUSAL_LM
     chunks = sv.loss_chunks if sv.loss is LossImpl.CHUNKED else MemorySavers().loss_chunks
-    kept = (
-        MemorySavers(loss=sv.loss, loss_chunks=chunks, paged_optimizer=sv.paged_optimizer)
-        if tied or replayed
-        else MemorySavers(paged_optimizer=sv.paged_optimizer)
+    offload = sv.activation_offload and strategy.checkpointing is Checkpointing.NONE
+    read = MemorySavers(
+        paged_optimizer=sv.paged_optimizer, optimizer_in_backward=sv.optimizer_in_backward, activation_offload=offload
     )
+    kept = replace(read, loss=sv.loss, loss_chunks=chunks) if tied or replayed else read
     return strategy if kept == sv else replace(strategy, savers=kept)
 
 

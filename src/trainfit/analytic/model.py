@@ -1065,8 +1065,8 @@ def estimate_analytic(
     held = peak + sum(w.size_bytes for w in workspaces)
     reserve = max(0, sim.peak_reserved_bytes - held)
     if own_peak:
-        # The synthesised stream replays the paged optimizer and the loss savers, but not activation offloading,
-        # optimizer-in-backward or fp8's casts (analytic.events: Float8Linear's transients are not in it):
+        # The synthesised stream replays the paged optimizer, the loss savers, the optimizer in backward and (without
+        # checkpointing, coarsely) activation offloading, but not fp8's casts (Float8Linear's transients):
         # take the allocator's own overhead above its allocated peak rather than above this peak.
         reserve = max(0, sim.peak_reserved_bytes - sim.peak_allocated_bytes)
     capped = capped_run(

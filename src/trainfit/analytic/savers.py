@@ -28,7 +28,9 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
 * **Optimizer in backward** (torchtune ``torchtune/training/memory.py`` ``register_optim_in_bwd_hooks``: one
   optimizer per parameter, stepped by a ``register_post_accumulate_grad_hook`` that then drops the gradient):
   at most one parameter's gradient is alive at any time; the optimizer-step phase holds no gradients at all.
-  Gradient accumulation is refused (torchtune refuses it: the gradients are gone before the next micro-step).
+  Gradient accumulation is refused (torchtune refuses it: the gradients are gone before the next micro-step). The
+  reserved memory's stream replays the hooks gradient by gradient (trainfit.analytic.events ``accumulated``; the
+  first step makes each tensor's states inside the backward, as the traced hook does).
 * **Activation offloading** (torchtune ``torchtune/training/_activation_offloading.py`` ``OffloadActivations``: a
   ``saved_tensors_hooks`` pair copies every saved tensor of ≥ 1024 bytes that is not an ``nn.Parameter`` instance
   to pinned host memory; with streams the forward keeps a tensor until a pack 5 ids later, the backward frees an
@@ -38,7 +40,8 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   saves, the layers keep nothing, autocast's layer copies die with the forward, a layer's backward holds two nodes'
   unpacked copies (bounded by twice the largest linear's input and weight). With checkpointing: two checkpoint
   inputs. torchtune keeps the output projection's tensors on the GPU (``NoOpManager``), so the head and the logits
-  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py).
+  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py). The reserved memory's stream
+  replays it layer by layer without checkpointing (trainfit.analytic.events ``offloaded``).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -289,5 +292,9 @@ def saver_notes(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
     if strategy.checkpointing is Checkpointing.SELECTIVE:
         out.append("selective recompute (Korthikanti et al. 2022 §5): only the attention core is recomputed")
     if sv.any:
-        out.append("reserved memory: the allocator simulation does not replay the savers; its overhead is kept")
+        out.append(
+            "reserved memory: the allocator simulation replays the loss savers, the optimizer in backward and, "
+            "without checkpointing, activation offloading (layer by layer); its overhead above its own allocated "
+            "peak is added to this peak"
+        )
     return tuple(out)

@@ -369,6 +369,13 @@ def _step_temp_bytes(strategy: Strategy, list_state: int, list_fp32: int, larges
     return temp
 
 
+def tensor_step_temp_bytes(strategy: Strategy, t: ParamTensor, state_bits: int) -> int:
+    """The temporaries of ``optimizer.step()`` over the one tensor ``t`` (torchtune's optimizer in backward: one
+    optimizer per parameter, ``register_optim_in_bwd_hooks``): :func:`_step_temp_bytes` over a list of one — under
+    foreach AdamW its ``sqrt(exp_avg_sq)``, as the traced hook shows. No master weights (refused with it)."""
+    return _step_temp_bytes(strategy, _alloc(t.numel, state_bits), 0, t.numel, state_bits)
+
+
 def finetune_model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
     """Model states under an adapter or ``--freeze``: only trainable tensors have gradients, master copies and
     optimizer states. An adapter tensor is held in its own dtype: its gradient too (autograd makes a
