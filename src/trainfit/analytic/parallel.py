@@ -152,6 +152,7 @@ from trainfit.result import (
     Method,
     Phase,
     PhaseBreakdown,
+    PipelineInFlight,
     RankMemory,
 )
 from trainfit.strategy import (
@@ -2738,6 +2739,23 @@ def in_flight_chunks(schedule: PipelineSchedule, pp: int, stage: int, m: int, v:
     return min(pp - stage, m)
 
 
+def in_flight_note(stages: Sequence[RankMemory]) -> str:
+    """The stages' in-flight micro-batches in one line: ``stage 0: 4 micro-batches, stage 1: 3, …``; interleaved,
+    the model-chunk micro-batches and their whole-stage equivalent (``stage 0: 9 chunks of 2 (4.5 micro-batches)``)."""
+    parts = []
+    for r in stages:
+        f = r.pipeline
+        if f is None:
+            continue
+        mb = f.in_flight_microbatches
+        mb_s = f"{mb:g}"
+        if f.model_chunks > 1:
+            parts.append(f"stage {f.stage}: {f.in_flight_chunks} chunks of {f.model_chunks} ({mb_s} micro-batches)")
+        else:
+            parts.append(f"stage {f.stage}: {f.in_flight_chunks} micro-batch{'es' if f.in_flight_chunks > 1 else ''}")
+    return ", ".join(parts)
+
+
 def first_stage_embeddings(schedule: PipelineSchedule, pp: int, m: int, v: int) -> int:
     """Embedding outputs (saved for the first layer's backward) alive on stage 0 at its peak: one per micro-batch
     in flight under 1F1B and GPipe; interleaved, only model chunk 0 holds the embedding, and at most two groups'
@@ -2988,7 +3006,13 @@ def _megatron(
             PhaseBreakdown(phase=Phase.OPTIMIZER_STEP, components=_full(resident)),
         )
         group = p.tp * p.dp
-        stages.append(RankMemory(ranks=tuple(range(s * group, (s + 1) * group)), phases=phases))
+        stages.append(
+            RankMemory(
+                ranks=tuple(range(s * group, (s + 1) * group)),
+                phases=phases,
+                pipeline=PipelineInFlight(stage=s, in_flight_chunks=chunks, model_chunks=mi.chunks),
+            )
+        )
     worst = max(stages, key=lambda r: r.peak_bytes)
     init = [(megatron_init_bytes(mi, s, p.pp) - stages[s].peak_bytes, s) for s in range(p.pp)]
     over, at = max(init)
@@ -2999,6 +3023,8 @@ def _megatron(
         "activations per layer from the Hugging Face block model split per Korthikanti et al. 2022 "
         "(without SP the norm and residual tensors are replicated)",
     ]
+    if p.pp > 1:
+        notes.append(f"Megatron pipeline in flight at each stage's peak: {in_flight_note(stages)}")
     if p.pp > 1 and par.microbatches < p.pp:
         notes.append(
             f"only {par.microbatches} micro-batch(es) for {p.pp} pipeline stages: the pipeline idles most of the "
@@ -3513,6 +3539,7 @@ __all__ = [
     "held_tensors",
     "in_flight_chunks",
     "in_flight_microbatches",
+    "in_flight_note",
     "last_stage_heads",
     "megatron_init_bytes",
     "megatron_inputs",

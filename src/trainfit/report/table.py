@@ -21,6 +21,7 @@ from trainfit.result import (
     MeasureDetails,
     MemoryReport,
     Method,
+    RankMemory,
     RuleOfThumbDetails,
     Suggestion,
     SuggestionKind,
@@ -205,25 +206,39 @@ def _ranks(report: MemoryReport) -> Table | None:
         return None
     fit = report.fit
     table = Table(title="Per rank (GiB; the headline above is the worst)", title_justify="left")
-    for col in ("ranks", "peak phase", "peak allocated", "fits"):
-        table.add_column(col, justify="left" if col in ("ranks", "peak phase") else "right")
+    piped = any(r.pipeline is not None for r in report.ranks)
+    cols = ("ranks", "peak phase", *(("in flight",) if piped else ()), "peak allocated", "fits")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("ranks", "peak phase", "in flight") else "right")
     worst = max(r.peak_bytes for r in report.ranks)
-    rows: dict[tuple[str, int, str], list[int]] = {}
+    rows: dict[tuple[str, str, int, str], list[int]] = {}
     for i, r in enumerate(report.ranks):
         peak = max(r.phases, key=lambda p: p.total_bytes)
         fits = ""
         if fit is not None and i < len(fit.rank_required_bytes):
             fits = "yes" if fit.rank_required_bytes[i] <= fit.usable_bytes else "NO"
-        rows.setdefault((peak.phase.value, r.peak_bytes, fits), []).extend(r.ranks)
-    for (phase, peak_bytes, fits), ranks in rows.items():
+        rows.setdefault((peak.phase.value, _in_flight(r), r.peak_bytes, fits), []).extend(r.ranks)
+    for (phase, flight, peak_bytes, fits), ranks in rows.items():
         table.add_row(
             rank_ranges(tuple(ranks)),
             phase,
+            *((flight,) if piped else ()),
             f"{gib(peak_bytes):.2f}",
             fits,
             style="bold" if peak_bytes == worst else None,
         )
     return table
+
+
+def _in_flight(r: RankMemory) -> str:
+    """A pipeline stage's in-flight work for the per-rank table: ``4 mb`` (1F1B, GPipe) or ``9 ch (4.5 mb)``
+    (interleaved: model-chunk micro-batches and their whole-stage equivalent); empty for a rank of no stage."""
+    f = r.pipeline
+    if f is None:
+        return ""
+    if f.model_chunks > 1:
+        return f"{f.in_flight_chunks} ch ({f.in_flight_microbatches:g} mb)"
+    return f"{f.in_flight_chunks} mb"
 
 
 def _distributed_notes(report: MemoryReport) -> list[str]:
