@@ -31,7 +31,13 @@ from trainfit.analytic.activations import (
 from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.analytic.explain import compare_with_rule_of_thumb
-from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
+from trainfit.analytic.parallel import (
+    estimate_parallel,
+    fsdp_no_sync_grad_bytes,
+    nccl_basis,
+    nccl_bytes,
+    resolve_engine,
+)
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
@@ -607,6 +613,7 @@ def estimate(
                 gpu_spec,
                 allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes,
                 nccl_bytes=nccl_bytes(strategy),
+                nccl_basis=nccl_basis(strategy),
                 cuda_version=cuda,
             ),
         )

@@ -173,6 +173,7 @@ class Overhead:
     kernel_images_bytes: int = 0  # kernel modules loaded lazily as the workload first runs them
     nccl_bytes: int = 0  # NCCL's own buffers (many GPUs), outside the allocator
     basis: str = ""  # where the outside-allocator figures come from (one sentence)
+    nccl_basis: str = ""  # where ``nccl_bytes`` comes from and what it leaves out (empty on one GPU)
 
     @property
     def outside_allocator_bytes(self) -> int:

@@ -3391,8 +3391,7 @@ def estimate_parallel(
             *notes,
             why,
             reserve_note,
-            "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
-            "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
+            f"per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it: {nccl_basis(strategy)}",
         ),
         ranks=ranks,
         capped=capped,
@@ -3494,16 +3493,58 @@ def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
 
 
 #: NCCL's buffers outside PyTorch's allocator, measured with a one-rank NCCL group on the H200
-#: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed or Megatron (0).
+#: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed, Megatron or DTensor TP
+#: without FSDP2 (0).
 NCCL_FSDP_BYTES = 67 * MiB
 NCCL_DDP_BYTES = 557 * MiB
+#: NCCL's documented default for NCCL_BUFFSIZE, "the size of the buffer used by NCCL when communicating data between
+#: pairs of GPUs" (NCCL user guide, Environment Variables): what a world size above 1 adds per connected peer and
+#: channel — the channels and peers depend on the topology and algorithm NCCL picks, so it is named, not counted.
+NCCL_BUFFSIZE_BYTES = 4 * MiB
+
+
+def _nccl_kind(strategy: Strategy) -> str | None:
+    """Which one-rank measurement stands for ``strategy``'s NCCL buffers: "FSDP2" (FSDP2, HSDP, 2-D FSDP2×TP), "DDP"
+    (torch DDP), or None (none measured: DeepSpeed, Megatron-LM, DTensor TP without FSDP2, one GPU)."""
+    if not strategy.is_distributed or resolve_engine(strategy) is not Engine.TORCH:
+        return None
+    if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
+        return "FSDP2"
+    if strategy.parallelism.tensor > 1:
+        return None
+    return "DDP"
 
 
 def nccl_bytes(strategy: Strategy) -> int:
-    """NCCL's own device buffers for ``strategy`` (outside the allocator; 0 where not measured)."""
-    if not strategy.is_distributed or resolve_engine(strategy) is not Engine.TORCH:
-        return 0
-    return NCCL_FSDP_BYTES if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) else NCCL_DDP_BYTES
+    """NCCL's own device buffers for ``strategy`` (outside the allocator): the one-rank H200 measurement of its
+    framework (DESIGN §4.1), whatever the world size; 0 where none was measured (:func:`nccl_basis` says which)."""
+    kind = _nccl_kind(strategy)
+    return 0 if kind is None else NCCL_FSDP_BYTES if kind == "FSDP2" else NCCL_DDP_BYTES
+
+
+def nccl_basis(strategy: Strategy) -> str:
+    """Where :func:`nccl_bytes`' figure comes from, for ``strategy``'s engine and world size, in one sentence (empty
+    on one GPU without a process group)."""
+    if not strategy.is_distributed:
+        return ""
+    w = strategy.world_size
+    kind = _nccl_kind(strategy)
+    if kind is None:
+        engine = resolve_engine(strategy)
+        who = {Engine.DEEPSPEED: "DeepSpeed", Engine.MEGATRON: "Megatron-LM"}.get(engine, "DTensor tensor parallelism")
+        return f"NCCL's buffers not counted (0): not measured for {who}"
+    figure = NCCL_FSDP_BYTES if kind == "FSDP2" else NCCL_DDP_BYTES
+    said = (
+        f"NCCL {figure // MiB} MiB: measured under {'FSDP2' if kind == 'FSDP2' else 'torch DDP'} with a one-rank NCCL "
+        "process group on an H200 (DESIGN §4.1)"
+    )
+    if w == 1:
+        return said
+    return (
+        f"{said}, counted as it is at world size {w}: a lower bound there — with peers NCCL also allocates a buffer "
+        f"per connected pair of GPUs and channel (NCCL_BUFFSIZE, {NCCL_BUFFSIZE_BYTES // MiB} MiB by default; NCCL "
+        "user guide, Environment Variables), whose count depends on the topology and is not modelled"
+    )
 
 
 def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
@@ -3543,6 +3584,7 @@ __all__ = [
     "last_stage_heads",
     "megatron_init_bytes",
     "megatron_inputs",
+    "nccl_basis",
     "nccl_bytes",
     "plan",
     "resident_floor_bytes",

@@ -196,7 +196,9 @@ def report_json(
         "overhead": {
             "cuda_context_bytes": report.overhead.cuda_context_bytes,
             "kernel_images_bytes": report.overhead.kernel_images_bytes,
-            "nccl_bytes": report.overhead.nccl_bytes,
+            "nccl_bytes": report.overhead.nccl_bytes,  # the one-rank measurement of the framework, or 0
+            # many GPUs only (one-GPU JSON unchanged): where nccl_bytes comes from, what it leaves out
+            **({"nccl_basis": report.overhead.nccl_basis} if report.overhead.nccl_basis else {}),
             "outside_allocator_bytes": report.overhead.outside_allocator_bytes,
             "allocator_reserve_bytes": report.overhead.allocator_reserve_bytes,
             "basis": report.overhead.basis,

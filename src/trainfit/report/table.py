@@ -82,9 +82,23 @@ def _answer(report: MemoryReport) -> Text:
         f" during {report.peak_phase.value} (torch.cuda.max_memory_allocated); "
         f"reserved ≈ {fmt_gib(report.reserved_estimate_bytes)}; "
         f"nvidia-smi ≈ {fmt_gib(report.nvidia_smi_estimate_bytes)} "
-        f"(+{fmt_gib(report.overhead.outside_allocator_bytes)} outside the allocator: CUDA context and kernels)"
+        f"(+{fmt_gib(report.overhead.outside_allocator_bytes)} outside the allocator: {_outside_parts(report)})"
     )
     return t
+
+
+def _outside_parts(report: MemoryReport) -> str:
+    """What the outside-allocator figure is made of: with many GPUs, whether NCCL's buffers are in it and on what
+    basis (a one-rank measurement, or not counted)."""
+    o = report.overhead
+    if o.nccl_bytes:
+        w = report.world_size
+        return f"CUDA context, kernels and NCCL {fmt_gib(o.nccl_bytes)} as measured at world size 1" + (
+            f", a lower bound at world size {w}" if w > 1 else ""
+        )
+    if o.nccl_basis:
+        return "CUDA context and kernels; NCCL's buffers not counted"
+    return "CUDA context and kernels"
 
 
 def _verdict(f: FitVerdict) -> Text:
@@ -249,7 +263,7 @@ def _distributed_notes(report: MemoryReport) -> list[str]:
         if report.host_peak_bytes:
             return [f"host memory: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)"]
         return []
-    keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank")
+    keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank", "NCCL")
     out = [n for n in report.notes if any(k in n for k in keys)]
     if report.host_peak_bytes:
         out.append(
@@ -377,3 +391,5 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
         console.print(Text(f"note: {note}", style="dim"))
     if report.overhead.basis and report.method is not Method.RULE_OF_THUMB:
         console.print(Text(f"outside the allocator: {report.overhead.basis}", style="dim"))
+    if report.overhead.nccl_basis and report.method is not Method.RULE_OF_THUMB:
+        console.print(Text(f"outside the allocator: {report.overhead.nccl_basis}", style="dim"))
