@@ -32,6 +32,7 @@ from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import (
+    check_options,
     estimate_parallel,
     fsdp_no_sync_grad_bytes,
     nccl_basis,
@@ -552,6 +553,7 @@ def estimate(
     if not 0 <= headroom < 1:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
     _require_modelled(asked, method, spec)
+    check_options(asked)  # a framework's option set for a run it does not apply to (one GPU included)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")

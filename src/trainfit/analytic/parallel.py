@@ -213,6 +213,95 @@ def resolve_engine(strategy: Strategy) -> Engine:
     return Engine.TORCH
 
 
+#: The framework-specific options: (name — a ``trainfit estimate`` flag of :data:`trainfit.cli.estimate.STRATEGY_FLAGS`
+#: or, without a flag, an :class:`EngineOptions` field —, whose option it is, its value in a strategy); the default
+#: is its value in ``Strategy()`` (the frameworks' documented defaults, :class:`EngineOptions`).
+_SCOPED: tuple[tuple[str, str, Callable[[Strategy], object]], ...] = (
+    ("reshard_after_forward", "fsdp", lambda s: s.engine.reshard_after_forward),
+    ("sync_each_batch", "fsdp", lambda s: s.engine.sync_each_batch),
+    ("sharded_init", "fsdp", lambda s: s.engine.sharded_init),
+    ("fsdp_wrap", "fsdp", lambda s: s.engine.fsdp_wrap),
+    ("bucket_cap_mb", "ddp", lambda s: s.engine.bucket_cap_mb),
+    ("first_bucket_bytes", "ddp", lambda s: s.engine.first_bucket_bytes),
+    ("gradient_as_bucket_view", "ddp", lambda s: s.engine.gradient_as_bucket_view),
+    ("reduce_bucket_size", "deepspeed", lambda s: s.engine.reduce_bucket_size),
+    ("allgather_bucket_size", "deepspeed", lambda s: s.engine.allgather_bucket_size),
+    ("overlap_comm", "deepspeed", lambda s: s.engine.overlap_comm),
+    ("prefetch_bucket_size", "deepspeed", lambda s: s.engine.prefetch_bucket_size),
+    ("max_live_parameters", "deepspeed", lambda s: s.engine.max_live_parameters),
+    ("max_reuse_distance", "deepspeed", lambda s: s.engine.max_reuse_distance),
+    ("pp_schedule", "pipeline", lambda s: s.parallelism.pipeline_schedule),
+    ("microbatches", "pipeline", lambda s: s.parallelism.microbatches),
+)
+_FLAGGED = frozenset(
+    {"reshard_after_forward", "sync_each_batch", "sharded_init", "fsdp_wrap", "bucket_cap_mb"}
+    | {"gradient_as_bucket_view", "reduce_bucket_size", "pp_schedule", "microbatches"}
+)
+
+
+def _run_kind(strategy: Strategy) -> str:
+    """What runs ``strategy``, in words, for the refusals of :func:`inapplicable_options`."""
+    if not strategy.is_distributed:
+        return "one GPU without a sharding framework"
+    engine, sh, tp = resolve_engine(strategy), strategy.sharding, strategy.parallelism.tensor
+    if engine is Engine.MEGATRON:
+        return "Megatron-LM (its gradients live in its own contiguous buffer, bucketed by Megatron's DDP)"
+    if engine is Engine.DEEPSPEED:
+        return f"DeepSpeed ZeRO-{sh.value.removeprefix('zero')}"
+    if sh in (Sharding.FSDP, Sharding.HSDP):
+        return f"{'2-D FSDP2×TP' if tp > 1 else 'FSDP2' if sh is Sharding.FSDP else 'HSDP'} (--sharding {sh.value})"
+    return "DTensor tensor parallelism without data-parallel buckets" if tp > 1 else "torch DDP"
+
+
+def inapplicable_options(strategy: Strategy) -> dict[str, str]:
+    """The framework-specific options that do nothing for ``strategy`` (its resolved engine, sharding and pipeline),
+    each with the one-line refusal for it: FSDP2's (``--reshard-after-forward``, ``--sync-each-batch``,
+    ``--sharded-init``, ``--fsdp-wrap``) outside FSDP2/HSDP; torch DDP's (``--bucket-cap-mb``,
+    ``--gradient-as-bucket-view``, the first bucket) outside torch DDP; DeepSpeed's (``--reduce-bucket-size``, the
+    all-gather and stage-3 buckets, ``overlap_comm``) outside DeepSpeed; the pipeline's (``--pp-schedule``,
+    ``--microbatches``) without ``--pp`` > 1. Keys are the CLI's flag names
+    (:data:`trainfit.cli.estimate.STRATEGY_FLAGS`) or, for the options without a flag, the :class:`EngineOptions`
+    field. The CLI refuses any of them given explicitly; :func:`check_options` (the library) those set to another
+    value than the default."""
+    engine = resolve_engine(strategy)
+    sh, par = strategy.sharding, strategy.parallelism
+    applies = {
+        "fsdp": strategy.is_distributed and engine is Engine.TORCH and sh in (Sharding.FSDP, Sharding.HSDP),
+        "ddp": strategy.is_distributed
+        and engine is Engine.TORCH
+        and sh in (Sharding.NONE, Sharding.DDP)
+        and par.tensor == 1
+        and par.pipeline == 1,
+        "deepspeed": strategy.is_distributed and engine is Engine.DEEPSPEED,
+        "pipeline": par.pipeline > 1,
+    }
+    whose = {
+        "fsdp": "FSDP2's option (--sharding fsdp|hsdp, the torch engine)",
+        "ddp": "torch DDP's option (--sharding ddp, or none over many GPUs, the torch engine)",
+        "deepspeed": "DeepSpeed ZeRO's option (--sharding zero1|zero2|zero3)",
+    }
+    out = {}
+    for name, scope, _get in _SCOPED:
+        if applies[scope]:
+            continue
+        what = f"--{name.replace('_', '-')}" if name in _FLAGGED else f"EngineOptions.{name}"
+        if scope == "pipeline":
+            out[name] = f"{what} sets the pipeline's schedule and micro-batches: it needs --pp > 1"
+        else:
+            out[name] = f"{what} is {whose[scope]}; this run is {_run_kind(strategy)}: drop it"
+    return out
+
+
+def check_options(strategy: Strategy) -> None:
+    """Refuse (one-line :class:`StrategyError`) a framework-specific option set, to another value than its default,
+    for a run it does not apply to (:func:`inapplicable_options`): it would be ignored silently."""
+    bad = inapplicable_options(strategy)
+    default = Strategy()
+    for name, _scope, get in _SCOPED:
+        if name in bad and get(strategy) != get(default):
+            raise StrategyError(bad[name])
+
+
 def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     """Validate the combination (one-line :class:`StrategyError` otherwise) and resolve the engine."""
     par, sh, _eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
@@ -220,6 +309,10 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     engine = resolve_engine(strategy)
     if strategy.workload.value != "training":
         raise StrategyError(f"sharded and many-GPU setups are modelled for training, not {strategy.workload.value}")
+    # Megatron's DDP points each parameter's main_grad into its contiguous gradient buffer
+    # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's options have no
+    # counterpart there; FSDP2's, DDP's, DeepSpeed's and the pipeline's options elsewhere were ignored silently.
+    check_options(strategy)
     if strategy.savers.any:
         raise StrategyError(
             f"the memory savers ({', '.join(strategy.savers.names())}) are modelled on one GPU without a sharding "
@@ -255,14 +348,6 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"--sharding {sh.value} with --engine megatron is not modelled (use zero1 or ddp)")
         if off.any:
             raise StrategyError("offload with --engine megatron is not modelled")
-        if strategy.engine.gradient_as_bucket_view:
-            # Megatron's DDP always points each parameter's main_grad into its contiguous gradient buffer
-            # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's flag has
-            # no counterpart there, and accepting it silently suggested it changed the figure.
-            raise StrategyError(
-                "--gradient-as-bucket-view is torch DDP's option; Megatron's gradients always live in its "
-                "contiguous gradient buffer: drop it with --engine megatron"
-            )
         if spec.num_heads % tp or spec.num_kv_heads % tp:
             raise StrategyError(
                 f"--tp {tp} must divide the attention heads ({spec.num_heads}) and k/v heads ({spec.num_kv_heads})"
@@ -3563,6 +3648,7 @@ __all__ = [
     "ShardedStates",
     "SimulatedReserve",
     "ZeroPartition",
+    "check_options",
     "check_parallel_finetune",
     "compute_strategy",
     "data_parallel_degree",
@@ -3581,6 +3667,7 @@ __all__ = [
     "in_flight_chunks",
     "in_flight_microbatches",
     "in_flight_note",
+    "inapplicable_options",
     "last_stage_heads",
     "megatron_init_bytes",
     "megatron_inputs",
