@@ -294,7 +294,9 @@ def inapplicable_options(strategy: Strategy) -> dict[str, str]:
 
 def check_options(strategy: Strategy) -> None:
     """Refuse (one-line :class:`StrategyError`) a framework-specific option set, to another value than its default,
-    for a run it does not apply to (:func:`inapplicable_options`): it would be ignored silently."""
+    for a run it does not apply to (:func:`inapplicable_options`): it would be ignored silently. ``trainfit.estimate``
+    calls it (the public API, and so the CLI, the web page and the planner); the internal models
+    (:func:`estimate_parallel`, the traces) leave options that do not apply alone, as they always did."""
     bad = inapplicable_options(strategy)
     default = Strategy()
     for name, _scope, get in _SCOPED:
@@ -309,10 +311,11 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     engine = resolve_engine(strategy)
     if strategy.workload.value != "training":
         raise StrategyError(f"sharded and many-GPU setups are modelled for training, not {strategy.workload.value}")
-    # Megatron's DDP points each parameter's main_grad into its contiguous gradient buffer
-    # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's options have no
-    # counterpart there; FSDP2's, DDP's, DeepSpeed's and the pipeline's options elsewhere were ignored silently.
-    check_options(strategy)
+    if engine is Engine.MEGATRON and strategy.engine.gradient_as_bucket_view:
+        # Megatron's DDP points each parameter's main_grad into its contiguous gradient buffer
+        # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's flag has no
+        # counterpart there (the other options of another framework: ``check_options``, from ``trainfit.estimate``)
+        raise StrategyError(inapplicable_options(strategy)["gradient_as_bucket_view"])
     if strategy.savers.any:
         raise StrategyError(
             f"the memory savers ({', '.join(strategy.savers.names())}) are modelled on one GPU without a sharding "
