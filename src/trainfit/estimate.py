@@ -31,7 +31,14 @@ from trainfit.analytic.activations import (
 from trainfit.analytic.adapters import check_dora, check_finetune_model
 from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.analytic.explain import compare_with_rule_of_thumb
-from trainfit.analytic.parallel import estimate_parallel, fsdp_no_sync_grad_bytes, nccl_bytes, resolve_engine
+from trainfit.analytic.parallel import (
+    check_options,
+    estimate_parallel,
+    fsdp_no_sync_grad_bytes,
+    nccl_basis,
+    nccl_bytes,
+    resolve_engine,
+)
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
@@ -546,6 +553,7 @@ def estimate(
     if not 0 <= headroom < 1:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
     _require_modelled(asked, method, spec)
+    check_options(asked)  # a framework's option set for a run it does not apply to (one GPU included)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if method in (Method.TRACE, Method.MEASURE) and spec.source == "explicit":
         raise StrategyError(f"--method {method.value} needs a real model config; use a catalog slug or config.json")
@@ -607,6 +615,7 @@ def estimate(
                 gpu_spec,
                 allocator_reserve_bytes=rep.overhead.allocator_reserve_bytes,
                 nccl_bytes=nccl_bytes(strategy),
+                nccl_basis=nccl_basis(strategy),
                 cuda_version=cuda,
             ),
         )

@@ -41,7 +41,8 @@ Two parts, decided by different things:
      Inference runs fewer distinct kernels; we count the same figure, an upper bound there.
   3. *NCCL's buffers* for multi-GPU runs (not allocated through PyTorch): 0 on one GPU. With a one-rank NCCL
      group the H200 showed +67 MiB under FSDP2 and +557 MiB after DDP (DESIGN §4.1); the multi-GPU model
-     fills this term.
+     fills this term with them (:func:`trainfit.analytic.parallel.nccl_bytes`; what each figure stands for, and
+     that it is a lower bound at world sizes above 1, in ``Overhead.nccl_basis``).
 
 AMD GPUs: ROCm allocates scratch (local) memory per queue when a kernel needs it and no public figure for
 its context was found, so the driver/runtime term alone is assumed and the basis says so.
@@ -168,6 +169,7 @@ def outside_allocator(
     *,
     allocator_reserve_bytes: int,
     nccl_bytes: int = 0,
+    nccl_basis: str = "",
     inference: bool = False,
     cuda_version: tuple[int, int] = DEFAULT_CUDA,
 ) -> Overhead:
@@ -178,6 +180,7 @@ def outside_allocator(
         cuda_context_bytes=context,
         kernel_images_bytes=TRAINING_KERNEL_IMAGES_BYTES,
         nccl_bytes=nccl_bytes,
+        nccl_basis=nccl_basis,
         allocator_reserve_bytes=allocator_reserve_bytes,
         basis=f"{basis}; +{TRAINING_KERNEL_IMAGES_BYTES // MiB} MiB of kernels loaded lazily by a training step"
         + (" (counted for generation too: an upper bound)" if inference else ""),

@@ -122,12 +122,35 @@ class PhaseBreakdown:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineInFlight:
+    """What one pipeline stage holds in flight at its peak: the model-chunk micro-batches whose saved activations
+    are alive (``in_flight_chunks``: 1F1B min(pp − s, m), interleaved min(2·(pp − s − 1) + (v − 1)·pp + 1, m·v),
+    GPipe m — :func:`trainfit.analytic.parallel.in_flight_chunks`, which cites Megatron's schedules), of
+    ``model_chunks`` chunks per stage (v; 1 outside the interleaved schedule)."""
+
+    stage: int
+    in_flight_chunks: int
+    model_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.in_flight_chunks < 1 or self.model_chunks < 1:
+            raise ValueError(f"pipeline stage {self.stage}: {self.in_flight_chunks} chunks of {self.model_chunks}")
+
+    @property
+    def in_flight_microbatches(self) -> float:
+        """Micro-batches in flight in units of the stage's whole layer set (chunks / v): under 1F1B and GPipe the
+        micro-batch count itself; interleaved, a fraction when the chunks do not fill whole micro-batches."""
+        return self.in_flight_chunks / self.model_chunks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankMemory:
     """One rank's phases, when ranks differ (pipeline stages, uneven shards). ``ranks`` are the rank
-    indices that share this breakdown."""
+    indices that share this breakdown; ``pipeline``, for a pipeline stage, what it holds in flight."""
 
     ranks: tuple[int, ...]
     phases: tuple[PhaseBreakdown, ...]
+    pipeline: PipelineInFlight | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -150,6 +173,7 @@ class Overhead:
     kernel_images_bytes: int = 0  # kernel modules loaded lazily as the workload first runs them
     nccl_bytes: int = 0  # NCCL's own buffers (many GPUs), outside the allocator
     basis: str = ""  # where the outside-allocator figures come from (one sentence)
+    nccl_basis: str = ""  # where ``nccl_bytes`` comes from and what it leaves out (empty on one GPU)
 
     @property
     def outside_allocator_bytes(self) -> int:

@@ -60,7 +60,8 @@ def _s(
             overlap_comm=overlap_comm,
             reduce_bucket_size=reduce_bucket_size,
             sync_each_batch=sync,
-            fsdp_wrap=wrap,
+            # FSDP2's units for FSDP2 only: another framework's option is refused by trainfit.estimate
+            fsdp_wrap=wrap if sharding in ("fsdp", "hsdp") else "auto",
         ),
         **kw,  # type: ignore[arg-type]
     )

@@ -68,6 +68,25 @@ def test_json_host_bytes_with_offload(capsys: pytest.CaptureFixture[str]) -> Non
         ("llama-3.1-8b --gpus 8 --sharding zero2 --offload optimizer+params --method trace", "zero3"),
         ("llama-3.1-8b --gpus 8 --tp 2 --engine megatron --gradient-as-bucket-view", "torch DDP's option"),
         ("llama-3.1-8b --gpus 8 --sharding ddp --engine megatron --gradient-as-bucket-view", "torch DDP's option"),
+        # a framework's flag for another framework, refused even at its default value when given explicitly
+        ("llama-3.1-8b --gpus 8 --sharding zero2 --no-reshard-after-forward", "FSDP2's option"),
+        ("llama-3.1-8b --gpus 8 --sharding zero2 --reshard-after-forward", "FSDP2's option"),
+        ("llama-3.1-8b --gpus 8 --sharding ddp --no-sync-each-batch --grad-accum 2", "FSDP2's option"),
+        ("llama-3.1-8b --gpus 8 --sharding zero3 --sharded-init", "FSDP2"),
+        ("llama-3.1-8b --gpus 8 --sharding ddp --fsdp-wrap auto", "FSDP2's option"),
+        ("llama-3.1-8b --gpus 8 --tp 8 --no-reshard-after-forward", "this run is Megatron-LM"),
+        ("gpt2 --no-reshard-after-forward", "this run is one GPU"),
+        ("llama-3.1-8b --gpus 8 --sharding fsdp --bucket-cap-mb 50", "torch DDP's option"),
+        ("llama-3.1-8b --gpus 8 --sharding zero2 --gradient-as-bucket-view", "torch DDP's option"),
+        ("llama-3.1-8b --gpus 8 --tp 8 --bucket-cap-mb 25", "torch DDP's option"),
+        ("llama-3.1-8b --gpus 2 --tp 2 --engine torch --bucket-cap-mb 50", "DTensor tensor parallelism"),
+        ("gpt2 --bucket-cap-mb 50", "this run is one GPU"),
+        ("llama-3.1-8b --gpus 8 --sharding fsdp --reduce-bucket-size 1e6", "DeepSpeed ZeRO's option"),
+        ("llama-3.1-8b --gpus 8 --sharding ddp --reduce-bucket-size 5e8", "DeepSpeed ZeRO's option"),
+        ("llama-3.1-8b --gpus 8 --tp 8 --reduce-bucket-size 5e8", "DeepSpeed ZeRO's option"),
+        ("llama-3.1-8b --gpus 8 --microbatches 4", "--pp > 1"),
+        ("llama-3.1-8b --gpus 8 --tp 8 --pp-schedule gpipe", "--pp > 1"),
+        ("llama-3.1-8b --gpus 8 --tp 8 --pp-schedule 1f1b", "--pp > 1"),
     ],
 )
 def test_invalid_combinations_exit_2(capsys: pytest.CaptureFixture[str], line: str, needle: str) -> None:
@@ -275,3 +294,47 @@ def test_docs_python_example(capsys: pytest.CaptureFixture[str]) -> None:
     worst = next(r for r in out["ranks"] if 7 in r["ranks"])
     assert printed[1 + len(ranks)] == f"rank 7: {gib(worst['peak_bytes'])}"
     assert printed[-1] == f"host per node {gib(out['host_peak_bytes'])}"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "llama-3.1-8b --gpus 8 --sharding fsdp --no-reshard-after-forward --no-sync-each-batch --grad-accum 2",
+        "llama-3.1-8b --gpus 8 --sharding fsdp --sharded-init --fsdp-wrap units --reshard-after-forward",
+        "llama-3.1-8b --gpus 16 --sharding hsdp --no-reshard-after-forward",
+        "llama-3.1-8b --gpus 8 --tp 2 --engine torch --sharding fsdp --no-reshard-after-forward",
+        "llama-3.1-8b --gpus 8 --sharding ddp --bucket-cap-mb 50 --gradient-as-bucket-view",
+        "llama-3.1-8b --gpus 8 --bucket-cap-mb 50",  # --sharding none over many GPUs is torch DDP
+        "llama-3.1-8b --gpus 8 --sharding zero2 --reduce-bucket-size 1e6",
+        "llama-3.1-8b --gpus 8 --tp 4 --pp 2 --microbatches 8 --pp-schedule gpipe",
+        *(
+            f"llama-3.1-8b --gpus 8 --sharding {sh}"
+            for sh in ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+        ),
+        "gpt2",
+    ],
+)
+def test_each_frameworks_own_flags_and_the_defaults_still_run(capsys: pytest.CaptureFixture[str], line: str) -> None:
+    res = run_cli(capsys, "estimate", *line.split())
+    assert res.code == 0, res.err
+
+
+def test_the_library_refuses_another_frameworks_option_set_to_a_non_default() -> None:
+    """The library cannot tell a default given on purpose: it refuses values other than the default
+    (``analytic.parallel.check_options``), the options without a CLI flag included."""
+    from trainfit import Strategy, estimate
+    from trainfit.errors import StrategyError
+    from trainfit.strategy import EngineOptions, Parallelism
+
+    dp8 = Parallelism(data=8)
+    with pytest.raises(StrategyError, match="FSDP2's option"):
+        estimate("gpt2", Strategy(parallelism=dp8, sharding="zero2", engine=EngineOptions(reshard_after_forward=False)))
+    with pytest.raises(StrategyError, match=r"EngineOptions\.prefetch_bucket_size is DeepSpeed ZeRO's option"):
+        estimate("gpt2", Strategy(parallelism=dp8, sharding="fsdp", engine=EngineOptions(prefetch_bucket_size=0)))
+    with pytest.raises(StrategyError, match="one GPU"):
+        estimate("gpt2", Strategy(engine=EngineOptions(gradient_as_bucket_view=True)))
+    with pytest.raises(StrategyError, match="--pp > 1"):
+        estimate("gpt2", Strategy(parallelism=Parallelism(data=8, microbatches=4)))
+    # the defaults, and each framework's own options, are accepted
+    estimate("gpt2", Strategy(parallelism=dp8, sharding="zero2", engine=EngineOptions(reshard_after_forward=True)))
+    estimate("gpt2", Strategy(parallelism=dp8, sharding="zero3", engine=EngineOptions(prefetch_bucket_size=0)))

@@ -230,3 +230,20 @@ def test_documented_commands_cover_each_kind_and_the_paged_optimizer_refusal(
                      "training_args_deepspeed.json"]  # fmt: skip
     r = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(DATA / "training_args.json"), "--gpus", "4")
     assert r.code == 2 and "--paged-optimizer" in r.err and r.err.count("\n") == 1
+
+
+def test_a_files_setting_for_another_framework_is_not_applied_and_said_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A TrainingArguments JSON with a DeepSpeed ZeRO-3 config and ``ddp_bucket_cap_mb`` (a DDP setting the Trainer
+    does not use under DeepSpeed): the bucket is not applied — the run is estimated, where the library refuses a
+    non-default ``bucket_cap_mb`` outside torch DDP — and the ignored list says why."""
+    args = json.loads((DATA / "training_args_deepspeed.json").read_text())
+    path = tmp_path / "training_args.json"
+    path.write_text(json.dumps(args | {"ddp_bucket_cap_mb": 50, "deepspeed": ZERO2.replace("zero2", "zero3")}))
+    r = run_cli(capsys, "estimate", "llama-3.1-8b", "--from", str(path), "--gpus", "8", "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert out["strategy"]["sharding"] == "zero3"
+    ignored = {s["key"]: s["meaning"] for s in out["imported"]["ignored"]}
+    assert "torch DDP's option" in ignored["(bucket_cap_mb)"]

@@ -70,10 +70,22 @@ def test_rank_agrees_with_trace(family: str, tp: int, dp: int, sp: bool, precisi
     _agrees(spec, s, TOLERANCE)
 
 
-def test_tp8_rank_agrees_with_trace() -> None:
-    """TP 8 (heads and k/v heads that 8 divides): each shard of a projection is 1/8 of it."""
+# (tp, dp, sequence parallel): TP 8 with and without SP, and W = 64 as tp × dp (the issue's matrix: W ∈ {2, 8, 64}).
+TP8_CELLS = [
+    pytest.param(8, 1, True, id="tp8-dp1-sp"),
+    pytest.param(8, 1, False, id="tp8-dp1-nosp"),
+    pytest.param(8, 8, False, id="tp8-dp8-nosp-w64"),
+    pytest.param(2, 32, True, id="tp2-dp32-sp-w64"),
+]
+
+
+@pytest.mark.parametrize(("tp", "dp", "sp"), TP8_CELLS)
+def test_tp8_rank_agrees_with_trace(tp: int, dp: int, sp: bool) -> None:
+    """TP 8 (heads and k/v heads that 8 divides): each shard of a projection is 1/8 of it; with and without SP, and
+    at W = 64 (DP without sharding, so each rank holds what TP alone gives it, the data-parallel size changing
+    nothing on the rank — the trace still builds the 2-D mesh)."""
     spec = tiny_spec("llama", **{**WIDER, "num_key_value_heads": 8}, tie_word_embeddings=False)
-    _agrees(spec, _strategy(8, 1, True, "amp-bf16"), TOLERANCE)
+    _agrees(spec, _strategy(tp, dp, sp, "amp-bf16"), TOLERANCE)
 
 
 def _agrees(spec: ModelSpec, s: Strategy, tolerance: float, step_slack: int = 0) -> None:

@@ -153,6 +153,7 @@ from trainfit.result import (
     Method,
     Phase,
     PhaseBreakdown,
+    PipelineInFlight,
     RankMemory,
 )
 from trainfit.strategy import (
@@ -213,6 +214,97 @@ def resolve_engine(strategy: Strategy) -> Engine:
     return Engine.TORCH
 
 
+#: The framework-specific options: (name — a ``trainfit estimate`` flag of :data:`trainfit.cli.estimate.STRATEGY_FLAGS`
+#: or, without a flag, an :class:`EngineOptions` field —, whose option it is, its value in a strategy); the default
+#: is its value in ``Strategy()`` (the frameworks' documented defaults, :class:`EngineOptions`).
+_SCOPED: tuple[tuple[str, str, Callable[[Strategy], object]], ...] = (
+    ("reshard_after_forward", "fsdp", lambda s: s.engine.reshard_after_forward),
+    ("sync_each_batch", "fsdp", lambda s: s.engine.sync_each_batch),
+    ("sharded_init", "fsdp", lambda s: s.engine.sharded_init),
+    ("fsdp_wrap", "fsdp", lambda s: s.engine.fsdp_wrap),
+    ("bucket_cap_mb", "ddp", lambda s: s.engine.bucket_cap_mb),
+    ("first_bucket_bytes", "ddp", lambda s: s.engine.first_bucket_bytes),
+    ("gradient_as_bucket_view", "ddp", lambda s: s.engine.gradient_as_bucket_view),
+    ("reduce_bucket_size", "deepspeed", lambda s: s.engine.reduce_bucket_size),
+    ("allgather_bucket_size", "deepspeed", lambda s: s.engine.allgather_bucket_size),
+    ("overlap_comm", "deepspeed", lambda s: s.engine.overlap_comm),
+    ("prefetch_bucket_size", "deepspeed", lambda s: s.engine.prefetch_bucket_size),
+    ("max_live_parameters", "deepspeed", lambda s: s.engine.max_live_parameters),
+    ("max_reuse_distance", "deepspeed", lambda s: s.engine.max_reuse_distance),
+    ("pp_schedule", "pipeline", lambda s: s.parallelism.pipeline_schedule),
+    ("microbatches", "pipeline", lambda s: s.parallelism.microbatches),
+)
+_FLAGGED = frozenset(
+    {"reshard_after_forward", "sync_each_batch", "sharded_init", "fsdp_wrap", "bucket_cap_mb"}
+    | {"gradient_as_bucket_view", "reduce_bucket_size", "pp_schedule", "microbatches"}
+)
+
+
+def _run_kind(strategy: Strategy) -> str:
+    """What runs ``strategy``, in words, for the refusals of :func:`inapplicable_options`."""
+    if not strategy.is_distributed:
+        return "one GPU without a sharding framework"
+    engine, sh, tp = resolve_engine(strategy), strategy.sharding, strategy.parallelism.tensor
+    if engine is Engine.MEGATRON:
+        return "Megatron-LM (its gradients live in its own contiguous buffer, bucketed by Megatron's DDP)"
+    if engine is Engine.DEEPSPEED:
+        return f"DeepSpeed ZeRO-{sh.value.removeprefix('zero')}"
+    if sh in (Sharding.FSDP, Sharding.HSDP):
+        return f"{'2-D FSDP2×TP' if tp > 1 else 'FSDP2' if sh is Sharding.FSDP else 'HSDP'} (--sharding {sh.value})"
+    return "DTensor tensor parallelism without data-parallel buckets" if tp > 1 else "torch DDP"
+
+
+def inapplicable_options(strategy: Strategy) -> dict[str, str]:
+    """The framework-specific options that do nothing for ``strategy`` (its resolved engine, sharding and pipeline),
+    each with the one-line refusal for it: FSDP2's (``--reshard-after-forward``, ``--sync-each-batch``,
+    ``--sharded-init``, ``--fsdp-wrap``) outside FSDP2/HSDP; torch DDP's (``--bucket-cap-mb``,
+    ``--gradient-as-bucket-view``, the first bucket) outside torch DDP; DeepSpeed's (``--reduce-bucket-size``, the
+    all-gather and stage-3 buckets, ``overlap_comm``) outside DeepSpeed; the pipeline's (``--pp-schedule``,
+    ``--microbatches``) without ``--pp`` > 1. Keys are the CLI's flag names
+    (:data:`trainfit.cli.estimate.STRATEGY_FLAGS`) or, for the options without a flag, the :class:`EngineOptions`
+    field. The CLI refuses any of them given explicitly; :func:`check_options` (the library) those set to another
+    value than the default."""
+    engine = resolve_engine(strategy)
+    sh, par = strategy.sharding, strategy.parallelism
+    applies = {
+        "fsdp": strategy.is_distributed and engine is Engine.TORCH and sh in (Sharding.FSDP, Sharding.HSDP),
+        "ddp": strategy.is_distributed
+        and engine is Engine.TORCH
+        and sh in (Sharding.NONE, Sharding.DDP)
+        and par.tensor == 1
+        and par.pipeline == 1,
+        "deepspeed": strategy.is_distributed and engine is Engine.DEEPSPEED,
+        "pipeline": par.pipeline > 1,
+    }
+    whose = {
+        "fsdp": "FSDP2's option (--sharding fsdp|hsdp, the torch engine)",
+        "ddp": "torch DDP's option (--sharding ddp, or none over many GPUs, the torch engine)",
+        "deepspeed": "DeepSpeed ZeRO's option (--sharding zero1|zero2|zero3)",
+    }
+    out = {}
+    for name, scope, _get in _SCOPED:
+        if applies[scope]:
+            continue
+        what = f"--{name.replace('_', '-')}" if name in _FLAGGED else f"EngineOptions.{name}"
+        if scope == "pipeline":
+            out[name] = f"{what} sets the pipeline's schedule and micro-batches: it needs --pp > 1"
+        else:
+            out[name] = f"{what} is {whose[scope]}; this run is {_run_kind(strategy)}: drop it"
+    return out
+
+
+def check_options(strategy: Strategy) -> None:
+    """Refuse (one-line :class:`StrategyError`) a framework-specific option set, to another value than its default,
+    for a run it does not apply to (:func:`inapplicable_options`): it would be ignored silently. ``trainfit.estimate``
+    calls it (the public API, and so the CLI, the web page and the planner); the internal models
+    (:func:`estimate_parallel`, the traces) leave options that do not apply alone, as they always did."""
+    bad = inapplicable_options(strategy)
+    default = Strategy()
+    for name, _scope, get in _SCOPED:
+        if name in bad and get(strategy) != get(default):
+            raise StrategyError(bad[name])
+
+
 def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     """Validate the combination (one-line :class:`StrategyError` otherwise) and resolve the engine."""
     par, sh, _eo, off = strategy.parallelism, strategy.sharding, strategy.engine, strategy.offload
@@ -220,6 +312,11 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
     engine = resolve_engine(strategy)
     if strategy.workload.value != "training":
         raise StrategyError(f"sharded and many-GPU setups are modelled for training, not {strategy.workload.value}")
+    if engine is Engine.MEGATRON and strategy.engine.gradient_as_bucket_view:
+        # Megatron's DDP points each parameter's main_grad into its contiguous gradient buffer
+        # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's flag has no
+        # counterpart there (the other options of another framework: ``check_options``, from ``trainfit.estimate``)
+        raise StrategyError(inapplicable_options(strategy)["gradient_as_bucket_view"])
     if strategy.savers.any:
         raise StrategyError(
             f"the memory savers ({', '.join(strategy.savers.names())}) are modelled on one GPU without a sharding "
@@ -262,14 +359,6 @@ def plan(spec: ModelSpec, strategy: Strategy) -> ParallelPlan:
             raise StrategyError(f"--sharding {sh.value} with --engine megatron is not modelled (use zero1 or ddp)")
         if off.any:
             raise StrategyError("offload with --engine megatron is not modelled")
-        if strategy.engine.gradient_as_bucket_view:
-            # Megatron's DDP always points each parameter's main_grad into its contiguous gradient buffer
-            # (megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer``): torch DDP's flag has
-            # no counterpart there, and accepting it silently suggested it changed the figure.
-            raise StrategyError(
-                "--gradient-as-bucket-view is torch DDP's option; Megatron's gradients always live in its "
-                "contiguous gradient buffer: drop it with --engine megatron"
-            )
         if spec.num_heads % tp or spec.num_kv_heads % tp:
             raise StrategyError(
                 f"--tp {tp} must divide the attention heads ({spec.num_heads}) and k/v heads ({spec.num_kv_heads})"
@@ -2752,6 +2841,23 @@ def in_flight_chunks(schedule: PipelineSchedule, pp: int, stage: int, m: int, v:
     return min(pp - stage, m)
 
 
+def in_flight_note(stages: Sequence[RankMemory]) -> str:
+    """The stages' in-flight micro-batches in one line: ``stage 0: 4 micro-batches, stage 1: 3, …``; interleaved,
+    the model-chunk micro-batches and their whole-stage equivalent (``stage 0: 9 chunks of 2 (4.5 micro-batches)``)."""
+    parts = []
+    for r in stages:
+        f = r.pipeline
+        if f is None:
+            continue
+        mb = f.in_flight_microbatches
+        mb_s = f"{mb:g}"
+        if f.model_chunks > 1:
+            parts.append(f"stage {f.stage}: {f.in_flight_chunks} chunks of {f.model_chunks} ({mb_s} micro-batches)")
+        else:
+            parts.append(f"stage {f.stage}: {f.in_flight_chunks} micro-batch{'es' if f.in_flight_chunks > 1 else ''}")
+    return ", ".join(parts)
+
+
 def first_stage_embeddings(schedule: PipelineSchedule, pp: int, m: int, v: int) -> int:
     """Embedding outputs (saved for the first layer's backward) alive on stage 0 at its peak: one per micro-batch
     in flight under 1F1B and GPipe; interleaved, only model chunk 0 holds the embedding, and at most two groups'
@@ -3002,7 +3108,13 @@ def _megatron(
             PhaseBreakdown(phase=Phase.OPTIMIZER_STEP, components=_full(resident)),
         )
         group = p.tp * p.dp
-        stages.append(RankMemory(ranks=tuple(range(s * group, (s + 1) * group)), phases=phases))
+        stages.append(
+            RankMemory(
+                ranks=tuple(range(s * group, (s + 1) * group)),
+                phases=phases,
+                pipeline=PipelineInFlight(stage=s, in_flight_chunks=chunks, model_chunks=mi.chunks),
+            )
+        )
     worst = max(stages, key=lambda r: r.peak_bytes)
     init = [(megatron_init_bytes(mi, s, p.pp) - stages[s].peak_bytes, s) for s in range(p.pp)]
     over, at = max(init)
@@ -3013,6 +3125,8 @@ def _megatron(
         "activations per layer from the Hugging Face block model split per Korthikanti et al. 2022 "
         "(without SP the norm and residual tensors are replicated)",
     ]
+    if p.pp > 1:
+        notes.append(f"Megatron pipeline in flight at each stage's peak: {in_flight_note(stages)}")
     if p.pp > 1 and par.microbatches < p.pp:
         notes.append(
             f"only {par.microbatches} micro-batch(es) for {p.pp} pipeline stages: the pipeline idles most of the "
@@ -3379,8 +3493,7 @@ def estimate_parallel(
             *notes,
             why,
             reserve_note,
-            "per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it (the overhead's NCCL term: "
-            "measured for torch DDP and FSDP2 on one rank, not for DeepSpeed or Megatron)",
+            f"per-rank bytes inside PyTorch's allocator; NCCL's own buffers are outside it: {nccl_basis(strategy)}",
         ),
         ranks=ranks,
         capped=capped,
@@ -3482,16 +3595,58 @@ def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
 
 
 #: NCCL's buffers outside PyTorch's allocator, measured with a one-rank NCCL group on the H200
-#: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed or Megatron (0).
+#: (DESIGN §4.1: +67 MiB under FSDP2, +557 MiB after DDP). Not measured for DeepSpeed, Megatron or DTensor TP
+#: without FSDP2 (0).
 NCCL_FSDP_BYTES = 67 * MiB
 NCCL_DDP_BYTES = 557 * MiB
+#: NCCL's documented default for NCCL_BUFFSIZE, "the size of the buffer used by NCCL when communicating data between
+#: pairs of GPUs" (NCCL user guide, Environment Variables): what a world size above 1 adds per connected peer and
+#: channel — the channels and peers depend on the topology and algorithm NCCL picks, so it is named, not counted.
+NCCL_BUFFSIZE_BYTES = 4 * MiB
+
+
+def _nccl_kind(strategy: Strategy) -> str | None:
+    """Which one-rank measurement stands for ``strategy``'s NCCL buffers: "FSDP2" (FSDP2, HSDP, 2-D FSDP2×TP), "DDP"
+    (torch DDP), or None (none measured: DeepSpeed, Megatron-LM, DTensor TP without FSDP2, one GPU)."""
+    if not strategy.is_distributed or resolve_engine(strategy) is not Engine.TORCH:
+        return None
+    if strategy.sharding in (Sharding.FSDP, Sharding.HSDP):
+        return "FSDP2"
+    if strategy.parallelism.tensor > 1:
+        return None
+    return "DDP"
 
 
 def nccl_bytes(strategy: Strategy) -> int:
-    """NCCL's own device buffers for ``strategy`` (outside the allocator; 0 where not measured)."""
-    if not strategy.is_distributed or resolve_engine(strategy) is not Engine.TORCH:
-        return 0
-    return NCCL_FSDP_BYTES if strategy.sharding in (Sharding.FSDP, Sharding.HSDP) else NCCL_DDP_BYTES
+    """NCCL's own device buffers for ``strategy`` (outside the allocator): the one-rank H200 measurement of its
+    framework (DESIGN §4.1), whatever the world size; 0 where none was measured (:func:`nccl_basis` says which)."""
+    kind = _nccl_kind(strategy)
+    return 0 if kind is None else NCCL_FSDP_BYTES if kind == "FSDP2" else NCCL_DDP_BYTES
+
+
+def nccl_basis(strategy: Strategy) -> str:
+    """Where :func:`nccl_bytes`' figure comes from, for ``strategy``'s engine and world size, in one sentence (empty
+    on one GPU without a process group)."""
+    if not strategy.is_distributed:
+        return ""
+    w = strategy.world_size
+    kind = _nccl_kind(strategy)
+    if kind is None:
+        engine = resolve_engine(strategy)
+        who = {Engine.DEEPSPEED: "DeepSpeed", Engine.MEGATRON: "Megatron-LM"}.get(engine, "DTensor tensor parallelism")
+        return f"NCCL's buffers not counted (0): not measured for {who}"
+    figure = NCCL_FSDP_BYTES if kind == "FSDP2" else NCCL_DDP_BYTES
+    said = (
+        f"NCCL {figure // MiB} MiB: measured under {'FSDP2' if kind == 'FSDP2' else 'torch DDP'} with a one-rank NCCL "
+        "process group on an H200 (DESIGN §4.1)"
+    )
+    if w == 1:
+        return said
+    return (
+        f"{said}, counted as it is at world size {w}: a lower bound there — with peers NCCL also allocates a buffer "
+        f"per connected pair of GPUs and channel (NCCL_BUFFSIZE, {NCCL_BUFFSIZE_BYTES // MiB} MiB by default; NCCL "
+        "user guide, Environment Variables), whose count depends on the topology and is not modelled"
+    )
 
 
 def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
@@ -3510,6 +3665,7 @@ __all__ = [
     "ShardedStates",
     "SimulatedReserve",
     "ZeroPartition",
+    "check_options",
     "check_parallel_finetune",
     "compute_strategy",
     "data_parallel_degree",
@@ -3527,9 +3683,12 @@ __all__ = [
     "held_tensors",
     "in_flight_chunks",
     "in_flight_microbatches",
+    "in_flight_note",
+    "inapplicable_options",
     "last_stage_heads",
     "megatron_init_bytes",
     "megatron_inputs",
+    "nccl_basis",
     "nccl_bytes",
     "plan",
     "resident_floor_bytes",

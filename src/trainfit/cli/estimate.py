@@ -416,6 +416,7 @@ def estimate_cmd(
         spec, strategy, imported = strategy_from_file(spec, from_path, flags, explicit_flags())
     else:
         spec, strategy = strategy_from_flags(spec, **{name: flags[name] for name in STRATEGY_FLAGS})
+    refuse_inapplicable(strategy, explicit_flags())
     try:
         m = Method(method)
     except ValueError:
@@ -527,6 +528,19 @@ def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
     return tuple(out)
 
 
+def refuse_inapplicable(strategy: Strategy, explicit: frozenset[str]) -> None:
+    """A framework's flag given explicitly for a run it does not apply to (``--no-reshard-after-forward`` with
+    ``--sharding zero2``, ``--bucket-cap-mb`` under FSDP2, ``--microbatches`` without ``--pp``…) is refused in one
+    line, even at its default value: it would be ignored silently. The library refuses only values other than the
+    default (:func:`trainfit.analytic.parallel.check_options`), having no way to tell a default given on purpose."""
+    from trainfit.analytic.parallel import inapplicable_options
+
+    bad = inapplicable_options(strategy)
+    for name in STRATEGY_FLAGS:
+        if name in explicit and name in bad:
+            raise StrategyError(bad[name])
+
+
 def explicit_flags() -> frozenset[str]:
     """The parameters of the running command given on the command line (or by environment), not defaulted."""
     try:
@@ -565,13 +579,31 @@ def strategy_from_file(
         seq_len=given("seq"),
         hidden_size=spec.hidden_size,
     )
+    from trainfit.analytic.parallel import inapplicable_options
+    from trainfit.imports.result import ImportedSetting, show
+
     merged = {name: flags[name] for name in STRATEGY_FLAGS}
     for name, value in imported.flags:
         if name not in explicit:
             merged[name] = value
     spec, strategy = strategy_from_flags(spec, **merged)
-    if imported.engine_extras:
-        strategy = replace(strategy, engine=replace(strategy.engine, **dict(imported.engine_extras)))
+    # A file's setting for another framework than the run's (a TrainingArguments' ddp_bucket_cap_mb beside its FSDP
+    # config, a DeepSpeed file run with an explicit --sharding fsdp) is not applied, and said so, rather than refused.
+    bad = inapplicable_options(strategy)
+    dropped = [(name, value) for name, value in imported.flags if name in bad and name not in explicit]
+    dropped += [(name, value) for name, value in imported.engine_extras if name in bad]
+    if dropped:
+        for name, _value in dropped:
+            if name in merged:  # a flag: back to the command's own (default) value; an engine extra is left out
+                merged[name] = flags[name]
+        spec, strategy = strategy_from_flags(spec, **merged)
+        notes = tuple(
+            ImportedSetting(key=f"({name})", value=show(v), meaning=f"not applied: {bad[name]}") for name, v in dropped
+        )
+        imported = replace(imported, ignored=imported.ignored + notes)
+    extras = {name: v for name, v in imported.engine_extras if name not in bad}
+    if extras:
+        strategy = replace(strategy, engine=replace(strategy.engine, **extras))
     return spec, strategy, imported
 
 

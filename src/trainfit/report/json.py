@@ -129,7 +129,8 @@ def _phase_json(p: PhaseBreakdown) -> dict[str, Any]:
 
 def ranks_json(report: MemoryReport) -> list[dict[str, Any]]:
     """Each distinct rank (pipeline stage; one entry for all ranks when they hold the same): its rank
-    indices, peak, peak phase and phases; with a GPU, the bytes that must fit and whether they do."""
+    indices, peak, peak phase and phases; a pipeline stage's in-flight micro-batches (``pipeline``); with a GPU,
+    the bytes that must fit and whether they do."""
     out = []
     fit = report.fit
     ranks = report.ranks or (RankMemory(ranks=tuple(range(report.world_size)), phases=report.phases),)
@@ -141,6 +142,13 @@ def ranks_json(report: MemoryReport) -> list[dict[str, Any]]:
             "phase": peak.phase.value,
             "phases": {p.phase.value: _phase_json(p) for p in r.phases},
         }
+        if r.pipeline is not None:  # a pipeline stage: what it holds in flight at its peak
+            row["pipeline"] = {
+                "stage": r.pipeline.stage,
+                "in_flight_chunks": r.pipeline.in_flight_chunks,
+                "model_chunks": r.pipeline.model_chunks,
+                "in_flight_microbatches": r.pipeline.in_flight_microbatches,
+            }
         if fit is not None and report.ranks and i < len(fit.rank_required_bytes):
             row["required_bytes"] = fit.rank_required_bytes[i]
             row["fits"] = fit.rank_required_bytes[i] <= fit.usable_bytes
@@ -188,7 +196,9 @@ def report_json(
         "overhead": {
             "cuda_context_bytes": report.overhead.cuda_context_bytes,
             "kernel_images_bytes": report.overhead.kernel_images_bytes,
-            "nccl_bytes": report.overhead.nccl_bytes,
+            "nccl_bytes": report.overhead.nccl_bytes,  # the one-rank measurement of the framework, or 0
+            # many GPUs only (one-GPU JSON unchanged): where nccl_bytes comes from, what it leaves out
+            **({"nccl_basis": report.overhead.nccl_basis} if report.overhead.nccl_basis else {}),
             "outside_allocator_bytes": report.overhead.outside_allocator_bytes,
             "allocator_reserve_bytes": report.overhead.allocator_reserve_bytes,
             "basis": report.overhead.basis,

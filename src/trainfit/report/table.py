@@ -21,6 +21,7 @@ from trainfit.result import (
     MeasureDetails,
     MemoryReport,
     Method,
+    RankMemory,
     RuleOfThumbDetails,
     Suggestion,
     SuggestionKind,
@@ -81,9 +82,23 @@ def _answer(report: MemoryReport) -> Text:
         f" during {report.peak_phase.value} (torch.cuda.max_memory_allocated); "
         f"reserved ≈ {fmt_gib(report.reserved_estimate_bytes)}; "
         f"nvidia-smi ≈ {fmt_gib(report.nvidia_smi_estimate_bytes)} "
-        f"(+{fmt_gib(report.overhead.outside_allocator_bytes)} outside the allocator: CUDA context and kernels)"
+        f"(+{fmt_gib(report.overhead.outside_allocator_bytes)} outside the allocator: {_outside_parts(report)})"
     )
     return t
+
+
+def _outside_parts(report: MemoryReport) -> str:
+    """What the outside-allocator figure is made of: with many GPUs, whether NCCL's buffers are in it and on what
+    basis (a one-rank measurement, or not counted)."""
+    o = report.overhead
+    if o.nccl_bytes:
+        w = report.world_size
+        return f"CUDA context, kernels and NCCL {fmt_gib(o.nccl_bytes)} as measured at world size 1" + (
+            f", a lower bound at world size {w}" if w > 1 else ""
+        )
+    if o.nccl_basis:
+        return "CUDA context and kernels; NCCL's buffers not counted"
+    return "CUDA context and kernels"
 
 
 def _verdict(f: FitVerdict) -> Text:
@@ -205,25 +220,39 @@ def _ranks(report: MemoryReport) -> Table | None:
         return None
     fit = report.fit
     table = Table(title="Per rank (GiB; the headline above is the worst)", title_justify="left")
-    for col in ("ranks", "peak phase", "peak allocated", "fits"):
-        table.add_column(col, justify="left" if col in ("ranks", "peak phase") else "right")
+    piped = any(r.pipeline is not None for r in report.ranks)
+    cols = ("ranks", "peak phase", *(("in flight",) if piped else ()), "peak allocated", "fits")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("ranks", "peak phase", "in flight") else "right")
     worst = max(r.peak_bytes for r in report.ranks)
-    rows: dict[tuple[str, int, str], list[int]] = {}
+    rows: dict[tuple[str, str, int, str], list[int]] = {}
     for i, r in enumerate(report.ranks):
         peak = max(r.phases, key=lambda p: p.total_bytes)
         fits = ""
         if fit is not None and i < len(fit.rank_required_bytes):
             fits = "yes" if fit.rank_required_bytes[i] <= fit.usable_bytes else "NO"
-        rows.setdefault((peak.phase.value, r.peak_bytes, fits), []).extend(r.ranks)
-    for (phase, peak_bytes, fits), ranks in rows.items():
+        rows.setdefault((peak.phase.value, _in_flight(r), r.peak_bytes, fits), []).extend(r.ranks)
+    for (phase, flight, peak_bytes, fits), ranks in rows.items():
         table.add_row(
             rank_ranges(tuple(ranks)),
             phase,
+            *((flight,) if piped else ()),
             f"{gib(peak_bytes):.2f}",
             fits,
             style="bold" if peak_bytes == worst else None,
         )
     return table
+
+
+def _in_flight(r: RankMemory) -> str:
+    """A pipeline stage's in-flight work for the per-rank table: ``4 mb`` (1F1B, GPipe) or ``9 ch (4.5 mb)``
+    (interleaved: model-chunk micro-batches and their whole-stage equivalent); empty for a rank of no stage."""
+    f = r.pipeline
+    if f is None:
+        return ""
+    if f.model_chunks > 1:
+        return f"{f.in_flight_chunks} ch ({f.in_flight_microbatches:g} mb)"
+    return f"{f.in_flight_chunks} mb"
 
 
 def _distributed_notes(report: MemoryReport) -> list[str]:
@@ -234,7 +263,7 @@ def _distributed_notes(report: MemoryReport) -> list[str]:
         if report.host_peak_bytes:
             return [f"host memory: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)"]
         return []
-    keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank")
+    keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank", "NCCL")
     out = [n for n in report.notes if any(k in n for k in keys)]
     if report.host_peak_bytes:
         out.append(
@@ -362,3 +391,5 @@ def render(console: Console, report: MemoryReport, *, verbose: bool = False) -> 
         console.print(Text(f"note: {note}", style="dim"))
     if report.overhead.basis and report.method is not Method.RULE_OF_THUMB:
         console.print(Text(f"outside the allocator: {report.overhead.basis}", style="dim"))
+    if report.overhead.nccl_basis and report.method is not Method.RULE_OF_THUMB:
+        console.print(Text(f"outside the allocator: {report.overhead.nccl_basis}", style="dim"))

@@ -553,7 +553,7 @@ def trace_deepspeed(
     module docstring says why not extrapolated; ``extrapolate`` is accepted for the other traces' signature).
     None: stages 1–2's worst rank by the closed form (:class:`~trainfit.analytic.parallel.ZeroRank`: ranks differ by
     what their partitions meet), rank 0 at stage 3."""
-    from trainfit.analytic.parallel import estimate_parallel
+    from trainfit.analytic.parallel import estimate_parallel, nccl_basis
     from trainfit.analytic.parallel import plan as parallel_plan
 
     parallel_plan(spec, strategy)  # what no one models is refused first (QLoRA with ZeRO, adapters on MoE layers)
@@ -604,7 +604,7 @@ def trace_deepspeed(
         ),
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + " (the whole depth: what a rank holds is not linear in it)",
-        "NCCL's own buffers are outside the allocator",
+        f"NCCL's own buffers are outside the allocator: {nccl_basis(strategy)}",
     ]
     if stage == 3 and not matches_verified():
         release = importlib.metadata.version("deepspeed")

@@ -873,6 +873,8 @@ def _traced_rank(
     extrapolate: bool,
 ) -> MemoryReport:
     """The traced rank's phases (:func:`trace_distributed`), its reserve the fixed fraction."""
+    from trainfit.analytic.parallel import nccl_basis
+
     if strategy.parallelism.tensor > 1:  # DTensor TP (± SP): trainfit.trace.tensor_parallel
         from trainfit.trace.tensor_parallel import trace_tensor_parallel
 
@@ -950,7 +952,7 @@ def _traced_rank(
         f"rank 0 of {world} on PyTorch's fake process group: {what}",
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + (" and extrapolated each region linearly" if plan.ext else ""),
-        "NCCL's own buffers are outside the allocator (the overhead's NCCL term)",
+        f"NCCL's own buffers are outside the allocator: {nccl_basis(strategy)}",
     ]
     return rank_report(
         spec,

@@ -305,6 +305,7 @@ def trace_tensor_parallel(
 ) -> MemoryReport:
     """Rank 0 of ``strategy``'s DTensor TP (± SP) run, traced on the fake process group and extrapolated in
     depth (the per-layer saved tensors and states are exactly linear in the number of layers)."""
+    from trainfit.analytic.parallel import nccl_basis
     from trainfit.trace._deps import require_transformers
 
     check_traceable_tp(spec, strategy)
@@ -357,7 +358,7 @@ def trace_tensor_parallel(
         ),
         f"traced {', '.join(map(str, traced))} of {plan.full_layers} layers"
         + (" and extrapolated each region linearly" if plan.ext else ""),
-        "NCCL's own buffers are outside the allocator (not measured for tensor parallelism)",
+        f"NCCL's own buffers are outside the allocator: {nccl_basis(torch_engine(strategy))}",
     ]
     if strategy.engine.engine is Engine.AUTO and not fsdp:
         notes.append(
