@@ -76,3 +76,26 @@ def test_inplace_accumulation_is_replayed() -> None:
     assert len(tr.accumulations) == 1
     assert tr.merge_inplace_accumulations() == 1
     del h, y
+
+
+def test_a_storage_freed_after_the_run_is_read_keeps_the_ticks_final() -> None:
+    """The readers size their arrays by the tick count; a storage the garbage collector frees after they began
+    (a fake tensor of the run in a reference cycle, collected during the next trace) must not take a new tick. Before,
+    benchmarks/reserve_agreement.py --savers died with an IndexError in trace.events ``_raw_events`` after a few
+    rows; now such a storage is alive to the end of the run."""
+    from trainfit.trace.events import _raw_events, tracker_events
+    from trainfit.trace.runner import TraceRun
+    from trainfit.trace.timeline import Timeline
+
+    tr = tk.Tracker()
+    with FakeTensorMode(), tr:
+        tr.phase = tk.FORWARD
+        kept = torch.empty(1024)
+        gone = torch.empty(1024)
+        del gone
+    run = TraceRun(tracker=tr, timeline=Timeline(), params=0, trainable_params=0, sdpa_backends={}, notes=[])
+    before = tracker_events(run)
+    ticks = tr.t
+    del kept  # freed after the run was read
+    assert tr.t == ticks and tr.records[0].free_t is None
+    assert tracker_events(run) == before and len(_raw_events(run)) == len(before)

@@ -68,6 +68,7 @@ def tracker_events(run: rn.TraceRun) -> list[Event]:
 def _tick_index(run: rn.TraceRun) -> list[int]:
     """For each tick, how many kept events precede or are at it (to insert events after a tick)."""
     tr = run.tracker
+    tr.merge_inplace_accumulations()  # (a no-op after the first reader; it freezes the ticks)
     kept = [0] * (tr.t + 2)
     for rec in tr.records:
         if tr.component(rec) is None:

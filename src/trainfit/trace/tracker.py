@@ -97,6 +97,7 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.forward_end: dict[int, int] = {}  # pass -> event at which its forward ended
         self.accumulations: list[tuple[Record, Record]] = []
         self._merged = False
+        self._frozen = False  # set by the first reader: no more ticks (:meth:`_freed`)
         self._to_copy = torch.ops.aten._to_copy.default
         self._add = torch.ops.aten.add.Tensor
 
@@ -106,7 +107,13 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return self.t
 
     def _freed(self, rec: Record, _ref: object) -> None:
-        rec.free_t = self._tick()
+        # Once the run is read (:meth:`merge_inplace_accumulations`, which every reader calls first) its ticks are
+        # final: a storage the garbage collector frees later — a fake tensor of this run in a reference cycle,
+        # collected while another trace runs or while the readers themselves allocate — stays alive to the end
+        # rather than taking a tick past the arrays the readers sized by ``t`` (an IndexError in
+        # trace.events ``_raw_events``, benchmarks/reserve_agreement.py --savers, 2026-12-04).
+        if not self._frozen:
+            rec.free_t = self._tick()
 
     def _record(self, st: torch.UntypedStorage, op: str) -> Record | None:
         entry = self._info.get(st)
@@ -189,6 +196,7 @@ class Tracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         weight read through ``.t()``, e.g. a tied ``lm_head``) is added out of place. Returns how many
         were merged.
         """
+        self._frozen = True
         if self._merged:
             return 0
         self._merged = True
