@@ -157,8 +157,9 @@ PLAN_ALLOC = {
             **{"model": "llama-3.2-1b", "gpu": "a100-sxm-80gb", "gpus": 1, "global_batch": 8, "top": 2},
             **{"torch_version": "2.11", "cuda_version": "11.6", "warm_up": True, "after": "qwen2.5-0.5b -b 4"},
         },
+        {"model": "llama-3.2-3b", "gpu": "rtx-4090", "gpus": 2, "seq": 1024, "global_batch": 8, "host_memory_gib": 16},
     ],
-    ids=["full", "lora", "alloc-conf", "releases-history"],
+    ids=["full", "lora", "alloc-conf", "releases-history", "host-memory"],
 )
 def test_plan_equals_the_cli_json(
     client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]

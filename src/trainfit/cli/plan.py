@@ -40,6 +40,14 @@ def plan_cmd(
         float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
     ] = 50.0,
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
+    host_memory_gib: Annotated[
+        float | None,
+        typer.Option(
+            "--host-memory-gib",
+            help="CPU memory per node in GiB: rule out plans (offload) whose host memory per node exceeds it less "
+            "--headroom (default: not limited; the table shows each plan's host GiB/node when any offloads).",
+        ),
+    ] = None,
     alloc_conf: Annotated[
         str | None,
         typer.Option(
@@ -90,6 +98,7 @@ def plan_cmd(
     from trainfit.export import export_plan, write_export
     from trainfit.export.configs import hf_trainer_lacks
     from trainfit.planner.api import plan
+    from trainfit.planner.workload import host_memory_bytes
     from trainfit.report.plan import plan_json, render_plan
 
     spec = load_model(model)
@@ -112,6 +121,7 @@ def plan_cmd(
         torch_version=torch_version,
         cuda_version=cuda_version,
         history=process_history(build, warm_up, after),
+        host_memory_bytes=host_memory_bytes(host_memory_gib),
     )
     written: tuple[Path, ...] = ()
     if export is not None and result.plans:
