@@ -67,7 +67,7 @@ from trainfit.overhead import DEFAULT_CUDA
 from trainfit.planner.search import largest_below, lower_bound_bytes
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_floor_seconds, step_time, step_time_of
-from trainfit.strategy import Parallelism, Sharding, Strategy
+from trainfit.strategy import Parallelism, Precision, Sharding, Strategy
 
 __all__ = [
     "HISTORY_SCOPE",
@@ -743,7 +743,7 @@ def search_plans(
     if not found and explain_needs:  # (callers that want plans only — fixes, the re-searches — skip both)
         nearest = _closest(s, nears)
         needs = _needs(spec, gpu, nearest, s, gpus=gpus, seq_len=seq_len, global_batch=global_batch, allow=allow)
-    notes += _host_notes(s, found)
+    notes += _host_notes(s, found) + _pure_bf16_notes(found)
     return PlanResult(
         plans=tuple(found),
         closest=nearest,
@@ -763,6 +763,43 @@ def search_plans(
         host_rejected=len(s.host_rejected),
         host_rejected_min_bytes=min((s.host_bytes(x) for x in s.host_rejected), default=0),
     )
+
+
+#: Why a pure-bf16 top plan under full training gets a note (:func:`_pure_bf16_notes`; docs/plan.md).
+PURE_BF16_RISK = (
+    "no fp32 master copy: an AdamW update below half a bf16 ulp of its weight rounds away (bf16(256) + bf16(1) = 256, "
+    "docs/precision.md), which long full training such as pretraining accumulates — pure bf16 needs stochastic "
+    "rounding or Kahan-compensated updates to match fp32 (Zamirai et al. 2020, 'Revisiting BFloat16 Training'), "
+    "which torch's AdamW does not do; fine for short fine-tuning (torchtune's default recipe)"
+)
+
+
+def _pure_bf16_notes(found: list[Plan]) -> list[str]:
+    """A note when the top plan trains every weight in pure bf16 (full training, not LoRA/QLoRA, whose trained
+    adapters PEFT keeps in fp32): legitimate and ranked on its speed and memory, but a risk for long runs that the
+    ranking cannot see — the ranking is not changed (the project states no policy against it), the user is told,
+    with the best listed plan that keeps an fp32 master copy where there is one."""
+
+    if not found:
+        return []
+    top = found[0]
+    if top.strategy.precision is not Precision.PURE_BF16 or top.candidate.finetune is not Finetune.FULL:
+        return []
+    alt = next(
+        (
+            (i, p)
+            for i, p in enumerate(found, 1)
+            if p.strategy.precision is not Precision.PURE_BF16 and p.candidate.finetune is Finetune.FULL
+        ),
+        None,
+    )
+    instead = (
+        f"; plan {alt[0]} updates fp32 weights ({alt[1].strategy.precision.value}, "
+        f"{alt[1].speed.step_seconds:.2f} s/step)"
+        if alt is not None
+        else "; for pretraining consider --precision master-bf16 or amp-bf16 (trainfit estimate checks the fit)"
+    )
+    return [f"plan 1 is pure-bf16 — {PURE_BF16_RISK}{instead}"]
 
 
 def _host_notes(s: _Search, found: list[Plan]) -> list[str]:
