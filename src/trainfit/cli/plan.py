@@ -99,7 +99,7 @@ def plan_cmd(
     from trainfit.export.configs import hf_trainer_lacks
     from trainfit.planner.api import plan
     from trainfit.planner.workload import host_memory_bytes
-    from trainfit.report.plan import plan_json, render_plan
+    from trainfit.report.plan import export_check, exported_run_json, plan_json, render_plan
 
     spec = load_model(model)
     result = plan(
@@ -124,8 +124,15 @@ def plan_cmd(
         host_memory_bytes=host_memory_bytes(host_memory_gib),
     )
     written: tuple[Path, ...] = ()
+    exported_run = None
     if export is not None and result.plans:
-        files = export_plan(spec, result.plans[0].strategy, alloc_conf=result.plans[0].alloc_conf)
+        files = export_plan(
+            spec,
+            result.plans[0].strategy,
+            alloc_conf=result.plans[0].alloc_conf,
+            **export_check(result, gpu, headroom),
+        )
+        exported_run = files.exported_run
         try:
             written = write_export(files, Path(export))
         except OSError as exc:  # an unwritable or impossible directory: the user's input, one line
@@ -133,7 +140,8 @@ def plan_cmd(
     # savers only torchtune switches on: said for the top plan (the HF Trainer export cannot carry them)
     notes = hf_trainer_lacks(result.plans[0].strategy) if result.plans else ()
     if json_out:
-        print_json(plan_json(result) | {"exported": [str(p) for p in written]})  # each plan's "notes" say it
+        ran = {} if exported_run is None else {"exported_run": exported_run_json(exported_run)}
+        print_json(plan_json(result) | {"exported": [str(p) for p in written]} | ran)  # each plan's "notes" say it
         return
     render_plan(stdout_console(), result)
     if global_batch is None and tokens_per_step is None:
@@ -145,6 +153,11 @@ def plan_cmd(
         typer.echo(f"note: {note}")
     if export is not None and not result.plans:
         warn("nothing fits: no configuration exported")
+    if exported_run is not None:  # the files cannot say the plan's checkpointing: the run they do say
+        if exported_run.fits:
+            typer.echo(f"note: {exported_run.note()}")
+        else:
+            warn(exported_run.note())
     for path in written:
         typer.echo(f"wrote {path}")
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from trainfit.export.configs import hf_trainer_lacks
+from trainfit.export.configs import ExportedRun, hf_trainer_lacks
 from trainfit.planner.rank import Plan, PlanResult
 from trainfit.planner.space import Objective
 from trainfit.report.json import history_json, strategy_json
@@ -57,6 +57,31 @@ def _plan_json(p: Plan, price_per_gpu_hour: float | None = None) -> dict[str, An
         "offload_seconds": sp.offload_seconds,
         "notes": list(hf_trainer_lacks(p.strategy)),  # savers the HF Trainer export cannot carry (torchtune's)
     } | cost
+
+
+def export_check(result: PlanResult, gpu: str, headroom: float) -> dict[str, Any]:
+    """The keyword arguments of :func:`trainfit.export.configs.export_plan` that estimate the run the exported files
+    describe on the plan's own terms (GPU, headroom, releases, process) — ``trainfit plan --export`` and the web's
+    export pass the same."""
+    return {
+        "gpu": gpu,
+        "headroom": headroom,
+        "torch_version": result.torch_version,
+        "cuda_version": result.cuda_version,
+        "history": None if result.history.fresh else result.history,
+    }
+
+
+def exported_run_json(run: ExportedRun) -> dict[str, Any]:
+    """``--export --json``'s ``exported_run``: the files' checkpointing where it is not the plan's, and its estimate."""
+    return {
+        "checkpointing": run.checkpointing.value,
+        "plan_checkpointing": run.plan_checkpointing.value,
+        "required_bytes": run.required_bytes,
+        "usable_bytes": run.usable_bytes,
+        "fits": run.fits,
+        "note": run.note(),
+    }
 
 
 def _cheapest(result: PlanResult) -> bool:
