@@ -209,3 +209,11 @@ def test_plan_release_and_history_errors_are_one_line(
     r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--seq", "1024", "--global-batch", "8", *args)
     assert r.code == 2, r.out
     assert message in r.err and r.err.count("\n") == 1, r.err
+
+
+def test_plan_help_says_where_fp8_is_searched(capsys: pytest.CaptureFixture[str]) -> None:
+    """fp8 candidates exist on one GPU and under DDP/FSDP2/HSDP (``planner.space.float8_candidates``): the help said
+    "one GPU" only."""
+    r = run_cli(capsys, "plan", "--help")
+    text = " ".join(r.out.replace("│", " ").split())
+    assert "DDP/FSDP2/HSDP" in text and "fp8: torchao linears, one GPU)" not in text

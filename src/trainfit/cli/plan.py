@@ -31,7 +31,12 @@ def plan_cmd(
         str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (4M, 2e6); a multiple of --seq.")
     ] = None,
     allow: Annotated[
-        str | None, typer.Option("--allow", help="Also consider: lora,qlora,fp8 (fp8: torchao linears, one GPU).")
+        str | None,
+        typer.Option(
+            "--allow",
+            help="Also consider: lora,qlora,fp8 (fp8: torchao fp8 linears for full training in bf16 on one GPU or "
+            "DDP/FSDP2/HSDP without offload, TP or PP; GPUs with fp8 tensor cores).",
+        ),
     ] = None,
     objective: Annotated[str, typer.Option(help="fastest | fewest-gpus | cheapest")] = "fastest",
     price_per_gpu_hour: Annotated[float, typer.Option("--price-per-gpu-hour", help="For --objective cheapest.")] = 1.0,
