@@ -22,6 +22,11 @@ def gb(n_bytes: int | float) -> float:
     return n_bytes / GB
 
 
+def bytes_of_gib(n_gib: float) -> int:
+    """``n_gib`` GiB as whole bytes (a ``--...-gib`` flag's value)."""
+    return int(n_gib * GiB)
+
+
 def fmt_gib(n_bytes: int | float, digits: int = 2) -> str:
     """Format bytes as ``'12.34 GiB'``."""
     return f"{n_bytes / GiB:.{digits}f} GiB"

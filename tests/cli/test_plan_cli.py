@@ -51,12 +51,35 @@ def test_plan_table_and_two_line_explanation(capsys: pytest.CaptureFixture[str])
         (["--network-gbps", "-5"], "--network-gbps must be positive"),
         (["--gpus", "2", "--global-batch", "0"], "--global-batch must be positive"),
         (["--export", "/dev/null/plan"], "--export /dev/null/plan: cannot write there"),
+        (["--host-memory-gib", "0"], "--host-memory-gib must be positive"),
+        (["--host-memory-gib", "nan"], "--host-memory-gib must be positive"),
     ],
 )
 def test_plan_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--seq", "1024", *args)
     assert r.code == 2
     assert message in r.err and r.err.count("\n") == 1
+
+
+def test_plan_shows_host_memory_per_node_and_holds_a_host_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 3.2 3B on one RTX 4090 fits only with ZeRO-3 offload: the table has a host GiB/node column and a note
+    that the host was not checked; JSON has each plan's host_peak_bytes; --host-memory-gib 64 (44.8 GiB usable with
+    the headroom) rules them all out and says what would do."""
+    args = ("plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--gpus", "1", "--seq", "1024", "--global-batch", "8")
+    r = run_cli(capsys, *args, "--top", "2")
+    assert r.code == 0, r.err
+    assert "host GiB/node" in r.out and "note: host memory not checked" in r.out
+    j = run_cli(capsys, *args, "--top", "2", "--json")
+    out = json.loads(j.out)
+    assert all(p["host_peak_bytes"] > 40 * 2**30 for p in out["plans"]) and "host_memory_bytes" not in out
+    t = run_cli(capsys, *args, "--host-memory-gib", "64")
+    assert t.code == 0 and "nothing fits" in t.out
+    assert "would fit with --host-memory-gib" in t.out and "ruled out by their host memory per node" in t.out
+    tj = json.loads(run_cli(capsys, *args, "--host-memory-gib", "64", "--json").out)
+    assert tj["plans"] == [] and tj["host_memory_bytes"] == 64 * 2**30 and tj["host_rejected"] > 0
+    # a plan without offload has no host column
+    small = run_cli(capsys, "plan", "qwen2.5-0.5b", "--gpu", "a100-sxm-80gb", "--seq", "1024", "--global-batch", "8")
+    assert "host GiB/node" not in small.out
 
 
 def test_plan_without_a_batch_plans_8_sequences_per_gpu_and_exports(
@@ -186,3 +209,11 @@ def test_plan_release_and_history_errors_are_one_line(
     r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--seq", "1024", "--global-batch", "8", *args)
     assert r.code == 2, r.out
     assert message in r.err and r.err.count("\n") == 1, r.err
+
+
+def test_plan_help_says_where_fp8_is_searched(capsys: pytest.CaptureFixture[str]) -> None:
+    """fp8 candidates exist on one GPU and under DDP/FSDP2/HSDP (``planner.space.float8_candidates``): the help said
+    "one GPU" only."""
+    r = run_cli(capsys, "plan", "--help")
+    text = " ".join(r.out.replace("│", " ").split())
+    assert "DDP/FSDP2/HSDP" in text and "fp8: torchao linears, one GPU)" not in text

@@ -127,6 +127,51 @@ def test_more_gpus_never_make_the_best_plan_slower(gpu: str, seq: int, gb: int) 
     assert seq < 8192 or savers & {"sac", "selective", "fused-linear"}
 
 
+@pytest.mark.parametrize(
+    ("slug", "gpu", "seq", "gb", "gpn"),
+    [
+        ("llama-3.2-1b", "a100-sxm-80gb", 2048, 12, 8),  # the audit's case: 7 GPUs did not offer 6 (0.30 s, not 0.20)
+        ("qwen2.5-0.5b", "t4", 1024, 24, 4),  # nodes of 4: 13 GPUs did not offer 12
+        ("llama-3.2-3b", "rtx-4090", 2048, 12, 8),  # offload/checkpointing on few GPUs
+    ],
+)
+def test_more_gpus_never_make_the_best_plan_slower_for_any_count(
+    slug: str, gpu: str, seq: int, gb: int, gpn: int
+) -> None:
+    """Every GPU count 1…16 and a few multi-node ones, not only powers of two: the best plan's step time never
+    grows with the GPUs given, and once a plan exists one always does."""
+    spec, g = load_model(slug), get_gpu(gpu)
+    times: list[float] = []
+    for n in (*range(1, 17), 24, 32, 48):
+        r = search_plans(spec, g, gpus=n, seq_len=seq, global_batch=gb, gpus_per_node=gpn, top=1)
+        if times:
+            assert r.plans, n
+        if r.plans:
+            t = r.plans[0].speed.step_seconds
+            assert not times or t <= times[-1], (n, t, times[-1])
+            times.append(t)
+    assert len(set(times)) > 4  # the counts were not all answered by one plan
+
+
+def test_world_sizes_and_spaces_are_nested() -> None:
+    """The set of worlds (and so the space) for N + 1 GPUs contains the set for N; every world offered has a
+    candidate that hits the global batch, and each holds a data degree dividing it."""
+    spec, g = load_model("llama-3.2-1b"), get_gpu("a100-sxm-80gb")
+    for gb, gpn in ((12, 8), (24, 4), (1, 8), (96, 8)):
+        prev: tuple[int, ...] = ()
+        prev_space: set[Candidate] = set()
+        for n in range(1, 41):
+            ws = world_sizes(n, gpn, global_batch=gb, spec=spec)
+            assert set(prev) <= set(ws) and max(ws) <= n, (gb, n)
+            if n in (7, 13, 25, 40):  # the space too (cheap, but not free)
+                space = set(candidates(spec, g, gpus=n, gpus_per_node=gpn, global_batch=gb))
+                assert prev_space <= space and {c.world for c in space} == set(ws), (gb, n)
+                prev_space = space
+            prev = ws
+    assert 6 in world_sizes(7, 8, global_batch=12, spec=spec)
+    assert 24 not in world_sizes(32, 8, global_batch=512, spec=spec)  # no data degree of 24 ranks divides 512
+
+
 def test_nothing_fits_reports_the_closest_plan_and_what_it_needs() -> None:
     # even with ZeRO-Infinity offload, 126 checkpointed layer inputs of 32k tokens × 16384 × 2 B exceed a T4
     spec, gpu = load_model("llama-3.1-405b"), get_gpu("t4")
@@ -170,7 +215,7 @@ def test_fewest_gpus_is_the_smallest_world_that_fits() -> None:
     r = search_plans(spec, gpu, gpus=8, seq_len=2048, global_batch=16, objective=Objective.FEWEST_GPUS, top=1)
     assert r.plans
     n = r.plans[0].gpus
-    smaller = [w for w in world_sizes(8, 8) if w < n]
+    smaller = [w for w in world_sizes(8, 8, global_batch=16, spec=spec) if w < n]
     if smaller:
         assert not search_plans(spec, gpu, gpus=max(smaller), seq_len=2048, global_batch=16, top=1).plans
 

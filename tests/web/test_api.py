@@ -157,8 +157,9 @@ PLAN_ALLOC = {
             **{"model": "llama-3.2-1b", "gpu": "a100-sxm-80gb", "gpus": 1, "global_batch": 8, "top": 2},
             **{"torch_version": "2.11", "cuda_version": "11.6", "warm_up": True, "after": "qwen2.5-0.5b -b 4"},
         },
+        {"model": "llama-3.2-3b", "gpu": "rtx-4090", "gpus": 2, "seq": 1024, "global_batch": 8, "host_memory_gib": 16},
     ],
-    ids=["full", "lora", "alloc-conf", "releases-history"],
+    ids=["full", "lora", "alloc-conf", "releases-history", "host-memory"],
 )
 def test_plan_equals_the_cli_json(
     client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
@@ -178,6 +179,7 @@ def test_plan_export_equals_the_files_write_export_writes(client: TestClient, tm
     from trainfit.arch import load_model
     from trainfit.export import export_plan, write_export
     from trainfit.planner.api import plan
+    from trainfit.report.plan import export_check
 
     result = plan(load_model("qwen2.5-0.5b"), "rtx-4090", seq=1024, global_batch=8)
     ranked = client.post("/api/plan", json=PLAN).json()["plans"]
@@ -187,7 +189,10 @@ def test_plan_export_equals_the_files_write_export_writes(client: TestClient, tm
         assert got.status_code == 200, got.text
         body = got.json()
         assert body["schema_version"] == 1 and body["rank"] == rank
-        export = export_plan(load_model("qwen2.5-0.5b"), p.strategy, alloc_conf=p.alloc_conf)
+        # with the plan's GPU and headroom: a checkpointing the files cannot say has the files' run estimated
+        export = export_plan(
+            load_model("qwen2.5-0.5b"), p.strategy, alloc_conf=p.alloc_conf, **export_check(result, "rtx-4090", 0.3)
+        )
         written = write_export(export, tmp_path / str(rank))
         assert list(body["files"]) == [path.name for path in written]
         assert body["files"] == {path.name: path.read_text(encoding="utf-8") for path in written}

@@ -31,7 +31,12 @@ def plan_cmd(
         str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (4M, 2e6); a multiple of --seq.")
     ] = None,
     allow: Annotated[
-        str | None, typer.Option("--allow", help="Also consider: lora,qlora,fp8 (fp8: torchao linears, one GPU).")
+        str | None,
+        typer.Option(
+            "--allow",
+            help="Also consider: lora,qlora,fp8 (fp8: torchao fp8 linears for full training in bf16 on one GPU or "
+            "DDP/FSDP2/HSDP without offload, TP or PP; GPUs with fp8 tensor cores).",
+        ),
     ] = None,
     objective: Annotated[str, typer.Option(help="fastest | fewest-gpus | cheapest")] = "fastest",
     price_per_gpu_hour: Annotated[float, typer.Option("--price-per-gpu-hour", help="For --objective cheapest.")] = 1.0,
@@ -40,6 +45,14 @@ def plan_cmd(
         float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
     ] = 50.0,
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
+    host_memory_gib: Annotated[
+        float | None,
+        typer.Option(
+            "--host-memory-gib",
+            help="CPU memory per node in GiB: rule out plans (offload) whose host memory per node exceeds it less "
+            "--headroom (default: not limited; the table shows each plan's host GiB/node when any offloads).",
+        ),
+    ] = None,
     alloc_conf: Annotated[
         str | None,
         typer.Option(
@@ -90,7 +103,8 @@ def plan_cmd(
     from trainfit.export import export_plan, write_export
     from trainfit.export.configs import hf_trainer_lacks
     from trainfit.planner.api import plan
-    from trainfit.report.plan import plan_json, render_plan
+    from trainfit.planner.workload import host_memory_bytes
+    from trainfit.report.plan import export_check, exported_run_json, plan_json, render_plan
 
     spec = load_model(model)
     result = plan(
@@ -112,10 +126,18 @@ def plan_cmd(
         torch_version=torch_version,
         cuda_version=cuda_version,
         history=process_history(build, warm_up, after),
+        host_memory_bytes=host_memory_bytes(host_memory_gib),
     )
     written: tuple[Path, ...] = ()
+    exported_run = None
     if export is not None and result.plans:
-        files = export_plan(spec, result.plans[0].strategy, alloc_conf=result.plans[0].alloc_conf)
+        files = export_plan(
+            spec,
+            result.plans[0].strategy,
+            alloc_conf=result.plans[0].alloc_conf,
+            **export_check(result, gpu, headroom),
+        )
+        exported_run = files.exported_run
         try:
             written = write_export(files, Path(export))
         except OSError as exc:  # an unwritable or impossible directory: the user's input, one line
@@ -123,7 +145,8 @@ def plan_cmd(
     # savers only torchtune switches on: said for the top plan (the HF Trainer export cannot carry them)
     notes = hf_trainer_lacks(result.plans[0].strategy) if result.plans else ()
     if json_out:
-        print_json(plan_json(result) | {"exported": [str(p) for p in written]})  # each plan's "notes" say it
+        ran = {} if exported_run is None else {"exported_run": exported_run_json(exported_run)}
+        print_json(plan_json(result) | {"exported": [str(p) for p in written]} | ran)  # each plan's "notes" say it
         return
     render_plan(stdout_console(), result)
     if global_batch is None and tokens_per_step is None:
@@ -135,6 +158,11 @@ def plan_cmd(
         typer.echo(f"note: {note}")
     if export is not None and not result.plans:
         warn("nothing fits: no configuration exported")
+    if exported_run is not None:  # the files cannot say the plan's checkpointing: the run they do say
+        if exported_run.fits:
+            typer.echo(f"note: {exported_run.note()}")
+        else:
+            warn(exported_run.note())
     for path in written:
         typer.echo(f"wrote {path}")
 

@@ -45,7 +45,11 @@ The caching allocator's configuration a plan was estimated with (``Plan.alloc_co
 the launch: torchrun and accelerate pass the environment to every worker) and NOTES.txt says why.
 
 Tests load each file with the engine's own parser (tests/export). What a format cannot say is listed in
-``Export.notes``. The foreign configurations are plain JSON-shaped mappings, as the engines take them.
+``Export.notes``. Where that is the plan's checkpointing (sqrt, selective, per-op SAC: the Trainer, accelerate,
+DeepSpeed and train_fsdp2.py checkpoint every block), the files describe another run, and given the plan's GPU
+:func:`export_plan` estimates it (:class:`ExportedRun`: its requirement, and whether it fits — full checkpointing
+does not always need less than sqrt). The foreign configurations are plain JSON-shaped mappings, as the engines
+take them.
 """
 
 from __future__ import annotations
@@ -60,11 +64,15 @@ from trainfit.analytic.parallel import megatron_chunk_segments
 from trainfit.arch.spec import MlpKind, ModelSpec, NormKind
 from trainfit.errors import StrategyError
 from trainfit.export.fsdp2_script import fsdp2_script
+from trainfit.hardware import GPUSpec
+from trainfit.history import ProcessHistory
 from trainfit.strategy import Checkpointing, Engine, LossImpl, Optimizer, Precision, Sharding, Strategy
+from trainfit.units import fmt_gib
 
 __all__ = [
     "LIGER_LOSS_ONLY",
     "Export",
+    "ExportedRun",
     "export_files",
     "export_plan",
     "hf_trainer_lacks",
@@ -107,6 +115,41 @@ class Export:
     notes: tuple[str, ...]  # what the formats cannot express, and what the user must still do
     torchtune_overrides: tuple[str, ...] = ()  # torchtune-only savers: `tune run` key=value overrides
     accelerate_deepspeed_config: dict[str, Any] | None = None  # ZeRO plans: accelerate's config naming ds_config.json
+    #: The run the Trainer/accelerate/DeepSpeed files and train_fsdp2.py stand for when they cannot say the plan's
+    #: checkpointing (full for sqrt/selective/sac), estimated on the plan's GPU (None: they say the plan, or no GPU
+    #: was given to :func:`export_plan`).
+    exported_run: ExportedRun | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExportedRun:
+    """The run the exported files describe where it differs from the plan: the plan's strategy with
+    ``checkpointing`` in place of ``plan_checkpointing``, estimated by :func:`trainfit.estimate.estimate` with the
+    plan's GPU, headroom, allocator and releases."""
+
+    checkpointing: Checkpointing  # what the files run (full: gradient_checkpointing, every block)
+    plan_checkpointing: Checkpointing  # what the plan runs (sqrt, selective, sac)
+    gpu_id: str
+    required_bytes: int  # per GPU (the worst rank), the estimate's nvidia-smi figure
+    usable_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.usable_bytes
+
+    def note(self) -> str:
+        """NOTES.txt's line (and the CLI's warning when it does not fit)."""
+        head = (
+            f"the exported configs run --checkpointing {self.checkpointing.value}, not the plan's "
+            f"{self.plan_checkpointing.value}: estimated {fmt_gib(self.required_bytes)} per GPU of "
+            f"{fmt_gib(self.usable_bytes)} usable on {self.gpu_id}"
+        )
+        if self.fits:
+            return f"{head} — fits ({fmt_gib(self.usable_bytes - self.required_bytes)} to spare)"
+        return (
+            f"{head} — DOES NOT FIT (short by {fmt_gib(self.required_bytes - self.usable_bytes)}): apply the "
+            f"plan's {self.plan_checkpointing.value} checkpointing in your own training code, or plan without it"
+        )
 
 
 def layer_class(spec: ModelSpec) -> str:
@@ -295,7 +338,9 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
     if strategy.checkpointing is Checkpointing.SQRT:
         notes.append(
             "sqrt checkpointing (segments of ⌈L/⌈√L⌉⌉ blocks) has no TrainingArguments switch: gradient_checkpointing"
-            " checkpoints every block (the plan's memory with --checkpointing full is at most that of sqrt)"
+            " checkpoints every block — a different run from the plan's, with its own memory (not always less than "
+            "sqrt's: the checkpointed inputs are fewer, the recomputed block's live activations the same, and the "
+            "allocator's reserve differs)"
         )
     elif strategy.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SAC):
         selective = strategy.checkpointing is Checkpointing.SELECTIVE
@@ -307,7 +352,7 @@ def _training_arguments(spec: ModelSpec, strategy: Strategy, notes: list[str]) -
         )
         notes.append(
             f"the plan uses {how}: TrainingArguments, accelerate and DeepSpeed have no switch for it, so their "
-            "configs checkpoint every block (less memory, more recompute: --checkpointing full's step time)"
+            "configs checkpoint every block (more recompute: --checkpointing full's step time, and its own memory)"
             + ("; megatron_args.txt keeps selective recompute" if selective else "")
         )
     if strategy.precision is Precision.PURE_BF16:
@@ -337,8 +382,7 @@ def _script_notes(strategy: Strategy) -> list[str]:
     if strategy.checkpointing in (Checkpointing.SQRT, Checkpointing.SELECTIVE, Checkpointing.SAC):
         notes.append(
             f"--checkpointing {strategy.checkpointing.value}: train_fsdp2.py checkpoints every block "
-            "(gradient_checkpointing_enable) — less memory than the plan's, more recompute: --checkpointing full's "
-            "step time"
+            "(gradient_checkpointing_enable) — more recompute: --checkpointing full's step time, and its own memory"
         )
     return notes
 
@@ -532,9 +576,23 @@ def _megatron(strategy: Strategy, spec: ModelSpec) -> tuple[str, ...]:
     return tuple(args)
 
 
-def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py", alloc_conf: str = "") -> Export:
+def export_plan(
+    spec: ModelSpec,
+    strategy: Strategy,
+    *,
+    script: str = "train.py",
+    alloc_conf: str = "",
+    gpu: GPUSpec | str | None = None,
+    headroom: float = 0.30,
+    torch_version: tuple[int, int] | None = None,
+    cuda_version: tuple[int, int] | None = None,
+    history: ProcessHistory | None = None,
+) -> Export:
     """The engines' configurations for ``strategy`` (a plan's); ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` the
-    plan's memory was estimated with ("" PyTorch's defaults: launch.sh sets nothing)."""
+    plan's memory was estimated with ("" PyTorch's defaults: launch.sh sets nothing). ``gpu`` (with the plan's
+    ``headroom``, releases and process ``history``): where the files cannot say the plan's checkpointing (sqrt,
+    selective, sac: they checkpoint every block), the run they do describe is estimated there
+    (:attr:`Export.exported_run`) and NOTES.txt gives its figure and whether it fits."""
     from trainfit.analytic.parallel import resolve_engine
 
     notes: list[str] = []
@@ -648,7 +706,13 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
             )
         )
         launch = f"export PYTORCH_CUDA_ALLOC_CONF={shlex.quote(alloc_conf)}\n{launch}"
+    exported_run = None
+    if gpu is not None and (targs is not None or code is not None):
+        exported_run = _exported_run(spec, strategy, gpu, headroom, alloc_conf, torch_version, cuda_version, history)
+        if exported_run is not None:
+            notes.append(exported_run.note())
     return Export(
+        exported_run=exported_run,
         training_arguments=targs,
         accelerate_config=acc,
         deepspeed_config=ds,
@@ -658,6 +722,56 @@ def export_plan(spec: ModelSpec, strategy: Strategy, *, script: str = "train.py"
         script=code,
         torchtune_overrides=tune,
         accelerate_deepspeed_config=acc_ds,
+    )
+
+
+#: The checkpointing modes the Trainer, accelerate, DeepSpeed and train_fsdp2.py cannot say: they checkpoint every
+#: block (``gradient_checkpointing`` / ``gradient_checkpointing_enable``) instead.
+_UNEXPRESSED = (Checkpointing.SQRT, Checkpointing.SELECTIVE, Checkpointing.SAC)
+
+
+def _exported_run(
+    spec: ModelSpec,
+    strategy: Strategy,
+    gpu: GPUSpec | str,
+    headroom: float,
+    alloc_conf: str,
+    torch_version: tuple[int, int] | None,
+    cuda_version: tuple[int, int] | None,
+    history: ProcessHistory | None,
+) -> ExportedRun | None:
+    """The files' run where its checkpointing is not the plan's (:data:`_UNEXPRESSED` → full), by the estimate the
+    plan's own memory came from (same GPU, headroom, allocator, releases, process); None where the files say the
+    plan or no framework runs the substitute."""
+    if strategy.checkpointing not in _UNEXPRESSED:
+        return None
+    import dataclasses
+
+    from trainfit.errors import TrainfitError
+    from trainfit.estimate import estimate  # trainfit.estimate imports the planner, whose report imports this
+
+    run = dataclasses.replace(strategy, checkpointing=Checkpointing.FULL)
+    try:
+        rep = estimate(
+            spec,
+            run,
+            gpu=gpu,
+            headroom=headroom,
+            search_micro_batch=False,
+            allocator=alloc_conf,
+            torch_version=torch_version,
+            cuda_version=cuda_version,
+            history=history,
+        )
+    except TrainfitError:
+        return None
+    assert rep.fit is not None  # a GPU was given
+    return ExportedRun(
+        checkpointing=Checkpointing.FULL,
+        plan_checkpointing=strategy.checkpointing,
+        gpu_id=rep.fit.gpu_id,
+        required_bytes=rep.fit.required_bytes,
+        usable_bytes=rep.fit.usable_bytes,
     )
 
 

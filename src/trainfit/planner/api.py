@@ -35,13 +35,15 @@ def plan(
     torch_version: str | tuple[int, int] | None = None,
     cuda_version: str | tuple[int, int] | None = None,
     history: ProcessHistory | None = None,
+    host_memory_bytes: int | None = None,
 ) -> PlanResult:
     """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument); with
     neither ``global_batch`` nor ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``).
     ``torch_version`` / ``cuda_version`` (``"2.11"``, ``"12.8"``; None: 2.13 and 13.0) are checked as
     :func:`trainfit.estimate.estimate` checks them (the CUDA release must run ``gpu``) and decide every plan's
     workspaces and CUDA context; ``history`` (:mod:`trainfit.history`): the process the run starts in, one GPU only
-    (:func:`trainfit.planner.rank.check_plan_history`)."""
+    (:func:`trainfit.planner.rank.check_plan_history`). ``host_memory_bytes`` (``--host-memory-gib``): each node's
+    CPU memory; plans whose host memory per node exceeds it less the headroom are ruled out (None: not limited)."""
     if objective not in {o.value for o in Objective}:
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
@@ -72,4 +74,5 @@ def plan(
         torch_version=release,
         cuda_version=cuda,
         history=history,
+        host_memory_bytes=host_memory_bytes,
     )

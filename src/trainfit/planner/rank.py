@@ -44,6 +44,10 @@ and allocator, never mix releases; the allocator simulations' own memo is keyed 
 is modelled for a plain one-GPU run only: a search over more GPUs with one is refused in one line, and on one GPU
 the candidates that run a rank's stream (ZeRO, FSDP2, offload, a DeepSpeed engine) are left out with a note
 (:attr:`PlanResult.notes`) — never estimated for a fresh process among plans estimated after the history.
+
+Host memory: every plan carries its estimate's ``host_peak_bytes`` (per node). ``--host-memory-gib`` rules out the
+setups whose host memory exceeds it less the headroom (:func:`host_usable_bytes`; :meth:`_Search.fits`), and without
+it a note says the host was not checked when a plan offloads (docs/plan.md: no default limit is true for every host).
 """
 
 from __future__ import annotations
@@ -63,9 +67,26 @@ from trainfit.overhead import DEFAULT_CUDA
 from trainfit.planner.search import largest_below, lower_bound_bytes
 from trainfit.planner.space import Candidate, Finetune, Objective, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_floor_seconds, step_time, step_time_of
-from trainfit.strategy import Parallelism, Sharding, Strategy
+from trainfit.strategy import Parallelism, Precision, Sharding, Strategy
 
-__all__ = ["HISTORY_SCOPE", "Plan", "PlanResult", "check_plan_history", "describe_changes", "search_plans"]
+__all__ = [
+    "HISTORY_SCOPE",
+    "Plan",
+    "PlanResult",
+    "check_plan_history",
+    "describe_changes",
+    "host_usable_bytes",
+    "search_plans",
+]
+
+
+def host_usable_bytes(host_memory_bytes: int, headroom: float) -> int:
+    """What a plan's host memory per node may reach under ``--host-memory-gib``: the node's memory less the same
+    ``--headroom`` fraction the GPU keeps free (the host estimate counts what the engines allocate — offloaded
+    states, DeepSpeed's pinned buffers, offloaded activations — not the OS, the data loader's workers or the
+    page cache, which the headroom stands for)."""
+    return int(host_memory_bytes * (1 - headroom))
+
 
 #: What a process history is modelled for (``trainfit.estimate._require_history_modelled``), as the planner says it
 #: when it leaves the other candidates out.
@@ -84,6 +105,9 @@ class Plan:
     speed: StepTime
     changes: tuple[str, ...]  # what differs from the baseline, as CLI flags (and PYTORCH_CUDA_ALLOC_CONF=...)
     alloc_conf: str = ""  # the PYTORCH_CUDA_ALLOC_CONF the estimate simulated ("" PyTorch's defaults)
+    #: The estimate's host memory per node (``MemoryReport.host_peak_bytes``: offloaded states, pinned buffers,
+    #: offloaded activations; 0 without offload) — what ``--host-memory-gib`` is held to.
+    host_peak_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -116,6 +140,14 @@ class PlanResult:
     cuda_version: tuple[int, int] = DEFAULT_CUDA  # the release whose CUDA context every plan counts
     history: ProcessHistory = field(default_factory=ProcessHistory)  # the process every (one-GPU) plan starts in
     notes: tuple[str, ...] = ()  # what the search assumed (the process history it simulated)
+    #: ``--host-memory-gib`` as bytes (None: host memory not limited) and what a plan's host peak per node may reach:
+    #: that × (1 − headroom), the GPU's rule (:func:`host_usable_bytes`).
+    host_memory_bytes: int | None = None
+    host_usable_bytes: int | None = None
+    #: The setups (candidate × micro-batch) the search found to fit the GPU but ruled out by their host memory per
+    #: node, and the least host memory among them (0: none).
+    host_rejected: int = 0
+    host_rejected_min_bytes: int = 0
 
 
 def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
@@ -264,8 +296,14 @@ class _Search:
         torch_version: tuple[int, int] = TARGET_TORCH,
         cuda_version: tuple[int, int] | None = None,
         history: ProcessHistory | None = None,
+        host_memory_bytes: int | None = None,
     ) -> None:
         self.spec, self.gpu = spec, gpu
+        # --host-memory-gib: a plan's host memory per node must stay within this (None: not limited)
+        self.host_memory = host_memory_bytes
+        self.host_usable = None if host_memory_bytes is None else host_usable_bytes(host_memory_bytes, headroom)
+        self._host: dict[Strategy, int] = {}  # the estimate's host_peak_bytes (per node), by strategy
+        self.host_rejected: set[Strategy] = set()  # fit the GPU, not the host
         self.allocator = allocator
         # What every estimate and bound of this search is for besides the strategy and the allocator: the torch
         # release (workspaces), the CUDA release (context; None: the estimate's default) and the process history.
@@ -331,6 +369,7 @@ class _Search:
             else:
                 assert rep.fit is not None
                 hit = self._memory[key] = (rep.fit.required_bytes, rep.reserve_simulated, rep.reserve_stopped)
+                self._host[s] = rep.host_peak_bytes  # host memory does not depend on the device's allocator
         return None if hit is None else hit[:2]
 
     def need(self, s: Strategy, missed: bool = False, exact: bool = False) -> tuple[int, AllocatorConfig] | None:
@@ -398,11 +437,26 @@ class _Search:
         except StrategyError:  # not a runnable strategy: the search skips it anyway
             return True
 
+    def host_bytes(self, s: Strategy) -> int:
+        """The estimate's host memory per node of ``s`` (estimated before: every plan's strategy is)."""
+        return self._host.get(s, 0)
+
+    def host_fits(self, s: Strategy) -> bool:
+        """Whether ``s``'s host memory per node (estimated before) is within ``--host-memory-gib``'s usable part."""
+        return self.host_usable is None or self.host_bytes(s) <= self.host_usable
+
     def fits(self, s: Strategy, missed: bool = False) -> bool:
+        """The GPU holds ``s`` (the estimate's requirement within the usable bytes) and so does the host
+        (:meth:`host_fits`; host memory grows with the micro-batch too — offloaded activations — or stays)."""
         if self.lower_bound(s) > self.usable:
             return False
         r = self.required(s, missed)
-        return r is not None and r <= self.usable
+        if r is None or r > self.usable:
+            return False
+        if not self.host_fits(s):
+            self.host_rejected.add(s)
+            return False
+        return True
 
     def speed(self, s: Strategy) -> StepTime:
         return step_time(self.spec, s, self.gpu, network_gbps=self.network)
@@ -484,6 +538,7 @@ class _Search:
             speed=self.speed(s),
             changes=describe_changes(s, self.baseline) + alloc,
             alloc_conf=env,
+            host_peak_bytes=self.host_bytes(s),
         )
 
     def evaluate(self, c: Candidate, limit: tuple[float, ...] | None = None) -> tuple[Plan | None, _Near | None]:
@@ -539,6 +594,9 @@ class _Search:
             return None, None
         if first[0] > self.usable:
             return None, _Near(candidate=c, micro=micros[0], bytes=first[0])
+        if not self.host_fits(self.strategy(c, micros[0])):  # nor at a larger micro-batch: host bytes never shrink
+            self.host_rejected.add(self.strategy(c, micros[0]))
+            return None, None
         missed = first[1] != self.allocator  # the search's allocator misses here, so at every larger micro-batch
         lo = 0
         while hi - lo > 1:  # micros[lo] fits; micros[hi] (if any) does not
@@ -579,6 +637,7 @@ def search_plans(
     torch_version: tuple[int, int] = TARGET_TORCH,
     cuda_version: tuple[int, int] | None = None,
     history: ProcessHistory | None = None,
+    host_memory_bytes: int | None = None,
 ) -> PlanResult:
     """The ``top`` plans for ``global_batch`` sequences of ``seq_len`` tokens on up to ``gpus`` × ``gpu``.
     ``explain_needs``: when nothing fits, find the closest candidate and what it would need (False: plans only).
@@ -588,9 +647,13 @@ def search_plans(
     estimate's default, 13.0) and ``history``: passed to every estimate and counted by every lower bound, as
     ``trainfit estimate --torch-version/--cuda-version/--build/--warm-up/--after`` take them. A process history is
     modelled for one GPU only (a many-GPU rank's stream does not take one): with more than one GPU it is refused
-    (:func:`check_plan_history`), rather than applied to some plans and not to others."""
+    (:func:`check_plan_history`), rather than applied to some plans and not to others. ``host_memory_bytes``
+    (``--host-memory-gib``): each node's memory; a plan whose estimated host memory per node exceeds
+    :func:`host_usable_bytes` of it is ruled out (None: not limited; every plan still carries its host need)."""
     if global_batch < 1 or gpus < 1 or gpus_per_node < 1:
         raise StrategyError("--global-batch, --gpus and --gpus-per-node must be positive")
+    if host_memory_bytes is not None and host_memory_bytes <= 0:
+        raise StrategyError("--host-memory-gib must be positive")
     history = check_plan_history(history, gpu, gpus=gpus)
     allocator = AllocatorConfig.parse(alloc_conf) if alloc_conf is not None else AllocatorConfig.from_env()
     objective = Objective(objective)
@@ -620,6 +683,7 @@ def search_plans(
         torch_version=torch_version,
         cuda_version=cuda_version,
         history=history,
+        host_memory_bytes=host_memory_bytes,
     )
     space = candidates(
         spec,
@@ -679,6 +743,7 @@ def search_plans(
     if not found and explain_needs:  # (callers that want plans only — fixes, the re-searches — skip both)
         nearest = _closest(s, nears)
         needs = _needs(spec, gpu, nearest, s, gpus=gpus, seq_len=seq_len, global_batch=global_batch, allow=allow)
+    notes += _host_notes(s, found) + _pure_bf16_notes(found)
     return PlanResult(
         plans=tuple(found),
         closest=nearest,
@@ -693,7 +758,72 @@ def search_plans(
         cuda_version=cuda_version or DEFAULT_CUDA,
         history=history or ProcessHistory(),
         notes=tuple(notes),
+        host_memory_bytes=host_memory_bytes,
+        host_usable_bytes=s.host_usable,
+        host_rejected=len(s.host_rejected),
+        host_rejected_min_bytes=min((s.host_bytes(x) for x in s.host_rejected), default=0),
     )
+
+
+#: Why a pure-bf16 top plan under full training gets a note (:func:`_pure_bf16_notes`; docs/plan.md).
+PURE_BF16_RISK = (
+    "no fp32 master copy: an AdamW update below half a bf16 ulp of its weight rounds away (bf16(256) + bf16(1) = 256, "
+    "docs/precision.md), which long full training such as pretraining accumulates — pure bf16 needs stochastic "
+    "rounding or Kahan-compensated updates to match fp32 (Zamirai et al. 2020, 'Revisiting BFloat16 Training'), "
+    "which torch's AdamW does not do; fine for short fine-tuning (torchtune's default recipe)"
+)
+
+
+def _pure_bf16_notes(found: list[Plan]) -> list[str]:
+    """A note when the top plan trains every weight in pure bf16 (full training, not LoRA/QLoRA, whose trained
+    adapters PEFT keeps in fp32): legitimate and ranked on its speed and memory, but a risk for long runs that the
+    ranking cannot see — the ranking is not changed (the project states no policy against it), the user is told,
+    with the best listed plan that keeps an fp32 master copy where there is one."""
+
+    if not found:
+        return []
+    top = found[0]
+    if top.strategy.precision is not Precision.PURE_BF16 or top.candidate.finetune is not Finetune.FULL:
+        return []
+    alt = next(
+        (
+            (i, p)
+            for i, p in enumerate(found, 1)
+            if p.strategy.precision is not Precision.PURE_BF16 and p.candidate.finetune is Finetune.FULL
+        ),
+        None,
+    )
+    instead = (
+        f"; plan {alt[0]} updates fp32 weights ({alt[1].strategy.precision.value}, "
+        f"{alt[1].speed.step_seconds:.2f} s/step)"
+        if alt is not None
+        else "; for pretraining consider --precision master-bf16 or amp-bf16 (trainfit estimate checks the fit)"
+    )
+    return [f"plan 1 is pure-bf16 — {PURE_BF16_RISK}{instead}"]
+
+
+def _host_notes(s: _Search, found: list[Plan]) -> list[str]:
+    """What the search says of host memory: the setups ``--host-memory-gib`` ruled out; without it, that the plans
+    which offload need the host memory per node shown and that it was not checked (no default limit: the same GPU
+    sits in 64 GiB workstations and 2 TiB servers, and the catalog knows GPUs, not hosts)."""
+    from trainfit.units import fmt_gib, gib
+
+    if s.host_memory is not None and s.host_usable is not None:
+        if not s.host_rejected:
+            return []
+        least = min(s.host_bytes(x) for x in s.host_rejected)
+        return [
+            f"--host-memory-gib {gib(s.host_memory):g}: {len(s.host_rejected)} setup(s) that fit the GPU were ruled "
+            f"out by their host memory per node (the least needs {fmt_gib(least)} of {fmt_gib(s.host_usable)} usable "
+            f"with the {s.headroom:.0%} headroom)"
+        ]
+    need = max((p.host_peak_bytes for p in found), default=0)
+    if not need:
+        return []
+    return [
+        f"host memory not checked: plans that offload need up to {fmt_gib(need)} of CPU RAM per node (the host "
+        "GiB/node column); pass --host-memory-gib to rule out what your nodes cannot hold"
+    ]
 
 
 def check_plan_history(history: ProcessHistory | None, gpu: GPUSpec, *, gpus: int) -> ProcessHistory | None:
@@ -755,6 +885,10 @@ def _needs(
 ) -> tuple[str, ...]:
     """What would make it fit: a GPU with enough memory, more GPUs (checked), LoRA/QLoRA (checked)."""
     out: list[str] = []
+    if s.host_rejected:  # some setups fit the GPU: a node with more memory runs the least hungry of them
+        least = min(s.host_bytes(x) for x in s.host_rejected)
+        gib = math.ceil(least / (1 - s.headroom) / 2**30)
+        out.append(f"--host-memory-gib {gib} (a setup that fits the GPU needs {least / 2**30:.1f} GiB per node)")
     if closest is not None:
         # rounded up: a GPU of the stated size must hold the plan with the headroom kept free
         gib = math.ceil(closest.required_bytes / (1 - s.headroom) / 2**30)
@@ -771,6 +905,7 @@ def _needs(
         "retry_expandable": s.expandable is not None,
         "torch_version": s.torch_version,
         "cuda_version": s.cuda_version,
+        "host_memory_bytes": s.host_memory,  # more GPUs must fit the host too
     }
     # more GPUs: fresh processes (a process history is one GPU's, check_plan_history), and said so where one was given
     fresh = " in fresh processes: the process history is modelled for one GPU" if s.history is not None else ""

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from trainfit.errors import ConfigError
 
-__all__ = ["DEFAULT_SEQUENCES_PER_GPU", "check_knobs", "parse_tokens", "resolve_world", "sequences_per_step"]
+__all__ = [
+    "DEFAULT_SEQUENCES_PER_GPU",
+    "check_knobs",
+    "host_memory_bytes",
+    "parse_tokens",
+    "resolve_world",
+    "sequences_per_step",
+]
 
 #: Sequences per GPU and optimizer step when neither --global-batch nor --tokens-per-step is given: transformers
 #: ``TrainingArguments.per_device_train_batch_size`` defaults to 8 (training_args.py), accumulation to 1.
@@ -75,3 +82,16 @@ def check_knobs(*, headroom: float, top: int, price_per_gpu_hour: float, network
         raise ConfigError(f"--price-per-gpu-hour must be positive, got {price_per_gpu_hour}")
     if not network_gbps > 0:
         raise ConfigError(f"--network-gbps must be positive, got {network_gbps}")
+
+
+def host_memory_bytes(host_memory_gib: float | None) -> int | None:
+    """``--host-memory-gib`` as bytes (None: host memory not limited); a finite positive number of GiB."""
+    import math
+
+    from trainfit.units import bytes_of_gib
+
+    if host_memory_gib is None:
+        return None
+    if not math.isfinite(host_memory_gib) or host_memory_gib <= 0:
+        raise ConfigError(f"--host-memory-gib must be positive, got {host_memory_gib:g}")
+    return bytes_of_gib(host_memory_gib)

@@ -11,7 +11,10 @@ do not bump it): each plan's ``alloc_conf`` is the ``PYTORCH_CUDA_ALLOC_CONF`` i
 seconds / 3600 × price, what that objective ranks by; the table's "cost/step" column). Like ``trainfit estimate
 --json``, the result records ``torch_version`` and ``cuda_version`` (the releases whose workspaces and CUDA context
 every plan counts; the table's title says them too), the process ``history`` (``--build``, ``--warm-up``,
-``--after``) and the search's ``notes``."""
+``--after``) and the search's ``notes``. Each plan has its ``host_peak_bytes`` (the estimate's host memory per node:
+offloaded states and buffers, 0 without offload; the table's "host GiB/node" column, shown when any listed plan
+offloads); with ``--host-memory-gib`` the result has ``host_memory_bytes`` and ``host_usable_bytes`` (what a plan's
+host memory per node may reach) and ``host_rejected`` (setups that fit the GPU but not the host)."""
 
 from __future__ import annotations
 
@@ -21,12 +24,12 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from trainfit.export.configs import hf_trainer_lacks
+from trainfit.export.configs import ExportedRun, hf_trainer_lacks
 from trainfit.planner.rank import Plan, PlanResult
 from trainfit.planner.space import Objective
 from trainfit.report.json import history_json, strategy_json
 from trainfit.strategy import Sharding
-from trainfit.units import fmt_gib
+from trainfit.units import fmt_gib, gib
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -40,6 +43,7 @@ def _plan_json(p: Plan, price_per_gpu_hour: float | None = None) -> dict[str, An
         "required_bytes": p.required_bytes,
         "usable_bytes": p.usable_bytes,
         "margin_bytes": p.margin_bytes,
+        "host_peak_bytes": p.host_peak_bytes,  # per node (offload); 0: nothing on the host
         "fits": p.fits,
         "changes": list(p.changes),
         "alloc_conf": p.alloc_conf or None,  # the allocator the plan assumes; null: PyTorch's defaults
@@ -53,6 +57,31 @@ def _plan_json(p: Plan, price_per_gpu_hour: float | None = None) -> dict[str, An
         "offload_seconds": sp.offload_seconds,
         "notes": list(hf_trainer_lacks(p.strategy)),  # savers the HF Trainer export cannot carry (torchtune's)
     } | cost
+
+
+def export_check(result: PlanResult, gpu: str, headroom: float) -> dict[str, Any]:
+    """The keyword arguments of :func:`trainfit.export.configs.export_plan` that estimate the run the exported files
+    describe on the plan's own terms (GPU, headroom, releases, process) — ``trainfit plan --export`` and the web's
+    export pass the same."""
+    return {
+        "gpu": gpu,
+        "headroom": headroom,
+        "torch_version": result.torch_version,
+        "cuda_version": result.cuda_version,
+        "history": None if result.history.fresh else result.history,
+    }
+
+
+def exported_run_json(run: ExportedRun) -> dict[str, Any]:
+    """``--export --json``'s ``exported_run``: the files' checkpointing where it is not the plan's, and its estimate."""
+    return {
+        "checkpointing": run.checkpointing.value,
+        "plan_checkpointing": run.plan_checkpointing.value,
+        "required_bytes": run.required_bytes,
+        "usable_bytes": run.usable_bytes,
+        "fits": run.fits,
+        "note": run.note(),
+    }
 
 
 def _cheapest(result: PlanResult) -> bool:
@@ -77,6 +106,15 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
         "cuda_version": _release(result.cuda_version),  # the release whose CUDA context is counted
         "history": history_json(result.history),  # the process each plan starts in (one GPU)
         "notes": list(result.notes),
+        **(
+            {
+                "host_memory_bytes": result.host_memory_bytes,
+                "host_usable_bytes": result.host_usable_bytes,
+                "host_rejected": result.host_rejected,
+            }
+            if result.host_memory_bytes is not None
+            else {}
+        ),
     }
 
 
@@ -116,7 +154,9 @@ def render_plan(console: Console, result: PlanResult) -> None:
         f"torch {_release(result.torch_version)}, CUDA {_release(result.cuda_version)})"
     )
     cost = ("cost/step",) if _cheapest(result) else ()
-    for col in ("#", "GPUs", "peak/GPU", "margin", "step s", "tokens/s", "MFU", *cost, "changes from the baseline"):
+    host = ("host GiB/node",) if any(p.host_peak_bytes for p in result.plans) else ()
+    cols = ("#", "GPUs", "peak/GPU", "margin", *host, "step s", "tokens/s", "MFU", *cost, "changes from the baseline")
+    for col in cols:
         table.add_column(col, justify="left" if col.startswith("changes") else "right")
     for i, p in enumerate(result.plans, 1):
         costs = (f"{p.cost_per_step(result.price_per_gpu_hour):.4g}",) if cost else ()
@@ -125,6 +165,7 @@ def render_plan(console: Console, result: PlanResult) -> None:
             str(p.gpus),
             fmt_gib(p.required_bytes),
             fmt_gib(p.margin_bytes),
+            *((f"{gib(p.host_peak_bytes):,.1f}",) if host else ()),
             f"{p.speed.step_seconds:.2f}",
             f"{p.speed.tokens_per_second:,.0f}",
             f"{p.speed.mfu:.0%}",

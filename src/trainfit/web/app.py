@@ -152,6 +152,7 @@ def _plan_export_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None
     """The files ``trainfit plan --export DIR`` writes (name → text), for the plan ranked ``rank`` (1-based)."""
     from trainfit.export import export_files, export_plan
     from trainfit.planner.api import plan
+    from trainfit.report.plan import export_check
 
     options = dict(raw)
     rank = options.pop("rank", 1)
@@ -171,7 +172,12 @@ def _plan_export_json(raw: dict[str, Any], allow_hub: bool, progress: Any = None
         "rank": rank,
         # launch.sh exports the allocator the plan's estimate simulated, as `trainfit plan --export` writes it
         "files": export_files(
-            export_plan(spec, result.plans[rank - 1].strategy, alloc_conf=result.plans[rank - 1].alloc_conf)
+            export_plan(
+                spec,
+                result.plans[rank - 1].strategy,
+                alloc_conf=result.plans[rank - 1].alloc_conf,
+                **export_check(result, kwargs["gpu"], kwargs["headroom"]),
+            )
         ),
     }
 

@@ -99,8 +99,10 @@ def plan_options() -> dict[str, Option]:
 
 def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.planner.api.plan` for a request (``build``,
-    ``warm_up`` and ``after`` become its ``history``, as ``trainfit plan`` builds it)."""
+    ``warm_up`` and ``after`` become its ``history``, as ``trainfit plan`` builds it; ``host_memory_gib`` its
+    ``host_memory_bytes``)."""
     from trainfit.cli.estimate import process_history
+    from trainfit.planner.workload import host_memory_bytes
 
     o = parse_options(raw, plan_options())
     spec = resolve_model(raw, allow_hub=allow_hub)
@@ -108,6 +110,7 @@ def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, 
     if not o.get("gpu"):
         raise ConfigError("--gpu is required: the GPU to plan for (see /api/gpus)")
     o["history"] = process_history(o.pop("build"), o.pop("warm_up"), o.pop("after"))
+    o["host_memory_bytes"] = host_memory_bytes(o.pop("host_memory_gib"))  # as trainfit plan converts it
     return spec, o
 
 

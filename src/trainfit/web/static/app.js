@@ -93,6 +93,8 @@ function saveUrl() {
   const pb = $("#plan-batch").value.trim();
   if (pb !== $("#plan-batch").defaultValue) q.set("plan_batch", pb);
   if ($("#plan-lora").checked) q.set("plan_allow", "lora,qlora");
+  const ph = $("#plan-host").value.trim();
+  if (ph) q.set("plan_host_memory_gib", ph);
   const hash = pastedConfig ? "#config=" + encodeURIComponent(pastedConfig) : "";
   history.replaceState(null, "", "?" + q.toString() + hash);
 }
@@ -117,6 +119,7 @@ function loadUrl() {
   }
   if (q.has("plan_batch")) $("#plan-batch").value = q.get("plan_batch");
   $("#plan-lora").checked = q.get("plan_allow") === "lora,qlora";
+  if (q.has("plan_host_memory_gib")) $("#plan-host").value = q.get("plan_host_memory_gib");
   selectTab(q.get("tab") || "memory", false);
 }
 
@@ -504,6 +507,8 @@ function planRequest() {
   const gb = $("#plan-batch").value.trim();
   if (gb) req.global_batch = gb;
   if ($("#plan-lora").checked) req.allow = "lora,qlora";
+  const host = $("#plan-host").value.trim();
+  if (host) req.host_memory_gib = host;
   return req;
 }
 
@@ -535,12 +540,16 @@ async function loadPlans() {
       $("#plan-needs").innerHTML = li(needs, "sugg");
       return;
     }
+    // host memory per node: a column when any plan offloads (trainfit plan's "host GiB/node")
+    const host = data.plans.some((p) => p.host_peak_bytes > 0);
     const rows = data.plans.map((p, i) => `<tr><th>${i + 1}</th><td>${p.gpus}</td><td>${gib(p.required_bytes)}</td>` +
-      `<td>${gib(p.margin_bytes)}</td><td>${p.step_seconds.toFixed(2)}</td>` +
+      `<td>${gib(p.margin_bytes)}</td>` + (host ? `<td>${gib(p.host_peak_bytes)}</td>` : "") +
+      `<td>${p.step_seconds.toFixed(2)}</td>` +
       `<td>${Math.round(p.tokens_per_second).toLocaleString("en-US")}</td><td>${pct(p.mfu)}</td>` +
       `<td class="wrap">${escapeHtml(p.changes.join(", ") || "(baseline)")}</td>` +
       `<td><button type="button" class="download" data-rank="${i + 1}">Download configs</button></td></tr>`);
-    $("#plans-table").innerHTML = "<thead><tr><th>#</th><th>GPUs</th><th>peak/GPU</th><th>margin</th><th>step s</th>" +
+    $("#plans-table").innerHTML = "<thead><tr><th>#</th><th>GPUs</th><th>peak/GPU</th><th>margin</th>" +
+      (host ? "<th>host/node</th>" : "") + "<th>step s</th>" +
       "<th>tokens/s</th><th>MFU</th><th>changes from the baseline</th><th></th></tr></thead><tbody>" + rows.join("") + "</tbody>";
   } catch (e) {
     if (my !== planSeq) return;
@@ -649,7 +658,7 @@ async function init() {
     soon();
   });
   form.addEventListener("change", (ev) => { if (ev.target.id !== "config") soon(); });
-  for (const id of ["#plan-batch", "#plan-lora"]) {
+  for (const id of ["#plan-batch", "#plan-lora", "#plan-host"]) {
     $(id).addEventListener("input", () => { saveUrl(); plansSoon(); });
     $(id).addEventListener("change", () => { saveUrl(); plansSoon(); });
   }
