@@ -317,6 +317,14 @@ def test_pipeline_ranks(page: Any, base_url: str) -> None:
     want = api(base_url, "/api/estimate", query)
     assert len(want["ranks"]) > 1
     assert_chart_is(page, want)
+    # each stage's bars name the micro-batches it holds in flight, and the page says where the NCCL figure comes from
+    labels = {x for t in chart(page)["traces"] for x in t["x"]}
+    for r in want["ranks"]:
+        n = r["pipeline"]["in_flight_microbatches"]
+        shown = str(int(n)) if n == int(n) else str(n)  # as JavaScript prints a number
+        assert any(f"· {shown} in flight" in x for x in labels), (r["ranks"], labels)
+    outside = page.locator("#outside").inner_text()
+    assert want["overhead"]["nccl_basis"] in outside and "Outside PyTorch's allocator" in outside
 
 
 def test_phone_width_and_dark_mode(page: Any, base_url: str, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -162,7 +162,7 @@ function clearAnswer() {
   window.trainfit.last = null;
   $("#verdict").textContent = "";
   $("#verdict").className = "verdict";
-  for (const id of ["#compare", "#suggestions", "#warnings"]) $(id).textContent = "";
+  for (const id of ["#compare", "#suggestions", "#warnings", "#outside"]) $(id).textContent = "";
   if (typeof Plotly !== "undefined") Plotly.purge("chart");
 }
 
@@ -226,7 +226,9 @@ function bars(data, kind) {
       const first = r.ranks[0];
       const narrow = window.innerWidth < 600;
       const names = rankRanges(r.ranks);
-      const who = narrow ? `r${names}` : names.endsWith("ranks") ? names : `${r.ranks.length === 1 ? "rank" : "ranks"} ${names}`;
+      let who = narrow ? `r${names}` : names.endsWith("ranks") ? names : `${r.ranks.length === 1 ? "rank" : "ranks"} ${names}`;
+      // a pipeline stage: the micro-batches it holds in flight (the JSON's ranks[].pipeline)
+      if (r.pipeline && !narrow) who += ` · ${r.pipeline.in_flight_microbatches} in flight`;
       for (const [phase, p] of Object.entries(r.phases)) {
         stacks.push({ x: `${who}<br>${phaseLabel(phase)}`, id: `${first}:${phase}`, components: p.components });
       }
@@ -344,6 +346,14 @@ function verdictText(data, kind) {
     : { cls: "bad", text: `Does not fit on ${data.gpu}: needs ${gib(data.required_bytes)}, ${gib(data.usable_bytes)} usable${mb}` };
 }
 
+// What sits outside PyTorch's allocator (the JSON's overhead), and where the NCCL figure comes from (many GPUs).
+function outsideText(o) {
+  if (!o) return "";
+  const parts = [`CUDA context ${gib(o.cuda_context_bytes)}`, `kernels ${gib(o.kernel_images_bytes)}`];
+  if (o.nccl_basis) parts.push(`NCCL ${gib(o.nccl_bytes)}: ${o.nccl_basis}`);
+  return `Outside PyTorch's allocator: ${gib(o.outside_allocator_bytes)} (${parts.join("; ")})`;
+}
+
 function render(data, kind) {
   const v = verdictText(data, kind);
   const el = $("#verdict");
@@ -354,6 +364,7 @@ function render(data, kind) {
     (s) => (s.flags.length ? `${s.reason}: ${s.flags.join(" ")}` : s.reason));
   $("#suggestions").innerHTML = sugg.length ? "<h3>To make it fit</h3>" + li(sugg, "sugg") : "";
   $("#warnings").innerHTML = li(data.warnings || [], "warn");
+  $("#outside").textContent = outsideText(data.overhead);
   if (kind === "infer") {
     $("#compare").textContent = `Rule of thumb (weights × 1.2): ${gib(data.rule_of_thumb_bytes)} · trainfit's nvidia-smi estimate: ${gib(data.nvidia_smi_estimate_bytes)}`;
   }
