@@ -38,7 +38,9 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   saves, the layers keep nothing, autocast's layer copies die with the forward, a layer's backward holds two nodes'
   unpacked copies (bounded by twice the largest linear's input and weight). With checkpointing: two checkpoint
   inputs. torchtune keeps the output projection's tensors on the GPU (``NoOpManager``), so the head and the logits
-  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py).
+  stay. Between backwards torchtune keeps the last unpacking node (``curr_autograd_node``) and what it reaches: over a
+  frozen token table, checkpointed, the embeddings' leaf output with its gradient and the bottom layer's LLM.int8
+  inputs (:func:`offload_retained_bytes`). Checked save by save against the trace (tests/trace/test_savers_trace.py).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -235,6 +237,41 @@ def offload_in_flight_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     t = strategy.tokens_per_micro_batch
     nodes = [x.in_features * (t + x.out_features) for x in block_linears(spec)]
     return 2 * a * max(nodes, default=0)
+
+
+def offload_retained_bytes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(activations, gradient) that torchtune's ``OffloadActivations`` keeps from one backward to the next:
+    ``unpack_tensor_with_streams`` stores the autograd node that last unpacked an offloaded tensor in
+    ``self.curr_autograd_node`` and replaces it only at the next backward's first such node (the final norm's; the
+    head's saves are ``NoOpManager``'s), so that node, and every node below it, outlives the backward: through the
+    optimizer step, the next forward and the next loss backward. Its released saved variables hold nothing, but
+    under checkpointing over a frozen token table (an adapter, ``--freeze embeddings``) the embeddings' output is a
+    leaf (``enable_input_require_grads``: ``output.requires_grad_(True)``) whose ``AccumulateGrad`` node holds it
+    and its ``.grad`` (the residual gradient, stolen: the leaf's size again); and the last node is the bottom layer's
+    first in backward (its saves trigger the recomputation that unpacks the checkpoint input), above every LLM.int8
+    linear of that layer but its down projection, whose ``MatMul8bitLt`` nodes keep their inputs on
+    ``ctx.tensors`` (bitsandbytes/autograd/_functions.py; :func:`~trainfit.analytic.activations.int8_ctx_bytes`).
+    (0, 0) otherwise: without checkpointing the bottom layer's last node reaches only parameters. Found by the
+    trace (llama-3.2-1b LoRA all-linear over LLM.int8, 2 × 1024: 56 MiB and a 16 MiB gradient, the optimizer
+    step −3.2%); dense layers checked, an MoE bottom layer counted alike."""
+    from trainfit.analytic.activations import input_grads_enabled, int8_layer_inputs
+    from trainfit.analytic.adapters import SiteInput, is_frozen
+    from trainfit.strategy import Quantization
+
+    if not strategy.savers.activation_offload or not input_grads_enabled(strategy):
+        return 0, 0
+    if strategy.adapter is None:
+        patterns = strategy.base_weights.frozen
+        embeds = [t for t in inventory(spec).model_tensors if t.name.startswith("embed")]
+        if not patterns or not embeds or not all(is_frozen(t, patterns, None, layers=spec.num_layers) for t in embeds):
+            return 0, 0
+    leaf = checkpoint_input_bytes(spec, strategy)
+    held = leaf
+    if strategy.base_weights.quantization is Quantization.INT8:
+        moe = spec.num_moe_layers == spec.num_layers > 0
+        ins = int8_layer_inputs(spec, strategy, moe=moe)
+        held += sum(x.bytes for k, x in ins.items() if k is not SiteInput.MLP_ACT)
+    return held, leaf
 
 
 def offload_embedding_kept_bytes(spec: ModelSpec, strategy: Strategy) -> int:
