@@ -78,6 +78,7 @@ from trainfit.analytic.adapters import (
     dequant_transient_bytes,
     dora_norm_transient_bytes,
     finetuning,
+    fp32_base_note,
     frozen_forms_known,
     frozen_layers,
 )
@@ -1142,6 +1143,9 @@ def _notes(spec: ModelSpec, strategy: Strategy, coeff: float) -> tuple[str, ...]
             f"--fp8 {strategy.float8.value}: torchao Float8Linear on {n} of each block's {len(block_linears(spec))} "
             "linears (dims ÷ 16; LM head in bf16), eager casts; the allocator stream leaves their transients out"
         )
+    base_note = fp32_base_note(spec, strategy)
+    if base_note is not None:
+        notes.append(base_note)
     return tuple(notes) + saver_notes(spec, strategy)
 
 
