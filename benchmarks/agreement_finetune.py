@@ -13,8 +13,9 @@ dropout (their own marked section); ``--layouts-qlora``: QLoRA on those layouts 
 ``--moe``: LoRA on transformers 5 MoE models (Mixtral, Qwen3-MoE; PEFT's target_parameters on the experts).
 ``--moe-int8``: LoRA over an LLM.int8 base on those MoE models and DeepSeek-V3's MLA + MoE layers (real bitsandbytes
 Linear8bitLt on the attention and shared-expert linears, float experts and routers).
+``--bert``: LoRA on bert-large-uncased's masked-LM model (q,v and all-linear, with and without checkpointing).
 Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts | --layouts-qlora | --moe |
---moe-int8] [--write] (--write replaces the marked section of docs/accuracy.md)
+--moe-int8 | --bert] [--write] (--write replaces the marked section of docs/accuracy.md)
 """
 
 from __future__ import annotations
@@ -272,6 +273,36 @@ def qlora_layout_rows() -> list[str]:
     return out
 
 
+BERT_BEGIN, BERT_END = "<!-- agreement-bert-lora:begin -->", "<!-- agreement-bert-lora:end -->"
+
+
+def bert_rows() -> list[str]:
+    """``--bert``: LoRA on bert-large-uncased's masked-LM model (rank 16, dropout 0.05, amp-bf16 over a bf16 base,
+    PEFT's fp32 adapters, micro-batch 8 x 512); allocated bytes only."""
+    out = [
+        "| targets | ckpt | trainable params | analytic peak GiB | trace peak GiB | forward | backward "
+        "| optimizer step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    spec = load_model("bert-large-uncased")
+    for targets, ckpt in itertools.product(("query,value", "all-linear"), CHECKPOINTING):
+        a, b = finetune_setup("lora", rank=16, targets=targets, dropout=0.05, base_dtype="bf16")
+        s = Strategy(precision="amp-bf16", adapter=a, base_weights=b, checkpointing=ckpt, micro_batch=8, seq_len=512)
+        t0 = time.perf_counter()
+        ra = estimate(spec, s, simulate_allocator=False)
+        rt = estimate(spec, s, method="trace", simulate_allocator=False)
+        diffs = " | ".join(
+            f"{(pa.total_bytes - pt.total_bytes) / pt.total_bytes * 100:+.2f}%"
+            for pa, pt in zip(ra.phases, rt.phases, strict=True)
+        )
+        out.append(
+            f"| {targets} | {ckpt} | {ra.trainable_params:,} | {ra.peak_bytes / GIB:.2f} | {rt.peak_bytes / GIB:.2f} "
+            f"| {diffs} |"
+        )
+        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    return out
+
+
 def _write(begin: str, end: str, table: str) -> None:
     doc = Path(__file__).resolve().parent.parent / "docs" / "accuracy.md"
     text = doc.read_text()
@@ -281,8 +312,8 @@ def _write(begin: str, end: str, table: str) -> None:
 
 
 def main() -> None:
-    """``--freeze-int8`` / ``--savers`` / ``--layouts`` / ``--layouts-qlora`` / ``--moe`` / ``--moe-int8`` run only
-    their own table (each its own marked section)."""
+    """``--freeze-int8`` / ``--savers`` / ``--layouts`` / ``--layouts-qlora`` / ``--moe`` / ``--moe-int8`` / ``--bert``
+    run only their own table (each its own marked section)."""
     sections = {
         "--moe-int8": (moe_int8_rows, MOE_INT8_BEGIN, MOE_INT8_END),
         "--savers": (saver_rows, SAVERS_BEGIN, SAVERS_END),
@@ -290,6 +321,7 @@ def main() -> None:
         "--layouts": (layout_rows, LAYOUTS_BEGIN, LAYOUTS_END),
         "--moe": (moe_rows, MOE_BEGIN, MOE_END),
         "--layouts-qlora": (qlora_layout_rows, QLAYOUTS_BEGIN, QLAYOUTS_END),
+        "--bert": (bert_rows, BERT_BEGIN, BERT_END),
     }
     make, begin, end = next(
         (v for k, v in sections.items() if k in sys.argv),

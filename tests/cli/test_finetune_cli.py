@@ -182,3 +182,32 @@ def test_one_gpu_text_report_shows_the_host_memory(saver: str, capsys: pytest.Ca
     assert float(shown.group(1)) == pytest.approx(host / 2**30, abs=0.006)
     plain = run_cli(capsys, "estimate", "llama-3.2-1b", "--seq", "256")
     assert "host memory" not in plain.out
+
+
+def test_an_fp32_frozen_base_under_amp_is_noted_with_the_bf16_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's first example under amp-bf16 stores the frozen base in fp32 (the recipe's weights): the report
+    says so, with what ``--base-dtype bf16`` would store (the weights of that run, computed), in JSON's notes and in
+    the table without ``--explain``; not with ``--base-dtype bf16``, not under pure-bf16, not for full training."""
+    line = "estimate llama-3.1-8b --finetune lora --lora-rank 16 --lora-targets all-linear --batch 4 --seq 2048"
+    r = run_cli(capsys, *line.split(), "--checkpointing", "full", "--json")
+    assert r.code == 0, r.err
+    notes = [n for n in json.loads(r.out)["notes"] if n.startswith("frozen base stored in fp32")]
+    half = run_cli(capsys, *line.split(), "--checkpointing", "full", "--base-dtype", "bf16", "--json")
+    assert half.code == 0, half.err
+    weights = json.loads(r.out)["phases"]["forward"]["components"]["weights"]
+    weights_bf16 = json.loads(half.out)["phases"]["forward"]["components"]["weights"]
+    assert weights == pytest.approx(2 * weights_bf16, rel=0.001)  # nearly all of it is the frozen base
+    assert notes == [
+        f"frozen base stored in fp32 (the recipe's weights, {weights / 2**30:.2f} GiB); --base-dtype bf16 halves it "
+        f"({weights_bf16 / 2**30:.2f} GiB, {(weights - weights_bf16) / 2**30:.2f} GiB less)"
+    ]
+    assert not [n for n in json.loads(half.out)["notes"] if n.startswith("frozen base")]
+    text = run_cli(capsys, *line.split(), "--checkpointing", "full")
+    assert text.code == 0 and "frozen base stored in fp32" in " ".join(text.out.split())
+    for other in (["--precision", "pure-bf16"], ["--finetune", "full"]):
+        args = ["estimate", "llama-3.2-1b", "--seq", "256", *other, "--json"]
+        if other[0] == "--precision":
+            args += ["--finetune", "lora"]
+        out = run_cli(capsys, *args)
+        assert out.code == 0, out.err
+        assert not [n for n in json.loads(out.out)["notes"] if n.startswith("frozen base")]

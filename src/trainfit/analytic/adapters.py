@@ -1006,3 +1006,31 @@ def check_dora(strategy: Strategy, *, analytic: bool) -> None:
     (:func:`_dora_saved`, :func:`dora_weight_copy_bytes`), over a float or a bitsandbytes base
     (:func:`dora_dequant_bytes`); nothing is refused here any more. ``analytic`` is kept for callers."""
     del analytic, strategy
+
+
+#: How :func:`fp32_base_note` begins (the table shows that note without ``--explain``).
+FP32_BASE_NOTE = "frozen base stored in fp32"
+
+
+def fp32_base_note(spec: ModelSpec, strategy: Strategy) -> str | None:
+    """The report's note when an adapter's frozen base is stored in fp32 under a 16-bit autocast recipe (amp-bf16,
+    amp-fp16): the base takes the recipe's weight dtype unless ``--base-dtype`` says otherwise (transformers loads
+    ``from_pretrained(..., torch_dtype=torch.float32)`` when the Trainer runs amp over fp32 weights), though nothing
+    trains it — a 16-bit copy halves its bytes (the figure: the weights of the same setup with ``--base-dtype`` at the
+    compute dtype). ``None`` otherwise."""
+    import dataclasses
+
+    from trainfit.analytic.states import model_states
+    from trainfit.units import fmt_gib
+
+    rec, base = strategy.recipe, strategy.base_weights
+    if strategy.adapter is None or base.dtype is not None or base.quantization is not Quantization.NONE:
+        return None
+    if not rec.autocast or rec.weight_bits != 32 or rec.compute_bits != 16:
+        return None
+    half = dataclasses.replace(strategy, base_weights=dataclasses.replace(base, dtype=rec.compute))
+    now, then = model_states(spec, strategy).weights_bytes, model_states(spec, half).weights_bytes
+    return (
+        f"{FP32_BASE_NOTE} (the recipe's weights, {fmt_gib(now)}); --base-dtype {rec.compute_dtype} halves "
+        f"it ({fmt_gib(then)}, {fmt_gib(now - then)} less)"
+    )

@@ -78,6 +78,7 @@ from trainfit.analytic.adapters import (
     dequant_transient_bytes,
     dora_norm_transient_bytes,
     finetuning,
+    fp32_base_note,
     frozen_forms_known,
     frozen_layers,
 )
@@ -103,6 +104,7 @@ from trainfit.analytic.savers import (
     offload_in_flight_bytes,
     offload_layer_host_bytes,
     offload_model_host_bytes,
+    offload_retained_bytes,
     saver_notes,
 )
 from trainfit.analytic.states import (
@@ -413,6 +415,9 @@ class StepInputs:
     int8_held: int = 0  # LLM.int8: every layer's ctx-held inputs, alive until the graph goes after backward
     int8_bottom: int = 0  # LLM.int8: what of them the bottom layer's backward moment does not count otherwise
     recompute_moe: tuple[int, int] = (0, 0)  # LLM.int8 MoE, checkpointed: (saved, in flight) inside the recomputation
+    #: --activation-offload: (activations, gradient) the previous backward's last unpacking node keeps, from the end
+    #: of one backward to the next one's final norm (savers.offload_retained_bytes)
+    offload_retained: tuple[int, int] = (0, 0)
 
 
 #: The planner and the micro-batch search build the same steps again (the same compute strategy under many
@@ -525,6 +530,7 @@ def _offload_inputs(q: StepInputs) -> StepInputs:
     stays, ``NoOpManager``), and a layer's backward holds the unpacked copies of two autograd nodes."""
     spec, strategy, a = q.spec, q.strategy, q.stack
     model_host = offload_model_host_bytes(spec, strategy)
+    q = dataclasses.replace(q, offload_retained=offload_retained_bytes(spec, strategy))
     # LLM.int8's inputs are kept on MatMul8bitLt's ``ctx.tensors``, not through save_for_backward
     # (activations.int8_ctx_bytes), so torchtune's saved-tensor hooks never pack them: every layer's stay on the GPU
     # to the end of backward (llama-3.2-1b LoRA over int8, 2 × 1024: −22.6% against the trace when they were offloaded)
@@ -975,6 +981,17 @@ def training_moments(q: StepInputs) -> dict[Phase, Moment]:
         one = largest_grad_bytes(q.spec, q.strategy)
         bwd = [dataclasses.replace(m, gradients=min(m.gradients, one)) for m in bwd]
         opt = dataclasses.replace(opt, gradients=0, temporaries=0)
+    if any(q.offload_retained):
+        # torchtune OffloadActivations keeps the last unpacking node (and what it reaches) from the end of one
+        # backward to the next one's final norm: the optimizer step, the forward and the loss backward hold it.
+        held, grad = q.offload_retained
+
+        def retained(m: Moment) -> Moment:
+            return dataclasses.replace(m, activations=m.activations + held, temporaries=m.temporaries + grad)
+
+        fwd = [retained(m) for m in fwd]
+        bwd = [retained(m) if m.name is MomentName.BACKWARD_START else m for m in bwd]
+        opt = retained(opt)
     ha, ho = q.host_activations, q.host_optimizer_states
     return {
         Phase.FORWARD: dataclasses.replace(worst(fwd), host_activations=ha, host_optimizer_states=ho),
@@ -1126,6 +1143,9 @@ def _notes(spec: ModelSpec, strategy: Strategy, coeff: float) -> tuple[str, ...]
             f"--fp8 {strategy.float8.value}: torchao Float8Linear on {n} of each block's {len(block_linears(spec))} "
             "linears (dims ÷ 16; LM head in bf16), eager casts; the allocator stream leaves their transients out"
         )
+    base_note = fp32_base_note(spec, strategy)
+    if base_note is not None:
+        notes.append(base_note)
     return tuple(notes) + saver_notes(spec, strategy)
 
 

@@ -38,10 +38,14 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   included — ``mm`` saves ``weight.t()``, a view, which the isinstance test lets through — with RoPE's tables per
   layer, the ids and the final norm. GPU without checkpointing: the stash at the forward's end is the final norm's
   saves, the layers keep nothing, autocast's layer copies die with the forward, a layer's backward holds two nodes'
-  unpacked copies (bounded by twice the largest linear's input and weight). With checkpointing: two checkpoint
+  unpacked copies (bounded by the largest linear's input and weight and the MLP product's node, or two attention
+  projections' nodes: :func:`offload_in_flight_bytes`). With checkpointing: two checkpoint
   inputs. torchtune keeps the output projection's tensors on the GPU (``NoOpManager``), so the head and the logits
-  stay. Checked save by save against the trace (tests/trace/test_savers_trace.py). The reserved memory's stream
-  replays it layer by layer without checkpointing (trainfit.analytic.events ``offloaded``).
+  stay. Between backwards torchtune keeps the last unpacking node (``curr_autograd_node``) and what it reaches: over a
+  frozen token table, checkpointed, the embeddings' leaf output with its gradient and the bottom layer's LLM.int8
+  inputs (:func:`offload_retained_bytes`). Checked save by save against the trace (tests/trace/test_savers_trace.py).
+  The reserved memory's stream replays it layer by layer without checkpointing (trainfit.analytic.events
+  ``offloaded``).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -231,13 +235,63 @@ def offload_layer_host_bytes(spec: ModelSpec, strategy: Strategy) -> int:
 
 def offload_in_flight_bytes(spec: ModelSpec, strategy: Strategy) -> int:
     """Inside a layer's backward without checkpointing: the unpacked device copies of the autograd node running
-    and of the previous one (torchtune's ``bwd_tensor_stash``: a node's copies are freed in the post-hook of the
-    next node that unpacks). Bounded by twice the largest linear's node — its input and its weight's view, both at
-    the compute width: 2·a·k·(t + n) for a k→n linear."""
+    and of the previous one that unpacked (torchtune's ``bwd_tensor_stash``: a node's copies are freed in the
+    post-hook of the next node that unpacks). A linear's node unpacks its input and its weight's view ``weight.t()``
+    (a view, no ``nn.Parameter``: offloaded, frozen or not), a·k·(t + n) for a k→n linear at the compute width. Two
+    such nodes run back to back only in the attention (backward order v, k, q: the two largest of its projections);
+    the MLP's are always apart — autograd runs ``down``, the product's node (act and up, 2·a·t·i), ``up``, the
+    activation's, ``gate`` (a dense MLP: ``fc2``, the activation's, ``fc1``) — so there the largest linear's node
+    meets at most the product's. The larger of the two. It was twice the largest linear's node, which counted a
+    second MLP weight that is never back (mistral-7b LoRA q,v in fp32 at 2 × 16: the backward 224 MiB over the
+    trace, and offloading raised the peak the trace lowers)."""
     a = strategy.recipe.compute_bits // 8
     t = strategy.tokens_per_micro_batch
-    nodes = [x.in_features * (t + x.out_features) for x in block_linears(spec)]
-    return 2 * a * max(nodes, default=0)
+    nodes = {x.name: a * x.in_features * (t + x.out_features) for x in block_linears(spec)}
+    if not nodes:
+        return 0
+    attention = sorted((v for k, v in nodes.items() if k.startswith("attn.")), reverse=True)
+    mlp = max(nodes.values()) + 2 * a * t * spec.intermediate_size
+    return max(mlp, sum(attention[:2]))
+
+
+def offload_retained_bytes(spec: ModelSpec, strategy: Strategy) -> tuple[int, int]:
+    """(activations, gradient) that torchtune's ``OffloadActivations`` keeps from one backward to the next:
+    ``unpack_tensor_with_streams`` stores the autograd node that last unpacked an offloaded tensor in
+    ``self.curr_autograd_node`` and replaces it only at the next backward's first such node (the final norm's; the
+    head's saves are ``NoOpManager``'s), so that node, and every node below it, outlives the backward: through the
+    optimizer step, the next forward and the next loss backward. Its released saved variables hold nothing, but
+    under checkpointing over a frozen token table (an adapter, ``--freeze embeddings``) the embeddings' output is a
+    leaf (``enable_input_require_grads``: ``output.requires_grad_(True)``) whose ``AccumulateGrad`` node holds it
+    and its ``.grad`` (the residual gradient, stolen: the leaf's size again); and the last node is the bottom layer's
+    first in backward (its saves trigger the recomputation that unpacks the checkpoint input), above every LLM.int8
+    linear of the bottom segment but the top layer's down projection, whose ``MatMul8bitLt`` nodes keep their inputs on
+    ``ctx.tensors`` (bitsandbytes/autograd/_functions.py; :func:`~trainfit.analytic.activations.int8_ctx_bytes`).
+    (0, 0) otherwise: without checkpointing the bottom layer's last node reaches only parameters. Found by the
+    trace (llama-3.2-1b LoRA all-linear over LLM.int8, 2 × 1024: 56 MiB and a 16 MiB gradient, the optimizer
+    step −3.2%; under ``sqrt``, 6 × 456 in fp32, the bottom segment's four layers: 513 MiB, the backward −4.9%);
+    dense layers checked, an MoE bottom layer counted alike."""
+    from trainfit.analytic.activations import input_grads_enabled, int8_layer_inputs
+    from trainfit.analytic.adapters import SiteInput, is_frozen
+    from trainfit.strategy import Quantization
+
+    if not strategy.savers.activation_offload or not input_grads_enabled(strategy):
+        return 0, 0
+    if strategy.adapter is None:
+        patterns = strategy.base_weights.frozen
+        embeds = [t for t in inventory(spec).model_tensors if t.name.startswith("embed")]
+        if not patterns or not embeds or not all(is_frozen(t, patterns, None, layers=spec.num_layers) for t in embeds):
+            return 0, 0
+    leaf = checkpoint_input_bytes(spec, strategy)
+    held = leaf
+    if strategy.base_weights.quantization is Quantization.INT8:
+        # The bottom segment's layers (``sqrt``: several) are all below its first node in backward, the top one's
+        # MLP output projection excepted.
+        sizes = strategy.checkpoint_layout(spec.num_layers).segment_sizes
+        moe = spec.num_moe_layers == spec.num_layers > 0
+        ins = int8_layer_inputs(spec, strategy, moe=moe)
+        layer = sum(x.bytes for x in ins.values())
+        held += (sizes[0] if sizes else 1) * layer - (ins[SiteInput.MLP_ACT].bytes if SiteInput.MLP_ACT in ins else 0)
+    return held, leaf
 
 
 def offload_embedding_kept_bytes(spec: ModelSpec, strategy: Strategy) -> int:

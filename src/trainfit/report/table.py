@@ -256,13 +256,17 @@ def _in_flight(r: RankMemory) -> str:
 
 
 def _distributed_notes(report: MemoryReport) -> list[str]:
-    """The engine defaults and the worst-rank reason (always shown for many GPUs); on one GPU, the host memory
-    (offloaded activations, paged optimizer states) when there is any."""
+    """The engine defaults and the worst-rank reason (always shown for many GPUs); on one GPU, an adapter's fp32 base
+    under amp and the host memory (offloaded activations, paged optimizer states) when there is any."""
+    from trainfit.analytic.adapters import FP32_BASE_NOTE
+
     s = report.strategy
     if s is None or not s.is_distributed:
+        # An adapter's fp32 base under amp: the one fine-tuning default worth a line without --explain.
+        out = [n for n in report.notes if n.startswith(FP32_BASE_NOTE)]
         if report.host_peak_bytes:
-            return [f"host memory: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)"]
-        return []
+            out.append(f"host memory: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)")
+        return out
     keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank", "NCCL")
     out = [n for n in report.notes if any(k in n for k in keys)]
     if report.host_peak_bytes:
