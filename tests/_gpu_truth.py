@@ -30,3 +30,16 @@ def measured_strategy(row: dict[str, Any]) -> Strategy:
     """The Strategy of one published case."""
     s: Strategy = data.measured_strategy(row)
     return s
+
+
+#: The committed raw output of the H200 sessions (``benchmarks/h200/<date>/``, written by benchmarks/gpu_session.py).
+SESSIONS = Path(__file__).resolve().parents[1] / "benchmarks" / "h200"
+
+
+def session_measured(path: Path, case: str) -> dict[str, Any]:
+    """The ``measured`` record of ``case`` in a session's JSON-lines file."""
+    for row in data.rows(path):
+        if row.get("case") == case and row.get("record") == "measured":
+            found: dict[str, Any] = row
+            return found
+    raise AssertionError(f"{case} not in {path}")

@@ -15,12 +15,12 @@ not model, so that case is not held to the tolerance (it is checked to be the st
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._gpu_truth import session_measured
 from trainfit import Strategy, estimate
 
 SESSION = (
@@ -35,11 +35,7 @@ TORCH = "2.11"  # the session's torch: cuBLASLt's own workspace (trainfit.alloca
 
 
 def _measured(case: str) -> dict[str, Any]:
-    for line in SESSION.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("case") == case and row.get("record") == "measured":
-            return row
-    raise AssertionError(f"{case} not in {SESSION}")
+    return session_measured(SESSION, case)
 
 
 def _strategy(sharding: str) -> Strategy:

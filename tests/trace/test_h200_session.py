@@ -6,12 +6,12 @@ committed ``session.jsonl``; nothing here is tuned to them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._gpu_truth import session_measured
 from trainfit import Strategy, load_model
 from trainfit.allocator.process import built_on_device, matmul_warm_up, simulate_process
 from trainfit.allocator.workspaces import training_workspaces
@@ -43,11 +43,7 @@ CASES = [
 
 
 def _measured(case: str) -> dict[str, Any]:
-    for line in SESSION.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("case") == case and row.get("record") == "measured":
-            return row
-    raise AssertionError(f"{case} not in {SESSION}")
+    return session_measured(SESSION, case)
 
 
 @pytest.mark.slow
