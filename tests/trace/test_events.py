@@ -169,16 +169,13 @@ def test_the_analytic_lora_stream_reserves_what_the_traced_peft_run_does(precisi
     fp32 d_out-wide transients as on the H200, issue 11): the analytic stream's reserved memory within 2.5% of the
     traced PEFT run's. Before each adapted linear ran as PEFT runs it (events.LoraFlow) the analytic stream reserved
     +12.1% (pure bf16), +16.5% (amp) and +6…8% (amp with dropout) over the trace."""
-    from trainfit.allocator.workspaces import training_workspaces
-    from trainfit.analytic.events import simulate_training
     from trainfit.arch import load_model
     from trainfit.strategy import finetune_setup
 
     spec = load_model("qwen2.5-0.5b")
     adapter, base = finetune_setup("lora", rank=16, targets="all-linear", dropout=dropout)
     st = Strategy(precision=precision, micro_batch=4, seq_len=1024, adapter=adapter, base_weights=base)
-    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
-    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+    traced, analytic = _reserved_peaks(spec, st)
     assert analytic == pytest.approx(traced, rel=0.025)
 
 
@@ -194,16 +191,13 @@ def test_the_analytic_dora_dropout_stream_reserves_what_the_traced_peft_run_does
     input, the weight it saves, the layer's own base output freed after the sum). Before, its adapted linears kept
     their saved tensors only and the analytic stream reserved +9.35% (llama-3.2-1b, measured on the H200:
     benchmarks/h200/2026-12-04b) and +14.4% (qwen2.5-0.5b under amp) over the trace; now within 1.5%."""
-    from trainfit.allocator.workspaces import training_workspaces
-    from trainfit.analytic.events import simulate_training
     from trainfit.arch import load_model
     from trainfit.strategy import finetune_setup
 
     spec = load_model(slug)
     adapter, base = finetune_setup("lora", rank=16, targets=targets, dropout=0.05, dora=True)
     st = Strategy(precision=precision, micro_batch=batch, seq_len=1024, adapter=adapter, base_weights=base)
-    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
-    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+    traced, analytic = _reserved_peaks(spec, st)
     assert analytic == pytest.approx(traced, rel=0.015)
 
 
@@ -213,8 +207,6 @@ def test_a_checkpointed_lora_forward_frees_the_adapters_locals_as_peft_returns()
     input copy, lora_A's output) are locals of ``lora.Linear.forward``, gone when it returns. The stream freed them at
     the layer's end and reserved +1.28% over the trace on this cell (the H200 measured 9.73 GiB,
     benchmarks/h200/2026-12-04b: analytic +1.5%, trace +0.2%); now within 1%."""
-    from trainfit.allocator.workspaces import training_workspaces
-    from trainfit.analytic.events import simulate_training
     from trainfit.arch import load_model
     from trainfit.strategy import finetune_setup
 
@@ -223,8 +215,7 @@ def test_a_checkpointed_lora_forward_frees_the_adapters_locals_as_peft_returns()
     st = Strategy(
         precision="pure-bf16", checkpointing="full", micro_batch=4, seq_len=1024, adapter=adapter, base_weights=base
     )
-    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
-    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+    traced, analytic = _reserved_peaks(spec, st)
     assert analytic == pytest.approx(traced, rel=0.01)
 
 
@@ -305,6 +296,16 @@ def test_a_checkpointed_layer_forward_allocates_what_the_traced_one_does(family:
     assert _made(analytic) == _made(traced)
 
 
+def _reserved_peaks(spec: ModelSpec, st: Strategy) -> tuple[int, int]:
+    """(the traced run's, the analytic stream's) peak reserved bytes under the default allocator, an H100's
+    workspaces for the analytic stream (the trace adds its own)."""
+    from trainfit.allocator.workspaces import training_workspaces
+    from trainfit.analytic.events import simulate_training
+
+    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
+    return traced, simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+
+
 def _second_layer_forward(spec: ModelSpec, st: Strategy) -> tuple[list[Event], list[Event]]:
     """Layer 1's first forward (one step): the analytic stream's events and the traced run's (from the layer's first
     allocation to the next layer's)."""
@@ -371,8 +372,6 @@ def test_the_analytic_dora_over_4bit_stream_reserves_what_the_traced_peft_run_do
     dtype, lora_weight's cast eye and lora_A output held by its graph, the weight norm before lora_A(x), the output
     not cast back under autocast). It kept its saved tensors only and reserved +8.83% (amp) and +6.73% (pure bf16)
     over the trace on llama-3.2-1b, q and v, 2 × 1024; now within 1%."""
-    from trainfit.allocator.workspaces import training_workspaces
-    from trainfit.analytic.events import simulate_training
     from trainfit.arch import load_model
     from trainfit.strategy import finetune_setup
 
@@ -386,8 +385,7 @@ def test_the_analytic_dora_over_4bit_stream_reserves_what_the_traced_peft_run_do
         adapter=adapter,
         base_weights=base,
     )
-    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
-    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+    traced, analytic = _reserved_peaks(spec, st)
     assert analytic == pytest.approx(traced, rel=0.01)
 
 
@@ -398,8 +396,6 @@ def test_the_analytic_stream_keeps_llm_int8_inputs_to_the_end_of_backward() -> N
     layer's saves (a checkpointed forward's at the layer's end), so with full checkpointing its reserve did not even
     reach the closed form's allocated peak: −9.7% against the trace (llama-3.2-1b LoRA on every linear, 2 × 1024);
     now within 1%."""
-    from trainfit.allocator.workspaces import training_workspaces
-    from trainfit.analytic.events import simulate_training
     from trainfit.arch import load_model
     from trainfit.strategy import finetune_setup
 
@@ -408,8 +404,7 @@ def test_the_analytic_stream_keeps_llm_int8_inputs_to_the_end_of_backward() -> N
     st = Strategy(
         precision="amp-bf16", checkpointing="full", micro_batch=2, seq_len=1024, adapter=adapter, base_weights=base
     )
-    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
-    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+    traced, analytic = _reserved_peaks(spec, st)
     assert analytic == pytest.approx(traced, rel=0.01)
 
 
@@ -476,13 +471,10 @@ def test_a_masked_lm_loss_over_16_bit_logits_keeps_their_dtype() -> None:
     without autocast log_softmax and both loss gradients are bf16. The stream made the gradients fp32 (two
     logits-sized fp32 blocks a step): bert-base-uncased pure-bf16 8 × 512 reserved +25.5% against the trace without
     checkpointing, +27.6% with full checkpointing (benchmarks/reserve_agreement.py); now +0.00% on both."""
-    from trainfit.allocator.workspaces import training_workspaces
-    from trainfit.analytic.events import simulate_training
 
     spec = tiny_spec("bert", vocab_size=8192)
     st = Strategy(precision="pure-bf16", micro_batch=4, seq_len=256)
-    traced = reserved_from_trace(spec, st, AllocatorConfig()).result.peak_reserved_bytes
-    analytic = simulate_training(spec, st, AllocatorConfig(), training_workspaces((9, 0))).peak_reserved_bytes
+    traced, analytic = _reserved_peaks(spec, st)
     assert analytic == pytest.approx(traced, rel=0.01)
 
 
