@@ -82,6 +82,7 @@ from trainfit.analytic.adapters import (
     frozen_forms_known,
     frozen_layers,
 )
+from trainfit.analytic.blocks import phase_rounding
 from trainfit.analytic.events import simulate_training, training_events
 from trainfit.analytic.float8 import (
     block_linears,
@@ -1054,11 +1055,17 @@ def estimate_analytic(
     ``start``: the process the run starts in (``trainfit.history``): the whole synthesised stream runs after its
     history (:class:`~trainfit.allocator.process.ProcessStart`; not memoised, never stopped early)."""
     strategy, q, phases = _closed_form(spec, strategy, keep_logits=keep_logits)
+    config = allocator if allocator is not None else AllocatorConfig.from_env()
+    # max_memory_allocated counts blocks: each phase's blocks beyond its requests, from the allocator simulation
+    rounding = phase_rounding(spec, strategy, config, workspaces)
+    phases = tuple(
+        dataclasses.replace(p, components={**p.components, Component.ALLOCATOR_ROUNDING: rounding[Phase(p.phase)]})
+        for p in phases
+    )
     peak = max(p.total_bytes for p in phases)
     st, stack = q.states, q.stack
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
     coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
-    config = allocator if allocator is not None else AllocatorConfig.from_env()
     own_peak = strategy.savers.any or float8_enabled(strategy)
     stop = None if own_peak else stop_above_bytes
 

@@ -1,0 +1,149 @@
+"""What ``torch.cuda.max_memory_allocated`` counts beyond the tensors: the caching allocator's blocks, per phase.
+
+The closed form counts every tensor's request rounded up to 512 B (``round_size``; ``allocator_bytes`` in
+:mod:`trainfit.cuda_facts`). ``max_memory_allocated`` counts the *blocks* handed out (``stats.allocated_bytes`` grows by
+``block->size`` in ``DeviceCachingAllocator::malloc``, c10/cuda/CUDACachingAllocator.cpp), and a block is larger than
+its request in two cases, both decided by the allocator's state, not by the tensor alone:
+
+* a large-pool request (> 1 MiB) served from a cached free block whose remainder is not over 1 MiB keeps the whole
+  block (``should_split``: ``remaining > kSmallSize`` for the large pool; the small pool and expandable segments
+  split any remainder of ≥ 512 B), and a new segment of a request of 10 MiB or more is the request rounded up to
+  2 MiB (``get_allocation_size``, ``kRoundLarge``), kept whole by the same rule;
+* with ``roundup_power2_divisions`` the request itself rounds to the next division (``round_size``).
+
+Which cached blocks are free when a request comes depends on everything freed before it, so this is not a factor on
+the peak and cannot be a per-tensor closed form: a 1.18 MB BERT-base projection gradient lands in a cached 2 MiB block
+and takes all of it, or in a 20 MiB segment and takes its size. It is read from the allocator simulation
+(:class:`~trainfit.allocator.Simulator`) of the analytic model's own event stream
+(:func:`~trainfit.analytic.events.synthesise`, the one the reserve comes from), with a mark at each phase's start:
+per phase of the steady-state steps (every step after the first, which creates the optimizer's states), the largest
+block total less the largest request total, both over the phase, exactly as ``--method measure`` takes its rounding
+from a device (:mod:`trainfit.measure.gpu`: allocated peak minus requested peak). The closed form adds it to its
+phase as :attr:`~trainfit.result.Component.ALLOCATOR_ROUNDING`.
+
+Where it matters: models with many tensors just over 1 MiB, such as BERT-base's 768×768 projections (1.18 MB in
+bf16), their gradients and Adam states: on the H200 the bf16 BERT-base optimizer step measured 989.7 MB against
+944.4 MB of requests (−4.6%); the stream's blocks give 988.1 MB (docs/accuracy.md). Large models, whose tensors are
+far above the 1 MiB remainder, have almost none. Expandable segments split every remainder: none there either, as
+measured (the H200's q05 case: −0.23% by default, −0.00% with expandable segments).
+
+One GPU, a fresh process: a many-GPU rank's stream (:mod:`trainfit.analytic.rank_events`) is not marked yet, and a
+process history (``estimate(history=)``) moves which blocks are cached but is not replayed here. Under the optimizer
+in backward the stream has no separate optimizer step (the hooks step each gradient): its rounding is in backward's.
+"""
+
+from __future__ import annotations
+
+from trainfit._memo import Memo, spec_key
+from trainfit.allocator import AllocatorConfig, Simulator
+from trainfit.allocator.workspaces import Workspace
+from trainfit.analytic.events import RankHooks, Stream, steady_state, stream_strategy, synthesise
+from trainfit.arch.spec import ModelSpec
+from trainfit.cuda_facts import allocator_bytes
+from trainfit.result import Phase
+from trainfit.strategy import Strategy
+
+__all__ = ["PhaseRounding", "phase_rounding"]
+
+#: Per phase: the block bytes above the requests at that phase's peak, steady state.
+PhaseRounding = tuple[tuple[Phase, int], ...]
+
+
+class _RequestStream(Stream):
+    """A :class:`Stream` into a simulator that also keeps the requests' total (each rounded to 512 B, as the
+    closed form counts it) and its peak since the last phase mark."""
+
+    def __init__(self, sim: Simulator) -> None:
+        super().__init__(sim)
+        self._requests: dict[int, int] = {}
+        self.requested = 0
+        self.peak_requested = 0
+
+    def _add(self, key: int, nbytes: int) -> None:
+        r = allocator_bytes(nbytes)
+        self._requests[key] = r
+        self.requested += r
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+
+    def alloc(self, nbytes: int, stream: int = 0) -> int:
+        key = super().alloc(nbytes, stream)
+        if key:
+            self._add(key, nbytes)
+        return key
+
+    def workspace(self, nbytes: int, key: int, stream: int = 0) -> None:
+        super().workspace(nbytes, key, stream)
+        if nbytes > 0:
+            self._add(key, nbytes)
+
+    def free(self, key: int) -> None:
+        if key:
+            self.requested -= self._requests.pop(key)
+        super().free(key)
+
+
+class _PhaseMarks(RankHooks):
+    """One GPU's hooks (:class:`RankHooks`' defaults) that mark each phase's start: every micro-step's forward (before
+    its inputs), its backward (after the loss) and the optimizer step (its temporaries); at each mark the phase that
+    ends gets the simulator's block peak and the stream's request peak since the previous mark, and both peaks
+    restart."""
+
+    def __init__(self, sim: Simulator, stream: _RequestStream) -> None:
+        self._sim = sim
+        self._stream = stream
+        self._phase: Phase | None = None
+        self._step = 0
+        self.rounding = dict.fromkeys(Phase, 0)
+
+    def mark(self, phase: Phase | None, *, new_step: bool = False) -> None:
+        """``phase`` starts (None: the stream ended); ``new_step``: with the first micro-step of a step."""
+        sim, s = self._sim, self._stream
+        if self._phase is not None:
+            if self._step >= 1:  # the steady state: the optimizer's states exist
+                extra = sim.peak_allocated_bytes - s.peak_requested
+                self.rounding[self._phase] = max(self.rounding[self._phase], extra)
+            self._step += new_step
+        self._phase = phase
+        sim.reset_peak_stats()
+        s.peak_requested = s.requested
+
+    def micro_step_begin(self, s: Stream, micro: int) -> None:
+        self.mark(Phase.FORWARD, new_step=micro == 0)
+
+    def backward_begin(self, s: Stream) -> None:
+        self.mark(Phase.BACKWARD)
+
+    def step_temp_bytes(self, default: int) -> int:
+        self.mark(Phase.OPTIMIZER_STEP)
+        return default
+
+
+_MEMO: Memo[PhaseRounding] = Memo(256)
+
+
+def phase_rounding(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+) -> dict[Phase, int]:
+    """The bytes ``max_memory_allocated`` counts above the 512-byte-rounded requests at each phase's peak, for one GPU
+    (see the module docstring): the allocator simulation of the analytic stream under ``config`` with ``workspaces``,
+    each phase's block peak less its request peak, the largest over the steady-state steps. Memoised."""
+    strategy = stream_strategy(spec, strategy)
+    config = config or AllocatorConfig()
+    key = (spec_key(spec), strategy, config, workspaces)
+    return dict(_MEMO.get(key, lambda: _phase_rounding(spec, strategy, config, workspaces)))
+
+
+def _phase_rounding(
+    spec: ModelSpec, strategy: Strategy, config: AllocatorConfig, workspaces: tuple[Workspace, ...]
+) -> PhaseRounding:
+    sim = Simulator(config)
+    stream = _RequestStream(sim)
+    marks = _PhaseMarks(sim, stream)
+    stop = steady_state(sim, None)  # the steps after a repeated one repeat it: their peaks add nothing
+    sim.drive(lambda _: synthesise(stream, spec, strategy, workspaces, rank=marks, stop=stop))
+    marks.mark(None)
+    return tuple(marks.rounding.items())
