@@ -102,3 +102,26 @@ def test_rounding_follows_the_allocator_setting() -> None:
     assert all(v == 0 for v in expandable.values())
     assert all(v > 0 for v in default.values())
     assert all(divisions[ph] > default[ph] for ph in Phase)
+
+
+@pytest.mark.parametrize(
+    ("slug", "kw"),
+    [
+        ("bert-base-uncased", dict(precision="pure-bf16", micro_batch=8, seq_len=512)),
+        ("qwen2.5-0.5b", dict(precision="amp-bf16", micro_batch=2, seq_len=1024, grad_accum=2, checkpointing="full")),
+    ],
+)
+def test_one_pass_is_the_reserves_own_simulation(slug: str, kw: dict[str, Any]) -> None:
+    """The phase marks and the request tally change no allocator call: the run is ``simulate_training``'s, so the
+    reserve and the rounding come from one simulation; a run that may stop early stops as that one does."""
+    from trainfit.analytic.blocks import simulate_with_rounding
+    from trainfit.analytic.events import forget_simulations, simulate_training
+
+    spec, s, config = load_model(slug), Strategy(**kw), AllocatorConfig()
+    forget_simulations()
+    plain = simulate_training(spec, s, config)
+    both, rounding = simulate_with_rounding(spec, s, config)
+    assert both == plain
+    assert rounding == phase_rounding(spec, s, config)
+    part, _ = simulate_with_rounding(spec, s, config, stop_above_bytes=plain.peak_reserved_bytes // 2)
+    assert part == both  # the whole run kept answers it

@@ -35,15 +35,22 @@ in backward the stream has no separate optimizer step (the hooks step each gradi
 from __future__ import annotations
 
 from trainfit._memo import Memo, spec_key
-from trainfit.allocator import AllocatorConfig, Simulator
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Workspace
-from trainfit.analytic.events import RankHooks, Stream, steady_state, stream_strategy, synthesise
+from trainfit.analytic.events import (
+    RankHooks,
+    Stream,
+    simulation_memo,
+    steady_state,
+    stream_strategy,
+    synthesise,
+)
 from trainfit.arch.spec import ModelSpec
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.result import Phase
 from trainfit.strategy import Strategy
 
-__all__ = ["PhaseRounding", "phase_rounding"]
+__all__ = ["PhaseRounding", "phase_rounding", "simulate_with_rounding"]
 
 #: Per phase: the block bytes above the requests at that phase's peak, steady state.
 PhaseRounding = tuple[tuple[Phase, int], ...]
@@ -51,13 +58,16 @@ PhaseRounding = tuple[tuple[Phase, int], ...]
 
 class _RequestStream(Stream):
     """A :class:`Stream` into a simulator that also keeps the requests' total (each rounded to 512 B, as the
-    closed form counts it) and its peak since the last phase mark."""
+    closed form counts it) and, since the last phase mark, its peak and the peak of the simulator's blocks (read
+    after each allocation: the simulator's own peak counters are left alone, they are the run's result)."""
 
     def __init__(self, sim: Simulator) -> None:
         super().__init__(sim)
+        self._simulator = sim
         self._requests: dict[int, int] = {}
         self.requested = 0
         self.peak_requested = 0
+        self.peak_blocks = 0
 
     def _add(self, key: int, nbytes: int) -> None:
         r = allocator_bytes(nbytes)
@@ -65,6 +75,13 @@ class _RequestStream(Stream):
         self.requested += r
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
+        blocks = self._simulator.allocated_bytes
+        if blocks > self.peak_blocks:
+            self.peak_blocks = blocks
+
+    def restart_peaks(self) -> None:
+        self.peak_requested = self.requested
+        self.peak_blocks = self._simulator.allocated_bytes
 
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         key = super().alloc(nbytes, stream)
@@ -84,13 +101,12 @@ class _RequestStream(Stream):
 
 
 class _PhaseMarks(RankHooks):
-    """One GPU's hooks (:class:`RankHooks`' defaults) that mark each phase's start: every micro-step's forward (before
-    its inputs), its backward (after the loss) and the optimizer step (its temporaries); at each mark the phase that
-    ends gets the simulator's block peak and the stream's request peak since the previous mark, and both peaks
-    restart."""
+    """One GPU's hooks (:class:`RankHooks`' defaults: the stream is the one GPU's, call for call) that mark each
+    phase's start: every micro-step's forward (before its inputs), its backward (after the loss) and the optimizer
+    step (its temporaries); at each mark the phase that ends gets its block peak less its request peak, and both
+    peaks restart."""
 
-    def __init__(self, sim: Simulator, stream: _RequestStream) -> None:
-        self._sim = sim
+    def __init__(self, stream: _RequestStream) -> None:
         self._stream = stream
         self._phase: Phase | None = None
         self._step = 0
@@ -98,15 +114,14 @@ class _PhaseMarks(RankHooks):
 
     def mark(self, phase: Phase | None, *, new_step: bool = False) -> None:
         """``phase`` starts (None: the stream ended); ``new_step``: with the first micro-step of a step."""
-        sim, s = self._sim, self._stream
+        s = self._stream
         if self._phase is not None:
             if self._step >= 1:  # the steady state: the optimizer's states exist
-                extra = sim.peak_allocated_bytes - s.peak_requested
+                extra = s.peak_blocks - s.peak_requested
                 self.rounding[self._phase] = max(self.rounding[self._phase], extra)
             self._step += new_step
         self._phase = phase
-        sim.reset_peak_stats()
-        s.peak_requested = s.requested
+        s.restart_peaks()
 
     def micro_step_begin(self, s: Stream, micro: int) -> None:
         self.mark(Phase.FORWARD, new_step=micro == 0)
@@ -119,7 +134,41 @@ class _PhaseMarks(RankHooks):
         return default
 
 
-_MEMO: Memo[PhaseRounding] = Memo(256)
+_MEMO: Memo[tuple[AllocatorResult, PhaseRounding]] = Memo(256)
+
+
+def simulate_with_rounding(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+    *,
+    stop_above_bytes: int | None = None,
+) -> tuple[AllocatorResult, dict[Phase, int]]:
+    """One pass of the allocator simulation over the analytic stream for both: the run
+    :func:`~trainfit.analytic.events.simulate_training` gives (the same calls, the same result; a whole run is also
+    left in that function's memo) and each phase's rounding (:func:`phase_rounding`). ``stop_above_bytes``: as
+    ``simulate_training``'s, a run that stops once reserved passes it (``AllocatorResult.stopped``; its rounding, like
+    its reserve, then a lower bound), answered by the whole run when one is kept. Memoised."""
+    strategy = stream_strategy(spec, strategy)
+    config = config or AllocatorConfig()
+    key = (spec_key(spec), strategy, config, workspaces)
+    whole = _MEMO.peek(key)
+    if whole is None and stop_above_bytes is not None:
+        part = _MEMO.get(
+            (*key, "stop above", stop_above_bytes),
+            lambda: _simulate(spec, strategy, config, workspaces, stop_above_bytes),
+        )
+        if part[0].stopped:
+            return part[0], dict(part[1])
+        _MEMO.put(key, part)
+        whole = part
+    if whole is None:
+        whole = _MEMO.get(key, lambda: _simulate(spec, strategy, config, workspaces, None))
+    simulation_memo().put(
+        (*key, False), whole[0]
+    )  # simulate_training's key: (spec, strategy, config, workspaces, layout)
+    return whole[0], dict(whole[1])
 
 
 def phase_rounding(
@@ -131,19 +180,20 @@ def phase_rounding(
     """The bytes ``max_memory_allocated`` counts above the 512-byte-rounded requests at each phase's peak, for one GPU
     (see the module docstring): the allocator simulation of the analytic stream under ``config`` with ``workspaces``,
     each phase's block peak less its request peak, the largest over the steady-state steps. Memoised."""
-    strategy = stream_strategy(spec, strategy)
-    config = config or AllocatorConfig()
-    key = (spec_key(spec), strategy, config, workspaces)
-    return dict(_MEMO.get(key, lambda: _phase_rounding(spec, strategy, config, workspaces)))
+    return simulate_with_rounding(spec, strategy, config, workspaces)[1]
 
 
-def _phase_rounding(
-    spec: ModelSpec, strategy: Strategy, config: AllocatorConfig, workspaces: tuple[Workspace, ...]
-) -> PhaseRounding:
-    sim = Simulator(config)
+def _simulate(
+    spec: ModelSpec,
+    strategy: Strategy,
+    config: AllocatorConfig,
+    workspaces: tuple[Workspace, ...],
+    stop_above_bytes: int | None,
+) -> tuple[AllocatorResult, PhaseRounding]:
+    sim = Simulator(config, stop_above_bytes=stop_above_bytes)
     stream = _RequestStream(sim)
-    marks = _PhaseMarks(sim, stream)
+    marks = _PhaseMarks(stream)
     stop = steady_state(sim, None)  # the steps after a repeated one repeat it: their peaks add nothing
-    sim.drive(lambda _: synthesise(stream, spec, strategy, workspaces, rank=marks, stop=stop))
+    oom = sim.drive(lambda _: synthesise(stream, spec, strategy, workspaces, rank=marks, stop=stop))
     marks.mark(None)
-    return tuple(marks.rounding.items())
+    return sim.result(oom=oom), tuple(marks.rounding.items())
