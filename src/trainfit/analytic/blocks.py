@@ -15,7 +15,8 @@ Which cached blocks are free when a request comes depends on everything freed be
 the peak and cannot be a per-tensor closed form: a 1.18 MB BERT-base projection gradient lands in a cached 2 MiB block
 and takes all of it, or in a 20 MiB segment and takes its size. It is read from the allocator simulation
 (:class:`~trainfit.allocator.Simulator`) of the analytic model's own event stream
-(:func:`~trainfit.analytic.events.synthesise`, the one the reserve comes from), with a mark at each phase's start:
+(:func:`~trainfit.analytic.events.synthesise`, the one the reserve comes from, in the same pass:
+:func:`simulate_with_rounding`), with a mark at each phase's start:
 per phase of the steady-state steps (every step after the first, which creates the optimizer's states), the largest
 block total less the largest request total, both over the phase, exactly as ``--method measure`` takes its rounding
 from a device (:mod:`trainfit.measure.gpu`: allocated peak minus requested peak). The closed form adds it to its
@@ -23,9 +24,11 @@ phase as :attr:`~trainfit.result.Component.ALLOCATOR_ROUNDING`.
 
 Where it matters: models with many tensors just over 1 MiB, such as BERT-base's 768×768 projections (1.18 MB in
 bf16), their gradients and Adam states: on the H200 the bf16 BERT-base optimizer step measured 989.7 MB against
-944.4 MB of requests (−4.6%); the stream's blocks give 988.1 MB (docs/accuracy.md). Large models, whose tensors are
-far above the 1 MiB remainder, have almost none. Expandable segments split every remainder: none there either, as
-measured (the H200's q05 case: −0.23% by default, −0.00% with expandable segments).
+944.4 MB of requests (−4.6%); the stream's blocks give 988.1 MB (docs/accuracy.md). Models whose large tensors are
+multiples of 2 MiB (Llama 3's) have almost none; a tensor of 10 MiB or more that gets a segment of its own keeps up to
+1 MiB more (qwen2.5-7b's 129.5 MiB MLP matrices, pure bf16, full checkpointing: +124.5 MiB at the backward peak).
+Expandable segments split every remainder: none there, as measured (the H200's q05 case: −0.23% by default, −0.00%
+with expandable segments).
 
 One GPU, a fresh process: a many-GPU rank's stream (:mod:`trainfit.analytic.rank_events`) is not marked yet, and a
 process history (``estimate(history=)``) moves which blocks are cached but is not replayed here. Under the optimizer
