@@ -2172,7 +2172,7 @@ def steady_state(sim: Simulator, capacity_bytes: int | None) -> Callable[[int], 
         if capacity_bytes is not None:
             return False
         now = sim.state_key()
-        same = step >= 1 and now is not None and now == before[0]
+        same = step >= 1 and sim.repeats_after(before[0], now)
         before[0] = now
         return same
 
