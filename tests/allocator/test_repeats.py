@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfit.allocator import AllocatorConfig
-from trainfit.allocator.simulator import SMALL_BUFFER_BYTES, Simulator
+from trainfit.allocator.simulator import Simulator
 
 Call = tuple[str, int, int]  # ("malloc", local key, bytes) | ("free", local key, 0)
 
