@@ -2166,7 +2166,7 @@ def steady_state(sim: Simulator, capacity_bytes: int | None) -> Callable[[int], 
     step before it did (:meth:`~trainfit.allocator.Simulator.state_key`). The steps after the first repeat the same
     calls, so the next would repeat this one exactly and add nothing. Never under a capacity (each repeated cache flush
     counts in ``num_alloc_retries``) nor where the simulator has no key."""
-    before: list[object] = [None]
+    before: list[tuple[object, ...] | None] = [None]
 
     def ended(step: int) -> bool:
         if capacity_bytes is not None:
