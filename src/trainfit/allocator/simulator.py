@@ -812,6 +812,17 @@ class Simulator:
             ),
         )
 
+    def ordered_state_key(self) -> tuple[object, ...] | None:
+        """:meth:`state_key` and where each live block is, in the order its key was given (keys count up as
+        allocations are made): equal keys, fed calls that free the same-ranked keys and allocate alike, make the
+        same decisions — the state of a repeating schedule whose live blocks change owner (a pipeline's in-flight
+        micro-batches). None where :meth:`state_key` is."""
+        key = self.state_key()
+        if key is None:
+            return None
+        live = self._live
+        return (*key, tuple(live[k].addr for k in sorted(live)))
+
     def repeats_after(self, before: tuple[object, ...] | None, now: tuple[object, ...] | None) -> bool:
         """Whether a repeated sequence of calls (a training step, keys renamed alike) that took this allocator from
         :meth:`state_key` ``before`` to ``now`` would, run again from ``now``, repeat itself exactly: no call

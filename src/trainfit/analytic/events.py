@@ -141,6 +141,11 @@ class Stream:
         #: Each live-or-dead allocation's bytes by key, when a caller asks for them (``track_sizes``).
         self.sizes: dict[int, int] | None = None
 
+    @property
+    def simulator(self) -> Simulator | None:
+        """The simulator the events go straight into (None: they are listed in :attr:`events`)."""
+        return self._sim
+
     def track_sizes(self) -> None:
         """Record every later allocation's bytes in :attr:`sizes` (activation offloading reads its saves' sizes)."""
         if self.sizes is None:
