@@ -154,17 +154,18 @@ class Stream:
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         """A new allocation's key (0 for nothing); ``stream``: the CUDA stream it is made on (the caching
         allocator keeps each stream's freed blocks for that stream)."""
-        self._next += 1
-        if nbytes > 0:
-            if self.sizes is not None:
-                self.sizes[self._next] = nbytes
-            sim = self._sim
-            if sim is None:
-                self.events.append(Event(Op.ALLOC, self._next, nbytes, stream))
-            else:
-                sim.event_index += 1
-                sim.malloc(self._next, nbytes, stream)
-        return self._next if nbytes > 0 else 0
+        key = self._next = self._next + 1
+        if nbytes <= 0:
+            return 0
+        if self.sizes is not None:
+            self.sizes[key] = nbytes
+        sim = self._sim
+        if sim is None:
+            self.events.append(Event(Op.ALLOC, key, nbytes, stream))
+        else:
+            sim.event_index += 1
+            sim.malloc(key, nbytes, stream)
+        return key
 
     def workspace(self, nbytes: int, key: int, stream: int = 0) -> None:
         """A cuBLAS/cuBLASLt workspace: an allocation for the life of the process, under the negative ``key``
@@ -190,8 +191,17 @@ class Stream:
                 sim.free_completed(key)
 
     def free_all(self, keys: Iterable[int]) -> None:
+        """:meth:`free` of each key in turn (the simulator's, looked up once: a hot loop of the planner)."""
+        sim = self._sim
+        if sim is None:
+            for k in keys:
+                self.free(k)
+            return
+        done = sim.free_completed
         for k in keys:
-            self.free(k)
+            if k:
+                sim.event_index += 1
+                done(k)
 
 
 def _bytes(numel: int, bits: int) -> int:
