@@ -524,6 +524,10 @@ def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
         spec, strategy = strategy_from_flags(
             load_model(ctx.params["model"]), **{name: ctx.params[name] for name in STRATEGY_FLAGS}
         )
+        try:  # as the command's own flags: a framework's flag for a run it does not apply to is refused
+            refuse_inapplicable(strategy, frozenset(given))
+        except StrategyError as exc:
+            raise StrategyError(f"--after '{value}': {exc}") from None
         out.append(EarlierRun(model=spec, strategy=strategy, build=Build.parse(ctx.params["build"])))
     return tuple(out)
 
