@@ -446,6 +446,13 @@ def test_a_replay_that_skips_the_repeating_passes_peaks_as_the_whole_one(
         monkeypatch.setattr(rank_events, "_repeating_passes", lambda *_a, **_k: None)
         whole = simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage)
         assert fast == whole
+        # under a device capacity just below the reserved peak: a cache flush (or an OOM), counted alike
+        capacity = whole.peak_reserved_bytes - (whole.peak_reserved_bytes - whole.peak_allocated_bytes) // 10
+        forget_simulations()
+        capped = simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage, capacity_bytes=capacity)
+        forget_simulations()
+        monkeypatch.setattr(rank_events, "_repeating_passes", counted)
+        assert simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage, capacity_bytes=capacity) == capped
     if (
         strategy.parallelism.microbatches >= 32
         and strategy.parallelism.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B

@@ -1824,7 +1824,8 @@ def _repeating_passes(
     live ones in the same order of allocation) and so are the in-flight micro-batches (which of those blocks each
     holds, counted from the next pass's micro-batch), and the passes from ``i`` on are those from ``a`` on with every
     micro-batch ``shift`` later, each period of ``i − a`` passes makes the same decisions again (keys renamed alike)
-    and ends as it began: no peak rises, no segment is made. Skipping whole periods leaves the peaks, the counters and
+    and ends as it began: no peak rises, no segment is made, no cache is flushed (the device counters are in the
+    state). Skipping whole periods leaves the peaks, the counters and
     the state as the replay would (its in-flight micro-batches renamed, its event indices advanced). ``seen``: the
     states before the last ``window`` passes (a period longer than that is not looked for: the states are large)."""
     key = sim.ordered_state_key()
@@ -1833,7 +1834,9 @@ def _repeating_passes(
     rank = {k: r for r, k in enumerate(sorted(sim.live_keys()))}
     base = order[i][1]
     flights = tuple(sorted(((jj - base, cc), tuple(rank.get(k, -1) for k in keys)) for (jj, cc), keys in live.items()))
-    state = (*key, flights)
+    # the device calls so far: a period that made one (a segment, or a flush and retry under a capacity) is not
+    # skipped, as each period would make it again and the counters would come out short
+    state = (*key, flights, sim.num_device_allocs, sim.num_device_frees, sim.num_alloc_retries)
     hit = seen.pop(state, None)
     seen[state] = (i, sim.event_index)
     if len(seen) > window:
