@@ -194,6 +194,8 @@ SAVER_ADAPTER_CASES = (
     ("qlora", "fused-linear", "amp-bf16", "full", MemorySavers(loss="fused-linear")),
     ("qlora", "chunked", "pure-bf16", "full", MemorySavers(loss="chunked")),
     ("qlora", "activation offload", "amp-bf16", "full", MemorySavers(activation_offload=True)),
+    ("lora", "optimizer in backward", "amp-bf16", "none", MemorySavers(optimizer_in_backward=True)),
+    ("qlora", "optimizer in backward", "amp-bf16", "full", MemorySavers(optimizer_in_backward=True)),
 )
 
 
