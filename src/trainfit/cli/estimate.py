@@ -461,21 +461,27 @@ def estimate_cmd(
     render(stdout_console(), report, verbose=explain)
 
 
-def with_run_flags(names: tuple[str, ...], *, panel: str | None = None) -> Callable[[_Command], _Command]:
+def with_run_flags(
+    names: tuple[str, ...], *, panel: str | None = None, own_defaults: tuple[str, ...] = ()
+) -> Callable[[_Command], _Command]:
     """Give a command :func:`estimate_cmd`'s own declarations of the run flags ``names`` — the same parameters of
     its signature: flag, help, type and default — after the command's own; the command takes them as ``**flags``.
     ``trainfit plan`` describes the user's run with them (its baseline), so a flag is declared once and reads
     alike in both commands, in both helps and in the web API (which reads the commands' signatures). ``panel``:
-    the help section they are listed under (a copy of each declaration with ``rich_help_panel`` set)."""
+    the help section they are listed under (a copy of each declaration with ``rich_help_panel`` set);
+    ``own_defaults``: flags whose default the command decides when they are not given (the help shows none)."""
 
     def declared(param: inspect.Parameter) -> inspect.Parameter:
-        if panel is None or typing.get_origin(param.annotation) is not Annotated:
+        if (panel is None and param.name not in own_defaults) or typing.get_origin(param.annotation) is not Annotated:
             return param
         base, *meta = typing.get_args(param.annotation)
         for i, m in enumerate(meta):
             if isinstance(m, typer.models.OptionInfo):
                 meta[i] = copy.copy(m)  # estimate's own declaration stays as it is
-                meta[i].rich_help_panel = panel
+                if panel is not None:
+                    meta[i].rich_help_panel = panel
+                if param.name in own_defaults:
+                    meta[i].show_default = False
         return param.replace(annotation=Annotated[(base, *meta)])
 
     def wrap(fn: _Command) -> _Command:

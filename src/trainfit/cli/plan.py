@@ -263,7 +263,11 @@ def plan_cmd(
         typer.echo(f"wrote {path}")
 
 
-plan_cmd = with_run_flags(BASELINE_FLAGS, panel="Your current run (the baseline; trainfit estimate's flags)")(plan_cmd)
+plan_cmd = with_run_flags(
+    BASELINE_FLAGS,
+    panel="Your current run (the baseline; trainfit estimate's flags)",
+    own_defaults=("batch", "sharding"),  # the default baseline's: the whole global batch per GPU, DDP over them
+)(plan_cmd)
 
 
 def register(app: typer.Typer) -> None:
