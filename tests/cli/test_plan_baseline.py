@@ -57,8 +57,10 @@ def test_the_text_says_what_the_changes_are_from(capsys: pytest.CaptureFixture[s
         ["--attention", "eager", "--optimizer-impl", "foreach"],
         # a LoRA on an 8-bit base: the LoRA plans run on it; QLoRA and full plans say what replaces --base-dtype
         ["--finetune", "lora", "--lora-rank", "8", "--base-dtype", "int8"],
+        # paged by the flag: a plan that does not page says "without --paged-optimizer"
+        ["--optimizer", "adamw-8bit", "--paged-optimizer"],
     ],
-    ids=["fp32-full", "eager-foreach", "lora-int8"],
+    ids=["fp32-full", "eager-foreach", "lora-int8", "paged"],
 )
 def test_each_plan_is_the_baseline_command_with_its_changes(run: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """The changes apply to the user's own command: ``trainfit estimate`` with the baseline's flags followed by a
@@ -74,6 +76,8 @@ def test_each_plan_is_the_baseline_command_with_its_changes(run: list[str], caps
             if drop == "--base-dtype":  # the command's own --base-dtype (and its value) dropped
                 i = own.index("--base-dtype")
                 del own[i : i + 2]
+            elif drop == "--paged-optimizer":
+                own.remove("--paged-optimizer")
             else:
                 assert not drop, c
         cmd = ["estimate", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--seq", "1024", "--batch", "8", *own, *changes]

@@ -230,6 +230,19 @@ def test_plan_export_carries_the_second_chance_allocator(client: TestClient) -> 
         assert ("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in launch) == (rank in grown)
 
 
+def test_the_pages_baseline_fields_are_the_plans() -> None:
+    """The Plans tab sends the form's run as trainfit plan's baseline: the same fields as ``BASELINE_FLAGS``."""
+    import re
+
+    from trainfit.cli.plan import BASELINE_FLAGS
+
+    js = (Path(web_app.__file__).parent / "static" / "app.js").read_text(encoding="utf-8")
+    found = re.search(r"const BASELINE_FIELDS = \[(.*?)\];", js, re.S)
+    assert found is not None
+    assert tuple(re.findall(r'"(\w+)"', found.group(1))) == BASELINE_FLAGS
+    assert set(BASELINE_FLAGS) <= set(plan_options())
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -32,14 +32,15 @@ if TYPE_CHECKING:
 #: ``--gpus-per-node`` are the baseline's too; its world is the default baseline's (:func:`trainfit.planner.api.
 #: plan_baseline`: DDP over the GPUs that divide the global batch, all of it in one micro-batch per GPU), and so are
 #: ``--batch`` and ``--sharding`` when not given — the plan chooses the micro-batch, so ``--batch``/``--grad-accum``
-#: only move what the changes say. Not taken: the engines' buffer and wrapping knobs, ``--sharded-init``,
-#: ``--paged-optimizer`` (``--optimizer paged-…`` is), the task head — the search does not carry them into a plan.
+#: only move what the changes say. Not taken: the engines' buffer and wrapping knobs, ``--sharded-init``, the task
+#: head — the search does not carry them into a plan. (The web page's plans tab sends these of its form's run:
+#: ``BASELINE_FIELDS`` in ``web/static/app.js``, held to this list by a test.)
 BASELINE_FLAGS: tuple[str, ...] = (
     "precision", "optimizer", "optimizer_impl", "checkpointing", "attention", "batch", "grad_accum", "sharding",
     "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel", "offload", "engine",
     "reshard_after_forward", "sync_each_batch", "finetune", "lora_rank", "lora_alpha", "lora_targets",
     "lora_dropout", "dora", "adapter_dtype", "base_dtype", "double_quant", "freeze", "fp8", "loss",
-    "optimizer_in_backward", "activation_offload",
+    "optimizer_in_backward", "activation_offload", "paged_optimizer",
 )  # fmt: skip
 
 

@@ -181,13 +181,15 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     out: list[str] = []
     if strategy.world_size != baseline.world_size:
         out.append(f"--gpus {strategy.world_size}")
+    paged, was_paged = strategy.savers.paged_optimizer, baseline.savers.paged_optimizer
     for name in ("precision", "optimizer", "checkpointing", "sharding", "attention"):
-        if getattr(strategy, name) != getattr(baseline, name):
+        if name == "optimizer" and (strategy.optimizer != baseline.optimizer or paged != was_paged):
+            # bitsandbytes' paged optimizers are named paged-*; a baseline paged by --paged-optimizer keeps paging
+            # whatever --optimizer says, so a plan that does not page says so
+            unpaged = " without --paged-optimizer" if was_paged and not paged else ""
+            out.append(f"--optimizer {'paged-' if paged else ''}{strategy.optimizer.value}{unpaged}")
+        elif name != "optimizer" and getattr(strategy, name) != getattr(baseline, name):
             out.append(f"--{name} {getattr(strategy, name).value}")
-        elif name == "optimizer" and strategy.savers.paged_optimizer != baseline.savers.paged_optimizer:
-            # the same optimizer, paged (bitsandbytes' paged-*) in one and not the other: the optimizer as named
-            paged = "paged-" if strategy.savers.paged_optimizer else ""
-            out.append(f"--optimizer {paged}{strategy.optimizer.value}")
     if strategy.optimizer_impl != baseline.optimizer_impl:
         out.append(f"--optimizer-impl {strategy.optimizer_impl.value}")
     par, bpar = strategy.parallelism, baseline.parallelism
