@@ -7,15 +7,16 @@ runs real PEFT modules on fake tensors (trainfit.trace.peft) and extrapolates in
 QLoRA rows trace real bitsandbytes Linear4bit layers quantised on fake tensors.
 ``--freeze-int8``: the ``--finetune freeze`` and LLM.int8 rows instead (their own marked section).
 ``--savers``: the memory savers the trace runs (trainfit.trace.savers: selective recompute, Liger's fused linear
-cross-entropy, torchtune's activation offloading), full fine-tuning (their own marked section).
+cross-entropy, torchtune's activation offloading), full fine-tuning (their own marked section); ``--savers-lora``: the
+same savers over LoRA and QLoRA all-linear (their own marked section).
 ``--layouts``: LoRA on fused-qkv and parallel-block layouts (GPT-2's Conv1D, Phi-2, Falcon, NeoX) and DoRA with
 dropout (their own marked section); ``--layouts-qlora``: QLoRA on those layouts (its own marked section).
 ``--moe``: LoRA on transformers 5 MoE models (Mixtral, Qwen3-MoE; PEFT's target_parameters on the experts).
 ``--moe-int8``: LoRA over an LLM.int8 base on those MoE models and DeepSeek-V3's MLA + MoE layers (real bitsandbytes
 Linear8bitLt on the attention and shared-expert linears, float experts and routers).
 ``--bert``: LoRA on bert-large-uncased's masked-LM model (q,v and all-linear, with and without checkpointing).
-Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --layouts | --layouts-qlora | --moe |
---moe-int8 | --bert] [--write] (--write replaces the marked section of docs/accuracy.md)
+Usage: python benchmarks/agreement_finetune.py [--freeze-int8 | --savers | --savers-lora | --layouts | --layouts-qlora
+| --moe | --moe-int8 | --bert] [--write] (--write replaces the marked section of docs/accuracy.md)
 """
 
 from __future__ import annotations
@@ -181,6 +182,54 @@ def saver_rows() -> list[str]:
     return out
 
 
+SAVERS_LORA_BEGIN, SAVERS_LORA_END = "<!-- agreement-savers-lora:begin -->", "<!-- agreement-savers-lora:end -->"
+#: (finetune, label, precision, checkpointing, savers) — the savers over LoRA/QLoRA all-linear (rank 16, PEFT's fp32
+#: adapters; LoRA over a bf16 base), micro-batch 1 x 2048 tokens
+SAVER_ADAPTER_CASES = (
+    ("lora", "selective (flash)", "amp-bf16", "selective", MemorySavers()),
+    ("lora", "fused-linear", "amp-bf16", "none", MemorySavers(loss="fused-linear")),
+    ("lora", "chunked", "amp-bf16", "none", MemorySavers(loss="chunked")),
+    ("lora", "activation offload", "amp-bf16", "full", MemorySavers(activation_offload=True)),
+    ("lora", "activation offload", "amp-bf16", "none", MemorySavers(activation_offload=True)),
+    ("qlora", "fused-linear", "amp-bf16", "full", MemorySavers(loss="fused-linear")),
+    ("qlora", "chunked", "pure-bf16", "full", MemorySavers(loss="chunked")),
+    ("qlora", "activation offload", "amp-bf16", "full", MemorySavers(activation_offload=True)),
+    ("lora", "optimizer in backward", "amp-bf16", "none", MemorySavers(optimizer_in_backward=True)),
+    ("qlora", "optimizer in backward", "amp-bf16", "full", MemorySavers(optimizer_in_backward=True)),
+)
+
+
+def saver_adapter_rows() -> list[str]:
+    """``--savers-lora``: the memory savers the trace runs, over LoRA and QLoRA (allocated peaks, as ``--savers``)."""
+    out = [
+        "| model | adapter | saver | recipe | ckpt | analytic peak GiB | trace peak GiB | worst phase diff "
+        "| host GiB analytic / trace |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for name, (kind, label, precision, ckpt, savers) in itertools.product(SAVER_MODELS, SAVER_ADAPTER_CASES):
+        spec = load_model(name)
+        a, b = finetune_setup(kind, rank=16, targets="all-linear", base_dtype="bf16" if kind == "lora" else None)
+        s = Strategy(
+            precision=precision,  # type: ignore[arg-type]
+            checkpointing=ckpt,  # type: ignore[arg-type]
+            micro_batch=1,
+            seq_len=2048,
+            savers=savers,
+            adapter=a,
+            base_weights=b,
+        )
+        t0 = time.perf_counter()
+        ra = estimate(spec, s, simulate_allocator=False)
+        rt = estimate(spec, s, method="trace", simulate_allocator=False)
+        host = f"{ra.phases[0].host_bytes / GIB:.2f} / {rt.phases[0].host_bytes / GIB:.2f}"
+        out.append(
+            f"| {name} | {kind} | {label} | {precision} | {ckpt} | {ra.peak_bytes / GIB:.2f} "
+            f"| {rt.peak_bytes / GIB:.2f} | {_worst(ra, rt) * 100:+.2f}% | {host} |"
+        )
+        print(out[-1], f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
+    return out
+
+
 LAYOUTS_BEGIN, LAYOUTS_END = "<!-- agreement-layouts:begin -->", "<!-- agreement-layouts:end -->"
 #: Fused qkv (GPT-2 c_attn as a Conv1D, Falcon/NeoX query_key_value) and parallel blocks (Phi-2, Falcon, NeoX).
 LAYOUT_MODELS = ("gpt2-large", "phi-2", "falcon-7b", "pythia-6.9b")
@@ -316,6 +365,7 @@ def main() -> None:
     run only their own table (each its own marked section)."""
     sections = {
         "--moe-int8": (moe_int8_rows, MOE_INT8_BEGIN, MOE_INT8_END),
+        "--savers-lora": (saver_adapter_rows, SAVERS_LORA_BEGIN, SAVERS_LORA_END),
         "--savers": (saver_rows, SAVERS_BEGIN, SAVERS_END),
         "--freeze-int8": (freeze_int8_rows, FREEZE_BEGIN, FREEZE_END),
         "--layouts": (layout_rows, LAYOUTS_BEGIN, LAYOUTS_END),

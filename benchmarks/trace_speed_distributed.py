@@ -1,14 +1,16 @@
 """Seconds for `trainfit estimate llama-3.1-70b --gpus W --sharding fsdp --checkpointing full --method trace`,
 W = 8 and 64, each in a fresh process (issue 10: "the trace of a 70B model at W = 64 takes under 60 s"); with
 ``--zero3``, `trainfit estimate llama-3.2-1b --gpus W --sharding zero3 --method trace --batch 1 --seq 512`,
-W = 2, 8 and 64 (issue 10: "the per-step trace cost must not grow with the world size").
+W = 2, 8 and 64 (issue 10: "the per-step trace cost must not grow with the world size"); with ``--zero3-70b``,
+`trainfit estimate llama-3.1-70b --gpus 64 --sharding zero3 --checkpointing full --method trace` (the 60 s bound for
+DeepSpeed's engine).
 
 A new interpreter per run, so the wall figure is what a user waits for: importing torch and transformers, the
 fake-tensor steps of one rank on the fake process group, the depth extrapolation and the report. The "trace s" column
 is the report's own ``extra.trace_seconds`` (the trace alone, without the imports and the report); "CPU s" the child's
 user + system time (less sensitive than wall time to other jobs on a shared machine). The trace's
 per-step cost should not depend on W (one rank is traced; shards are 1/W of each tensor). Not a test.
-Usage: python benchmarks/trace_speed_distributed.py [--zero3] [W ...]
+Usage: python benchmarks/trace_speed_distributed.py [--zero3 | --zero3-70b] [W ...]
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ CODE = "import sys; from trainfit.cli.app import main; sys.argv = ['trainfit', '
 SETUPS = {
     "fsdp": ("llama-3.1-70b", (8, 64), ["--sharding", "fsdp", "--checkpointing", "full"]),
     "zero3": ("llama-3.2-1b", (2, 8, 64), ["--sharding", "zero3", "--batch", "1", "--seq", "512"]),
+    "zero3-70b": ("llama-3.1-70b", (64,), ["--sharding", "zero3", "--checkpointing", "full"]),
 }
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    setup = "zero3" if "--zero3" in argv else "fsdp"
+    setup = next((a[2:] for a in argv if a in ("--zero3", "--zero3-70b")), "fsdp")
     model, default_worlds, flags = SETUPS[setup]
-    worlds = [int(w) for w in argv if w != "--zero3"] or list(default_worlds)
+    worlds = [int(w) for w in argv if not w.startswith("--")] or list(default_worlds)
     print(f"{os.cpu_count()} CPU cores; trainfit estimate {model} {' '.join(flags)} --method trace --gpus W")
     print("| model | W | wall s (fresh process) | CPU s | trace s | peak GiB |")
     print("|---|---:|---:|---:|---:|---|")

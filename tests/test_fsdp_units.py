@@ -40,7 +40,7 @@ def test_without_reshard_after_forward_fsdp_gathers_each_parameter_once() -> Non
         )  # fmt: skip
         return step_time_of(spec, SpeedInputs.of(s, spec), gpu).comm_seconds
 
-    p, ring, bw = count_params(spec), 7 / 8, gpu.nvlink_gbps * 1e9
+    p, ring, bw = count_params(spec), 7 / 8, 370e9  # NCCL's bus bandwidth on an H100 node (planner.speed)
     assert comm(False) == pytest.approx(ring * (2 * p + 2 * p) / bw, rel=1e-3)  # bf16: gathered once, reduced once
     once = gathered_once_fraction(spec, FsdpWrap.AUTO, 1, reshard_after_forward=True)
     assert comm(True) == pytest.approx(ring * ((2 - once) * 2 * p + 2 * p) / bw, rel=1e-3)

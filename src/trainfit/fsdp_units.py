@@ -19,6 +19,7 @@ __all__ = [
     "EMBEDDING_UNIT",
     "ROOT_UNIT",
     "TAIL_UNIT",
+    "edge_units_fraction",
     "fsdp_unit",
     "gathered_once_fraction",
     "resolved_fsdp_wrap",
@@ -70,6 +71,43 @@ def _gathered_once(spec: ModelSpec, wrap: FsdpWrap, tensor: int) -> float:
         tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
         once = sum(x.numel for x in inv.model_tensors if tied or x.name != "embed_tokens.weight")
     return once / total if total else 0.0
+
+
+def edge_units_fraction(spec: ModelSpec, tensor: int) -> float:
+    """The share of the parameters (by elements) in the FSDP2 groups that gate a micro-step's ends, with ``auto``
+    wrapping (as :func:`gathered_once_fraction` resolves it): the groups gathered before the first forward compute
+    and reduce-scattered after the last backward compute, so that nothing hides either. The root's own
+    parameters (its pre-forward all-gathers them before any module runs; its reduce-scatter runs in the final
+    backward callback, torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_root_pre_forward``,
+    ``_root_post_backward_final_callback``), the unit holding the input embedding under ``units`` (the untied
+    table's unit, or the [final norm, head] unit holding a tied table: used first in forward and last in
+    backward), and the first decoder layer (its all-gather is issued by its pre-forward hook after the embedding's
+    lookup, and its reduce-scatter after its own backward, the last one) — an average layer's parameters."""
+    return _EDGE.get((spec_key(spec), tensor), lambda: _edge_units(spec, tensor))
+
+
+_EDGE: Memo[float] = Memo(64)
+
+
+def _edge_units(spec: ModelSpec, tensor: int) -> float:
+    inv = inventory(spec)
+    layers = sum(g.params for g in inv.layers)
+    n_layers = sum(g.count for g in inv.layers)
+    total = sum(x.numel for x in inv.model_tensors) + layers
+    if not total:
+        return 0.0
+    tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
+    units = not _units_unmodelled(spec, tensor)
+    outside = sum(
+        x.numel
+        for x in inv.model_tensors
+        if not (
+            units
+            and not tied
+            and (x.name.startswith("final_norm.") or (spec.kind.has_vocab_logits and x.name.startswith("lm_head.")))
+        )
+    )
+    return (outside + (layers / n_layers if n_layers else 0)) / total
 
 
 def _units_unmodelled(spec: ModelSpec, tensor: int) -> str:

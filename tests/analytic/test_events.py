@@ -336,6 +336,57 @@ def test_a_rank_stream_stopped_at_its_steady_state_peaks_as_the_longer_replay(
     assert stopped == longer
 
 
+def _lora(kind: str, **kw: Any) -> Strategy:
+    adapter, base = finetune_setup(kind)
+    return Strategy(adapter=adapter, base_weights=base, **kw)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        _lora("qlora", micro_batch=1, seq_len=2048, checkpointing="sqrt"),
+        _lora("qlora", precision="pure-bf16", micro_batch=2, seq_len=2048, checkpointing="full"),
+        _lora("lora", micro_batch=4, seq_len=1024, checkpointing="full"),
+        Strategy(micro_batch=2, seq_len=1024, checkpointing="full"),
+    ],
+)
+def test_a_one_gpu_stream_stopped_at_its_steady_state_peaks_as_the_three_steps(
+    strategy: Strategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``steady_state`` ends the stream after a step that leaves the allocator as the step before it did, or as it
+    did plus small segments it created and left whole and free (``Simulator.repeats_after``): every field of the
+    result is the whole three-step replay's."""
+    import trainfit.analytic.events as events
+
+    spec = load_model("mistral-7b-v0.1")
+    forget_simulations()
+    stopped = simulate_training(spec, strategy, AllocatorConfig())
+    monkeypatch.setattr(events, "steady_state", lambda _sim, _cap: lambda _step: False)
+    forget_simulations()
+    whole = simulate_training(spec, strategy, AllocatorConfig())
+    assert stopped == whole
+
+
+def test_the_fine_tuning_streams_stop_after_two_steps() -> None:
+    """QLoRA's second step creates small segments for what the first step's end left (its optimizer's states) and
+    leaves them free: its state differs from the first's, yet the third step would repeat it — two steps replayed,
+    not three (what keeps ``trainfit plan``'s LoRA searches fast, benchmarks/plan_speed.py)."""
+    from trainfit.allocator import Simulator
+    from trainfit.analytic.events import Stream, steady_state, synthesise
+
+    spec = load_model("mistral-7b-v0.1")
+    sim = Simulator(AllocatorConfig())
+    stop = steady_state(sim, None)
+    asked: list[int] = []
+
+    def ended(step: int) -> bool:
+        asked.append(step)
+        return stop(step)
+
+    sim.drive(lambda x: synthesise(Stream(x), spec, _lora("qlora", micro_batch=1, seq_len=2048), (), stop=ended))
+    assert asked == [0, 1]
+
+
 def test_the_stream_holds_the_kv_cache_copies_to_the_outputs() -> None:
     """Training with ``use_cache`` (no checkpointing), each layer's KV cache keeps its own fp32 k under autocast
     (``kv_cache_held_tensors``): the stream allocates them per layer and frees them with the outputs, so its forward

@@ -404,3 +404,58 @@ def test_the_distributed_optimizers_init_can_peak_above_the_step() -> None:
     ddp = _s(2, 1, sharding="ddp", dp=32, ckpt="full")
     assert megatron_init_bytes(megatron_inputs(spec, ddp, plan(spec, ddp)), 0, 1) == 0
     assert not any(n.startswith("Megatron's init:") for n in estimate_parallel(spec, ddp).notes)
+
+
+@pytest.mark.parametrize(
+    ("slug", "strategy"),
+    [
+        *CASES[::3],
+        ("llama-3.2-1b", _s(2, 4, 64, ckpt="full", sharding="zero1", dp=8)),
+        ("qwen2.5-0.5b", _s(2, 2, 48, sp=True, ckpt="selective")),
+        ("llama-3.2-1b", _s(2, 4, 32, schedule=INTERLEAVED, v=2)),
+        ("llama-3.2-1b", _s(1, 2, 40, ckpt="sqrt", schedule=GPIPE)),
+        ("llama-3.1-8b", _s(4, 4, 64, sp=True, ckpt="full", sharding="zero1", dp=1)),
+    ],
+)
+def test_a_replay_that_skips_the_repeating_passes_peaks_as_the_whole_one(
+    slug: str, strategy: Strategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``megatron_events`` skips whole periods of a schedule's steady phase once the allocator and the in-flight
+    micro-batches are as they were a period before (``_repeating_passes``): on every stage the result is the replay
+    of every pass's, field for field; with many micro-batches under 1F1B most passes are skipped (GPipe has no steady
+    phase; this interleaved one's allocator does not settle within its 48 steady passes, so nothing is skipped)."""
+    import trainfit.analytic.rank_events as rank_events
+    from trainfit.analytic.events import forget_simulations
+
+    spec = load_model(slug)
+    p = plan(spec, strategy)
+    real = rank_events._repeating_passes
+    skipped: list[int] = []
+
+    def counted(*args: object, **kw: object) -> tuple[int, int, int, int] | None:
+        got = real(*args, **kw)  # type: ignore[arg-type]
+        if got is not None:
+            skipped.append(got[0] * got[1])
+        return got
+
+    for stage in range(p.pp):
+        forget_simulations()
+        monkeypatch.setattr(rank_events, "_repeating_passes", counted)
+        fast = simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage)
+        forget_simulations()
+        monkeypatch.setattr(rank_events, "_repeating_passes", lambda *_a, **_k: None)
+        whole = simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage)
+        assert fast == whole
+        # under a device capacity just below the reserved peak: a cache flush (or an OOM), counted alike
+        capacity = whole.peak_reserved_bytes - (whole.peak_reserved_bytes - whole.peak_allocated_bytes) // 10
+        forget_simulations()
+        capped = simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage, capacity_bytes=capacity)
+        forget_simulations()
+        monkeypatch.setattr(rank_events, "_repeating_passes", counted)
+        assert simulate_rank(spec, strategy, p, AllocatorConfig(), stage=stage, capacity_bytes=capacity) == capped
+    if (
+        strategy.parallelism.microbatches >= 32
+        and strategy.parallelism.pipeline_schedule is PipelineSchedule.ONE_F_ONE_B
+    ):
+        passes = 2 * strategy.parallelism.microbatches * strategy.parallelism.virtual_stages
+        assert max(skipped) > passes // 2  # most of a step's passes, on some stage

@@ -70,6 +70,9 @@ def test_the_published_l1b_case_from_the_command_line(capsys: pytest.CaptureFixt
         (("--after", "gpt2 --after gpt2"), "repeat --after"),
         (("--after", "gpt2 'unclosed"), "no closing quotation"),
         (("--after", "gpt2 --gpus 2"), "one GPU"),
+        # a framework's flag for a run it does not apply to, refused as the command's own would be
+        (("--after", "gpt2 --no-reshard-after-forward"), "--after 'gpt2 --no-reshard-after-forward': "),
+        (("--after", "gpt2 --bucket-cap-mb 25"), "torch DDP's option"),
         (("--build", "sideways"), "unknown build 'sideways'"),
         (("--build", "on-device", "--method", "rule-of-thumb"), "--method analytic or trace"),
         (("--warm-up", "--gpus", "2"), "one GPU only"),

@@ -151,13 +151,13 @@ def test_a_plan_without_reshard_exports_it_everywhere(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, bf16_gpu: None, monkeypatch: Any
 ) -> None:
     """``trainfit plan --export`` for a plan that keeps FSDP2's layers unsharded after forward (Llama 3.2 3B on 8
-    RTX 4090s: tests/planner/test_reshard_plan.py): accelerate's plugin, TrainingArguments' ``fsdp_config`` and
+    L40S: tests/planner/test_reshard_plan.py): accelerate's plugin, TrainingArguments' ``fsdp_config`` and
     train_fsdp2.py's ``fully_shard`` calls all get ``reshard_after_forward=False``."""
     from transformers import TrainingArguments
 
     from tests.cli._cli_helper import run_cli
 
-    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "rtx-4090", "--gpus", "8", "--seq", "768",
+    r = run_cli(capsys, "plan", "llama-3.2-3b", "--gpu", "l40s", "--gpus", "8", "--seq", "1024",
                 "--global-batch", "16", "--export", str(tmp_path), "--json")  # fmt: skip
     assert r.code == 0, r.err
     top = json.loads(r.out)["plans"][0]

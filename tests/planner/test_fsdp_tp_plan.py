@@ -13,7 +13,14 @@ import pytest
 from trainfit import estimate, get_gpu, load_model
 from trainfit.planner.rank import search_plans
 from trainfit.planner.space import candidates
-from trainfit.planner.speed import HBM_EFFICIENCY, SpeedInputs, loss_bytes_per_token, step_time, step_time_of
+from trainfit.planner.speed import (
+    HBM_EFFICIENCY,
+    SpeedInputs,
+    loss_bytes_per_token,
+    nccl_nvlink_gbps,
+    step_time,
+    step_time_of,
+)
 from trainfit.strategy import Engine, EngineOptions, Parallelism, Sharding, Strategy
 
 
@@ -83,7 +90,7 @@ def test_the_dtensor_plan_ends_cost_their_ring_volumes() -> None:
     t_d, t_m = step_time_of(spec, dtensor, gpu), step_time_of(spec, megatron, gpu)
     b, s, h, v, t, accum = 2, 4096, spec.hidden_size, spec.vocab_size, 4, 3
     volume = (2 * 2 * (t - 1) / t * b * s * h * 2 + (t - 1) / t * b * s * v * 2) * accum
-    assert t_d.comm_seconds - t_m.comm_seconds == pytest.approx(volume / (gpu.nvlink_gbps * 1e9))
+    assert t_d.comm_seconds - t_m.comm_seconds == pytest.approx(volume / (nccl_nvlink_gbps(gpu) * 1e9))
     # every DTensor rank runs the whole loss over the gathered logits, Megatron's vocabulary-parallel loss its 1/t
     loss = loss_bytes_per_token(spec, dtensor) * b * s * accum * (1 - 1 / t)
     hbm = gpu.memory_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
@@ -116,7 +123,7 @@ def test_2d_fsdp_traffic_crosses_nodes_only_when_dp_does() -> None:
     once = x_net.fsdp_gathered_once
     assert once == pytest.approx(2 * spec.vocab_size * spec.hidden_size / count_params(spec), rel=1e-3)
     volume = (2 - once) * (1 / 2) * p8 * 2 + (1 / 2) * p8 * 2
-    for x, link in ((x_net, 50e9), (x_nvl, gpu.nvlink_gbps * 1e9)):
+    for x, link in ((x_net, 50e9 * 24 / 25), (x_nvl, nccl_nvlink_gbps(gpu) * 1e9)):  # NCCL's bus bandwidths
         tp_only = dataclasses.replace(x, data=1, sharding=Sharding.NONE)
         fsdp = step_time_of(spec, x, gpu).comm_seconds - step_time_of(spec, tp_only, gpu).comm_seconds
         assert fsdp == pytest.approx(volume / link)

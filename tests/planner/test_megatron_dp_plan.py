@@ -15,7 +15,7 @@ from trainfit.arch.params import count_params
 from trainfit.export import export_plan
 from trainfit.planner.rank import search_plans
 from trainfit.planner.space import candidates
-from trainfit.planner.speed import SpeedInputs, step_time, step_time_of
+from trainfit.planner.speed import SpeedInputs, nccl_nvlink_gbps, step_time, step_time_of
 from trainfit.strategy import Engine, EngineOptions, Parallelism, Precision, Sharding, Strategy
 
 SLUG, GPU, SEQ, BATCH = "llama-3.2-1b", "a100-sxm-40gb", 4096, 64
@@ -96,7 +96,7 @@ def test_megatron_is_timed_with_its_own_widths_whatever_the_recipe() -> None:
     x = xs[0]
     assert (x.grad_bits, x.weight_bits, x.autocast, x.fused_elementwise) == (32, 16, False, True)
     t = step_time_of(spec, x, gpu)
-    assert t.comm_seconds == pytest.approx((d - 1) / d * count_params(spec) * (4 + 2) / (gpu.nvlink_gbps * 1e9))
+    assert t.comm_seconds == pytest.approx((d - 1) / d * count_params(spec) * (4 + 2) / (nccl_nvlink_gbps(gpu) * 1e9))
 
 
 def test_megatron_has_no_per_op_sac() -> None:

@@ -249,6 +249,35 @@ def test_a_loss_saver_over_a_frozen_fp32_head_casts_it_per_call(loss: str, how: 
     _within(ra, rt, 0.01)
 
 
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_chunked_loss_over_a_kbit_prepared_head_without_autocast_makes_fp32_logits(ckpt: str) -> None:
+    """QLoRA under a pure 16-bit recipe: ``prepare_model_for_kbit_training`` made the head fp32 and no autocast casts
+    it, so each chunk's logits are fp32 and ``.float()`` copies nothing (``logits.logits_width``, which the standard
+    loss already used). The closed form sized the chunks in the compute dtype with an fp32 upcast of each: −12.85%
+    under the trace on qwen2.5-0.5b at 1 × 2048 with full recompute (``benchmarks/agreement_finetune.py
+    --savers-lora``), −2.8% here. And the loss runs on the chunks the model returned, after the final norm's output
+    and the decoder's KV cache copies were released (``StepInputs.loss_after_outputs``): +1.06% here without
+    recompute. Every phase within 1% (0.01% now)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from trainfit.strategy import finetune_setup
+
+    spec = spec_from_config(LIGER_LLAMA, name="small-llama", source="test")
+    adapter, base = finetune_setup("qlora", rank=8)
+    s = Strategy(  # type: ignore[arg-type]
+        precision="pure-bf16",
+        checkpointing=ckpt,
+        micro_batch=2,
+        seq_len=128,
+        adapter=adapter,
+        base_weights=base,
+        savers=MemorySavers(loss="chunked", loss_chunks=8),
+    )
+    ra = estimate(spec, s, simulate_allocator=False)
+    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
+    _within(ra, rt, 0.01)
+
+
 def _offloaded_lora(*, checkpointing: str = "none", **setup: str) -> tuple[MemoryReport, MemoryReport]:
     """LoRA rank 8 on the small Llama (2 × 128, amp-bf16) with activation offloading: (analytic, trace)."""
     from trainfit.strategy import finetune_setup

@@ -147,6 +147,9 @@ PLAN_ALLOC = {
 }
 
 
+QWEN_4090 = {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "seq": 1024, "global_batch": 8}
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -158,8 +161,11 @@ PLAN_ALLOC = {
             **{"torch_version": "2.11", "cuda_version": "11.6", "warm_up": True, "after": "qwen2.5-0.5b -b 4"},
         },
         {"model": "llama-3.2-3b", "gpu": "rtx-4090", "gpus": 2, "seq": 1024, "global_batch": 8, "host_memory_gib": 16},
+        # the user's run as the baseline: trainfit estimate's run fields (the web estimate form's)
+        {**QWEN_4090, "top": 3, "precision": "fp32", "checkpointing": "full", "batch": 2, "attention": "eager"},
+        {**QWEN_4090, "top": 3, "finetune": "lora", "lora_rank": 8, "base_dtype": "int8", "double_quant": False},
     ],
-    ids=["full", "lora", "alloc-conf", "releases-history", "host-memory"],
+    ids=["full", "lora", "alloc-conf", "releases-history", "host-memory", "baseline", "baseline-lora"],
 )
 def test_plan_equals_the_cli_json(
     client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
@@ -222,6 +228,39 @@ def test_plan_export_carries_the_second_chance_allocator(client: TestClient) -> 
     for rank in range(1, len(plans) + 1):
         launch = client.post("/api/plan/export", json={**body, "rank": rank}).json()["files"]["launch.sh"]
         assert ("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in launch) == (rank in grown)
+
+
+def test_the_pages_baseline_fields_are_the_plans() -> None:
+    """The Plans tab sends the form's run as trainfit plan's baseline: the same fields as ``BASELINE_FLAGS``."""
+    import re
+
+    from trainfit.cli.plan import BASELINE_FLAGS
+
+    js = (Path(web_app.__file__).parent / "static" / "app.js").read_text(encoding="utf-8")
+    found = re.search(r"const BASELINE_FIELDS = \[(.*?)\];", js, re.S)
+    assert found is not None
+    assert tuple(re.findall(r'"(\w+)"', found.group(1))) == BASELINE_FLAGS
+    assert set(BASELINE_FLAGS) <= set(plan_options())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {**PLAN, "checkpointing": "sac", "attention": "eager"},
+        {**PLAN, "base_dtype": "nf4"},
+        {**PLAN, "reshard_after_forward": True},
+    ],
+    ids=["sac-eager", "base-dtype-full", "fsdp-flag"],
+)
+def test_plan_baseline_errors_are_the_cli_line(
+    client: TestClient, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A baseline the estimate refuses: the CLI's one line (a flag given explicitly, even at its default, is a flag
+    given: ``reshard_after_forward`` for a run without FSDP2)."""
+    expected = cli_error(["plan", *to_args(options)], capsys)
+    got = client.post("/api/plan", json=options)
+    assert got.status_code == 400
+    assert got.json() == {"error": expected}
 
 
 @pytest.mark.parametrize(

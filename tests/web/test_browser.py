@@ -388,6 +388,34 @@ def test_plans_tab_and_a_download(page: Any, base_url: str, tmp_path: Path) -> N
     assert page.locator("#plans-table tbody tr").count() == len(want["plans"])
 
 
+def test_plans_tab_plans_from_the_forms_run(page: Any, base_url: str) -> None:
+    """The form's run (what the Memory tab estimates) is the plans' baseline: /api/plan gets its run fields, the
+    table's changes are from it, and the status line says so."""
+    run = "precision=fp32&checkpointing=full&batch=2&workload=finetune&finetune=lora&lora_rank=8"
+    goto(page, base_url + f"/?model=qwen2.5-0.5b&gpu=rtx-4090&seq=1024&{run}&tab=plans")
+    page.wait_for_function("() => window.trainfit.plansUpdates > 0 && !window.trainfit.plansBusy", timeout=20_000)
+    body = page.evaluate("window.trainfit.plansRequest")
+    assert {k: body.get(k) for k in ("precision", "checkpointing", "batch", "finetune", "lora_rank")} == {
+        "precision": "fp32",
+        "checkpointing": "full",
+        "batch": "2",
+        "finetune": "lora",
+        "lora_rank": "8",
+    }
+    assert "method" not in body and "headroom" not in body, "only the run's fields"
+    want = api(base_url, "/api/plan", body)
+    assert want["baseline"]["precision"] == "fp32" and want["plans"]
+    changes = page.locator("#plans-table tbody tr").nth(0).locator("td").nth(6).inner_text().strip()
+    assert changes == (", ".join(want["plans"][0]["changes"]) or "(baseline)")
+    assert "changes are from " + " ".join(want["baseline_flags"]) in page.locator("#plan-status").inner_text()
+    # the Memory tab's run changes: so do the plans' changes
+    page.select_option("select[name=precision]", "amp-bf16")
+    page.wait_for_function(
+        "() => !window.trainfit.plansBusy && !('precision' in (window.trainfit.plansRequest || {precision: 1}))",
+        timeout=20_000,
+    )
+
+
 def test_plans_tab_passes_the_allocator(page: Any, base_url: str) -> None:
     """The form's Allocator field (``--alloc-conf``) reaches /api/plan, and the table is that answer."""
     goto(page, base_url + "/?model=qwen2.5-0.5b&gpu=rtx-4090&seq=1024&alloc_conf=expandable_segments%3ATrue&tab=plans")

@@ -177,12 +177,19 @@ class AllocatorResult:
 
 
 class _Segment:
-    __slots__ = ("address", "expandable", "page_bytes", "small", "stream")
+    __slots__ = ("address", "expandable", "page_bytes", "pool", "small", "stream")
 
     def __init__(
-        self, address: int, small: bool, stream: int, expandable: bool, large_page: int = LARGE_BUFFER_BYTES
+        self,
+        address: int,
+        small: bool,
+        stream: int,
+        expandable: bool,
+        large_page: int = LARGE_BUFFER_BYTES,
+        pool: _Pool | None = None,
     ) -> None:
         self.address = address
+        self.pool = pool  # the pool its free blocks go to (free_completed: no (small, stream) lookup per free)
         self.small = small
         self.stream = stream
         self.expandable = expandable
@@ -285,6 +292,10 @@ class Simulator:
         self._expandable = self.config.expandable_segments
         self._gc = self.config.garbage_collection_threshold > 0.0 and memory_fraction_bytes is not None
         self._plain_rounding = not any(d > 1 for d in self.config.roundup_power2_divisions)
+        #: No expandable segment in any pool and no garbage collection: :meth:`malloc`'s best fit is the first
+        #: free block of the request's size or more (``_get_free_block``'s other branches never apply)
+        self._plain_pools = not self._expandable and not self._gc
+        self._max_non_split = self.config.max_non_split_rounding_bytes
         self._pools: dict[tuple[bool, int], _Pool] = {}
         self._gc_calls = {True: 0, False: 0}
         self._live: dict[int, _Block] = {}
@@ -338,7 +349,8 @@ class Simulator:
     # ---------------------------------------------------------------- public operations
     def malloc(self, key: int, size_bytes: int, stream: int = 0) -> int:
         """Allocate ``size_bytes`` for ``key`` on ``stream``; returns the block's address."""
-        if key in self._live:
+        live = self._live
+        if key in live:
             raise ValueError(f"allocation key {key} is already live")
         if self._plain_rounding:
             size = MIN_BLOCK_BYTES if size_bytes < MIN_BLOCK_BYTES else -(-size_bytes // 512) * 512
@@ -346,7 +358,23 @@ class Simulator:
             size = round_size(size_bytes, self.config)
         small = size <= SMALL_SIZE_BYTES
         pool = self._pools.get((small, stream)) or self._pool(small, stream)
-        block = self._get_free_block(pool, size)
+        if self._plain_pools:
+            # _get_free_block without expandable segments or garbage collection, inlined (the planner's hot path)
+            free = pool.free
+            i = bisect_left(free, (size, -1))
+            block = None
+            if i < len(free):
+                b = free[i][2]
+                max_split = self._max_split
+                if size < max_split:
+                    if b.size < max_split:
+                        del free[i]
+                        block = b
+                elif b.size < size + self._max_non_split:
+                    del free[i]
+                    block = b
+        else:
+            block = self._get_free_block(pool, size)
         if block is None:
             block = self._grow(pool, size)
         remaining = block.size - size
@@ -357,22 +385,24 @@ class Simulator:
         ):
             rest = _Block(block.addr + size, remaining, block.seg)
             rest.prev = block
-            rest.next = block.next
-            if block.next is not None:
-                block.next.prev = rest
+            nxt = block.next
+            rest.next = nxt
+            if nxt is not None:
+                nxt.prev = rest
             block.next = rest
             block.size = size
-            rest.gc_base = self._gc_calls[small]
+            if self._gc:
+                rest.gc_base = self._gc_calls[small]
             insort(pool.free, (remaining, rest.addr, rest))
         block.in_use = True
-        self._live[key] = block
-        self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
+        live[key] = block
+        allocated = self.allocated_bytes = self.allocated_bytes + block.size
+        if allocated > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = allocated
             self.reserved_at_peak_allocated_bytes = self.reserved_bytes
         if self.reserved_bytes > self.peak_reserved_bytes:
             self.peak_reserved_bytes = self.reserved_bytes
-            self.fragmentation_at_peak_bytes = self.reserved_bytes - self.allocated_bytes
+            self.fragmentation_at_peak_bytes = self.reserved_bytes - allocated
             self.num_segments_at_peak = self.num_segments
             self.peak_event_index = self.event_index
             if self.stop_above_bytes is not None and self.reserved_bytes > self.stop_above_bytes:
@@ -389,19 +419,39 @@ class Simulator:
     def free_completed(self, key: int) -> None:
         """The block's other-stream uses have completed: it returns to its pool (``free_block``)."""
         b = self._live.pop(key)
-        if not b.pending:
+        if b.pending:
+            b.pending = False
+        else:
             self.allocated_bytes -= b.size
-        b.pending = False
         b.in_use = False
         seg = b.seg
-        pool = self._pools[(seg.small, seg.stream)]
-        prev, nxt = b.prev, b.next
+        pool = seg.pool
+        assert pool is not None
+        free = pool.free
+        prev = b.prev
+        nxt = b.next
         if prev is not None and not prev.in_use:
-            self._merge(pool, b, prev)
+            if prev.mapped and b.mapped:  # _merge of a mapped neighbour before, inlined
+                del free[bisect_left(free, (prev.size, prev.addr))]
+                b.addr = prev.addr
+                before = b.prev = prev.prev
+                if before is not None:
+                    before.next = b
+                b.size += prev.size
+            else:
+                self._merge(pool, b, prev)
         if nxt is not None and not nxt.in_use:
-            self._merge(pool, b, nxt)
-        b.gc_base = self._gc_calls[seg.small]
-        insort(pool.free, (b.size, b.addr, b))
+            if nxt.mapped and b.mapped:  # and after
+                del free[bisect_left(free, (nxt.size, nxt.addr))]
+                after = b.next = nxt.next
+                if after is not None:
+                    after.prev = b
+                b.size += nxt.size
+            else:
+                self._merge(pool, b, nxt)
+        if self._gc:
+            b.gc_base = self._gc_calls[seg.small]
+        insort(free, (b.size, b.addr, b))
 
     def free(self, key: int) -> None:
         """A same-stream free: requested and completed at once."""
@@ -487,7 +537,7 @@ class Simulator:
             return self._alloc_expandable(pool, size)
         if not self._fits(alloc):
             return None
-        seg = _Segment(self._new_address(alloc), pool.small, pool.stream, expandable=False)
+        seg = _Segment(self._new_address(alloc), pool.small, pool.stream, expandable=False, pool=pool)
         self.reserved_bytes += alloc
         self.num_segments += 1
         self.num_device_allocs += 1
@@ -591,7 +641,8 @@ class Simulator:
         page = SMALL_BUFFER_BYTES if pool.small else self._large_page
         va = _DEFAULT_VA_BYTES if self.capacity_bytes is None else self.capacity_bytes + self.capacity_bytes // 8
         va = -(-va // page) * page
-        seg = _Segment(self._new_address(va), pool.small, pool.stream, True, self._large_page)
+        seg = _Segment(self._new_address(va), pool.small, pool.stream, True, self._large_page, pool)
+        self._plain_pools = False
         u = _Block(seg.address, va, seg, mapped=False)
         insort(pool.unmapped, (u.addr, u))
         self.num_segments += 1
@@ -695,7 +746,9 @@ class Simulator:
         expandable segment ``size_bytes`` is the mapped part, from ``address``; ``virtual_bytes`` the range.
         """
         pool = self._pool(small, stream)
-        seg = _Segment(address, small, stream, expandable, self._large_page)
+        seg = _Segment(address, small, stream, expandable, self._large_page, pool)
+        if expandable:
+            self._plain_pools = False
         blocks: list[_Block] = []
         cursor = address
         end = address + size_bytes
@@ -757,6 +810,58 @@ class Simulator:
                     for b in blocks
                 )
             ),
+        )
+
+    def ordered_state_key(self) -> tuple[object, ...] | None:
+        """:meth:`state_key` and where each live block is, in the order its key was given (keys count up as
+        allocations are made): equal keys, fed calls that free the same-ranked keys and allocate alike, make the
+        same decisions — the state of a repeating schedule whose live blocks change owner (a pipeline's in-flight
+        micro-batches). None where :meth:`state_key` is."""
+        key = self.state_key()
+        if key is None:
+            return None
+        live = self._live
+        return (*key, tuple(live[k].addr for k in sorted(live)))
+
+    def repeats_after(self, before: tuple[object, ...] | None, now: tuple[object, ...] | None) -> bool:
+        """Whether a repeated sequence of calls (a training step, keys renamed alike) that took this allocator from
+        :meth:`state_key` ``before`` to ``now`` would, run again from ``now``, repeat itself exactly: no call
+        would raise a peak and it would end in ``now``, so a caller that only needs the peaks can stop here.
+
+        True when the keys are equal (the same calls from the same state make the same decisions). Also when
+        ``now`` is ``before`` plus small-pool segments, each one whole free block, that the calls had to create
+        (``malloc`` → ``alloc_block``, addresses above every earlier block's): run again, each call that found a
+        block before finds the same one — a small block is at most one such segment's 2 MiB, and on a tie best
+        fit takes the lower address, the block it found before — and each that created a segment finds that
+        segment free instead (the lowest of those left, the address it was given); so every block is the same at
+        every call, allocated is the same, and reserved (never lower without ``empty_cache``: no capacity, no memory
+        fraction, so no flush) stays at ``now``'s, the peak already reached.
+        Not for the large pool, whose cached segments of other sizes could win a best fit."""
+        if before is None or now is None:
+            return False
+        if before == now:
+            return True
+        if (
+            not self._plain_pools
+            or self.capacity_bytes is not None
+            or self.memory_fraction_bytes is not None
+            or self._max_split <= SMALL_BUFFER_BYTES
+        ):
+            return False
+        r0, a0, n0, next0, blocks0 = before
+        r1, a1, n1, _, blocks1 = now
+        assert isinstance(blocks0, tuple) and isinstance(blocks1, tuple)
+        assert isinstance(r0, int) and isinstance(r1, int) and isinstance(n0, int) and isinstance(n1, int)
+        assert isinstance(next0, int)
+        added = blocks1[len(blocks0) :]
+        if a0 != a1 or not added or blocks1[: len(blocks0)] != blocks0:
+            return False
+        if n1 - n0 != len(added) or r1 - r0 != len(added) * SMALL_BUFFER_BYTES:
+            return False
+        # (addr, size, in_use, pending, mapped, segment address, small, stream): whole, free, new small segments
+        return all(
+            b[0] >= next0 and b[1] == SMALL_BUFFER_BYTES and not b[2] and not b[3] and b[4] and b[5] == b[0] and b[6]
+            for b in added
         )
 
     def address_of(self, key: int) -> int:

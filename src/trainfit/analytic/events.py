@@ -141,6 +141,11 @@ class Stream:
         #: Each live-or-dead allocation's bytes by key, when a caller asks for them (``track_sizes``).
         self.sizes: dict[int, int] | None = None
 
+    @property
+    def simulator(self) -> Simulator | None:
+        """The simulator the events go straight into (None: they are listed in :attr:`events`)."""
+        return self._sim
+
     def track_sizes(self) -> None:
         """Record every later allocation's bytes in :attr:`sizes` (activation offloading reads its saves' sizes)."""
         if self.sizes is None:
@@ -149,17 +154,18 @@ class Stream:
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         """A new allocation's key (0 for nothing); ``stream``: the CUDA stream it is made on (the caching
         allocator keeps each stream's freed blocks for that stream)."""
-        self._next += 1
-        if nbytes > 0:
-            if self.sizes is not None:
-                self.sizes[self._next] = nbytes
-            sim = self._sim
-            if sim is None:
-                self.events.append(Event(Op.ALLOC, self._next, nbytes, stream))
-            else:
-                sim.event_index += 1
-                sim.malloc(self._next, nbytes, stream)
-        return self._next if nbytes > 0 else 0
+        key = self._next = self._next + 1
+        if nbytes <= 0:
+            return 0
+        if self.sizes is not None:
+            self.sizes[key] = nbytes
+        sim = self._sim
+        if sim is None:
+            self.events.append(Event(Op.ALLOC, key, nbytes, stream))
+        else:
+            sim.event_index += 1
+            sim.malloc(key, nbytes, stream)
+        return key
 
     def workspace(self, nbytes: int, key: int, stream: int = 0) -> None:
         """A cuBLAS/cuBLASLt workspace: an allocation for the life of the process, under the negative ``key``
@@ -185,8 +191,17 @@ class Stream:
                 sim.free_completed(key)
 
     def free_all(self, keys: Iterable[int]) -> None:
+        """:meth:`free` of each key in turn (the simulator's, looked up once: a hot loop of the planner)."""
+        sim = self._sim
+        if sim is None:
+            for k in keys:
+                self.free(k)
+            return
+        done = sim.free_completed
         for k in keys:
-            self.free(k)
+            if k:
+                sim.event_index += 1
+                done(k)
 
 
 def _bytes(numel: int, bits: int) -> int:
@@ -2166,13 +2181,13 @@ def steady_state(sim: Simulator, capacity_bytes: int | None) -> Callable[[int], 
     step before it did (:meth:`~trainfit.allocator.Simulator.state_key`). The steps after the first repeat the same
     calls, so the next would repeat this one exactly and add nothing. Never under a capacity (each repeated cache flush
     counts in ``num_alloc_retries``) nor where the simulator has no key."""
-    before: list[object] = [None]
+    before: list[tuple[object, ...] | None] = [None]
 
     def ended(step: int) -> bool:
         if capacity_bytes is not None:
             return False
         now = sim.state_key()
-        same = step >= 1 and now is not None and now == before[0]
+        same = step >= 1 and sim.repeats_after(before[0], now)
         before[0] = now
         return same
 

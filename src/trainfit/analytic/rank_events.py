@@ -1781,9 +1781,13 @@ def megatron_events(
     st.init(s)
     par = strategy.parallelism
     order = pipeline_order(par.pipeline_schedule, p.pp, stage, par.microbatches, st.v)
+    sim = s.simulator
     for step in range(steps):
         live: dict[tuple[int, int], list[int]] = {}
-        for forward, j, c in order:
+        seen: dict[tuple[object, ...], tuple[int, int]] | None = {} if sim is not None else None
+        i = 0
+        while i < len(order):
+            forward, j, c = order[i]
             if step == 0 and (j, c) == (0, 0 if forward else st.v - 1):  # the first forward, the first backward
                 for k, ws in enumerate(workspaces):
                     if (ws.thread is Thread.MAIN) == forward:
@@ -1792,9 +1796,67 @@ def megatron_events(
                 live[j, c] = st.forward(s, c)
             else:
                 st.backward(s, live.pop((j, c)), c)
+            i += 1
+            if seen is not None and sim is not None and i < len(order):
+                skip = _repeating_passes(sim, order, i, live, seen, window=4 * p.pp * st.v + 8)
+                if skip is not None:
+                    periods, length, shift, events = skip
+                    i += periods * length
+                    live = {(jj + periods * shift, cc): keys for (jj, cc), keys in live.items()}
+                    sim.event_index += periods * events
+                    seen = None  # one repeating stretch per step: the schedule's steady phase
         st.step(s)
         if stop is not None and stop(step):
             break
+
+
+def _repeating_passes(
+    sim: Simulator,
+    order: list[tuple[bool, int, int]],
+    i: int,
+    live: dict[tuple[int, int], list[int]],
+    seen: dict[tuple[object, ...], tuple[int, int]],
+    window: int,
+) -> tuple[int, int, int, int] | None:
+    """Before pass ``order[i]``: (periods, passes per period, micro-batch shift per period, events per period) that
+    :func:`megatron_events` may skip, or None. The steady phase of a schedule repeats: when the allocator is as it
+    was before an earlier pass ``a`` (:meth:`~trainfit.allocator.Simulator.ordered_state_key`: the same blocks, the
+    live ones in the same order of allocation) and so are the in-flight micro-batches (which of those blocks each
+    holds, counted from the next pass's micro-batch), and the passes from ``i`` on are those from ``a`` on with every
+    micro-batch ``shift`` later, each period of ``i − a`` passes makes the same decisions again (keys renamed alike)
+    and ends as it began: no peak rises, no segment is made, no cache is flushed (the device counters are in the
+    state). Skipping whole periods leaves the peaks, the counters and
+    the state as the replay would (its in-flight micro-batches renamed, its event indices advanced). ``seen``: the
+    states before the last ``window`` passes (a period longer than that is not looked for: the states are large)."""
+    key = sim.ordered_state_key()
+    if key is None:
+        return None
+    rank = {k: r for r, k in enumerate(sorted(sim.live_keys()))}
+    base = order[i][1]
+    flights = tuple(sorted(((jj - base, cc), tuple(rank.get(k, -1) for k in keys)) for (jj, cc), keys in live.items()))
+    # the device calls so far: a period that made one (a segment, or a flush and retry under a capacity) is not
+    # skipped, as each period would make it again and the counters would come out short
+    state = (*key, flights, sim.num_device_allocs, sim.num_device_frees, sim.num_alloc_retries)
+    hit = seen.pop(state, None)
+    seen[state] = (i, sim.event_index)
+    if len(seen) > window:
+        del seen[next(iter(seen))]
+    if hit is None:
+        return None
+    a, events_before = hit
+    length, shift = i - a, base - order[a][1]
+    if shift <= 0:  # each micro-batch passes once per step: a stretch that repeats moves on
+        return None
+    m = 0
+    while i + m < len(order):
+        forward, j, c = order[i + m - length]
+        if order[i + m] != (forward, j + shift, c):
+            break
+        m += 1
+    periods = m // length
+    if periods == 0:
+        return None
+    return periods, length, shift, sim.event_index - events_before
 
 
 def _alloc_bits(numel: int, bits: int) -> int:

@@ -109,10 +109,12 @@ def chunked_loss_memory(
     chunk's log-softmax backward) and a·V·(N−2)/N + 3·a·vocab·h (the first sum of two chunks' head gradients,
     out of place) — module docstring; checked against real CPU autograd (tests/analytic/test_savers.py) and the
     trace (tests/trace/test_heads.py)."""
-    from trainfit.analytic.logits import LogitsMemory
+    from trainfit.analytic.logits import LogitsMemory, logits_width
 
     n = strategy.tokens_per_micro_batch * spec.vocab_size
-    a = strategy.recipe.compute_bits // 8
+    # the head's output width: the compute dtype under autocast, else the head weight's — fp32 for QLoRA's
+    # kbit-prepared head under a pure 16-bit recipe, whose ``.float()`` is then no copy (logits.logits_width)
+    a = logits_width(strategy)
     chunks = strategy.savers.loss_chunks
     chunk = -(-n // chunks)
     upcast = 4 * chunk if a != 4 else 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -16,6 +19,8 @@ from trainfit.strategy import Strategy
 if TYPE_CHECKING:
     from trainfit.history import EarlierRun, ProcessHistory
     from trainfit.imports import ImportedRun
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
 
 
 def parse_count(text: str | None, flag: str) -> int | None:
@@ -456,6 +461,47 @@ def estimate_cmd(
     render(stdout_console(), report, verbose=explain)
 
 
+def with_run_flags(
+    names: tuple[str, ...], *, panel: str | None = None, own_defaults: tuple[str, ...] = ()
+) -> Callable[[_Command], _Command]:
+    """Give a command :func:`estimate_cmd`'s own declarations of the run flags ``names`` — the same parameters of
+    its signature: flag, help, type and default — after the command's own; the command takes them as ``**flags``.
+    ``trainfit plan`` describes the user's run with them (its baseline), so a flag is declared once and reads
+    alike in both commands, in both helps and in the web API (which reads the commands' signatures). ``panel``:
+    the help section they are listed under (a copy of each declaration with ``rich_help_panel`` set);
+    ``own_defaults``: flags whose default the command decides when they are not given (the help shows none)."""
+
+    def declared(param: inspect.Parameter) -> inspect.Parameter:
+        if (panel is None and param.name not in own_defaults) or typing.get_origin(param.annotation) is not Annotated:
+            return param
+        base, *meta = typing.get_args(param.annotation)
+        for i, m in enumerate(meta):
+            if isinstance(m, typer.models.OptionInfo):
+                meta[i] = copy.copy(m)  # estimate's own declaration stays as it is
+                if panel is not None:
+                    meta[i].rich_help_panel = panel
+                if param.name in own_defaults:
+                    meta[i].show_default = False
+        return param.replace(annotation=Annotated[(base, *meta)])
+
+    def wrap(fn: _Command) -> _Command:
+        own = inspect.signature(fn, eval_str=True)
+        theirs = inspect.signature(estimate_cmd, eval_str=True).parameters
+        clash = sorted(set(names) & set(own.parameters))
+        if clash:
+            raise TypeError(f"{fn.__name__} already declares {clash}")
+        params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fn.__signature__ = own.replace(parameters=[*params, *(declared(theirs[n]) for n in names)])  # type: ignore[attr-defined]
+        return fn
+
+    return wrap
+
+
+def estimate_defaults() -> dict[str, Any]:
+    """Every :func:`estimate_cmd` parameter's default, by name (what a flag not given stands for)."""
+    return {n: p.default for n, p in inspect.signature(estimate_cmd).parameters.items()}
+
+
 #: What ``--after`` takes besides :data:`STRATEGY_FLAGS`: the earlier run's model and how it was built. The GPU,
 #: the allocator setting and the method are the process's (this command's own flags).
 AFTER_FLAGS: frozenset[str] = frozenset({"model", "build", *STRATEGY_FLAGS})
@@ -524,6 +570,10 @@ def earlier_runs(values: list[str]) -> tuple[EarlierRun, ...]:
         spec, strategy = strategy_from_flags(
             load_model(ctx.params["model"]), **{name: ctx.params[name] for name in STRATEGY_FLAGS}
         )
+        try:  # as the command's own flags: a framework's flag for a run it does not apply to is refused
+            refuse_inapplicable(strategy, frozenset(given))
+        except StrategyError as exc:
+            raise StrategyError(f"--after '{value}': {exc}") from None
         out.append(EarlierRun(model=spec, strategy=strategy, build=Build.parse(ctx.params["build"])))
     return tuple(out)
 

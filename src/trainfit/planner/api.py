@@ -1,6 +1,7 @@
 """``plan()``: the planner as the CLI and the web page call it — the flags' values in, a ranked
 :class:`~trainfit.planner.rank.PlanResult` out (one place that turns GPUs/nodes and a batch or a token budget
-into the search's inputs, and the torch and CUDA releases' names into theirs)."""
+into the search's inputs, and the torch and CUDA releases' names into theirs). ``baseline``: the user's run
+(``trainfit plan``'s run flags), checked as ``trainfit estimate`` checks it before the search."""
 
 from __future__ import annotations
 
@@ -8,11 +9,29 @@ from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import ConfigError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.history import ProcessHistory
-from trainfit.planner.rank import PlanResult, search_plans
-from trainfit.planner.space import Objective, allows_float8, check_allow_float8, parse_allow
+from trainfit.planner.rank import PlanResult, check_plan_history, default_baseline, search_plans
+from trainfit.planner.space import Objective, allows_float8, baseline_allows, check_allow_float8, parse_allow
 from trainfit.planner.workload import check_knobs, resolve_world, sequences_per_step
+from trainfit.strategy import Strategy
 
-__all__ = ["plan"]
+__all__ = ["plan", "plan_baseline"]
+
+
+def plan_baseline(
+    *,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int = 8,
+    seq: int = 2048,
+    global_batch: int | None = None,
+    tokens_per_step: str | None = None,
+) -> Strategy:
+    """The baseline :func:`plan` assumes for these arguments when none is given
+    (:func:`trainfit.planner.rank.default_baseline` of the world and global batch they resolve to): what
+    ``trainfit plan``'s run flags are laid over."""
+    world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
+    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq, world=world)
+    return default_baseline(gpus=world, global_batch=batch, seq_len=seq, gpus_per_node=gpus_per_node)
 
 
 def plan(
@@ -36,6 +55,7 @@ def plan(
     cuda_version: str | tuple[int, int] | None = None,
     history: ProcessHistory | None = None,
     host_memory_bytes: int | None = None,
+    baseline: Strategy | None = None,
 ) -> PlanResult:
     """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument); with
     neither ``global_batch`` nor ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``).
@@ -43,7 +63,11 @@ def plan(
     :func:`trainfit.estimate.estimate` checks them (the CUDA release must run ``gpu``) and decide every plan's
     workspaces and CUDA context; ``history`` (:mod:`trainfit.history`): the process the run starts in, one GPU only
     (:func:`trainfit.planner.rank.check_plan_history`). ``host_memory_bytes`` (``--host-memory-gib``): each node's
-    CPU memory; plans whose host memory per node exceeds it less the headroom are ruled out (None: not limited)."""
+    CPU memory; plans whose host memory per node exceeds it less the headroom are ruled out (None: not limited).
+    ``baseline``: the user's run, what each plan's changes are relative to (None: :func:`plan_baseline`); its
+    sequence length must be ``seq``. It is refused in one line where ``trainfit estimate`` would refuse it (an
+    estimate of it on ``gpu`` with these releases and process); an adapter or fp8 linears in it open the search to
+    them as ``allow`` would (:func:`trainfit.planner.space.baseline_allows`)."""
     if objective not in {o.value for o in Objective}:
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
@@ -56,6 +80,14 @@ def plan(
 
     release = torch_release(torch_version)
     cuda = None if cuda_version is None else cuda_release(cuda_version, gpu_spec)
+    methods, fp8 = parse_allow(allow), allows_float8(allow)
+    if baseline is not None:
+        history = check_plan_history(history, gpu_spec, gpus=world)  # the plan's own refusal first
+        check_baseline(spec, baseline, gpu_spec, seq=seq, headroom=headroom, alloc_conf=alloc_conf,
+                       torch_version=release, cuda_version=cuda, history=history)  # fmt: skip
+        more, more_fp8 = baseline_allows(baseline)
+        methods += tuple(m for m in more if m not in methods)
+        fp8 = fp8 or more_fp8
     return search_plans(
         spec,
         gpu_spec,
@@ -63,8 +95,8 @@ def plan(
         seq_len=seq,
         global_batch=batch,
         gpus_per_node=gpus_per_node,
-        allow=parse_allow(allow),
-        fp8=allows_float8(allow),
+        allow=methods,
+        fp8=fp8,
         objective=Objective(objective),
         price_per_gpu_hour=price_per_gpu_hour,
         headroom=headroom,
@@ -75,4 +107,39 @@ def plan(
         cuda_version=cuda,
         history=history,
         host_memory_bytes=host_memory_bytes,
+        baseline=baseline,
+    )
+
+
+def check_baseline(
+    spec: ModelSpec,
+    baseline: Strategy,
+    gpu: GPUSpec,
+    *,
+    seq: int,
+    headroom: float,
+    alloc_conf: str | None,
+    torch_version: tuple[int, int],
+    cuda_version: tuple[int, int] | None,
+    history: ProcessHistory | None,
+) -> None:
+    """Refuse a baseline ``trainfit estimate`` would refuse, with its one line: the estimate of the baseline itself
+    (the verdict only, no micro-batch search or fixes) on the plan's GPU, releases and process — whether it fits is
+    not asked, only whether the estimate takes it. Its sequence length must be the plan's (``--seq``)."""
+    from trainfit.estimate import estimate
+
+    if baseline.seq_len != seq:
+        raise ConfigError(f"the baseline's sequence length ({baseline.seq_len}) is not the plan's --seq {seq}")
+    estimate(
+        spec,
+        baseline,
+        gpu=gpu,
+        headroom=headroom,
+        allocator=alloc_conf,
+        search_micro_batch=False,
+        fixes=False,
+        verdict_only=True,
+        torch_version=torch_version,
+        cuda_version=cuda_version,
+        history=history,
     )

@@ -41,16 +41,18 @@ def checked_fixes(
     history: ProcessHistory | None = None,
 ) -> tuple[Suggestion, ...]:
     """The planner's top plans for ``strategy``'s GPUs, global batch and sequence, as suggestions whose flags
-    are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning).
+    are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning, fp8
+    linears only if already training them: :func:`trainfit.planner.space.baseline_allows`).
     ``alloc_conf``: the allocator the estimate simulated (None: the environment's); a plan that needs another one
     says so as ``--alloc-conf`` (the estimate's flag that reproduces it). ``torch_version``, ``cuda_version`` (None:
     the default) and ``history``: the estimate's own, so that each fix is checked against the same workspaces,
     CUDA context and process as the estimate that did not fit (a history only comes with one GPU: the estimate
     refuses it for more)."""
     from trainfit.planner.rank import search_plans
-    from trainfit.planner.space import Finetune
+    from trainfit.planner.space import baseline_allows
 
     par = strategy.parallelism
+    allow, fp8 = baseline_allows(strategy)  # adapters / fp8 linears only where the command already has them
     try:
         result = search_plans(
             spec,
@@ -59,7 +61,8 @@ def checked_fixes(
             gpus_per_node=par.gpus_per_node,
             seq_len=strategy.seq_len,
             global_batch=strategy.global_batch,
-            allow=(Finetune.LORA, Finetune.QLORA) if strategy.adapter is not None else (),
+            allow=allow,
+            fp8=fp8,
             headroom=headroom,
             baseline=strategy,
             top=FIXES,

@@ -48,6 +48,13 @@ the candidates that run a rank's stream (ZeRO, FSDP2, offload, a DeepSpeed engin
 Host memory: every plan carries its estimate's ``host_peak_bytes`` (per node). ``--host-memory-gib`` rules out the
 setups whose host memory exceeds it less the headroom (:func:`host_usable_bytes`; :meth:`_Search.fits`), and without
 it a note says the host was not checked when a plan offloads (docs/plan.md: no default limit is true for every host).
+
+The baseline (``search_plans(baseline=...)``; ``trainfit plan``'s run flags, ``trainfit estimate --fixes``' own
+command) is the run the user has: each plan's :attr:`Plan.changes` are its differences from it, ties between equal
+bounds go to the fewest of them, and what the search does not choose comes from it (:meth:`_Search.strategy`; the
+adapter's shape, :attr:`~trainfit.planner.space.Candidate.adapter`). It never narrows the space; a baseline that
+fine-tunes with an adapter or trains fp8 linears opens the space to them as ``--allow`` would
+(:func:`~trainfit.planner.space.baseline_allows`). Without one: :func:`default_baseline`.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ from trainfit.hardware import GPUSpec
 from trainfit.history import ProcessHistory, history_note
 from trainfit.overhead import DEFAULT_CUDA
 from trainfit.planner.search import largest_below, lower_bound_bytes
-from trainfit.planner.space import Candidate, Finetune, Objective, candidates
+from trainfit.planner.space import Candidate, Finetune, Objective, baseline_method, candidates
 from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, StepTime, step_floor_seconds, step_time, step_time_of
 from trainfit.strategy import Parallelism, Precision, Sharding, Strategy
 
@@ -73,7 +80,9 @@ __all__ = [
     "HISTORY_SCOPE",
     "Plan",
     "PlanResult",
+    "baseline_flags",
     "check_plan_history",
+    "default_baseline",
     "describe_changes",
     "host_usable_bytes",
     "search_plans",
@@ -148,6 +157,23 @@ class PlanResult:
     #: node, and the least host memory among them (0: none).
     host_rejected: int = 0
     host_rejected_min_bytes: int = 0
+    #: What every plan's :attr:`Plan.changes` are relative to: the user's run (``trainfit plan``'s run flags), or
+    #: :func:`default_baseline` (search_plans always sets it; None only for a result built by hand).
+    baseline: Strategy | None = None
+
+
+def default_baseline(*, gpus: int, global_batch: int, seq_len: int, gpus_per_node: int = 8) -> Strategy:
+    """The setup a user starts from when none is given: trainfit's defaults (amp-bf16, fused AdamW, no
+    checkpointing — ``trainfit estimate``'s), data parallel (DDP) over the largest number of the GPUs that divides
+    the global batch, the whole global batch in one micro-batch per GPU. ``trainfit plan``'s run flags are laid over
+    it (what they do not give stays this)."""
+    data = math.gcd(gpus, global_batch)
+    return Strategy(
+        seq_len=seq_len,
+        micro_batch=global_batch // data,
+        parallelism=Parallelism.for_gpus(data, gpus_per_node=gpus_per_node),
+        sharding=Sharding.DDP if data > 1 else Sharding.NONE,
+    )
 
 
 def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
@@ -155,9 +181,17 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     out: list[str] = []
     if strategy.world_size != baseline.world_size:
         out.append(f"--gpus {strategy.world_size}")
-    for name in ("precision", "optimizer", "checkpointing", "sharding"):
-        if getattr(strategy, name) != getattr(baseline, name):
+    paged, was_paged = strategy.savers.paged_optimizer, baseline.savers.paged_optimizer
+    for name in ("precision", "optimizer", "checkpointing", "sharding", "attention"):
+        if name == "optimizer" and (strategy.optimizer != baseline.optimizer or paged != was_paged):
+            # bitsandbytes' paged optimizers are named paged-*; a baseline paged by --paged-optimizer keeps paging
+            # whatever --optimizer says, so a plan that does not page says so
+            unpaged = " without --paged-optimizer" if was_paged and not paged else ""
+            out.append(f"--optimizer {'paged-' if paged else ''}{strategy.optimizer.value}{unpaged}")
+        elif name != "optimizer" and getattr(strategy, name) != getattr(baseline, name):
             out.append(f"--{name} {getattr(strategy, name).value}")
+    if strategy.optimizer_impl != baseline.optimizer_impl:
+        out.append(f"--optimizer-impl {strategy.optimizer_impl.value}")
     par, bpar = strategy.parallelism, baseline.parallelism
     if par.tensor != bpar.tensor:
         out.append(f"--tp {par.tensor} --sequence-parallel" if par.sequence_parallel else f"--tp {par.tensor}")
@@ -173,8 +207,7 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
         # FSDP2 only (the setting means nothing to other layouts): False keeps each layer unsharded to its backward
         out.append("--reshard-after-forward" if raf else "--no-reshard-after-forward")
     if (strategy.adapter is None) != (baseline.adapter is None) or strategy.base_weights != baseline.base_weights:
-        q = strategy.base_weights.quantization.value
-        out.append("--finetune " + ("qlora" if q == "nf4" else "lora" if strategy.adapter is not None else "full"))
+        out.append(_finetune_change(strategy, baseline))
     if strategy.float8 != baseline.float8:
         out.append(f"--fp8 {strategy.float8.value}")
     if strategy.savers.loss != baseline.savers.loss:
@@ -203,6 +236,36 @@ def describe_changes(strategy: Strategy, baseline: Strategy) -> tuple[str, ...]:
     return tuple(out)
 
 
+def baseline_flags(baseline: Strategy) -> tuple[str, ...]:
+    """A baseline as ``trainfit estimate`` flags beyond its defaults (:func:`describe_changes` from the default
+    Strategy at its sequence length; an adapter's shape is in its JSON, not here)."""
+    return describe_changes(baseline, Strategy(seq_len=baseline.seq_len))
+
+
+def _base_flag(strategy: Strategy) -> str | None:
+    """The ``--base-dtype`` a run's frozen base stands for (None: none given)."""
+    b = strategy.base_weights
+    return b.quantization.value if b.quantization.value != "none" else b.dtype.value if b.dtype is not None else None
+
+
+def _finetune_change(strategy: Strategy, baseline: Strategy) -> str:
+    """The fine-tuning method of ``strategy`` as flags that apply to the baseline's command: ``--finetune`` and,
+    where the baseline gave a ``--base-dtype`` (or ``--freeze``) the plan's method does not run, what replaces it."""
+    method = baseline_method(strategy)
+    if method is Finetune.FULL and baseline.base_weights.frozen:  # --finetune full --freeze X is still freeze
+        return "without --finetune freeze --freeze"
+    out = f"--finetune {method.value}" + (" without --freeze" if baseline.base_weights.frozen else "")
+    base, was = _base_flag(strategy), _base_flag(baseline)
+    implied = "nf4" if method is Finetune.QLORA else None  # what --finetune qlora stores the base in by itself
+    was_implied = "nf4" if baseline_method(baseline) is Finetune.QLORA else None
+    if base != was:
+        if base is not None and (base != implied or was not in (None, was_implied)):
+            out += f" --base-dtype {base}"
+        elif base is None and was is not None and was != was_implied:
+            out += " without --base-dtype"
+    return out
+
+
 def _distance(c: Candidate, baseline: Strategy) -> int:
     """How many of the candidate's choices differ from the baseline (the tie-break between equal bounds)."""
     return sum(
@@ -215,7 +278,7 @@ def _distance(c: Candidate, baseline: Strategy) -> int:
             c.tensor != baseline.parallelism.tensor,
             c.pipeline != baseline.parallelism.pipeline,
             c.offload != baseline.offload.flag,
-            c.finetune is not Finetune.FULL,
+            c.finetune is not baseline_method(baseline),
             c.float8 != baseline.float8,
             c.loss != baseline.savers.loss,
             c.activation_offload != baseline.savers.activation_offload,
@@ -658,15 +721,7 @@ def search_plans(
     allocator = AllocatorConfig.parse(alloc_conf) if alloc_conf is not None else AllocatorConfig.from_env()
     objective = Objective(objective)
     if baseline is None:
-        # The setup a user starts from: trainfit's defaults (amp-bf16, fused AdamW, no checkpointing), data
-        # parallel (DDP) over the GPUs, the whole global batch in one micro-batch per GPU.
-        data = math.gcd(gpus, global_batch)
-        baseline = Strategy(
-            seq_len=seq_len,
-            micro_batch=global_batch // data,
-            parallelism=Parallelism.for_gpus(data, gpus_per_node=gpus_per_node),
-            sharding=Sharding.DDP if data > 1 else Sharding.NONE,
-        )
+        baseline = default_baseline(gpus=gpus, global_batch=global_batch, seq_len=seq_len, gpus_per_node=gpus_per_node)
     s = _Search(
         spec,
         gpu,
@@ -694,6 +749,7 @@ def search_plans(
         allow=allow,
         fp8=fp8,
         adapter=baseline.adapter,
+        adapter_base=baseline.base_weights if baseline.adapter is not None else None,
     )
     # Best-first by each candidate's bound, (bound, kind, changes from the baseline, index): a candidate enters with
     # the cheap bound (kind 0: one timing, :func:`step_floor_seconds`) and goes back in with its exact one
@@ -762,6 +818,7 @@ def search_plans(
         host_usable_bytes=s.host_usable,
         host_rejected=len(s.host_rejected),
         host_rejected_min_bytes=min((s.host_bytes(x) for x in s.host_rejected), default=0),
+        baseline=baseline,
     )
 
 

@@ -100,6 +100,8 @@ __all__ = [
     "Finetune",
     "Objective",
     "allows_float8",
+    "baseline_allows",
+    "baseline_method",
     "candidates",
     "check_allow_float8",
     "float8_candidates",
@@ -141,6 +143,25 @@ def parse_allow(text: str | None) -> tuple[Finetune, ...]:
 def allows_float8(text: str | None) -> bool:
     """``--allow ...,fp8``: the search may swap the block linears for torchao fp8 ones."""
     return "fp8" in {x.strip() for x in (text or "").split(",")}
+
+
+def baseline_method(baseline: Strategy) -> Finetune:
+    """The search's fine-tuning method a run uses: QLoRA (an adapter on a k-bit-prepared base, ``--finetune
+    qlora``), LoRA (any other adapter: ``--finetune lora``, whatever its ``--base-dtype``), else full (``--finetune
+    freeze`` too: the search has no frozen-layer method, its full plans train every weight)."""
+    if baseline.adapter is None:
+        return Finetune.FULL
+    return Finetune.QLORA if baseline.base_weights.kbit_prepared else Finetune.LORA
+
+
+def baseline_allows(baseline: Strategy) -> tuple[tuple[Finetune, ...], bool]:
+    """What a baseline run opens the search to, as ``--allow`` would: (LoRA and QLoRA when it already fine-tunes
+    with an adapter, fp8 linears when it trains them). The issue searches adapters and fp8 only when the user permits
+    them (``--allow``), since they change what is trained or its numerics; a user whose run already has them has
+    permitted them. The rule ``trainfit estimate --fixes`` applies to its own command, for ``trainfit plan``'s
+    baseline too. Nothing is taken away: full fine-tuning and the bf16/fp16 recipes stay in the space."""
+    adapters = (Finetune.LORA, Finetune.QLORA) if baseline.adapter is not None else ()
+    return adapters, baseline.float8 is not Float8.NONE
 
 
 def gpu_has_float8(gpu: GPUSpec) -> bool:
@@ -204,6 +225,9 @@ class Candidate:
     #: The adapter a LoRA/QLoRA candidate trains (None: PEFT's defaults, :data:`_FINETUNE`): the baseline's, when the
     #: command already fine-tunes — its rank, targets and DoRA are not the search's to choose.
     adapter: Adapter | None = None
+    #: The frozen base a LoRA/QLoRA candidate runs on (None: the method's default, :data:`_FINETUNE`): the baseline's
+    #: for the candidates of the baseline's own method (its ``--base-dtype``, ``--no-double-quant``).
+    base_weights: BaseWeights | None = None
 
     def __post_init__(self) -> None:
         if not self.reshard_after_forward and self.sharding not in (Sharding.FSDP, Sharding.HSDP):
@@ -299,6 +323,8 @@ class Candidate:
         """The adapter and base weights of the fine-tuning method (PEFT defaults, or :attr:`adapter`; the Strategy's
         own default base under full fine-tuning)."""
         adapter, base = _FINETUNE[self.finetune]
+        if adapter is not None and self.base_weights is not None:
+            base = self.base_weights
         return (self.adapter if adapter is not None and self.adapter is not None else adapter), base
 
     def strategy(self, *, micro_batch: int, grad_accum: int, seq_len: int, gpus_per_node: int) -> Strategy:
@@ -517,10 +543,13 @@ def candidates(
     allow: tuple[Finetune, ...] = (),
     fp8: bool = False,
     adapter: Adapter | None = None,
+    adapter_base: BaseWeights | None = None,
 ) -> list[Candidate]:
     """Every candidate whose data degree divides the global batch (so micro × accumulation × data hits it);
     with ``fp8``, their :func:`float8_candidates` too. ``adapter``: what the LoRA/QLoRA candidates train (None:
-    PEFT's defaults)."""
+    PEFT's defaults); ``adapter_base``: the baseline's frozen base, for the candidates of its method (QLoRA when
+    it is k-bit prepared, else LoRA; None: each method's default)."""
+    base_method = None if adapter_base is None else Finetune.QLORA if adapter_base.kbit_prepared else Finetune.LORA
     out: list[Candidate] = []
     methods = (Finetune.FULL, *allow)
     for world in world_sizes(gpus, gpus_per_node, global_batch=global_batch, spec=spec):
@@ -549,6 +578,7 @@ def candidates(
                                     finetune=ft,
                                     reshard_after_forward=raf,
                                     adapter=adapter if ft is not Finetune.FULL else None,
+                                    base_weights=adapter_base if ft is base_method else None,
                                 )
                                 # FSDP2/HSDP both ways, unpruned (module docstring); the rest do not read it
                                 for raf in (RESHARD_AFTER_FORWARD if sh in (Sharding.FSDP, Sharding.HSDP) else (True,))

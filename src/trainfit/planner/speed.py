@@ -25,15 +25,20 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
   LoRA's, which run at :data:`EAGER_ELEMENTWISE_EFFICIENCY` where the engine is eager (:func:`elementwise_efficiency`:
   the torch engine and DeepSpeed; Megatron-LM and ``torch.compile`` fuse them).
 - **Communication** (ring collectives: each rank sends and receives (n−1)/n of the buffer per reduce-scatter
-  or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009) over the link the group spans: NVLink
-  within a node when the GPU has one, else PCIe; the network across nodes (:data:`DEFAULT_NETWORK_GBPS`).
+  or all-gather, twice that per all-reduce; Patarasuk & Yuan 2009 — nccl-tests' bus-bandwidth volumes) over the
+  link the group spans, at the bus bandwidth NCCL reaches on it (:func:`nccl_nvlink_gbps`,
+  :func:`nccl_network_gbps`: its maintainers' published figures, 230 of 300 GB/s on an A100 node, 370 of 450 on
+  an H100 node, 24 of 25 GB/s per 200 Gb/s NIC): NVLink within a node when the GPU has one, else PCIe (its line
+  rate: no figure); the network across nodes (:data:`DEFAULT_NETWORK_GBPS`, a line rate).
   DDP and ZeRO-1/2 all-reduce the gradients once per step, overlapped with the last micro-step's backward
   (Li et al. 2020, PyTorch DDP §3.2.3 bucketing) — a sharded optimizer as a reduce-scatter of the gradients and an
   all-gather of the parameters, each in its width: Megatron-LM's are its engine's, not the recipe's
   (:func:`engine_widths`: fp32 main gradients under ``--bf16``, 16-bit parameters, no autocast); ZeRO-3/FSDP
   all-gather the weights in forward and backward and reduce-scatter gradients every micro-step, prefetched so they
   overlap that micro-step's compute
-  (Rajbhandari et al. 2020 §7; FSDP2 prefetching); HSDP does so within a node and all-reduces the shards
+  (Rajbhandari et al. 2020 §7; FSDP2 prefetching) — except, under FSDP2, the first all-gather and the last
+  reduce-scatter of each micro-step (:func:`fsdp_edge_seconds`: the root's, the embedding's unit's and one
+  layer's, which no compute precedes or follows); HSDP does so within a node and all-reduces the shards
   across nodes once per step. FSDP2 moves the widths of its ``MixedPrecisionPolicy``, the memory model's
   (:func:`fsdp_collective_bytes`: bf16 gathers and fp32 reduce-scatters under amp-*/master-*). Tensor
   parallelism all-reduces b·s·h activations twice in forward and twice in backward per layer (Narayanan et
@@ -62,8 +67,9 @@ A step is compute plus whatever communication, pipeline bubble and offload traff
 What it does not model (stated in docs/speed.md, with an H200 profile): the elementwise bandwidth by op and tensor
 size (one eager rate for every op), a fused byte count for compiled or Megatron kernels, the attention rate by head
 dim and backend (cuDNN's on Hopper), the optimizer's bytes by state dtype, kernel-launch gaps, GEMM shape
-efficiency (small hidden sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL protocol
-efficiency and the SMs overlapped collectives take, power caps, LLM.int8 bases, ``--freeze`` patterns (run as full
+efficiency (small hidden sizes run below peak), the micro-batch's effect on GEMM efficiency, NCCL over PCIe below
+its line rate, NVLink SHARP's faster all-reduce, the SMs overlapped collectives take from the GEMMs, DeepSpeed
+ZeRO-3's unhideable first gather and last reduce-scatter, power caps, LLM.int8 bases, ``--freeze`` patterns (run as full
 training), ZeRO-3 Offload's gradient copies over PCIe on every micro-step (stage3.py ``partition_grads``: the offload
 term moves them once per step there; stages 1–2 are modelled).
 """
@@ -78,7 +84,7 @@ from trainfit.arch.params import active_params_per_token, count_params, inventor
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import BNB_4BIT_BLOCK, quantized_weight_tensors
 from trainfit.errors import StrategyError
-from trainfit.fsdp_units import gathered_once_fraction
+from trainfit.fsdp_units import edge_units_fraction, gathered_once_fraction
 from trainfit.hardware import GPUSpec
 from trainfit.strategy import (
     Adapter,
@@ -100,6 +106,9 @@ __all__ = [
     "HOST_ADAM_BYTES_PER_PARAM",
     "HOST_ADAM_NODE_GBPS",
     "MATMUL_EFFICIENCY",
+    "NCCL_NETWORK_EFFICIENCY",
+    "NCCL_NVLINK_EFFICIENCY",
+    "NVLINK_PROTOCOL_EFFICIENCY",
     "EngineWidths",
     "SpeedInputs",
     "StepTime",
@@ -114,10 +123,13 @@ __all__ = [
     "elementwise_efficiency",
     "engine_widths",
     "fsdp_collective_bytes",
+    "fsdp_edge_seconds",
     "fsdp_gathered_once",
     "host_adam_seconds",
     "loss_bytes_per_token",
     "model_flops_per_token",
+    "nccl_network_gbps",
+    "nccl_nvlink_gbps",
     "step_time",
     "step_time_of",
     "tp_comm",
@@ -151,6 +163,47 @@ EAGER_ELEMENTWISE_EFFICIENCY = 0.58
 #: platform, docs/performance.md "Hosts are inter-connected with backend RDMA network with 400 Gb/s per GPU";
 #: DGX H100 has one 400 Gb/s ConnectX-7 port per GPU). Override with ``network_gbps``.
 DEFAULT_NETWORK_GBPS = 50.0
+
+#: The bus bandwidth NCCL reaches over NVLink, as a fraction of the link's line rate per direction (the catalog's
+#: ``nvlink_gbps``), by compute capability. The speed model's collective volumes are nccl-tests' "bus bandwidth"
+#: volumes — (n−1)/n of the buffer per all-gather or reduce-scatter, twice that per all-reduce (NVIDIA/nccl-tests
+#: doc/PERFORMANCE.md) — so the rate they run at is the measured busbw. A100 (8.0): "Each NVLink has a line rate
+#: of 25GB/s (in each direction) which converts to ~20GB/s effective bandwidth with a 128B payload size ... 240GB/s
+#: on A100, but some other bottlenecks on the GPUs limits it to ~230GB/s" (NCCL's maintainer, NVIDIA/nccl-tests
+#: issue 149, 2023-07-05): 230 of 300. H100/H200 (9.0): "450GB/s is the line rate. With the protocol overhead
+#: (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as 'BusBw' when running
+#: non-allreduce operations, or when running with NCCL_ALGO=RING" (NVIDIA/nccl-tests issue 212, 2024-05-06; again
+#: in NVIDIA/nccl issue 1442, 2025-01-06: "the real target for NCCL BusBW intra-node"): 370 of 450. NVLink SHARP's
+#: faster all-reduce on NVSwitch (~480 GB/s busbw on 8 H100s, the same two threads) is not modelled.
+NCCL_NVLINK_EFFICIENCY = {"8.0": 230 / 300, "9.0": 370 / 450}
+
+#: Other NVIDIA GPUs with NVLink (V100, B200): the protocol's share alone — SM-driven copies carry 128-byte payloads,
+#: "25GB/s ... converts to ~20GB/s effective bandwidth with a 128B payload size" (NVIDIA/nccl-tests issue 149). AMD's
+#: Infinity Fabric (RCCL) keeps its line rate: no published figure was found.
+NVLINK_PROTOCOL_EFFICIENCY = 20 / 25
+
+#: The bus bandwidth NCCL reaches over the network, as a fraction of the NICs' line rate per GPU
+#: (``network_gbps``): "you should get ~160GB/s intra-node and 24GB/s inter-node" for one 200 Gb/s HDR NIC (25 GB/s)
+#: per node (NCCL's maintainer, NVIDIA/nccl issue 412, 2023-04-24); the same ratio for 100 Gb/s EDR, "12.2 GB/s (for a
+#: 100Gbps card) is as good as you can get" (NVIDIA/nccl-tests issue 29, 2019-12-06: 0.976).
+NCCL_NETWORK_EFFICIENCY = 24 / 25
+
+
+def nccl_nvlink_gbps(gpu: GPUSpec) -> float | None:
+    """GB/s per direction NCCL's collectives and send/recv reach over the GPU's NVLink (None: no NVLink spanning the
+    node): the line rate × :data:`NCCL_NVLINK_EFFICIENCY` for its compute capability, else
+    :data:`NVLINK_PROTOCOL_EFFICIENCY` on NVIDIA parts and the line rate on others (no published figure)."""
+    if not gpu.nvlink_gbps:
+        return None
+    if gpu.vendor.upper() != "NVIDIA":
+        return gpu.nvlink_gbps
+    return gpu.nvlink_gbps * NCCL_NVLINK_EFFICIENCY.get(gpu.compute_capability or "", NVLINK_PROTOCOL_EFFICIENCY)
+
+
+def nccl_network_gbps(network_gbps: float) -> float:
+    """GB/s per GPU and direction NCCL reaches across nodes over NICs of ``network_gbps`` line rate."""
+    return network_gbps * NCCL_NETWORK_EFFICIENCY
+
 
 #: Bytes of host memory traffic per parameter in a CPU Adam step: read fp32 weight, gradient, m, v (16 B),
 #: write weight, m, v (12 B) — the fp32 states of Rajbhandari et al. 2020's 16Ψ recipe.
@@ -887,6 +940,31 @@ def fsdp_collective_bytes(x: SpeedInputs, params: float, adapters: float) -> tup
     return params * base + adapters * ad_gather / 8, adapters * ad_reduce / 8
 
 
+def fsdp_edge_seconds(
+    spec: ModelSpec, x: SpeedInputs, local_params: float, local_trained: float, group: int, bandwidth: float
+) -> float:
+    """Seconds per micro-step of FSDP2 collectives that no compute can hide: the all-gather of the groups the first
+    forward compute waits for and the reduce-scatter of those the last backward compute produces
+    (:func:`trainfit.fsdp_units.edge_units_fraction`: the root's own parameters, the unit holding the input
+    embedding, the first decoder layer). Prefetching overlaps every other group's all-gather with the previous
+    layer's compute and its reduce-scatter with the next layer's backward, but the first all-gather is issued when
+    the forward starts (``_root_pre_forward``) and the step waits for the last reduce-scatter before it ends
+    (``_root_post_backward_final_callback`` waits on the reduce-scatter stream; torch
+    torch/distributed/fsdp/_fully_shard/_fsdp_state.py). Each micro-step, since FSDP2 reshards after every backward
+    and reduce-scatters every micro-step by default (``set_requires_gradient_sync``). Ring volumes over ``group``
+    ranks at ``bandwidth`` bytes/s, at the widths of :func:`fsdp_collective_bytes`; an adapter's share is one
+    layer's (adapters live in the layers). ``fsdp_wrap`` is read as ``auto`` (the Strategy's explicit wrap is not a
+    speed input)."""
+    if group <= 1:
+        return 0.0
+    share = edge_units_fraction(spec, x.tensor)
+    if x.adapter is None:
+        ag, rs = fsdp_collective_bytes(x, local_params * share, 0.0)
+    else:
+        ag, rs = fsdp_collective_bytes(x, local_params * share, local_trained / max(1, spec.num_layers))
+    return _ring(group) * (ag + rs) / bandwidth
+
+
 class TpComm(StrEnum):
     """How a tensor-parallel engine runs its per-layer collectives (:func:`tp_layer_seconds`)."""
 
@@ -950,6 +1028,7 @@ def tp_layer_seconds(
     recompute: bool,
     reduction: float = 0.0,
     regather: bool = False,
+    copy_half: float | None = None,
 ) -> tuple[float, float]:
     """(communication, the part of it exposed) per layer and micro-step of tensor parallelism; ``half`` is the
     time of one all-gather or reduce-scatter of the b·s·h activations over the ring ((t−1)/t of the bytes), an
@@ -993,7 +1072,11 @@ def tp_layer_seconds(
 
     ``regather`` (per-op SAC, :func:`_recompute`): each block's forward all-gather runs once more in backward
     (one more half); exposed, except under async TP, where the pass fuses it into the ``mm``s SAC runs again on
-    the gathered input (``gemms.column_recomputed``: Llama's k and up) when there are any."""
+    the gathered input (``gemms.column_recomputed``: Llama's k and up) when there are any.
+
+    ``copy_half``: the time of ``half``'s bytes over the copy engines, which async TP's fused collectives use
+    instead of NCCL's kernels (default ``half``); the unmatched reduce-scatter stays NCCL's."""
+    ce = half if copy_half is None else copy_half
     passes = 2 if recompute else 1  # forwards per micro-step
     pipelined = (t - 1) / t
     comm = exposed = 0.0
@@ -1001,9 +1084,9 @@ def tp_layer_seconds(
         gemms.column, gemms.row, gemms.column_fused, gemms.column_recomputed, strict=True
     ):
         if regather:
-            comm += half
             fused = mechanism is TpComm.ASYNC_TP and col_again > 0
-            exposed += max(0.0, half - col_again * pipelined) if fused else half
+            comm += ce if fused else half
+            exposed += max(0.0, ce - col_again * pipelined) if fused else half
         if mechanism is TpComm.EAGER:
             comm += (passes + 1) * 2 * half
             exposed += (passes + 1) * 2 * half
@@ -1014,10 +1097,10 @@ def tp_layer_seconds(
             comm += passes * 2 * half + 3 * half  # + the input's re-gather in backward
             exposed += passes * 2 * half + half + 2 * max(0.0, half - col)  # re-gather behind dgrad, RS behind wgrad
         else:
-            forward = max(0.0, half - col * pipelined) + max(0.0, half - row * pipelined) + reduction
-            grad_gather = max(0.0, half - row * pipelined)  # the output gradient gathered into o/down's dgrad
-            grad_scatter = max(0.0, half - col * pipelined) + reduction if col_fused else half
-            comm += (passes + 1) * 2 * half
+            forward = max(0.0, ce - col * pipelined) + max(0.0, ce - row * pipelined) + reduction
+            grad_gather = max(0.0, ce - row * pipelined)  # the output gradient gathered into o/down's dgrad
+            grad_scatter = max(0.0, ce - col * pipelined) + reduction if col_fused else half
+            comm += passes * 2 * ce + ce + (ce if col_fused else half)
             exposed += passes * forward + grad_gather + grad_scatter
     return comm, exposed
 
@@ -1171,8 +1254,11 @@ def step_time_of(
     compute_micro = compute / accum
 
     pcie = (gpu.pcie_gbps or 16.0) * 1e9
-    intra = gpu.nvlink_gbps * 1e9 if gpu.nvlink_gbps else pcie
-    net = network_gbps * 1e9
+    nvlink = nccl_nvlink_gbps(gpu)
+    intra = nvlink * 1e9 if nvlink else pcie  # NCCL's bus bandwidth (PCIe: the line rate, no figure)
+    net = nccl_network_gbps(network_gbps) * 1e9
+    # async TP's fused collectives are copy-engine copies, not NCCL kernels: the link's line rate (docs/speed.md)
+    copy_bw = gpu.nvlink_gbps * 1e9 if gpu.nvlink_gbps and t <= gpn else None
     tp_bw = intra if t <= gpn else net
     dp_bw = net if d * t > gpn else intra
 
@@ -1202,17 +1288,20 @@ def step_time_of(
         ag, rs = fsdp_collective_bytes(x, local_params, local_trained if x.adapter is not None else 0.0)
         ag2 = 2 * ag - x.fsdp_gathered_once * fsdp_collective_bytes(x, local_params, 0.0)[0]  # adapters: in layers
         per_micro = (_ring(d) * ag2 + _ring(d) * rs) / dp_bw
+        edge = fsdp_edge_seconds(spec, x, local_params, local_trained, d, dp_bw)
         comm += per_micro * accum
-        exposed += accum * max(0.0, per_micro - compute_micro)
+        exposed += accum * (edge + max(0.0, per_micro - edge - compute_micro))
     elif d > 1 and sh is Sharding.HSDP:
         ag, rs = fsdp_collective_bytes(x, local_params, local_trained if x.adapter is not None else 0.0)
         shard = min(gpn, d)
         replicas = d // shard
         ag2 = 2 * ag - x.fsdp_gathered_once * fsdp_collective_bytes(x, local_params, 0.0)[0]
         per_micro = (_ring(shard) * ag2 + _ring(shard) * rs) / intra
+        edge = fsdp_edge_seconds(spec, x, local_params, local_trained, shard, intra)
         across = 2 * _ring(replicas) * rs / shard / net if replicas > 1 else 0.0
         comm += per_micro * accum + across
-        exposed += accum * max(0.0, per_micro - compute_micro) + max(0.0, across - compute_micro * 2 / 3)
+        exposed += accum * (edge + max(0.0, per_micro - edge - compute_micro))
+        exposed += max(0.0, across - compute_micro * 2 / 3)
     act = micro * seq * spec.hidden_size * x.compute_bits / 8
     if t > 1:
         half = _ring(t) * act / tp_bw  # one all-gather or reduce-scatter of the b·s·h activations
@@ -1226,6 +1315,7 @@ def step_time_of(
             recompute=rc.tp_collectives > 0,
             reduction=async_tp_reduction_bytes(act, t) / hbm,
             regather=rc.tp_regather,
+            copy_half=_ring(t) * act / copy_bw if copy_bw else None,
         )
         c = layer_comm * layers_rank * accum
         e = layer_exposed * layers_rank * accum

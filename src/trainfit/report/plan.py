@@ -14,7 +14,10 @@ every plan counts; the table's title says them too), the process ``history`` (``
 ``--after``) and the search's ``notes``. Each plan has its ``host_peak_bytes`` (the estimate's host memory per node:
 offloaded states and buffers, 0 without offload; the table's "host GiB/node" column, shown when any listed plan
 offloads); with ``--host-memory-gib`` the result has ``host_memory_bytes`` and ``host_usable_bytes`` (what a plan's
-host memory per node may reach) and ``host_rejected`` (setups that fit the GPU but not the host)."""
+host memory per node may reach) and ``host_rejected`` (setups that fit the GPU but not the host). ``baseline`` is the
+run every plan's ``changes`` are relative to (the user's run flags, or the default: ``strategy_json`` as a plan's
+``strategy``), and ``baseline_flags`` it as ``trainfit estimate`` flags beyond its defaults (the text's
+"changes are from" note)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from trainfit.export.configs import ExportedRun, hf_trainer_lacks
-from trainfit.planner.rank import Plan, PlanResult
+from trainfit.planner.rank import Plan, PlanResult, baseline_flags
 from trainfit.planner.space import Objective
 from trainfit.report.json import history_json, strategy_json
 from trainfit.strategy import Sharding
@@ -106,6 +109,12 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
         "cuda_version": _release(result.cuda_version),  # the release whose CUDA context is counted
         "history": history_json(result.history),  # the process each plan starts in (one GPU)
         "notes": list(result.notes),
+        # what every plan's "changes" are relative to: the user's run flags, or the planner's default
+        **(
+            {"baseline": strategy_json(result.baseline), "baseline_flags": list(baseline_flags(result.baseline))}
+            if result.baseline is not None
+            else {}
+        ),
         **(
             {
                 "host_memory_bytes": result.host_memory_bytes,
@@ -116,6 +125,14 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
             else {}
         ),
     }
+
+
+def baseline_line(result: PlanResult) -> str:
+    """The text's note on what the "changes" column is relative to."""
+    if result.baseline is None:
+        return "changes are from trainfit estimate's defaults"
+    flags = " ".join(baseline_flags(result.baseline)) or "trainfit estimate's defaults"
+    return f"changes are from the baseline: {flags} (--seq {result.baseline.seq_len})"
 
 
 def _release(version: tuple[int, int]) -> str:

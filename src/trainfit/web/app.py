@@ -11,7 +11,8 @@ commands' JSON): one schema, one version, and no arithmetic in the browser. Endp
 ``/api/estimate``      ``trainfit estimate ... --json`` (GET: query string; POST: a JSON object)
 ``/api/infer``         ``trainfit infer ... --json``
 ``POST /api/config``   checks a pasted config.json: its row as ``/api/models`` lists it, or the error
-``/api/plan``          ``trainfit plan --json`` (ranked plans; ``alloc_conf`` as ``--alloc-conf``)
+``/api/plan``          ``trainfit plan --json`` (ranked plans; ``alloc_conf`` as ``--alloc-conf``; the run fields
+                       ``precision``, ``batch``, ``finetune``… as its baseline flags)
 ``POST /api/plan/export`` the files ``trainfit plan --export DIR`` writes, for plan ``rank`` (1 = the top plan)
 ``/api/jobs``          trace runs: POST starts one, GET ``/api/jobs/ID`` polls, DELETE cancels
 =====================  =========================================================================

@@ -58,12 +58,12 @@ def _flag(name: str) -> str:
 
 
 def _options_of(fn: Callable[..., Any], json_flag: str = "json_out") -> dict[str, Option]:
-    hints = typing.get_type_hints(fn, include_extras=True)
     out: dict[str, Option] = {}
-    for name, param in inspect.signature(fn).parameters.items():
+    # the signature typer reads (``trainfit plan``'s includes estimate's run flags: cli.estimate.with_run_flags)
+    for name, param in inspect.signature(fn, eval_str=True).parameters.items():
         if name in ("model", json_flag, "explain", "modules", "max_batch", "from_path"):
             continue  # the model is handled apart; output switches have no meaning for JSON; no local files
-        hint = hints[name]
+        hint = param.annotation
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
         args = [a for a in typing.get_args(base) if a is not type(None)]
         optional = bool(args) and len(args) < len(typing.get_args(base))
@@ -100,8 +100,11 @@ def plan_options() -> dict[str, Option]:
 def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.planner.api.plan` for a request (``build``,
     ``warm_up`` and ``after`` become its ``history``, as ``trainfit plan`` builds it; ``host_memory_gib`` its
-    ``host_memory_bytes``)."""
+    ``host_memory_bytes``; the run fields of ``trainfit estimate`` — ``precision``, ``checkpointing``, ``batch``,
+    ``finetune``… — its ``baseline``, those the request names laid over the default as ``trainfit plan`` lays its
+    given flags)."""
     from trainfit.cli.estimate import process_history
+    from trainfit.cli.plan import BASELINE_FLAGS, baseline_from_flags
     from trainfit.planner.workload import host_memory_bytes
 
     o = parse_options(raw, plan_options())
@@ -109,6 +112,18 @@ def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, 
     assert spec is not None
     if not o.get("gpu"):
         raise ConfigError("--gpu is required: the GPU to plan for (see /api/gpus)")
+    run = {name: o.pop(name) for name in BASELINE_FLAGS}
+    o["baseline"] = baseline_from_flags(
+        spec,
+        run,
+        [name for name in BASELINE_FLAGS if name in raw],
+        gpus=o["gpus"],
+        nodes=o["nodes"],
+        gpus_per_node=o["gpus_per_node"],
+        seq=o["seq"],
+        global_batch=o["global_batch"],
+        tokens_per_step=o["tokens_per_step"],
+    )
     o["history"] = process_history(o.pop("build"), o.pop("warm_up"), o.pop("after"))
     o["host_memory_bytes"] = host_memory_bytes(o.pop("host_memory_gib"))  # as trainfit plan converts it
     return spec, o

@@ -505,8 +505,24 @@ function software(f) {
 
 // ---- plans tab ----------------------------------------------------------------------------------------------------
 
-// The /api/plan request for the form's model, GPU, GPU count, sequence, allocator, software and process, and the
-// tab's global batch.
+// trainfit plan's baseline fields (cli.plan.BASELINE_FLAGS; a test holds the two lists together): the form's run
+// as the Memory tab sends it, so that each plan's "changes" are from the run on the left.
+const BASELINE_FIELDS = ["precision", "optimizer", "optimizer_impl", "checkpointing", "attention", "batch",
+  "grad_accum", "sharding", "tp", "pp", "pp_schedule", "virtual_stages", "microbatches", "sequence_parallel",
+  "offload", "engine", "reshard_after_forward", "sync_each_batch", "finetune", "lora_rank", "lora_alpha",
+  "lora_targets", "lora_dropout", "dora", "adapter_dtype", "base_dtype", "double_quant", "freeze", "fp8", "loss",
+  "optimizer_in_backward", "activation_offload", "paged_optimizer"];
+
+function baseline() {
+  const r = request();
+  const out = {};
+  if (r.kind !== "estimate") return out; // an inference form describes no training run
+  for (const k of BASELINE_FIELDS) if (k in r.body) out[k] = r.body[k];
+  return out;
+}
+
+// The /api/plan request for the form's model, GPU, GPU count, sequence, allocator, software, process and run (the
+// baseline), and the tab's global batch.
 function planRequest() {
   const f = fields();
   const req = pastedConfig ? { config: pastedConfig } : { model: f.model };
@@ -515,6 +531,7 @@ function planRequest() {
   if (f.seq) req.seq = f.seq;
   if (f.alloc_conf) req.alloc_conf = f.alloc_conf;
   Object.assign(req, software(f));
+  Object.assign(req, baseline());
   const gb = $("#plan-batch").value.trim();
   if (gb) req.global_batch = gb;
   if ($("#plan-lora").checked) req.allow = "lora,qlora";
@@ -544,7 +561,8 @@ async function loadPlans() {
     window.trainfit.plans = data;
     window.trainfit.plansRequest = body;
     $("#plan-status").textContent = `${data.objective}: ${data.candidates} candidates, ${data.estimates} estimates; ` +
-      `global batch ${data.global_batch}, sequence ${data.seq_len}`;
+      `global batch ${data.global_batch}, sequence ${data.seq_len}; changes are from ` +
+      (data.baseline_flags.length ? data.baseline_flags.join(" ") : "trainfit estimate's defaults");
     if (!data.plans.length) {
       $("#plan-error").textContent = "nothing fits within the usable memory";
       const needs = data.needs.map((n) => `would fit with ${n}`);
