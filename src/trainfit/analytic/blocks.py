@@ -49,7 +49,6 @@ from trainfit.analytic.events import (
     synthesise,
 )
 from trainfit.arch.spec import ModelSpec
-from trainfit.cuda_facts import allocator_bytes
 from trainfit.result import Phase
 from trainfit.strategy import Strategy
 
@@ -59,72 +58,29 @@ __all__ = ["PhaseRounding", "phase_rounding", "simulate_with_rounding"]
 PhaseRounding = tuple[tuple[Phase, int], ...]
 
 
-class _RequestStream(Stream):
-    """A :class:`Stream` into a simulator that also keeps the requests' total (each rounded to 512 B, as the
-    closed form counts it) and, since the last phase mark, its peak and the peak of the simulator's blocks (read
-    after each allocation: the simulator's own peak counters are left alone, they are the run's result)."""
-
-    def __init__(self, sim: Simulator) -> None:
-        super().__init__(sim)
-        self._simulator = sim
-        self._requests: dict[int, int] = {}
-        self.requested = 0
-        self.peak_requested = 0
-        self.peak_blocks = 0
-
-    def _add(self, key: int, nbytes: int) -> None:
-        r = allocator_bytes(nbytes)
-        self._requests[key] = r
-        self.requested += r
-        if self.requested > self.peak_requested:
-            self.peak_requested = self.requested
-        blocks = self._simulator.allocated_bytes
-        if blocks > self.peak_blocks:
-            self.peak_blocks = blocks
-
-    def restart_peaks(self) -> None:
-        self.peak_requested = self.requested
-        self.peak_blocks = self._simulator.allocated_bytes
-
-    def alloc(self, nbytes: int, stream: int = 0) -> int:
-        key = super().alloc(nbytes, stream)
-        if key:
-            self._add(key, nbytes)
-        return key
-
-    def workspace(self, nbytes: int, key: int, stream: int = 0) -> None:
-        super().workspace(nbytes, key, stream)
-        if nbytes > 0:
-            self._add(key, nbytes)
-
-    def free(self, key: int) -> None:
-        if key:
-            self.requested -= self._requests.pop(key)
-        super().free(key)
-
-
 class _PhaseMarks(RankHooks):
     """One GPU's hooks (:class:`RankHooks`' defaults: the stream is the one GPU's, call for call) that mark each
     phase's start: every micro-step's forward (before its inputs), its backward (after the loss) and the optimizer
-    step (its temporaries); at each mark the phase that ends gets its block peak less its request peak, and both
-    peaks restart."""
+    step (its temporaries); at each mark the phase that ends gets its block peak less its request peak — the
+    simulator's window since the last mark (``Simulator.window_allocated_bytes``/``window_requested_bytes``, kept
+    beside its own peaks, which stay the run's result) — and the window restarts."""
 
-    def __init__(self, stream: _RequestStream) -> None:
-        self._stream = stream
+    def __init__(self, sim: Simulator) -> None:
+        self._sim = sim
         self._phase: Phase | None = None
         self._step = 0
         self.rounding = dict.fromkeys(Phase, 0)
 
     def mark(self, phase: Phase | None, *, new_step: bool = False) -> None:
         """``phase`` starts (None: the stream ended); ``new_step``: with the first micro-step of a step."""
-        s = self._stream
+        sim = self._sim
         if self._phase is not None:
             if self._step >= 1:  # the steady state: the optimizer's states exist
-                extra = s.peak_blocks - s.peak_requested
+                extra = sim.window_allocated_bytes - sim.window_requested_bytes
                 self.rounding[self._phase] = max(self.rounding[self._phase], extra)
             self._step += new_step
         self._phase = phase
-        s.restart_peaks()
+        sim.start_window()
 
     def micro_step_begin(self, s: Stream, micro: int) -> None:
         self.mark(Phase.FORWARD, new_step=micro == 0)
@@ -194,9 +150,8 @@ def _simulate(
     stop_above_bytes: int | None,
 ) -> tuple[AllocatorResult, PhaseRounding]:
     sim = Simulator(config, stop_above_bytes=stop_above_bytes)
-    stream = _RequestStream(sim)
-    marks = _PhaseMarks(stream)
+    marks = _PhaseMarks(sim)
     stop = steady_state(sim, None)  # the steps after a repeated one repeat it: their peaks add nothing
-    oom = sim.drive(lambda _: synthesise(stream, spec, strategy, workspaces, rank=marks, stop=stop))
+    oom = sim.drive(lambda _: synthesise(Stream(sim), spec, strategy, workspaces, rank=marks, stop=stop))
     marks.mark(None)
     return sim.result(oom=oom), tuple(marks.rounding.items())
