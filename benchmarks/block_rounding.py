@@ -1,6 +1,12 @@
 """Why ``--method analytic`` is a little under ``torch.cuda.max_memory_allocated`` on the H200: block rounding.
 
     PYTHONPATH=src python benchmarks/block_rounding.py [--truth DIR]
+    PYTHONPATH=src python benchmarks/block_rounding.py --matrix
+
+``--matrix``: the 16 cells of ``benchmarks/gpu_matrix.py``'s H200 run (``benchmarks/h200/2026-12-04b/matrix``,
+``measure_spec`` at full depth, so blocks), per phase, against the analytic estimate with the H200's torch 2.11
+workspaces, its tensors' requests alone (before 2026-12-05) and with the allocator's rounding
+(``Component.ALLOCATOR_ROUNDING``, :mod:`trainfit.analytic.blocks`).
 
 ``max_memory_allocated`` counts the *blocks* the caching allocator hands out (c10/cuda/CUDACachingAllocator.cpp:
 ``stats.allocated_bytes`` grows by ``block->size``), and a block is larger than its request when it was served from a
@@ -16,24 +22,65 @@ requests and blocks the snapshot's segments list (``requested_size``, ``size``).
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import sys
 from pathlib import Path
 
 from h200_data import case, find_truth, measured_strategy
 
-from trainfit import estimate
+from trainfit import Strategy, estimate
 from trainfit.allocator import AllocatorConfig, Simulator
-from trainfit.result import Phase
+from trainfit.result import Component, Phase
 
 CASE = "q05-amp-foreach-b4s2048"
+MATRIX = Path(__file__).parent / "h200" / "2026-12-04b" / "matrix" / "results.jsonl"
+
+
+def matrix() -> int:
+    """The gpu_matrix cells: measured blocks per phase against the analytic requests and requests + rounding."""
+    print("| model | recipe | ckpt | phase | measured MB | requests | + rounding | rounding MB |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
+    worst = {"requests": 0.0, "blocks": 0.0}
+    for line in MATRIX.read_text().splitlines():
+        row = json.loads(line)
+        if "measured" not in row:
+            continue
+        st = Strategy(
+            precision=row["precision"],
+            checkpointing=row["checkpointing"],
+            micro_batch=row["batch"],
+            seq_len=row["seq"],
+            optimizer_impl=row["optimizer_impl"],
+        )
+        rep = estimate(
+            row["model"], st, gpu="h200-sxm-141gb", allocator="", torch_version=(2, 11), search_micro_batch=False
+        )
+        for ph in Phase:
+            real = row["measured"][ph.value]
+            blocks = rep.phase(ph).total_bytes
+            rounding = rep.phase(ph).get(Component.ALLOCATOR_ROUNDING)
+            before, after = (blocks - rounding) / real - 1, blocks / real - 1
+            worst["requests"] = max(worst["requests"], abs(before))
+            worst["blocks"] = max(worst["blocks"], abs(after))
+            print(
+                f"| {row['model']} | {row['precision']} | {row['checkpointing']} | {ph.value} | {real / 1e6:,.1f} "
+                f"| {before:+.2%} | {after:+.2%} | {rounding / 1e6:.1f} |"
+            )
+    print(f"worst: requests {worst['requests']:.2%}, with the rounding {worst['blocks']:.2%}")
+    return 0
+
+
 MARKER = range(123457, 123461)  # measure_training.py's step marker: an allocation of 123457 + step bytes
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--truth", type=Path, default=find_truth())
+    ap.add_argument("--matrix", action="store_true", help="the gpu_matrix cells instead (no calibration data needed)")
     a = ap.parse_args()
+    if a.matrix:
+        return matrix()
     if a.truth is None:
         sys.exit("block_rounding.py: the H200 calibration data is not here (pass --truth DIR)")
     pickled = a.truth / f"allocator-trace-{CASE}-default.pickle"

@@ -45,11 +45,12 @@ BEGIN, END = "<!-- gpu-truth-phases:begin -->", "<!-- gpu-truth-phases:end -->"
 
 def phase_rows(procs: list[Process], trace: bool) -> list[str]:
     """The per-phase allocated table: each case × phase, measured, analytic and (``trace``) trace, with errors.
-    The allocated phases do not depend on the allocator setting or the process history (the measured ones of the
-    repeated cases differ by a few blocks of rounding), so each run of the file is a row of its own."""
+    The allocated phases are blocks (``max_memory_allocated``), which depend on the allocator setting (expandable
+    segments split every remainder: no rounding above the requests), so each run of the file is a row of its own;
+    both methods take the rounding from their simulated event streams (the trace's: ``simulate_allocator``)."""
     head = "| case | allocator | phase | measured GiB | analytic GiB | analytic | trace GiB | trace |"
     rows = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
-    traced: dict[str, MemoryReport] = {}  # a case's phases do not depend on its allocator: traced once
+    traced: dict[tuple[str, str], MemoryReport] = {}
     for proc in procs:
         allocator, conf, torch = proc.allocator, proc.alloc_conf, proc.torch_version
         for row in proc.cases:
@@ -58,15 +59,16 @@ def phase_rows(procs: list[Process], trace: bool) -> list[str]:
             ra = estimate(str(row["model"]), s, search_micro_batch=False, **kw)  # type: ignore[arg-type]
             rt = None
             if trace:
-                if str(row["id"]) not in traced:
-                    traced[str(row["id"])] = estimate(
+                key = (str(row["id"]), conf)
+                if key not in traced:
+                    traced[key] = estimate(
                         str(row["model"]),
                         s,
                         method="trace",
-                        simulate_allocator=False,
+                        search_micro_batch=False,
                         **kw,  # type: ignore[arg-type]
                     )
-                rt = traced[str(row["id"])]
+                rt = traced[key]
             phases = row["phases"]
             assert isinstance(phases, dict)
             for ph in Phase:

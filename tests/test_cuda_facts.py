@@ -13,6 +13,17 @@ def test_allocator_rounds_to_512() -> None:
     assert [allocator_bytes(n) for n in (0, 1, 512, 513, 1024)] == [0, 512, 512, 1024, 1024]
 
 
+def test_allocator_bytes_is_the_simulators_round_size() -> None:
+    """The closed form's per-tensor rounding is the simulator's ``round_size`` under the default setting (one fact;
+    ``allocator_bytes`` stays a plain function for the closed form's hot loops, and what the default allocator hands
+    out beyond it is ``Component.ALLOCATOR_ROUNDING``, read from the simulation)."""
+    from trainfit.allocator import AllocatorConfig, round_size
+
+    c = AllocatorConfig()
+    sizes = [1, 511, 512, 513, 2**20 - 1, 2**20, 2**20 + 1, 10 * 2**20 + 7, 1_179_648, 3 * 10**9 + 1]
+    assert [allocator_bytes(n) for n in sizes] == [round_size(n, c) for n in sizes]
+
+
 @pytest.mark.parametrize("n", [4096 * 4096, 4096 * 14336, 64 * 1000 + 3])
 def test_4bit_bytes_match_design_4_4(n: int) -> None:
     blocks = -(-n // 64)

@@ -94,7 +94,9 @@ def test_the_gpu_changes_its_workspaces_and_what_is_outside_the_allocator() -> N
     # cuBLAS: 32 MiB per handle on sm90, 8 MiB + 128 KiB elsewhere; two handles (forward, autograd); from torch
     # 2.12 (the default release is 2.13) cuBLASLt shares that workspace instead of its own 1 MiB.
     assert (ws_a, ws_b) == (2 * (8 * 2**20 + 128 * 2**10), 2 * 32 * 2**20)
-    assert a.peak_bytes - ws_a == b.peak_bytes - ws_b
+    # the same tensors; the blocks the allocator keeps whole beyond them depend on where the workspaces sit
+    rd_a, rd_b = a.peak.get(Component.ALLOCATOR_ROUNDING), b.peak.get(Component.ALLOCATOR_ROUNDING)
+    assert a.peak_bytes - ws_a - rd_a == b.peak_bytes - ws_b - rd_b
     assert a.overhead.cuda_context_bytes < b.overhead.cuda_context_bytes  # 40 × 1024 threads < 132 × 2048
 
 

@@ -29,6 +29,7 @@ from trainfit.analytic.activations import (
     sdpa_kv_heads,
 )
 from trainfit.analytic.adapters import check_dora, check_finetune_model
+from trainfit.analytic.blocks import phase_rounding
 from trainfit.analytic.events import built_on_device_sizes, training_events
 from trainfit.analytic.explain import compare_with_rule_of_thumb
 from trainfit.analytic.parallel import (
@@ -42,7 +43,7 @@ from trainfit.analytic.parallel import (
 from trainfit.analytic.parallel import plan as parallel_plan
 from trainfit.arch import ModelSpec, load_model
 from trainfit.cuda_facts import cuda_supports, has_flash_attention, parse_compute_capability, parse_cuda_version
-from trainfit.errors import DependencyError, StrategyError
+from trainfit.errors import DependencyError, StrategyError, TrainfitError
 from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.history import Build, ProcessHistory, history_note
 from trainfit.overhead import DEFAULT_CUDA, REFERENCE_GPU, outside_allocator
@@ -56,7 +57,16 @@ from trainfit.planner.search import (
     usable_bytes,
 )
 from trainfit.precision.advice import fp8_from_cc
-from trainfit.result import Component, FitVerdict, MemoryReport, Method, PhaseBreakdown, Suggestion, SuggestionKind
+from trainfit.result import (
+    Component,
+    FitVerdict,
+    MemoryReport,
+    Method,
+    Phase,
+    PhaseBreakdown,
+    Suggestion,
+    SuggestionKind,
+)
 from trainfit.strategy import (
     Attention,
     Checkpointing,
@@ -405,6 +415,39 @@ def _require_history_modelled(strategy: Strategy, method: Method, simulate_alloc
         )
 
 
+def _with_stream_rounding(
+    report: MemoryReport,
+    spec: ModelSpec,
+    strategy: Strategy,
+    allocator: str | AllocatorConfig | None,
+    workspaces: tuple[Workspace, ...],
+) -> MemoryReport:
+    """A trace run without its allocator simulation (``simulate_allocator=False``) has its requests only: it takes
+    each phase's blocks beyond them from the analytic stream's simulation (:mod:`trainfit.analytic.blocks`), as a
+    traced rank takes its reserve (``trace.distributed.with_rank_reserve``); none where the analytic model refuses
+    the setup."""
+    config = (
+        allocator
+        if isinstance(allocator, AllocatorConfig)
+        else AllocatorConfig.parse(allocator)
+        if allocator is not None
+        else AllocatorConfig.from_env()
+    )
+    try:
+        rounding = phase_rounding(spec, strategy, config, workspaces)
+    except TrainfitError:
+        return report
+    return dataclasses.replace(
+        report,
+        phases=tuple(
+            dataclasses.replace(
+                p, components={**p.components, Component.ALLOCATOR_ROUNDING: rounding.get(Phase(p.phase), 0)}
+            )
+            for p in report.phases
+        ),
+    )
+
+
 def with_workspaces(report: MemoryReport, workspaces_bytes: int) -> MemoryReport:
     """``report`` with the workspaces in every phase (allocated in step 1, held from then on), of every rank."""
 
@@ -605,6 +648,8 @@ def estimate(
         rep = method_fn(spec, strategy, **kw)
         if method is Method.RULE_OF_THUMB:
             return rep
+        if method is Method.TRACE and not simulate_allocator and not strategy.is_distributed:
+            rep = _with_stream_rounding(rep, spec, strategy, allocator, workspaces)
         if method is not Method.MEASURE:
             rep = with_workspaces(rep, sum(w.size_bytes for w in workspaces))
         return dataclasses.replace(

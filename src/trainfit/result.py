@@ -76,6 +76,9 @@ class Component(StrEnum):
     UNSHARDED_PARAMS = "unsharded_params"  # ZeRO-3/FSDP: parameters all-gathered for the current layer(s)
     COMM_BUFFERS = "comm_buffers"  # DDP buckets, reduce-scatter/all-gather staging buffers
     WORKSPACES = "workspaces"  # cuBLAS/cuBLASLt workspaces: allocator blocks no tensor owns (per GPU)
+    # Blocks larger than their tensors' requests: a cached block kept whole when its remainder is too small to split
+    # (what max_memory_allocated counts beyond the tensors; trainfit.analytic.blocks)
+    ALLOCATOR_ROUNDING = "allocator_rounding"
 
 
 #: Components that make up the model states (weights and what training keeps per weight).

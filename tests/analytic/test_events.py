@@ -24,6 +24,7 @@ from trainfit.analytic.events import (
 )
 from trainfit.analytic.model import estimate_analytic
 from trainfit.history import Build, ProcessHistory
+from trainfit.result import Component, Phase
 from trainfit.strategy import EngineOptions, MemorySavers, Parallelism, finetune_setup
 
 
@@ -117,7 +118,11 @@ def test_expandable_segments_fragment_less() -> None:
     s = Strategy(micro_batch=4, seq_len=2048, optimizer_impl="foreach")
     default = estimate("qwen2.5-0.5b", s, allocator="")
     expandable = estimate("qwen2.5-0.5b", s, allocator="expandable_segments:True")
-    assert expandable.peak_bytes == default.peak_bytes
+    # expandable segments split every remainder (should_split): blocks are the requests, no rounding above them
+    for ph in Phase:
+        kept = default.phase(ph).get(Component.ALLOCATOR_ROUNDING)
+        assert expandable.phase(ph).get(Component.ALLOCATOR_ROUNDING) == 0
+        assert expandable.phase(ph).total_bytes == default.phase(ph).total_bytes - kept
     assert expandable.reserved_estimate_bytes < default.reserved_estimate_bytes
     assert expandable.extra["allocator"]["config"] == "expandable_segments:True"
 

@@ -18,7 +18,7 @@ from trainfit.analytic.savers import chunked_head_copy_bytes, liger_chunk_tokens
 from trainfit.arch import load_model
 from trainfit.arch.spec import ModelKind
 from trainfit.errors import StrategyError
-from trainfit.result import Component, Phase
+from trainfit.result import Component, MemoryReport, Phase
 from trainfit.strategy import Attention, Checkpointing, MemorySavers, Optimizer, Precision, Strategy
 
 SLUGS = ["llama-3.2-1b", "qwen2.5-7b", "gpt2", "mistral-7b-v0.1", "phi-2", "opt-6.7b", "mixtral-8x7b-v0.1"]
@@ -42,6 +42,12 @@ SAVERS = [
     MemorySavers(paged_optimizer=True),
     MemorySavers(loss="chunked", optimizer_in_backward=True, activation_offload=True, paged_optimizer=True),
 ]
+
+
+def _closed_peak(r: MemoryReport) -> int:
+    """The peak of the closed form's tensors (their requests), without the allocator's block rounding
+    (``Component.ALLOCATOR_ROUNDING``): which cached blocks a request lands in is not monotonic in anything."""
+    return max(p.total_bytes - p.get(Component.ALLOCATOR_ROUNDING) for p in r.phases)
 
 
 def _chunked_slack(spec: Any, s: Strategy, savers: MemorySavers) -> int:
@@ -73,7 +79,7 @@ def test_each_saver_never_increases_the_peak(slug: str, s: Strategy, savers: Mem
         return  # bitsandbytes has no paged SGD (refused)
     base = estimate_analytic(spec, s)
     saved = estimate_analytic(spec, dataclasses.replace(s, savers=savers))
-    assert saved.peak_bytes <= base.peak_bytes + _chunked_slack(spec, s, savers)
+    assert _closed_peak(saved) <= _closed_peak(base) + _chunked_slack(spec, s, savers)
     for pb, ps in zip(base.phases, saved.phases, strict=True):
         # what leaves the GPU is counted on the host, never lost
         assert ps.total_bytes + ps.host_bytes >= min(ps.total_bytes, pb.total_bytes)
@@ -174,8 +180,8 @@ def _selective_slack(spec: Any, s: Strategy) -> int:
 @given(slug=st.sampled_from(SLUGS), s=strategies)
 def test_selective_recompute_never_increases_the_peak(slug: str, s: Strategy) -> None:
     spec = load_model(slug)
-    none = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.NONE)).peak_bytes
-    sel = estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.SELECTIVE)).peak_bytes
+    none = _closed_peak(estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.NONE)))
+    sel = _closed_peak(estimate_analytic(spec, dataclasses.replace(s, checkpointing=Checkpointing.SELECTIVE)))
     assert sel <= none + _selective_slack(spec, s)
 
 
@@ -267,7 +273,8 @@ def test_paged_states_are_reported_apart() -> None:
     for p in paged.phases:
         assert p.components[Component.OPTIMIZER_STATES] == 0
         assert p.host_components[Component.OPTIMIZER_STATES] == states
-    assert paged.peak_bytes == plain.peak_bytes - states  # the states leave every phase, nothing else moves
+    # the states leave every phase, nothing else moves (but which cached blocks the rest lands in: the rounding)
+    assert _closed_peak(paged) == _closed_peak(plain) - states
 
 
 def test_activation_offload_without_checkpointing_counted_by_hand() -> None:

@@ -216,7 +216,8 @@ def test_ddp_is_the_single_gpu_model_plus_its_buckets() -> None:
     for p1, p2, p3 in zip(single.phases, ddp.phases, view.phases, strict=True):
         # the forward's and the backward's start also hold the first iteration's bucket, on NCCL's stash
         stash = 0 if p1.phase is Phase.OPTIMIZER_STEP else 4 * psi
-        assert abs(p2.total_bytes - p1.total_bytes - 4 * psi - stash) < 0.001 * psi
+        single_requests = p1.total_bytes - p1.get(Component.ALLOCATOR_ROUNDING)  # (a DDP rank's stream has none)
+        assert abs(p2.total_bytes - single_requests - 4 * psi - stash) < 0.001 * psi
         assert p3.total_bytes <= p2.total_bytes
     # with bucket views the gradients are there from the first forward on
     assert view.phase(Phase.FORWARD).get(Component.GRADIENTS) == pytest.approx(4 * psi, rel=1e-3)

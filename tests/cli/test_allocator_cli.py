@@ -38,7 +38,11 @@ def test_alloc_conf_is_simulated_and_echoed() -> None:
     default, expandable = _json(), _json("--alloc-conf", "expandable_segments:True")
     assert expandable["extra"]["allocator"]["config"] == "expandable_segments:True"  # type: ignore[index]
     assert default["extra"]["allocator"]["config"] == ""  # type: ignore[index]
-    assert expandable["peak_bytes"] == default["peak_bytes"]
+    # the allocated peak differs only by the blocks the default allocator keeps whole (expandable segments split
+    # every remainder): the same tensors' requests
+    rounding = default["components"]["allocator_rounding"]  # type: ignore[index]
+    assert expandable["components"]["allocator_rounding"] == 0  # type: ignore[index]
+    assert expandable["peak_bytes"] == default["peak_bytes"] - rounding
 
 
 def test_segments_table_and_one_line_errors() -> None:

@@ -197,11 +197,12 @@ class _Segment:
 
 
 class _Block:
-    __slots__ = ("addr", "gc_base", "in_use", "mapped", "next", "pending", "prev", "seg", "size")
+    __slots__ = ("addr", "gc_base", "in_use", "mapped", "next", "pending", "prev", "req", "seg", "size")
 
     def __init__(self, addr: int, size: int, seg: _Segment, mapped: bool = True) -> None:
         self.addr = addr
         self.size = size
+        self.req = 0  # in use: the request's bytes rounded to 512 (what the closed form counts), for requested_bytes
         self.seg = seg
         self.mapped = mapped
         self.in_use = False  # handed out (allocated, or freed but not completed)
@@ -302,6 +303,12 @@ class Simulator:
         self._next_address = _BASE_ADDRESS
         self.reserved_bytes = 0
         self.allocated_bytes = 0
+        #: The live requests, each rounded up to 512 B (``kMinBlockSize``; what the closed form counts per tensor):
+        #: ``allocated_bytes`` less what the blocks hold beyond them (an unsplit remainder, power-of-two rounding).
+        self.requested_bytes = 0
+        #: The largest ``allocated_bytes`` and ``requested_bytes`` since :meth:`start_window` (a phase of a step).
+        self.window_allocated_bytes = 0
+        self.window_requested_bytes = 0
         self.peak_reserved_bytes = 0
         self.peak_allocated_bytes = 0
         self.reserved_at_peak_allocated_bytes = 0
@@ -352,10 +359,8 @@ class Simulator:
         live = self._live
         if key in live:
             raise ValueError(f"allocation key {key} is already live")
-        if self._plain_rounding:
-            size = MIN_BLOCK_BYTES if size_bytes < MIN_BLOCK_BYTES else -(-size_bytes // 512) * 512
-        else:
-            size = round_size(size_bytes, self.config)
+        req = MIN_BLOCK_BYTES if size_bytes < MIN_BLOCK_BYTES else -(-size_bytes // 512) * 512
+        size = req if self._plain_rounding else round_size(size_bytes, self.config)
         small = size <= SMALL_SIZE_BYTES
         pool = self._pools.get((small, stream)) or self._pool(small, stream)
         if self._plain_pools:
@@ -395,8 +400,14 @@ class Simulator:
                 rest.gc_base = self._gc_calls[small]
             insort(pool.free, (remaining, rest.addr, rest))
         block.in_use = True
+        block.req = req
         live[key] = block
         allocated = self.allocated_bytes = self.allocated_bytes + block.size
+        requested = self.requested_bytes = self.requested_bytes + req
+        if requested > self.window_requested_bytes:
+            self.window_requested_bytes = requested
+        if allocated > self.window_allocated_bytes:
+            self.window_allocated_bytes = allocated
         if allocated > self.peak_allocated_bytes:
             self.peak_allocated_bytes = allocated
             self.reserved_at_peak_allocated_bytes = self.reserved_bytes
@@ -415,6 +426,7 @@ class Simulator:
         if not b.pending:
             b.pending = True
             self.allocated_bytes -= b.size
+            self.requested_bytes -= b.req
 
     def free_completed(self, key: int) -> None:
         """The block's other-stream uses have completed: it returns to its pool (``free_block``)."""
@@ -423,6 +435,7 @@ class Simulator:
             b.pending = False
         else:
             self.allocated_bytes -= b.size
+            self.requested_bytes -= b.req
         b.in_use = False
         seg = b.seg
         pool = seg.pool
@@ -759,8 +772,10 @@ class Simulator:
                 blocks.append(_Block(cursor, addr - cursor, seg))
             b = _Block(addr, size, seg)
             b.in_use = True
+            b.req = size  # a seeded block's request is not known: its size
             self._live[key] = b
             self.allocated_bytes += size
+            self.requested_bytes += size
             blocks.append(b)
             cursor = addr + size
         if cursor < end:
@@ -870,6 +885,12 @@ class Simulator:
     def live_keys(self) -> list[int]:
         """The keys of the blocks allocated now (freed or not yet completed included)."""
         return list(self._live)
+
+    def start_window(self) -> None:
+        """Start :attr:`window_allocated_bytes` and :attr:`window_requested_bytes` again from the current figures
+        (the peaks of a phase: what ``max_memory_allocated`` counts above the requests in it, blocks less requests)."""
+        self.window_allocated_bytes = self.allocated_bytes
+        self.window_requested_bytes = self.requested_bytes
 
     def reset_peak_stats(self) -> None:
         """``torch.cuda.reset_peak_memory_stats()``: the peaks start again from the current figures."""

@@ -81,8 +81,8 @@ def compare_with_rule_of_thumb(spec: ModelSpec, strategy: Strategy, report: Memo
         Difference(
             term="framework overhead",
             rule_of_thumb_bytes=rot.overhead.total_bytes,
-            analytic_bytes=report.overhead.total_bytes,
-            why="CUDA context + allocator reserve (not in max_memory_allocated)",
+            analytic_bytes=report.overhead.total_bytes + get(pc, Component.ALLOCATOR_ROUNDING),
+            why="CUDA context + the caching allocator's reserve and its blocks' rounding above the tensors",
         ),
     ]
     return rows

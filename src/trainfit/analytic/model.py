@@ -82,6 +82,7 @@ from trainfit.analytic.adapters import (
     frozen_forms_known,
     frozen_layers,
 )
+from trainfit.analytic.blocks import simulate_with_rounding
 from trainfit.analytic.events import simulate_training, training_events
 from trainfit.analytic.float8 import (
     block_linears,
@@ -1063,13 +1064,23 @@ def estimate_analytic(
     ``start``: the process the run starts in (``trainfit.history``): the whole synthesised stream runs after its
     history (:class:`~trainfit.allocator.process.ProcessStart`; not memoised, never stopped early)."""
     strategy, q, phases = _closed_form(spec, strategy, keep_logits=keep_logits)
+    config = allocator if allocator is not None else AllocatorConfig.from_env()
+    own_peak = strategy.savers.any or float8_enabled(strategy)
+    stop = None if own_peak else stop_above_bytes
+    # max_memory_allocated counts blocks: each phase's blocks beyond its requests, from the allocator simulation of
+    # the stream the reserve comes from (one pass for both; after a process history or for the layout, the reserve's
+    # own run follows)
+    fresh, rounding = simulate_with_rounding(
+        spec, strategy, config, workspaces, stop_above_bytes=stop if start is None and not layout else None
+    )
+    phases = tuple(
+        dataclasses.replace(p, components={**p.components, Component.ALLOCATOR_ROUNDING: rounding[Phase(p.phase)]})
+        for p in phases
+    )
     peak = max(p.total_bytes for p in phases)
     st, stack = q.states, q.stack
     tokens_layers = strategy.tokens_per_micro_batch * spec.hidden_size * spec.num_layers
     coeff = (stack.all_layers_bytes if q.segments == 0 else q.kept_inputs) / tokens_layers
-    config = allocator if allocator is not None else AllocatorConfig.from_env()
-    own_peak = strategy.savers.any or float8_enabled(strategy)
-    stop = None if own_peak else stop_above_bytes
 
     def simulated(
         capacity: int | None = None, *, with_layout: bool = False, stop_at: int | None = None
@@ -1087,7 +1098,7 @@ def estimate_analytic(
         events = start.events(training_events(spec, strategy, workspaces))
         return simulate(events, config, layout=with_layout, capacity_bytes=capacity, setup=start.setup)
 
-    sim = simulated(with_layout=layout, stop_at=stop)
+    sim = fresh if start is None and not layout else simulated(with_layout=layout, stop_at=stop)
     held = peak + sum(w.size_bytes for w in workspaces)
     reserve = max(0, sim.peak_reserved_bytes - held)
     if own_peak:

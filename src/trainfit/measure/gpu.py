@@ -28,12 +28,13 @@ matrices, made at the optimizer step from cached 4 MiB activation blocks) were a
 13.0 MiB over their request at 1, 2 and 6 layers. Extrapolating ``allocated`` multiplied that step of 9 MiB
 by the five missing layers (+45 MiB at the optimizer step). So the regions are read and extrapolated in
 requested bytes, and each phase then gets the rounding of the deepest run measured (allocated peak minus
-requested peak, under temporaries) unscaled; a full-depth measurement is its allocated peak as it is.
+requested peak, as ``allocator_rounding``) unscaled; a full-depth measurement is its allocated peak as it is.
 
 The device reports totals only. Weights, master weights and optimizer states are sized from the live
-tensors (512-byte blocks); the rest of each total — gradients, activations, logits, temporaries, the
-allocator's rounding and the cuBLAS workspace, which the caching allocator also serves — is reported as
-temporaries.
+tensors (512-byte blocks); the rest of each total — gradients, activations, logits, temporaries and
+the cuBLAS workspace, which the caching allocator also serves — is reported as temporaries, and the allocator's
+rounding (allocated minus requested bytes at each phase's peak) as ``allocator_rounding``, the component the analytic
+method and the trace read from their simulated event streams (:mod:`trainfit.analytic.blocks`).
 
 The reserve (``max_memory_reserved`` − ``max_memory_allocated``, what the fit verdict adds to the allocated
 peak) is the device's own at full depth: the largest reserved reading over the measured phases less the allocated
@@ -359,6 +360,8 @@ def measure_spec(
     rounding: dict[Phase, int] = {}
     if plan.ext:
         phases, rounding = _with_rounding(phases, measured, plan)
+    else:  # a full-depth measurement is its allocated peak as it is: its rounding told apart from the temporaries
+        phases = _rounding_apart(phases, measured[0].rounding)
 
     drift = [b - baselines[0] for b in baselines]
     if any(abs(d) > BASELINE_DRIFT_BYTES for d in drift):
@@ -425,8 +428,9 @@ def measure_spec(
                 else []
             ),
             "the device reports totals: weights, master weights and optimizer states are sized from the live "
-            "tensors; gradients, activations, logits and temporaries (and the cuBLAS workspace and the allocator's "
-            "block rounding) are under temporaries",
+            "tensors; gradients, activations, logits and temporaries (and the cuBLAS workspace) are under "
+            "temporaries, the allocator's blocks beyond the requests (allocated minus requested) under "
+            "allocator_rounding",
             reserve_note,
         ),
         warnings=tuple(warnings),
@@ -438,16 +442,29 @@ def _with_rounding(
     phases: dict[Phase, PhaseBreakdown], measured: list[_LayoutMeasurement], plan: depth.DepthPlan
 ) -> tuple[dict[Phase, PhaseBreakdown], dict[Phase, int]]:
     """The extrapolated phases (requested bytes) plus the allocator's rounding of the deepest layout run,
-    under temporaries (module docstring): the rounding depends on which cached blocks are free, not on the
+    as ``allocator_rounding`` (module docstring): the rounding depends on which cached blocks are free, not on the
     number of units, so it is carried as measured rather than extrapolated."""
     deepest = max(range(len(measured)), key=lambda i: len(plan.layouts[i][1].layers))
     rounding = dict(measured[deepest].rounding)
     out = {}
     for ph, b in phases.items():
         comps = dict(b.components)
-        comps[C.TEMPORARIES] = comps.get(C.TEMPORARIES, 0) + rounding.get(ph, 0)
+        comps[C.ALLOCATOR_ROUNDING] = comps.get(C.ALLOCATOR_ROUNDING, 0) + rounding.get(ph, 0)
         out[ph] = readout.breakdown(ph, comps)
     return out, rounding
+
+
+def _rounding_apart(phases: dict[Phase, PhaseBreakdown], rounding: dict[Phase, int]) -> dict[Phase, PhaseBreakdown]:
+    """Full-depth phases (allocated bytes, the rest of each total under temporaries) with the allocator's rounding
+    (allocated peak minus requested peak) moved from the temporaries to ``allocator_rounding``; the totals stay."""
+    out = {}
+    for ph, b in phases.items():
+        comps = dict(b.components)
+        moved = min(rounding.get(ph, 0), comps.get(C.TEMPORARIES, 0))
+        comps[C.TEMPORARIES] = comps.get(C.TEMPORARIES, 0) - moved
+        comps[C.ALLOCATOR_ROUNDING] = comps.get(C.ALLOCATOR_ROUNDING, 0) + moved
+        out[ph] = readout.breakdown(ph, comps)
+    return out
 
 
 def _reserve(peak: int, reserved: Mapping[Phase, int], trace: MemoryReport | None) -> tuple[Overhead, str]:

@@ -20,7 +20,7 @@ from trainfit.allocator.report import allocator_details, capped_run
 from trainfit.allocator.workspaces import TARGET_TORCH, training_workspaces
 from trainfit.arch.spec import ModelSpec
 from trainfit.errors import StrategyError, TrainfitError
-from trainfit.result import MemoryReport, Method, Phase, TraceDetails
+from trainfit.result import Component, MemoryReport, Method, Phase, TraceDetails
 from trainfit.strategy import Precision, Strategy, recipe
 from trainfit.trace import depth, readout
 from trainfit.trace import runner as rn
@@ -55,7 +55,9 @@ def trace_spec(
     a GPU of ``compute_capability``, or of ``rocm_arch`` for an AMD one, under ``torch_version``) are replayed
     through the caching-allocator simulation for the reserved memory
     (:func:`trainfit.trace.events.reserved_from_trace`: one more trace of three units of the layer stack); without
-    it, reserved memory is the fixed fraction of ``trainfit.overhead``.
+    it, reserved memory is the fixed fraction of ``trainfit.overhead``. The same simulation gives each phase's blocks
+    beyond its requests (``Component.ALLOCATOR_ROUNDING``, :func:`trainfit.trace.events.phase_rounding`): what
+    ``max_memory_allocated`` counts; without ``allocator`` the phases are the requests.
     ``capacity_bytes`` (with ``allocator``): the allocator's share of the GPU; when only the uncapped reserve
     exceeds it, the same events run once more under it (``MemoryReport.capped``).
     ``start`` (with ``allocator``): the process the run starts in (``trainfit.history``): the traced events run
@@ -91,6 +93,17 @@ def trace_spec(
         torch_version=torch_version,
         steps=steps,
         layout=layout,
+    )
+    # max_memory_allocated counts blocks: each phase's blocks beyond its requests, from the same simulated events
+    rounding = dict(traced.phase_rounding)
+    report = dataclasses.replace(
+        report,
+        phases=tuple(
+            dataclasses.replace(
+                p, components={**p.components, Component.ALLOCATOR_ROUNDING: rounding.get(Phase(p.phase), 0)}
+            )
+            for p in report.phases
+        ),
     )
     res = traced.result
     if start is not None:

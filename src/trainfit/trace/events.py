@@ -39,11 +39,14 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
+from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, Simulator, simulate
 from trainfit.allocator.workspaces import TARGET_TORCH, Thread, training_workspaces, workspace_key
 from trainfit.arch.spec import ModelSpec
+from trainfit.cuda_facts import allocator_bytes
+from trainfit.result import Phase
 from trainfit.strategy import Strategy
 from trainfit.trace import runner as rn
+from trainfit.trace.timeline import Interval, Label
 
 #: aten ops that call cuBLAS/cuBLASLt on CUDA (aten/src/ATen/native/cuda/Blas.cpp): the first one a thread runs
 #: creates its handle's workspace (``getCurrentCUDABlasHandle`` → ``setWorkspaceForHandle``), after the op has
@@ -65,23 +68,39 @@ def tracker_events(run: rn.TraceRun) -> list[Event]:
     return [e for e in slots if e is not None]
 
 
-def _tick_index(run: rn.TraceRun) -> list[int]:
-    """For each tick, how many kept events precede or are at it (to insert events after a tick)."""
+def tracker_ticks(run: rn.TraceRun) -> list[int]:
+    """The tick of each event of :func:`tracker_events`, in the same order."""
     tr = run.tracker
     tr.merge_inplace_accumulations()  # (a no-op after the first reader; it freezes the ticks)
-    kept = [0] * (tr.t + 2)
+    kept = [False] * (tr.t + 2)
     for rec in tr.records:
         if tr.component(rec) is None:
             continue
-        kept[rec.alloc_t] = 1
+        kept[rec.alloc_t] = True
         if rec.free_t is not None:
-            kept[rec.free_t] = 1
-    acc = 0
-    out = [0] * len(kept)
-    for t, k in enumerate(kept):
-        acc += k
-        out[t] = acc
-    return out
+            kept[rec.free_t] = True
+    return [t for t, k in enumerate(kept) if k]
+
+
+def with_inserts(
+    events: list[Event], ticks: list[int], inserts: Mapping[int, list[Event]]
+) -> tuple[list[Event], list[int]]:
+    """``events`` (at ``ticks``) with each tick's ``inserts`` after every event at or before that tick; the inserted
+    events take their tick."""
+    pending = sorted(inserts.items())
+    out: list[Event] = []
+    out_ticks: list[int] = []
+    for e, t in zip(events, ticks, strict=True):
+        while pending and pending[0][0] < t:
+            tick, inserted = pending.pop(0)
+            out += inserted
+            out_ticks += [tick] * len(inserted)
+        out.append(e)
+        out_ticks.append(t)
+    for tick, inserted in pending:
+        out += inserted
+        out_ticks += [tick] * len(inserted)
+    return out, out_ticks
 
 
 def with_workspaces(
@@ -95,18 +114,8 @@ def with_workspaces(
 ) -> list[Event]:
     """Insert the cuBLAS/cuBLASLt workspace allocations (never freed) at the first forward and backward
     (``rocm_arch``: an AMD GPU's, sized as hipBLAS/hipBLASLt's: :mod:`trainfit.allocator.workspaces`)."""
-    index = _tick_index(run)
-    at: dict[int, list[Event]] = {}
     inserts = workspace_inserts(run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version)
-    for tick, inserted in inserts.items():
-        at.setdefault(index[min(tick, len(index) - 1)], []).extend(inserted)
-    out: list[Event] = []
-    for i, e in enumerate(events):
-        out.extend(at.pop(i, ()))
-        out.append(e)
-    for pos in sorted(at):
-        out.extend(at[pos])
-    return out
+    return with_inserts(events, tracker_ticks(run), inserts)[0]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +134,8 @@ class TraceReserved:
     #: The replayed events (workspaces included), to simulate again under a capacity (the fit verdict's
     #: borderline case, :func:`trainfit.allocator.report.capped_run`) without tracing again.
     stream: tuple[Event, ...] = field(default=(), repr=False, compare=False)
+    #: Per phase, the allocator's blocks above the requests at its peak (:func:`phase_rounding`; fresh process).
+    phase_rounding: tuple[tuple[Phase, int], ...] = ()
 
 
 def reserved_from_run(
@@ -231,6 +242,8 @@ class Stitched:
     events: list[Event]
     #: Unit-0/unit-2 storages matched to a unit-1 storage of another size (0 when the units are alike).
     size_mismatches: int
+    #: The traced tick each event comes from (a unit-1 copy's: the traced unit 1's; an insert: its tick).
+    ticks: list[int] = field(default_factory=list)
 
 
 def stitch_events(
@@ -305,26 +318,34 @@ def stitch_events(
         return rec + c * nrec
 
     out: list[Event] = []
+    out_ticks: list[int] = []
     live: set[int] = set()
     pending = sorted((inserts or {}).items())
+    now = 0  # the tick of the traced event being emitted
 
     def flush(tick: int | None) -> None:
         while pending and (tick is None or pending[0][0] <= tick):
-            out.extend(pending.pop(0)[1])
+            at, inserted = pending.pop(0)
+            out.extend(inserted)
+            out_ticks.extend([at] * len(inserted))
 
     def alloc(key: int, size: int) -> None:
         live.add(key)
         out.append(Event(Op.ALLOC, key, size))
+        out_ticks.append(now)
 
     def free(key: int) -> None:
         live.discard(key)
         out.append(Event(Op.FREE, key))
+        out_ticks.append(now)
 
     def emit_block(block: list[_Ev]) -> None:
         order = range(copies, 0, -1) if block[0].backward else range(1, copies + 1)
         first = order[0]
+        nonlocal now
         for c in order:
             for e in block:
+                now = e.tick
                 if e.alloc:
                     alloc(copy_key(e.rec, c), e.size)
                     continue
@@ -350,6 +371,7 @@ def stitch_events(
             flush(evs[j - 1].tick)
             i = j
             continue
+        now = e.tick
         if e.alloc:
             alloc(e.rec, e.size)
         elif rec_unit.get(e.rec) == 1:
@@ -368,7 +390,7 @@ def stitch_events(
         flush(e.tick)
         i += 1
     flush(None)
-    return Stitched(events=out, size_mismatches=mismatches)
+    return Stitched(events=out, size_mismatches=mismatches, ticks=out_ticks)
 
 
 def _pass_of(run: rn.TraceRun, tick: int) -> int:
@@ -431,6 +453,53 @@ def workspace_inserts(
         tick = first.fwd_start if ws.thread is Thread.MAIN else first.bwd_start if bwd is None else bwd
         at.setdefault(tick, []).append(Event(Op.ALLOC, workspace_key(k), ws.size_bytes))
     return at
+
+
+def phase_rounding(
+    events: list[Event], ticks: list[int], intervals: list[Interval[Label]], config: AllocatorConfig | None = None
+) -> tuple[tuple[Phase, int], ...]:
+    """Per phase, the bytes ``max_memory_allocated`` counts above the requests at that phase's peak: ``events`` (at
+    the traced ``ticks``) through the caching-allocator simulation, each phase interval's block peak less its request
+    peak (both from the level where it starts), the largest over the ``intervals`` (the steady-state steps'); what
+    :mod:`trainfit.analytic.blocks` reads from the analytic stream, here from the trace's own events."""
+    starts = [iv.start for iv in intervals]
+
+    def label_of(tick: int) -> Label | None:
+        # the last interval that starts before the tick: an interval's start is the tick of the mark, the last event
+        # before it, whose state is the interval's level at the start (reset_peak_stats there)
+        k = bisect_left(starts, tick) - 1
+        return intervals[k].label if k >= 0 and tick <= intervals[k].end else None
+
+    sim = Simulator(config)
+    requests: dict[int, int] = {}
+    requested = peak_requested = 0
+    rounding = dict.fromkeys(Phase, 0)
+    current: Label | None = None
+    for e, t in zip(events, ticks, strict=True):
+        label = label_of(t)
+        if label != current:
+            if current is not None:
+                ph = current.phase
+                rounding[ph] = max(rounding[ph], sim.peak_allocated_bytes - peak_requested)
+            current = label
+            sim.reset_peak_stats()
+            peak_requested = requested
+        sim.event_index += 1
+        if e.op is Op.ALLOC:
+            sim.malloc(e.key, e.size_bytes, e.stream)
+            requests[e.key] = r = allocator_bytes(e.size_bytes)
+            requested += r
+            peak_requested = max(peak_requested, requested)
+        elif e.op is Op.FREE or e.op is Op.FREE_COMPLETED:
+            sim.free_completed(e.key)
+            requested -= requests.pop(e.key, 0)
+        elif e.op is Op.FREE_REQUESTED:
+            sim.free_requested(e.key)
+        else:
+            sim.empty_cache()
+    if current is not None:
+        rounding[current.phase] = max(rounding[current.phase], sim.peak_allocated_bytes - peak_requested)
+    return tuple(rounding.items())
 
 
 def reserved_from_trace(
@@ -505,13 +574,16 @@ def reserved_from_trace(
             layers_full=plan.full_layers,
             stitched=True,
             size_mismatches=st.size_mismatches,
+            phase_rounding=phase_rounding(st.events, st.ticks, done.run.timeline.phase_intervals(), config),
         )
     if plan.ext:
         plan = depth.plan_depth(spec, strategy, extrapolate=False)
     counts, lay = plan.layouts[0]
     done = depth.run_layout(spec, strategy, plan, lay, steps=steps, adamw_impl=adamw_impl)
-    events = with_workspaces(
-        tracker_events(done.run), done.run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version
+    events, ticks = with_inserts(
+        tracker_events(done.run),
+        tracker_ticks(done.run),
+        workspace_inserts(done.run, compute_capability, env, rocm_arch=rocm_arch, torch_version=torch_version),
     )
     res = simulate(events, config, capacity_bytes=capacity_bytes, layout=layout)
     return TraceReserved(
@@ -521,4 +593,5 @@ def reserved_from_trace(
         layers_traced=len(lay.layers),
         layers_full=plan.full_layers,
         stitched=False,
+        phase_rounding=phase_rounding(events, ticks, done.run.timeline.phase_intervals(), config),
     )
