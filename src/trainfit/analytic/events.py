@@ -687,14 +687,39 @@ class RankHooks:
         of backward): what replaces them (None: they stay)."""
         return None
 
+    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        """A master-* recipe's fp32 copies of the trained parameters, made with the optimizer before the first step:
+        mixed-precision optimizers copy the 16-bit parameters when they are built (Megatron-LM
+        ``Float16OptimizerWithFloat16Params.__init__``: ``main_param = param.detach().clone().float()``; DeepSpeed's
+        ``FP16_Optimizer``/``BF16_Optimizer`` build their fp32 groups in ``__init__``; the trace's
+        ``trace.optim.MasterWeights``), not lazily in the step as AdamW's states are."""
+        bits = strategy.recipe.master_bits
+        if bits:
+            for x, m in trained:
+                for _ in range(m):
+                    s.alloc(_bytes(x.numel, bits))
+
+    def master_grads(
+        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
+    ) -> tuple[list[int], int]:
+        """A master-* recipe's fp32 gradients, made before the optimizer steps (and before the first step makes its
+        states): each 16-bit ``.grad`` upcast into its master parameter's ``.grad`` (Megatron-LM
+        ``_copy_model_grads_to_main_grads``: ``main_param.grad = model_param.grad.float()``; the trace's
+        ``MasterWeights.grads_to_master``), all alive through the step; their keys and bytes (part of
+        :meth:`step_temp_bytes`'s default)."""
+        bits = strategy.recipe.master_bits
+        if not bits:
+            return [], 0
+        sizes = [_bytes(x.numel, bits) for x, m in trained for _ in range(m)]
+        return [s.alloc(n) for n in sizes], sum(sizes)
+
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
-        """The optimizer's states, made in the first step."""
+        """The optimizer's states, made in the first step (the master copies are :meth:`master_weights`)."""
         r = strategy.recipe
         state_bits = 32 if r.master_bits else r.state_bits
         for x, m in trained:
             pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
             for _ in range(m):
-                s.alloc(_bytes(x.numel, r.master_bits))
                 for n in pieces:
                     s.alloc(n)
 
@@ -733,6 +758,7 @@ def synthesise(
     # AdamW's _init_group makes each trained parameter's states in module order too
     trained_ordered = trained if ordered is None else [(ps.tensor, 1) for ps in ordered if ps.trainable]
     trained_numel = sum(x.numel * m for x, m in trained) or 1
+    rank.master_weights(s, strategy, trained_ordered)
 
     def per_tensor(total: int, x: ParamTensor) -> int:
         return total * x.numel // trained_numel
@@ -1035,6 +1061,34 @@ def synthesise(
     # output is the flow's, freed at its end; rotary_qkv then makes the raw q, k, v it embeds. One GPU and DDP
     # (rank.module_order); the other ranks' streams were checked against traced ranks as they are.
     rotary = rank.module_order and any(x.name == "rope.cos_sin" for x in mt)
+
+    def rope_tables() -> list[int]:
+        """The model's rotary tables (the ``rope.cos_sin`` term) as ``LlamaRotaryEmbedding.forward`` makes them
+        after the embedding's output (transformers 5.25 models/llama/modeling_llama.py, the same in the models
+        generated from it): ``freqs = position_ids[..., None].float() * inv_freq`` (fp32, 1 × s × rotary_dim/2;
+        position_ids is ``cache_position.unsqueeze(0)``), ``emb = torch.cat((freqs, freqs), dim=-1)``, ``cos =
+        emb.cos() * self.attention_scaling`` and ``sin`` likewise (each product a new tensor, the ``cos()``/``sin()``
+        freed once it exists), returned ``.to(x.dtype)`` (a copy only where the residual stream is not fp32); its
+        locals die as it returns. Two fp32 tables with a freed one's hole between them, where one block of the
+        term's bytes fragments a 20 MiB segment otherwise (llama-3.2-3b amp-bf16 1 × 4096, full checkpointing:
+        the first layer's 24 MiB block then fitted where the trace's needs a segment of its own)."""
+        n = 4 * strategy.seq_len * spec.rotary_dim
+        ids = s.alloc(strategy.seq_len * 4)  # position_ids[..., None].float()
+        freqs = s.alloc(n // 2)
+        s.free(ids)
+        emb = s.alloc(n)
+        tables = []
+        for _ in range(2):
+            raw = s.alloc(n)
+            tables.append(s.alloc(n))
+            s.free(raw)
+        out = tables if w.residual == 4 else [s.alloc(n * w.residual // 4) for _ in tables]
+        s.free(freqs)
+        s.free(emb)
+        if out is not tables:
+            s.free_all(tables)
+        return out
+
     rms_transients = rank.module_order and spec.norm is NormKind.RMSNORM
     pending: list[list[int]] = []  # [key, allocations to wait]: freed once that many more saved tensors exist
     # A checkpointed forward runs under no_grad: torch.utils.checkpoint's non-reentrant forward runs under
@@ -1808,13 +1862,19 @@ def synthesise(
                     if ws.thread is Thread.MAIN:
                         s.workspace(ws.size_bytes, workspace_key(k), ws.stream)
             rank.forward_begin(s)
-            embedding = [s.alloc(x.bytes) for x in mt if x.role is TermRole.EMBEDDING]
+            embedding = [
+                s.alloc(x.bytes)
+                for x in mt
+                if x.role is TermRole.EMBEDDING and not (rotary and x.name == "rope.cos_sin")
+            ]
             rank.embedding_forward_end(s)
             layers: list[tuple[list[int], list[int]]] = []
             kept: list[int] = []
             forward_cache: list[int] = []  # checkpointed layers' cached autocast copies, freed after the loss
             kv_cache: list[int] = []
             residual = s.alloc(hidden)
+            if rotary:
+                embedding += rope_tables()
             offloaded: dict[int, list[int]] = {}  # activation offloading: each layer's offloaded saves' bytes
             for i in range(spec.num_layers):
                 kept_input = bool(segment_of) and (i == 0 or segment_of[i] != segment_of[i - 1])
@@ -1890,12 +1950,12 @@ def synthesise(
             # (AccumulateGrad steals a gradient it can; under autocast a chunked sum is cast into it, then freed)
             carried = wsum if fused or r.grad_bits // 8 == a else 0
 
-            def head_grad(x: ParamTensor, nbytes: int) -> int:
+            def head_grad(x: ParamTensor, nbytes: int, cast: bool = False) -> int:
                 nonlocal carried, wsum
                 if carried and head_matmul_grad(spec, x):
                     key, carried, wsum = carried, 0, 0
                     return key
-                if in_bwd and head_matmul_grad(spec, x) and x in copied and a != r.grad_bits // 8:
+                if (in_bwd or cast) and head_matmul_grad(spec, x) and x in copied and a != r.grad_bits // 8:
                     casts.append((s.alloc(rank.copy_bytes(x, r.compute_bits)), nbytes))
                     return casts[-1][0]
                 return s.alloc(nbytes)
@@ -1952,7 +2012,7 @@ def synthesise(
                     else:
                         accumulated(x, key)
                 elif rank.early_grad(spec, x):
-                    model_grads.append(head_grad(x, rank.grad_bytes(x, r.grad_bits)))
+                    model_grads.append(head_grad(x, rank.grad_bytes(x, r.grad_bits), cast=True))
                     first_matmul_done()
                     if x.name == "embed_tokens.weight":
                         table_grad = model_grads[-1]
@@ -2078,15 +2138,18 @@ def synthesise(
             s.free_all(embedding)
             s.free_all(inputs)
 
-        # The optimizer step: states created in the first step, then its temporaries.
+        # The optimizer step: a master-* recipe's fp32 gradients first, then the states created in the first step,
+        # then the rest of its temporaries.
         # (optimizer in backward: the states were made by the hooks, nothing is left to step)
+        masters, master_bytes = ([], 0) if in_bwd else rank.master_grads(s, strategy, trained_ordered)
         if not optimizer_created and not strategy.savers.paged_optimizer and not in_bwd:  # paged: cudaMallocManaged
             rank.optimizer_states(s, strategy, trained_ordered)
         optimizer_created = True
-        step_temp = 0 if in_bwd else rank.step_temp_bytes(st.step_temp_bytes)
-        step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)]
+        step_temp = 0 if in_bwd else max(0, rank.step_temp_bytes(st.step_temp_bytes) - master_bytes)
+        step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)] if step_temp else []
         s.free_all(step_temps)
         s.free_all(grads)  # zero_grad(set_to_none=True)
+        s.free_all(masters)  # the master copies' gradients, after the model's (trace.optim.MasterWeights.zero_grad)
         if stop is not None and stop(step):
             break
 

@@ -836,6 +836,14 @@ class FsdpHooks(RankHooks):
             out += self._final_callback(s)
         return out
 
+    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        pass  # FSDP2's mixed precision keeps the sharded fp32 parameters themselves (held)
+
+    def master_grads(
+        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
+    ) -> tuple[list[int], int]:
+        return [], 0  # no separate master gradients
+
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         st = self.strategy
         if self.offload:
@@ -912,6 +920,14 @@ class DtensorTpHooks(RankHooks):
 
     def logits_gather(self, s: Stream) -> list[int]:
         return [s.alloc(n) for n in self.gather]  # the rank's logits, the all-gather output
+
+    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        super().master_weights(s, strategy, self.trained)
+
+    def master_grads(
+        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
+    ) -> tuple[list[int], int]:
+        return super().master_grads(s, strategy, self.trained)
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         super().optimizer_states(s, strategy, self.trained)
@@ -1251,6 +1267,14 @@ class Zero2Hooks(RankHooks):
         self.s.free_all(self.epilogue)
         self.epilogue = []
 
+    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        pass  # the fp32 partition is one of the flat groups the hooks build
+
+    def master_grads(
+        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
+    ) -> tuple[list[int], int]:
+        return [], 0  # the fp32 gradient partition is made by the step (step_temp_bytes)
+
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         pass  # made by the step (torch.optim.AdamW's lazy state), after the gradients are flattened
 
@@ -1506,6 +1530,14 @@ class Zero3Hooks(RankHooks):
         s.free_all(self.keys.values())
         self.keys = {}
         return None
+
+    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        pass  # the fp32 partition is one of the flat groups the hooks build
+
+    def master_grads(
+        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
+    ) -> tuple[list[int], int]:
+        return [], 0  # the fp32 gradient partition is made by the step (step_temp_bytes)
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         pass  # made by the step
