@@ -434,7 +434,21 @@ def _fully_shard_calls(
     return calls + [g for g in model.values() if g]
 
 
-class FsdpHooks(RankHooks):
+class _OwnMasters:
+    """:class:`RankHooks` of a framework that holds the fp32 masters and their gradients itself — FSDP2's mixed
+    precision keeps the sharded fp32 parameters (held), DeepSpeed's fp32 partition is one of the flat groups its hooks
+    build and its gradient partition is made by the step (``step_temp_bytes``): no separate copies in the stream."""
+
+    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+        pass
+
+    def master_grads(
+        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
+    ) -> tuple[list[int], int]:
+        return [], 0
+
+
+class FsdpHooks(_OwnMasters, RankHooks):
     """FSDP2 per layer + root, or with ``--fsdp-wrap units`` the embedding and [final norm, head] as units of their
     own (see the module docstring); the stream is the compute strategy's. Groups are keyed by layer index, or
     :data:`~trainfit.analytic.parallel.ROOT_UNIT`, ``EMBEDDING_UNIT``, ``TAIL_UNIT``."""
@@ -836,14 +850,6 @@ class FsdpHooks(RankHooks):
             out += self._final_callback(s)
         return out
 
-    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
-        pass  # FSDP2's mixed precision keeps the sharded fp32 parameters themselves (held)
-
-    def master_grads(
-        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
-    ) -> tuple[list[int], int]:
-        return [], 0  # no separate master gradients
-
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         st = self.strategy
         if self.offload:
@@ -1021,7 +1027,7 @@ class FsdpTpHooks(FsdpHooks):
 DS_REDUCTION_STREAM = 3
 
 
-class Zero2Hooks(RankHooks):
+class Zero2Hooks(_OwnMasters, RankHooks):
     """DeepSpeed ZeRO-2 (stage_1_and_2.py ``DeepSpeedZeroOptimizer``; fine-tuning without offload too: the optimizer's,
     and so the flat groups', tensors are the trainable ones, the frozen ones stay module parameters), data-parallel rank
     ``rank`` (0 unless asked; its partition ``[lo, hi)``, :class:`~trainfit.analytic.parallel.ZeroRank`):
@@ -1267,14 +1273,6 @@ class Zero2Hooks(RankHooks):
         self.s.free_all(self.epilogue)
         self.epilogue = []
 
-    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
-        pass  # the fp32 partition is one of the flat groups the hooks build
-
-    def master_grads(
-        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
-    ) -> tuple[list[int], int]:
-        return [], 0  # the fp32 gradient partition is made by the step (step_temp_bytes)
-
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         pass  # made by the step (torch.optim.AdamW's lazy state), after the gradients are flattened
 
@@ -1397,7 +1395,7 @@ class Zero1Hooks(Zero2Hooks):
         return []
 
 
-class Zero3Hooks(RankHooks):
+class Zero3Hooks(_OwnMasters, RankHooks):
     """DeepSpeed ZeRO-3 (stage3.py ``DeepSpeedZeroOptimizer_Stage3``; fine-tuning too: the flat buffer holds the
     trainable partitions, each frozen parameter's partition is its own), rank 0:
 
@@ -1530,14 +1528,6 @@ class Zero3Hooks(RankHooks):
         s.free_all(self.keys.values())
         self.keys = {}
         return None
-
-    def master_weights(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
-        pass  # the fp32 partition is one of the flat groups the hooks build
-
-    def master_grads(
-        self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]
-    ) -> tuple[list[int], int]:
-        return [], 0  # the fp32 gradient partition is made by the step (step_temp_bytes)
 
     def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
         pass  # made by the step
