@@ -22,6 +22,7 @@ from trainfit.cli.estimate import (
     WarmUpOption,
     with_run_flags,
 )
+from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, NCCL_NETWORK_EFFICIENCY
 
 if TYPE_CHECKING:
     from trainfit.strategy import Strategy
@@ -114,8 +115,13 @@ def plan_cmd(
     price_per_gpu_hour: Annotated[float, typer.Option("--price-per-gpu-hour", help="For --objective cheapest.")] = 1.0,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     network_gbps: Annotated[
-        float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
-    ] = 50.0,
+        float,
+        typer.Option(
+            "--network-gbps",
+            help="Network line rate across nodes in GB/s per GPU per direction (50 = one 400 Gb/s NIC per GPU); "
+            f"NCCL's collectives reach about {NCCL_NETWORK_EFFICIENCY:.0%} of it (docs/speed.md).",
+        ),
+    ] = DEFAULT_NETWORK_GBPS,
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
     host_memory_gib: Annotated[
         float | None,
