@@ -18,6 +18,7 @@ from trainfit.cli.estimate import (
     AfterOption,
     BuildOption,
     CudaVersionOption,
+    HostMemoryOption,
     TorchVersionOption,
     WarmUpOption,
     with_run_flags,
@@ -123,14 +124,7 @@ def plan_cmd(
         ),
     ] = DEFAULT_NETWORK_GBPS,
     top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
-    host_memory_gib: Annotated[
-        float | None,
-        typer.Option(
-            "--host-memory-gib",
-            help="CPU memory per node in GiB: rule out plans (offload) whose host memory per node exceeds it less "
-            "--headroom (default: not limited; the table shows each plan's host GiB/node when any offloads).",
-        ),
-    ] = None,
+    host_memory_gib: HostMemoryOption = None,
     alloc_conf: Annotated[
         str | None,
         typer.Option(

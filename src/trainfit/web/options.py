@@ -248,9 +248,11 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
     """The model and the keyword arguments of :func:`trainfit.estimate.estimate` for a request, as
     ``trainfit estimate`` builds them from its flags (``method_options`` excluded)."""
     from trainfit.cli.estimate import STRATEGY_FLAGS, parse_count, process_history, strategy_from_flags
+    from trainfit.planner.workload import host_memory_bytes
     from trainfit.result import Method
 
     o = parse_options(raw, estimate_options())
+    host = host_memory_bytes(o["host_memory_gib"])  # first, as trainfit estimate checks it
     explicit = [o["params"], o["hidden_size"], o["num_layers"]]
     spec = resolve_model(raw, allow_hub=allow_hub, required=False)
     if spec is not None and any(v is not None for v in explicit):
@@ -288,6 +290,7 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
         "torch_version": o["torch_version"],
         "cuda_version": o["cuda_version"],
         "history": process_history(o["build"], o["warm_up"], o["after"]),
+        "host_memory_bytes": host,
     }
 
 
