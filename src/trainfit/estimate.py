@@ -566,6 +566,7 @@ def estimate(
     history: ProcessHistory | None = None,
     torch_version: str | tuple[int, int] | None = None,
     cuda_version: str | tuple[int, int] | None = None,
+    host_memory_bytes: int | None = None,
 ) -> MemoryReport:
     """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
@@ -585,7 +586,11 @@ def estimate(
     :data:`trainfit.allocator.workspaces.TARGET_TORCH`), which decides the cuBLAS/cuBLASLt workspaces
     (:mod:`trainfit.allocator.workspaces`). ``cuda_version``: the CUDA release (``"12.8"``; None: 13.0, the reference
     measurement's), which decides the CUDA context (eager module loading before 11.7, :mod:`trainfit.overhead`) and
-    must run the GPU. The fixes are searched under the same torch and CUDA releases."""
+    must run the GPU. The fixes are searched under the same torch and CUDA releases. ``host_memory_bytes``
+    (``--host-memory-gib``; with a GPU): each node's CPU memory. The verdict holds the run's host memory per node
+    (:attr:`MemoryReport.host_peak_bytes`) to it less the headroom, as the planner rules plans out
+    (``FitVerdict.host_fits``; ``fits`` stays the GPU's), a run that exceeds it gets fixes as one that does not fit
+    the GPU, and the fixes keep within it (None: not limited)."""
     spec = load_model(model) if isinstance(model, str) else model
     release = torch_release(torch_version)
     asked = strategy or Strategy()
@@ -595,6 +600,10 @@ def estimate(
         raise StrategyError(f"unknown method '{method}'; choose one of: {', '.join(m.value for m in Method)}") from None
     if not 0 <= headroom < 1:
         raise StrategyError(f"--headroom must be in [0, 1), got {headroom}")
+    if host_memory_bytes is not None and host_memory_bytes <= 0:
+        raise StrategyError("--host-memory-gib must be positive")
+    if host_memory_bytes is not None and gpu is None:
+        raise StrategyError("--host-memory-gib is held in the fit verdict: give --gpu too")
     _require_modelled(asked, method, spec)
     check_options(asked)  # a framework's option set for a run it does not apply to (one GPU included)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
@@ -730,6 +739,15 @@ def estimate(
         )
         if not fit.fits and method is Method.ANALYTIC and search_micro_batch:
             fit = _with_expandable_segments(fit, report, spec, strategy, options, fn)
+        if host_memory_bytes is not None:  # the planner's rule (planner.rank.host_usable_bytes)
+            from trainfit.planner.rank import host_usable_bytes  # trainfit.planner.rank imports this module
+
+            fit = dataclasses.replace(
+                fit,
+                host_memory_bytes=host_memory_bytes,
+                host_usable_bytes=host_usable_bytes(host_memory_bytes, headroom),
+                host_required_bytes=report.host_peak_bytes,
+            )
         if not searchable and search_micro_batch:
             notes.append(
                 f"fit verdict for micro-batch {strategy.micro_batch} from the {method.value} peak; the largest "
@@ -740,7 +758,7 @@ def estimate(
         from trainfit.planner.fixes import checked_fixes, speed_of
 
         speed = speed_of(spec, strategy, gpu_spec)
-        if not fit.fits and method is Method.ANALYTIC and fixes:
+        if (not fit.fits or fit.host_fits is False) and method is Method.ANALYTIC and fixes:
             fixes_found = checked_fixes(
                 spec,
                 asked,
@@ -750,6 +768,7 @@ def estimate(
                 torch_version=release,
                 cuda_version=None if cuda_version is None else cuda,  # None: the default, noted where it cannot run
                 history=history,
+                host_memory_bytes=host_memory_bytes,
             )
             fit = dataclasses.replace(fit, fixes=fixes_found, fixes_searched=True)
             if history is not None and not history.fresh:

@@ -487,12 +487,41 @@ class FitVerdict:
     # (MemoryReport.capped), with its ``cache_flushes`` (num_alloc_retries over the replayed steps; 0 otherwise).
     tier: FitTier = FitTier.DOES_NOT_FIT
     cache_flushes: int = 0
+    # The host (``trainfit estimate --host-memory-gib``; ``trainfit.estimate(host_memory_bytes=...)``): each node's CPU
+    # memory, and what the run's host memory per node may reach — that × (1 − headroom), the planner's rule
+    # (:func:`trainfit.planner.rank.host_usable_bytes`); both None when not limited. ``host_required_bytes``: the
+    # report's host memory per node (``MemoryReport.host_peak_bytes``: offloaded states, pinned buffers, offloaded
+    # activations, paged optimizer states). ``fits`` and ``tier`` stay the GPU's; :attr:`host_fits` is the host's.
+    host_memory_bytes: int | None = None
+    host_usable_bytes: int | None = None
+    host_required_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.fits != (self.tier is FitTier.FITS):
             raise ValueError(f"fits={self.fits} contradicts tier {self.tier}")
         if self.cache_flushes and self.tier is not FitTier.FITS_WITH_FLUSHES:
             raise ValueError(f"cache_flushes={self.cache_flushes} without the {FitTier.FITS_WITH_FLUSHES} tier")
+        if (self.host_memory_bytes is None) != (self.host_usable_bytes is None):
+            raise ValueError("host_memory_bytes and host_usable_bytes are given together")
+        if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
+            raise ValueError(f"host_memory_bytes must be positive, got {self.host_memory_bytes}")
+        if self.host_required_bytes < 0:
+            raise ValueError(f"host_required_bytes must not be negative, got {self.host_required_bytes}")
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the run's host memory per node stays within :attr:`host_usable_bytes` (None: not limited) — the
+        rule by which ``trainfit plan --host-memory-gib`` rules a plan out."""
+        if self.host_usable_bytes is None:
+            return None
+        return self.host_required_bytes <= self.host_usable_bytes
+
+    @property
+    def host_free_bytes(self) -> int | None:
+        """Usable host memory per node less what the run needs there (negative: short; None: not limited)."""
+        if self.host_usable_bytes is None:
+            return None
+        return self.host_usable_bytes - self.host_required_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -217,3 +217,19 @@ def test_plan_help_says_where_fp8_is_searched(capsys: pytest.CaptureFixture[str]
     r = run_cli(capsys, "plan", "--help")
     text = " ".join(r.out.replace("│", " ").split())
     assert "DDP/FSDP2/HSDP" in text and "fp8: torchao linears, one GPU)" not in text
+
+
+def test_network_gbps_help_says_it_is_a_line_rate_that_nccl_reaches_a_share_of() -> None:
+    """``--network-gbps`` is the NICs' line rate (the speed model applies NCCL's efficiency to it,
+    ``planner.speed.nccl_network_gbps``): the help says so, with the share formatted from the constant."""
+    import inspect
+    import typing
+
+    from trainfit.cli.plan import plan_cmd
+    from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, NCCL_NETWORK_EFFICIENCY
+
+    param = inspect.signature(plan_cmd, eval_str=True).parameters["network_gbps"]
+    (option,) = typing.get_args(param.annotation)[1:]
+    assert "line rate" in option.help and "400 Gb/s NIC per GPU" in option.help
+    assert f"about {NCCL_NETWORK_EFFICIENCY:.0%} of it" in option.help
+    assert param.default == DEFAULT_NETWORK_GBPS

@@ -13,6 +13,7 @@ from trainfit.errors import ConfigError, StrategyError
 from trainfit.planner.api import plan, plan_baseline
 from trainfit.planner.rank import baseline_flags, describe_changes
 from trainfit.planner.space import Finetune, baseline_allows, baseline_method
+from trainfit.planner.workload import PlanWorkload
 from trainfit.report.plan import plan_json
 from trainfit.strategy import Float8, MemorySavers, Parallelism, Sharding, Strategy, finetune_setup
 
@@ -47,6 +48,41 @@ def test_without_a_baseline_the_default_is_plan_baseline() -> None:
     # many GPUs: DDP over the GPUs that divide the global batch, all of it in one micro-batch each
     many = plan_baseline(gpus=8, seq=1024, global_batch=12)
     assert many.world_size == 4 and many.micro_batch == 3 and many.sharding is Sharding.DDP
+
+
+def test_one_workload_for_the_baseline_and_the_search() -> None:
+    """``PlanWorkload`` (what ``trainfit plan`` builds once from --gpus/--nodes/--gpus-per-node/--seq/--global-batch/
+    --tokens-per-step) gives ``plan_baseline`` and ``plan`` what the same keywords give; not both at once."""
+    spec = load_model("qwen2.5-0.5b")
+    w = PlanWorkload(gpus=1, seq=1024, global_batch=8)
+    assert (w.world, w.sequences, w.batch_given) == (1, 8, True)
+    assert plan_baseline(w) == plan_baseline(gpus=1, seq=1024, global_batch=8)
+    by_value = plan(spec, "rtx-4090", workload=w, top=3)
+    assert by_value.plans == plan(spec, "rtx-4090", **ARGS).plans  # type: ignore[arg-type]
+    assert by_value.baseline == plan_baseline(w)
+    nodes = PlanWorkload(nodes=2, gpus_per_node=4, tokens_per_step="64k", seq=2048)
+    assert (nodes.world, nodes.sequences, PlanWorkload().sequences) == (8, 32, 8)
+    with pytest.raises(ConfigError, match=r"give a PlanWorkload or its sizes \(gpus, seq\), not both"):
+        plan(spec, "rtx-4090", workload=w, gpus=1, seq=1024)
+    with pytest.raises(ConfigError, match="not both"):
+        plan_baseline(w, global_batch=8)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ({"gpus": 0}, "--gpus must be positive"),
+        ({"gpus": 3, "nodes": 1}, "is not --nodes 1 × --gpus-per-node 8"),
+        ({"gpus_per_node": 0}, "--gpus-per-node must be positive"),
+        ({"seq": 0}, "--seq must be positive"),
+        ({"global_batch": 8, "tokens_per_step": "8192"}, "not both"),
+        ({"tokens_per_step": "1000", "seq": 1024}, "whole number of sequences"),
+        ({"global_batch": 0}, "--global-batch must be positive"),
+    ],
+)
+def test_a_bad_workload_is_refused_when_built(sizes: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PlanWorkload(**sizes)  # type: ignore[arg-type]
 
 
 def test_a_baseline_at_another_sequence_length_is_refused() -> None:

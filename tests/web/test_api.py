@@ -91,6 +91,8 @@ ESTIMATES: list[dict[str, Any]] = [
         "warm_up": True,
         "after": "qwen2.5-0.5b -b 4",
     },
+    # --host-memory-gib: the verdict holds the run's host memory per node to it, the fixes keep within it
+    {"model": "llama-3.2-3b", "gpu": "rtx-4090", "seq": 1024, "batch": 8, "host_memory_gib": 100},
     # fixes searched under the releases (CUDA 11.6: the eager-loading context)
     {
         "model": "qwen2.5-1.5b",
@@ -354,6 +356,8 @@ ESTIMATE_ERRORS: list[dict[str, Any]] = [
     {"model": "llama-3.1-8b", "finetune": "lora", "lora_rank": 0},
     {"model": "gpt2", "params": "1e9"},
     {"params": "1.5", "hidden_size": 64, "num_layers": 2},
+    {"model": "gpt2", "gpu": "t4", "host_memory_gib": 0},
+    {"model": "gpt2", "host_memory_gib": 64},
 ]
 
 

@@ -172,6 +172,21 @@ CudaVersionOption = Annotated[
         "start-up (a larger CUDA context); it must run the --gpu (default: 13.0, the H200 measurement's).",
     ),
 ]
+#: ``--host-memory-gib``, one declaration for ``trainfit estimate`` and ``trainfit plan`` (and so the web API's field of
+#: each): converted and checked by :func:`trainfit.planner.workload.host_memory_bytes` (a finite positive number, else
+#: one line and exit 2), held to by the same rule (:func:`trainfit.planner.rank.host_usable_bytes`).
+HostMemoryOption = Annotated[
+    float | None,
+    typer.Option(
+        "--host-memory-gib",
+        help="CPU memory per node in GiB, less --headroom, for the host memory per node the estimate counts "
+        "(offloaded optimizer states and parameters, pinned buffers, offloaded activations, paged optimizer "
+        "states). plan: rules out the plans that exceed it (the table shows each plan's host GiB/node when any "
+        "offloads). estimate (with --gpu): the verdict says DOES NOT FIT the host when the run exceeds it (JSON "
+        "host_fits; fits, verdict and the largest micro-batch stay the GPU's), and the checked fixes keep within it "
+        "(default: not limited).",
+    ),
+]
 
 
 def estimate_cmd(
@@ -294,9 +309,11 @@ def estimate_cmd(
         bool,
         typer.Option(
             "--fixes/--no-fixes",
-            help="With --gpu, when it does not fit: search the planner's top three checked fixes (--no-fixes: faster).",
+            help="With --gpu, when it does not fit (the GPU, or the host under --host-memory-gib): search the "
+            "planner's top three checked fixes (--no-fixes: faster).",
         ),
     ] = True,
+    host_memory_gib: HostMemoryOption = None,
     explain: Annotated[
         bool,
         typer.Option("--explain", "-v", help="Also show bytes per parameter, the rule-of-thumb comparison and notes."),
@@ -390,10 +407,12 @@ def estimate_cmd(
     from trainfit.arch import explicit_model, load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.estimate import estimate
+    from trainfit.planner.workload import host_memory_bytes
     from trainfit.report.json import report_json
     from trainfit.report.table import render
     from trainfit.result import Method
 
+    host_limit = host_memory_bytes(host_memory_gib)  # a bad value: one line before any model is loaded
     explicit = [params, hidden_size, num_layers]
     if model is not None and any(v is not None for v in explicit):
         raise ConfigError("give either MODEL or --params/--hidden-size/--num-layers, not both")
@@ -447,6 +466,7 @@ def estimate_cmd(
             torch_version=torch_version,
             cuda_version=cuda_version,
             fixes=fixes,
+            host_memory_bytes=host_limit,
         )
     for w in report.warnings:
         warn(w)

@@ -18,12 +18,15 @@ from trainfit.cli.estimate import (
     AfterOption,
     BuildOption,
     CudaVersionOption,
+    HostMemoryOption,
     TorchVersionOption,
     WarmUpOption,
     with_run_flags,
 )
+from trainfit.planner.speed import DEFAULT_NETWORK_GBPS, NCCL_NETWORK_EFFICIENCY
 
 if TYPE_CHECKING:
+    from trainfit.planner.workload import PlanWorkload
     from trainfit.strategy import Strategy
 
 #: ``trainfit estimate``'s flags that ``trainfit plan`` takes to describe the user's current run, the baseline: what
@@ -48,35 +51,23 @@ def baseline_from_flags(
     spec: ModelSpec,
     flags: Mapping[str, Any],
     given: Iterable[str],
-    *,
-    gpus: int | None,
-    nodes: int | None,
-    gpus_per_node: int,
-    seq: int,
-    global_batch: int | None,
-    tokens_per_step: str | None,
+    workload: PlanWorkload,
 ) -> Strategy | None:
-    """The baseline ``trainfit plan`` (and the web API's plan) searches from: None (the planner's default,
-    :func:`trainfit.planner.api.plan_baseline`) when none of :data:`BASELINE_FLAGS` is ``given``, else that default
-    with the given ones laid over it, built as ``trainfit estimate`` builds its run (:func:`strategy_from_flags`,
-    then :func:`refuse_inapplicable` for a framework's flag given for a run it does not apply to). ``flags``: the
-    values of :data:`BASELINE_FLAGS` (defaults included)."""
+    """The baseline ``trainfit plan`` (and the web API's plan) searches from for ``workload`` (the run's size, the
+    same value the search is then given): None (the planner's default, :func:`trainfit.planner.api.plan_baseline`)
+    when none of :data:`BASELINE_FLAGS` is ``given``, else that default with the given ones laid over it, built as
+    ``trainfit estimate`` builds its run (:func:`strategy_from_flags`, then :func:`refuse_inapplicable` for a
+    framework's flag given for a run it does not apply to). ``flags``: the values of :data:`BASELINE_FLAGS`
+    (defaults included)."""
     from trainfit.cli.estimate import STRATEGY_FLAGS, estimate_defaults, refuse_inapplicable, strategy_from_flags
     from trainfit.planner.api import plan_baseline
 
     named = frozenset(given) & frozenset(BASELINE_FLAGS)
     if not named:
         return None
-    default = plan_baseline(
-        gpus=gpus,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        seq=seq,
-        global_batch=global_batch,
-        tokens_per_step=tokens_per_step,
-    )
+    default = plan_baseline(workload)
     values = {n: v for n, v in estimate_defaults().items() if n in STRATEGY_FLAGS}
-    values |= {"seq": seq, "gpus": default.world_size, "gpus_per_node": gpus_per_node}
+    values |= {"seq": workload.seq, "gpus": default.world_size, "gpus_per_node": workload.gpus_per_node}
     values |= {"batch": default.micro_batch, "sharding": default.sharding.value}
     values |= {n: flags[n] for n in BASELINE_FLAGS if n in named or n not in ("batch", "sharding")}
     _, strategy = strategy_from_flags(spec, **values)
@@ -114,17 +105,15 @@ def plan_cmd(
     price_per_gpu_hour: Annotated[float, typer.Option("--price-per-gpu-hour", help="For --objective cheapest.")] = 1.0,
     headroom: Annotated[float, typer.Option(help="Fraction of GPU memory kept free (article: 0.3).")] = 0.30,
     network_gbps: Annotated[
-        float, typer.Option("--network-gbps", help="Network GB/s per GPU per direction across nodes.")
-    ] = 50.0,
-    top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
-    host_memory_gib: Annotated[
-        float | None,
+        float,
         typer.Option(
-            "--host-memory-gib",
-            help="CPU memory per node in GiB: rule out plans (offload) whose host memory per node exceeds it less "
-            "--headroom (default: not limited; the table shows each plan's host GiB/node when any offloads).",
+            "--network-gbps",
+            help="Network line rate across nodes in GB/s per GPU per direction (50 = one 400 Gb/s NIC per GPU); "
+            f"NCCL's collectives reach about {NCCL_NETWORK_EFFICIENCY:.0%} of it (docs/speed.md).",
         ),
-    ] = None,
+    ] = DEFAULT_NETWORK_GBPS,
+    top: Annotated[int, typer.Option("--top", help="Plans to show.")] = 5,
+    host_memory_gib: HostMemoryOption = None,
     alloc_conf: Annotated[
         str | None,
         typer.Option(
@@ -187,30 +176,17 @@ def plan_cmd(
     from trainfit.export import export_plan, write_export
     from trainfit.export.configs import hf_trainer_lacks
     from trainfit.planner.api import plan
-    from trainfit.planner.workload import host_memory_bytes
+    from trainfit.planner.workload import PlanWorkload, host_memory_bytes
     from trainfit.report.plan import baseline_line, export_check, exported_run_json, plan_json, render_plan
 
     spec = load_model(model)
-    baseline = baseline_from_flags(
-        spec,
-        run,
-        explicit_flags(),
-        gpus=gpus,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        seq=seq,
-        global_batch=global_batch,
-        tokens_per_step=tokens_per_step,
-    )
+    workload = PlanWorkload(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
+                            global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
+    baseline = baseline_from_flags(spec, run, explicit_flags(), workload)
     result = plan(
         spec,
         gpu,
-        gpus=gpus,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        seq=seq,
-        global_batch=global_batch,
-        tokens_per_step=tokens_per_step,
+        workload=workload,
         allow=allow,
         objective=objective,
         price_per_gpu_hour=price_per_gpu_hour,
@@ -245,7 +221,7 @@ def plan_cmd(
         print_json(plan_json(result) | {"exported": [str(p) for p in written]} | ran)  # each plan's "notes" say it
         return
     render_plan(stdout_console(), result)
-    if global_batch is None and tokens_per_step is None:
+    if not workload.batch_given:
         typer.echo(
             f"note: global batch {result.global_batch} sequences of {result.seq_len} tokens (no --global-batch or "
             "--tokens-per-step: 8 per GPU given, the HF Trainer's default per_device_train_batch_size)"

@@ -1,7 +1,8 @@
 """``plan()``: the planner as the CLI and the web page call it — the flags' values in, a ranked
 :class:`~trainfit.planner.rank.PlanResult` out (one place that turns GPUs/nodes and a batch or a token budget
-into the search's inputs, and the torch and CUDA releases' names into theirs). ``baseline``: the user's run
-(``trainfit plan``'s run flags), checked as ``trainfit estimate`` checks it before the search."""
+into the search's inputs, :class:`~trainfit.planner.workload.PlanWorkload`, and the torch and CUDA releases' names
+into theirs). ``baseline``: the user's run (``trainfit plan``'s run flags), checked as ``trainfit estimate`` checks
+it before the search."""
 
 from __future__ import annotations
 
@@ -11,44 +12,58 @@ from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.history import ProcessHistory
 from trainfit.planner.rank import PlanResult, check_plan_history, default_baseline, search_plans
 from trainfit.planner.space import Objective, allows_float8, baseline_allows, check_allow_float8, parse_allow
-from trainfit.planner.workload import check_knobs, resolve_world, sequences_per_step
+from trainfit.planner.speed import DEFAULT_NETWORK_GBPS
+from trainfit.planner.workload import PlanWorkload, check_knobs
 from trainfit.strategy import Strategy
 
-__all__ = ["plan", "plan_baseline"]
+__all__ = ["PlanWorkload", "plan", "plan_baseline"]
+
+
+def _workload(workload: PlanWorkload | None, **sizes: int | str | None) -> PlanWorkload:
+    """``workload``, or one built from the keyword sizes (those not None; the rest :class:`PlanWorkload`'s defaults);
+    both at once are refused in one line rather than one silently preferred."""
+    given = {name: value for name, value in sizes.items() if value is not None}
+    if workload is None:
+        return PlanWorkload(**given)  # type: ignore[arg-type]
+    if given:
+        raise ConfigError(f"give a PlanWorkload or its sizes ({', '.join(sorted(given))}), not both")
+    return workload
 
 
 def plan_baseline(
+    workload: PlanWorkload | None = None,
     *,
     gpus: int | None = None,
     nodes: int | None = None,
-    gpus_per_node: int = 8,
-    seq: int = 2048,
+    gpus_per_node: int | None = None,
+    seq: int | None = None,
     global_batch: int | None = None,
     tokens_per_step: str | None = None,
 ) -> Strategy:
-    """The baseline :func:`plan` assumes for these arguments when none is given
-    (:func:`trainfit.planner.rank.default_baseline` of the world and global batch they resolve to): what
+    """The baseline :func:`plan` assumes for ``workload`` (or these sizes, :class:`PlanWorkload`'s fields) when none
+    is given (:func:`trainfit.planner.rank.default_baseline` of the world and global batch they resolve to): what
     ``trainfit plan``'s run flags are laid over."""
-    world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
-    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq, world=world)
-    return default_baseline(gpus=world, global_batch=batch, seq_len=seq, gpus_per_node=gpus_per_node)
+    w = _workload(workload, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
+                  global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
+    return default_baseline(gpus=w.world, global_batch=w.sequences, seq_len=w.seq, gpus_per_node=w.gpus_per_node)
 
 
 def plan(
     model: ModelSpec | str,
     gpu: GPUSpec | str,
     *,
+    workload: PlanWorkload | None = None,
     gpus: int | None = None,
     nodes: int | None = None,
-    gpus_per_node: int = 8,
-    seq: int = 2048,
+    gpus_per_node: int | None = None,
+    seq: int | None = None,
     global_batch: int | None = None,
     tokens_per_step: str | None = None,
     allow: str | None = None,
     objective: str = "fastest",
     price_per_gpu_hour: float = 1.0,
     headroom: float = 0.30,
-    network_gbps: float = 50.0,
+    network_gbps: float = DEFAULT_NETWORK_GBPS,
     top: int = 5,
     alloc_conf: str | None = None,
     torch_version: str | tuple[int, int] | None = None,
@@ -57,22 +72,25 @@ def plan(
     host_memory_bytes: int | None = None,
     baseline: Strategy | None = None,
 ) -> PlanResult:
-    """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument); with
-    neither ``global_batch`` nor ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``).
+    """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument). The run's
+    size: ``workload``, or the same fields as keywords (``gpus``, ``nodes``, ``gpus_per_node`` — default 8 —, ``seq``
+    — default 2048 —, ``global_batch``, ``tokens_per_step``; not both); with neither ``global_batch`` nor
+    ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``).
     ``torch_version`` / ``cuda_version`` (``"2.11"``, ``"12.8"``; None: 2.13 and 13.0) are checked as
     :func:`trainfit.estimate.estimate` checks them (the CUDA release must run ``gpu``) and decide every plan's
     workspaces and CUDA context; ``history`` (:mod:`trainfit.history`): the process the run starts in, one GPU only
     (:func:`trainfit.planner.rank.check_plan_history`). ``host_memory_bytes`` (``--host-memory-gib``): each node's
     CPU memory; plans whose host memory per node exceeds it less the headroom are ruled out (None: not limited).
     ``baseline``: the user's run, what each plan's changes are relative to (None: :func:`plan_baseline`); its
-    sequence length must be ``seq``. It is refused in one line where ``trainfit estimate`` would refuse it (an
+    sequence length must be the workload's. It is refused in one line where ``trainfit estimate`` would refuse it (an
     estimate of it on ``gpu`` with these releases and process); an adapter or fp8 linears in it open the search to
     them as ``allow`` would (:func:`trainfit.planner.space.baseline_allows`)."""
     if objective not in {o.value for o in Objective}:
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
-    world = resolve_world(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
-    batch = sequences_per_step(global_batch=global_batch, tokens_per_step=tokens_per_step, seq_len=seq, world=world)
+    w = _workload(workload, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
+                  global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
+    world, batch, seq_len = w.world, w.sequences, w.seq
     spec = load_model(model) if isinstance(model, str) else model
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     check_allow_float8(gpu_spec, allow)
@@ -83,7 +101,7 @@ def plan(
     methods, fp8 = parse_allow(allow), allows_float8(allow)
     if baseline is not None:
         history = check_plan_history(history, gpu_spec, gpus=world)  # the plan's own refusal first
-        check_baseline(spec, baseline, gpu_spec, seq=seq, headroom=headroom, alloc_conf=alloc_conf,
+        check_baseline(spec, baseline, gpu_spec, seq=seq_len, headroom=headroom, alloc_conf=alloc_conf,
                        torch_version=release, cuda_version=cuda, history=history)  # fmt: skip
         more, more_fp8 = baseline_allows(baseline)
         methods += tuple(m for m in more if m not in methods)
@@ -92,9 +110,9 @@ def plan(
         spec,
         gpu_spec,
         gpus=world,
-        seq_len=seq,
+        seq_len=seq_len,
         global_batch=batch,
-        gpus_per_node=gpus_per_node,
+        gpus_per_node=w.gpus_per_node,
         allow=methods,
         fp8=fp8,
         objective=Objective(objective),

@@ -1,5 +1,6 @@
 """What ``trainfit estimate`` adds from the planner: the speed of exactly the configuration asked, and — when
-it does not fit — the planner's top three checked plans for the same GPUs, global batch and sequence length,
+it does not fit (the GPU, or the host under ``--host-memory-gib``) — the planner's top three checked plans for the
+same GPUs, global batch and sequence length, within the same host memory,
 searched under the estimate's torch and CUDA releases and in its process history (each fix's required bytes are
 then what ``trainfit estimate`` with the fix's flags and the same ``--torch-version``, ``--cuda-version``,
 ``--build``, ``--warm-up`` and ``--after`` reports)."""
@@ -39,6 +40,7 @@ def checked_fixes(
     torch_version: tuple[int, int] = TARGET_TORCH,
     cuda_version: tuple[int, int] | None = None,
     history: ProcessHistory | None = None,
+    host_memory_bytes: int | None = None,
 ) -> tuple[Suggestion, ...]:
     """The planner's top plans for ``strategy``'s GPUs, global batch and sequence, as suggestions whose flags
     are the changes from ``strategy`` (each checked by the estimate; LoRA/QLoRA only if already fine-tuning, fp8
@@ -47,7 +49,9 @@ def checked_fixes(
     says so as ``--alloc-conf`` (the estimate's flag that reproduces it). ``torch_version``, ``cuda_version`` (None:
     the default) and ``history``: the estimate's own, so that each fix is checked against the same workspaces,
     CUDA context and process as the estimate that did not fit (a history only comes with one GPU: the estimate
-    refuses it for more)."""
+    refuses it for more). ``host_memory_bytes`` (``--host-memory-gib``): each node's CPU memory; a plan whose host
+    memory per node exceeds it less the headroom is no fix (:func:`trainfit.planner.rank.host_usable_bytes`; None:
+    not limited), and each fix that keeps memory on the host says how much per node."""
     from trainfit.planner.rank import search_plans
     from trainfit.planner.space import baseline_allows
 
@@ -71,6 +75,7 @@ def checked_fixes(
             torch_version=torch_version,
             cuda_version=cuda_version,
             history=history,
+            host_memory_bytes=host_memory_bytes,
         )
     except StrategyError:
         return ()
@@ -80,11 +85,19 @@ def checked_fixes(
             reason=(
                 f"fits with {p.required_bytes / 2**30:.1f} GiB of {p.usable_bytes / 2**30:.1f} GiB usable; "
                 f"{p.speed.step_seconds:.2f} s/step, {p.speed.tokens_per_second:,.0f} tokens/s (speed model)"
+                + _host_clause(p.host_peak_bytes, result.host_usable_bytes)
             ),
             flags=tuple(_as_flag(c) for c in p.changes),
         )
         for p in result.plans
     )
+
+
+def _host_clause(host_peak_bytes: int, host_usable_bytes: int | None) -> str:
+    """A fix's host memory per node, said under ``--host-memory-gib`` only (without it the fixes read as before)."""
+    if host_usable_bytes is None or not host_peak_bytes:
+        return ""
+    return f"; host {host_peak_bytes / 2**30:.1f} GiB/node of {host_usable_bytes / 2**30:.1f} GiB usable"
 
 
 def _as_flag(change: str) -> str:

@@ -1,15 +1,19 @@
 """The plan's fixed inputs as the CLI spells them: the world (``--gpus`` or ``--nodes × --gpus-per-node``)
 and the global batch (``--global-batch`` sequences or ``--tokens-per-step`` tokens; neither: 8 sequences per GPU
 given, with no accumulation — the HF Trainer's defaults, transformers ``TrainingArguments.per_device_train_batch_size
-= 8`` and ``gradient_accumulation_steps = 1``), and the search's numeric knobs, checked before any estimate runs
-(an estimate refuses a bad headroom, and the search would read that as "nothing fits")."""
+= 8`` and ``gradient_accumulation_steps = 1``), held together with the sequence length as one value,
+:class:`PlanWorkload`, and the search's numeric knobs, checked before any estimate runs (an estimate refuses a bad
+headroom, and the search would read that as "nothing fits")."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from trainfit.errors import ConfigError
 
 __all__ = [
     "DEFAULT_SEQUENCES_PER_GPU",
+    "PlanWorkload",
     "check_knobs",
     "host_memory_bytes",
     "parse_tokens",
@@ -70,6 +74,43 @@ def sequences_per_step(*, global_batch: int | None, tokens_per_step: str | None,
     if global_batch < 1:
         raise ConfigError("--global-batch must be positive")
     return global_batch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanWorkload:
+    """The size of the run a plan is for, as ``trainfit plan`` takes it: ``--gpus`` (GPUs available) or ``--nodes`` ×
+    ``--gpus-per-node``, ``--seq``, and ``--global-batch`` sequences or ``--tokens-per-step`` tokens (neither:
+    :data:`DEFAULT_SEQUENCES_PER_GPU` per GPU). Built once — by the CLI and the web API's plan — and handed both to
+    the baseline (:func:`trainfit.planner.api.plan_baseline`, what the run flags are laid over) and to the search
+    (:func:`trainfit.planner.api.plan`), so the two cannot be given different sizes. Checked when built, with the
+    one-line refusals of :func:`resolve_world` and :func:`sequences_per_step`."""
+
+    gpus: int | None = None
+    nodes: int | None = None
+    gpus_per_node: int = 8
+    seq: int = 2048
+    global_batch: int | None = None
+    tokens_per_step: str | None = None
+
+    def __post_init__(self) -> None:
+        self.sequences  # noqa: B018 - resolves the world and the batch: a bad size is refused here, in one line
+
+    @property
+    def world(self) -> int:
+        """The GPUs the search may use (:func:`resolve_world`)."""
+        return resolve_world(gpus=self.gpus, nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per optimizer step over all GPUs (:func:`sequences_per_step`)."""
+        return sequences_per_step(
+            global_batch=self.global_batch, tokens_per_step=self.tokens_per_step, seq_len=self.seq, world=self.world
+        )
+
+    @property
+    def batch_given(self) -> bool:
+        """Whether ``--global-batch`` or ``--tokens-per-step`` was given (else the HF Trainer's default per GPU)."""
+        return self.global_batch is not None or self.tokens_per_step is not None
 
 
 def check_knobs(*, headroom: float, top: int, price_per_gpu_hour: float, network_gbps: float) -> None:

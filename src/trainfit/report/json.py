@@ -255,9 +255,16 @@ def report_json(
             ],
             # null: it does not fit and the planner was not asked (trace, measure, --no-fixes)
             "fixes": [{"kind": x.kind.value, "reason": x.reason, "flags": list(x.flags)} for x in f.fixes]
-            if f.fits or f.fixes_searched
+            if (f.fits and f.host_fits is not False) or f.fixes_searched
             else None,
         }
+        if f.host_memory_bytes is not None:  # --host-memory-gib: the host's verdict beside the GPU's (fits, verdict)
+            out |= {
+                "host_memory_bytes": f.host_memory_bytes,
+                "host_usable_bytes": f.host_usable_bytes,  # × (1 − headroom), as trainfit plan holds a plan to it
+                "host_peak_bytes": f.host_required_bytes,  # per node
+                "host_fits": f.host_fits,
+            }
     if report.gpu is not None:  # the speed model for exactly this configuration (None: no peak for its dtype)
         out["step_seconds"] = report.speed.step_seconds if report.speed is not None else None
         out["tokens_per_second"] = report.speed.tokens_per_second if report.speed is not None else None

@@ -103,6 +103,15 @@ def _outside_parts(report: MemoryReport) -> str:
 
 def _verdict(f: FitVerdict) -> Text:
     t = Text()
+    host_short = f.host_free_bytes is not None and f.host_free_bytes < 0
+    if host_short:  # --host-memory-gib: what trainfit plan rules out, said first; the GPU's verdict follows
+        assert f.host_memory_bytes is not None and f.host_usable_bytes is not None
+        t.append("DOES NOT FIT the host", style="bold red")
+        t.append(
+            f": needs {fmt_gib(f.host_required_bytes)} of CPU memory per node of {fmt_gib(f.host_usable_bytes)} "
+            f"usable (--host-memory-gib {gib(f.host_memory_bytes):g} − {f.headroom_fraction:.0%} headroom), short "
+            f"by {fmt_gib(f.host_required_bytes - f.host_usable_bytes)}. On the GPU: "
+        )
     if f.fits:
         t.append("FITS", style="bold green")
         t.append(f" on {f.gpu_id}: needs {fmt_gib(f.required_bytes)} of {fmt_gib(f.usable_bytes)} usable, ")
@@ -134,8 +143,19 @@ def _verdict(f: FitVerdict) -> Text:
         t.append(" To fit without cache flushes:")
     for s in f.suggestions:  # why it does not fit
         t.append(_suggestion(s, checked_fixes=bool(f.fixes)))
+    if f.host_usable_bytes is not None and not host_short and f.host_required_bytes:
+        t.append(
+            f" Host memory per node: {fmt_gib(f.host_required_bytes)} of {fmt_gib(f.host_usable_bytes)} usable "
+            "(--host-memory-gib less the headroom)."
+        )
+    if f.fixes_searched and not f.fixes and f.host_memory_bytes is not None:
+        t.append(
+            f"\nNo checked fix (trainfit plan) fits within --host-memory-gib {gib(f.host_memory_bytes):g}: trainfit "
+            "plan with the same flags says what would."
+        )
     if f.fixes:  # what fits, checked by the planner with this estimate
-        t.append("\nChecked fixes (trainfit plan; each fits by this estimate):")
+        within = "" if f.host_usable_bytes is None else " and within --host-memory-gib"
+        t.append(f"\nChecked fixes (trainfit plan; each fits by this estimate{within}):")
         for i, s in enumerate(f.fixes, 1):
             t.append(f"\n  {i}. {' '.join(s.flags) or '(as given)'}: {s.reason}")
     return t

@@ -105,7 +105,7 @@ def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, 
     given flags)."""
     from trainfit.cli.estimate import process_history
     from trainfit.cli.plan import BASELINE_FLAGS, baseline_from_flags
-    from trainfit.planner.workload import host_memory_bytes
+    from trainfit.planner.workload import PlanWorkload, host_memory_bytes
 
     o = parse_options(raw, plan_options())
     spec = resolve_model(raw, allow_hub=allow_hub)
@@ -113,17 +113,9 @@ def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, 
     if not o.get("gpu"):
         raise ConfigError("--gpu is required: the GPU to plan for (see /api/gpus)")
     run = {name: o.pop(name) for name in BASELINE_FLAGS}
-    o["baseline"] = baseline_from_flags(
-        spec,
-        run,
-        [name for name in BASELINE_FLAGS if name in raw],
-        gpus=o["gpus"],
-        nodes=o["nodes"],
-        gpus_per_node=o["gpus_per_node"],
-        seq=o["seq"],
-        global_batch=o["global_batch"],
-        tokens_per_step=o["tokens_per_step"],
-    )
+    sizes = ("gpus", "nodes", "gpus_per_node", "seq", "global_batch", "tokens_per_step")
+    o["workload"] = PlanWorkload(**{name: o.pop(name) for name in sizes})  # as trainfit plan builds it
+    o["baseline"] = baseline_from_flags(spec, run, [name for name in BASELINE_FLAGS if name in raw], o["workload"])
     o["history"] = process_history(o.pop("build"), o.pop("warm_up"), o.pop("after"))
     o["host_memory_bytes"] = host_memory_bytes(o.pop("host_memory_gib"))  # as trainfit plan converts it
     return spec, o
@@ -248,9 +240,11 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
     """The model and the keyword arguments of :func:`trainfit.estimate.estimate` for a request, as
     ``trainfit estimate`` builds them from its flags (``method_options`` excluded)."""
     from trainfit.cli.estimate import STRATEGY_FLAGS, parse_count, process_history, strategy_from_flags
+    from trainfit.planner.workload import host_memory_bytes
     from trainfit.result import Method
 
     o = parse_options(raw, estimate_options())
+    host = host_memory_bytes(o["host_memory_gib"])  # first, as trainfit estimate checks it
     explicit = [o["params"], o["hidden_size"], o["num_layers"]]
     spec = resolve_model(raw, allow_hub=allow_hub, required=False)
     if spec is not None and any(v is not None for v in explicit):
@@ -288,6 +282,7 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
         "torch_version": o["torch_version"],
         "cuda_version": o["cuda_version"],
         "history": process_history(o["build"], o["warm_up"], o["after"]),
+        "host_memory_bytes": host,
     }
 
 
