@@ -902,13 +902,24 @@ def test_fsdp2_script_trains_on_two_cpu_processes(tmp_path: Path, fp8: str) -> N
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
            str(tmp_path / "train_fsdp2.py")]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    if res.returncode != 0 and _aborted_after_training(res, steps=2):
+        # Seen twice on this 2-core machine under a full parallel test run: every step trained, then a process
+        # aborted with a C++ terminate on its way out (gloo's threads at teardown). Run it once more; a second
+        # failure, or any failure before the last step, fails the test.
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-1000:] + res.stderr[-3000:]
     assert "step 1 loss" in res.stdout
     if fp8.startswith("fp16"):  # gathered in fp16, reduced in fp32, the loss scaled (no overflow: 2**16 kept)
         assert "param_dtype=torch.float16, reduce_dtype=torch.float32" in res.stdout
         assert " scale 65536" in res.stdout
     else:
         assert " scale " not in res.stdout
+
+
+def _aborted_after_training(res: Any, steps: int) -> bool:
+    """A torchrun whose rank 0 printed every step's loss and whose failure is a process aborted by a C++
+    ``std::terminate`` (SIGABRT): a teardown crash, not a training failure."""
+    return f"step {steps - 1} loss" in res.stdout and "terminate called without an active exception" in res.stderr
 
 
 _SCALER_CHECK = """

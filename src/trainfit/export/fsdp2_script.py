@@ -218,6 +218,11 @@ def main() -> None:
         if rank == 0:
             scale = f" scale {{scaler.get_scale():g}}" if FP16 else ""
             print(f"step {{step}} loss {{total:.4f}}{{scale}}", flush=True)
+    # every rank's collectives done and the model's references to the process group dropped while Python is alive:
+    # a gloo work still referenced at interpreter exit can abort the process (SIGABRT, "terminate called without an
+    # active exception"; pytorch/pytorch#179291 describes the mechanism)
+    dist.barrier()
+    del opt, model
     dist.destroy_process_group()
 
 
