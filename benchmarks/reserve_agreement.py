@@ -13,6 +13,7 @@ Usage: python benchmarks/reserve_agreement.py [MODEL RECIPE CKPT BATCH SEQ ...] 
        python benchmarks/reserve_agreement.py llama-3.2-3b amp-bf16 full 1 4096)
        python benchmarks/reserve_agreement.py --finetune [--write]   (--write replaces the marked table of
        docs/accuracy.md)
+       python benchmarks/reserve_agreement.py --offload-ckpt   (activation offloading under checkpointing)
        python benchmarks/reserve_agreement.py --savers [--write]   (the memory savers on llama-3.2-1b, 2 × 1024:
        full amp-bf16 and pure-bf16, LoRA and QLoRA under amp-bf16; 1 × 512: full and QLoRA)
 """
@@ -75,6 +76,21 @@ SAVER_SETUPS: tuple[tuple[str, str, int, int, str], ...] = (
     ("llama-3.2-1b", "pure-bf16", 1, 512, "full"),
     ("llama-3.2-1b", "amp-bf16", 1, 512, "qlora"),
 )
+#: --offload-ckpt: activation offloading under checkpointing (model, recipe, batch, seq, trains, checkpointing)
+OFFLOAD_CKPT: tuple[tuple[str, str, int, int, str, str], ...] = (
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "full", "full"),
+    ("llama-3.2-1b", "pure-bf16", 2, 1024, "full", "full"),
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "lora", "full"),
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "qlora", "full"),
+    ("llama-3.2-1b", "pure-bf16", 2, 1024, "qlora", "full"),
+    ("llama-3.2-1b", "pure-bf16", 2, 1024, "full", "sqrt"),
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "lora", "sqrt"),
+    ("qwen2.5-0.5b", "pure-bf16", 4, 1024, "full", "full"),
+    ("qwen2.5-0.5b", "amp-bf16", 4, 1024, "full", "full"),
+    ("qwen2.5-0.5b", "amp-bf16", 4, 1024, "lora", "full"),
+    ("llama-3.2-3b", "amp-bf16", 1, 2048, "full", "full"),
+    ("llama-3.2-3b", "pure-bf16", 1, 2048, "lora", "full"),
+)
 #: --savers: the savers, as the CLI spells them
 SAVERS: tuple[tuple[str, MemorySavers], ...] = (
     ("--loss chunked", MemorySavers(loss=LossImpl.CHUNKED)),
@@ -130,6 +146,32 @@ def savers_main(write: bool) -> None:
         _write(rows, SAVERS_BEGIN, SAVERS_END)
 
 
+def offload_ckpt_main() -> None:
+    """Activation offloading under checkpointing, analytic against the (full-depth) trace (docs/accuracy.md,
+    "Activation offloading under checkpointing")."""
+    print(
+        "| model | recipe | b×s | trains | ckpt | analytic reserved GiB | trace reserved GiB | diff | allocated GiB |"
+    )
+    print("|---|---|---|---|---|---:|---:|---:|---:|")
+    for slug, recipe, batch, seq, how, ckpt in OFFLOAD_CKPT:
+        t0 = time.perf_counter()
+        spec = load_model(slug)
+        s = Strategy(
+            precision=Precision(recipe),
+            checkpointing=Checkpointing(ckpt),
+            micro_batch=batch,
+            seq_len=seq,
+            savers=MemorySavers(activation_offload=True),
+        )
+        if how != "full":
+            adapter, base_weights = finetune_setup(how, rank=16, targets="all-linear")
+            s = replace(s, adapter=adapter, base_weights=base_weights)
+        print(
+            f"| {slug} | {recipe} | {batch}×{seq} | {how} | {ckpt} | {_both(spec, s)}"
+            f"  ({time.perf_counter() - t0:.0f} s)"
+        )
+
+
 def finetune_main(write: bool) -> None:
     rows = [
         "| model | recipe | ckpt | b×s | adapter | analytic reserved GiB | trace reserved GiB | diff | "
@@ -166,6 +208,9 @@ def finetune_main(write: bool) -> None:
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--finetune":
         finetune_main("--write" in argv[1:])
+        return
+    if argv and argv[0] == "--offload-ckpt":
+        offload_ckpt_main()
         return
     if argv and argv[0] == "--savers":
         savers_main("--write" in argv[1:])

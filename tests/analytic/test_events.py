@@ -210,13 +210,17 @@ def test_simulations_are_memoised_on_their_inputs() -> None:
 
 @pytest.mark.parametrize("savers", [MemorySavers(activation_offload=True)], ids=["activation-offload"])
 def test_savers_the_stream_does_not_read_share_its_simulation(savers: MemorySavers) -> None:
-    """``stream_strategy`` drops the savers :func:`synthesise` does not read (activation offloading under
-    checkpointing): the same events, so one simulation serves both, on a tied and an untied model."""
-    plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="full")
-    s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="full", savers=savers)
+    """``stream_strategy`` drops the savers :func:`synthesise` does not read (activation offloading under selective
+    recompute): the same events, so one simulation serves both, on a tied and an untied model. Under whole-layer
+    checkpointing the stream reads it (each segment's input off the device) and keeps it in its key."""
+    plain = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="selective")
+    s = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="selective", savers=savers)
+    full = Strategy(micro_batch=1, seq_len=512, precision="pure-bf16", checkpointing="full", savers=savers)
     for slug in ("llama-3.1-8b", "gpt2"):
         spec = load_model(slug)
         assert stream_strategy(spec, s) == plain and stream_strategy(spec, plain) is plain
+        assert stream_strategy(spec, full) is full
+        assert training_events(spec, full) != training_events(spec, replace(full, savers=MemorySavers()))
         assert training_events(spec, s) == training_events(spec, plain)
         forget_simulations()
         assert simulate_training(spec, s, AllocatorConfig()) is simulate_training(spec, plain, AllocatorConfig())

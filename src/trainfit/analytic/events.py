@@ -38,8 +38,11 @@ moments are built from, tensor by tensor, in the order a Hugging Face training s
   empty; torchtune's activation offloading without checkpointing, coarsely: a layer's saves of >= 1 KiB freed on the
   device at the layer's end (the trace frees each once out of its stash of 5 packs), autocast's cached copies held
   to the forward's end, and the whole layer's saves back as new device copies from its backward's start to its end
-  (the trace holds two autograd nodes' copies at a time, weight views included); with checkpointing it is not in the
-  stream (:func:`stream_strategy`);
+  (the trace holds two autograd nodes' copies at a time, weight views included); under whole-layer checkpointing each
+  segment's input leaves the device when the forward stash of 5 packs drops it (the final norm's packs drop the
+  rest), and each recompute unpacks a new copy, freed after the next one's (over a frozen token table the first
+  input, a leaf, and its gradient held to the next backward); under selective recompute it is not in the stream
+  (:func:`stream_strategy`);
 * a checkpointed forward keeps no saves (non-reentrant ``torch.utils.checkpoint`` packs nothing): each tensor lives
   as long as the module's Python forward holds it. For Llama-style layers one path (``nograd`` in ``synthesise``),
   16-bit or under autocast over fp32 weights, with or without adapter flows (whose parts — each adapter's output to
@@ -95,7 +98,12 @@ from trainfit.analytic.adapters import (
     site_tensors,
 )
 from trainfit.analytic.logits import logits_memory
-from trainfit.analytic.savers import MIN_OFFLOAD_BYTES, liger_chunk_tokens
+from trainfit.analytic.savers import (
+    MIN_OFFLOAD_BYTES,
+    OFFLOAD_FWD_STASH,
+    liger_chunk_tokens,
+    offload_retained_bytes,
+)
 from trainfit.analytic.states import (
     ParamState,
     model_states,
@@ -821,10 +829,29 @@ def synthesise(
     # post-accumulate-grad hook steps its own optimizer and drops the .grad as soon as AccumulateGrad has made it —
     # in the first step the optimizer's states for it are made there, inside the first backward
     in_bwd = strategy.savers.optimizer_in_backward
-    # torchtune's activation offloading, replayed without checkpointing (stream_strategy)
-    offload = strategy.savers.activation_offload and not segment_of
+    # torchtune's activation offloading, replayed without checkpointing (not under selective recompute:
+    # stream_strategy)
+    offload = strategy.savers.activation_offload and strategy.checkpointing is Checkpointing.NONE
     if offload:
         s.track_sizes()
+    # ... and under checkpointing: each segment's input is its one pack (non-reentrant checkpoint's
+    # ``_NoopSaveInputs``); its device tensor goes once the forward stash drops it, OFFLOAD_FWD_STASH segments later
+    # (the first one, the embedding's output, a local of the model's forward to its return), the final norm's packs
+    # drop the rest; in backward each recompute unpacks a new device copy, freed after the next segment's recompute
+    # (the next unpacking node's hook), the last at the backward's end
+    ckpt_offload = strategy.savers.activation_offload and bool(segment_of)
+    # ... over a frozen token table the first input is a leaf (enable_input_require_grads): its AccumulateGrad holds
+    # it, and keeps it and its .grad (the residual gradient, stolen) as the last unpacking node to the next backward's
+    # first (savers.offload_retained_bytes; the LLM.int8 inputs it also reaches are not replayed)
+    leaf_held = ckpt_offload and offload_retained_bytes(spec, strategy)[1] > 0
+    retained: list[int] = []
+    # The final norm's packs of >= 1 KiB (its saved terms, once per save) drop the stash's older entries; the newest
+    # OFFLOAD_FWD_STASH less that many stay on the device to the first unpacking node's end, the final norm's backward
+    # (a frozen norm weight saves the normed input for nothing: one pack fewer, the top segment's input kept)
+    norm_packs = sum(
+        x.saves * sum(1 for n in x.tensors() if n >= MIN_OFFLOAD_BYTES) for x in mt if x.role is TermRole.HEAD
+    )
+    stash_kept = max(0, OFFLOAD_FWD_STASH - norm_packs)
     state_bits = 32 if r.master_bits else r.state_bits
 
     # Optimizer in backward under autocast: the head matmul's 16-bit weight gradient (of autocast's copy) is cast into
@@ -1870,6 +1897,9 @@ def synthesise(
             rank.embedding_forward_end(s)
             layers: list[tuple[list[int], list[int]]] = []
             kept: list[int] = []
+            stash: list[int] = []  # offloading under checkpointing: the packed segment inputs still on the device
+            stash_first = 0  # ... the first of them, the embedding's output
+            unpacked_prev = 0  # ... in backward, the copy unpacked for the segment recomputed before
             forward_cache: list[int] = []  # checkpointed layers' cached autocast copies, freed after the loss
             kv_cache: list[int] = []
             residual = s.alloc(hidden)
@@ -1878,7 +1908,15 @@ def synthesise(
             offloaded: dict[int, list[int]] = {}  # activation offloading: each layer's offloaded saves' bytes
             for i in range(spec.num_layers):
                 kept_input = bool(segment_of) and (i == 0 or segment_of[i] != segment_of[i - 1])
-                if kept_input:  # the segment's input, kept for its recompute: the residual tensor itself
+                if kept_input and ckpt_offload:  # packed: to the host, its device tensor to the stash
+                    stash.append(residual)
+                    if len(stash) > OFFLOAD_FWD_STASH:
+                        gone = stash.pop(0)
+                        if gone != stash_first:
+                            s.free(gone)
+                    if i == 0:
+                        stash_first = residual
+                elif kept_input:  # the segment's input, kept for its recompute: the residual tensor itself
                     kept.append(residual)
                 rank.layer_forward_begin(s, i)
                 copies, saved = layer_forward(i, discard=bool(segment_of))
@@ -1923,6 +1961,13 @@ def synthesise(
                 for x in mt
                 if x.role is TermRole.HEAD or (x.role is TermRole.HEAD_INPUT and not (chunk_tokens or fused))
             ]
+            if ckpt_offload:  # the final norm's packs drop the stash; the model's forward returns
+                tail = stash[len(stash) - stash_kept :] if stash_kept else []
+                s.free_all(k for k in stash if k != stash_first and k not in tail)
+                if not leaf_held and stash_first not in tail:
+                    s.free(stash_first)
+                retained += [k for k in tail if not (leaf_held and k == stash_first)]
+                stash.clear()
             s.free(residual)
             if chunk_tokens:
                 g_logits, g_chunks, wsum = chunked_loss(forward_cache, kv_cache, head_copies)
@@ -2022,6 +2067,8 @@ def synthesise(
                 rank.head_grads_taken(s, head_grads)
             s.free_all(head_copies)
             s.free_all([s.alloc(rank.residual_bytes(n)) for n in pieces.norm])  # the final norm's backward
+            s.free_all(retained)  # its node replaces the last backward's last unpacking node
+            retained.clear()
             s.free_all(head)
             if not micro:
                 model_grads = rank.head_backward_end(s, model_grads)
@@ -2034,11 +2081,14 @@ def synthesise(
                 if segment_of and (i == spec.num_layers - 1 or segment_of[i] != segment_of[i + 1]):
                     # Recompute the segment that ends here: every layer of it saves again.
                     seg = segment_of[i]
+                    unpacked = s.alloc(hidden) if ckpt_offload else 0  # offloaded: the input back as a new copy
                     for j in [k for k in range(spec.num_layers) if segment_of[k] == seg]:
                         s.free_all(sac_kept.pop(j, []))  # the recomputation takes them over (no new allocation)
                         layers[j] = layer_forward(j, recompute=True)
                     s.free_all(int8_recomputed)  # the recomputation stops: its graph's ctx-held inputs go
                     int8_recomputed.clear()
+                    s.free(unpacked_prev)
+                    unpacked_prev = unpacked
                     copies, saved = layers[i]
                 rank.layer_backward_begin(s, i)
                 own = layer_trainable[i]
@@ -2082,7 +2132,7 @@ def synthesise(
                 g_res = g_next
                 if not micro:
                     grads += [k for k in rank.layer_backward_end(s, i, layer_grads) if k]
-                if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]):
+                if segment_of and (i == 0 or segment_of[i] != segment_of[i - 1]) and not ckpt_offload:
                     s.free(kept.pop())
             if tied is not None:
                 # A tied table: the embedding's dense gradient meets the head's (states.tied_gradient_sum); out of
@@ -2132,7 +2182,11 @@ def synthesise(
                 if kept_grads is not None:
                     dropped = set(model_grads + late)
                     grads = [k for k in grads if k not in dropped] + kept_grads
-            s.free(g_res)
+            if leaf_held:
+                retained += [stash_first, g_res]
+            else:
+                s.free(g_res)
+            s.free(unpacked_prev)  # OffloadActivations' backward-end callback clears its stash
             s.free_all(int8_ctx)  # the graph goes with the backward's end
             int8_ctx.clear()
             s.free_all(embedding)
@@ -2195,15 +2249,16 @@ def stream_strategy(spec: ModelSpec, strategy: Strategy) -> Strategy:
     and the fused linear loss (replayed chunk by chunk, ``chunked_loss`` and ``fused_loss`` in :func:`synthesise`;
     the chunk count only under the chunked loss), ``optimizer_in_backward`` (each gradient stepped and freed by its
     hook), ``activation_offload`` without checkpointing (the layers' saves off the device between their forward and
-    backward), and for a token table tied to another head the loss too
-    (:func:`~trainfit.analytic.states.tied_gradient_sum`); offloading under checkpointing not at all."""
+    backward) and under whole-layer checkpointing (the segments' inputs off the device), and for a token table tied
+    to another head the loss too (:func:`~trainfit.analytic.states.tied_gradient_sum`); offloading under selective
+    recompute not at all."""
     sv = strategy.savers
     if not sv.any:
         return strategy
     tied = spec.tie_word_embeddings and spec.kind.has_vocab_logits
     replayed = sv.loss is not LossImpl.STANDARD and spec.kind is ModelKind.CAUSAL_LM
     chunks = sv.loss_chunks if sv.loss is LossImpl.CHUNKED else MemorySavers().loss_chunks
-    offload = sv.activation_offload and strategy.checkpointing is Checkpointing.NONE
+    offload = sv.activation_offload and strategy.checkpointing is not Checkpointing.SELECTIVE
     read = MemorySavers(
         paged_optimizer=sv.paged_optimizer, optimizer_in_backward=sv.optimizer_in_backward, activation_offload=offload
     )

@@ -45,7 +45,8 @@ none of them. With ``V = t·vocab`` logits elements, ``a`` the compute width and
   frozen token table, checkpointed, the embeddings' leaf output with its gradient and the bottom layer's LLM.int8
   inputs (:func:`offload_retained_bytes`). Checked save by save against the trace (tests/trace/test_savers_trace.py).
   The reserved memory's stream replays it layer by layer without checkpointing (trainfit.analytic.events
-  ``offloaded``).
+  ``offloaded``) and segment input by segment input under whole-layer checkpointing (``ckpt_offload``; the trace
+  of such a run is not stitched, trainfit.trace.events ``frees_units_later``).
 * **Paged optimizers** (bitsandbytes ``bitsandbytes/optim/optimizer.py`` ``Optimizer8bit.get_state_buffer`` with
   ``is_paged``: ``F.get_paged`` → ``cudaMallocManaged``): the optimizer states live in CUDA unified memory,
   outside the caching allocator, so ``torch.cuda.max_memory_allocated`` never sees them and the driver pages
@@ -79,6 +80,9 @@ MIN_OFFLOAD_BYTES = 1024
 #: Checkpoint inputs an offloading run holds on the GPU in backward: the unpacked copy of the segment being
 #: recomputed and the previous one's, freed after the next unpacking node (OffloadActivations with ``use_streams``).
 OFFLOAD_LAYERS_ON_GPU = 2
+#: OffloadActivations ``max_fwd_stash_size``: the forward keeps a packed tensor's device copy until the pack this many
+#: ids later (torchtune ``torchtune/training/_activation_offloading.py``).
+OFFLOAD_FWD_STASH = 5
 
 
 def check_savers(spec: ModelSpec, strategy: Strategy) -> None:
@@ -349,8 +353,8 @@ def saver_notes(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
         out.append("selective recompute (Korthikanti et al. 2022 §5): only the attention core is recomputed")
     if sv.any:
         out.append(
-            "reserved memory: the allocator simulation replays the loss savers, the optimizer in backward and, "
-            "without checkpointing, activation offloading (layer by layer); its overhead above its own allocated "
+            "reserved memory: the allocator simulation replays the loss savers, the optimizer in backward and "
+            "activation offloading (not under selective recompute); its overhead above its own allocated "
             "peak is added to this peak"
         )
     return tuple(out)
