@@ -630,6 +630,24 @@ def _step_allocations(spec: ModelSpec, st: Strategy) -> tuple[list[int], list[in
     )
 
 
+def test_fp32_adapters_over_a_16_bit_base_get_fp32_optimizer_states() -> None:
+    """PEFT keeps LoRA's A and B in fp32 over a bf16 base (``autocast_adapter_dtype``), and AdamW makes each state like
+    the tensor it updates (``zeros_like(p)``): fp32. The stream made them in the recipe's state width (bf16 under
+    pure-bf16), as the closed form does not (``states.trained_widths``): llama-3.2-1b QLoRA pure-bf16 2 × 1024 with
+    offloading under checkpointing had its allocated peak 1% under the trace's (now equal). Counted here by the
+    allocations of one adapter size (gate's and up's B, down's A: 3 per layer) over two steps: the tensors, two
+    steps' gradients and the two AdamW states, as the trace makes them."""
+    from trainfit.strategy import finetune_setup
+
+    spec = tiny_spec("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=1536, vocab_size=2048)
+    adapter, base = finetune_setup("lora", rank=8, targets="all-linear")
+    st = replace(Strategy(precision="pure-bf16", micro_batch=1, seq_len=64), adapter=adapter, base_weights=base)
+    analytic, traced = _step_allocations(spec, st)
+    size = 8 * spec.intermediate_size * 4  # an fp32 (1536 × 8) adapter tensor
+    per_step = 3 * spec.num_layers
+    assert analytic.count(size) == traced.count(size) == per_step * (1 + 2 + 2)
+
+
 def test_master_copies_are_made_with_the_optimizer_and_their_gradients_before_its_states() -> None:
     """A master-* recipe's fp32 copies are made when the optimizer is built, before the first step (Megatron-LM's
     ``Float16OptimizerWithFloat16Params.__init__``, the trace's ``MasterWeights``), and each step upcasts every

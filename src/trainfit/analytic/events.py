@@ -62,7 +62,7 @@ peak of reserved memory. How close this is to the trace's own events and to the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from trainfit._memo import Memo, spec_key
@@ -112,6 +112,7 @@ from trainfit.analytic.states import (
     tensor_step_temp_bytes,
     tied_gradient_sum,
     tied_sum_modelled,
+    trained_widths,
 )
 from trainfit.arch.params import inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind, ParamTensor
@@ -721,12 +722,21 @@ class RankHooks:
         sizes = [_bytes(x.numel, bits) for x, m in trained for _ in range(m)]
         return [s.alloc(n) for n in sizes], sum(sizes)
 
-    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
-        """The optimizer's states, made in the first step (the master copies are :meth:`master_weights`)."""
+    def optimizer_states(
+        self,
+        s: Stream,
+        strategy: Strategy,
+        trained: Sequence[tuple[ParamTensor, int]],
+        state_bits: Mapping[ParamTensor, int] | None = None,
+    ) -> None:
+        """The optimizer's states, made in the first step (the master copies are :meth:`master_weights`), each tensor's
+        in ``state_bits`` where it has an entry (an adapter's own dtype: :func:`~trainfit.analytic.states.
+        trained_widths`), else the recipe's."""
         r = strategy.recipe
-        state_bits = 32 if r.master_bits else r.state_bits
+        default = 32 if r.master_bits else r.state_bits
         for x, m in trained:
-            pieces = optimizer_state_tensors(x, strategy.optimizer, state_bits, strategy.optimizer_impl)
+            bits = state_bits.get(x, default) if state_bits is not None else default
+            pieces = optimizer_state_tensors(x, strategy.optimizer, bits, strategy.optimizer_impl)
             for _ in range(m):
                 for n in pieces:
                     s.alloc(n)
@@ -765,6 +775,8 @@ def synthesise(
     trained = [(ps.tensor, ps.count) for ps in states if ps.trainable]
     # AdamW's _init_group makes each trained parameter's states in module order too
     trained_ordered = trained if ordered is None else [(ps.tensor, 1) for ps in ordered if ps.trainable]
+    # the optimizer states of a tensor held in its own dtype (fp32 adapters over a 16-bit base) are that dtype's
+    own_state_bits = {ps.tensor: trained_widths(strategy, ps)[2] for ps in states if ps.trainable and ps.bits}
     trained_numel = sum(x.numel * m for x, m in trained) or 1
     rank.master_weights(s, strategy, trained_ordered)
 
@@ -2197,7 +2209,7 @@ def synthesise(
         # (optimizer in backward: the states were made by the hooks, nothing is left to step)
         masters, master_bytes = ([], 0) if in_bwd else rank.master_grads(s, strategy, trained_ordered)
         if not optimizer_created and not strategy.savers.paged_optimizer and not in_bwd:  # paged: cudaMallocManaged
-            rank.optimizer_states(s, strategy, trained_ordered)
+            rank.optimizer_states(s, strategy, trained_ordered, own_state_bits)
         optimizer_created = True
         step_temp = 0 if in_bwd else max(0, rank.step_temp_bytes(st.step_temp_bytes) - master_bytes)
         step_temps = [s.alloc(per_tensor(step_temp, x)) for x, m in trained for _ in range(m)] if step_temp else []

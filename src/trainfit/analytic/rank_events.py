@@ -138,7 +138,7 @@ the frozen module parameters; :class:`Zero3Hooks`' frozen partitions are their o
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from trainfit._memo import spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
@@ -850,7 +850,13 @@ class FsdpHooks(_OwnMasters, RankHooks):
             out += self._final_callback(s)
         return out
 
-    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+    def optimizer_states(
+        self,
+        s: Stream,
+        strategy: Strategy,
+        trained: Sequence[tuple[ParamTensor, int]],
+        state_bits: Mapping[ParamTensor, int] | None = None,
+    ) -> None:
         st = self.strategy
         if self.offload:
             return  # on the host, like the step that makes them
@@ -935,7 +941,13 @@ class DtensorTpHooks(RankHooks):
     ) -> tuple[list[int], int]:
         return super().master_grads(s, strategy, self.trained)
 
-    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+    def optimizer_states(
+        self,
+        s: Stream,
+        strategy: Strategy,
+        trained: Sequence[tuple[ParamTensor, int]],
+        state_bits: Mapping[ParamTensor, int] | None = None,
+    ) -> None:
         super().optimizer_states(s, strategy, self.trained)
 
     def step_temp_bytes(self, default: int) -> int:
@@ -1273,7 +1285,13 @@ class Zero2Hooks(_OwnMasters, RankHooks):
         self.s.free_all(self.epilogue)
         self.epilogue = []
 
-    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+    def optimizer_states(
+        self,
+        s: Stream,
+        strategy: Strategy,
+        trained: Sequence[tuple[ParamTensor, int]],
+        state_bits: Mapping[ParamTensor, int] | None = None,
+    ) -> None:
         pass  # made by the step (torch.optim.AdamW's lazy state), after the gradients are flattened
 
     def step_temp_bytes(self, default: int) -> int:
@@ -1529,7 +1547,13 @@ class Zero3Hooks(_OwnMasters, RankHooks):
         self.keys = {}
         return None
 
-    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Sequence[tuple[ParamTensor, int]]) -> None:
+    def optimizer_states(
+        self,
+        s: Stream,
+        strategy: Strategy,
+        trained: Sequence[tuple[ParamTensor, int]],
+        state_bits: Mapping[ParamTensor, int] | None = None,
+    ) -> None:
         pass  # made by the step
 
     def step_temp_bytes(self, default: int) -> int:

@@ -376,6 +376,18 @@ def tensor_step_temp_bytes(strategy: Strategy, t: ParamTensor, state_bits: int) 
     return _step_temp_bytes(strategy, _alloc(t.numel, state_bits), 0, t.numel, state_bits)
 
 
+def trained_widths(strategy: Strategy, x: ParamState) -> tuple[int, int, int]:
+    """(gradient, master, optimizer-state) bits of one trainable tensor: the recipe's, or for a tensor held in its own
+    dtype (an adapter) that dtype's — its gradient (autograd makes a parameter's gradient in its dtype), an fp32
+    master only under a master-* recipe when it is 16-bit, and states like the tensor the optimizer updates
+    (torch/optim/adam.py ``_init_group``: ``zeros_like(p)``)."""
+    r = strategy.recipe
+    if not x.bits:
+        return r.grad_bits, r.master_bits, 32 if r.master_bits else r.state_bits
+    master = 32 if r.master_bits and x.bits < 32 else 0
+    return x.bits, master, 32 if master else x.bits
+
+
 def finetune_model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
     """Model states under an adapter or ``--freeze``: only trainable tensors have gradients, master copies and
     optimizer states. An adapter tensor is held in its own dtype: its gradient too (autograd makes a
@@ -388,11 +400,7 @@ def finetune_model_states(spec: ModelSpec, strategy: Strategy) -> ModelStates:
     trained = [x for x in states if x.trainable]
 
     def widths(x: ParamState) -> tuple[int, int, int]:
-        """(gradient, master, optimizer-state) bits of one trainable tensor."""
-        if not x.bits:
-            return r.grad_bits, r.master_bits, 32 if r.master_bits else r.state_bits
-        master = 32 if r.master_bits and x.bits < 32 else 0
-        return x.bits, master, 32 if master else x.bits
+        return trained_widths(strategy, x)
 
     grads = master = optim = list_state = list_fp32 = 0
     for x in trained:
