@@ -76,7 +76,8 @@ SAVER_SETUPS: tuple[tuple[str, str, int, int, str], ...] = (
     ("llama-3.2-1b", "pure-bf16", 1, 512, "full"),
     ("llama-3.2-1b", "amp-bf16", 1, 512, "qlora"),
 )
-#: --offload-ckpt: activation offloading under checkpointing (model, recipe, batch, seq, trains, checkpointing)
+#: --offload-ckpt: activation offloading under checkpointing (model, recipe, batch, seq, trains — full, lora, qlora
+#: or int8: LoRA over LLM.int8 —, checkpointing)
 OFFLOAD_CKPT: tuple[tuple[str, str, int, int, str, str], ...] = (
     ("llama-3.2-1b", "amp-bf16", 2, 1024, "full", "full"),
     ("llama-3.2-1b", "pure-bf16", 2, 1024, "full", "full"),
@@ -90,6 +91,8 @@ OFFLOAD_CKPT: tuple[tuple[str, str, int, int, str, str], ...] = (
     ("qwen2.5-0.5b", "amp-bf16", 4, 1024, "lora", "full"),
     ("llama-3.2-3b", "amp-bf16", 1, 2048, "full", "full"),
     ("llama-3.2-3b", "pure-bf16", 1, 2048, "lora", "full"),
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "int8", "full"),  # LoRA over an LLM.int8 base
+    ("llama-3.2-1b", "amp-bf16", 2, 1024, "int8", "sqrt"),
 )
 #: --savers: the savers, as the CLI spells them
 SAVERS: tuple[tuple[str, MemorySavers], ...] = (
@@ -164,7 +167,10 @@ def offload_ckpt_main() -> None:
             savers=MemorySavers(activation_offload=True),
         )
         if how != "full":
-            adapter, base_weights = finetune_setup(how, rank=16, targets="all-linear")
+            int8 = how == "int8"
+            adapter, base_weights = finetune_setup(
+                "lora" if int8 else how, rank=16, targets="all-linear", base_dtype="int8" if int8 else None
+            )
             s = replace(s, adapter=adapter, base_weights=base_weights)
         print(
             f"| {slug} | {recipe} | {batch}×{seq} | {how} | {ckpt} | {_both(spec, s)}"

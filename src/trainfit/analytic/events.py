@@ -138,6 +138,12 @@ __all__ = [
 STEPS = 3
 
 
+#: The trained tensors a rank's hooks make states for (each with its count), and each one's state width where it is
+#: its own (:meth:`RankHooks.optimizer_states`)
+Trained = Sequence[tuple[ParamTensor, int]]
+StateBits = Mapping[ParamTensor, int] | None
+
+
 class Stream:
     """Where the synthesised events go: a list, or (``sim``) straight into a simulator, which is what the
     estimate needs and saves building and dispatching thousands of event tuples (the same calls, in the same
@@ -722,13 +728,7 @@ class RankHooks:
         sizes = [_bytes(x.numel, bits) for x, m in trained for _ in range(m)]
         return [s.alloc(n) for n in sizes], sum(sizes)
 
-    def optimizer_states(
-        self,
-        s: Stream,
-        strategy: Strategy,
-        trained: Sequence[tuple[ParamTensor, int]],
-        state_bits: Mapping[ParamTensor, int] | None = None,
-    ) -> None:
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Trained, state_bits: StateBits = None) -> None:
         """The optimizer's states, made in the first step (the master copies are :meth:`master_weights`), each tensor's
         in ``state_bits`` where it has an entry (an adapter's own dtype: :func:`~trainfit.analytic.states.
         trained_widths`), else the recipe's."""
@@ -854,7 +854,7 @@ def synthesise(
     ckpt_offload = strategy.savers.activation_offload and bool(segment_of)
     # ... over a frozen token table the first input is a leaf (enable_input_require_grads): its AccumulateGrad holds
     # it, and keeps it and its .grad (the residual gradient, stolen) as the last unpacking node to the next backward's
-    # first (savers.offload_retained_bytes; the LLM.int8 inputs it also reaches are not replayed)
+    # first, with the forward's LLM.int8 inputs it reaches (savers.offload_retained_bytes)
     leaf_held = ckpt_offload and offload_retained_bytes(spec, strategy)[1] > 0
     retained: list[int] = []
     # The final norm's packs of >= 1 KiB (its saved terms, once per save) drop the stash's older entries; the newest
@@ -1302,6 +1302,7 @@ def synthesise(
     # checkpointing then reserved no more than the closed form's allocated peak, −9.7% against the trace.
     int8_ctx: list[int] = []  # the step's ctx-held inputs, freed after its backward
     int8_recomputed: list[int] = []  # a recomputation's, freed when it stops
+    int8_site: dict[int, tuple[int, str]] = {}  # the step's: each one's layer and term (offloading's retained node)
 
     # The no-grad (checkpointed) forward of a GPT-2 or BERT layer (LayerNorm, a dense GELU MLP, SDPA's fused kernels;
     # no adapter flows), as transformers' modules run it (models/gpt2/modeling_gpt2.py GPT2Block / GPT2Attention /
@@ -1568,6 +1569,8 @@ def synthesise(
                 keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
             if term.name.startswith("int8.") and f is None:
                 (int8_recomputed if recompute else int8_ctx).extend(keys)
+                if not recompute:
+                    int8_site.update(dict.fromkeys(keys, (i, term.name)))
                 keys = []
             saved += keys
             release_pending()
@@ -2199,8 +2202,18 @@ def synthesise(
             else:
                 s.free(g_res)
             s.free(unpacked_prev)  # OffloadActivations' backward-end callback clears its stash
+            if leaf_held and int8_ctx:
+                # offloading's last unpacking node, the bottom layer's first, reaches the forward's MatMul8bitLt nodes
+                # of the bottom segment but its top layer's down projection: their ctx inputs stay with it
+                top = (
+                    segment_of.index(segment_of[0] + 1) - 1 if segment_of[-1] != segment_of[0] else len(segment_of) - 1
+                )
+                held = [k for k in int8_ctx if int8_site[k][0] <= top and int8_site[k] != (top, "int8.mlp_act")]
+                retained += held
+                int8_ctx[:] = [k for k in int8_ctx if k not in held]
             s.free_all(int8_ctx)  # the graph goes with the backward's end
             int8_ctx.clear()
+            int8_site.clear()
             s.free_all(embedding)
             s.free_all(inputs)
 

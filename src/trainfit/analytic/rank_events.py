@@ -138,14 +138,23 @@ the frozen module parameters; :class:`Zero3Hooks`' frozen partitions are their o
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from trainfit._memo import spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Thread, Workspace, workspace_key
 from trainfit.analytic.activations import backward_temp_bytes
 from trainfit.analytic.adapters import finetuning, frozen_layers, is_frozen, moe_tensors
-from trainfit.analytic.events import RankHooks, Stream, memo_stoppable, simulation_memo, steady_state, synthesise
+from trainfit.analytic.events import (
+    RankHooks,
+    StateBits,
+    Stream,
+    Trained,
+    memo_stoppable,
+    simulation_memo,
+    steady_state,
+    synthesise,
+)
 from trainfit.analytic.parallel import (
     SP_SPLIT_PREFIXES,
     HeldTensor,
@@ -850,13 +859,7 @@ class FsdpHooks(_OwnMasters, RankHooks):
             out += self._final_callback(s)
         return out
 
-    def optimizer_states(
-        self,
-        s: Stream,
-        strategy: Strategy,
-        trained: Sequence[tuple[ParamTensor, int]],
-        state_bits: Mapping[ParamTensor, int] | None = None,
-    ) -> None:
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Trained, state_bits: StateBits = None) -> None:
         st = self.strategy
         if self.offload:
             return  # on the host, like the step that makes them
@@ -941,13 +944,7 @@ class DtensorTpHooks(RankHooks):
     ) -> tuple[list[int], int]:
         return super().master_grads(s, strategy, self.trained)
 
-    def optimizer_states(
-        self,
-        s: Stream,
-        strategy: Strategy,
-        trained: Sequence[tuple[ParamTensor, int]],
-        state_bits: Mapping[ParamTensor, int] | None = None,
-    ) -> None:
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Trained, state_bits: StateBits = None) -> None:
         super().optimizer_states(s, strategy, self.trained)
 
     def step_temp_bytes(self, default: int) -> int:
@@ -1285,13 +1282,7 @@ class Zero2Hooks(_OwnMasters, RankHooks):
         self.s.free_all(self.epilogue)
         self.epilogue = []
 
-    def optimizer_states(
-        self,
-        s: Stream,
-        strategy: Strategy,
-        trained: Sequence[tuple[ParamTensor, int]],
-        state_bits: Mapping[ParamTensor, int] | None = None,
-    ) -> None:
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Trained, state_bits: StateBits = None) -> None:
         pass  # made by the step (torch.optim.AdamW's lazy state), after the gradients are flattened
 
     def step_temp_bytes(self, default: int) -> int:
@@ -1547,13 +1538,7 @@ class Zero3Hooks(_OwnMasters, RankHooks):
         self.keys = {}
         return None
 
-    def optimizer_states(
-        self,
-        s: Stream,
-        strategy: Strategy,
-        trained: Sequence[tuple[ParamTensor, int]],
-        state_bits: Mapping[ParamTensor, int] | None = None,
-    ) -> None:
+    def optimizer_states(self, s: Stream, strategy: Strategy, trained: Trained, state_bits: StateBits = None) -> None:
         pass  # made by the step
 
     def step_temp_bytes(self, default: int) -> int:
