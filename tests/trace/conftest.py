@@ -81,8 +81,10 @@ _REPORTS: dict[tuple[str, str, str, str], Any] = {}
 def traced_once(fn: Callable[..., R], spec: ModelSpec, strategy: Strategy, **kwargs: Any) -> R:
     """``fn(spec, strategy, **kwargs)``, computed once per test process for equal arguments (keyed by ``repr``, every
     field). Only for the entry points whose result is a pure function of those arguments and a frozen
-    ``MemoryReport`` (``trace_spec``, ``trace_distributed``, ``estimate``): several tests check different things of
-    the same traced cell, and each trace is seconds. A failure is not kept: the next caller traces again."""
+    ``MemoryReport`` (``trace_spec``, ``trace_distributed``, ``trace_deepspeed`` with its ``rank``, ``estimate``) or
+    a frozen ``TraceReserved`` (``trace.events.reserved_from_trace``), and never under a test's monkeypatch: several
+    tests check different things of the same traced cell, and each trace is seconds. A failure is not kept: the next
+    caller traces again."""
     key = (f"{fn.__module__}.{fn.__qualname__}", repr(spec), repr(strategy), repr(sorted(kwargs.items())))
     if key not in _REPORTS:
         _REPORTS[key] = fn(spec, strategy, **kwargs)

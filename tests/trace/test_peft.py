@@ -18,7 +18,7 @@ from trainfit.arch.config import spec_from_config
 from trainfit.result import TraceDetails
 from trainfit.strategy import finetune_setup
 
-from .conftest import assert_phases_agree
+from .conftest import assert_phases_agree, traced_once
 
 pytest.importorskip("peft")
 
@@ -142,7 +142,8 @@ def test_lora_analytic_agrees_with_the_peft_trace(
     a, b = finetune_setup(how, rank=8, targets=targets, dropout=dropout, adapter_dtype=adapter_dtype, base_dtype=base)
     s = Strategy(adapter=a, base_weights=b, precision=precision, checkpointing=ckpt, micro_batch=2, seq_len=128)
     ra = estimate(spec, s)
-    rt = estimate(spec, s, method="trace", simulate_allocator=False)
+    # traced once per process: the last MATRIX cell is test_lora_on_a_4bit_base_is_not_kbit_prepared's QLoRA cell
+    rt = traced_once(estimate, spec, s, method="trace", simulate_allocator=False)
     assert ra.trainable_params == rt.trainable_params
     assert isinstance(rt.details, TraceDetails)
     assert set(rt.details.sdpa_backends) == {sdpa_kernel(spec, s)}  # the kernel the traced q/k/v dtypes got
@@ -301,7 +302,8 @@ def test_lora_on_a_4bit_base_is_not_kbit_prepared(ckpt: str) -> None:
         assert abs(pa.total_bytes - pt.total_bytes) <= 0.01 * pt.total_bytes, (pa.phase, pa.total_bytes, pt.total_bytes)
     a, b = finetune_setup("qlora", rank=8, targets="all-linear")
     assert b.kbit_prepared
-    rq = estimate(spec, dataclasses.replace(s, adapter=a, base_weights=b), method="trace", simulate_allocator=False)
+    qlora = dataclasses.replace(s, adapter=a, base_weights=b)  # (without checkpointing: a MATRIX cell, traced once)
+    rq = traced_once(estimate, spec, qlora, method="trace", simulate_allocator=False)
     # prepare_model_for_kbit_training's fp32 casts: the 1024×256 embedding and head tables alone add 2 × 1024·256·2
     assert rq.phases[-1].total_bytes - rt.phases[-1].total_bytes >= 2 * 1024 * 256 * 2
 
