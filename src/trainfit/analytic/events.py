@@ -860,8 +860,10 @@ def synthesise(
     # The final norm's packs of >= 1 KiB (its saved terms, once per save) drop the stash's older entries; the newest
     # OFFLOAD_FWD_STASH less that many stay on the device to the first unpacking node's end, the final norm's backward
     # (a frozen norm weight saves the normed input for nothing: one pack fewer, the top segment's input kept)
-    norm_packs = sum(
-        x.saves * sum(1 for n in x.tensors() if n >= MIN_OFFLOAD_BYTES) for x in mt if x.role is TermRole.HEAD
+    norm_packs = (
+        sum(x.saves * sum(1 for n in x.tensors() if n >= MIN_OFFLOAD_BYTES) for x in mt if x.role is TermRole.HEAD)
+        if ckpt_offload
+        else OFFLOAD_FWD_STASH
     )
     stash_kept = max(0, OFFLOAD_FWD_STASH - norm_packs)
     state_bits = 32 if r.master_bits else r.state_bits
@@ -2205,9 +2207,7 @@ def synthesise(
             if leaf_held and int8_ctx:
                 # offloading's last unpacking node, the bottom layer's first, reaches the forward's MatMul8bitLt nodes
                 # of the bottom segment but its top layer's down projection: their ctx inputs stay with it
-                top = (
-                    segment_of.index(segment_of[0] + 1) - 1 if segment_of[-1] != segment_of[0] else len(segment_of) - 1
-                )
+                top = layout.segment_sizes[0] - 1  # the bottom segment's top layer
                 held = [k for k in int8_ctx if int8_site[k][0] <= top and int8_site[k] != (top, "int8.mlp_act")]
                 retained += held
                 int8_ctx[:] = [k for k in int8_ctx if k not in held]
