@@ -728,6 +728,11 @@ def estimate(
         def bound(sp: ModelSpec, st: Strategy) -> int:
             return lower_bound_bytes(sp, st, gpu_for_bound, torch_version=release, cuda_version=cuda)
 
+        host_usable = None
+        if host_memory_bytes is not None:  # the planner's rule (planner.rank.host_usable_bytes)
+            from trainfit.planner.rank import host_usable_bytes  # trainfit.planner.rank imports this module
+
+            host_usable = host_usable_bytes(host_memory_bytes, headroom)
         fit = fit_verdict(
             spec,
             strategy,
@@ -736,16 +741,15 @@ def estimate(
             headroom,
             with_options if searchable else None,
             bound if method is Method.ANALYTIC else None,
+            host_usable,  # the largest micro-batch the host holds too
         )
         if not fit.fits and method is Method.ANALYTIC and search_micro_batch:
             fit = _with_expandable_segments(fit, report, spec, strategy, options, fn)
-        if host_memory_bytes is not None:  # the planner's rule (planner.rank.host_usable_bytes)
-            from trainfit.planner.rank import host_usable_bytes  # trainfit.planner.rank imports this module
-
+        if host_memory_bytes is not None:
             fit = dataclasses.replace(
                 fit,
                 host_memory_bytes=host_memory_bytes,
-                host_usable_bytes=host_usable_bytes(host_memory_bytes, headroom),
+                host_usable_bytes=host_usable,
                 host_required_bytes=report.host_peak_bytes,
             )
         if not searchable and search_micro_batch:

@@ -474,7 +474,8 @@ class FitVerdict:
     required_bytes: int  # what we compare: the nvidia-smi estimate (allocated + overhead)
     fits: bool  # fits without cache flushes: required_bytes <= usable_bytes (tier FITS)
     free_bytes: int  # usable - required (negative when it does not fit)
-    max_micro_batch: int | None  # 0 when even batch 1 does not fit; None when not searched (trace, measure)
+    # 0 when even batch 1 does not fit (under a host limit: the host must hold it too); None when not searched
+    max_micro_batch: int | None
     max_micro_batch_capped: bool = False  # the search stopped at its cap: "at least max_micro_batch"
     suggestions: tuple[Suggestion, ...] = ()  # what would make it fit (trainfit.planner.search)
     rank_required_bytes: tuple[int, ...] = ()  # per entry of MemoryReport.ranks, what must fit (same rule)

@@ -101,3 +101,32 @@ def test_estimate_and_plan_share_one_declaration() -> None:
     for cmd in (estimate_cmd, plan_cmd):
         param = inspect.signature(cmd, eval_str=True).parameters["host_memory_gib"]
         assert param.annotation == HostMemoryOption and param.default is None
+
+
+def test_the_largest_micro_batch_is_one_the_host_holds_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """Offloaded activations grow the host memory with the micro-batch: under a limit between micro-batch 2's and 3's
+    host memory, the largest micro-batch is 2 though the GPU holds 3 (each micro-batch's host bytes are the estimate's
+    own), and the verdict says the search held both; the host figure is said once, in the verdict."""
+    run = ("estimate", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--seq", "1024", "--activation-offload", "--no-fixes")
+
+    def out(*args: str) -> dict[str, object]:
+        r = run_cli(capsys, *run, *args, "--json")
+        assert r.code == 0, r.err
+        d = json.loads(r.out)
+        assert isinstance(d, dict)
+        return d
+
+    host = {b: out("--batch", str(b), "--host-memory-gib", "1000")["host_peak_bytes"] for b in (2, 3)}
+    assert isinstance(host[2], int) and isinstance(host[3], int) and host[2] < host[3]
+    unlimited = out("--batch", "1")
+    assert isinstance(unlimited["max_micro_batch"], int) and unlimited["max_micro_batch"] >= 3
+    limit = f"{(host[2] + host[3]) / 2 / 0.7 / GiB:.3f}"  # usable: the limit less the 30% headroom
+    held = out("--batch", "1", "--host-memory-gib", limit)
+    assert held["max_micro_batch"] == 2 and held["host_fits"] is True and held["fits"]
+    tight = out("--batch", "3", "--host-memory-gib", limit)
+    assert tight["host_fits"] is False and tight["max_micro_batch"] == 2
+    text = " ".join(run_cli(capsys, *run, "--batch", "1", "--host-memory-gib", limit).out.split())
+    assert "Largest micro-batch that fits the GPU and the host: 2." in text
+    line = "(offloaded or paged: outside the device peak)"  # the host line of a run without a limit
+    assert text.count("Host memory per node: ") == 1 and line not in text
+    assert line in " ".join(run_cli(capsys, *run, "--batch", "1").out.split())

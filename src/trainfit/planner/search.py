@@ -105,9 +105,16 @@ def largest_below(pred: Callable[[int], bool], hi: int, lowest: int) -> int | No
 
 
 def max_micro_batch(
-    spec: ModelSpec, strategy: Strategy, usable: int, fn: Estimator, bound: Bound | None = None
+    spec: ModelSpec,
+    strategy: Strategy,
+    usable: int,
+    fn: Estimator,
+    bound: Bound | None = None,
+    host_usable: int | None = None,
 ) -> tuple[int, bool]:
-    """(largest micro-batch whose estimate fits ``usable``, whether the search hit its cap).
+    """(largest micro-batch whose estimate fits ``usable``, whether the search hit its cap). ``host_usable``
+    (``--host-memory-gib`` less the headroom): the estimate's host memory per node must stay within it too — it grows
+    with the micro-batch (offloaded activations) or stays, as the device's does.
 
     ``bound``: a cheap lower bound of the estimate's requirement (:func:`lower_bound_bytes`). The search first
     finds the largest micro-batch the bound allows without running ``fn``; when ``fn`` says that one fits, it
@@ -117,7 +124,8 @@ def max_micro_batch(
     simulations of every probe the bound already rules out."""
 
     def fits(b: int) -> bool:
-        return required_bytes(fn(spec, dataclasses.replace(strategy, micro_batch=b))) <= usable
+        r = fn(spec, dataclasses.replace(strategy, micro_batch=b))
+        return required_bytes(r) <= usable and (host_usable is None or r.host_peak_bytes <= host_usable)
 
     if bound is None:
         return _largest(fits) if fits(1) else (0, False)
@@ -324,16 +332,18 @@ def fit_verdict(
     headroom: float,
     search_fn: Estimator | None,
     bound: Bound | None = None,
+    host_usable: int | None = None,
 ) -> FitVerdict:
     """Does ``report`` fit ``gpu`` with ``headroom`` kept free; the largest micro-batch by ``search_fn``
     (None: not searched, the method is too slow to probe), skipping the probes ``bound`` (a lower bound of
-    ``search_fn``'s requirement) already rules out."""
+    ``search_fn``'s requirement) already rules out, and — with ``host_usable`` — one the host holds too
+    (:func:`max_micro_batch`). The host's own verdict is the caller's (``FitVerdict.host_*``)."""
     usable = usable_bytes(gpu, headroom)
     need = required_bytes(report)
     if search_fn is None:
         best, capped = None, False
     else:
-        best, capped = max_micro_batch(spec, strategy, usable, search_fn, bound)
+        best, capped = max_micro_batch(spec, strategy, usable, search_fn, bound, host_usable)
     rank_required = tuple(r.peak_bytes + overhead_for(r.peak_bytes).total_bytes for r in report.ranks)
     tier, flushes = fit_tier(report, usable)
     return FitVerdict(

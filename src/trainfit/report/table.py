@@ -131,14 +131,16 @@ def _verdict(f: FitVerdict) -> Text:
             f"({fmt_gib(f.gpu_memory_bytes)} − {f.headroom_fraction:.0%} headroom), short by {fmt_gib(-f.free_bytes)}. "
         )
     plain = " without cache flushes" if f.tier is FitTier.FITS_WITH_FLUSHES else ""
+    # under --host-memory-gib the search held each micro-batch's host memory to the limit too
+    held = plain + (" the GPU and the host" if f.host_usable_bytes is not None else "")
     if f.max_micro_batch is None:
         t.append("Largest micro-batch: not searched with this method (--method analytic searches it).")
     elif f.max_micro_batch == 0:
-        t.append(f"Not even micro-batch 1 fits{plain}.")
+        t.append(f"Not even micro-batch 1 fits{held}.")
     elif f.max_micro_batch_capped:
-        t.append(f"Largest micro-batch that fits{plain}: at least {f.max_micro_batch} (the search stops there).")
+        t.append(f"Largest micro-batch that fits{held}: at least {f.max_micro_batch} (the search stops there).")
     else:
-        t.append(f"Largest micro-batch that fits{plain}: {f.max_micro_batch}.")
+        t.append(f"Largest micro-batch that fits{held}: {f.max_micro_batch}.")
     if plain and (f.suggestions or f.fixes):
         t.append(" To fit without cache flushes:")
     for s in f.suggestions:  # why it does not fit
@@ -284,12 +286,13 @@ def _distributed_notes(report: MemoryReport) -> list[str]:
     if s is None or not s.is_distributed:
         # An adapter's fp32 base under amp: the one fine-tuning default worth a line without --explain.
         out = [n for n in report.notes if n.startswith(FP32_BASE_NOTE)]
-        if report.host_peak_bytes:
+        if report.host_peak_bytes and (report.fit is None or report.fit.host_usable_bytes is None):
             out.append(f"host memory: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)")
         return out
     keys = ("engine", "rank 0 of", "torch DDP", "FSDP2", "DeepSpeed", "Megatron", "worst rank", "every rank", "NCCL")
     out = [n for n in report.notes if any(k in n for k in keys)]
-    if report.host_peak_bytes:
+    if report.host_peak_bytes and (report.fit is None or report.fit.host_usable_bytes is None):
+        # (under --host-memory-gib the verdict says it, against the limit)
         out.append(
             f"host memory per node: {fmt_gib(report.host_peak_bytes)} (offloaded or paged: outside the device peak)"
         )
