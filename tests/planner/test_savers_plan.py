@@ -200,3 +200,36 @@ def test_a_saver_plan_is_the_estimate_of_its_printed_flags(capsys: pytest.Captur
     assert res.code == 0, res.err
     out = json.loads(res.out)
     assert out["required_bytes"] == p.required_bytes and out["fits"]
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "seq", "global_batch", "allow", "skips"),
+    [
+        # benchmarks/plan_speed.py's: fused-loss QLoRA candidates whose standard-loss twins fit (5 estimates fewer)
+        ("mistral-7b-v0.1", "rtx-4090", 2048, 64, (Finetune.LORA, Finetune.QLORA), True),
+        ("llama-3.2-1b", "rtx-4090", 4096, 16, (), False),  # a fused-loss plan kept: nothing to skip
+    ],
+)
+def test_skipping_a_dominated_saver_candidate_changes_only_the_estimates(
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    gpu: str,
+    seq: int,
+    global_batch: int,
+    allow: tuple[Finetune, ...],
+    skips: bool,
+) -> None:
+    """``_Search.dominated`` skips a saver candidate whose plan the search would drop (a fewer-savers twin known to
+    fit at every micro-batch it could take) before its estimates: the same plans, in the same order, as the search
+    that estimates it and drops it after — with fewer estimates where any is skipped."""
+    from trainfit.planner import rank
+
+    spec, g = load_model(model), get_gpu(gpu)
+    kw = {"gpus": 1, "seq_len": seq, "global_batch": global_batch, "allow": allow, "alloc_conf": ""}
+    fast = search_plans(spec, g, **kw)  # type: ignore[arg-type]
+    monkeypatch.setattr(rank._Search, "dominated", lambda self, c, limit: False)
+    slow = search_plans(spec, g, **kw)  # type: ignore[arg-type]
+    assert fast.plans and [(p.strategy, p.alloc_conf, p.required_bytes) for p in fast.plans] == [
+        (p.strategy, p.alloc_conf, p.required_bytes) for p in slow.plans
+    ]
+    assert (fast.estimates < slow.estimates) if skips else (fast.estimates == slow.estimates)

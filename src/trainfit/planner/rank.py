@@ -521,6 +521,39 @@ class _Search:
             return False
         return True
 
+    def known_fit(self, s: Strategy) -> bool:
+        """:meth:`fits` of a strategy estimated before (False: not estimated yet, or it does not fit)."""
+        known = (s, self.allocator) in self._memory or (
+            self.expandable is not None and (s, self.expandable) in self._memory
+        )
+        return known and self.fits(s)
+
+    def dominated(self, c: Candidate, limit: tuple[float, ...] | None) -> bool:
+        """Whether a saver candidate's plan is known to be dropped before its estimates (one GPU): the search drops
+        the plan of a candidate with savers when one with fewer of them fits at its micro-batch (:func:`search_plans`).
+        Memory grows with the micro-batch, so a fewer-savers twin estimated to fit at micro-batch m fits at every
+        smaller one; when every micro-batch the candidate's lower bound allows is so covered, or the candidate does not
+        fit at the smallest that is not (its fitting micro-batches, smaller ones, are then all covered), its plan would
+        be dropped — at the cost of the estimates down to it. Exact by the search's own rules; False where unknown."""
+        twins = c.fewer_savers()
+        micros = self.contenders(c, limit)
+        if not twins or not micros:
+            return False
+        try:
+            if self.strategy(c, micros[0]).is_distributed:
+                return False
+            allowed = [m for m in micros if self.lower_bound(self.strategy(c, m)) <= self.usable]
+            covered = max(
+                (m for m in micros for f in twins if self.known_fit(self.strategy(f, m))),
+                default=0,
+            )
+        except StrategyError:
+            return False
+        rest = [m for m in allowed if m > covered]
+        if not allowed or (rest and rest[0] == allowed[0]):
+            return False  # nothing allowed (evaluate says how far off) or nothing covered: the usual search
+        return not rest or not self.fits(self.strategy(c, rest[0]))
+
     def speed(self, s: Strategy) -> StepTime:
         return step_time(self.spec, s, self.gpu, network_gbps=self.network)
 
@@ -783,6 +816,8 @@ def search_plans(
         if any(_layout(p)[:-1] == same and s.key(p.gpus, p.speed) <= bound for p in found):
             continue  # a plan of this layout already reaches this candidate's best time: it could only tie
         limit = s.key(found[-1].gpus, found[-1].speed) if len(found) >= top else None
+        if s.dominated(c, limit):
+            continue  # its plan would be dropped below, known without estimating it
         plan, near = s.evaluate(c, limit)
         if plan is not None and any(s.fits(s.strategy(f, plan.strategy.micro_batch)) for f in c.fewer_savers()):
             # A saver is never faster than the same plan without it at the same micro-batch: where the twin, or a
