@@ -9,6 +9,7 @@ from trainfit.strategy import (
     RECIPES,
     Adapter,
     BaseWeights,
+    Checkpointing,
     DType,
     Offload,
     Parallelism,
@@ -105,6 +106,14 @@ def test_adapter_validation() -> None:
 def test_sqrt_layout_covers_every_layer(layers: int) -> None:
     sizes = checkpoint_layout("sqrt", layers).segment_sizes  # type: ignore[arg-type]
     assert sum(sizes) == layers and max(sizes) <= -(-layers // max(1, int(layers**0.5)))
+
+
+def test_whole_layer_checkpointing_is_the_one_with_segments() -> None:
+    """``Checkpointing.whole_layers`` (what the trace, the stream and the closed form ask) says what the layout does:
+    the modes that wrap whole layers in checkpoint segments; selective recomputes inside the layer."""
+    for c in Checkpointing:
+        assert c.whole_layers == bool(checkpoint_layout(c, 6).segment_sizes), c
+    assert {c for c in Checkpointing if c.whole_layers} == {Checkpointing.FULL, Checkpointing.SQRT, Checkpointing.SAC}
 
 
 @pytest.mark.parametrize(

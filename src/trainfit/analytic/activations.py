@@ -1552,7 +1552,7 @@ def input_grads_enabled(strategy: Strategy) -> bool:
     ``if getattr(model, "is_gradient_checkpointing", True)``). ``--checkpointing selective`` turns none of
     that on: only the attention core is wrapped in ``torch.utils.checkpoint`` (Megatron's ``core_attn``; the
     trace's ``trainfit.trace.savers.selective_recompute``), so the first layer saves as without checkpointing."""
-    return strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.SELECTIVE)
+    return strategy.checkpointing.whole_layers
 
 
 def blind_layer_unsaved(spec: ModelSpec, strategy: Strategy) -> tuple[int, tuple[SavedTerm, ...]]:

@@ -851,7 +851,7 @@ def synthesise(
     # (the first one, the embedding's output, a local of the model's forward to its return), the final norm's packs
     # drop the rest; in backward each recompute unpacks a new device copy, freed after the next segment's recompute
     # (the next unpacking node's hook), the last at the backward's end
-    ckpt_offload = strategy.savers.activation_offload and bool(segment_of)
+    ckpt_offload = strategy.savers.activation_offload and strategy.checkpointing.whole_layers
     # ... over a frozen token table the first input is a leaf (enable_input_require_grads): its AccumulateGrad holds
     # it, and keeps it and its .grad (the residual gradient, stolen) as the last unpacking node to the next backward's
     # first, with the forward's LLM.int8 inputs it reaches (savers.offload_retained_bytes)

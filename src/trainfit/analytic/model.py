@@ -326,7 +326,7 @@ def stack_activations(spec: ModelSpec, strategy: Strategy, st: ModelStates) -> S
         all_layers -= _sum(list(blind_layer_unsaved(spec, strategy)[1]))
         per_kind[rows[0].kind] = max(normal if fz.trainable else 0, still if fz.frozen else 0)
         bottom_layer = fz.dead  # the lowest layer to run backward
-        if strategy.checkpointing not in (Checkpointing.NONE, Checkpointing.SELECTIVE):  # input grads on: no dead
+        if strategy.checkpointing.whole_layers:  # input grads on: no dead
             # Below the lowest trainable layer every gradient exists, so the worst moment there is entering
             # the topmost wholly frozen segment of the bottom: all their inputs kept, its frozen layers
             # recomputed (else the first segment, as it is).

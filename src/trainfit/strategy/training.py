@@ -47,6 +47,13 @@ class Checkpointing(StrEnum):
     # — every second mm recomputed — and everything else is recomputed in backward.
     SAC = "sac"
 
+    @property
+    def whole_layers(self) -> bool:
+        """Whether the layers run inside ``torch.utils.checkpoint`` segments (full, sqrt, sac: each segment keeps its
+        input and is recomputed in backward, :func:`checkpoint_layout`); none and selective (inside the layer: the
+        attention core) run the layers as they are."""
+        return self not in (Checkpointing.NONE, Checkpointing.SELECTIVE)
+
 
 class Attention(StrEnum):
     SDPA = "sdpa"
@@ -74,7 +81,7 @@ def checkpoint_layout(checkpointing: Checkpointing, num_layers: int) -> Checkpoi
     ``torch.utils.checkpoint.checkpoint_sequential``, no trailing segment runs unchecked, which keeps
     memory monotonic in the depth.)
     """
-    if checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE):
+    if not Checkpointing(checkpointing).whole_layers:
         return CheckpointLayout(segment_sizes=())
     if checkpointing in (Checkpointing.FULL, Checkpointing.SAC):
         return CheckpointLayout(segment_sizes=(1,) * num_layers)

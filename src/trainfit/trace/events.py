@@ -169,12 +169,7 @@ def frees_units_later(strategy: Strategy) -> bool:
     that stitching follows; in a three-unit trace every such free falls at the final norm, so the stitched stream
     kept every layer's input to the end of the forward (llama-3.2-1b amp-bf16 2 × 1024: reserved −4.11% of the
     full-depth trace's, LoRA over qwen2.5-0.5b +3.09%, its allocated peak +3.1%). Such a run is traced at full depth."""
-    from trainfit.strategy import Checkpointing
-
-    return strategy.savers.activation_offload and strategy.checkpointing not in (
-        Checkpointing.NONE,
-        Checkpointing.SELECTIVE,
-    )
+    return strategy.savers.activation_offload and strategy.checkpointing.whole_layers
 
 
 @dataclass(slots=True)

@@ -230,7 +230,7 @@ class Block:
 
 
 def blocks_for(num_layers: int, checkpointing: Checkpointing) -> list[Block]:
-    if checkpointing in (Checkpointing.NONE, Checkpointing.SELECTIVE):  # selective: inside the layer (savers.py)
+    if not checkpointing.whole_layers:  # selective: inside the layer (savers.py)
         return [Block(False, (i,)) for i in range(num_layers)]
     if checkpointing in (Checkpointing.FULL, Checkpointing.SAC):
         return [Block(True, (i,)) for i in range(num_layers)]
