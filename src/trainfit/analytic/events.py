@@ -1283,14 +1283,44 @@ def synthesise(
                 s.free(p[0])
                 pending.remove(p)
 
+    # LLM.int8 (bitsandbytes/autograd/_functions.py ``MatMul8bitLt.forward``, a frozen weight's fast path): each
+    # linear's input ``A.to(torch.float16)`` (a copy unless A is fp16), ``int8_vectorwise_quant``'s int8 ``CA`` and
+    # fp32 row scales ``SCA``, the copy freed, then ``int8_scaled_mm``'s output in A's dtype, ``CA`` and ``SCA`` freed
+    # once it exists — the trace's chain of every ``Linear8bitLt`` (trainfit.trace.peft). The grad-mode stream of an
+    # int8 base without adapter flows runs it around each linear's output (:func:`int8_quant`).
+    int8_chains = strategy.base_weights.quantization is Quantization.INT8 and not flows and rotary and rms_transients
+    fp16_compute = strategy.recipe.compute_dtype == "fp16"
+
+    def int8_quant(elements: int, width: int) -> list[int]:
+        """``MatMul8bitLt``'s quantisation of an input of ``elements`` values ``width`` bytes wide (``tokens`` rows):
+        the keys of ``CA`` and ``SCA``, to free once the output exists (none without an int8 base)."""
+        if not int8_chains:
+            return []
+        cast = s.alloc(2 * elements) if not (width == 2 and fp16_compute) else 0
+        held = [s.alloc(elements), s.alloc(4 * strategy.tokens_per_micro_batch)]
+        s.free(cast)
+        return held
+
+    def int8_linear(elements: int, width: int, out_bytes: int) -> None:
+        """An int8 linear whose output the stream does not hold (its reader's sum): its chain, the output, freed."""
+        held = int8_quant(elements, width)
+        out = s.alloc(out_bytes)
+        s.free_all(held)
+        s.free(out)
+
     def rotary_qkv(sizes: list[int]) -> list[int]:
         """q, k and v as LlamaAttention.forward makes them: the three projections' outputs, then
         ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q) * sin``; ``rotate_half`` is ``cat(-x2, x1)``: ``neg``
         of a half, ``cat``) on q, then k, each projection's output freed once both are embedded; the saved
         q_embed, k_embed and v (transformers models/llama/modeling_llama.py)."""
         q_n, k_n, v_n = sizes
-        raw = [s.alloc(q_n), s.alloc(k_n)]
-        v = s.alloc(v_n)
+        t_h = strategy.tokens_per_micro_batch * h
+        raw = []
+        for n in (q_n, k_n, v_n):
+            held = int8_quant(t_h, w.residual)
+            raw.append(s.alloc(n))
+            s.free_all(held)
+        v = raw.pop()
         out = [rotary_embed(q_n), rotary_embed(k_n)]
         s.free_all(raw)
         return [*out, v]
@@ -1504,6 +1534,29 @@ def synthesise(
                     else:
                         attention.append(nograd_norm(rank.saved_bytes(term.name, term.bytes), norm_locals))
                     continue
+            if int8_chains and not nograd and term.name == "attn.sdpa.lse":  # o_proj after SDPA, into the residual sum
+                saved += [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+                release_pending()
+                t_o = strategy.tokens_per_micro_batch * (spec.num_heads * spec.head_dim)
+                int8_linear(t_o, compute_w, compute_w * strategy.tokens_per_micro_batch * h)
+                continue
+            if int8_chains and not nograd and term.name == "mlp.swiglu" and len(term.pieces) == 3:
+                t_h = strategy.tokens_per_micro_batch * h
+                for j, n in enumerate(term.pieces):  # gate, act, up: the projections after their chains
+                    held = int8_quant(t_h, w.residual) if j != 1 else []
+                    saved.append(s.alloc(rank.saved_bytes(term.name, n)))
+                    s.free_all(held)
+                release_pending()
+                continue
+            if int8_chains and not nograd and term.name == "int8.mlp_act" and not recompute:
+                keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
+                int8_ctx.extend(keys)
+                int8_site.update(dict.fromkeys(keys, (i, term.name)))
+                t_i = strategy.tokens_per_micro_batch * spec.intermediate_size
+                width = max(1, rank.saved_bytes(term.name, term.bytes) // t_i)
+                int8_linear(t_i, width, width * strategy.tokens_per_micro_batch * h)  # down_proj into the residual sum
+                release_pending()
+                continue
             if nograd and term.name == "attn.sdpa.lse":
                 s.free_all([s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()])
                 s.free_all(sdpa_casts)
