@@ -15,7 +15,9 @@
   ``grad_input``, and its weight gradient added in place (``torch.addmm(..., out=grad_weight)``, with
   ``out_dtype=float32`` for an fp32 accumulator: Liger's sm80+ path, no vocab×h temporary). Saved for backward:
   ``grad_input`` and ``grad_weight``, scaled in place by the incoming gradient. Called through the head module, so
-  the head's hooks (the runner's head region) see it. Labels are not shifted (as the chunked loss above).
+  the head's hooks (the runner's head region) see it. Labels are not shifted (as the chunked loss above). The
+  decoder's outputs stay referenced until the loss is done, as Liger's patched forward keeps them (``lce_forward``
+  returns their ``past_key_values``): a KV cache built in training lives through the loss.
 * ``--activation-offload``: torchtune's ``OffloadActivations`` (torchtune/training/_activation_offloading.py, with
   its defaults: ``use_streams=True``, ``max_fwd_stash_size=5``, ``min_offload_size=1024``), emulated by
   :class:`OffloadActivations` — the mechanism of ``torch.autograd.graph.save_on_cpu``, a ``saved_tensors_hooks``
@@ -151,7 +153,11 @@ def fused_linear_loss_fns(strategy: Strategy) -> tuple[Forward, LossOf] | None:
         head: Any = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise StrategyError("--loss fused-linear is traced for a bias-free output head; use --method analytic")
-        hidden = model.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state
+        # Liger's patched forward (liger_kernel/transformers/model/llama.py ``lce_forward``) computes the loss with the
+        # decoder's outputs in scope (it returns their ``past_key_values``): a KV cache built in training (use_cache,
+        # no checkpointing) lives through the loss, as the standard loss's does
+        outputs = model.get_decoder()(input_ids=batch["input_ids"])
+        hidden = outputs.last_hidden_state
         labels = batch["labels"].flatten()
 
         def fused(x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +169,7 @@ def fused_linear_loss_fns(strategy: Strategy) -> tuple[Forward, LossOf] | None:
             return head(hidden)
         finally:
             del head.forward
+            del outputs
 
     return forward, lambda loss, batch: loss
 
