@@ -148,6 +148,9 @@ class MomentName(StrEnum):
     FORWARD_LAST_DOWN_PROJ = "forward-last-down-proj"  # a frozen gated MLP's down projection in the last layer
     FORWARD_FINAL_NORM = "forward-final-norm"  # ZeRO-3: inside the final norm, before the head's parameter fetch
     BACKWARD_START = "backward-start"  # logits gradients, everything still saved
+    BACKWARD_HEAD_GRAD_CAST = (
+        "backward-head-grad-cast"  # autocast: the head's 16-bit weight gradient cast into its .grad
+    )
     BACKWARD_FINAL_NORM = "backward-final-norm"  # LM head done, inside the final norm's backward
     BACKWARD_TOP_BLOCK = "backward-top-block"  # inside the top block's (segment's) backward
     BACKWARD_TOP_RECOMPUTE = "backward-top-recompute"  # LLM.int8 MoE: inside the top layer's recomputed experts
@@ -960,6 +963,22 @@ def backward_moments(q: StepInputs) -> list[Moment]:
         temporaries=(tied.embedding_grad_bytes + (tied.out_of_place_bytes if gr and single else 0)) if tied else 0,
     )
     moments = [start, norm, top, *recomputing, bottom, embedding]
+    cast = head_grad_cast_bytes(q)
+    if cast:
+        # Under autocast the head's matmul backward makes its weight gradient in the compute dtype (mm over the
+        # weight's cast, which autocast cached and the node saved); ToCopyBackward0 then casts it into the wider
+        # .grad after the node has released the cast (the analytic stream's ``casts``; the trace's records): for
+        # a moment the 16-bit gradient, the .grad and the head input's gradient are all there, the logits' gradients
+        # gone. With the optimizer in backward this is the backward's worst (llama-3.2-1b, amp-bf16, 1 × 512: the
+        # tied table's 1002 MiB .grad beside its 501 MiB bf16 gradient; the closed form had the peak 1.3% low).
+        moments.append(
+            dataclasses.replace(
+                norm,
+                name=MomentName.BACKWARD_HEAD_GRAD_CAST,
+                temporaries=cast
+                + Widths.of(q.strategy).residual * q.strategy.tokens_per_micro_batch * q.spec.hidden_size,
+            )
+        )
     for v in a.variants:
         if v.kind != a.top_kind:
             continue
@@ -970,6 +989,22 @@ def backward_moments(q: StepInputs) -> list[Moment]:
             swap = v.before_softmax_bytes + v.recomputed_before_softmax_bytes + attn_saved - a.per_kind_bytes[v.kind]
             moments += [m.inside_softmax_backward(swap, attn_temp) for m in (top, bottom)]
     return moments
+
+
+def head_grad_cast_bytes(q: StepInputs) -> int:
+    """The head's weight gradient in the compute dtype where autocast makes it narrower than the .grad it is cast
+    into (a trainable head with an autocast copy, the standard loss — Liger's fused loss writes the .grad itself, a
+    chunked loss sums its chunks' gradients first); 0 otherwise."""
+    s, r = q.strategy, q.strategy.recipe
+    cast = (
+        r.autocast
+        and q.copies_head > 0
+        and q.grad_head > 0
+        and q.spec.kind.has_vocab_logits
+        and s.savers.loss is LossImpl.STANDARD
+        and r.compute_bits < r.grad_bits
+    )
+    return q.grad_head * r.compute_bits // r.grad_bits if cast else 0
 
 
 def optimizer_step_moment(q: StepInputs) -> Moment:
