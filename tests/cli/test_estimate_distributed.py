@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -223,7 +224,13 @@ def test_sharded_init_moves_the_reserve_not_the_step(capsys: pytest.CaptureFixtu
     assert res.code == 0, res.err
     meta = json.loads(res.out)
     assert (loaded["strategy"]["sharded_init"], meta["strategy"]["sharded_init"]) == (False, True)
-    assert meta["peak_bytes"] == loaded["peak_bytes"]
+
+    # the tensors' peak is the same; the blocks above them (allocator_rounding, from each stream's simulation) follow
+    # where the allocator places them, which the wrapping moves
+    def requests(d: dict[str, Any]) -> int:
+        return max(p["total_bytes"] - p["components"]["allocator_rounding"] for p in d["phases"].values())
+
+    assert requests(meta) == requests(loaded)
     assert meta["reserved_estimate_bytes"] != loaded["reserved_estimate_bytes"]
     bad = run_cli(capsys, "estimate", "llama-3.2-1b", "--gpus", "8", "--sharding", "ddp", "--sharded-init")
     assert bad.code == 2 and "--sharded-init" in bad.err and len(bad.err.strip().splitlines()) == 1

@@ -62,12 +62,17 @@ def _assert_phases(report: Any, measured: dict[str, int]) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_analytic_agrees_with_the_h200_at_world_size_1(case: str) -> None:
-    """Recorded: FSDP2 −0.73 / −0.70 / −0.61%, DDP −0.51 / −0.49 / −1.15% (forward / backward / step). And the memory
-    outside the allocator (device used − reserved at the end: CUDA context, kernels and NCCL's own buffers) within
-    1% — the NCCL term is this session's predecessor's one-rank measurement (DESIGN §4.1)."""
+    """Recorded: FSDP2 −0.13 / −0.12 / −0.20%, DDP +0.01 / +0.01 / +0.05% (forward / backward / step), within 0.3%:
+    the rank's stream counts the allocator's blocks above the tensors' requests since 2026-12-05
+    (``Component.ALLOCATOR_ROUNDING``, rank_events.simulate_rank_with_rounding); before, FSDP2 −0.73 / −0.70 / −0.61%
+    and DDP −0.51 / −0.49 / −1.15%. And the memory outside the allocator (device used − reserved at the end: CUDA
+    context, kernels and NCCL's own buffers) within 1% — the NCCL term is this session's predecessor's one-rank
+    measurement (DESIGN §4.1)."""
     m = _measured(case)
     r = _report(CASES[case], "analytic")
-    _assert_phases(r, m["phases"])
+    for ph in PHASES:
+        got, want = r.phase(ph).total_bytes, m["phases"][ph]
+        assert abs(got - want) <= 0.003 * want, (ph, got, want)
     assert r.overhead.outside_allocator_bytes == pytest.approx(m["outside_allocator"], rel=0.01)
 
 

@@ -30,8 +30,9 @@ multiples of 2 MiB (Llama 3's) have almost none; a tensor of 10 MiB or more that
 Expandable segments split every remainder: none there, as measured (the H200's q05 case: −0.23% by default, −0.00%
 with expandable segments).
 
-One GPU, a fresh process: a many-GPU rank's stream (:mod:`trainfit.analytic.rank_events`) is not marked yet, and a
-process history (``estimate(history=)``) moves which blocks are cached but is not replayed here. Under the optimizer
+A fresh process; a many-GPU rank's stream is marked too (:class:`PhaseMarking` mixed into its hooks, :func:`marked`;
+:func:`trainfit.analytic.rank_events.simulate_rank_with_rounding`; not a Megatron stage's). A process history
+(``estimate(history=)``) moves which blocks are cached but is not replayed here. Under the optimizer
 in backward the stream has no separate optimizer step (the hooks step each gradient): its rounding is in backward's.
 """
 
@@ -52,22 +53,28 @@ from trainfit.arch.spec import ModelSpec
 from trainfit.result import Phase
 from trainfit.strategy import Strategy
 
-__all__ = ["PhaseRounding", "phase_rounding", "simulate_with_rounding"]
+__all__ = ["PhaseMarking", "PhaseRounding", "marked", "phase_rounding", "simulate_with_rounding"]
 
 #: Per phase: the block bytes above the requests at that phase's peak, steady state.
 PhaseRounding = tuple[tuple[Phase, int], ...]
 
 
-class _PhaseMarks(RankHooks):
-    """One GPU's hooks (:class:`RankHooks`' defaults: the stream is the one GPU's, call for call) that mark each
-    phase's start: every micro-step's forward (before its inputs), its backward (after the loss) and the optimizer
-    step (its temporaries); at each mark the phase that ends gets its block peak less its request peak — the
-    simulator's window since the last mark (``Simulator.window_allocated_bytes``/``window_requested_bytes``, kept
-    beside its own peaks, which stay the run's result) — and the window restarts."""
+class PhaseMarking:
+    """Hooks that mark each phase's start, mixed in before a :class:`RankHooks` (one GPU's defaults, or a many-GPU
+    rank's: :func:`marked`): every micro-step's forward (before its inputs), its backward (after the loss) and the
+    optimizer step (its temporaries; a rank that writes its step's events from ``step_temp_bytes`` writes them after
+    the mark); at each mark the phase that ends gets its block peak less its request peak — the simulator's window
+    since the last mark (``Simulator.window_allocated_bytes``/``window_requested_bytes``, kept beside its own peaks,
+    which stay the run's result) — and the window restarts. Each hook then does what the rank's own does."""
 
-    def __init__(self, sim: Simulator) -> None:
+    _sim: Simulator
+    _phase: Phase | None
+    _step: int
+    rounding: dict[Phase, int]
+
+    def start_marks(self, sim: Simulator) -> None:
         self._sim = sim
-        self._phase: Phase | None = None
+        self._phase = None
         self._step = 0
         self.rounding = dict.fromkeys(Phase, 0)
 
@@ -84,13 +91,39 @@ class _PhaseMarks(RankHooks):
 
     def micro_step_begin(self, s: Stream, micro: int) -> None:
         self.mark(Phase.FORWARD, new_step=micro == 0)
+        super().micro_step_begin(s, micro)  # type: ignore[misc]
 
     def backward_begin(self, s: Stream) -> None:
         self.mark(Phase.BACKWARD)
+        super().backward_begin(s)  # type: ignore[misc]
 
     def step_temp_bytes(self, default: int) -> int:
         self.mark(Phase.OPTIMIZER_STEP)
-        return default
+        out: int = super().step_temp_bytes(default)  # type: ignore[misc]
+        return out
+
+
+class _PhaseMarks(PhaseMarking, RankHooks):
+    """One GPU's hooks (:class:`RankHooks`' defaults: the stream is the one GPU's, call for call), marked."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.start_marks(sim)
+
+
+_MARKED: dict[type[RankHooks], type[RankHooks]] = {}
+
+
+def marked(hooks: RankHooks, sim: Simulator) -> PhaseMarking:
+    """``hooks`` (a many-GPU rank's: FSDP2, DDP, ZeRO, DTensor TP) with :class:`PhaseMarking` mixed in: the same
+    object, its class swapped for a subclass that marks each phase's start on ``sim`` and otherwise behaves as it."""
+    base = type(hooks)
+    cls = _MARKED.get(base)
+    if cls is None:
+        cls = _MARKED[base] = type(f"Marked{base.__name__}", (PhaseMarking, base), {})
+    hooks.__class__ = cls
+    assert isinstance(hooks, PhaseMarking)
+    hooks.start_marks(sim)
+    return hooks
 
 
 _MEMO: Memo[tuple[AllocatorResult, PhaseRounding]] = Memo(256)

@@ -3469,7 +3469,31 @@ def estimate_parallel(
     )
     if sim is not None:
         simulated, stopped, capped, reserve_note = True, sim.stopped, sim.capped, sim.note
-        overhead = dataclasses.replace(overhead, allocator_reserve_bytes=sim.reserve_bytes)
+        # max_memory_allocated counts blocks: each phase's blocks above its requests, from the same simulation, as
+        # one GPU's (analytic.blocks); the reserve is then taken above the larger peak, the reserved bytes unchanged
+        rounding = dict(sim.rounding)
+        if any(rounding.values()):
+
+            def rounded_phases(breakdown: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
+                return tuple(
+                    dataclasses.replace(
+                        ph,
+                        components={**ph.components, Component.ALLOCATOR_ROUNDING: rounding.get(Phase(ph.phase), 0)},
+                    )
+                    for ph in breakdown
+                )
+
+            phases = rounded_phases(phases)
+            # The simulated rank is the worst one (simulated_reserve); the others listed beside it differ in what
+            # their partitions hold, not in how the allocator serves the layers' tensors: its rounding for each
+            # (their own streams are not simulated), so that the ranks still differ by their tensors alone.
+            ranks = tuple(dataclasses.replace(r, phases=rounded_phases(r.phases)) for r in ranks)
+            rounded = max(ph.total_bytes for ph in phases)
+            overhead = overhead_for(rounded)
+            reserve = max(0, sim.reserve_bytes - (rounded - peak))
+            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=reserve)
+        else:
+            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=sim.reserve_bytes)
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
     trainable = sum(h.tensor.numel * h.count for h in held_tensors(spec, strategy) if h.trainable)
@@ -3512,6 +3536,9 @@ class SimulatedReserve:
     stopped: bool  # the stream stopped above ``stop_above_bytes``: the reserve is a lower bound
     capped: CappedRun | None  # the same stream under ``capacity_bytes`` when borderline (capped_run)
     note: str  # where the reserve comes from, for the report's notes
+    #: Per phase, the stream's blocks above its requests at the steady state (``Component.ALLOCATOR_ROUNDING``;
+    #: rank_events.simulate_rank_with_rounding; none for a Megatron stage)
+    rounding: tuple[tuple[Phase, int], ...] = ()
 
 
 def simulated_reserve(
@@ -3532,7 +3559,11 @@ def simulated_reserve(
     stream through the caching-allocator simulation; None for the setups that keep the fixed fraction.
     ``p``, ``ranks``: the closed form's plan and per-stage ranks (the worst stage's stream is simulated; None:
     computed here); the other arguments as :func:`estimate_parallel`'s."""
-    from trainfit.analytic.rank_events import rank_simulated, simulate_rank  # imports this module
+    from trainfit.analytic.rank_events import (  # imports this module
+        rank_simulated,
+        simulate_rank,
+        simulate_rank_with_rounding,
+    )
 
     if p is None:
         strategy, _ = effective_strategy(spec, strategy)
@@ -3543,7 +3574,7 @@ def simulated_reserve(
     dp_rank = 0
     if p.engine is Engine.DEEPSPEED:  # ranks: ZeRO-1/2's distinct data-parallel ranks, not pipeline stages
         stage, dp_rank = 0, ranks[stage].ranks[0] if ranks else 0
-    sim = simulate_rank(
+    sim, rounding = simulate_rank_with_rounding(
         spec,
         strategy,
         p,
@@ -3579,6 +3610,7 @@ def simulated_reserve(
         stream_peak_allocated_bytes=sim.peak_allocated_bytes,
         stopped=sim.stopped,
         capped=capped,
+        rounding=tuple(rounding.items()),
         note=(
             "reserved: this rank's event stream"
             + (f" (pipeline stage {stage}, the {order} order)" if ranks and p.engine is Engine.MEGATRON else "")

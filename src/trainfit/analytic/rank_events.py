@@ -140,17 +140,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-from trainfit._memo import spec_key
+from trainfit._memo import Memo, spec_key
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Simulator
 from trainfit.allocator.workspaces import Thread, Workspace, workspace_key
 from trainfit.analytic.activations import backward_temp_bytes
 from trainfit.analytic.adapters import finetuning, frozen_layers, is_frozen, moe_tensors
+from trainfit.analytic.blocks import PhaseRounding, marked
 from trainfit.analytic.events import (
     RankHooks,
     StateBits,
     Stream,
     Trained,
-    memo_stoppable,
     simulation_memo,
     steady_state,
     synthesise,
@@ -182,6 +182,7 @@ from trainfit.arch.params import inventory
 from trainfit.arch.spec import ModelSpec, ParamTensor
 from trainfit.cuda_facts import allocator_bytes
 from trainfit.fsdp_units import EMBEDDING_UNIT, ROOT_UNIT, TAIL_UNIT, fsdp_unit, resolved_fsdp_wrap, untied_units
+from trainfit.result import Phase
 from trainfit.strategy import (
     Checkpointing,
     DType,
@@ -1919,15 +1920,58 @@ def simulate_rank(
             (*key, capacity_bytes),
             lambda: _simulate(
                 spec, strategy, p, config, workspaces, stage, capacity_bytes, device_bytes=device_bytes, dp_rank=dp_rank
-            ),
+            )[0],
         )
-    return memo_stoppable(
-        key,
-        stop_above_bytes,
-        lambda stop: _simulate(
+    return simulate_rank_with_rounding(
+        spec,
+        strategy,
+        p,
+        config,
+        workspaces,
+        stage=stage,
+        stop_above_bytes=stop_above_bytes,
+        device_bytes=device_bytes,
+        dp_rank=dp_rank,
+    )[0]
+
+
+_ROUNDED: Memo[tuple[AllocatorResult, PhaseRounding]] = Memo(256)
+
+
+def simulate_rank_with_rounding(
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    config: AllocatorConfig | None = None,
+    workspaces: tuple[Workspace, ...] = (),
+    *,
+    stage: int = 0,
+    stop_above_bytes: int | None = None,
+    device_bytes: int | None = None,
+    dp_rank: int = 0,
+) -> tuple[AllocatorResult, dict[Phase, int]]:
+    """:func:`simulate_rank` (no capacity) and, from the same pass, each phase's blocks above its requests at the
+    steady state (:class:`~trainfit.analytic.blocks.PhaseMarking` mixed into the rank's hooks: what
+    ``max_memory_allocated`` counts beyond the tensors' 512-byte-rounded requests, ``Component.ALLOCATOR_ROUNDING``).
+    A Megatron stage's stream (no hooks) has none. A run that stops above ``stop_above_bytes`` is answered by the
+    whole run when one is kept; its rounding, like its reserve, is then a lower bound. Memoised."""
+    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes, dp_rank)
+
+    def run(stop: int | None) -> tuple[AllocatorResult, PhaseRounding]:
+        return _simulate(
             spec, strategy, p, config, workspaces, stage, stop_above=stop, device_bytes=device_bytes, dp_rank=dp_rank
-        ),
-    )
+        )
+
+    whole = _ROUNDED.peek(key)
+    if whole is None and stop_above_bytes is not None:
+        part = _ROUNDED.get((*key, "stop above", stop_above_bytes), lambda: run(stop_above_bytes))
+        if part[0].stopped:
+            return part[0], dict(part[1])
+        _ROUNDED.put(key, part)
+        whole = part
+    if whole is None:
+        whole = _ROUNDED.get(key, lambda: run(None))
+    return whole[0], dict(whole[1])
 
 
 def _simulate(
@@ -1941,7 +1985,7 @@ def _simulate(
     stop_above: int | None = None,
     device_bytes: int | None = None,
     dp_rank: int = 0,
-) -> AllocatorResult:
+) -> tuple[AllocatorResult, PhaseRounding]:
     hooks: RankHooks | None = None
     run = strategy
     if p.engine is Engine.MEGATRON:
@@ -1967,6 +2011,7 @@ def _simulate(
         hooks = FsdpHooks(spec, strategy, p.shard, replicated=p.dp > p.shard)
         run = compute_strategy(strategy, casts_every_param=strategy.recipe.mixed)
     sim = Simulator(config, capacity_bytes=capacity_bytes, stop_above_bytes=stop_above)
+    marks = None if hooks is None else marked(hooks, sim)  # each phase's blocks above its requests
     seen = [-1]
     ended = steady_state(sim, capacity_bytes)
 
@@ -1985,4 +2030,8 @@ def _simulate(
         else:
             synthesise(Stream(x), spec, run, workspaces, rank, steps=MAX_STEPS, stop=steady)
 
-    return sim.result(oom=sim.drive(write))
+    oom = sim.drive(write)
+    if marks is None:
+        return sim.result(oom=oom), ()
+    marks.mark(None)
+    return sim.result(oom=oom), tuple(marks.rounding.items())
