@@ -581,3 +581,18 @@ def test_host_memory_per_node(page: Any, base_url: str) -> None:
     settle(page, n)
     assert "host_memory_gib" not in page.evaluate("window.trainfit.lastRequest.body")
     assert "host_memory_gib" not in page.url
+
+
+def test_host_memory_no_checked_fix(page: Any, base_url: str) -> None:
+    """A host-only miss that no checked fix mends (7B parameters offloaded, one L4): trainfit estimate's line saying
+    so, under the host's not-fit state."""
+    run = {"model": "qwen2.5-7b", "gpu": "l4", "seq": "1024", "sharding": "zero3", "offload": "optimizer+params"}
+    run["host_memory_gib"] = "1"
+    goto(page, base_url + "/?" + urllib.parse.urlencode(run))
+    want = api(base_url, "/api/estimate", run)
+    assert want["fits"] is True and want["host_fits"] is False and want["fixes"] == []
+    assert page.inner_text("#host-verdict").startswith("Does not fit the host: needs ")
+    line = "No checked fix (trainfit plan) fits within --host-memory-gib 1: trainfit plan with the same flags says what"
+    line += " would."
+    assert line in cli_text(run)
+    assert line in page.inner_text("#suggestions")
