@@ -11,6 +11,7 @@ written to ``docs/web.png`` (the README's picture).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -487,3 +488,111 @@ def test_software_and_process_reach_the_estimate_and_the_plans(page: Any, base_u
     plans = api(base_url, "/api/plan", body)
     assert plans["torch_version"] == "2.11" and plans["history"]["build"] == "on-device"
     assert page.locator("#plans-table tbody tr").count() == len(plans["plans"]) >= 1
+
+
+def cli_text(query: dict[str, Any]) -> str:
+    """``trainfit estimate``'s text for the request ``query`` (built as the API builds it), on one line."""
+    from rich.console import Console
+
+    from trainfit.estimate import estimate
+    from trainfit.report.table import render
+    from trainfit.web.options import estimate_inputs
+
+    spec, kwargs = estimate_inputs(query, allow_hub=False)
+    out = io.StringIO()
+    render(Console(file=out, width=10_000, no_color=True), estimate(spec, **kwargs))
+    return " ".join(out.getvalue().split())
+
+
+def test_host_memory_per_node(page: Any, base_url: str) -> None:
+    """The Host GiB/node field (``--host-memory-gib``): sent as ``host_memory_gib``, kept in the URL; the host line
+    is the API's numbers in trainfit estimate's words; a limit below what the offloaded optimizer needs gives the
+    "does not fit the host" state while the GPU's verdict stays, and the checked fixes the API returns for it."""
+    run = {"model": "qwen2.5-0.5b", "gpu": "rtx-4090", "seq": "1024", "sharding": "zero2", "offload": "optimizer"}
+    goto(page, base_url + "/?" + urllib.parse.urlencode(run))
+    want = api(base_url, "/api/estimate", run)
+    assert want["host_peak_bytes"] > 0 and "host_fits" not in want, "offload puts the optimizer on the host"
+    host = page.inner_text("#host-verdict")
+    assert host == f"Host memory per node: {gib(want['host_peak_bytes'])} (offloaded or paged: outside the device peak)"
+    assert "h" + host[1:] in cli_text(run)  # the CLI says it in a note, lower case
+    assert "host_memory_gib" not in page.evaluate("window.trainfit.lastRequest.body")
+
+    # a small limit: the host does not hold the offloaded states; the GPU's verdict is unchanged
+    n = updates(page)
+    page.fill("input[name=host_memory_gib]", "1")
+    settle(page, n)
+    sent = page.evaluate("window.trainfit.lastRequest.body")
+    assert sent == {**run, "host_memory_gib": "1"}
+    assert "host_memory_gib=1" in page.url
+    want = api(base_url, "/api/estimate", sent)
+    assert want["host_fits"] is False and want["fits"] is True, "a host-only miss"
+    assert want["host_peak_bytes"] > want["host_usable_bytes"]
+    host = page.inner_text("#host-verdict")
+    assert host == (
+        f"Does not fit the host: needs {gib(want['host_peak_bytes'])} of CPU memory per node of "
+        f"{gib(want['host_usable_bytes'])} usable (--host-memory-gib 1 − {want['headroom_fraction']:.0%} headroom)"
+    )
+    assert "DOES NOT FIT the host" + host.removeprefix("Does not fit the host") in cli_text(sent)
+    assert "bad" in page.get_attribute("#host-verdict", "class").split()
+    assert page.inner_text("#verdict").startswith("Fits on rtx-4090")
+    # the checked fixes, asked for although the GPU fits (each keeps within the limit)
+    assert want["fixes"], "the API searches fixes for a host-only miss"
+    page.wait_for_function("() => Array.isArray((window.trainfit.last || {}).fixes)", timeout=20_000)
+    assert page.evaluate("window.trainfit.last") == want
+    suggestions = page.inner_text("#suggestions")
+    assert suggestions.startswith("To make it fit")
+    for fix in want["fixes"]:
+        assert f"{fix['reason']}: {' '.join(fix['flags'])}" in suggestions
+
+    # a link reproduces the view, the field's value included
+    other = page.context.new_page()
+    try:
+        goto(other, page.url)
+        assert other.input_value("input[name=host_memory_gib]") == "1"
+        assert other.inner_text("#host-verdict") == host
+    finally:
+        other.close()
+
+    # a limit that holds it: how much of the usable host memory the run takes
+    n = updates(page)
+    page.fill("input[name=host_memory_gib]", "1024")
+    settle(page, n)
+    want = api(base_url, "/api/estimate", {**run, "host_memory_gib": "1024"})
+    assert want["host_fits"] is True
+    host = page.inner_text("#host-verdict")
+    assert host == (
+        f"Host memory per node: {gib(want['host_peak_bytes'])} of {gib(want['host_usable_bytes'])} usable "
+        "(--host-memory-gib less the headroom)"
+    )
+    assert host in cli_text({**run, "host_memory_gib": "1024"})
+    assert "ok" in page.get_attribute("#host-verdict", "class").split()
+
+    # without a GPU there is no verdict to hold it in: the API's one line, beside the field
+    n = updates(page)
+    page.select_option("#gpu", "")
+    settle(page, n)
+    bad = api(base_url, "/api/estimate", {k: v for k, v in {**run, "host_memory_gib": "1024"}.items() if k != "gpu"})
+    assert page.inner_text('.err[data-for="host_memory_gib"]') == bad["error"]
+    assert page.inner_text("#host-verdict") == ""
+
+    # cleared: no limit, nothing sent, nothing in the URL
+    n = updates(page)
+    page.fill("input[name=host_memory_gib]", "")
+    settle(page, n)
+    assert "host_memory_gib" not in page.evaluate("window.trainfit.lastRequest.body")
+    assert "host_memory_gib" not in page.url
+
+
+def test_host_memory_no_checked_fix(page: Any, base_url: str) -> None:
+    """A host-only miss that no checked fix mends (7B parameters offloaded, one L4): trainfit estimate's line saying
+    so, under the host's not-fit state."""
+    run = {"model": "qwen2.5-7b", "gpu": "l4", "seq": "1024", "sharding": "zero3", "offload": "optimizer+params"}
+    run["host_memory_gib"] = "1"
+    goto(page, base_url + "/?" + urllib.parse.urlencode(run))
+    want = api(base_url, "/api/estimate", run)
+    assert want["fits"] is True and want["host_fits"] is False and want["fixes"] == []
+    assert page.inner_text("#host-verdict").startswith("Does not fit the host: needs ")
+    line = "No checked fix (trainfit plan) fits within --host-memory-gib 1: trainfit plan with the same flags says what"
+    line += " would."
+    assert line in cli_text(run)
+    assert line in page.inner_text("#suggestions")

@@ -63,7 +63,7 @@ function request() {
   }
   for (const k of ["batch", "seq", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "headroom",
     "gpus", "sharding", "tp", "pp", "microbatches", "pp_schedule", "offload", "engine", "method", "loss", "head",
-    "num_labels", "alloc_conf"]) put(k, f[k]);
+    "num_labels", "alloc_conf", "host_memory_gib"]) put(k, f[k]);
   for (const k of ["sequence_parallel", "optimizer_in_backward", "activation_offload", "paged_optimizer"]) {
     if (f[k] === "true") req[k] = true;
   }
@@ -162,6 +162,8 @@ function clearAnswer() {
   window.trainfit.last = null;
   $("#verdict").textContent = "";
   $("#verdict").className = "verdict";
+  $("#host-verdict").textContent = "";
+  $("#host-verdict").className = "verdict";
   for (const id of ["#compare", "#suggestions", "#warnings", "#outside"]) $(id).textContent = "";
   if (typeof Plotly !== "undefined") Plotly.purge("chart");
 }
@@ -346,6 +348,29 @@ function verdictText(data, kind) {
     : { cls: "bad", text: `Does not fit on ${data.gpu}: needs ${gib(data.required_bytes)}, ${gib(data.usable_bytes)} usable${mb}` };
 }
 
+// A number of GiB as Python's ":g" prints it (the CLI's "--host-memory-gib 256").
+function gibNumber(bytes) {
+  return String(Number((bytes / GIB).toPrecision(6)));
+}
+
+// The host memory per node (trainfit estimate's text): under a Host GiB/node limit (--host-memory-gib) whether it
+// fits, said first when it does not (as the CLI says it: fits and the verdict stay the GPU's); without a limit, the
+// figure where the JSON has one (many GPUs). Nothing when nothing sits on the host.
+function hostText(data) {
+  const peak = data.host_peak_bytes;
+  if (data.host_fits === false) {
+    return { cls: "bad", text: `Does not fit the host: needs ${gib(peak)} of CPU memory per node of ` +
+      `${gib(data.host_usable_bytes)} usable (--host-memory-gib ${gibNumber(data.host_memory_bytes)} − ` +
+      `${pct(data.headroom_fraction)} headroom)` };
+  }
+  if (!peak) return { cls: "", text: "" };
+  if (data.host_usable_bytes !== undefined) {
+    return { cls: "ok", text: `Host memory per node: ${gib(peak)} of ${gib(data.host_usable_bytes)} usable ` +
+      "(--host-memory-gib less the headroom)" };
+  }
+  return { cls: "", text: `Host memory per node: ${gib(peak)} (offloaded or paged: outside the device peak)` };
+}
+
 // What sits outside PyTorch's allocator (the JSON's overhead), and where the NCCL figure comes from (many GPUs).
 function outsideText(o) {
   if (!o) return "";
@@ -359,9 +384,18 @@ function render(data, kind) {
   const el = $("#verdict");
   el.className = "verdict " + v.cls;
   el.textContent = v.text;
+  const h = kind === "estimate" ? hostText(data) : { cls: "", text: "" };
+  $("#host-verdict").className = "verdict " + h.cls;
+  $("#host-verdict").textContent = h.text;
   drawChart(data, kind);
   const sugg = [...(data.suggestions || []), ...(data.fixes || [])].map(
     (s) => (s.flags.length ? `${s.reason}: ${s.flags.join(" ")}` : s.reason));
+  // searched (it does not fit the GPU or the host) and none keeps within the host limit: trainfit estimate's line
+  const missed = data.fits === false || data.host_fits === false;
+  if (kind === "estimate" && missed && data.host_memory_bytes !== undefined && Array.isArray(data.fixes) && !data.fixes.length) {
+    sugg.push(`No checked fix (trainfit plan) fits within --host-memory-gib ${gibNumber(data.host_memory_bytes)}: ` +
+      "trainfit plan with the same flags says what would.");
+  }
   $("#suggestions").innerHTML = sugg.length ? "<h3>To make it fit</h3>" + li(sugg, "sugg") : "";
   $("#warnings").innerHTML = li(data.warnings || [], "warn");
   $("#outside").textContent = outsideText(data.overhead);
@@ -425,7 +459,8 @@ async function update() {
     window.trainfit.lastRule = rule;
     render(data, kind);
     if (kind === "estimate") renderRule(rule, data);
-    if (quick !== body && data.fits === false && data.fixes === null) {
+    // not fitting the host (--host-memory-gib) asks for the fixes as not fitting the GPU does
+    if (quick !== body && (data.fits === false || data.host_fits === false) && data.fixes === null) {
       $("#status").textContent = "checking fixes…";
       data = await api(`/api/${kind}`, body);
       if (my !== seq) return;
