@@ -130,3 +130,16 @@ def test_the_largest_micro_batch_is_one_the_host_holds_too(capsys: pytest.Captur
     line = "(offloaded or paged: outside the device peak)"  # the host line of a run without a limit
     assert text.count("Host memory per node: ") == 1 and line not in text
     assert line in " ".join(run_cli(capsys, *run, "--batch", "1").out.split())
+
+
+def test_every_estimate_says_its_host_memory_in_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """``host_peak_bytes`` is in every estimate's JSON, one GPU too, limit or not: the offloaded activations' bytes
+    (as the text's "host memory" line), 0 without anything on the host."""
+    off = run_cli(capsys, "estimate", "qwen2.5-0.5b", "--seq", "1024", "--activation-offload", "--json")
+    plain = run_cli(capsys, "estimate", "qwen2.5-0.5b", "--seq", "1024", "--json")
+    assert off.code == plain.code == 0
+    host = json.loads(off.out)["host_peak_bytes"]
+    assert isinstance(host, int) and host > 0 and json.loads(plain.out)["host_peak_bytes"] == 0
+    limited = run_cli(capsys, "estimate", "qwen2.5-0.5b", "--seq", "1024", "--activation-offload", "--json",
+                      "--gpu", "rtx-4090", "--host-memory-gib", "1000", "--no-fixes")  # fmt: skip
+    assert json.loads(limited.out)["host_peak_bytes"] == host

@@ -227,8 +227,9 @@ def report_json(
             }
             for d in report.comparison
         ]
-    if strategy.is_distributed:  # many GPUs: the worst rank is the headline; each distinct rank, host memory
-        out["host_peak_bytes"] = report.host_peak_bytes
+    # host memory per node (offloaded states and activations, pinned buffers, paged optimizer states; 0 without)
+    out["host_peak_bytes"] = report.host_peak_bytes
+    if strategy.is_distributed:  # many GPUs: the worst rank is the headline; each distinct rank
         out["ranks"] = ranks_json(report)
     if report.low_bytes is not None:  # the rule of thumb's range of the nvidia-smi total (overhead included)
         out["low_bytes"] = report.low_bytes
