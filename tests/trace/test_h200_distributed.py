@@ -81,10 +81,14 @@ def test_analytic_agrees_with_the_h200_at_world_size_1(case: str) -> None:
     [pytest.param(c, marks=[pytest.mark.slow] if CASES[c] == "fsdp" else []) for c in CASES],  # FSDP2: ~6 s
 )
 def test_trace_agrees_with_the_h200_at_world_size_1(case: str) -> None:
-    """The real ``fully_shard`` / ``DistributedDataParallel`` traced on the fake process group: recorded FSDP2 −0.73
-    / −0.70 / −0.61%, DDP −0.51 / −0.49 / −1.15%."""
+    """The real ``fully_shard`` / ``DistributedDataParallel`` traced on the fake process group, with the blocks above
+    the traced tensors from the rank's analytic stream (as its reserve, ``distributed.with_rank_reserve``): recorded
+    FSDP2 −0.13 / −0.12 / −0.20%, DDP +0.01 / +0.01 / +0.05% (without the blocks −0.73 / −0.70 / −0.61% and −0.51 /
+    −0.49 / −1.15%)."""
     pytest.importorskip("torch")
-    _assert_phases(_report(CASES[case], "trace"), _measured(case)["phases"])
+    r, m = _report(CASES[case], "trace"), _measured(case)["phases"]
+    for ph in PHASES:
+        assert abs(r.phase(ph).total_bytes - m[ph]) <= 0.003 * m[ph], (ph, r.phase(ph).total_bytes, m[ph])
 
 
 def test_the_paused_ddp_run_lacks_exactly_the_stashed_bucket() -> None:

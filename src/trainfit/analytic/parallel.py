@@ -3471,29 +3471,11 @@ def estimate_parallel(
         simulated, stopped, capped, reserve_note = True, sim.stopped, sim.capped, sim.note
         # max_memory_allocated counts blocks: each phase's blocks above its requests, from the same simulation, as
         # one GPU's (analytic.blocks); the reserve is then taken above the larger peak, the reserved bytes unchanged
-        rounding = dict(sim.rounding)
-        if any(rounding.values()):
-
-            def rounded_phases(breakdown: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
-                return tuple(
-                    dataclasses.replace(
-                        ph,
-                        components={**ph.components, Component.ALLOCATOR_ROUNDING: rounding.get(Phase(ph.phase), 0)},
-                    )
-                    for ph in breakdown
-                )
-
-            phases = rounded_phases(phases)
-            # The simulated rank is the worst one (simulated_reserve); the others listed beside it differ in what
-            # their partitions hold, not in how the allocator serves the layers' tensors: its rounding for each
-            # (their own streams are not simulated), so that the ranks still differ by their tensors alone.
-            ranks = tuple(dataclasses.replace(r, phases=rounded_phases(r.phases)) for r in ranks)
-            rounded = max(ph.total_bytes for ph in phases)
-            overhead = overhead_for(rounded)
-            reserve = max(0, sim.reserve_bytes - (rounded - peak))
-            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=reserve)
-        else:
-            overhead = dataclasses.replace(overhead, allocator_reserve_bytes=sim.reserve_bytes)
+        phases, ranks = with_rounding(phases, ranks, sim.rounding)
+        rounded = max(ph.total_bytes for ph in phases)
+        overhead = dataclasses.replace(
+            overhead_for(rounded), allocator_reserve_bytes=max(0, sim.reserve_bytes - (rounded - peak))
+        )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
     trainable = sum(h.tensor.numel * h.count for h in held_tensors(spec, strategy) if h.trainable)
@@ -3619,6 +3601,32 @@ def simulated_reserve(
             + _flatten_note(spec, strategy, p, device_bytes)
         ),
     )
+
+
+def with_rounding(
+    phases: tuple[PhaseBreakdown, ...],
+    ranks: tuple[RankMemory, ...],
+    rounding: tuple[tuple[Phase, int], ...],
+) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...]]:
+    """``phases`` (the worst rank's) and ``ranks`` with a simulated rank's blocks above its requests as each phase's
+    ``Component.ALLOCATOR_ROUNDING`` (:class:`SimulatedReserve`'s ``rounding``): ``max_memory_allocated`` counts
+    blocks, as one GPU's (analytic.blocks). The simulated rank is the worst one; the others listed beside it differ in
+    what their partitions hold, not in how the allocator serves the layers' tensors, so each takes its rounding (their
+    own streams are not simulated) and the ranks still differ by their tensors alone. A caller that takes the reserve
+    above the peak takes it above the larger one: the reserved bytes do not change."""
+    by_phase = dict(rounding)
+    if not any(by_phase.values()):
+        return phases, ranks
+
+    def rounded(breakdown: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
+        return tuple(
+            dataclasses.replace(
+                ph, components={**ph.components, Component.ALLOCATOR_ROUNDING: by_phase.get(Phase(ph.phase), 0)}
+            )
+            for ph in breakdown
+        )
+
+    return rounded(phases), tuple(dataclasses.replace(r, phases=rounded(r.phases)) for r in ranks)
 
 
 def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
