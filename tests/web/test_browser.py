@@ -530,8 +530,10 @@ def test_host_memory_per_node(page: Any, base_url: str) -> None:
     host = page.inner_text("#host-verdict")
     assert host == (
         f"Does not fit the host: needs {gib(want['host_peak_bytes'])} of CPU memory per node of "
-        f"{gib(want['host_usable_bytes'])} usable (--host-memory-gib 1 − {want['headroom_fraction']:.0%} headroom)"
+        f"{gib(want['host_usable_bytes'])} usable (--host-memory-gib 1 − {want['headroom_fraction']:.0%} headroom), "
+        f"short by {gib(-want['host_free_bytes'])}"
     )
+    assert want["host_free_bytes"] == want["host_usable_bytes"] - want["host_peak_bytes"] < 0
     assert "DOES NOT FIT the host" + host.removeprefix("Does not fit the host") in cli_text(sent)
     assert "bad" in page.get_attribute("#host-verdict", "class").split()
     assert page.inner_text("#verdict").startswith("Fits on rtx-4090")

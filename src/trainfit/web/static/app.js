@@ -361,7 +361,7 @@ function hostText(data) {
   if (data.host_fits === false) {
     return { cls: "bad", text: `Does not fit the host: needs ${gib(peak)} of CPU memory per node of ` +
       `${gib(data.host_usable_bytes)} usable (--host-memory-gib ${gibNumber(data.host_memory_bytes)} − ` +
-      `${pct(data.headroom_fraction)} headroom)` };
+      `${pct(data.headroom_fraction)} headroom), short by ${gib(-data.host_free_bytes)}` };
   }
   if (!peak) return { cls: "", text: "" };
   if (data.host_usable_bytes !== undefined) {
