@@ -698,3 +698,24 @@ def test_fsdp_all_gather_copies_in_only_what_the_policy_casts(base: str | None, 
     adapters = [c for c, h in zip(group.casts, call, strict=True) if h.adapter]
     assert all(c > 0 for c in frozen) is cast and any(c > 0 for c in frozen) is cast
     assert adapters and all(c > 0 for c in adapters)  # PEFT's fp32 adapters, cast to bf16
+
+
+def test_a_ranks_rounding_comes_with_its_simulation_and_goes_with_it() -> None:
+    """``simulate_rank_with_rounding``: each phase's blocks above its requests (FSDP2 and DDP ranks have some: the
+    H200's world-size-1 runs, tests/trace/test_h200_distributed.py), the result ``simulate_rank``'s own, kept with the
+    simulations and recomputed once ``forget_simulations`` empties them (tests and benchmarks that time cold runs)."""
+    from trainfit.analytic.events import forget_simulations
+    from trainfit.analytic.rank_events import simulate_rank_with_rounding
+
+    spec = load_model("qwen2.5-0.5b")
+    for sharding in ("fsdp", "ddp"):
+        s = Strategy(
+            precision="pure-bf16", micro_batch=2, seq_len=1024, sharding=sharding, parallelism=Parallelism(data=1)
+        )
+        p = plan(spec, s)
+        res, rounding = simulate_rank_with_rounding(spec, s, p, AllocatorConfig())
+        assert rounding[Phase.FORWARD] > 0 and rounding[Phase.BACKWARD] > 0, sharding
+        assert simulate_rank(spec, s, p, AllocatorConfig()) is res
+        forget_simulations()
+        again, same = simulate_rank_with_rounding(spec, s, p, AllocatorConfig())
+        assert again is not res and again == res and same == rounding

@@ -1956,21 +1956,33 @@ def simulate_rank_with_rounding(
     A Megatron stage's stream (no hooks) has none. A run that stops above ``stop_above_bytes`` is answered by the
     whole run when one is kept; its rounding, like its reserve, is then a lower bound. Memoised."""
     key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes, dp_rank)
+    memo = simulation_memo()  # the results stay there (emptied by events.forget_simulations); the rounding beside
 
-    def run(stop: int | None) -> tuple[AllocatorResult, PhaseRounding]:
-        return _simulate(
+    def kept(k: tuple[object, ...]) -> tuple[AllocatorResult, PhaseRounding] | None:
+        hit = _ROUNDED.peek(k)
+        return hit if hit is not None and memo.peek(k) is hit[0] else None
+
+    def run(k: tuple[object, ...], stop: int | None) -> tuple[AllocatorResult, PhaseRounding]:
+        out = _simulate(
             spec, strategy, p, config, workspaces, stage, stop_above=stop, device_bytes=device_bytes, dp_rank=dp_rank
         )
+        keep(k, out)
+        return out
 
-    whole = _ROUNDED.peek(key)
+    def keep(k: tuple[object, ...], out: tuple[AllocatorResult, PhaseRounding]) -> None:
+        memo.put(k, out[0])
+        _ROUNDED.put(k, out)
+
+    whole = kept(key)
     if whole is None and stop_above_bytes is not None:
-        part = _ROUNDED.get((*key, "stop above", stop_above_bytes), lambda: run(stop_above_bytes))
+        part_key = (*key, "stop above", stop_above_bytes)
+        part = kept(part_key) or run(part_key, stop_above_bytes)
         if part[0].stopped:
             return part[0], dict(part[1])
-        _ROUNDED.put(key, part)
+        keep(key, part)
         whole = part
     if whole is None:
-        whole = _ROUNDED.get(key, lambda: run(None))
+        whole = run(key, None)
     return whole[0], dict(whole[1])
 
 
