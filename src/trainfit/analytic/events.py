@@ -1548,10 +1548,11 @@ def synthesise(
                     s.free_all(held)
                 release_pending()
                 continue
-            if int8_chains and not nograd and term.name == "int8.mlp_act" and not recompute:
+            if int8_chains and not nograd and term.name == "int8.mlp_act":
                 keys = [s.alloc(rank.saved_bytes(term.name, n)) for n in term.tensors()]
-                int8_ctx.extend(keys)
-                int8_site.update(dict.fromkeys(keys, (i, term.name)))
+                (int8_recomputed if recompute else int8_ctx).extend(keys)
+                if not recompute:
+                    int8_site.update(dict.fromkeys(keys, (i, term.name)))
                 t_i = strategy.tokens_per_micro_batch * spec.intermediate_size
                 width = max(1, rank.saved_bytes(term.name, term.bytes) // t_i)
                 int8_linear(t_i, width, width * strategy.tokens_per_micro_batch * h)  # down_proj into the residual sum
