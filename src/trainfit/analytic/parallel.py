@@ -3471,10 +3471,9 @@ def estimate_parallel(
         simulated, stopped, capped, reserve_note = True, sim.stopped, sim.capped, sim.note
         # max_memory_allocated counts blocks: each phase's blocks above its requests, from the same simulation, as
         # one GPU's (analytic.blocks); the reserve is then taken above the larger peak, the reserved bytes unchanged
-        phases, ranks = with_rounding(phases, ranks, sim.rounding)
-        rounded = max(ph.total_bytes for ph in phases)
+        phases, ranks, reserve = sim.rounded(phases, ranks)
         overhead = dataclasses.replace(
-            overhead_for(rounded), allocator_reserve_bytes=max(0, sim.reserve_bytes - (rounded - peak))
+            overhead_for(max(ph.total_bytes for ph in phases)), allocator_reserve_bytes=reserve
         )
     st_bytes = {c: max(ph.get(c) for ph in phases) for c in (Component.WEIGHTS, Component.GRADIENTS)}
     params = inventory(spec).total
@@ -3521,6 +3520,32 @@ class SimulatedReserve:
     #: Per phase, the stream's blocks above its requests at the steady state (``Component.ALLOCATOR_ROUNDING``;
     #: rank_events.simulate_rank_with_rounding; none for a Megatron stage)
     rounding: tuple[tuple[Phase, int], ...] = ()
+
+    def rounded(
+        self, phases: tuple[PhaseBreakdown, ...], ranks: tuple[RankMemory, ...]
+    ) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...], int]:
+        """``phases`` (the worst rank's, whose peak the reserve was taken above) and ``ranks`` with the stream's
+        blocks above its requests as each phase's ``Component.ALLOCATOR_ROUNDING`` — ``max_memory_allocated`` counts
+        blocks, as one GPU's (analytic.blocks) — and the reserve above the larger peak: the reserved bytes do not
+        change. The simulated rank is the worst one; the others listed beside it differ in what their partitions
+        hold, not in how the allocator serves the layers' tensors, so each takes its rounding (their own streams are
+        not simulated) and the ranks still differ by their tensors alone."""
+        by_phase = dict(self.rounding)
+        if not any(by_phase.values()):
+            return phases, ranks, self.reserve_bytes
+
+        def rounded(breakdown: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
+            return tuple(
+                dataclasses.replace(
+                    ph, components={**ph.components, Component.ALLOCATOR_ROUNDING: by_phase.get(Phase(ph.phase), 0)}
+                )
+                for ph in breakdown
+            )
+
+        out = rounded(phases)
+        grown = max(ph.total_bytes for ph in out) - max(ph.total_bytes for ph in phases)
+        ranks = tuple(dataclasses.replace(r, phases=rounded(r.phases)) for r in ranks)
+        return out, ranks, max(0, self.reserve_bytes - grown)
 
 
 def simulated_reserve(
@@ -3601,32 +3626,6 @@ def simulated_reserve(
             + _flatten_note(spec, strategy, p, device_bytes)
         ),
     )
-
-
-def with_rounding(
-    phases: tuple[PhaseBreakdown, ...],
-    ranks: tuple[RankMemory, ...],
-    rounding: tuple[tuple[Phase, int], ...],
-) -> tuple[tuple[PhaseBreakdown, ...], tuple[RankMemory, ...]]:
-    """``phases`` (the worst rank's) and ``ranks`` with a simulated rank's blocks above its requests as each phase's
-    ``Component.ALLOCATOR_ROUNDING`` (:class:`SimulatedReserve`'s ``rounding``): ``max_memory_allocated`` counts
-    blocks, as one GPU's (analytic.blocks). The simulated rank is the worst one; the others listed beside it differ in
-    what their partitions hold, not in how the allocator serves the layers' tensors, so each takes its rounding (their
-    own streams are not simulated) and the ranks still differ by their tensors alone. A caller that takes the reserve
-    above the peak takes it above the larger one: the reserved bytes do not change."""
-    by_phase = dict(rounding)
-    if not any(by_phase.values()):
-        return phases, ranks
-
-    def rounded(breakdown: tuple[PhaseBreakdown, ...]) -> tuple[PhaseBreakdown, ...]:
-        return tuple(
-            dataclasses.replace(
-                ph, components={**ph.components, Component.ALLOCATOR_ROUNDING: by_phase.get(Phase(ph.phase), 0)}
-            )
-            for ph in breakdown
-        )
-
-    return rounded(phases), tuple(dataclasses.replace(r, phases=rounded(r.phases)) for r in ranks)
 
 
 def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:

@@ -1914,7 +1914,7 @@ def simulate_rank(
     flush-and-retry, :class:`~trainfit.allocator.Simulator`; ``stop_above_bytes``: stop once reserved passes it,
     ``AllocatorResult.stopped``; ``device_bytes``: the GPU's memory less what is used outside the allocator, for
     DeepSpeed's free-memory test at init, :meth:`Zero2Hooks.weights`; None: not known)."""
-    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes, dp_rank)
+    key = _rank_key(spec, strategy, p, config, workspaces, stage, device_bytes, dp_rank)
     if capacity_bytes is not None:
         return simulation_memo().get(
             (*key, capacity_bytes),
@@ -1938,6 +1938,20 @@ def simulate_rank(
 _ROUNDED: Memo[tuple[AllocatorResult, PhaseRounding]] = Memo(256)
 
 
+def _rank_key(
+    spec: ModelSpec,
+    strategy: Strategy,
+    p: ParallelPlan,
+    config: AllocatorConfig | None,
+    workspaces: tuple[Workspace, ...],
+    stage: int,
+    device_bytes: int | None,
+    dp_rank: int,
+) -> tuple[object, ...]:
+    """A rank simulation's memo key (the simulation memo's, and the rounding's beside it)."""
+    return ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes, dp_rank)
+
+
 def simulate_rank_with_rounding(
     spec: ModelSpec,
     strategy: Strategy,
@@ -1955,7 +1969,7 @@ def simulate_rank_with_rounding(
     ``max_memory_allocated`` counts beyond the tensors' 512-byte-rounded requests, ``Component.ALLOCATOR_ROUNDING``).
     A Megatron stage's stream (no hooks) has none. A run that stops above ``stop_above_bytes`` is answered by the
     whole run when one is kept; its rounding, like its reserve, is then a lower bound. Memoised."""
-    key = ("rank", spec_key(spec), strategy, p, config, workspaces, stage, device_bytes, dp_rank)
+    key = _rank_key(spec, strategy, p, config, workspaces, stage, device_bytes, dp_rank)
     memo = simulation_memo()  # the results stay there (emptied by events.forget_simulations); the rounding beside
 
     def kept(k: tuple[object, ...]) -> tuple[AllocatorResult, PhaseRounding] | None:

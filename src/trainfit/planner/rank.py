@@ -522,7 +522,8 @@ class _Search:
         return True
 
     def known_fit(self, s: Strategy) -> bool:
-        """:meth:`fits` of a strategy estimated before (False: not estimated yet, or it does not fit)."""
+        """:meth:`fits` of a strategy estimated before (False: not estimated yet, or it does not fit); it may still
+        estimate the expandable-segments second chance of one that missed with the search's allocator."""
         known = (s, self.allocator) in self._memory or (
             self.expandable is not None and (s, self.expandable) in self._memory
         )

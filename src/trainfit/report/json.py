@@ -263,7 +263,6 @@ def report_json(
             out |= {
                 "host_memory_bytes": f.host_memory_bytes,
                 "host_usable_bytes": f.host_usable_bytes,  # × (1 − headroom), as trainfit plan holds a plan to it
-                "host_peak_bytes": f.host_required_bytes,  # per node
                 "host_free_bytes": f.host_free_bytes,  # usable − peak: negative when it does not fit ("short by")
                 "host_fits": f.host_fits,
             }

@@ -832,7 +832,7 @@ def with_rank_reserve(
     """``report`` (a traced rank, workspaces not yet added) with the simulated reserve of the same rank's analytic
     event stream above its traced allocated peak, or the fixed fraction where the stream is not simulated (or
     no ``allocator``); a note says which."""
-    from trainfit.analytic.parallel import simulated_reserve, with_rounding
+    from trainfit.analytic.parallel import simulated_reserve
 
     held = report.peak_bytes + sum(w.size_bytes for w in workspaces)
     fixed = "reserved: the fixed reserve fraction of the traced allocated peak"
@@ -854,13 +854,12 @@ def with_rank_reserve(
         "to replay), and its blocks above the requests to the traced phases (allocator_rounding)"
     )
     # max_memory_allocated counts blocks: the same stream's, as its reserve (the reserved bytes unchanged)
-    phases, ranks = with_rounding(report.phases, report.ranks, sim.rounding)
-    grown = max(ph.total_bytes for ph in phases) - report.peak_bytes
+    phases, ranks, reserve = sim.rounded(report.phases, report.ranks)
     return dataclasses.replace(
         report,
         phases=phases,
         ranks=ranks,
-        overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=max(0, sim.reserve_bytes - grown)),
+        overhead=dataclasses.replace(report.overhead, allocator_reserve_bytes=reserve),
         notes=(*report.notes, note),
         capped=sim.capped,
         reserve_simulated=True,
