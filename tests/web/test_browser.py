@@ -428,6 +428,32 @@ def test_plans_tab_passes_the_allocator(page: Any, base_url: str) -> None:
     assert page.locator("#plans-table tbody tr").count() == len(want["plans"]) >= 1
 
 
+def test_plans_tab_holds_the_forms_host_limit(page: Any, base_url: str) -> None:
+    """One Host GiB/node field, the form's, for both tabs: /api/plan gets it, the table is that answer, and typing a
+    new limit re-plans. A link of the time when the Plans tab had its own field (``plan_host_memory_gib``) fills
+    the form's."""
+    where = "model=llama-3.2-3b&gpu=rtx-4090&gpus=2&seq=1024&tab=plans"
+    goto(page, base_url + f"/?{where}&plan_host_memory_gib=16")
+    page.wait_for_function("() => window.trainfit.plansUpdates > 0 && !window.trainfit.plansBusy", timeout=20_000)
+    assert page.input_value("input[name=host_memory_gib]") == "16"
+    assert "host_memory_gib=16" in page.url and "plan_host_memory_gib" not in page.url
+    assert page.locator("#plan-host").count() == 0, "no second field to disagree with the first"
+    body = page.evaluate("window.trainfit.plansRequest")
+    assert body["host_memory_gib"] == "16"
+    limited = api(base_url, "/api/plan", body)
+    unlimited = api(base_url, "/api/plan", {k: v for k, v in body.items() if k != "host_memory_gib"})
+    assert limited != unlimited, "the limit changes the answer, so the table can tell which it shows"
+    assert page.locator("#plans-table tbody tr").count() == len(limited["plans"])
+    assert page.evaluate("window.trainfit.plans") == limited
+    page.fill("input[name=host_memory_gib]", "")
+    page.wait_for_function(
+        "() => !window.trainfit.plansBusy"
+        " && !('host_memory_gib' in (window.trainfit.plansRequest || {host_memory_gib: 1}))",
+        timeout=20_000,
+    )
+    assert page.evaluate("window.trainfit.plans") == unlimited
+
+
 def test_savers_sac_and_adapter_knobs_reach_the_api(page: Any, base_url: str) -> None:
     """The knobs added with the CLI's flags: checkpointing sac, the memory savers, LoRA alpha/dropout, double
     quantisation — the page's request carries them and draws what the API answers for them."""

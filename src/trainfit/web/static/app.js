@@ -93,8 +93,6 @@ function saveUrl() {
   const pb = $("#plan-batch").value.trim();
   if (pb !== $("#plan-batch").defaultValue) q.set("plan_batch", pb);
   if ($("#plan-lora").checked) q.set("plan_allow", "lora,qlora");
-  const ph = $("#plan-host").value.trim();
-  if (ph) q.set("plan_host_memory_gib", ph);
   const hash = pastedConfig ? "#config=" + encodeURIComponent(pastedConfig) : "";
   history.replaceState(null, "", "?" + q.toString() + hash);
 }
@@ -119,7 +117,8 @@ function loadUrl() {
   }
   if (q.has("plan_batch")) $("#plan-batch").value = q.get("plan_batch");
   $("#plan-lora").checked = q.get("plan_allow") === "lora,qlora";
-  if (q.has("plan_host_memory_gib")) $("#plan-host").value = q.get("plan_host_memory_gib");
+  // links from before the two tabs shared the form's Host GiB/node field
+  if (q.has("plan_host_memory_gib") && !q.has("host_memory_gib")) $("#host").value = q.get("plan_host_memory_gib");
   selectTab(q.get("tab") || "memory", false);
 }
 
@@ -556,8 +555,8 @@ function baseline() {
   return out;
 }
 
-// The /api/plan request for the form's model, GPU, GPU count, sequence, allocator, software, process and run (the
-// baseline), and the tab's global batch.
+// The /api/plan request for the form's model, GPU, GPU count, sequence, allocator, host memory per node, software,
+// process and run (the baseline), and the tab's global batch.
 function planRequest() {
   const f = fields();
   const req = pastedConfig ? { config: pastedConfig } : { model: f.model };
@@ -570,8 +569,7 @@ function planRequest() {
   const gb = $("#plan-batch").value.trim();
   if (gb) req.global_batch = gb;
   if ($("#plan-lora").checked) req.allow = "lora,qlora";
-  const host = $("#plan-host").value.trim();
-  if (host) req.host_memory_gib = host;
+  if (f.host_memory_gib) req.host_memory_gib = f.host_memory_gib;
   return req;
 }
 
@@ -722,7 +720,7 @@ async function init() {
     soon();
   });
   form.addEventListener("change", (ev) => { if (ev.target.id !== "config") soon(); });
-  for (const id of ["#plan-batch", "#plan-lora", "#plan-host"]) {
+  for (const id of ["#plan-batch", "#plan-lora"]) {
     $(id).addEventListener("input", () => { saveUrl(); plansSoon(); });
     $(id).addEventListener("change", () => { saveUrl(); plansSoon(); });
   }
