@@ -28,6 +28,7 @@ from trainfit.result import (
     TraceDetails,
 )
 from trainfit.strategy import Optimizer, Strategy
+from trainfit.strategy.adapters import AdapterKind, Quantization
 from trainfit.units import fmt_binary, fmt_count, fmt_gb, fmt_gib, gib
 
 
@@ -58,7 +59,43 @@ def _header(report: MemoryReport) -> Text:
                 + (" (sequence parallel)" if par.sequence_parallel else "")
                 + f" · sharding {s.sharding.value} · offload {s.offload.flag}"
             )
+        what = _what_trains(report)
+        if what:
+            t.append("\n" + what)
+        if s.savers.names():
+            t.append("\nsavers: " + " ".join(s.savers.names()))
     return t
+
+
+def _what_trains(report: MemoryReport) -> str:
+    """The fine-tuning setup in one line (nothing for full training of the recipe's weights): the adapter as PEFT
+    configures it, the base weights' storage, the frozen patterns, and how many parameters train."""
+    s = report.strategy
+    assert s is not None
+    a, base = s.adapter, s.base_weights
+    if a is None and base.is_default:
+        return ""
+    parts: list[str] = []
+    if a is not None:
+        name = "DoRA" if a.kind is AdapterKind.DORA else "LoRA"
+        if base.kbit_prepared and base.quantization in (Quantization.NF4, Quantization.FP4):
+            name = "QLoRA" if a.kind is AdapterKind.LORA else f"{name} (QLoRA-style)"
+        parts.append(f"{name} r{a.rank} α{a.alpha} on {', '.join(a.targets)}, {a.dtype.value} adapters")
+        if a.dropout:
+            parts[-1] += f", dropout {a.dropout:g}"
+    if base.quantization is not Quantization.NONE:
+        quant = {Quantization.INT8: "int8 (LLM.int8)", Quantization.NF4: "nf4", Quantization.FP4: "fp4"}
+        parts.append(
+            f"base {quant[base.quantization]}"
+            + (" + double quant" if base.double_quant and base.quantization is not Quantization.INT8 else "")
+        )
+    elif base.dtype is not None:
+        parts.append(f"base {base.dtype.value}")
+    if base.frozen:
+        parts.append("frozen " + ", ".join(base.frozen))
+    if report.params:
+        parts.append(f"{fmt_count(report.trainable_params)} trainable ({report.trainable_params / report.params:.2%})")
+    return " · ".join(parts)
 
 
 def _answer(report: MemoryReport) -> Text:
