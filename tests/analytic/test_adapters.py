@@ -121,7 +121,7 @@ def test_nf4_bytes_match_bitsandbytes() -> None:
     ("kwargs", "match"),
     [
         (dict(finetune="qlora", base_dtype="fp32"), "qlora quantises the base"),
-        (dict(finetune="lora", rank=0), "rank must be a positive integer"),
+        (dict(finetune="lora", rank=0), r"rank \(--lora-rank\) must be a positive integer"),
         (dict(finetune="lora", dropout=1.0), "dropout"),
         (dict(finetune="full", base_dtype="bf16"), "frozen base"),
         (dict(finetune="freeze"), "needs --freeze"),

@@ -50,13 +50,17 @@ class Adapter:
     def __post_init__(self) -> None:
         coerce_enum(self, "kind", AdapterKind)
         coerce_enum(self, "dtype", DType)
-        positive_int("adapter rank", self.rank)
+        positive_int("adapter rank (--lora-rank)", self.rank)
         if not 0.0 <= self.dropout < 1.0:
-            raise StrategyError(f"adapter dropout must be in [0, 1), got {self.dropout}")
+            raise StrategyError(f"adapter dropout (--lora-dropout) must be in [0, 1), got {self.dropout}")
         if not self.targets:
-            raise StrategyError("an adapter needs at least one target module (or 'all-linear')")
+            raise StrategyError(
+                "an adapter needs at least one target module (--lora-targets q_proj,v_proj, or all-linear)"
+            )
         if self.dtype.bits < 16:
-            raise StrategyError(f"adapters train in a 16- or 32-bit format, not {self.dtype.value}")
+            raise StrategyError(
+                f"adapters (--adapter-dtype) train in a 16- or 32-bit format (fp32, bf16, fp16), not {self.dtype.value}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
