@@ -74,13 +74,13 @@ def infer_cmd(
 
       trainfit infer llama-3.1-8b --batch 8 --prompt 2048 --new-tokens 256 --gpu l4
 
-      trainfit infer mistral-7b-v0.1 --dtype nf4 --prompt 32768 --batch 1
+      trainfit infer mistral-7b-v0.1 --dtype nf4 --prompt 32000 --batch 1
 
       trainfit infer qwen2.5-72b --gpus 4 --tp 4 --gpu h100-sxm-80gb --max-batch
 
       trainfit infer llama-3.1-70b --server paged --gpu-memory-utilization 0.9 --gpu h200-sxm-141gb
 
-      trainfit infer deepseek-v3 --kv-dtype fp8 --prompt 8192 --gpu h200-sxm-141gb --gpus 8
+      trainfit infer deepseek-v3 --dtype fp8 --kv-dtype fp8 --prompt 8192 --gpu h200-sxm-141gb --gpus 8
     """
     from trainfit.analytic.inference import InferenceSetup
     from trainfit.cli.common import print_json, stdout_console, warn
