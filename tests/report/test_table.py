@@ -64,5 +64,7 @@ def test_the_header_says_what_trains_and_which_savers_run() -> None:
     assert "\nsavers: --loss chunked:8 --optimizer-in-backward\n" in _run(
         "llama-3.2-3b", precision="pure-bf16", savers=savers
     )
+    fp8 = _text(estimate("llama-3.2-1b", Strategy(precision="amp-bf16", float8="tensorwise")))
+    assert fp8.splitlines()[1].startswith("amp-bf16 · fp8 tensorwise linears · adamw")
     plain = _text(estimate("gpt2"))
-    assert "trainable" not in plain.split("Peak allocated")[0] and "savers:" not in plain
+    assert "trainable" not in plain.split("Peak allocated")[0] and "savers:" not in plain and "fp8" not in plain

@@ -29,6 +29,7 @@ from trainfit.result import (
 )
 from trainfit.strategy import Optimizer, Strategy
 from trainfit.strategy.adapters import AdapterKind, Quantization
+from trainfit.strategy.recipe import Float8
 from trainfit.units import fmt_binary, fmt_count, fmt_gb, fmt_gib, gib
 
 
@@ -40,7 +41,9 @@ def _header(report: MemoryReport) -> Text:
     s = report.strategy
     if s is not None:
         t.append(
-            f"{s.precision.value} · {s.optimizer.value}"
+            f"{s.precision.value}"
+            + (f" · fp8 {s.float8.value} linears" if s.float8 is not Float8.NONE else "")
+            + f" · {s.optimizer.value}"
             + (f" ({s.optimizer_impl.value})" if s.optimizer is Optimizer.ADAMW else "")
             + f" · checkpointing {s.checkpointing.value} · {s.attention.value}"
             f" · micro-batch {s.micro_batch} × seq {s.seq_len} · "
