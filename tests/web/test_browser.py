@@ -487,6 +487,16 @@ def test_savers_sac_and_adapter_knobs_reach_the_api(page: Any, base_url: str) ->
             break
         page.wait_for_timeout(100)
     assert page.evaluate("window.trainfit.last") == want
+    # what trains, counted as the CLI's header counts it (trainfit.units.fmt_count), under the verdict
+    from trainfit.units import fmt_count
+
+    trainable, params = want["trainable_params"], want["params"]
+    share = f"{100 * trainable / params:.2f}%"
+    assert page.inner_text("#trains") == f"{fmt_count(trainable)} of {fmt_count(params)} parameters train ({share})"
+    n = updates(page)
+    page.check("input[value=training]")
+    settle(page, n)
+    assert page.inner_text("#trains") == "", "full training: every weight trains, nothing to say"
 
 
 def test_software_and_process_reach_the_estimate_and_the_plans(page: Any, base_url: str) -> None:

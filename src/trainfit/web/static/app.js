@@ -163,7 +163,7 @@ function clearAnswer() {
   $("#verdict").className = "verdict";
   $("#host-verdict").textContent = "";
   $("#host-verdict").className = "verdict";
-  for (const id of ["#compare", "#suggestions", "#warnings", "#outside"]) $(id).textContent = "";
+  for (const id of ["#trains", "#compare", "#suggestions", "#warnings", "#outside"]) $(id).textContent = "";
   if (typeof Plotly !== "undefined") Plotly.purge("chart");
 }
 
@@ -378,11 +378,27 @@ function outsideText(o) {
   return `Outside PyTorch's allocator: ${gib(o.outside_allocator_bytes)} (${parts.join("; ")})`;
 }
 
+// A count as trainfit.units.fmt_count prints it (6.74B, 124.44M, 12.30K).
+function fmtCount(n) {
+  for (const [div, suffix] of [[1e12, "T"], [1e9, "B"], [1e6, "M"], [1e3, "K"]]) {
+    if (Math.abs(n) >= div) return (n / div).toFixed(2) + suffix;
+  }
+  return String(n);
+}
+
+// What trains, when not every weight does (adapters, --freeze): the share the CLI's header gives.
+function trainsText(data, kind) {
+  if (kind !== "estimate" || !(data.trainable_params < data.params)) return "";
+  return `${fmtCount(data.trainable_params)} of ${fmtCount(data.params)} parameters train ` +
+    `(${(100 * data.trainable_params / data.params).toFixed(2)}%)`;
+}
+
 function render(data, kind) {
   const v = verdictText(data, kind);
   const el = $("#verdict");
   el.className = "verdict " + v.cls;
   el.textContent = v.text;
+  $("#trains").textContent = trainsText(data, kind);
   const h = kind === "estimate" ? hostText(data) : { cls: "", text: "" };
   $("#host-verdict").className = "verdict " + h.cls;
   $("#host-verdict").textContent = h.text;
