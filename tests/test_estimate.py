@@ -124,6 +124,23 @@ def test_default_sequence_is_the_models_context_when_shorter() -> None:
     assert '"seq_len": 1024' in res.stdout and '"optimizer_impl": "fused"' in res.stdout
 
 
+@pytest.mark.parametrize("slug", ["gpt2", "bert-base-uncased", "opt-6.7b"])
+def test_a_sequence_past_a_learned_position_table_is_warned_as_such(slug: str) -> None:
+    """GPT-2's, BERT's and OPT's position tables end at max_position_embeddings: one token more and the lookup fails,
+    so the warning says the model as configured cannot run there (a rotary model's says the estimate assumes it can:
+    long-context fine-tuning runs it); at the table's length there is no warning."""
+    spec = load_model(slug)
+    n = spec.max_position_embeddings
+    assert spec.learned_positions and n
+    past = estimate(spec, Strategy(seq_len=n + 1)).warnings
+    assert any("its learned position table ends there" in w and f"--seq {n})" in w for w in past), past
+    assert not any("max_position_embeddings" in w for w in estimate(spec, Strategy(seq_len=n)).warnings)
+    rotary = load_model("tinyllama-1.1b")
+    assert rotary.max_position_embeddings is not None and not rotary.learned_positions
+    longer = estimate(rotary, Strategy(seq_len=rotary.max_position_embeddings + 1)).warnings
+    assert any("the estimate assumes the model can run at that length" in w for w in longer), longer
+
+
 def test_deepspeed_optimizer_offload_with_a_client_optimizer_is_warned() -> None:
     """DeepSpeed refuses a client optimizer under ZeRO-Offload unless ``zero_force_ds_cpu_optimizer`` is false."""
     from trainfit.strategy import Offload, Parallelism

@@ -706,7 +706,14 @@ def estimate(
     if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
         warnings.append(
             f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "
-            f"({spec.max_position_embeddings}); the estimate assumes the model can run at that length"
+            f"({spec.max_position_embeddings}); "
+            + (  # GPT-2's wpe, BERT's, OPT's: the embedding lookup fails past the table's last row
+                f"its learned position table ends there, so the model as configured cannot run at that length: "
+                f"the estimate is for a table extended to {strategy.seq_len} (or use --seq "
+                f"{spec.max_position_embeddings})"
+                if spec.learned_positions
+                else "the estimate assumes the model can run at that length"
+            )
         )
     if method is Method.RULE_OF_THUMB:
         warnings += rule_of_thumb_warnings(asked)
