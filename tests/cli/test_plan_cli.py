@@ -233,3 +233,22 @@ def test_network_gbps_help_says_it_is_a_line_rate_that_nccl_reaches_a_share_of()
     assert "line rate" in option.help and "400 Gb/s NIC per GPU" in option.help
     assert f"about {NCCL_NETWORK_EFFICIENCY:.0%} of it" in option.help
     assert param.default == DEFAULT_NETWORK_GBPS
+
+
+def test_without_seq_the_plan_takes_the_estimates_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """``trainfit plan`` without ``--seq`` plans at ``trainfit estimate``'s default: 2048 tokens, or the model's context
+    when shorter (GPT-2's learned positions end at 1024; it planned 2048-token runs GPT-2 cannot make). A given
+    ``--seq`` is kept; the web API builds the same workload."""
+    from trainfit.arch import load_model
+    from trainfit.estimate import DEFAULT_SEQ_LEN, default_seq_len
+
+    def seq_of(*args: str) -> int:
+        r = run_cli(capsys, "plan", *args, "--gpu", "t4", "--top", "1", "--json")
+        assert r.code == 0, r.err
+        return int(json.loads(r.out)["seq_len"])
+
+    gpt2 = load_model("gpt2")
+    assert gpt2.max_position_embeddings is not None and gpt2.max_position_embeddings < DEFAULT_SEQ_LEN
+    assert seq_of("gpt2") == default_seq_len(gpt2) == gpt2.max_position_embeddings
+    assert seq_of("gpt2", "--seq", "512") == 512
+    assert seq_of("qwen2.5-0.5b") == DEFAULT_SEQ_LEN
