@@ -87,10 +87,10 @@ def _what_trains(report: MemoryReport) -> str:
         if a.dropout:
             parts[-1] += f", dropout {a.dropout:g}"
     if base.quantization is not Quantization.NONE:
-        quant = {Quantization.INT8: "int8 (LLM.int8)", Quantization.NF4: "nf4", Quantization.FP4: "fp4"}
+        int8 = base.quantization is Quantization.INT8
         parts.append(
-            f"base {quant[base.quantization]}"
-            + (" + double quant" if base.double_quant and base.quantization is not Quantization.INT8 else "")
+            f"base {base.quantization.value}"
+            + (" (LLM.int8)" if int8 else " + double quant" if base.double_quant else "")
         )
     elif base.dtype is not None:
         parts.append(f"base {base.dtype.value}")
