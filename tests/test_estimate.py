@@ -122,6 +122,10 @@ def test_default_sequence_is_the_models_context_when_shorter() -> None:
     res = CliRunner().invoke(app, ["estimate", "gpt2", "--json"])
     assert res.exit_code == 0 and "max_position_embeddings" not in res.output
     assert '"seq_len": 1024' in res.stdout and '"optimizer_impl": "fused"' in res.stdout
+    # The library without a strategy takes the same default: no run GPT-2 cannot make, no warning about it.
+    library = estimate("gpt2")
+    assert library.strategy.seq_len == 1024 and not any("max_position_embeddings" in w for w in library.warnings)
+    assert estimate("llama-3.2-1b").strategy.seq_len == DEFAULT_SEQ_LEN
 
 
 @pytest.mark.parametrize("slug", ["gpt2", "bert-base-uncased", "opt-6.7b"])

@@ -568,7 +568,8 @@ def estimate(
     cuda_version: str | tuple[int, int] | None = None,
     host_memory_bytes: int | None = None,
 ) -> MemoryReport:
-    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes.
+    """Estimate per-GPU training memory. ``model`` is a ModelSpec or anything ``load_model`` takes; ``strategy``
+    None: the defaults of :class:`Strategy` at :func:`default_seq_len` tokens, as ``trainfit estimate`` without flags.
     ``allocator``: the ``PYTORCH_CUDA_ALLOC_CONF`` whose caching allocator predicts reserved memory (None: this
     process's environment variable, else PyTorch's defaults); ``allocator_layout``: also report the simulated
     segments at the reserved peak (``AllocatorDetails.layout``); ``simulate_allocator=False``: the trace skips
@@ -593,7 +594,7 @@ def estimate(
     the GPU, and the fixes keep within it (None: not limited)."""
     spec = load_model(model) if isinstance(model, str) else model
     release = torch_release(torch_version)
-    asked = strategy or Strategy()
+    asked = strategy or Strategy(seq_len=default_seq_len(spec))  # as `trainfit estimate` without --seq
     try:
         method = Method(method)
     except ValueError:
