@@ -173,3 +173,20 @@ def test_fsdp2_accumulation_warns_what_the_trainers_default_would_add() -> None:
     assert not [w for w in estimate(spec, dataclasses.replace(s, grad_accum=1)).warnings if "accumulation steps" in w]
     zero = dataclasses.replace(s, sharding="zero3")  # DeepSpeed accumulates its own way
     assert not [w for w in estimate(spec, zero).warnings if "accumulation steps" in w]
+
+
+def test_an_absurd_micro_batch_is_answered_not_crashed() -> None:
+    """A micro-batch of 10⁹ on llama-3.2-1b asks for exabytes: past the expandable-segment range the simulator used
+    to assert (the estimate tries expandable segments too); now it does not fit, with a smaller micro-batch."""
+    r = estimate("llama-3.2-1b", Strategy(micro_batch=10**9), gpu="h100-sxm-80gb", fixes=False)
+    assert r.fit is not None and not r.fit.fits and r.fit.max_micro_batch is not None
+    assert r.fit.max_micro_batch < 10**9 and r.fit.required_bytes > 1000 * r.fit.gpu_memory_bytes
+
+
+def test_the_fixes_for_a_micro_batch_with_many_divisors_are_searched_quickly() -> None:
+    """The planner lists the divisors of the per-rank batch for its micro-batches: by trial division up to √n,
+    so a batch of 2⁴⁰ is 41 divisors, not a trillion-step scan."""
+    from trainfit.planner.rank import _divisors
+
+    assert all(_divisors(n) == [k for k in range(1, n + 1) if n % k == 0] for n in range(1, 200))
+    assert _divisors(1 << 40) == [1 << k for k in range(41)]

@@ -158,3 +158,15 @@ def test_large_segment_size_parsing_follows_pytorch() -> None:
     assert late.max_split_size_bytes == 30 * MiB and late.large_segment_size_bytes == 40 * MiB
     for conf in (low, late, AllocatorConfig.parse("large_segment_size_mb:64,expandable_segments:True")):
         assert AllocatorConfig.parse(conf.to_env()) == conf
+
+
+def test_a_request_past_the_virtual_range_is_out_of_memory_or_gets_its_own_range() -> None:
+    """A request larger than the whole virtual range (9/8 of the capacity, 1320 → 1485 → 1500 MiB in 20 MiB pages):
+    ``map_block`` runs off the range's end — out of memory, as the device has no room for it either. Without a
+    capacity (the unlimited simulation every estimate runs first) the range is made as large as the request."""
+    events = [Event(Op.ALLOC, 1, 100 * MiB), Event(Op.ALLOC, 2, 1600 * MiB)]
+    oom = simulate(events, EXPANDABLE, capacity_bytes=1320 * MiB).oom
+    assert oom is not None and oom.event_index == 1
+    huge = 20 * MiB << 22  # 80 TiB, whole 20 MiB pages: above the default 64 TiB range
+    unlimited = simulate([Event(Op.ALLOC, 1, 100 * MiB), Event(Op.ALLOC, 2, huge)], EXPANDABLE)
+    assert unlimited.oom is None and unlimited.peak_reserved_bytes == 100 * MiB + huge

@@ -631,7 +631,9 @@ class Simulator:
             return None
         while c.size < size:
             nxt = c.next
-            assert nxt is not None and not nxt.mapped
+            if nxt is None:  # a request past the whole virtual range (9/8 of the device): out of memory
+                return None
+            assert not nxt.mapped
             if not self._map_block(pool, nxt, min(size - c.size, nxt.size)):
                 return None
             c = nxt
@@ -652,7 +654,13 @@ class Simulator:
             if room >= size:
                 return c
         page = SMALL_BUFFER_BYTES if pool.small else self._large_page
-        va = _DEFAULT_VA_BYTES if self.capacity_bytes is None else self.capacity_bytes + self.capacity_bytes // 8
+        # No device limit: a range as large as the request when the default 64 TiB is not (no real range is that
+        # large, but an unlimited simulation answers for any request).
+        va = (
+            max(_DEFAULT_VA_BYTES, size)
+            if self.capacity_bytes is None
+            else self.capacity_bytes + self.capacity_bytes // 8
+        )
         va = -(-va // page) * page
         seg = _Segment(self._new_address(va), pool.small, pool.stream, True, self._large_page, pool)
         self._plain_pools = False

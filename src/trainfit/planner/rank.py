@@ -328,7 +328,9 @@ def _distinct(ranked: list[Plan], s: _Search) -> list[Plan]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` in increasing order, by trial division up to √n (a global batch can be huge)."""
+    low = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return low + [n // k for k in reversed(low) if k * k != n]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
