@@ -167,6 +167,30 @@ def test_bad_fine_tuning_flags_exit_2_with_one_line(args: str, capsys: pytest.Ca
     assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and r.err.startswith("error:")
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        ("--dora", "--dora"),
+        ("--lora-rank 8", "--lora-rank"),
+        ("--lora-alpha 32", "--lora-alpha"),
+        ("--freeze embeddings --lora-targets q_proj", "--lora-targets"),
+        ("--lora-dropout 0.1", "--lora-dropout"),
+        ("--adapter-dtype bf16", "--adapter-dtype"),
+        ("--no-double-quant", "--double-quant"),
+    ],
+)
+def test_a_fine_tuning_flag_that_would_do_nothing_is_refused(
+    args: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An adapter's flag, or ``--double-quant``, in a command that names no ``--finetune`` was ignored silently (the
+    run estimated as full training); now one line names it, in estimate and plan. A command that names
+    ``--finetune`` keeps them (a plan's changes appended to a LoRA command: test_plan_baseline)."""
+    for cmd in (["estimate", "llama-3.2-1b"], ["plan", "llama-3.2-1b", "--gpu", "a100-sxm-80gb"]):
+        r = run_cli(capsys, *cmd, *args.split())
+        assert r.code == 2 and len(r.err.strip().splitlines()) == 1 and flag in r.err, (cmd, r.err)
+    assert run_cli(capsys, "estimate", "llama-3.2-1b", "--finetune", "qlora", "--no-double-quant").code == 0
+
+
 @pytest.mark.parametrize("saver", ["--activation-offload", "--optimizer paged-adamw-8bit"])
 def test_one_gpu_text_report_shows_the_host_memory(saver: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Offloaded activations and paged optimizer states live outside the device peak: the table says how much (it

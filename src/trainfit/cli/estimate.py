@@ -605,10 +605,41 @@ def refuse_inapplicable(strategy: Strategy, explicit: frozenset[str]) -> None:
     default (:func:`trainfit.analytic.parallel.check_options`), having no way to tell a default given on purpose."""
     from trainfit.analytic.parallel import inapplicable_options
 
-    bad = inapplicable_options(strategy)
+    bad = {**inapplicable_options(strategy), **_inapplicable_finetune_flags(strategy, explicit)}
     for name in STRATEGY_FLAGS:
         if name in explicit and name in bad:
             raise StrategyError(bad[name])
+
+
+#: The flags that shape a LoRA/DoRA adapter: they do nothing without one (``--finetune full`` or ``freeze``).
+_ADAPTER_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "dora", "adapter_dtype")
+
+
+def _inapplicable_finetune_flags(strategy: Strategy, explicit: frozenset[str]) -> dict[str, str]:
+    """The fine-tuning flags that do nothing for ``strategy`` in a command that names no ``--finetune`` (the flag
+    forgotten), each with its refusal: the adapter's without an adapter, ``--double-quant`` without a 4-bit base
+    (bitsandbytes' ``bnb_4bit_use_double_quant`` quantises the 4-bit blocks' absmax constants) unless
+    ``--base-dtype`` is named. A command that names ``--finetune`` keeps them: a plan's changes appended to the
+    user's LoRA command (``--finetune full without --base-dtype``) leave its ``--lora-rank`` behind."""
+    from trainfit.strategy import Quantization
+
+    if "finetune" in explicit:
+        return {}
+    out = {}
+    if strategy.adapter is None:
+        kind = "freeze (by --freeze)" if strategy.base_weights.frozen else "full"
+        for name in _ADAPTER_FLAGS:
+            flag = f"--{name.replace('_', '-')}"
+            out[name] = (
+                f"{flag} shapes a LoRA adapter; this run is --finetune {kind}: add --finetune lora|qlora or drop {flag}"
+            )
+    four_bit = strategy.base_weights.quantization in (Quantization.NF4, Quantization.FP4)
+    if not four_bit and "base_dtype" not in explicit:
+        out["double_quant"] = (
+            "--double-quant/--no-double-quant quantises a 4-bit base's absmax constants: it needs --finetune qlora "
+            "or --base-dtype nf4|fp4"
+        )
+    return out
 
 
 def explicit_flags() -> frozenset[str]:
