@@ -84,6 +84,7 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "MAX_SEARCH_BATCH",
     "attention_warnings",
+    "context_warning",
     "cuda_release",
     "default_seq_len",
     "effective_strategy",
@@ -102,6 +103,23 @@ def default_seq_len(spec: ModelSpec) -> int:
     """2048 tokens, or the model's ``max_position_embeddings`` when shorter (GPT-2, BERT: 1024, 512)."""
     context = spec.max_position_embeddings
     return min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN
+
+
+def context_warning(spec: ModelSpec, seq_len: int, what: str = "the estimate") -> str | None:
+    """The warning for a sequence past the model's ``max_position_embeddings`` (None within it): past a learned
+    position table (GPT-2's ``wpe``, BERT's, OPT's) the embedding lookup fails, so ``what`` is for a table extended
+    to that length; a rotary model is assumed to run there (long-context fine-tuning does). ``what``: the subject
+    of the sentence (``"every plan"`` for the planner's note)."""
+    context = spec.max_position_embeddings
+    if not context or seq_len <= context:
+        return None
+    head = f"--seq {seq_len} exceeds {spec.name}'s max_position_embeddings ({context}); "
+    if spec.learned_positions:
+        return head + (
+            f"its learned position table ends there, so the model as configured cannot run at that length: "
+            f"{what} is for a table extended to {seq_len} (or use --seq {context})"
+        )
+    return head + f"{what} assumes the model can run at that length"
 
 
 def _method_fn(method: Method, strategy: Strategy | None = None) -> Callable[..., MemoryReport]:
@@ -704,18 +722,8 @@ def estimate(
         )
     report = fn(spec, strategy, **main, layout=True) if allocator_layout else fn(spec, strategy, **main)
     warnings += list(report.warnings)
-    if spec.max_position_embeddings and strategy.seq_len > spec.max_position_embeddings:
-        warnings.append(
-            f"--seq {strategy.seq_len} exceeds {spec.name}'s max_position_embeddings "
-            f"({spec.max_position_embeddings}); "
-            + (  # GPT-2's wpe, BERT's, OPT's: the embedding lookup fails past the table's last row
-                f"its learned position table ends there, so the model as configured cannot run at that length: "
-                f"the estimate is for a table extended to {strategy.seq_len} (or use --seq "
-                f"{spec.max_position_embeddings})"
-                if spec.learned_positions
-                else "the estimate assumes the model can run at that length"
-            )
-        )
+    if (past_context := context_warning(spec, strategy.seq_len)) is not None:
+        warnings.append(past_context)
     if method is Method.RULE_OF_THUMB:
         warnings += rule_of_thumb_warnings(asked)
     else:

@@ -252,3 +252,20 @@ def test_without_seq_the_plan_takes_the_estimates_default(capsys: pytest.Capture
     assert seq_of("gpt2") == default_seq_len(gpt2) == gpt2.max_position_embeddings
     assert seq_of("gpt2", "--seq", "512") == 512
     assert seq_of("qwen2.5-0.5b") == DEFAULT_SEQ_LEN
+
+
+def test_a_plan_past_the_models_context_says_so_as_the_estimate_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """``trainfit plan gpt2 --seq 4096`` planned silently for a length GPT-2's learned position table cannot reach;
+    the plan's notes now carry the estimate's warning, worded for every plan; within the context there is none."""
+    from trainfit.arch import load_model
+    from trainfit.estimate import context_warning
+
+    def notes(*args: str) -> list[str]:
+        r = run_cli(capsys, "plan", "gpt2", "--gpu", "t4", "--top", "1", "--json", *args)
+        assert r.code == 0, r.err
+        return list(json.loads(r.out)["notes"])
+
+    past = notes("--seq", "4096")
+    assert context_warning(load_model("gpt2"), 4096, "every plan") in past
+    assert any("learned position table" in n and "every plan is for a table extended to 4096" in n for n in past)
+    assert not any("max_position_embeddings" in n for n in notes("--seq", "1024"))

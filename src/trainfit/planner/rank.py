@@ -793,6 +793,10 @@ def search_plans(
     # of a sort of all of them — at equal values every cheap entry first — and most are never computed.
     searched = space if history is None else [c for c in space if s.takes_history(c)]
     notes: list[str] = [] if history is None else [history_note(history)]
+    from trainfit.estimate import context_warning  # trainfit.estimate imports this package
+
+    if (past_context := context_warning(spec, seq_len, "every plan")) is not None:
+        notes.insert(0, past_context)
     if len(searched) < len(space):
         notes.append(
             f"{len(space) - len(searched)} of {len(space)} candidates not searched: {HISTORY_SCOPE}; without "
