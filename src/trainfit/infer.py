@@ -40,7 +40,22 @@ from trainfit.hardware import GPUSpec, get_gpu
 from trainfit.overhead import outside_allocator, overhead_for
 from trainfit.result import Component, InferencePhase, Method, Overhead, PhaseBreakdown, Term
 
-__all__ = ["InferenceFit", "InferenceReport", "Server", "infer"]
+__all__ = ["DEFAULT_PROMPT", "InferenceFit", "InferenceReport", "Server", "default_prompt", "infer"]
+
+#: Prompt tokens per sequence when none are given, unless the model's context is shorter (:func:`default_prompt`).
+DEFAULT_PROMPT = 2048
+
+
+def default_prompt(spec: ModelSpec, new_tokens: int) -> int:
+    """``trainfit infer``'s prompt when none is given: 2048 tokens, or what the model's context leaves after
+    ``new_tokens`` when that is shorter (GPT-2: 1024 − 256 = 768), as ``trainfit estimate`` takes the context as
+    its sequence. A model whose every layer slides (Mistral v0.1) runs past its context, and a context that
+    leaves no prompt is the validation's to refuse: both keep 2048."""
+    ctx = spec.max_position_embeddings
+    all_sliding = bool(spec.sliding_window) and spec.sliding_layers == spec.num_layers
+    if ctx is None or all_sliding or DEFAULT_PROMPT + new_tokens <= ctx or ctx - new_tokens < 1:
+        return DEFAULT_PROMPT
+    return ctx - new_tokens
 
 
 class Server(StrEnum):

@@ -133,3 +133,27 @@ def test_padded_batch_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert padded["phases"]["prefill"]["total_bytes"] > plain["phases"]["prefill"]["total_bytes"]
     res = run_cli(capsys, "infer", "llama-3.2-1b", "--padded", "--server", "paged", "--gpu", "h100-sxm-80gb")
     assert res.code == 2 and len(res.err.strip().splitlines()) == 1 and "paged" in res.err
+
+
+def test_the_default_prompt_fits_the_models_context(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``--prompt``, 2048 tokens, or what the context leaves after ``--new-tokens``: ``trainfit infer gpt2``
+    refused its own defaults (2048 + 256 > 1024). A model whose every layer slides keeps 2048; a given prompt is kept
+    (and past the context still refused)."""
+    from trainfit.arch import load_model
+    from trainfit.infer import DEFAULT_PROMPT, default_prompt
+
+    def prompt_of(*args: str) -> int:
+        r = run_cli(capsys, "infer", *args, "--json")
+        assert r.code == 0, r.err
+        return int(json.loads(r.out)["setup"]["prompt"])
+
+    gpt2 = load_model("gpt2")
+    assert gpt2.max_position_embeddings == 1024
+    assert prompt_of("gpt2") == default_prompt(gpt2, 256) == 1024 - 256
+    assert prompt_of("gpt2", "--new-tokens", "1000") == 24
+    assert prompt_of("llama-3.1-8b") == DEFAULT_PROMPT
+    mistral = load_model("mistral-7b-v0.1")
+    assert mistral.sliding_window and mistral.sliding_layers == mistral.num_layers
+    assert default_prompt(mistral, 256) == DEFAULT_PROMPT
+    assert prompt_of("gpt2", "--prompt", "100") == 100
+    assert run_cli(capsys, "infer", "gpt2", "--prompt", "1000").code == 2

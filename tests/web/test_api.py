@@ -123,6 +123,9 @@ INFERS: list[dict[str, Any]] = [
     {"model": "qwen2.5-7b", "gpu": "h100-sxm-80gb", "server": "paged", "gpu_memory_utilization": 0.85},
     {"model": "llama-3.1-70b", "gpus": 4, "tp": 4, "gpu": "h100-sxm-80gb", "dtype": "fp8"},
     {"model": "gpt2", "prompt": 256, "new_tokens": 16, "gpu": "t4", "simulate_allocator": True},
+    {"model": "gpt2", "gpu": "t4"},  # the default prompt: what GPT-2's 1024-token context leaves after 256 new
+    # the 4-bit base's knobs and left-padded prompts: the API dropped them before 2026-12-05 (its own setup builder)
+    {"model": "mistral-7b-v0.1", "dtype": "nf4", "double_quant": False, "compute_dtype": "fp16", "padded": True, "batch": 4},
 ]
 
 

@@ -2,17 +2,63 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from trainfit.errors import StrategyError
 
+if TYPE_CHECKING:
+    from trainfit.analytic.inference import InferenceSetup
+    from trainfit.arch import ModelSpec
+
+#: The flags of ``trainfit infer`` that describe the generation (the :class:`InferenceSetup`):
+#: :func:`setup_from_flags` takes exactly these, so the CLI and the web page build one thing the same way.
+SETUP_FLAGS: tuple[str, ...] = (
+    "batch", "prompt", "new_tokens", "dtype", "kv_dtype", "double_quant", "compute_dtype", "cache", "block_size",
+    "attention", "padded", "gpus", "tp",
+)  # fmt: skip
+
+
+def setup_from_flags(spec: ModelSpec, **flags: Any) -> InferenceSetup:
+    """The :class:`InferenceSetup` from the values of :data:`SETUP_FLAGS` (each as ``trainfit infer`` declares it,
+    defaults included): ``--prompt`` None takes :func:`trainfit.infer.default_prompt`, the TP degree is ``--tp``,
+    else ``--gpus``, else 1; bad values raise a one-line error."""
+    from trainfit.analytic.inference import InferenceSetup
+    from trainfit.infer import default_prompt
+
+    if set(flags) != set(SETUP_FLAGS):
+        raise TypeError(f"setup_from_flags needs exactly {SETUP_FLAGS}; got {sorted(flags)}")
+    f = flags
+    degree = f["tp"] if f["tp"] is not None else (f["gpus"] if f["gpus"] is not None else 1)
+    return InferenceSetup(
+        batch=f["batch"],
+        prompt=f["prompt"] if f["prompt"] is not None else default_prompt(spec, f["new_tokens"]),
+        new_tokens=f["new_tokens"],
+        dtype=f["dtype"],  # coerced and validated by InferenceSetup
+        kv_dtype=f["kv_dtype"],
+        cache=f["cache"],
+        block_size=f["block_size"],
+        attention=f["attention"],
+        tp=degree,
+        double_quant=f["double_quant"],
+        compute_dtype=f["compute_dtype"],
+        padded=f["padded"],
+    )
+
 
 def infer_cmd(
     model: Annotated[str, typer.Argument(help="Catalog slug, config.json (file or folder), or Hub repo id.")],
     batch: Annotated[int, typer.Option("--batch", "-b", help="Sequences decoded together.")] = 1,
-    prompt: Annotated[int, typer.Option("--prompt", "-p", help="Prompt tokens per sequence.")] = 2048,
+    prompt: Annotated[
+        int | None,
+        typer.Option(
+            "--prompt",
+            "-p",
+            help="Prompt tokens per sequence (default 2048, or what the model's context leaves after --new-tokens "
+            "when shorter: GPT-2 768).",
+        ),
+    ] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", "-n", help="Tokens generated per sequence.")] = 256,
     dtype: Annotated[str, typer.Option(help="Weights: fp32 | bf16 | fp16 | fp8 | int8 | nf4 | fp4")] = "bf16",
     kv_dtype: Annotated[
@@ -82,30 +128,18 @@ def infer_cmd(
 
       trainfit infer deepseek-v3 --dtype fp8 --kv-dtype fp8 --prompt 8192 --gpu h200-sxm-141gb --gpus 8
     """
-    from trainfit.analytic.inference import InferenceSetup
+    flags = dict(locals())  # before any comprehension: its own scope would have its own locals()
+    from trainfit.arch import load_model
     from trainfit.cli.common import print_json, stdout_console, warn
     from trainfit.infer import infer
     from trainfit.report.infer import infer_json, render_infer
 
     if max_batch and gpu is None:
         raise StrategyError("--max-batch searches what fits on a GPU: give --gpu")
-    degree = tp if tp is not None else (gpus if gpus is not None else 1)
-    setup = InferenceSetup(
-        batch=batch,
-        prompt=prompt,
-        new_tokens=new_tokens,
-        dtype=dtype,  # type: ignore[arg-type]  # coerced and validated by InferenceSetup
-        kv_dtype=kv_dtype,  # type: ignore[arg-type]
-        cache=cache,  # type: ignore[arg-type]
-        block_size=block_size,
-        attention=attention,  # type: ignore[arg-type]
-        tp=degree,
-        double_quant=double_quant,
-        compute_dtype=compute_dtype,  # type: ignore[arg-type]
-        padded=padded,
-    )
+    spec = load_model(model)
+    setup = setup_from_flags(spec, **{name: flags[name] for name in SETUP_FLAGS})
     report = infer(
-        model,
+        spec,
         setup,
         method=method,
         gpu=gpu,

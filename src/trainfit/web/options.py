@@ -289,23 +289,12 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
 def infer_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.infer.infer` for a request, as ``trainfit infer``
     builds them from its flags (``progress`` excluded)."""
-    from trainfit.analytic.inference import InferenceSetup
+    from trainfit.cli.infer import SETUP_FLAGS, setup_from_flags
 
     o = parse_options(raw, infer_options())
     spec = resolve_model(raw, allow_hub=allow_hub)
     assert spec is not None
-    degree = o["tp"] if o["tp"] is not None else (o["gpus"] if o["gpus"] is not None else 1)
-    setup = InferenceSetup(
-        batch=o["batch"],
-        prompt=o["prompt"],
-        new_tokens=o["new_tokens"],
-        dtype=o["dtype"],
-        kv_dtype=o["kv_dtype"],
-        cache=o["cache"],
-        block_size=o["block_size"],
-        attention=o["attention"],
-        tp=degree,
-    )
+    setup = setup_from_flags(spec, **{name: o[name] for name in SETUP_FLAGS})
     return spec, {
         "setup": setup,
         "method": o["method"],
