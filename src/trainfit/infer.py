@@ -135,10 +135,17 @@ class InferenceReport:
         raise KeyError(phase)
 
 
-def _setup(setup: InferenceSetup | None, fields: Mapping[str, Any]) -> InferenceSetup:
+def _setup(spec: ModelSpec, setup: InferenceSetup | None, fields: Mapping[str, Any]) -> InferenceSetup:
+    """The setup given, or one from its fields, the prompt :func:`default_prompt` when they name none."""
     if setup is not None and fields:
         raise StrategyError("give either an InferenceSetup or its fields, not both")
-    return setup if setup is not None else InferenceSetup(**fields)
+    if setup is not None:
+        return setup
+    if "prompt" not in fields:
+        new_tokens = fields.get("new_tokens", InferenceSetup().new_tokens)
+        if isinstance(new_tokens, int):  # else InferenceSetup refuses it
+            fields = {**fields, "prompt": default_prompt(spec, new_tokens)}
+    return InferenceSetup(**fields)
 
 
 def generate_workspaces_bytes(gpu: GPUSpec | None) -> int:
@@ -167,7 +174,8 @@ def infer(
     **setup_fields: Any,
 ) -> InferenceReport:
     """Inference memory for ``model`` under ``setup`` (or its fields as keywords: ``batch``, ``prompt``,
-    ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``, ``padded``).
+    ``new_tokens``, ``dtype``, ``kv_dtype``, ``cache``, ``block_size``, ``attention``, ``tp``, ``padded``; without
+    ``prompt``, :func:`default_prompt`, as ``trainfit infer`` without ``--prompt``).
 
     With ``simulate_allocator`` the analytic method's allocator reserve comes from replaying the ``generate``
     call's allocations through the caching-allocator simulation
@@ -177,7 +185,7 @@ def infer(
     and it is not yet checked against a GPU; without it, a paged cache and the trace keep the fixed reserve
     fraction."""
     spec = load_model(model) if isinstance(model, str) else model
-    st = _setup(setup, setup_fields)
+    st = _setup(spec, setup, setup_fields)
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     try:
         m = Method(method)

@@ -157,3 +157,6 @@ def test_the_default_prompt_fits_the_models_context(capsys: pytest.CaptureFixtur
     assert default_prompt(mistral, 256) == DEFAULT_PROMPT
     assert prompt_of("gpt2", "--prompt", "100") == 100
     assert run_cli(capsys, "infer", "gpt2", "--prompt", "1000").code == 2
+    from trainfit import infer  # the library without a prompt takes the same default
+
+    assert infer("gpt2").setup.prompt == 768 and infer("gpt2", new_tokens=24).setup.prompt == 1000

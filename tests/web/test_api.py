@@ -125,7 +125,14 @@ INFERS: list[dict[str, Any]] = [
     {"model": "gpt2", "prompt": 256, "new_tokens": 16, "gpu": "t4", "simulate_allocator": True},
     {"model": "gpt2", "gpu": "t4"},  # the default prompt: what GPT-2's 1024-token context leaves after 256 new
     # the 4-bit base's knobs and left-padded prompts: the API dropped them before 2026-12-05 (its own setup builder)
-    {"model": "mistral-7b-v0.1", "dtype": "nf4", "double_quant": False, "compute_dtype": "fp16", "padded": True, "batch": 4},
+    {
+        "model": "mistral-7b-v0.1",
+        "dtype": "nf4",
+        "double_quant": False,
+        "compute_dtype": "fp16",
+        "padded": True,
+        "batch": 4,
+    },
 ]
 
 
