@@ -9,6 +9,7 @@ caught, so bugs keep their tracebacks. ``trainfit`` alone prints the help (exit 
 
 from __future__ import annotations
 
+import inspect
 import sys
 from importlib import import_module
 from typing import Annotated, NoReturn
@@ -64,6 +65,9 @@ def _root(
 
 for _mod in COMMAND_MODULES:
     import_module(_mod).register(app)
+for _info in app.registered_commands:  # the command list's one-liners: a docstring's first paragraph, unwrapped
+    if _info.short_help is None and _info.callback is not None and _info.callback.__doc__:
+        _info.short_help = " ".join(inspect.cleandoc(_info.callback.__doc__).split("\n\n")[0].split())
 
 
 def fail(message: str) -> NoReturn:
