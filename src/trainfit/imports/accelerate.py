@@ -128,11 +128,24 @@ def strategy_from_accelerate(
         if procs % machines:
             raise refuse(name, f"num_processes {procs} is not a multiple of num_machines {machines}")
         d.use("num_machines", cfg.num_machines, "gpus_per_node", procs // machines)
+    written = _written_keys(path)
     for key in sorted(vars(cfg)):
         value = getattr(cfg, key)
-        if key in _IGNORED_NOTE and value not in (None, False, {}, [], "NO"):
+        if key in _IGNORED_NOTE and key in written and value not in (None, False, {}, [], "NO"):
             d.ignore(key, getattr(value, "value", value), _IGNORED_NOTE[key])
     return d.finish(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum)
+
+
+def _written_keys(path: Path) -> frozenset[str]:
+    """The top-level keys the file itself has: accelerate's loader fills the rest with its defaults
+    (``main_training_function: main``, ``rdzv_backend: static``…), which the report should not list as the file's."""
+    import json
+
+    import yaml  # accelerate's own dependency
+
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    return frozenset(data) if isinstance(data, dict) else frozenset()
 
 
 def _fsdp(cfg: Any, d: Draft, path: Path, grad_accum: int | None) -> None:
