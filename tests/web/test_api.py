@@ -368,6 +368,9 @@ ESTIMATE_ERRORS: list[dict[str, Any]] = [
     {"params": "1.5", "hidden_size": 64, "num_layers": 2},
     {"model": "gpt2", "gpu": "t4", "host_memory_gib": 0},
     {"model": "gpt2", "host_memory_gib": 64},
+    # given for a run it does nothing in, even at its default (the API did not refuse these before 2026-12-05)
+    {"model": "gpt2", "lora_rank": 8},
+    {"model": "gpt2", "gpus": 2, "sharding": "fsdp", "bucket_cap_mb": 25},
 ]
 
 

@@ -239,7 +239,13 @@ def resolve_model(raw: Mapping[str, Any], *, allow_hub: bool, required: bool = T
 def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, dict[str, Any]]:
     """The model and the keyword arguments of :func:`trainfit.estimate.estimate` for a request, as
     ``trainfit estimate`` builds them from its flags (``method_options`` excluded)."""
-    from trainfit.cli.estimate import STRATEGY_FLAGS, parse_count, process_history, strategy_from_flags
+    from trainfit.cli.estimate import (
+        STRATEGY_FLAGS,
+        parse_count,
+        process_history,
+        refuse_inapplicable,
+        strategy_from_flags,
+    )
     from trainfit.planner.workload import host_memory_bytes
     from trainfit.result import Method
 
@@ -265,6 +271,7 @@ def estimate_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSp
             intermediate_size=o["intermediate_size"],
         )
     spec, strategy = strategy_from_flags(spec, **{name: o[name] for name in STRATEGY_FLAGS})
+    refuse_inapplicable(strategy, frozenset(raw))  # the request's own fields, as the CLI's given flags
     try:
         method = Method(o["method"])
     except ValueError:
