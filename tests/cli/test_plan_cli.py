@@ -252,6 +252,9 @@ def test_without_seq_the_plan_takes_the_estimates_default(capsys: pytest.Capture
     assert seq_of("gpt2") == default_seq_len(gpt2) == gpt2.max_position_embeddings
     assert seq_of("gpt2", "--seq", "512") == 512
     assert seq_of("qwen2.5-0.5b") == DEFAULT_SEQ_LEN
+    from trainfit.planner.api import plan  # the library without a workload or seq: the same default
+
+    assert plan(gpt2, "t4", top=1).seq_len == gpt2.max_position_embeddings
 
 
 def test_a_plan_past_the_models_context_says_so_as_the_estimate_does(capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,7 +74,8 @@ def plan(
 ) -> PlanResult:
     """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument). The run's
     size: ``workload``, or the same fields as keywords (``gpus``, ``nodes``, ``gpus_per_node`` — default 8 —, ``seq``
-    — default 2048 —, ``global_batch``, ``tokens_per_step``; not both); with neither ``global_batch`` nor
+    — default :func:`trainfit.estimate.default_seq_len`, 2048 or the model's context when shorter —,
+    ``global_batch``, ``tokens_per_step``; not both); with neither ``global_batch`` nor
     ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``).
     ``torch_version`` / ``cuda_version`` (``"2.11"``, ``"12.8"``; None: 2.13 and 13.0) are checked as
     :func:`trainfit.estimate.estimate` checks them (the CUDA release must run ``gpu``) and decide every plan's
@@ -88,10 +89,14 @@ def plan(
     if objective not in {o.value for o in Objective}:
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
+    spec = load_model(model) if isinstance(model, str) else model
+    if workload is None and seq is None:  # trainfit estimate's default: 2048, or the model's context when shorter
+        from trainfit.estimate import default_seq_len  # trainfit.estimate imports the planner
+
+        seq = default_seq_len(spec)
     w = _workload(workload, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
                   global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
     world, batch, seq_len = w.world, w.sequences, w.seq
-    spec = load_model(model) if isinstance(model, str) else model
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     check_allow_float8(gpu_spec, allow)
     from trainfit.estimate import cuda_release, torch_release  # trainfit.estimate imports the planner
