@@ -2,7 +2,8 @@
 files: every run either succeeds (exit 0) or prints exactly one line, ``error: ...``, on stderr, nothing on
 stdout, and exits 2. Never a traceback (an exception escaping ``main``), never exit 1.
 
-Covers estimate (analytic and rule-of-thumb), plan (small models and GPU counts, so each search stays fast; not
+Covers estimate (analytic and rule-of-thumb; the many-GPU, fine-tuning and saver flags too), infer, plan (small
+models and GPU counts, so each search stays fast; not
 ``--export``, which writes files), models, gpus, formats and precision; not doctor, trace or measure (slow). Hub
 ids never touch the network: the reachability probe answers "offline" and the download finds nothing in the cache.
 """
@@ -221,6 +222,92 @@ def plan_args(draw: st.DrawFn) -> list[str]:
 @settings(SETTINGS, max_examples=40)
 @given(args=mangled(plan_args()))
 def test_plan_is_ok_or_one_error_line(capsys, args: list[str]) -> None:
+    check_contract(run_cli(capsys, *args), args)
+
+
+INFER_MODELS = st.one_of(
+    st.sampled_from(["gpt2", "llama-3.2-1b", "mistral-7b-v0.1", "qwen2.5-0.5b", "bert-base-uncased", "deepseek-v3"]),
+    st.sampled_from(["llama-3.1-8bb", "org/model"]),
+    WEIRD,
+)
+
+
+@st.composite
+def infer_args(draw: st.DrawFn) -> list[str]:
+    """``trainfit infer``: generate and paged servers, weight and cache formats, TP, the capacity search."""
+    args = ["infer", draw(INFER_MODELS)]
+    options: list[tuple[str, st.SearchStrategy[str]]] = [
+        ("--gpu", GPUS),
+        ("--batch", st.one_of(st.sampled_from(["1", "8", "64"]), BAD_INT)),
+        ("--prompt", INTS),
+        ("--new-tokens", st.one_of(st.sampled_from(["1", "16", "256"]), BAD_INT)),
+        ("--dtype", st.one_of(st.sampled_from(["bf16", "fp16", "fp32", "fp8", "int8", "nf4", "fp4", "int3"]), WEIRD)),
+        ("--kv-dtype", st.one_of(st.sampled_from(["bf16", "fp8", "fp32", "int4"]), WEIRD)),
+        ("--compute-dtype", st.sampled_from(["bf16", "fp16", "fp32", "fp8"])),
+        ("--cache", st.one_of(st.sampled_from(["dynamic", "static", "sliding", "paged", "ring"]), WEIRD)),
+        ("--block-size", st.one_of(st.sampled_from(["16", "32"]), BAD_INT)),
+        ("--attention", st.sampled_from(["sdpa", "eager", "flash"])),
+        ("--gpus", PLAN_INTS),
+        ("--tp", PLAN_INTS),
+        ("--server", st.sampled_from(["generate", "paged", "vllm"])),
+        ("--gpu-memory-utilization", FLOATS),
+        ("--headroom", FLOATS),
+    ]
+    for flag, values in draw(st.lists(st.sampled_from(options), max_size=4, unique_by=lambda o: o[0])):
+        args += [flag, draw(values)]
+    flags = ["--json", "--max-batch", "--padded", "--no-double-quant", "--explain"]
+    args += draw(st.lists(st.sampled_from(flags), max_size=2, unique=True))
+    return args
+
+
+@settings(SETTINGS, max_examples=60)
+@given(args=mangled(infer_args()))
+def test_infer_is_ok_or_one_error_line(capsys, args: list[str]) -> None:
+    res = run_cli(capsys, *args)
+    if args == ["infer"]:  # no arguments at all: the help, with click's exit status for it (no_args_is_help)
+        assert res.code == 2 and "Usage" in res.out and res.err == ""
+        return
+    check_contract(res, args)
+
+
+@st.composite
+def run_flag_args(draw: st.DrawFn) -> list[str]:
+    """``trainfit estimate`` with the many-GPU, fine-tuning and saver flags, valid and clashing."""
+    args = ["estimate", draw(st.sampled_from(["llama-3.2-1b", "qwen2.5-0.5b", "gpt2", "mixtral-8x7b-v0.1"]))]
+    options: list[tuple[str, st.SearchStrategy[str]]] = [
+        ("--gpus", PLAN_INTS),
+        ("--tp", PLAN_INTS),
+        ("--pp", PLAN_INTS),
+        ("--microbatches", PLAN_INTS),
+        ("--virtual-stages", PLAN_INTS),
+        ("--pp-schedule", st.sampled_from(["1f1b", "interleaved", "gpipe", "zb"])),
+        ("--sharding", st.sampled_from(["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "zero4"])),
+        ("--offload", st.sampled_from(["none", "optimizer", "optimizer+params", "params"])),
+        ("--engine", st.sampled_from(["auto", "torch", "deepspeed", "megatron", "jax"])),
+        ("--bucket-cap-mb", PLAN_INTS),
+        ("--reduce-bucket-size", st.one_of(st.sampled_from(["5e8", "2e8"]), WEIRD)),
+        ("--finetune", st.sampled_from(["full", "lora", "qlora", "freeze", "dpo"])),
+        ("--lora-rank", PLAN_INTS),
+        ("--lora-targets", st.sampled_from(["q_proj,v_proj", "all-linear", "c_attn", "nope", ","])),
+        ("--base-dtype", st.sampled_from(["bf16", "int8", "nf4", "fp4", "int2"])),
+        ("--freeze", st.sampled_from(["embeddings", "layers:0-3", "layers:9-2", "nope"])),
+        ("--loss", st.sampled_from(["standard", "chunked", "chunked:4", "fused-linear", "chunked:0"])),
+        ("--fp8", st.sampled_from(["none", "tensorwise", "rowwise"])),
+        ("--precision", st.sampled_from(["amp-bf16", "pure-bf16", "amp-fp16", "fp32"])),
+        ("--checkpointing", st.sampled_from(["none", "full", "sac", "selective"])),
+        ("--gpu", GOOD_PLAN_GPUS),
+    ]
+    for flag, values in draw(st.lists(st.sampled_from(options), max_size=5, unique_by=lambda o: o[0])):
+        args += [flag, draw(values)]
+    switches = ["--sequence-parallel", "--dora", "--optimizer-in-backward", "--activation-offload", "--json",
+                "--no-reshard-after-forward", "--double-quant"]  # fmt: skip
+    args += draw(st.lists(st.sampled_from(switches), max_size=2, unique=True))
+    return args
+
+
+@settings(SETTINGS, max_examples=60)
+@given(args=run_flag_args())
+def test_run_flags_are_ok_or_one_error_line(capsys, args: list[str]) -> None:
     check_contract(run_cli(capsys, *args), args)
 
 
