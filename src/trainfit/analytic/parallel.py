@@ -3638,6 +3638,9 @@ def _worst_stage(ranks: tuple[RankMemory, ...]) -> int:
 #: without FSDP2 (0).
 NCCL_FSDP_BYTES = 67 * MiB
 NCCL_DDP_BYTES = 557 * MiB
+#: The shared NET P2P buffer NCCL 2.28 allocates for a one-rank communicator (NVIDIA/nccl issue 2363, "Failed to
+#: CUDA calloc 536870912 bytes"): possibly most of DDP's one-rank figure (:func:`nccl_is_lower_bound`). Not counted.
+NCCL_ONE_RANK_SHARED_BYTES = 512 * MiB
 #: NCCL's documented default for NCCL_BUFFSIZE, "the size of the buffer used by NCCL when communicating data between
 #: pairs of GPUs" (NCCL user guide, Environment Variables): what a world size above 1 adds per connected peer and
 #: channel — the channels and peers depend on the topology and algorithm NCCL picks, so it is named, not counted.
@@ -3681,11 +3684,28 @@ def nccl_basis(strategy: Strategy) -> str:
     )
     if w == 1:
         return said
-    return (
-        f"{said}, counted as it is at world size {w}: a lower bound there — with peers NCCL also allocates a buffer "
-        f"per connected pair of GPUs and channel (NCCL_BUFFSIZE, {NCCL_BUFFSIZE_BYTES // MiB} MiB by default; NCCL "
-        "user guide, Environment Variables), whose count depends on the topology and is not modelled"
+    peers = (
+        f"with peers NCCL also allocates a buffer per connected pair of GPUs and channel (NCCL_BUFFSIZE, "
+        f"{NCCL_BUFFSIZE_BYTES // MiB} MiB by default; NCCL user guide, Environment Variables), whose count depends "
+        "on the topology and is not modelled"
     )
+    if nccl_is_lower_bound(strategy):
+        return f"{said}, counted as it is at world size {w}: a lower bound there — {peers}"
+    return (
+        f"{said}, counted as it is at world size {w}: not a bound either way there — {peers}, while up to "
+        f"{NCCL_ONE_RANK_SHARED_BYTES // MiB} MiB of the one-rank figure may be the shared P2P buffer NCCL 2.28 "
+        "gives a one-rank communicator, which a larger group need not have (NVIDIA/nccl issue 2363)"
+    )
+
+
+def nccl_is_lower_bound(strategy: Strategy) -> bool:
+    """Whether :func:`nccl_bytes`' one-rank figure is a lower bound for ``strategy``'s world size: at world size 1 it
+    is the measurement; above it, FSDP2's 67 MiB is (peers only add buffers), torch DDP's 557 MiB is not known to
+    be — 512 MiB of it may be NCCL 2.28's shared P2P buffer of a one-rank communicator (NVIDIA/nccl issue 2363: a
+    singleton group's first all-reduce callocs 536870912 bytes; PR 2366 skips it when ``nRanks == 1``), a buffer a
+    group with peers need not allocate. False where nothing is counted."""
+    kind = _nccl_kind(strategy)
+    return kind is not None and (strategy.world_size == 1 or kind == "FSDP2")
 
 
 def data_parallel_degree(gpus: int, tp: int, pp: int) -> int:
@@ -3729,6 +3749,7 @@ __all__ = [
     "megatron_inputs",
     "nccl_basis",
     "nccl_bytes",
+    "nccl_is_lower_bound",
     "plan",
     "resident_floor_bytes",
     "resolve_engine",

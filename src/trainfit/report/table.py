@@ -132,9 +132,12 @@ def _outside_parts(report: MemoryReport) -> str:
     basis (a one-rank measurement, or not counted)."""
     o = report.overhead
     if o.nccl_bytes:
+        from trainfit.analytic.parallel import nccl_is_lower_bound
+
         w = report.world_size
+        bound = "a lower bound" if nccl_is_lower_bound(report.strategy) else "not a bound either way"
         return f"CUDA context, kernels and NCCL {fmt_gib(o.nccl_bytes)} as measured at world size 1" + (
-            f", a lower bound at world size {w}" if w > 1 else ""
+            f", {bound} at world size {w}" if w > 1 else ""
         )
     if o.nccl_basis:
         return "CUDA context and kernels; NCCL's buffers not counted"
