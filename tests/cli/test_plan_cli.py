@@ -255,6 +255,9 @@ def test_without_seq_the_plan_takes_the_estimates_default(capsys: pytest.Capture
     from trainfit.planner.api import plan  # the library without a workload or seq: the same default
 
     assert plan(gpt2, "t4", top=1).seq_len == gpt2.max_position_embeddings
+    from trainfit import Strategy  # a baseline without a workload: its own sequence length, not the default
+
+    assert plan(gpt2, "t4", top=1, baseline=Strategy(seq_len=512, micro_batch=8)).seq_len == 512
 
 
 def test_a_plan_past_the_models_context_says_so_as_the_estimate_does(capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,7 +74,7 @@ def plan(
 ) -> PlanResult:
     """Ranked plans for training ``model`` on ``gpu`` (see ``trainfit plan --help`` for each argument). The run's
     size: ``workload``, or the same fields as keywords (``gpus``, ``nodes``, ``gpus_per_node`` — default 8 —, ``seq``
-    — default :func:`trainfit.estimate.default_seq_len`, 2048 or the model's context when shorter —,
+    — default: ``baseline``'s, else :func:`trainfit.estimate.default_seq_len`, 2048 or the context when shorter —,
     ``global_batch``, ``tokens_per_step``; not both); with neither ``global_batch`` nor
     ``tokens_per_step``, 8 sequences per GPU given (``workload.sequences_per_step``).
     ``torch_version`` / ``cuda_version`` (``"2.11"``, ``"12.8"``; None: 2.13 and 13.0) are checked as
@@ -90,10 +90,10 @@ def plan(
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
     spec = load_model(model) if isinstance(model, str) else model
-    if workload is None and seq is None:  # trainfit estimate's default: 2048, or the model's context when shorter
+    if workload is None and seq is None:  # the baseline's, else trainfit estimate's default (2048 or the context)
         from trainfit.estimate import default_seq_len  # trainfit.estimate imports the planner
 
-        seq = default_seq_len(spec)
+        seq = baseline.seq_len if baseline is not None else default_seq_len(spec)
     w = _workload(workload, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
                   global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
     world, batch, seq_len = w.world, w.sequences, w.seq

@@ -135,7 +135,8 @@ def _outside_parts(report: MemoryReport) -> str:
         from trainfit.analytic.parallel import nccl_is_lower_bound
 
         w = report.world_size
-        bound = "a lower bound" if nccl_is_lower_bound(report.strategy) else "not a bound either way"
+        lower = report.strategy is not None and nccl_is_lower_bound(report.strategy)
+        bound = "a lower bound" if lower else "not a bound either way"
         return f"CUDA context, kernels and NCCL {fmt_gib(o.nccl_bytes)} as measured at world size 1" + (
             f", {bound} at world size {w}" if w > 1 else ""
         )
