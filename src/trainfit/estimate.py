@@ -234,6 +234,32 @@ def attention_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     return [f"SDPA falls back to the math kernel ({why}): fp32 scores of b·heads·s² per layer{fix}"]
 
 
+def quantized_moe_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
+    """A bitsandbytes base (``--finetune qlora``, ``--base-dtype int8|nf4|fp4``) on an MoE model leaves the fused
+    experts unquantised: transformers 5 stores them as 3-D ``nn.Parameter`` tensors (``MixtralExperts``), and
+    ``replace_with_bnb_linear`` converts ``nn.Linear`` modules only; PEFT's ``prepare_model_for_kbit_training``
+    then casts every parameter that is not 4-bit to fp32 (peft/utils/other.py), the experts included. Said because
+    the weights then dwarf what a quantised base suggests (Mixtral QLoRA: 170 GiB of weights)."""
+    from trainfit.arch.params import count_params, fused_expert_params
+    from trainfit.strategy import Quantization
+
+    base = strategy.base_weights
+    if spec.moe is None or base.quantization is Quantization.NONE:
+        return []
+    experts = fused_expert_params(spec)
+    if not experts:
+        return []
+    if base.kbit_prepared:
+        stored = "fp32, as prepare_model_for_kbit_training casts them"
+    else:
+        stored = base.dtype.value if base.dtype is not None else "the precision recipe's weight dtype"
+    return [
+        f"{spec.name}'s fused MoE experts ({experts / count_params(spec):.0%} of the parameters) stay unquantised "
+        f"under the {base.quantization.value} base, in {stored}: transformers 5 stores them as 3-D nn.Parameter "
+        "tensors, which bitsandbytes' replace_with_bnb_linear does not convert (it quantises nn.Linear modules)"
+    ]
+
+
 def rule_of_thumb_warnings(strategy: Strategy) -> list[str]:
     """The article's formula has fixed terms (fp16 weights and grads, fp32 Adam: 2 + 2 + 8 B/param; c = 10–20
     without checkpointing): say which of the user's settings it does not take into account."""
@@ -729,6 +755,7 @@ def estimate(
     else:
         warnings += attention_warnings(spec, strategy)
     warnings += offload_optimizer_warnings(strategy)
+    warnings += quantized_moe_warnings(spec, strategy)
     if strategy.is_distributed and method is not Method.RULE_OF_THUMB:
         warnings += fsdp_accumulation_warnings(spec, strategy)
     fit = None

@@ -226,6 +226,7 @@ def infer(
             "attention reads a dequantised copy of the running layer's cache"
         )
     notes += an.engine_notes(spec, st)
+    warnings += an.bnb_expert_warnings(spec, st)  # a warning: the weights look like a 16-bit model's
     if st.dtype in (WeightFormat.NF4, WeightFormat.FP4) and not an.vllm_bnb(st):
         notes.append(
             f"bitsandbytes 4-bit matmul: fused or dequantised per linear as bitsandbytes 0.50.2 chooses on "

@@ -290,3 +290,32 @@ def test_inference_setup_checks_the_gpu_fields() -> None:
         InferenceSetup(compute_capability="sm90")
     with pytest.raises(StrategyError, match="sm count"):
         InferenceSetup(sm_count=0)
+
+
+def test_bitsandbytes_on_a_fused_moe_warns_that_the_experts_stay_16_bit() -> None:
+    """transformers 5 stores Mixtral's experts as 3-D nn.Parameter tensors, which replace_with_bnb_linear does not
+    convert: ``--dtype nf4`` leaves 97% of the parameters in bf16, and the weights say so — a warning naming the
+    share, whose bytes are inside the reported weights. Not under vLLM's nf4 (``--tp`` > 1), not for a dense model,
+    not in bf16; a QLoRA base on Mixtral warns the same way in ``trainfit estimate`` (fp32 after PEFT's
+    prepare_model_for_kbit_training)."""
+    from trainfit import Strategy, estimate, infer
+    from trainfit.arch import load_model
+    from trainfit.arch.params import count_params, fused_expert_params
+    from trainfit.strategy import finetune_setup
+
+    mixtral = load_model("mixtral-8x7b-v0.1")
+    experts = fused_expert_params(mixtral)
+    share = f"{experts / count_params(mixtral):.0%} of the parameters"
+    nf4 = infer(mixtral, dtype="nf4")
+    said = [w for w in nf4.warnings if "fused MoE experts in bf16" in w]
+    assert len(said) == 1 and share in said[0] and nf4.weights_bytes >= 2 * experts
+    assert not any("fused MoE experts" in w for w in infer(mixtral, dtype="nf4", tp=2).warnings)
+    assert not any("fused MoE experts" in w for w in infer(mixtral, dtype="bf16").warnings)
+    assert fused_expert_params(load_model("llama-3.1-8b")) == 0
+    assert not any("fused MoE experts" in w for w in infer("llama-3.1-8b", dtype="nf4").warnings)
+    adapter, base = finetune_setup("qlora")
+    qlora = estimate(mixtral, Strategy(adapter=adapter, base_weights=base))
+    trained = [w for w in qlora.warnings if "fused MoE experts" in w]
+    assert len(trained) == 1 and share in trained[0] and "fp32" in trained[0]
+    assert qlora.phases[0].components["weights"] >= 4 * experts
+    assert not any("fused MoE experts" in w for w in estimate(mixtral).warnings)

@@ -106,7 +106,7 @@ from fractions import Fraction
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
 from trainfit.analytic.activations import PYTHON_GELUS
-from trainfit.arch.params import inventory
+from trainfit.arch.params import count_params, fused_expert_params, inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import (
     BNB_4BIT_BLOCK,
@@ -129,6 +129,7 @@ from trainfit.strategy.inference import (
     KVFormat,
     WeightFormat,
 )
+from trainfit.units import fmt_gib
 
 #: vLLM's default ``--gpu-memory-utilization``.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -271,6 +272,26 @@ def engine_notes(spec: ModelSpec, setup: InferenceSetup) -> tuple[str, ...]:
         "transformers cannot run bitsandbytes under tensor parallelism. The activations, cache and bitsandbytes "
         "transients are Hugging Face generate's closed forms with vLLM's head split, not vLLM's own runtime "
         "(--server paged sizes its cache pool)",
+    )
+
+
+def bnb_expert_warnings(spec: ModelSpec, setup: InferenceSetup) -> tuple[str, ...]:
+    """What a bitsandbytes format (int8, nf4, fp4) leaves in bf16 on an MoE model under Hugging Face ``generate``:
+    transformers 5 stores the experts as 3-D ``nn.Parameter`` tensors (``MixtralExperts.gate_up_proj`` /
+    ``down_proj``, modeling_mixtral.py), and ``replace_with_bnb_linear`` converts ``nn.Linear`` modules only, so
+    ``--dtype nf4`` on Mixtral quantises its attention and little else. vLLM quantises them
+    (:func:`vllm_bnb`). Said because the weights then look like a 16-bit model's."""
+    if spec.moe is None or not setup.dtype.bnb or vllm_bnb(setup):
+        return ()
+    experts = fused_expert_params(spec)
+    if not experts:
+        return ()
+    share = experts / count_params(spec)
+    return (
+        f"--dtype {setup.dtype.value}: bitsandbytes leaves {spec.name}'s fused MoE experts in bf16 "
+        f"({fmt_gib(2 * experts // setup.tp)}, {share:.0%} of the parameters): transformers 5 stores them as "
+        "3-D nn.Parameter tensors, which replace_with_bnb_linear does not convert (it quantises nn.Linear "
+        "modules); vLLM quantises them (--dtype nf4 with --tp > 1)",
     )
 
 

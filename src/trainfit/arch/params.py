@@ -196,6 +196,18 @@ def count_params(spec: ModelSpec) -> int:
     return inventory(spec).total
 
 
+def fused_expert_params(spec: ModelSpec) -> int:
+    """Parameters in an MoE's fused expert tensors (transformers 5 ``experts.gate_up_proj`` / ``down_proj``, 3-D
+    ``nn.Parameter``s, not ``nn.Linear``): what bitsandbytes' ``replace_with_bnb_linear`` leaves unquantised. 0 for a
+    dense model."""
+    return sum(
+        t.numel * g.count
+        for g in inventory(spec).layers
+        for t in g.tensors
+        if t.name.startswith("mlp.experts.") and len(t.shape) == 3
+    )
+
+
 def active_params_per_token(spec: ModelSpec) -> int:
     """Parameters a token passes through (MoE: only top-k experts); for FLOPs and reporting."""
     inv = inventory(spec)
