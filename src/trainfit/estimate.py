@@ -240,7 +240,7 @@ def quantized_moe_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
     ``replace_with_bnb_linear`` converts ``nn.Linear`` modules only; PEFT's ``prepare_model_for_kbit_training``
     then casts every parameter that is not 4-bit to fp32 (peft/utils/other.py), the experts included. Said because
     the weights then dwarf what a quantised base suggests (Mixtral QLoRA: 170 GiB of weights)."""
-    from trainfit.arch.params import count_params, fused_expert_params
+    from trainfit.arch.params import FUSED_EXPERTS_NOT_BNB, count_params, fused_expert_params
     from trainfit.strategy import Quantization
 
     base = strategy.base_weights
@@ -255,8 +255,7 @@ def quantized_moe_warnings(spec: ModelSpec, strategy: Strategy) -> list[str]:
         stored = base.dtype.value if base.dtype is not None else "the precision recipe's weight dtype"
     return [
         f"{spec.name}'s fused MoE experts ({experts / count_params(spec):.0%} of the parameters) stay unquantised "
-        f"under the {base.quantization.value} base, in {stored}: transformers 5 stores them as 3-D nn.Parameter "
-        "tensors, which bitsandbytes' replace_with_bnb_linear does not convert (it quantises nn.Linear modules)"
+        f"under the {base.quantization.value} base, in {stored}: {FUSED_EXPERTS_NOT_BNB}"
     ]
 
 

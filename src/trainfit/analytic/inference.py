@@ -106,7 +106,7 @@ from fractions import Fraction
 
 from trainfit.allocator import AllocatorConfig, AllocatorResult, Event, Op, simulate
 from trainfit.analytic.activations import PYTHON_GELUS
-from trainfit.arch.params import count_params, fused_expert_params, inventory
+from trainfit.arch.params import FUSED_EXPERTS_NOT_BNB, count_params, fused_expert_params, inventory
 from trainfit.arch.spec import MlpKind, ModelKind, ModelSpec, NormKind
 from trainfit.cuda_facts import (
     BNB_4BIT_BLOCK,
@@ -289,9 +289,8 @@ def bnb_expert_warnings(spec: ModelSpec, setup: InferenceSetup) -> tuple[str, ..
     share = experts / count_params(spec)
     return (
         f"--dtype {setup.dtype.value}: bitsandbytes leaves {spec.name}'s fused MoE experts in bf16 "
-        f"({fmt_gib(2 * experts // setup.tp)}, {share:.0%} of the parameters): transformers 5 stores them as "
-        "3-D nn.Parameter tensors, which replace_with_bnb_linear does not convert (it quantises nn.Linear "
-        "modules); vLLM quantises them (--dtype nf4 with --tp > 1)",
+        f"({fmt_gib(2 * experts // setup.tp)}, {share:.0%} of the parameters): {FUSED_EXPERTS_NOT_BNB}; vLLM "
+        "quantises them (--dtype nf4 with --tp > 1)",
     )
 
 

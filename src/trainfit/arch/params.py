@@ -196,6 +196,13 @@ def count_params(spec: ModelSpec) -> int:
     return inventory(spec).total
 
 
+#: Why bitsandbytes leaves the experts of :func:`fused_expert_params` unquantised, as the warnings word it.
+FUSED_EXPERTS_NOT_BNB = (
+    "transformers 5 stores them as 3-D nn.Parameter tensors, which bitsandbytes' replace_with_bnb_linear does not "
+    "convert (it quantises nn.Linear modules)"
+)
+
+
 def fused_expert_params(spec: ModelSpec) -> int:
     """Parameters in an MoE's fused expert tensors (transformers 5 ``experts.gate_up_proj`` / ``down_proj``, 3-D
     ``nn.Parameter``s, not ``nn.Linear``): what bitsandbytes' ``replace_with_bnb_linear`` leaves unquantised. 0 for a

@@ -47,15 +47,6 @@ BASELINE_FLAGS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def plan_workload(spec: ModelSpec, *, seq: int | None, **sizes: Any) -> PlanWorkload:
-    """``trainfit plan``'s workload from its size flags (the web API's too): without ``--seq``, ``trainfit
-    estimate``'s default, 2048 tokens or the model's context when shorter (GPT-2's learned positions end at 1024)."""
-    from trainfit.estimate import default_seq_len
-    from trainfit.planner.workload import PlanWorkload
-
-    return PlanWorkload(seq=seq if seq is not None else default_seq_len(spec), **sizes)
-
-
 def baseline_from_flags(
     spec: ModelSpec,
     flags: Mapping[str, Any],
@@ -189,13 +180,13 @@ def plan_cmd(
     from trainfit.errors import ConfigError
     from trainfit.export import export_plan, write_export
     from trainfit.export.configs import hf_trainer_lacks
-    from trainfit.planner.api import plan
+    from trainfit.planner.api import model_workload, plan
     from trainfit.planner.workload import host_memory_bytes
     from trainfit.report.plan import baseline_line, export_check, exported_run_json, plan_json, render_plan
 
     spec = load_model(model)
-    workload = plan_workload(spec, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
-                             global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
+    workload = model_workload(spec, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
+                              global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
     baseline = baseline_from_flags(spec, run, explicit_flags(), workload)
     result = plan(
         spec,

@@ -6,6 +6,8 @@ it before the search."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainfit.arch import ModelSpec, load_model
 from trainfit.errors import ConfigError
 from trainfit.hardware import GPUSpec, get_gpu
@@ -16,7 +18,16 @@ from trainfit.planner.speed import DEFAULT_NETWORK_GBPS
 from trainfit.planner.workload import PlanWorkload, check_knobs
 from trainfit.strategy import Strategy
 
-__all__ = ["PlanWorkload", "plan", "plan_baseline"]
+__all__ = ["PlanWorkload", "model_workload", "plan", "plan_baseline"]
+
+
+def model_workload(spec: ModelSpec, *, seq: int | None = None, **sizes: Any) -> PlanWorkload:
+    """The :class:`PlanWorkload` of these sizes for ``spec`` (``trainfit plan``'s size flags, the web API's fields):
+    without ``seq``, ``trainfit estimate``'s default, 2048 tokens or the model's context when shorter (GPT-2's
+    learned positions end at 1024)."""
+    from trainfit.estimate import default_seq_len  # trainfit.estimate imports the planner
+
+    return PlanWorkload(seq=seq if seq is not None else default_seq_len(spec), **sizes)
 
 
 def _workload(workload: PlanWorkload | None, **sizes: int | str | None) -> PlanWorkload:
@@ -90,12 +101,13 @@ def plan(
         raise ConfigError(f"unknown --objective '{objective}'; choose one of: {', '.join(o.value for o in Objective)}")
     check_knobs(headroom=headroom, top=top, price_per_gpu_hour=price_per_gpu_hour, network_gbps=network_gbps)
     spec = load_model(model) if isinstance(model, str) else model
-    if workload is None and seq is None:  # the baseline's, else trainfit estimate's default (2048 or the context)
-        from trainfit.estimate import default_seq_len  # trainfit.estimate imports the planner
-
-        seq = baseline.seq_len if baseline is not None else default_seq_len(spec)
-    w = _workload(workload, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, seq=seq,
-                  global_batch=global_batch, tokens_per_step=tokens_per_step)  # fmt: skip
+    sizes = {"gpus": gpus, "nodes": nodes, "gpus_per_node": gpus_per_node, "global_batch": global_batch,
+             "tokens_per_step": tokens_per_step}  # fmt: skip
+    if workload is not None:
+        w = _workload(workload, seq=seq, **sizes)  # refuses sizes beside it
+    else:  # without seq: the baseline's, else trainfit estimate's default (2048 or the model's context)
+        given = {name: value for name, value in sizes.items() if value is not None}
+        w = model_workload(spec, seq=seq if seq is not None or baseline is None else baseline.seq_len, **given)
     world, batch, seq_len = w.world, w.sequences, w.seq
     gpu_spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
     check_allow_float8(gpu_spec, allow)

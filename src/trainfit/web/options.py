@@ -104,7 +104,8 @@ def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, 
     ``finetune``… — its ``baseline``, those the request names laid over the default as ``trainfit plan`` lays its
     given flags)."""
     from trainfit.cli.estimate import process_history
-    from trainfit.cli.plan import BASELINE_FLAGS, baseline_from_flags, plan_workload
+    from trainfit.cli.plan import BASELINE_FLAGS, baseline_from_flags
+    from trainfit.planner.api import model_workload
     from trainfit.planner.workload import host_memory_bytes
 
     o = parse_options(raw, plan_options())
@@ -114,7 +115,7 @@ def plan_inputs(raw: Mapping[str, Any], *, allow_hub: bool) -> tuple[ModelSpec, 
         raise ConfigError("--gpu is required: the GPU to plan for (see /api/gpus)")
     run = {name: o.pop(name) for name in BASELINE_FLAGS}
     sizes = ("gpus", "nodes", "gpus_per_node", "seq", "global_batch", "tokens_per_step")
-    o["workload"] = plan_workload(spec, **{name: o.pop(name) for name in sizes})  # as trainfit plan builds it
+    o["workload"] = model_workload(spec, **{name: o.pop(name) for name in sizes})  # as trainfit plan builds it
     o["baseline"] = baseline_from_flags(spec, run, [name for name in BASELINE_FLAGS if name in raw], o["workload"])
     o["history"] = process_history(o.pop("build"), o.pop("warm_up"), o.pop("after"))
     o["host_memory_bytes"] = host_memory_bytes(o.pop("host_memory_gib"))  # as trainfit plan converts it
